@@ -1,0 +1,3 @@
+from kvlens.cli import main
+
+main()

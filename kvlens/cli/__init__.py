@@ -1,0 +1,50 @@
+"""The ``kvlens`` command line: a thin layer over the library.
+
+Each command lives in its own module here and registers itself on ``app``; a command parses
+options, builds a config, calls one library function and renders. Library errors
+(``KvlensError``) become one red line on stderr and exit code 1, in one place:
+``kvlens.cli.common.run_library_call``.
+Results go to stdout, progress and logs to stderr.
+"""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(
+    name="kvlens",
+    help="Diagnose, choose and prove KV-cache quantization for LLMs.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _register_commands() -> None:
+    # Imported for their side effect of adding commands to ``app``; each module keeps heavy
+    # imports (torch, transformers, h5py, matplotlib) inside its command function.
+    from kvlens.cli import capture  # noqa: F401
+    for optional in ("compare", "outliers", "generate", "recommend"):
+        try:
+            __import__(f"kvlens.cli.{optional}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"kvlens.cli.{optional}":
+                raise
+
+
+_register_commands()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", help="Print the version and exit.")):
+    if version:
+        from kvlens import __version__
+
+        typer.echo(__version__)
+        raise typer.Exit()
+
+
+def main() -> None:
+    """Console-script entry point. Commands map library errors to exit code 1 themselves
+    (``kvlens.cli.common.run_library_call``), so that Typer's test runner sees the same."""
+    app()

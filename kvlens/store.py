@@ -1,0 +1,446 @@
+"""The kvlens capture file: HDF5 layout, writer and lazy reader (the only module that knows it).
+
+Layout, schema version 1 (documented in ``docs/capture-format.md``)::
+
+    /                      attrs: kvlens_format="kvlens-capture", kvlens_schema_version=1,
+                                  kvlens_version, complete (bool), model, model_source,
+                                  architecture, model_type, num_layers, num_attention_heads,
+                                  num_key_value_heads, head_dim, has_rope, rope (JSON),
+                                  rope_layout, rotary_dim, compute_dtype, storage_dtype,
+                                  created, num_samples, num_tokens, layers (int array),
+                                  text_source, transformers_version, torch_version, notes
+    /tokens                [S, T] int32        dims: sample, token
+    /layers/NNN            attrs: layer_index, scaling, sliding_window (0 = none),
+                                  logit_softcap (0 = none)
+    /layers/NNN/q          [S, Hq,  T, D]      post-RoPE query   dims: sample, head, token, channel
+    /layers/NNN/k          [S, Hkv, T, D]      post-RoPE key (before any GQA repeat)
+    /layers/NNN/v          [S, Hkv, T, D]      value
+    /layers/NNN/q_pre      [S, Hq,  T, D]      query before RoPE
+    /layers/NNN/k_pre      [S, Hkv, T, D]      key before RoPE
+
+bfloat16 has no HDF5 type: it is stored losslessly as its raw 16-bit pattern (uint16) with the
+dataset attribute ``dtype="bfloat16"``; the reader reinterprets it. Writers create the file
+under a temporary name, set ``complete=True`` last and rename; readers refuse files without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from kvlens.errors import CaptureFileError, InputError
+
+FORMAT_NAME = "kvlens-capture"
+SCHEMA_VERSION = 1
+TENSORS = ("q", "k", "v", "q_pre", "k_pre")
+DIMS = ("sample", "head", "token", "channel")
+STORAGE_DTYPES = ("float16", "float32", "bfloat16")
+COMPRESSIONS = ("none", "gzip", "lzf")
+
+
+@dataclass(frozen=True)
+class CaptureMeta:
+    """Root attributes of a capture file, typed."""
+
+    model: str
+    architecture: str
+    model_type: str
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    has_rope: bool
+    rope: dict[str, Any]
+    rope_layout: str
+    rotary_dim: int
+    compute_dtype: str
+    storage_dtype: str
+    num_samples: int
+    num_tokens: int
+    layers: tuple[int, ...]
+    created: str = ""
+    model_source: str = ""
+    text_source: str = ""
+    kvlens_version: str = ""
+    schema_version: int = SCHEMA_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_key_value_groups(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+
+@dataclass(frozen=True)
+class LayerAttrs:
+    layer_index: int
+    scaling: float
+    sliding_window: int  # 0 = full causal attention
+    logit_softcap: float  # 0 = none
+
+
+def layer_key(layer: int) -> str:
+    return f"layers/{layer:03d}"
+
+
+class CaptureWriter:
+    """Creates a capture file atomically: writes ``<path>.partial-<pid>``, renames on ``finish``.
+
+    Use as a context manager; leaving it with an exception deletes the temporary file, so an
+    interrupted capture never leaves a file that looks complete.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, overwrite: bool = False,
+                 storage_dtype: str = "float16", compression: str = "none"):
+        import h5py  # noqa: F401  (fail early if missing)
+
+        self.path = Path(path)
+        if storage_dtype not in STORAGE_DTYPES:
+            raise InputError(f"Unknown storage dtype {storage_dtype!r}; allowed: "
+                             f"{', '.join(STORAGE_DTYPES)}.")
+        if compression not in COMPRESSIONS:
+            raise InputError(f"Unknown compression {compression!r}; allowed: "
+                             f"{', '.join(COMPRESSIONS)}.")
+        if self.path.exists() and not overwrite:
+            raise InputError(f"{self.path} already exists; pass --overwrite to replace it.")
+        if self.path.is_dir():
+            raise InputError(f"{self.path} is a directory; give a file name such as run.h5.")
+        parent = self.path.parent if str(self.path.parent) else Path(".")
+        if not parent.is_dir():
+            raise InputError(f"Output directory {parent} does not exist; create it first.")
+        if not os.access(parent, os.W_OK):
+            raise InputError(f"Output directory {parent} is not writable.")
+        self.storage_dtype = storage_dtype
+        self.compression = None if compression == "none" else compression
+        self.tmp_path = parent / f".{self.path.name}.partial-{os.getpid()}"
+        self._file = None
+        self._datasets: dict[tuple[int, str], Any] = {}
+
+    def __enter__(self) -> CaptureWriter:
+        import h5py
+
+        try:
+            self._file = h5py.File(self.tmp_path, "w")
+        except OSError as exc:
+            raise InputError(f"Cannot write {self.tmp_path}: {exc}") from exc
+        self._file.attrs["kvlens_format"] = FORMAT_NAME
+        self._file.attrs["kvlens_schema_version"] = SCHEMA_VERSION
+        self._file.attrs["complete"] = False
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if exc_type is not None:
+            self.tmp_path.unlink(missing_ok=True)
+
+    # -- layout -------------------------------------------------------------------------
+    def begin(self, meta: CaptureMeta) -> None:
+        """Write root attributes and create every dataset (empty, chunked per sample+head).
+
+        Per-layer attributes are set with ``set_layer_attrs`` once the model has run."""
+        import numpy as np
+
+        f = self._file
+        f.attrs.update(_meta_to_attrs(meta))
+        s, t = meta.num_samples, meta.num_tokens
+        tok = f.create_dataset("tokens", shape=(s, t), dtype="int32")
+        _label(tok, ("sample", "token"))
+        store_dtype = np.uint16 if self.storage_dtype == "bfloat16" else self.storage_dtype
+        for layer in meta.layers:
+            g = f.create_group(layer_key(layer))
+            self.set_layer_attrs(LayerAttrs(layer, 0.0, 0, 0.0))
+            for name in TENSORS:
+                heads = meta.num_attention_heads if name.startswith("q") else \
+                    meta.num_key_value_heads
+                shape = (s, heads, t, meta.head_dim)
+                ds = g.create_dataset(name, shape=shape, dtype=store_dtype,
+                                      chunks=(1, 1, t, meta.head_dim),
+                                      compression=self.compression)
+                ds.attrs["dtype"] = self.storage_dtype
+                _label(ds, DIMS)
+                self._datasets[(layer, name)] = ds
+
+    def set_layer_attrs(self, la: LayerAttrs) -> None:
+        self._file[layer_key(la.layer_index)].attrs.update({
+            "layer_index": la.layer_index, "scaling": la.scaling,
+            "sliding_window": la.sliding_window, "logit_softcap": la.logit_softcap})
+
+    def write_tokens(self, sample: int, token_ids) -> None:
+        self._file["tokens"][sample] = token_ids
+
+    def write(self, layer: int, name: str, sample: int, tensor) -> None:
+        """Store ``tensor`` ``[H, T, D]`` (torch) for one layer, tensor name and sample."""
+        self._datasets[(layer, name)][sample] = to_storage(tensor, self.storage_dtype)
+
+    def set_attr(self, key: str, value: Any) -> None:
+        self._file.attrs[key] = value
+
+    def finish(self) -> Path:
+        """Mark complete, close and atomically rename to the final path."""
+        self._file.attrs["complete"] = True
+        self._file.close()
+        self._file = None
+        os.replace(self.tmp_path, self.path)
+        return self.path
+
+
+def _label(ds, names: Iterable[str]) -> None:
+    for i, n in enumerate(names):
+        ds.dims[i].label = n
+
+
+def to_storage(tensor, storage_dtype: str):
+    """torch tensor -> numpy array in the on-disk representation."""
+    import torch
+
+    if storage_dtype == "bfloat16":
+        return tensor.detach().to(torch.bfloat16).view(torch.int16).cpu().numpy().view("uint16")
+    return tensor.detach().to(getattr(torch, storage_dtype)).cpu().numpy()
+
+
+def from_storage(array, storage_dtype: str):
+    """On-disk numpy array -> float32 torch tensor."""
+    import numpy as np
+    import torch
+
+    if storage_dtype == "bfloat16":
+        raw = torch.from_numpy(np.ascontiguousarray(array).view(np.int16))
+        return raw.view(torch.bfloat16).float()
+    return torch.from_numpy(np.ascontiguousarray(array)).float()
+
+
+def _meta_to_attrs(meta: CaptureMeta) -> dict[str, Any]:
+    import numpy as np
+
+    return {
+        "kvlens_version": meta.kvlens_version,
+        "model": meta.model,
+        "model_source": meta.model_source,
+        "architecture": meta.architecture,
+        "model_type": meta.model_type,
+        "num_layers": meta.num_layers,
+        "num_attention_heads": meta.num_attention_heads,
+        "num_key_value_heads": meta.num_key_value_heads,
+        "head_dim": meta.head_dim,
+        "has_rope": meta.has_rope,
+        "rope": json.dumps(meta.rope, sort_keys=True),
+        "rope_layout": meta.rope_layout,
+        "rotary_dim": meta.rotary_dim,
+        "compute_dtype": meta.compute_dtype,
+        "storage_dtype": meta.storage_dtype,
+        "created": meta.created or datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "num_samples": meta.num_samples,
+        "num_tokens": meta.num_tokens,
+        "layers": np.asarray(meta.layers, dtype=np.int32),
+        "text_source": meta.text_source,
+        **{k: (json.dumps(v) if isinstance(v, (dict, list)) else v)
+           for k, v in meta.extra.items()},
+    }
+
+
+_META_KEYS = {"kvlens_version", "model", "model_source", "architecture", "model_type",
+              "num_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "has_rope",
+              "rope", "rope_layout", "rotary_dim", "compute_dtype", "storage_dtype", "created",
+              "num_samples", "num_tokens", "layers", "text_source", "kvlens_format",
+              "kvlens_schema_version", "complete"}
+
+
+def _attr(value):
+    """h5py attribute -> plain python."""
+    if hasattr(value, "item") and getattr(value, "shape", None) == ():
+        return value.item()
+    if isinstance(value, bytes):
+        return value.decode()
+    return value
+
+
+class LayerData:
+    """Lazy access to one captured layer; every read returns float32 torch ``[S, H, T, D]``."""
+
+    def __init__(self, group, storage_dtype: str):
+        self._group = group
+        self._storage_dtype = storage_dtype
+        a = group.attrs
+        self.attrs = LayerAttrs(int(a["layer_index"]), float(a["scaling"]),
+                                int(a["sliding_window"]), float(a["logit_softcap"]))
+
+    @property
+    def index(self) -> int:
+        return self.attrs.layer_index
+
+    def read(self, name: str, samples: slice | Sequence[int] | None = None,
+             heads: slice | Sequence[int] | None = None):
+        """Read one tensor (``q``, ``k``, ``v``, ``q_pre``, ``k_pre``), optionally a subset of
+        samples and heads (index lists must be increasing)."""
+        if name not in TENSORS:
+            raise InputError(f"Unknown tensor {name!r}; allowed: {', '.join(TENSORS)}.")
+        ds = self._group[name]
+        s = slice(None) if samples is None else samples
+        h = slice(None) if heads is None else heads
+        if isinstance(s, slice) and isinstance(h, slice):
+            arr = ds[s, h]
+        else:
+            arr = ds[s][:, h] if not isinstance(s, slice) else ds[s, h]
+        return from_storage(arr, self._storage_dtype)
+
+    def __getattr__(self, name: str):
+        if name in TENSORS:
+            return self.read(name)
+        raise AttributeError(name)
+
+
+class Capture:
+    """An open capture file. ``with open_capture(path) as cap: cap.layer(3).read("k")``."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._file = _open_validated(self.path)
+        self.meta = _meta_from_attrs(self._file.attrs)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> Capture:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return self.meta.layers
+
+    def tokens(self):
+        import torch
+
+        return torch.from_numpy(self._file["tokens"][...].astype("int64"))
+
+    def layer(self, layer: int) -> LayerData:
+        key = layer_key(layer)
+        if layer not in self.meta.layers or key not in self._file:
+            raise InputError(f"Layer {layer} is not in {self.path}; captured layers: "
+                             f"{_ranges(self.meta.layers)}.")
+        return LayerData(self._file[key], self.meta.storage_dtype)
+
+    def iter_layers(self, layers: Iterable[int] | None = None):
+        for idx in (self.meta.layers if layers is None else layers):
+            yield self.layer(idx)
+
+
+def open_capture(path: str | os.PathLike) -> Capture:
+    """Open a capture file lazily, validating that it is a complete kvlens capture."""
+    return Capture(path)
+
+
+def _open_validated(path: Path):
+    import h5py
+
+    if not path.exists():
+        raise CaptureFileError(f"Capture file not found: {path}. Create one with `kvlens capture`.")
+    if path.is_dir():
+        raise CaptureFileError(f"{path} is a directory, not a capture file.")
+    try:
+        f = h5py.File(path, "r")
+    except OSError as exc:
+        raise CaptureFileError(
+            f"{path} is not a readable HDF5 file ({exc}); it may be corrupt or truncated. "
+            "Re-run `kvlens capture`.") from exc
+    try:
+        fmt = _attr(f.attrs.get("kvlens_format", ""))
+        if fmt != FORMAT_NAME:
+            raise CaptureFileError(f"{path} is an HDF5 file but not a kvlens capture "
+                                   "(no kvlens_format attribute). Create one with `kvlens capture`.")
+        version = int(_attr(f.attrs.get("kvlens_schema_version", -1)))
+        if version > SCHEMA_VERSION:
+            raise CaptureFileError(
+                f"{path} uses capture schema version {version}, newer than this kvlens supports "
+                f"({SCHEMA_VERSION}). Upgrade kvlens.")
+        if version < 1:
+            raise CaptureFileError(f"{path} has an invalid schema version {version}.")
+        if not bool(_attr(f.attrs.get("complete", False))):
+            raise CaptureFileError(
+                f"{path} is an incomplete capture (the capture was interrupted or failed). "
+                "Re-run `kvlens capture` to create it again.")
+        missing = [k for k in ("num_layers", "head_dim", "layers", "storage_dtype")
+                   if k not in f.attrs]
+        if missing or "tokens" not in f:
+            raise CaptureFileError(f"{path} is a damaged kvlens capture (missing "
+                                   f"{', '.join(missing) or 'tokens'}).")
+    except Exception:
+        f.close()
+        raise
+    return f
+
+
+def _meta_from_attrs(attrs) -> CaptureMeta:
+    a = {k: _attr(v) for k, v in attrs.items()}
+    extra = {k: v for k, v in a.items() if k not in _META_KEYS}
+    return CaptureMeta(
+        model=str(a.get("model", "")),
+        architecture=str(a.get("architecture", "")),
+        model_type=str(a.get("model_type", "")),
+        num_layers=int(a["num_layers"]),
+        num_attention_heads=int(a["num_attention_heads"]),
+        num_key_value_heads=int(a["num_key_value_heads"]),
+        head_dim=int(a["head_dim"]),
+        has_rope=bool(a.get("has_rope", False)),
+        rope=json.loads(a.get("rope", "{}") or "{}"),
+        rope_layout=str(a.get("rope_layout", "none")),
+        rotary_dim=int(a.get("rotary_dim", 0)),
+        compute_dtype=str(a.get("compute_dtype", "")),
+        storage_dtype=str(a["storage_dtype"]),
+        num_samples=int(a["num_samples"]),
+        num_tokens=int(a["num_tokens"]),
+        layers=tuple(int(x) for x in attrs["layers"][()]),
+        created=str(a.get("created", "")),
+        model_source=str(a.get("model_source", "")),
+        text_source=str(a.get("text_source", "")),
+        kvlens_version=str(a.get("kvlens_version", "")),
+        schema_version=int(a["kvlens_schema_version"]),
+        extra=extra,
+    )
+
+
+def _ranges(values: Sequence[int]) -> str:
+    """[0,1,2,5] -> '0-2,5'."""
+    out, vals = [], sorted(values)
+    i = 0
+    while i < len(vals):
+        j = i
+        while j + 1 < len(vals) and vals[j + 1] == vals[j] + 1:
+            j += 1
+        out.append(str(vals[i]) if i == j else f"{vals[i]}-{vals[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def write_capture(path: str | os.PathLike, meta: CaptureMeta, tensors: dict[int, dict[str, Any]],
+                  tokens=None, layer_attrs: dict[int, LayerAttrs] | None = None, *,
+                  overwrite: bool = False, compression: str = "none") -> Path:
+    """Write a complete capture from in-memory tensors (``tensors[layer][name]`` is
+    ``[S, H, T, D]``); used for synthetic captures in tests and for importing foreign data."""
+    import torch
+
+    with CaptureWriter(path, overwrite=overwrite, storage_dtype=meta.storage_dtype,
+                       compression=compression) as w:
+        w.begin(meta)
+        for layer in meta.layers:
+            la = (layer_attrs or {}).get(layer) or LayerAttrs(layer, meta.head_dim ** -0.5, 0, 0.0)
+            w.set_layer_attrs(la)
+            for name in TENSORS:
+                data = tensors[layer][name]
+                for s in range(meta.num_samples):
+                    w.write(layer, name, s, data[s])
+        toks = tokens if tokens is not None else torch.zeros(meta.num_samples, meta.num_tokens,
+                                                             dtype=torch.int32)
+        for s in range(meta.num_samples):
+            w.write_tokens(s, toks[s].cpu().numpy())
+        return w.finish()
