@@ -175,12 +175,38 @@ def load_model(spec: str | None = None, *, dtype: str = "float32", device: str =
     return model, tokenizer, source
 
 
+def hub_reachable(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
+    """Cheap check before a hub download (transformers would retry for about a minute)."""
+    import socket
+
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0"):
+        return False
+    try:
+        with socket.create_connection((host, 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
 def _load_pretrained(source: ModelSource, dtype, device_map):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs: dict[str, Any] = {"dtype": dtype}
     if device_map is not None:
         kwargs["device_map"] = device_map
+    if source.kind == "hub" and not hub_reachable():
+        # Offline: only a copy already in the local HF cache can work.
+        kwargs["local_files_only"] = True
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source.location, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
+        except OSError as exc:
+            raise ModelLoadError(
+                f"Cannot load {source.location!r}: the model hub is not reachable from here and "
+                "the model is not in the local HuggingFace cache. Download it on a connected "
+                "machine and pass its directory with --model DIR, pass a .gguf file, or omit "
+                "--model to use the embedded default model.") from exc
+        return model, tokenizer
     tokenizer = AutoTokenizer.from_pretrained(source.location)
     model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
     return model, tokenizer

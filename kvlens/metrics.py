@@ -1,0 +1,202 @@
+"""Error metrics, and attention computed with the model's own semantics (mask, GQA, scaling).
+
+Tensors are ``[B, H, T, D]``: queries ``[B, Hq, Tq, D]``, keys and values ``[B, Hkv, Tk, D]``
+with ``Hq = groups * Hkv``. Semantics follow transformers' eager attention:
+
+- GQA: query head ``h`` reads KV head ``h // groups`` (``repeat_kv``).
+- logits ``= q kᵀ * scaling``, then optional softcap ``tanh(logits / c) * c``, then the mask,
+  then a float32 softmax.
+- Causal mask, bottom-right aligned: query ``t`` sits at absolute position ``Tk - Tq + t`` and
+  sees keys at positions ``<=`` its own; with ``sliding_window = w > 0`` only keys at positions
+  ``> qpos - w`` (the last ``w`` keys including itself), as ``sliding_window_overlay``.
+
+Relative error (``rel_error``) is ``||X - X_hat||_F / ||X||_F`` with ``0/0 = 0``. Per-head errors
+pool every sample, token (and channel or key) of one head before taking the ratio:
+``sqrt(sum sq err) / sqrt(sum sq ref)``, not a mean of per-sample ratios.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvlens.errors import InputError
+
+DEFAULT_CHUNK = 256  # query rows per step: bounds memory at Hq * chunk * Tk floats
+
+
+def _ratio(err_sq: torch.Tensor, ref_sq: torch.Tensor) -> torch.Tensor:
+    """sqrt(err/ref) elementwise in float64 with 0/0 -> 0 (x/0 -> inf for x > 0)."""
+    out = (err_sq / ref_sq).sqrt()
+    return torch.where((err_sq == 0), torch.zeros_like(out), out)
+
+
+def rel_error(ref: torch.Tensor, approx: torch.Tensor) -> float:
+    """``||ref - approx||_F / ||ref||_F`` over the whole tensor (0 when both norms are 0)."""
+    ref64, approx64 = ref.detach().double(), approx.detach().double()
+    err = (ref64 - approx64).square().sum()
+    return float(_ratio(err, ref64.square().sum()))
+
+
+def per_head_rel_error(ref: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
+    """Relative error per head of ``[B, H, T, D]`` tensors -> float64 ``[H]``, pooling batch,
+    tokens and channels of each head."""
+    ref64, approx64 = ref.detach().double(), approx.detach().double()
+    dims = [i for i in range(ref64.dim()) if i != 1]
+    return _ratio((ref64 - approx64).square().sum(dims), ref64.square().sum(dims))
+
+
+def num_kv_groups(num_q_heads: int, num_kv_heads: int) -> int:
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        raise InputError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV "
+                         f"heads.")
+    return num_q_heads // num_kv_heads
+
+
+def expand_kv(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
+    """``[B, Hkv, T, D]`` -> ``[B, Hq, T, D]`` so that query head ``h`` gets KV head
+    ``h // groups`` (transformers' ``repeat_kv``)."""
+    groups = num_kv_groups(num_q_heads, x.shape[1])
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def causal_mask(num_queries: int, num_keys: int, sliding_window: int = 0,
+                device: torch.device | str | None = None) -> torch.Tensor:
+    """Boolean ``[Tq, Tk]``, True where a query may attend (module docstring for alignment)."""
+    if num_queries > num_keys:
+        raise InputError(f"{num_queries} queries but only {num_keys} keys; bottom-right "
+                         f"aligned causal attention needs Tq <= Tk.")
+    q_pos = torch.arange(num_keys - num_queries, num_keys, device=device)[:, None]
+    k_pos = torch.arange(num_keys, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window > 0:
+        mask &= k_pos > q_pos - sliding_window
+    return mask
+
+
+def attention_scores(q: torch.Tensor, k: torch.Tensor, scaling: float,
+                     softcap: float = 0.0) -> torch.Tensor:
+    """Pre-softmax logits ``[B, Hq, Tq, Tk]`` float32, unmasked: ``q kᵀ * scaling``, then
+    ``tanh(x / softcap) * softcap`` when ``softcap > 0``."""
+    k = expand_kv(k, q.shape[1]).float()
+    return _softcap((q.float() @ k.transpose(-1, -2)) * scaling, softcap)
+
+
+def _softcap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    return torch.tanh(scores / softcap) * softcap if softcap > 0 else scores
+
+
+def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+
+
+def attention_weights(q: torch.Tensor, k: torch.Tensor, scaling: float,
+                      sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """Post-softmax attention ``[B, Hq, Tq, Tk]`` float32 with the causal (sliding) mask."""
+    mask = causal_mask(q.shape[2], k.shape[2], sliding_window, q.device)
+    return _masked_softmax(attention_scores(q, k, scaling, softcap), mask)
+
+
+def attention_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+                     sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """``softmax(mask(softcap(q kᵀ * scaling))) v`` -> ``[B, Hq, Tq, D]`` float32 (before the
+    output projection)."""
+    weights = attention_weights(q, k, scaling, sliding_window, softcap)
+    return weights @ expand_kv(v, q.shape[1]).float()
+
+
+@dataclass(frozen=True)
+class AttentionErrors:
+    """Per-head relative errors of one variant (float64 tensors).
+
+    key_reconstruction / value_reconstruction: ``[Hkv]``, None when that tensor was not
+    replaced. scores (causal entries only), weights: ``[Hq]``, None when keys were not
+    replaced (they cannot change). output: ``[Hq]``.
+    """
+
+    key_reconstruction: torch.Tensor | None
+    value_reconstruction: torch.Tensor | None
+    scores: torch.Tensor | None
+    weights: torch.Tensor | None
+    output: torch.Tensor
+
+
+def attention_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scaling: float,
+                     k_hat: torch.Tensor | None = None, v_hat: torch.Tensor | None = None,
+                     sliding_window: int = 0, softcap: float = 0.0,
+                     chunk_size: int = DEFAULT_CHUNK) -> AttentionErrors:
+    """Errors of attention when keys are replaced by ``k_hat`` and/or values by ``v_hat``.
+
+    q ``[B, Hq, T, D]``, k/v/k_hat/v_hat ``[B, Hkv, T, D]``. Works one sample and
+    ``chunk_size`` query rows at a time so ``T = 2048`` stays within a few hundred MB."""
+    if k_hat is None and v_hat is None:
+        raise InputError("Give k_hat, v_hat or both: there is no variant to compare.")
+    for name, t in (("k_hat", k_hat), ("v_hat", v_hat)):
+        if t is not None and t.shape != k.shape:
+            raise InputError(f"{name} has shape {tuple(t.shape)}, expected {tuple(k.shape)}.")
+    if chunk_size < 1:
+        raise InputError(f"chunk_size must be positive, got {chunk_size}.")
+    b, hq, tq, _ = q.shape
+    tk = k.shape[2]
+    groups = num_kv_groups(hq, k.shape[1])
+    sums = {name: torch.zeros(2, hq, dtype=torch.float64)
+            for name in ("scores", "weights", "output")}
+
+    def accumulate(name: str, ref: torch.Tensor, approx: torch.Tensor,
+                   mask: torch.Tensor | None = None) -> None:
+        # ref/approx are [Hq, rows, cols]; pool rows and cols per head in float64.
+        diff = (ref - approx).double().square()
+        ref_sq = ref.double().square()
+        if mask is not None:
+            diff, ref_sq = diff * mask, ref_sq * mask
+        sums[name][0] += diff.sum((1, 2)).cpu()
+        sums[name][1] += ref_sq.sum((1, 2)).cpu()
+
+    full_mask = causal_mask(tq, tk, sliding_window, q.device)
+    for i in range(b):
+        k_ref = k[i].float().repeat_interleave(groups, dim=0)
+        v_ref = v[i].float().repeat_interleave(groups, dim=0)
+        k_alt = k_ref if k_hat is None else k_hat[i].float().repeat_interleave(groups, dim=0)
+        v_alt = v_ref if v_hat is None else v_hat[i].float().repeat_interleave(groups, dim=0)
+        for start in range(0, tq, chunk_size):
+            rows = q[i, :, start:start + chunk_size].float()
+            mask = full_mask[start:start + chunk_size]
+            s_ref = _softcap((rows @ k_ref.transpose(-1, -2)) * scaling, softcap)
+            w_ref = _masked_softmax(s_ref, mask)
+            if k_hat is not None:
+                s_alt = _softcap((rows @ k_alt.transpose(-1, -2)) * scaling, softcap)
+                w_alt = _masked_softmax(s_alt, mask)
+                accumulate("scores", s_ref, s_alt, mask)
+                accumulate("weights", w_ref, w_alt)
+            else:
+                w_alt = w_ref
+            accumulate("output", w_ref @ v_ref, w_alt @ v_alt)
+    per_head = {name: _ratio(err, ref) for name, (err, ref) in sums.items()}
+    keyed = k_hat is not None
+    return AttentionErrors(
+        key_reconstruction=per_head_rel_error(k, k_hat) if keyed else None,
+        value_reconstruction=per_head_rel_error(v, v_hat) if v_hat is not None else None,
+        scores=per_head["scores"] if keyed else None,
+        weights=per_head["weights"] if keyed else None,
+        output=per_head["output"],
+    )
+
+
+def key_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_hat: torch.Tensor, *,
+               scaling: float, sliding_window: int = 0, softcap: float = 0.0,
+               chunk_size: int = DEFAULT_CHUNK) -> AttentionErrors:
+    """Key variant (only K replaced): reconstruction ``[Hkv]``, scores, weights, output
+    ``[Hq]``."""
+    return attention_errors(q, k, v, scaling=scaling, k_hat=k_hat,
+                            sliding_window=sliding_window, softcap=softcap,
+                            chunk_size=chunk_size)
+
+
+def value_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_hat: torch.Tensor, *,
+                 scaling: float, sliding_window: int = 0, softcap: float = 0.0,
+                 chunk_size: int = DEFAULT_CHUNK) -> AttentionErrors:
+    """Value variant (only V replaced): reconstruction ``[Hkv]`` and output ``[Hq]``."""
+    return attention_errors(q, k, v, scaling=scaling, v_hat=v_hat,
+                            sliding_window=sliding_window, softcap=softcap,
+                            chunk_size=chunk_size)

@@ -1,0 +1,61 @@
+"""Quantization reference library: the one definition of KV-cache quantization semantics.
+
+Tensors are ``[B, H, T, D]`` at every public function. ``spec`` says what shares a scale,
+``reference`` quantizes/dequantizes, ``packing`` stores codes in bytes, ``transforms`` adds
+pre-RoPE keys, the MiKV balancer, dense-and-sparse outliers and the GEAR low-rank residual, and
+``accounting`` counts the bits. Kernels and analysis are tested against these functions.
+"""
+
+from kvlens.quant.accounting import StorageBreakdown, bits_per_element
+from kvlens.quant.packing import (
+    codes_per_byte,
+    container_bits,
+    pack_codes,
+    packed_length,
+    unpack_codes,
+)
+from kvlens.quant.reference import QTensor, dequantize, expand_params, fake_quantize, quantize
+from kvlens.quant.spec import GRANULARITIES, QuantSpec
+from kvlens.quant.transforms import (
+    OUTLIER_SCOPES,
+    LowRank,
+    SparseOutliers,
+    apply_balancer,
+    fit_balancer,
+    lowrank_residual,
+    outlier_count,
+    quantize_gear,
+    quantize_pre_rope,
+    quantize_with_outliers,
+    rope_tables_for,
+    split_outliers,
+)
+
+__all__ = [
+    "GRANULARITIES",
+    "OUTLIER_SCOPES",
+    "LowRank",
+    "QTensor",
+    "QuantSpec",
+    "SparseOutliers",
+    "StorageBreakdown",
+    "apply_balancer",
+    "bits_per_element",
+    "codes_per_byte",
+    "container_bits",
+    "dequantize",
+    "expand_params",
+    "fake_quantize",
+    "fit_balancer",
+    "lowrank_residual",
+    "outlier_count",
+    "pack_codes",
+    "packed_length",
+    "quantize",
+    "quantize_gear",
+    "quantize_pre_rope",
+    "quantize_with_outliers",
+    "rope_tables_for",
+    "split_outliers",
+    "unpack_codes",
+]

@@ -1,0 +1,234 @@
+"""Transforms around the quantizer: pre-RoPE keys (KVQuant), the MiKV channel balancer,
+dense-and-sparse outliers (KVQuant/GEAR) and the GEAR low-rank residual.
+
+All tensors are ``[B, H, T, D]`` unless stated; every quantization goes through
+``kvlens.quant.reference`` so these add structure around one definition of the quantizer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvlens.errors import ConfigError, InputError
+from kvlens.quant.reference import fake_quantize
+from kvlens.quant.spec import QuantSpec
+from kvlens.rope import LAYOUTS, apply_rope
+
+# -- pre-RoPE keys ------------------------------------------------------------------------
+
+
+def rope_tables_for(positions: torch.Tensor, head_dim: int, theta: float = 10000.0,
+                    rotary_dim: int | None = None, layout: str = "half"
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Default (Llama-style, unscaled) RoPE ``cos, sin`` tables ``[B, T, R]`` for ``positions``.
+
+    positions: ``[T]`` or ``[B, T]`` integer positions. ``R = rotary_dim`` (default ``head_dim``,
+    must be even). ``inv_freq[i] = theta^(-2i/R)`` for ``i < R/2``; angle = position * inv_freq.
+    ``"half"`` layout repeats the ``R/2`` angles as ``[f, f]``; ``"interleaved"`` as
+    ``[f0, f0, f1, f1, ...]``. Computed in float32 the way transformers' default rotary
+    embedding does, so tables match the ones a Llama-style model used at those positions.
+    """
+    r = head_dim if rotary_dim is None else rotary_dim
+    if r < 2 or r % 2 or r > head_dim:
+        raise ConfigError(f"Invalid rotary_dim {r}; allowed: an even number from 2 to "
+                          f"head_dim {head_dim}.")
+    if layout not in LAYOUTS:
+        raise ConfigError(f"Unknown RoPE layout {layout!r}; allowed: {', '.join(LAYOUTS)}.")
+    pos = positions if positions.dim() == 2 else positions.unsqueeze(0)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, r, 2, dtype=torch.int64,
+                                             device=pos.device).float() / r))
+    freqs = pos.float()[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1) if layout == "half" else \
+        freqs.repeat_interleave(2, dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def quantize_pre_rope(k_pre: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      spec: QuantSpec, layout: str = "half") -> torch.Tensor:
+    """KVQuant-style keys: quantize ``k_pre`` (before RoPE), dequantize, then rotate.
+
+    Returns the post-RoPE key the model would see, ``[B, H, T, D]`` float32; ``cos``/``sin``
+    are the layer's ``[B, T, R]`` tables (e.g. from ``rope_tables_for``)."""
+    return apply_rope(fake_quantize(k_pre.float(), spec), cos, sin, layout)
+
+
+# -- MiKV channel balancer ----------------------------------------------------------------
+
+
+def fit_balancer(q: torch.Tensor, k: torch.Tensor, exponent: float = 0.5,
+                 per_sample: bool = False) -> torch.Tensor:
+    """MiKV balancer ``b = (max|q_c| / max|k_c|)^exponent`` per KV head and channel.
+
+    q: ``[B, Hq, T, D]``, k: ``[B, Hkv, T, D]`` with ``Hq = groups * Hkv`` (GQA). Query head
+    ``h`` uses KV head ``h // groups`` (as transformers' ``repeat_kv``), so the query maximum for
+    a KV head is taken over its ``groups`` query heads as well as over tokens: a single balancer
+    per KV head must suit every query head that reads it.
+
+    The maxima also run over the batch (one calibration per head, shape ``[Hkv, D]``) unless
+    ``per_sample`` (MiKV's per-prompt form, ``[B, Hkv, D]``). Where either maximum is zero or
+    not finite the channel carries no usable ratio and gets ``b = 1`` (no rescaling).
+    """
+    groups = _gqa_groups(q, k)
+    b, hkv, _, d = k.shape
+    q_max = q.detach().float().abs().amax(dim=2).reshape(b, hkv, groups, d).amax(dim=2)
+    k_max = k.detach().float().abs().amax(dim=2)
+    if not per_sample:
+        q_max, k_max = q_max.amax(dim=0), k_max.amax(dim=0)
+    ratio = q_max / k_max
+    usable = (q_max > 0) & (k_max > 0) & torch.isfinite(ratio)
+    return torch.where(usable, ratio, torch.ones_like(ratio)).pow(exponent)
+
+
+def apply_balancer(q: torch.Tensor, k: torch.Tensor, b: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q / b, k * b)`` with ``b`` from ``fit_balancer`` (``[Hkv, D]`` or ``[B, Hkv, D]``),
+    expanded to the query heads by the GQA mapping; every ``q_h . k_{h // groups}`` is
+    unchanged. Returned in float32."""
+    groups = _gqa_groups(q, k)
+    bk = b.float().unsqueeze(-2)  # [..., Hkv, 1, D] broadcasts over tokens
+    bq = bk.repeat_interleave(groups, dim=-3)
+    return q.float() / bq, k.float() * bk
+
+
+def _gqa_groups(q: torch.Tensor, k: torch.Tensor) -> int:
+    if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
+        raise InputError(f"Expected q [B, Hq, T, D] and k [B, Hkv, T, D], got "
+                         f"{tuple(q.shape)} and {tuple(k.shape)}.")
+    if q.shape[1] % k.shape[1]:
+        raise InputError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV "
+                         f"heads.")
+    return q.shape[1] // k.shape[1]
+
+
+# -- dense-and-sparse outliers ------------------------------------------------------------
+
+OUTLIER_SCOPES = ("per-token", "per-channel")
+
+
+@dataclass(frozen=True)
+class SparseOutliers:
+    """Full-precision outliers kept beside a quantized tensor.
+
+    indices: int64, positions along ``dim`` (ascending), shape of ``x`` with ``dim`` of size k.
+    values: the original values at those positions (``x``'s dtype).
+    dim: the dimension the vectors run along; shape: the full tensor shape.
+    """
+
+    indices: torch.Tensor
+    values: torch.Tensor
+    dim: int
+    shape: tuple[int, ...]
+
+    def scatter_into(self, dense: torch.Tensor) -> torch.Tensor:
+        """``dense`` with the outlier positions *overwritten* by the stored values."""
+        return dense.scatter(self.dim, self.indices, self.values.to(dense.dtype))
+
+    def to_dense(self) -> torch.Tensor:
+        return self.scatter_into(torch.zeros(self.shape, dtype=self.values.dtype,
+                                             device=self.values.device))
+
+
+def outlier_count(length: int, fraction: float) -> int:
+    """Outliers kept per vector of ``length``: ``ceil(fraction * length)`` (at least the asked
+    fraction; rounded to 9 decimals first so 0.07 * 100 gives 7, not 8)."""
+    if not 0.0 <= fraction < 1.0:
+        raise ConfigError(f"Invalid outlier fraction {fraction!r}; allowed: 0 <= fraction < 1 "
+                          f"(e.g. 0.01 for 1%).")
+    return math.ceil(round(fraction * length, 9))
+
+
+def scope_dim(scope: str) -> int:
+    """Tensor dim the outlier vectors run along: per-token -> channels (-1), per-channel ->
+    tokens (-2)."""
+    if scope not in OUTLIER_SCOPES:
+        raise ConfigError(f"Unknown outlier scope {scope!r}; allowed: "
+                          f"{', '.join(OUTLIER_SCOPES)}.")
+    return -1 if scope == "per-token" else -2
+
+
+def default_outlier_scope(spec: QuantSpec) -> str:
+    """Outliers are chosen within the vectors the quantizer groups along (per-tensor: tokens)."""
+    return "per-channel" if spec.granularity == "per-channel" else "per-token"
+
+
+def split_outliers(x: torch.Tensor, fraction: float, dim: int = -1
+                   ) -> tuple[torch.Tensor, SparseOutliers]:
+    """Keep the ``outlier_count(n, fraction)`` largest-magnitude entries of every vector along
+    ``dim`` (``-1``: each token's channels; ``-2``: each channel's tokens) in full precision.
+
+    Returns ``(dense, outliers)``: ``dense`` is ``x`` with those entries set to zero, so they no
+    longer stretch the quantization range; ``outliers.scatter_into`` puts them back."""
+    dim = dim % x.dim()
+    k = outlier_count(x.shape[dim], fraction)
+    if k == 0:
+        empty = x.new_zeros(*x.shape[:dim], 0, *x.shape[dim + 1:])
+        return x, SparseOutliers(empty.long(), empty, dim, tuple(x.shape))
+    idx = x.abs().topk(k, dim=dim).indices.sort(dim=dim).values
+    values = x.gather(dim, idx)
+    dense = x.scatter(dim, idx, torch.zeros_like(values))
+    return dense, SparseOutliers(idx, values, dim, tuple(x.shape))
+
+
+def quantize_with_outliers(x: torch.Tensor, spec: QuantSpec, fraction: float,
+                           scope: str | None = None) -> torch.Tensor:
+    """Dense-and-sparse reconstruction ``[B, H, T, D]`` float32: outliers (``fraction`` per
+    vector of ``scope``, default ``default_outlier_scope(spec)``) exact, the rest quantized with
+    ``spec``. Outlier positions hold their exact values (not value + quantized zero)."""
+    dim = scope_dim(scope or default_outlier_scope(spec))
+    dense, outliers = split_outliers(x.float(), fraction, dim)
+    return outliers.scatter_into(fake_quantize(dense, spec))
+
+
+# -- GEAR low-rank residual ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LowRank:
+    """Rank-r factors per (batch, head): ``left [B, H, T, r]``, ``right [B, H, r, D]``;
+    ``left`` has orthonormal columns."""
+
+    left: torch.Tensor
+    right: torch.Tensor
+
+    def reconstruct(self) -> torch.Tensor:
+        return self.left @ self.right
+
+
+def lowrank_residual(residual: torch.Tensor, rank: int, iters: int = 3, seed: int = 0
+                     ) -> LowRank:
+    """Rank-``rank`` approximation of each ``[T, D]`` matrix of ``residual`` ``[B, H, T, D]`` by
+    subspace (power) iteration, as GEAR does instead of a full SVD.
+
+    Start from a Gaussian ``[D, r]`` sketch drawn from a CPU generator seeded with ``seed``
+    (deterministic on every device), then ``iters`` rounds of ``Y = R Ω``, ``Ω = orth(Rᵀ Y)``;
+    finally ``left = orth(R Ω)``, ``right = leftᵀ R``. An exactly rank-r residual is recovered
+    after the first product; more iterations sharpen the top-r subspace when the spectrum is
+    noisy. Float32."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ConfigError(f"Invalid low-rank rank {rank!r}; allowed: a positive integer.")
+    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
+        raise ConfigError(f"Invalid power iterations {iters!r}; allowed: 0 or more.")
+    if residual.dim() != 4:
+        raise InputError(f"Expected a [B, H, T, D] residual, got {tuple(residual.shape)}.")
+    r_mat = residual.detach().float()
+    b, h, t, d = r_mat.shape
+    rank = min(rank, t, d)
+    gen = torch.Generator().manual_seed(seed)
+    omega = torch.randn(b, h, d, rank, generator=gen).to(r_mat.device)
+    for _ in range(iters):
+        omega = torch.linalg.qr(r_mat.transpose(-1, -2) @ (r_mat @ omega)).Q
+    left = torch.linalg.qr(r_mat @ omega).Q
+    return LowRank(left, left.transpose(-1, -2) @ r_mat)
+
+
+def quantize_gear(x: torch.Tensor, spec: QuantSpec, rank: int, outlier_fraction: float = 0.0,
+                  iters: int = 3, seed: int = 0, outlier_scope: str | None = None
+                  ) -> torch.Tensor:
+    """GEAR reconstruction ``D_hat + S + L`` ``[B, H, T, D]`` float32: outliers ``S`` exact,
+    the rest quantized (``D_hat``), then a rank-``rank`` approximation ``L`` of what remains,
+    ``x - (D_hat + S)``, per (batch, head)."""
+    base = quantize_with_outliers(x, spec, outlier_fraction, outlier_scope)
+    return base + lowrank_residual(x.float() - base, rank, iters, seed).reconstruct()
