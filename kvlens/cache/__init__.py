@@ -1,0 +1,6 @@
+"""The compressed KV cache: packed low-bit storage that plugs into transformers' generation.
+
+``packed`` owns the storage layout, ``layer`` the per-layer streaming logic (residual window,
+MiKV high-precision set), ``attention`` the decode attention over the packed store and the
+backend dispatch, ``cache`` building the whole cache and installing it around a model.
+"""

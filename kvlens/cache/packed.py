@@ -1,0 +1,231 @@
+"""The packed storage layout of one compressed KV tensor (keys or values of one layer).
+
+This module owns the *bytes*: how quantized history is laid out in memory. Quantization
+semantics (what shares a scale, the code formula) are the reference's
+(``kvlens.quant.reference``); bit packing is ``kvlens.quant.packing``. A fused decode kernel
+reads exactly the buffers described here.
+
+Notation: ``B`` batch, ``H`` KV heads, ``D`` head_dim, ``b`` bits, ``c = container_bits(b)``,
+``P = 8 // c`` codes per byte, ``F`` the *flush block* (tokens quantized together, see below),
+``(bt, bd) = spec.block_shape(F, D)`` the extent of one scale group inside a block
+(per-channel ``(G, 1)``, per-token ``(1, G)``, per-tensor ``(F, D)``; ``G=None`` resolves to the
+whole block ``F`` for per-channel and to ``D`` for per-token).
+
+Streaming (KIVI): new tokens first wait in a full-precision residual window owned by the layer
+(``kvlens.cache.layer``). When the window holds ``R`` tokens (``R`` = the config's
+``residual_tokens``), all ``R`` are quantized as one flush of ``R // F`` blocks of ``F`` tokens and
+appended here. ``F = R`` for per-channel and per-tensor specs (every block is one group along
+tokens, ``G`` must divide ``R``) and ``F = 1`` when ``R = 0`` for per-token specs (each token is
+quantized on arrival). Blocks are never re-quantized: once written, a block's codes and scales
+are immutable. The history is stored in token order: block ``i`` holds absolute cache positions
+``[i*F, (i+1)*F)`` (cache positions = index of the token in the layer's history, left padding
+included).
+
+Buffers (all preallocated with a capacity of ``cap`` tokens, a multiple of ``F``; when full the
+capacity doubles with one copy; nothing is concatenated per step):
+
+``codes`` (``torch.uint8``)
+    - per-channel specs: ``[B, H, cap // P, D]`` -- packed along **tokens**: byte ``j`` of
+      channel ``d`` holds tokens ``j*P .. j*P+P-1`` of that channel (``F`` must be a multiple
+      of ``P`` so a byte never straddles two blocks);
+    - per-token and per-tensor specs: ``[B, H, cap, ceil(D / P)]`` -- packed along
+      **channels**: byte ``j`` of token ``t`` holds channels ``j*P .. j*P+P-1``.
+    Within a byte codes are little-endian: element ``e`` of the byte occupies bits
+    ``[e*c, (e+1)*c)`` (first element in the lowest bits), exactly ``kvlens.quant.packing``:
+    for 2 bits, codes ``(a, b, c, d)`` -> ``a | b << 2 | c << 4 | d << 6``. Mask after
+    shifting.
+``scale``, ``zero`` (``scale_dtype``, float16 by default; float32 optional)
+    ``[B, H, (cap // F) * nT, nD]`` with ``nT = ceil(F / bt)`` scale rows per block and
+    ``nD = D // bd``. Scale row ``i*nT + r`` belongs to tokens ``i*F + r*bt ..`` of block ``i``:
+    - per-channel (G tokens x 1 channel): ``[B, H, cap // G, D]``, row ``t // G`` column ``d``;
+    - per-token (1 token x G channels): ``[B, H, cap, D // G]``, row ``t`` column ``d // G``;
+    - per-tensor (one per block): ``[B, H, cap // F, 1]``.
+    Dequantization is ``x_hat = code * scale + zero`` (symmetric specs store
+    ``zero = -qmax * scale``, so there is no symmetric switch).
+``length``
+    Tokens stored (a multiple of ``F``); rows ``>= length`` are garbage and must be masked.
+
+The scales are rounded to ``scale_dtype`` after the reference computed them in float32; the
+codes are the reference's codes. So ``dequantize_range`` equals ``kvlens.quant.dequantize`` on
+the reference ``QTensor`` with its scale/zero rounded to ``scale_dtype`` (tested).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvlens.errors import ConfigError
+from kvlens.quant import QTensor, QuantSpec, codes_per_byte, dequantize, pack_codes, quantize
+from kvlens.quant import packed_length, unpack_codes
+
+SCALE_DTYPES = ("float16", "float32")
+
+
+def flush_block(spec: QuantSpec, residual_tokens: int) -> int:
+    """``F``: tokens quantized together as one block (see the module docstring)."""
+    if spec.granularity == "per-token":
+        return residual_tokens if residual_tokens else 1
+    if residual_tokens < 1:
+        raise ConfigError(f"{spec.granularity} quantization groups tokens, so it needs a "
+                          f"residual window (residual_tokens > 0, a multiple of the group size); "
+                          f"got residual_tokens={residual_tokens}.")
+    return residual_tokens
+
+
+def check_layout(spec: QuantSpec, residual_tokens: int, head_dim: int, what: str = "") -> None:
+    """Raise ``ConfigError`` unless ``spec`` can be stored in this layout for ``head_dim``."""
+    where = f"{what}: " if what else ""
+    if spec.granularity == "per-token" and spec.group_size and head_dim % spec.group_size:
+        allowed = [g for g in range(1, head_dim + 1) if head_dim % g == 0]
+        raise ConfigError(f"{where}group size {spec.group_size} does not divide head_dim "
+                          f"{head_dim}; allowed group sizes: {', '.join(map(str, allowed))}.")
+    f = flush_block(spec, residual_tokens)
+    if spec.granularity == "per-channel":
+        g = spec.group_size or f
+        if f % g:
+            raise ConfigError(f"{where}per-channel group size {g} must divide the residual "
+                              f"window {residual_tokens} (blocks are quantized when the window "
+                              f"fills); use a window that is a multiple of {g}.")
+        per = codes_per_byte(spec.bits)
+        if f % per:
+            raise ConfigError(f"{where}the residual window {residual_tokens} must be a multiple "
+                              f"of {per} for {spec.bits}-bit codes packed along tokens.")
+
+
+@dataclass
+class PackedTensor:
+    """Packed low-bit history of one tensor, ``[B, H, length, D]`` logically (layout above)."""
+
+    spec: QuantSpec
+    block: int  # F
+    head_dim: int
+    scale_dtype: torch.dtype
+    codes: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+    zero: torch.Tensor | None = None
+    length: int = 0
+
+    @classmethod
+    def create(cls, spec: QuantSpec, residual_tokens: int, head_dim: int,
+               scale_dtype: str = "float16") -> PackedTensor:
+        check_layout(spec, residual_tokens, head_dim)
+        if scale_dtype not in SCALE_DTYPES:
+            raise ConfigError(f"Unknown scale dtype {scale_dtype!r}; allowed: "
+                              f"{', '.join(SCALE_DTYPES)}.")
+        return cls(spec, flush_block(spec, residual_tokens), head_dim,
+                   getattr(torch, scale_dtype))
+
+    # -- geometry -----------------------------------------------------------------------------
+    @property
+    def packs_tokens(self) -> bool:
+        return self.spec.granularity == "per-channel"
+
+    @property
+    def group_rows(self) -> tuple[int, int]:
+        """``(nT, nD)``: scale rows per block and scale columns."""
+        bt, bd = self.spec.block_shape(self.block, self.head_dim)
+        return -(-self.block // bt), self.head_dim // bd
+
+    @property
+    def capacity(self) -> int:
+        if self.codes is None:
+            return 0
+        per = codes_per_byte(self.spec.bits)
+        return self.codes.shape[2] * (per if self.packs_tokens else 1)
+
+    def _allocate(self, b: int, h: int, cap: int, device) -> None:
+        per = codes_per_byte(self.spec.bits)
+        d = self.head_dim
+        shape = (b, h, cap // per, d) if self.packs_tokens else \
+            (b, h, cap, packed_length(d, self.spec.bits))
+        n_t, n_d = self.group_rows
+        codes = torch.zeros(shape, dtype=torch.uint8, device=device)
+        scale = torch.zeros((b, h, cap // self.block * n_t, n_d), dtype=self.scale_dtype,
+                            device=device)
+        zero = torch.zeros_like(scale)
+        if self.codes is not None:  # grow: one copy of the used part
+            used = self._code_rows(self.length)
+            codes[:, :, :used] = self.codes[:, :, :used]
+            rows = self.length // self.block * n_t
+            scale[:, :, :rows] = self.scale[:, :, :rows]
+            zero[:, :, :rows] = self.zero[:, :, :rows]
+        self.codes, self.scale, self.zero = codes, scale, zero
+
+    def _code_rows(self, tokens: int) -> int:
+        return tokens // codes_per_byte(self.spec.bits) if self.packs_tokens else tokens
+
+    # -- write --------------------------------------------------------------------------------
+    def append(self, x: torch.Tensor, min_capacity: int = 0) -> None:
+        """Quantize ``x`` ``[B, H, n*F, D]`` block by block (reference ``quantize``) and append."""
+        b, h, t, d = x.shape
+        f = self.block
+        if t % f:
+            raise ValueError(f"append needs a multiple of {f} tokens, got {t}")
+        if t == 0:
+            return
+        need = self.length + t
+        if need > self.capacity:
+            cap = max(need, 2 * self.capacity, min_capacity, f)
+            self._allocate(b, h, -(-cap // f) * f, x.device)
+        n = t // f
+        # Each block is one "batch" row for the reference, so groups never cross blocks.
+        blocks = x.reshape(b, h, n, f, d).transpose(1, 2).reshape(b * n, h, f, d)
+        q = quantize(blocks, self.spec)
+        pdim = 2 if self.packs_tokens else 3
+        packed = pack_codes(q.codes, self.spec.bits, dim=pdim)
+        packed = packed.reshape(b, n, h, *packed.shape[2:]).transpose(1, 2)
+        packed = packed.reshape(b, h, -1, packed.shape[-1])
+        r0, r1 = self._code_rows(self.length), self._code_rows(need)
+        self.codes[:, :, r0:r1] = packed
+        n_t, _ = self.group_rows
+        s0 = self.length // f * n_t
+        for src, dst in ((q.scale, self.scale), (q.zero, self.zero)):
+            rows = src.reshape(b, n, h, n_t, -1).transpose(1, 2).reshape(b, h, n * n_t, -1)
+            dst[:, :, s0:s0 + n * n_t] = rows.to(self.scale_dtype)
+        self.length = need
+
+    # -- read ---------------------------------------------------------------------------------
+    def dequantize_range(self, t0: int, t1: int) -> torch.Tensor:
+        """Tokens ``[t0, t1)`` (multiples of ``F``) as float32 ``[B, H, t1 - t0, D]``, through
+        the reference ``dequantize`` (only this slice is materialised)."""
+        f = self.block
+        b, h = self.codes.shape[:2]
+        n = (t1 - t0) // f
+        d = self.head_dim
+        n_t, _ = self.group_rows
+        rows = self.codes[:, :, self._code_rows(t0):self._code_rows(t1)]
+        rows = rows.reshape(b, h, n, -1, rows.shape[-1]).transpose(1, 2)
+        rows = rows.reshape(b * n, h, *rows.shape[3:])
+        pdim = 2 if self.packs_tokens else 3
+        codes = unpack_codes(rows, self.spec.bits, f if self.packs_tokens else d, dim=pdim)
+
+        def params(p: torch.Tensor) -> torch.Tensor:
+            p = p[:, :, t0 // f * n_t:t1 // f * n_t].float()
+            return p.reshape(b, h, n, n_t, -1).transpose(1, 2).reshape(b * n, h, n_t, -1)
+
+        q = QTensor(codes, params(self.scale), params(self.zero), self.spec, (b * n, h, f, d))
+        out = dequantize(q)
+        return out.reshape(b, n, h, f, d).transpose(1, 2).reshape(b, h, n * f, d)
+
+    # -- accounting ---------------------------------------------------------------------------
+    def used_bytes(self) -> int:
+        """Bytes of the filled part of the buffers (codes + scales + zeros)."""
+        if self.codes is None:
+            return 0
+        b, h = self.codes.shape[:2]
+        code_bytes = b * h * self._code_rows(self.length) * self.codes.shape[-1]
+        n_t, n_d = self.group_rows
+        param = b * h * (self.length // self.block) * n_t * n_d * self.scale.element_size()
+        return code_bytes + 2 * param
+
+    def allocated_bytes(self) -> int:
+        if self.codes is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        if self.codes is not None:
+            self.codes, self.scale, self.zero = (t[index] for t in
+                                                 (self.codes, self.scale, self.zero))
