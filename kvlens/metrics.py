@@ -17,6 +17,7 @@ pool every sample, token (and channel or key) of one head before taking the rati
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,8 +50,9 @@ def per_head_rel_error(ref: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
 
 def num_kv_groups(num_q_heads: int, num_kv_heads: int) -> int:
     if num_kv_heads < 1 or num_q_heads % num_kv_heads:
-        raise InputError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV "
-                         f"heads.")
+        raise InputError(
+            f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads."
+        )
     return num_q_heads // num_kv_heads
 
 
@@ -61,12 +63,18 @@ def expand_kv(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-def causal_mask(num_queries: int, num_keys: int, sliding_window: int = 0,
-                device: torch.device | str | None = None) -> torch.Tensor:
+def causal_mask(
+    num_queries: int,
+    num_keys: int,
+    sliding_window: int = 0,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
     """Boolean ``[Tq, Tk]``, True where a query may attend (module docstring for alignment)."""
     if num_queries > num_keys:
-        raise InputError(f"{num_queries} queries but only {num_keys} keys; bottom-right "
-                         f"aligned causal attention needs Tq <= Tk.")
+        raise InputError(
+            f"{num_queries} queries but only {num_keys} keys; bottom-right "
+            f"aligned causal attention needs Tq <= Tk."
+        )
     q_pos = torch.arange(num_keys - num_queries, num_keys, device=device)[:, None]
     k_pos = torch.arange(num_keys, device=device)[None, :]
     mask = k_pos <= q_pos
@@ -75,8 +83,9 @@ def causal_mask(num_queries: int, num_keys: int, sliding_window: int = 0,
     return mask
 
 
-def attention_scores(q: torch.Tensor, k: torch.Tensor, scaling: float,
-                     softcap: float = 0.0) -> torch.Tensor:
+def attention_scores(
+    q: torch.Tensor, k: torch.Tensor, scaling: float, softcap: float = 0.0
+) -> torch.Tensor:
     """Pre-softmax logits ``[B, Hq, Tq, Tk]`` float32, unmasked: ``q kᵀ * scaling``, then
     ``tanh(x / softcap) * softcap`` when ``softcap > 0``."""
     k = expand_kv(k, q.shape[1]).float()
@@ -87,19 +96,35 @@ def _softcap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
     return torch.tanh(scores / softcap) * softcap if softcap > 0 else scores
 
 
+def _visible_keys(
+    start: int, end: int, num_queries: int, num_keys: int, sliding_window: int
+) -> tuple[int, int]:
+    """Key range ``[lo, hi)`` seen by any of the queries ``start..end-1`` (bottom-right)."""
+    offset = num_keys - num_queries
+    lo = max(0, offset + start - sliding_window + 1) if sliding_window > 0 else 0
+    return lo, offset + end
+
+
 def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
 
 
-def attention_weights(q: torch.Tensor, k: torch.Tensor, scaling: float,
-                      sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+def attention_weights(
+    q: torch.Tensor, k: torch.Tensor, scaling: float, sliding_window: int = 0, softcap: float = 0.0
+) -> torch.Tensor:
     """Post-softmax attention ``[B, Hq, Tq, Tk]`` float32 with the causal (sliding) mask."""
     mask = causal_mask(q.shape[2], k.shape[2], sliding_window, q.device)
     return _masked_softmax(attention_scores(q, k, scaling, softcap), mask)
 
 
-def attention_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
-                     sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+def attention_output(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scaling: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+) -> torch.Tensor:
     """``softmax(mask(softcap(q kᵀ * scaling))) v`` -> ``[B, Hq, Tq, D]`` float32 (before the
     output projection)."""
     weights = attention_weights(q, k, scaling, sliding_window, softcap)
@@ -122,81 +147,198 @@ class AttentionErrors:
     output: torch.Tensor
 
 
-def attention_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scaling: float,
-                     k_hat: torch.Tensor | None = None, v_hat: torch.Tensor | None = None,
-                     sliding_window: int = 0, softcap: float = 0.0,
-                     chunk_size: int = DEFAULT_CHUNK) -> AttentionErrors:
-    """Errors of attention when keys are replaced by ``k_hat`` and/or values by ``v_hat``.
+@dataclass(frozen=True)
+class Variant:
+    """One approximation of the cache: ``k_hat`` and/or ``v_hat`` ``[B, Hkv, T, D]`` (None =
+    that tensor is kept exact)."""
 
-    q ``[B, Hq, T, D]``, k/v/k_hat/v_hat ``[B, Hkv, T, D]``. Works one sample and
-    ``chunk_size`` query rows at a time so ``T = 2048`` stays within a few hundred MB."""
-    if k_hat is None and v_hat is None:
-        raise InputError("Give k_hat, v_hat or both: there is no variant to compare.")
-    for name, t in (("k_hat", k_hat), ("v_hat", v_hat)):
-        if t is not None and t.shape != k.shape:
-            raise InputError(f"{name} has shape {tuple(t.shape)}, expected {tuple(k.shape)}.")
-    if chunk_size < 1:
-        raise InputError(f"chunk_size must be positive, got {chunk_size}.")
+    k_hat: torch.Tensor | None = None
+    v_hat: torch.Tensor | None = None
+
+
+class _Sums:
+    """Per-head float64 sums of squared error and squared reference for one metric."""
+
+    def __init__(self, heads: int):
+        self.err = torch.zeros(heads, dtype=torch.float64)
+        self.ref = torch.zeros(heads, dtype=torch.float64)
+
+    def add(
+        self,
+        ref: torch.Tensor,
+        approx: torch.Tensor,
+        ref_sq: torch.Tensor | None = None,
+        keep: torch.Tensor | None = None,
+    ) -> None:
+        # [Hq, rows, cols] -> per-row norms in float32 (one fused pass, no temporaries of the
+        # squares), then squared and pooled in float64 across rows, chunks and samples.
+        diff = ref - approx
+        if keep is not None:
+            diff = torch.where(keep, diff, 0.0)
+        self.err += _row_sq(diff).cpu()
+        self.ref += (_row_sq(ref) if ref_sq is None else ref_sq).cpu()
+
+    def ratio(self) -> torch.Tensor:
+        return _ratio(self.err, self.ref)
+
+
+def _row_sq(x: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(x, dim=-1).double().square().sum(-1)
+
+
+def attention_errors_many(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    variants: Sequence[Variant],
+    *,
+    scaling: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> list[AttentionErrors]:
+    """Errors of attention for several variants of the cache, sharing the reference pass.
+
+    q ``[B, Hq, T, D]``, k/v and every ``k_hat``/``v_hat`` ``[B, Hkv, T, D]``. Scores are
+    compared on causal (visible) entries only; weights and output everywhere. Works one sample
+    and ``chunk_size`` query rows at a time, visiting only the keys those rows can see, so
+    ``B=4, Hq=9, T=2048`` stays within a few hundred MB."""
     b, hq, tq, _ = q.shape
     tk = k.shape[2]
     groups = num_kv_groups(hq, k.shape[1])
-    sums = {name: torch.zeros(2, hq, dtype=torch.float64)
-            for name in ("scores", "weights", "output")}
-
-    def accumulate(name: str, ref: torch.Tensor, approx: torch.Tensor,
-                   mask: torch.Tensor | None = None) -> None:
-        # ref/approx are [Hq, rows, cols]; pool rows and cols per head in float64.
-        diff = (ref - approx).double().square()
-        ref_sq = ref.double().square()
-        if mask is not None:
-            diff, ref_sq = diff * mask, ref_sq * mask
-        sums[name][0] += diff.sum((1, 2)).cpu()
-        sums[name][1] += ref_sq.sum((1, 2)).cpu()
-
+    _check_variants(k, v, variants)
+    if chunk_size < 1:
+        raise InputError(f"chunk_size must be positive, got {chunk_size}.")
+    sums = [{m: _Sums(hq) for m in ("scores", "weights", "output")} for _ in variants]
     full_mask = causal_mask(tq, tk, sliding_window, q.device)
+
+    def heads(x: torch.Tensor, i: int) -> torch.Tensor:
+        return x[i].float().repeat_interleave(groups, dim=0)
+
     for i in range(b):
-        k_ref = k[i].float().repeat_interleave(groups, dim=0)
-        v_ref = v[i].float().repeat_interleave(groups, dim=0)
-        k_alt = k_ref if k_hat is None else k_hat[i].float().repeat_interleave(groups, dim=0)
-        v_alt = v_ref if v_hat is None else v_hat[i].float().repeat_interleave(groups, dim=0)
+        k_ref, v_ref = heads(k, i), heads(v, i)
+        k_alts = [None if var.k_hat is None else heads(var.k_hat, i) for var in variants]
+        v_alts = [v_ref if var.v_hat is None else heads(var.v_hat, i) for var in variants]
         for start in range(0, tq, chunk_size):
-            rows = q[i, :, start:start + chunk_size].float()
-            mask = full_mask[start:start + chunk_size]
-            s_ref = _softcap((rows @ k_ref.transpose(-1, -2)) * scaling, softcap)
-            w_ref = _masked_softmax(s_ref, mask)
-            if k_hat is not None:
-                s_alt = _softcap((rows @ k_alt.transpose(-1, -2)) * scaling, softcap)
-                w_alt = _masked_softmax(s_alt, mask)
-                accumulate("scores", s_ref, s_alt, mask)
-                accumulate("weights", w_ref, w_alt)
-            else:
+            end = min(start + chunk_size, tq)
+            # Only keys some query of this chunk can see: skips the masked future (and, with a
+            # sliding window, the distant past); masked entries count for nothing anyway.
+            keys = slice(*_visible_keys(start, end, tq, tk, sliding_window))
+            rows = q[i, :, start:end].float()
+            keep = full_mask[start:end, keys]
+            hide = ~keep
+            s_ref = _softcap((rows @ k_ref[:, keys].transpose(-1, -2)) * scaling, softcap)
+            s_ref_sq = _row_sq(torch.where(keep, s_ref, 0.0))
+            w_ref = s_ref.masked_fill(hide, float("-inf")).softmax(dim=-1)
+            o_ref = w_ref @ v_ref[:, keys]
+            for acc, k_alt, v_alt in zip(sums, k_alts, v_alts, strict=True):
                 w_alt = w_ref
-            accumulate("output", w_ref @ v_ref, w_alt @ v_alt)
-    per_head = {name: _ratio(err, ref) for name, (err, ref) in sums.items()}
-    keyed = k_hat is not None
+                if k_alt is not None:
+                    s_alt = _softcap((rows @ k_alt[:, keys].transpose(-1, -2)) * scaling, softcap)
+                    acc["scores"].add(s_ref, s_alt, s_ref_sq, keep)
+                    w_alt = s_alt.masked_fill_(hide, float("-inf")).softmax(dim=-1)
+                    acc["weights"].add(w_ref, w_alt)
+                acc["output"].add(o_ref, w_alt @ v_alt[:, keys])
+    return [_errors(k, v, var, acc) for var, acc in zip(variants, sums, strict=True)]
+
+
+def _check_variants(k: torch.Tensor, v: torch.Tensor, variants: Sequence[Variant]) -> None:
+    for n, var in enumerate(variants):
+        if var.k_hat is None and var.v_hat is None:
+            raise InputError(
+                f"Variant {n} replaces neither keys nor values: give k_hat, "
+                f"v_hat or both; there is no variant to compare."
+            )
+        for name, ref, t in (("k_hat", k, var.k_hat), ("v_hat", v, var.v_hat)):
+            if t is not None and t.shape != ref.shape:
+                raise InputError(
+                    f"Variant {n}: {name} has shape {tuple(t.shape)}, expected {tuple(ref.shape)}."
+                )
+
+
+def _errors(
+    k: torch.Tensor, v: torch.Tensor, var: Variant, acc: dict[str, _Sums]
+) -> AttentionErrors:
+    keyed = var.k_hat is not None
     return AttentionErrors(
-        key_reconstruction=per_head_rel_error(k, k_hat) if keyed else None,
-        value_reconstruction=per_head_rel_error(v, v_hat) if v_hat is not None else None,
-        scores=per_head["scores"] if keyed else None,
-        weights=per_head["weights"] if keyed else None,
-        output=per_head["output"],
+        key_reconstruction=per_head_rel_error(k, var.k_hat) if keyed else None,
+        value_reconstruction=None if var.v_hat is None else per_head_rel_error(v, var.v_hat),
+        scores=acc["scores"].ratio() if keyed else None,
+        weights=acc["weights"].ratio() if keyed else None,
+        output=acc["output"].ratio(),
     )
 
 
-def key_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_hat: torch.Tensor, *,
-               scaling: float, sliding_window: int = 0, softcap: float = 0.0,
-               chunk_size: int = DEFAULT_CHUNK) -> AttentionErrors:
+def attention_errors(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scaling: float,
+    k_hat: torch.Tensor | None = None,
+    v_hat: torch.Tensor | None = None,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> AttentionErrors:
+    """Errors when keys are replaced by ``k_hat`` and/or values by ``v_hat`` (one variant of
+    ``attention_errors_many``)."""
+    return attention_errors_many(
+        q,
+        k,
+        v,
+        [Variant(k_hat, v_hat)],
+        scaling=scaling,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        chunk_size=chunk_size,
+    )[0]
+
+
+def key_errors(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_hat: torch.Tensor,
+    *,
+    scaling: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> AttentionErrors:
     """Key variant (only K replaced): reconstruction ``[Hkv]``, scores, weights, output
     ``[Hq]``."""
-    return attention_errors(q, k, v, scaling=scaling, k_hat=k_hat,
-                            sliding_window=sliding_window, softcap=softcap,
-                            chunk_size=chunk_size)
+    return attention_errors(
+        q,
+        k,
+        v,
+        scaling=scaling,
+        k_hat=k_hat,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        chunk_size=chunk_size,
+    )
 
 
-def value_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_hat: torch.Tensor, *,
-                 scaling: float, sliding_window: int = 0, softcap: float = 0.0,
-                 chunk_size: int = DEFAULT_CHUNK) -> AttentionErrors:
+def value_errors(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    v_hat: torch.Tensor,
+    *,
+    scaling: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> AttentionErrors:
     """Value variant (only V replaced): reconstruction ``[Hkv]`` and output ``[Hq]``."""
-    return attention_errors(q, k, v, scaling=scaling, v_hat=v_hat,
-                            sliding_window=sliding_window, softcap=softcap,
-                            chunk_size=chunk_size)
+    return attention_errors(
+        q,
+        k,
+        v,
+        scaling=scaling,
+        v_hat=v_hat,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        chunk_size=chunk_size,
+    )

@@ -41,8 +41,7 @@ class StorageBreakdown:
 
     @property
     def total(self) -> float:
-        return self.codes + self.scales + self.zeros + self.outliers + self.lowrank \
-            + self.residual
+        return self.codes + self.scales + self.zeros + self.outliers + self.lowrank + self.residual
 
     def compression_vs(self, reference_bits: float = 16.0) -> float:
         """How many times smaller than ``reference_bits`` per element (fp16 by default)."""
@@ -52,12 +51,22 @@ class StorageBreakdown:
         return {**asdict(self), "total": self.total}
 
 
-def bits_per_element(spec: QuantSpec, shape: Sequence[int], *, scale_bits: int = 16,
-                     zero_bits: int = 16, outlier_fraction: float = 0.0,
-                     outlier_value_bits: int = 16, outlier_index_bits: int = 16,
-                     outlier_scope: str | None = None, lowrank_rank: int = 0,
-                     lowrank_bits: int = 16, residual_tokens: int = 0, residual_bits: int = 16,
-                     count_containers: bool = False) -> StorageBreakdown:
+def bits_per_element(
+    spec: QuantSpec,
+    shape: Sequence[int],
+    *,
+    scale_bits: int = 16,
+    zero_bits: int = 16,
+    outlier_fraction: float = 0.0,
+    outlier_value_bits: int = 16,
+    outlier_index_bits: int = 16,
+    outlier_scope: str | None = None,
+    lowrank_rank: int = 0,
+    lowrank_bits: int = 16,
+    residual_tokens: int = 0,
+    residual_bits: int = 16,
+    count_containers: bool = False,
+) -> StorageBreakdown:
     """Exact storage of ``spec`` on a tensor of ``shape`` (``[B, H, T, D]`` or ``(T, D)``).
 
     outlier_scope: vectors the outlier fraction applies to (default: the quantizer's axis, as
@@ -69,16 +78,22 @@ def bits_per_element(spec: QuantSpec, shape: Sequence[int], *, scale_bits: int =
     if len(shape) < 2:
         raise ConfigError(f"Expected a shape [B, H, T, D] or (T, D), got {tuple(shape)}.")
     t, d = int(shape[-2]), int(shape[-1])
-    for name, value in (("scale_bits", scale_bits), ("zero_bits", zero_bits),
-                        ("outlier_value_bits", outlier_value_bits),
-                        ("outlier_index_bits", outlier_index_bits),
-                        ("lowrank_bits", lowrank_bits), ("residual_bits", residual_bits),
-                        ("lowrank_rank", lowrank_rank), ("residual_tokens", residual_tokens)):
+    for name, value in (
+        ("scale_bits", scale_bits),
+        ("zero_bits", zero_bits),
+        ("outlier_value_bits", outlier_value_bits),
+        ("outlier_index_bits", outlier_index_bits),
+        ("lowrank_bits", lowrank_bits),
+        ("residual_bits", residual_bits),
+        ("lowrank_rank", lowrank_rank),
+        ("residual_tokens", residual_tokens),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConfigError(f"Invalid {name} {value!r}; allowed: a non-negative integer.")
     if residual_tokens > t:
-        raise ConfigError(f"residual_tokens {residual_tokens} exceeds the {t} tokens; allowed: "
-                          f"0-{t}.")
+        raise ConfigError(
+            f"residual_tokens {residual_tokens} exceeds the {t} tokens; allowed: 0-{t}."
+        )
     t_q = t - residual_tokens
     residual = residual_tokens / t * residual_bits
     if t_q == 0:
@@ -92,8 +107,10 @@ def bits_per_element(spec: QuantSpec, shape: Sequence[int], *, scale_bits: int =
     zeros = 0.0 if spec.symmetric else groups * zero_bits / n
     scope = outlier_scope or default_outlier_scope(spec)
     length = d if scope_dim(scope) == -1 else t_q
-    outliers = outlier_count(length, outlier_fraction) \
-        * (outlier_value_bits + outlier_index_bits) / length
+    outliers = (
+        outlier_count(length, outlier_fraction) * (outlier_value_bits + outlier_index_bits) / length
+    )
     lowrank = min(lowrank_rank, t_q, d) * (t_q + d) * lowrank_bits / n
-    return StorageBreakdown(codes * share, scales * share, zeros * share, outliers * share,
-                            lowrank * share, residual)
+    return StorageBreakdown(
+        codes * share, scales * share, zeros * share, outliers * share, lowrank * share, residual
+    )

@@ -53,28 +53,41 @@ class QuantSpec:
 
     def __post_init__(self) -> None:
         # bool is an int subclass; True as a bit width is always a mistake.
-        if isinstance(self.bits, bool) or not isinstance(self.bits, int) \
-                or not MIN_BITS <= self.bits <= MAX_BITS:
-            raise ConfigError(f"Invalid bits {self.bits!r}; allowed: integers "
-                              f"{MIN_BITS}-{MAX_BITS}.")
+        if (
+            isinstance(self.bits, bool)
+            or not isinstance(self.bits, int)
+            or not MIN_BITS <= self.bits <= MAX_BITS
+        ):
+            raise ConfigError(
+                f"Invalid bits {self.bits!r}; allowed: integers {MIN_BITS}-{MAX_BITS}."
+            )
         if self.granularity not in GRANULARITIES:
-            raise ConfigError(f"Unknown granularity {self.granularity!r}; allowed: "
-                              f"{', '.join(GRANULARITIES)}.")
+            raise ConfigError(
+                f"Unknown granularity {self.granularity!r}; allowed: {', '.join(GRANULARITIES)}."
+            )
         if self.group_size is not None:
-            if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) \
-                    or self.group_size < 1:
-                raise ConfigError(f"Invalid group size {self.group_size!r}; allowed: a positive "
-                                  f"integer, or None for the whole vector.")
+            if (
+                isinstance(self.group_size, bool)
+                or not isinstance(self.group_size, int)
+                or self.group_size < 1
+            ):
+                raise ConfigError(
+                    f"Invalid group size {self.group_size!r}; allowed: a positive "
+                    f"integer, or None for the whole vector."
+                )
             if self.granularity == "per-tensor":
-                raise ConfigError(f"per-tensor quantization takes no group size (got "
-                                  f"{self.group_size}); use per-token or per-channel with a "
-                                  f"group size, or group_size=None.")
+                raise ConfigError(
+                    f"per-tensor quantization takes no group size (got "
+                    f"{self.group_size}); use per-token or per-channel with a "
+                    f"group size, or group_size=None."
+                )
         if not isinstance(self.symmetric, bool):
             raise ConfigError(f"Invalid symmetric {self.symmetric!r}; allowed: true, false.")
         if self.symmetric and self.bits < 2:
             # The symmetric grid -qmax..qmax with qmax = 2^(b-1) - 1 is empty at 1 bit.
-            raise ConfigError("Symmetric quantization needs bits >= 2 (allowed: 2-8); use "
-                              "asymmetric for 1 bit.")
+            raise ConfigError(
+                "Symmetric quantization needs bits >= 2 (allowed: 2-8); use asymmetric for 1 bit."
+            )
 
     # -- geometry ---------------------------------------------------------------------------
     @property
@@ -116,41 +129,62 @@ class QuantSpec:
         num_tokens, head_dim = int(shape[-2]), int(shape[-1])
         if num_tokens < 1 or head_dim < 1:
             raise ConfigError(f"Cannot quantize an empty tensor of shape {tuple(shape)}.")
-        if self.granularity == "per-token" and self.group_size is not None \
-                and head_dim % self.group_size:
+        if (
+            self.granularity == "per-token"
+            and self.group_size is not None
+            and head_dim % self.group_size
+        ):
             allowed = ", ".join(str(g) for g in range(1, head_dim + 1) if head_dim % g == 0)
-            raise ConfigError(f"group size {self.group_size} does not divide head_dim "
-                              f"{head_dim}; allowed group sizes: {allowed}.")
+            raise ConfigError(
+                f"group size {self.group_size} does not divide head_dim "
+                f"{head_dim}; allowed group sizes: {allowed}."
+            )
 
     @property
     def label(self) -> str:
-        """Short human name, e.g. ``"2b per-channel G32"`` or ``"4b per-token G=D sym"``."""
-        g = "" if self.granularity == "per-tensor" else \
-            f" G{self.group_size}" if self.group_size else " G=all"
+        """Short human name, e.g. ``"2b per-channel G32"`` or ``"4b per-token G=all sym"``."""
+        g = (
+            ""
+            if self.granularity == "per-tensor"
+            else f" G{self.group_size}"
+            if self.group_size
+            else " G=all"
+        )
         return f"{self.bits}b {self.granularity}{g}{' sym' if self.symmetric else ''}"
 
     # -- JSON -------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict with a ``version`` field."""
-        return {"version": SPEC_VERSION, "bits": self.bits, "granularity": self.granularity,
-                "group_size": self.group_size, "symmetric": self.symmetric}
+        return {
+            "version": SPEC_VERSION,
+            "bits": self.bits,
+            "granularity": self.granularity,
+            "group_size": self.group_size,
+            "symmetric": self.symmetric,
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> QuantSpec:
         """Inverse of ``to_dict``; rejects unknown keys and newer versions with ``ConfigError``."""
         if not isinstance(data, Mapping):
-            raise ConfigError(f"A quantization spec must be a JSON object, got "
-                              f"{type(data).__name__}.")
+            raise ConfigError(
+                f"A quantization spec must be a JSON object, got {type(data).__name__}."
+            )
         version = data.get("version", SPEC_VERSION)
         if not isinstance(version, int) or version > SPEC_VERSION or version < 1:
-            raise ConfigError(f"Unsupported quantization spec version {version!r}; this kvlens "
-                              f"reads versions 1-{SPEC_VERSION}.")
+            raise ConfigError(
+                f"Unsupported quantization spec version {version!r}; this kvlens "
+                f"reads versions 1-{SPEC_VERSION}."
+            )
         unknown = sorted(set(data) - set(_FIELDS) - {"version"})
         if unknown:
-            raise ConfigError(f"Unknown quantization spec keys {unknown}; allowed: "
-                              f"{', '.join(('version',) + _FIELDS)}.")
+            raise ConfigError(
+                f"Unknown quantization spec keys {unknown}; allowed: "
+                f"{', '.join(('version',) + _FIELDS)}."
+            )
         missing = [k for k in ("bits", "granularity") if k not in data]
         if missing:
-            raise ConfigError(f"Quantization spec is missing {missing}; required: bits, "
-                              f"granularity.")
+            raise ConfigError(
+                f"Quantization spec is missing {missing}; required: bits, granularity."
+            )
         return cls(**{k: data[k] for k in _FIELDS if k in data})

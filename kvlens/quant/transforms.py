@@ -20,12 +20,16 @@ from kvlens.rope import LAYOUTS, apply_rope
 # -- pre-RoPE keys ------------------------------------------------------------------------
 
 
-def rope_tables_for(positions: torch.Tensor, head_dim: int, theta: float = 10000.0,
-                    rotary_dim: int | None = None, layout: str = "half"
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables_for(
+    positions: torch.Tensor,
+    head_dim: int,
+    theta: float = 10000.0,
+    rotary_dim: int | None = None,
+    layout: str = "half",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Default (Llama-style, unscaled) RoPE ``cos, sin`` tables ``[B, T, R]`` for ``positions``.
 
-    positions: ``[T]`` or ``[B, T]`` integer positions. ``R = rotary_dim`` (default ``head_dim``,
+    positions: ``[T]`` (gives ``B = 1``, broadcasting) or ``[B, T]`` integer positions. ``R = rotary_dim`` (default ``head_dim``,
     must be even). ``inv_freq[i] = theta^(-2i/R)`` for ``i < R/2``; angle = position * inv_freq.
     ``"half"`` layout repeats the ``R/2`` angles as ``[f, f]``; ``"interleaved"`` as
     ``[f0, f0, f1, f1, ...]``. Computed in float32 the way transformers' default rotary
@@ -33,21 +37,27 @@ def rope_tables_for(positions: torch.Tensor, head_dim: int, theta: float = 10000
     """
     r = head_dim if rotary_dim is None else rotary_dim
     if r < 2 or r % 2 or r > head_dim:
-        raise ConfigError(f"Invalid rotary_dim {r}; allowed: an even number from 2 to "
-                          f"head_dim {head_dim}.")
+        raise ConfigError(
+            f"Invalid rotary_dim {r}; allowed: an even number from 2 to head_dim {head_dim}."
+        )
     if layout not in LAYOUTS:
         raise ConfigError(f"Unknown RoPE layout {layout!r}; allowed: {', '.join(LAYOUTS)}.")
     pos = positions if positions.dim() == 2 else positions.unsqueeze(0)
-    inv_freq = 1.0 / (theta ** (torch.arange(0, r, 2, dtype=torch.int64,
-                                             device=pos.device).float() / r))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, r, 2, dtype=torch.int64, device=pos.device).float() / r)
+    )
     freqs = pos.float()[..., None] * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1) if layout == "half" else \
-        freqs.repeat_interleave(2, dim=-1)
+    emb = (
+        torch.cat((freqs, freqs), dim=-1)
+        if layout == "half"
+        else freqs.repeat_interleave(2, dim=-1)
+    )
     return emb.cos(), emb.sin()
 
 
-def quantize_pre_rope(k_pre: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      spec: QuantSpec, layout: str = "half") -> torch.Tensor:
+def quantize_pre_rope(
+    k_pre: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: QuantSpec, layout: str = "half"
+) -> torch.Tensor:
     """KVQuant-style keys: quantize ``k_pre`` (before RoPE), dequantize, then rotate.
 
     Returns the post-RoPE key the model would see, ``[B, H, T, D]`` float32; ``cos``/``sin``
@@ -58,8 +68,9 @@ def quantize_pre_rope(k_pre: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 # -- MiKV channel balancer ----------------------------------------------------------------
 
 
-def fit_balancer(q: torch.Tensor, k: torch.Tensor, exponent: float = 0.5,
-                 per_sample: bool = False) -> torch.Tensor:
+def fit_balancer(
+    q: torch.Tensor, k: torch.Tensor, exponent: float = 0.5, per_sample: bool = False
+) -> torch.Tensor:
     """MiKV balancer ``b = (max|q_c| / max|k_c|)^exponent`` per KV head and channel.
 
     q: ``[B, Hq, T, D]``, k: ``[B, Hkv, T, D]`` with ``Hq = groups * Hkv`` (GQA). Query head
@@ -82,8 +93,9 @@ def fit_balancer(q: torch.Tensor, k: torch.Tensor, exponent: float = 0.5,
     return torch.where(usable, ratio, torch.ones_like(ratio)).pow(exponent)
 
 
-def apply_balancer(q: torch.Tensor, k: torch.Tensor, b: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_balancer(
+    q: torch.Tensor, k: torch.Tensor, b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q / b, k * b)`` with ``b`` from ``fit_balancer`` (``[Hkv, D]`` or ``[B, Hkv, D]``),
     expanded to the query heads by the GQA mapping; every ``q_h . k_{h // groups}`` is
     unchanged. Returned in float32."""
@@ -95,11 +107,12 @@ def apply_balancer(q: torch.Tensor, k: torch.Tensor, b: torch.Tensor
 
 def _gqa_groups(q: torch.Tensor, k: torch.Tensor) -> int:
     if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
-        raise InputError(f"Expected q [B, Hq, T, D] and k [B, Hkv, T, D], got "
-                         f"{tuple(q.shape)} and {tuple(k.shape)}.")
+        raise InputError(
+            f"Expected q [B, Hq, T, D] and k [B, Hkv, T, D], got "
+            f"{tuple(q.shape)} and {tuple(k.shape)}."
+        )
     if q.shape[1] % k.shape[1]:
-        raise InputError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV "
-                         f"heads.")
+        raise InputError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads.")
     return q.shape[1] // k.shape[1]
 
 
@@ -127,16 +140,18 @@ class SparseOutliers:
         return dense.scatter(self.dim, self.indices, self.values.to(dense.dtype))
 
     def to_dense(self) -> torch.Tensor:
-        return self.scatter_into(torch.zeros(self.shape, dtype=self.values.dtype,
-                                             device=self.values.device))
+        return self.scatter_into(
+            torch.zeros(self.shape, dtype=self.values.dtype, device=self.values.device)
+        )
 
 
 def outlier_count(length: int, fraction: float) -> int:
     """Outliers kept per vector of ``length``: ``ceil(fraction * length)`` (at least the asked
     fraction; rounded to 9 decimals first so 0.07 * 100 gives 7, not 8)."""
     if not 0.0 <= fraction < 1.0:
-        raise ConfigError(f"Invalid outlier fraction {fraction!r}; allowed: 0 <= fraction < 1 "
-                          f"(e.g. 0.01 for 1%).")
+        raise ConfigError(
+            f"Invalid outlier fraction {fraction!r}; allowed: 0 <= fraction < 1 (e.g. 0.01 for 1%)."
+        )
     return math.ceil(round(fraction * length, 9))
 
 
@@ -144,8 +159,7 @@ def scope_dim(scope: str) -> int:
     """Tensor dim the outlier vectors run along: per-token -> channels (-1), per-channel ->
     tokens (-2)."""
     if scope not in OUTLIER_SCOPES:
-        raise ConfigError(f"Unknown outlier scope {scope!r}; allowed: "
-                          f"{', '.join(OUTLIER_SCOPES)}.")
+        raise ConfigError(f"Unknown outlier scope {scope!r}; allowed: {', '.join(OUTLIER_SCOPES)}.")
     return -1 if scope == "per-token" else -2
 
 
@@ -154,8 +168,9 @@ def default_outlier_scope(spec: QuantSpec) -> str:
     return "per-channel" if spec.granularity == "per-channel" else "per-token"
 
 
-def split_outliers(x: torch.Tensor, fraction: float, dim: int = -1
-                   ) -> tuple[torch.Tensor, SparseOutliers]:
+def split_outliers(
+    x: torch.Tensor, fraction: float, dim: int = -1
+) -> tuple[torch.Tensor, SparseOutliers]:
     """Keep the ``outlier_count(n, fraction)`` largest-magnitude entries of every vector along
     ``dim`` (``-1``: each token's channels; ``-2``: each channel's tokens) in full precision.
 
@@ -164,7 +179,7 @@ def split_outliers(x: torch.Tensor, fraction: float, dim: int = -1
     dim = dim % x.dim()
     k = outlier_count(x.shape[dim], fraction)
     if k == 0:
-        empty = x.new_zeros(*x.shape[:dim], 0, *x.shape[dim + 1:])
+        empty = x.new_zeros(*x.shape[:dim], 0, *x.shape[dim + 1 :])
         return x, SparseOutliers(empty.long(), empty, dim, tuple(x.shape))
     idx = x.abs().topk(k, dim=dim).indices.sort(dim=dim).values
     values = x.gather(dim, idx)
@@ -172,8 +187,9 @@ def split_outliers(x: torch.Tensor, fraction: float, dim: int = -1
     return dense, SparseOutliers(idx, values, dim, tuple(x.shape))
 
 
-def quantize_with_outliers(x: torch.Tensor, spec: QuantSpec, fraction: float,
-                           scope: str | None = None) -> torch.Tensor:
+def quantize_with_outliers(
+    x: torch.Tensor, spec: QuantSpec, fraction: float, scope: str | None = None
+) -> torch.Tensor:
     """Dense-and-sparse reconstruction ``[B, H, T, D]`` float32: outliers (``fraction`` per
     vector of ``scope``, default ``default_outlier_scope(spec)``) exact, the rest quantized with
     ``spec``. Outlier positions hold their exact values (not value + quantized zero)."""
@@ -197,8 +213,7 @@ class LowRank:
         return self.left @ self.right
 
 
-def lowrank_residual(residual: torch.Tensor, rank: int, iters: int = 3, seed: int = 0
-                     ) -> LowRank:
+def lowrank_residual(residual: torch.Tensor, rank: int, iters: int = 3, seed: int = 0) -> LowRank:
     """Rank-``rank`` approximation of each ``[T, D]`` matrix of ``residual`` ``[B, H, T, D]`` by
     subspace (power) iteration, as GEAR does instead of a full SVD.
 
@@ -224,9 +239,15 @@ def lowrank_residual(residual: torch.Tensor, rank: int, iters: int = 3, seed: in
     return LowRank(left, left.transpose(-1, -2) @ r_mat)
 
 
-def quantize_gear(x: torch.Tensor, spec: QuantSpec, rank: int, outlier_fraction: float = 0.0,
-                  iters: int = 3, seed: int = 0, outlier_scope: str | None = None
-                  ) -> torch.Tensor:
+def quantize_gear(
+    x: torch.Tensor,
+    spec: QuantSpec,
+    rank: int,
+    outlier_fraction: float = 0.0,
+    iters: int = 3,
+    seed: int = 0,
+    outlier_scope: str | None = None,
+) -> torch.Tensor:
     """GEAR reconstruction ``D_hat + S + L`` ``[B, H, T, D]`` float32: outliers ``S`` exact,
     the rest quantized (``D_hat``), then a rank-``rank`` approximation ``L`` of what remains,
     ``x - (D_hat + S)``, per (batch, head)."""
