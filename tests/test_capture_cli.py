@@ -1,0 +1,89 @@
+"""`kvlens capture` through Typer's runner: success, JSON summary and every bad-input path."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kvlens.cli import app
+from kvlens.store import open_capture
+
+runner = CliRunner()
+
+
+def _run(*args):
+    return runner.invoke(app, ["capture", *map(str, args)])
+
+
+@pytest.fixture()
+def text_file(tmp_path):
+    path = tmp_path / "text.txt"
+    path.write_text("The quick brown fox jumps over the lazy dog. " * 40, encoding="utf-8")
+    return path
+
+
+def test_capture_json_summary(tiny_model_dir, text_file, tmp_path):
+    out = tmp_path / "run.h5"
+    res = _run("--model", tiny_model_dir, "--text", text_file, "-s", 2, "-t", 16,
+               "--layers", "0,2", "-o", out, "--json")
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout)
+    assert summary["layers"] == [0, 2] and summary["samples"] == 2 and summary["tokens"] == 16
+    assert summary["file_bytes"] == out.stat().st_size
+    with open_capture(out) as cap:
+        assert cap.meta.text_source == str(text_file)
+        assert cap.tokens().shape == (2, 16)
+
+
+def test_capture_table_output(tiny_model_dir, text_file, tmp_path):
+    res = _run("--model", tiny_model_dir, "--text", text_file, "-s", 1, "-t", 8,
+               "-o", tmp_path / "r.h5")
+    assert res.exit_code == 0, res.output
+    assert "Capture written" in res.stdout and "3 layers" in res.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "/nonexistent/model"], "Model not found"),
+    (["--layers", "0,7"], "outside 0-2"),
+    (["--layers", "a-b"], "Invalid layer spec"),
+    (["--storage-dtype", "int8"], "Unknown storage dtype"),
+    (["--tokens", "5000"], "tokens but"),
+    (["--device", "tpu"], "Unknown device"),
+])
+def test_capture_bad_input(args, message, tiny_model_dir, text_file, tmp_path):
+    base = ["--model", tiny_model_dir, "--text", text_file, "-s", 1, "-t", 8,
+            "-o", tmp_path / "r.h5"]
+    # later options override earlier ones in click, so the bad value wins
+    res = _run(*base, *args)
+    assert res.exit_code == 1
+    assert message in " ".join(res.output.split())
+    assert not (tmp_path / "r.h5").exists()
+
+
+def test_capture_refuses_empty_text_and_unwritable_dir(tiny_model_dir, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n", encoding="utf-8")
+    res = _run("--model", tiny_model_dir, "--text", empty, "-o", tmp_path / "r.h5")
+    assert res.exit_code == 1 and "is empty" in res.output
+    res = _run("--model", tiny_model_dir, "-o", tmp_path / "missing" / "r.h5")
+    assert res.exit_code == 1 and "does not exist" in res.output
+
+
+def test_capture_refuses_existing_output(tiny_model_dir, text_file, tmp_path):
+    out = tmp_path / "r.h5"
+    out.write_bytes(b"keep me")
+    res = _run("--model", tiny_model_dir, "--text", text_file, "-o", out)
+    assert res.exit_code == 1 and "--overwrite" in res.output
+    assert out.read_bytes() == b"keep me"
+
+
+def test_unsupported_model_is_refused(tmp_path):
+    from transformers import BertConfig, BertModel
+
+    BertModel(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, intermediate_size=32)).save_pretrained(tmp_path)
+    res = _run("--model", tmp_path, "-o", tmp_path / "r.h5")
+    assert res.exit_code == 1
+    assert "Could not load model" in res.output or "Unsupported model" in res.output
