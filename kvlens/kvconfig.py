@@ -1,0 +1,344 @@
+"""Compressed-KV-cache configs: frozen, versioned, JSON-serialisable (``generate`` reads them,
+``recommend`` writes them).
+
+A config is a ``default`` layer setting plus optional per-layer overrides. Each layer setting
+says how keys and values are quantized (a ``QuantSpec`` each, or ``null`` = kept in the model's
+dtype), how many of the newest tokens wait in the full-precision residual window, and whether
+keys are stored before RoPE. Optional MiKV settings keep a fraction of important tokens at high
+precision and balance key channels. JSON form (``version`` 1)::
+
+    {
+      "format": "kvlens.kvconfig", "version": 1, "name": "kivi-2", "description": "...",
+      "default": {"key":   {"bits": 2, "granularity": "per-channel", "group_size": 32},
+                  "value": {"bits": 2, "granularity": "per-token",   "group_size": 32},
+                  "residual_tokens": 128, "pre_rope_keys": false},
+      "layers": {"0": {"key": null}},          # partial overrides, merged over "default"
+      "mikv": null | {"heavy_fraction": 0.2, "sink_tokens": 4,
+                      "balancer": "off" | "online" | "fixed", "balancer_exponent": 0.5},
+      "balancers": null | {"0": [[b_0 ... b_{D-1}] per KV head], ...},   # for "fixed"
+      "scale_dtype": "float16",
+      "model": null | {"num_layers": 30, "head_dim": 64, "num_key_value_heads": 3}
+    }
+
+``validate_for(config, info)`` checks a config against a loaded model (layer count, head_dim,
+group sizes, balancer shapes) and raises ``ConfigError`` naming the allowed values.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from kvlens.errors import ConfigError
+from kvlens.quant import QuantSpec
+
+FORMAT = "kvlens.kvconfig"
+VERSION = 1
+BALANCER_MODES = ("off", "online", "fixed")
+_LAYER_KEYS = ("key", "value", "residual_tokens", "pre_rope_keys")
+_TOP_KEYS = ("format", "version", "name", "description", "default", "layers", "mikv",
+             "balancers", "scale_dtype", "model")
+_MIKV_KEYS = ("heavy_fraction", "sink_tokens", "balancer", "balancer_exponent")
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """How one layer's cache is stored. ``None`` spec = not quantized (model dtype)."""
+
+    key: QuantSpec | None = None
+    value: QuantSpec | None = None
+    residual_tokens: int = 0
+    pre_rope_keys: bool = False
+
+    def __post_init__(self) -> None:
+        r = self.residual_tokens
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ConfigError(f"Invalid residual_tokens {r!r}; allowed: an integer >= 0.")
+        if not isinstance(self.pre_rope_keys, bool):
+            raise ConfigError(f"Invalid pre_rope_keys {self.pre_rope_keys!r}; allowed: true, "
+                              "false.")
+
+    @property
+    def compressed(self) -> bool:
+        return self.key is not None or self.value is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": _spec_dict(self.key), "value": _spec_dict(self.value),
+                "residual_tokens": self.residual_tokens, "pre_rope_keys": self.pre_rope_keys}
+
+
+@dataclass(frozen=True)
+class MikvSettings:
+    """MiKV: keep ``heavy_fraction`` of tokens (by H2O accumulated attention) plus the first
+    ``sink_tokens`` at full precision; balance key channels (``k*b`` stored, ``q/b`` used)."""
+
+    heavy_fraction: float = 0.2
+    sink_tokens: int = 4
+    balancer: str = "off"
+    balancer_exponent: float = 0.5
+
+    def __post_init__(self) -> None:
+        f = self.heavy_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
+            raise ConfigError(f"Invalid mikv.heavy_fraction {f!r}; allowed: 0.0-1.0.")
+        s = self.sink_tokens
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            raise ConfigError(f"Invalid mikv.sink_tokens {s!r}; allowed: an integer >= 0.")
+        if self.balancer not in BALANCER_MODES:
+            raise ConfigError(f"Unknown mikv.balancer {self.balancer!r}; allowed: "
+                              f"{', '.join(BALANCER_MODES)}.")
+        e = self.balancer_exponent
+        if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 < e <= 1:
+            raise ConfigError(f"Invalid mikv.balancer_exponent {e!r}; allowed: (0, 1].")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"heavy_fraction": self.heavy_fraction, "sink_tokens": self.sink_tokens,
+                "balancer": self.balancer, "balancer_exponent": self.balancer_exponent}
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    """A whole compressed-cache config (see the module docstring for the JSON form)."""
+
+    name: str
+    default: LayerKV
+    layers: Mapping[int, LayerKV] = field(default_factory=dict)
+    mikv: MikvSettings | None = None
+    balancers: Mapping[int, tuple[tuple[float, ...], ...]] = field(default_factory=dict)
+    scale_dtype: str = "float16"
+    description: str = ""
+    model: Mapping[str, int] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError("A KV config needs a non-empty string 'name'.")
+        if self.scale_dtype not in ("float16", "float32"):
+            raise ConfigError(f"Unknown scale_dtype {self.scale_dtype!r}; allowed: float16, "
+                              "float32.")
+        if self.mikv is not None and self.mikv.balancer == "fixed" and not self.balancers:
+            raise ConfigError("mikv.balancer is 'fixed' but the config has no 'balancers'; "
+                              "add them or use balancer 'online' or 'off'.")
+
+    def layer(self, idx: int) -> LayerKV:
+        return self.layers.get(idx, self.default)
+
+    @property
+    def compressed(self) -> bool:
+        return self.default.compressed or any(v.compressed for v in self.layers.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT, "version": VERSION, "name": self.name,
+            "description": self.description, "default": self.default.to_dict(),
+            "layers": {str(i): v.to_dict() for i, v in sorted(self.layers.items())},
+            "mikv": self.mikv.to_dict() if self.mikv else None,
+            "balancers": {str(i): [list(r) for r in b] for i, b in sorted(self.balancers.items())}
+            or None,
+            "scale_dtype": self.scale_dtype,
+            "model": dict(self.model) if self.model else None,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> KVConfig:
+        return config_from_dict(data)
+
+
+def _spec_dict(spec: QuantSpec | None) -> dict[str, Any] | None:
+    return None if spec is None else spec.to_dict()
+
+
+def _spec(value: Any, where: str) -> QuantSpec | None:
+    if value is None:
+        return None
+    try:
+        return QuantSpec.from_dict(value)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _layer(data: Any, base: LayerKV | None, where: str) -> LayerKV:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where} must be a JSON object with keys {', '.join(_LAYER_KEYS)}.")
+    unknown = sorted(set(data) - set(_LAYER_KEYS))
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {unknown}; allowed: {', '.join(_LAYER_KEYS)}.")
+    base = base or LayerKV()
+    kwargs: dict[str, Any] = {}
+    for name in ("key", "value"):
+        if name in data:
+            kwargs[name] = _spec(data[name], f"{where}.{name}")
+    for name in ("residual_tokens", "pre_rope_keys"):
+        if name in data:
+            kwargs[name] = data[name]
+    return replace(base, **kwargs)
+
+
+def config_from_dict(data: Any) -> KVConfig:
+    """Parse and validate the JSON form; every problem is a ``ConfigError`` saying where."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"A KV config must be a JSON object, got {type(data).__name__}.")
+    if data.get("format", FORMAT) != FORMAT:
+        raise ConfigError(f"Not a kvlens KV config: format {data.get('format')!r} (expected "
+                          f"{FORMAT!r}).")
+    version = data.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= VERSION:
+        raise ConfigError(f"Unsupported KV config version {version!r}; this kvlens reads "
+                          f"versions 1-{VERSION}.")
+    unknown = sorted(set(data) - set(_TOP_KEYS))
+    if unknown:
+        raise ConfigError(f"Unknown KV config keys {unknown}; allowed: {', '.join(_TOP_KEYS)}.")
+    if "default" not in data:
+        raise ConfigError("KV config is missing 'default' (the setting for every layer).")
+    default = _layer(data["default"], None, "default")
+    layers: dict[int, LayerKV] = {}
+    raw_layers = data.get("layers") or {}
+    if not isinstance(raw_layers, Mapping):
+        raise ConfigError("'layers' must be an object mapping layer indices to overrides.")
+    for key, value in raw_layers.items():
+        idx = _index(key, "layers")
+        layers[idx] = _layer(value, default, f"layers.{key}")
+    mikv = None
+    if data.get("mikv") is not None:
+        raw = data["mikv"]
+        if not isinstance(raw, Mapping) or set(raw) - set(_MIKV_KEYS):
+            raise ConfigError(f"'mikv' must be an object with keys {', '.join(_MIKV_KEYS)}.")
+        mikv = MikvSettings(**raw)
+    balancers: dict[int, tuple[tuple[float, ...], ...]] = {}
+    for key, value in (data.get("balancers") or {}).items():
+        idx = _index(key, "balancers")
+        if not isinstance(value, list) or not value or not all(
+                isinstance(r, list) and r and all(isinstance(v, (int, float))
+                                                   and math.isfinite(v) and v > 0 for v in r)
+                for r in value):
+            raise ConfigError(f"balancers.{key} must be a list (one per KV head) of lists of "
+                              "positive finite numbers (one per channel).")
+        balancers[idx] = tuple(tuple(float(v) for v in r) for r in value)
+    model = data.get("model")
+    if model is not None and not (isinstance(model, Mapping) and all(
+            isinstance(v, int) for v in model.values())):
+        raise ConfigError("'model' must be an object of integers (num_layers, head_dim, "
+                          "num_key_value_heads).")
+    return KVConfig(name=data.get("name") or "", default=default, layers=layers, mikv=mikv,
+                    balancers=balancers, scale_dtype=data.get("scale_dtype", "float16"),
+                    description=data.get("description", ""), model=model)
+
+
+def _index(key: Any, where: str) -> int:
+    try:
+        idx = int(key)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: {key!r} is not a layer index (an integer >= 0).") from None
+    if idx < 0:
+        raise ConfigError(f"{where}: layer index {idx} is negative.")
+    return idx
+
+
+def load_config(path: str | Path) -> KVConfig:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"Cannot read KV config {path}: {exc.strerror or exc}.") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}: "
+                          f"{exc.msg}).") from None
+    return config_from_dict(data)
+
+
+def save_config(config: KVConfig, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(config.to_dict(), indent=2) + "\n", encoding="utf-8")
+
+
+# -- presets -------------------------------------------------------------------------------
+
+def _kivi(bits: int) -> KVConfig:
+    return KVConfig(f"kivi-{bits}", LayerKV(QuantSpec(bits, "per-channel", 32),
+                                            QuantSpec(bits, "per-token", 32), 128),
+                    description=f"KIVI {bits}-bit: keys per-channel G32, values per-token G32, "
+                                "128-token fp residual window")
+
+
+def _per_token(bits: int) -> KVConfig:
+    return KVConfig(f"per-token-{bits}", LayerKV(QuantSpec(bits, "per-token", 64),
+                                                 QuantSpec(bits, "per-token", 64), 128),
+                    description=f"{bits}-bit keys and values per-token G64 with a 128-token "
+                                "window (transformers QuantizedCache-style baseline)")
+
+
+def _mikv(bits: int) -> KVConfig:
+    return KVConfig(f"mikv-{bits}", LayerKV(QuantSpec(bits, "per-token", 32),
+                                            QuantSpec(bits, "per-token", 32), 32),
+                    mikv=MikvSettings(0.2, 4, "online"),
+                    description=f"MiKV: 20% heavy-hitter + 4 sink tokens at full precision, rest "
+                                f"{bits}-bit per-token G32 with an online channel balancer")
+
+
+PRESETS: dict[str, KVConfig] = {
+    "fp16": KVConfig("fp16", LayerKV(), description="no compression (model dtype)"),
+    "kivi-2": _kivi(2),
+    "kivi-4": _kivi(4),
+    "per-token-2": _per_token(2),
+    "per-token-4": _per_token(4),
+    "mikv-2": _mikv(2),
+    "mikv-4": _mikv(4),
+    "kivi-2-prerope": replace(_kivi(2), name="kivi-2-prerope",
+                              default=replace(_kivi(2).default, pre_rope_keys=True),
+                              description="kivi-2 with keys quantized before RoPE"),
+}
+
+
+def preset(name: str) -> KVConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"Unknown preset {name!r}; allowed: {', '.join(PRESETS)}.")
+    return PRESETS[name]
+
+
+def resolve(spec: str) -> KVConfig:
+    """A preset name, or a path to a JSON config file."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    if spec.endswith(".json") or Path(spec).is_file():
+        return load_config(spec)
+    raise ConfigError(f"Unknown preset {spec!r} (and no such config file); allowed presets: "
+                      f"{', '.join(PRESETS)}.")
+
+
+# -- validation against a model ------------------------------------------------------------
+
+def validate_for(config: KVConfig, info) -> None:
+    """Raise ``ConfigError`` unless ``config`` fits the model described by ``info``
+    (``kvlens.architecture.ModelInfo``)."""
+    from kvlens.cache.packed import check_layout
+
+    n, d, hkv = info.num_layers, info.head_dim, info.num_key_value_heads
+    if config.model:
+        for key, actual in (("num_layers", n), ("head_dim", d), ("num_key_value_heads", hkv)):
+            want = config.model.get(key)
+            if want is not None and want != actual:
+                raise ConfigError(f"Config {config.name!r} was made for a model with {key}="
+                                  f"{want}, but this model has {key}={actual}.")
+    bad = sorted(i for i in config.layers if i >= n)
+    if bad:
+        raise ConfigError(f"Config {config.name!r} overrides layers {bad}, but the model has "
+                          f"{n} layers; allowed indices: 0-{n - 1}.")
+    for idx in range(n):
+        layer = config.layer(idx)
+        for what, spec in (("key", layer.key), ("value", layer.value)):
+            if spec is not None:
+                check_layout(spec, layer.residual_tokens, d, f"layer {idx} {what}")
+        if layer.pre_rope_keys and not info.declares_rope:
+            raise ConfigError(f"Config {config.name!r} asks for pre-RoPE keys but "
+                              f"{info.architecture} has no rotary embedding.")
+    for idx, b in config.balancers.items():
+        if idx >= n:
+            raise ConfigError(f"balancers.{idx}: the model has {n} layers; allowed indices: "
+                              f"0-{n - 1}.")
+        if len(b) != hkv or any(len(r) != d for r in b):
+            raise ConfigError(f"balancers.{idx} has shape [{len(b)}, {len(b[0])}] but the model "
+                              f"needs [num_key_value_heads={hkv}, head_dim={d}].")

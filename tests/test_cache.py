@@ -1,0 +1,244 @@
+"""The compressed cache: identity with compression off, packed layout round trip, decode
+attention over the packed store vs "dequantize with the reference, then attend"."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvlens.cache import compressed_attention, memory_report
+from kvlens.cache.attention import packed_attention, select_backend
+from kvlens.cache.layer import CompressedLayer
+from kvlens.cache.packed import PackedTensor
+from kvlens.errors import BackendError, ConfigError
+from kvlens.hf import cache_argument_name
+from kvlens.kvconfig import LayerKV, MikvSettings, preset
+from kvlens.quant import QTensor, QuantSpec, dequantize, quantize
+from tiny_models import tiny_model
+
+
+def _small(name: str, residual: int):
+    """A preset with group sizes that fit the tiny models' head_dim 16."""
+    cfg = preset(name)
+    d = cfg.default
+    return replace(cfg, default=replace(d, residual_tokens=residual,
+                                        key=replace(d.key, group_size=8),
+                                        value=replace(d.value, group_size=8)))
+
+
+def _generate(model, ids, mask, cache=None, n=12):
+    kw = {cache_argument_name(model): cache} if cache is not None else {}
+    return model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                          pad_token_id=0, **kw)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "gpt_neox"])
+def test_identity_cache_matches_dynamic_cache(arch):
+    model = tiny_model(arch)
+    torch.manual_seed(0)
+    ids = torch.randint(3, 128, (2, 11))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding in row 0
+    ref = _generate(model, ids, mask)
+    with compressed_attention(model, preset("fp16")) as session:
+        cache = session.new_cache()
+        out = _generate(model, ids, mask, cache)
+    assert torch.equal(out, ref)
+    assert cache.get_seq_length() == ids.shape[1] + 12 - 1
+    # Registration is undone: the plain model still generates the same.
+    assert torch.equal(_generate(model, ids, mask), ref)
+
+
+def test_identity_cache_smollm2(smollm2):
+    model, tok = smollm2
+    ids = tok("The capital of France is", return_tensors="pt").input_ids
+    mask = torch.ones_like(ids)
+    ref = _generate(model, ids, mask, n=8)
+    with compressed_attention(model, preset("fp16")) as session:
+        out = _generate(model, ids, mask, session.new_cache(), n=8)
+    assert torch.equal(out, ref)
+
+
+def test_cache_outside_its_context_is_refused():
+    model = tiny_model("llama")
+    with compressed_attention(model, _small("kivi-2", 16)) as session:
+        cache = session.new_cache()
+    with pytest.raises(ConfigError, match="compressed_attention"):
+        _generate(model, torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long), cache)
+
+
+@pytest.mark.parametrize("spec,residual", [
+    (QuantSpec(2, "per-channel", 32), 64),
+    (QuantSpec(4, "per-token", 16), 0),
+    (QuantSpec(3, "per-token", 8), 16),
+    (QuantSpec(2, "per-tensor"), 16),
+    (QuantSpec(4, "per-channel", None, symmetric=True), 8),
+])
+def test_packed_round_trip_equals_reference(spec, residual):
+    torch.manual_seed(1)
+    store = PackedTensor.create(spec, residual, 64)
+    f = store.block
+    x = torch.randn(2, 3, 5 * f, 64) * 3
+    store.append(x[:, :, :f])
+    store.append(x[:, :, f:])  # grows the capacity once
+    got = store.dequantize_range(0, 5 * f)
+    blocks = x.reshape(2, 3, 5, f, 64).transpose(1, 2).reshape(10, 3, f, 64)
+    q = quantize(blocks, spec)
+    ref = dequantize(QTensor(q.codes, q.scale.half().float(), q.zero.half().float(), spec,
+                             q.shape))
+    ref = ref.reshape(2, 5, 3, f, 64).transpose(1, 2).reshape(2, 3, 5 * f, 64)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
+    assert store.used_bytes() < x.numel() * 2 * spec.bits / 8 + x.numel()  # far below fp32
+
+
+def _session():
+    return SimpleNamespace(active=True, rope={})
+
+
+def _reference_attention(q, keys, values, mask):
+    """softmax(q k^T / sqrt(d) + mask) v with the repeat_kv GQA mapping."""
+    g = q.shape[1] // keys.shape[1]
+    k = keys.repeat_interleave(g, dim=1)
+    v = values.repeat_interleave(g, dim=1)
+    s = q.float() @ k.float().transpose(-1, -2) / q.shape[-1] ** 0.5
+    s = s.masked_fill(~mask, float("-inf"))
+    return (s.softmax(-1) @ v.float()).transpose(1, 2)
+
+
+def _stored_view(x, spec, f, n_q):
+    """What the cache holds for the first ``n_q`` tokens: reference quantization per block."""
+    b, h, _, d = x.shape
+    blocks = x[:, :, :n_q].reshape(b, h, n_q // f, f, d).transpose(1, 2)
+    blocks = blocks.reshape(-1, h, f, d)
+    q = quantize(blocks, spec)
+    deq = dequantize(QTensor(q.codes, q.scale.half().float(), q.zero.half().float(), spec,
+                             q.shape))
+    deq = deq.reshape(b, n_q // f, h, f, d).transpose(1, 2).reshape(b, h, n_q, d)
+    return torch.cat((deq, x[:, :, n_q:].float()), dim=2)
+
+
+@pytest.mark.parametrize("total", [77, 100, 131])  # T not a multiple of G, window partly full
+def test_packed_decode_attention_equals_reference(total):
+    torch.manual_seed(total)
+    b, hq, hkv, d = 2, 6, 2, 32
+    kspec, vspec = QuantSpec(2, "per-channel", 16), QuantSpec(3, "per-token", 8)
+    setting = LayerKV(kspec, vspec, residual_tokens=32)
+    layer = CompressedLayer(setting, 0, d, session=_session())
+    k = torch.randn(b, hkv, total, d)
+    k[..., 3] *= 10  # an outlier channel
+    v = torch.randn(b, hkv, total, d)
+    prefill = 41
+    layer.update(k[:, :, :prefill], v[:, :, :prefill])
+    layer.commit(torch.randn(b, hq, prefill, d), None)
+    for t in range(prefill, total):  # decode one token at a time, as generate() does
+        layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        layer.commit(torch.randn(b, hq, 1, d), None)
+    n_q = layer.quantized_length
+    assert n_q == (total // 32) * 32 and layer.n_res == total % 32
+    q = torch.randn(b, hq, 1, d)
+    out, _ = packed_attention(q, layer, None, d ** -0.5, chunk_tokens=32)
+    keys = _stored_view(k, kspec, 32, n_q)
+    values = _stored_view(v, vspec, 32, n_q)
+    ref = _reference_attention(q, keys, values, torch.ones(1, 1, 1, total, dtype=torch.bool))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_attention_with_left_padding_mask_and_multi_token_queries():
+    torch.manual_seed(3)
+    b, hq, hkv, d, total, tq = 2, 4, 1, 16, 70, 3
+    spec = QuantSpec(4, "per-channel", 8)
+    layer = CompressedLayer(LayerKV(spec, spec, 16), 0, d, session=_session())
+    k, v = torch.randn(b, hkv, total, d), torch.randn(b, hkv, total, d)
+    layer.update(k[:, :, :total - tq], v[:, :, :total - tq])
+    layer.commit(torch.randn(b, hq, total - tq, d), None)
+    layer.update(k[:, :, total - tq:], v[:, :, total - tq:])
+    mask = torch.ones(b, 1, tq, total, dtype=torch.bool).tril(total - tq)
+    mask[1, :, :, :9] = False  # row 1 is left-padded by 9 tokens
+    q = torch.randn(b, hq, tq, d)
+    out, _ = packed_attention(q, layer, mask, d ** -0.5, chunk_tokens=16)
+    n_q = layer.quantized_length
+    ref = _reference_attention(q, _stored_view(k, spec, 16, n_q),
+                               _stored_view(v, spec, 16, n_q), mask)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # The None mask means causal, bottom-right aligned.
+    out_none, _ = packed_attention(q, layer, None, d ** -0.5)
+    causal = torch.ones(1, 1, tq, total, dtype=torch.bool).tril(total - tq)
+    ref_none = _reference_attention(q, _stored_view(k, spec, 16, n_q),
+                                    _stored_view(v, spec, 16, n_q), causal)
+    torch.testing.assert_close(out_none, ref_none, rtol=1e-5, atol=1e-5)
+
+
+def test_mikv_high_precision_tokens_replace_their_low_bit_copies():
+    torch.manual_seed(4)
+    b, hq, hkv, d, total = 1, 4, 2, 16, 40
+    spec = QuantSpec(2, "per-token", 8)
+    mikv = MikvSettings(heavy_fraction=0.25, sink_tokens=2, balancer="off")
+    layer = CompressedLayer(LayerKV(spec, spec, 8), 0, d, mikv=mikv, session=_session())
+    k, v = torch.randn(b, hkv, total, d), torch.randn(b, hkv, total, d)
+    for t in range(total):
+        layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        q = torch.randn(b, hq, 1, d)
+        _, colsum = packed_attention(q, layer, None, d ** -0.5, with_probs=True)
+        layer.commit(q, colsum)
+    assert layer.has_hp and bool((layer.hp_pos[..., :2].sort(-1).values
+                                  == torch.tensor([0, 1])).all())
+    n_q = layer.quantized_length
+    keys, values = _stored_view(k, spec, 8, n_q), _stored_view(v, spec, 8, n_q)
+    for hh in range(hkv):  # high-precision tokens are exact
+        pos = layer.hp_pos[0, hh]
+        keys[0, hh, pos], values[0, hh, pos] = k[0, hh, pos], v[0, hh, pos]
+    q = torch.randn(b, hq, 1, d)
+    out, colsum = packed_attention(q, layer, None, d ** -0.5, with_probs=True)
+    ref = _reference_attention(q, keys, values, torch.ones(1, 1, 1, total, dtype=torch.bool))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(colsum.sum(), torch.tensor(float(hq)), rtol=1e-5, atol=1e-5)
+
+
+def test_balancer_and_pre_rope_generate_close_to_fp16():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    logits = {}
+    for name in ("fp16", "kivi-2-prerope", "mikv-4"):
+        cfg = preset(name) if name == "fp16" else _small(name, 16)
+        with compressed_attention(model, cfg) as session:
+            cache = session.new_cache()
+            kw = {cache_argument_name(model): cache}
+            model(ids[:, :33], attention_mask=mask[:, :33], **kw)
+            out = model(ids[:, 33:34], **kw).logits[0, -1]
+        logits[name] = out
+        if name != "fp16":
+            assert cache.layers[0].quantized_length == 32
+            report = memory_report(cache)
+            assert 0 < report["kv_bytes"] < report["kv_bytes_fp16"] * 2
+    for name in ("kivi-2-prerope", "mikv-4"):
+        rel = (logits[name] - logits["fp16"]).norm() / logits["fp16"].norm()
+        assert 0 < rel < 0.2, name
+
+
+def test_memory_report_counts_packed_bytes():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 64), generator=torch.Generator().manual_seed(6))
+    cfg = _small("kivi-2", 32)
+    with compressed_attention(model, cfg) as session:
+        cache = session.new_cache()
+        model(ids, **{cache_argument_name(model): cache})
+    rep = memory_report(cache)
+    # 3 layers x 2 KV heads x 64 tokens x head_dim 16, K and V, all flushed (2 blocks of 32):
+    # 2-bit codes + fp16 scale and zero per group of 8 -> 2 + 32/8 = 6 bits per element.
+    assert rep["breakdown"]["residual"] == 0
+    assert rep["kv_bytes_fp16"] == 3 * 2 * 2 * 64 * 16 * 2
+    assert rep["bits_per_element"] == pytest.approx(16 * rep["kv_bytes"] / rep["kv_bytes_fp16"])
+    assert rep["bits_per_element"] == pytest.approx(6.0)
+
+
+def test_select_backend_reports_why_triton_is_not_used(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    name, reason = select_backend("auto", "cpu")
+    assert name == "torch" and "CUDA" in reason
+    with pytest.raises(BackendError, match="unavailable"):
+        select_backend("triton", "cpu")
+    assert select_backend("torch", "cpu")[0] == "torch"
