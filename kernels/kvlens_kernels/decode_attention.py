@@ -1,0 +1,512 @@
+"""Fused split-K decode attention over the packed KV cache (one layer, one query token).
+
+Torch reference: dequantize the packed store with ``kvlens.quant`` (``kvlens.cache.packed.
+PackedTensor.dequantize_range``), concatenate the residual window and the extra fp16 sets, then
+``softmax(q kᵀ * scaling + mask) v`` (``kvlens.metrics.attention_output`` / ``kvlens.cache.
+attention.packed_attention``). Tested in ``tests/test_kernels_decode.py``.
+
+Inputs (layout of ``kvlens.cache.packed``; ``Pk``/``Pv`` codes per byte, little-endian):
+
+- ``q`` ``[B, Hq, 1, D]``; ``Hq = g * Hkv`` (GQA, ``repeat_kv`` order: query head ``h*g + i``
+  reads KV head ``h``).
+- keys, per-channel groups of ``Gk`` tokens packed along tokens: ``k_codes [B, Hkv, capK/Pk,
+  D]`` uint8, ``k_scale``/``k_zero`` ``[B, Hkv, capK/Gk, D]`` (row ``t // Gk``).
+- values, per-token groups of ``Gv`` channels packed along channels: ``v_codes [B, Hkv, capV,
+  ceil(D/Pv)]`` uint8, ``v_scale``/``v_zero`` ``[B, Hkv, capV, D/Gv]`` (row ``t``).
+- tokens ``[0, length)`` of the packed store sit at absolute positions ``0..length-1``; the
+  residual window ``[B, Hkv, >=n_res, D]`` at ``length..length+n_res-1``; each extra set
+  ``(k, v, pos)`` (``[B, Hkv, N, D]`` x2, ``pos [B, Hkv, N]`` absolute positions, ``pos < 0`` =
+  unused slot) is one more segment (MiKV's high-precision tokens; their low-bit copies are hidden
+  with ``packed_valid``).
+
+Kernels and grid (``Bq = B * Hkv`` programs per split, each owning *all* ``g`` query heads of
+its KV head so packed bytes are read once):
+
+1. ``_packed_split_kernel``, grid ``(B*Hkv, ceil(length / split))``: loops over blocks of
+   ``BT | Gk`` tokens. Key scales are folded into the query once per block (``q_s[d] = q[d] *
+   k_scale[d]``, ``bias = sum_d q[d] * k_zero[d]``) so a score is ``dot(q_s, codes) + bias``: one
+   convert + FMA per code (fp16 tensor-core dot, fp32 accumulate). Value scales are folded into
+   the softmax weights: ``out[j-th channel group] += dot(p * v_scale[:, j], codes[:, group j]) +
+   sum_t p * v_zero[:, j]`` as a batched dot over the ``D/Gv`` channel groups. The channel
+   balancer is folded into ``q`` (``q / balancer``) and ``scaling * log2(e)`` too (``exp2``).
+   Online softmax per split; writes the unnormalised output, running max and sum.
+2. ``_dense_split_kernel``, same idea for a full-precision segment (residual window, each extra
+   set): its splits are further rows of the same partial buffers.
+3. ``_merge_kernel``, grid ``(B*Hq,)``: log-sum-exp merge of all splits -> ``[B, Hq, 1, D]``.
+
+Memory traffic per KV head and step: packed codes ``length * D * (ck + cv) / 8`` bytes, key
+scales+zeros ``2 * length/Gk * D * s`` and value scales+zeros ``2 * length * D/Gv * s`` (``s``
+= scale bytes), the residual/extra segments in full precision, plus ``splits * g * (D + 2) * 4``
+bytes of partials written and read back once. Nothing dequantized is ever written to memory.
+Bytes of one packed byte that several tokens (keys) or channels (values) share are fetched by
+several lanes of the same program; they hit L1, HBM reads each byte once.
+
+Masks: decode is causal by construction (the query is the newest token, every cached token is
+at or before it). Padding and other masks come as ``key_mask [B, N]`` bool over absolute
+positions (True = attend) and/or ``valid_start [B]`` (first attended position per sequence,
+left padding). A query with no visible token returns zeros (as the torch path does).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kvlens.errors import InputError
+from kvlens_kernels._common import (
+    check_int,
+    check_shape,
+    check_tensor,
+    container_bits,
+    next_pow2,
+)
+
+LOG2E = 1.4426950408889634
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SCALE_DTYPES = (torch.float16, torch.float32)
+INT_DTYPES = (torch.int32, torch.int64)
+
+
+@triton.jit
+def _token_mask(b, pos, valid, mask_ptr, smb, smn, start_ptr,
+                HAS_MASK: tl.constexpr, HAS_START: tl.constexpr):
+    """``valid`` AND the padding mask / valid start at absolute positions ``pos``."""
+    if HAS_MASK:
+        keep = tl.load(mask_ptr + b * smb + pos * smn, mask=valid, other=0)
+        valid = valid & (keep != 0)
+    if HAS_START:
+        start = tl.load(start_ptr + b)
+        valid = valid & (pos >= start)
+    return valid
+
+
+@triton.jit
+def _packed_split_kernel(
+    q_ptr, sqb, sqh, sqd,  # [B, Hq, 1, D] query (T stride unused)
+    bal_ptr, sbb, sbh, sbd,  # balancer [B|1, Hkv, D] (sbb = 0 when shared)
+    kc_ptr, skcb, skch, skct, skcd,  # key codes [B, Hkv, cap/Pk, D] uint8
+    ks_ptr, sksb, sksh, skst, sksd,  # key scale [B, Hkv, cap/Gk, D]
+    kz_ptr, skzb, skzh, skzt, skzd,  # key zero, same shape
+    vc_ptr, svcb, svch, svct, svcd,  # value codes [B, Hkv, cap, ceil(D/Pv)] uint8
+    vs_ptr, svsb, svsh, svst, svsd,  # value scale [B, Hkv, cap, D/Gv]
+    vz_ptr, svzb, svzh, svzt, svzd,  # value zero, same shape
+    pv_ptr, spvb, spvh, spvt,  # packed_valid [B, Hkv, cap] uint8 (MiKV: not in the hp set)
+    mask_ptr, smb, smn,  # key_mask [B, N] uint8 over absolute positions
+    start_ptr,  # valid_start [B] int
+    o_ptr, m_ptr, l_ptr,  # partials [B*Hkv, S, GQ, D] fp32 and [B*Hkv, S, GQ] fp32 x2
+    Hkv, D, GQ, length, split, S_TOTAL, qscale,  # sizes; qscale = scaling * log2(e)
+    BG: tl.constexpr,  # padded query heads per KV head (>= 16 for tl.dot)
+    BD: tl.constexpr,  # padded head dim
+    BT: tl.constexpr,  # tokens per block; divides GK
+    GK: tl.constexpr,  # key group (tokens per key scale row)
+    KC: tl.constexpr, KP: tl.constexpr,  # key container bits, key codes per byte
+    VC: tl.constexpr, VP: tl.constexpr,  # value container bits, value codes per byte
+    GV: tl.constexpr, GV_P: tl.constexpr,  # value group (channels) and its power-of-2 pad
+    NDG: tl.constexpr, NDG_P: tl.constexpr,  # value groups per token (D/GV) and pad
+    HAS_BAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_START: tl.constexpr,
+    HAS_PVALID: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    sid = tl.program_id(1)
+    b = pid // Hkv
+    h = pid % Hkv
+    gi = tl.arange(0, BG)
+    di = tl.arange(0, BD)
+    gmask = gi < GQ
+    dmask = di < D
+    q = tl.load(q_ptr + b * sqb + (h * GQ + gi[:, None]) * sqh + di[None, :] * sqd,
+                mask=gmask[:, None] & dmask[None, :], other=0.0).to(tl.float32) * qscale
+    if HAS_BAL:
+        bal = tl.load(bal_ptr + b * sbb + h * sbh + di * sbd, mask=dmask, other=1.0)
+        q = q / bal.to(tl.float32)[None, :]
+    # value geometry: [NDG_P, BT, GV_P] codes, channel = j*GV + c
+    vj = tl.arange(0, NDG_P)
+    vcc = tl.arange(0, GV_P)
+    vch = vj[:, None, None] * GV + vcc[None, None, :]
+    vchm = (vj[:, None, None] < NDG) & (vcc[None, None, :] < GV)
+    m_i = tl.full((BG,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BG,), tl.float32)
+    acc = tl.zeros((NDG_P, BG, GV_P), tl.float32)
+    t_begin = sid * split
+    t_end = tl.minimum(t_begin + split, length)
+    for t0 in range(t_begin, t_end, BT):
+        t = t0 + tl.arange(0, BT)
+        tv = t < t_end
+        valid = _token_mask(b, t, tv, mask_ptr, smb, smn, start_ptr, HAS_MASK, HAS_START)
+        if HAS_PVALID:
+            keep = tl.load(pv_ptr + b * spvb + h * spvh + t * spvt, mask=tv, other=0)
+            valid = valid & (keep != 0)
+        # keys: fold this block's scale row into q (BT divides GK: one row per block)
+        krow = t0 // GK
+        ks = tl.load(ks_ptr + b * sksb + h * sksh + krow * skst + di * sksd, mask=dmask,
+                     other=0.0).to(tl.float32)
+        kz = tl.load(kz_ptr + b * skzb + h * skzh + krow * skzt + di * skzd, mask=dmask,
+                     other=0.0).to(tl.float32)
+        qs = (q * ks[None, :]).to(tl.float16)
+        bias = tl.sum(q * kz[None, :], axis=1)
+        kb = tl.load(kc_ptr + b * skcb + h * skch + (t[None, :] // KP) * skct + di[:, None] * skcd,
+                     mask=tv[None, :] & dmask[:, None], other=0)
+        kcode = ((kb.to(tl.int32) >> ((t[None, :] % KP) * KC)) & ((1 << KC) - 1))
+        s = tl.dot(qs, kcode.to(tl.float16)) + bias[:, None]  # [BG, BT], log2 units
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        # values: fold the per-token scale of each channel group into p
+        vsp = vj[:, None] * svsd + t[None, :] * svst
+        pmask = (vj[:, None] < NDG) & tv[None, :]
+        vs = tl.load(vs_ptr + b * svsb + h * svsh + vsp, mask=pmask, other=0.0).to(tl.float32)
+        vzp = vj[:, None] * svzd + t[None, :] * svzt
+        vz = tl.load(vz_ptr + b * svzb + h * svzh + vzp, mask=pmask, other=0.0).to(tl.float32)
+        vb = tl.load(vc_ptr + b * svcb + h * svch + t[None, :, None] * svct
+                     + (vch // VP) * svcd, mask=vchm & tv[None, :, None], other=0)
+        vcode = ((vb.to(tl.int32) >> ((vch % VP) * VC)) & ((1 << VC) - 1)).to(tl.float16)
+        pw = (p[None, :, :] * vs[:, None, :]).to(tl.float16)  # [NDG_P, BG, BT]
+        pv = tl.dot(pw, vcode)  # [NDG_P, BG, GV_P]
+        zt = tl.sum(p[None, :, :] * vz[:, None, :], axis=2)  # [NDG_P, BG]
+        acc = acc * alpha[None, :, None] + pv + zt[:, :, None]
+        m_i = m_new
+    base = pid * S_TOTAL + sid
+    optr = o_ptr + (base * GQ + gi[None, :, None]) * D + vch
+    tl.store(optr, acc, mask=gmask[None, :, None] & vchm)
+    tl.store(m_ptr + base * GQ + gi, m_i, mask=gmask)
+    tl.store(l_ptr + base * GQ + gi, l_i, mask=gmask)
+
+
+@triton.jit
+def _dense_split_kernel(
+    q_ptr, sqb, sqh, sqd,  # [B, Hq, 1, D] query
+    k_ptr, skb, skh, skt, skd,  # [B, Hkv, N, D] full-precision keys
+    v_ptr, svb, svh, svt, svd,  # [B, Hkv, N, D] full-precision values
+    pos_ptr, spb, sph, spt,  # [B, Hkv, N] absolute positions (HAS_POS), < 0 = unused slot
+    mask_ptr, smb, smn,  # key_mask [B, N] uint8
+    start_ptr,  # valid_start [B]
+    o_ptr, m_ptr, l_ptr,  # partials
+    Hkv, D, GQ, n_tok, pos0, split, split_base, S_TOTAL, qscale,
+    BG: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
+    HAS_POS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_START: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    sid = tl.program_id(1)
+    b = pid // Hkv
+    h = pid % Hkv
+    gi = tl.arange(0, BG)
+    di = tl.arange(0, BD)
+    gmask = gi < GQ
+    dmask = di < D
+    q = tl.load(q_ptr + b * sqb + (h * GQ + gi[:, None]) * sqh + di[None, :] * sqd,
+                mask=gmask[:, None] & dmask[None, :], other=0.0).to(tl.float32) * qscale
+    m_i = tl.full((BG,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BG,), tl.float32)
+    acc = tl.zeros((BG, BD), tl.float32)
+    t_begin = sid * split
+    t_end = tl.minimum(t_begin + split, n_tok)
+    for t0 in range(t_begin, t_end, BT):
+        t = t0 + tl.arange(0, BT)
+        tv = t < t_end
+        if HAS_POS:
+            pos = tl.load(pos_ptr + b * spb + h * sph + t * spt, mask=tv, other=-1)
+            tv = tv & (pos >= 0)
+            pos = tl.where(tv, pos, 0)
+        else:
+            pos = pos0 + t
+        valid = _token_mask(b, pos, tv, mask_ptr, smb, smn, start_ptr, HAS_MASK, HAS_START)
+        kt = tl.load(k_ptr + b * skb + h * skh + t[None, :] * skt + di[:, None] * skd,
+                     mask=tv[None, :] & dmask[:, None], other=0.0)  # [BD, BT]
+        s = tl.dot(q.to(kt.dtype), kt)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + b * svb + h * svh + t[:, None] * svt + di[None, :] * svd,
+                    mask=tv[:, None] & dmask[None, :], other=0.0)  # [BT, BD]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    base = pid * S_TOTAL + split_base + sid
+    tl.store(o_ptr + (base * GQ + gi[:, None]) * D + di[None, :], acc,
+             mask=gmask[:, None] & dmask[None, :])
+    tl.store(m_ptr + base * GQ + gi, m_i, mask=gmask)
+    tl.store(l_ptr + base * GQ + gi, l_i, mask=gmask)
+
+
+@triton.jit
+def _merge_kernel(
+    o_ptr, m_ptr, l_ptr,  # partials [B*Hkv, S, GQ, D], [B*Hkv, S, GQ] x2 (fp32)
+    out_ptr, sob, soh, sod,  # output [B, Hq, 1, D]
+    Hq, D, GQ, S_TOTAL,
+    BS: tl.constexpr, BD: tl.constexpr,
+):
+    pid = tl.program_id(0)  # b * Hq + query head
+    b = pid // Hq
+    hq = pid % Hq
+    kv = b * (Hq // GQ) + hq // GQ
+    g = hq % GQ
+    si = tl.arange(0, BS)
+    di = tl.arange(0, BD)
+    smask = si < S_TOTAL
+    idx = (kv * S_TOTAL + si) * GQ + g
+    m = tl.load(m_ptr + idx, mask=smask, other=float("-inf"))
+    lsum = tl.load(l_ptr + idx, mask=smask, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_max)
+    denom = tl.sum(w * lsum, axis=0)
+    o = tl.load(o_ptr + idx[:, None] * D + di[None, :], mask=smask[:, None] & (di[None, :] < D),
+                other=0.0)
+    num = tl.sum(w[:, None] * o, axis=0)
+    out = tl.where(denom > 0, num / tl.maximum(denom, 1.1754943508222875e-38), 0.0)
+    tl.store(out_ptr + b * sob + hq * soh + di * sod, out.to(out_ptr.dtype.element_ty),
+             mask=di < D)
+
+
+# -- launcher -------------------------------------------------------------------------------------
+
+def _pow2_factor(n: int) -> int:
+    return n & -n
+
+
+def _auto_split(tokens: int, programs: int, block: int, device: torch.device) -> int:
+    """Tokens per split: enough splits to fill a GPU (~2 waves of 132 SMs), never below 256
+    tokens; on CPU (interpreter) as few programs as possible."""
+    if tokens <= 0:
+        return block
+    if device.type == "cuda":
+        want = max(1, math.ceil(264 / max(programs, 1)))
+        per = max(256, math.ceil(tokens / want))
+    else:
+        per = max(4096, tokens)
+    return -(-per // block) * block
+
+
+def _as_u8(name: str, t, b: int, hkv: int | None, min_len: int, device) -> torch.Tensor:
+    ndim = 2 if hkv is None else 3
+    check_tensor(name, t, ndim, (torch.bool, torch.uint8), device)
+    check_shape(name, t, (b, None) if hkv is None else (b, hkv, None))
+    if t.shape[-1] < min_len:
+        raise InputError(f"{name} covers {t.shape[-1]} positions but {min_len} are needed.")
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_codes: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+    k_zero: torch.Tensor | None,
+    v_codes: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    v_zero: torch.Tensor | None,
+    length: int,
+    *,
+    k_bits: int,
+    v_bits: int,
+    k_group: int,
+    v_group: int | None,
+    scaling: float,
+    residual_k: torch.Tensor | None = None,
+    residual_v: torch.Tensor | None = None,
+    residual_len: int = 0,
+    extra: tuple | list = (),
+    packed_valid: torch.Tensor | None = None,
+    balancer: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None,
+    valid_start: torch.Tensor | None = None,
+    split_tokens: int | None = None,
+) -> torch.Tensor:
+    """Decode attention of ``q`` ``[B, Hq, 1, D]`` over one layer's compressed cache ->
+    ``[B, Hq, 1, D]`` in ``q.dtype``. Layout and semantics: module docstring.
+
+    k_codes/k_scale/k_zero: per-channel keys (groups of ``k_group`` tokens, packed along tokens).
+    v_codes/v_scale/v_zero: per-token values (groups of ``v_group`` channels, ``None`` = ``D``,
+    packed along channels). ``length``: packed tokens (absolute positions ``0..length-1``); the
+    packed tensors may be ``None`` when ``length == 0``.
+    residual_k/residual_v: ``[B, Hkv, >=residual_len, D]`` full precision, positions
+    ``length..length+residual_len-1``.
+    extra: sequence of ``(k, v, pos)`` full-precision token sets (``[B, Hkv, N, D]`` x2, ``pos
+    [B, Hkv, N]`` absolute positions, ``< 0`` = unused); each is one more split segment.
+    packed_valid: bool ``[B, Hkv, >=length]``, False hides a packed token (MiKV hp copies).
+    balancer: ``[Hkv, D]`` or ``[B, Hkv, D]``: keys were stored as ``k * balancer``; the query is
+    divided by it for the packed segment only.
+    key_mask: bool ``[B, N]`` over absolute positions, True = attend. valid_start: ``[B]`` ints,
+    positions before it are masked (left padding).
+    split_tokens: tokens per split of the packed store (multiple of the token block); ``None``
+    picks one for the device.
+    """
+    check_tensor("q", q, 4, FLOAT_DTYPES)
+    dev = q.device
+    b, hq, tq, d = q.shape
+    if tq != 1:
+        raise InputError(f"decode_attention takes one query token per sequence (q [B, Hq, 1, D]),"
+                         f" got q of shape {list(q.shape)}; use the torch path for prefill.")
+    check_int("length", length, 0)
+    check_int("residual_len", residual_len, 0)
+    if not isinstance(scaling, (int, float)) or isinstance(scaling, bool):
+        raise InputError(f"scaling must be a float, got {scaling!r}.")
+    kcb, vcb = container_bits(k_bits), container_bits(v_bits)
+    kp, vp = 8 // kcb, 8 // vcb
+    v_group = d if v_group is None else v_group
+    check_int("k_group", k_group, 1)
+    check_int("v_group", v_group, 1)
+    hkv = None
+    for name, t in (("k_codes", k_codes), ("residual_k", residual_k)):
+        if t is not None:
+            check_tensor(name, t, 4, (torch.uint8,) if name == "k_codes" else FLOAT_DTYPES, dev)
+            hkv = t.shape[1]
+            break
+    if hkv is None and extra:
+        hkv = extra[0][0].shape[1] if isinstance(extra[0][0], torch.Tensor) else None
+    if hkv is None:
+        raise InputError("decode_attention got no keys: pass the packed store (length > 0), a "
+                         "residual window or an extra token set.")
+    if hkv < 1 or hq % hkv:
+        raise InputError(f"query heads {hq} must be a multiple of KV heads {hkv} (GQA).")
+    gq = hq // hkv
+    if length:
+        if any(t is None for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)):
+            raise InputError("length > 0 needs all of k_codes, k_scale, k_zero, v_codes, "
+                             "v_scale, v_zero.")
+        if k_group % 16 or k_group % kp:
+            raise InputError(f"k_group {k_group} must be a multiple of 16 (tensor-core token "
+                             f"blocks) and of {kp}; allowed e.g. 32, 64, 128.")
+        if d % v_group or v_group < 16:
+            raise InputError(f"v_group {v_group} must divide head_dim {d} and be >= 16; allowed "
+                             f"e.g. 32, 64, 128 (or None for the whole head).")
+        if v_group % vp:
+            raise InputError(f"v_group {v_group} must be a multiple of {vp} ({v_bits}-bit codes "
+                             f"per byte).")
+        n_krows = -(-length // k_group)
+        check_tensor("k_codes", k_codes, 4, (torch.uint8,), dev)
+        check_shape("k_codes", k_codes, (b, hkv, None, d))
+        if k_codes.shape[2] * kp < length:
+            raise InputError(f"k_codes holds {k_codes.shape[2] * kp} tokens < length {length}.")
+        for name, t in (("k_scale", k_scale), ("k_zero", k_zero)):
+            check_tensor(name, t, 4, SCALE_DTYPES, dev)
+            check_shape(name, t, (b, hkv, None, d))
+            if t.shape[2] < n_krows:
+                raise InputError(f"{name} has {t.shape[2]} group rows < {n_krows} needed for "
+                                 f"length {length} with k_group {k_group}.")
+        check_tensor("v_codes", v_codes, 4, (torch.uint8,), dev)
+        check_shape("v_codes", v_codes, (b, hkv, None, -(-d // vp)))
+        if v_codes.shape[2] < length:
+            raise InputError(f"v_codes holds {v_codes.shape[2]} tokens < length {length}.")
+        for name, t in (("v_scale", v_scale), ("v_zero", v_zero)):
+            check_tensor(name, t, 4, SCALE_DTYPES, dev)
+            check_shape(name, t, (b, hkv, None, d // v_group))
+            if t.shape[2] < length:
+                raise InputError(f"{name} has {t.shape[2]} rows < length {length}.")
+    if residual_len:
+        for name, t in (("residual_k", residual_k), ("residual_v", residual_v)):
+            if t is None:
+                raise InputError(f"residual_len {residual_len} > 0 but {name} is None.")
+            check_tensor(name, t, 4, FLOAT_DTYPES, dev)
+            check_shape(name, t, (b, hkv, None, d))
+            if t.shape[2] < residual_len:
+                raise InputError(f"{name} holds {t.shape[2]} tokens < residual_len "
+                                 f"{residual_len}.")
+    extras = []
+    for i, item in enumerate(extra):
+        if not isinstance(item, (tuple, list)) or len(item) != 3:
+            raise InputError(f"extra[{i}] must be a tuple (k, v, pos).")
+        ek, ev, ep = item
+        check_tensor(f"extra[{i}] k", ek, 4, FLOAT_DTYPES, dev)
+        check_shape(f"extra[{i}] k", ek, (b, hkv, None, d))
+        check_tensor(f"extra[{i}] v", ev, 4, FLOAT_DTYPES, dev)
+        check_shape(f"extra[{i}] v", ev, tuple(ek.shape))
+        check_tensor(f"extra[{i}] pos", ep, 3, INT_DTYPES, dev)
+        check_shape(f"extra[{i}] pos", ep, tuple(ek.shape[:3]))
+        if ek.shape[2]:
+            extras.append((ek, ev, ep))
+    pvalid = None
+    if packed_valid is not None and length:
+        pvalid = _as_u8("packed_valid", packed_valid, b, hkv, length, dev)
+    mask = None
+    if key_mask is not None:
+        mask = _as_u8("key_mask", key_mask, b, None, length + residual_len, dev)
+    start = None
+    if valid_start is not None:
+        check_tensor("valid_start", valid_start, 1, INT_DTYPES, dev)
+        check_shape("valid_start", valid_start, (b,))
+        start = valid_start
+    bal = None
+    if balancer is not None:
+        check_tensor("balancer", balancer, balancer.dim() if isinstance(balancer, torch.Tensor)
+                     and balancer.dim() in (2, 3) else 3, FLOAT_DTYPES, dev)
+        bal = balancer if balancer.dim() == 3 else balancer.unsqueeze(0)
+        check_shape("balancer", bal, (bal.shape[0], hkv, d))
+        if bal.shape[0] not in (1, b):
+            raise InputError(f"balancer batch {bal.shape[0]} must be 1 or {b}.")
+
+    bg = max(16, next_pow2(gq))
+    bd = max(16, next_pow2(d))
+    programs = b * hkv
+    # -- segments: packed splits, then residual splits, then each extra set
+    bt_p = min(64, _pow2_factor(k_group)) if length else 16
+    if split_tokens is not None:
+        check_int("split_tokens", split_tokens, 1)
+        if split_tokens % bt_p:
+            raise InputError(f"split_tokens {split_tokens} must be a multiple of the token block "
+                             f"{bt_p}.")
+    split_p = split_tokens or _auto_split(length, programs, bt_p, dev)
+    n_packed = -(-length // split_p) if length else 0
+    dense = []  # (k, v, pos or None, n_tok, pos0, split, n_splits)
+    bt_d = 32
+    if residual_len:
+        split_r = split_tokens or _auto_split(residual_len, programs, bt_d, dev)
+        split_r = -(-split_r // bt_d) * bt_d
+        dense.append((residual_k, residual_v, None, residual_len, length, split_r,
+                      -(-residual_len // split_r)))
+    for ek, ev, ep in extras:
+        n = ek.shape[2]
+        split_e = -(-(split_tokens or _auto_split(n, programs, bt_d, dev)) // bt_d) * bt_d
+        dense.append((ek, ev, ep, n, 0, split_e, -(-n // split_e)))
+    s_total = n_packed + sum(x[-1] for x in dense)
+    out = torch.full_like(q, float("nan"))
+    if s_total == 0:
+        return out.zero_()
+    o_part = torch.empty((programs, s_total, gq, d), dtype=torch.float32, device=dev)
+    m_part = torch.empty((programs, s_total, gq), dtype=torch.float32, device=dev)
+    l_part = torch.empty_like(m_part)
+    qscale = float(scaling) * LOG2E
+    dummy = o_part  # never dereferenced when the matching HAS_* flag is off
+    mask_args = (mask, *mask.stride()) if mask is not None else (dummy, 0, 0)
+    start_arg = start if start is not None else dummy
+    qs = (q.stride(0), q.stride(1), q.stride(3))
+    if n_packed:
+        bal_args = (bal, 0 if bal.shape[0] == 1 else bal.stride(0), bal.stride(1),
+                    bal.stride(2)) if bal is not None else (dummy, 0, 0, 0)
+        pv_args = (pvalid, *pvalid.stride()) if pvalid is not None else (dummy, 0, 0, 0)
+        ndg = d // v_group
+        _packed_split_kernel[(programs, n_packed)](
+            q, *qs, *bal_args,
+            k_codes, *k_codes.stride(), k_scale, *k_scale.stride(), k_zero, *k_zero.stride(),
+            v_codes, *v_codes.stride(), v_scale, *v_scale.stride(), v_zero, *v_zero.stride(),
+            *pv_args, *mask_args, start_arg, o_part, m_part, l_part,
+            hkv, d, gq, length, split_p, s_total, qscale,
+            BG=bg, BD=bd, BT=bt_p, GK=k_group, KC=kcb, KP=kp, VC=vcb, VP=vp,
+            GV=v_group, GV_P=max(16, next_pow2(v_group)), NDG=ndg, NDG_P=next_pow2(ndg),
+            HAS_BAL=bal is not None, HAS_MASK=mask is not None, HAS_START=start is not None,
+            HAS_PVALID=pvalid is not None)
+    base = n_packed
+    for dk, dv, dpos, n_tok, pos0, split, n_splits in dense:
+        pos_args = (dpos, *dpos.stride()) if dpos is not None else (dummy, 0, 0, 0)
+        _dense_split_kernel[(programs, n_splits)](
+            q, *qs, dk, *dk.stride(), dv, *dv.stride(), *pos_args, *mask_args, start_arg,
+            o_part, m_part, l_part, hkv, d, gq, n_tok, pos0, split, base, s_total, qscale,
+            BG=bg, BD=bd, BT=bt_d, HAS_POS=dpos is not None, HAS_MASK=mask is not None,
+            HAS_START=start is not None)
+        base += n_splits
+    _merge_kernel[(b * hq,)](o_part, m_part, l_part, out, out.stride(0), out.stride(1),
+                             out.stride(3), hq, d, gq, s_total, BS=next_pow2(s_total), BD=bd)
+    return out
+
+
+#: The name ``kvlens.cache.attention.select_backend`` probes for.
+packed_decode_attention = decode_attention
+
+__all__ = ["decode_attention", "packed_decode_attention"]
