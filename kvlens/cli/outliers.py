@@ -1,0 +1,227 @@
+"""``kvlens plot-outliers``: outlier channels of Q/K/V (pre vs post RoPE) as figures and data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from kvlens.cli import app
+from kvlens.cli.common import console, err_console, print_json, progress_bar, run_library_call
+
+FAMILY_ORDER = {"q": ("q_pre", "q"), "k": ("k_pre", "k"), "v": ("v",)}
+
+
+@app.command("plot-outliers")
+def plot_outliers(
+    run: Path = typer.Argument(..., help="Capture file written by `kvlens capture`."),
+    out: Path = typer.Option(..., "--out", "-o", help="Directory for figures and "
+                                                      "outliers.json (created if missing)."),
+    layers: str = typer.Option(None, "--layers", help="Layers to analyse, e.g. 0,4,8-11 "
+                                                      "(default: all captured)."),
+    heads: str = typer.Option(None, "--heads", help="KV heads, e.g. 0,2 (default: all); query "
+                                                    "tensors use those heads' GQA groups."),
+    tensors: str = typer.Option("q,k,v", "--tensors", help="Tensor families: q, k, v (q and k "
+                                                           "before and after RoPE)."),
+    fmt: str = typer.Option("png", "--format", help="Figure format: png, svg or pdf."),
+    threshold: float = typer.Option(4.0, "--threshold",
+                                    help="Outlier rule: channel abs-max >= THRESHOLD x median "
+                                         "channel abs-max of the head."),
+    profile_layers: str = typer.Option(
+        "auto", "--profile-layers",
+        help="Layers that get per-channel profile figures: 'auto' (the 3 most severe "
+             "analysed layers), 'all', or a spec such as 3,18."),
+    heatmap: list[str] = typer.Option(
+        None, "--heatmap", help="LAYER:KVHEAD for a token x channel heatmap (repeatable; "
+                                "default: the most severe pre-RoPE key head)."),
+    top: int = typer.Option(15, "--top", help="Rows in the table of strongest outliers."),
+    as_json: bool = typer.Option(False, "--json", help="Print the statistics as JSON on "
+                                                       "stdout (without per-channel profiles)."),
+) -> None:
+    """Which channels are outliers, how stable they are, and how RoPE moves them."""
+    from kvlens.errors import InputError
+    from kvlens.outliers import analyze_capture, parse_tensors
+
+    def prepare():
+        if fmt not in ("png", "svg", "pdf"):
+            raise InputError(f"Unknown --format {fmt!r}; allowed: png, svg, pdf.")
+        families = parse_tensors(tensors)
+        if out.exists() and not out.is_dir():
+            raise InputError(f"--out {out} exists and is not a directory.")
+        spots = [_parse_heatmap(s) for s in heatmap or []]
+        return families, spots
+
+    families, spots = run_library_call(prepare)
+    drawn: list[Path] = []
+    explicit = profile_layers.strip().lower() not in ("auto", "")
+    wanted: set[int] | None = None
+    model_name = [""]
+
+    def on_layer(stats) -> None:
+        # Streaming: draw a layer's profiles as soon as its statistics exist.
+        if explicit and (wanted is None or stats[0].layer in wanted):
+            drawn.extend(_draw_profiles(stats, model_name[0], threshold, out, fmt))
+
+    def analyse():
+        nonlocal wanted
+        from kvlens.selection import parse_index_spec
+        from kvlens.store import open_capture
+
+        with open_capture(run) as cap:
+            model_name[0] = cap.meta.model
+            if explicit and profile_layers.strip().lower() != "all":
+                wanted = set(parse_index_spec(profile_layers, cap.meta.num_layers, "layer"))
+            for layer, kv in spots:
+                cap.layer(layer)  # clear error for a layer that is not captured
+                if not 0 <= kv < cap.meta.num_key_value_heads:
+                    raise InputError(f"--heatmap {layer}:{kv}: KV head outside 0-"
+                                     f"{cap.meta.num_key_value_heads - 1}.")
+        out.mkdir(parents=True, exist_ok=True)
+        with progress_bar("plot-outliers") as update:
+            return analyze_capture(run, layers=layers, heads=heads, tensors=families,
+                                   threshold=threshold, progress=update, on_layer=on_layer)
+
+    report = run_library_call(analyse)
+    if not explicit:
+        for layer in _most_severe_layers(report, 3):
+            drawn.extend(_draw_profiles(report.select(layer=layer), report.model, threshold,
+                                        out, fmt))
+    drawn.extend(run_library_call(lambda: _draw_heatmaps(report, spots, run, out, fmt)))
+    from kvlens.plotting import plot_overview
+
+    drawn.append(plot_overview(report, out / f"overview.{fmt}"))
+    stats_path = out / "outliers.json"
+    _write_json(report.to_dict(profiles=True), stats_path)
+    err_console.print(f"Wrote {len(drawn)} figures and {stats_path} to {out} "
+                      f"(analysis {report.seconds:.1f} s).")
+    if as_json:
+        d = report.to_dict(profiles=False)
+        d["figures"] = [str(p) for p in drawn]
+        print_json(d)
+        return
+    _render(report, top, drawn)
+
+
+def _parse_heatmap(spec: str) -> tuple[int, int]:
+    from kvlens.errors import InputError
+
+    try:
+        layer_s, head_s = spec.split(":")
+        return int(layer_s), int(head_s)
+    except ValueError:
+        raise InputError(f"Invalid --heatmap {spec!r}: expected LAYER:KVHEAD, e.g. 18:2.") \
+            from None
+
+
+def _severity_tensor(report) -> str:
+    for t in ("k_pre", "q_pre", "v"):
+        if report.select(t):
+            return t
+    return report.heads[0].tensor
+
+
+def _most_severe_layers(report, n: int) -> list[int]:
+    sev = report.layer_severity(_severity_tensor(report))
+    return sorted(sorted(sev, key=sev.get, reverse=True)[:n])
+
+
+def _draw_profiles(stats, model: str, threshold: float, out: Path, fmt: str) -> list[Path]:
+    from kvlens.plotting import plot_channel_profiles
+
+    paths = []
+    layer = stats[0].layer
+    for fam, names in FAMILY_ORDER.items():
+        hs = [h for h in stats if h.tensor in names]
+        if hs:
+            paths.append(plot_channel_profiles(hs, model, threshold,
+                                               out / f"layer{layer:02d}_{fam}.{fmt}"))
+    return paths
+
+
+def _draw_heatmaps(report, spots, run: Path, out: Path, fmt: str) -> list[Path]:
+    from kvlens.outliers import read_head
+    from kvlens.plotting import plot_heatmap
+
+    if not spots:
+        t = _severity_tensor(report)
+        worst = max(report.select(t), key=lambda h: h.max_ratio)
+        spots = [(worst.layer, worst.kv_head)]
+    groups = report.num_attention_heads // report.num_key_value_heads
+    paths = []
+    for layer, kv in spots:
+        arrays, heads, marks = {}, {}, {}
+        for fam in report.tensors:
+            for name in FAMILY_ORDER[fam]:
+                if fam == "q":  # the query head of this KV group with the strongest outlier
+                    cands = [h for h in report.select(name, layer) if h.kv_head == kv]
+                    head = max(cands, key=lambda h: h.max_ratio).head if cands else kv * groups
+                else:
+                    head = kv
+                arrays[name] = read_head(run, layer, name, head)
+                heads[name] = head
+                marks[name] = [c for h in report.select(name, layer) if h.head == head
+                               for c in h.outlier_channels]
+        paths.append(plot_heatmap(arrays, report.model, layer, heads,
+                                  out / f"heatmap_layer{layer:02d}_kv{kv}.{fmt}",
+                                  outliers=marks))
+    return paths
+
+
+def _write_json(obj, path: Path) -> None:
+    import json
+
+    path.write_text(json.dumps(obj, indent=1) + "\n")
+
+
+def _render(report, top: int, drawn: list[Path]) -> None:
+    from rich.table import Table
+
+    sev = Table(title=f"{report.model}: outlier severity per layer (max/med = largest "
+                      f"channel abs-max / median over channels, worst head; outlier rule: "
+                      f">= {report.threshold:g}; outl. = outlier channels summed over heads)")
+    sev.add_column("layer", justify="right")
+    names = [n for fam in report.tensors for n in FAMILY_ORDER[fam]]
+    for n in names:
+        sev.add_column(f"{n}\nmax/med", justify="right")
+    sev.add_column("k_pre\noutl.", justify="right")
+    by = {n: report.layer_severity(n) for n in names}
+    for layer in report.layers:
+        cells = []
+        for n in names:
+            v = by[n].get(layer, 0.0)
+            style = "bold red" if v >= report.threshold else ""
+            cells.append(f"[{style}]{v:.1f}[/]" if style else f"{v:.1f}")
+        count = sum(len(h.outliers) for h in report.select("k_pre", layer))
+        sev.add_row(str(layer), *cells, str(count) if "k" in report.tensors else "-")
+    console.print(sev)
+
+    # Each outlier once: pre-RoPE tensors (their RoPE shift gives the post-RoPE view) and v.
+    cached = [t for t in ("k_pre", "v") if report.select(t)]
+    if cached:
+        console.print(_top_table(report, cached, top, "keys/values (cached)"))
+    if report.select("q_pre"):
+        console.print(_top_table(report, ["q_pre"], top, "queries"))
+    console.print(f"{len(drawn)} figures in {drawn[0].parent if drawn else '-'}; "
+                  f"statistics in {drawn[0].parent / 'outliers.json' if drawn else '-'}")
+
+
+def _top_table(report, tensors, top: int, what: str):
+    from rich import box
+    from rich.table import Table
+
+    tab = Table(title=f"Strongest outlier channels, {what}", box=box.SIMPLE_HEAD,
+                caption="ratio: abs-max / median channel abs-max. tok: share of tokens with the "
+                        "channel in the top set; smp: share of samples flagging it. pair: RoPE "
+                        "partner; share: its energy share pre->post RoPE; tok': tok after RoPE.")
+    for col in ("where", "ch", "absmax", "ratio", "tok", "smp", "pair", "share", "tok'"):
+        tab.add_column(col, justify="right", no_wrap=True)
+    for h, o in report.top_outliers(top, tensors):
+        r = next((r for r in h.rope if r.channel == o.channel), None)
+        rope = ("-", "-", "-") if r is None else (
+            "-" if r.partner is None else str(r.partner),
+            f"{r.partner_share_pre:.0%}->{r.partner_share_post:.0%}",
+            f"{r.token_stability_post:.0%}")
+        tab.add_row(f"L{h.layer} {h.tensor} h{h.head}", str(o.channel), f"{o.absmax:.1f}",
+                    f"{o.ratio:.1f}", f"{o.token_stability:.0%}",
+                    f"{o.sample_stability:.0%}", *rope)
+    return tab
