@@ -68,6 +68,9 @@ LOG2E = 1.4426950408889634
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SCALE_DTYPES = (torch.float16, torch.float32)
 INT_DTYPES = (torch.int32, torch.int64)
+#: Tests set this to allocate the split partials NaN-filled, so a split that is never written
+#: poisons the output instead of reading stale memory (off by default: it costs a memset).
+POISON_PARTIALS = False
 
 
 @triton.jit
@@ -469,9 +472,11 @@ def decode_attention(
     out = torch.full_like(q, float("nan"))
     if s_total == 0:
         return out.zero_()
-    o_part = torch.empty((programs, s_total, gq, d), dtype=torch.float32, device=dev)
-    m_part = torch.empty((programs, s_total, gq), dtype=torch.float32, device=dev)
-    l_part = torch.empty_like(m_part)
+    alloc = (lambda *shape: torch.full(shape, float("nan"), device=dev)) if POISON_PARTIALS \
+        else (lambda *shape: torch.empty(shape, dtype=torch.float32, device=dev))
+    o_part = alloc(programs, s_total, gq, d)
+    m_part = alloc(programs, s_total, gq)
+    l_part = alloc(programs, s_total, gq)
     qscale = float(scaling) * LOG2E
     dummy = o_part  # never dereferenced when the matching HAS_* flag is off
     mask_args = (mask, *mask.stride()) if mask is not None else (dummy, 0, 0)
