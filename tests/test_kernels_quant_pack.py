@@ -10,9 +10,10 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from kvlens_kernels import quantize_pack_keys, quantize_pack_values  # noqa: E402
+
 from kvlens.errors import InputError  # noqa: E402
 from kvlens.quant import QuantSpec, pack_codes, quantize  # noqa: E402
-from kvlens_kernels import quantize_pack_keys, quantize_pack_values  # noqa: E402
 
 POISON_BYTE = 0xA5
 

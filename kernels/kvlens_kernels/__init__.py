@@ -18,7 +18,7 @@ interpreter (``TRITON_INTERPRET=1`` set before triton is imported). Choosing thi
 job of ``kvlens.cache.attention.select_backend``.
 """
 
-from kvlens_kernels.decode_attention import decode_attention, packed_decode_attention
+from kvlens_kernels.decode import decode_attention, packed_decode_attention
 from kvlens_kernels.quant_pack import quantize_pack_keys, quantize_pack_values
 
 __all__ = [

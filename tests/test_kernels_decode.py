@@ -1,0 +1,201 @@
+"""Fused Triton decode attention (``kvlens_kernels.decode_attention``) vs "dequantize with the
+reference, then attend".
+
+Runs on CPU through the Triton interpreter. The reference here is written out in float64: the
+packed store is quantized with ``kvlens.quant.quantize`` (scales rounded to fp16 as the cache
+stores them), dequantized with ``kvlens.quant.dequantize``, concatenated with the residual window
+and extra sets at their absolute positions, masked, and attended with an explicit softmax.
+Split partials are NaN-poisoned (``POISON_PARTIALS``) and the output starts NaN, so an unwritten
+element fails. Odd shapes: T = 1, 31, 33, 257, 1000; D = 64, 128; Hq/Hkv = 1, 3, 4, 8.
+"""
+
+import math
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+import kvlens_kernels.decode as kda  # noqa: E402
+from kvlens_kernels import decode_attention  # noqa: E402
+
+from kvlens.errors import InputError  # noqa: E402
+from kvlens.quant import QTensor, QuantSpec, dequantize, pack_codes, quantize  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setattr(kda, "POISON_PARTIALS", True)
+
+
+def _pack(x, spec, dim):
+    q = quantize(x, spec)
+    scale, zero = q.scale.half(), q.zero.half()
+    deq = dequantize(QTensor(q.codes, scale.float(), zero.float(), spec, q.shape))
+    return pack_codes(q.codes, spec.bits, dim=dim), scale, zero, deq
+
+
+def _reference(q, k, v, valid, scaling):
+    """softmax over keys ``[B, Hkv, N, D]`` with ``valid [B, Hkv, N]`` (GQA by repeat)."""
+    b, hq, _, d = q.shape
+    hkv = k.shape[1]
+    kk = k.double().repeat_interleave(hq // hkv, dim=1)
+    vv = v.double().repeat_interleave(hq // hkv, dim=1)
+    s = (q.double() @ kk.transpose(-1, -2)) * scaling  # [B, Hq, 1, N]
+    ok = valid.repeat_interleave(hq // hkv, dim=1)[:, :, None, :]
+    s = s.masked_fill(~ok, float("-inf"))
+    w = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a query with no visible key -> zeros
+    return (w @ vv).float()
+
+
+def _case(seed, b, hq, hkv, d, t, res, kb, vb, gk, gv, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(b, hkv, t, d, generator=g) * 1.5
+    k[..., 3] += 4.0  # an outlier channel, as real keys have
+    v = torch.randn(b, hkv, t, d, generator=g)
+    q = torch.randn(b, hq, 1, d, generator=g)
+    n_packed = t - res
+    packed = {}
+    k_deq, v_deq = k[:, :, :0], v[:, :, :0]
+    if n_packed:
+        kc, ks, kz, k_deq = _pack(k[:, :, :n_packed], QuantSpec(kb, "per-channel", gk), 2)
+        vc, vs, vz, v_deq = _pack(v[:, :, :n_packed], QuantSpec(vb, "per-token", gv), 3)
+        packed = dict(k_codes=kc, k_scale=ks, k_zero=kz, v_codes=vc, v_scale=vs, v_zero=vz)
+    else:
+        packed = dict(k_codes=None, k_scale=None, k_zero=None, v_codes=None, v_scale=None,
+                      v_zero=None)
+    res_k = k[:, :, n_packed:].to(dtype)
+    res_v = v[:, :, n_packed:].to(dtype)
+    full_k = torch.cat((k_deq, res_k.float()), dim=2)
+    full_v = torch.cat((v_deq, res_v.float()), dim=2)
+    return q.to(dtype), packed, n_packed, res_k, res_v, full_k, full_v
+
+
+CASES = [
+    # (B, Hq, Hkv, D, T, residual, k_bits, v_bits, Gk, Gv, split)
+    pytest.param(1, 1, 1, 64, 1, 0, 2, 2, 32, 32, None, id="T1-packed-only-partial-group"),
+    pytest.param(1, 3, 1, 128, 1, 1, 4, 4, 64, 64, None, id="T1-residual-only-g3"),
+    pytest.param(1, 4, 1, 128, 31, 0, 2, 4, 32, 64, None, id="T31-no-residual-g4"),
+    pytest.param(1, 8, 2, 64, 33, 1, 4, 2, 32, 32, 32, id="T33-partial-residual-g4-2splits"),
+    pytest.param(1, 8, 1, 128, 257, 32, 2, 2, 32, 32, 64, id="T257-full-residual-g8-4splits"),
+    pytest.param(1, 3, 3, 64, 257, 17, 8, 8, 64, 64, None, id="T257-mha3-8bit"),
+    pytest.param(1, 4, 2, 128, 1000, 104, 2, 2, 128, 128, 256, id="T1000-G128-g2"),
+    pytest.param(2, 4, 4, 64, 1000, 0, 4, 4, 64, 64, 512, id="T1000-B2-mha4"),
+]
+
+
+@pytest.mark.parametrize("b,hq,hkv,d,t,res,kb,vb,gk,gv,split", CASES)
+def test_decode_matches_dequantize_then_attend(b, hq, hkv, d, t, res, kb, vb, gk, gv, split):
+    q, packed, n_packed, res_k, res_v, full_k, full_v = _case(
+        t * 7 + d + hq, b, hq, hkv, d, t, res, kb, vb, gk, gv)
+    scaling = 1 / math.sqrt(d)
+    out = decode_attention(q, **packed, length=n_packed, k_bits=kb, v_bits=vb, k_group=gk,
+                           v_group=gv, scaling=scaling, residual_k=res_k, residual_v=res_v,
+                           residual_len=res, split_tokens=split)
+    valid = torch.ones(b, hkv, t, dtype=torch.bool)
+    ref = _reference(q, full_k, full_v, valid, scaling)
+    assert out.shape == (b, hq, 1, d) and out.dtype == q.dtype
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, atol=3e-3, rtol=3e-3)
+
+
+def test_masks_balancer_and_mikv_extra_set():
+    """Left padding (valid_start), a key mask hole, the channel balancer folded into q, and a
+    MiKV-style high-precision set: its tokens are hidden in the packed store (packed_valid) and
+    attended from the fp16 copies instead (an extra split)."""
+    b, hq, hkv, d, t, res = 2, 4, 2, 64, 257, 33
+    q, packed, n_packed, res_k, res_v, full_k, full_v = _case(11, b, hq, hkv, d, t, res,
+                                                                2, 2, 32, 32, torch.float16)
+    g = torch.Generator().manual_seed(3)
+    # Balancer: the store holds k * bal; the model's key is the stored one divided by bal.
+    bal = torch.rand(hkv, d, generator=g) + 0.5
+    # High-precision set: 5 positions per head (one slot unused: pos -1).
+    hp_pos = torch.stack([torch.randperm(n_packed, generator=g)[:5] for _ in range(b * hkv)])
+    hp_pos = hp_pos.reshape(b, hkv, 5)
+    hp_pos[1, 0, 4] = -1
+    hp_k = (torch.randn(b, hkv, 5, d, generator=g)).half()
+    hp_v = (torch.randn(b, hkv, 5, d, generator=g)).half()
+    packed_valid = torch.ones(b, hkv, n_packed, dtype=torch.bool)
+    for bi in range(b):
+        for hi in range(hkv):
+            for p in hp_pos[bi, hi].tolist():
+                if p >= 0:
+                    packed_valid[bi, hi, p] = False
+    valid_start = torch.tensor([0, 40])
+    key_mask = torch.ones(b, t, dtype=torch.bool)
+    key_mask[0, 100:110] = False
+    key_mask[1, n_packed + 5] = False  # a residual token
+    scaling = 0.125
+    out = decode_attention(q, **packed, length=n_packed, k_bits=2, v_bits=2, k_group=32,
+                           v_group=32, scaling=scaling, residual_k=res_k, residual_v=res_v,
+                           residual_len=res, extra=[(hp_k, hp_v, hp_pos)],
+                           packed_valid=packed_valid, balancer=bal, key_mask=key_mask,
+                           valid_start=valid_start, split_tokens=96)
+    # Reference: packed keys seen by q/bal  <=>  keys (k_deq / bal) seen by q.
+    ref_k = full_k.clone()
+    ref_k[:, :, :n_packed] = ref_k[:, :, :n_packed] / bal[None, :, None, :]
+    pos = torch.arange(t)
+    valid = (key_mask[:, None, :] & (pos[None, None, :] >= valid_start[:, None, None]))
+    valid = valid.expand(b, hkv, t).clone()
+    valid[:, :, :n_packed] &= packed_valid
+    hp_ok = hp_pos >= 0
+    hp_idx = hp_pos.clamp_min(0)
+    hp_ok &= key_mask.gather(1, hp_idx.reshape(b, -1)).reshape(b, hkv, 5)
+    hp_ok &= hp_idx >= valid_start[:, None, None]
+    ref = _reference(q.float(), torch.cat((ref_k, hp_k.float()), 2),
+                     torch.cat((full_v, hp_v.float()), 2), torch.cat((valid, hp_ok), 2), scaling)
+    assert out.dtype == torch.float16 and not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref, atol=4e-3, rtol=4e-3)
+
+
+def test_reads_the_cache_packed_store_in_place():
+    """The buffers of ``kvlens.cache.packed.PackedTensor`` (capacity > length, fp16 scales) are
+    read as they are; reference = the store's own ``dequantize_range``."""
+    from kvlens.cache.packed import PackedTensor
+
+    g = torch.Generator().manual_seed(2)
+    b, hq, hkv, d, flush = 1, 4, 2, 128, 64
+    k = torch.randn(b, hkv, 3 * flush, d, generator=g)
+    v = torch.randn(b, hkv, 3 * flush, d, generator=g)
+    q = torch.randn(b, hq, 1, d, generator=g)
+    ks = PackedTensor.create(QuantSpec(2, "per-channel", 32), flush, d)
+    vs = PackedTensor.create(QuantSpec(2, "per-token", 32), flush, d)
+    for i in range(3):  # three flushes: capacity grows by doubling past the length
+        ks.append(k[:, :, i * flush:(i + 1) * flush])
+        vs.append(v[:, :, i * flush:(i + 1) * flush])
+    assert ks.capacity > ks.length
+    out = decode_attention(q, ks.codes, ks.scale, ks.zero, vs.codes, vs.scale, vs.zero,
+                           ks.length, k_bits=2, v_bits=2, k_group=32, v_group=32, scaling=0.09)
+    ref = _reference(q, ks.dequantize_range(0, ks.length), vs.dequantize_range(0, vs.length),
+                     torch.ones(b, hkv, ks.length, dtype=torch.bool), 0.09)
+    torch.testing.assert_close(out, ref, atol=3e-3, rtol=3e-3)
+
+
+def test_no_visible_token_gives_zeros():
+    q, packed, n_packed, res_k, res_v, _, _ = _case(5, 1, 2, 1, 64, 33, 1, 2, 2, 32, 32)
+    out = decode_attention(q, **packed, length=n_packed, k_bits=2, v_bits=2, k_group=32,
+                           v_group=32, scaling=0.1, residual_k=res_k, residual_v=res_v,
+                           residual_len=1, valid_start=torch.tensor([1000]))
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_bad_inputs_raise_clear_errors():
+    q, packed, n_packed, res_k, res_v, _, _ = _case(5, 1, 4, 2, 64, 33, 1, 2, 2, 32, 32)
+    kw = dict(length=n_packed, k_bits=2, v_bits=2, k_group=32, v_group=32, scaling=0.1,
+              residual_k=res_k, residual_v=res_v, residual_len=1)
+    with pytest.raises(InputError, match="one query token"):
+        decode_attention(q.expand(1, 4, 2, 64), **packed, **kw)
+    with pytest.raises(InputError, match="multiple of KV heads"):
+        decode_attention(q[:, :3], **packed, **kw)
+    with pytest.raises(InputError, match="k_group 24"):
+        decode_attention(q, **packed, **{**kw, "k_group": 24})
+    with pytest.raises(InputError, match="v_group 48"):
+        decode_attention(q, **packed, **{**kw, "v_group": 48})
+    with pytest.raises(InputError, match="needs all of"):
+        decode_attention(q, **{**packed, "k_scale": None}, **kw)
+    with pytest.raises(InputError, match="residual_k holds 1 tokens < residual_len 5"):
+        decode_attention(q, **packed, **{**kw, "residual_len": 5})
+    with pytest.raises(InputError, match="k_codes holds"):
+        decode_attention(q, **packed, **{**kw, "length": 64})
+    with pytest.raises(InputError, match="split_tokens 40"):
+        decode_attention(q, **packed, **kw, split_tokens=40)
