@@ -1,0 +1,616 @@
+"""``compare-axes``: quantization error of keys and values per axis, measured where it matters.
+
+For every captured layer (streamed one at a time) and every combination of tensor (key, value)
+x axis (per-token, per-channel) x bits x group size x key stage (post-RoPE, pre-RoPE) x transform
+(plain, balancer, outliers, lowrank), one tensor is fake-quantized with the reference library
+(``kvlens.quant``) while the other two stay exact, and the relative Frobenius error
+``||X - X_hat||_F / ||X||_F`` is measured on the tensor itself and on what attention makes of it
+(``kvlens.metrics.attention_errors_many``: the model's causal mask, GQA mapping, scaling and
+softcap, reference attention computed once per layer for all variants).
+
+Metrics (definitions in ``docs/compare-axes.md``):
+
+- key variants: ``reconstruction`` (per KV head), ``score`` (pre-softmax logits, causal entries
+  only), ``attention_weights`` (post-softmax) and ``attention_output`` (per query head);
+- value variants: ``reconstruction`` (per KV head) and ``attention_output`` (per query head).
+
+Every error pools all samples and tokens of one (layer, head) before taking the ratio. The
+summary averages those per-head errors over layers and heads (each head counts once), names
+the winning axis per metric and flags where reconstruction and attention output disagree.
+Tensors are ``[B, H, T, D]`` (B = samples) throughout.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvlens.errors import ConfigError, InputError
+
+CONFIG_VERSION = 1
+TENSOR_NAMES = ("key", "value")
+AXES = ("per-token", "per-channel")
+STAGES = ("post", "pre")  # post-RoPE (what the cache holds) / pre-RoPE (KVQuant), keys only
+EXTRA_VARIANTS = ("balancer", "outliers", "lowrank")
+PLAIN = "plain"
+KEY_METRICS = ("reconstruction", "score", "attention_weights", "attention_output")
+VALUE_METRICS = ("reconstruction", "attention_output")
+METRICS = KEY_METRICS
+# A stored k_pre re-rotated with the default RoPE tables must reproduce the stored post-RoPE k
+# to storage precision (fp16 rounding of both tensors gives ~1e-3); a different RoPE (YaRN,
+# linear scaling, another theta) misses by far more.
+ROPE_CHECK_TOLERANCE = 1e-2
+_TIE = 1e-9
+
+Progress = Callable[[int, int, str], None]
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    """What ``compare_axes`` sweeps (frozen, JSON-serialisable, validated on creation).
+
+    bits: code widths (1-8). group_sizes: ``G``; per-token groups are ``G`` channels of one
+        token (must divide head_dim), per-channel groups ``G`` tokens of one channel.
+    stages: key stages: ``"post"`` quantizes the stored post-RoPE key; ``"pre"`` quantizes the
+        pre-RoPE key and re-rotates it (values have no stage).
+    variants: extra transforms beside plain quantization: ``"balancer"`` (MiKV, keys,
+        post-RoPE only), ``"outliers"`` (dense-and-sparse), ``"lowrank"`` (GEAR residual).
+    outlier_fraction: share of each quantization vector kept exact by ``"outliers"``.
+    rank: rank of the ``"lowrank"`` residual per (sample, head).
+    layers: captured layers to analyse (None = all). samples: use only the first N samples.
+    tensors: which of ``"key"``, ``"value"`` to sweep.
+    """
+
+    bits: tuple[int, ...] = (2, 4)
+    group_sizes: tuple[int, ...] = (32,)
+    stages: tuple[str, ...] = ("post",)
+    variants: tuple[str, ...] = ()
+    outlier_fraction: float = 0.01
+    rank: int = 2
+    layers: tuple[int, ...] | None = None
+    samples: int | None = None
+    tensors: tuple[str, ...] = TENSOR_NAMES
+
+    def __post_init__(self) -> None:
+        for name in ("bits", "group_sizes", "stages", "variants", "tensors"):
+            value = getattr(self, name)
+            if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+                raise ConfigError(f"{name} must be a list, got {value!r}.")
+            object.__setattr__(self, name, tuple(dict.fromkeys(value)))  # dedupe, keep order
+        if self.layers is not None:
+            object.__setattr__(self, "layers", tuple(sorted(set(self.layers))))
+        if not self.bits:
+            raise ConfigError("No bit widths given; allowed: integers 1-8, e.g. 2,4.")
+        for b in self.bits:
+            if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 8:
+                raise ConfigError(f"Invalid bits {b!r}; allowed: integers 1-8.")
+        if not self.group_sizes:
+            raise ConfigError("No group sizes given; e.g. 32.")
+        for g in self.group_sizes:
+            if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+                raise ConfigError(f"Invalid group size {g!r}; allowed: positive integers.")
+        _check_choices("stage", self.stages, STAGES, allow_empty=False)
+        _check_choices("variant", self.variants, EXTRA_VARIANTS, allow_empty=True)
+        _check_choices("tensor", self.tensors, TENSOR_NAMES, allow_empty=False)
+        if (
+            isinstance(self.outlier_fraction, bool)
+            or not isinstance(self.outlier_fraction, (int, float))
+            or not 0.0 < self.outlier_fraction < 1.0
+        ):
+            raise ConfigError(
+                f"Invalid outlier fraction {self.outlier_fraction!r}; allowed: 0 < f < 1 "
+                "(e.g. 0.01 for 1%)."
+            )
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ConfigError(f"Invalid rank {self.rank!r}; allowed: a positive integer.")
+        if self.samples is not None and (
+            isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1
+        ):
+            raise ConfigError(f"Invalid samples {self.samples!r}; allowed: a positive integer.")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d = {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
+        return {"version": CONFIG_VERSION, **d}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CompareConfig:
+        version = data.get("version", CONFIG_VERSION)
+        if version != CONFIG_VERSION:
+            raise ConfigError(f"Unsupported compare config version {version!r}; allowed: 1.")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known - {"version"})
+        if unknown:
+            raise ConfigError(f"Unknown compare config keys {unknown}; allowed: {sorted(known)}.")
+        return cls(
+            **{
+                k: (tuple(v) if isinstance(v, list) else v)
+                for k, v in data.items()
+                if k != "version"
+            }
+        )
+
+
+def _check_choices(
+    what: str, values: Sequence[str], allowed: Sequence[str], allow_empty: bool
+) -> None:
+    if not values and not allow_empty:
+        raise ConfigError(f"No {what}s given; allowed: {', '.join(allowed)}.")
+    for v in values:
+        if v not in allowed:
+            raise ConfigError(f"Unknown {what} {v!r}; allowed: {', '.join(allowed)}.")
+
+
+@dataclass(frozen=True)
+class Record:
+    """One relative error: ``head`` is a KV head for ``reconstruction`` and a query head for
+    the attention metrics (``head_kind`` says which). ``stage`` is None for values."""
+
+    layer: int
+    head: int
+    tensor: str
+    axis: str
+    bits: int
+    group_size: int
+    stage: str | None
+    variant: str
+    metric: str
+    rel_error: float
+    head_kind: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class CompareResult:
+    records: list[Record]
+    summary: dict[str, Any]
+    config: CompareConfig = field(default_factory=CompareConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"records": [r.to_dict() for r in self.records], "summary": self.summary}
+
+
+@dataclass(frozen=True)
+class _VariantKey:
+    tensor: str
+    axis: str
+    bits: int
+    group_size: int
+    stage: str | None
+    variant: str
+
+
+def parse_int_list(text: str | None, what: str) -> tuple[int, ...]:
+    """``"2,4"`` -> ``(2, 4)`` with an error naming ``what`` on anything else."""
+    items = [s.strip() for s in (text or "").split(",") if s.strip()]
+    if not items:
+        raise InputError(f"No {what} given; example: 2,4.")
+    try:
+        return tuple(int(s) for s in items)
+    except ValueError:
+        raise InputError(
+            f"Invalid {what} {text!r}: expected comma-separated integers, e.g. 2,4."
+        ) from None
+
+
+def parse_name_list(text: str | None) -> tuple[str, ...]:
+    """``"balancer, outliers"`` -> ``("balancer", "outliers")``; ``""``/``"none"`` -> ``()``."""
+    items = [s.strip().lower() for s in (text or "").split(",") if s.strip()]
+    return () if items in ([], ["none"]) else tuple(items)
+
+
+def parse_layers(text: str | None) -> tuple[int, ...] | None:
+    """``"0,4,8-11"`` -> layer indices (None/``"all"`` -> None); checked against the capture
+    later, so the error can list the captured layers."""
+    if text is None or text.strip().lower() in ("", "all"):
+        return None
+    from kvlens.selection import parse_index_spec
+
+    return tuple(parse_index_spec(text, 1 << 30, "layer"))
+
+
+# -- the sweep ------------------------------------------------------------------------------
+
+
+def compare_axes(
+    path: str | os.PathLike, config: CompareConfig | None = None, progress: Progress | None = None
+) -> CompareResult:
+    """Sweep ``config`` over the capture at ``path``, one layer in memory at a time.
+
+    Raises ``CaptureFileError`` for a missing/foreign/incomplete file, ``InputError`` or
+    ``ConfigError`` for options that do not fit the capture (group size not dividing head_dim,
+    pre-RoPE on a capture without RoPE or with a RoPE the default tables cannot reproduce,
+    layers not captured)."""
+    from kvlens.store import open_capture
+
+    config = config or CompareConfig()
+    started = time.perf_counter()
+    records: list[Record] = []
+    with open_capture(path) as cap:
+        meta = cap.meta
+        layers = _resolve_layers(cap, config)
+        _check_fits(meta, config)
+        n_samples = (
+            meta.num_samples if config.samples is None else min(config.samples, meta.num_samples)
+        )
+        tables = _rope_tables(meta, n_samples) if "pre" in _key_stages(config) else None
+        for done, layer in enumerate(layers):
+            if progress:
+                progress(done, len(layers), f"layer {layer}")
+            records.extend(_layer_records(cap.layer(layer), config, meta, n_samples, tables))
+        if progress:
+            progress(len(layers), len(layers), "done")
+    capture_info = {
+        "path": str(path),
+        "model": meta.model,
+        "layers": list(layers),
+        "num_attention_heads": meta.num_attention_heads,
+        "num_key_value_heads": meta.num_key_value_heads,
+        "head_dim": meta.head_dim,
+        "samples": n_samples,
+        "tokens": meta.num_tokens,
+        "storage_dtype": meta.storage_dtype,
+    }
+    summary = summarize(records)
+    summary = {
+        "config": config.to_dict(),
+        "capture": capture_info,
+        "seconds": round(time.perf_counter() - started, 3),
+        **summary,
+    }
+    return CompareResult(records, summary, config)
+
+
+def _resolve_layers(cap, config: CompareConfig) -> tuple[int, ...]:
+    if config.layers is None:
+        return tuple(cap.layers)
+    for layer in config.layers:
+        cap.layer(layer)  # raises InputError listing the captured layers
+    return config.layers
+
+
+def _key_stages(config: CompareConfig) -> tuple[str, ...]:
+    return config.stages if "key" in config.tensors else ()
+
+
+def _check_fits(meta, config: CompareConfig) -> None:
+    from kvlens.quant import QuantSpec
+
+    for g in config.group_sizes:
+        QuantSpec(2, "per-token", g).check_fits((meta.num_tokens, meta.head_dim))
+    if "pre" in _key_stages(config):
+        if not meta.has_rope or meta.rope_layout in ("none", "", "pending"):
+            raise InputError(
+                f"Stage 'pre' needs a capture of a model with RoPE, but {meta.model or 'this'} "
+                f"capture has none (rope_layout {meta.rope_layout!r}); its keys have no "
+                "pre-RoPE form. Use --stages post."
+            )
+        if "rope_theta" not in meta.rope:
+            raise InputError(
+                "Stage 'pre' needs rope_theta in the capture's rope metadata, "
+                f"which has only {sorted(meta.rope)}. Use --stages post."
+            )
+
+
+def _rope_tables(meta, n_samples: int):
+    import torch
+
+    from kvlens.quant import rope_tables_for
+
+    positions = torch.arange(meta.num_tokens).expand(n_samples, -1)
+    return rope_tables_for(
+        positions,
+        meta.head_dim,
+        float(meta.rope["rope_theta"]),
+        meta.rotary_dim or meta.head_dim,
+        meta.rope_layout,
+    )
+
+
+def _check_rope(k, k_pre, tables, meta, layer: int) -> None:
+    from kvlens.metrics import rel_error
+    from kvlens.rope import apply_rope
+
+    err = rel_error(k, apply_rope(k_pre, *tables, meta.rope_layout))
+    if not err <= ROPE_CHECK_TOLERANCE:
+        raise InputError(
+            f"Layer {layer}: re-applying default RoPE (theta {meta.rope['rope_theta']}, "
+            f"{meta.rope_layout} layout, rotary_dim {meta.rotary_dim}, positions 0..T-1) to the "
+            f"stored pre-RoPE keys misses the stored keys by relative error {err:.3g} "
+            f"(> {ROPE_CHECK_TOLERANCE}); the model uses a RoPE variant kvlens cannot re-create "
+            f"(rope type {meta.rope.get('rope_type', 'unknown')!r}, e.g. YaRN or linear "
+            "scaling). Use --stages post."
+        )
+
+
+def _layer_records(layer_data, config: CompareConfig, meta, n_samples: int, tables) -> list[Record]:
+    from kvlens.metrics import Variant, attention_errors_many
+
+    samples = slice(0, n_samples)
+    q = layer_data.read("q", samples)
+    k = layer_data.read("k", samples)
+    v = layer_data.read("v", samples)
+    k_pre = None
+    if tables is not None:
+        k_pre = layer_data.read("k_pre", samples)
+        _check_rope(k, k_pre, tables, meta, layer_data.index)
+    keys: list[_VariantKey] = []
+    variants: list[Variant] = []
+    for key, approx in _approximations(q, k, v, k_pre, tables, config, meta.rope_layout):
+        keys.append(key)
+        variants.append(Variant(k_hat=approx) if key.tensor == "key" else Variant(v_hat=approx))
+    attrs = layer_data.attrs
+    errors = attention_errors_many(
+        q,
+        k,
+        v,
+        variants,
+        scaling=attrs.scaling,
+        sliding_window=attrs.sliding_window,
+        softcap=attrs.logit_softcap,
+    )
+    out: list[Record] = []
+    for key, err in zip(keys, errors, strict=True):
+        if key.tensor == "key":
+            per_metric = {
+                "reconstruction": err.key_reconstruction,
+                "score": err.scores,
+                "attention_weights": err.weights,
+                "attention_output": err.output,
+            }
+        else:
+            per_metric = {
+                "reconstruction": err.value_reconstruction,
+                "attention_output": err.output,
+            }
+        for metric, values in per_metric.items():
+            kind = "kv" if metric == "reconstruction" else "query"
+            for head, value in enumerate(values.tolist()):
+                out.append(
+                    Record(
+                        attrs.layer_index,
+                        head,
+                        key.tensor,
+                        key.axis,
+                        key.bits,
+                        key.group_size,
+                        key.stage,
+                        key.variant,
+                        metric,
+                        float(value),
+                        kind,
+                    )
+                )
+    return out
+
+
+def _approximations(q, k, v, k_pre, tables, config: CompareConfig, layout: str):
+    """Yield ``(_VariantKey, approximation)`` for every variant of one layer: keys as the
+    post-RoPE ``[B, Hkv, T, D]`` tensor attention sees, values as themselves."""
+    from kvlens.quant import QuantSpec, apply_balancer, fit_balancer
+    from kvlens.rope import apply_rope
+
+    transforms = (PLAIN, *config.variants)
+    balancer = None
+    if "key" in config.tensors and "balancer" in config.variants and "post" in config.stages:
+        # MiKV fits the balancer per prompt at prefill: one b per sample, KV head and channel.
+        balancer = fit_balancer(q, k, per_sample=True)
+    for axis in AXES:
+        for bits in config.bits:
+            for g in config.group_sizes:
+                spec = QuantSpec(bits, axis, g)
+                if "key" in config.tensors:
+                    for stage in config.stages:
+                        for name in transforms:
+                            if name == "balancer" and stage == "pre":
+                                continue  # q/b . k*b = q . k holds only where k is consumed
+                            key = _VariantKey("key", axis, bits, g, stage, name)
+                            if name == "balancer":
+                                _, kb = apply_balancer(q, k, balancer)
+                                scale = balancer.float().unsqueeze(-2)
+                                yield key, _transform(kb, spec, PLAIN, config) / scale
+                            elif stage == "post":
+                                yield key, _transform(k, spec, name, config)
+                            else:
+                                # Quantize before RoPE, re-rotate. RoPE is linear, so adding
+                                # the rotated error to the stored k gives exactly
+                                # rope(k_pre_hat) up to the fp16 rounding of the stored pair.
+                                hat = _transform(k_pre, spec, name, config)
+                                err = apply_rope(hat - k_pre.float(), *tables, layout)
+                                yield key, k.float() + err
+                if "value" in config.tensors:
+                    for name in transforms:
+                        if name != "balancer":  # the balancer rescales keys against queries
+                            yield (
+                                _VariantKey("value", axis, bits, g, None, name),
+                                _transform(v, spec, name, config),
+                            )
+
+
+def _transform(x, spec, name: str, config: CompareConfig):
+    from kvlens.quant import fake_quantize, quantize_gear, quantize_with_outliers
+
+    if name == PLAIN:
+        return fake_quantize(x.float(), spec)
+    if name == "outliers":
+        return quantize_with_outliers(x, spec, config.outlier_fraction)
+    if name == "lowrank":
+        return quantize_gear(x, spec, config.rank)
+    raise ConfigError(f"Unknown variant {name!r}; allowed: {', '.join((PLAIN,) + EXTRA_VARIANTS)}.")
+
+
+# -- summary ----------------------------------------------------------------------------------
+
+
+def _config_key(r: Record) -> tuple:
+    return (r.tensor, r.bits, r.group_size, r.stage, r.variant)
+
+
+def _winner(per_token: float, per_channel: float) -> str:
+    if abs(per_token - per_channel) <= _TIE * max(per_token, per_channel):
+        return "tie"
+    return "per-token" if per_token < per_channel else "per-channel"
+
+
+def summarize(records: Sequence[Record]) -> dict[str, Any]:
+    """Means over layers and heads, the winning axis per metric, reconstruction-vs-output
+    disagreements and the KIVI-pattern check (JSON-ready; see ``docs/compare-axes.md``)."""
+    sums: dict[tuple, list[float]] = defaultdict(list)
+    per_layer: dict[tuple, list[float]] = defaultdict(list)
+    for r in records:
+        sums[(*_config_key(r), r.axis, r.metric)].append(r.rel_error)
+        per_layer[(*_config_key(r), r.axis, r.metric, r.layer)].append(r.rel_error)
+    means = []
+    for (tensor, bits, g, stage, variant, axis, metric), vals in sums.items():
+        means.append(
+            {
+                "tensor": tensor,
+                "axis": axis,
+                "bits": bits,
+                "group_size": g,
+                "stage": stage,
+                "variant": variant,
+                "metric": metric,
+                "mean": sum(vals) / len(vals),
+                "min": min(vals),
+                "max": max(vals),
+                "count": len(vals),
+            }
+        )
+    means.sort(key=_sort_key)
+    mean_of = {
+        (
+            m["tensor"],
+            m["bits"],
+            m["group_size"],
+            m["stage"],
+            m["variant"],
+            m["axis"],
+            m["metric"],
+        ): m["mean"]
+        for m in means
+    }
+    layer_mean = {k: sum(v) / len(v) for k, v in per_layer.items()}
+    layers = sorted({r.layer for r in records})
+    winners, rankings = [], []
+    configs = sorted(
+        {_config_key(r) for r in records},
+        key=lambda c: _sort_key(
+            {"tensor": c[0], "bits": c[1], "group_size": c[2], "stage": c[3], "variant": c[4]}
+        ),
+    )
+    for ck in configs:
+        metrics = KEY_METRICS if ck[0] == "key" else VALUE_METRICS
+        ranking = dict(zip(("tensor", "bits", "group_size", "stage", "variant"), ck, strict=True))
+        for metric in metrics:
+            tok = mean_of.get((*ck, "per-token", metric))
+            ch = mean_of.get((*ck, "per-channel", metric))
+            if tok is None or ch is None:
+                continue
+            won = sum(
+                1
+                for layer in layers
+                if layer_mean[(*ck, "per-channel", metric, layer)]
+                < layer_mean[(*ck, "per-token", metric, layer)]
+            )
+            winner = _winner(tok, ch)
+            winners.append(
+                {
+                    **ranking,
+                    "metric": metric,
+                    "per_token": tok,
+                    "per_channel": ch,
+                    "winner": winner,
+                    "ratio_token_over_channel": (tok / ch) if ch > 0 else None,
+                    "layers_per_channel_better": won,
+                    "layers": len(layers),
+                }
+            )
+            ranking[metric] = winner
+        recon, output = ranking.get("reconstruction"), ranking.get("attention_output")
+        ranking["disagree"] = bool(
+            recon and output and "tie" not in (recon, output) and recon != output
+        )
+        rankings.append(ranking)
+    return {
+        "aggregation": "mean over layers and heads of per-(layer, head) relative Frobenius "
+        "errors; reconstruction per KV head, attention metrics per query head",
+        "means": means,
+        "winners": winners,
+        "rankings": rankings,
+        "disagreements": [r for r in rankings if r["disagree"]],
+        "kivi_pattern": _kivi_pattern(mean_of, configs),
+    }
+
+
+def _sort_key(m: Mapping[str, Any]) -> tuple:
+    order = {
+        n: i
+        for i, n in enumerate((*TENSOR_NAMES, *AXES, *STAGES, PLAIN, *EXTRA_VARIANTS, *KEY_METRICS))
+    }
+    return (
+        order[m["tensor"]],
+        m["bits"],
+        m["group_size"],
+        order.get(m["stage"], -1),
+        order[m["variant"]],
+        order.get(m.get("axis"), -1),
+        order.get(m.get("metric"), -1),
+    )
+
+
+def _kivi_pattern(mean_of: Mapping[tuple, float], configs) -> list[dict[str, Any]]:
+    """For each (bits, G) with plain post-RoPE keys and plain values: does KIVI's finding hold?
+    Keys: per-channel lower reconstruction and score error. Values: per-channel lower or equal
+    reconstruction error but higher attention-output error."""
+    out = []
+    for bits, g in sorted({(c[1], c[2]) for c in configs}):
+        kk, vk = ("key", bits, g, "post", PLAIN), ("value", bits, g, None, PLAIN)
+
+        def get(ck, axis, metric):
+            return mean_of.get((*ck, axis, metric))
+
+        parts = {
+            "key_reconstruction": (
+                get(kk, "per-channel", "reconstruction"),
+                get(kk, "per-token", "reconstruction"),
+                "<",
+            ),
+            "key_score": (get(kk, "per-channel", "score"), get(kk, "per-token", "score"), "<"),
+            "value_reconstruction": (
+                get(vk, "per-channel", "reconstruction"),
+                get(vk, "per-token", "reconstruction"),
+                "<=",
+            ),
+            "value_attention_output": (
+                get(vk, "per-channel", "attention_output"),
+                get(vk, "per-token", "attention_output"),
+                ">",
+            ),
+        }
+        if any(ch is None or tok is None for ch, tok, _ in parts.values()):
+            continue
+        checks = {}
+        for name, (ch, tok, op) in parts.items():
+            ok = ch < tok if op == "<" else ch > tok if op == ">" else ch <= tok * (1 + _TIE)
+            checks[name] = {
+                "per_channel": ch,
+                "per_token": tok,
+                "expected": f"per-channel {op} per-token",
+                "holds": bool(ok),
+            }
+        out.append(
+            {
+                "bits": bits,
+                "group_size": g,
+                "holds": all(c["holds"] for c in checks.values()),
+                "checks": checks,
+            }
+        )
+    return out

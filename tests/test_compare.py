@@ -1,0 +1,320 @@
+"""compare-axes library: records and summary on synthetic captures with planted answers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvlens.compare import CompareConfig, compare_axes, parse_int_list, parse_layers
+from kvlens.errors import CaptureFileError, ConfigError, InputError
+from kvlens.quant import rope_tables_for
+from kvlens.rope import apply_rope
+from kvlens.store import CaptureMeta, LayerAttrs, write_capture
+
+S, HQ, HKV, T, D = 2, 4, 2, 64, 16
+SCALING = 0.25
+
+
+def make_capture(path, q, k, v, *, k_pre=None, q_pre=None, rope_theta=None, layers=1):
+    """Synthetic float32 capture; the same tensors in every layer."""
+    rope = {} if rope_theta is None else {"rope_theta": rope_theta, "rope_type": "default"}
+    meta = CaptureMeta(
+        model="synthetic",
+        architecture="Synthetic",
+        model_type="synthetic",
+        num_layers=layers,
+        num_attention_heads=q.shape[1],
+        num_key_value_heads=k.shape[1],
+        head_dim=q.shape[-1],
+        has_rope=rope_theta is not None,
+        rope=rope,
+        rope_layout="half" if rope_theta is not None else "none",
+        rotary_dim=q.shape[-1] if rope_theta is not None else 0,
+        compute_dtype="float32",
+        storage_dtype="float32",
+        num_samples=q.shape[0],
+        num_tokens=q.shape[2],
+        layers=tuple(range(layers)),
+    )
+    data = {
+        "q": q,
+        "k": k,
+        "v": v,
+        "q_pre": q if q_pre is None else q_pre,
+        "k_pre": k if k_pre is None else k_pre,
+    }
+    attrs = {i: LayerAttrs(i, SCALING, 0, 0.0) for i in range(layers)}
+    return write_capture(path, meta, {i: data for i in range(layers)}, layer_attrs=attrs)
+
+
+def kivi_tensors(seed=0):
+    """Planted KIVI structure.
+
+    Keys: channel 3 is an outlier (30 on every token), so per-token groups holding it are
+    coarse while per-channel groups isolate it; queries are ~0 there. Token 0 is an attention sink: every query
+    points along channel 0 and k[0, 0] = 40, so each query puts weight ~1 on token 0.
+    Values: every channel has its own offset (spread over [-8, 8]) plus small noise, so a
+    token's channels span a wide range (per-token coarse) while a channel's tokens do not
+    (per-channel fine) -- except in the first token group, where token 1 mirrors the offsets
+    and the sink token 0 is the constant 1.0. Per-token quantization reproduces that constant
+    token exactly; per-channel puts it mid-range in a coarse group. The output is ~v[0], so
+    per-channel has lower reconstruction but far higher attention-output error.
+    """
+    g = torch.Generator().manual_seed(seed)
+    q = 0.3 * torch.randn(S, HQ, T, D, generator=g)
+    q[..., 0] += 4.0
+    q[..., 3] *= 0.03  # queries barely read the key outlier channel (what MiKV exploits)
+    k = torch.randn(S, HKV, T, D, generator=g)
+    k[..., 3] = 30.0 + 0.1 * torch.randn(S, HKV, T, generator=g)
+    k[:, :, 0, 0] = 40.0
+    offsets = torch.linspace(-8, 8, D)[torch.randperm(D, generator=g)]
+    v = offsets + 0.1 * torch.randn(S, HKV, T, D, generator=g)
+    v[:, :, 1] = -offsets
+    v[:, :, 0] = 1.0
+    return q, k, v
+
+
+def by(records, **match):
+    return [r for r in records if all(getattr(r, k) == val for k, val in match.items())]
+
+
+def mean(records, **match):
+    vals = [r.rel_error for r in by(records, **match)]
+    assert vals, match
+    return sum(vals) / len(vals)
+
+
+@pytest.fixture(scope="module")
+def kivi_run(tmp_path_factory):
+    path = make_capture(tmp_path_factory.mktemp("kivi") / "run.h5", *kivi_tensors(), layers=2)
+    cfg = CompareConfig(bits=(2,), group_sizes=(8,), variants=("balancer", "outliers", "lowrank"))
+    return path, compare_axes(path, cfg)
+
+
+def test_planted_key_outlier_channel_per_channel_wins(kivi_run):
+    _, res = kivi_run
+    plain = dict(tensor="key", variant="plain", stage="post")
+    for metric in ("reconstruction", "score", "attention_weights"):
+        tok = mean(res.records, axis="per-token", metric=metric, **plain)
+        ch = mean(res.records, axis="per-channel", metric=metric, **plain)
+        assert ch < tok / 1.5, (metric, tok, ch)
+    # every single (layer, head), not only the mean
+    for r in by(res.records, axis="per-channel", metric="score", **plain):
+        (other,) = by(
+            res.records, axis="per-token", metric="score", layer=r.layer, head=r.head, **plain
+        )
+        assert r.rel_error < other.rel_error
+    wins = {
+        (w["metric"]): w
+        for w in res.summary["winners"]
+        if w["tensor"] == "key" and w["variant"] == "plain"
+    }
+    assert wins["score"]["winner"] == "per-channel"
+    assert wins["score"]["layers_per_channel_better"] == 2 == wins["score"]["layers"]
+
+
+def test_planted_value_structure_reconstruction_and_output_disagree(kivi_run):
+    _, res = kivi_run
+    plain = dict(tensor="value", variant="plain")
+    rec_tok = mean(res.records, axis="per-token", metric="reconstruction", **plain)
+    rec_ch = mean(res.records, axis="per-channel", metric="reconstruction", **plain)
+    out_tok = mean(res.records, axis="per-token", metric="attention_output", **plain)
+    out_ch = mean(res.records, axis="per-channel", metric="attention_output", **plain)
+    assert rec_ch < rec_tok / 2
+    assert out_ch > 10 * out_tok
+    (dis,) = [d for d in res.summary["disagreements"] if d["variant"] == "plain"]
+    assert dis["tensor"] == "value" and dis["reconstruction"] == "per-channel"
+    assert dis["attention_output"] == "per-token"
+    (kivi,) = res.summary["kivi_pattern"]
+    assert kivi["holds"] and kivi["bits"] == 2 and kivi["group_size"] == 8
+
+
+def test_record_shape_heads_and_json(kivi_run):
+    _, res = kivi_run
+    out = json.loads(json.dumps(res.to_dict()))
+    rec = out["records"][0]
+    assert set(rec) >= {
+        "layer",
+        "head",
+        "tensor",
+        "axis",
+        "bits",
+        "group_size",
+        "stage",
+        "variant",
+        "metric",
+        "rel_error",
+    }
+    # reconstruction per KV head, attention metrics per query head
+    assert {r.head for r in by(res.records, metric="reconstruction")} == set(range(HKV))
+    assert {r.head for r in by(res.records, metric="attention_output")} == set(range(HQ))
+    assert {r.stage for r in by(res.records, tensor="value")} == {None}
+    assert not by(res.records, tensor="value", metric="score")
+    assert not by(res.records, tensor="value", variant="balancer")
+    # 2 layers x 2 axes: keys 4 transforms x (2 + 3 x 4) records, values 3 x (2 + 4)
+    assert len(res.records) == 2 * 2 * (4 * 14 + 3 * 6)
+    assert out["summary"]["config"]["variants"] == ["balancer", "outliers", "lowrank"]
+    means = {
+        (m["tensor"], m["axis"], m["variant"], m["metric"]): m for m in out["summary"]["means"]
+    }
+    m = means[("key", "per-channel", "plain", "score")]
+    assert m["count"] == 2 * HQ
+    assert m["mean"] == pytest.approx(
+        mean(res.records, tensor="key", axis="per-channel", variant="plain", metric="score")
+    )
+
+
+def test_transforms_help_where_planted(kivi_run):
+    _, res = kivi_run
+    key_tok = dict(tensor="key", axis="per-token")
+    # MiKV balancer: q is small on the outlier channel, so it squeezes the key outlier
+    assert mean(res.records, variant="balancer", metric="score", **key_tok) < 0.5 * mean(
+        res.records, variant="plain", metric="score", **key_tok
+    )
+    # one outlier per token vector: the planted channel is taken out of the per-token range
+    assert mean(res.records, variant="outliers", metric="reconstruction", **key_tok) < 0.5 * mean(
+        res.records, variant="plain", metric="reconstruction", **key_tok
+    )
+    # GEAR low-rank residual is an orthogonal projection: never worse, head by head
+    for r in by(res.records, variant="lowrank", metric="reconstruction"):
+        (p,) = by(
+            res.records,
+            variant="plain",
+            metric="reconstruction",
+            tensor=r.tensor,
+            axis=r.axis,
+            layer=r.layer,
+            head=r.head,
+        )
+        assert r.rel_error <= p.rel_error + 1e-12
+
+
+def test_constant_tensors_give_zero_error_and_ties(tmp_path):
+    q = torch.full((S, HQ, T, D), 0.5)
+    k = torch.full((S, HKV, T, D), -0.75)
+    v = torch.full((S, HKV, T, D), 1.25)
+    res = compare_axes(make_capture(tmp_path / "c.h5", q, k, v), CompareConfig(group_sizes=(8,)))
+    assert res.records and all(r.rel_error == 0.0 for r in res.records)
+    assert {w["winner"] for w in res.summary["winners"]} == {"tie"}
+    assert not res.summary["disagreements"]
+    assert not any(k["holds"] for k in res.summary["kivi_pattern"])
+
+
+def test_gqa_mapping_matches_repeated_heads(tmp_path):
+    q, k, v = kivi_tensors(seed=3)
+    gqa = compare_axes(
+        make_capture(tmp_path / "gqa.h5", q, k, v), CompareConfig(bits=(2, 4), group_sizes=(8,))
+    )
+    groups = HQ // HKV
+    mha = compare_axes(
+        make_capture(
+            tmp_path / "mha.h5", q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        ),
+        CompareConfig(bits=(2, 4), group_sizes=(8,)),
+    )
+    ref = {(r.tensor, r.axis, r.bits, r.metric, r.head): r.rel_error for r in mha.records}
+    assert len(gqa.records) < len(mha.records)
+    for r in gqa.records:
+        if r.metric == "reconstruction":  # KV head j of GQA = heads j*groups.. of MHA
+            for h in range(r.head * groups, (r.head + 1) * groups):
+                assert r.rel_error == pytest.approx(
+                    ref[(r.tensor, r.axis, r.bits, r.metric, h)], rel=1e-9
+                )
+        else:
+            assert r.rel_error == pytest.approx(
+                ref[(r.tensor, r.axis, r.bits, r.metric, r.head)], rel=1e-6, abs=1e-12
+            )
+
+
+def rope_tensors(theta=10000.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q_pre = torch.randn(S, HQ, T, D, generator=g)
+    k_pre = torch.randn(S, HKV, T, D, generator=g)
+    k_pre[..., 0] = (
+        20.0  # a stable pre-RoPE outlier channel; RoPE (1 rad/token) smears it over (0, 8)
+    )
+    v = torch.randn(S, HKV, T, D, generator=g)
+    cos, sin = rope_tables_for(torch.arange(T).expand(S, -1), D, theta)
+    return apply_rope(q_pre, cos, sin), apply_rope(k_pre, cos, sin), v, q_pre, k_pre
+
+
+def test_pre_rope_keys_isolate_the_outlier_that_rope_smears(tmp_path):
+    q, k, v, q_pre, k_pre = rope_tensors()
+    path = make_capture(tmp_path / "r.h5", q, k, v, q_pre=q_pre, k_pre=k_pre, rope_theta=10000.0)
+    res = compare_axes(
+        path, CompareConfig(bits=(2,), group_sizes=(8,), stages=("post", "pre"), tensors=("key",))
+    )
+    ch = dict(tensor="key", axis="per-channel", variant="plain")
+    for metric in ("reconstruction", "score"):
+        pre = mean(res.records, stage="pre", metric=metric, **ch)
+        post = mean(res.records, stage="post", metric=metric, **ch)
+        assert pre < 0.5 * post, (metric, pre, post)
+    assert not by(res.records, tensor="value")
+
+
+def test_pre_rope_refuses_unreproducible_rope_and_missing_rope(tmp_path):
+    q, k, v, q_pre, k_pre = rope_tensors(theta=10000.0)
+    wrong = make_capture(
+        tmp_path / "yarn.h5", q, k, v, q_pre=q_pre, k_pre=k_pre, rope_theta=500000.0
+    )  # metadata disagrees with the stored keys
+    with pytest.raises(InputError, match="RoPE variant"):
+        compare_axes(wrong, CompareConfig(stages=("pre",), group_sizes=(8,)))
+    compare_axes(wrong, CompareConfig(stages=("post",), group_sizes=(8,)))  # post is fine
+    plain = make_capture(tmp_path / "norope.h5", *kivi_tensors())
+    with pytest.raises(InputError, match="needs a capture of a model with RoPE"):
+        compare_axes(plain, CompareConfig(stages=("post", "pre"), group_sizes=(8,)))
+
+
+def test_fit_errors_layers_samples_and_progress(tmp_path):
+    path = make_capture(tmp_path / "k.h5", *kivi_tensors(), layers=3)
+    with pytest.raises(
+        ConfigError, match="does not divide head_dim 16; allowed group sizes: 1, 2, 4, 8, 16"
+    ):
+        compare_axes(path, CompareConfig(group_sizes=(6,)))
+    with pytest.raises(InputError, match="Layer 5 is not in"):
+        compare_axes(path, CompareConfig(layers=(5,), group_sizes=(8,)))
+    with pytest.raises(CaptureFileError, match="not found"):
+        compare_axes(tmp_path / "missing.h5")
+    calls = []
+    res = compare_axes(
+        path,
+        CompareConfig(layers=parse_layers("0,2"), group_sizes=(8,), bits=(2,), samples=1),
+        progress=lambda d, t, n: calls.append((d, t)),
+    )
+    assert {r.layer for r in res.records} == {0, 2}
+    assert res.summary["capture"]["samples"] == 1 and calls[0] == (0, 2) and calls[-1] == (2, 2)
+    # per-channel groups may exceed T (one partial group): allowed
+    assert compare_axes(path, CompareConfig(group_sizes=(16,), bits=(4,), layers=(0,))).records
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"bits": (9,)}, "Invalid bits 9"),
+        ({"bits": ()}, "No bit widths"),
+        ({"group_sizes": (0,)}, "Invalid group size 0"),
+        ({"stages": ("mid",)}, "Unknown stage 'mid'; allowed: post, pre"),
+        ({"variants": ("gear",)}, "Unknown variant 'gear'; allowed: balancer, outliers, lowrank"),
+        ({"outlier_fraction": 0.0}, "Invalid outlier fraction"),
+        ({"rank": 0}, "Invalid rank"),
+        ({"samples": 0}, "Invalid samples"),
+        ({"tensors": ("query",)}, "Unknown tensor"),
+    ],
+)
+def test_config_validation(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        CompareConfig(**kwargs)
+
+
+def test_config_round_trip_and_parsers():
+    cfg = CompareConfig(bits=(4, 2, 4), stages=("pre", "post"), layers=(3, 1))
+    assert cfg.bits == (4, 2) and cfg.layers == (1, 3)
+    assert CompareConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    with pytest.raises(ConfigError, match="Unknown compare config keys"):
+        CompareConfig.from_dict({"bitz": [2]})
+    assert parse_int_list("2, 4", "bits") == (2, 4)
+    with pytest.raises(InputError, match="Invalid bits"):
+        parse_int_list("2,x", "bits")
+    assert parse_layers("all") is None and parse_layers("0,4-5") == (0, 4, 5)
