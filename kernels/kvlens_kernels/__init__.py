@@ -10,20 +10,20 @@ Stable API (tensors and ints only, never kvlens objects; tensors ``[B, H, T, D]`
   fused split-K decode attention of ``q`` ``[B, Hq, 1, D]`` over the packed store plus the
   full-precision residual window and extra fp16 token sets (MiKV), returning ``[B, Hq, 1, D]``
   (reference: dequantize with ``kvlens.quant`` then softmax attention).
-  ``packed_decode_attention`` is the same function under the name the dispatch in
-  ``kvlens.cache.attention`` looks for.
+  Deliberately *not* exported as ``packed_decode_attention`` (the name the dispatch in
+  ``kvlens.cache.attention`` probes) until the generation path calls it: exporting it makes
+  ``auto`` choose triton under the interpreter while generation still rejects triton.
 
 Importing this package needs triton but no GPU; on CPU the kernels run only under the Triton
 interpreter (``TRITON_INTERPRET=1`` set before triton is imported). Choosing this backend is the
 job of ``kvlens.cache.attention.select_backend``.
 """
 
-from kvlens_kernels.decode import decode_attention, packed_decode_attention
+from kvlens_kernels.decode import decode_attention
 from kvlens_kernels.quant_pack import quantize_pack_keys, quantize_pack_values
 
 __all__ = [
     "decode_attention",
-    "packed_decode_attention",
     "quantize_pack_keys",
     "quantize_pack_values",
 ]

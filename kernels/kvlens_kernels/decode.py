@@ -511,7 +511,4 @@ def decode_attention(
     return out
 
 
-#: The name ``kvlens.cache.attention.select_backend`` probes for.
-packed_decode_attention = decode_attention
-
-__all__ = ["decode_attention", "packed_decode_attention"]
+__all__ = ["decode_attention"]
