@@ -1,0 +1,189 @@
+"""``kvlens compare-axes``: per-token vs per-channel quantization error of K and V, measured on
+the tensor and on attention (scores, weights, output)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from kvlens.cli import app
+from kvlens.cli.common import console, err_console, print_json, progress_bar, run_library_call
+
+METRIC_LABELS = {
+    "reconstruction": "recon",
+    "score": "score",
+    "attention_weights": "weights",
+    "attention_output": "output",
+}
+
+
+@app.command("compare-axes")
+def compare_axes_command(
+    run: Path = typer.Argument(..., help="Capture file written by `kvlens capture`."),
+    layers: str = typer.Option(
+        None, "--layers", help="Layers to analyse, e.g. 0,4,8-11 (default: all captured)."
+    ),
+    bits: str = typer.Option("2,4", "--bits", help="Bit widths, comma-separated (1-8)."),
+    group_sizes: str = typer.Option(
+        "32",
+        "--group-sizes",
+        help="Group sizes G, comma-separated: per-token groups are "
+        "G channels of a token (G must divide head_dim), "
+        "per-channel groups G tokens of a channel.",
+    ),
+    stages: str = typer.Option(
+        "post",
+        "--stages",
+        help="Key stages: post (post-RoPE, as "
+        "cached) and/or pre (quantize before "
+        "RoPE, re-rotate), e.g. post,pre.",
+    ),
+    variants: str = typer.Option(
+        "",
+        "--variants",
+        help="Extra transforms beside plain quantization: balancer, "
+        "outliers, lowrank (comma-separated; default none).",
+    ),
+    outlier_fraction: float = typer.Option(
+        0.01,
+        "--outlier-fraction",
+        help="Share of each quantized vector kept exact by the outliers variant.",
+    ),
+    rank: int = typer.Option(2, "--rank", help="Rank of the lowrank (GEAR) residual."),
+    samples: int = typer.Option(None, "--samples", help="Use only the first N samples (faster)."),
+    threads: int = typer.Option(
+        1, "--threads", help="torch threads while sweeping (1 is fastest for these small ops)."
+    ),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print all records and the summary as JSON on stdout."
+    ),
+    plots: Path = typer.Option(
+        None,
+        "--plots",
+        help="Directory for heatmaps and per-layer line plots (created if missing).",
+    ),
+) -> None:
+    """Which quantization axis wins for keys and values, under which error metric."""
+    from kvlens.compare import (
+        CompareConfig,
+        compare_axes,
+        parse_int_list,
+        parse_layers,
+        parse_name_list,
+    )
+    from kvlens.errors import InputError
+
+    def configure() -> CompareConfig:
+        if plots is not None and plots.exists() and not plots.is_dir():
+            raise InputError(f"--plots {plots} exists and is not a directory.")
+        return CompareConfig(
+            bits=parse_int_list(bits, "bits"),
+            group_sizes=parse_int_list(group_sizes, "group sizes"),
+            stages=parse_name_list(stages),
+            variants=parse_name_list(variants),
+            outlier_fraction=outlier_fraction,
+            rank=rank,
+            layers=parse_layers(layers),
+            samples=samples,
+        )
+
+    config = run_library_call(configure)
+    with progress_bar("compare-axes") as update:
+        result = run_library_call(
+            lambda: compare_axes(run, config, progress=update, threads=threads)
+        )
+    if plots is not None:
+        from kvlens.plot_compare import write_plots
+
+        written = run_library_call(lambda: write_plots(result, plots))
+        err_console.print(f"Wrote {len(written)} figures to {plots}")
+    if as_json:
+        print_json(result.to_dict())
+        return
+    _render(result.summary)
+
+
+def _fmt(value: float | None, best: bool) -> str:
+    if value is None:
+        return "[dim]-[/]"
+    # the star keeps the winner visible without colour (pipes, NO_COLOR)
+    text = f"{value:.4f}" if value == 0 or value >= 1e-3 else f"{value:.2e}"
+    return f"[bold green]{text}*[/]" if best else f"{text} "
+
+
+def _config_label(r: dict) -> str:
+    tensor = "K" if r["tensor"] == "key" else "V"
+    parts = [tensor, f"{r['bits']}b", f"G{r['group_size']}"]
+    if r["stage"]:
+        parts.append(r["stage"])
+    if r["variant"] != "plain":
+        parts.append(r["variant"])
+    return " ".join(parts)
+
+
+def _render(summary: dict) -> None:
+    from rich.table import Table
+
+    cap = summary["capture"]
+    means = {
+        (
+            m["tensor"],
+            m["bits"],
+            m["group_size"],
+            m["stage"],
+            m["variant"],
+            m["axis"],
+            m["metric"],
+        ): m["mean"]
+        for m in summary["means"]
+    }
+    winners = {
+        (w["tensor"], w["bits"], w["group_size"], w["stage"], w["variant"], w["metric"]): w[
+            "winner"
+        ]
+        for w in summary["winners"]
+    }
+    table = Table(
+        title=f"compare-axes: {cap['model']}, {len(cap['layers'])} layers, "
+        f"{cap['samples']} x {cap['tokens']} tokens",
+        caption="Relative Frobenius error ||X - X_hat|| / ||X||, mean over layers and heads. "
+        "* = the better axis. recon: the quantized tensor; score: pre-softmax logits (causal); "
+        "weights: post-softmax; output: attention output. K b G stage: keys, bits, group "
+        "size, post/pre-RoPE; V: values.",
+    )
+    table.add_column("config")
+    table.add_column("axis")
+    for label in METRIC_LABELS.values():
+        table.add_column(label, justify="right")
+    for r in summary["rankings"]:
+        ck = (r["tensor"], r["bits"], r["group_size"], r["stage"], r["variant"])
+        for axis in ("per-token", "per-channel"):
+            cells = [
+                _fmt(means.get((*ck, axis, m)), winners.get((*ck, m)) == axis)
+                for m in METRIC_LABELS
+            ]
+            table.add_row(
+                _config_label(r) if axis == "per-token" else "",
+                axis,
+                *cells,
+                end_section=axis == "per-channel",
+            )
+    console.print(table)
+    for r in summary["disagreements"]:
+        console.print(
+            f"[yellow]disagreement[/] {r['tensor']}s {r['bits']}-bit G{r['group_size']}"
+            f"{' ' + r['stage'] + '-RoPE' if r['stage'] else ''} {r['variant']}: "
+            f"reconstruction favours {r['reconstruction']}, attention output favours "
+            f"{r['attention_output']}.",
+            highlight=False,
+        )
+    for k in summary["kivi_pattern"]:
+        verdict = "[green]holds[/]" if k["holds"] else "[red]does not hold[/]"
+        failed = [n for n, c in k["checks"].items() if not c["holds"]]
+        console.print(
+            f"KIVI pattern at {k['bits']}-bit G{k['group_size']}: {verdict}"
+            + (f" (fails: {', '.join(failed)})" if failed else ""),
+            highlight=False,
+        )
+    err_console.print(f"{summary['seconds']:.1f} s")

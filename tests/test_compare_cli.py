@@ -1,0 +1,134 @@
+"""`kvlens compare-axes` through Typer's runner: table, JSON, plots and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_compare import kivi_tensors, make_capture, rope_tensors
+from typer.testing import CliRunner
+
+from kvlens.cli import app
+
+runner = CliRunner()
+SMALL = ["--bits", "2", "--group-sizes", "8"]
+
+
+def _run(*args):
+    return runner.invoke(app, ["compare-axes", *map(str, args)])
+
+
+@pytest.fixture(scope="module")
+def capture(tmp_path_factory):
+    return make_capture(tmp_path_factory.mktemp("cli") / "run.h5", *kivi_tensors(), layers=2)
+
+
+def test_table_shows_winners_disagreement_and_kivi_verdict(capture):
+    res = _run(capture, *SMALL)
+    assert res.exit_code == 0, res.output
+    out = res.stdout
+    assert "compare-axes: synthetic, 2 layers" in out
+    assert "per-token" in out and "per-channel" in out and "output" in out
+    assert "0.0254*" in out  # per-channel value reconstruction, starred as the winner
+    assert (
+        "disagreement values 2-bit G8 plain: reconstruction favours per-channel, "
+        "attention output favours per-token." in " ".join(out.split())
+    )
+    assert "KIVI pattern at 2-bit G8: holds" in out
+
+
+def test_json_records_and_summary(capture):
+    res = _run(
+        capture, *SMALL, "--layers", "1", "--samples", "1", "--variants", "outliers", "--json"
+    )
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    recs = data["records"]
+    assert {r["layer"] for r in recs} == {1}
+    assert {r["variant"] for r in recs} == {"plain", "outliers"}
+    assert set(recs[0]) >= {
+        "layer",
+        "head",
+        "tensor",
+        "axis",
+        "bits",
+        "group_size",
+        "stage",
+        "variant",
+        "metric",
+        "rel_error",
+    }
+    summary = data["summary"]
+    assert summary["capture"]["samples"] == 1 and summary["config"]["bits"] == [2]
+    assert summary["kivi_pattern"][0]["holds"] is True
+    assert {w["metric"] for w in summary["winners"] if w["tensor"] == "value"} == {
+        "reconstruction",
+        "attention_output",
+    }
+
+
+def test_plots_written(capture, tmp_path):
+    out = tmp_path / "figs"
+    res = _run(capture, *SMALL, "--plots", out, "--json")
+    assert res.exit_code == 0, res.output
+    names = sorted(p.name for p in out.iterdir())
+    assert names == [
+        "heatmap_key_2b_G8_post_plain.png",
+        "heatmap_value_2b_G8_plain.png",
+        "layers_key_2b_G8_post_plain.png",
+        "layers_value_2b_G8_plain.png",
+    ]
+    assert all((out / n).read_bytes()[:4] == b"\x89PNG" for n in names)
+
+
+def test_pre_stage_on_rope_capture(tmp_path):
+    q, k, v, q_pre, k_pre = rope_tensors()
+    path = make_capture(tmp_path / "r.h5", q, k, v, q_pre=q_pre, k_pre=k_pre, rope_theta=10000.0)
+    res = _run(path, *SMALL, "--stages", "post,pre", "--json")
+    assert res.exit_code == 0, res.output
+    stages = {r["stage"] for r in json.loads(res.stdout)["records"]}
+    assert stages == {"post", "pre", None}
+
+
+def test_foreign_hdf5_is_refused(tmp_path):
+    import h5py
+
+    path = tmp_path / "foreign.h5"
+    with h5py.File(path, "w") as f:
+        f["x"] = [1, 2, 3]
+    res = _run(path)
+    assert res.exit_code == 1
+    assert "not a kvlens capture" in res.output
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--group-sizes", "5"], "group size 5 does not divide head_dim 16"),
+        (["--bits", "9"], "Invalid bits 9; allowed: integers 1-8"),
+        (["--bits", "two"], "Invalid bits 'two'"),
+        (["--group-sizes", "0"], "Invalid group size 0"),
+        (["--stages", "pre"], "needs a capture of a model with RoPE"),
+        (["--stages", "middle"], "Unknown stage 'middle'; allowed: post, pre"),
+        (["--variants", "gear"], "Unknown variant 'gear'"),
+        (["--layers", "7"], "Layer 7 is not in"),
+        (["--layers", "x"], "Invalid layer spec"),
+        (["--samples", "0"], "Invalid samples 0"),
+        (["--threads", "0"], "Invalid threads 0"),
+        (["--outlier-fraction", "2"], "Invalid outlier fraction"),
+    ],
+)
+def test_bad_options(capture, args, message):
+    res = _run(capture, *SMALL, *args)
+    assert res.exit_code == 1, res.output
+    assert message in " ".join(res.output.split())
+    assert "Traceback" not in res.output
+
+
+def test_missing_file_and_plots_on_a_file(capture, tmp_path):
+    res = _run(tmp_path / "nope.h5")
+    assert res.exit_code == 1 and "Capture file not found" in res.output
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("x")
+    res = _run(capture, *SMALL, "--plots", blocker)
+    assert res.exit_code == 1 and "is not a directory" in res.output
