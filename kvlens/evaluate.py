@@ -1,0 +1,224 @@
+"""What a compressed cache really loses: decode-mode perplexity, passkey retrieval, agreement.
+
+Every evaluation runs the model with ``kvlens.cache.compressed_attention`` and a fresh
+compressed cache per sequence, so attention reads the packed store exactly as in generation.
+
+Protocols:
+
+- **ppl (decode mode)**: the first ``prefix`` tokens of the text are prefilled in one forward
+  (exact attention; the cache then stores them compressed, as after any prompt); every following
+  token is then fed one at a time, and the logits of step ``t`` score token ``t + 1``. So each of
+  the ``tokens - prefix - 1`` scored predictions attends to the compressed history, the way a
+  generated token would. ``ppl = exp(mean NLL)``. The same protocol with ``fp16`` (no
+  compression) gives ``ppl_fp16``; ``ppl_change = ppl / ppl_fp16 - 1``.
+- **passkey**: ``prompts`` prompts of about ``context_tokens`` tokens of repeated filler text
+  with the sentence "The pass key is NNNNN. Remember it. NNNNN is the pass key." inserted at a
+  random depth (seeded), ending "What is the pass key? The pass key is"; greedy decoding of 8
+  tokens; correct when the 5 digits appear in the continuation.
+- **agreement**: greedy continuation of the prompt (``max_new_tokens``) vs the uncompressed
+  continuation: number of matching tokens position by position and the first divergence.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvlens.errors import InputError
+from kvlens.kvconfig import KVConfig, preset
+
+EVALS = ("ppl", "passkey", "agreement")
+FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
+          "again. ")
+DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    evals: tuple[str, ...] = ()
+    prompt: str | None = None
+    max_new_tokens: int = 64
+    text: str | None = None  # ppl text (None: built-in corpus)
+    ppl_tokens: int = 512
+    ppl_prefix: int = 32
+    passkey_prompts: int = 5
+    passkey_context: int = 1000
+    seed: int = 0
+    backend: str = "auto"
+
+
+def parse_evals(spec: str | None) -> tuple[str, ...]:
+    if not spec:
+        return ()
+    names = tuple(s.strip() for s in spec.split(",") if s.strip())
+    bad = [n for n in names if n not in EVALS]
+    if bad:
+        raise InputError(f"Unknown evaluation(s) {', '.join(bad)}; allowed: {', '.join(EVALS)}.")
+    return names
+
+
+def _cache_kwargs(model, cache) -> dict:
+    from kvlens.hf import cache_argument_name
+
+    return {cache_argument_name(model): cache}
+
+
+def greedy(model, ids, session, max_new_tokens: int, attention_mask=None):
+    """Greedy continuation ``[B, new]`` and the cache used."""
+    import torch
+
+    cache = session.new_cache()
+    mask = attention_mask if attention_mask is not None else torch.ones_like(ids)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=_pad_id(model),
+                             **_cache_kwargs(model, cache))
+    return out[:, ids.shape[1]:], cache
+
+
+def _pad_id(model) -> int:
+    gen = getattr(model, "generation_config", None)
+    for value in (getattr(gen, "pad_token_id", None), getattr(gen, "eos_token_id", None)):
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def decode_ppl(model, ids, session, prefix: int) -> tuple[float, object]:
+    """Decode-mode perplexity of ``ids`` ``[1, T]`` (protocol in the module docstring)."""
+    import torch
+
+    if ids.shape[1] < prefix + 2:
+        raise InputError(f"Decode-mode perplexity needs more than {prefix + 1} tokens of text, "
+                         f"got {ids.shape[1]}.")
+    cache = session.new_cache()
+    kw = _cache_kwargs(model, cache)
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        logits = model(ids[:, :prefix], use_cache=True, **kw).logits[:, -1]
+        for t in range(prefix, ids.shape[1] - 1):
+            logits = model(ids[:, t:t + 1], use_cache=True, **kw).logits[:, -1]
+            nll -= torch.log_softmax(logits.float(), -1)[0, ids[0, t + 1]].item()
+            count += 1
+    return math.exp(nll / count), cache
+
+
+def passkey_prompts(tokenizer, n: int, context_tokens: int, seed: int
+                    ) -> list[tuple[str, str]]:
+    """``n`` (prompt, key) pairs of about ``context_tokens`` tokens, key at a random depth."""
+    rng = random.Random(seed)
+    per = max(1, len(tokenizer(FILLER, add_special_tokens=False).input_ids))
+    repeats = max(1, (context_tokens - 40) // per)
+    out = []
+    for _ in range(n):
+        key = f"{rng.randint(10000, 99999)}"
+        depth = rng.randint(0, repeats)
+        needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
+        text = ("There is important info hidden inside a lot of irrelevant text. Find it and "
+                "memorize it. " + FILLER * depth + needle + FILLER * (repeats - depth)
+                + "What is the pass key? The pass key is")
+        out.append((text, key))
+    return out
+
+
+def _encode(tokenizer, text: str, device):
+    return tokenizer(text, return_tensors="pt").input_ids.to(device)
+
+
+def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOptions,
+                     progress: Callable[[str], None] = lambda msg: None) -> dict:
+    """Run generation and the requested evaluations for each config on the same inputs.
+
+    Returns ``{"backend", "backend_reason", "results": [per-config dict]}``; each result has
+    ``name``, ``kv_bytes``, ``kv_bytes_fp16``, ``bits_per_element`` (measured on the largest
+    cache this config built), ``text`` (with a prompt) and one entry per evaluation."""
+    from kvlens.cache import compressed_attention, memory_report
+    from kvlens.cache.attention import select_backend
+    from kvlens.corpus import load_text
+
+    device = next(model.parameters()).device
+    fp16 = preset("fp16")
+    prompt_ids = _encode(tokenizer, options.prompt, device) if options.prompt else None
+    need_agree = "agreement" in options.evals
+    if need_agree and prompt_ids is None:
+        prompt_ids = _encode(tokenizer, DEFAULT_PROMPT, device)
+    ppl_ids = None
+    if "ppl" in options.evals:
+        text, source = load_text(options.text)
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+        if ids.shape[1] < options.ppl_tokens:
+            raise InputError(f"The text from {source} has {ids.shape[1]} tokens; decode-mode "
+                             f"perplexity needs {options.ppl_tokens} (lower --ppl-tokens or "
+                             "give a longer --text).")
+        ppl_ids = ids[:, :options.ppl_tokens].to(device)
+    passkeys = passkey_prompts(tokenizer, options.passkey_prompts, options.passkey_context,
+                               options.seed) if "passkey" in options.evals else []
+
+    baseline: dict = {}
+
+    def run(config: KVConfig) -> dict:
+        res: dict = {"name": config.name}
+        caches = []
+        with compressed_attention(model, config, options.backend) as session:
+            res["backend"] = session.backend
+            if prompt_ids is not None:
+                progress(f"{config.name}: generating {options.max_new_tokens} tokens")
+                new, cache = greedy(model, prompt_ids, session, options.max_new_tokens)
+                caches.append(cache)
+                res["text"] = tokenizer.decode(new[0], skip_special_tokens=True)
+                res["_tokens"] = new[0].tolist()
+            if ppl_ids is not None:
+                progress(f"{config.name}: decode-mode perplexity over {ppl_ids.shape[1]} tokens")
+                res["ppl"], cache = decode_ppl(model, ppl_ids, session, options.ppl_prefix)
+                caches.append(cache)
+            if passkeys:
+                correct = 0
+                lengths = []
+                for i, (text, key) in enumerate(passkeys):
+                    progress(f"{config.name}: passkey {i + 1}/{len(passkeys)}")
+                    ids = _encode(tokenizer, text, device)
+                    lengths.append(ids.shape[1])
+                    new, cache = greedy(model, ids, session, 8)
+                    caches.append(cache)
+                    correct += key in tokenizer.decode(new[0], skip_special_tokens=True)
+                res["passkey"] = {"correct": correct, "total": len(passkeys),
+                                  "context_tokens": round(sum(lengths) / len(lengths))}
+        reports = [memory_report(c) for c in caches]
+        if reports:
+            biggest = max(reports, key=lambda r: r["kv_bytes_fp16"])
+            res.update(kv_bytes=biggest["kv_bytes"], kv_bytes_fp16=biggest["kv_bytes_fp16"],
+                       bits_per_element=biggest["bits_per_element"])
+        return res
+
+    if ppl_ids is not None or need_agree:
+        if not any(c.name == "fp16" and not c.compressed for c in configs):
+            progress("fp16 reference")
+            baseline = run(fp16)
+    results = []
+    for config in configs:
+        res = run(config)
+        if not config.compressed and config.name == "fp16":
+            baseline = baseline or res
+        results.append(res)
+    for res in results:
+        if ppl_ids is not None:
+            res["ppl_fp16"] = baseline["ppl"]
+            res["ppl_change"] = res["ppl"] / baseline["ppl"] - 1
+        if need_agree:
+            res["agreement"] = agreement(res["_tokens"], baseline["_tokens"])
+        res.pop("_tokens", None)
+    return {"backend_reason": select_backend(options.backend, device)[1], "results": results}
+
+
+def agreement(tokens: list[int], reference: list[int]) -> dict:
+    """Position-by-position token agreement with the reference continuation."""
+    n = min(len(tokens), len(reference))
+    matching = sum(a == b for a, b in zip(tokens[:n], reference[:n]))
+    first = next((i for i in range(n) if tokens[i] != reference[i]), None)
+    if first is None and len(tokens) != len(reference):
+        first = n
+    return {"matching": matching, "total": len(reference), "first_divergence": first}
