@@ -318,3 +318,32 @@ def test_config_round_trip_and_parsers():
     with pytest.raises(InputError, match="Invalid bits"):
         parse_int_list("2,x", "bits")
     assert parse_layers("all") is None and parse_layers("0,4-5") == (0, 4, 5)
+
+
+def test_streams_one_layer_at_a_time(tmp_path, monkeypatch):
+    """Each layer is read (and finished) before the next one is touched."""
+    from kvlens.store import LayerData
+
+    path = make_capture(tmp_path / "s.h5", *kivi_tensors(), layers=3)
+    events = []
+    real_read = LayerData.read
+
+    def read(self, name, samples=None, heads=None):
+        events.append(("read", self.index, name))
+        return real_read(self, name, samples, heads)
+
+    monkeypatch.setattr(LayerData, "read", read)
+    compare_axes(
+        path,
+        CompareConfig(bits=(2,), group_sizes=(8,)),
+        progress=lambda done, total, note: events.append(("done", done)),
+    )
+    layers_in_order = [e[1] for e in events if e[0] == "read"]
+    assert layers_in_order == sorted(layers_in_order)
+    assert [e for e in events if e[0] == "read" and e[1] == 1] == [
+        ("read", 1, "q"),
+        ("read", 1, "k"),
+        ("read", 1, "v"),
+    ]  # no k_pre for post only
+    # progress reports layer i done before layer i+1 is read
+    assert events.index(("done", 1)) < events.index(("read", 1, "q"))
