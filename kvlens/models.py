@@ -152,7 +152,6 @@ def load_model(spec: str | None = None, *, dtype: str = "float32", device: str =
     ``device`` is ``auto``, ``cpu`` or ``cuda``; ``device_map="auto"`` spreads a large model over
     several GPUs with accelerate (then ``device`` is ignored).
     """
-    import torch
 
     source = resolve_model(spec)
     torch_dtype = parse_dtype(dtype)

@@ -27,11 +27,9 @@ def smollm2_tokenizer(smollm2):
 def tiny_model_dir(tmp_path_factory, smollm2_tokenizer):
     """A tiny random Llama saved as a local HF directory with SmolLM2's real tokenizer, so CLI
     tests exercise the directory-loading path in seconds."""
-    from tiny_models import tiny_config
-
-    from transformers import AutoModelForCausalLM
-
     import torch
+    from tiny_models import tiny_config
+    from transformers import AutoModelForCausalLM
 
     path = tmp_path_factory.mktemp("tiny-llama")
     config = tiny_config("llama")

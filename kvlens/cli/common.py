@@ -33,8 +33,14 @@ def progress_bar(description: str, enabled: bool = True):
 
     The bar appears at the first update, so errors raised before any work starts (bad options,
     a missing model) are not interleaved with an empty bar."""
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     state: dict = {}
 

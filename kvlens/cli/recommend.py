@@ -1,0 +1,142 @@
+"""``kvlens recommend``: a per-layer KV quantization config under a memory budget."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from kvlens.cli import app
+from kvlens.cli.common import console, err_console, print_json, progress_bar, run_library_call
+
+VALIDATE_PRESETS = ("kivi-2", "kivi-4", "per-token-4")
+
+
+def _ints(spec: str, what: str) -> tuple[int, ...]:
+    from kvlens.errors import InputError
+
+    try:
+        return tuple(int(x) for x in spec.split(",") if x.strip())
+    except ValueError:
+        raise InputError(f"Invalid {what} {spec!r}; expected a comma list of integers.") from None
+
+
+@app.command()
+def recommend(
+    capture: Path = typer.Argument(..., help="Capture file from `kvlens capture`."),
+    budget_bits: float = typer.Option(..., "--budget-bits", "-b",
+                                      help="Average stored bits per cached K/V element, all "
+                                           "overheads counted, at --context tokens."),
+    output: Path = typer.Option(None, "--output", "-o", help="Write the config JSON here."),
+    context: int = typer.Option(4096, "--context", help="Reference context length for the "
+                                                        "budget accounting."),
+    residual: int = typer.Option(128, "--residual", help="Full-precision window (tokens)."),
+    bits: str = typer.Option("2,3,4,8", "--bits", help="Candidate bit widths."),
+    group_sizes: str = typer.Option("32,64", "--group-sizes", help="Candidate group sizes."),
+    pre_rope: str = typer.Option("auto", "--pre-rope",
+                                 help="Pre-RoPE key candidates: auto (if the capture has RoPE), "
+                                      "on (required), off."),
+    no_balancer: bool = typer.Option(False, "--no-balancer", help="No balancer candidates."),
+    exponent: float = typer.Option(0.5, "--balancer-exponent",
+                                   help="Balancer b = (max|q|/max|k|)^exponent."),
+    samples: int = typer.Option(1, "--samples", help="Capture samples used to measure errors."),
+    tokens: int = typer.Option(256, "--tokens", help="First N tokens of each sample used."),
+    name: str = typer.Option("recommended", "--name", help="Name stored in the config."),
+    validate: bool = typer.Option(False, "--validate",
+                                  help="Generate with the recommendation and presets "
+                                       f"({', '.join(VALIDATE_PRESETS)}): decode ppl + passkey."),
+    passkey_prompts: int = typer.Option(20, "--passkey-prompts"),
+    passkey_context: int = typer.Option(1000, "--passkey-context"),
+    ppl_tokens: int = typer.Option(512, "--ppl-tokens"),
+    model: str = typer.Option(None, "--model", "-m",
+                              help="Model for --validate (default: the embedded SmolLM2)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --output."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+) -> None:
+    """Fit balancers and choose axis/bits/group/pre-RoPE per layer under a memory budget."""
+    from kvlens.recommend import RecommendOptions
+    from kvlens.recommend import recommend as run
+
+    def prepare():
+        from kvlens.errors import InputError
+
+        if output is not None and output.exists() and not overwrite:
+            raise InputError(f"{output} already exists; pass --overwrite to replace it.")
+        return RecommendOptions(budget_bits=budget_bits, context=context,
+                                residual_tokens=residual, bits=_ints(bits, "--bits"),
+                                group_sizes=_ints(group_sizes, "--group-sizes"),
+                                pre_rope=pre_rope, balancer=not no_balancer,
+                                balancer_exponent=exponent, samples=samples, tokens=tokens,
+                                name=name)
+
+    opts = run_library_call(prepare)
+    with progress_bar("measuring candidates") as update:
+        rec = run_library_call(lambda: run(capture, opts, progress=update))
+    if output is not None:
+        from kvlens.kvconfig import save_config
+
+        save_config(rec.config, output)
+        err_console.print(f"config written: {output}")
+    validation = None
+    if validate:
+        validation = run_library_call(lambda: _validate(rec.config, model, passkey_prompts,
+                                                        passkey_context, ppl_tokens))
+    if as_json:
+        doc = rec.to_dict()
+        if validation is not None:
+            doc["validation"] = validation["results"]
+        print_json(doc)
+        return
+    _render(rec)
+    if validation is not None:
+        from kvlens.cli.generate import _render as render_eval
+
+        render_eval(validation["results"], None)
+
+
+def _validate(config, model, passkey_prompts, passkey_context, ppl_tokens):
+    from kvlens.architecture import describe
+    from kvlens.evaluate import EvalOptions, evaluate_configs
+    from kvlens.kvconfig import preset, validate_for
+    from kvlens.models import load_model
+
+    err_console.print(f"Validating on {model or 'SmolLM2-135M-Instruct (embedded)'} ...")
+    mdl, tok, _ = load_model(model)
+    validate_for(config, describe(mdl))
+    configs = [preset("fp16"), config] + [preset(p) for p in VALIDATE_PRESETS]
+    opts = EvalOptions(evals=("ppl", "passkey"), passkey_prompts=passkey_prompts,
+                       passkey_context=passkey_context, ppl_tokens=ppl_tokens)
+    return evaluate_configs(mdl, tok, configs, opts,
+                            progress=lambda msg: err_console.print(f"  {msg}"))
+
+
+def _render(rec) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"Recommendation: {rec.mean_bits:.3f} bits/element (budget "
+                    f"{rec.budget_bits}) at {rec.context} tokens")
+    for col in ("layer", "key", "bits", "K out err", "K score err", "value", "bits",
+                "V out err", "V recon err"):
+        t.add_column(col, justify="right" if col in ("layer", "bits") or "err" in col else "left")
+    by_layer: dict[int, dict] = {}
+    for ch in rec.choices:
+        by_layer.setdefault(ch.layer, {})[ch.tensor] = ch
+    for layer, pair in sorted(by_layer.items()):
+        k, v = pair["key"], pair["value"]
+        t.add_row(str(layer), k.candidate.label, f"{k.bits:.2f}", f"{k.output_error:.4f}",
+                  f"{k.score_error:.4f}", v.candidate.label, f"{v.bits:.2f}",
+                  f"{v.output_error:.4f}", f"{v.reconstruction_error:.4f}")
+    console.print(t)
+    console.print("Each choice minimises the attention-output error (where the tensor is "
+                  "consumed) summed over layers, under the bit budget; score and reconstruction "
+                  "errors are shown to explain it.")
+    m = Table(title="KV cache memory (all layers, batch 1)")
+    for col in ("context", "recommended", "fp16", "ratio"):
+        m.add_column(col, justify="right")
+    for ctx, b in rec.kv_bytes.items():
+        f = rec.kv_bytes_fp16[ctx]
+        m.add_row(f"{ctx:,}", f"{b / 2**20:.1f} MiB", f"{f / 2**20:.1f} MiB", f"{f / b:.2f}x")
+    console.print(m)
+    console.print(f"expected mean attention-output error: {rec.expected_output_error:.4f}")
+    for note in rec.notes:
+        console.print(f"note: {note}")

@@ -1,0 +1,353 @@
+"""``kvlens recommend``: choose a per-layer KV quantization config under a memory budget.
+
+Pipeline (one capture layer in memory at a time):
+
+1. **Candidates** per tensor: keys and values x granularity (per-channel, per-token) x bits
+   (2, 3, 4, 8) x group size; keys also pre-RoPE (KVQuant) and, for per-token keys, with the
+   MiKV channel balancer fitted on the capture (``b = (max|q| / max|k|)^exponent``). Only what
+   ``kvlens generate`` can run is offered (dense-and-sparse outliers and GEAR low-rank terms are
+   analysed by ``compare-axes`` but not stored by the cache, so they are not candidates).
+2. **Cost** of a candidate: average stored bits per element at a reference context length
+   ``L`` (default 4096), all overheads counted by ``kvlens.quant.bits_per_element``: codes,
+   fp16 scales and zeros (partial groups as whole groups) and the full-precision residual window
+   counted full (``R`` tokens at 16 bits: an upper bound, the window holds 0..R tokens).
+3. **Error** of a candidate, measured where the tensor is consumed: the relative error of the
+   attention output (``kvlens.metrics``) when only that tensor is quantized, mean over the
+   layer's query heads. Score error and reconstruction error are recorded too, to explain.
+   By default the first ``tokens=256`` tokens of ``samples=1`` capture window are used: about
+   50 candidates per layer each need a full attention pass, and this keeps a 30-layer model
+   at a few seconds per layer on 2 CPU cores (raise both for a more careful measurement).
+4. **Allocation**: pick one candidate per (layer, tensor) minimising ``sum_l w_l (e_K + e_V)``
+   subject to the mean cost over all layers and both tensors <= budget: a multiple-choice
+   knapsack solved exactly by dynamic programming on costs rounded up to 1/64 bit (so the
+   budget is never exceeded). ``w_l`` is the layer's sensitivity weight (uniform by default).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvlens.errors import ConfigError, InputError
+
+GRANULARITIES = ("per-channel", "per-token")
+COST_RESOLUTION = 64  # DP cost units per bit
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to store one tensor of one layer."""
+
+    tensor: str  # "key" or "value"
+    bits: int
+    granularity: str
+    group_size: int
+    stage: str = "post"  # keys only: "pre" = quantize before RoPE
+    balancer: bool = False  # keys only: MiKV channel balancer
+
+    @property
+    def label(self) -> str:
+        extra = (" pre-RoPE" if self.stage == "pre" else "") + (" +bal" if self.balancer else "")
+        return f"{self.bits}b {self.granularity} G{self.group_size}{extra}"
+
+    def spec(self):
+        from kvlens.quant import QuantSpec
+
+        return QuantSpec(self.bits, self.granularity, self.group_size)
+
+
+@dataclass(frozen=True)
+class RecommendOptions:
+    budget_bits: float
+    context: int = 4096
+    residual_tokens: int = 128
+    bits: tuple[int, ...] = (2, 3, 4, 8)
+    group_sizes: tuple[int, ...] = (32, 64)
+    pre_rope: str = "auto"  # auto: offer pre-RoPE keys when the capture has RoPE; on; off
+    balancer: bool = True
+    balancer_exponent: float = 0.5
+    samples: int | None = 1
+    tokens: int | None = 256
+    layer_weights: tuple[float, ...] | None = None
+    name: str = "recommended"
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.budget_bits, (int, float)) and 0 < self.budget_bits <= 16):
+            raise InputError(f"--budget-bits must be in (0, 16], got {self.budget_bits}.")
+        if self.context <= self.residual_tokens:
+            raise InputError(f"--context {self.context} must exceed the residual window "
+                             f"({self.residual_tokens} tokens).")
+        if self.pre_rope not in ("auto", "on", "off"):
+            raise InputError(f"Unknown --pre-rope {self.pre_rope!r}; allowed: auto, on, off.")
+        bad = [b for b in self.bits if b not in (2, 3, 4, 8)]
+        if bad:
+            raise InputError(f"Unsupported bit widths {bad}; allowed: 2, 3, 4, 8.")
+        bad = [g for g in self.group_sizes if g <= 0 or self.residual_tokens % g]
+        if bad:
+            raise InputError(f"Group sizes {bad} do not divide the residual window "
+                             f"({self.residual_tokens}), which per-channel keys need.")
+
+
+@dataclass
+class Choice:
+    layer: int
+    tensor: str
+    candidate: Candidate
+    bits: float
+    output_error: float
+    score_error: float | None
+    reconstruction_error: float
+    runner_up: str = ""  # the cheapest candidate with lower error, if the budget ruled it out
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["candidate"] = asdict(self.candidate) | {"label": self.candidate.label}
+        return d
+
+
+@dataclass
+class Recommendation:
+    config: Any  # kvlens.kvconfig.KVConfig
+    choices: list[Choice]
+    budget_bits: float
+    mean_bits: float
+    expected_output_error: float  # mean over layers of (e_K + e_V) / 2
+    context: int
+    kv_bytes: dict[int, float] = field(default_factory=dict)  # context -> bytes
+    kv_bytes_fp16: dict[int, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"budget_bits": self.budget_bits, "mean_bits": self.mean_bits,
+                "expected_output_error": self.expected_output_error, "context": self.context,
+                "kv_bytes": self.kv_bytes, "kv_bytes_fp16": self.kv_bytes_fp16,
+                "choices": [c.to_dict() for c in self.choices], "notes": self.notes,
+                "config": self.config.to_dict()}
+
+
+# -- candidates and costs -------------------------------------------------------------------
+
+def candidates(head_dim: int, opts: RecommendOptions, has_rope: bool) -> list[Candidate]:
+    out = []
+    for tensor in ("key", "value"):
+        for gran in GRANULARITIES:
+            for g in opts.group_sizes:
+                if gran == "per-token" and head_dim % g:
+                    continue
+                for b in opts.bits:
+                    out.append(Candidate(tensor, b, gran, g))
+                    if tensor == "key" and has_rope and opts.pre_rope != "off":
+                        out.append(Candidate(tensor, b, gran, g, stage="pre"))
+                    if tensor == "key" and gran == "per-token" and opts.balancer:
+                        out.append(Candidate(tensor, b, gran, g, balancer=True))
+    return out
+
+
+def candidate_bits(c: Candidate, head_dim: int, context: int, residual: int) -> float:
+    from kvlens.quant import bits_per_element
+
+    return bits_per_element(c.spec(), (context, head_dim), residual_tokens=residual).total
+
+
+# -- error measurement ----------------------------------------------------------------------
+
+def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOptions):
+    """Per-candidate mean errors on one capture layer: ``{candidate: (out, score, recon)}`` and
+    the fitted balancer ``[Hkv, D]`` (None when no candidate uses it)."""
+    import torch
+
+    from kvlens.metrics import Variant, attention_errors_many
+    from kvlens.quant import fake_quantize, fit_balancer, rope_tables_for
+    from kvlens.rope import apply_rope
+
+    sel = None if opts.samples is None else list(range(min(opts.samples, meta.num_samples)))
+    t = slice(None) if opts.tokens is None else slice(0, opts.tokens)
+    q, k, v = (layer.read(n, samples=sel)[:, :, t] for n in ("q", "k", "v"))
+    pre_ok = any(c.stage == "pre" for c in cands)
+    cos = sin = None
+    if pre_ok:
+        k_pre = layer.read("k_pre", samples=sel)[:, :, t]
+        pos = torch.arange(k.shape[2])[None].expand(k.shape[0], -1)
+        cos, sin = rope_tables_for(pos, meta.head_dim, float(meta.rope.get("rope_theta", 1e4)),
+                                   meta.rotary_dim or meta.head_dim, meta.rope_layout)
+        if not torch.allclose(apply_rope(k_pre, cos, sin, meta.rope_layout), k,
+                              atol=2e-2, rtol=2e-2):
+            pre_ok = False  # scaled RoPE (YaRN...) we cannot rebuild from the config
+    bal = fit_balancer(q, k, opts.balancer_exponent) if any(c.balancer for c in cands) else None
+    la = layer.attrs
+    kept, variants = [], []
+    for c in cands:
+        if c.stage == "pre" and not pre_ok:
+            continue
+        spec = c.spec()
+        if c.tensor == "value":
+            variants.append(Variant(v_hat=fake_quantize(v, spec)))
+        elif c.stage == "pre":
+            variants.append(Variant(k_hat=apply_rope(fake_quantize(k_pre, spec), cos, sin,
+                                                     meta.rope_layout)))
+        elif c.balancer:
+            b = bal[None, :, None, :]
+            variants.append(Variant(k_hat=fake_quantize(k * b, spec) / b))
+        else:
+            variants.append(Variant(k_hat=fake_quantize(k, spec)))
+        kept.append(c)
+    errs = attention_errors_many(q, k, v, variants, scaling=la.scaling,
+                                 sliding_window=la.sliding_window, softcap=la.logit_softcap)
+    out = {}
+    for c, e in zip(kept, errs):
+        recon = e.value_reconstruction if c.tensor == "value" else e.key_reconstruction
+        out[c] = (float(e.output.mean()), None if e.scores is None else float(e.scores.mean()),
+                  float(recon.mean()))
+    return out, bal, pre_ok
+
+
+# -- allocation -----------------------------------------------------------------------------
+
+def allocate(costs: Sequence[Sequence[float]], errors: Sequence[Sequence[float]],
+             budget_total: float) -> list[int]:
+    """Multiple-choice knapsack: one option per group, ``sum cost <= budget_total``, minimal
+    ``sum error``. Exact on costs rounded *up* to ``1/COST_RESOLUTION`` (never over budget).
+    Raises ``InputError`` when even the cheapest options exceed the budget."""
+    import numpy as np
+
+    units = [np.ceil(np.asarray(c, dtype=float) * COST_RESOLUTION - 1e-9).astype(int)
+             for c in costs]
+    cap = int(math.floor(budget_total * COST_RESOLUTION + 1e-9))
+    minimum = sum(int(u.min()) for u in units)
+    if minimum > cap:
+        raise InputError(
+            f"The budget is too small: the cheapest candidates need "
+            f"{minimum / COST_RESOLUTION / len(costs):.3f} bits per element on average, "
+            f"more than the {budget_total / len(costs):.3f} asked for.")
+    inf = float("inf")
+    best = np.full(cap + 1, inf)
+    best[0] = 0.0
+    picks = []
+    for u, e in zip(units, errors):
+        new = np.full(cap + 1, inf)
+        arg = np.full(cap + 1, -1, dtype=int)
+        for i, (cu, ce) in enumerate(zip(u, e)):
+            if cu > cap:
+                continue
+            cand = np.full(cap + 1, inf)
+            cand[cu:] = best[:cap + 1 - cu] + ce
+            better = cand < new
+            new[better] = cand[better]
+            arg[better] = i
+        best = new
+        picks.append(arg)
+    end = int(np.argmin(best))
+    chosen = []
+    for u, arg in zip(reversed(units), reversed(picks)):
+        i = int(arg[end])
+        chosen.append(i)
+        end -= int(u[i])
+    return chosen[::-1]
+
+
+# -- the whole command ----------------------------------------------------------------------
+
+ProgressFn = Callable[[int, int, str], None]
+
+
+def recommend(path: str | Path, opts: RecommendOptions,
+              progress: ProgressFn | None = None) -> Recommendation:
+    """Measure every candidate on the capture, allocate under the budget, build the config."""
+    from kvlens.store import open_capture
+
+    with open_capture(path) as cap:
+        meta = cap.meta
+        if tuple(meta.layers) != tuple(range(meta.num_layers)):
+            raise InputError(f"{path} captures layers {list(meta.layers)}, but a recommendation "
+                             f"needs all {meta.num_layers}; re-run `kvlens capture` without "
+                             "--layers.")
+        weights = opts.layer_weights or (1.0,) * meta.num_layers
+        if len(weights) != meta.num_layers:
+            raise InputError(f"{len(weights)} layer weights given for {meta.num_layers} layers.")
+        if opts.pre_rope == "on" and not meta.has_rope:
+            raise InputError(f"Pre-RoPE keys were requested but {path} has no pre-RoPE data: "
+                             f"{meta.model} has no rotary embedding (q_pre/k_pre equal q/k). "
+                             "Use --pre-rope auto or off.")
+        cands = candidates(meta.head_dim, opts, meta.has_rope)
+        tables, balancers, notes = [], {}, []
+        for i, layer in enumerate(cap.iter_layers()):
+            table, bal, pre_ok = measure_layer(layer, meta, cands, opts)
+            if opts.pre_rope == "on" and not pre_ok:
+                raise InputError(f"Pre-RoPE keys were requested but the RoPE of {meta.model} "
+                                 "cannot be rebuilt from the capture's config (scaled RoPE?).")
+            if not pre_ok and meta.has_rope and opts.pre_rope == "auto" and not notes:
+                notes.append("pre-RoPE candidates skipped: the capture's RoPE could not be "
+                             "rebuilt from its config (scaled RoPE?)")
+            tables.append(table)
+            if bal is not None:
+                balancers[layer.index] = bal
+            if progress:
+                progress(i + 1, meta.num_layers, f"layer {layer.index}")
+    return _assemble(meta, opts, tables, balancers, weights, notes)
+
+
+def _assemble(meta, opts, tables, balancers, weights, notes) -> Recommendation:
+    groups, costs, errors = [], [], []
+    for layer, table in zip(meta.layers, tables):
+        for tensor in ("key", "value"):
+            opts_here = [c for c in table if c.tensor == tensor]
+            groups.append((layer, tensor, opts_here))
+            costs.append([candidate_bits(c, meta.head_dim, opts.context, opts.residual_tokens)
+                          for c in opts_here])
+            errors.append([weights[layer] * table[c][0] for c in opts_here])
+    picks = allocate(costs, errors, opts.budget_bits * len(groups))
+    choices = []
+    for (layer, tensor, opts_here), cost, pick, table in zip(
+            groups, costs, picks, [t for t in tables for _ in (0, 1)]):
+        c = opts_here[pick]
+        out, score, recon = table[c]
+        better = [(cost[j], o.label) for j, o in enumerate(opts_here) if table[o][0] < out]
+        runner = min(better)[1] if better else ""
+        choices.append(Choice(layer, tensor, c, cost[pick], out, score, recon, runner))
+    mean_bits = sum(ch.bits for ch in choices) / len(choices)
+    expected = sum(ch.output_error for ch in choices) / len(choices)
+    config = build_config(meta, opts, choices, balancers)
+    rec = Recommendation(config, choices, opts.budget_bits, mean_bits, expected, opts.context,
+                         notes=notes)
+    elems = 2 * meta.num_layers * meta.num_key_value_heads * meta.head_dim  # per token, K+V
+    for ctx in (1024, 4096, 32768, 131072):
+        bits = sum(candidate_bits(ch.candidate, meta.head_dim, ctx, opts.residual_tokens)
+                   for ch in choices) / len(choices) if ctx > opts.residual_tokens else 16
+        rec.kv_bytes[ctx] = elems * ctx * bits / 8
+        rec.kv_bytes_fp16[ctx] = elems * ctx * 2
+    return rec
+
+
+def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balancers):
+    """The versioned ``kvlens.kvconfig`` config that ``kvlens generate --config`` consumes."""
+    from collections import Counter
+
+    from kvlens.kvconfig import KVConfig, LayerKV, MikvSettings
+
+    by_layer: dict[int, dict[str, Candidate]] = {}
+    for ch in choices:
+        by_layer.setdefault(ch.layer, {})[ch.tensor] = ch.candidate
+    settings = {}
+    for layer, pair in by_layer.items():
+        k, v = pair["key"], pair["value"]
+        settings[layer] = LayerKV(k.spec(), v.spec(), opts.residual_tokens, k.stage == "pre")
+    default = Counter(settings.values()).most_common(1)[0][0]
+    overrides = {i: s for i, s in settings.items() if s != default}
+    used = {i: balancers[i] for i, p in by_layer.items() if p["key"].balancer}
+    if any(settings[i].pre_rope_keys for i in used):
+        raise ConfigError("internal: balancer chosen together with pre-RoPE keys")
+    mikv = None
+    if used:
+        mikv = MikvSettings(heavy_fraction=0.0, sink_tokens=0, balancer="fixed",
+                            balancer_exponent=opts.balancer_exponent)
+    return KVConfig(
+        name=opts.name, default=default, layers=overrides, mikv=mikv,
+        balancers={i: tuple(tuple(float(x) for x in row) for row in b.tolist())
+                   for i, b in used.items()},
+        description=(f"kvlens recommend for {meta.model}: budget {opts.budget_bits} bits/element "
+                     f"at {opts.context} tokens (residual window {opts.residual_tokens})"),
+        model={"num_layers": meta.num_layers, "head_dim": meta.head_dim,
+               "num_key_value_heads": meta.num_key_value_heads})

@@ -1,0 +1,175 @@
+"""`kvlens recommend`: budgeted allocation, measurement on planted captures, config round trip."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+import torch
+from tiny_models import tiny_model
+from typer.testing import CliRunner
+
+from kvlens.capture import capture_model
+from kvlens.cli import app
+from kvlens.errors import InputError
+from kvlens.kvconfig import load_config, save_config
+from kvlens.recommend import (
+    COST_RESOLUTION,
+    Candidate,
+    RecommendOptions,
+    allocate,
+    candidate_bits,
+    recommend,
+)
+from kvlens.store import CaptureMeta, write_capture
+
+
+def _brute_force(costs, errors, budget):
+    best = None
+    for combo in itertools.product(*[range(len(c)) for c in costs]):
+        cost = sum(c[i] for c, i in zip(costs, combo))
+        if cost <= budget + 1e-12:
+            err = sum(e[i] for e, i in zip(errors, combo))
+            best = err if best is None else min(best, err)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_allocation_finds_the_known_optimum(seed):
+    rng = random.Random(seed)
+    # costs on the DP grid (multiples of 1/COST_RESOLUTION) so rounding cannot matter
+    costs = [[rng.randint(64, 8 * 64) / COST_RESOLUTION for _ in range(5)] for _ in range(4)]
+    errors = [[rng.random() for _ in range(5)] for _ in range(4)]
+    budget = sum(sorted(c)[2] for c in costs)
+    picks = allocate(costs, errors, budget)
+    assert sum(c[i] for c, i in zip(costs, picks)) <= budget
+    got = sum(e[i] for e, i in zip(errors, picks))
+    assert got == pytest.approx(_brute_force(costs, errors, budget))
+
+
+def test_allocation_spends_budget_where_it_helps():
+    # Two groups; group 0 gains a lot from more bits, group 1 almost nothing.
+    costs = [[2.0, 4.0], [2.0, 4.0]]
+    errors = [[0.9, 0.1], [0.30, 0.29]]
+    assert allocate(costs, errors, 6.0) == [1, 0]
+    assert allocate(costs, errors, 4.0) == [0, 0]
+
+
+def test_allocation_refuses_impossible_budget():
+    with pytest.raises(InputError, match="budget is too small"):
+        allocate([[3.0, 4.0]], [[0.5, 0.1]], 2.5)
+
+
+def _planted_capture(path, has_rope=True, seed=0):
+    """Keys with two outlier channels on every token (KIVI's observation); values flat except a
+    few tokens; post-RoPE made from pre-RoPE with the Llama tables."""
+    from kvlens.quant import rope_tables_for
+    from kvlens.rope import apply_rope
+
+    g = torch.Generator().manual_seed(seed)
+    s, hq, hkv, t, d = 1, 4, 2, 128, 32
+    layers = (0, 1)
+    cos, sin = rope_tables_for(torch.arange(t)[None], d, 10000.0)
+    tensors = {}
+    for layer in layers:
+        q_pre = torch.randn(s, hq, t, d, generator=g)
+        k_pre = torch.randn(s, hkv, t, d, generator=g)
+        k_pre[..., 3] = 25.0 + torch.randn(s, hkv, t, generator=g)
+        k_pre[..., 20] = -18.0 + torch.randn(s, hkv, t, generator=g)
+        v = torch.randn(s, hkv, t, d, generator=g)
+        post_q = apply_rope(q_pre, cos, sin) if has_rope else q_pre
+        post_k = apply_rope(k_pre, cos, sin) if has_rope else k_pre
+        tensors[layer] = {"q": post_q, "k": post_k, "v": v, "q_pre": q_pre, "k_pre": k_pre}
+    meta = CaptureMeta(model="planted", architecture="Synthetic", model_type="synthetic",
+                       num_layers=2, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d,
+                       has_rope=has_rope, rope={"rope_theta": 10000.0} if has_rope else {},
+                       rope_layout="half" if has_rope else "none",
+                       rotary_dim=d if has_rope else 0, compute_dtype="float32",
+                       storage_dtype="float32", num_samples=s, num_tokens=t, layers=layers)
+    return write_capture(path, meta, tensors)
+
+
+def test_recommend_on_planted_outlier_keys(tmp_path):
+    path = _planted_capture(tmp_path / "p.h5")
+    opts = RecommendOptions(budget_bits=3.5, group_sizes=(32,), bits=(2, 4))
+    rec = recommend(path, opts)
+    assert rec.mean_bits <= 3.5
+    for ch in rec.choices:
+        if ch.tensor == "key":
+            # Outlier channels: plain per-token key grouping is never the best use of bits.
+            assert ch.candidate.granularity == "per-channel" or ch.candidate.balancer
+    # The expected error reported is the mean of the chosen candidates' output errors.
+    assert rec.expected_output_error == pytest.approx(
+        sum(c.output_error for c in rec.choices) / len(rec.choices))
+    # More budget never makes the expected error worse.
+    richer = recommend(path, RecommendOptions(budget_bits=6.0, group_sizes=(32,),
+                                              bits=(2, 4)))
+    assert richer.expected_output_error <= rec.expected_output_error + 1e-12
+    assert rec.config.model == {"num_layers": 2, "head_dim": 32, "num_key_value_heads": 2}
+
+
+def test_budget_below_any_candidate_and_pre_rope_without_rope(tmp_path):
+    path = _planted_capture(tmp_path / "p.h5")
+    with pytest.raises(InputError, match="budget is too small"):
+        recommend(path, RecommendOptions(budget_bits=2.0, context=1024))
+    plain = _planted_capture(tmp_path / "norope.h5", has_rope=False)
+    with pytest.raises(InputError, match="no pre-RoPE data"):
+        recommend(plain, RecommendOptions(budget_bits=4.0, pre_rope="on"))
+    rec = recommend(plain, RecommendOptions(budget_bits=4.0))  # auto: simply no pre candidates
+    assert all(c.candidate.stage == "post" for c in rec.choices)
+
+
+def test_candidate_bits_counts_overheads():
+    # 2-bit per-channel G32 with fp16 scale+zero: 3 bits on the quantized part, and a full
+    # 128-token fp16 window at 1024 tokens adds (16 - 3) * 128 / 1024.
+    c = Candidate("key", 2, "per-channel", 32)
+    assert candidate_bits(c, 64, 1024, 128) == pytest.approx(3.0 + 13 * 128 / 1024)
+
+
+def test_written_config_runs_in_generate(tmp_path):
+    """recommend -> JSON config -> load -> compressed generation on the same (tiny) model."""
+    from kvlens.architecture import describe
+    from kvlens.cache import compressed_attention
+    from kvlens.evaluate import greedy
+    from kvlens.kvconfig import validate_for
+
+    model = tiny_model("llama")
+    windows = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(0))
+    cap = tmp_path / "tiny.h5"
+    capture_model(model, windows, cap)
+    rec = recommend(cap, RecommendOptions(budget_bits=5.0, context=512, group_sizes=(16,),
+                                          residual_tokens=16))
+    out = tmp_path / "cfg.json"
+    save_config(rec.config, out)
+    loaded = load_config(out)
+    assert loaded.to_dict() == rec.config.to_dict()
+    validate_for(loaded, describe(model))
+    prompt = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    with compressed_attention(model, loaded, backend="torch") as session:
+        new, cache = greedy(model, prompt, session, 8)
+    assert new.shape == (1, 8)
+
+
+runner = CliRunner()
+
+
+def test_recommend_cli(tmp_path):
+    path = _planted_capture(tmp_path / "p.h5")
+    out = tmp_path / "rec.json"
+    res = runner.invoke(app, ["recommend", str(path), "--budget-bits", "3.5",
+                              "--group-sizes", "32", "-o", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["mean_bits"] <= 3.5 and len(doc["choices"]) == 4
+    assert json.loads(out.read_text())["format"] == "kvlens.kvconfig"
+    # refuses to overwrite, and reports impossible budgets and bad files clearly
+    res = runner.invoke(app, ["recommend", str(path), "-b", "3.5", "-o", str(out)])
+    assert res.exit_code == 1 and "--overwrite" in res.output
+    res = runner.invoke(app, ["recommend", str(path), "-b", "1.0"])
+    assert res.exit_code == 1 and "budget is too small" in res.output
+    res = runner.invoke(app, ["recommend", str(tmp_path / "none.h5"), "-b", "3"])
+    assert res.exit_code == 1 and "not found" in res.output
+    res = runner.invoke(app, ["recommend", str(path), "-b", "3", "--group-sizes", "48"])
+    assert res.exit_code == 1 and "do not divide" in res.output
