@@ -210,6 +210,7 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
             res["ppl_change"] = res["ppl"] / baseline["ppl"] - 1
         if need_agree:
             res["agreement"] = agreement(res["_tokens"], baseline["_tokens"])
+    for res in results:
         res.pop("_tokens", None)
     return {"backend_reason": select_backend(options.backend, device)[1], "results": results}
 

@@ -13,7 +13,9 @@ The channel balancer folds into the query (``q / b`` against the stored ``k * b`
 segment only; pre-RoPE keys are rotated after dequantization with the stored RoPE tables.
 
 ``select_backend(requested, device)`` is the one place that chooses between this path and the
-Triton kernels (package ``kvlens_kernels``) and says why Triton was not used.
+Triton kernels (package ``kvlens_kernels``) and says why Triton was not used. Not done yet:
+calling ``kvlens_kernels.packed_decode_attention`` from ``make_attention_fn``; until then Triton
+is always reported unavailable, with the reason.
 """
 
 from __future__ import annotations
@@ -55,7 +57,9 @@ def select_backend(requested: str, device) -> tuple[str, str]:
                 reason = (f"kvlens_kernels has no {TRITON_ENTRY}() entry point yet (the fused "
                           "decode kernel over kvlens.cache.packed is not available)")
     if reason is None:
-        return "triton", "Triton kernels available"
+        # The fused kernel exists but generation does not call it yet (see the module doc).
+        reason = (f"kvlens_kernels.{TRITON_ENTRY} is available but not yet wired into the "
+                  "compressed cache's attention")
     if requested == "triton":
         raise BackendError(f"--backend triton is unavailable: {reason}.")
     return "torch", f"Triton not used: {reason}"
