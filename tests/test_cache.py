@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from tiny_models import tiny_model
 
 from kvlens.cache import compressed_attention, memory_report
 from kvlens.cache.attention import packed_attention, select_backend
@@ -17,7 +18,6 @@ from kvlens.errors import BackendError, ConfigError
 from kvlens.hf import cache_argument_name
 from kvlens.kvconfig import LayerKV, MikvSettings, preset
 from kvlens.quant import QTensor, QuantSpec, dequantize, quantize
-from tiny_models import tiny_model
 
 
 def _small(name: str, residual: int):

@@ -8,14 +8,22 @@ from dataclasses import replace
 
 import pytest
 import torch
+from tiny_models import tiny_model
 
 from kvlens.cache import compressed_attention
 from kvlens.errors import ConfigError, InputError
 from kvlens.evaluate import agreement, decode_ppl, parse_evals, passkey_prompts
-from kvlens.kvconfig import (PRESETS, KVConfig, LayerKV, config_from_dict, load_config, preset,
-                             save_config, validate_for)
+from kvlens.kvconfig import (
+    PRESETS,
+    KVConfig,
+    LayerKV,
+    config_from_dict,
+    load_config,
+    preset,
+    save_config,
+    validate_for,
+)
 from kvlens.quant import QuantSpec
-from tiny_models import tiny_model
 
 
 def test_decode_ppl_without_compression_equals_full_forward():

@@ -273,8 +273,7 @@ class CompressedLayer(DynamicLayer):
         self.hp_pos = cand_pos.gather(-1, idx)
         gi = idx[..., None].expand(b, h, keep, d)
         self.hp_k, self.hp_v = cand_k.gather(2, gi), cand_v.gather(2, gi)
-        cap = self.kstore.capacity
-        self.is_hp = torch.zeros(b, h, cap, dtype=torch.bool, device=k.device)
+        self.is_hp = torch.zeros(b, h, total, dtype=torch.bool, device=k.device)
         self.is_hp.scatter_(-1, self.hp_pos, True)
 
     # -- accounting -----------------------------------------------------------------------------

@@ -57,8 +57,16 @@ from dataclasses import dataclass
 import torch
 
 from kvlens.errors import ConfigError
-from kvlens.quant import QTensor, QuantSpec, codes_per_byte, dequantize, pack_codes, quantize
-from kvlens.quant import packed_length, unpack_codes
+from kvlens.quant import (
+    QTensor,
+    QuantSpec,
+    codes_per_byte,
+    dequantize,
+    pack_codes,
+    packed_length,
+    quantize,
+    unpack_codes,
+)
 
 SCALE_DTYPES = ("float16", "float32")
 
