@@ -244,7 +244,7 @@ def compare_axes(
         raise ConfigError(f"Invalid threads {threads!r}; allowed: a positive integer.")
     started = time.perf_counter()
     records: list[Record] = []
-    with open_capture(path) as cap, _torch_threads(threads):
+    with open_capture(path) as cap, torch_threads(threads):
         meta = cap.meta
         layers = _resolve_layers(cap, config)
         _check_fits(meta, config)
@@ -280,7 +280,7 @@ def compare_axes(
 
 
 @contextmanager
-def _torch_threads(threads: int | None):
+def torch_threads(threads: int | None):
     import torch
 
     before = torch.get_num_threads()

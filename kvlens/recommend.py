@@ -17,10 +17,13 @@ Pipeline (one capture layer in memory at a time):
    By default the first ``tokens=256`` tokens of ``samples=1`` capture window are used: about
    50 candidates per layer each need a full attention pass, and this keeps a 30-layer model
    at a few seconds per layer on 2 CPU cores (raise both for a more careful measurement).
-4. **Allocation**: pick one candidate per (layer, tensor) minimising ``sum_l w_l (e_K + e_V)``
+4. **Sensitivity**: with ``sensitivity="model"`` each layer gets a weight ``w_l`` = KL damage
+   of the real model's predictions per unit of attention-output error, measured by
+   probe-quantizing that layer alone (``kvlens.sensitivity``); ``uniform`` sets ``w_l = 1``.
+5. **Allocation**: pick one candidate per (layer, tensor) minimising ``sum_l w_l (e_K + e_V)``
    subject to the mean cost over all layers and both tensors <= budget: a multiple-choice
    knapsack solved exactly by dynamic programming on costs rounded up to 1/64 bit (so the
-   budget is never exceeded). ``w_l`` is the layer's sensitivity weight (uniform by default).
+   budget is never exceeded).
 """
 
 from __future__ import annotations
@@ -49,6 +52,12 @@ class Candidate:
     balancer: bool = False  # keys only: MiKV channel balancer
 
     @property
+    def short(self) -> str:
+        axis = "ch" if self.granularity == "per-channel" else "tok"
+        extra = (" pre" if self.stage == "pre" else "") + (" bal" if self.balancer else "")
+        return f"{self.bits}b {axis} G{self.group_size}{extra}"
+
+    @property
     def label(self) -> str:
         extra = (" pre-RoPE" if self.stage == "pre" else "") + (" +bal" if self.balancer else "")
         return f"{self.bits}b {self.granularity} G{self.group_size}{extra}"
@@ -72,6 +81,8 @@ class RecommendOptions:
     samples: int | None = 1
     tokens: int | None = 256
     layer_weights: tuple[float, ...] | None = None
+    sensitivity: str = "uniform"  # uniform | model | auto (model when the capture's is loadable)
+    model: str | None = None  # model for sensitivity (default: the capture's model source)
     name: str = "recommended"
 
     def __post_init__(self) -> None:
@@ -80,6 +91,9 @@ class RecommendOptions:
         if self.context <= self.residual_tokens:
             raise InputError(f"--context {self.context} must exceed the residual window "
                              f"({self.residual_tokens} tokens).")
+        if self.sensitivity not in ("uniform", "model", "auto"):
+            raise InputError(f"Unknown --sensitivity {self.sensitivity!r}; allowed: uniform, "
+                             "model, auto.")
         if self.pre_rope not in ("auto", "on", "off"):
             raise InputError(f"Unknown --pre-rope {self.pre_rope!r}; allowed: auto, on, off.")
         bad = [b for b in self.bits if b not in (2, 3, 4, 8)]
@@ -116,6 +130,7 @@ class Recommendation:
     mean_bits: float
     expected_output_error: float  # mean over layers of (e_K + e_V) / 2
     context: int
+    weights: tuple[float, ...] = ()  # per-layer sensitivity weights used by the allocation
     kv_bytes: dict[int, float] = field(default_factory=dict)  # context -> bytes
     kv_bytes_fp16: dict[int, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -123,7 +138,7 @@ class Recommendation:
     def to_dict(self) -> dict[str, Any]:
         return {"budget_bits": self.budget_bits, "mean_bits": self.mean_bits,
                 "expected_output_error": self.expected_output_error, "context": self.context,
-                "kv_bytes": self.kv_bytes, "kv_bytes_fp16": self.kv_bytes_fp16,
+                "layer_weights": list(self.weights), "kv_bytes": self.kv_bytes, "kv_bytes_fp16": self.kv_bytes_fp16,
                 "choices": [c.to_dict() for c in self.choices], "notes": self.notes,
                 "config": self.config.to_dict()}
 
@@ -256,22 +271,27 @@ ProgressFn = Callable[[int, int, str], None]
 def recommend(path: str | Path, opts: RecommendOptions,
               progress: ProgressFn | None = None) -> Recommendation:
     """Measure every candidate on the capture, allocate under the budget, build the config."""
+    from kvlens.compare import torch_threads
     from kvlens.store import open_capture
 
-    with open_capture(path) as cap:
+    # One thread: these many small attention passes run several times faster than with two
+    # threads on a 2-core machine (measured: 0.6-0.8 s vs 2-15 s per SmolLM2 layer).
+    with open_capture(path) as cap, torch_threads(1):
         meta = cap.meta
         if tuple(meta.layers) != tuple(range(meta.num_layers)):
             raise InputError(f"{path} captures layers {list(meta.layers)}, but a recommendation "
                              f"needs all {meta.num_layers}; re-run `kvlens capture` without "
                              "--layers.")
-        weights = opts.layer_weights or (1.0,) * meta.num_layers
-        if len(weights) != meta.num_layers:
-            raise InputError(f"{len(weights)} layer weights given for {meta.num_layers} layers.")
+        if opts.layer_weights and len(opts.layer_weights) != meta.num_layers:
+            raise InputError(f"{len(opts.layer_weights)} layer weights given for "
+                             f"{meta.num_layers} layers.")
         if opts.pre_rope == "on" and not meta.has_rope:
             raise InputError(f"Pre-RoPE keys were requested but {path} has no pre-RoPE data: "
                              f"{meta.model} has no rotary embedding (q_pre/k_pre equal q/k). "
                              "Use --pre-rope auto or off.")
         cands = candidates(meta.head_dim, opts, meta.has_rope)
+        probes = _probe_candidates(meta.head_dim)
+        cands += [p for p in probes if p not in cands]
         tables, balancers, notes = [], {}, []
         for i, layer in enumerate(cap.iter_layers()):
             table, bal, pre_ok = measure_layer(layer, meta, cands, opts)
@@ -286,7 +306,62 @@ def recommend(path: str | Path, opts: RecommendOptions,
                 balancers[layer.index] = bal
             if progress:
                 progress(i + 1, meta.num_layers, f"layer {layer.index}")
+        weights = opts.layer_weights or _sensitivity_weights(cap, opts, tables, probes, notes,
+                                                             progress)
+    wanted = set(candidates(meta.head_dim, opts, meta.has_rope))
+    tables = [{c: e for c, e in t.items() if c in wanted} for t in tables]
     return _assemble(meta, opts, tables, balancers, weights, notes)
+
+
+def _probe_candidates(head_dim: int) -> tuple[Candidate, Candidate]:
+    from kvlens.sensitivity import PROBE_BITS, PROBE_GROUP
+
+    g = PROBE_GROUP if head_dim % PROBE_GROUP == 0 else head_dim
+    return (Candidate("key", PROBE_BITS, "per-token", g),
+            Candidate("value", PROBE_BITS, "per-token", g))
+
+
+def model_spec_from_capture(meta) -> str | None:
+    """The ``--model`` string that reloads the captured model, if the capture says."""
+    kind, _, where = meta.model_source.partition(":")
+    return where if kind in ("gguf", "dir", "hub") and where else None
+
+
+def _sensitivity_weights(cap, opts, tables, probes, notes, progress) -> tuple[float, ...]:
+    from kvlens.errors import KvlensError
+    from kvlens.sensitivity import layer_kl, weights_from
+
+    meta = cap.meta
+    uniform = (1.0,) * meta.num_layers
+    if opts.sensitivity == "uniform":
+        return uniform
+    spec = opts.model or model_spec_from_capture(meta)
+    try:
+        if spec is None:
+            raise InputError(f"{cap.path} does not say which model it came from; pass --model.")
+        from kvlens.architecture import describe
+        from kvlens.models import load_model
+
+        model, _, _ = load_model(spec)
+        info = describe(model)
+        if (info.num_layers, info.head_dim, info.num_key_value_heads) != (
+                meta.num_layers, meta.head_dim, meta.num_key_value_heads):
+            raise InputError(f"Model {spec} does not match the capture (layers/head_dim/KV "
+                             "heads differ).")
+    except KvlensError as exc:
+        if opts.sensitivity == "model":
+            raise
+        notes.append(f"uniform layer weights: sensitivity model unavailable ({exc})")
+        return uniform
+    n = meta.num_tokens if opts.tokens is None else min(opts.tokens, meta.num_tokens)
+    ids = cap.tokens()[:1, :n].to(next(model.parameters()).device)
+    kl = layer_kl(model, ids, list(meta.layers), progress, group_size=probes[0].group_size)
+    probe_err = [t[probes[0]][0] + t[probes[1]][0] for t in tables]
+    weights = weights_from(kl, probe_err)
+    notes.append("layer weights from measured sensitivity (KL per unit output error): "
+                 f"min {min(weights):.2f}, max {max(weights):.2f} "
+                 f"(layer {weights.index(max(weights))})")
+    return tuple(weights)
 
 
 def _assemble(meta, opts, tables, balancers, weights, notes) -> Recommendation:
@@ -311,7 +386,7 @@ def _assemble(meta, opts, tables, balancers, weights, notes) -> Recommendation:
     expected = sum(ch.output_error for ch in choices) / len(choices)
     config = build_config(meta, opts, choices, balancers)
     rec = Recommendation(config, choices, opts.budget_bits, mean_bits, expected, opts.context,
-                         notes=notes)
+                         weights=tuple(weights), notes=notes)
     elems = 2 * meta.num_layers * meta.num_key_value_heads * meta.head_dim  # per token, K+V
     for ctx in (1024, 4096, 32768, 131072):
         bits = sum(candidate_bits(ch.candidate, meta.head_dim, ctx, opts.residual_tokens)

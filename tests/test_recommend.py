@@ -173,3 +173,20 @@ def test_recommend_cli(tmp_path):
     assert res.exit_code == 1 and "not found" in res.output
     res = runner.invoke(app, ["recommend", str(path), "-b", "3", "--group-sizes", "48"])
     assert res.exit_code == 1 and "do not divide" in res.output
+
+
+def test_sensitivity_sees_a_layer_that_cannot_matter():
+    """A layer whose attention output is multiplied by zero (o_proj = 0) cannot be hurt by
+    quantizing its cache: KL exactly 0 there, positive elsewhere."""
+    from kvlens.sensitivity import layer_kl, weights_from
+
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.model.layers[1].self_attn.o_proj.weight.zero_()
+    ids = torch.randint(0, 128, (1, 48), generator=torch.Generator().manual_seed(0))
+    kl = layer_kl(model, ids, [0, 1, 2], group_size=16)
+    assert kl[1] == 0.0 and kl[0] > 0 and kl[2] > 0
+    w = weights_from(kl, [0.5, 0.5, 0.25])
+    assert sum(w) / 3 == pytest.approx(1.0) and w[1] == 0.0
+    assert w[2] / w[0] == pytest.approx((kl[2] / 0.25) / (kl[0] / 0.5))
+    assert not model.config._attn_implementation.startswith("kvlens")

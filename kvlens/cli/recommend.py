@@ -41,6 +41,10 @@ def recommend(
                                    help="Balancer b = (max|q|/max|k|)^exponent."),
     samples: int = typer.Option(1, "--samples", help="Capture samples used to measure errors."),
     tokens: int = typer.Option(256, "--tokens", help="First N tokens of each sample used."),
+    sensitivity: str = typer.Option("auto", "--sensitivity",
+                                    help="Layer weights: model (measure KL damage per layer on "
+                                         "the real model), uniform, or auto (model when the "
+                                         "capture's model can be loaded)."),
     name: str = typer.Option("recommended", "--name", help="Name stored in the config."),
     validate: bool = typer.Option(False, "--validate",
                                   help="Generate with the recommendation and presets "
@@ -49,7 +53,8 @@ def recommend(
     passkey_context: int = typer.Option(1000, "--passkey-context"),
     ppl_tokens: int = typer.Option(512, "--ppl-tokens"),
     model: str = typer.Option(None, "--model", "-m",
-                              help="Model for --validate (default: the embedded SmolLM2)."),
+                              help="Model for sensitivity and --validate (default: the "
+                                   "capture's own model)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --output."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
 ) -> None:
@@ -67,7 +72,7 @@ def recommend(
                                 group_sizes=_ints(group_sizes, "--group-sizes"),
                                 pre_rope=pre_rope, balancer=not no_balancer,
                                 balancer_exponent=exponent, samples=samples, tokens=tokens,
-                                name=name)
+                                sensitivity=sensitivity, model=model, name=name)
 
     opts = run_library_call(prepare)
     with progress_bar("measuring candidates") as update:
@@ -79,7 +84,17 @@ def recommend(
         err_console.print(f"config written: {output}")
     validation = None
     if validate:
-        validation = run_library_call(lambda: _validate(rec.config, model, passkey_prompts,
+        from kvlens.recommend import model_spec_from_capture
+        from kvlens.store import open_capture
+
+        def model_for_validation():
+            if model:
+                return model
+            with open_capture(capture) as cap:
+                return model_spec_from_capture(cap.meta)
+
+        validation = run_library_call(lambda: _validate(rec.config, model_for_validation(),
+                                                        passkey_prompts,
                                                         passkey_context, ppl_tokens))
     if as_json:
         doc = rec.to_dict()
@@ -115,21 +130,24 @@ def _render(rec) -> None:
 
     t = Table(title=f"Recommendation: {rec.mean_bits:.3f} bits/element (budget "
                     f"{rec.budget_bits}) at {rec.context} tokens")
-    for col in ("layer", "key", "bits", "K out err", "K score err", "value", "bits",
-                "V out err", "V recon err"):
-        t.add_column(col, justify="right" if col in ("layer", "bits") or "err" in col else "left")
+    for col in ("layer", "weight", "key", "bits", "K out", "K score", "value", "bits", "V out",
+                "V recon"):
+        t.add_column(col, justify="left" if col in ("key", "value") else "right",
+                     no_wrap=True)
     by_layer: dict[int, dict] = {}
     for ch in rec.choices:
         by_layer.setdefault(ch.layer, {})[ch.tensor] = ch
     for layer, pair in sorted(by_layer.items()):
         k, v = pair["key"], pair["value"]
-        t.add_row(str(layer), k.candidate.label, f"{k.bits:.2f}", f"{k.output_error:.4f}",
-                  f"{k.score_error:.4f}", v.candidate.label, f"{v.bits:.2f}",
-                  f"{v.output_error:.4f}", f"{v.reconstruction_error:.4f}")
+        t.add_row(str(layer), f"{rec.weights[layer]:.2f}", k.candidate.short, f"{k.bits:.2f}",
+                  f"{k.output_error:.3f}", f"{k.score_error:.3f}", v.candidate.short,
+                  f"{v.bits:.2f}", f"{v.output_error:.3f}", f"{v.reconstruction_error:.3f}")
     console.print(t)
-    console.print("Each choice minimises the attention-output error (where the tensor is "
-                  "consumed) summed over layers, under the bit budget; score and reconstruction "
-                  "errors are shown to explain it.")
+    console.print("Columns: relative errors when only that tensor is quantized (out = attention "
+                  "output, where the tensor is consumed: the metric each choice minimises, "
+                  "weighted by the layer's sensitivity; score / recon explain it). ch = "
+                  "per-channel (groups of G tokens), tok = per-token (groups of G channels), "
+                  "pre = keys quantized before RoPE, bal = MiKV channel balancer.")
     m = Table(title="KV cache memory (all layers, batch 1)")
     for col in ("context", "recommended", "fp16", "ratio"):
         m.add_column(col, justify="right")

@@ -1,0 +1,59 @@
+"""How much each layer's KV error hurts the model's predictions (recommend's layer weights).
+
+For layer ``l`` the real model runs on capture tokens with only that layer's keys and values
+replaced by a probe quantization (2-bit per-token, G=32, through kvlens' attention override);
+the damage is the mean KL divergence of the next-token distributions from the exact run. The
+weight is damage per unit of the layer's measured attention-output error,
+``w_l = KL_l / (e_K,l + e_V,l)``, so that ``sum_l w_l (e_K,l + e_V,l)`` is a first-order
+estimate of the total KL a configuration causes. Weights are normalised to mean 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+PROBE_BITS = 2
+PROBE_GROUP = 32
+
+
+def layer_kl(model, input_ids, layers: Sequence[int], progress: Callable | None = None,
+             group_size: int = PROBE_GROUP) -> list[float]:
+    """Mean next-token KL(exact || probe) when only one layer's K/V are probe-quantized."""
+    import torch
+
+    from kvlens.hf import attention_override
+    from kvlens.quant import QuantSpec, fake_quantize
+
+    spec = QuantSpec(PROBE_BITS, "per-token", group_size)
+    target = {"layer": -1}
+
+    def make(orig):
+        def fn(module, query, key, value, attention_mask, **kwargs):
+            if module.layer_idx == target["layer"]:
+                key = fake_quantize(key, spec).to(key.dtype)
+                value = fake_quantize(value, spec).to(value.dtype)
+            return orig(module, query, key, value, attention_mask, **kwargs)
+        return fn
+
+    out = []
+    with torch.no_grad(), attention_override(model, make):
+        ref = torch.log_softmax(model(input_ids=input_ids, use_cache=False).logits.float(), -1)
+        for i, layer in enumerate(layers):
+            target["layer"] = layer
+            logp = torch.log_softmax(model(input_ids=input_ids, use_cache=False).logits.float(),
+                                     -1)
+            kl = (ref.exp() * (ref - logp)).sum(-1).mean()
+            out.append(float(kl))
+            if progress:
+                progress(i + 1, len(layers), f"sensitivity layer {layer}")
+    return out
+
+
+def weights_from(kl: Sequence[float], probe_errors: Sequence[float]) -> list[float]:
+    """``KL_l / e_l`` normalised to mean 1 (a layer with zero probe error gets the mean)."""
+    raw = [k / e if e > 0 else None for k, e in zip(kl, probe_errors)]
+    known = [r for r in raw if r is not None]
+    fill = sum(known) / len(known) if known else 1.0
+    raw = [fill if r is None else r for r in raw]
+    mean = sum(raw) / len(raw)
+    return [r / mean if mean > 0 else 1.0 for r in raw]
