@@ -103,7 +103,11 @@ class CompressedLayer(DynamicLayer):
         self.res_k, self.res_v = DenseTensor(), DenseTensor()
         self.rope_store = DenseTensor()  # [B, 1, T, 2R] cos|sin per position (pre-RoPE keys)
         self.mikv = mikv if setting.compressed else None
-        if mikv is not None and mikv.balancer != "off" and setting.pre_rope_keys:
+        # Only a layer that really balances its keys conflicts with pre-RoPE storage: with fixed
+        # balancers (e.g. from `recommend`) other layers may store keys before RoPE.
+        uses_balancer = mikv is not None and (mikv.balancer == "online" or
+                                              (mikv.balancer == "fixed" and balancer is not None))
+        if uses_balancer and setting.pre_rope_keys:
             raise ConfigError("The MiKV channel balancer cannot be combined with pre-RoPE keys "
                               "(RoPE mixes the balanced channel pairs); disable one of them.")
         self.balancer = balancer  # [Hkv, D] or [B, Hkv, D]; k*b stored, q/b used
