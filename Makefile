@@ -35,12 +35,10 @@ $(STAMP): pyproject.toml Makefile
 demo: install
 	mkdir -p $(OUT)
 	$(BIN)/kvlens capture -o $(OUT)/run.h5 --overwrite
-	@if $(BIN)/kvlens --help | grep -q plot-outliers; then \
-		$(BIN)/kvlens plot-outliers $(OUT)/run.h5 --out $(OUT)/outliers; fi
-	@if $(BIN)/kvlens --help | grep -q compare-axes; then \
-		$(BIN)/kvlens compare-axes $(OUT)/run.h5 --plots $(OUT)/compare; fi
-	@if $(BIN)/kvlens --help | grep -q " generate"; then \
-		$(BIN)/kvlens generate --compare fp16,kivi-4,kivi-2,per-token-2 --eval ppl,agreement; fi
+	$(BIN)/kvlens plot-outliers $(OUT)/run.h5 --out $(OUT)/outliers
+	$(BIN)/kvlens compare-axes $(OUT)/run.h5 --plots $(OUT)/compare
+	$(BIN)/kvlens recommend $(OUT)/run.h5 --budget-bits 3.0 -o $(OUT)/recommended.json \
+		--overwrite --validate --passkey-prompts 10
 
 test: install
 	$(BIN)/python -m pytest -q
@@ -50,6 +48,7 @@ lint: install
 
 bench: install
 	$(BIN)/python benchmarks/bench_capture.py
+	$(BIN)/python benchmarks/bench_decode_cpu.py
 
 clean:
 	rm -rf $(VENV) $(OUT) .pytest_cache

@@ -268,9 +268,27 @@ def allocate(costs: Sequence[Sequence[float]], errors: Sequence[Sequence[float]]
 ProgressFn = Callable[[int, int, str], None]
 
 
+@dataclass
+class Measurements:
+    """Everything ``recommend`` measured on a capture; ``choose`` allocates from it for any
+    budget without measuring again."""
+
+    meta: Any
+    tables: list[dict]  # per layer: {Candidate: (output_err, score_err, recon_err)}
+    balancers: dict[int, Any]
+    weights: tuple[float, ...]
+    notes: list[str]
+
+
 def recommend(path: str | Path, opts: RecommendOptions,
               progress: ProgressFn | None = None) -> Recommendation:
     """Measure every candidate on the capture, allocate under the budget, build the config."""
+    return choose(measure(path, opts, progress), opts)
+
+
+def measure(path: str | Path, opts: RecommendOptions,
+            progress: ProgressFn | None = None) -> Measurements:
+    """Per-layer candidate errors, fitted balancers and layer sensitivity weights."""
     from kvlens.compare import torch_threads
     from kvlens.store import open_capture
 
@@ -310,7 +328,12 @@ def recommend(path: str | Path, opts: RecommendOptions,
                                                              progress)
     wanted = set(candidates(meta.head_dim, opts, meta.has_rope))
     tables = [{c: e for c, e in t.items() if c in wanted} for t in tables]
-    return _assemble(meta, opts, tables, balancers, weights, notes)
+    return Measurements(meta, tables, balancers, tuple(weights), notes)
+
+
+def choose(m: Measurements, opts: RecommendOptions) -> Recommendation:
+    """Allocate under ``opts.budget_bits`` from earlier measurements and build the config."""
+    return _assemble(m.meta, opts, m.tables, m.balancers, m.weights, list(m.notes))
 
 
 def _probe_candidates(head_dim: int) -> tuple[Candidate, Candidate]:
@@ -426,3 +449,17 @@ def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balanc
                      f"at {opts.context} tokens (residual window {opts.residual_tokens})"),
         model={"num_layers": meta.num_layers, "head_dim": meta.head_dim,
                "num_key_value_heads": meta.num_key_value_heads})
+
+
+def config_bits(config, head_dim: int, num_layers: int, context: int) -> float:
+    """Mean stored bits per K/V element of any ``KVConfig`` at ``context`` tokens, with the
+    same accounting as the budget (so presets and recommendations compare like for like)."""
+    from kvlens.quant import bits_per_element
+
+    total = 0.0
+    for idx in range(num_layers):
+        layer = config.layer(idx)
+        for spec in (layer.key, layer.value):
+            total += 16.0 if spec is None else bits_per_element(
+                spec, (context, head_dim), residual_tokens=layer.residual_tokens).total
+    return total / (2 * num_layers)

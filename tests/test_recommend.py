@@ -190,3 +190,16 @@ def test_sensitivity_sees_a_layer_that_cannot_matter():
     assert sum(w) / 3 == pytest.approx(1.0) and w[1] == 0.0
     assert w[2] / w[0] == pytest.approx((kl[2] / 0.25) / (kl[0] / 0.5))
     assert not model.config._attn_implementation.startswith("kvlens")
+
+
+def test_config_bits_matches_the_budget_accounting(tmp_path):
+    from kvlens.kvconfig import preset
+    from kvlens.recommend import config_bits
+
+    # kivi-2 at 4096 tokens, head_dim 64: 3 bits on 3968 quantized tokens + 128 fp16 tokens.
+    assert config_bits(preset("kivi-2"), 64, 30, 4096) == pytest.approx(
+        (3.0 * 3968 + 16 * 128) / 4096)
+    assert config_bits(preset("fp16"), 64, 30, 4096) == 16.0
+    path = _planted_capture(tmp_path / "p.h5")
+    rec = recommend(path, RecommendOptions(budget_bits=4.0, group_sizes=(32,)))
+    assert config_bits(rec.config, 32, 2, rec.context) == pytest.approx(rec.mean_bits)

@@ -1,0 +1,98 @@
+"""Budget/quality curve: recommendations at several bit budgets vs the presets, on SmolLM2.
+
+Measures the capture once, allocates a config per budget, then runs decode-mode perplexity (and
+optionally passkey) for fp16, the presets and each recommendation on the same text. Bits are the
+budget accounting of ``kvlens.recommend.config_bits`` at --context tokens (fp16 scales/zeros and
+residual window), identical for presets and recommendations. Writes a PNG plot and a JSON.
+
+Usage: python benchmarks/recommend_curve.py RUN.h5 [--budgets 2.5,3,3.5,4,5] [--out docs/img]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+PRESETS = ("kivi-2", "kivi-4", "per-token-2", "per-token-4")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("capture")
+    ap.add_argument("--budgets", default="2.5,3,3.5,4,5")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--ppl-tokens", type=int, default=512)
+    ap.add_argument("--passkey-prompts", type=int, default=0)
+    ap.add_argument("--out", default="docs/img")
+    args = ap.parse_args()
+
+    from kvlens.evaluate import EvalOptions, evaluate_configs
+    from kvlens.kvconfig import preset
+    from kvlens.models import load_model
+    from kvlens.recommend import RecommendOptions, choose, config_bits, measure
+
+    t0 = time.perf_counter()
+    budgets = [float(b) for b in args.budgets.split(",")]
+    opts = RecommendOptions(budget_bits=budgets[0], context=args.context)
+    m = measure(args.capture, opts)
+    recs = {}
+    for b in budgets:
+        rec = choose(m, replace(opts, budget_bits=b))
+        recs[b] = replace(rec.config, name=f"recommended-{b:g}")
+    model, tok, _ = load_model(None)
+    configs = [preset(p) for p in PRESETS] + list(recs.values())
+    evals = ("ppl",) + (("passkey",) if args.passkey_prompts else ())
+    report = evaluate_configs(model, tok, configs, EvalOptions(
+        evals=evals, ppl_tokens=args.ppl_tokens, passkey_prompts=args.passkey_prompts),
+        progress=lambda msg: print("  " + msg, flush=True))
+    meta = m.meta
+    rows = []
+    for cfg, res in zip(configs, report["results"]):
+        rows.append({"name": res["name"], "bits": config_bits(cfg, meta.head_dim,
+                                                               meta.num_layers, args.context),
+                     "ppl": res["ppl"], "ppl_fp16": res["ppl_fp16"],
+                     "ppl_change": res["ppl_change"], "passkey": res.get("passkey")})
+    print(f"{'config':<18} {'bits@' + str(args.context):>10} {'ppl':>8} {'change':>8}  passkey")
+    for r in rows:
+        pk = r["passkey"]
+        pk = f"{pk['correct']}/{pk['total']}" if pk else "-"
+        print(f"{r['name']:<18} {r['bits']:>10.3f} {r['ppl']:>8.3f} {100 * r['ppl_change']:>7.2f}%"
+              f"  {pk}")
+    print(f"total {time.perf_counter() - t0:.0f} s")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "recommend_curve.json").write_text(json.dumps(rows, indent=2) + "\n")
+    _plot(rows, out / "recommend_curve.png", args.context)
+
+
+def _plot(rows, path: Path, context: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
+    rec = sorted((r for r in rows if r["name"].startswith("recommended")), key=lambda r: r["bits"])
+    ax.plot([r["bits"] for r in rec], [100 * r["ppl_change"] for r in rec], "o-",
+            label="kvlens recommend (per budget)")
+    for r in rows:
+        if not r["name"].startswith("recommended"):
+            ax.scatter(r["bits"], 100 * r["ppl_change"], marker="s")
+            ax.annotate(r["name"], (r["bits"], 100 * r["ppl_change"]), textcoords="offset points",
+                        xytext=(5, 4), fontsize=8)
+    ax.set_xlabel(f"stored bits per K/V element at {context} tokens (all overheads)")
+    ax.set_ylabel("decode-mode perplexity change vs fp16 (%)")
+    ax.set_yscale("symlog", linthresh=5)
+    ax.set_title("SmolLM2-135M-Instruct: KV bits vs perplexity")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
