@@ -251,7 +251,7 @@ def compare_axes(
         n_samples = (
             meta.num_samples if config.samples is None else min(config.samples, meta.num_samples)
         )
-        tables = _rope_tables(meta, n_samples) if "pre" in _key_stages(config) else None
+        tables = rope_tables(meta, n_samples) if "pre" in _key_stages(config) else None
         for done, layer in enumerate(layers):
             if progress:
                 progress(done, len(layers), f"layer {layer}")
@@ -323,12 +323,14 @@ def _check_fits(meta, config: CompareConfig) -> None:
             )
 
 
-def _rope_tables(meta, n_samples: int):
+def rope_tables(meta, n_samples: int, n_tokens: int | None = None):
+    """Default-RoPE ``(cos, sin)`` for a capture's windows (positions 0..T-1 per sample); check
+    them with ``rope_rebuild_error`` before trusting them (scaled RoPE variants differ)."""
     import torch
 
     from kvlens.quant import rope_tables_for
 
-    positions = torch.arange(meta.num_tokens).expand(n_samples, -1)
+    positions = torch.arange(n_tokens or meta.num_tokens).expand(n_samples, -1)
     return rope_tables_for(
         positions,
         meta.head_dim,
@@ -338,11 +340,16 @@ def _rope_tables(meta, n_samples: int):
     )
 
 
-def _check_rope(k, k_pre, tables, meta, layer: int) -> None:
+def rope_rebuild_error(k, k_pre, tables, layout: str) -> float:
+    """Relative error of re-applying RoPE (``tables``) to stored pre-RoPE keys vs stored keys."""
     from kvlens.metrics import rel_error
     from kvlens.rope import apply_rope
 
-    err = rel_error(k, apply_rope(k_pre, *tables, meta.rope_layout))
+    return rel_error(k, apply_rope(k_pre, *tables, layout))
+
+
+def _check_rope(k, k_pre, tables, meta, layer: int) -> None:
+    err = rope_rebuild_error(k, k_pre, tables, meta.rope_layout)
     if not err <= ROPE_CHECK_TOLERANCE:
         raise InputError(
             f"Layer {layer}: re-applying default RoPE (theta {meta.rope['rope_theta']}, "

@@ -172,25 +172,20 @@ def candidate_bits(c: Candidate, head_dim: int, context: int, residual: int) -> 
 def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOptions):
     """Per-candidate mean errors on one capture layer: ``{candidate: (out, score, recon)}`` and
     the fitted balancer ``[Hkv, D]`` (None when no candidate uses it)."""
-    import torch
-
+    from kvlens.compare import ROPE_CHECK_TOLERANCE, rope_rebuild_error, rope_tables
     from kvlens.metrics import Variant, attention_errors_many
-    from kvlens.quant import fake_quantize, fit_balancer, rope_tables_for
-    from kvlens.rope import apply_rope
+    from kvlens.quant import fake_quantize, fit_balancer, quantize_pre_rope
 
     sel = None if opts.samples is None else list(range(min(opts.samples, meta.num_samples)))
     t = slice(None) if opts.tokens is None else slice(0, opts.tokens)
     q, k, v = (layer.read(n, samples=sel)[:, :, t] for n in ("q", "k", "v"))
-    pre_ok = any(c.stage == "pre" for c in cands)
-    cos = sin = None
+    pre_ok = any(c.stage == "pre" for c in cands) and "rope_theta" in meta.rope
+    tables = None
     if pre_ok:
         k_pre = layer.read("k_pre", samples=sel)[:, :, t]
-        pos = torch.arange(k.shape[2])[None].expand(k.shape[0], -1)
-        cos, sin = rope_tables_for(pos, meta.head_dim, float(meta.rope.get("rope_theta", 1e4)),
-                                   meta.rotary_dim or meta.head_dim, meta.rope_layout)
-        if not torch.allclose(apply_rope(k_pre, cos, sin, meta.rope_layout), k,
-                              atol=2e-2, rtol=2e-2):
-            pre_ok = False  # scaled RoPE (YaRN...) we cannot rebuild from the config
+        tables = rope_tables(meta, k.shape[0], k.shape[2])
+        # scaled RoPE (YaRN...) cannot be rebuilt from the config: no pre-RoPE candidates then
+        pre_ok = rope_rebuild_error(k, k_pre, tables, meta.rope_layout) <= ROPE_CHECK_TOLERANCE
     bal = fit_balancer(q, k, opts.balancer_exponent) if any(c.balancer for c in cands) else None
     la = layer.attrs
     kept, variants = [], []
@@ -201,8 +196,8 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
         if c.tensor == "value":
             variants.append(Variant(v_hat=fake_quantize(v, spec)))
         elif c.stage == "pre":
-            variants.append(Variant(k_hat=apply_rope(fake_quantize(k_pre, spec), cos, sin,
-                                                     meta.rope_layout)))
+            variants.append(Variant(k_hat=quantize_pre_rope(k_pre, *tables, spec,
+                                                            meta.rope_layout)))
         elif c.balancer:
             b = bal[None, :, None, :]
             variants.append(Variant(k_hat=fake_quantize(k * b, spec) / b))
