@@ -1,131 +1,262 @@
-"""Attention over the compressed cache (torch path) and the backend dispatch.
+"""Attention over the compressed cache (torch path, Triton decode dispatch) and the backend choice.
 
 ``packed_attention(query, layer, mask, scaling)`` attends ``query`` ``[B, Hq, Tq, D]`` to every
 token of a ``CompressedLayer`` without ever materialising the dequantized history: the packed
-store is read in chunks of ``chunk_tokens`` tokens (dequantized through the reference, one chunk
-at a time), then the MiKV high-precision set and the residual window are attended as further
-segments; segments are merged with an online softmax (running max / sum, flash-decoding style).
-GQA is handled by grouping the ``Hq = g * Hkv`` query heads per KV head (``repeat_kv`` mapping),
-so packed K/V are read once per KV head. The mask is transformers' own (bool or additive
-``[B, 1, Tq, N]`` over absolute cache positions, or ``None`` = causal, bottom-right aligned).
+store is read in chunks of ``chunk_tokens`` tokens, then the MiKV high-precision set and the
+residual window are attended as further segments; segments are merged with an online softmax
+(running max / sum, flash-decoding style). GQA is handled by grouping the ``Hq = g * Hkv`` query
+heads per KV head (``repeat_kv`` mapping), so packed K/V are read once per KV head. The mask is
+transformers' own (bool or additive ``[B, 1, Tq, N]`` over absolute cache positions, or ``None``
+= causal, bottom-right aligned).
 
-The channel balancer folds into the query (``q / b`` against the stored ``k * b``) for the packed
-segment only; pre-RoPE keys are rotated after dequantization with the stored RoPE tables.
+Fast torch path (the layouts KIVI uses; anything else goes through the reference
+``PackedTensor.dequantize_range``): scales are folded instead of dequantizing.
+
+- Per-channel keys (groups of ``G`` tokens, packed along tokens): all code slots of a chunk are
+  unpacked with one broadcast shift, then per group ``score_t = sum_d (q_d * scale_{g,d}) *
+  code_{t,d} + sum_d q_d * zero_{g,d}`` (a batched matmul over groups; no full-size scale
+  tensor). The balancer (``q / b``) and ``scaling`` fold into ``q`` first.
+- Per-token values (groups of ``G`` channels, packed along channels): the codes are unpacked
+  transposed (``[D, T]``, one shift over a long inner dimension) and the value scale folds into
+  the softmax weights: ``out_d = sum_t (p_t * scale_{t,j}) * code_{t,d} + sum_t p_t *
+  zero_{t,j}`` for the channel group ``j`` of ``d``.
+
+Same math as "dequantize with the reference, then attend", different float rounding (tested
+against it to 1e-5). Pre-RoPE keys are rotated after dequantization (reference path).
 
 ``select_backend(requested, device)`` is the one place that chooses between this path and the
-Triton kernels (package ``kvlens_kernels``) and says why Triton was not used. Not done yet:
-calling ``kvlens_kernels.packed_decode_attention`` from ``make_attention_fn``; until then Triton
-is always reported unavailable, with the reason.
+Triton kernels (package ``kvlens_kernels``). With the triton backend, ``make_attention_fn`` calls
+``kvlens_kernels.decode_attention`` for single-token decode steps whose layer layout the kernel
+supports (``triton_unsupported`` says why not otherwise); every call that still takes the torch
+path is counted, with its reason, on the session (``CompressionSession.backend_reason``).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
 from kvlens.errors import BackendError, ConfigError, InputError
 
 BACKENDS = ("auto", "torch", "triton")
-CHUNK_TOKENS = 1024
-TRITON_ENTRY = "packed_decode_attention"
+CHUNK_TOKENS = 4096
+TRITON_ENTRY = "decode_attention"
+
+
+def _triton_import_problem() -> str | None:
+    try:
+        import kvlens_kernels
+    except ImportError as exc:
+        return (f"the Triton kernels package kvlens_kernels is not importable ({exc}); install "
+                "it from kernels/ with `pip install -e kernels`")
+    if not hasattr(kvlens_kernels, TRITON_ENTRY):
+        return f"kvlens_kernels has no {TRITON_ENTRY}() entry point"
+    return None
 
 
 def select_backend(requested: str, device) -> tuple[str, str]:
     """``(backend, reason)`` for ``requested`` in ``auto|torch|triton`` on ``device``.
 
-    ``triton`` raises ``BackendError`` when it cannot run here; ``auto`` falls back to torch and
-    the reason says why (no silent fallback: callers print it)."""
+    ``auto`` picks triton only for CUDA tensors (on CPU it is always torch, even under
+    ``TRITON_INTERPRET=1``, which is for tests). ``triton`` on CPU works only when
+    ``TRITON_INTERPRET=1`` is set in the environment (the interpreter: slow, for testing);
+    otherwise, or without the kernels package, it raises ``BackendError``. The reason says why
+    (no silent fallback: callers print it)."""
     if requested not in BACKENDS:
         raise InputError(f"Unknown backend {requested!r}; allowed: {', '.join(BACKENDS)}.")
     if requested == "torch":
         return "torch", "torch path requested"
     kind = torch.device(device).type
-    reason = None
+    if requested == "auto":
+        if kind != "cuda":
+            return "torch", (f"{kind.upper() if kind == 'cpu' else kind} tensors: torch path "
+                             "(auto uses the Triton kernels only for CUDA tensors)")
+        problem = _triton_import_problem()
+        if problem:
+            return "torch", f"Triton not used: {problem}"
+        return "triton", ("CUDA tensors: Triton decode kernel for single-token decode steps, "
+                          "torch path otherwise")
     if kind != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        reason = (f"Triton kernels need a CUDA device (this run is on {kind}; set "
-                  "TRITON_INTERPRET=1 to run them slowly on CPU for testing)")
-    else:
-        try:
-            import kvlens_kernels
-        except ImportError as exc:
-            reason = (f"the Triton kernels package kvlens_kernels is not importable ({exc}); "
-                      "install it from kernels/ with `pip install -e kernels`")
-        else:
-            if not hasattr(kvlens_kernels, TRITON_ENTRY):
-                reason = (f"kvlens_kernels has no {TRITON_ENTRY}() entry point yet (the fused "
-                          "decode kernel over kvlens.cache.packed is not available)")
-    if reason is None:
-        # The fused kernel exists but generation does not call it yet (see the module doc).
-        reason = (f"kvlens_kernels.{TRITON_ENTRY} is available but not yet wired into the "
-                  "compressed cache's attention")
-    if requested == "triton":
-        raise BackendError(f"--backend triton is unavailable: {reason}.")
-    return "torch", f"Triton not used: {reason}"
+        raise BackendError(f"--backend triton is unavailable: the Triton kernels need CUDA "
+                           f"tensors (this run is on {kind}); to run them slowly on CPU for "
+                           "testing, set TRITON_INTERPRET=1 in the environment before starting.")
+    problem = _triton_import_problem()
+    if problem:
+        raise BackendError(f"--backend triton is unavailable: {problem}.")
+    where = "CUDA" if kind == "cuda" else f"{kind} under TRITON_INTERPRET=1 (slow, for testing)"
+    return "triton", (f"Triton requested ({where}): decode kernel for single-token decode "
+                      "steps, torch path otherwise")
 
 
 # -- masks --------------------------------------------------------------------------------------
 
+def _range_bias(mask: torch.Tensor | None, t0: int, t1: int, tq: int, n_total: int,
+                device) -> torch.Tensor | None:
+    """Additive bias ``[B|1, 1, 1, Tq, t1-t0]`` for the contiguous key positions ``[t0, t1)``,
+    or ``None`` when every position is visible to every query."""
+    if mask is None:
+        if t1 - 1 <= n_total - tq:  # causal: all before the first query
+            return None
+        pos = torch.arange(t0, t1, device=device)
+        qpos = torch.arange(n_total - tq, n_total, device=device)
+        allowed = pos[None, :] <= qpos[:, None]
+        return torch.where(allowed, 0.0, float("-inf"))[None, None, None]
+    m = mask[:, 0, :, t0:t1]  # [B|1, Tq, n]
+    if m.dtype == torch.bool:
+        m = torch.where(m, 0.0, float("-inf"))
+    return m.float()[:, None, None]
+
+
 def _bias(mask: torch.Tensor | None, pos: torch.Tensor, tq: int, n_total: int, b: int,
           hkv: int) -> torch.Tensor:
     """Additive float bias broadcastable to scores ``[B, Hkv, g, Tq, C]`` for key positions
-    ``pos`` (``[C]`` shared, or ``[B, Hkv, C]`` per head)."""
+    ``pos`` ``[B, Hkv, C]`` (per head: the MiKV high-precision set)."""
     if mask is None:
         qpos = torch.arange(n_total - tq, n_total, device=pos.device)
-        if pos.dim() == 1:
-            allowed = pos[None, :] <= qpos[:, None]
-            allowed = allowed[None, None, None]
-        else:
-            allowed = (pos[:, :, None, :] <= qpos[None, None, :, None]).unsqueeze(2)
+        allowed = (pos[:, :, None, :] <= qpos[None, None, :, None]).unsqueeze(2)
         return torch.where(allowed, 0.0, float("-inf"))
     m = mask[:, 0]  # [B|1, Tq, N]
-    if pos.dim() == 1:
-        sel = m[..., pos][:, None, None]
-    else:
-        mb = m[:, None].expand(b, hkv, *m.shape[1:])
-        sel = mb.gather(-1, pos[:, :, None, :].expand(b, hkv, m.shape[1], pos.shape[-1]))
-        sel = sel.unsqueeze(2)
+    mb = m[:, None].expand(b, hkv, *m.shape[1:])
+    sel = mb.gather(-1, pos[:, :, None, :].expand(b, hkv, m.shape[1], pos.shape[-1]))
+    sel = sel.unsqueeze(2)
     if sel.dtype == torch.bool:
         return torch.where(sel, 0.0, float("-inf"))
     return sel.float()
 
 
-# -- segments -------------------------------------------------------------------------------------
+# -- unpacking (fast path) ------------------------------------------------------------------------
 
-def _segments(layer, chunk_tokens: int) -> Iterator[tuple]:
-    """``(k, v, positions, valid, balanced)`` pieces covering every token of ``layer``."""
-    nq = layer.quantized_length
-    device = layer.res_k.buf.device
-    step = max(1, chunk_tokens // max(layer.flush_every, 1)) * max(layer.flush_every, 1)
-    layout = None
-    for t0 in range(0, nq, step):
-        t1 = min(nq, t0 + step)
-        k = layer.kstore.dequantize_range(t0, t1)
-        v = layer.vstore.dequantize_range(t0, t1)
+_SHIFTS: dict = {}
+
+
+def _shifts(container: int, device) -> torch.Tensor:
+    """``[P, 1]`` uint8 shifts of the code slots of a byte (cached per device)."""
+    key = (container, str(device))
+    if key not in _SHIFTS:
+        _SHIFTS[key] = torch.arange(0, 8, container, dtype=torch.uint8,
+                                    device=device).unsqueeze(-1)
+    return _SHIFTS[key]
+
+
+def _unpack_rows(raw: torch.Tensor, container: int) -> torch.Tensor:
+    """uint8 ``[..., R, C]`` (each byte holds ``P`` codes of consecutive rows) -> float32
+    ``[..., R * P, C]`` (row ``r*P + e`` = slot ``e`` of byte row ``r``). One broadcast shift
+    over the long last dimension."""
+    if container == 8:
+        return raw.float()
+    per = 8 // container
+    codes = (raw.unsqueeze(-2) >> _shifts(container, raw.device)) & ((1 << container) - 1)
+    return codes.reshape(*raw.shape[:-2], raw.shape[-2] * per, raw.shape[-1]).float()
+
+
+def _fast_keys(layer) -> bool:
+    s = layer.kstore
+    return (layer.setting.key is not None and s.spec.granularity == "per-channel"
+            and not layer.setting.pre_rope_keys)
+
+
+def _fast_values(layer) -> bool:
+    return layer.setting.value is not None and layer.vstore.spec.granularity == "per-token"
+
+
+def _key_scores(layer, q: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
+    """``q [B, Hkv, M, D]`` (balanced and scaled) against packed keys ``[t0, t1)`` ->
+    ``[B, Hkv, M, t1 - t0]``."""
+    store = layer.kstore
+    if not _fast_keys(layer):
+        k = store.dequantize_range(t0, t1)
         if layer.setting.pre_rope_keys and layer.setting.key is not None:
             from kvlens.rope import apply_rope, detect_layout
 
             cos, sin = layer.rope_tables(t0, t1)
-            layout = layout or detect_layout(cos)
-            k = apply_rope(k, cos, sin, layout)
-        valid = None if layer.is_hp is None else ~layer.is_hp[:, :, t0:t1]
-        yield k, v, torch.arange(t0, t1, device=device), valid, True
+            k = apply_rope(k, cos, sin, detect_layout(cos))
+        return torch.matmul(q, k.transpose(-1, -2))
+    b, h, m, d = q.shape
+    per = 8 // _container(store)
+    g = store.spec.group_size or store.block
+    n, ng = t1 - t0, (t1 - t0) // g
+    codes = _unpack_rows(store.codes[:, :, t0 // per:t1 // per], _container(store))
+    scale = store.scale[:, :, t0 // g:t1 // g].float()  # [B, H, nG, D]
+    zero = store.zero[:, :, t0 // g:t1 // g].float()
+    qs = q[:, :, None] * scale[:, :, :, None]  # [B, H, nG, M, D]
+    s = torch.matmul(qs, codes.view(b, h, ng, g, d).transpose(-1, -2))  # [B, H, nG, M, G]
+    s += torch.matmul(zero, q.transpose(-1, -2)).unsqueeze(-1)  # bias [B, H, nG, M, 1]
+    return s.permute(0, 1, 3, 2, 4).reshape(b, h, m, n)
+
+
+def _value_out(layer, p: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
+    """Weights ``p [B, Hkv, M, t1 - t0]`` times packed values ``[t0, t1)`` -> ``[B, Hkv, M, D]``."""
+    store = layer.vstore
+    if not _fast_values(layer):
+        return torch.matmul(p, store.dequantize_range(t0, t1))
+    b, h, m, n = p.shape
+    d = store.head_dim
+    g = store.spec.group_size or d
+    nj = d // g
+    raw = store.codes[:, :, t0:t1].transpose(-1, -2).contiguous()  # [B, H, ceil(D/P), n]
+    codes = _unpack_rows(raw, _container(store))[:, :, :d]  # [B, H, D, n]
+    scale = store.scale[:, :, t0:t1].float().transpose(-1, -2)  # [B, H, nJ, n]
+    zero = store.zero[:, :, t0:t1].float()  # [B, H, n, nJ]
+    w = p[:, :, None] * scale[:, :, :, None]  # [B, H, nJ, M, n]
+    out = torch.matmul(w, codes.reshape(b, h, nj, g, n).transpose(-1, -2))  # [B, H, nJ, M, G]
+    out += torch.matmul(p, zero).transpose(-1, -2).unsqueeze(-1)
+    return out.permute(0, 1, 3, 2, 4).reshape(b, h, m, d)
+
+
+def _container(store) -> int:
+    from kvlens.quant import container_bits
+
+    return container_bits(store.spec.bits)
+
+
+# -- segments -------------------------------------------------------------------------------------
+
+def _segments(layer, q: torch.Tensor, qb: torch.Tensor, mask, tq: int, chunk_tokens: int):
+    """``(scores [B, Hkv, g, Tq, C], values_fn, positions)`` for every piece of ``layer``:
+    ``values_fn(p [B, Hkv, M, C]) -> [B, Hkv, M, D]``; positions are ``(t0, t1)`` or per-head
+    ``[B, Hkv, C]``."""
+    b, hkv, m, d = q.shape
+    g = m // tq
+    n_total = layer.cumulative_length
+    nq = layer.quantized_length
+    f = max(layer.flush_every, 1)
+    step = max(1, chunk_tokens // f) * f
+    for t0 in range(0, nq, step):
+        t1 = min(nq, t0 + step)
+        s = _key_scores(layer, qb, t0, t1).view(b, hkv, g, tq, t1 - t0)
+        bias = _range_bias(mask, t0, t1, tq, n_total, q.device)
+        if bias is not None:
+            s = s + bias
+        if layer.is_hp is not None:
+            s = s.masked_fill(layer.is_hp[:, :, None, None, t0:t1], float("-inf"))
+        yield s, (lambda p, t0=t0, t1=t1: _value_out(layer, p, t0, t1)), (t0, t1)
     if layer.has_hp:
-        yield layer.hp_k.float(), layer.hp_v.float(), layer.hp_pos, None, False
+        k, v = layer.hp_k.float(), layer.hp_v.float()
+        s = torch.matmul(q, k.transpose(-1, -2)).view(b, hkv, g, tq, -1)
+        s = s + _bias(mask, layer.hp_pos, tq, n_total, b, hkv)
+        yield s, (lambda p, v=v: torch.matmul(p, v)), layer.hp_pos
     if layer.n_res:
-        yield (layer.res_k.view().float(), layer.res_v.view().float(),
-               torch.arange(nq, nq + layer.n_res, device=device), None, False)
+        k, v = layer.res_k.view().float(), layer.res_v.view().float()
+        s = torch.matmul(q, k.transpose(-1, -2)).view(b, hkv, g, tq, -1)
+        bias = _range_bias(mask, nq, nq + layer.n_res, tq, n_total, q.device)
+        if bias is not None:
+            s = s + bias
+        yield s, (lambda p, v=v: torch.matmul(p, v)), (nq, nq + layer.n_res)
 
 
-def _scores(qg, qb, seg, mask, scaling, n_total):
-    k, _, pos, valid, balanced = seg
-    b, hkv, _, tq, _ = qg.shape
-    s = torch.einsum("bhgtd,bhcd->bhgtc", qb if balanced else qg, k) * scaling
-    s = s + _bias(mask, pos, tq, n_total, b, hkv)
-    if valid is not None:
-        s = s.masked_fill(~valid[:, :, None, None, :], float("-inf"))
-    return s
+def _queries(query: torch.Tensor, layer, scaling: float):
+    """``(q, qb)`` as ``[B, Hkv, g*Tq, D]`` float32 with ``scaling`` folded in; ``qb`` also
+    divided by the channel balancer (used against the packed keys only)."""
+    b, hq, tq, d = query.shape
+    hkv = layer.res_k.buf.shape[1]
+    q = query.float().reshape(b, hkv, (hq // hkv) * tq, d) * scaling
+    qb = q
+    if layer.balancer is not None and layer.setting.key is not None:
+        bal = layer.balancer.float()
+        qb = q / (bal[None, :, None, :] if bal.dim() == 2 else bal[:, :, None, :])
+    return q, qb
 
 
 def packed_attention(query: torch.Tensor, layer, mask: torch.Tensor | None, scaling: float,
@@ -135,48 +266,133 @@ def packed_attention(query: torch.Tensor, layer, mask: torch.Tensor | None, scal
     ``with_probs``, the attention mass per cached position ``[B, Hkv, N]`` (summed over the
     query heads of each KV head and over the queries; used for H2O heavy hitters)."""
     b, hq, tq, d = query.shape
-    hkv = layer.res_k.buf.shape[1]
-    g = hq // hkv
+    q, qb = _queries(query, layer, scaling)
+    hkv, m_rows = q.shape[1], q.shape[2]
+    g = m_rows // tq
     n_total = layer.cumulative_length
-    qg = query.float().reshape(b, hkv, g, tq, d)
-    qb = qg
-    if layer.balancer is not None and layer.setting.key is not None:
-        bal = layer.balancer.float()
-        qb = qg / (bal[None, :, None, None, :] if bal.dim() == 2 else bal[:, :, None, None, :])
-    m = torch.full((b, hkv, g, tq, 1), float("-inf"), device=query.device)
-    s_sum = torch.zeros_like(m)
-    acc = torch.zeros(b, hkv, g, tq, d, device=query.device)
-    for seg in _segments(layer, chunk_tokens):
-        s = _scores(qg, qb, seg, mask, scaling, n_total)
-        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-        m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)
+    m = s_sum = acc = None
+    for s, values, _ in _segments(layer, q, qb, mask, tq, chunk_tokens):
+        seg_max = s.amax(-1, keepdim=True)
+        m_new = seg_max if m is None else torch.maximum(m, seg_max)
+        m_safe = m_new.nan_to_num(neginf=0.0)  # a fully masked row: exp(-inf - 0) = 0
         p = torch.exp(s - m_safe)
-        corr = torch.exp(m - m_safe)
-        s_sum = s_sum * corr + p.sum(-1, keepdim=True)
-        acc = acc * corr + torch.einsum("bhgtc,bhcd->bhgtd", p, seg[1])
+        pv = values(p.view(b, hkv, m_rows, -1)).view(b, hkv, g, tq, d)
+        if m is None:
+            s_sum, acc = p.sum(-1, keepdim=True), pv
+        else:
+            corr = torch.exp(m - m_safe)
+            s_sum = s_sum * corr + p.sum(-1, keepdim=True)
+            acc = acc * corr + pv
         m = m_new
-    out = acc / s_sum.clamp_min(torch.finfo(torch.float32).tiny)
+    if m is None:  # nothing cached at all
+        out = torch.zeros(b, hkv, g, tq, d, device=query.device)
+    else:
+        out = acc / s_sum.clamp_min(torch.finfo(torch.float32).tiny)
     out = out.reshape(b, hq, tq, d).transpose(1, 2).to(query.dtype)
     if not with_probs:
         return out, None
     # Second pass: exact probabilities p = exp(s - lse), summed per key position.
-    lse = torch.where(s_sum > 0, torch.where(torch.isinf(m), 0.0, m) + s_sum.log(),
+    lse = torch.where(s_sum > 0, m.nan_to_num(neginf=0.0) + s_sum.log(),
                       torch.tensor(float("inf"), device=query.device))
     colsum = torch.zeros(b, hkv, n_total, device=query.device)
-    for seg in _segments(layer, chunk_tokens):
-        p = torch.exp(_scores(qg, qb, seg, mask, scaling, n_total) - lse).sum(dim=(2, 3))
-        pos = seg[2]
-        idx = pos.expand(b, hkv, pos.shape[-1]) if pos.dim() == 1 else pos
-        colsum.scatter_add_(-1, idx, p)
+    for s, _, pos in _segments(layer, q, qb, mask, tq, chunk_tokens):
+        p = torch.exp(s - lse).sum(dim=(2, 3))
+        if isinstance(pos, tuple):
+            colsum[:, :, pos[0]:pos[1]] += p
+        else:
+            colsum.scatter_add_(-1, pos, p)
     return out, colsum
+
+
+# -- Triton decode dispatch -----------------------------------------------------------------------
+
+def triton_unsupported(layer, query: torch.Tensor, with_probs: bool) -> str | None:
+    """Why ``kvlens_kernels.decode_attention`` cannot serve this call (``None``: it can)."""
+    if query.shape[2] != 1:
+        return "prefill / multi-token query (the kernel takes one query token)"
+    if with_probs:
+        return ("MiKV heavy-hitter selection needs attention probabilities, which the kernel "
+                "does not return")
+    setting = layer.setting
+    if setting.key is None or setting.value is None:
+        return "keys or values not quantized (the kernel reads both from the packed store)"
+    ks, vs = setting.key, setting.value
+    if ks.granularity != "per-channel" or vs.granularity != "per-token":
+        return (f"keys {ks.granularity} / values {vs.granularity} (the kernel takes per-channel "
+                "keys and per-token values)")
+    if setting.pre_rope_keys:
+        return "pre-RoPE keys (the kernel does not apply RoPE)"
+    d = layer.head_dim
+    kg = ks.group_size or layer.kstore.block
+    vg = vs.group_size or d
+    kp = 8 // _container(layer.kstore)
+    vp = 8 // _container(layer.vstore)
+    if kg % 16 or kg % kp:
+        return f"key group {kg} (the kernel needs a multiple of 16)"
+    if d % vg or vg < 16 or vg % vp:
+        return f"value group {vg} (the kernel needs a divisor of head_dim {d}, >= 16)"
+    return None
+
+
+def _key_mask(mask: torch.Tensor | None, b: int, n: int) -> tuple[torch.Tensor | None, str | None]:
+    """transformers' decode mask -> the kernel's ``key_mask [B, N]`` bool (True = attend), or a
+    reason it cannot be expressed that way. ``None`` stays ``None``: a single decode query is
+    the newest token, so the causal mask hides nothing."""
+    if mask is None:
+        return None, None
+    m = mask[:, 0, -1, :n]  # the only query row
+    if m.dtype != torch.bool:
+        blocked = m <= torch.finfo(m.dtype).min / 2  # -inf or transformers' min-float fill
+        if not bool(((m == 0) | blocked).all()):
+            return None, "additive mask with finite non-zero biases"
+        m = ~blocked
+    return m.expand(b, n), None
+
+
+def triton_decode(query: torch.Tensor, layer, mask: torch.Tensor | None, scaling: float
+                  ) -> tuple[torch.Tensor | None, str | None]:
+    """``kvlens_kernels.decode_attention`` over ``layer`` -> (output ``[B, 1, Hq, D]`` or
+    ``None``, reason it was not used). Passes the MiKV high-precision set (extra segment, its
+    packed copies hidden) and the channel balancer."""
+    from kvlens_kernels import decode_attention
+
+    b = query.shape[0]
+    n = layer.cumulative_length
+    key_mask, why = _key_mask(mask, b, n)
+    if why:
+        return None, why
+    ks, vs = layer.kstore, layer.vstore
+    length = layer.quantized_length
+    extra, pvalid = [], None
+    if layer.has_hp:
+        extra = [(layer.hp_k, layer.hp_v, layer.hp_pos)]
+        pvalid = ~layer.is_hp[:, :, :length]
+    bal = layer.balancer if layer.balancer is not None else None
+    out = decode_attention(
+        query, ks.codes, ks.scale, ks.zero, vs.codes, vs.scale, vs.zero, length,
+        k_bits=ks.spec.bits, v_bits=vs.spec.bits, k_group=ks.spec.group_size or ks.block,
+        v_group=vs.spec.group_size, scaling=float(scaling),
+        residual_k=layer.res_k.buf if layer.n_res else None,
+        residual_v=layer.res_v.buf if layer.n_res else None, residual_len=layer.n_res,
+        extra=extra, packed_valid=pvalid, balancer=bal, key_mask=key_mask)
+    return out.transpose(1, 2), None
+
+
+def _note_torch(layer, reason: str) -> None:
+    note = getattr(layer.session, "note_torch_path", None)
+    if note is not None:
+        note(reason)
 
 
 def make_attention_fn(backend: str = "torch", chunk_tokens: int = CHUNK_TOKENS
                       ) -> Callable[[Callable], Callable]:
-    """Factory for ``kvlens.hf.attention_override``: wraps the model's own attention."""
-    if backend != "torch":
-        raise BackendError(f"The {backend} decode path is not wired into generation yet; use "
-                           "--backend torch or auto.")
+    """Factory for ``kvlens.hf.attention_override``: wraps the model's own attention.
+
+    ``backend`` is what ``select_backend`` returned (``torch`` or ``triton``)."""
+    if backend not in ("torch", "triton"):
+        raise BackendError(f"Unknown resolved backend {backend!r}; allowed: torch, triton "
+                           "(resolve 'auto' with select_backend first).")
+    use_triton = backend == "triton"
 
     def factory(original: Callable) -> Callable:
         def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -192,16 +408,25 @@ def make_attention_fn(backend: str = "torch", chunk_tokens: int = CHUNK_TOKENS
                                   "supported by the kvlens compressed cache.")
             scaling = module.scaling if scaling is None else scaling
             probs = layer.needs_attention_probs
+            out = colsum = None
             if layer.quantized_length == 0 and not layer.has_hp and not probs:
                 # Nothing compressed yet: exact attention with the model's own function.
+                if use_triton:
+                    _note_torch(layer, "nothing quantized yet (model's own attention)")
                 k = layer.res_k.view().contiguous()
                 v = layer.res_v.view().contiguous()
                 out, _ = original(module, query, k, v, attention_mask, scaling=scaling,
                                   dropout=dropout, **kwargs)
-                colsum = None
             else:
-                out, colsum = packed_attention(query, layer, attention_mask, scaling,
-                                               chunk_tokens, with_probs=probs)
+                if use_triton:
+                    why = triton_unsupported(layer, query, probs)
+                    if why is None:
+                        out, why = triton_decode(query, layer, attention_mask, scaling)
+                    if why is not None:
+                        _note_torch(layer, why)
+                if out is None:
+                    out, colsum = packed_attention(query, layer, attention_mask, scaling,
+                                                   chunk_tokens, with_probs=probs)
             layer.commit(query, colsum)
             return out, None
 

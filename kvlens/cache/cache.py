@@ -8,7 +8,7 @@ Use::
         print(memory_report(cache))
 
 ``compressed_attention`` validates ``config`` against the model, chooses the backend (recorded
-in ``session.backend_reason``), registers kvlens' attention function (and the original mask
+in ``session.backend_reason``, together with every reason a call still took the torch path), registers kvlens' attention function (and the original mask
 function) for the duration of the block, and, for pre-RoPE keys, hooks the attention modules
 to read each layer's RoPE tables. Everything is undone on exit.
 """
@@ -31,9 +31,22 @@ class CompressionSession:
     config: KVConfig
     info: object
     backend: str
-    backend_reason: str
+    selection_reason: str
     active: bool = False
     rope: dict = field(default_factory=dict)
+    #: With the triton backend: attention calls that took the torch path, counted per reason.
+    torch_path_calls: dict = field(default_factory=dict)
+
+    def note_torch_path(self, reason: str) -> None:
+        self.torch_path_calls[reason] = self.torch_path_calls.get(reason, 0) + 1
+
+    @property
+    def backend_reason(self) -> str:
+        """Why this backend, plus (triton) why some attention calls used the torch path."""
+        if not self.torch_path_calls:
+            return self.selection_reason
+        parts = ", ".join(f"{why} ({n} calls)" for why, n in self.torch_path_calls.items())
+        return f"{self.selection_reason}; torch path for: {parts}"
 
     def new_cache(self):
         """A fresh ``transformers.Cache`` of ``CompressedLayer`` s for this model."""
