@@ -82,6 +82,7 @@ class CompressedLayer(DynamicLayer):
                  balancer: torch.Tensor | None = None, sliding_window: int | None = None,
                  session=None):
         super().__init__()
+        self.is_initialized = False  # set by the base class from transformers 4.57 on, not 4.56
         self.setting = setting
         self.layer_idx = layer_idx
         self.head_dim = head_dim
@@ -152,8 +153,11 @@ class CompressedLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.cumulative_length
 
-    def get_mask_sizes(self, query_length: int, *args, **kwargs) -> tuple[int, int]:
-        # Every token is kept, so the mask covers absolute positions 0..N-1.
+    def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:
+        # transformers < 5 passes cache_position (a tensor of the new positions), later
+        # versions the query length. Every token is kept: the mask covers positions 0..N-1.
+        if isinstance(query_length, torch.Tensor):
+            query_length = query_length.shape[0]
         return self.cumulative_length + query_length, 0
 
     def get_max_length(self) -> int:
