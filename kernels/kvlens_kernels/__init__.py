@@ -10,9 +10,8 @@ Stable API (tensors and ints only, never kvlens objects; tensors ``[B, H, T, D]`
   fused split-K decode attention of ``q`` ``[B, Hq, 1, D]`` over the packed store plus the
   full-precision residual window and extra fp16 token sets (MiKV), returning ``[B, Hq, 1, D]``
   (reference: dequantize with ``kvlens.quant`` then softmax attention).
-  Deliberately *not* exported as ``packed_decode_attention`` (the name the dispatch in
-  ``kvlens.cache.attention`` probes) until the generation path calls it: exporting it makes
-  ``auto`` choose triton under the interpreter while generation still rejects triton.
+  Generation calls it for single-token decode steps when the backend is triton
+  (``kvlens.cache.attention``: ``select_backend``, ``triton_decode``).
 
 Importing this package needs triton but no GPU; on CPU the kernels run only under the Triton
 interpreter (``TRITON_INTERPRET=1`` set before triton is imported). Choosing this backend is the

@@ -1,0 +1,124 @@
+"""The Triton decode kernel wired into generation (``--backend triton``) vs the torch path.
+
+Runs on CPU through the Triton interpreter (``tests/conftest.py`` sets ``TRITON_INTERPRET=1``).
+Tiny random Llama (head_dim 16) with a KIVI-2-like layout the kernel supports: keys per-channel
+G16, values per-token G16, a 32-token residual window, so a 40-token prompt already fills the
+packed store and every decode step reads it through the kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+pytest.importorskip("triton")
+
+from kvlens.cache import compressed_attention  # noqa: E402
+from kvlens.cache.attention import (  # noqa: E402
+    packed_attention,
+    select_backend,
+    triton_decode,
+    triton_unsupported,
+)
+from kvlens.cache.layer import CompressedLayer  # noqa: E402
+from kvlens.errors import BackendError  # noqa: E402
+from kvlens.hf import cache_argument_name  # noqa: E402
+from kvlens.kvconfig import LayerKV, MikvSettings, preset  # noqa: E402
+from kvlens.quant import QuantSpec  # noqa: E402
+
+KEYS, VALUES = QuantSpec(2, "per-channel", 16), QuantSpec(2, "per-token", 16)
+
+
+def _config():
+    cfg = preset("kivi-2")
+    return replace(cfg, default=LayerKV(KEYS, VALUES, residual_tokens=32))
+
+
+def _generate(model, ids, mask, backend, n):
+    with compressed_attention(model, _config(), backend=backend) as session:
+        cache = session.new_cache()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                             pad_token_id=0, **{cache_argument_name(model): cache})
+    assert cache.layers[0].quantized_length >= 32  # the packed store was used
+    return out, session
+
+
+def test_triton_backend_generates_the_same_tokens_as_torch():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    ref, s_torch = _generate(model, ids, mask, "torch", 10)
+    out, s_triton = _generate(model, ids, mask, "triton", 10)
+    assert s_torch.backend == "torch" and s_triton.backend == "triton"
+    assert torch.equal(out, ref)
+    # Prefill took the torch path and says so; decode steps did not.
+    calls = s_triton.torch_path_calls
+    assert calls == {"nothing quantized yet (model's own attention)": 3}, calls
+    assert "torch path for: nothing quantized yet" in s_triton.backend_reason
+
+
+def test_triton_backend_left_padded_batch():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0  # row 1 left-padded by 7 tokens
+    ids[1, :7] = 0
+    ref, _ = _generate(model, ids, mask, "torch", 6)
+    out, session = _generate(model, ids, mask, "triton", 6)
+    assert torch.equal(out, ref)
+    assert sum(session.torch_path_calls.values()) == 3  # only the prefill
+
+
+def test_kernel_reads_mikv_set_and_balancer_like_the_torch_path():
+    """A layer with a MiKV high-precision set (hidden in the packed store, attended from fp16)
+    and a fixed channel balancer: the kernel call equals the torch path."""
+    torch.manual_seed(4)
+    b, hq, hkv, d, total = 2, 4, 2, 16, 75
+    mikv = MikvSettings(heavy_fraction=0.1, sink_tokens=2, balancer="fixed")
+    bal = torch.rand(hkv, d) + 0.5
+    layer = CompressedLayer(LayerKV(KEYS, VALUES, 16), 0, d, mikv=mikv, balancer=bal,
+                            session=SimpleNamespace(active=True, rope={}))
+    k, v = torch.randn(b, hkv, total, d), torch.randn(b, hkv, total, d)
+    layer.update(k[:, :, :40], v[:, :, :40])
+    q = torch.randn(b, hq, 40, d)
+    _, colsum = packed_attention(q, layer, None, d ** -0.5, with_probs=True)
+    layer.commit(q, colsum)
+    for t in range(40, total):
+        layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        q = torch.randn(b, hq, 1, d)
+        _, colsum = packed_attention(q, layer, None, d ** -0.5, with_probs=True)
+        layer.commit(q, colsum)
+    assert layer.has_hp and layer.n_res > 0
+    q = torch.randn(b, hq, 1, d)
+    # Left padding of 5 tokens in row 1, as transformers' bool mask [B, 1, 1, N].
+    mask = torch.ones(b, 1, 1, total, dtype=torch.bool)
+    mask[1, ..., :5] = False
+    assert triton_unsupported(layer, q, with_probs=False) is None
+    for m in (mask, torch.where(mask, 0.0, torch.finfo(torch.float32).min), None):
+        ref, _ = packed_attention(q, layer, m, d ** -0.5)
+        out, why = triton_decode(q, layer, m, d ** -0.5)
+        assert why is None
+        torch.testing.assert_close(out, ref, atol=3e-3, rtol=3e-3)
+
+
+def test_unsupported_calls_say_why():
+    layer = CompressedLayer(LayerKV(QuantSpec(2, "per-token", 16), VALUES, 16), 0, 16,
+                            session=SimpleNamespace(active=True, rope={}))
+    q1, q3 = torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 3, 16)
+    assert "multi-token" in triton_unsupported(layer, q3, False)
+    assert "per-channel keys" in triton_unsupported(layer, q1, False)
+    assert "probabilities" in triton_unsupported(layer, q1, True)
+
+
+def test_backend_choice_on_cpu(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    name, reason = select_backend("auto", "cpu")
+    assert name == "torch" and reason.startswith("CPU tensors: torch path")
+    assert select_backend("triton", "cpu")[0] == "triton"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(BackendError, match="TRITON_INTERPRET=1"):
+        select_backend("triton", "cpu")
