@@ -187,6 +187,7 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
                     correct += key in tokenizer.decode(new[0], skip_special_tokens=True)
                 res["passkey"] = {"correct": correct, "total": len(passkeys),
                                   "context_tokens": round(sum(lengths) / len(lengths))}
+        res["backend_reason"] = session.backend_reason
         reports = [memory_report(c) for c in caches]
         if reports:
             biggest = max(reports, key=lambda r: r["kv_bytes_fp16"])
@@ -212,7 +213,9 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
             res["agreement"] = agreement(res["_tokens"], baseline["_tokens"])
     for res in results:
         res.pop("_tokens", None)
-    return {"backend_reason": select_backend(options.backend, device)[1], "results": results}
+    reason = results[-1].get("backend_reason") if results else None
+    return {"backend_reason": reason or select_backend(options.backend, device)[1],
+            "results": results}
 
 
 def agreement(tokens: list[int], reference: list[int]) -> dict:
