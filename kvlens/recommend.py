@@ -74,7 +74,7 @@ class RecommendOptions:
     context: int = 4096
     residual_tokens: int = 128
     bits: tuple[int, ...] = (2, 3, 4, 8)
-    group_sizes: tuple[int, ...] = (32, 64)
+    group_sizes: tuple[int, ...] = (32, 64, 128)
     pre_rope: str = "auto"  # auto: offer pre-RoPE keys when the capture has RoPE; on; off
     balancer: bool = True
     balancer_exponent: float = 0.5
@@ -146,11 +146,12 @@ class Recommendation:
 # -- candidates and costs -------------------------------------------------------------------
 
 def candidates(head_dim: int, opts: RecommendOptions, has_rope: bool) -> list[Candidate]:
+    """Every storable candidate; per-token groups larger than head_dim are skipped."""
     out = []
     for tensor in ("key", "value"):
         for gran in GRANULARITIES:
             for g in opts.group_sizes:
-                if gran == "per-token" and head_dim % g:
+                if gran == "per-token" and (g > head_dim or head_dim % g):
                     continue
                 for b in opts.bits:
                     out.append(Candidate(tensor, b, gran, g))

@@ -32,7 +32,9 @@ def recommend(
                                                         "budget accounting."),
     residual: int = typer.Option(128, "--residual", help="Full-precision window (tokens)."),
     bits: str = typer.Option("2,3,4,8", "--bits", help="Candidate bit widths."),
-    group_sizes: str = typer.Option("32,64", "--group-sizes", help="Candidate group sizes."),
+    group_sizes: str = typer.Option("32,64,128", "--group-sizes",
+                                    help="Candidate group sizes (per-token ones must divide "
+                                         "head_dim; per-channel ones the residual window)."),
     pre_rope: str = typer.Option("auto", "--pre-rope",
                                  help="Pre-RoPE key candidates: auto (if the capture has RoPE), "
                                       "on (required), off."),
