@@ -516,18 +516,7 @@ def summarize(records: Sequence[Record]) -> dict[str, Any]:
             }
         )
     means.sort(key=_sort_key)
-    mean_of = {
-        (
-            m["tensor"],
-            m["bits"],
-            m["group_size"],
-            m["stage"],
-            m["variant"],
-            m["axis"],
-            m["metric"],
-        ): m["mean"]
-        for m in means
-    }
+    mean_of = means_by_key(means)
     layer_mean = {k: sum(v) / len(v) for k, v in per_layer.items()}
     layers = sorted({r.layer for r in records})
     winners, rankings = [], []
@@ -578,6 +567,15 @@ def summarize(records: Sequence[Record]) -> dict[str, Any]:
         "rankings": rankings,
         "disagreements": [r for r in rankings if r["disagree"]],
         "kivi_pattern": _kivi_pattern(mean_of, configs),
+    }
+
+
+def means_by_key(means: Sequence[Mapping[str, Any]]) -> dict[tuple, float]:
+    """Summary means keyed by (tensor, bits, group_size, stage, variant, axis, metric)."""
+    return {
+        (m["tensor"], m["bits"], m["group_size"], m["stage"], m["variant"], m["axis"],
+         m["metric"]): m["mean"]
+        for m in means
     }
 
 

@@ -126,18 +126,9 @@ def _render(summary: dict) -> None:
     from rich.table import Table
 
     cap = summary["capture"]
-    means = {
-        (
-            m["tensor"],
-            m["bits"],
-            m["group_size"],
-            m["stage"],
-            m["variant"],
-            m["axis"],
-            m["metric"],
-        ): m["mean"]
-        for m in summary["means"]
-    }
+    from kvlens.compare import means_by_key
+
+    means = means_by_key(summary["means"])
     winners = {
         (w["tensor"], w["bits"], w["group_size"], w["stage"], w["variant"], w["metric"]): w[
             "winner"
