@@ -136,6 +136,7 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
     Returns ``{"backend", "backend_reason", "results": [per-config dict]}``; each result has
     ``name``, ``kv_bytes``, ``kv_bytes_fp16``, ``bits_per_element`` (measured on the largest
     cache this config built), ``text`` (with a prompt) and one entry per evaluation."""
+    from kvlens.baselines import Baseline, baseline_memory_report, baseline_session
     from kvlens.cache import compressed_attention, memory_report
     from kvlens.cache.attention import select_backend
     from kvlens.corpus import load_text
@@ -163,7 +164,11 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
     def run(config: KVConfig) -> dict:
         res: dict = {"name": config.name}
         caches = []
-        with compressed_attention(model, config, options.backend) as session:
+        if isinstance(config, Baseline):
+            ctx, report_fn = baseline_session(model, config), baseline_memory_report
+        else:
+            ctx, report_fn = compressed_attention(model, config, options.backend), memory_report
+        with ctx as session:
             res["backend"] = session.backend
             if prompt_ids is not None:
                 progress(f"{config.name}: generating {options.max_new_tokens} tokens")
@@ -188,7 +193,7 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
                 res["passkey"] = {"correct": correct, "total": len(passkeys),
                                   "context_tokens": round(sum(lengths) / len(lengths))}
         res["backend_reason"] = session.backend_reason
-        reports = [memory_report(c) for c in caches]
+        reports = [report_fn(c) for c in caches]
         if reports:
             biggest = max(reports, key=lambda r: r["kv_bytes_fp16"])
             res.update(kv_bytes=biggest["kv_bytes"], kv_bytes_fp16=biggest["kv_bytes_fp16"],

@@ -25,8 +25,9 @@ def generate(
     evals: str = typer.Option(None, "--eval", help="Comma list of ppl, passkey, agreement."),
     text: Path = typer.Option(None, "--text", help="Text for ppl (default: built-in corpus)."),
     compare: str = typer.Option(None, "--compare",
-                                help="Comma list of presets and/or config files to run side by "
-                                     "side on the same inputs."),
+                                help="Comma list of presets, config files and transformers "
+                                     "baselines (hf-quanto-2/4, hf-hqq-2/4, hf-fp8) to run side "
+                                     "by side on the same inputs."),
     backend: str = typer.Option("auto", "--backend", help="auto, torch or triton."),
     ppl_tokens: int = typer.Option(512, "--ppl-tokens", help="Tokens of text for ppl."),
     passkey_prompts: int = typer.Option(5, "--passkey-prompts", help="Passkey prompts."),
@@ -76,7 +77,10 @@ def _options(config, preset_name, compare, prompt, prompt_file, max_new_tokens, 
     if preset_name is not None:
         configs.append(preset(preset_name))
     if compare:
-        configs.extend(resolve(s.strip()) for s in compare.split(",") if s.strip())
+        from kvlens.baselines import baseline, is_baseline
+
+        names = [s.strip() for s in compare.split(",") if s.strip()]
+        configs.extend(baseline(n) if is_baseline(n) else resolve(n) for n in names)
     if not configs:
         raise InputError("Choose a cache: --preset NAME, --config FILE or --compare P1,P2,...")
     if prompt_file is not None:
