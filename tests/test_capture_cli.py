@@ -87,3 +87,13 @@ def test_unsupported_model_is_refused(tmp_path):
     res = _run("--model", tmp_path, "-o", tmp_path / "r.h5")
     assert res.exit_code == 1
     assert "Could not load model" in res.output or "Unsupported model" in res.output
+
+
+def test_version_and_help():
+    from kvlens import __version__
+
+    res = runner.invoke(app, ["--version"])
+    assert res.exit_code == 0 and res.stdout.strip() == __version__
+    res = runner.invoke(app, ["--help"])
+    for command in ("capture", "plot-outliers", "compare-axes", "recommend", "generate"):
+        assert command in res.stdout
