@@ -108,7 +108,7 @@ def recommend(
     if validation is not None:
         from kvlens.cli.generate import _render as render_eval
 
-        render_eval(validation["results"], None)
+        render_eval(validation["results"], validation["options"])
 
 
 def _validate(config, model, passkey_prompts, passkey_context, ppl_tokens):
@@ -120,11 +120,21 @@ def _validate(config, model, passkey_prompts, passkey_context, ppl_tokens):
     err_console.print(f"Validating on {model or 'SmolLM2-135M-Instruct (embedded)'} ...")
     mdl, tok, _ = load_model(model)
     validate_for(config, describe(mdl))
-    configs = [preset("fp16"), config] + [preset(p) for p in VALIDATE_PRESETS]
+    from kvlens.errors import ConfigError
+
+    configs = [preset("fp16"), config]
+    for name in VALIDATE_PRESETS:
+        try:
+            validate_for(preset(name), describe(mdl))
+        except ConfigError as exc:  # e.g. G=32 presets on a head_dim-16 model
+            err_console.print(f"  skipping preset {name}: {exc}")
+            continue
+        configs.append(preset(name))
     opts = EvalOptions(evals=("ppl", "passkey"), passkey_prompts=passkey_prompts,
                        passkey_context=passkey_context, ppl_tokens=ppl_tokens)
-    return evaluate_configs(mdl, tok, configs, opts,
-                            progress=lambda msg: err_console.print(f"  {msg}"))
+    report = evaluate_configs(mdl, tok, configs, opts,
+                              progress=lambda msg: err_console.print(f"  {msg}"))
+    return {**report, "options": opts}
 
 
 def _render(rec) -> None:
