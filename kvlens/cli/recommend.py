@@ -142,8 +142,7 @@ def _render(rec) -> None:
 
     t = Table(title=f"Recommendation: {rec.mean_bits:.3f} bits/element (budget "
                     f"{rec.budget_bits}) at {rec.context} tokens")
-    for col in ("layer", "weight", "key", "bits", "K out", "K score", "value", "bits", "V out",
-                "V recon"):
+    for col in ("layer", "weight", "key", "bits", "K out", "value", "bits", "V out"):
         t.add_column(col, justify="left" if col in ("key", "value") else "right",
                      no_wrap=True)
     by_layer: dict[int, dict] = {}
@@ -152,12 +151,13 @@ def _render(rec) -> None:
     for layer, pair in sorted(by_layer.items()):
         k, v = pair["key"], pair["value"]
         t.add_row(str(layer), f"{rec.weights[layer]:.2f}", k.candidate.short, f"{k.bits:.2f}",
-                  f"{k.output_error:.3f}", f"{k.score_error:.3f}", v.candidate.short,
-                  f"{v.bits:.2f}", f"{v.output_error:.3f}", f"{v.reconstruction_error:.3f}")
+                  f"{k.output_error:.3f}", v.candidate.short, f"{v.bits:.2f}",
+                  f"{v.output_error:.3f}")
     console.print(t)
-    console.print("Columns: relative errors when only that tensor is quantized (out = attention "
-                  "output, where the tensor is consumed: the metric each choice minimises, "
-                  "weighted by the layer's sensitivity; score / recon explain it). ch = "
+    console.print("K out / V out: relative attention-output error when only that tensor is "
+                  "quantized (where it is consumed): the metric each choice minimises, weighted "
+                  "by the layer's sensitivity (weight). Score and reconstruction errors of every "
+                  "choice are in --json. ch = "
                   "per-channel (groups of G tokens), tok = per-token (groups of G channels), "
                   "pre = keys quantized before RoPE, bal = MiKV channel balancer.")
     m = Table(title="KV cache memory (all layers, batch 1)")
