@@ -53,6 +53,18 @@ SCALE_DTYPES = (torch.float16, torch.float32)
 
 
 @triton.jit
+def _asym_scale(lo, hi, LEVELS: tl.constexpr):
+    """Zero point and clamped scale of asymmetric groups from their min/max, exactly as
+    ``kvlens.quant.reference`` (true division; clamp at 1e-8 * absmax and float32 tiny)."""
+    lo = tl.where(hi >= lo, lo, 0.0)  # rows with no valid element (masked off by the caller)
+    hi = tl.where(hi >= lo, hi, 0.0)
+    absmax = tl.maximum(tl.abs(lo), tl.abs(hi))
+    scale = tl.math.div_rn(hi - lo, tl.full(lo.shape, LEVELS, tl.float32))
+    scale = tl.maximum(scale, absmax * 1e-8)
+    return lo, tl.maximum(scale, 1.1754943508222875e-38)
+
+
+@triton.jit
 def _quant_pack_keys_kernel(
     x_ptr,  # [B, H, T, D] float input
     codes_ptr,  # [B, H, ceil(T/P), D] uint8 output
@@ -86,12 +98,7 @@ def _quant_pack_keys_kernel(
     x = x.to(tl.float32)
     lo = tl.min(tl.min(tl.where(valid, x, float("inf")), axis=1), axis=0)  # [BLOCK_D]
     hi = tl.max(tl.max(tl.where(valid, x, float("-inf")), axis=1), axis=0)
-    lo = tl.where(hi >= lo, lo, 0.0)  # rows with no valid element (masked off below)
-    hi = tl.where(hi >= lo, hi, 0.0)
-    absmax = tl.maximum(tl.abs(lo), tl.abs(hi))
-    scale = tl.math.div_rn(hi - lo, tl.full(lo.shape, LEVELS, tl.float32))
-    scale = tl.maximum(scale, absmax * 1e-8)
-    scale = tl.maximum(scale, 1.1754943508222875e-38)
+    lo, scale = _asym_scale(lo, hi, LEVELS)
     v = tl.math.div_rn(x - lo[None, None, :], tl.broadcast_to(scale[None, None, :], x.shape))
     v = tl.minimum(tl.maximum(v, 0.0), LEVELS * 1.0)
     code = round_half_even(v, USE_LIBDEVICE).to(tl.int32)
@@ -146,12 +153,7 @@ def _quant_pack_values_kernel(
     x = x.to(tl.float32)
     lo = tl.min(tl.min(tl.where(valid, x, float("inf")), axis=3), axis=2)  # [BLOCK_T, NG_PAD]
     hi = tl.max(tl.max(tl.where(valid, x, float("-inf")), axis=3), axis=2)
-    lo = tl.where(hi >= lo, lo, 0.0)  # rows with no valid element (masked off below)
-    hi = tl.where(hi >= lo, hi, 0.0)
-    absmax = tl.maximum(tl.abs(lo), tl.abs(hi))
-    scale = tl.math.div_rn(hi - lo, tl.full(lo.shape, LEVELS, tl.float32))
-    scale = tl.maximum(scale, absmax * 1e-8)
-    scale = tl.maximum(scale, 1.1754943508222875e-38)
+    lo, scale = _asym_scale(lo, hi, LEVELS)
     v = tl.math.div_rn(x - lo[:, :, None, None],
                        tl.broadcast_to(scale[:, :, None, None], x.shape))
     v = tl.minimum(tl.maximum(v, 0.0), LEVELS * 1.0)
