@@ -3,15 +3,16 @@
 
 A config is a ``default`` layer setting plus optional per-layer overrides. Each layer setting
 says how keys and values are quantized (a ``QuantSpec`` each, or ``null`` = kept in the model's
-dtype), how many of the newest tokens wait in the full-precision residual window, and whether
-keys are stored before RoPE. Optional MiKV settings keep a fraction of important tokens at high
+dtype), how many of the newest tokens wait in the full-precision residual window, how many of
+them are quantized at a time when it fills (``flush_tokens``: 0 = all, KIVI; fewer = a sliding
+window that always keeps recent tokens exact), and whether keys are stored before RoPE. Optional MiKV settings keep a fraction of important tokens at high
 precision and balance key channels. JSON form (``version`` 1)::
 
     {
       "format": "kvlens.kvconfig", "version": 1, "name": "kivi-2", "description": "...",
       "default": {"key":   {"bits": 2, "granularity": "per-channel", "group_size": 32},
                   "value": {"bits": 2, "granularity": "per-token",   "group_size": 32},
-                  "residual_tokens": 128, "pre_rope_keys": false},
+                  "residual_tokens": 128, "flush_tokens": 0, "pre_rope_keys": false},
       "layers": {"0": {"key": null}},          # partial overrides, merged over "default"
       "mikv": null | {"heavy_fraction": 0.2, "sink_tokens": 4,
                       "balancer": "off" | "online" | "fixed", "balancer_exponent": 0.5},
@@ -39,7 +40,7 @@ from kvlens.quant import QuantSpec
 FORMAT = "kvlens.kvconfig"
 VERSION = 1
 BALANCER_MODES = ("off", "online", "fixed")
-_LAYER_KEYS = ("key", "value", "residual_tokens", "pre_rope_keys")
+_LAYER_KEYS = ("key", "value", "residual_tokens", "flush_tokens", "pre_rope_keys")
 _TOP_KEYS = ("format", "version", "name", "description", "default", "layers", "mikv",
              "balancers", "scale_dtype", "model")
 _MIKV_KEYS = ("heavy_fraction", "sink_tokens", "balancer", "balancer_exponent")
@@ -53,11 +54,16 @@ class LayerKV:
     value: QuantSpec | None = None
     residual_tokens: int = 0
     pre_rope_keys: bool = False
+    flush_tokens: int = 0  # 0: flush the whole window when full (KIVI); F: the oldest F at a time
 
     def __post_init__(self) -> None:
         r = self.residual_tokens
         if isinstance(r, bool) or not isinstance(r, int) or r < 0:
             raise ConfigError(f"Invalid residual_tokens {r!r}; allowed: an integer >= 0.")
+        f = self.flush_tokens
+        if isinstance(f, bool) or not isinstance(f, int) or not 0 <= f <= r or (f and not r):
+            raise ConfigError(f"Invalid flush_tokens {f!r} for residual_tokens {r}; allowed: 0 "
+                              f"(flush the whole window) or 1-{max(r, 1)} (needs a window).")
         if not isinstance(self.pre_rope_keys, bool):
             raise ConfigError(f"Invalid pre_rope_keys {self.pre_rope_keys!r}; allowed: true, "
                               "false.")
@@ -68,7 +74,8 @@ class LayerKV:
 
     def to_dict(self) -> dict[str, Any]:
         return {"key": _spec_dict(self.key), "value": _spec_dict(self.value),
-                "residual_tokens": self.residual_tokens, "pre_rope_keys": self.pre_rope_keys}
+                "residual_tokens": self.residual_tokens, "flush_tokens": self.flush_tokens,
+                "pre_rope_keys": self.pre_rope_keys}
 
 
 @dataclass(frozen=True)
@@ -171,7 +178,7 @@ def _layer(data: Any, base: LayerKV | None, where: str) -> LayerKV:
     for name in ("key", "value"):
         if name in data:
             kwargs[name] = _spec(data[name], f"{where}.{name}")
-    for name in ("residual_tokens", "pre_rope_keys"):
+    for name in ("residual_tokens", "flush_tokens", "pre_rope_keys"):
         if name in data:
             kwargs[name] = data[name]
     return replace(base, **kwargs)
@@ -331,7 +338,8 @@ def validate_for(config: KVConfig, info) -> None:
         layer = config.layer(idx)
         for what, spec in (("key", layer.key), ("value", layer.value)):
             if spec is not None:
-                check_layout(spec, layer.residual_tokens, d, f"layer {idx} {what}")
+                check_layout(spec, layer.residual_tokens, d, f"layer {idx} {what}",
+                             layer.flush_tokens)
         if layer.pre_rope_keys and not info.declares_rope:
             raise ConfigError(f"Config {config.name!r} asks for pre-RoPE keys but "
                               f"{info.architecture} has no rotary embedding.")

@@ -120,12 +120,14 @@ def _stored_view(x, spec, f, n_q):
     return torch.cat((deq, x[:, :, n_q:].float()), dim=2)
 
 
-@pytest.mark.parametrize("total", [77, 100, 131])  # T not a multiple of G, window partly full
-def test_packed_decode_attention_equals_reference(total):
+# T not a multiple of G, window partly full; flush 0 = the whole window, 16 = sliding window
+@pytest.mark.parametrize("total,flush", [(77, 0), (100, 0), (131, 0), (77, 16), (100, 16),
+                                         (131, 16)])
+def test_packed_decode_attention_equals_reference(total, flush):
     torch.manual_seed(total)
     b, hq, hkv, d = 2, 6, 2, 32
     kspec, vspec = QuantSpec(2, "per-channel", 16), QuantSpec(3, "per-token", 8)
-    setting = LayerKV(kspec, vspec, residual_tokens=32)
+    setting = LayerKV(kspec, vspec, residual_tokens=32, flush_tokens=flush)
     layer = CompressedLayer(setting, 0, d, session=_session())
     k = torch.randn(b, hkv, total, d)
     k[..., 3] *= 10  # an outlier channel
@@ -137,11 +139,16 @@ def test_packed_decode_attention_equals_reference(total):
         layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
         layer.commit(torch.randn(b, hq, 1, d), None)
     n_q = layer.quantized_length
-    assert n_q == (total // 32) * 32 and layer.n_res == total % 32
+    f = flush or 32
+    if flush:  # the window keeps R-F..R-1 tokens: the newest are always exact
+        assert n_q == -(-(total - 31) // f) * f and 16 <= layer.n_res <= 31
+    else:
+        assert n_q == (total // 32) * 32 and layer.n_res == total % 32
+    assert n_q + layer.n_res == total
     q = torch.randn(b, hq, 1, d)
     out, _ = packed_attention(q, layer, None, d ** -0.5, chunk_tokens=32)
-    keys = _stored_view(k, kspec, 32, n_q)
-    values = _stored_view(v, vspec, 32, n_q)
+    keys = _stored_view(k, kspec, f, n_q)
+    values = _stored_view(v, vspec, f, n_q)
     ref = _reference_attention(q, keys, values, torch.ones(1, 1, 1, total, dtype=torch.bool))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 

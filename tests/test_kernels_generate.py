@@ -33,17 +33,18 @@ from kvlens.quant import QuantSpec  # noqa: E402
 KEYS, VALUES = QuantSpec(2, "per-channel", 16), QuantSpec(2, "per-token", 16)
 
 
-def _config():
+def _config(flush=0, sinks=0):
     cfg = preset("kivi-2")
-    return replace(cfg, default=LayerKV(KEYS, VALUES, residual_tokens=32))
+    return replace(cfg, default=LayerKV(KEYS, VALUES, residual_tokens=32, flush_tokens=flush),
+                   mikv=MikvSettings(0.0, sinks, "off") if sinks else None)
 
 
-def _generate(model, ids, mask, backend, n):
-    with compressed_attention(model, _config(), backend=backend) as session:
+def _generate(model, ids, mask, backend, n, config=None):
+    with compressed_attention(model, config or _config(), backend=backend) as session:
         cache = session.new_cache()
         out = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
                              pad_token_id=0, **{cache_argument_name(model): cache})
-    assert cache.layers[0].quantized_length >= 32  # the packed store was used
+    assert cache.layers[0].quantized_length >= 16  # the packed store was used
     return out, session
 
 
@@ -61,14 +62,16 @@ def test_triton_backend_generates_the_same_tokens_as_torch():
     assert "torch path for: nothing quantized yet" in s_triton.backend_reason
 
 
-def test_triton_backend_left_padded_batch():
+@pytest.mark.parametrize("flush,sinks", [(0, 0), (16, 4)])  # KIVI window; sliding + sinks
+def test_triton_backend_left_padded_batch(flush, sinks):
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(8))
     mask = torch.ones_like(ids)
     mask[1, :7] = 0  # row 1 left-padded by 7 tokens
     ids[1, :7] = 0
-    ref, _ = _generate(model, ids, mask, "torch", 6)
-    out, session = _generate(model, ids, mask, "triton", 6)
+    config = _config(flush, sinks)
+    ref, _ = _generate(model, ids, mask, "torch", 6, config)
+    out, session = _generate(model, ids, mask, "triton", 6, config)
     assert torch.equal(out, ref)
     assert sum(session.torch_path_calls.values()) == 3  # only the prefill
 

@@ -6,7 +6,8 @@ A ``CompressedLayer`` keeps, for its layer, ``[B, H, *, D]`` history in up to th
   full-precision ``DenseTensor`` when only the other tensor is quantized): cache positions
   ``[0, quantized_length)``, immutable once written;
 - the **residual window**: the newest ``n_res`` tokens in the model's dtype, exact; when it
-  holds ``R = residual_tokens`` tokens they are all flushed to the packed store as blocks;
+  holds ``R = residual_tokens`` tokens its oldest are flushed to the packed store in blocks of
+  ``F`` (``flush_tokens``; default ``F = R``: all of them, as KIVI);
 - the **high-precision set** (MiKV only): per KV head, full-precision copies of the heavy-hitter
   tokens (largest accumulated attention, H2O) and the first ``sink_tokens`` positions, chosen
   again at every flush among the current set and the flushed tokens. Their low-bit copies stay
@@ -95,11 +96,13 @@ class CompressedLayer(DynamicLayer):
         r = setting.residual_tokens
         self.flush_every = 0  # 0 = never flush (nothing is quantized)
         if setting.compressed:
-            self.flush_every = max(flush_block(s, r) for s in (setting.key, setting.value)
-                                   if s is not None)
-        self.kstore = PackedTensor.create(setting.key, r, head_dim, scale_dtype) \
+            self.flush_every = max(flush_block(s, r, setting.flush_tokens)
+                                   for s in (setting.key, setting.value) if s is not None)
+        self.kstore = PackedTensor.create(setting.key, r, head_dim, scale_dtype,
+                                          setting.flush_tokens) \
             if setting.key is not None else DenseTensor()
-        self.vstore = PackedTensor.create(setting.value, r, head_dim, scale_dtype) \
+        self.vstore = PackedTensor.create(setting.value, r, head_dim, scale_dtype,
+                                          setting.flush_tokens) \
             if setting.value is not None else DenseTensor()
         self.res_k, self.res_v = DenseTensor(), DenseTensor()
         self.rope_store = DenseTensor()  # [B, 1, T, 2R] cos|sin per position (pre-RoPE keys)
@@ -199,6 +202,11 @@ class CompressedLayer(DynamicLayer):
 
     @property
     def needs_attention_probs(self) -> bool:
+        # sinks alone are chosen by position: only heavy hitters need the attention mass
+        return self.mikv is not None and self.mikv.heavy_fraction > 0
+
+    @property
+    def keeps_full_precision_set(self) -> bool:
         return self.mikv is not None and self.mikv.heavy_fraction + self.mikv.sink_tokens > 0
 
     def rope_tables(self, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,8 +229,14 @@ class CompressedLayer(DynamicLayer):
             self._accumulate(colsum)
         if self.flush_every == 0:
             return
-        r = self.setting.residual_tokens
-        n = (self.n_res // r) * r if r else self.n_res
+        r, f = self.setting.residual_tokens, self.flush_every
+        # Flush the fewest whole blocks that leave fewer than R tokens in the window (F = R:
+        # the whole window, KIVI; F < R: a sliding window). R = 0: every token (F = 1).
+        if r:
+            over = self.n_res - r + 1  # tokens that must leave so that fewer than R remain
+            n = -(-over // f) * f if over > 0 else 0
+        else:
+            n = self.n_res // f * f
         if n:
             self._flush(n)
 
@@ -252,9 +266,9 @@ class CompressedLayer(DynamicLayer):
         cap = max(2 * (t0 + n), 1024)
         self.kstore.append(k_store if self.setting.key is not None else k, min_capacity=cap)
         self.vstore.append(v, min_capacity=cap)
-        if self.needs_attention_probs:
+        if self.keeps_full_precision_set:
             self._select_heavy(t0, n, k, v)
-        # Shift the rest of the window to its front (at most R-1 tokens: cheap, once per flush).
+        # Shift the rest of the window to its front (at most R-1 tokens, once per flush).
         rest_k, rest_v = self.res_k.view(n), self.res_v.view(n)
         m = rest_k.shape[2]
         self.res_k.buf[:, :, :m] = rest_k.clone()

@@ -13,9 +13,11 @@ whole block ``F`` for per-channel and to ``D`` for per-token).
 
 Streaming (KIVI): new tokens first wait in a full-precision residual window owned by the layer
 (``kvlens.cache.layer``). When the window holds ``R`` tokens (``R`` = the config's
-``residual_tokens``), all ``R`` are quantized as one flush of ``R // F`` blocks of ``F`` tokens and
-appended here. ``F = R`` for per-channel and per-tensor specs (every block is one group along
-tokens, ``G`` must divide ``R``) and ``F = 1`` when ``R = 0`` for per-token specs (each token is
+``residual_tokens``), its oldest tokens are quantized in blocks of ``F`` and appended here. By
+default ``F = R`` (KIVI: the whole window is flushed, so it then holds 0..R-1 tokens); with the
+config's ``flush_tokens = F < R`` the window slides (after each flush it keeps the newest
+``R-F..R-1`` tokens, so recent tokens are always exact, at the same peak memory). ``G`` of
+per-channel specs must divide ``F``; ``F = 1`` when ``R = 0`` for per-token specs (each token is
 quantized on arrival). Blocks are never re-quantized: once written, a block's codes and scales
 are immutable. The history is stored in token order: block ``i`` holds absolute cache positions
 ``[i*F, (i+1)*F)`` (cache positions = index of the token in the layer's history, left padding
@@ -71,8 +73,11 @@ from kvlens.quant import (
 SCALE_DTYPES = ("float16", "float32")
 
 
-def flush_block(spec: QuantSpec, residual_tokens: int) -> int:
-    """``F``: tokens quantized together as one block (see the module docstring)."""
+def flush_block(spec: QuantSpec, residual_tokens: int, flush_tokens: int = 0) -> int:
+    """``F``: tokens quantized together as one block (see the module docstring):
+    ``flush_tokens`` when set (a sliding window), else the whole window."""
+    if flush_tokens:
+        return flush_tokens
     if spec.granularity == "per-token":
         return residual_tokens if residual_tokens else 1
     if residual_tokens < 1:
@@ -82,24 +87,25 @@ def flush_block(spec: QuantSpec, residual_tokens: int) -> int:
     return residual_tokens
 
 
-def check_layout(spec: QuantSpec, residual_tokens: int, head_dim: int, what: str = "") -> None:
+def check_layout(spec: QuantSpec, residual_tokens: int, head_dim: int, what: str = "",
+                 flush_tokens: int = 0) -> None:
     """Raise ``ConfigError`` unless ``spec`` can be stored in this layout for ``head_dim``."""
     where = f"{what}: " if what else ""
     if spec.granularity == "per-token" and spec.group_size and head_dim % spec.group_size:
         allowed = [g for g in range(1, head_dim + 1) if head_dim % g == 0]
         raise ConfigError(f"{where}group size {spec.group_size} does not divide head_dim "
                           f"{head_dim}; allowed group sizes: {', '.join(map(str, allowed))}.")
-    f = flush_block(spec, residual_tokens)
+    f = flush_block(spec, residual_tokens, flush_tokens)
+    block = f"flush_tokens {f}" if flush_tokens else f"residual window {residual_tokens}"
     if spec.granularity == "per-channel":
         g = spec.group_size or f
         if f % g:
-            raise ConfigError(f"{where}per-channel group size {g} must divide the residual "
-                              f"window {residual_tokens} (blocks are quantized when the window "
-                              f"fills); use a window that is a multiple of {g}.")
+            raise ConfigError(f"{where}per-channel group size {g} must divide the {block} "
+                              f"(tokens are quantized {f} at a time); use a multiple of {g}.")
         per = codes_per_byte(spec.bits)
         if f % per:
-            raise ConfigError(f"{where}the residual window {residual_tokens} must be a multiple "
-                              f"of {per} for {spec.bits}-bit codes packed along tokens.")
+            raise ConfigError(f"{where}the {block} must be a multiple of {per} for "
+                              f"{spec.bits}-bit codes packed along tokens.")
 
 
 @dataclass
@@ -117,12 +123,12 @@ class PackedTensor:
 
     @classmethod
     def create(cls, spec: QuantSpec, residual_tokens: int, head_dim: int,
-               scale_dtype: str = "float16") -> PackedTensor:
-        check_layout(spec, residual_tokens, head_dim)
+               scale_dtype: str = "float16", flush_tokens: int = 0) -> PackedTensor:
+        check_layout(spec, residual_tokens, head_dim, flush_tokens=flush_tokens)
         if scale_dtype not in SCALE_DTYPES:
             raise ConfigError(f"Unknown scale dtype {scale_dtype!r}; allowed: "
                               f"{', '.join(SCALE_DTYPES)}.")
-        return cls(spec, flush_block(spec, residual_tokens), head_dim,
+        return cls(spec, flush_block(spec, residual_tokens, flush_tokens), head_dim,
                    getattr(torch, scale_dtype))
 
     # -- geometry -----------------------------------------------------------------------------
