@@ -64,6 +64,9 @@ class CompareConfig:
     rank: rank of the ``"lowrank"`` residual per (sample, head).
     layers: captured layers to analyse (None = all). samples: use only the first N samples.
     tensors: which of ``"key"``, ``"value"`` to sweep.
+    sink_tokens: the first N tokens are read exact by every query in the score / weight /
+        output metrics (a cache keeping the attention sinks at full precision, as
+        ``generate``'s ``sink_tokens``); reconstruction still covers every token.
     """
 
     bits: tuple[int, ...] = (2, 4)
@@ -75,6 +78,7 @@ class CompareConfig:
     layers: tuple[int, ...] | None = None
     samples: int | None = None
     tensors: tuple[str, ...] = TENSOR_NAMES
+    sink_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("bits", "group_sizes", "stages", "variants", "tensors"):
@@ -112,6 +116,9 @@ class CompareConfig:
             isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1
         ):
             raise ConfigError(f"Invalid samples {self.samples!r}; allowed: a positive integer.")
+        s = self.sink_tokens
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            raise ConfigError(f"Invalid sink tokens {s!r}; allowed: an integer >= 0.")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -362,6 +369,8 @@ def _check_rope(k, k_pre, tables, meta, layer: int) -> None:
 
 
 def _layer_records(layer_data, config: CompareConfig, meta, n_samples: int, tables) -> list[Record]:
+    import torch
+
     from kvlens.metrics import Variant, attention_errors_many
 
     samples = slice(0, n_samples)
@@ -378,6 +387,10 @@ def _layer_records(layer_data, config: CompareConfig, meta, n_samples: int, tabl
         keys.append(key)
         variants.append(Variant(k_hat=approx) if key.tensor == "key" else Variant(v_hat=approx))
     attrs = layer_data.attrs
+    exact = None
+    if config.sink_tokens:
+        t = k.shape[2]
+        exact = (torch.arange(t)[None, :] < config.sink_tokens).expand(t, t)
     errors = attention_errors_many(
         q,
         k,
@@ -386,6 +399,7 @@ def _layer_records(layer_data, config: CompareConfig, meta, n_samples: int, tabl
         scaling=attrs.scaling,
         sliding_window=attrs.sliding_window,
         softcap=attrs.logit_softcap,
+        exact=exact,
     )
     out: list[Record] = []
     for key, err in zip(keys, errors, strict=True):

@@ -196,19 +196,26 @@ def attention_errors_many(
     sliding_window: int = 0,
     softcap: float = 0.0,
     chunk_size: int = DEFAULT_CHUNK,
+    exact: torch.Tensor | None = None,
 ) -> list[AttentionErrors]:
     """Errors of attention for several variants of the cache, sharing the reference pass.
 
     q ``[B, Hq, T, D]``, k/v and every ``k_hat``/``v_hat`` ``[B, Hkv, T, D]``. Scores are
     compared on causal (visible) entries only; weights and output everywhere. Works one sample
     and ``chunk_size`` query rows at a time, visiting only the keys those rows can see, so
-    ``B=4, Hq=9, T=2048`` stays within a few hundred MB."""
+    ``B=4, Hq=9, T=2048`` stays within a few hundred MB.
+
+    ``exact`` (bool ``[Tq, Tk]``, optional): where True, query ``i`` reads key/value ``j``
+    exact in every variant, as a streaming cache does for its full-precision window and sink
+    tokens (``streaming_exact_mask``). Reconstruction errors still cover every token."""
     b, hq, tq, _ = q.shape
     tk = k.shape[2]
     groups = num_kv_groups(hq, k.shape[1])
     _check_variants(k, v, variants)
     if chunk_size < 1:
         raise InputError(f"chunk_size must be positive, got {chunk_size}.")
+    if exact is not None and tuple(exact.shape) != (tq, tk):
+        raise InputError(f"exact mask has shape {tuple(exact.shape)}, expected {(tq, tk)}.")
     sums = [{m: _Sums(hq) for m in ("scores", "weights", "output")} for _ in variants]
     full_mask = causal_mask(tq, tk, sliding_window, q.device)
 
@@ -227,6 +234,7 @@ def attention_errors_many(
             rows = q[i, :, start:end].float()
             keep = full_mask[start:end, keys]
             hide = ~keep
+            same = None if exact is None else exact[start:end, keys].to(q.device)
             s_ref = _softcap((rows @ k_ref[:, keys].transpose(-1, -2)) * scaling, softcap)
             s_ref_sq = _row_sq(torch.where(keep, s_ref, 0.0))
             w_ref = s_ref.masked_fill(hide, float("-inf")).softmax(dim=-1)
@@ -235,11 +243,36 @@ def attention_errors_many(
                 w_alt = w_ref
                 if k_alt is not None:
                     s_alt = _softcap((rows @ k_alt[:, keys].transpose(-1, -2)) * scaling, softcap)
+                    if same is not None:
+                        s_alt = torch.where(same, s_ref, s_alt)
                     acc["scores"].add(s_ref, s_alt, s_ref_sq, keep)
                     w_alt = s_alt.masked_fill_(hide, float("-inf")).softmax(dim=-1)
                     acc["weights"].add(w_ref, w_alt)
-                acc["output"].add(o_ref, w_alt @ v_alt[:, keys])
+                o_alt = w_alt @ v_alt[:, keys]
+                if same is not None and v_alt is not v_ref:
+                    # exact entries read v, not v_hat: add back w * (v - v_hat) there
+                    o_alt += (w_alt * same) @ (v_ref[:, keys] - v_alt[:, keys])
+                acc["output"].add(o_ref, o_alt)
     return [_errors(k, v, var, acc) for var, acc in zip(variants, sums, strict=True)]
+
+
+def streaming_exact_mask(
+    num_tokens: int, residual_tokens: int, flush_tokens: int = 0, sink_tokens: int = 0
+) -> torch.Tensor:
+    """Bool ``[T, T]``: True where decoding query ``i`` reads key ``j`` exact from a
+    ``kvlens.cache`` layer that was fed tokens one at a time: the full-precision window holds
+    positions ``>= n_q(i)`` with ``n_q(i) = F * ceil((i - R + 1) / F)`` (0 when negative; ``F``
+    = ``flush_tokens`` or ``R``: the whole window is flushed when it fills), and the first
+    ``sink_tokens`` positions are kept at full precision. (A prefilled prompt is read exact by
+    its own tokens, so this is the pessimistic, decode-time view.)"""
+    r, f = residual_tokens, flush_tokens or residual_tokens
+    i = torch.arange(num_tokens)
+    if r:
+        n_q = (torch.div(i - r + 1 + f - 1, f, rounding_mode="floor") * f).clamp_min(0)
+    else:  # every token is quantized right after its own step
+        n_q = i
+    j = torch.arange(num_tokens)[None, :]
+    return ((j >= n_q[:, None]) | (j < sink_tokens)) & (j <= i[:, None])
 
 
 def _check_variants(k: torch.Tensor, v: torch.Tensor, variants: Sequence[Variant]) -> None:

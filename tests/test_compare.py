@@ -131,6 +131,25 @@ def test_planted_value_structure_reconstruction_and_output_disagree(kivi_run):
     assert kivi["holds"] and kivi["bits"] == 2 and kivi["group_size"] == 8
 
 
+def test_exact_sink_token_removes_the_value_disagreement(kivi_run):
+    """In the planted data the per-channel value output error comes from the sink token alone:
+    read exact (as a cache keeping sinks at full precision does), per-channel wins output too."""
+    path, before = kivi_run
+    cfg = CompareConfig(bits=(2,), group_sizes=(8,), tensors=("value",), sink_tokens=1)
+    res = compare_axes(path, cfg)
+    plain = dict(tensor="value", variant="plain", metric="attention_output")
+    out_ch_before = mean(before.records, axis="per-channel", **plain)
+    out_ch = mean(res.records, axis="per-channel", **plain)
+    assert out_ch < 1e-3 * out_ch_before
+    assert out_ch <= mean(res.records, axis="per-token", **plain) + 1e-6
+    # reconstruction still covers every token: unchanged
+    rec = dict(tensor="value", variant="plain", metric="reconstruction", axis="per-channel")
+    assert mean(res.records, **rec) == pytest.approx(mean(before.records, **rec))
+    assert CompareConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ConfigError, match="sink tokens"):
+        CompareConfig(sink_tokens=-1)
+
+
 def test_record_shape_heads_and_json(kivi_run):
     _, res = kivi_run
     out = json.loads(json.dumps(res.to_dict()))

@@ -194,3 +194,66 @@ def test_many_variants_share_the_reference_and_match_single_calls():
     assert torch.allclose(both.output, output, rtol=1e-4)
     with pytest.raises(InputError, match="expected"):
         attention_errors_many(q, k, v, [Variant(k_hat=k[:, :, :5])], scaling=0.3)
+
+
+def _mixed_output(q, k, v, k_hat, v_hat, scaling, exact):
+    """Brute force: query i reads (k, v)[j] where exact[i, j], else (k_hat, v_hat)[j]."""
+    tq = q.shape[2]
+    out = torch.empty(q.shape[0], q.shape[1], tq, v.shape[-1])
+    for i in range(tq):
+        sel = exact[i][None, None, :, None]
+        kk, vv = torch.where(sel, k, k_hat), torch.where(sel, v, v_hat)
+        row = attention_output(q, kk, vv, scaling)  # row i of this mix
+        out[:, :, i] = row[:, :, i]
+    return out
+
+
+def test_exact_mask_matches_a_per_query_mixture():
+    from kvlens.metrics import Variant, attention_errors_many, streaming_exact_mask
+
+    q, k, v = _qkv(t=13, seed=14)
+    k_hat = k + 0.2 * _rand(*k.shape, seed=15)
+    v_hat = v + 0.2 * _rand(*v.shape, seed=16)
+    exact = streaming_exact_mask(13, residual_tokens=4, flush_tokens=2, sink_tokens=1)
+    got = attention_errors_many(q, k, v, [Variant(k_hat, v_hat), Variant(v_hat=v_hat)],
+                                scaling=0.3, chunk_size=5, exact=exact)
+    ref = attention_output(q, k, v, 0.3)
+    for var, errs in zip(((k_hat, v_hat), (k, v_hat)), got, strict=True):
+        want = per_head_rel_error(ref, _mixed_output(q, k, v, *var, 0.3, exact))
+        assert torch.allclose(errs.output, want, rtol=1e-4)
+    plain = attention_errors_many(q, k, v, [Variant(k_hat, v_hat)], scaling=0.3)[0]
+    assert bool((got[0].output < plain.output).all())  # exact entries can only help here
+    everything = torch.ones(13, 13, dtype=torch.bool)
+    none = attention_errors_many(q, k, v, [Variant(k_hat, v_hat)], scaling=0.3,
+                                 exact=everything)[0]
+    assert float(none.output.max()) < 1e-6 and float(none.scores.max()) == 0.0
+    with pytest.raises(InputError, match="exact mask"):
+        attention_errors_many(q, k, v, [Variant(k_hat)], scaling=0.3, exact=exact[:5])
+
+
+@pytest.mark.parametrize("residual,flush,sinks", [(8, 0, 0), (8, 4, 2), (8, 8, 3), (0, 0, 0),
+                                                  (12, 4, 0)])
+def test_streaming_mask_matches_the_real_cache_layer(residual, flush, sinks):
+    """n_q(i) from the formula equals the compressed layer's quantized length at step i."""
+    from kvlens.cache.layer import CompressedLayer
+    from kvlens.kvconfig import LayerKV, MikvSettings
+    from kvlens.metrics import streaming_exact_mask
+    from kvlens.quant import QuantSpec
+
+    class Session:
+        active = True
+        rope: dict = {}
+
+    spec = QuantSpec(2, "per-token", 4)
+    layer = CompressedLayer(LayerKV(spec, spec, residual, flush_tokens=flush), 0, 8,
+                            mikv=MikvSettings(0.0, sinks, "off") if sinks else None,
+                            session=Session())
+    t = 30
+    mask = streaming_exact_mask(t, residual, flush, sinks)
+    for i in range(t):
+        x = _rand(1, 1, 1, 8, seed=100 + i)
+        layer.update(x, x)
+        hp = set() if not layer.has_hp else set(layer.hp_pos.flatten().tolist())
+        exact_now = set(range(layer.quantized_length, i + 1)) | hp
+        assert exact_now == set(torch.nonzero(mask[i]).flatten().tolist()), i
+        layer.commit(x.expand(1, 1, 1, 8), None)

@@ -52,6 +52,12 @@ def compare_axes_command(
     ),
     rank: int = typer.Option(2, "--rank", help="Rank of the lowrank (GEAR) residual."),
     samples: int = typer.Option(None, "--samples", help="Use only the first N samples (faster)."),
+    sinks: int = typer.Option(
+        0,
+        "--sinks",
+        help="Score/output metrics read the first N tokens exact (a cache that keeps the "
+        "attention sinks at full precision).",
+    ),
     threads: int = typer.Option(
         1, "--threads", help="torch threads while sweeping (1 is fastest for these small ops)."
     ),
@@ -86,6 +92,7 @@ def compare_axes_command(
             rank=rank,
             layers=parse_layers(layers),
             samples=samples,
+            sink_tokens=sinks,
         )
 
     config = run_library_call(configure)
