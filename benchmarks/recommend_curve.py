@@ -6,6 +6,9 @@ budget accounting of ``kvlens.recommend.config_bits`` at --context tokens (fp16 
 residual window), identical for presets and recommendations. Writes a PNG plot and a JSON.
 
 Usage: python benchmarks/recommend_curve.py RUN.h5 [--budgets 2.5,3,3.5,4,5] [--out docs/img]
+       python benchmarks/recommend_curve.py --replot docs/img/recommend_curve.json
+(the second form redraws the PNG from measured rows, e.g. after editing the JSON by hand with
+the figures of separate runs).
 """
 
 from __future__ import annotations
@@ -21,13 +24,20 @@ PRESETS = ("kivi-2", "kivi-4", "per-token-2", "per-token-4")
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("capture")
+    ap.add_argument("capture", nargs="?")
+    ap.add_argument("--replot", help="Redraw the PNG next to this JSON of measured rows.")
     ap.add_argument("--budgets", default="2.5,3,3.5,4,5")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--ppl-tokens", type=int, default=512)
     ap.add_argument("--passkey-prompts", type=int, default=0)
     ap.add_argument("--out", default="docs/img")
     args = ap.parse_args()
+    if args.replot:
+        rows = json.loads(Path(args.replot).read_text())
+        _plot(rows, Path(args.replot).with_suffix(".png"), args.context)
+        return
+    if not args.capture:
+        ap.error("a capture file is needed (or --replot JSON)")
 
     from kvlens.evaluate import EvalOptions, evaluate_configs
     from kvlens.kvconfig import preset

@@ -10,20 +10,24 @@ Pipeline (one capture layer in memory at a time):
 2. **Cost** of a candidate: average stored bits per element at a reference context length
    ``L`` (default 4096), all overheads counted by ``kvlens.quant.bits_per_element``: codes,
    fp16 scales and zeros (partial groups as whole groups) and the full-precision residual window
-   counted full (``R`` tokens at 16 bits: an upper bound, the window holds 0..R tokens).
+   counted full (``R`` tokens at 16 bits: an upper bound, the window holds at most R-1 tokens),
+   plus the ``sink_tokens`` full-precision copies of the first tokens (``hp_bits``).
 3. **Error** of a candidate, measured where the tensor is consumed: the relative error of the
    attention output (``kvlens.metrics``) when only that tensor is quantized, mean over the
-   layer's query heads. Score error and reconstruction error are recorded too, to explain.
-   By default the first ``tokens=256`` tokens of ``samples=1`` capture window are used: about
-   50 candidates per layer each need a full attention pass, and this keeps a 30-layer model
-   at a few seconds per layer on 2 CPU cores (raise both for a more careful measurement).
+   layer's query heads, *as the cache is read while decoding*: query ``i`` reads the tokens
+   still in the window and the sink tokens exact (``streaming_exact_mask``). The window slides:
+   when it fills, its oldest ``F`` tokens are quantized (``flush_tokens``; ``F`` is raised to a
+   per-channel group size, since a group needs all its tokens), so each candidate is measured
+   for every ``F`` it can be stored with. Score and reconstruction errors are recorded too, to
+   explain. By default the first ``tokens=256`` tokens of ``samples=1`` capture window are
+   used (about 170 attention passes per layer; a few seconds per layer on 2 CPU cores).
 4. **Sensitivity**: with ``sensitivity="model"`` each layer gets a weight ``w_l`` = KL damage
    of the real model's predictions per unit of attention-output error, measured by
    probe-quantizing that layer alone (``kvlens.sensitivity``); ``uniform`` sets ``w_l = 1``.
-5. **Allocation**: pick one candidate per (layer, tensor) minimising ``sum_l w_l (e_K + e_V)``
-   subject to the mean cost over all layers and both tensors <= budget: a multiple-choice
-   knapsack solved exactly by dynamic programming on costs rounded up to 1/64 bit (so the
-   budget is never exceeded).
+5. **Allocation**: pick one (key, value) pair per layer (which fixes the layer's ``F``)
+   minimising ``sum_l w_l (e_K + e_V)`` subject to the mean cost over all layers and both
+   tensors <= budget: a multiple-choice knapsack over each layer's Pareto front, solved exactly
+   by dynamic programming on costs rounded up to 1/64 bit (so the budget is never exceeded).
 """
 
 from __future__ import annotations
@@ -84,6 +88,8 @@ class RecommendOptions:
     sensitivity: str = "uniform"  # uniform | model | auto (model when the capture's is loadable)
     model: str | None = None  # model for sensitivity (default: the capture's model source)
     name: str = "recommended"
+    flush_tokens: int = 32  # smallest flush block of the sliding window; 0 = whole window (KIVI)
+    sink_tokens: int = 4  # first tokens kept at full precision (attention sinks)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.budget_bits, (int, float)) and 0 < self.budget_bits <= 16):
@@ -103,6 +109,32 @@ class RecommendOptions:
         if bad:
             raise InputError(f"Group sizes {bad} do not divide the residual window "
                              f"({self.residual_tokens}), which per-channel keys need.")
+        f = self.flush_tokens
+        if f < 0 or f % 4 or any(f % g for g in self.group_sizes if g < f):
+            raise InputError(f"--flush {f} must be 0 (flush the whole window) or a multiple of "
+                             "4 and of the smaller group sizes (a block >= the residual window "
+                             "also flushes it whole).")
+        if self.sink_tokens < 0:
+            raise InputError(f"--sinks must be >= 0, got {self.sink_tokens}.")
+        if self.tokens is not None and self.tokens <= self.residual_tokens:
+            raise InputError(f"--tokens {self.tokens} must exceed the residual window "
+                             f"({self.residual_tokens}): errors are measured on the queries "
+                             "that read quantized history.")
+
+    def layer_flush(self, *cands: Candidate) -> int:
+        """``flush_tokens`` of a layer storing ``cands``: the sliding block, raised to the
+        per-channel group sizes (a group needs all its tokens); 0 when that is the whole
+        window (the KIVI default)."""
+        if not self.flush_tokens:
+            return 0
+        f = max([self.flush_tokens] + [c.group_size for c in cands
+                                        if c.granularity == "per-channel"])
+        return 0 if f >= self.residual_tokens else f
+
+    def flush_options(self) -> list[int]:
+        """Every flush block a layer can end up with (see ``layer_flush``)."""
+        gs = [Candidate("key", 2, "per-channel", g) for g in self.group_sizes]
+        return sorted({self.layer_flush()} | {self.layer_flush(c) for c in gs})
 
 
 @dataclass
@@ -115,6 +147,7 @@ class Choice:
     score_error: float | None
     reconstruction_error: float
     runner_up: str = ""  # the cheapest candidate with lower error, if the budget ruled it out
+    flush_tokens: int = 0  # the layer's flush block (0 = the whole window)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -134,10 +167,13 @@ class Recommendation:
     kv_bytes: dict[int, float] = field(default_factory=dict)  # context -> bytes
     kv_bytes_fp16: dict[int, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    residual_tokens: int = 0
+    sink_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {"budget_bits": self.budget_bits, "mean_bits": self.mean_bits,
                 "expected_output_error": self.expected_output_error, "context": self.context,
+                "residual_tokens": self.residual_tokens, "sink_tokens": self.sink_tokens,
                 "layer_weights": list(self.weights), "kv_bytes": self.kv_bytes, "kv_bytes_fp16": self.kv_bytes_fp16,
                 "choices": [c.to_dict() for c in self.choices], "notes": self.notes,
                 "config": self.config.to_dict()}
@@ -170,16 +206,29 @@ def candidate_bits(c: Candidate, head_dim: int, context: int, residual: int) -> 
 
 # -- error measurement ----------------------------------------------------------------------
 
-def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOptions):
-    """Per-candidate mean errors on one capture layer: ``{candidate: (out, score, recon)}`` and
-    the fitted balancer ``[Hkv, D]`` (None when no candidate uses it)."""
+def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOptions,
+                  plain: Sequence[Candidate] = ()):
+    """Per-candidate mean errors on one capture layer and the fitted balancer ``[Hkv, D]``
+    (None when no candidate uses it).
+
+    Errors are ``{(candidate, F): (out, score, recon)}`` for every flush block ``F`` the
+    candidate can be stored with (``opts.flush_options()``), measured as the cache reads
+    history while decoding: recent tokens (the window, as it slides with ``F``) and the first
+    ``opts.sink_tokens`` exact (``kvlens.metrics.streaming_exact_mask``). Candidates in
+    ``plain`` are also measured with every token quantized, key ``(candidate, None)`` (the
+    sensitivity probe, which quantizes the whole layer)."""
     from kvlens.compare import ROPE_CHECK_TOLERANCE, rope_rebuild_error, rope_tables
-    from kvlens.metrics import Variant, attention_errors_many
+    from kvlens.metrics import Variant, attention_errors_many, streaming_exact_mask
     from kvlens.quant import fake_quantize, fit_balancer, quantize_pre_rope
 
     sel = None if opts.samples is None else list(range(min(opts.samples, meta.num_samples)))
     t = slice(None) if opts.tokens is None else slice(0, opts.tokens)
     q, k, v = (layer.read(n, samples=sel)[:, :, t] for n in ("q", "k", "v"))
+    n_tok = k.shape[2]
+    if n_tok <= opts.residual_tokens:
+        raise InputError(f"The capture has {n_tok} tokens per sample, no more than the residual "
+                         f"window ({opts.residual_tokens}): no query would read quantized "
+                         "history. Capture longer samples or lower --residual.")
     pre_ok = any(c.stage == "pre" for c in cands) and "rope_theta" in meta.rope
     tables = None
     if pre_ok:
@@ -189,30 +238,45 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
         pre_ok = rope_rebuild_error(k, k_pre, tables, meta.rope_layout) <= ROPE_CHECK_TOLERANCE
     bal = fit_balancer(q, k, opts.balancer_exponent) if any(c.balancer for c in cands) else None
     la = layer.attrs
-    kept, variants = [], []
+    variants: dict[Candidate, Variant] = {}
     for c in cands:
         if c.stage == "pre" and not pre_ok:
             continue
         spec = c.spec()
         if c.tensor == "value":
-            variants.append(Variant(v_hat=fake_quantize(v, spec)))
+            variants[c] = Variant(v_hat=fake_quantize(v, spec))
         elif c.stage == "pre":
-            variants.append(Variant(k_hat=quantize_pre_rope(k_pre, *tables, spec,
-                                                            meta.rope_layout)))
+            variants[c] = Variant(k_hat=quantize_pre_rope(k_pre, *tables, spec,
+                                                          meta.rope_layout))
         elif c.balancer:
             b = bal[None, :, None, :]
-            variants.append(Variant(k_hat=fake_quantize(k * b, spec) / b))
+            variants[c] = Variant(k_hat=fake_quantize(k * b, spec) / b)
         else:
-            variants.append(Variant(k_hat=fake_quantize(k, spec)))
-        kept.append(c)
-    errs = attention_errors_many(q, k, v, variants, scaling=la.scaling,
-                                 sliding_window=la.sliding_window, softcap=la.logit_softcap)
+            variants[c] = Variant(k_hat=fake_quantize(k, spec))
+    runs: list[tuple[int | None, list[Candidate]]] = [
+        (f, [c for c in variants if _fits(c, f, opts)]) for f in opts.flush_options()]
+    runs.append((None, [c for c in plain if c in variants]))
     out = {}
-    for c, e in zip(kept, errs):
-        recon = e.value_reconstruction if c.tensor == "value" else e.key_reconstruction
-        out[c] = (float(e.output.mean()), None if e.scores is None else float(e.scores.mean()),
-                  float(recon.mean()))
+    for f, run in runs:
+        if not run:
+            continue
+        exact = None if f is None else streaming_exact_mask(
+            n_tok, opts.residual_tokens, f, opts.sink_tokens)
+        errs = attention_errors_many(q, k, v, [variants[c] for c in run], scaling=la.scaling,
+                                     sliding_window=la.sliding_window, softcap=la.logit_softcap,
+                                     exact=exact)
+        for c, e in zip(run, errs):
+            recon = e.value_reconstruction if c.tensor == "value" else e.key_reconstruction
+            out[c, f] = (float(e.output.mean()),
+                         None if e.scores is None else float(e.scores.mean()),
+                         float(recon.mean()))
     return out, bal, pre_ok
+
+
+def _fits(c: Candidate, flush: int, opts: RecommendOptions) -> bool:
+    """Can ``c`` be stored in a layer whose flush block is ``flush`` (0 = the window)?"""
+    block = flush or opts.residual_tokens
+    return c.granularity != "per-channel" or block % c.group_size == 0
 
 
 # -- allocation -----------------------------------------------------------------------------
@@ -305,10 +369,10 @@ def measure(path: str | Path, opts: RecommendOptions,
                              "Use --pre-rope auto or off.")
         cands = candidates(meta.head_dim, opts, meta.has_rope)
         probes = _probe_candidates(meta.head_dim)
-        cands += [p for p in probes if p not in cands]
         tables, balancers, notes = [], {}, []
         for i, layer in enumerate(cap.iter_layers()):
-            table, bal, pre_ok = measure_layer(layer, meta, cands, opts)
+            table, bal, pre_ok = measure_layer(layer, meta, cands + [
+                p for p in probes if p not in cands], opts, plain=probes)
             if opts.pre_rope == "on" and not pre_ok:
                 raise InputError(f"Pre-RoPE keys were requested but the RoPE of {meta.model} "
                                  "cannot be rebuilt from the capture's config (scaled RoPE?).")
@@ -323,7 +387,8 @@ def measure(path: str | Path, opts: RecommendOptions,
         weights = opts.layer_weights or _sensitivity_weights(cap, opts, tables, probes, notes,
                                                              progress)
     wanted = set(candidates(meta.head_dim, opts, meta.has_rope))
-    tables = [{c: e for c, e in t.items() if c in wanted} for t in tables]
+    tables = [{cf: e for cf, e in t.items() if cf[0] in wanted and cf[1] is not None}
+              for t in tables]
     return Measurements(meta, tables, balancers, tuple(weights), notes)
 
 
@@ -375,7 +440,8 @@ def _sensitivity_weights(cap, opts, tables, probes, notes, progress) -> tuple[fl
     n = meta.num_tokens if opts.tokens is None else min(opts.tokens, meta.num_tokens)
     ids = cap.tokens()[:1, :n].to(next(model.parameters()).device)
     kl = layer_kl(model, ids, list(meta.layers), progress, group_size=probes[0].group_size)
-    probe_err = [t[probes[0]][0] + t[probes[1]][0] for t in tables]
+    # the probe quantizes every token of the layer, so its error is measured that way too
+    probe_err = [t[probes[0], None][0] + t[probes[1], None][0] for t in tables]
     weights = weights_from(kl, probe_err)
     notes.append("layer weights from measured sensitivity (KL per unit output error): "
                  f"min {min(weights):.2f}, max {max(weights):.2f} "
@@ -383,36 +449,79 @@ def _sensitivity_weights(cap, opts, tables, probes, notes, progress) -> tuple[fl
     return tuple(weights)
 
 
+def _layer_options(table, opts: RecommendOptions, head_dim: int, weight: float):
+    """The Pareto front of (key, value, flush) choices for one layer: ``[(cost, error, key,
+    value, flush)]`` with ``cost`` the summed bits of both tensors and ``error`` the weighted
+    sum of their errors at the layer's flush block."""
+    keys = sorted({c for c, _ in table if c.tensor == "key"}, key=lambda c: c.label)
+    values = sorted({c for c, _ in table if c.tensor == "value"}, key=lambda c: c.label)
+    bits = {c: candidate_bits(c, head_dim, opts.context, opts.residual_tokens)
+            for c in keys + values}
+    pairs = []
+    for kc in keys:
+        for vc in values:
+            f = opts.layer_flush(kc, vc)
+            if (kc, f) in table and (vc, f) in table:
+                err = weight * (table[kc, f][0] + table[vc, f][0])
+                pairs.append((bits[kc] + bits[vc], err, kc, vc, f))
+    pairs.sort(key=lambda p: (p[0], p[1]))
+    front, best = [], math.inf
+    for p in pairs:  # cheapest first: keep only options that lower the error
+        if p[1] < best:
+            front.append(p)
+            best = p[1]
+    return front
+
+
+def hp_bits(tokens: int, context: int, head_dim: int) -> float:
+    """Bits per K/V element of ``tokens`` full-precision copies at ``context`` tokens: 16-bit
+    K and V plus an int64 position per token and KV head (shared by K and V)."""
+    return tokens / context * (16 + 32 / head_dim)
+
+
 def _assemble(meta, opts, tables, balancers, weights, notes) -> Recommendation:
-    groups, costs, errors = [], [], []
-    for layer, table in zip(meta.layers, tables):
-        for tensor in ("key", "value"):
-            opts_here = [c for c in table if c.tensor == tensor]
-            groups.append((layer, tensor, opts_here))
-            costs.append([candidate_bits(c, meta.head_dim, opts.context, opts.residual_tokens)
-                          for c in opts_here])
-            errors.append([weights[layer] * table[c][0] for c in opts_here])
-    picks = allocate(costs, errors, opts.budget_bits * len(groups))
+    fronts = [_layer_options(table, opts, meta.head_dim, weights[layer])
+              for layer, table in zip(meta.layers, tables)]
+    sink = hp_bits(opts.sink_tokens, opts.context, meta.head_dim)
+    costs = [[p[0] / 2 for p in front] for front in fronts]  # per element of K and V
+    errors = [[p[1] for p in front] for front in fronts]
+    # the sinks' full-precision copies are a fixed cost of every element
+    try:
+        picks = allocate(costs, errors, len(fronts) * (opts.budget_bits - sink))
+    except InputError:
+        need = sum(min(c) for c in costs) / len(costs) + sink
+        raise InputError(
+            f"The budget is too small: the cheapest candidates need {need:.3f} bits per element "
+            f"at {opts.context} tokens (window of {opts.residual_tokens} tokens and "
+            f"{opts.sink_tokens} sink tokens included), more than the {opts.budget_bits} asked "
+            "for. Raise --budget-bits or --context, or lower --residual / --sinks.") from None
     choices = []
-    for (layer, tensor, opts_here), cost, pick, table in zip(
-            groups, costs, picks, [t for t in tables for _ in (0, 1)]):
-        c = opts_here[pick]
-        out, score, recon = table[c]
-        better = [(cost[j], o.label) for j, o in enumerate(opts_here) if table[o][0] < out]
-        runner = min(better)[1] if better else ""
-        choices.append(Choice(layer, tensor, c, cost[pick], out, score, recon, runner))
-    mean_bits = sum(ch.bits for ch in choices) / len(choices)
+    for layer, front, pick, table in zip(meta.layers, fronts, picks, tables):
+        _, _, kc, vc, f = front[pick]
+        for c in (kc, vc):
+            out, score, recon = table[c, f]
+            here = [o for o, g in table if g == f and o.tensor == c.tensor]
+            cost = {o: candidate_bits(o, meta.head_dim, opts.context, opts.residual_tokens)
+                    for o in here}
+            better = [(cost[o], o.label) for o in here if table[o, f][0] < out]
+            choices.append(Choice(layer, c.tensor, c, cost[c], out, score, recon,
+                                  min(better)[1] if better else "", f))
+    mean_bits = sum(ch.bits for ch in choices) / len(choices) + sink
     expected = sum(ch.output_error for ch in choices) / len(choices)
     config = build_config(meta, opts, choices, balancers)
     rec = Recommendation(config, choices, opts.budget_bits, mean_bits, expected, opts.context,
-                         weights=tuple(weights), notes=notes)
-    elems = 2 * meta.num_layers * meta.num_key_value_heads * meta.head_dim  # per token, K+V
+                         weights=tuple(weights), notes=notes,
+                         residual_tokens=opts.residual_tokens, sink_tokens=opts.sink_tokens)
     for ctx in (1024, 4096, 32768, 131072):
-        bits = sum(candidate_bits(ch.candidate, meta.head_dim, ctx, opts.residual_tokens)
-                   for ch in choices) / len(choices) if ctx > opts.residual_tokens else 16
-        rec.kv_bytes[ctx] = elems * ctx * bits / 8
-        rec.kv_bytes_fp16[ctx] = elems * ctx * 2
+        rec.kv_bytes[ctx] = _kv_bytes(meta, ctx, config_bits(config, meta.head_dim,
+                                                             meta.num_layers, ctx))
+        rec.kv_bytes_fp16[ctx] = _kv_bytes(meta, ctx, 16)
     return rec
+
+
+def _kv_bytes(meta, context: int, bits: float) -> float:
+    elems = 2 * meta.num_layers * meta.num_key_value_heads * meta.head_dim  # per token, K+V
+    return elems * context * bits / 8
 
 
 def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balancers):
@@ -427,22 +536,25 @@ def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balanc
     settings = {}
     for layer, pair in by_layer.items():
         k, v = pair["key"], pair["value"]
-        settings[layer] = LayerKV(k.spec(), v.spec(), opts.residual_tokens, k.stage == "pre")
+        settings[layer] = LayerKV(k.spec(), v.spec(), opts.residual_tokens, k.stage == "pre",
+                                  flush_tokens=opts.layer_flush(k, v))
     default = Counter(settings.values()).most_common(1)[0][0]
     overrides = {i: s for i, s in settings.items() if s != default}
     used = {i: balancers[i] for i, p in by_layer.items() if p["key"].balancer}
     if any(settings[i].pre_rope_keys for i in used):
         raise ConfigError("internal: balancer chosen together with pre-RoPE keys")
     mikv = None
-    if used:
-        mikv = MikvSettings(heavy_fraction=0.0, sink_tokens=0, balancer="fixed",
+    if used or opts.sink_tokens:
+        mikv = MikvSettings(heavy_fraction=0.0, sink_tokens=opts.sink_tokens,
+                            balancer="fixed" if used else "off",
                             balancer_exponent=opts.balancer_exponent)
     return KVConfig(
         name=opts.name, default=default, layers=overrides, mikv=mikv,
         balancers={i: tuple(tuple(float(x) for x in row) for row in b.tolist())
                    for i, b in used.items()},
         description=(f"kvlens recommend for {meta.model}: budget {opts.budget_bits} bits/element "
-                     f"at {opts.context} tokens (residual window {opts.residual_tokens})"),
+                     f"at {opts.context} tokens (residual window {opts.residual_tokens}, "
+                     f"{opts.sink_tokens} sink tokens)"),
         model={"num_layers": meta.num_layers, "head_dim": meta.head_dim,
                "num_key_value_heads": meta.num_key_value_heads})
 
@@ -458,4 +570,8 @@ def config_bits(config, head_dim: int, num_layers: int, context: int) -> float:
         for spec in (layer.key, layer.value):
             total += 16.0 if spec is None else bits_per_element(
                 spec, (context, head_dim), residual_tokens=layer.residual_tokens).total
-    return total / (2 * num_layers)
+    hp = 0.0
+    if config.mikv is not None and config.compressed:
+        tokens = math.ceil(config.mikv.heavy_fraction * context) + config.mikv.sink_tokens
+        hp = hp_bits(min(tokens, context), context, head_dim)
+    return total / (2 * num_layers) + hp

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from typer.testing import CliRunner
 from kvlens.capture import capture_model
 from kvlens.cli import app
 from kvlens.errors import InputError
-from kvlens.kvconfig import load_config, save_config
+from kvlens.kvconfig import MikvSettings, load_config, save_config
 from kvlens.recommend import (
     COST_RESOLUTION,
     Candidate,
@@ -69,7 +70,7 @@ def _planted_capture(path, has_rope=True, seed=0):
     from kvlens.rope import apply_rope
 
     g = torch.Generator().manual_seed(seed)
-    s, hq, hkv, t, d = 1, 4, 2, 128, 32
+    s, hq, hkv, t, d = 1, 4, 2, 256, 32
     layers = (0, 1)
     cos, sin = rope_tables_for(torch.arange(t)[None], d, 10000.0)
     tensors = {}
@@ -200,9 +201,44 @@ def test_config_bits_matches_the_budget_accounting(tmp_path):
     assert config_bits(preset("kivi-2"), 64, 30, 4096) == pytest.approx(
         (3.0 * 3968 + 16 * 128) / 4096)
     assert config_bits(preset("fp16"), 64, 30, 4096) == 16.0
+    # sink tokens: 16-bit K and V copies plus an int64 position per token and KV head
+    sinks = replace(preset("kivi-2"), mikv=MikvSettings(0.0, 4, "off"))
+    assert config_bits(sinks, 64, 30, 4096) == pytest.approx(
+        (3.0 * 3968 + 16 * 128) / 4096 + 4 * (16 + 32 / 64) / 4096)
     path = _planted_capture(tmp_path / "p.h5")
     rec = recommend(path, RecommendOptions(budget_bits=4.0, group_sizes=(32,)))
     assert config_bits(rec.config, 32, 2, rec.context) == pytest.approx(rec.mean_bits)
+    assert rec.mean_bits <= 4.0 and rec.config.mikv.sink_tokens == 4
+
+
+def test_sliding_window_blocks_follow_the_group_sizes(tmp_path):
+    opts = RecommendOptions(budget_bits=3.0, group_sizes=(32, 64, 128))
+    tok = Candidate("value", 2, "per-token", 32)
+    assert opts.layer_flush(tok, tok) == 32
+    assert opts.layer_flush(Candidate("key", 2, "per-channel", 64), tok) == 64
+    assert opts.layer_flush(Candidate("key", 2, "per-channel", 128), tok) == 0  # = the window
+    assert opts.flush_options() == [0, 32, 64]
+    assert replace(opts, flush_tokens=0).flush_options() == [0]
+    with pytest.raises(InputError, match="--flush 30"):
+        RecommendOptions(budget_bits=3.0, flush_tokens=30)
+    with pytest.raises(InputError, match="must exceed the residual window"):
+        RecommendOptions(budget_bits=3.0, tokens=128)
+    # the written config carries each layer's block, and generate accepts it
+    path = _planted_capture(tmp_path / "p.h5")
+    rec = recommend(path, RecommendOptions(budget_bits=4.0, group_sizes=(32, 64),
+                                           bits=(2, 4)))
+    for ch in rec.choices:
+        layer = rec.config.layer(ch.layer)
+        assert layer.flush_tokens == ch.flush_tokens
+        assert ch.flush_tokens in (0, 32, 64)
+    back = load_config_text(rec.config)
+    assert back.to_dict() == rec.config.to_dict()
+
+
+def load_config_text(config):
+    from kvlens.kvconfig import config_from_dict
+
+    return config_from_dict(json.loads(json.dumps(config.to_dict())))
 
 
 def test_recommend_validate_end_to_end(tiny_model_dir, tmp_path):

@@ -31,6 +31,12 @@ def recommend(
     context: int = typer.Option(4096, "--context", help="Reference context length for the "
                                                         "budget accounting."),
     residual: int = typer.Option(128, "--residual", help="Full-precision window (tokens)."),
+    flush: int = typer.Option(32, "--flush",
+                              help="Sliding window: quantize the oldest N tokens at a time when "
+                                   "the window fills (raised to per-channel group sizes); 0 = "
+                                   "the whole window at once (KIVI)."),
+    sinks: int = typer.Option(4, "--sinks", help="First tokens kept at full precision "
+                                                 "(attention sinks)."),
     bits: str = typer.Option("2,3,4,8", "--bits", help="Candidate bit widths."),
     group_sizes: str = typer.Option("32,64,128", "--group-sizes",
                                     help="Candidate group sizes (per-token ones must divide "
@@ -74,7 +80,8 @@ def recommend(
                                 group_sizes=_ints(group_sizes, "--group-sizes"),
                                 pre_rope=pre_rope, balancer=not no_balancer,
                                 balancer_exponent=exponent, samples=samples, tokens=tokens,
-                                sensitivity=sensitivity, model=model, name=name)
+                                sensitivity=sensitivity, model=model, name=name,
+                                flush_tokens=flush, sink_tokens=sinks)
 
     opts = run_library_call(prepare)
     with progress_bar("measuring candidates") as update:
@@ -141,8 +148,9 @@ def _render(rec) -> None:
     from rich.table import Table
 
     t = Table(title=f"Recommendation: {rec.mean_bits:.3f} bits/element (budget "
-                    f"{rec.budget_bits}) at {rec.context} tokens")
-    for col in ("layer", "weight", "key", "bits", "K out", "value", "bits", "V out"):
+                    f"{rec.budget_bits}) at {rec.context} tokens; window {rec.residual_tokens}, "
+                    f"{rec.sink_tokens} sink tokens")
+    for col in ("layer", "weight", "key", "bits", "K out", "value", "bits", "V out", "F"):
         t.add_column(col, justify="left" if col in ("key", "value") else "right",
                      no_wrap=True)
     by_layer: dict[int, dict] = {}
@@ -152,14 +160,17 @@ def _render(rec) -> None:
         k, v = pair["key"], pair["value"]
         t.add_row(str(layer), f"{rec.weights[layer]:.2f}", k.candidate.short, f"{k.bits:.2f}",
                   f"{k.output_error:.3f}", v.candidate.short, f"{v.bits:.2f}",
-                  f"{v.output_error:.3f}")
+                  f"{v.output_error:.3f}", str(k.flush_tokens or "R"))
     console.print(t)
     console.print("K out / V out: relative attention-output error when only that tensor is "
                   "quantized (where it is consumed): the metric each choice minimises, weighted "
                   "by the layer's sensitivity (weight). Score and reconstruction errors of every "
                   "choice are in --json. ch = "
                   "per-channel (groups of G tokens), tok = per-token (groups of G channels), "
-                  "pre = keys quantized before RoPE, bal = MiKV channel balancer.")
+                  "pre = keys quantized before RoPE, bal = MiKV channel balancer. F = tokens "
+                  "quantized at a time when the window fills (R = the whole window). Errors "
+                  "are measured as decoding reads the cache: the window and sink tokens "
+                  "exact.")
     m = Table(title="KV cache memory (all layers, batch 1)")
     for col in ("context", "recommended", "fp16", "ratio"):
         m.add_column(col, justify="right")
