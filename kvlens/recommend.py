@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +90,9 @@ class RecommendOptions:
     name: str = "recommended"
     flush_tokens: int = 32  # smallest flush block of the sliding window; 0 = whole window (KIVI)
     sink_tokens: int = 4  # first tokens kept at full precision (attention sinks)
+    retrieval: str = "auto"  # add the retrieval probe's errors: auto (when the model loads), on, off
+    retrieval_weight: float = 1.0
+    retrieval_tokens: int = 960
 
     def __post_init__(self) -> None:
         if not (isinstance(self.budget_bits, (int, float)) and 0 < self.budget_bits <= 16):
@@ -100,6 +103,13 @@ class RecommendOptions:
         if self.sensitivity not in ("uniform", "model", "auto"):
             raise InputError(f"Unknown --sensitivity {self.sensitivity!r}; allowed: uniform, "
                              "model, auto.")
+        if self.retrieval not in ("auto", "on", "off"):
+            raise InputError(f"Unknown --retrieval {self.retrieval!r}; allowed: auto, on, off.")
+        if not self.retrieval_weight >= 0:
+            raise InputError(f"--retrieval-weight must be >= 0, got {self.retrieval_weight}.")
+        if self.retrieval_tokens <= self.residual_tokens + 64:
+            raise InputError(f"The retrieval probe ({self.retrieval_tokens} tokens) must be well "
+                             f"beyond the residual window ({self.residual_tokens}).")
         if self.pre_rope not in ("auto", "on", "off"):
             raise InputError(f"Unknown --pre-rope {self.pre_rope!r}; allowed: auto, on, off.")
         bad = [b for b in self.bits if b not in (2, 3, 4, 8)]
@@ -207,7 +217,7 @@ def candidate_bits(c: Candidate, head_dim: int, context: int, residual: int) -> 
 # -- error measurement ----------------------------------------------------------------------
 
 def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOptions,
-                  plain: Sequence[Candidate] = ()):
+                  plain: Sequence[Candidate] = (), queries: int | None = None, balancer=None):
     """Per-candidate mean errors on one capture layer and the fitted balancer ``[Hkv, D]``
     (None when no candidate uses it).
 
@@ -216,7 +226,9 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
     history while decoding: recent tokens (the window, as it slides with ``F``) and the first
     ``opts.sink_tokens`` exact (``kvlens.metrics.streaming_exact_mask``). Candidates in
     ``plain`` are also measured with every token quantized, key ``(candidate, None)`` (the
-    sensitivity probe, which quantizes the whole layer)."""
+    sensitivity probe, which quantizes the whole layer). ``queries``: score only the last
+    queries (the retrieval probe's answer position). ``balancer``: use this fitted balancer
+    instead of fitting one on this layer's data."""
     from kvlens.compare import ROPE_CHECK_TOLERANCE, rope_rebuild_error, rope_tables
     from kvlens.metrics import Variant, attention_errors_many, streaming_exact_mask
     from kvlens.quant import fake_quantize, fit_balancer, quantize_pre_rope
@@ -236,7 +248,9 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
         tables = rope_tables(meta, k.shape[0], k.shape[2])
         # scaled RoPE (YaRN...) cannot be rebuilt from the config: no pre-RoPE candidates then
         pre_ok = rope_rebuild_error(k, k_pre, tables, meta.rope_layout) <= ROPE_CHECK_TOLERANCE
-    bal = fit_balancer(q, k, opts.balancer_exponent) if any(c.balancer for c in cands) else None
+    bal = balancer
+    if bal is None and any(c.balancer for c in cands):
+        bal = fit_balancer(q, k, opts.balancer_exponent)
     la = layer.attrs
     variants: dict[Candidate, Variant] = {}
     for c in cands:
@@ -262,7 +276,11 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
             continue
         exact = None if f is None else streaming_exact_mask(
             n_tok, opts.residual_tokens, f, opts.sink_tokens)
-        errs = attention_errors_many(q, k, v, [variants[c] for c in run], scaling=la.scaling,
+        rows = q
+        if queries is not None:
+            rows = q[:, :, -queries:]
+            exact = None if exact is None else exact[-queries:]
+        errs = attention_errors_many(rows, k, v, [variants[c] for c in run], scaling=la.scaling,
                                      sliding_window=la.sliding_window, softcap=la.logit_softcap,
                                      exact=exact)
         for c, e in zip(run, errs):
@@ -384,12 +402,79 @@ def measure(path: str | Path, opts: RecommendOptions,
                 balancers[layer.index] = bal
             if progress:
                 progress(i + 1, meta.num_layers, f"layer {layer.index}")
-        weights = opts.layer_weights or _sensitivity_weights(cap, opts, tables, probes, notes,
-                                                             progress)
+        need = (opts.sensitivity != "uniform" and not opts.layer_weights) or \
+            opts.retrieval != "off"
+        model, tokenizer = _model_for(cap, opts, notes) if need else (None, None)
+        weights = opts.layer_weights or _sensitivity_weights(cap, model, opts, tables, probes,
+                                                             notes, progress)
+        if model is not None and opts.retrieval != "off" and opts.retrieval_weight > 0:
+            _add_retrieval_errors(model, tokenizer, cands, opts, tables, balancers, notes,
+                                  progress)
     wanted = set(candidates(meta.head_dim, opts, meta.has_rope))
     tables = [{cf: e for cf, e in t.items() if cf[0] in wanted and cf[1] is not None}
               for t in tables]
     return Measurements(meta, tables, balancers, tuple(weights), notes)
+
+
+def _model_for(cap, opts: RecommendOptions, notes: list[str]):
+    """The capture's model (or ``opts.model``) for sensitivity and the retrieval probe:
+    ``(model, tokenizer)``, or ``(None, None)`` with a note when "auto" settings allow."""
+    from kvlens.errors import KvlensError
+
+    meta = cap.meta
+    spec = opts.model or model_spec_from_capture(meta)
+    try:
+        if spec is None:
+            raise InputError(f"{cap.path} does not say which model it came from; pass --model.")
+        from kvlens.architecture import describe
+        from kvlens.models import load_model
+
+        model, tokenizer, _ = load_model(spec)
+        info = describe(model)
+        if (info.num_layers, info.head_dim, info.num_key_value_heads) != (
+                meta.num_layers, meta.head_dim, meta.num_key_value_heads):
+            raise InputError(f"Model {spec} does not match the capture (layers/head_dim/KV "
+                             "heads differ).")
+    except KvlensError as exc:
+        required = (opts.sensitivity == "model" and not opts.layer_weights) or \
+            opts.retrieval == "on"
+        if required:
+            raise
+        notes.append(f"uniform layer weights and no retrieval probe: the model is unavailable "
+                     f"({exc})")
+        return None, None
+    return model, tokenizer
+
+
+def _add_retrieval_errors(model, tokenizer, cands, opts, tables, balancers, notes, progress):
+    """Add ``retrieval_weight`` x each candidate's error at the retrieval probe's answer
+    position (``kvlens.retrieval``) to the text errors in ``tables``."""
+    import tempfile
+
+    from kvlens.capture import capture_model
+    from kvlens.retrieval import retrieval_text
+    from kvlens.store import open_capture
+
+    text, _ = retrieval_text(tokenizer, opts.retrieval_tokens)
+    ids = tokenizer(text, return_tensors="pt").input_ids.to(next(model.parameters()).device)
+    probe_opts = replace(opts, samples=None, tokens=None)
+    with tempfile.TemporaryDirectory(prefix="kvlens-probe-") as tmp:
+        path = Path(tmp) / "probe.h5"
+        capture_model(model, ids, path)
+        with open_capture(path) as cap:
+            n = cap.meta.num_layers
+            for i, layer in enumerate(cap.iter_layers()):
+                extra, _, _ = measure_layer(layer, cap.meta, cands, probe_opts, queries=4,
+                                            balancer=balancers.get(layer.index))
+                table = tables[i]
+                for key, (out, _, _) in extra.items():
+                    if key in table:
+                        o, sc, rc = table[key]
+                        table[key] = (o + opts.retrieval_weight * out, sc, rc)
+                if progress:
+                    progress(i + 1, n, f"retrieval probe layer {layer.index}")
+    notes.append(f"errors include a retrieval probe ({ids.shape[1]} tokens, answer position, "
+                 f"weight {opts.retrieval_weight:g}): see kvlens.retrieval")
 
 
 def choose(m: Measurements, opts: RecommendOptions) -> Recommendation:
@@ -411,32 +496,13 @@ def model_spec_from_capture(meta) -> str | None:
     return where if kind in ("gguf", "dir", "hub") and where else None
 
 
-def _sensitivity_weights(cap, opts, tables, probes, notes, progress) -> tuple[float, ...]:
-    from kvlens.errors import KvlensError
+def _sensitivity_weights(cap, model, opts, tables, probes, notes, progress
+                         ) -> tuple[float, ...]:
     from kvlens.sensitivity import layer_kl, weights_from
 
     meta = cap.meta
-    uniform = (1.0,) * meta.num_layers
-    if opts.sensitivity == "uniform":
-        return uniform
-    spec = opts.model or model_spec_from_capture(meta)
-    try:
-        if spec is None:
-            raise InputError(f"{cap.path} does not say which model it came from; pass --model.")
-        from kvlens.architecture import describe
-        from kvlens.models import load_model
-
-        model, _, _ = load_model(spec)
-        info = describe(model)
-        if (info.num_layers, info.head_dim, info.num_key_value_heads) != (
-                meta.num_layers, meta.head_dim, meta.num_key_value_heads):
-            raise InputError(f"Model {spec} does not match the capture (layers/head_dim/KV "
-                             "heads differ).")
-    except KvlensError as exc:
-        if opts.sensitivity == "model":
-            raise
-        notes.append(f"uniform layer weights: sensitivity model unavailable ({exc})")
-        return uniform
+    if opts.sensitivity == "uniform" or model is None:
+        return (1.0,) * meta.num_layers
     n = meta.num_tokens if opts.tokens is None else min(opts.tokens, meta.num_tokens)
     ids = cap.tokens()[:1, :n].to(next(model.parameters()).device)
     kl = layer_kl(model, ids, list(meta.layers), progress, group_size=probes[0].group_size)

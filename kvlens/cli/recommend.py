@@ -53,6 +53,12 @@ def recommend(
                                     help="Layer weights: model (measure KL damage per layer on "
                                          "the real model), uniform, or auto (model when the "
                                          "capture's model can be loaded)."),
+    retrieval: str = typer.Option("auto", "--retrieval",
+                                  help="Add errors at the answer position of a built-in "
+                                       "long-context retrieval prompt: auto (when the model "
+                                       "loads), on, off."),
+    retrieval_weight: float = typer.Option(1.0, "--retrieval-weight",
+                                           help="Weight of the retrieval errors."),
     name: str = typer.Option("recommended", "--name", help="Name stored in the config."),
     validate: bool = typer.Option(False, "--validate",
                                   help="Generate with the recommendation and presets "
@@ -81,7 +87,8 @@ def recommend(
                                 pre_rope=pre_rope, balancer=not no_balancer,
                                 balancer_exponent=exponent, samples=samples, tokens=tokens,
                                 sensitivity=sensitivity, model=model, name=name,
-                                flush_tokens=flush, sink_tokens=sinks)
+                                flush_tokens=flush, sink_tokens=sinks, retrieval=retrieval,
+                                retrieval_weight=retrieval_weight)
 
     opts = run_library_call(prepare)
     with progress_bar("measuring candidates") as update:
