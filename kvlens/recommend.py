@@ -579,8 +579,9 @@ def _assemble(meta, opts, tables, balancers, weights, notes) -> Recommendation:
                          weights=tuple(weights), notes=notes,
                          residual_tokens=opts.residual_tokens, sink_tokens=opts.sink_tokens)
     for ctx in (1024, 4096, 32768, 131072):
-        rec.kv_bytes[ctx] = _kv_bytes(meta, ctx, config_bits(config, meta.head_dim,
-                                                             meta.num_layers, ctx))
+        bits = 16.0 if ctx <= opts.residual_tokens else config_bits(
+            config, meta.head_dim, meta.num_layers, ctx)
+        rec.kv_bytes[ctx] = _kv_bytes(meta, ctx, bits)
         rec.kv_bytes_fp16[ctx] = _kv_bytes(meta, ctx, 16)
     return rec
 

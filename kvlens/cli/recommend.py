@@ -170,8 +170,9 @@ def _render(rec) -> None:
                   f"{v.output_error:.3f}", str(k.flush_tokens or "R"))
     console.print(t)
     console.print("K out / V out: relative attention-output error when only that tensor is "
-                  "quantized (where it is consumed): the metric each choice minimises, weighted "
-                  "by the layer's sensitivity (weight). Score and reconstruction errors of every "
+                  "quantized (where it is consumed), on the capture's text plus, when the "
+                  "retrieval probe ran, at its answer position: the metric each choice "
+                  "minimises, weighted by the layer's sensitivity (weight). Score and reconstruction errors of every "
                   "choice are in --json. ch = "
                   "per-channel (groups of G tokens), tok = per-token (groups of G channels), "
                   "pre = keys quantized before RoPE, bal = MiKV channel balancer. F = tokens "
