@@ -197,6 +197,7 @@ def attention_errors_many(
     softcap: float = 0.0,
     chunk_size: int = DEFAULT_CHUNK,
     exact: torch.Tensor | None = None,
+    reconstruction: bool = True,
 ) -> list[AttentionErrors]:
     """Errors of attention for several variants of the cache, sharing the reference pass.
 
@@ -207,7 +208,8 @@ def attention_errors_many(
 
     ``exact`` (bool ``[Tq, Tk]``, optional): where True, query ``i`` reads key/value ``j``
     exact in every variant, as a streaming cache does for its full-precision window and sink
-    tokens (``streaming_exact_mask``). Reconstruction errors still cover every token."""
+    tokens (``streaming_exact_mask``). Reconstruction errors still cover every token;
+    ``reconstruction=False`` skips them (None), for callers that compute them once elsewhere."""
     b, hq, tq, _ = q.shape
     tk = k.shape[2]
     groups = num_kv_groups(hq, k.shape[1])
@@ -253,7 +255,8 @@ def attention_errors_many(
                     # exact entries read v, not v_hat: add back w * (v - v_hat) there
                     o_alt += (w_alt * same) @ (v_ref[:, keys] - v_alt[:, keys])
                 acc["output"].add(o_ref, o_alt)
-    return [_errors(k, v, var, acc) for var, acc in zip(variants, sums, strict=True)]
+    return [_errors(k, v, var, acc, reconstruction)
+            for var, acc in zip(variants, sums, strict=True)]
 
 
 def streaming_exact_mask(
@@ -290,12 +293,13 @@ def _check_variants(k: torch.Tensor, v: torch.Tensor, variants: Sequence[Variant
 
 
 def _errors(
-    k: torch.Tensor, v: torch.Tensor, var: Variant, acc: dict[str, _Sums]
+    k: torch.Tensor, v: torch.Tensor, var: Variant, acc: dict[str, _Sums], recon: bool = True
 ) -> AttentionErrors:
     keyed = var.k_hat is not None
     return AttentionErrors(
-        key_reconstruction=per_head_rel_error(k, var.k_hat) if keyed else None,
-        value_reconstruction=None if var.v_hat is None else per_head_rel_error(v, var.v_hat),
+        key_reconstruction=per_head_rel_error(k, var.k_hat) if keyed and recon else None,
+        value_reconstruction=per_head_rel_error(v, var.v_hat)
+        if var.v_hat is not None and recon else None,
         scores=acc["scores"].ratio() if keyed else None,
         weights=acc["weights"].ratio() if keyed else None,
         output=acc["output"].ratio(),

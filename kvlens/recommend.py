@@ -230,7 +230,12 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
     queries (the retrieval probe's answer position). ``balancer``: use this fitted balancer
     instead of fitting one on this layer's data."""
     from kvlens.compare import ROPE_CHECK_TOLERANCE, rope_rebuild_error, rope_tables
-    from kvlens.metrics import Variant, attention_errors_many, streaming_exact_mask
+    from kvlens.metrics import (
+        Variant,
+        attention_errors_many,
+        per_head_rel_error,
+        streaming_exact_mask,
+    )
     from kvlens.quant import fake_quantize, fit_balancer, quantize_pre_rope
 
     sel = None if opts.samples is None else list(range(min(opts.samples, meta.num_samples)))
@@ -270,7 +275,7 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
     runs: list[tuple[int | None, list[Candidate]]] = [
         (f, [c for c in variants if _fits(c, f, opts)]) for f in opts.flush_options()]
     runs.append((None, [c for c in plain if c in variants]))
-    out = {}
+    out, recon = {}, {}
     for f, run in runs:
         if not run:
             continue
@@ -282,12 +287,14 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
             exact = None if exact is None else exact[-queries:]
         errs = attention_errors_many(rows, k, v, [variants[c] for c in run], scaling=la.scaling,
                                      sliding_window=la.sliding_window, softcap=la.logit_softcap,
-                                     exact=exact)
+                                     exact=exact, reconstruction=False)
         for c, e in zip(run, errs):
-            recon = e.value_reconstruction if c.tensor == "value" else e.key_reconstruction
+            if c not in recon:  # the same for every F: once per candidate
+                var = variants[c]
+                recon[c] = float(per_head_rel_error(v, var.v_hat).mean() if c.tensor == "value"
+                                 else per_head_rel_error(k, var.k_hat).mean())
             out[c, f] = (float(e.output.mean()),
-                         None if e.scores is None else float(e.scores.mean()),
-                         float(recon.mean()))
+                         None if e.scores is None else float(e.scores.mean()), recon[c])
     return out, bal, pre_ok
 
 

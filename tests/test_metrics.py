@@ -194,6 +194,11 @@ def test_many_variants_share_the_reference_and_match_single_calls():
     assert torch.allclose(both.output, output, rtol=1e-4)
     with pytest.raises(InputError, match="expected"):
         attention_errors_many(q, k, v, [Variant(k_hat=k[:, :, :5])], scaling=0.3)
+    lean = attention_errors_many(q, k, v, variants, scaling=0.3, sliding_window=3,
+                                 reconstruction=False)
+    for full, got in zip(many, lean, strict=True):
+        assert got.key_reconstruction is None and got.value_reconstruction is None
+        assert torch.allclose(full.output, got.output)
 
 
 def _mixed_output(q, k, v, k_hat, v_hat, scaling, exact):
