@@ -19,7 +19,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-PRESETS = ("kivi-2", "kivi-4", "per-token-2", "per-token-4")
+PRESETS = ("kivi-2", "kivi-2-sinks", "kivi-4", "per-token-2", "per-token-4")
 
 
 def main() -> None:
@@ -39,6 +39,7 @@ def main() -> None:
     if not args.capture:
         ap.error("a capture file is needed (or --replot JSON)")
 
+    from kvlens.errors import InputError
     from kvlens.evaluate import EvalOptions, evaluate_configs
     from kvlens.kvconfig import preset
     from kvlens.models import load_model
@@ -46,11 +47,15 @@ def main() -> None:
 
     t0 = time.perf_counter()
     budgets = [float(b) for b in args.budgets.split(",")]
-    opts = RecommendOptions(budget_bits=budgets[0], context=args.context)
+    opts = RecommendOptions(budget_bits=budgets[0], context=args.context, sensitivity="auto")
     m = measure(args.capture, opts)
     recs = {}
     for b in budgets:
-        rec = choose(m, replace(opts, budget_bits=b))
+        try:
+            rec = choose(m, replace(opts, budget_bits=b))
+        except InputError as exc:  # e.g. 2.5 bits at 4096 tokens: below any layout
+            print(f"budget {b:g}: skipped ({exc})")
+            continue
         recs[b] = replace(rec.config, name=f"recommended-{b:g}")
     model, tok, _ = load_model(None)
     configs = [preset(p) for p in PRESETS] + list(recs.values())

@@ -294,6 +294,12 @@ PRESETS: dict[str, KVConfig] = {
     "per-token-4": _per_token(4),
     "mikv-2": _mikv(2),
     "mikv-4": _mikv(4),
+    "kivi-2-sinks": replace(_kivi(2), name="kivi-2-sinks",
+                            default=replace(_kivi(2).default, flush_tokens=32),
+                            mikv=MikvSettings(0.0, 4, "off"),
+                            description="kivi-2 with the first 4 tokens (attention sinks) kept at "
+                                        "full precision and a sliding window (the oldest 32 of "
+                                        "128 tokens quantized at a time)"),
     "kivi-2-prerope": replace(_kivi(2), name="kivi-2-prerope",
                               default=replace(_kivi(2).default, pre_rope_keys=True),
                               description="kivi-2 with keys quantized before RoPE"),

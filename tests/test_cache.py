@@ -25,6 +25,7 @@ def _small(name: str, residual: int):
     cfg = preset(name)
     d = cfg.default
     return replace(cfg, default=replace(d, residual_tokens=residual,
+                                        flush_tokens=min(d.flush_tokens, residual // 2),
                                         key=replace(d.key, group_size=8),
                                         value=replace(d.value, group_size=8)))
 
@@ -204,12 +205,14 @@ def test_mikv_high_precision_tokens_replace_their_low_bit_copies():
     torch.testing.assert_close(colsum.sum(), torch.tensor(float(hq)), rtol=1e-5, atol=1e-5)
 
 
-def test_balancer_and_pre_rope_generate_close_to_fp16():
+def test_balancer_pre_rope_and_sinks_generate_close_to_fp16():
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(5))
     mask = torch.ones_like(ids)
     logits = {}
-    for name in ("fp16", "kivi-2-prerope", "mikv-4"):
+    # 34 tokens, window 16: flushed whole at 32; kivi-2-sinks slides by 8 (24 quantized)
+    expected = {"kivi-2-prerope": 32, "mikv-4": 32, "kivi-2-sinks": 24}
+    for name in ("fp16", "kivi-2-prerope", "mikv-4", "kivi-2-sinks"):
         cfg = preset(name) if name == "fp16" else _small(name, 16)
         with compressed_attention(model, cfg) as session:
             cache = session.new_cache()
@@ -218,10 +221,12 @@ def test_balancer_and_pre_rope_generate_close_to_fp16():
             out = model(ids[:, 33:34], **kw).logits[0, -1]
         logits[name] = out
         if name != "fp16":
-            assert cache.layers[0].quantized_length == 32
+            assert cache.layers[0].quantized_length == expected[name]
             report = memory_report(cache)
             assert 0 < report["kv_bytes"] < report["kv_bytes_fp16"] * 2
-    for name in ("kivi-2-prerope", "mikv-4"):
+        if name == "kivi-2-sinks":  # the sinks' full-precision copies are positions 0-3
+            assert sorted(set(cache.layers[0].hp_pos.flatten().tolist())) == [0, 1, 2, 3]
+    for name in expected:
         rel = (logits[name] - logits["fp16"]).norm() / logits["fp16"].norm()
         assert 0 < rel < 0.2, name
 
