@@ -55,3 +55,15 @@ def test_recommend_adds_weighted_probe_errors(tiny_model_dir, tmp_path):
     assert diffs > 0
     with pytest.raises(InputError, match="--retrieval"):
         RecommendOptions(budget_bits=3.0, retrieval="maybe")
+
+
+def test_probe_required_without_a_model_is_a_clear_error(tmp_path):
+    from test_recommend import _planted_capture
+
+    from kvlens.recommend import RecommendOptions, measure
+
+    path = _planted_capture(tmp_path / "p.h5")
+    with pytest.raises(InputError, match="does not say which model"):
+        measure(path, RecommendOptions(budget_bits=4.0, retrieval="on"))
+    m = measure(path, RecommendOptions(budget_bits=4.0))  # auto: goes on without, says so
+    assert any("no retrieval probe" in n for n in m.notes)
