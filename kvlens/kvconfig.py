@@ -5,8 +5,9 @@ A config is a ``default`` layer setting plus optional per-layer overrides. Each 
 says how keys and values are quantized (a ``QuantSpec`` each, or ``null`` = kept in the model's
 dtype), how many of the newest tokens wait in the full-precision residual window, how many of
 them are quantized at a time when it fills (``flush_tokens``: 0 = all, KIVI; fewer = a sliding
-window that always keeps recent tokens exact), and whether keys are stored before RoPE. Optional MiKV settings keep a fraction of important tokens at high
-precision and balance key channels. JSON form (``version`` 1)::
+window that always keeps recent tokens exact), and whether keys are stored before RoPE.
+Optional MiKV settings keep a fraction of important tokens at high precision and balance key
+channels. JSON form (``version`` 1)::
 
     {
       "format": "kvlens.kvconfig", "version": 1, "name": "kivi-2", "description": "...",

@@ -522,14 +522,12 @@ def _sensitivity_weights(cap, model, opts, tables, probes, notes, progress
     return tuple(weights)
 
 
-def _layer_options(table, opts: RecommendOptions, head_dim: int, weight: float):
+def _layer_options(table, opts: RecommendOptions, bits: dict, weight: float):
     """The Pareto front of (key, value, flush) choices for one layer: ``[(cost, error, key,
-    value, flush)]`` with ``cost`` the summed bits of both tensors and ``error`` the weighted
-    sum of their errors at the layer's flush block."""
+    value, flush)]`` with ``cost`` the summed bits of both tensors (``bits``: per candidate)
+    and ``error`` the weighted sum of their errors at the layer's flush block."""
     keys = sorted({c for c, _ in table if c.tensor == "key"}, key=lambda c: c.label)
     values = sorted({c for c, _ in table if c.tensor == "value"}, key=lambda c: c.label)
-    bits = {c: candidate_bits(c, head_dim, opts.context, opts.residual_tokens)
-            for c in keys + values}
     pairs = []
     for kc in keys:
         for vc in values:
@@ -553,7 +551,10 @@ def hp_bits(tokens: int, context: int, head_dim: int) -> float:
 
 
 def _assemble(meta, opts, tables, balancers, weights, notes) -> Recommendation:
-    fronts = [_layer_options(table, opts, meta.head_dim, weights[layer])
+    # a candidate's cost depends on its spec only, not on the layer: computed once
+    bits = {c: candidate_bits(c, meta.head_dim, opts.context, opts.residual_tokens)
+            for c in {c for table in tables for c, _ in table}}
+    fronts = [_layer_options(table, opts, bits, weights[layer])
               for layer, table in zip(meta.layers, tables)]
     sink = hp_bits(opts.sink_tokens, opts.context, meta.head_dim)
     costs = [[p[0] / 2 for p in front] for front in fronts]  # per element of K and V
@@ -574,10 +575,8 @@ def _assemble(meta, opts, tables, balancers, weights, notes) -> Recommendation:
         for c in (kc, vc):
             out, score, recon = table[c, f]
             here = [o for o, g in table if g == f and o.tensor == c.tensor]
-            cost = {o: candidate_bits(o, meta.head_dim, opts.context, opts.residual_tokens)
-                    for o in here}
-            better = [(cost[o], o.label) for o in here if table[o, f][0] < out]
-            choices.append(Choice(layer, c.tensor, c, cost[c], out, score, recon,
+            better = [(bits[o], o.label) for o in here if table[o, f][0] < out]
+            choices.append(Choice(layer, c.tensor, c, bits[c], out, score, recon,
                                   min(better)[1] if better else "", f))
     mean_bits = sum(ch.bits for ch in choices) / len(choices) + sink
     expected = sum(ch.output_error for ch in choices) / len(choices)
