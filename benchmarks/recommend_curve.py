@@ -2,7 +2,7 @@
 
 Measures the capture once, allocates a config per budget, then runs decode-mode perplexity (and
 optionally passkey) for fp16, the presets and each recommendation on the same text. Bits are the
-budget accounting of ``kvlens.recommend.config_bits`` at --context tokens (fp16 scales/zeros and
+held-bytes accounting of ``kvlens.cache.layout.config_bits`` at --context tokens (fp16 scales/zeros and
 residual window), identical for presets and recommendations. Writes a PNG plot and a JSON.
 
 Usage: python benchmarks/recommend_curve.py RUN.h5 [--budgets 2.5,3,3.5,4,5] [--out docs/img]
@@ -39,11 +39,12 @@ def main() -> None:
     if not args.capture:
         ap.error("a capture file is needed (or --replot JSON)")
 
+    from kvlens.cache.layout import config_bits
     from kvlens.errors import InputError
     from kvlens.evaluate import EvalOptions, evaluate_configs
     from kvlens.kvconfig import preset
     from kvlens.models import load_model
-    from kvlens.recommend import RecommendOptions, choose, config_bits, measure
+    from kvlens.recommend import RecommendOptions, choose, measure, model_shape
 
     t0 = time.perf_counter()
     budgets = [float(b) for b in args.budgets.split(",")]
@@ -66,8 +67,8 @@ def main() -> None:
     meta = m.meta
     rows = []
     for cfg, res in zip(configs, report["results"]):
-        rows.append({"name": res["name"], "bits": config_bits(cfg, meta.head_dim,
-                                                               meta.num_layers, args.context),
+        rows.append({"name": res["name"], "bits": config_bits(cfg, model_shape(meta, m.windows),
+                                                               args.context),
                      "ppl": res["ppl"], "ppl_fp16": res["ppl_fp16"],
                      "ppl_change": res["ppl_change"], "passkey": res.get("passkey")})
     print(f"{'config':<18} {'bits@' + str(args.context):>10} {'ppl':>8} {'change':>8}  passkey")

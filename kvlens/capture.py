@@ -92,7 +92,7 @@ def capture_model(model, windows, output: str | Path, *, layers: str | list[int]
 
     from kvlens import __version__
     from kvlens.architecture import describe
-    from kvlens.hf import attention_override, rope_tables
+    from kvlens.hf import attention_override, rope_inputs
     from kvlens.selection import parse_index_spec
     from kvlens.store import CaptureMeta, CaptureWriter
 
@@ -117,7 +117,7 @@ def capture_model(model, windows, output: str | Path, *, layers: str | list[int]
     device = next(model.parameters()).device
     writer = CaptureWriter(output, overwrite=overwrite, storage_dtype=storage_dtype,
                            compression=compression)
-    with writer, rope_tables(model) as tables, \
+    with writer, rope_inputs(model) as tables, \
             attention_override(model, lambda orig: sink.attention_fn(orig, tables)), \
             torch.no_grad():
         writer.begin(meta)
@@ -167,7 +167,8 @@ class _LayerSink:
             out = original(module, query, key, value, attention_mask, **kwargs)
             idx = module.layer_idx
             if idx in self.layers:
-                self._record(module, idx, query, key, value, tables.get(idx), kwargs)
+                pe = tables.get(idx)  # (cos, sin, position_ids)
+                self._record(module, idx, query, key, value, pe[:2] if pe else None, kwargs)
             return out
 
         return fn

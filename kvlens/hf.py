@@ -3,7 +3,7 @@
 ``attention_override(model, make_fn)`` registers ``make_fn(original)`` under a unique name
 (together with the mask function of the implementation it wraps, without which transformers
 passes ``attention_mask=None`` and silently drops padding and sliding windows), switches the
-model to it, and restores everything on exit. Also: per-layer RoPE tables via forward pre-hooks,
+model to it, and restores everything on exit. Also: per-layer RoPE inputs (tables and positions) via forward pre-hooks,
 and the name of ``forward``'s cache argument (renamed ``past_key_values`` -> ``cache`` in 5.24).
 """
 
@@ -58,21 +58,34 @@ def attention_override(model, make_fn: Callable[[Callable], Callable]) -> Iterat
 
 
 @contextmanager
-def rope_tables(model) -> Iterator[dict[int, tuple]]:
-    """Collect, per layer index, the ``(cos, sin)`` each attention module was called with."""
-    tables: dict[int, tuple] = {}
+def rope_inputs(model) -> Iterator[dict[int, tuple]]:
+    """Per layer index, ``(cos, sin, position_ids)`` of the latest call of its attention module
+    (``position_ids`` is ``None`` where the model does not pass it to attention)."""
+    seen: dict[int, tuple] = {}
     handles = []
     for module in attention_modules(model):
         def hook(mod, args, kwargs, _idx=module.layer_idx):
             pe = kwargs.get("position_embeddings")
             if isinstance(pe, tuple) and len(pe) == 2:
-                tables[_idx] = pe
+                seen[_idx] = (*pe, kwargs.get("position_ids"))
         handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
     try:
-        yield tables
+        yield seen
     finally:
         for h in handles:
             h.remove()
+
+
+def rope_frequency_candidates(model) -> list[tuple]:
+    """Every ``(inv_freq, attention_scaling)`` the model's rotary modules hold (one per layer
+    type in models such as Gemma3), for ``kvlens.rope.RopeFrequencies.match``."""
+    out = []
+    for module in model.modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if name.endswith("inv_freq") and "original" not in name:
+                scaling = getattr(module, name[:-len("inv_freq")] + "attention_scaling", 1.0)
+                out.append((buf, float(scaling or 1.0)))
+    return out
 
 
 def cache_argument_name(model) -> str:

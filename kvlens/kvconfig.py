@@ -19,8 +19,14 @@ channels. JSON form (``version`` 1)::
                       "balancer": "off" | "online" | "fixed", "balancer_exponent": 0.5},
       "balancers": null | {"0": [[b_0 ... b_{D-1}] per KV head], ...},   # for "fixed"
       "scale_dtype": "float16",
+      "fp_dtype": "float16" | "bfloat16" | "float32" | "exact",
       "model": null | {"num_layers": 30, "head_dim": 64, "num_key_value_heads": 3}
     }
+
+``fp_dtype`` is the dtype of every full-precision part the cache holds (the residual window,
+MiKV/sink sets, unquantized keys or values): ``float16`` by default, what a deployment stores,
+so a float32 run on CPU stores and counts them as a GPU deployment would. ``exact`` keeps the
+model's own dtype (then a config with compression off is token-for-token ``DynamicCache``).
 
 ``validate_for(config, info)`` checks a config against a loaded model (layer count, head_dim,
 group sizes, balancer shapes) and raises ``ConfigError`` naming the allowed values.
@@ -41,9 +47,10 @@ from kvlens.quant import QuantSpec
 FORMAT = "kvlens.kvconfig"
 VERSION = 1
 BALANCER_MODES = ("off", "online", "fixed")
+FP_DTYPES = ("float16", "bfloat16", "float32", "exact")
 _LAYER_KEYS = ("key", "value", "residual_tokens", "flush_tokens", "pre_rope_keys")
 _TOP_KEYS = ("format", "version", "name", "description", "default", "layers", "mikv",
-             "balancers", "scale_dtype", "model")
+             "balancers", "scale_dtype", "fp_dtype", "model")
 _MIKV_KEYS = ("heavy_fraction", "sink_tokens", "balancer", "balancer_exponent")
 
 
@@ -120,6 +127,7 @@ class KVConfig:
     scale_dtype: str = "float16"
     description: str = ""
     model: Mapping[str, int] | None = None
+    fp_dtype: str = "float16"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -127,9 +135,18 @@ class KVConfig:
         if self.scale_dtype not in ("float16", "float32"):
             raise ConfigError(f"Unknown scale_dtype {self.scale_dtype!r}; allowed: float16, "
                               "float32.")
+        if self.fp_dtype not in FP_DTYPES:
+            raise ConfigError(f"Unknown fp_dtype {self.fp_dtype!r}; allowed: "
+                              f"{', '.join(FP_DTYPES)}.")
         if self.mikv is not None and self.mikv.balancer == "fixed" and not self.balancers:
             raise ConfigError("mikv.balancer is 'fixed' but the config has no 'balancers'; "
                               "add them or use balancer 'online' or 'off'.")
+        if self.balancers and (self.mikv is None or self.mikv.balancer != "fixed"):
+            mode = "no 'mikv' section" if self.mikv is None else \
+                f"mikv.balancer {self.mikv.balancer!r}"
+            raise ConfigError(f"The config gives 'balancers' but has {mode}, which would ignore "
+                              "them; set mikv.balancer to 'fixed' (allowed: "
+                              f"{', '.join(BALANCER_MODES)}) or remove 'balancers'.")
 
     def layer(self, idx: int) -> LayerKV:
         return self.layers.get(idx, self.default)
@@ -147,6 +164,7 @@ class KVConfig:
             "balancers": {str(i): [list(r) for r in b] for i, b in sorted(self.balancers.items())}
             or None,
             "scale_dtype": self.scale_dtype,
+            "fp_dtype": self.fp_dtype,
             "model": dict(self.model) if self.model else None,
         }
 
@@ -232,7 +250,8 @@ def config_from_dict(data: Any) -> KVConfig:
                           "num_key_value_heads).")
     return KVConfig(name=data.get("name") or "", default=default, layers=layers, mikv=mikv,
                     balancers=balancers, scale_dtype=data.get("scale_dtype", "float16"),
-                    description=data.get("description", ""), model=model)
+                    description=data.get("description", ""), model=model,
+                    fp_dtype=data.get("fp_dtype", "float16"))
 
 
 def _index(key: Any, where: str) -> int:
@@ -288,7 +307,11 @@ def _mikv(bits: int) -> KVConfig:
 
 
 PRESETS: dict[str, KVConfig] = {
-    "fp16": KVConfig("fp16", LayerKV(), description="no compression (model dtype)"),
+    "exact": KVConfig("exact", LayerKV(), fp_dtype="exact",
+                      description="no compression, the model's own dtype (same tokens as "
+                                  "transformers' DynamicCache)"),
+    "fp16": KVConfig("fp16", LayerKV(), description="no compression, stored in float16 (what a "
+                                                     "GPU deployment holds)"),
     "kivi-2": _kivi(2),
     "kivi-4": _kivi(4),
     "per-token-2": _per_token(2),

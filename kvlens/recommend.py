@@ -7,11 +7,12 @@ Pipeline (one capture layer in memory at a time):
    MiKV channel balancer fitted on the capture (``b = (max|q| / max|k|)^exponent``). Only what
    ``kvlens generate`` can run is offered (dense-and-sparse outliers and GEAR low-rank terms are
    analysed by ``compare-axes`` but not stored by the cache, so they are not candidates).
-2. **Cost** of a candidate: average stored bits per element at a reference context length
-   ``L`` (default 4096), all overheads counted by ``kvlens.quant.bits_per_element``: codes,
-   fp16 scales and zeros (partial groups as whole groups) and the full-precision residual window
-   counted full (``R`` tokens at 16 bits: an upper bound, the window holds at most R-1 tokens),
-   plus the ``sink_tokens`` full-precision copies of the first tokens (``hp_bits``).
+2. **Cost** of a layer's (key, value, flush) choice: the bytes that layer of the cache holds
+   after ``L`` tokens (default 4096), from ``kvlens.cache.layout`` (the same description the
+   cache allocates by, tested against held bytes): codes at their container width, fp16 scales
+   and zeros, the window buffer (``R`` fp16 tokens), the sink tokens' fp16 copies and positions,
+   pre-RoPE positions, balancers; a sliding-window layer counts only what it keeps. The budget
+   is in bits per element relative to an fp16 cache of the same tokens (16 = as big as fp16).
 3. **Error** of a candidate, measured where the tensor is consumed: the relative error of the
    attention output (``kvlens.metrics``) when only that tensor is quantized, mean over the
    layer's query heads, *as the cache is read while decoding*: query ``i`` reads the tokens
@@ -208,10 +209,34 @@ def candidates(head_dim: int, opts: RecommendOptions, has_rope: bool) -> list[Ca
     return out
 
 
-def candidate_bits(c: Candidate, head_dim: int, context: int, residual: int) -> float:
-    from kvlens.quant import bits_per_element
+def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOptions, shape,
+                 layer: int) -> tuple[int, int, int]:
+    """``(total, key share, value share)`` bytes that ``layer`` of the cache holds after
+    ``opts.context`` tokens storing keys ``kc`` and values ``vc`` with flush block ``flush``
+    (``kvlens.cache.layout``: what the cache allocates). The shares split what both tensors
+    use (window, sink copies, positions) evenly; they are for display."""
+    from kvlens.cache.layout import flush_every, layer_part_bytes, packed_bytes, stream_state
+    from kvlens.kvconfig import LayerKV, MikvSettings
 
-    return bits_per_element(c.spec(), (context, head_dim), residual_tokens=residual).total
+    setting = LayerKV(kc.spec(), vc.spec(), opts.residual_tokens, kc.stage == "pre",
+                      flush_tokens=flush)
+    mikv = MikvSettings(0.0, opts.sink_tokens, "off") if opts.sink_tokens else None
+    w = shape.window(layer)
+    parts = layer_part_bytes(setting, tokens=opts.context, head_dim=shape.head_dim,
+                             kv_heads=shape.kv_heads, mikv=mikv, balancer=kc.balancer,
+                             sliding_window=w)
+    total = sum(parts.values())
+    held = stream_state(setting, opts.context, w).q_held
+    f = flush_every(setting)
+    own = [shape.kv_heads * sum(packed_bytes(c.spec(), held, f, shape.head_dim))
+           for c in (kc, vc)]
+    shared = (total - sum(own)) / 2
+    return total, own[0] + shared, own[1] + shared
+
+
+def tensor_fp16_bytes(shape, layer: int, context: int) -> int:
+    """Bytes of one tensor (K or V) of ``layer`` in an fp16 cache after ``context`` tokens."""
+    return shape.kv_heads * shape.visible_tokens(layer, context) * shape.head_dim * 2
 
 
 # -- error measurement ----------------------------------------------------------------------
@@ -363,6 +388,7 @@ class Measurements:
     balancers: dict[int, Any]
     weights: tuple[float, ...]
     notes: list[str]
+    windows: tuple[int | None, ...] = ()  # per layer sliding window (None = global)
 
 
 def recommend(path: str | Path, opts: RecommendOptions,
@@ -394,8 +420,9 @@ def measure(path: str | Path, opts: RecommendOptions,
                              "Use --pre-rope auto or off.")
         cands = candidates(meta.head_dim, opts, meta.has_rope)
         probes = _probe_candidates(meta.head_dim)
-        tables, balancers, notes = [], {}, []
+        tables, balancers, notes, windows = [], {}, [], []
         for i, layer in enumerate(cap.iter_layers()):
+            windows.append(layer.attrs.sliding_window or None)
             table, bal, pre_ok = measure_layer(layer, meta, cands + [
                 p for p in probes if p not in cands], opts, plain=probes)
             if opts.pre_rope == "on" and not pre_ok:
@@ -420,7 +447,7 @@ def measure(path: str | Path, opts: RecommendOptions,
     wanted = set(candidates(meta.head_dim, opts, meta.has_rope))
     tables = [{cf: e for cf, e in t.items() if cf[0] in wanted and cf[1] is not None}
               for t in tables]
-    return Measurements(meta, tables, balancers, tuple(weights), notes)
+    return Measurements(meta, tables, balancers, tuple(weights), notes, tuple(windows))
 
 
 def _model_for(cap, opts: RecommendOptions, notes: list[str]):
@@ -486,7 +513,16 @@ def _add_retrieval_errors(model, tokenizer, cands, opts, tables, balancers, note
 
 def choose(m: Measurements, opts: RecommendOptions) -> Recommendation:
     """Allocate under ``opts.budget_bits`` from earlier measurements and build the config."""
-    return _assemble(m.meta, opts, m.tables, m.balancers, m.weights, list(m.notes))
+    return _assemble(m.meta, opts, m.tables, m.balancers, m.weights, list(m.notes),
+                     model_shape(m.meta, m.windows))
+
+
+def model_shape(meta, windows=()):
+    """``kvlens.cache.layout.ModelShape`` of a capture's model (``windows``: per layer)."""
+    from kvlens.cache.layout import ModelShape
+
+    return ModelShape(meta.num_layers, meta.num_key_value_heads, meta.head_dim,
+                      tuple(windows) if any(windows) else ())
 
 
 def _probe_candidates(head_dim: int) -> tuple[Candidate, Candidate]:
@@ -522,10 +558,10 @@ def _sensitivity_weights(cap, model, opts, tables, probes, notes, progress
     return tuple(weights)
 
 
-def _layer_options(table, opts: RecommendOptions, bits: dict, weight: float):
+def _layer_options(table, opts: RecommendOptions, cost, weight: float):
     """The Pareto front of (key, value, flush) choices for one layer: ``[(cost, error, key,
-    value, flush)]`` with ``cost`` the summed bits of both tensors (``bits``: per candidate)
-    and ``error`` the weighted sum of their errors at the layer's flush block."""
+    value, flush)]`` with ``cost(kc, vc, f)`` the layer's held bytes in budget units and
+    ``error`` the weighted sum of both tensors' errors at the layer's flush block."""
     keys = sorted({c for c, _ in table if c.tensor == "key"}, key=lambda c: c.label)
     values = sorted({c for c, _ in table if c.tensor == "value"}, key=lambda c: c.label)
     pairs = []
@@ -534,7 +570,7 @@ def _layer_options(table, opts: RecommendOptions, bits: dict, weight: float):
             f = opts.layer_flush(kc, vc)
             if (kc, f) in table and (vc, f) in table:
                 err = weight * (table[kc, f][0] + table[vc, f][0])
-                pairs.append((bits[kc] + bits[vc], err, kc, vc, f))
+                pairs.append((cost(kc, vc, f), err, kc, vc, f))
     pairs.sort(key=lambda p: (p[0], p[1]))
     front, best = [], math.inf
     for p in pairs:  # cheapest first: keep only options that lower the error
@@ -544,26 +580,32 @@ def _layer_options(table, opts: RecommendOptions, bits: dict, weight: float):
     return front
 
 
-def hp_bits(tokens: int, context: int, head_dim: int) -> float:
-    """Bits per K/V element of ``tokens`` full-precision copies at ``context`` tokens: 16-bit
-    K and V plus an int64 position per token and KV head (shared by K and V)."""
-    return tokens / context * (16 + 32 / head_dim)
+def _assemble(meta, opts, tables, balancers, weights, notes, shape) -> Recommendation:
+    from functools import cache
 
+    from kvlens.cache.layout import config_bits, config_part_bytes
 
-def _assemble(meta, opts, tables, balancers, weights, notes) -> Recommendation:
-    # a candidate's cost depends on its spec only, not on the layer: computed once
-    bits = {c: candidate_bits(c, meta.head_dim, opts.context, opts.residual_tokens)
-            for c in {c for table in tables for c, _ in table}}
-    fronts = [_layer_options(table, opts, bits, weights[layer])
-              for layer, table in zip(meta.layers, tables)]
-    sink = hp_bits(opts.sink_tokens, opts.context, meta.head_dim)
-    costs = [[p[0] / 2 for p in front] for front in fronts]  # per element of K and V
+    fp16_total = shape.fp16_bytes(opts.context)
+    n = len(tables)
+
+    @cache
+    def option(kc, vc, f, window):
+        layer = next(i for i in range(shape.num_layers) if shape.window(i) == window)
+        return option_bytes(kc, vc, f, opts, shape, layer)
+
+    fronts = []
+    for layer, table in zip(meta.layers, tables):
+        w = shape.window(layer)
+        # budget units: bits per element of the whole cache, times the number of layers
+        fronts.append(_layer_options(
+            table, opts, lambda kc, vc, f, w=w: 16 * n * option(kc, vc, f, w)[0] / fp16_total,
+            weights[layer]))
+    costs = [[p[0] for p in front] for front in fronts]
     errors = [[p[1] for p in front] for front in fronts]
-    # the sinks' full-precision copies are a fixed cost of every element
     try:
-        picks = allocate(costs, errors, len(fronts) * (opts.budget_bits - sink))
+        picks = allocate(costs, errors, n * opts.budget_bits)
     except InputError:
-        need = sum(min(c) for c in costs) / len(costs) + sink
+        need = sum(min(c) for c in costs) / n
         raise InputError(
             f"The budget is too small: the cheapest candidates need {need:.3f} bits per element "
             f"at {opts.context} tokens (window of {opts.residual_tokens} tokens and "
@@ -572,29 +614,30 @@ def _assemble(meta, opts, tables, balancers, weights, notes) -> Recommendation:
     choices = []
     for layer, front, pick, table in zip(meta.layers, fronts, picks, tables):
         _, _, kc, vc, f = front[pick]
+        w = shape.window(layer)
+        fp16 = tensor_fp16_bytes(shape, layer, opts.context)
+        shares = dict(zip(("key", "value"), option(kc, vc, f, w)[1:]))
         for c in (kc, vc):
             out, score, recon = table[c, f]
-            here = [o for o, g in table if g == f and o.tensor == c.tensor]
-            better = [(bits[o], o.label) for o in here if table[o, f][0] < out]
-            choices.append(Choice(layer, c.tensor, c, bits[c], out, score, recon,
-                                  min(better)[1] if better else "", f))
-    mean_bits = sum(ch.bits for ch in choices) / len(choices) + sink
+            # the cheapest same-tensor candidate with a lower error (it did not fit the budget)
+            better = []
+            for o in (o for o, g in table if g == f and o.tensor == c.tensor):
+                pair = (o, vc) if c.tensor == "key" else (kc, o)
+                if table[o, f][0] < out and opts.layer_flush(*pair) == f:
+                    share = option(*pair, f, w)[1 if c.tensor == "key" else 2]
+                    better.append((16 * share / fp16, o.label))
+            choices.append(Choice(layer, c.tensor, c, 16 * shares[c.tensor] / fp16, out, score,
+                                  recon, min(better)[1] if better else "", f))
     expected = sum(ch.output_error for ch in choices) / len(choices)
     config = build_config(meta, opts, choices, balancers)
+    mean_bits = config_bits(config, shape, opts.context)
     rec = Recommendation(config, choices, opts.budget_bits, mean_bits, expected, opts.context,
                          weights=tuple(weights), notes=notes,
                          residual_tokens=opts.residual_tokens, sink_tokens=opts.sink_tokens)
     for ctx in (1024, 4096, 32768, 131072):
-        bits = 16.0 if ctx <= opts.residual_tokens else config_bits(
-            config, meta.head_dim, meta.num_layers, ctx)
-        rec.kv_bytes[ctx] = _kv_bytes(meta, ctx, bits)
-        rec.kv_bytes_fp16[ctx] = _kv_bytes(meta, ctx, 16)
+        rec.kv_bytes[ctx] = sum(config_part_bytes(config, shape, ctx).values())
+        rec.kv_bytes_fp16[ctx] = shape.fp16_bytes(ctx)
     return rec
-
-
-def _kv_bytes(meta, context: int, bits: float) -> float:
-    elems = 2 * meta.num_layers * meta.num_key_value_heads * meta.head_dim  # per token, K+V
-    return elems * context * bits / 8
 
 
 def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balancers):
@@ -630,21 +673,3 @@ def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balanc
                      f"{opts.sink_tokens} sink tokens)"),
         model={"num_layers": meta.num_layers, "head_dim": meta.head_dim,
                "num_key_value_heads": meta.num_key_value_heads})
-
-
-def config_bits(config, head_dim: int, num_layers: int, context: int) -> float:
-    """Mean stored bits per K/V element of any ``KVConfig`` at ``context`` tokens, with the
-    same accounting as the budget (so presets and recommendations compare like for like)."""
-    from kvlens.quant import bits_per_element
-
-    total = 0.0
-    for idx in range(num_layers):
-        layer = config.layer(idx)
-        for spec in (layer.key, layer.value):
-            total += 16.0 if spec is None else bits_per_element(
-                spec, (context, head_dim), residual_tokens=layer.residual_tokens).total
-    hp = 0.0
-    if config.mikv is not None and config.compressed:
-        tokens = math.ceil(config.mikv.heavy_fraction * context) + config.mikv.sink_tokens
-        hp = hp_bits(min(tokens, context), context, head_dim)
-    return total / (2 * num_layers) + hp

@@ -63,3 +63,40 @@ def invert_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: s
     norm = cos * cos + sin * sin
     out = (rot * cos - rotate(rot, layout) * sin) / norm
     return torch.cat((out, rest), dim=-1).to(x.dtype)
+
+
+class RopeFrequencies:
+    """A layer's RoPE re-created from positions, as a fused kernel would: ``angle = position *
+    inv_freq`` (float32, as transformers computes it), ``cos/sin * scaling``, laid out
+    ``half`` (``cat(f, f)``) or ``interleaved``. Found by matching the tables a layer was
+    called with (``match``), so the cache stores positions (int32) instead of tables."""
+
+    def __init__(self, inv_freq: torch.Tensor, scaling: float, layout: str):
+        self.inv_freq = inv_freq.detach()  # the model's own buffer (not a copy)
+        self.scaling = float(scaling)
+        self.layout = layout
+
+    def tables(self, positions: torch.Tensor, dtype=torch.float32
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[B, T, R]`` for integer ``positions`` ``[B, T]``."""
+        freqs = positions.float()[..., None] * self.inv_freq.float().to(positions.device)
+        emb = torch.cat((freqs, freqs), -1) if self.layout == "half" else \
+            freqs.repeat_interleave(2, dim=-1)
+        return ((emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype))
+
+    def reproduces(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> bool:
+        """Do these frequencies give the tables ``cos, sin`` ``[B, T, R]`` (up to their dtype's
+        rounding) at ``positions``?"""
+        if cos.shape[-1] != 2 * self.inv_freq.numel():
+            return False
+        c, s = self.tables(positions)
+        tol = 4 * torch.finfo(cos.dtype).eps * max(1.0, abs(self.scaling))
+        return bool(((c - cos.float()).abs().max() <= tol) and
+                    ((s - sin.float()).abs().max() <= tol))
+
+    @classmethod
+    def all_matching(cls, candidates) -> list[RopeFrequencies]:
+        """Every ``(inv_freq, scaling)`` candidate in both layouts, to be narrowed down with
+        ``reproduces`` as tables are seen."""
+        return [cls(inv_freq, scaling, layout) for inv_freq, scaling in candidates
+                for layout in LAYOUTS]

@@ -13,6 +13,7 @@ from tiny_models import tiny_model
 from kvlens.cache import compressed_attention, memory_report
 from kvlens.cache.attention import packed_attention, select_backend
 from kvlens.cache.layer import CompressedLayer
+from kvlens.cache.layout import packed_bytes
 from kvlens.cache.packed import PackedTensor
 from kvlens.errors import BackendError, ConfigError
 from kvlens.hf import cache_argument_name
@@ -92,7 +93,16 @@ def test_packed_round_trip_equals_reference(spec, residual):
                              q.shape))
     ref = ref.reshape(2, 5, 3, f, 64).transpose(1, 2).reshape(2, 3, 5 * f, 64)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
-    assert store.used_bytes() < x.numel() * 2 * spec.bits / 8 + x.numel()  # far below fp32
+    # held bytes are exactly the layout's prediction (no spare capacity), far below fp32
+    held = sum(t.untyped_storage().nbytes() for t in store.named_tensors().values())
+    assert held == 2 * 3 * sum(packed_bytes(spec, 5 * f, f, 64))
+    assert held < x.numel() * 2 * spec.bits / 8 + x.numel()
+    # a sliding layer's eviction drops whole blocks from the front and keeps the rest intact
+    store.drop_front(2 * f)
+    torch.testing.assert_close(store.dequantize_range(0, 3 * f), ref[:, :, 2 * f:], rtol=0,
+                               atol=1e-6)
+    held = sum(t.untyped_storage().nbytes() for t in store.named_tensors().values())
+    assert held == 2 * 3 * sum(packed_bytes(spec, 3 * f, f, 64))
 
 
 def _session():
@@ -110,7 +120,9 @@ def _reference_attention(q, keys, values, mask):
 
 
 def _stored_view(x, spec, f, n_q):
-    """What the cache holds for the first ``n_q`` tokens: reference quantization per block."""
+    """What the cache holds: reference quantization per block for the first ``n_q`` tokens,
+    the rest as the float16 window (the default ``fp_dtype``; blocks are quantized from it)."""
+    x = x.half().float()
     b, h, _, d = x.shape
     blocks = x[:, :, :n_q].reshape(b, h, n_q // f, f, d).transpose(1, 2)
     blocks = blocks.reshape(-1, h, f, d)
@@ -118,7 +130,7 @@ def _stored_view(x, spec, f, n_q):
     deq = dequantize(QTensor(q.codes, q.scale.half().float(), q.zero.half().float(), spec,
                              q.shape))
     deq = deq.reshape(b, n_q // f, h, f, d).transpose(1, 2).reshape(b, h, n_q, d)
-    return torch.cat((deq, x[:, :, n_q:].float()), dim=2)
+    return torch.cat((deq, x[:, :, n_q:].half().float()), dim=2)
 
 
 # T not a multiple of G, window partly full; flush 0 = the whole window, 16 = sliding window
@@ -197,7 +209,9 @@ def test_mikv_high_precision_tokens_replace_their_low_bit_copies():
     keys, values = _stored_view(k, spec, 8, n_q), _stored_view(v, spec, 8, n_q)
     for hh in range(hkv):  # high-precision tokens are exact
         pos = layer.hp_pos[0, hh]
-        keys[0, hh, pos], values[0, hh, pos] = k[0, hh, pos], v[0, hh, pos]
+        pos = pos.long()
+        keys[0, hh, pos] = k[0, hh, pos].half().float()
+        values[0, hh, pos] = v[0, hh, pos].half().float()
     q = torch.randn(b, hq, 1, d)
     out, colsum = packed_attention(q, layer, None, d ** -0.5, with_probs=True)
     ref = _reference_attention(q, keys, values, torch.ones(1, 1, 1, total, dtype=torch.bool))
@@ -240,11 +254,13 @@ def test_memory_report_counts_packed_bytes():
         model(ids, **{cache_argument_name(model): cache})
     rep = memory_report(cache)
     # 3 layers x 2 KV heads x 64 tokens x head_dim 16, K and V, all flushed (2 blocks of 32):
-    # 2-bit codes + fp16 scale and zero per group of 8 -> 2 + 32/8 = 6 bits per element.
-    assert rep["breakdown"]["residual"] == 0
+    # 2-bit codes + fp16 scale and zero per group of 8 -> 2 + 32/8 = 6 bits per element, plus
+    # the empty window's buffer, which keeps room for 32 fp16 tokens: 32/64 * 16 = 8 bits.
+    assert rep["breakdown"]["window"] == 3 * 2 * 2 * 32 * 16 * 2
+    assert rep["unaccounted"] == 0
     assert rep["kv_bytes_fp16"] == 3 * 2 * 2 * 64 * 16 * 2
     assert rep["bits_per_element"] == pytest.approx(16 * rep["kv_bytes"] / rep["kv_bytes_fp16"])
-    assert rep["bits_per_element"] == pytest.approx(6.0)
+    assert rep["bits_per_element"] == pytest.approx(6.0 + 8.0)
 
 
 def test_select_backend_reports_why_triton_is_not_used(monkeypatch):

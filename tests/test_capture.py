@@ -9,7 +9,7 @@ import torch
 from tiny_models import ARCHS, tiny_model
 
 from kvlens.capture import capture_model
-from kvlens.hf import attention_override, rope_tables
+from kvlens.hf import attention_override, rope_inputs
 from kvlens.store import open_capture
 
 S, T = 2, 21
@@ -33,7 +33,7 @@ def _reference_run(model, windows):
         return fn
 
     logits = []
-    with torch.no_grad(), rope_tables(model) as tables, attention_override(model, make):
+    with torch.no_grad(), rope_inputs(model) as tables, attention_override(model, make):
         for s in range(windows.shape[0]):
             logits.append(model(input_ids=windows[s:s + 1], use_cache=False).logits)
         tables = dict(tables)
@@ -88,7 +88,7 @@ def test_capture_is_exact_and_harmless(arch, tmp_path):
                 continue
             # The model's own RoPE function re-applied to the captured pre-RoPE tensors
             # reproduces the captured post-RoPE tensors (independent of our layout detection).
-            cos, sin = tables[layer.index]
+            cos, sin, _ = tables[layer.index]
             q_re, k_re = module.apply_rotary_pos_emb(q_pre, k_pre, cos, sin)
             torch.testing.assert_close(q_re, q, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(k_re, k, atol=1e-5, rtol=1e-5)

@@ -21,7 +21,8 @@ from kvlens.recommend import (
     Candidate,
     RecommendOptions,
     allocate,
-    candidate_bits,
+    model_shape,
+    option_bytes,
     recommend,
 )
 from kvlens.store import CaptureMeta, write_capture
@@ -122,11 +123,22 @@ def test_budget_below_any_candidate_and_pre_rope_without_rope(tmp_path):
     assert all(c.candidate.stage == "post" for c in rec.choices)
 
 
-def test_candidate_bits_counts_overheads():
-    # 2-bit per-channel G32 with fp16 scale+zero: 3 bits on the quantized part, and a full
-    # 128-token fp16 window at 1024 tokens adds (16 - 3) * 128 / 1024.
-    c = Candidate("key", 2, "per-channel", 32)
-    assert candidate_bits(c, 64, 1024, 128) == pytest.approx(3.0 + 13 * 128 / 1024)
+def test_option_bytes_count_every_part():
+    # keys 2-bit per-channel G32 and values 2-bit per-token G32 (3 bits each with fp16 scale
+    # and zero) on the 1024 tokens quantized at 1024 tokens (flushed whole), the 128-token fp16
+    # window buffer, and 4 sink tokens: fp16 K and V plus an int32 position per KV head.
+    from kvlens.cache.layout import ModelShape
+
+    shape = ModelShape(1, 2, 64)
+    k, v = Candidate("key", 2, "per-channel", 32), Candidate("value", 2, "per-token", 32)
+    opts = RecommendOptions(budget_bits=4.0, context=1024)
+    total, k_share, v_share = option_bytes(k, v, 0, opts, shape, 0)
+    elems = 2 * 1024 * 64  # per KV head, K and V
+    expected = (3 * elems + 16 * 2 * 128 * 64 + 4 * (16 * 2 * 64 + 32)) / 8
+    assert total == 2 * expected and k_share + v_share == total
+    # pre-RoPE keys add an int32 position per held token (shared by the KV heads)
+    pre = option_bytes(replace(k, stage="pre"), v, 0, opts, shape, 0)[0]
+    assert pre - total == 4 * 1024
 
 
 def test_written_config_runs_in_generate(tmp_path):
@@ -193,21 +205,35 @@ def test_sensitivity_sees_a_layer_that_cannot_matter():
     assert not model.config._attn_implementation.startswith("kvlens")
 
 
-def test_config_bits_matches_the_budget_accounting(tmp_path):
-    from kvlens.kvconfig import preset
-    from kvlens.recommend import config_bits
+def rec_meta(path):
+    from kvlens.store import open_capture
 
-    # kivi-2 at 4096 tokens, head_dim 64: 3 bits on 3968 quantized tokens + 128 fp16 tokens.
-    assert config_bits(preset("kivi-2"), 64, 30, 4096) == pytest.approx(
-        (3.0 * 3968 + 16 * 128) / 4096)
-    assert config_bits(preset("fp16"), 64, 30, 4096) == 16.0
-    # sink tokens: 16-bit K and V copies plus an int64 position per token and KV head
+    with open_capture(path) as cap:
+        return cap.meta
+
+
+def test_config_bits_matches_the_budget_accounting(tmp_path):
+    from kvlens.cache.layout import ModelShape, config_bits
+    from kvlens.kvconfig import preset
+
+    shape = ModelShape(30, 3, 64)
+    # kivi-2 at 4096 tokens, head_dim 64: 3 bits on all 4096 tokens (flushed whole at 4096)
+    # plus the window's 128-token fp16 buffer.
+    assert config_bits(preset("kivi-2"), shape, 4096) == pytest.approx(
+        (3.0 * 4096 + 16 * 128) / 4096)
+    assert config_bits(preset("fp16"), shape, 4096) == 16.0
+    # sink tokens: 16-bit K and V copies plus an int32 position per token and KV head
     sinks = replace(preset("kivi-2"), mikv=MikvSettings(0.0, 4, "off"))
-    assert config_bits(sinks, 64, 30, 4096) == pytest.approx(
-        (3.0 * 3968 + 16 * 128) / 4096 + 4 * (16 + 32 / 64) / 4096)
+    assert config_bits(sinks, shape, 4096) == pytest.approx(
+        (3.0 * 4096 + 16 * 128) / 4096 + 4 * (16 + 32 / 128) / 4096)
+    # a sliding-window layer counts only its window: fp16 is 16 bits of what it holds
+    sliding = ModelShape(2, 3, 64, (512, None))
+    assert config_bits(preset("fp16"), sliding, 32768) == 16.0
+    assert sliding.fp16_bytes(32768) == 2 * 3 * 64 * 2 * (511 + 32768)
     path = _planted_capture(tmp_path / "p.h5")
     rec = recommend(path, RecommendOptions(budget_bits=4.0, group_sizes=(32,)))
-    assert config_bits(rec.config, 32, 2, rec.context) == pytest.approx(rec.mean_bits)
+    assert config_bits(rec.config, model_shape(rec_meta(path)), rec.context) == pytest.approx(
+        rec.mean_bits)
     assert rec.mean_bits <= 4.0 and rec.config.mikv.sink_tokens == 4
 
 

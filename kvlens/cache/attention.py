@@ -22,7 +22,12 @@ Fast torch path (the layouts KIVI uses; anything else goes through the reference
   zero_{t,j}`` for the channel group ``j`` of ``d``.
 
 Same math as "dequantize with the reference, then attend", different float rounding (tested
-against it to 1e-5). Pre-RoPE keys are rotated after dequantization (reference path).
+against it to 1e-5). Pre-RoPE keys are rotated after dequantization (reference path), with
+(cos, sin) re-created from the stored positions.
+
+Positions: the packed store holds absolute positions ``[q_start, q_end)`` (``q_start > 0`` once a
+sliding-window layer evicted blocks), the window ``[res_start, N)``; masks are indexed by
+absolute position.
 
 ``select_backend(requested, device)`` is the one place that chooses between this path and the
 Triton kernels (package ``kvlens_kernels``). With the triton backend, ``make_attention_fn`` calls
@@ -167,11 +172,11 @@ def _key_scores(layer, q: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
     store = layer.kstore
     if not _fast_keys(layer):
         k = store.dequantize_range(t0, t1)
-        if layer.setting.pre_rope_keys and layer.setting.key is not None:
-            from kvlens.rope import apply_rope, detect_layout
+        if layer.stores_pre_rope:
+            from kvlens.rope import apply_rope
 
-            cos, sin = layer.rope_tables(t0, t1)
-            k = apply_rope(k, cos, sin, detect_layout(cos))
+            cos, sin = layer.rope_tables(layer.q_start + t0, layer.q_start + t1)
+            k = apply_rope(k, cos, sin, layer.rope.layout)
         return torch.matmul(q, k.transpose(-1, -2))
     b, h, m, d = q.shape
     per = 8 // _container(store)
@@ -220,30 +225,34 @@ def _segments(layer, q: torch.Tensor, qb: torch.Tensor, mask, tq: int, chunk_tok
     b, hkv, m, d = q.shape
     g = m // tq
     n_total = layer.cumulative_length
-    nq = layer.quantized_length
+    nq, a0 = layer.quantized_length, layer.q_start  # packed: local [0, nq) = absolute a0 + t
+    sinks = layer.sink_end - a0  # a sinks-only set hides the packed prefix [0, sinks)
     f = max(layer.flush_every, 1)
     step = max(1, chunk_tokens // f) * f
     for t0 in range(0, nq, step):
         t1 = min(nq, t0 + step)
         s = _key_scores(layer, qb, t0, t1).view(b, hkv, g, tq, t1 - t0)
-        bias = _range_bias(mask, t0, t1, tq, n_total, q.device)
+        bias = _range_bias(mask, a0 + t0, a0 + t1, tq, n_total, q.device)
         if bias is not None:
             s = s + bias
         if layer.is_hp is not None:
-            s = s.masked_fill(layer.is_hp[:, :, None, None, t0:t1], float("-inf"))
-        yield s, (lambda p, t0=t0, t1=t1: _value_out(layer, p, t0, t1)), (t0, t1)
+            s = s.masked_fill(layer.is_hp[:, :, None, None, a0 + t0:a0 + t1], float("-inf"))
+        if sinks > t0:
+            s[..., :sinks - t0] = float("-inf")
+        yield s, (lambda p, t0=t0, t1=t1: _value_out(layer, p, t0, t1)), (a0 + t0, a0 + t1)
     if layer.has_hp:
         k, v = layer.hp_k.float(), layer.hp_v.float()
         s = torch.matmul(q, k.transpose(-1, -2)).view(b, hkv, g, tq, -1)
-        s = s + _bias(mask, layer.hp_pos, tq, n_total, b, hkv)
-        yield s, (lambda p, v=v: torch.matmul(p, v)), layer.hp_pos
+        s = s + _bias(mask, layer.hp_pos.long(), tq, n_total, b, hkv)
+        yield s, (lambda p, v=v: torch.matmul(p, v)), layer.hp_pos.long()
     if layer.n_res:
         k, v = layer.res_k.view().float(), layer.res_v.view().float()
+        r0 = layer.res_start
         s = torch.matmul(q, k.transpose(-1, -2)).view(b, hkv, g, tq, -1)
-        bias = _range_bias(mask, nq, nq + layer.n_res, tq, n_total, q.device)
+        bias = _range_bias(mask, r0, r0 + layer.n_res, tq, n_total, q.device)
         if bias is not None:
             s = s + bias
-        yield s, (lambda p, v=v: torch.matmul(p, v)), (nq, nq + layer.n_res)
+        yield s, (lambda p, v=v: torch.matmul(p, v)), (r0, r0 + layer.n_res)
 
 
 def _queries(query: torch.Tensor, layer, scaling: float):
@@ -320,7 +329,7 @@ def triton_unsupported(layer, query: torch.Tensor, with_probs: bool) -> str | No
     if ks.granularity != "per-channel" or vs.granularity != "per-token":
         return (f"keys {ks.granularity} / values {vs.granularity} (the kernel takes per-channel "
                 "keys and per-token values)")
-    if setting.pre_rope_keys:
+    if layer.stores_pre_rope:
         return "pre-RoPE keys (the kernel does not apply RoPE)"
     d = layer.head_dim
     kg = ks.group_size or layer.kstore.block
@@ -358,15 +367,23 @@ def triton_decode(query: torch.Tensor, layer, mask: torch.Tensor | None, scaling
 
     b = query.shape[0]
     n = layer.cumulative_length
+    a0 = layer.q_start  # the kernel's position 0 (a sliding layer may have evicted blocks)
     key_mask, why = _key_mask(mask, b, n)
     if why:
         return None, why
+    if key_mask is not None:
+        key_mask = key_mask[:, a0:]
     ks, vs = layer.kstore, layer.vstore
     length = layer.quantized_length
     extra, pvalid = [], None
     if layer.has_hp:
-        extra = [(layer.hp_k, layer.hp_v, layer.hp_pos)]
-        pvalid = ~layer.is_hp[:, :, :length]
+        extra = [(layer.hp_k, layer.hp_v, layer.hp_pos - a0)]
+        if layer.is_hp is not None:
+            pvalid = ~layer.is_hp[:, :, a0:a0 + length]
+        else:  # sinks-only: the packed prefix is hidden
+            hidden = layer.sink_end - a0
+            pvalid = (torch.arange(length, device=query.device) >= hidden).expand(
+                b, layer.hp_pos.shape[1], length)
     bal = layer.balancer if layer.balancer is not None else None
     out = decode_attention(
         query, ks.codes, ks.scale, ks.zero, vs.codes, vs.scale, vs.zero, length,
@@ -413,8 +430,10 @@ def make_attention_fn(backend: str = "torch", chunk_tokens: int = CHUNK_TOKENS
                 # Nothing compressed yet: exact attention with the model's own function.
                 if use_triton:
                     _note_torch(layer, "nothing quantized yet (model's own attention)")
-                k = layer.res_k.view().contiguous()
-                v = layer.res_v.view().contiguous()
+                k = layer.res_k.view().to(query.dtype).contiguous()
+                v = layer.res_v.view().to(query.dtype).contiguous()
+                if attention_mask is not None and layer.res_start:  # a sliding layer trimmed
+                    attention_mask = attention_mask[..., layer.res_start:]
                 out, _ = original(module, query, k, v, attention_mask, scaling=scaling,
                                   dropout=dropout, **kwargs)
             else:

@@ -33,7 +33,8 @@ class CompressionSession:
     backend: str
     selection_reason: str
     active: bool = False
-    rope: dict = field(default_factory=dict)
+    rope: dict = field(default_factory=dict)  # layer -> (cos, sin, position_ids) of its last call
+    rope_candidates: list = field(default_factory=list)  # the model's (inv_freq, scaling) pairs
     #: With the triton backend: attention calls that took the torch path, counted per reason.
     torch_path_calls: dict = field(default_factory=dict)
 
@@ -54,17 +55,17 @@ class CompressionSession:
 
         from kvlens.cache.layer import CompressedLayer
 
-        windows = _sliding_windows(self.model, self.info.num_layers)
+        windows = sliding_windows(self.model, self.info.num_layers)
         layers = []
         for idx in range(self.info.num_layers):
-            bal = self.config.balancers.get(idx)
-            mikv = self.config.mikv
-            if bal is not None and mikv is not None and mikv.balancer == "fixed":
+            bal = self.config.balancers.get(idx)  # only with mikv.balancer "fixed" (validated)
+            if bal is not None and self.config.layer(idx).compressed:
                 bal = torch.tensor(bal, dtype=torch.float32, device=_device(self.model))
             else:
                 bal = None
             layers.append(CompressedLayer(self.config.layer(idx), idx, self.info.head_dim,
-                                          scale_dtype=self.config.scale_dtype, mikv=mikv,
+                                          scale_dtype=self.config.scale_dtype,
+                                          fp_dtype=self.config.fp_dtype, mikv=self.config.mikv,
                                           balancer=bal, sliding_window=windows[idx],
                                           session=self))
         return Cache(layers=layers)
@@ -74,7 +75,8 @@ def _device(model):
     return next(model.parameters()).device
 
 
-def _sliding_windows(model, num_layers: int) -> list[int | None]:
+def sliding_windows(model, num_layers: int) -> list[int | None]:
+    """Per layer, its sliding window (``None`` = global attention)."""
     config = model.config
     config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") \
         else config
@@ -102,7 +104,7 @@ def compressed_attention(model, config: KVConfig, backend: str = "auto"
                          ) -> Iterator[CompressionSession]:
     from kvlens.architecture import describe
     from kvlens.cache.attention import make_attention_fn, select_backend
-    from kvlens.hf import attention_override, rope_tables
+    from kvlens.hf import attention_override, rope_frequency_candidates, rope_inputs
 
     info = describe(model)
     validate_for(config, info)
@@ -111,7 +113,8 @@ def compressed_attention(model, config: KVConfig, backend: str = "auto"
     with ExitStack() as stack:
         stack.enter_context(attention_override(model, make_attention_fn(name)))
         if any(config.layer(i).pre_rope_keys for i in range(info.num_layers)):
-            session.rope = stack.enter_context(rope_tables(model))
+            session.rope = stack.enter_context(rope_inputs(model))
+            session.rope_candidates = rope_frequency_candidates(model)
         session.active = True
         try:
             yield session
@@ -120,24 +123,68 @@ def compressed_attention(model, config: KVConfig, backend: str = "auto"
 
 
 def memory_report(cache) -> dict:
-    """KV bytes measured from the cache's tensors, beside the fp16 equivalent.
+    """The bytes the cache object really holds, by part, beside the fp16 equivalent.
 
-    ``kv_bytes``: filled bytes of every buffer (packed codes, scales, zeros, residual window,
-    high-precision set and its positions, balancers); ``kv_bytes_fp16``: the same tokens as fp16
-    K and V; ``bits_per_element``: ``8 * kv_bytes / (elements of K and V)``."""
-    parts = {"packed": 0, "residual": 0, "high_precision": 0, "balancer": 0}
+    ``kv_bytes``: bytes of every tensor storage reachable from the cache's layers (found by
+    walking the objects, views and shared storages counted once, whole storages counted:
+    capacity, not only the filled part); ``breakdown``: the same bytes by part
+    (``kvlens.cache.layout.PARTS``), from the layers' own named tensors; ``unaccounted``: bytes
+    the walk found that no part names (0 unless a layer keeps something it does not declare).
+    ``kv_bytes_fp16``: an fp16 K/V cache of the tokens each layer can still attend to (all of
+    them, or the last ``W - 1`` in a sliding-window layer); ``bits_per_element`` =
+    ``16 * kv_bytes / kv_bytes_fp16``. Python object headers are not counted."""
+    from kvlens.cache.layout import PARTS
+
+    parts = dict.fromkeys(PARTS, 0)
+    seen: set = set()
     fp16 = 0
-    allocated = 0
     for layer in cache.layers:
         if not getattr(layer, "is_initialized", False):
             continue
-        for key, value in layer.used_bytes().items():
-            parts[key] += value
+        for part, tensor in layer.named_tensors():
+            parts[part] += _storage_bytes(tensor, seen)
         b, h, _, d = layer.res_k.buf.shape
-        fp16 += 2 * b * h * layer.cumulative_length * d * 2
-        allocated += sum(s.allocated_bytes() for s in (layer.kstore, layer.vstore, layer.res_k,
-                                                        layer.res_v))
-    total = sum(parts.values())
-    return {"kv_bytes": total, "kv_bytes_fp16": fp16,
-            "bits_per_element": 16.0 * total / fp16 if fp16 else 0.0,
-            "kv_bytes_allocated": allocated, "breakdown": parts}
+        w = layer.sliding_window
+        visible = layer.cumulative_length if w is None else min(layer.cumulative_length, w - 1)
+        fp16 += 2 * b * h * visible * d * 2
+    named = sum(parts.values())
+    walked = held_bytes(cache)
+    return {"kv_bytes": walked, "kv_bytes_fp16": fp16,
+            "bits_per_element": 16.0 * walked / fp16 if fp16 else 0.0,
+            "breakdown": parts, "unaccounted": walked - named}
+
+
+def _storage_bytes(tensor: torch.Tensor, seen: set) -> int:
+    storage = tensor.untyped_storage()
+    key = (storage.device.type, storage.data_ptr())
+    if key in seen or storage.nbytes() == 0:
+        return 0
+    seen.add(key)
+    return storage.nbytes()
+
+
+def held_bytes(obj) -> int:
+    """Bytes of every tensor storage reachable from ``obj`` through attributes, lists, tuples
+    and dicts (each storage once). The walk does not enter modules, the compression session or
+    anything outside kvlens' cache objects, so it counts what the cache holds, not the model."""
+    from kvlens.cache.layer import CompressedLayer, DenseTensor
+    from kvlens.cache.packed import PackedTensor
+
+    seen_objs: set = set()
+    seen: set = set()
+    total = 0
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if id(o) in seen_objs:
+            continue
+        seen_objs.add(id(o))
+        if isinstance(o, torch.Tensor):
+            total += _storage_bytes(o, seen)
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, (CompressedLayer, DenseTensor, PackedTensor)) or o is obj:
+            stack.extend(v for k, v in vars(o).items() if k != "session")
+    return total

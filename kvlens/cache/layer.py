@@ -4,29 +4,41 @@ A ``CompressedLayer`` keeps, for its layer, ``[B, H, *, D]`` history in up to th
 
 - the **packed store** (``kvlens.cache.packed.PackedTensor`` for a quantized tensor, or a
   full-precision ``DenseTensor`` when only the other tensor is quantized): cache positions
-  ``[0, quantized_length)``, immutable once written;
-- the **residual window**: the newest ``n_res`` tokens in the model's dtype, exact; when it
-  holds ``R = residual_tokens`` tokens its oldest are flushed to the packed store in blocks of
-  ``F`` (``flush_tokens``; default ``F = R``: all of them, as KIVI);
+  ``[q_start, q_end)``, immutable once written;
+- the **residual window**: the newest ``n_res`` tokens (positions ``[res_start, N)``) at the
+  config's ``fp_dtype``, exact; when it holds ``R = residual_tokens`` tokens its oldest are
+  flushed to the packed store in blocks of ``F`` (``flush_tokens``; default ``F = R``: all of
+  them, as KIVI);
 - the **high-precision set** (MiKV only): per KV head, full-precision copies of the heavy-hitter
   tokens (largest accumulated attention, H2O) and the first ``sink_tokens`` positions, chosen
   again at every flush among the current set and the flushed tokens. Their low-bit copies stay
-  in the packed store and are masked out at attention (``is_hp``).
+  in the packed store and are masked out at attention (``is_hp``; a sinks-only set hides the
+  packed prefix ``[0, sink_end)`` instead, without a mask). Global layers only: a sliding-window
+  layer's sinks leave its window, and its whole history is at most ``W`` tokens.
+
+Nothing is kept twice: after a flush the window buffer shrinks back to ``R`` tokens, the stores
+hold exactly their tokens, and a sliding-window layer drops what no later query can see. The
+rules (and the bytes they imply) live in ``kvlens.cache.layout``; ``named_tensors`` names every
+tensor the layer holds for ``memory_report``.
 
 ``update()`` appends the new tokens to the residual window and returns them (tagged with this
 layer, the side channel kvlens' attention function reads); the attention function then calls
-``commit(query, colsum)`` which fits the online balancer (first call), accumulates attention and
-flushes. So prefill attention always sees exact K/V and the cache stores them compressed after.
+``commit(query, colsum)`` which fits the online balancer (first call), accumulates attention,
+flushes and evicts. So prefill attention always sees exact K/V and the cache stores them
+compressed after.
+
+Pre-RoPE keys: the layer stores each held token's RoPE position (int32) and re-creates its
+(cos, sin) from the model's own RoPE frequencies (``kvlens.rope.RopeFrequencies``), checked
+against the tables the model passed at every update.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from kvlens.cache.packed import PackedTensor, flush_block
+from kvlens.cache import layout
+from kvlens.cache.packed import PackedTensor
 from kvlens.errors import ConfigError
 from kvlens.kvconfig import LayerKV, MikvSettings
 
@@ -34,23 +46,44 @@ LAYER_ATTR = "_kvlens_layer"
 
 
 class DenseTensor:
-    """Full-precision history with the ``PackedTensor`` interface (preallocated, doubling)."""
+    """Full-precision history ``[B, H, T, D]`` at a fixed dtype, with the ``PackedTensor``
+    interface. Its buffer holds exactly ``length`` tokens unless a ``capacity`` is asked for
+    (the residual window keeps room for ``R``)."""
 
-    def __init__(self, block: int = 1):
-        self.block = block
+    def __init__(self, dtype: torch.dtype | None = None, part: str = "dense"):
+        self.dtype = dtype  # None: the dtype of the first tensor appended
+        self.part = part
         self.buf: torch.Tensor | None = None
         self.length = 0
 
-    def append(self, x: torch.Tensor, min_capacity: int = 0) -> None:
+    @property
+    def capacity(self) -> int:
+        return 0 if self.buf is None else self.buf.shape[2]
+
+    def _resize(self, cap: int, keep_from: int = 0) -> None:
+        """A new buffer of ``cap`` tokens holding ``[keep_from, length)`` at its front."""
+        b, h, _, d = self.buf.shape
+        new = self.buf.new_zeros(b, h, cap, d)
+        m = self.length - keep_from
+        new[:, :, :m] = self.buf[:, :, keep_from:self.length]
+        self.buf = new
+
+    def append(self, x: torch.Tensor, capacity: int = 0) -> None:
+        if self.buf is None:
+            self.dtype = self.dtype or x.dtype
+            self.buf = x.new_zeros(*x.shape[:2], 0, x.shape[3], dtype=self.dtype)
         need = self.length + x.shape[2]
-        cap = 0 if self.buf is None else self.buf.shape[2]
-        if need > cap:
-            new = x.new_zeros(*x.shape[:2], max(need, 2 * cap, min_capacity), x.shape[3])
-            if self.buf is not None:
-                new[:, :, :self.length] = self.buf[:, :, :self.length]
-            self.buf = new
-        self.buf[:, :, self.length:need] = x
+        if need > self.capacity:
+            self._resize(max(need, capacity))
+        self.buf[:, :, self.length:need] = x.to(self.dtype)
         self.length = need
+
+    def drop_front(self, n: int, capacity: int = 0) -> None:
+        """Forget the oldest ``n`` tokens; the buffer is resized to ``max(capacity, rest)``."""
+        if self.buf is None or n == 0 and self.capacity == max(capacity, self.length):
+            return
+        self._resize(max(capacity, self.length - n), keep_from=n)
+        self.length -= n
 
     def view(self, t0: int = 0, t1: int | None = None) -> torch.Tensor:
         return self.buf[:, :, t0:self.length if t1 is None else t1]
@@ -58,18 +91,16 @@ class DenseTensor:
     def dequantize_range(self, t0: int, t1: int) -> torch.Tensor:
         return self.buf[:, :, t0:t1].float()
 
-    def used_bytes(self) -> int:
-        if self.buf is None:
-            return 0
-        b, h, _, d = self.buf.shape
-        return b * h * self.length * d * self.buf.element_size()
-
-    def allocated_bytes(self) -> int:
-        return 0 if self.buf is None else self.buf.numel() * self.buf.element_size()
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        return {} if self.buf is None else {self.part: self.buf}
 
     def select_batch(self, index: torch.Tensor) -> None:
         if self.buf is not None:
             self.buf = self.buf[index]
+
+
+def _fp_dtype(name: str) -> torch.dtype | None:
+    return None if name == "exact" else getattr(torch, name)
 
 
 class CompressedLayer(DynamicLayer):
@@ -79,9 +110,9 @@ class CompressedLayer(DynamicLayer):
     is_croppable = False
 
     def __init__(self, setting: LayerKV, layer_idx: int, head_dim: int, *,
-                 scale_dtype: str = "float16", mikv: MikvSettings | None = None,
-                 balancer: torch.Tensor | None = None, sliding_window: int | None = None,
-                 session=None):
+                 scale_dtype: str = "float16", fp_dtype: str = "float16",
+                 mikv: MikvSettings | None = None, balancer: torch.Tensor | None = None,
+                 sliding_window: int | None = None, session=None):
         super().__init__()
         self.is_initialized = False  # set by the base class from transformers 4.57 on, not 4.56
         self.setting = setting
@@ -90,22 +121,22 @@ class CompressedLayer(DynamicLayer):
         self.session = session
         self.cumulative_length = 0
         self.sliding_window = sliding_window
-        # A sliding layer keeps every token here (no eviction); the model's sliding mask, built
-        # over absolute positions from get_mask_sizes, hides the old ones.
+        # A sliding layer drops what its window hides (see commit); the model's sliding mask,
+        # built over absolute positions from get_mask_sizes, hides the rest.
         self.is_sliding = sliding_window is not None
         r = setting.residual_tokens
-        self.flush_every = 0  # 0 = never flush (nothing is quantized)
-        if setting.compressed:
-            self.flush_every = max(flush_block(s, r, setting.flush_tokens)
-                                   for s in (setting.key, setting.value) if s is not None)
+        self.flush_every = layout.flush_every(setting)  # 0 = never flush (nothing quantized)
+        fp = _fp_dtype(fp_dtype)
         self.kstore = PackedTensor.create(setting.key, r, head_dim, scale_dtype,
                                           setting.flush_tokens) \
-            if setting.key is not None else DenseTensor()
+            if setting.key is not None else DenseTensor(fp)
         self.vstore = PackedTensor.create(setting.value, r, head_dim, scale_dtype,
                                           setting.flush_tokens) \
-            if setting.value is not None else DenseTensor()
-        self.res_k, self.res_v = DenseTensor(), DenseTensor()
-        self.rope_store = DenseTensor()  # [B, 1, T, 2R] cos|sin per position (pre-RoPE keys)
+            if setting.value is not None else DenseTensor(fp)
+        self.res_k, self.res_v = DenseTensor(fp, "window"), DenseTensor(fp, "window")
+        self.fp_dtype = fp
+        self.q_start = 0  # first packed position (a sliding layer evicts whole blocks)
+        self.res_start = 0  # first window position
         self.mikv = mikv if setting.compressed else None
         # Only a layer that really balances its keys conflicts with pre-RoPE storage: with fixed
         # balancers (e.g. from `recommend`) other layers may store keys before RoPE.
@@ -114,13 +145,17 @@ class CompressedLayer(DynamicLayer):
         if uses_balancer and setting.pre_rope_keys:
             raise ConfigError("The MiKV channel balancer cannot be combined with pre-RoPE keys "
                               "(RoPE mixes the balanced channel pairs); disable one of them.")
-        self.balancer = balancer  # [Hkv, D] or [B, Hkv, D]; k*b stored, q/b used
+        self.balancer = balancer  # [Hkv, D]; k*b stored, q/b used
         self.want_online_balancer = (self.mikv is not None and self.mikv.balancer == "online"
                                      and self.setting.key is not None and balancer is None)
-        self.acc: torch.Tensor | None = None  # [B, Hkv, cap] accumulated attention (H2O)
-        self.is_hp: torch.Tensor | None = None  # [B, Hkv, cap] bool
-        self.hp_k = self.hp_v = self.hp_pos = None  # [B, Hkv, K, D] x2, [B, Hkv, K] long
-        self.pending_rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.acc: torch.Tensor | None = None  # [B, Hkv, N] accumulated attention (H2O)
+        self.is_hp: torch.Tensor | None = None  # [B, Hkv, q_end] bool (H2O)
+        self.hp_k = self.hp_v = self.hp_pos = None  # [B, Hkv, K, D] x2, [B, Hkv, K] int32
+        # pre-RoPE keys: positions of held tokens [B, N - q_start] int32, and the RoPE re-creator
+        self.stores_pre_rope = setting.pre_rope_keys and setting.key is not None
+        self.positions: torch.Tensor | None = None
+        self.rope = None  # kvlens.rope.RopeFrequencies
+        self.rope_options: list | None = None
 
     # -- transformers interface -----------------------------------------------------------------
     def lazy_initialization(self, key_states, value_states, *args, **kwargs) -> None:
@@ -138,27 +173,48 @@ class CompressedLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         t = key_states.shape[2]
-        self.res_k.append(key_states, min_capacity=2 * max(self.flush_every, t))
-        self.res_v.append(value_states, min_capacity=2 * max(self.flush_every, t))
-        if self.setting.pre_rope_keys:
-            cos, sin = self.session.rope.get(self.layer_idx, (None, None))
-            if cos is None:
-                raise ConfigError("pre-RoPE keys need the layer's RoPE tables, which were not "
-                                  "seen; this model does not pass position_embeddings.")
-            table = torch.cat((cos, sin), dim=-1).unsqueeze(1)[:, :, -t:]
-            table = table.expand(key_states.shape[0], 1, t, table.shape[-1])
-            self.rope_store.append(table.to(torch.float32))
+        cap = self.setting.residual_tokens if self.flush_every else 0
+        self.res_k.append(key_states, capacity=cap)
+        self.res_v.append(value_states, capacity=cap)
+        if self.stores_pre_rope:
+            self._record_positions(key_states.shape[0], t)
         self.cumulative_length += t
         key_states = key_states.view_as(key_states)  # a fresh tensor object to tag
         setattr(key_states, LAYER_ATTR, self)
         return key_states, value_states
+
+    def _record_positions(self, b: int, t: int) -> None:
+        """Keep the RoPE positions of the new tokens, checking that the model's RoPE can be
+        re-created from them."""
+        from kvlens.rope import RopeFrequencies
+
+        cos, sin, pos = self.session.rope.get(self.layer_idx, (None, None, None))
+        if cos is None or pos is None:
+            raise ConfigError("pre-RoPE keys need the layer's RoPE tables and position_ids, "
+                              "which this model does not pass to its attention modules; use "
+                              "post-RoPE keys (pre_rope_keys: false).")
+        pos = pos[:, -t:].expand(b, t).to(torch.int32)
+        cos, sin = cos[:, -t:].expand(b, t, -1), sin[:, -t:].expand(b, t, -1)
+        # Keep every (frequencies, layout) that reproduces all tables seen so far: a prompt of
+        # one token (position 0) fits any of them.
+        if self.rope_options is None:
+            self.rope_options = RopeFrequencies.all_matching(self.session.rope_candidates)
+        self.rope_options = [r for r in self.rope_options if r.reproduces(cos, sin, pos)]
+        if not self.rope_options:
+            raise ConfigError(f"pre-RoPE keys: layer {self.layer_idx}'s RoPE tables cannot be "
+                              "re-created from positions and the model's rotary frequencies "
+                              "(a dynamic or unusual RoPE); use post-RoPE keys "
+                              "(pre_rope_keys: false).")
+        self.rope = self.rope_options[0]
+        self.positions = pos if self.positions is None else torch.cat((self.positions, pos), 1)
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
 
     def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:
         # transformers < 5 passes cache_position (a tensor of the new positions), later
-        # versions the query length. Every token is kept: the mask covers positions 0..N-1.
+        # versions the query length. The mask covers absolute positions 0..N-1 (evicted
+        # positions of a sliding layer are hidden by its sliding mask anyway).
         if isinstance(query_length, torch.Tensor):
             query_length = query_length.shape[0]
         return self.cumulative_length + query_length, 0
@@ -181,16 +237,21 @@ class CompressedLayer(DynamicLayer):
         self.batch_repeat_interleave(0)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        for store in (self.kstore, self.vstore, self.res_k, self.res_v, self.rope_store):
+        for store in (self.kstore, self.vstore, self.res_k, self.res_v):
             store.select_batch(indices)
-        for name in ("acc", "is_hp", "hp_k", "hp_v", "hp_pos"):
+        for name in ("acc", "is_hp", "hp_k", "hp_v", "hp_pos", "positions"):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name)[indices])
 
     # -- state ----------------------------------------------------------------------------------
     @property
     def quantized_length(self) -> int:
+        """Tokens held in the packed store (positions ``[q_start, q_end)``)."""
         return self.kstore.length
+
+    @property
+    def q_end(self) -> int:
+        return self.q_start + self.kstore.length
 
     @property
     def n_res(self) -> int:
@@ -201,110 +262,138 @@ class CompressedLayer(DynamicLayer):
         return self.hp_pos is not None and self.hp_pos.shape[-1] > 0
 
     @property
+    def sink_end(self) -> int:
+        """A sinks-only set hides packed positions ``[q_start, sink_end)`` (no mask stored)."""
+        if self.mikv is None or self.mikv.heavy_fraction > 0 or not self.has_hp:
+            return self.q_start
+        return self.q_start + self.hp_pos.shape[-1]
+
+    @property
     def needs_attention_probs(self) -> bool:
         # sinks alone are chosen by position: only heavy hitters need the attention mass
-        return self.mikv is not None and self.mikv.heavy_fraction > 0
+        return self.keeps_full_precision_set and self.mikv.heavy_fraction > 0
 
     @property
     def keeps_full_precision_set(self) -> bool:
-        return self.mikv is not None and self.mikv.heavy_fraction + self.mikv.sink_tokens > 0
+        return (self.mikv is not None and not self.is_sliding
+                and self.mikv.heavy_fraction + self.mikv.sink_tokens > 0)
 
     def rope_tables(self, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
-        table = self.rope_store.view(t0, t1)[:, 0]
-        half = table.shape[-1] // 2
-        return table[..., :half], table[..., half:]
+        """``(cos, sin)`` float32 ``[B, t1 - t0, R]`` of absolute positions ``[t0, t1)``."""
+        pos = self.positions[:, t0 - self.q_start:t1 - self.q_start]
+        return self.rope.tables(pos)
 
     # -- after attention ------------------------------------------------------------------------
     def commit(self, query: torch.Tensor, colsum: torch.Tensor | None) -> None:
         """Called by the attention function after it attended to this step's tokens.
 
-        query: ``[B, Hq, Tq, D]``; colsum: ``[B, Hkv, N]`` attention mass each cached position
-        received in this call (summed over the query heads of its KV head and the queries)."""
+        query: ``[B, Hq, Tq, D]``; colsum: ``[B, Hkv, N]`` attention mass each cached
+        position received in this call (summed over the query heads of its KV head and the
+        queries)."""
         if self.want_online_balancer:
             from kvlens.quant import fit_balancer
 
-            self.balancer = fit_balancer(query, self.res_k.view())
+            self.balancer = fit_balancer(query, self.res_k.view().float(),
+                                         exponent=self.mikv.balancer_exponent)
             self.want_online_balancer = False
         if colsum is not None:
             self._accumulate(colsum)
-        if self.flush_every == 0:
-            return
-        r, f = self.setting.residual_tokens, self.flush_every
-        # Flush the fewest whole blocks that leave fewer than R tokens in the window (F = R:
-        # the whole window, KIVI; F < R: a sliding window). R = 0: every token (F = 1).
-        if r:
-            over = self.n_res - r + 1  # tokens that must leave so that fewer than R remain
-            n = -(-over // f) * f if over > 0 else 0
-        else:
-            n = self.n_res // f * f
+        n = layout.flush_count(self.n_res, self.setting.residual_tokens, self.flush_every)
         if n:
             self._flush(n)
+        self._evict()
 
     def _accumulate(self, colsum: torch.Tensor) -> None:
         n = colsum.shape[-1]
-        if self.acc is None or self.acc.shape[-1] < n:
-            cap = max(n, 2 * (0 if self.acc is None else self.acc.shape[-1]), 256)
-            acc = colsum.new_zeros(*colsum.shape[:2], cap)
+        if self.acc is None or self.acc.shape[-1] < n:  # exactly the held positions
+            acc = colsum.new_zeros(*colsum.shape[:2], n)
             if self.acc is not None:
                 acc[..., :self.acc.shape[-1]] = self.acc
             self.acc = acc
         self.acc[..., :n] += colsum
 
     def _flush(self, n: int) -> None:
-        t0 = self.quantized_length
+        t0 = self.q_end
         k = self.res_k.view(0, n)
         v = self.res_v.view(0, n)
-        k_store = k
-        if self.setting.pre_rope_keys and self.setting.key is not None:
-            from kvlens.rope import detect_layout, invert_rope
+        k_store = k.float()
+        if self.stores_pre_rope:
+            from kvlens.rope import invert_rope
 
             cos, sin = self.rope_tables(t0, t0 + n)
-            k_store = invert_rope(k.float(), cos, sin, detect_layout(cos))
+            k_store = invert_rope(k.float(), cos, sin, self.rope.layout)
         if self.balancer is not None and self.setting.key is not None:
-            b = self.balancer.float()
-            k_store = k_store.float() * (b.unsqueeze(-2) if b.dim() == 3 else b[None, :, None])
-        cap = max(2 * (t0 + n), 1024)
-        self.kstore.append(k_store if self.setting.key is not None else k, min_capacity=cap)
-        self.vstore.append(v, min_capacity=cap)
+            k_store = k_store.float() * self.balancer.float().unsqueeze(-2)
+        self.kstore.append(k_store if self.setting.key is not None else k)
+        self.vstore.append(v if self.setting.value is None else v.float())
         if self.keeps_full_precision_set:
             self._select_heavy(t0, n, k, v)
-        # Shift the rest of the window to its front (at most R-1 tokens, once per flush).
-        rest_k, rest_v = self.res_k.view(n), self.res_v.view(n)
-        m = rest_k.shape[2]
-        self.res_k.buf[:, :, :m] = rest_k.clone()
-        self.res_v.buf[:, :, :m] = rest_v.clone()
-        self.res_k.length = self.res_v.length = m
+        # The window keeps the rest (at most R-1 tokens) in a buffer of R tokens again.
+        self.res_k.drop_front(n, self.setting.residual_tokens)
+        self.res_v.drop_front(n, self.setting.residual_tokens)
+        self.res_start += n
+
+    def _evict(self) -> None:
+        """Sliding-window layer: drop what no later query can see."""
+        dead = layout.evict_boundary(self.cumulative_length, self.sliding_window)
+        if self.flush_every:
+            n = min(self.kstore.length, (dead - self.q_start) // self.flush_every
+                    * self.flush_every)
+            if n <= 0:
+                return
+            self.kstore.drop_front(n)
+            self.vstore.drop_front(n)
+            self.q_start += n
+        else:
+            n = dead - self.res_start
+            if n <= 0:
+                return
+            self.res_k.drop_front(n)
+            self.res_v.drop_front(n)
+            self.res_start += n
+        if self.positions is not None:
+            self.positions = self.positions[:, n:].clone()
 
     def _select_heavy(self, t0: int, n: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """MiKV: re-choose the full-precision set among the current set and the flushed block."""
+        """MiKV: re-choose the full-precision set among the current set and the flushed block
+        ``[t0, t0 + n)`` (size: ``kvlens.cache.layout.set_size``)."""
         b, h, _, d = k.shape
-        total = t0 + n
-        pos_new = torch.arange(t0, total, device=k.device).expand(b, h, n)
+        end = t0 + n
+        pos_new = torch.arange(t0, end, device=k.device, dtype=torch.int32).expand(b, h, n)
         if self.hp_pos is None:
             cand_pos, cand_k, cand_v = pos_new, k, v
         else:
             cand_pos = torch.cat((self.hp_pos, pos_new), dim=-1)
-            cand_k = torch.cat((self.hp_k, k), dim=2)
-            cand_v = torch.cat((self.hp_v, v), dim=2)
-        acc = self.acc[..., :total] if self.acc is not None else k.new_zeros(b, h, total)
-        score = acc.float().gather(-1, cand_pos)
-        score = torch.where(cand_pos < self.mikv.sink_tokens, torch.inf, score)
-        keep = min(cand_pos.shape[-1],
-                   math.ceil(self.mikv.heavy_fraction * total) + self.mikv.sink_tokens)
-        idx = score.topk(keep, dim=-1).indices
+            cand_k = torch.cat((self.hp_k, k.to(self.hp_k.dtype)), dim=2)
+            cand_v = torch.cat((self.hp_v, v.to(self.hp_v.dtype)), dim=2)
+        keep = min(cand_pos.shape[-1], layout.set_size(self.mikv, 0, end))
+        if self.mikv.heavy_fraction == 0:  # sinks: the first positions, no attention needed
+            idx = (-cand_pos.float()).topk(keep, dim=-1).indices.sort(-1).values
+        else:
+            acc = self.acc[..., :end] if self.acc is not None else k.new_zeros(b, h, end)
+            score = acc.float().gather(-1, cand_pos.long())
+            score = torch.where(cand_pos < self.mikv.sink_tokens, torch.inf, score)
+            idx = score.topk(keep, dim=-1).indices
         self.hp_pos = cand_pos.gather(-1, idx)
         gi = idx[..., None].expand(b, h, keep, d)
-        self.hp_k, self.hp_v = cand_k.gather(2, gi), cand_v.gather(2, gi)
-        self.is_hp = torch.zeros(b, h, total, dtype=torch.bool, device=k.device)
-        self.is_hp.scatter_(-1, self.hp_pos, True)
+        self.hp_k = cand_k.gather(2, gi).to(self.fp_dtype or k.dtype)
+        self.hp_v = cand_v.gather(2, gi).to(self.fp_dtype or v.dtype)
+        if self.mikv.heavy_fraction > 0:
+            self.is_hp = torch.zeros(b, h, end, dtype=torch.bool, device=k.device)
+            self.is_hp.scatter_(-1, self.hp_pos.long(), True)
 
     # -- accounting -----------------------------------------------------------------------------
-    def used_bytes(self) -> dict[str, int]:
-        hp = 0
-        if self.hp_pos is not None:
-            hp = sum(t.numel() * t.element_size() for t in (self.hp_k, self.hp_v, self.hp_pos))
-        bal = 0 if self.balancer is None else \
-            self.balancer.numel() * self.balancer.element_size()
-        return {"packed": self.kstore.used_bytes() + self.vstore.used_bytes(),
-                "residual": self.res_k.used_bytes() + self.res_v.used_bytes(),
-                "high_precision": hp, "balancer": bal}
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """``(part, tensor)`` for every tensor this layer holds (parts of
+        ``kvlens.cache.layout``); ``memory_report`` counts their storages."""
+        out = []
+        for store in (self.kstore, self.vstore, self.res_k, self.res_v):
+            out += list(store.named_tensors().items())
+        for part, name in (("sets", "hp_k"), ("sets", "hp_v"), ("positions", "hp_pos"),
+                           ("masks", "is_hp"), ("accumulators", "acc"),
+                           ("positions", "positions"), ("balancers", "balancer"),
+                           ("dense", "keys"), ("dense", "values")):
+            t = getattr(self, name, None)
+            if isinstance(t, torch.Tensor):
+                out.append((part, t))
+        return out

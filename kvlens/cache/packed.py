@@ -21,10 +21,12 @@ per-channel specs must divide ``F``; ``F = 1`` when ``R = 0`` for per-token spec
 quantized on arrival). Blocks are never re-quantized: once written, a block's codes and scales
 are immutable. The history is stored in token order: block ``i`` holds absolute cache positions
 ``[i*F, (i+1)*F)`` (cache positions = index of the token in the layer's history, left padding
-included).
+included), offset by the layer's ``q_start`` once a sliding-window layer evicted blocks.
 
-Buffers (all preallocated with a capacity of ``cap`` tokens, a multiple of ``F``; when full the
-capacity doubles with one copy; nothing is concatenated per step):
+Buffers (sized to exactly the tokens they hold, a multiple of ``F``: a flush reallocates them
+with one copy, once per ``F`` tokens, so held bytes are what ``kvlens.cache.layout`` predicts;
+a sliding-window layer drops whole blocks from the front with ``drop_front``; nothing is
+concatenated per step):
 
 ``codes`` (``torch.uint8``)
     - per-channel specs: ``[B, H, cap // P, D]`` -- packed along **tokens**: byte ``j`` of
@@ -149,7 +151,8 @@ class PackedTensor:
         per = codes_per_byte(self.spec.bits)
         return self.codes.shape[2] * (per if self.packs_tokens else 1)
 
-    def _allocate(self, b: int, h: int, cap: int, device) -> None:
+    def _allocate(self, b: int, h: int, cap: int, device, keep_from: int = 0) -> None:
+        """New buffers for ``cap`` tokens holding the stored tokens ``[keep_from, length)``."""
         per = codes_per_byte(self.spec.bits)
         d = self.head_dim
         shape = (b, h, cap // per, d) if self.packs_tokens else \
@@ -159,20 +162,21 @@ class PackedTensor:
         scale = torch.zeros((b, h, cap // self.block * n_t, n_d), dtype=self.scale_dtype,
                             device=device)
         zero = torch.zeros_like(scale)
-        if self.codes is not None:  # grow: one copy of the used part
-            used = self._code_rows(self.length)
-            codes[:, :, :used] = self.codes[:, :, :used]
-            rows = self.length // self.block * n_t
-            scale[:, :, :rows] = self.scale[:, :, :rows]
-            zero[:, :, :rows] = self.zero[:, :, :rows]
+        if self.codes is not None and self.length > keep_from:  # one copy of what stays
+            c0, c1 = self._code_rows(keep_from), self._code_rows(self.length)
+            codes[:, :, :c1 - c0] = self.codes[:, :, c0:c1]
+            r0, r1 = keep_from // self.block * n_t, self.length // self.block * n_t
+            scale[:, :, :r1 - r0] = self.scale[:, :, r0:r1]
+            zero[:, :, :r1 - r0] = self.zero[:, :, r0:r1]
         self.codes, self.scale, self.zero = codes, scale, zero
 
     def _code_rows(self, tokens: int) -> int:
         return tokens // codes_per_byte(self.spec.bits) if self.packs_tokens else tokens
 
     # -- write --------------------------------------------------------------------------------
-    def append(self, x: torch.Tensor, min_capacity: int = 0) -> None:
-        """Quantize ``x`` ``[B, H, n*F, D]`` block by block (reference ``quantize``) and append."""
+    def append(self, x: torch.Tensor) -> None:
+        """Quantize ``x`` ``[B, H, n*F, D]`` block by block (reference ``quantize``) and append
+        (the buffers grow to exactly the new length)."""
         b, h, t, d = x.shape
         f = self.block
         if t % f:
@@ -181,8 +185,7 @@ class PackedTensor:
             return
         need = self.length + t
         if need > self.capacity:
-            cap = max(need, 2 * self.capacity, min_capacity, f)
-            self._allocate(b, h, -(-cap // f) * f, x.device)
+            self._allocate(b, h, need, x.device)
         n = t // f
         # Each block is one "batch" row for the reference, so groups never cross blocks.
         blocks = x.reshape(b, h, n, f, d).transpose(1, 2).reshape(b * n, h, f, d)
@@ -199,6 +202,18 @@ class PackedTensor:
             rows = src.reshape(b, n, h, n_t, -1).transpose(1, 2).reshape(b, h, n * n_t, -1)
             dst[:, :, s0:s0 + n * n_t] = rows.to(self.scale_dtype)
         self.length = need
+
+    def drop_front(self, n: int) -> None:
+        """Forget the oldest ``n`` tokens (whole blocks; a sliding-window layer's expired
+        history): the buffers shrink to what stays."""
+        if n % self.block or n > self.length:
+            raise ValueError(f"drop_front needs whole blocks of {self.block} tokens within the "
+                             f"{self.length} stored, got {n}")
+        if n == 0:
+            return
+        b, h = self.codes.shape[:2]
+        self._allocate(b, h, self.length - n, self.codes.device, keep_from=n)
+        self.length -= n
 
     # -- read ---------------------------------------------------------------------------------
     def dequantize_range(self, t0: int, t1: int) -> torch.Tensor:
@@ -224,20 +239,11 @@ class PackedTensor:
         return out.reshape(b, n, h, f, d).transpose(1, 2).reshape(b, h, n * f, d)
 
     # -- accounting ---------------------------------------------------------------------------
-    def used_bytes(self) -> int:
-        """Bytes of the filled part of the buffers (codes + scales + zeros)."""
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """The buffers by ``kvlens.cache.layout`` part name."""
         if self.codes is None:
-            return 0
-        b, h = self.codes.shape[:2]
-        code_bytes = b * h * self._code_rows(self.length) * self.codes.shape[-1]
-        n_t, n_d = self.group_rows
-        param = b * h * (self.length // self.block) * n_t * n_d * self.scale.element_size()
-        return code_bytes + 2 * param
-
-    def allocated_bytes(self) -> int:
-        if self.codes is None:
-            return 0
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
+            return {}
+        return {"codes": self.codes, "scales": self.scale, "zeros": self.zero}
 
     def select_batch(self, index: torch.Tensor) -> None:
         if self.codes is not None:

@@ -25,8 +25,9 @@ def _ints(spec: str, what: str) -> tuple[int, ...]:
 def recommend(
     capture: Path = typer.Argument(..., help="Capture file from `kvlens capture`."),
     budget_bits: float = typer.Option(..., "--budget-bits", "-b",
-                                      help="Average stored bits per cached K/V element, all "
-                                           "overheads counted, at --context tokens."),
+                                      help="Bits per cached K/V element the cache may hold at "
+                                           "--context tokens, every part counted (16 = the "
+                                           "size of an fp16 cache of the same tokens)."),
     output: Path = typer.Option(None, "--output", "-o", help="Write the config JSON here."),
     context: int = typer.Option(4096, "--context", help="Reference context length for the "
                                                         "budget accounting."),

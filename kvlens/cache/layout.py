@@ -1,0 +1,241 @@
+"""What a compressed cache holds, part by part, after ``N`` tokens: the one description of
+its bytes that the cache, ``memory_report``, ``config_bits`` and ``recommend``'s budget share.
+
+The cache (``kvlens.cache.layer``) calls the streaming rules here (``flush_every``,
+``stream_state``, ``window_capacity``, ``evict_boundary``) to decide what to keep, and
+``layer_part_bytes`` predicts the bytes of every tensor a layer holds from the same rules and
+the packed layout (``kvlens.cache.packed``). Tests fill real caches to ``N`` tokens and check
+the prediction against the bytes the cache object really holds.
+
+State after ``N`` tokens (any chunking: the rules depend on ``N`` only), with ``R`` the residual
+window, ``F`` the flush block and ``W`` a sliding-window layer's window:
+
+- quantized so far ``Q(N) = ceil((N - R + 1) / F) * F`` when ``N >= R`` (else 0); ``R = 0``:
+  ``Q = floor(N / F) * F``; an uncompressed layer quantizes nothing;
+- sliding layers drop what no later query can see (positions ``< N - W + 1``): whole packed
+  blocks (``q_start = min(Q, floor((N - W + 1) / F) * F)``), or, in an uncompressed layer, the
+  oldest window tokens (it keeps the last ``W - 1``, as transformers' sliding layer and engines
+  do);
+- the window holds ``n_res = N - Q`` tokens in a buffer of capacity ``max(R, n_res)`` (an
+  uncompressed layer: exactly ``n_res``); the packed and dense stores grow to exactly what they
+  hold (no spare capacity), so held bytes are a function of ``N``.
+
+Parts (bytes): ``codes``, ``scales``, ``zeros`` (packed store; symmetric specs store their zero
+too), ``dense`` (an unquantized tensor's history next to a quantized one), ``window``, ``sets``
+(MiKV heavy hitters and sink tokens, K and V; global layers only), ``positions`` (int32: the set's positions, and
+for pre-RoPE keys every held token's RoPE position), ``masks`` (bool per held packed token:
+H2O sets only), ``accumulators`` (float32 accumulated attention per held token: H2O only),
+``balancers`` (float32 ``[Hkv, D]``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvlens.errors import ConfigError
+
+PARTS = ("codes", "scales", "zeros", "dense", "window", "sets", "positions", "masks",
+         "accumulators", "balancers")
+FP_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+POSITION_BYTES = 4  # int32
+
+
+# -- streaming rules (the cache calls these) -----------------------------------------------------
+
+def flush_every(setting) -> int:
+    """``F`` of a layer: tokens quantized together (0 = nothing is ever quantized)."""
+    from kvlens.cache.packed import flush_block
+
+    if not setting.compressed:
+        return 0
+    return max(flush_block(s, setting.residual_tokens, setting.flush_tokens)
+               for s in (setting.key, setting.value) if s is not None)
+
+
+def flush_count(n_res: int, residual: int, flush: int) -> int:
+    """Tokens to move from the window to the packed store when it holds ``n_res``: the fewest
+    whole blocks that leave fewer than ``R`` tokens (``R = 0``: every whole block)."""
+    if flush == 0:
+        return 0
+    if residual:
+        over = n_res - residual + 1
+        return -(-over // flush) * flush if over > 0 else 0
+    return n_res // flush * flush
+
+
+def evict_boundary(tokens: int, sliding_window: int | None) -> int:
+    """Positions below this are invisible to every later query of a sliding layer."""
+    if sliding_window is None:
+        return 0
+    return max(0, tokens - sliding_window + 1)
+
+
+def window_capacity(compressed: bool, residual: int, n_res: int) -> int:
+    """Tokens the window buffer is sized for once a forward call is committed."""
+    return max(residual, n_res) if compressed else n_res
+
+
+@dataclass(frozen=True)
+class StreamState:
+    """Where the ``N`` tokens of one layer are (absolute positions)."""
+
+    tokens: int
+    q_start: int  # first position held in the packed store (earlier ones were evicted)
+    q_end: int  # positions [q_start, q_end) are packed
+    res_start: int  # positions [res_start, tokens) are in the window
+    window_capacity: int
+
+    @property
+    def q_held(self) -> int:
+        return self.q_end - self.q_start
+
+    @property
+    def n_res(self) -> int:
+        return self.tokens - self.res_start
+
+
+def stream_state(setting, tokens: int, sliding_window: int | None = None) -> StreamState:
+    f = flush_every(setting)
+    r = setting.residual_tokens
+    q_end = flush_count(tokens, r, f)  # from an empty window: the rule is chunking-independent
+    dead = evict_boundary(tokens, sliding_window)
+    if f:
+        q_start = min(q_end, dead // f * f)
+        res_start = q_end
+    else:
+        q_start = 0
+        res_start = dead
+    return StreamState(tokens, q_start, q_end, res_start,
+                       window_capacity(f > 0, r, tokens - res_start))
+
+
+# -- bytes ---------------------------------------------------------------------------------------
+
+def fp_bytes_of(fp_dtype: str, model_dtype_bytes: int) -> int:
+    """Bytes per element of the full-precision parts (``exact`` = the model's dtype)."""
+    if fp_dtype == "exact":
+        return model_dtype_bytes
+    if fp_dtype not in FP_BYTES:
+        raise ConfigError(f"Unknown fp_dtype {fp_dtype!r}; allowed: {', '.join(FP_BYTES)}, "
+                          "exact.")
+    return FP_BYTES[fp_dtype]
+
+
+def packed_bytes(spec, tokens: int, flush: int, head_dim: int, scale_bytes: int = 2
+                 ) -> tuple[int, int, int]:
+    """``(codes, scales, zeros)`` bytes of ``tokens`` (a multiple of ``flush``) packed tokens of
+    one (batch row, KV head), in ``kvlens.cache.packed``'s layout (container widths, whole
+    scale groups, a stored zero for every group)."""
+    from kvlens.quant import codes_per_byte, packed_length
+
+    if tokens == 0:
+        return 0, 0, 0
+    per = codes_per_byte(spec.bits)
+    if spec.granularity == "per-channel":
+        codes = tokens // per * head_dim
+    else:
+        codes = tokens * packed_length(head_dim, spec.bits)
+    bt, bd = spec.block_shape(flush, head_dim)
+    groups = tokens // flush * -(-flush // bt) * (head_dim // bd)
+    return codes, groups * scale_bytes, groups * scale_bytes
+
+
+def set_size(mikv, q_start: int, q_end: int) -> int:
+    """Tokens in the MiKV full-precision set after ``q_end`` tokens were quantized (those
+    before ``q_start`` evicted): the sinks while they are held, plus ``ceil(f * held)``."""
+    if mikv is None or q_end == q_start:
+        return 0
+    held = q_end - q_start
+    sinks = max(0, min(mikv.sink_tokens, q_end) - q_start)
+    return min(held, math.ceil(mikv.heavy_fraction * held) + sinks)
+
+
+def layer_part_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batch: int = 1,
+                     fp_bytes: int = 2, scale_bytes: int = 2, mikv=None,
+                     balancer: bool = False, sliding_window: int | None = None
+                     ) -> dict[str, int]:
+    """Bytes of every part one ``CompressedLayer`` holds after ``tokens`` tokens.
+
+    mikv: the config's ``MikvSettings`` (ignored for uncompressed layers, as the cache does).
+    balancer: the layer stores a ``[Hkv, D]`` float32 balancer (fixed or fitted online)."""
+    parts = dict.fromkeys(PARTS, 0)
+    if tokens == 0:
+        return parts
+    st = stream_state(setting, tokens, sliding_window)
+    f = flush_every(setting)
+    rows = batch * kv_heads
+    for spec in (setting.key, setting.value):
+        if spec is None:
+            parts["dense"] += rows * st.q_held * head_dim * fp_bytes
+        else:
+            c, s, z = packed_bytes(spec, st.q_held, f, head_dim, scale_bytes)
+            parts["codes"] += rows * c
+            parts["scales"] += rows * s
+            parts["zeros"] += rows * z
+    parts["window"] = 2 * rows * st.window_capacity * head_dim * fp_bytes
+    sets = mikv if setting.compressed and sliding_window is None else None
+    if sets is not None and sets.heavy_fraction + sets.sink_tokens > 0:
+        k = set_size(sets, st.q_start, st.q_end)
+        parts["sets"] = 2 * rows * k * head_dim * fp_bytes
+        parts["positions"] += rows * k * POSITION_BYTES
+        if sets.heavy_fraction > 0:
+            parts["masks"] = rows * st.q_held
+            parts["accumulators"] = rows * (tokens - st.q_start) * 4
+    if setting.pre_rope_keys and setting.key is not None:
+        parts["positions"] += batch * (tokens - st.q_start) * POSITION_BYTES
+    if balancer and setting.key is not None:
+        parts["balancers"] = kv_heads * head_dim * 4
+    return parts
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the bytes of a cache depend on, besides the config and the token count."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    sliding_windows: tuple[int | None, ...] = ()  # per layer; () = every layer global
+    model_dtype_bytes: int = 2
+
+    def window(self, layer: int) -> int | None:
+        return self.sliding_windows[layer] if self.sliding_windows else None
+
+    def visible_tokens(self, layer: int, tokens: int) -> int:
+        """Tokens an fp16 cache of this layer holds: all, or the last ``W - 1`` (sliding)."""
+        w = self.window(layer)
+        return tokens if w is None else min(tokens, w - 1)
+
+    def fp16_bytes(self, tokens: int, batch: int = 1) -> int:
+        """Bytes of an fp16 K/V cache holding what each layer can still attend to."""
+        return sum(2 * batch * self.kv_heads * self.visible_tokens(i, tokens) * self.head_dim
+                   * 2 for i in range(self.num_layers))
+
+
+def config_part_bytes(config, shape: ModelShape, tokens: int, batch: int = 1
+                      ) -> dict[str, int]:
+    """Bytes by part of a whole cache for ``config`` after ``tokens`` tokens."""
+    total = dict.fromkeys(PARTS, 0)
+    fp = fp_bytes_of(config.fp_dtype, shape.model_dtype_bytes)
+    scale = 2 if config.scale_dtype == "float16" else 4
+    for i in range(shape.num_layers):
+        setting = config.layer(i)
+        mikv = config.mikv
+        balancer = mikv is not None and (mikv.balancer == "online" or
+                                         (mikv.balancer == "fixed" and i in config.balancers))
+        parts = layer_part_bytes(setting, tokens=tokens, head_dim=shape.head_dim,
+                                 kv_heads=shape.kv_heads, batch=batch, fp_bytes=fp,
+                                 scale_bytes=scale, mikv=mikv,
+                                 balancer=balancer and setting.compressed,
+                                 sliding_window=shape.window(i))
+        for k, v in parts.items():
+            total[k] += v
+    return total
+
+
+def config_bits(config, shape: ModelShape, tokens: int, batch: int = 1) -> float:
+    """Held bits per K/V element of ``config`` after ``tokens`` tokens, relative to what an fp16
+    cache holds for the same tokens (16.0 = as big as fp16)."""
+    held = sum(config_part_bytes(config, shape, tokens, batch).values())
+    return 16.0 * held / shape.fp16_bytes(tokens, batch)
