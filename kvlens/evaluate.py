@@ -9,8 +9,9 @@ Protocols:
   (exact attention; the cache then stores them compressed, as after any prompt); every following
   token is then fed one at a time, and the logits of step ``t`` score token ``t + 1``. So each of
   the ``tokens - prefix - 1`` scored predictions attends to the compressed history, the way a
-  generated token would. ``ppl = exp(mean NLL)``. The same protocol with ``fp16`` (no
-  compression) gives ``ppl_fp16``; ``ppl_change = ppl / ppl_fp16 - 1``.
+  generated token would. ``ppl = exp(mean NLL)``. The same protocol with the ``exact`` preset
+  (no compression, the model's dtype) gives the reference, reported as ``ppl_fp16`` (the key
+  predates the ``exact`` preset); ``ppl_change = ppl / ppl_fp16 - 1``.
 - **passkey**: ``prompts`` prompts of about ``context_tokens`` tokens of repeated filler text
   with the sentence "The pass key is NNNNN. Remember it. NNNNN is the pass key." inserted at a
   random depth (seeded), ending "What is the pass key? The pass key is"; greedy decoding of 8
@@ -142,7 +143,7 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
     from kvlens.corpus import load_text
 
     device = next(model.parameters()).device
-    fp16 = preset("fp16")
+    exact = preset("exact")  # the reference: no compression, the model's dtype
     prompt_ids = _encode(tokenizer, options.prompt, device) if options.prompt else None
     need_agree = "agreement" in options.evals
     if need_agree and prompt_ids is None:
@@ -201,13 +202,13 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
         return res
 
     if ppl_ids is not None or need_agree:
-        if not any(c.name == "fp16" and not c.compressed for c in configs):
-            progress("fp16 reference")
-            baseline = run(fp16)
+        if not any(c.name == "exact" and not c.compressed for c in configs):
+            progress("exact reference")
+            baseline = run(exact)
     results = []
     for config in configs:
         res = run(config)
-        if not config.compressed and config.name == "fp16":
+        if not config.compressed and config.name == "exact":
             baseline = baseline or res
         results.append(res)
     for res in results:

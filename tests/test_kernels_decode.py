@@ -149,8 +149,9 @@ def test_masks_balancer_and_mikv_extra_set():
 
 
 def test_reads_the_cache_packed_store_in_place():
-    """The buffers of ``kvlens.cache.packed.PackedTensor`` (capacity > length, fp16 scales) are
-    read as they are; reference = the store's own ``dequantize_range``."""
+    """The buffers of ``kvlens.cache.packed.PackedTensor`` (fp16 scales, sized to what they
+    hold, also after a sliding layer's eviction) are read as they are; reference = the store's
+    own ``dequantize_range``."""
     from kvlens.cache.packed import PackedTensor
 
     g = torch.Generator().manual_seed(2)
@@ -160,10 +161,12 @@ def test_reads_the_cache_packed_store_in_place():
     q = torch.randn(b, hq, 1, d, generator=g)
     ks = PackedTensor.create(QuantSpec(2, "per-channel", 32), flush, d)
     vs = PackedTensor.create(QuantSpec(2, "per-token", 32), flush, d)
-    for i in range(3):  # three flushes: capacity grows by doubling past the length
+    for i in range(3):  # three flushes, then the oldest block evicted
         ks.append(k[:, :, i * flush:(i + 1) * flush])
         vs.append(v[:, :, i * flush:(i + 1) * flush])
-    assert ks.capacity > ks.length
+    ks.drop_front(flush)
+    vs.drop_front(flush)
+    assert ks.capacity == ks.length == 2 * flush
     out = decode_attention(q, ks.codes, ks.scale, ks.zero, vs.codes, vs.scale, vs.zero,
                            ks.length, k_bits=2, v_bits=2, k_group=32, v_group=32, scaling=0.09)
     ref = _reference(q, ks.dequantize_range(0, ks.length), vs.dequantize_range(0, vs.length),

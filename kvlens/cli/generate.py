@@ -17,8 +17,9 @@ def generate(
                                    "local HF directory, a .gguf file, or a hub id."),
     config: Path = typer.Option(None, "--config", help="KV config JSON (as `recommend` writes)."),
     preset_name: str = typer.Option(None, "--preset",
-                                    help="fp16, kivi-2, kivi-4, per-token-2, per-token-4, "
-                                         "mikv-2, mikv-4, kivi-2-prerope, kivi-2-sinks."),
+                                    help="exact, fp16, kivi-2, kivi-4, per-token-2, "
+                                         "per-token-4, mikv-2, mikv-4, kivi-2-prerope, "
+                                         "kivi-2-sinks."),
     prompt: str = typer.Option(None, "--prompt", help="Prompt to continue."),
     prompt_file: Path = typer.Option(None, "--prompt-file", help="UTF-8 file with the prompt."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens to generate."),
@@ -38,7 +39,8 @@ def generate(
     dtype: str = typer.Option("float32", "--dtype", help="Model compute dtype."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
 ) -> None:
-    """Generate with a compressed KV cache and measure ppl / passkey / agreement vs fp16."""
+    """Generate with a compressed KV cache and measure ppl / passkey / agreement vs the exact
+    (uncompressed) cache."""
     configs, opts = run_library_call(lambda: _options(
         config, preset_name, compare, prompt, prompt_file, max_new_tokens, evals, text, backend,
         ppl_tokens, passkey_prompts, passkey_context, seed))

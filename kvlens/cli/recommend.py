@@ -137,7 +137,7 @@ def _validate(config, model, passkey_prompts, passkey_context, ppl_tokens):
     validate_for(config, describe(mdl))
     from kvlens.errors import ConfigError
 
-    configs = [preset("fp16"), config]
+    configs = [preset("exact"), config]
     for name in VALIDATE_PRESETS:
         try:
             validate_for(preset(name), describe(mdl))
