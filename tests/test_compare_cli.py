@@ -109,6 +109,19 @@ def test_rotate_variant_in_table_json_and_plots(capture, tmp_path):
     assert {"heatmap_key_2b_G8_post_rotate.png", "layers_value_2b_G8_rotate.png"} <= names
 
 
+def test_rotate_on_odd_head_dim_is_one_clear_error(tmp_path):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 8, 9, generator=g) for h in (2, 1, 1))
+    path = make_capture(tmp_path / "odd.h5", q, k, v)
+    res = _run(path, "--bits", "2", "--group-sizes", "3", "--variants", "rotate")
+    assert res.exit_code == 1, res.output
+    text = " ".join(res.output.split())
+    assert "No Hadamard rotation for head_dim 9" in text and "Supported: even head_dim" in text
+    assert "Traceback" not in res.output
+
+
 def test_pre_stage_on_rope_capture(tmp_path):
     q, k, v, q_pre, k_pre = rope_tensors()
     path = make_capture(tmp_path / "r.h5", q, k, v, q_pre=q_pre, k_pre=k_pre, rope_theta=10000.0)
