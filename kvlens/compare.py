@@ -2,8 +2,8 @@
 
 For every captured layer (streamed one at a time) and every combination of tensor (key, value)
 x axis (per-token, per-channel) x bits x group size x key stage (post-RoPE, pre-RoPE) x transform
-(plain, balancer, outliers, lowrank), one tensor is fake-quantized with the reference library
-(``kvlens.quant``) while the other two stay exact, and the relative Frobenius error
+(plain, balancer, outliers, lowrank, rotate), one tensor is fake-quantized with the reference
+library (``kvlens.quant``) while the other two stay exact, and the relative Frobenius error
 ``||X - X_hat||_F / ||X||_F`` is measured on the tensor itself and on what attention makes of it
 (``kvlens.metrics.attention_errors_many``: the model's causal mask, GQA mapping, scaling and
 softcap, reference attention computed once per layer for all variants).
@@ -36,7 +36,7 @@ CONFIG_VERSION = 1
 TENSOR_NAMES = ("key", "value")
 AXES = ("per-token", "per-channel")
 STAGES = ("post", "pre")  # post-RoPE (what the cache holds) / pre-RoPE (KVQuant), keys only
-EXTRA_VARIANTS = ("balancer", "outliers", "lowrank")
+EXTRA_VARIANTS = ("balancer", "outliers", "lowrank", "rotate")
 PLAIN = "plain"
 KEY_METRICS = ("reconstruction", "score", "attention_weights", "attention_output")
 VALUE_METRICS = ("reconstruction", "attention_output")
@@ -59,9 +59,12 @@ class CompareConfig:
     stages: key stages: ``"post"`` quantizes the stored post-RoPE key; ``"pre"`` quantizes the
         pre-RoPE key and re-rotates it (values have no stage).
     variants: extra transforms beside plain quantization: ``"balancer"`` (MiKV, keys,
-        post-RoPE only), ``"outliers"`` (dense-and-sparse), ``"lowrank"`` (GEAR residual).
+        post-RoPE only), ``"outliers"`` (dense-and-sparse), ``"lowrank"`` (GEAR residual),
+        ``"rotate"`` (orthonormal Hadamard along head_dim, ``kvlens.quant.rotation``).
     outlier_fraction: share of each quantization vector kept exact by ``"outliers"``.
     rank: rank of the ``"lowrank"`` residual per (sample, head).
+    rotation_seed: ``"rotate"`` without sign flips (None) or with random sign flips drawn with
+        this seed (randomized Hadamard).
     layers: captured layers to analyse (None = all). samples: use only the first N samples.
     tensors: which of ``"key"``, ``"value"`` to sweep.
     sink_tokens: the first N tokens are read exact by every query in the score / weight /
@@ -79,6 +82,7 @@ class CompareConfig:
     samples: int | None = None
     tensors: tuple[str, ...] = TENSOR_NAMES
     sink_tokens: int = 0
+    rotation_seed: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("bits", "group_sizes", "stages", "variants", "tensors"):
@@ -119,6 +123,11 @@ class CompareConfig:
         s = self.sink_tokens
         if isinstance(s, bool) or not isinstance(s, int) or s < 0:
             raise ConfigError(f"Invalid sink tokens {s!r}; allowed: an integer >= 0.")
+        seed = self.rotation_seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise ConfigError(
+                f"Invalid rotation seed {seed!r}; allowed: none (no sign flips) or an integer >= 0."
+            )
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -240,8 +249,8 @@ def compare_axes(
 
     Raises ``CaptureFileError`` for a missing/foreign/incomplete file, ``InputError`` or
     ``ConfigError`` for options that do not fit the capture (group size not dividing head_dim,
-    pre-RoPE on a capture without RoPE or with a RoPE the default tables cannot reproduce,
-    layers not captured)."""
+    ``rotate`` on an odd head_dim, pre-RoPE on a capture without RoPE or with a RoPE the default
+    tables cannot reproduce, layers not captured)."""
     from kvlens.store import open_capture
 
     config = config or CompareConfig()
@@ -312,10 +321,17 @@ def _key_stages(config: CompareConfig) -> tuple[str, ...]:
 
 
 def _check_fits(meta, config: CompareConfig) -> None:
-    from kvlens.quant import QuantSpec
+    from kvlens.quant import QuantSpec, hadamard_block_size
 
     for g in config.group_sizes:
         QuantSpec(2, "per-token", g).check_fits((meta.num_tokens, meta.head_dim))
+    if "rotate" in config.variants:
+        try:
+            hadamard_block_size(meta.head_dim)
+        except ConfigError as exc:
+            raise ConfigError(
+                f"Variant 'rotate' does not fit {meta.model or 'this'} capture: {exc}"
+            ) from None
     if "pre" in _key_stages(config):
         if not meta.has_rope or meta.rope_layout in ("none", "", "pending"):
             raise InputError(
@@ -439,10 +455,16 @@ def _layer_records(layer_data, config: CompareConfig, meta, n_samples: int, tabl
 def _approximations(q, k, v, k_pre, tables, config: CompareConfig, layout: str):
     """Yield ``(_VariantKey, approximation)`` for every variant of one layer: keys as the
     post-RoPE ``[B, Hkv, T, D]`` tensor attention sees, values as themselves."""
-    from kvlens.quant import QuantSpec, apply_balancer, fit_balancer
+    from kvlens.quant import QuantSpec, apply_balancer, fit_balancer, hadamard_rotation
     from kvlens.rope import apply_rope
 
     transforms = (PLAIN, *config.variants)
+    # the same R for every layer and head: it depends only on head_dim and the seed
+    rotation = (
+        hadamard_rotation(k.shape[-1], config.rotation_seed, k.device)
+        if "rotate" in config.variants
+        else None
+    )
     balancer = None
     if "key" in config.tensors and "balancer" in config.variants and "post" in config.stages:
         # MiKV fits the balancer per prompt at prefill: one b per sample, KV head and channel.
@@ -460,14 +482,16 @@ def _approximations(q, k, v, k_pre, tables, config: CompareConfig, layout: str):
                             if name == "balancer":
                                 _, kb = apply_balancer(q, k, balancer)
                                 scale = balancer.float().unsqueeze(-2)
-                                yield key, _transform(kb, spec, PLAIN, config) / scale
+                                yield key, _transform(kb, spec, PLAIN, config, rotation) / scale
                             elif stage == "post":
-                                yield key, _transform(k, spec, name, config)
+                                yield key, _transform(k, spec, name, config, rotation)
                             else:
                                 # Quantize before RoPE, re-rotate. RoPE is linear, so adding
                                 # the rotated error to the stored k gives exactly
                                 # rope(k_pre_hat) up to the fp16 rounding of the stored pair.
-                                hat = _transform(k_pre, spec, name, config)
+                                # "rotate" un-rotates by R^T before RoPE (R and RoPE do not
+                                # commute), as quantize_pre_rope(..., rotation=R) does.
+                                hat = _transform(k_pre, spec, name, config, rotation)
                                 err = apply_rope(hat - k_pre.float(), *tables, layout)
                                 yield key, k.float() + err
                 if "value" in config.tensors:
@@ -475,12 +499,19 @@ def _approximations(q, k, v, k_pre, tables, config: CompareConfig, layout: str):
                         if name != "balancer":  # the balancer rescales keys against queries
                             yield (
                                 _VariantKey("value", axis, bits, g, None, name),
-                                _transform(v, spec, name, config),
+                                _transform(v, spec, name, config, rotation),
                             )
 
 
-def _transform(x, spec, name: str, config: CompareConfig):
-    from kvlens.quant import fake_quantize, quantize_gear, quantize_with_outliers
+def _transform(x, spec, name: str, config: CompareConfig, rotation=None):
+    """``x_hat`` in ``x``'s own basis (``rotate`` is un-rotated after dequantizing, so every
+    metric, reconstruction included, compares against the original tensor)."""
+    from kvlens.quant import (
+        fake_quantize,
+        quantize_gear,
+        quantize_rotated,
+        quantize_with_outliers,
+    )
 
     if name == PLAIN:
         return fake_quantize(x.float(), spec)
@@ -488,6 +519,8 @@ def _transform(x, spec, name: str, config: CompareConfig):
         return quantize_with_outliers(x, spec, config.outlier_fraction)
     if name == "lowrank":
         return quantize_gear(x, spec, config.rank)
+    if name == "rotate":
+        return quantize_rotated(x, spec, rotation)
     raise ConfigError(f"Unknown variant {name!r}; allowed: {', '.join((PLAIN,) + EXTRA_VARIANTS)}.")
 
 

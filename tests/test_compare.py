@@ -210,6 +210,92 @@ def test_transforms_help_where_planted(kivi_run):
         assert r.rel_error <= p.rel_error + 1e-12
 
 
+def outlier_channel_tensors(seed=0):
+    """Keys and values with one huge channel on every token (keys: channel 3, which queries
+    barely read; values: channel 5), Gaussian elsewhere: the case rotation is made for."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(S, HQ, T, D, generator=g)
+    q[..., 3] *= 0.03
+    k = torch.randn(S, HKV, T, D, generator=g)
+    k[..., 3] = 30.0 + torch.randn(S, HKV, T, generator=g)
+    v = torch.randn(S, HKV, T, D, generator=g)
+    v[..., 5] = 30.0 + torch.randn(S, HKV, T, generator=g)
+    return q, k, v
+
+
+def test_rotate_spreads_a_planted_outlier_channel(tmp_path):
+    path = make_capture(tmp_path / "o.h5", *outlier_channel_tensors())
+    # per-token groups are whole token vectors (G = D): rotation spreads the outlier over them
+    cfg = CompareConfig(bits=(4,), group_sizes=(D,), variants=("rotate",))
+    res = compare_axes(path, cfg)
+    for tensor, metrics in (
+        ("key", ("reconstruction", "score")),
+        ("value", ("reconstruction", "attention_output")),
+    ):
+        for metric in metrics:
+            tok = dict(tensor=tensor, axis="per-token", metric=metric)
+            rotated = mean(res.records, variant="rotate", **tok)
+            plain = mean(res.records, variant="plain", **tok)
+            assert rotated < 0.6 * plain, (tensor, metric, rotated, plain)
+            # per-channel groups already isolate the outlier; rotating changes little
+            ch = dict(tok, axis="per-channel")
+            assert mean(res.records, variant="rotate", **ch) == pytest.approx(
+                mean(res.records, variant="plain", **ch), rel=0.1
+            )
+    assert {w["variant"] for w in res.summary["winners"]} == {"plain", "rotate"}
+
+
+def test_rotate_records_are_errors_in_the_original_basis(tmp_path):
+    from kvlens.quant import QuantSpec, hadamard_rotation, quantize_pre_rope, quantize_rotated
+
+    q, k, v, q_pre, k_pre = rope_tensors()
+    path = make_capture(tmp_path / "r.h5", q, k, v, q_pre=q_pre, k_pre=k_pre, rope_theta=10000.0)
+    cfg = CompareConfig(
+        bits=(2,), group_sizes=(8,), stages=("post", "pre"), variants=("rotate",), rotation_seed=4
+    )
+    res = compare_axes(path, cfg)
+    r = hadamard_rotation(D, 4)
+    spec = QuantSpec(2, "per-token", 8)
+    cos, sin = rope_tables_for(torch.arange(T).expand(S, -1), D, 10000.0)
+    expected = {
+        ("value", None): quantize_rotated(v, spec, r),
+        ("key", "post"): quantize_rotated(k, spec, r),
+        ("key", "pre"): quantize_pre_rope(k_pre, cos, sin, spec, rotation=r),
+    }
+    for (tensor, stage), hat in expected.items():
+        x = v if tensor == "value" else k
+        for head in range(HKV):
+            (rec,) = by(
+                res.records,
+                tensor=tensor,
+                stage=stage,
+                variant="rotate",
+                axis="per-token",
+                metric="reconstruction",
+                head=head,
+            )
+            want = float((x[:, head] - hat[:, head]).norm() / x[:, head].norm())
+            assert rec.rel_error == pytest.approx(want, rel=1e-4), (tensor, stage, head)
+    # the seed matters: plain Hadamard gives other errors
+    other = compare_axes(path, CompareConfig(bits=(2,), group_sizes=(8,), variants=("rotate",)))
+    a = mean(
+        res.records, variant="rotate", tensor="value", axis="per-token", metric="reconstruction"
+    )
+    b = mean(
+        other.records, variant="rotate", tensor="value", axis="per-token", metric="reconstruction"
+    )
+    assert a != b
+
+
+def test_rotate_refuses_odd_head_dim(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 8, 9, generator=g) for h in (2, 1, 1))
+    path = make_capture(tmp_path / "odd.h5", q, k, v)
+    with pytest.raises(ConfigError, match=r"Variant 'rotate' does not fit.*head_dim 9.*Supported"):
+        compare_axes(path, CompareConfig(group_sizes=(3,), variants=("rotate",)))
+    assert compare_axes(path, CompareConfig(group_sizes=(3,), bits=(2,))).records
+
+
 def test_constant_tensors_give_zero_error_and_ties(tmp_path):
     q = torch.full((S, HQ, T, D), 0.5)
     k = torch.full((S, HKV, T, D), -0.75)
@@ -315,7 +401,11 @@ def test_fit_errors_layers_samples_and_progress(tmp_path):
         ({"bits": ()}, "No bit widths"),
         ({"group_sizes": (0,)}, "Invalid group size 0"),
         ({"stages": ("mid",)}, "Unknown stage 'mid'; allowed: post, pre"),
-        ({"variants": ("gear",)}, "Unknown variant 'gear'; allowed: balancer, outliers, lowrank"),
+        (
+            {"variants": ("gear",)},
+            "Unknown variant 'gear'; allowed: balancer, outliers, lowrank, rotate",
+        ),
+        ({"rotation_seed": -1}, "Invalid rotation seed -1"),
         ({"outlier_fraction": 0.0}, "Invalid outlier fraction"),
         ({"rank": 0}, "Invalid rank"),
         ({"samples": 0}, "Invalid samples"),
@@ -328,7 +418,7 @@ def test_config_validation(kwargs, message):
 
 
 def test_config_round_trip_and_parsers():
-    cfg = CompareConfig(bits=(4, 2, 4), stages=("pre", "post"), layers=(3, 1))
+    cfg = CompareConfig(bits=(4, 2, 4), stages=("pre", "post"), layers=(3, 1), rotation_seed=3)
     assert cfg.bits == (4, 2) and cfg.layers == (1, 3)
     assert CompareConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     with pytest.raises(ConfigError, match="Unknown compare config keys"):

@@ -81,6 +81,47 @@ def test_plots_written(capture, tmp_path):
     assert all((out / n).read_bytes()[:4] == b"\x89PNG" for n in names)
 
 
+def test_rotate_variant_in_table_json_and_plots(capture, tmp_path):
+    res = _run(capture, *SMALL, "--variants", "rotate", "--rotation-seed", "3")
+    assert res.exit_code == 0, res.output
+    out = res.stdout
+    assert "K 2b G8 post rotate" in out and "V 2b G8 rotate" in out
+    assert "disagreement values 2-bit G8 rotate" in " ".join(out.split())
+    figs = tmp_path / "figs"
+    res = _run(capture, *SMALL, "--variants", "rotate", "--json", "--plots", figs)
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert {r["variant"] for r in data["records"]} == {"plain", "rotate"}
+    summary = data["summary"]
+    assert summary["config"]["variants"] == ["rotate"]
+    assert summary["config"]["rotation_seed"] is None
+    rotated = [m for m in summary["means"] if m["variant"] == "rotate"]
+    assert {(m["tensor"], m["metric"]) for m in rotated} == {
+        ("key", "reconstruction"),
+        ("key", "score"),
+        ("key", "attention_weights"),
+        ("key", "attention_output"),
+        ("value", "reconstruction"),
+        ("value", "attention_output"),
+    }
+    assert {r["variant"] for r in summary["rankings"]} == {"plain", "rotate"}
+    names = {p.name for p in figs.iterdir()}
+    assert {"heatmap_key_2b_G8_post_rotate.png", "layers_value_2b_G8_rotate.png"} <= names
+
+
+def test_rotate_on_odd_head_dim_is_one_clear_error(tmp_path):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 8, 9, generator=g) for h in (2, 1, 1))
+    path = make_capture(tmp_path / "odd.h5", q, k, v)
+    res = _run(path, "--bits", "2", "--group-sizes", "3", "--variants", "rotate")
+    assert res.exit_code == 1, res.output
+    text = " ".join(res.output.split())
+    assert "No Hadamard rotation for head_dim 9" in text and "Supported: even head_dim" in text
+    assert "Traceback" not in res.output
+
+
 def test_pre_stage_on_rope_capture(tmp_path):
     q, k, v, q_pre, k_pre = rope_tensors()
     path = make_capture(tmp_path / "r.h5", q, k, v, q_pre=q_pre, k_pre=k_pre, rope_theta=10000.0)
@@ -116,6 +157,7 @@ def test_foreign_hdf5_is_refused(tmp_path):
         (["--samples", "0"], "Invalid samples 0"),
         (["--threads", "0"], "Invalid threads 0"),
         (["--outlier-fraction", "2"], "Invalid outlier fraction"),
+        (["--rotation-seed", "-1"], "Invalid rotation seed -1"),
     ],
 )
 def test_bad_options(capture, args, message):

@@ -43,7 +43,7 @@ def compare_axes_command(
         "",
         "--variants",
         help="Extra transforms beside plain quantization: balancer, "
-        "outliers, lowrank (comma-separated; default none).",
+        "outliers, lowrank, rotate (Hadamard along head_dim; comma-separated; default none).",
     ),
     outlier_fraction: float = typer.Option(
         0.01,
@@ -51,6 +51,12 @@ def compare_axes_command(
         help="Share of each quantized vector kept exact by the outliers variant.",
     ),
     rank: int = typer.Option(2, "--rank", help="Rank of the lowrank (GEAR) residual."),
+    rotation_seed: int = typer.Option(
+        None,
+        "--rotation-seed",
+        help="rotate variant: random sign flips drawn with this seed (randomized Hadamard); "
+        "default none (plain Hadamard).",
+    ),
     samples: int = typer.Option(None, "--samples", help="Use only the first N samples (faster)."),
     sinks: int = typer.Option(
         0,
@@ -93,6 +99,7 @@ def compare_axes_command(
             layers=parse_layers(layers),
             samples=samples,
             sink_tokens=sinks,
+            rotation_seed=rotation_seed,
         )
 
     config = run_library_call(configure)

@@ -2,8 +2,9 @@
 
 Tensors are ``[B, H, T, D]`` at every public function. ``spec`` says what shares a scale,
 ``reference`` quantizes/dequantizes, ``packing`` stores codes in bytes, ``transforms`` adds
-pre-RoPE keys, the MiKV balancer, dense-and-sparse outliers and the GEAR low-rank residual, and
-``accounting`` counts the bits. Kernels and analysis are tested against these functions.
+pre-RoPE keys, the MiKV balancer, dense-and-sparse outliers and the GEAR low-rank residual,
+``rotation`` the orthonormal Hadamard rotation along ``head_dim``, and ``accounting`` counts the
+bits. Kernels and analysis are tested against these functions.
 """
 
 from kvlens.quant.accounting import StorageBreakdown, bits_per_element
@@ -15,6 +16,14 @@ from kvlens.quant.packing import (
     unpack_codes,
 )
 from kvlens.quant.reference import QTensor, dequantize, expand_params, fake_quantize, quantize
+from kvlens.quant.rotation import (
+    RotationSpec,
+    hadamard_block_size,
+    hadamard_rotation,
+    quantize_rotated,
+    rotate,
+    unrotate,
+)
 from kvlens.quant.spec import GRANULARITIES, QuantSpec
 from kvlens.quant.transforms import (
     OUTLIER_SCOPES,
@@ -37,6 +46,7 @@ __all__ = [
     "LowRank",
     "QTensor",
     "QuantSpec",
+    "RotationSpec",
     "SparseOutliers",
     "StorageBreakdown",
     "apply_balancer",
@@ -47,6 +57,8 @@ __all__ = [
     "expand_params",
     "fake_quantize",
     "fit_balancer",
+    "hadamard_block_size",
+    "hadamard_rotation",
     "lowrank_residual",
     "outlier_count",
     "pack_codes",
@@ -54,8 +66,11 @@ __all__ = [
     "quantize",
     "quantize_gear",
     "quantize_pre_rope",
+    "quantize_rotated",
     "quantize_with_outliers",
     "rope_tables_for",
+    "rotate",
     "split_outliers",
     "unpack_codes",
+    "unrotate",
 ]

@@ -1,5 +1,6 @@
 """Transforms around the quantizer: pre-RoPE keys (KVQuant), the MiKV channel balancer,
-dense-and-sparse outliers (KVQuant/GEAR) and the GEAR low-rank residual.
+dense-and-sparse outliers (KVQuant/GEAR) and the GEAR low-rank residual. The Hadamard rotation
+lives in ``kvlens.quant.rotation``.
 
 All tensors are ``[B, H, T, D]`` unless stated; every quantization goes through
 ``kvlens.quant.reference`` so these add structure around one definition of the quantizer.
@@ -14,6 +15,7 @@ import torch
 
 from kvlens.errors import ConfigError, InputError
 from kvlens.quant.reference import fake_quantize
+from kvlens.quant.rotation import quantize_rotated
 from kvlens.quant.spec import QuantSpec
 from kvlens.rope import LAYOUTS, apply_rope
 
@@ -56,13 +58,25 @@ def rope_tables_for(
 
 
 def quantize_pre_rope(
-    k_pre: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: QuantSpec, layout: str = "half"
+    k_pre: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    spec: QuantSpec,
+    layout: str = "half",
+    rotation: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """KVQuant-style keys: quantize ``k_pre`` (before RoPE), dequantize, then rotate.
+    """KVQuant-style keys: quantize ``k_pre`` (before RoPE), dequantize, then apply RoPE.
 
     Returns the post-RoPE key the model would see, ``[B, H, T, D]`` float32; ``cos``/``sin``
-    are the layer's ``[B, T, R]`` tables (e.g. from ``rope_tables_for``)."""
-    return apply_rope(fake_quantize(k_pre.float(), spec), cos, sin, layout)
+    are the layer's ``[B, T, R]`` tables (e.g. from ``rope_tables_for``). With ``rotation``
+    (``[D, D]`` from ``hadamard_rotation``) the stored form is ``k_pre R``: it is quantized,
+    dequantized and un-rotated by ``Rᵀ`` *before* RoPE is applied (RoPE and ``R`` do not
+    commute, so the query cannot absorb ``R`` here)."""
+    if rotation is None:
+        hat = fake_quantize(k_pre.float(), spec)
+    else:
+        hat = quantize_rotated(k_pre, spec, rotation)
+    return apply_rope(hat, cos, sin, layout)
 
 
 # -- MiKV channel balancer ----------------------------------------------------------------
