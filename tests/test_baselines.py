@@ -28,11 +28,11 @@ def test_unknown_and_missing_baselines_are_clear():
 @pytest.mark.skipif(not _has_fp8_backend(), reason="QuantizedCache(backend=...) needs transformers >= 5")
 def test_fp8_baseline_runs_side_by_side(tiny_model_dir):
     res = CliRunner().invoke(app, ["generate", "--model", str(tiny_model_dir), "--compare",
-                                   "fp16,hf-fp8", "--eval", "ppl", "--ppl-tokens", "200",
+                                   "exact,hf-fp8", "--eval", "ppl", "--ppl-tokens", "200",
                                    "--json"])
     assert res.exit_code == 0, res.output
-    fp16, fp8 = json.loads(res.stdout)["results"]
+    exact, fp8 = json.loads(res.stdout)["results"]
     assert fp8["name"] == "hf-fp8" and fp8["backend"].startswith("transformers QuantizedCache")
     # fp8 codes + per-tensor scales + a bf/fp32 residual: fewer bytes than fp16, measured.
     assert 0 < fp8["kv_bytes"] < fp8["kv_bytes_fp16"]
-    assert fp8["ppl"] > 0 and fp8["ppl_fp16"] == fp16["ppl"]
+    assert fp8["ppl"] > 0 and fp8["ppl_fp16"] == exact["ppl"]
