@@ -8,7 +8,7 @@ Tasks (``TASKS``):
   continuation (8 new tokens).
 - **kv**: paragraphs of the held-out text (``kvlens.evaluation.heldout``, starting at a seeded
   paragraph) with six sentences "The code for NAME is NNNN." inserted at paragraph boundaries:
-  the asked-for name at the cell's depth, five distractor names at seeded other places; ending
+  the asked-for name at the cell's depth, five distractor names at seeded places; ending
   "Question: What is the code for NAME?\\nAnswer: The code for NAME is". Correct when its 4
   digits appear in the greedy continuation (8 new tokens).
 
@@ -132,14 +132,12 @@ def kv_prompt(tokenizer, length: int, depth: float, rng: random.Random,
         used += n
     if len(body) < 2:
         raise InputError(f"Retrieval length {length} is too short for the key-value task.")
-    slots = {round(depth * len(body)): facts[0]}
-    others = [s for s in range(len(body) + 1) if s not in slots]
-    for s, fact in zip(sorted(rng.sample(others, min(5, len(others)))), facts[1:]):
-        slots[s] = fact
+    slots: dict[int, list[str]] = {round(depth * len(body)): [facts[0]]}
+    for fact in facts[1:]:  # distractors: any gap, several may share one
+        slots.setdefault(rng.randrange(len(body) + 1), []).append(fact)
     out = []
     for s in range(len(body) + 1):
-        if s in slots:
-            out.append(slots[s])
+        out.extend(slots.get(s, []))
         if s < len(body):
             out.append(body[s])
     return "\n\n".join(out) + question, code
