@@ -270,3 +270,18 @@ def test_heldout_text_is_long_and_disjoint_from_calibration_texts(smollm2_tokeni
     assert not spans & _spans(ids(probe))
     # the check can fail: the held-out text shares spans with itself
     assert _spans(held[:200]) <= spans
+
+
+def test_smollm2_smoke_kld_on_the_heldout_text(smollm2):
+    from kvlens.evaluation.heldout import heldout_text
+
+    model, tok = smollm2
+    ids = tok(heldout_text(), add_special_tokens=False, return_tensors="pt").input_ids[:, :256]
+    res = summarize_kld(score_text(model, ids, [preset("fp16"), preset("kivi-2"),
+                                                preset("kivi-4")], chunk=64))
+    fp16, kivi2, kivi4 = res["configs"]
+    assert fp16["mean_kld"]["value"] == 0.0 and fp16["top1_agreement"]["value"] == 1.0
+    assert kivi2["quantized_share"] == pytest.approx((255 - 128) / 255)
+    assert kivi2["mean_kld"]["value"] > kivi4["mean_kld"]["value"] > 0
+    assert kivi4["vs_first"]["mean_kld"]["diff"] < 0
+    assert 2 < res["exact"]["ppl"]["value"] < 100

@@ -6,8 +6,8 @@ Tasks (``TASKS``):
   "The pass key is NNNNN. Remember it. NNNNN is the pass key." at the cell's depth, ending
   "What is the pass key? The pass key is". Correct when the 5 digits appear in the greedy
   continuation (8 new tokens).
-- **kv**: paragraphs of the held-out text (``kvlens.evaluation.heldout``, starting at a seeded
-  paragraph) with six sentences "The code for NAME is NNNN." inserted at paragraph boundaries:
+- **kv**: paragraphs of the held-out text (``kvlens.evaluation.heldout``, in order from a seeded
+  paragraph, skipping any that would overshoot the length) with six sentences "The code for NAME is NNNN." inserted at paragraph boundaries:
   the asked-for name at the cell's depth, five distractor names at seeded places; ending
   "Question: What is the code for NAME?\\nAnswer: The code for NAME is". Correct when its 4
   digits appear in the greedy continuation (8 new tokens).
@@ -124,14 +124,16 @@ def kv_prompt(tokenizer, length: int, depth: float, rng: random.Random,
     for j in range(len(paras)):
         p = paras[(start + j) % len(paras)]
         n = _ntok(tokenizer, p) + 2
-        if used + n > budget:
-            if body:
+        if used + n > budget:  # skip a paragraph that does not fit; a shorter one may
+            if budget - used < 16:
                 break
             continue
         body.append(p)
         used += n
     if len(body) < 2:
-        raise InputError(f"Retrieval length {length} is too short for the key-value task.")
+        raise InputError(f"Retrieval length {length} is too short for the key-value task "
+                         "(six facts, a question and at least two paragraphs); use 150 tokens "
+                         "or more.")
     slots: dict[int, list[str]] = {round(depth * len(body)): [facts[0]]}
     for fact in facts[1:]:  # distractors: any gap, several may share one
         slots.setdefault(rng.randrange(len(body) + 1), []).append(fact)
