@@ -207,6 +207,11 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
                  f"{options.chunk}, {len(configs)} configs + exact in lockstep")
         scores = score_text(model, kld_ids, configs, options.chunk, options.backend,
                             progress=_every(progress, "kld: chunk"))
+        sec = scores.seconds
+        progress(f"kld: exact forwards {sec['exact_forward']:.1f} s, config forwards "
+                 + ", ".join(f"{c.name} {t:.1f} s" for c, t in zip(configs,
+                                                                  sec["config_forward"]))
+                 + f", KL/NLL {sec['kl_and_nll']:.1f} s; bootstrap ...")
         summary = summarize(scores)
         report["evaluation"]["kld"] = {"text_source": text_source, **summary["protocol"],
                                        "exact": summary["exact"]}

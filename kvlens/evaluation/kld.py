@@ -24,6 +24,7 @@ Protocol (``score_text``; docs/evaluation.md):
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -72,6 +73,8 @@ class TextScores:
     chunks_done: int = 0
     chunks_total: int = 0
     interrupted: bool = False
+    #: wall seconds in the exact forwards, each config's forwards (config order), KL/NLL scoring
+    seconds: dict = field(default_factory=dict)
 
     @property
     def scored(self) -> int:
@@ -163,11 +166,14 @@ def score_text(model, ids, configs: Sequence, chunk: int = DEFAULT_CHUNK, backen
         installed = model.config._attn_implementation
         caches = [s.new_cache() for s in sessions]
         exact_cache = None
+        clock = {"exact": 0.0, "scoring": 0.0}
+        per_config = [0.0] * len(caches)
         try:
             for k, s in enumerate(starts):
                 x = ids[:, s:s + chunk]
                 targets = ids[0, s + 1:s + chunk + 1]
                 m = targets.shape[0]  # the text's last token scores nothing
+                t0 = time.perf_counter()
                 if installed != plain:
                     model.set_attn_implementation(plain)
                 try:
@@ -177,13 +183,19 @@ def score_text(model, ids, configs: Sequence, chunk: int = DEFAULT_CHUNK, backen
                     if installed != plain:
                         model.set_attn_implementation(installed)
                 exact_cache = _returned_cache(out)
+                t1 = time.perf_counter()
+                clock["exact"] += t1 - t0
                 logp_e = torch.log_softmax(out.logits[0, :m].double(), -1)
                 nll_e = -logp_e.gather(-1, targets[:, None])[:, 0]
                 top_e = logp_e.argmax(-1)
                 rows = []
-                for cache in caches:
+                for j, cache in enumerate(caches):
                     quant = reads_quantized(cache)
+                    t2 = time.perf_counter()
                     logits = model(x, use_cache=True, **{arg: cache}).logits
+                    t3 = time.perf_counter()
+                    per_config[j] += t3 - t2
+                    clock["scoring"] -= t3 - t2
                     logp = torch.log_softmax(logits[0, :m].double(), -1)
                     kld = (logp_e.exp() * (logp_e - logp)).sum(-1).clamp_min(0.0)
                     rows.append((kld, logp.argmax(-1) == top_e,
@@ -198,9 +210,13 @@ def score_text(model, ids, configs: Sequence, chunk: int = DEFAULT_CHUNK, backen
                 result.nll_exact.extend(nll_e.tolist())
                 result.chunk_of_token.extend([k] * m)
                 result.chunks_done = k + 1
+                clock["scoring"] += time.perf_counter() - t1
                 progress(k + 1, len(starts))
         except KeyboardInterrupt:
             result.interrupted = True
+        result.seconds = {"exact_forward": round(clock["exact"], 2),
+                          "config_forward": [round(v, 2) for v in per_config],
+                          "kl_and_nll": round(clock["scoring"], 2)}
         for ts, config, cache in zip(result.configs, configs, caches):
             ts.memory = _memory(config, cache)
     return result
@@ -283,7 +299,7 @@ def summarize(scores: TextScores, resamples: int = RESAMPLES, seed: int = BOOTST
 def _protocol(scores: TextScores, units: int, resamples: int, seed: int) -> dict:
     return {"tokens": scores.tokens, "chunk": scores.chunk, "scored": scores.scored,
             "chunks_done": scores.chunks_done, "chunks_total": scores.chunks_total,
-            "interrupted": scores.interrupted,
+            "interrupted": scores.interrupted, "seconds": scores.seconds,
             "bootstrap": {"unit_tokens": max(1, math.ceil(UNIT_TOKENS / scores.chunk))
                           * scores.chunk, "units": units, "resamples": resamples,
                           "seed": seed}}
