@@ -80,3 +80,106 @@ def test_generate_config_for_another_model(patched_model, tmp_path):
     result = runner.invoke(app, ["generate", "--config", str(path), "--prompt", "x"])
     assert result.exit_code == 1
     assert "num_layers=12" in result.output and "num_layers=30" in result.output
+
+
+# -- long-context evaluations (tiny random Llama with SmolLM2's tokenizer) ------------------------
+
+@pytest.fixture
+def tiny_kivi(tmp_path):
+    from kvlens.kvconfig import KVConfig, LayerKV, save_config
+    from kvlens.quant import QuantSpec
+
+    path = tmp_path / "tiny-kivi.json"
+    save_config(KVConfig("tiny-kivi", LayerKV(QuantSpec(2, "per-channel", 8),
+                                              QuantSpec(2, "per-token", 8), 16)), path)
+    return path
+
+
+def test_generate_kld_and_retrieval_json(tiny_model_dir, tiny_kivi):
+    result = runner.invoke(app, ["generate", "--model", str(tiny_model_dir), "--compare",
+                                 f"fp16,{tiny_kivi},{tiny_kivi}", "--eval", "kld,retrieval",
+                                 "--eval-tokens", "160", "--chunk", "16",
+                                 "--retrieval-lengths", "200", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["interrupted"] is False
+    kld = doc["evaluation"]["kld"]
+    assert kld["text_source"] == "builtin:heldout" and kld["tokens"] == 160
+    assert kld["chunk"] == 16 and kld["scored"] == 159 and kld["bootstrap"]["units"] == 3
+    assert kld["bootstrap"]["unit_tokens"] == 64  # 4 chunks of 16 per bootstrap unit
+    fp16, first, second = doc["results"]
+    assert fp16["kld"]["mean_kld"]["value"] == 0.0 and fp16["kld"]["quantized_share"] == 0.0
+    assert first["kld"]["quantized_share"] == pytest.approx((159 - 16) / 159)
+    assert first["kld"]["vs_first"] is None
+    assert second["kld"]["vs_first"]["mean_kld"]["verdict"] == "not distinguishable"
+    assert set(first["kld"]) >= {"mean_kld", "median_kld", "p99_kld", "top1_agreement", "ppl",
+                                 "ppl_change", "ppl_exact", "vs_exact", "quantized_share"}
+    assert first["bits_per_element"] < fp16["bits_per_element"]
+    grid = doc["evaluation"]["retrieval"]
+    assert grid["lengths"] == [200] and grid["prompts"] == 6 and grid["exact"]["total"] == 6
+    for r in doc["results"]:
+        assert r["retrieval"]["total"] == 6 and len(r["retrieval"]["by_length"]) == 1
+        lo, hi = r["retrieval"]["by_length"][0]["wilson95"]
+        assert 0.0 <= lo <= hi <= 1.0
+
+
+def test_generate_kld_table(tiny_model_dir, tiny_kivi):
+    result = runner.invoke(app, ["generate", "--model", str(tiny_model_dir), "--compare",
+                                 f"fp16,{tiny_kivi}", "--eval", "kld", "--eval-tokens", "96",
+                                 "--chunk", "16"])
+    assert result.exit_code == 0, result.output
+    assert "KL divergence vs the exact model" in result.stdout
+    assert "quantized share" in result.stdout and "fp16 - tiny-kivi" in result.stdout
+    assert "fp16 vs exact: not distinguishable" in result.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--eval-tokens", "300"], "max_position_embeddings is 256; allowed: 2-256"),
+    (["--eval-tokens", "64", "--chunk", "65"], "--chunk must be between 1"),
+    (["--chunk", "0"], "--chunk must be at least 1"),
+    (["--eval", "retrieval", "--retrieval-lengths", "1000"], "allowed 64-240 tokens"),
+    (["--eval", "retrieval", "--retrieval-lengths", "2k"], "comma list of integers"),
+    (["--eval", "retrieval", "--retrieval-prompts", "0"], "--retrieval-prompts must be at"),
+])
+def test_generate_long_eval_bad_input(tiny_model_dir, args, message):
+    base = ["generate", "--model", str(tiny_model_dir), "--preset", "fp16"]
+    if "--eval" not in args:
+        args = ["--eval", "kld", *args]
+    result = runner.invoke(app, [*base, *args])
+    assert result.exit_code == 1, result.output
+    assert message in result.output
+
+
+def test_generate_kld_longer_than_the_text(tiny_model_dir, tmp_path):
+    text = tmp_path / "short.txt"
+    text.write_text("A short text. " * 5)
+    result = runner.invoke(app, ["generate", "--model", str(tiny_model_dir), "--preset", "fp16",
+                                 "--eval", "kld", "--eval-tokens", "100", "--text", str(text)])
+    assert result.exit_code == 1
+    assert "longer than the text from" in result.output and "short.txt" in result.output
+
+
+def test_ctrl_c_prints_what_was_finished_and_exits_nonzero(tiny_model_dir, tiny_kivi,
+                                                           monkeypatch):
+    import kvlens.evaluation.kld as kld
+
+    calls = {"n": 0}
+    real = kld.reads_quantized
+
+    def interrupt_later(cache):
+        calls["n"] += 1
+        if calls["n"] == 5:  # during the 5th chunk (one config): chunks 1-4 are finished
+            raise KeyboardInterrupt
+        return real(cache)
+
+    monkeypatch.setattr(kld, "reads_quantized", interrupt_later)
+    result = runner.invoke(app, ["generate", "--model", str(tiny_model_dir), "--config",
+                                 str(tiny_kivi), "--eval", "kld,retrieval", "--eval-tokens",
+                                 "128", "--chunk", "16", "--retrieval-lengths", "200",
+                                 "--json"])
+    assert result.exit_code == 130
+    doc = json.loads(result.stdout)
+    assert doc["interrupted"] and doc["evaluation"]["kld"]["chunks_done"] == 4
+    assert doc["results"][0]["kld"]["scored"] == 64
+    assert "retrieval" not in doc["evaluation"]  # not started after the interrupt
+    assert "interrupted" in result.stderr

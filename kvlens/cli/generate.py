@@ -23,8 +23,13 @@ def generate(
     prompt: str = typer.Option(None, "--prompt", help="Prompt to continue."),
     prompt_file: Path = typer.Option(None, "--prompt-file", help="UTF-8 file with the prompt."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens to generate."),
-    evals: str = typer.Option(None, "--eval", help="Comma list of ppl, passkey, agreement."),
-    text: Path = typer.Option(None, "--text", help="Text for ppl (default: built-in corpus)."),
+    evals: str = typer.Option(None, "--eval",
+                              help="Comma list: kld (long-context KL divergence, top-1 and ppl "
+                                   "vs the exact model), retrieval (passkey + key-value grid); "
+                                   "short-context checks: ppl, passkey, agreement."),
+    text: Path = typer.Option(None, "--text",
+                              help="Text for kld and ppl (default: the built-in held-out text; "
+                                   "builtin:corpus for the capture corpus)."),
     compare: str = typer.Option(None, "--compare",
                                 help="Comma list of presets, config files and transformers "
                                      "baselines (hf-quanto-2/4, hf-hqq-2/4, hf-fp8) to run side "
@@ -34,16 +39,31 @@ def generate(
     passkey_prompts: int = typer.Option(5, "--passkey-prompts", help="Passkey prompts."),
     passkey_context: int = typer.Option(1000, "--passkey-context",
                                         help="Approximate tokens per passkey prompt."),
-    seed: int = typer.Option(0, "--seed", help="Seed for passkey keys and depths."),
+    seed: int = typer.Option(0, "--seed", help="Seed for passkey and retrieval prompts."),
+    eval_tokens: int = typer.Option(None, "--eval-tokens",
+                                    help="kld: tokens of text to score (default 4096, capped by "
+                                         "the model's context)."),
+    chunk: int = typer.Option(64, "--chunk",
+                              help="kld: tokens per forward call (1 = decode mode)."),
+    retrieval_prompts: int = typer.Option(1, "--retrieval-prompts",
+                                          help="retrieval: prompts per task, length and depth "
+                                               "(raise for tighter intervals)."),
+    retrieval_lengths: str = typer.Option(None, "--retrieval-lengths",
+                                          help="retrieval: comma list of prompt lengths in "
+                                               "tokens (default 1024,2048,4096 where they fit)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
     dtype: str = typer.Option("float32", "--dtype", help="Model compute dtype."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
 ) -> None:
-    """Generate with a compressed KV cache and measure ppl / passkey / agreement vs the exact
-    (uncompressed) cache."""
+    """Generate with a compressed KV cache and measure what it loses against the exact model.
+
+    --eval kld scores a long held-out text (KL divergence, top-1 agreement, perplexity with
+    bootstrap intervals and paired comparisons); --eval retrieval runs a passkey and key-value
+    grid over lengths and depths. Ctrl-C prints what was finished and exits with code 130."""
     configs, opts = run_library_call(lambda: _options(
         config, preset_name, compare, prompt, prompt_file, max_new_tokens, evals, text, backend,
-        ppl_tokens, passkey_prompts, passkey_context, seed))
+        ppl_tokens, passkey_prompts, passkey_context, seed, eval_tokens, chunk,
+        retrieval_prompts, retrieval_lengths))
 
     def work():
         from kvlens.evaluate import evaluate_configs
@@ -58,13 +78,20 @@ def generate(
     err_console.print(f"backend: {report['results'][0].get('backend', '?')} "
                       f"({report['backend_reason']})")
     if as_json:
-        print_json({"results": report["results"]})
-        return
-    _render(report["results"], opts)
+        print_json({"results": report["results"], "evaluation": report["evaluation"],
+                    "interrupted": report["interrupted"]})
+    else:
+        _render(report["results"], opts)
+        _render_long(report)
+    if report["interrupted"]:
+        err_console.print("[bold red]interrupted:[/] the results above are what was finished "
+                          "before Ctrl-C.", highlight=False)
+        raise typer.Exit(130)
 
 
 def _options(config, preset_name, compare, prompt, prompt_file, max_new_tokens, evals, text,
-             backend, ppl_tokens, passkey_prompts, passkey_context, seed):
+             backend, ppl_tokens, passkey_prompts, passkey_context, seed, eval_tokens=None,
+             chunk=64, retrieval_prompts=1, retrieval_lengths=None):
     from kvlens.errors import InputError
     from kvlens.evaluate import EvalOptions, parse_evals
     from kvlens.kvconfig import load_config, preset, resolve
@@ -93,8 +120,23 @@ def _options(config, preset_name, compare, prompt, prompt_file, max_new_tokens, 
     names = parse_evals(evals)
     if not names and prompt is None:
         raise InputError("Nothing to do: give --prompt/--prompt-file and/or --eval "
-                         "ppl,passkey,agreement.")
+                         "kld,retrieval,ppl,passkey,agreement.")
+    if chunk < 1:
+        raise InputError(f"--chunk must be at least 1 (1 = decode mode); got {chunk}.")
+    if eval_tokens is not None and eval_tokens < 2:
+        raise InputError(f"--eval-tokens must be at least 2 (got {eval_tokens}).")
+    if eval_tokens is not None and chunk > eval_tokens:
+        raise InputError(f"--chunk must be between 1 (decode mode) and --eval-tokens "
+                         f"({eval_tokens}); got {chunk}.")
+    lengths = None
+    if retrieval_lengths:
+        try:
+            lengths = tuple(int(x) for x in retrieval_lengths.split(",") if x.strip())
+        except ValueError:
+            raise InputError(f"--retrieval-lengths must be a comma list of integers (got "
+                             f"{retrieval_lengths!r}).") from None
     for flag, value, low in (("--max-new-tokens", max_new_tokens, 1),
+                             ("--retrieval-prompts", retrieval_prompts, 1),
                              ("--passkey-prompts", passkey_prompts, 1),
                              ("--passkey-context", passkey_context, 64),
                              ("--ppl-tokens", ppl_tokens, 40)):
@@ -103,14 +145,17 @@ def _options(config, preset_name, compare, prompt, prompt_file, max_new_tokens, 
     opts = EvalOptions(evals=names, prompt=prompt, max_new_tokens=max_new_tokens,
                        text=str(text) if text else None, ppl_tokens=ppl_tokens,
                        passkey_prompts=passkey_prompts, passkey_context=passkey_context,
-                       seed=seed, backend=backend)
+                       seed=seed, backend=backend, eval_tokens=eval_tokens, chunk=chunk,
+                       retrieval_prompts=retrieval_prompts, retrieval_lengths=lengths)
     return configs, opts
 
 
 def _render(results, opts) -> None:
     from rich.table import Table
 
-    table = Table(title="kvlens generate: compressed KV cache vs fp16")
+    if not (set(opts.evals) & {"ppl", "passkey", "agreement"}) and opts.prompt is None:
+        return
+    table = Table(title="kvlens generate: compressed KV cache vs fp16 (short-context checks)")
     cols = ["config", "bits/elem", "KV bytes", "vs fp16"]
     if "ppl" in opts.evals:
         cols += ["ppl", "ppl change"]
@@ -145,3 +190,85 @@ def _bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
+
+
+def _ci(stat: dict, fmt: str = ".4f", scale: float = 1.0, sign: str = "", unit: str = "") -> str:
+    """``value`` over its 95% interval on a second line (keeps the columns narrow)."""
+    lo, hi = stat["ci95"]
+    v = stat["value"] * scale
+    return f"{v:{sign}{fmt}}{unit}\n[{lo * scale:{sign}{fmt}}, {hi * scale:{sign}{fmt}}]"
+
+
+def _diff(d: dict, fmt: str, scale: float = 1.0) -> str:
+    lo, hi = d["ci95"]
+    text = f"{d['diff'] * scale:+{fmt}} [{lo * scale:+{fmt}}, {hi * scale:+{fmt}}]"
+    return text + (" not distinguishable" if not d["distinguishable"] else "")
+
+
+def _render_long(report: dict) -> None:
+    """Tables for --eval kld and --eval retrieval, with the paired comparisons."""
+    from rich.table import Table
+
+    results, ev = report["results"], report["evaluation"]
+    if "kld" in ev:
+        p = ev["kld"]
+        title = (f"KL divergence vs the exact model: {p['scored']} predictions over "
+                 f"{p['tokens']} tokens of {p['text_source']}, chunk {p['chunk']}"
+                 + (" (INTERRUPTED: partial)" if p["interrupted"] else ""))
+        t = Table(title=title)
+        for c in ("config", "bits/elem", "quantized share", "mean KLD", "median KLD",
+                  "p99 KLD", "top-1 agree", "ppl", "ppl change"):
+            t.add_column(c, justify="left" if c == "config" else "right")
+        ex = p.get("exact")
+        if ex:
+            t.add_row("exact", "-", "-", "0", "0", "0", "1", _ci(ex["ppl"], ".3f"), "0")
+        for r in results:
+            k = r.get("kld")
+            if not k:
+                continue
+            t.add_row(r["name"], f"{r.get('bits_per_element', 0):.2f}",
+                      f"{k['quantized_share']:.3f}", _ci(k["mean_kld"]),
+                      f"{k['median_kld']['value']:.4f}", f"{k['p99_kld']['value']:.3f}",
+                      _ci(k["top1_agreement"], ".3f"), _ci(k["ppl"], ".3f"),
+                      _ci(k["ppl_change"], ".2f", 100, "+", "%"))
+        console.print(t)
+        console.print("Second lines: 95% bootstrap intervals over blocks of "
+                      f"{p['bootstrap']['unit_tokens']} tokens ({p['bootstrap']['resamples']} "
+                      "resamples). quantized share: predictions whose attention read at least "
+                      "one quantized entry.")
+        for r in results:
+            k = r.get("kld") or {}
+            v = k.get("vs_first")
+            if v:
+                console.print(f"{r['name']} - {v['reference']}: mean KLD "
+                              f"{_diff(v['mean_kld'], '.4f')}; top-1 "
+                              f"{_diff(v['top1_agreement'], '.3f')}; ppl change "
+                              f"{_diff(v['ppl_change'], '.2f', 100)} points", highlight=False)
+            if k and not k["vs_exact"]["mean_kld"]["distinguishable"]:
+                console.print(f"{r['name']} vs exact: not distinguishable (mean KLD interval "
+                              "covers 0)", highlight=False)
+    if "retrieval" in ev:
+        p = ev["retrieval"]
+        ex = p.get("exact")
+        t = Table(title=f"Retrieval (passkey + key-value), {p['prompts']} prompts per config, "
+                        f"depths {p['depths']}; correct/total [Wilson 95%]"
+                        + (" (INTERRUPTED: partial)" if p["interrupted"] else ""))
+        t.add_column("config")
+        for length in p["lengths"]:
+            t.add_column(f"{length} tok", justify="right")
+        t.add_column("all", justify="right")
+        t.add_column("vs exact [95% CI]", justify="right")
+        rows = ([("exact", ex, None)] if ex else []) + \
+            [(r["name"], r["retrieval"], r["retrieval"]["vs_exact"]["accuracy"])
+             for r in results if r.get("retrieval")]
+        for name, doc, vs in rows:
+            cells = [f"{c['correct']}/{c['total']} [{c['wilson95'][0]:.2f}-"
+                     f"{c['wilson95'][1]:.2f}]" for c in doc["by_length"]]
+            t.add_row(name, *cells, f"{doc['correct']}/{doc['total']}",
+                      "-" if vs is None else _diff(vs, ".2f"))
+        console.print(t)
+        for r in results:
+            v = (r.get("retrieval") or {}).get("vs_first")
+            if v:
+                console.print(f"{r['name']} - {v['reference']}: accuracy "
+                              f"{_diff(v['accuracy'], '.2f')}", highlight=False)

@@ -1,0 +1,305 @@
+"""Teacher-forced scoring of a long text against the exact model: KL divergence, top-1, ppl.
+
+Protocol (``score_text``; docs/evaluation.md):
+
+- The text (``ids [1, N]``) is fed ``chunk`` tokens per forward call (``chunk = 1`` is decode
+  mode) through every config's compressed cache and, **in lockstep on the same chunks**, through
+  the exact model: the unmodified model with its own plain ``DynamicCache`` (the model's own
+  attention implementation, switched back in for that call; no kvlens code in its path).
+- The logits at position ``t`` score token ``t + 1``: ``N - 1`` scored predictions. Per scored
+  prediction: ``KL(p_exact || p_config)`` (float64 log-softmax), top-1 agreement (same argmax)
+  and the negative log-likelihood of the true next token under both.
+- A chunk's own tokens are attended exactly in the forward call that brings them (they wait in
+  the residual window); they are quantized when a window flush follows a call. So a prediction
+  **reads quantized entries** iff, when its chunk's forward call starts, some layer of that
+  config's cache holds a non-empty quantized store (``quantized_length > 0``; for transformers'
+  ``QuantizedCache`` baselines: a quantized history exists). ``quantized_share`` is the share of
+  scored predictions for which that holds. Everything is scored; the share says how much of it
+  describes the compressed cache rather than the window (kivi-2, 4096 tokens, chunk 64: 0.97).
+- Intervals: ``kvlens.evaluation.stats``; the bootstrap unit is a block of consecutive chunks
+  covering at least ``UNIT_TOKENS`` tokens (one chunk at the default chunk of 64), the same
+  blocks for every config (paired differences).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvlens.errors import InputError
+from kvlens.evaluation.stats import (
+    BOOTSTRAP_SEED,
+    RESAMPLES,
+    bootstrap_indices,
+    paired_difference,
+    percentile_interval,
+)
+
+DEFAULT_EVAL_TOKENS = 4096
+DEFAULT_CHUNK = 64
+UNIT_TOKENS = 64
+STATS = ("mean_kld", "median_kld", "p99_kld", "top1_agreement", "ppl", "ppl_change")
+#: Statistics compared between configs (paired): lower KLD, higher agreement, lower ppl change.
+PAIRED = ("mean_kld", "top1_agreement", "ppl_change")
+
+
+@dataclass
+class TokenScores:
+    """Per scored prediction of one config (arrays of equal length, in text order)."""
+
+    name: str
+    compressed: bool = True
+    kld: list = field(default_factory=list)
+    top1: list = field(default_factory=list)
+    nll: list = field(default_factory=list)
+    quantized: list = field(default_factory=list)
+    memory: dict | None = None
+
+
+@dataclass
+class TextScores:
+    """What ``score_text`` measured: the exact model's NLL and each config's scores."""
+
+    tokens: int
+    chunk: int
+    chunk_of_token: list = field(default_factory=list)  # chunk index of each scored prediction
+    nll_exact: list = field(default_factory=list)
+    configs: list[TokenScores] = field(default_factory=list)
+    chunks_done: int = 0
+    chunks_total: int = 0
+    interrupted: bool = False
+    #: wall seconds in the exact forwards, each config's forwards (config order), KL/NLL scoring
+    seconds: dict = field(default_factory=dict)
+
+    @property
+    def scored(self) -> int:
+        return len(self.nll_exact)
+
+
+def check_lengths(text_tokens: int, eval_tokens: int | None, chunk: int, max_positions: int | None,
+                  source: str) -> int:
+    """The number of tokens to score (``eval_tokens`` or the default), or ``InputError``."""
+    limit = max_positions or 10**9
+    if eval_tokens is None:
+        eval_tokens = min(DEFAULT_EVAL_TOKENS, limit)
+    elif eval_tokens < 2:
+        raise InputError(f"--eval-tokens must be at least 2 (got {eval_tokens}).")
+    elif eval_tokens > limit:
+        raise InputError(f"--eval-tokens {eval_tokens} is beyond the model's context: its "
+                         f"max_position_embeddings is {limit}; allowed: 2-{limit}.")
+    if eval_tokens > text_tokens:
+        raise InputError(f"--eval-tokens {eval_tokens} is longer than the text from {source} "
+                         f"({text_tokens} tokens); lower --eval-tokens to at most {text_tokens} "
+                         "or give a longer --text.")
+    if not 1 <= chunk <= eval_tokens:
+        raise InputError(f"--chunk must be between 1 (decode mode) and --eval-tokens "
+                         f"({eval_tokens}); got {chunk}.")
+    return eval_tokens
+
+
+def max_positions(model) -> int | None:
+    config = model.config
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def reads_quantized(cache) -> bool:
+    """Whether attention over ``cache`` reads at least one quantized entry now (see module doc)."""
+    for layer in getattr(cache, "layers", ()):
+        if getattr(layer, "quantized_length", 0) > 0:
+            return True
+        if getattr(layer, "_quantized_keys", None) is not None:  # transformers QuantizedCache
+            return True
+    return False
+
+
+def _session(model, config, backend: str):
+    from kvlens.baselines import Baseline, baseline_session
+    from kvlens.cache import compressed_attention
+
+    if isinstance(config, Baseline):
+        return baseline_session(model, config)
+    return compressed_attention(model, config, backend)
+
+
+def _memory(config, cache) -> dict:
+    from kvlens.baselines import Baseline, baseline_memory_report
+    from kvlens.cache import memory_report
+
+    report = (baseline_memory_report if isinstance(config, Baseline) else memory_report)(cache)
+    return {k: report[k] for k in ("kv_bytes", "kv_bytes_fp16", "bits_per_element")}
+
+
+def score_text(model, ids, configs: Sequence, chunk: int = DEFAULT_CHUNK, backend: str = "auto",
+               progress: Callable[[int, int], None] = lambda done, total: None) -> TextScores:
+    """Score ``ids`` ``[1, N]`` under every config and the exact model, in lockstep (module doc).
+
+    All configs' sessions are open together (their attention overrides nest: each one handles
+    any kvlens cache layer and passes every other call down to the model's own attention), so
+    the exact forward of a chunk is computed once for all configs. Ctrl-C between or during
+    chunks stops early: the result then holds the chunks finished so far and
+    ``interrupted=True``."""
+    import torch
+
+    from kvlens.hf import cache_argument_name
+
+    n = ids.shape[1]
+    if n < 2 or not 1 <= chunk <= n:
+        raise InputError(f"Need at least 2 tokens and 1 <= chunk <= {n} (got chunk {chunk}).")
+    arg = cache_argument_name(model)
+    plain = model.config._attn_implementation
+    starts = list(range(0, n, chunk))
+    result = TextScores(tokens=n, chunk=chunk, chunks_total=len(starts),
+                        configs=[TokenScores(c.name, bool(c.compressed)) for c in configs])
+    with ExitStack() as stack, torch.no_grad():
+        sessions = [stack.enter_context(_session(model, c, backend)) for c in configs]
+        installed = model.config._attn_implementation
+        caches = [s.new_cache() for s in sessions]
+        exact_cache = None
+        clock = {"exact": 0.0, "scoring": 0.0}
+        per_config = [0.0] * len(caches)
+        try:
+            for k, s in enumerate(starts):
+                x = ids[:, s:s + chunk]
+                targets = ids[0, s + 1:s + chunk + 1]
+                m = targets.shape[0]  # the text's last token scores nothing
+                t0 = time.perf_counter()
+                if installed != plain:
+                    model.set_attn_implementation(plain)
+                try:
+                    kw = {arg: exact_cache} if exact_cache is not None else {}
+                    out = model(x, use_cache=True, **kw)
+                finally:
+                    if installed != plain:
+                        model.set_attn_implementation(installed)
+                exact_cache = _returned_cache(out)
+                t1 = time.perf_counter()
+                clock["exact"] += t1 - t0
+                logp_e = torch.log_softmax(out.logits[0, :m].double(), -1)
+                nll_e = -logp_e.gather(-1, targets[:, None])[:, 0]
+                top_e = logp_e.argmax(-1)
+                rows = []
+                for j, cache in enumerate(caches):
+                    quant = reads_quantized(cache)
+                    t2 = time.perf_counter()
+                    logits = model(x, use_cache=True, **{arg: cache}).logits
+                    t3 = time.perf_counter()
+                    per_config[j] += t3 - t2
+                    clock["scoring"] -= t3 - t2
+                    logp = torch.log_softmax(logits[0, :m].double(), -1)
+                    kld = (logp_e.exp() * (logp_e - logp)).sum(-1).clamp_min(0.0)
+                    rows.append((kld, logp.argmax(-1) == top_e,
+                                 -logp.gather(-1, targets[:, None])[:, 0], quant))
+                # Record a chunk only once every config has scored it (an interrupt inside the
+                # loop above leaves all configs on the same chunks).
+                for ts, (kld, top1, nll, quant) in zip(result.configs, rows):
+                    ts.kld.extend(kld.tolist())
+                    ts.top1.extend(top1.tolist())
+                    ts.nll.extend(nll.tolist())
+                    ts.quantized.extend([quant] * m)
+                result.nll_exact.extend(nll_e.tolist())
+                result.chunk_of_token.extend([k] * m)
+                result.chunks_done = k + 1
+                clock["scoring"] += time.perf_counter() - t1
+                progress(k + 1, len(starts))
+        except KeyboardInterrupt:
+            result.interrupted = True
+        result.seconds = {"exact_forward": round(clock["exact"], 2),
+                          "config_forward": [round(v, 2) for v in per_config],
+                          "kl_and_nll": round(clock["scoring"], 2)}
+        for ts, config, cache in zip(result.configs, configs, caches):
+            ts.memory = _memory(config, cache)
+    return result
+
+
+def _returned_cache(out):
+    """The cache a forward returned (``cache`` from transformers 5.24, ``past_key_values``
+    before)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def _units(chunk_of_token: np.ndarray, chunk: int) -> list[np.ndarray]:
+    """Token index arrays of the bootstrap units: blocks of ceil(UNIT_TOKENS / chunk) chunks."""
+    per = max(1, math.ceil(UNIT_TOKENS / chunk))
+    unit_of = chunk_of_token // per
+    return [np.flatnonzero(unit_of == u) for u in np.unique(unit_of)]
+
+
+def _stats(kld: np.ndarray, top1: np.ndarray, nll: np.ndarray, nll_exact: np.ndarray
+           ) -> np.ndarray:
+    ppl = math.exp(nll.mean())
+    return np.array([kld.mean(), np.median(kld), np.percentile(kld, 99), top1.mean(), ppl,
+                     ppl / math.exp(nll_exact.mean()) - 1])
+
+
+def summarize(scores: TextScores, resamples: int = RESAMPLES, seed: int = BOOTSTRAP_SEED
+              ) -> dict:
+    """Point values, bootstrap intervals and paired comparisons (JSON-ready; docs/evaluation.md).
+
+    Returns ``{"protocol": {...}, "exact": {...}, "configs": [per-config dict]}``; the first
+    compressed config is the reference of ``vs_first``."""
+    if scores.scored == 0:
+        return {"protocol": _protocol(scores, 0, resamples, seed), "exact": None,
+                "configs": [None] * len(scores.configs)}
+    nll_e = np.asarray(scores.nll_exact)
+    units = _units(np.asarray(scores.chunk_of_token), scores.chunk)
+    draws = bootstrap_indices(len(units), resamples, seed)
+    picks = [np.concatenate([units[u] for u in row]) for row in draws]
+    ppl_exact = math.exp(nll_e.mean())
+    ppl_exact_samples = np.array([math.exp(nll_e[p].mean()) for p in picks])
+    per_config = []
+    for ts in scores.configs:
+        kld, top1, nll = (np.asarray(v, dtype=np.float64) for v in (ts.kld, ts.top1, ts.nll))
+        point = _stats(kld, top1, nll, nll_e)
+        samples = np.stack([_stats(kld[p], top1[p], nll[p], nll_e[p]) for p in picks])
+        per_config.append((ts, point, samples))
+    first = next((i for i, (ts, _, _) in enumerate(per_config) if ts.compressed), None)
+    out = []
+    for i, (ts, point, samples) in enumerate(per_config):
+        res: dict = {"name": ts.name, "scored": scores.scored,
+                     "quantized_share": float(np.mean(ts.quantized))}
+        for j, stat in enumerate(STATS):
+            res[stat] = {"value": float(point[j]), "ci95": percentile_interval(samples[:, j])}
+        res["ppl_exact"] = ppl_exact
+        # Versus the exact cache: KLD and (1 - agreement) are already differences from it.
+        zero = np.zeros(len(picks))
+        res["vs_exact"] = {
+            "mean_kld": paired_difference(point[0], 0.0, samples[:, 0], zero),
+            "top1_agreement": paired_difference(point[3], 1.0, samples[:, 3], zero + 1.0),
+            "ppl_change": paired_difference(point[5], 0.0, samples[:, 5], zero)}
+        if first is None or i == first:
+            res["vs_first"] = None
+        else:
+            ref_name, ref_point, ref_samples = (per_config[first][0].name, per_config[first][1],
+                                                per_config[first][2])
+            res["vs_first"] = {"reference": ref_name, **{
+                stat: paired_difference(point[STATS.index(stat)], ref_point[STATS.index(stat)],
+                                        samples[:, STATS.index(stat)],
+                                        ref_samples[:, STATS.index(stat)])
+                for stat in PAIRED}}
+        if ts.memory:
+            res["memory"] = ts.memory
+        out.append(res)
+    exact = {"ppl": {"value": ppl_exact, "ci95": percentile_interval(ppl_exact_samples)}}
+    return {"protocol": _protocol(scores, len(units), resamples, seed), "exact": exact,
+            "configs": out}
+
+
+def _protocol(scores: TextScores, units: int, resamples: int, seed: int) -> dict:
+    return {"tokens": scores.tokens, "chunk": scores.chunk, "scored": scores.scored,
+            "chunks_done": scores.chunks_done, "chunks_total": scores.chunks_total,
+            "interrupted": scores.interrupted, "seconds": scores.seconds,
+            "bootstrap": {"unit_tokens": max(1, math.ceil(UNIT_TOKENS / scores.chunk))
+                          * scores.chunk, "units": units, "resamples": resamples,
+                          "seed": seed}}
