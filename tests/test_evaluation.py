@@ -81,7 +81,7 @@ def test_paired_difference_of_identical_inputs_is_zero_and_not_distinguishable()
 def test_compression_off_matches_the_exact_model():
     model = _model()
     ids = _ids(100)
-    scores = score_text(model, ids, [preset("fp16")], chunk=16)
+    scores = score_text(model, ids, [preset("exact")], chunk=16)
     res = summarize_kld(scores)
     fp16 = res["configs"][0]
     assert scores.scored == 99
@@ -136,7 +136,7 @@ def test_quantized_share_at_the_defaults_is_at_least_90_percent():
 
 def test_paired_comparison_against_the_first_compressed_config():
     model = _model()
-    scores = score_text(model, _ids(160), [preset("fp16"), _kivi(bits=2), _kivi(bits=2),
+    scores = score_text(model, _ids(160), [preset("exact"), _kivi(bits=2), _kivi(bits=2),
                                           _kivi(bits=8)], chunk=16)
     res = summarize_kld(scores)
     fp16, k2, k2_again, k8 = res["configs"]
@@ -277,7 +277,7 @@ def test_smollm2_smoke_kld_on_the_heldout_text(smollm2):
 
     model, tok = smollm2
     ids = tok(heldout_text(), add_special_tokens=False, return_tensors="pt").input_ids[:, :256]
-    res = summarize_kld(score_text(model, ids, [preset("fp16"), preset("kivi-2"),
+    res = summarize_kld(score_text(model, ids, [preset("exact"), preset("kivi-2"),
                                                 preset("kivi-4")], chunk=64))
     fp16, kivi2, kivi4 = res["configs"]
     assert fp16["mean_kld"]["value"] == 0.0 and fp16["top1_agreement"]["value"] == 1.0

@@ -97,7 +97,7 @@ def tiny_kivi(tmp_path):
 
 def test_generate_kld_and_retrieval_json(tiny_model_dir, tiny_kivi):
     result = runner.invoke(app, ["generate", "--model", str(tiny_model_dir), "--compare",
-                                 f"fp16,{tiny_kivi},{tiny_kivi}", "--eval", "kld,retrieval",
+                                 f"exact,{tiny_kivi},{tiny_kivi}", "--eval", "kld,retrieval",
                                  "--eval-tokens", "160", "--chunk", "16",
                                  "--retrieval-lengths", "200", "--json"])
     assert result.exit_code == 0, result.output
@@ -125,12 +125,12 @@ def test_generate_kld_and_retrieval_json(tiny_model_dir, tiny_kivi):
 
 def test_generate_kld_table(tiny_model_dir, tiny_kivi):
     result = runner.invoke(app, ["generate", "--model", str(tiny_model_dir), "--compare",
-                                 f"fp16,{tiny_kivi}", "--eval", "kld", "--eval-tokens", "96",
+                                 f"exact,{tiny_kivi}", "--eval", "kld", "--eval-tokens", "96",
                                  "--chunk", "16"])
     assert result.exit_code == 0, result.output
     assert "KL divergence vs the exact model" in result.stdout
-    assert "quantized share" in result.stdout and "fp16 - tiny-kivi" in result.stdout
-    assert "fp16 vs exact: not distinguishable" in result.stdout
+    assert "quantized share" in result.stdout and "exact - tiny-kivi" in result.stdout
+    assert "exact vs exact: not distinguishable" in result.stdout
 
 
 @pytest.mark.parametrize("args,message", [
