@@ -13,13 +13,15 @@ channels. JSON form (``version`` 1)::
       "format": "kvlens.kvconfig", "version": 1, "name": "kivi-2", "description": "...",
       "default": {"key":   {"bits": 2, "granularity": "per-channel", "group_size": 32},
                   "value": {"bits": 2, "granularity": "per-token",   "group_size": 32},
-                  "residual_tokens": 128, "flush_tokens": 0, "pre_rope_keys": false},
+                  "residual_tokens": 128, "flush_tokens": 0, "pre_rope_keys": false,
+                  "rotate_keys": false, "rotate_values": false},
       "layers": {"0": {"key": null}},          # partial overrides, merged over "default"
       "mikv": null | {"heavy_fraction": 0.2, "sink_tokens": 4,
                       "balancer": "off" | "online" | "fixed", "balancer_exponent": 0.5},
       "balancers": null | {"0": [[b_0 ... b_{D-1}] per KV head], ...},   # for "fixed"
       "scale_dtype": "float16",
       "fp_dtype": "float16" | "bfloat16" | "float32" | "exact",
+      "rotation_seed": null | 0,               # sign flips of the Hadamard rotation
       "model": null | {"num_layers": 30, "head_dim": 64, "num_key_value_heads": 3}
     }
 
@@ -27,6 +29,11 @@ channels. JSON form (``version`` 1)::
 MiKV/sink sets, unquantized keys or values): ``float16`` by default, what a deployment stores,
 so a float32 run on CPU stores and counts them as a GPU deployment would. ``exact`` keeps the
 model's own dtype (then a config with compression off is token-for-token ``DynamicCache``).
+
+``rotate_keys`` / ``rotate_values``: Hadamard rotation along head_dim (``kvlens.quant.rotation``;
+``rotation_seed`` adds seeded sign flips): the cache stores ``k R`` / ``v R`` (window, sets and
+packed history alike), attends with ``q R`` and un-rotates the output by ``R^T``, so nothing
+changes when nothing is quantized. Not with pre-RoPE keys or a balancer on the same keys.
 
 ``validate_for(config, info)`` checks a config against a loaded model (layer count, head_dim,
 group sizes, balancer shapes) and raises ``ConfigError`` naming the allowed values.
@@ -48,9 +55,10 @@ FORMAT = "kvlens.kvconfig"
 VERSION = 1
 BALANCER_MODES = ("off", "online", "fixed")
 FP_DTYPES = ("float16", "bfloat16", "float32", "exact")
-_LAYER_KEYS = ("key", "value", "residual_tokens", "flush_tokens", "pre_rope_keys")
+_LAYER_KEYS = ("key", "value", "residual_tokens", "flush_tokens", "pre_rope_keys",
+               "rotate_keys", "rotate_values")
 _TOP_KEYS = ("format", "version", "name", "description", "default", "layers", "mikv",
-             "balancers", "scale_dtype", "fp_dtype", "model")
+             "balancers", "scale_dtype", "fp_dtype", "rotation_seed", "model")
 _MIKV_KEYS = ("heavy_fraction", "sink_tokens", "balancer", "balancer_exponent")
 
 
@@ -63,6 +71,8 @@ class LayerKV:
     residual_tokens: int = 0
     pre_rope_keys: bool = False
     flush_tokens: int = 0  # 0: flush the whole window when full (KIVI); F: the oldest F at a time
+    rotate_keys: bool = False  # store k R, attend with q R (Hadamard R, kvlens.quant.rotation)
+    rotate_values: bool = False  # store v R, un-rotate the attention output by R^T
 
     def __post_init__(self) -> None:
         r = self.residual_tokens
@@ -72,9 +82,20 @@ class LayerKV:
         if isinstance(f, bool) or not isinstance(f, int) or not 0 <= f <= r or (f and not r):
             raise ConfigError(f"Invalid flush_tokens {f!r} for residual_tokens {r}; allowed: 0 "
                               f"(flush the whole window) or 1-{max(r, 1)} (needs a window).")
-        if not isinstance(self.pre_rope_keys, bool):
-            raise ConfigError(f"Invalid pre_rope_keys {self.pre_rope_keys!r}; allowed: true, "
-                              "false.")
+        for name in ("pre_rope_keys", "rotate_keys", "rotate_values"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"Invalid {name} {getattr(self, name)!r}; allowed: true, "
+                                  "false.")
+        for name, spec in (("rotate_keys", self.key), ("rotate_values", self.value)):
+            if getattr(self, name) and spec is None:
+                raise ConfigError(f"{name} is set but that tensor is not quantized, so the "
+                                  "rotation would do nothing; set a quantization spec or "
+                                  f"{name}: false.")
+        if self.rotate_keys and self.pre_rope_keys:
+            raise ConfigError("rotate_keys cannot be combined with pre_rope_keys in the cache: "
+                              "the Hadamard rotation and RoPE do not commute, so the query "
+                              "cannot absorb the rotation (compare-axes measures the "
+                              "combination); disable one of them.")
 
     @property
     def compressed(self) -> bool:
@@ -83,7 +104,12 @@ class LayerKV:
     def to_dict(self) -> dict[str, Any]:
         return {"key": _spec_dict(self.key), "value": _spec_dict(self.value),
                 "residual_tokens": self.residual_tokens, "flush_tokens": self.flush_tokens,
-                "pre_rope_keys": self.pre_rope_keys}
+                "pre_rope_keys": self.pre_rope_keys, "rotate_keys": self.rotate_keys,
+                "rotate_values": self.rotate_values}
+
+    @property
+    def rotates(self) -> bool:
+        return self.rotate_keys or self.rotate_values
 
 
 @dataclass(frozen=True)
@@ -128,6 +154,7 @@ class KVConfig:
     description: str = ""
     model: Mapping[str, int] | None = None
     fp_dtype: str = "float16"
+    rotation_seed: int | None = None  # random sign flips of the Hadamard rotation (None: none)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -135,6 +162,10 @@ class KVConfig:
         if self.scale_dtype not in ("float16", "float32"):
             raise ConfigError(f"Unknown scale_dtype {self.scale_dtype!r}; allowed: float16, "
                               "float32.")
+        r = self.rotation_seed
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
+            raise ConfigError(f"Invalid rotation_seed {r!r}; allowed: null (no sign flips) or "
+                              "an integer >= 0.")
         if self.fp_dtype not in FP_DTYPES:
             raise ConfigError(f"Unknown fp_dtype {self.fp_dtype!r}; allowed: "
                               f"{', '.join(FP_DTYPES)}.")
@@ -165,6 +196,7 @@ class KVConfig:
             or None,
             "scale_dtype": self.scale_dtype,
             "fp_dtype": self.fp_dtype,
+            "rotation_seed": self.rotation_seed,
             "model": dict(self.model) if self.model else None,
         }
 
@@ -197,7 +229,8 @@ def _layer(data: Any, base: LayerKV | None, where: str) -> LayerKV:
     for name in ("key", "value"):
         if name in data:
             kwargs[name] = _spec(data[name], f"{where}.{name}")
-    for name in ("residual_tokens", "flush_tokens", "pre_rope_keys"):
+    for name in ("residual_tokens", "flush_tokens", "pre_rope_keys", "rotate_keys",
+                 "rotate_values"):
         if name in data:
             kwargs[name] = data[name]
     return replace(base, **kwargs)
@@ -251,7 +284,8 @@ def config_from_dict(data: Any) -> KVConfig:
     return KVConfig(name=data.get("name") or "", default=default, layers=layers, mikv=mikv,
                     balancers=balancers, scale_dtype=data.get("scale_dtype", "float16"),
                     description=data.get("description", ""), model=model,
-                    fp_dtype=data.get("fp_dtype", "float16"))
+                    fp_dtype=data.get("fp_dtype", "float16"),
+                    rotation_seed=data.get("rotation_seed"))
 
 
 def _index(key: Any, where: str) -> int:
@@ -324,6 +358,20 @@ PRESETS: dict[str, KVConfig] = {
                             description="kivi-2 with the first 4 tokens (attention sinks) kept at "
                                         "full precision and a sliding window (the oldest 32 of "
                                         "128 tokens quantized at a time)"),
+    "kivi-2-rot": replace(_kivi(2), name="kivi-2-rot",
+                          default=replace(_kivi(2).default, rotate_keys=True,
+                                          rotate_values=True),
+                          description="kivi-2 with Hadamard-rotated keys and values"),
+    "per-token-2-rot": replace(_per_token(2), name="per-token-2-rot",
+                               default=replace(_per_token(2).default, rotate_keys=True,
+                                               rotate_values=True),
+                               description="per-token-2 with Hadamard-rotated keys and values "
+                                           "(llama.cpp-style rotation)"),
+    "per-token-4-rot": replace(_per_token(4), name="per-token-4-rot",
+                               default=replace(_per_token(4).default, rotate_keys=True,
+                                               rotate_values=True),
+                               description="per-token-4 with Hadamard-rotated keys and values "
+                                           "(llama.cpp-style rotation)"),
     "kivi-2-prerope": replace(_kivi(2), name="kivi-2-prerope",
                               default=replace(_kivi(2).default, pre_rope_keys=True),
                               description="kivi-2 with keys quantized before RoPE"),
@@ -370,6 +418,18 @@ def validate_for(config: KVConfig, info) -> None:
             if spec is not None:
                 check_layout(spec, layer.residual_tokens, d, f"layer {idx} {what}",
                              layer.flush_tokens)
+        if layer.rotates:
+            from kvlens.quant import hadamard_block_size
+
+            try:
+                hadamard_block_size(d)
+            except ConfigError as exc:
+                raise ConfigError(f"Config {config.name!r} layer {idx}: {exc}") from None
+        if layer.rotate_keys and config.mikv is not None and (
+                config.mikv.balancer == "online" or idx in config.balancers):
+            raise ConfigError(f"Config {config.name!r} layer {idx}: rotate_keys cannot be "
+                              "combined with the MiKV channel balancer (it rescales channels "
+                              "the rotation mixes); disable one of them.")
         if layer.pre_rope_keys and not info.declares_rope:
             raise ConfigError(f"Config {config.name!r} asks for pre-RoPE keys but "
                               f"{info.architecture} has no rotary embedding.")

@@ -424,6 +424,8 @@ def make_attention_fn(backend: str = "torch", chunk_tokens: int = CHUNK_TOKENS
                 raise ConfigError("Attention logit soft-capping / attention sinks are not "
                                   "supported by the kvlens compressed cache.")
             scaling = module.scaling if scaling is None else scaling
+            # rotated keys: every stored key is k R, so the query is rotated once (q R)(k R)^T
+            query = layer.to_stored_basis(query, layer.setting.rotate_keys)
             probs = layer.needs_attention_probs
             out = colsum = None
             if layer.quantized_length == 0 and not layer.has_hp and not probs:
@@ -447,7 +449,7 @@ def make_attention_fn(backend: str = "torch", chunk_tokens: int = CHUNK_TOKENS
                     out, colsum = packed_attention(query, layer, attention_mask, scaling,
                                                    chunk_tokens, with_probs=probs)
             layer.commit(query, colsum)
-            return out, None
+            return layer.from_stored_basis(out), None
 
         return attention
 

@@ -56,6 +56,12 @@ class CompressionSession:
         from kvlens.cache.layer import CompressedLayer
 
         windows = sliding_windows(self.model, self.info.num_layers)
+        rotation = None
+        if any(self.config.layer(i).rotates for i in range(self.info.num_layers)):
+            from kvlens.quant import hadamard_rotation
+
+            rotation = hadamard_rotation(self.info.head_dim, self.config.rotation_seed,
+                                         device=_device(self.model))
         layers = []
         for idx in range(self.info.num_layers):
             bal = self.config.balancers.get(idx)  # only with mikv.balancer "fixed" (validated)
@@ -67,7 +73,7 @@ class CompressionSession:
                                           scale_dtype=self.config.scale_dtype,
                                           fp_dtype=self.config.fp_dtype, mikv=self.config.mikv,
                                           balancer=bal, sliding_window=windows[idx],
-                                          session=self))
+                                          rotation=rotation, session=self))
         return Cache(layers=layers)
 
 

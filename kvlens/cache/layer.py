@@ -112,7 +112,8 @@ class CompressedLayer(DynamicLayer):
     def __init__(self, setting: LayerKV, layer_idx: int, head_dim: int, *,
                  scale_dtype: str = "float16", fp_dtype: str = "float16",
                  mikv: MikvSettings | None = None, balancer: torch.Tensor | None = None,
-                 sliding_window: int | None = None, session=None):
+                 sliding_window: int | None = None, rotation: torch.Tensor | None = None,
+                 session=None):
         super().__init__()
         self.is_initialized = False  # set by the base class from transformers 4.57 on, not 4.56
         self.setting = setting
@@ -154,6 +155,11 @@ class CompressedLayer(DynamicLayer):
         # pre-RoPE keys: positions of held tokens [B, N - q_start] int32, and the RoPE re-creator
         self.stores_pre_rope = setting.pre_rope_keys and setting.key is not None
         self.positions: torch.Tensor | None = None
+        # Hadamard rotation [D, D] float32 (shared by the layers): keys/values stored rotated
+        self.rotation = rotation if setting.rotates else None
+        if setting.rotates and rotation is None:
+            raise ConfigError(f"layer {layer_idx} rotates keys or values but no rotation matrix "
+                              "was given (build the cache with compressed_attention).")
         self.rope = None  # kvlens.rope.RopeFrequencies
         self.rope_options: list | None = None
 
@@ -174,14 +180,27 @@ class CompressedLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         t = key_states.shape[2]
         cap = self.setting.residual_tokens if self.flush_every else 0
-        self.res_k.append(key_states, capacity=cap)
-        self.res_v.append(value_states, capacity=cap)
+        self.res_k.append(self.to_stored_basis(key_states, self.setting.rotate_keys), capacity=cap)
+        self.res_v.append(self.to_stored_basis(value_states, self.setting.rotate_values),
+                          capacity=cap)
         if self.stores_pre_rope:
             self._record_positions(key_states.shape[0], t)
         self.cumulative_length += t
         key_states = key_states.view_as(key_states)  # a fresh tensor object to tag
         setattr(key_states, LAYER_ATTR, self)
         return key_states, value_states
+
+    def to_stored_basis(self, x: torch.Tensor, rotated: bool) -> torch.Tensor:
+        """``x R`` when this tensor is stored rotated (queries go through this too), else x."""
+        if not rotated:
+            return x
+        return (x.float() @ self.rotation).to(x.dtype)
+
+    def from_stored_basis(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention output ``[..., D]`` back from the rotated value basis (``out R^T``)."""
+        if not self.setting.rotate_values:
+            return out
+        return (out.float() @ self.rotation.T).to(out.dtype)
 
     def _record_positions(self, b: int, t: int) -> None:
         """Keep the RoPE positions of the new tokens, checking that the model's RoPE can be
@@ -392,6 +411,7 @@ class CompressedLayer(DynamicLayer):
         for part, name in (("sets", "hp_k"), ("sets", "hp_v"), ("positions", "hp_pos"),
                            ("masks", "is_hp"), ("accumulators", "acc"),
                            ("positions", "positions"), ("balancers", "balancer"),
+                           ("rotations", "rotation"),
                            ("dense", "keys"), ("dense", "values")):
             t = getattr(self, name, None)
             if isinstance(t, torch.Tensor):

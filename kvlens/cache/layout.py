@@ -25,7 +25,8 @@ too), ``dense`` (an unquantized tensor's history next to a quantized one), ``win
 (MiKV heavy hitters and sink tokens, K and V; global layers only), ``positions`` (int32: the set's positions, and
 for pre-RoPE keys every held token's RoPE position), ``masks`` (bool per held packed token:
 H2O sets only), ``accumulators`` (float32 accumulated attention per held token: H2O only),
-``balancers`` (float32 ``[Hkv, D]``).
+``balancers`` (float32 ``[Hkv, D]``), ``rotations`` (one float32 ``[D, D]`` Hadamard matrix
+shared by every layer that rotates, counted once).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 from kvlens.errors import ConfigError
 
 PARTS = ("codes", "scales", "zeros", "dense", "window", "sets", "positions", "masks",
-         "accumulators", "balancers")
+         "accumulators", "balancers", "rotations")
 FP_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 POSITION_BYTES = 4  # int32
 
@@ -231,6 +232,8 @@ def config_part_bytes(config, shape: ModelShape, tokens: int, batch: int = 1
                                  sliding_window=shape.window(i))
         for k, v in parts.items():
             total[k] += v
+    if any(config.layer(i).rotates for i in range(shape.num_layers)):
+        total["rotations"] = shape.head_dim * shape.head_dim * 4
     return total
 
 
