@@ -55,16 +55,19 @@ class Candidate:
     group_size: int
     stage: str = "post"  # keys only: "pre" = quantize before RoPE
     balancer: bool = False  # keys only: MiKV channel balancer
+    rotate: bool = False  # Hadamard rotation along head_dim (kvlens.quant.rotation)
 
     @property
     def short(self) -> str:
         axis = "ch" if self.granularity == "per-channel" else "tok"
-        extra = (" pre" if self.stage == "pre" else "") + (" bal" if self.balancer else "")
+        extra = (" pre" if self.stage == "pre" else "") + (" bal" if self.balancer else "") + \
+            (" rot" if self.rotate else "")
         return f"{self.bits}b {axis} G{self.group_size}{extra}"
 
     @property
     def label(self) -> str:
-        extra = (" pre-RoPE" if self.stage == "pre" else "") + (" +bal" if self.balancer else "")
+        extra = (" pre-RoPE" if self.stage == "pre" else "") + \
+            (" +bal" if self.balancer else "") + (" +rotation" if self.rotate else "")
         return f"{self.bits}b {self.granularity} G{self.group_size}{extra}"
 
     def spec(self):
@@ -82,6 +85,7 @@ class RecommendOptions:
     group_sizes: tuple[int, ...] = (32, 64, 128)
     pre_rope: str = "auto"  # auto: offer pre-RoPE keys when the capture has RoPE; on; off
     balancer: bool = True
+    rotation: bool = True  # offer Hadamard-rotated per-token keys and values
     balancer_exponent: float = 0.5
     samples: int | None = 1
     tokens: int | None = 256
@@ -193,7 +197,18 @@ class Recommendation:
 # -- candidates and costs -------------------------------------------------------------------
 
 def candidates(head_dim: int, opts: RecommendOptions, has_rope: bool) -> list[Candidate]:
-    """Every storable candidate; per-token groups larger than head_dim are skipped."""
+    """Every storable candidate; per-token groups larger than head_dim are skipped. Rotated
+    candidates are per-token only (where rotation spreads outlier channels over a group;
+    measured on SmolLM2 it makes per-channel keys worse, docs/rotation.md) and need a
+    head_dim with a Hadamard construction."""
+    from kvlens.quant import hadamard_block_size
+
+    rotation = opts.rotation
+    if rotation:
+        try:
+            hadamard_block_size(head_dim)
+        except ConfigError:
+            rotation = False
     out = []
     for tensor in ("key", "value"):
         for gran in GRANULARITIES:
@@ -206,6 +221,8 @@ def candidates(head_dim: int, opts: RecommendOptions, has_rope: bool) -> list[Ca
                         out.append(Candidate(tensor, b, gran, g, stage="pre"))
                     if tensor == "key" and gran == "per-token" and opts.balancer:
                         out.append(Candidate(tensor, b, gran, g, balancer=True))
+                    if gran == "per-token" and rotation:
+                        out.append(Candidate(tensor, b, gran, g, rotate=True))
     return out
 
 
@@ -219,7 +236,7 @@ def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOption
     from kvlens.kvconfig import LayerKV, MikvSettings
 
     setting = LayerKV(kc.spec(), vc.spec(), opts.residual_tokens, kc.stage == "pre",
-                      flush_tokens=flush)
+                      flush_tokens=flush, rotate_keys=kc.rotate, rotate_values=vc.rotate)
     mikv = MikvSettings(0.0, opts.sink_tokens, "off") if opts.sink_tokens else None
     w = shape.window(layer)
     parts = layer_part_bytes(setting, tokens=opts.context, head_dim=shape.head_dim,
@@ -261,7 +278,13 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
         per_head_rel_error,
         streaming_exact_mask,
     )
-    from kvlens.quant import fake_quantize, fit_balancer, quantize_pre_rope
+    from kvlens.quant import (
+        fake_quantize,
+        fit_balancer,
+        hadamard_rotation,
+        quantize_pre_rope,
+        quantize_rotated,
+    )
 
     sel = None if opts.samples is None else list(range(min(opts.samples, meta.num_samples)))
     t = slice(None) if opts.tokens is None else slice(0, opts.tokens)
@@ -282,12 +305,16 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
     if bal is None and any(c.balancer for c in cands):
         bal = fit_balancer(q, k, opts.balancer_exponent)
     la = layer.attrs
+    rot = hadamard_rotation(k.shape[-1]) if any(c.rotate for c in cands) else None
     variants: dict[Candidate, Variant] = {}
     for c in cands:
         if c.stage == "pre" and not pre_ok:
             continue
         spec = c.spec()
-        if c.tensor == "value":
+        if c.rotate:  # what the cache stores (x R) seen back in the original basis
+            x_hat = quantize_rotated(v if c.tensor == "value" else k, spec, rot)
+            variants[c] = Variant(v_hat=x_hat) if c.tensor == "value" else Variant(k_hat=x_hat)
+        elif c.tensor == "value":
             variants[c] = Variant(v_hat=fake_quantize(v, spec))
         elif c.stage == "pre":
             variants[c] = Variant(k_hat=quantize_pre_rope(k_pre, *tables, spec,
@@ -602,8 +629,11 @@ def _assemble(meta, opts, tables, balancers, weights, notes, shape) -> Recommend
             weights[layer]))
     costs = [[p[0] for p in front] for front in fronts]
     errors = [[p[1] for p in front] for front in fronts]
+    # one [D, D] float32 rotation matrix is shared by every rotating layer: reserve it
+    rotates = any(p[2].rotate or p[3].rotate for front in fronts for p in front)
+    reserve = 16 * shape.head_dim ** 2 * 4 / fp16_total if rotates else 0.0
     try:
-        picks = allocate(costs, errors, n * opts.budget_bits)
+        picks = allocate(costs, errors, n * (opts.budget_bits - reserve))
     except InputError:
         need = sum(min(c) for c in costs) / n
         raise InputError(
@@ -653,7 +683,8 @@ def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balanc
     for layer, pair in by_layer.items():
         k, v = pair["key"], pair["value"]
         settings[layer] = LayerKV(k.spec(), v.spec(), opts.residual_tokens, k.stage == "pre",
-                                  flush_tokens=opts.layer_flush(k, v))
+                                  flush_tokens=opts.layer_flush(k, v), rotate_keys=k.rotate,
+                                  rotate_values=v.rotate)
     default = Counter(settings.values()).most_common(1)[0][0]
     overrides = {i: s for i, s in settings.items() if s != default}
     used = {i: balancers[i] for i, p in by_layer.items() if p["key"].balancer}

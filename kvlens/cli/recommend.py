@@ -46,6 +46,8 @@ def recommend(
                                  help="Pre-RoPE key candidates: auto (if the capture has RoPE), "
                                       "on (required), off."),
     no_balancer: bool = typer.Option(False, "--no-balancer", help="No balancer candidates."),
+    no_rotation: bool = typer.Option(False, "--no-rotation",
+                                     help="No Hadamard-rotated (per-token) candidates."),
     exponent: float = typer.Option(0.5, "--balancer-exponent",
                                    help="Balancer b = (max|q|/max|k|)^exponent."),
     samples: int = typer.Option(1, "--samples", help="Capture samples used to measure errors."),
@@ -86,6 +88,7 @@ def recommend(
                                 residual_tokens=residual, bits=_ints(bits, "--bits"),
                                 group_sizes=_ints(group_sizes, "--group-sizes"),
                                 pre_rope=pre_rope, balancer=not no_balancer,
+                                rotation=not no_rotation,
                                 balancer_exponent=exponent, samples=samples, tokens=tokens,
                                 sensitivity=sensitivity, model=model, name=name,
                                 flush_tokens=flush, sink_tokens=sinks, retrieval=retrieval,
@@ -176,7 +179,8 @@ def _render(rec) -> None:
                   "minimises, weighted by the layer's sensitivity (weight). Score and "
                   "reconstruction errors of every choice are in --json. ch = "
                   "per-channel (groups of G tokens), tok = per-token (groups of G channels), "
-                  "pre = keys quantized before RoPE, bal = MiKV channel balancer. F = tokens "
+                  "pre = keys quantized before RoPE, bal = MiKV channel balancer, rot = Hadamard "
+                  "rotation. F = tokens "
                   "quantized at a time when the window fills (R = the whole window). Errors "
                   "are measured as decoding reads the cache: the window and sink tokens "
                   "exact.")
