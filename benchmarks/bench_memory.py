@@ -65,10 +65,9 @@ def _fill(model, ids, session, chunk: int, steps: int):
 
 
 def main() -> None:
-    from kvlens.architecture import describe
     from kvlens.cache import compressed_attention, memory_report
-    from kvlens.cache.cache import sliding_windows
-    from kvlens.cache.layout import ModelShape, config_bits
+    from kvlens.cache.cache import shape_of
+    from kvlens.cache.layout import config_bits
     from kvlens.corpus import load_text
     from kvlens.kvconfig import resolve
     from kvlens.models import load_model
@@ -85,19 +84,15 @@ def main() -> None:
 
     model, tok, source = load_model(args.model)
     device = next(model.parameters()).device
-    info = describe(model)
-    windows = sliding_windows(model, info.num_layers)
-    shape = ModelShape(info.num_layers, info.num_key_value_heads, info.head_dim,
-                       tuple(windows) if any(windows) else (),
-                       next(model.parameters()).element_size())
+    shape = shape_of(model)
     text, _ = load_text(None)
     ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids
     need = max(int(c) for c in args.contexts.split(",")) + args.steps
     while ids.shape[1] < need:  # repeat the corpus for long prompts (memory does not care)
         ids = torch.cat((ids, ids), dim=1)
     ids = ids.to(device)
-    print(f"model {source} ({info.num_layers} layers, {info.num_key_value_heads} KV heads, "
-          f"head_dim {info.head_dim}); {device}; process memory = "
+    print(f"model {source.display_name} ({shape.num_layers} layers, {shape.kv_heads} KV heads, "
+          f"head_dim {shape.head_dim}); {device}; process memory = "
           f"{'torch.cuda.memory_allocated' if device.type == 'cuda' else 'RSS after malloc_trim'}")
     header = (f"{'config':<22} {'tokens':>6} {'report MiB':>10} {'process MiB':>11} "
               f"{'report bits':>11} {'formula bits':>12} {'vs fp16':>8} {'s':>5}")

@@ -16,9 +16,8 @@ import pytest
 import torch
 from tiny_models import tiny_config
 
-from kvlens.architecture import describe
 from kvlens.cache import compressed_attention, memory_report
-from kvlens.cache.cache import held_bytes, sliding_windows
+from kvlens.cache.cache import held_bytes, shape_of
 from kvlens.cache.layout import ModelShape, config_bits, config_part_bytes
 from kvlens.errors import ConfigError
 from kvlens.hf import cache_argument_name
@@ -63,10 +62,9 @@ CONFIGS = {name: _scaled(cfg) for name, cfg in PRESETS.items()} | {"mixed": _mix
 
 
 def _shape(model) -> ModelShape:
-    info = describe(model)
-    windows = sliding_windows(model, info.num_layers)
-    return ModelShape(info.num_layers, info.num_key_value_heads, info.head_dim,
-                      tuple(windows) if any(windows) else (), model_dtype_bytes=4)
+    shape = shape_of(model)
+    assert shape.model_dtype_bytes == 4  # float32 tiny models
+    return shape
 
 
 def _check(cache, config, shape, tokens, batch=1):

@@ -81,6 +81,19 @@ def _device(model):
     return next(model.parameters()).device
 
 
+def shape_of(model):
+    """``kvlens.cache.layout.ModelShape`` of a loaded model (layers, KV heads, head_dim, sliding
+    windows, dtype): what its cache's bytes depend on besides the config and the tokens."""
+    from kvlens.architecture import describe
+    from kvlens.cache.layout import ModelShape
+
+    info = describe(model)
+    windows = sliding_windows(model, info.num_layers)
+    return ModelShape(info.num_layers, info.num_key_value_heads, info.head_dim,
+                      tuple(windows) if any(windows) else (),
+                      next(model.parameters()).element_size())
+
+
 def sliding_windows(model, num_layers: int) -> list[int | None]:
     """Per layer, its sliding window (``None`` = global attention)."""
     config = model.config
