@@ -3,11 +3,26 @@
 Tensors are ``[B, H, T, D]`` at every public function. ``spec`` says what shares a scale,
 ``reference`` quantizes/dequantizes, ``packing`` stores codes in bytes, ``transforms`` adds
 pre-RoPE keys, the MiKV balancer, dense-and-sparse outliers and the GEAR low-rank residual,
-``rotation`` the orthonormal Hadamard rotation along ``head_dim``, and ``accounting`` counts the
-bits. Kernels and analysis are tested against these functions.
+``rotation`` the orthonormal Hadamard rotation along ``head_dim``, ``accounting`` counts the
+bits, and ``formats`` the engines' own cache formats (ggml blocks, fp8, per-token-head).
+Kernels and analysis are tested against these functions.
 """
 
 from kvlens.quant.accounting import StorageBreakdown, bits_per_element
+from kvlens.quant.formats import (
+    FormatSetting,
+    FP8Format,
+    GGMLBlockFormat,
+    GGMLBlocks,
+    TokenHeadFormat,
+    calibrate_scale,
+    dequantize_ggml,
+    engine_rotation,
+    fake_quantize_format,
+    parse_format,
+    parse_format_list,
+    quantize_ggml,
+)
 from kvlens.quant.packing import (
     codes_per_byte,
     container_bits,
@@ -41,6 +56,18 @@ from kvlens.quant.transforms import (
 )
 
 __all__ = [
+    "FP8Format",
+    "FormatSetting",
+    "GGMLBlockFormat",
+    "GGMLBlocks",
+    "TokenHeadFormat",
+    "calibrate_scale",
+    "dequantize_ggml",
+    "engine_rotation",
+    "fake_quantize_format",
+    "parse_format",
+    "parse_format_list",
+    "quantize_ggml",
     "GRANULARITIES",
     "OUTLIER_SCOPES",
     "LowRank",
