@@ -2,8 +2,10 @@
 
 For every captured layer (streamed one at a time) and every combination of tensor (key, value)
 x axis (per-token, per-channel) x bits x group size x key stage (post-RoPE, pre-RoPE) x transform
-(plain, balancer, outliers, lowrank, rotate), one tensor is fake-quantized with the reference
-library (``kvlens.quant``) while the other two stay exact, and the relative Frobenius error
+(plain, balancer, outliers, lowrank, rotate), and for every engine cache format asked for
+(``formats``: ggml q8_0/q4_0/..., fp8, per-token-head int8/int4/fp8, ``kvlens.quant.formats``),
+one tensor is fake-quantized with the reference library (``kvlens.quant``) while the other two
+stay exact, and the relative Frobenius error
 ``||X - X_hat||_F / ||X||_F`` is measured on the tensor itself and on what attention makes of it
 (``kvlens.metrics.attention_errors_many``: the model's causal mask, GQA mapping, scaling and
 softcap, reference attention computed once per layer for all variants).
@@ -65,6 +67,10 @@ class CompareConfig:
     rank: rank of the ``"lowrank"`` residual per (sample, head).
     rotation_seed: ``"rotate"`` without sign flips (None) or with random sign flips drawn with
         this seed (randomized Hadamard).
+    formats: engine cache formats swept beside the integer specs, by name
+        (``kvlens.quant.formats.parse_format``: ``q8_0``, ``q4_0+norot``, ``fp8_e4m3@head``,
+        ``int8@token-head`` ...), stored canonical. Static fp8 scales are calibrated per layer
+        on the captured tensor they are evaluated on (in-sample).
     layers: captured layers to analyse (None = all). samples: use only the first N samples.
     tensors: which of ``"key"``, ``"value"`` to sweep.
     sink_tokens: the first N tokens are read exact by every query in the score / weight /
@@ -83,9 +89,10 @@ class CompareConfig:
     tensors: tuple[str, ...] = TENSOR_NAMES
     sink_tokens: int = 0
     rotation_seed: int | None = None
+    formats: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("bits", "group_sizes", "stages", "variants", "tensors"):
+        for name in ("bits", "group_sizes", "stages", "variants", "tensors", "formats"):
             value = getattr(self, name)
             if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
                 raise ConfigError(f"{name} must be a list, got {value!r}.")
@@ -128,6 +135,20 @@ class CompareConfig:
             raise ConfigError(
                 f"Invalid rotation seed {seed!r}; allowed: none (no sign flips) or an integer >= 0."
             )
+        if self.formats:
+            from kvlens.quant.formats import parse_format
+
+            for f in self.formats:
+                if not isinstance(f, str):
+                    raise ConfigError(f"Invalid format {f!r}; expected a name such as q8_0.")
+            names = tuple(dict.fromkeys(parse_format(f).name for f in self.formats))
+            object.__setattr__(self, "formats", names)
+
+    def format_settings(self):
+        """``self.formats`` as ``kvlens.quant.formats.FormatSetting`` objects."""
+        from kvlens.quant.formats import parse_format
+
+        return tuple(parse_format(f) for f in self.formats)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -165,7 +186,12 @@ def _check_choices(
 @dataclass(frozen=True)
 class Record:
     """One relative error: ``head`` is a KV head for ``reconstruction`` and a query head for
-    the attention metrics (``head_kind`` says which). ``stage`` is None for values."""
+    the attention metrics (``head_kind`` says which). ``stage`` is None for values.
+
+    ``format`` is None for the integer specs; for an engine format it is the format's name and
+    ``axis`` says what shares a scale (``per-token`` for ggml blocks and per-token-head,
+    ``per-layer`` / ``per-head`` for static fp8), ``bits`` is the code width and
+    ``group_size`` the channels sharing a scale (0 for static scales)."""
 
     layer: int
     head: int
@@ -178,6 +204,7 @@ class Record:
     metric: str
     rel_error: float
     head_kind: str
+    format: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -201,6 +228,7 @@ class _VariantKey:
     group_size: int
     stage: str | None
     variant: str
+    format: str | None = None
 
 
 def parse_int_list(text: str | None, what: str) -> tuple[int, ...]:
@@ -286,6 +314,10 @@ def compare_axes(
         "storage_dtype": meta.storage_dtype,
     }
     summary = summarize(records)
+    if config.formats:
+        summary["formats"] = format_info(
+            config, meta.num_key_value_heads, meta.num_tokens, meta.head_dim
+        )
     summary = {
         "config": config.to_dict(),
         "capture": capture_info,
@@ -325,6 +357,22 @@ def _check_fits(meta, config: CompareConfig) -> None:
 
     for g in config.group_sizes:
         QuantSpec(2, "per-token", g).check_fits((meta.num_tokens, meta.head_dim))
+    for setting in config.format_settings():
+        fmt = setting.format
+        if fmt.family == "ggml":
+            try:
+                fmt.check_fits((meta.num_tokens, meta.head_dim))
+            except ConfigError as exc:
+                raise ConfigError(
+                    f"Format {setting.name!r} does not fit {meta.model or 'this'} capture: {exc}"
+                ) from None
+        if setting.rotates(meta.head_dim):
+            try:
+                hadamard_block_size(meta.head_dim)
+            except ConfigError as exc:
+                raise ConfigError(
+                    f"Format {setting.name!r} does not fit {meta.model or 'this'} capture: {exc}"
+                ) from None
     if "rotate" in config.variants:
         try:
             hadamard_block_size(meta.head_dim)
@@ -447,6 +495,7 @@ def _layer_records(layer_data, config: CompareConfig, meta, n_samples: int, tabl
                         metric,
                         float(value),
                         kind,
+                        key.format,
                     )
                 )
     return out
@@ -501,6 +550,38 @@ def _approximations(q, k, v, k_pre, tables, config: CompareConfig, layout: str):
                                 _VariantKey("value", axis, bits, g, None, name),
                                 _transform(v, spec, name, config, rotation),
                             )
+    yield from _format_approximations(k, v, config)
+
+
+def format_axis(fmt) -> str:
+    """What shares one scale in an engine format, as a ``Record.axis``."""
+    if fmt.family == "fp8":
+        return "per-layer" if fmt.scope == "tensor" else "per-head"
+    return "per-token"
+
+
+def format_group_size(fmt, head_dim: int) -> int:
+    """Channels of one token sharing a scale (0: a static scale shared over tokens)."""
+    if fmt.family == "ggml":
+        return fmt.block_size
+    return head_dim if fmt.family == "token-head" else 0
+
+
+def _format_approximations(k, v, config: CompareConfig):
+    """Engine formats on post-RoPE keys (what an engine caches) and values, in the original
+    basis (a rotating format is un-rotated after reading back). Static fp8 scales come from the
+    same layer's captured tensor (``fake_quantize_format`` calibrates on its input)."""
+    from kvlens.quant.formats import fake_quantize_format
+
+    for setting in config.format_settings():
+        fmt = setting.format
+        g = format_group_size(fmt, k.shape[-1])
+        for tensor, x, stage in (("key", k, "post"), ("value", v, None)):
+            if tensor in config.tensors:
+                key = _VariantKey(
+                    tensor, format_axis(fmt), fmt.code_bits, g, stage, PLAIN, setting.name
+                )
+                yield key, fake_quantize_format(x.float(), setting, tensor)
 
 
 def _transform(x, spec, name: str, config: CompareConfig, rotation=None):
@@ -537,9 +618,76 @@ def _winner(per_token: float, per_channel: float) -> str:
     return "per-token" if per_token < per_channel else "per-channel"
 
 
+FORMAT_CALIBRATION_NOTE = (
+    "static fp8 scales (fp8_e4m3, fp8_e5m2, @head) are calibrated per layer from the same "
+    "captured keys/values they are evaluated on (in-sample: absmax never clips); "
+    "per-token-head and ggml scales are dynamic per token"
+)
+
+
+def format_info(config: CompareConfig, kv_heads: int, tokens: int, head_dim: int) -> list[dict]:
+    """Per swept format: layout, storage bits per element for one sequence of the capture's
+    shape, whether keys and values are rotated, and how static scales were calibrated."""
+    out = []
+    shape = (1, kv_heads, tokens, head_dim)
+    for setting in config.format_settings():
+        fmt = setting.format
+        out.append(
+            {
+                "format": setting.name,
+                "family": fmt.family,
+                "shares_scale": fmt.shares_scale,
+                "code_bits": fmt.code_bits,
+                "bits_per_element": setting.bits_per_element(shape),
+                "rotated": setting.rotates(head_dim),
+                "calibration": (
+                    f"static, per layer from the capture ({fmt.calibration}, in-sample)"
+                    if fmt.family == "fp8"
+                    else "dynamic"
+                ),
+            }
+        )
+    return out
+
+
+def summarize_formats(records: Sequence[Record]) -> list[dict[str, Any]]:
+    """Means over layers and heads per (tensor, format, metric) for engine-format records."""
+    sums: dict[tuple, list[float]] = defaultdict(list)
+    order: dict[str, int] = {}
+    for r in records:
+        if r.format is not None:
+            order.setdefault(r.format, len(order))
+            sums[(r.tensor, r.format, r.metric)].append(r.rel_error)
+    rows = [
+        {
+            "tensor": tensor,
+            "format": fmt,
+            "metric": metric,
+            "mean": sum(vals) / len(vals),
+            "min": min(vals),
+            "max": max(vals),
+            "count": len(vals),
+        }
+        for (tensor, fmt, metric), vals in sums.items()
+    ]
+    metric_order = {m: i for i, m in enumerate(KEY_METRICS)}
+    rows.sort(
+        key=lambda m: (
+            TENSOR_NAMES.index(m["tensor"]),
+            order[m["format"]],
+            metric_order[m["metric"]],
+        )
+    )
+    return rows
+
+
 def summarize(records: Sequence[Record]) -> dict[str, Any]:
     """Means over layers and heads, the winning axis per metric, reconstruction-vs-output
-    disagreements and the KIVI-pattern check (JSON-ready; see ``docs/compare-axes.md``)."""
+    disagreements and the KIVI-pattern check (JSON-ready; see ``docs/compare-axes.md``).
+    Engine-format records (``Record.format`` set) are summarised apart, in
+    ``format_means``; they take no part in the axis comparison."""
+    format_means = summarize_formats(records)
+    records = [r for r in records if r.format is None]
     sums: dict[tuple, list[float]] = defaultdict(list)
     per_layer: dict[tuple, list[float]] = defaultdict(list)
     for r in records:
@@ -614,14 +762,26 @@ def summarize(records: Sequence[Record]) -> dict[str, Any]:
         "rankings": rankings,
         "disagreements": [r for r in rankings if r["disagree"]],
         "kivi_pattern": _kivi_pattern(mean_of, configs),
+        **(
+            {"format_means": format_means, "format_calibration": FORMAT_CALIBRATION_NOTE}
+            if format_means
+            else {}
+        ),
     }
 
 
 def means_by_key(means: Sequence[Mapping[str, Any]]) -> dict[tuple, float]:
     """Summary means keyed by (tensor, bits, group_size, stage, variant, axis, metric)."""
     return {
-        (m["tensor"], m["bits"], m["group_size"], m["stage"], m["variant"], m["axis"],
-         m["metric"]): m["mean"]
+        (
+            m["tensor"],
+            m["bits"],
+            m["group_size"],
+            m["stage"],
+            m["variant"],
+            m["axis"],
+            m["metric"],
+        ): m["mean"]
         for m in means
     }
 

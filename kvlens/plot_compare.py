@@ -8,6 +8,9 @@ Per configuration (tensor, bits, group size, key stage, variant) two PNG figures
 - ``layers_<config>.png``: one panel per metric, relative error (mean over heads, log scale)
   against layer, one line per axis.
 
+Engine formats (``--formats``), per tensor: ``formats_<tensor>.png``, one panel per metric,
+relative error (mean over heads, log scale) against layer, one line per format.
+
 Figures are drawn on ``matplotlib.figure.Figure`` objects, which render through the Agg canvas:
 no pyplot, no global backend switch, nothing changed for a caller.
 """
@@ -41,7 +44,12 @@ def write_plots(result: CompareResult, out_dir: str | os.PathLike) -> list[Path]
     model = result.summary.get("capture", {}).get("model", "")
     # grid[config][(axis, metric)][layer][head] = rel_error
     grids: dict[tuple, dict] = defaultdict(lambda: defaultdict(dict))
+    formats: dict[str, dict] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     for r in result.records:
+        if r.format is not None:
+            # formats[tensor][(format, metric)][layer] = errors of that layer's heads
+            formats[r.tensor][(r.format, r.metric)][r.layer].append(r.rel_error)
+            continue
         cfg = (r.tensor, r.bits, r.group_size, r.stage, r.variant)
         grids[cfg][(r.axis, r.metric)][(r.layer, r.head)] = r.rel_error
     written = []
@@ -67,7 +75,40 @@ def write_plots(result: CompareResult, out_dir: str | os.PathLike) -> list[Path]
             _heatmaps(Figure, np, mats, metrics, layers, title, out / f"heatmap_{slug}.png")
         )
         written.append(_lines(Figure, np, mats, metrics, layers, title, out / f"layers_{slug}.png"))
+    for tensor, cells in formats.items():
+        path = out / f"formats_{tensor}.png"
+        written.append(_format_lines(Figure, np, cells, tensor, model, path))
     return written
+
+
+def _format_lines(Figure, np, cells, tensor: str, model: str, path: Path) -> Path:
+    metrics = [
+        m
+        for m in (KEY_METRICS if tensor == "key" else VALUE_METRICS)
+        if any(mm == m for _, mm in cells)
+    ]
+    names = list(dict.fromkeys(f for f, _ in cells))
+    fig = Figure(figsize=(4.2 * len(metrics), 3.8))
+    axes = fig.subplots(1, len(metrics), squeeze=False)[0]
+    for ax, metric in zip(axes, metrics, strict=True):
+        positive = True
+        for name in names:
+            per_layer = cells.get((name, metric), {})
+            layers = sorted(per_layer)
+            y = np.array([np.mean(per_layer[layer]) for layer in layers])
+            positive = positive and bool(np.all(y > 0))
+            ax.plot(layers, y, marker="o", ms=3, label=name)
+        if positive:
+            ax.set_yscale("log")
+        ax.set_title(metric, fontsize=10)
+        ax.set_xlabel("layer")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("rel. error (mean over heads)")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{model}: engine KV-cache formats, {tensor}s")
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.15, top=0.82, wspace=0.3)
+    fig.savefig(path, dpi=_DPI)
+    return path
 
 
 def _title(model: str, cfg: tuple) -> str:

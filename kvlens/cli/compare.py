@@ -57,6 +57,14 @@ def compare_axes_command(
         help="rotate variant: random sign flips drawn with this seed (randomized Hadamard); "
         "default none (plain Hadamard).",
     ),
+    formats: str = typer.Option(
+        "",
+        "--formats",
+        help="Engine KV-cache formats swept beside the integer specs, comma-separated: q8_0, "
+        "q4_0, q4_1, q5_0, q5_1, iq4_nl (llama.cpp, Hadamard-rotated when head_dim % 64 == 0; "
+        "+norot / +rot to force), fp8_e4m3, fp8_e5m2 (static per-layer scale; @head per KV "
+        "head; :p99.9 percentile calibration), int8/int4/fp8@token-head (vLLM). Default none.",
+    ),
     samples: int = typer.Option(None, "--samples", help="Use only the first N samples (faster)."),
     sinks: int = typer.Option(
         0,
@@ -100,6 +108,7 @@ def compare_axes_command(
             samples=samples,
             sink_tokens=sinks,
             rotation_seed=rotation_seed,
+            formats=parse_name_list(formats),
         )
 
     config = run_library_call(configure)
@@ -191,4 +200,49 @@ def _render(summary: dict) -> None:
             + (f" (fails: {', '.join(failed)})" if failed else ""),
             highlight=False,
         )
+    if summary.get("format_means"):
+        _render_formats(summary)
     err_console.print(f"{summary['seconds']:.1f} s")
+
+
+def _render_formats(summary: dict) -> None:
+    from rich.table import Table
+
+    means = {(m["tensor"], m["format"], m["metric"]): m["mean"] for m in summary["format_means"]}
+    info = {f["format"]: f for f in summary.get("formats", [])}
+    best = {}
+    for (tensor, _, metric), value in means.items():
+        best[(tensor, metric)] = min(value, best.get((tensor, metric), value))
+    table = Table(
+        title="engine KV-cache formats",
+        caption="Relative Frobenius error, mean over layers and heads (keys post-RoPE). "
+        "* = lowest error among the formats. bits: storage bits per element including "
+        "scales. rot: Hadamard-rotated as the engine does. " + summary["format_calibration"] + ".",
+    )
+    table.add_column("tensor")
+    table.add_column("format", no_wrap=True)
+    table.add_column("bits", justify="right")
+    table.add_column("rot")
+    for label in METRIC_LABELS.values():
+        table.add_column(label, justify="right")
+    names = list(dict.fromkeys(m["format"] for m in summary["format_means"]))
+    for tensor in ("key", "value"):
+        rows = [n for n in names if (tensor, n, "reconstruction") in means]
+        for i, name in enumerate(rows):
+            f = info.get(name, {})
+            cells = [
+                _fmt(
+                    means.get((tensor, name, m)),
+                    means.get((tensor, name, m)) == best.get((tensor, m)) and len(rows) > 1,
+                )
+                for m in METRIC_LABELS
+            ]
+            table.add_row(
+                "K" if tensor == "key" else "V",
+                name,
+                f"{f['bits_per_element']:.2f}" if f else "-",
+                "yes" if f.get("rotated") else "no",
+                *cells,
+                end_section=i == len(rows) - 1,
+            )
+    console.print(table)
