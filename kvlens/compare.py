@@ -619,8 +619,8 @@ def _winner(per_token: float, per_channel: float) -> str:
 
 
 FORMAT_CALIBRATION_NOTE = (
-    "static fp8 scales (fp8_e4m3, fp8_e5m2, @head) are calibrated per layer from the same "
-    "captured keys/values they are evaluated on (in-sample: absmax never clips); "
+    "static fp8 scales (fp8_e4m3, fp8_e5m2, @head; not :sS) are calibrated per layer from the "
+    "same captured keys/values they are evaluated on (in-sample: absmax never clips); "
     "per-token-head and ggml scales are dynamic per token"
 )
 
@@ -640,14 +640,18 @@ def format_info(config: CompareConfig, kv_heads: int, tokens: int, head_dim: int
                 "code_bits": fmt.code_bits,
                 "bits_per_element": setting.bits_per_element(shape),
                 "rotated": setting.rotates(head_dim),
-                "calibration": (
-                    f"static, per layer from the capture ({fmt.calibration}, in-sample)"
-                    if fmt.family == "fp8"
-                    else "dynamic"
-                ),
+                "calibration": _calibration(fmt),
             }
         )
     return out
+
+
+def _calibration(fmt) -> str:
+    if fmt.family != "fp8":
+        return "dynamic"
+    if fmt.fixed_scale is not None:
+        return f"static, {fmt.calibration} (not calibrated)"
+    return f"static, per layer from the capture ({fmt.calibration}, in-sample)"
 
 
 def summarize_formats(records: Sequence[Record]) -> list[dict[str, Any]]:

@@ -182,6 +182,17 @@ def test_calibrate_scale_absmax_percentile_and_scope():
     assert clipped.abs().max() < 1e4 / 2
 
 
+def test_fixed_scale_is_used_as_given():
+    x = torch.tensor([0.001, 0.5, 3.0, 1000.0]).reshape(1, 1, 1, 4)
+    y = fake_quantize_format(x, parse_format("fp8_e4m3:s1"), "key")
+    # scale 1.0: 0.001 lands on e4m3's subnormal grid (step 2^-9), 1000 saturates at 448
+    assert y.flatten().tolist() == [2**-9, 0.5, 3.0, 448.0]
+    scale = calibrate_scale(_rand(1, 3, 4, 8), FP8Format("e4m3", "head", None, 2.0))
+    assert scale.flatten().tolist() == [2.0, 2.0, 2.0]
+    with pytest.raises(ConfigError, match="not both"):
+        FP8Format("e4m3", "tensor", 99.0, 1.0)
+
+
 def test_per_head_scale_beats_per_tensor_with_a_quiet_head():
     x = _rand(1, 2, 64, 64)
     x[:, 0] *= 1e-3  # head 0 near e4m3's subnormal range under a shared scale
@@ -267,6 +278,8 @@ def test_rotation_helps_q4_0_on_an_outlier_channel():
         ("fp8_e4m3@tensor", "fp8_e4m3", "fp8"),
         ("fp8_e5m2@head", "fp8_e5m2@head", "fp8"),
         ("fp8_e4m3@head:p99.9", "fp8_e4m3@head:p99.9", "fp8"),
+        ("fp8_e4m3:s1", "fp8_e4m3:s1", "fp8"),
+        ("fp8_e5m2@head:s0.5", "fp8_e5m2@head:s0.5", "fp8"),
         ("int8@token-head", "int8@token-head", "token-head"),
         ("int4", "int4@token-head", "token-head"),
         ("fp8@token-head", "fp8@token-head", "token-head"),
@@ -289,6 +302,9 @@ def test_parse_format_names(text, name, family):
         "fp8_e5m2@token-head",
         "fp8@row",
         "q8_0+spin",
+        "q8_0:s1",
+        "int8:p99",
+        "fp8@token-head:s1",
         "",
     ],
 )

@@ -25,7 +25,8 @@ is the one place their quantize/dequantize semantics live (plain torch, vectoriz
   ``x_hat = fp8(clamp(x / s, +-fp8_max)) * s`` with one float32 ``s`` per layer and tensor
   (``scope="tensor"``) or per KV head (``scope="head"``), calibrated from captured data by
   ``calibrate_scale``: ``s = absmax / fp8_max`` or ``s = percentile_p(|x|) / fp8_max``
-  (values beyond it saturate, as the engines' saturating casts do).
+  (values beyond it saturate, as the engines' saturating casts do), or a fixed ``s``
+  (``fp8_e4m3:s1`` is vLLM's default scale 1.0 when the checkpoint carries none).
 - ``TokenHeadFormat`` (vLLM's per-token-head int8/int4/fp8): a *dynamic* scale per token and
   KV head (all ``D`` channels of one token of one head), ``s = absmax / qmax`` with
   ``qmax = 127`` (int8), ``7`` (int4) or ``448`` (fp8 e4m3). The integer variants are the
@@ -39,7 +40,7 @@ is the one place their quantize/dequantize semantics live (plain torch, vectoriz
   ``"on"``/``"off"`` force it (names ``q4_0+rot`` / ``q4_0+norot``).
 
 ``parse_format`` reads names such as ``q8_0``, ``q4_0+norot``, ``fp8_e4m3``, ``fp8_e4m3@head``,
-``fp8_e5m2@head:p99.9``, ``int8@token-head``; unknown names raise ``ConfigError`` listing the
+``fp8_e5m2@head:p99.9``, ``fp8_e4m3:s1``, ``int8@token-head``; unknown names raise ``ConfigError`` listing the
 allowed ones.
 """
 
@@ -119,11 +120,14 @@ class FP8Format:
     scope: what shares one scale: ``"tensor"`` = all heads, tokens and channels of one layer's
         keys (or values); ``"head"`` = all tokens and channels of one KV head.
     percentile: ``None`` = scale from the absolute maximum; ``p`` in ``(0, 100)`` = from the
-        ``p``-th percentile of ``|x|`` (larger values saturate at ``+-fp8_max * s``)."""
+        ``p``-th percentile of ``|x|`` (larger values saturate at ``+-fp8_max * s``).
+    fixed_scale: a given scale instead of calibration (``1.0`` = vLLM's default when no
+        scales are loaded or computed); excludes ``percentile``."""
 
     fp8: str = "e4m3"
     scope: str = "tensor"
     percentile: float | None = None
+    fixed_scale: float | None = None
 
     family = "fp8"
     code_bits = 8
@@ -141,14 +145,27 @@ class FP8Format:
             isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p < 100.0
         ):
             raise ConfigError(f"Invalid percentile {p!r}; allowed: 0 < p < 100, e.g. 99.9.")
+        f = self.fixed_scale
+        if f is not None:
+            if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f < math.inf:
+                raise ConfigError(f"Invalid fixed scale {f!r}; allowed: a positive number.")
+            if p is not None:
+                raise ConfigError(
+                    "A static fp8 scale is either calibrated (absmax or a percentile) or fixed, "
+                    "not both; allowed: :pP or :sS."
+                )
 
     @property
     def name(self) -> str:
         base = f"fp8_{self.fp8}" + ("" if self.scope == "tensor" else f"@{self.scope}")
+        if self.fixed_scale is not None:
+            return base + f":s{self.fixed_scale:g}"
         return base + ("" if self.percentile is None else f":p{self.percentile:g}")
 
     @property
     def calibration(self) -> str:
+        if self.fixed_scale is not None:
+            return f"fixed scale {self.fixed_scale:g}"
         return "absmax" if self.percentile is None else f"percentile {self.percentile:g}"
 
     @property
@@ -248,7 +265,7 @@ class FormatSetting:
 # -- parsing ----------------------------------------------------------------------------------
 
 _NAME = re.compile(
-    r"^(?P<type>[a-z0-9_]+)(?:@(?P<scope>[a-z-]+))?(?::p(?P<pct>[0-9.]+))?"
+    r"^(?P<type>[a-z0-9_]+)(?:@(?P<scope>[a-z-]+))?(?::p(?P<pct>[0-9.]+)|:s(?P<fix>[0-9.e-]+))?"
     r"(?:\+(?P<rot>rot|norot))?$"
 )
 
@@ -269,7 +286,8 @@ def allowed_format_names() -> tuple[str, ...]:
 def _unknown(text: str, why: str) -> ConfigError:
     return ConfigError(
         f"Unknown KV-cache format {text!r} ({why}); allowed: {', '.join(allowed_format_names())}; "
-        "static fp8 takes :pP for a percentile scale (e.g. fp8_e4m3@head:p99.9), and any format "
+        "static fp8 takes :pP for a percentile scale (e.g. fp8_e4m3@head:p99.9) or :sS for a "
+        "fixed scale (fp8_e4m3:s1 = vLLM's default 1.0), and any format "
         "+rot / +norot to force the Hadamard rotation on or off (default: llama.cpp's rule)."
     )
 
@@ -283,29 +301,31 @@ def parse_format(text: str) -> FormatSetting:
     m = _NAME.match(text)
     if not m:
         raise _unknown(raw, "not of the form TYPE[@SCOPE][:pP][+rot|+norot]")
-    kind, scope, pct, rot = m["type"], m["scope"], m["pct"], m["rot"]
+    kind, scope, pct, fix, rot = m["type"], m["scope"], m["pct"], m["fix"], m["rot"]
     rotation = {"rot": "on", "norot": "off", None: "auto"}[rot]
-    percentile = None
-    if pct is not None:
-        try:
-            percentile = float(pct)
-        except ValueError:
-            raise _unknown(raw, f"percentile {pct!r} is not a number") from None
+    try:
+        percentile = None if pct is None else float(pct)
+        fixed = None if fix is None else float(fix)
+    except ValueError:
+        raise _unknown(raw, f"{pct or fix!r} is not a number") from None
+    static_fp8 = kind in ("fp8", "fp8_e4m3", "fp8_e5m2") and scope != "token-head"
+    if (percentile is not None or fixed is not None) and not static_fp8:
+        raise _unknown(raw, ":p / :s are options of the static fp8 formats only")
     if kind in GGML_FORMATS:
-        if scope is not None or percentile is not None:
-            raise _unknown(raw, f"{kind} has a fixed layout: no @scope or :p")
+        if scope is not None:
+            raise _unknown(raw, f"{kind} has a fixed layout: no @scope")
         return FormatSetting(GGML_FORMATS[kind], rotation)
     if kind in ("fp8", "fp8_e4m3", "fp8_e5m2"):
         fp8 = "e5m2" if kind == "fp8_e5m2" else "e4m3"
         if scope == "token-head":
-            if percentile is not None or fp8 != "e4m3":
+            if fp8 != "e4m3":
                 raise _unknown(raw, "per-token-head fp8 is e4m3 with a dynamic absmax scale")
             return FormatSetting(TokenHeadFormat("fp8"), rotation)
         if scope not in (None, *STATIC_SCOPES):
             raise _unknown(raw, f"fp8 scope {scope!r}")
-        return FormatSetting(FP8Format(fp8, scope or "tensor", percentile), rotation)
+        return FormatSetting(FP8Format(fp8, scope or "tensor", percentile, fixed), rotation)
     if kind in ("int8", "int4"):
-        if scope not in (None, "token-head") or percentile is not None:
+        if scope not in (None, "token-head"):
             raise _unknown(raw, f"{kind} exists only as a dynamic per-token-head format")
         return FormatSetting(TokenHeadFormat(kind), rotation)
     raise _unknown(raw, f"unknown type {kind!r}")
@@ -515,6 +535,9 @@ def calibrate_scale(x: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
     (the percentile is the order statistic at rank ``ceil(p/100 * n)``, no interpolation)."""
     if x.dim() != 4:
         raise InputError(f"Expected a [B, H, T, D] tensor, got shape {tuple(x.shape)}.")
+    if fmt.fixed_scale is not None:
+        n = 1 if fmt.scope == "tensor" else x.shape[1]
+        return torch.full((1, n, 1, 1), float(fmt.fixed_scale), dtype=torch.float32)
     a = x.detach().float().abs().transpose(0, 1).reshape(x.shape[1], -1)  # [H, B*T*D]
     if fmt.scope == "tensor":
         a = a.reshape(1, -1)
