@@ -283,6 +283,8 @@ def test_rotation_helps_q4_0_on_an_outlier_channel():
         ("int8@token-head", "int8@token-head", "token-head"),
         ("int4", "int4@token-head", "token-head"),
         ("fp8@token-head", "fp8@token-head", "token-head"),
+        ("int8_per_token_head", "int8@token-head", "token-head"),
+        ("fp8_per_token_head+rot", "fp8@token-head+rot", "token-head"),
     ],
 )
 def test_parse_format_names(text, name, family):

@@ -31,7 +31,10 @@ is the one place their quantize/dequantize semantics live (plain torch, vectoriz
   KV head (all ``D`` channels of one token of one head), ``s = absmax / qmax`` with
   ``qmax = 127`` (int8), ``7`` (int4) or ``448`` (fp8 e4m3). The integer variants are the
   reference's symmetric per-token grid (``kvlens.quant.reference``, ``QuantSpec(bits,
-  "per-token", symmetric=True)``); scales are counted as float32.
+  "per-token", symmetric=True)``, round-half-to-even); scales are counted as float32. vLLM's
+  ``int4_per_token_head`` is a different, non-uniform codebook format (sign + 8 magnitudes,
+  fp16 scales per channel group) that kvlens does not reproduce: ``int4@token-head`` is a
+  uniform int4 stand-in at the same granularity, not that format.
 - ``FormatSetting``: a format plus the engine's rotation. llama.cpp rotates Q/K/V by an
   orthonormal Walsh-Hadamard matrix when the cache type is quantized and ``head_dim % 64 ==
   0`` (``LLAMA_ATTN_ROT_DISABLE=1`` turns it off): keys by the largest power-of-two block
@@ -292,12 +295,20 @@ def _unknown(text: str, why: str) -> ConfigError:
     )
 
 
+# vLLM's --kv-cache-dtype spellings of the per-token-head formats
+VLLM_ALIASES = {f"{k}_per_token_head": f"{k}@token-head" for k in TOKEN_HEAD_KINDS}
+
+
 def parse_format(text: str) -> FormatSetting:
     """``"q4_0"``, ``"q4_0+norot"``, ``"fp8"`` (= fp8_e4m3, vLLM's alias), ``"fp8_e5m2@head"``,
-    ``"fp8_e4m3@tensor:p99.9"``, ``"int8@token-head"``, ``"fp8@token-head"`` ->
-    ``FormatSetting``; anything else raises ``ConfigError`` with the allowed names."""
+    ``"fp8_e4m3@tensor:p99.9"``, ``"int8@token-head"`` (or vLLM's ``"int8_per_token_head"``),
+    ``"fp8@token-head"`` -> ``FormatSetting``; anything else raises ``ConfigError`` with the
+    allowed names."""
     raw = text
     text = (text or "").strip().lower()
+    for alias, name in VLLM_ALIASES.items():
+        if text == alias or text.startswith(alias + "+"):
+            text = name + text[len(alias) :]
     m = _NAME.match(text)
     if not m:
         raise _unknown(raw, "not of the form TYPE[@SCOPE][:pP][+rot|+norot]")
