@@ -292,6 +292,7 @@ def test_parse_format_names(text, name, family):
     assert isinstance(s, FormatSetting)
     assert s.name == name and s.format.family == family
     assert parse_format(s.name) == s  # names round-trip
+    assert FormatSetting.from_dict(s.to_dict()) == s
 
 
 @pytest.mark.parametrize(
@@ -328,5 +329,7 @@ def test_format_objects_validate():
         FP8Format("e3m4")
     with pytest.raises(ConfigError, match="allowed: int8, int4, fp8"):
         TokenHeadFormat("int2")
+    with pytest.raises(ConfigError, match="allowed: version, name"):
+        FormatSetting.from_dict({"name": "q8_0", "rotation": "on"})
     with pytest.raises(ConfigError, match="allowed: auto, on, off"):
         FormatSetting(GGML_FORMATS["q8_0"], "maybe")

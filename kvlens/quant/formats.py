@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -262,7 +262,23 @@ class FormatSetting:
         return self.format.bits_per_element(shape)
 
     def to_dict(self) -> dict[str, Any]:
+        """``{"version": 1, "name": "q4_0+norot"}``: the name carries every field."""
         return {"version": FORMAT_VERSION, "name": self.name}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> FormatSetting:
+        """Inverse of ``to_dict``; rejects other versions and unknown keys with ``ConfigError``."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"A format must be a JSON object, got {type(data).__name__}.")
+        if data.get("version", FORMAT_VERSION) != FORMAT_VERSION:
+            raise ConfigError(
+                f"Unsupported format version {data.get('version')!r}; this kvlens reads "
+                f"version {FORMAT_VERSION}."
+            )
+        unknown = sorted(set(data) - {"version", "name"})
+        if unknown or "name" not in data:
+            raise ConfigError(f"Format keys {sorted(data)}; allowed: version, name (required).")
+        return parse_format(data["name"])
 
 
 # -- parsing ----------------------------------------------------------------------------------
