@@ -164,7 +164,11 @@ def _render(results, opts) -> None:
         cols += ["agreement", "first diverge"]
     for c in cols:
         table.add_column(c, justify="left" if c == "config" else "right")
+    short = [e for e in ("ppl", "passkey", "agreement") if e in opts.evals]
     for r in results:
+        if any(e not in r for e in short) or (opts.prompt is not None and "text" not in r) \
+                or ("ppl" in r and "ppl_change" not in r):
+            continue  # not finished (Ctrl-C)
         row = [r["name"], f"{r.get('bits_per_element', 0):.2f}", _bytes(r.get("kv_bytes", 0)),
                f"{r.get('kv_bytes', 0) / max(r.get('kv_bytes_fp16', 1), 1):.2f}x"]
         if "ppl" in opts.evals:
