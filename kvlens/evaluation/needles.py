@@ -47,8 +47,6 @@ DEFAULT_DEPTHS = (0.1, 0.5, 0.9)
 DEFAULT_SEED = 0
 NEW_TOKENS = 8
 DISTRACTORS = 3  # other "The code for NAME is NNNN." sentences in a kv prompt
-FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
-          "again. ")
 NAMES = ("amber", "basalt", "cedar", "delta", "ember", "fjord", "garnet", "harbor", "indigo",
          "jasper", "kestrel", "lagoon", "meadow", "nickel", "onyx", "pepper", "quill", "raven",
          "sorrel", "tundra")
@@ -101,6 +99,8 @@ def _ntok(tokenizer, text: str) -> int:
 
 
 def passkey_prompt(tokenizer, length: int, depth: float, rng: random.Random) -> tuple[str, str]:
+    from kvlens.evaluate import FILLER  # the classic filler, shared with the short passkey
+
     key = f"{rng.randint(10000, 99999)}"
     head = ("There is important info hidden inside a lot of irrelevant text. Find it and "
             "memorize it. ")
