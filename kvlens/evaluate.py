@@ -226,11 +226,9 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
         scores = run_grid(model, tokenizer, configs, grid, options.backend, progress)
         summary = summarize_grid(scores)
         report["evaluation"]["retrieval"] = {**summary["protocol"], "exact": summary["exact"]}
-        by_name = {doc["name"]: doc for doc in summary["configs"]}
-        for res in report["results"]:
-            doc = by_name.get(res["name"])
-            if doc is not None:
-                res["retrieval"] = {k: v for k, v in doc.items() if k != "name"}
+        # summary["configs"] covers the configs that finished, in order (names may repeat)
+        for res, doc in zip(report["results"], summary["configs"]):
+            res["retrieval"] = {k: v for k, v in doc.items() if k != "name"}
         report["interrupted"] = scores.interrupted
     reason = next((r.get("backend_reason") for r in reversed(report["results"])
                    if r.get("backend_reason")), None)
