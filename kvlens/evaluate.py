@@ -195,12 +195,9 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
                           options.retrieval_prompts, options.seed)
 
     if short or options.prompt is not None:
-        try:
-            short_results = _short_evals(model, tokenizer, configs, options, progress)
-        except KeyboardInterrupt:
-            short_results, report["interrupted"] = None, True
-        if short_results is not None:
-            report["results"] = short_results
+        finished, report["interrupted"] = _short_evals(model, tokenizer, configs, options,
+                                                       progress)
+        report["results"] = finished + report["results"][len(finished):]
     if kld_ids is not None and not report["interrupted"]:
         from kvlens.evaluation.kld import score_text, summarize
 
@@ -230,11 +227,9 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
         scores = run_grid(model, tokenizer, configs, grid, options.backend, progress)
         summary = summarize_grid(scores)
         report["evaluation"]["retrieval"] = {**summary["protocol"], "exact": summary["exact"]}
-        by_name = {doc["name"]: doc for doc in summary["configs"]}
-        for res in report["results"]:
-            doc = by_name.get(res["name"])
-            if doc is not None:
-                res["retrieval"] = {k: v for k, v in doc.items() if k != "name"}
+        # summary["configs"] covers the configs that finished, in order (names may repeat)
+        for res, doc in zip(report["results"], summary["configs"]):
+            res["retrieval"] = {k: v for k, v in doc.items() if k != "name"}
         report["interrupted"] = scores.interrupted
     reason = next((r.get("backend_reason") for r in reversed(report["results"])
                    if r.get("backend_reason")), None)
@@ -259,8 +254,9 @@ def _merge_memory(res: dict, memory: dict | None) -> None:
 
 
 def _short_evals(model, tokenizer, configs: list[KVConfig], options: EvalOptions,
-                 progress: Callable[[str], None]) -> list[dict]:
-    """Generation with ``options.prompt`` and the short-context ppl / passkey / agreement."""
+                 progress: Callable[[str], None]) -> tuple[list[dict], bool]:
+    """Generation with ``options.prompt`` and the short-context ppl / passkey / agreement:
+    ``(results of the configs that finished, interrupted)``."""
     from kvlens.baselines import Baseline, baseline_memory_report, baseline_session
     from kvlens.cache import compressed_attention, memory_report
 
@@ -323,25 +319,29 @@ def _short_evals(model, tokenizer, configs: list[KVConfig], options: EvalOptions
                        bits_per_element=biggest["bits_per_element"])
         return res
 
-    if ppl_ids is not None or need_agree:
-        if not any(c.name == "exact" and not c.compressed for c in configs):
-            progress("exact reference")
-            baseline = run(exact)
     results = []
-    for config in configs:
-        res = run(config)
-        if not config.compressed and config.name == "exact":
-            baseline = baseline or res
-        results.append(res)
+    interrupted = False
+    try:
+        if ppl_ids is not None or need_agree:
+            if not any(c.name == "exact" and not c.compressed for c in configs):
+                progress("exact reference")
+                baseline = run(exact)
+        for config in configs:
+            res = run(config)
+            if not config.compressed and config.name == "exact":
+                baseline = baseline or res
+            results.append(res)
+    except KeyboardInterrupt:  # keep the configs that finished
+        interrupted = True
     for res in results:
-        if ppl_ids is not None:
+        if ppl_ids is not None and baseline:
             res["ppl_fp16"] = baseline["ppl"]
             res["ppl_change"] = res["ppl"] / baseline["ppl"] - 1
-        if need_agree:
+        if need_agree and baseline:
             res["agreement"] = agreement(res["_tokens"], baseline["_tokens"])
     for res in results:
         res.pop("_tokens", None)
-    return results
+    return results, interrupted
 
 
 def agreement(tokens: list[int], reference: list[int]) -> dict:

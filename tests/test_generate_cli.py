@@ -183,3 +183,30 @@ def test_ctrl_c_prints_what_was_finished_and_exits_nonzero(tiny_model_dir, tiny_
     assert doc["results"][0]["kld"]["scored"] == 64
     assert "retrieval" not in doc["evaluation"]  # not started after the interrupt
     assert "interrupted" in result.stderr
+
+
+def test_ctrl_c_during_short_evals_keeps_the_finished_configs(tiny_model_dir, tiny_kivi,
+                                                              monkeypatch):
+    import kvlens.evaluate as evaluate
+
+    real = evaluate.decode_ppl
+    calls = {"n": 0}
+
+    def interrupt_second(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "decode_ppl", interrupt_second)
+    args = ["generate", "--model", str(tiny_model_dir), "--compare", f"fp16,{tiny_kivi}",
+            "--eval", "ppl,kld", "--ppl-tokens", "48", "--eval-tokens", "64"]
+    result = runner.invoke(app, [*args, "--json"])
+    assert result.exit_code == 130
+    doc = json.loads(result.stdout)
+    fp16, kivi = doc["results"]
+    assert fp16["ppl_change"] == 0.0 and "ppl" not in kivi and doc["evaluation"] == {}
+    calls["n"] = 0
+    result = runner.invoke(app, args)  # the table shows the finished config only
+    assert result.exit_code == 130 and "fp16" in result.stdout
+    assert "tiny-kivi" not in result.stdout and "interrupted" in result.stderr

@@ -35,8 +35,8 @@ def generate(
                                      "baselines (hf-quanto-2/4, hf-hqq-2/4, hf-fp8) to run side "
                                      "by side on the same inputs."),
     backend: str = typer.Option("auto", "--backend", help="auto, torch or triton."),
-    ppl_tokens: int = typer.Option(512, "--ppl-tokens", help="Tokens of text for ppl."),
-    passkey_prompts: int = typer.Option(5, "--passkey-prompts", help="Passkey prompts."),
+    ppl_tokens: int = typer.Option(512, "--ppl-tokens", help="Tokens of text for ppl (short-context check)."),
+    passkey_prompts: int = typer.Option(5, "--passkey-prompts", help="Passkey prompts (short-context check)."),
     passkey_context: int = typer.Option(1000, "--passkey-context",
                                         help="Approximate tokens per passkey prompt."),
     seed: int = typer.Option(0, "--seed", help="Seed for passkey and retrieval prompts."),
@@ -57,9 +57,8 @@ def generate(
 ) -> None:
     """Generate with a compressed KV cache and measure what it loses against the exact model.
 
-    --eval kld scores a long held-out text (KL divergence, top-1 agreement, perplexity with
-    bootstrap intervals and paired comparisons); --eval retrieval runs a passkey and key-value
-    grid over lengths and depths. Ctrl-C prints what was finished and exits with code 130."""
+    --eval kld scores a long held-out text (KL divergence, top-1 agreement, perplexity with bootstrap intervals and paired comparisons); --eval retrieval runs a passkey and key-value grid over lengths and depths (docs/evaluation.md). Ctrl-C prints what was finished and exits with code 130.
+    """
     configs, opts = run_library_call(lambda: _options(
         config, preset_name, compare, prompt, prompt_file, max_new_tokens, evals, text, backend,
         ppl_tokens, passkey_prompts, passkey_context, seed, eval_tokens, chunk,
@@ -165,7 +164,11 @@ def _render(results, opts) -> None:
         cols += ["agreement", "first diverge"]
     for c in cols:
         table.add_column(c, justify="left" if c == "config" else "right")
+    short = [e for e in ("ppl", "passkey", "agreement") if e in opts.evals]
     for r in results:
+        if any(e not in r for e in short) or (opts.prompt is not None and "text" not in r) \
+                or ("ppl" in r and "ppl_change" not in r):
+            continue  # not finished (Ctrl-C)
         row = [r["name"], f"{r.get('bits_per_element', 0):.2f}", _bytes(r.get("kv_bytes", 0)),
                f"{r.get('kv_bytes', 0) / max(r.get('kv_bytes_fp16', 1), 1):.2f}x"]
         if "ppl" in opts.evals:

@@ -188,6 +188,7 @@ def score_text(model, ids, configs: Sequence, chunk: int = DEFAULT_CHUNK, backen
                 logp_e = torch.log_softmax(out.logits[0, :m].double(), -1)
                 nll_e = -logp_e.gather(-1, targets[:, None])[:, 0]
                 top_e = logp_e.argmax(-1)
+                p_e = logp_e.exp()
                 rows = []
                 for j, cache in enumerate(caches):
                     quant = reads_quantized(cache)
@@ -197,7 +198,7 @@ def score_text(model, ids, configs: Sequence, chunk: int = DEFAULT_CHUNK, backen
                     per_config[j] += t3 - t2
                     clock["scoring"] -= t3 - t2
                     logp = torch.log_softmax(logits[0, :m].double(), -1)
-                    kld = (logp_e.exp() * (logp_e - logp)).sum(-1).clamp_min(0.0)
+                    kld = (p_e * (logp_e - logp)).sum(-1).clamp_min(0.0)
                     rows.append((kld, logp.argmax(-1) == top_e,
                                  -logp.gather(-1, targets[:, None])[:, 0], quant))
                 # Record a chunk only once every config has scored it (an interrupt inside the

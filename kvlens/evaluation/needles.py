@@ -7,8 +7,9 @@ Tasks (``TASKS``):
   "What is the pass key? The pass key is". Correct when the 5 digits appear in the greedy
   continuation (8 new tokens).
 - **kv**: paragraphs of the held-out text (``kvlens.evaluation.heldout``, in order from a seeded
-  paragraph, skipping any that would overshoot the length) with six sentences "The code for NAME is NNNN." inserted at paragraph boundaries:
-  the asked-for name at the cell's depth, five distractor names at seeded places; ending
+  paragraph, skipping any that would overshoot the length) with four sentences "The code for
+  NAME is NNNN." at paragraph boundaries: the asked-for name at the cell's depth, three
+  distractors at seeded places (several may share a gap); ending
   "Question: What is the code for NAME?\\nAnswer: The code for NAME is". Correct when its 4
   digits appear in the greedy continuation (8 new tokens).
 
@@ -45,8 +46,7 @@ DEFAULT_LENGTHS = (1024, 2048, 4096)
 DEFAULT_DEPTHS = (0.1, 0.5, 0.9)
 DEFAULT_SEED = 0
 NEW_TOKENS = 8
-FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
-          "again. ")
+DISTRACTORS = 3  # other "The code for NAME is NNNN." sentences in a kv prompt
 NAMES = ("amber", "basalt", "cedar", "delta", "ember", "fjord", "garnet", "harbor", "indigo",
          "jasper", "kestrel", "lagoon", "meadow", "nickel", "onyx", "pepper", "quill", "raven",
          "sorrel", "tundra")
@@ -99,6 +99,8 @@ def _ntok(tokenizer, text: str) -> int:
 
 
 def passkey_prompt(tokenizer, length: int, depth: float, rng: random.Random) -> tuple[str, str]:
+    from kvlens.evaluate import FILLER  # the classic filler, shared with the short passkey
+
     key = f"{rng.randint(10000, 99999)}"
     head = ("There is important info hidden inside a lot of irrelevant text. Find it and "
             "memorize it. ")
@@ -112,8 +114,8 @@ def passkey_prompt(tokenizer, length: int, depth: float, rng: random.Random) -> 
 
 def kv_prompt(tokenizer, length: int, depth: float, rng: random.Random,
               paras: list[str]) -> tuple[str, str]:
-    names = rng.sample(NAMES, 6)
-    codes = [f"{c}" for c in rng.sample(range(1000, 10000), 6)]
+    names = rng.sample(NAMES, 1 + DISTRACTORS)
+    codes = [f"{c}" for c in rng.sample(range(1000, 10000), 1 + DISTRACTORS)]
     target, code = names[0], codes[0]
     question = (f"\n\nQuestion: What is the code for {target}?\nAnswer: The code for {target} "
                 "is")
@@ -132,8 +134,8 @@ def kv_prompt(tokenizer, length: int, depth: float, rng: random.Random,
         used += n
     if len(body) < 2:
         raise InputError(f"Retrieval length {length} is too short for the key-value task "
-                         "(six facts, a question and at least two paragraphs); use 150 tokens "
-                         "or more.")
+                         f"({1 + DISTRACTORS} facts, a question and at least two paragraphs); "
+                         "use 150 tokens or more.")
     slots: dict[int, list[str]] = {round(depth * len(body)): [facts[0]]}
     for fact in facts[1:]:  # distractors: any gap, several may share one
         slots.setdefault(rng.randrange(len(body) + 1), []).append(fact)
