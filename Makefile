@@ -38,7 +38,7 @@ demo: install
 	$(BIN)/kvlens plot-outliers $(OUT)/run.h5 --out $(OUT)/outliers
 	$(BIN)/kvlens compare-axes $(OUT)/run.h5 --plots $(OUT)/compare
 	$(BIN)/kvlens recommend $(OUT)/run.h5 --budget-bits 3.0 -o $(OUT)/recommended.json \
-		--overwrite --validate --passkey-prompts 5 --ppl-tokens 256
+		--overwrite --validate --eval-tokens 2048
 
 test: install
 	$(BIN)/python -m pytest -q

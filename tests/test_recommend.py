@@ -281,16 +281,21 @@ def test_recommend_validate_end_to_end(tiny_model_dir, tmp_path):
     assert res.exit_code == 0, res.output
     args = ["recommend", str(cap), "-b", "6", "--context", "512", "--residual", "16",
             "--group-sizes", "16", "--model", str(tiny_model_dir), "--validate",
-            "--passkey-prompts", "1", "--passkey-context", "120", "--ppl-tokens", "48"]
+            "--eval-tokens", "96"]
     res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output
-    assert "Recommendation:" in res.stdout and "/1 @" in res.stdout  # validation table
+    # the KLD table against the exact model, on the held-out text
+    assert "Recommendation:" in res.stdout and "KL divergence vs the exact model" in res.stdout
+    assert "heldout" in res.stdout
     # the presets use G=32/64, which cannot fit this model's head_dim of 16: skipped, said so
     assert "skipping preset kivi-2" in res.output and "skipping preset per-token-4" in res.output
     res = runner.invoke(app, [*args, "--json"])
     assert res.exit_code == 0, res.output
-    names = [r["name"] for r in json.loads(res.stdout)["validation"]]
-    assert names == ["exact", "recommended"]
+    doc = json.loads(res.stdout)
+    assert doc["validation_evaluation"]["kld"]["scored"] > 0
+    names = [r["name"] for r in doc["validation"]]
+    assert names == ["recommended"]
+    assert doc["validation"][0]["kld"]["mean_kld"]["value"] > 0
 
 
 def test_rotation_candidates_are_measured_priced_and_written(tmp_path):

@@ -64,11 +64,17 @@ def recommend(
                                            help="Weight of the retrieval errors."),
     name: str = typer.Option("recommended", "--name", help="Name stored in the config."),
     validate: bool = typer.Option(False, "--validate",
-                                  help="Generate with the recommendation and presets "
-                                       f"({', '.join(VALIDATE_PRESETS)}): decode ppl + passkey."),
-    passkey_prompts: int = typer.Option(20, "--passkey-prompts"),
-    passkey_context: int = typer.Option(1000, "--passkey-context"),
-    ppl_tokens: int = typer.Option(512, "--ppl-tokens"),
+                                  help="Evaluate the recommendation beside the presets "
+                                       f"({', '.join(VALIDATE_PRESETS)}) on the built-in "
+                                       "held-out text: KL divergence, top-1 agreement and "
+                                       "perplexity vs the exact model, with intervals."),
+    eval_tokens: int = typer.Option(None, "--eval-tokens",
+                                    help="--validate: tokens of held-out text to score "
+                                         "(default 4096, capped by the model's context)."),
+    retrieval_prompts: int = typer.Option(0, "--retrieval-prompts",
+                                          help="--validate: also run the retrieval grid at "
+                                               "1k tokens with this many prompts per task "
+                                               "and depth (0 = skip)."),
     model: str = typer.Option(None, "--model", "-m",
                               help="Model for sensitivity and --validate (default: the "
                                    "capture's own model)."),
@@ -114,23 +120,26 @@ def recommend(
                 return model_spec_from_capture(cap.meta)
 
         validation = run_library_call(lambda: _validate(rec.config, model_for_validation(),
-                                                        passkey_prompts,
-                                                        passkey_context, ppl_tokens))
+                                                        eval_tokens, retrieval_prompts))
     if as_json:
         doc = rec.to_dict()
         if validation is not None:
             doc["validation"] = validation["results"]
+            doc["validation_evaluation"] = validation["evaluation"]
         print_json(doc)
         return
     _render(rec)
     if validation is not None:
-        from kvlens.cli.generate import _render as render_eval
+        from kvlens.cli.generate import _render_long
 
-        render_eval(validation["results"], validation["options"])
+        _render_long(validation)
 
 
-def _validate(config, model, passkey_prompts, passkey_context, ppl_tokens):
+def _validate(config, model, eval_tokens: int | None, retrieval_prompts: int):
+    """The recommendation and the presets, scored against the exact model on the held-out text
+    (``kvlens.evaluation``: nothing `recommend` calibrates on)."""
     from kvlens.architecture import describe
+    from kvlens.errors import ConfigError
     from kvlens.evaluate import EvalOptions, evaluate_configs
     from kvlens.kvconfig import preset, validate_for
     from kvlens.models import load_model
@@ -138,9 +147,7 @@ def _validate(config, model, passkey_prompts, passkey_context, ppl_tokens):
     err_console.print(f"Validating on {model or 'SmolLM2-135M-Instruct (embedded)'} ...")
     mdl, tok, _ = load_model(model)
     validate_for(config, describe(mdl))
-    from kvlens.errors import ConfigError
-
-    configs = [preset("exact"), config]
+    configs = [config]
     for name in VALIDATE_PRESETS:
         try:
             validate_for(preset(name), describe(mdl))
@@ -148,8 +155,9 @@ def _validate(config, model, passkey_prompts, passkey_context, ppl_tokens):
             err_console.print(f"  skipping preset {name}: {exc}")
             continue
         configs.append(preset(name))
-    opts = EvalOptions(evals=("ppl", "passkey"), passkey_prompts=passkey_prompts,
-                       passkey_context=passkey_context, ppl_tokens=ppl_tokens)
+    evals = ("kld", "retrieval") if retrieval_prompts else ("kld",)
+    opts = EvalOptions(evals=evals, eval_tokens=eval_tokens,
+                       retrieval_prompts=max(retrieval_prompts, 1), retrieval_lengths=(1024,))
     report = evaluate_configs(mdl, tok, configs, opts,
                               progress=lambda msg: err_console.print(f"  {msg}"))
     return {**report, "options": opts}
