@@ -9,21 +9,31 @@ heads per KV head (``repeat_kv`` mapping), so packed K/V are read once per KV he
 transformers' own (bool or additive ``[B, 1, Tq, N]`` over absolute cache positions, or ``None``
 = causal, bottom-right aligned).
 
-Fast torch path (the layouts KIVI uses; anything else goes through the reference
-``PackedTensor.dequantize_range``): scales are folded instead of dequantizing.
+Folded reads (every layout the cache stores; nothing dequantized is materialised): scales and
+zeros are folded into the query, the softmax weights or the output instead of being applied to
+the codes. Eager torch has no integer x float matmul, so the codes of **one chunk** are unpacked
+to float32 (all code slots with one broadcast shift); that transient is the only chunk-sized
+float tensor (keep ``chunk_tokens`` moderate).
 
-- Per-channel keys (groups of ``G`` tokens, packed along tokens): all code slots of a chunk are
-  unpacked with one broadcast shift, then per group ``score_t = sum_d (q_d * scale_{g,d}) *
-  code_{t,d} + sum_d q_d * zero_{g,d}`` (a batched matmul over groups; no full-size scale
-  tensor). The balancer (``q / b``) and ``scaling`` fold into ``q`` first.
-- Per-token values (groups of ``G`` channels, packed along channels): the codes are unpacked
-  transposed (``[D, T]``, one shift over a long inner dimension) and the value scale folds into
-  the softmax weights: ``out_d = sum_t (p_t * scale_{t,j}) * code_{t,d} + sum_t p_t *
-  zero_{t,j}`` for the channel group ``j`` of ``d``.
+- Per-channel keys (groups of ``G`` tokens, packed along tokens): per group ``score_t = sum_d
+  (q_d * scale_{g,d}) * code_{t,d} + sum_d q_d * zero_{g,d}`` (a batched matmul over groups; no
+  full-size scale tensor).
+- Per-token keys (groups of ``G`` channels, packed along channels; ``G=None`` = the head):
+  ``score_t = sum_j s_{t,j} * (q_j . code_{t,j}) + z_{t,j} * sum(q_j)`` for the channel groups
+  ``j`` (one batched matmul over groups, then a weighted sum over ``D/G`` groups).
+- Per-tensor (one scale per flushed block, packed along channels): the per-token formula with one
+  group, the block's scale repeated over its tokens (``n`` floats).
+- Per-channel values (groups of ``G`` tokens, packed along tokens): ``o_c = sum_g s_{g,c} *
+  sum_{t in g} p_t code_{t,c} + z_{g,c} * sum_{t in g} p_t``.
+- Per-token / per-tensor values (packed along channels): the value scale folds into the softmax
+  weights, ``out_d = sum_t (p_t * scale_{t,j}) * code_{t,d} + sum_t p_t * zero_{t,j}``.
+- The channel balancer (``q / b``) and ``scaling`` fold into ``q`` first.
+- Pre-RoPE keys: RoPE rotates each dequantized key by its own position, so scales cannot fold
+  into one query; the chunk is dequantized in place on its unpacked codes (``code * scale +
+  zero``, float32), rotated with (cos, sin) re-created from the stored positions and dotted.
 
 Same math as "dequantize with the reference, then attend", different float rounding (tested
-against it to 1e-5). Pre-RoPE keys are rotated after dequantization (reference path), with
-(cos, sin) re-created from the stored positions.
+against it to 1e-5 for every layout, ``tests/test_cache.py``).
 
 Positions: the packed store holds absolute positions ``[q_start, q_end)`` (``q_start > 0`` once a
 sliding-window layer evicted blocks), the window ``[res_start, N)``; masks are indexed by
@@ -156,54 +166,130 @@ def _unpack_rows(raw: torch.Tensor, container: int) -> torch.Tensor:
     return codes.reshape(*raw.shape[:-2], raw.shape[-2] * per, raw.shape[-1]).float()
 
 
-def _fast_keys(layer) -> bool:
-    s = layer.kstore
-    return (layer.setting.key is not None and s.spec.granularity == "per-channel"
-            and not layer.setting.pre_rope_keys)
+def _unpack_cols(raw: torch.Tensor, container: int, d: int) -> torch.Tensor:
+    """uint8 ``[..., T, ceil(D/P)]`` packed along channels -> float32 ``[..., D, T]`` (channels
+    first: the bytes are transposed, which is cheap, then unpacked with one broadcast shift over
+    the long token dimension)."""
+    return _unpack_rows(raw.transpose(-1, -2).contiguous(), container)[..., :d, :]
 
 
-def _fast_values(layer) -> bool:
-    return layer.setting.value is not None and layer.vstore.spec.granularity == "per-token"
+def _token_rows(p: torch.Tensor, store, n: int) -> torch.Tensor:
+    """Scale/zero rows of a channel-packed store (per-token ``[.., n, D/G]`` or per-tensor
+    ``[.., n/F, 1]``) as one row per token ``[B, H, n, nJ]`` float32 (a per-tensor block's row is
+    repeated over its tokens: ``n`` floats, not a dequantized tensor)."""
+    p = p.float()
+    if store.spec.granularity == "per-tensor":
+        p = p.repeat_interleave(store.block, dim=2)
+    return p[:, :, :n]
+
+
+def _key_group(store) -> int:
+    """Tokens sharing one key scale row of a token-packed (per-channel) store."""
+    return store.spec.group_size or store.block
+
+
+def _dequant_chunk(store, t0: int, t1: int) -> torch.Tensor:
+    """Tokens ``[t0, t1)`` of a packed store as float32 ``[B, H, n, D]``: ``code * scale + zero``
+    computed in place on the unpacked chunk (one float32 chunk, the same values as the
+    reference's ``dequantize_range``). Used only where the scales cannot be folded (pre-RoPE
+    keys: RoPE must rotate the dequantized key)."""
+    c = _container(store)
+    d = store.head_dim
+    b, h = store.codes.shape[:2]
+    n = t1 - t0
+    if store.packs_tokens:
+        per, g = 8 // c, _key_group(store)
+        x = _unpack_rows(store.codes[:, :, t0 // per:t1 // per], c).view(b, h, n // g, g, d)
+        x.mul_(store.scale[:, :, t0 // g:t1 // g, None].float())
+        x.add_(store.zero[:, :, t0 // g:t1 // g, None].float())
+        return x.view(b, h, n, d)
+    x = _unpack_cols(store.codes[:, :, t0:t1], c, d).transpose(-1, -2)  # [B, H, n, D] view
+    bt = store.block if store.spec.granularity == "per-tensor" else 1
+    rows = slice(t0 // bt, -(-t1 // bt))
+    scale, zero = (_token_rows(s[:, :, rows], store, n) for s in (store.scale, store.zero))
+    nj = scale.shape[-1]
+    x = x.reshape(b, h, n, nj, d // nj)
+    return (x * scale[..., None] + zero[..., None]).view(b, h, n, d)
 
 
 def _key_scores(layer, q: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
     """``q [B, Hkv, M, D]`` (balanced and scaled) against packed keys ``[t0, t1)`` ->
-    ``[B, Hkv, M, t1 - t0]``."""
+    ``[B, Hkv, M, t1 - t0]``. Scales fold into ``q`` (module docstring); only the codes of this
+    chunk are unpacked (float32, one chunk: eager torch has no integer x float matmul)."""
     store = layer.kstore
-    if not _fast_keys(layer):
-        k = store.dequantize_range(t0, t1)
-        if layer.stores_pre_rope:
-            from kvlens.rope import apply_rope
+    if layer.setting.key is None:  # a dense (unquantized) key history
+        return torch.matmul(q, store.dequantize_range(t0, t1).transpose(-1, -2))
+    if layer.stores_pre_rope:  # RoPE rotates the dequantized key: dequantize, rotate, dot
+        from kvlens.rope import rotate
 
-            cos, sin = layer.rope_tables(layer.q_start + t0, layer.q_start + t1)
-            k = apply_rope(k, cos, sin, layer.rope.layout)
+        k = _dequant_chunk(store, t0, t1)
+        cos, sin = layer.rope_tables(layer.q_start + t0, layer.q_start + t1)
+        r = cos.shape[-1]
+        rot = k[..., :r]
+        rot_k = rot * cos[:, None] + rotate(rot, layer.rope.layout) * sin[:, None]
+        k = rot_k if r == k.shape[-1] else torch.cat((rot_k, k[..., r:]), dim=-1)
         return torch.matmul(q, k.transpose(-1, -2))
     b, h, m, d = q.shape
-    per = 8 // _container(store)
-    g = store.spec.group_size or store.block
-    n, ng = t1 - t0, (t1 - t0) // g
-    codes = _unpack_rows(store.codes[:, :, t0 // per:t1 // per], _container(store))
-    scale = store.scale[:, :, t0 // g:t1 // g].float()  # [B, H, nG, D]
-    zero = store.zero[:, :, t0 // g:t1 // g].float()
-    qs = q[:, :, None] * scale[:, :, :, None]  # [B, H, nG, M, D]
-    s = torch.matmul(qs, codes.view(b, h, ng, g, d).transpose(-1, -2))  # [B, H, nG, M, G]
-    s += torch.matmul(zero, q.transpose(-1, -2)).unsqueeze(-1)  # bias [B, H, nG, M, 1]
-    return s.permute(0, 1, 3, 2, 4).reshape(b, h, m, n)
+    n = t1 - t0
+    c = _container(store)
+    if store.packs_tokens:  # per-channel: one scale row per G tokens
+        per, g = 8 // c, _key_group(store)
+        ng = n // g
+        codes = _unpack_rows(store.codes[:, :, t0 // per:t1 // per], c)
+        scale = store.scale[:, :, t0 // g:t1 // g].float()  # [B, H, nG, D]
+        zero = store.zero[:, :, t0 // g:t1 // g].float()
+        qs = q[:, :, None] * scale[:, :, :, None]  # [B, H, nG, M, D]
+        s = torch.matmul(qs, codes.view(b, h, ng, g, d).transpose(-1, -2))  # [B, H, nG, M, G]
+        s += torch.matmul(zero, q.transpose(-1, -2)).unsqueeze(-1)  # bias [B, H, nG, M, 1]
+        return s.permute(0, 1, 3, 2, 4).reshape(b, h, m, n)
+    # per-token (groups of G channels) / per-tensor: codes packed along channels, one scale per
+    # (token, channel group): score_t = sum_j s_tj (q_j . code_tj) + z_tj * sum(q_j)
+    codes = _unpack_cols(store.codes[:, :, t0:t1], c, d)  # [B, H, D, n]
+    bt = store.block if store.spec.granularity == "per-tensor" else 1
+    rows = slice(t0 // bt, -(-t1 // bt))
+    scale = _token_rows(store.scale[:, :, rows], store, n)  # [B, H, n, nJ]
+    zero = _token_rows(store.zero[:, :, rows], store, n)
+    nj = scale.shape[-1]
+    gd = d // nj
+    qsum = q.reshape(b, h, m, nj, gd).sum(-1)  # [B, H, M, nJ]
+    bias = torch.matmul(qsum, zero.transpose(-1, -2))  # [B, H, M, n]
+    if nj == 1:
+        return torch.matmul(q, codes).mul_(scale.transpose(-1, -2)).add_(bias)
+    qj = q.reshape(b, h, m, nj, gd).transpose(2, 3)  # [B, H, nJ, M, Gd]
+    part = torch.matmul(qj, codes.reshape(b, h, nj, gd, n))  # [B, H, nJ, M, n]
+    part.mul_(scale.permute(0, 1, 3, 2).unsqueeze(3))
+    return part.sum(2).add_(bias)
 
 
 def _value_out(layer, p: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
-    """Weights ``p [B, Hkv, M, t1 - t0]`` times packed values ``[t0, t1)`` -> ``[B, Hkv, M, D]``."""
+    """Weights ``p [B, Hkv, M, t1 - t0]`` times packed values ``[t0, t1)`` -> ``[B, Hkv, M, D]``.
+    Scales fold into the weights or the output (module docstring); only this chunk's codes are
+    unpacked to float32."""
     store = layer.vstore
-    if not _fast_values(layer):
+    if layer.setting.value is None:
         return torch.matmul(p, store.dequantize_range(t0, t1))
     b, h, m, n = p.shape
     d = store.head_dim
-    g = store.spec.group_size or d
-    nj = d // g
-    raw = store.codes[:, :, t0:t1].transpose(-1, -2).contiguous()  # [B, H, ceil(D/P), n]
-    codes = _unpack_rows(raw, _container(store))[:, :, :d]  # [B, H, D, n]
-    scale = store.scale[:, :, t0:t1].float().transpose(-1, -2)  # [B, H, nJ, n]
-    zero = store.zero[:, :, t0:t1].float()  # [B, H, n, nJ]
+    c = _container(store)
+    if store.packs_tokens:  # per-channel: o_d = sum_g s_gd (p_g . code_gd) + z_gd * sum(p_g)
+        per, g = 8 // c, _key_group(store)
+        ng = n // g
+        codes = _unpack_rows(store.codes[:, :, t0 // per:t1 // per], c)  # [B, H, n, D]
+        scale = store.scale[:, :, t0 // g:t1 // g].float()  # [B, H, nG, D]
+        zero = store.zero[:, :, t0 // g:t1 // g].float()
+        pg = p.view(b, h, m, ng, g).transpose(2, 3)  # [B, H, nG, M, G]
+        part = torch.matmul(pg, codes.view(b, h, ng, g, d))  # [B, H, nG, M, D]
+        part.mul_(scale.unsqueeze(3))
+        out = part.sum(2)
+        return out.add_(torch.matmul(pg.sum(-1).transpose(-1, -2), zero))
+    # per-token / per-tensor: out_d = sum_t (p_t * s_tj) code_td + sum_t p_t z_tj (d in group j)
+    bt = store.block if store.spec.granularity == "per-tensor" else 1
+    rows = slice(t0 // bt, -(-t1 // bt))
+    scale = _token_rows(store.scale[:, :, rows], store, n).transpose(-1, -2)  # [B, H, nJ, n]
+    zero = _token_rows(store.zero[:, :, rows], store, n)  # [B, H, n, nJ]
+    nj = scale.shape[-2]
+    g = d // nj
+    codes = _unpack_cols(store.codes[:, :, t0:t1], c, d)  # [B, H, D, n]
     w = p[:, :, None] * scale[:, :, :, None]  # [B, H, nJ, M, n]
     out = torch.matmul(w, codes.reshape(b, h, nj, g, n).transpose(-1, -2))  # [B, H, nJ, M, G]
     out += torch.matmul(p, zero).transpose(-1, -2).unsqueeze(-1)
