@@ -411,21 +411,38 @@ def triton_unsupported(layer, query: torch.Tensor, with_probs: bool) -> str | No
     setting = layer.setting
     if setting.key is None or setting.value is None:
         return "keys or values not quantized (the kernel reads both from the packed store)"
-    ks, vs = setting.key, setting.value
-    if ks.granularity != "per-channel" or vs.granularity != "per-token":
-        return (f"keys {ks.granularity} / values {vs.granularity} (the kernel takes per-channel "
-                "keys and per-token values)")
     if layer.stores_pre_rope:
-        return "pre-RoPE keys (the kernel does not apply RoPE)"
-    d = layer.head_dim
-    kg = ks.group_size or layer.kstore.block
-    vg = vs.group_size or d
-    kp = 8 // _container(layer.kstore)
-    vp = 8 // _container(layer.vstore)
-    if kg % 16 or kg % kp:
-        return f"key group {kg} (the kernel needs a multiple of 16)"
-    if d % vg or vg < 16 or vg % vp:
-        return f"value group {vg} (the kernel needs a divisor of head_dim {d}, >= 16)"
+        return ("pre-RoPE keys (the kernel does not re-apply RoPE; the torch path rotates each "
+                "dequantized chunk)")
+    for what, store in (("key", layer.kstore), ("value", layer.vstore)):
+        why = _kernel_group_problem(what, store, layer.head_dim)
+        if why:
+            return why
+    return None
+
+
+def _kernel_group(store):
+    """The kernel's ``k_group`` / ``v_group`` for a packed store: tokens per scale row
+    (per-channel ``G``, per-tensor the flush block ``F``) or channels per group (per-token)."""
+    gran = store.spec.granularity
+    if gran == "per-token":
+        return store.spec.group_size
+    return store.block if gran == "per-tensor" else store.spec.group_size or store.block
+
+
+def _kernel_group_problem(what: str, store, d: int) -> str | None:
+    gran = store.spec.granularity
+    g = _kernel_group(store)
+    per = 8 // _container(store)
+    if gran == "per-token":
+        g = g or d
+        if d % g or g < 16 or g % per:
+            return (f"{what} group {g} per-token (the kernel needs a divisor of head_dim {d}, "
+                    ">= 16)")
+        return None
+    if g % 16 or g % per:
+        unit = "flush block" if gran == "per-tensor" else "group"
+        return f"{what} {unit} {g} {gran} (the kernel needs a multiple of 16 tokens)"
     return None
 
 
@@ -473,8 +490,9 @@ def triton_decode(query: torch.Tensor, layer, mask: torch.Tensor | None, scaling
     bal = layer.balancer if layer.balancer is not None else None
     out = decode_attention(
         query, ks.codes, ks.scale, ks.zero, vs.codes, vs.scale, vs.zero, length,
-        k_bits=ks.spec.bits, v_bits=vs.spec.bits, k_group=ks.spec.group_size or ks.block,
-        v_group=vs.spec.group_size, scaling=float(scaling),
+        k_bits=ks.spec.bits, v_bits=vs.spec.bits, k_group=_kernel_group(ks),
+        v_group=_kernel_group(vs), k_layout=ks.spec.granularity,
+        v_layout=vs.spec.granularity, scaling=float(scaling),
         residual_k=layer.res_k.buf if layer.n_res else None,
         residual_v=layer.res_v.buf if layer.n_res else None, residual_len=layer.n_res,
         extra=extra, packed_valid=pvalid, balancer=bal, key_mask=key_mask)
