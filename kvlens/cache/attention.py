@@ -408,41 +408,51 @@ def triton_unsupported(layer, query: torch.Tensor, with_probs: bool) -> str | No
     if with_probs:
         return ("MiKV heavy-hitter selection needs attention probabilities, which the kernel "
                 "does not return")
-    setting = layer.setting
+    return kernel_layout_problem(layer.setting, layer.head_dim)
+
+
+def kernel_layout_problem(setting, head_dim: int) -> str | None:
+    """Why the fused decode kernel cannot read a layer stored as ``setting`` (a
+    ``kvlens.kvconfig.LayerKV``), or ``None``. Shared by the dispatch and ``recommend``'s
+    ``--prefer-fast``."""
+    from kvlens.cache.packed import flush_block
+
     if setting.key is None or setting.value is None:
         return "keys or values not quantized (the kernel reads both from the packed store)"
-    if layer.stores_pre_rope:
+    if setting.pre_rope_keys:
         return ("pre-RoPE keys (the kernel does not re-apply RoPE; the torch path rotates each "
                 "dequantized chunk)")
-    for what, store in (("key", layer.kstore), ("value", layer.vstore)):
-        why = _kernel_group_problem(what, store, layer.head_dim)
+    for what, spec in (("key", setting.key), ("value", setting.value)):
+        block = flush_block(spec, setting.residual_tokens, setting.flush_tokens)
+        why = _spec_kernel_problem(what, spec, block, head_dim)
         if why:
             return why
     return None
 
 
-def _kernel_group(store):
-    """The kernel's ``k_group`` / ``v_group`` for a packed store: tokens per scale row
-    (per-channel ``G``, per-tensor the flush block ``F``) or channels per group (per-token)."""
-    gran = store.spec.granularity
-    if gran == "per-token":
-        return store.spec.group_size
-    return store.block if gran == "per-tensor" else store.spec.group_size or store.block
+def _kernel_group(spec, block: int):
+    """The kernel's ``k_group`` / ``v_group`` for a packed store of ``spec`` with flush block
+    ``block``: tokens per scale row (per-channel ``G``, per-tensor ``F``) or channels per group
+    (per-token)."""
+    if spec.granularity == "per-token":
+        return spec.group_size
+    return block if spec.granularity == "per-tensor" else spec.group_size or block
 
 
-def _kernel_group_problem(what: str, store, d: int) -> str | None:
-    gran = store.spec.granularity
-    g = _kernel_group(store)
-    per = 8 // _container(store)
-    if gran == "per-token":
+def _spec_kernel_problem(what: str, spec, block: int, d: int) -> str | None:
+    from kvlens.quant import container_bits
+
+    g = _kernel_group(spec, block)
+    per = 8 // container_bits(spec.bits)
+    if spec.granularity == "per-token":
         g = g or d
         if d % g or g < 16 or g % per:
             return (f"{what} group {g} per-token (the kernel needs a divisor of head_dim {d}, "
                     ">= 16)")
         return None
     if g % 16 or g % per:
-        unit = "flush block" if gran == "per-tensor" else "group"
-        return f"{what} {unit} {g} {gran} (the kernel needs a multiple of 16 tokens)"
+        unit = "flush block" if spec.granularity == "per-tensor" else "group"
+        return f"{what} {unit} {g} {spec.granularity} (the kernel needs a multiple of 16 tokens)"
     return None
 
 
@@ -490,8 +500,8 @@ def triton_decode(query: torch.Tensor, layer, mask: torch.Tensor | None, scaling
     bal = layer.balancer if layer.balancer is not None else None
     out = decode_attention(
         query, ks.codes, ks.scale, ks.zero, vs.codes, vs.scale, vs.zero, length,
-        k_bits=ks.spec.bits, v_bits=vs.spec.bits, k_group=_kernel_group(ks),
-        v_group=_kernel_group(vs), k_layout=ks.spec.granularity,
+        k_bits=ks.spec.bits, v_bits=vs.spec.bits, k_group=_kernel_group(ks.spec, ks.block),
+        v_group=_kernel_group(vs.spec, vs.block), k_layout=ks.spec.granularity,
         v_layout=vs.spec.granularity, scaling=float(scaling),
         residual_k=layer.res_k.buf if layer.n_res else None,
         residual_v=layer.res_v.buf if layer.n_res else None, residual_len=layer.n_res,
