@@ -10,8 +10,8 @@ the slowdown versus the default cache and the KV bytes.
 
 ``--configs`` takes preset names, JSON config files (e.g. ``kvlens recommend -o``) and
 ``mixed-3bit``: a built-in per-layer mix shaped like ``recommend``'s SmolLM2 output at ~3 bits
-(per-token keys + per-channel values G64 in most layers, 4-bit in the first two, a KIVI-like
-layer every third; residual window 128). Configs whose fill needs the model (pre-RoPE keys, MiKV
+(per-token 3-bit keys + per-channel 2-bit values G64 in most layers, 4-bit in the first two,
+a KIVI-like 2-bit layer every third; residual window 128). Configs whose fill needs the model (pre-RoPE keys, MiKV
 heavy hitters, an online balancer) are prefilled through the model instead (slow; say so).
 
 Never run in CI (minutes of CPU). Timings on a shared 2-core machine are noisy, so the caches are
@@ -40,7 +40,7 @@ def mixed_3bit(num_layers: int):
     def kv(kb, kg, vb, vg):
         return LayerKV(QuantSpec(kb, *kg), QuantSpec(vb, *vg), 128)
 
-    tok_ch = kv(3, ("per-token", 64), 3, ("per-channel", 64))
+    tok_ch = kv(3, ("per-token", 64), 2, ("per-channel", 64))
     layers = {0: kv(4, ("per-token", 64), 4, ("per-channel", 64)),
               1: kv(4, ("per-token", 64), 4, ("per-channel", 64))}
     for i in range(2, num_layers, 3):
