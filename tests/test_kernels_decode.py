@@ -10,6 +10,7 @@ element fails. Odd shapes: T = 1, 31, 33, 257, 1000; D = 64, 128; Hq/Hkv = 1, 3,
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -17,10 +18,27 @@ import torch
 triton = pytest.importorskip("triton")
 
 import kvlens_kernels.decode as kda  # noqa: E402
-from kvlens_kernels import decode_attention  # noqa: E402
+from kvlens_kernels import decode_attention as _decode_attention  # noqa: E402
 
 from kvlens.errors import InputError  # noqa: E402
 from kvlens.quant import QTensor, QuantSpec, dequantize, pack_codes, quantize  # noqa: E402
+
+#: ``cuda`` runs every kernel call compiled on the GPU (``benchmarks/gpu_check.sh``, with
+#: ``TRITON_INTERPRET=0``); the default runs it on CPU under the interpreter.
+DEVICE = os.environ.get("KVLENS_KERNEL_TEST_DEVICE", "cpu")
+
+
+def _to(x):
+    if isinstance(x, torch.Tensor):
+        return x.to(DEVICE)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to(i) for i in x)
+    return x
+
+
+def decode_attention(*args, **kw):
+    """The kernel with every tensor argument on ``DEVICE``; the output back on CPU."""
+    return _decode_attention(*_to(args), **{k: _to(v) for k, v in kw.items()}).cpu()
 
 
 @pytest.fixture(autouse=True)
