@@ -12,8 +12,10 @@ transformers' own (bool or additive ``[B, 1, Tq, N]`` over absolute cache positi
 Folded reads (every layout the cache stores; nothing dequantized is materialised): scales and
 zeros are folded into the query, the softmax weights or the output instead of being applied to
 the codes. Eager torch has no integer x float matmul, so the codes of **one chunk** are unpacked
-to float32 (all code slots with one broadcast shift); that transient is the only chunk-sized
-float tensor (keep ``chunk_tokens`` moderate).
+to float32 (all code slots with one broadcast shift) into a reusable workspace (CPU; see
+``_scratch``); that transient is the only chunk-sized float tensor (keep ``chunk_tokens``
+moderate). ``torch.compile`` of the unpack + dot was measured and not adopted (slower than
+these eager ops on the 2-core CPU; ``docs/benchmarks.md``).
 
 - Per-channel keys (groups of ``G`` tokens, packed along tokens): per group ``score_t = sum_d
   (q_d * scale_{g,d}) * code_{t,d} + sum_d q_d * zero_{g,d}`` (a batched matmul over groups; no
@@ -161,10 +163,12 @@ _WORKSPACE: dict = {}
 def _scratch(slot: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
     """A reusable CPU buffer of ``shape`` for the unpacked codes of one chunk (one flat buffer
     per slot, grown to the largest chunk seen: at most one chunk, ``B * Hkv * chunk_tokens * D``
-    floats). On CPU a fresh multi-megabyte tensor per chunk costs page faults and zeroing at
-    every step (measured in the model: most of the unpack time); CUDA's caching allocator
-    already avoids that, so other devices get a plain ``torch.empty``. The caller consumes the
-    buffer before the next unpack (decode is sequential)."""
+    floats, kept for the process). On CPU a fresh multi-megabyte tensor per chunk is allocated
+    (and faulted in) at every step: reusing one buffer measured 0.28 -> 0.25 ms per
+    4096-token chunk in isolation (3 KV heads, d 64, 2-bit) and less allocator churn between
+    the model's own ops. CUDA's caching allocator already avoids that, so other devices get a
+    plain ``torch.empty``. Not thread-safe: the caller consumes the buffer before the next
+    unpack (decode is sequential)."""
     if torch.device(device).type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)
     n = 1
