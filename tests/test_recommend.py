@@ -288,4 +288,3 @@ def test_recommend_validate_end_to_end(tiny_model_dir, tmp_path):
     assert res.exit_code == 0, res.output
     names = [r["name"] for r in json.loads(res.stdout)["validation"]]
     assert names == ["fp16", "recommended"]
-
