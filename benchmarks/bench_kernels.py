@@ -5,7 +5,10 @@
 2. Timing (``triton.testing.do_bench``, median, L2 flushed) of one decode step for a
    Llama-2-7B-like layer (32 heads, d=128) and a GQA layer (32 query / 8 KV heads), contexts
    1k-128k, 2 and 4 bits, G = 32/64/128, a 128-token fp16 residual window, against torch SDPA
-   on fp16 K/V of the same length (``enable_gqa=True``).
+   on fp16 K/V of the same length (``enable_gqa=True``), for each ``--layouts`` entry: ``kivi``
+   (per-channel keys, per-token values), ``tokch`` (per-token keys, per-channel values:
+   ``recommend``'s usual SmolLM2 choice), ``tensor`` (per-tensor, one scale per 128-token
+   block), ``tok3`` (3-bit per-token keys and per-channel values, 4-bit containers).
 3. Bytes moved (codes + scales + residual + q/out) / latency, as a fraction of the measured
    device-to-device copy bandwidth.
 
@@ -22,6 +25,11 @@ import math
 import sys
 import time
 
+#: layout name -> (key granularity, value granularity, fixed bits or None)
+LAYOUTS = {"kivi": ("per-channel", "per-token", None), "tokch": ("per-token", "per-channel", None),
+           "tensor": ("per-tensor", "per-tensor", None), "tok3": ("per-token", "per-channel", 3)}
+BLOCK = 128  # flush block F of the generic stores (per-tensor: one scale per block)
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -31,6 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--groups", type=int, nargs="+", default=[32, 64, 128], choices=[32, 64, 128])
     p.add_argument("--layers", nargs="+", default=["mha", "gqa"], choices=["mha", "gqa"],
                    help="mha = 32/32 heads (Llama-2-7B), gqa = 32/8 heads; d = 128")
+    p.add_argument("--layouts", nargs="+", default=["kivi"], choices=list(LAYOUTS),
+                   help="packed layouts to time (see the module doc)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--residual", type=int, default=128, help="fp16 residual window tokens")
     p.add_argument("--out", default="bench_kernels.json", help="JSON results path")
@@ -70,6 +80,48 @@ def _store(torch, b, hkv, t, d, bits, group, residual):
     return (kc, ks, kz, vc, vs, vz), (rk, rv), (k, v)
 
 
+def _generic(torch, layout, b, hkv, t, d, bits, group):
+    """Packed K/V of ``layout`` built by the cache's own ``PackedTensor`` (reference quantizer),
+    ``t`` a multiple of ``BLOCK``: returns the kernel arguments and the dequantized K/V."""
+    from kvlens.cache.packed import PackedTensor
+    from kvlens.quant import QuantSpec
+
+    kg, vg, fixed = LAYOUTS[layout]
+    bits = fixed or bits
+    args, deq = {}, []
+    for name, gran in (("k", kg), ("v", vg)):
+        spec = QuantSpec(bits, gran, None if gran == "per-tensor" else group)
+        st = PackedTensor.create(spec, BLOCK, d)
+        st.append(torch.randn(b, hkv, t, d, device="cuda"))
+        kgroup = {"per-channel": group, "per-tensor": BLOCK, "per-token": group}[gran]
+        args.update({f"{name}_codes": st.codes, f"{name}_scale": st.scale,
+                     f"{name}_zero": st.zero, f"{name}_bits": bits, f"{name}_group": kgroup,
+                     f"{name}_layout": gran})
+        deq.append(st.dequantize_range(0, t))
+    return args, deq
+
+
+def check_layouts(torch, layouts) -> None:
+    """Every non-KIVI layout on the GPU vs dequantize (reference) then attend, odd lengths."""
+    from kvlens_kernels import decode_attention
+
+    for layout in (x for x in layouts if x != "kivi"):
+        for hq, hkv, t, bits, group, used in ((32, 8, 1024, 2, 64, 1000),
+                                              (8, 1, 256, 4, 32, 255)):
+            d = 128
+            q = torch.randn(1, hq, 1, d, device="cuda", dtype=torch.float16)
+            args, (kd, vd) = _generic(torch, layout, 1, hkv, t, d, bits, group)
+            out = decode_attention(q, length=used, scaling=d ** -0.5, **args)
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q.float(), kd[:, :, :used], vd[:, :, :used], enable_gqa=True, scale=d ** -0.5)
+            err = (out.float() - ref).abs().max().item()
+            if not math.isfinite(err) or err > 2e-2:
+                sys.exit(f"GPU correctness check failed: {layout} Hq={hq} Hkv={hkv} T={used}: "
+                         f"max abs error {err:.3g}")
+            print(f"check ok: {layout} Hq={hq} Hkv={hkv} T={used} max|err|={err:.2e}",
+                  file=sys.stderr)
+
+
 def check(torch) -> None:
     """Fused kernel vs reference dequantize-then-attend on the GPU."""
     from kvlens_kernels import decode_attention
@@ -98,6 +150,39 @@ def check(torch) -> None:
               file=sys.stderr)
 
 
+def _time_one(torch, triton, decode_attention, q, layout, b, hkv, t, d, bits, group, residual,
+              sdpa, fp16_bytes, bw, layer) -> dict:
+    hq = q.shape[1]
+    if layout == "kivi":
+        n = max(group, (t - residual) // group * group)
+        packed, (rk, rv), _ = _store(torch, b, hkv, n, d, bits, group, t - n if t > n else 0)
+        kw = dict(k_bits=bits, v_bits=bits, k_group=group, v_group=group)
+        args = (*packed, n)
+        tensors = list(packed)
+    else:
+        n = max(BLOCK, (t - residual) // BLOCK * BLOCK)
+        kw, _ = _generic(torch, layout, b, hkv, n, d, bits, group)
+        tensors = [v for v in kw.values() if hasattr(v, "numel")]
+        args = tuple(kw.pop(k) for k in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale",
+                                         "v_zero")) + (n,)
+        rk = torch.randn(b, hkv, max(t - n, 0), d, device="cuda", dtype=torch.float16)
+        rv = torch.randn_like(rk)
+    res = rk.shape[2]
+
+    def step():
+        return decode_attention(q, *args, scaling=d ** -0.5, residual_k=rk, residual_v=rv,
+                                residual_len=res, **kw)
+
+    ms = triton.testing.do_bench(step)
+    moved = sum(x.numel() * x.element_size() for x in tensors) + 2 * rk.numel() * 2 + \
+        2 * q.numel() * 2
+    return dict(layer=layer, layout=layout, hq=hq, hkv=hkv, d=d, batch=b, context=t,
+                bits=kw.get("k_bits", bits), group=group, residual=res, triton_ms=ms,
+                sdpa_fp16_ms=sdpa, speedup=sdpa / ms, bytes=moved,
+                gbps=moved / (ms * 1e-3) / 1e9, frac_copy_bw=moved / (ms * 1e-3) / bw,
+                sdpa_frac_copy_bw=fp16_bytes / (sdpa * 1e-3) / bw)
+
+
 def run(args) -> tuple[list[dict], float]:
     import torch
     import triton
@@ -119,30 +204,12 @@ def run(args) -> tuple[list[dict], float]:
                                                                         enable_gqa=True))
             fp16_bytes = 2 * kf.numel() * 2
             del kf, vf
-            for bits in args.bits:
-                for group in args.groups:
-                    n = max(group, (t - args.residual) // group * group)
-                    packed, (rk, rv), _ = _store(torch, b, hkv, n, d, bits, group,
-                                                 t - n if t > n else 0)
-                    res = rk.shape[2]
-
-                    def step(q=q, packed=packed, rk=rk, rv=rv, n=n, res=res, bits=bits,
-                             group=group):
-                        return decode_attention(q, *packed, n, k_bits=bits, v_bits=bits,
-                                                k_group=group, v_group=group,
-                                                scaling=d ** -0.5, residual_k=rk,
-                                                residual_v=rv, residual_len=res)
-
-                    ms = triton.testing.do_bench(step)
-                    moved = sum(x.numel() * x.element_size() for x in packed) + \
-                        2 * rk.numel() * 2 + 2 * q.numel() * 2
-                    rows.append(dict(layer=layer, hq=hq, hkv=hkv, d=d, batch=b, context=t,
-                                     bits=bits, group=group, residual=res, triton_ms=ms,
-                                     sdpa_fp16_ms=sdpa, speedup=sdpa / ms, bytes=moved,
-                                     gbps=moved / (ms * 1e-3) / 1e9,
-                                     frac_copy_bw=moved / (ms * 1e-3) / bw,
-                                     sdpa_frac_copy_bw=fp16_bytes / (sdpa * 1e-3) / bw))
-                    del packed, rk, rv
+            for layout in args.layouts:
+                for bits in args.bits:
+                    for group in args.groups:
+                        rows.append(_time_one(torch, triton, decode_attention, q, layout, b,
+                                              hkv, t, d, bits, group, args.residual, sdpa,
+                                              fp16_bytes, bw, layer))
             torch.cuda.empty_cache()
     return rows, bw
 
@@ -154,13 +221,14 @@ def main(argv=None) -> None:
 
     if not args.skip_check:
         check(torch)
+        check_layouts(torch, args.layouts)
     t0 = time.time()
     rows, bw = run(args)
-    head = (f"{'layer':5} {'ctx':>7} {'bits':>4} {'G':>4} {'triton ms':>10} {'sdpa ms':>9} "
-            f"{'speedup':>7} {'GB/s':>7} {'%copy':>6}")
+    head = (f"{'layer':5} {'layout':6} {'ctx':>7} {'bits':>4} {'G':>4} {'triton ms':>10} "
+            f"{'sdpa ms':>9} {'speedup':>7} {'GB/s':>7} {'%copy':>6}")
     print(head)
     for r in rows:
-        print(f"{r['layer']:5} {r['context']:>7} {r['bits']:>4} {r['group']:>4} "
+        print(f"{r['layer']:5} {r['layout']:6} {r['context']:>7} {r['bits']:>4} {r['group']:>4} "
               f"{r['triton_ms']:>10.4f} {r['sdpa_fp16_ms']:>9.4f} {r['speedup']:>7.2f} "
               f"{r['gbps']:>7.0f} {100 * r['frac_copy_bw']:>5.0f}%")
     with open(args.out, "w") as f:

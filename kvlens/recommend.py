@@ -29,6 +29,11 @@ Pipeline (one capture layer in memory at a time):
    minimising ``sum_l w_l (e_K + e_V)`` subject to the mean cost over all layers and both
    tensors <= budget: a multiple-choice knapsack over each layer's Pareto front, solved exactly
    by dynamic programming on costs rounded up to 1/64 bit (so the budget is never exceeded).
+6. **Decode cost**: the bytes one decode step reads at ``L`` tokens for the recommendation and
+   the presets (``kvlens.cache.decode_cost``: a documented model, not a timing) and whether the
+   fused Triton kernel reads every layer. ``prefer_fast`` (``--prefer-fast``) offers only
+   (key, value) pairs the kernel reads (``kvlens.cache.attention.kernel_layout_problem``: no
+   pre-RoPE keys), so decoding on CUDA never leaves the kernel.
 """
 
 from __future__ import annotations
@@ -98,6 +103,7 @@ class RecommendOptions:
     retrieval: str = "auto"  # add the retrieval probe's errors: auto (when the model loads), on, off
     retrieval_weight: float = 1.0
     retrieval_tokens: int = 960
+    prefer_fast: bool = False  # only layouts the fused (Triton) decode kernel reads
 
     def __post_init__(self) -> None:
         if not (isinstance(self.budget_bits, (int, float)) and 0 < self.budget_bits <= 16):
@@ -117,6 +123,9 @@ class RecommendOptions:
                              f"beyond the residual window ({self.residual_tokens}).")
         if self.pre_rope not in ("auto", "on", "off"):
             raise InputError(f"Unknown --pre-rope {self.pre_rope!r}; allowed: auto, on, off.")
+        if self.prefer_fast and self.pre_rope == "on":
+            raise InputError("--prefer-fast keeps only layouts the fused decode kernel reads, "
+                             "and it does not read pre-RoPE keys; use --pre-rope auto or off.")
         bad = [b for b in self.bits if b not in (2, 3, 4, 8)]
         if bad:
             raise InputError(f"Unsupported bit widths {bad}; allowed: 2, 3, 4, 8.")
@@ -184,6 +193,8 @@ class Recommendation:
     notes: list[str] = field(default_factory=list)
     residual_tokens: int = 0
     sink_tokens: int = 0
+    # [(config name, kvlens.cache.decode_cost.DecodeCost)]: the recommendation, then presets
+    decode_cost: list = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"budget_bits": self.budget_bits, "mean_bits": self.mean_bits,
@@ -191,6 +202,7 @@ class Recommendation:
                 "residual_tokens": self.residual_tokens, "sink_tokens": self.sink_tokens,
                 "layer_weights": list(self.weights), "kv_bytes": self.kv_bytes, "kv_bytes_fp16": self.kv_bytes_fp16,
                 "choices": [c.to_dict() for c in self.choices], "notes": self.notes,
+                "decode_cost": [{"config": n, **c.to_dict()} for n, c in self.decode_cost],
                 "config": self.config.to_dict()}
 
 
@@ -217,7 +229,8 @@ def candidates(head_dim: int, opts: RecommendOptions, has_rope: bool) -> list[Ca
                     continue
                 for b in opts.bits:
                     out.append(Candidate(tensor, b, gran, g))
-                    if tensor == "key" and has_rope and opts.pre_rope != "off":
+                    if tensor == "key" and has_rope and opts.pre_rope != "off" \
+                            and not opts.prefer_fast:
                         out.append(Candidate(tensor, b, gran, g, stage="pre"))
                     if tensor == "key" and gran == "per-token" and opts.balancer:
                         out.append(Candidate(tensor, b, gran, g, balancer=True))
@@ -585,7 +598,19 @@ def _sensitivity_weights(cap, model, opts, tables, probes, notes, progress
     return tuple(weights)
 
 
-def _layer_options(table, opts: RecommendOptions, cost, weight: float):
+def _fused(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOptions,
+           head_dim: int) -> bool:
+    """Whether the fused decode kernel reads a layer storing ``kc`` / ``vc`` (``--prefer-fast``;
+    the rule is the dispatch's own, ``kvlens.cache.attention.kernel_layout_problem``)."""
+    from kvlens.cache.attention import kernel_layout_problem
+    from kvlens.kvconfig import LayerKV
+
+    setting = LayerKV(kc.spec(), vc.spec(), opts.residual_tokens, kc.stage == "pre",
+                      flush_tokens=flush)
+    return kernel_layout_problem(setting, head_dim) is None
+
+
+def _layer_options(table, opts: RecommendOptions, cost, weight: float, head_dim: int = 0):
     """The Pareto front of (key, value, flush) choices for one layer: ``[(cost, error, key,
     value, flush)]`` with ``cost(kc, vc, f)`` the layer's held bytes in budget units and
     ``error`` the weighted sum of both tensors' errors at the layer's flush block."""
@@ -595,6 +620,8 @@ def _layer_options(table, opts: RecommendOptions, cost, weight: float):
     for kc in keys:
         for vc in values:
             f = opts.layer_flush(kc, vc)
+            if opts.prefer_fast and not _fused(kc, vc, f, opts, head_dim):
+                continue
             if (kc, f) in table and (vc, f) in table:
                 err = weight * (table[kc, f][0] + table[vc, f][0])
                 pairs.append((cost(kc, vc, f), err, kc, vc, f))
@@ -626,7 +653,7 @@ def _assemble(meta, opts, tables, balancers, weights, notes, shape) -> Recommend
         # budget units: bits per element of the whole cache, times the number of layers
         fronts.append(_layer_options(
             table, opts, lambda kc, vc, f, w=w: 16 * n * option(kc, vc, f, w)[0] / fp16_total,
-            weights[layer]))
+            weights[layer], shape.head_dim))
     costs = [[p[0] for p in front] for front in fronts]
     errors = [[p[1] for p in front] for front in fronts]
     # one [D, D] float32 rotation matrix is shared by every rotating layer: reserve it
@@ -667,7 +694,36 @@ def _assemble(meta, opts, tables, balancers, weights, notes, shape) -> Recommend
     for ctx in (1024, 4096, 32768, 131072):
         rec.kv_bytes[ctx] = sum(config_part_bytes(config, shape, ctx).values())
         rec.kv_bytes_fp16[ctx] = shape.fp16_bytes(ctx)
+    rec.decode_cost = decode_costs(config, shape, opts.context)
+    if opts.prefer_fast and not rec.decode_cost[0][1].fused:
+        raise ConfigError(f"internal: --prefer-fast chose layouts without a fused path: "
+                          f"{rec.decode_cost[0][1].unfused}")
     return rec
+
+
+COST_PRESETS = ("fp16", "kivi-2", "kivi-4", "per-token-4")
+
+
+def decode_costs(config, shape, context: int) -> list[tuple[str, Any]]:
+    """``[(name, kvlens.cache.decode_cost.DecodeCost)]`` at ``context`` tokens: the
+    recommendation first, then the presets of ``COST_PRESETS`` that fit the model."""
+    from kvlens.cache.decode_cost import config_decode_cost
+    from kvlens.cache.packed import check_layout
+    from kvlens.kvconfig import preset
+
+    rows = [(config.name, config_decode_cost(config, shape, context))]
+    for name in COST_PRESETS:
+        cfg = preset(name)
+        try:
+            for s in (cfg.default, *cfg.layers.values()):
+                for spec in (s.key, s.value):
+                    if spec is not None:
+                        check_layout(spec, s.residual_tokens, shape.head_dim,
+                                     flush_tokens=s.flush_tokens)
+        except ConfigError:  # e.g. G=64 per-token groups on a head_dim-16 model
+            continue
+        rows.append((name, config_decode_cost(cfg, shape, context)))
+    return rows
 
 
 def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balancers):

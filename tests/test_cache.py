@@ -119,10 +119,10 @@ def _reference_attention(q, keys, values, mask):
     return (s.softmax(-1) @ v.float()).transpose(1, 2)
 
 
-def _stored_view(x, spec, f, n_q):
+def _stored_view(x, spec, f, n_q, window_dtype=torch.float16):
     """What the cache holds: reference quantization per block for the first ``n_q`` tokens,
     the rest as the float16 window (the default ``fp_dtype``; blocks are quantized from it)."""
-    x = x.half().float()
+    x = x.to(window_dtype).float()
     b, h, _, d = x.shape
     blocks = x[:, :, :n_q].reshape(b, h, n_q // f, f, d).transpose(1, 2)
     blocks = blocks.reshape(-1, h, f, d)
@@ -270,3 +270,104 @@ def test_select_backend_reports_why_triton_is_not_used(monkeypatch):
     with pytest.raises(BackendError, match="unavailable"):
         select_backend("triton", "cpu")
     assert select_backend("torch", "cpu")[0] == "torch"
+
+
+# Every layout `recommend` can write: per-token keys (with and without the balancer), per-channel
+# values, per-tensor, G=None, 3-bit codes in 4-bit containers, symmetric specs.
+LAYOUTS = {
+    "ktok16-vch16-2b": (QuantSpec(2, "per-token", 16), QuantSpec(2, "per-channel", 16)),
+    "ktokNone-vchNone-2b": (QuantSpec(2, "per-token", None), QuantSpec(2, "per-channel", None)),
+    "ktensor-vtensor-4b": (QuantSpec(4, "per-tensor"), QuantSpec(4, "per-tensor")),
+    "ktok8-vch16-3b": (QuantSpec(3, "per-token", 8), QuantSpec(3, "per-channel", 16)),
+    "kch16sym-vch16sym": (QuantSpec(4, "per-channel", 16, symmetric=True),
+                          QuantSpec(2, "per-channel", 16, symmetric=True)),
+    "ktok16bal-vtok16": (QuantSpec(2, "per-token", 16), QuantSpec(2, "per-token", 16)),
+    "kdense-vch16": (None, QuantSpec(2, "per-channel", 16)),
+}
+
+
+@pytest.mark.parametrize("flush", [0, 16])
+@pytest.mark.parametrize("total", [80, 134])  # 77, 131 tokens cached before the query
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_folded_reads_every_layout_equal_reference(name, total, flush):
+    """Decode (one query) and a 3-token query, batch 2 with row 1 left-padded by 9 tokens, GQA
+    6/2, T not a multiple of G, window partly full, several chunks: equal to "dequantize with
+    the reference, then attend"."""
+    torch.manual_seed(total + flush)
+    b, hq, hkv, d = 2, 6, 2, 32
+    kspec, vspec = LAYOUTS[name]
+    bal = torch.rand(hkv, d) + 0.5 if name.startswith("ktok16bal") else None
+    mikv = MikvSettings(0.0, 0, "fixed") if bal is not None else None
+    setting = LayerKV(kspec, vspec, residual_tokens=32, flush_tokens=flush)
+    layer = CompressedLayer(setting, 0, d, mikv=mikv, balancer=bal, session=_session())
+    k = torch.randn(b, hkv, total, d)
+    k[..., 3] *= 10  # an outlier channel
+    v = torch.randn(b, hkv, total, d)
+    layer.update(k[:, :, :41], v[:, :, :41])
+    layer.commit(torch.randn(b, hq, 41, d), None)
+    for t in range(41, total - 3):
+        layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        layer.commit(torch.randn(b, hq, 1, d), None)
+    n_q = layer.quantized_length
+    assert n_q >= 32 and layer.n_res > 0
+    f = flush or 32
+    seen = total - 3
+    if kspec is None:
+        keys = k[:, :, :seen].half().float()
+    elif bal is None:
+        keys = _stored_view(k[:, :, :seen], kspec, f, n_q)
+    else:  # the store holds k * bal (quantized); q / bal reads it
+        keys = _stored_view(k[:, :, :seen].half().float() * bal[:, None], kspec, f, n_q,
+                            torch.float32)
+        keys[:, :, :n_q] /= bal[:, None]
+        keys[:, :, n_q:] = k[:, :, n_q:seen].half().float()
+    values = _stored_view(v[:, :, :seen], vspec, f, n_q)
+    mask = torch.ones(b, 1, 1, seen, dtype=torch.bool)
+    mask[1, ..., :9] = False
+    q = torch.randn(b, hq, 1, d)
+    out, _ = packed_attention(q, layer, mask, d ** -0.5, chunk_tokens=32)
+    ref = _reference_attention(q, keys, values, mask)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # a 3-token query (chunked prefill) with the causal mask
+    layer.update(k[:, :, seen:], v[:, :, seen:])
+    tq = 3
+    mask3 = torch.ones(b, 1, tq, total, dtype=torch.bool).tril(total - tq)
+    mask3[1, ..., :9] = False
+    q3 = torch.randn(b, hq, tq, d)
+    out3, _ = packed_attention(q3, layer, mask3, d ** -0.5, chunk_tokens=32)
+    keys3 = torch.cat((keys, k[:, :, seen:].half().float()), 2)
+    values3 = torch.cat((values, v[:, :, seen:].half().float()), 2)
+    torch.testing.assert_close(out3, _reference_attention(q3, keys3, values3, mask3),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kspec", [QuantSpec(2, "per-channel", 8), QuantSpec(3, "per-token", 8)])
+def test_pre_rope_keys_equal_reference(kspec):
+    """Pre-RoPE keys (re-rotated from stored positions) on a tiny Llama, batch 2 left-padded:
+    the layer's attention equals the reference dequantize + apply_rope (float64) + attend."""
+    from kvlens.rope import apply_rope
+
+    model = tiny_model("llama")
+    vspec = QuantSpec(2, "per-channel", 8)
+    cfg = replace(preset("kivi-2-prerope"),
+                  default=LayerKV(kspec, vspec, residual_tokens=16, pre_rope_keys=True))
+    ids = torch.randint(3, 128, (2, 45), generator=torch.Generator().manual_seed(9))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    with compressed_attention(model, cfg) as session:
+        cache = session.new_cache()
+        model(ids, attention_mask=mask, **{cache_argument_name(model): cache})
+    layer = cache.layers[1]
+    assert layer.stores_pre_rope and layer.quantized_length == 32
+    n_q, d = layer.quantized_length, layer.head_dim
+    cos, sin = layer.rope_tables(layer.q_start, layer.q_end)
+    keys = torch.cat((apply_rope(layer.kstore.dequantize_range(0, n_q), cos, sin,
+                                 layer.rope.layout), layer.res_k.view().float()), 2)
+    values = torch.cat((layer.vstore.dequantize_range(0, n_q), layer.res_v.view().float()), 2)
+    hq = model.config.num_attention_heads
+    q = torch.randn(2, hq, 1, d)
+    m = torch.ones(2, 1, 1, 45, dtype=torch.bool)
+    m[1, ..., :5] = False
+    out, _ = packed_attention(q, layer, m, d ** -0.5, chunk_tokens=16)
+    torch.testing.assert_close(out, _reference_attention(q, keys, values, m), rtol=1e-5,
+                               atol=1e-5)

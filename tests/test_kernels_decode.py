@@ -10,6 +10,7 @@ element fails. Odd shapes: T = 1, 31, 33, 257, 1000; D = 64, 128; Hq/Hkv = 1, 3,
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -17,10 +18,27 @@ import torch
 triton = pytest.importorskip("triton")
 
 import kvlens_kernels.decode as kda  # noqa: E402
-from kvlens_kernels import decode_attention  # noqa: E402
+from kvlens_kernels import decode_attention as _decode_attention  # noqa: E402
 
 from kvlens.errors import InputError  # noqa: E402
 from kvlens.quant import QTensor, QuantSpec, dequantize, pack_codes, quantize  # noqa: E402
+
+#: ``cuda`` runs every kernel call compiled on the GPU (``benchmarks/gpu_check.sh``, with
+#: ``TRITON_INTERPRET=0``); the default runs it on CPU under the interpreter.
+DEVICE = os.environ.get("KVLENS_KERNEL_TEST_DEVICE", "cpu")
+
+
+def _to(x):
+    if isinstance(x, torch.Tensor):
+        return x.to(DEVICE)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to(i) for i in x)
+    return x
+
+
+def decode_attention(*args, **kw):
+    """The kernel with every tensor argument on ``DEVICE``; the output back on CPU."""
+    return _decode_attention(*_to(args), **{k: _to(v) for k, v in kw.items()}).cpu()
 
 
 @pytest.fixture(autouse=True)
@@ -202,3 +220,104 @@ def test_bad_inputs_raise_clear_errors():
         decode_attention(q, **packed, **{**kw, "length": 64})
     with pytest.raises(InputError, match="split_tokens 40"):
         decode_attention(q, **packed, **kw, split_tokens=40)
+
+
+def _store(x, spec, block):
+    """The cache's own packed store (``kvlens.cache.packed``) holding ``x`` rounded up to whole
+    blocks; returns the store and its kernel group argument."""
+    from kvlens.cache.packed import PackedTensor
+
+    b, h, t, d = x.shape
+    st = PackedTensor.create(spec, block, d)
+    cap = -(-t // block) * block
+    pad = torch.cat((x, torch.randn(b, h, cap - t, d)), 2)
+    st.append(pad)
+    group = {"per-channel": spec.group_size or block, "per-tensor": block,
+             "per-token": spec.group_size}[spec.granularity]
+    return st, group
+
+
+NEW_LAYOUTS = [
+    # (k spec, v spec, block F, B, Hq, Hkv, D, T packed, residual, split)
+    pytest.param(QuantSpec(2, "per-token", 32), QuantSpec(2, "per-channel", 32), 32,
+                 1, 4, 1, 64, 257, 5, 64, id="Ktok32-Vch32-2b-T257-g4-partial-group"),
+    pytest.param(QuantSpec(3, "per-token", None), QuantSpec(3, "per-channel", 64), 64,
+                 1, 8, 2, 128, 1000, 17, 256, id="KtokNone-Vch64-3b-T1000-D128-splits"),
+    pytest.param(QuantSpec(4, "per-tensor"), QuantSpec(4, "per-tensor"), 64,
+                 1, 3, 3, 64, 200, 0, None, id="Ktensor-Vtensor-4b-mha"),
+    pytest.param(QuantSpec(2, "per-channel", 32), QuantSpec(2, "per-channel", 32), 64,
+                 1, 4, 2, 64, 33, 1, None, id="Kch32-Vch32-T33"),
+    pytest.param(QuantSpec(4, "per-token", 16), QuantSpec(4, "per-token", 16), 16,
+                 2, 6, 2, 64, 31, 3, None, id="Ktok16-Vtok16-4b-B2-T31"),
+    pytest.param(QuantSpec(3, "per-channel", None), QuantSpec(3, "per-token", 32), 32,
+                 1, 3, 1, 64, 95, 32, 32, id="KchNone-Vtok32-3b"),
+]
+
+
+@pytest.mark.parametrize("ks,vs,block,b,hq,hkv,d,t,res,split", NEW_LAYOUTS)
+def test_decode_new_layouts_match_reference(ks, vs, block, b, hq, hkv, d, t, res, split):
+    """Per-token keys, per-channel values, per-tensor, G=None, 3-bit codes: the kernel reads the
+    cache's own buffers; reference = the store's dequantize_range (the reference quantizer,
+    tested in test_cache.py), then attend. Left padding + a mask hole in batch 2."""
+    g = torch.Generator().manual_seed(t + d)
+    k = torch.randn(b, hkv, t + res, d, generator=g)
+    k[..., 3] += 4.0
+    v = torch.randn(b, hkv, t + res, d, generator=g)
+    q = torch.randn(b, hq, 1, d, generator=g)
+    kst, kg = _store(k[:, :, :t], ks, block)
+    vst, vg = _store(v[:, :, :t], vs, block)
+    rk, rv = k[:, :, t:].half(), v[:, :, t:].half()
+    valid_start = torch.tensor([0, 7][:b])
+    key_mask = torch.ones(b, t + res, dtype=torch.bool)
+    key_mask[-1, t // 2] = False
+    out = decode_attention(q, kst.codes, kst.scale, kst.zero, vst.codes, vst.scale, vst.zero, t,
+                           k_bits=ks.bits, v_bits=vs.bits, k_group=kg, v_group=vg,
+                           k_layout=ks.granularity, v_layout=vs.granularity, scaling=d ** -0.5,
+                           residual_k=rk, residual_v=rv, residual_len=res, key_mask=key_mask,
+                           valid_start=valid_start, split_tokens=split)
+    cap = kst.length
+    full_k = torch.cat((kst.dequantize_range(0, cap)[:, :, :t], rk.float()), 2)
+    full_v = torch.cat((vst.dequantize_range(0, cap)[:, :, :t], rv.float()), 2)
+    pos = torch.arange(t + res)
+    valid = (key_mask & (pos[None] >= valid_start[:, None]))[:, None].expand(b, hkv, t + res)
+    ref = _reference(q, full_k, full_v, valid, d ** -0.5)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, atol=3e-3, rtol=3e-3)
+
+
+def test_per_token_keys_balancer_folded_into_q():
+    """Per-token keys stored balanced (``k * bal``), per-channel values: q / bal is folded into
+    the grouped query."""
+    g = torch.Generator().manual_seed(12)
+    b, hq, hkv, d, t = 1, 4, 2, 64, 130
+    ks, vs = QuantSpec(2, "per-token", 32), QuantSpec(2, "per-channel", 64)
+    k = torch.randn(b, hkv, t, d, generator=g)
+    v = torch.randn(b, hkv, t, d, generator=g)
+    q = torch.randn(b, hq, 1, d, generator=g)
+    bal = torch.rand(hkv, d, generator=g) + 0.5
+    kst, kg = _store(k * bal[:, None], ks, 64)
+    vst, vg = _store(v, vs, 64)
+    out = decode_attention(q, kst.codes, kst.scale, kst.zero, vst.codes, vst.scale, vst.zero, t,
+                           k_bits=2, v_bits=2, k_group=kg, v_group=vg, k_layout="per-token",
+                           v_layout="per-channel", scaling=0.125, balancer=bal)
+    keys = kst.dequantize_range(0, kst.length)[:, :, :t] / bal[:, None]
+    ref = _reference(q, keys, vst.dequantize_range(0, vst.length)[:, :, :t],
+                     torch.ones(b, hkv, t, dtype=torch.bool), 0.125)
+    torch.testing.assert_close(out, ref, atol=3e-3, rtol=3e-3)
+
+
+def test_new_layout_inputs_raise_clear_errors():
+    q = torch.randn(1, 2, 1, 64)
+    kst, _ = _store(torch.randn(1, 1, 64, 64), QuantSpec(2, "per-token", 32), 64)
+    vst, _ = _store(torch.randn(1, 1, 64, 64), QuantSpec(2, "per-channel", 32), 64)
+    args = (q, kst.codes, kst.scale, kst.zero, vst.codes, vst.scale, vst.zero, 64)
+    kw = dict(k_bits=2, v_bits=2, k_group=32, v_group=32, k_layout="per-token",
+              v_layout="per-channel", scaling=0.1)
+    with pytest.raises(InputError, match="k_layout 'per-row'"):
+        decode_attention(*args, **{**kw, "k_layout": "per-row"})
+    with pytest.raises(InputError, match="v_group is required for per-channel"):
+        decode_attention(*args, **{**kw, "v_group": None})
+    with pytest.raises(InputError, match="k_group 8 must divide head_dim 64 and be >= 16"):
+        decode_attention(*args, **{**kw, "k_group": 8})
+    with pytest.raises(InputError, match="k_codes has shape"):  # keys given as per-channel
+        decode_attention(*args, **{**kw, "k_layout": "per-channel"})

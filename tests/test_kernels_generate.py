@@ -108,13 +108,45 @@ def test_kernel_reads_mikv_set_and_balancer_like_the_torch_path():
         torch.testing.assert_close(out, ref, atol=3e-3, rtol=3e-3)
 
 
+def _layer(key, value, pre_rope=False):
+    return CompressedLayer(LayerKV(key, value, 16, pre_rope), 0, 16,
+                           session=SimpleNamespace(active=True, rope={}))
+
+
 def test_unsupported_calls_say_why():
-    layer = CompressedLayer(LayerKV(QuantSpec(2, "per-token", 16), VALUES, 16), 0, 16,
-                            session=SimpleNamespace(active=True, rope={}))
+    layer = _layer(QuantSpec(2, "per-token", 8), VALUES)
     q1, q3 = torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 3, 16)
     assert "multi-token" in triton_unsupported(layer, q3, False)
-    assert "per-channel keys" in triton_unsupported(layer, q1, False)
+    assert "key group 8 per-token" in triton_unsupported(layer, q1, False)
     assert "probabilities" in triton_unsupported(layer, q1, True)
+    assert "pre-RoPE" in triton_unsupported(_layer(KEYS, VALUES, True), q1, False)
+    assert "value group 8 per-channel" in triton_unsupported(
+        _layer(KEYS, QuantSpec(2, "per-channel", 8)), q1, False)
+    # every other layout recommend writes is read by the kernel
+    for k, v in ((QuantSpec(2, "per-token", 16), QuantSpec(2, "per-channel", 16)),
+                 (QuantSpec(3, "per-token", None), QuantSpec(3, "per-token", 16)),
+                 (QuantSpec(4, "per-tensor"), QuantSpec(4, "per-tensor"))):
+        assert triton_unsupported(_layer(k, v), q1, False) is None
+
+
+def test_triton_generates_the_same_tokens_for_recommend_layouts():
+    """A per-layer mix like recommend's output: per-token keys + per-channel values (2 and
+    3 bits), per-tensor, KIVI; batch 2 with left padding. Every decode step uses the kernel."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(9))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    ids[1, :5] = 0
+    cfg = replace(preset("kivi-2"),
+                  default=LayerKV(QuantSpec(2, "per-token", 16), QuantSpec(2, "per-channel", 16),
+                                  32),
+                  layers={1: LayerKV(QuantSpec(3, "per-token", None),
+                                     QuantSpec(3, "per-channel", 16), 32),
+                          2: LayerKV(QuantSpec(4, "per-tensor"), QuantSpec(4, "per-tensor"), 32)})
+    ref, _ = _generate(model, ids, mask, "torch", 6, cfg)
+    out, session = _generate(model, ids, mask, "triton", 6, cfg)
+    assert torch.equal(out, ref)
+    assert sum(session.torch_path_calls.values()) == 3  # only the prefill
 
 
 def test_backend_choice_on_cpu(monkeypatch):

@@ -90,11 +90,11 @@ def _token_mask(b, pos, valid, mask_ptr, smb, smn, start_ptr,
 def _packed_split_kernel(
     q_ptr, sqb, sqh, sqd,  # [B, Hq, 1, D] query (T stride unused)
     bal_ptr, sbb, sbh, sbd,  # balancer [B|1, Hkv, D] (sbb = 0 when shared)
-    kc_ptr, skcb, skch, skct, skcd,  # key codes [B, Hkv, cap/Pk, D] uint8
-    ks_ptr, sksb, sksh, skst, sksd,  # key scale [B, Hkv, cap/Gk, D]
+    kc_ptr, skcb, skch, skct, skcd,  # key codes uint8: [B, Hkv, cap/Pk, D] or [B, Hkv, cap, D/Pk]
+    ks_ptr, sksb, sksh, skst, sksd,  # key scale [B, Hkv, rows, cols] (skst/sksd per layout)
     kz_ptr, skzb, skzh, skzt, skzd,  # key zero, same shape
-    vc_ptr, svcb, svch, svct, svcd,  # value codes [B, Hkv, cap, ceil(D/Pv)] uint8
-    vs_ptr, svsb, svsh, svst, svsd,  # value scale [B, Hkv, cap, D/Gv]
+    vc_ptr, svcb, svch, svct, svcd,  # value codes uint8, same two layouts as the keys
+    vs_ptr, svsb, svsh, svst, svsd,  # value scale [B, Hkv, rows, cols]
     vz_ptr, svzb, svzh, svzt, svzd,  # value zero, same shape
     pv_ptr, spvb, spvh, spvt,  # packed_valid [B, Hkv, cap] uint8 (MiKV: not in the hp set)
     mask_ptr, smb, smn,  # key_mask [B, N] uint8 over absolute positions
@@ -103,12 +103,17 @@ def _packed_split_kernel(
     Hkv, D, GQ, length, split, S_TOTAL, qscale,  # sizes; qscale = scaling * log2(e)
     BG: tl.constexpr,  # padded query heads per KV head (>= 16 for tl.dot)
     BD: tl.constexpr,  # padded head dim
-    BT: tl.constexpr,  # tokens per block; divides GK
-    GK: tl.constexpr,  # key group (tokens per key scale row)
+    BT: tl.constexpr,  # tokens per block; divides every token group (KRT, VRT when > 1)
     KC: tl.constexpr, KP: tl.constexpr,  # key container bits, key codes per byte
+    K_TOK: tl.constexpr,  # keys packed along tokens (per-channel) instead of channels
+    KRT: tl.constexpr,  # tokens per key scale row (per-channel G, per-tensor F; 1 = per-token)
+    GKD: tl.constexpr, GKD_P: tl.constexpr,  # per-token keys: channels per group and pad
+    NKG: tl.constexpr, NKG_P: tl.constexpr,  # per-token keys: groups per token (D/GKD) and pad
     VC: tl.constexpr, VP: tl.constexpr,  # value container bits, value codes per byte
-    GV: tl.constexpr, GV_P: tl.constexpr,  # value group (channels) and its power-of-2 pad
-    NDG: tl.constexpr, NDG_P: tl.constexpr,  # value groups per token (D/GV) and pad
+    V_TOK: tl.constexpr,  # values packed along tokens (per-channel)
+    VRT: tl.constexpr,  # tokens per value scale row (per-channel G, per-tensor F; 1 = per-token)
+    GV: tl.constexpr, GV_P: tl.constexpr,  # per-token values: channels per group and pad
+    NDG: tl.constexpr, NDG_P: tl.constexpr,  # per-token values: groups per token (D/GV) and pad
     HAS_BAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_START: tl.constexpr,
     HAS_PVALID: tl.constexpr,
 ):
@@ -125,14 +130,31 @@ def _packed_split_kernel(
     if HAS_BAL:
         bal = tl.load(bal_ptr + b * sbb + h * sbh + di * sbd, mask=dmask, other=1.0)
         q = q / bal.to(tl.float32)[None, :]
-    # value geometry: [NDG_P, BT, GV_P] codes, channel = j*GV + c
+    if KRT == 1:  # per-token keys: q split into channel groups [NKG_P, BG, GKD_P]
+        kj = tl.arange(0, NKG_P)
+        kcc = tl.arange(0, GKD_P)
+        kch = kj[:, None, None] * GKD + kcc[None, None, :]
+        kchm = (kj[:, None, None] < NKG) & (kcc[None, None, :] < GKD)
+        kct = kj[:, None, None] * GKD + kcc[None, :, None]  # [NKG_P, GKD_P, 1] for the codes
+        kctm = (kj[:, None, None] < NKG) & (kcc[None, :, None] < GKD)
+        q3 = tl.load(q_ptr + b * sqb + (h * GQ + gi[None, :, None]) * sqh + kch * sqd,
+                     mask=kchm & gmask[None, :, None], other=0.0).to(tl.float32) * qscale
+        if HAS_BAL:
+            bal3 = tl.load(bal_ptr + b * sbb + h * sbh + kch * sbd, mask=kchm, other=1.0)
+            q3 = q3 / bal3.to(tl.float32)
+        qsum3 = tl.sum(q3, axis=2)  # [NKG_P, BG]: the zero's weight per channel group
+        q3h = q3.to(tl.float16)
+    # per-token value geometry: [NDG_P, BT, GV_P] codes, channel = j*GV + c
     vj = tl.arange(0, NDG_P)
     vcc = tl.arange(0, GV_P)
     vch = vj[:, None, None] * GV + vcc[None, None, :]
     vchm = (vj[:, None, None] < NDG) & (vcc[None, None, :] < GV)
     m_i = tl.full((BG,), float("-inf"), tl.float32)
     l_i = tl.zeros((BG,), tl.float32)
-    acc = tl.zeros((NDG_P, BG, GV_P), tl.float32)
+    if VRT == 1:
+        acc = tl.zeros((NDG_P, BG, GV_P), tl.float32)
+    else:
+        acc = tl.zeros((BG, BD), tl.float32)
     t_begin = sid * split
     t_end = tl.minimum(t_begin + split, length)
     for t0 in range(t_begin, t_end, BT):
@@ -142,41 +164,85 @@ def _packed_split_kernel(
         if HAS_PVALID:
             keep = tl.load(pv_ptr + b * spvb + h * spvh + t * spvt, mask=tv, other=0)
             valid = valid & (keep != 0)
-        # keys: fold this block's scale row into q (BT divides GK: one row per block)
-        krow = t0 // GK
-        ks = tl.load(ks_ptr + b * sksb + h * sksh + krow * skst + di * sksd, mask=dmask,
-                     other=0.0).to(tl.float32)
-        kz = tl.load(kz_ptr + b * skzb + h * skzh + krow * skzt + di * skzd, mask=dmask,
-                     other=0.0).to(tl.float32)
-        qs = (q * ks[None, :]).to(tl.float16)
-        bias = tl.sum(q * kz[None, :], axis=1)
-        kb = tl.load(kc_ptr + b * skcb + h * skch + (t[None, :] // KP) * skct + di[:, None] * skcd,
-                     mask=tv[None, :] & dmask[:, None], other=0)
-        kcode = ((kb.to(tl.int32) >> ((t[None, :] % KP) * KC)) & ((1 << KC) - 1))
-        s = tl.dot(qs, kcode.to(tl.float16)) + bias[:, None]  # [BG, BT], log2 units
+        # -- keys -> scores [BG, BT] (log2 units)
+        if KRT == 1:
+            # per-token: score_t = sum_j s_tj * (q_j . code_tj) + z_tj * sum(q_j)
+            kb = tl.load(kc_ptr + b * skcb + h * skch + t[None, None, :] * skct
+                         + (kct // KP) * skcd, mask=kctm & tv[None, None, :], other=0)
+            kcode = ((kb.to(tl.int32) >> ((kct % KP) * KC)) & ((1 << KC) - 1)).to(tl.float16)
+            part = tl.dot(q3h, kcode)  # [NKG_P, BG, BT]
+            ksp = kj[:, None] * sksd + t[None, :] * skst
+            kgm = (kj[:, None] < NKG) & tv[None, :]
+            ks = tl.load(ks_ptr + b * sksb + h * sksh + ksp, mask=kgm, other=0.0).to(tl.float32)
+            kzp = kj[:, None] * skzd + t[None, :] * skzt
+            kz = tl.load(kz_ptr + b * skzb + h * skzh + kzp, mask=kgm, other=0.0).to(tl.float32)
+            s = tl.sum(part * ks[:, None, :] + qsum3[:, :, None] * kz[:, None, :], axis=0)
+        else:
+            # one scale row per block (BT divides KRT): fold it into q
+            krow = t0 // KRT
+            ks = tl.load(ks_ptr + b * sksb + h * sksh + krow * skst + di * sksd, mask=dmask,
+                         other=0.0).to(tl.float32)
+            kz = tl.load(kz_ptr + b * skzb + h * skzh + krow * skzt + di * skzd, mask=dmask,
+                         other=0.0).to(tl.float32)
+            qs = (q * ks[None, :]).to(tl.float16)
+            bias = tl.sum(q * kz[None, :], axis=1)
+            if K_TOK:
+                kb = tl.load(kc_ptr + b * skcb + h * skch + (t[None, :] // KP) * skct
+                             + di[:, None] * skcd, mask=tv[None, :] & dmask[:, None], other=0)
+                kcode = ((kb.to(tl.int32) >> ((t[None, :] % KP) * KC)) & ((1 << KC) - 1))
+            else:  # per-tensor: packed along channels
+                kb = tl.load(kc_ptr + b * skcb + h * skch + t[None, :] * skct
+                             + (di[:, None] // KP) * skcd, mask=tv[None, :] & dmask[:, None],
+                             other=0)
+                kcode = ((kb.to(tl.int32) >> ((di[:, None] % KP) * KC)) & ((1 << KC) - 1))
+            s = tl.dot(qs, kcode.to(tl.float16)) + bias[:, None]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        # values: fold the per-token scale of each channel group into p
-        vsp = vj[:, None] * svsd + t[None, :] * svst
-        pmask = (vj[:, None] < NDG) & tv[None, :]
-        vs = tl.load(vs_ptr + b * svsb + h * svsh + vsp, mask=pmask, other=0.0).to(tl.float32)
-        vzp = vj[:, None] * svzd + t[None, :] * svzt
-        vz = tl.load(vz_ptr + b * svzb + h * svzh + vzp, mask=pmask, other=0.0).to(tl.float32)
-        vb = tl.load(vc_ptr + b * svcb + h * svch + t[None, :, None] * svct
-                     + (vch // VP) * svcd, mask=vchm & tv[None, :, None], other=0)
-        vcode = ((vb.to(tl.int32) >> ((vch % VP) * VC)) & ((1 << VC) - 1)).to(tl.float16)
-        pw = (p[None, :, :] * vs[:, None, :]).to(tl.float16)  # [NDG_P, BG, BT]
-        pv = tl.dot(pw, vcode)  # [NDG_P, BG, GV_P]
-        zt = tl.sum(p[None, :, :] * vz[:, None, :], axis=2)  # [NDG_P, BG]
-        acc = acc * alpha[None, :, None] + pv + zt[:, :, None]
+        # -- values
+        if VRT == 1:
+            # per-token: fold the scale of each channel group into p
+            vsp = vj[:, None] * svsd + t[None, :] * svst
+            pmask = (vj[:, None] < NDG) & tv[None, :]
+            vs = tl.load(vs_ptr + b * svsb + h * svsh + vsp, mask=pmask, other=0.0).to(tl.float32)
+            vzp = vj[:, None] * svzd + t[None, :] * svzt
+            vz = tl.load(vz_ptr + b * svzb + h * svzh + vzp, mask=pmask, other=0.0).to(tl.float32)
+            vb = tl.load(vc_ptr + b * svcb + h * svch + t[None, :, None] * svct
+                         + (vch // VP) * svcd, mask=vchm & tv[None, :, None], other=0)
+            vcode = ((vb.to(tl.int32) >> ((vch % VP) * VC)) & ((1 << VC) - 1)).to(tl.float16)
+            pw = (p[None, :, :] * vs[:, None, :]).to(tl.float16)  # [NDG_P, BG, BT]
+            pv = tl.dot(pw, vcode)  # [NDG_P, BG, GV_P]
+            zt = tl.sum(p[None, :, :] * vz[:, None, :], axis=2)  # [NDG_P, BG]
+            acc = acc * alpha[None, :, None] + pv + zt[:, :, None]
+        else:
+            # one scale row per block (BT divides VRT): o_d += s_d * (p . code_d) + z_d * sum(p)
+            vrow = t0 // VRT
+            vs = tl.load(vs_ptr + b * svsb + h * svsh + vrow * svst + di * svsd, mask=dmask,
+                         other=0.0).to(tl.float32)
+            vz = tl.load(vz_ptr + b * svzb + h * svzh + vrow * svzt + di * svzd, mask=dmask,
+                         other=0.0).to(tl.float32)
+            if V_TOK:
+                vb = tl.load(vc_ptr + b * svcb + h * svch + (t[:, None] // VP) * svct
+                             + di[None, :] * svcd, mask=tv[:, None] & dmask[None, :], other=0)
+                vcode = ((vb.to(tl.int32) >> ((t[:, None] % VP) * VC)) & ((1 << VC) - 1))
+            else:
+                vb = tl.load(vc_ptr + b * svcb + h * svch + t[:, None] * svct
+                             + (di[None, :] // VP) * svcd, mask=tv[:, None] & dmask[None, :],
+                             other=0)
+                vcode = ((vb.to(tl.int32) >> ((di[None, :] % VP) * VC)) & ((1 << VC) - 1))
+            pv = tl.dot(p.to(tl.float16), vcode.to(tl.float16))  # [BG, BD]
+            acc = acc * alpha[:, None] + pv * vs[None, :] + tl.sum(p, axis=1)[:, None] * vz[None, :]
         m_i = m_new
     base = pid * S_TOTAL + sid
-    optr = o_ptr + (base * GQ + gi[None, :, None]) * D + vch
-    tl.store(optr, acc, mask=gmask[None, :, None] & vchm)
+    if VRT == 1:
+        optr = o_ptr + (base * GQ + gi[None, :, None]) * D + vch
+        tl.store(optr, acc, mask=gmask[None, :, None] & vchm)
+    else:
+        tl.store(o_ptr + (base * GQ + gi[:, None]) * D + di[None, :], acc,
+                 mask=gmask[:, None] & dmask[None, :])
     tl.store(m_ptr + base * GQ + gi, m_i, mask=gmask)
     tl.store(l_ptr + base * GQ + gi, l_i, mask=gmask)
 
@@ -297,6 +363,58 @@ def _as_u8(name: str, t, b: int, hkv: int | None, min_len: int, device) -> torch
     return t.view(torch.uint8) if t.dtype == torch.bool else t
 
 
+LAYOUTS = ("per-channel", "per-token", "per-tensor")
+
+
+def _packed_geometry(which: str, layout: str, bits: int, group, codes, scale, zero, length: int,
+                     b: int, hkv: int, d: int, dev) -> tuple[bool, int, int]:
+    """Check one packed tensor (``which`` = ``k`` or ``v``) against ``layout``; return
+    ``(packed along tokens, tokens per scale row (1 = per-token), channels per scale group)``.
+
+    ``group``: per-channel = tokens per group ``G``; per-tensor = tokens per block ``F`` (one
+    scale per block); per-token = channels per group (``None`` = ``D``)."""
+    gname = f"{which}_group"
+    if layout not in LAYOUTS:
+        raise InputError(f"{which}_layout {layout!r} is not a packed layout; allowed: "
+                         f"{', '.join(LAYOUTS)}.")
+    per = 8 // container_bits(bits)
+    if layout == "per-token":
+        gd = d if group is None else group
+        check_int(gname, gd, 1)
+        if d % gd or gd < 16:
+            raise InputError(f"{gname} {gd} must divide head_dim {d} and be >= 16; allowed "
+                             f"e.g. 32, 64, 128 (or None for the whole head).")
+        if gd % per:
+            raise InputError(f"{gname} {gd} must be a multiple of {per} ({bits}-bit codes "
+                             f"per byte).")
+        rows_t, cols = 1, d // gd
+    else:
+        if group is None:
+            what = "G (tokens per group)" if layout == "per-channel" else "the flush block F"
+            raise InputError(f"{gname} is required for {layout} {which}: {what}.")
+        check_int(gname, group, 1)
+        if group % 16 or group % per:
+            raise InputError(f"{gname} {group} must be a multiple of 16 (tensor-core token "
+                             f"blocks) and of {per}; allowed e.g. 32, 64, 128.")
+        rows_t, gd = group, d
+        cols = d if layout == "per-channel" else 1
+    tok = layout == "per-channel"
+    cname = f"{which}_codes"
+    check_tensor(cname, codes, 4, (torch.uint8,), dev)
+    check_shape(cname, codes, (b, hkv, None, d if tok else -(-d // per)))
+    held = codes.shape[2] * (per if tok else 1)
+    if held < length:
+        raise InputError(f"{cname} holds {held} tokens < length {length}.")
+    n_rows = -(-length // rows_t)
+    for name, t in ((f"{which}_scale", scale), (f"{which}_zero", zero)):
+        check_tensor(name, t, 4, SCALE_DTYPES, dev)
+        check_shape(name, t, (b, hkv, None, cols))
+        if t.shape[2] < n_rows:
+            raise InputError(f"{name} has {t.shape[2]} group rows < {n_rows} needed for length "
+                             f"{length} ({layout}, {gname} {group}).")
+    return tok, rows_t, gd
+
+
 def decode_attention(
     q: torch.Tensor,
     k_codes: torch.Tensor | None,
@@ -309,9 +427,11 @@ def decode_attention(
     *,
     k_bits: int,
     v_bits: int,
-    k_group: int,
+    k_group: int | None,
     v_group: int | None,
     scaling: float,
+    k_layout: str = "per-channel",
+    v_layout: str = "per-token",
     residual_k: torch.Tensor | None = None,
     residual_v: torch.Tensor | None = None,
     residual_len: int = 0,
@@ -325,9 +445,11 @@ def decode_attention(
     """Decode attention of ``q`` ``[B, Hq, 1, D]`` over one layer's compressed cache ->
     ``[B, Hq, 1, D]`` in ``q.dtype``. Layout and semantics: module docstring.
 
-    k_codes/k_scale/k_zero: per-channel keys (groups of ``k_group`` tokens, packed along tokens).
-    v_codes/v_scale/v_zero: per-token values (groups of ``v_group`` channels, ``None`` = ``D``,
-    packed along channels). ``length``: packed tokens (absolute positions ``0..length-1``); the
+    k_codes/k_scale/k_zero, v_codes/v_scale/v_zero: the packed keys / values in
+    ``kvlens.cache.packed``'s layout for ``k_layout`` / ``v_layout``: ``per-channel`` (groups of
+    ``*_group`` tokens, packed along tokens; KIVI's keys), ``per-token`` (groups of ``*_group``
+    channels, ``None`` = ``D``, packed along channels; KIVI's values) or ``per-tensor`` (one
+    scale per block of ``*_group`` tokens, packed along channels). ``length``: packed tokens (absolute positions ``0..length-1``); the
     packed tensors may be ``None`` when ``length == 0``.
     residual_k/residual_v: ``[B, Hkv, >=residual_len, D]`` full precision, positions
     ``length..length+residual_len-1``.
@@ -353,9 +475,6 @@ def decode_attention(
         raise InputError(f"scaling must be a float, got {scaling!r}.")
     kcb, vcb = container_bits(k_bits), container_bits(v_bits)
     kp, vp = 8 // kcb, 8 // vcb
-    v_group = d if v_group is None else v_group
-    check_int("k_group", k_group, 1)
-    check_int("v_group", v_group, 1)
     hkv = None
     for name, t in (("k_codes", k_codes), ("residual_k", residual_k)):
         if t is not None:
@@ -370,39 +489,15 @@ def decode_attention(
     if hkv < 1 or hq % hkv:
         raise InputError(f"query heads {hq} must be a multiple of KV heads {hkv} (GQA).")
     gq = hq // hkv
+    kgeo = vgeo = (False, 1, d)
     if length:
         if any(t is None for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)):
             raise InputError("length > 0 needs all of k_codes, k_scale, k_zero, v_codes, "
                              "v_scale, v_zero.")
-        if k_group % 16 or k_group % kp:
-            raise InputError(f"k_group {k_group} must be a multiple of 16 (tensor-core token "
-                             f"blocks) and of {kp}; allowed e.g. 32, 64, 128.")
-        if d % v_group or v_group < 16:
-            raise InputError(f"v_group {v_group} must divide head_dim {d} and be >= 16; allowed "
-                             f"e.g. 32, 64, 128 (or None for the whole head).")
-        if v_group % vp:
-            raise InputError(f"v_group {v_group} must be a multiple of {vp} ({v_bits}-bit codes "
-                             f"per byte).")
-        n_krows = -(-length // k_group)
-        check_tensor("k_codes", k_codes, 4, (torch.uint8,), dev)
-        check_shape("k_codes", k_codes, (b, hkv, None, d))
-        if k_codes.shape[2] * kp < length:
-            raise InputError(f"k_codes holds {k_codes.shape[2] * kp} tokens < length {length}.")
-        for name, t in (("k_scale", k_scale), ("k_zero", k_zero)):
-            check_tensor(name, t, 4, SCALE_DTYPES, dev)
-            check_shape(name, t, (b, hkv, None, d))
-            if t.shape[2] < n_krows:
-                raise InputError(f"{name} has {t.shape[2]} group rows < {n_krows} needed for "
-                                 f"length {length} with k_group {k_group}.")
-        check_tensor("v_codes", v_codes, 4, (torch.uint8,), dev)
-        check_shape("v_codes", v_codes, (b, hkv, None, -(-d // vp)))
-        if v_codes.shape[2] < length:
-            raise InputError(f"v_codes holds {v_codes.shape[2]} tokens < length {length}.")
-        for name, t in (("v_scale", v_scale), ("v_zero", v_zero)):
-            check_tensor(name, t, 4, SCALE_DTYPES, dev)
-            check_shape(name, t, (b, hkv, None, d // v_group))
-            if t.shape[2] < length:
-                raise InputError(f"{name} has {t.shape[2]} rows < length {length}.")
+        kgeo = _packed_geometry("k", k_layout, k_bits, k_group, k_codes, k_scale, k_zero,
+                                length, b, hkv, d, dev)
+        vgeo = _packed_geometry("v", v_layout, v_bits, v_group, v_codes, v_scale, v_zero,
+                                length, b, hkv, d, dev)
     if residual_len:
         for name, t in (("residual_k", residual_k), ("residual_v", residual_v)):
             if t is None:
@@ -449,7 +544,8 @@ def decode_attention(
     bd = max(16, next_pow2(d))
     programs = b * hkv
     # -- segments: packed splits, then residual splits, then each extra set
-    bt_p = min(64, _pow2_factor(k_group)) if length else 16
+    token_groups = [g for g in (kgeo[1], vgeo[1]) if g > 1]
+    bt_p = min([64] + [_pow2_factor(g) for g in token_groups]) if length else 16
     if split_tokens is not None:
         check_int("split_tokens", split_tokens, 1)
         if split_tokens % bt_p:
@@ -486,15 +582,22 @@ def decode_attention(
         bal_args = (bal, 0 if bal.shape[0] == 1 else bal.stride(0), bal.stride(1),
                     bal.stride(2)) if bal is not None else (dummy, 0, 0, 0)
         pv_args = (pvalid, *pvalid.stride()) if pvalid is not None else (dummy, 0, 0, 0)
-        ndg = d // v_group
+        nkg, ndg = d // kgeo[2], d // vgeo[2]
+        # per-tensor scales have one column: stride 0 reads it for every channel
+        kss = k_scale.stride()[:3] + ((0,) if k_layout == "per-tensor" else k_scale.stride()[3:])
+        kzs = k_zero.stride()[:3] + ((0,) if k_layout == "per-tensor" else k_zero.stride()[3:])
+        vss = v_scale.stride()[:3] + ((0,) if v_layout == "per-tensor" else v_scale.stride()[3:])
+        vzs = v_zero.stride()[:3] + ((0,) if v_layout == "per-tensor" else v_zero.stride()[3:])
         _packed_split_kernel[(programs, n_packed)](
             q, *qs, *bal_args,
-            k_codes, *k_codes.stride(), k_scale, *k_scale.stride(), k_zero, *k_zero.stride(),
-            v_codes, *v_codes.stride(), v_scale, *v_scale.stride(), v_zero, *v_zero.stride(),
+            k_codes, *k_codes.stride(), k_scale, *kss, k_zero, *kzs,
+            v_codes, *v_codes.stride(), v_scale, *vss, v_zero, *vzs,
             *pv_args, *mask_args, start_arg, o_part, m_part, l_part,
             hkv, d, gq, length, split_p, s_total, qscale,
-            BG=bg, BD=bd, BT=bt_p, GK=k_group, KC=kcb, KP=kp, VC=vcb, VP=vp,
-            GV=v_group, GV_P=max(16, next_pow2(v_group)), NDG=ndg, NDG_P=next_pow2(ndg),
+            BG=bg, BD=bd, BT=bt_p, KC=kcb, KP=kp, K_TOK=kgeo[0], KRT=kgeo[1],
+            GKD=kgeo[2], GKD_P=max(16, next_pow2(kgeo[2])), NKG=nkg, NKG_P=next_pow2(nkg),
+            VC=vcb, VP=vp, V_TOK=vgeo[0], VRT=vgeo[1],
+            GV=vgeo[2], GV_P=max(16, next_pow2(vgeo[2])), NDG=ndg, NDG_P=next_pow2(ndg),
             HAS_BAL=bal is not None, HAS_MASK=mask is not None, HAS_START=start is not None,
             HAS_PVALID=pvalid is not None)
     base = n_packed

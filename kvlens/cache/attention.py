@@ -9,21 +9,33 @@ heads per KV head (``repeat_kv`` mapping), so packed K/V are read once per KV he
 transformers' own (bool or additive ``[B, 1, Tq, N]`` over absolute cache positions, or ``None``
 = causal, bottom-right aligned).
 
-Fast torch path (the layouts KIVI uses; anything else goes through the reference
-``PackedTensor.dequantize_range``): scales are folded instead of dequantizing.
+Folded reads (every layout the cache stores; nothing dequantized is materialised): scales and
+zeros are folded into the query, the softmax weights or the output instead of being applied to
+the codes. Eager torch has no integer x float matmul, so the codes of **one chunk** are unpacked
+to float32 (all code slots with one broadcast shift) into a reusable workspace (CPU; see
+``_scratch``); that transient is the only chunk-sized float tensor (keep ``chunk_tokens``
+moderate). ``torch.compile`` of the unpack + dot was measured and not adopted (slower than
+these eager ops on the 2-core CPU; ``docs/benchmarks.md``).
 
-- Per-channel keys (groups of ``G`` tokens, packed along tokens): all code slots of a chunk are
-  unpacked with one broadcast shift, then per group ``score_t = sum_d (q_d * scale_{g,d}) *
-  code_{t,d} + sum_d q_d * zero_{g,d}`` (a batched matmul over groups; no full-size scale
-  tensor). The balancer (``q / b``) and ``scaling`` fold into ``q`` first.
-- Per-token values (groups of ``G`` channels, packed along channels): the codes are unpacked
-  transposed (``[D, T]``, one shift over a long inner dimension) and the value scale folds into
-  the softmax weights: ``out_d = sum_t (p_t * scale_{t,j}) * code_{t,d} + sum_t p_t *
-  zero_{t,j}`` for the channel group ``j`` of ``d``.
+- Per-channel keys (groups of ``G`` tokens, packed along tokens): per group ``score_t = sum_d
+  (q_d * scale_{g,d}) * code_{t,d} + sum_d q_d * zero_{g,d}`` (a batched matmul over groups; no
+  full-size scale tensor).
+- Per-token keys (groups of ``G`` channels, packed along channels; ``G=None`` = the head):
+  ``score_t = sum_j s_{t,j} * (q_j . code_{t,j}) + z_{t,j} * sum(q_j)`` for the channel groups
+  ``j`` (one batched matmul over groups, then a weighted sum over ``D/G`` groups).
+- Per-tensor (one scale per flushed block, packed along channels): the per-token formula with one
+  group, the block's scale repeated over its tokens (``n`` floats).
+- Per-channel values (groups of ``G`` tokens, packed along tokens): ``o_c = sum_g s_{g,c} *
+  sum_{t in g} p_t code_{t,c} + z_{g,c} * sum_{t in g} p_t``.
+- Per-token / per-tensor values (packed along channels): the value scale folds into the softmax
+  weights, ``out_d = sum_t (p_t * scale_{t,j}) * code_{t,d} + sum_t p_t * zero_{t,j}``.
+- The channel balancer (``q / b``) and ``scaling`` fold into ``q`` first.
+- Pre-RoPE keys: RoPE rotates each dequantized key by its own position, so scales cannot fold
+  into one query; the chunk is dequantized in place on its unpacked codes (``code * scale +
+  zero``, float32), rotated with (cos, sin) re-created from the stored positions and dotted.
 
 Same math as "dequantize with the reference, then attend", different float rounding (tested
-against it to 1e-5). Pre-RoPE keys are rotated after dequantization (reference path), with
-(cos, sin) re-created from the stored positions.
+against it to 1e-5 for every layout, ``tests/test_cache.py``).
 
 Positions: the packed store holds absolute positions ``[q_start, q_end)`` (``q_start > 0`` once a
 sliding-window layer evicted blocks), the window ``[res_start, N)``; masks are indexed by
@@ -145,68 +157,176 @@ def _shifts(container: int, device) -> torch.Tensor:
     return _SHIFTS[key]
 
 
+_WORKSPACE: dict = {}
+
+
+def _scratch(slot: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """A reusable CPU buffer of ``shape`` for the unpacked codes of one chunk (one flat buffer
+    per slot, grown to the largest chunk seen: at most one chunk, ``B * Hkv * chunk_tokens * D``
+    floats, kept for the process). On CPU a fresh multi-megabyte tensor per chunk is allocated
+    (and faulted in) at every step: reusing one buffer measured 0.28 -> 0.25 ms per
+    4096-token chunk in isolation (3 KV heads, d 64, 2-bit) and less allocator churn between
+    the model's own ops. CUDA's caching allocator already avoids that, so other devices get a
+    plain ``torch.empty``. Not thread-safe: the caller consumes the buffer before the next
+    unpack (decode is sequential)."""
+    if torch.device(device).type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    n = 1
+    for s in shape:
+        n *= s
+    key = (slot, dtype)
+    buf = _WORKSPACE.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _WORKSPACE[key] = torch.empty(n, dtype=dtype, device=device)
+    return buf[:n].view(shape)
+
+
 def _unpack_rows(raw: torch.Tensor, container: int) -> torch.Tensor:
     """uint8 ``[..., R, C]`` (each byte holds ``P`` codes of consecutive rows) -> float32
     ``[..., R * P, C]`` (row ``r*P + e`` = slot ``e`` of byte row ``r``). One broadcast shift
-    over the long last dimension."""
-    if container == 8:
-        return raw.float()
+    over the long last dimension, into the reusable chunk workspace (``_scratch``: the result
+    is only valid until the next unpack)."""
     per = 8 // container
-    codes = (raw.unsqueeze(-2) >> _shifts(container, raw.device)) & ((1 << container) - 1)
-    return codes.reshape(*raw.shape[:-2], raw.shape[-2] * per, raw.shape[-1]).float()
+    lead, r, c = raw.shape[:-2], raw.shape[-2], raw.shape[-1]
+    out = _scratch("f32", (*lead, r * per, c), torch.float32, raw.device)
+    if container == 8:
+        return out.copy_(raw)
+    codes = _scratch("u8", (*lead, r, per, c), torch.uint8, raw.device)
+    torch.bitwise_right_shift(raw.unsqueeze(-2), _shifts(container, raw.device), out=codes)
+    codes.bitwise_and_((1 << container) - 1)
+    return out.copy_(codes.view(*lead, r * per, c))
 
 
-def _fast_keys(layer) -> bool:
-    s = layer.kstore
-    return (layer.setting.key is not None and s.spec.granularity == "per-channel"
-            and not layer.setting.pre_rope_keys)
+def _unpack_cols(raw: torch.Tensor, container: int, d: int) -> torch.Tensor:
+    """uint8 ``[..., T, ceil(D/P)]`` packed along channels -> float32 ``[..., D, T]`` (channels
+    first: the bytes are transposed, which is cheap, then unpacked with one broadcast shift over
+    the long token dimension)."""
+    return _unpack_rows(raw.transpose(-1, -2).contiguous(), container)[..., :d, :]
 
 
-def _fast_values(layer) -> bool:
-    return layer.setting.value is not None and layer.vstore.spec.granularity == "per-token"
+def _token_rows(p: torch.Tensor, store, n: int) -> torch.Tensor:
+    """Scale/zero rows of a channel-packed store (per-token ``[.., n, D/G]`` or per-tensor
+    ``[.., n/F, 1]``) as float32 ``[B, H, nJ, n]``, contiguous (one value per token and channel
+    group; a per-tensor block's value is repeated over its tokens: ``n`` floats, not a
+    dequantized tensor). Contiguous matters: a broadcast multiply with the transposed view was
+    measured 10-20x slower."""
+    p = p.float().transpose(-1, -2)
+    if store.spec.granularity == "per-tensor":
+        p = p.repeat_interleave(store.block, dim=-1)
+    return p[..., :n].contiguous()
+
+
+def _key_group(store) -> int:
+    """Tokens sharing one key scale row of a token-packed (per-channel) store."""
+    return store.spec.group_size or store.block
+
+
+def _dequant_chunk(store, t0: int, t1: int) -> torch.Tensor:
+    """Tokens ``[t0, t1)`` of a packed store as float32 ``[B, H, n, D]``: ``code * scale + zero``
+    computed in place on the unpacked chunk (one float32 chunk, the same values as the
+    reference's ``dequantize_range``). Used only where the scales cannot be folded (pre-RoPE
+    keys: RoPE must rotate the dequantized key)."""
+    c = _container(store)
+    d = store.head_dim
+    b, h = store.codes.shape[:2]
+    n = t1 - t0
+    if store.packs_tokens:
+        per, g = 8 // c, _key_group(store)
+        x = _unpack_rows(store.codes[:, :, t0 // per:t1 // per], c).view(b, h, n // g, g, d)
+        x.mul_(store.scale[:, :, t0 // g:t1 // g, None].float())
+        x.add_(store.zero[:, :, t0 // g:t1 // g, None].float())
+        return x.view(b, h, n, d)
+    x = _unpack_cols(store.codes[:, :, t0:t1], c, d)  # [B, H, D, n]
+    bt = store.block if store.spec.granularity == "per-tensor" else 1
+    rows = slice(t0 // bt, -(-t1 // bt))
+    scale, zero = (_token_rows(s[:, :, rows], store, n) for s in (store.scale, store.zero))
+    nj = scale.shape[-2]
+    x5 = x.reshape(b, h, nj, d // nj, n)
+    x5.mul_(scale.unsqueeze(3)).add_(zero.unsqueeze(3))
+    return x5.view(b, h, d, n).transpose(-1, -2)
 
 
 def _key_scores(layer, q: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
     """``q [B, Hkv, M, D]`` (balanced and scaled) against packed keys ``[t0, t1)`` ->
-    ``[B, Hkv, M, t1 - t0]``."""
+    ``[B, Hkv, M, t1 - t0]``. Scales fold into ``q`` (module docstring); only the codes of this
+    chunk are unpacked (float32, one chunk: eager torch has no integer x float matmul)."""
     store = layer.kstore
-    if not _fast_keys(layer):
-        k = store.dequantize_range(t0, t1)
-        if layer.stores_pre_rope:
-            from kvlens.rope import apply_rope
+    if layer.setting.key is None:  # a dense (unquantized) key history
+        return torch.matmul(q, store.dequantize_range(t0, t1).transpose(-1, -2))
+    if layer.stores_pre_rope:  # RoPE rotates the dequantized key: dequantize, rotate, dot
+        from kvlens.rope import rotate
 
-            cos, sin = layer.rope_tables(layer.q_start + t0, layer.q_start + t1)
-            k = apply_rope(k, cos, sin, layer.rope.layout)
+        k = _dequant_chunk(store, t0, t1)
+        cos, sin = layer.rope_tables(layer.q_start + t0, layer.q_start + t1)
+        r = cos.shape[-1]
+        rot = k[..., :r]
+        rot_k = rot * cos[:, None] + rotate(rot, layer.rope.layout) * sin[:, None]
+        k = rot_k if r == k.shape[-1] else torch.cat((rot_k, k[..., r:]), dim=-1)
         return torch.matmul(q, k.transpose(-1, -2))
     b, h, m, d = q.shape
-    per = 8 // _container(store)
-    g = store.spec.group_size or store.block
-    n, ng = t1 - t0, (t1 - t0) // g
-    codes = _unpack_rows(store.codes[:, :, t0 // per:t1 // per], _container(store))
-    scale = store.scale[:, :, t0 // g:t1 // g].float()  # [B, H, nG, D]
-    zero = store.zero[:, :, t0 // g:t1 // g].float()
-    qs = q[:, :, None] * scale[:, :, :, None]  # [B, H, nG, M, D]
-    s = torch.matmul(qs, codes.view(b, h, ng, g, d).transpose(-1, -2))  # [B, H, nG, M, G]
-    s += torch.matmul(zero, q.transpose(-1, -2)).unsqueeze(-1)  # bias [B, H, nG, M, 1]
-    return s.permute(0, 1, 3, 2, 4).reshape(b, h, m, n)
+    n = t1 - t0
+    c = _container(store)
+    if store.packs_tokens:  # per-channel: one scale row per G tokens
+        per, g = 8 // c, _key_group(store)
+        ng = n // g
+        codes = _unpack_rows(store.codes[:, :, t0 // per:t1 // per], c)
+        scale = store.scale[:, :, t0 // g:t1 // g].float()  # [B, H, nG, D]
+        zero = store.zero[:, :, t0 // g:t1 // g].float()
+        qs = q[:, :, None] * scale[:, :, :, None]  # [B, H, nG, M, D]
+        s = torch.matmul(qs, codes.view(b, h, ng, g, d).transpose(-1, -2))  # [B, H, nG, M, G]
+        s += torch.matmul(zero, q.transpose(-1, -2)).unsqueeze(-1)  # bias [B, H, nG, M, 1]
+        return s.permute(0, 1, 3, 2, 4).reshape(b, h, m, n)
+    # per-token (groups of G channels) / per-tensor: codes packed along channels, one scale per
+    # (token, channel group): score_t = sum_j s_tj (q_j . code_tj) + z_tj * sum(q_j)
+    codes = _unpack_cols(store.codes[:, :, t0:t1], c, d)  # [B, H, D, n]
+    bt = store.block if store.spec.granularity == "per-tensor" else 1
+    rows = slice(t0 // bt, -(-t1 // bt))
+    scale = _token_rows(store.scale[:, :, rows], store, n)  # [B, H, nJ, n]
+    zero = _token_rows(store.zero[:, :, rows], store, n)
+    nj = scale.shape[-2]
+    gd = d // nj
+    qsum = q.reshape(b, h, m, nj, gd).sum(-1)  # [B, H, M, nJ]
+    bias = torch.matmul(qsum, zero)  # [B, H, M, n]
+    if nj == 1:
+        return torch.matmul(q, codes).mul_(scale).add_(bias)
+    qj = q.reshape(b, h, m, nj, gd).transpose(2, 3)  # [B, H, nJ, M, Gd]
+    part = torch.matmul(qj, codes.reshape(b, h, nj, gd, n))  # [B, H, nJ, M, n]
+    part.mul_(scale.unsqueeze(3))
+    return part.sum(2).add_(bias)
 
 
 def _value_out(layer, p: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
-    """Weights ``p [B, Hkv, M, t1 - t0]`` times packed values ``[t0, t1)`` -> ``[B, Hkv, M, D]``."""
+    """Weights ``p [B, Hkv, M, t1 - t0]`` times packed values ``[t0, t1)`` -> ``[B, Hkv, M, D]``.
+    Scales fold into the weights or the output (module docstring); only this chunk's codes are
+    unpacked to float32."""
     store = layer.vstore
-    if not _fast_values(layer):
+    if layer.setting.value is None:
         return torch.matmul(p, store.dequantize_range(t0, t1))
     b, h, m, n = p.shape
     d = store.head_dim
-    g = store.spec.group_size or d
-    nj = d // g
-    raw = store.codes[:, :, t0:t1].transpose(-1, -2).contiguous()  # [B, H, ceil(D/P), n]
-    codes = _unpack_rows(raw, _container(store))[:, :, :d]  # [B, H, D, n]
-    scale = store.scale[:, :, t0:t1].float().transpose(-1, -2)  # [B, H, nJ, n]
-    zero = store.zero[:, :, t0:t1].float()  # [B, H, n, nJ]
+    c = _container(store)
+    if store.packs_tokens:  # per-channel: o_d = sum_g s_gd (p_g . code_gd) + z_gd * sum(p_g)
+        per, g = 8 // c, _key_group(store)
+        ng = n // g
+        codes = _unpack_rows(store.codes[:, :, t0 // per:t1 // per], c)  # [B, H, n, D]
+        scale = store.scale[:, :, t0 // g:t1 // g].float()  # [B, H, nG, D]
+        zero = store.zero[:, :, t0 // g:t1 // g].float()
+        pg = p.view(b, h, m, ng, g).transpose(2, 3)  # [B, H, nG, M, G]
+        part = torch.matmul(pg, codes.view(b, h, ng, g, d))  # [B, H, nG, M, D]
+        part.mul_(scale.unsqueeze(3))
+        out = part.sum(2)
+        return out.add_(torch.matmul(pg.sum(-1).transpose(-1, -2), zero))
+    # per-token / per-tensor: out_d = sum_t (p_t * s_tj) code_td + sum_t p_t z_tj (d in group j)
+    bt = store.block if store.spec.granularity == "per-tensor" else 1
+    rows = slice(t0 // bt, -(-t1 // bt))
+    scale = _token_rows(store.scale[:, :, rows], store, n)  # [B, H, nJ, n]
+    zero = _token_rows(store.zero[:, :, rows], store, n)
+    nj = scale.shape[-2]
+    g = d // nj
+    codes = _unpack_cols(store.codes[:, :, t0:t1], c, d)  # [B, H, D, n]
     w = p[:, :, None] * scale[:, :, :, None]  # [B, H, nJ, M, n]
     out = torch.matmul(w, codes.reshape(b, h, nj, g, n).transpose(-1, -2))  # [B, H, nJ, M, G]
-    out += torch.matmul(p, zero).transpose(-1, -2).unsqueeze(-1)
+    out += torch.matmul(p, zero.transpose(-1, -2)).transpose(-1, -2).unsqueeze(-1)
     return out.permute(0, 1, 3, 2, 4).reshape(b, h, m, d)
 
 
@@ -260,7 +380,7 @@ def _queries(query: torch.Tensor, layer, scaling: float):
     divided by the channel balancer (used against the packed keys only)."""
     b, hq, tq, d = query.shape
     hkv = layer.res_k.buf.shape[1]
-    q = query.float().reshape(b, hkv, (hq // hkv) * tq, d) * scaling
+    q = query.float().reshape(b, hkv, (hq // hkv) * tq, d).mul(scaling).contiguous()
     qb = q
     if layer.balancer is not None and layer.setting.key is not None:
         bal = layer.balancer.float()
@@ -322,24 +442,51 @@ def triton_unsupported(layer, query: torch.Tensor, with_probs: bool) -> str | No
     if with_probs:
         return ("MiKV heavy-hitter selection needs attention probabilities, which the kernel "
                 "does not return")
-    setting = layer.setting
+    return kernel_layout_problem(layer.setting, layer.head_dim)
+
+
+def kernel_layout_problem(setting, head_dim: int) -> str | None:
+    """Why the fused decode kernel cannot read a layer stored as ``setting`` (a
+    ``kvlens.kvconfig.LayerKV``), or ``None``. Shared by the dispatch and ``recommend``'s
+    ``--prefer-fast``."""
+    from kvlens.cache.packed import flush_block
+
     if setting.key is None or setting.value is None:
         return "keys or values not quantized (the kernel reads both from the packed store)"
-    ks, vs = setting.key, setting.value
-    if ks.granularity != "per-channel" or vs.granularity != "per-token":
-        return (f"keys {ks.granularity} / values {vs.granularity} (the kernel takes per-channel "
-                "keys and per-token values)")
-    if layer.stores_pre_rope:
-        return "pre-RoPE keys (the kernel does not apply RoPE)"
-    d = layer.head_dim
-    kg = ks.group_size or layer.kstore.block
-    vg = vs.group_size or d
-    kp = 8 // _container(layer.kstore)
-    vp = 8 // _container(layer.vstore)
-    if kg % 16 or kg % kp:
-        return f"key group {kg} (the kernel needs a multiple of 16)"
-    if d % vg or vg < 16 or vg % vp:
-        return f"value group {vg} (the kernel needs a divisor of head_dim {d}, >= 16)"
+    if setting.pre_rope_keys:
+        return ("pre-RoPE keys (the kernel does not re-apply RoPE; the torch path rotates each "
+                "dequantized chunk)")
+    for what, spec in (("key", setting.key), ("value", setting.value)):
+        block = flush_block(spec, setting.residual_tokens, setting.flush_tokens)
+        why = _spec_kernel_problem(what, spec, block, head_dim)
+        if why:
+            return why
+    return None
+
+
+def _kernel_group(spec, block: int):
+    """The kernel's ``k_group`` / ``v_group`` for a packed store of ``spec`` with flush block
+    ``block``: tokens per scale row (per-channel ``G``, per-tensor ``F``) or channels per group
+    (per-token)."""
+    if spec.granularity == "per-token":
+        return spec.group_size
+    return block if spec.granularity == "per-tensor" else spec.group_size or block
+
+
+def _spec_kernel_problem(what: str, spec, block: int, d: int) -> str | None:
+    from kvlens.quant import container_bits
+
+    g = _kernel_group(spec, block)
+    per = 8 // container_bits(spec.bits)
+    if spec.granularity == "per-token":
+        g = g or d
+        if d % g or g < 16 or g % per:
+            return (f"{what} group {g} per-token (the kernel needs a divisor of head_dim {d}, "
+                    ">= 16)")
+        return None
+    if g % 16 or g % per:
+        unit = "flush block" if spec.granularity == "per-tensor" else "group"
+        return f"{what} {unit} {g} {spec.granularity} (the kernel needs a multiple of 16 tokens)"
     return None
 
 
@@ -387,8 +534,9 @@ def triton_decode(query: torch.Tensor, layer, mask: torch.Tensor | None, scaling
     bal = layer.balancer if layer.balancer is not None else None
     out = decode_attention(
         query, ks.codes, ks.scale, ks.zero, vs.codes, vs.scale, vs.zero, length,
-        k_bits=ks.spec.bits, v_bits=vs.spec.bits, k_group=ks.spec.group_size or ks.block,
-        v_group=vs.spec.group_size, scaling=float(scaling),
+        k_bits=ks.spec.bits, v_bits=vs.spec.bits, k_group=_kernel_group(ks.spec, ks.block),
+        v_group=_kernel_group(vs.spec, vs.block), k_layout=ks.spec.granularity,
+        v_layout=vs.spec.granularity, scaling=float(scaling),
         residual_k=layer.res_k.buf if layer.n_res else None,
         residual_v=layer.res_v.buf if layer.n_res else None, residual_len=layer.n_res,
         extra=extra, packed_valid=pvalid, balancer=bal, key_mask=key_mask)

@@ -62,6 +62,10 @@ def recommend(
                                        "loads), on, off."),
     retrieval_weight: float = typer.Option(1.0, "--retrieval-weight",
                                            help="Weight of the retrieval errors."),
+    prefer_fast: bool = typer.Option(False, "--prefer-fast",
+                                     help="Only layouts the fused (Triton) decode kernel reads "
+                                          "(no pre-RoPE keys): every decode step on CUDA stays "
+                                          "in the kernel."),
     name: str = typer.Option("recommended", "--name", help="Name stored in the config."),
     validate: bool = typer.Option(False, "--validate",
                                   help="Evaluate the recommendation beside the presets "
@@ -98,7 +102,7 @@ def recommend(
                                 balancer_exponent=exponent, samples=samples, tokens=tokens,
                                 sensitivity=sensitivity, model=model, name=name,
                                 flush_tokens=flush, sink_tokens=sinks, retrieval=retrieval,
-                                retrieval_weight=retrieval_weight)
+                                retrieval_weight=retrieval_weight, prefer_fast=prefer_fast)
 
     opts = run_library_call(prepare)
     with progress_bar("measuring candidates") as update:
@@ -199,6 +203,31 @@ def _render(rec) -> None:
         f = rec.kv_bytes_fp16[ctx]
         m.add_row(f"{ctx:,}", f"{b / 2**20:.1f} MiB", f"{f / 2**20:.1f} MiB", f"{f / b:.2f}x")
     console.print(m)
+    _render_decode_cost(rec)
     console.print(f"expected mean attention-output error: {rec.expected_output_error:.4f}")
     for note in rec.notes:
         console.print(f"note: {note}")
+
+
+def _render_decode_cost(rec) -> None:
+    from rich.table import Table
+
+    if not rec.decode_cost:
+        return
+    t = Table(title=f"Decode cost at {rec.context:,} tokens (model: bytes one decode step "
+                    "reads, all layers, batch 1)")
+    for col in ("config", "read", "vs fp16", "fused kernel path", "torch-path unpack"):
+        t.add_column(col, justify="left" if col == "config" else "right")
+    for name, c in rec.decode_cost:
+        fused = "yes" if c.fused else f"no ({len(c.unfused)} layers)"
+        t.add_row(name, f"{c.read_bytes / 2**20:.1f} MiB", f"{c.ratio_fp16:.3f}", fused,
+                  f"{c.torch_unpack_bytes / 2**20:.1f} MiB")
+    console.print(t)
+    console.print("read: codes, scales/zeros, the filled window, sink copies, positions "
+                  "(kvlens.cache.decode_cost); a memory-bound step takes time in proportion. "
+                  "fused: the Triton decode kernel reads every layer (CUDA); otherwise those "
+                  "layers take the torch path. torch-path unpack: float32 codes the eager CPU "
+                  "path writes and reads per step (one chunk at a time).")
+    for name, c in rec.decode_cost[:1]:
+        for layer, why in sorted(c.unfused.items())[:3]:
+            console.print(f"  {name} layer {layer}: {why}")
