@@ -647,27 +647,43 @@ def _assemble(meta, opts, tables, balancers, weights, notes, shape) -> Recommend
         layer = next(i for i in range(shape.num_layers) if shape.window(i) == window)
         return option_bytes(kc, vc, f, opts, shape, layer)
 
-    fronts = []
-    for layer, table in zip(meta.layers, tables):
-        w = shape.window(layer)
-        # budget units: bits per element of the whole cache, times the number of layers
-        fronts.append(_layer_options(
-            table, opts, lambda kc, vc, f, w=w: 16 * n * option(kc, vc, f, w)[0] / fp16_total,
-            weights[layer], shape.head_dim))
-    costs = [[p[0] for p in front] for front in fronts]
-    errors = [[p[1] for p in front] for front in fronts]
-    # one [D, D] float32 rotation matrix is shared by every rotating layer: reserve it
-    rotates = any(p[2].rotate or p[3].rotate for front in fronts for p in front)
-    reserve = 16 * shape.head_dim ** 2 * 4 / fp16_total if rotates else 0.0
-    try:
-        picks = allocate(costs, errors, n * (opts.budget_bits - reserve))
-    except InputError:
-        need = sum(min(c) for c in costs) / n
+    def solve(rotation: bool):
+        """``(objective, fronts, picks)`` of the best allocation with or without rotated
+        candidates, or None when nothing fits."""
+        fronts = []
+        for layer, table in zip(meta.layers, tables):
+            w = shape.window(layer)
+            if not rotation:
+                table = {cf: e for cf, e in table.items() if not cf[0].rotate}
+            # budget units: bits per element of the whole cache, times the number of layers
+            fronts.append(_layer_options(
+                table, opts,
+                lambda kc, vc, f, w=w: 16 * n * option(kc, vc, f, w)[0] / fp16_total,
+                weights[layer], shape.head_dim))
+        costs = [[p[0] for p in front] for front in fronts]
+        errors = [[p[1] for p in front] for front in fronts]
+        # one [D, D] float32 rotation matrix is shared by every rotating layer: reserve it
+        rotates = any(p[2].rotate or p[3].rotate for front in fronts for p in front)
+        reserve = 16 * shape.head_dim ** 2 * 4 / fp16_total if rotates else 0.0
+        try:
+            picks = allocate(costs, errors, n * (opts.budget_bits - reserve))
+        except InputError:
+            return None, sum(min(c) for c in costs) / n + reserve
+        return (sum(e[p] for e, p in zip(errors, picks)), fronts, picks), None
+
+    # the shared rotation matrix is a fixed cost the knapsack cannot split over layers: solve
+    # with and without rotated candidates and keep the better allocation
+    with_rot, need_rot = solve(True)
+    without, need = solve(False)
+    best = min((s for s in (with_rot, without) if s is not None), key=lambda s: s[0],
+               default=None)
+    if best is None:
         raise InputError(
-            f"The budget is too small: the cheapest candidates need {need:.3f} bits per element "
-            f"at {opts.context} tokens (window of {opts.residual_tokens} tokens and "
-            f"{opts.sink_tokens} sink tokens included), more than the {opts.budget_bits} asked "
-            "for. Raise --budget-bits or --context, or lower --residual / --sinks.") from None
+            f"The budget is too small: the cheapest candidates need {min(need, need_rot):.3f} "
+            f"bits per element at {opts.context} tokens (window of {opts.residual_tokens} tokens "
+            f"and {opts.sink_tokens} sink tokens included), more than the {opts.budget_bits} "
+            "asked for. Raise --budget-bits or --context, or lower --residual / --sinks.")
+    _, fronts, picks = best
     choices = []
     for layer, front, pick, table in zip(meta.layers, fronts, picks, tables):
         _, _, kc, vc, f = front[pick]

@@ -199,14 +199,14 @@ def test_ctrl_c_during_short_evals_keeps_the_finished_configs(tiny_model_dir, ti
         return real(*args, **kwargs)
 
     monkeypatch.setattr(evaluate, "decode_ppl", interrupt_second)
-    args = ["generate", "--model", str(tiny_model_dir), "--compare", f"fp16,{tiny_kivi}",
+    args = ["generate", "--model", str(tiny_model_dir), "--compare", f"exact,{tiny_kivi}",
             "--eval", "ppl,kld", "--ppl-tokens", "48", "--eval-tokens", "64"]
     result = runner.invoke(app, [*args, "--json"])
     assert result.exit_code == 130
     doc = json.loads(result.stdout)
-    fp16, kivi = doc["results"]
-    assert fp16["ppl_change"] == 0.0 and "ppl" not in kivi and doc["evaluation"] == {}
+    exact, kivi = doc["results"]
+    assert exact["ppl_change"] == 0.0 and "ppl" not in kivi and doc["evaluation"] == {}
     calls["n"] = 0
     result = runner.invoke(app, args)  # the table shows the finished config only
-    assert result.exit_code == 130 and "fp16" in result.stdout
+    assert result.exit_code == 130 and "exact" in result.stdout
     assert "tiny-kivi" not in result.stdout and "interrupted" in result.stderr
