@@ -673,7 +673,7 @@ def _assemble(meta, opts, tables, balancers, weights, notes, shape) -> Recommend
 
     # the shared rotation matrix is a fixed cost the knapsack cannot split over layers: solve
     # with and without rotated candidates and keep the better allocation
-    with_rot, need_rot = solve(True)
+    with_rot, need_rot = solve(True) if opts.rotation else (None, math.inf)
     without, need = solve(False)
     best = min((s for s in (with_rot, without) if s is not None), key=lambda s: s[0],
                default=None)

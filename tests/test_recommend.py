@@ -327,3 +327,23 @@ def test_rotation_candidates_are_measured_priced_and_written(tmp_path):
         layer = rec.config.layer(ch.layer)
         assert (layer.rotate_keys if ch.tensor == "key" else layer.rotate_values) == \
             ch.candidate.rotate
+
+
+def test_rotation_matrix_cost_never_makes_a_feasible_budget_fail(tmp_path):
+    """The shared [D, D] rotation matrix is a fixed cost: a budget just above the cheapest
+    plain allocation (below it plus the matrix) must still be met, without rotation."""
+    import re
+
+    path = _planted_capture(tmp_path / "p.h5", has_rope=False)
+    opts = RecommendOptions(budget_bits=2.0, group_sizes=(32,), bits=(2, 4), balancer=False,
+                            sensitivity="uniform", retrieval="off")
+    m = measure(path, opts)
+    with pytest.raises(InputError, match="need") as err:
+        choose(m, replace(opts, rotation=False))
+    need = float(re.search(r"need ([0-9.]+) bits", str(err.value)).group(1))
+    rec = choose(m, replace(opts, budget_bits=need + 0.01))
+    assert rec.mean_bits <= need + 0.01
+    assert not any(ch.candidate.rotate for ch in rec.choices)
+    # with room for the matrix, rotated candidates compete again
+    rich = choose(m, replace(opts, budget_bits=6.0))
+    assert rich.expected_output_error <= rec.expected_output_error
