@@ -648,8 +648,8 @@ def _assemble(meta, opts, tables, balancers, weights, notes, shape) -> Recommend
         return option_bytes(kc, vc, f, opts, shape, layer)
 
     def solve(rotation: bool):
-        """``(objective, fronts, picks)`` of the best allocation with or without rotated
-        candidates, or None when nothing fits."""
+        """``((objective, fronts, picks), None)`` of the best allocation with or without
+        rotated candidates, or ``(None, bits the cheapest options need)`` when nothing fits."""
         fronts = []
         for layer, table in zip(meta.layers, tables):
             w = shape.window(layer)
