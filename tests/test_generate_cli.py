@@ -210,3 +210,14 @@ def test_ctrl_c_during_short_evals_keeps_the_finished_configs(tiny_model_dir, ti
     result = runner.invoke(app, args)  # the table shows the finished config only
     assert result.exit_code == 130 and "exact" in result.stdout
     assert "tiny-kivi" not in result.stdout and "interrupted" in result.stderr
+
+
+def test_preset_help_lists_every_preset():
+    """The --preset help text is written by hand (importing the presets would load torch for
+    `kvlens --help`): it must name every preset."""
+    from kvlens.kvconfig import PRESETS
+
+    result = runner.invoke(app, ["generate", "--help"], env={"COLUMNS": "400"})
+    assert result.exit_code == 0
+    missing = [name for name in PRESETS if name not in result.stdout]
+    assert not missing
