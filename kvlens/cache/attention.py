@@ -216,6 +216,14 @@ def _token_rows(p: torch.Tensor, store, n: int) -> torch.Tensor:
     return p[..., :n].contiguous()
 
 
+def _token_scales(store, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, zero)`` of tokens ``[t0, t1)`` of a channel-packed store (per-token or
+    per-tensor), each float32 ``[B, H, nJ, t1 - t0]`` (``_token_rows``)."""
+    bt = store.block if store.spec.granularity == "per-tensor" else 1
+    rows = slice(t0 // bt, -(-t1 // bt))
+    return tuple(_token_rows(p[:, :, rows], store, t1 - t0) for p in (store.scale, store.zero))
+
+
 def _key_group(store) -> int:
     """Tokens sharing one key scale row of a token-packed (per-channel) store."""
     return store.spec.group_size or store.block
@@ -237,9 +245,7 @@ def _dequant_chunk(store, t0: int, t1: int) -> torch.Tensor:
         x.add_(store.zero[:, :, t0 // g:t1 // g, None].float())
         return x.view(b, h, n, d)
     x = _unpack_cols(store.codes[:, :, t0:t1], c, d)  # [B, H, D, n]
-    bt = store.block if store.spec.granularity == "per-tensor" else 1
-    rows = slice(t0 // bt, -(-t1 // bt))
-    scale, zero = (_token_rows(s[:, :, rows], store, n) for s in (store.scale, store.zero))
+    scale, zero = _token_scales(store, t0, t1)
     nj = scale.shape[-2]
     x5 = x.reshape(b, h, nj, d // nj, n)
     x5.mul_(scale.unsqueeze(3)).add_(zero.unsqueeze(3))
@@ -279,10 +285,7 @@ def _key_scores(layer, q: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
     # per-token (groups of G channels) / per-tensor: codes packed along channels, one scale per
     # (token, channel group): score_t = sum_j s_tj (q_j . code_tj) + z_tj * sum(q_j)
     codes = _unpack_cols(store.codes[:, :, t0:t1], c, d)  # [B, H, D, n]
-    bt = store.block if store.spec.granularity == "per-tensor" else 1
-    rows = slice(t0 // bt, -(-t1 // bt))
-    scale = _token_rows(store.scale[:, :, rows], store, n)  # [B, H, nJ, n]
-    zero = _token_rows(store.zero[:, :, rows], store, n)
+    scale, zero = _token_scales(store, t0, t1)  # [B, H, nJ, n]
     nj = scale.shape[-2]
     gd = d // nj
     qsum = q.reshape(b, h, m, nj, gd).sum(-1)  # [B, H, M, nJ]
@@ -317,10 +320,7 @@ def _value_out(layer, p: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
         out = part.sum(2)
         return out.add_(torch.matmul(pg.sum(-1).transpose(-1, -2), zero))
     # per-token / per-tensor: out_d = sum_t (p_t * s_tj) code_td + sum_t p_t z_tj (d in group j)
-    bt = store.block if store.spec.granularity == "per-tensor" else 1
-    rows = slice(t0 // bt, -(-t1 // bt))
-    scale = _token_rows(store.scale[:, :, rows], store, n)  # [B, H, nJ, n]
-    zero = _token_rows(store.zero[:, :, rows], store, n)
+    scale, zero = _token_scales(store, t0, t1)  # [B, H, nJ, n]
     nj = scale.shape[-2]
     g = d // nj
     codes = _unpack_cols(store.codes[:, :, t0:t1], c, d)  # [B, H, D, n]
