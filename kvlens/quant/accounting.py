@@ -1,4 +1,9 @@
-"""Exact storage accounting: bits per cached element for a quantization config.
+"""Analytic storage accounting: bits per element of one quantized ``[T, D]`` matrix.
+
+A library formula for analysis (it also prices dense-and-sparse outliers and low-rank terms,
+which the cache does not store); no command budgets with it. The bytes the compressed cache
+really holds (container widths, the window buffer, sets, positions, sliding layers) are
+described by ``kvlens.cache.layout``, which ``memory_report`` and ``recommend`` use.
 
 Counted per ``[T, D]`` matrix of one (batch, head), so the result does not depend on ``B, H``;
 partial groups are counted as whole groups (they still store a scale and a zero). With
