@@ -2,10 +2,11 @@
 its bytes that the cache, ``memory_report``, ``config_bits`` and ``recommend``'s budget share.
 
 The cache (``kvlens.cache.layer``) calls the streaming rules here (``flush_every``,
-``stream_state``, ``window_capacity``, ``evict_boundary``) to decide what to keep, and
-``layer_part_bytes`` predicts the bytes of every tensor a layer holds from the same rules and
-the packed layout (``kvlens.cache.packed``). Tests fill real caches to ``N`` tokens and check
-the prediction against the bytes the cache object really holds.
+``flush_count``, ``evict_boundary``, ``set_size``) to decide what to keep; its window buffer
+keeps room for ``R`` tokens (``window_capacity``). ``layer_part_bytes`` predicts the bytes of every
+tensor a layer holds from the same rules and the packed layout (``kvlens.cache.packed``). Tests
+fill real caches to ``N`` tokens and check the prediction against the bytes the cache object
+really holds.
 
 State after ``N`` tokens (any chunking: the rules depend on ``N`` only), with ``R`` the residual
 window, ``F`` the flush block and ``W`` a sliding-window layer's window:
