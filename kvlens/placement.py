@@ -192,15 +192,22 @@ def _check_gpus(indices: list[int], flag: str) -> None:
                          "that exist.")
 
 
-def _writable_folder(path: str | os.PathLike) -> str:
-    folder = Path(path).expanduser()
+def writable_error(folder: Path) -> str | None:
+    """Why ``folder`` (created if missing) cannot take new files, or ``None`` when it can."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".kvlens-write-test-"):
-            pass
+            return None
     except OSError as exc:
-        raise PlacementError(f"--offload-folder {folder} is not a writable directory "
-                         f"({exc.strerror or exc}); pass a directory you can write to.") from None
+        return exc.strerror or str(exc)
+
+
+def _writable_folder(path: str | os.PathLike) -> str:
+    folder = Path(path).expanduser()
+    why = writable_error(folder)
+    if why is not None:
+        raise PlacementError(f"--offload-folder {folder} is not a writable directory ({why}); "
+                             "pass a directory you can write to.")
     return str(folder.resolve())
 
 

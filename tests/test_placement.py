@@ -246,3 +246,15 @@ def test_smollm2_offloaded_to_disk_matches_the_whole_model(smollm2, tmp_path):
 
     rep = _generate_same_tokens(whole, offl, ids, _small_window("kivi-2"), 8)
     assert rep["breakdown"]["codes"] > 0 and sum(rep["by_device"].values()) == rep["kv_bytes"]
+
+
+def test_gguf_device_map_needs_a_writable_conversion_cache(monkeypatch, tmp_path):
+    """A GGUF model is placed from its safetensors conversion: without a writable cache the
+    error comes at once, before the slow dequantization."""
+    from kvlens.errors import ModelLoadError
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    monkeypatch.setenv("KVLENS_CACHE", str(blocker / "cache"))
+    with pytest.raises(ModelLoadError, match="cannot be written under .*Set KVLENS_CACHE"):
+        load_model(None, device_map="auto")
