@@ -83,8 +83,11 @@ def offload_folder_option():
 
 
 def format_bytes_by_device(by_device: dict[str, int]) -> str:
-    """``cpu 270.1 MiB, disk 243.1 MiB``."""
-    return ", ".join(f"{dev} {n / 2**20:.1f} MiB" for dev, n in by_device.items()) or "-"
+    """``cpu 270.1 MiB, disk 243.1 MiB`` (KiB below 1 MiB)."""
+    def size(n: int) -> str:
+        return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+    return ", ".join(f"{dev} {size(n)}" for dev, n in by_device.items()) or "-"
 
 
 def run_library_call(fn: Callable[[], Any]) -> Any:
