@@ -53,11 +53,6 @@ class Placement:
     def limits(self) -> dict[int | str, int]:
         return dict(self.max_memory)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"device_map": self.device_map,
-                "max_memory": {str(k): v for k, v in self.max_memory},
-                "offload_folder": self.offload_folder}
-
 
 # -- parsing ------------------------------------------------------------------------------------
 
@@ -389,7 +384,9 @@ def _map_device_name(dev) -> str:
 
 
 def placement_summary(model) -> dict[str, Any]:
-    """JSON-able: weights per device and each layer's execution device."""
+    """JSON-able: weights per device, each layer's execution device, and the device map the
+    model was dispatched with (``None`` when it was loaded without one)."""
+    dmap = getattr(model, "hf_device_map", None)
     return {"weights_by_device": weights_by_device(model),
             "layer_devices": [str(d) for d in layer_devices(model)],
-            "device_map": bool(getattr(model, "hf_device_map", None))}
+            "device_map": dict(dmap) if dmap else None}

@@ -102,7 +102,9 @@ def test_generate_with_disk_offload(tiny_model_dir, disk_map, tmp_path):
     assert res.exit_code == 0, res.output
     placed = json.loads(res.stdout)
     assert placed["placement"]["weights_by_device"]["disk"] > 0
-    assert whole["placement"]["device_map"] is False and placed["placement"]["device_map"]
+    assert whole["placement"]["device_map"] is None
+    assert placed["placement"]["device_map"] == DISK_MAP
+    assert placed["placement"]["layer_devices"] == ["cpu"] * 3
     (r,) = placed["results"]
     assert r["text"] == whole["results"][0]["text"]
     assert r["kv_bytes_by_device"] == {"cpu": r["kv_bytes"]} and r["bits_per_element"] < 16
