@@ -258,3 +258,32 @@ def test_gguf_device_map_needs_a_writable_conversion_cache(monkeypatch, tmp_path
     monkeypatch.setenv("KVLENS_CACHE", str(blocker / "cache"))
     with pytest.raises(ModelLoadError, match="cannot be written under .*Set KVLENS_CACHE"):
         load_model(None, device_map="auto")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt_neox", "qwen3"])
+def test_tiny_architectures_split_between_memory_and_disk(arch, tmp_path):
+    """GQA, sliding + full layers with QK-norm, fused QKV with partial rotary: each placed by
+    the planned map with part of it on disk captures bit for bit and generates the same tokens
+    as the model loaded whole."""
+    from tiny_models import tiny_model
+    from transformers import AutoModelForCausalLM
+
+    tiny_model(arch).save_pretrained(tmp_path / "m")
+    load = dict(dtype=torch.float32, attn_implementation="sdpa")
+    whole = AutoModelForCausalLM.from_pretrained(tmp_path / "m", **load).eval()
+    total = sum(t.numel() * 4 for t in [*whole.parameters(), *whole.buffers()])
+    placement = make_placement("sequential", {"cpu": int(0.7 * total)}, tmp_path / "off")
+    plan = plan_device_map(whole.config, torch.float32, placement)
+    assert plan.bytes_by_device.get("disk", 0) > 0 and plan.bytes_by_device.get("cpu", 0) > 0
+    offl = AutoModelForCausalLM.from_pretrained(tmp_path / "m", device_map=plan.device_map,
+                                                offload_folder=placement.offload_folder,
+                                                **load).eval()
+    held = weights_by_device(offl)  # non-persistent buffers (RoPE) stay in memory: measured
+    assert sum(held.values()) == plan.total_bytes
+    assert 0 < held["disk"] <= plan.bytes_by_device["disk"]
+
+    windows = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(2))
+    _assert_same_capture(_capture(whole, windows, tmp_path / "a.h5"),
+                         _capture(offl, windows, tmp_path / "b.h5"))
+    rep = _generate_same_tokens(whole, offl, windows, _small_window("kivi-2"), 10)
+    assert rep["breakdown"]["codes"] > 0
