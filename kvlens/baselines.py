@@ -106,14 +106,18 @@ def _tensors(obj):
 def baseline_memory_report(cache) -> dict:
     """Measured bytes of a QuantizedCache: quantized history + full-precision residual."""
     total = fp16 = 0
+    by_device: dict[str, int] = {}
     for layer in cache.layers:
         parts = [getattr(layer, a, None) for a in ("_quantized_keys", "_quantized_values",
                                                   "keys", "values")]
         tensors = [t for p in parts for t in _tensors(p)]
-        total += sum(t.numel() * t.element_size() for t in tensors)
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            total += n
+            by_device[str(t.device)] = by_device.get(str(t.device), 0) + n
         shaped = [t for t in tensors if t.dim() == 4]
         if shaped:
             b, h, _, d = shaped[0].shape
             fp16 += 2 * b * h * layer.get_seq_length() * d * 2
     return {"kv_bytes": total, "kv_bytes_fp16": fp16,
-            "bits_per_element": 16.0 * total / fp16 if fp16 else 0.0}
+            "bits_per_element": 16.0 * total / fp16 if fp16 else 0.0, "by_device": by_device}

@@ -34,7 +34,9 @@ class CaptureOptions:
     compute_dtype: str = "float32"
     compression: str = "none"
     device: str = "auto"
-    device_map: str | None = None
+    device_map: str | None = None  # auto, balanced, sequential, or a JSON map (kvlens.placement)
+    max_memory: str | None = None  # e.g. "0=20GiB,cpu=60GiB,disk=200GiB"
+    offload_folder: str | None = None  # where disk-offloaded weights may go
     overwrite: bool = False
 
 
@@ -55,6 +57,10 @@ class CaptureSummary:
     file_bytes: int
     seconds: float
     notes: list[str] = field(default_factory=list)
+    #: bytes of model weights per device ("disk" = offloaded to the offload folder)
+    weights_by_device: dict[str, int] = field(default_factory=dict)
+    #: per captured layer, the device its q/k/v were computed and captured on
+    layer_devices: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -72,7 +78,9 @@ def run_capture(options: CaptureOptions, output: str | Path,
                   compression=options.compression)
     text, text_source = load_text(options.text)
     model, tokenizer, source = load_model(options.model, dtype=options.compute_dtype,
-                                          device=options.device, device_map=options.device_map)
+                                          device=options.device, device_map=options.device_map,
+                                          max_memory=options.max_memory,
+                                          offload_folder=options.offload_folder)
     windows = token_windows(tokenizer, text, options.samples, options.tokens, text_source)
     return capture_model(model, windows, output, layers=options.layers,
                          storage_dtype=options.storage_dtype, compression=options.compression,
@@ -93,6 +101,7 @@ def capture_model(model, windows, output: str | Path, *, layers: str | list[int]
     from kvlens import __version__
     from kvlens.architecture import describe
     from kvlens.hf import attention_override, rope_inputs
+    from kvlens.placement import input_device, weights_by_device
     from kvlens.selection import parse_index_spec
     from kvlens.store import CaptureMeta, CaptureWriter
 
@@ -114,7 +123,7 @@ def capture_model(model, windows, output: str | Path, *, layers: str | list[int]
                "torch_version": str(torch.__version__)},
     )
     sink = _LayerSink(set(layer_list), info)
-    device = next(model.parameters()).device
+    device = input_device(model)
     writer = CaptureWriter(output, overwrite=overwrite, storage_dtype=storage_dtype,
                            compression=compression)
     with writer, rope_inputs(model) as tables, \
@@ -145,6 +154,8 @@ def capture_model(model, windows, output: str | Path, *, layers: str | list[int]
         samples=s_count, tokens=t_count, has_rope=sink.rope_layout != "none",
         rope_layout=sink.rope_layout, storage_dtype=storage_dtype,
         file_bytes=path.stat().st_size, seconds=time.perf_counter() - start, notes=sink.notes,
+        weights_by_device=weights_by_device(model),
+        layer_devices=[sink.devices[i] for i in layer_list],
     )
 
 
@@ -161,6 +172,7 @@ class _LayerSink:
         self.rotary_dim = 0
         self.notes: list[str] = []
         self._layer_attrs: dict[int, Any] = {}
+        self.devices: dict[int, str] = {}  # layer -> device its tensors arrived on
 
     def attention_fn(self, original: Callable, tables: dict[int, tuple]) -> Callable:
         def fn(module, query, key, value, attention_mask, **kwargs):
@@ -187,6 +199,7 @@ class _LayerSink:
                     "or its compute dtype is numerically unstable here; try --dtype float32.")
         for name, t in tensors.items():
             self.writer.write(idx, name, self.sample, t)
+        self.devices[idx] = str(query.device)
         if idx not in self._layer_attrs:
             scaling = kwargs.get("scaling")
             if scaling is None:

@@ -20,6 +20,10 @@ class InputError(KvlensError):
     """Bad options or input data (text, layer spec, paths, group sizes...)."""
 
 
+class PlacementError(InputError):
+    """A device map, memory limit or offload folder that cannot place the model."""
+
+
 class CaptureFileError(KvlensError):
     """A capture file is missing, foreign, incomplete, corrupt or of a newer schema."""
 

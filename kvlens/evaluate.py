@@ -170,8 +170,9 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
     and the exact model's results. Ctrl-C stops the run: what was finished is returned with
     ``interrupted: True`` (a config or chunk in progress is dropped)."""
     from kvlens.cache.attention import select_backend
+    from kvlens.placement import input_device
 
-    device = next(model.parameters()).device
+    device = input_device(model)
     short = [e for e in options.evals if e not in LONG_EVALS]
     report: dict = {"results": [{"name": c.name} for c in configs], "evaluation": {},
                     "interrupted": False}
@@ -259,8 +260,9 @@ def _short_evals(model, tokenizer, configs: list[KVConfig], options: EvalOptions
     ``(results of the configs that finished, interrupted)``."""
     from kvlens.baselines import Baseline, baseline_memory_report, baseline_session
     from kvlens.cache import compressed_attention, memory_report
+    from kvlens.placement import input_device
 
-    device = next(model.parameters()).device
+    device = input_device(model)
     exact = preset("exact")  # the reference: no compression, the model's dtype
     prompt_ids = _encode(tokenizer, options.prompt, device) if options.prompt else None
     need_agree = "agreement" in options.evals
@@ -316,7 +318,8 @@ def _short_evals(model, tokenizer, configs: list[KVConfig], options: EvalOptions
         if reports:
             biggest = max(reports, key=lambda r: r["kv_bytes_fp16"])
             res.update(kv_bytes=biggest["kv_bytes"], kv_bytes_fp16=biggest["kv_bytes_fp16"],
-                       bits_per_element=biggest["bits_per_element"])
+                       bits_per_element=biggest["bits_per_element"],
+                       kv_bytes_by_device=biggest["by_device"])
         return res
 
     results = []

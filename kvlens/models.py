@@ -10,6 +10,10 @@ Accepted specs:
 Dequantizing a GGUF file takes tens of seconds on 2 CPU cores, so the dequantized weights are
 cached once as safetensors under ``$KVLENS_CACHE`` (default ``~/.cache/kvlens``), keyed by the
 file's path, size and mtime; later loads take a few seconds.
+
+With a device map (``--device-map``, ``--max-memory``, ``--offload-folder``; ``kvlens.placement``)
+every source, GGUF included (from its conversion), is loaded by transformers/accelerate with the
+explicit map ``kvlens.placement.plan_device_map`` computed and checked first.
 """
 
 from __future__ import annotations
@@ -97,22 +101,33 @@ def _gguf_cache_dir(source: ModelSource) -> Path:
     return cache_root() / "converted" / f"{path.stem}-{digest}"
 
 
-def _load_gguf(source: ModelSource, dtype: Any):
-    """Load a GGUF model, through the safetensors conversion cache when possible."""
+def _load_gguf(source: ModelSource, dtype: Any, placement=None):
+    """Load a GGUF model, through the safetensors conversion cache when possible. With a
+    device map the model is always loaded from the conversion (written first if missing), so
+    accelerate can place and offload its safetensors weights."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cached = _gguf_cache_dir(source)
     if (cached / "kvlens-complete").is_file():
-        config = AutoConfig.from_pretrained(cached)
-        model = AutoModelForCausalLM.from_pretrained(cached, config=config, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(cached)
-        return model, tokenizer
+        return _load_pretrained(ModelSource("dir", str(cached)), dtype, placement)
 
+    unwritable = (f"A device map on a GGUF model loads from its safetensors conversion, which "
+                  f"cannot be written under {cached.parent}. Set KVLENS_CACHE to a writable "
+                  "directory with room for the dequantized (float32) weights.")
+    from kvlens.placement import writable_error
+
+    if placement is not None and writable_error(cached.parent) is not None:
+        raise ModelLoadError(unwritable)  # before the slow dequantization
     kwargs = {"gguf_file": source.gguf_file}
     tokenizer = AutoTokenizer.from_pretrained(source.location, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(source.location, dtype=torch.float32, **kwargs)
     _write_conversion_cache(model, tokenizer, cached)
+    if placement is not None:
+        del model  # reloaded from the conversion, placed by accelerate
+        if not (cached / "kvlens-complete").is_file():
+            raise ModelLoadError(unwritable)
+        return _load_pretrained(ModelSource("dir", str(cached)), dtype, placement)
     if dtype != torch.float32:
         model = model.to(dtype)
     return model, tokenizer
@@ -146,26 +161,37 @@ def _write_conversion_cache(model, tokenizer, target: Path) -> None:
 
 
 def load_model(spec: str | None = None, *, dtype: str = "float32", device: str = "cpu",
-               device_map: str | None = None):
+               device_map: str | dict | None = None, max_memory: str | dict | None = None,
+               offload_folder: str | None = None):
     """Load ``(model, tokenizer, source)`` for a ``--model`` string, in eval mode.
 
-    ``device`` is ``auto``, ``cpu`` or ``cuda``; ``device_map="auto"`` spreads a large model over
-    several GPUs with accelerate (then ``device`` is ignored).
+    ``device`` is ``auto``, ``cpu`` or ``cuda``. ``device_map`` (``auto``, ``balanced``,
+    ``sequential`` or an explicit map), ``max_memory`` (``"0=20GiB,cpu=60GiB,disk=200GiB"``)
+    and ``offload_folder`` place the model with accelerate instead (``kvlens.placement``; a
+    limit that cannot hold the model fails before any weight is read); ``device`` must then be
+    left at a default (``auto`` or ``cpu``).
     """
+    from kvlens.placement import make_placement
 
+    placement = make_placement(device_map, max_memory, offload_folder)
+    if placement is not None and device not in ("auto", "cpu"):  # the CLI/library defaults
+        from kvlens.errors import PlacementError
+
+        raise PlacementError(f"--device {device} and --device-map both say where the model goes; "
+                         "give one of them.")
     source = resolve_model(spec)
     torch_dtype = parse_dtype(dtype)
     try:
         if source.kind == "gguf":
-            model, tokenizer = _load_gguf(source, torch_dtype)
+            model, tokenizer = _load_gguf(source, torch_dtype, placement)
         else:
-            model, tokenizer = _load_pretrained(source, torch_dtype, device_map)
+            model, tokenizer = _load_pretrained(source, torch_dtype, placement)
     except ModelLoadError:
         raise
     except (OSError, ValueError, KeyError, ImportError) as exc:
         raise ModelLoadError(_explain_load_failure(source, exc)) from exc
     check_supported(model)
-    if device_map is None:
+    if placement is None:
         model.to(resolve_device(device))
     model.eval()
     if tokenizer.pad_token is None:
@@ -187,17 +213,16 @@ def hub_reachable(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
         return False
 
 
-def _load_pretrained(source: ModelSource, dtype, device_map):
+def _load_pretrained(source: ModelSource, dtype, placement=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs: dict[str, Any] = {"dtype": dtype}
-    if device_map is not None:
-        kwargs["device_map"] = device_map
     if source.kind == "hub" and not hub_reachable():
         # Offline: only a copy already in the local HF cache can work.
         kwargs["local_files_only"] = True
         try:
             tokenizer = AutoTokenizer.from_pretrained(source.location, local_files_only=True)
+            kwargs.update(_placement_kwargs(source, dtype, placement, local_files_only=True))
             model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
         except OSError as exc:
             raise ModelLoadError(
@@ -207,8 +232,25 @@ def _load_pretrained(source: ModelSource, dtype, device_map):
                 "--model to use the embedded default model.") from exc
         return model, tokenizer
     tokenizer = AutoTokenizer.from_pretrained(source.location)
+    kwargs.update(_placement_kwargs(source, dtype, placement))
     model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
     return model, tokenizer
+
+
+def _placement_kwargs(source: ModelSource, dtype, placement, **config_kwargs) -> dict:
+    """``device_map`` (planned and checked by ``kvlens.placement``) and ``offload_folder``."""
+    if placement is None:
+        return {}
+    from transformers import AutoConfig
+
+    from kvlens.placement import plan_device_map
+
+    config = AutoConfig.from_pretrained(source.location, **config_kwargs)
+    plan = plan_device_map(config, dtype, placement)
+    out: dict[str, Any] = {"device_map": plan.device_map}
+    if placement.offload_folder is not None:
+        out["offload_folder"] = placement.offload_folder
+    return out
 
 
 def _explain_load_failure(source: ModelSource, exc: Exception) -> str:

@@ -104,6 +104,10 @@ class RecommendOptions:
     retrieval_weight: float = 1.0
     retrieval_tokens: int = 960
     prefer_fast: bool = False  # only layouts the fused (Triton) decode kernel reads
+    # where the model loaded for sensitivity/retrieval goes (kvlens.placement; None = one device)
+    device_map: str | None = None
+    max_memory: str | None = None
+    offload_folder: str | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.budget_bits, (int, float)) and 0 < self.budget_bits <= 16):
@@ -493,7 +497,7 @@ def measure(path: str | Path, opts: RecommendOptions,
 def _model_for(cap, opts: RecommendOptions, notes: list[str]):
     """The capture's model (or ``opts.model``) for sensitivity and the retrieval probe:
     ``(model, tokenizer)``, or ``(None, None)`` with a note when "auto" settings allow."""
-    from kvlens.errors import KvlensError
+    from kvlens.errors import KvlensError, PlacementError
 
     meta = cap.meta
     spec = opts.model or model_spec_from_capture(meta)
@@ -503,7 +507,9 @@ def _model_for(cap, opts: RecommendOptions, notes: list[str]):
         from kvlens.architecture import describe
         from kvlens.models import load_model
 
-        model, tokenizer, _ = load_model(spec)
+        model, tokenizer, _ = load_model(spec, device_map=opts.device_map,
+                                         max_memory=opts.max_memory,
+                                         offload_folder=opts.offload_folder)
         info = describe(model)
         if (info.num_layers, info.head_dim, info.num_key_value_heads) != (
                 meta.num_layers, meta.head_dim, meta.num_key_value_heads):
@@ -512,7 +518,7 @@ def _model_for(cap, opts: RecommendOptions, notes: list[str]):
     except KvlensError as exc:
         required = (opts.sensitivity == "model" and not opts.layer_weights) or \
             opts.retrieval == "on"
-        if required:
+        if required or isinstance(exc, PlacementError):  # a placement asked for must work
             raise
         notes.append(f"uniform layer weights and no retrieval probe: the model is unavailable "
                      f"({exc})")
@@ -526,11 +532,12 @@ def _add_retrieval_errors(model, tokenizer, cands, opts, tables, balancers, note
     import tempfile
 
     from kvlens.capture import capture_model
+    from kvlens.placement import input_device
     from kvlens.retrieval import retrieval_text
     from kvlens.store import open_capture
 
     text, _ = retrieval_text(tokenizer, opts.retrieval_tokens)
-    ids = tokenizer(text, return_tensors="pt").input_ids.to(next(model.parameters()).device)
+    ids = tokenizer(text, return_tensors="pt").input_ids.to(input_device(model))
     probe_opts = replace(opts, samples=None, tokens=None)
     with tempfile.TemporaryDirectory(prefix="kvlens-probe-") as tmp:
         path = Path(tmp) / "probe.h5"
@@ -581,13 +588,14 @@ def model_spec_from_capture(meta) -> str | None:
 
 def _sensitivity_weights(cap, model, opts, tables, probes, notes, progress
                          ) -> tuple[float, ...]:
+    from kvlens.placement import input_device
     from kvlens.sensitivity import layer_kl, weights_from
 
     meta = cap.meta
     if opts.sensitivity == "uniform" or model is None:
         return (1.0,) * meta.num_layers
     n = meta.num_tokens if opts.tokens is None else min(opts.tokens, meta.num_tokens)
-    ids = cap.tokens()[:1, :n].to(next(model.parameters()).device)
+    ids = cap.tokens()[:1, :n].to(input_device(model))
     kl = layer_kl(model, ids, list(meta.layers), progress, group_size=probes[0].group_size)
     # the probe quantizes every token of the layer, so its error is measured that way too
     probe_err = [t[probes[0], None][0] + t[probes[1], None][0] for t in tables]

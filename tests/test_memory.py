@@ -18,7 +18,7 @@ from tiny_models import tiny_config
 
 from kvlens.cache import compressed_attention, memory_report
 from kvlens.cache.cache import held_bytes, shape_of
-from kvlens.cache.layout import ModelShape, config_bits, config_part_bytes
+from kvlens.cache.layout import ModelShape, config_bits, config_device_bytes, config_part_bytes
 from kvlens.errors import ConfigError
 from kvlens.hf import cache_argument_name
 from kvlens.kvconfig import PRESETS, KVConfig, LayerKV, MikvSettings, config_from_dict
@@ -83,6 +83,9 @@ def _check(cache, config, shape, tokens, batch=1):
     assert rep["breakdown"] == predicted, (tokens, rep["breakdown"], predicted)
     assert rep["kv_bytes_fp16"] == shape.fp16_bytes(tokens, batch)
     assert rep["bits_per_element"] == pytest.approx(config_bits(config, shape, tokens, batch))
+    # per device (one here: the CPU) the held bytes sum to the total, as the layout predicts
+    assert rep["by_device"] == {"cpu": rep["kv_bytes"]}
+    assert config_device_bytes(config, shape, tokens, batch) == {"all": rep["kv_bytes"]}
     return rep
 
 

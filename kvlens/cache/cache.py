@@ -56,29 +56,39 @@ class CompressionSession:
         from kvlens.cache.layer import CompressedLayer
 
         windows = sliding_windows(self.model, self.info.num_layers)
-        rotation = None
+        # Each layer's stores live where that layer computes (a device map may spread the
+        # layers over GPUs); its rotation and balancer are put there too, one rotation copy
+        # per device (kvlens.cache.layout counts them).
+        from kvlens.placement import layer_devices
+
+        devices = layer_devices(self.model)
+        rotations: dict = {}
         if any(self.config.layer(i).rotates for i in range(self.info.num_layers)):
             from kvlens.quant import hadamard_rotation
 
-            rotation = hadamard_rotation(self.info.head_dim, self.config.rotation_seed,
-                                         device=_device(self.model))
+            rotation = hadamard_rotation(self.info.head_dim, self.config.rotation_seed)
+            rotations = {d: rotation.to(d) for d in dict.fromkeys(
+                devices[i] for i in range(self.info.num_layers)
+                if self.config.layer(i).rotates)}
         layers = []
         for idx in range(self.info.num_layers):
             bal = self.config.balancers.get(idx)  # only with mikv.balancer "fixed" (validated)
             if bal is not None and self.config.layer(idx).compressed:
-                bal = torch.tensor(bal, dtype=torch.float32, device=_device(self.model))
+                bal = torch.tensor(bal, dtype=torch.float32, device=devices[idx])
             else:
                 bal = None
             layers.append(CompressedLayer(self.config.layer(idx), idx, self.info.head_dim,
                                           scale_dtype=self.config.scale_dtype,
                                           fp_dtype=self.config.fp_dtype, mikv=self.config.mikv,
                                           balancer=bal, sliding_window=windows[idx],
-                                          rotation=rotation, session=self))
+                                          rotation=rotations.get(devices[idx]), session=self))
         return Cache(layers=layers)
 
 
 def _device(model):
-    return next(model.parameters()).device
+    from kvlens.placement import input_device
+
+    return input_device(model)
 
 
 def shape_of(model):
@@ -86,12 +96,15 @@ def shape_of(model):
     windows, dtype): what its cache's bytes depend on besides the config and the tokens."""
     from kvlens.architecture import describe
     from kvlens.cache.layout import ModelShape
+    from kvlens.placement import layer_devices
 
     info = describe(model)
     windows = sliding_windows(model, info.num_layers)
+    devices = tuple(str(d) for d in layer_devices(model))
     return ModelShape(info.num_layers, info.num_key_value_heads, info.head_dim,
                       tuple(windows) if any(windows) else (),
-                      next(model.parameters()).element_size())
+                      next(model.parameters()).element_size(),
+                      devices if len(set(devices)) > 1 else ())
 
 
 def sliding_windows(model, num_layers: int) -> list[int | None]:
@@ -151,7 +164,9 @@ def memory_report(cache) -> dict:
     the walk found that no part names (0 unless a layer keeps something it does not declare).
     ``kv_bytes_fp16``: an fp16 K/V cache of the tokens each layer can still attend to (all of
     them, or the last ``W - 1`` in a sliding-window layer); ``bits_per_element`` =
-    ``16 * kv_bytes / kv_bytes_fp16``. Python object headers are not counted."""
+    ``16 * kv_bytes / kv_bytes_fp16``; ``by_device``: the held bytes per device the storages
+    live on (they sum to ``kv_bytes`` exactly; each layer's stores are on the device its
+    attention runs on). Python object headers are not counted."""
     from kvlens.cache.layout import PARTS
 
     parts = dict.fromkeys(PARTS, 0)
@@ -167,15 +182,16 @@ def memory_report(cache) -> dict:
         visible = layer.cumulative_length if w is None else min(layer.cumulative_length, w - 1)
         fp16 += 2 * b * h * visible * d * 2
     named = sum(parts.values())
-    walked = held_bytes(cache)
+    by_device = held_bytes_by_device(cache)
+    walked = sum(by_device.values())
     return {"kv_bytes": walked, "kv_bytes_fp16": fp16,
             "bits_per_element": 16.0 * walked / fp16 if fp16 else 0.0,
-            "breakdown": parts, "unaccounted": walked - named}
+            "breakdown": parts, "unaccounted": walked - named, "by_device": by_device}
 
 
 def _storage_bytes(tensor: torch.Tensor, seen: set) -> int:
     storage = tensor.untyped_storage()
-    key = (storage.device.type, storage.data_ptr())
+    key = (str(storage.device), storage.data_ptr())
     if key in seen or storage.nbytes() == 0:
         return 0
     seen.add(key)
@@ -183,15 +199,21 @@ def _storage_bytes(tensor: torch.Tensor, seen: set) -> int:
 
 
 def held_bytes(obj) -> int:
-    """Bytes of every tensor storage reachable from ``obj`` through attributes, lists, tuples
-    and dicts (each storage once). The walk does not enter modules, the compression session or
-    anything outside kvlens' cache objects, so it counts what the cache holds, not the model."""
+    """Bytes of every tensor storage reachable from ``obj`` (``held_bytes_by_device``, summed)."""
+    return sum(held_bytes_by_device(obj).values())
+
+
+def held_bytes_by_device(obj) -> dict[str, int]:
+    """Per device (``"cpu"``, ``"cuda:0"``...), bytes of every tensor storage reachable from
+    ``obj`` through attributes, lists, tuples and dicts (each storage once, on the device it
+    lives on). The walk does not enter modules, the compression session or anything outside
+    kvlens' cache objects, so it counts what the cache holds, not the model."""
     from kvlens.cache.layer import CompressedLayer, DenseTensor
     from kvlens.cache.packed import PackedTensor
 
     seen_objs: set = set()
     seen: set = set()
-    total = 0
+    total: dict[str, int] = {}
     stack = [obj]
     while stack:
         o = stack.pop()
@@ -199,7 +221,10 @@ def held_bytes(obj) -> int:
             continue
         seen_objs.add(id(o))
         if isinstance(o, torch.Tensor):
-            total += _storage_bytes(o, seen)
+            n = _storage_bytes(o, seen)
+            if n:
+                dev = str(o.untyped_storage().device)
+                total[dev] = total.get(dev, 0) + n
         elif isinstance(o, (list, tuple)):
             stack.extend(o)
         elif isinstance(o, dict):

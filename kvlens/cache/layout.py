@@ -27,7 +27,7 @@ too), ``dense`` (an unquantized tensor's history next to a quantized one), ``win
 for pre-RoPE keys every held token's RoPE position), ``masks`` (bool per held packed token:
 H2O sets only), ``accumulators`` (float32 accumulated attention per held token: H2O only),
 ``balancers`` (float32 ``[Hkv, D]``), ``rotations`` (one float32 ``[D, D]`` Hadamard matrix
-shared by every layer that rotates, counted once).
+shared by every layer that rotates, counted once per device those layers run on).
 """
 
 from __future__ import annotations
@@ -200,6 +200,10 @@ class ModelShape:
     head_dim: int
     sliding_windows: tuple[int | None, ...] = ()  # per layer; () = every layer global
     model_dtype_bytes: int = 2
+    devices: tuple[str, ...] = ()  # per layer, where it runs; () = all on one device
+
+    def device(self, layer: int) -> str:
+        return self.devices[layer] if self.devices else "all"
 
     def window(self, layer: int) -> int | None:
         return self.sliding_windows[layer] if self.sliding_windows else None
@@ -215,27 +219,48 @@ class ModelShape:
                    * 2 for i in range(self.num_layers))
 
 
+def _layer_parts(config, shape: ModelShape, i: int, tokens: int, batch: int) -> dict[str, int]:
+    setting = config.layer(i)
+    mikv = config.mikv
+    balancer = mikv is not None and (mikv.balancer == "online" or
+                                     (mikv.balancer == "fixed" and i in config.balancers))
+    return layer_part_bytes(setting, tokens=tokens, head_dim=shape.head_dim,
+                            kv_heads=shape.kv_heads, batch=batch,
+                            fp_bytes=fp_bytes_of(config.fp_dtype, shape.model_dtype_bytes),
+                            scale_bytes=2 if config.scale_dtype == "float16" else 4, mikv=mikv,
+                            balancer=balancer and setting.compressed,
+                            sliding_window=shape.window(i))
+
+
+def rotation_devices(config, shape: ModelShape) -> list[str]:
+    """Devices holding a copy of the shared rotation matrix: one per device with a layer that
+    rotates (layers on the same device share it)."""
+    return list(dict.fromkeys(shape.device(i) for i in range(shape.num_layers)
+                              if config.layer(i).rotates))
+
+
 def config_part_bytes(config, shape: ModelShape, tokens: int, batch: int = 1
                       ) -> dict[str, int]:
     """Bytes by part of a whole cache for ``config`` after ``tokens`` tokens."""
     total = dict.fromkeys(PARTS, 0)
-    fp = fp_bytes_of(config.fp_dtype, shape.model_dtype_bytes)
-    scale = 2 if config.scale_dtype == "float16" else 4
     for i in range(shape.num_layers):
-        setting = config.layer(i)
-        mikv = config.mikv
-        balancer = mikv is not None and (mikv.balancer == "online" or
-                                         (mikv.balancer == "fixed" and i in config.balancers))
-        parts = layer_part_bytes(setting, tokens=tokens, head_dim=shape.head_dim,
-                                 kv_heads=shape.kv_heads, batch=batch, fp_bytes=fp,
-                                 scale_bytes=scale, mikv=mikv,
-                                 balancer=balancer and setting.compressed,
-                                 sliding_window=shape.window(i))
-        for k, v in parts.items():
+        for k, v in _layer_parts(config, shape, i, tokens, batch).items():
             total[k] += v
-    if any(config.layer(i).rotates for i in range(shape.num_layers)):
-        total["rotations"] = shape.head_dim * shape.head_dim * 4
+    total["rotations"] = len(rotation_devices(config, shape)) * shape.head_dim ** 2 * 4
     return total
+
+
+def config_device_bytes(config, shape: ModelShape, tokens: int, batch: int = 1
+                        ) -> dict[str, int]:
+    """Held bytes per device (``shape.devices``; ``"all"`` when unset) after ``tokens``
+    tokens: each layer's parts where it runs, a rotation copy on each rotating device."""
+    out: dict[str, int] = {}
+    for i in range(shape.num_layers):
+        dev = shape.device(i)
+        out[dev] = out.get(dev, 0) + sum(_layer_parts(config, shape, i, tokens, batch).values())
+    for dev in rotation_devices(config, shape):
+        out[dev] += shape.head_dim ** 2 * 4
+    return out
 
 
 def config_bits(config, shape: ModelShape, tokens: int, batch: int = 1) -> float:

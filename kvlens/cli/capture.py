@@ -7,7 +7,17 @@ from pathlib import Path
 import typer
 
 from kvlens.cli import app
-from kvlens.cli.common import console, err_console, print_json, progress_bar, run_library_call
+from kvlens.cli.common import (
+    console,
+    device_map_option,
+    err_console,
+    format_bytes_by_device,
+    max_memory_option,
+    offload_folder_option,
+    print_json,
+    progress_bar,
+    run_library_call,
+)
 
 
 @app.command()
@@ -26,8 +36,9 @@ def capture(
     dtype: str = typer.Option("float32", "--dtype", help="Compute dtype of the model."),
     compression: str = typer.Option("none", "--compression", help="none, gzip or lzf."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-    device_map: str = typer.Option(None, "--device-map",
-                                   help="'auto' to spread a large model over GPUs."),
+    device_map: str = device_map_option(),
+    max_memory: str = max_memory_option(),
+    offload_folder: Path = offload_folder_option(),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
 ) -> None:
@@ -37,7 +48,9 @@ def capture(
     opts = CaptureOptions(model=model, text=str(text) if text else None, samples=samples,
                           tokens=tokens, layers=layers, storage_dtype=storage_dtype,
                           compute_dtype=dtype, compression=compression, device=device,
-                          device_map=device_map, overwrite=overwrite)
+                          device_map=device_map, max_memory=max_memory,
+                          offload_folder=str(offload_folder) if offload_folder else None,
+                          overwrite=overwrite)
     err_console.print(f"Capturing {samples} x {tokens} tokens from "
                       f"{model or 'SmolLM2-135M-Instruct (embedded)'} ...")
     with progress_bar("capture") as update:
@@ -63,6 +76,11 @@ def _render(s) -> None:
     table.add_row("storage", s.storage_dtype)
     table.add_row("file size", f"{s.file_bytes / 2**20:.1f} MiB")
     table.add_row("time", f"{s.seconds:.1f} s")
+    table.add_row("weights", format_bytes_by_device(s.weights_by_device))
+    by_dev: dict[str, list[int]] = {}
+    for layer, dev in zip(s.layers, s.layer_devices):
+        by_dev.setdefault(dev, []).append(layer)
+    table.add_row("layers ran on", "; ".join(f"{dev}: {_ranges(ls)}" for dev, ls in by_dev.items()))
     for note in s.notes:
         table.add_row("note", note)
     console.print(table)

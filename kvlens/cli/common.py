@@ -8,6 +8,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
+import typer
 from rich.console import Console
 
 console = Console()  # results (stdout)
@@ -60,6 +61,33 @@ def progress_bar(description: str, enabled: bool = True):
     finally:
         if "prog" in state:
             state["prog"].stop()
+
+
+def device_map_option():
+    return typer.Option(None, "--device-map",
+                        help="Place the model with accelerate: auto, balanced, sequential "
+                             "(spread over GPUs, then CPU, then disk), or a JSON map of module "
+                             "-> GPU index/cpu/disk (inline or a file). docs/large-models.md.")
+
+
+def max_memory_option():
+    return typer.Option(None, "--max-memory",
+                        help="With --device-map: per-device limits, e.g. "
+                             "0=20GiB,1=20GiB,cpu=60GiB,disk=200GiB (GPU index, cpu, disk).")
+
+
+def offload_folder_option():
+    return typer.Option(None, "--offload-folder",
+                        help="With --device-map: a writable directory for weights offloaded "
+                             "to disk (without it nothing may go to disk).")
+
+
+def format_bytes_by_device(by_device: dict[str, int]) -> str:
+    """``cpu 270.1 MiB, disk 243.1 MiB`` (KiB below 1 MiB)."""
+    def size(n: int) -> str:
+        return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+    return ", ".join(f"{dev} {size(n)}" for dev, n in by_device.items()) or "-"
 
 
 def run_library_call(fn: Callable[[], Any]) -> Any:

@@ -7,7 +7,16 @@ from pathlib import Path
 import typer
 
 from kvlens.cli import app
-from kvlens.cli.common import console, err_console, print_json, run_library_call
+from kvlens.cli.common import (
+    console,
+    device_map_option,
+    err_console,
+    format_bytes_by_device,
+    max_memory_option,
+    offload_folder_option,
+    print_json,
+    run_library_call,
+)
 
 
 @app.command()
@@ -53,6 +62,9 @@ def generate(
                                           help="retrieval: comma list of prompt lengths in "
                                                "tokens (default 1024,2048,4096 where they fit)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    device_map: str = device_map_option(),
+    max_memory: str = max_memory_option(),
+    offload_folder: Path = offload_folder_option(),
     dtype: str = typer.Option("float32", "--dtype", help="Model compute dtype."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
 ) -> None:
@@ -68,21 +80,28 @@ def generate(
     def work():
         from kvlens.evaluate import evaluate_configs
         from kvlens.models import load_model
+        from kvlens.placement import placement_summary
 
         err_console.print(f"Loading {model or 'SmolLM2-135M-Instruct (embedded)'} ...")
-        mdl, tok, _ = load_model(model, dtype=dtype, device=device)
-        return evaluate_configs(mdl, tok, configs, opts,
-                                progress=lambda msg: err_console.print(f"  {msg}"))
+        mdl, tok, _ = load_model(model, dtype=dtype, device=device, device_map=device_map,
+                                 max_memory=max_memory,
+                                 offload_folder=str(offload_folder) if offload_folder else None)
+        placement = placement_summary(mdl)
+        err_console.print(f"weights: {format_bytes_by_device(placement['weights_by_device'])}")
+        report = evaluate_configs(mdl, tok, configs, opts,
+                                  progress=lambda msg: err_console.print(f"  {msg}"))
+        return {**report, "placement": placement}
 
     report = run_library_call(work)
     err_console.print(f"backend: {report['results'][0].get('backend', '?')} "
                       f"({report['backend_reason']})")
     if as_json:
         print_json({"results": report["results"], "evaluation": report["evaluation"],
-                    "interrupted": report["interrupted"]})
+                    "placement": report["placement"], "interrupted": report["interrupted"]})
     else:
         _render(report["results"], opts)
         _render_long(report)
+        _render_devices(report)
     if report["interrupted"]:
         err_console.print("[bold red]interrupted:[/] the results above are what was finished "
                           "before Ctrl-C.", highlight=False)
@@ -186,6 +205,18 @@ def _render(results, opts) -> None:
     for r in results:
         if "text" in r and opts.prompt is not None:
             console.print(f"[bold]{r['name']}[/]: {r['text']}", highlight=False)
+
+
+def _render_devices(report: dict) -> None:
+    """Weights and each config's held cache bytes per device (where a device map spreads the
+    model, each layer's cache lives on its layer's device)."""
+    placement = report["placement"]
+    console.print(f"weights by device: {format_bytes_by_device(placement['weights_by_device'])}",
+                  highlight=False)
+    for r in report["results"]:
+        if r.get("kv_bytes_by_device"):
+            console.print(f"{r['name']}: KV cache held by device: "
+                          f"{format_bytes_by_device(r['kv_bytes_by_device'])}", highlight=False)
 
 
 def _bytes(n: float) -> str:

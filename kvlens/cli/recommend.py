@@ -7,7 +7,16 @@ from pathlib import Path
 import typer
 
 from kvlens.cli import app
-from kvlens.cli.common import console, err_console, print_json, progress_bar, run_library_call
+from kvlens.cli.common import (
+    console,
+    device_map_option,
+    err_console,
+    max_memory_option,
+    offload_folder_option,
+    print_json,
+    progress_bar,
+    run_library_call,
+)
 
 VALIDATE_PRESETS = ("kivi-2", "kivi-4", "per-token-4")
 
@@ -82,6 +91,9 @@ def recommend(
     model: str = typer.Option(None, "--model", "-m",
                               help="Model for sensitivity and --validate (default: the "
                                    "capture's own model)."),
+    device_map: str = device_map_option(),
+    max_memory: str = max_memory_option(),
+    offload_folder: Path = offload_folder_option(),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --output."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
 ) -> None:
@@ -102,7 +114,9 @@ def recommend(
                                 balancer_exponent=exponent, samples=samples, tokens=tokens,
                                 sensitivity=sensitivity, model=model, name=name,
                                 flush_tokens=flush, sink_tokens=sinks, retrieval=retrieval,
-                                retrieval_weight=retrieval_weight, prefer_fast=prefer_fast)
+                                retrieval_weight=retrieval_weight, prefer_fast=prefer_fast,
+                                device_map=device_map, max_memory=max_memory,
+                                offload_folder=str(offload_folder) if offload_folder else None)
 
     opts = run_library_call(prepare)
     with progress_bar("measuring candidates") as update:
@@ -124,7 +138,7 @@ def recommend(
                 return model_spec_from_capture(cap.meta)
 
         validation = run_library_call(lambda: _validate(rec.config, model_for_validation(),
-                                                        eval_tokens, retrieval_prompts))
+                                                        eval_tokens, retrieval_prompts, opts))
     if as_json:
         doc = rec.to_dict()
         if validation is not None:
@@ -139,7 +153,7 @@ def recommend(
         _render_long(validation)
 
 
-def _validate(config, model, eval_tokens: int | None, retrieval_prompts: int):
+def _validate(config, model, eval_tokens: int | None, retrieval_prompts: int, ropts=None):
     """The recommendation and the presets, scored against the exact model on the held-out text
     (``kvlens.evaluation``: nothing `recommend` calibrates on)."""
     from kvlens.architecture import describe
@@ -149,7 +163,10 @@ def _validate(config, model, eval_tokens: int | None, retrieval_prompts: int):
     from kvlens.models import load_model
 
     err_console.print(f"Validating on {model or 'SmolLM2-135M-Instruct (embedded)'} ...")
-    mdl, tok, _ = load_model(model)
+    place = {} if ropts is None else {"device_map": ropts.device_map,
+                                      "max_memory": ropts.max_memory,
+                                      "offload_folder": ropts.offload_folder}
+    mdl, tok, _ = load_model(model, **place)
     validate_for(config, describe(mdl))
     configs = [config]
     for name in VALIDATE_PRESETS:

@@ -137,7 +137,8 @@ def _memory(config, cache) -> dict:
     from kvlens.cache import memory_report
 
     report = (baseline_memory_report if isinstance(config, Baseline) else memory_report)(cache)
-    return {k: report[k] for k in ("kv_bytes", "kv_bytes_fp16", "bits_per_element")}
+    return {**{k: report[k] for k in ("kv_bytes", "kv_bytes_fp16", "bits_per_element")},
+            "kv_bytes_by_device": report["by_device"]}
 
 
 def score_text(model, ids, configs: Sequence, chunk: int = DEFAULT_CHUNK, backend: str = "auto",

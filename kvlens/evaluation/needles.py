@@ -182,8 +182,9 @@ def run_grid(model, tokenizer, configs: Sequence, prompts: list[NeedlePrompt],
 
     from kvlens.evaluate import greedy
     from kvlens.evaluation.kld import _session
+    from kvlens.placement import input_device
 
-    device = next(model.parameters()).device
+    device = input_device(model)
     encoded = [tokenizer(p.text, return_tensors="pt").input_ids.to(device) for p in prompts]
     scores = GridScores(prompts, tokens=[int(e.shape[1]) for e in encoded])
 
