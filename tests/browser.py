@@ -27,8 +27,8 @@ SKIP_ENV = "KVLENS_SKIP_BROWSER_TESTS"
 
 def find_chromium() -> str | None:
     env = os.environ.get("KVLENS_CHROMIUM")
-    if env:
-        return env
+    if env:  # named explicitly: that one or none
+        return env if os.access(env, os.X_OK) else None
     return next((p for p in map(shutil.which, NAMES) if p), None)
 
 

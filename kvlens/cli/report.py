@@ -25,8 +25,9 @@ def report(
     target = output if output is not None else run_dir / "report.html"
     page = run_library_call(lambda: write_report(run_dir, target, _deploy_option()))
     for title, m in page.missing:
-        err_console.print(f"[yellow]missing[/] {title}: {m.what}: run {m.command}",
-                          highlight=False, soft_wrap=True)
+        how = f"run {m.command}" if m.command else m.advice
+        err_console.print(f"[yellow]missing[/] {title}: {m.what}: {how}", highlight=False,
+                          soft_wrap=True)
     console.print(str(target.resolve()), highlight=False, soft_wrap=True)
 
 

@@ -107,12 +107,12 @@ def render_html(report: Report) -> str:
 def write_report(run_dir: str | os.PathLike, output: str | os.PathLike,
                  deploy_option: str | None = None) -> Report:
     """Build the report of ``run_dir`` and write it as one HTML file to ``output``."""
+    report = build_report(run_dir, deploy_option)
     out = Path(output)
     if out.is_dir():
         raise InputError(f"-o {output} is a folder; give a file name such as "
                          f"{out / 'report.html'}.")
     if not out.parent.is_dir():
         raise InputError(f"-o {output}: folder {out.parent} does not exist; create it first.")
-    report = build_report(run_dir, deploy_option)
     out.write_text(render_html(report), encoding="utf-8")
     return report

@@ -26,12 +26,14 @@ class Table:
     rows: list[list[str]]
     caption: str = ""
     id: str = ""  # the element id tests and readers link to
+    left: tuple[int, ...] = (0,)  # columns of text (left-aligned); the others are numbers
 
 
 @dataclass
 class Missing:
     what: str
-    command: str
+    command: str  # the command that writes it; "" when no command of this kvlens can
+    advice: str = ""  # said instead of a command
 
 
 @dataclass
@@ -261,7 +263,7 @@ def _channel_table(heads: list[dict], tensor: str, what: str, threshold: float) 
                "RoPE.")
     return Table(["channel", "heads", "stable", "ratio", "tok", "where (layer:head)",
                   "RoPE partner", "partner share", "tok after"], rows, caption,
-                 id=f"channels-{tensor}")
+                 id=f"channels-{tensor}", left=(0, 5))
 
 
 def _ranges_pairs(pairs: list[tuple[int, int]], limit: int = 8) -> str:
@@ -312,7 +314,7 @@ def axes_section(artifacts: dict, run_dir: Path, capture_hint: str) -> Section:
             rows.append([_config_label(r) if axis == "per-token" else "", axis, *cells])
     cap = summary.get("capture") or {}
     sec.tables.append(Table(
-        ["config", "axis", *(METRIC_LABEL[m] for m in METRICS)], rows,
+        ["config", "axis", *(METRIC_LABEL[m] for m in METRICS)], rows, left=(0, 1),
         caption="Relative Frobenius error ||X - X_hat|| / ||X||, mean over layers and heads; "
                 "* marks the better axis under that metric. recon: the stored tensor; score: "
                 "pre-softmax logits; weights: post-softmax; output: the attention output. "
@@ -389,7 +391,7 @@ def _disagreement_table(doc: dict, summary: dict) -> Table:
                  caption="Per layer (mean over heads): the better axis under each metric. A "
                          "listed layer is one where choosing by the stored tensor's error (or "
                          "the scores') would pick the other axis than the attention output "
-                         "needs.", id="disagree-table")
+                         "needs.", id="disagree-table", left=(0, 2, 3))
 
 
 # -- 4. recommendation ----------------------------------------------------------------------
@@ -425,7 +427,7 @@ def recommend_section(artifacts: dict, run_dir: Path, capture_hint: str,
                 "per-channel grouping, group size G; pre-RoPE, +bal = MiKV balancer, "
                 "+rotation = Hadamard), the bits each holds per element at the reference "
                 "context, and the relative attention-output error it was chosen by; weight: "
-                "the layer's measured sensitivity.", id="recommend-table"))
+                "the layer's measured sensitivity.", id="recommend-table", left=(2, 5)))
     sec.tables.append(_memory_table(doc))
     _deploy(sec, doc, deploy_option)
     sec.notes.extend(f"recommend: {n}" for n in doc.get("notes") or [])
@@ -459,10 +461,13 @@ def _deploy(sec: Section, doc: dict, deploy_option: str | None) -> None:
     with ``target`` and ``command``; other keys are shown as they are."""
     deploy = doc.get("deploy") or (doc.get("config") or {}).get("deploy")
     if not deploy:
-        hint = (f"kvlens recommend ... {deploy_option} ENGINE" if deploy_option else
-                "this kvlens has no engine deploy targets yet; a recommend that supports them "
-                "writes a `deploy` entry")
-        sec.missing.append(Missing("deploy settings for an inference engine", hint))
+        what = "deploy settings for an inference engine"
+        if deploy_option:
+            sec.missing.append(Missing(what, f"kvlens recommend ... {deploy_option} ENGINE"))
+        else:
+            sec.missing.append(Missing(what, "", "This kvlens has no engine deploy targets "
+                                                 "yet; a recommend that has them records a "
+                                                 "`deploy` entry"))
         return
     items = deploy if isinstance(deploy, list) else [deploy]
     rows = []
@@ -473,7 +478,8 @@ def _deploy(sec: Section, doc: dict, deploy_option: str | None) -> None:
         others = "; ".join(f"{k}: {v}" for k, v in d.items() if k not in ("target", "command"))
         rows.append([str(d.get("target", "?")), str(d.get("command", "-")), others])
     sec.tables.append(Table(["target", "command", "details"], rows,
-                            caption="Deploy settings recorded by recommend.", id="deploy-table"))
+                            caption="Deploy settings recorded by recommend.", id="deploy-table",
+                            left=(0, 1, 2)))
 
 
 # -- 5. validation --------------------------------------------------------------------------
@@ -495,13 +501,16 @@ def validation_section(artifacts: dict, run_dir: Path) -> Section:
             f"--report-json {run_dir / 'eval.generate.json'})"))
         return sec
     sec.source = ", ".join(_rel(p, run_dir) for p, _, _ in sources)
+    best = 0
     for i, (p, results, ev) in enumerate(sources):
         if "kld" in ev:
             table, verdict = _kld_table(results, ev["kld"], f"kld-table-{i}")
             table.caption = f"From {_rel(p, run_dir)}. " + table.caption
             sec.tables.append(table)
-            if verdict and not sec.verdict:
-                sec.verdict = verdict
+            # the verdict of the widest comparison (recommend --validate may have skipped
+            # presets that do not fit the model; generate --compare may hold more)
+            if verdict and len(table.rows) > best:
+                sec.verdict, best = verdict, len(table.rows)
             proto = ev["kld"]
             sec.notes.append(f"validation: KL divergence on {proto.get('tokens')} tokens of "
                              f"{proto.get('text_source')}; longer contexts were not scored.")
@@ -514,40 +523,47 @@ def validation_section(artifacts: dict, run_dir: Path) -> Section:
     return sec
 
 
-def _ci(stat: dict, fmt: str, scale: float = 1.0, sign: str = "") -> str:
-    lo, hi = stat["ci95"]
-    return (f"{stat['value'] * scale:{sign}{fmt}} [{lo * scale:{sign}{fmt}}, "
-            f"{hi * scale:{sign}{fmt}}]")
+def _ci(stat: dict, fmt: str, scale: float = 1.0, sign: str = "", key: str = "value",
+        sep: str = " ") -> str:
+    """``value [lo, hi]``; a value too small for ``fmt`` keeps 3 significant digits. Table
+    cells put the interval on a second line (``sep="\n"``)."""
+    v, (lo, hi) = stat[key] * scale, stat["ci95"]
+    if fmt.endswith("f") and 0 < abs(v) < 10 ** -int(fmt[1:-1] or 0):
+        fmt = ".3g"
+    return f"{v:{sign}{fmt}}{sep}[{lo * scale:{sign}{fmt}}, {hi * scale:{sign}{fmt}}]"
 
 
 def _kld_table(results: list[dict], proto: dict, table_id: str) -> tuple[Table, str]:
     rows = []
     exact = proto.get("exact")
     if exact:
-        rows.append(["exact", "16 (no cache compression)", "0", "1", _ci(exact["ppl"], ".3f"),
+        rows.append(["exact", "16", "0", "1", _ci(exact["ppl"], ".3f", sep="\n"),
                      "0", "-"])
     scored = [r for r in results if r.get("kld")]
     for r in scored:
         k = r["kld"]
         vs = k.get("vs_first")
         paired = "-" if not vs else (
-            f"{vs['mean_kld']['diff']:+.4f} [{vs['mean_kld']['ci95'][0]:+.4f}, "
-            f"{vs['mean_kld']['ci95'][1]:+.4f}]"
-            + ("" if vs["mean_kld"]["distinguishable"] else " not distinguishable"))
+            _ci(vs["mean_kld"], ".4f", sign="+", key="diff", sep="\n")
+            + ("" if vs["mean_kld"]["distinguishable"] else "\nnot distinguishable"))
         rows.append([r["name"], f"{r.get('bits_per_element', float('nan')):.2f}",
-                     _ci(k["mean_kld"], ".4f"), _ci(k["top1_agreement"], ".3f"),
-                     _ci(k["ppl"], ".3f"), _ci(k["ppl_change"], ".2f", 100, "+") + " %", paired])
+                     _ci(k["mean_kld"], ".4f", sep="\n"),
+                     _ci(k["top1_agreement"], ".3f", sep="\n"), _ci(k["ppl"], ".3f", sep="\n"),
+                     _ci(k["ppl_change"], ".2f", 100, "+", sep=" %\n") + " %", paired])
     boot = proto.get("bootstrap") or {}
     caption = (f"{proto.get('scored')} predictions over {proto.get('tokens')} tokens of "
                f"{proto.get('text_source')}, {proto.get('chunk')} tokens per forward"
                + (" (INTERRUPTED: partial)" if proto.get("interrupted") else "")
-               + f". Brackets: 95% bootstrap intervals over blocks of {boot.get('unit_tokens')}"
-               f" tokens ({boot.get('resamples')} resamples). paired: the config's mean KLD "
-               f"minus that of {_reference(scored)} (the first compressed config), paired over "
-               "the same blocks.")
+               + ". bits / element: what each cache held at the end of the scored text (a "
+               "short text weighs the full-precision window more than the long contexts the "
+               "recommendation is sized for). Brackets: 95% bootstrap intervals over blocks "
+               f"of {boot.get('unit_tokens')} tokens ({boot.get('resamples')} resamples). Last "
+               f"column: the config's mean KLD minus that of {_reference(scored)} (the first "
+               "compressed config), paired over the same blocks.")
     table = Table(["config", "bits / element", "mean KLD", "top-1 agreement", "perplexity",
-                   "ppl change", "paired KLD vs first"], rows, caption, id=table_id)
-    return table, _verdict(scored)
+                   "ppl change", f"KLD minus {_reference(scored)}'s"], rows, caption,
+                  id=table_id)
+    return table, _verdict(scored, proto.get("tokens"))
 
 
 def _reference(scored: list[dict]) -> str:
@@ -555,7 +571,7 @@ def _reference(scored: list[dict]) -> str:
                  if r["kld"].get("vs_first")), "-")
 
 
-def _verdict(scored: list[dict]) -> str:
+def _verdict(scored: list[dict], tokens: int | None = None) -> str:
     """One sentence: the first config against each other one, by paired mean-KLD difference."""
     if len(scored) < 2:
         if scored:
@@ -586,7 +602,8 @@ def _verdict(scored: list[dict]) -> str:
         parts.append(f"higher than {_join(worse)}")
     if same:
         parts.append(f"not distinguishable from {_join(same)}")
-    return (f"At {first.get('bits_per_element', float('nan')):.2f} bits per element, "
+    return (f"At {first.get('bits_per_element', float('nan')):.2f} bits per element held "
+            f"over {tokens or 'the scored'} tokens, "
             f"{first['name']}'s mean KL divergence against the exact model, "
             f"{_ci(first['kld']['mean_kld'], '.4f')}, is " + "; ".join(parts)
             + " (paired 95% intervals).")
