@@ -192,6 +192,10 @@ def test_bad_paths_and_broken_artifacts_are_clear_errors(run_dir, tmp_path):
     assert res.exit_code == 1 and "is not a folder" in res.output
     res = runner.invoke(app, ["report", str(run_dir), "-o", str(tmp_path / "no" / "r.html")])
     assert res.exit_code == 1 and "does not exist" in res.output
+    # generate checks --report-json before loading any model
+    res = runner.invoke(app, ["generate", "--preset", "kivi-2", "--eval", "kld",
+                              "--report-json", str(tmp_path / "no" / "e.json")])
+    assert res.exit_code == 1 and "--report-json" in res.output and "does not exist" in res.output
     broken = tmp_path / "broken"
     shutil.copytree(run_dir / "outliers", broken / "outliers")
     (broken / "outliers" / "outliers.json").write_text('{"kvlens_report": "outl')

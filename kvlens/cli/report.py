@@ -17,9 +17,11 @@ def report(
     output: Path = typer.Option(None, "--output", "-o",
                                 help="HTML file to write (default: RUN_DIR/report.html)."),
 ) -> None:
-    """One HTML page (figures embedded, nothing to download) from what capture, plot-outliers,
-    compare-axes, recommend and generate recorded in RUN_DIR; names the commands to run for any
-    part that is missing."""
+    """The whole diagnosis of a run folder on one self-contained HTML page.
+
+    Reads what capture, plot-outliers, compare-axes, recommend and generate recorded in RUN_DIR
+    (figures embedded, nothing to download; nothing is re-run) and names the command to run for
+    any part that is missing (docs/report.md)."""
     from kvlens.report.render import write_report
 
     target = output if output is not None else run_dir / "report.html"
