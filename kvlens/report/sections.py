@@ -345,6 +345,10 @@ def axes_section(artifacts: dict, run_dir: Path, capture_hint: str) -> Section:
     return sec
 
 
+def _layer_list(layers: list[int]) -> str:
+    return f"{len(layers)}: {_ranges(layers)}" if layers else "none"
+
+
 def _disagreement_table(doc: dict, summary: dict) -> Table:
     """Per configuration: the layers where reconstruction and attention output (and score, for
     keys) pick different axes, from the per-layer means."""
@@ -378,10 +382,8 @@ def _disagreement_table(doc: dict, summary: dict) -> Table:
                         and pick("attention_output", layer) not in (None, "tie")
                         and pick("score", layer) != pick("attention_output", layer)]
         out_ch = sum(1 for layer in layers if pick("attention_output", layer) == "per-channel")
-        rows.append([_config_label(r), f"{out_ch} / {len(layers)}",
-                     f"{len(recon_vs_out)}: {_ranges(recon_vs_out) or '-'}",
-                     "-" if r["tensor"] != "key" else
-                     f"{len(score_vs_out)}: {_ranges(score_vs_out) or '-'}"])
+        rows.append([_config_label(r), f"{out_ch} / {len(layers)}", _layer_list(recon_vs_out),
+                     "-" if r["tensor"] != "key" else _layer_list(score_vs_out)])
     if not rows:
         return Table(["config"], [], caption="No per-layer means recorded (compare-axes.json "
                                              "from an older kvlens): re-run compare-axes.",
