@@ -28,10 +28,10 @@ def recommend(
                                       help="Bits per cached K/V element the cache may hold at "
                                            "--context tokens, every part counted (16 = the "
                                            "size of an fp16 cache of the same tokens)."),
-    output: Path = typer.Option(None, "--output", "-o", help="Write the config JSON here (and beside it "
-                                                  "CONFIG.recommend.json: the choices, memory "
-                                                  "and --validate results, for `kvlens "
-                                                  "report`)."),
+    output: Path = typer.Option(None, "--output", "-o",
+                                help="Write the config JSON here (and beside it "
+                                     "CONFIG.recommend.json: the choices, memory and --validate "
+                                     "results, for `kvlens report`)."),
     context: int = typer.Option(4096, "--context", help="Reference context length for the "
                                                         "budget accounting."),
     residual: int = typer.Option(128, "--residual", help="Full-precision window (tokens)."),
