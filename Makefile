@@ -13,7 +13,7 @@ TORCH_INDEX_URL ?=
 OUT ?= out
 STAMP := $(VENV)/.kvlens-installed
 
-.PHONY: install demo test lint bench clean
+.PHONY: install browser demo test lint bench clean
 
 install: $(STAMP)
 
@@ -39,8 +39,27 @@ demo: install
 	$(BIN)/kvlens compare-axes $(OUT)/run.h5 --plots $(OUT)/compare
 	$(BIN)/kvlens recommend $(OUT)/run.h5 --budget-bits 3.0 -o $(OUT)/recommended.json \
 		--overwrite --validate --eval-tokens 2048
+	$(BIN)/kvlens report $(OUT) -o $(OUT)/report.html
+	@echo "report: $(abspath $(OUT)/report.html)"
 
-test: install
+# The report's browser test needs Chromium: installed here when missing and apt-get can
+# (root on Debian/Ubuntu, as CI runs); otherwise that test fails and says how to install it,
+# unless KVLENS_SKIP_BROWSER_TESTS=1 opts out.
+browser:
+	@if [ -z "$$KVLENS_SKIP_BROWSER_TESTS" ] && [ -z "$$KVLENS_CHROMIUM" ] && \
+		! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1 && \
+		! command -v google-chrome >/dev/null 2>&1; then \
+		if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+			echo "Installing Chromium for the report's browser test (apt-get)"; \
+			{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } || \
+				echo "apt-get could not install chromium: the browser test will fail"; \
+		else \
+			echo "Chromium not found and apt-get not usable here: the browser test will fail" \
+				"(install chromium, or set KVLENS_SKIP_BROWSER_TESTS=1)"; \
+		fi; \
+	fi
+
+test: install browser
 	$(BIN)/python -m pytest -q
 
 lint: install

@@ -72,13 +72,19 @@ def test_plots_written(capture, tmp_path):
     res = _run(capture, *SMALL, "--plots", out, "--json")
     assert res.exit_code == 0, res.output
     names = sorted(p.name for p in out.iterdir())
-    assert names == [
+    figures = [
         "heatmap_key_2b_G8_post_plain.png",
         "heatmap_value_2b_G8_plain.png",
         "layers_key_2b_G8_post_plain.png",
         "layers_value_2b_G8_plain.png",
     ]
-    assert all((out / n).read_bytes()[:4] == b"\x89PNG" for n in names)
+    assert names == ["compare-axes.json", *figures]
+    # the artifact `kvlens report` reads: the same summary, the figures, per-layer means
+    doc = json.loads((out / "compare-axes.json").read_text())
+    assert doc["kvlens_report"] == "compare-axes" and sorted(doc["figures"]) == figures
+    assert doc["summary"]["means"] == json.loads(res.stdout)["summary"]["means"]
+    assert {m["layer"] for m in doc["layer_means"]} == set(doc["summary"]["capture"]["layers"])
+    assert all((out / n).read_bytes()[:4] == b"\x89PNG" for n in figures)
 
 
 def test_rotate_variant_in_table_json_and_plots(capture, tmp_path):

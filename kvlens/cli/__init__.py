@@ -24,7 +24,7 @@ def _register_commands() -> None:
     # Imported for their side effect of adding commands to ``app``; each module keeps heavy
     # imports (torch, transformers, h5py, matplotlib) inside its command function.
     from kvlens.cli import capture  # noqa: F401
-    for optional in ("compare", "outliers", "generate", "recommend"):
+    for optional in ("compare", "outliers", "generate", "recommend", "report"):
         try:
             __import__(f"kvlens.cli.{optional}")
         except ModuleNotFoundError as exc:

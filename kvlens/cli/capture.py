@@ -55,10 +55,21 @@ def capture(
                       f"{model or 'SmolLM2-135M-Instruct (embedded)'} ...")
     with progress_bar("capture") as update:
         summary = run_library_call(lambda: run_capture(opts, output, progress=update))
+    _write_report_json(summary, output)
     if as_json:
         print_json(summary.to_dict())
         return
     _render(summary)
+
+
+def _write_report_json(summary, output: Path) -> None:
+    """``RUN.capture.json`` beside the capture: what ``kvlens report`` shows about it."""
+    from kvlens.report.artifacts import capture_doc, capture_doc_path, write_artifact
+    from kvlens.store import open_capture
+
+    with open_capture(output) as cap:
+        doc = capture_doc(summary.to_dict(), cap.meta)
+    write_artifact("capture", doc, capture_doc_path(output))
 
 
 def _render(s) -> None:

@@ -81,7 +81,8 @@ def compare_axes_command(
     plots: Path = typer.Option(
         None,
         "--plots",
-        help="Directory for heatmaps and per-layer line plots (created if missing).",
+        help="Directory for heatmaps, per-layer line plots and compare-axes.json (the "
+        "summary and per-layer means `kvlens report` reads); created if missing.",
     ),
 ) -> None:
     """Which quantization axis wins for keys and values, under which error metric."""
@@ -118,9 +119,12 @@ def compare_axes_command(
         )
     if plots is not None:
         from kvlens.plot_compare import write_plots
+        from kvlens.report.artifacts import compare_doc, write_artifact
 
         written = run_library_call(lambda: write_plots(result, plots))
-        err_console.print(f"Wrote {len(written)} figures to {plots}")
+        data = write_artifact("compare-axes", compare_doc(result, written, plots),
+                              plots / "compare-axes.json")
+        err_console.print(f"Wrote {len(written)} figures and {data} to {plots}")
     if as_json:
         print_json(result.to_dict())
         return

@@ -67,6 +67,10 @@ def generate(
     offload_folder: Path = offload_folder_option(),
     dtype: str = typer.Option("float32", "--dtype", help="Model compute dtype."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
+    report_json: Path = typer.Option(None, "--report-json",
+                                     help="Also write the results as JSON to this file "
+                                          "(e.g. out/eval.generate.json; read by `kvlens "
+                                          "report`)."),
 ) -> None:
     """Generate with a compressed KV cache and measure what it loses against the exact model.
 
@@ -76,6 +80,10 @@ def generate(
         config, preset_name, compare, prompt, prompt_file, max_new_tokens, evals, text, backend,
         ppl_tokens, passkey_prompts, passkey_context, seed, eval_tokens, chunk,
         retrieval_prompts, retrieval_lengths))
+
+    from kvlens.report.artifacts import check_output_file
+
+    run_library_call(lambda: check_output_file(report_json, "--report-json"))
 
     def work():
         from kvlens.evaluate import evaluate_configs
@@ -93,6 +101,13 @@ def generate(
         return {**report, "placement": placement}
 
     report = run_library_call(work)
+    if report_json is not None:
+        from kvlens.report.artifacts import write_artifact
+
+        write_artifact("generate", {"results": report["results"],
+                                    "evaluation": report["evaluation"],
+                                    "interrupted": report["interrupted"]}, report_json)
+        err_console.print(f"results written: {report_json}")
     err_console.print(f"backend: {report['results'][0].get('backend', '?')} "
                       f"({report['backend_reason']})")
     if as_json:

@@ -91,7 +91,10 @@ def plot_outliers(
 
     drawn.append(plot_overview(report, out / f"overview.{fmt}"))
     stats_path = out / "outliers.json"
-    _write_json(report.to_dict(profiles=True), stats_path)
+    from kvlens.report.artifacts import relative_names
+
+    _write_json({**report.to_dict(profiles=True), "figures": relative_names(drawn, out)},
+                stats_path)
     err_console.print(f"Wrote {len(drawn)} figures and {stats_path} to {out} "
                       f"(analysis {report.seconds:.1f} s).")
     if as_json:

@@ -37,7 +37,10 @@ def recommend(
                                       help="Bits per cached K/V element the cache may hold at "
                                            "--context tokens, every part counted (16 = the "
                                            "size of an fp16 cache of the same tokens)."),
-    output: Path = typer.Option(None, "--output", "-o", help="Write the config JSON here."),
+    output: Path = typer.Option(None, "--output", "-o",
+                                help="Write the config JSON here (and beside it "
+                                     "CONFIG.recommend.json: the choices, memory and --validate "
+                                     "results, for `kvlens report`)."),
     context: int = typer.Option(4096, "--context", help="Reference context length for the "
                                                         "budget accounting."),
     residual: int = typer.Option(128, "--residual", help="Full-precision window (tokens)."),
@@ -139,11 +142,17 @@ def recommend(
 
         validation = run_library_call(lambda: _validate(rec.config, model_for_validation(),
                                                         eval_tokens, retrieval_prompts, opts))
+    doc = rec.to_dict()
+    if validation is not None:
+        doc["validation"] = validation["results"]
+        doc["validation_evaluation"] = validation["evaluation"]
+    if output is not None:
+        from kvlens.report.artifacts import recommend_doc_path, write_artifact
+
+        data = write_artifact("recommend", {**doc, "config_file": output.name},
+                              recommend_doc_path(output))
+        err_console.print(f"results for `kvlens report` written: {data}")
     if as_json:
-        doc = rec.to_dict()
-        if validation is not None:
-            doc["validation"] = validation["results"]
-            doc["validation_evaluation"] = validation["evaluation"]
         print_json(doc)
         return
     _render(rec)

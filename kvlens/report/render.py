@@ -1,0 +1,118 @@
+"""Assemble the sections and render them through the Jinja2 template into one HTML file.
+
+The page is self-contained: styles inline, figures embedded (``kvlens.report.figures``), no
+scripts, fonts or links to load. Light and dark colour schemes follow the reader's
+``prefers-color-scheme``; figures sit on a white panel in both, as matplotlib drew them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from kvlens.errors import InputError
+from kvlens.report import sections as S
+from kvlens.report.artifacts import ARTIFACT_KINDS, MAX_DEPTH, find_artifacts
+
+TEMPLATE = "report.html.j2"
+
+
+@dataclass
+class Report:
+    run_dir: str
+    title: str
+    generated: str
+    version: str
+    sections: list[S.Section]
+    found: list[str] = field(default_factory=list)  # "kind: file" of every artifact read
+
+    @property
+    def missing(self) -> list[tuple[str, S.Missing]]:
+        return [(s.title, m) for s in self.sections for m in s.missing]
+
+
+def build_report(run_dir: str | os.PathLike, deploy_option: str | None = None) -> Report:
+    """The page's content from the artifacts under ``run_dir``.
+
+    deploy_option: the ``recommend`` option that writes deploy settings (e.g. ``--target``),
+    named in the hint when they are missing; None when this kvlens has none.
+    Raises ``InputError`` when ``run_dir`` is not a folder or holds no kvlens output at all."""
+    from kvlens import __version__
+
+    root = Path(run_dir)
+    artifacts = find_artifacts(root)
+    if not artifacts:
+        raise InputError(
+            f"{run_dir} holds no kvlens results: none of its JSON files (searched "
+            f"{MAX_DEPTH} folders deep) is one that capture, plot-outliers, compare-axes, "
+            "recommend or generate writes. Run the pipeline into it first, e.g. `make demo "
+            f"OUT={run_dir}` or `kvlens capture -o {root / 'run.h5'}` and the commands after it "
+            "(docs/report.md).")
+    hint = _capture_hint(artifacts, root)
+    body = [S.model_section(artifacts, root, hint), S.outliers_section(artifacts, root, hint),
+            S.axes_section(artifacts, root, hint),
+            S.recommend_section(artifacts, root, hint, deploy_option),
+            S.validation_section(artifacts, root)]
+    body.append(S.not_measured_section(body))
+    model = _model_name(artifacts)
+    found = [f"{kind}: {_rel(path, root)}" for kind in ARTIFACT_KINDS
+             for path, _ in artifacts.get(kind, [])[:1]]
+    found += [f"{kind}: {_rel(path, root)} (older, not shown)" for kind in ARTIFACT_KINDS
+              for path, _ in artifacts.get(kind, [])[1:]]
+    return Report(run_dir=str(root), title=f"kvlens report: {model}",
+                  generated=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                  version=__version__, sections=body, found=found)
+
+
+def _rel(path: Path, root: Path) -> str:
+    try:
+        return path.resolve().relative_to(root.resolve()).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def _capture_hint(artifacts: dict, root: Path) -> str:
+    """The capture file to name in commands: the one the run used, else RUN_DIR/run.h5."""
+    path, doc = S.latest(artifacts, "capture")
+    if doc and doc.get("capture_file"):
+        return str(path.parent / doc["capture_file"])
+    _, out = S.latest(artifacts, "outliers")
+    if out and out.get("path"):
+        return str(out["path"])
+    _, cmp = S.latest(artifacts, "compare-axes")
+    cap = ((cmp or {}).get("summary") or {}).get("capture") or {}
+    return str(cap.get("path") or root / "run.h5")
+
+
+def _model_name(artifacts: dict) -> str:
+    for kind in ("capture", "outliers"):
+        _, doc = S.latest(artifacts, kind)
+        if doc and doc.get("model"):
+            return str(doc["model"])
+    _, cmp = S.latest(artifacts, "compare-axes")
+    return str((((cmp or {}).get("summary") or {}).get("capture") or {}).get("model", "a run"))
+
+
+def render_html(report: Report) -> str:
+    from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
+
+    env = Environment(loader=PackageLoader("kvlens.report", "templates"),
+                      autoescape=select_autoescape(["html", "j2"]), undefined=StrictUndefined,
+                      trim_blocks=True, lstrip_blocks=True)
+    return env.get_template(TEMPLATE).render(report=report)
+
+
+def write_report(run_dir: str | os.PathLike, output: str | os.PathLike,
+                 deploy_option: str | None = None) -> Report:
+    """Build the report of ``run_dir`` and write it as one HTML file to ``output``."""
+    report = build_report(run_dir, deploy_option)
+    out = Path(output)
+    if out.is_dir():
+        raise InputError(f"-o {output} is a folder; give a file name such as "
+                         f"{out / 'report.html'}.")
+    if not out.parent.is_dir():
+        raise InputError(f"-o {output}: folder {out.parent} does not exist; create it first.")
+    out.write_text(render_html(report), encoding="utf-8")
+    return report
