@@ -52,13 +52,14 @@ from kvlens.errors import ConfigError
 from kvlens.quant import QuantSpec
 
 FORMAT = "kvlens.kvconfig"
-VERSION = 1
+VERSION = 2  # 2: engine cache types (key_format/value_format) and kv_scales
 BALANCER_MODES = ("off", "online", "fixed")
 FP_DTYPES = ("float16", "bfloat16", "float32", "exact")
 _LAYER_KEYS = ("key", "value", "residual_tokens", "flush_tokens", "pre_rope_keys",
-               "rotate_keys", "rotate_values")
+               "rotate_keys", "rotate_values", "key_format", "value_format")
 _TOP_KEYS = ("format", "version", "name", "description", "default", "layers", "mikv",
-             "balancers", "scale_dtype", "fp_dtype", "rotation_seed", "model")
+             "balancers", "scale_dtype", "fp_dtype", "rotation_seed", "model", "kv_scales")
+_V2_LAYER_KEYS = ("key_format", "value_format")
 _MIKV_KEYS = ("heavy_fraction", "sink_tokens", "balancer", "balancer_exponent")
 
 
@@ -73,8 +74,13 @@ class LayerKV:
     flush_tokens: int = 0  # 0: flush the whole window when full (KIVI); F: the oldest F at a time
     rotate_keys: bool = False  # store k R, attend with q R (Hadamard R, kvlens.quant.rotation)
     rotate_values: bool = False  # store v R, un-rotate the attention output by R^T
+    # engine cache types (kvlens.quant.cachetypes names, e.g. "q8_0", "f16"): both or neither
+    key_format: str | None = None
+    value_format: str | None = None
 
     def __post_init__(self) -> None:
+        if self.key_format is not None or self.value_format is not None:
+            self._check_engine()
         r = self.residual_tokens
         if isinstance(r, bool) or not isinstance(r, int) or r < 0:
             raise ConfigError(f"Invalid residual_tokens {r!r}; allowed: an integer >= 0.")
@@ -97,15 +103,56 @@ class LayerKV:
                               "cannot absorb the rotation (compare-axes measures the "
                               "combination); disable one of them.")
 
+    def _check_engine(self) -> None:
+        from kvlens.quant.cachetypes import parse_cache_type
+
+        if self.key_format is None or self.value_format is None:
+            raise ConfigError("An engine-format layer needs both key_format and value_format "
+                              "(use \"f16\" for a tensor the engine keeps unquantized).")
+        parse_cache_type(self.key_format)
+        parse_cache_type(self.value_format)
+        if (self.key is not None or self.value is not None or self.residual_tokens
+                or self.pre_rope_keys or self.rotate_keys or self.rotate_values):
+            raise ConfigError("key_format/value_format (an engine's cache types) cannot be "
+                              "combined with kvlens quantization specs, a residual window, "
+                              "pre-RoPE keys or rotate_keys/rotate_values (the engine type "
+                              "carries its own rotation: +rot/+norot); set key/value to null, "
+                              "residual_tokens 0 and the flags false.")
+
+    @property
+    def engine(self) -> bool:
+        """Stored in engine cache types (``kvlens.cache.engine.EngineLayer``)."""
+        return self.key_format is not None
+
+    @property
+    def key_type(self):
+        from kvlens.quant.cachetypes import parse_cache_type
+
+        return parse_cache_type(self.key_format)
+
+    @property
+    def value_type(self):
+        from kvlens.quant.cachetypes import parse_cache_type
+
+        return parse_cache_type(self.value_format)
+
     @property
     def compressed(self) -> bool:
+        if self.engine:
+            from kvlens.quant.cachetypes import DenseType
+
+            return not (isinstance(self.key_type, DenseType)
+                        and isinstance(self.value_type, DenseType))
         return self.key is not None or self.value is not None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"key": _spec_dict(self.key), "value": _spec_dict(self.value),
-                "residual_tokens": self.residual_tokens, "flush_tokens": self.flush_tokens,
-                "pre_rope_keys": self.pre_rope_keys, "rotate_keys": self.rotate_keys,
-                "rotate_values": self.rotate_values}
+        out = {"key": _spec_dict(self.key), "value": _spec_dict(self.value),
+               "residual_tokens": self.residual_tokens, "flush_tokens": self.flush_tokens,
+               "pre_rope_keys": self.pre_rope_keys, "rotate_keys": self.rotate_keys,
+               "rotate_values": self.rotate_values}
+        if self.engine:
+            out.update(key_format=self.key_format, value_format=self.value_format)
+        return out
 
     @property
     def rotates(self) -> bool:
@@ -155,6 +202,8 @@ class KVConfig:
     model: Mapping[str, int] | None = None
     fp_dtype: str = "float16"
     rotation_seed: int | None = None  # random sign flips of the Hadamard rotation (None: none)
+    # static fp8 scales of engine layers: {layer: {"key": (s,) or (s_0..s_H-1), "value": ...}}
+    kv_scales: Mapping[int, Mapping[str, tuple[float, ...]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -188,7 +237,7 @@ class KVConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "format": FORMAT, "version": VERSION, "name": self.name,
+            "format": FORMAT, "version": VERSION if self.uses_v2 else 1, "name": self.name,
             "description": self.description, "default": self.default.to_dict(),
             "layers": {str(i): v.to_dict() for i, v in sorted(self.layers.items())},
             "mikv": self.mikv.to_dict() if self.mikv else None,
@@ -198,7 +247,16 @@ class KVConfig:
             "fp_dtype": self.fp_dtype,
             "rotation_seed": self.rotation_seed,
             "model": dict(self.model) if self.model else None,
-        }
+        } | ({"kv_scales": {str(i): {t: list(v) for t, v in s.items()}
+                            for i, s in sorted(self.kv_scales.items())}}
+             if self.kv_scales else {})
+
+    @property
+    def uses_v2(self) -> bool:
+        """Whether the config needs version 2 (engine types or kv_scales); others are written
+        as version 1 so older kvlens versions still read them."""
+        return bool(self.kv_scales) or self.default.engine or any(
+            v.engine for v in self.layers.values())
 
     @classmethod
     def from_dict(cls, data: Any) -> KVConfig:
@@ -230,7 +288,7 @@ def _layer(data: Any, base: LayerKV | None, where: str) -> LayerKV:
         if name in data:
             kwargs[name] = _spec(data[name], f"{where}.{name}")
     for name in ("residual_tokens", "flush_tokens", "pre_rope_keys", "rotate_keys",
-                 "rotate_values"):
+                 "rotate_values", "key_format", "value_format"):
         if name in data:
             kwargs[name] = data[name]
     return replace(base, **kwargs)
@@ -250,6 +308,11 @@ def config_from_dict(data: Any) -> KVConfig:
     unknown = sorted(set(data) - set(_TOP_KEYS))
     if unknown:
         raise ConfigError(f"Unknown KV config keys {unknown}; allowed: {', '.join(_TOP_KEYS)}.")
+    if version < 2 and ("kv_scales" in data or any(
+            isinstance(v, Mapping) and set(v) & set(_V2_LAYER_KEYS)
+            for v in [data.get("default")] + list((data.get("layers") or {}).values()))):
+        raise ConfigError("key_format/value_format and kv_scales need KV config version 2; "
+                          f"this file says version {version}: set \"version\": 2.")
     if "default" not in data:
         raise ConfigError("KV config is missing 'default' (the setting for every layer).")
     default = _layer(data["default"], None, "default")
@@ -285,7 +348,28 @@ def config_from_dict(data: Any) -> KVConfig:
                     balancers=balancers, scale_dtype=data.get("scale_dtype", "float16"),
                     description=data.get("description", ""), model=model,
                     fp_dtype=data.get("fp_dtype", "float16"),
-                    rotation_seed=data.get("rotation_seed"))
+                    rotation_seed=data.get("rotation_seed"),
+                    kv_scales=_kv_scales(data.get("kv_scales")))
+
+
+def _kv_scales(raw: Any) -> dict[int, dict[str, tuple[float, ...]]]:
+    out: dict[int, dict[str, tuple[float, ...]]] = {}
+    if raw is None:
+        return out
+    if not isinstance(raw, Mapping):
+        raise ConfigError("'kv_scales' must map layer indices to {\"key\": [...], \"value\": "
+                          "[...]}.")
+    for key, entry in raw.items():
+        idx = _index(key, "kv_scales")
+        if not isinstance(entry, Mapping) or set(entry) - {"key", "value"} or not all(
+                isinstance(v, list) and v and all(
+                    isinstance(s, (int, float)) and not isinstance(s, bool)
+                    and math.isfinite(s) and s > 0 for s in v) for v in entry.values()):
+            raise ConfigError(f"kv_scales.{key} must be {{\"key\": [s, ...], \"value\": "
+                              "[s, ...]}} with positive finite scales (one per layer, or one "
+                              "per KV head).")
+        out[idx] = {t: tuple(float(s) for s in v) for t, v in entry.items()}
+    return out
 
 
 def _index(key: Any, where: str) -> int:
@@ -414,6 +498,14 @@ def validate_for(config: KVConfig, info) -> None:
                           f"{n} layers; allowed indices: 0-{n - 1}.")
     for idx in range(n):
         layer = config.layer(idx)
+        if layer.engine:
+            from kvlens.quant.cachetypes import check_engine_layer
+
+            check_engine_layer(layer, d, hkv, config.kv_scales.get(idx),
+                               f"Config {config.name!r} layer {idx}")
+        elif idx in config.kv_scales:
+            raise ConfigError(f"Config {config.name!r} gives kv_scales for layer {idx}, which "
+                              "is not an engine-format layer (no key_format/value_format).")
         for what, spec in (("key", layer.key), ("value", layer.value)):
             if spec is not None:
                 check_layout(spec, layer.residual_tokens, d, f"layer {idx} {what}",

@@ -37,6 +37,17 @@ class CompressionSession:
     rope_candidates: list = field(default_factory=list)  # the model's (inv_freq, scaling) pairs
     #: With the triton backend: attention calls that took the torch path, counted per reason.
     torch_path_calls: dict = field(default_factory=dict)
+    #: llama.cpp's rotation matrices of engine-format layers, shared, outside the cache
+    rotations: dict = field(default_factory=dict)
+
+    def engine_rotation(self, tensor: str, head_dim: int, device):
+        """The ``[D, D]`` float32 rotation llama.cpp applies to ``tensor`` (key or value)."""
+        key = (tensor, head_dim, str(device))
+        if key not in self.rotations:
+            from kvlens.quant import engine_rotation
+
+            self.rotations[key] = engine_rotation(tensor, head_dim).to(device)
+        return self.rotations[key]
 
     def note_torch_path(self, reason: str) -> None:
         self.torch_path_calls[reason] = self.torch_path_calls.get(reason, 0) + 1
@@ -72,6 +83,9 @@ class CompressionSession:
                 if self.config.layer(i).rotates)}
         layers = []
         for idx in range(self.info.num_layers):
+            if self.config.layer(idx).engine:
+                layers.append(self._engine_layer(idx, windows[idx]))
+                continue
             bal = self.config.balancers.get(idx)  # only with mikv.balancer "fixed" (validated)
             if bal is not None and self.config.layer(idx).compressed:
                 bal = torch.tensor(bal, dtype=torch.float32, device=devices[idx])
@@ -83,6 +97,18 @@ class CompressionSession:
                                           balancer=bal, sliding_window=windows[idx],
                                           rotation=rotations.get(devices[idx]), session=self))
         return Cache(layers=layers)
+
+    def _engine_layer(self, idx: int, window: int | None):
+        from kvlens.cache.engine import EngineLayer, static_scale
+
+        setting = self.config.layer(idx)
+        given = self.config.kv_scales.get(idx, {})
+        hkv = self.info.num_key_value_heads
+        return EngineLayer(setting.key_type, setting.value_type, idx, self.info.head_dim,
+                           key_scale=static_scale(setting.key_type, hkv, given.get("key")),
+                           value_scale=static_scale(setting.value_type, hkv,
+                                                    given.get("value")),
+                           sliding_window=window, session=self)
 
 
 def _device(model):
@@ -177,7 +203,8 @@ def memory_report(cache) -> dict:
             continue
         for part, tensor in layer.named_tensors():
             parts[part] += _storage_bytes(tensor, seen)
-        b, h, _, d = layer.res_k.buf.shape
+        b, h, d = layer.kv_dims() if hasattr(layer, "kv_dims") else (
+            *layer.res_k.buf.shape[:2], layer.res_k.buf.shape[3])
         w = layer.sliding_window
         visible = layer.cumulative_length if w is None else min(layer.cumulative_length, w - 1)
         fp16 += 2 * b * h * visible * d * 2
@@ -208,6 +235,7 @@ def held_bytes_by_device(obj) -> dict[str, int]:
     ``obj`` through attributes, lists, tuples and dicts (each storage once, on the device it
     lives on). The walk does not enter modules, the compression session or anything outside
     kvlens' cache objects, so it counts what the cache holds, not the model."""
+    from kvlens.cache.engine import EngineLayer, EngineStore
     from kvlens.cache.layer import CompressedLayer, DenseTensor
     from kvlens.cache.packed import PackedTensor
 
@@ -229,6 +257,7 @@ def held_bytes_by_device(obj) -> dict[str, int]:
             stack.extend(o)
         elif isinstance(o, dict):
             stack.extend(o.values())
-        elif isinstance(o, (CompressedLayer, DenseTensor, PackedTensor)) or o is obj:
+        elif isinstance(o, (CompressedLayer, DenseTensor, PackedTensor, EngineLayer,
+                            EngineStore)) or o is obj:
             stack.extend(v for k, v in vars(o).items() if k != "session")
     return total

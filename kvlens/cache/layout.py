@@ -28,6 +28,15 @@ for pre-RoPE keys every held token's RoPE position), ``masks`` (bool per held pa
 H2O sets only), ``accumulators`` (float32 accumulated attention per held token: H2O only),
 ``balancers`` (float32 ``[Hkv, D]``), ``rotations`` (one float32 ``[D, D]`` Hadamard matrix
 shared by every layer that rotates, counted once per device those layers run on).
+
+Engine-format layers (``key_format``/``value_format``, ``kvlens.cache.engine``) hold every token
+they can still attend to (all ``N``, or the last ``W - 1`` of a sliding layer), each tensor in
+its type (``engine_layer_bytes``): ``blocks`` (ggml block bytes, ``D / 32 * block_bytes`` per
+token and head, the fp16 scales inside), ``codes`` (fp8: 1 byte per element; per-token-head int8
+1 byte, int4 half a byte), ``scales`` (float32: per-token-head one per token and head; static
+fp8 one per layer or per KV head, held once the layer holds a token), ``dense`` (f16/bf16/f32
+types). They hold no window and no rotation matrix (llama.cpp keeps those outside its KV
+buffer; kvlens keeps them on the session).
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ from dataclasses import dataclass
 from kvlens.errors import ConfigError
 
 PARTS = ("codes", "scales", "zeros", "dense", "window", "sets", "positions", "masks",
-         "accumulators", "balancers", "rotations")
+         "accumulators", "balancers", "rotations", "blocks")
 FP_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 POSITION_BYTES = 4  # int32
 
@@ -219,8 +228,48 @@ class ModelShape:
                    * 2 for i in range(self.num_layers))
 
 
+def engine_tensor_bytes(ctype, held: int, head_dim: int, kv_heads: int, batch: int = 1
+                        ) -> dict[str, int]:
+    """Bytes by part of one tensor (K or V) of ``held`` tokens in engine cache type ``ctype``
+    (``kvlens.quant.cachetypes``)."""
+    from kvlens.quant.cachetypes import DenseType, scale_count
+
+    parts = dict.fromkeys(PARTS, 0)
+    rows = batch * kv_heads * held
+    if held == 0:
+        return parts
+    if isinstance(ctype, DenseType):
+        parts["dense"] = rows * head_dim * ctype.element_bytes
+        return parts
+    fmt = ctype.format
+    if fmt.family == "ggml":
+        parts["blocks"] = rows * head_dim // fmt.block_size * fmt.block_bytes
+    elif fmt.family == "fp8":
+        parts["codes"] = rows * head_dim
+        parts["scales"] = scale_count(ctype, kv_heads) * 4
+    else:  # dynamic per-token-head: packed codes + a float32 scale per token and head
+        parts["codes"] = rows * -(-head_dim * fmt.code_bits // 8)
+        parts["scales"] = rows * 4
+    return parts
+
+
+def engine_layer_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batch: int = 1,
+                       sliding_window: int | None = None) -> dict[str, int]:
+    """Bytes of every part one ``EngineLayer`` holds after ``tokens`` tokens (any chunking)."""
+    held = tokens - evict_boundary(tokens, sliding_window)
+    total = dict.fromkeys(PARTS, 0)
+    for ctype in (setting.key_type, setting.value_type):
+        for k, v in engine_tensor_bytes(ctype, held, head_dim, kv_heads, batch).items():
+            total[k] += v
+    return total
+
+
 def _layer_parts(config, shape: ModelShape, i: int, tokens: int, batch: int) -> dict[str, int]:
     setting = config.layer(i)
+    if setting.engine:
+        return engine_layer_bytes(setting, tokens=tokens, head_dim=shape.head_dim,
+                                  kv_heads=shape.kv_heads, batch=batch,
+                                  sliding_window=shape.window(i))
     mikv = config.mikv
     balancer = mikv is not None and (mikv.balancer == "online" or
                                      (mikv.balancer == "fixed" and i in config.balancers))

@@ -1,0 +1,295 @@
+"""Engine-format cache layers: a layer that stores and reads its K/V the way llama.cpp or vLLM do.
+
+An ``EngineLayer`` is used for every layer whose config sets ``key_format``/``value_format``
+(``kvlens.kvconfig.LayerKV``). Unlike ``CompressedLayer`` there is no full-precision window:
+``update()`` writes the new tokens into the store in the engine's format **first**, then reads
+the whole held history back (the new tokens included) and returns it dequantized, so the
+model's own attention function attends to exactly what the engine's attention reads
+(write-before-attention: llama.cpp ``cpy_k``/``cpy_v`` into the cache then ``build_attn_mha``
+over the cache view; vLLM ``reshape_and_cache`` then attention over the paged cache).
+
+Storage per tensor (``EngineStore``), exactly what the engine holds per token and KV head:
+
+- ggml types (``q8_0`` ... ``iq4_nl``): the ggml block bytes, ``D / 32 * block_bytes`` uint8 per
+  token and head (``kvlens.quant.formats.GGMLBlocks.to_bytes``; fp16 ``d`` (and ``m``) inside
+  each block), part ``blocks``;
+- static fp8: one byte per element (``torch.float8_e4m3fn`` / ``float8_e5m2``, part ``codes``)
+  plus the layer's float32 scale(s) (1, or one per KV head; part ``scales``);
+- dynamic per-token-head: packed codes (int8: 1 byte, int4: 2 per byte; fp8: float8) plus one
+  float32 scale per token and head;
+- ``f16`` / ``bf16`` / ``f32``: the plain tensor (part ``dense``).
+
+llama.cpp's rotation: a rotated type stores ``x R`` (``kvlens.quant.formats.engine_rotation``:
+keys by the largest power-of-two Walsh-Hadamard block dividing ``head_dim``, values by 64x64
+blocks); the read-back is un-rotated (``Q(x R) R^T``), which equals attending with ``q R`` and
+un-rotating the output. The matrices live on the session, outside the cache, as llama.cpp keeps
+them in host memory outside its KV buffer: held bytes compare with the engine's KV buffer.
+
+Sliding-window layers keep the last ``W - 1`` tokens at rest (``kvlens.cache.layout``) and
+report the first held position as the mask offset. Bytes are predicted by
+``kvlens.cache.layout.engine_layer_bytes``.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from kvlens.cache import layout
+from kvlens.errors import ConfigError
+from kvlens.quant.cachetypes import CacheType, DenseType
+
+
+def rotate_rows(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """``x @ r`` in float64, rounded to float32: the same float32 rows whatever the number of
+    tokens in the call (a float32 matmul may round differently with the batch shape, which
+    would make chunked prefill store other codes than token-by-token feeding)."""
+    return (x.double() @ r.double()).float()
+
+
+def static_scale(ctype: CacheType, kv_heads: int, given=None) -> torch.Tensor | None:
+    """The float32 ``[1, 1 or Hkv, 1, 1]`` static fp8 scale of ``ctype``: its fixed scale
+    (``:sS``) or the calibrated ``given`` values; ``None`` for other types."""
+    from kvlens.quant.cachetypes import needs_scales, scale_count
+
+    n = scale_count(ctype, kv_heads)
+    if n == 0:
+        return None
+    if needs_scales(ctype):
+        if given is None or len(given) != n:
+            raise ConfigError(f"{ctype.name} needs {n} calibrated static scale(s) (kv_scales), "
+                              f"got {None if given is None else len(given)}.")
+        return torch.tensor(list(given), dtype=torch.float32).reshape(1, n, 1, 1)
+    return torch.full((1, n, 1, 1), float(ctype.format.fixed_scale), dtype=torch.float32)
+
+
+class EngineStore:
+    """One tensor (K or V) of one layer in an engine cache type, ``[B, H, N, D]`` tokens.
+
+    Buffers hold exactly ``length`` tokens (they grow and shrink by copy). ``scale``: the
+    static fp8 scale(s), float32 ``[1, 1 or H, 1, 1]`` (``None`` for other types)."""
+
+    def __init__(self, ctype: CacheType, head_dim: int, scale: torch.Tensor | None = None):
+        self.ctype = ctype
+        self.head_dim = head_dim
+        self.family = ctype.family if isinstance(ctype, DenseType) else ctype.format.family
+        self.fmt = None if isinstance(ctype, DenseType) else ctype.format
+        if self.family == "ggml":
+            self.fmt.check_fits((1, 1, 1, head_dim))
+        self.static_scale = scale
+        self.data: torch.Tensor | None = None  # codes / blocks / dense values
+        self.scales: torch.Tensor | None = None  # per-token-head float32 [B, H, N, 1]
+        self.length = 0
+
+    # -- writing -----------------------------------------------------------------------------
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``x`` float ``[B, H, t, D]`` (stored basis) -> (data, per-token scales or None)."""
+        if self.family == "dense":
+            return x.to(getattr(torch, self.ctype.torch_dtype)), None
+        if self.family == "ggml":
+            from kvlens.quant.formats import quantize_ggml
+
+            return quantize_ggml(x, self.fmt).to_bytes(), None
+        if self.family == "fp8":
+            from kvlens.quant.formats import FP8_DTYPES, FP8_MAX
+
+            s = self.static_scale.to(x.device)
+            safe = torch.where(s > 0, s, torch.ones_like(s))
+            top = FP8_MAX[self.fmt.fp8]
+            return (x.float() / safe).clamp(-top, top).to(FP8_DTYPES[self.fmt.fp8]), None
+        # dynamic per-token-head
+        if self.fmt.kind == "fp8":
+            from kvlens.quant.formats import FP8_MAX
+
+            s = x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX["e4m3"]
+            safe = torch.where(s > 0, s, torch.ones_like(s))
+            codes = (x.float() / safe).clamp(-FP8_MAX["e4m3"], FP8_MAX["e4m3"])
+            return codes.to(torch.float8_e4m3fn), s
+        from kvlens.quant import QuantSpec, pack_codes, quantize
+
+        q = quantize(x.float(), QuantSpec(self.fmt.code_bits, "per-token", None, True))
+        return pack_codes(q.codes, self.fmt.code_bits), q.scale
+
+    def append(self, x: torch.Tensor) -> None:
+        data, scales = self.encode(x)
+        self.data = data if self.data is None else torch.cat((self.data, data), dim=2)
+        if scales is not None:
+            self.scales = scales if self.scales is None else torch.cat((self.scales, scales), 2)
+        self.length += x.shape[2]
+
+    def drop_front(self, n: int) -> None:
+        if n <= 0 or self.data is None:
+            return
+        self.data = self.data[:, :, n:].clone()
+        if self.scales is not None:
+            self.scales = self.scales[:, :, n:].clone()
+        self.length -= n
+
+    # -- reading ------------------------------------------------------------------------------
+    def read(self) -> torch.Tensor:
+        """Every held token as float32 ``[B, H, N, D]`` (stored basis): exactly what
+        ``kvlens.quant.formats.fake_quantize_format`` computes (before un-rotation)."""
+        if self.family == "dense":
+            return self.data.float()
+        if self.family == "ggml":
+            from kvlens.quant.formats import GGMLBlocks, dequantize_ggml
+
+            return dequantize_ggml(GGMLBlocks.from_bytes(self.data, self.fmt, self.head_dim))
+        if self.family == "fp8":
+            s = self.static_scale.to(self.data.device)
+            y = self.data.float() * torch.where(s > 0, s, torch.ones_like(s))
+            return torch.where(s > 0, y, torch.zeros_like(y))
+        if self.fmt.kind == "fp8":
+            s = self.scales
+            y = self.data.float() * torch.where(s > 0, s, torch.ones_like(s))
+            return torch.where(s > 0, y, torch.zeros_like(y))
+        from kvlens.quant import unpack_codes
+
+        bits = self.fmt.code_bits
+        qmax = (1 << (bits - 1)) - 1
+        codes = unpack_codes(self.data, bits, self.head_dim)
+        # the reference's x_hat = code * scale + zero with zero = -qmax * scale
+        return codes.float() * self.scales + (-qmax * self.scales)
+
+    # -- accounting ---------------------------------------------------------------------------
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        if self.data is None:
+            return []
+        part = {"dense": "dense", "ggml": "blocks"}.get(self.family, "codes")
+        out = [(part, self.data)]
+        if self.scales is not None:
+            out.append(("scales", self.scales))
+        if self.static_scale is not None:
+            out.append(("scales", self.static_scale))
+        return out
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        if self.data is not None:
+            self.data = self.data[index]
+        if self.scales is not None:
+            self.scales = self.scales[index]
+
+
+class EngineLayer(DynamicLayer):
+    """A transformers cache layer storing K and V in engine cache types (module docstring).
+
+    key_type / value_type: ``kvlens.quant.cachetypes`` types. key_scale / value_scale: float32
+    static fp8 scales ``[1, 1 or Hkv, 1, 1]`` where the type needs them."""
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, key_type: CacheType, value_type: CacheType, layer_idx: int,
+                 head_dim: int, *, key_scale: torch.Tensor | None = None,
+                 value_scale: torch.Tensor | None = None, sliding_window: int | None = None,
+                 session=None):
+        super().__init__()
+        self.is_initialized = False
+        self.layer_idx = layer_idx
+        self.head_dim = head_dim
+        self.session = session
+        self.key_type, self.value_type = key_type, value_type
+        self.kstore = EngineStore(key_type, head_dim, key_scale)
+        self.vstore = EngineStore(value_type, head_dim, value_scale)
+        self.rotate_keys = key_type.rotates(head_dim)
+        self.rotate_values = value_type.rotates(head_dim)
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
+        self.cumulative_length = 0
+        self.start = 0  # first held position (a sliding layer drops older ones)
+
+    # -- transformers interface -------------------------------------------------------------
+    def lazy_initialization(self, key_states, value_states, *args, **kwargs) -> None:
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        self.keys = key_states.new_empty(0)
+        self.values = value_states.new_empty(0)
+        for store, scale in ((self.kstore, self.kstore.static_scale),
+                             (self.vstore, self.vstore.static_scale)):
+            if scale is not None:
+                store.static_scale = scale.to(key_states.device, torch.float32).clone()
+        self.is_initialized = True
+
+    def _rotation(self, tensor: str) -> torch.Tensor:
+        return self.session.engine_rotation(tensor, self.head_dim, self.device)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.session is None or not self.session.active:
+            raise ConfigError("A kvlens engine-format cache must be used inside "
+                              "kvlens.cache.compressed_attention(model, config).")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        out = []
+        for store, x, rotated, tensor in ((self.kstore, key_states, self.rotate_keys, "key"),
+                                          (self.vstore, value_states, self.rotate_values,
+                                           "value")):
+            r = self._rotation(tensor) if rotated else None
+            store.append(rotate_rows(x, r) if r is not None else x)
+            back = store.read()
+            out.append((rotate_rows(back, r.T) if r is not None else back).to(x.dtype))
+        self.cumulative_length += key_states.shape[2]
+        self._evict()
+        return out[0], out[1]
+
+    def _evict(self) -> None:
+        """Sliding layer: drop what no later query can see (the returned tensors still hold it
+        for this call's attention)."""
+        n = layout.evict_boundary(self.cumulative_length, self.sliding_window) - self.start
+        if n > 0:
+            self.kstore.drop_front(n)
+            self.vstore.drop_front(n)
+            self.start += n
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:
+        # update() returns the held positions [start, N) plus the new ones
+        if isinstance(query_length, torch.Tensor):
+            query_length = query_length.shape[0]
+        return self.cumulative_length - self.start + query_length, self.start
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        raise ConfigError("A kvlens engine-format cache cannot be reset; build a new one.")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ConfigError("A kvlens engine-format cache cannot be cropped; assisted/speculative "
+                          "decoding is not supported.")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise ConfigError("A kvlens engine-format cache does not support beam search or "
+                          "num_return_sequences > 1.")
+
+    def reorder_cache(self, beam_idx) -> None:
+        self.batch_repeat_interleave(0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.kstore.select_batch(indices)
+        self.vstore.select_batch(indices)
+
+    # -- state and accounting ----------------------------------------------------------------
+    @property
+    def held_tokens(self) -> int:
+        return self.kstore.length
+
+    @property
+    def quantized_length(self) -> int:
+        """Held tokens that attention reads quantized (0 when both types are float)."""
+        dense = isinstance(self.key_type, DenseType) and isinstance(self.value_type, DenseType)
+        return 0 if dense else self.held_tokens
+
+    def kv_dims(self) -> tuple[int, int, int]:
+        """``(B, Hkv, D)`` of the held tensors."""
+        b, h = self.kstore.data.shape[:2]
+        return b, h, self.head_dim
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        out = self.kstore.named_tensors() + self.vstore.named_tensors()
+        for name in ("keys", "values"):
+            t = getattr(self, name, None)
+            if isinstance(t, torch.Tensor):
+                out.append(("dense", t))
+        return out
