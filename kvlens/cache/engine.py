@@ -278,8 +278,14 @@ class EngineLayer(DynamicLayer):
     @property
     def quantized_length(self) -> int:
         """Held tokens that attention reads quantized (0 when both types are float)."""
-        dense = isinstance(self.key_type, DenseType) and isinstance(self.value_type, DenseType)
-        return 0 if dense else self.held_tokens
+        return self.held_tokens if self.quantizes_on_write else 0
+
+    @property
+    def quantizes_on_write(self) -> bool:
+        """Attention reads quantized entries from the first token on (write-before-attention),
+        unless both types are float."""
+        return not (isinstance(self.key_type, DenseType) and isinstance(self.value_type,
+                                                                          DenseType))
 
     def kv_dims(self) -> tuple[int, int, int]:
         """``(B, Hkv, D)`` of the held tensors."""

@@ -41,9 +41,20 @@ def generate(
                               help="Text for kld and ppl (default: the built-in held-out text; "
                                    "builtin:corpus for the capture corpus)."),
     compare: str = typer.Option(None, "--compare",
-                                help="Comma list of presets, config files and transformers "
-                                     "baselines (hf-quanto-2/4, hf-hqq-2/4, hf-fp8) to run side "
-                                     "by side on the same inputs."),
+                                help="Comma list of presets, config files, transformers "
+                                     "baselines (hf-quanto-2/4, hf-hqq-2/4, hf-fp8) and engine "
+                                     "settings to run side by side on the same inputs. Engine "
+                                     "settings (docs/deploy.md): llamacpp:K/V[:norot][:nofa] "
+                                     "or llamacpp:T (types f32 f16 bf16 q8_0 q4_0 q4_1 iq4_nl "
+                                     "q5_0 q5_1), vllm:D[@head][:pP][:skip=L,L] (D fp8 "
+                                     "fp8_e4m3 fp8_e5m2 int8-pth int4-pth fp8-pth), "
+                                     "sglang:fp8_e4m3|fp8_e5m2, transformers:quanto-2|4"
+                                     "[:axis_key=0|-1][:axis_value=0|-1][:group=G]"
+                                     "[:residual=R]."),
+    calibration: Path = typer.Option(None, "--calibration",
+                                     help="Capture file (kvlens capture) for the static fp8 "
+                                          "scales of vllm:/sglang: settings (default: the "
+                                          "engines' scale 1.0)."),
     backend: str = typer.Option("auto", "--backend", help="auto, torch or triton."),
     ppl_tokens: int = typer.Option(512, "--ppl-tokens", help="Tokens of text for ppl (short-context check)."),
     passkey_prompts: int = typer.Option(5, "--passkey-prompts", help="Passkey prompts (short-context check)."),
@@ -79,7 +90,9 @@ def generate(
     configs, opts = run_library_call(lambda: _options(
         config, preset_name, compare, prompt, prompt_file, max_new_tokens, evals, text, backend,
         ppl_tokens, passkey_prompts, passkey_context, seed, eval_tokens, chunk,
-        retrieval_prompts, retrieval_lengths))
+        retrieval_prompts, retrieval_lengths, calibration))
+    for note in getattr(configs, "notes", ()):
+        err_console.print(f"note: {note}", highlight=False)
 
     from kvlens.report.artifacts import check_output_file
 
@@ -125,7 +138,8 @@ def generate(
 
 def _options(config, preset_name, compare, prompt, prompt_file, max_new_tokens, evals, text,
              backend, ppl_tokens, passkey_prompts, passkey_context, seed, eval_tokens=None,
-             chunk=64, retrieval_prompts=1, retrieval_lengths=None):
+             chunk=64, retrieval_prompts=1, retrieval_lengths=None, calibration=None):
+    from kvlens.deploy import is_engine_setting
     from kvlens.errors import InputError
     from kvlens.evaluate import EvalOptions, parse_evals
     from kvlens.kvconfig import load_config, preset, resolve
@@ -134,16 +148,18 @@ def _options(config, preset_name, compare, prompt, prompt_file, max_new_tokens, 
         raise InputError("Give either --config FILE or --preset NAME, not both.")
     if prompt is not None and prompt_file is not None:
         raise InputError("Give either --prompt or --prompt-file, not both.")
-    configs = []
+    configs = _Configs()
     if config is not None:
         configs.append(load_config(config))
     if preset_name is not None:
-        configs.append(preset(preset_name))
+        configs.append(configs.engine(preset_name, calibration)
+                       if is_engine_setting(preset_name) else preset(preset_name))
     if compare:
         from kvlens.baselines import baseline, is_baseline
 
         names = [s.strip() for s in compare.split(",") if s.strip()]
-        configs.extend(baseline(n) if is_baseline(n) else resolve(n) for n in names)
+        configs.extend(baseline(n) if is_baseline(n) else configs.engine(n, calibration)
+                       if is_engine_setting(n) else resolve(n) for n in names)
     if not configs:
         raise InputError("Choose a cache: --preset NAME, --config FILE or --compare P1,P2,...")
     if prompt_file is not None:
@@ -182,6 +198,19 @@ def _options(config, preset_name, compare, prompt, prompt_file, max_new_tokens, 
                        seed=seed, backend=backend, eval_tokens=eval_tokens, chunk=chunk,
                        retrieval_prompts=retrieval_prompts, retrieval_lengths=lengths)
     return configs, opts
+
+
+class _Configs(list):
+    """The configs to run, with the notes of the engine settings among them."""
+
+    notes: tuple[str, ...] = ()
+
+    def engine(self, name: str, calibration):
+        from kvlens.deploy import engine_config
+
+        setting = engine_config(name, None if calibration is None else str(calibration))
+        self.notes = (*self.notes, *setting.notes)
+        return setting.config
 
 
 def _render(results, opts) -> None:

@@ -13,7 +13,8 @@ Protocol (``score_text``; docs/evaluation.md):
   the residual window); they are quantized when a window flush follows a call. So a prediction
   **reads quantized entries** iff, when its chunk's forward call starts, some layer of that
   config's cache holds a non-empty quantized store (``quantized_length > 0``; for transformers'
-  ``QuantizedCache`` baselines: a quantized history exists). ``quantized_share`` is the share of
+  ``QuantizedCache`` baselines: a quantized history exists; engine-format layers quantize the
+  chunk before attending to it, so always, unless both their types are float). ``quantized_share`` is the share of
   scored predictions for which that holds. Everything is scored; the share says how much of it
   describes the compressed cache rather than the window (kivi-2, 4096 tokens, chunk 64: 0.97).
 - Intervals: ``kvlens.evaluation.stats``; the bootstrap unit is a block of consecutive chunks
@@ -117,6 +118,8 @@ def reads_quantized(cache) -> bool:
     """Whether attention over ``cache`` reads at least one quantized entry now (see module doc)."""
     for layer in getattr(cache, "layers", ()):
         if getattr(layer, "quantized_length", 0) > 0:
+            return True
+        if getattr(layer, "quantizes_on_write", False):  # engine layers: the chunk itself
             return True
         if getattr(layer, "_quantized_keys", None) is not None:  # transformers QuantizedCache
             return True
