@@ -33,10 +33,24 @@ def _ints(spec: str, what: str) -> tuple[int, ...]:
 @app.command()
 def recommend(
     capture: Path = typer.Argument(..., help="Capture file from `kvlens capture`."),
-    budget_bits: float = typer.Option(..., "--budget-bits", "-b",
+    budget_bits: float = typer.Option(None, "--budget-bits", "-b",
                                       help="Bits per cached K/V element the cache may hold at "
                                            "--context tokens, every part counted (16 = the "
-                                           "size of an fp16 cache of the same tokens)."),
+                                           "size of an fp16 cache of the same tokens). "
+                                           "Required for --target kvlens."),
+    target: str = typer.Option("kvlens", "--target",
+                               help="Engine to deploy on: kvlens (a per-layer kvlens config), "
+                                    "llama.cpp (one -ctk and one -ctv type), vllm (one "
+                                    "--kv-cache-dtype plus skipped layers), sglang (one fp8 "
+                                    "dtype), transformers (QuantizedCache nbits/axis/group). "
+                                    "docs/deploy/README.md."),
+    max_kld: float = typer.Option(None, "--max-kld",
+                                  help="Engine targets: the cheapest setting whose predicted "
+                                       "KL divergence (fitted on --kld-anchors settings "
+                                       "measured on the held-out text) is at most this."),
+    kld_anchors: int = typer.Option(3, "--kld-anchors",
+                                    help="--max-kld: settings whose KLD is measured to fit "
+                                         "the predictor."),
     output: Path = typer.Option(None, "--output", "-o",
                                 help="Write the config JSON here (and beside it "
                                      "CONFIG.recommend.json: the choices, memory and --validate "
@@ -100,15 +114,29 @@ def recommend(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --output."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
 ) -> None:
-    """Fit balancers and choose axis/bits/group/pre-RoPE per layer under a memory budget."""
+    """Fit balancers and choose axis/bits/group/pre-RoPE per layer under a memory budget, or
+    (--target) the best setting an engine runs, with the exact command to deploy."""
     from kvlens.recommend import RecommendOptions
     from kvlens.recommend import recommend as run
+
+    if target != "kvlens":
+        from kvlens.cli.targets import run_target
+
+        run_target(capture, target=target, budget_bits=budget_bits, max_kld=max_kld,
+                   anchors=kld_anchors, context=context, samples=samples,
+                   tokens=tokens, rotation=not no_rotation, model=model, output=output,
+                   overwrite=overwrite, validate=validate, eval_tokens=eval_tokens,
+                   as_json=as_json)
+        return
 
     def prepare():
         from kvlens.errors import InputError
 
         if output is not None and output.exists() and not overwrite:
             raise InputError(f"{output} already exists; pass --overwrite to replace it.")
+        if budget_bits is None:
+            raise InputError("--budget-bits is required for --target kvlens (engine targets "
+                             "also take --max-kld).")
         return RecommendOptions(budget_bits=budget_bits, context=context,
                                 residual_tokens=residual, bits=_ints(bits, "--bits"),
                                 group_sizes=_ints(group_sizes, "--group-sizes"),
@@ -143,6 +171,9 @@ def recommend(
         validation = run_library_call(lambda: _validate(rec.config, model_for_validation(),
                                                         eval_tokens, retrieval_prompts, opts))
     doc = rec.to_dict()
+    doc["deploy"] = {"target": "kvlens", "command": "kvlens generate --config "
+                     f"{output or 'kv.json'} --prompt ...",
+                     "config": str(output) if output else None}
     if validation is not None:
         doc["validation"] = validation["results"]
         doc["validation_evaluation"] = validation["evaluation"]

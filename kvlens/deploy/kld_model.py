@@ -1,0 +1,71 @@
+"""Predicted KL divergence from the capture's error model: ``KLD = c * S^alpha``.
+
+``S`` is a setting's error score: the sum over layers of ``e_K^2 + e_V^2``, the squared
+relative attention-output errors of its keys and values measured on the capture
+(``kvlens.deploy.targets``). Why a power of ``S``: a small perturbation ``delta`` of the logits
+costs ``KLD ~ delta^T F delta / 2`` (quadratic), and each layer's output error moves the logits
+about linearly, so independent layer errors add as squares; ``alpha`` absorbs what that misses
+(errors that compound through depth, saturation at large errors). ``c`` and ``alpha`` are fitted
+per model by least squares on ``log KLD = log c + alpha log S`` over settings whose KLD was
+measured (``generate --eval kld`` or ``recommend --target ... --max-kld``'s anchors); with one
+point ``alpha`` is fixed at 1. The prediction is for the protocol the anchors were measured with
+(text, ``--eval-tokens``, chunk).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvlens.errors import InputError
+
+
+@dataclass(frozen=True)
+class KLDModel:
+    """``predict(S) = c * S^alpha``; ``points`` are the ``(S, KLD)`` pairs it was fitted on."""
+
+    c: float
+    alpha: float
+    points: tuple[tuple[float, float], ...] = ()
+
+    def predict(self, score: float) -> float:
+        return 0.0 if score <= 0 else self.c * score ** self.alpha
+
+    def max_score(self, kld: float) -> float:
+        """The largest ``S`` whose predicted KLD is at most ``kld``."""
+        return (kld / self.c) ** (1.0 / self.alpha)
+
+    @property
+    def log_rmse(self) -> float:
+        """Root-mean-square residual of the fit in natural-log units (0 = exact)."""
+        if not self.points:
+            return 0.0
+        r = [math.log(k) - math.log(self.predict(s)) for s, k in self.points]
+        return math.sqrt(sum(x * x for x in r) / len(r))
+
+    def to_dict(self) -> dict:
+        return {"form": "kld = c * S^alpha, S = sum over layers of e_K^2 + e_V^2",
+                "c": self.c, "alpha": self.alpha, "log_rmse": self.log_rmse,
+                "points": [{"score": s, "kld": k} for s, k in self.points]}
+
+
+def fit_kld_model(points: Sequence[tuple[float, float]]) -> KLDModel:
+    """Least-squares fit of ``log KLD = log c + alpha log S`` over ``(S, KLD)`` points with
+    ``S > 0`` and ``KLD > 0`` (others carry no information about the power law). Needs one
+    usable point (then ``alpha = 1``); two or more with distinct ``S`` fit ``alpha``."""
+    pts = [(float(s), float(k)) for s, k in points if s > 0 and k > 0]
+    if not pts:
+        raise InputError("Cannot fit the KLD model: no setting with a positive error score and "
+                         "a positive measured KLD.")
+    xs = [math.log(s) for s, _ in pts]
+    ys = [math.log(k) for _, k in pts]
+    n = len(pts)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if n == 1 or sxx < 1e-12:
+        alpha = 1.0
+    else:
+        alpha = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    c = math.exp(my - alpha * mx)
+    return KLDModel(c, alpha, tuple(pts))

@@ -1,0 +1,484 @@
+"""``recommend --target``: the best setting an engine can run, and the exact thing to deploy.
+
+Pipeline:
+
+1. **Error table** from the capture: for every layer, tensor (K, V) and cache type the target
+   offers, the relative attention-output error (``kvlens.metrics.rel_error`` of
+   ``softmax(q k^T) v`` over the first ``tokens`` tokens of ``samples`` samples, causal, the
+   layer's own scaling, sliding window and soft-cap) when only that tensor is stored in that
+   type, read back as the engine reads it (``kvlens.quant.formats.fake_quantize_format``,
+   llama.cpp's rotation included; every token quantized, as the engines do). Static fp8 scales
+   are calibrated on the whole capture (absmax), the tokens measured included.
+2. **Candidates** restricted to the engine's menu: llama.cpp one K type x one V type
+   (``LLAMACPP_TYPES``); vLLM one dtype (fp8_e4m3 with calibrated scales or the default 1.0,
+   fp8_e5m2 at 1.0) plus a set of skipped layers (for ``k`` skipped layers, the ``k`` layers with
+   the largest ``e_K^2 + e_V^2``: the best set of that size under the additive score);
+   SGLang one fp8 dtype (one scale per layer shared by K and V, the layout its
+   ``--quantization-param-path`` JSON carries, or 1.0); transformers ``QuantizedCache`` nbits x
+   axis_key x axis_value x q_group_size (residual 128; errors with every token quantized, an
+   upper bound for its window).
+3. **Score** ``S = sum_l e_K,l^2 + e_V,l^2`` and **cost** = held bits per element at
+   ``context`` tokens from ``kvlens.cache.layout`` (the bytes the simulated cache holds).
+4. **Choice**: ``max_kld``: the cheapest candidate whose predicted KLD
+   (``kvlens.deploy.kld_model``, fitted on anchors measured with the KLD evaluation) is at most
+   ``max_kld``; else ``budget_bits``: the lowest ``S`` within the budget.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from kvlens.errors import ConfigError, InputError
+
+TARGETS = ("kvlens", "llama.cpp", "vllm", "sglang", "transformers")
+LLAMACPP_TYPES = ("f16", "q8_0", "q5_1", "q5_0", "q4_1", "iq4_nl", "q4_0")
+VLLM_FP8 = ("fp8_e4m3", "fp8_e4m3:s1", "fp8_e5m2:s1")
+SGLANG_FP8 = ("fp8_e4m3", "fp8_e4m3:s1", "fp8_e5m2:s1")
+QUANTO = [(b, ak, av, g) for b in (4, 2) for ak in (0, -1) for av in (0, -1) for g in (64, 32)]
+DOCS = {
+    "llama.cpp": "llama.cpp tools/server README: -ctk/--cache-type-k, -ctv/--cache-type-v, "
+                 "-fa/--flash-attn (https://github.com/ggml-org/llama.cpp/tree/master/tools/server)",
+    "vllm": "vLLM Quantized KV Cache (https://docs.vllm.ai/en/latest/features/quantization/"
+            "quantized_kvcache/): k_scale/v_scale per attention layer from the checkpoint, "
+            "else 1.0",
+    "sglang": "SGLang Quantized KV Cache (https://docs.sglang.io/advanced_features/"
+              "quantized_kv_cache.html) and --quantization-param-path (the KVCacheQuantSchema "
+              "JSON of vllm/model_executor/layers/quantization/schema.py: one scale per layer)",
+    "transformers": "transformers KV cache strategies, QuantizedCache (https://huggingface.co/"
+                    "docs/transformers/kv_cache)",
+}
+
+
+@dataclass(frozen=True)
+class TargetOptions:
+    target: str
+    budget_bits: float | None = None
+    max_kld: float | None = None
+    context: int = 4096
+    samples: int = 1
+    tokens: int = 512
+    rotation: bool = True  # llama.cpp rotation (False: LLAMA_ATTN_ROT_DISABLE=1)
+    eval_tokens: int = 2048  # KLD anchors and --validate
+    anchors: int = 3
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.target not in TARGETS:
+            raise ConfigError(f"Unknown --target {self.target!r}; allowed: {', '.join(TARGETS)}.")
+        if self.target != "kvlens" and self.budget_bits is None and self.max_kld is None:
+            raise InputError(f"--target {self.target} needs --budget-bits B (lowest error "
+                             "within B held bits per element) or --max-kld X (cheapest "
+                             "setting with predicted KLD <= X).")
+        if self.max_kld is not None and not self.max_kld > 0:
+            raise InputError(f"--max-kld must be positive, got {self.max_kld}.")
+        if self.anchors < 1:
+            raise InputError(f"--kld-anchors must be at least 1, got {self.anchors}.")
+
+
+@dataclass
+class TargetCandidate:
+    setting: str  # an engine setting name (kvlens.deploy.presets) or a description
+    config: Any  # KVConfig simulated by kvlens generate
+    bits: float
+    errors: list[tuple[float, float]]  # per layer (e_K, e_V)
+    deploy: dict
+
+    @property
+    def score(self) -> float:
+        return sum(k * k + v * v for k, v in self.errors)
+
+
+@dataclass
+class TargetRecommendation:
+    target: str
+    chosen: TargetCandidate
+    front: list[TargetCandidate]  # Pareto front (bits ascending, score descending)
+    candidates: int
+    context: int
+    kld_model: Any = None
+    predicted_kld: float | None = None
+    anchors: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    files: dict[str, str] = field(default_factory=dict)  # name -> JSON text to write
+
+    def where_it_hurts(self, top: int = 8) -> list[dict]:
+        total = self.chosen.score or 1.0
+        rows = [{"layer": i, "e_key": k, "e_value": v, "share": (k * k + v * v) / total}
+                for i, (k, v) in enumerate(self.chosen.errors)]
+        return sorted(rows, key=lambda r: -r["share"])[:top]
+
+    def to_dict(self) -> dict:
+        c = self.chosen
+        return {
+            "target": self.target, "setting": c.setting, "bits_per_element": c.bits,
+            "context": self.context, "score": c.score, "predicted_kld": self.predicted_kld,
+            "kld_model": None if self.kld_model is None else self.kld_model.to_dict(),
+            "anchors": self.anchors, "deploy": c.deploy, "config": c.config.to_dict(),
+            "where_it_hurts": self.where_it_hurts(len(c.errors)),
+            "front": [{"setting": f.setting, "bits_per_element": f.bits, "score": f.score,
+                       "predicted_kld": None if self.kld_model is None
+                       else self.kld_model.predict(f.score)} for f in self.front],
+            "candidates": self.candidates, "notes": self.notes,
+        }
+
+
+# -- the error table --------------------------------------------------------------------------
+
+def _variants(target: str, head_dim: int, rotation: bool) -> dict[str, tuple[Any, str]]:
+    """name -> (how to fake-quantize, kind) for every cache type the target offers."""
+    from kvlens.quant import QuantSpec
+    from kvlens.quant.cachetypes import parse_cache_type
+
+    if target == "llama.cpp":
+        return {t: (parse_cache_type(t if t == "f16" or rotation else t + "+norot"), "type")
+                for t in LLAMACPP_TYPES}
+    if target in ("vllm", "sglang"):
+        names = VLLM_FP8 if target == "vllm" else SGLANG_FP8
+        return {"f16": (parse_cache_type("f16"), "type")} | {
+            n: (parse_cache_type(n), "type") for n in names}
+    out = {}
+    for bits in (4, 2):
+        for gran in ("per-token", "per-channel"):
+            for g in (64, 32):
+                if gran == "per-token" and head_dim % g:
+                    continue
+                out[f"{bits}:{gran}:{g}"] = (QuantSpec(bits, gran, g), "spec")
+    return out
+
+
+def _fake(x, how, kind: str, tensor: str, scale=None):
+    from kvlens.quant import fake_quantize, fake_quantize_format
+    from kvlens.quant.cachetypes import DenseType
+
+    if kind == "spec":
+        return fake_quantize(x, how)
+    if isinstance(how, DenseType):
+        return x.half().float()
+    return fake_quantize_format(x, how, tensor, scale)
+
+
+def measure_errors(path: str | Path, target: str, opts: TargetOptions,
+                   progress: Callable[[int, int], None] = lambda d, t: None):
+    """``(meta, windows, table, scales)``: ``table[layer][(tensor, name)]`` = relative
+    attention-output error; ``scales[layer][(tensor, name)]`` = calibrated static fp8 scales
+    (float list) of the calibrated types (module docstring)."""
+    import torch
+
+    from kvlens.metrics import attention_output, rel_error
+    from kvlens.quant.formats import calibrate_scale, engine_rotation
+    from kvlens.store import open_capture
+
+    table, scales, windows = [], [], []
+    with open_capture(path) as cap:
+        meta = cap.meta
+        variants = _variants(target, meta.head_dim, opts.rotation)
+        n_tok = min(opts.tokens, meta.num_tokens)
+        n_smp = min(opts.samples, meta.num_samples)
+        for i, idx in enumerate(meta.layers):
+            data = cap.layer(idx)
+            a = data.attrs
+            windows.append(a.sliding_window or None)
+            full = {"key": data.read("k"), "value": data.read("v")}
+            q = data.read("q")[:n_smp, :, :n_tok].float()
+            kv = {t: x[:n_smp, :, :n_tok].float() for t, x in full.items()}
+            with torch.no_grad():
+                ref = attention_output(q, kv["key"], kv["value"], a.scaling, a.sliding_window,
+                                       a.logit_softcap)
+                row, srow, cal = {}, {}, {}
+                for name, (how, _) in variants.items():
+                    fmt = getattr(how, "format", None)
+                    if getattr(fmt, "family", None) != "fp8" or fmt.fixed_scale is not None:
+                        continue
+                    for tensor in ("key", "value"):
+                        x = full[tensor]
+                        if how.rotates(x.shape[-1]):
+                            x = x @ engine_rotation(tensor, x.shape[-1])
+                        cal[(tensor, name)] = calibrate_scale(x, fmt)
+                    if target == "sglang":  # one scale per layer for K and V (their max)
+                        both = torch.maximum(cal[("key", name)], cal[("value", name)])
+                        cal[("key", name)] = cal[("value", name)] = both
+                srow = {k: v.flatten().tolist() for k, v in cal.items()}
+                for tensor in ("key", "value"):
+                    for name, (how, kind) in variants.items():
+                        scale = cal.get((tensor, name))
+                        xq = _fake(kv[tensor], how, kind, tensor, scale)
+                        args = dict(kv, **{tensor: xq})
+                        out = attention_output(q, args["key"], args["value"], a.scaling,
+                                               a.sliding_window, a.logit_softcap)
+                        row[(tensor, name)] = rel_error(ref, out)
+            table.append(row)
+            scales.append(srow)
+            progress(i + 1, len(meta.layers))
+    return meta, windows, table, scales
+
+
+# -- candidates per target ---------------------------------------------------------------------
+
+def _shape(meta, windows):
+    from kvlens.cache.layout import ModelShape
+
+    return ModelShape(meta.num_layers, meta.num_key_value_heads, meta.head_dim,
+                      tuple(windows) if any(windows) else ())
+
+
+def _bits(config, shape, context: int) -> float:
+    from kvlens.cache.layout import config_bits
+
+    return config_bits(config, shape, context)
+
+
+def _llamacpp(table, shape, opts) -> list[TargetCandidate]:
+    from kvlens.deploy.presets import engine_config
+
+    out = []
+    for k in LLAMACPP_TYPES:
+        for v in LLAMACPP_TYPES:
+            name = f"llamacpp:{k}/{v}" + ("" if opts.rotation else ":norot")
+            cfg = engine_config(name).config
+            errs = [(row[("key", k)], row[("value", v)]) for row in table]
+            cmd = f"llama-server -m MODEL.gguf -ctk {k} -ctv {v}"
+            if v != "f16":
+                cmd += " -fa on"
+            deploy = {"target": "llama.cpp", "command": cmd, "cache_type_k": k,
+                      "cache_type_v": v, "docs": DOCS["llama.cpp"]}
+            if not opts.rotation:
+                deploy["env"] = {"LLAMA_ATTN_ROT_DISABLE": "1"}
+                deploy["command"] = "LLAMA_ATTN_ROT_DISABLE=1 " + cmd
+            out.append(TargetCandidate(name, cfg, _bits(cfg, shape, opts.context), errs, deploy))
+    return out
+
+
+def _fp8_scales(scales, layers, dtype: str) -> dict:
+    """kv_scales of a calibrated dtype for ``layers`` (from ``measure_errors``)."""
+    return {i: {"key": tuple(scales[i][("key", dtype)]),
+                "value": tuple(scales[i][("value", dtype)])} for i in layers}
+
+
+def _vllm(table, scales, shape, opts, meta) -> list[TargetCandidate]:
+    from kvlens.kvconfig import KVConfig, LayerKV
+
+    out = []
+    n = len(table)
+    for dtype in VLLM_FP8:
+        contrib = [row[("key", dtype)] ** 2 + row[("value", dtype)] ** 2 for row in table]
+        order = sorted(range(n), key=lambda i: -contrib[i])
+        calibrated = ":s" not in dtype
+        for k in range(n + 1):
+            skip = tuple(sorted(order[:k]))
+            cfg = KVConfig(f"vllm:{dtype}" + (f":skip={','.join(map(str, skip))}" if skip else ""),
+                           LayerKV(key_format=dtype, value_format=dtype),
+                           {i: LayerKV(key_format="f16", value_format="f16") for i in skip},
+                           fp_dtype="float16")
+            if calibrated:
+                cfg = replace(cfg, kv_scales=_fp8_scales(
+                    scales, [i for i in range(n) if i not in skip], dtype))
+            errs = [(0.0, 0.0) if i in skip else (row[("key", dtype)], row[("value", dtype)])
+                    for i, row in enumerate(table)]
+            base = dtype.split(":")[0]
+            cmd = f"vllm serve MODEL --kv-cache-dtype {base}"
+            if skip:
+                cmd += f" --kv-cache-dtype-skip-layers {','.join(map(str, skip))}"
+            deploy = {"target": "vllm", "command": cmd, "kv_cache_dtype": base,
+                      "skip_layers": list(skip), "docs": DOCS["vllm"],
+                      "scales": "calibrated (k_scale_file)" if calibrated else
+                      "default 1.0 (no scales in the checkpoint, calculate_kv_scales off)"}
+            if calibrated:
+                deploy["k_scale_file"] = "kv_scales.json"
+            out.append(TargetCandidate(cfg.name, cfg, _bits(cfg, shape, opts.context), errs,
+                                       deploy))
+    return out
+
+
+def _sglang(table, scales, shape, opts) -> list[TargetCandidate]:
+    from kvlens.kvconfig import KVConfig, LayerKV
+
+    out = []
+    n = len(table)
+    for dtype in SGLANG_FP8:
+        calibrated = ":s" not in dtype
+        cfg = KVConfig(f"sglang:{dtype}", LayerKV(key_format=dtype, value_format=dtype),
+                       fp_dtype="float16")
+        errs = [(row[("key", dtype)], row[("value", dtype)]) for row in table]
+        if calibrated:
+            cfg = replace(cfg, kv_scales=_fp8_scales(scales, range(n), dtype))
+        base = dtype.split(":")[0]
+        cmd = f"python -m sglang.launch_server --model-path MODEL --kv-cache-dtype {base}"
+        if calibrated:
+            cmd += " --quantization-param-path kv_scales.json"
+        deploy = {"target": "sglang", "command": cmd, "kv_cache_dtype": base,
+                  "docs": DOCS["sglang"]}
+        out.append(TargetCandidate(cfg.name, cfg, _bits(cfg, shape, opts.context), errs,
+                                   deploy))
+    return out
+
+
+def _transformers(table, shape, opts, head_dim: int) -> list[TargetCandidate]:
+    from kvlens.deploy.presets import engine_config
+
+    out = []
+    for bits, ak, av, g in QUANTO:
+        gk = "per-token" if ak == 0 else "per-channel"
+        gv = "per-token" if av == 0 else "per-channel"
+        if (ak == 0 or av == 0) and head_dim % g:
+            continue
+        name = f"transformers:quanto-{bits}:axis_key={ak}:axis_value={av}:group={g}"
+        cfg = engine_config(name).config
+        errs = [(row[("key", f"{bits}:{gk}:{g}")], row[("value", f"{bits}:{gv}:{g}")])
+                for row in table]
+        kwargs = {"backend": "quanto", "nbits": bits, "axis_key": ak, "axis_value": av,
+                  "q_group_size": g, "residual_length": 128}
+        cmd = ("model.generate(**inputs, cache_implementation=\"quantized\", cache_config="
+               + json.dumps(kwargs) + ")")
+        out.append(TargetCandidate(name, cfg, _bits(cfg, shape, opts.context), errs,
+                                   {"target": "transformers", "command": cmd,
+                                    "cache_config": kwargs, "docs": DOCS["transformers"]}))
+    return out
+
+
+def pareto(cands: list[TargetCandidate]) -> list[TargetCandidate]:
+    """Candidates no cheaper-or-equal one beats: bits ascending, score strictly descending."""
+    front: list[TargetCandidate] = []
+    for c in sorted(cands, key=lambda c: (c.bits, c.score)):
+        if not front or c.score < front[-1].score:
+            front.append(c)
+    return front
+
+
+def choose(front: list[TargetCandidate], opts: TargetOptions, kld_model=None
+           ) -> TargetCandidate:
+    """The cheapest candidate under ``max_kld`` (needs ``kld_model``), else the lowest score
+    within ``budget_bits``; ``ConfigError`` when nothing qualifies."""
+    if opts.max_kld is not None:
+        ok = [c for c in front if kld_model.predict(c.score) <= opts.max_kld
+              and (opts.budget_bits is None or c.bits <= opts.budget_bits)]
+        if not ok:
+            best = min(front, key=lambda c: c.score)
+            raise ConfigError(f"No {opts.target} setting is predicted under KLD {opts.max_kld}: "
+                              f"the most accurate, {best.setting} ({best.bits:.2f} bits), is "
+                              f"predicted at {kld_model.predict(best.score):.4g}; raise "
+                              "--max-kld.")
+        return min(ok, key=lambda c: (c.bits, c.score))
+    ok = [c for c in front if c.bits <= opts.budget_bits]
+    if not ok:
+        cheapest = min(front, key=lambda c: c.bits)
+        raise ConfigError(f"No {opts.target} setting fits {opts.budget_bits} bits per element at "
+                          f"{opts.context} tokens; the cheapest, {cheapest.setting}, holds "
+                          f"{cheapest.bits:.2f}. Raise --budget-bits.")
+    return min(ok, key=lambda c: c.score)
+
+
+def candidates_for(target: str, meta, windows, table, scales, opts) -> list[TargetCandidate]:
+    shape = _shape(meta, windows)
+    if target == "llama.cpp":
+        return _llamacpp(table, shape, opts)
+    if target == "vllm":
+        return _vllm(table, scales, shape, opts, meta)
+    if target == "sglang":
+        return _sglang(table, scales, shape, opts)
+    return _transformers(table, shape, opts, meta.head_dim)
+
+
+def _anchors(front: list[TargetCandidate], n: int) -> list[TargetCandidate]:
+    """Up to ``n`` candidates of the front spread over ``log S`` (scores > 0)."""
+    pos = sorted((c for c in front if c.score > 0), key=lambda c: c.score)
+    if len(pos) <= n:
+        return pos
+    lo, hi = math.log(pos[0].score), math.log(pos[-1].score)
+    picks = []
+    for j in range(n):
+        want = lo + (hi - lo) * j / max(n - 1, 1)
+        best = min(pos, key=lambda c: abs(math.log(c.score) - want))
+        if best not in picks:
+            picks.append(best)
+    return picks
+
+
+def measure_kld(model_bundle, configs, eval_tokens: int, progress=lambda m: None) -> list[dict]:
+    """Mean KLD (with interval) of ``configs`` on the held-out text (``kvlens.evaluate``)."""
+    from kvlens.evaluate import EvalOptions, evaluate_configs
+
+    model, tok = model_bundle
+    report = evaluate_configs(model, tok, list(configs),
+                              EvalOptions(evals=("kld",), eval_tokens=eval_tokens, chunk=64),
+                              progress=progress)
+    return [{"setting": r["name"], "bits_per_element": r["bits_per_element"],
+             "mean_kld": r["kld"]["mean_kld"]["value"], "ci95": r["kld"]["mean_kld"]["ci95"],
+             "top1_agreement": r["kld"]["top1_agreement"]["value"]}
+            for r in report["results"]]
+
+
+def recommend_target(path: str | Path, opts: TargetOptions,
+                     progress: Callable[[int, int], None] = lambda d, t: None,
+                     log: Callable[[str], None] = lambda m: None, model_bundle=None
+                     ) -> TargetRecommendation:
+    """Measure, enumerate the target's menu, fit the KLD model when ``max_kld`` asks for it
+    (anchors measured on ``model_bundle`` = ``(model, tokenizer)``, loaded from the capture's
+    model when None) and choose (module docstring)."""
+    from kvlens.deploy.kld_model import fit_kld_model
+
+    meta, windows, table, scales = measure_errors(path, opts.target, opts, progress)
+    cands = candidates_for(opts.target, meta, windows, table, scales, opts)
+    front = pareto(cands)
+    notes = [f"error table: {min(opts.tokens, meta.num_tokens)} tokens x "
+             f"{min(opts.samples, meta.num_samples)} sample(s) per layer, every token "
+             "quantized; S = sum over layers of e_K^2 + e_V^2 (uniform layer weights)"]
+    if opts.target == "sglang":
+        notes.append("SGLang's scale file holds one scale per layer for K and V: kvlens "
+                     "calibrates their max and measures with it")
+    if opts.target == "transformers":
+        notes.append("transformers: errors with every token quantized; QuantizedCache keeps "
+                     "up to residual_length tokens exact, so it reads less error than that")
+    rec_model, anchors = None, []
+    if opts.max_kld is not None:
+        if model_bundle is None:
+            model_bundle = _load(meta, opts)
+        picks = _anchors(front, opts.anchors)
+        log(f"KLD anchors ({opts.eval_tokens} tokens): {', '.join(c.setting for c in picks)}")
+        anchors = measure_kld(model_bundle, [c.config for c in picks], opts.eval_tokens, log)
+        for a, c in zip(anchors, picks):
+            a["score"] = c.score
+        rec_model = fit_kld_model([(a["score"], a["mean_kld"]) for a in anchors])
+    chosen = choose(front, opts, rec_model)
+    rec = TargetRecommendation(opts.target, chosen, front, len(cands), opts.context, rec_model,
+                               None if rec_model is None else rec_model.predict(chosen.score),
+                               anchors, notes)
+    rec.files = scale_files(rec, meta)
+    return rec
+
+
+def _load(meta, opts):
+    from kvlens.models import load_model
+    from kvlens.recommend import model_spec_from_capture
+
+    spec = opts.model or model_spec_from_capture(meta)
+    model, tok, _ = load_model(spec)
+    return model, tok
+
+
+def scale_files(rec: TargetRecommendation, meta) -> dict[str, str]:
+    """The calibrated scale file of a vLLM / SGLang choice (name -> JSON text)."""
+    cfg = rec.chosen.config
+    if not cfg.kv_scales:
+        return {}
+    if rec.target == "vllm":
+        doc = {f"model.layers.{i}.self_attn.{t[0]}_scale": (v[0] if len(v) == 1 else list(v))
+               for i, s in sorted(cfg.kv_scales.items()) for t, v in s.items()}
+        return {"kv_scales.json": json.dumps(doc, indent=2) + "\n"}
+    doc = {"model_type": meta.model_type,
+           "kv_cache": {"dtype": "float8_e4m3fn",
+                        "scaling_factor": {"0": {str(i): s["key"][0]
+                                                 for i, s in sorted(cfg.kv_scales.items())}}}}
+    return {"kv_scales.json": json.dumps(doc, indent=2) + "\n"}
+
+
+def validate(rec: TargetRecommendation, model_bundle, eval_tokens: int, progress=lambda m: None
+             ) -> dict:
+    """Measured KLD of the chosen setting (simulated engine format) vs its prediction."""
+    got = measure_kld(model_bundle, [rec.chosen.config], eval_tokens, progress)[0]
+    got["predicted_kld"] = rec.predicted_kld
+    return got

@@ -1,0 +1,205 @@
+"""``recommend --target``: engine menus, planted answers, the KLD predictor, the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from test_compare import SCALING
+from typer.testing import CliRunner
+
+from kvlens.cli import app
+from kvlens.deploy.kld_model import fit_kld_model
+from kvlens.deploy.targets import TargetOptions, pareto, recommend_target
+from kvlens.errors import ConfigError, InputError
+from kvlens.kvconfig import load_config
+from kvlens.store import CaptureMeta, LayerAttrs, write_capture
+
+runner = CliRunner()
+HQ, HKV, T, D = 4, 2, 64, 64
+
+
+def _capture(path, layers: list[tuple]) -> str:
+    """A synthetic capture with its own (q, k, v) per layer."""
+    meta = CaptureMeta(model="synthetic", architecture="Synthetic", model_type="llama",
+                       num_layers=len(layers), num_attention_heads=HQ, num_key_value_heads=HKV,
+                       head_dim=D, has_rope=False, rope={}, rope_layout="none", rotary_dim=0,
+                       compute_dtype="float32", storage_dtype="float32", num_samples=1,
+                       num_tokens=T, layers=tuple(range(len(layers))))
+    data = {i: {"q": q, "k": k, "v": v, "q_pre": q, "k_pre": k}
+            for i, (q, k, v) in enumerate(layers)}
+    attrs = {i: LayerAttrs(i, SCALING, 0, 0.0) for i in range(len(layers))}
+    write_capture(path, meta, data, layer_attrs=attrs)
+    return str(path)
+
+
+def _normal(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, HQ, T, D, generator=g), torch.randn(1, HKV, T, D, generator=g),
+            torch.randn(1, HKV, T, D, generator=g))
+
+
+@pytest.fixture(scope="module")
+def offset_capture(tmp_path_factory):
+    """Keys on a large offset (100 + U[0, 1)): only a type that stores a minimum (q4_1, q5_1)
+    keeps them at 4-5 bits."""
+    layers = []
+    for seed in range(2):
+        q, k, v = _normal(seed)
+        k = 100 + torch.rand(k.shape, generator=torch.Generator().manual_seed(9 + seed))
+        layers.append((q, k, v))
+    return _capture(tmp_path_factory.mktemp("t") / "offset.h5", layers)
+
+
+@pytest.fixture(scope="module")
+def outlier_capture(tmp_path_factory):
+    """Layer 2's keys are tiny (1e-4) with one huge outlier (1e4): a per-tensor fp8 scale
+    flushes them to zero, so skipping layer 2 is the best single skip."""
+    layers = [_normal(s) for s in range(4)]
+    q, k, v = layers[2]
+    k = k * 1e-4
+    k[0, 0, 0, 0] = 1e4
+    layers[2] = (q * 1e4, k, v)
+    return _capture(tmp_path_factory.mktemp("t") / "outlier.h5", layers)
+
+
+def test_kld_model_recovers_a_planted_power_law():
+    pts = [(s, 0.3 * s ** 1.2) for s in (0.01, 0.1, 0.5, 2.0)]
+    m = fit_kld_model(pts)
+    assert m.c == pytest.approx(0.3) and m.alpha == pytest.approx(1.2)
+    assert m.log_rmse == pytest.approx(0.0, abs=1e-12)
+    assert m.predict(1.0) == pytest.approx(0.3)
+    assert m.predict(m.max_score(0.05)) == pytest.approx(0.05)
+    one = fit_kld_model([(0.2, 0.01), (0.0, 0.5)])  # S = 0 carries no information
+    assert one.alpha == 1.0 and one.predict(0.4) == pytest.approx(0.02)
+    with pytest.raises(InputError, match="no setting"):
+        fit_kld_model([(0.0, 0.1)])
+    noisy = fit_kld_model([(1.0, 0.1 * 1.1), (1.0, 0.1 / 1.1)])  # same S: alpha 1, c 0.1
+    assert noisy.c == pytest.approx(0.1) and noisy.log_rmse == pytest.approx(math.log(1.1))
+
+
+def test_llamacpp_picks_the_type_with_a_minimum_for_offset_keys(offset_capture):
+    """Without the rotation (LLAMA_ATTN_ROT_DISABLE=1), at 4.75 bits (one 5-bit and one
+    4.5-bit type) the offset keys get q4_1; the front is monotone."""
+    rec = recommend_target(offset_capture, TargetOptions("llama.cpp", budget_bits=4.75,
+                                                         rotation=False))
+    c = rec.chosen
+    assert c.deploy["cache_type_k"] == "q4_1" and c.bits <= 4.75
+    assert c.deploy["command"].startswith("LLAMA_ATTN_ROT_DISABLE=1 llama-server -m MODEL.gguf "
+                                          "-ctk q4_1 -ctv ")
+    assert c.deploy["env"] == {"LLAMA_ATTN_ROT_DISABLE": "1"}
+    assert c.setting.endswith(":norot") and c.config.default.key_format == "q4_1+norot"
+    assert rec.candidates == 49
+    bits = [f.bits for f in rec.front]
+    scores = [f.score for f in rec.front]
+    assert bits == sorted(bits) and scores == sorted(scores, reverse=True)
+    # f16 is not exact for keys near 100 (step 1/16): q5_1's stored minimum beats it
+    assert rec.front[-1].setting == "llamacpp:q5_1/f16:norot"
+    rot = recommend_target(offset_capture, TargetOptions("llama.cpp", budget_bits=4.75))
+    assert "env" not in rot.chosen.deploy and rot.chosen.config.default.key_format in (
+        "q4_1", "q4_0", "iq4_nl", "q5_0")
+
+
+def test_vllm_skips_the_layer_a_per_tensor_scale_ruins(outlier_capture):
+    rec = recommend_target(outlier_capture, TargetOptions("vllm", budget_bits=10.1))
+    c = rec.chosen
+    assert c.deploy["skip_layers"] == [2]
+    assert "--kv-cache-dtype-skip-layers 2" in c.deploy["command"]
+    assert rec.where_it_hurts(1)[0]["layer"] != 2
+    assert bool(c.config.kv_scales) == ("kv_scales.json" in rec.files)
+    # the calibrated fp8_e4m3 candidate with layer 2 skipped: its scale file has no layer 2
+    from dataclasses import replace
+
+    from kvlens.deploy.targets import candidates_for, measure_errors, scale_files
+
+    opts = TargetOptions("vllm", budget_bits=10.1)
+    meta, windows, table, sc = measure_errors(outlier_capture, "vllm", opts)
+    cand = next(x for x in candidates_for("vllm", meta, windows, table, sc, opts)
+                if x.setting == "vllm:fp8_e4m3:skip=2")
+    scales = json.loads(scale_files(replace(rec, chosen=cand), meta)["kv_scales.json"])
+    assert set(scales) == {f"model.layers.{i}.self_attn.{t}_scale" for i in (0, 1, 3)
+                           for t in "kv"}
+    k0 = sc[0][("key", "fp8_e4m3")][0]
+    assert scales["model.layers.0.self_attn.k_scale"] == k0 > 0
+    with pytest.raises(ConfigError, match="cheapest"):
+        recommend_target(outlier_capture, TargetOptions("vllm", budget_bits=7.0))
+
+
+def test_max_kld_takes_the_cheapest_setting_under_the_fitted_prediction(offset_capture,
+                                                                         monkeypatch):
+    """Anchors 'measured' as KLD = 0.5 * S: the fit recovers it and the choice is the
+    cheapest front setting with 0.5 * S <= X."""
+    import kvlens.deploy.targets as targets
+
+    def fake_measure(bundle, configs, eval_tokens, progress=None):
+        out = []
+        for cfg in configs:
+            cand = next(f for f in front if f.config is cfg)
+            out.append({"setting": cfg.name, "mean_kld": 0.5 * cand.score, "ci95": [0, 1],
+                        "bits_per_element": cand.bits, "top1_agreement": 1.0})
+        return out
+
+    base = recommend_target(offset_capture, TargetOptions("llama.cpp", budget_bits=16))
+    front = base.front
+    monkeypatch.setattr(targets, "measure_kld", fake_measure)
+    monkeypatch.setattr(targets, "pareto", lambda cands: front)
+    x = 0.5 * sorted(f.score for f in front if f.score > 0)[1]
+    rec = recommend_target(offset_capture, TargetOptions("llama.cpp", max_kld=x),
+                           model_bundle=("model", "tok"))
+    assert rec.kld_model.c == pytest.approx(0.5) and rec.kld_model.alpha == pytest.approx(1.0)
+    ok = [f for f in front if 0.5 * f.score <= x * (1 + 1e-9)]
+    assert rec.chosen.bits == min(f.bits for f in ok)
+    assert rec.predicted_kld <= x * (1 + 1e-9)
+    with pytest.raises(ConfigError, match="raise --max-kld"):
+        recommend_target(offset_capture, TargetOptions("llama.cpp", max_kld=-0.0 + 1e-300),
+                         model_bundle=("model", "tok"))
+
+
+def test_pareto_drops_dominated_settings():
+    from kvlens.deploy.targets import TargetCandidate
+
+    def cand(bits, err):
+        return TargetCandidate(f"{bits}/{err}", None, bits, [(err, 0.0)], {})
+
+    front = pareto([cand(4.5, 0.3), cand(5.0, 0.4), cand(6.0, 0.1), cand(4.5, 0.2)])
+    assert [f.setting for f in front] == ["4.5/0.2", "6.0/0.1"]
+
+
+def test_options_are_checked():
+    with pytest.raises(ConfigError, match="allowed: kvlens, llama.cpp, vllm, sglang"):
+        TargetOptions("tensorrt", budget_bits=8)
+    with pytest.raises(InputError, match="--budget-bits B .* or --max-kld X"):
+        TargetOptions("vllm")
+
+
+def test_cli_target_json_writes_config_and_scales(outlier_capture, tmp_path):
+    out = tmp_path / "kv.json"
+    result = runner.invoke(app, ["recommend", outlier_capture, "--target", "sglang",
+                                 "--budget-bits", "9", "-o", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["deploy"]["target"] == "sglang"
+    assert doc["deploy"]["command"].startswith("python -m sglang.launch_server")
+    cfg = load_config(out)
+    assert cfg.default.key_format.startswith("fp8_e")
+    if cfg.kv_scales:
+        scales = json.loads((tmp_path / "kv_scales.json").read_text())
+        assert scales["kv_cache"]["dtype"] == "float8_e4m3fn"
+        assert set(scales["kv_cache"]["scaling_factor"]["0"]) == {"0", "1", "2", "3"}
+        for s in cfg.kv_scales.values():
+            assert s["key"] == s["value"]  # SGLang: one scale per layer
+    table = runner.invoke(app, ["recommend", outlier_capture, "--target", "llama.cpp",
+                                "--budget-bits", "6"])
+    assert table.exit_code == 0, table.output
+    assert "Deploy on llama.cpp: llama-server" in table.stdout and "Where it hurts" in \
+        table.stdout
+
+
+def test_cli_target_errors(outlier_capture):
+    result = runner.invoke(app, ["recommend", outlier_capture, "--target", "tgi",
+                                 "--budget-bits", "8"])
+    assert result.exit_code == 1 and "allowed: kvlens, llama.cpp" in result.output
+    result = runner.invoke(app, ["recommend", outlier_capture])
+    assert result.exit_code == 1 and "--budget-bits is required" in result.output
