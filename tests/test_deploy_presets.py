@@ -50,6 +50,15 @@ def test_vllm_and_sglang_static_fp8_default_to_scale_one():
     assert "non-uniform" in " ".join(engine_config("vllm:int4-pth").notes)
 
 
+def test_sglang_per_head_scales_are_simulated_with_a_note(tmp_path):
+    q, k, v = (torch.randn(1, 4, 8, 64), torch.randn(1, 2, 8, 64), torch.randn(1, 2, 8, 64))
+    path = make_capture(tmp_path / "run.h5", q, k, v, layers=1)
+    s = engine_config("sglang:fp8_e4m3@head", calibration=str(path))
+    assert s.config.default.key_format == "fp8_e4m3@head"
+    assert len(s.config.kv_scales[0]["key"]) == 2
+    assert any("SGLang cannot run them" in n for n in s.notes)
+
+
 def test_static_scales_calibrated_from_a_capture(tmp_path):
     """Planted absmax per head (3 and 5 for keys, 7 and 0.5 for values): per-tensor and per-head
     scales are absmax / 448 exactly."""
@@ -92,7 +101,6 @@ def test_transformers_quanto_maps_to_kvlens_layouts():
     ("vllm:int2", "fp8, fp8_e4m3, fp8_e5m2, int8-pth"),
     ("vllm:fp8@token", "@head"),
     ("sglang:fp4_e2m1", "fp8_e4m3, fp8_e5m2"),
-    ("sglang:fp8_e4m3@head", "one scale per layer"),
     ("transformers:quanto-3", "quanto-2 and quanto-4"),
     ("transformers:quanto-4:axis_key=1", "0 or -1"),
     ("transformers:quanto-4:nbits=4", "allowed: axis_key"),

@@ -29,7 +29,8 @@ def generate(
                                     help="exact, fp16, kivi-2, kivi-4, per-token-2, "
                                          "per-token-4, mikv-2, mikv-4, kivi-2-sinks, "
                                          "kivi-2-rot, per-token-2-rot, per-token-4-rot, "
-                                         "kivi-2-prerope."),
+                                         "kivi-2-prerope; or an engine setting (see "
+                                         "--compare)."),
     prompt: str = typer.Option(None, "--prompt", help="Prompt to continue."),
     prompt_file: Path = typer.Option(None, "--prompt-file", help="UTF-8 file with the prompt."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens to generate."),
@@ -44,7 +45,7 @@ def generate(
                                 help="Comma list of presets, config files, transformers "
                                      "baselines (hf-quanto-2/4, hf-hqq-2/4, hf-fp8) and engine "
                                      "settings to run side by side on the same inputs. Engine "
-                                     "settings (docs/deploy.md): llamacpp:K/V[:norot][:nofa] "
+                                     "settings (docs/deploy/README.md): llamacpp:K/V[:norot][:nofa] "
                                      "or llamacpp:T (types f32 f16 bf16 q8_0 q4_0 q4_1 iq4_nl "
                                      "q5_0 q5_1), vllm:D[@head][:pP][:skip=L,L] (D fp8 "
                                      "fp8_e4m3 fp8_e5m2 int8-pth int4-pth fp8-pth), "

@@ -170,7 +170,11 @@ def _static_or_pth(raw: str, engine: str, parts: list[str], calibration: str | N
         if scope not in ("", "head"):
             raise _bad(raw, f"scale scope @{scope}; allowed: none (per tensor) or @head")
         if engine == "sglang" and scope:
-            raise _bad(raw, "SGLang loads one scale per layer (no @head)")
+            notes.append(f"{raw}: SGLang loads one scale per layer (--quantization-param-path); "
+                         "per-head scales are simulated anyway, SGLang cannot run them.")
+        elif scope:
+            notes.append(f"{raw}: vLLM applies per-head scales only with its Flash Attention "
+                         "backend and llm-compressor's calibration (vLLM docs).")
         base = "fp8_e4m3" if dtype == "fp8" else dtype
         fmt = base + ("@head" if scope else "")
         if calibration is None:

@@ -430,6 +430,10 @@ def recommend_target(path: str | Path, opts: TargetOptions,
     if opts.target == "sglang":
         notes.append("SGLang's scale file holds one scale per layer for K and V: kvlens "
                      "calibrates their max and measures with it")
+    if opts.target == "llama.cpp":
+        notes.append("llama.cpp CUDA builds compile flash-attention kernels only for K/V type "
+                     "pairs q4_0/q4_0, q8_0/q8_0 and f16/f16 unless built with "
+                     "-DGGML_CUDA_FA_ALL_QUANTS=ON; the CPU backend runs every pair")
     if opts.target == "transformers":
         notes.append("transformers: errors with every token quantized; QuantizedCache keeps "
                      "up to residual_length tokens exact, so it reads less error than that")
