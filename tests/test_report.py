@@ -89,9 +89,9 @@ def test_report_has_every_section_and_embeds_every_figure(run_dir, tmp_path):
     n_png = len(found["compare-axes"][0][1]["figures"])
     assert html.count("<img ") == html.count('<img src="data:image/png;base64,') == n_png
     assert html.count("<svg") >= n_svg
-    # the only missing part on main: deploy settings (no engine targets yet)
-    assert "deploy settings" in html and 'id="deploy-table"' not in html
-    assert "missing Recommendation: deploy settings" in res.output  # said on stderr too
+    # recommend records its deploy entry (target kvlens: the config to run)
+    assert 'id="deploy-table"' in html and "kvlens generate --config " in html
+    assert "missing Recommendation: deploy settings" not in res.output
 
 
 def test_verdict_compares_the_configs_that_were_scored(run_dir, tmp_path):
