@@ -73,7 +73,9 @@ class CompressionSession:
                                           scale_dtype=self.config.scale_dtype,
                                           fp_dtype=self.config.fp_dtype, mikv=self.config.mikv,
                                           balancer=bal, sliding_window=windows[idx],
-                                          rotation=rotation, session=self))
+                                          rotation=rotation, session=self,
+                                          gear=self.config.gear if self.config.layer(idx)
+                                          .compressed else None))
         return Cache(layers=layers)
 
 
@@ -186,7 +188,9 @@ def held_bytes(obj) -> int:
     """Bytes of every tensor storage reachable from ``obj`` through attributes, lists, tuples
     and dicts (each storage once). The walk does not enter modules, the compression session or
     anything outside kvlens' cache objects, so it counts what the cache holds, not the model."""
+    from kvlens.cache.gear import GearTensor
     from kvlens.cache.layer import CompressedLayer, DenseTensor
+    from kvlens.cache.mixed import SetRows
     from kvlens.cache.packed import PackedTensor
 
     seen_objs: set = set()
@@ -204,6 +208,7 @@ def held_bytes(obj) -> int:
             stack.extend(o)
         elif isinstance(o, dict):
             stack.extend(o.values())
-        elif isinstance(o, (CompressedLayer, DenseTensor, PackedTensor)) or o is obj:
+        elif isinstance(o, (CompressedLayer, DenseTensor, PackedTensor, SetRows, GearTensor)) \
+                or o is obj:
             stack.extend(v for k, v in vars(o).items() if k != "session")
     return total
