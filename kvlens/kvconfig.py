@@ -19,7 +19,8 @@ channels. JSON form (``version`` 1)::
       "mikv": null | {"heavy_fraction": 0.2, "sink_tokens": 4,
                       "balancer": "off" | "online" | "fixed", "balancer_exponent": 0.5,
                       "set_bits": null | 4 | 8},             # version 2
-      "gear": null | {"rank": 4, "outlier_fraction": 0.02, "power_iters": 3},  # version 2
+      "gear": null | {"rank": 4, "outlier_fraction": 0.02, "power_iters": 3,
+                      "layers": null | [0, 3, ...]},         # version 2
       "balancers": null | {"0": [[b_0 ... b_{D-1}] per KV head], ...},   # for "fixed"
       "scale_dtype": "float16",
       "fp_dtype": "float16" | "bfloat16" | "float32" | "exact",
@@ -39,7 +40,8 @@ changes when nothing is quantized. Not with pre-RoPE keys or a balancer on the s
 
 ``mikv.set_bits``: the bit width the MiKV importance set (heavy hitters and sinks) is stored at:
 ``null`` = ``fp_dtype`` (as before), 4 or 8 = per-token integer codes (``kvlens.cache.mixed``).
-``gear``: GEAR (``kvlens.cache.gear``) on every quantized tensor of every compressed layer: each
+``gear``: GEAR (``kvlens.cache.gear``) on every quantized tensor of the compressed layers listed
+in ``gear.layers`` (``null``: every compressed layer): each
 flushed block of ``F`` tokens (the layer's flush block, GEAR's ``n_b``) is stored as quantized
 codes plus the ``outlier_fraction`` largest entries of each quantization vector (sparse) plus a
 rank-``rank`` approximation of the block's remaining residual (``power_iters`` power
@@ -72,7 +74,7 @@ _TOP_KEYS = ("format", "version", "name", "description", "default", "layers", "m
              "balancers", "scale_dtype", "fp_dtype", "rotation_seed", "model")
 _MIKV_KEYS = ("heavy_fraction", "sink_tokens", "balancer", "balancer_exponent", "set_bits")
 SET_BITS = (4, 8)  # integer widths of the MiKV importance set (None: fp_dtype)
-_GEAR_KEYS = ("rank", "outlier_fraction", "power_iters")
+_GEAR_KEYS = ("rank", "outlier_fraction", "power_iters", "layers")
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,7 @@ class GearSettings:
     rank: int = 4
     outlier_fraction: float = 0.02
     power_iters: int = 3
+    layers: tuple[int, ...] | None = None  # None: every compressed layer
 
     def __post_init__(self) -> None:
         r = self.rank
@@ -181,6 +184,13 @@ class GearSettings:
         i = self.power_iters
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= 20:
             raise ConfigError(f"Invalid gear.power_iters {i!r}; allowed: an integer 0-20.")
+        if self.layers is not None:
+            ok = isinstance(self.layers, (list, tuple)) and all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in self.layers)
+            if not ok or len(set(self.layers)) != len(self.layers):
+                raise ConfigError(f"Invalid gear.layers {self.layers!r}; allowed: null (every "
+                                  "compressed layer) or a list of distinct layer indices >= 0.")
+            object.__setattr__(self, "layers", tuple(sorted(self.layers)))
 
     def check_block(self, block: int, head_dim: int | None, where: str) -> None:
         """The rank cannot exceed what a ``block x head_dim`` residual has."""
@@ -193,7 +203,8 @@ class GearSettings:
 
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "outlier_fraction": self.outlier_fraction,
-                "power_iters": self.power_iters}
+                "power_iters": self.power_iters,
+                "layers": None if self.layers is None else list(self.layers)}
 
 
 @dataclass(frozen=True)
@@ -235,8 +246,10 @@ class KVConfig:
                               "them; set mikv.balancer to 'fixed' (allowed: "
                               f"{', '.join(BALANCER_MODES)}) or remove 'balancers'.")
         if self.gear is not None:
-            for idx, setting in [(None, self.default), *sorted(self.layers.items())]:
-                where = "default" if idx is None else f"layers.{idx}"
+            targets = [(None, self.default), *sorted(self.layers.items())] \
+                if self.gear.layers is None else [(i, self.layer(i)) for i in self.gear.layers]
+            for idx, setting in targets:
+                where = "default" if idx is None else f"layer {idx}"
                 if setting.compressed and setting.pre_rope_keys and setting.key is not None:
                     raise ConfigError(f"{where}: gear cannot be combined with pre_rope_keys (the "
                                       "low-rank and sparse terms live in the stored basis, which "
@@ -251,6 +264,14 @@ class KVConfig:
 
     def layer(self, idx: int) -> LayerKV:
         return self.layers.get(idx, self.default)
+
+    def gear_for(self, idx: int) -> GearSettings | None:
+        """The GEAR settings layer ``idx`` stores its quantized tensors with (or ``None``)."""
+        g = self.gear
+        if g is None or not self.layer(idx).compressed or (g.layers is not None
+                                                            and idx not in g.layers):
+            return None
+        return g
 
     @property
     def compressed(self) -> bool:
@@ -530,7 +551,7 @@ def validate_for(config: KVConfig, info) -> None:
             if spec is not None:
                 check_layout(spec, layer.residual_tokens, d, f"layer {idx} {what}",
                              layer.flush_tokens)
-                if config.gear is not None:
+                if config.gear_for(idx) is not None:
                     from kvlens.cache.packed import flush_block
 
                     config.gear.check_block(flush_block(spec, layer.residual_tokens,
@@ -551,6 +572,10 @@ def validate_for(config: KVConfig, info) -> None:
         if layer.pre_rope_keys and not info.declares_rope:
             raise ConfigError(f"Config {config.name!r} asks for pre-RoPE keys but "
                               f"{info.architecture} has no rotary embedding.")
+    bad = [i for i in (config.gear.layers or ()) if i >= n] if config.gear else []
+    if bad:
+        raise ConfigError(f"gear.layers {bad}: the model has {n} layers; allowed indices: "
+                          f"0-{n - 1}.")
     for idx, b in config.balancers.items():
         if idx >= n:
             raise ConfigError(f"balancers.{idx}: the model has {n} layers; allowed indices: "

@@ -179,7 +179,7 @@ def test_gear_config_is_validated_and_versioned():
         validate_for(cfg, info)
     data = PRESETS["gear-2"].to_dict()
     assert data["version"] == 2 and data["gear"] == {"rank": 4, "outlier_fraction": 0.02,
-                                                     "power_iters": 3}
+                                                     "power_iters": 3, "layers": None}
     assert config_from_dict(json.loads(json.dumps(data))) == PRESETS["gear-2"]
     assert PRESETS["kivi-2"].to_dict()["version"] == 1 and "gear" not in PRESETS["kivi-2"].to_dict()
     with pytest.raises(ConfigError, match="need KV config version 2"):
@@ -249,3 +249,114 @@ def test_gear_layers_say_why_the_kernel_is_not_used():
     layer = CompressedLayer(LayerKV(spec, QuantSpec(2, "per-token", 16), 16), 0, 16,
                             gear=GearSettings(2), session=_session())
     assert "GEAR" in triton_unsupported(layer, torch.zeros(1, 2, 1, 16), False)
+
+
+def test_recommend_measures_prices_and_writes_gear(tmp_path):
+    """GEAR twins of the G32 candidates: lower error than their plain twins on keys with
+    outlier channels, priced with their outliers and factors, and written as ``gear.layers``
+    exactly for the layers that chose them."""
+    from dataclasses import replace
+
+    from test_recommend import _planted_capture
+
+    from kvlens.cache.gear import part_bytes
+    from kvlens.cache.layout import ModelShape, config_bits
+    from kvlens.recommend import (
+        Candidate,
+        RecommendOptions,
+        candidates,
+        choose,
+        gear_settings,
+        measure,
+        option_bytes,
+    )
+
+    path = _planted_capture(tmp_path / "p.h5", has_rope=False)
+    opts = RecommendOptions(budget_bits=4.0, group_sizes=(32,), bits=(2, 4), balancer=False,
+                            rotation=False, sensitivity="uniform", retrieval="off")
+    cands = candidates(32, opts, has_rope=False)
+    assert {(c.tensor, c.bits, c.granularity) for c in cands if c.gear} == {
+        (t, b, g) for t in ("key", "value") for b in (2, 4) for g in ("per-channel", "per-token")}
+    assert not any(c.gear for c in candidates(32, replace(opts, gear=False), False))
+    m = measure(path, opts)
+    f = opts.layer_flush(Candidate("key", 2, "per-channel", 32))
+    for table in m.tables:  # measured: 0.63-0.77x, except 2-bit per-token keys (0.77-0.91x)
+        for c in (c for c in cands if c.gear):
+            plain_err, gear_err = table[replace(c, gear=False), f][0], table[c, f][0]
+            coarse = c.tensor == "key" and c.granularity == "per-token" and c.bits == 2
+            assert gear_err < (0.95 if coarse else 0.8) * plain_err, (c, gear_err, plain_err)
+    shape = ModelShape(2, 2, 32)
+    k, v = Candidate("key", 2, "per-channel", 32), Candidate("value", 2, "per-token", 32)
+    plain = option_bytes(k, v, f, opts, shape, 0)
+    gear = option_bytes(replace(k, gear=True), replace(v, gear=True), f, opts, shape, 0)
+    held = opts.context - opts.residual_tokens + f  # the layout's quantized tokens at context
+    extra = sum(2 * sum(part_bytes(c.spec(), gear_settings(), held - held % f, f, 32, 2))
+                for c in (k, v))
+    assert gear[0] - plain[0] == extra > 0
+    chosen = {}
+    for budget in (4.0, 6.0, 9.0):
+        rec = choose(m, replace(opts, budget_bits=budget))
+        layers = set(rec.config.gear.layers) if rec.config.gear else set()
+        for ch in rec.choices:
+            assert (ch.layer in layers) == ch.candidate.gear
+        assert rec.mean_bits == pytest.approx(config_bits(rec.config, shape, opts.context))
+        assert rec.mean_bits <= budget
+        chosen[budget] = layers
+    # GEAR's factors cost ~2 bits here: not worth it on a tight budget, taken on a loose one
+    assert not chosen[4.0] and chosen[9.0]
+
+
+def test_gear_on_some_layers_generates_and_holds_what_the_layout_predicts():
+    """gear.layers = [1]: only layer 1 keeps outliers and factors; layer 2 may then store
+    pre-RoPE keys; held bytes equal the prediction while decoding."""
+    from dataclasses import replace
+
+    from test_memory import _check, _model, _prefill_then_decode, _shape
+
+    from kvlens.cache import compressed_attention
+    from kvlens.hf import cache_argument_name
+
+    s = QuantSpec
+    default = LayerKV(s(2, "per-channel", 8), s(2, "per-token", 8), 16)
+    config = KVConfig("partial-gear", default,
+                      {2: replace(default, pre_rope_keys=True)},
+                      gear=GearSettings(4, 0.1, 2, layers=[1]))
+    assert config.gear_for(0) is None and config.gear_for(1) is not None
+    with pytest.raises(ConfigError, match="pre_rope_keys"):
+        replace(config, gear=GearSettings(4, 0.1, 2, layers=[1, 2]))
+    model = _model()
+    shape = _shape(model)
+    ids = torch.randint(3, 128, (1, 90), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), compressed_attention(model, config) as session:
+        cache = session.new_cache()
+        _prefill_then_decode(model, cache, ids, 37)
+        rep = _check(cache, config, shape, 90)
+        logits = model(ids[:, -1:], use_cache=True,
+                       **{cache_argument_name(model): cache}).logits
+    assert torch.isfinite(logits).all()
+    assert [layer.kgear is not None for layer in cache.layers] == [False, True, False]
+    assert rep["breakdown"]["lowrank"] > 0 and rep["breakdown"]["outliers"] > 0
+
+
+@pytest.mark.parametrize("set_bits", [4, 8])
+def test_kernel_reads_an_integer_set_like_the_torch_path(set_bits):
+    """The Triton decode kernel (interpreter on CPU) gets the integer set dequantized as its
+    extra segment and equals the torch path."""
+    pytest.importorskip("triton")
+    from kvlens.cache.attention import triton_decode
+
+    torch.manual_seed(6)
+    b, hq, hkv, d, total = 2, 4, 2, 16, 60
+    mikv = MikvSettings(heavy_fraction=0.0, sink_tokens=4, balancer="off", set_bits=set_bits)
+    spec_k, spec_v = QuantSpec(2, "per-channel", 16), QuantSpec(2, "per-token", 16)
+    layer = CompressedLayer(LayerKV(spec_k, spec_v, 16), 0, d, mikv=mikv, session=_session())
+    k, v = torch.randn(b, hkv, total, d), torch.randn(b, hkv, total, d)
+    k[:, :, :4] *= 6  # large sink keys: the set's codes matter
+    _fill(layer, k, v, 40, hq)
+    assert layer.has_hp and layer.hp_k.bits == set_bits
+    q = torch.randn(b, hq, 1, d)
+    assert triton_unsupported(layer, q, with_probs=False) is None
+    ref, _ = packed_attention(q, layer, None, d ** -0.5)
+    out, why = triton_decode(q, layer, None, d ** -0.5)
+    assert why is None
+    torch.testing.assert_close(out, ref, atol=3e-3, rtol=3e-3)

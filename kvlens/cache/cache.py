@@ -74,8 +74,7 @@ class CompressionSession:
                                           fp_dtype=self.config.fp_dtype, mikv=self.config.mikv,
                                           balancer=bal, sliding_window=windows[idx],
                                           rotation=rotation, session=self,
-                                          gear=self.config.gear if self.config.layer(idx)
-                                          .compressed else None))
+                                          gear=self.config.gear_for(idx)))
         return Cache(layers=layers)
 
 

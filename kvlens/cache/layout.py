@@ -247,7 +247,7 @@ def config_part_bytes(config, shape: ModelShape, tokens: int, batch: int = 1
                                  scale_bytes=scale, mikv=mikv,
                                  balancer=balancer and setting.compressed,
                                  sliding_window=shape.window(i),
-                                 gear=config.gear if setting.compressed else None)
+                                 gear=config.gear_for(i))
         for k, v in parts.items():
             total[k] += v
     if any(config.layer(i).rotates for i in range(shape.num_layers)):
