@@ -360,3 +360,12 @@ def test_kernel_reads_an_integer_set_like_the_torch_path(set_bits):
     out, why = triton_decode(q, layer, None, d ** -0.5)
     assert why is None
     torch.testing.assert_close(out, ref, atol=3e-3, rtol=3e-3)
+
+
+def test_generate_help_names_every_preset():
+    import inspect
+
+    from kvlens.cli.generate import generate
+
+    text = inspect.signature(generate).parameters["preset_name"].default.help
+    assert [p for p in PRESETS if p not in text] == []
