@@ -17,7 +17,10 @@ channels. JSON form (``version`` 1)::
                   "rotate_keys": false, "rotate_values": false},
       "layers": {"0": {"key": null}},          # partial overrides, merged over "default"
       "mikv": null | {"heavy_fraction": 0.2, "sink_tokens": 4,
-                      "balancer": "off" | "online" | "fixed", "balancer_exponent": 0.5},
+                      "balancer": "off" | "online" | "fixed", "balancer_exponent": 0.5,
+                      "set_bits": null | 4 | 8},             # version 2
+      "gear": null | {"rank": 4, "outlier_fraction": 0.02, "power_iters": 3,
+                      "layers": null | [0, 3, ...]},         # version 2
       "balancers": null | {"0": [[b_0 ... b_{D-1}] per KV head], ...},   # for "fixed"
       "scale_dtype": "float16",
       "fp_dtype": "float16" | "bfloat16" | "float32" | "exact",
@@ -34,6 +37,24 @@ model's own dtype (then a config with compression off is token-for-token ``Dynam
 ``rotation_seed`` adds seeded sign flips): the cache stores ``k R`` / ``v R`` (window, sets and
 packed history alike), attends with ``q R`` and un-rotates the output by ``R^T``, so nothing
 changes when nothing is quantized. Not with pre-RoPE keys or a balancer on the same keys.
+
+``mikv.set_bits``: the bit width the MiKV importance set (heavy hitters and sinks) is stored at:
+``null`` = ``fp_dtype`` (as before), 4 or 8 = per-token integer codes (``kvlens.cache.mixed``).
+``gear``: GEAR (``kvlens.cache.gear``) on every quantized tensor of the compressed layers listed
+in ``gear.layers`` (``null``: every compressed layer): each
+flushed block of ``F`` tokens (the layer's flush block, GEAR's ``n_b``) is stored as quantized
+codes plus the ``outlier_fraction`` largest entries of each quantization vector (sparse) plus a
+rank-``rank`` approximation of the block's remaining residual (``power_iters`` power
+iterations).
+
+``key_format`` / ``value_format`` (per layer, both or neither): an engine's own cache types
+(``kvlens.quant.cachetypes``: ``q8_0``, ``q4_0``, ``fp8_e4m3``... ``f16``), stored as that engine
+stores them with no full-precision window (``kvlens.cache.engine``; the ``llamacpp:``/``vllm:``
+presets in ``kvlens.deploy``); ``kv_scales``: ``{layer: {"key": [s...], "value": [s...]}}``
+static fp8 scales (one per layer or per KV head).
+
+A config that uses ``set_bits``, ``gear``, engine types or ``kv_scales`` is written as version 2;
+others stay version 1 (older readers can read them).
 
 ``validate_for(config, info)`` checks a config against a loaded model (layer count, head_dim,
 group sizes, balancer shapes) and raises ``ConfigError`` naming the allowed values.
@@ -52,15 +73,17 @@ from kvlens.errors import ConfigError
 from kvlens.quant import QuantSpec
 
 FORMAT = "kvlens.kvconfig"
-VERSION = 2  # 2: engine cache types (key_format/value_format) and kv_scales
+VERSION = 2  # 2: engine cache types (key_format/value_format), kv_scales, mikv.set_bits, gear
 BALANCER_MODES = ("off", "online", "fixed")
 FP_DTYPES = ("float16", "bfloat16", "float32", "exact")
 _LAYER_KEYS = ("key", "value", "residual_tokens", "flush_tokens", "pre_rope_keys",
                "rotate_keys", "rotate_values", "key_format", "value_format")
-_TOP_KEYS = ("format", "version", "name", "description", "default", "layers", "mikv",
+_TOP_KEYS = ("format", "version", "name", "description", "default", "layers", "mikv", "gear",
              "balancers", "scale_dtype", "fp_dtype", "rotation_seed", "model", "kv_scales")
 _V2_LAYER_KEYS = ("key_format", "value_format")
-_MIKV_KEYS = ("heavy_fraction", "sink_tokens", "balancer", "balancer_exponent")
+_MIKV_KEYS = ("heavy_fraction", "sink_tokens", "balancer", "balancer_exponent", "set_bits")
+SET_BITS = (4, 8)  # integer widths of the MiKV importance set (None: fp_dtype)
+_GEAR_KEYS = ("rank", "outlier_fraction", "power_iters", "layers")
 
 
 @dataclass(frozen=True)
@@ -168,6 +191,7 @@ class MikvSettings:
     sink_tokens: int = 4
     balancer: str = "off"
     balancer_exponent: float = 0.5
+    set_bits: int | None = None  # None: the set is stored at fp_dtype; 4 or 8: integer codes
 
     def __post_init__(self) -> None:
         f = self.heavy_fraction
@@ -182,10 +206,60 @@ class MikvSettings:
         e = self.balancer_exponent
         if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 < e <= 1:
             raise ConfigError(f"Invalid mikv.balancer_exponent {e!r}; allowed: (0, 1].")
+        b = self.set_bits
+        if b is not None and (isinstance(b, bool) or b not in SET_BITS):
+            raise ConfigError(f"Unsupported mikv.set_bits {b!r}; allowed: null (the set at "
+                              f"fp_dtype), {', '.join(map(str, SET_BITS))}.")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"heavy_fraction": self.heavy_fraction, "sink_tokens": self.sink_tokens,
-                "balancer": self.balancer, "balancer_exponent": self.balancer_exponent}
+        d = {"heavy_fraction": self.heavy_fraction, "sink_tokens": self.sink_tokens,
+             "balancer": self.balancer, "balancer_exponent": self.balancer_exponent}
+        return d | ({"set_bits": self.set_bits} if self.set_bits is not None else {})
+
+
+@dataclass(frozen=True)
+class GearSettings:
+    """GEAR: per flushed block, codes + ``outlier_fraction`` sparse entries per quantization
+    vector + a rank-``rank`` residual approximation (``rank`` 0: no low-rank term)."""
+
+    rank: int = 4
+    outlier_fraction: float = 0.02
+    power_iters: int = 3
+    layers: tuple[int, ...] | None = None  # None: every compressed layer
+
+    def __post_init__(self) -> None:
+        r = self.rank
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ConfigError(f"Invalid gear.rank {r!r}; allowed: an integer from 0 (no "
+                              "low-rank term) to the flush block and head_dim.")
+        s = self.outlier_fraction
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s < 0.5:
+            raise ConfigError(f"Invalid gear.outlier_fraction {s!r}; allowed: strictly between "
+                              "0 and 0.5 (e.g. 0.02 for GEAR's 2%).")
+        i = self.power_iters
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= 20:
+            raise ConfigError(f"Invalid gear.power_iters {i!r}; allowed: an integer 0-20.")
+        if self.layers is not None:
+            ok = isinstance(self.layers, (list, tuple)) and all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in self.layers)
+            if not ok or len(set(self.layers)) != len(self.layers):
+                raise ConfigError(f"Invalid gear.layers {self.layers!r}; allowed: null (every "
+                                  "compressed layer) or a list of distinct layer indices >= 0.")
+            object.__setattr__(self, "layers", tuple(sorted(self.layers)))
+
+    def check_block(self, block: int, head_dim: int | None, where: str) -> None:
+        """The rank cannot exceed what a ``block x head_dim`` residual has."""
+        limit = block if head_dim is None else min(block, head_dim)
+        if self.rank > limit:
+            dims = f"{block} tokens" + ("" if head_dim is None else f" x head_dim {head_dim}")
+            raise ConfigError(f"{where}: gear.rank {self.rank} is larger than a flushed block "
+                              f"of {dims} allows; allowed: 0-{limit} (or a larger "
+                              "residual_tokens / flush_tokens).")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "outlier_fraction": self.outlier_fraction,
+                "power_iters": self.power_iters,
+                "layers": None if self.layers is None else list(self.layers)}
 
 
 @dataclass(frozen=True)
@@ -204,6 +278,7 @@ class KVConfig:
     rotation_seed: int | None = None  # random sign flips of the Hadamard rotation (None: none)
     # static fp8 scales of engine layers: {layer: {"key": (s,) or (s_0..s_H-1), "value": ...}}
     kv_scales: Mapping[int, Mapping[str, tuple[float, ...]]] = field(default_factory=dict)
+    gear: GearSettings | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -227,9 +302,33 @@ class KVConfig:
             raise ConfigError(f"The config gives 'balancers' but has {mode}, which would ignore "
                               "them; set mikv.balancer to 'fixed' (allowed: "
                               f"{', '.join(BALANCER_MODES)}) or remove 'balancers'.")
+        if self.gear is not None:
+            targets = [(None, self.default), *sorted(self.layers.items())] \
+                if self.gear.layers is None else [(i, self.layer(i)) for i in self.gear.layers]
+            for idx, setting in targets:
+                where = "default" if idx is None else f"layer {idx}"
+                if setting.compressed and setting.pre_rope_keys and setting.key is not None:
+                    raise ConfigError(f"{where}: gear cannot be combined with pre_rope_keys (the "
+                                      "low-rank and sparse terms live in the stored basis, which "
+                                      "RoPE rotates per token); disable one of them.")
+                for spec in (setting.key, setting.value):
+                    # the flush block (kvlens.cache.packed.flush_block; 0: no valid layout,
+                    # which validate_for reports)
+                    block = setting.flush_tokens or setting.residual_tokens or (
+                        1 if spec is not None and spec.granularity == "per-token" else 0)
+                    if spec is not None and block:
+                        self.gear.check_block(block, None, where)
 
     def layer(self, idx: int) -> LayerKV:
         return self.layers.get(idx, self.default)
+
+    def gear_for(self, idx: int) -> GearSettings | None:
+        """The GEAR settings layer ``idx`` stores its quantized tensors with (or ``None``)."""
+        g = self.gear
+        if g is None or not self.layer(idx).compressed or (g.layers is not None
+                                                            and idx not in g.layers):
+            return None
+        return g
 
     @property
     def compressed(self) -> bool:
@@ -237,10 +336,11 @@ class KVConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "format": FORMAT, "version": VERSION if self.uses_v2 else 1, "name": self.name,
+            "format": FORMAT, "version": self.format_version, "name": self.name,
             "description": self.description, "default": self.default.to_dict(),
             "layers": {str(i): v.to_dict() for i, v in sorted(self.layers.items())},
             "mikv": self.mikv.to_dict() if self.mikv else None,
+            **({"gear": self.gear.to_dict()} if self.gear else {}),
             "balancers": {str(i): [list(r) for r in b] for i, b in sorted(self.balancers.items())}
             or None,
             "scale_dtype": self.scale_dtype,
@@ -252,11 +352,15 @@ class KVConfig:
              if self.kv_scales else {})
 
     @property
-    def uses_v2(self) -> bool:
-        """Whether the config needs version 2 (engine types or kv_scales); others are written
-        as version 1 so older kvlens versions still read them."""
-        return bool(self.kv_scales) or self.default.engine or any(
-            v.engine for v in self.layers.values())
+    def format_version(self) -> int:
+        """The oldest version that can express this config: 1 unless it uses version 2's engine
+        cache types, ``kv_scales``, ``mikv.set_bits`` or ``gear`` (so older kvlens versions
+        still read the others)."""
+        uses_v2 = (bool(self.kv_scales) or self.default.engine
+                   or any(v.engine for v in self.layers.values())
+                   or self.gear is not None
+                   or (self.mikv is not None and self.mikv.set_bits is not None))
+        return 2 if uses_v2 else 1
 
     @classmethod
     def from_dict(cls, data: Any) -> KVConfig:
@@ -323,12 +427,11 @@ def config_from_dict(data: Any) -> KVConfig:
     for key, value in raw_layers.items():
         idx = _index(key, "layers")
         layers[idx] = _layer(value, default, f"layers.{key}")
-    mikv = None
-    if data.get("mikv") is not None:
-        raw = data["mikv"]
-        if not isinstance(raw, Mapping) or set(raw) - set(_MIKV_KEYS):
-            raise ConfigError(f"'mikv' must be an object with keys {', '.join(_MIKV_KEYS)}.")
-        mikv = MikvSettings(**raw)
+    mikv = _section(data, "mikv", _MIKV_KEYS, MikvSettings)
+    gear = _section(data, "gear", _GEAR_KEYS, GearSettings)
+    if version < 2 and (gear is not None or (mikv is not None and mikv.set_bits is not None)):
+        raise ConfigError("'gear' and 'mikv.set_bits' need KV config version 2; set "
+                          '"version": 2.')
     balancers: dict[int, tuple[tuple[float, ...], ...]] = {}
     for key, value in (data.get("balancers") or {}).items():
         idx = _index(key, "balancers")
@@ -349,7 +452,7 @@ def config_from_dict(data: Any) -> KVConfig:
                     description=data.get("description", ""), model=model,
                     fp_dtype=data.get("fp_dtype", "float16"),
                     rotation_seed=data.get("rotation_seed"),
-                    kv_scales=_kv_scales(data.get("kv_scales")))
+                    kv_scales=_kv_scales(data.get("kv_scales")), gear=gear)
 
 
 def _kv_scales(raw: Any) -> dict[int, dict[str, tuple[float, ...]]]:
@@ -370,6 +473,16 @@ def _kv_scales(raw: Any) -> dict[int, dict[str, tuple[float, ...]]]:
                               "per KV head).")
         out[idx] = {t: tuple(float(s) for s in v) for t, v in entry.items()}
     return out
+
+
+def _section(data: Mapping, name: str, keys: tuple[str, ...], cls):
+    """An optional settings object (``mikv``, ``gear``): ``None`` when absent or null."""
+    raw = data.get(name)
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping) or set(raw) - set(keys):
+        raise ConfigError(f"'{name}' must be an object with keys {', '.join(keys)}.")
+    return cls(**raw)
 
 
 def _index(key: Any, where: str) -> int:
@@ -424,6 +537,25 @@ def _mikv(bits: int) -> KVConfig:
                                 f"{bits}-bit per-token G32 with an online channel balancer")
 
 
+def _mikv_set(bits: int, set_bits: int) -> KVConfig:
+    base = _mikv(bits)
+    return replace(base, name=f"mikv-{bits}-int{set_bits}",
+                   mikv=replace(base.mikv, set_bits=set_bits),
+                   description=f"MiKV: 20% heavy-hitter + 4 sink tokens stored at INT{set_bits} "
+                               f"(per-token G32), rest {bits}-bit per-token G32 with an online "
+                               "channel balancer")
+
+
+def _gear(bits: int, rank: int = 4) -> KVConfig:
+    what = f"rank-{rank} residual" if rank else "no low-rank term (ablation)"
+    return KVConfig(f"gear-{bits}" + ("" if rank == 4 else f"-r{rank}"),
+                    LayerKV(QuantSpec(bits, "per-channel", 32), QuantSpec(bits, "per-token", 32),
+                            64),
+                    gear=GearSettings(rank, 0.02, 3),
+                    description=f"GEAR on KIVI {bits}-bit grouping: 2% outliers per vector "
+                                f"exact, {what} per 64-token block (n_b = 64, the fp window)")
+
+
 PRESETS: dict[str, KVConfig] = {
     "exact": KVConfig("exact", LayerKV(), fp_dtype="exact",
                       description="no compression, the model's own dtype (same tokens as "
@@ -436,6 +568,11 @@ PRESETS: dict[str, KVConfig] = {
     "per-token-4": _per_token(4),
     "mikv-2": _mikv(2),
     "mikv-4": _mikv(4),
+    "mikv-2-int4": _mikv_set(2, 4),
+    "mikv-2-int8": _mikv_set(2, 8),
+    "gear-2": _gear(2),
+    "gear-2-r0": _gear(2, 0),
+    "gear-4": _gear(4),
     "kivi-2-sinks": replace(_kivi(2), name="kivi-2-sinks",
                             default=replace(_kivi(2).default, flush_tokens=32),
                             mikv=MikvSettings(0.0, 4, "off"),
@@ -510,6 +647,12 @@ def validate_for(config: KVConfig, info) -> None:
             if spec is not None:
                 check_layout(spec, layer.residual_tokens, d, f"layer {idx} {what}",
                              layer.flush_tokens)
+                if config.gear_for(idx) is not None:
+                    from kvlens.cache.packed import flush_block
+
+                    config.gear.check_block(flush_block(spec, layer.residual_tokens,
+                                                        layer.flush_tokens), d,
+                                            f"Config {config.name!r} layer {idx} {what}")
         if layer.rotates:
             from kvlens.quant import hadamard_block_size
 
@@ -525,6 +668,10 @@ def validate_for(config: KVConfig, info) -> None:
         if layer.pre_rope_keys and not info.declares_rope:
             raise ConfigError(f"Config {config.name!r} asks for pre-RoPE keys but "
                               f"{info.architecture} has no rotary embedding.")
+    bad = [i for i in (config.gear.layers or ()) if i >= n] if config.gear else []
+    if bad:
+        raise ConfigError(f"gear.layers {bad}: the model has {n} layers; allowed indices: "
+                          f"0-{n - 1}.")
     for idx, b in config.balancers.items():
         if idx >= n:
             raise ConfigError(f"balancers.{idx}: the model has {n} layers; allowed indices: "

@@ -4,14 +4,16 @@ Pipeline (one capture layer in memory at a time):
 
 1. **Candidates** per tensor: keys and values x granularity (per-channel, per-token) x bits
    (2, 3, 4, 8) x group size; keys also pre-RoPE (KVQuant) and, for per-token keys, with the
-   MiKV channel balancer fitted on the capture (``b = (max|q| / max|k|)^exponent``). Only what
-   ``kvlens generate`` can run is offered (dense-and-sparse outliers and GEAR low-rank terms are
-   analysed by ``compare-axes`` but not stored by the cache, so they are not candidates).
+   MiKV channel balancer fitted on the capture (``b = (max|q| / max|k|)^exponent``); with
+   ``gear`` (default on) also GEAR twins of the plain G32 candidates up to 4 bits (GEAR's
+   published settings, ``GEAR_SETTINGS``: 2% outliers per vector, rank 4 per flushed block,
+   measured block by block at the layer's flush block). A layer takes GEAR for both tensors or
+   for neither (the config's ``gear.layers``). Only what ``kvlens generate`` can run is offered.
 2. **Cost** of a layer's (key, value, flush) choice: the bytes that layer of the cache holds
    after ``L`` tokens (default 4096), from ``kvlens.cache.layout`` (the same description the
    cache allocates by, tested against held bytes): codes at their container width, fp16 scales
    and zeros, the window buffer (``R`` fp16 tokens), the sink tokens' fp16 copies and positions,
-   pre-RoPE positions, balancers; a sliding-window layer counts only what it keeps. The budget
+   pre-RoPE positions, balancers, GEAR's outlier values and indices and low-rank factors; a sliding-window layer counts only what it keeps. The budget
    is in bits per element relative to an fp16 cache of the same tokens (16 = as big as fp16).
 3. **Error** of a candidate, measured where the tensor is consumed: the relative error of the
    attention output (``kvlens.metrics``) when only that tensor is quantized, mean over the
@@ -48,6 +50,7 @@ from kvlens.errors import ConfigError, InputError
 
 GRANULARITIES = ("per-channel", "per-token")
 COST_RESOLUTION = 64  # DP cost units per bit
+GEAR_GROUP = 32  # GEAR twins are offered for KIVI's G32 grouping only (measuring cost)
 
 
 @dataclass(frozen=True)
@@ -61,18 +64,20 @@ class Candidate:
     stage: str = "post"  # keys only: "pre" = quantize before RoPE
     balancer: bool = False  # keys only: MiKV channel balancer
     rotate: bool = False  # Hadamard rotation along head_dim (kvlens.quant.rotation)
+    gear: bool = False  # GEAR outliers + low-rank factors (GEAR_SETTINGS) beside the codes
 
     @property
     def short(self) -> str:
         axis = "ch" if self.granularity == "per-channel" else "tok"
         extra = (" pre" if self.stage == "pre" else "") + (" bal" if self.balancer else "") + \
-            (" rot" if self.rotate else "")
+            (" rot" if self.rotate else "") + (" gear" if self.gear else "")
         return f"{self.bits}b {axis} G{self.group_size}{extra}"
 
     @property
     def label(self) -> str:
         extra = (" pre-RoPE" if self.stage == "pre" else "") + \
-            (" +bal" if self.balancer else "") + (" +rotation" if self.rotate else "")
+            (" +bal" if self.balancer else "") + (" +rotation" if self.rotate else "") + \
+            (" +GEAR" if self.gear else "")
         return f"{self.bits}b {self.granularity} G{self.group_size}{extra}"
 
     def spec(self):
@@ -108,6 +113,7 @@ class RecommendOptions:
     device_map: str | None = None
     max_memory: str | None = None
     offload_folder: str | None = None
+    gear: bool = True  # offer GEAR twins of the plain G32 candidates (not with prefer_fast)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.budget_bits, (int, float)) and 0 < self.budget_bits <= 16):
@@ -240,7 +246,33 @@ def candidates(head_dim: int, opts: RecommendOptions, has_rope: bool) -> list[Ca
                         out.append(Candidate(tensor, b, gran, g, balancer=True))
                     if gran == "per-token" and rotation:
                         out.append(Candidate(tensor, b, gran, g, rotate=True))
+                    if opts.gear and not opts.prefer_fast and g == GEAR_GROUP and b <= 4:
+                        out.append(Candidate(tensor, b, gran, g, gear=True))
     return out
+
+
+def gear_settings(layers=None):
+    """GEAR's published settings as ``recommend`` offers them (2% outliers, rank 4)."""
+    from kvlens.kvconfig import GearSettings
+
+    return GearSettings(4, 0.02, 3, layers)
+
+
+def gear_variant(x, c: Candidate, block: int):
+    """What a GEAR layer with flush block ``block`` holds for ``x`` ``[B, H, T, D]``: blocks of
+    ``block`` tokens, each ``D_hat + S + L`` (``kvlens.quant.quantize_gear``), the tail (a
+    partial block, read from the window in the cache) the same on its own."""
+    import torch
+
+    from kvlens.quant import quantize_gear
+
+    g = gear_settings()
+    out = []
+    for t0 in range(0, x.shape[2], block):
+        part = x[:, :, t0:t0 + block]
+        rank = min(g.rank, part.shape[2], part.shape[3])
+        out.append(quantize_gear(part, c.spec(), rank, g.outlier_fraction, g.power_iters))
+    return torch.cat(out, dim=2)
 
 
 def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOptions, shape,
@@ -249,6 +281,7 @@ def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOption
     ``opts.context`` tokens storing keys ``kc`` and values ``vc`` with flush block ``flush``
     (``kvlens.cache.layout``: what the cache allocates). The shares split what both tensors
     use (window, sink copies, positions) evenly; they are for display."""
+    from kvlens.cache.gear import part_bytes
     from kvlens.cache.layout import flush_every, layer_part_bytes, packed_bytes, stream_state
     from kvlens.kvconfig import LayerKV, MikvSettings
 
@@ -258,12 +291,13 @@ def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOption
     w = shape.window(layer)
     parts = layer_part_bytes(setting, tokens=opts.context, head_dim=shape.head_dim,
                              kv_heads=shape.kv_heads, mikv=mikv, balancer=kc.balancer,
-                             sliding_window=w)
+                             sliding_window=w, gear=gear_settings() if kc.gear else None)
     total = sum(parts.values())
     held = stream_state(setting, opts.context, w).q_held
     f = flush_every(setting)
-    own = [shape.kv_heads * sum(packed_bytes(c.spec(), held, f, shape.head_dim))
-           for c in (kc, vc)]
+    own = [shape.kv_heads * (sum(packed_bytes(c.spec(), held, f, shape.head_dim)) + (
+        sum(part_bytes(c.spec(), gear_settings(), held, f, shape.head_dim, 2)) if c.gear
+        else 0)) for c in (kc, vc)]
     shared = (total - sum(own)) / 2
     return total, own[0] + shared, own[1] + shared
 
@@ -328,7 +362,9 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
         if c.stage == "pre" and not pre_ok:
             continue
         spec = c.spec()
-        if c.rotate:  # what the cache stores (x R) seen back in the original basis
+        if c.gear:  # depends on the flush block: built per run below
+            variants[c] = None
+        elif c.rotate:  # what the cache stores (x R) seen back in the original basis
             x_hat = quantize_rotated(v if c.tensor == "value" else k, spec, rot)
             variants[c] = Variant(v_hat=x_hat) if c.tensor == "value" else Variant(k_hat=x_hat)
         elif c.tensor == "value":
@@ -348,6 +384,12 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
     for f, run in runs:
         if not run:
             continue
+        for c in run:  # GEAR's low-rank factors are per flushed block: a variant per F
+            if c.gear:
+                x_hat = gear_variant(v if c.tensor == "value" else k, c,
+                                     (f or opts.residual_tokens) if f is not None else n_tok)
+                variants[c] = Variant(v_hat=x_hat) if c.tensor == "value" \
+                    else Variant(k_hat=x_hat)
         exact = None if f is None else streaming_exact_mask(
             n_tok, opts.residual_tokens, f, opts.sink_tokens)
         rows = q
@@ -370,6 +412,8 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
 def _fits(c: Candidate, flush: int, opts: RecommendOptions) -> bool:
     """Can ``c`` be stored in a layer whose flush block is ``flush`` (0 = the window)?"""
     block = flush or opts.residual_tokens
+    if c.gear and gear_settings().rank > block:
+        return False
     return c.granularity != "per-channel" or block % c.group_size == 0
 
 
@@ -628,6 +672,8 @@ def _layer_options(table, opts: RecommendOptions, cost, weight: float, head_dim:
     for kc in keys:
         for vc in values:
             f = opts.layer_flush(kc, vc)
+            if kc.gear != vc.gear:  # GEAR is a layer's choice (the config's gear.layers)
+                continue
             if opts.prefer_fast and not _fused(kc, vc, f, opts, head_dim):
                 continue
             if (kc, f) in table and (vc, f) in table:
@@ -702,7 +748,8 @@ def _assemble(meta, opts, tables, balancers, weights, notes, shape) -> Recommend
             out, score, recon = table[c, f]
             # the cheapest same-tensor candidate with a lower error (it did not fit the budget)
             better = []
-            for o in (o for o, g in table if g == f and o.tensor == c.tensor):
+            for o in (o for o, g in table if g == f and o.tensor == c.tensor
+                      and o.gear == c.gear):
                 pair = (o, vc) if c.tensor == "key" else (kc, o)
                 if table[o, f][0] < out and opts.layer_flush(*pair) == f:
                     share = option(*pair, f, w)[1 if c.tensor == "key" else 2]
@@ -770,6 +817,7 @@ def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balanc
     used = {i: balancers[i] for i, p in by_layer.items() if p["key"].balancer}
     if any(settings[i].pre_rope_keys for i in used):
         raise ConfigError("internal: balancer chosen together with pre-RoPE keys")
+    gear_layers = sorted(i for i, p in by_layer.items() if p["key"].gear)
     mikv = None
     if used or opts.sink_tokens:
         mikv = MikvSettings(heavy_fraction=0.0, sink_tokens=opts.sink_tokens,
@@ -777,6 +825,7 @@ def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balanc
                             balancer_exponent=opts.balancer_exponent)
     return KVConfig(
         name=opts.name, default=default, layers=overrides, mikv=mikv,
+        gear=gear_settings(gear_layers) if gear_layers else None,
         balancers={i: tuple(tuple(float(x) for x in row) for row in b.tolist())
                    for i, b in used.items()},
         description=(f"kvlens recommend for {meta.model}: budget {opts.budget_bits} bits/element "

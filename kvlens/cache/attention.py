@@ -330,6 +330,14 @@ def _value_out(layer, p: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
     return out.permute(0, 1, 3, 2, 4).reshape(b, h, m, d)
 
 
+def _packed_values(layer, p: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
+    """``p`` times packed values ``[t0, t1)``, plus GEAR's ``p (S + L)`` where stored."""
+    out = _value_out(layer, p, t0, t1)
+    if layer.vgear is not None:
+        out += layer.vgear.value_terms(p, t0, t1)
+    return out
+
+
 def _container(store) -> int:
     from kvlens.quant import container_bits
 
@@ -351,7 +359,10 @@ def _segments(layer, q: torch.Tensor, qb: torch.Tensor, mask, tq: int, chunk_tok
     step = max(1, chunk_tokens // f) * f
     for t0 in range(0, nq, step):
         t1 = min(nq, t0 + step)
-        s = _key_scores(layer, qb, t0, t1).view(b, hkv, g, tq, t1 - t0)
+        s = _key_scores(layer, qb, t0, t1)
+        if layer.kgear is not None:  # GEAR: q (S + L)^T from the factors and sparse entries
+            s += layer.kgear.key_terms(qb, t0, t1)
+        s = s.view(b, hkv, g, tq, t1 - t0)
         bias = _range_bias(mask, a0 + t0, a0 + t1, tq, n_total, q.device)
         if bias is not None:
             s = s + bias
@@ -359,9 +370,9 @@ def _segments(layer, q: torch.Tensor, qb: torch.Tensor, mask, tq: int, chunk_tok
             s = s.masked_fill(layer.is_hp[:, :, None, None, a0 + t0:a0 + t1], float("-inf"))
         if sinks > t0:
             s[..., :sinks - t0] = float("-inf")
-        yield s, (lambda p, t0=t0, t1=t1: _value_out(layer, p, t0, t1)), (a0 + t0, a0 + t1)
+        yield s, (lambda p, t0=t0, t1=t1: _packed_values(layer, p, t0, t1)), (a0 + t0, a0 + t1)
     if layer.has_hp:
-        k, v = layer.hp_k.float(), layer.hp_v.float()
+        k, v = layer.hp_k.read(), layer.hp_v.read()
         s = torch.matmul(q, k.transpose(-1, -2)).view(b, hkv, g, tq, -1)
         s = s + _bias(mask, layer.hp_pos.long(), tq, n_total, b, hkv)
         yield s, (lambda p, v=v: torch.matmul(p, v)), layer.hp_pos.long()
@@ -442,6 +453,9 @@ def triton_unsupported(layer, query: torch.Tensor, with_probs: bool) -> str | No
     if with_probs:
         return ("MiKV heavy-hitter selection needs attention probabilities, which the kernel "
                 "does not return")
+    if layer.kgear is not None or layer.vgear is not None:
+        return ("GEAR sparse and low-rank terms (the kernel reads only the packed codes and "
+                "scales)")
     return kernel_layout_problem(layer.setting, layer.head_dim)
 
 
@@ -524,7 +538,14 @@ def triton_decode(query: torch.Tensor, layer, mask: torch.Tensor | None, scaling
     length = layer.quantized_length
     extra, pvalid = [], None
     if layer.has_hp:
-        extra = [(layer.hp_k, layer.hp_v, layer.hp_pos - a0)]
+        # an integer set (mikv.set_bits) is dequantized to a transient fp16 copy: the kernel
+        # reads full-precision extra segments only
+        hk, hv = layer.hp_k, layer.hp_v
+        if hk.bits is not None:
+            hk, hv = hk.read().to(query.dtype), hv.read().to(query.dtype)
+        else:
+            hk, hv = hk.parts[0], hv.parts[0]
+        extra = [(hk, hv, layer.hp_pos - a0)]
         if layer.is_hp is not None:
             pvalid = ~layer.is_hp[:, :, a0:a0 + length]
         else:  # sinks-only: the packed prefix is hidden

@@ -95,7 +95,8 @@ class CompressionSession:
                                           scale_dtype=self.config.scale_dtype,
                                           fp_dtype=self.config.fp_dtype, mikv=self.config.mikv,
                                           balancer=bal, sliding_window=windows[idx],
-                                          rotation=rotations.get(devices[idx]), session=self))
+                                          rotation=rotations.get(devices[idx]), session=self,
+                                          gear=self.config.gear_for(idx)))
         return Cache(layers=layers)
 
     def _engine_layer(self, idx: int, window: int | None):
@@ -236,7 +237,9 @@ def held_bytes_by_device(obj) -> dict[str, int]:
     lives on). The walk does not enter modules, the compression session or anything outside
     kvlens' cache objects, so it counts what the cache holds, not the model."""
     from kvlens.cache.engine import EngineLayer, EngineStore
+    from kvlens.cache.gear import GearTensor
     from kvlens.cache.layer import CompressedLayer, DenseTensor
+    from kvlens.cache.mixed import SetRows
     from kvlens.cache.packed import PackedTensor
 
     seen_objs: set = set()
@@ -258,6 +261,6 @@ def held_bytes_by_device(obj) -> dict[str, int]:
         elif isinstance(o, dict):
             stack.extend(o.values())
         elif isinstance(o, (CompressedLayer, DenseTensor, PackedTensor, EngineLayer,
-                            EngineStore)) or o is obj:
+                            EngineStore, SetRows, GearTensor)) or o is obj:
             stack.extend(v for k, v in vars(o).items() if k != "session")
     return total

@@ -14,7 +14,11 @@ A ``CompressedLayer`` keeps, for its layer, ``[B, H, *, D]`` history in up to th
   again at every flush among the current set and the flushed tokens. Their low-bit copies stay
   in the packed store and are masked out at attention (``is_hp``; a sinks-only set hides the
   packed prefix ``[0, sink_end)`` instead, without a mask). Global layers only: a sliding-window
-  layer's sinks leave its window, and its whole history is at most ``W`` tokens.
+  layer's sinks leave its window, and its whole history is at most ``W`` tokens. The set is
+  stored at ``fp_dtype`` or, with ``mikv.set_bits``, as 4- or 8-bit per-token codes
+  (``kvlens.cache.mixed``);
+- the **GEAR parts** (config ``gear``): per quantized tensor, the sparse outliers and low-rank
+  factors of every packed block (``kvlens.cache.gear``), aligned with the packed store.
 
 Nothing is kept twice: after a flush the window buffer shrinks back to ``R`` tokens, the stores
 hold exactly their tokens, and a sliding-window layer drops what no later query can see. The
@@ -38,6 +42,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from kvlens.cache import layout
+from kvlens.cache.mixed import SetRows
 from kvlens.cache.packed import PackedTensor
 from kvlens.errors import ConfigError
 from kvlens.kvconfig import LayerKV, MikvSettings
@@ -113,7 +118,7 @@ class CompressedLayer(DynamicLayer):
                  scale_dtype: str = "float16", fp_dtype: str = "float16",
                  mikv: MikvSettings | None = None, balancer: torch.Tensor | None = None,
                  sliding_window: int | None = None, rotation: torch.Tensor | None = None,
-                 session=None):
+                 session=None, gear=None):
         super().__init__()
         self.is_initialized = False  # set by the base class from transformers 4.57 on, not 4.56
         self.setting = setting
@@ -151,7 +156,19 @@ class CompressedLayer(DynamicLayer):
                                      and self.setting.key is not None and balancer is None)
         self.acc: torch.Tensor | None = None  # [B, Hkv, N] accumulated attention (H2O)
         self.is_hp: torch.Tensor | None = None  # [B, Hkv, q_end] bool (H2O)
-        self.hp_k = self.hp_v = self.hp_pos = None  # [B, Hkv, K, D] x2, [B, Hkv, K] int32
+        set_bits = self.mikv.set_bits if self.mikv is not None else None
+        self.hp_k, self.hp_v = (SetRows(set_bits, fp, head_dim) for _ in range(2))
+        self.hp_pos = None  # [B, Hkv, K] int32
+        # GEAR: sparse + low-rank parts beside each packed store (None: plain codes)
+        self.kgear = self.vgear = None
+        if gear is not None:
+            from kvlens.cache.gear import GearTensor
+
+            if setting.pre_rope_keys and setting.key is not None:
+                raise ConfigError("GEAR cannot be combined with pre-RoPE keys; disable one.")
+            self.kgear, self.vgear = (
+                GearTensor(spec, gear, self.flush_every, head_dim, fp)
+                if spec is not None else None for spec in (setting.key, setting.value))
         # pre-RoPE keys: positions of held tokens [B, N - q_start] int32, and the RoPE re-creator
         self.stores_pre_rope = setting.pre_rope_keys and setting.key is not None
         self.positions: torch.Tensor | None = None
@@ -256,9 +273,11 @@ class CompressedLayer(DynamicLayer):
         self.batch_repeat_interleave(0)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        for store in (self.kstore, self.vstore, self.res_k, self.res_v):
-            store.select_batch(indices)
-        for name in ("acc", "is_hp", "hp_k", "hp_v", "hp_pos", "positions"):
+        for store in (self.kstore, self.vstore, self.res_k, self.res_v, self.hp_k, self.hp_v,
+                      self.kgear, self.vgear):
+            if store is not None:
+                store.select_batch(indices)
+        for name in ("acc", "is_hp", "hp_pos", "positions"):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name)[indices])
 
@@ -343,8 +362,14 @@ class CompressedLayer(DynamicLayer):
             k_store = invert_rope(k.float(), cos, sin, self.rope.layout)
         if self.balancer is not None and self.setting.key is not None:
             k_store = k_store.float() * self.balancer.float().unsqueeze(-2)
-        self.kstore.append(k_store if self.setting.key is not None else k)
-        self.vstore.append(v if self.setting.value is None else v.float())
+        k_store = k_store if self.setting.key is not None else k
+        v_store = v.float() if self.setting.value is not None else v
+        for store, gear, x in ((self.kstore, self.kgear, k_store),
+                               (self.vstore, self.vgear, v_store)):
+            if gear is not None:
+                gear.compress(x, store)
+            else:
+                store.append(x)
         if self.keeps_full_precision_set:
             self._select_heavy(t0, n, k, v)
         # The window keeps the rest (at most R-1 tokens) in a buffer of R tokens again.
@@ -360,8 +385,9 @@ class CompressedLayer(DynamicLayer):
                     * self.flush_every)
             if n <= 0:
                 return
-            self.kstore.drop_front(n)
-            self.vstore.drop_front(n)
+            for store in (self.kstore, self.vstore, self.kgear, self.vgear):
+                if store is not None:
+                    store.drop_front(n)
             self.q_start += n
         else:
             n = dead - self.res_start
@@ -376,15 +402,11 @@ class CompressedLayer(DynamicLayer):
     def _select_heavy(self, t0: int, n: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """MiKV: re-choose the full-precision set among the current set and the flushed block
         ``[t0, t0 + n)`` (size: ``kvlens.cache.layout.set_size``)."""
-        b, h, _, d = k.shape
+        b, h = k.shape[:2]
         end = t0 + n
         pos_new = torch.arange(t0, end, device=k.device, dtype=torch.int32).expand(b, h, n)
-        if self.hp_pos is None:
-            cand_pos, cand_k, cand_v = pos_new, k, v
-        else:
-            cand_pos = torch.cat((self.hp_pos, pos_new), dim=-1)
-            cand_k = torch.cat((self.hp_k, k.to(self.hp_k.dtype)), dim=2)
-            cand_v = torch.cat((self.hp_v, v.to(self.hp_v.dtype)), dim=2)
+        cand_pos = pos_new if self.hp_pos is None else torch.cat((self.hp_pos, pos_new), dim=-1)
+        cand_k, cand_v = self.hp_k.candidates(k), self.hp_v.candidates(v)
         keep = min(cand_pos.shape[-1], layout.set_size(self.mikv, 0, end))
         if self.mikv.heavy_fraction == 0:  # sinks: the first positions, no attention needed
             idx = (-cand_pos.float()).topk(keep, dim=-1).indices.sort(-1).values
@@ -394,9 +416,8 @@ class CompressedLayer(DynamicLayer):
             score = torch.where(cand_pos < self.mikv.sink_tokens, torch.inf, score)
             idx = score.topk(keep, dim=-1).indices
         self.hp_pos = cand_pos.gather(-1, idx)
-        gi = idx[..., None].expand(b, h, keep, d)
-        self.hp_k = cand_k.gather(2, gi).to(self.fp_dtype or k.dtype)
-        self.hp_v = cand_v.gather(2, gi).to(self.fp_dtype or v.dtype)
+        self.hp_k.choose(cand_k, idx)
+        self.hp_v.choose(cand_v, idx)
         if self.mikv.heavy_fraction > 0:
             self.is_hp = torch.zeros(b, h, end, dtype=torch.bool, device=k.device)
             self.is_hp.scatter_(-1, self.hp_pos.long(), True)
@@ -408,7 +429,11 @@ class CompressedLayer(DynamicLayer):
         out = []
         for store in (self.kstore, self.vstore, self.res_k, self.res_v):
             out += list(store.named_tensors().items())
-        for part, name in (("sets", "hp_k"), ("sets", "hp_v"), ("positions", "hp_pos"),
+        out += [("sets", t) for t in self.hp_k.parts + self.hp_v.parts]
+        for gear in (self.kgear, self.vgear):
+            if gear is not None:
+                out += gear.named_tensors()
+        for part, name in (("positions", "hp_pos"),
                            ("masks", "is_hp"), ("accumulators", "acc"),
                            ("positions", "positions"), ("balancers", "balancer"),
                            ("rotations", "rotation"),

@@ -23,7 +23,10 @@ window, ``F`` the flush block and ``W`` a sliding-window layer's window:
 
 Parts (bytes): ``codes``, ``scales``, ``zeros`` (packed store; symmetric specs store their zero
 too), ``dense`` (an unquantized tensor's history next to a quantized one), ``window``, ``sets``
-(MiKV heavy hitters and sink tokens, K and V; global layers only), ``positions`` (int32: the set's positions, and
+(MiKV heavy hitters and sink tokens, K and V, at ``fp_dtype`` or, with ``mikv.set_bits``, as
+per-token codes plus float16 scales and zeros, ``kvlens.cache.mixed``; global layers only),
+``outliers`` and ``lowrank`` (GEAR's sparse entries, values and indices, and low-rank factors per
+packed block, ``kvlens.cache.gear``), ``positions`` (int32: the set's positions, and
 for pre-RoPE keys every held token's RoPE position), ``masks`` (bool per held packed token:
 H2O sets only), ``accumulators`` (float32 accumulated attention per held token: H2O only),
 ``balancers`` (float32 ``[Hkv, D]``), ``rotations`` (one float32 ``[D, D]`` Hadamard matrix
@@ -47,7 +50,7 @@ from dataclasses import dataclass
 from kvlens.errors import ConfigError
 
 PARTS = ("codes", "scales", "zeros", "dense", "window", "sets", "positions", "masks",
-         "accumulators", "balancers", "rotations", "blocks")
+         "accumulators", "balancers", "rotations", "blocks", "outliers", "lowrank")
 FP_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 POSITION_BYTES = 4  # int32
 
@@ -164,10 +167,12 @@ def set_size(mikv, q_start: int, q_end: int) -> int:
 
 def layer_part_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batch: int = 1,
                      fp_bytes: int = 2, scale_bytes: int = 2, mikv=None,
-                     balancer: bool = False, sliding_window: int | None = None
+                     balancer: bool = False, sliding_window: int | None = None, gear=None
                      ) -> dict[str, int]:
     """Bytes of every part one ``CompressedLayer`` holds after ``tokens`` tokens.
 
+    gear: the config's ``GearSettings`` (each quantized tensor's packed blocks also hold
+    outliers and low-rank factors; ignored for uncompressed layers).
     mikv: the config's ``MikvSettings`` (ignored for uncompressed layers, as the cache does).
     balancer: the layer stores a ``[Hkv, D]`` float32 balancer (fixed or fitted online)."""
     parts = dict.fromkeys(PARTS, 0)
@@ -184,11 +189,22 @@ def layer_part_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batc
             parts["codes"] += rows * c
             parts["scales"] += rows * s
             parts["zeros"] += rows * z
+            if gear is not None:
+                from kvlens.cache.gear import part_bytes
+
+                o, lr = part_bytes(spec, gear, st.q_held, f, head_dim, fp_bytes)
+                parts["outliers"] += rows * o
+                parts["lowrank"] += rows * lr
     parts["window"] = 2 * rows * st.window_capacity * head_dim * fp_bytes
     sets = mikv if setting.compressed and sliding_window is None else None
     if sets is not None and sets.heavy_fraction + sets.sink_tokens > 0:
         k = set_size(sets, st.q_start, st.q_end)
-        parts["sets"] = 2 * rows * k * head_dim * fp_bytes
+        if sets.set_bits is None:
+            parts["sets"] = 2 * rows * k * head_dim * fp_bytes
+        else:
+            from kvlens.cache.mixed import set_bytes_per_token
+
+            parts["sets"] = 2 * rows * k * set_bytes_per_token(sets.set_bits, head_dim)
         parts["positions"] += rows * k * POSITION_BYTES
         if sets.heavy_fraction > 0:
             parts["masks"] = rows * st.q_held
@@ -278,7 +294,7 @@ def _layer_parts(config, shape: ModelShape, i: int, tokens: int, batch: int) -> 
                             fp_bytes=fp_bytes_of(config.fp_dtype, shape.model_dtype_bytes),
                             scale_bytes=2 if config.scale_dtype == "float16" else 4, mikv=mikv,
                             balancer=balancer and setting.compressed,
-                            sliding_window=shape.window(i))
+                            sliding_window=shape.window(i), gear=config.gear_for(i))
 
 
 def rotation_devices(config, shape: ModelShape) -> list[str]:

@@ -27,10 +27,11 @@ def generate(
     config: Path = typer.Option(None, "--config", help="KV config JSON (as `recommend` writes)."),
     preset_name: str = typer.Option(None, "--preset",
                                     help="exact, fp16, kivi-2, kivi-4, per-token-2, "
-                                         "per-token-4, mikv-2, mikv-4, kivi-2-sinks, "
-                                         "kivi-2-rot, per-token-2-rot, per-token-4-rot, "
-                                         "kivi-2-prerope; or an engine setting (see "
-                                         "--compare)."),
+                                         "per-token-4, mikv-2, mikv-4, mikv-2-int4, "
+                                         "mikv-2-int8, gear-2, gear-2-r0, gear-4, "
+                                         "kivi-2-sinks, kivi-2-rot, per-token-2-rot, "
+                                         "per-token-4-rot, kivi-2-prerope; or an engine "
+                                         "setting (see --compare)."),
     prompt: str = typer.Option(None, "--prompt", help="Prompt to continue."),
     prompt_file: Path = typer.Option(None, "--prompt-file", help="UTF-8 file with the prompt."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens to generate."),
