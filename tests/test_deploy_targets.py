@@ -184,6 +184,8 @@ def test_cli_target_json_writes_config_and_scales(outlier_capture, tmp_path):
     assert doc["deploy"]["command"].startswith("python -m sglang.launch_server")
     cfg = load_config(out)
     assert cfg.default.key_format.startswith("fp8_e")
+    artifact = json.loads((tmp_path / "kv.deploy.json").read_text())  # for kvlens report
+    assert artifact["kvlens_report"] == "deploy" and artifact["deploy"] == doc["deploy"]
     if cfg.kv_scales:
         scales = json.loads((tmp_path / "kv_scales.json").read_text())
         assert scales["kv_cache"]["dtype"] == "float8_e4m3fn"

@@ -48,6 +48,7 @@ def run_dir(tiny_model_dir, tmp_path_factory):
            "--model", tiny_model_dir, "--retrieval", "off"]
     _ok([*rec, "-b", "6", "-o", run / "recommended.json", "--validate", "--eval-tokens", 96])
     _ok([*rec, "-b", "5", "-o", other / "small.json", "--name", "small"])
+    _ok(["recommend", cap, "--target", "vllm", "--budget-bits", "9", "-o", run / "vllm.json"])
     _ok(["generate", "--model", tiny_model_dir, "--compare",
          f"{run / 'recommended.json'},{other / 'small.json'}", "--eval", "kld",
          "--eval-tokens", 96, "--report-json", run / "eval.generate.json"])
@@ -57,6 +58,7 @@ def run_dir(tiny_model_dir, tmp_path_factory):
 def test_each_command_leaves_its_artifact(run_dir):
     found = find_artifacts(run_dir)
     assert sorted(found) == sorted(ARTIFACT_KINDS)
+    assert found["deploy"][0][1]["deploy"]["command"].startswith("vllm serve")
     cap = found["capture"][0][1]
     assert (cap["num_attention_heads"], cap["num_key_value_heads"], cap["head_dim"]) == (4, 2, 16)
     assert (cap["samples"], cap["tokens"], cap["capture_file"]) == (2, 64, "run.h5")
@@ -172,6 +174,27 @@ def test_deploy_settings_render_when_recommend_recorded_them(run_dir, tmp_path):
     html = (tmp_path / "d.html").read_text()
     assert 'id="deploy-table"' in html and "llama-server -ctk q8_0 -ctv q4_0" in html
     assert "note: head_dim 16" in html and "deploy settings for an inference engine" not in html
+
+
+def test_engine_deploy_artifact_renders(run_dir, tmp_path):
+    """``recommend --target ENGINE -o X.json`` writes X.deploy.json; its setting, bits,
+    predicted and measured KLD land in the deploy table."""
+    from kvlens.report.artifacts import deploy_doc_path, write_artifact
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    write_artifact("deploy", {"target": "llama.cpp", "bits_per_element": 6.5,
+                              "predicted_kld": 0.0081, "config_file": "eng.json",
+                              "deploy": {"target": "llama.cpp",
+                                         "command": "llama-server -ctk q8_0 -ctv q4_0 -fa on"},
+                              "validation": {"mean_kld": 0.0093, "ci95": [0.0081, 0.0107]}},
+                   deploy_doc_path(copy / "eng.json"))
+    _ok(["report", copy, "-o", tmp_path / "e.html"])
+    html = (tmp_path / "e.html").read_text()
+    assert 'id="deploy-table"' in html and "llama-server -ctk q8_0 -ctv q4_0 -fa on" in html
+    assert "predicted KLD: 0.0081" in html and "0.0093 [0.0081, 0.0107]" in html
+    # the kvlens recommendation's own deploy entry is still there, first
+    assert html.index("kvlens generate --config ") < html.index("llama-server -ctk")
 
 
 @pytest.mark.parametrize("content, message", [

@@ -55,11 +55,17 @@ def run_target(capture: Path, *, target: str, budget_bits, max_kld, anchors: int
     if validate:
         validation = run_library_call(lambda: run_validation(
             rec, load(), opts.eval_tokens, lambda m: err_console.print(f"  {m}")))
+    doc = rec.to_dict()
+    doc["files"] = rec.files
+    if validation is not None:
+        doc["validation"] = validation
+    if output is not None:
+        from kvlens.report.artifacts import deploy_doc_path, write_artifact
+
+        data = write_artifact("deploy", {**doc, "config_file": output.name},
+                              deploy_doc_path(output))
+        err_console.print(f"results for `kvlens report` written: {data}")
     if as_json:
-        doc = rec.to_dict()
-        doc["files"] = rec.files
-        if validation is not None:
-            doc["validation"] = validation
         print_json(doc)
         return
     _render(rec, validation)

@@ -13,6 +13,8 @@ capture         ``<capture>.capture.json`` beside the .h5  ``kvlens capture -o R
 outliers        ``DIR/outliers.json``                      ``kvlens plot-outliers --out DIR``
 compare-axes    ``DIR/compare-axes.json``                  ``kvlens compare-axes --plots DIR``
 recommend       ``<config>.recommend.json`` beside -o      ``kvlens recommend -o CONFIG.json``
+deploy          ``<config>.deploy.json`` beside -o         ``kvlens recommend --target ENGINE
+                                                           -o CONFIG.json``
 generate        the file given to ``--report-json``        ``kvlens generate --report-json F``
 ==============  =========================================  =====================================
 
@@ -32,7 +34,7 @@ from typing import Any
 from kvlens.errors import InputError
 
 SCHEMA_VERSION = 1
-ARTIFACT_KINDS = ("capture", "outliers", "compare-axes", "recommend", "generate")
+ARTIFACT_KINDS = ("capture", "outliers", "compare-axes", "recommend", "deploy", "generate")
 MAX_DEPTH = 3  # folders below RUN_DIR searched for artifacts
 MAX_BYTES = 256 * 2**20  # larger JSON files are not read (no kvlens artifact is that big)
 
@@ -132,6 +134,12 @@ def recommend_doc_path(config_path: str | os.PathLike) -> Path:
     """Where ``recommend -o CONFIG`` leaves its artifact: ``CONFIG`` stem + ``.recommend.json``."""
     p = Path(config_path)
     return p.with_name(p.stem + ".recommend.json")
+
+
+def deploy_doc_path(config_path: str | os.PathLike) -> Path:
+    """``recommend --target ENGINE -o X.json`` records its setting in ``X.deploy.json``."""
+    path = Path(config_path)
+    return path.with_name(path.stem + ".deploy.json")
 
 
 def capture_doc_path(capture_path: str | os.PathLike) -> Path:

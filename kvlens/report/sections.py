@@ -406,6 +406,7 @@ def recommend_section(artifacts: dict, run_dir: Path, capture_hint: str,
                        f"kvlens recommend {capture_hint} --budget-bits 3.0 -o "
                        f"{run_dir / 'recommended.json'} --validate")
     if doc is None:
+        _deploy(sec, {}, artifacts, deploy_option)
         return sec
     sec.paragraphs.append(
         f"Config {doc.get('config_file', '?')} (`kvlens generate --config` reads it): "
@@ -431,7 +432,7 @@ def recommend_section(artifacts: dict, run_dir: Path, capture_hint: str,
                 "context, and the relative attention-output error it was chosen by; weight: "
                 "the layer's measured sensitivity.", id="recommend-table", left=(2, 5)))
     sec.tables.append(_memory_table(doc))
-    _deploy(sec, doc, deploy_option)
+    _deploy(sec, doc, artifacts, deploy_option)
     sec.notes.extend(f"recommend: {n}" for n in doc.get("notes") or [])
     sec.notes.append("memory: bytes the cache's layout holds (kvlens.cache.layout), computed "
                      "for each context, not measured in a running process here.")
@@ -458,20 +459,26 @@ def _memory_table(doc: dict) -> Table:
                  caption="KV cache of all layers, batch 1.", id="memory-table")
 
 
-def _deploy(sec: Section, doc: dict, deploy_option: str | None) -> None:
+def _deploy(sec: Section, doc: dict, artifacts: dict, deploy_option: str | None) -> None:
     """Deploy settings: ``doc["deploy"]`` (or the config's), one object or a list of them, each
-    with ``target`` and ``command``; other keys are shown as they are."""
+    with ``target`` and ``command`` (other keys are shown as they are), then every engine
+    setting ``recommend --target ENGINE -o X.json`` recorded (``X.deploy.json``)."""
     deploy = doc.get("deploy") or (doc.get("config") or {}).get("deploy")
-    if not deploy:
+    items = [] if not deploy else deploy if isinstance(deploy, list) else [deploy]
+    for _, ddoc in artifacts.get("deploy") or []:
+        entry = dict(ddoc.get("deploy") or {"target": ddoc.get("target")})
+        entry["bits per element"] = _f(ddoc.get("bits_per_element"), ".2f")
+        if ddoc.get("predicted_kld") is not None:
+            entry["predicted KLD"] = _f(ddoc["predicted_kld"], ".4f")
+        measured = _validated_kld(ddoc.get("validation"))
+        if measured:
+            entry["measured KLD (--validate)"] = measured
+        items.append(entry)
+    if not items:
         what = "deploy settings for an inference engine"
-        if deploy_option:
-            sec.missing.append(Missing(what, f"kvlens recommend ... {deploy_option} ENGINE"))
-        else:
-            sec.missing.append(Missing(what, "", "This kvlens has no engine deploy targets "
-                                                 "yet; a recommend that has them records a "
-                                                 "`deploy` entry"))
+        sec.missing.append(Missing(what, f"kvlens recommend ... {deploy_option or '--target'} "
+                                         "llama.cpp|vllm|sglang|transformers -o CONFIG.json"))
         return
-    items = deploy if isinstance(deploy, list) else [deploy]
     rows = []
     for d in items:
         if not isinstance(d, dict):
@@ -480,8 +487,19 @@ def _deploy(sec: Section, doc: dict, deploy_option: str | None) -> None:
         others = "; ".join(f"{k}: {v}" for k, v in d.items() if k not in ("target", "command"))
         rows.append([str(d.get("target", "?")), str(d.get("command", "-")), others])
     sec.tables.append(Table(["target", "command", "details"], rows,
-                            caption="Deploy settings recorded by recommend.", id="deploy-table",
-                            left=(0, 1, 2)))
+                            caption="Deploy settings recorded by recommend (engine targets: "
+                                    "bits held by the engine's cache types, KLD predicted by "
+                                    "the fitted error model and, with --validate, measured).",
+                            id="deploy-table", left=(0, 1, 2)))
+
+
+def _validated_kld(validation) -> str:
+    """``mean KLD [lo, hi]`` that ``recommend --target --validate`` measured for its setting
+    (``kvlens.deploy.targets.validate``), or ``""``."""
+    if not isinstance(validation, dict) or validation.get("mean_kld") is None:
+        return ""
+    lo, hi = validation.get("ci95") or (float("nan"), float("nan"))
+    return f"{validation['mean_kld']:.4f} [{lo:.4f}, {hi:.4f}]"
 
 
 # -- 5. validation --------------------------------------------------------------------------
