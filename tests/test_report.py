@@ -179,7 +179,7 @@ def test_deploy_settings_render_when_recommend_recorded_them(run_dir, tmp_path):
 def test_engine_deploy_artifact_renders(run_dir, tmp_path):
     """``recommend --target ENGINE -o X.json`` writes X.deploy.json; its setting, bits,
     predicted and measured KLD land in the deploy table."""
-    from kvlens.report.artifacts import deploy_doc_path, write_artifact
+    from kvlens.report.artifacts import config_doc_path, write_artifact
 
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy)
@@ -188,7 +188,7 @@ def test_engine_deploy_artifact_renders(run_dir, tmp_path):
                               "deploy": {"target": "llama.cpp",
                                          "command": "llama-server -ctk q8_0 -ctv q4_0 -fa on"},
                               "validation": {"mean_kld": 0.0093, "ci95": [0.0081, 0.0107]}},
-                   deploy_doc_path(copy / "eng.json"))
+                   config_doc_path(copy / "eng.json", "deploy"))
     _ok(["report", copy, "-o", tmp_path / "e.html"])
     html = (tmp_path / "e.html").read_text()
     assert 'id="deploy-table"' in html and "llama-server -ctk q8_0 -ctv q4_0 -fa on" in html

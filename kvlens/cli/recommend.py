@@ -178,10 +178,9 @@ def recommend(
         doc["validation"] = validation["results"]
         doc["validation_evaluation"] = validation["evaluation"]
     if output is not None:
-        from kvlens.report.artifacts import recommend_doc_path, write_artifact
+        from kvlens.report.artifacts import write_config_doc
 
-        data = write_artifact("recommend", {**doc, "config_file": output.name},
-                              recommend_doc_path(output))
+        data = write_config_doc("recommend", doc, output)
         err_console.print(f"results for `kvlens report` written: {data}")
     if as_json:
         print_json(doc)

@@ -60,10 +60,9 @@ def run_target(capture: Path, *, target: str, budget_bits, max_kld, anchors: int
     if validation is not None:
         doc["validation"] = validation
     if output is not None:
-        from kvlens.report.artifacts import deploy_doc_path, write_artifact
+        from kvlens.report.artifacts import write_config_doc
 
-        data = write_artifact("deploy", {**doc, "config_file": output.name},
-                              deploy_doc_path(output))
+        data = write_config_doc("deploy", doc, output)
         err_console.print(f"results for `kvlens report` written: {data}")
     if as_json:
         print_json(doc)

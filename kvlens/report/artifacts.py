@@ -130,16 +130,17 @@ def compare_doc(result, figures: Iterable[str | os.PathLike], folder) -> dict[st
             "figures": relative_names(figures, folder)}
 
 
-def recommend_doc_path(config_path: str | os.PathLike) -> Path:
-    """Where ``recommend -o CONFIG`` leaves its artifact: ``CONFIG`` stem + ``.recommend.json``."""
-    p = Path(config_path)
-    return p.with_name(p.stem + ".recommend.json")
-
-
-def deploy_doc_path(config_path: str | os.PathLike) -> Path:
-    """``recommend --target ENGINE -o X.json`` records its setting in ``X.deploy.json``."""
+def config_doc_path(config_path: str | os.PathLike, kind: str) -> Path:
+    """Where ``recommend -o X.json`` records its results: ``X.recommend.json`` (target kvlens)
+    or ``X.deploy.json`` (an engine target)."""
     path = Path(config_path)
-    return path.with_name(path.stem + ".deploy.json")
+    return path.with_name(f"{path.stem}.{kind}.json")
+
+
+def write_config_doc(kind: str, doc: Mapping[str, Any], config_path: str | os.PathLike) -> Path:
+    """Write recommend's ``kind`` artifact beside the config it wrote (naming the config)."""
+    return write_artifact(kind, {**doc, "config_file": Path(config_path).name},
+                          config_doc_path(config_path, kind))
 
 
 def capture_doc_path(capture_path: str | os.PathLike) -> Path:
