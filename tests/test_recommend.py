@@ -20,6 +20,7 @@ from kvlens.recommend import (
     COST_RESOLUTION,
     Candidate,
     RecommendOptions,
+    Stream,
     allocate,
     candidates,
     choose,
@@ -313,15 +314,15 @@ def test_rotation_candidates_are_measured_priced_and_written(tmp_path):
     m = measure(path, replace(opts, sensitivity="uniform", retrieval="off"))
     plain_k, rot_k = Candidate("key", 4, "per-token", 32), \
         Candidate("key", 4, "per-token", 32, rotate=True)
-    f = opts.layer_flush(plain_k)
+    f = Stream(128, opts.layer_flush(plain_k))
     for table in m.tables:
         # attention output (0.09 vs 0.27 at 4 bits) and scores
         assert table[rot_k, f][0] < 0.5 * table[plain_k, f][0]
         assert table[rot_k, f][1] < 0.5 * table[plain_k, f][1]
     shape = ModelShape(2, 2, 32)
     v = Candidate("value", 4, "per-token", 32)
-    assert option_bytes(rot_k, v, f, opts, shape, 0) == option_bytes(plain_k, v, f, opts,
-                                                                     shape, 0)
+    assert option_bytes(rot_k, v, f.flush, opts, shape, 0) == option_bytes(
+        plain_k, v, f.flush, opts, shape, 0)
     rec = choose(m, replace(opts, budget_bits=6.0))
     for ch in rec.choices:
         layer = rec.config.layer(ch.layer)
