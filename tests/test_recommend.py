@@ -175,8 +175,10 @@ runner = CliRunner()
 def test_recommend_cli(tmp_path):
     path = _planted_capture(tmp_path / "p.h5")
     out = tmp_path / "rec.json"
-    res = runner.invoke(app, ["recommend", str(path), "--budget-bits", "3.5",
-                              "--group-sizes", "32", "-o", str(out), "--json"])
+    # one window for every layer (--residual), as before --windows; the planted capture's
+    # 256 tokens are too few for the default windows (tests/test_recommend_windows.py)
+    res = runner.invoke(app, ["recommend", str(path), "--budget-bits", "3.5", "--residual",
+                              "128", "--group-sizes", "32", "-o", str(out), "--json"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert doc["mean_bits"] <= 3.5 and len(doc["choices"]) == 4
@@ -184,7 +186,7 @@ def test_recommend_cli(tmp_path):
     # refuses to overwrite, and reports impossible budgets and bad files clearly
     res = runner.invoke(app, ["recommend", str(path), "-b", "3.5", "-o", str(out)])
     assert res.exit_code == 1 and "--overwrite" in res.output
-    res = runner.invoke(app, ["recommend", str(path), "-b", "1.0"])
+    res = runner.invoke(app, ["recommend", str(path), "-b", "1.0", "--residual", "128"])
     assert res.exit_code == 1 and "budget is too small" in res.output
     res = runner.invoke(app, ["recommend", str(tmp_path / "none.h5"), "-b", "3"])
     assert res.exit_code == 1 and "not found" in res.output

@@ -204,3 +204,15 @@ def test_mixed_window_config_holds_the_bytes_it_was_priced_at(tmp_path):
     assert rep["kv_bytes"] == held_bytes(cache) == priced + rotation
     assert rep["bits_per_element"] == pytest.approx(rec.mean_bits)
     assert rec.mean_bits <= rec.budget_bits
+
+
+def test_report_names_per_layer_windows():
+    from kvlens.report.sections import _windows_text
+
+    same = {"residual_tokens": 128, "choices": [{"layer": 0, "residual_tokens": 128}]}
+    assert _windows_text(same) == "128-token"
+    mixed = {"residual_tokens": 64, "choices": [
+        {"layer": i, "tensor": t, "residual_tokens": r}
+        for i, r in enumerate((64, 64, 128)) for t in ("key", "value")]}
+    assert _windows_text(mixed) == "per-layer (64 tokens: 2 layers, 128 tokens: 1 layers)"
+    assert _windows_text({"residual_tokens": 128, "choices": []}) == "128-token"
