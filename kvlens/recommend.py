@@ -9,10 +9,11 @@ Pipeline (one capture layer in memory at a time):
    published settings, ``GEAR_SETTINGS``: 2% outliers per vector, rank 4 per flushed block,
    measured block by block at the layer's flush block). A layer takes GEAR for both tensors or
    for neither (the config's ``gear.layers``). Only what ``kvlens generate`` can run is offered.
-2. **Cost** of a layer's (key, value, flush) choice: the bytes that layer of the cache holds
-   after ``L`` tokens (default 4096), from ``kvlens.cache.layout`` (the same description the
-   cache allocates by, tested against held bytes): codes at their container width, fp16 scales
-   and zeros, the window buffer (``R`` fp16 tokens), the sink tokens' fp16 copies and positions,
+2. **Cost** of a layer's (key, value, window, flush) choice: the bytes that layer of the cache
+   holds after ``L`` tokens (default 4096), from ``kvlens.cache.layout`` (the same description
+   the cache allocates by, tested against held bytes): codes at their container width, fp16
+   scales and zeros, the window buffer (``R`` fp16 tokens, ``R`` chosen per layer from
+   ``windows``), the sink tokens' fp16 copies and positions,
    pre-RoPE positions, balancers, GEAR's outlier values and indices and low-rank factors; a sliding-window layer counts only what it keeps. The budget
    is in bits per element relative to an fp16 cache of the same tokens (16 = as big as fp16).
 3. **Error** of a candidate, measured where the tensor is consumed: the relative error of the
@@ -21,13 +22,15 @@ Pipeline (one capture layer in memory at a time):
    still in the window and the sink tokens exact (``streaming_exact_mask``). The window slides:
    when it fills, its oldest ``F`` tokens are quantized (``flush_tokens``; ``F`` is raised to a
    per-channel group size, since a group needs all its tokens), so each candidate is measured
-   for every ``F`` it can be stored with. Score and reconstruction errors are recorded too, to
-   explain. By default the first ``tokens=256`` tokens of ``samples=1`` capture window are
-   used (about 170 attention passes per layer; a few seconds per layer on 2 CPU cores).
+   for every window ``R`` and ``F`` it can be stored with. Score and reconstruction errors are
+   recorded too, to explain. By default the first ``tokens=256`` tokens of ``samples=1``
+   capture window are used (about 170 attention passes per layer; a few seconds per layer on
+   2 CPU cores); with several windows every option is scored on the same queries, from
+   ``score_from`` (three times the largest window) on, of ``default_tokens`` (four times it).
 4. **Sensitivity**: with ``sensitivity="model"`` each layer gets a weight ``w_l`` = KL damage
    of the real model's predictions per unit of attention-output error, measured by
    probe-quantizing that layer alone (``kvlens.sensitivity``); ``uniform`` sets ``w_l = 1``.
-5. **Allocation**: pick one (key, value) pair per layer (which fixes the layer's ``F``)
+5. **Allocation**: pick one (key, value, window) option per layer (which fixes its ``F``)
    minimising ``sum_l w_l (e_K + e_V)`` subject to the mean cost over all layers and both
    tensors <= budget: a multiple-choice knapsack over each layer's Pareto front, solved exactly
    by dynamic programming on costs rounded up to 1/64 bit (so the budget is never exceeded).

@@ -74,7 +74,8 @@ def recommend(
     bits: str = typer.Option("2,3,4,8", "--bits", help="Candidate bit widths."),
     group_sizes: str = typer.Option("32,64,128", "--group-sizes",
                                     help="Candidate group sizes (per-token ones must divide "
-                                         "head_dim; per-channel ones the residual window)."),
+                                         "head_dim; per-channel ones the layer's flush "
+                                         "block, so some are skipped at small windows)."),
     pre_rope: str = typer.Option("auto", "--pre-rope",
                                  help="Pre-RoPE key candidates: auto (if the capture has RoPE), "
                                       "on (required), off."),
