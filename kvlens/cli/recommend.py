@@ -135,7 +135,8 @@ def recommend(
 
         run_target(capture, target=target, budget_bits=budget_bits, max_kld=max_kld,
                    anchors=kld_anchors, context=context, samples=samples,
-                   tokens=tokens, rotation=not no_rotation, model=model, output=output,
+                   tokens=default_tokens(()) if tokens is None else tokens,
+                   rotation=not no_rotation, model=model, output=output,
                    overwrite=overwrite, validate=validate, eval_tokens=eval_tokens,
                    as_json=as_json)
         return
