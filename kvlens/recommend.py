@@ -9,10 +9,11 @@ Pipeline (one capture layer in memory at a time):
    published settings, ``GEAR_SETTINGS``: 2% outliers per vector, rank 4 per flushed block,
    measured block by block at the layer's flush block). A layer takes GEAR for both tensors or
    for neither (the config's ``gear.layers``). Only what ``kvlens generate`` can run is offered.
-2. **Cost** of a layer's (key, value, flush) choice: the bytes that layer of the cache holds
-   after ``L`` tokens (default 4096), from ``kvlens.cache.layout`` (the same description the
-   cache allocates by, tested against held bytes): codes at their container width, fp16 scales
-   and zeros, the window buffer (``R`` fp16 tokens), the sink tokens' fp16 copies and positions,
+2. **Cost** of a layer's (key, value, window, flush) choice: the bytes that layer of the cache
+   holds after ``L`` tokens (default 4096), from ``kvlens.cache.layout`` (the same description
+   the cache allocates by, tested against held bytes): codes at their container width, fp16
+   scales and zeros, the window buffer (``R`` fp16 tokens, ``R`` chosen per layer from
+   ``windows``), the sink tokens' fp16 copies and positions,
    pre-RoPE positions, balancers, GEAR's outlier values and indices and low-rank factors; a sliding-window layer counts only what it keeps. The budget
    is in bits per element relative to an fp16 cache of the same tokens (16 = as big as fp16).
 3. **Error** of a candidate, measured where the tensor is consumed: the relative error of the
@@ -21,13 +22,15 @@ Pipeline (one capture layer in memory at a time):
    still in the window and the sink tokens exact (``streaming_exact_mask``). The window slides:
    when it fills, its oldest ``F`` tokens are quantized (``flush_tokens``; ``F`` is raised to a
    per-channel group size, since a group needs all its tokens), so each candidate is measured
-   for every ``F`` it can be stored with. Score and reconstruction errors are recorded too, to
-   explain. By default the first ``tokens=256`` tokens of ``samples=1`` capture window are
-   used (about 170 attention passes per layer; a few seconds per layer on 2 CPU cores).
+   for every window ``R`` and ``F`` it can be stored with. Score and reconstruction errors are
+   recorded too, to explain. By default the first ``tokens=256`` tokens of ``samples=1``
+   capture window are used (about 170 attention passes per layer; a few seconds per layer on
+   2 CPU cores); with several windows every option is scored on the same queries, from
+   ``score_from`` (three times the largest window) on, of ``default_tokens`` (four times it).
 4. **Sensitivity**: with ``sensitivity="model"`` each layer gets a weight ``w_l`` = KL damage
    of the real model's predictions per unit of attention-output error, measured by
    probe-quantizing that layer alone (``kvlens.sensitivity``); ``uniform`` sets ``w_l = 1``.
-5. **Allocation**: pick one (key, value) pair per layer (which fixes the layer's ``F``)
+5. **Allocation**: pick one (key, value, window) option per layer (which fixes its ``F``)
    minimising ``sum_l w_l (e_K + e_V)`` subject to the mean cost over all layers and both
    tensors <= budget: a multiple-choice knapsack over each layer's Pareto front, solved exactly
    by dynamic programming on costs rounded up to 1/64 bit (so the budget is never exceeded).
@@ -44,13 +47,27 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvlens.errors import ConfigError, InputError
 
 GRANULARITIES = ("per-channel", "per-token")
 COST_RESOLUTION = 64  # DP cost units per bit
 GEAR_GROUP = 32  # GEAR twins are offered for KIVI's G32 grouping only (measuring cost)
+DEFAULT_WINDOWS = (32, 64, 128)  # the CLI's --windows (docs/recommend.md: why these)
+
+
+class Stream(NamedTuple):
+    """How a layer's full-precision window moves: it holds up to ``residual`` tokens and,
+    when full, quantizes its oldest ``flush`` (0 = the whole window, KIVI)."""
+
+    residual: int
+    flush: int
+
+    @property
+    def block(self) -> int:
+        """Tokens quantized together (a per-channel group must divide it)."""
+        return self.flush or self.residual
 
 
 @dataclass(frozen=True)
@@ -90,7 +107,8 @@ class Candidate:
 class RecommendOptions:
     budget_bits: float
     context: int = 4096
-    residual_tokens: int = 128
+    residual_tokens: int = 128  # the window when ``windows`` is None (one size for every layer)
+    windows: tuple[int, ...] | None = None  # window sizes each layer chooses among
     bits: tuple[int, ...] = (2, 3, 4, 8)
     group_sizes: tuple[int, ...] = (32, 64, 128)
     pre_rope: str = "auto"  # auto: offer pre-RoPE keys when the capture has RoPE; on; off
@@ -118,9 +136,11 @@ class RecommendOptions:
     def __post_init__(self) -> None:
         if not (isinstance(self.budget_bits, (int, float)) and 0 < self.budget_bits <= 16):
             raise InputError(f"--budget-bits must be in (0, 16], got {self.budget_bits}.")
-        if self.context <= self.residual_tokens:
+        self._check_windows()
+        r = max(self.window_sizes)
+        if self.context <= r:
             raise InputError(f"--context {self.context} must exceed the residual window "
-                             f"({self.residual_tokens} tokens).")
+                             f"({r} tokens).")
         if self.sensitivity not in ("uniform", "model", "auto"):
             raise InputError(f"Unknown --sensitivity {self.sensitivity!r}; allowed: uniform, "
                              "model, auto.")
@@ -128,9 +148,9 @@ class RecommendOptions:
             raise InputError(f"Unknown --retrieval {self.retrieval!r}; allowed: auto, on, off.")
         if not self.retrieval_weight >= 0:
             raise InputError(f"--retrieval-weight must be >= 0, got {self.retrieval_weight}.")
-        if self.retrieval_tokens <= self.residual_tokens + 64:
+        if self.retrieval_tokens <= r + 64:
             raise InputError(f"The retrieval probe ({self.retrieval_tokens} tokens) must be well "
-                             f"beyond the residual window ({self.residual_tokens}).")
+                             f"beyond the residual window ({r}).")
         if self.pre_rope not in ("auto", "on", "off"):
             raise InputError(f"Unknown --pre-rope {self.pre_rope!r}; allowed: auto, on, off.")
         if self.prefer_fast and self.pre_rope == "on":
@@ -139,10 +159,11 @@ class RecommendOptions:
         bad = [b for b in self.bits if b not in (2, 3, 4, 8)]
         if bad:
             raise InputError(f"Unsupported bit widths {bad}; allowed: 2, 3, 4, 8.")
-        bad = [g for g in self.group_sizes if g <= 0 or self.residual_tokens % g]
+        bad = [g for g in self.group_sizes
+               if g <= 0 or all(w % g for w in self.window_sizes)]
         if bad:
             raise InputError(f"Group sizes {bad} do not divide the residual window "
-                             f"({self.residual_tokens}), which per-channel keys need.")
+                             f"({_listed(self.window_sizes)}), which per-channel keys need.")
         f = self.flush_tokens
         if f < 0 or f % 4 or any(f % g for g in self.group_sizes if g < f):
             raise InputError(f"--flush {f} must be 0 (flush the whole window) or a multiple of "
@@ -150,25 +171,75 @@ class RecommendOptions:
                              "also flushes it whole).")
         if self.sink_tokens < 0:
             raise InputError(f"--sinks must be >= 0, got {self.sink_tokens}.")
-        if self.tokens is not None and self.tokens <= self.residual_tokens:
-            raise InputError(f"--tokens {self.tokens} must exceed the residual window "
-                             f"({self.residual_tokens}): errors are measured on the queries "
-                             "that read quantized history.")
+        if self.tokens is not None and self.tokens <= max(r, self.score_from):
+            raise InputError(f"--tokens {self.tokens} must exceed "
+                             + (f"three times the largest window ({self.score_from}): with several "
+                                "windows errors are scored on the queries from there on, "
+                                f"e.g. --tokens {default_tokens(self.window_sizes)}."
+                                if self.score_from else
+                                f"the residual window ({r}): errors are measured on the "
+                                "queries that read quantized history."))
 
-    def layer_flush(self, *cands: Candidate) -> int:
-        """``flush_tokens`` of a layer storing ``cands``: the sliding block, raised to the
-        per-channel group sizes (a group needs all its tokens); 0 when that is the whole
-        window (the KIVI default)."""
+    def _check_windows(self) -> None:
+        if self.windows is not None and not self.windows:
+            raise InputError("--windows is empty; give one or more window sizes (tokens), "
+                             f"e.g. {_listed(DEFAULT_WINDOWS, ',')}.")
+        bad = [w for w in self.window_sizes
+               if isinstance(w, bool) or not isinstance(w, int) or w <= 0]
+        if bad:
+            raise InputError(f"Window sizes {bad} are not allowed; allowed: positive integers "
+                             f"(tokens kept at full precision), e.g. "
+                             f"{_listed(DEFAULT_WINDOWS, ',')}.")
+
+    @property
+    def window_sizes(self) -> tuple[int, ...]:
+        """The full-precision window sizes a layer chooses among, ascending."""
+        if self.windows is None:
+            return (self.residual_tokens,)
+        return tuple(sorted(set(self.windows)))
+
+    @property
+    def score_from(self) -> int:
+        """First query scored for the text errors: 0 with one window (every query, as
+        before); with several, three times the largest window, so that every option is
+        compared on the same queries, each with a quantized history at least twice as long as
+        the largest window (docs/recommend.md: on shorter histories the proxy overstates what
+        a larger window buys)."""
+        sizes = self.window_sizes
+        return 3 * max(sizes) if len(sizes) > 1 else 0
+
+    def layer_flush(self, *cands: Candidate, residual: int | None = None) -> int:
+        """``flush_tokens`` of a layer storing ``cands`` with a window of ``residual`` tokens
+        (default: the largest offered): the sliding block, raised to the per-channel group
+        sizes (a group needs all its tokens); 0 when that is the whole window (the KIVI
+        default)."""
+        r = max(self.window_sizes) if residual is None else residual
         if not self.flush_tokens:
             return 0
         f = max([self.flush_tokens] + [c.group_size for c in cands
                                         if c.granularity == "per-channel"])
-        return 0 if f >= self.residual_tokens else f
+        return 0 if f >= r else f
 
-    def flush_options(self) -> list[int]:
-        """Every flush block a layer can end up with (see ``layer_flush``)."""
+    def flush_options(self, residual: int | None = None) -> list[int]:
+        """Every flush block a layer with a ``residual``-token window can end up with (see
+        ``layer_flush``)."""
         gs = [Candidate("key", 2, "per-channel", g) for g in self.group_sizes]
-        return sorted({self.layer_flush()} | {self.layer_flush(c) for c in gs})
+        return sorted({self.layer_flush(residual=residual)} |
+                      {self.layer_flush(c, residual=residual) for c in gs})
+
+    def streams(self) -> list[Stream]:
+        """Every (window, flush block) a layer can end up with."""
+        return [Stream(r, f) for r in self.window_sizes for f in self.flush_options(r)]
+
+
+def default_tokens(windows: Sequence[int]) -> int:
+    """Capture tokens to measure errors on: 256 with one window (as before), four times the
+    largest window with several (512 at the default windows: the last quarter scored)."""
+    return 256 if len(set(windows)) <= 1 else 4 * max(windows)
+
+
+def _listed(values, sep: str = ", ") -> str:
+    return sep.join(str(v) for v in values)
 
 
 @dataclass
@@ -182,6 +253,7 @@ class Choice:
     reconstruction_error: float
     runner_up: str = ""  # the cheapest candidate with lower error, if the budget ruled it out
     flush_tokens: int = 0  # the layer's flush block (0 = the whole window)
+    residual_tokens: int = 0  # the layer's full-precision window
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -201,8 +273,9 @@ class Recommendation:
     kv_bytes: dict[int, float] = field(default_factory=dict)  # context -> bytes
     kv_bytes_fp16: dict[int, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    residual_tokens: int = 0
+    residual_tokens: int = 0  # the config default's window (layers may differ: choices)
     sink_tokens: int = 0
+    windows: tuple[int, ...] = ()  # the window sizes offered
     # [(config name, kvlens.cache.decode_cost.DecodeCost)]: the recommendation, then presets
     decode_cost: list = field(default_factory=list)
 
@@ -210,6 +283,7 @@ class Recommendation:
         return {"budget_bits": self.budget_bits, "mean_bits": self.mean_bits,
                 "expected_output_error": self.expected_output_error, "context": self.context,
                 "residual_tokens": self.residual_tokens, "sink_tokens": self.sink_tokens,
+                "windows": list(self.windows),
                 "layer_weights": list(self.weights), "kv_bytes": self.kv_bytes, "kv_bytes_fp16": self.kv_bytes_fp16,
                 "choices": [c.to_dict() for c in self.choices], "notes": self.notes,
                 "decode_cost": [{"config": n, **c.to_dict()} for n, c in self.decode_cost],
@@ -276,16 +350,19 @@ def gear_variant(x, c: Candidate, block: int):
 
 
 def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOptions, shape,
-                 layer: int) -> tuple[int, int, int]:
+                 layer: int, residual: int | None = None) -> tuple[int, int, int]:
     """``(total, key share, value share)`` bytes that ``layer`` of the cache holds after
-    ``opts.context`` tokens storing keys ``kc`` and values ``vc`` with flush block ``flush``
-    (``kvlens.cache.layout``: what the cache allocates). The shares split what both tensors
-    use (window, sink copies, positions) evenly; they are for display."""
+    ``opts.context`` tokens storing keys ``kc`` and values ``vc`` with a window of
+    ``residual`` tokens (default: the largest offered) and flush block ``flush``
+    (``kvlens.cache.layout``: what the cache allocates; a sliding layer counts what it keeps).
+    The shares split what both tensors use (window, sink copies, positions) evenly; they are
+    for display."""
     from kvlens.cache.gear import part_bytes
     from kvlens.cache.layout import flush_every, layer_part_bytes, packed_bytes, stream_state
     from kvlens.kvconfig import LayerKV, MikvSettings
 
-    setting = LayerKV(kc.spec(), vc.spec(), opts.residual_tokens, kc.stage == "pre",
+    r = max(opts.window_sizes) if residual is None else residual
+    setting = LayerKV(kc.spec(), vc.spec(), r, kc.stage == "pre",
                       flush_tokens=flush, rotate_keys=kc.rotate, rotate_values=vc.rotate)
     mikv = MikvSettings(0.0, opts.sink_tokens, "off") if opts.sink_tokens else None
     w = shape.window(layer)
@@ -314,10 +391,12 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
     """Per-candidate mean errors on one capture layer and the fitted balancer ``[Hkv, D]``
     (None when no candidate uses it).
 
-    Errors are ``{(candidate, F): (out, score, recon)}`` for every flush block ``F`` the
-    candidate can be stored with (``opts.flush_options()``), measured as the cache reads
-    history while decoding: recent tokens (the window, as it slides with ``F``) and the first
-    ``opts.sink_tokens`` exact (``kvlens.metrics.streaming_exact_mask``). Candidates in
+    Errors are ``{(candidate, Stream(R, F)): (out, score, recon)}`` for every window ``R``
+    (``opts.window_sizes``) and flush block ``F`` the candidate can be stored with
+    (``opts.streams()``), measured as the cache reads history while decoding: recent tokens
+    (the window, as it slides with ``F``) and the first ``opts.sink_tokens`` exact
+    (``kvlens.metrics.streaming_exact_mask``), on queries from ``opts.score_from`` on.
+    Candidates in
     ``plain`` are also measured with every token quantized, key ``(candidate, None)`` (the
     sensitivity probe, which quantizes the whole layer). ``queries``: score only the last
     queries (the retrieval probe's answer position). ``balancer``: use this fitted balancer
@@ -341,10 +420,13 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
     t = slice(None) if opts.tokens is None else slice(0, opts.tokens)
     q, k, v = (layer.read(n, samples=sel)[:, :, t] for n in ("q", "k", "v"))
     n_tok = k.shape[2]
-    if n_tok <= opts.residual_tokens:
-        raise InputError(f"The capture has {n_tok} tokens per sample, no more than the residual "
-                         f"window ({opts.residual_tokens}): no query would read quantized "
-                         "history. Capture longer samples or lower --residual.")
+    if n_tok <= max(max(opts.window_sizes), opts.score_from):
+        raise InputError(f"The capture has {n_tok} tokens per sample, no more than "
+                         + (f"three times the largest window ({opts.score_from}), where the errors "
+                            "of several windows are scored from" if opts.score_from else
+                            f"the residual window ({max(opts.window_sizes)}): no query would "
+                            "read quantized history")
+                         + ". Capture longer samples or offer smaller windows.")
     pre_ok = any(c.stage == "pre" for c in cands) and "rope_theta" in meta.rope
     tables = None
     if pre_ok:
@@ -377,25 +459,25 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
             variants[c] = Variant(k_hat=fake_quantize(k * b, spec) / b)
         else:
             variants[c] = Variant(k_hat=fake_quantize(k, spec))
-    runs: list[tuple[int | None, list[Candidate]]] = [
-        (f, [c for c in variants if _fits(c, f, opts)]) for f in opts.flush_options()]
+    runs: list[tuple[Stream | None, list[Candidate]]] = [
+        (s, [c for c in variants if _fits(c, s)]) for s in opts.streams()]
     runs.append((None, [c for c in plain if c in variants]))
     out, recon = {}, {}
-    for f, run in runs:
+    for s, run in runs:
         if not run:
             continue
-        for c in run:  # GEAR's low-rank factors are per flushed block: a variant per F
+        for c in run:  # GEAR's low-rank factors are per flushed block: a variant per block
             if c.gear:
                 x_hat = gear_variant(v if c.tensor == "value" else k, c,
-                                     (f or opts.residual_tokens) if f is not None else n_tok)
+                                     s.block if s is not None else n_tok)
                 variants[c] = Variant(v_hat=x_hat) if c.tensor == "value" \
                     else Variant(k_hat=x_hat)
-        exact = None if f is None else streaming_exact_mask(
-            n_tok, opts.residual_tokens, f, opts.sink_tokens)
-        rows = q
-        if queries is not None:
-            rows = q[:, :, -queries:]
-            exact = None if exact is None else exact[-queries:]
+        exact = None if s is None else streaming_exact_mask(
+            n_tok, s.residual, s.flush, opts.sink_tokens)
+        # the probe quantizes every token (no window): it is scored on every query
+        start = n_tok - queries if queries is not None else 0 if s is None else opts.score_from
+        rows = q[:, :, start:]
+        exact = None if exact is None else exact[start:]
         errs = attention_errors_many(rows, k, v, [variants[c] for c in run], scaling=la.scaling,
                                      sliding_window=la.sliding_window, softcap=la.logit_softcap,
                                      exact=exact, reconstruction=False)
@@ -404,17 +486,54 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
                 var = variants[c]
                 recon[c] = float(per_head_rel_error(v, var.v_hat).mean() if c.tensor == "value"
                                  else per_head_rel_error(k, var.k_hat).mean())
-            out[c, f] = (float(e.output.mean()),
+            out[c, s] = (float(e.output.mean()),
                          None if e.scores is None else float(e.scores.mean()), recon[c])
     return out, bal, pre_ok
 
 
-def _fits(c: Candidate, flush: int, opts: RecommendOptions) -> bool:
-    """Can ``c`` be stored in a layer whose flush block is ``flush`` (0 = the window)?"""
-    block = flush or opts.residual_tokens
-    if c.gear and gear_settings().rank > block:
+def _fits(c: Candidate, stream: Stream) -> bool:
+    """Can ``c`` be stored in a layer whose window moves as ``stream``?"""
+    from kvlens.cache.packed import check_layout
+
+    if c.gear and gear_settings().rank > stream.block:
         return False
-    return c.granularity != "per-channel" or block % c.group_size == 0
+    if c.granularity != "per-channel":
+        return True
+    try:  # the cache's own rule: the group and the code packing must divide the block
+        check_layout(c.spec(), stream.residual, 0, flush_tokens=stream.flush)
+    except ConfigError:
+        return False
+    return True
+
+
+def check_windows(head_dim: int, opts: RecommendOptions, cands: Sequence[Candidate]) -> None:
+    """Refuse a window size at which no (key, value) pair can be stored, naming the sizes
+    that can (with ``opts.group_sizes``, ``opts.flush_tokens`` and this ``head_dim``)."""
+    def storable(r: int) -> bool:
+        streams = [Stream(r, f) for f in opts.flush_options(r)]
+        return all(any(c.tensor == t and _fits(c, s) for c in cands for s in streams)
+                   for t in ("key", "value"))
+
+    bad = [r for r in opts.window_sizes if not storable(r)]
+    if bad:
+        ok = [r for r in range(1, 2 * max(max(opts.group_sizes), opts.flush_tokens) + 1)
+              if storable(r)]
+        raise InputError(f"No candidate can be stored with a window of {_listed(bad)} tokens "
+                         f"(per-channel groups {_listed(opts.group_sizes)} must divide the "
+                         f"flush block, per-token groups head_dim {head_dim}); allowed window "
+                         f"sizes up to {ok[-1] if ok else 0}: {_ranges(ok) or 'none'}"
+                         f"{' and above' if ok else ''}.")
+
+
+def _ranges(values: Sequence[int]) -> str:
+    """``1, 2, 3, 5`` -> ``"1-3, 5"``."""
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
 
 
 # -- allocation -----------------------------------------------------------------------------
@@ -507,6 +626,7 @@ def measure(path: str | Path, opts: RecommendOptions,
                              f"{meta.model} has no rotary embedding (q_pre/k_pre equal q/k). "
                              "Use --pre-rope auto or off.")
         cands = candidates(meta.head_dim, opts, meta.has_rope)
+        check_windows(meta.head_dim, opts, cands)
         probes = _probe_candidates(meta.head_dim)
         tables, balancers, notes, windows = [], {}, [], []
         for i, layer in enumerate(cap.iter_layers()):
@@ -650,35 +770,36 @@ def _sensitivity_weights(cap, model, opts, tables, probes, notes, progress
     return tuple(weights)
 
 
-def _fused(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOptions,
-           head_dim: int) -> bool:
+def _fused(kc: Candidate, vc: Candidate, stream: Stream, head_dim: int) -> bool:
     """Whether the fused decode kernel reads a layer storing ``kc`` / ``vc`` (``--prefer-fast``;
     the rule is the dispatch's own, ``kvlens.cache.attention.kernel_layout_problem``)."""
     from kvlens.cache.attention import kernel_layout_problem
     from kvlens.kvconfig import LayerKV
 
-    setting = LayerKV(kc.spec(), vc.spec(), opts.residual_tokens, kc.stage == "pre",
-                      flush_tokens=flush)
+    setting = LayerKV(kc.spec(), vc.spec(), stream.residual, kc.stage == "pre",
+                      flush_tokens=stream.flush)
     return kernel_layout_problem(setting, head_dim) is None
 
 
 def _layer_options(table, opts: RecommendOptions, cost, weight: float, head_dim: int = 0):
-    """The Pareto front of (key, value, flush) choices for one layer: ``[(cost, error, key,
-    value, flush)]`` with ``cost(kc, vc, f)`` the layer's held bytes in budget units and
-    ``error`` the weighted sum of both tensors' errors at the layer's flush block."""
+    """The Pareto front of (key, value, window) choices for one layer: ``[(cost, error, key,
+    value, stream)]`` with ``cost(kc, vc, stream)`` the layer's held bytes in budget units and
+    ``error`` the weighted sum of both tensors' errors with the layer's window and flush block
+    (``stream``); a pair that cannot be stored with a window is not offered with it."""
     keys = sorted({c for c, _ in table if c.tensor == "key"}, key=lambda c: c.label)
     values = sorted({c for c, _ in table if c.tensor == "value"}, key=lambda c: c.label)
     pairs = []
-    for kc in keys:
-        for vc in values:
-            f = opts.layer_flush(kc, vc)
-            if kc.gear != vc.gear:  # GEAR is a layer's choice (the config's gear.layers)
-                continue
-            if opts.prefer_fast and not _fused(kc, vc, f, opts, head_dim):
-                continue
-            if (kc, f) in table and (vc, f) in table:
-                err = weight * (table[kc, f][0] + table[vc, f][0])
-                pairs.append((cost(kc, vc, f), err, kc, vc, f))
+    for r in opts.window_sizes:
+        for kc in keys:
+            for vc in values:
+                s = Stream(r, opts.layer_flush(kc, vc, residual=r))
+                if kc.gear != vc.gear:  # GEAR is a layer's choice (the config's gear.layers)
+                    continue
+                if opts.prefer_fast and not _fused(kc, vc, s, head_dim):
+                    continue
+                if (kc, s) in table and (vc, s) in table:
+                    err = weight * (table[kc, s][0] + table[vc, s][0])
+                    pairs.append((cost(kc, vc, s), err, kc, vc, s))
     pairs.sort(key=lambda p: (p[0], p[1]))
     front, best = [], math.inf
     for p in pairs:  # cheapest first: keep only options that lower the error
@@ -697,9 +818,9 @@ def _assemble(meta, opts, tables, balancers, weights, notes, shape) -> Recommend
     n = len(tables)
 
     @cache
-    def option(kc, vc, f, window):
+    def option(kc, vc, s, window):
         layer = next(i for i in range(shape.num_layers) if shape.window(i) == window)
-        return option_bytes(kc, vc, f, opts, shape, layer)
+        return option_bytes(kc, vc, s.flush, opts, shape, layer, residual=s.residual)
 
     def solve(rotation: bool):
         """``((objective, fronts, picks), None)`` of the best allocation with or without
@@ -712,7 +833,7 @@ def _assemble(meta, opts, tables, balancers, weights, notes, shape) -> Recommend
             # budget units: bits per element of the whole cache, times the number of layers
             fronts.append(_layer_options(
                 table, opts,
-                lambda kc, vc, f, w=w: 16 * n * option(kc, vc, f, w)[0] / fp16_total,
+                lambda kc, vc, s, w=w: 16 * n * option(kc, vc, s, w)[0] / fp16_total,
                 weights[layer], shape.head_dim))
         costs = [[p[0] for p in front] for front in fronts]
         errors = [[p[1] for p in front] for front in fronts]
@@ -734,34 +855,38 @@ def _assemble(meta, opts, tables, balancers, weights, notes, shape) -> Recommend
     if best is None:
         raise InputError(
             f"The budget is too small: the cheapest candidates need {min(need, need_rot):.3f} "
-            f"bits per element at {opts.context} tokens (window of {opts.residual_tokens} tokens "
-            f"and {opts.sink_tokens} sink tokens included), more than the {opts.budget_bits} "
-            "asked for. Raise --budget-bits or --context, or lower --residual / --sinks.")
+            f"bits per element at {opts.context} tokens (windows of "
+            f"{_listed(opts.window_sizes, '/')} tokens and {opts.sink_tokens} sink tokens "
+            f"included), more than the {opts.budget_bits} asked for. Raise --budget-bits or "
+            "--context, or offer smaller --windows / fewer --sinks.")
     _, fronts, picks = best
     choices = []
     for layer, front, pick, table in zip(meta.layers, fronts, picks, tables):
-        _, _, kc, vc, f = front[pick]
+        _, _, kc, vc, s = front[pick]
         w = shape.window(layer)
         fp16 = tensor_fp16_bytes(shape, layer, opts.context)
-        shares = dict(zip(("key", "value"), option(kc, vc, f, w)[1:]))
+        shares = dict(zip(("key", "value"), option(kc, vc, s, w)[1:]))
         for c in (kc, vc):
-            out, score, recon = table[c, f]
+            out, score, recon = table[c, s]
             # the cheapest same-tensor candidate with a lower error (it did not fit the budget)
             better = []
-            for o in (o for o, g in table if g == f and o.tensor == c.tensor
+            for o in (o for o, g in table if g == s and o.tensor == c.tensor
                       and o.gear == c.gear):
                 pair = (o, vc) if c.tensor == "key" else (kc, o)
-                if table[o, f][0] < out and opts.layer_flush(*pair) == f:
-                    share = option(*pair, f, w)[1 if c.tensor == "key" else 2]
+                if table[o, s][0] < out and opts.layer_flush(*pair, residual=s.residual) == \
+                        s.flush:
+                    share = option(*pair, s, w)[1 if c.tensor == "key" else 2]
                     better.append((16 * share / fp16, o.label))
             choices.append(Choice(layer, c.tensor, c, 16 * shares[c.tensor] / fp16, out, score,
-                                  recon, min(better)[1] if better else "", f))
+                                  recon, min(better)[1] if better else "", s.flush,
+                                  s.residual))
     expected = sum(ch.output_error for ch in choices) / len(choices)
     config = build_config(meta, opts, choices, balancers)
     mean_bits = config_bits(config, shape, opts.context)
     rec = Recommendation(config, choices, opts.budget_bits, mean_bits, expected, opts.context,
                          weights=tuple(weights), notes=notes,
-                         residual_tokens=opts.residual_tokens, sink_tokens=opts.sink_tokens)
+                         residual_tokens=config.default.residual_tokens,
+                         sink_tokens=opts.sink_tokens, windows=opts.window_sizes)
     for ctx in (1024, 4096, 32768, 131072):
         rec.kv_bytes[ctx] = sum(config_part_bytes(config, shape, ctx).values())
         rec.kv_bytes_fp16[ctx] = shape.fp16_bytes(ctx)
@@ -804,14 +929,16 @@ def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balanc
     from kvlens.kvconfig import KVConfig, LayerKV, MikvSettings
 
     by_layer: dict[int, dict[str, Candidate]] = {}
+    streams: dict[int, Stream] = {}
     for ch in choices:
         by_layer.setdefault(ch.layer, {})[ch.tensor] = ch.candidate
+        streams[ch.layer] = Stream(ch.residual_tokens, ch.flush_tokens)
     settings = {}
     for layer, pair in by_layer.items():
         k, v = pair["key"], pair["value"]
-        settings[layer] = LayerKV(k.spec(), v.spec(), opts.residual_tokens, k.stage == "pre",
-                                  flush_tokens=opts.layer_flush(k, v), rotate_keys=k.rotate,
-                                  rotate_values=v.rotate)
+        r, f = streams[layer]
+        settings[layer] = LayerKV(k.spec(), v.spec(), r, k.stage == "pre", flush_tokens=f,
+                                  rotate_keys=k.rotate, rotate_values=v.rotate)
     default = Counter(settings.values()).most_common(1)[0][0]
     overrides = {i: s for i, s in settings.items() if s != default}
     used = {i: balancers[i] for i, p in by_layer.items() if p["key"].balancer}
@@ -829,7 +956,8 @@ def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balanc
         balancers={i: tuple(tuple(float(x) for x in row) for row in b.tolist())
                    for i, b in used.items()},
         description=(f"kvlens recommend for {meta.model}: budget {opts.budget_bits} bits/element "
-                     f"at {opts.context} tokens (residual window {opts.residual_tokens}, "
+                     f"at {opts.context} tokens (residual window "
+                     f"{_listed(sorted({s.residual for s in streams.values()}), '/')}, "
                      f"{opts.sink_tokens} sink tokens)"),
         model={"num_layers": meta.num_layers, "head_dim": meta.head_dim,
                "num_key_value_heads": meta.num_key_value_heads})

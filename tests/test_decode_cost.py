@@ -50,10 +50,10 @@ def test_prefer_fast_keeps_only_fused_layouts(tmp_path):
     with pytest.raises(InputError, match="--prefer-fast"):
         RecommendOptions(budget_bits=3.5, pre_rope="on", prefer_fast=True)
     res = runner.invoke(app, ["recommend", str(path), "-b", "3.5", "--group-sizes", "32",
-                              "--bits", "2,4", "--prefer-fast", "--json"])
+                              "--bits", "2,4", "--prefer-fast", "--json", "--residual", "128"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert doc["decode_cost"][0]["fused"] and doc["decode_cost"][0]["read_vs_fp16"] < 0.5
     res = runner.invoke(app, ["recommend", str(path), "-b", "3.5", "--group-sizes", "32",
-                              "--bits", "2,4"])
+                              "--bits", "2,4", "--residual", "128"])
     assert res.exit_code == 0 and "Decode cost at 4,096 tokens" in res.output

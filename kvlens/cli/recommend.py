@@ -57,7 +57,14 @@ def recommend(
                                      "results, for `kvlens report`)."),
     context: int = typer.Option(4096, "--context", help="Reference context length for the "
                                                         "budget accounting."),
-    residual: int = typer.Option(128, "--residual", help="Full-precision window (tokens)."),
+    residual: int = typer.Option(None, "--residual",
+                                 help="One full-precision window for every layer (tokens), as "
+                                      "before --windows; not with --windows."),
+    windows: str = typer.Option(None, "--windows",
+                                help="Full-precision window sizes each layer chooses among "
+                                     "(tokens), priced as the cache holds them and measured "
+                                     "on the same late queries (default 32,64,128; "
+                                     "docs/recommend.md)."),
     flush: int = typer.Option(32, "--flush",
                               help="Sliding window: quantize the oldest N tokens at a time when "
                                    "the window fills (raised to per-channel group sizes); 0 = "
@@ -67,7 +74,8 @@ def recommend(
     bits: str = typer.Option("2,3,4,8", "--bits", help="Candidate bit widths."),
     group_sizes: str = typer.Option("32,64,128", "--group-sizes",
                                     help="Candidate group sizes (per-token ones must divide "
-                                         "head_dim; per-channel ones the residual window)."),
+                                         "head_dim; per-channel ones the layer's flush "
+                                         "block, so some are skipped at small windows)."),
     pre_rope: str = typer.Option("auto", "--pre-rope",
                                  help="Pre-RoPE key candidates: auto (if the capture has RoPE), "
                                       "on (required), off."),
@@ -77,7 +85,10 @@ def recommend(
     exponent: float = typer.Option(0.5, "--balancer-exponent",
                                    help="Balancer b = (max|q|/max|k|)^exponent."),
     samples: int = typer.Option(1, "--samples", help="Capture samples used to measure errors."),
-    tokens: int = typer.Option(256, "--tokens", help="First N tokens of each sample used."),
+    tokens: int = typer.Option(None, "--tokens",
+                               help="First N tokens of each sample used (default 256 with one "
+                                    "window; with several, 4x the largest, of which the last "
+                                    "quarter is scored)."),
     sensitivity: str = typer.Option("auto", "--sensitivity",
                                     help="Layer weights: model (measure KL damage per layer on "
                                          "the real model), uniform, or auto (model when the "
@@ -116,7 +127,7 @@ def recommend(
 ) -> None:
     """Fit balancers and choose axis/bits/group/pre-RoPE per layer under a memory budget, or
     (--target) the best setting an engine runs, with the exact command to deploy."""
-    from kvlens.recommend import RecommendOptions
+    from kvlens.recommend import DEFAULT_WINDOWS, RecommendOptions, default_tokens
     from kvlens.recommend import recommend as run
 
     if target != "kvlens":
@@ -124,7 +135,8 @@ def recommend(
 
         run_target(capture, target=target, budget_bits=budget_bits, max_kld=max_kld,
                    anchors=kld_anchors, context=context, samples=samples,
-                   tokens=tokens, rotation=not no_rotation, model=model, output=output,
+                   tokens=default_tokens(()) if tokens is None else tokens,
+                   rotation=not no_rotation, model=model, output=output,
                    overwrite=overwrite, validate=validate, eval_tokens=eval_tokens,
                    as_json=as_json)
         return
@@ -137,12 +149,19 @@ def recommend(
         if budget_bits is None:
             raise InputError("--budget-bits is required for --target kvlens (engine targets "
                              "also take --max-kld).")
+        if residual is not None and windows is not None:
+            raise InputError("--residual R is one window for every layer and --windows a list "
+                             "each layer chooses from; give one of them.")
+        sizes = (_ints(windows, "--windows") if windows is not None else
+                 (residual,) if residual is not None else DEFAULT_WINDOWS)
         return RecommendOptions(budget_bits=budget_bits, context=context,
-                                residual_tokens=residual, bits=_ints(bits, "--bits"),
+                                residual_tokens=max(sizes, default=128), windows=sizes,
+                                bits=_ints(bits, "--bits"),
                                 group_sizes=_ints(group_sizes, "--group-sizes"),
                                 pre_rope=pre_rope, balancer=not no_balancer,
                                 rotation=not no_rotation,
-                                balancer_exponent=exponent, samples=samples, tokens=tokens,
+                                balancer_exponent=exponent, samples=samples,
+                                tokens=default_tokens(sizes) if tokens is None else tokens,
                                 sensitivity=sensitivity, model=model, name=name,
                                 flush_tokens=flush, sink_tokens=sinks, retrieval=retrieval,
                                 retrieval_weight=retrieval_weight, prefer_fast=prefer_fast,
@@ -227,9 +246,9 @@ def _render(rec) -> None:
     from rich.table import Table
 
     t = Table(title=f"Recommendation: {rec.mean_bits:.3f} bits/element (budget "
-                    f"{rec.budget_bits}) at {rec.context} tokens; window {rec.residual_tokens}, "
-                    f"{rec.sink_tokens} sink tokens")
-    for col in ("layer", "weight", "key", "bits", "K out", "value", "bits", "V out", "F"):
+                    f"{rec.budget_bits}) at {rec.context} tokens; windows "
+                    f"{'/'.join(map(str, rec.windows))} offered, {rec.sink_tokens} sink tokens")
+    for col in ("layer", "weight", "key", "bits", "K out", "value", "bits", "V out", "R", "F"):
         t.add_column(col, justify="left" if col in ("key", "value") else "right",
                      no_wrap=True)
     by_layer: dict[int, dict] = {}
@@ -239,7 +258,8 @@ def _render(rec) -> None:
         k, v = pair["key"], pair["value"]
         t.add_row(str(layer), f"{rec.weights[layer]:.2f}", k.candidate.short, f"{k.bits:.2f}",
                   f"{k.output_error:.3f}", v.candidate.short, f"{v.bits:.2f}",
-                  f"{v.output_error:.3f}", str(k.flush_tokens or "R"))
+                  f"{v.output_error:.3f}", str(k.residual_tokens),
+                  str(k.flush_tokens or "R"))
     console.print(t)
     console.print("K out / V out: relative attention-output error when only that tensor is "
                   "quantized (where it is consumed), on the capture's text plus, when the "
@@ -248,7 +268,7 @@ def _render(rec) -> None:
                   "reconstruction errors of every choice are in --json. ch = "
                   "per-channel (groups of G tokens), tok = per-token (groups of G channels), "
                   "pre = keys quantized before RoPE, bal = MiKV channel balancer, rot = Hadamard "
-                  "rotation. F = tokens "
+                  "rotation. R = the layer's full-precision window (tokens), F = tokens "
                   "quantized at a time when the window fills (R = the whole window). Errors "
                   "are measured as decoding reads the cache: the window and sink tokens "
                   "exact.")

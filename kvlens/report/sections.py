@@ -398,6 +398,17 @@ def _disagreement_table(doc: dict, summary: dict) -> Table:
 
 # -- 4. recommendation ----------------------------------------------------------------------
 
+def _windows_text(doc: dict) -> str:
+    """``128-token``, or ``per-layer (32: 4 layers, 64: 26 layers)`` when layers differ."""
+    per_layer = {ch["layer"]: ch.get("residual_tokens") for ch in doc.get("choices") or []}
+    sizes = sorted({r for r in per_layer.values() if r})
+    if len(sizes) <= 1:
+        return f"{sizes[0] if sizes else doc.get('residual_tokens')}-token"
+    counts = [sum(r == w for r in per_layer.values()) for w in sizes]
+    return "per-layer (" + ", ".join(f"{w} tokens: {c} layers" for w, c in zip(sizes, counts)) \
+        + ")"
+
+
 def recommend_section(artifacts: dict, run_dir: Path, capture_hint: str,
                       deploy_option: str | None) -> Section:
     sec = Section("recommend", "Recommendation")
@@ -412,7 +423,7 @@ def recommend_section(artifacts: dict, run_dir: Path, capture_hint: str,
         f"Config {doc.get('config_file', '?')} (`kvlens generate --config` reads it): "
         f"{doc['mean_bits']:.3f} bits per cached element at {doc['context']:,} tokens, budget "
         f"{doc['budget_bits']:g}, every part counted (codes, scales, the "
-        f"{doc.get('residual_tokens')}-token full-precision window, "
+        f"{_windows_text(doc)} full-precision window, "
         f"{doc.get('sink_tokens')} sink tokens). Expected mean attention-output error "
         f"{doc.get('expected_output_error', float('nan')):.4f}.")
     weights = doc.get("layer_weights") or []
