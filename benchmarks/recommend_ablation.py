@@ -17,7 +17,13 @@ Levers (each row: the full recommendation's options with that one lever off):
 - ``sensitivity``: uniform layer weights instead of the model's measured KL damage per unit
   error (the KLD-driven allocation);
 - re-measured: ``retrieval`` (no retrieval probe), ``sinks`` (``--sinks 0``), ``sliding``
-  (``--flush 0``: KIVI's flush-the-whole-window instead of the sliding window).
+  (``--flush 0``: KIVI's flush-the-whole-window instead of the sliding window), ``windows``
+  (one 128-token window for every layer, errors scored on the same late queries as with
+  several windows: the per-layer window alone), ``windows+proxy`` (``--residual 128``: one
+  window and errors over every query of the first 256 tokens, recommend's behaviour before
+  per-layer windows).
+
+The full recommendation uses ``kvlens recommend``'s defaults (``cli_options``).
 
 ``--variant KEY=VALUE[,KEY=VALUE...]`` (repeatable) adds re-measured rows with other
 ``RecommendOptions`` (e.g. ``retrieval_tokens=2000``, ``tokens=512``), named by the overrides:
@@ -40,9 +46,33 @@ FAMILIES = {"rotation": {"rotation": False}, "balancer": {"balancer": False},
             "transforms": {"rotation": False, "balancer": False, "pre_rope": "off",
                            "gear": False}}
 REMEASURED = {"retrieval": {"retrieval": "off"}, "sinks": {"sink_tokens": 0},
-              "sliding": {"flush_tokens": 0}}
+              "sliding": {"flush_tokens": 0}, "windows": {"windows": (128,)},
+              "windows+proxy": {"windows": (128,), "tokens": 256}}
 LEVERS = ("rotation", "balancer", "pre-rope", "gear", "transforms", "sensitivity",
-          "retrieval", "sinks", "sliding")
+          "retrieval", "sinks", "sliding", "windows", "windows+proxy")
+
+
+def cli_options(budget_bits: float, model: str | None):
+    """``RecommendOptions`` as ``kvlens recommend -b B [--model M]`` builds them."""
+    from kvlens.recommend import DEFAULT_WINDOWS, RecommendOptions, default_tokens
+
+    return RecommendOptions(budget_bits=budget_bits, residual_tokens=max(DEFAULT_WINDOWS),
+                            windows=DEFAULT_WINDOWS, tokens=default_tokens(DEFAULT_WINDOWS),
+                            sensitivity="auto", model=model)
+
+
+def _one_window_same_queries(opts, **changes):
+    """``opts`` with ``changes`` whose errors are still scored from ``opts.score_from`` on
+    (``RecommendOptions`` scores every query when it has one window)."""
+    start = opts.score_from
+
+    class SameQueries(type(opts)):
+        @property
+        def score_from(self) -> int:
+            return start
+
+    return SameQueries(**{**{f: getattr(opts, f) for f in opts.__dataclass_fields__},
+                          **changes})
 
 
 def parse_variant(spec: str, opts) -> dict:
@@ -88,7 +118,8 @@ def recommendations(capture: str, opts, levers, log, variants=()) -> dict:
             lopts = opts
             m = replace(full_m, weights=(1.0,) * len(full_m.weights))
         else:
-            lopts = replace(opts, **REMEASURED[lever])
+            lopts = (_one_window_same_queries(opts, **REMEASURED[lever]) if lever == "windows"
+                     else replace(opts, **REMEASURED[lever]))
             t0 = time.time()
             m = measure(capture, lopts)
             log(f"re-measured without {lever} in {time.time() - t0:.0f} s")
@@ -159,12 +190,11 @@ def main() -> None:
         ap.error(f"unknown levers {bad}; allowed: {', '.join(LEVERS)}")
 
     from kvlens.kvconfig import save_config
-    from kvlens.recommend import RecommendOptions
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = lambda msg: print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)  # noqa: E731
-    opts = RecommendOptions(budget_bits=args.budget_bits, model=args.model, sensitivity="auto")
+    opts = cli_options(args.budget_bits, args.model)
     recs = recommendations(args.capture, opts, levers, log, args.variant)
     rows, configs, seen = [], [], {}
     full_layers = None
@@ -184,8 +214,9 @@ def main() -> None:
             r["same_as"] = seen[key]
         else:
             seen[key] = row
-            cfg = replace(rec.config, name="rec-" + row.replace("=", "").replace(",", "_").replace("/", "-"))
-            save_config(cfg, out / (row.replace("=", "-").replace(",", "_") + ".json"))
+            slug = row.replace("=", "-").replace(",", "_").replace("/", "+")
+            cfg = replace(rec.config, name=f"rec-{slug}")
+            save_config(cfg, out / f"{slug}.json")
             configs.append((row, cfg))
         rows.append(r)
         log(f"{row}: {rec.mean_bits:.3f} bits, {changed} layers changed, expected error "
