@@ -8,12 +8,19 @@ Pipeline (one capture layer in memory at a time):
    ``gear`` (default on) also GEAR twins of the plain G32 candidates up to 4 bits (GEAR's
    published settings, ``GEAR_SETTINGS``: 2% outliers per vector, rank 4 per flushed block,
    measured block by block at the layer's flush block). A layer takes GEAR for both tensors or
-   for neither (the config's ``gear.layers``). Only what ``kvlens generate`` can run is offered.
+   for neither (the config's ``gear.layers``). With ``mikv`` (default on) the G32 candidates
+   up to 4 bits (plain or balanced) also have MiKV set twins, one per global ``(set_bits,
+   heavy_fraction)`` of ``mikv_set_bits`` x ``mikv_fractions``: heavy hitters and sinks kept
+   at ``set_bits`` codes, measured by replaying the cache's H2O selection while decoding
+   (``kvlens.heavy_hitters``); a layer takes the set for both tensors or neither (the config's
+   ``mikv.layers``). Only what ``kvlens generate`` can run is offered.
 2. **Cost** of a layer's (key, value, flush) choice: the bytes that layer of the cache holds
    after ``L`` tokens (default 4096), from ``kvlens.cache.layout`` (the same description the
    cache allocates by, tested against held bytes): codes at their container width, fp16 scales
    and zeros, the window buffer (``R`` fp16 tokens), the sink tokens' fp16 copies and positions,
-   pre-RoPE positions, balancers, GEAR's outlier values and indices and low-rank factors; a sliding-window layer counts only what it keeps. The budget
+   pre-RoPE positions, balancers, GEAR's outlier values and indices and low-rank factors, MiKV
+   sets (codes, scales, positions, H2O mask and accumulators); a sliding-window layer counts
+   only what it keeps. The budget
    is in bits per element relative to an fp16 cache of the same tokens (16 = as big as fp16).
 3. **Error** of a candidate, measured where the tensor is consumed: the relative error of the
    attention output (``kvlens.metrics``) when only that tensor is quantized, mean over the
@@ -31,6 +38,9 @@ Pipeline (one capture layer in memory at a time):
    minimising ``sum_l w_l (e_K + e_V)`` subject to the mean cost over all layers and both
    tensors <= budget: a multiple-choice knapsack over each layer's Pareto front, solved exactly
    by dynamic programming on costs rounded up to 1/64 bit (so the budget is never exceeded).
+   Config-wide choices are solved for separately and the best objective kept: with and without
+   rotated candidates (the shared matrix), without MiKV sets and with each ``(set_bits,
+   heavy_fraction)``.
 6. **Decode cost**: the bytes one decode step reads at ``L`` tokens for the recommendation and
    the presets (``kvlens.cache.decode_cost``: a documented model, not a timing) and whether the
    fused Triton kernel reads every layer. ``prefer_fast`` (``--prefer-fast``) offers only

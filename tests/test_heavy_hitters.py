@@ -185,3 +185,151 @@ def test_sets_on_some_layers_hold_what_the_layout_predicts():
     # 112 of the 120 tokens are quantized (window 16, blocks of 8): 3 sinks + ceil(0.2 * 112)
     assert [layer.hp_pos.shape[-1] for layer in cache.layers] == [3, 3 + 23, 3]
     assert rep["breakdown"]["masks"] == 112 * shape.kv_heads  # one layer's H2O mask
+
+
+# -- recommend: MiKV set candidates --------------------------------------------------------------
+
+def _heavy_capture(path, heavy_layers=(0,), seed=0):
+    """Two layers of random q, k, v; in ``heavy_layers`` every 16th token's key lies along the
+    queries' common direction (it draws most of the attention) and its value is 4x larger: the
+    heavy hitters a 2-bit cache reads badly and an INT8 set reads well."""
+    from kvlens.store import CaptureMeta, write_capture
+
+    g = torch.Generator().manual_seed(seed)
+    s, hq, hkv, t, d = 1, 4, 2, 256, 32
+    tensors = {}
+    for layer in (0, 1):
+        q, k, v = (torch.randn(s, h, t, d, generator=g) for h in (hq, hkv, hkv))
+        if layer in heavy_layers:
+            u = torch.randn(d, generator=g)
+            u = u / u.norm()
+            q += 3.0 * u
+            k[:, :, 7::16] += 3.0 * u
+            v[:, :, 7::16] *= 4.0
+        tensors[layer] = {"q": q, "k": k, "v": v, "q_pre": q, "k_pre": k}
+    meta = CaptureMeta(model="planted", architecture="Synthetic", model_type="synthetic",
+                       num_layers=2, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d,
+                       has_rope=False, rope={}, rope_layout="none", rotary_dim=0,
+                       compute_dtype="float32", storage_dtype="float32", num_samples=s,
+                       num_tokens=t, layers=(0, 1))
+    return write_capture(path, meta, tensors)
+
+
+def _opts(**kw):
+    from kvlens.recommend import RecommendOptions
+
+    base = dict(budget_bits=4.2, bits=(2,), group_sizes=(32,), sensitivity="uniform",
+                retrieval="off", sink_tokens=0, rotation=False, balancer=False, gear=False)
+    return RecommendOptions(**(base | kw))
+
+
+def test_recommend_puts_a_set_where_the_heavy_hitters_are(tmp_path):
+    """Only layer 0 has heavy hitters: its set candidates measure far lower error than its
+    plain 2-bit codes (layer 1's barely lower); a budget with room for one set spends it on
+    layer 0, the config says so (mikv.layers = [0]) and its bits are the priced ones."""
+    from dataclasses import replace
+
+    from kvlens.cache.layout import config_bits
+    from kvlens.recommend import Candidate, choose, measure, model_shape
+
+    path = _heavy_capture(tmp_path / "h.h5")
+    opts = _opts()
+    m = measure(path, opts)
+    plain = Candidate("value", 2, "per-token", 32)
+    twin = replace(plain, mikv_set=(8, 0.2))
+    assert m.tables[0][twin, 32][0] < 0.3 * m.tables[0][plain, 32][0]
+    assert m.tables[1][twin, 32][0] > 0.7 * m.tables[1][plain, 32][0]
+    rec = choose(m, opts)
+    assert rec.config.mikv.layers == (0,) and rec.mean_bits <= opts.budget_bits
+    assert [ch.candidate.mikv_set is not None for ch in rec.choices] == [True, True, False, False]
+    assert rec.config.mikv.set_bits == rec.choices[0].candidate.mikv_set[0]
+    assert rec.config.mikv.heavy_fraction == rec.choices[0].candidate.mikv_set[1]
+    assert config_bits(rec.config, model_shape(m.meta), opts.context) == pytest.approx(
+        rec.mean_bits)
+    assert "without a set" in rec.notes[-1]
+    # too tight for a set; switched off; --prefer-fast: no set
+    assert choose(m, replace(opts, budget_bits=3.6)).config.mikv is None
+    for off in (replace(opts, mikv=False), replace(opts, prefer_fast=True)):
+        assert choose(m, off).config.mikv is None
+
+
+def test_set_candidates_are_priced_by_the_layout():
+    """A twin costs its base plus the set (INT4 codes and fp16 scale/zero per token and
+    tensor, an int32 position per set token), the H2O mask (a byte per packed token) and the
+    accumulators (float32 per held token), per KV head."""
+    from dataclasses import replace
+
+    from kvlens.cache.layout import ModelShape
+    from kvlens.recommend import Candidate, option_bytes
+
+    shape = ModelShape(1, 2, 32)
+    opts = _opts(context=1024)
+    k, v = Candidate("key", 2, "per-channel", 32), Candidate("value", 2, "per-token", 32)
+    base = option_bytes(k, v, 32, opts, shape, 0)[0]
+    twin = option_bytes(replace(k, mikv_set=(4, 0.1)), replace(v, mikv_set=(4, 0.1)), 32, opts,
+                        shape, 0)[0]
+    packed = 928  # ceil((1024 - 128 + 1) / 32) * 32 tokens quantized
+    held = 93  # ceil(0.1 * 928)
+    per_head = 2 * held * (16 + 2 * 2) + held * 4 + packed + 1024 * 4
+    assert twin - base == 2 * per_head
+
+
+def test_bad_set_widths_and_fractions_name_the_allowed_values(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvlens.cli import app
+    from kvlens.errors import InputError
+
+    with pytest.raises(InputError, match="allowed: 4, 8"):
+        _opts(mikv_set_bits=(4, 3))
+    with pytest.raises(InputError, match=r"allowed: fractions in \(0, 0.5\]"):
+        _opts(mikv_fractions=(0.2, 0.7))
+    path = _heavy_capture(tmp_path / "h.h5")
+    res = CliRunner().invoke(app, ["recommend", str(path), "-b", "4", "--mikv-bits", "2"])
+    assert res.exit_code == 1 and "allowed: 4, 8" in res.output
+    res = CliRunner().invoke(app, ["recommend", str(path), "-b", "4", "--mikv-fractions", "x"])
+    assert res.exit_code == 1 and "comma list of numbers" in res.output
+    res = CliRunner().invoke(app, ["recommend", str(path), "-b", "4.2", "--bits", "2",
+                                   "--group-sizes", "32", "--sinks", "0", "--no-rotation",
+                                   "--no-balancer", "--sensitivity", "uniform", "--retrieval",
+                                   "off", "--no-mikv", "--json"])
+    assert res.exit_code == 0, res.output
+    import json
+
+    assert json.loads(res.stdout)["config"]["mikv"] is None
+
+
+def test_recommended_sets_run_in_generate_and_hold_the_priced_bytes(tmp_path):
+    """recommend on a tiny model's capture, a layer weighted 0 (a set cannot pay there): the
+    config keeps sets in the other layers, loads, generates, and after ``context`` tokens the
+    cache holds exactly the bytes recommend priced."""
+    from test_memory import _check, _model, _prefill_then_decode, _shape
+
+    from kvlens.architecture import describe
+    from kvlens.cache import compressed_attention, memory_report
+    from kvlens.capture import capture_model
+    from kvlens.evaluate import greedy
+    from kvlens.kvconfig import load_config, save_config, validate_for
+    from kvlens.recommend import choose, measure
+
+    model = _model()
+    cap = tmp_path / "tiny.h5"
+    capture_model(model, torch.randint(0, 128, (1, 96), generator=torch.Generator()
+                                       .manual_seed(0)), cap)
+    opts = _opts(budget_bits=16.0, context=512, residual_tokens=32, flush_tokens=32,
+                 sink_tokens=2, layer_weights=(1.0, 0.0, 1.0))
+    rec = choose(measure(cap, opts), opts)
+    assert rec.config.mikv.layers == (0, 2)
+    save_config(rec.config, tmp_path / "cfg.json")
+    cfg = load_config(tmp_path / "cfg.json")
+    assert cfg == rec.config
+    validate_for(cfg, describe(model))
+    ids = torch.randint(3, 128, (1, 512), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad(), compressed_attention(model, cfg, backend="torch") as session:
+        new, _ = greedy(model, ids[:, :40], session, 6)
+        assert new.shape == (1, 6)
+        cache = session.new_cache()
+        _prefill_then_decode(model, cache, ids, 470)
+        _check(cache, cfg, _shape(model), 512)
+    assert [layer.needs_attention_probs for layer in cache.layers] == [True, False, True]
+    assert memory_report(cache)["bits_per_element"] == pytest.approx(rec.mean_bits)
