@@ -18,7 +18,8 @@ channels. JSON form (``version`` 1)::
       "layers": {"0": {"key": null}},          # partial overrides, merged over "default"
       "mikv": null | {"heavy_fraction": 0.2, "sink_tokens": 4,
                       "balancer": "off" | "online" | "fixed", "balancer_exponent": 0.5,
-                      "set_bits": null | 4 | 8},             # version 2
+                      "set_bits": null | 4 | 8,              # version 2
+                      "layers": null | [0, 3, ...]},         # version 2
       "gear": null | {"rank": 4, "outlier_fraction": 0.02, "power_iters": 3,
                       "layers": null | [0, 3, ...]},         # version 2
       "balancers": null | {"0": [[b_0 ... b_{D-1}] per KV head], ...},   # for "fixed"
@@ -40,6 +41,12 @@ changes when nothing is quantized. Not with pre-RoPE keys or a balancer on the s
 
 ``mikv.set_bits``: the bit width the MiKV importance set (heavy hitters and sinks) is stored at:
 ``null`` = ``fp_dtype`` (as before), 4 or 8 = per-token integer codes (``kvlens.cache.mixed``).
+``mikv.layers``: the compressed layers that keep heavy hitters (``null``: every compressed
+layer, as before). A compressed layer *not* listed keeps only the first ``sink_tokens`` tokens,
+at ``fp_dtype`` (a sinks-only set: no heavy hitters, no ``set_bits`` codes, no H2O mask or
+accumulators), which is what ``recommend`` measures and prices for a layer without a set; the
+balancer settings apply to every layer either way (``KVConfig.mikv_for``). Listing layers needs
+``heavy_fraction > 0``. Sliding-window layers keep no set at all (listed or not).
 ``gear``: GEAR (``kvlens.cache.gear``) on every quantized tensor of the compressed layers listed
 in ``gear.layers`` (``null``: every compressed layer): each
 flushed block of ``F`` tokens (the layer's flush block, GEAR's ``n_b``) is stored as quantized
@@ -53,7 +60,7 @@ stores them with no full-precision window (``kvlens.cache.engine``; the ``llamac
 presets in ``kvlens.deploy``); ``kv_scales``: ``{layer: {"key": [s...], "value": [s...]}}``
 static fp8 scales (one per layer or per KV head).
 
-A config that uses ``set_bits``, ``gear``, engine types or ``kv_scales`` is written as version 2;
+A config that uses ``set_bits``, ``mikv.layers``, ``gear``, engine types or ``kv_scales`` is written as version 2;
 others stay version 1 (older readers can read them).
 
 ``validate_for(config, info)`` checks a config against a loaded model (layer count, head_dim,
@@ -73,7 +80,8 @@ from kvlens.errors import ConfigError
 from kvlens.quant import QuantSpec
 
 FORMAT = "kvlens.kvconfig"
-VERSION = 2  # 2: engine cache types (key_format/value_format), kv_scales, mikv.set_bits, gear
+VERSION = 2  # 2: engine cache types (key_format/value_format), kv_scales, mikv.set_bits,
+# mikv.layers, gear
 BALANCER_MODES = ("off", "online", "fixed")
 FP_DTYPES = ("float16", "bfloat16", "float32", "exact")
 _LAYER_KEYS = ("key", "value", "residual_tokens", "flush_tokens", "pre_rope_keys",
@@ -81,7 +89,8 @@ _LAYER_KEYS = ("key", "value", "residual_tokens", "flush_tokens", "pre_rope_keys
 _TOP_KEYS = ("format", "version", "name", "description", "default", "layers", "mikv", "gear",
              "balancers", "scale_dtype", "fp_dtype", "rotation_seed", "model", "kv_scales")
 _V2_LAYER_KEYS = ("key_format", "value_format")
-_MIKV_KEYS = ("heavy_fraction", "sink_tokens", "balancer", "balancer_exponent", "set_bits")
+_MIKV_KEYS = ("heavy_fraction", "sink_tokens", "balancer", "balancer_exponent", "set_bits",
+              "layers")
 SET_BITS = (4, 8)  # integer widths of the MiKV importance set (None: fp_dtype)
 _GEAR_KEYS = ("rank", "outlier_fraction", "power_iters", "layers")
 
@@ -185,13 +194,16 @@ class LayerKV:
 @dataclass(frozen=True)
 class MikvSettings:
     """MiKV: keep ``heavy_fraction`` of tokens (by H2O accumulated attention) plus the first
-    ``sink_tokens`` at full precision; balance key channels (``k*b`` stored, ``q/b`` used)."""
+    ``sink_tokens`` at full precision; balance key channels (``k*b`` stored, ``q/b`` used).
+    ``layers``: the layers with heavy hitters (None: every compressed layer); the others keep
+    only the sinks, at ``fp_dtype`` (``KVConfig.mikv_for``)."""
 
     heavy_fraction: float = 0.2
     sink_tokens: int = 4
     balancer: str = "off"
     balancer_exponent: float = 0.5
     set_bits: int | None = None  # None: the set is stored at fp_dtype; 4 or 8: integer codes
+    layers: tuple[int, ...] | None = None  # None: every compressed layer keeps heavy hitters
 
     def __post_init__(self) -> None:
         f = self.heavy_fraction
@@ -210,11 +222,35 @@ class MikvSettings:
         if b is not None and (isinstance(b, bool) or b not in SET_BITS):
             raise ConfigError(f"Unsupported mikv.set_bits {b!r}; allowed: null (the set at "
                               f"fp_dtype), {', '.join(map(str, SET_BITS))}.")
+        if self.layers is not None:
+            object.__setattr__(self, "layers", _layer_list(self.layers, "mikv.layers"))
+            if not f > 0:
+                raise ConfigError("mikv.layers lists the layers that keep heavy hitters, but "
+                                  "mikv.heavy_fraction is 0; allowed: null (every compressed "
+                                  "layer) or a heavy_fraction > 0 with the list.")
 
     def to_dict(self) -> dict[str, Any]:
         d = {"heavy_fraction": self.heavy_fraction, "sink_tokens": self.sink_tokens,
              "balancer": self.balancer, "balancer_exponent": self.balancer_exponent}
-        return d | ({"set_bits": self.set_bits} if self.set_bits is not None else {})
+        if self.set_bits is not None:
+            d["set_bits"] = self.set_bits
+        # written only when set, so a config without it stays readable by version-1 readers
+        return d | ({"layers": list(self.layers)} if self.layers is not None else {})
+
+    @property
+    def sinks_only(self) -> MikvSettings:
+        """What a layer not in ``layers`` keeps: the sinks at ``fp_dtype``, the balancer."""
+        return replace(self, heavy_fraction=0.0, set_bits=None, layers=None)
+
+
+def _layer_list(layers: Any, where: str) -> tuple[int, ...]:
+    """A sorted tuple of distinct layer indices >= 0, or a ``ConfigError`` naming ``where``."""
+    ok = isinstance(layers, (list, tuple)) and all(
+        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in layers)
+    if not ok or len(set(layers)) != len(layers):
+        raise ConfigError(f"Invalid {where} {layers!r}; allowed: null (every compressed layer) "
+                          "or a list of distinct layer indices >= 0.")
+    return tuple(sorted(layers))
 
 
 @dataclass(frozen=True)
@@ -240,12 +276,7 @@ class GearSettings:
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= 20:
             raise ConfigError(f"Invalid gear.power_iters {i!r}; allowed: an integer 0-20.")
         if self.layers is not None:
-            ok = isinstance(self.layers, (list, tuple)) and all(
-                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in self.layers)
-            if not ok or len(set(self.layers)) != len(self.layers):
-                raise ConfigError(f"Invalid gear.layers {self.layers!r}; allowed: null (every "
-                                  "compressed layer) or a list of distinct layer indices >= 0.")
-            object.__setattr__(self, "layers", tuple(sorted(self.layers)))
+            object.__setattr__(self, "layers", _layer_list(self.layers, "gear.layers"))
 
     def check_block(self, block: int, head_dim: int | None, where: str) -> None:
         """The rank cannot exceed what a ``block x head_dim`` residual has."""
@@ -330,6 +361,14 @@ class KVConfig:
             return None
         return g
 
+    def mikv_for(self, idx: int) -> MikvSettings | None:
+        """The MiKV settings layer ``idx`` keeps its set with: ``mikv`` itself when the layer
+        keeps heavy hitters (``mikv.layers`` null or listing it), else its sinks-only form."""
+        m = self.mikv
+        if m is None or m.layers is None or idx in m.layers:
+            return m
+        return m.sinks_only
+
     @property
     def compressed(self) -> bool:
         return self.default.compressed or any(v.compressed for v in self.layers.values())
@@ -354,12 +393,13 @@ class KVConfig:
     @property
     def format_version(self) -> int:
         """The oldest version that can express this config: 1 unless it uses version 2's engine
-        cache types, ``kv_scales``, ``mikv.set_bits`` or ``gear`` (so older kvlens versions
+        cache types, ``kv_scales``, ``mikv.set_bits``, ``mikv.layers`` or ``gear`` (so older kvlens versions
         still read the others)."""
         uses_v2 = (bool(self.kv_scales) or self.default.engine
                    or any(v.engine for v in self.layers.values())
                    or self.gear is not None
-                   or (self.mikv is not None and self.mikv.set_bits is not None))
+                   or (self.mikv is not None and (self.mikv.set_bits is not None
+                                                  or self.mikv.layers is not None)))
         return 2 if uses_v2 else 1
 
     @classmethod
@@ -429,9 +469,10 @@ def config_from_dict(data: Any) -> KVConfig:
         layers[idx] = _layer(value, default, f"layers.{key}")
     mikv = _section(data, "mikv", _MIKV_KEYS, MikvSettings)
     gear = _section(data, "gear", _GEAR_KEYS, GearSettings)
-    if version < 2 and (gear is not None or (mikv is not None and mikv.set_bits is not None)):
-        raise ConfigError("'gear' and 'mikv.set_bits' need KV config version 2; set "
-                          '"version": 2.')
+    if version < 2 and (gear is not None or (mikv is not None and (
+            mikv.set_bits is not None or mikv.layers is not None))):
+        raise ConfigError("'gear', 'mikv.set_bits' and 'mikv.layers' need KV config version 2; "
+                          'set "version": 2.')
     balancers: dict[int, tuple[tuple[float, ...], ...]] = {}
     for key, value in (data.get("balancers") or {}).items():
         idx = _index(key, "balancers")
@@ -668,10 +709,11 @@ def validate_for(config: KVConfig, info) -> None:
         if layer.pre_rope_keys and not info.declares_rope:
             raise ConfigError(f"Config {config.name!r} asks for pre-RoPE keys but "
                               f"{info.architecture} has no rotary embedding.")
-    bad = [i for i in (config.gear.layers or ()) if i >= n] if config.gear else []
-    if bad:
-        raise ConfigError(f"gear.layers {bad}: the model has {n} layers; allowed indices: "
-                          f"0-{n - 1}.")
+    for name, part in (("gear", config.gear), ("mikv", config.mikv)):
+        bad = [i for i in (part.layers or ()) if i >= n] if part else []
+        if bad:
+            raise ConfigError(f"{name}.layers {bad}: the model has {n} layers; allowed "
+                              f"indices: 0-{n - 1}.")
     for idx, b in config.balancers.items():
         if idx >= n:
             raise ConfigError(f"balancers.{idx}: the model has {n} layers; allowed indices: "

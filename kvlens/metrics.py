@@ -150,10 +150,23 @@ class AttentionErrors:
 @dataclass(frozen=True)
 class Variant:
     """One approximation of the cache: ``k_hat`` and/or ``v_hat`` ``[B, Hkv, T, D]`` (None =
-    that tensor is kept exact)."""
+    that tensor is kept exact).
+
+    A MiKV importance set (``kvlens.heavy_hitters``): where ``in_set`` (bool ``[B, Hkv, Tq,
+    Tk]``) is True, query ``i`` reads key ``j`` as ``k_set`` and value ``j`` as ``v_set``
+    (``[B, Hkv, Tk, D]``; None = that tensor of the set is read exact). The set changes with
+    the query (it is re-chosen while decoding), hence a mask per query."""
 
     k_hat: torch.Tensor | None = None
     v_hat: torch.Tensor | None = None
+    in_set: torch.Tensor | None = None
+    k_set: torch.Tensor | None = None
+    v_set: torch.Tensor | None = None
+
+    @property
+    def keyed(self) -> bool:
+        """Whether some key is read other than exact (scores and weights can change)."""
+        return self.k_hat is not None or (self.in_set is not None and self.k_set is not None)
 
 
 class _Sums:
@@ -208,12 +221,13 @@ def attention_errors_many(
 
     ``exact`` (bool ``[Tq, Tk]``, optional): where True, query ``i`` reads key/value ``j``
     exact in every variant, as a streaming cache does for its full-precision window and sink
-    tokens (``streaming_exact_mask``). Reconstruction errors still cover every token;
-    ``reconstruction=False`` skips them (None), for callers that compute them once elsewhere."""
+    tokens (``streaming_exact_mask``); it takes precedence over a variant's ``in_set``.
+    Reconstruction errors still cover every token; ``reconstruction=False`` skips them (None),
+    for callers that compute them once elsewhere."""
     b, hq, tq, _ = q.shape
     tk = k.shape[2]
     groups = num_kv_groups(hq, k.shape[1])
-    _check_variants(k, v, variants)
+    _check_variants(q, k, v, variants)
     if chunk_size < 1:
         raise InputError(f"chunk_size must be positive, got {chunk_size}.")
     if exact is not None and tuple(exact.shape) != (tq, tk):
@@ -224,10 +238,16 @@ def attention_errors_many(
     def heads(x: torch.Tensor, i: int) -> torch.Tensor:
         return x[i].float().repeat_interleave(groups, dim=0)
 
+    def maybe(x: torch.Tensor | None, i: int) -> torch.Tensor | None:
+        return None if x is None else heads(x, i)
+
     for i in range(b):
         k_ref, v_ref = heads(k, i), heads(v, i)
-        k_alts = [None if var.k_hat is None else heads(var.k_hat, i) for var in variants]
+        k_alts = [maybe(var.k_hat, i) for var in variants]
         v_alts = [v_ref if var.v_hat is None else heads(var.v_hat, i) for var in variants]
+        sets = [(None if var.in_set is None else
+                 var.in_set[i].to(q.device).repeat_interleave(groups, dim=0),
+                 maybe(var.k_set, i), maybe(var.v_set, i)) for var in variants]
         for start in range(0, tq, chunk_size):
             end = min(start + chunk_size, tq)
             # Only keys some query of this chunk can see: skips the masked future (and, with a
@@ -241,12 +261,21 @@ def attention_errors_many(
             s_ref_sq = _row_sq(torch.where(keep, s_ref, 0.0))
             w_ref = s_ref.masked_fill(hide, float("-inf")).softmax(dim=-1)
             o_ref = w_ref @ v_ref[:, keys]
-            for acc, k_alt, v_alt in zip(sums, k_alts, v_alts, strict=True):
+            for acc, var, k_alt, v_alt, (in_set, k_set, v_set) in zip(
+                    sums, variants, k_alts, v_alts, sets, strict=True):
+                member = None if in_set is None else in_set[:, start:end, keys]
+                if member is not None and same is not None:
+                    member = member & ~same
                 w_alt = w_ref
-                if k_alt is not None:
-                    s_alt = _softcap((rows @ k_alt[:, keys].transpose(-1, -2)) * scaling, softcap)
-                    if same is not None:
+                if var.keyed:
+                    s_alt = s_ref.clone() if k_alt is None else _softcap(
+                        (rows @ k_alt[:, keys].transpose(-1, -2)) * scaling, softcap)
+                    if same is not None and k_alt is not None:
                         s_alt = torch.where(same, s_ref, s_alt)
+                    if member is not None and k_set is not None:
+                        s_set = _softcap((rows @ k_set[:, keys].transpose(-1, -2)) * scaling,
+                                         softcap)
+                        s_alt = torch.where(member, s_set, s_alt)
                     acc["scores"].add(s_ref, s_alt, s_ref_sq, keep)
                     w_alt = s_alt.masked_fill_(hide, float("-inf")).softmax(dim=-1)
                     acc["weights"].add(w_ref, w_alt)
@@ -254,6 +283,9 @@ def attention_errors_many(
                 if same is not None and v_alt is not v_ref:
                     # exact entries read v, not v_hat: add back w * (v - v_hat) there
                     o_alt += (w_alt * same) @ (v_ref[:, keys] - v_alt[:, keys])
+                if member is not None and v_set is not None:
+                    # set entries read v_set: add w * (v_set - v_hat) there
+                    o_alt += (w_alt * member) @ (v_set[:, keys] - v_alt[:, keys])
                 acc["output"].add(o_ref, o_alt)
     return [_errors(k, v, var, acc, reconstruction)
             for var, acc in zip(variants, sums, strict=True)]
@@ -268,36 +300,54 @@ def streaming_exact_mask(
     = ``flush_tokens`` or ``R``: the whole window is flushed when it fills), and the first
     ``sink_tokens`` positions are kept at full precision. (A prefilled prompt is read exact by
     its own tokens, so this is the pessimistic, decode-time view.)"""
-    r, f = residual_tokens, flush_tokens or residual_tokens
     i = torch.arange(num_tokens)
-    if r:
-        n_q = (torch.div(i - r + 1 + f - 1, f, rounding_mode="floor") * f).clamp_min(0)
-    else:  # every token is quantized right after its own step
-        n_q = i
+    n_q = streaming_quantized_length(num_tokens, residual_tokens, flush_tokens)
     j = torch.arange(num_tokens)[None, :]
     return ((j >= n_q[:, None]) | (j < sink_tokens)) & (j <= i[:, None])
 
 
-def _check_variants(k: torch.Tensor, v: torch.Tensor, variants: Sequence[Variant]) -> None:
+def streaming_quantized_length(
+    num_tokens: int, residual_tokens: int, flush_tokens: int = 0
+) -> torch.Tensor:
+    """Long ``[T]``: ``n_q(i)``, the tokens a ``kvlens.cache`` layer fed one token at a time
+    holds quantized when query ``i`` reads it (``streaming_exact_mask``)."""
+    r, f = residual_tokens, flush_tokens or residual_tokens
+    i = torch.arange(num_tokens)
+    if not r:  # every token is quantized right after its own step
+        return i
+    return (torch.div(i - r + 1 + f - 1, f, rounding_mode="floor") * f).clamp_min(0)
+
+
+def _check_variants(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variants: Sequence[Variant]
+) -> None:
     for n, var in enumerate(variants):
-        if var.k_hat is None and var.v_hat is None:
+        has_set = var.in_set is not None and (var.k_set is not None or var.v_set is not None)
+        if var.k_hat is None and var.v_hat is None and not has_set:
             raise InputError(
                 f"Variant {n} replaces neither keys nor values: give k_hat, "
-                f"v_hat or both; there is no variant to compare."
+                f"v_hat or both (or a set); there is no variant to compare."
             )
-        for name, ref, t in (("k_hat", k, var.k_hat), ("v_hat", v, var.v_hat)):
+        for name, ref, t in (("k_hat", k, var.k_hat), ("v_hat", v, var.v_hat),
+                             ("k_set", k, var.k_set), ("v_set", v, var.v_set)):
             if t is not None and t.shape != ref.shape:
                 raise InputError(
                     f"Variant {n}: {name} has shape {tuple(t.shape)}, expected {tuple(ref.shape)}."
                 )
+        want = (*k.shape[:2], q.shape[2], k.shape[2])
+        if var.in_set is not None and tuple(var.in_set.shape) != want:
+            raise InputError(
+                f"Variant {n}: in_set has shape {tuple(var.in_set.shape)}, expected {want}."
+            )
 
 
 def _errors(
     k: torch.Tensor, v: torch.Tensor, var: Variant, acc: dict[str, _Sums], recon: bool = True
 ) -> AttentionErrors:
-    keyed = var.k_hat is not None
+    keyed = var.keyed
     return AttentionErrors(
-        key_reconstruction=per_head_rel_error(k, var.k_hat) if keyed and recon else None,
+        key_reconstruction=per_head_rel_error(k, var.k_hat)
+        if var.k_hat is not None and recon else None,
         value_reconstruction=per_head_rel_error(v, var.v_hat)
         if var.v_hat is not None and recon else None,
         scores=acc["scores"].ratio() if keyed else None,

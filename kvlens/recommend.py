@@ -8,13 +8,20 @@ Pipeline (one capture layer in memory at a time):
    ``gear`` (default on) also GEAR twins of the plain G32 candidates up to 4 bits (GEAR's
    published settings, ``GEAR_SETTINGS``: 2% outliers per vector, rank 4 per flushed block,
    measured block by block at the layer's flush block). A layer takes GEAR for both tensors or
-   for neither (the config's ``gear.layers``). Only what ``kvlens generate`` can run is offered.
+   for neither (the config's ``gear.layers``). With ``mikv`` (default on) the G32 candidates
+   up to 4 bits (plain or balanced) also have MiKV set twins, one per global ``(set_bits,
+   heavy_fraction)`` of ``mikv_set_bits`` x ``mikv_fractions``: heavy hitters and sinks kept
+   at ``set_bits`` codes, measured by replaying the cache's H2O selection while decoding
+   (``kvlens.heavy_hitters``); a layer takes the set for both tensors or neither (the config's
+   ``mikv.layers``). Only what ``kvlens generate`` can run is offered.
 2. **Cost** of a layer's (key, value, window, flush) choice: the bytes that layer of the cache
    holds after ``L`` tokens (default 4096), from ``kvlens.cache.layout`` (the same description
    the cache allocates by, tested against held bytes): codes at their container width, fp16
    scales and zeros, the window buffer (``R`` fp16 tokens, ``R`` chosen per layer from
-   ``windows``), the sink tokens' fp16 copies and positions,
-   pre-RoPE positions, balancers, GEAR's outlier values and indices and low-rank factors; a sliding-window layer counts only what it keeps. The budget
+   ``windows``), the sink tokens' fp16 copies and positions, pre-RoPE positions, balancers,
+   GEAR's outlier values and indices and low-rank factors, MiKV sets (codes, scales,
+   positions, H2O mask and accumulators); a sliding-window layer counts only what it keeps.
+   The budget
    is in bits per element relative to an fp16 cache of the same tokens (16 = as big as fp16).
 3. **Error** of a candidate, measured where the tensor is consumed: the relative error of the
    attention output (``kvlens.metrics``) when only that tensor is quantized, mean over the
@@ -34,6 +41,9 @@ Pipeline (one capture layer in memory at a time):
    minimising ``sum_l w_l (e_K + e_V)`` subject to the mean cost over all layers and both
    tensors <= budget: a multiple-choice knapsack over each layer's Pareto front, solved exactly
    by dynamic programming on costs rounded up to 1/64 bit (so the budget is never exceeded).
+   Config-wide choices are solved for separately and the best objective kept: with and without
+   rotated candidates (the shared matrix), without MiKV sets and with each ``(set_bits,
+   heavy_fraction)``.
 6. **Decode cost**: the bytes one decode step reads at ``L`` tokens for the recommendation and
    the presets (``kvlens.cache.decode_cost``: a documented model, not a timing) and whether the
    fused Triton kernel reads every layer. ``prefer_fast`` (``--prefer-fast``) offers only
@@ -68,6 +78,8 @@ class Stream(NamedTuple):
     def block(self) -> int:
         """Tokens quantized together (a per-channel group must divide it)."""
         return self.flush or self.residual
+MIKV_GROUP = 32  # so are MiKV set twins (each is simulated while decoding: measuring cost)
+MIKV_FRACTION_MAX = 0.5  # largest heavy fraction offered (more is no longer a small set)
 
 
 @dataclass(frozen=True)
@@ -82,20 +94,29 @@ class Candidate:
     balancer: bool = False  # keys only: MiKV channel balancer
     rotate: bool = False  # Hadamard rotation along head_dim (kvlens.quant.rotation)
     gear: bool = False  # GEAR outliers + low-rank factors (GEAR_SETTINGS) beside the codes
+    # MiKV importance set (set_bits, heavy_fraction) beside the codes; None: sinks only
+    mikv_set: tuple[int, float] | None = None
 
     @property
     def short(self) -> str:
         axis = "ch" if self.granularity == "per-channel" else "tok"
         extra = (" pre" if self.stage == "pre" else "") + (" bal" if self.balancer else "") + \
-            (" rot" if self.rotate else "") + (" gear" if self.gear else "")
+            (" rot" if self.rotate else "") + (" gear" if self.gear else "") + \
+            (f" set{self.mikv_set[0]}@{self.mikv_set[1]:g}" if self.mikv_set else "")
         return f"{self.bits}b {axis} G{self.group_size}{extra}"
 
     @property
     def label(self) -> str:
         extra = (" pre-RoPE" if self.stage == "pre" else "") + \
             (" +bal" if self.balancer else "") + (" +rotation" if self.rotate else "") + \
-            (" +GEAR" if self.gear else "")
+            (" +GEAR" if self.gear else "") + \
+            (f" +MiKV set {self.mikv_set[1]:g} INT{self.mikv_set[0]}" if self.mikv_set else "")
         return f"{self.bits}b {self.granularity} G{self.group_size}{extra}"
+
+    @property
+    def base(self) -> Candidate:
+        """The same storage without the MiKV set."""
+        return replace(self, mikv_set=None)
 
     def spec(self):
         from kvlens.quant import QuantSpec
@@ -132,6 +153,11 @@ class RecommendOptions:
     max_memory: str | None = None
     offload_folder: str | None = None
     gear: bool = True  # offer GEAR twins of the plain G32 candidates (not with prefer_fast)
+    # offer MiKV set twins (heavy hitters at set_bits) of the G32 candidates up to 4 bits, for
+    # every (set_bits, heavy_fraction) combination (not with prefer_fast)
+    mikv: bool = True
+    mikv_set_bits: tuple[int, ...] = (4, 8)
+    mikv_fractions: tuple[float, ...] = (0.1, 0.2)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.budget_bits, (int, float)) and 0 < self.budget_bits <= 16):
@@ -171,6 +197,16 @@ class RecommendOptions:
                              "also flushes it whole).")
         if self.sink_tokens < 0:
             raise InputError(f"--sinks must be >= 0, got {self.sink_tokens}.")
+        from kvlens.kvconfig import SET_BITS
+
+        bad = [b for b in self.mikv_set_bits if b not in SET_BITS]
+        if bad or not self.mikv_set_bits:
+            raise InputError(f"Unsupported --mikv-bits {bad or 'none'}; allowed: "
+                             f"{', '.join(map(str, SET_BITS))} (the MiKV set's integer widths).")
+        bad = [f for f in self.mikv_fractions if not 0 < f <= MIKV_FRACTION_MAX]
+        if bad or not self.mikv_fractions:
+            raise InputError(f"Unsupported --mikv-fractions {bad or 'none'}; allowed: fractions "
+                             f"in (0, {MIKV_FRACTION_MAX}] (MiKV's published 0.2, e.g. 0.1,0.2).")
         if self.tokens is not None and self.tokens <= max(r, self.score_from):
             raise InputError(f"--tokens {self.tokens} must exceed "
                              + (f"three times the largest window ({self.score_from}): with several "
@@ -219,6 +255,13 @@ class RecommendOptions:
         f = max([self.flush_tokens] + [c.group_size for c in cands
                                         if c.granularity == "per-channel"])
         return 0 if f >= r else f
+
+    def mikv_sets(self) -> list[tuple[int, float]]:
+        """The global (set_bits, heavy_fraction) combinations offered (none: ``[]``)."""
+        if not self.mikv or self.prefer_fast:
+            return []
+        return [(b, f) for b in sorted(set(self.mikv_set_bits))
+                for f in sorted(set(self.mikv_fractions))]
 
     def flush_options(self, residual: int | None = None) -> list[int]:
         """Every flush block a layer with a ``residual``-token window can end up with (see
@@ -322,7 +365,11 @@ def candidates(head_dim: int, opts: RecommendOptions, has_rope: bool) -> list[Ca
                         out.append(Candidate(tensor, b, gran, g, rotate=True))
                     if opts.gear and not opts.prefer_fast and g == GEAR_GROUP and b <= 4:
                         out.append(Candidate(tensor, b, gran, g, gear=True))
-    return out
+    # MiKV set twins: plain or balanced post-RoPE G32 codes up to 4 bits (a set beside 8-bit
+    # codes buys nothing), one per global (set_bits, heavy_fraction)
+    return out + [replace(c, mikv_set=m) for c in out if c.group_size == MIKV_GROUP
+                  and c.bits <= 4 and c.stage == "post" and not (c.rotate or c.gear)
+                  for m in opts.mikv_sets()]
 
 
 def gear_settings(layers=None):
@@ -359,13 +406,13 @@ def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOption
     for display."""
     from kvlens.cache.gear import part_bytes
     from kvlens.cache.layout import flush_every, layer_part_bytes, packed_bytes, stream_state
-    from kvlens.kvconfig import LayerKV, MikvSettings
+    from kvlens.kvconfig import LayerKV
 
     r = max(opts.window_sizes) if residual is None else residual
     setting = LayerKV(kc.spec(), vc.spec(), r, kc.stage == "pre",
                       flush_tokens=flush, rotate_keys=kc.rotate, rotate_values=vc.rotate)
-    mikv = MikvSettings(0.0, opts.sink_tokens, "off") if opts.sink_tokens else None
     w = shape.window(layer)
+    mikv = _layer_mikv(kc, opts)
     parts = layer_part_bytes(setting, tokens=opts.context, head_dim=shape.head_dim,
                              kv_heads=shape.kv_heads, mikv=mikv, balancer=kc.balancer,
                              sliding_window=w, gear=gear_settings() if kc.gear else None)
@@ -377,6 +424,17 @@ def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOption
         else 0)) for c in (kc, vc)]
     shared = (total - sum(own)) / 2
     return total, own[0] + shared, own[1] + shared
+
+
+def _layer_mikv(c: Candidate, opts: RecommendOptions):
+    """The MiKV settings a layer storing ``c`` keeps its set with (what the written config's
+    ``mikv_for`` gives that layer): heavy hitters at ``c.mikv_set``, else the sinks at fp16."""
+    from kvlens.kvconfig import MikvSettings
+
+    if c.mikv_set:
+        bits, fraction = c.mikv_set
+        return MikvSettings(fraction, opts.sink_tokens, "off", set_bits=bits)
+    return MikvSettings(0.0, opts.sink_tokens, "off") if opts.sink_tokens else None
 
 
 def tensor_fp16_bytes(shape, layer: int, context: int) -> int:
@@ -395,8 +453,9 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
     (``opts.window_sizes``) and flush block ``F`` the candidate can be stored with
     (``opts.streams()``), measured as the cache reads history while decoding: recent tokens
     (the window, as it slides with ``F``) and the first ``opts.sink_tokens`` exact
-    (``kvlens.metrics.streaming_exact_mask``), on queries from ``opts.score_from`` on.
-    Candidates in
+    (``kvlens.metrics.streaming_exact_mask``), on queries from ``opts.score_from`` on. MiKV
+    set twins (``Candidate.mikv_set``) are measured as such a layer decodes
+    (``_SetVariants``); a sliding-window layer keeps no set, so has no twins. Candidates in
     ``plain`` are also measured with every token quantized, key ``(candidate, None)`` (the
     sensitivity probe, which quantizes the whole layer). ``queries``: score only the last
     queries (the retrieval probe's answer position). ``balancer``: use this fitted balancer
@@ -444,7 +503,10 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
         if c.stage == "pre" and not pre_ok:
             continue
         spec = c.spec()
-        if c.gear:  # depends on the flush block: built per run below
+        if c.mikv_set:  # the set depends on the flush block: built per run below
+            if not la.sliding_window and c.base in cands:
+                variants[c] = None
+        elif c.gear:  # depends on the flush block: built per run below
             variants[c] = None
         elif c.rotate:  # what the cache stores (x R) seen back in the original basis
             x_hat = quantize_rotated(v if c.tensor == "value" else k, spec, rot)
@@ -463,6 +525,7 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
         (s, [c for c in variants if _fits(c, s)]) for s in opts.streams()]
     runs.append((None, [c for c in plain if c in variants]))
     out, recon = {}, {}
+    sets = _SetVariants(q, k, v, la, opts)
     for s, run in runs:
         if not run:
             continue
@@ -472,23 +535,76 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
                                      s.block if s is not None else n_tok)
                 variants[c] = Variant(v_hat=x_hat) if c.tensor == "value" \
                     else Variant(k_hat=x_hat)
-        exact = None if s is None else streaming_exact_mask(
-            n_tok, s.residual, s.flush, opts.sink_tokens)
         # the probe quantizes every token (no window): it is scored on every query
         start = n_tok - queries if queries is not None else 0 if s is None else opts.score_from
-        rows = q[:, :, start:]
-        exact = None if exact is None else exact[start:]
-        errs = attention_errors_many(rows, k, v, [variants[c] for c in run], scaling=la.scaling,
-                                     sliding_window=la.sliding_window, softcap=la.logit_softcap,
-                                     exact=exact, reconstruction=False)
-        for c, e in zip(run, errs):
-            if c not in recon:  # the same for every F: once per candidate
-                var = variants[c]
-                recon[c] = float(per_head_rel_error(v, var.v_hat).mean() if c.tensor == "value"
-                                 else per_head_rel_error(k, var.k_hat).mean())
-            out[c, s] = (float(e.output.mean()),
-                         None if e.scores is None else float(e.scores.mean()), recon[c])
+        rows, picked = q[:, :, start:], slice(start, None)
+        # a layer with a MiKV set holds its sinks in the set (at its codes), not exact
+        for group, sinks in (([c for c in run if not c.mikv_set], opts.sink_tokens),
+                             ([c for c in run if c.mikv_set], 0)):
+            if not group:
+                continue
+            exact = None if s is None else streaming_exact_mask(
+                n_tok, s.residual, s.flush, sinks)[picked]
+            vs = [sets.variant(c, variants[c.base], s, picked) if c.mikv_set else variants[c]
+                  for c in group]
+            errs = attention_errors_many(rows, k, v, vs, scaling=la.scaling,
+                                         sliding_window=la.sliding_window,
+                                         softcap=la.logit_softcap, exact=exact,
+                                         reconstruction=False)
+            for c, e in zip(group, errs):
+                if c.base not in recon:  # the same for every stream and set: once per candidate
+                    var = variants[c.base]
+                    recon[c.base] = float(per_head_rel_error(v, var.v_hat).mean()
+                                          if c.tensor == "value"
+                                          else per_head_rel_error(k, var.k_hat).mean())
+                out[c, s] = (float(e.output.mean()),
+                             None if e.scores is None else float(e.scores.mean()), recon[c.base])
     return out, bal, pre_ok
+
+
+class _SetVariants:
+    """``Variant``s of MiKV set twins on one capture layer: each tensor measured alone, as for
+    every candidate, with the set the cache would keep (``kvlens.heavy_hitters``): for keys, the
+    H2O attention accumulated through the candidate's codes and the set's codes; for values
+    (keys exact) through exact keys, so one set per (heavy fraction, stream)."""
+
+    def __init__(self, q, k, v, attrs, opts: RecommendOptions):
+        self.q, self.k, self.v, self.attrs, self.opts = q, k, v, attrs, opts
+        self._recon: dict = {}
+        self._members: dict = {}
+
+    def reconstruction(self, tensor: str, bits: int):
+        from kvlens.heavy_hitters import set_reconstruction
+
+        if (tensor, bits) not in self._recon:
+            x = self.k if tensor == "key" else self.v
+            self._recon[tensor, bits] = set_reconstruction(x, bits)
+        return self._recon[tensor, bits]
+
+    def membership(self, key, k_read, k_set, fraction: float, stream: Stream):
+        from kvlens.heavy_hitters import set_membership
+        from kvlens.kvconfig import MikvSettings
+
+        if key not in self._members:
+            mikv = MikvSettings(fraction, self.opts.sink_tokens, "off")
+            self._members[key] = set_membership(
+                self.q, self.k, k_read, k_set, mikv, scaling=self.attrs.scaling,
+                residual_tokens=stream.residual, flush_tokens=stream.flush,
+                softcap=self.attrs.logit_softcap)
+        return self._members[key]
+
+    def variant(self, c: Candidate, base, stream: Stream, rows: slice):
+        """``c``'s variant with the layer's window moving as ``stream``, for the query
+        ``rows`` measured."""
+        from kvlens.metrics import Variant
+
+        bits, fraction = c.mikv_set
+        x_set = self.reconstruction(c.tensor, bits)
+        if c.tensor == "key":
+            member = self.membership((c, stream), base.k_hat, x_set, fraction, stream)
+            return Variant(k_hat=base.k_hat, in_set=member[:, :, rows], k_set=x_set)
+        member = self.membership((fraction, stream), self.k, self.k, fraction, stream)
+        return Variant(v_hat=base.v_hat, in_set=member[:, :, rows], v_set=x_set)
 
 
 def _fits(c: Candidate, stream: Stream) -> bool:
@@ -793,7 +909,9 @@ def _layer_options(table, opts: RecommendOptions, cost, weight: float, head_dim:
         for kc in keys:
             for vc in values:
                 s = Stream(r, opts.layer_flush(kc, vc, residual=r))
-                if kc.gear != vc.gear:  # GEAR is a layer's choice (the config's gear.layers)
+                # GEAR and a MiKV set are a layer's choice (the config's gear.layers,
+                # mikv.layers)
+                if kc.gear != vc.gear or kc.mikv_set != vc.mikv_set:
                     continue
                 if opts.prefer_fast and not _fused(kc, vc, s, head_dim):
                     continue
@@ -822,14 +940,15 @@ def _assemble(meta, opts, tables, balancers, weights, notes, shape) -> Recommend
         layer = next(i for i in range(shape.num_layers) if shape.window(i) == window)
         return option_bytes(kc, vc, s.flush, opts, shape, layer, residual=s.residual)
 
-    def solve(rotation: bool):
+    def solve(rotation: bool, mikv_set):
         """``((objective, fronts, picks), None)`` of the best allocation with or without
-        rotated candidates, or ``(None, bits the cheapest options need)`` when nothing fits."""
+        rotated candidates, with MiKV sets at the global ``mikv_set`` (None: no set), or
+        ``(None, bits the cheapest options need)`` when nothing fits."""
         fronts = []
         for layer, table in zip(meta.layers, tables):
             w = shape.window(layer)
-            if not rotation:
-                table = {cf: e for cf, e in table.items() if not cf[0].rotate}
+            table = {cf: e for cf, e in table.items() if (rotation or not cf[0].rotate)
+                     and cf[0].mikv_set in (None, mikv_set)}
             # budget units: bits per element of the whole cache, times the number of layers
             fronts.append(_layer_options(
                 table, opts,
@@ -846,20 +965,25 @@ def _assemble(meta, opts, tables, balancers, weights, notes, shape) -> Recommend
             return None, sum(min(c) for c in costs) / n + reserve
         return (sum(e[p] for e, p in zip(errors, picks)), fronts, picks), None
 
-    # the shared rotation matrix is a fixed cost the knapsack cannot split over layers: solve
-    # with and without rotated candidates and keep the better allocation
-    with_rot, need_rot = solve(True) if opts.rotation else (None, math.inf)
-    without, need = solve(False)
-    best = min((s for s in (with_rot, without) if s is not None), key=lambda s: s[0],
-               default=None)
+    # the shared rotation matrix is a fixed cost the knapsack cannot split over layers, and a
+    # MiKV set's width and fraction are global settings: solve for each (with and without
+    # rotated candidates; no set or each set) and keep the best allocation
+    sets = [None, *opts.mikv_sets()]
+    solved = [(m, *solve(rot, m)) for rot in ((True, False) if opts.rotation else (False,))
+              for m in sets]
+    best = min((s for _, s, _ in solved if s is not None), key=lambda s: s[0], default=None)
     if best is None:
         raise InputError(
-            f"The budget is too small: the cheapest candidates need {min(need, need_rot):.3f} "
-            f"bits per element at {opts.context} tokens (windows of "
-            f"{_listed(opts.window_sizes, '/')} tokens and {opts.sink_tokens} sink tokens "
-            f"included), more than the {opts.budget_bits} asked for. Raise --budget-bits or "
-            "--context, or offer smaller --windows / fewer --sinks.")
+            f"The budget is too small: the cheapest candidates need "
+            f"{min(need for _, _, need in solved):.3f} bits per element at {opts.context} "
+            f"tokens (windows of {_listed(opts.window_sizes, '/')} tokens and "
+            f"{opts.sink_tokens} sink tokens included), more than the {opts.budget_bits} asked "
+            "for. Raise --budget-bits or --context, or offer smaller --windows / fewer --sinks.")
     _, fronts, picks = best
+    if len(sets) > 1:
+        plain = min((s[0] for m, s, _ in solved if s is not None and m is None), default=math.inf)
+        notes = notes + [f"MiKV set candidates ({', '.join(f'INT{b} {h:g}' for b, h in sets[1:])}"
+                         f"): objective {best[0]:.4f}, {plain:.4f} without a set"]
     choices = []
     for layer, front, pick, table in zip(meta.layers, fronts, picks, tables):
         _, _, kc, vc, s = front[pick]
@@ -871,7 +995,7 @@ def _assemble(meta, opts, tables, balancers, weights, notes, shape) -> Recommend
             # the cheapest same-tensor candidate with a lower error (it did not fit the budget)
             better = []
             for o in (o for o, g in table if g == s and o.tensor == c.tensor
-                      and o.gear == c.gear):
+                      and o.gear == c.gear and o.mikv_set == c.mikv_set):
                 pair = (o, vc) if c.tensor == "key" else (kc, o)
                 if table[o, s][0] < out and opts.layer_flush(*pair, residual=s.residual) == \
                         s.flush:
@@ -945,11 +1069,18 @@ def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balanc
     if any(settings[i].pre_rope_keys for i in used):
         raise ConfigError("internal: balancer chosen together with pre-RoPE keys")
     gear_layers = sorted(i for i, p in by_layer.items() if p["key"].gear)
+    sets = {i: p["key"].mikv_set for i, p in by_layer.items() if p["key"].mikv_set}
+    if len(set(sets.values())) > 1:
+        raise ConfigError(f"internal: MiKV sets of different widths/fractions chosen: {sets}")
+    set_bits, fraction = next(iter(sets.values())) if sets else (None, 0.0)
     mikv = None
-    if used or opts.sink_tokens:
-        mikv = MikvSettings(heavy_fraction=0.0, sink_tokens=opts.sink_tokens,
+    if used or opts.sink_tokens or sets:
+        # layers not in mikv.layers keep only the sinks, at fp16 (KVConfig.mikv_for), as their
+        # candidates were measured and priced
+        mikv = MikvSettings(heavy_fraction=fraction, sink_tokens=opts.sink_tokens,
                             balancer="fixed" if used else "off",
-                            balancer_exponent=opts.balancer_exponent)
+                            balancer_exponent=opts.balancer_exponent, set_bits=set_bits,
+                            layers=sorted(sets) if sets else None)
     return KVConfig(
         name=opts.name, default=default, layers=overrides, mikv=mikv,
         gear=gear_settings(gear_layers) if gear_layers else None,

@@ -93,7 +93,8 @@ class CompressionSession:
                 bal = None
             layers.append(CompressedLayer(self.config.layer(idx), idx, self.info.head_dim,
                                           scale_dtype=self.config.scale_dtype,
-                                          fp_dtype=self.config.fp_dtype, mikv=self.config.mikv,
+                                          fp_dtype=self.config.fp_dtype,
+                                          mikv=self.config.mikv_for(idx),
                                           balancer=bal, sliding_window=windows[idx],
                                           rotation=rotations.get(devices[idx]), session=self,
                                           gear=self.config.gear_for(idx)))

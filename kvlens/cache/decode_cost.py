@@ -81,7 +81,7 @@ def config_decode_cost(config, shape: layout.ModelShape, tokens: int, batch: int
     unfused = {}
     for i in range(shape.num_layers):
         setting = config.layer(i)
-        mikv = config.mikv
+        mikv = config.mikv_for(i)
         balancer = mikv is not None and (mikv.balancer == "online" or
                                          (mikv.balancer == "fixed" and i in config.balancers))
         r, u = layer_read_bytes(setting, tokens=tokens, head_dim=shape.head_dim,

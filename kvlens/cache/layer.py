@@ -16,7 +16,8 @@ A ``CompressedLayer`` keeps, for its layer, ``[B, H, *, D]`` history in up to th
   packed prefix ``[0, sink_end)`` instead, without a mask). Global layers only: a sliding-window
   layer's sinks leave its window, and its whole history is at most ``W`` tokens. The set is
   stored at ``fp_dtype`` or, with ``mikv.set_bits``, as 4- or 8-bit per-token codes
-  (``kvlens.cache.mixed``);
+  (``kvlens.cache.mixed``). The layer gets its own settings (``KVConfig.mikv_for``): a layer
+  not in ``mikv.layers`` keeps a sinks-only set at ``fp_dtype``;
 - the **GEAR parts** (config ``gear``): per quantized tensor, the sparse outliers and low-rank
   factors of every packed block (``kvlens.cache.gear``), aligned with the packed store.
 

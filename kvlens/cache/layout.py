@@ -24,7 +24,8 @@ window, ``F`` the flush block and ``W`` a sliding-window layer's window:
 Parts (bytes): ``codes``, ``scales``, ``zeros`` (packed store; symmetric specs store their zero
 too), ``dense`` (an unquantized tensor's history next to a quantized one), ``window``, ``sets``
 (MiKV heavy hitters and sink tokens, K and V, at ``fp_dtype`` or, with ``mikv.set_bits``, as
-per-token codes plus float16 scales and zeros, ``kvlens.cache.mixed``; global layers only),
+per-token codes plus float16 scales and zeros, ``kvlens.cache.mixed``; global layers only; a
+layer not in ``mikv.layers`` keeps only its sinks at ``fp_dtype``, ``KVConfig.mikv_for``),
 ``outliers`` and ``lowrank`` (GEAR's sparse entries, values and indices, and low-rank factors per
 packed block, ``kvlens.cache.gear``), ``positions`` (int32: the set's positions, and
 for pre-RoPE keys every held token's RoPE position), ``masks`` (bool per held packed token:
@@ -286,7 +287,7 @@ def _layer_parts(config, shape: ModelShape, i: int, tokens: int, batch: int) -> 
         return engine_layer_bytes(setting, tokens=tokens, head_dim=shape.head_dim,
                                   kv_heads=shape.kv_heads, batch=batch,
                                   sliding_window=shape.window(i))
-    mikv = config.mikv
+    mikv = config.mikv_for(i)
     balancer = mikv is not None and (mikv.balancer == "online" or
                                      (mikv.balancer == "fixed" and i in config.balancers))
     return layer_part_bytes(setting, tokens=tokens, head_dim=shape.head_dim,

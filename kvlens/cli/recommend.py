@@ -22,12 +22,16 @@ VALIDATE_PRESETS = ("kivi-2", "kivi-4", "per-token-4")
 
 
 def _ints(spec: str, what: str) -> tuple[int, ...]:
+    return _numbers(spec, what, int, "integers")
+
+
+def _numbers(spec: str, what: str, kind, words: str) -> tuple:
     from kvlens.errors import InputError
 
     try:
-        return tuple(int(x) for x in spec.split(",") if x.strip())
+        return tuple(kind(x) for x in spec.split(",") if x.strip())
     except ValueError:
-        raise InputError(f"Invalid {what} {spec!r}; expected a comma list of integers.") from None
+        raise InputError(f"Invalid {what} {spec!r}; expected a comma list of {words}.") from None
 
 
 @app.command()
@@ -82,6 +86,15 @@ def recommend(
     no_balancer: bool = typer.Option(False, "--no-balancer", help="No balancer candidates."),
     no_rotation: bool = typer.Option(False, "--no-rotation",
                                      help="No Hadamard-rotated (per-token) candidates."),
+    no_mikv: bool = typer.Option(False, "--no-mikv",
+                                 help="No MiKV importance-set candidates (heavy hitters by "
+                                      "accumulated attention, stored at --mikv-bits)."),
+    mikv_bits: str = typer.Option("4,8", "--mikv-bits",
+                                  help="MiKV set widths to try (allowed: 4, 8); one width and "
+                                       "fraction is chosen for the whole config."),
+    mikv_fractions: str = typer.Option("0.1,0.2", "--mikv-fractions",
+                                       help="MiKV heavy-hitter fractions to try (each in "
+                                            "(0, 0.5]; MiKV published 0.2)."),
     exponent: float = typer.Option(0.5, "--balancer-exponent",
                                    help="Balancer b = (max|q|/max|k|)^exponent."),
     samples: int = typer.Option(1, "--samples", help="Capture samples used to measure errors."),
@@ -101,8 +114,8 @@ def recommend(
                                            help="Weight of the retrieval errors."),
     prefer_fast: bool = typer.Option(False, "--prefer-fast",
                                      help="Only layouts the fused (Triton) decode kernel reads "
-                                          "(no pre-RoPE keys): every decode step on CUDA stays "
-                                          "in the kernel."),
+                                          "(no pre-RoPE keys, GEAR or MiKV heavy hitters): every "
+                                          "decode step on CUDA stays in the kernel."),
     name: str = typer.Option("recommended", "--name", help="Name stored in the config."),
     validate: bool = typer.Option(False, "--validate",
                                   help="Evaluate the recommendation beside the presets "
@@ -159,7 +172,10 @@ def recommend(
                                 bits=_ints(bits, "--bits"),
                                 group_sizes=_ints(group_sizes, "--group-sizes"),
                                 pre_rope=pre_rope, balancer=not no_balancer,
-                                rotation=not no_rotation,
+                                rotation=not no_rotation, mikv=not no_mikv,
+                                mikv_set_bits=_ints(mikv_bits, "--mikv-bits"),
+                                mikv_fractions=_numbers(mikv_fractions, "--mikv-fractions",
+                                                        float, "numbers"),
                                 balancer_exponent=exponent, samples=samples,
                                 tokens=default_tokens(sizes) if tokens is None else tokens,
                                 sensitivity=sensitivity, model=model, name=name,

@@ -1,0 +1,92 @@
+"""MiKV's importance set as the cache keeps it while decoding, simulated on captured q, k, v.
+
+``kvlens.cache.layer.CompressedLayer`` with heavy hitters (``mikv.heavy_fraction > 0``),
+fed one token at a time, does this at every step ``i``: query ``i`` attends to the packed
+history (tokens in the set masked out), the set (read from its ``set_bits`` codes,
+``kvlens.cache.mixed``) and the window (exact); the attention mass every held position received
+(summed over the query heads of its KV head) is added to its H2O accumulator; when the window
+fills, its oldest block is flushed and the set is chosen again among the current set and the
+flushed block: the ``sink_tokens`` first positions always, then the largest accumulated
+attention, ``kvlens.cache.layout.set_size`` tokens in all. A token that leaves the set cannot
+come back (its high-precision copy is gone).
+
+``set_membership`` replays exactly that, one *epoch* (the queries between two flushes, which see
+the same set) at a time, and returns which keys each query reads from the set, for
+``kvlens.metrics.attention_errors_many`` (``Variant.in_set``). It is tested step by step against
+the real cache layer (``tests/test_heavy_hitters.py``). Tensors are ``[B, H, T, D]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvlens.metrics import num_kv_groups, streaming_quantized_length
+
+
+def set_reconstruction(x: torch.Tensor, bits: int | None) -> torch.Tensor:
+    """What the set reads for ``x`` ``[B, Hkv, T, D]``: its ``bits`` per-token codes
+    dequantized (``kvlens.cache.mixed``), or ``x`` itself for a set at full precision."""
+    if bits is None:
+        return x.float()
+    from kvlens.cache.mixed import dequantize_rows, quantize_rows
+
+    return dequantize_rows(*quantize_rows(x, bits), bits, x.shape[-1])
+
+
+def set_membership(q: torch.Tensor, k: torch.Tensor, k_read: torch.Tensor,
+                   k_set: torch.Tensor, mikv, *, scaling: float, residual_tokens: int,
+                   flush_tokens: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """Bool ``[B, Hkv, T, T]``: True where decoding query ``i`` reads key ``j`` from the MiKV
+    set of a layer with window ``residual_tokens``, flush block ``flush_tokens`` and settings
+    ``mikv`` (``heavy_fraction``, ``sink_tokens``), fed the ``T`` tokens one at a time.
+
+    q ``[B, Hq, T, D]``; k ``[B, Hkv, T, D]`` exact (the window); ``k_read``: packed keys as the
+    cache reads them (balancer folded back: ``Q(k b) / b``); ``k_set``: set keys as read
+    (``set_reconstruction``). The accumulated attention uses these reads, as the cache's does.
+    Global (causal, no sliding window) layers only: sliding layers keep no set."""
+    from kvlens.cache.layout import set_size
+
+    b, hq, t, d = q.shape
+    hkv = k.shape[1]
+    g = num_kv_groups(hq, hkv)
+    n_q = streaming_quantized_length(t, residual_tokens, flush_tokens).tolist()
+    qg = (q.float() * scaling).reshape(b, hkv, g, t, d)
+    pos = torch.arange(t, device=q.device)
+    member = torch.zeros(b, hkv, t, dtype=torch.bool, device=q.device)
+    in_set = torch.zeros(b, hkv, t, t, dtype=torch.bool, device=q.device)
+    acc = torch.zeros(b, hkv, t, device=q.device)
+    i0 = 0
+    while i0 < t:
+        nq = n_q[i0]
+        i1 = i0 + 1
+        while i1 < t and n_q[i1] == nq:
+            i1 += 1
+        # queries [i0, i1) read the same cache: set, packed (up to nq), window (exact)
+        keys = torch.where(member[:, :, :i1, None], k_set[:, :, :i1].float(),
+                           k_read[:, :, :i1].float())
+        keys[:, :, nq:i1] = k[:, :, nq:i1].float()
+        s = torch.einsum("bhgqd,bhkd->bhgqk", qg[:, :, :, i0:i1], keys)
+        if softcap > 0:
+            s = torch.tanh(s / softcap) * softcap
+        future = pos[None, :i1] > pos[i0:i1, None]
+        p = s.masked_fill(future, float("-inf")).softmax(dim=-1)
+        acc[:, :, :i1] += p.sum(dim=(2, 3))
+        in_set[:, :, i0:i1] = member[:, :, None, :]
+        if i1 < t and n_q[i1] > nq:  # the flush after query i1 - 1
+            member = _choose(member, acc, nq, n_q[i1], mikv, set_size(mikv, 0, n_q[i1]))
+        i0 = i1
+    return in_set
+
+
+def _choose(member: torch.Tensor, acc: torch.Tensor, t0: int, t1: int, mikv,
+            size: int) -> torch.Tensor:
+    """The set after flushing ``[t0, t1)``: among the current set and the block, the sinks and
+    then the largest accumulated attention (``CompressedLayer._select_heavy``)."""
+    cand = member.clone()
+    cand[:, :, t0:t1] = True
+    keep = min(int(cand[0, 0].sum()), size)
+    score = acc.masked_fill(~cand, float("-inf"))
+    score[:, :, :mikv.sink_tokens] = torch.where(cand[:, :, :mikv.sink_tokens], float("inf"),
+                                                 float("-inf"))
+    idx = score.topk(keep, dim=-1).indices
+    return torch.zeros_like(member).scatter_(-1, idx, True)
