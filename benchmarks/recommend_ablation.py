@@ -13,7 +13,8 @@ Levers (each row: the full recommendation's options with that one lever off):
 
 - candidate families, filtered from one measurement: ``rotation`` (Hadamard-rotated per-token
   candidates), ``balancer`` (MiKV channel balancer on per-token keys), ``pre-rope`` (keys
-  quantized before RoPE), ``gear`` (GEAR outliers + low-rank twins), ``transforms`` (all four);
+  quantized before RoPE), ``gear`` (GEAR outliers + low-rank twins), ``mikv`` (MiKV
+  importance-set twins), ``transforms`` (all five);
 - ``sensitivity``: uniform layer weights instead of the model's measured KL damage per unit
   error (the KLD-driven allocation);
 - re-measured: ``retrieval`` (no retrieval probe), ``sinks`` (``--sinks 0``), ``sliding``
@@ -43,12 +44,13 @@ from pathlib import Path
 
 FAMILIES = {"rotation": {"rotation": False}, "balancer": {"balancer": False},
             "pre-rope": {"pre_rope": "off"}, "gear": {"gear": False},
+            "mikv": {"mikv": False},
             "transforms": {"rotation": False, "balancer": False, "pre_rope": "off",
-                           "gear": False}}
+                           "gear": False, "mikv": False}}
 REMEASURED = {"retrieval": {"retrieval": "off"}, "sinks": {"sink_tokens": 0},
               "sliding": {"flush_tokens": 0}, "windows": {"windows": (128,)},
               "windows+proxy": {"windows": (128,), "tokens": 256}}
-LEVERS = ("rotation", "balancer", "pre-rope", "gear", "transforms", "sensitivity",
+LEVERS = ("rotation", "balancer", "pre-rope", "gear", "mikv", "transforms", "sensitivity",
           "retrieval", "sinks", "sliding", "windows", "windows+proxy")
 
 
@@ -99,14 +101,21 @@ def parse_variant(spec: str, opts) -> dict:
     return out
 
 
-def recommendations(capture: str, opts, levers, log, variants=()) -> dict:
-    """``{row name: Recommendation}``: "full", one per lever off, one per variant."""
+def recommendations(capture: str, opts, levers, log, variants=(), budgets=()) -> dict:
+    """``{row name: Recommendation}``: "full", one per lever off, one per variant, and
+    "recommend-B" for each other budget ``B`` (from the full measurement)."""
     from kvlens.recommend import Measurements, candidates, choose, measure
 
     t0 = time.time()
     full_m = measure(capture, opts)
     log(f"measured full candidate set in {time.time() - t0:.0f} s")
     recs = {"full": choose(full_m, opts)}
+    for b in budgets:
+        try:
+            recs[f"recommend-{b:g}"] = choose(full_m, replace(opts, budget_bits=b))
+        except Exception as exc:  # e.g. below the cheapest layouts
+            log(f"budget {b:g}: {exc}")
+            recs[f"recommend-{b:g}"] = exc
     meta = full_m.meta
     for lever in levers:
         if lever in FAMILIES:
@@ -180,6 +189,10 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[],
                     help="KEY=VALUE[,KEY=VALUE]: a row with other RecommendOptions "
                          "(tuples as 32/64)")
+    ap.add_argument("--budgets", default="",
+                    help="other budgets, comma list: rows recommend-B from the full measurement")
+    ap.add_argument("--presets", default="",
+                    help="presets to score beside the configs, comma list (e.g. kivi-2,kivi-4)")
     ap.add_argument("--out", required=True, help="folder for the configs and ablation.json")
     ap.add_argument("--eval", action="store_true", help="score the configs (KLD, 4096 tokens)")
     ap.add_argument("--eval-tokens", type=int, default=4096)
@@ -195,7 +208,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     log = lambda msg: print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)  # noqa: E731
     opts = cli_options(args.budget_bits, args.model)
-    recs = recommendations(args.capture, opts, levers, log, args.variant)
+    budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
+    recs = recommendations(args.capture, opts, levers, log, args.variant, budgets)
     rows, configs, seen = [], [], {}
     full_layers = None
     for row, rec in recs.items():
@@ -203,7 +217,8 @@ def main() -> None:
             rows.append({"row": row, "error": str(rec).split(";")[0]})
             continue
         doc = rec.config.to_dict()
-        layers = [(c.layer, c.tensor, c.candidate.label) for c in rec.choices]
+        layers = [(c.layer, c.tensor, c.candidate.label, c.residual_tokens, c.flush_tokens)
+                  for c in rec.choices]
         full_layers = full_layers or layers
         changed = len({a[0] for a, b in zip(layers, full_layers) if a != b})
         key = json.dumps({k: v for k, v in doc.items() if k not in ("name", "description")},
@@ -214,8 +229,14 @@ def main() -> None:
             r["same_as"] = seen[key]
         else:
             seen[key] = row
+            if row.startswith("recommend-"):  # a budget row keeps its name (plots read it)
+                configs.append((row, replace(rec.config, name=row)))
+                save_config(configs[-1][1], out / f"{row}.json")
+                rows.append(r)
+                continue
             slug = row.replace("=", "-").replace(",", "_").replace("/", "+")
-            cfg = replace(rec.config, name=f"rec-{slug}")
+            cfg = replace(rec.config, name=f"recommend-{args.budget_bits:g}" if row == "full"
+                          else f"rec-{slug}")
             save_config(cfg, out / f"{slug}.json")
             configs.append((row, cfg))
         rows.append(r)
@@ -232,6 +253,11 @@ def main() -> None:
             with open_capture(args.capture) as cap:
                 spec = model_spec_from_capture(cap.meta)
         model, tok, _ = load_model(spec)
+        from kvlens.kvconfig import preset
+
+        for name in (x for x in args.presets.split(",") if x.strip()):
+            configs.append((name, preset(name)))
+            rows.append({"row": name, "predicted_bits": float("nan"), "changed": "-"})
         t0 = time.time()
         report = evaluate_configs(model, tok, [c for _, c in configs],
                                   EvalOptions(evals=("kld",), eval_tokens=args.eval_tokens),
