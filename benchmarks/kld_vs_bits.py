@@ -7,6 +7,12 @@ text), writes them to one data file and draws the plot (log KLD, 95% interval ba
     python benchmarks/kld_vs_bits.py --model SmolLM2 --kvlens a.json b.json \\
         --llamacpp llamacpp_smol.json --out docs/img/kld_vs_bits_smollm2
     python benchmarks/kld_vs_bits.py --replot docs/img/kld_vs_bits_smollm2.json
+    python benchmarks/kld_vs_bits.py --kvlens abl/evaluation.json \\
+        --skip rec- --previous docs/img/kld_vs_bits_smollm2.json --out docs/img/kld_vs_bits_smollm2
+
+``--previous`` keeps an earlier data file's points that the new files do not measure again,
+except its ``recommend*`` points: those belong to the recommend of their day and are replaced by
+the new ones (the engine's and the presets' points do not depend on recommend's code).
 
 kvlens's bits are the bytes its cache held after the scored tokens (every part, window
 included; ``memory_report``); llama.cpp's are its types' block sizes (8.5 bits for q8_0, 4.5
@@ -74,7 +80,7 @@ def plot(data: dict, png: Path) -> None:
     ax.set_title(f"{data['model']}: {data['tokens']} tokens of held-out text, "
                  "mean KLD with 95% intervals")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="lower left")
+    ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
     fig.savefig(png)
     print(f"wrote {png}")
@@ -86,6 +92,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--kvlens", nargs="*", default=[], help="generate --json outputs")
     ap.add_argument("--llamacpp", nargs="*", default=[], help="llamacpp_kld.py --json outputs")
+    ap.add_argument("--previous", help="an earlier OUT.json: keep its points not measured "
+                    "again, except its recommend* points")
+    ap.add_argument("--skip", default="", help="comma-separated name prefixes to leave out "
+                    "(e.g. rec- for an ablation's lever rows)")
     ap.add_argument("--out", help="write OUT.json and OUT.png")
     ap.add_argument("--replot", help="redraw OUT.png from this OUT.json")
     args = ap.parse_args()
@@ -96,6 +106,11 @@ def main() -> None:
         ap.error("--out is needed (or --replot)")
     points = [p for f in args.kvlens for p in _points_kvlens(f)]
     points += [p for f in args.llamacpp for p in _points_llamacpp(f)]
+    if args.previous:
+        points += [p for p in json.loads(Path(args.previous).read_text())["points"]
+                   if not p["name"].startswith("recommend")]
+    skip = tuple(x for x in args.skip.split(",") if x)
+    points = [p for p in points if not (skip and p["name"].startswith(skip))]
     seen: set = set()  # a config measured in several runs: the first file's figure
     points = [p for p in points if not (p["name"] in seen or seen.add(p["name"]))]
     data = {"model": args.model, "tokens": args.tokens, "points": points}
