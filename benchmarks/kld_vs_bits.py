@@ -110,7 +110,7 @@ def main() -> None:
         points += [p for p in json.loads(Path(args.previous).read_text())["points"]
                    if not p["name"].startswith("recommend")]
     skip = tuple(x for x in args.skip.split(",") if x)
-    points = [p for p in points if not (skip and p["name"].startswith(skip))]
+    points = [p for p in points if not p["name"].startswith(skip)]
     seen: set = set()  # a config measured in several runs: the first file's figure
     points = [p for p in points if not (p["name"] in seen or seen.add(p["name"]))]
     data = {"model": args.model, "tokens": args.tokens, "points": points}
