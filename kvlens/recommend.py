@@ -80,6 +80,7 @@ class Stream(NamedTuple):
         return self.flush or self.residual
 MIKV_GROUP = 32  # so are MiKV set twins (each is simulated while decoding: measuring cost)
 MIKV_FRACTION_MAX = 0.5  # largest heavy fraction offered (more is no longer a small set)
+SENSITIVITIES = ("auto", "model", "layout", "uniform")
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,9 @@ class RecommendOptions:
     samples: int | None = 1
     tokens: int | None = 256
     layer_weights: tuple[float, ...] | None = None
-    sensitivity: str = "uniform"  # uniform | model | auto (model when the capture's is loadable)
+    # uniform | model | layout | auto (model when the capture's is loadable); layout: a factor
+    # per layer and storage family (``_layout_factors``)
+    sensitivity: str = "uniform"
     model: str | None = None  # model for sensitivity (default: the capture's model source)
     name: str = "recommended"
     flush_tokens: int = 32  # smallest flush block of the sliding window; 0 = whole window (KIVI)
@@ -167,9 +170,9 @@ class RecommendOptions:
         if self.context <= r:
             raise InputError(f"--context {self.context} must exceed the residual window "
                              f"({r} tokens).")
-        if self.sensitivity not in ("uniform", "model", "auto"):
-            raise InputError(f"Unknown --sensitivity {self.sensitivity!r}; allowed: uniform, "
-                             "model, auto.")
+        if self.sensitivity not in SENSITIVITIES:
+            raise InputError(f"Unknown --sensitivity {self.sensitivity!r}; allowed: "
+                             f"{_listed(SENSITIVITIES)}.")
         if self.retrieval not in ("auto", "on", "off"):
             raise InputError(f"Unknown --retrieval {self.retrieval!r}; allowed: auto, on, off.")
         if not self.retrieval_weight >= 0:
@@ -460,24 +463,14 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
     sensitivity probe, which quantizes the whole layer). ``queries``: score only the last
     queries (the retrieval probe's answer position). ``balancer``: use this fitted balancer
     instead of fitting one on this layer's data."""
-    from kvlens.compare import ROPE_CHECK_TOLERANCE, rope_rebuild_error, rope_tables
     from kvlens.metrics import (
         Variant,
         attention_errors_many,
         per_head_rel_error,
         streaming_exact_mask,
     )
-    from kvlens.quant import (
-        fake_quantize,
-        fit_balancer,
-        hadamard_rotation,
-        quantize_pre_rope,
-        quantize_rotated,
-    )
 
-    sel = None if opts.samples is None else list(range(min(opts.samples, meta.num_samples)))
-    t = slice(None) if opts.tokens is None else slice(0, opts.tokens)
-    q, k, v = (layer.read(n, samples=sel)[:, :, t] for n in ("q", "k", "v"))
+    q, k, v, variants, bal, pre_ok = layer_variants(layer, meta, cands, opts, balancer)
     n_tok = k.shape[2]
     if n_tok <= max(max(opts.window_sizes), opts.score_from):
         raise InputError(f"The capture has {n_tok} tokens per sample, no more than "
@@ -486,41 +479,7 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
                             f"the residual window ({max(opts.window_sizes)}): no query would "
                             "read quantized history")
                          + ". Capture longer samples or offer smaller windows.")
-    pre_ok = any(c.stage == "pre" for c in cands) and "rope_theta" in meta.rope
-    tables = None
-    if pre_ok:
-        k_pre = layer.read("k_pre", samples=sel)[:, :, t]
-        tables = rope_tables(meta, k.shape[0], k.shape[2])
-        # scaled RoPE (YaRN...) cannot be rebuilt from the config: no pre-RoPE candidates then
-        pre_ok = rope_rebuild_error(k, k_pre, tables, meta.rope_layout) <= ROPE_CHECK_TOLERANCE
-    bal = balancer
-    if bal is None and any(c.balancer for c in cands):
-        bal = fit_balancer(q, k, opts.balancer_exponent)
     la = layer.attrs
-    rot = hadamard_rotation(k.shape[-1]) if any(c.rotate for c in cands) else None
-    variants: dict[Candidate, Variant] = {}
-    for c in cands:
-        if c.stage == "pre" and not pre_ok:
-            continue
-        spec = c.spec()
-        if c.mikv_set:  # the set depends on the flush block: built per run below
-            if not la.sliding_window and c.base in cands:
-                variants[c] = None
-        elif c.gear:  # depends on the flush block: built per run below
-            variants[c] = None
-        elif c.rotate:  # what the cache stores (x R) seen back in the original basis
-            x_hat = quantize_rotated(v if c.tensor == "value" else k, spec, rot)
-            variants[c] = Variant(v_hat=x_hat) if c.tensor == "value" else Variant(k_hat=x_hat)
-        elif c.tensor == "value":
-            variants[c] = Variant(v_hat=fake_quantize(v, spec))
-        elif c.stage == "pre":
-            variants[c] = Variant(k_hat=quantize_pre_rope(k_pre, *tables, spec,
-                                                          meta.rope_layout))
-        elif c.balancer:
-            b = bal[None, :, None, :]
-            variants[c] = Variant(k_hat=fake_quantize(k * b, spec) / b)
-        else:
-            variants[c] = Variant(k_hat=fake_quantize(k, spec))
     runs: list[tuple[Stream | None, list[Candidate]]] = [
         (s, [c for c in variants if _fits(c, s)]) for s in opts.streams()]
     runs.append((None, [c for c in plain if c in variants]))
@@ -560,6 +519,64 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
                 out[c, s] = (float(e.output.mean()),
                              None if e.scores is None else float(e.scores.mean()), recon[c.base])
     return out, bal, pre_ok
+
+
+def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptions,
+                   balancer=None):
+    """``(q, k, v, variants, balancer, pre_ok)`` of one capture layer (``opts.samples`` and
+    ``opts.tokens``): ``variants[c]`` is what the cache would give back for candidate ``c``
+    with every token quantized (a ``kvlens.metrics.Variant``), None for MiKV set and GEAR
+    twins (they depend on the flush block: built by ``measure_layer``); pre-RoPE candidates
+    are left out when the capture's RoPE cannot be rebuilt (``pre_ok`` False)."""
+    from kvlens.compare import ROPE_CHECK_TOLERANCE, rope_rebuild_error, rope_tables
+    from kvlens.metrics import Variant
+    from kvlens.quant import (
+        fake_quantize,
+        fit_balancer,
+        hadamard_rotation,
+        quantize_pre_rope,
+        quantize_rotated,
+    )
+
+    sel = None if opts.samples is None else list(range(min(opts.samples, meta.num_samples)))
+    t = slice(None) if opts.tokens is None else slice(0, opts.tokens)
+    q, k, v = (layer.read(n, samples=sel)[:, :, t] for n in ("q", "k", "v"))
+    pre_ok = any(c.stage == "pre" for c in cands) and "rope_theta" in meta.rope
+    tables = None
+    if pre_ok:
+        k_pre = layer.read("k_pre", samples=sel)[:, :, t]
+        tables = rope_tables(meta, k.shape[0], k.shape[2])
+        # scaled RoPE (YaRN...) cannot be rebuilt from the config: no pre-RoPE candidates then
+        pre_ok = rope_rebuild_error(k, k_pre, tables, meta.rope_layout) <= ROPE_CHECK_TOLERANCE
+    bal = balancer
+    if bal is None and any(c.balancer for c in cands):
+        bal = fit_balancer(q, k, opts.balancer_exponent)
+    la = layer.attrs
+    rot = hadamard_rotation(k.shape[-1]) if any(c.rotate for c in cands) else None
+    variants: dict[Candidate, Variant] = {}
+    for c in cands:
+        if c.stage == "pre" and not pre_ok:
+            continue
+        spec = c.spec()
+        if c.mikv_set:  # the set depends on the flush block: built per run below
+            if not la.sliding_window and c.base in cands:
+                variants[c] = None
+        elif c.gear:  # depends on the flush block: built per run below
+            variants[c] = None
+        elif c.rotate:  # what the cache stores (x R) seen back in the original basis
+            x_hat = quantize_rotated(v if c.tensor == "value" else k, spec, rot)
+            variants[c] = Variant(v_hat=x_hat) if c.tensor == "value" else Variant(k_hat=x_hat)
+        elif c.tensor == "value":
+            variants[c] = Variant(v_hat=fake_quantize(v, spec))
+        elif c.stage == "pre":
+            variants[c] = Variant(k_hat=quantize_pre_rope(k_pre, *tables, spec,
+                                                          meta.rope_layout))
+        elif c.balancer:
+            b = bal[None, :, None, :]
+            variants[c] = Variant(k_hat=fake_quantize(k * b, spec) / b)
+        else:
+            variants[c] = Variant(k_hat=fake_quantize(k, spec))
+    return q, k, v, variants, bal, pre_ok
 
 
 class _SetVariants:
@@ -712,6 +729,8 @@ class Measurements:
     weights: tuple[float, ...]
     notes: list[str]
     windows: tuple[int | None, ...] = ()  # per layer sliding window (None = global)
+    # per layer {storage family: factor on top of the layer weight} (--sensitivity layout)
+    factors: tuple[dict, ...] = ()
 
 
 def recommend(path: str | Path, opts: RecommendOptions,
@@ -768,10 +787,15 @@ def measure(path: str | Path, opts: RecommendOptions,
         if model is not None and opts.retrieval != "off" and opts.retrieval_weight > 0:
             _add_retrieval_errors(model, tokenizer, cands, opts, tables, balancers, notes,
                                   progress)
+        factors: tuple[dict, ...] = ()
+        if opts.sensitivity == "layout" and model is not None and not opts.layer_weights:
+            weights, factors = _layout_factors(cap, model, opts, cands, balancers, notes,
+                                               progress)
     wanted = set(candidates(meta.head_dim, opts, meta.has_rope))
     tables = [{cf: e for cf, e in t.items() if cf[0] in wanted and cf[1] is not None}
               for t in tables]
-    return Measurements(meta, tables, balancers, tuple(weights), notes, tuple(windows))
+    return Measurements(meta, tables, balancers, tuple(weights), notes, tuple(windows),
+                        factors)
 
 
 def _model_for(cap, opts: RecommendOptions, notes: list[str]):
@@ -796,7 +820,7 @@ def _model_for(cap, opts: RecommendOptions, notes: list[str]):
             raise InputError(f"Model {spec} does not match the capture (layers/head_dim/KV "
                              "heads differ).")
     except KvlensError as exc:
-        required = (opts.sensitivity == "model" and not opts.layer_weights) or \
+        required = (opts.sensitivity in ("model", "layout") and not opts.layer_weights) or \
             opts.retrieval == "on"
         if required or isinstance(exc, PlacementError):  # a placement asked for must work
             raise
@@ -841,7 +865,7 @@ def _add_retrieval_errors(model, tokenizer, cands, opts, tables, balancers, note
 def choose(m: Measurements, opts: RecommendOptions) -> Recommendation:
     """Allocate under ``opts.budget_bits`` from earlier measurements and build the config."""
     return _assemble(m.meta, opts, m.tables, m.balancers, m.weights, list(m.notes),
-                     model_shape(m.meta, m.windows))
+                     model_shape(m.meta, m.windows), m.factors)
 
 
 def model_shape(meta, windows=()):
@@ -872,7 +896,7 @@ def _sensitivity_weights(cap, model, opts, tables, probes, notes, progress
     from kvlens.sensitivity import layer_kl, weights_from
 
     meta = cap.meta
-    if opts.sensitivity == "uniform" or model is None:
+    if opts.sensitivity in ("uniform", "layout") or model is None:
         return (1.0,) * meta.num_layers
     n = meta.num_tokens if opts.tokens is None else min(opts.tokens, meta.num_tokens)
     ids = cap.tokens()[:1, :n].to(input_device(model))
@@ -886,6 +910,82 @@ def _sensitivity_weights(cap, model, opts, tables, probes, notes, progress
     return tuple(weights)
 
 
+def family(c: Candidate) -> tuple:
+    """The storage family ``--sensitivity layout`` measures one factor for: tensor, axis and
+    transforms (bits, group size, GEAR and a MiKV set share their base's factor)."""
+    return (c.tensor, c.granularity, c.stage, c.balancer, c.rotate)
+
+
+def family_probes(cands: Sequence[Candidate]) -> list[Candidate]:
+    """One candidate per storage family, at its fewest bits (where layouts differ most):
+    per-channel at the smallest group (KIVI's), per-token at the largest (cheapest scales)."""
+    out = []
+    for fam in dict.fromkeys(family(c) for c in cands):
+        members = [c for c in cands if family(c) == fam and not (c.gear or c.mikv_set)]
+        if not members:
+            continue
+        bits = min(c.bits for c in members)
+        at = [c for c in members if c.bits == bits]
+        pick = min if fam[1] == "per-channel" else max
+        out.append(pick(at, key=lambda c: c.group_size))
+    return out
+
+
+def _layout_factors(cap, model, opts, cands, balancers, notes, progress):
+    """``(layer weights, per-layer {family: factor})`` for ``--sensitivity layout``: for every
+    layer and storage family, the model's KL when only that layer's keys (or values) are
+    replaced by the family probe's reconstruction (every token quantized), per unit of the
+    probe's attention-output error on the same queries (the capture's first sample, KL and
+    error on its last half). Their product is normalised to mean 1; the layer weight is the
+    layer's mean, the factor the rest. A first-order rate, like ``--sensitivity model``, but
+    one per layout: the rate at which a layout's output error becomes KL differs between
+    layouts (Gemma3-270M, docs/vs-llamacpp.md)."""
+    from kvlens.metrics import attention_errors_many
+    from kvlens.placement import input_device
+    from kvlens.sensitivity import perturbed_kl
+
+    meta = cap.meta
+    n = meta.num_tokens if opts.tokens is None else min(opts.tokens, meta.num_tokens)
+    keep = n // 2
+    ids = cap.tokens()[:1, :n].to(input_device(model))
+    probes = family_probes(cands)
+    one = replace(opts, samples=1, tokens=n)
+    rates: list[dict] = []
+    with perturbed_kl(model, ids, keep) as kl:
+        for i, layer in enumerate(cap.iter_layers()):
+            q, k, v, variants, _, _ = layer_variants(layer, meta, probes, one,
+                                                     balancers.get(layer.index))
+            got = [c for c in probes if variants.get(c) is not None]
+            la = layer.attrs
+            errs = attention_errors_many(q[:, :, n - keep:], k, v, [variants[c] for c in got],
+                                         scaling=la.scaling, sliding_window=la.sliding_window,
+                                         softcap=la.logit_softcap, reconstruction=False)
+            row = {}
+            for c, e in zip(got, errs):
+                var, err = variants[c], float(e.output.mean())
+                damage = kl(layer.index, key=var.k_hat - k) if c.tensor == "key" else \
+                    kl(layer.index, value=var.v_hat - v)
+                if err > 0:
+                    row[family(c)] = damage / err
+            rates.append(row)
+            if progress:
+                progress(i + 1, meta.num_layers, f"layout sensitivity layer {layer.index}")
+    known = [r for row in rates for r in row.values()]
+    mean = sum(known) / len(known) if known and sum(known) > 0 else 1.0
+    weights, factors = [], []
+    for row in rates:
+        w = sum(row.values()) / len(row) / mean if row else 1.0
+        weights.append(w)
+        factors.append({f: r / mean / w if w > 0 else 1.0 for f, r in row.items()})
+    spread = [max(f.values()) / min(f.values()) for f in factors
+              if f and min(f.values()) > 0]
+    notes.append(f"layer weights and per-layout factors from measured KL ({len(probes)} layout "
+                 f"probes per layer, KL on the last {keep} of {n} capture tokens): weights "
+                 f"{min(weights):.2f}-{max(weights):.2f}, largest factor ratio within a layer "
+                 f"{max(spread, default=1.0):.1f}")
+    return tuple(weights), tuple(factors)
+
+
 def _fused(kc: Candidate, vc: Candidate, stream: Stream, head_dim: int) -> bool:
     """Whether the fused decode kernel reads a layer storing ``kc`` / ``vc`` (``--prefer-fast``;
     the rule is the dispatch's own, ``kvlens.cache.attention.kernel_layout_problem``)."""
@@ -897,11 +997,14 @@ def _fused(kc: Candidate, vc: Candidate, stream: Stream, head_dim: int) -> bool:
     return kernel_layout_problem(setting, head_dim) is None
 
 
-def _layer_options(table, opts: RecommendOptions, cost, weight: float, head_dim: int = 0):
+def _layer_options(table, opts: RecommendOptions, cost, weight: float, head_dim: int = 0,
+                   factors: dict | None = None):
     """The Pareto front of (key, value, window) choices for one layer: ``[(cost, error, key,
     value, stream)]`` with ``cost(kc, vc, stream)`` the layer's held bytes in budget units and
     ``error`` the weighted sum of both tensors' errors with the layer's window and flush block
-    (``stream``); a pair that cannot be stored with a window is not offered with it."""
+    (``stream``); a pair that cannot be stored with a window is not offered with it.
+    ``factors``: ``{family(c): f}`` multiplying each tensor's error (1 where absent)."""
+    factors = factors or {}
     keys = sorted({c for c, _ in table if c.tensor == "key"}, key=lambda c: c.label)
     values = sorted({c for c, _ in table if c.tensor == "value"}, key=lambda c: c.label)
     pairs = []
@@ -916,7 +1019,8 @@ def _layer_options(table, opts: RecommendOptions, cost, weight: float, head_dim:
                 if opts.prefer_fast and not _fused(kc, vc, s, head_dim):
                     continue
                 if (kc, s) in table and (vc, s) in table:
-                    err = weight * (table[kc, s][0] + table[vc, s][0])
+                    err = weight * (factors.get(family(kc), 1.0) * table[kc, s][0] +
+                                    factors.get(family(vc), 1.0) * table[vc, s][0])
                     pairs.append((cost(kc, vc, s), err, kc, vc, s))
     pairs.sort(key=lambda p: (p[0], p[1]))
     front, best = [], math.inf
@@ -927,7 +1031,8 @@ def _layer_options(table, opts: RecommendOptions, cost, weight: float, head_dim:
     return front
 
 
-def _assemble(meta, opts, tables, balancers, weights, notes, shape) -> Recommendation:
+def _assemble(meta, opts, tables, balancers, weights, notes, shape, factors=()
+              ) -> Recommendation:
     from functools import cache
 
     from kvlens.cache.layout import config_bits, config_part_bytes
@@ -953,7 +1058,7 @@ def _assemble(meta, opts, tables, balancers, weights, notes, shape) -> Recommend
             fronts.append(_layer_options(
                 table, opts,
                 lambda kc, vc, s, w=w: 16 * n * option(kc, vc, s, w)[0] / fp16_total,
-                weights[layer], shape.head_dim))
+                weights[layer], shape.head_dim, factors[layer] if factors else None))
         costs = [[p[0] for p in front] for front in fronts]
         errors = [[p[1] for p in front] for front in fronts]
         # one [D, D] float32 rotation matrix is shared by every rotating layer: reserve it

@@ -350,3 +350,86 @@ def test_rotation_matrix_cost_never_makes_a_feasible_budget_fail(tmp_path):
     # with room for the matrix, rotated candidates compete again
     rich = choose(m, replace(opts, budget_bits=6.0))
     assert rich.expected_output_error <= rec.expected_output_error
+
+
+def test_perturbed_kl_is_the_probe_kl_and_zero_without_a_change():
+    """`perturbed_kl` adds a delta to one layer's keys/values: with the probe's quantization
+    error as the delta over every position it is `layer_kl`'s KL; a zero delta is lossless;
+    scoring the last positions only is the mean over those positions."""
+    from kvlens.hf import attention_override
+    from kvlens.quant import QuantSpec, fake_quantize
+    from kvlens.sensitivity import layer_kl, perturbed_kl
+
+    model = tiny_model("llama")
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    live = {}
+
+    def make(orig):
+        def fn(module, query, key, value, attention_mask, **kwargs):
+            live[module.layer_idx] = (key.clone(), value.clone())
+            return orig(module, query, key, value, attention_mask, **kwargs)
+        return fn
+
+    with torch.no_grad(), attention_override(model, make):
+        model(input_ids=ids, use_cache=False)
+    spec = QuantSpec(2, "per-token", 16)
+    k, v = live[2]
+    dk, dv = fake_quantize(k, spec) - k, fake_quantize(v, spec) - v
+    (probe,) = layer_kl(model, ids, [2], group_size=16)
+    with perturbed_kl(model, ids, keep=40) as kl:
+        assert kl(2, key=dk, value=dv) == pytest.approx(probe, rel=1e-4)
+        assert kl(2, key=torch.zeros_like(k)) == pytest.approx(0.0, abs=1e-7)
+        key_only = kl(2, key=dk)
+        assert 0 < key_only < probe
+    with perturbed_kl(model, ids, keep=10) as kl:
+        last = kl(2, key=dk)
+    assert last > 0 and last != pytest.approx(key_only, rel=1e-3)
+
+
+def test_layout_sensitivity_measures_a_rate_per_family(tmp_path, smollm2_tokenizer):
+    """`--sensitivity layout`: one KL rate per layer and storage family. A layer whose
+    attention output is multiplied by zero (o_proj = 0) gets weight 0 whatever the layout;
+    every other layer has a factor for each family probed; the factors change which layouts
+    are chosen only through the error they scale (the reported errors stay the proxy's)."""
+    from tiny_models import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from kvlens.recommend import family, family_probes
+
+    config = tiny_config("llama")
+    config.vocab_size = len(smollm2_tokenizer)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        model.model.layers[1].self_attn.o_proj.weight.zero_()
+    mdir = tmp_path / "model"
+    model.save_pretrained(mdir)
+    smollm2_tokenizer.save_pretrained(mdir)
+    ids = torch.randint(0, 2000, (1, 64), generator=torch.Generator().manual_seed(0))
+    path = tmp_path / "c.h5"
+    capture_model(model, ids, path, storage_dtype="float32")
+    opts = RecommendOptions(budget_bits=5.0, context=512, residual_tokens=16,
+                            group_sizes=(16,), bits=(2, 4), tokens=None, gear=False,
+                            mikv=False, sensitivity="layout", model=str(mdir),
+                            retrieval="off")
+    m = measure(path, opts)
+    probes = family_probes(candidates(16, opts, has_rope=True))
+    assert {family(c) for c in probes} == {family(c) for c in candidates(16, opts, True)}
+    assert all(c.bits == 2 for c in probes)
+    assert m.weights[1] == 0.0 and m.weights[0] > 0 and m.weights[2] > 0
+    assert len(m.factors) == 3
+    for layer in (0, 2):
+        fs = m.factors[layer]
+        assert set(fs) == {family(c) for c in probes}
+        assert sum(fs.values()) / len(fs) == pytest.approx(1.0)
+    assert any("per-layout factors" in n for n in m.notes)
+    rec = choose(m, opts)
+    for ch in rec.choices:  # reported: the proxy's error of what was chosen
+        s = Stream(ch.residual_tokens, ch.flush_tokens)
+        assert ch.output_error == m.tables[ch.layer][ch.candidate, s][0]
+    # the layer that cannot matter gets the cheapest codes, the budget goes to the others
+    bits = {(ch.layer, ch.tensor): ch.candidate.bits for ch in rec.choices}
+    assert bits[1, "key"] == bits[1, "value"] == 2
+    assert max(bits[0, "key"], bits[0, "value"], bits[2, "key"], bits[2, "value"]) == 4
+    with pytest.raises(InputError, match="layout"):
+        RecommendOptions(budget_bits=3.0, sensitivity="per-head")

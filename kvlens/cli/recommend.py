@@ -104,8 +104,9 @@ def recommend(
                                     "quarter is scored)."),
     sensitivity: str = typer.Option("auto", "--sensitivity",
                                     help="Layer weights: model (measure KL damage per layer on "
-                                         "the real model), uniform, or auto (model when the "
-                                         "capture's model can be loaded)."),
+                                         "the real model), layout (one KL rate per layer and "
+                                         "storage layout: slower, more exact), uniform, or auto "
+                                         "(model when the capture's model can be loaded)."),
     retrieval: str = typer.Option("auto", "--retrieval",
                                   help="Add errors at the answer position of a built-in "
                                        "long-context retrieval prompt: auto (when the model "
