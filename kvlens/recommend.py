@@ -742,11 +742,15 @@ def recommend(path: str | Path, opts: RecommendOptions,
 def measure(path: str | Path, opts: RecommendOptions,
             progress: ProgressFn | None = None) -> Measurements:
     """Per-layer candidate errors, fitted balancers and layer sensitivity weights."""
+    import torch
+
     from kvlens.compare import torch_threads
     from kvlens.store import open_capture
 
     # One thread: these many small attention passes run several times faster than with two
-    # threads on a 2-core machine (measured: 0.6-0.8 s vs 2-15 s per SmolLM2 layer).
+    # threads on a 2-core machine (measured: 0.6-0.8 s vs 2-15 s per SmolLM2 layer). The
+    # model's forwards (sensitivity) get the threads the caller had.
+    threads = torch.get_num_threads()
     with open_capture(path) as cap, torch_threads(1):
         meta = cap.meta
         if tuple(meta.layers) != tuple(range(meta.num_layers)):
@@ -782,15 +786,17 @@ def measure(path: str | Path, opts: RecommendOptions,
         need = (opts.sensitivity != "uniform" and not opts.layer_weights) or \
             opts.retrieval != "off"
         model, tokenizer = _model_for(cap, opts, notes) if need else (None, None)
-        weights = opts.layer_weights or _sensitivity_weights(cap, model, opts, tables, probes,
-                                                             notes, progress)
+        with torch_threads(threads):
+            weights = opts.layer_weights or _sensitivity_weights(cap, model, opts, tables,
+                                                                 probes, notes, progress)
         if model is not None and opts.retrieval != "off" and opts.retrieval_weight > 0:
             _add_retrieval_errors(model, tokenizer, cands, opts, tables, balancers, notes,
                                   progress)
         factors: tuple[dict, ...] = ()
         if opts.sensitivity == "layout" and model is not None and not opts.layer_weights:
-            weights, factors = _layout_factors(cap, model, opts, cands, balancers, notes,
-                                               progress)
+            with torch_threads(threads):
+                weights, factors = _layout_factors(cap, model, opts, cands, balancers, notes,
+                                                   progress)
     wanted = set(candidates(meta.head_dim, opts, meta.has_rope))
     tables = [{cf: e for cf, e in t.items() if cf[0] in wanted and cf[1] is not None}
               for t in tables]
@@ -940,6 +946,7 @@ def _layout_factors(cap, model, opts, cands, balancers, notes, progress):
     layer's mean, the factor the rest. A first-order rate, like ``--sensitivity model``, but
     one per layout: the rate at which a layout's output error becomes KL differs between
     layouts (Gemma3-270M, docs/vs-llamacpp.md)."""
+    from kvlens.compare import torch_threads
     from kvlens.metrics import attention_errors_many
     from kvlens.placement import input_device
     from kvlens.sensitivity import perturbed_kl
@@ -953,13 +960,15 @@ def _layout_factors(cap, model, opts, cands, balancers, notes, progress):
     rates: list[dict] = []
     with perturbed_kl(model, ids, keep) as kl:
         for i, layer in enumerate(cap.iter_layers()):
-            q, k, v, variants, _, _ = layer_variants(layer, meta, probes, one,
-                                                     balancers.get(layer.index))
-            got = [c for c in probes if variants.get(c) is not None]
-            la = layer.attrs
-            errs = attention_errors_many(q[:, :, n - keep:], k, v, [variants[c] for c in got],
-                                         scaling=la.scaling, sliding_window=la.sliding_window,
-                                         softcap=la.logit_softcap, reconstruction=False)
+            with torch_threads(1):  # small attention passes: one thread (see measure)
+                q, k, v, variants, _, _ = layer_variants(layer, meta, probes, one,
+                                                         balancers.get(layer.index))
+                got = [c for c in probes if variants.get(c) is not None]
+                la = layer.attrs
+                errs = attention_errors_many(q[:, :, n - keep:], k, v,
+                                             [variants[c] for c in got], scaling=la.scaling,
+                                             sliding_window=la.sliding_window,
+                                             softcap=la.logit_softcap, reconstruction=False)
             row = {}
             for c, e in zip(got, errs):
                 var, err = variants[c], float(e.output.mean())
