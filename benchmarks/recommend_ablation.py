@@ -15,8 +15,10 @@ Levers (each row: the full recommendation's options with that one lever off):
   candidates), ``balancer`` (MiKV channel balancer on per-token keys), ``pre-rope`` (keys
   quantized before RoPE), ``gear`` (GEAR outliers + low-rank twins), ``mikv`` (MiKV
   importance-set twins), ``transforms`` (all five);
-- ``sensitivity``: uniform layer weights instead of the model's measured KL damage per unit
-  error (the KLD-driven allocation);
+- ``sensitivity``: uniform weights instead of the model's measured KL damage per unit error
+  (the KLD-driven allocation);
+- ``layout`` (re-measured): one weight per layer (``--sensitivity model``) instead of one per
+  layer and storage family;
 - re-measured: ``retrieval`` (no retrieval probe), ``sinks`` (``--sinks 0``), ``sliding``
   (``--flush 0``: KIVI's flush-the-whole-window instead of the sliding window), ``windows``
   (one 128-token window for every layer, errors scored on the same late queries as with
@@ -47,11 +49,11 @@ FAMILIES = {"rotation": {"rotation": False}, "balancer": {"balancer": False},
             "mikv": {"mikv": False},
             "transforms": {"rotation": False, "balancer": False, "pre_rope": "off",
                            "gear": False, "mikv": False}}
-REMEASURED = {"retrieval": {"retrieval": "off"}, "sinks": {"sink_tokens": 0},
+REMEASURED = {"layout": {"sensitivity": "model"}, "retrieval": {"retrieval": "off"}, "sinks": {"sink_tokens": 0},
               "sliding": {"flush_tokens": 0}, "windows": {"windows": (128,)},
               "windows+proxy": {"windows": (128,), "tokens": 256}}
 LEVERS = ("rotation", "balancer", "pre-rope", "gear", "mikv", "transforms", "sensitivity",
-          "retrieval", "sinks", "sliding", "windows", "windows+proxy")
+          "layout", "retrieval", "sinks", "sliding", "windows", "windows+proxy")
 
 
 def cli_options(budget_bits: float, model: str | None):
@@ -125,7 +127,7 @@ def recommendations(capture: str, opts, levers, log, variants=(), budgets=()) ->
             m = replace(full_m, tables=tables)
         elif lever == "sensitivity":
             lopts = opts
-            m = replace(full_m, weights=(1.0,) * len(full_m.weights))
+            m = replace(full_m, weights=(1.0,) * len(full_m.weights), factors=())
         else:
             lopts = (_one_window_same_queries(opts, **REMEASURED[lever]) if lever == "windows"
                      else replace(opts, **REMEASURED[lever]))

@@ -140,8 +140,9 @@ class RecommendOptions:
     samples: int | None = 1
     tokens: int | None = 256
     layer_weights: tuple[float, ...] | None = None
-    # uniform | model | layout | auto (model when the capture's is loadable); layout: a factor
-    # per layer and storage family (``_layout_factors``)
+    # uniform | model | layout | auto (layout when the capture's model is loadable); model: a
+    # weight per layer (``_sensitivity_weights``); layout: and a factor per storage family
+    # (``_layout_factors``)
     sensitivity: str = "uniform"
     model: str | None = None  # model for sensitivity (default: the capture's model source)
     name: str = "recommended"
@@ -793,7 +794,8 @@ def measure(path: str | Path, opts: RecommendOptions,
             _add_retrieval_errors(model, tokenizer, cands, opts, tables, balancers, notes,
                                   progress)
         factors: tuple[dict, ...] = ()
-        if opts.sensitivity == "layout" and model is not None and not opts.layer_weights:
+        if opts.sensitivity in ("layout", "auto") and model is not None \
+                and not opts.layer_weights:
             with torch_threads(threads):
                 weights, factors = _layout_factors(cap, model, opts, cands, balancers, notes,
                                                    progress)
@@ -902,7 +904,7 @@ def _sensitivity_weights(cap, model, opts, tables, probes, notes, progress
     from kvlens.sensitivity import layer_kl, weights_from
 
     meta = cap.meta
-    if opts.sensitivity in ("uniform", "layout") or model is None:
+    if opts.sensitivity in ("uniform", "layout", "auto") or model is None:
         return (1.0,) * meta.num_layers
     n = meta.num_tokens if opts.tokens is None else min(opts.tokens, meta.num_tokens)
     ids = cap.tokens()[:1, :n].to(input_device(model))

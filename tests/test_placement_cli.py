@@ -131,4 +131,4 @@ def test_recommend_placement_errors_are_not_swallowed(tiny_model_dir, text_file,
     res = runner.invoke(app, [*args, "--max-memory", "cpu=1GiB", "--json"])
     assert res.exit_code == 0, res.output
     notes = json.loads(res.stdout)["notes"]
-    assert any("layer weights from measured sensitivity" in n for n in notes)
+    assert any("per-layout factors from measured KL" in n for n in notes)  # auto: layout

@@ -433,3 +433,8 @@ def test_layout_sensitivity_measures_a_rate_per_family(tmp_path, smollm2_tokeniz
     assert max(bits[0, "key"], bits[0, "value"], bits[2, "key"], bits[2, "value"]) == 4
     with pytest.raises(InputError, match="layout"):
         RecommendOptions(budget_bits=3.0, sensitivity="per-head")
+    # auto is layout when the model loads; model keeps one weight per layer
+    assert measure(path, replace(opts, sensitivity="auto")).factors == m.factors
+    per_layer = measure(path, replace(opts, sensitivity="model"))
+    assert per_layer.factors == () and per_layer.weights[1] == 0.0
+    assert any("layer weights from measured sensitivity" in n for n in per_layer.notes)

@@ -103,10 +103,11 @@ def recommend(
                                     "window; with several, 4x the largest, of which the last "
                                     "quarter is scored)."),
     sensitivity: str = typer.Option("auto", "--sensitivity",
-                                    help="Layer weights: model (measure KL damage per layer on "
-                                         "the real model), layout (one KL rate per layer and "
-                                         "storage layout: slower, more exact), uniform, or auto "
-                                         "(model when the capture's model can be loaded)."),
+                                    help="Error weights: layout (measure the KL damage per "
+                                         "unit error on the real model, per layer and storage "
+                                         "family), model (one weight per layer: faster), "
+                                         "uniform, or auto (layout when the capture's model "
+                                         "can be loaded)."),
     retrieval: str = typer.Option("auto", "--retrieval",
                                   help="Add errors at the answer position of a built-in "
                                        "long-context retrieval prompt: auto (when the model "
