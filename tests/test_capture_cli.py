@@ -97,3 +97,26 @@ def test_version_and_help():
     res = runner.invoke(app, ["--help"])
     for command in ("capture", "plot-outliers", "compare-axes", "recommend", "generate"):
         assert command in res.stdout
+
+
+def test_progress_is_plain_lines_where_stderr_is_not_a_terminal(monkeypatch):
+    """A log file cannot redraw a bar: each stage's end is a line, and lines in between come
+    at most every PLAIN_EVERY_S seconds."""
+    import io
+
+    from rich.console import Console
+
+    from kvlens.cli import common
+
+    buf = io.StringIO()
+    monkeypatch.setattr(common, "err_console", Console(file=buf, force_terminal=False))
+    clock = iter([0.0, 1.0, 2.0, 40.0, 41.0, 42.0])
+    monkeypatch.setattr("time.monotonic", lambda: next(clock))
+    with common.progress_bar("measuring") as update:
+        for i in range(1, 4):
+            update(i, 3, f"layer {i - 1}")
+        for i in range(1, 4):
+            update(i, 3, f"probe layer {i - 1}")
+    lines = buf.getvalue().splitlines()
+    assert lines == ["  measuring: 1/3 layer 0", "  measuring: 3/3 layer 2",
+                     "  measuring: 1/3 probe layer 0", "  measuring: 3/3 probe layer 2"]

@@ -28,12 +28,19 @@ def _json_default(o):
     raise TypeError(f"not JSON serialisable: {type(o)}")
 
 
+PLAIN_EVERY_S = 30.0  # progress lines where stderr is not a terminal
+
+
 @contextmanager
 def progress_bar(description: str, enabled: bool = True):
     """Yield ``update(done, total, note="")`` that draws a rich progress bar on stderr.
 
     The bar appears at the first update, so errors raised before any work starts (bad options,
-    a missing model) are not interleaved with an empty bar."""
+    a missing model) are not interleaved with an empty bar. Where stderr is not a terminal (a
+    log file, CI) a bar cannot redraw: a plain line is printed instead at each stage's end and
+    at most every ``PLAIN_EVERY_S`` seconds in between."""
+    import time
+
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -47,6 +54,13 @@ def progress_bar(description: str, enabled: bool = True):
 
     def update(done: int, total: int, note: str = "") -> None:
         if not enabled:
+            return
+        if not err_console.is_terminal:
+            now = time.monotonic()
+            if done >= total or now - state.get("printed", -PLAIN_EVERY_S) >= PLAIN_EVERY_S:
+                state["printed"] = now
+                err_console.print(f"  {description}: {done}/{total} {note}".rstrip(),
+                                  highlight=False)
             return
         if "prog" not in state:
             prog = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
