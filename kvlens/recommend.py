@@ -990,8 +990,9 @@ def _layout_factors(cap, model, opts, cands, balancers, notes, progress):
         factors.append({f: r / mean / w if w > 0 else 1.0 for f, r in row.items()})
     spread = [max(f.values()) / min(f.values()) for f in factors
               if f and min(f.values()) > 0]
-    notes.append(f"layer weights and per-layout factors from measured KL ({len(probes)} layout "
-                 f"probes per layer, KL on the last {keep} of {n} capture tokens): weights "
+    measured = max((len(row) for row in rates), default=0)
+    notes.append(f"layer weights and per-layout factors from measured KL ({measured} storage "
+                 f"families per layer, KL on the last {keep} of {n} capture tokens): weights "
                  f"{min(weights):.2f}-{max(weights):.2f}, largest factor ratio within a layer "
                  f"{max(spread, default=1.0):.1f}")
     return tuple(weights), tuple(factors)
