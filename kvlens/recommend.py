@@ -944,8 +944,9 @@ def _layout_factors(cap, model, opts, cands, balancers, notes, progress):
     layer and storage family, the model's KL when only that layer's keys (or values) are
     replaced by the family probe's reconstruction (every token quantized), per unit of the
     probe's attention-output error on the same queries (the capture's first sample, KL and
-    error on its last half). Their product is normalised to mean 1; the layer weight is the
-    layer's mean, the factor the rest. A first-order rate, like ``--sensitivity model``, but
+    error on its last half). The rates are normalised to mean 1 over all layers and families;
+    the layer weight is a layer's mean rate, a family's factor its rate over that mean (so
+    weight x factor is the rate). A first-order rate, like ``--sensitivity model``, but
     one per layout: the rate at which a layout's output error becomes KL differs between
     layouts (Gemma3-270M, docs/vs-llamacpp.md)."""
     from kvlens.compare import torch_threads
