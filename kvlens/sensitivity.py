@@ -26,31 +26,17 @@ PROBE_GROUP = 32
 def layer_kl(model, input_ids, layers: Sequence[int], progress: Callable | None = None,
              group_size: int = PROBE_GROUP) -> list[float]:
     """Mean next-token KL(exact || probe) when only one layer's K/V are probe-quantized."""
-    import torch
-
-    from kvlens.hf import attention_override
     from kvlens.quant import QuantSpec, fake_quantize
 
     spec = QuantSpec(PROBE_BITS, "per-token", group_size)
-    target = {"layer": -1}
 
-    def make(orig):
-        def fn(module, query, key, value, attention_mask, **kwargs):
-            if module.layer_idx == target["layer"]:
-                key = fake_quantize(key, spec).to(key.dtype)
-                value = fake_quantize(value, spec).to(value.dtype)
-            return orig(module, query, key, value, attention_mask, **kwargs)
-        return fn
+    def probe(x):
+        return fake_quantize(x, spec).to(x.dtype)
 
     out = []
-    with torch.no_grad(), attention_override(model, make):
-        ref = torch.log_softmax(model(input_ids=input_ids, use_cache=False).logits.float(), -1)
+    with _replaced_kl(model, input_ids, keep=input_ids.shape[1]) as kl:
         for i, layer in enumerate(layers):
-            target["layer"] = layer
-            logp = torch.log_softmax(model(input_ids=input_ids, use_cache=False).logits.float(),
-                                     -1)
-            kl = (ref.exp() * (ref - logp)).sum(-1).mean()
-            out.append(float(kl))
+            out.append(kl(layer, probe, probe))
             if progress:
                 progress(i + 1, len(layers), f"sensitivity layer {layer}")
     return out
@@ -73,6 +59,18 @@ def perturbed_kl(model, input_ids, keep: int) -> Iterator[Callable[..., float]]:
     D]`` tensors) are added to that layer's keys / values (post-RoPE, as attention reads
     them). Pass a candidate's reconstruction minus the captured tensor: a lossless candidate
     then perturbs nothing."""
+    def added(delta):
+        return None if delta is None else lambda x: x + delta.to(x.device, x.dtype)
+
+    with _replaced_kl(model, input_ids, keep) as kl:
+        yield lambda layer, key=None, value=None: kl(layer, added(key), added(value))
+
+
+@contextmanager
+def _replaced_kl(model, input_ids, keep: int) -> Iterator[Callable[..., float]]:
+    """Yield ``kl(layer, key_fn=None, value_fn=None)``: the mean next-token KL(exact ||
+    changed) over the last ``keep`` positions when that layer's attention reads
+    ``key_fn(key)`` / ``value_fn(value)`` (None: unchanged)."""
     import torch
 
     from kvlens.hf import attention_override
@@ -83,9 +81,9 @@ def perturbed_kl(model, input_ids, keep: int) -> Iterator[Callable[..., float]]:
         def fn(module, query, key, value, attention_mask, **kwargs):
             if module.layer_idx == target.get("layer"):
                 if target.get("key") is not None:
-                    key = key + target["key"].to(key.device, key.dtype)
+                    key = target["key"](key)
                 if target.get("value") is not None:
-                    value = value + target["value"].to(value.device, value.dtype)
+                    value = target["value"](value)
             return orig(module, query, key, value, attention_mask, **kwargs)
         return fn
 
@@ -96,8 +94,8 @@ def perturbed_kl(model, input_ids, keep: int) -> Iterator[Callable[..., float]]:
     with torch.no_grad(), attention_override(model, make):
         ref = logp()
 
-        def kl(layer: int, key=None, value=None) -> float:
-            target.update(layer=layer, key=key, value=value)
+        def kl(layer: int, key_fn=None, value_fn=None) -> float:
+            target.update(layer=layer, key=key_fn, value=value_fn)
             try:
                 return float((ref.exp() * (ref - logp())).sum(-1).mean())
             finally:
