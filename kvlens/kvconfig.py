@@ -81,7 +81,7 @@ from kvlens.quant import QuantSpec
 
 FORMAT = "kvlens.kvconfig"
 VERSION = 2  # 2: engine cache types (key_format/value_format), kv_scales, mikv.set_bits,
-# mikv.layers, gear
+# mikv.layers, gear, QuantSpec.fit
 BALANCER_MODES = ("off", "online", "fixed")
 FP_DTYPES = ("float16", "bfloat16", "float32", "exact")
 _LAYER_KEYS = ("key", "value", "residual_tokens", "flush_tokens", "pre_rope_keys",
@@ -393,9 +393,11 @@ class KVConfig:
     @property
     def format_version(self) -> int:
         """The oldest version that can express this config: 1 unless it uses version 2's engine
-        cache types, ``kv_scales``, ``mikv.set_bits``, ``mikv.layers`` or ``gear`` (so older kvlens versions
-        still read the others)."""
+        cache types, ``kv_scales``, ``mikv.set_bits``, ``mikv.layers``, ``gear`` or a spec's
+        ``fit`` (so older kvlens versions still read the others)."""
+        specs = [s for lk in (self.default, *self.layers.values()) for s in (lk.key, lk.value)]
         uses_v2 = (bool(self.kv_scales) or self.default.engine
+                   or any(s is not None and s.fit != "minmax" for s in specs)
                    or any(v.engine for v in self.layers.values())
                    or self.gear is not None
                    or (self.mikv is not None and (self.mikv.set_bits is not None

@@ -97,13 +97,15 @@ class Candidate:
     gear: bool = False  # GEAR outliers + low-rank factors (GEAR_SETTINGS) beside the codes
     # MiKV importance set (set_bits, heavy_fraction) beside the codes; None: sinks only
     mikv_set: tuple[int, float] | None = None
+    fit: str = "minmax"  # how each group's scale and zero are chosen (QuantSpec.fit)
 
     @property
     def short(self) -> str:
         axis = "ch" if self.granularity == "per-channel" else "tok"
         extra = (" pre" if self.stage == "pre" else "") + (" bal" if self.balancer else "") + \
             (" rot" if self.rotate else "") + (" gear" if self.gear else "") + \
-            (f" set{self.mikv_set[0]}@{self.mikv_set[1]:g}" if self.mikv_set else "")
+            (f" set{self.mikv_set[0]}@{self.mikv_set[1]:g}" if self.mikv_set else "") + \
+            (" mse" if self.fit == "mse" else "")
         return f"{self.bits}b {axis} G{self.group_size}{extra}"
 
     @property
@@ -111,7 +113,8 @@ class Candidate:
         extra = (" pre-RoPE" if self.stage == "pre" else "") + \
             (" +bal" if self.balancer else "") + (" +rotation" if self.rotate else "") + \
             (" +GEAR" if self.gear else "") + \
-            (f" +MiKV set {self.mikv_set[1]:g} INT{self.mikv_set[0]}" if self.mikv_set else "")
+            (f" +MiKV set {self.mikv_set[1]:g} INT{self.mikv_set[0]}" if self.mikv_set else "") + \
+            (" mse-fit" if self.fit == "mse" else "")
         return f"{self.bits}b {self.granularity} G{self.group_size}{extra}"
 
     @property
@@ -122,7 +125,7 @@ class Candidate:
     def spec(self):
         from kvlens.quant import QuantSpec
 
-        return QuantSpec(self.bits, self.granularity, self.group_size)
+        return QuantSpec(self.bits, self.granularity, self.group_size, fit=self.fit)
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,9 @@ class RecommendOptions:
     mikv: bool = True
     mikv_set_bits: tuple[int, ...] = (4, 8)
     mikv_fractions: tuple[float, ...] = (0.1, 0.2)
+    # scale/zero fits offered for the plain, pre-RoPE, balanced and rotated codes
+    # (QuantSpec.fit); GEAR and MiKV twins take the first
+    fits: tuple[str, ...] = ("minmax", "mse")
 
     def __post_init__(self) -> None:
         if not (isinstance(self.budget_bits, (int, float)) and 0 < self.budget_bits <= 16):
@@ -186,6 +192,12 @@ class RecommendOptions:
         if self.prefer_fast and self.pre_rope == "on":
             raise InputError("--prefer-fast keeps only layouts the fused decode kernel reads, "
                              "and it does not read pre-RoPE keys; use --pre-rope auto or off.")
+        from kvlens.quant.spec import FITS
+
+        if not self.fits or any(f not in FITS for f in self.fits) \
+                or len(set(self.fits)) != len(self.fits):
+            raise InputError(f"--fits {','.join(self.fits) or '(empty)'}: give one or both of "
+                             f"{_listed(FITS)}, each once.")
         bad = [b for b in self.bits if b not in (2, 3, 4, 8)]
         if bad:
             raise InputError(f"Unsupported bit widths {bad}; allowed: 2, 3, 4, 8.")
@@ -358,22 +370,24 @@ def candidates(head_dim: int, opts: RecommendOptions, has_rope: bool) -> list[Ca
             for g in opts.group_sizes:
                 if gran == "per-token" and (g > head_dim or head_dim % g):
                     continue
-                for b in opts.bits:
-                    out.append(Candidate(tensor, b, gran, g))
+                for b, fit in ((b, f) for b in opts.bits for f in opts.fits):
+                    out.append(Candidate(tensor, b, gran, g, fit=fit))
                     if tensor == "key" and has_rope and opts.pre_rope != "off" \
                             and not opts.prefer_fast:
-                        out.append(Candidate(tensor, b, gran, g, stage="pre"))
+                        out.append(Candidate(tensor, b, gran, g, stage="pre", fit=fit))
                     if tensor == "key" and gran == "per-token" and opts.balancer:
-                        out.append(Candidate(tensor, b, gran, g, balancer=True))
+                        out.append(Candidate(tensor, b, gran, g, balancer=True, fit=fit))
                     if gran == "per-token" and rotation:
-                        out.append(Candidate(tensor, b, gran, g, rotate=True))
+                        out.append(Candidate(tensor, b, gran, g, rotate=True, fit=fit))
+                    if fit != opts.fits[0]:
+                        continue
                     if opts.gear and not opts.prefer_fast and g == GEAR_GROUP and b <= 4:
                         out.append(Candidate(tensor, b, gran, g, gear=True))
     # MiKV set twins: plain or balanced post-RoPE G32 codes up to 4 bits (a set beside 8-bit
     # codes buys nothing), one per global (set_bits, heavy_fraction)
     return out + [replace(c, mikv_set=m) for c in out if c.group_size == MIKV_GROUP
                   and c.bits <= 4 and c.stage == "post" and not (c.rotate or c.gear)
-                  for m in opts.mikv_sets()]
+                  and c.fit == opts.fits[0] for m in opts.mikv_sets()]
 
 
 def gear_settings(layers=None):
@@ -920,7 +934,8 @@ def _sensitivity_weights(cap, model, opts, tables, probes, notes, progress
 
 def family(c: Candidate) -> tuple:
     """The storage family ``--sensitivity layout`` measures one factor for: tensor, axis and
-    transforms (bits, group size, GEAR and a MiKV set share their base's factor)."""
+    transforms (bits, group size, the scale fit, GEAR and a MiKV set share their base's
+    factor)."""
     return (c.tensor, c.granularity, c.stage, c.balancer, c.rotate)
 
 
@@ -930,6 +945,7 @@ def family_probes(cands: Sequence[Candidate]) -> list[Candidate]:
     out = []
     for fam in dict.fromkeys(family(c) for c in cands):
         members = [c for c in cands if family(c) == fam and not (c.gear or c.mikv_set)]
+        members = [c for c in members if c.fit == "minmax"] or members
         if not members:
             continue
         bits = min(c.bits for c in members)

@@ -78,6 +78,7 @@ def test_cache_outside_its_context_is_refused():
     (QuantSpec(3, "per-token", 8), 16),
     (QuantSpec(2, "per-tensor"), 16),
     (QuantSpec(4, "per-channel", None, symmetric=True), 8),
+    (QuantSpec(2, "per-token", 32, fit="mse"), 16),
 ])
 def test_packed_round_trip_equals_reference(spec, residual):
     torch.manual_seed(1)

@@ -17,6 +17,8 @@ SPECS = [
     QuantSpec(4, "per-tensor"),
     QuantSpec(4, "per-token", 32, symmetric=True),
     QuantSpec(2, "per-channel", 8, symmetric=True),
+    QuantSpec(2, "per-token", 16, fit="mse"),
+    QuantSpec(3, "per-channel", 8, fit="mse"),
 ]
 
 
@@ -80,6 +82,19 @@ def test_json_round_trip_and_rejections():
         QuantSpec.from_dict({"bits": 2})
 
 
+def test_fit_is_validated_and_versioned():
+    with pytest.raises(ConfigError, match="Unknown fit 'l1'; allowed: minmax, mse"):
+        QuantSpec(2, "per-token", fit="l1")
+    with pytest.raises(ConfigError, match="asymmetric"):
+        QuantSpec(2, "per-token", symmetric=True, fit="mse")
+    # min/max specs stay version 1 (older readers); a fit needs version 2
+    assert QuantSpec(2, "per-token").to_dict()["version"] == 1
+    d = QuantSpec(2, "per-token", fit="mse").to_dict()
+    assert d["version"] == 2 and d["fit"] == "mse"
+    with pytest.raises(ConfigError, match="'fit' needs spec version 2"):
+        QuantSpec.from_dict({**d, "version": 1})
+
+
 def test_non_4d_input_is_rejected():
     with pytest.raises(InputError, match=r"\[B, H, T, D\]"):
         quantize(torch.zeros(3, 8), QuantSpec(2, "per-token"))
@@ -133,7 +148,13 @@ def test_error_within_half_step_and_codes_in_range(spec):
     top = 2**spec.bits - 2 if spec.symmetric else 2**spec.bits - 1
     assert q.codes.dtype == torch.uint8 and int(q.codes.max()) <= top
     step = expand_params(q.scale, spec, q.shape)
-    assert bool(((dequantize(q) - x).abs() <= step / 2 * (1 + 1e-5) + 1e-6).all())
+    inside = torch.ones_like(x, dtype=torch.bool)
+    if spec.fit == "mse":  # values the fit clipped off lie beyond the grid's ends
+        lo = expand_params(q.zero, spec, q.shape)
+        inside = (x >= lo) & (x <= lo + step * spec.levels)
+        assert 0.5 < float(inside.float().mean()) < 1.0
+    err = (dequantize(q) - x).abs()
+    assert bool((err <= step / 2 * (1 + 1e-5) + 1e-6)[inside].all())
 
 
 def test_scale_shapes_per_granularity():
@@ -153,6 +174,52 @@ def test_partial_last_token_group_uses_only_its_tokens():
     assert torch.allclose(q.scale[:, :, 2], (last.amax(dim=2) - last.amin(dim=2)) / 3)
     first = x[:, :, 0:4]
     assert torch.allclose(q.scale[:, :, 0], (first.amax(dim=2) - first.amin(dim=2)) / 3)
+
+
+def test_mse_fit_hand_computed_one_bit():
+    # 1 bit, values 0, .1, .9, 1, 10. Min/max: scale 10, zero 0, only 10 gets code 1; squared
+    # error .01 + .81 + 1 = 1.82. The least-squares refit of those codes is zero = mean(0, .1,
+    # .9, 1) = .5, scale = 10 - .5 = 9.5; re-assigning (threshold 5.25) keeps the codes, so it
+    # has converged: squared error .25 + .16 + .16 + .25 = .82.
+    x = torch.tensor([0.0, 0.1, 0.9, 1.0, 10.0]).view(1, 1, 1, 5)
+    q = quantize(x, QuantSpec(1, "per-token", fit="mse"))
+    assert q.codes.flatten().tolist() == [0, 0, 0, 0, 1]
+    assert q.zero.item() == pytest.approx(0.5) and q.scale.item() == pytest.approx(9.5)
+    assert float(((dequantize(q) - x) ** 2).sum()) == pytest.approx(0.82, abs=1e-5)
+    minmax = fake_quantize(x, QuantSpec(1, "per-token"))
+    assert float(((minmax - x) ** 2).sum()) == pytest.approx(1.82, abs=1e-5)
+
+
+@pytest.mark.parametrize("gran,g", [("per-token", 32), ("per-channel", 8), ("per-channel", 5)])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_mse_fit_never_worse_than_minmax_per_group(gran, g, bits):
+    # heavy-tailed data (where clipping pays) and a grid-exact group (already error-free)
+    x = _rand(2, 2, 23, 64, seed=bits) ** 3
+    parity = (torch.arange(23)[:, None] + torch.arange(64)[None, :]) % 2
+    x[0, 0] = parity.float() * 2 - 1  # every group holds -1 and 1: exact on any grid
+    q_mm, q_fit = quantize(x, QuantSpec(bits, gran, g)), quantize(x, QuantSpec(bits, gran, g,
+                                                                                  fit="mse"))
+    spec = q_fit.spec
+    bt, bd = spec.block_shape(23, 64)
+    err_mm = (dequantize(q_mm) - x) ** 2
+    err_fit = (dequantize(q_fit) - x) ** 2
+    if gran == "per-token":
+        per_group = lambda e: e.reshape(2, 2, 23, 64 // bd, bd).sum(-1)  # noqa: E731
+    else:
+        per_group = lambda e: torch.stack([e[:, :, i:i + g].sum(2)  # noqa: E731
+                                           for i in range(0, 23, g)], 2)
+    assert bool((per_group(err_fit) <= per_group(err_mm) * (1 + 1e-5) + 1e-9).all())
+    assert float(err_fit.mean()) < 0.9 * float(err_mm.mean())  # heavy tails: clearly better
+    assert float(err_fit[0, 0].max()) < 1e-10  # the grid-exact group stays exact
+
+
+def test_mse_fit_of_a_partial_token_group_ignores_the_padding():
+    # the last per-channel group (2 tokens of 10 at G=4) fits as if quantized on its own
+    x = _rand(1, 2, 10, 8, seed=5) ** 3
+    q = quantize(x, QuantSpec(2, "per-channel", 4, fit="mse"))
+    alone = quantize(x[:, :, 8:10].contiguous(), QuantSpec(2, "per-channel", None, fit="mse"))
+    torch.testing.assert_close(q.scale[:, :, 2:3], alone.scale)
+    torch.testing.assert_close(q.zero[:, :, 2:3], alone.zero)
 
 
 def test_per_tensor_is_one_scale_per_batch_and_head():

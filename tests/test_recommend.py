@@ -99,10 +99,12 @@ def _planted_capture(path, has_rope=True, seed=0):
 
 def test_recommend_on_planted_outlier_keys(tmp_path):
     path = _planted_capture(tmp_path / "p.h5")
-    opts = RecommendOptions(budget_bits=3.5, group_sizes=(32,), bits=(2, 4))
+    # min/max grids only: a least-squares fit can make per-token groups with outliers usable
+    opts = RecommendOptions(budget_bits=3.5, group_sizes=(32,), bits=(2, 4), fits=("minmax",))
     rec = recommend(path, opts)
     assert rec.mean_bits <= 3.5
     for ch in rec.choices:
+        assert ch.candidate.fit == "minmax"
         if ch.tensor == "key":
             # Outlier channels: plain per-token key grouping is never the best use of bits.
             assert ch.candidate.granularity == "per-channel" or ch.candidate.balancer
@@ -114,6 +116,27 @@ def test_recommend_on_planted_outlier_keys(tmp_path):
                                               bits=(2, 4)))
     assert richer.expected_output_error <= rec.expected_output_error + 1e-12
     assert rec.config.model == {"num_layers": 2, "head_dim": 32, "num_key_value_heads": 2}
+
+
+def test_mse_fit_candidates_win_on_gaussian_values(tmp_path):
+    # Values are Gaussian: at 2 bits a least-squares scale/zero fit halves a group's squared
+    # error, so with both fits offered every 2-bit value choice is the fitted one, at the
+    # same bytes, and the expected error drops.
+    path = _planted_capture(tmp_path / "p.h5")
+    kw = dict(budget_bits=3.6, group_sizes=(32,), bits=(2, 4), mikv=False, gear=False)
+    both = recommend(path, RecommendOptions(**kw))
+    minmax = recommend(path, RecommendOptions(**kw, fits=("minmax",)))
+    values = [c for c in both.choices if c.tensor == "value" and c.candidate.bits == 2]
+    assert values and all(c.candidate.fit == "mse" for c in values)
+    assert both.expected_output_error < 0.95 * minmax.expected_output_error
+    assert both.mean_bits <= 3.6 and minmax.mean_bits <= 3.6
+    with pytest.raises(InputError, match="--fits l2"):
+        RecommendOptions(budget_bits=3.6, fits=("l2",))
+    # the config carries the fit (a version-2 spec) for the cache to quantize with
+    chosen = {c.layer: c.candidate for c in values}
+    for layer, cand in chosen.items():
+        assert both.config.layer(layer).value.fit == "mse"
+    assert both.config.format_version == 2 and minmax.config.format_version == 1
 
 
 def test_budget_below_any_candidate_and_pre_rope_without_rope(tmp_path):

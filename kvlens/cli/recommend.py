@@ -80,6 +80,10 @@ def recommend(
                                     help="Candidate group sizes (per-token ones must divide "
                                          "head_dim; per-channel ones the layer's flush "
                                          "block, so some are skipped at small windows)."),
+    fits: str = typer.Option("minmax,mse", "--fits",
+                             help="How each group's scale and zero are chosen: minmax (span "
+                                  "the group, as KIVI), mse (least-squares refit that clips "
+                                  "rare extremes; same storage); both are measured by default."),
     pre_rope: str = typer.Option("auto", "--pre-rope",
                                  help="Pre-RoPE key candidates: auto (if the capture has RoPE), "
                                       "on (required), off."),
@@ -173,6 +177,7 @@ def recommend(
                                 residual_tokens=max(sizes, default=128), windows=sizes,
                                 bits=_ints(bits, "--bits"),
                                 group_sizes=_ints(group_sizes, "--group-sizes"),
+                                fits=tuple(f.strip() for f in fits.split(",") if f.strip()),
                                 pre_rope=pre_rope, balancer=not no_balancer,
                                 rotation=not no_rotation, mikv=not no_mikv,
                                 mikv_set_bits=_ints(mikv_bits, "--mikv-bits"),

@@ -28,8 +28,9 @@ from kvlens.errors import ConfigError
 
 GRANULARITIES = ("per-token", "per-channel", "per-tensor")
 MIN_BITS, MAX_BITS = 1, 8
-SPEC_VERSION = 1
-_FIELDS = ("bits", "granularity", "group_size", "symmetric")
+SPEC_VERSION = 2  # 2: ``fit`` (a spec with fit "minmax" is still written as version 1)
+_FIELDS = ("bits", "granularity", "group_size", "symmetric", "fit")
+FITS = ("minmax", "mse")
 
 
 @dataclass(frozen=True)
@@ -44,12 +45,18 @@ class QuantSpec:
         for per-tensor.
     symmetric: ``False`` (default) = asymmetric min/max grid; ``True`` = zero-centred grid
         (formulas in ``kvlens.quant.reference``).
+    fit: how a group's ``scale`` and ``zero`` are chosen (asymmetric only): ``"minmax"``
+        (default) spans the group's range; ``"mse"`` starts there and alternately re-assigns
+        codes and refits ``(scale, zero)`` by least squares, which clips the range where
+        that lowers the group's squared error (``kvlens.quant.reference``). Storage and
+        dequantization are the same for both.
     """
 
     bits: int
     granularity: str
     group_size: int | None = None
     symmetric: bool = False
+    fit: str = "minmax"
 
     def __post_init__(self) -> None:
         # bool is an int subclass; True as a bit width is always a mistake.
@@ -88,6 +95,11 @@ class QuantSpec:
             raise ConfigError(
                 "Symmetric quantization needs bits >= 2 (allowed: 2-8); use asymmetric for 1 bit."
             )
+        if self.fit not in FITS:
+            raise ConfigError(f"Unknown fit {self.fit!r}; allowed: {', '.join(FITS)}.")
+        if self.fit != "minmax" and self.symmetric:
+            raise ConfigError(f"fit {self.fit!r} is for asymmetric grids; use symmetric=false "
+                              "or fit 'minmax'.")
 
     # -- geometry ---------------------------------------------------------------------------
     @property
@@ -150,17 +162,20 @@ class QuantSpec:
             if self.group_size
             else " G=all"
         )
-        return f"{self.bits}b {self.granularity}{g}{' sym' if self.symmetric else ''}"
+        return (f"{self.bits}b {self.granularity}{g}{' sym' if self.symmetric else ''}"
+                f"{' mse' if self.fit == 'mse' else ''}")
 
     # -- JSON -------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict with a ``version`` field."""
+        """JSON-ready dict with a ``version`` field (1 unless ``fit`` is set, so older kvlens
+        versions still read what they can run)."""
         return {
-            "version": SPEC_VERSION,
+            "version": 1 if self.fit == "minmax" else SPEC_VERSION,
             "bits": self.bits,
             "granularity": self.granularity,
             "group_size": self.group_size,
             "symmetric": self.symmetric,
+            **({} if self.fit == "minmax" else {"fit": self.fit}),
         }
 
     @classmethod
@@ -176,11 +191,13 @@ class QuantSpec:
                 f"Unsupported quantization spec version {version!r}; this kvlens "
                 f"reads versions 1-{SPEC_VERSION}."
             )
-        unknown = sorted(set(data) - set(_FIELDS) - {"version"})
+        allowed = _FIELDS if version >= 2 else _FIELDS[:-1]
+        unknown = sorted(set(data) - set(allowed) - {"version"})
         if unknown:
             raise ConfigError(
                 f"Unknown quantization spec keys {unknown}; allowed: "
-                f"{', '.join(('version',) + _FIELDS)}."
+                f"{', '.join(('version',) + allowed)}"
+                + (" ('fit' needs spec version 2)." if "fit" in unknown else ".")
             )
         missing = [k for k in ("bits", "granularity") if k not in data]
         if missing:
