@@ -543,7 +543,7 @@ def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptio
     with every token quantized (a ``kvlens.metrics.Variant``), None for MiKV set and GEAR
     twins (they depend on the flush block: built by ``measure_layer``); pre-RoPE candidates
     are left out when the capture's RoPE cannot be rebuilt (``pre_ok`` False)."""
-    from kvlens.compare import ROPE_CHECK_TOLERANCE, rope_rebuild_error, rope_tables
+    from kvlens.compare import layer_rope_tables
     from kvlens.metrics import Variant
     from kvlens.quant import (
         fake_quantize,
@@ -556,13 +556,14 @@ def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptio
     sel = None if opts.samples is None else list(range(min(opts.samples, meta.num_samples)))
     t = slice(None) if opts.tokens is None else slice(0, opts.tokens)
     q, k, v = (layer.read(n, samples=sel)[:, :, t] for n in ("q", "k", "v"))
-    pre_ok = any(c.stage == "pre" for c in cands) and "rope_theta" in meta.rope
+    pre_ok = any(c.stage == "pre" for c in cands) and meta.has_rope
     tables = None
     if pre_ok:
         k_pre = layer.read("k_pre", samples=sel)[:, :, t]
-        tables = rope_tables(meta, k.shape[0], k.shape[2])
-        # scaled RoPE (YaRN...) cannot be rebuilt from the config: no pre-RoPE candidates then
-        pre_ok = rope_rebuild_error(k, k_pre, tables, meta.rope_layout) <= ROPE_CHECK_TOLERANCE
+        # this layer's theta (Gemma3: one on sliding, one on global layers); scaled RoPE
+        # (YaRN...) cannot be rebuilt: no pre-RoPE candidates then
+        tables, _ = layer_rope_tables(meta, k, k_pre)
+        pre_ok = tables is not None
     bal = balancer
     if bal is None and any(c.balancer for c in cands):
         bal = fit_balancer(q, k, opts.balancer_exponent)
@@ -791,8 +792,9 @@ def measure(path: str | Path, opts: RecommendOptions,
                 raise InputError(f"Pre-RoPE keys were requested but the RoPE of {meta.model} "
                                  "cannot be rebuilt from the capture's config (scaled RoPE?).")
             if not pre_ok and meta.has_rope and opts.pre_rope == "auto" and not notes:
-                notes.append("pre-RoPE candidates skipped: the capture's RoPE could not be "
-                             "rebuilt from its config (scaled RoPE?)")
+                notes.append(f"pre-RoPE candidates skipped from layer {layer.index} on where "
+                             "default RoPE at no theta rebuilds the stored keys from the "
+                             "stored pre-RoPE keys (scaled RoPE?)")
             tables.append(table)
             if bal is not None:
                 balancers[layer.index] = bal

@@ -17,7 +17,7 @@ from kvlens.cache.layout import packed_bytes
 from kvlens.cache.packed import PackedTensor
 from kvlens.errors import BackendError, ConfigError
 from kvlens.hf import cache_argument_name
-from kvlens.kvconfig import LayerKV, MikvSettings, preset
+from kvlens.kvconfig import KVConfig, LayerKV, MikvSettings, preset
 from kvlens.quant import QTensor, QuantSpec, dequantize, quantize
 
 
@@ -372,3 +372,26 @@ def test_pre_rope_keys_equal_reference(kspec):
     out, _ = packed_attention(q, layer, m, d ** -0.5, chunk_tokens=16)
     torch.testing.assert_close(out, _reference_attention(q, keys, values, m), rtol=1e-5,
                                atol=1e-5)
+
+
+def test_pre_rope_keys_on_gemma3_use_each_layer_types_theta():
+    # Gemma3 rotates sliding layers at theta 1e4 and global ones at 1e6: stored pre-RoPE keys
+    # must be re-rotated with the right table per layer (8-bit codes: near-exact logits)
+    model = tiny_model("gemma3")
+    thetas = {t["rope_theta"] for t in model.config.rope_parameters.values()}
+    assert thetas == {10000.0, 1000000.0}
+    ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(5))
+    out = {}
+    for name, pre in (("fp16", None), ("pre", True)):
+        cfg = preset("fp16") if pre is None else KVConfig(
+            name, LayerKV(QuantSpec(8, "per-channel", 8), None, 8, pre_rope_keys=True))
+        with compressed_attention(model, cfg) as session, torch.no_grad():
+            cache = session.new_cache()
+            kw = {cache_argument_name(model): cache}
+            model(ids[:, :59], **kw)
+            out[name] = model(ids[:, 59:60], **kw).logits[0, -1]
+            if pre:
+                assert all(layer.stores_pre_rope and layer.quantized_length > 0
+                           for layer in cache.layers)
+    rel = (out["pre"] - out["fp16"]).norm() / out["fp16"].norm()
+    assert rel < 5e-3

@@ -68,18 +68,22 @@ def test_allocation_refuses_impossible_budget():
         allocate([[3.0, 4.0]], [[0.5, 0.1]], 2.5)
 
 
-def _planted_capture(path, has_rope=True, seed=0):
+def _planted_capture(path, has_rope=True, seed=0, thetas=(10000.0, 10000.0), record=True,
+                     position_scale=(1.0, 1.0)):
     """Keys with two outlier channels on every token (KIVI's observation); values flat except a
-    few tokens; post-RoPE made from pre-RoPE with the Llama tables."""
+    few tokens; post-RoPE made from pre-RoPE with the Llama tables at each layer's theta
+    (``record``: the capture's metadata names the first; ``position_scale`` != 1 makes a
+    linearly scaled RoPE that no default table reproduces)."""
     from kvlens.quant import rope_tables_for
     from kvlens.rope import apply_rope
 
     g = torch.Generator().manual_seed(seed)
     s, hq, hkv, t, d = 1, 4, 2, 256, 32
     layers = (0, 1)
-    cos, sin = rope_tables_for(torch.arange(t)[None], d, 10000.0)
     tensors = {}
     for layer in layers:
+        cos, sin = rope_tables_for(torch.arange(t)[None] * position_scale[layer], d,
+                                   thetas[layer])
         q_pre = torch.randn(s, hq, t, d, generator=g)
         k_pre = torch.randn(s, hkv, t, d, generator=g)
         k_pre[..., 3] = 25.0 + torch.randn(s, hkv, t, generator=g)
@@ -90,7 +94,8 @@ def _planted_capture(path, has_rope=True, seed=0):
         tensors[layer] = {"q": post_q, "k": post_k, "v": v, "q_pre": q_pre, "k_pre": k_pre}
     meta = CaptureMeta(model="planted", architecture="Synthetic", model_type="synthetic",
                        num_layers=2, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d,
-                       has_rope=has_rope, rope={"rope_theta": 10000.0} if has_rope else {},
+                       has_rope=has_rope,
+                       rope={"rope_theta": thetas[0]} if has_rope and record else {},
                        rope_layout="half" if has_rope else "none",
                        rotary_dim=d if has_rope else 0, compute_dtype="float32",
                        storage_dtype="float32", num_samples=s, num_tokens=t, layers=layers)
@@ -137,6 +142,34 @@ def test_mse_fit_candidates_win_on_gaussian_values(tmp_path):
     for layer, cand in chosen.items():
         assert both.config.layer(layer).value.fit == "mse"
     assert both.config.format_version == 2 and minmax.config.format_version == 1
+
+
+def test_each_layer_finds_its_own_rope_theta(tmp_path):
+    # Gemma3-like: sliding layers at theta 1e4, global ones at another (here one no list
+    # holds, so the search finds it), and a capture that records neither
+    from kvlens.compare import layer_rope_tables
+    from kvlens.store import open_capture
+
+    path = _planted_capture(tmp_path / "two.h5", thetas=(10000.0, 31415.9), record=False)
+    with open_capture(path) as cap:
+        found = []
+        for layer in (0, 1):
+            k, k_pre = cap.layer(layer).read("k"), cap.layer(layer).read("k_pre")
+            tables, theta = layer_rope_tables(cap.meta, k, k_pre)
+            assert tables is not None
+            found.append(theta)
+    assert found[0] == 10000.0 and found[1] == pytest.approx(31415.9, rel=1e-3)
+    opts = RecommendOptions(budget_bits=3.5, group_sizes=(32,), bits=(2, 4), pre_rope="on",
+                            fits=("minmax",), mikv=False, gear=False)
+    rec = recommend(path, opts)  # "on" raises unless every layer offers pre-RoPE keys
+    assert not any("pre-RoPE candidates skipped" in n for n in rec.notes)
+    # linearly scaled RoPE on layer 1: no default theta rebuilds it -> refused / skipped
+    scaled = _planted_capture(tmp_path / "scaled.h5", position_scale=(1.0, 0.25))
+    with pytest.raises(InputError, match="cannot be rebuilt"):
+        recommend(scaled, opts)
+    rec = recommend(scaled, replace(opts, pre_rope="auto"))
+    assert any("pre-RoPE candidates skipped from layer 1" in n for n in rec.notes)
+    assert not any(c.candidate.stage == "pre" for c in rec.choices if c.layer == 1)
 
 
 def test_budget_below_any_candidate_and_pre_rope_without_rope(tmp_path):
