@@ -297,11 +297,11 @@ def compare_axes(
         n_samples = (
             meta.num_samples if config.samples is None else min(config.samples, meta.num_samples)
         )
-        tables = rope_tables(meta, n_samples) if "pre" in _key_stages(config) else None
+        pre = "pre" in _key_stages(config)
         for done, layer in enumerate(layers):
             if progress:
                 progress(done, len(layers), f"layer {layer}")
-            records.extend(_layer_records(cap.layer(layer), config, meta, n_samples, tables))
+            records.extend(_layer_records(cap.layer(layer), config, meta, n_samples, pre))
         if progress:
             progress(len(layers), len(layers), "done")
     capture_info = {
@@ -389,11 +389,6 @@ def _check_fits(meta, config: CompareConfig) -> None:
                 f"capture has none (rope_layout {meta.rope_layout!r}); its keys have no "
                 "pre-RoPE form. Use --stages post."
             )
-        if "rope_theta" not in meta.rope:
-            raise InputError(
-                "Stage 'pre' needs rope_theta in the capture's rope metadata, "
-                f"which has only {sorted(meta.rope)}. Use --stages post."
-            )
 
 
 def rope_tables(meta, n_samples: int, n_tokens: int | None = None, theta: float | None = None):
@@ -472,20 +467,27 @@ def rope_rebuild_error(k, k_pre, tables, layout: str) -> float:
     return rel_error(k, apply_rope(k_pre, *tables, layout))
 
 
-def _check_rope(k, k_pre, tables, meta, layer: int) -> None:
-    err = rope_rebuild_error(k, k_pre, tables, meta.rope_layout)
-    if not err <= ROPE_CHECK_TOLERANCE:
+def _layer_tables(k, k_pre, meta, layer: int):
+    """The layer's RoPE tables (``layer_rope_tables``) or an ``InputError`` saying why not."""
+    tables, _ = layer_rope_tables(meta, k, k_pre)
+    if tables is None:
+        theta = meta.rope.get("rope_theta")
+        err = rope_rebuild_error(k, k_pre, rope_tables(meta, k.shape[0], k.shape[2],
+                                                       theta=theta or 10000.0),
+                                 meta.rope_layout)
         raise InputError(
-            f"Layer {layer}: re-applying default RoPE (theta {meta.rope['rope_theta']}, "
-            f"{meta.rope_layout} layout, rotary_dim {meta.rotary_dim}, positions 0..T-1) to the "
-            f"stored pre-RoPE keys misses the stored keys by relative error {err:.3g} "
-            f"(> {ROPE_CHECK_TOLERANCE}); the model uses a RoPE variant kvlens cannot re-create "
-            f"(rope type {meta.rope.get('rope_type', 'unknown')!r}, e.g. YaRN or linear "
-            "scaling). Use --stages post."
+            f"Layer {layer}: re-applying default RoPE ({meta.rope_layout} layout, rotary_dim "
+            f"{meta.rotary_dim}, positions 0..T-1) to the stored pre-RoPE keys at no theta "
+            f"reproduces the stored keys (at the recorded theta {theta}: relative error "
+            f"{err:.3g} > {ROPE_CHECK_TOLERANCE}); the model uses a RoPE variant kvlens cannot "
+            f"re-create (rope type {meta.rope.get('rope_type', 'unknown')!r}, e.g. YaRN or "
+            "linear scaling). Use --stages post."
         )
+    return tables
 
 
-def _layer_records(layer_data, config: CompareConfig, meta, n_samples: int, tables) -> list[Record]:
+def _layer_records(layer_data, config: CompareConfig, meta, n_samples: int,
+                   pre: bool) -> list[Record]:
     import torch
 
     from kvlens.metrics import Variant, attention_errors_many
@@ -494,10 +496,10 @@ def _layer_records(layer_data, config: CompareConfig, meta, n_samples: int, tabl
     q = layer_data.read("q", samples)
     k = layer_data.read("k", samples)
     v = layer_data.read("v", samples)
-    k_pre = None
-    if tables is not None:
+    k_pre = tables = None
+    if pre:
         k_pre = layer_data.read("k_pre", samples)
-        _check_rope(k, k_pre, tables, meta, layer_data.index)
+        tables = _layer_tables(k, k_pre, meta, layer_data.index)
     keys: list[_VariantKey] = []
     variants: list[Variant] = []
     for key, approx in _approximations(q, k, v, k_pre, tables, config, meta.rope_layout):

@@ -17,9 +17,12 @@ S, HQ, HKV, T, D = 2, 4, 2, 64, 16
 SCALING = 0.25
 
 
-def make_capture(path, q, k, v, *, k_pre=None, q_pre=None, rope_theta=None, layers=1):
-    """Synthetic float32 capture; the same tensors in every layer."""
-    rope = {} if rope_theta is None else {"rope_theta": rope_theta, "rope_type": "default"}
+def make_capture(path, q, k, v, *, k_pre=None, q_pre=None, rope_theta=None, layers=1,
+                 record_theta=True):
+    """Synthetic float32 capture; the same tensors in every layer (``record_theta=False``: RoPE
+    without its theta in the metadata, as Gemma3 captures have)."""
+    rope = {} if rope_theta is None or not record_theta else \
+        {"rope_theta": rope_theta, "rope_type": "default"}
     meta = CaptureMeta(
         model="synthetic",
         architecture="Synthetic",
@@ -361,9 +364,17 @@ def test_pre_rope_keys_isolate_the_outlier_that_rope_smears(tmp_path):
 
 def test_pre_rope_refuses_unreproducible_rope_and_missing_rope(tmp_path):
     q, k, v, q_pre, k_pre = rope_tensors(theta=10000.0)
-    wrong = make_capture(
-        tmp_path / "yarn.h5", q, k, v, q_pre=q_pre, k_pre=k_pre, rope_theta=500000.0
-    )  # metadata disagrees with the stored keys
+    # metadata that disagrees with the stored keys, or none: the layer's theta is found
+    for i, record in enumerate((True, False)):
+        other = make_capture(tmp_path / f"t{i}.h5", q, k, v, q_pre=q_pre, k_pre=k_pre,
+                             rope_theta=500000.0, record_theta=record)
+        res = compare_axes(other, CompareConfig(stages=("pre",), group_sizes=(8,)))
+        assert by(res.records, stage="pre")
+    # linearly scaled positions (as in scaled RoPE variants): no default table rebuilds them
+    cos, sin = rope_tables_for(torch.arange(k.shape[2]).expand(k.shape[0], -1) * 0.5,
+                               k.shape[-1], 10000.0)
+    wrong = make_capture(tmp_path / "yarn.h5", q, apply_rope(k_pre, cos, sin), v, q_pre=q_pre,
+                         k_pre=k_pre, rope_theta=10000.0)
     with pytest.raises(InputError, match="RoPE variant"):
         compare_axes(wrong, CompareConfig(stages=("pre",), group_sizes=(8,)))
     compare_axes(wrong, CompareConfig(stages=("post",), group_sizes=(8,)))  # post is fine
