@@ -168,6 +168,9 @@ class RecommendOptions:
     # scale/zero fits offered for the plain, pre-RoPE, balanced and rotated codes
     # (QuantSpec.fit); GEAR and MiKV twins take the first
     fits: tuple[str, ...] = ("minmax", "mse")
+    # dtype of the full-precision parts (window, sinks, sets, GEAR outliers): the config's
+    # fp_dtype; float8_e4m3fn halves their bytes (the error proxy reads them exact)
+    fp_dtype: str = "float16"
 
     def __post_init__(self) -> None:
         if not (isinstance(self.budget_bits, (int, float)) and 0 < self.budget_bits <= 16):
@@ -192,7 +195,11 @@ class RecommendOptions:
         if self.prefer_fast and self.pre_rope == "on":
             raise InputError("--prefer-fast keeps only layouts the fused decode kernel reads, "
                              "and it does not read pre-RoPE keys; use --pre-rope auto or off.")
+        from kvlens.cache.layout import FP_BYTES
         from kvlens.quant.spec import FITS
+
+        if self.fp_dtype not in FP_BYTES:
+            raise InputError(f"--window-dtype {self.fp_dtype!r}: allowed {_listed(FP_BYTES)}.")
 
         if not self.fits or any(f not in FITS for f in self.fits) \
                 or len(set(self.fits)) != len(self.fits):
@@ -423,7 +430,8 @@ def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOption
     The shares split what both tensors use (window, sink copies, positions) evenly; they are
     for display."""
     from kvlens.cache.gear import part_bytes
-    from kvlens.cache.layout import flush_every, layer_part_bytes, packed_bytes, stream_state
+    from kvlens.cache.layout import (FP_BYTES, flush_every, layer_part_bytes, packed_bytes,
+                                     stream_state)
     from kvlens.kvconfig import LayerKV
 
     r = max(opts.window_sizes) if residual is None else residual
@@ -431,14 +439,16 @@ def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOption
                       flush_tokens=flush, rotate_keys=kc.rotate, rotate_values=vc.rotate)
     w = shape.window(layer)
     mikv = _layer_mikv(kc, opts)
+    fp = FP_BYTES[opts.fp_dtype]
     parts = layer_part_bytes(setting, tokens=opts.context, head_dim=shape.head_dim,
                              kv_heads=shape.kv_heads, mikv=mikv, balancer=kc.balancer,
-                             sliding_window=w, gear=gear_settings() if kc.gear else None)
+                             sliding_window=w, gear=gear_settings() if kc.gear else None,
+                             fp_bytes=fp)
     total = sum(parts.values())
     held = stream_state(setting, opts.context, w).q_held
     f = flush_every(setting)
     own = [shape.kv_heads * (sum(packed_bytes(c.spec(), held, f, shape.head_dim)) + (
-        sum(part_bytes(c.spec(), gear_settings(), held, f, shape.head_dim, 2)) if c.gear
+        sum(part_bytes(c.spec(), gear_settings(), held, f, shape.head_dim, fp)) if c.gear
         else 0)) for c in (kc, vc)]
     shared = (total - sum(own)) / 2
     return total, own[0] + shared, own[1] + shared
@@ -1222,6 +1232,7 @@ def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balanc
         gear=gear_settings(gear_layers) if gear_layers else None,
         balancers={i: tuple(tuple(float(x) for x in row) for row in b.tolist())
                    for i, b in used.items()},
+        fp_dtype=opts.fp_dtype,
         description=(f"kvlens recommend for {meta.model}: budget {opts.budget_bits} bits/element "
                      f"at {opts.context} tokens (residual window "
                      f"{_listed(sorted({s.residual for s in streams.values()}), '/')}, "

@@ -211,6 +211,31 @@ def test_fp_dtype_float32_and_bfloat16_are_stored_and_counted():
         _check(cache, cfg, shape, 50)
 
 
+@pytest.mark.parametrize("name", ["kivi-2-sinks", "mikv-4", "gear-2"])
+def test_fp_dtype_float8_halves_the_window_and_sets(name):
+    # windows, sink/heavy-hitter sets and GEAR outliers at one byte, as priced; logits stay
+    # close to the same config with float16 parts
+    model = _model()
+    shape = _shape(model)
+    ids = torch.randint(3, 128, (1, 90), generator=torch.Generator().manual_seed(1))
+    out, held = {}, {}
+    for fp in ("float16", "float8_e4m3fn"):
+        cfg = replace(_scaled(PRESETS[name]), fp_dtype=fp)
+        with torch.no_grad(), compressed_attention(model, cfg) as session:
+            cache = session.new_cache()
+            _prefill_then_decode(model, cache, ids[:, :89], 60)
+            out[fp] = model(ids[:, 89:90], **{cache_argument_name(model): cache}).logits[0, -1]
+        assert cache.layers[0].res_k.buf.dtype == getattr(torch, fp)
+        held[fp] = _check(cache, cfg, shape, 90)["kv_bytes"]
+    assert held["float8_e4m3fn"] < held["float16"]
+    rel = (out["float8_e4m3fn"] - out["float16"]).norm() / out["float16"].norm()
+    assert rel < 0.05
+    doc = replace(_scaled(PRESETS[name]), fp_dtype="float8_e4m3fn").to_dict()
+    assert doc["version"] == 2
+    with pytest.raises(ConfigError, match="need[s]? KV config version 2"):
+        config_from_dict({**doc, "version": 1})
+
+
 def test_config_fields_are_honoured_or_refused():
     # balancers without a balancer mode that reads them
     doc = KVConfig("x", LayerKV(QuantSpec(2, "per-token", 8), QuantSpec(2, "per-token", 8), R),

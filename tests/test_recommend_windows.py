@@ -151,11 +151,12 @@ def test_cli_windows_and_residual(tmp_path):
     assert res.exit_code == 1 and "allowed: positive integers" in res.output
 
 
-def test_mixed_window_config_holds_the_bytes_it_was_priced_at(tmp_path):
+@pytest.mark.parametrize("fp", ["float16", "float8_e4m3fn"])
+def test_mixed_window_config_holds_the_bytes_it_was_priced_at(tmp_path, fp):
     """recommend on a tiny Gemma3 (sliding and global layers) with windows 8/16/32, at a
     budget where the layers choose different windows: the written config runs in
     `generate`, and after `context` tokens the cache holds exactly the bytes the allocation
-    priced (option_bytes per layer) and `mean_bits` says."""
+    priced (option_bytes per layer) and `mean_bits` says, with fp16 or fp8 windows."""
     from tiny_models import tiny_config
     from transformers import AutoModelForCausalLM
 
@@ -174,7 +175,7 @@ def test_mixed_window_config_holds_the_bytes_it_was_priced_at(tmp_path):
     context = 160
     opts = RecommendOptions(budget_bits=16.0, context=context, windows=(8, 16, 32),
                             tokens=128, group_sizes=(8, 16), flush_tokens=8, bits=(2, 4),
-                            sensitivity="uniform", retrieval="off", gear=False)
+                            sensitivity="uniform", retrieval="off", gear=False, fp_dtype=fp)
     m = measure(cap, opts)
     rec = None
     need = _cheapest_bits(m, opts)
@@ -186,6 +187,7 @@ def test_mixed_window_config_holds_the_bytes_it_was_priced_at(tmp_path):
     assert rec is not None, "no budget mixed the windows"
     save_config(rec.config, tmp_path / "cfg.json")
     cfg = load_config(tmp_path / "cfg.json")
+    assert cfg.fp_dtype == fp
     shape = model_shape(m.meta, m.windows)
     priced = sum(option_bytes(ch.candidate, nxt.candidate, ch.flush_tokens, opts, shape,
                               ch.layer, residual=ch.residual_tokens)[0]

@@ -544,7 +544,7 @@ def triton_decode(query: torch.Tensor, layer, mask: torch.Tensor | None, scaling
         if hk.bits is not None:
             hk, hv = hk.read().to(query.dtype), hv.read().to(query.dtype)
         else:
-            hk, hv = hk.parts[0], hv.parts[0]
+            hk, hv = _wide(hk.parts[0], query.dtype), _wide(hv.parts[0], query.dtype)
         extra = [(hk, hv, layer.hp_pos - a0)]
         if layer.is_hp is not None:
             pvalid = ~layer.is_hp[:, :, a0:a0 + length]
@@ -558,10 +558,17 @@ def triton_decode(query: torch.Tensor, layer, mask: torch.Tensor | None, scaling
         k_bits=ks.spec.bits, v_bits=vs.spec.bits, k_group=_kernel_group(ks.spec, ks.block),
         v_group=_kernel_group(vs.spec, vs.block), k_layout=ks.spec.granularity,
         v_layout=vs.spec.granularity, scaling=float(scaling),
-        residual_k=layer.res_k.buf if layer.n_res else None,
-        residual_v=layer.res_v.buf if layer.n_res else None, residual_len=layer.n_res,
+        residual_k=_wide(layer.res_k.buf, query.dtype) if layer.n_res else None,
+        residual_v=_wide(layer.res_v.buf, query.dtype) if layer.n_res else None,
+        residual_len=layer.n_res,
         extra=extra, packed_valid=pvalid, balancer=bal, key_mask=key_mask)
     return out.transpose(1, 2), None
+
+
+def _wide(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float8 full-precision part (``fp_dtype: float8_e4m3fn``) as a transient ``dtype`` copy
+    for the kernel, which reads 16/32-bit windows and sets; other dtypes as they are."""
+    return t.to(dtype) if t.element_size() == 1 else t
 
 
 def _note_torch(layer, reason: str) -> None:

@@ -52,7 +52,7 @@ from kvlens.errors import ConfigError
 
 PARTS = ("codes", "scales", "zeros", "dense", "window", "sets", "positions", "masks",
          "accumulators", "balancers", "rotations", "blocks", "outliers", "lowrank")
-FP_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+FP_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
 POSITION_BYTES = 4  # int32
 
 

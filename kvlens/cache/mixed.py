@@ -59,6 +59,15 @@ def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
     return dequantize(QTensor(c, scale.float(), zero.float(), spec, shape))
 
 
+def _gather_rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``t[b, h, idx[b, h, k]]``; float8 rows are gathered as their bytes (torch has no CPU
+    gather for float8)."""
+    index = idx[..., None].expand(*idx.shape, t.shape[-1])
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return t.view(torch.uint8).gather(2, index).view(t.dtype)
+    return t.gather(2, index)
+
+
 class SetRows:
     """One tensor (keys or values) of the importance set: rows ``[B, H, K, *]`` at ``bits``
     (``None``: plain ``dtype`` rows)."""
@@ -81,8 +90,7 @@ class SetRows:
 
     def choose(self, candidates: tuple[torch.Tensor, ...], idx: torch.Tensor) -> None:
         """Keep rows ``idx`` ``[B, H, K]`` of ``candidates`` (stored form, ``[B, H, C, *]``)."""
-        self.parts = tuple(t.gather(2, idx[..., None].expand(*idx.shape, t.shape[-1]))
-                           for t in candidates)
+        self.parts = tuple(_gather_rows(t, idx) for t in candidates)
 
     def candidates(self, new: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The current rows followed by ``new`` ``[B, H, n, D]``, stored form."""

@@ -84,6 +84,10 @@ def recommend(
                              help="How each group's scale and zero are chosen: minmax (span "
                                   "the group, as KIVI), mse (least-squares refit that clips "
                                   "rare extremes; same storage); both are measured by default."),
+    window_dtype: str = typer.Option("float16", "--window-dtype",
+                                     help="Dtype of the full-precision parts (window, sinks, "
+                                          "sets): float16, or float8_e4m3fn at half the "
+                                          "bytes (priced; the error proxy reads them exact)."),
     pre_rope: str = typer.Option("auto", "--pre-rope",
                                  help="Pre-RoPE key candidates: auto (if the capture has RoPE), "
                                       "on (required), off."),
@@ -178,6 +182,7 @@ def recommend(
                                 bits=_ints(bits, "--bits"),
                                 group_sizes=_ints(group_sizes, "--group-sizes"),
                                 fits=tuple(f.strip() for f in fits.split(",") if f.strip()),
+                                fp_dtype=window_dtype,
                                 pre_rope=pre_rope, balancer=not no_balancer,
                                 rotation=not no_rotation, mikv=not no_mikv,
                                 mikv_set_bits=_ints(mikv_bits, "--mikv-bits"),
