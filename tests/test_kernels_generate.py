@@ -76,15 +76,16 @@ def test_triton_backend_left_padded_batch(flush, sinks):
     assert sum(session.torch_path_calls.values()) == 3  # only the prefill
 
 
-def test_kernel_reads_mikv_set_and_balancer_like_the_torch_path():
-    """A layer with a MiKV high-precision set (hidden in the packed store, attended from fp16)
-    and a fixed channel balancer: the kernel call equals the torch path."""
+@pytest.mark.parametrize("fp", ["float16", "float8_e4m3fn"])
+def test_kernel_reads_mikv_set_and_balancer_like_the_torch_path(fp):
+    """A layer with a MiKV high-precision set (hidden in the packed store, attended from fp16
+    or fp8) and a fixed channel balancer: the kernel call equals the torch path."""
     torch.manual_seed(4)
     b, hq, hkv, d, total = 2, 4, 2, 16, 75
     mikv = MikvSettings(heavy_fraction=0.1, sink_tokens=2, balancer="fixed")
     bal = torch.rand(hkv, d) + 0.5
     layer = CompressedLayer(LayerKV(KEYS, VALUES, 16), 0, d, mikv=mikv, balancer=bal,
-                            session=SimpleNamespace(active=True, rope={}))
+                            session=SimpleNamespace(active=True, rope={}), fp_dtype=fp)
     k, v = torch.randn(b, hkv, total, d), torch.randn(b, hkv, total, d)
     layer.update(k[:, :, :40], v[:, :, :40])
     q = torch.randn(b, hq, 40, d)
@@ -96,6 +97,7 @@ def test_kernel_reads_mikv_set_and_balancer_like_the_torch_path():
         _, colsum = packed_attention(q, layer, None, d ** -0.5, with_probs=True)
         layer.commit(q, colsum)
     assert layer.has_hp and layer.n_res > 0
+    assert layer.res_k.buf.dtype == getattr(torch, fp)
     q = torch.randn(b, hq, 1, d)
     # Left padding of 5 tokens in row 1, as transformers' bool mask [B, 1, 1, N].
     mask = torch.ones(b, 1, 1, total, dtype=torch.bool)
