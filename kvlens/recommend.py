@@ -165,9 +165,11 @@ class RecommendOptions:
     mikv: bool = True
     mikv_set_bits: tuple[int, ...] = (4, 8)
     mikv_fractions: tuple[float, ...] = (0.1, 0.2)
-    # scale/zero fits offered for the plain, pre-RoPE, balanced and rotated codes
-    # (QuantSpec.fit); GEAR and MiKV twins take the first
-    fits: tuple[str, ...] = ("minmax", "mse")
+    # scale/zero fits offered for the plain, pre-RoPE, balanced and rotated codes, per tensor
+    # (QuantSpec.fit); GEAR and MiKV twins take the first. Keys: min/max only by default
+    # (docs/recommend.md#the-scale-fit: fitted keys measured worse than the proxy expects)
+    key_fits: tuple[str, ...] = ("minmax",)
+    value_fits: tuple[str, ...] = ("minmax", "mse")
     # dtype of the full-precision parts (window, sinks, sets, GEAR outliers): the config's
     # fp_dtype; float8_e4m3fn halves their bytes (the error proxy reads them exact)
     fp_dtype: str = "float16"
@@ -201,10 +203,10 @@ class RecommendOptions:
         if self.fp_dtype not in FP_BYTES:
             raise InputError(f"--window-dtype {self.fp_dtype!r}: allowed {_listed(FP_BYTES)}.")
 
-        if not self.fits or any(f not in FITS for f in self.fits) \
-                or len(set(self.fits)) != len(self.fits):
-            raise InputError(f"--fits {','.join(self.fits) or '(empty)'}: give one or both of "
-                             f"{_listed(FITS)}, each once.")
+        for flag, fits in (("--key-fits", self.key_fits), ("--value-fits", self.value_fits)):
+            if not fits or any(f not in FITS for f in fits) or len(set(fits)) != len(fits):
+                raise InputError(f"{flag} {','.join(fits) or '(empty)'}: give one or both of "
+                                 f"{_listed(FITS)}, each once.")
         bad = [b for b in self.bits if b not in (2, 3, 4, 8)]
         if bad:
             raise InputError(f"Unsupported bit widths {bad}; allowed: 2, 3, 4, 8.")
@@ -278,6 +280,10 @@ class RecommendOptions:
         f = max([self.flush_tokens] + [c.group_size for c in cands
                                         if c.granularity == "per-channel"])
         return 0 if f >= r else f
+
+    def fits_for(self, tensor: str) -> tuple[str, ...]:
+        """The scale fits offered for ``tensor`` ("key" or "value")."""
+        return self.key_fits if tensor == "key" else self.value_fits
 
     def mikv_sets(self) -> list[tuple[int, float]]:
         """The global (set_bits, heavy_fraction) combinations offered (none: ``[]``)."""
@@ -377,7 +383,8 @@ def candidates(head_dim: int, opts: RecommendOptions, has_rope: bool) -> list[Ca
             for g in opts.group_sizes:
                 if gran == "per-token" and (g > head_dim or head_dim % g):
                     continue
-                for b, fit in ((b, f) for b in opts.bits for f in opts.fits):
+                fits = opts.fits_for(tensor)
+                for b, fit in ((b, f) for b in opts.bits for f in fits):
                     out.append(Candidate(tensor, b, gran, g, fit=fit))
                     if tensor == "key" and has_rope and opts.pre_rope != "off" \
                             and not opts.prefer_fast:
@@ -386,7 +393,7 @@ def candidates(head_dim: int, opts: RecommendOptions, has_rope: bool) -> list[Ca
                         out.append(Candidate(tensor, b, gran, g, balancer=True, fit=fit))
                     if gran == "per-token" and rotation:
                         out.append(Candidate(tensor, b, gran, g, rotate=True, fit=fit))
-                    if fit != opts.fits[0]:
+                    if fit != fits[0]:
                         continue
                     if opts.gear and not opts.prefer_fast and g == GEAR_GROUP and b <= 4:
                         out.append(Candidate(tensor, b, gran, g, gear=True))
@@ -394,7 +401,7 @@ def candidates(head_dim: int, opts: RecommendOptions, has_rope: bool) -> list[Ca
     # codes buys nothing), one per global (set_bits, heavy_fraction)
     return out + [replace(c, mikv_set=m) for c in out if c.group_size == MIKV_GROUP
                   and c.bits <= 4 and c.stage == "post" and not (c.rotate or c.gear)
-                  and c.fit == opts.fits[0] for m in opts.mikv_sets()]
+                  and c.fit == opts.fits_for(c.tensor)[0] for m in opts.mikv_sets()]
 
 
 def gear_settings(layers=None):
@@ -898,7 +905,9 @@ def _add_retrieval_errors(model, tokenizer, cands, opts, tables, balancers, note
 
 def choose(m: Measurements, opts: RecommendOptions) -> Recommendation:
     """Allocate under ``opts.budget_bits`` from earlier measurements and build the config."""
-    return _assemble(m.meta, opts, m.tables, m.balancers, m.weights, list(m.notes),
+    tables = [{k: e for k, e in t.items() if k[0].fit in opts.fits_for(k[0].tensor)}
+              for t in m.tables]  # measured with more fits than offered now: drop the rest
+    return _assemble(m.meta, opts, tables, m.balancers, m.weights, list(m.notes),
                      model_shape(m.meta, m.windows), m.factors)
 
 

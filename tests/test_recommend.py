@@ -105,7 +105,8 @@ def _planted_capture(path, has_rope=True, seed=0, thetas=(10000.0, 10000.0), rec
 def test_recommend_on_planted_outlier_keys(tmp_path):
     path = _planted_capture(tmp_path / "p.h5")
     # min/max grids only: a least-squares fit can make per-token groups with outliers usable
-    opts = RecommendOptions(budget_bits=3.5, group_sizes=(32,), bits=(2, 4), fits=("minmax",))
+    opts = RecommendOptions(budget_bits=3.5, group_sizes=(32,), bits=(2, 4),
+                            value_fits=("minmax",))
     rec = recommend(path, opts)
     assert rec.mean_bits <= 3.5
     for ch in rec.choices:
@@ -126,21 +127,29 @@ def test_recommend_on_planted_outlier_keys(tmp_path):
 def test_mse_fit_candidates_win_on_gaussian_values(tmp_path):
     # Values are Gaussian: at 2 bits a least-squares scale/zero fit halves a group's squared
     # error, so with both fits offered every 2-bit value choice is the fitted one, at the
-    # same bytes, and the expected error drops.
+    # same bytes, and the expected error drops. Keys stay min/max unless asked for; choosing
+    # again from the same measurements with fewer fits drops the others.
+    from kvlens.recommend import choose, measure
+
     path = _planted_capture(tmp_path / "p.h5")
     kw = dict(budget_bits=3.6, group_sizes=(32,), bits=(2, 4), mikv=False, gear=False)
-    both = recommend(path, RecommendOptions(**kw))
-    minmax = recommend(path, RecommendOptions(**kw, fits=("minmax",)))
+    m = measure(path, RecommendOptions(**kw, key_fits=("minmax", "mse")))
+    both = choose(m, RecommendOptions(**kw))
+    minmax = choose(m, RecommendOptions(**kw, value_fits=("minmax",)))
     values = [c for c in both.choices if c.tensor == "value" and c.candidate.bits == 2]
     assert values and all(c.candidate.fit == "mse" for c in values)
+    assert all(c.candidate.fit == "minmax" for c in both.choices if c.tensor == "key")
+    assert all(c.candidate.fit == "minmax" for c in minmax.choices)
     assert both.expected_output_error < 0.95 * minmax.expected_output_error
     assert both.mean_bits <= 3.6 and minmax.mean_bits <= 3.6
-    with pytest.raises(InputError, match="--fits l2"):
-        RecommendOptions(budget_bits=3.6, fits=("l2",))
+    assert any(k[0].fit == "mse" and k[0].tensor == "key" for k in m.tables[0])
+    for flag, bad in (("--key-fits l2", dict(key_fits=("l2",))),
+                      ("--value-fits (empty)", dict(value_fits=()))):
+        with pytest.raises(InputError, match=flag.replace("(", r"\(").replace(")", r"\)")):
+            RecommendOptions(budget_bits=3.6, **bad)
     # the config carries the fit (a version-2 spec) for the cache to quantize with
-    chosen = {c.layer: c.candidate for c in values}
-    for layer, cand in chosen.items():
-        assert both.config.layer(layer).value.fit == "mse"
+    for c in values:
+        assert both.config.layer(c.layer).value.fit == "mse"
     assert both.config.format_version == 2 and minmax.config.format_version == 1
 
 
@@ -160,7 +169,7 @@ def test_each_layer_finds_its_own_rope_theta(tmp_path):
             found.append(theta)
     assert found[0] == 10000.0 and found[1] == pytest.approx(31415.9, rel=1e-3)
     opts = RecommendOptions(budget_bits=3.5, group_sizes=(32,), bits=(2, 4), pre_rope="on",
-                            fits=("minmax",), mikv=False, gear=False)
+                            value_fits=("minmax",), mikv=False, gear=False)
     rec = recommend(path, opts)  # "on" raises unless every layer offers pre-RoPE keys
     assert not any("pre-RoPE candidates skipped" in n for n in rec.notes)
     # linearly scaled RoPE on layer 1: no default theta rebuilds it -> refused / skipped

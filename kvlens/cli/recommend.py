@@ -21,6 +21,10 @@ from kvlens.cli.common import (
 VALIDATE_PRESETS = ("kivi-2", "kivi-4", "per-token-4")
 
 
+def _words(text: str) -> tuple[str, ...]:
+    return tuple(w.strip() for w in text.split(",") if w.strip())
+
+
 def _ints(spec: str, what: str) -> tuple[int, ...]:
     return _numbers(spec, what, int, "integers")
 
@@ -80,10 +84,12 @@ def recommend(
                                     help="Candidate group sizes (per-token ones must divide "
                                          "head_dim; per-channel ones the layer's flush "
                                          "block, so some are skipped at small windows)."),
-    fits: str = typer.Option("minmax,mse", "--fits",
-                             help="How each group's scale and zero are chosen: minmax (span "
-                                  "the group, as KIVI), mse (least-squares refit that clips "
-                                  "rare extremes; same storage); both are measured by default."),
+    key_fits: str = typer.Option("minmax", "--key-fits",
+                                 help="How each key group's scale and zero are chosen: minmax "
+                                      "(span the group, as KIVI), mse (least-squares refit that "
+                                      "clips rare extremes; same storage), or both."),
+    value_fits: str = typer.Option("minmax,mse", "--value-fits",
+                                   help="The same for values (both measured by default)."),
     window_dtype: str = typer.Option("float16", "--window-dtype",
                                      help="Dtype of the full-precision parts (window, sinks, "
                                           "sets): float16, or float8_e4m3fn at half the "
@@ -181,7 +187,7 @@ def recommend(
                                 residual_tokens=max(sizes, default=128), windows=sizes,
                                 bits=_ints(bits, "--bits"),
                                 group_sizes=_ints(group_sizes, "--group-sizes"),
-                                fits=tuple(f.strip() for f in fits.split(",") if f.strip()),
+                                key_fits=_words(key_fits), value_fits=_words(value_fits),
                                 fp_dtype=window_dtype,
                                 pre_rope=pre_rope, balancer=not no_balancer,
                                 rotation=not no_rotation, mikv=not no_mikv,
