@@ -171,8 +171,9 @@ class RecommendOptions:
     key_fits: tuple[str, ...] = ("minmax",)
     value_fits: tuple[str, ...] = ("minmax", "mse")
     # dtype of the full-precision parts (window, sinks, sets, GEAR outliers): the config's
-    # fp_dtype; float8_e4m3fn halves their bytes (the error proxy reads them exact)
-    fp_dtype: str = "float16"
+    # fp_dtype; float8_e4m3fn (default) halves their bytes (the error proxy reads them exact;
+    # docs/recommend.md#fp8-windows: measured better at the same bytes on both models)
+    fp_dtype: str = "float8_e4m3fn"
 
     def __post_init__(self) -> None:
         if not (isinstance(self.budget_bits, (int, float)) and 0 < self.budget_bits <= 16):
@@ -1116,8 +1117,9 @@ def _assemble(meta, opts, tables, balancers, weights, notes, shape, factors=()
         reserve = 16 * shape.head_dim ** 2 * 4 / fp16_total if rotates else 0.0
         try:
             picks = allocate(costs, errors, n * (opts.budget_bits - reserve))
-        except InputError:
-            return None, sum(min(c) for c in costs) / n + reserve
+        except InputError:  # what the allocation needs: its costs are rounded up per layer
+            need = sum(math.ceil(min(c) * COST_RESOLUTION - 1e-9) for c in costs)
+            return None, need / COST_RESOLUTION / n + reserve
         return (sum(e[p] for e, p in zip(errors, picks)), fronts, picks), None
 
     # the shared rotation matrix is a fixed cost the knapsack cannot split over layers, and a

@@ -93,7 +93,8 @@ def test_the_layer_that_needs_its_window_gets_the_larger_one(tmp_path):
     path = _local_capture(tmp_path / "local.h5")
     opts = RecommendOptions(budget_bits=16.0, context=1024, windows=(32, 128), tokens=512,
                             group_sizes=(32,), bits=(2, 4), sensitivity="uniform",
-                            retrieval="off", balancer=False, rotation=False, gear=False)
+                            retrieval="off", balancer=False, rotation=False, gear=False,
+                            fp_dtype="float16")
     m = measure(path, opts)
     err = [{s.residual: e[0] for (c, s), e in t.items()
             if c.label == "2b per-token G32" and c.tensor == "value"} for t in m.tables]

@@ -90,10 +90,11 @@ def recommend(
                                       "clips rare extremes; same storage), or both."),
     value_fits: str = typer.Option("minmax,mse", "--value-fits",
                                    help="The same for values (both measured by default)."),
-    window_dtype: str = typer.Option("float16", "--window-dtype",
+    window_dtype: str = typer.Option("float8_e4m3fn", "--window-dtype",
                                      help="Dtype of the full-precision parts (window, sinks, "
-                                          "sets): float16, or float8_e4m3fn at half the "
-                                          "bytes (priced; the error proxy reads them exact)."),
+                                          "sets): float8_e4m3fn (one byte per element, "
+                                          "priced; the error proxy reads them exact) or "
+                                          "float16."),
     pre_rope: str = typer.Option("auto", "--pre-rope",
                                  help="Pre-RoPE key candidates: auto (if the capture has RoPE), "
                                       "on (required), off."),
