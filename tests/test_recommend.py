@@ -206,7 +206,7 @@ def test_option_bytes_count_every_part():
     elems = 2 * 1024 * 64  # per KV head, K and V
     expected = (3 * elems + 16 * 2 * 128 * 64 + 4 * (16 * 2 * 64 + 32)) / 8
     assert total == 2 * expected and k_share + v_share == total
-    # fp8 full-precision parts (the default): window and sink copies at 8 bits
+    # fp8 full-precision parts (--window-dtype float8_e4m3fn): window and sink copies at 8 bits
     fp8 = option_bytes(k, v, 0, replace(opts, fp_dtype="float8_e4m3fn"), shape, 0)[0]
     assert fp8 == 2 * (3 * elems + 8 * 2 * 128 * 64 + 4 * (8 * 2 * 64 + 32)) / 8
     # pre-RoPE keys add an int32 position per held token (shared by the KV heads)

@@ -90,11 +90,12 @@ def recommend(
                                       "clips rare extremes; same storage), or both."),
     value_fits: str = typer.Option("minmax,mse", "--value-fits",
                                    help="The same for values (both measured by default)."),
-    window_dtype: str = typer.Option("float8_e4m3fn", "--window-dtype",
+    window_dtype: str = typer.Option("float16", "--window-dtype",
                                      help="Dtype of the full-precision parts (window, sinks, "
-                                          "sets): float8_e4m3fn (one byte per element, "
-                                          "priced; the error proxy reads them exact) or "
-                                          "float16."),
+                                          "sets): float16, or float8_e4m3fn at one byte per "
+                                          "element (priced; the error proxy reads them exact: "
+                                          "measured to pay at 3.0 bits, to cost at 4.0; "
+                                          "docs/recommend.md#fp8-windows)."),
     pre_rope: str = typer.Option("auto", "--pre-rope",
                                  help="Pre-RoPE key candidates: auto (if the capture has RoPE), "
                                       "on (required), off."),
