@@ -25,7 +25,6 @@ Tensors are ``[B, H, T, D]`` (B = samples) throughout.
 from __future__ import annotations
 
 import math
-
 import os
 import time
 from collections import defaultdict

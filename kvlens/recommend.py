@@ -438,8 +438,13 @@ def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOption
     The shares split what both tensors use (window, sink copies, positions) evenly; they are
     for display."""
     from kvlens.cache.gear import part_bytes
-    from kvlens.cache.layout import (FP_BYTES, flush_every, layer_part_bytes, packed_bytes,
-                                     stream_state)
+    from kvlens.cache.layout import (
+        FP_BYTES,
+        flush_every,
+        layer_part_bytes,
+        packed_bytes,
+        stream_state,
+    )
     from kvlens.kvconfig import LayerKV
 
     r = max(opts.window_sizes) if residual is None else residual
