@@ -15,6 +15,8 @@ channels. JSON form (``version`` 1)::
                   "value": {"bits": 2, "granularity": "per-token",   "group_size": 32},
                   "residual_tokens": 128, "flush_tokens": 0, "pre_rope_keys": false,
                   "rotate_keys": false, "rotate_values": false},
+                  # a spec may add "fit": "mse" (spec version 2, config version 2): a
+                  # least-squares scale/zero per group (kvlens.quant.reference)
       "layers": {"0": {"key": null}},          # partial overrides, merged over "default"
       "mikv": null | {"heavy_fraction": 0.2, "sink_tokens": 4,
                       "balancer": "off" | "online" | "fixed", "balancer_exponent": 0.5,
