@@ -144,7 +144,7 @@ def _mse_fit(groups: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, leve
     w[num_tokens:] = 0
     w = w.reshape(1, 1, n_t, bt, 1, 1)
     dims = (3, 5)
-    n = (w * torch.ones_like(groups)).sum(dim=dims)
+    n = w.sum(dim=dims) * groups.shape[5]  # members per group (padding excluded)
     mx = (w * groups).sum(dim=dims) / n
 
     def at(p):
