@@ -106,7 +106,7 @@ def parse_variant(spec: str, opts) -> dict:
 def recommendations(capture: str, opts, levers, log, variants=(), budgets=()) -> dict:
     """``{row name: Recommendation}``: "full", one per lever off, one per variant, and
     "recommend-B" for each other budget ``B`` (from the full measurement)."""
-    from kvlens.recommend import Measurements, candidates, choose, measure
+    from kvlens.recommend import candidates, choose, measure
 
     t0 = time.time()
     full_m = measure(capture, opts)
