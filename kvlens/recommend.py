@@ -166,8 +166,9 @@ class RecommendOptions:
     mikv_set_bits: tuple[int, ...] = (4, 8)
     mikv_fractions: tuple[float, ...] = (0.1, 0.2)
     # scale/zero fits offered for the plain, pre-RoPE, balanced and rotated codes, per tensor
-    # (QuantSpec.fit); GEAR and MiKV twins take the first. Keys: min/max only by default
-    # (docs/recommend.md#the-scale-fit: fitted keys measured worse than the proxy expects)
+    # (QuantSpec.fit); GEAR and MiKV twins take the first; each fit is a family of its own
+    # for --sensitivity layout. Keys: min/max only by default (docs/recommend.md#the-scale-fit:
+    # fitted keys measured worse than the proxy expects, even with a KL rate of their own)
     key_fits: tuple[str, ...] = ("minmax",)
     value_fits: tuple[str, ...] = ("minmax", "mse")
     # dtype of the full-precision parts (window, sinks, sets, GEAR outliers): the config's
@@ -960,10 +961,12 @@ def _sensitivity_weights(cap, model, opts, tables, probes, notes, progress
 
 
 def family(c: Candidate) -> tuple:
-    """The storage family ``--sensitivity layout`` measures one factor for: tensor, axis and
-    transforms (bits, group size, the scale fit, GEAR and a MiKV set share their base's
-    factor)."""
-    return (c.tensor, c.granularity, c.stage, c.balancer, c.rotate)
+    """The storage family ``--sensitivity layout`` measures one factor for: tensor, axis,
+    transforms and the scale fit (bits, group size, GEAR and a MiKV set share their base's
+    factor). The fit has its own: a least-squares fit clips a group's extremes, and on
+    Gemma3-270M fitted keys turned their output error into KL at another rate than min/max
+    keys (docs/recommend.md, the scale fit)."""
+    return (c.tensor, c.granularity, c.stage, c.balancer, c.rotate, c.fit)
 
 
 def family_probes(cands: Sequence[Candidate]) -> list[Candidate]:
@@ -972,7 +975,6 @@ def family_probes(cands: Sequence[Candidate]) -> list[Candidate]:
     out = []
     for fam in dict.fromkeys(family(c) for c in cands):
         members = [c for c in cands if family(c) == fam and not (c.gear or c.mikv_set)]
-        members = [c for c in members if c.fit == "minmax"] or members
         if not members:
             continue
         bits = min(c.bits for c in members)

@@ -485,6 +485,9 @@ def test_layout_sensitivity_measures_a_rate_per_family(tmp_path, smollm2_tokeniz
     probes = family_probes(candidates(16, opts, has_rope=True))
     assert {family(c) for c in probes} == {family(c) for c in candidates(16, opts, True)}
     assert all(c.bits == 2 for c in probes)
+    # each scale fit is a family of its own (values are offered both by default)
+    assert {c.fit for c in probes if c.tensor == "value"} == {"minmax", "mse"}
+    assert {c.fit for c in probes if c.tensor == "key"} == {"minmax"}
     assert m.weights[1] == 0.0 and m.weights[0] > 0 and m.weights[2] > 0
     assert len(m.factors) == 3
     for layer in (0, 2):
