@@ -25,7 +25,7 @@ channels. JSON form (``version`` 1)::
       "gear": null | {"rank": 4, "outlier_fraction": 0.02, "power_iters": 3,
                       "layers": null | [0, 3, ...]},         # version 2
       "balancers": null | {"0": [[b_0 ... b_{D-1}] per KV head], ...},   # for "fixed"
-      "scale_dtype": "float16",
+      "scale_dtype": "float16" | "float32" | "8bit",    # 8bit: version 3
       "fp_dtype": "float16" | "bfloat16" | "float32" | "float8_e4m3fn" | "exact",  # fp8: v2
       "rotation_seed": null | 0,               # sign flips of the Hadamard rotation
       "model": null | {"num_layers": 30, "head_dim": 64, "num_key_value_heads": 3}
@@ -64,8 +64,14 @@ stores them with no full-precision window (``kvlens.cache.engine``; the ``llamac
 presets in ``kvlens.deploy``); ``kv_scales``: ``{layer: {"key": [s...], "value": [s...]}}``
 static fp8 scales (one per layer or per KV head).
 
-A config that uses ``set_bits``, ``mikv.layers``, ``gear``, engine types or ``kv_scales`` is written as version 2;
-others stay version 1 (older readers can read them).
+``scale_dtype``: how each quantization group's scale and zero are stored: float16 (default) or
+float32, or ``"8bit"`` (version 3): one byte each (``kvlens.quant.meta8``: a scale on a 9% log
+grid and the zero as a signed multiple of a fraction of the step), half the metadata bytes of
+float16, the codes re-chosen against the stored grid.
+
+A config that uses ``set_bits``, ``mikv.layers``, ``gear``, engine types or ``kv_scales`` is
+written as version 2, one with ``scale_dtype`` ``"8bit"`` as version 3; others stay version 1
+(older readers can read them).
 
 ``validate_for(config, info)`` checks a config against a loaded model (layer count, head_dim,
 group sizes, balancer shapes) and raises ``ConfigError`` naming the allowed values.
@@ -84,10 +90,12 @@ from kvlens.errors import ConfigError
 from kvlens.quant import QuantSpec
 
 FORMAT = "kvlens.kvconfig"
-VERSION = 2  # 2: engine cache types (key_format/value_format), kv_scales, mikv.set_bits,
-# mikv.layers, gear, QuantSpec.fit, fp_dtype float8_e4m3fn
+VERSION = 3  # 2: engine cache types (key_format/value_format), kv_scales, mikv.set_bits,
+# mikv.layers, gear, QuantSpec.fit, fp_dtype float8_e4m3fn; 3: scale_dtype "8bit"
 BALANCER_MODES = ("off", "online", "fixed")
 FP_DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn", "exact")
+# group scale/zero storage (kvlens.cache.packed; "8bit": kvlens.quant.meta8)
+SCALE_DTYPES = ("float16", "float32", "8bit")
 _LAYER_KEYS = ("key", "value", "residual_tokens", "flush_tokens", "pre_rope_keys",
                "rotate_keys", "rotate_values", "key_format", "value_format")
 _TOP_KEYS = ("format", "version", "name", "description", "default", "layers", "mikv", "gear",
@@ -318,9 +326,9 @@ class KVConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError("A KV config needs a non-empty string 'name'.")
-        if self.scale_dtype not in ("float16", "float32"):
-            raise ConfigError(f"Unknown scale_dtype {self.scale_dtype!r}; allowed: float16, "
-                              "float32.")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise ConfigError(f"Unknown scale_dtype {self.scale_dtype!r}; allowed: "
+                              f"{', '.join(SCALE_DTYPES)}.")
         r = self.rotation_seed
         if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
             raise ConfigError(f"Invalid rotation_seed {r!r}; allowed: null (no sign flips) or "
@@ -407,6 +415,8 @@ class KVConfig:
                    or self.gear is not None
                    or (self.mikv is not None and (self.mikv.set_bits is not None
                                                   or self.mikv.layers is not None)))
+        if self.scale_dtype == "8bit":
+            return 3
         return 2 if uses_v2 else 1
 
     @classmethod
@@ -480,6 +490,8 @@ def config_from_dict(data: Any) -> KVConfig:
             mikv.set_bits is not None or mikv.layers is not None))):
         raise ConfigError("'gear', 'mikv.set_bits' and 'mikv.layers' need KV config version 2; "
                           'set "version": 2.')
+    if version < 3 and data.get("scale_dtype") == "8bit":
+        raise ConfigError('scale_dtype "8bit" needs KV config version 3; set "version": 3.')
     if version < 2 and data.get("fp_dtype") == "float8_e4m3fn":
         raise ConfigError('fp_dtype float8_e4m3fn needs KV config version 2; set "version": 2.')
     balancers: dict[int, tuple[tuple[float, ...], ...]] = {}

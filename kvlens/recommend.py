@@ -175,6 +175,10 @@ class RecommendOptions:
     # fp_dtype; float8_e4m3fn halves their bytes, but the error proxy reads them exact
     # (docs/recommend.md#fp8-windows: it pays at 3.0 bits on both models, costs at 4.0)
     fp_dtype: str = "float16"
+    # how each group's scale and zero are stored: the config's scale_dtype; "8bit" halves
+    # their bytes (kvlens.quant.meta8), but the error proxy measures float16 metadata
+    # (docs/recommend.md#8-bit-group-metadata)
+    scale_dtype: str = "float16"
 
     def __post_init__(self) -> None:
         if not (isinstance(self.budget_bits, (int, float)) and 0 < self.budget_bits <= 16):
@@ -199,11 +203,14 @@ class RecommendOptions:
         if self.prefer_fast and self.pre_rope == "on":
             raise InputError("--prefer-fast keeps only layouts the fused decode kernel reads, "
                              "and it does not read pre-RoPE keys; use --pre-rope auto or off.")
-        from kvlens.cache.layout import FP_BYTES
+        from kvlens.cache.layout import FP_BYTES, SCALE_BYTES
         from kvlens.quant.spec import FITS
 
         if self.fp_dtype not in FP_BYTES:
             raise InputError(f"--window-dtype {self.fp_dtype!r}: allowed {_listed(FP_BYTES)}.")
+        if self.scale_dtype not in SCALE_BYTES:
+            raise InputError(f"--scale-dtype {self.scale_dtype!r}: allowed "
+                             f"{_listed(SCALE_BYTES)}.")
 
         for flag, fits in (("--key-fits", self.key_fits), ("--value-fits", self.value_fits)):
             if not fits or any(f not in FITS for f in fits) or len(set(fits)) != len(fits):
@@ -441,6 +448,7 @@ def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOption
     from kvlens.cache.gear import part_bytes
     from kvlens.cache.layout import (
         FP_BYTES,
+        SCALE_BYTES,
         flush_every,
         layer_part_bytes,
         packed_bytes,
@@ -453,15 +461,15 @@ def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOption
                       flush_tokens=flush, rotate_keys=kc.rotate, rotate_values=vc.rotate)
     w = shape.window(layer)
     mikv = _layer_mikv(kc, opts)
-    fp = FP_BYTES[opts.fp_dtype]
+    fp, sb = FP_BYTES[opts.fp_dtype], SCALE_BYTES[opts.scale_dtype]
     parts = layer_part_bytes(setting, tokens=opts.context, head_dim=shape.head_dim,
                              kv_heads=shape.kv_heads, mikv=mikv, balancer=kc.balancer,
                              sliding_window=w, gear=gear_settings() if kc.gear else None,
-                             fp_bytes=fp)
+                             fp_bytes=fp, scale_bytes=sb)
     total = sum(parts.values())
     held = stream_state(setting, opts.context, w).q_held
     f = flush_every(setting)
-    own = [shape.kv_heads * (sum(packed_bytes(c.spec(), held, f, shape.head_dim)) + (
+    own = [shape.kv_heads * (sum(packed_bytes(c.spec(), held, f, shape.head_dim, sb)) + (
         sum(part_bytes(c.spec(), gear_settings(), held, f, shape.head_dim, fp)) if c.gear
         else 0)) for c in (kc, vc)]
     shared = (total - sum(own)) / 2
@@ -1250,7 +1258,7 @@ def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balanc
         gear=gear_settings(gear_layers) if gear_layers else None,
         balancers={i: tuple(tuple(float(x) for x in row) for row in b.tolist())
                    for i, b in used.items()},
-        fp_dtype=opts.fp_dtype,
+        fp_dtype=opts.fp_dtype, scale_dtype=opts.scale_dtype,
         description=(f"kvlens recommend for {meta.model}: budget {opts.budget_bits} bits/element "
                      f"at {opts.context} tokens (residual window "
                      f"{_listed(sorted({s.residual for s in streams.values()}), '/')}, "

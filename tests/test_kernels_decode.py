@@ -166,10 +166,11 @@ def test_masks_balancer_and_mikv_extra_set():
     torch.testing.assert_close(out.float(), ref, atol=4e-3, rtol=4e-3)
 
 
-def test_reads_the_cache_packed_store_in_place():
+@pytest.mark.parametrize("scale_dtype", ["float16", "8bit"])
+def test_reads_the_cache_packed_store_in_place(scale_dtype):
     """The buffers of ``kvlens.cache.packed.PackedTensor`` (fp16 scales, sized to what they
-    hold, also after a sliding layer's eviction) are read as they are; reference = the store's
-    own ``dequantize_range``."""
+    hold, also after a sliding layer's eviction) are read as they are, 8-bit metadata through
+    the store's decoded ``params()``; reference = the store's own ``dequantize_range``."""
     from kvlens.cache.packed import PackedTensor
 
     g = torch.Generator().manual_seed(2)
@@ -177,16 +178,16 @@ def test_reads_the_cache_packed_store_in_place():
     k = torch.randn(b, hkv, 3 * flush, d, generator=g)
     v = torch.randn(b, hkv, 3 * flush, d, generator=g)
     q = torch.randn(b, hq, 1, d, generator=g)
-    ks = PackedTensor.create(QuantSpec(2, "per-channel", 32), flush, d)
-    vs = PackedTensor.create(QuantSpec(2, "per-token", 32), flush, d)
+    ks = PackedTensor.create(QuantSpec(2, "per-channel", 32), flush, d, scale_dtype)
+    vs = PackedTensor.create(QuantSpec(2, "per-token", 32), flush, d, scale_dtype)
     for i in range(3):  # three flushes, then the oldest block evicted
         ks.append(k[:, :, i * flush:(i + 1) * flush])
         vs.append(v[:, :, i * flush:(i + 1) * flush])
     ks.drop_front(flush)
     vs.drop_front(flush)
     assert ks.capacity == ks.length == 2 * flush
-    out = decode_attention(q, ks.codes, ks.scale, ks.zero, vs.codes, vs.scale, vs.zero,
-                           ks.length, k_bits=2, v_bits=2, k_group=32, v_group=32, scaling=0.09)
+    out = decode_attention(q, ks.codes, *ks.params(), vs.codes, *vs.params(), ks.length,
+                           k_bits=2, v_bits=2, k_group=32, v_group=32, scaling=0.09)
     ref = _reference(q, ks.dequantize_range(0, ks.length), vs.dequantize_range(0, vs.length),
                      torch.ones(b, hkv, ks.length, dtype=torch.bool), 0.09)
     torch.testing.assert_close(out, ref, atol=3e-3, rtol=3e-3)

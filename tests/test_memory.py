@@ -58,7 +58,8 @@ def _mixed() -> KVConfig:
                     balancers={1: ((1.5,) * 16, (0.5,) * 16)})
 
 
-CONFIGS = {name: _scaled(cfg) for name, cfg in PRESETS.items()} | {"mixed": _mixed()}
+CONFIGS = {name: _scaled(cfg) for name, cfg in PRESETS.items()} | {
+    "mixed": _mixed(), "mixed-8bit": replace(_mixed(), name="mixed-8bit", scale_dtype="8bit")}
 
 
 def _shape(model) -> ModelShape:
@@ -116,7 +117,7 @@ def test_formula_bits_equal_held_bits_at_long_contexts(name):
     """Caches filled to 256, 1024 and 4096 tokens (real window of 32, chunked prefill) hold
     exactly the formula's bits; a left-padded batch of 2 too."""
     model = _model("gemma3")  # sliding (window 8) and global layers
-    config = _scaled(CONFIGS[name], 32) if name != "mixed" else CONFIGS[name]
+    config = _scaled(CONFIGS[name], 32) if not name.startswith("mixed") else CONFIGS[name]
     shape = _shape(model)
     ids = torch.randint(3, 128, (2, 4096), generator=torch.Generator().manual_seed(2))
     with torch.no_grad(), compressed_attention(model, config) as session:

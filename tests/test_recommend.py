@@ -212,6 +212,13 @@ def test_option_bytes_count_every_part():
     # pre-RoPE keys add an int32 position per held token (shared by the KV heads)
     pre = option_bytes(replace(k, stage="pre"), v, 0, opts, shape, 0)[0]
     assert pre - total == 4 * 1024
+    # 8-bit group metadata (--scale-dtype 8bit): scale and zero at 8 bits each, so both
+    # tensors' G32 groups cost 0.5 bits per element instead of 1
+    m8 = option_bytes(k, v, 0, replace(opts, scale_dtype="8bit"), shape, 0)
+    assert m8[0] == total - 2 * 0.5 * elems / 8
+    assert m8[1] == k_share - 0.5 * elems / 8 and m8[2] == v_share - 0.5 * elems / 8
+    with pytest.raises(InputError, match="--scale-dtype"):
+        replace(opts, scale_dtype="float8")
 
 
 def test_written_config_runs_in_generate(tmp_path):
@@ -310,6 +317,14 @@ def test_config_bits_matches_the_budget_accounting(tmp_path):
     assert config_bits(rec.config, model_shape(rec_meta(path)), rec.context) == pytest.approx(
         rec.mean_bits)
     assert rec.mean_bits <= 4.0 and rec.config.mikv.sink_tokens == 4
+    # with 8-bit group metadata the written config says so and is priced so
+    rec8 = recommend(path, RecommendOptions(budget_bits=4.0, group_sizes=(32,),
+                                            scale_dtype="8bit"))
+    assert rec8.config.scale_dtype == "8bit" and rec8.mean_bits <= 4.0
+    assert config_bits(rec8.config, model_shape(rec_meta(path)), rec8.context) == pytest.approx(
+        rec8.mean_bits)
+    assert config_bits(replace(rec8.config, scale_dtype="float16"), model_shape(
+        rec_meta(path)), rec8.context) > rec8.mean_bits
 
 
 def test_sliding_window_blocks_follow_the_group_sizes(tmp_path):

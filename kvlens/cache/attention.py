@@ -221,7 +221,7 @@ def _token_scales(store, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
     per-tensor), each float32 ``[B, H, nJ, t1 - t0]`` (``_token_rows``)."""
     bt = store.block if store.spec.granularity == "per-tensor" else 1
     rows = slice(t0 // bt, -(-t1 // bt))
-    return tuple(_token_rows(p[:, :, rows], store, t1 - t0) for p in (store.scale, store.zero))
+    return tuple(_token_rows(p, store, t1 - t0) for p in store.params(rows))
 
 
 def _key_group(store) -> int:
@@ -241,8 +241,9 @@ def _dequant_chunk(store, t0: int, t1: int) -> torch.Tensor:
     if store.packs_tokens:
         per, g = 8 // c, _key_group(store)
         x = _unpack_rows(store.codes[:, :, t0 // per:t1 // per], c).view(b, h, n // g, g, d)
-        x.mul_(store.scale[:, :, t0 // g:t1 // g, None].float())
-        x.add_(store.zero[:, :, t0 // g:t1 // g, None].float())
+        scale, zero = store.params(slice(t0 // g, t1 // g))
+        x.mul_(scale[:, :, :, None].float())
+        x.add_(zero[:, :, :, None].float())
         return x.view(b, h, n, d)
     x = _unpack_cols(store.codes[:, :, t0:t1], c, d)  # [B, H, D, n]
     scale, zero = _token_scales(store, t0, t1)
@@ -276,8 +277,7 @@ def _key_scores(layer, q: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
         per, g = 8 // c, _key_group(store)
         ng = n // g
         codes = _unpack_rows(store.codes[:, :, t0 // per:t1 // per], c)
-        scale = store.scale[:, :, t0 // g:t1 // g].float()  # [B, H, nG, D]
-        zero = store.zero[:, :, t0 // g:t1 // g].float()
+        scale, zero = (p.float() for p in store.params(slice(t0 // g, t1 // g)))  # [B,H,nG,D]
         qs = q[:, :, None] * scale[:, :, :, None]  # [B, H, nG, M, D]
         s = torch.matmul(qs, codes.view(b, h, ng, g, d).transpose(-1, -2))  # [B, H, nG, M, G]
         s += torch.matmul(zero, q.transpose(-1, -2)).unsqueeze(-1)  # bias [B, H, nG, M, 1]
@@ -312,8 +312,7 @@ def _value_out(layer, p: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
         per, g = 8 // c, _key_group(store)
         ng = n // g
         codes = _unpack_rows(store.codes[:, :, t0 // per:t1 // per], c)  # [B, H, n, D]
-        scale = store.scale[:, :, t0 // g:t1 // g].float()  # [B, H, nG, D]
-        zero = store.zero[:, :, t0 // g:t1 // g].float()
+        scale, zero = (p.float() for p in store.params(slice(t0 // g, t1 // g)))  # [B,H,nG,D]
         pg = p.view(b, h, m, ng, g).transpose(2, 3)  # [B, H, nG, M, G]
         part = torch.matmul(pg, codes.view(b, h, ng, g, d))  # [B, H, nG, M, D]
         part.mul_(scale.unsqueeze(3))
@@ -554,7 +553,7 @@ def triton_decode(query: torch.Tensor, layer, mask: torch.Tensor | None, scaling
                 b, layer.hp_pos.shape[1], length)
     bal = layer.balancer if layer.balancer is not None else None
     out = decode_attention(
-        query, ks.codes, ks.scale, ks.zero, vs.codes, vs.scale, vs.zero, length,
+        query, ks.codes, *ks.params(), vs.codes, *vs.params(), length,
         k_bits=ks.spec.bits, v_bits=vs.spec.bits, k_group=_kernel_group(ks.spec, ks.block),
         v_group=_kernel_group(vs.spec, vs.block), k_layout=ks.spec.granularity,
         v_layout=vs.spec.granularity, scaling=float(scaling),

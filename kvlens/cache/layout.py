@@ -53,6 +53,8 @@ from kvlens.errors import ConfigError
 PARTS = ("codes", "scales", "zeros", "dense", "window", "sets", "positions", "masks",
          "accumulators", "balancers", "rotations", "blocks", "outliers", "lowrank")
 FP_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
+# bytes of one group's scale (and of its zero) per config scale_dtype (kvlens.cache.packed)
+SCALE_BYTES = {"float16": 2, "float32": 4, "8bit": 1}
 POSITION_BYTES = 4  # int32
 
 
@@ -293,7 +295,7 @@ def _layer_parts(config, shape: ModelShape, i: int, tokens: int, batch: int) -> 
     return layer_part_bytes(setting, tokens=tokens, head_dim=shape.head_dim,
                             kv_heads=shape.kv_heads, batch=batch,
                             fp_bytes=fp_bytes_of(config.fp_dtype, shape.model_dtype_bytes),
-                            scale_bytes=2 if config.scale_dtype == "float16" else 4, mikv=mikv,
+                            scale_bytes=SCALE_BYTES[config.scale_dtype], mikv=mikv,
                             balancer=balancer and setting.compressed,
                             sliding_window=shape.window(i), gear=config.gear_for(i))
 

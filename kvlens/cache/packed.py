@@ -38,7 +38,8 @@ concatenated per step):
     ``[e*c, (e+1)*c)`` (first element in the lowest bits), exactly ``kvlens.quant.packing``:
     for 2 bits, codes ``(a, b, c, d)`` -> ``a | b << 2 | c << 4 | d << 6``. Mask after
     shifting.
-``scale``, ``zero`` (``scale_dtype``, float16 by default; float32 optional)
+``scale``, ``zero`` (``scale_dtype``, float16 by default; float32 optional; ``"8bit"``: a uint8
+scale code and an int8 zero code, ``kvlens.quant.meta8``, decoded by ``params``)
     ``[B, H, (cap // F) * nT, nD]`` with ``nT = ceil(F / bt)`` scale rows per block and
     ``nD = D // bd``. Scale row ``i*nT + r`` belongs to tokens ``i*F + r*bt ..`` of block ``i``:
     - per-channel (G tokens x 1 channel): ``[B, H, cap // G, D]``, row ``t // G`` column ``d``;
@@ -51,7 +52,10 @@ concatenated per step):
 
 The scales are rounded to ``scale_dtype`` after the reference computed them in float32; the
 codes are the reference's codes. So ``dequantize_range`` equals ``kvlens.quant.dequantize`` on
-the reference ``QTensor`` with its scale/zero rounded to ``scale_dtype`` (tested).
+the reference ``QTensor`` with its scale/zero rounded to ``scale_dtype`` (tested). With
+``"8bit"`` the codes and bytes are ``kvlens.quant.meta8.quantize_meta8``'s (the codes are
+re-chosen against the stored grid), and ``dequantize_range`` equals ``dequantize`` of its
+``QTensor`` (tested).
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlens.errors import ConfigError
+from kvlens.kvconfig import SCALE_DTYPES
 from kvlens.quant import (
     QTensor,
     QuantSpec,
@@ -71,8 +76,9 @@ from kvlens.quant import (
     quantize,
     unpack_codes,
 )
+from kvlens.quant.meta8 import decode_group_meta, quantize_meta8
 
-SCALE_DTYPES = ("float16", "float32")
+META8 = "8bit"
 
 
 def flush_block(spec: QuantSpec, residual_tokens: int, flush_tokens: int = 0) -> int:
@@ -117,7 +123,8 @@ class PackedTensor:
     spec: QuantSpec
     block: int  # F
     head_dim: int
-    scale_dtype: torch.dtype
+    scale_dtype: torch.dtype  # of ``scale`` (uint8 for "8bit")
+    meta8: bool = False  # scale/zero are meta8 codes (uint8 / int8)
     codes: torch.Tensor | None = None
     scale: torch.Tensor | None = None
     zero: torch.Tensor | None = None
@@ -130,8 +137,9 @@ class PackedTensor:
         if scale_dtype not in SCALE_DTYPES:
             raise ConfigError(f"Unknown scale dtype {scale_dtype!r}; allowed: "
                               f"{', '.join(SCALE_DTYPES)}.")
+        meta8 = scale_dtype == META8
         return cls(spec, flush_block(spec, residual_tokens, flush_tokens), head_dim,
-                   getattr(torch, scale_dtype))
+                   torch.uint8 if meta8 else getattr(torch, scale_dtype), meta8)
 
     # -- geometry -----------------------------------------------------------------------------
     @property
@@ -161,7 +169,7 @@ class PackedTensor:
         codes = torch.zeros(shape, dtype=torch.uint8, device=device)
         scale = torch.zeros((b, h, cap // self.block * n_t, n_d), dtype=self.scale_dtype,
                             device=device)
-        zero = torch.zeros_like(scale)
+        zero = torch.zeros_like(scale, dtype=torch.int8 if self.meta8 else None)
         if self.codes is not None and self.length > keep_from:  # one copy of what stays
             c0, c1 = self._code_rows(keep_from), self._code_rows(self.length)
             codes[:, :, :c1 - c0] = self.codes[:, :, c0:c1]
@@ -189,7 +197,11 @@ class PackedTensor:
         n = t // f
         # Each block is one "batch" row for the reference, so groups never cross blocks.
         blocks = x.reshape(b, h, n, f, d).transpose(1, 2).reshape(b * n, h, f, d)
-        q = quantize(blocks, self.spec)
+        if self.meta8:
+            q, e, z = quantize_meta8(blocks, self.spec)
+        else:
+            q = quantize(blocks, self.spec)
+            e, z = q.scale.to(self.scale_dtype), q.zero.to(self.scale_dtype)
         pdim = 2 if self.packs_tokens else 3
         packed = pack_codes(q.codes, self.spec.bits, dim=pdim)
         packed = packed.reshape(b, n, h, *packed.shape[2:]).transpose(1, 2)
@@ -198,9 +210,9 @@ class PackedTensor:
         self.codes[:, :, r0:r1] = packed
         n_t, _ = self.group_rows
         s0 = self.length // f * n_t
-        for src, dst in ((q.scale, self.scale), (q.zero, self.zero)):
+        for src, dst in ((e, self.scale), (z, self.zero)):
             rows = src.reshape(b, n, h, n_t, -1).transpose(1, 2).reshape(b, h, n * n_t, -1)
-            dst[:, :, s0:s0 + n * n_t] = rows.to(self.scale_dtype)
+            dst[:, :, s0:s0 + n * n_t] = rows
         self.length = need
 
     def drop_front(self, n: int) -> None:
@@ -230,13 +242,22 @@ class PackedTensor:
         pdim = 2 if self.packs_tokens else 3
         codes = unpack_codes(rows, self.spec.bits, f if self.packs_tokens else d, dim=pdim)
 
-        def params(p: torch.Tensor) -> torch.Tensor:
-            p = p[:, :, t0 // f * n_t:t1 // f * n_t].float()
+        def blocks(p: torch.Tensor) -> torch.Tensor:
+            p = p.float()
             return p.reshape(b, h, n, n_t, -1).transpose(1, 2).reshape(b * n, h, n_t, -1)
 
-        q = QTensor(codes, params(self.scale), params(self.zero), self.spec, (b * n, h, f, d))
+        scale, zero = self.params(slice(t0 // f * n_t, t1 // f * n_t))
+        q = QTensor(codes, blocks(scale), blocks(zero), self.spec, (b * n, h, f, d))
         out = dequantize(q)
         return out.reshape(b, n, h, f, d).transpose(1, 2).reshape(b, h, n * f, d)
+
+    def params(self, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scale, zero)`` of scale rows ``rows``: the stored tensors (float16/float32 views,
+        no copy), or for ``"8bit"`` their float32 decoding (a transient copy of those rows)."""
+        scale, zero = self.scale[:, :, rows], self.zero[:, :, rows]
+        if self.meta8:
+            return decode_group_meta(scale, zero, self.spec.bits)
+        return scale, zero
 
     # -- accounting ---------------------------------------------------------------------------
     def named_tensors(self) -> dict[str, torch.Tensor]:

@@ -1,0 +1,116 @@
+"""8-bit group metadata: one byte of scale and one byte of zero per quantization group.
+
+A group's ``(scale, zero)`` in float16 costs 32 bits: one bit per element of a 32-element group,
+as much as half of a 2-bit code. This codec (a cache's ``scale_dtype = "8bit"``) stores 16:
+
+    scale  s = 2 ** ((e - 128) / 8)     e: uint8, 0..255 (s from 2^-16 to 2^15.875, 9% steps)
+    zero   z = n * u * s                n: int8, -128..127; u = 2 ** (max(bits, 3) - 5)
+
+so the zero is a signed multiple of ``u`` quantization steps: a quarter step at 2-3 bits, half a
+step at 4, one at 5, ... 8 at 8 bits (``u / levels`` stays at most 1/12 of the range; ``|n| <=
+128`` covers a group whose offset is up to about 4x its range at 8 bits, 10x at 2). Dequantization
+is unchanged, ``x_hat = code * s + z``.
+
+Encoding (``quantize_meta8``) starts from the reference's fitted ``(scale, zero)`` (min/max or
+the least-squares fit, ``kvlens.quant.reference``) and tries the stored pairs near it: ``e`` from
+one 9% step below the fitted scale (rounded up; raised first so that ``|zero| <= 127 u s``) to two
+above, ``n`` within one zero unit of the nearest. For each pair the codes are the nearest ones of
+that grid, ``clip(round((x - z) / s), 0, L)``, and the pair with the least squared error over the
+group is stored. So the codes are always those of the grid that is stored, and a min/max group
+gets a small least-squares refinement on the way (a fitted group stays about as good as it was:
+measured on Gaussian data with an offset channel, 2-bit per-channel G32 min/max MSE 0.80x of the
+float32 grid's, least-squares fit 1.00x, 8-bit 1.14x; ``tests/test_meta8.py``).
+
+The codec is the same for symmetric specs (their grid is ``-qmax..qmax`` steps, ``L = 2 qmax``;
+the zero is then ``-qmax s`` rounded down to the zero grid, no longer exact).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvlens.quant.reference import QTensor, _grouped, expand_params, quantize
+from kvlens.quant.spec import QuantSpec
+
+SCALE_BIAS, SCALE_STEPS = 128, 8  # s = 2 ** ((e - SCALE_BIAS) / SCALE_STEPS)
+E_OFFSETS = (-1, 0, 1, 2)  # stored scales tried, in 9% steps from the fitted one rounded up
+N_OFFSETS = (-1, 0, 1)  # stored zeros tried, in zero units from the nearest
+
+
+def zero_unit(bits: int) -> float:
+    """``u``: the zero's unit, in quantization steps, for ``bits``-bit codes."""
+    return 2.0 ** (max(bits, 3) - 5)
+
+
+def code_levels(spec: QuantSpec) -> int:
+    """``L``: the largest stored code (asymmetric ``2^b - 1``, symmetric ``2 qmax``)."""
+    return 2 * ((1 << (spec.bits - 1)) - 1) if spec.symmetric else spec.levels
+
+
+def decode_scale(e: torch.Tensor) -> torch.Tensor:
+    """The float32 scale of uint8 exponent codes ``e``."""
+    return torch.exp2((e.float() - SCALE_BIAS) / SCALE_STEPS)
+
+
+def decode_group_meta(e: torch.Tensor, n: torch.Tensor, bits: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, zero)`` float32 of stored bytes ``e`` (uint8) and ``n`` (int8)."""
+    s = decode_scale(e)
+    return s, n.float() * (zero_unit(bits) * s)
+
+
+def _search(groups: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+            spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(e, n)`` per group: the stored pair near the fitted ``(scale, zero)`` with the least
+    squared error over the group's elements (module docstring)."""
+    levels, u = code_levels(spec), zero_unit(spec.bits)
+    start = torch.maximum(scale, zero.abs() / (127 * u))  # |zero| within 127 zero units
+    e0 = torch.ceil(torch.log2(start) * SCALE_STEPS) + SCALE_BIAS
+
+    def at(p):
+        return p[:, :, :, None, :, None]
+
+    best_err = best_e = best_n = None
+    for de in E_OFFSETS:
+        e = (e0 + de).clamp(0, 255)
+        s = decode_scale(e)
+        n_mid = torch.round(zero / (u * s))
+        for dn in N_OFFSETS:
+            n = (n_mid + dn).clamp(-128, 127)
+            z = n * (u * s)
+            codes = torch.round((groups - at(z)) / at(s)).clamp_(0, levels)
+            err = (weight * (codes * at(s) + at(z) - groups).square()).sum(dim=(3, 5))
+            if best_err is None:
+                best_err, best_e, best_n = err, e, n
+            else:
+                better = err < best_err
+                best_err = torch.where(better, err, best_err)
+                best_e, best_n = torch.where(better, e, best_e), torch.where(better, n, best_n)
+    return best_e.to(torch.uint8), best_n.to(torch.int8)
+
+
+def quantize_meta8(x: torch.Tensor, spec: QuantSpec
+                   ) -> tuple[QTensor, torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` ``[B, H, T, D]`` with 8-bit group metadata: ``(q, e, n)`` where ``q`` holds
+    the codes against the stored grid and its decoded float32 ``scale``/``zero`` (so
+    ``kvlens.quant.dequantize(q)`` is what a cache storing ``(codes, e, n)`` gives back), and
+    ``e``/``n`` are the stored bytes, shaped like ``q.scale``."""
+    q = quantize(x, spec)
+    xf = x.detach().float()
+    t = q.shape[2]
+    bt, bd = spec.block_shape(t, q.shape[3])
+    groups = _grouped(xf, bt, bd)
+    weight = torch.ones(groups.shape[2] * bt, device=xf.device)
+    weight[t:] = 0  # the padding of a partial last token group
+    e, n = _search(groups, weight.reshape(1, 1, -1, bt, 1, 1), q.scale, q.zero, spec)
+    scale, zero = decode_group_meta(e, n, spec.bits)
+    codes = torch.round((xf - expand_params(zero, spec, q.shape))
+                        / expand_params(scale, spec, q.shape)).clamp_(0, code_levels(spec))
+    return QTensor(codes.to(torch.uint8), scale, zero, spec, q.shape), e, n
+
+
+def fake_quantize_meta8(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """What a cache with 8-bit group metadata gives back for ``x``, in ``x``'s dtype."""
+    q, _, _ = quantize_meta8(x, spec)
+    return (q.codes.float() * expand_params(q.scale, spec, q.shape)
+            + expand_params(q.zero, spec, q.shape)).to(x.dtype)
