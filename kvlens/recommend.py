@@ -176,8 +176,8 @@ class RecommendOptions:
     # (docs/recommend.md#fp8-windows: it pays at 3.0 bits on both models, costs at 4.0)
     fp_dtype: str = "float16"
     # how each group's scale and zero are stored: the config's scale_dtype; "8bit" halves
-    # their bytes (kvlens.quant.meta8), but the error proxy measures float16 metadata
-    # (docs/recommend.md#8-bit-group-metadata)
+    # their bytes (kvlens.quant.meta8) and the error proxy measures the 8-bit grid (but for
+    # GEAR and MiKV set twins; docs/recommend.md#8-bit-group-metadata)
     scale_dtype: str = "float16"
 
     def __post_init__(self) -> None:
@@ -602,6 +602,7 @@ def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptio
     la = layer.attrs
     rot = hadamard_rotation(k.shape[-1]) if any(c.rotate for c in cands) else None
     variants: dict[Candidate, Variant] = {}
+    sd = opts.scale_dtype  # the group metadata the cache will store (GEAR/set twins: float32)
     for c in cands:
         if c.stage == "pre" and not pre_ok:
             continue
@@ -612,18 +613,18 @@ def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptio
         elif c.gear:  # depends on the flush block: built per run below
             variants[c] = None
         elif c.rotate:  # what the cache stores (x R) seen back in the original basis
-            x_hat = quantize_rotated(v if c.tensor == "value" else k, spec, rot)
+            x_hat = quantize_rotated(v if c.tensor == "value" else k, spec, rot, sd)
             variants[c] = Variant(v_hat=x_hat) if c.tensor == "value" else Variant(k_hat=x_hat)
         elif c.tensor == "value":
-            variants[c] = Variant(v_hat=fake_quantize(v, spec))
+            variants[c] = Variant(v_hat=fake_quantize(v, spec, sd))
         elif c.stage == "pre":
             variants[c] = Variant(k_hat=quantize_pre_rope(k_pre, *tables, spec,
-                                                          meta.rope_layout))
+                                                          meta.rope_layout, scale_dtype=sd))
         elif c.balancer:
             b = bal[None, :, None, :]
-            variants[c] = Variant(k_hat=fake_quantize(k * b, spec) / b)
+            variants[c] = Variant(k_hat=fake_quantize(k * b, spec, sd) / b)
         else:
-            variants[c] = Variant(k_hat=fake_quantize(k, spec))
+            variants[c] = Variant(k_hat=fake_quantize(k, spec, sd))
     return q, k, v, variants, bal, pre_ok
 
 

@@ -183,3 +183,22 @@ def test_config_is_written_as_version_3_and_older_versions_are_refused(tmp_path)
         load_config(path)
     with pytest.raises(ConfigError, match="allowed: float16, float32, 8bit"):
         KVConfig("x", cfg.default, scale_dtype="int4")
+
+
+def test_the_proxy_quantizers_measure_the_8bit_grid():
+    """``recommend`` measures candidates through these: with ``scale_dtype="8bit"`` each gives
+    what a cache with 8-bit metadata stores, and differs from the float32 grid."""
+    from kvlens.quant import hadamard_rotation, quantize_pre_rope, quantize_rotated, rotate
+    from kvlens.quant.rotation import unrotate
+
+    torch.manual_seed(4)
+    x = torch.randn(1, 2, 32, 16) * 2
+    spec = QuantSpec(2, "per-channel", 16)
+    got = fake_quantize(x, spec, "8bit")
+    torch.testing.assert_close(got, fake_quantize_meta8(x, spec))
+    assert not torch.equal(got, fake_quantize(x, spec))
+    r = hadamard_rotation(16)
+    torch.testing.assert_close(quantize_rotated(x, spec, r, "8bit"),
+                               unrotate(fake_quantize_meta8(rotate(x, r), spec), r))
+    cos, sin = torch.ones(1, 32, 16), torch.zeros(1, 32, 16)  # RoPE at angle 0: identity
+    torch.testing.assert_close(quantize_pre_rope(x, cos, sin, spec, scale_dtype="8bit"), got)

@@ -100,8 +100,8 @@ def recommend(
                                     help="How each quantization group's scale and zero are "
                                          "stored: float16, or 8bit (one byte each: half the "
                                          "metadata, e.g. 0.5 bits per element less for 32-token "
-                                         "groups; priced; the error proxy measures float16 "
-                                         "metadata; docs/recommend.md#8-bit-group-metadata)."),
+                                         "groups; priced and measured; "
+                                         "docs/recommend.md#8-bit-group-metadata)."),
     pre_rope: str = typer.Option("auto", "--pre-rope",
                                  help="Pre-RoPE key candidates: auto (if the capture has RoPE), "
                                       "on (required), off."),

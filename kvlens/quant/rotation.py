@@ -126,14 +126,16 @@ def unrotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     return x.float() @ r.float().to(x.device).T
 
 
-def quantize_rotated(x: torch.Tensor, spec: QuantSpec, r: torch.Tensor) -> torch.Tensor:
+def quantize_rotated(x: torch.Tensor, spec: QuantSpec, r: torch.Tensor,
+                     scale_dtype: str = "float32") -> torch.Tensor:
     """Rotate, quantize with ``spec`` (``kvlens.quant.reference``), dequantize, un-rotate:
     ``fake_quantize(x R, spec) Rᵀ``, ``[B, H, T, D]`` float32 in the original basis.
 
     For keys this is the key a plain query sees (``q · k_hat = (q R) · deq(k R)``); for values,
     attention over it equals the un-rotated attention output over ``deq(v R)``. Because ``R`` is
-    orthonormal, ``||x - x_hat||`` is the same in either basis."""
-    return unrotate(fake_quantize(rotate(x, r), spec), r)
+    orthonormal, ``||x - x_hat||`` is the same in either basis. ``scale_dtype``: as
+    ``fake_quantize``'s."""
+    return unrotate(fake_quantize(rotate(x, r), spec, scale_dtype), r)
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,7 @@ def quantize_pre_rope(
     spec: QuantSpec,
     layout: str = "half",
     rotation: torch.Tensor | None = None,
+    scale_dtype: str = "float32",
 ) -> torch.Tensor:
     """KVQuant-style keys: quantize ``k_pre`` (before RoPE), dequantize, then apply RoPE.
 
@@ -71,11 +72,11 @@ def quantize_pre_rope(
     are the layer's ``[B, T, R]`` tables (e.g. from ``rope_tables_for``). With ``rotation``
     (``[D, D]`` from ``hadamard_rotation``) the stored form is ``k_pre R``: it is quantized,
     dequantized and un-rotated by ``Rᵀ`` *before* RoPE is applied (RoPE and ``R`` do not
-    commute, so the query cannot absorb ``R`` here)."""
+    commute, so the query cannot absorb ``R`` here). ``scale_dtype``: as ``fake_quantize``'s."""
     if rotation is None:
-        hat = fake_quantize(k_pre.float(), spec)
+        hat = fake_quantize(k_pre.float(), spec, scale_dtype)
     else:
-        hat = quantize_rotated(k_pre, spec, rotation)
+        hat = quantize_rotated(k_pre, spec, rotation, scale_dtype)
     return apply_rope(hat, cos, sin, layout)
 
 
