@@ -175,10 +175,11 @@ class RecommendOptions:
     # fp_dtype; float8_e4m3fn halves their bytes, but the error proxy reads them exact
     # (docs/recommend.md#fp8-windows: it pays at 3.0 bits on both models, costs at 4.0)
     fp_dtype: str = "float16"
-    # how each group's scale and zero are stored: the config's scale_dtype; "8bit" halves
-    # their bytes (kvlens.quant.meta8) and the error proxy measures the 8-bit grid (but for
-    # GEAR and MiKV set twins; docs/recommend.md#8-bit-group-metadata)
-    scale_dtype: str = "float16"
+    # how each group's scale and zero are stored: the config's scale_dtype; "8bit" (default)
+    # halves their bytes (kvlens.quant.meta8) and the error proxy measures the 8-bit grid (but
+    # for GEAR and MiKV set twins; docs/recommend.md#8-bit-group-metadata); the CLI takes
+    # float16 with --prefer-fast (the kernel reads float16 metadata in place)
+    scale_dtype: str = "8bit"
 
     def __post_init__(self) -> None:
         if not (isinstance(self.budget_bits, (int, float)) and 0 < self.budget_bits <= 16):

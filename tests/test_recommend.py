@@ -133,7 +133,7 @@ def test_mse_fit_candidates_win_on_gaussian_values(tmp_path):
 
     path = _planted_capture(tmp_path / "p.h5")
     kw = dict(budget_bits=3.6, group_sizes=(32,), bits=(2, 4), mikv=False, gear=False,
-              fp_dtype="float16")
+              fp_dtype="float16", scale_dtype="float16")  # 8-bit metadata refines min/max too
     m = measure(path, RecommendOptions(**kw, key_fits=("minmax", "mse")))
     both = choose(m, RecommendOptions(**kw))
     minmax = choose(m, RecommendOptions(**kw, value_fits=("minmax",)))
@@ -201,7 +201,8 @@ def test_option_bytes_count_every_part():
 
     shape = ModelShape(1, 2, 64)
     k, v = Candidate("key", 2, "per-channel", 32), Candidate("value", 2, "per-token", 32)
-    opts = RecommendOptions(budget_bits=4.0, context=1024, fp_dtype="float16")
+    opts = RecommendOptions(budget_bits=4.0, context=1024, fp_dtype="float16",
+                            scale_dtype="float16")
     total, k_share, v_share = option_bytes(k, v, 0, opts, shape, 0)
     elems = 2 * 1024 * 64  # per KV head, K and V
     expected = (3 * elems + 16 * 2 * 128 * 64 + 4 * (16 * 2 * 64 + 32)) / 8
