@@ -176,8 +176,8 @@ class RecommendOptions:
     # (docs/recommend.md#fp8-windows: it pays at 3.0 bits on both models, costs at 4.0)
     fp_dtype: str = "float16"
     # how each group's scale and zero are stored: the config's scale_dtype; "8bit" (default)
-    # halves their bytes (kvlens.quant.meta8) and the error proxy measures the 8-bit grid (but
-    # for GEAR and MiKV set twins; docs/recommend.md#8-bit-group-metadata); the CLI takes
+    # halves their bytes (kvlens.quant.meta8) and the error proxy measures the 8-bit grid
+    # (docs/recommend.md#8-bit-group-metadata); the CLI takes
     # float16 with --prefer-fast (the kernel reads float16 metadata in place)
     scale_dtype: str = "8bit"
 
@@ -421,10 +421,11 @@ def gear_settings(layers=None):
     return GearSettings(4, 0.02, 3, layers)
 
 
-def gear_variant(x, c: Candidate, block: int):
+def gear_variant(x, c: Candidate, block: int, scale_dtype: str = "float32"):
     """What a GEAR layer with flush block ``block`` holds for ``x`` ``[B, H, T, D]``: blocks of
-    ``block`` tokens, each ``D_hat + S + L`` (``kvlens.quant.quantize_gear``), the tail (a
-    partial block, read from the window in the cache) the same on its own."""
+    ``block`` tokens, each ``D_hat + S + L`` (``kvlens.quant.quantize_gear``, group metadata
+    ``scale_dtype``), the tail (a partial block, read from the window in the cache) the same
+    on its own."""
     import torch
 
     from kvlens.quant import quantize_gear
@@ -434,7 +435,8 @@ def gear_variant(x, c: Candidate, block: int):
     for t0 in range(0, x.shape[2], block):
         part = x[:, :, t0:t0 + block]
         rank = min(g.rank, part.shape[2], part.shape[3])
-        out.append(quantize_gear(part, c.spec(), rank, g.outlier_fraction, g.power_iters))
+        out.append(quantize_gear(part, c.spec(), rank, g.outlier_fraction, g.power_iters,
+                                 scale_dtype=scale_dtype))
     return torch.cat(out, dim=2)
 
 
@@ -539,7 +541,7 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
         for c in run:  # GEAR's low-rank factors are per flushed block: a variant per block
             if c.gear:
                 x_hat = gear_variant(v if c.tensor == "value" else k, c,
-                                     s.block if s is not None else n_tok)
+                                     s.block if s is not None else n_tok, opts.scale_dtype)
                 variants[c] = Variant(v_hat=x_hat) if c.tensor == "value" \
                     else Variant(k_hat=x_hat)
         # the probe quantizes every token (no window): it is scored on every query
@@ -603,7 +605,7 @@ def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptio
     la = layer.attrs
     rot = hadamard_rotation(k.shape[-1]) if any(c.rotate for c in cands) else None
     variants: dict[Candidate, Variant] = {}
-    sd = opts.scale_dtype  # the group metadata the cache will store (GEAR/set twins: float32)
+    sd = opts.scale_dtype  # the group metadata the cache will store
     for c in cands:
         if c.stage == "pre" and not pre_ok:
             continue

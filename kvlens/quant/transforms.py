@@ -203,14 +203,16 @@ def split_outliers(
 
 
 def quantize_with_outliers(
-    x: torch.Tensor, spec: QuantSpec, fraction: float, scope: str | None = None
+    x: torch.Tensor, spec: QuantSpec, fraction: float, scope: str | None = None,
+    scale_dtype: str = "float32",
 ) -> torch.Tensor:
     """Dense-and-sparse reconstruction ``[B, H, T, D]`` float32: outliers (``fraction`` per
     vector of ``scope``, default ``default_outlier_scope(spec)``) exact, the rest quantized with
-    ``spec``. Outlier positions hold their exact values (not value + quantized zero)."""
+    ``spec`` (group metadata ``scale_dtype``, as ``fake_quantize``'s). Outlier positions hold
+    their exact values (not value + quantized zero)."""
     dim = scope_dim(scope or default_outlier_scope(spec))
     dense, outliers = split_outliers(x.float(), fraction, dim)
-    return outliers.scatter_into(fake_quantize(dense, spec))
+    return outliers.scatter_into(fake_quantize(dense, spec, scale_dtype))
 
 
 # -- GEAR low-rank residual ---------------------------------------------------------------
@@ -262,9 +264,10 @@ def quantize_gear(
     iters: int = 3,
     seed: int = 0,
     outlier_scope: str | None = None,
+    scale_dtype: str = "float32",
 ) -> torch.Tensor:
     """GEAR reconstruction ``D_hat + S + L`` ``[B, H, T, D]`` float32: outliers ``S`` exact,
-    the rest quantized (``D_hat``), then a rank-``rank`` approximation ``L`` of what remains,
-    ``x - (D_hat + S)``, per (batch, head)."""
-    base = quantize_with_outliers(x, spec, outlier_fraction, outlier_scope)
+    the rest quantized (``D_hat``, group metadata ``scale_dtype``), then a rank-``rank``
+    approximation ``L`` of what remains, ``x - (D_hat + S)``, per (batch, head)."""
+    base = quantize_with_outliers(x, spec, outlier_fraction, outlier_scope, scale_dtype)
     return base + lowrank_residual(x.float() - base, rank, iters, seed).reconstruct()
