@@ -22,14 +22,14 @@ measured on Gaussian data with an offset channel, 2-bit per-channel G32 min/max 
 float32 grid's, least-squares fit 1.00x, 8-bit 1.14x; ``tests/test_meta8.py``).
 
 The codec is the same for symmetric specs (their grid is ``-qmax..qmax`` steps, ``L = 2 qmax``;
-the zero is then ``-qmax s`` rounded down to the zero grid, no longer exact).
+the stored zero is then a point of the zero grid near ``-qmax s``, no longer exactly it).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvlens.quant.reference import QTensor, _grouped, expand_params, quantize
+from kvlens.quant.reference import QTensor, _grouped, dequantize, expand_params, quantize
 from kvlens.quant.spec import QuantSpec
 
 SCALE_BIAS, SCALE_STEPS = 128, 8  # s = 2 ** ((e - SCALE_BIAS) / SCALE_STEPS)
@@ -111,6 +111,4 @@ def quantize_meta8(x: torch.Tensor, spec: QuantSpec
 
 def fake_quantize_meta8(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     """What a cache with 8-bit group metadata gives back for ``x``, in ``x``'s dtype."""
-    q, _, _ = quantize_meta8(x, spec)
-    return (q.codes.float() * expand_params(q.scale, spec, q.shape)
-            + expand_params(q.zero, spec, q.shape)).to(x.dtype)
+    return dequantize(quantize_meta8(x, spec)[0], dtype=x.dtype)
