@@ -29,7 +29,14 @@ from __future__ import annotations
 
 import torch
 
-from kvlens.quant.reference import QTensor, _grouped, dequantize, expand_params, quantize
+from kvlens.quant.reference import (
+    QTensor,
+    _grouped,
+    dequantize,
+    expand_params,
+    member_weight,
+    quantize,
+)
 from kvlens.quant.spec import QuantSpec
 
 SCALE_BIAS, SCALE_STEPS = 128, 8  # s = 2 ** ((e - SCALE_BIAS) / SCALE_STEPS)
@@ -97,12 +104,8 @@ def quantize_meta8(x: torch.Tensor, spec: QuantSpec
     ``e``/``n`` are the stored bytes, shaped like ``q.scale``."""
     q = quantize(x, spec)
     xf = x.detach().float()
-    t = q.shape[2]
-    bt, bd = spec.block_shape(t, q.shape[3])
-    groups = _grouped(xf, bt, bd)
-    weight = torch.ones(groups.shape[2] * bt, device=xf.device)
-    weight[t:] = 0  # the padding of a partial last token group
-    e, n = _search(groups, weight.reshape(1, 1, -1, bt, 1, 1), q.scale, q.zero, spec)
+    groups = _grouped(xf, *spec.block_shape(q.shape[2], q.shape[3]))
+    e, n = _search(groups, member_weight(groups, q.shape[2]), q.scale, q.zero, spec)
     scale, zero = decode_group_meta(e, n, spec.bits)
     codes = torch.round((xf - expand_params(zero, spec, q.shape))
                         / expand_params(scale, spec, q.shape)).clamp_(0, code_levels(spec))

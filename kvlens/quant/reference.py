@@ -135,14 +135,20 @@ def quantize(x: torch.Tensor, spec: QuantSpec) -> QTensor:
     return QTensor(codes.to(torch.uint8), scale, zero, spec, shape)
 
 
+def member_weight(groups: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``[1, 1, nT, bt, 1, 1]`` weights of ``_grouped`` groups: 1 for the ``num_tokens`` real
+    tokens, 0 for the padding of a partial last token group."""
+    n_t, bt = groups.shape[2], groups.shape[3]
+    w = torch.ones(n_t * bt, dtype=groups.dtype, device=groups.device)
+    w[num_tokens:] = 0
+    return w.reshape(1, 1, n_t, bt, 1, 1)
+
+
 def _mse_fit(groups: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: int,
              num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Alternate nearest-code assignment and a least-squares ``(scale, zero)`` refit per group
     (module docstring). Padding tokens of a partial last token group get weight 0."""
-    n_t, bt = groups.shape[2], groups.shape[3]
-    w = torch.ones(n_t * bt, dtype=groups.dtype, device=groups.device)
-    w[num_tokens:] = 0
-    w = w.reshape(1, 1, n_t, bt, 1, 1)
+    w = member_weight(groups, num_tokens)
     dims = (3, 5)
     n = w.sum(dim=dims) * groups.shape[5]  # members per group (padding excluded)
     mx = (w * groups).sum(dim=dims) / n
