@@ -177,8 +177,7 @@ class RecommendOptions:
     fp_dtype: str = "float16"
     # how each group's scale and zero are stored: the config's scale_dtype; "8bit" (default)
     # halves their bytes (kvlens.quant.meta8) and the error proxy measures the 8-bit grid
-    # (docs/recommend.md#8-bit-group-metadata); the CLI takes float16 with --prefer-fast (the
-    # kernel reads float16 metadata in place)
+    # (docs/recommend.md#8-bit-group-metadata); the Triton kernel decodes the bytes itself
     scale_dtype: str = "8bit"
 
     def __post_init__(self) -> None:

@@ -32,6 +32,12 @@ def test_decode_cost_model_counts_bytes_read_per_step():
     c2 = config_decode_cost(preset("kivi-2"), shape, 4000)  # 3968 packed + 32 in the window
     per_head = (2 * 3968 * 64 // 4 + 4 * 3968 * 64 * 2 // 32) + 2 * 32 * 64 * 2
     assert c2.read_bytes == 30 * 3 * per_head
+    # 8-bit metadata: the kernel reads one byte per scale and per zero (decoded in registers)
+    from dataclasses import replace
+
+    c8 = config_decode_cost(replace(preset("kivi-2"), scale_dtype="8bit"), shape, 4096)
+    assert c8.read_bytes == 30 * 3 * (2 * 4096 * 64 // 4 + 2 * 4096 * 64 * 2 // 32)
+    assert c8.fused
     pre = config_decode_cost(preset("kivi-2-prerope"), shape, 4096)
     assert not pre.fused and "pre-RoPE" in pre.unfused[0]
     assert pre.read_bytes > c.read_bytes  # + the RoPE positions
@@ -54,6 +60,7 @@ def test_prefer_fast_keeps_only_fused_layouts(tmp_path):
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert doc["decode_cost"][0]["fused"] and doc["decode_cost"][0]["read_vs_fp16"] < 0.5
+    assert doc["config"]["scale_dtype"] == "8bit"  # the kernel reads 8-bit metadata too
     res = runner.invoke(app, ["recommend", str(path), "-b", "3.5", "--group-sizes", "32",
                               "--bits", "2,4", "--residual", "128"])
     assert res.exit_code == 0 and "Decode cost at 4,096 tokens" in res.output

@@ -169,8 +169,8 @@ def test_masks_balancer_and_mikv_extra_set():
 @pytest.mark.parametrize("scale_dtype", ["float16", "8bit"])
 def test_reads_the_cache_packed_store_in_place(scale_dtype):
     """The buffers of ``kvlens.cache.packed.PackedTensor`` (fp16 scales, sized to what they
-    hold, also after a sliding layer's eviction) are read as they are, 8-bit metadata through
-    the store's decoded ``params()``; reference = the store's own ``dequantize_range``."""
+    hold, also after a sliding layer's eviction) are read as they are, 8-bit metadata as its
+    uint8/int8 bytes; reference = the store's own ``dequantize_range``."""
     from kvlens.cache.packed import PackedTensor
 
     g = torch.Generator().manual_seed(2)
@@ -186,11 +186,66 @@ def test_reads_the_cache_packed_store_in_place(scale_dtype):
     ks.drop_front(flush)
     vs.drop_front(flush)
     assert ks.capacity == ks.length == 2 * flush
-    out = decode_attention(q, ks.codes, *ks.params(), vs.codes, *vs.params(), ks.length,
-                           k_bits=2, v_bits=2, k_group=32, v_group=32, scaling=0.09)
+    units = {}
+    if scale_dtype == "8bit":  # the stored bytes, decoded by the kernel
+        from kvlens.quant.meta8 import zero_unit
+
+        units = dict(k_zero_unit=zero_unit(2), v_zero_unit=zero_unit(2))
+        assert ks.scale.dtype == torch.uint8 and vs.zero.dtype == torch.int8
+    out = decode_attention(q, ks.codes, ks.scale, ks.zero, vs.codes, vs.scale, vs.zero,
+                           ks.length, k_bits=2, v_bits=2, k_group=32, v_group=32,
+                           scaling=0.09, **units)
     ref = _reference(q, ks.dequantize_range(0, ks.length), vs.dequantize_range(0, vs.length),
                      torch.ones(b, hkv, ks.length, dtype=torch.bool), 0.09)
     torch.testing.assert_close(out, ref, atol=3e-3, rtol=3e-3)
+
+
+META8_CASES = [
+    # (Hq, Hkv, D, T, residual, k_bits, v_bits, k layout, v layout, Gk, Gv)
+    pytest.param(4, 1, 128, 33, 1, 2, 2, "per-channel", "per-token", 32, 128, id="T33-kivi"),
+    pytest.param(3, 3, 64, 257, 17, 4, 2, "per-token", "per-channel", 32, 32, id="T257-swap"),
+    pytest.param(8, 2, 64, 257, 0, 8, 4, "per-token", "per-token", 64, 16, id="T257-tok-8b"),
+]
+
+
+@pytest.mark.parametrize("hq,hkv,d,t,res,kb,vb,kl,vl,gk,gv", META8_CASES)
+def test_decodes_8bit_group_metadata_in_the_kernel(hq, hkv, d, t, res, kb, vb, kl, vl, gk, gv):
+    """Scales as uint8 codes and zeros as int8 codes (``kvlens.quant.meta8``) are decoded by the
+    kernel: the result is the attention over ``dequantize`` of the codec's own ``QTensor``, on
+    per-channel and per-token layouts of both tensors and odd lengths."""
+    from kvlens.quant.meta8 import quantize_meta8, zero_unit
+
+    g = torch.Generator().manual_seed(t + d + kb)
+    k = torch.randn(1, hkv, t, d, generator=g) * 1.5
+    k[..., 3] += 40.0  # far off zero: the zero's int8 code does real work
+    v = torch.randn(1, hkv, t, d, generator=g)
+    q = torch.randn(1, hq, 1, d, generator=g)
+    n = t - res
+    packed, deq = {}, {}
+    for name, x, bits, layout, group in (("k", k, kb, kl, gk), ("v", v, vb, vl, gv)):
+        qt, e, z = quantize_meta8(x[:, :, :n], QuantSpec(bits, layout, group))
+        assert e.dtype == torch.uint8 and z.dtype == torch.int8 and (z != 0).any()
+        packed |= {f"{name}_codes": pack_codes(qt.codes, bits, dim=2 if layout == "per-channel"
+                                               else 3),
+                   f"{name}_scale": e, f"{name}_zero": z, f"{name}_zero_unit": zero_unit(bits),
+                   f"{name}_layout": layout}
+        deq[name] = torch.cat((dequantize(qt), x[:, :, n:]), dim=2)
+    scaling = 1 / math.sqrt(d)
+    out = decode_attention(q, **packed, length=n, k_bits=kb, v_bits=vb, k_group=gk,
+                           v_group=None if vl == "per-token" and gv == d else gv,
+                           scaling=scaling, residual_k=k[:, :, n:], residual_v=v[:, :, n:],
+                           residual_len=res)
+    ref = _reference(q, deq["k"], deq["v"], torch.ones(1, hkv, t, dtype=torch.bool), scaling)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, atol=3e-3, rtol=3e-3)
+    # float metadata said to be 8-bit, or the bytes without their unit, is refused
+    for wrong in ({"k_scale": packed["k_scale"].float()}, {"v_zero_unit": None}):
+        with pytest.raises(InputError, match="k_scale|v_scale"):
+            decode_attention(q, **{**packed, **wrong}, length=n, k_bits=kb, v_bits=vb,
+                             k_group=gk, v_group=gv, scaling=scaling)
+    with pytest.raises(InputError, match="k_zero_unit"):
+        decode_attention(q, **{**packed, "k_zero_unit": -1.0}, length=n, k_bits=kb,
+                         v_bits=vb, k_group=gk, v_group=gv, scaling=scaling)
 
 
 def test_no_visible_token_gives_zeros():

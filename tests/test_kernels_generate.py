@@ -48,12 +48,14 @@ def _generate(model, ids, mask, backend, n, config=None):
     return out, session
 
 
-def test_triton_backend_generates_the_same_tokens_as_torch():
+@pytest.mark.parametrize("scale_dtype", ["float16", "8bit"])  # 8bit: decoded in the kernel
+def test_triton_backend_generates_the_same_tokens_as_torch(scale_dtype):
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(7))
     mask = torch.ones_like(ids)
-    ref, s_torch = _generate(model, ids, mask, "torch", 10)
-    out, s_triton = _generate(model, ids, mask, "triton", 10)
+    config = replace(_config(), scale_dtype=scale_dtype)
+    ref, s_torch = _generate(model, ids, mask, "torch", 10, config)
+    out, s_triton = _generate(model, ids, mask, "triton", 10, config)
     assert s_torch.backend == "torch" and s_triton.backend == "triton"
     assert torch.equal(out, ref)
     # Prefill took the torch path and says so; decode steps did not.

@@ -36,7 +36,8 @@ its KV head so packed bytes are read once):
 
 Memory traffic per KV head and step: packed codes ``length * D * (ck + cv) / 8`` bytes, key
 scales+zeros ``2 * length/Gk * D * s`` and value scales+zeros ``2 * length * D/Gv * s`` (``s``
-= scale bytes), the residual/extra segments in full precision, plus ``splits * g * (D + 2) * 4``
+= scale bytes: 2 or 4, or 1 for 8-bit metadata, decoded in registers with one exp2 per
+group), the residual/extra segments in full precision, plus ``splits * g * (D + 2) * 4``
 bytes of partials written and read back once. Nothing dequantized is ever written to memory.
 Bytes of one packed byte that several tokens (keys) or channels (values) share are fetched by
 several lanes of the same program; they hit L1, HBM reads each byte once.
@@ -56,6 +57,7 @@ import triton
 import triton.language as tl
 
 from kvlens.errors import InputError
+from kvlens.quant.meta8 import SCALE_BIAS, SCALE_STEPS
 from kvlens_kernels._common import (
     check_int,
     check_shape,
@@ -71,6 +73,18 @@ INT_DTYPES = (torch.int32, torch.int64)
 #: Tests set this to allocate the split partials NaN-filled, so a split that is never written
 #: poisons the output instead of reading stale memory (off by default: it costs a memset).
 POISON_PARTIALS = False
+
+
+@triton.jit
+def _group_meta(s_raw, z_raw, unit, M8: tl.constexpr, MB: tl.constexpr, MS: tl.constexpr):
+    """A group's float32 ``(scale, zero)`` from what the store holds: float16/float32 as they
+    are, or 8-bit codes (``M8``; reference ``kvlens.quant.meta8.decode_group_meta``): ``s =
+    2^((e - MB) / MS)`` from the uint8 ``e``, ``z = n * unit * s`` from the int8 ``n``."""
+    if M8:
+        sc = tl.exp2((s_raw.to(tl.float32) - MB) / MS)
+        return sc, z_raw.to(tl.float32) * unit * sc
+    else:
+        return s_raw.to(tl.float32), z_raw.to(tl.float32)
 
 
 @triton.jit
@@ -101,6 +115,7 @@ def _packed_split_kernel(
     start_ptr,  # valid_start [B] int
     o_ptr, m_ptr, l_ptr,  # partials [B*Hkv, S, GQ, D] fp32 and [B*Hkv, S, GQ] fp32 x2
     Hkv, D, GQ, length, split, S_TOTAL, qscale,  # sizes; qscale = scaling * log2(e)
+    k_unit, v_unit,  # 8-bit metadata: the zero's unit in steps (kvlens.quant.meta8.zero_unit)
     BG: tl.constexpr,  # padded query heads per KV head (>= 16 for tl.dot)
     BD: tl.constexpr,  # padded head dim
     BT: tl.constexpr,  # tokens per block; divides every token group (KRT, VRT when > 1)
@@ -112,6 +127,10 @@ def _packed_split_kernel(
     VC: tl.constexpr, VP: tl.constexpr,  # value container bits, value codes per byte
     V_TOK: tl.constexpr,  # values packed along tokens (per-channel)
     VRT: tl.constexpr,  # tokens per value scale row (per-channel G, per-tensor F; 1 = per-token)
+    K_M8: tl.constexpr,  # key scale/zero are 8-bit codes (uint8 / int8), decoded here
+    V_M8: tl.constexpr,  # value scale/zero likewise
+    MB: tl.constexpr,  # 8-bit scale code bias (kvlens.quant.meta8.SCALE_BIAS)
+    MS: tl.constexpr,  # 8-bit scale codes per octave (kvlens.quant.meta8.SCALE_STEPS)
     GV: tl.constexpr, GV_P: tl.constexpr,  # per-token values: channels per group and pad
     NDG: tl.constexpr, NDG_P: tl.constexpr,  # per-token values: groups per token (D/GV) and pad
     HAS_BAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_START: tl.constexpr,
@@ -173,17 +192,19 @@ def _packed_split_kernel(
             part = tl.dot(q3h, kcode)  # [NKG_P, BG, BT]
             ksp = kj[:, None] * sksd + t[None, :] * skst
             kgm = (kj[:, None] < NKG) & tv[None, :]
-            ks = tl.load(ks_ptr + b * sksb + h * sksh + ksp, mask=kgm, other=0.0).to(tl.float32)
+            ks = tl.load(ks_ptr + b * sksb + h * sksh + ksp, mask=kgm, other=0)
             kzp = kj[:, None] * skzd + t[None, :] * skzt
-            kz = tl.load(kz_ptr + b * skzb + h * skzh + kzp, mask=kgm, other=0.0).to(tl.float32)
+            kz = tl.load(kz_ptr + b * skzb + h * skzh + kzp, mask=kgm, other=0)
+            ks, kz = _group_meta(ks, kz, k_unit, K_M8, MB, MS)
             s = tl.sum(part * ks[:, None, :] + qsum3[:, :, None] * kz[:, None, :], axis=0)
         else:
             # one scale row per block (BT divides KRT): fold it into q
             krow = t0 // KRT
             ks = tl.load(ks_ptr + b * sksb + h * sksh + krow * skst + di * sksd, mask=dmask,
-                         other=0.0).to(tl.float32)
+                         other=0)
             kz = tl.load(kz_ptr + b * skzb + h * skzh + krow * skzt + di * skzd, mask=dmask,
-                         other=0.0).to(tl.float32)
+                         other=0)
+            ks, kz = _group_meta(ks, kz, k_unit, K_M8, MB, MS)
             qs = (q * ks[None, :]).to(tl.float16)
             bias = tl.sum(q * kz[None, :], axis=1)
             if K_TOK:
@@ -207,9 +228,10 @@ def _packed_split_kernel(
             # per-token: fold the scale of each channel group into p
             vsp = vj[:, None] * svsd + t[None, :] * svst
             pmask = (vj[:, None] < NDG) & tv[None, :]
-            vs = tl.load(vs_ptr + b * svsb + h * svsh + vsp, mask=pmask, other=0.0).to(tl.float32)
+            vs = tl.load(vs_ptr + b * svsb + h * svsh + vsp, mask=pmask, other=0)
             vzp = vj[:, None] * svzd + t[None, :] * svzt
-            vz = tl.load(vz_ptr + b * svzb + h * svzh + vzp, mask=pmask, other=0.0).to(tl.float32)
+            vz = tl.load(vz_ptr + b * svzb + h * svzh + vzp, mask=pmask, other=0)
+            vs, vz = _group_meta(vs, vz, v_unit, V_M8, MB, MS)
             vb = tl.load(vc_ptr + b * svcb + h * svch + t[None, :, None] * svct
                          + (vch // VP) * svcd, mask=vchm & tv[None, :, None], other=0)
             vcode = ((vb.to(tl.int32) >> ((vch % VP) * VC)) & ((1 << VC) - 1)).to(tl.float16)
@@ -221,9 +243,10 @@ def _packed_split_kernel(
             # one scale row per block (BT divides VRT): o_d += s_d * (p . code_d) + z_d * sum(p)
             vrow = t0 // VRT
             vs = tl.load(vs_ptr + b * svsb + h * svsh + vrow * svst + di * svsd, mask=dmask,
-                         other=0.0).to(tl.float32)
+                         other=0)
             vz = tl.load(vz_ptr + b * svzb + h * svzh + vrow * svzt + di * svzd, mask=dmask,
-                         other=0.0).to(tl.float32)
+                         other=0)
+            vs, vz = _group_meta(vs, vz, v_unit, V_M8, MB, MS)
             if V_TOK:
                 vb = tl.load(vc_ptr + b * svcb + h * svch + (t[:, None] // VP) * svct
                              + di[None, :] * svcd, mask=tv[:, None] & dmask[None, :], other=0)
@@ -367,7 +390,8 @@ LAYOUTS = ("per-channel", "per-token", "per-tensor")
 
 
 def _packed_geometry(which: str, layout: str, bits: int, group, codes, scale, zero, length: int,
-                     b: int, hkv: int, d: int, dev) -> tuple[bool, int, int]:
+                     b: int, hkv: int, d: int, dev, meta8: bool = False
+                     ) -> tuple[bool, int, int]:
     """Check one packed tensor (``which`` = ``k`` or ``v``) against ``layout``; return
     ``(packed along tokens, tokens per scale row (1 = per-token), channels per scale group)``.
 
@@ -406,8 +430,9 @@ def _packed_geometry(which: str, layout: str, bits: int, group, codes, scale, ze
     if held < length:
         raise InputError(f"{cname} holds {held} tokens < length {length}.")
     n_rows = -(-length // rows_t)
-    for name, t in ((f"{which}_scale", scale), (f"{which}_zero", zero)):
-        check_tensor(name, t, 4, SCALE_DTYPES, dev)
+    dtypes = ((torch.uint8,), (torch.int8,)) if meta8 else (SCALE_DTYPES, SCALE_DTYPES)
+    for (name, t), allowed in zip(((f"{which}_scale", scale), (f"{which}_zero", zero)), dtypes):
+        check_tensor(name, t, 4, allowed, dev)
         check_shape(name, t, (b, hkv, None, cols))
         if t.shape[2] < n_rows:
             raise InputError(f"{name} has {t.shape[2]} group rows < {n_rows} needed for length "
@@ -441,6 +466,8 @@ def decode_attention(
     key_mask: torch.Tensor | None = None,
     valid_start: torch.Tensor | None = None,
     split_tokens: int | None = None,
+    k_zero_unit: float | None = None,
+    v_zero_unit: float | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q`` ``[B, Hq, 1, D]`` over one layer's compressed cache ->
     ``[B, Hq, 1, D]`` in ``q.dtype``. Layout and semantics: module docstring.
@@ -462,6 +489,9 @@ def decode_attention(
     positions before it are masked (left padding).
     split_tokens: tokens per split of the packed store (multiple of the token block); ``None``
     picks one for the device.
+    k_zero_unit/v_zero_unit: ``None``: the scales and zeros are float16/float32. A number: they
+    are 8-bit group metadata (``kvlens.quant.meta8``: scale uint8 codes, zero int8 codes whose
+    unit is this many quantization steps, ``zero_unit(bits)``), decoded in the kernel.
     """
     check_tensor("q", q, 4, FLOAT_DTYPES)
     dev = q.device
@@ -494,10 +524,14 @@ def decode_attention(
         if any(t is None for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)):
             raise InputError("length > 0 needs all of k_codes, k_scale, k_zero, v_codes, "
                              "v_scale, v_zero.")
+        for name, unit in (("k_zero_unit", k_zero_unit), ("v_zero_unit", v_zero_unit)):
+            if unit is not None and not (isinstance(unit, (int, float)) and unit > 0):
+                raise InputError(f"{name} must be a positive number (8-bit metadata) or None, "
+                                 f"got {unit!r}.")
         kgeo = _packed_geometry("k", k_layout, k_bits, k_group, k_codes, k_scale, k_zero,
-                                length, b, hkv, d, dev)
+                                length, b, hkv, d, dev, meta8=k_zero_unit is not None)
         vgeo = _packed_geometry("v", v_layout, v_bits, v_group, v_codes, v_scale, v_zero,
-                                length, b, hkv, d, dev)
+                                length, b, hkv, d, dev, meta8=v_zero_unit is not None)
     if residual_len:
         for name, t in (("residual_k", residual_k), ("residual_v", residual_v)):
             if t is None:
@@ -594,12 +628,14 @@ def decode_attention(
             v_codes, *v_codes.stride(), v_scale, *vss, v_zero, *vzs,
             *pv_args, *mask_args, start_arg, o_part, m_part, l_part,
             hkv, d, gq, length, split_p, s_total, qscale,
+            float(k_zero_unit or 0.0), float(v_zero_unit or 0.0),
             BG=bg, BD=bd, BT=bt_p, KC=kcb, KP=kp, K_TOK=kgeo[0], KRT=kgeo[1],
             GKD=kgeo[2], GKD_P=max(16, next_pow2(kgeo[2])), NKG=nkg, NKG_P=next_pow2(nkg),
             VC=vcb, VP=vp, V_TOK=vgeo[0], VRT=vgeo[1],
             GV=vgeo[2], GV_P=max(16, next_pow2(vgeo[2])), NDG=ndg, NDG_P=next_pow2(ndg),
             HAS_BAL=bal is not None, HAS_MASK=mask is not None, HAS_START=start is not None,
-            HAS_PVALID=pvalid is not None)
+            HAS_PVALID=pvalid is not None, K_M8=k_zero_unit is not None,
+            V_M8=v_zero_unit is not None, MB=SCALE_BIAS, MS=SCALE_STEPS)
     base = n_packed
     for dk, dv, dpos, n_tok, pos0, split, n_splits in dense:
         pos_args = (dpos, *dpos.stride()) if dpos is not None else (dummy, 0, 0, 0)

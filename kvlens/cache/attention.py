@@ -553,15 +553,24 @@ def triton_decode(query: torch.Tensor, layer, mask: torch.Tensor | None, scaling
                 b, layer.hp_pos.shape[1], length)
     bal = layer.balancer if layer.balancer is not None else None
     out = decode_attention(
-        query, ks.codes, *ks.params(), vs.codes, *vs.params(), length,
+        query, ks.codes, ks.scale, ks.zero, vs.codes, vs.scale, vs.zero, length,
         k_bits=ks.spec.bits, v_bits=vs.spec.bits, k_group=_kernel_group(ks.spec, ks.block),
         v_group=_kernel_group(vs.spec, vs.block), k_layout=ks.spec.granularity,
         v_layout=vs.spec.granularity, scaling=float(scaling),
         residual_k=_wide(layer.res_k.buf, query.dtype) if layer.n_res else None,
         residual_v=_wide(layer.res_v.buf, query.dtype) if layer.n_res else None,
         residual_len=layer.n_res,
-        extra=extra, packed_valid=pvalid, balancer=bal, key_mask=key_mask)
+        extra=extra, packed_valid=pvalid, balancer=bal, key_mask=key_mask,
+        k_zero_unit=_meta8_unit(ks), v_zero_unit=_meta8_unit(vs))
     return out.transpose(1, 2), None
+
+
+def _meta8_unit(store) -> float | None:
+    """The kernel's ``*_zero_unit``: None for float metadata; for 8-bit metadata the zero's unit
+    (the kernel decodes the stored bytes itself)."""
+    from kvlens.quant.meta8 import zero_unit
+
+    return zero_unit(store.spec.bits) if store.meta8 else None
 
 
 def _wide(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -76,9 +76,9 @@ def config_decode_cost(config, shape: layout.ModelShape, tokens: int, batch: int
     from kvlens.cache.attention import kernel_layout_problem
 
     fp = layout.fp_bytes_of(config.fp_dtype, shape.model_dtype_bytes)
-    # bytes moved per scale (and per zero): 8-bit metadata is decoded to float32 before the
-    # kernel reads it (docs/kernels.md): read 1, write 4, the kernel reads 4
-    scale = 9 if config.scale_dtype == "8bit" else layout.SCALE_BYTES[config.scale_dtype]
+    # bytes read per scale (and per zero): the kernel reads 8-bit metadata as bytes and
+    # decodes it in registers (docs/kernels.md)
+    scale = layout.SCALE_BYTES[config.scale_dtype]
     read = unpack = 0
     unfused = {}
     for i in range(shape.num_layers):

@@ -253,7 +253,8 @@ class PackedTensor:
 
     def params(self, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scale, zero)`` of scale rows ``rows``: the stored tensors (float16/float32 views,
-        no copy), or for ``"8bit"`` their float32 decoding (a transient copy of those rows)."""
+        no copy), or for ``"8bit"`` their float32 decoding (a transient copy of those rows; the
+        Triton kernel reads the bytes instead)."""
         scale, zero = self.scale[:, :, rows], self.zero[:, :, rows]
         if self.meta8:
             return decode_group_meta(scale, zero, self.spec.bits)

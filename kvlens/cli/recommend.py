@@ -96,13 +96,13 @@ def recommend(
                                           "element (priced; the error proxy reads them exact: "
                                           "measured to pay at 3.0 bits, to cost at 4.0; "
                                           "docs/recommend.md#fp8-windows)."),
-    scale_dtype: str = typer.Option(None, "--scale-dtype",
+    scale_dtype: str = typer.Option("8bit", "--scale-dtype",
                                     help="How each quantization group's scale and zero are "
                                          "stored: 8bit (one byte each: half of float16's "
                                          "metadata, e.g. 0.5 bits per element less for 32-token "
                                          "groups; priced and measured; "
                                          "docs/recommend.md#8-bit-group-metadata) or float16. "
-                                         "Default: 8bit, float16 with --prefer-fast."),
+                                         "Default: 8bit (the Triton kernel decodes it)."),
     pre_rope: str = typer.Option("auto", "--pre-rope",
                                  help="Pre-RoPE key candidates: auto (if the capture has RoPE), "
                                       "on (required), off."),
@@ -198,7 +198,7 @@ def recommend(
                                 group_sizes=_ints(group_sizes, "--group-sizes"),
                                 key_fits=_words(key_fits), value_fits=_words(value_fits),
                                 fp_dtype=window_dtype,
-                                scale_dtype=scale_dtype or ("float16" if prefer_fast else "8bit"),
+                                scale_dtype=scale_dtype,
                                 pre_rope=pre_rope, balancer=not no_balancer,
                                 rotation=not no_rotation, mikv=not no_mikv,
                                 mikv_set_bits=_ints(mikv_bits, "--mikv-bits"),
