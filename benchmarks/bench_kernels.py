@@ -8,7 +8,8 @@
    on fp16 K/V of the same length (``enable_gqa=True``), for each ``--layouts`` entry: ``kivi``
    (per-channel keys, per-token values), ``tokch`` (per-token keys, per-channel values:
    ``recommend``'s usual SmolLM2 choice), ``tensor`` (per-tensor, one scale per 128-token
-   block), ``tok3`` (3-bit per-token keys and per-channel values, 4-bit containers).
+   block), ``tok3`` (3-bit per-token keys and per-channel values, 4-bit containers),
+   ``kivi8`` (KIVI's layout with 8-bit group metadata, decoded in the kernel).
 3. Bytes moved (codes + scales + residual + q/out) / latency, as a fraction of the measured
    device-to-device copy bandwidth.
 
@@ -25,9 +26,12 @@ import math
 import sys
 import time
 
-#: layout name -> (key granularity, value granularity, fixed bits or None)
-LAYOUTS = {"kivi": ("per-channel", "per-token", None), "tokch": ("per-token", "per-channel", None),
-           "tensor": ("per-tensor", "per-tensor", None), "tok3": ("per-token", "per-channel", 3)}
+#: layout name -> (key granularity, value granularity, fixed bits or None, scale dtype)
+LAYOUTS = {"kivi": ("per-channel", "per-token", None, "float16"),
+           "tokch": ("per-token", "per-channel", None, "float16"),
+           "tensor": ("per-tensor", "per-tensor", None, "float16"),
+           "tok3": ("per-token", "per-channel", 3, "float16"),
+           "kivi8": ("per-channel", "per-token", None, "8bit")}
 BLOCK = 128  # flush block F of the generic stores (per-tensor: one scale per block)
 
 
@@ -85,18 +89,20 @@ def _generic(torch, layout, b, hkv, t, d, bits, group):
     ``t`` a multiple of ``BLOCK``: returns the kernel arguments and the dequantized K/V."""
     from kvlens.cache.packed import PackedTensor
     from kvlens.quant import QuantSpec
+    from kvlens.quant.meta8 import zero_unit
 
-    kg, vg, fixed = LAYOUTS[layout]
+    kg, vg, fixed, scale_dtype = LAYOUTS[layout]
     bits = fixed or bits
     args, deq = {}, []
     for name, gran in (("k", kg), ("v", vg)):
         spec = QuantSpec(bits, gran, None if gran == "per-tensor" else group)
-        st = PackedTensor.create(spec, BLOCK, d)
+        st = PackedTensor.create(spec, BLOCK, d, scale_dtype)
         st.append(torch.randn(b, hkv, t, d, device="cuda"))
         kgroup = {"per-channel": group, "per-tensor": BLOCK, "per-token": group}[gran]
         args.update({f"{name}_codes": st.codes, f"{name}_scale": st.scale,
                      f"{name}_zero": st.zero, f"{name}_bits": bits, f"{name}_group": kgroup,
-                     f"{name}_layout": gran})
+                     f"{name}_layout": gran,
+                     f"{name}_zero_unit": zero_unit(bits) if st.meta8 else None})
         deq.append(st.dequantize_range(0, t))
     return args, deq
 

@@ -12,4 +12,4 @@ python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no C
 TRITON_INTERPRET=0 KVLENS_KERNEL_TEST_DEVICE=cuda python -m pytest -q -x \
     tests/test_kernels_decode.py
 python benchmarks/bench_kernels.py --contexts 4096 32768 131072 --bits 2 4 --groups 64 \
-    --layouts kivi tokch tensor tok3 --out "$out"
+    --layouts kivi tokch tensor tok3 kivi8 --out "$out"
