@@ -89,7 +89,6 @@ def _generic(torch, layout, b, hkv, t, d, bits, group):
     ``t`` a multiple of ``BLOCK``: returns the kernel arguments and the dequantized K/V."""
     from kvlens.cache.packed import PackedTensor
     from kvlens.quant import QuantSpec
-    from kvlens.quant.meta8 import zero_unit
 
     kg, vg, fixed, scale_dtype = LAYOUTS[layout]
     bits = fixed or bits
@@ -102,7 +101,7 @@ def _generic(torch, layout, b, hkv, t, d, bits, group):
         args.update({f"{name}_codes": st.codes, f"{name}_scale": st.scale,
                      f"{name}_zero": st.zero, f"{name}_bits": bits, f"{name}_group": kgroup,
                      f"{name}_layout": gran,
-                     f"{name}_zero_unit": zero_unit(bits) if st.meta8 else None})
+                     f"{name}_zero_unit": st.zero_unit})
         deq.append(st.dequantize_range(0, t))
     return args, deq
 

@@ -186,15 +186,16 @@ def test_reads_the_cache_packed_store_in_place(scale_dtype):
     ks.drop_front(flush)
     vs.drop_front(flush)
     assert ks.capacity == ks.length == 2 * flush
-    units = {}
     if scale_dtype == "8bit":  # the stored bytes, decoded by the kernel
         from kvlens.quant.meta8 import zero_unit
 
-        units = dict(k_zero_unit=zero_unit(2), v_zero_unit=zero_unit(2))
+        assert ks.zero_unit == vs.zero_unit == zero_unit(2)
         assert ks.scale.dtype == torch.uint8 and vs.zero.dtype == torch.int8
+    else:
+        assert ks.zero_unit is None
     out = decode_attention(q, ks.codes, ks.scale, ks.zero, vs.codes, vs.scale, vs.zero,
                            ks.length, k_bits=2, v_bits=2, k_group=32, v_group=32,
-                           scaling=0.09, **units)
+                           scaling=0.09, k_zero_unit=ks.zero_unit, v_zero_unit=vs.zero_unit)
     ref = _reference(q, ks.dequantize_range(0, ks.length), vs.dequantize_range(0, vs.length),
                      torch.ones(b, hkv, ks.length, dtype=torch.bool), 0.09)
     torch.testing.assert_close(out, ref, atol=3e-3, rtol=3e-3)

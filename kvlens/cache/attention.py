@@ -561,16 +561,8 @@ def triton_decode(query: torch.Tensor, layer, mask: torch.Tensor | None, scaling
         residual_v=_wide(layer.res_v.buf, query.dtype) if layer.n_res else None,
         residual_len=layer.n_res,
         extra=extra, packed_valid=pvalid, balancer=bal, key_mask=key_mask,
-        k_zero_unit=_meta8_unit(ks), v_zero_unit=_meta8_unit(vs))
+        k_zero_unit=ks.zero_unit, v_zero_unit=vs.zero_unit)
     return out.transpose(1, 2), None
-
-
-def _meta8_unit(store) -> float | None:
-    """The kernel's ``*_zero_unit``: None for float metadata; for 8-bit metadata the zero's unit
-    (the kernel decodes the stored bytes itself)."""
-    from kvlens.quant.meta8 import zero_unit
-
-    return zero_unit(store.spec.bits) if store.meta8 else None
 
 
 def _wide(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

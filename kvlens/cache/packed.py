@@ -76,7 +76,7 @@ from kvlens.quant import (
     quantize,
     unpack_codes,
 )
-from kvlens.quant.meta8 import decode_group_meta, quantize_meta8
+from kvlens.quant.meta8 import decode_group_meta, quantize_meta8, zero_unit
 
 META8 = "8bit"
 
@@ -250,6 +250,12 @@ class PackedTensor:
         q = QTensor(codes, blocks(scale), blocks(zero), self.spec, (b * n, h, f, d))
         out = dequantize(q)
         return out.reshape(b, n, h, f, d).transpose(1, 2).reshape(b, h, n * f, d)
+
+    @property
+    def zero_unit(self) -> float | None:
+        """8-bit metadata: the zero codes' unit in quantization steps (what the Triton kernel
+        takes to decode the stored bytes); None for float metadata."""
+        return zero_unit(self.spec.bits) if self.meta8 else None
 
     def params(self, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scale, zero)`` of scale rows ``rows``: the stored tensors (float16/float32 views,
