@@ -8,7 +8,7 @@
    on fp16 K/V of the same length (``enable_gqa=True``), for each ``--layouts`` entry: ``kivi``
    (per-channel keys, per-token values), ``tokch`` (per-token keys, per-channel values:
    ``recommend``'s usual SmolLM2 choice), ``tensor`` (per-tensor, one scale per 128-token
-   block), ``tok3`` (3-bit per-token keys and per-channel values, 4-bit containers),
+   block), ``tok3`` (3-bit per-token keys and per-channel values, densely packed: 8 codes in 3 bytes),
    ``kivi8`` (KIVI's layout with 8-bit group metadata, decoded in the kernel).
 3. Bytes moved (codes + scales + residual + q/out) / latency, as a fraction of the measured
    device-to-device copy bandwidth.

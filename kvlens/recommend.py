@@ -16,7 +16,7 @@ Pipeline (one capture layer in memory at a time):
    ``mikv.layers``). Only what ``kvlens generate`` can run is offered.
 2. **Cost** of a layer's (key, value, window, flush) choice: the bytes that layer of the cache
    holds after ``L`` tokens (default 4096), from ``kvlens.cache.layout`` (the same description
-   the cache allocates by, tested against held bytes): codes at their container width, fp16
+   the cache allocates by, tested against held bytes): codes at their bits (dense), fp16
    scales and zeros, the window buffer (``R`` fp16 tokens, ``R`` chosen per layer from
    ``windows``), the sink tokens' fp16 copies and positions, pre-RoPE positions, balancers,
    GEAR's outlier values and indices and low-rank factors, MiKV sets (codes, scales,

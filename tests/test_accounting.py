@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvlens.errors import ConfigError
-from kvlens.quant import QuantSpec, bits_per_element, quantize
+from kvlens.quant import QuantSpec, bits_per_element, packed_length, quantize
 
 
 def test_kivi_two_bit_per_channel_g32_is_three_bits():
@@ -37,10 +37,10 @@ def test_partial_token_group_counted_whole():
     assert b.total == pytest.approx(3.28)
 
 
-def test_three_bits_nominal_or_in_containers():
+def test_three_bit_codes_cost_three_bits_as_stored():
     spec = QuantSpec(3, "per-token", 64)
     assert bits_per_element(spec, (8, 64)).codes == 3
-    assert bits_per_element(spec, (8, 64), count_containers=True).codes == 4
+    assert packed_length(64, 3) * 8 / 64 == 3  # 8 codes in 3 bytes, no container padding
 
 
 def test_outliers_lowrank_and_residual_window():

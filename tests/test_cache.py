@@ -76,6 +76,7 @@ def test_cache_outside_its_context_is_refused():
     (QuantSpec(2, "per-channel", 32), 64),
     (QuantSpec(4, "per-token", 16), 0),
     (QuantSpec(3, "per-token", 8), 16),
+    (QuantSpec(3, "per-channel", 8), 24),
     (QuantSpec(2, "per-tensor"), 16),
     (QuantSpec(4, "per-channel", None, symmetric=True), 8),
     (QuantSpec(2, "per-token", 32, fit="mse"), 16),
@@ -98,6 +99,8 @@ def test_packed_round_trip_equals_reference(spec, residual):
     held = sum(t.untyped_storage().nbytes() for t in store.named_tensors().values())
     assert held == 2 * 3 * sum(packed_bytes(spec, 5 * f, f, 64))
     assert held < x.numel() * 2 * spec.bits / 8 + x.numel()
+    # codes are dense: exactly bits/8 bytes per element (3 bits: 8 codes in 3 bytes)
+    assert store.codes.untyped_storage().nbytes() == x.numel() * spec.bits // 8
     # a sliding layer's eviction drops whole blocks from the front and keeps the rest intact
     store.drop_front(2 * f)
     torch.testing.assert_close(store.dequantize_range(0, 3 * f), ref[:, :, 2 * f:], rtol=0,
@@ -274,7 +277,7 @@ def test_select_backend_reports_why_triton_is_not_used(monkeypatch):
 
 
 # Every layout `recommend` can write: per-token keys (with and without the balancer), per-channel
-# values, per-tensor, G=None, 3-bit codes in 4-bit containers, symmetric specs.
+# values, per-tensor, G=None, densely packed 3-bit codes (8 per 3 bytes), symmetric specs.
 LAYOUTS = {
     "ktok16-vch16-2b": (QuantSpec(2, "per-token", 16), QuantSpec(2, "per-channel", 16)),
     "ktokNone-vchNone-2b": (QuantSpec(2, "per-token", None), QuantSpec(2, "per-channel", None)),

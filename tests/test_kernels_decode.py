@@ -206,6 +206,7 @@ META8_CASES = [
     pytest.param(4, 1, 128, 33, 1, 2, 2, "per-channel", "per-token", 32, 128, id="T33-kivi"),
     pytest.param(3, 3, 64, 257, 17, 4, 2, "per-token", "per-channel", 32, 32, id="T257-swap"),
     pytest.param(8, 2, 64, 257, 0, 8, 4, "per-token", "per-token", 64, 16, id="T257-tok-8b"),
+    pytest.param(4, 2, 64, 65, 1, 3, 3, "per-channel", "per-token", 32, 64, id="T65-kivi-3b"),
 ]
 
 
@@ -308,6 +309,11 @@ NEW_LAYOUTS = [
                  2, 6, 2, 64, 31, 3, None, id="Ktok16-Vtok16-4b-B2-T31"),
     pytest.param(QuantSpec(3, "per-channel", None), QuantSpec(3, "per-token", 32), 32,
                  1, 3, 1, 64, 95, 32, 32, id="KchNone-Vtok32-3b"),
+    # dense widths whose codes straddle bytes: every load site of the kernel
+    pytest.param(QuantSpec(3, "per-tensor"), QuantSpec(5, "per-tensor"), 64,
+                 1, 4, 2, 64, 131, 3, None, id="Ktensor3-Vtensor5-odd"),
+    pytest.param(QuantSpec(6, "per-channel", 32), QuantSpec(7, "per-token", 16), 32,
+                 1, 2, 1, 64, 97, 0, None, id="Kch6-Vtok7"),
 ]
 
 

@@ -94,6 +94,8 @@ def test_bad_inputs_raise_clear_errors():
     x = torch.randn(1, 1, 8, 64)
     with pytest.raises(InputError, match="allowed bits: 1-8"):
         quantize_pack_keys(x, 9, 32)
+    with pytest.raises(InputError, match="3-bit codes are packed 8 per 3 bytes"):
+        quantize_pack_values(x, 3, 32)  # dense widths: pack_codes writes them, not this kernel
     with pytest.raises(InputError, match="4-D"):
         quantize_pack_keys(x[0], 2, 32)
     with pytest.raises(InputError, match="does not divide head_dim 64"):

@@ -52,7 +52,7 @@ def _mixed() -> KVConfig:
     s = QuantSpec
     default = LayerKV(s(2, "per-channel", 8), s(2, "per-token", 8), R, flush_tokens=8)
     layers = {1: LayerKV(s(3, "per-token", 8), s(4, "per-channel", 16), R),
-              2: LayerKV(s(2, "per-channel", 8), s(3, "per-token", 16), R, pre_rope_keys=True,
+              2: LayerKV(s(3, "per-channel", 8), s(3, "per-token", 16), R, pre_rope_keys=True,
                          flush_tokens=8)}
     return KVConfig("mixed", default, layers, mikv=MikvSettings(0.0, 4, "fixed"),
                     balancers={1: ((1.5,) * 16, (0.5,) * 16)})

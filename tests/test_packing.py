@@ -1,10 +1,10 @@
-"""Bit packing: exact round trips, the documented little-endian byte layout, bad input."""
+"""Bit packing: exact round trips, the documented dense little-endian layout, bad input."""
 
 import pytest
 import torch
 
 from kvlens.errors import ConfigError, InputError
-from kvlens.quant import codes_per_byte, container_bits, pack_codes, packed_length, unpack_codes
+from kvlens.quant import pack_codes, pack_unit, packed_length, unpack_codes
 
 
 def _codes(shape, bits, seed=0):
@@ -22,7 +22,7 @@ def test_round_trip_exact_for_odd_lengths(bits, length):
     assert torch.equal(unpack_codes(packed, bits, length), codes)
 
 
-@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 8])
 def test_round_trip_along_token_dim(bits):
     codes = _codes((1, 2, 11, 6), bits, seed=7)
     packed = pack_codes(codes, bits, dim=2)
@@ -38,13 +38,32 @@ def test_byte_layout_first_element_in_lowest_bits():
     assert pack_codes(one, 1).tolist() == [129, 1]
     four = torch.tensor([0xA, 0x3], dtype=torch.uint8)
     assert pack_codes(four, 4).tolist() == [0x3A]
-    # 3-bit codes live in 4-bit containers.
-    assert pack_codes(torch.tensor([5, 7], dtype=torch.uint8), 3).tolist() == [0x75]
+    # 3 bits: 8 codes in 3 bytes; code 2 (0b001) straddles bytes 0 and 1.
+    three = torch.tensor([5, 7, 1, 6, 2, 3, 4, 0], dtype=torch.uint8)
+    assert pack_codes(three, 3).tolist() == [0x7D, 0xAC, 0x11]
+    # a partial unit is padded to whole bytes of the unit
+    assert pack_codes(torch.tensor([5, 7], dtype=torch.uint8), 3).tolist() == [0x3D, 0, 0]
 
 
-def test_containers():
-    assert [container_bits(b) for b in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
-    assert [codes_per_byte(b) for b in (1, 2, 3, 4, 8)] == [8, 4, 2, 2, 1]
+def _bitstream(codes: list[int], bits: int) -> list[int]:
+    """Independent reference: write each code LSB first into one bit stream, 8 bits a byte."""
+    stream = [(c >> i) & 1 for c in codes for i in range(bits)]
+    stream += [0] * (-len(stream) % 8)
+    return [sum(stream[k + i] << i for i in range(8)) for k in range(0, len(stream), 8)]
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_dense_layout_is_one_lsb_first_bit_stream(bits):
+    u, w = pack_unit(bits)
+    assert u * bits == 8 * w  # a unit fills whole bytes exactly: no container padding
+    codes = _codes((3 * u,), bits, seed=bits)
+    assert pack_codes(codes, bits).tolist() == _bitstream(codes.tolist(), bits)
+    assert packed_length(3 * u, bits) == 3 * u * bits // 8
+
+
+def test_pack_units():
+    assert [pack_unit(b) for b in range(1, 9)] == [
+        (8, 1), (4, 1), (8, 3), (2, 1), (8, 5), (4, 3), (8, 7), (1, 1)]
 
 
 def test_bad_input_raises():

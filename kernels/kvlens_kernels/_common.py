@@ -6,6 +6,8 @@ cause, rendered by the CLI) with the allowed values in the message.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -22,11 +24,23 @@ SCALE_FLOOR_REL = 1e-8  # kvlens.quant.reference.SCALE_FLOOR_REL
 ALLOWED_BITS = tuple(range(1, 9))
 
 
-def container_bits(bits: int) -> int:
-    """Mirror of ``kvlens.quant.packing.container_bits`` (1, 2, 4 or 8)."""
+def pack_unit(bits: int) -> tuple[int, int]:
+    """Mirror of ``kvlens.quant.packing.pack_unit``: ``U`` codes fill ``W`` bytes."""
     if isinstance(bits, bool) or not isinstance(bits, int) or bits not in ALLOWED_BITS:
         raise InputError(f"Cannot pack {bits!r}-bit codes; allowed bits: 1-8.")
-    return 1 if bits == 1 else 2 if bits == 2 else 4 if bits <= 4 else 8
+    w = bits // math.gcd(bits, 8)
+    return 8 * w // bits, w
+
+
+def container_bits(bits: int) -> int:
+    """The byte-aligned widths the quantize-and-pack kernels write (1, 2, 4, 8); other widths
+    are packed densely across bytes, which those kernels do not write (``InputError``)."""
+    u, w = pack_unit(bits)
+    if w != 1:
+        raise InputError(f"The Triton quantize-and-pack kernels write 1-, 2-, 4- and 8-bit codes; "
+                         f"{bits}-bit codes are packed {u} per {w} bytes, which they do not "
+                         f"write: use kvlens.quant.quantize + pack_codes for them.")
+    return bits
 
 
 def codes_per_byte(bits: int) -> int:

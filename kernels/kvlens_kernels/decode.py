@@ -5,7 +5,8 @@ PackedTensor.dequantize_range``), concatenate the residual window and the extra 
 ``softmax(q kᵀ * scaling + mask) v`` (``kvlens.metrics.attention_output`` / ``kvlens.cache.
 attention.packed_attention``). Tested in ``tests/test_kernels_decode.py``.
 
-Inputs (layout of ``kvlens.cache.packed``; ``Pk``/``Pv`` codes per byte, little-endian):
+Inputs (layout of ``kvlens.cache.packed``; codes packed densely in units of ``U`` codes in
+``W`` bytes, ``kvlens.quant.pack_unit``, little-endian; ``Pk``/``Pv = U / W`` codes per byte):
 
 - ``q`` ``[B, Hq, 1, D]``; ``Hq = g * Hkv`` (GQA, ``repeat_kv`` order: query head ``h*g + i``
   reads KV head ``h``).
@@ -62,8 +63,8 @@ from kvlens_kernels._common import (
     check_int,
     check_shape,
     check_tensor,
-    container_bits,
     next_pow2,
+    pack_unit,
 )
 
 LOG2E = 1.4426950408889634
@@ -85,6 +86,23 @@ def _group_meta(s_raw, z_raw, unit, M8: tl.constexpr, MB: tl.constexpr, MS: tl.c
         return sc, z_raw.to(tl.float32) * unit * sc
     else:
         return s_raw.to(tl.float32), z_raw.to(tl.float32)
+
+
+@triton.jit
+def _unpack_at(base, i, stride, m, BITS: tl.constexpr, U: tl.constexpr, W: tl.constexpr):
+    """int32 codes at indices ``i`` along the packed dimension of rows starting at ``base``
+    (broadcast against ``i``), ``stride`` elements per byte along it (``kvlens.quant.packing``:
+    code ``i`` sits at bit ``(i // U) * 8W + (i % U) * BITS`` of the row, little-endian). A code
+    that straddles two bytes of its unit (3, 5, 6, 7 bits) reads the next byte too; a
+    power-of-two width never does (``W == 1``: one load, one shift, one mask)."""
+    off = (i // U) * (8 * W) + (i % U) * BITS
+    byte = off // 8
+    sh = off % 8
+    word = tl.load(base + byte * stride, mask=m, other=0).to(tl.int32)
+    if W > 1:
+        hi = tl.load(base + (byte + 1) * stride, mask=m & (sh + BITS > 8), other=0)
+        word = word | (hi.to(tl.int32) << 8)
+    return (word >> sh) & ((1 << BITS) - 1)
 
 
 @triton.jit
@@ -119,12 +137,12 @@ def _packed_split_kernel(
     BG: tl.constexpr,  # padded query heads per KV head (>= 16 for tl.dot)
     BD: tl.constexpr,  # padded head dim
     BT: tl.constexpr,  # tokens per block; divides every token group (KRT, VRT when > 1)
-    KC: tl.constexpr, KP: tl.constexpr,  # key container bits, key codes per byte
+    KB: tl.constexpr, KU: tl.constexpr, KW: tl.constexpr,  # key bits, packing unit (U, W)
     K_TOK: tl.constexpr,  # keys packed along tokens (per-channel) instead of channels
     KRT: tl.constexpr,  # tokens per key scale row (per-channel G, per-tensor F; 1 = per-token)
     GKD: tl.constexpr, GKD_P: tl.constexpr,  # per-token keys: channels per group and pad
     NKG: tl.constexpr, NKG_P: tl.constexpr,  # per-token keys: groups per token (D/GKD) and pad
-    VC: tl.constexpr, VP: tl.constexpr,  # value container bits, value codes per byte
+    VB: tl.constexpr, VU: tl.constexpr, VW: tl.constexpr,  # value bits, packing unit (U, W)
     V_TOK: tl.constexpr,  # values packed along tokens (per-channel)
     VRT: tl.constexpr,  # tokens per value scale row (per-channel G, per-tensor F; 1 = per-token)
     K_M8: tl.constexpr,  # key scale/zero are 8-bit codes (uint8 / int8), decoded here
@@ -186,9 +204,8 @@ def _packed_split_kernel(
         # -- keys -> scores [BG, BT] (log2 units)
         if KRT == 1:
             # per-token: score_t = sum_j s_tj * (q_j . code_tj) + z_tj * sum(q_j)
-            kb = tl.load(kc_ptr + b * skcb + h * skch + t[None, None, :] * skct
-                         + (kct // KP) * skcd, mask=kctm & tv[None, None, :], other=0)
-            kcode = ((kb.to(tl.int32) >> ((kct % KP) * KC)) & ((1 << KC) - 1)).to(tl.float16)
+            kcode = _unpack_at(kc_ptr + b * skcb + h * skch + t[None, None, :] * skct, kct,
+                               skcd, kctm & tv[None, None, :], KB, KU, KW).to(tl.float16)
             part = tl.dot(q3h, kcode)  # [NKG_P, BG, BT]
             ksp = kj[:, None] * sksd + t[None, :] * skst
             kgm = (kj[:, None] < NKG) & tv[None, :]
@@ -208,14 +225,11 @@ def _packed_split_kernel(
             qs = (q * ks[None, :]).to(tl.float16)
             bias = tl.sum(q * kz[None, :], axis=1)
             if K_TOK:
-                kb = tl.load(kc_ptr + b * skcb + h * skch + (t[None, :] // KP) * skct
-                             + di[:, None] * skcd, mask=tv[None, :] & dmask[:, None], other=0)
-                kcode = ((kb.to(tl.int32) >> ((t[None, :] % KP) * KC)) & ((1 << KC) - 1))
+                kcode = _unpack_at(kc_ptr + b * skcb + h * skch + di[:, None] * skcd,
+                                   t[None, :], skct, tv[None, :] & dmask[:, None], KB, KU, KW)
             else:  # per-tensor: packed along channels
-                kb = tl.load(kc_ptr + b * skcb + h * skch + t[None, :] * skct
-                             + (di[:, None] // KP) * skcd, mask=tv[None, :] & dmask[:, None],
-                             other=0)
-                kcode = ((kb.to(tl.int32) >> ((di[:, None] % KP) * KC)) & ((1 << KC) - 1))
+                kcode = _unpack_at(kc_ptr + b * skcb + h * skch + t[None, :] * skct,
+                                   di[:, None], skcd, tv[None, :] & dmask[:, None], KB, KU, KW)
             s = tl.dot(qs, kcode.to(tl.float16)) + bias[:, None]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -232,9 +246,8 @@ def _packed_split_kernel(
             vzp = vj[:, None] * svzd + t[None, :] * svzt
             vz = tl.load(vz_ptr + b * svzb + h * svzh + vzp, mask=pmask, other=0)
             vs, vz = _group_meta(vs, vz, v_unit, V_M8, MB, MS)
-            vb = tl.load(vc_ptr + b * svcb + h * svch + t[None, :, None] * svct
-                         + (vch // VP) * svcd, mask=vchm & tv[None, :, None], other=0)
-            vcode = ((vb.to(tl.int32) >> ((vch % VP) * VC)) & ((1 << VC) - 1)).to(tl.float16)
+            vcode = _unpack_at(vc_ptr + b * svcb + h * svch + t[None, :, None] * svct, vch,
+                               svcd, vchm & tv[None, :, None], VB, VU, VW).to(tl.float16)
             pw = (p[None, :, :] * vs[:, None, :]).to(tl.float16)  # [NDG_P, BG, BT]
             pv = tl.dot(pw, vcode)  # [NDG_P, BG, GV_P]
             zt = tl.sum(p[None, :, :] * vz[:, None, :], axis=2)  # [NDG_P, BG]
@@ -248,14 +261,11 @@ def _packed_split_kernel(
                          other=0)
             vs, vz = _group_meta(vs, vz, v_unit, V_M8, MB, MS)
             if V_TOK:
-                vb = tl.load(vc_ptr + b * svcb + h * svch + (t[:, None] // VP) * svct
-                             + di[None, :] * svcd, mask=tv[:, None] & dmask[None, :], other=0)
-                vcode = ((vb.to(tl.int32) >> ((t[:, None] % VP) * VC)) & ((1 << VC) - 1))
+                vcode = _unpack_at(vc_ptr + b * svcb + h * svch + di[None, :] * svcd,
+                                   t[:, None], svct, tv[:, None] & dmask[None, :], VB, VU, VW)
             else:
-                vb = tl.load(vc_ptr + b * svcb + h * svch + t[:, None] * svct
-                             + (di[None, :] // VP) * svcd, mask=tv[:, None] & dmask[None, :],
-                             other=0)
-                vcode = ((vb.to(tl.int32) >> ((di[None, :] % VP) * VC)) & ((1 << VC) - 1))
+                vcode = _unpack_at(vc_ptr + b * svcb + h * svch + t[:, None] * svct,
+                                   di[None, :], svcd, tv[:, None] & dmask[None, :], VB, VU, VW)
             pv = tl.dot(p.to(tl.float16), vcode.to(tl.float16))  # [BG, BD]
             acc = acc * alpha[:, None] + pv * vs[None, :] + tl.sum(p, axis=1)[:, None] * vz[None, :]
         m_i = m_new
@@ -401,7 +411,7 @@ def _packed_geometry(which: str, layout: str, bits: int, group, codes, scale, ze
     if layout not in LAYOUTS:
         raise InputError(f"{which}_layout {layout!r} is not a packed layout; allowed: "
                          f"{', '.join(LAYOUTS)}.")
-    per = 8 // container_bits(bits)
+    per, width = pack_unit(bits)
     if layout == "per-token":
         gd = d if group is None else group
         check_int(gname, gd, 1)
@@ -410,7 +420,7 @@ def _packed_geometry(which: str, layout: str, bits: int, group, codes, scale, ze
                              f"e.g. 32, 64, 128 (or None for the whole head).")
         if gd % per:
             raise InputError(f"{gname} {gd} must be a multiple of {per} ({bits}-bit codes "
-                             f"per byte).")
+                             f"are packed {per} per {width} byte(s)).")
         rows_t, cols = 1, d // gd
     else:
         if group is None:
@@ -425,8 +435,8 @@ def _packed_geometry(which: str, layout: str, bits: int, group, codes, scale, ze
     tok = layout == "per-channel"
     cname = f"{which}_codes"
     check_tensor(cname, codes, 4, (torch.uint8,), dev)
-    check_shape(cname, codes, (b, hkv, None, d if tok else -(-d // per)))
-    held = codes.shape[2] * (per if tok else 1)
+    check_shape(cname, codes, (b, hkv, None, d if tok else -(-d // per) * width))
+    held = codes.shape[2] // width * per if tok else codes.shape[2]
     if held < length:
         raise InputError(f"{cname} holds {held} tokens < length {length}.")
     n_rows = -(-length // rows_t)
@@ -503,8 +513,7 @@ def decode_attention(
     check_int("residual_len", residual_len, 0)
     if not isinstance(scaling, (int, float)) or isinstance(scaling, bool):
         raise InputError(f"scaling must be a float, got {scaling!r}.")
-    kcb, vcb = container_bits(k_bits), container_bits(v_bits)
-    kp, vp = 8 // kcb, 8 // vcb
+    kunit, vunit = pack_unit(k_bits), pack_unit(v_bits)
     hkv = None
     for name, t in (("k_codes", k_codes), ("residual_k", residual_k)):
         if t is not None:
@@ -629,9 +638,9 @@ def decode_attention(
             *pv_args, *mask_args, start_arg, o_part, m_part, l_part,
             hkv, d, gq, length, split_p, s_total, qscale,
             float(k_zero_unit or 0.0), float(v_zero_unit or 0.0),
-            BG=bg, BD=bd, BT=bt_p, KC=kcb, KP=kp, K_TOK=kgeo[0], KRT=kgeo[1],
+            BG=bg, BD=bd, BT=bt_p, KB=k_bits, KU=kunit[0], KW=kunit[1], K_TOK=kgeo[0], KRT=kgeo[1],
             GKD=kgeo[2], GKD_P=max(16, next_pow2(kgeo[2])), NKG=nkg, NKG_P=next_pow2(nkg),
-            VC=vcb, VP=vp, V_TOK=vgeo[0], VRT=vgeo[1],
+            VB=v_bits, VU=vunit[0], VW=vunit[1], V_TOK=vgeo[0], VRT=vgeo[1],
             GV=vgeo[2], GV_P=max(16, next_pow2(vgeo[2])), NDG=ndg, NDG_P=next_pow2(ndg),
             HAS_BAL=bal is not None, HAS_MASK=mask is not None, HAS_START=start is not None,
             HAS_PVALID=pvalid is not None, K_M8=k_zero_unit is not None,

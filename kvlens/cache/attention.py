@@ -148,12 +148,14 @@ def _bias(mask: torch.Tensor | None, pos: torch.Tensor, tq: int, n_total: int, b
 _SHIFTS: dict = {}
 
 
-def _shifts(container: int, device) -> torch.Tensor:
-    """``[P, 1]`` uint8 shifts of the code slots of a byte (cached per device)."""
-    key = (container, str(device))
+def _shifts(bits: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """``[U, 1]`` shifts of the ``U`` code slots of a packing unit (cached per device)."""
+    from kvlens.quant import pack_unit
+
+    key = (bits, dtype, str(device))
     if key not in _SHIFTS:
-        _SHIFTS[key] = torch.arange(0, 8, container, dtype=torch.uint8,
-                                    device=device).unsqueeze(-1)
+        u, _ = pack_unit(bits)
+        _SHIFTS[key] = torch.arange(0, u * bits, bits, dtype=dtype, device=device).unsqueeze(-1)
     return _SHIFTS[key]
 
 
@@ -181,27 +183,40 @@ def _scratch(slot: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tenso
     return buf[:n].view(shape)
 
 
-def _unpack_rows(raw: torch.Tensor, container: int) -> torch.Tensor:
-    """uint8 ``[..., R, C]`` (each byte holds ``P`` codes of consecutive rows) -> float32
-    ``[..., R * P, C]`` (row ``r*P + e`` = slot ``e`` of byte row ``r``). One broadcast shift
-    over the long last dimension, into the reusable chunk workspace (``_scratch``: the result
-    is only valid until the next unpack)."""
-    per = 8 // container
+def _unpack_rows(raw: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 ``[..., R, C]`` (each run of ``W`` byte rows is one packing unit holding ``U``
+    codes of consecutive rows, ``kvlens.quant.packing``) -> float32 ``[..., R / W * U, C]`` (row
+    ``r*U + e`` = slot ``e`` of unit ``r``). One broadcast shift over the long last dimension,
+    into the reusable chunk workspace (``_scratch``: the result is only valid until the next
+    unpack). Units of several bytes (3-bit codes: 8 in 3 bytes) are first joined into one
+    integer per unit and column."""
+    from kvlens.quant import pack_unit
+
+    u, w = pack_unit(bits)
     lead, r, c = raw.shape[:-2], raw.shape[-2], raw.shape[-1]
-    out = _scratch("f32", (*lead, r * per, c), torch.float32, raw.device)
-    if container == 8:
+    out = _scratch("f32", (*lead, r // w * u, c), torch.float32, raw.device)
+    if u == 1:
         return out.copy_(raw)
-    codes = _scratch("u8", (*lead, r, per, c), torch.uint8, raw.device)
-    torch.bitwise_right_shift(raw.unsqueeze(-2), _shifts(container, raw.device), out=codes)
-    codes.bitwise_and_((1 << container) - 1)
-    return out.copy_(codes.view(*lead, r * per, c))
+    if w == 1:
+        codes = _scratch("u8", (*lead, r, u, c), torch.uint8, raw.device)
+        torch.bitwise_right_shift(raw.unsqueeze(-2), _shifts(bits, torch.uint8, raw.device),
+                                  out=codes)
+    else:
+        dtype = torch.int32 if 8 * w < 32 else torch.int64
+        units = raw.view(*lead, r // w, w, c).to(dtype)
+        word = units[..., 0, :]
+        for k in range(1, w):
+            word = word | (units[..., k, :] << (8 * k))
+        codes = torch.bitwise_right_shift(word.unsqueeze(-2), _shifts(bits, dtype, raw.device))
+    codes.bitwise_and_((1 << bits) - 1)
+    return out.copy_(codes.view(*lead, r // w * u, c))
 
 
-def _unpack_cols(raw: torch.Tensor, container: int, d: int) -> torch.Tensor:
-    """uint8 ``[..., T, ceil(D/P)]`` packed along channels -> float32 ``[..., D, T]`` (channels
-    first: the bytes are transposed, which is cheap, then unpacked with one broadcast shift over
-    the long token dimension)."""
-    return _unpack_rows(raw.transpose(-1, -2).contiguous(), container)[..., :d, :]
+def _unpack_cols(raw: torch.Tensor, bits: int, d: int) -> torch.Tensor:
+    """uint8 ``[..., T, packed_length(D)]`` packed along channels -> float32 ``[..., D, T]``
+    (channels first: the bytes are transposed, which is cheap, then unpacked with one broadcast
+    shift over the long token dimension)."""
+    return _unpack_rows(raw.transpose(-1, -2).contiguous(), bits)[..., :d, :]
 
 
 def _token_rows(p: torch.Tensor, store, n: int) -> torch.Tensor:
@@ -234,13 +249,13 @@ def _dequant_chunk(store, t0: int, t1: int) -> torch.Tensor:
     computed in place on the unpacked chunk (one float32 chunk, the same values as the
     reference's ``dequantize_range``). Used only where the scales cannot be folded (pre-RoPE
     keys: RoPE must rotate the dequantized key)."""
-    c = _container(store)
+    c = store.spec.bits
     d = store.head_dim
     b, h = store.codes.shape[:2]
     n = t1 - t0
     if store.packs_tokens:
-        per, g = 8 // c, _key_group(store)
-        x = _unpack_rows(store.codes[:, :, t0 // per:t1 // per], c).view(b, h, n // g, g, d)
+        g = _key_group(store)
+        x = _unpack_rows(_token_rows_of(store, t0, t1), c).view(b, h, n // g, g, d)
         scale, zero = store.params(slice(t0 // g, t1 // g))
         x.mul_(scale[:, :, :, None].float())
         x.add_(zero[:, :, :, None].float())
@@ -272,11 +287,11 @@ def _key_scores(layer, q: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
         return torch.matmul(q, k.transpose(-1, -2))
     b, h, m, d = q.shape
     n = t1 - t0
-    c = _container(store)
+    c = store.spec.bits
     if store.packs_tokens:  # per-channel: one scale row per G tokens
-        per, g = 8 // c, _key_group(store)
+        g = _key_group(store)
         ng = n // g
-        codes = _unpack_rows(store.codes[:, :, t0 // per:t1 // per], c)
+        codes = _unpack_rows(_token_rows_of(store, t0, t1), c)
         scale, zero = (p.float() for p in store.params(slice(t0 // g, t1 // g)))  # [B,H,nG,D]
         qs = q[:, :, None] * scale[:, :, :, None]  # [B, H, nG, M, D]
         s = torch.matmul(qs, codes.view(b, h, ng, g, d).transpose(-1, -2))  # [B, H, nG, M, G]
@@ -307,11 +322,11 @@ def _value_out(layer, p: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
         return torch.matmul(p, store.dequantize_range(t0, t1))
     b, h, m, n = p.shape
     d = store.head_dim
-    c = _container(store)
+    c = store.spec.bits
     if store.packs_tokens:  # per-channel: o_d = sum_g s_gd (p_g . code_gd) + z_gd * sum(p_g)
-        per, g = 8 // c, _key_group(store)
+        g = _key_group(store)
         ng = n // g
-        codes = _unpack_rows(store.codes[:, :, t0 // per:t1 // per], c)  # [B, H, n, D]
+        codes = _unpack_rows(_token_rows_of(store, t0, t1), c)  # [B, H, n, D]
         scale, zero = (p.float() for p in store.params(slice(t0 // g, t1 // g)))  # [B,H,nG,D]
         pg = p.view(b, h, m, ng, g).transpose(2, 3)  # [B, H, nG, M, G]
         part = torch.matmul(pg, codes.view(b, h, ng, g, d))  # [B, H, nG, M, D]
@@ -337,10 +352,9 @@ def _packed_values(layer, p: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
     return out
 
 
-def _container(store) -> int:
-    from kvlens.quant import container_bits
-
-    return container_bits(store.spec.bits)
+def _token_rows_of(store, t0: int, t1: int) -> torch.Tensor:
+    """The code bytes of tokens ``[t0, t1)`` of a token-packed store (whole packing units)."""
+    return store.codes[:, :, store.code_rows(t0):store.code_rows(t1)]
 
 
 # -- segments -------------------------------------------------------------------------------------
@@ -487,10 +501,10 @@ def _kernel_group(spec, block: int):
 
 
 def _spec_kernel_problem(what: str, spec, block: int, d: int) -> str | None:
-    from kvlens.quant import container_bits
+    from kvlens.quant import pack_unit
 
     g = _kernel_group(spec, block)
-    per = 8 // container_bits(spec.bits)
+    per, _ = pack_unit(spec.bits)
     if spec.granularity == "per-token":
         g = g or d
         if d % g or g < 16 or g % per:

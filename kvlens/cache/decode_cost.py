@@ -4,7 +4,7 @@ Decode attention is bound by the bytes it reads (``/work/shared/notes/kernels.md
 reads the whole cache). This module turns the byte description of ``kvlens.cache.layout`` into
 the bytes one single-token decode step reads, for ``recommend`` to report next to the presets:
 
-- the packed store: codes at their container width, scales and zeros (the fused kernel reads
+- the packed store: codes at their bits (densely packed), scales and zeros (the fused kernel reads
   each once per step; per-token scales cost ``2 * s * D / G`` bytes per token, per-channel ones
   ``2 * s * D / G`` per token too, per-tensor ones ``2 * s / F``);
 - an unquantized tensor's dense history, the filled part of the residual window (not its spare

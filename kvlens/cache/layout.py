@@ -142,15 +142,14 @@ def fp_bytes_of(fp_dtype: str, model_dtype_bytes: int) -> int:
 def packed_bytes(spec, tokens: int, flush: int, head_dim: int, scale_bytes: int = 2
                  ) -> tuple[int, int, int]:
     """``(codes, scales, zeros)`` bytes of ``tokens`` (a multiple of ``flush``) packed tokens of
-    one (batch row, KV head), in ``kvlens.cache.packed``'s layout (container widths, whole
-    scale groups, a stored zero for every group)."""
-    from kvlens.quant import codes_per_byte, packed_length
+    one (batch row, KV head), in ``kvlens.cache.packed``'s layout (dense codes in whole packing
+    units, whole scale groups, a stored zero for every group)."""
+    from kvlens.quant import packed_length
 
     if tokens == 0:
         return 0, 0, 0
-    per = codes_per_byte(spec.bits)
     if spec.granularity == "per-channel":
-        codes = tokens // per * head_dim
+        codes = packed_length(tokens, spec.bits) * head_dim  # tokens: whole units
     else:
         codes = tokens * packed_length(head_dim, spec.bits)
     bt, bd = spec.block_shape(flush, head_dim)

@@ -5,8 +5,9 @@ semantics (what shares a scale, the code formula) are the reference's
 (``kvlens.quant.reference``); bit packing is ``kvlens.quant.packing``. A fused decode kernel
 reads exactly the buffers described here.
 
-Notation: ``B`` batch, ``H`` KV heads, ``D`` head_dim, ``b`` bits, ``c = container_bits(b)``,
-``P = 8 // c`` codes per byte, ``F`` the *flush block* (tokens quantized together, see below),
+Notation: ``B`` batch, ``H`` KV heads, ``D`` head_dim, ``b`` bits, ``(U, W) = pack_unit(b)``
+(``U`` codes densely packed into ``W`` bytes: 2 bits (4, 1), 3 bits (8, 3), 4 bits (2, 1)),
+``F`` the *flush block* (tokens quantized together, see below),
 ``(bt, bd) = spec.block_shape(F, D)`` the extent of one scale group inside a block
 (per-channel ``(G, 1)``, per-token ``(1, G)``, per-tensor ``(F, D)``; ``G=None`` resolves to the
 whole block ``F`` for per-channel and to ``D`` for per-token).
@@ -29,15 +30,15 @@ a sliding-window layer drops whole blocks from the front with ``drop_front``; no
 concatenated per step):
 
 ``codes`` (``torch.uint8``)
-    - per-channel specs: ``[B, H, cap // P, D]`` -- packed along **tokens**: byte ``j`` of
-      channel ``d`` holds tokens ``j*P .. j*P+P-1`` of that channel (``F`` must be a multiple
-      of ``P`` so a byte never straddles two blocks);
-    - per-token and per-tensor specs: ``[B, H, cap, ceil(D / P)]`` -- packed along
-      **channels**: byte ``j`` of token ``t`` holds channels ``j*P .. j*P+P-1``.
-    Within a byte codes are little-endian: element ``e`` of the byte occupies bits
-    ``[e*c, (e+1)*c)`` (first element in the lowest bits), exactly ``kvlens.quant.packing``:
-    for 2 bits, codes ``(a, b, c, d)`` -> ``a | b << 2 | c << 4 | d << 6``. Mask after
-    shifting.
+    - per-channel specs: ``[B, H, cap // U * W, D]`` -- packed along **tokens**: bytes
+      ``u*W .. u*W+W-1`` of channel ``d`` hold tokens ``u*U .. u*U+U-1`` of that channel
+      (``F`` must be a multiple of ``U`` so a unit never straddles two blocks);
+    - per-token and per-tensor specs: ``[B, H, cap, packed_length(D, b)]`` -- packed along
+      **channels**: unit ``u`` of token ``t`` holds channels ``u*U .. u*U+U-1``.
+    Within a unit codes are little-endian, exactly ``kvlens.quant.packing``: code ``e`` occupies
+    bits ``[e*b, (e+1)*b)`` of the unit's ``W`` bytes read as one little-endian integer (first
+    code in the lowest bits); for 2 bits, codes ``(a, b, c, d)`` -> ``a | b << 2 | c << 4 |
+    d << 6``. A 3-bit code can straddle two bytes of its unit.
 ``scale``, ``zero`` (``scale_dtype``, float16 by default; float32 optional; ``"8bit"``: a uint8
 scale code and an int8 zero code, ``kvlens.quant.meta8``, decoded by ``params``)
     ``[B, H, (cap // F) * nT, nD]`` with ``nT = ceil(F / bt)`` scale rows per block and
@@ -69,9 +70,9 @@ from kvlens.kvconfig import SCALE_DTYPES
 from kvlens.quant import (
     QTensor,
     QuantSpec,
-    codes_per_byte,
     dequantize,
     pack_codes,
+    pack_unit,
     packed_length,
     quantize,
     unpack_codes,
@@ -110,10 +111,11 @@ def check_layout(spec: QuantSpec, residual_tokens: int, head_dim: int, what: str
         if f % g:
             raise ConfigError(f"{where}per-channel group size {g} must divide the {block} "
                               f"(tokens are quantized {f} at a time); use a multiple of {g}.")
-        per = codes_per_byte(spec.bits)
-        if f % per:
-            raise ConfigError(f"{where}the {block} must be a multiple of {per} for "
-                              f"{spec.bits}-bit codes packed along tokens.")
+        u, w = pack_unit(spec.bits)
+        if f % u:
+            raise ConfigError(f"{where}the {block} must be a multiple of {u} for "
+                              f"{spec.bits}-bit codes packed along tokens ({u} codes share "
+                              f"{w} byte{'s' if w > 1 else ''}).")
 
 
 @dataclass
@@ -156,14 +158,15 @@ class PackedTensor:
     def capacity(self) -> int:
         if self.codes is None:
             return 0
-        per = codes_per_byte(self.spec.bits)
-        return self.codes.shape[2] * (per if self.packs_tokens else 1)
+        if not self.packs_tokens:
+            return self.codes.shape[2]
+        u, w = pack_unit(self.spec.bits)
+        return self.codes.shape[2] // w * u
 
     def _allocate(self, b: int, h: int, cap: int, device, keep_from: int = 0) -> None:
         """New buffers for ``cap`` tokens holding the stored tokens ``[keep_from, length)``."""
-        per = codes_per_byte(self.spec.bits)
         d = self.head_dim
-        shape = (b, h, cap // per, d) if self.packs_tokens else \
+        shape = (b, h, self.code_rows(cap), d) if self.packs_tokens else \
             (b, h, cap, packed_length(d, self.spec.bits))
         n_t, n_d = self.group_rows
         codes = torch.zeros(shape, dtype=torch.uint8, device=device)
@@ -171,15 +174,20 @@ class PackedTensor:
                             device=device)
         zero = torch.zeros_like(scale, dtype=torch.int8 if self.meta8 else None)
         if self.codes is not None and self.length > keep_from:  # one copy of what stays
-            c0, c1 = self._code_rows(keep_from), self._code_rows(self.length)
+            c0, c1 = self.code_rows(keep_from), self.code_rows(self.length)
             codes[:, :, :c1 - c0] = self.codes[:, :, c0:c1]
             r0, r1 = keep_from // self.block * n_t, self.length // self.block * n_t
             scale[:, :, :r1 - r0] = self.scale[:, :, r0:r1]
             zero[:, :, :r1 - r0] = self.zero[:, :, r0:r1]
         self.codes, self.scale, self.zero = codes, scale, zero
 
-    def _code_rows(self, tokens: int) -> int:
-        return tokens // codes_per_byte(self.spec.bits) if self.packs_tokens else tokens
+    def code_rows(self, tokens: int) -> int:
+        """Rows of ``codes`` holding the first ``tokens`` tokens (a multiple of ``U`` for a
+        token-packed store)."""
+        if not self.packs_tokens:
+            return tokens
+        u, w = pack_unit(self.spec.bits)
+        return tokens // u * w
 
     # -- write --------------------------------------------------------------------------------
     def append(self, x: torch.Tensor) -> None:
@@ -206,7 +214,7 @@ class PackedTensor:
         packed = pack_codes(q.codes, self.spec.bits, dim=pdim)
         packed = packed.reshape(b, n, h, *packed.shape[2:]).transpose(1, 2)
         packed = packed.reshape(b, h, -1, packed.shape[-1])
-        r0, r1 = self._code_rows(self.length), self._code_rows(need)
+        r0, r1 = self.code_rows(self.length), self.code_rows(need)
         self.codes[:, :, r0:r1] = packed
         n_t, _ = self.group_rows
         s0 = self.length // f * n_t
@@ -236,7 +244,7 @@ class PackedTensor:
         n = (t1 - t0) // f
         d = self.head_dim
         n_t, _ = self.group_rows
-        rows = self.codes[:, :, self._code_rows(t0):self._code_rows(t1)]
+        rows = self.codes[:, :, self.code_rows(t0):self.code_rows(t1)]
         rows = rows.reshape(b, h, n, -1, rows.shape[-1]).transpose(1, 2)
         rows = rows.reshape(b * n, h, *rows.shape[3:])
         pdim = 2 if self.packs_tokens else 3

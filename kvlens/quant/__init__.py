@@ -24,9 +24,8 @@ from kvlens.quant.formats import (
     quantize_ggml,
 )
 from kvlens.quant.packing import (
-    codes_per_byte,
-    container_bits,
     pack_codes,
+    pack_unit,
     packed_length,
     unpack_codes,
 )
@@ -78,8 +77,6 @@ __all__ = [
     "StorageBreakdown",
     "apply_balancer",
     "bits_per_element",
-    "codes_per_byte",
-    "container_bits",
     "dequantize",
     "expand_params",
     "fake_quantize",
@@ -89,6 +86,7 @@ __all__ = [
     "lowrank_residual",
     "outlier_count",
     "pack_codes",
+    "pack_unit",
     "packed_length",
     "quantize",
     "quantize_gear",

@@ -2,14 +2,14 @@
 
 A library formula for analysis (it also prices dense-and-sparse outliers and low-rank terms,
 which the cache does not store); no command budgets with it. The bytes the compressed cache
-really holds (container widths, the window buffer, sets, positions, sliding layers) are
+really holds (whole packing units, the window buffer, sets, positions, sliding layers) are
 described by ``kvlens.cache.layout``, which ``memory_report`` and ``recommend`` use.
 
 Counted per ``[T, D]`` matrix of one (batch, head), so the result does not depend on ``B, H``;
 partial groups are counted as whole groups (they still store a scale and a zero). With
 ``N = T_q * D`` quantized elements, where ``T_q = T - residual_tokens``::
 
-    codes    = bits                      (or container_bits(bits) when count_containers)
+    codes    = bits                      (codes are packed densely: kvlens.quant.packing)
     scales   = n_groups * scale_bits / N                     n_groups = spec.num_groups(T_q, D)
     zeros    = n_groups * zero_bits  / N                     (0 when symmetric: zero = -qmax*scale)
     outliers = k * (outlier_value_bits + outlier_index_bits) / n      per vector of length n,
@@ -28,7 +28,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from kvlens.errors import ConfigError
-from kvlens.quant.packing import container_bits
 from kvlens.quant.spec import QuantSpec
 from kvlens.quant.transforms import default_outlier_scope, outlier_count, scope_dim
 
@@ -70,15 +69,12 @@ def bits_per_element(
     lowrank_bits: int = 16,
     residual_tokens: int = 0,
     residual_bits: int = 16,
-    count_containers: bool = False,
 ) -> StorageBreakdown:
     """Exact storage of ``spec`` on a tensor of ``shape`` (``[B, H, T, D]`` or ``(T, D)``).
 
     outlier_scope: vectors the outlier fraction applies to (default: the quantizer's axis, as
         ``kvlens.quant.transforms.quantize_with_outliers`` does).
     residual_tokens: newest tokens kept in full precision (KIVI's window) at ``residual_bits``.
-    count_containers: count codes at their packed container width (3 bits -> 4) instead of
-        the nominal width.
     """
     if len(shape) < 2:
         raise ConfigError(f"Expected a shape [B, H, T, D] or (T, D), got {tuple(shape)}.")
@@ -107,7 +103,7 @@ def bits_per_element(
     n = t_q * d
     groups = spec.num_groups(t_q, d)
     share = t_q / t
-    codes = container_bits(spec.bits) if count_containers else spec.bits
+    codes = spec.bits
     scales = groups * scale_bits / n
     zeros = 0.0 if spec.symmetric else groups * zero_bits / n
     scope = outlier_scope or default_outlier_scope(spec)

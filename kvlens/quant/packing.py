@@ -1,21 +1,26 @@
 """Bit packing of quantization codes into bytes (the storage form kernels read).
 
-Layout (Triton kernels mirror it exactly):
+Layout (the Triton decode kernel mirrors it exactly):
 
-- Codes of ``bits`` bits are stored in *containers* of ``container_bits(bits)`` bits:
-  1 -> 1, 2 -> 2, 3 -> 4, 4 -> 4, 5..8 -> 8. So 3-bit codes are stored in 4-bit containers
-  (two per byte, the top container bit always 0) and 5-7-bit codes in whole bytes; storage
-  accounting still reports the *nominal* bits unless asked for containers
-  (``kvlens.quant.accounting``).
-- ``8 // container_bits`` codes share one byte along the packed dimension, **little-endian
-  within the byte**: element ``j`` of a byte occupies bits ``[j*c, (j+1)*c)``, so the first
-  element sits in the lowest bits. For 2 bits, codes ``(a, b, c, d)`` become the byte
-  ``a | b << 2 | c << 4 | d << 6``.
-- A length that is not a multiple of the codes per byte is padded with zero codes at the end;
+- Codes are packed densely: ``b``-bit codes take ``b`` bits each. They are grouped in *units*
+  of ``U`` codes filling ``W`` whole bytes (``pack_unit(b) = (U, W)``, ``U * b = 8 * W``):
+  1 bit -> (8, 1), 2 -> (4, 1), 3 -> (8, 3), 4 -> (2, 1), 5 -> (8, 5), 6 -> (4, 3),
+  7 -> (8, 7), 8 -> (1, 1). So 3-bit codes cost 3 bits, not a 4-bit container: 8 codes share
+  3 bytes.
+- Within a unit, the ``W`` bytes are one little-endian integer and code ``j`` occupies its bits
+  ``[j*b, (j+1)*b)``: the first code sits in the lowest bits of the first byte. For 2 bits,
+  codes ``(a, b, c, d)`` become the byte ``a | b << 2 | c << 4 | d << 6``; for 3 bits, code 2
+  straddles bytes 0 and 1 (its low 2 bits are bits 6-7 of byte 0).
+- A length that is not a multiple of ``U`` is padded with zero codes at the end (whole units);
   ``unpack_codes`` takes the original ``length`` and drops the padding.
+
+Before 2026-12-02 3-bit codes were stored in 4-bit containers and 5-7-bit codes in whole bytes,
+so the allocator paid 4 bits for 3-bit codes and never chose them.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -24,51 +29,54 @@ from kvlens.errors import ConfigError, InputError
 ALLOWED_BITS = tuple(range(1, 9))
 
 
-def container_bits(bits: int) -> int:
-    """Bits of the container a ``bits``-bit code is stored in (a power of two)."""
+def pack_unit(bits: int) -> tuple[int, int]:
+    """``(U, W)``: ``U`` codes of ``bits`` bits fill exactly ``W`` bytes (the packing unit)."""
     if isinstance(bits, bool) or not isinstance(bits, int) or bits not in ALLOWED_BITS:
         raise ConfigError(f"Cannot pack {bits!r}-bit codes; allowed bits: 1-8.")
-    return 1 if bits == 1 else 2 if bits == 2 else 4 if bits <= 4 else 8
-
-
-def codes_per_byte(bits: int) -> int:
-    return 8 // container_bits(bits)
+    w = bits // math.gcd(bits, 8)
+    return 8 * w // bits, w
 
 
 def packed_length(length: int, bits: int) -> int:
-    """Bytes needed for ``length`` codes along the packed dimension."""
-    per = codes_per_byte(bits)
-    return -(-length // per)
+    """Bytes needed for ``length`` codes along the packed dimension (whole units)."""
+    u, w = pack_unit(bits)
+    return -(-length // u) * w
 
 
 def pack_codes(codes: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
     """Pack uint8 ``codes`` (each ``< 2^bits``) along ``dim``; that dimension shrinks to
-    ``ceil(n / codes_per_byte(bits))`` bytes. Other dimensions are unchanged."""
-    cbits = container_bits(bits)
+    ``packed_length(n, bits)`` bytes. Other dimensions are unchanged."""
+    u, w = pack_unit(bits)
     if codes.dtype != torch.uint8:
         raise InputError(f"Codes must be uint8, got {codes.dtype}.")
     if codes.numel() and int(codes.max()) >= (1 << bits):
         raise InputError(
             f"Code {int(codes.max())} does not fit in {bits} bits (max {(1 << bits) - 1})."
         )
-    if cbits == 8:
+    if u == 1:
         return codes.clone()
-    per = 8 // cbits
     x = codes.movedim(dim, -1)
     n = x.shape[-1]
-    pad = -n % per
+    pad = -n % u
     if pad:
         x = torch.cat((x, x.new_zeros(*x.shape[:-1], pad)), dim=-1)
-    x = x.reshape(*x.shape[:-1], (n + pad) // per, per)
-    packed = torch.zeros(x.shape[:-1], dtype=torch.uint8, device=codes.device)
-    for j in range(per):
-        packed |= x[..., j] << (j * cbits)
+    x = x.reshape(*x.shape[:-1], (n + pad) // u, u)
+    if w == 1:
+        packed = torch.zeros(x.shape[:-1], dtype=torch.uint8, device=codes.device)
+        for j in range(u):
+            packed |= x[..., j] << (j * bits)
+    else:  # the unit as one little-endian integer (at most 56 bits), then its bytes
+        word = torch.zeros(x.shape[:-1], dtype=torch.int64, device=codes.device)
+        for j in range(u):
+            word |= x[..., j].long() << (j * bits)
+        packed = torch.stack([(word >> (8 * k)) & 255 for k in range(w)], dim=-1)
+        packed = packed.to(torch.uint8).reshape(*x.shape[:-2], -1)
     return packed.movedim(-1, dim)
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, length: int, dim: int = -1) -> torch.Tensor:
     """Inverse of ``pack_codes``: uint8 codes with ``length`` entries along ``dim``."""
-    cbits = container_bits(bits)
+    u, w = pack_unit(bits)
     if packed.dtype != torch.uint8:
         raise InputError(f"Packed codes must be uint8, got {packed.dtype}.")
     x = packed.movedim(dim, -1)
@@ -77,10 +85,16 @@ def unpack_codes(packed: torch.Tensor, bits: int, length: int, dim: int = -1) ->
             f"{x.shape[-1]} packed bytes cannot hold exactly {length} "
             f"{bits}-bit codes (expected {packed_length(length, bits)} bytes)."
         )
-    if cbits == 8:
+    if u == 1:
         return x.clone().movedim(-1, dim)
-    per = 8 // cbits
-    mask = (1 << cbits) - 1
-    parts = [(x >> (j * cbits)) & mask for j in range(per)]
-    out = torch.stack(parts, dim=-1).reshape(*x.shape[:-1], x.shape[-1] * per)
+    mask = (1 << bits) - 1
+    if w == 1:
+        parts = [(x >> (j * bits)) & mask for j in range(u)]
+    else:
+        units = x.reshape(*x.shape[:-1], -1, w).long()
+        word = units[..., 0].clone()
+        for k in range(1, w):
+            word |= units[..., k] << (8 * k)
+        parts = [((word >> (j * bits)) & mask).to(torch.uint8) for j in range(u)]
+    out = torch.stack(parts, dim=-1).reshape(*x.shape[:-1], -1)
     return out[..., :length].movedim(-1, dim)
