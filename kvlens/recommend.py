@@ -3,7 +3,8 @@
 Pipeline (one capture layer in memory at a time):
 
 1. **Candidates** per tensor: keys and values x granularity (per-channel, per-token) x bits
-   (2, 3, 4, 8) x group size; keys also pre-RoPE (KVQuant) and, for per-token keys, with the
+   (2, 4, 8 by default; 3 with ``bits``: measured not to earn, docs/recommend.md) x group
+   size; keys also pre-RoPE (KVQuant) and, for per-token keys, with the
    MiKV channel balancer fitted on the capture (``b = (max|q| / max|k|)^exponent``); with
    ``gear`` (default on) also GEAR twins of the plain G32 candidates up to 4 bits (GEAR's
    published settings, ``GEAR_SETTINGS``: 2% outliers per vector, rank 4 per flushed block,
@@ -134,7 +135,10 @@ class RecommendOptions:
     context: int = 4096
     residual_tokens: int = 128  # the window when ``windows`` is None (one size for every layer)
     windows: tuple[int, ...] | None = None  # window sizes each layer chooses among
-    bits: tuple[int, ...] = (2, 3, 4, 8)
+    # 3-bit codes (dense, 3 bits each) are offered only when asked: at 3.0 bits they measured
+    # no better on either model, and one Gemma3 allocation with them lost out of sample
+    # (docs/vs-llamacpp.md#dense-3-bit-codes-2026-12-02-last)
+    bits: tuple[int, ...] = (2, 4, 8)
     group_sizes: tuple[int, ...] = (32, 64, 128)
     pre_rope: str = "auto"  # auto: offer pre-RoPE keys when the capture has RoPE; on; off
     balancer: bool = True

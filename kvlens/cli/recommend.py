@@ -79,7 +79,8 @@ def recommend(
                                    "the whole window at once (KIVI)."),
     sinks: int = typer.Option(4, "--sinks", help="First tokens kept at full precision "
                                                  "(attention sinks)."),
-    bits: str = typer.Option("2,3,4,8", "--bits", help="Candidate bit widths."),
+    bits: str = typer.Option("2,4,8", "--bits", help="Candidate bit widths (allowed 2, 3, 4, 8; "
+                             "3 measured not to earn, docs/recommend.md)."),
     group_sizes: str = typer.Option("32,64,128", "--group-sizes",
                                     help="Candidate group sizes (per-token ones must divide "
                                          "head_dim; per-channel ones the layer's flush "
