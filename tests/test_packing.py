@@ -75,3 +75,19 @@ def test_bad_input_raises():
         pack_codes(torch.zeros(4, dtype=torch.int32), 2)
     with pytest.raises(InputError, match="cannot hold"):
         unpack_codes(torch.zeros(3, dtype=torch.uint8), 2, 5)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("shape", [(1, 3, 512, 64), (2, 1, 40, 32), (1, 2, 8, 256)])
+def test_torch_path_unpack_equals_unpack_codes(bits, shape):
+    """The decode path's chunk unpack (one broadcast shift into a reused workspace) returns the
+    codes ``unpack_codes`` does, along tokens and along channels, on chunk-like shapes."""
+    from kvlens.cache.attention import _unpack_cols, _unpack_rows
+
+    u, _ = pack_unit(bits)
+    shape = (*shape[:2], -(-shape[2] // u) * u, shape[3])  # tokens: whole units, as stored
+    codes = _codes(shape, bits, seed=bits + shape[2])
+    rows = _unpack_rows(pack_codes(codes, bits, dim=2), bits)
+    assert rows.is_contiguous() and torch.equal(rows, codes.float())
+    cols = _unpack_cols(pack_codes(codes, bits, dim=3), bits, shape[3])
+    assert torch.equal(cols, codes.float().transpose(-1, -2))

@@ -203,11 +203,12 @@ def _unpack_rows(raw: torch.Tensor, bits: int) -> torch.Tensor:
                                   out=codes)
     else:
         dtype = torch.int32 if 8 * w < 32 else torch.int64
-        units = raw.view(*lead, r // w, w, c).to(dtype)
-        word = units[..., 0, :]
+        units = raw.view(*lead, r // w, w, c)
+        word = units[..., 0, :].to(dtype)  # a fresh contiguous tensor
         for k in range(1, w):
-            word = word | (units[..., k, :] << (8 * k))
-        codes = torch.bitwise_right_shift(word.unsqueeze(-2), _shifts(bits, dtype, raw.device))
+            word |= units[..., k, :].to(dtype) << (8 * k)
+        codes = _scratch("int", (*lead, r // w, u, c), dtype, raw.device)
+        torch.bitwise_right_shift(word.unsqueeze(-2), _shifts(bits, dtype, raw.device), out=codes)
     codes.bitwise_and_((1 << bits) - 1)
     return out.copy_(codes.view(*lead, r // w * u, c))
 
