@@ -47,8 +47,9 @@ CASES = {
                        4, 2, 16, False),
     "int8 per-channel whole window": (QuantSpec(2, "per-channel", 4),
                                       QuantSpec(2, "per-token", 8), 8, 0.2, 8, 0, 1, 32, False),
+    # dense 3-bit codes packed along tokens come in units of 8 tokens: flush 8, window 16
     "fp set, no sinks": (QuantSpec(3, "per-channel", 4), QuantSpec(2, "per-channel", 4), None,
-                         0.3, 8, 4, 0, 16, False),
+                         0.3, 16, 8, 0, 16, False),
     "int4 balanced keys": (QuantSpec(2, "per-token", 8), QuantSpec(4, "per-token", 8), 4, 0.2,
                            12, 4, 3, 16, True),
 }

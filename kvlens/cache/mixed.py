@@ -7,9 +7,9 @@ zero per group; ``None`` keeps the set at the config's ``fp_dtype`` as before. P
 belong to one token each, so re-choosing the set at a flush only gathers rows: no token is
 re-quantized, and the low-bit copies in the packed store stay as they are (masked at attention).
 
-Bytes per set token and tensor: ``ceil(D / P)`` code bytes (``P`` codes per byte) plus
-``2 * 2 * D / G`` scale and zero bytes (``set_bytes_per_token``; the parts ``sets`` in
-``kvlens.cache.layout``).
+Bytes per set token and tensor: ``packed_length(D, bits)`` code bytes (``D * bits / 8`` for
+the set widths 4 and 8) plus ``2 * 2 * D / G`` scale and zero bytes (``set_bytes_per_token``;
+the parts ``sets`` in ``kvlens.cache.layout``).
 """
 
 from __future__ import annotations
