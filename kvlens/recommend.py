@@ -136,8 +136,8 @@ class RecommendOptions:
     residual_tokens: int = 128  # the window when ``windows`` is None (one size for every layer)
     windows: tuple[int, ...] | None = None  # window sizes each layer chooses among
     # 3-bit codes (dense, 3 bits each) are offered only when asked: at 3.0 bits they measured
-    # no better on either model, and one Gemma3 allocation with them lost out of sample
-    # (docs/vs-llamacpp.md#dense-3-bit-codes-2026-12-02-last)
+    # no better on average on either model (a Gemma3 allocation with them lost on one unseen
+    # text and won on another; docs/vs-llamacpp.md#dense-3-bit-codes-2026-12-02-last)
     bits: tuple[int, ...] = (2, 4, 8)
     group_sizes: tuple[int, ...] = (32, 64, 128)
     pre_rope: str = "auto"  # auto: offer pre-RoPE keys when the capture has RoPE; on; off
