@@ -50,8 +50,9 @@ def main() -> None:
     for bits in (int(b) for b in args.bits.split(",")):
         codes = torch.randint(0, 1 << bits, (1, args.heads, args.tokens, args.dim), generator=g,
                               dtype=torch.uint8)
-        rows = pack_codes(codes, bits, dim=2)
-        cols = pack_codes(codes, bits, dim=3)
+        # contiguous, as the cache's buffers are (pack_codes along dim 2 returns a permuted view)
+        rows = pack_codes(codes, bits, dim=2).contiguous()
+        cols = pack_codes(codes, bits, dim=3).contiguous()
         assert torch.equal(_unpack_rows(rows, bits), codes.float())  # unpacks what was packed
         assert torch.equal(_unpack_cols(cols, bits, args.dim), codes.float().transpose(-1, -2))
         tk = _time(lambda rows=rows, bits=bits: _unpack_rows(rows, bits), args.repeats)
