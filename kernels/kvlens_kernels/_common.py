@@ -6,14 +6,13 @@ cause, rendered by the CLI) with the allowed values in the message.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kvlens.errors import InputError
+from kvlens.errors import ConfigError, InputError
+from kvlens.quant import packing
 
 #: ``2^23``: adding and subtracting it rounds a float32 in ``[0, 2^22]`` to the nearest integer,
 #: ties to even (IEEE round-to-nearest), i.e. ``torch.round``; used under the interpreter, where
@@ -21,15 +20,15 @@ from kvlens.errors import InputError
 ROUND_MAGIC = 8388608.0
 FLOAT32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny
 SCALE_FLOOR_REL = 1e-8  # kvlens.quant.reference.SCALE_FLOOR_REL
-ALLOWED_BITS = tuple(range(1, 9))
 
 
 def pack_unit(bits: int) -> tuple[int, int]:
-    """Mirror of ``kvlens.quant.packing.pack_unit``: ``U`` codes fill ``W`` bytes."""
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in ALLOWED_BITS:
-        raise InputError(f"Cannot pack {bits!r}-bit codes; allowed bits: 1-8.")
-    w = bits // math.gcd(bits, 8)
-    return 8 * w // bits, w
+    """``kvlens.quant.packing.pack_unit`` (``U`` codes fill ``W`` bytes), its error as the
+    kernels' ``InputError``."""
+    try:
+        return packing.pack_unit(bits)
+    except ConfigError as e:
+        raise InputError(str(e)) from None
 
 
 def container_bits(bits: int) -> int:

@@ -148,14 +148,12 @@ def _bias(mask: torch.Tensor | None, pos: torch.Tensor, tq: int, n_total: int, b
 _SHIFTS: dict = {}
 
 
-def _shifts(bits: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """``[U, 1]`` shifts of the ``U`` code slots of a packing unit (cached per device)."""
-    from kvlens.quant import pack_unit
-
-    key = (bits, dtype, str(device))
+def _shifts(bits: int, device) -> torch.Tensor:
+    """``[P, 1]`` uint8 shifts of the ``P = 8 / bits`` code slots of a byte (1, 2, 4 bits; cached
+    per device)."""
+    key = (bits, str(device))
     if key not in _SHIFTS:
-        u, _ = pack_unit(bits)
-        _SHIFTS[key] = torch.arange(0, u * bits, bits, dtype=dtype, device=device).unsqueeze(-1)
+        _SHIFTS[key] = torch.arange(0, 8, bits, dtype=torch.uint8, device=device).unsqueeze(-1)
     return _SHIFTS[key]
 
 
@@ -200,8 +198,7 @@ def _unpack_rows(raw: torch.Tensor, bits: int) -> torch.Tensor:
         return out.copy_(raw)
     codes = _scratch("u8", (*lead, r // w, u, c), torch.uint8, raw.device)
     if w == 1:
-        torch.bitwise_right_shift(raw.unsqueeze(-2), _shifts(bits, torch.uint8, raw.device),
-                                  out=codes)
+        torch.bitwise_right_shift(raw.unsqueeze(-2), _shifts(bits, raw.device), out=codes)
     else:  # slot j starts at bit j*b of its unit: byte k = j*b // 8, shift s = j*b % 8, and
         # takes the next byte's low bits when it straddles (uint8 shifts drop what overflows)
         units = raw.view(*lead, r // w, w, c)
