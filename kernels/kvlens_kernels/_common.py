@@ -1,4 +1,4 @@
-"""Shared helpers of the Triton kernels: container geometry, rounding and input checks.
+"""Shared helpers of the Triton kernels: packing geometry, rounding and input checks.
 
 Kernels take tensors and ints only. Errors raised here are ``kvlens.errors.InputError`` (a user
 cause, rendered by the CLI) with the allowed values in the message.
