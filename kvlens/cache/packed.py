@@ -236,6 +236,11 @@ class PackedTensor:
         self.length -= n
 
     # -- read ---------------------------------------------------------------------------------
+    def code_bytes(self, t0: int, t1: int) -> torch.Tensor:
+        """The stored code bytes of tokens ``[t0, t1)`` (whole packing units when packed along
+        tokens), a view: ``[B, H, code_rows(t1) - code_rows(t0), ...]``."""
+        return self.codes[:, :, self.code_rows(t0):self.code_rows(t1)]
+
     def dequantize_range(self, t0: int, t1: int) -> torch.Tensor:
         """Tokens ``[t0, t1)`` (multiples of ``F``) as float32 ``[B, H, t1 - t0, D]``, through
         the reference ``dequantize`` (only this slice is materialised)."""
@@ -244,7 +249,7 @@ class PackedTensor:
         n = (t1 - t0) // f
         d = self.head_dim
         n_t, _ = self.group_rows
-        rows = self.codes[:, :, self.code_rows(t0):self.code_rows(t1)]
+        rows = self.code_bytes(t0, t1)
         rows = rows.reshape(b, h, n, -1, rows.shape[-1]).transpose(1, 2)
         rows = rows.reshape(b * n, h, *rows.shape[3:])
         pdim = 2 if self.packs_tokens else 3
