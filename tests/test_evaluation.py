@@ -10,7 +10,13 @@ import torch
 from tiny_models import tiny_config
 
 from kvlens.errors import InputError
-from kvlens.evaluation.kld import check_lengths, reads_quantized, score_text
+from kvlens.evaluation.kld import (
+    TextScores,
+    TokenScores,
+    check_lengths,
+    reads_quantized,
+    score_text,
+)
 from kvlens.evaluation.kld import summarize as summarize_kld
 from kvlens.evaluation.needles import GridScores, NeedlePrompt, build_grid, grid_lengths
 from kvlens.evaluation.needles import summarize as summarize_grid
@@ -74,6 +80,51 @@ def test_paired_difference_of_identical_inputs_is_zero_and_not_distinguishable()
     shifted = paired_difference(0.35, 0.3, samples + 0.05, samples)
     assert shifted["distinguishable"] and shifted["verdict"] == "higher"
     assert shifted["ci95"] == pytest.approx([0.05, 0.05])
+
+
+def _scores(kld, nll, nll_exact, chunk: int = 64) -> TextScores:
+    n = len(nll_exact)
+    return TextScores(tokens=n + 1, chunk=chunk, chunk_of_token=[i // chunk for i in range(n)],
+                      nll_exact=list(nll_exact), chunks_done=-(-n // chunk),
+                      chunks_total=-(-n // chunk),
+                      configs=[TokenScores("c", kld=list(kld), top1=[True] * n, nll=list(nll),
+                                           quantized=[True] * n)])
+
+
+def test_excess_nll_is_the_nll_change_beyond_the_kld():
+    rng = np.random.default_rng(0)
+    nll_e = rng.uniform(0.5, 5.0, 1000)
+    kld = rng.uniform(0.0, 0.2, 1000)
+    res = summarize_kld(_scores(kld, nll_e + kld + 0.03, nll_e))["configs"][0]
+    assert res["excess_nll"]["value"] == pytest.approx(0.03)
+    assert res["excess_nll"]["ci95"] == pytest.approx([0.03, 0.03])
+    assert res["ppl_change"]["value"] == pytest.approx(math.exp(kld.mean() + 0.03) - 1)
+
+
+@pytest.mark.parametrize("drawn_from", ["exact", "config"])
+def test_excess_nll_is_zero_for_text_from_the_exact_model(drawn_from):
+    # Next tokens drawn from p_exact: E[NLL change] = KL(p_exact || p_config), excess 0. Drawn
+    # from p_config: E[log p_exact(y) - log p_config(y)] = -KL(p_config || p_exact), so the
+    # excess is -(KL(p_exact || p_config) + KL(p_config || p_exact)) on average.
+    rng = np.random.default_rng(1)
+    n, vocab = 4096, 12
+    logits = rng.normal(0, 2.0, (n, vocab))
+    logp_e = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    noisy = logits + rng.normal(0, 0.7, (n, vocab))
+    logp_c = noisy - np.log(np.exp(noisy).sum(-1, keepdims=True))
+    p_e, p_c = np.exp(logp_e), np.exp(logp_c)
+    kl_ec = (p_e * (logp_e - logp_c)).sum(-1)
+    kl_ce = (p_c * (logp_c - logp_e)).sum(-1)
+    draw = p_e if drawn_from == "exact" else p_c
+    y = (draw.cumsum(-1) > rng.uniform(size=(n, 1))).argmax(-1)
+    rows = np.arange(n)
+    res = summarize_kld(_scores(kl_ec, -logp_c[rows, y], -logp_e[rows, y]))["configs"][0]
+    expected = 0.0 if drawn_from == "exact" else -(kl_ec + kl_ce).mean()
+    lo, hi = res["excess_nll"]["ci95"]
+    se = (hi - lo) / 3.92
+    assert abs(res["excess_nll"]["value"] - expected) < 3 * se
+    assert se < 0.1 * kl_ec.mean()  # tight enough that the two cases cannot both pass
+    assert (lo < 0.0 < hi) == (drawn_from == "exact")
 
 
 # -- chunked KLD ----------------------------------------------------------------------------------
@@ -149,6 +200,8 @@ def test_paired_comparison_against_the_first_compressed_config():
     assert fp16["vs_first"]["mean_kld"]["diff"] == pytest.approx(-k2["mean_kld"]["value"])
     lo, hi = k2["mean_kld"]["ci95"]
     assert lo <= k2["mean_kld"]["value"] <= hi and res["protocol"]["bootstrap"]["units"] == 3
+    assert k8["vs_first"]["excess_nll"]["diff"] == pytest.approx(
+        k8["excess_nll"]["value"] - k2["excess_nll"]["value"])
 
 
 def test_interrupt_keeps_the_finished_chunks():

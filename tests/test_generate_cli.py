@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -113,7 +115,11 @@ def test_generate_kld_and_retrieval_json(tiny_model_dir, tiny_kivi):
     assert first["kld"]["vs_first"] is None
     assert second["kld"]["vs_first"]["mean_kld"]["verdict"] == "not distinguishable"
     assert set(first["kld"]) >= {"mean_kld", "median_kld", "p99_kld", "top1_agreement", "ppl",
-                                 "ppl_change", "ppl_exact", "vs_exact", "quantized_share"}
+                                 "ppl_change", "ppl_exact", "vs_exact", "quantized_share",
+                                 "excess_nll"}
+    k = first["kld"]  # ppl change = exp(mean KLD + excess NLL) - 1
+    assert math.exp(k["mean_kld"]["value"] + k["excess_nll"]["value"]) - 1 == \
+        pytest.approx(k["ppl_change"]["value"])
     assert first["bits_per_element"] < fp16["bits_per_element"]
     grid = doc["evaluation"]["retrieval"]
     assert grid["lengths"] == [200] and grid["prompts"] == 6 and grid["exact"]["total"] == 6
@@ -131,6 +137,8 @@ def test_generate_kld_table(tiny_model_dir, tiny_kivi):
     assert "KL divergence vs the exact model" in result.stdout
     assert "quantized share" in result.stdout and "exact - tiny-kivi" in result.stdout
     assert "exact vs exact: not distinguishable" in result.stdout
+    flat = " ".join(result.stdout.split())  # rich wraps long lines
+    assert re.search(r"minus mean KLD .*: tiny-kivi [+-]\d\.\d{4} \[[+-]\d\.\d{4}, [+-]", flat)
 
 
 @pytest.mark.parametrize("args,message", [

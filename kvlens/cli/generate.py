@@ -317,6 +317,14 @@ def _render_long(report: dict) -> None:
                       f"{p['bootstrap']['unit_tokens']} tokens ({p['bootstrap']['resamples']} "
                       "resamples). quantized share: predictions whose attention read at least "
                       "one quantized entry.")
+        excess = [(r["name"], r["kld"]["excess_nll"]) for r in results
+                  if r.get("kld") and "excess_nll" in r["kld"] and r["kld"]["quantized_share"]]
+        if excess:
+            console.print("NLL change of the text's tokens minus mean KLD (nats; ppl change = "
+                          "exp(mean KLD + this) - 1; 0 on average for text drawn from the exact "
+                          "model): " + "; ".join(
+                              f"{name} {e['value']:+.4f} [{e['ci95'][0]:+.4f}, "
+                              f"{e['ci95'][1]:+.4f}]" for name, e in excess), highlight=False)
         for r in results:
             k = r.get("kld") or {}
             v = k.get("vs_first")
@@ -324,7 +332,9 @@ def _render_long(report: dict) -> None:
                 console.print(f"{r['name']} - {v['reference']}: mean KLD "
                               f"{_diff(v['mean_kld'], '.4f')}; top-1 "
                               f"{_diff(v['top1_agreement'], '.3f')}; ppl change "
-                              f"{_diff(v['ppl_change'], '.2f', 100)} points", highlight=False)
+                              f"{_diff(v['ppl_change'], '.2f', 100)} points"
+                              + (f"; excess NLL {_diff(v['excess_nll'], '.4f')}"
+                                 if "excess_nll" in v else ""), highlight=False)
             if k and not k["vs_exact"]["mean_kld"]["distinguishable"]:
                 console.print(f"{r['name']} vs exact: not distinguishable (mean KLD interval "
                               "covers 0)", highlight=False)
