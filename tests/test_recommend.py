@@ -69,7 +69,7 @@ def test_allocation_refuses_impossible_budget():
 
 
 def _planted_capture(path, has_rope=True, seed=0, thetas=(10000.0, 10000.0), record=True,
-                     position_scale=(1.0, 1.0)):
+                     position_scale=(1.0, 1.0), samples=1):
     """Keys with two outlier channels on every token (KIVI's observation); values flat except a
     few tokens; post-RoPE made from pre-RoPE with the Llama tables at each layer's theta
     (``record``: the capture's metadata names the first; ``position_scale`` != 1 makes a
@@ -78,7 +78,7 @@ def _planted_capture(path, has_rope=True, seed=0, thetas=(10000.0, 10000.0), rec
     from kvlens.rope import apply_rope
 
     g = torch.Generator().manual_seed(seed)
-    s, hq, hkv, t, d = 1, 4, 2, 256, 32
+    s, hq, hkv, t, d = samples, 4, 2, 256, 32
     layers = (0, 1)
     tensors = {}
     for layer in layers:
@@ -122,6 +122,27 @@ def test_recommend_on_planted_outlier_keys(tmp_path):
                                               bits=(2, 4)))
     assert richer.expected_output_error <= rec.expected_output_error + 1e-12
     assert rec.config.model == {"num_layers": 2, "head_dim": 32, "num_key_value_heads": 2}
+
+
+def test_errors_are_measured_on_every_capture_sample_by_default(tmp_path):
+    # One 256-token sample is little text to rank layouts by (Gemma3-270M: all four capture
+    # samples instead of the first took the 3.0-bit KLD from 0.097 to 0.075 out of sample), so
+    # the default measures every sample; --samples N still limits it.
+    from kvlens.recommend import measure
+
+    path = _planted_capture(tmp_path / "p.h5", samples=3)
+    kw = dict(budget_bits=3.0, group_sizes=(32,), bits=(2,), mikv=False, gear=False,
+              rotation=False, balancer=False)
+    assert RecommendOptions(**kw).samples is None
+    every = measure(path, RecommendOptions(**kw))
+    three = measure(path, RecommendOptions(**kw, samples=3))
+    first = measure(path, RecommendOptions(**kw, samples=1))
+    assert every.tables == three.tables
+    assert every.tables[0].keys() == first.tables[0].keys()
+    assert all(every.tables[0][c] != first.tables[0][c] for c in first.tables[0])
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(InputError, match="--samples must be a positive"):
+            RecommendOptions(**kw, samples=bad)
 
 
 def test_mse_fit_candidates_win_on_gaussian_values(tmp_path):

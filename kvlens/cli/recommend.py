@@ -121,7 +121,9 @@ def recommend(
                                             "(0, 0.5]; MiKV published 0.2)."),
     exponent: float = typer.Option(0.5, "--balancer-exponent",
                                    help="Balancer b = (max|q|/max|k|)^exponent."),
-    samples: int = typer.Option(1, "--samples", help="Capture samples used to measure errors."),
+    samples: int = typer.Option(None, "--samples", min=1,
+                                help="Capture samples used to measure errors (default: all "
+                                     "of them; engine targets: 1)."),
     tokens: int = typer.Option(None, "--tokens",
                                help="First N tokens of each sample used (default 256 with one "
                                     "window; with several, 4x the largest, of which the last "
@@ -173,7 +175,8 @@ def recommend(
         from kvlens.cli.targets import run_target
 
         run_target(capture, target=target, budget_bits=budget_bits, max_kld=max_kld,
-                   anchors=kld_anchors, context=context, samples=samples,
+                   anchors=kld_anchors, context=context,
+                   samples=1 if samples is None else samples,
                    tokens=default_tokens(()) if tokens is None else tokens,
                    rotation=not no_rotation, model=model, output=output,
                    overwrite=overwrite, validate=validate, eval_tokens=eval_tokens,
