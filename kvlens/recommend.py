@@ -33,8 +33,8 @@ Pipeline (one capture layer in memory at a time):
    for every window ``R`` and ``F`` it can be stored with. Score and reconstruction errors are
    recorded too, to explain. By default the first ``tokens=256`` tokens of every capture
    sample (``samples=None``) are used (about 170 attention passes per layer and sample; a few
-   seconds per layer on 2 CPU cores); with several windows every option is scored on the same queries, from
-   ``score_from`` (three times the largest window) on, of ``default_tokens`` (four times it).
+   seconds per layer on 2 CPU cores); with several windows every option is scored on the same
+   queries, from ``score_from`` (three times the largest window) on, of ``default_tokens`` (four times it).
 4. **Sensitivity**: with ``sensitivity="model"`` each layer gets a weight ``w_l`` = KL damage
    of the real model's predictions per unit of attention-output error, measured by
    probe-quantizing that layer alone (``kvlens.sensitivity``); ``uniform`` sets ``w_l = 1``.

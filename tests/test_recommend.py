@@ -125,7 +125,7 @@ def test_recommend_on_planted_outlier_keys(tmp_path):
 
 
 def test_errors_are_measured_on_every_capture_sample_by_default(tmp_path):
-    # One 256-token sample is little text to rank layouts by (Gemma3-270M: all four capture
+    # One capture sample (512 tokens by default) is little text to rank layouts by (Gemma3-270M: all four capture
     # samples instead of the first took the 3.0-bit KLD from 0.097 to 0.075 out of sample), so
     # the default measures every sample; --samples N still limits it.
     from kvlens.recommend import measure
