@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvlens.errors import ConfigError, InputError
+from kvlens.errors import ConfigError, InputError, is_int
 
 CONFIG_VERSION = 1
 TENSOR_NAMES = ("key", "value")
@@ -103,12 +103,12 @@ class CompareConfig:
         if not self.bits:
             raise ConfigError("No bit widths given; allowed: integers 1-8, e.g. 2,4.")
         for b in self.bits:
-            if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 8:
+            if not is_int(b, 1, 8):
                 raise ConfigError(f"Invalid bits {b!r}; allowed: integers 1-8.")
         if not self.group_sizes:
             raise ConfigError("No group sizes given; e.g. 32.")
         for g in self.group_sizes:
-            if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+            if not is_int(g, 1):
                 raise ConfigError(f"Invalid group size {g!r}; allowed: positive integers.")
         _check_choices("stage", self.stages, STAGES, allow_empty=False)
         _check_choices("variant", self.variants, EXTRA_VARIANTS, allow_empty=True)
@@ -122,17 +122,15 @@ class CompareConfig:
                 f"Invalid outlier fraction {self.outlier_fraction!r}; allowed: 0 < f < 1 "
                 "(e.g. 0.01 for 1%)."
             )
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+        if not is_int(self.rank, 1):
             raise ConfigError(f"Invalid rank {self.rank!r}; allowed: a positive integer.")
-        if self.samples is not None and (
-            isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1
-        ):
+        if self.samples is not None and not is_int(self.samples, 1):
             raise ConfigError(f"Invalid samples {self.samples!r}; allowed: a positive integer.")
         s = self.sink_tokens
-        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+        if not is_int(s, 0):
             raise ConfigError(f"Invalid sink tokens {s!r}; allowed: an integer >= 0.")
         seed = self.rotation_seed
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        if seed is not None and not is_int(seed, 0):
             raise ConfigError(
                 f"Invalid rotation seed {seed!r}; allowed: none (no sign flips) or an integer >= 0."
             )
@@ -283,9 +281,7 @@ def compare_axes(
     from kvlens.store import open_capture
 
     config = config or CompareConfig()
-    if threads is not None and (
-        isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
-    ):
+    if threads is not None and not is_int(threads, 1):
         raise ConfigError(f"Invalid threads {threads!r}; allowed: a positive integer.")
     started = time.perf_counter()
     records: list[Record] = []

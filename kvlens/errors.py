@@ -38,3 +38,10 @@ class NumericalError(KvlensError):
 
 class BackendError(KvlensError):
     """A requested compute backend (e.g. Triton) is unavailable here."""
+
+
+def is_int(value: object, low: int, high: int | None = None) -> bool:
+    """Whether ``value`` is a whole number (not a bool) in ``[low, high]`` (``high`` None: no
+    upper bound): the check behind every count, size and index option."""
+    return (isinstance(value, int) and not isinstance(value, bool) and value >= low
+            and (high is None or value <= high))

@@ -86,7 +86,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvlens.errors import ConfigError
+from kvlens.errors import ConfigError, is_int
 from kvlens.quant import QuantSpec
 
 FORMAT = "kvlens.kvconfig"
@@ -126,10 +126,10 @@ class LayerKV:
         if self.key_format is not None or self.value_format is not None:
             self._check_engine()
         r = self.residual_tokens
-        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+        if not is_int(r, 0):
             raise ConfigError(f"Invalid residual_tokens {r!r}; allowed: an integer >= 0.")
         f = self.flush_tokens
-        if isinstance(f, bool) or not isinstance(f, int) or not 0 <= f <= r or (f and not r):
+        if not is_int(f, 0, r) or (f and not r):
             raise ConfigError(f"Invalid flush_tokens {f!r} for residual_tokens {r}; allowed: 0 "
                               f"(flush the whole window) or 1-{max(r, 1)} (needs a window).")
         for name in ("pre_rope_keys", "rotate_keys", "rotate_values"):
@@ -222,7 +222,7 @@ class MikvSettings:
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
             raise ConfigError(f"Invalid mikv.heavy_fraction {f!r}; allowed: 0.0-1.0.")
         s = self.sink_tokens
-        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+        if not is_int(s, 0):
             raise ConfigError(f"Invalid mikv.sink_tokens {s!r}; allowed: an integer >= 0.")
         if self.balancer not in BALANCER_MODES:
             raise ConfigError(f"Unknown mikv.balancer {self.balancer!r}; allowed: "
@@ -257,8 +257,7 @@ class MikvSettings:
 
 def _layer_list(layers: Any, where: str) -> tuple[int, ...]:
     """A sorted tuple of distinct layer indices >= 0, or a ``ConfigError`` naming ``where``."""
-    ok = isinstance(layers, (list, tuple)) and all(
-        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in layers)
+    ok = isinstance(layers, (list, tuple)) and all(is_int(x, 0) for x in layers)
     if not ok or len(set(layers)) != len(layers):
         raise ConfigError(f"Invalid {where} {layers!r}; allowed: null (every compressed layer) "
                           "or a list of distinct layer indices >= 0.")
@@ -277,7 +276,7 @@ class GearSettings:
 
     def __post_init__(self) -> None:
         r = self.rank
-        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+        if not is_int(r, 0):
             raise ConfigError(f"Invalid gear.rank {r!r}; allowed: an integer from 0 (no "
                               "low-rank term) to the flush block and head_dim.")
         s = self.outlier_fraction
@@ -285,7 +284,7 @@ class GearSettings:
             raise ConfigError(f"Invalid gear.outlier_fraction {s!r}; allowed: strictly between "
                               "0 and 0.5 (e.g. 0.02 for GEAR's 2%).")
         i = self.power_iters
-        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= 20:
+        if not is_int(i, 0, 20):
             raise ConfigError(f"Invalid gear.power_iters {i!r}; allowed: an integer 0-20.")
         if self.layers is not None:
             object.__setattr__(self, "layers", _layer_list(self.layers, "gear.layers"))
@@ -330,7 +329,7 @@ class KVConfig:
             raise ConfigError(f"Unknown scale_dtype {self.scale_dtype!r}; allowed: "
                               f"{', '.join(SCALE_DTYPES)}.")
         r = self.rotation_seed
-        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
+        if r is not None and not is_int(r, 0):
             raise ConfigError(f"Invalid rotation_seed {r!r}; allowed: null (no sign flips) or "
                               "an integer >= 0.")
         if self.fp_dtype not in FP_DTYPES:
@@ -463,7 +462,7 @@ def config_from_dict(data: Any) -> KVConfig:
         raise ConfigError(f"Not a kvlens KV config: format {data.get('format')!r} (expected "
                           f"{FORMAT!r}).")
     version = data.get("version")
-    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= VERSION:
+    if not is_int(version, 1, VERSION):
         raise ConfigError(f"Unsupported KV config version {version!r}; this kvlens reads "
                           f"versions 1-{VERSION}.")
     unknown = sorted(set(data) - set(_TOP_KEYS))

@@ -60,7 +60,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from kvlens.errors import ConfigError, InputError
+from kvlens.errors import ConfigError, InputError, is_int
 
 GRANULARITIES = ("per-channel", "per-token")
 COST_RESOLUTION = 64  # DP cost units per bit
@@ -191,8 +191,7 @@ class RecommendOptions:
         if not (isinstance(self.budget_bits, (int, float)) and 0 < self.budget_bits <= 16):
             raise InputError(f"--budget-bits must be in (0, 16], got {self.budget_bits}.")
         self._check_windows()
-        if self.samples is not None and (isinstance(self.samples, bool)
-                                         or not isinstance(self.samples, int) or self.samples < 1):
+        if self.samples is not None and not is_int(self.samples, 1):
             raise InputError(f"--samples must be a positive number of capture samples (or "
                              f"omitted: all of them), got {self.samples!r}.")
         r = max(self.window_sizes)
@@ -265,8 +264,7 @@ class RecommendOptions:
         if self.windows is not None and not self.windows:
             raise InputError("--windows is empty; give one or more window sizes (tokens), "
                              f"e.g. {_listed(DEFAULT_WINDOWS, ',')}.")
-        bad = [w for w in self.window_sizes
-               if isinstance(w, bool) or not isinstance(w, int) or w <= 0]
+        bad = [w for w in self.window_sizes if not is_int(w, 1)]
         if bad:
             raise InputError(f"Window sizes {bad} are not allowed; allowed: positive integers "
                              f"(tokens kept at full precision), e.g. "

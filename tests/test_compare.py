@@ -420,6 +420,10 @@ def test_fit_errors_layers_samples_and_progress(tmp_path):
         ({"outlier_fraction": 0.0}, "Invalid outlier fraction"),
         ({"rank": 0}, "Invalid rank"),
         ({"samples": 0}, "Invalid samples"),
+        ({"samples": True}, "Invalid samples"),  # a bool is not a count
+        ({"samples": 2.0}, "Invalid samples"),
+        ({"bits": (8, 9)}, "Invalid bits 9"),  # 8 is the upper edge, 9 past it
+        ({"bits": (False,)}, "Invalid bits False"),
         ({"tensors": ("query",)}, "Unknown tensor"),
     ],
 )
@@ -467,3 +471,11 @@ def test_streams_one_layer_at_a_time(tmp_path, monkeypatch):
     ]  # no k_pre for post only
     # progress reports layer i done before layer i+1 is read
     assert events.index(("done", 1)) < events.index(("read", 1, "q"))
+
+
+def test_is_int_bounds_and_bools():
+    from kvlens.errors import is_int
+
+    assert is_int(0, 0) and is_int(8, 1, 8) and is_int(10**9, 1)
+    assert not is_int(-1, 0) and not is_int(9, 1, 8) and not is_int(0, 1)
+    assert not is_int(True, 0) and not is_int(1.0, 0) and not is_int("3", 0) and not is_int(None, 0)

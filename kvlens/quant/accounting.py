@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from kvlens.errors import ConfigError
+from kvlens.errors import ConfigError, is_int
 from kvlens.quant.spec import QuantSpec
 from kvlens.quant.transforms import default_outlier_scope, outlier_count, scope_dim
 
@@ -89,7 +89,7 @@ def bits_per_element(
         ("lowrank_rank", lowrank_rank),
         ("residual_tokens", residual_tokens),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        if not is_int(value, 0):
             raise ConfigError(f"Invalid {name} {value!r}; allowed: a non-negative integer.")
     if residual_tokens > t:
         raise ConfigError(

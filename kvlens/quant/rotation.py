@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from kvlens.errors import ConfigError, InputError
+from kvlens.errors import ConfigError, InputError, is_int
 from kvlens.quant.reference import fake_quantize
 from kvlens.quant.spec import QuantSpec
 
@@ -54,7 +54,7 @@ def hadamard_block_size(head_dim: int) -> int:
     """Size ``b`` of the Sylvester blocks used for ``head_dim``: the largest power of two
     dividing it (``b = head_dim`` for a power of two). Raises ``ConfigError`` listing the
     supported sizes when there is none (odd or non-positive ``head_dim``)."""
-    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2:
+    if not is_int(head_dim, 2):
         raise ConfigError(_unsupported(head_dim, "it is not an integer >= 2"))
     block = head_dim & -head_dim  # lowest set bit = largest power of two dividing head_dim
     if block == 1:
@@ -72,7 +72,7 @@ def _unsupported(head_dim: object, why: str) -> str:
 
 
 def _check_seed(seed: object) -> None:
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+    if seed is not None and not is_int(seed, 0):
         raise ConfigError(
             f"Invalid rotation seed {seed!r}; allowed: None (no sign flips) or an integer >= 0."
         )

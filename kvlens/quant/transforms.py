@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlens.errors import ConfigError, InputError
+from kvlens.errors import ConfigError, InputError, is_int
 from kvlens.quant.reference import fake_quantize
 from kvlens.quant.rotation import quantize_rotated
 from kvlens.quant.spec import QuantSpec
@@ -239,9 +239,9 @@ def lowrank_residual(residual: torch.Tensor, rank: int, iters: int = 3, seed: in
     finally ``left = orth(R Ω)``, ``right = leftᵀ R``. An exactly rank-r residual is recovered
     after the first product; more iterations sharpen the top-r subspace when the spectrum is
     noisy. Float32."""
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+    if not is_int(rank, 1):
         raise ConfigError(f"Invalid low-rank rank {rank!r}; allowed: a positive integer.")
-    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
+    if not is_int(iters, 0):
         raise ConfigError(f"Invalid power iterations {iters!r}; allowed: 0 or more.")
     if residual.dim() != 4:
         raise InputError(f"Expected a [B, H, T, D] residual, got {tuple(residual.shape)}.")
