@@ -20,12 +20,11 @@ import torch
 
 from kvlens.cache import compressed_attention, memory_report
 from kvlens.cache.cache import held_bytes, shape_of
-from kvlens.cache.engine import rotate_rows
 from kvlens.cache.layout import config_bits, config_part_bytes
 from kvlens.errors import ConfigError
 from kvlens.hf import attention_override, cache_argument_name
 from kvlens.kvconfig import KVConfig, LayerKV, config_from_dict, validate_for
-from kvlens.quant import engine_rotation, fake_quantize_format
+from kvlens.quant import engine_rotation, fake_quantize_format, rotate_rows
 from kvlens.quant.cachetypes import DenseType, parse_cache_type
 
 

@@ -38,13 +38,7 @@ from transformers.cache_utils import DynamicLayer
 from kvlens.cache import layout
 from kvlens.errors import ConfigError
 from kvlens.quant.cachetypes import CacheType, DenseType
-
-
-def rotate_rows(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """``x @ r`` in float64, rounded to float32: the same float32 rows whatever the number of
-    tokens in the call (a float32 matmul may round differently with the batch shape, which
-    would make chunked prefill store other codes than token-by-token feeding)."""
-    return (x.double() @ r.double()).float()
+from kvlens.quant.formats import rotate_rows
 
 
 def static_scale(ctype: CacheType, kv_heads: int, given=None) -> torch.Tensor | None:

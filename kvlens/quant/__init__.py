@@ -22,6 +22,7 @@ from kvlens.quant.formats import (
     parse_format,
     parse_format_list,
     quantize_ggml,
+    rotate_rows,
 )
 from kvlens.quant.packing import (
     pack_codes,
@@ -67,6 +68,7 @@ __all__ = [
     "parse_format",
     "parse_format_list",
     "quantize_ggml",
+    "rotate_rows",
     "GRANULARITIES",
     "OUTLIER_SCOPES",
     "LowRank",

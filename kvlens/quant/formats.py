@@ -604,6 +604,14 @@ def engine_rotation(tensor: str, head_dim: int) -> torch.Tensor:
     return hadamard_rotation(head_dim)
 
 
+def rotate_rows(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """``x @ r`` in float64, rounded to float32: the same float32 rows whatever the number of
+    tokens in the call or the CPU's float32 matmul kernel (a float32 matmul may round
+    differently with the batch shape, which would make chunked prefill store other codes than
+    token-by-token feeding, or the reference other codes than the cache)."""
+    return (x.double() @ r.double().to(x.device)).float()
+
+
 def fake_quantize_format(
     x: torch.Tensor,
     setting: FormatSetting,
@@ -623,7 +631,7 @@ def fake_quantize_format(
     r = None
     if setting.rotates(head_dim):
         r = engine_rotation(tensor, head_dim).to(x.device)
-        x = x.float() @ r
+        x = rotate_rows(x, r)
     if fmt.family == "ggml":
         out = dequantize_ggml(quantize_ggml(x, fmt))
     elif fmt.family == "fp8":
@@ -632,4 +640,4 @@ def fake_quantize_format(
         out = fp8_round_trip(x, scale.to(x.device), fmt.fp8)
     else:
         out = fake_quantize_token_head(x, fmt)
-    return out @ r.T if r is not None else out
+    return rotate_rows(out, r.T) if r is not None else out
