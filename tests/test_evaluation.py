@@ -296,6 +296,12 @@ def test_grid_summary_wilson_per_length_and_paired_differences():
     assert b["vs_first"]["accuracy"]["diff"] == -0.5
     assert res["exact"]["correct"] == 20 and {x["task"] for x in a["by_task"]} == {"passkey",
                                                                                     "kv"}
+    # per-prompt outcomes in prompt order, so that runs can be pooled and paired afterwards
+    assert b["outcomes"] == bad and res["exact"]["outcomes"] == exact
+    order = res["protocol"]["prompt_order"]
+    assert len(order) == 20 and order[0] == {"task": "passkey", "length": 100, "depth": 0.5,
+                                             "index": 0}
+    assert [o["length"] for o in order] == [p.length for p in prompts]
 
 
 # -- held-out text --------------------------------------------------------------------------------

@@ -249,7 +249,10 @@ def summarize(scores: GridScores, resamples: int = RESAMPLES, seed: int = BOOTST
     protocol = {"prompts": len(prompts), "lengths": sorted({p.length for p in prompts}),
                 "depths": sorted({p.depth for p in prompts}), "tasks": list(TASKS),
                 "new_tokens": NEW_TOKENS, "interrupted": scores.interrupted,
-                "bootstrap": {"unit": "prompt", "resamples": resamples, "seed": seed}}
+                "bootstrap": {"unit": "prompt", "resamples": resamples, "seed": seed},
+                # the order of every "outcomes" list: runs can be pooled and paired later
+                "prompt_order": [{"task": p.task, "length": p.length, "depth": p.depth,
+                                  "index": p.index} for p in prompts]}
     if not scores.exact:
         return {"protocol": protocol, "exact": None, "configs": []}
     draws = bootstrap_indices(len(prompts), resamples, seed)
@@ -265,6 +268,7 @@ def summarize(scores: GridScores, resamples: int = RESAMPLES, seed: int = BOOTST
         acc = float(np.mean(correct))
         samples = acc_samples(correct)
         res = {"name": name, "correct": int(sum(correct)), "total": len(correct),
+               "outcomes": [bool(c) for c in correct],
                "accuracy": acc, "ci95": percentile_interval(samples),
                "wilson95": list(wilson(int(sum(correct)), len(correct))),
                **_cells(prompts, correct, scores.tokens),
@@ -277,6 +281,7 @@ def summarize(scores: GridScores, resamples: int = RESAMPLES, seed: int = BOOTST
                 acc, float(np.mean(ref)), samples, acc_samples(ref))}
         out.append(res)
     exact_doc = {"correct": int(exact.sum()), "total": len(exact), "accuracy": float(exact.mean()),
+                 "outcomes": [bool(c) for c in scores.exact],
                  "wilson95": list(wilson(int(exact.sum()), len(exact))),
                  **_cells(prompts, scores.exact, scores.tokens)}
     return {"protocol": protocol, "exact": exact_doc, "configs": out}
