@@ -25,9 +25,9 @@ def main() -> None:
 
     import torch
 
-    from kvlens.capture import capture_model
-    from kvlens.corpus import load_text, token_windows
-    from kvlens.models import load_model
+    from kvlens.capture.run import capture_model
+    from kvlens.model.load import load_model
+    from kvlens.text.corpus import load_text, token_windows
 
     model, tokenizer, _ = load_model(None, device="cpu")
     text, _ = load_text(None)

@@ -34,7 +34,7 @@ import torch
 
 def mixed_3bit(num_layers: int):
     """A per-layer mix like ``recommend``'s SmolLM2 output at ~3 bits (see module doc)."""
-    from kvlens.kvconfig import KVConfig, LayerKV
+    from kvlens.config.kvconfig import KVConfig, LayerKV
     from kvlens.quant import QuantSpec
 
     def kv(kb, kg, vb, vg):
@@ -75,10 +75,10 @@ def main() -> None:
     from transformers import DynamicCache
 
     from kvlens.cache import compressed_attention, memory_report
-    from kvlens.corpus import load_text
-    from kvlens.hf import cache_argument_name
-    from kvlens.kvconfig import resolve
-    from kvlens.models import load_model
+    from kvlens.config.kvconfig import resolve
+    from kvlens.model.hooks import cache_argument_name
+    from kvlens.model.load import load_model
+    from kvlens.text.corpus import load_text
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)

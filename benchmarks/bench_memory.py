@@ -50,7 +50,7 @@ def _process_bytes(device) -> int:
 
 
 def _fill(model, ids, session, chunk: int, steps: int):
-    from kvlens.hf import cache_argument_name
+    from kvlens.model.hooks import cache_argument_name
 
     cache = session.new_cache()
     kw = {cache_argument_name(model): cache}
@@ -68,9 +68,9 @@ def main() -> None:
     from kvlens.cache import compressed_attention, memory_report
     from kvlens.cache.cache import shape_of
     from kvlens.cache.layout import config_bits
-    from kvlens.corpus import load_text
-    from kvlens.kvconfig import resolve
-    from kvlens.models import load_model
+    from kvlens.config.kvconfig import resolve
+    from kvlens.model.load import load_model
+    from kvlens.text.corpus import load_text
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)

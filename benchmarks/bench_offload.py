@@ -33,12 +33,12 @@ def run_one(name: str, tokens: int, new_tokens: int, repeats: int) -> dict:
     import torch
 
     from kvlens.cache import compressed_attention
-    from kvlens.capture import capture_model
-    from kvlens.corpus import load_text, token_windows
-    from kvlens.evaluate import greedy
-    from kvlens.kvconfig import preset
-    from kvlens.models import load_model
-    from kvlens.placement import weights_by_device
+    from kvlens.capture.run import capture_model
+    from kvlens.config.kvconfig import preset
+    from kvlens.evaluation.evaluate import greedy
+    from kvlens.model.load import load_model
+    from kvlens.model.placement import weights_by_device
+    from kvlens.text.corpus import load_text, token_windows
 
     with tempfile.TemporaryDirectory() as tmp:
         kwargs = dict(PLACEMENTS[name])

@@ -118,9 +118,9 @@ def main() -> None:
         os.environ["LLAMA_ATTN_ROT_DISABLE"] = "1"
     import llama_cpp
 
-    from kvlens.evaluate import load_eval_text
+    from kvlens.evaluation.evaluate import load_eval_text
     from kvlens.evaluation.kld import summarize
-    from kvlens.models import load_model
+    from kvlens.model.load import load_model
 
     _, tokenizer, source = load_model(None if args.model == "default" else args.model)
     if source.kind != "gguf":

@@ -2,7 +2,7 @@
 
 For one capture and budget, writes the full recommendation and one recommendation per lever
 switched off, then (``--eval``) scores every distinct config in one lockstep KL-divergence run
-on the built-in held-out text (``kvlens.evaluate``: the first config, the full recommendation,
+on the built-in held-out text (``kvlens.evaluation.evaluate``: the first config, the full recommendation,
 is the paired reference):
 
     OMP_NUM_THREADS=1 python benchmarks/recommend_ablation.py run.h5 -b 3.0 --out abl/ --eval
@@ -58,7 +58,7 @@ LEVERS = ("rotation", "balancer", "pre-rope", "gear", "mikv", "transforms", "sen
 
 def cli_options(budget_bits: float, model: str | None):
     """``RecommendOptions`` as ``kvlens recommend -b B [--model M]`` builds them."""
-    from kvlens.recommend import DEFAULT_WINDOWS, RecommendOptions, default_tokens
+    from kvlens.recommend.core import DEFAULT_WINDOWS, RecommendOptions, default_tokens
 
     return RecommendOptions(budget_bits=budget_bits, residual_tokens=max(DEFAULT_WINDOWS),
                             windows=DEFAULT_WINDOWS, tokens=default_tokens(DEFAULT_WINDOWS),
@@ -106,7 +106,7 @@ def parse_variant(spec: str, opts) -> dict:
 def recommendations(capture: str, opts, levers, log, variants=(), budgets=()) -> dict:
     """``{row name: Recommendation}``: "full", one per lever off, one per variant, and
     "recommend-B" for each other budget ``B`` (from the full measurement)."""
-    from kvlens.recommend import candidates, choose, measure
+    from kvlens.recommend.core import candidates, choose, measure
 
     t0 = time.time()
     full_m = measure(capture, opts)
@@ -204,7 +204,7 @@ def main() -> None:
     if bad:
         ap.error(f"unknown levers {bad}; allowed: {', '.join(LEVERS)}")
 
-    from kvlens.kvconfig import save_config
+    from kvlens.config.kvconfig import save_config
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -245,17 +245,17 @@ def main() -> None:
         log(f"{row}: {rec.mean_bits:.3f} bits, {changed} layers changed, expected error "
             f"{rec.expected_output_error:.4f}{' (same as ' + r['same_as'] + ')' if 'same_as' in r else ''}")
     if args.eval:
-        from kvlens.evaluate import EvalOptions, evaluate_configs
-        from kvlens.models import load_model
-        from kvlens.recommend import model_spec_from_capture
-        from kvlens.store import open_capture
+        from kvlens.capture.store import open_capture
+        from kvlens.evaluation.evaluate import EvalOptions, evaluate_configs
+        from kvlens.model.load import load_model
+        from kvlens.recommend.core import model_spec_from_capture
 
         spec = args.model
         if spec is None:
             with open_capture(args.capture) as cap:
                 spec = model_spec_from_capture(cap.meta)
         model, tok, _ = load_model(spec)
-        from kvlens.kvconfig import preset
+        from kvlens.config.kvconfig import preset
 
         for name in (x for x in args.presets.split(",") if x.strip()):
             configs.append((name, preset(name)))

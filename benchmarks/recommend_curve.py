@@ -40,11 +40,11 @@ def main() -> None:
         ap.error("a capture file is needed (or --replot JSON)")
 
     from kvlens.cache.layout import config_bits
+    from kvlens.config.kvconfig import preset
     from kvlens.errors import InputError
-    from kvlens.evaluate import EvalOptions, evaluate_configs
-    from kvlens.kvconfig import preset
-    from kvlens.models import load_model
-    from kvlens.recommend import RecommendOptions, choose, measure, model_shape
+    from kvlens.evaluation.evaluate import EvalOptions, evaluate_configs
+    from kvlens.model.load import load_model
+    from kvlens.recommend.core import RecommendOptions, choose, measure, model_shape
 
     t0 = time.perf_counter()
     budgets = [float(b) for b in args.budgets.split(",")]

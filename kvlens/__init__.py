@@ -1,6 +1,6 @@
 """kvlens: KV-cache quantization diagnostics for LLMs.
 
-The library API lives in submodules (``kvlens.capture``, ``kvlens.store``, ``kvlens.quant``...);
+The library API lives in submodules (``kvlens.capture.run``, ``kvlens.capture.store``, ``kvlens.quant``...);
 nothing heavy is imported here so that ``kvlens --help`` stays instant.
 """
 

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 @pytest.fixture(scope="session")
 def smollm2():
     """The real default model (loaded once per test session)."""
-    from kvlens.models import load_model
+    from kvlens.model.load import load_model
 
     model, tokenizer, source = load_model(None, device="cpu")
     return model, tokenizer

@@ -7,9 +7,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from kvlens.baselines import baseline
 from kvlens.cli import app
 from kvlens.errors import ConfigError
+from kvlens.evaluation.baselines import baseline
 
 
 def _has_fp8_backend() -> bool:

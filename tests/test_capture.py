@@ -8,9 +8,9 @@ import pytest
 import torch
 from tiny_models import ARCHS, tiny_model
 
-from kvlens.capture import capture_model
-from kvlens.hf import attention_override, rope_inputs
-from kvlens.store import open_capture
+from kvlens.capture.run import capture_model
+from kvlens.capture.store import open_capture
+from kvlens.model.hooks import attention_override, rope_inputs
 
 S, T = 2, 21
 

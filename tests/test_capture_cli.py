@@ -7,8 +7,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from kvlens.capture.store import open_capture
 from kvlens.cli import app
-from kvlens.store import open_capture
 
 runner = CliRunner()
 

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from kvlens.compare import CompareConfig, compare_axes, parse_int_list, parse_layers
+from kvlens.analysis.compare import CompareConfig, compare_axes, parse_int_list, parse_layers
+from kvlens.capture.store import CaptureMeta, LayerAttrs, write_capture
 from kvlens.errors import CaptureFileError, ConfigError, InputError
 from kvlens.quant import rope_tables_for
 from kvlens.rope import apply_rope
-from kvlens.store import CaptureMeta, LayerAttrs, write_capture
 
 S, HQ, HKV, T, D = 2, 4, 2, 64, 16
 SCALING = 0.25
@@ -446,7 +446,7 @@ def test_config_round_trip_and_parsers():
 
 def test_streams_one_layer_at_a_time(tmp_path, monkeypatch):
     """Each layer is read (and finished) before the next one is touched."""
-    from kvlens.store import LayerData
+    from kvlens.capture.store import LayerData
 
     path = make_capture(tmp_path / "s.h5", *kivi_tensors(), layers=3)
     events = []

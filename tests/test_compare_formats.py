@@ -10,10 +10,10 @@ import torch
 from test_compare import make_capture
 from typer.testing import CliRunner
 
+from kvlens.analysis.compare import CompareConfig, compare_axes
+from kvlens.analysis.metrics import rel_error
 from kvlens.cli import app
-from kvlens.compare import CompareConfig, compare_axes
 from kvlens.errors import ConfigError
-from kvlens.metrics import rel_error
 from kvlens.quant import fake_quantize_format, parse_format
 
 S, HQ, HKV, T, D = 2, 4, 2, 48, 64

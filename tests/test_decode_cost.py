@@ -10,7 +10,7 @@ from test_recommend import _planted_capture, runner
 
 from kvlens.cli import app
 from kvlens.errors import InputError
-from kvlens.recommend import RecommendOptions, recommend
+from kvlens.recommend.core import RecommendOptions, recommend
 
 
 def test_decode_cost_model_counts_bytes_read_per_step():
@@ -19,7 +19,7 @@ def test_decode_cost_model_counts_bytes_read_per_step():
     its filled tokens; layouts without a fused kernel path say why."""
     from kvlens.cache.decode_cost import config_decode_cost
     from kvlens.cache.layout import ModelShape
-    from kvlens.kvconfig import preset
+    from kvlens.config.kvconfig import preset
 
     shape = ModelShape(30, 3, 64)
     c = config_decode_cost(preset("kivi-2"), shape, 4096)

@@ -115,9 +115,9 @@ def test_bad_settings_name_the_allowed_values(name, message):
 
 @pytest.fixture
 def patched_model(monkeypatch, smollm2):
-    import kvlens.models
+    import kvlens.model.load
 
-    monkeypatch.setattr(kvlens.models, "load_model", lambda *a, **k: (*smollm2, None))
+    monkeypatch.setattr(kvlens.model.load, "load_model", lambda *a, **k: (*smollm2, None))
     return smollm2
 
 

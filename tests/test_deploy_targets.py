@@ -10,12 +10,12 @@ import torch
 from test_compare import SCALING
 from typer.testing import CliRunner
 
+from kvlens.capture.store import CaptureMeta, LayerAttrs, write_capture
 from kvlens.cli import app
+from kvlens.config.kvconfig import load_config
 from kvlens.deploy.kld_model import fit_kld_model
 from kvlens.deploy.targets import TargetOptions, pareto, recommend_target
 from kvlens.errors import ConfigError, InputError
-from kvlens.kvconfig import load_config
-from kvlens.store import CaptureMeta, LayerAttrs, write_capture
 
 runner = CliRunner()
 HQ, HKV, T, D = 4, 2, 64, 64

@@ -21,9 +21,9 @@ import torch
 from kvlens.cache import compressed_attention, memory_report
 from kvlens.cache.cache import held_bytes, shape_of
 from kvlens.cache.layout import config_bits, config_part_bytes
+from kvlens.config.kvconfig import KVConfig, LayerKV, config_from_dict, validate_for
 from kvlens.errors import ConfigError
-from kvlens.hf import attention_override, cache_argument_name
-from kvlens.kvconfig import KVConfig, LayerKV, config_from_dict, validate_for
+from kvlens.model.hooks import attention_override, cache_argument_name
 from kvlens.quant import engine_rotation, fake_quantize_format, rotate_rows
 from kvlens.quant.cachetypes import DenseType, parse_cache_type
 
@@ -271,7 +271,7 @@ def test_bad_engine_configs_are_refused_with_the_allowed_values():
     with pytest.raises(ConfigError, match="cannot be combined"):
         LayerKV(residual_tokens=8, key_format="q8_0", value_format="q8_0")
     model = _model("llama", 64)
-    from kvlens.architecture import describe
+    from kvlens.model.architecture import describe
 
     info = describe(model)
     with pytest.raises(ConfigError, match="no kv_scales.*:s1"):

@@ -11,9 +11,7 @@ import torch
 from tiny_models import tiny_model
 
 from kvlens.cache import compressed_attention
-from kvlens.errors import ConfigError, InputError
-from kvlens.evaluate import agreement, decode_ppl, parse_evals, passkey_prompts
-from kvlens.kvconfig import (
+from kvlens.config.kvconfig import (
     PRESETS,
     KVConfig,
     LayerKV,
@@ -23,6 +21,8 @@ from kvlens.kvconfig import (
     save_config,
     validate_for,
 )
+from kvlens.errors import ConfigError, InputError
+from kvlens.evaluation.evaluate import agreement, decode_ppl, parse_evals, passkey_prompts
 from kvlens.quant import QuantSpec
 
 
@@ -110,7 +110,7 @@ def test_malformed_configs_raise_clear_errors(mutate, message):
 
 
 def test_validation_against_the_model():
-    from kvlens.architecture import describe
+    from kvlens.model.architecture import describe
 
     info = describe(tiny_model("llama"))  # 3 layers, head_dim 16, 2 KV heads
     with pytest.raises(ConfigError, match="group size 32 does not divide head_dim 16; allowed "

@@ -9,6 +9,7 @@ import pytest
 import torch
 from tiny_models import tiny_config
 
+from kvlens.config.kvconfig import KVConfig, LayerKV, preset
 from kvlens.errors import InputError
 from kvlens.evaluation.kld import (
     TextScores,
@@ -26,7 +27,6 @@ from kvlens.evaluation.stats import (
     percentile_interval,
     wilson,
 )
-from kvlens.kvconfig import KVConfig, LayerKV, preset
 from kvlens.quant import QuantSpec
 
 
@@ -311,9 +311,9 @@ def _spans(ids: list[int], n: int = 50) -> set[tuple[int, ...]]:
 
 
 def test_heldout_text_is_long_and_disjoint_from_calibration_texts(smollm2_tokenizer):
-    from kvlens.corpus import load_text
-    from kvlens.evaluation.heldout import heldout_text
-    from kvlens.retrieval import retrieval_text
+    from kvlens.text.corpus import load_text
+    from kvlens.text.heldout import heldout_text
+    from kvlens.text.prompts import retrieval_text
 
     tok = smollm2_tokenizer
 
@@ -332,7 +332,7 @@ def test_heldout_text_is_long_and_disjoint_from_calibration_texts(smollm2_tokeni
 
 
 def test_smollm2_smoke_kld_on_the_heldout_text(smollm2):
-    from kvlens.evaluation.heldout import heldout_text
+    from kvlens.text.heldout import heldout_text
 
     model, tok = smollm2
     ids = tok(heldout_text(), add_special_tokens=False, return_tensors="pt").input_ids[:, :256]
@@ -347,8 +347,8 @@ def test_smollm2_smoke_kld_on_the_heldout_text(smollm2):
 
 
 def test_transformers_quantized_cache_baseline_in_lockstep():
-    from kvlens.baselines import baseline
     from kvlens.errors import ConfigError
+    from kvlens.evaluation.baselines import baseline
 
     try:
         fp8 = baseline("hf-fp8")

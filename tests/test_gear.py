@@ -16,8 +16,7 @@ from kvlens.cache.gear import GearTensor, part_bytes
 from kvlens.cache.layer import CompressedLayer
 from kvlens.cache.mixed import dequantize_rows, quantize_rows, set_bytes_per_token
 from kvlens.cache.packed import PackedTensor
-from kvlens.errors import ConfigError
-from kvlens.kvconfig import (
+from kvlens.config.kvconfig import (
     PRESETS,
     GearSettings,
     KVConfig,
@@ -26,6 +25,7 @@ from kvlens.kvconfig import (
     config_from_dict,
     validate_for,
 )
+from kvlens.errors import ConfigError
 from kvlens.quant import QuantSpec, fake_quantize
 
 
@@ -261,7 +261,7 @@ def test_recommend_measures_prices_and_writes_gear(tmp_path):
 
     from kvlens.cache.gear import part_bytes
     from kvlens.cache.layout import ModelShape, config_bits
-    from kvlens.recommend import (
+    from kvlens.recommend.core import (
         Candidate,
         RecommendOptions,
         Stream,
@@ -317,7 +317,7 @@ def test_gear_on_some_layers_generates_and_holds_what_the_layout_predicts():
     from test_memory import _check, _model, _prefill_then_decode, _shape
 
     from kvlens.cache import compressed_attention
-    from kvlens.hf import cache_argument_name
+    from kvlens.model.hooks import cache_argument_name
 
     s = QuantSpec
     default = LayerKV(s(2, "per-channel", 8), s(2, "per-token", 8), 16)

@@ -1,4 +1,4 @@
-"""MiKV's importance set simulated on q, k, v (``kvlens.heavy_hitters``) against the real cache
+"""MiKV's importance set simulated on q, k, v (``kvlens.analysis.heavy_hitters``) against the real cache
 layer, step by step: the same set at every query, the same attention output."""
 
 from __future__ import annotations
@@ -6,17 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlens.cache.attention import packed_attention
-from kvlens.cache.layer import CompressedLayer
-from kvlens.heavy_hitters import set_membership, set_reconstruction
-from kvlens.kvconfig import LayerKV, MikvSettings
-from kvlens.metrics import (
+from kvlens.analysis.heavy_hitters import set_membership, set_reconstruction
+from kvlens.analysis.metrics import (
     Variant,
     attention_errors_many,
     attention_output,
     per_head_rel_error,
     streaming_exact_mask,
 )
+from kvlens.cache.attention import packed_attention
+from kvlens.cache.layer import CompressedLayer
+from kvlens.config.kvconfig import LayerKV, MikvSettings
 from kvlens.quant import QuantSpec, fake_quantize
 
 
@@ -112,8 +112,8 @@ def test_keys_alone_and_values_alone_read_the_set_where_it_is():
 def test_mikv_layers_round_trip_and_bad_input():
     import json
 
+    from kvlens.config.kvconfig import KVConfig, config_from_dict
     from kvlens.errors import ConfigError
-    from kvlens.kvconfig import KVConfig, config_from_dict
 
     s = QuantSpec
     base = KVConfig("partial-mikv", LayerKV(s(2, "per-channel", 8), s(2, "per-token", 8), 16),
@@ -144,9 +144,9 @@ def test_mikv_layers_round_trip_and_bad_input():
 def test_mikv_layers_beyond_the_model_are_refused():
     from tiny_models import tiny_model
 
-    from kvlens.architecture import describe
+    from kvlens.config.kvconfig import KVConfig, validate_for
     from kvlens.errors import ConfigError
-    from kvlens.kvconfig import KVConfig, validate_for
+    from kvlens.model.architecture import describe
 
     s = QuantSpec
     cfg = KVConfig("x", LayerKV(s(2, "per-channel", 8), s(2, "per-token", 8), 16),
@@ -162,7 +162,7 @@ def test_sets_on_some_layers_hold_what_the_layout_predicts():
     from test_memory import _check, _model, _prefill_then_decode, _shape
 
     from kvlens.cache import compressed_attention
-    from kvlens.kvconfig import KVConfig
+    from kvlens.config.kvconfig import KVConfig
 
     s = QuantSpec
     default = LayerKV(s(2, "per-channel", 8), s(2, "per-token", 8), 16, flush_tokens=8)
@@ -194,7 +194,7 @@ def _heavy_capture(path, heavy_layers=(0,), seed=0):
     """Two layers of random q, k, v; in ``heavy_layers`` every 16th token's key lies along the
     queries' common direction (it draws most of the attention) and its value is 4x larger: the
     heavy hitters a 2-bit cache reads badly and an INT8 set reads well."""
-    from kvlens.store import CaptureMeta, write_capture
+    from kvlens.capture.store import CaptureMeta, write_capture
 
     g = torch.Generator().manual_seed(seed)
     s, hq, hkv, t, d = 1, 4, 2, 256, 32
@@ -217,7 +217,7 @@ def _heavy_capture(path, heavy_layers=(0,), seed=0):
 
 
 def _opts(**kw):
-    from kvlens.recommend import RecommendOptions
+    from kvlens.recommend.core import RecommendOptions
 
     # min/max codes only: set twins are built on them (a fitted twin is not offered), so
     # these tests compare sets with the codes they sit beside
@@ -234,7 +234,7 @@ def test_recommend_puts_a_set_where_the_heavy_hitters_are(tmp_path):
     from dataclasses import replace
 
     from kvlens.cache.layout import config_bits
-    from kvlens.recommend import Candidate, Stream, choose, measure, model_shape
+    from kvlens.recommend.core import Candidate, Stream, choose, measure, model_shape
 
     path = _heavy_capture(tmp_path / "h.h5")
     opts = _opts()
@@ -265,7 +265,7 @@ def test_set_candidates_are_priced_by_the_layout():
     from dataclasses import replace
 
     from kvlens.cache.layout import ModelShape
-    from kvlens.recommend import Candidate, option_bytes
+    from kvlens.recommend.core import Candidate, option_bytes
 
     shape = ModelShape(1, 2, 32)
     opts = _opts(context=1024)
@@ -310,12 +310,12 @@ def test_recommended_sets_run_in_generate_and_hold_the_priced_bytes(tmp_path):
     cache holds exactly the bytes recommend priced."""
     from test_memory import _check, _model, _prefill_then_decode, _shape
 
-    from kvlens.architecture import describe
     from kvlens.cache import compressed_attention, memory_report
-    from kvlens.capture import capture_model
-    from kvlens.evaluate import greedy
-    from kvlens.kvconfig import load_config, save_config, validate_for
-    from kvlens.recommend import choose, measure
+    from kvlens.capture.run import capture_model
+    from kvlens.config.kvconfig import load_config, save_config, validate_for
+    from kvlens.evaluation.evaluate import greedy
+    from kvlens.model.architecture import describe
+    from kvlens.recommend.core import choose, measure
 
     model = _model()
     cap = tmp_path / "tiny.h5"

@@ -18,9 +18,9 @@ import torch
 triton = pytest.importorskip("triton")
 
 import kvlens_kernels.decode as kda  # noqa: E402
+from kvlens_kernels import KernelInputError  # noqa: E402
 from kvlens_kernels import decode_attention as _decode_attention  # noqa: E402
 
-from kvlens.errors import InputError  # noqa: E402
 from kvlens.quant import QTensor, QuantSpec, dequantize, pack_codes, quantize  # noqa: E402
 
 #: ``cuda`` runs every kernel call compiled on the GPU (``benchmarks/gpu_check.sh``, with
@@ -242,10 +242,10 @@ def test_decodes_8bit_group_metadata_in_the_kernel(hq, hkv, d, t, res, kb, vb, k
     torch.testing.assert_close(out, ref, atol=3e-3, rtol=3e-3)
     # float metadata said to be 8-bit, or the bytes without their unit, is refused
     for wrong in ({"k_scale": packed["k_scale"].float()}, {"v_zero_unit": None}):
-        with pytest.raises(InputError, match="k_scale|v_scale"):
+        with pytest.raises(KernelInputError, match="k_scale|v_scale"):
             decode_attention(q, **{**packed, **wrong}, length=n, k_bits=kb, v_bits=vb,
                              k_group=gk, v_group=gv, scaling=scaling)
-    with pytest.raises(InputError, match="k_zero_unit"):
+    with pytest.raises(KernelInputError, match="k_zero_unit"):
         decode_attention(q, **{**packed, "k_zero_unit": -1.0}, length=n, k_bits=kb,
                          v_bits=vb, k_group=gk, v_group=gv, scaling=scaling)
 
@@ -262,21 +262,21 @@ def test_bad_inputs_raise_clear_errors():
     q, packed, n_packed, res_k, res_v, _, _ = _case(5, 1, 4, 2, 64, 33, 1, 2, 2, 32, 32)
     kw = dict(length=n_packed, k_bits=2, v_bits=2, k_group=32, v_group=32, scaling=0.1,
               residual_k=res_k, residual_v=res_v, residual_len=1)
-    with pytest.raises(InputError, match="one query token"):
+    with pytest.raises(KernelInputError, match="one query token"):
         decode_attention(q.expand(1, 4, 2, 64), **packed, **kw)
-    with pytest.raises(InputError, match="multiple of KV heads"):
+    with pytest.raises(KernelInputError, match="multiple of KV heads"):
         decode_attention(q[:, :3], **packed, **kw)
-    with pytest.raises(InputError, match="k_group 24"):
+    with pytest.raises(KernelInputError, match="k_group 24"):
         decode_attention(q, **packed, **{**kw, "k_group": 24})
-    with pytest.raises(InputError, match="v_group 48"):
+    with pytest.raises(KernelInputError, match="v_group 48"):
         decode_attention(q, **packed, **{**kw, "v_group": 48})
-    with pytest.raises(InputError, match="needs all of"):
+    with pytest.raises(KernelInputError, match="needs all of"):
         decode_attention(q, **{**packed, "k_scale": None}, **kw)
-    with pytest.raises(InputError, match="residual_k holds 1 tokens < residual_len 5"):
+    with pytest.raises(KernelInputError, match="residual_k holds 1 tokens < residual_len 5"):
         decode_attention(q, **packed, **{**kw, "residual_len": 5})
-    with pytest.raises(InputError, match="k_codes holds"):
+    with pytest.raises(KernelInputError, match="k_codes holds"):
         decode_attention(q, **packed, **{**kw, "length": 64})
-    with pytest.raises(InputError, match="split_tokens 40"):
+    with pytest.raises(KernelInputError, match="split_tokens 40"):
         decode_attention(q, **packed, **kw, split_tokens=40)
 
 
@@ -376,11 +376,27 @@ def test_new_layout_inputs_raise_clear_errors():
     args = (q, kst.codes, kst.scale, kst.zero, vst.codes, vst.scale, vst.zero, 64)
     kw = dict(k_bits=2, v_bits=2, k_group=32, v_group=32, k_layout="per-token",
               v_layout="per-channel", scaling=0.1)
-    with pytest.raises(InputError, match="k_layout 'per-row'"):
+    with pytest.raises(KernelInputError, match="k_layout 'per-row'"):
         decode_attention(*args, **{**kw, "k_layout": "per-row"})
-    with pytest.raises(InputError, match="v_group is required for per-channel"):
+    with pytest.raises(KernelInputError, match="v_group is required for per-channel"):
         decode_attention(*args, **{**kw, "v_group": None})
-    with pytest.raises(InputError, match="k_group 8 must divide head_dim 64 and be >= 16"):
+    with pytest.raises(KernelInputError, match="k_group 8 must divide head_dim 64 and be >= 16"):
         decode_attention(*args, **{**kw, "k_group": 8})
-    with pytest.raises(InputError, match="k_codes has shape"):  # keys given as per-channel
+    with pytest.raises(KernelInputError, match="k_codes has shape"):  # keys given as per-channel
         decode_attention(*args, **{**kw, "k_layout": "per-channel"})
+
+
+def test_kernel_layout_constants_match_kvlens():
+    """kvlens_kernels restates the packing geometry and 8-bit metadata constants (it imports
+    nothing of kvlens); they must equal kvlens' own definitions."""
+    from kvlens_kernels import _common
+
+    from kvlens.quant import meta8, packing
+
+    for bits in range(1, 9):
+        assert _common.pack_unit(bits) == packing.pack_unit(bits)
+    assert (_common.META8_SCALE_BIAS, _common.META8_SCALE_STEPS) == (meta8.SCALE_BIAS,
+                                                                       meta8.SCALE_STEPS)
+    for bad in (0, 9, 2.0, True):
+        with pytest.raises(KernelInputError, match="bits must be an integer in 1..8"):
+            _common.pack_unit(bad)

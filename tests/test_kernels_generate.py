@@ -25,9 +25,9 @@ from kvlens.cache.attention import (  # noqa: E402
     triton_unsupported,
 )
 from kvlens.cache.layer import CompressedLayer  # noqa: E402
+from kvlens.config.kvconfig import LayerKV, MikvSettings, preset  # noqa: E402
 from kvlens.errors import BackendError  # noqa: E402
-from kvlens.hf import cache_argument_name  # noqa: E402
-from kvlens.kvconfig import LayerKV, MikvSettings, preset  # noqa: E402
+from kvlens.model.hooks import cache_argument_name  # noqa: E402
 from kvlens.quant import QuantSpec  # noqa: E402
 
 KEYS, VALUES = QuantSpec(2, "per-channel", 16), QuantSpec(2, "per-token", 16)

@@ -5,8 +5,7 @@ import math
 import pytest
 import torch
 
-from kvlens.errors import InputError
-from kvlens.metrics import (
+from kvlens.analysis.metrics import (
     attention_errors,
     attention_output,
     attention_scores,
@@ -18,6 +17,7 @@ from kvlens.metrics import (
     rel_error,
     value_errors,
 )
+from kvlens.errors import InputError
 
 
 def _rand(*shape, seed=0):
@@ -176,7 +176,7 @@ def test_value_errors_and_identity_variant():
 
 
 def test_many_variants_share_the_reference_and_match_single_calls():
-    from kvlens.metrics import Variant, attention_errors_many
+    from kvlens.analysis.metrics import Variant, attention_errors_many
 
     q, k, v = _qkv(t=10, seed=11)
     k_hat = k + 0.1 * _rand(*k.shape, seed=12)
@@ -214,7 +214,7 @@ def _mixed_output(q, k, v, k_hat, v_hat, scaling, exact):
 
 
 def test_exact_mask_matches_a_per_query_mixture():
-    from kvlens.metrics import Variant, attention_errors_many, streaming_exact_mask
+    from kvlens.analysis.metrics import Variant, attention_errors_many, streaming_exact_mask
 
     q, k, v = _qkv(t=13, seed=14)
     k_hat = k + 0.2 * _rand(*k.shape, seed=15)
@@ -240,9 +240,9 @@ def test_exact_mask_matches_a_per_query_mixture():
                                                   (12, 4, 0)])
 def test_streaming_mask_matches_the_real_cache_layer(residual, flush, sinks):
     """n_q(i) from the formula equals the compressed layer's quantized length at step i."""
+    from kvlens.analysis.metrics import streaming_exact_mask
     from kvlens.cache.layer import CompressedLayer
-    from kvlens.kvconfig import LayerKV, MikvSettings
-    from kvlens.metrics import streaming_exact_mask
+    from kvlens.config.kvconfig import LayerKV, MikvSettings
     from kvlens.quant import QuantSpec
 
     class Session:

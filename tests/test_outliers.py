@@ -1,4 +1,4 @@
-"""kvlens.outliers / plot-outliers on synthetic captures with planted outlier channels.
+"""kvlens.analysis.outliers / plot-outliers on synthetic captures with planted outlier channels.
 
 Layer 0 (head_dim 16, 2 KV heads, 4 query heads, 3 samples x 64 tokens, N(0,1) background):
 - k_pre kv head 0: channel 3 at |x|=20 on every token; channel 10 at 20 on the first half of
@@ -16,10 +16,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from kvlens.analysis.outliers import analyze_capture
+from kvlens.capture.store import CaptureMeta, write_capture
 from kvlens.errors import CaptureFileError, InputError
-from kvlens.outliers import analyze_capture
 from kvlens.rope import apply_rope
-from kvlens.store import CaptureMeta, write_capture
 
 S, HQ, HKV, T, D = 3, 4, 2, 64, 16
 BIG = 20.0

@@ -1,4 +1,4 @@
-"""Models placed by accelerate (``kvlens.placement``): parsing and checking --device-map,
+"""Models placed by accelerate (``kvlens.model.placement``): parsing and checking --device-map,
 --max-memory and --offload-folder, and the real big-model path on CPU: a model loaded with a
 ``max_memory`` that forces part of it to disk must capture and generate exactly as the same
 model loaded whole.
@@ -20,12 +20,13 @@ from tiny_models import tiny_config
 from kvlens.cache import compressed_attention, memory_report
 from kvlens.cache.cache import shape_of
 from kvlens.cache.layout import ModelShape, config_device_bytes, config_part_bytes
-from kvlens.capture import capture_model
+from kvlens.capture.run import capture_model
+from kvlens.capture.store import open_capture
+from kvlens.config.kvconfig import preset
 from kvlens.errors import PlacementError
-from kvlens.evaluate import greedy
-from kvlens.kvconfig import preset
-from kvlens.models import load_model
-from kvlens.placement import (
+from kvlens.evaluation.evaluate import greedy
+from kvlens.model.load import load_model
+from kvlens.model.placement import (
     input_device,
     layer_devices,
     make_placement,
@@ -35,7 +36,6 @@ from kvlens.placement import (
     plan_device_map,
     weights_by_device,
 )
-from kvlens.store import open_capture
 
 NAMES = ("q", "k", "v", "q_pre", "k_pre")
 GIB, GB = 2**30, 10**9
@@ -119,7 +119,7 @@ def test_plan_splits_memory_and_disk_and_sums_to_the_model(tmp_path):
 
 
 def _empty(config):
-    from kvlens.placement import empty_model
+    from kvlens.model.placement import empty_model
 
     return empty_model(config, torch.float32)
 

@@ -12,11 +12,12 @@ import torch
 from tiny_models import tiny_model
 from typer.testing import CliRunner
 
-from kvlens.capture import capture_model
+from kvlens.capture.run import capture_model
+from kvlens.capture.store import CaptureMeta, write_capture
 from kvlens.cli import app
+from kvlens.config.kvconfig import MikvSettings, load_config, save_config
 from kvlens.errors import InputError
-from kvlens.kvconfig import MikvSettings, load_config, save_config
-from kvlens.recommend import (
+from kvlens.recommend.core import (
     COST_RESOLUTION,
     Candidate,
     RecommendOptions,
@@ -29,7 +30,6 @@ from kvlens.recommend import (
     option_bytes,
     recommend,
 )
-from kvlens.store import CaptureMeta, write_capture
 
 
 def _brute_force(costs, errors, budget):
@@ -128,7 +128,7 @@ def test_errors_are_measured_on_every_capture_sample_by_default(tmp_path):
     # One capture sample (512 tokens by default) is little text to rank layouts by (Gemma3-270M: all four capture
     # samples instead of the first took the 3.0-bit KLD from 0.097 to 0.075 out of sample), so
     # the default measures every sample; --samples N still limits it.
-    from kvlens.recommend import measure
+    from kvlens.recommend.core import measure
 
     path = _planted_capture(tmp_path / "p.h5", samples=3)
     kw = dict(budget_bits=3.0, group_sizes=(32,), bits=(2,), mikv=False, gear=False,
@@ -150,7 +150,7 @@ def test_mse_fit_candidates_win_on_gaussian_values(tmp_path):
     # error, so with both fits offered every 2-bit value choice is the fitted one, at the
     # same bytes, and the expected error drops. Keys stay min/max unless asked for; choosing
     # again from the same measurements with fewer fits drops the others.
-    from kvlens.recommend import choose, measure
+    from kvlens.recommend.core import choose, measure
 
     path = _planted_capture(tmp_path / "p.h5")
     kw = dict(budget_bits=3.6, group_sizes=(32,), bits=(2, 4), mikv=False, gear=False,
@@ -178,8 +178,8 @@ def test_mse_fit_candidates_win_on_gaussian_values(tmp_path):
 def test_each_layer_finds_its_own_rope_theta(tmp_path):
     # Gemma3-like: sliding layers at theta 1e4, global ones at another (here one no list
     # holds, so the search finds it), and a capture that records neither
-    from kvlens.compare import layer_rope_tables
-    from kvlens.store import open_capture
+    from kvlens.analysis.compare import layer_rope_tables
+    from kvlens.capture.store import open_capture
 
     path = _planted_capture(tmp_path / "two.h5", thetas=(10000.0, 31415.9), record=False)
     with open_capture(path) as cap:
@@ -245,10 +245,10 @@ def test_option_bytes_count_every_part():
 
 def test_written_config_runs_in_generate(tmp_path):
     """recommend -> JSON config -> load -> compressed generation on the same (tiny) model."""
-    from kvlens.architecture import describe
     from kvlens.cache import compressed_attention
-    from kvlens.evaluate import greedy
-    from kvlens.kvconfig import validate_for
+    from kvlens.config.kvconfig import validate_for
+    from kvlens.evaluation.evaluate import greedy
+    from kvlens.model.architecture import describe
 
     model = tiny_model("llama")
     windows = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(0))
@@ -280,7 +280,7 @@ def test_recommend_cli(tmp_path):
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert doc["mean_bits"] <= 3.5 and len(doc["choices"]) == 4
-    assert json.loads(out.read_text())["format"] == "kvlens.kvconfig"
+    assert json.loads(out.read_text())["format"] == "kvlens.config.kvconfig"
     # refuses to overwrite, and reports impossible budgets and bad files clearly
     res = runner.invoke(app, ["recommend", str(path), "-b", "3.5", "-o", str(out)])
     assert res.exit_code == 1 and "--overwrite" in res.output
@@ -295,7 +295,7 @@ def test_recommend_cli(tmp_path):
 def test_sensitivity_sees_a_layer_that_cannot_matter():
     """A layer whose attention output is multiplied by zero (o_proj = 0) cannot be hurt by
     quantizing its cache: KL exactly 0 there, positive elsewhere."""
-    from kvlens.sensitivity import layer_kl, weights_from
+    from kvlens.analysis.sensitivity import layer_kl, weights_from
 
     model = tiny_model("llama")
     with torch.no_grad():
@@ -310,7 +310,7 @@ def test_sensitivity_sees_a_layer_that_cannot_matter():
 
 
 def rec_meta(path):
-    from kvlens.store import open_capture
+    from kvlens.capture.store import open_capture
 
     with open_capture(path) as cap:
         return cap.meta
@@ -318,7 +318,7 @@ def rec_meta(path):
 
 def test_config_bits_matches_the_budget_accounting(tmp_path):
     from kvlens.cache.layout import ModelShape, config_bits
-    from kvlens.kvconfig import preset
+    from kvlens.config.kvconfig import preset
 
     shape = ModelShape(30, 3, 64)
     # kivi-2 at 4096 tokens, head_dim 64: 3 bits on all 4096 tokens (flushed whole at 4096)
@@ -374,7 +374,7 @@ def test_sliding_window_blocks_follow_the_group_sizes(tmp_path):
 
 
 def load_config_text(config):
-    from kvlens.kvconfig import config_from_dict
+    from kvlens.config.kvconfig import config_from_dict
 
     return config_from_dict(json.loads(json.dumps(config.to_dict())))
 
@@ -462,9 +462,9 @@ def test_perturbed_kl_is_the_probe_kl_and_zero_without_a_change():
     """`perturbed_kl` adds a delta to one layer's keys/values: with the probe's quantization
     error as the delta over every position it is `layer_kl`'s KL; a zero delta is lossless;
     scoring the last positions only is the mean over those positions."""
-    from kvlens.hf import attention_override
+    from kvlens.analysis.sensitivity import layer_kl, perturbed_kl
+    from kvlens.model.hooks import attention_override
     from kvlens.quant import QuantSpec, fake_quantize
-    from kvlens.sensitivity import layer_kl, perturbed_kl
 
     model = tiny_model("llama")
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(1))
@@ -500,7 +500,7 @@ def test_layout_sensitivity_measures_a_rate_per_family(tmp_path, smollm2_tokeniz
     from tiny_models import tiny_config
     from transformers import AutoModelForCausalLM
 
-    from kvlens.recommend import family, family_probes
+    from kvlens.recommend.core import family, family_probes
 
     config = tiny_config("llama")
     config.vocab_size = len(smollm2_tokenizer)

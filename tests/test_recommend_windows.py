@@ -11,9 +11,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from kvlens.capture.store import CaptureMeta, write_capture
 from kvlens.cli import app
 from kvlens.errors import InputError
-from kvlens.recommend import (
+from kvlens.recommend.core import (
     DEFAULT_WINDOWS,
     RecommendOptions,
     Stream,
@@ -23,7 +24,6 @@ from kvlens.recommend import (
     model_shape,
     option_bytes,
 )
-from kvlens.store import CaptureMeta, write_capture
 
 runner = CliRunner()
 
@@ -163,9 +163,9 @@ def test_mixed_window_config_holds_the_bytes_it_was_priced_at(tmp_path, fp):
 
     from kvlens.cache import compressed_attention, memory_report
     from kvlens.cache.cache import held_bytes
-    from kvlens.capture import capture_model
-    from kvlens.hf import cache_argument_name
-    from kvlens.kvconfig import load_config, save_config
+    from kvlens.capture.run import capture_model
+    from kvlens.config.kvconfig import load_config, save_config
+    from kvlens.model.hooks import cache_argument_name
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("gemma3"), attn_implementation="sdpa")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvlens.errors import InputError
-from kvlens.evaluate import FILLER, passkey_prompts
-from kvlens.retrieval import QUESTION, retrieval_text
+from kvlens.evaluation.evaluate import FILLER, passkey_prompts
+from kvlens.text.prompts import QUESTION, retrieval_text
 
 
 def test_probe_prompt_states_the_code_once_at_a_seeded_depth(smollm2_tokenizer):
@@ -28,9 +28,9 @@ def test_probe_prompt_states_the_code_once_at_a_seeded_depth(smollm2_tokenizer):
 
 def test_recommend_adds_weighted_probe_errors(tiny_model_dir, tmp_path):
     """tables(weight w) = text errors + w * probe errors, exactly linear in w."""
-    from kvlens.capture import capture_model
-    from kvlens.models import load_model
-    from kvlens.recommend import RecommendOptions, measure
+    from kvlens.capture.run import capture_model
+    from kvlens.model.load import load_model
+    from kvlens.recommend.core import RecommendOptions, measure
 
     model, tok, _ = load_model(str(tiny_model_dir))
     import torch
@@ -60,7 +60,7 @@ def test_recommend_adds_weighted_probe_errors(tiny_model_dir, tmp_path):
 def test_probe_required_without_a_model_is_a_clear_error(tmp_path):
     from test_recommend import _planted_capture
 
-    from kvlens.recommend import RecommendOptions, measure
+    from kvlens.recommend.core import RecommendOptions, measure
 
     path = _planted_capture(tmp_path / "p.h5")
     with pytest.raises(InputError, match="does not say which model"):

@@ -15,9 +15,9 @@ from tiny_models import tiny_model
 from kvlens.cache import compressed_attention, memory_report
 from kvlens.cache.attention import packed_attention
 from kvlens.cache.layer import CompressedLayer
+from kvlens.config.kvconfig import KVConfig, LayerKV, MikvSettings, config_from_dict, validate_for
 from kvlens.errors import ConfigError
-from kvlens.hf import cache_argument_name
-from kvlens.kvconfig import KVConfig, LayerKV, MikvSettings, config_from_dict, validate_for
+from kvlens.model.hooks import cache_argument_name
 from kvlens.quant import QuantSpec, hadamard_rotation
 
 KEYS, VALUES = QuantSpec(2, "per-channel", 16), QuantSpec(2, "per-token", 16)

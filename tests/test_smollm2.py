@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from kvlens.capture import capture_model
-from kvlens.corpus import load_text, token_windows
-from kvlens.metrics import attention_output
-from kvlens.store import open_capture
+from kvlens.analysis.metrics import attention_output
+from kvlens.capture.run import capture_model
+from kvlens.capture.store import open_capture
+from kvlens.text.corpus import load_text, token_windows
 
 
 def test_smollm2_capture_matches_model(smollm2, tmp_path):

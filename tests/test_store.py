@@ -7,9 +7,9 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from kvlens.capture import capture_model
+from kvlens.capture.run import capture_model
+from kvlens.capture.store import SCHEMA_VERSION, CaptureMeta, open_capture, write_capture
 from kvlens.errors import CaptureFileError, InputError, NumericalError
-from kvlens.store import SCHEMA_VERSION, CaptureMeta, open_capture, write_capture
 
 
 def _meta(**over):

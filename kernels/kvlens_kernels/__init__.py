@@ -1,11 +1,7 @@
 """Triton kernels over kvlens' packed KV cache (layout: ``kvlens.cache.packed``).
 
-Stable API (tensors and ints only, never kvlens objects; tensors ``[B, H, T, D]``):
+Stable API (tensors and ints only, never kvlens objects, and nothing of kvlens imported; tensors ``[B, H, T, D]``):
 
-- ``quantize_pack_keys(x, bits, group_size)``: per-channel groups along tokens, packed along
-  tokens (reference: ``kvlens.quant.quantize`` + ``pack_codes``), bit-exact codes.
-- ``quantize_pack_values(x, bits, group_size)``: per-token groups along channels, packed along
-  channels, bit-exact codes.
 - ``decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, length, ...)``:
   fused split-K decode attention of ``q`` ``[B, Hq, 1, D]`` over the packed store plus the
   full-precision residual window and extra fp16 token sets (MiKV), returning ``[B, Hq, 1, D]``
@@ -18,11 +14,7 @@ interpreter (``TRITON_INTERPRET=1`` set before triton is imported). Choosing thi
 job of ``kvlens.cache.attention.select_backend``.
 """
 
+from kvlens_kernels._common import KernelInputError
 from kvlens_kernels.decode import decode_attention
-from kvlens_kernels.quant_pack import quantize_pack_keys, quantize_pack_values
 
-__all__ = [
-    "decode_attention",
-    "quantize_pack_keys",
-    "quantize_pack_values",
-]
+__all__ = ["KernelInputError", "decode_attention"]

@@ -1,18 +1,20 @@
 """Shared helpers of the Triton kernels: packing geometry, rounding and input checks.
 
-Kernels take tensors and ints only. Errors raised here are ``kvlens.errors.InputError`` (a user
-cause, rendered by the CLI) with the allowed values in the message.
+Kernels take tensors and ints only and import nothing of kvlens (the package stands alone).
+Errors raised here are ``KernelInputError`` (a ``ValueError``) with the allowed values in the
+message. The packing geometry and the 8-bit metadata constants restate kvlens' layout
+(``kvlens.quant.packing``, ``kvlens.quant.meta8``); ``tests/test_kernels_decode.py`` checks that
+they agree, so the two cannot drift.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
-
-from kvlens.errors import ConfigError, InputError
-from kvlens.quant import packing
 
 #: ``2^23``: adding and subtracting it rounds a float32 in ``[0, 2^22]`` to the nearest integer,
 #: ties to even (IEEE round-to-nearest), i.e. ``torch.round``; used under the interpreter, where
@@ -22,28 +24,20 @@ FLOAT32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny
 SCALE_FLOOR_REL = 1e-8  # kvlens.quant.reference.SCALE_FLOOR_REL
 
 
+class KernelInputError(ValueError):
+    """A kernel argument of the wrong type, shape, dtype, device or value."""
+
+
+#: 8-bit group metadata: ``scale = 2 ** ((e - META8_SCALE_BIAS) / META8_SCALE_STEPS)``.
+META8_SCALE_BIAS, META8_SCALE_STEPS = 128, 8
+
+
 def pack_unit(bits: int) -> tuple[int, int]:
-    """``kvlens.quant.packing.pack_unit`` (``U`` codes fill ``W`` bytes), its error as the
-    kernels' ``InputError``."""
-    try:
-        return packing.pack_unit(bits)
-    except ConfigError as e:
-        raise InputError(str(e)) from None
-
-
-def container_bits(bits: int) -> int:
-    """The byte-aligned widths the quantize-and-pack kernels write (1, 2, 4, 8); other widths
-    are packed densely across bytes, which those kernels do not write (``InputError``)."""
-    u, w = pack_unit(bits)
-    if w != 1:
-        raise InputError(f"The Triton quantize-and-pack kernels write 1-, 2-, 4- and 8-bit codes; "
-                         f"{bits}-bit codes are packed {u} per {w} bytes, which they do not "
-                         f"write: use kvlens.quant.quantize + pack_codes for them.")
-    return bits
-
-
-def codes_per_byte(bits: int) -> int:
-    return 8 // container_bits(bits)
+    """``(U, W)``: ``U`` codes of ``bits`` bits fill ``W`` whole bytes (dense packing)."""
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise KernelInputError(f"bits must be an integer in 1..8, got {bits!r}.")
+    w = bits // math.gcd(bits, 8)
+    return 8 * w // bits, w
 
 
 def use_libdevice(t: torch.Tensor) -> bool:
@@ -53,14 +47,14 @@ def use_libdevice(t: torch.Tensor) -> bool:
 
 def check_tensor(name: str, t, ndim: int, dtypes: tuple[torch.dtype, ...], device=None) -> None:
     if not isinstance(t, torch.Tensor):
-        raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
+        raise KernelInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
     if t.dim() != ndim:
-        raise InputError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}.")
+        raise KernelInputError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}.")
     if t.dtype not in dtypes:
         allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise InputError(f"{name} has dtype {t.dtype}; allowed: {allowed}.")
+        raise KernelInputError(f"{name} has dtype {t.dtype}; allowed: {allowed}.")
     if device is not None and t.device != device:
-        raise InputError(f"{name} is on {t.device} but the query/input is on {device}; put all "
+        raise KernelInputError(f"{name} is on {t.device} but the query/input is on {device}; put all "
                          f"kernel inputs on one device.")
 
 
@@ -69,12 +63,12 @@ def check_shape(name: str, t: torch.Tensor, expected: tuple) -> None:
     if len(t.shape) != len(expected) or any(
             e is not None and s != e for s, e in zip(t.shape, expected, strict=False)):
         want = "[" + ", ".join("*" if e is None else str(e) for e in expected) + "]"
-        raise InputError(f"{name} has shape {list(t.shape)}; expected {want}.")
+        raise KernelInputError(f"{name} has shape {list(t.shape)}; expected {want}.")
 
 
 def check_int(name: str, v, lo: int = 0) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise InputError(f"{name} must be an integer >= {lo}, got {v!r}.")
+        raise KernelInputError(f"{name} must be an integer >= {lo}, got {v!r}.")
     return v
 
 

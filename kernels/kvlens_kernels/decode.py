@@ -2,7 +2,7 @@
 
 Torch reference: dequantize the packed store with ``kvlens.quant`` (``kvlens.cache.packed.
 PackedTensor.dequantize_range``), concatenate the residual window and the extra fp16 sets, then
-``softmax(q kᵀ * scaling + mask) v`` (``kvlens.metrics.attention_output`` / ``kvlens.cache.
+``softmax(q kᵀ * scaling + mask) v`` (``kvlens.analysis.metrics.attention_output`` / ``kvlens.cache.
 attention.packed_attention``). Tested in ``tests/test_kernels_decode.py``.
 
 Inputs (layout of ``kvlens.cache.packed``; codes packed densely in units of ``U`` codes in
@@ -57,9 +57,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kvlens.errors import InputError
-from kvlens.quant.meta8 import SCALE_BIAS, SCALE_STEPS
 from kvlens_kernels._common import (
+    META8_SCALE_BIAS,
+    META8_SCALE_STEPS,
+    KernelInputError,
     check_int,
     check_shape,
     check_tensor,
@@ -392,7 +393,7 @@ def _as_u8(name: str, t, b: int, hkv: int | None, min_len: int, device) -> torch
     check_tensor(name, t, ndim, (torch.bool, torch.uint8), device)
     check_shape(name, t, (b, None) if hkv is None else (b, hkv, None))
     if t.shape[-1] < min_len:
-        raise InputError(f"{name} covers {t.shape[-1]} positions but {min_len} are needed.")
+        raise KernelInputError(f"{name} covers {t.shape[-1]} positions but {min_len} are needed.")
     return t.view(torch.uint8) if t.dtype == torch.bool else t
 
 
@@ -409,26 +410,26 @@ def _packed_geometry(which: str, layout: str, bits: int, group, codes, scale, ze
     scale per block); per-token = channels per group (``None`` = ``D``)."""
     gname = f"{which}_group"
     if layout not in LAYOUTS:
-        raise InputError(f"{which}_layout {layout!r} is not a packed layout; allowed: "
+        raise KernelInputError(f"{which}_layout {layout!r} is not a packed layout; allowed: "
                          f"{', '.join(LAYOUTS)}.")
     per, width = pack_unit(bits)
     if layout == "per-token":
         gd = d if group is None else group
         check_int(gname, gd, 1)
         if d % gd or gd < 16:
-            raise InputError(f"{gname} {gd} must divide head_dim {d} and be >= 16; allowed "
+            raise KernelInputError(f"{gname} {gd} must divide head_dim {d} and be >= 16; allowed "
                              f"e.g. 32, 64, 128 (or None for the whole head).")
         if gd % per:
-            raise InputError(f"{gname} {gd} must be a multiple of {per} ({bits}-bit codes "
+            raise KernelInputError(f"{gname} {gd} must be a multiple of {per} ({bits}-bit codes "
                              f"are packed {per} per {width} byte(s)).")
         rows_t, cols = 1, d // gd
     else:
         if group is None:
             what = "G (tokens per group)" if layout == "per-channel" else "the flush block F"
-            raise InputError(f"{gname} is required for {layout} {which}: {what}.")
+            raise KernelInputError(f"{gname} is required for {layout} {which}: {what}.")
         check_int(gname, group, 1)
         if group % 16 or group % per:
-            raise InputError(f"{gname} {group} must be a multiple of 16 (tensor-core token "
+            raise KernelInputError(f"{gname} {group} must be a multiple of 16 (tensor-core token "
                              f"blocks) and of {per}; allowed e.g. 32, 64, 128.")
         rows_t, gd = group, d
         cols = d if layout == "per-channel" else 1
@@ -438,14 +439,14 @@ def _packed_geometry(which: str, layout: str, bits: int, group, codes, scale, ze
     check_shape(cname, codes, (b, hkv, None, d if tok else -(-d // per) * width))
     held = codes.shape[2] // width * per if tok else codes.shape[2]
     if held < length:
-        raise InputError(f"{cname} holds {held} tokens < length {length}.")
+        raise KernelInputError(f"{cname} holds {held} tokens < length {length}.")
     n_rows = -(-length // rows_t)
     dtypes = ((torch.uint8,), (torch.int8,)) if meta8 else (SCALE_DTYPES, SCALE_DTYPES)
     for (name, t), allowed in zip(((f"{which}_scale", scale), (f"{which}_zero", zero)), dtypes):
         check_tensor(name, t, 4, allowed, dev)
         check_shape(name, t, (b, hkv, None, cols))
         if t.shape[2] < n_rows:
-            raise InputError(f"{name} has {t.shape[2]} group rows < {n_rows} needed for length "
+            raise KernelInputError(f"{name} has {t.shape[2]} group rows < {n_rows} needed for length "
                              f"{length} ({layout}, {gname} {group}).")
     return tok, rows_t, gd
 
@@ -507,12 +508,12 @@ def decode_attention(
     dev = q.device
     b, hq, tq, d = q.shape
     if tq != 1:
-        raise InputError(f"decode_attention takes one query token per sequence (q [B, Hq, 1, D]),"
+        raise KernelInputError(f"decode_attention takes one query token per sequence (q [B, Hq, 1, D]),"
                          f" got q of shape {list(q.shape)}; use the torch path for prefill.")
     check_int("length", length, 0)
     check_int("residual_len", residual_len, 0)
     if not isinstance(scaling, (int, float)) or isinstance(scaling, bool):
-        raise InputError(f"scaling must be a float, got {scaling!r}.")
+        raise KernelInputError(f"scaling must be a float, got {scaling!r}.")
     kunit, vunit = pack_unit(k_bits), pack_unit(v_bits)
     hkv = None
     for name, t in (("k_codes", k_codes), ("residual_k", residual_k)):
@@ -523,19 +524,19 @@ def decode_attention(
     if hkv is None and extra:
         hkv = extra[0][0].shape[1] if isinstance(extra[0][0], torch.Tensor) else None
     if hkv is None:
-        raise InputError("decode_attention got no keys: pass the packed store (length > 0), a "
+        raise KernelInputError("decode_attention got no keys: pass the packed store (length > 0), a "
                          "residual window or an extra token set.")
     if hkv < 1 or hq % hkv:
-        raise InputError(f"query heads {hq} must be a multiple of KV heads {hkv} (GQA).")
+        raise KernelInputError(f"query heads {hq} must be a multiple of KV heads {hkv} (GQA).")
     gq = hq // hkv
     kgeo = vgeo = (False, 1, d)
     if length:
         if any(t is None for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)):
-            raise InputError("length > 0 needs all of k_codes, k_scale, k_zero, v_codes, "
+            raise KernelInputError("length > 0 needs all of k_codes, k_scale, k_zero, v_codes, "
                              "v_scale, v_zero.")
         for name, unit in (("k_zero_unit", k_zero_unit), ("v_zero_unit", v_zero_unit)):
             if unit is not None and not (isinstance(unit, (int, float)) and unit > 0):
-                raise InputError(f"{name} must be a positive number (8-bit metadata) or None, "
+                raise KernelInputError(f"{name} must be a positive number (8-bit metadata) or None, "
                                  f"got {unit!r}.")
         kgeo = _packed_geometry("k", k_layout, k_bits, k_group, k_codes, k_scale, k_zero,
                                 length, b, hkv, d, dev, meta8=k_zero_unit is not None)
@@ -544,16 +545,16 @@ def decode_attention(
     if residual_len:
         for name, t in (("residual_k", residual_k), ("residual_v", residual_v)):
             if t is None:
-                raise InputError(f"residual_len {residual_len} > 0 but {name} is None.")
+                raise KernelInputError(f"residual_len {residual_len} > 0 but {name} is None.")
             check_tensor(name, t, 4, FLOAT_DTYPES, dev)
             check_shape(name, t, (b, hkv, None, d))
             if t.shape[2] < residual_len:
-                raise InputError(f"{name} holds {t.shape[2]} tokens < residual_len "
+                raise KernelInputError(f"{name} holds {t.shape[2]} tokens < residual_len "
                                  f"{residual_len}.")
     extras = []
     for i, item in enumerate(extra):
         if not isinstance(item, (tuple, list)) or len(item) != 3:
-            raise InputError(f"extra[{i}] must be a tuple (k, v, pos).")
+            raise KernelInputError(f"extra[{i}] must be a tuple (k, v, pos).")
         ek, ev, ep = item
         check_tensor(f"extra[{i}] k", ek, 4, FLOAT_DTYPES, dev)
         check_shape(f"extra[{i}] k", ek, (b, hkv, None, d))
@@ -581,7 +582,7 @@ def decode_attention(
         bal = balancer if balancer.dim() == 3 else balancer.unsqueeze(0)
         check_shape("balancer", bal, (bal.shape[0], hkv, d))
         if bal.shape[0] not in (1, b):
-            raise InputError(f"balancer batch {bal.shape[0]} must be 1 or {b}.")
+            raise KernelInputError(f"balancer batch {bal.shape[0]} must be 1 or {b}.")
 
     bg = max(16, next_pow2(gq))
     bd = max(16, next_pow2(d))
@@ -592,7 +593,7 @@ def decode_attention(
     if split_tokens is not None:
         check_int("split_tokens", split_tokens, 1)
         if split_tokens % bt_p:
-            raise InputError(f"split_tokens {split_tokens} must be a multiple of the token block "
+            raise KernelInputError(f"split_tokens {split_tokens} must be a multiple of the token block "
                              f"{bt_p}.")
     split_p = split_tokens or _auto_split(length, programs, bt_p, dev)
     n_packed = -(-length // split_p) if length else 0
@@ -644,7 +645,7 @@ def decode_attention(
             GV=vgeo[2], GV_P=max(16, next_pow2(vgeo[2])), NDG=ndg, NDG_P=next_pow2(ndg),
             HAS_BAL=bal is not None, HAS_MASK=mask is not None, HAS_START=start is not None,
             HAS_PVALID=pvalid is not None, K_M8=k_zero_unit is not None,
-            V_M8=v_zero_unit is not None, MB=SCALE_BIAS, MS=SCALE_STEPS)
+            V_M8=v_zero_unit is not None, MB=META8_SCALE_BIAS, MS=META8_SCALE_STEPS)
     base = n_packed
     for dk, dv, dpos, n_tok, pos0, split, n_splits in dense:
         pos_args = (dpos, *dpos.stride()) if dpos is not None else (dummy, 0, 0, 0)

@@ -55,7 +55,11 @@ from collections.abc import Callable
 
 import torch
 
+from kvlens.cache.layer import LAYER_ATTR
+from kvlens.config.rules import flush_block
 from kvlens.errors import BackendError, ConfigError, InputError
+from kvlens.quant import pack_unit
+from kvlens.rope import rotate
 
 BACKENDS = ("auto", "torch", "triton")
 CHUNK_TOKENS = 4096
@@ -189,7 +193,6 @@ def _unpack_rows(raw: torch.Tensor, bits: int) -> torch.Tensor:
     unpack). Units of several bytes (3-bit codes: 8 in 3 bytes) are unpacked slot by slot, each
     slot one or two uint8 shifts over the whole chunk (measured 2.2x faster than joining a
     unit's bytes into an int32 word first: benchmarks/bench_unpack.py)."""
-    from kvlens.quant import pack_unit
 
     u, w = pack_unit(bits)
     lead, r, c = raw.shape[:-2], raw.shape[-2], raw.shape[-1]
@@ -276,7 +279,6 @@ def _key_scores(layer, q: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
     if layer.setting.key is None:  # a dense (unquantized) key history
         return torch.matmul(q, store.dequantize_range(t0, t1).transpose(-1, -2))
     if layer.stores_pre_rope:  # RoPE rotates the dequantized key: dequantize, rotate, dot
-        from kvlens.rope import rotate
 
         k = _dequant_chunk(store, t0, t1)
         cos, sin = layer.rope_tables(layer.q_start + t0, layer.q_start + t1)
@@ -469,9 +471,8 @@ def triton_unsupported(layer, query: torch.Tensor, with_probs: bool) -> str | No
 
 def kernel_layout_problem(setting, head_dim: int) -> str | None:
     """Why the fused decode kernel cannot read a layer stored as ``setting`` (a
-    ``kvlens.kvconfig.LayerKV``), or ``None``. Shared by the dispatch and ``recommend``'s
+    ``kvlens.config.kvconfig.LayerKV``), or ``None``. Shared by the dispatch and ``recommend``'s
     ``--prefer-fast``."""
-    from kvlens.cache.packed import flush_block
 
     if setting.key is None or setting.value is None:
         return "keys or values not quantized (the kernel reads both from the packed store)"
@@ -496,7 +497,6 @@ def _kernel_group(spec, block: int):
 
 
 def _spec_kernel_problem(what: str, spec, block: int, d: int) -> str | None:
-    from kvlens.quant import pack_unit
 
     g = _kernel_group(spec, block)
     per, _ = pack_unit(spec.bits)
@@ -588,7 +588,7 @@ def _note_torch(layer, reason: str) -> None:
 
 def make_attention_fn(backend: str = "torch", chunk_tokens: int = CHUNK_TOKENS
                       ) -> Callable[[Callable], Callable]:
-    """Factory for ``kvlens.hf.attention_override``: wraps the model's own attention.
+    """Factory for ``kvlens.model.hooks.attention_override``: wraps the model's own attention.
 
     ``backend`` is what ``select_backend`` returned (``torch`` or ``triton``)."""
     if backend not in ("torch", "triton"):
@@ -599,7 +599,6 @@ def make_attention_fn(backend: str = "torch", chunk_tokens: int = CHUNK_TOKENS
     def factory(original: Callable) -> Callable:
         def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                       **kwargs):
-            from kvlens.cache.layer import LAYER_ATTR
 
             layer = getattr(key, LAYER_ATTR, None)
             if layer is None:  # no compressed cache in this forward: the model's own path

@@ -21,8 +21,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvlens.cache.attention import make_attention_fn, select_backend
+from kvlens.cache.engine import EngineLayer, EngineStore, static_scale
+from kvlens.cache.gear import GearTensor
+from kvlens.cache.layer import CompressedLayer, DenseTensor
+from kvlens.cache.layout import PARTS, ModelShape
+from kvlens.cache.mixed import SetRows
+from kvlens.cache.packed import PackedTensor
+from kvlens.config.kvconfig import KVConfig, validate_for
 from kvlens.errors import ConfigError
-from kvlens.kvconfig import KVConfig, validate_for
+from kvlens.model.architecture import describe
+from kvlens.model.hooks import attention_override, rope_frequency_candidates, rope_inputs
+from kvlens.model.placement import input_device, layer_devices
+from kvlens.quant import engine_rotation, hadamard_rotation
 
 
 @dataclass
@@ -44,7 +55,6 @@ class CompressionSession:
         """The ``[D, D]`` float32 rotation llama.cpp applies to ``tensor`` (key or value)."""
         key = (tensor, head_dim, str(device))
         if key not in self.rotations:
-            from kvlens.quant import engine_rotation
 
             self.rotations[key] = engine_rotation(tensor, head_dim).to(device)
         return self.rotations[key]
@@ -64,18 +74,15 @@ class CompressionSession:
         """A fresh ``transformers.Cache`` of ``CompressedLayer`` s for this model."""
         from transformers.cache_utils import Cache
 
-        from kvlens.cache.layer import CompressedLayer
 
         windows = sliding_windows(self.model, self.info.num_layers)
         # Each layer's stores live where that layer computes (a device map may spread the
         # layers over GPUs); its rotation and balancer are put there too, one rotation copy
         # per device (kvlens.cache.layout counts them).
-        from kvlens.placement import layer_devices
 
         devices = layer_devices(self.model)
         rotations: dict = {}
         if any(self.config.layer(i).rotates for i in range(self.info.num_layers)):
-            from kvlens.quant import hadamard_rotation
 
             rotation = hadamard_rotation(self.info.head_dim, self.config.rotation_seed)
             rotations = {d: rotation.to(d) for d in dict.fromkeys(
@@ -101,7 +108,6 @@ class CompressionSession:
         return Cache(layers=layers)
 
     def _engine_layer(self, idx: int, window: int | None):
-        from kvlens.cache.engine import EngineLayer, static_scale
 
         setting = self.config.layer(idx)
         given = self.config.kv_scales.get(idx, {})
@@ -114,7 +120,6 @@ class CompressionSession:
 
 
 def _device(model):
-    from kvlens.placement import input_device
 
     return input_device(model)
 
@@ -122,9 +127,6 @@ def _device(model):
 def shape_of(model):
     """``kvlens.cache.layout.ModelShape`` of a loaded model (layers, KV heads, head_dim, sliding
     windows, dtype): what its cache's bytes depend on besides the config and the tokens."""
-    from kvlens.architecture import describe
-    from kvlens.cache.layout import ModelShape
-    from kvlens.placement import layer_devices
 
     info = describe(model)
     windows = sliding_windows(model, info.num_layers)
@@ -162,9 +164,6 @@ def sliding_windows(model, num_layers: int) -> list[int | None]:
 @contextmanager
 def compressed_attention(model, config: KVConfig, backend: str = "auto"
                          ) -> Iterator[CompressionSession]:
-    from kvlens.architecture import describe
-    from kvlens.cache.attention import make_attention_fn, select_backend
-    from kvlens.hf import attention_override, rope_frequency_candidates, rope_inputs
 
     info = describe(model)
     validate_for(config, info)
@@ -195,7 +194,6 @@ def memory_report(cache) -> dict:
     ``16 * kv_bytes / kv_bytes_fp16``; ``by_device``: the held bytes per device the storages
     live on (they sum to ``kv_bytes`` exactly; each layer's stores are on the device its
     attention runs on). Python object headers are not counted."""
-    from kvlens.cache.layout import PARTS
 
     parts = dict.fromkeys(PARTS, 0)
     seen: set = set()
@@ -237,11 +235,6 @@ def held_bytes_by_device(obj) -> dict[str, int]:
     ``obj`` through attributes, lists, tuples and dicts (each storage once, on the device it
     lives on). The walk does not enter modules, the compression session or anything outside
     kvlens' cache objects, so it counts what the cache holds, not the model."""
-    from kvlens.cache.engine import EngineLayer, EngineStore
-    from kvlens.cache.gear import GearTensor
-    from kvlens.cache.layer import CompressedLayer, DenseTensor
-    from kvlens.cache.mixed import SetRows
-    from kvlens.cache.packed import PackedTensor
 
     seen_objs: set = set()
     seen: set = set()

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvlens.cache import layout
+from kvlens.cache.attention import kernel_layout_problem
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,6 @@ def config_decode_cost(config, shape: layout.ModelShape, tokens: int, batch: int
                        ) -> DecodeCost:
     """``DecodeCost`` of ``config`` on a model of ``shape`` (``kvlens.cache.layout.ModelShape``),
     with the same per-layer rules as ``layout.config_part_bytes``."""
-    from kvlens.cache.attention import kernel_layout_problem
 
     fp = layout.fp_bytes_of(config.fp_dtype, shape.model_dtype_bytes)
     # bytes read per scale (and per zero): the kernel reads 8-bit metadata as bytes and

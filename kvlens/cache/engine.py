@@ -1,7 +1,7 @@
 """Engine-format cache layers: a layer that stores and reads its K/V the way llama.cpp or vLLM do.
 
 An ``EngineLayer`` is used for every layer whose config sets ``key_format``/``value_format``
-(``kvlens.kvconfig.LayerKV``). Unlike ``CompressedLayer`` there is no full-precision window:
+(``kvlens.config.kvconfig.LayerKV``). Unlike ``CompressedLayer`` there is no full-precision window:
 ``update()`` writes the new tokens into the store in the engine's format **first**, then reads
 the whole held history back (the new tokens included) and returns it dequantized, so the
 model's own attention function attends to exactly what the engine's attention reads
@@ -37,14 +37,21 @@ from transformers.cache_utils import DynamicLayer
 
 from kvlens.cache import layout
 from kvlens.errors import ConfigError
-from kvlens.quant.cachetypes import CacheType, DenseType
-from kvlens.quant.formats import rotate_rows
+from kvlens.quant import QuantSpec, pack_codes, quantize, unpack_codes
+from kvlens.quant.cachetypes import CacheType, DenseType, needs_scales, scale_count
+from kvlens.quant.formats import (
+    FP8_DTYPES,
+    FP8_MAX,
+    GGMLBlocks,
+    dequantize_ggml,
+    quantize_ggml,
+    rotate_rows,
+)
 
 
 def static_scale(ctype: CacheType, kv_heads: int, given=None) -> torch.Tensor | None:
     """The float32 ``[1, 1 or Hkv, 1, 1]`` static fp8 scale of ``ctype``: its fixed scale
     (``:sS``) or the calibrated ``given`` values; ``None`` for other types."""
-    from kvlens.quant.cachetypes import needs_scales, scale_count
 
     n = scale_count(ctype, kv_heads)
     if n == 0:
@@ -81,11 +88,9 @@ class EngineStore:
         if self.family == "dense":
             return x.to(getattr(torch, self.ctype.torch_dtype)), None
         if self.family == "ggml":
-            from kvlens.quant.formats import quantize_ggml
 
             return quantize_ggml(x, self.fmt).to_bytes(), None
         if self.family == "fp8":
-            from kvlens.quant.formats import FP8_DTYPES, FP8_MAX
 
             s = self.static_scale.to(x.device)
             safe = torch.where(s > 0, s, torch.ones_like(s))
@@ -93,13 +98,11 @@ class EngineStore:
             return (x.float() / safe).clamp(-top, top).to(FP8_DTYPES[self.fmt.fp8]), None
         # dynamic per-token-head
         if self.fmt.kind == "fp8":
-            from kvlens.quant.formats import FP8_MAX
 
             s = x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX["e4m3"]
             safe = torch.where(s > 0, s, torch.ones_like(s))
             codes = (x.float() / safe).clamp(-FP8_MAX["e4m3"], FP8_MAX["e4m3"])
             return codes.to(torch.float8_e4m3fn), s
-        from kvlens.quant import QuantSpec, pack_codes, quantize
 
         q = quantize(x.float(), QuantSpec(self.fmt.code_bits, "per-token", None, True))
         return pack_codes(q.codes, self.fmt.code_bits), q.scale
@@ -126,7 +129,6 @@ class EngineStore:
         if self.family == "dense":
             return self.data.float()
         if self.family == "ggml":
-            from kvlens.quant.formats import GGMLBlocks, dequantize_ggml
 
             return dequantize_ggml(GGMLBlocks.from_bytes(self.data, self.fmt, self.head_dim))
         if self.family == "fp8":
@@ -137,7 +139,6 @@ class EngineStore:
             s = self.scales
             y = self.data.float() * torch.where(s > 0, s, torch.ones_like(s))
             return torch.where(s > 0, y, torch.zeros_like(y))
-        from kvlens.quant import unpack_codes
 
         bits = self.fmt.code_bits
         qmax = (1 << (bits - 1)) - 1

@@ -43,10 +43,13 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from kvlens.cache import layout
+from kvlens.cache.gear import GearTensor
 from kvlens.cache.mixed import SetRows
 from kvlens.cache.packed import PackedTensor
+from kvlens.config.kvconfig import LayerKV, MikvSettings
 from kvlens.errors import ConfigError
-from kvlens.kvconfig import LayerKV, MikvSettings
+from kvlens.quant import fit_balancer
+from kvlens.rope import RopeFrequencies, invert_rope
 
 LAYER_ATTR = "_kvlens_layer"
 
@@ -163,7 +166,6 @@ class CompressedLayer(DynamicLayer):
         # GEAR: sparse + low-rank parts beside each packed store (None: plain codes)
         self.kgear = self.vgear = None
         if gear is not None:
-            from kvlens.cache.gear import GearTensor
 
             if setting.pre_rope_keys and setting.key is not None:
                 raise ConfigError("GEAR cannot be combined with pre-RoPE keys; disable one.")
@@ -223,7 +225,6 @@ class CompressedLayer(DynamicLayer):
     def _record_positions(self, b: int, t: int) -> None:
         """Keep the RoPE positions of the new tokens, checking that the model's RoPE can be
         re-created from them."""
-        from kvlens.rope import RopeFrequencies
 
         cos, sin, pos = self.session.rope.get(self.layer_idx, (None, None, None))
         if cos is None or pos is None:
@@ -330,7 +331,6 @@ class CompressedLayer(DynamicLayer):
         position received in this call (summed over the query heads of its KV head and the
         queries)."""
         if self.want_online_balancer:
-            from kvlens.quant import fit_balancer
 
             self.balancer = fit_balancer(query, self.res_k.view().float(),
                                          exponent=self.mikv.balancer_exponent)
@@ -357,7 +357,6 @@ class CompressedLayer(DynamicLayer):
         v = self.res_v.view(0, n)
         k_store = k.float()
         if self.stores_pre_rope:
-            from kvlens.rope import invert_rope
 
             cos, sin = self.rope_tables(t0, t0 + n)
             k_store = invert_rope(k.float(), cos, sin, self.rope.layout)

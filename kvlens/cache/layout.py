@@ -48,7 +48,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvlens.cache.gear import part_bytes
+from kvlens.cache.mixed import set_bytes_per_token
+from kvlens.config.rules import flush_block
 from kvlens.errors import ConfigError
+from kvlens.quant import packed_length
+from kvlens.quant.cachetypes import DenseType, scale_count
 
 PARTS = ("codes", "scales", "zeros", "dense", "window", "sets", "positions", "masks",
          "accumulators", "balancers", "rotations", "blocks", "outliers", "lowrank")
@@ -62,7 +67,6 @@ POSITION_BYTES = 4  # int32
 
 def flush_every(setting) -> int:
     """``F`` of a layer: tokens quantized together (0 = nothing is ever quantized)."""
-    from kvlens.cache.packed import flush_block
 
     if not setting.compressed:
         return 0
@@ -144,7 +148,6 @@ def packed_bytes(spec, tokens: int, flush: int, head_dim: int, scale_bytes: int 
     """``(codes, scales, zeros)`` bytes of ``tokens`` (a multiple of ``flush``) packed tokens of
     one (batch row, KV head), in ``kvlens.cache.packed``'s layout (dense codes in whole packing
     units, whole scale groups, a stored zero for every group)."""
-    from kvlens.quant import packed_length
 
     if tokens == 0:
         return 0, 0, 0
@@ -192,7 +195,6 @@ def layer_part_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batc
             parts["scales"] += rows * s
             parts["zeros"] += rows * z
             if gear is not None:
-                from kvlens.cache.gear import part_bytes
 
                 o, lr = part_bytes(spec, gear, st.q_held, f, head_dim, fp_bytes)
                 parts["outliers"] += rows * o
@@ -204,7 +206,6 @@ def layer_part_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batc
         if sets.set_bits is None:
             parts["sets"] = 2 * rows * k * head_dim * fp_bytes
         else:
-            from kvlens.cache.mixed import set_bytes_per_token
 
             parts["sets"] = 2 * rows * k * set_bytes_per_token(sets.set_bits, head_dim)
         parts["positions"] += rows * k * POSITION_BYTES
@@ -250,7 +251,6 @@ def engine_tensor_bytes(ctype, held: int, head_dim: int, kv_heads: int, batch: i
                         ) -> dict[str, int]:
     """Bytes by part of one tensor (K or V) of ``held`` tokens in engine cache type ``ctype``
     (``kvlens.quant.cachetypes``)."""
-    from kvlens.quant.cachetypes import DenseType, scale_count
 
     parts = dict.fromkeys(PARTS, 0)
     rows = batch * kv_heads * held

@@ -43,7 +43,7 @@ def capture(
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
 ) -> None:
     """Run a causal LM on text and store per-layer, per-head Q, K, V (pre and post RoPE)."""
-    from kvlens.capture import CaptureOptions, run_capture
+    from kvlens.capture.run import CaptureOptions, run_capture
 
     opts = CaptureOptions(model=model, text=str(text) if text else None, samples=samples,
                           tokens=tokens, layers=layers, storage_dtype=storage_dtype,
@@ -64,8 +64,8 @@ def capture(
 
 def _write_report_json(summary, output: Path) -> None:
     """``RUN.capture.json`` beside the capture: what ``kvlens report`` shows about it."""
+    from kvlens.capture.store import open_capture
     from kvlens.report.artifacts import capture_doc, capture_doc_path, write_artifact
-    from kvlens.store import open_capture
 
     with open_capture(output) as cap:
         doc = capture_doc(summary.to_dict(), cap.meta)
@@ -75,7 +75,7 @@ def _write_report_json(summary, output: Path) -> None:
 def _render(s) -> None:
     from rich.table import Table
 
-    from kvlens.store import _ranges
+    from kvlens.capture.store import _ranges
 
     table = Table(title=f"Capture written: {s.path}", show_header=False)
     table.add_row("model", f"{s.model} ({s.architecture})")

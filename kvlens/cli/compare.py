@@ -86,7 +86,7 @@ def compare_axes_command(
     ),
 ) -> None:
     """Which quantization axis wins for keys and values, under which error metric."""
-    from kvlens.compare import (
+    from kvlens.analysis.compare import (
         CompareConfig,
         compare_axes,
         parse_int_list,
@@ -118,7 +118,7 @@ def compare_axes_command(
             lambda: compare_axes(run, config, progress=update, threads=threads)
         )
     if plots is not None:
-        from kvlens.plot_compare import write_plots
+        from kvlens.plots.compare import write_plots
         from kvlens.report.artifacts import compare_doc, write_artifact
 
         written = run_library_call(lambda: write_plots(result, plots))
@@ -153,7 +153,7 @@ def _render(summary: dict) -> None:
     from rich.table import Table
 
     cap = summary["capture"]
-    from kvlens.compare import means_by_key
+    from kvlens.analysis.compare import means_by_key
 
     means = means_by_key(summary["means"])
     winners = {

@@ -101,9 +101,9 @@ def generate(
     run_library_call(lambda: check_output_file(report_json, "--report-json"))
 
     def work():
-        from kvlens.evaluate import evaluate_configs
-        from kvlens.models import load_model
-        from kvlens.placement import placement_summary
+        from kvlens.evaluation.evaluate import evaluate_configs
+        from kvlens.model.load import load_model
+        from kvlens.model.placement import placement_summary
 
         err_console.print(f"Loading {model or 'SmolLM2-135M-Instruct (embedded)'} ...")
         mdl, tok, _ = load_model(model, dtype=dtype, device=device, device_map=device_map,
@@ -141,10 +141,10 @@ def generate(
 def _options(config, preset_name, compare, prompt, prompt_file, max_new_tokens, evals, text,
              backend, ppl_tokens, passkey_prompts, passkey_context, seed, eval_tokens=None,
              chunk=64, retrieval_prompts=1, retrieval_lengths=None, calibration=None):
+    from kvlens.config.kvconfig import load_config, preset, resolve
     from kvlens.deploy import is_engine_setting
     from kvlens.errors import InputError
-    from kvlens.evaluate import EvalOptions, parse_evals
-    from kvlens.kvconfig import load_config, preset, resolve
+    from kvlens.evaluation.evaluate import EvalOptions, parse_evals
 
     if config is not None and preset_name is not None:
         raise InputError("Give either --config FILE or --preset NAME, not both.")
@@ -157,7 +157,7 @@ def _options(config, preset_name, compare, prompt, prompt_file, max_new_tokens, 
         configs.append(configs.engine(preset_name, calibration)
                        if is_engine_setting(preset_name) else preset(preset_name))
     if compare:
-        from kvlens.baselines import baseline, is_baseline
+        from kvlens.evaluation.baselines import baseline, is_baseline
 
         names = [s.strip() for s in compare.split(",") if s.strip()]
         configs.extend(baseline(n) if is_baseline(n) else configs.engine(n, calibration)

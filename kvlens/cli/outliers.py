@@ -39,8 +39,8 @@ def plot_outliers(
                                                        "stdout (without per-channel profiles)."),
 ) -> None:
     """Which channels are outliers, how stable they are, and how RoPE moves them."""
+    from kvlens.analysis.outliers import analyze_capture, parse_tensors
     from kvlens.errors import InputError
-    from kvlens.outliers import analyze_capture, parse_tensors
 
     def prepare():
         if fmt not in ("png", "svg", "pdf"):
@@ -64,8 +64,8 @@ def plot_outliers(
 
     def analyse():
         nonlocal wanted
-        from kvlens.selection import parse_index_spec
-        from kvlens.store import open_capture
+        from kvlens.capture.store import open_capture
+        from kvlens.text.selection import parse_index_spec
 
         with open_capture(run) as cap:
             model_name[0] = cap.meta.model
@@ -87,7 +87,7 @@ def plot_outliers(
             drawn.extend(_draw_profiles(report.select(layer=layer), report.model, threshold,
                                         out, fmt))
     drawn.extend(run_library_call(lambda: _draw_heatmaps(report, spots, run, out, fmt)))
-    from kvlens.plotting import plot_overview
+    from kvlens.plots.outliers import plot_overview
 
     drawn.append(plot_overview(report, out / f"overview.{fmt}"))
     stats_path = out / "outliers.json"
@@ -129,7 +129,7 @@ def _most_severe_layers(report, n: int) -> list[int]:
 
 
 def _draw_profiles(stats, model: str, threshold: float, out: Path, fmt: str) -> list[Path]:
-    from kvlens.plotting import plot_channel_profiles
+    from kvlens.plots.outliers import plot_channel_profiles
 
     paths = []
     layer = stats[0].layer
@@ -142,8 +142,8 @@ def _draw_profiles(stats, model: str, threshold: float, out: Path, fmt: str) -> 
 
 
 def _draw_heatmaps(report, spots, run: Path, out: Path, fmt: str) -> list[Path]:
-    from kvlens.outliers import read_head
-    from kvlens.plotting import plot_heatmap
+    from kvlens.analysis.outliers import read_head
+    from kvlens.plots.outliers import plot_heatmap
 
     if not spots:
         t = _severity_tensor(report)

@@ -168,8 +168,8 @@ def recommend(
 ) -> None:
     """Fit balancers and choose axis/bits/group/pre-RoPE per layer under a memory budget, or
     (--target) the best setting an engine runs, with the exact command to deploy."""
-    from kvlens.recommend import DEFAULT_WINDOWS, RecommendOptions, default_tokens
-    from kvlens.recommend import recommend as run
+    from kvlens.recommend.core import DEFAULT_WINDOWS, RecommendOptions, default_tokens
+    from kvlens.recommend.core import recommend as run
 
     if target != "kvlens":
         from kvlens.cli.targets import run_target
@@ -219,14 +219,14 @@ def recommend(
     with progress_bar("measuring candidates") as update:
         rec = run_library_call(lambda: run(capture, opts, progress=update))
     if output is not None:
-        from kvlens.kvconfig import save_config
+        from kvlens.config.kvconfig import save_config
 
         save_config(rec.config, output)
         err_console.print(f"config written: {output}")
     validation = None
     if validate:
-        from kvlens.recommend import model_spec_from_capture
-        from kvlens.store import open_capture
+        from kvlens.capture.store import open_capture
+        from kvlens.recommend.core import model_spec_from_capture
 
         def model_for_validation():
             if model:
@@ -261,11 +261,11 @@ def recommend(
 def _validate(config, model, eval_tokens: int | None, retrieval_prompts: int, ropts=None):
     """The recommendation and the presets, scored against the exact model on the held-out text
     (``kvlens.evaluation``: nothing `recommend` calibrates on)."""
-    from kvlens.architecture import describe
+    from kvlens.config.kvconfig import preset, validate_for
     from kvlens.errors import ConfigError
-    from kvlens.evaluate import EvalOptions, evaluate_configs
-    from kvlens.kvconfig import preset, validate_for
-    from kvlens.models import load_model
+    from kvlens.evaluation.evaluate import EvalOptions, evaluate_configs
+    from kvlens.model.architecture import describe
+    from kvlens.model.load import load_model
 
     err_console.print(f"Validating on {model or 'SmolLM2-135M-Instruct (embedded)'} ...")
     place = {} if ropts is None else {"device_map": ropts.device_map,

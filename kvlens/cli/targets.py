@@ -28,8 +28,8 @@ def run_target(capture: Path, *, target: str, budget_bits, max_kld, anchors: int
 
     def load():
         if not bundle:
+            from kvlens.capture.store import open_capture
             from kvlens.deploy.targets import _load
-            from kvlens.store import open_capture
 
             with open_capture(capture) as cap:
                 bundle.extend(_load(cap.meta, opts))
@@ -41,7 +41,7 @@ def run_target(capture: Path, *, target: str, budget_bits, max_kld, anchors: int
             model_bundle=load() if max_kld is not None else None))
     written = []
     if output is not None:
-        from kvlens.kvconfig import save_config
+        from kvlens.config.kvconfig import save_config
 
         save_config(rec.chosen.config, output)
         written.append(str(output))

@@ -32,7 +32,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from kvlens.capture.store import open_capture
+from kvlens.config.kvconfig import KVConfig, LayerKV
 from kvlens.errors import ConfigError
+from kvlens.quant import QuantSpec
+from kvlens.quant.cachetypes import needs_scales
+from kvlens.quant.formats import calibrate_scale, engine_rotation
 
 ENGINES = ("llamacpp", "vllm", "sglang", "transformers")
 LLAMACPP_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
@@ -56,7 +61,7 @@ class EngineSetting:
     """A parsed setting: the engine, the config to simulate it and what to print."""
 
     engine: str
-    config: object  # kvlens.kvconfig.KVConfig
+    config: object  # kvlens.config.kvconfig.KVConfig
     notes: tuple[str, ...]
 
 
@@ -104,7 +109,6 @@ def engine_config(name: str, calibration: str | None = None) -> EngineSetting:
 
 
 def _llamacpp(raw: str, parts: list[str]) -> EngineSetting:
-    from kvlens.kvconfig import KVConfig, LayerKV
 
     types = parts[0].split("/")
     if len(types) == 1:
@@ -142,7 +146,6 @@ def _static_or_pth(raw: str, engine: str, parts: list[str], calibration: str | N
                    ) -> EngineSetting:
     from dataclasses import replace
 
-    from kvlens.kvconfig import KVConfig, LayerKV
 
     dtype, _, scope = parts[0].partition("@")
     allowed = VLLM_DTYPES if engine == "vllm" else SGLANG_DTYPES
@@ -203,9 +206,6 @@ def _static_or_pth(raw: str, engine: str, parts: list[str], calibration: str | N
 def calibrate_from_capture(path: str, config) -> dict[int, dict[str, tuple[float, ...]]]:
     """Static fp8 scales of every engine layer of ``config`` that needs them, from the post-RoPE
     keys and values of a capture (``kvlens.quant.formats.calibrate_scale``)."""
-    from kvlens.quant.cachetypes import needs_scales
-    from kvlens.quant.formats import calibrate_scale, engine_rotation
-    from kvlens.store import open_capture
 
     out: dict[int, dict[str, tuple[float, ...]]] = {}
     with open_capture(path) as cap:
@@ -228,8 +228,6 @@ def calibrate_from_capture(path: str, config) -> dict[int, dict[str, tuple[float
 
 
 def _transformers(raw: str, parts: list[str]) -> EngineSetting:
-    from kvlens.kvconfig import KVConfig, LayerKV
-    from kvlens.quant import QuantSpec
 
     m = re.fullmatch(r"quanto-([0-9]+)", parts[0])
     if not m or int(m[1]) not in QUANTO_BITS:

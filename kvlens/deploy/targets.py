@@ -3,7 +3,7 @@
 Pipeline:
 
 1. **Error table** from the capture: for every layer, tensor (K, V) and cache type the target
-   offers, the relative attention-output error (``kvlens.metrics.rel_error`` of
+   offers, the relative attention-output error (``kvlens.analysis.metrics.rel_error`` of
    ``softmax(q k^T) v`` over the first ``tokens`` tokens of ``samples`` samples, causal, the
    layer's own scaling, sliding window and soft-cap) when only that tensor is stored in that
    type, read back as the engine reads it (``kvlens.quant.formats.fake_quantize_format``,
@@ -33,7 +33,19 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kvlens.analysis.metrics import attention_output, rel_error
+from kvlens.cache.layout import ModelShape, config_bits
+from kvlens.capture.store import open_capture
+from kvlens.config.kvconfig import KVConfig, LayerKV
+from kvlens.deploy.kld_model import fit_kld_model
+from kvlens.deploy.presets import engine_config
 from kvlens.errors import ConfigError, InputError
+from kvlens.evaluation.evaluate import EvalOptions, evaluate_configs
+from kvlens.model.load import load_model
+from kvlens.quant import QuantSpec, fake_quantize, fake_quantize_format
+from kvlens.quant.cachetypes import DenseType, parse_cache_type
+from kvlens.quant.formats import calibrate_scale, engine_rotation
+from kvlens.recommend.core import model_spec_from_capture
 
 TARGETS = ("kvlens", "llama.cpp", "vllm", "sglang", "transformers")
 LLAMACPP_TYPES = ("f16", "q8_0", "q5_1", "q5_0", "q4_1", "iq4_nl", "q4_0")
@@ -131,8 +143,6 @@ class TargetRecommendation:
 
 def _variants(target: str, head_dim: int, rotation: bool) -> dict[str, tuple[Any, str]]:
     """name -> (how to fake-quantize, kind) for every cache type the target offers."""
-    from kvlens.quant import QuantSpec
-    from kvlens.quant.cachetypes import parse_cache_type
 
     if target == "llama.cpp":
         return {t: (parse_cache_type(t if t == "f16" or rotation else t + "+norot"), "type")
@@ -152,8 +162,6 @@ def _variants(target: str, head_dim: int, rotation: bool) -> dict[str, tuple[Any
 
 
 def _fake(x, how, kind: str, tensor: str, scale=None):
-    from kvlens.quant import fake_quantize, fake_quantize_format
-    from kvlens.quant.cachetypes import DenseType
 
     if kind == "spec":
         return fake_quantize(x, how)
@@ -169,9 +177,6 @@ def measure_errors(path: str | Path, target: str, opts: TargetOptions,
     (float list) of the calibrated types (module docstring)."""
     import torch
 
-    from kvlens.metrics import attention_output, rel_error
-    from kvlens.quant.formats import calibrate_scale, engine_rotation
-    from kvlens.store import open_capture
 
     table, scales, windows = [], [], []
     with open_capture(path) as cap:
@@ -220,20 +225,17 @@ def measure_errors(path: str | Path, target: str, opts: TargetOptions,
 # -- candidates per target ---------------------------------------------------------------------
 
 def _shape(meta, windows):
-    from kvlens.cache.layout import ModelShape
 
     return ModelShape(meta.num_layers, meta.num_key_value_heads, meta.head_dim,
                       tuple(windows) if any(windows) else ())
 
 
 def _bits(config, shape, context: int) -> float:
-    from kvlens.cache.layout import config_bits
 
     return config_bits(config, shape, context)
 
 
 def _llamacpp(table, shape, opts) -> list[TargetCandidate]:
-    from kvlens.deploy.presets import engine_config
 
     out = []
     for k in LLAMACPP_TYPES:
@@ -260,7 +262,6 @@ def _fp8_scales(scales, layers, dtype: str) -> dict:
 
 
 def _vllm(table, scales, shape, opts, meta) -> list[TargetCandidate]:
-    from kvlens.kvconfig import KVConfig, LayerKV
 
     out = []
     n = len(table)
@@ -295,7 +296,6 @@ def _vllm(table, scales, shape, opts, meta) -> list[TargetCandidate]:
 
 
 def _sglang(table, scales, shape, opts) -> list[TargetCandidate]:
-    from kvlens.kvconfig import KVConfig, LayerKV
 
     out = []
     n = len(table)
@@ -318,7 +318,6 @@ def _sglang(table, scales, shape, opts) -> list[TargetCandidate]:
 
 
 def _transformers(table, shape, opts, head_dim: int) -> list[TargetCandidate]:
-    from kvlens.deploy.presets import engine_config
 
     out = []
     for bits, ak, av, g in QUANTO:
@@ -399,8 +398,7 @@ def _anchors(front: list[TargetCandidate], n: int) -> list[TargetCandidate]:
 
 
 def measure_kld(model_bundle, configs, eval_tokens: int, progress=lambda m: None) -> list[dict]:
-    """Mean KLD (with interval) of ``configs`` on the held-out text (``kvlens.evaluate``)."""
-    from kvlens.evaluate import EvalOptions, evaluate_configs
+    """Mean KLD (with interval) of ``configs`` on the held-out text (``kvlens.evaluation.evaluate``)."""
 
     model, tok = model_bundle
     report = evaluate_configs(model, tok, list(configs),
@@ -419,7 +417,6 @@ def recommend_target(path: str | Path, opts: TargetOptions,
     """Measure, enumerate the target's menu, fit the KLD model when ``max_kld`` asks for it
     (anchors measured on ``model_bundle`` = ``(model, tokenizer)``, loaded from the capture's
     model when None) and choose (module docstring)."""
-    from kvlens.deploy.kld_model import fit_kld_model
 
     meta, windows, table, scales = measure_errors(path, opts.target, opts, progress)
     cands = candidates_for(opts.target, meta, windows, table, scales, opts)
@@ -456,8 +453,6 @@ def recommend_target(path: str | Path, opts: TargetOptions,
 
 
 def _load(meta, opts):
-    from kvlens.models import load_model
-    from kvlens.recommend import model_spec_from_capture
 
     spec = opts.model or model_spec_from_capture(meta)
     model, tok, _ = load_model(spec)

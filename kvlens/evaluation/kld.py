@@ -37,7 +37,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvlens.cache import compressed_attention, memory_report
 from kvlens.errors import InputError
+from kvlens.evaluation.baselines import Baseline, baseline_memory_report, baseline_session
 from kvlens.evaluation.stats import (
     BOOTSTRAP_SEED,
     RESAMPLES,
@@ -45,6 +47,7 @@ from kvlens.evaluation.stats import (
     paired_difference,
     percentile_interval,
 )
+from kvlens.model.hooks import cache_argument_name
 
 DEFAULT_EVAL_TOKENS = 4096
 DEFAULT_CHUNK = 64
@@ -134,8 +137,6 @@ def reads_quantized(cache) -> bool:
 
 
 def _session(model, config, backend: str):
-    from kvlens.baselines import Baseline, baseline_session
-    from kvlens.cache import compressed_attention
 
     if isinstance(config, Baseline):
         return baseline_session(model, config)
@@ -143,8 +144,6 @@ def _session(model, config, backend: str):
 
 
 def _memory(config, cache) -> dict:
-    from kvlens.baselines import Baseline, baseline_memory_report
-    from kvlens.cache import memory_report
 
     report = (baseline_memory_report if isinstance(config, Baseline) else memory_report)(cache)
     return {**{k: report[k] for k in ("kv_bytes", "kv_bytes_fp16", "bits_per_element")},
@@ -162,7 +161,6 @@ def score_text(model, ids, configs: Sequence, chunk: int = DEFAULT_CHUNK, backen
     ``interrupted=True``."""
     import torch
 
-    from kvlens.hf import cache_argument_name
 
     n = ids.shape[1]
     if n < 2 or not 1 <= chunk <= n:

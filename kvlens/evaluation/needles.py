@@ -6,7 +6,7 @@ Tasks (``TASKS``):
   "The pass key is NNNNN. Remember it. NNNNN is the pass key." at the cell's depth, ending
   "What is the pass key? The pass key is". Correct when the 5 digits appear in the greedy
   continuation (8 new tokens).
-- **kv**: paragraphs of the held-out text (``kvlens.evaluation.heldout``, in order from a seeded
+- **kv**: paragraphs of the held-out text (``kvlens.text.heldout``, in order from a seeded
   paragraph, skipping any that would overshoot the length) with four sentences "The code for
   NAME is NNNN." at paragraph boundaries: the asked-for name at the cell's depth, three
   distractors at seeded places (several may share a gap); ending
@@ -17,7 +17,7 @@ Depth is the fraction of the filler before the needle. Every prompt is seeded by
 ``"kvlens.eval.retrieval/{seed}/{task}/{length}/{depth}/{i}"`` (``random.Random`` hashes a
 string seed with SHA-512), so no prompt shares a random stream with ``recommend``'s design data
 (passkey prompts from integer seed 0) or its retrieval probe (integer seed 7, filler from the
-capture corpus; ``kvlens.retrieval``). Lengths are targets; the measured mean prompt length is
+capture corpus; ``kvlens.text.prompts``). Lengths are targets; the measured mean prompt length is
 reported. Results per config: per prompt correct or not, a Wilson 95% interval per length (both
 tasks pooled) and per task and length, and paired bootstrap differences over prompts versus the
 exact cache and the first compressed config.
@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvlens.errors import InputError
+from kvlens.evaluation.decode import greedy, pad_id
+from kvlens.evaluation.kld import _session
 from kvlens.evaluation.stats import (
     BOOTSTRAP_SEED,
     RESAMPLES,
@@ -40,6 +42,9 @@ from kvlens.evaluation.stats import (
     percentile_interval,
     wilson,
 )
+from kvlens.model.placement import input_device
+from kvlens.text.heldout import paragraphs
+from kvlens.text.prompts import FILLER, passkey_text
 
 TASKS = ("passkey", "kv")
 DEFAULT_LENGTHS = (1024, 2048, 4096)
@@ -99,17 +104,11 @@ def _ntok(tokenizer, text: str) -> int:
 
 
 def passkey_prompt(tokenizer, length: int, depth: float, rng: random.Random) -> tuple[str, str]:
-    from kvlens.evaluate import FILLER  # the classic filler, shared with the short passkey
-
     key = f"{rng.randint(10000, 99999)}"
-    head = ("There is important info hidden inside a lot of irrelevant text. Find it and "
-            "memorize it. ")
-    needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
-    tail = "What is the pass key? The pass key is"
     per = max(1, _ntok(tokenizer, FILLER))
-    repeats = max(1, (length - _ntok(tokenizer, head + needle + tail)) // per)
+    repeats = max(1, (length - _ntok(tokenizer, passkey_text(key, 0, 0))) // per)
     before = round(depth * repeats)
-    return head + FILLER * before + needle + FILLER * (repeats - before) + tail, key
+    return passkey_text(key, before, repeats - before), key
 
 
 def kv_prompt(tokenizer, length: int, depth: float, rng: random.Random,
@@ -150,7 +149,6 @@ def kv_prompt(tokenizer, length: int, depth: float, rng: random.Random,
 def build_grid(tokenizer, lengths: Sequence[int], depths: Sequence[float] = DEFAULT_DEPTHS,
                per_cell: int = 1, seed: int = DEFAULT_SEED) -> list[NeedlePrompt]:
     """``per_cell`` prompts of each task at every (length, depth), deterministic."""
-    from kvlens.evaluation.heldout import paragraphs
 
     if per_cell < 1:
         raise InputError(f"--retrieval-prompts must be at least 1 (got {per_cell}).")
@@ -180,9 +178,6 @@ def run_grid(model, tokenizer, configs: Sequence, prompts: list[NeedlePrompt],
     Ctrl-C stops early: the configs finished so far are kept, ``interrupted=True``."""
     import torch
 
-    from kvlens.evaluate import greedy
-    from kvlens.evaluation.kld import _session
-    from kvlens.placement import input_device
 
     device = input_device(model)
     encoded = [tokenizer(p.text, return_tensors="pt").input_ids.to(device) for p in prompts]
@@ -217,9 +212,7 @@ def run_grid(model, tokenizer, configs: Sequence, prompts: list[NeedlePrompt],
 
 
 def _pad(model) -> int:
-    from kvlens.evaluate import _pad_id
-
-    return _pad_id(model)
+    return pad_id(model)
 
 
 def _cells(prompts: list[NeedlePrompt], correct: list[bool], tokens: list[int]) -> dict:

@@ -9,6 +9,7 @@ Kernels and analysis are tested against these functions.
 """
 
 from kvlens.quant.accounting import StorageBreakdown, bits_per_element
+from kvlens.quant.fake import fake_quantize
 from kvlens.quant.formats import (
     FormatSetting,
     FP8Format,
@@ -30,7 +31,7 @@ from kvlens.quant.packing import (
     packed_length,
     unpack_codes,
 )
-from kvlens.quant.reference import QTensor, dequantize, expand_params, fake_quantize, quantize
+from kvlens.quant.reference import QTensor, dequantize, expand_params, quantize
 from kvlens.quant.rotation import (
     RotationSpec,
     hadamard_block_size,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from kvlens.errors import ConfigError
 from kvlens.quant.formats import FormatSetting, allowed_format_names, parse_format
+from kvlens.quant.rotation import hadamard_block_size
 
 DENSE_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
 
@@ -86,10 +87,9 @@ def allowed_cache_types() -> tuple[str, ...]:
 
 
 def check_engine_layer(layer, head_dim: int, kv_heads: int, scales, where: str) -> None:
-    """Raise ``ConfigError`` unless an engine-format ``layer`` (``kvlens.kvconfig.LayerKV``)
+    """Raise ``ConfigError`` unless an engine-format ``layer`` (``kvlens.config.kvconfig.LayerKV``)
     fits a model with ``head_dim`` and ``kv_heads``, with its static fp8 ``scales``
     (``{"key": (...), "value": (...)}`` or None) where the types need them."""
-    from kvlens.quant.rotation import hadamard_block_size
 
     scales = scales or {}
     for tensor, ct in (("key", layer.key_type), ("value", layer.value_type)):

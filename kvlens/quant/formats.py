@@ -58,6 +58,9 @@ from typing import Any
 import torch
 
 from kvlens.errors import ConfigError, InputError
+from kvlens.quant.fake import fake_quantize
+from kvlens.quant.rotation import hadamard_rotation
+from kvlens.quant.spec import QuantSpec
 
 GGML_BLOCK_SIZE = 32
 # the iq4_nl code book (ggml-common.h kvalues_iq4nl; gguf.quants.IQ4_NL.kvalues)
@@ -582,8 +585,6 @@ def fake_quantize_token_head(x: torch.Tensor, fmt: TokenHeadFormat) -> torch.Ten
     if fmt.kind == "fp8":
         scale = x.detach().float().abs().amax(dim=-1, keepdim=True) / FP8_MAX["e4m3"]
         return fp8_round_trip(x, scale, "e4m3")
-    from kvlens.quant.reference import fake_quantize
-    from kvlens.quant.spec import QuantSpec
 
     return fake_quantize(x.detach().float(), QuantSpec(fmt.code_bits, "per-token", None, True))
 
@@ -596,7 +597,6 @@ def engine_rotation(tensor: str, head_dim: int) -> torch.Tensor:
     ``[D, D]``, orthonormal and symmetric): keys a block-diagonal Walsh-Hadamard with the largest
     power-of-two block dividing ``head_dim``; values 64x64 blocks when ``head_dim % 64 == 0``.
     Forced rotation of other even head_dims uses the key rule for both."""
-    from kvlens.quant.rotation import hadamard_rotation
 
     if tensor == "value" and head_dim % LLAMA_CPP_ROTATION_MULTIPLE == 0:
         block = hadamard_rotation(LLAMA_CPP_ROTATION_MULTIPLE)

@@ -174,15 +174,3 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     scale = expand_params(q.scale, q.spec, q.shape)
     zero = expand_params(q.zero, q.spec, q.shape)
     return (q.codes.float() * scale + zero).to(dtype)
-
-
-def fake_quantize(x: torch.Tensor, spec: QuantSpec, scale_dtype: str = "float32"
-                  ) -> torch.Tensor:
-    """``dequantize(quantize(x, spec))`` in ``x``'s dtype: what a consumer of the cache sees.
-    ``scale_dtype="8bit"``: with the group metadata a cache stores in 8 bits
-    (``kvlens.quant.meta8``); otherwise the float32 scales and zeros."""
-    if scale_dtype == "8bit":
-        from kvlens.quant.meta8 import fake_quantize_meta8
-
-        return fake_quantize_meta8(x, spec)
-    return dequantize(quantize(x, spec), dtype=x.dtype)

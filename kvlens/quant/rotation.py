@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from kvlens.errors import ConfigError, InputError, is_int
-from kvlens.quant.reference import fake_quantize
+from kvlens.quant.fake import fake_quantize
 from kvlens.quant.spec import QuantSpec
 
 ROTATION_VERSION = 1

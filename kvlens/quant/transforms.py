@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlens.errors import ConfigError, InputError, is_int
-from kvlens.quant.reference import fake_quantize
+from kvlens.quant.fake import fake_quantize
 from kvlens.quant.rotation import quantize_rotated
 from kvlens.quant.spec import QuantSpec
 from kvlens.rope import LAYOUTS, apply_rope

@@ -1,7 +1,7 @@
 """Figures the commands wrote, embedded in the page (PNG as base64, SVG inline), with captions.
 
 A figure's caption says what it shows from its file name alone (the names are fixed by
-``kvlens.plotting`` and ``kvlens.plot_compare``), so a reader needs no terminal output.
+``kvlens.plots.outliers`` and ``kvlens.plots.compare``), so a reader needs no terminal output.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from kvlens import __version__
 from kvlens.errors import InputError
 from kvlens.report import sections as S
 from kvlens.report.artifacts import ARTIFACT_KINDS, MAX_DEPTH, find_artifacts
@@ -39,7 +40,6 @@ def build_report(run_dir: str | os.PathLike, deploy_option: str | None = None) -
     deploy_option: the ``recommend`` option that writes deploy settings (e.g. ``--target``),
     named in the hint when they are missing; None when this kvlens has none.
     Raises ``InputError`` when ``run_dir`` is not a folder or holds no kvlens output at all."""
-    from kvlens import __version__
 
     root = Path(run_dir)
     artifacts = find_artifacts(root)

@@ -10,7 +10,7 @@ Optional MiKV settings keep a fraction of important tokens at high precision and
 channels. JSON form (``version`` 1)::
 
     {
-      "format": "kvlens.kvconfig", "version": 1, "name": "kivi-2", "description": "...",
+      "format": "kvlens.config.kvconfig", "version": 1, "name": "kivi-2", "description": "...",
       "default": {"key":   {"bits": 2, "granularity": "per-channel", "group_size": 32},
                   "value": {"bits": 2, "granularity": "per-token",   "group_size": 32},
                   "residual_tokens": 128, "flush_tokens": 0, "pre_rope_keys": false,
@@ -86,10 +86,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kvlens.config.rules import check_layout, flush_block
 from kvlens.errors import ConfigError, is_int
-from kvlens.quant import QuantSpec
+from kvlens.quant import QuantSpec, hadamard_block_size
+from kvlens.quant.cachetypes import DenseType, check_engine_layer, parse_cache_type
 
-FORMAT = "kvlens.kvconfig"
+FORMAT = "kvlens.config.kvconfig"
 VERSION = 3  # 2: engine cache types (key_format/value_format), kv_scales, mikv.set_bits,
 # mikv.layers, gear, QuantSpec.fit, fp_dtype float8_e4m3fn; 3: scale_dtype "8bit"
 BALANCER_MODES = ("off", "online", "fixed")
@@ -148,7 +150,6 @@ class LayerKV:
                               "combination); disable one of them.")
 
     def _check_engine(self) -> None:
-        from kvlens.quant.cachetypes import parse_cache_type
 
         if self.key_format is None or self.value_format is None:
             raise ConfigError("An engine-format layer needs both key_format and value_format "
@@ -170,20 +171,17 @@ class LayerKV:
 
     @property
     def key_type(self):
-        from kvlens.quant.cachetypes import parse_cache_type
 
         return parse_cache_type(self.key_format)
 
     @property
     def value_type(self):
-        from kvlens.quant.cachetypes import parse_cache_type
 
         return parse_cache_type(self.value_format)
 
     @property
     def compressed(self) -> bool:
         if self.engine:
-            from kvlens.quant.cachetypes import DenseType
 
             return not (isinstance(self.key_type, DenseType)
                         and isinstance(self.value_type, DenseType))
@@ -354,7 +352,7 @@ class KVConfig:
                                       "low-rank and sparse terms live in the stored basis, which "
                                       "RoPE rotates per token); disable one of them.")
                 for spec in (setting.key, setting.value):
-                    # the flush block (kvlens.cache.packed.flush_block; 0: no valid layout,
+                    # the flush block (kvlens.config.rules.flush_block; 0: no valid layout,
                     # which validate_for reports)
                     block = setting.flush_tokens or setting.residual_tokens or (
                         1 if spec is not None and spec.granularity == "per-token" else 0)
@@ -680,8 +678,7 @@ def resolve(spec: str) -> KVConfig:
 
 def validate_for(config: KVConfig, info) -> None:
     """Raise ``ConfigError`` unless ``config`` fits the model described by ``info``
-    (``kvlens.architecture.ModelInfo``)."""
-    from kvlens.cache.packed import check_layout
+    (``kvlens.model.architecture.ModelInfo``)."""
 
     n, d, hkv = info.num_layers, info.head_dim, info.num_key_value_heads
     if config.model:
@@ -697,7 +694,6 @@ def validate_for(config: KVConfig, info) -> None:
     for idx in range(n):
         layer = config.layer(idx)
         if layer.engine:
-            from kvlens.quant.cachetypes import check_engine_layer
 
             check_engine_layer(layer, d, hkv, config.kv_scales.get(idx),
                                f"Config {config.name!r} layer {idx}")
@@ -709,13 +705,11 @@ def validate_for(config: KVConfig, info) -> None:
                 check_layout(spec, layer.residual_tokens, d, f"layer {idx} {what}",
                              layer.flush_tokens)
                 if config.gear_for(idx) is not None:
-                    from kvlens.cache.packed import flush_block
 
                     config.gear.check_block(flush_block(spec, layer.residual_tokens,
                                                         layer.flush_tokens), d,
                                             f"Config {config.name!r} layer {idx} {what}")
         if layer.rotates:
-            from kvlens.quant import hadamard_block_size
 
             try:
                 hadamard_block_size(d)

@@ -13,7 +13,7 @@ Pipeline (one capture layer in memory at a time):
    up to 4 bits (plain or balanced) also have MiKV set twins, one per global ``(set_bits,
    heavy_fraction)`` of ``mikv_set_bits`` x ``mikv_fractions``: heavy hitters and sinks kept
    at ``set_bits`` codes, measured by replaying the cache's H2O selection while decoding
-   (``kvlens.heavy_hitters``); a layer takes the set for both tensors or neither (the config's
+   (``kvlens.analysis.heavy_hitters``); a layer takes the set for both tensors or neither (the config's
    ``mikv.layers``). Only what ``kvlens generate`` can run is offered.
 2. **Cost** of a layer's (key, value, window, flush) choice: the bytes that layer of the cache
    holds after ``L`` tokens (default 4096), from ``kvlens.cache.layout`` (the same description
@@ -25,7 +25,7 @@ Pipeline (one capture layer in memory at a time):
    The budget
    is in bits per element relative to an fp16 cache of the same tokens (16 = as big as fp16).
 3. **Error** of a candidate, measured where the tensor is consumed: the relative error of the
-   attention output (``kvlens.metrics``) when only that tensor is quantized, mean over the
+   attention output (``kvlens.analysis.metrics``) when only that tensor is quantized, mean over the
    layer's query heads, *as the cache is read while decoding*: query ``i`` reads the tokens
    still in the window and the sink tokens exact (``streaming_exact_mask``). The window slides:
    when it fills, its oldest ``F`` tokens are quantized (``flush_tokens``; ``F`` is raised to a
@@ -37,7 +37,7 @@ Pipeline (one capture layer in memory at a time):
    queries, from ``score_from`` (three times the largest window) on, of ``default_tokens`` (four times it).
 4. **Sensitivity**: with ``sensitivity="model"`` each layer gets a weight ``w_l`` = KL damage
    of the real model's predictions per unit of attention-output error, measured by
-   probe-quantizing that layer alone (``kvlens.sensitivity``); ``uniform`` sets ``w_l = 1``.
+   probe-quantizing that layer alone (``kvlens.analysis.sensitivity``); ``uniform`` sets ``w_l = 1``.
 5. **Allocation**: pick one (key, value, window) option per layer (which fixes its ``F``)
    minimising ``sum_l w_l (e_K + e_V)`` subject to the mean cost over all layers and both
    tensors <= budget: a multiple-choice knapsack over each layer's Pareto front, solved exactly
@@ -60,7 +60,55 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from kvlens.errors import ConfigError, InputError, is_int
+from kvlens.analysis.compare import layer_rope_tables, torch_threads
+from kvlens.analysis.heavy_hitters import set_membership, set_reconstruction
+from kvlens.analysis.metrics import (
+    Variant,
+    attention_errors_many,
+    per_head_rel_error,
+    streaming_exact_mask,
+)
+from kvlens.analysis.sensitivity import (
+    PROBE_BITS,
+    PROBE_GROUP,
+    layer_kl,
+    perturbed_kl,
+    weights_from,
+)
+from kvlens.cache.attention import kernel_layout_problem
+from kvlens.cache.decode_cost import config_decode_cost
+from kvlens.cache.gear import part_bytes
+from kvlens.cache.layout import (
+    FP_BYTES,
+    SCALE_BYTES,
+    ModelShape,
+    config_bits,
+    config_part_bytes,
+    flush_every,
+    layer_part_bytes,
+    packed_bytes,
+    stream_state,
+)
+from kvlens.capture.run import capture_model
+from kvlens.capture.store import open_capture
+from kvlens.config.kvconfig import SET_BITS, GearSettings, KVConfig, LayerKV, MikvSettings, preset
+from kvlens.config.rules import check_layout
+from kvlens.errors import ConfigError, InputError, KvlensError, PlacementError, is_int
+from kvlens.model.architecture import describe
+from kvlens.model.load import load_model
+from kvlens.model.placement import input_device
+from kvlens.quant import (
+    QuantSpec,
+    fake_quantize,
+    fit_balancer,
+    hadamard_block_size,
+    hadamard_rotation,
+    quantize_gear,
+    quantize_pre_rope,
+    quantize_rotated,
+)
+from kvlens.quant.spec import FITS
+from kvlens.text.prompts import retrieval_text
 
 GRANULARITIES = ("per-channel", "per-token")
 COST_RESOLUTION = 64  # DP cost units per bit
@@ -124,7 +172,6 @@ class Candidate:
         return replace(self, mikv_set=None)
 
     def spec(self):
-        from kvlens.quant import QuantSpec
 
         return QuantSpec(self.bits, self.granularity, self.group_size, fit=self.fit)
 
@@ -162,7 +209,7 @@ class RecommendOptions:
     retrieval_weight: float = 1.0
     retrieval_tokens: int = 960
     prefer_fast: bool = False  # only layouts the fused (Triton) decode kernel reads
-    # where the model loaded for sensitivity/retrieval goes (kvlens.placement; None = one device)
+    # where the model loaded for sensitivity/retrieval goes (kvlens.model.placement; None = one device)
     device_map: str | None = None
     max_memory: str | None = None
     offload_folder: str | None = None
@@ -213,8 +260,6 @@ class RecommendOptions:
         if self.prefer_fast and self.pre_rope == "on":
             raise InputError("--prefer-fast keeps only layouts the fused decode kernel reads, "
                              "and it does not read pre-RoPE keys; use --pre-rope auto or off.")
-        from kvlens.cache.layout import FP_BYTES, SCALE_BYTES
-        from kvlens.quant.spec import FITS
 
         if self.fp_dtype not in FP_BYTES:
             raise InputError(f"--window-dtype {self.fp_dtype!r}: allowed {_listed(FP_BYTES)}.")
@@ -241,7 +286,6 @@ class RecommendOptions:
                              "also flushes it whole).")
         if self.sink_tokens < 0:
             raise InputError(f"--sinks must be >= 0, got {self.sink_tokens}.")
-        from kvlens.kvconfig import SET_BITS
 
         bad = [b for b in self.mikv_set_bits if b not in SET_BITS]
         if bad or not self.mikv_set_bits:
@@ -353,7 +397,7 @@ class Choice:
 
 @dataclass
 class Recommendation:
-    config: Any  # kvlens.kvconfig.KVConfig
+    config: Any  # kvlens.config.kvconfig.KVConfig
     choices: list[Choice]
     budget_bits: float
     mean_bits: float
@@ -387,7 +431,6 @@ def candidates(head_dim: int, opts: RecommendOptions, has_rope: bool) -> list[Ca
     candidates are per-token only (where rotation spreads outlier channels over a group;
     measured on SmolLM2 it makes per-channel keys worse, docs/rotation.md) and need a
     head_dim with a Hadamard construction."""
-    from kvlens.quant import hadamard_block_size
 
     rotation = opts.rotation
     if rotation:
@@ -424,7 +467,6 @@ def candidates(head_dim: int, opts: RecommendOptions, has_rope: bool) -> list[Ca
 
 def gear_settings(layers=None):
     """GEAR's published settings as ``recommend`` offers them (2% outliers, rank 4)."""
-    from kvlens.kvconfig import GearSettings
 
     return GearSettings(4, 0.02, 3, layers)
 
@@ -436,7 +478,6 @@ def gear_variant(x, c: Candidate, block: int, scale_dtype: str = "float32"):
     on its own."""
     import torch
 
-    from kvlens.quant import quantize_gear
 
     g = gear_settings()
     out = []
@@ -456,16 +497,6 @@ def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOption
     (``kvlens.cache.layout``: what the cache allocates; a sliding layer counts what it keeps).
     The shares split what both tensors use (window, sink copies, positions) evenly; they are
     for display."""
-    from kvlens.cache.gear import part_bytes
-    from kvlens.cache.layout import (
-        FP_BYTES,
-        SCALE_BYTES,
-        flush_every,
-        layer_part_bytes,
-        packed_bytes,
-        stream_state,
-    )
-    from kvlens.kvconfig import LayerKV
 
     r = max(opts.window_sizes) if residual is None else residual
     setting = LayerKV(kc.spec(), vc.spec(), r, kc.stage == "pre",
@@ -490,7 +521,6 @@ def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOption
 def _layer_mikv(c: Candidate, opts: RecommendOptions):
     """The MiKV settings a layer storing ``c`` keeps its set with (what the written config's
     ``mikv_for`` gives that layer): heavy hitters at ``c.mikv_set``, else the sinks at fp16."""
-    from kvlens.kvconfig import MikvSettings
 
     if c.mikv_set:
         bits, fraction = c.mikv_set
@@ -514,19 +544,13 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
     (``opts.window_sizes``) and flush block ``F`` the candidate can be stored with
     (``opts.streams()``), measured as the cache reads history while decoding: recent tokens
     (the window, as it slides with ``F``) and the first ``opts.sink_tokens`` exact
-    (``kvlens.metrics.streaming_exact_mask``), on queries from ``opts.score_from`` on. MiKV
+    (``kvlens.analysis.metrics.streaming_exact_mask``), on queries from ``opts.score_from`` on. MiKV
     set twins (``Candidate.mikv_set``) are measured as such a layer decodes
     (``_SetVariants``); a sliding-window layer keeps no set, so has no twins. Candidates in
     ``plain`` are also measured with every token quantized, key ``(candidate, None)`` (the
     sensitivity probe, which quantizes the whole layer). ``queries``: score only the last
     queries (the retrieval probe's answer position). ``balancer``: use this fitted balancer
     instead of fitting one on this layer's data."""
-    from kvlens.metrics import (
-        Variant,
-        attention_errors_many,
-        per_head_rel_error,
-        streaming_exact_mask,
-    )
 
     q, k, v, variants, bal, pre_ok = layer_variants(layer, meta, cands, opts, balancer)
     n_tok = k.shape[2]
@@ -583,18 +607,9 @@ def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptio
                    balancer=None):
     """``(q, k, v, variants, balancer, pre_ok)`` of one capture layer (``opts.samples`` and
     ``opts.tokens``): ``variants[c]`` is what the cache would give back for candidate ``c``
-    with every token quantized (a ``kvlens.metrics.Variant``), None for MiKV set and GEAR
+    with every token quantized (a ``kvlens.analysis.metrics.Variant``), None for MiKV set and GEAR
     twins (they depend on the flush block: built by ``measure_layer``); pre-RoPE candidates
     are left out when the capture's RoPE cannot be rebuilt (``pre_ok`` False)."""
-    from kvlens.compare import layer_rope_tables
-    from kvlens.metrics import Variant
-    from kvlens.quant import (
-        fake_quantize,
-        fit_balancer,
-        hadamard_rotation,
-        quantize_pre_rope,
-        quantize_rotated,
-    )
 
     sel = None if opts.samples is None else list(range(min(opts.samples, meta.num_samples)))
     t = slice(None) if opts.tokens is None else slice(0, opts.tokens)
@@ -641,7 +656,7 @@ def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptio
 
 class _SetVariants:
     """``Variant``s of MiKV set twins on one capture layer: each tensor measured alone, as for
-    every candidate, with the set the cache would keep (``kvlens.heavy_hitters``): for keys, the
+    every candidate, with the set the cache would keep (``kvlens.analysis.heavy_hitters``): for keys, the
     H2O attention accumulated through the candidate's codes and the set's codes; for values
     (keys exact) through exact keys, so one set per (heavy fraction, stream)."""
 
@@ -651,7 +666,6 @@ class _SetVariants:
         self._members: dict = {}
 
     def reconstruction(self, tensor: str, bits: int):
-        from kvlens.heavy_hitters import set_reconstruction
 
         if (tensor, bits) not in self._recon:
             x = self.k if tensor == "key" else self.v
@@ -659,8 +673,6 @@ class _SetVariants:
         return self._recon[tensor, bits]
 
     def membership(self, key, k_read, k_set, fraction: float, stream: Stream):
-        from kvlens.heavy_hitters import set_membership
-        from kvlens.kvconfig import MikvSettings
 
         if key not in self._members:
             mikv = MikvSettings(fraction, self.opts.sink_tokens, "off")
@@ -673,7 +685,6 @@ class _SetVariants:
     def variant(self, c: Candidate, base, stream: Stream, rows: slice):
         """``c``'s variant with the layer's window moving as ``stream``, for the query
         ``rows`` measured."""
-        from kvlens.metrics import Variant
 
         bits, fraction = c.mikv_set
         x_set = self.reconstruction(c.tensor, bits)
@@ -686,7 +697,6 @@ class _SetVariants:
 
 def _fits(c: Candidate, stream: Stream) -> bool:
     """Can ``c`` be stored in a layer whose window moves as ``stream``?"""
-    from kvlens.cache.packed import check_layout
 
     if c.gear and gear_settings().rank > stream.block:
         return False
@@ -804,8 +814,6 @@ def measure(path: str | Path, opts: RecommendOptions,
     """Per-layer candidate errors, fitted balancers and layer sensitivity weights."""
     import torch
 
-    from kvlens.compare import torch_threads
-    from kvlens.store import open_capture
 
     # One thread: these many small attention passes run several times faster than with two
     # threads on a 2-core machine (measured: 0.6-0.8 s vs 2-15 s per SmolLM2 layer). The
@@ -869,15 +877,12 @@ def measure(path: str | Path, opts: RecommendOptions,
 def _model_for(cap, opts: RecommendOptions, notes: list[str]):
     """The capture's model (or ``opts.model``) for sensitivity and the retrieval probe:
     ``(model, tokenizer)``, or ``(None, None)`` with a note when "auto" settings allow."""
-    from kvlens.errors import KvlensError, PlacementError
 
     meta = cap.meta
     spec = opts.model or model_spec_from_capture(meta)
     try:
         if spec is None:
             raise InputError(f"{cap.path} does not say which model it came from; pass --model.")
-        from kvlens.architecture import describe
-        from kvlens.models import load_model
 
         model, tokenizer, _ = load_model(spec, device_map=opts.device_map,
                                          max_memory=opts.max_memory,
@@ -900,13 +905,9 @@ def _model_for(cap, opts: RecommendOptions, notes: list[str]):
 
 def _add_retrieval_errors(model, tokenizer, cands, opts, tables, balancers, notes, progress):
     """Add ``retrieval_weight`` x each candidate's error at the retrieval probe's answer
-    position (``kvlens.retrieval``) to the text errors in ``tables``."""
+    position (``kvlens.text.prompts``) to the text errors in ``tables``."""
     import tempfile
 
-    from kvlens.capture import capture_model
-    from kvlens.placement import input_device
-    from kvlens.retrieval import retrieval_text
-    from kvlens.store import open_capture
 
     text, _ = retrieval_text(tokenizer, opts.retrieval_tokens)
     ids = tokenizer(text, return_tensors="pt").input_ids.to(input_device(model))
@@ -927,7 +928,7 @@ def _add_retrieval_errors(model, tokenizer, cands, opts, tables, balancers, note
                 if progress:
                     progress(i + 1, n, f"retrieval probe layer {layer.index}")
     notes.append(f"errors include a retrieval probe ({ids.shape[1]} tokens, answer position, "
-                 f"weight {opts.retrieval_weight:g}): see kvlens.retrieval")
+                 f"weight {opts.retrieval_weight:g}): see kvlens.text.prompts")
 
 
 def choose(m: Measurements, opts: RecommendOptions) -> Recommendation:
@@ -940,14 +941,12 @@ def choose(m: Measurements, opts: RecommendOptions) -> Recommendation:
 
 def model_shape(meta, windows=()):
     """``kvlens.cache.layout.ModelShape`` of a capture's model (``windows``: per layer)."""
-    from kvlens.cache.layout import ModelShape
 
     return ModelShape(meta.num_layers, meta.num_key_value_heads, meta.head_dim,
                       tuple(windows) if any(windows) else ())
 
 
 def _probe_candidates(head_dim: int) -> tuple[Candidate, Candidate]:
-    from kvlens.sensitivity import PROBE_BITS, PROBE_GROUP
 
     g = PROBE_GROUP if head_dim % PROBE_GROUP == 0 else head_dim
     return (Candidate("key", PROBE_BITS, "per-token", g),
@@ -962,8 +961,6 @@ def model_spec_from_capture(meta) -> str | None:
 
 def _sensitivity_weights(cap, model, opts, tables, probes, notes, progress
                          ) -> tuple[float, ...]:
-    from kvlens.placement import input_device
-    from kvlens.sensitivity import layer_kl, weights_from
 
     meta = cap.meta
     if opts.sensitivity in ("uniform", "layout", "auto") or model is None:
@@ -1014,10 +1011,6 @@ def _layout_factors(cap, model, opts, cands, balancers, notes, progress):
     weight x factor is the rate). A first-order rate, like ``--sensitivity model``, but
     one per layout: the rate at which a layout's output error becomes KL differs between
     layouts (Gemma3-270M, docs/vs-llamacpp.md)."""
-    from kvlens.compare import torch_threads
-    from kvlens.metrics import attention_errors_many
-    from kvlens.placement import input_device
-    from kvlens.sensitivity import perturbed_kl
 
     meta = cap.meta
     n = meta.num_tokens if opts.tokens is None else min(opts.tokens, meta.num_tokens)
@@ -1067,8 +1060,6 @@ def _layout_factors(cap, model, opts, cands, balancers, notes, progress):
 def _fused(kc: Candidate, vc: Candidate, stream: Stream, head_dim: int) -> bool:
     """Whether the fused decode kernel reads a layer storing ``kc`` / ``vc`` (``--prefer-fast``;
     the rule is the dispatch's own, ``kvlens.cache.attention.kernel_layout_problem``)."""
-    from kvlens.cache.attention import kernel_layout_problem
-    from kvlens.kvconfig import LayerKV
 
     setting = LayerKV(kc.spec(), vc.spec(), stream.residual, kc.stage == "pre",
                       flush_tokens=stream.flush)
@@ -1113,7 +1104,6 @@ def _assemble(meta, opts, tables, balancers, weights, notes, shape, factors=()
               ) -> Recommendation:
     from functools import cache
 
-    from kvlens.cache.layout import config_bits, config_part_bytes
 
     fp16_total = shape.fp16_bytes(opts.context)
     n = len(tables)
@@ -1211,9 +1201,6 @@ COST_PRESETS = ("fp16", "kivi-2", "kivi-4", "per-token-4")
 def decode_costs(config, shape, context: int) -> list[tuple[str, Any]]:
     """``[(name, kvlens.cache.decode_cost.DecodeCost)]`` at ``context`` tokens: the
     recommendation first, then the presets of ``COST_PRESETS`` that fit the model."""
-    from kvlens.cache.decode_cost import config_decode_cost
-    from kvlens.cache.packed import check_layout
-    from kvlens.kvconfig import preset
 
     rows = [(config.name, config_decode_cost(config, shape, context))]
     for name in COST_PRESETS:
@@ -1231,10 +1218,9 @@ def decode_costs(config, shape, context: int) -> list[tuple[str, Any]]:
 
 
 def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balancers):
-    """The versioned ``kvlens.kvconfig`` config that ``kvlens generate --config`` consumes."""
+    """The versioned ``kvlens.config.kvconfig`` config that ``kvlens generate --config`` consumes."""
     from collections import Counter
 
-    from kvlens.kvconfig import KVConfig, LayerKV, MikvSettings
 
     by_layer: dict[int, dict[str, Candidate]] = {}
     streams: dict[int, Stream] = {}

@@ -1,4 +1,4 @@
-"""Figures for ``kvlens compare-axes`` (the numbers come from ``kvlens.compare``).
+"""Figures for ``kvlens compare-axes`` (the numbers come from ``kvlens.analysis.compare``).
 
 Per configuration (tensor, bits, group size, key stage, variant) two PNG figures:
 
@@ -22,7 +22,7 @@ import os
 from collections import defaultdict
 from pathlib import Path
 
-from kvlens.compare import AXES, KEY_METRICS, VALUE_METRICS, CompareResult
+from kvlens.analysis.compare import AXES, KEY_METRICS, VALUE_METRICS, CompareResult
 
 AXIS_COLORS = {"per-token": "#1f77b4", "per-channel": "#d62728"}
 _DPI = 100

@@ -7,7 +7,7 @@ x axis (per-token, per-channel) x bits x group size x key stage (post-RoPE, pre-
 one tensor is fake-quantized with the reference library (``kvlens.quant``) while the other two
 stay exact, and the relative Frobenius error
 ``||X - X_hat||_F / ||X||_F`` is measured on the tensor itself and on what attention makes of it
-(``kvlens.metrics.attention_errors_many``: the model's causal mask, GQA mapping, scaling and
+(``kvlens.analysis.metrics.attention_errors_many``: the model's causal mask, GQA mapping, scaling and
 softcap, reference attention computed once per layer for all variants).
 
 Metrics (definitions in ``docs/compare-axes.md``):
@@ -33,7 +33,24 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvlens.analysis.metrics import Variant, attention_errors_many, rel_error
+from kvlens.capture.store import open_capture
 from kvlens.errors import ConfigError, InputError, is_int
+from kvlens.quant import (
+    QuantSpec,
+    apply_balancer,
+    fake_quantize,
+    fit_balancer,
+    hadamard_block_size,
+    hadamard_rotation,
+    quantize_gear,
+    quantize_rotated,
+    quantize_with_outliers,
+    rope_tables_for,
+)
+from kvlens.quant.formats import fake_quantize_format, parse_format
+from kvlens.rope import apply_rope
+from kvlens.text.selection import parse_index_spec
 
 CONFIG_VERSION = 1
 TENSOR_NAMES = ("key", "value")
@@ -135,7 +152,6 @@ class CompareConfig:
                 f"Invalid rotation seed {seed!r}; allowed: none (no sign flips) or an integer >= 0."
             )
         if self.formats:
-            from kvlens.quant.formats import parse_format
 
             for f in self.formats:
                 if not isinstance(f, str):
@@ -145,7 +161,6 @@ class CompareConfig:
 
     def format_settings(self):
         """``self.formats`` as ``kvlens.quant.formats.FormatSetting`` objects."""
-        from kvlens.quant.formats import parse_format
 
         return tuple(parse_format(f) for f in self.formats)
 
@@ -254,7 +269,6 @@ def parse_layers(text: str | None) -> tuple[int, ...] | None:
     later, so the error can list the captured layers."""
     if text is None or text.strip().lower() in ("", "all"):
         return None
-    from kvlens.selection import parse_index_spec
 
     return tuple(parse_index_spec(text, 1 << 30, "layer"))
 
@@ -278,7 +292,6 @@ def compare_axes(
     ``ConfigError`` for options that do not fit the capture (group size not dividing head_dim,
     ``rotate`` on an odd head_dim, pre-RoPE on a capture without RoPE or with a RoPE the default
     tables cannot reproduce, layers not captured)."""
-    from kvlens.store import open_capture
 
     config = config or CompareConfig()
     if threads is not None and not is_int(threads, 1):
@@ -350,7 +363,6 @@ def _key_stages(config: CompareConfig) -> tuple[str, ...]:
 
 
 def _check_fits(meta, config: CompareConfig) -> None:
-    from kvlens.quant import QuantSpec, hadamard_block_size
 
     for g in config.group_sizes:
         QuantSpec(2, "per-token", g).check_fits((meta.num_tokens, meta.head_dim))
@@ -392,7 +404,6 @@ def rope_tables(meta, n_samples: int, n_tokens: int | None = None, theta: float 
     before trusting them (scaled RoPE variants differ; ``layer_rope_tables`` does both)."""
     import torch
 
-    from kvlens.quant import rope_tables_for
 
     positions = torch.arange(n_tokens or meta.num_tokens).expand(n_samples, -1)
     return rope_tables_for(
@@ -456,8 +467,6 @@ def layer_rope_tables(meta, k, k_pre, n_tokens: int | None = None):
 
 def rope_rebuild_error(k, k_pre, tables, layout: str) -> float:
     """Relative error of re-applying RoPE (``tables``) to stored pre-RoPE keys vs stored keys."""
-    from kvlens.metrics import rel_error
-    from kvlens.rope import apply_rope
 
     return rel_error(k, apply_rope(k_pre, *tables, layout))
 
@@ -485,7 +494,6 @@ def _layer_records(layer_data, config: CompareConfig, meta, n_samples: int,
                    pre: bool) -> list[Record]:
     import torch
 
-    from kvlens.metrics import Variant, attention_errors_many
 
     samples = slice(0, n_samples)
     q = layer_data.read("q", samples)
@@ -554,8 +562,6 @@ def _layer_records(layer_data, config: CompareConfig, meta, n_samples: int,
 def _approximations(q, k, v, k_pre, tables, config: CompareConfig, layout: str):
     """Yield ``(_VariantKey, approximation)`` for every variant of one layer: keys as the
     post-RoPE ``[B, Hkv, T, D]`` tensor attention sees, values as themselves."""
-    from kvlens.quant import QuantSpec, apply_balancer, fit_balancer, hadamard_rotation
-    from kvlens.rope import apply_rope
 
     transforms = (PLAIN, *config.variants)
     # the same R for every layer and head: it depends only on head_dim and the seed
@@ -621,7 +627,6 @@ def _format_approximations(k, v, config: CompareConfig):
     """Engine formats on post-RoPE keys (what an engine caches) and values, in the original
     basis (a rotating format is un-rotated after reading back). Static fp8 scales come from the
     same layer's captured tensor (``fake_quantize_format`` calibrates on its input)."""
-    from kvlens.quant.formats import fake_quantize_format
 
     for setting in config.format_settings():
         fmt = setting.format
@@ -637,12 +642,6 @@ def _format_approximations(k, v, config: CompareConfig):
 def _transform(x, spec, name: str, config: CompareConfig, rotation=None):
     """``x_hat`` in ``x``'s own basis (``rotate`` is un-rotated after dequantizing, so every
     metric, reconstruction included, compares against the original tensor)."""
-    from kvlens.quant import (
-        fake_quantize,
-        quantize_gear,
-        quantize_rotated,
-        quantize_with_outliers,
-    )
 
     if name == PLAIN:
         return fake_quantize(x.float(), spec)

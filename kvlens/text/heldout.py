@@ -1,8 +1,8 @@
 """The held-out evaluation text: never used to capture, calibrate or design anything.
 
-``kvlens/data/heldout.txt`` is prose (with some code) from the Python Language Reference as it
+``kvlens/text/data/heldout.txt`` is prose (with some code) from the Python Language Reference as it
 ships with CPython 3.11.7 (``pydoc_data/topics.py``, PSF licence: ``heldout_NOTICE.txt`` beside
-it). It is disjoint from the capture/calibration corpus ``kvlens/data/corpus.txt`` and from
+it). It is disjoint from the capture/calibration corpus ``kvlens/text/data/corpus.txt`` and from
 ``recommend``'s retrieval probe (built from that corpus): a test asserts they share no span of
 50 tokens. About 13.5k SmolLM2 tokens, so a 4096- (or 8192-) token evaluation fits.
 """
@@ -16,7 +16,7 @@ HELDOUT_FILE = "heldout.txt"
 
 
 def heldout_text() -> str:
-    return resources.files("kvlens.data").joinpath(HELDOUT_FILE).read_text(encoding="utf-8")
+    return resources.files("kvlens.text.data").joinpath(HELDOUT_FILE).read_text(encoding="utf-8")
 
 
 def paragraphs(text: str | None = None) -> list[str]:

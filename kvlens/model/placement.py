@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlens.errors import ModelLoadError, PlacementError
+from kvlens.model.architecture import attention_modules
 
 STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 MEMORY_KEYS = "GPU index (0, 1, ...), cpu, mps, disk"
@@ -348,7 +349,6 @@ def input_device(model):
 
 def layer_devices(model) -> list:
     """Per decoder layer, the device its attention computes on (``torch.device``)."""
-    from kvlens.architecture import attention_modules
 
     return [execution_device(model, m) for m in attention_modules(model)]
 

@@ -19,6 +19,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
+from kvlens.model.hooks import attention_override
+from kvlens.quant import QuantSpec, fake_quantize
+
 PROBE_BITS = 2
 PROBE_GROUP = 32
 
@@ -26,7 +29,6 @@ PROBE_GROUP = 32
 def layer_kl(model, input_ids, layers: Sequence[int], progress: Callable | None = None,
              group_size: int = PROBE_GROUP) -> list[float]:
     """Mean next-token KL(exact || probe) when only one layer's K/V are probe-quantized."""
-    from kvlens.quant import QuantSpec, fake_quantize
 
     spec = QuantSpec(PROBE_BITS, "per-token", group_size)
 
@@ -73,7 +75,6 @@ def _replaced_kl(model, input_ids, keep: int) -> Iterator[Callable[..., float]]:
     ``key_fn(key)`` / ``value_fn(value)`` (None: unchanged)."""
     import torch
 
-    from kvlens.hf import attention_override
 
     target: dict = {}
 

@@ -12,7 +12,7 @@ come back (its high-precision copy is gone).
 
 ``set_membership`` replays exactly that, one *epoch* (the queries between two flushes, which see
 the same set) at a time, and returns which keys each query reads from the set, for
-``kvlens.metrics.attention_errors_many`` (``Variant.in_set``). It is tested step by step against
+``kvlens.analysis.metrics.attention_errors_many`` (``Variant.in_set``). It is tested step by step against
 the real cache layer (``tests/test_heavy_hitters.py``). Tensors are ``[B, H, T, D]``.
 """
 
@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from kvlens.metrics import num_kv_groups, streaming_quantized_length
+from kvlens.analysis.metrics import num_kv_groups, streaming_quantized_length
+from kvlens.cache.layout import set_size
+from kvlens.cache.mixed import dequantize_rows, quantize_rows
 
 
 def set_reconstruction(x: torch.Tensor, bits: int | None) -> torch.Tensor:
@@ -28,7 +30,6 @@ def set_reconstruction(x: torch.Tensor, bits: int | None) -> torch.Tensor:
     dequantized (``kvlens.cache.mixed``), or ``x`` itself for a set at full precision."""
     if bits is None:
         return x.float()
-    from kvlens.cache.mixed import dequantize_rows, quantize_rows
 
     return dequantize_rows(*quantize_rows(x, bits), bits, x.shape[-1])
 
@@ -44,7 +45,6 @@ def set_membership(q: torch.Tensor, k: torch.Tensor, k_read: torch.Tensor,
     cache reads them (balancer folded back: ``Q(k b) / b``); ``k_set``: set keys as read
     (``set_reconstruction``). The accumulated attention uses these reads, as the cache's does.
     Global (causal, no sliding window) layers only: sliding layers keep no set."""
-    from kvlens.cache.layout import set_size
 
     b, hq, t, d = q.shape
     hkv = k.shape[1]

@@ -1,6 +1,6 @@
 """Outlier-channel statistics of captured Q, K, V (the library behind ``kvlens plot-outliers``).
 
-Owns the outlier *rule* and the statistics; ``kvlens.plotting`` draws them and
+Owns the outlier *rule* and the statistics; ``kvlens.plots.outliers`` draws them and
 ``kvlens.cli.outliers`` renders them. Definitions (also in ``docs/outliers.md``), per layer,
 tensor and head, over all captured samples and tokens of a ``[S, H, T, D]`` tensor:
 
@@ -36,7 +36,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvlens.capture.store import _ranges, open_capture
 from kvlens.errors import InputError
+from kvlens.rope import partner_channel
+from kvlens.text.selection import parse_index_spec
 
 REPORT_SCHEMA_VERSION = 1
 FAMILIES = ("q", "k", "v")
@@ -199,7 +202,6 @@ def _check_threshold(threshold: float) -> float:
 
 def _resolve(spec: str | Sequence[int] | None, limit: int, what: str,
              available: Sequence[int] | None = None) -> list[int]:
-    from kvlens.selection import parse_index_spec
 
     if spec is None or isinstance(spec, str):
         if available is not None and (spec is None or spec.strip().lower() in ("", "all")):
@@ -213,7 +215,6 @@ def _resolve(spec: str | Sequence[int] | None, limit: int, what: str,
     if available is not None:
         missing = [i for i in idx if i not in available]
         if missing:
-            from kvlens.store import _ranges
 
             raise InputError(f"Layers {missing} are not in the capture; captured layers: "
                              f"{_ranges(available)}.")
@@ -301,7 +302,6 @@ def _tensor_raw(x, threshold: float) -> list[tuple[_Raw, dict[str, Any]]]:
 
 def _rope_shifts(pre: _Raw, post: _Raw, rotary_dim: int, layout: str,
                  threshold: float) -> tuple[RopeShift, ...]:
-    from kvlens.rope import partner_channel
 
     post_tok = _top_membership(post.abs_flat, pre.outliers)
     post_flag = set(post.outliers)
@@ -379,7 +379,6 @@ def analyze_capture(path: str | os.PathLike, layers: str | Sequence[int] | None 
     outlier rule's multiple of the median channel abs-max (> 1). ``on_layer`` is called with
     each layer's ``HeadStats`` as soon as it is computed (e.g. to draw figures while streaming).
     """
-    from kvlens.store import open_capture
 
     t0 = time.perf_counter()
     families = parse_tensors(tensors)
@@ -407,7 +406,6 @@ def analyze_capture(path: str | os.PathLike, layers: str | Sequence[int] | None 
 
 def read_head(path: str | os.PathLike, layer: int, tensor: str, head: int, sample: int = 0):
     """``[T, D]`` float32 tensor of one head and sample (for heatmaps)."""
-    from kvlens.store import open_capture
 
     with open_capture(path) as cap:
         meta = cap.meta

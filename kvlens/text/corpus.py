@@ -13,7 +13,7 @@ DEFAULT_CORPUS_NAME = "builtin:corpus"
 def load_text(path: str | Path | None) -> tuple[str, str]:
     """Return ``(text, source_label)``; ``None`` means the built-in corpus."""
     if path is None:
-        text = resources.files("kvlens.data").joinpath("corpus.txt").read_text(encoding="utf-8")
+        text = resources.files("kvlens.text.data").joinpath("corpus.txt").read_text(encoding="utf-8")
         return text, DEFAULT_CORPUS_NAME
     p = Path(path).expanduser()
     if not p.is_file():

@@ -1,6 +1,6 @@
 """``kvlens capture``: run a causal LM on text and stream per-layer Q/K/V into HDF5.
 
-For every selected layer and each sample the registered attention function (see ``kvlens.hf``)
+For every selected layer and each sample the registered attention function (see ``kvlens.model.hooks``)
 receives the post-RoPE q ``[B, Hq, T, D]`` and k, v ``[B, Hkv, T, D]`` exactly as the model's
 attention consumes them (before any GQA repeat). Pre-RoPE q, k are recovered by inverting RoPE
 with the exact ``(cos, sin)`` the layer was called with (float64; this also gives the right
@@ -16,7 +16,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvlens import __version__
+from kvlens.capture.store import CaptureMeta, CaptureWriter, LayerAttrs
 from kvlens.errors import ModelLoadError, NumericalError
+from kvlens.model.architecture import describe
+from kvlens.model.hooks import attention_override, rope_inputs
+from kvlens.model.load import load_model
+from kvlens.model.placement import input_device, weights_by_device
+from kvlens.rope import detect_layout, invert_rope
+from kvlens.text.corpus import load_text, token_windows
+from kvlens.text.selection import parse_index_spec
 
 ProgressFn = Callable[[int, int, str], None]
 
@@ -34,7 +43,7 @@ class CaptureOptions:
     compute_dtype: str = "float32"
     compression: str = "none"
     device: str = "auto"
-    device_map: str | None = None  # auto, balanced, sequential, or a JSON map (kvlens.placement)
+    device_map: str | None = None  # auto, balanced, sequential, or a JSON map (kvlens.model.placement)
     max_memory: str | None = None  # e.g. "0=20GiB,cpu=60GiB,disk=200GiB"
     offload_folder: str | None = None  # where disk-offloaded weights may go
     overwrite: bool = False
@@ -69,9 +78,6 @@ class CaptureSummary:
 def run_capture(options: CaptureOptions, output: str | Path,
                 progress: ProgressFn | None = None) -> CaptureSummary:
     """Load the model and text named in ``options`` and write a capture file to ``output``."""
-    from kvlens.corpus import load_text, token_windows
-    from kvlens.models import load_model
-    from kvlens.store import CaptureWriter
 
     # Cheap checks before the expensive model load.
     CaptureWriter(output, overwrite=options.overwrite, storage_dtype=options.storage_dtype,
@@ -98,12 +104,6 @@ def capture_model(model, windows, output: str | Path, *, layers: str | list[int]
     import torch
     import transformers
 
-    from kvlens import __version__
-    from kvlens.architecture import describe
-    from kvlens.hf import attention_override, rope_inputs
-    from kvlens.placement import input_device, weights_by_device
-    from kvlens.selection import parse_index_spec
-    from kvlens.store import CaptureMeta, CaptureWriter
 
     start = time.perf_counter()
     info = describe(model)
@@ -186,7 +186,6 @@ class _LayerSink:
         return fn
 
     def _record(self, module, idx, query, key, value, pe, kwargs) -> None:
-        from kvlens.store import LayerAttrs
 
         tq = query.shape[-2]
         post = {"q": query[0], "k": key[0, :, -tq:], "v": value[0, :, -tq:]}
@@ -210,7 +209,6 @@ class _LayerSink:
         self.seen.add(idx)
 
     def _pre_rope(self, idx, post, pe) -> dict[str, Any]:
-        from kvlens.rope import detect_layout, invert_rope
 
         if pe is None:
             if self.info.declares_rope:

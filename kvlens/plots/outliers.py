@@ -1,4 +1,4 @@
-"""Matplotlib figures for ``kvlens plot-outliers`` (statistics come from ``kvlens.outliers``).
+"""Matplotlib figures for ``kvlens plot-outliers`` (statistics come from ``kvlens.analysis.outliers``).
 
 Every function picks the non-interactive Agg backend itself (never at import, so importing
 kvlens has no global side effect), draws one figure, saves it to ``path`` (format from the

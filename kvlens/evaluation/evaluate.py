@@ -37,13 +37,22 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvlens.cache import compressed_attention, memory_report
+from kvlens.cache.attention import select_backend
+from kvlens.config.kvconfig import KVConfig, preset
 from kvlens.errors import InputError
-from kvlens.kvconfig import KVConfig, preset
+from kvlens.evaluation.baselines import Baseline, baseline_memory_report, baseline_session
+from kvlens.evaluation.decode import cache_kwargs, greedy
+from kvlens.evaluation.kld import check_lengths, max_positions, score_text, summarize
+from kvlens.evaluation.needles import build_grid, grid_lengths, run_grid
+from kvlens.evaluation.needles import summarize as summarize_grid
+from kvlens.model.placement import input_device
+from kvlens.text.corpus import DEFAULT_CORPUS_NAME, load_text
+from kvlens.text.heldout import HELDOUT_NAME, heldout_text
+from kvlens.text.prompts import FILLER, passkey_text
 
 EVALS = ("ppl", "passkey", "agreement", "kld", "retrieval")
 LONG_EVALS = ("kld", "retrieval")
-FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
-          "again. ")
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
@@ -76,35 +85,6 @@ def parse_evals(spec: str | None) -> tuple[str, ...]:
     return names
 
 
-def _cache_kwargs(model, cache) -> dict:
-    from kvlens.hf import cache_argument_name
-
-    return {cache_argument_name(model): cache}
-
-
-def greedy(model, ids, session, max_new_tokens: int, attention_mask=None):
-    """Greedy continuation ``[B, new]`` and the cache used."""
-    import torch
-
-    cache = session.new_cache()
-    mask = attention_mask if attention_mask is not None else torch.ones_like(ids)
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=_pad_id(model),
-                             **_cache_kwargs(model, cache))
-    return out[:, ids.shape[1]:], cache
-
-
-def _pad_id(model) -> int:
-    gen = getattr(model, "generation_config", None)
-    for value in (getattr(gen, "pad_token_id", None), getattr(gen, "eos_token_id", None)):
-        if isinstance(value, list):
-            value = value[0] if value else None
-        if isinstance(value, int):
-            return value
-    return 0
-
-
 def decode_ppl(model, ids, session, prefix: int) -> tuple[float, object]:
     """Decode-mode perplexity of ``ids`` ``[1, T]`` (protocol in the module docstring)."""
     import torch
@@ -113,7 +93,7 @@ def decode_ppl(model, ids, session, prefix: int) -> tuple[float, object]:
         raise InputError(f"Decode-mode perplexity needs more than {prefix + 1} tokens of text, "
                          f"got {ids.shape[1]}.")
     cache = session.new_cache()
-    kw = _cache_kwargs(model, cache)
+    kw = cache_kwargs(model, cache)
     nll, count = 0.0, 0
     with torch.no_grad():
         logits = model(ids[:, :prefix], use_cache=True, **kw).logits[:, -1]
@@ -134,11 +114,7 @@ def passkey_prompts(tokenizer, n: int, context_tokens: int, seed: int
     for _ in range(n):
         key = f"{rng.randint(10000, 99999)}"
         depth = rng.randint(0, repeats)
-        needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
-        text = ("There is important info hidden inside a lot of irrelevant text. Find it and "
-                "memorize it. " + FILLER * depth + needle + FILLER * (repeats - depth)
-                + "What is the pass key? The pass key is")
-        out.append((text, key))
+        out.append((passkey_text(key, depth, repeats - depth), key))
     return out
 
 
@@ -149,8 +125,6 @@ def _encode(tokenizer, text: str, device):
 def load_eval_text(path: str | None) -> tuple[str, str]:
     """``(text, source)``: ``None`` or ``builtin:heldout`` is the held-out text,
     ``builtin:corpus`` the capture corpus, anything else a UTF-8 file."""
-    from kvlens.corpus import DEFAULT_CORPUS_NAME, load_text
-    from kvlens.evaluation.heldout import HELDOUT_NAME, heldout_text
 
     if path is None or str(path) == HELDOUT_NAME:
         return heldout_text(), HELDOUT_NAME
@@ -169,8 +143,6 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
     prompt) and one entry per evaluation; ``evaluation`` holds each long evaluation's protocol
     and the exact model's results. Ctrl-C stops the run: what was finished is returned with
     ``interrupted: True`` (a config or chunk in progress is dropped)."""
-    from kvlens.cache.attention import select_backend
-    from kvlens.placement import input_device
 
     device = input_device(model)
     short = [e for e in options.evals if e not in LONG_EVALS]
@@ -178,7 +150,6 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
                     "interrupted": False}
     kld_ids = text_source = None
     if "kld" in options.evals:  # validate before any work
-        from kvlens.evaluation.kld import check_lengths, max_positions
 
         text, text_source = load_eval_text(options.text)
         ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
@@ -187,8 +158,6 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
         kld_ids = ids[:, :n].to(device)
     grid = None
     if "retrieval" in options.evals:
-        from kvlens.evaluation.kld import max_positions
-        from kvlens.evaluation.needles import build_grid, grid_lengths
 
         lengths = grid_lengths(options.retrieval_lengths, max_positions(model))
         progress(f"building {len(lengths)} x {len(options.retrieval_depths)} retrieval grid")
@@ -200,7 +169,6 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
                                                        progress)
         report["results"] = finished + report["results"][len(finished):]
     if kld_ids is not None and not report["interrupted"]:
-        from kvlens.evaluation.kld import score_text, summarize
 
         progress(f"kld: {kld_ids.shape[1]} tokens of {text_source} in chunks of "
                  f"{options.chunk}, {len(configs)} configs + exact in lockstep")
@@ -222,8 +190,6 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
                 _merge_memory(res, memory)
         report["interrupted"] = scores.interrupted
     if grid is not None and not report["interrupted"]:
-        from kvlens.evaluation.needles import run_grid
-        from kvlens.evaluation.needles import summarize as summarize_grid
 
         scores = run_grid(model, tokenizer, configs, grid, options.backend, progress)
         summary = summarize_grid(scores)
@@ -258,9 +224,6 @@ def _short_evals(model, tokenizer, configs: list[KVConfig], options: EvalOptions
                  progress: Callable[[str], None]) -> tuple[list[dict], bool]:
     """Generation with ``options.prompt`` and the short-context ppl / passkey / agreement:
     ``(results of the configs that finished, interrupted)``."""
-    from kvlens.baselines import Baseline, baseline_memory_report, baseline_session
-    from kvlens.cache import compressed_attention, memory_report
-    from kvlens.placement import input_device
 
     device = input_device(model)
     exact = preset("exact")  # the reference: no compression, the model's dtype

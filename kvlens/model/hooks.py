@@ -15,7 +15,8 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from kvlens.architecture import attention_modules
+from kvlens.errors import ModelLoadError
+from kvlens.model.architecture import attention_modules
 
 _counter = itertools.count()
 
@@ -29,7 +30,6 @@ def original_attention(model) -> tuple[str, Callable]:
         module = sys.modules[type(attention_modules(model)[0]).__module__]
         fn = getattr(module, "eager_attention_forward", None)
         if fn is None:
-            from kvlens.errors import ModelLoadError
 
             raise ModelLoadError(f"{type(model).__name__} has no eager attention function that "
                                  "kvlens can wrap; load it with attn_implementation='sdpa'.")

@@ -1,0 +1,1 @@
+"""Matplotlib figures: ``outliers`` for ``plot-outliers``, ``compare`` for ``compare-axes``."""

@@ -1,0 +1,1 @@
+"""``kvlens recommend``: a per-layer KV quantization config under a memory budget (``core``)."""
