@@ -547,3 +547,48 @@ def test_layout_sensitivity_measures_a_rate_per_family(tmp_path, smollm2_tokeniz
     per_layer = measure(path, replace(opts, sensitivity="model"))
     assert per_layer.factors == () and per_layer.weights[1] == 0.0
     assert any("layer weights from measured sensitivity" in n for n in per_layer.notes)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt_neox", "gpt2", "qwen3"])
+def test_perturbed_kl_skipping_lower_layers_is_exact(arch):
+    """A perturbed run reuses the reference outputs of the layers below the perturbed one: its
+    KL equals a run that recomputes every layer, on every tiny architecture."""
+    import torch
+    from tiny_models import tiny_model
+
+    from kvlens.analysis import sensitivity
+    from kvlens.model.architecture import attention_modules, decoder_layers
+
+    model = tiny_model(arch)
+    ids = torch.randint(0, 128, (1, 48), generator=torch.Generator().manual_seed(1))
+    layers = decoder_layers(model)
+    assert len(layers) == 3 and all(hasattr(m, "forward") for m in layers)
+    g = torch.Generator().manual_seed(2)
+    hkv = model.config.num_key_value_heads if hasattr(model.config, "num_key_value_heads") \
+        else model.config.num_attention_heads
+    d = getattr(model.config, "head_dim", None) or model.config.hidden_size // \
+        model.config.num_attention_heads
+    delta = 0.3 * torch.randn(1, hkv, 48, d, generator=g)
+    runs = []  # layer 0's attention runs: the reference run and layer 0's own perturbed run
+    hook = attention_modules(model)[0].register_forward_pre_hook(lambda *a: runs.append(1))
+    with sensitivity.perturbed_kl(model, ids, keep=20) as kl:
+        fast = [kl(i, key=delta, value=delta) for i in range(3)]
+    hook.remove()
+    assert len(runs) == 2
+    calls = []
+    orig = sensitivity._skip_below
+
+    def no_skip(layers, layer, outputs):
+        calls.append(layer)
+        return orig(layers, -1, outputs)  # skips nothing: every layer recomputed
+
+    sensitivity._skip_below = no_skip
+    try:
+        with sensitivity.perturbed_kl(model, ids, keep=20) as kl:
+            full = [kl(i, key=delta, value=delta) for i in range(3)]
+    finally:
+        sensitivity._skip_below = orig
+    assert calls == [0, 1, 2]
+    assert all(f > 0 for f in full)
+    assert fast == full
+    assert all("forward" not in vars(m) for m in layers)  # the patch is undone

@@ -49,6 +49,16 @@ def attention_modules(model) -> list:
     return [found[i] for i in sorted(found)]
 
 
+def decoder_layers(model) -> list:
+    """The decoder layer (the module holding the self-attention) of each layer, in layer
+    order."""
+    parents = {}
+    for _, module in model.named_modules():
+        for child in module.children():
+            parents[id(child)] = module
+    return [parents[id(m)] for m in attention_modules(model)]
+
+
 def rope_config(config) -> dict[str, Any]:
     """RoPE parameters as plain JSON-able values (empty when the model declares none)."""
     out: dict[str, Any] = {}
