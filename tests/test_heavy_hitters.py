@@ -14,8 +14,8 @@ from kvlens.analysis.metrics import (
     per_head_rel_error,
     streaming_exact_mask,
 )
-from kvlens.cache.attention import packed_attention
 from kvlens.cache.layer import CompressedLayer
+from kvlens.cache.torch_read import packed_attention
 from kvlens.config.kvconfig import LayerKV, MikvSettings
 from kvlens.quant import QuantSpec, fake_quantize
 

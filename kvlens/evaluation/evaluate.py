@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvlens.cache import compressed_attention, memory_report
-from kvlens.cache.attention import select_backend
+from kvlens.cache.backend import select_backend
 from kvlens.config.kvconfig import KVConfig, preset
 from kvlens.errors import InputError
 from kvlens.evaluation.baselines import Baseline, baseline_memory_report, baseline_session
