@@ -73,15 +73,24 @@ def _copy_bandwidth(torch, triton) -> float:
 
 
 def _store(torch, b, hkv, t, d, bits, group, residual):
-    from kvlens_kernels import quantize_pack_keys, quantize_pack_values
+    """KIVI's layout (per-channel keys, per-token values, both groups of ``group``, fp16 scales)
+    built by the cache's own ``PackedTensor`` as ``_generic`` does, with a flush block of
+    ``group`` tokens so that ``t`` need only be a multiple of ``group``: returns the kernel's
+    positional packed arguments, a random fp16 residual window and the fp16 K/V quantized."""
+    from kvlens.cache.packed import PackedTensor
+    from kvlens.quant import QuantSpec
 
     k = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.float16)
     v = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.float16)
-    kc, ks, kz = quantize_pack_keys(k, bits, group)
-    vc, vs, vz = quantize_pack_values(v, bits, group)
+    stores = []
+    for x, gran in ((k, "per-channel"), (v, "per-token")):
+        st = PackedTensor.create(QuantSpec(bits, gran, group), group, d, "float16")
+        st.append(x.float())
+        stores.append(st)
+    packed = tuple(x for st in stores for x in (st.codes, st.scale, st.zero))
     rk = torch.randn(b, hkv, residual, d, device="cuda", dtype=torch.float16)
     rv = torch.randn_like(rk)
-    return (kc, ks, kz, vc, vs, vz), (rk, rv), (k, v)
+    return packed, (rk, rv), (k, v)
 
 
 def _generic(torch, layout, b, hkv, t, d, bits, group):

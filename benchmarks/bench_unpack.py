@@ -1,5 +1,5 @@
 """Torch-path unpack speed per code width: the CPU decode's per-chunk cost of turning packed
-codes into float32 (``kvlens.cache.attention._unpack_rows`` / ``_unpack_cols``).
+codes into float32 (``kvlens.cache.torch_read._unpack_rows`` / ``_unpack_cols``).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_unpack.py --tokens 4096 --heads 3 --dim 64
 
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from kvlens.cache.attention import _unpack_cols, _unpack_rows
+from kvlens.cache.torch_read import _unpack_cols, _unpack_rows
 from kvlens.quant import pack_codes
 
 

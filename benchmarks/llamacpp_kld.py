@@ -118,7 +118,7 @@ def main() -> None:
         os.environ["LLAMA_ATTN_ROT_DISABLE"] = "1"
     import llama_cpp
 
-    from kvlens.evaluation.evaluate import load_eval_text
+    from kvlens.evaluation import load_eval_text
     from kvlens.evaluation.kld import summarize
     from kvlens.model.load import load_model
 

@@ -2,7 +2,7 @@
 
 For one capture and budget, writes the full recommendation and one recommendation per lever
 switched off, then (``--eval``) scores every distinct config in one lockstep KL-divergence run
-on the built-in held-out text (``kvlens.evaluation.evaluate``: the first config, the full recommendation,
+on the built-in held-out text (``kvlens.evaluation.evaluate_configs``: the first config, the full recommendation,
 is the paired reference):
 
     OMP_NUM_THREADS=1 python benchmarks/recommend_ablation.py run.h5 -b 3.0 --out abl/ --eval
@@ -246,7 +246,7 @@ def main() -> None:
             f"{rec.expected_output_error:.4f}{' (same as ' + r['same_as'] + ')' if 'same_as' in r else ''}")
     if args.eval:
         from kvlens.capture.store import open_capture
-        from kvlens.evaluation.evaluate import EvalOptions, evaluate_configs
+        from kvlens.evaluation import EvalOptions, evaluate_configs
         from kvlens.model.load import load_model
         from kvlens.recommend.core import model_spec_from_capture
 

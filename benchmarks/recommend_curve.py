@@ -42,7 +42,7 @@ def main() -> None:
     from kvlens.cache.layout import config_bits
     from kvlens.config.kvconfig import preset
     from kvlens.errors import InputError
-    from kvlens.evaluation.evaluate import EvalOptions, evaluate_configs
+    from kvlens.evaluation import EvalOptions, evaluate_configs
     from kvlens.model.load import load_model
     from kvlens.recommend.core import RecommendOptions, choose, measure, model_shape
 

@@ -11,10 +11,11 @@ import torch
 from tiny_models import tiny_model
 
 from kvlens.cache import compressed_attention, memory_report
-from kvlens.cache.attention import packed_attention, select_backend
+from kvlens.cache.backend import select_backend
 from kvlens.cache.layer import CompressedLayer
 from kvlens.cache.layout import packed_bytes
 from kvlens.cache.packed import PackedTensor
+from kvlens.cache.torch_read import packed_attention
 from kvlens.config.kvconfig import KVConfig, LayerKV, MikvSettings, preset
 from kvlens.errors import BackendError, ConfigError
 from kvlens.model.hooks import cache_argument_name

@@ -22,7 +22,8 @@ from kvlens.config.kvconfig import (
     validate_for,
 )
 from kvlens.errors import ConfigError, InputError
-from kvlens.evaluation.evaluate import agreement, decode_ppl, parse_evals, passkey_prompts
+from kvlens.evaluation.options import parse_evals
+from kvlens.evaluation.short import agreement, decode_ppl, passkey_prompts
 from kvlens.quant import QuantSpec
 
 

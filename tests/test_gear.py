@@ -11,11 +11,12 @@ import pytest
 import torch
 from test_cache import _reference_attention, _session
 
-from kvlens.cache.attention import packed_attention, triton_unsupported
 from kvlens.cache.gear import GearTensor, part_bytes
 from kvlens.cache.layer import CompressedLayer
 from kvlens.cache.mixed import dequantize_rows, quantize_rows, set_bytes_per_token
 from kvlens.cache.packed import PackedTensor
+from kvlens.cache.torch_read import packed_attention
+from kvlens.cache.triton_glue import triton_unsupported
 from kvlens.config.kvconfig import (
     PRESETS,
     GearSettings,
@@ -346,7 +347,7 @@ def test_kernel_reads_an_integer_set_like_the_torch_path(set_bits):
     """The Triton decode kernel (interpreter on CPU) gets the integer set dequantized as its
     extra segment and equals the torch path."""
     pytest.importorskip("triton")
-    from kvlens.cache.attention import triton_decode
+    from kvlens.cache.triton_glue import triton_decode
 
     torch.manual_seed(6)
     b, hq, hkv, d, total = 2, 4, 2, 16, 60

@@ -195,9 +195,9 @@ def test_ctrl_c_prints_what_was_finished_and_exits_nonzero(tiny_model_dir, tiny_
 
 def test_ctrl_c_during_short_evals_keeps_the_finished_configs(tiny_model_dir, tiny_kivi,
                                                               monkeypatch):
-    import kvlens.evaluation.evaluate as evaluate
+    import kvlens.evaluation.short as short
 
-    real = evaluate.decode_ppl
+    real = short.decode_ppl
     calls = {"n": 0}
 
     def interrupt_second(*args, **kwargs):
@@ -206,7 +206,7 @@ def test_ctrl_c_during_short_evals_keeps_the_finished_configs(tiny_model_dir, ti
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(evaluate, "decode_ppl", interrupt_second)
+    monkeypatch.setattr(short, "decode_ppl", interrupt_second)
     args = ["generate", "--model", str(tiny_model_dir), "--compare", f"exact,{tiny_kivi}",
             "--eval", "ppl,kld", "--ppl-tokens", "48", "--eval-tokens", "64"]
     result = runner.invoke(app, [*args, "--json"])

@@ -14,8 +14,8 @@ from kvlens.analysis.metrics import (
     per_head_rel_error,
     streaming_exact_mask,
 )
-from kvlens.cache.attention import packed_attention
 from kvlens.cache.layer import CompressedLayer
+from kvlens.cache.torch_read import packed_attention
 from kvlens.config.kvconfig import LayerKV, MikvSettings
 from kvlens.quant import QuantSpec, fake_quantize
 
@@ -313,7 +313,7 @@ def test_recommended_sets_run_in_generate_and_hold_the_priced_bytes(tmp_path):
     from kvlens.cache import compressed_attention, memory_report
     from kvlens.capture.run import capture_model
     from kvlens.config.kvconfig import load_config, save_config, validate_for
-    from kvlens.evaluation.evaluate import greedy
+    from kvlens.evaluation.decode import greedy
     from kvlens.model.architecture import describe
     from kvlens.recommend.core import choose, measure
 

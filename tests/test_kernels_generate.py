@@ -18,13 +18,10 @@ from tiny_models import tiny_model
 pytest.importorskip("triton")
 
 from kvlens.cache import compressed_attention  # noqa: E402
-from kvlens.cache.attention import (  # noqa: E402
-    packed_attention,
-    select_backend,
-    triton_decode,
-    triton_unsupported,
-)
+from kvlens.cache.backend import select_backend  # noqa: E402
 from kvlens.cache.layer import CompressedLayer  # noqa: E402
+from kvlens.cache.torch_read import packed_attention  # noqa: E402
+from kvlens.cache.triton_glue import triton_decode, triton_unsupported  # noqa: E402
 from kvlens.config.kvconfig import LayerKV, MikvSettings, preset  # noqa: E402
 from kvlens.errors import BackendError  # noqa: E402
 from kvlens.model.hooks import cache_argument_name  # noqa: E402

@@ -82,7 +82,7 @@ def test_bad_input_raises():
 def test_torch_path_unpack_equals_unpack_codes(bits, shape):
     """The decode path's chunk unpack (one broadcast shift into a reused workspace) returns the
     codes ``unpack_codes`` does, along tokens and along channels, on chunk-like shapes."""
-    from kvlens.cache.attention import _unpack_cols, _unpack_rows
+    from kvlens.cache.torch_read import _unpack_cols, _unpack_rows
 
     u, _ = pack_unit(bits)
     shape = (*shape[:2], -(-shape[2] // u) * u, shape[3])  # tokens: whole units, as stored

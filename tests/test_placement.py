@@ -24,7 +24,7 @@ from kvlens.capture.run import capture_model
 from kvlens.capture.store import open_capture
 from kvlens.config.kvconfig import preset
 from kvlens.errors import PlacementError
-from kvlens.evaluation.evaluate import greedy
+from kvlens.evaluation.decode import greedy
 from kvlens.model.load import load_model
 from kvlens.model.placement import (
     input_device,

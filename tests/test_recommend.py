@@ -247,7 +247,7 @@ def test_written_config_runs_in_generate(tmp_path):
     """recommend -> JSON config -> load -> compressed generation on the same (tiny) model."""
     from kvlens.cache import compressed_attention
     from kvlens.config.kvconfig import validate_for
-    from kvlens.evaluation.evaluate import greedy
+    from kvlens.evaluation.decode import greedy
     from kvlens.model.architecture import describe
 
     model = tiny_model("llama")

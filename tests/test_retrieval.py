@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvlens.errors import InputError
-from kvlens.evaluation.evaluate import FILLER, passkey_prompts
-from kvlens.text.prompts import QUESTION, retrieval_text
+from kvlens.evaluation.short import passkey_prompts
+from kvlens.text.prompts import FILLER, QUESTION, retrieval_text
 
 
 def test_probe_prompt_states_the_code_once_at_a_seeded_depth(smollm2_tokenizer):

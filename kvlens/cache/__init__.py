@@ -1,8 +1,11 @@
 """The compressed KV cache: packed low-bit storage that plugs into transformers' generation.
 
 ``packed`` owns the storage layout, ``layer`` the per-layer streaming logic (residual window,
-MiKV high-precision set), ``attention`` the decode attention over the packed store and the
-backend dispatch, ``cache`` building the whole cache and installing it around a model.
+MiKV high-precision set), ``cache`` building the whole cache and installing it around a model.
+Attention over it: ``attention`` is the function installed in the model (one path per call),
+``torch_read`` the torch read path over the packed store, ``backend`` the per-run choice
+between torch and Triton (``select_backend``), ``triton_glue`` the calls into the Triton decode
+kernel and the layouts it reads (``kernel_layout_problem``).
 """
 
 from kvlens.cache.cache import CompressionSession, compressed_attention, memory_report

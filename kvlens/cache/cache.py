@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvlens.cache.attention import make_attention_fn, select_backend
+from kvlens.cache.attention import make_attention_fn
+from kvlens.cache.backend import select_backend
 from kvlens.cache.engine import EngineLayer, EngineStore, static_scale
 from kvlens.cache.gear import GearTensor
 from kvlens.cache.layer import CompressedLayer, DenseTensor

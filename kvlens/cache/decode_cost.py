@@ -16,7 +16,7 @@ the bytes one single-token decode step reads, for ``recommend`` to report next t
   element, which on a CPU costs as much traffic as an fp32 cache. The fused kernel never does.
 
 ``fused`` says whether every layer has the Triton decode kernel's path
-(``kvlens.cache.attention.kernel_layout_problem``); ``unfused`` gives the reason per layer.
+(``kvlens.cache.triton_glue.kernel_layout_problem``); ``unfused`` gives the reason per layer.
 A model, not a measurement: kernel efficiency differs by layout (see ``docs/kernels.md``), but at
 long context the time of a memory-bound step is proportional to these bytes.
 """
@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvlens.cache import layout
-from kvlens.cache.attention import kernel_layout_problem
+from kvlens.cache.triton_glue import kernel_layout_problem
 
 
 @dataclass(frozen=True)

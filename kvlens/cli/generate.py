@@ -101,7 +101,7 @@ def generate(
     run_library_call(lambda: check_output_file(report_json, "--report-json"))
 
     def work():
-        from kvlens.evaluation.evaluate import evaluate_configs
+        from kvlens.evaluation import evaluate_configs
         from kvlens.model.load import load_model
         from kvlens.model.placement import placement_summary
 
@@ -144,7 +144,7 @@ def _options(config, preset_name, compare, prompt, prompt_file, max_new_tokens, 
     from kvlens.config.kvconfig import load_config, preset, resolve
     from kvlens.deploy import is_engine_setting
     from kvlens.errors import InputError
-    from kvlens.evaluation.evaluate import EvalOptions, parse_evals
+    from kvlens.evaluation import EvalOptions, parse_evals
 
     if config is not None and preset_name is not None:
         raise InputError("Give either --config FILE or --preset NAME, not both.")

@@ -263,7 +263,7 @@ def _validate(config, model, eval_tokens: int | None, retrieval_prompts: int, ro
     (``kvlens.evaluation``: nothing `recommend` calibrates on)."""
     from kvlens.config.kvconfig import preset, validate_for
     from kvlens.errors import ConfigError
-    from kvlens.evaluation.evaluate import EvalOptions, evaluate_configs
+    from kvlens.evaluation import EvalOptions, evaluate_configs
     from kvlens.model.architecture import describe
     from kvlens.model.load import load_model
 

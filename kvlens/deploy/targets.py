@@ -40,7 +40,7 @@ from kvlens.config.kvconfig import KVConfig, LayerKV
 from kvlens.deploy.kld_model import fit_kld_model
 from kvlens.deploy.presets import engine_config
 from kvlens.errors import ConfigError, InputError
-from kvlens.evaluation.evaluate import EvalOptions, evaluate_configs
+from kvlens.evaluation import EvalOptions, evaluate_configs
 from kvlens.model.load import load_model
 from kvlens.quant import QuantSpec, fake_quantize, fake_quantize_format
 from kvlens.quant.cachetypes import DenseType, parse_cache_type
@@ -398,7 +398,7 @@ def _anchors(front: list[TargetCandidate], n: int) -> list[TargetCandidate]:
 
 
 def measure_kld(model_bundle, configs, eval_tokens: int, progress=lambda m: None) -> list[dict]:
-    """Mean KLD (with interval) of ``configs`` on the held-out text (``kvlens.evaluation.evaluate``)."""
+    """Mean KLD (with interval) of ``configs`` on the held-out text (``kvlens.evaluation.evaluate_configs``)."""
 
     model, tok = model_bundle
     report = evaluate_configs(model, tok, list(configs),

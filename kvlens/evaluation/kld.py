@@ -48,6 +48,8 @@ from kvlens.evaluation.stats import (
     percentile_interval,
 )
 from kvlens.model.hooks import cache_argument_name
+from kvlens.text.corpus import DEFAULT_CORPUS_NAME, load_text
+from kvlens.text.heldout import HELDOUT_NAME, heldout_text
 
 DEFAULT_EVAL_TOKENS = 4096
 DEFAULT_CHUNK = 64
@@ -111,6 +113,17 @@ def check_lengths(text_tokens: int, eval_tokens: int | None, chunk: int, max_pos
         raise InputError(f"--chunk must be between 1 (decode mode) and --eval-tokens "
                          f"({eval_tokens}); got {chunk}.")
     return eval_tokens
+
+
+def load_eval_text(path: str | None) -> tuple[str, str]:
+    """``(text, source)``: ``None`` or ``builtin:heldout`` is the held-out text,
+    ``builtin:corpus`` the capture corpus, anything else a UTF-8 file."""
+
+    if path is None or str(path) == HELDOUT_NAME:
+        return heldout_text(), HELDOUT_NAME
+    if str(path) == DEFAULT_CORPUS_NAME:
+        return load_text(None)
+    return load_text(path)
 
 
 def max_positions(model) -> int | None:

@@ -75,7 +75,6 @@ from kvlens.analysis.sensitivity import (
     perturbed_kl,
     weights_from,
 )
-from kvlens.cache.attention import kernel_layout_problem
 from kvlens.cache.decode_cost import config_decode_cost
 from kvlens.cache.gear import part_bytes
 from kvlens.cache.layout import (
@@ -89,6 +88,7 @@ from kvlens.cache.layout import (
     packed_bytes,
     stream_state,
 )
+from kvlens.cache.triton_glue import kernel_layout_problem
 from kvlens.capture.run import capture_model
 from kvlens.capture.store import open_capture
 from kvlens.config.kvconfig import SET_BITS, GearSettings, KVConfig, LayerKV, MikvSettings, preset

@@ -16,7 +16,7 @@ five-digit code inserted at a seeded depth (on a sentence boundary), and a quest
 it at the end. ``recommend`` runs the model on it, and measures each candidate's attention
 output error on the **last few queries** (the answer position), with the same streaming view
 of the cache (window and sinks exact) as the text errors. The wording and filler differ from
-``kvlens.evaluation.evaluate``'s passkey prompts on purpose: the probe must not be the test.
+``kvlens.evaluation.short``'s passkey prompts on purpose: the probe must not be the test.
 """
 
 from __future__ import annotations

@@ -1,0 +1,328 @@
+"""The ``compare-axes`` sweep: every captured layer read once, every variant of its keys and
+values (axis x bits x group size x key stage x transform, and each engine format) built with the
+reference quantizers, and the errors attention makes of them measured per head.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from kvlens.analysis.compare.config import (
+    AXES,
+    EXTRA_VARIANTS,
+    PLAIN,
+    CompareConfig,
+)
+from kvlens.analysis.compare.records import (
+    CompareResult,
+    Record,
+    format_axis,
+    format_group_size,
+)
+from kvlens.analysis.compare.rope_tables import checked_layer_tables
+from kvlens.analysis.compare.summary import format_info, summarize
+from kvlens.analysis.metrics import Variant, attention_errors_many
+from kvlens.capture.store import open_capture
+from kvlens.errors import ConfigError, InputError, is_int
+from kvlens.quant import (
+    QuantSpec,
+    apply_balancer,
+    fake_quantize,
+    fit_balancer,
+    hadamard_block_size,
+    hadamard_rotation,
+    quantize_gear,
+    quantize_rotated,
+    quantize_with_outliers,
+)
+from kvlens.quant.formats import fake_quantize_format
+from kvlens.rope import apply_rope
+
+Progress = Callable[[int, int, str], None]
+
+
+@dataclass(frozen=True)
+class _VariantKey:
+    tensor: str
+    axis: str
+    bits: int
+    group_size: int
+    stage: str | None
+    variant: str
+    format: str | None = None
+
+
+def compare_axes(
+    path: str | os.PathLike,
+    config: CompareConfig | None = None,
+    progress: Progress | None = None,
+    threads: int | None = 1,
+) -> CompareResult:
+    """Sweep ``config`` over the capture at ``path``, one layer in memory at a time.
+
+    threads: torch intra-op threads while sweeping (restored afterwards; None = leave as is).
+    The work is many small element-wise passes, where extra threads mostly wait on each other:
+    on the 2-core development machine one thread ran a SmolLM2 layer 4x faster than two.
+
+    Raises ``CaptureFileError`` for a missing/foreign/incomplete file, ``InputError`` or
+    ``ConfigError`` for options that do not fit the capture (group size not dividing head_dim,
+    ``rotate`` on an odd head_dim, pre-RoPE on a capture without RoPE or with a RoPE the default
+    tables cannot reproduce, layers not captured)."""
+
+    config = config or CompareConfig()
+    if threads is not None and not is_int(threads, 1):
+        raise ConfigError(f"Invalid threads {threads!r}; allowed: a positive integer.")
+    started = time.perf_counter()
+    records: list[Record] = []
+    with open_capture(path) as cap, torch_threads(threads):
+        meta = cap.meta
+        layers = _resolve_layers(cap, config)
+        _check_fits(meta, config)
+        n_samples = (
+            meta.num_samples if config.samples is None else min(config.samples, meta.num_samples)
+        )
+        pre = "pre" in _key_stages(config)
+        for done, layer in enumerate(layers):
+            if progress:
+                progress(done, len(layers), f"layer {layer}")
+            records.extend(_layer_records(cap.layer(layer), config, meta, n_samples, pre))
+        if progress:
+            progress(len(layers), len(layers), "done")
+    capture_info = {
+        "path": str(path),
+        "model": meta.model,
+        "layers": list(layers),
+        "num_attention_heads": meta.num_attention_heads,
+        "num_key_value_heads": meta.num_key_value_heads,
+        "head_dim": meta.head_dim,
+        "samples": n_samples,
+        "tokens": meta.num_tokens,
+        "storage_dtype": meta.storage_dtype,
+    }
+    summary = summarize(records)
+    if config.formats:
+        summary["formats"] = format_info(
+            config, meta.num_key_value_heads, meta.num_tokens, meta.head_dim
+        )
+    summary = {
+        "config": config.to_dict(),
+        "capture": capture_info,
+        "seconds": round(time.perf_counter() - started, 3),
+        **summary,
+    }
+    return CompareResult(records, summary, config)
+
+
+@contextmanager
+def torch_threads(threads: int | None):
+    import torch
+
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _resolve_layers(cap, config: CompareConfig) -> tuple[int, ...]:
+    if config.layers is None:
+        return tuple(cap.layers)
+    for layer in config.layers:
+        cap.layer(layer)  # raises InputError listing the captured layers
+    return config.layers
+
+
+def _key_stages(config: CompareConfig) -> tuple[str, ...]:
+    return config.stages if "key" in config.tensors else ()
+
+
+def _check_fits(meta, config: CompareConfig) -> None:
+
+    for g in config.group_sizes:
+        QuantSpec(2, "per-token", g).check_fits((meta.num_tokens, meta.head_dim))
+    for setting in config.format_settings():
+        fmt = setting.format
+        if fmt.family == "ggml":
+            try:
+                fmt.check_fits((meta.num_tokens, meta.head_dim))
+            except ConfigError as exc:
+                raise ConfigError(
+                    f"Format {setting.name!r} does not fit {meta.model or 'this'} capture: {exc}"
+                ) from None
+        if setting.rotates(meta.head_dim):
+            try:
+                hadamard_block_size(meta.head_dim)
+            except ConfigError as exc:
+                raise ConfigError(
+                    f"Format {setting.name!r} does not fit {meta.model or 'this'} capture: {exc}"
+                ) from None
+    if "rotate" in config.variants:
+        try:
+            hadamard_block_size(meta.head_dim)
+        except ConfigError as exc:
+            raise ConfigError(
+                f"Variant 'rotate' does not fit {meta.model or 'this'} capture: {exc}"
+            ) from None
+    if "pre" in _key_stages(config):
+        if not meta.has_rope or meta.rope_layout in ("none", "", "pending"):
+            raise InputError(
+                f"Stage 'pre' needs a capture of a model with RoPE, but {meta.model or 'this'} "
+                f"capture has none (rope_layout {meta.rope_layout!r}); its keys have no "
+                "pre-RoPE form. Use --stages post."
+            )
+
+
+def _layer_records(layer_data, config: CompareConfig, meta, n_samples: int,
+                   pre: bool) -> list[Record]:
+    import torch
+
+
+    samples = slice(0, n_samples)
+    q = layer_data.read("q", samples)
+    k = layer_data.read("k", samples)
+    v = layer_data.read("v", samples)
+    k_pre = tables = None
+    if pre:
+        k_pre = layer_data.read("k_pre", samples)
+        tables = checked_layer_tables(k, k_pre, meta, layer_data.index)
+    keys: list[_VariantKey] = []
+    variants: list[Variant] = []
+    for key, approx in _approximations(q, k, v, k_pre, tables, config, meta.rope_layout):
+        keys.append(key)
+        variants.append(Variant(k_hat=approx) if key.tensor == "key" else Variant(v_hat=approx))
+    attrs = layer_data.attrs
+    exact = None
+    if config.sink_tokens:
+        t = k.shape[2]
+        exact = (torch.arange(t)[None, :] < config.sink_tokens).expand(t, t)
+    errors = attention_errors_many(
+        q,
+        k,
+        v,
+        variants,
+        scaling=attrs.scaling,
+        sliding_window=attrs.sliding_window,
+        softcap=attrs.logit_softcap,
+        exact=exact,
+    )
+    out: list[Record] = []
+    for key, err in zip(keys, errors, strict=True):
+        if key.tensor == "key":
+            per_metric = {
+                "reconstruction": err.key_reconstruction,
+                "score": err.scores,
+                "attention_weights": err.weights,
+                "attention_output": err.output,
+            }
+        else:
+            per_metric = {
+                "reconstruction": err.value_reconstruction,
+                "attention_output": err.output,
+            }
+        for metric, values in per_metric.items():
+            kind = "kv" if metric == "reconstruction" else "query"
+            for head, value in enumerate(values.tolist()):
+                out.append(
+                    Record(
+                        attrs.layer_index,
+                        head,
+                        key.tensor,
+                        key.axis,
+                        key.bits,
+                        key.group_size,
+                        key.stage,
+                        key.variant,
+                        metric,
+                        float(value),
+                        kind,
+                        key.format,
+                    )
+                )
+    return out
+
+
+def _approximations(q, k, v, k_pre, tables, config: CompareConfig, layout: str):
+    """Yield ``(_VariantKey, approximation)`` for every variant of one layer: keys as the
+    post-RoPE ``[B, Hkv, T, D]`` tensor attention sees, values as themselves."""
+
+    transforms = (PLAIN, *config.variants)
+    # the same R for every layer and head: it depends only on head_dim and the seed
+    rotation = (
+        hadamard_rotation(k.shape[-1], config.rotation_seed, k.device)
+        if "rotate" in config.variants
+        else None
+    )
+    balancer = None
+    if "key" in config.tensors and "balancer" in config.variants and "post" in config.stages:
+        # MiKV fits the balancer per prompt at prefill: one b per sample, KV head and channel.
+        balancer = fit_balancer(q, k, per_sample=True)
+    for axis in AXES:
+        for bits in config.bits:
+            for g in config.group_sizes:
+                spec = QuantSpec(bits, axis, g)
+                if "key" in config.tensors:
+                    for stage in config.stages:
+                        for name in transforms:
+                            if name == "balancer" and stage == "pre":
+                                continue  # q/b . k*b = q . k holds only where k is consumed
+                            key = _VariantKey("key", axis, bits, g, stage, name)
+                            if name == "balancer":
+                                _, kb = apply_balancer(q, k, balancer)
+                                scale = balancer.float().unsqueeze(-2)
+                                yield key, _transform(kb, spec, PLAIN, config, rotation) / scale
+                            elif stage == "post":
+                                yield key, _transform(k, spec, name, config, rotation)
+                            else:
+                                # Quantize before RoPE, re-rotate. RoPE is linear, so adding
+                                # the rotated error to the stored k gives exactly
+                                # rope(k_pre_hat) up to the fp16 rounding of the stored pair.
+                                # "rotate" un-rotates by R^T before RoPE (R and RoPE do not
+                                # commute), as quantize_pre_rope(..., rotation=R) does.
+                                hat = _transform(k_pre, spec, name, config, rotation)
+                                err = apply_rope(hat - k_pre.float(), *tables, layout)
+                                yield key, k.float() + err
+                if "value" in config.tensors:
+                    for name in transforms:
+                        if name != "balancer":  # the balancer rescales keys against queries
+                            yield (
+                                _VariantKey("value", axis, bits, g, None, name),
+                                _transform(v, spec, name, config, rotation),
+                            )
+    yield from _format_approximations(k, v, config)
+
+
+def _format_approximations(k, v, config: CompareConfig):
+    """Engine formats on post-RoPE keys (what an engine caches) and values, in the original
+    basis (a rotating format is un-rotated after reading back). Static fp8 scales come from the
+    same layer's captured tensor (``fake_quantize_format`` calibrates on its input)."""
+
+    for setting in config.format_settings():
+        fmt = setting.format
+        g = format_group_size(fmt, k.shape[-1])
+        for tensor, x, stage in (("key", k, "post"), ("value", v, None)):
+            if tensor in config.tensors:
+                key = _VariantKey(
+                    tensor, format_axis(fmt), fmt.code_bits, g, stage, PLAIN, setting.name
+                )
+                yield key, fake_quantize_format(x.float(), setting, tensor)
+
+
+def _transform(x, spec, name: str, config: CompareConfig, rotation=None):
+    """``x_hat`` in ``x``'s own basis (``rotate`` is un-rotated after dequantizing, so every
+    metric, reconstruction included, compares against the original tensor)."""
+
+    if name == PLAIN:
+        return fake_quantize(x.float(), spec)
+    if name == "outliers":
+        return quantize_with_outliers(x, spec, config.outlier_fraction)
+    if name == "lowrank":
+        return quantize_gear(x, spec, config.rank)
+    if name == "rotate":
+        return quantize_rotated(x, spec, rotation)
+    raise ConfigError(f"Unknown variant {name!r}; allowed: {', '.join((PLAIN,) + EXTRA_VARIANTS)}.")

@@ -1,0 +1,113 @@
+"""RoPE tables that reproduce a capture's stored keys from its stored pre-RoPE keys.
+
+Quantizing keys before RoPE (``compare-axes --stages pre``, ``recommend``'s pre-RoPE candidates)
+means re-rotating them with the model's own tables. A capture records ``rope_theta`` and the
+layout, but scaled variants (YaRN, linear scaling) and per-layer thetas (Gemma3) are not always
+recorded, so the tables are re-created and checked against the stored pair, per layer.
+"""
+
+from __future__ import annotations
+
+import math
+
+from kvlens.analysis.metrics import rel_error
+from kvlens.errors import InputError
+from kvlens.quant import rope_tables_for
+from kvlens.rope import apply_rope
+
+# A stored k_pre re-rotated with the default RoPE tables must reproduce the stored post-RoPE k
+# to storage precision (fp16 rounding of both tensors gives ~1e-3); a different RoPE (YaRN,
+# linear scaling, another theta) misses by far more.
+ROPE_CHECK_TOLERANCE = 1e-2
+
+
+def rope_tables(meta, n_samples: int, n_tokens: int | None = None, theta: float | None = None):
+    """Default-RoPE ``(cos, sin)`` for a capture's windows (positions 0..T-1 per sample), at
+    ``theta`` (default: the capture's ``rope_theta``); check them with ``rope_rebuild_error``
+    before trusting them (scaled RoPE variants differ; ``layer_rope_tables`` does both)."""
+    import torch
+
+
+    positions = torch.arange(n_tokens or meta.num_tokens).expand(n_samples, -1)
+    return rope_tables_for(
+        positions,
+        meta.head_dim,
+        float(meta.rope["rope_theta"] if theta is None else theta),
+        meta.rotary_dim or meta.head_dim,
+        meta.rope_layout,
+    )
+
+
+COMMON_ROPE_THETAS = (10000.0, 500000.0, 1000000.0, 100000.0, 1000.0, 5000000.0, 10000000.0,
+                      50000.0, 250000.0, 2000000.0)
+
+
+def layer_rope_tables(meta, k, k_pre, n_tokens: int | None = None):
+    """``(tables, theta)`` reproducing one layer's stored keys from its stored pre-RoPE keys
+    (``k``, ``k_pre``: ``[S, H, T, D]``), or ``(None, None)``. Tries the capture's recorded
+    ``rope_theta``, then common thetas, then a search over theta (log scale) on the rebuild
+    error; a theta counts only when its rebuild error is within ``ROPE_CHECK_TOLERANCE``. Why
+    per layer: models such as Gemma3 use one theta on their sliding-window layers and another
+    on their global ones, and a capture may not record them (Gemma3's config keeps them per
+    layer type); the check keeps scaled variants (YaRN...) out."""
+    if meta.rope_layout not in ("half", "interleaved"):
+        return None, None
+    n_tok = k.shape[2] if n_tokens is None else n_tokens
+    probe = slice(0, min(k.shape[2], 256))
+    kp, pp = k[:1, :, probe], k_pre[:1, :, probe]
+
+    def tables(theta, samples=1, t=None):
+        return rope_tables(meta, samples, t, theta=theta)
+
+    def err(theta):
+        return rope_rebuild_error(kp, pp, tables(theta, 1, kp.shape[2]), meta.rope_layout)
+
+    tried = ([float(meta.rope["rope_theta"])] if "rope_theta" in meta.rope else []) + \
+        list(COMMON_ROPE_THETAS)
+    found = next((t for t in tried if err(t) <= ROPE_CHECK_TOLERANCE), None)
+    if found is None:  # log-grid, then golden-section refinement around the best point
+        grid = [10 ** (2 + i * 6 / 240) for i in range(241)]
+        errs = [err(t) for t in grid]
+        i = min(range(len(grid)), key=errs.__getitem__)
+        lo, hi = math.log(grid[max(i - 1, 0)]), math.log(grid[min(i + 1, len(grid) - 1)])
+        g = (math.sqrt(5) - 1) / 2
+        for _ in range(40):
+            a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+            if err(math.exp(a)) < err(math.exp(b)):
+                hi = b
+            else:
+                lo = a
+        t = math.exp((lo + hi) / 2)
+        found = t if err(t) <= ROPE_CHECK_TOLERANCE else None
+    if found is None:
+        return None, None
+    full = tables(found, k.shape[0], n_tok)
+    if rope_rebuild_error(k[:, :, :n_tok], k_pre[:, :, :n_tok], full, meta.rope_layout) \
+            > ROPE_CHECK_TOLERANCE:
+        return None, None
+    return full, found
+
+
+def rope_rebuild_error(k, k_pre, tables, layout: str) -> float:
+    """Relative error of re-applying RoPE (``tables``) to stored pre-RoPE keys vs stored keys."""
+
+    return rel_error(k, apply_rope(k_pre, *tables, layout))
+
+
+def checked_layer_tables(k, k_pre, meta, layer: int):
+    """The layer's RoPE tables (``layer_rope_tables``) or an ``InputError`` saying why not."""
+    tables, _ = layer_rope_tables(meta, k, k_pre)
+    if tables is None:
+        theta = meta.rope.get("rope_theta")
+        err = rope_rebuild_error(k, k_pre, rope_tables(meta, k.shape[0], k.shape[2],
+                                                       theta=theta or 10000.0),
+                                 meta.rope_layout)
+        raise InputError(
+            f"Layer {layer}: re-applying default RoPE ({meta.rope_layout} layout, rotary_dim "
+            f"{meta.rotary_dim}, positions 0..T-1) to the stored pre-RoPE keys at no theta "
+            f"reproduces the stored keys (at the recorded theta {theta}: relative error "
+            f"{err:.3g} > {ROPE_CHECK_TOLERANCE}); the model uses a RoPE variant kvlens cannot "
+            f"re-create (rope type {meta.rope.get('rope_type', 'unknown')!r}, e.g. YaRN or "
+            "linear scaling). Use --stages post."
+        )
+    return tables

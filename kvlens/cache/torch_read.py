@@ -1,0 +1,396 @@
+"""The torch read path: attention over a ``CompressedLayer`` read chunk by chunk from its packed
+store, with scales folded instead of dequantizing (the reference backend; runs on any device).
+
+``packed_attention(query, layer, mask, scaling)`` attends ``query`` ``[B, Hq, Tq, D]`` to every
+token of a ``CompressedLayer`` without ever materialising the dequantized history: the packed
+store is read in chunks of ``chunk_tokens`` tokens, then the MiKV high-precision set and the
+residual window are attended as further segments; segments are merged with an online softmax
+(running max / sum, flash-decoding style). GQA is handled by grouping the ``Hq = g * Hkv`` query
+heads per KV head (``repeat_kv`` mapping), so packed K/V are read once per KV head. The mask is
+transformers' own (bool or additive ``[B, 1, Tq, N]`` over absolute cache positions, or ``None``
+= causal, bottom-right aligned).
+
+Folded reads (every layout the cache stores; nothing dequantized is materialised): scales and
+zeros are folded into the query, the softmax weights or the output instead of being applied to
+the codes. Eager torch has no integer x float matmul, so the codes of **one chunk** are unpacked
+to float32 (all code slots with one broadcast shift) into a reusable workspace (CPU; see
+``_scratch``); that transient is the only chunk-sized float tensor (keep ``chunk_tokens``
+moderate). ``torch.compile`` of the unpack + dot was measured and not adopted (slower than
+these eager ops on the 2-core CPU; ``docs/benchmarks.md``).
+
+- Per-channel keys (groups of ``G`` tokens, packed along tokens): per group ``score_t = sum_d
+  (q_d * scale_{g,d}) * code_{t,d} + sum_d q_d * zero_{g,d}`` (a batched matmul over groups; no
+  full-size scale tensor).
+- Per-token keys (groups of ``G`` channels, packed along channels; ``G=None`` = the head):
+  ``score_t = sum_j s_{t,j} * (q_j . code_{t,j}) + z_{t,j} * sum(q_j)`` for the channel groups
+  ``j`` (one batched matmul over groups, then a weighted sum over ``D/G`` groups).
+- Per-tensor (one scale per flushed block, packed along channels): the per-token formula with one
+  group, the block's scale repeated over its tokens (``n`` floats).
+- Per-channel values (groups of ``G`` tokens, packed along tokens): ``o_c = sum_g s_{g,c} *
+  sum_{t in g} p_t code_{t,c} + z_{g,c} * sum_{t in g} p_t``.
+- Per-token / per-tensor values (packed along channels): the value scale folds into the softmax
+  weights, ``out_d = sum_t (p_t * scale_{t,j}) * code_{t,d} + sum_t p_t * zero_{t,j}``.
+- The channel balancer (``q / b``) and ``scaling`` fold into ``q`` first.
+- Pre-RoPE keys: RoPE rotates each dequantized key by its own position, so scales cannot fold
+  into one query; the chunk is dequantized in place on its unpacked codes (``code * scale +
+  zero``, float32), rotated with (cos, sin) re-created from the stored positions and dotted.
+
+Same math as "dequantize with the reference, then attend", different float rounding (tested
+against it to 1e-5 for every layout, ``tests/test_cache.py``).
+
+Positions: the packed store holds absolute positions ``[q_start, q_end)`` (``q_start > 0`` once a
+sliding-window layer evicted blocks), the window ``[res_start, N)``; masks are indexed by
+absolute position.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvlens.quant import pack_unit
+from kvlens.rope import rotate
+
+CHUNK_TOKENS = 4096
+
+
+# -- masks --------------------------------------------------------------------------------------
+
+def _range_bias(mask: torch.Tensor | None, t0: int, t1: int, tq: int, n_total: int,
+                device) -> torch.Tensor | None:
+    """Additive bias ``[B|1, 1, 1, Tq, t1-t0]`` for the contiguous key positions ``[t0, t1)``,
+    or ``None`` when every position is visible to every query."""
+    if mask is None:
+        if t1 - 1 <= n_total - tq:  # causal: all before the first query
+            return None
+        pos = torch.arange(t0, t1, device=device)
+        qpos = torch.arange(n_total - tq, n_total, device=device)
+        allowed = pos[None, :] <= qpos[:, None]
+        return torch.where(allowed, 0.0, float("-inf"))[None, None, None]
+    m = mask[:, 0, :, t0:t1]  # [B|1, Tq, n]
+    if m.dtype == torch.bool:
+        m = torch.where(m, 0.0, float("-inf"))
+    return m.float()[:, None, None]
+
+
+def _bias(mask: torch.Tensor | None, pos: torch.Tensor, tq: int, n_total: int, b: int,
+          hkv: int) -> torch.Tensor:
+    """Additive float bias broadcastable to scores ``[B, Hkv, g, Tq, C]`` for key positions
+    ``pos`` ``[B, Hkv, C]`` (per head: the MiKV high-precision set)."""
+    if mask is None:
+        qpos = torch.arange(n_total - tq, n_total, device=pos.device)
+        allowed = (pos[:, :, None, :] <= qpos[None, None, :, None]).unsqueeze(2)
+        return torch.where(allowed, 0.0, float("-inf"))
+    m = mask[:, 0]  # [B|1, Tq, N]
+    mb = m[:, None].expand(b, hkv, *m.shape[1:])
+    sel = mb.gather(-1, pos[:, :, None, :].expand(b, hkv, m.shape[1], pos.shape[-1]))
+    sel = sel.unsqueeze(2)
+    if sel.dtype == torch.bool:
+        return torch.where(sel, 0.0, float("-inf"))
+    return sel.float()
+
+
+# -- unpacking (fast path) ------------------------------------------------------------------------
+
+_SHIFTS: dict = {}
+
+
+def _shifts(bits: int, device) -> torch.Tensor:
+    """``[P, 1]`` uint8 shifts of the ``P = 8 / bits`` code slots of a byte (1, 2, 4 bits; cached
+    per device)."""
+    key = (bits, str(device))
+    if key not in _SHIFTS:
+        _SHIFTS[key] = torch.arange(0, 8, bits, dtype=torch.uint8, device=device).unsqueeze(-1)
+    return _SHIFTS[key]
+
+
+_WORKSPACE: dict = {}
+
+
+def _scratch(slot: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """A reusable CPU buffer of ``shape`` for the unpacked codes of one chunk (one flat buffer
+    per slot, grown to the largest chunk seen: at most one chunk, ``B * Hkv * chunk_tokens * D``
+    floats, kept for the process). On CPU a fresh multi-megabyte tensor per chunk is allocated
+    (and faulted in) at every step: reusing one buffer measured 0.28 -> 0.25 ms per
+    4096-token chunk in isolation (3 KV heads, d 64, 2-bit) and less allocator churn between
+    the model's own ops. CUDA's caching allocator already avoids that, so other devices get a
+    plain ``torch.empty``. Not thread-safe: the caller consumes the buffer before the next
+    unpack (decode is sequential)."""
+    if torch.device(device).type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    n = 1
+    for s in shape:
+        n *= s
+    key = (slot, dtype)
+    buf = _WORKSPACE.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _WORKSPACE[key] = torch.empty(n, dtype=dtype, device=device)
+    return buf[:n].view(shape)
+
+
+def _unpack_rows(raw: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 ``[..., R, C]`` (each run of ``W`` byte rows is one packing unit holding ``U``
+    codes of consecutive rows, ``kvlens.quant.packing``) -> float32 ``[..., R / W * U, C]`` (row
+    ``r*U + e`` = slot ``e`` of unit ``r``). One broadcast shift over the long last dimension,
+    into the reusable chunk workspace (``_scratch``: the result is only valid until the next
+    unpack). Units of several bytes (3-bit codes: 8 in 3 bytes) are unpacked slot by slot, each
+    slot one or two uint8 shifts over the whole chunk (measured 2.2x faster than joining a
+    unit's bytes into an int32 word first: benchmarks/bench_unpack.py)."""
+
+    u, w = pack_unit(bits)
+    lead, r, c = raw.shape[:-2], raw.shape[-2], raw.shape[-1]
+    out = _scratch("f32", (*lead, r // w * u, c), torch.float32, raw.device)
+    if u == 1:
+        return out.copy_(raw)
+    codes = _scratch("u8", (*lead, r // w, u, c), torch.uint8, raw.device)
+    if w == 1:
+        torch.bitwise_right_shift(raw.unsqueeze(-2), _shifts(bits, raw.device), out=codes)
+    else:  # slot j starts at bit j*b of its unit: byte k = j*b // 8, shift s = j*b % 8, and
+        # takes the next byte's low bits when it straddles (uint8 shifts drop what overflows)
+        units = raw.view(*lead, r // w, w, c)
+        for j in range(u):
+            k, sh = divmod(j * bits, 8)
+            dst = codes[..., j, :]
+            torch.bitwise_right_shift(units[..., k, :], sh, out=dst)
+            if sh + bits > 8:
+                dst.bitwise_or_(units[..., k + 1, :] << (8 - sh))
+    codes.bitwise_and_((1 << bits) - 1)
+    return out.copy_(codes.view(*lead, r // w * u, c))
+
+
+def _unpack_cols(raw: torch.Tensor, bits: int, d: int) -> torch.Tensor:
+    """uint8 ``[..., T, packed_length(D)]`` packed along channels -> float32 ``[..., D, T]``
+    (channels first: the bytes are transposed, which is cheap, then unpacked with one broadcast
+    shift over the long token dimension)."""
+    return _unpack_rows(raw.transpose(-1, -2).contiguous(), bits)[..., :d, :]
+
+
+def _token_rows(p: torch.Tensor, store, n: int) -> torch.Tensor:
+    """Scale/zero rows of a channel-packed store (per-token ``[.., n, D/G]`` or per-tensor
+    ``[.., n/F, 1]``) as float32 ``[B, H, nJ, n]``, contiguous (one value per token and channel
+    group; a per-tensor block's value is repeated over its tokens: ``n`` floats, not a
+    dequantized tensor). Contiguous matters: a broadcast multiply with the transposed view was
+    measured 10-20x slower."""
+    p = p.float().transpose(-1, -2)
+    if store.spec.granularity == "per-tensor":
+        p = p.repeat_interleave(store.block, dim=-1)
+    return p[..., :n].contiguous()
+
+
+def _token_scales(store, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, zero)`` of tokens ``[t0, t1)`` of a channel-packed store (per-token or
+    per-tensor), each float32 ``[B, H, nJ, t1 - t0]`` (``_token_rows``)."""
+    bt = store.block if store.spec.granularity == "per-tensor" else 1
+    rows = slice(t0 // bt, -(-t1 // bt))
+    return tuple(_token_rows(p, store, t1 - t0) for p in store.params(rows))
+
+
+def _key_group(store) -> int:
+    """Tokens sharing one key scale row of a token-packed (per-channel) store."""
+    return store.spec.group_size or store.block
+
+
+def _dequant_chunk(store, t0: int, t1: int) -> torch.Tensor:
+    """Tokens ``[t0, t1)`` of a packed store as float32 ``[B, H, n, D]``: ``code * scale + zero``
+    computed in place on the unpacked chunk (one float32 chunk, the same values as the
+    reference's ``dequantize_range``). Used only where the scales cannot be folded (pre-RoPE
+    keys: RoPE must rotate the dequantized key)."""
+    c = store.spec.bits
+    d = store.head_dim
+    b, h = store.codes.shape[:2]
+    n = t1 - t0
+    if store.packs_tokens:
+        g = _key_group(store)
+        x = _unpack_rows(store.code_bytes(t0, t1), c).view(b, h, n // g, g, d)
+        scale, zero = store.params(slice(t0 // g, t1 // g))
+        x.mul_(scale[:, :, :, None].float())
+        x.add_(zero[:, :, :, None].float())
+        return x.view(b, h, n, d)
+    x = _unpack_cols(store.code_bytes(t0, t1), c, d)  # [B, H, D, n]
+    scale, zero = _token_scales(store, t0, t1)
+    nj = scale.shape[-2]
+    x5 = x.reshape(b, h, nj, d // nj, n)
+    x5.mul_(scale.unsqueeze(3)).add_(zero.unsqueeze(3))
+    return x5.view(b, h, d, n).transpose(-1, -2)
+
+
+def _key_scores(layer, q: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
+    """``q [B, Hkv, M, D]`` (balanced and scaled) against packed keys ``[t0, t1)`` ->
+    ``[B, Hkv, M, t1 - t0]``. Scales fold into ``q`` (module docstring); only the codes of this
+    chunk are unpacked (float32, one chunk: eager torch has no integer x float matmul)."""
+    store = layer.kstore
+    if layer.setting.key is None:  # a dense (unquantized) key history
+        return torch.matmul(q, store.dequantize_range(t0, t1).transpose(-1, -2))
+    if layer.stores_pre_rope:  # RoPE rotates the dequantized key: dequantize, rotate, dot
+
+        k = _dequant_chunk(store, t0, t1)
+        cos, sin = layer.rope_tables(layer.q_start + t0, layer.q_start + t1)
+        r = cos.shape[-1]
+        rot = k[..., :r]
+        rot_k = rot * cos[:, None] + rotate(rot, layer.rope.layout) * sin[:, None]
+        k = rot_k if r == k.shape[-1] else torch.cat((rot_k, k[..., r:]), dim=-1)
+        return torch.matmul(q, k.transpose(-1, -2))
+    b, h, m, d = q.shape
+    n = t1 - t0
+    c = store.spec.bits
+    if store.packs_tokens:  # per-channel: one scale row per G tokens
+        g = _key_group(store)
+        ng = n // g
+        codes = _unpack_rows(store.code_bytes(t0, t1), c)
+        scale, zero = (p.float() for p in store.params(slice(t0 // g, t1 // g)))  # [B,H,nG,D]
+        qs = q[:, :, None] * scale[:, :, :, None]  # [B, H, nG, M, D]
+        s = torch.matmul(qs, codes.view(b, h, ng, g, d).transpose(-1, -2))  # [B, H, nG, M, G]
+        s += torch.matmul(zero, q.transpose(-1, -2)).unsqueeze(-1)  # bias [B, H, nG, M, 1]
+        return s.permute(0, 1, 3, 2, 4).reshape(b, h, m, n)
+    # per-token (groups of G channels) / per-tensor: codes packed along channels, one scale per
+    # (token, channel group): score_t = sum_j s_tj (q_j . code_tj) + z_tj * sum(q_j)
+    codes = _unpack_cols(store.code_bytes(t0, t1), c, d)  # [B, H, D, n]
+    scale, zero = _token_scales(store, t0, t1)  # [B, H, nJ, n]
+    nj = scale.shape[-2]
+    gd = d // nj
+    qsum = q.reshape(b, h, m, nj, gd).sum(-1)  # [B, H, M, nJ]
+    bias = torch.matmul(qsum, zero)  # [B, H, M, n]
+    if nj == 1:
+        return torch.matmul(q, codes).mul_(scale).add_(bias)
+    qj = q.reshape(b, h, m, nj, gd).transpose(2, 3)  # [B, H, nJ, M, Gd]
+    part = torch.matmul(qj, codes.reshape(b, h, nj, gd, n))  # [B, H, nJ, M, n]
+    part.mul_(scale.unsqueeze(3))
+    return part.sum(2).add_(bias)
+
+
+def _value_out(layer, p: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
+    """Weights ``p [B, Hkv, M, t1 - t0]`` times packed values ``[t0, t1)`` -> ``[B, Hkv, M, D]``.
+    Scales fold into the weights or the output (module docstring); only this chunk's codes are
+    unpacked to float32."""
+    store = layer.vstore
+    if layer.setting.value is None:
+        return torch.matmul(p, store.dequantize_range(t0, t1))
+    b, h, m, n = p.shape
+    d = store.head_dim
+    c = store.spec.bits
+    if store.packs_tokens:  # per-channel: o_d = sum_g s_gd (p_g . code_gd) + z_gd * sum(p_g)
+        g = _key_group(store)
+        ng = n // g
+        codes = _unpack_rows(store.code_bytes(t0, t1), c)  # [B, H, n, D]
+        scale, zero = (p.float() for p in store.params(slice(t0 // g, t1 // g)))  # [B,H,nG,D]
+        pg = p.view(b, h, m, ng, g).transpose(2, 3)  # [B, H, nG, M, G]
+        part = torch.matmul(pg, codes.view(b, h, ng, g, d))  # [B, H, nG, M, D]
+        part.mul_(scale.unsqueeze(3))
+        out = part.sum(2)
+        return out.add_(torch.matmul(pg.sum(-1).transpose(-1, -2), zero))
+    # per-token / per-tensor: out_d = sum_t (p_t * s_tj) code_td + sum_t p_t z_tj (d in group j)
+    scale, zero = _token_scales(store, t0, t1)  # [B, H, nJ, n]
+    nj = scale.shape[-2]
+    g = d // nj
+    codes = _unpack_cols(store.code_bytes(t0, t1), c, d)  # [B, H, D, n]
+    w = p[:, :, None] * scale[:, :, :, None]  # [B, H, nJ, M, n]
+    out = torch.matmul(w, codes.reshape(b, h, nj, g, n).transpose(-1, -2))  # [B, H, nJ, M, G]
+    out += torch.matmul(p, zero.transpose(-1, -2)).transpose(-1, -2).unsqueeze(-1)
+    return out.permute(0, 1, 3, 2, 4).reshape(b, h, m, d)
+
+
+def _packed_values(layer, p: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
+    """``p`` times packed values ``[t0, t1)``, plus GEAR's ``p (S + L)`` where stored."""
+    out = _value_out(layer, p, t0, t1)
+    if layer.vgear is not None:
+        out += layer.vgear.value_terms(p, t0, t1)
+    return out
+
+
+# -- segments -------------------------------------------------------------------------------------
+
+def _segments(layer, q: torch.Tensor, qb: torch.Tensor, mask, tq: int, chunk_tokens: int):
+    """``(scores [B, Hkv, g, Tq, C], values_fn, positions)`` for every piece of ``layer``:
+    ``values_fn(p [B, Hkv, M, C]) -> [B, Hkv, M, D]``; positions are ``(t0, t1)`` or per-head
+    ``[B, Hkv, C]``."""
+    b, hkv, m, d = q.shape
+    g = m // tq
+    n_total = layer.cumulative_length
+    nq, a0 = layer.quantized_length, layer.q_start  # packed: local [0, nq) = absolute a0 + t
+    sinks = layer.sink_end - a0  # a sinks-only set hides the packed prefix [0, sinks)
+    f = max(layer.flush_every, 1)
+    step = max(1, chunk_tokens // f) * f
+    for t0 in range(0, nq, step):
+        t1 = min(nq, t0 + step)
+        s = _key_scores(layer, qb, t0, t1)
+        if layer.kgear is not None:  # GEAR: q (S + L)^T from the factors and sparse entries
+            s += layer.kgear.key_terms(qb, t0, t1)
+        s = s.view(b, hkv, g, tq, t1 - t0)
+        bias = _range_bias(mask, a0 + t0, a0 + t1, tq, n_total, q.device)
+        if bias is not None:
+            s = s + bias
+        if layer.is_hp is not None:
+            s = s.masked_fill(layer.is_hp[:, :, None, None, a0 + t0:a0 + t1], float("-inf"))
+        if sinks > t0:
+            s[..., :sinks - t0] = float("-inf")
+        yield s, (lambda p, t0=t0, t1=t1: _packed_values(layer, p, t0, t1)), (a0 + t0, a0 + t1)
+    if layer.has_hp:
+        k, v = layer.hp_k.read(), layer.hp_v.read()
+        s = torch.matmul(q, k.transpose(-1, -2)).view(b, hkv, g, tq, -1)
+        s = s + _bias(mask, layer.hp_pos.long(), tq, n_total, b, hkv)
+        yield s, (lambda p, v=v: torch.matmul(p, v)), layer.hp_pos.long()
+    if layer.n_res:
+        k, v = layer.res_k.view().float(), layer.res_v.view().float()
+        r0 = layer.res_start
+        s = torch.matmul(q, k.transpose(-1, -2)).view(b, hkv, g, tq, -1)
+        bias = _range_bias(mask, r0, r0 + layer.n_res, tq, n_total, q.device)
+        if bias is not None:
+            s = s + bias
+        yield s, (lambda p, v=v: torch.matmul(p, v)), (r0, r0 + layer.n_res)
+
+
+def _queries(query: torch.Tensor, layer, scaling: float):
+    """``(q, qb)`` as ``[B, Hkv, g*Tq, D]`` float32 with ``scaling`` folded in; ``qb`` also
+    divided by the channel balancer (used against the packed keys only)."""
+    b, hq, tq, d = query.shape
+    hkv = layer.res_k.buf.shape[1]
+    q = query.float().reshape(b, hkv, (hq // hkv) * tq, d).mul(scaling).contiguous()
+    qb = q
+    if layer.balancer is not None and layer.setting.key is not None:
+        bal = layer.balancer.float()
+        qb = q / (bal[None, :, None, :] if bal.dim() == 2 else bal[:, :, None, :])
+    return q, qb
+
+
+def packed_attention(query: torch.Tensor, layer, mask: torch.Tensor | None, scaling: float,
+                     chunk_tokens: int = CHUNK_TOKENS, with_probs: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention output ``[B, Tq, Hq, D]`` (transformers' attention-function layout) and, when
+    ``with_probs``, the attention mass per cached position ``[B, Hkv, N]`` (summed over the
+    query heads of each KV head and over the queries; used for H2O heavy hitters)."""
+    b, hq, tq, d = query.shape
+    q, qb = _queries(query, layer, scaling)
+    hkv, m_rows = q.shape[1], q.shape[2]
+    g = m_rows // tq
+    n_total = layer.cumulative_length
+    m = s_sum = acc = None
+    for s, values, _ in _segments(layer, q, qb, mask, tq, chunk_tokens):
+        seg_max = s.amax(-1, keepdim=True)
+        m_new = seg_max if m is None else torch.maximum(m, seg_max)
+        m_safe = m_new.nan_to_num(neginf=0.0)  # a fully masked row: exp(-inf - 0) = 0
+        p = torch.exp(s - m_safe)
+        pv = values(p.view(b, hkv, m_rows, -1)).view(b, hkv, g, tq, d)
+        if m is None:
+            s_sum, acc = p.sum(-1, keepdim=True), pv
+        else:
+            corr = torch.exp(m - m_safe)
+            s_sum = s_sum * corr + p.sum(-1, keepdim=True)
+            acc = acc * corr + pv
+        m = m_new
+    if m is None:  # nothing cached at all
+        out = torch.zeros(b, hkv, g, tq, d, device=query.device)
+    else:
+        out = acc / s_sum.clamp_min(torch.finfo(torch.float32).tiny)
+    out = out.reshape(b, hq, tq, d).transpose(1, 2).to(query.dtype)
+    if not with_probs:
+        return out, None
+    # Second pass: exact probabilities p = exp(s - lse), summed per key position.
+    lse = torch.where(s_sum > 0, m.nan_to_num(neginf=0.0) + s_sum.log(),
+                      torch.tensor(float("inf"), device=query.device))
+    colsum = torch.zeros(b, hkv, n_total, device=query.device)
+    for s, _, pos in _segments(layer, q, qb, mask, tq, chunk_tokens):
+        p = torch.exp(s - lse).sum(dim=(2, 3))
+        if isinstance(pos, tuple):
+            colsum[:, :, pos[0]:pos[1]] += p
+        else:
+            colsum.scatter_add_(-1, pos, p)
+    return out, colsum

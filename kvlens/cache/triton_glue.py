@@ -1,0 +1,139 @@
+"""Glue between the compressed cache and the Triton decode kernel
+(``kvlens_kernels.decode_attention``, which takes tensors and ints only).
+
+``kernel_layout_problem`` is the one rule for which stored layouts the kernel reads (shared by
+the per-call dispatch, ``kvlens.cache.decode_cost`` and ``recommend``'s ``--prefer-fast``);
+``triton_unsupported`` adds the per-call reasons (prefill, attention probabilities, GEAR);
+``triton_decode`` turns a ``CompressedLayer`` and transformers' mask into the kernel's arguments.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvlens.config.rules import flush_block
+from kvlens.quant import pack_unit
+
+
+def triton_unsupported(layer, query: torch.Tensor, with_probs: bool) -> str | None:
+    """Why ``kvlens_kernels.decode_attention`` cannot serve this call (``None``: it can)."""
+    if query.shape[2] != 1:
+        return "prefill / multi-token query (the kernel takes one query token)"
+    if with_probs:
+        return ("MiKV heavy-hitter selection needs attention probabilities, which the kernel "
+                "does not return")
+    if layer.kgear is not None or layer.vgear is not None:
+        return ("GEAR sparse and low-rank terms (the kernel reads only the packed codes and "
+                "scales)")
+    return kernel_layout_problem(layer.setting, layer.head_dim)
+
+
+def kernel_layout_problem(setting, head_dim: int) -> str | None:
+    """Why the fused decode kernel cannot read a layer stored as ``setting`` (a
+    ``kvlens.config.kvconfig.LayerKV``), or ``None``. Shared by the dispatch and ``recommend``'s
+    ``--prefer-fast``."""
+
+    if setting.key is None or setting.value is None:
+        return "keys or values not quantized (the kernel reads both from the packed store)"
+    if setting.pre_rope_keys:
+        return ("pre-RoPE keys (the kernel does not re-apply RoPE; the torch path rotates each "
+                "dequantized chunk)")
+    for what, spec in (("key", setting.key), ("value", setting.value)):
+        block = flush_block(spec, setting.residual_tokens, setting.flush_tokens)
+        why = _spec_kernel_problem(what, spec, block, head_dim)
+        if why:
+            return why
+    return None
+
+
+def _kernel_group(spec, block: int):
+    """The kernel's ``k_group`` / ``v_group`` for a packed store of ``spec`` with flush block
+    ``block``: tokens per scale row (per-channel ``G``, per-tensor ``F``) or channels per group
+    (per-token)."""
+    if spec.granularity == "per-token":
+        return spec.group_size
+    return block if spec.granularity == "per-tensor" else spec.group_size or block
+
+
+def _spec_kernel_problem(what: str, spec, block: int, d: int) -> str | None:
+
+    g = _kernel_group(spec, block)
+    per, _ = pack_unit(spec.bits)
+    if spec.granularity == "per-token":
+        g = g or d
+        if d % g or g < 16 or g % per:
+            return (f"{what} group {g} per-token (the kernel needs a divisor of head_dim {d}, "
+                    ">= 16)")
+        return None
+    if g % 16 or g % per:
+        unit = "flush block" if spec.granularity == "per-tensor" else "group"
+        return f"{what} {unit} {g} {spec.granularity} (the kernel needs a multiple of 16 tokens)"
+    return None
+
+
+def _key_mask(mask: torch.Tensor | None, b: int, n: int) -> tuple[torch.Tensor | None, str | None]:
+    """transformers' decode mask -> the kernel's ``key_mask [B, N]`` bool (True = attend), or a
+    reason it cannot be expressed that way. ``None`` stays ``None``: a single decode query is
+    the newest token, so the causal mask hides nothing."""
+    if mask is None:
+        return None, None
+    m = mask[:, 0, -1, :n]  # the only query row
+    if m.dtype != torch.bool:
+        blocked = m <= torch.finfo(m.dtype).min / 2  # -inf or transformers' min-float fill
+        if not bool(((m == 0) | blocked).all()):
+            return None, "additive mask with finite non-zero biases"
+        m = ~blocked
+    return m.expand(b, n), None
+
+
+def triton_decode(query: torch.Tensor, layer, mask: torch.Tensor | None, scaling: float
+                  ) -> tuple[torch.Tensor | None, str | None]:
+    """``kvlens_kernels.decode_attention`` over ``layer`` -> (output ``[B, 1, Hq, D]`` or
+    ``None``, reason it was not used). Passes the MiKV high-precision set (extra segment, its
+    packed copies hidden) and the channel balancer."""
+    from kvlens_kernels import decode_attention
+
+    b = query.shape[0]
+    n = layer.cumulative_length
+    a0 = layer.q_start  # the kernel's position 0 (a sliding layer may have evicted blocks)
+    key_mask, why = _key_mask(mask, b, n)
+    if why:
+        return None, why
+    if key_mask is not None:
+        key_mask = key_mask[:, a0:]
+    ks, vs = layer.kstore, layer.vstore
+    length = layer.quantized_length
+    extra, pvalid = [], None
+    if layer.has_hp:
+        # an integer set (mikv.set_bits) is dequantized to a transient fp16 copy: the kernel
+        # reads full-precision extra segments only
+        hk, hv = layer.hp_k, layer.hp_v
+        if hk.bits is not None:
+            hk, hv = hk.read().to(query.dtype), hv.read().to(query.dtype)
+        else:
+            hk, hv = _wide(hk.parts[0], query.dtype), _wide(hv.parts[0], query.dtype)
+        extra = [(hk, hv, layer.hp_pos - a0)]
+        if layer.is_hp is not None:
+            pvalid = ~layer.is_hp[:, :, a0:a0 + length]
+        else:  # sinks-only: the packed prefix is hidden
+            hidden = layer.sink_end - a0
+            pvalid = (torch.arange(length, device=query.device) >= hidden).expand(
+                b, layer.hp_pos.shape[1], length)
+    bal = layer.balancer if layer.balancer is not None else None
+    out = decode_attention(
+        query, ks.codes, ks.scale, ks.zero, vs.codes, vs.scale, vs.zero, length,
+        k_bits=ks.spec.bits, v_bits=vs.spec.bits, k_group=_kernel_group(ks.spec, ks.block),
+        v_group=_kernel_group(vs.spec, vs.block), k_layout=ks.spec.granularity,
+        v_layout=vs.spec.granularity, scaling=float(scaling),
+        residual_k=_wide(layer.res_k.buf, query.dtype) if layer.n_res else None,
+        residual_v=_wide(layer.res_v.buf, query.dtype) if layer.n_res else None,
+        residual_len=layer.n_res,
+        extra=extra, packed_valid=pvalid, balancer=bal, key_mask=key_mask,
+        k_zero_unit=ks.zero_unit, v_zero_unit=vs.zero_unit)
+    return out.transpose(1, 2), None
+
+
+def _wide(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float8 full-precision part (``fp_dtype: float8_e4m3fn``) as a transient ``dtype`` copy
+    for the kernel, which reads 16/32-bit windows and sets; other dtypes as they are."""
+    return t.to(dtype) if t.element_size() == 1 else t
