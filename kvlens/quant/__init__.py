@@ -3,12 +3,12 @@
 Tensors are ``[B, H, T, D]`` at every public function. ``spec`` says what shares a scale,
 ``reference`` quantizes/dequantizes, ``packing`` stores codes in bytes, ``transforms`` adds
 pre-RoPE keys, the MiKV balancer, dense-and-sparse outliers and the GEAR low-rank residual,
-``rotation`` the orthonormal Hadamard rotation along ``head_dim``, ``accounting`` counts the
-bits, and ``formats`` the engines' own cache formats (ggml blocks, fp8, per-token-head).
-Kernels and analysis are tested against these functions.
+``rotation`` the orthonormal Hadamard rotation along ``head_dim``, ``meta8`` 8-bit group
+metadata, and ``formats`` the engines' own cache formats (ggml blocks, fp8, per-token-head).
+Kernels and analysis are tested against these functions. The bytes a cache holds are counted
+in one place, ``kvlens.cache.layout``.
 """
 
-from kvlens.quant.accounting import StorageBreakdown, bits_per_element
 from kvlens.quant.fake import fake_quantize
 from kvlens.quant.formats import (
     FormatSetting,
@@ -77,9 +77,7 @@ __all__ = [
     "QuantSpec",
     "RotationSpec",
     "SparseOutliers",
-    "StorageBreakdown",
     "apply_balancer",
-    "bits_per_element",
     "dequantize",
     "expand_params",
     "fake_quantize",
