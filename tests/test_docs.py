@@ -113,7 +113,7 @@ def anchors(path: Path) -> frozenset[str]:
 
 
 _LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
-_CODE_SPAN = re.compile(r"(`+)(.+?)\1")
+_CODE_SPAN = re.compile(r"(`+)([^`]+?)\1")
 
 
 def links(path: Path) -> list[tuple[int, str]]:
@@ -187,11 +187,14 @@ def command_lines(page: Path) -> list[CommandLine]:
             if words and words[0] == "kvlens":
                 found.append(CommandLine(page, start, " ".join(words), True))
             pending = ""
-    for number, line in prose:
-        for _, span in _CODE_SPAN.findall(line):
-            span = span.strip()
-            if span.startswith("kvlens ") and not span.startswith("kvlens ."):
-                found.append(CommandLine(page, number, span, False))
+    # A code span may wrap onto the next line of its paragraph: search the prose as one text.
+    numbers = [number for number, _ in prose]
+    text = "\n".join(line for _, line in prose)
+    for match in _CODE_SPAN.finditer(text):
+        span = " ".join(match.group(2).split())
+        if span.startswith("kvlens ") and not span.startswith("kvlens ."):
+            line = numbers[text.count("\n", 0, match.start())]
+            found.append(CommandLine(page, line, span, False))
     return found
 
 
@@ -209,27 +212,31 @@ def _is_number(token: str) -> bool:
     return True
 
 
-def _cache_name(name: str) -> None:
-    """A name ``generate --preset`` accepts: a preset or an engine setting."""
+def _cache_name(name: str, calibrated: bool) -> None:
+    """A name ``generate --preset`` accepts: a preset or an engine setting. With
+    ``--calibration`` on the line, calibrated forms (``@head``, ``:pP``) are checked without
+    their calibration (reading the capture would need the file)."""
     if is_engine_setting(name):
+        if calibrated:
+            name = re.sub(r":p[\d.]+(?=:|$)", "", name.replace("@head", ""))
         engine_config(name)
     else:
         preset(name)
 
 
-def _compare_item(name: str) -> None:
+def _compare_item(name: str, calibrated: bool) -> None:
     if is_baseline(name) or name.endswith(".json"):
         return
-    _cache_name(name)
+    _cache_name(name, calibrated)
 
 
-def _check_value(command: str, option: str, value: str) -> str | None:
+def _check_value(command: str, option: str, value: str, calibrated: bool = False) -> str | None:
     try:
         if (command, option) == ("generate", "--preset"):
-            _cache_name(value)
+            _cache_name(value, calibrated)
         elif (command, option) == ("generate", "--compare"):
             for item in value.split(","):
-                _compare_item(item.strip())
+                _compare_item(item.strip(), calibrated)
         elif (command, option) == ("generate", "--config") and not value.endswith(".json"):
             return f"--config takes a config file (.json), got {value!r}"
         elif (command, option) == ("generate", "--eval"):
@@ -295,6 +302,7 @@ def problems(cmd_line: CommandLine) -> list[str]:
     options = {o: p for p in cmd.params if _is_option(p)
                for o in p.opts + p.secondary_opts}
     errors, positionals, given, asked_help = [], [], set(), False
+    calibrated = any(t.split("=", 1)[0] == "--calibration" for t in rest)
     i = 0
     while i < len(rest):
         token = rest[i]
@@ -334,7 +342,7 @@ def problems(cmd_line: CommandLine) -> list[str]:
             errors.append(f"{opt} {value}: {why}")
             continue
         long = next((o for o in param.opts if o.startswith("--")), opt)
-        if why := _check_value(name, long, value):
+        if why := _check_value(name, long, value, calibrated):
             errors.append(why)
     arguments = [p for p in cmd.params if _is_argument(p)]
     capacity = float("inf") if any(a.nargs == -1 for a in arguments) else len(arguments)
@@ -381,6 +389,9 @@ def test_every_command_line_parses_against_the_cli():
     ("kvlens generate --compare llamacpp:q8_0/q4_0,vllm:fp8_e4m3,r3.json,hf-fp8 --eval kld",
      True, None),
     ("kvlens generate --compare llamacpp:q9_0 --eval kld", True, "q9_0"),
+    ("kvlens generate --compare vllm:fp8_e4m3@head --eval kld", True, "--calibration"),
+    ("kvlens generate --compare vllm:fp8_e4m3@head,vllm:fp8_e4m3:p99.9 --calibration run.h5 "
+     "--eval kld", True, None),
     ("kvlens generate --preset kivi-2 --eval kld,bleu", True, "bleu"),
     ("kvlens generate --config kivi-2 --prompt hi", True, "config file"),
     ("kvlens plot-outliers run.h5", True, "requires --out"),
@@ -400,12 +411,13 @@ def test_the_checker_refuses_what_the_cli_refuses(text, complete, expect):
 
 def test_command_lines_are_found_in_code_blocks_and_spans(tmp_path):
     page = tmp_path / "p.md"
-    page.write_text("Run `kvlens capture -o a.h5` first.\n\n```bash\n$ OMP_NUM_THREADS=1 kvlens "
+    page.write_text("Run `kvlens capture -o a.h5` first, then `kvlens\nreport .`.\n\n```bash\n$ OMP_NUM_THREADS=1 kvlens "
                     "recommend a.h5 \\\n    -b 3.0   # note\nls\n```\n", encoding="utf-8")
     found = command_lines(page)
     assert [(c.line, c.text, c.complete) for c in found] == [
-        (4, "kvlens recommend a.h5 -b 3.0 # note", True),
-        (1, "kvlens capture -o a.h5", False)]
+        (5, "kvlens recommend a.h5 -b 3.0 # note", True),
+        (1, "kvlens capture -o a.h5", False),
+        (1, "kvlens report .", False)]
     assert all(problems(c) == [] for c in found)
 
 
