@@ -44,6 +44,7 @@ def _load_generator():
 
 
 gen = _load_generator()
+help_text = cache(gen.help_text)  # one subprocess per command for the whole file
 
 
 def user_pages() -> list[Path]:
@@ -440,7 +441,7 @@ def test_reference_page_matches_help(command):
     assert path.exists(), f"no {_rel(path)}: run python docs/gen_reference.py"
     shown = gen.current_block(path.read_text(encoding="utf-8"), command)
     assert shown is not None, f"{_rel(path)} lacks the generated block's markers"
-    assert shown == gen.help_text(command), \
+    assert shown == help_text(command), \
         f"{_rel(path)} is stale: run python docs/gen_reference.py"
 
 
@@ -448,7 +449,7 @@ def test_docs_named_in_help_exist():
     """--help cites docs pages (e.g. docs/recommend.md#fp8-windows): they must resolve."""
     bad = []
     for command in gen.commands():
-        text = re.sub(r"\s*│\s*", " ", gen.help_text(command))
+        text = re.sub(r"\s*│\s*", " ", help_text(command))
         for target in re.findall(r"docs/[\w./-]+?\.md(?:#[\w-]+)?", text):
             if (why := broken_link(ROOT / "README.md", target)):
                 bad.append(f"kvlens {command} --help: {target} ({why})")
