@@ -24,8 +24,8 @@ from kvlens.config.kvconfig import preset
 from kvlens.deploy import engine_config, is_engine_setting
 from kvlens.deploy.targets import TARGETS
 from kvlens.errors import KvlensError
+from kvlens.evaluation import parse_evals
 from kvlens.evaluation.baselines import is_baseline
-from kvlens.evaluation.evaluate import parse_evals
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
