@@ -1,0 +1,73 @@
+"""How long `kvlens recommend` takes against the `kvlens capture` that made its input.
+
+Runs, as a user would, `kvlens capture` (defaults) and then `kvlens recommend -b BUDGET --json`
+on that capture, each as its own process, and prints wall times, their ratio, peak memory and
+recommend's own stage profile (the `profile` of its JSON). The fast-recommend goal is a ratio of
+at most 3 on the default model (`docs/benchmarks.md` records the measured figures with the
+machine). A benchmark, not a test: run it by hand on a quiet machine.
+
+    python benchmarks/bench_recommend.py                     # embedded SmolLM2, budget 3.0
+    python benchmarks/bench_recommend.py --model gemma-3-270m-Q4_K_M.gguf
+    python benchmarks/bench_recommend.py --extra=--thorough  # today's full search, for contrast
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _run(args: list[str]) -> tuple[float, str]:
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "kvlens", *args], capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode:
+        sys.exit(f"`kvlens {' '.join(args)}` failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return wall, proc.stdout
+
+
+def _peak_child_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="--model for capture (default: embedded SmolLM2)")
+    p.add_argument("--budget", type=float, default=3.0)
+    p.add_argument("--extra", default="", help="extra recommend options, one string")
+    p.add_argument("--keep", type=Path, default=None, help="keep the capture and outputs here")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="kvlens-bench-") as tmp:
+        out = args.keep or Path(tmp)
+        out.mkdir(parents=True, exist_ok=True)
+        cap = out / "run.h5"
+        model = ["--model", args.model] if args.model else []
+        cap_wall, _ = _run(["capture", "-o", str(cap), "--overwrite", *model])
+        cap_peak = _peak_child_mib()
+        rec_wall, stdout = _run(["recommend", str(cap), "-b", str(args.budget), "-o",
+                                 str(out / "recommended.json"), "--overwrite", "--json",
+                                 *shlex.split(args.extra)])
+        doc = json.loads(stdout)
+    print(f"capture    {cap_wall:8.1f} s  (peak RSS {cap_peak:,.0f} MiB)")
+    print(f"recommend  {rec_wall:8.1f} s  (peak RSS of the larger child "
+          f"{_peak_child_mib():,.0f} MiB)")
+    print(f"ratio      {rec_wall / cap_wall:8.2f}  (goal: <= 3)")
+    profile = doc.get("profile") or {}
+    for stage, seconds in profile.get("stages", {}).items():
+        print(f"  {stage:28s} {seconds:8.1f} s")
+    if profile.get("predicted"):
+        pred = profile["predicted"]
+        print(f"predicted  {pred.get('seconds', float('nan')):8.1f} s, peak "
+              f"{pred.get('peak_bytes', 0) / 2**20:,.0f} MiB")
+    print(f"held bits  {doc.get('mean_bits', float('nan')):.3f} at budget {args.budget}")
+
+
+if __name__ == "__main__":
+    main()
