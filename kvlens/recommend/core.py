@@ -109,6 +109,7 @@ from kvlens.quant import (
 )
 from kvlens.quant.spec import FITS
 from kvlens.text.prompts import retrieval_text
+from kvlens.text.selection import format_index_spec
 
 GRANULARITIES = ("per-channel", "per-token")
 COST_RESOLUTION = 64  # DP cost units per bit
@@ -724,19 +725,8 @@ def check_windows(head_dim: int, opts: RecommendOptions, cands: Sequence[Candida
         raise InputError(f"No candidate can be stored with a window of {_listed(bad)} tokens "
                          f"(per-channel groups {_listed(opts.group_sizes)} must divide the "
                          f"flush block, per-token groups head_dim {head_dim}); allowed window "
-                         f"sizes up to {ok[-1] if ok else 0}: {_ranges(ok) or 'none'}"
+                         f"sizes up to {ok[-1] if ok else 0}: {format_index_spec(ok) or 'none'}"
                          f"{' and above' if ok else ''}.")
-
-
-def _ranges(values: Sequence[int]) -> str:
-    """``1, 2, 3, 5`` -> ``"1-3, 5"``."""
-    runs: list[list[int]] = []
-    for v in values:
-        if runs and v == runs[-1][1] + 1:
-            runs[-1][1] = v
-        else:
-            runs.append([v, v])
-    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
 
 
 # -- allocation -----------------------------------------------------------------------------
