@@ -12,6 +12,7 @@ import torch
 from tiny_models import tiny_model
 from typer.testing import CliRunner
 
+from kvlens.cache.layout import shape_of_capture
 from kvlens.capture.run import capture_model
 from kvlens.capture.store import CaptureMeta, write_capture
 from kvlens.cli import app
@@ -26,7 +27,6 @@ from kvlens.recommend.core import (
     candidates,
     choose,
     measure,
-    model_shape,
     option_bytes,
     recommend,
 )
@@ -336,16 +336,16 @@ def test_config_bits_matches_the_budget_accounting(tmp_path):
     assert sliding.fp16_bytes(32768) == 2 * 3 * 64 * 2 * (511 + 32768)
     path = _planted_capture(tmp_path / "p.h5")
     rec = recommend(path, RecommendOptions(budget_bits=4.0, group_sizes=(32,)))
-    assert config_bits(rec.config, model_shape(rec_meta(path)), rec.context) == pytest.approx(
-        rec.mean_bits)
+    assert config_bits(rec.config, shape_of_capture(rec_meta(path)),
+                       rec.context) == pytest.approx(rec.mean_bits)
     assert rec.mean_bits <= 4.0 and rec.config.mikv.sink_tokens == 4
     # with 8-bit group metadata the written config says so and is priced so
     rec8 = recommend(path, RecommendOptions(budget_bits=4.0, group_sizes=(32,),
                                             scale_dtype="8bit"))
     assert rec8.config.scale_dtype == "8bit" and rec8.mean_bits <= 4.0
-    assert config_bits(rec8.config, model_shape(rec_meta(path)), rec8.context) == pytest.approx(
-        rec8.mean_bits)
-    assert config_bits(replace(rec8.config, scale_dtype="float16"), model_shape(
+    assert config_bits(rec8.config, shape_of_capture(rec_meta(path)),
+                       rec8.context) == pytest.approx(rec8.mean_bits)
+    assert config_bits(replace(rec8.config, scale_dtype="float16"), shape_of_capture(
         rec_meta(path)), rec8.context) > rec8.mean_bits
 
 

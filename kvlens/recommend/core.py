@@ -80,12 +80,12 @@ from kvlens.cache.gear import part_bytes
 from kvlens.cache.layout import (
     FP_BYTES,
     SCALE_BYTES,
-    ModelShape,
     config_bits,
     config_part_bytes,
     flush_every,
     layer_part_bytes,
     packed_bytes,
+    shape_of_capture,
     stream_state,
 )
 from kvlens.cache.triton_glue import kernel_layout_problem
@@ -926,14 +926,7 @@ def choose(m: Measurements, opts: RecommendOptions) -> Recommendation:
     tables = [{k: e for k, e in t.items() if k[0].fit in opts.fits_for(k[0].tensor)}
               for t in m.tables]  # measured with more fits than offered now: drop the rest
     return _assemble(m.meta, opts, tables, m.balancers, m.weights, list(m.notes),
-                     model_shape(m.meta, m.windows), m.factors)
-
-
-def model_shape(meta, windows=()):
-    """``kvlens.cache.layout.ModelShape`` of a capture's model (``windows``: per layer)."""
-
-    return ModelShape(meta.num_layers, meta.num_key_value_heads, meta.head_dim,
-                      tuple(windows) if any(windows) else ())
+                     shape_of_capture(m.meta, m.windows), m.factors)
 
 
 def _probe_candidates(head_dim: int) -> tuple[Candidate, Candidate]:
