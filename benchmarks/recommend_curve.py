@@ -44,7 +44,7 @@ def main() -> None:
     from kvlens.errors import InputError
     from kvlens.evaluation import EvalOptions, evaluate_configs
     from kvlens.model.load import load_model
-    from kvlens.recommend.core import RecommendOptions, choose, measure
+    from kvlens.recommend import RecommendOptions, choose, measure
 
     t0 = time.perf_counter()
     budgets = [float(b) for b in args.budgets.split(",")]

@@ -217,7 +217,7 @@ def _heavy_capture(path, heavy_layers=(0,), seed=0):
 
 
 def _opts(**kw):
-    from kvlens.recommend.core import RecommendOptions
+    from kvlens.recommend import RecommendOptions
 
     # min/max codes only: set twins are built on them (a fitted twin is not offered), so
     # these tests compare sets with the codes they sit beside
@@ -234,7 +234,7 @@ def test_recommend_puts_a_set_where_the_heavy_hitters_are(tmp_path):
     from dataclasses import replace
 
     from kvlens.cache.layout import config_bits, shape_of_capture
-    from kvlens.recommend.core import Candidate, Stream, choose, measure
+    from kvlens.recommend import Candidate, Stream, choose, measure
 
     path = _heavy_capture(tmp_path / "h.h5")
     opts = _opts()
@@ -265,7 +265,7 @@ def test_set_candidates_are_priced_by_the_layout():
     from dataclasses import replace
 
     from kvlens.cache.layout import ModelShape
-    from kvlens.recommend.core import Candidate, option_bytes
+    from kvlens.recommend import Candidate, option_bytes
 
     shape = ModelShape(1, 2, 32)
     opts = _opts(context=1024)
@@ -315,7 +315,7 @@ def test_recommended_sets_run_in_generate_and_hold_the_priced_bytes(tmp_path):
     from kvlens.config.kvconfig import load_config, save_config, validate_for
     from kvlens.evaluation.decode import greedy
     from kvlens.model.architecture import describe
-    from kvlens.recommend.core import choose, measure
+    from kvlens.recommend import choose, measure
 
     model = _model()
     cap = tmp_path / "tiny.h5"

@@ -18,7 +18,7 @@ from kvlens.capture.store import CaptureMeta, write_capture
 from kvlens.cli import app
 from kvlens.config.kvconfig import MikvSettings, load_config, save_config
 from kvlens.errors import InputError
-from kvlens.recommend.core import (
+from kvlens.recommend import (
     COST_RESOLUTION,
     Candidate,
     RecommendOptions,
@@ -128,7 +128,7 @@ def test_errors_are_measured_on_every_capture_sample_by_default(tmp_path):
     # One capture sample (512 tokens by default) is little text to rank layouts by (Gemma3-270M: all four capture
     # samples instead of the first took the 3.0-bit KLD from 0.097 to 0.075 out of sample), so
     # the default measures every sample; --samples N still limits it.
-    from kvlens.recommend.core import measure
+    from kvlens.recommend import measure
 
     path = _planted_capture(tmp_path / "p.h5", samples=3)
     kw = dict(budget_bits=3.0, group_sizes=(32,), bits=(2,), mikv=False, gear=False,
@@ -150,7 +150,7 @@ def test_mse_fit_candidates_win_on_gaussian_values(tmp_path):
     # error, so with both fits offered every 2-bit value choice is the fitted one, at the
     # same bytes, and the expected error drops. Keys stay min/max unless asked for; choosing
     # again from the same measurements with fewer fits drops the others.
-    from kvlens.recommend.core import choose, measure
+    from kvlens.recommend import choose, measure
 
     path = _planted_capture(tmp_path / "p.h5")
     kw = dict(budget_bits=3.6, group_sizes=(32,), bits=(2, 4), mikv=False, gear=False,
@@ -500,7 +500,7 @@ def test_layout_sensitivity_measures_a_rate_per_family(tmp_path, smollm2_tokeniz
     from tiny_models import tiny_config
     from transformers import AutoModelForCausalLM
 
-    from kvlens.recommend.core import family, family_probes
+    from kvlens.recommend import family, family_probes
 
     config = tiny_config("llama")
     config.vocab_size = len(smollm2_tokenizer)

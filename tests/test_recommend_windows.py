@@ -15,7 +15,7 @@ from kvlens.cache.layout import shape_of_capture
 from kvlens.capture.store import CaptureMeta, write_capture
 from kvlens.cli import app
 from kvlens.errors import InputError
-from kvlens.recommend.core import (
+from kvlens.recommend import (
     DEFAULT_WINDOWS,
     RecommendOptions,
     Stream,

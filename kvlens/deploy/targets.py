@@ -45,7 +45,7 @@ from kvlens.model.load import load_model
 from kvlens.quant import QuantSpec, fake_quantize, fake_quantize_format
 from kvlens.quant.cachetypes import DenseType, parse_cache_type
 from kvlens.quant.formats import calibrate_scale, engine_rotation
-from kvlens.recommend.core import model_spec_from_capture
+from kvlens.recommend import model_spec_from_capture
 
 TARGETS = ("kvlens", "llama.cpp", "vllm", "sglang", "transformers")
 LLAMACPP_TYPES = ("f16", "q8_0", "q5_1", "q5_0", "q4_1", "iq4_nl", "q4_0")
