@@ -58,7 +58,7 @@ LEVERS = ("rotation", "balancer", "pre-rope", "gear", "mikv", "transforms", "sen
 
 def cli_options(budget_bits: float, model: str | None):
     """``RecommendOptions`` as ``kvlens recommend -b B [--model M]`` builds them."""
-    from kvlens.recommend.core import DEFAULT_WINDOWS, RecommendOptions, default_tokens
+    from kvlens.recommend import DEFAULT_WINDOWS, RecommendOptions, default_tokens
 
     return RecommendOptions(budget_bits=budget_bits, residual_tokens=max(DEFAULT_WINDOWS),
                             windows=DEFAULT_WINDOWS, tokens=default_tokens(DEFAULT_WINDOWS),
@@ -106,7 +106,7 @@ def parse_variant(spec: str, opts) -> dict:
 def recommendations(capture: str, opts, levers, log, variants=(), budgets=()) -> dict:
     """``{row name: Recommendation}``: "full", one per lever off, one per variant, and
     "recommend-B" for each other budget ``B`` (from the full measurement)."""
-    from kvlens.recommend.core import candidates, choose, measure
+    from kvlens.recommend import candidates, choose, measure
 
     t0 = time.time()
     full_m = measure(capture, opts)
@@ -248,7 +248,7 @@ def main() -> None:
         from kvlens.capture.store import open_capture
         from kvlens.evaluation import EvalOptions, evaluate_configs
         from kvlens.model.load import load_model
-        from kvlens.recommend.core import model_spec_from_capture
+        from kvlens.recommend import model_spec_from_capture
 
         spec = args.model
         if spec is None:

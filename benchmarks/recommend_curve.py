@@ -39,12 +39,12 @@ def main() -> None:
     if not args.capture:
         ap.error("a capture file is needed (or --replot JSON)")
 
-    from kvlens.cache.layout import config_bits
+    from kvlens.cache.layout import config_bits, shape_of_capture
     from kvlens.config.kvconfig import preset
     from kvlens.errors import InputError
     from kvlens.evaluation import EvalOptions, evaluate_configs
     from kvlens.model.load import load_model
-    from kvlens.recommend.core import RecommendOptions, choose, measure, model_shape
+    from kvlens.recommend import RecommendOptions, choose, measure
 
     t0 = time.perf_counter()
     budgets = [float(b) for b in args.budgets.split(",")]
@@ -65,10 +65,10 @@ def main() -> None:
         evals=evals, ppl_tokens=args.ppl_tokens, passkey_prompts=args.passkey_prompts),
         progress=lambda msg: print("  " + msg, flush=True))
     meta = m.meta
+    shape = shape_of_capture(meta, m.windows)
     rows = []
     for cfg, res in zip(configs, report["results"]):
-        rows.append({"name": res["name"], "bits": config_bits(cfg, model_shape(meta, m.windows),
-                                                               args.context),
+        rows.append({"name": res["name"], "bits": config_bits(cfg, shape, args.context),
                      "ppl": res["ppl"], "ppl_fp16": res["ppl_fp16"],
                      "ppl_change": res["ppl_change"], "passkey": res.get("passkey")})
     print(f"{'config':<18} {'bits@' + str(args.context):>10} {'ppl':>8} {'change':>8}  passkey")

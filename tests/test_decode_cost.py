@@ -10,7 +10,7 @@ from test_recommend import _planted_capture, runner
 
 from kvlens.cli import app
 from kvlens.errors import InputError
-from kvlens.recommend.core import RecommendOptions, recommend
+from kvlens.recommend import RecommendOptions, recommend
 
 
 def test_decode_cost_model_counts_bytes_read_per_step():

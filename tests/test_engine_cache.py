@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from kvlens.cache import compressed_attention, memory_report
-from kvlens.cache.cache import held_bytes, shape_of
-from kvlens.cache.layout import config_bits, config_part_bytes
+from kvlens.cache.cache import held_bytes
+from kvlens.cache.layout import config_bits, config_part_bytes, shape_of
 from kvlens.config.kvconfig import KVConfig, LayerKV, config_from_dict, validate_for
 from kvlens.errors import ConfigError
 from kvlens.model.hooks import attention_override, cache_argument_name

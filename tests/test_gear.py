@@ -262,7 +262,7 @@ def test_recommend_measures_prices_and_writes_gear(tmp_path):
 
     from kvlens.cache.gear import part_bytes
     from kvlens.cache.layout import ModelShape, config_bits
-    from kvlens.recommend.core import (
+    from kvlens.recommend import (
         Candidate,
         RecommendOptions,
         Stream,

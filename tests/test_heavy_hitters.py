@@ -217,7 +217,7 @@ def _heavy_capture(path, heavy_layers=(0,), seed=0):
 
 
 def _opts(**kw):
-    from kvlens.recommend.core import RecommendOptions
+    from kvlens.recommend import RecommendOptions
 
     # min/max codes only: set twins are built on them (a fitted twin is not offered), so
     # these tests compare sets with the codes they sit beside
@@ -233,8 +233,8 @@ def test_recommend_puts_a_set_where_the_heavy_hitters_are(tmp_path):
     layer 0, the config says so (mikv.layers = [0]) and its bits are the priced ones."""
     from dataclasses import replace
 
-    from kvlens.cache.layout import config_bits
-    from kvlens.recommend.core import Candidate, Stream, choose, measure, model_shape
+    from kvlens.cache.layout import config_bits, shape_of_capture
+    from kvlens.recommend import Candidate, Stream, choose, measure
 
     path = _heavy_capture(tmp_path / "h.h5")
     opts = _opts()
@@ -249,7 +249,7 @@ def test_recommend_puts_a_set_where_the_heavy_hitters_are(tmp_path):
     assert [ch.candidate.mikv_set is not None for ch in rec.choices] == [True, True, False, False]
     assert rec.config.mikv.set_bits == rec.choices[0].candidate.mikv_set[0]
     assert rec.config.mikv.heavy_fraction == rec.choices[0].candidate.mikv_set[1]
-    assert config_bits(rec.config, model_shape(m.meta), opts.context) == pytest.approx(
+    assert config_bits(rec.config, shape_of_capture(m.meta), opts.context) == pytest.approx(
         rec.mean_bits)
     assert "without a set" in rec.notes[-1]
     # too tight for a set; switched off; --prefer-fast: no set
@@ -265,7 +265,7 @@ def test_set_candidates_are_priced_by_the_layout():
     from dataclasses import replace
 
     from kvlens.cache.layout import ModelShape
-    from kvlens.recommend.core import Candidate, option_bytes
+    from kvlens.recommend import Candidate, option_bytes
 
     shape = ModelShape(1, 2, 32)
     opts = _opts(context=1024)
@@ -315,7 +315,7 @@ def test_recommended_sets_run_in_generate_and_hold_the_priced_bytes(tmp_path):
     from kvlens.config.kvconfig import load_config, save_config, validate_for
     from kvlens.evaluation.decode import greedy
     from kvlens.model.architecture import describe
-    from kvlens.recommend.core import choose, measure
+    from kvlens.recommend import choose, measure
 
     model = _model()
     cap = tmp_path / "tiny.h5"

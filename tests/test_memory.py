@@ -17,8 +17,14 @@ import torch
 from tiny_models import tiny_config
 
 from kvlens.cache import compressed_attention, memory_report
-from kvlens.cache.cache import held_bytes, shape_of
-from kvlens.cache.layout import ModelShape, config_bits, config_device_bytes, config_part_bytes
+from kvlens.cache.cache import held_bytes
+from kvlens.cache.layout import (
+    ModelShape,
+    config_bits,
+    config_device_bytes,
+    config_part_bytes,
+    shape_of,
+)
 from kvlens.config.kvconfig import PRESETS, KVConfig, LayerKV, MikvSettings, config_from_dict
 from kvlens.errors import ConfigError
 from kvlens.model.hooks import cache_argument_name
@@ -273,7 +279,7 @@ def test_live_cache_stores_what_a_recommend_config_names(tmp_path):
     stores exactly the specs, window, flush block, pre-RoPE and balancer it names."""
     from kvlens.capture.run import capture_model
     from kvlens.config.kvconfig import load_config, save_config
-    from kvlens.recommend.core import RecommendOptions, recommend
+    from kvlens.recommend import RecommendOptions, recommend
 
     model = _model()
     cap = tmp_path / "tiny.h5"

@@ -18,8 +18,7 @@ import torch
 from tiny_models import tiny_config
 
 from kvlens.cache import compressed_attention, memory_report
-from kvlens.cache.cache import shape_of
-from kvlens.cache.layout import ModelShape, config_device_bytes, config_part_bytes
+from kvlens.cache.layout import ModelShape, config_device_bytes, config_part_bytes, shape_of
 from kvlens.capture.run import capture_model
 from kvlens.capture.store import open_capture
 from kvlens.config.kvconfig import preset

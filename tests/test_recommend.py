@@ -12,12 +12,13 @@ import torch
 from tiny_models import tiny_model
 from typer.testing import CliRunner
 
+from kvlens.cache.layout import shape_of_capture
 from kvlens.capture.run import capture_model
 from kvlens.capture.store import CaptureMeta, write_capture
 from kvlens.cli import app
 from kvlens.config.kvconfig import MikvSettings, load_config, save_config
 from kvlens.errors import InputError
-from kvlens.recommend.core import (
+from kvlens.recommend import (
     COST_RESOLUTION,
     Candidate,
     RecommendOptions,
@@ -26,7 +27,6 @@ from kvlens.recommend.core import (
     candidates,
     choose,
     measure,
-    model_shape,
     option_bytes,
     recommend,
 )
@@ -128,7 +128,7 @@ def test_errors_are_measured_on_every_capture_sample_by_default(tmp_path):
     # One capture sample (512 tokens by default) is little text to rank layouts by (Gemma3-270M: all four capture
     # samples instead of the first took the 3.0-bit KLD from 0.097 to 0.075 out of sample), so
     # the default measures every sample; --samples N still limits it.
-    from kvlens.recommend.core import measure
+    from kvlens.recommend import measure
 
     path = _planted_capture(tmp_path / "p.h5", samples=3)
     kw = dict(budget_bits=3.0, group_sizes=(32,), bits=(2,), mikv=False, gear=False,
@@ -150,7 +150,7 @@ def test_mse_fit_candidates_win_on_gaussian_values(tmp_path):
     # error, so with both fits offered every 2-bit value choice is the fitted one, at the
     # same bytes, and the expected error drops. Keys stay min/max unless asked for; choosing
     # again from the same measurements with fewer fits drops the others.
-    from kvlens.recommend.core import choose, measure
+    from kvlens.recommend import choose, measure
 
     path = _planted_capture(tmp_path / "p.h5")
     kw = dict(budget_bits=3.6, group_sizes=(32,), bits=(2, 4), mikv=False, gear=False,
@@ -336,16 +336,16 @@ def test_config_bits_matches_the_budget_accounting(tmp_path):
     assert sliding.fp16_bytes(32768) == 2 * 3 * 64 * 2 * (511 + 32768)
     path = _planted_capture(tmp_path / "p.h5")
     rec = recommend(path, RecommendOptions(budget_bits=4.0, group_sizes=(32,)))
-    assert config_bits(rec.config, model_shape(rec_meta(path)), rec.context) == pytest.approx(
-        rec.mean_bits)
+    assert config_bits(rec.config, shape_of_capture(rec_meta(path)),
+                       rec.context) == pytest.approx(rec.mean_bits)
     assert rec.mean_bits <= 4.0 and rec.config.mikv.sink_tokens == 4
     # with 8-bit group metadata the written config says so and is priced so
     rec8 = recommend(path, RecommendOptions(budget_bits=4.0, group_sizes=(32,),
                                             scale_dtype="8bit"))
     assert rec8.config.scale_dtype == "8bit" and rec8.mean_bits <= 4.0
-    assert config_bits(rec8.config, model_shape(rec_meta(path)), rec8.context) == pytest.approx(
-        rec8.mean_bits)
-    assert config_bits(replace(rec8.config, scale_dtype="float16"), model_shape(
+    assert config_bits(rec8.config, shape_of_capture(rec_meta(path)),
+                       rec8.context) == pytest.approx(rec8.mean_bits)
+    assert config_bits(replace(rec8.config, scale_dtype="float16"), shape_of_capture(
         rec_meta(path)), rec8.context) > rec8.mean_bits
 
 
@@ -500,7 +500,7 @@ def test_layout_sensitivity_measures_a_rate_per_family(tmp_path, smollm2_tokeniz
     from tiny_models import tiny_config
     from transformers import AutoModelForCausalLM
 
-    from kvlens.recommend.core import family, family_probes
+    from kvlens.recommend import family, family_probes
 
     config = tiny_config("llama")
     config.vocab_size = len(smollm2_tokenizer)

@@ -11,17 +11,17 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from kvlens.cache.layout import shape_of_capture
 from kvlens.capture.store import CaptureMeta, write_capture
 from kvlens.cli import app
 from kvlens.errors import InputError
-from kvlens.recommend.core import (
+from kvlens.recommend import (
     DEFAULT_WINDOWS,
     RecommendOptions,
     Stream,
     choose,
     default_tokens,
     measure,
-    model_shape,
     option_bytes,
 )
 
@@ -189,7 +189,7 @@ def test_mixed_window_config_holds_the_bytes_it_was_priced_at(tmp_path, fp):
     save_config(rec.config, tmp_path / "cfg.json")
     cfg = load_config(tmp_path / "cfg.json")
     assert cfg.fp_dtype == fp
-    shape = model_shape(m.meta, m.windows)
+    shape = shape_of_capture(m.meta, m.windows)
     priced = sum(option_bytes(ch.candidate, nxt.candidate, ch.flush_tokens, opts, shape,
                               ch.layer, residual=ch.residual_tokens)[0]
                  for ch, nxt in zip(rec.choices[::2], rec.choices[1::2]))

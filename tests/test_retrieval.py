@@ -30,7 +30,7 @@ def test_recommend_adds_weighted_probe_errors(tiny_model_dir, tmp_path):
     """tables(weight w) = text errors + w * probe errors, exactly linear in w."""
     from kvlens.capture.run import capture_model
     from kvlens.model.load import load_model
-    from kvlens.recommend.core import RecommendOptions, measure
+    from kvlens.recommend import RecommendOptions, measure
 
     model, tok, _ = load_model(str(tiny_model_dir))
     import torch
@@ -60,7 +60,7 @@ def test_recommend_adds_weighted_probe_errors(tiny_model_dir, tmp_path):
 def test_probe_required_without_a_model_is_a_clear_error(tmp_path):
     from test_recommend import _planted_capture
 
-    from kvlens.recommend.core import RecommendOptions, measure
+    from kvlens.recommend import RecommendOptions, measure
 
     path = _planted_capture(tmp_path / "p.h5")
     with pytest.raises(InputError, match="does not say which model"):

@@ -36,10 +36,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvlens.capture.store import _ranges, open_capture
+from kvlens.capture.store import open_capture
 from kvlens.errors import InputError
 from kvlens.rope import partner_channel
-from kvlens.text.selection import parse_index_spec
+from kvlens.text.selection import format_index_spec, parse_index_spec
 
 REPORT_SCHEMA_VERSION = 1
 FAMILIES = ("q", "k", "v")
@@ -217,7 +217,7 @@ def _resolve(spec: str | Sequence[int] | None, limit: int, what: str,
         if missing:
 
             raise InputError(f"Layers {missing} are not in the capture; captured layers: "
-                             f"{_ranges(available)}.")
+                             f"{format_index_spec(available)}.")
     return idx
 
 

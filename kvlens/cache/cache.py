@@ -26,11 +26,10 @@ from kvlens.cache.backend import select_backend
 from kvlens.cache.engine import EngineLayer, EngineStore, static_scale
 from kvlens.cache.gear import GearTensor
 from kvlens.cache.layer import CompressedLayer, DenseTensor
-from kvlens.cache.layout import PARTS, ModelShape
+from kvlens.cache.layout import PARTS, sliding_windows
 from kvlens.cache.mixed import SetRows
 from kvlens.cache.packed import PackedTensor
 from kvlens.config.kvconfig import KVConfig, validate_for
-from kvlens.errors import ConfigError
 from kvlens.model.architecture import describe
 from kvlens.model.hooks import attention_override, rope_frequency_candidates, rope_inputs
 from kvlens.model.placement import input_device, layer_devices
@@ -123,43 +122,6 @@ class CompressionSession:
 def _device(model):
 
     return input_device(model)
-
-
-def shape_of(model):
-    """``kvlens.cache.layout.ModelShape`` of a loaded model (layers, KV heads, head_dim, sliding
-    windows, dtype): what its cache's bytes depend on besides the config and the tokens."""
-
-    info = describe(model)
-    windows = sliding_windows(model, info.num_layers)
-    devices = tuple(str(d) for d in layer_devices(model))
-    return ModelShape(info.num_layers, info.num_key_value_heads, info.head_dim,
-                      tuple(windows) if any(windows) else (),
-                      next(model.parameters()).element_size(),
-                      devices if len(set(devices)) > 1 else ())
-
-
-def sliding_windows(model, num_layers: int) -> list[int | None]:
-    """Per layer, its sliding window (``None`` = global attention)."""
-    config = model.config
-    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") \
-        else config
-    types = getattr(config, "layer_types", None)
-    window = getattr(config, "sliding_window", None)
-    if types is None:
-        types = ["sliding_attention" if window else "full_attention"] * num_layers
-    out = []
-    for t in types[:num_layers]:
-        if t in ("sliding_attention", "chunked_attention"):
-            if t == "chunked_attention":
-                raise ConfigError("Chunked attention layers are not supported by the kvlens "
-                                  "compressed cache.")
-            out.append(int(window))
-        elif t == "full_attention":
-            out.append(None)
-        else:
-            raise ConfigError(f"Layer type {t!r} is not supported by the kvlens compressed "
-                              "cache; supported: full_attention, sliding_attention.")
-    return out
 
 
 @contextmanager

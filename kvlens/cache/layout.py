@@ -6,7 +6,9 @@ The cache (``kvlens.cache.layer``) calls the streaming rules here (``flush_every
 keeps room for ``R`` tokens (``window_capacity``). ``layer_part_bytes`` predicts the bytes of every
 tensor a layer holds from the same rules and the packed layout (``kvlens.cache.packed``). Tests
 fill real caches to ``N`` tokens and check the prediction against the bytes the cache object
-really holds.
+really holds. ``ModelShape`` (what the bytes depend on besides the config and the tokens) is
+built here, from a loaded model (``shape_of``) or from a capture's metadata
+(``shape_of_capture``).
 
 State after ``N`` tokens (any chunking: the rules depend on ``N`` only), with ``R`` the residual
 window, ``F`` the flush block and ``W`` a sliding-window layer's window:
@@ -52,6 +54,8 @@ from kvlens.cache.gear import part_bytes
 from kvlens.cache.mixed import set_bytes_per_token
 from kvlens.config.rules import flush_block
 from kvlens.errors import ConfigError
+from kvlens.model.architecture import describe
+from kvlens.model.placement import layer_devices
 from kvlens.quant import packed_length
 from kvlens.quant.cachetypes import DenseType, scale_count
 
@@ -245,6 +249,58 @@ class ModelShape:
         """Bytes of an fp16 K/V cache holding what each layer can still attend to."""
         return sum(2 * batch * self.kv_heads * self.visible_tokens(i, tokens) * self.head_dim
                    * 2 for i in range(self.num_layers))
+
+
+# -- the shape of a model: from a loaded model, or from a capture's metadata -----------------
+
+def _windows(windows) -> tuple[int | None, ...]:
+    """``ModelShape.sliding_windows`` from per-layer windows: ``()`` when every layer is global."""
+    return tuple(windows) if any(windows) else ()
+
+
+def shape_of_capture(meta, windows=()) -> ModelShape:
+    """``ModelShape`` of a captured model from its capture metadata
+    (``kvlens.capture.store.CaptureMeta``: layers, KV heads, head_dim) and ``windows``, each
+    layer's sliding window (``None`` = global; the capture's layer attributes); fp16 model
+    dtype, one device."""
+    return ModelShape(meta.num_layers, meta.num_key_value_heads, meta.head_dim,
+                      _windows(windows))
+
+
+def shape_of(model) -> ModelShape:
+    """``ModelShape`` of a loaded model (layers, KV heads, head_dim, sliding windows, dtype,
+    the devices its layers run on): what its cache's bytes depend on besides the config and the
+    tokens."""
+    info = describe(model)
+    windows = sliding_windows(model, info.num_layers)
+    devices = tuple(str(d) for d in layer_devices(model))
+    return ModelShape(info.num_layers, info.num_key_value_heads, info.head_dim,
+                      _windows(windows), next(model.parameters()).element_size(),
+                      devices if len(set(devices)) > 1 else ())
+
+
+def sliding_windows(model, num_layers: int) -> list[int | None]:
+    """Per layer, its sliding window (``None`` = global attention)."""
+    config = model.config
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") \
+        else config
+    types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if types is None:
+        types = ["sliding_attention" if window else "full_attention"] * num_layers
+    out = []
+    for t in types[:num_layers]:
+        if t in ("sliding_attention", "chunked_attention"):
+            if t == "chunked_attention":
+                raise ConfigError("Chunked attention layers are not supported by the kvlens "
+                                  "compressed cache.")
+            out.append(int(window))
+        elif t == "full_attention":
+            out.append(None)
+        else:
+            raise ConfigError(f"Layer type {t!r} is not supported by the kvlens compressed "
+                              "cache; supported: full_attention, sliding_attention.")
+    return out
 
 
 def engine_tensor_bytes(ctype, held: int, head_dim: int, kv_heads: int, batch: int = 1

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlens.errors import CaptureFileError, InputError
+from kvlens.text.selection import format_index_spec
 
 FORMAT_NAME = "kvlens-capture"
 SCHEMA_VERSION = 1
@@ -327,7 +328,7 @@ class Capture:
         key = layer_key(layer)
         if layer not in self.meta.layers or key not in self._file:
             raise InputError(f"Layer {layer} is not in {self.path}; captured layers: "
-                             f"{_ranges(self.meta.layers)}.")
+                             f"{format_index_spec(self.meta.layers)}.")
         return LayerData(self._file[key], self.meta.storage_dtype)
 
     def iter_layers(self, layers: Iterable[int] | None = None):
@@ -407,19 +408,6 @@ def _meta_from_attrs(attrs) -> CaptureMeta:
         schema_version=int(a["kvlens_schema_version"]),
         extra=extra,
     )
-
-
-def _ranges(values: Sequence[int]) -> str:
-    """[0,1,2,5] -> '0-2,5'."""
-    out, vals = [], sorted(values)
-    i = 0
-    while i < len(vals):
-        j = i
-        while j + 1 < len(vals) and vals[j + 1] == vals[j] + 1:
-            j += 1
-        out.append(str(vals[i]) if i == j else f"{vals[i]}-{vals[j]}")
-        i = j + 1
-    return ",".join(out)
 
 
 def write_capture(path: str | os.PathLike, meta: CaptureMeta, tensors: dict[int, dict[str, Any]],

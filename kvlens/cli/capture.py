@@ -75,7 +75,7 @@ def _write_report_json(summary, output: Path) -> None:
 def _render(s) -> None:
     from rich.table import Table
 
-    from kvlens.capture.store import _ranges
+    from kvlens.text.selection import format_index_spec as _ranges
 
     table = Table(title=f"Capture written: {s.path}", show_header=False)
     table.add_row("model", f"{s.model} ({s.architecture})")

@@ -168,8 +168,8 @@ def recommend(
 ) -> None:
     """Fit balancers and choose axis/bits/group/pre-RoPE per layer under a memory budget, or
     (--target) the best setting an engine runs, with the exact command to deploy."""
-    from kvlens.recommend.core import DEFAULT_WINDOWS, RecommendOptions, default_tokens
-    from kvlens.recommend.core import recommend as run
+    from kvlens.recommend import DEFAULT_WINDOWS, RecommendOptions, default_tokens
+    from kvlens.recommend import recommend as run
 
     if target != "kvlens":
         from kvlens.cli.targets import run_target
@@ -226,7 +226,7 @@ def recommend(
     validation = None
     if validate:
         from kvlens.capture.store import open_capture
-        from kvlens.recommend.core import model_spec_from_capture
+        from kvlens.recommend import model_spec_from_capture
 
         def model_for_validation():
             if model:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlens.analysis.metrics import attention_output, rel_error
-from kvlens.cache.layout import ModelShape, config_bits
+from kvlens.cache.layout import config_bits, shape_of_capture
 from kvlens.capture.store import open_capture
 from kvlens.config.kvconfig import KVConfig, LayerKV
 from kvlens.deploy.kld_model import fit_kld_model
@@ -45,7 +45,7 @@ from kvlens.model.load import load_model
 from kvlens.quant import QuantSpec, fake_quantize, fake_quantize_format
 from kvlens.quant.cachetypes import DenseType, parse_cache_type
 from kvlens.quant.formats import calibrate_scale, engine_rotation
-from kvlens.recommend.core import model_spec_from_capture
+from kvlens.recommend import model_spec_from_capture
 
 TARGETS = ("kvlens", "llama.cpp", "vllm", "sglang", "transformers")
 LLAMACPP_TYPES = ("f16", "q8_0", "q5_1", "q5_0", "q4_1", "iq4_nl", "q4_0")
@@ -224,12 +224,6 @@ def measure_errors(path: str | Path, target: str, opts: TargetOptions,
 
 # -- candidates per target ---------------------------------------------------------------------
 
-def _shape(meta, windows):
-
-    return ModelShape(meta.num_layers, meta.num_key_value_heads, meta.head_dim,
-                      tuple(windows) if any(windows) else ())
-
-
 def _bits(config, shape, context: int) -> float:
 
     return config_bits(config, shape, context)
@@ -372,7 +366,7 @@ def choose(front: list[TargetCandidate], opts: TargetOptions, kld_model=None
 
 
 def candidates_for(target: str, meta, windows, table, scales, opts) -> list[TargetCandidate]:
-    shape = _shape(meta, windows)
+    shape = shape_of_capture(meta, windows)
     if target == "llama.cpp":
         return _llamacpp(table, shape, opts)
     if target == "vllm":

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvlens.report.figures import Figure, compare_caption, load_figure, outlier_caption
+from kvlens.text.selection import format_index_spec
 
 MEMORY_CONTEXTS = (4096, 32768, 131072)
 STABLE_TOKEN_SHARE = 0.9  # token stability at or above which an outlier counts as stable
@@ -79,18 +80,6 @@ def _f(v: float | None, fmt: str = ".4f") -> str:
     return "-" if v is None else format(v, fmt)
 
 
-def _ranges(values) -> str:
-    values = sorted(set(values))
-    out, start = [], None
-    for i, v in enumerate(values):
-        if start is None:
-            start = v
-        if i + 1 == len(values) or values[i + 1] != v + 1:
-            out.append(str(start) if start == v else f"{start}-{v}")
-            start = None
-    return ", ".join(out)
-
-
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
 
@@ -118,7 +107,8 @@ def model_section(artifacts: dict, run_dir: Path, capture_hint: str) -> Section:
     rows = [
         ["model", f"{doc.get('model')} ({doc.get('model_source') or 'source not recorded'})"],
         ["architecture", f"{doc.get('architecture')} (model_type {doc.get('model_type')})"],
-        ["layers", f"{doc.get('num_layers')} (captured: {_ranges(doc.get('layers') or [])})"],
+        ["layers", f"{doc.get('num_layers')} "
+                   f"(captured: {format_index_spec(doc.get('layers') or [])})"],
         ["heads", f"{doc.get('num_attention_heads')} query / {doc.get('num_key_value_heads')} "
                   f"KV, head_dim {doc.get('head_dim')}"],
         ["RoPE", rope_text],
@@ -180,7 +170,7 @@ def outliers_section(artifacts: dict, run_dir: Path, capture_hint: str) -> Secti
         fig = load_figure(folder, n, outlier_caption(n, threshold))
         (sec.figures if n in main else sec.more_figures).append(fig)
     layers = doc.get("layers") or []
-    sec.notes.append(f"outliers: {len(layers)} layers analysed ({_ranges(layers)}), "
+    sec.notes.append(f"outliers: {len(layers)} layers analysed ({format_index_spec(layers)}), "
                      f"{doc.get('num_samples')} samples x {doc.get('num_tokens')} tokens; "
                      "stability over longer contexts was not measured.")
     return sec
@@ -346,7 +336,7 @@ def axes_section(artifacts: dict, run_dir: Path, capture_hint: str) -> Section:
 
 
 def _layer_list(layers: list[int]) -> str:
-    return f"{len(layers)}: {_ranges(layers)}" if layers else "none"
+    return f"{len(layers)}: {format_index_spec(layers)}" if layers else "none"
 
 
 def _disagreement_table(doc: dict, summary: dict) -> Table:

@@ -1,6 +1,9 @@
-"""Parsing of index selections such as ``--layers 0,4,8-11`` (one place for the syntax)."""
+"""Index selections such as ``--layers 0,4,8-11``: parsing them and writing index lists back in
+the same syntax (one place for the syntax)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from kvlens.errors import InputError
 
@@ -34,3 +37,16 @@ def parse_index_spec(spec: str | None, limit: int, what: str = "layer") -> list[
         raise InputError(f"Invalid {what} spec {spec!r}: {bad} outside 0-{limit - 1} "
                          f"(the model has {limit} {what}s).")
     return sorted(out)
+
+
+def format_index_spec(values: Iterable[int]) -> str:
+    """``[0, 1, 2, 3, 5]`` -> ``"0-3, 5"``: the indices (any order, repeats ignored) as runs of
+    consecutive integers; ``""`` when there are none. The inverse of ``parse_index_spec`` for
+    non-negative indices."""
+    runs: list[list[int]] = []
+    for v in sorted(set(values)):
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)

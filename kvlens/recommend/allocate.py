@@ -1,0 +1,212 @@
+"""Allocation: one (key, value, window) option per layer under the budget, and the
+``Recommendation`` assembled from it.
+
+Pick one option per layer (which fixes its ``F``) minimising ``sum_l w_l (e_K + e_V)`` subject
+to the mean cost over all layers and both tensors <= budget: a multiple-choice knapsack
+(``allocate``) over each layer's Pareto front (``_layer_options``), solved exactly by dynamic
+programming on costs rounded up to ``1/COST_RESOLUTION`` bit (so the budget is never exceeded).
+Config-wide choices are solved for separately and the best objective kept (``assemble``): with
+and without rotated candidates (the shared matrix), without MiKV sets and with each
+``(set_bits, heavy_fraction)``. ``prefer_fast`` (``--prefer-fast``) offers only (key, value)
+pairs the fused decode kernel reads (``kvlens.cache.triton_glue.kernel_layout_problem``: no
+pre-RoPE keys), so decoding on CUDA never leaves the kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from functools import cache
+
+import numpy as np
+
+from kvlens.cache.layout import config_bits, config_part_bytes
+from kvlens.cache.triton_glue import kernel_layout_problem
+from kvlens.config.kvconfig import LayerKV
+from kvlens.errors import ConfigError, InputError
+from kvlens.recommend.build import build_config
+from kvlens.recommend.candidates import family
+from kvlens.recommend.options import Candidate, RecommendOptions, Stream, listed
+from kvlens.recommend.pricing import decode_costs, option_bytes, tensor_fp16_bytes
+from kvlens.recommend.result import Choice, Recommendation
+
+COST_RESOLUTION = 64  # DP cost units per bit
+
+
+def allocate(costs: Sequence[Sequence[float]], errors: Sequence[Sequence[float]],
+             budget_total: float) -> list[int]:
+    """Multiple-choice knapsack: one option per group, ``sum cost <= budget_total``, minimal
+    ``sum error``. Exact on costs rounded *up* to ``1/COST_RESOLUTION`` (never over budget).
+    Raises ``InputError`` when even the cheapest options exceed the budget."""
+
+    units = [np.ceil(np.asarray(c, dtype=float) * COST_RESOLUTION - 1e-9).astype(int)
+             for c in costs]
+    cap = int(math.floor(budget_total * COST_RESOLUTION + 1e-9))
+    minimum = sum(int(u.min()) for u in units)
+    if minimum > cap:
+        raise InputError(
+            f"The budget is too small: the cheapest candidates need "
+            f"{minimum / COST_RESOLUTION / len(costs):.3f} bits per element on average, "
+            f"more than the {budget_total / len(costs):.3f} asked for.")
+    inf = float("inf")
+    best = np.full(cap + 1, inf)
+    best[0] = 0.0
+    picks = []
+    for u, e in zip(units, errors):
+        new = np.full(cap + 1, inf)
+        arg = np.full(cap + 1, -1, dtype=int)
+        for i, (cu, ce) in enumerate(zip(u, e)):
+            if cu > cap:
+                continue
+            cand = np.full(cap + 1, inf)
+            cand[cu:] = best[:cap + 1 - cu] + ce
+            better = cand < new
+            new[better] = cand[better]
+            arg[better] = i
+        best = new
+        picks.append(arg)
+    end = int(np.argmin(best))
+    chosen = []
+    for u, arg in zip(reversed(units), reversed(picks)):
+        i = int(arg[end])
+        chosen.append(i)
+        end -= int(u[i])
+    return chosen[::-1]
+
+
+def _layer_options(table, opts: RecommendOptions, cost, weight: float, head_dim: int = 0,
+                   factors: dict | None = None):
+    """The Pareto front of (key, value, window) choices for one layer: ``[(cost, error, key,
+    value, stream)]`` with ``cost(kc, vc, stream)`` the layer's held bytes in budget units and
+    ``error`` the weighted sum of both tensors' errors with the layer's window and flush block
+    (``stream``); a pair that cannot be stored with a window is not offered with it.
+    ``factors``: ``{family(c): f}`` multiplying each tensor's error (1 where absent)."""
+    factors = factors or {}
+    keys = sorted({c for c, _ in table if c.tensor == "key"}, key=lambda c: c.label)
+    values = sorted({c for c, _ in table if c.tensor == "value"}, key=lambda c: c.label)
+    pairs = []
+    for r in opts.window_sizes:
+        for kc in keys:
+            for vc in values:
+                s = Stream(r, opts.layer_flush(kc, vc, residual=r))
+                # GEAR and a MiKV set are a layer's choice (the config's gear.layers,
+                # mikv.layers)
+                if kc.gear != vc.gear or kc.mikv_set != vc.mikv_set:
+                    continue
+                if opts.prefer_fast and not _fused(kc, vc, s, head_dim):
+                    continue
+                if (kc, s) in table and (vc, s) in table:
+                    err = weight * (factors.get(family(kc), 1.0) * table[kc, s][0] +
+                                    factors.get(family(vc), 1.0) * table[vc, s][0])
+                    pairs.append((cost(kc, vc, s), err, kc, vc, s))
+    pairs.sort(key=lambda p: (p[0], p[1]))
+    front, best = [], math.inf
+    for p in pairs:  # cheapest first: keep only options that lower the error
+        if p[1] < best:
+            front.append(p)
+            best = p[1]
+    return front
+
+
+def _fused(kc: Candidate, vc: Candidate, stream: Stream, head_dim: int) -> bool:
+    """Whether the fused decode kernel reads a layer storing ``kc`` / ``vc`` (``--prefer-fast``;
+    the rule is the dispatch's own, ``kvlens.cache.triton_glue.kernel_layout_problem``)."""
+
+    setting = LayerKV(kc.spec(), vc.spec(), stream.residual, kc.stage == "pre",
+                      flush_tokens=stream.flush)
+    return kernel_layout_problem(setting, head_dim) is None
+
+
+def assemble(meta, opts, tables, balancers, weights, notes, shape, factors=()
+             ) -> Recommendation:
+    """The ``Recommendation`` for ``opts.budget_bits`` from per-layer error ``tables``, layer
+    ``weights`` (and per-layout ``factors``) on a model of ``shape``: the best allocation
+    over the config-wide choices, its ``Choice`` s, config, bytes and decode costs."""
+    fp16_total = shape.fp16_bytes(opts.context)
+    n = len(tables)
+
+    @cache
+    def option(kc, vc, s, window):
+        layer = next(i for i in range(shape.num_layers) if shape.window(i) == window)
+        return option_bytes(kc, vc, s.flush, opts, shape, layer, residual=s.residual)
+
+    def solve(rotation: bool, mikv_set):
+        """``((objective, fronts, picks), None)`` of the best allocation with or without
+        rotated candidates, with MiKV sets at the global ``mikv_set`` (None: no set), or
+        ``(None, bits the cheapest options need)`` when nothing fits."""
+        fronts = []
+        for layer, table in zip(meta.layers, tables):
+            w = shape.window(layer)
+            table = {cf: e for cf, e in table.items() if (rotation or not cf[0].rotate)
+                     and cf[0].mikv_set in (None, mikv_set)}
+            # budget units: bits per element of the whole cache, times the number of layers
+            fronts.append(_layer_options(
+                table, opts,
+                lambda kc, vc, s, w=w: 16 * n * option(kc, vc, s, w)[0] / fp16_total,
+                weights[layer], shape.head_dim, factors[layer] if factors else None))
+        costs = [[p[0] for p in front] for front in fronts]
+        errors = [[p[1] for p in front] for front in fronts]
+        # one [D, D] float32 rotation matrix is shared by every rotating layer: reserve it
+        rotates = any(p[2].rotate or p[3].rotate for front in fronts for p in front)
+        reserve = 16 * shape.head_dim ** 2 * 4 / fp16_total if rotates else 0.0
+        try:
+            picks = allocate(costs, errors, n * (opts.budget_bits - reserve))
+        except InputError:  # what the allocation needs: its costs are rounded up per layer
+            need = sum(math.ceil(min(c) * COST_RESOLUTION - 1e-9) for c in costs)
+            return None, need / COST_RESOLUTION / n + reserve
+        return (sum(e[p] for e, p in zip(errors, picks)), fronts, picks), None
+
+    # the shared rotation matrix is a fixed cost the knapsack cannot split over layers, and a
+    # MiKV set's width and fraction are global settings: solve for each (with and without
+    # rotated candidates; no set or each set) and keep the best allocation
+    sets = [None, *opts.mikv_sets()]
+    solved = [(m, *solve(rot, m)) for rot in ((True, False) if opts.rotation else (False,))
+              for m in sets]
+    best = min((s for _, s, _ in solved if s is not None), key=lambda s: s[0], default=None)
+    if best is None:
+        raise InputError(
+            f"The budget is too small: the cheapest candidates need "
+            f"{min(need for _, _, need in solved):.3f} bits per element at {opts.context} "
+            f"tokens (windows of {listed(opts.window_sizes, '/')} tokens and "
+            f"{opts.sink_tokens} sink tokens included), more than the {opts.budget_bits} asked "
+            "for. Raise --budget-bits or --context, or offer smaller --windows / fewer --sinks.")
+    _, fronts, picks = best
+    if len(sets) > 1:
+        plain = min((s[0] for m, s, _ in solved if s is not None and m is None), default=math.inf)
+        notes = notes + [f"MiKV set candidates ({', '.join(f'INT{b} {h:g}' for b, h in sets[1:])}"
+                         f"): objective {best[0]:.4f}, {plain:.4f} without a set"]
+    choices = []
+    for layer, front, pick, table in zip(meta.layers, fronts, picks, tables):
+        _, _, kc, vc, s = front[pick]
+        w = shape.window(layer)
+        fp16 = tensor_fp16_bytes(shape, layer, opts.context)
+        shares = dict(zip(("key", "value"), option(kc, vc, s, w)[1:]))
+        for c in (kc, vc):
+            out, score, recon = table[c, s]
+            # the cheapest same-tensor candidate with a lower error (it did not fit the budget)
+            better = []
+            for o in (o for o, g in table if g == s and o.tensor == c.tensor
+                      and o.gear == c.gear and o.mikv_set == c.mikv_set):
+                pair = (o, vc) if c.tensor == "key" else (kc, o)
+                if table[o, s][0] < out and opts.layer_flush(*pair, residual=s.residual) == \
+                        s.flush:
+                    share = option(*pair, s, w)[1 if c.tensor == "key" else 2]
+                    better.append((16 * share / fp16, o.label))
+            choices.append(Choice(layer, c.tensor, c, 16 * shares[c.tensor] / fp16, out, score,
+                                  recon, min(better)[1] if better else "", s.flush,
+                                  s.residual))
+    expected = sum(ch.output_error for ch in choices) / len(choices)
+    config = build_config(meta, opts, choices, balancers)
+    mean_bits = config_bits(config, shape, opts.context)
+    rec = Recommendation(config, choices, opts.budget_bits, mean_bits, expected, opts.context,
+                         weights=tuple(weights), notes=notes,
+                         residual_tokens=config.default.residual_tokens,
+                         sink_tokens=opts.sink_tokens, windows=opts.window_sizes)
+    for ctx in (1024, 4096, 32768, 131072):
+        rec.kv_bytes[ctx] = sum(config_part_bytes(config, shape, ctx).values())
+        rec.kv_bytes_fp16[ctx] = shape.fp16_bytes(ctx)
+    rec.decode_cost = decode_costs(config, shape, opts.context)
+    if opts.prefer_fast and not rec.decode_cost[0][1].fused:
+        raise ConfigError(f"internal: --prefer-fast chose layouts without a fused path: "
+                          f"{rec.decode_cost[0][1].unfused}")
+    return rec

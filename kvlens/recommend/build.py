@@ -1,0 +1,60 @@
+"""The versioned ``KVConfig`` a recommendation writes (``build_config``): per-layer settings
+from the chosen candidates and windows, the most common one as the default, and the config-wide
+MiKV, GEAR and balancer sections."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from kvlens.config.kvconfig import KVConfig, LayerKV, MikvSettings
+from kvlens.errors import ConfigError
+from kvlens.recommend.candidates import gear_settings
+from kvlens.recommend.options import Candidate, RecommendOptions, Stream, listed
+from kvlens.recommend.result import Choice
+
+
+def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balancers):
+    """The versioned ``kvlens.config.kvconfig`` config that ``kvlens generate --config`` consumes."""
+
+    by_layer: dict[int, dict[str, Candidate]] = {}
+    streams: dict[int, Stream] = {}
+    for ch in choices:
+        by_layer.setdefault(ch.layer, {})[ch.tensor] = ch.candidate
+        streams[ch.layer] = Stream(ch.residual_tokens, ch.flush_tokens)
+    settings = {}
+    for layer, pair in by_layer.items():
+        k, v = pair["key"], pair["value"]
+        r, f = streams[layer]
+        settings[layer] = LayerKV(k.spec(), v.spec(), r, k.stage == "pre", flush_tokens=f,
+                                  rotate_keys=k.rotate, rotate_values=v.rotate)
+    default = Counter(settings.values()).most_common(1)[0][0]
+    overrides = {i: s for i, s in settings.items() if s != default}
+    used = {i: balancers[i] for i, p in by_layer.items() if p["key"].balancer}
+    if any(settings[i].pre_rope_keys for i in used):
+        raise ConfigError("internal: balancer chosen together with pre-RoPE keys")
+    gear_layers = sorted(i for i, p in by_layer.items() if p["key"].gear)
+    sets = {i: p["key"].mikv_set for i, p in by_layer.items() if p["key"].mikv_set}
+    if len(set(sets.values())) > 1:
+        raise ConfigError(f"internal: MiKV sets of different widths/fractions chosen: {sets}")
+    set_bits, fraction = next(iter(sets.values())) if sets else (None, 0.0)
+    mikv = None
+    if used or opts.sink_tokens or sets:
+        # layers not in mikv.layers keep only the sinks, at fp16 (KVConfig.mikv_for), as their
+        # candidates were measured and priced
+        mikv = MikvSettings(heavy_fraction=fraction, sink_tokens=opts.sink_tokens,
+                            balancer="fixed" if used else "off",
+                            balancer_exponent=opts.balancer_exponent, set_bits=set_bits,
+                            layers=sorted(sets) if sets else None)
+    return KVConfig(
+        name=opts.name, default=default, layers=overrides, mikv=mikv,
+        gear=gear_settings(gear_layers) if gear_layers else None,
+        balancers={i: tuple(tuple(float(x) for x in row) for row in b.tolist())
+                   for i, b in used.items()},
+        fp_dtype=opts.fp_dtype, scale_dtype=opts.scale_dtype,
+        description=(f"kvlens recommend for {meta.model}: budget {opts.budget_bits} bits/element "
+                     f"at {opts.context} tokens (residual window "
+                     f"{listed(sorted({s.residual for s in streams.values()}), '/')}, "
+                     f"{opts.sink_tokens} sink tokens)"),
+        model={"num_layers": meta.num_layers, "head_dim": meta.head_dim,
+               "num_key_value_heads": meta.num_key_value_heads})

@@ -1,0 +1,104 @@
+"""The candidates ``recommend`` measures, and the storage families they fall into.
+
+Per tensor: keys and values x granularity (per-channel, per-token) x bits (2, 4, 8 by default;
+3 when ``bits`` asks for it, docs/recommend.md) x group size x scale fit; keys also pre-RoPE
+(KVQuant) and, for per-token keys, with the MiKV channel balancer fitted on the capture
+(``b = (max|q| / max|k|)^exponent``); per-token keys and values also Hadamard-rotated. With
+``gear`` (default on) also GEAR twins of the plain G32 candidates up to 4 bits (GEAR's
+published settings, ``gear_settings``: 2% outliers per vector, rank 4 per flushed block,
+measured block by block at the layer's flush block). A layer takes GEAR for both tensors or
+for neither (the config's ``gear.layers``). With ``mikv`` (default on) the G32 candidates up to
+4 bits (plain or balanced) also have MiKV set twins, one per global ``(set_bits,
+heavy_fraction)`` of ``mikv_set_bits`` x ``mikv_fractions``: heavy hitters and sinks kept at
+``set_bits`` codes, measured by replaying the cache's H2O selection while decoding
+(``kvlens.analysis.heavy_hitters``); a layer takes the set for both tensors or neither (the
+config's ``mikv.layers``). Only what ``kvlens generate`` can run is offered.
+
+``family`` groups candidates by storage layout for ``--sensitivity layout``; ``family_probes``
+picks the one candidate per family that is measured for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from kvlens.config.kvconfig import GearSettings
+from kvlens.errors import ConfigError
+from kvlens.quant import hadamard_block_size
+from kvlens.recommend.options import (
+    GEAR_GROUP,
+    GRANULARITIES,
+    MIKV_GROUP,
+    Candidate,
+    RecommendOptions,
+)
+
+
+def candidates(head_dim: int, opts: RecommendOptions, has_rope: bool) -> list[Candidate]:
+    """Every storable candidate; per-token groups larger than head_dim are skipped. Rotated
+    candidates are per-token only (where rotation spreads outlier channels over a group;
+    measured on SmolLM2 it makes per-channel keys worse, docs/rotation.md) and need a
+    head_dim with a Hadamard construction."""
+
+    rotation = opts.rotation
+    if rotation:
+        try:
+            hadamard_block_size(head_dim)
+        except ConfigError:
+            rotation = False
+    out = []
+    for tensor in ("key", "value"):
+        for gran in GRANULARITIES:
+            for g in opts.group_sizes:
+                if gran == "per-token" and (g > head_dim or head_dim % g):
+                    continue
+                fits = opts.fits_for(tensor)
+                for b, fit in ((b, f) for b in opts.bits for f in fits):
+                    out.append(Candidate(tensor, b, gran, g, fit=fit))
+                    if tensor == "key" and has_rope and opts.pre_rope != "off" \
+                            and not opts.prefer_fast:
+                        out.append(Candidate(tensor, b, gran, g, stage="pre", fit=fit))
+                    if tensor == "key" and gran == "per-token" and opts.balancer:
+                        out.append(Candidate(tensor, b, gran, g, balancer=True, fit=fit))
+                    if gran == "per-token" and rotation:
+                        out.append(Candidate(tensor, b, gran, g, rotate=True, fit=fit))
+                    if fit != fits[0]:
+                        continue
+                    if opts.gear and not opts.prefer_fast and g == GEAR_GROUP and b <= 4:
+                        out.append(Candidate(tensor, b, gran, g, gear=True))
+    # MiKV set twins: plain or balanced post-RoPE G32 codes up to 4 bits (a set beside 8-bit
+    # codes buys nothing), one per global (set_bits, heavy_fraction)
+    return out + [replace(c, mikv_set=m) for c in out if c.group_size == MIKV_GROUP
+                  and c.bits <= 4 and c.stage == "post" and not (c.rotate or c.gear)
+                  and c.fit == opts.fits_for(c.tensor)[0] for m in opts.mikv_sets()]
+
+
+def gear_settings(layers=None):
+    """GEAR's published settings as ``recommend`` offers them (2% outliers, rank 4)."""
+
+    return GearSettings(4, 0.02, 3, layers)
+
+
+def family(c: Candidate) -> tuple:
+    """The storage family ``--sensitivity layout`` measures one factor for: tensor, axis,
+    transforms and the scale fit (bits, group size, GEAR and a MiKV set share their base's
+    factor). The fit has its own: a least-squares fit clips a group's extremes, and on
+    Gemma3-270M fitted keys turned their output error into KL at another rate than min/max
+    keys (docs/recommend.md, the scale fit)."""
+    return (c.tensor, c.granularity, c.stage, c.balancer, c.rotate, c.fit)
+
+
+def family_probes(cands: Sequence[Candidate]) -> list[Candidate]:
+    """One candidate per storage family, at its fewest bits (where layouts differ most):
+    per-channel at the smallest group (KIVI's), per-token at the largest (cheapest scales)."""
+    out = []
+    for fam in dict.fromkeys(family(c) for c in cands):
+        members = [c for c in cands if family(c) == fam and not (c.gear or c.mikv_set)]
+        if not members:
+            continue
+        bits = min(c.bits for c in members)
+        at = [c for c in members if c.bits == bits]
+        pick = min if fam[1] == "per-channel" else max
+        out.append(pick(at, key=lambda c: c.group_size))
+    return out

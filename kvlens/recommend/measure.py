@@ -1,0 +1,257 @@
+"""Per-layer error measurement of the candidates on a capture.
+
+The error of a candidate is measured where the tensor is consumed: the relative error of the
+attention output (``kvlens.analysis.metrics``) when only that tensor is quantized, mean over the
+layer's query heads, *as the cache is read while decoding*: query ``i`` reads the tokens still
+in the window and the sink tokens exact (``streaming_exact_mask``). The window slides: when it
+fills, its oldest ``F`` tokens are quantized (``flush_tokens``; ``F`` is raised to a per-channel
+group size, since a group needs all its tokens), so each candidate is measured for every window
+``R`` and ``F`` it can be stored with (``Stream``). Score and reconstruction errors are recorded
+too, to explain. By default the first ``tokens=256`` tokens of every capture sample
+(``samples=None``) are used (about 170 attention passes per layer and sample); with several
+windows every option is scored on the same queries, from ``score_from`` (three times the
+largest window) on, of ``default_tokens`` (four times it).
+
+``layer_variants`` builds what the cache would give back for each candidate, ``gear_variant``
+and ``_SetVariants`` the GEAR and MiKV set twins (they depend on the flush block),
+``measure_layer`` scores them; ``check_windows`` refuses window sizes nothing can be stored
+with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvlens.analysis.compare import layer_rope_tables
+from kvlens.analysis.heavy_hitters import set_membership, set_reconstruction
+from kvlens.analysis.metrics import (
+    Variant,
+    attention_errors_many,
+    per_head_rel_error,
+    streaming_exact_mask,
+)
+from kvlens.config.kvconfig import MikvSettings
+from kvlens.config.rules import check_layout
+from kvlens.errors import ConfigError, InputError
+from kvlens.quant import (
+    fake_quantize,
+    fit_balancer,
+    hadamard_rotation,
+    quantize_gear,
+    quantize_pre_rope,
+    quantize_rotated,
+)
+from kvlens.recommend.candidates import gear_settings
+from kvlens.recommend.options import Candidate, RecommendOptions, Stream, listed
+from kvlens.text.selection import format_index_spec
+
+
+def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOptions,
+                  plain: Sequence[Candidate] = (), queries: int | None = None, balancer=None):
+    """Per-candidate mean errors on one capture layer and the fitted balancer ``[Hkv, D]``
+    (None when no candidate uses it).
+
+    Errors are ``{(candidate, Stream(R, F)): (out, score, recon)}`` for every window ``R``
+    (``opts.window_sizes``) and flush block ``F`` the candidate can be stored with
+    (``opts.streams()``), measured as the cache reads history while decoding: recent tokens
+    (the window, as it slides with ``F``) and the first ``opts.sink_tokens`` exact
+    (``kvlens.analysis.metrics.streaming_exact_mask``), on queries from ``opts.score_from`` on. MiKV
+    set twins (``Candidate.mikv_set``) are measured as such a layer decodes
+    (``_SetVariants``); a sliding-window layer keeps no set, so has no twins. Candidates in
+    ``plain`` are also measured with every token quantized, key ``(candidate, None)`` (the
+    sensitivity probe, which quantizes the whole layer). ``queries``: score only the last
+    queries (the retrieval probe's answer position). ``balancer``: use this fitted balancer
+    instead of fitting one on this layer's data."""
+
+    q, k, v, variants, bal, pre_ok = layer_variants(layer, meta, cands, opts, balancer)
+    n_tok = k.shape[2]
+    if n_tok <= max(max(opts.window_sizes), opts.score_from):
+        raise InputError(f"The capture has {n_tok} tokens per sample, no more than "
+                         + (f"three times the largest window ({opts.score_from}), where the errors "
+                            "of several windows are scored from" if opts.score_from else
+                            f"the residual window ({max(opts.window_sizes)}): no query would "
+                            "read quantized history")
+                         + ". Capture longer samples or offer smaller windows.")
+    la = layer.attrs
+    runs: list[tuple[Stream | None, list[Candidate]]] = [
+        (s, [c for c in variants if _fits(c, s)]) for s in opts.streams()]
+    runs.append((None, [c for c in plain if c in variants]))
+    out, recon = {}, {}
+    sets = _SetVariants(q, k, v, la, opts)
+    for s, run in runs:
+        if not run:
+            continue
+        for c in run:  # GEAR's low-rank factors are per flushed block: a variant per block
+            if c.gear:
+                x_hat = gear_variant(v if c.tensor == "value" else k, c,
+                                     s.block if s is not None else n_tok, opts.scale_dtype)
+                variants[c] = Variant(v_hat=x_hat) if c.tensor == "value" \
+                    else Variant(k_hat=x_hat)
+        # the probe quantizes every token (no window): it is scored on every query
+        start = n_tok - queries if queries is not None else 0 if s is None else opts.score_from
+        rows, picked = q[:, :, start:], slice(start, None)
+        # a layer with a MiKV set holds its sinks in the set (at its codes), not exact
+        for group, sinks in (([c for c in run if not c.mikv_set], opts.sink_tokens),
+                             ([c for c in run if c.mikv_set], 0)):
+            if not group:
+                continue
+            exact = None if s is None else streaming_exact_mask(
+                n_tok, s.residual, s.flush, sinks)[picked]
+            vs = [sets.variant(c, variants[c.base], s, picked) if c.mikv_set else variants[c]
+                  for c in group]
+            errs = attention_errors_many(rows, k, v, vs, scaling=la.scaling,
+                                         sliding_window=la.sliding_window,
+                                         softcap=la.logit_softcap, exact=exact,
+                                         reconstruction=False)
+            for c, e in zip(group, errs):
+                if c.base not in recon:  # the same for every stream and set: once per candidate
+                    var = variants[c.base]
+                    recon[c.base] = float(per_head_rel_error(v, var.v_hat).mean()
+                                          if c.tensor == "value"
+                                          else per_head_rel_error(k, var.k_hat).mean())
+                out[c, s] = (float(e.output.mean()),
+                             None if e.scores is None else float(e.scores.mean()), recon[c.base])
+    return out, bal, pre_ok
+
+
+def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptions,
+                   balancer=None):
+    """``(q, k, v, variants, balancer, pre_ok)`` of one capture layer (``opts.samples`` and
+    ``opts.tokens``): ``variants[c]`` is what the cache would give back for candidate ``c``
+    with every token quantized (a ``kvlens.analysis.metrics.Variant``), None for MiKV set and GEAR
+    twins (they depend on the flush block: built by ``measure_layer``); pre-RoPE candidates
+    are left out when the capture's RoPE cannot be rebuilt (``pre_ok`` False)."""
+
+    sel = None if opts.samples is None else list(range(min(opts.samples, meta.num_samples)))
+    t = slice(None) if opts.tokens is None else slice(0, opts.tokens)
+    q, k, v = (layer.read(n, samples=sel)[:, :, t] for n in ("q", "k", "v"))
+    pre_ok = any(c.stage == "pre" for c in cands) and meta.has_rope
+    tables = None
+    if pre_ok:
+        k_pre = layer.read("k_pre", samples=sel)[:, :, t]
+        # this layer's theta (Gemma3: one on sliding, one on global layers); scaled RoPE
+        # (YaRN...) cannot be rebuilt: no pre-RoPE candidates then
+        tables, _ = layer_rope_tables(meta, k, k_pre)
+        pre_ok = tables is not None
+    bal = balancer
+    if bal is None and any(c.balancer for c in cands):
+        bal = fit_balancer(q, k, opts.balancer_exponent)
+    la = layer.attrs
+    rot = hadamard_rotation(k.shape[-1]) if any(c.rotate for c in cands) else None
+    variants: dict[Candidate, Variant] = {}
+    sd = opts.scale_dtype  # the group metadata the cache will store
+    for c in cands:
+        if c.stage == "pre" and not pre_ok:
+            continue
+        spec = c.spec()
+        if c.mikv_set:  # the set depends on the flush block: built per run below
+            if not la.sliding_window and c.base in cands:
+                variants[c] = None
+        elif c.gear:  # depends on the flush block: built per run below
+            variants[c] = None
+        elif c.rotate:  # what the cache stores (x R) seen back in the original basis
+            x_hat = quantize_rotated(v if c.tensor == "value" else k, spec, rot, sd)
+            variants[c] = Variant(v_hat=x_hat) if c.tensor == "value" else Variant(k_hat=x_hat)
+        elif c.tensor == "value":
+            variants[c] = Variant(v_hat=fake_quantize(v, spec, sd))
+        elif c.stage == "pre":
+            variants[c] = Variant(k_hat=quantize_pre_rope(k_pre, *tables, spec,
+                                                          meta.rope_layout, scale_dtype=sd))
+        elif c.balancer:
+            b = bal[None, :, None, :]
+            variants[c] = Variant(k_hat=fake_quantize(k * b, spec, sd) / b)
+        else:
+            variants[c] = Variant(k_hat=fake_quantize(k, spec, sd))
+    return q, k, v, variants, bal, pre_ok
+
+
+def gear_variant(x, c: Candidate, block: int, scale_dtype: str = "float32"):
+    """What a GEAR layer with flush block ``block`` holds for ``x`` ``[B, H, T, D]``: blocks of
+    ``block`` tokens, each ``D_hat + S + L`` (``kvlens.quant.quantize_gear``, group metadata
+    ``scale_dtype``), the tail (a partial block, read from the window in the cache) the same
+    on its own."""
+
+    g = gear_settings()
+    out = []
+    for t0 in range(0, x.shape[2], block):
+        part = x[:, :, t0:t0 + block]
+        rank = min(g.rank, part.shape[2], part.shape[3])
+        out.append(quantize_gear(part, c.spec(), rank, g.outlier_fraction, g.power_iters,
+                                 scale_dtype=scale_dtype))
+    return torch.cat(out, dim=2)
+
+
+class _SetVariants:
+    """``Variant``s of MiKV set twins on one capture layer: each tensor measured alone, as for
+    every candidate, with the set the cache would keep (``kvlens.analysis.heavy_hitters``): for keys, the
+    H2O attention accumulated through the candidate's codes and the set's codes; for values
+    (keys exact) through exact keys, so one set per (heavy fraction, stream)."""
+
+    def __init__(self, q, k, v, attrs, opts: RecommendOptions):
+        self.q, self.k, self.v, self.attrs, self.opts = q, k, v, attrs, opts
+        self._recon: dict = {}
+        self._members: dict = {}
+
+    def reconstruction(self, tensor: str, bits: int):
+
+        if (tensor, bits) not in self._recon:
+            x = self.k if tensor == "key" else self.v
+            self._recon[tensor, bits] = set_reconstruction(x, bits)
+        return self._recon[tensor, bits]
+
+    def membership(self, key, k_read, k_set, fraction: float, stream: Stream):
+
+        if key not in self._members:
+            mikv = MikvSettings(fraction, self.opts.sink_tokens, "off")
+            self._members[key] = set_membership(
+                self.q, self.k, k_read, k_set, mikv, scaling=self.attrs.scaling,
+                residual_tokens=stream.residual, flush_tokens=stream.flush,
+                softcap=self.attrs.logit_softcap)
+        return self._members[key]
+
+    def variant(self, c: Candidate, base, stream: Stream, rows: slice):
+        """``c``'s variant with the layer's window moving as ``stream``, for the query
+        ``rows`` measured."""
+
+        bits, fraction = c.mikv_set
+        x_set = self.reconstruction(c.tensor, bits)
+        if c.tensor == "key":
+            member = self.membership((c, stream), base.k_hat, x_set, fraction, stream)
+            return Variant(k_hat=base.k_hat, in_set=member[:, :, rows], k_set=x_set)
+        member = self.membership((fraction, stream), self.k, self.k, fraction, stream)
+        return Variant(v_hat=base.v_hat, in_set=member[:, :, rows], v_set=x_set)
+
+
+def _fits(c: Candidate, stream: Stream) -> bool:
+    """Can ``c`` be stored in a layer whose window moves as ``stream``?"""
+
+    if c.gear and gear_settings().rank > stream.block:
+        return False
+    if c.granularity != "per-channel":
+        return True
+    try:  # the cache's own rule: the group and the code packing must divide the block
+        check_layout(c.spec(), stream.residual, 0, flush_tokens=stream.flush)
+    except ConfigError:
+        return False
+    return True
+
+
+def check_windows(head_dim: int, opts: RecommendOptions, cands: Sequence[Candidate]) -> None:
+    """Refuse a window size at which no (key, value) pair can be stored, naming the sizes
+    that can (with ``opts.group_sizes``, ``opts.flush_tokens`` and this ``head_dim``)."""
+    def storable(r: int) -> bool:
+        streams = [Stream(r, f) for f in opts.flush_options(r)]
+        return all(any(c.tensor == t and _fits(c, s) for c in cands for s in streams)
+                   for t in ("key", "value"))
+
+    bad = [r for r in opts.window_sizes if not storable(r)]
+    if bad:
+        ok = [r for r in range(1, 2 * max(max(opts.group_sizes), opts.flush_tokens) + 1)
+              if storable(r)]
+        raise InputError(f"No candidate can be stored with a window of {listed(bad)} tokens "
+                         f"(per-channel groups {listed(opts.group_sizes)} must divide the "
+                         f"flush block, per-token groups head_dim {head_dim}); allowed window "
+                         f"sizes up to {ok[-1] if ok else 0}: {format_index_spec(ok) or 'none'}"
+                         f"{' and above' if ok else ''}.")

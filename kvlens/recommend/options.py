@@ -1,0 +1,281 @@
+"""What ``recommend`` is asked and what it chooses among: ``RecommendOptions`` (every option,
+validated with errors that name the allowed values), ``Candidate`` (one way to store one tensor
+of one layer), ``Stream`` (how a layer's full-precision window moves), the constants they share,
+``default_tokens`` and ``listed`` (values joined for messages)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+from kvlens.cache.layout import FP_BYTES, SCALE_BYTES
+from kvlens.config.kvconfig import SET_BITS
+from kvlens.errors import InputError, is_int
+from kvlens.quant import QuantSpec
+from kvlens.quant.spec import FITS
+
+GRANULARITIES = ("per-channel", "per-token")
+GEAR_GROUP = 32  # GEAR twins are offered for KIVI's G32 grouping only (measuring cost)
+MIKV_GROUP = 32  # so are MiKV set twins (each is simulated while decoding: measuring cost)
+MIKV_FRACTION_MAX = 0.5  # largest heavy fraction offered (more is no longer a small set)
+SENSITIVITIES = ("auto", "model", "layout", "uniform")
+DEFAULT_WINDOWS = (32, 64, 128)  # the CLI's --windows (docs/recommend.md: why these)
+
+
+class Stream(NamedTuple):
+    """How a layer's full-precision window moves: it holds up to ``residual`` tokens and,
+    when full, quantizes its oldest ``flush`` (0 = the whole window, KIVI)."""
+
+    residual: int
+    flush: int
+
+    @property
+    def block(self) -> int:
+        """Tokens quantized together (a per-channel group must divide it)."""
+        return self.flush or self.residual
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to store one tensor of one layer."""
+
+    tensor: str  # "key" or "value"
+    bits: int
+    granularity: str
+    group_size: int
+    stage: str = "post"  # keys only: "pre" = quantize before RoPE
+    balancer: bool = False  # keys only: MiKV channel balancer
+    rotate: bool = False  # Hadamard rotation along head_dim (kvlens.quant.rotation)
+    gear: bool = False  # GEAR outliers + low-rank factors (gear_settings) beside the codes
+    # MiKV importance set (set_bits, heavy_fraction) beside the codes; None: sinks only
+    mikv_set: tuple[int, float] | None = None
+    fit: str = "minmax"  # how each group's scale and zero are chosen (QuantSpec.fit)
+
+    @property
+    def short(self) -> str:
+        axis = "ch" if self.granularity == "per-channel" else "tok"
+        extra = (" pre" if self.stage == "pre" else "") + (" bal" if self.balancer else "") + \
+            (" rot" if self.rotate else "") + (" gear" if self.gear else "") + \
+            (f" set{self.mikv_set[0]}@{self.mikv_set[1]:g}" if self.mikv_set else "") + \
+            (" mse" if self.fit == "mse" else "")
+        return f"{self.bits}b {axis} G{self.group_size}{extra}"
+
+    @property
+    def label(self) -> str:
+        extra = (" pre-RoPE" if self.stage == "pre" else "") + \
+            (" +bal" if self.balancer else "") + (" +rotation" if self.rotate else "") + \
+            (" +GEAR" if self.gear else "") + \
+            (f" +MiKV set {self.mikv_set[1]:g} INT{self.mikv_set[0]}" if self.mikv_set else "") + \
+            (" mse-fit" if self.fit == "mse" else "")
+        return f"{self.bits}b {self.granularity} G{self.group_size}{extra}"
+
+    @property
+    def base(self) -> Candidate:
+        """The same storage without the MiKV set."""
+        return replace(self, mikv_set=None)
+
+    def spec(self):
+
+        return QuantSpec(self.bits, self.granularity, self.group_size, fit=self.fit)
+
+
+@dataclass(frozen=True)
+class RecommendOptions:
+    budget_bits: float
+    context: int = 4096
+    residual_tokens: int = 128  # the window when ``windows`` is None (one size for every layer)
+    windows: tuple[int, ...] | None = None  # window sizes each layer chooses among
+    # 3-bit codes (dense, 3 bits each) are offered only when asked: at 3.0 bits they measured
+    # no better on average on either model (a Gemma3 allocation with them lost on one unseen
+    # text and won on another; docs/vs-llamacpp.md#dense-3-bit-codes-2026-12-02-last)
+    bits: tuple[int, ...] = (2, 4, 8)
+    group_sizes: tuple[int, ...] = (32, 64, 128)
+    pre_rope: str = "auto"  # auto: offer pre-RoPE keys when the capture has RoPE; on; off
+    balancer: bool = True
+    rotation: bool = True  # offer Hadamard-rotated per-token keys and values
+    balancer_exponent: float = 0.5
+    # capture samples the error tables are measured on (None: all). All four 512-token samples
+    # instead of the first alone took Gemma3-270M's 3.0-bit KLD from 0.097 to 0.075 on held-out
+    # text and 0.123 to 0.100 on a never-seen text (docs/recommend.md#calibration-text)
+    samples: int | None = None
+    tokens: int | None = 256
+    layer_weights: tuple[float, ...] | None = None
+    # uniform | model | layout | auto (layout when the capture's model is loadable); model: a
+    # weight per layer (``kvlens.recommend.sensitivity.sensitivity_weights``); layout: and a
+    # factor per storage family (``kvlens.recommend.sensitivity.layout_factors``)
+    sensitivity: str = "uniform"
+    model: str | None = None  # model for sensitivity (default: the capture's model source)
+    name: str = "recommended"
+    flush_tokens: int = 32  # smallest flush block of the sliding window; 0 = whole window (KIVI)
+    sink_tokens: int = 4  # first tokens kept at full precision (attention sinks)
+    retrieval: str = "auto"  # add the retrieval probe's errors: auto (when the model loads), on, off
+    retrieval_weight: float = 1.0
+    retrieval_tokens: int = 960
+    prefer_fast: bool = False  # only layouts the fused (Triton) decode kernel reads
+    # where the model loaded for sensitivity/retrieval goes (kvlens.model.placement; None = one device)
+    device_map: str | None = None
+    max_memory: str | None = None
+    offload_folder: str | None = None
+    gear: bool = True  # offer GEAR twins of the plain G32 candidates (not with prefer_fast)
+    # offer MiKV set twins (heavy hitters at set_bits) of the G32 candidates up to 4 bits, for
+    # every (set_bits, heavy_fraction) combination (not with prefer_fast)
+    mikv: bool = True
+    mikv_set_bits: tuple[int, ...] = (4, 8)
+    mikv_fractions: tuple[float, ...] = (0.1, 0.2)
+    # scale/zero fits offered for the plain, pre-RoPE, balanced and rotated codes, per tensor
+    # (QuantSpec.fit); GEAR and MiKV twins take the first; each fit is a family of its own
+    # for --sensitivity layout. Keys: min/max only by default (docs/recommend.md#the-scale-fit:
+    # fitted keys measured worse than the proxy expects, even with a KL rate of their own)
+    key_fits: tuple[str, ...] = ("minmax",)
+    value_fits: tuple[str, ...] = ("minmax", "mse")
+    # dtype of the full-precision parts (window, sinks, sets, GEAR outliers): the config's
+    # fp_dtype; float8_e4m3fn halves their bytes, but the error proxy reads them exact
+    # (docs/recommend.md#fp8-windows: it pays at 3.0 bits on both models, costs at 4.0)
+    fp_dtype: str = "float16"
+    # how each group's scale and zero are stored: the config's scale_dtype; "8bit" (default)
+    # halves their bytes (kvlens.quant.meta8) and the error proxy measures the 8-bit grid
+    # (docs/recommend.md#8-bit-group-metadata); the Triton kernel decodes the bytes itself
+    scale_dtype: str = "8bit"
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.budget_bits, (int, float)) and 0 < self.budget_bits <= 16):
+            raise InputError(f"--budget-bits must be in (0, 16], got {self.budget_bits}.")
+        self._check_windows()
+        if self.samples is not None and not is_int(self.samples, 1):
+            raise InputError(f"--samples must be a positive number of capture samples (or "
+                             f"omitted: all of them), got {self.samples!r}.")
+        r = max(self.window_sizes)
+        if self.context <= r:
+            raise InputError(f"--context {self.context} must exceed the residual window "
+                             f"({r} tokens).")
+        if self.sensitivity not in SENSITIVITIES:
+            raise InputError(f"Unknown --sensitivity {self.sensitivity!r}; allowed: "
+                             f"{listed(SENSITIVITIES)}.")
+        if self.retrieval not in ("auto", "on", "off"):
+            raise InputError(f"Unknown --retrieval {self.retrieval!r}; allowed: auto, on, off.")
+        if not self.retrieval_weight >= 0:
+            raise InputError(f"--retrieval-weight must be >= 0, got {self.retrieval_weight}.")
+        if self.retrieval_tokens <= r + 64:
+            raise InputError(f"The retrieval probe ({self.retrieval_tokens} tokens) must be well "
+                             f"beyond the residual window ({r}).")
+        if self.pre_rope not in ("auto", "on", "off"):
+            raise InputError(f"Unknown --pre-rope {self.pre_rope!r}; allowed: auto, on, off.")
+        if self.prefer_fast and self.pre_rope == "on":
+            raise InputError("--prefer-fast keeps only layouts the fused decode kernel reads, "
+                             "and it does not read pre-RoPE keys; use --pre-rope auto or off.")
+
+        if self.fp_dtype not in FP_BYTES:
+            raise InputError(f"--window-dtype {self.fp_dtype!r}: allowed {listed(FP_BYTES)}.")
+        if self.scale_dtype not in SCALE_BYTES:
+            raise InputError(f"--scale-dtype {self.scale_dtype!r}: allowed "
+                             f"{listed(SCALE_BYTES)}.")
+
+        for flag, fits in (("--key-fits", self.key_fits), ("--value-fits", self.value_fits)):
+            if not fits or any(f not in FITS for f in fits) or len(set(fits)) != len(fits):
+                raise InputError(f"{flag} {','.join(fits) or '(empty)'}: give one or both of "
+                                 f"{listed(FITS)}, each once.")
+        bad = [b for b in self.bits if b not in (2, 3, 4, 8)]
+        if bad:
+            raise InputError(f"Unsupported bit widths {bad}; allowed: 2, 3, 4, 8.")
+        bad = [g for g in self.group_sizes
+               if g <= 0 or all(w % g for w in self.window_sizes)]
+        if bad:
+            raise InputError(f"Group sizes {bad} do not divide the residual window "
+                             f"({listed(self.window_sizes)}), which per-channel keys need.")
+        f = self.flush_tokens
+        if f < 0 or f % 4 or any(f % g for g in self.group_sizes if g < f):
+            raise InputError(f"--flush {f} must be 0 (flush the whole window) or a multiple of "
+                             "4 and of the smaller group sizes (a block >= the residual window "
+                             "also flushes it whole).")
+        if self.sink_tokens < 0:
+            raise InputError(f"--sinks must be >= 0, got {self.sink_tokens}.")
+
+        bad = [b for b in self.mikv_set_bits if b not in SET_BITS]
+        if bad or not self.mikv_set_bits:
+            raise InputError(f"Unsupported --mikv-bits {bad or 'none'}; allowed: "
+                             f"{', '.join(map(str, SET_BITS))} (the MiKV set's integer widths).")
+        bad = [f for f in self.mikv_fractions if not 0 < f <= MIKV_FRACTION_MAX]
+        if bad or not self.mikv_fractions:
+            raise InputError(f"Unsupported --mikv-fractions {bad or 'none'}; allowed: fractions "
+                             f"in (0, {MIKV_FRACTION_MAX}] (MiKV's published 0.2, e.g. 0.1,0.2).")
+        if self.tokens is not None and self.tokens <= max(r, self.score_from):
+            raise InputError(f"--tokens {self.tokens} must exceed "
+                             + (f"three times the largest window ({self.score_from}): with several "
+                                "windows errors are scored on the queries from there on, "
+                                f"e.g. --tokens {default_tokens(self.window_sizes)}."
+                                if self.score_from else
+                                f"the residual window ({r}): errors are measured on the "
+                                "queries that read quantized history."))
+
+    def _check_windows(self) -> None:
+        if self.windows is not None and not self.windows:
+            raise InputError("--windows is empty; give one or more window sizes (tokens), "
+                             f"e.g. {listed(DEFAULT_WINDOWS, ',')}.")
+        bad = [w for w in self.window_sizes if not is_int(w, 1)]
+        if bad:
+            raise InputError(f"Window sizes {bad} are not allowed; allowed: positive integers "
+                             f"(tokens kept at full precision), e.g. "
+                             f"{listed(DEFAULT_WINDOWS, ',')}.")
+
+    @property
+    def window_sizes(self) -> tuple[int, ...]:
+        """The full-precision window sizes a layer chooses among, ascending."""
+        if self.windows is None:
+            return (self.residual_tokens,)
+        return tuple(sorted(set(self.windows)))
+
+    @property
+    def score_from(self) -> int:
+        """First query scored for the text errors: 0 with one window (every query, as
+        before); with several, three times the largest window, so that every option is
+        compared on the same queries, each with a quantized history at least twice as long as
+        the largest window (docs/recommend.md: on shorter histories the proxy overstates what
+        a larger window buys)."""
+        sizes = self.window_sizes
+        return 3 * max(sizes) if len(sizes) > 1 else 0
+
+    def layer_flush(self, *cands: Candidate, residual: int | None = None) -> int:
+        """``flush_tokens`` of a layer storing ``cands`` with a window of ``residual`` tokens
+        (default: the largest offered): the sliding block, raised to the per-channel group
+        sizes (a group needs all its tokens); 0 when that is the whole window (the KIVI
+        default)."""
+        r = max(self.window_sizes) if residual is None else residual
+        if not self.flush_tokens:
+            return 0
+        f = max([self.flush_tokens] + [c.group_size for c in cands
+                                        if c.granularity == "per-channel"])
+        return 0 if f >= r else f
+
+    def fits_for(self, tensor: str) -> tuple[str, ...]:
+        """The scale fits offered for ``tensor`` ("key" or "value")."""
+        return self.key_fits if tensor == "key" else self.value_fits
+
+    def mikv_sets(self) -> list[tuple[int, float]]:
+        """The global (set_bits, heavy_fraction) combinations offered (none: ``[]``)."""
+        if not self.mikv or self.prefer_fast:
+            return []
+        return [(b, f) for b in sorted(set(self.mikv_set_bits))
+                for f in sorted(set(self.mikv_fractions))]
+
+    def flush_options(self, residual: int | None = None) -> list[int]:
+        """Every flush block a layer with a ``residual``-token window can end up with (see
+        ``layer_flush``)."""
+        gs = [Candidate("key", 2, "per-channel", g) for g in self.group_sizes]
+        return sorted({self.layer_flush(residual=residual)} |
+                      {self.layer_flush(c, residual=residual) for c in gs})
+
+    def streams(self) -> list[Stream]:
+        """Every (window, flush block) a layer can end up with."""
+        return [Stream(r, f) for r in self.window_sizes for f in self.flush_options(r)]
+
+
+def default_tokens(windows: Sequence[int]) -> int:
+    """Capture tokens to measure errors on: 256 with one window (as before), four times the
+    largest window with several (512 at the default windows: the last quarter scored)."""
+    return 256 if len(set(windows)) <= 1 else 4 * max(windows)
+
+
+def listed(values, sep: str = ", ") -> str:
+    """``values`` joined by ``sep`` for a message: ``(2, 4, 8)`` -> ``"2, 4, 8"``."""
+    return sep.join(str(v) for v in values)

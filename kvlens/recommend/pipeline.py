@@ -1,0 +1,123 @@
+"""The ``recommend`` pipeline: measure a capture once (``measure`` -> ``Measurements``), then
+allocate for any budget (``choose``); ``recommend`` does both.
+
+``measure`` reads one capture layer at a time: every candidate's errors
+(``kvlens.recommend.measure``), then, when the model loads (``kvlens.recommend.probe``), the
+layer weights (``kvlens.recommend.sensitivity``) and the retrieval probe's errors. ``choose``
+solves the allocation and builds the config (``kvlens.recommend.allocate``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvlens.analysis.compare import torch_threads
+from kvlens.cache.layout import shape_of_capture
+from kvlens.capture.store import open_capture
+from kvlens.errors import InputError
+from kvlens.recommend.allocate import assemble
+from kvlens.recommend.candidates import candidates
+from kvlens.recommend.measure import check_windows, measure_layer
+from kvlens.recommend.options import RecommendOptions
+from kvlens.recommend.probe import add_retrieval_errors, load_model_for
+from kvlens.recommend.result import Recommendation
+from kvlens.recommend.sensitivity import layout_factors, probe_candidates, sensitivity_weights
+
+ProgressFn = Callable[[int, int, str], None]
+
+
+@dataclass
+class Measurements:
+    """Everything ``recommend`` measured on a capture; ``choose`` allocates from it for any
+    budget without measuring again."""
+
+    meta: Any
+    tables: list[dict]  # per layer: {Candidate: (output_err, score_err, recon_err)}
+    balancers: dict[int, Any]
+    weights: tuple[float, ...]
+    notes: list[str]
+    windows: tuple[int | None, ...] = ()  # per layer sliding window (None = global)
+    # per layer {storage family: factor on top of the layer weight} (--sensitivity layout)
+    factors: tuple[dict, ...] = ()
+
+
+def recommend(path: str | Path, opts: RecommendOptions,
+              progress: ProgressFn | None = None) -> Recommendation:
+    """Measure every candidate on the capture, allocate under the budget, build the config."""
+    return choose(measure(path, opts, progress), opts)
+
+
+def measure(path: str | Path, opts: RecommendOptions,
+            progress: ProgressFn | None = None) -> Measurements:
+    """Per-layer candidate errors, fitted balancers and layer sensitivity weights."""
+
+    # One thread: these many small attention passes run several times faster than with two
+    # threads on a 2-core machine (measured: 0.6-0.8 s vs 2-15 s per SmolLM2 layer). The
+    # model's forwards (sensitivity) get the threads the caller had.
+    threads = torch.get_num_threads()
+    with open_capture(path) as cap, torch_threads(1):
+        meta = cap.meta
+        if tuple(meta.layers) != tuple(range(meta.num_layers)):
+            raise InputError(f"{path} captures layers {list(meta.layers)}, but a recommendation "
+                             f"needs all {meta.num_layers}; re-run `kvlens capture` without "
+                             "--layers.")
+        if opts.layer_weights and len(opts.layer_weights) != meta.num_layers:
+            raise InputError(f"{len(opts.layer_weights)} layer weights given for "
+                             f"{meta.num_layers} layers.")
+        if opts.pre_rope == "on" and not meta.has_rope:
+            raise InputError(f"Pre-RoPE keys were requested but {path} has no pre-RoPE data: "
+                             f"{meta.model} has no rotary embedding (q_pre/k_pre equal q/k). "
+                             "Use --pre-rope auto or off.")
+        cands = candidates(meta.head_dim, opts, meta.has_rope)
+        check_windows(meta.head_dim, opts, cands)
+        probes = probe_candidates(meta.head_dim)
+        tables, balancers, notes, windows = [], {}, [], []
+        for i, layer in enumerate(cap.iter_layers()):
+            windows.append(layer.attrs.sliding_window or None)
+            table, bal, pre_ok = measure_layer(layer, meta, cands + [
+                p for p in probes if p not in cands], opts, plain=probes)
+            if opts.pre_rope == "on" and not pre_ok:
+                raise InputError(f"Pre-RoPE keys were requested but the RoPE of {meta.model} "
+                                 "cannot be rebuilt from the capture's config (scaled RoPE?).")
+            if not pre_ok and meta.has_rope and opts.pre_rope == "auto" and not notes:
+                notes.append(f"pre-RoPE candidates skipped from layer {layer.index} on where "
+                             "default RoPE at no theta rebuilds the stored keys from the "
+                             "stored pre-RoPE keys (scaled RoPE?)")
+            tables.append(table)
+            if bal is not None:
+                balancers[layer.index] = bal
+            if progress:
+                progress(i + 1, meta.num_layers, f"layer {layer.index}")
+        need = (opts.sensitivity != "uniform" and not opts.layer_weights) or \
+            opts.retrieval != "off"
+        model, tokenizer = load_model_for(cap, opts, notes) if need else (None, None)
+        with torch_threads(threads):
+            weights = opts.layer_weights or sensitivity_weights(cap, model, opts, tables,
+                                                                probes, notes, progress)
+        if model is not None and opts.retrieval != "off" and opts.retrieval_weight > 0:
+            add_retrieval_errors(model, tokenizer, cands, opts, tables, balancers, notes,
+                                 progress)
+        factors: tuple[dict, ...] = ()
+        if opts.sensitivity in ("layout", "auto") and model is not None \
+                and not opts.layer_weights:
+            with torch_threads(threads):
+                weights, factors = layout_factors(cap, model, opts, cands, balancers, notes,
+                                                  progress)
+    wanted = set(candidates(meta.head_dim, opts, meta.has_rope))
+    tables = [{cf: e for cf, e in t.items() if cf[0] in wanted and cf[1] is not None}
+              for t in tables]
+    return Measurements(meta, tables, balancers, tuple(weights), notes, tuple(windows),
+                        factors)
+
+
+def choose(m: Measurements, opts: RecommendOptions) -> Recommendation:
+    """Allocate under ``opts.budget_bits`` from earlier measurements and build the config."""
+    tables = [{k: e for k, e in t.items() if k[0].fit in opts.fits_for(k[0].tensor)}
+              for t in m.tables]  # measured with more fits than offered now: drop the rest
+    return assemble(m.meta, opts, tables, m.balancers, m.weights, list(m.notes),
+                    shape_of_capture(m.meta, m.windows), m.factors)

@@ -1,0 +1,103 @@
+"""What a layer's choice costs, in bytes held and bytes read.
+
+**Held bytes** of a layer's (key, value, window, flush) choice (``option_bytes``): what that
+layer of the cache holds after ``L`` tokens (``RecommendOptions.context``, default 4096), from
+``kvlens.cache.layout`` (the same description the cache allocates by, tested against held
+bytes): codes at their bits (dense), scales and zeros, the window buffer (``R`` tokens, ``R``
+chosen per layer from ``windows``), the sink tokens' copies and positions, pre-RoPE positions,
+balancers, GEAR's outlier values and indices and low-rank factors, MiKV sets (codes, scales,
+positions, H2O mask and accumulators); a sliding-window layer counts only what it keeps. The
+budget is in bits per element relative to an fp16 cache of the same tokens
+(``tensor_fp16_bytes``; 16 = as big as fp16). The model's shape comes from the capture
+(``kvlens.cache.layout.shape_of_capture``).
+
+**Decode cost** (``decode_costs``): the bytes one decode step reads at ``L`` tokens for the
+recommendation and the presets (``kvlens.cache.decode_cost``: a documented model, not a
+timing) and whether the fused Triton kernel reads every layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvlens.cache.decode_cost import config_decode_cost
+from kvlens.cache.gear import part_bytes
+from kvlens.cache.layout import (
+    FP_BYTES,
+    SCALE_BYTES,
+    flush_every,
+    layer_part_bytes,
+    packed_bytes,
+    stream_state,
+)
+from kvlens.config.kvconfig import LayerKV, MikvSettings, preset
+from kvlens.config.rules import check_layout
+from kvlens.errors import ConfigError
+from kvlens.recommend.candidates import gear_settings
+from kvlens.recommend.options import Candidate, RecommendOptions
+
+
+def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOptions, shape,
+                 layer: int, residual: int | None = None) -> tuple[int, int, int]:
+    """``(total, key share, value share)`` bytes that ``layer`` of the cache holds after
+    ``opts.context`` tokens storing keys ``kc`` and values ``vc`` with a window of
+    ``residual`` tokens (default: the largest offered) and flush block ``flush``
+    (``kvlens.cache.layout``: what the cache allocates; a sliding layer counts what it keeps).
+    The shares split what both tensors use (window, sink copies, positions) evenly; they are
+    for display."""
+
+    r = max(opts.window_sizes) if residual is None else residual
+    setting = LayerKV(kc.spec(), vc.spec(), r, kc.stage == "pre",
+                      flush_tokens=flush, rotate_keys=kc.rotate, rotate_values=vc.rotate)
+    w = shape.window(layer)
+    mikv = _layer_mikv(kc, opts)
+    fp, sb = FP_BYTES[opts.fp_dtype], SCALE_BYTES[opts.scale_dtype]
+    parts = layer_part_bytes(setting, tokens=opts.context, head_dim=shape.head_dim,
+                             kv_heads=shape.kv_heads, mikv=mikv, balancer=kc.balancer,
+                             sliding_window=w, gear=gear_settings() if kc.gear else None,
+                             fp_bytes=fp, scale_bytes=sb)
+    total = sum(parts.values())
+    held = stream_state(setting, opts.context, w).q_held
+    f = flush_every(setting)
+    own = [shape.kv_heads * (sum(packed_bytes(c.spec(), held, f, shape.head_dim, sb)) + (
+        sum(part_bytes(c.spec(), gear_settings(), held, f, shape.head_dim, fp)) if c.gear
+        else 0)) for c in (kc, vc)]
+    shared = (total - sum(own)) / 2
+    return total, own[0] + shared, own[1] + shared
+
+
+def _layer_mikv(c: Candidate, opts: RecommendOptions):
+    """The MiKV settings a layer storing ``c`` keeps its set with (what the written config's
+    ``mikv_for`` gives that layer): heavy hitters at ``c.mikv_set``, else the sinks at fp16."""
+
+    if c.mikv_set:
+        bits, fraction = c.mikv_set
+        return MikvSettings(fraction, opts.sink_tokens, "off", set_bits=bits)
+    return MikvSettings(0.0, opts.sink_tokens, "off") if opts.sink_tokens else None
+
+
+def tensor_fp16_bytes(shape, layer: int, context: int) -> int:
+    """Bytes of one tensor (K or V) of ``layer`` in an fp16 cache after ``context`` tokens."""
+    return shape.kv_heads * shape.visible_tokens(layer, context) * shape.head_dim * 2
+
+
+COST_PRESETS = ("fp16", "kivi-2", "kivi-4", "per-token-4")
+
+
+def decode_costs(config, shape, context: int) -> list[tuple[str, Any]]:
+    """``[(name, kvlens.cache.decode_cost.DecodeCost)]`` at ``context`` tokens: the
+    recommendation first, then the presets of ``COST_PRESETS`` that fit the model."""
+
+    rows = [(config.name, config_decode_cost(config, shape, context))]
+    for name in COST_PRESETS:
+        cfg = preset(name)
+        try:
+            for s in (cfg.default, *cfg.layers.values()):
+                for spec in (s.key, s.value):
+                    if spec is not None:
+                        check_layout(spec, s.residual_tokens, shape.head_dim,
+                                     flush_tokens=s.flush_tokens)
+        except ConfigError:  # e.g. G=64 per-token groups on a head_dim-16 model
+            continue
+        rows.append((name, config_decode_cost(cfg, shape, context)))
+    return rows

@@ -1,0 +1,85 @@
+"""The model ``recommend`` loads beside the capture, and the retrieval probe it runs with it.
+
+``model_spec_from_capture`` names the captured model; ``load_model_for`` loads it (or
+``--model``) for the layer weights and the probe, or notes why not when the ``auto`` settings
+allow going without. ``add_retrieval_errors`` captures the model on a retrieval prompt
+(``kvlens.text.prompts``) and adds each candidate's error at the answer position to its text
+errors.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from kvlens.capture.run import capture_model
+from kvlens.capture.store import open_capture
+from kvlens.errors import InputError, KvlensError, PlacementError
+from kvlens.model.architecture import describe
+from kvlens.model.load import load_model
+from kvlens.model.placement import input_device
+from kvlens.recommend.measure import measure_layer
+from kvlens.recommend.options import RecommendOptions
+from kvlens.text.prompts import retrieval_text
+
+
+def model_spec_from_capture(meta) -> str | None:
+    """The ``--model`` string that reloads the captured model, if the capture says."""
+    kind, _, where = meta.model_source.partition(":")
+    return where if kind in ("gguf", "dir", "hub") and where else None
+
+
+def load_model_for(cap, opts: RecommendOptions, notes: list[str]):
+    """The capture's model (or ``opts.model``) for sensitivity and the retrieval probe:
+    ``(model, tokenizer)``, or ``(None, None)`` with a note when "auto" settings allow."""
+
+    meta = cap.meta
+    spec = opts.model or model_spec_from_capture(meta)
+    try:
+        if spec is None:
+            raise InputError(f"{cap.path} does not say which model it came from; pass --model.")
+
+        model, tokenizer, _ = load_model(spec, device_map=opts.device_map,
+                                         max_memory=opts.max_memory,
+                                         offload_folder=opts.offload_folder)
+        info = describe(model)
+        if (info.num_layers, info.head_dim, info.num_key_value_heads) != (
+                meta.num_layers, meta.head_dim, meta.num_key_value_heads):
+            raise InputError(f"Model {spec} does not match the capture (layers/head_dim/KV "
+                             "heads differ).")
+    except KvlensError as exc:
+        required = (opts.sensitivity in ("model", "layout") and not opts.layer_weights) or \
+            opts.retrieval == "on"
+        if required or isinstance(exc, PlacementError):  # a placement asked for must work
+            raise
+        notes.append(f"uniform layer weights and no retrieval probe: the model is unavailable "
+                     f"({exc})")
+        return None, None
+    return model, tokenizer
+
+
+def add_retrieval_errors(model, tokenizer, cands, opts, tables, balancers, notes, progress):
+    """Add ``retrieval_weight`` x each candidate's error at the retrieval probe's answer
+    position (``kvlens.text.prompts``) to the text errors in ``tables``."""
+
+    text, _ = retrieval_text(tokenizer, opts.retrieval_tokens)
+    ids = tokenizer(text, return_tensors="pt").input_ids.to(input_device(model))
+    probe_opts = replace(opts, samples=None, tokens=None)
+    with tempfile.TemporaryDirectory(prefix="kvlens-probe-") as tmp:
+        path = Path(tmp) / "probe.h5"
+        capture_model(model, ids, path)
+        with open_capture(path) as cap:
+            n = cap.meta.num_layers
+            for i, layer in enumerate(cap.iter_layers()):
+                extra, _, _ = measure_layer(layer, cap.meta, cands, probe_opts, queries=4,
+                                            balancer=balancers.get(layer.index))
+                table = tables[i]
+                for key, (out, _, _) in extra.items():
+                    if key in table:
+                        o, sc, rc = table[key]
+                        table[key] = (o + opts.retrieval_weight * out, sc, rc)
+                if progress:
+                    progress(i + 1, n, f"retrieval probe layer {layer.index}")
+    notes.append(f"errors include a retrieval probe ({ids.shape[1]} tokens, answer position, "
+                 f"weight {opts.retrieval_weight:g}): see kvlens.text.prompts")

@@ -1,0 +1,111 @@
+"""Layer weights (and per-layout factors) for the allocation's objective.
+
+With ``sensitivity="model"`` each layer gets a weight ``w_l`` = KL damage of the real model's
+predictions per unit of attention-output error, measured by probe-quantizing that layer alone
+(``kvlens.analysis.sensitivity``; ``sensitivity_weights``, probes from ``probe_candidates``);
+``layout`` (and ``auto`` when the model loads) measures a rate per layer and storage family
+(``layout_factors``); ``uniform`` sets ``w_l = 1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kvlens.analysis.compare import torch_threads
+from kvlens.analysis.metrics import attention_errors_many
+from kvlens.analysis.sensitivity import (
+    PROBE_BITS,
+    PROBE_GROUP,
+    layer_kl,
+    perturbed_kl,
+    weights_from,
+)
+from kvlens.model.placement import input_device
+from kvlens.recommend.candidates import family, family_probes
+from kvlens.recommend.measure import layer_variants
+from kvlens.recommend.options import Candidate
+
+
+def probe_candidates(head_dim: int) -> tuple[Candidate, Candidate]:
+    """The (key, value) candidates that ``kvlens.analysis.sensitivity`` probe-quantizes a layer
+    with: ``PROBE_BITS`` per-token at ``PROBE_GROUP`` (the whole head when it does not divide
+    ``head_dim``)."""
+    g = PROBE_GROUP if head_dim % PROBE_GROUP == 0 else head_dim
+    return (Candidate("key", PROBE_BITS, "per-token", g),
+            Candidate("value", PROBE_BITS, "per-token", g))
+
+
+def sensitivity_weights(cap, model, opts, tables, probes, notes, progress
+                        ) -> tuple[float, ...]:
+    """Per-layer weights for ``--sensitivity model``: the model's KL when ``probes`` quantize
+    one layer, per unit of their attention-output error in ``tables`` (every token quantized);
+    all 1 for the other settings or without a model."""
+    meta = cap.meta
+    if opts.sensitivity in ("uniform", "layout", "auto") or model is None:
+        return (1.0,) * meta.num_layers
+    n = meta.num_tokens if opts.tokens is None else min(opts.tokens, meta.num_tokens)
+    ids = cap.tokens()[:1, :n].to(input_device(model))
+    kl = layer_kl(model, ids, list(meta.layers), progress, group_size=probes[0].group_size)
+    # the probe quantizes every token of the layer, so its error is measured that way too
+    probe_err = [t[probes[0], None][0] + t[probes[1], None][0] for t in tables]
+    weights = weights_from(kl, probe_err)
+    notes.append("layer weights from measured sensitivity (KL per unit output error): "
+                 f"min {min(weights):.2f}, max {max(weights):.2f} "
+                 f"(layer {weights.index(max(weights))})")
+    return tuple(weights)
+
+
+def layout_factors(cap, model, opts, cands, balancers, notes, progress):
+    """``(layer weights, per-layer {family: factor})`` for ``--sensitivity layout``: for every
+    layer and storage family, the model's KL when only that layer's keys (or values) are
+    replaced by the family probe's reconstruction (every token quantized), per unit of the
+    probe's attention-output error on the same queries (the capture's first sample, KL and
+    error on its last half). The rates are normalised to mean 1 over all layers and families;
+    the layer weight is a layer's mean rate, a family's factor its rate over that mean (so
+    weight x factor is the rate). A first-order rate, like ``--sensitivity model``, but
+    one per layout: the rate at which a layout's output error becomes KL differs between
+    layouts (Gemma3-270M, docs/vs-llamacpp.md)."""
+
+    meta = cap.meta
+    n = meta.num_tokens if opts.tokens is None else min(opts.tokens, meta.num_tokens)
+    keep = n // 2
+    ids = cap.tokens()[:1, :n].to(input_device(model))
+    probes = family_probes(cands)
+    one = replace(opts, samples=1, tokens=n)
+    rates: list[dict] = []
+    with perturbed_kl(model, ids, keep) as kl:
+        for i, layer in enumerate(cap.iter_layers()):
+            with torch_threads(1):  # small attention passes: one thread (see measure)
+                q, k, v, variants, _, _ = layer_variants(layer, meta, probes, one,
+                                                         balancers.get(layer.index))
+                got = [c for c in probes if variants.get(c) is not None]
+                la = layer.attrs
+                errs = attention_errors_many(q[:, :, n - keep:], k, v,
+                                             [variants[c] for c in got], scaling=la.scaling,
+                                             sliding_window=la.sliding_window,
+                                             softcap=la.logit_softcap, reconstruction=False)
+            row = {}
+            for c, e in zip(got, errs):
+                var, err = variants[c], float(e.output.mean())
+                damage = kl(layer.index, key=var.k_hat - k) if c.tensor == "key" else \
+                    kl(layer.index, value=var.v_hat - v)
+                if err > 0:
+                    row[family(c)] = damage / err
+            rates.append(row)
+            if progress:
+                progress(i + 1, meta.num_layers, f"layout sensitivity layer {layer.index}")
+    known = [r for row in rates for r in row.values()]
+    mean = sum(known) / len(known) if known and sum(known) > 0 else 1.0
+    weights, factors = [], []
+    for row in rates:
+        w = sum(row.values()) / len(row) / mean if row else 1.0
+        weights.append(w)
+        factors.append({f: r / mean / w if w > 0 else 1.0 for f, r in row.items()})
+    spread = [max(f.values()) / min(f.values()) for f in factors
+              if f and min(f.values()) > 0]
+    measured = max((len(row) for row in rates), default=0)
+    notes.append(f"layer weights and per-layout factors from measured KL ({measured} storage "
+                 f"families per layer, KL on the last {keep} of {n} capture tokens): weights "
+                 f"{min(weights):.2f}-{max(weights):.2f}, largest factor ratio within a layer "
+                 f"{max(spread, default=1.0):.1f}")
+    return tuple(weights), tuple(factors)
