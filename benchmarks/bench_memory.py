@@ -68,7 +68,7 @@ def main() -> None:
     from kvlens.cache import compressed_attention, memory_report
     from kvlens.cache.cache import shape_of
     from kvlens.cache.layout import config_bits
-    from kvlens.config.kvconfig import resolve
+    from kvlens.config import resolve
     from kvlens.model.load import load_model
     from kvlens.text.corpus import load_text
 

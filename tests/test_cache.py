@@ -15,7 +15,7 @@ from kvlens.cache.attention import packed_attention, select_backend
 from kvlens.cache.layer import CompressedLayer
 from kvlens.cache.layout import packed_bytes
 from kvlens.cache.packed import PackedTensor
-from kvlens.config.kvconfig import KVConfig, LayerKV, MikvSettings, preset
+from kvlens.config import KVConfig, LayerKV, MikvSettings, preset
 from kvlens.errors import BackendError, ConfigError
 from kvlens.model.hooks import cache_argument_name
 from kvlens.quant import QTensor, QuantSpec, dequantize, quantize

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from kvlens.capture.store import CaptureMeta, LayerAttrs, write_capture
 from kvlens.cli import app
-from kvlens.config.kvconfig import load_config
+from kvlens.config import load_config
 from kvlens.deploy.kld_model import fit_kld_model
 from kvlens.deploy.targets import TargetOptions, pareto, recommend_target
 from kvlens.errors import ConfigError, InputError

@@ -16,7 +16,7 @@ from kvlens.cache.gear import GearTensor, part_bytes
 from kvlens.cache.layer import CompressedLayer
 from kvlens.cache.mixed import dequantize_rows, quantize_rows, set_bytes_per_token
 from kvlens.cache.packed import PackedTensor
-from kvlens.config.kvconfig import (
+from kvlens.config import (
     PRESETS,
     GearSettings,
     KVConfig,

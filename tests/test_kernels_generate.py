@@ -25,7 +25,7 @@ from kvlens.cache.attention import (  # noqa: E402
     triton_unsupported,
 )
 from kvlens.cache.layer import CompressedLayer  # noqa: E402
-from kvlens.config.kvconfig import LayerKV, MikvSettings, preset  # noqa: E402
+from kvlens.config import LayerKV, MikvSettings, preset  # noqa: E402
 from kvlens.errors import BackendError  # noqa: E402
 from kvlens.model.hooks import cache_argument_name  # noqa: E402
 from kvlens.quant import QuantSpec  # noqa: E402

@@ -22,7 +22,7 @@ from kvlens.cache.cache import shape_of
 from kvlens.cache.layout import ModelShape, config_device_bytes, config_part_bytes
 from kvlens.capture.run import capture_model
 from kvlens.capture.store import open_capture
-from kvlens.config.kvconfig import preset
+from kvlens.config import preset
 from kvlens.errors import PlacementError
 from kvlens.evaluation.evaluate import greedy
 from kvlens.model.load import load_model

@@ -28,7 +28,7 @@ from kvlens.cache.layer import CompressedLayer, DenseTensor
 from kvlens.cache.layout import PARTS, ModelShape
 from kvlens.cache.mixed import SetRows
 from kvlens.cache.packed import PackedTensor
-from kvlens.config.kvconfig import KVConfig, validate_for
+from kvlens.config import KVConfig, validate_for
 from kvlens.errors import ConfigError
 from kvlens.model.architecture import describe
 from kvlens.model.hooks import attention_override, rope_frequency_candidates, rope_inputs

@@ -141,7 +141,7 @@ def generate(
 def _options(config, preset_name, compare, prompt, prompt_file, max_new_tokens, evals, text,
              backend, ppl_tokens, passkey_prompts, passkey_context, seed, eval_tokens=None,
              chunk=64, retrieval_prompts=1, retrieval_lengths=None, calibration=None):
-    from kvlens.config.kvconfig import load_config, preset, resolve
+    from kvlens.config import load_config, preset, resolve
     from kvlens.deploy import is_engine_setting
     from kvlens.errors import InputError
     from kvlens.evaluation.evaluate import EvalOptions, parse_evals

@@ -33,7 +33,7 @@ import re
 from dataclasses import dataclass
 
 from kvlens.capture.store import open_capture
-from kvlens.config.kvconfig import KVConfig, LayerKV
+from kvlens.config import KVConfig, LayerKV
 from kvlens.errors import ConfigError
 from kvlens.quant import QuantSpec
 from kvlens.quant.cachetypes import needs_scales
@@ -61,7 +61,7 @@ class EngineSetting:
     """A parsed setting: the engine, the config to simulate it and what to print."""
 
     engine: str
-    config: object  # kvlens.config.kvconfig.KVConfig
+    config: object  # kvlens.config.KVConfig
     notes: tuple[str, ...]
 
 

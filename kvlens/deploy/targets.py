@@ -36,7 +36,7 @@ from typing import Any
 from kvlens.analysis.metrics import attention_output, rel_error
 from kvlens.cache.layout import ModelShape, config_bits
 from kvlens.capture.store import open_capture
-from kvlens.config.kvconfig import KVConfig, LayerKV
+from kvlens.config import KVConfig, LayerKV
 from kvlens.deploy.kld_model import fit_kld_model
 from kvlens.deploy.presets import engine_config
 from kvlens.errors import ConfigError, InputError

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from kvlens.cache import compressed_attention, memory_report
 from kvlens.cache.attention import select_backend
-from kvlens.config.kvconfig import KVConfig, preset
+from kvlens.config import KVConfig, preset
 from kvlens.errors import InputError
 from kvlens.evaluation.baselines import Baseline, baseline_memory_report, baseline_session
 from kvlens.evaluation.decode import cache_kwargs, greedy

@@ -87,7 +87,7 @@ def allowed_cache_types() -> tuple[str, ...]:
 
 
 def check_engine_layer(layer, head_dim: int, kv_heads: int, scales, where: str) -> None:
-    """Raise ``ConfigError`` unless an engine-format ``layer`` (``kvlens.config.kvconfig.LayerKV``)
+    """Raise ``ConfigError`` unless an engine-format ``layer`` (``kvlens.config.schema.LayerKV``)
     fits a model with ``head_dim`` and ``kv_heads``, with its static fp8 ``scales``
     (``{"key": (...), "value": (...)}`` or None) where the types need them."""
 

@@ -91,7 +91,7 @@ from kvlens.cache.layout import (
 )
 from kvlens.capture.run import capture_model
 from kvlens.capture.store import open_capture
-from kvlens.config.kvconfig import SET_BITS, GearSettings, KVConfig, LayerKV, MikvSettings, preset
+from kvlens.config import SET_BITS, GearSettings, KVConfig, LayerKV, MikvSettings, preset
 from kvlens.config.rules import check_layout
 from kvlens.errors import ConfigError, InputError, KvlensError, PlacementError, is_int
 from kvlens.model.architecture import describe
