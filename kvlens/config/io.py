@@ -51,6 +51,7 @@ _V2_LAYER_KEYS = ("key_format", "value_format")
 _MIKV_KEYS = ("heavy_fraction", "sink_tokens", "balancer", "balancer_exponent", "set_bits",
               "layers")
 _GEAR_KEYS = ("rank", "outlier_fraction", "power_iters", "layers")
+_MODEL_KEYS = ("num_layers", "head_dim", "num_key_value_heads")
 
 
 def _spec(value: Any, where: str) -> QuantSpec | None:
@@ -65,9 +66,7 @@ def _spec(value: Any, where: str) -> QuantSpec | None:
 def _layer(data: Any, base: LayerKV | None, where: str) -> LayerKV:
     if not isinstance(data, Mapping):
         raise ConfigError(f"{where} must be a JSON object with keys {', '.join(_LAYER_KEYS)}.")
-    unknown = sorted(set(data) - set(_LAYER_KEYS))
-    if unknown:
-        raise ConfigError(f"{where}: unknown keys {unknown}; allowed: {', '.join(_LAYER_KEYS)}.")
+    _no_unknown(data, _LAYER_KEYS, where)
     base = base or LayerKV()
     kwargs: dict[str, Any] = {}
     for name in ("key", "value"):
@@ -77,7 +76,10 @@ def _layer(data: Any, base: LayerKV | None, where: str) -> LayerKV:
                  "rotate_values", "key_format", "value_format"):
         if name in data:
             kwargs[name] = data[name]
-    return replace(base, **kwargs)
+    try:
+        return replace(base, **kwargs)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 def config_from_dict(data: Any) -> KVConfig:
@@ -90,25 +92,18 @@ def config_from_dict(data: Any) -> KVConfig:
     version = data.get("version")
     if not is_int(version, 1, VERSION):
         raise ConfigError(f"Unsupported KV config version {version!r}; this kvlens reads "
-                          f"versions 1-{VERSION}.")
-    unknown = sorted(set(data) - set(_TOP_KEYS))
-    if unknown:
-        raise ConfigError(f"Unknown KV config keys {unknown}; allowed: {', '.join(_TOP_KEYS)}.")
+                          f"versions 1-{VERSION} (an integer).")
+    _no_unknown(data, _TOP_KEYS, "KV config")
+    raw_layers = _indexed(data, "layers", "an object mapping layer indices to overrides")
     if version < 2 and ("kv_scales" in data or any(
             isinstance(v, Mapping) and set(v) & set(_V2_LAYER_KEYS)
-            for v in [data.get("default")] + list((data.get("layers") or {}).values()))):
+            for v in [data.get("default"), *raw_layers.values()])):
         raise ConfigError("key_format/value_format and kv_scales need KV config version 2; "
                           f"this file says version {version}: set \"version\": 2.")
     if "default" not in data:
         raise ConfigError("KV config is missing 'default' (the setting for every layer).")
     default = _layer(data["default"], None, "default")
-    layers: dict[int, LayerKV] = {}
-    raw_layers = data.get("layers") or {}
-    if not isinstance(raw_layers, Mapping):
-        raise ConfigError("'layers' must be an object mapping layer indices to overrides.")
-    for key, value in raw_layers.items():
-        idx = _index(key, "layers")
-        layers[idx] = _layer(value, default, f"layers.{key}")
+    layers = {idx: _layer(value, default, f"layers.{idx}") for idx, value in raw_layers.items()}
     mikv = _section(data, "mikv", _MIKV_KEYS, MikvSettings)
     gear = _section(data, "gear", _GEAR_KEYS, GearSettings)
     if version < 2 and (gear is not None or (mikv is not None and (
@@ -119,47 +114,80 @@ def config_from_dict(data: Any) -> KVConfig:
         raise ConfigError('scale_dtype "8bit" needs KV config version 3; set "version": 3.')
     if version < 2 and data.get("fp_dtype") == "float8_e4m3fn":
         raise ConfigError('fp_dtype float8_e4m3fn needs KV config version 2; set "version": 2.')
-    balancers: dict[int, tuple[tuple[float, ...], ...]] = {}
-    for key, value in (data.get("balancers") or {}).items():
-        idx = _index(key, "balancers")
-        if not isinstance(value, list) or not value or not all(
-                isinstance(r, list) and r and all(isinstance(v, (int, float))
-                                                   and math.isfinite(v) and v > 0 for v in r)
-                for r in value):
-            raise ConfigError(f"balancers.{key} must be a list (one per KV head) of lists of "
-                              "positive finite numbers (one per channel).")
-        balancers[idx] = tuple(tuple(float(v) for v in r) for r in value)
-    model = data.get("model")
-    if model is not None and not (isinstance(model, Mapping) and all(
-            isinstance(v, int) for v in model.values())):
-        raise ConfigError("'model' must be an object of integers (num_layers, head_dim, "
-                          "num_key_value_heads).")
-    return KVConfig(name=data.get("name") or "", default=default, layers=layers, mikv=mikv,
-                    balancers=balancers, scale_dtype=data.get("scale_dtype", "float16"),
-                    description=data.get("description", ""), model=model,
+    description = data.get("description")
+    if description is not None and not isinstance(description, str):
+        raise ConfigError(f"'description' must be a string, got {type(description).__name__}.")
+    return KVConfig(name=data.get("name", ""), default=default, layers=layers, mikv=mikv,
+                    balancers=_balancers(data), scale_dtype=data.get("scale_dtype", "float16"),
+                    description=description or "", model=_model(data.get("model")),
                     fp_dtype=data.get("fp_dtype", "float16"),
                     rotation_seed=data.get("rotation_seed"),
-                    kv_scales=_kv_scales(data.get("kv_scales")), gear=gear)
+                    kv_scales=_kv_scales(data), gear=gear)
 
 
-def _kv_scales(raw: Any) -> dict[int, dict[str, tuple[float, ...]]]:
-    out: dict[int, dict[str, tuple[float, ...]]] = {}
+def _no_unknown(data: Mapping, allowed: tuple[str, ...], where: str) -> None:
+    unknown = sorted(map(repr, set(data) - set(allowed)))
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {', '.join(unknown)}; allowed: "
+                          f"{', '.join(allowed)}.")
+
+
+def _indexed(data: Mapping, name: str, what: str) -> dict[int, Any]:
+    """The optional object ``data[name]`` keyed by layer index (``{}`` when absent or null),
+    its keys as ints; refuses another type, keys that are not indices, an index twice."""
+    raw = data.get(name)
     if raw is None:
-        return out
+        return {}
     if not isinstance(raw, Mapping):
-        raise ConfigError("'kv_scales' must map layer indices to {\"key\": [...], \"value\": "
-                          "[...]}.")
-    for key, entry in raw.items():
-        idx = _index(key, "kv_scales")
+        raise ConfigError(f"'{name}' must be {what}, got {type(raw).__name__}.")
+    out: dict[int, Any] = {}
+    for key, value in raw.items():
+        idx = _index(key, name)
+        if idx in out:
+            raise ConfigError(f"{name}: layer {idx} is given twice; give each layer once.")
+        out[idx] = value
+    return out
+
+
+def _balancers(data: Mapping) -> dict[int, tuple[tuple[float, ...], ...]]:
+    out = {}
+    for idx, value in _indexed(data, "balancers", "an object mapping layer indices to "
+                                                  "balancers").items():
+        if not isinstance(value, list) or not value or not all(
+                isinstance(r, list) and r and all(_positive(v) for v in r) for r in value):
+            raise ConfigError(f"balancers.{idx} must be a list (one per KV head) of lists of "
+                              "positive finite numbers (one per channel).")
+        out[idx] = tuple(tuple(float(v) for v in r) for r in value)
+    return out
+
+
+def _kv_scales(data: Mapping) -> dict[int, dict[str, tuple[float, ...]]]:
+    out = {}
+    for idx, entry in _indexed(data, "kv_scales", 'an object mapping layer indices to '
+                                                  '{"key": [...], "value": [...]}').items():
         if not isinstance(entry, Mapping) or set(entry) - {"key", "value"} or not all(
-                isinstance(v, list) and v and all(
-                    isinstance(s, (int, float)) and not isinstance(s, bool)
-                    and math.isfinite(s) and s > 0 for s in v) for v in entry.values()):
-            raise ConfigError(f"kv_scales.{key} must be {{\"key\": [s, ...], \"value\": "
+                isinstance(v, list) and v and all(_positive(s) for s in v)
+                for v in entry.values()):
+            raise ConfigError(f"kv_scales.{idx} must be {{\"key\": [s, ...], \"value\": "
                               "[s, ...]}} with positive finite scales (one per layer, or one "
                               "per KV head).")
         out[idx] = {t: tuple(float(s) for s in v) for t, v in entry.items()}
     return out
+
+
+def _positive(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            and v > 0)
+
+
+def _model(raw: Any) -> dict[str, int] | None:
+    if raw is None:
+        return None
+    if not (isinstance(raw, Mapping) and set(raw) <= set(_MODEL_KEYS)
+            and all(is_int(v, 1) for v in raw.values())):
+        raise ConfigError(f"'model' must be an object of positive integers with keys "
+                          f"{', '.join(_MODEL_KEYS)} (the model the config was made for).")
+    return dict(raw) or None
 
 
 def _section(data: Mapping, name: str, keys: tuple[str, ...], cls):
@@ -173,27 +201,39 @@ def _section(data: Mapping, name: str, keys: tuple[str, ...], cls):
 
 
 def _index(key: Any, where: str) -> int:
-    try:
-        idx = int(key)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where}: {key!r} is not a layer index (an integer >= 0).") from None
-    if idx < 0:
-        raise ConfigError(f"{where}: layer index {idx} is negative.")
-    return idx
+    """A layer index: a JSON key of decimal digits (or an int from Python)."""
+    if is_int(key, 0):
+        return key
+    if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+        raise ConfigError(f"{where}: {key!r} is not a layer index (an integer >= 0, written "
+                          "in decimal digits).")
+    return int(key)
 
 
 def load_config(path: str | Path) -> KVConfig:
+    """The config in JSON file ``path``; an unreadable file, bytes that are not UTF-8 JSON, or a
+    malformed config raise ``ConfigError`` naming the file."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"Cannot read KV config {path}: {exc.strerror or exc}.") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason}); a KV "
+                          "config is a UTF-8 JSON file.") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}: "
                           f"{exc.msg}).") from None
-    return config_from_dict(data)
+    except RecursionError:
+        raise ConfigError(f"{path} is nested too deeply to be a KV config.") from None
+    try:
+        return config_from_dict(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
 
 
 def save_config(config: KVConfig, path: str | Path) -> None:

@@ -392,6 +392,10 @@ def validate_for(config: KVConfig, info) -> None:
     if bad:
         raise ConfigError(f"Config {config.name!r} overrides layers {bad}, but the model has "
                           f"{n} layers; allowed indices: 0-{n - 1}.")
+    bad = sorted(i for i in config.kv_scales if i >= n)
+    if bad:
+        raise ConfigError(f"Config {config.name!r} gives kv_scales for layers {bad}, but the "
+                          f"model has {n} layers; allowed indices: 0-{n - 1}.")
     for idx in range(n):
         layer = config.layer(idx)
         if layer.engine:
@@ -434,5 +438,5 @@ def validate_for(config: KVConfig, info) -> None:
             raise ConfigError(f"balancers.{idx}: the model has {n} layers; allowed indices: "
                               f"0-{n - 1}.")
         if len(b) != hkv or any(len(r) != d for r in b):
-            raise ConfigError(f"balancers.{idx} has shape [{len(b)}, {len(b[0])}] but the model "
-                              f"needs [num_key_value_heads={hkv}, head_dim={d}].")
+            raise ConfigError(f"balancers.{idx} has shape [{len(b)}, {len(b[0]) if b else 0}] "
+                              f"but the model needs [num_key_value_heads={hkv}, head_dim={d}].")
