@@ -157,9 +157,10 @@ def _options(config, preset_name, compare, prompt, prompt_file, max_new_tokens, 
         configs.append(configs.engine(preset_name, calibration)
                        if is_engine_setting(preset_name) else preset(preset_name))
     if compare:
+        from kvlens.config.engine import split_setting_list
         from kvlens.evaluation.baselines import baseline, is_baseline
 
-        names = [s.strip() for s in compare.split(",") if s.strip()]
+        names = split_setting_list(compare)
         configs.extend(baseline(n) if is_baseline(n) else configs.engine(n, calibration)
                        if is_engine_setting(n) else resolve(n) for n in names)
     if not configs:

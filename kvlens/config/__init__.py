@@ -10,6 +10,14 @@
 - ``rules``: the layout rules a config must meet (``flush_block``, ``check_layout``).
 """
 
+from kvlens.config.engine import (
+    CacheDtypeSetting,
+    LlamaCppSetting,
+    QuantoSetting,
+    allowed_settings,
+    is_engine_setting,
+    parse_engine_setting,
+)
 from kvlens.config.io import config_from_dict, load_config, save_config
 from kvlens.config.presets import PRESETS, preset, resolve
 from kvlens.config.rules import check_layout, flush_block
@@ -34,14 +42,20 @@ __all__ = [
     "SCALE_DTYPES",
     "SET_BITS",
     "VERSION",
+    "CacheDtypeSetting",
     "GearSettings",
     "KVConfig",
     "LayerKV",
+    "LlamaCppSetting",
     "MikvSettings",
+    "QuantoSetting",
+    "allowed_settings",
     "check_layout",
     "config_from_dict",
     "flush_block",
+    "is_engine_setting",
     "load_config",
+    "parse_engine_setting",
     "preset",
     "resolve",
     "save_config",
