@@ -173,7 +173,7 @@ def test_one_list_of_llamacpp_types():
     """llama.cpp's types are the float types plus every ggml block format; recommend searches a
     named subset of them; the float types are the unquantized cache types."""
     from kvlens.quant.cachetypes import DENSE_BYTES
-    from kvlens.quant.formats import GGML_FORMATS
+    from kvlens.quant.ggml import GGML_FORMATS
 
     assert LLAMACPP_TYPES == (*LLAMACPP_FLOAT_TYPES, *GGML_FORMATS)
     assert set(LLAMACPP_FLOAT_TYPES) == set(DENSE_BYTES)

@@ -39,14 +39,9 @@ from kvlens.cache import layout
 from kvlens.errors import ConfigError
 from kvlens.quant import QuantSpec, pack_codes, quantize, unpack_codes
 from kvlens.quant.cachetypes import CacheType, DenseType, needs_scales, scale_count
-from kvlens.quant.formats import (
-    FP8_DTYPES,
-    FP8_MAX,
-    GGMLBlocks,
-    dequantize_ggml,
-    quantize_ggml,
-    rotate_rows,
-)
+from kvlens.quant.formats import rotate_rows
+from kvlens.quant.fp8 import FP8_DTYPES, FP8_MAX
+from kvlens.quant.ggml import GGMLBlocks, dequantize_ggml, quantize_ggml
 
 
 def static_scale(ctype: CacheType, kv_heads: int, given=None) -> torch.Tensor | None:

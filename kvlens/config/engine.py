@@ -41,7 +41,9 @@ from typing import ClassVar
 from kvlens.config.schema import KVConfig, LayerKV
 from kvlens.errors import ConfigError, is_int
 from kvlens.quant import QuantSpec
-from kvlens.quant.formats import GGML_FORMATS, TOKEN_HEAD_KINDS, parse_format
+from kvlens.quant.formats import parse_format
+from kvlens.quant.fp8 import TOKEN_HEAD_KINDS
+from kvlens.quant.ggml import GGML_FORMATS
 
 ENGINES = ("llamacpp", "vllm", "sglang", "transformers")
 ENGINE_ALIASES = {"llama.cpp": "llamacpp"}

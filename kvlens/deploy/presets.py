@@ -27,7 +27,8 @@ from kvlens.config.engine import (
     parse_engine_setting,
 )
 from kvlens.quant.cachetypes import needs_scales
-from kvlens.quant.formats import calibrate_scale, engine_rotation
+from kvlens.quant.formats import engine_rotation
+from kvlens.quant.fp8 import calibrate_scale
 
 __all__ = ["ENGINES", "EngineSetting", "allowed_settings", "calibrate_from_capture",
            "engine_config", "is_engine_setting"]
@@ -109,7 +110,7 @@ def _cache_dtype(raw: str, s: CacheDtypeSetting, calibration: str | None) -> Eng
 def calibrate_from_capture(path: str, config: KVConfig, shared: bool = False
                            ) -> dict[int, dict[str, tuple[float, ...]]]:
     """Static fp8 scales of every engine layer of ``config`` that needs them, from the post-RoPE
-    keys and values of a capture (``kvlens.quant.formats.calibrate_scale``). ``shared``: one
+    keys and values of a capture (``kvlens.quant.fp8.calibrate_scale``). ``shared``: one
     scale for K and V alike, the larger of the two (SGLang's scale file)."""
 
     out: dict[int, dict[str, tuple[float, ...]]] = {}

@@ -52,7 +52,8 @@ from kvlens.evaluation.evaluate import EvalOptions, evaluate_configs
 from kvlens.model.load import load_model
 from kvlens.quant import QuantSpec, fake_quantize, fake_quantize_format
 from kvlens.quant.cachetypes import DenseType, parse_cache_type
-from kvlens.quant.formats import calibrate_scale, engine_rotation
+from kvlens.quant.formats import engine_rotation
+from kvlens.quant.fp8 import calibrate_scale
 from kvlens.recommend.core import model_spec_from_capture
 
 TARGETS = ("kvlens", "llama.cpp", "vllm", "sglang", "transformers")
