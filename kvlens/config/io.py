@@ -126,10 +126,10 @@ def config_from_dict(data: Any) -> KVConfig:
 
 
 def _no_unknown(data: Mapping, allowed: tuple[str, ...], where: str) -> None:
-    unknown = sorted(map(repr, set(data) - set(allowed)))
+    unknown = sorted(set(data) - set(allowed), key=str)
     if unknown:
-        raise ConfigError(f"{where}: unknown keys {', '.join(unknown)}; allowed: "
-                          f"{', '.join(allowed)}.")
+        what = "Unknown KV config keys" if where == "KV config" else f"{where}: unknown keys"
+        raise ConfigError(f"{what} {unknown}; allowed: {', '.join(allowed)}.")
 
 
 def _indexed(data: Mapping, name: str, what: str) -> dict[int, Any]:
