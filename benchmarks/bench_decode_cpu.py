@@ -34,7 +34,7 @@ import torch
 
 def mixed_3bit(num_layers: int):
     """A per-layer mix like ``recommend``'s SmolLM2 output at ~3 bits (see module doc)."""
-    from kvlens.config.kvconfig import KVConfig, LayerKV
+    from kvlens.config import KVConfig, LayerKV
     from kvlens.quant import QuantSpec
 
     def kv(kb, kg, vb, vg):
@@ -75,7 +75,7 @@ def main() -> None:
     from transformers import DynamicCache
 
     from kvlens.cache import compressed_attention, memory_report
-    from kvlens.config.kvconfig import resolve
+    from kvlens.config import resolve
     from kvlens.model.hooks import cache_argument_name
     from kvlens.model.load import load_model
     from kvlens.text.corpus import load_text

@@ -67,7 +67,7 @@ def _fill(model, ids, session, chunk: int, steps: int):
 def main() -> None:
     from kvlens.cache import compressed_attention, memory_report
     from kvlens.cache.layout import config_bits, shape_of
-    from kvlens.config.kvconfig import resolve
+    from kvlens.config import resolve
     from kvlens.model.load import load_model
     from kvlens.text.corpus import load_text
 

@@ -34,7 +34,7 @@ def run_one(name: str, tokens: int, new_tokens: int, repeats: int) -> dict:
 
     from kvlens.cache import compressed_attention
     from kvlens.capture.run import capture_model
-    from kvlens.config.kvconfig import preset
+    from kvlens.config import preset
     from kvlens.evaluation.decode import greedy
     from kvlens.model.load import load_model
     from kvlens.model.placement import weights_by_device

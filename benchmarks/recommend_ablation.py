@@ -204,7 +204,7 @@ def main() -> None:
     if bad:
         ap.error(f"unknown levers {bad}; allowed: {', '.join(LEVERS)}")
 
-    from kvlens.config.kvconfig import save_config
+    from kvlens.config import save_config
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -255,7 +255,7 @@ def main() -> None:
             with open_capture(args.capture) as cap:
                 spec = model_spec_from_capture(cap.meta)
         model, tok, _ = load_model(spec)
-        from kvlens.config.kvconfig import preset
+        from kvlens.config import preset
 
         for name in (x for x in args.presets.split(",") if x.strip()):
             configs.append((name, preset(name)))

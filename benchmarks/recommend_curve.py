@@ -40,7 +40,7 @@ def main() -> None:
         ap.error("a capture file is needed (or --replot JSON)")
 
     from kvlens.cache.layout import config_bits, shape_of_capture
-    from kvlens.config.kvconfig import preset
+    from kvlens.config import preset
     from kvlens.errors import InputError
     from kvlens.evaluation import EvalOptions, evaluate_configs
     from kvlens.model.load import load_model

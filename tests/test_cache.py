@@ -16,7 +16,7 @@ from kvlens.cache.layer import CompressedLayer
 from kvlens.cache.layout import packed_bytes
 from kvlens.cache.packed import PackedTensor
 from kvlens.cache.torch_read import packed_attention
-from kvlens.config.kvconfig import KVConfig, LayerKV, MikvSettings, preset
+from kvlens.config import KVConfig, LayerKV, MikvSettings, preset
 from kvlens.errors import BackendError, ConfigError
 from kvlens.model.hooks import cache_argument_name
 from kvlens.quant import QTensor, QuantSpec, dequantize, quantize

@@ -150,14 +150,16 @@ runner = CliRunner()
 def test_cli_formats_table_json_and_plots(offset_run, tmp_path):
     path, _ = offset_run
     args = ["compare-axes", str(path), "--bits", "4", "--layers", "0"]
-    res = runner.invoke(app, [*args, "--formats", "q4_0+norot,q4_1+norot,fp8_e4m3"])
+    res = runner.invoke(app, [*args, "--formats",
+                              "llamacpp:q4_0:norot,llamacpp:q4_1:norot,vllm:fp8_e4m3"])
     assert res.exit_code == 0, res.output
     out = " ".join(res.stdout.replace("│", " ").split())
     assert "engine KV-cache formats" in out
     assert "q4_1+norot 5.00 no" in out and "q4_0+norot 4.50 no" in out
     assert "in-sample" in out
     res = runner.invoke(
-        app, [*args, "--formats", "q8_0,int8@token-head", "--json", "--plots", str(tmp_path)]
+        app, [*args, "--formats", "llama.cpp:q8_0/q8_0,vllm:int8-pth", "--json", "--plots",
+              str(tmp_path)]
     )
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
@@ -169,8 +171,44 @@ def test_cli_formats_table_json_and_plots(offset_run, tmp_path):
 
 def test_cli_unknown_format_is_one_clear_error(offset_run):
     path, _ = offset_run
-    res = runner.invoke(app, ["compare-axes", str(path), "--formats", "q4_0,nf4"])
-    assert res.exit_code == 1
-    out = " ".join(res.output.split())
-    assert "Unknown KV-cache format 'nf4'" in out and "iq4_nl" in out
-    assert "Traceback" not in res.output
+    for formats, name in (("llamacpp:q4_0,llamacpp:nf4", "llamacpp:nf4"), ("nf4", "nf4")):
+        res = runner.invoke(app, ["compare-axes", str(path), "--formats", formats])
+        assert res.exit_code == 1
+        out = " ".join(res.output.split())
+        assert f"Unknown engine setting '{name}'" in out and "iq4_nl" in out
+        assert "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("old,new", [
+    ("q4_0", "llamacpp:q4_0"),
+    ("q4_0+norot", "llamacpp:q4_0:norot"),
+    ("iq4_nl+rot", "llamacpp:iq4_nl:rot"),
+    ("fp8", "vllm:fp8_e4m3"),
+    ("fp8_e5m2@head:p99.9", "vllm:fp8_e5m2@head:p99.9"),
+    ("fp8_e4m3:s1", "vllm:fp8_e4m3:s1"),
+    ("int4@token-head", "vllm:int4-pth"),
+    ("fp8_per_token_head", "vllm:fp8-pth"),
+])
+def test_cli_old_format_spelling_is_refused_with_the_engine_setting(offset_run, old, new):
+    """The bare cache-type names compare-axes took before are refused, naming the engine setting
+    that measures the same format (which compare-axes then accepts)."""
+    from kvlens.config.engine import measured_cache_types
+
+    path, _ = offset_run
+    res = runner.invoke(app, ["compare-axes", str(path), "--formats", old])
+    assert res.exit_code == 1 and "Traceback" not in res.output
+    assert f"write {new} for {old}" in " ".join(res.output.split())
+    assert measured_cache_types(new) == (parse_format(old).name,)
+
+
+def test_cli_settings_compare_axes_cannot_measure_say_why(offset_run):
+    path, _ = offset_run
+    for setting, why in (("llamacpp:q4_0/q8_0", "one type on keys and values"),
+                         ("llamacpp:f16", "nothing to measure"),
+                         ("sglang:fp8_e4m3", "vllm:fp8_e4m3 instead"),
+                         ("vllm:fp8_e4m3:skip=1", "drop :skip="),
+                         ("transformers:quanto-4", "--bits and --group-sizes"),
+                         ("fp8_e4m3+rot", "no engine rotates")):
+        res = runner.invoke(app, ["compare-axes", str(path), "--formats", setting])
+        assert res.exit_code == 1 and "Traceback" not in res.output
+        assert why in " ".join(res.output.split()), (setting, res.output)

@@ -19,7 +19,7 @@ def test_decode_cost_model_counts_bytes_read_per_step():
     its filled tokens; layouts without a fused kernel path say why."""
     from kvlens.cache.decode_cost import config_decode_cost
     from kvlens.cache.layout import ModelShape
-    from kvlens.config.kvconfig import preset
+    from kvlens.config import preset
 
     shape = ModelShape(30, 3, 64)
     c = config_decode_cost(preset("kivi-2"), shape, 4096)

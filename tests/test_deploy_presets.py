@@ -1,4 +1,5 @@
-"""Engine settings as configs (``kvlens.deploy.presets``) and ``generate --compare`` with them."""
+"""Engine settings: the vocabulary (``kvlens.config.engine``), the settings as configs
+(``kvlens.deploy.presets``) and ``generate --compare`` with them."""
 
 from __future__ import annotations
 
@@ -6,10 +7,28 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_compare import make_capture
 from typer.testing import CliRunner
 
 from kvlens.cli import app
+from kvlens.config.engine import (
+    LLAMACPP_FLOAT_TYPES,
+    LLAMACPP_SEARCH_TYPES,
+    LLAMACPP_TYPES,
+    PER_TOKEN_HEAD,
+    QUANTO_AXES,
+    QUANTO_BITS,
+    SGLANG_DTYPES,
+    STATIC_FP8_DTYPES,
+    CacheDtypeSetting,
+    LlamaCppSetting,
+    QuantoSetting,
+    parse_engine_setting,
+    setting_for_cache_type,
+    split_setting_list,
+)
 from kvlens.deploy import engine_config, is_engine_setting
 from kvlens.errors import ConfigError
 from kvlens.quant import QuantSpec
@@ -75,10 +94,14 @@ def test_static_scales_calibrated_from_a_capture(tmp_path):
         got = s.config.kv_scales[layer]
         assert got["key"] == pytest.approx((3 / 448, 5 / 448))
         assert got["value"] == pytest.approx((7 / 448, 0.5 / 448))
+    # SGLang's scale file holds one scale per layer for K and V: the larger of the two
     s = engine_config("sglang:fp8_e4m3", calibration=str(path))
-    assert s.config.kv_scales[0]["key"] == pytest.approx((5 / 448,))
+    assert s.config.kv_scales[0]["key"] == pytest.approx((7 / 448,))
     assert s.config.kv_scales[0]["value"] == pytest.approx((7 / 448,))
-    assert any("calibrated" in n for n in s.notes)
+    assert any("calibrated" in n and "one for K and V" in n for n in s.notes)
+    # a fixed scale ignores the capture
+    s = engine_config("vllm:fp8_e4m3@head:s0.5", calibration=str(path))
+    assert s.config.default.key_format == "fp8_e4m3@head:s0.5" and not s.config.kv_scales
 
 
 def test_transformers_quanto_maps_to_kvlens_layouts():
@@ -98,6 +121,12 @@ def test_transformers_quanto_maps_to_kvlens_layouts():
     ("llamacpp:q3_0", "f32, f16, bf16, q8_0, q4_0"),
     ("llamacpp:q4_0/q4_0/q4_0", "as K/V"),
     ("llamacpp:q4_0:fast", ":norot and :nofa"),
+    ("llamacpp:q4_0:rot:norot", "contradict"),
+    ("vllm:fp8_e4m3:p99:s1", "not both"),
+    ("vllm:fp8_e4m3:s0", "positive"),
+    ("vllm:int8-pth:s1", "dynamic"),
+    ("sglang:fp8_e4m3:skip=1", "unknown or repeated option"),
+    ("transformers:quanto-4:group=0", "positive integer"),
     ("vllm:int2", "fp8, fp8_e4m3, fp8_e5m2, int8-pth"),
     ("vllm:fp8@token", "@head"),
     ("sglang:fp4_e2m1", "fp8_e4m3, fp8_e5m2"),
@@ -111,6 +140,59 @@ def test_bad_settings_name_the_allowed_values(name, message):
     with pytest.raises(ConfigError) as exc:
         engine_config(name)
     assert message in str(exc.value)
+
+
+SETTINGS = st.one_of(
+    st.builds(LlamaCppSetting, st.sampled_from(LLAMACPP_TYPES), st.sampled_from(LLAMACPP_TYPES),
+              st.sampled_from(["auto", "off", "on"]), st.booleans()),
+    st.builds(CacheDtypeSetting, st.just("vllm"), st.sampled_from(STATIC_FP8_DTYPES),
+              st.sampled_from(["tensor", "head"]),
+              st.none() | st.floats(0.001, 99.999),
+              skip=st.lists(st.integers(0, 40), max_size=3).map(tuple)),
+    st.builds(CacheDtypeSetting, st.sampled_from(["vllm", "sglang"]),
+              st.sampled_from(SGLANG_DTYPES), fixed_scale=st.floats(1e-6, 1e6)),
+    st.builds(CacheDtypeSetting, st.just("vllm"), st.sampled_from(sorted(PER_TOKEN_HEAD))),
+    st.builds(QuantoSetting, st.sampled_from(QUANTO_BITS), st.sampled_from(QUANTO_AXES),
+              st.sampled_from(QUANTO_AXES), st.integers(1, 256), st.integers(0, 512)),
+)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(SETTINGS)
+def test_every_setting_name_reads_back_as_the_same_setting(setting):
+    """``name`` is the canonical spelling: it parses back to the same setting, also upper-cased
+    and inside a comma list with others."""
+    assert parse_engine_setting(setting.name) == setting
+    assert parse_engine_setting(setting.name.upper()) == setting
+    assert split_setting_list(f"kivi-2,{setting.name}, llamacpp:q8_0") == [
+        "kivi-2", setting.name, "llamacpp:q8_0"]
+    assert is_engine_setting(setting.name)
+
+
+def test_one_list_of_llamacpp_types():
+    """llama.cpp's types are the float types plus every ggml block format; recommend searches a
+    named subset of them; the float types are the unquantized cache types."""
+    from kvlens.quant.cachetypes import DENSE_BYTES
+    from kvlens.quant.ggml import GGML_FORMATS
+
+    assert LLAMACPP_TYPES == (*LLAMACPP_FLOAT_TYPES, *GGML_FORMATS)
+    assert set(LLAMACPP_FLOAT_TYPES) == set(DENSE_BYTES)
+    assert set(LLAMACPP_SEARCH_TYPES) <= set(LLAMACPP_TYPES)
+    assert set(LLAMACPP_SEARCH_TYPES) - set(LLAMACPP_FLOAT_TYPES) == set(GGML_FORMATS)
+    for t in LLAMACPP_TYPES:  # every type is a setting generate runs
+        assert _types(f"llamacpp:{t}")[0].split("+")[0] == t
+
+
+def test_vllm_fixed_scales_and_the_cache_types_they_store():
+    k, v, s = _types("vllm:fp8_e4m3:s1:skip=2,0")
+    assert k == v == "fp8_e4m3:s1" and sorted(s.config.layers) == [0, 2]
+    assert not any("1.0" in n for n in s.notes)  # fixed on purpose: no default-scale note
+    assert _types("sglang:fp8_e5m2:s0.25")[:2] == ("fp8_e5m2:s0.25", "fp8_e5m2:s0.25")
+    assert _types("llamacpp:q8_0:rot")[:2] == ("q8_0+rot", "q8_0+rot")
+    assert setting_for_cache_type("fp8_e4m3:s1", "vllm", (3,)).name == "vllm:fp8_e4m3:s1:skip=3"
+    assert setting_for_cache_type("q4_0+norot").name == "llamacpp:q4_0/q4_0:norot"
+    assert split_setting_list("vllm:fp8:skip=0,2,q8_0.json,3") == [
+        "vllm:fp8:skip=0,2", "q8_0.json", "3"]
 
 
 @pytest.fixture

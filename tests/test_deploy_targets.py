@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from kvlens.capture.store import CaptureMeta, LayerAttrs, write_capture
 from kvlens.cli import app
-from kvlens.config.kvconfig import load_config
+from kvlens.config import load_config
 from kvlens.deploy.kld_model import fit_kld_model
 from kvlens.deploy.targets import TargetOptions, pareto, recommend_target
 from kvlens.errors import ConfigError, InputError
@@ -207,3 +207,50 @@ def test_cli_target_errors(outlier_capture):
     assert result.exit_code == 1 and "allowed: kvlens, llama.cpp" in result.output
     result = runner.invoke(app, ["recommend", outlier_capture])
     assert result.exit_code == 1 and "--budget-bits is required" in result.output
+
+
+@pytest.mark.parametrize("target,rotation", [("llama.cpp", True), ("llama.cpp", False),
+                                             ("vllm", True), ("sglang", True),
+                                             ("transformers", True)])
+def test_every_printed_setting_resolves_in_generate_to_the_same_config(outlier_capture, target,
+                                                                       rotation):
+    """What `recommend --target` prints (``TargetCandidate.setting``) is the engine-setting
+    name `generate --compare` reads (``is_engine_setting`` + ``engine_config``, with
+    ``--calibration`` the capture recommend measured): the same config, calibrated scales
+    included; and its canonical spelling."""
+    from kvlens.config.engine import parse_engine_setting
+    from kvlens.deploy import engine_config, is_engine_setting
+    from kvlens.deploy.targets import candidates_for, measure_errors
+
+    opts = TargetOptions(target, budget_bits=16, rotation=rotation)
+    meta, windows, table, scales = measure_errors(outlier_capture, target, opts)
+    cands = candidates_for(target, meta, windows, table, scales, opts)
+    assert len(cands) >= 3
+    for cand in cands:
+        assert is_engine_setting(cand.setting)
+        assert parse_engine_setting(cand.setting).name == cand.setting
+        got = engine_config(cand.setting, calibration=outlier_capture).config.to_dict()
+        want = cand.config.to_dict()
+        got.pop("description"), want.pop("description")
+        assert got == want, cand.setting
+
+
+def test_generate_compare_accepts_what_recommend_prints(outlier_capture, monkeypatch):
+    """The CLI path: every vLLM setting recommend prints is accepted by `generate --compare`
+    (parsing happens before the model loads, which is stopped here)."""
+    import kvlens.model.load
+    from kvlens.deploy.targets import candidates_for, measure_errors
+    from kvlens.errors import ModelLoadError
+
+    def stop(*a, **k):
+        raise ModelLoadError("stopped after parsing")
+
+    monkeypatch.setattr(kvlens.model.load, "load_model", stop)
+    opts = TargetOptions("vllm", budget_bits=16)
+    names = [c.setting for c in candidates_for("vllm", *measure_errors(outlier_capture, "vllm",
+                                                                       opts), opts)]
+    assert "vllm:fp8_e4m3:s1:skip=2" in names and "vllm:fp8_e5m2:s1" in names
+    result = runner.invoke(app, ["generate", "--compare", ",".join(names), "--calibration",
+                                 outlier_capture, "--prompt", "x"])
+    assert result.exit_code == 1
+    assert "stopped after parsing" in result.output and "Unknown" not in result.output

@@ -20,7 +20,7 @@ import pytest
 import typer
 
 from kvlens.cli import app
-from kvlens.config.kvconfig import preset
+from kvlens.config import preset
 from kvlens.deploy import engine_config, is_engine_setting
 from kvlens.deploy.targets import TARGETS
 from kvlens.errors import KvlensError

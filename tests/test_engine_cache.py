@@ -21,7 +21,7 @@ import torch
 from kvlens.cache import compressed_attention, memory_report
 from kvlens.cache.cache import held_bytes
 from kvlens.cache.layout import config_bits, config_part_bytes, shape_of
-from kvlens.config.kvconfig import KVConfig, LayerKV, config_from_dict, validate_for
+from kvlens.config import KVConfig, LayerKV, config_from_dict, validate_for
 from kvlens.errors import ConfigError
 from kvlens.model.hooks import attention_override, cache_argument_name
 from kvlens.quant import engine_rotation, fake_quantize_format, rotate_rows

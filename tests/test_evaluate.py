@@ -11,7 +11,7 @@ import torch
 from tiny_models import tiny_model
 
 from kvlens.cache import compressed_attention
-from kvlens.config.kvconfig import (
+from kvlens.config import (
     PRESETS,
     KVConfig,
     LayerKV,

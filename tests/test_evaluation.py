@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny_models import tiny_config
 
-from kvlens.config.kvconfig import KVConfig, LayerKV, preset
+from kvlens.config import KVConfig, LayerKV, preset
 from kvlens.errors import InputError
 from kvlens.evaluation.kld import (
     TextScores,

@@ -17,7 +17,7 @@ from kvlens.cache.mixed import dequantize_rows, quantize_rows, set_bytes_per_tok
 from kvlens.cache.packed import PackedTensor
 from kvlens.cache.torch_read import packed_attention
 from kvlens.cache.triton_glue import triton_unsupported
-from kvlens.config.kvconfig import (
+from kvlens.config import (
     PRESETS,
     GearSettings,
     KVConfig,

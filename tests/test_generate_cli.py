@@ -23,7 +23,7 @@ def patched_model(monkeypatch, smollm2):
 
 
 def test_generate_json_compare(patched_model, tmp_path):
-    from kvlens.config.kvconfig import preset, save_config
+    from kvlens.config import preset, save_config
 
     path = tmp_path / "cfg.json"
     save_config(preset("kivi-4"), path)
@@ -75,7 +75,7 @@ def test_generate_malformed_config(tmp_path):
 def test_generate_config_for_another_model(patched_model, tmp_path):
     from dataclasses import replace
 
-    from kvlens.config.kvconfig import preset, save_config
+    from kvlens.config import preset, save_config
 
     path = tmp_path / "other.json"
     save_config(replace(preset("kivi-2"), model={"num_layers": 12, "head_dim": 64}), path)
@@ -88,7 +88,7 @@ def test_generate_config_for_another_model(patched_model, tmp_path):
 
 @pytest.fixture
 def tiny_kivi(tmp_path):
-    from kvlens.config.kvconfig import KVConfig, LayerKV, save_config
+    from kvlens.config import KVConfig, LayerKV, save_config
     from kvlens.quant import QuantSpec
 
     path = tmp_path / "tiny-kivi.json"
@@ -223,7 +223,7 @@ def test_ctrl_c_during_short_evals_keeps_the_finished_configs(tiny_model_dir, ti
 def test_preset_help_lists_every_preset():
     """The --preset help text is written by hand (importing the presets would load torch for
     `kvlens --help`): it must name every preset."""
-    from kvlens.config.kvconfig import PRESETS
+    from kvlens.config import PRESETS
 
     result = runner.invoke(app, ["generate", "--help"], env={"COLUMNS": "400"})
     assert result.exit_code == 0

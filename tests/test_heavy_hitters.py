@@ -16,7 +16,7 @@ from kvlens.analysis.metrics import (
 )
 from kvlens.cache.layer import CompressedLayer
 from kvlens.cache.torch_read import packed_attention
-from kvlens.config.kvconfig import LayerKV, MikvSettings
+from kvlens.config import LayerKV, MikvSettings
 from kvlens.quant import QuantSpec, fake_quantize
 
 
@@ -112,7 +112,7 @@ def test_keys_alone_and_values_alone_read_the_set_where_it_is():
 def test_mikv_layers_round_trip_and_bad_input():
     import json
 
-    from kvlens.config.kvconfig import KVConfig, config_from_dict
+    from kvlens.config import KVConfig, config_from_dict
     from kvlens.errors import ConfigError
 
     s = QuantSpec
@@ -144,7 +144,7 @@ def test_mikv_layers_round_trip_and_bad_input():
 def test_mikv_layers_beyond_the_model_are_refused():
     from tiny_models import tiny_model
 
-    from kvlens.config.kvconfig import KVConfig, validate_for
+    from kvlens.config import KVConfig, validate_for
     from kvlens.errors import ConfigError
     from kvlens.model.architecture import describe
 
@@ -162,7 +162,7 @@ def test_sets_on_some_layers_hold_what_the_layout_predicts():
     from test_memory import _check, _model, _prefill_then_decode, _shape
 
     from kvlens.cache import compressed_attention
-    from kvlens.config.kvconfig import KVConfig
+    from kvlens.config import KVConfig
 
     s = QuantSpec
     default = LayerKV(s(2, "per-channel", 8), s(2, "per-token", 8), 16, flush_tokens=8)
@@ -312,7 +312,7 @@ def test_recommended_sets_run_in_generate_and_hold_the_priced_bytes(tmp_path):
 
     from kvlens.cache import compressed_attention, memory_report
     from kvlens.capture.run import capture_model
-    from kvlens.config.kvconfig import load_config, save_config, validate_for
+    from kvlens.config import load_config, save_config, validate_for
     from kvlens.evaluation.decode import greedy
     from kvlens.model.architecture import describe
     from kvlens.recommend import choose, measure

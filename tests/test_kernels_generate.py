@@ -22,7 +22,7 @@ from kvlens.cache.backend import select_backend  # noqa: E402
 from kvlens.cache.layer import CompressedLayer  # noqa: E402
 from kvlens.cache.torch_read import packed_attention  # noqa: E402
 from kvlens.cache.triton_glue import triton_decode, triton_unsupported  # noqa: E402
-from kvlens.config.kvconfig import LayerKV, MikvSettings, preset  # noqa: E402
+from kvlens.config import LayerKV, MikvSettings, preset  # noqa: E402
 from kvlens.errors import BackendError  # noqa: E402
 from kvlens.model.hooks import cache_argument_name  # noqa: E402
 from kvlens.quant import QuantSpec  # noqa: E402

@@ -25,7 +25,7 @@ from kvlens.cache.layout import (
     config_part_bytes,
     shape_of,
 )
-from kvlens.config.kvconfig import PRESETS, KVConfig, LayerKV, MikvSettings, config_from_dict
+from kvlens.config import PRESETS, KVConfig, LayerKV, MikvSettings, config_from_dict
 from kvlens.errors import ConfigError
 from kvlens.model.hooks import cache_argument_name
 from kvlens.quant import QuantSpec
@@ -278,7 +278,7 @@ def test_live_cache_stores_what_a_recommend_config_names(tmp_path):
     """A config written by `recommend` (JSON round trip): layer by layer, the live cache
     stores exactly the specs, window, flush block, pre-RoPE and balancer it names."""
     from kvlens.capture.run import capture_model
-    from kvlens.config.kvconfig import load_config, save_config
+    from kvlens.config import load_config, save_config
     from kvlens.recommend import RecommendOptions, recommend
 
     model = _model()

@@ -13,7 +13,7 @@ from kvlens.cache.layer import CompressedLayer
 from kvlens.cache.layout import packed_bytes
 from kvlens.cache.packed import PackedTensor
 from kvlens.cache.torch_read import packed_attention
-from kvlens.config.kvconfig import KVConfig, LayerKV, load_config, save_config
+from kvlens.config import KVConfig, LayerKV, load_config, save_config
 from kvlens.errors import ConfigError
 from kvlens.quant import QuantSpec, dequantize, fake_quantize
 from kvlens.quant.meta8 import (

@@ -242,7 +242,7 @@ def test_streaming_mask_matches_the_real_cache_layer(residual, flush, sinks):
     """n_q(i) from the formula equals the compressed layer's quantized length at step i."""
     from kvlens.analysis.metrics import streaming_exact_mask
     from kvlens.cache.layer import CompressedLayer
-    from kvlens.config.kvconfig import LayerKV, MikvSettings
+    from kvlens.config import LayerKV, MikvSettings
     from kvlens.quant import QuantSpec
 
     class Session:

@@ -21,7 +21,7 @@ from kvlens.cache import compressed_attention, memory_report
 from kvlens.cache.layout import ModelShape, config_device_bytes, config_part_bytes, shape_of
 from kvlens.capture.run import capture_model
 from kvlens.capture.store import open_capture
-from kvlens.config.kvconfig import preset
+from kvlens.config import preset
 from kvlens.errors import PlacementError
 from kvlens.evaluation.decode import greedy
 from kvlens.model.load import load_model

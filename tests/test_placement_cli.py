@@ -85,7 +85,7 @@ def test_capture_unwritable_offload_folder(tiny_model_dir, text_file, tmp_path):
 
 
 def test_generate_with_disk_offload(tiny_model_dir, disk_map, tmp_path):
-    from kvlens.config.kvconfig import KVConfig, LayerKV, save_config
+    from kvlens.config import KVConfig, LayerKV, save_config
     from kvlens.quant import QuantSpec
 
     cfg = tmp_path / "tiny-kivi.json"

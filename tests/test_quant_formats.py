@@ -1,5 +1,6 @@
-"""Engine KV-cache formats (kvlens.quant.formats): ggml blocks byte for byte against the gguf
-package's numpy quantizers, fp8 static scales, per-token-head formats, rotation and names."""
+"""Engine KV-cache formats (kvlens.quant.ggml, .fp8, .formats): ggml blocks byte for byte
+against the gguf package's numpy quantizers, fp8 static scales, per-token-head formats,
+rotation and names."""
 
 import numpy as np
 import pytest
@@ -10,19 +11,18 @@ from gguf import quants as gq
 from kvlens.errors import ConfigError, InputError
 from kvlens.quant import QuantSpec, fake_quantize
 from kvlens.quant.formats import (
-    GGML_FORMATS,
-    IQ4_NL_VALUES,
     FormatSetting,
-    FP8Format,
-    GGMLBlocks,
-    TokenHeadFormat,
-    calibrate_scale,
-    dequantize_ggml,
     engine_rotation,
     fake_quantize_format,
-    fp8_round_trip,
     parse_format,
     parse_format_list,
+)
+from kvlens.quant.fp8 import FP8Format, TokenHeadFormat, calibrate_scale, fp8_round_trip
+from kvlens.quant.ggml import (
+    GGML_FORMATS,
+    IQ4_NL_VALUES,
+    GGMLBlocks,
+    dequantize_ggml,
     quantize_ggml,
 )
 

@@ -16,7 +16,7 @@ from kvlens.cache.layout import shape_of_capture
 from kvlens.capture.run import capture_model
 from kvlens.capture.store import CaptureMeta, write_capture
 from kvlens.cli import app
-from kvlens.config.kvconfig import MikvSettings, load_config, save_config
+from kvlens.config import MikvSettings, load_config, save_config
 from kvlens.errors import InputError
 from kvlens.recommend import (
     COST_RESOLUTION,
@@ -246,7 +246,7 @@ def test_option_bytes_count_every_part():
 def test_written_config_runs_in_generate(tmp_path):
     """recommend -> JSON config -> load -> compressed generation on the same (tiny) model."""
     from kvlens.cache import compressed_attention
-    from kvlens.config.kvconfig import validate_for
+    from kvlens.config import validate_for
     from kvlens.evaluation.decode import greedy
     from kvlens.model.architecture import describe
 
@@ -280,7 +280,7 @@ def test_recommend_cli(tmp_path):
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert doc["mean_bits"] <= 3.5 and len(doc["choices"]) == 4
-    assert json.loads(out.read_text())["format"] == "kvlens.config.kvconfig"
+    assert json.loads(out.read_text())["format"] == "kvlens.kvconfig"
     # refuses to overwrite, and reports impossible budgets and bad files clearly
     res = runner.invoke(app, ["recommend", str(path), "-b", "3.5", "-o", str(out)])
     assert res.exit_code == 1 and "--overwrite" in res.output
@@ -318,7 +318,7 @@ def rec_meta(path):
 
 def test_config_bits_matches_the_budget_accounting(tmp_path):
     from kvlens.cache.layout import ModelShape, config_bits
-    from kvlens.config.kvconfig import preset
+    from kvlens.config import preset
 
     shape = ModelShape(30, 3, 64)
     # kivi-2 at 4096 tokens, head_dim 64: 3 bits on all 4096 tokens (flushed whole at 4096)
@@ -374,7 +374,7 @@ def test_sliding_window_blocks_follow_the_group_sizes(tmp_path):
 
 
 def load_config_text(config):
-    from kvlens.config.kvconfig import config_from_dict
+    from kvlens.config import config_from_dict
 
     return config_from_dict(json.loads(json.dumps(config.to_dict())))
 

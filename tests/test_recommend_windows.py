@@ -164,7 +164,7 @@ def test_mixed_window_config_holds_the_bytes_it_was_priced_at(tmp_path, fp):
     from kvlens.cache import compressed_attention, memory_report
     from kvlens.cache.cache import held_bytes
     from kvlens.capture.run import capture_model
-    from kvlens.config.kvconfig import load_config, save_config
+    from kvlens.config import load_config, save_config
     from kvlens.model.hooks import cache_argument_name
 
     torch.manual_seed(0)

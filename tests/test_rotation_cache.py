@@ -15,7 +15,7 @@ from tiny_models import tiny_model
 from kvlens.cache import compressed_attention, memory_report
 from kvlens.cache.layer import CompressedLayer
 from kvlens.cache.torch_read import packed_attention
-from kvlens.config.kvconfig import KVConfig, LayerKV, MikvSettings, config_from_dict, validate_for
+from kvlens.config import KVConfig, LayerKV, MikvSettings, config_from_dict, validate_for
 from kvlens.errors import ConfigError
 from kvlens.model.hooks import cache_argument_name
 from kvlens.quant import QuantSpec, hadamard_rotation

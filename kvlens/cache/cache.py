@@ -29,7 +29,7 @@ from kvlens.cache.layer import CompressedLayer, DenseTensor
 from kvlens.cache.layout import PARTS, sliding_windows
 from kvlens.cache.mixed import SetRows
 from kvlens.cache.packed import PackedTensor
-from kvlens.config.kvconfig import KVConfig, validate_for
+from kvlens.config import KVConfig, validate_for
 from kvlens.model.architecture import describe
 from kvlens.model.hooks import attention_override, rope_frequency_candidates, rope_inputs
 from kvlens.model.placement import input_device, layer_devices

@@ -1,7 +1,7 @@
 """Engine-format cache layers: a layer that stores and reads its K/V the way llama.cpp or vLLM do.
 
 An ``EngineLayer`` is used for every layer whose config sets ``key_format``/``value_format``
-(``kvlens.config.kvconfig.LayerKV``). Unlike ``CompressedLayer`` there is no full-precision window:
+(``kvlens.config.LayerKV``). Unlike ``CompressedLayer`` there is no full-precision window:
 ``update()`` writes the new tokens into the store in the engine's format **first**, then reads
 the whole held history back (the new tokens included) and returns it dequantized, so the
 model's own attention function attends to exactly what the engine's attention reads
@@ -39,14 +39,9 @@ from kvlens.cache import layout
 from kvlens.errors import ConfigError
 from kvlens.quant import QuantSpec, pack_codes, quantize, unpack_codes
 from kvlens.quant.cachetypes import CacheType, DenseType, needs_scales, scale_count
-from kvlens.quant.formats import (
-    FP8_DTYPES,
-    FP8_MAX,
-    GGMLBlocks,
-    dequantize_ggml,
-    quantize_ggml,
-    rotate_rows,
-)
+from kvlens.quant.formats import rotate_rows
+from kvlens.quant.fp8 import FP8_DTYPES, FP8_MAX
+from kvlens.quant.ggml import GGMLBlocks, dequantize_ggml, quantize_ggml
 
 
 def static_scale(ctype: CacheType, kv_heads: int, given=None) -> torch.Tensor | None:

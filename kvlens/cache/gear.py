@@ -71,7 +71,7 @@ def vector_length(spec: QuantSpec, block: int, head_dim: int) -> int:
 def part_bytes(spec: QuantSpec, gear, tokens: int, block: int, head_dim: int, fp_bytes: int
                ) -> tuple[int, int]:
     """``(outliers, lowrank)`` bytes of ``tokens`` (a multiple of ``block``) packed tokens of one
-    (batch row, KV head) of a tensor stored with ``gear`` (``kvlens.config.kvconfig.GearSettings``)."""
+    (batch row, KV head) of a tensor stored with ``gear`` (``kvlens.config.GearSettings``)."""
     nb = tokens // block
     n = vector_length(spec, block, head_dim)
     k = outlier_count(n, gear.outlier_fraction)

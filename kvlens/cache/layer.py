@@ -46,7 +46,7 @@ from kvlens.cache import layout
 from kvlens.cache.gear import GearTensor
 from kvlens.cache.mixed import SetRows
 from kvlens.cache.packed import PackedTensor
-from kvlens.config.kvconfig import LayerKV, MikvSettings
+from kvlens.config import LayerKV, MikvSettings
 from kvlens.errors import ConfigError
 from kvlens.quant import fit_balancer
 from kvlens.rope import RopeFrequencies, invert_rope

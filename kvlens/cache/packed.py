@@ -65,7 +65,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlens.config.kvconfig import SCALE_DTYPES
+from kvlens.config import SCALE_DTYPES
 from kvlens.config.rules import check_layout, flush_block
 from kvlens.errors import ConfigError
 from kvlens.quant import (

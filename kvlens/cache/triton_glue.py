@@ -30,7 +30,7 @@ def triton_unsupported(layer, query: torch.Tensor, with_probs: bool) -> str | No
 
 def kernel_layout_problem(setting, head_dim: int) -> str | None:
     """Why the fused decode kernel cannot read a layer stored as ``setting`` (a
-    ``kvlens.config.kvconfig.LayerKV``), or ``None``. Shared by the dispatch and ``recommend``'s
+    ``kvlens.config.LayerKV``), or ``None``. Shared by the dispatch and ``recommend``'s
     ``--prefer-fast``."""
 
     if setting.key is None or setting.value is None:

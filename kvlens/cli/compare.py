@@ -60,10 +60,12 @@ def compare_axes_command(
     formats: str = typer.Option(
         "",
         "--formats",
-        help="Engine KV-cache formats swept beside the integer specs, comma-separated: q8_0, "
-        "q4_0, q4_1, q5_0, q5_1, iq4_nl (llama.cpp, Hadamard-rotated when head_dim % 64 == 0; "
-        "+norot / +rot to force), fp8_e4m3, fp8_e5m2 (static per-layer scale; @head per KV "
-        "head; :p99.9 percentile calibration), int8/int4/fp8@token-head (vLLM). Default none.",
+        help="Engine settings swept beside the integer specs, comma-separated, spelled as "
+        "generate --compare takes them and recommend --target prints them: llamacpp:T "
+        "(q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl; Hadamard-rotated when head_dim % 64 == 0, "
+        ":norot / :rot to force), vllm:D (fp8_e4m3, fp8_e5m2: static scale calibrated per "
+        "layer on the capture; @head per KV head; :p99.9 percentile; :s1 the fixed default "
+        "scale), vllm:int8-pth / int4-pth / fp8-pth (per-token-head). Default none.",
     ),
     samples: int = typer.Option(None, "--samples", help="Use only the first N samples (faster)."),
     sinks: int = typer.Option(
@@ -93,6 +95,7 @@ def compare_axes_command(
         parse_layers,
         parse_name_list,
     )
+    from kvlens.config.engine import measured_cache_types
     from kvlens.errors import InputError
 
     def configure() -> CompareConfig:
@@ -109,7 +112,7 @@ def compare_axes_command(
             samples=samples,
             sink_tokens=sinks,
             rotation_seed=rotation_seed,
-            formats=parse_name_list(formats),
+            formats=measured_cache_types(formats),
         )
 
     config = run_library_call(configure)

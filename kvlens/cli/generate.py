@@ -141,7 +141,7 @@ def generate(
 def _options(config, preset_name, compare, prompt, prompt_file, max_new_tokens, evals, text,
              backend, ppl_tokens, passkey_prompts, passkey_context, seed, eval_tokens=None,
              chunk=64, retrieval_prompts=1, retrieval_lengths=None, calibration=None):
-    from kvlens.config.kvconfig import load_config, preset, resolve
+    from kvlens.config import load_config, preset, resolve
     from kvlens.deploy import is_engine_setting
     from kvlens.errors import InputError
     from kvlens.evaluation import EvalOptions, parse_evals
@@ -157,9 +157,10 @@ def _options(config, preset_name, compare, prompt, prompt_file, max_new_tokens, 
         configs.append(configs.engine(preset_name, calibration)
                        if is_engine_setting(preset_name) else preset(preset_name))
     if compare:
+        from kvlens.config.engine import split_setting_list
         from kvlens.evaluation.baselines import baseline, is_baseline
 
-        names = [s.strip() for s in compare.split(",") if s.strip()]
+        names = split_setting_list(compare)
         configs.extend(baseline(n) if is_baseline(n) else configs.engine(n, calibration)
                        if is_engine_setting(n) else resolve(n) for n in names)
     if not configs:

@@ -219,7 +219,7 @@ def recommend(
     with progress_bar("measuring candidates") as update:
         rec = run_library_call(lambda: run(capture, opts, progress=update))
     if output is not None:
-        from kvlens.config.kvconfig import save_config
+        from kvlens.config import save_config
 
         save_config(rec.config, output)
         err_console.print(f"config written: {output}")
@@ -261,7 +261,7 @@ def recommend(
 def _validate(config, model, eval_tokens: int | None, retrieval_prompts: int, ropts=None):
     """The recommendation and the presets, scored against the exact model on the held-out text
     (``kvlens.evaluation``: nothing `recommend` calibrates on)."""
-    from kvlens.config.kvconfig import preset, validate_for
+    from kvlens.config import preset, validate_for
     from kvlens.errors import ConfigError
     from kvlens.evaluation import EvalOptions, evaluate_configs
     from kvlens.model.architecture import describe

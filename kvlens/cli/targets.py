@@ -41,7 +41,7 @@ def run_target(capture: Path, *, target: str, budget_bits, max_kld, anchors: int
             model_bundle=load() if max_kld is not None else None))
     written = []
     if output is not None:
-        from kvlens.config.kvconfig import save_config
+        from kvlens.config import save_config
 
         save_config(rec.chosen.config, output)
         written.append(str(output))

@@ -1,3 +1,63 @@
-"""The generation config: what every layer of the compressed cache stores (``kvconfig``:
-frozen, versioned, JSON dataclasses and presets) and the layout rules a config must meet
-(``rules``)."""
+"""The generation config: what every layer of the compressed cache stores.
+
+- ``schema``: the frozen dataclasses (``LayerKV``, ``MikvSettings``, ``GearSettings``,
+  ``KVConfig``), their validation, and ``validate_for`` against a model.
+- ``io``: the versioned JSON form (``config_from_dict``, ``load_config``, ``save_config``);
+  ``versions``: its ``FORMAT`` string, ``VERSION`` and what each version added.
+- ``presets``: the named presets and ``resolve`` (a preset name or a config file).
+- ``engine``: the engine-setting vocabulary (``llamacpp:q4_0``, ``vllm:fp8_e4m3:s1`` ...) every
+  command reads and ``recommend --target`` prints.
+- ``rules``: the layout rules a config must meet (``flush_block``, ``check_layout``).
+"""
+
+from kvlens.config.engine import (
+    CacheDtypeSetting,
+    LlamaCppSetting,
+    QuantoSetting,
+    allowed_settings,
+    is_engine_setting,
+    parse_engine_setting,
+)
+from kvlens.config.io import config_from_dict, load_config, save_config
+from kvlens.config.presets import PRESETS, preset, resolve
+from kvlens.config.rules import check_layout, flush_block
+from kvlens.config.schema import (
+    BALANCER_MODES,
+    FP_DTYPES,
+    SCALE_DTYPES,
+    SET_BITS,
+    GearSettings,
+    KVConfig,
+    LayerKV,
+    MikvSettings,
+    validate_for,
+)
+from kvlens.config.versions import FORMAT, VERSION
+
+__all__ = [
+    "BALANCER_MODES",
+    "FORMAT",
+    "FP_DTYPES",
+    "PRESETS",
+    "SCALE_DTYPES",
+    "SET_BITS",
+    "VERSION",
+    "CacheDtypeSetting",
+    "GearSettings",
+    "KVConfig",
+    "LayerKV",
+    "LlamaCppSetting",
+    "MikvSettings",
+    "QuantoSetting",
+    "allowed_settings",
+    "check_layout",
+    "config_from_dict",
+    "flush_block",
+    "is_engine_setting",
+    "load_config",
+    "parse_engine_setting",
+    "preset",
+    "resolve",
+    "save_config",
+    "validate_for",
+]

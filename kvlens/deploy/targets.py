@@ -10,7 +10,7 @@ Pipeline:
    llama.cpp's rotation included; every token quantized, as the engines do). Static fp8 scales
    are calibrated on the whole capture (absmax), the tokens measured included.
 2. **Candidates** restricted to the engine's menu: llama.cpp one K type x one V type
-   (``LLAMACPP_TYPES``); vLLM one dtype (fp8_e4m3 with calibrated scales or the default 1.0,
+   (``kvlens.config.engine.LLAMACPP_SEARCH_TYPES``); vLLM one dtype (fp8_e4m3 with calibrated scales or the default 1.0,
    fp8_e5m2 at 1.0) plus a set of skipped layers (for ``k`` skipped layers, the ``k`` layers with
    the largest ``e_K^2 + e_V^2``: the best set of that size under the additive score);
    SGLang one fp8 dtype (one scale per layer shared by K and V, the layout its
@@ -36,7 +36,15 @@ from typing import Any
 from kvlens.analysis.metrics import attention_output, rel_error
 from kvlens.cache.layout import config_bits, shape_of_capture
 from kvlens.capture.store import open_capture
-from kvlens.config.kvconfig import KVConfig, LayerKV
+from kvlens.config import KVConfig, LayerKV
+from kvlens.config.engine import (
+    LLAMACPP_SEARCH_TYPES,
+    SGLANG_SEARCH_TYPES,
+    VLLM_SEARCH_TYPES,
+    LlamaCppSetting,
+    QuantoSetting,
+    setting_for_cache_type,
+)
 from kvlens.deploy.kld_model import fit_kld_model
 from kvlens.deploy.presets import engine_config
 from kvlens.errors import ConfigError, InputError
@@ -44,13 +52,11 @@ from kvlens.evaluation import EvalOptions, evaluate_configs
 from kvlens.model.load import load_model
 from kvlens.quant import QuantSpec, fake_quantize, fake_quantize_format
 from kvlens.quant.cachetypes import DenseType, parse_cache_type
-from kvlens.quant.formats import calibrate_scale, engine_rotation
+from kvlens.quant.formats import engine_rotation
+from kvlens.quant.fp8 import calibrate_scale
 from kvlens.recommend import model_spec_from_capture
 
 TARGETS = ("kvlens", "llama.cpp", "vllm", "sglang", "transformers")
-LLAMACPP_TYPES = ("f16", "q8_0", "q5_1", "q5_0", "q4_1", "iq4_nl", "q4_0")
-VLLM_FP8 = ("fp8_e4m3", "fp8_e4m3:s1", "fp8_e5m2:s1")
-SGLANG_FP8 = ("fp8_e4m3", "fp8_e4m3:s1", "fp8_e5m2:s1")
 QUANTO = [(b, ak, av, g) for b in (4, 2) for ak in (0, -1) for av in (0, -1) for g in (64, 32)]
 DOCS = {
     "llama.cpp": "llama.cpp tools/server README: -ctk/--cache-type-k, -ctv/--cache-type-v, "
@@ -146,9 +152,9 @@ def _variants(target: str, head_dim: int, rotation: bool) -> dict[str, tuple[Any
 
     if target == "llama.cpp":
         return {t: (parse_cache_type(t if t == "f16" or rotation else t + "+norot"), "type")
-                for t in LLAMACPP_TYPES}
+                for t in LLAMACPP_SEARCH_TYPES}
     if target in ("vllm", "sglang"):
-        names = VLLM_FP8 if target == "vllm" else SGLANG_FP8
+        names = VLLM_SEARCH_TYPES if target == "vllm" else SGLANG_SEARCH_TYPES
         return {"f16": (parse_cache_type("f16"), "type")} | {
             n: (parse_cache_type(n), "type") for n in names}
     out = {}
@@ -232,9 +238,9 @@ def _bits(config, shape, context: int) -> float:
 def _llamacpp(table, shape, opts) -> list[TargetCandidate]:
 
     out = []
-    for k in LLAMACPP_TYPES:
-        for v in LLAMACPP_TYPES:
-            name = f"llamacpp:{k}/{v}" + ("" if opts.rotation else ":norot")
+    for k in LLAMACPP_SEARCH_TYPES:
+        for v in LLAMACPP_SEARCH_TYPES:
+            name = LlamaCppSetting(k, v, "auto" if opts.rotation else "off").name
             cfg = engine_config(name).config
             errs = [(row[("key", k)], row[("value", v)]) for row in table]
             cmd = f"llama-server -m MODEL.gguf -ctk {k} -ctv {v}"
@@ -259,13 +265,13 @@ def _vllm(table, scales, shape, opts, meta) -> list[TargetCandidate]:
 
     out = []
     n = len(table)
-    for dtype in VLLM_FP8:
+    for dtype in VLLM_SEARCH_TYPES:
         contrib = [row[("key", dtype)] ** 2 + row[("value", dtype)] ** 2 for row in table]
         order = sorted(range(n), key=lambda i: -contrib[i])
         calibrated = ":s" not in dtype
         for k in range(n + 1):
             skip = tuple(sorted(order[:k]))
-            cfg = KVConfig(f"vllm:{dtype}" + (f":skip={','.join(map(str, skip))}" if skip else ""),
+            cfg = KVConfig(setting_for_cache_type(dtype, "vllm", skip).name,
                            LayerKV(key_format=dtype, value_format=dtype),
                            {i: LayerKV(key_format="f16", value_format="f16") for i in skip},
                            fp_dtype="float16")
@@ -293,9 +299,9 @@ def _sglang(table, scales, shape, opts) -> list[TargetCandidate]:
 
     out = []
     n = len(table)
-    for dtype in SGLANG_FP8:
+    for dtype in SGLANG_SEARCH_TYPES:
         calibrated = ":s" not in dtype
-        cfg = KVConfig(f"sglang:{dtype}", LayerKV(key_format=dtype, value_format=dtype),
+        cfg = KVConfig(setting_for_cache_type(dtype, "sglang").name, LayerKV(key_format=dtype, value_format=dtype),
                        fp_dtype="float16")
         errs = [(row[("key", dtype)], row[("value", dtype)]) for row in table]
         if calibrated:
@@ -319,7 +325,7 @@ def _transformers(table, shape, opts, head_dim: int) -> list[TargetCandidate]:
         gv = "per-token" if av == 0 else "per-channel"
         if (ak == 0 or av == 0) and head_dim % g:
             continue
-        name = f"transformers:quanto-{bits}:axis_key={ak}:axis_value={av}:group={g}"
+        name = QuantoSetting(bits, ak, av, g).name
         cfg = engine_config(name).config
         errs = [(row[("key", f"{bits}:{gk}:{g}")], row[("value", f"{bits}:{gv}:{g}")])
                 for row in table]

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvlens.cache.backend import select_backend
-from kvlens.config.kvconfig import KVConfig
+from kvlens.config import KVConfig
 from kvlens.evaluation.kld import (
     check_lengths,
     load_eval_text,

@@ -28,7 +28,7 @@ import random
 from collections.abc import Callable
 
 from kvlens.cache import compressed_attention, memory_report
-from kvlens.config.kvconfig import KVConfig, preset
+from kvlens.config import KVConfig, preset
 from kvlens.errors import InputError
 from kvlens.evaluation.baselines import Baseline, baseline_memory_report, baseline_session
 from kvlens.evaluation.decode import cache_kwargs, greedy

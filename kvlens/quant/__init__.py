@@ -4,7 +4,9 @@ Tensors are ``[B, H, T, D]`` at every public function. ``spec`` says what shares
 ``reference`` quantizes/dequantizes, ``packing`` stores codes in bytes, ``transforms`` adds
 pre-RoPE keys, the MiKV balancer, dense-and-sparse outliers and the GEAR low-rank residual,
 ``rotation`` the orthonormal Hadamard rotation along ``head_dim``, ``meta8`` 8-bit group
-metadata, and ``formats`` the engines' own cache formats (ggml blocks, fp8, per-token-head).
+metadata, and the engines' own cache formats: ``ggml`` (llama.cpp's blocks), ``fp8`` (static fp8
+and per-token-head), ``formats`` (a format with the engine's rotation, names, the read-back
+entry point) and ``cachetypes`` (what a config stores per tensor).
 Kernels and analysis are tested against these functions. The bytes a cache holds are counted
 in one place, ``kvlens.cache.layout``.
 """
@@ -12,19 +14,14 @@ in one place, ``kvlens.cache.layout``.
 from kvlens.quant.fake import fake_quantize
 from kvlens.quant.formats import (
     FormatSetting,
-    FP8Format,
-    GGMLBlockFormat,
-    GGMLBlocks,
-    TokenHeadFormat,
-    calibrate_scale,
-    dequantize_ggml,
     engine_rotation,
     fake_quantize_format,
     parse_format,
     parse_format_list,
-    quantize_ggml,
     rotate_rows,
 )
+from kvlens.quant.fp8 import FP8Format, TokenHeadFormat, calibrate_scale
+from kvlens.quant.ggml import GGMLBlockFormat, GGMLBlocks, dequantize_ggml, quantize_ggml
 from kvlens.quant.packing import (
     pack_codes,
     pack_unit,

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvlens.errors import ConfigError
-from kvlens.quant.formats import FormatSetting, allowed_format_names, parse_format
+from kvlens.quant.formats import FormatSetting, parse_format
 from kvlens.quant.rotation import hadamard_block_size
 
 DENSE_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
@@ -64,10 +64,6 @@ def parse_cache_type(text: str) -> CacheType:
         raise ConfigError(f"{exc} Unquantized cache types: {', '.join(DENSE_BYTES)}.") from None
 
 
-def cache_type_name(ct: CacheType) -> str:
-    return ct.name
-
-
 def needs_scales(ct: CacheType) -> bool:
     """A static fp8 type whose scale comes from calibration (not a fixed ``:sS``)."""
     fmt = getattr(ct, "format", None)
@@ -82,12 +78,8 @@ def scale_count(ct: CacheType, kv_heads: int) -> int:
     return 1 if fmt.scope == "tensor" else kv_heads
 
 
-def allowed_cache_types() -> tuple[str, ...]:
-    return (*DENSE_BYTES, *allowed_format_names())
-
-
 def check_engine_layer(layer, head_dim: int, kv_heads: int, scales, where: str) -> None:
-    """Raise ``ConfigError`` unless an engine-format ``layer`` (``kvlens.config.kvconfig.LayerKV``)
+    """Raise ``ConfigError`` unless an engine-format ``layer`` (``kvlens.config.schema.LayerKV``)
     fits a model with ``head_dim`` and ``kv_heads``, with its static fp8 ``scales``
     (``{"key": (...), "value": (...)}`` or None) where the types need them."""
 

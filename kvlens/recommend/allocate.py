@@ -22,7 +22,7 @@ import numpy as np
 
 from kvlens.cache.layout import config_bits, config_part_bytes
 from kvlens.cache.triton_glue import kernel_layout_problem
-from kvlens.config.kvconfig import LayerKV
+from kvlens.config import LayerKV
 from kvlens.errors import ConfigError, InputError
 from kvlens.recommend.build import build_config
 from kvlens.recommend.candidates import family

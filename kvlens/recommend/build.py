@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from kvlens.config.kvconfig import KVConfig, LayerKV, MikvSettings
+from kvlens.config import KVConfig, LayerKV, MikvSettings
 from kvlens.errors import ConfigError
 from kvlens.recommend.candidates import gear_settings
 from kvlens.recommend.options import Candidate, RecommendOptions, Stream, listed
@@ -15,7 +15,7 @@ from kvlens.recommend.result import Choice
 
 
 def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balancers):
-    """The versioned ``kvlens.config.kvconfig`` config that ``kvlens generate --config`` consumes."""
+    """The versioned ``kvlens.config`` config that ``kvlens generate --config`` consumes."""
 
     by_layer: dict[int, dict[str, Candidate]] = {}
     streams: dict[int, Stream] = {}

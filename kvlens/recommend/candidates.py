@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from kvlens.config.kvconfig import GearSettings
+from kvlens.config import GearSettings
 from kvlens.errors import ConfigError
 from kvlens.quant import hadamard_block_size
 from kvlens.recommend.options import (

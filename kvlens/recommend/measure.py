@@ -32,7 +32,7 @@ from kvlens.analysis.metrics import (
     per_head_rel_error,
     streaming_exact_mask,
 )
-from kvlens.config.kvconfig import MikvSettings
+from kvlens.config import MikvSettings
 from kvlens.config.rules import check_layout
 from kvlens.errors import ConfigError, InputError
 from kvlens.quant import (

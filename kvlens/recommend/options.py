@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from kvlens.cache.layout import FP_BYTES, SCALE_BYTES
-from kvlens.config.kvconfig import SET_BITS
+from kvlens.config import SET_BITS
 from kvlens.errors import InputError, is_int
 from kvlens.quant import QuantSpec
 from kvlens.quant.spec import FITS

@@ -30,7 +30,7 @@ from kvlens.cache.layout import (
     packed_bytes,
     stream_state,
 )
-from kvlens.config.kvconfig import LayerKV, MikvSettings, preset
+from kvlens.config import LayerKV, MikvSettings, preset
 from kvlens.config.rules import check_layout
 from kvlens.errors import ConfigError
 from kvlens.recommend.candidates import gear_settings

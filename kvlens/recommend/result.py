@@ -35,7 +35,7 @@ class Choice:
 class Recommendation:
     """A recommended config with what it was chosen from and what it costs."""
 
-    config: Any  # kvlens.config.kvconfig.KVConfig
+    config: Any  # kvlens.config.KVConfig
     choices: list[Choice]
     budget_bits: float
     mean_bits: float

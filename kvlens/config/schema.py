@@ -1,35 +1,15 @@
-"""Compressed-KV-cache configs: frozen, versioned, JSON-serialisable (``generate`` reads them,
-``recommend`` writes them).
+"""What a compressed-KV-cache config means: frozen dataclasses (``LayerKV``, ``MikvSettings``,
+``GearSettings``, ``KVConfig``) that validate themselves on construction, and ``validate_for``,
+which checks a config against a loaded model. The JSON form and its versions are
+``kvlens.config.io``; the named presets ``kvlens.config.presets``.
 
 A config is a ``default`` layer setting plus optional per-layer overrides. Each layer setting
-says how keys and values are quantized (a ``QuantSpec`` each, or ``null`` = kept in the model's
+says how keys and values are quantized (a ``QuantSpec`` each, or ``None`` = kept in the model's
 dtype), how many of the newest tokens wait in the full-precision residual window, how many of
 them are quantized at a time when it fills (``flush_tokens``: 0 = all, KIVI; fewer = a sliding
 window that always keeps recent tokens exact), and whether keys are stored before RoPE.
 Optional MiKV settings keep a fraction of important tokens at high precision and balance key
-channels. JSON form (``version`` 1)::
-
-    {
-      "format": "kvlens.config.kvconfig", "version": 1, "name": "kivi-2", "description": "...",
-      "default": {"key":   {"bits": 2, "granularity": "per-channel", "group_size": 32},
-                  "value": {"bits": 2, "granularity": "per-token",   "group_size": 32},
-                  "residual_tokens": 128, "flush_tokens": 0, "pre_rope_keys": false,
-                  "rotate_keys": false, "rotate_values": false},
-                  # a spec may add "fit": "mse" (spec version 2, config version 2): a
-                  # least-squares scale/zero per group (kvlens.quant.reference)
-      "layers": {"0": {"key": null}},          # partial overrides, merged over "default"
-      "mikv": null | {"heavy_fraction": 0.2, "sink_tokens": 4,
-                      "balancer": "off" | "online" | "fixed", "balancer_exponent": 0.5,
-                      "set_bits": null | 4 | 8,              # version 2
-                      "layers": null | [0, 3, ...]},         # version 2
-      "gear": null | {"rank": 4, "outlier_fraction": 0.02, "power_iters": 3,
-                      "layers": null | [0, 3, ...]},         # version 2
-      "balancers": null | {"0": [[b_0 ... b_{D-1}] per KV head], ...},   # for "fixed"
-      "scale_dtype": "float16" | "float32" | "8bit",    # 8bit: version 3
-      "fp_dtype": "float16" | "bfloat16" | "float32" | "float8_e4m3fn" | "exact",  # fp8: v2
-      "rotation_seed": null | 0,               # sign flips of the Hadamard rotation
-      "model": null | {"num_layers": 30, "head_dim": 64, "num_key_value_heads": 3}
-    }
+channels.
 
 ``fp_dtype`` is the dtype of every full-precision part the cache holds (the residual window,
 MiKV/sink sets, unquantized keys or values): ``float16`` by default, what a deployment stores,
@@ -60,8 +40,8 @@ iterations).
 
 ``key_format`` / ``value_format`` (per layer, both or neither): an engine's own cache types
 (``kvlens.quant.cachetypes``: ``q8_0``, ``q4_0``, ``fp8_e4m3``... ``f16``), stored as that engine
-stores them with no full-precision window (``kvlens.cache.engine``; the ``llamacpp:``/``vllm:``
-presets in ``kvlens.deploy``); ``kv_scales``: ``{layer: {"key": [s...], "value": [s...]}}``
+stores them with no full-precision window (``kvlens.cache.engine``; the engine settings
+``llamacpp:...`` / ``vllm:...`` of ``kvlens.config.engine``); ``kv_scales``: ``{layer: {"key": [s...], "value": [s...]}}``
 static fp8 scales (one per layer or per KV head).
 
 ``scale_dtype``: how each quantization group's scale and zero are stored: float16 (default) or
@@ -69,9 +49,7 @@ float32, or ``"8bit"`` (version 3): one byte each (``kvlens.quant.meta8``: a sca
 grid and the zero as a signed multiple of a fraction of the step), half the metadata bytes of
 float16, the codes re-chosen against the stored grid.
 
-A config that uses ``set_bits``, ``mikv.layers``, ``gear``, engine types or ``kv_scales`` is
-written as version 2, one with ``scale_dtype`` ``"8bit"`` as version 3; others stay version 1
-(older readers can read them).
+A config is written at the oldest version that can express it (``kvlens.config.versions``).
 
 ``validate_for(config, info)`` checks a config against a loaded model (layer count, head_dim,
 group sizes, balancer shapes) and raises ``ConfigError`` naming the allowed values.
@@ -79,34 +57,21 @@ group sizes, balancer shapes) and raises ``ConfigError`` naming the allowed valu
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from kvlens.config.rules import check_layout, flush_block
+from kvlens.config.versions import FORMAT, oldest_version
 from kvlens.errors import ConfigError, is_int
 from kvlens.quant import QuantSpec, hadamard_block_size
 from kvlens.quant.cachetypes import DenseType, check_engine_layer, parse_cache_type
 
-FORMAT = "kvlens.config.kvconfig"
-VERSION = 3  # 2: engine cache types (key_format/value_format), kv_scales, mikv.set_bits,
-# mikv.layers, gear, QuantSpec.fit, fp_dtype float8_e4m3fn; 3: scale_dtype "8bit"
 BALANCER_MODES = ("off", "online", "fixed")
 FP_DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn", "exact")
 # group scale/zero storage (kvlens.cache.packed; "8bit": kvlens.quant.meta8)
 SCALE_DTYPES = ("float16", "float32", "8bit")
-_LAYER_KEYS = ("key", "value", "residual_tokens", "flush_tokens", "pre_rope_keys",
-               "rotate_keys", "rotate_values", "key_format", "value_format")
-_TOP_KEYS = ("format", "version", "name", "description", "default", "layers", "mikv", "gear",
-             "balancers", "scale_dtype", "fp_dtype", "rotation_seed", "model", "kv_scales")
-_V2_LAYER_KEYS = ("key_format", "value_format")
-_MIKV_KEYS = ("heavy_fraction", "sink_tokens", "balancer", "balancer_exponent", "set_bits",
-              "layers")
 SET_BITS = (4, 8)  # integer widths of the MiKV importance set (None: fp_dtype)
-_GEAR_KEYS = ("rank", "outlier_fraction", "power_iters", "layers")
 
 
 @dataclass(frozen=True)
@@ -401,277 +366,13 @@ class KVConfig:
 
     @property
     def format_version(self) -> int:
-        """The oldest version that can express this config: 1 unless it uses version 2's engine
-        cache types, ``kv_scales``, ``mikv.set_bits``, ``mikv.layers``, ``gear`` or a spec's
-        ``fit`` (so older kvlens versions still read the others)."""
-        specs = [s for lk in (self.default, *self.layers.values()) for s in (lk.key, lk.value)]
-        uses_v2 = (bool(self.kv_scales) or self.default.engine
-                   or any(s is not None and s.fit != "minmax" for s in specs)
-                   or self.fp_dtype == "float8_e4m3fn"
-                   or any(v.engine for v in self.layers.values())
-                   or self.gear is not None
-                   or (self.mikv is not None and (self.mikv.set_bits is not None
-                                                  or self.mikv.layers is not None)))
-        if self.scale_dtype == "8bit":
-            return 3
-        return 2 if uses_v2 else 1
-
-    @classmethod
-    def from_dict(cls, data: Any) -> KVConfig:
-        return config_from_dict(data)
+        """The oldest version that can express this config (``kvlens.config.versions``), so
+        older kvlens versions still read configs that use none of the newer features."""
+        return oldest_version(self)
 
 
 def _spec_dict(spec: QuantSpec | None) -> dict[str, Any] | None:
     return None if spec is None else spec.to_dict()
-
-
-def _spec(value: Any, where: str) -> QuantSpec | None:
-    if value is None:
-        return None
-    try:
-        return QuantSpec.from_dict(value)
-    except ConfigError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
-
-
-def _layer(data: Any, base: LayerKV | None, where: str) -> LayerKV:
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{where} must be a JSON object with keys {', '.join(_LAYER_KEYS)}.")
-    unknown = sorted(set(data) - set(_LAYER_KEYS))
-    if unknown:
-        raise ConfigError(f"{where}: unknown keys {unknown}; allowed: {', '.join(_LAYER_KEYS)}.")
-    base = base or LayerKV()
-    kwargs: dict[str, Any] = {}
-    for name in ("key", "value"):
-        if name in data:
-            kwargs[name] = _spec(data[name], f"{where}.{name}")
-    for name in ("residual_tokens", "flush_tokens", "pre_rope_keys", "rotate_keys",
-                 "rotate_values", "key_format", "value_format"):
-        if name in data:
-            kwargs[name] = data[name]
-    return replace(base, **kwargs)
-
-
-def config_from_dict(data: Any) -> KVConfig:
-    """Parse and validate the JSON form; every problem is a ``ConfigError`` saying where."""
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"A KV config must be a JSON object, got {type(data).__name__}.")
-    if data.get("format", FORMAT) != FORMAT:
-        raise ConfigError(f"Not a kvlens KV config: format {data.get('format')!r} (expected "
-                          f"{FORMAT!r}).")
-    version = data.get("version")
-    if not is_int(version, 1, VERSION):
-        raise ConfigError(f"Unsupported KV config version {version!r}; this kvlens reads "
-                          f"versions 1-{VERSION}.")
-    unknown = sorted(set(data) - set(_TOP_KEYS))
-    if unknown:
-        raise ConfigError(f"Unknown KV config keys {unknown}; allowed: {', '.join(_TOP_KEYS)}.")
-    if version < 2 and ("kv_scales" in data or any(
-            isinstance(v, Mapping) and set(v) & set(_V2_LAYER_KEYS)
-            for v in [data.get("default")] + list((data.get("layers") or {}).values()))):
-        raise ConfigError("key_format/value_format and kv_scales need KV config version 2; "
-                          f"this file says version {version}: set \"version\": 2.")
-    if "default" not in data:
-        raise ConfigError("KV config is missing 'default' (the setting for every layer).")
-    default = _layer(data["default"], None, "default")
-    layers: dict[int, LayerKV] = {}
-    raw_layers = data.get("layers") or {}
-    if not isinstance(raw_layers, Mapping):
-        raise ConfigError("'layers' must be an object mapping layer indices to overrides.")
-    for key, value in raw_layers.items():
-        idx = _index(key, "layers")
-        layers[idx] = _layer(value, default, f"layers.{key}")
-    mikv = _section(data, "mikv", _MIKV_KEYS, MikvSettings)
-    gear = _section(data, "gear", _GEAR_KEYS, GearSettings)
-    if version < 2 and (gear is not None or (mikv is not None and (
-            mikv.set_bits is not None or mikv.layers is not None))):
-        raise ConfigError("'gear', 'mikv.set_bits' and 'mikv.layers' need KV config version 2; "
-                          'set "version": 2.')
-    if version < 3 and data.get("scale_dtype") == "8bit":
-        raise ConfigError('scale_dtype "8bit" needs KV config version 3; set "version": 3.')
-    if version < 2 and data.get("fp_dtype") == "float8_e4m3fn":
-        raise ConfigError('fp_dtype float8_e4m3fn needs KV config version 2; set "version": 2.')
-    balancers: dict[int, tuple[tuple[float, ...], ...]] = {}
-    for key, value in (data.get("balancers") or {}).items():
-        idx = _index(key, "balancers")
-        if not isinstance(value, list) or not value or not all(
-                isinstance(r, list) and r and all(isinstance(v, (int, float))
-                                                   and math.isfinite(v) and v > 0 for v in r)
-                for r in value):
-            raise ConfigError(f"balancers.{key} must be a list (one per KV head) of lists of "
-                              "positive finite numbers (one per channel).")
-        balancers[idx] = tuple(tuple(float(v) for v in r) for r in value)
-    model = data.get("model")
-    if model is not None and not (isinstance(model, Mapping) and all(
-            isinstance(v, int) for v in model.values())):
-        raise ConfigError("'model' must be an object of integers (num_layers, head_dim, "
-                          "num_key_value_heads).")
-    return KVConfig(name=data.get("name") or "", default=default, layers=layers, mikv=mikv,
-                    balancers=balancers, scale_dtype=data.get("scale_dtype", "float16"),
-                    description=data.get("description", ""), model=model,
-                    fp_dtype=data.get("fp_dtype", "float16"),
-                    rotation_seed=data.get("rotation_seed"),
-                    kv_scales=_kv_scales(data.get("kv_scales")), gear=gear)
-
-
-def _kv_scales(raw: Any) -> dict[int, dict[str, tuple[float, ...]]]:
-    out: dict[int, dict[str, tuple[float, ...]]] = {}
-    if raw is None:
-        return out
-    if not isinstance(raw, Mapping):
-        raise ConfigError("'kv_scales' must map layer indices to {\"key\": [...], \"value\": "
-                          "[...]}.")
-    for key, entry in raw.items():
-        idx = _index(key, "kv_scales")
-        if not isinstance(entry, Mapping) or set(entry) - {"key", "value"} or not all(
-                isinstance(v, list) and v and all(
-                    isinstance(s, (int, float)) and not isinstance(s, bool)
-                    and math.isfinite(s) and s > 0 for s in v) for v in entry.values()):
-            raise ConfigError(f"kv_scales.{key} must be {{\"key\": [s, ...], \"value\": "
-                              "[s, ...]}} with positive finite scales (one per layer, or one "
-                              "per KV head).")
-        out[idx] = {t: tuple(float(s) for s in v) for t, v in entry.items()}
-    return out
-
-
-def _section(data: Mapping, name: str, keys: tuple[str, ...], cls):
-    """An optional settings object (``mikv``, ``gear``): ``None`` when absent or null."""
-    raw = data.get(name)
-    if raw is None:
-        return None
-    if not isinstance(raw, Mapping) or set(raw) - set(keys):
-        raise ConfigError(f"'{name}' must be an object with keys {', '.join(keys)}.")
-    return cls(**raw)
-
-
-def _index(key: Any, where: str) -> int:
-    try:
-        idx = int(key)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where}: {key!r} is not a layer index (an integer >= 0).") from None
-    if idx < 0:
-        raise ConfigError(f"{where}: layer index {idx} is negative.")
-    return idx
-
-
-def load_config(path: str | Path) -> KVConfig:
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"Cannot read KV config {path}: {exc.strerror or exc}.") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}: "
-                          f"{exc.msg}).") from None
-    return config_from_dict(data)
-
-
-def save_config(config: KVConfig, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(config.to_dict(), indent=2) + "\n", encoding="utf-8")
-
-
-# -- presets -------------------------------------------------------------------------------
-
-def _kivi(bits: int) -> KVConfig:
-    return KVConfig(f"kivi-{bits}", LayerKV(QuantSpec(bits, "per-channel", 32),
-                                            QuantSpec(bits, "per-token", 32), 128),
-                    description=f"KIVI {bits}-bit: keys per-channel G32, values per-token G32, "
-                                "128-token fp residual window")
-
-
-def _per_token(bits: int) -> KVConfig:
-    return KVConfig(f"per-token-{bits}", LayerKV(QuantSpec(bits, "per-token", 64),
-                                                 QuantSpec(bits, "per-token", 64), 128),
-                    description=f"{bits}-bit keys and values per-token G64 with a 128-token "
-                                "window (transformers QuantizedCache-style baseline)")
-
-
-def _mikv(bits: int) -> KVConfig:
-    return KVConfig(f"mikv-{bits}", LayerKV(QuantSpec(bits, "per-token", 32),
-                                            QuantSpec(bits, "per-token", 32), 32),
-                    mikv=MikvSettings(0.2, 4, "online"),
-                    description=f"MiKV: 20% heavy-hitter + 4 sink tokens at full precision, rest "
-                                f"{bits}-bit per-token G32 with an online channel balancer")
-
-
-def _mikv_set(bits: int, set_bits: int) -> KVConfig:
-    base = _mikv(bits)
-    return replace(base, name=f"mikv-{bits}-int{set_bits}",
-                   mikv=replace(base.mikv, set_bits=set_bits),
-                   description=f"MiKV: 20% heavy-hitter + 4 sink tokens stored at INT{set_bits} "
-                               f"(per-token G32), rest {bits}-bit per-token G32 with an online "
-                               "channel balancer")
-
-
-def _gear(bits: int, rank: int = 4) -> KVConfig:
-    what = f"rank-{rank} residual" if rank else "no low-rank term (ablation)"
-    return KVConfig(f"gear-{bits}" + ("" if rank == 4 else f"-r{rank}"),
-                    LayerKV(QuantSpec(bits, "per-channel", 32), QuantSpec(bits, "per-token", 32),
-                            64),
-                    gear=GearSettings(rank, 0.02, 3),
-                    description=f"GEAR on KIVI {bits}-bit grouping: 2% outliers per vector "
-                                f"exact, {what} per 64-token block (n_b = 64, the fp window)")
-
-
-PRESETS: dict[str, KVConfig] = {
-    "exact": KVConfig("exact", LayerKV(), fp_dtype="exact",
-                      description="no compression, the model's own dtype (same tokens as "
-                                  "transformers' DynamicCache)"),
-    "fp16": KVConfig("fp16", LayerKV(), description="no compression, stored in float16 (what a "
-                                                     "GPU deployment holds)"),
-    "kivi-2": _kivi(2),
-    "kivi-4": _kivi(4),
-    "per-token-2": _per_token(2),
-    "per-token-4": _per_token(4),
-    "mikv-2": _mikv(2),
-    "mikv-4": _mikv(4),
-    "mikv-2-int4": _mikv_set(2, 4),
-    "mikv-2-int8": _mikv_set(2, 8),
-    "gear-2": _gear(2),
-    "gear-2-r0": _gear(2, 0),
-    "gear-4": _gear(4),
-    "kivi-2-sinks": replace(_kivi(2), name="kivi-2-sinks",
-                            default=replace(_kivi(2).default, flush_tokens=32),
-                            mikv=MikvSettings(0.0, 4, "off"),
-                            description="kivi-2 with the first 4 tokens (attention sinks) kept at "
-                                        "full precision and a sliding window (the oldest 32 of "
-                                        "128 tokens quantized at a time)"),
-    "kivi-2-rot": replace(_kivi(2), name="kivi-2-rot",
-                          default=replace(_kivi(2).default, rotate_keys=True,
-                                          rotate_values=True),
-                          description="kivi-2 with Hadamard-rotated keys and values"),
-    "per-token-2-rot": replace(_per_token(2), name="per-token-2-rot",
-                               default=replace(_per_token(2).default, rotate_keys=True,
-                                               rotate_values=True),
-                               description="per-token-2 with Hadamard-rotated keys and values "
-                                           "(llama.cpp-style rotation)"),
-    "per-token-4-rot": replace(_per_token(4), name="per-token-4-rot",
-                               default=replace(_per_token(4).default, rotate_keys=True,
-                                               rotate_values=True),
-                               description="per-token-4 with Hadamard-rotated keys and values "
-                                           "(llama.cpp-style rotation)"),
-    "kivi-2-prerope": replace(_kivi(2), name="kivi-2-prerope",
-                              default=replace(_kivi(2).default, pre_rope_keys=True),
-                              description="kivi-2 with keys quantized before RoPE"),
-}
-
-
-def preset(name: str) -> KVConfig:
-    if name not in PRESETS:
-        raise ConfigError(f"Unknown preset {name!r}; allowed: {', '.join(PRESETS)}.")
-    return PRESETS[name]
-
-
-def resolve(spec: str) -> KVConfig:
-    """A preset name, or a path to a JSON config file."""
-    if spec in PRESETS:
-        return PRESETS[spec]
-    if spec.endswith(".json") or Path(spec).is_file():
-        return load_config(spec)
-    raise ConfigError(f"Unknown preset {spec!r} (and no such config file); allowed presets: "
-                      f"{', '.join(PRESETS)}.")
 
 
 # -- validation against a model ------------------------------------------------------------
@@ -691,6 +392,10 @@ def validate_for(config: KVConfig, info) -> None:
     if bad:
         raise ConfigError(f"Config {config.name!r} overrides layers {bad}, but the model has "
                           f"{n} layers; allowed indices: 0-{n - 1}.")
+    bad = sorted(i for i in config.kv_scales if i >= n)
+    if bad:
+        raise ConfigError(f"Config {config.name!r} gives kv_scales for layers {bad}, but the "
+                          f"model has {n} layers; allowed indices: 0-{n - 1}.")
     for idx in range(n):
         layer = config.layer(idx)
         if layer.engine:
@@ -733,5 +438,5 @@ def validate_for(config: KVConfig, info) -> None:
             raise ConfigError(f"balancers.{idx}: the model has {n} layers; allowed indices: "
                               f"0-{n - 1}.")
         if len(b) != hkv or any(len(r) != d for r in b):
-            raise ConfigError(f"balancers.{idx} has shape [{len(b)}, {len(b[0])}] but the model "
-                              f"needs [num_key_value_heads={hkv}, head_dim={d}].")
+            raise ConfigError(f"balancers.{idx} has shape [{len(b)}, {len(b[0]) if b else 0}] "
+                              f"but the model needs [num_key_value_heads={hkv}, head_dim={d}].")

@@ -1,0 +1,466 @@
+"""Engine settings: the one vocabulary for "what an engine user deploys", read by every command
+(``generate --preset`` / ``--compare``, ``compare-axes --formats``) and printed by ``recommend
+--target``, so that what one prints the others accept. Names (case-insensitive)::
+
+    llamacpp:K/V[:norot | :rot][:nofa]      K, V in LLAMACPP_TYPES (llama.cpp -ctk K -ctv V)
+    llamacpp:T                              = llamacpp:T/T
+    vllm:D[@head][:pP | :sS][:skip=L,L]     D in VLLM_DTYPES (vllm serve --kv-cache-dtype D)
+    sglang:D[@head][:pP | :sS]              D in SGLANG_DTYPES
+    transformers:quanto-B[:axis_key=A][:axis_value=A][:group=G][:residual=R]   B in 2, 4
+
+- llama.cpp: one K type and one V type for every layer; llama.cpp rotates a quantized type when
+  head_dim is a multiple of 64. ``:norot`` is ``LLAMA_ATTN_ROT_DISABLE=1``; ``:rot`` forces the
+  rotation where that rule would not (a what-if: llama.cpp has no such switch); ``:nofa``
+  declares a run without flash attention (llama.cpp refuses a quantized V then).
+- vLLM / SGLang static fp8 (``fp8`` = ``fp8_e4m3``, ``fp8_e5m2``): scales calibrated from a
+  capture when the command has one (absmax, or the ``:pP`` percentile; per layer, ``@head`` per
+  KV head; SGLang's scale file holds one scale per layer for K and V: ``shared_scale``), else
+  the engines' default scale 1.0; ``:sS`` fixes the scale at ``S`` whatever the capture
+  (``:s1`` = the default). vLLM's per-token-head dtypes (``int8-pth`` ...) scale each token
+  dynamically and take no scope or scale. ``:skip=`` keeps those layers at f16
+  (``--kv-cache-dtype-skip-layers``).
+- transformers ``QuantizedCache`` (quanto backend, defaults ``QUANTO_DEFAULTS``): ``axis=0``
+  groups ``G`` channels of one token (per-token ``G``), ``axis=-1`` groups ``G`` tokens of one
+  channel (per-channel ``G``), the residual window is ``R``: a kvlens layout, not transformers'
+  code.
+
+``parse_engine_setting`` reads a name into a ``LlamaCppSetting``, ``CacheDtypeSetting`` or
+``QuantoSetting``; ``setting.name`` writes the canonical spelling back (``parse(s.name) == s``)
+and ``setting.kvconfig(label)`` is the ``KVConfig`` that simulates it (engine cache types,
+``kvlens.quant.cachetypes``, or a kvlens layout). Calibrating static fp8 scales reads a capture,
+which is ``kvlens.deploy.presets``'s job; notes for the user are printed there too.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import ClassVar
+
+from kvlens.config.schema import KVConfig, LayerKV
+from kvlens.errors import ConfigError, is_int
+from kvlens.quant import QuantSpec
+from kvlens.quant.formats import parse_format
+from kvlens.quant.fp8 import TOKEN_HEAD_KINDS
+from kvlens.quant.ggml import GGML_FORMATS
+
+ENGINES = ("llamacpp", "vllm", "sglang", "transformers")
+ENGINE_ALIASES = {"llama.cpp": "llamacpp"}
+
+# llama.cpp's -ctk/-ctv types that kvlens simulates: the float types and every ggml block type
+LLAMACPP_FLOAT_TYPES = ("f32", "f16", "bf16")
+LLAMACPP_TYPES = (*LLAMACPP_FLOAT_TYPES, *GGML_FORMATS)
+# the menu `recommend --target llama.cpp` searches (every K x V pair): f16 and every quantized
+# type, most bits first; f32 costs twice f16 and bf16 what f16 costs with fewer mantissa bits,
+# so neither can be the better choice at a budget.
+LLAMACPP_SEARCH_TYPES = ("f16", "q8_0", "q5_1", "q5_0", "q4_1", "iq4_nl", "q4_0")
+
+STATIC_FP8_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")  # fp8 is vLLM's alias of fp8_e4m3
+# vLLM's per-token-head dtypes (kvlens shorthand and vLLM's own spelling) -> cache type
+PER_TOKEN_HEAD = {**{f"{k}-pth": f"{k}@token-head" for k in TOKEN_HEAD_KINDS},
+                  **{f"{k}_per_token_head": f"{k}@token-head" for k in TOKEN_HEAD_KINDS}}
+VLLM_DTYPES = (*STATIC_FP8_DTYPES, *(f"{k}-pth" for k in TOKEN_HEAD_KINDS))
+SGLANG_DTYPES = ("fp8_e4m3", "fp8_e5m2")
+# the cache types `recommend --target vllm / sglang` searches: calibrated e4m3, and e4m3 and
+# e5m2 at the default scale 1.0 (e5m2's 2 mantissa bits lose to e4m3 once calibrated)
+VLLM_SEARCH_TYPES = ("fp8_e4m3", "fp8_e4m3:s1", "fp8_e5m2:s1")
+SGLANG_SEARCH_TYPES = VLLM_SEARCH_TYPES
+
+QUANTO_BITS = (2, 4)
+QUANTO_AXES = (0, -1)
+QUANTO_DEFAULTS = {"axis_key": 0, "axis_value": 0, "group": 64, "residual": 128}
+
+_FIXED = re.compile(r"s([0-9.]+(?:e[+-]?[0-9]+)?)")
+_PERCENTILE = re.compile(r"p([0-9.]+(?:e[+-]?[0-9]+)?)")
+_SKIP = re.compile(r"skip=([0-9]+(?:,[0-9]+)*)")
+
+
+def allowed_settings() -> str:
+    """Every accepted form, with its allowed values (for error messages and ``--help``)."""
+    return ("llamacpp:K/V[:norot|:rot][:nofa] (K, V: " + ", ".join(LLAMACPP_TYPES) + "), "
+            "vllm:D[@head][:pP|:sS][:skip=L,L] (D: " + ", ".join(VLLM_DTYPES) + "), "
+            "sglang:D[@head][:pP|:sS] (D: " + ", ".join(SGLANG_DTYPES) + "), "
+            "transformers:quanto-B[:axis_key=A][:axis_value=A][:group=G][:residual=R] "
+            "(B: 2, 4; A: 0, -1)")
+
+
+def _bad(name: str, why: str) -> ConfigError:
+    return ConfigError(f"Unknown engine setting {name!r} ({why}); allowed: {allowed_settings()}.")
+
+
+def _num(x: float) -> str:
+    """``x`` as it reads back exactly: ``1`` for 1.0, else the shortest round-trip form."""
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else repr(float(x))
+
+
+# -- the settings -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LlamaCppSetting:
+    """llama.cpp ``-ctk key -ctv value``. rotation: ``"auto"`` (llama.cpp's rule), ``"off"``
+    (``:norot``), ``"on"`` (``:rot``). flash_attention: False for ``:nofa``."""
+
+    key: str
+    value: str
+    rotation: str = "auto"
+    flash_attention: bool = True
+
+    engine: ClassVar[str] = "llamacpp"
+
+    def __post_init__(self) -> None:
+        for t in (self.key, self.value):
+            if t not in LLAMACPP_TYPES:
+                raise ConfigError(f"Unknown llama.cpp cache type {t!r}; allowed: "
+                                  f"{', '.join(LLAMACPP_TYPES)}.")
+        if self.rotation not in ("auto", "off", "on"):
+            raise ConfigError(f"Unknown llama.cpp rotation {self.rotation!r}; allowed: auto, "
+                              "off (:norot), on (:rot).")
+
+    @property
+    def name(self) -> str:
+        opts = {"auto": "", "off": ":norot", "on": ":rot"}[self.rotation]
+        return f"llamacpp:{self.key}/{self.value}{opts}" + ("" if self.flash_attention
+                                                            else ":nofa")
+
+    @property
+    def quantized(self) -> tuple[str, ...]:
+        return tuple(t for t in (self.key, self.value) if t not in LLAMACPP_FLOAT_TYPES)
+
+    def cache_type(self, t: str) -> str:
+        """The ``kvlens.quant.cachetypes`` name type ``t`` is stored as (with the rotation)."""
+        if t in LLAMACPP_FLOAT_TYPES:
+            return t
+        return t + {"auto": "", "off": "+norot", "on": "+rot"}[self.rotation]
+
+    def kvconfig(self, label: str) -> KVConfig:
+        how = {"auto": "", "off": " with LLAMA_ATTN_ROT_DISABLE=1",
+               "on": " with the rotation forced on"}[self.rotation]
+        return KVConfig(label, LayerKV(key_format=self.cache_type(self.key),
+                                       value_format=self.cache_type(self.value)),
+                        fp_dtype="float16",
+                        description=f"llama.cpp -ctk {self.key} -ctv {self.value}{how}")
+
+
+@dataclass(frozen=True)
+class CacheDtypeSetting:
+    """vLLM / SGLang ``--kv-cache-dtype dtype`` (module docstring). scope: ``"tensor"`` (one
+    scale per layer) or ``"head"``; percentile / fixed_scale: ``:pP`` / ``:sS``; skip: layers
+    kept at f16 (vLLM)."""
+
+    engine: str
+    dtype: str
+    scope: str = "tensor"
+    percentile: float | None = None
+    fixed_scale: float | None = None
+    skip: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.engine not in ("vllm", "sglang"):
+            raise ConfigError(f"--kv-cache-dtype settings are vllm and sglang, not "
+                              f"{self.engine!r}.")
+        allowed = VLLM_DTYPES if self.engine == "vllm" else SGLANG_DTYPES
+        if self.dtype not in allowed and not (self.engine == "vllm"
+                                              and self.dtype in PER_TOKEN_HEAD):
+            raise ConfigError(f"{self.engine} KV-cache dtypes here are {', '.join(allowed)}; "
+                              f"got {self.dtype!r}.")
+        if self.per_token_head and (self.scope != "tensor" or self.percentile is not None
+                                    or self.fixed_scale is not None):
+            raise ConfigError("per-token-head dtypes take no @scope, :pP or :sS (their scales "
+                              "are dynamic).")
+        if self.scope not in ("tensor", "head"):
+            raise ConfigError(f"scale scope @{self.scope}; allowed: none (per tensor) or @head.")
+        if self.skip and self.engine != "vllm":
+            raise ConfigError(":skip= is vLLM's --kv-cache-dtype-skip-layers; SGLang has none.")
+        if not all(is_int(i, 0) for i in self.skip):
+            raise ConfigError(f"Invalid skip layers {self.skip!r}; allowed: layer indices >= 0.")
+        object.__setattr__(self, "skip", tuple(sorted(set(self.skip))))
+        parse_format(self.cache_type(calibrated=True))  # percentile / scale ranges
+
+    @property
+    def per_token_head(self) -> bool:
+        return self.dtype in PER_TOKEN_HEAD
+
+    @property
+    def calibrates(self) -> bool:
+        """Static fp8 whose scales come from a capture when the command has one."""
+        return not self.per_token_head and self.fixed_scale is None
+
+    @property
+    def shared_scale(self) -> bool:
+        """One scale per layer (or head) for K and V alike: SGLang's scale file."""
+        return self.engine == "sglang"
+
+    @property
+    def name(self) -> str:
+        out = f"{self.engine}:{self.dtype}" + ("@head" if self.scope == "head" else "")
+        if self.percentile is not None:
+            out += f":p{_num(self.percentile)}"
+        if self.fixed_scale is not None:
+            out += f":s{_num(self.fixed_scale)}"
+        return out + (f":skip={','.join(map(str, self.skip))}" if self.skip else "")
+
+    def cache_type(self, calibrated: bool) -> str:
+        """The ``kvlens.quant.cachetypes`` name of every non-skipped layer: with ``calibrated``
+        scales from a capture, or (``False``) the engine default 1.0 for a calibrating dtype,
+        which then needs no ``@head`` or ``:pP``."""
+        if self.per_token_head:
+            return PER_TOKEN_HEAD[self.dtype]
+        out = ("fp8_e4m3" if self.dtype == "fp8" else self.dtype) + (
+            "@head" if self.scope == "head" else "")
+        if self.fixed_scale is not None:
+            return out + f":s{_num(self.fixed_scale)}"
+        if not calibrated:
+            if self.scope == "head" or self.percentile is not None:
+                raise ConfigError(f"{self.name}: calibrated scales (@head, :pP) need a capture: "
+                                  "pass --calibration run.h5 (from `kvlens capture`), or drop "
+                                  "@head/:pP for the engine default scale 1.0.")
+            return out + ":s1"
+        return out + ("" if self.percentile is None else f":p{_num(self.percentile)}")
+
+    def kvconfig(self, label: str, calibrated: bool = False,
+                 kv_scales: dict | None = None) -> KVConfig:
+        """``kv_scales``: the calibrated static scales (``KVConfig.kv_scales``) when
+        ``calibrated`` and the dtype calibrates."""
+        fmt = self.cache_type(calibrated)
+        return KVConfig(label, LayerKV(key_format=fmt, value_format=fmt),
+                        {i: LayerKV(key_format="f16", value_format="f16") for i in self.skip},
+                        fp_dtype="float16", kv_scales=kv_scales or {},
+                        description=f"{self.engine} --kv-cache-dtype {self.dtype}")
+
+
+@dataclass(frozen=True)
+class QuantoSetting:
+    """transformers ``QuantizedCache(backend="quanto", nbits=bits, axis_key, axis_value,
+    q_group_size=group, residual_length=residual)`` as a kvlens layout."""
+
+    bits: int
+    axis_key: int = QUANTO_DEFAULTS["axis_key"]
+    axis_value: int = QUANTO_DEFAULTS["axis_value"]
+    group: int = QUANTO_DEFAULTS["group"]
+    residual: int = QUANTO_DEFAULTS["residual"]
+
+    engine: ClassVar[str] = "transformers"
+
+    def __post_init__(self) -> None:
+        if self.bits not in QUANTO_BITS or isinstance(self.bits, bool):
+            raise ConfigError("transformers settings are quanto-2 and quanto-4 (QuantizedCache, "
+                              "quanto backend)")
+        for key in ("axis_key", "axis_value"):
+            if getattr(self, key) not in QUANTO_AXES:
+                raise ConfigError(f"{key} must be 0 or -1")
+        if not is_int(self.group, 1) or not is_int(self.residual, 0):
+            raise ConfigError(f"group must be a positive integer and residual an integer >= 0, "
+                              f"got group={self.group!r}, residual={self.residual!r}")
+
+    @property
+    def name(self) -> str:
+        """Axes and group always written (what ``recommend --target`` searches), the residual
+        window when it is not the default."""
+        out = (f"transformers:quanto-{self.bits}:axis_key={self.axis_key}:"
+               f"axis_value={self.axis_value}:group={self.group}")
+        return out + ("" if self.residual == QUANTO_DEFAULTS["residual"]
+                      else f":residual={self.residual}")
+
+    def spec(self, axis: int) -> QuantSpec:
+        return QuantSpec(self.bits, "per-token" if axis == 0 else "per-channel", self.group)
+
+    def kvconfig(self, label: str) -> KVConfig:
+        return KVConfig(label, LayerKV(self.spec(self.axis_key), self.spec(self.axis_value),
+                                       self.residual), fp_dtype="float16",
+                        description=f"transformers QuantizedCache(backend='quanto', "
+                                    f"nbits={self.bits}, axis_key={self.axis_key}, "
+                                    f"axis_value={self.axis_value}, q_group_size={self.group}, "
+                                    f"residual_length={self.residual})")
+
+
+EngineSettingName = LlamaCppSetting | CacheDtypeSetting | QuantoSetting
+
+
+# -- parsing --------------------------------------------------------------------------------------
+
+
+def is_engine_setting(name: str) -> bool:
+    """``ENGINE:...`` that is not a config file (an unknown engine is then refused by
+    ``parse_engine_setting`` with the list)."""
+    head = name.split(":", 1)[0].strip()
+    return (":" in name and (head.isidentifier() or head.lower() in ENGINE_ALIASES)
+            and not (name.endswith(".json") or Path(name).is_file()))
+
+
+def split_setting_list(text: str | None) -> list[str]:
+    """A comma-separated list of settings (and preset names or files) -> the items, keeping the
+    commas of a ``:skip=L,L`` list inside its setting (``vllm:fp8:skip=0,2,q8`` -> two)."""
+    out: list[str] = []
+    for piece in (p.strip() for p in (text or "").split(",")):
+        if out and piece.isdigit() and re.search(r":skip=[0-9,]*[0-9]$", out[-1]):
+            out[-1] += "," + piece
+        elif piece:
+            out.append(piece)
+    return out
+
+
+def parse_engine_setting(name: str) -> EngineSettingName:
+    """The setting ``name`` spells (module docstring); anything else raises ``ConfigError``
+    with the allowed forms."""
+    if not isinstance(name, str):
+        raise ConfigError(f"An engine setting is a string such as llamacpp:q8_0, got {name!r}.")
+    engine, _, rest = name.strip().partition(":")
+    engine = ENGINE_ALIASES.get(engine.lower(), engine.lower())
+    if engine not in ENGINES:
+        raise _bad(name, f"unknown engine {engine!r}; engines: {', '.join(ENGINES)}")
+    parts = rest.strip().lower().split(":")
+    if not parts[0]:
+        raise _bad(name, "no cache type after the engine")
+    try:
+        if engine == "llamacpp":
+            return _llamacpp(name, parts)
+        if engine in ("vllm", "sglang"):
+            return _cache_dtype(name, engine, parts)
+        return _quanto(name, parts)
+    except ConfigError as exc:
+        if str(exc).startswith("Unknown engine setting"):
+            raise
+        raise _bad(name, str(exc).rstrip(".")) from None
+
+
+def _llamacpp(raw: str, parts: list[str]) -> LlamaCppSetting:
+    types = parts[0].split("/")
+    if len(types) == 1:
+        types = types * 2
+    if len(types) != 2 or any(t not in LLAMACPP_TYPES for t in types):
+        raise _bad(raw, f"llama.cpp cache types are {', '.join(LLAMACPP_TYPES)}, as K/V or one "
+                        "type for both")
+    opts = parts[1:]
+    if set(opts) - {"norot", "rot", "nofa"} or len(set(opts)) != len(opts):
+        raise _bad(raw, f"llama.cpp options are :norot and :nofa (and :rot to force the "
+                        f"rotation), each once, got {opts}")
+    if "norot" in opts and "rot" in opts:
+        raise _bad(raw, ":norot and :rot contradict each other")
+    rotation = "off" if "norot" in opts else "on" if "rot" in opts else "auto"
+    return LlamaCppSetting(types[0], types[1], rotation, "nofa" not in opts)
+
+
+def _cache_dtype(raw: str, engine: str, parts: list[str]) -> CacheDtypeSetting:
+    dtype, at, scope = parts[0].partition("@")
+    kw: dict = {}
+    for opt in parts[1:]:
+        m = _SKIP.fullmatch(opt), _PERCENTILE.fullmatch(opt), _FIXED.fullmatch(opt)
+        key = "skip" if m[0] else "percentile" if m[1] else "fixed_scale" if m[2] else None
+        if key is None or key in kw or (key == "skip" and engine != "vllm"):
+            raise _bad(raw, f"unknown or repeated option {opt!r} (vllm: :pP or :sS, "
+                            ":skip=L,L; sglang: :pP or :sS)")
+        if key == "skip":
+            kw[key] = tuple(int(x) for x in m[0][1].split(","))
+            continue
+        try:
+            kw[key] = float((m[1] or m[2])[1])
+        except ValueError:
+            raise _bad(raw, f"{opt!r} is not a number") from None
+    if "percentile" in kw and "fixed_scale" in kw:
+        raise _bad(raw, "a scale is calibrated (:pP) or fixed (:sS), not both")
+    return CacheDtypeSetting(engine, dtype, scope if at else "tensor", **kw)
+
+
+def _quanto(raw: str, parts: list[str]) -> QuantoSetting:
+    m = re.fullmatch(r"quanto-([0-9]+)", parts[0])
+    if not m or int(m[1]) not in QUANTO_BITS:
+        raise _bad(raw, "transformers settings are quanto-2 and quanto-4 (QuantizedCache, "
+                        "quanto backend)")
+    opts: dict[str, int] = {}
+    for opt in parts[1:]:
+        key, _, value = opt.partition("=")
+        if key not in QUANTO_DEFAULTS or key in opts:
+            raise _bad(raw, f"unknown or repeated option {key!r}; allowed: "
+                            f"{', '.join(QUANTO_DEFAULTS)}")
+        try:
+            opts[key] = int(value)
+        except ValueError:
+            raise _bad(raw, f"{opt!r} needs an integer value") from None
+    return QuantoSetting(int(m[1]), **opts)
+
+
+# -- one cache type per setting (compare-axes) and the setting of a cache type -------------------
+
+
+def setting_for_cache_type(cache_type: str, engine: str | None = None,
+                           skip: tuple[int, ...] = ()) -> EngineSettingName:
+    """The engine setting that stores keys and values in ``cache_type`` (a
+    ``kvlens.quant.formats`` name such as ``q4_0+norot``, ``fp8_e4m3@head:p99.9``,
+    ``int8@token-head``): llama.cpp for ggml types, vLLM (or ``engine``) for the others. A
+    forced rotation of an fp8 or per-token-head type has no engine setting (``ConfigError``)."""
+    setting = parse_format(cache_type)
+    fmt = setting.format
+    if fmt.family == "ggml":
+        return LlamaCppSetting(fmt.name, fmt.name, setting.rotation)
+    if setting.rotation != "auto":
+        raise ConfigError(f"{cache_type}: no engine rotates an fp8 or per-token-head cache, so "
+                          "a forced rotation has no engine setting.")
+    if fmt.family == "token-head":
+        return CacheDtypeSetting(engine or "vllm", f"{fmt.kind}-pth", skip=skip)
+    return CacheDtypeSetting(engine or "vllm", f"fp8_{fmt.fp8}", fmt.scope, fmt.percentile,
+                             fmt.fixed_scale, skip)
+
+
+def measured_cache_type(setting: EngineSettingName) -> str:
+    """The one cache type a tool that measures keys and values in the same format
+    (``compare-axes --formats``) reads from ``setting``, calibrating static fp8 on the capture
+    it measures; a setting that is not one quantized type for every layer raises
+    ``ConfigError`` saying why."""
+    name = setting.name
+    if isinstance(setting, QuantoSetting):
+        raise ConfigError(f"{name} is a kvlens layout, not an engine cache type: compare-axes "
+                          "sweeps it with --bits and --group-sizes (axis 0 = per-token, "
+                          "-1 = per-channel).")
+    if isinstance(setting, LlamaCppSetting):
+        if setting.key != setting.value:
+            raise ConfigError(f"{name}: compare-axes measures one type on keys and values; "
+                              f"give each type once (llamacpp:{setting.key}, "
+                              f"llamacpp:{setting.value}).")
+        if not setting.quantized:
+            raise ConfigError(f"{name} keeps keys and values unquantized; nothing to measure.")
+        return setting.cache_type(setting.key)
+    if setting.shared_scale and setting.calibrates:
+        raise ConfigError(f"{name}: SGLang shares one scale between keys and values, which "
+                          "compare-axes does not model (it calibrates each tensor); measure "
+                          f"{replace(setting, engine='vllm').name} instead.")
+    if setting.skip:
+        raise ConfigError(f"{name}: compare-axes measures every layer; drop :skip=.")
+    return setting.cache_type(calibrated=True)
+
+
+def measured_cache_types(text: str | None) -> tuple[str, ...]:
+    """``compare-axes --formats``: comma-separated engine settings -> the cache types to sweep
+    (``measured_cache_type``; ``""`` / ``"none"`` -> none). A bare cache-type name (the older
+    ``q4_0+norot`` spelling) is refused with the engine setting to write instead."""
+    items = split_setting_list(text)
+    if items in ([], ["none"]):
+        return ()
+    out = []
+    for item in items:
+        head = item.split(":", 1)[0].strip().lower()
+        if ":" not in item or head not in (*ENGINES, *ENGINE_ALIASES):
+            _refuse_cache_type(item)
+        out.append(measured_cache_type(parse_engine_setting(item)))
+    return tuple(dict.fromkeys(out))
+
+
+def _refuse_cache_type(item: str) -> None:
+    """Raise the error for ``item``, which is not an engine setting: one naming its engine
+    spelling when it is a bare cache-type name (the older ``--formats`` spelling), else the
+    unknown-setting error with the allowed forms."""
+    try:
+        parse_format(item)
+    except ConfigError:
+        parse_engine_setting(item)  # not a cache type either: raises with the allowed forms
+    why = ("--formats takes engine settings, the spelling generate --compare and recommend "
+           "--target use")
+    try:
+        setting = setting_for_cache_type(item)
+    except ConfigError as exc:
+        raise ConfigError(f"{why}: {exc}") from None
+    spelled = setting.name
+    if isinstance(setting, LlamaCppSetting):  # one type for K and V: llamacpp:T
+        spelled = spelled.replace(f"{setting.key}/{setting.key}", setting.key, 1)
+    raise ConfigError(f"{why}: write {spelled} for {item}.")

@@ -1,0 +1,240 @@
+"""The KV config's JSON form: ``config_from_dict`` (parse and validate, every problem a
+``ConfigError`` saying where), ``load_config`` / ``save_config``, and the version checks
+(a feature newer than the file's ``version`` is refused; ``kvlens.config.versions`` holds the
+``format`` string and the version history). ``generate`` reads these files, ``recommend``
+writes them. The meaning of each field is ``kvlens.config.schema``. JSON form::
+
+    {
+      "format": "kvlens.kvconfig", "version": 1, "name": "kivi-2", "description": "...",
+      "default": {"key":   {"bits": 2, "granularity": "per-channel", "group_size": 32},
+                  "value": {"bits": 2, "granularity": "per-token",   "group_size": 32},
+                  "residual_tokens": 128, "flush_tokens": 0, "pre_rope_keys": false,
+                  "rotate_keys": false, "rotate_values": false},
+                  # a spec may add "fit": "mse" (spec version 2, config version 2): a
+                  # least-squares scale/zero per group (kvlens.quant.reference)
+      "layers": {"0": {"key": null}},          # partial overrides, merged over "default"
+      "mikv": null | {"heavy_fraction": 0.2, "sink_tokens": 4,
+                      "balancer": "off" | "online" | "fixed", "balancer_exponent": 0.5,
+                      "set_bits": null | 4 | 8,              # version 2
+                      "layers": null | [0, 3, ...]},         # version 2
+      "gear": null | {"rank": 4, "outlier_fraction": 0.02, "power_iters": 3,
+                      "layers": null | [0, 3, ...]},         # version 2
+      "balancers": null | {"0": [[b_0 ... b_{D-1}] per KV head], ...},   # for "fixed"
+      "scale_dtype": "float16" | "float32" | "8bit",    # 8bit: version 3
+      "fp_dtype": "float16" | "bfloat16" | "float32" | "float8_e4m3fn" | "exact",  # fp8: v2
+      "rotation_seed": null | 0,               # sign flips of the Hadamard rotation
+      "model": null | {"num_layers": 30, "head_dim": 64, "num_key_value_heads": 3}
+    }
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from kvlens.config.schema import GearSettings, KVConfig, LayerKV, MikvSettings
+from kvlens.config.versions import FORMAT, VERSION
+from kvlens.errors import ConfigError, is_int
+from kvlens.quant import QuantSpec
+
+__all__ = ["FORMAT", "VERSION", "config_from_dict", "load_config", "save_config"]
+
+_LAYER_KEYS = ("key", "value", "residual_tokens", "flush_tokens", "pre_rope_keys",
+               "rotate_keys", "rotate_values", "key_format", "value_format")
+_TOP_KEYS = ("format", "version", "name", "description", "default", "layers", "mikv", "gear",
+             "balancers", "scale_dtype", "fp_dtype", "rotation_seed", "model", "kv_scales")
+_V2_LAYER_KEYS = ("key_format", "value_format")
+_MIKV_KEYS = ("heavy_fraction", "sink_tokens", "balancer", "balancer_exponent", "set_bits",
+              "layers")
+_GEAR_KEYS = ("rank", "outlier_fraction", "power_iters", "layers")
+_MODEL_KEYS = ("num_layers", "head_dim", "num_key_value_heads")
+
+
+def _spec(value: Any, where: str) -> QuantSpec | None:
+    if value is None:
+        return None
+    try:
+        return QuantSpec.from_dict(value)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _layer(data: Any, base: LayerKV | None, where: str) -> LayerKV:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where} must be a JSON object with keys {', '.join(_LAYER_KEYS)}.")
+    _no_unknown(data, _LAYER_KEYS, where)
+    base = base or LayerKV()
+    kwargs: dict[str, Any] = {}
+    for name in ("key", "value"):
+        if name in data:
+            kwargs[name] = _spec(data[name], f"{where}.{name}")
+    for name in ("residual_tokens", "flush_tokens", "pre_rope_keys", "rotate_keys",
+                 "rotate_values", "key_format", "value_format"):
+        if name in data:
+            kwargs[name] = data[name]
+    try:
+        return replace(base, **kwargs)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def config_from_dict(data: Any) -> KVConfig:
+    """Parse and validate the JSON form; every problem is a ``ConfigError`` saying where."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"A KV config must be a JSON object, got {type(data).__name__}.")
+    if data.get("format", FORMAT) != FORMAT:
+        raise ConfigError(f"Not a kvlens KV config: format {data.get('format')!r} (expected "
+                          f"{FORMAT!r}).")
+    version = data.get("version")
+    if not is_int(version, 1, VERSION):
+        raise ConfigError(f"Unsupported KV config version {version!r}; this kvlens reads "
+                          f"versions 1-{VERSION} (an integer).")
+    _no_unknown(data, _TOP_KEYS, "KV config")
+    raw_layers = _indexed(data, "layers", "an object mapping layer indices to overrides")
+    if version < 2 and ("kv_scales" in data or any(
+            isinstance(v, Mapping) and set(v) & set(_V2_LAYER_KEYS)
+            for v in [data.get("default"), *raw_layers.values()])):
+        raise ConfigError("key_format/value_format and kv_scales need KV config version 2; "
+                          f"this file says version {version}: set \"version\": 2.")
+    if "default" not in data:
+        raise ConfigError("KV config is missing 'default' (the setting for every layer).")
+    default = _layer(data["default"], None, "default")
+    layers = {idx: _layer(value, default, f"layers.{idx}") for idx, value in raw_layers.items()}
+    mikv = _section(data, "mikv", _MIKV_KEYS, MikvSettings)
+    gear = _section(data, "gear", _GEAR_KEYS, GearSettings)
+    if version < 2 and (gear is not None or (mikv is not None and (
+            mikv.set_bits is not None or mikv.layers is not None))):
+        raise ConfigError("'gear', 'mikv.set_bits' and 'mikv.layers' need KV config version 2; "
+                          'set "version": 2.')
+    if version < 3 and data.get("scale_dtype") == "8bit":
+        raise ConfigError('scale_dtype "8bit" needs KV config version 3; set "version": 3.')
+    if version < 2 and data.get("fp_dtype") == "float8_e4m3fn":
+        raise ConfigError('fp_dtype float8_e4m3fn needs KV config version 2; set "version": 2.')
+    description = data.get("description")
+    if description is not None and not isinstance(description, str):
+        raise ConfigError(f"'description' must be a string, got {type(description).__name__}.")
+    return KVConfig(name=data.get("name", ""), default=default, layers=layers, mikv=mikv,
+                    balancers=_balancers(data), scale_dtype=data.get("scale_dtype", "float16"),
+                    description=description or "", model=_model(data.get("model")),
+                    fp_dtype=data.get("fp_dtype", "float16"),
+                    rotation_seed=data.get("rotation_seed"),
+                    kv_scales=_kv_scales(data), gear=gear)
+
+
+def _no_unknown(data: Mapping, allowed: tuple[str, ...], where: str) -> None:
+    unknown = sorted(set(data) - set(allowed), key=str)
+    if unknown:
+        what = "Unknown KV config keys" if where == "KV config" else f"{where}: unknown keys"
+        raise ConfigError(f"{what} {unknown}; allowed: {', '.join(allowed)}.")
+
+
+def _indexed(data: Mapping, name: str, what: str) -> dict[int, Any]:
+    """The optional object ``data[name]`` keyed by layer index (``{}`` when absent or null),
+    its keys as ints; refuses another type, keys that are not indices, an index twice."""
+    raw = data.get(name)
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"'{name}' must be {what}, got {type(raw).__name__}.")
+    out: dict[int, Any] = {}
+    for key, value in raw.items():
+        idx = _index(key, name)
+        if idx in out:
+            raise ConfigError(f"{name}: layer {idx} is given twice; give each layer once.")
+        out[idx] = value
+    return out
+
+
+def _balancers(data: Mapping) -> dict[int, tuple[tuple[float, ...], ...]]:
+    out = {}
+    for idx, value in _indexed(data, "balancers", "an object mapping layer indices to "
+                                                  "balancers").items():
+        if not isinstance(value, list) or not value or not all(
+                isinstance(r, list) and r and all(_positive(v) for v in r) for r in value):
+            raise ConfigError(f"balancers.{idx} must be a list (one per KV head) of lists of "
+                              "positive finite numbers (one per channel).")
+        out[idx] = tuple(tuple(float(v) for v in r) for r in value)
+    return out
+
+
+def _kv_scales(data: Mapping) -> dict[int, dict[str, tuple[float, ...]]]:
+    out = {}
+    for idx, entry in _indexed(data, "kv_scales", 'an object mapping layer indices to '
+                                                  '{"key": [...], "value": [...]}').items():
+        if not isinstance(entry, Mapping) or set(entry) - {"key", "value"} or not all(
+                isinstance(v, list) and v and all(_positive(s) for s in v)
+                for v in entry.values()):
+            raise ConfigError(f"kv_scales.{idx} must be {{\"key\": [s, ...], \"value\": "
+                              "[s, ...]}} with positive finite scales (one per layer, or one "
+                              "per KV head).")
+        out[idx] = {t: tuple(float(s) for s in v) for t, v in entry.items()}
+    return out
+
+
+def _positive(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            and v > 0)
+
+
+def _model(raw: Any) -> dict[str, int] | None:
+    if raw is None:
+        return None
+    if not (isinstance(raw, Mapping) and set(raw) <= set(_MODEL_KEYS)
+            and all(is_int(v, 1) for v in raw.values())):
+        raise ConfigError(f"'model' must be an object of positive integers with keys "
+                          f"{', '.join(_MODEL_KEYS)} (the model the config was made for).")
+    return dict(raw) or None
+
+
+def _section(data: Mapping, name: str, keys: tuple[str, ...], cls):
+    """An optional settings object (``mikv``, ``gear``): ``None`` when absent or null."""
+    raw = data.get(name)
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping) or set(raw) - set(keys):
+        raise ConfigError(f"'{name}' must be an object with keys {', '.join(keys)}.")
+    return cls(**raw)
+
+
+def _index(key: Any, where: str) -> int:
+    """A layer index: a JSON key of decimal digits (or an int from Python)."""
+    if is_int(key, 0):
+        return key
+    if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+        raise ConfigError(f"{where}: {key!r} is not a layer index (an integer >= 0, written "
+                          "in decimal digits).")
+    return int(key)
+
+
+def load_config(path: str | Path) -> KVConfig:
+    """The config in JSON file ``path``; an unreadable file, bytes that are not UTF-8 JSON, or a
+    malformed config raise ``ConfigError`` naming the file."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"Cannot read KV config {path}: {exc.strerror or exc}.") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason}); a KV "
+                          "config is a UTF-8 JSON file.") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}: "
+                          f"{exc.msg}).") from None
+    except RecursionError:
+        raise ConfigError(f"{path} is nested too deeply to be a KV config.") from None
+    try:
+        return config_from_dict(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def save_config(config: KVConfig, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(config.to_dict(), indent=2) + "\n", encoding="utf-8")

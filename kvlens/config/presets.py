@@ -1,0 +1,113 @@
+"""The named KV-cache presets (``exact``, ``fp16``, ``kivi-2``, ``mikv-2-int4``, ``gear-2``...) and
+``resolve``, which turns a preset name or a config file path into a ``KVConfig``. Engine
+settings (``llamacpp:q4_0`` ...) are ``kvlens.config.engine``."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from kvlens.config.io import load_config
+from kvlens.config.schema import GearSettings, KVConfig, LayerKV, MikvSettings
+from kvlens.errors import ConfigError
+from kvlens.quant import QuantSpec
+
+
+def _kivi(bits: int) -> KVConfig:
+    return KVConfig(f"kivi-{bits}", LayerKV(QuantSpec(bits, "per-channel", 32),
+                                            QuantSpec(bits, "per-token", 32), 128),
+                    description=f"KIVI {bits}-bit: keys per-channel G32, values per-token G32, "
+                                "128-token fp residual window")
+
+
+def _per_token(bits: int) -> KVConfig:
+    return KVConfig(f"per-token-{bits}", LayerKV(QuantSpec(bits, "per-token", 64),
+                                                 QuantSpec(bits, "per-token", 64), 128),
+                    description=f"{bits}-bit keys and values per-token G64 with a 128-token "
+                                "window (transformers QuantizedCache-style baseline)")
+
+
+def _mikv(bits: int) -> KVConfig:
+    return KVConfig(f"mikv-{bits}", LayerKV(QuantSpec(bits, "per-token", 32),
+                                            QuantSpec(bits, "per-token", 32), 32),
+                    mikv=MikvSettings(0.2, 4, "online"),
+                    description=f"MiKV: 20% heavy-hitter + 4 sink tokens at full precision, rest "
+                                f"{bits}-bit per-token G32 with an online channel balancer")
+
+
+def _mikv_set(bits: int, set_bits: int) -> KVConfig:
+    base = _mikv(bits)
+    return replace(base, name=f"mikv-{bits}-int{set_bits}",
+                   mikv=replace(base.mikv, set_bits=set_bits),
+                   description=f"MiKV: 20% heavy-hitter + 4 sink tokens stored at INT{set_bits} "
+                               f"(per-token G32), rest {bits}-bit per-token G32 with an online "
+                               "channel balancer")
+
+
+def _gear(bits: int, rank: int = 4) -> KVConfig:
+    what = f"rank-{rank} residual" if rank else "no low-rank term (ablation)"
+    return KVConfig(f"gear-{bits}" + ("" if rank == 4 else f"-r{rank}"),
+                    LayerKV(QuantSpec(bits, "per-channel", 32), QuantSpec(bits, "per-token", 32),
+                            64),
+                    gear=GearSettings(rank, 0.02, 3),
+                    description=f"GEAR on KIVI {bits}-bit grouping: 2% outliers per vector "
+                                f"exact, {what} per 64-token block (n_b = 64, the fp window)")
+
+
+PRESETS: dict[str, KVConfig] = {
+    "exact": KVConfig("exact", LayerKV(), fp_dtype="exact",
+                      description="no compression, the model's own dtype (same tokens as "
+                                  "transformers' DynamicCache)"),
+    "fp16": KVConfig("fp16", LayerKV(), description="no compression, stored in float16 (what a "
+                                                     "GPU deployment holds)"),
+    "kivi-2": _kivi(2),
+    "kivi-4": _kivi(4),
+    "per-token-2": _per_token(2),
+    "per-token-4": _per_token(4),
+    "mikv-2": _mikv(2),
+    "mikv-4": _mikv(4),
+    "mikv-2-int4": _mikv_set(2, 4),
+    "mikv-2-int8": _mikv_set(2, 8),
+    "gear-2": _gear(2),
+    "gear-2-r0": _gear(2, 0),
+    "gear-4": _gear(4),
+    "kivi-2-sinks": replace(_kivi(2), name="kivi-2-sinks",
+                            default=replace(_kivi(2).default, flush_tokens=32),
+                            mikv=MikvSettings(0.0, 4, "off"),
+                            description="kivi-2 with the first 4 tokens (attention sinks) kept at "
+                                        "full precision and a sliding window (the oldest 32 of "
+                                        "128 tokens quantized at a time)"),
+    "kivi-2-rot": replace(_kivi(2), name="kivi-2-rot",
+                          default=replace(_kivi(2).default, rotate_keys=True,
+                                          rotate_values=True),
+                          description="kivi-2 with Hadamard-rotated keys and values"),
+    "per-token-2-rot": replace(_per_token(2), name="per-token-2-rot",
+                               default=replace(_per_token(2).default, rotate_keys=True,
+                                               rotate_values=True),
+                               description="per-token-2 with Hadamard-rotated keys and values "
+                                           "(llama.cpp-style rotation)"),
+    "per-token-4-rot": replace(_per_token(4), name="per-token-4-rot",
+                               default=replace(_per_token(4).default, rotate_keys=True,
+                                               rotate_values=True),
+                               description="per-token-4 with Hadamard-rotated keys and values "
+                                           "(llama.cpp-style rotation)"),
+    "kivi-2-prerope": replace(_kivi(2), name="kivi-2-prerope",
+                              default=replace(_kivi(2).default, pre_rope_keys=True),
+                              description="kivi-2 with keys quantized before RoPE"),
+}
+
+
+def preset(name: str) -> KVConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"Unknown preset {name!r}; allowed: {', '.join(PRESETS)}.")
+    return PRESETS[name]
+
+
+def resolve(spec: str) -> KVConfig:
+    """A preset name, or a path to a JSON config file."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    if spec.endswith(".json") or Path(spec).is_file():
+        return load_config(spec)
+    raise ConfigError(f"Unknown preset {spec!r} (and no such config file); allowed presets: "
+                      f"{', '.join(PRESETS)}.")

@@ -1,0 +1,43 @@
+"""The KV config's JSON identity and versions: the ``format`` string every config file carries,
+the newest ``version`` this kvlens reads, and the oldest version that can express a given
+config (``oldest_version``), so that a config using no newer feature stays readable by older
+kvlens releases.
+
+Versions:
+
+- 1: quantization specs, residual window and flush block, pre-RoPE keys, rotation, MiKV sets
+  and balancers, ``scale_dtype`` float16/float32, ``fp_dtype`` float16/bfloat16/float32/exact.
+- 2: engine cache types (``key_format`` / ``value_format``), ``kv_scales``, ``mikv.set_bits``,
+  ``mikv.layers``, ``gear``, a spec's ``fit`` (``QuantSpec`` version 2), ``fp_dtype``
+  ``float8_e4m3fn``.
+- 3: ``scale_dtype`` ``"8bit"``.
+
+The parser that enforces these (``kvlens.config.io``) and the dataclasses that write them
+(``kvlens.config.schema``) both read them from here.
+"""
+
+from __future__ import annotations
+
+# The file-format identifier written into every config; it names the module that first
+# defined the format and is kept as is so that existing files stay readable.
+FORMAT = "kvlens.kvconfig"
+VERSION = 3
+
+
+def oldest_version(config) -> int:
+    """The oldest version that can express ``config`` (a ``kvlens.config.schema.KVConfig``):
+    1 unless it uses a version-2 feature (engine cache types, ``kv_scales``,
+    ``mikv.set_bits``, ``mikv.layers``, ``gear``, a spec's ``fit``, fp8 full-precision parts),
+    3 with ``scale_dtype`` ``"8bit"``."""
+    if config.scale_dtype == "8bit":
+        return 3
+    layers = (config.default, *config.layers.values())
+    specs = [s for lk in layers for s in (lk.key, lk.value)]
+    mikv = config.mikv
+    uses_v2 = (bool(config.kv_scales)
+               or any(lk.engine for lk in layers)
+               or any(s is not None and s.fit != "minmax" for s in specs)
+               or config.fp_dtype == "float8_e4m3fn"
+               or config.gear is not None
+               or (mikv is not None and (mikv.set_bits is not None or mikv.layers is not None)))
+    return 2 if uses_v2 else 1

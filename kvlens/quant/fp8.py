@@ -1,0 +1,180 @@
+"""The vLLM / SGLang KV-cache formats with float32 scales: static-scale fp8 and the dynamic
+per-token-head formats; the one place their quantize/dequantize semantics live (plain torch;
+tensors are ``[B, H, T, D]``).
+
+- ``FP8Format`` with a *static* scale (vLLM/SGLang ``--kv-cache-dtype fp8_e4m3/fp8_e5m2``):
+  ``x_hat = fp8(clamp(x / s, +-fp8_max)) * s`` with one float32 ``s`` per layer and tensor
+  (``scope="tensor"``) or per KV head (``scope="head"``), calibrated from captured data by
+  ``calibrate_scale``: ``s = absmax / fp8_max`` or ``s = percentile_p(|x|) / fp8_max``
+  (values beyond it saturate, as the engines' saturating casts do), or a fixed ``s``
+  (``fp8_e4m3:s1`` is vLLM's default scale 1.0 when the checkpoint carries none).
+- ``TokenHeadFormat`` (vLLM's per-token-head int8/int4/fp8): a *dynamic* scale per token and
+  KV head (all ``D`` channels of one token of one head), ``s = absmax / qmax`` with
+  ``qmax = 127`` (int8), ``7`` (int4) or ``448`` (fp8 e4m3). The integer variants are the
+  reference's symmetric per-token grid (``kvlens.quant.reference``, ``QuantSpec(bits,
+  "per-token", symmetric=True)``, round-half-to-even); scales are counted as float32. vLLM's
+  ``int4_per_token_head`` is a different, non-uniform codebook format (sign + 8 magnitudes,
+  fp16 scales per channel group) that kvlens does not reproduce: ``int4@token-head`` is a
+  uniform int4 stand-in at the same granularity, not that format.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvlens.errors import ConfigError, InputError
+from kvlens.quant.fake import fake_quantize
+from kvlens.quant.spec import QuantSpec
+
+FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+FP8_MAX = {k: float(torch.finfo(v).max) for k, v in FP8_DTYPES.items()}  # 448, 57344
+STATIC_SCOPES = ("tensor", "head")
+SCALE_BITS = 32  # float32 scales for fp8 / per-token-head formats
+TOKEN_HEAD_KINDS = ("int8", "int4", "fp8")
+
+
+@dataclass(frozen=True)
+class FP8Format:
+    """fp8 cache with a static float32 scale calibrated from captured data.
+
+    fp8: ``"e4m3"`` (``torch.float8_e4m3fn``, max 448) or ``"e5m2"`` (max 57344).
+    scope: what shares one scale: ``"tensor"`` = all heads, tokens and channels of one layer's
+        keys (or values); ``"head"`` = all tokens and channels of one KV head.
+    percentile: ``None`` = scale from the absolute maximum; ``p`` in ``(0, 100)`` = from the
+        ``p``-th percentile of ``|x|`` (larger values saturate at ``+-fp8_max * s``).
+    fixed_scale: a given scale instead of calibration (``1.0`` = vLLM's default when no
+        scales are loaded or computed); excludes ``percentile``."""
+
+    fp8: str = "e4m3"
+    scope: str = "tensor"
+    percentile: float | None = None
+    fixed_scale: float | None = None
+
+    family = "fp8"
+    code_bits = 8
+
+    def __post_init__(self) -> None:
+        if self.fp8 not in FP8_DTYPES:
+            raise ConfigError(f"Unknown fp8 type {self.fp8!r}; allowed: {', '.join(FP8_DTYPES)}.")
+        if self.scope not in STATIC_SCOPES:
+            raise ConfigError(
+                f"Unknown static fp8 scale scope {self.scope!r}; allowed: "
+                f"{', '.join(STATIC_SCOPES)} (or token-head for the dynamic variant)."
+            )
+        p = self.percentile
+        if p is not None and (
+            isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p < 100.0
+        ):
+            raise ConfigError(f"Invalid percentile {p!r}; allowed: 0 < p < 100, e.g. 99.9.")
+        f = self.fixed_scale
+        if f is not None:
+            if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f < math.inf:
+                raise ConfigError(f"Invalid fixed scale {f!r}; allowed: a positive number.")
+            if p is not None:
+                raise ConfigError(
+                    "A static fp8 scale is either calibrated (absmax or a percentile) or fixed, "
+                    "not both; allowed: :pP or :sS."
+                )
+
+    @property
+    def name(self) -> str:
+        base = f"fp8_{self.fp8}" + ("" if self.scope == "tensor" else f"@{self.scope}")
+        if self.fixed_scale is not None:
+            return base + f":s{self.fixed_scale:g}"
+        return base + ("" if self.percentile is None else f":p{self.percentile:g}")
+
+    @property
+    def calibration(self) -> str:
+        if self.fixed_scale is not None:
+            return f"fixed scale {self.fixed_scale:g}"
+        return "absmax" if self.percentile is None else f"percentile {self.percentile:g}"
+
+    @property
+    def shares_scale(self) -> str:
+        what = "one layer's whole tensor" if self.scope == "tensor" else "one KV head of a layer"
+        return f"static float32 scale per {what} ({self.calibration})"
+
+    def bits_per_element(self, shape: Sequence[int]) -> float:
+        """8 bits plus the static scales amortized over one sequence of ``shape`` [B,H,T,D]
+        (one scale per layer, or per KV head)."""
+        _, h, t, d = (int(s) for s in shape)
+        per = h * t * d if self.scope == "tensor" else t * d
+        return 8 + SCALE_BITS / per
+
+
+@dataclass(frozen=True)
+class TokenHeadFormat:
+    """Dynamic per-token-head quantization (vLLM): the ``D`` channels of one token of one KV
+    head share a float32 scale ``s = absmax / qmax``; codes are symmetric.
+
+    kind: ``"int8"`` (qmax 127), ``"int4"`` (qmax 7) or ``"fp8"`` (e4m3, qmax 448)."""
+
+    kind: str = "int8"
+
+    family = "token-head"
+
+    def __post_init__(self) -> None:
+        if self.kind not in TOKEN_HEAD_KINDS:
+            raise ConfigError(
+                f"Unknown per-token-head type {self.kind!r}; allowed: "
+                f"{', '.join(TOKEN_HEAD_KINDS)}."
+            )
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}@token-head"
+
+    @property
+    def code_bits(self) -> int:
+        return 4 if self.kind == "int4" else 8
+
+    @property
+    def shares_scale(self) -> str:
+        return "all channels of one token of one KV head (dynamic float32 scale)"
+
+    def bits_per_element(self, shape: Sequence[int]) -> float:
+        return self.code_bits + SCALE_BITS / int(shape[-1])
+
+
+def fp8_round_trip(x: torch.Tensor, scale: torch.Tensor, fp8: str) -> torch.Tensor:
+    """``fp8(clamp(x / s, +-max)) * s`` in float32 (saturating cast, round-to-nearest-even).
+    ``scale`` broadcasts against ``x``; a zero scale reads back zeros."""
+    dtype, top = FP8_DTYPES[fp8], FP8_MAX[fp8]
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    y = (x.float() / safe).clamp(-top, top).to(dtype).float() * safe
+    return torch.where(scale > 0, y, torch.zeros_like(y))
+
+
+def calibrate_scale(x: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
+    """Static fp8 scale(s) from captured ``x`` ``[B, H, T, D]``: float32 ``[1, 1, 1, 1]``
+    (scope tensor) or ``[1, H, 1, 1]`` (scope head), ``absmax / fp8_max`` or
+    ``percentile_p(|x|) / fp8_max`` over every sample, token and channel of the scope
+    (the percentile is the order statistic at rank ``ceil(p/100 * n)``, no interpolation)."""
+    if x.dim() != 4:
+        raise InputError(f"Expected a [B, H, T, D] tensor, got shape {tuple(x.shape)}.")
+    if fmt.fixed_scale is not None:
+        n = 1 if fmt.scope == "tensor" else x.shape[1]
+        return torch.full((1, n, 1, 1), float(fmt.fixed_scale), dtype=torch.float32)
+    a = x.detach().float().abs().transpose(0, 1).reshape(x.shape[1], -1)  # [H, B*T*D]
+    if fmt.scope == "tensor":
+        a = a.reshape(1, -1)
+    if fmt.percentile is None:
+        level = a.amax(dim=1)
+    else:
+        rank = max(1, math.ceil(fmt.percentile / 100 * a.shape[1]))
+        level = a.kthvalue(rank, dim=1).values
+    return (level / FP8_MAX[fmt.fp8]).reshape(1, -1, 1, 1)
+
+
+def fake_quantize_token_head(x: torch.Tensor, fmt: TokenHeadFormat) -> torch.Tensor:
+    """Dynamic per-token-head round trip, float32 ``[B, H, T, D]``: the integer kinds through
+    the reference's symmetric per-token grid, fp8 with ``s = absmax / 448`` per token-head."""
+    if fmt.kind == "fp8":
+        scale = x.detach().float().abs().amax(dim=-1, keepdim=True) / FP8_MAX["e4m3"]
+        return fp8_round_trip(x, scale, "e4m3")
+
+    return fake_quantize(x.detach().float(), QuantSpec(fmt.code_bits, "per-token", None, True))

@@ -1,0 +1,371 @@
+"""Malformed KV configs end in ``ConfigError``, never another exception (property tests).
+
+Valid configs of every feature are written to their JSON form, then broken (a value replaced by
+JSON garbage or by a value of the wrong type, a key removed or added, the version changed, a
+layer index made invalid) and parsed again: ``config_from_dict`` / ``load_config`` must return a
+config or raise ``ConfigError`` with a message, and must raise it whenever the break is one that
+no valid config has. ``validate_for`` is checked the same way against random model shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import HealthCheck, assume, example, given, settings
+from hypothesis import strategies as st
+
+from kvlens.config import (
+    FORMAT,
+    PRESETS,
+    VERSION,
+    GearSettings,
+    KVConfig,
+    LayerKV,
+    MikvSettings,
+    config_from_dict,
+    load_config,
+    save_config,
+    validate_for,
+)
+from kvlens.errors import ConfigError
+from kvlens.quant import QuantSpec
+
+FAST = settings(max_examples=150, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.too_slow])
+
+
+def _valid_configs() -> list[dict]:
+    """JSON forms that use every part of the format (all versions)."""
+    kivi = PRESETS["kivi-2"]
+    spec = QuantSpec(2, "per-token", 32, fit="mse")
+    out = [PRESETS[n].to_dict() for n in ("exact", "kivi-2", "mikv-2-int4", "gear-2",
+                                          "kivi-2-sinks", "per-token-2-rot")]
+    out.append(KVConfig("overrides", kivi.default,
+                        {0: LayerKV(), 3: LayerKV(spec, spec, 64, flush_tokens=32)},
+                        mikv=MikvSettings(0.1, 4, "fixed", layers=(1, 3)),
+                        balancers={1: ((1.0, 2.0), (0.5, 4.0))}, scale_dtype="8bit",
+                        rotation_seed=7, gear=GearSettings(2, 0.05, 1, layers=(0, 3)),
+                        model={"num_layers": 4, "head_dim": 64, "num_key_value_heads": 2},
+                        description="every feature").to_dict())
+    out.append(KVConfig("engine", LayerKV(key_format="fp8_e4m3@head", value_format="q4_0+norot"),
+                        {2: LayerKV(key_format="f16", value_format="f16")},
+                        kv_scales={0: {"key": (0.5, 0.25)}, 1: {"key": (1.0, 2.0)}},
+                        fp_dtype="float8_e4m3fn").to_dict())
+    return [json.loads(json.dumps(d)) for d in out]
+
+
+VALID = _valid_configs()
+
+# JSON values of every kind, nested a few levels (what a hand-edited file can hold)
+SCALARS = (st.none() | st.booleans() | st.integers(-2**40, 2**40)
+           | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8))
+GARBAGE = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)
+                       | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=12)
+
+
+def _kind(value) -> str:
+    if value is None:
+        return "null"
+    for kind, types in (("bool", bool), ("int", int), ("float", float), ("str", str),
+                        ("list", list), ("object", dict)):
+        if isinstance(value, types):
+            return kind
+    raise AssertionError(value)
+
+
+# The JSON kinds each field accepts ("number": int or float). Anything else must be refused.
+NUMBER = {"int", "float"}
+# QuantSpec.from_dict (kvlens.quant.spec) reads a bool spec version as 1: tolerated here
+SPEC = {"version": {"int", "bool"}, "bits": {"int"}, "granularity": {"str"},
+        "group_size": {"int", "null"}, "symmetric": {"bool"}, "fit": {"str"}}
+LAYER = {"key": {"object", "null"}, "value": {"object", "null"},
+         "residual_tokens": {"int"}, "flush_tokens": {"int"}, "pre_rope_keys": {"bool"},
+         "rotate_keys": {"bool"}, "rotate_values": {"bool"}, "key_format": {"str", "null"},
+         "value_format": {"str", "null"}}
+MIKV = {"heavy_fraction": NUMBER, "sink_tokens": {"int"}, "balancer": {"str"},
+        "balancer_exponent": NUMBER, "set_bits": {"int", "null"}, "layers": {"list", "null"}}
+GEAR = {"rank": {"int"}, "outlier_fraction": NUMBER, "power_iters": {"int"},
+        "layers": {"list", "null"}}
+TOP = {"format": {"str"}, "version": {"int"}, "name": {"str"}, "description": {"str", "null"},
+       "default": {"object"}, "layers": {"object", "null"}, "mikv": {"object", "null"},
+       "gear": {"object", "null"}, "balancers": {"object", "null"}, "scale_dtype": {"str"},
+       "fp_dtype": {"str"}, "rotation_seed": {"int", "null"}, "model": {"object", "null"},
+       "kv_scales": {"object", "null"}}
+
+
+def _typed_fields(doc: dict):
+    """``(path, allowed kinds)`` for every field of ``doc`` whose type the format fixes."""
+    for key, kinds in TOP.items():
+        if key in doc:
+            yield (key,), kinds
+    layers = [("default",)] + [("layers", k) for k in (doc.get("layers") or {})]
+    for base in layers:
+        layer = _get(doc, base)
+        for key, kinds in LAYER.items():
+            if key in layer:
+                yield (*base, key), kinds
+        for tensor in ("key", "value"):
+            if isinstance(layer.get(tensor), dict):
+                for key, kinds in SPEC.items():
+                    if key in layer[tensor]:
+                        yield (*base, tensor, key), kinds
+    for section, fields in (("mikv", MIKV), ("gear", GEAR)):
+        if isinstance(doc.get(section), dict):
+            for key, kinds in fields.items():
+                if key in doc[section]:
+                    yield (section, key), kinds
+
+
+def _get(doc, path):
+    for p in path:
+        doc = doc[p]
+    return doc
+
+
+def _set(doc, path, value):
+    doc = json.loads(json.dumps(doc))
+    _get(doc, path[:-1])[path[-1]] = value
+    return doc
+
+
+def _paths(node, prefix=()):
+    """Every path to a value inside ``node`` (dict keys and list indices)."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) \
+        if isinstance(node, list) else ()
+    for key, child in items:
+        yield (*prefix, key)
+        yield from _paths(child, (*prefix, key))
+
+
+def _parse(data):
+    """A config, or None after a ``ConfigError`` with a message; any other exception fails."""
+    try:
+        cfg = config_from_dict(data)
+    except ConfigError as exc:
+        assert str(exc).strip()
+        return None
+    assert isinstance(cfg, KVConfig)
+    return cfg
+
+
+def test_valid_configs_round_trip():
+    for doc in VALID:
+        cfg = config_from_dict(doc)
+        assert cfg.to_dict() == doc
+    assert {d["version"] for d in VALID} == set(range(1, VERSION + 1))
+
+
+@FAST
+@given(st.sampled_from(VALID), st.data(), GARBAGE)
+def test_garbage_anywhere_is_a_config_error_or_a_config(doc, data, garbage):
+    path = data.draw(st.sampled_from(list(_paths(doc))))
+    cfg = _parse(_set(doc, path, garbage))
+    if cfg is not None:  # whatever was accepted writes and reads back the same
+        assert config_from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+@FAST
+@given(st.sampled_from(VALID), st.data(), GARBAGE)
+def test_a_value_of_the_wrong_type_is_refused(doc, data, garbage):
+    path, kinds = data.draw(st.sampled_from(list(_typed_fields(doc))))
+    assume(_kind(garbage) not in kinds)
+    with pytest.raises(ConfigError):
+        config_from_dict(_set(doc, path, garbage))
+
+
+@FAST
+@given(st.sampled_from(VALID), st.data())
+def test_a_removed_key_is_a_config_error_or_a_config(doc, data):
+    path = data.draw(st.sampled_from([p for p in _paths(doc)
+                                      if isinstance(_get(doc, p[:-1]), dict)]))
+    broken = json.loads(json.dumps(doc))
+    del _get(broken, path[:-1])[path[-1]]
+    cfg = _parse(broken)
+    if path in (("default",), ("version",)) or path[-1] in ("bits", "granularity"):
+        assert cfg is None  # required
+
+
+INDEX_TABLES = ("layers", "balancers", "kv_scales")  # objects keyed by layer index
+
+
+@FAST
+@given(st.sampled_from(VALID), st.data(), st.text(min_size=1, max_size=8), GARBAGE)
+def test_an_unknown_key_is_refused(doc, data, key, value):
+    where = data.draw(st.sampled_from([()] + [p for p in _paths(doc)
+                                              if isinstance(_get(doc, p), dict)]))
+    assume(key not in _get(doc, where))
+    if where in [(t,) for t in INDEX_TABLES]:
+        assume(not (key.isascii() and key.isdigit()))  # that would be a new layer, not garbage
+    broken = json.loads(json.dumps(doc))
+    _get(broken, where)[key] = value
+    with pytest.raises(ConfigError):
+        config_from_dict(broken)
+
+
+@FAST
+@given(st.sampled_from(VALID), GARBAGE | st.integers())
+@example(VALID[0], 0)
+@example(VALID[0], VERSION + 1)
+@example(VALID[0], True)
+@example(VALID[0], 1.0)
+@example(VALID[0], "1")
+def test_unknown_and_malformed_versions_are_refused(doc, version):
+    assume(not (_kind(version) == "int" and 1 <= version <= VERSION))
+    with pytest.raises(ConfigError, match="version"):
+        config_from_dict(_set(doc, ("version",), version))
+
+
+@FAST
+@given(st.sampled_from(VALID), GARBAGE)
+def test_a_version_too_old_for_the_features_is_refused(doc, _):
+    needed = doc["version"]
+    for older in range(1, needed):
+        with pytest.raises(ConfigError, match="version"):
+            config_from_dict(_set(doc, ("version",), older))
+
+
+BAD_INDICES = st.sampled_from(["-1", "x", "1.5", "", " 1", "+1", "1_0", "1e3", "0x1", "\u0661"]) \
+    | st.text(max_size=4).filter(lambda s: not (s.isascii() and s.isdigit()))
+
+
+@FAST
+@given(st.sampled_from(VALID), st.sampled_from(INDEX_TABLES), BAD_INDICES)
+def test_bad_layer_indices_are_refused(doc, section, key):
+    broken = json.loads(json.dumps(doc))
+    table = broken.get(section) or {}
+    entry = next(iter(table.values()), {"key": None} if section == "layers" else
+                 [[1.0]] if section == "balancers" else {"key": [1.0]})
+    broken[section] = {key: entry}
+    with pytest.raises(ConfigError):
+        config_from_dict(broken)
+
+
+@FAST
+@given(st.sampled_from(["mikv", "gear"]), GARBAGE)
+@example("mikv", [-1])
+@example("gear", [0, 0])
+@example("gear", [1.0])
+@example("mikv", [True])
+def test_bad_section_layer_lists_are_refused(section, layers):
+    assume(not (isinstance(layers, list) and all(_kind(x) == "int" and x >= 0 for x in layers)
+                and len(set(layers)) == len(layers)) and layers is not None)
+    doc = VALID[6]  # uses mikv.layers and gear.layers
+    with pytest.raises(ConfigError, match=f"{section}.layers"):
+        config_from_dict(_set(doc, (section, "layers"), layers))
+
+
+@FAST
+@given(GARBAGE)
+def test_a_top_level_that_is_not_an_object_is_refused(data):
+    assume(not isinstance(data, dict))
+    with pytest.raises(ConfigError, match="must be a JSON object"):
+        config_from_dict(data)
+
+
+def test_the_reported_case_names_the_field():
+    """`{"version": 1, "layers": "oops"}` used to end in AttributeError."""
+    with pytest.raises(ConfigError, match="'layers' must be an object"):
+        config_from_dict({"version": 1, "layers": "oops"})
+    with pytest.raises(ConfigError, match="'balancers' must be an object"):
+        config_from_dict({**VALID[1], "balancers": [1, 2]})
+    with pytest.raises(ConfigError, match="given twice"):
+        config_from_dict({**VALID[1], "layers": {"1": {}, "01": {}}})
+
+
+# -- files --------------------------------------------------------------------------------------
+
+TMP = Path(tempfile.mkdtemp(prefix="kvlens-test-config-"))
+
+
+def _load_bytes(data: bytes):
+    path = TMP / "c.json"
+    path.write_bytes(data)
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        assert str(exc).strip()
+        return None
+
+
+@FAST
+@given(st.binary(max_size=64))
+@example(b"\xff\xfe{}")
+@example(b'{"version": 1, "name": "\xe9"}')
+@example(b"")
+@example(b"[" * 100_000)
+@example(b'{"a": ' * 50_000)
+@example(b"NaN")
+def test_load_config_refuses_any_bytes_that_are_not_a_config(data):
+    assert _load_bytes(data) is None
+
+
+@FAST
+@given(st.sampled_from(VALID), st.data(), GARBAGE)
+def test_load_config_of_broken_json_files(doc, data, garbage):
+    path = data.draw(st.sampled_from(list(_paths(doc))))
+    text = json.dumps(_set(doc, path, garbage))
+    cut = data.draw(st.integers(0, len(text)))
+    for payload in (text, text[:cut]):
+        _load_bytes(payload.encode())
+
+
+def test_load_config_errors_name_the_file(tmp_path):
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        (tmp_path / "latin1.json").write_bytes('{"name": "caf\xe9"}'.encode("latin-1"))
+        load_config(tmp_path / "latin1.json")
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        (tmp_path / "deep.json").write_text("[" * 100_000)
+        load_config(tmp_path / "deep.json")
+    with pytest.raises(ConfigError, match="Cannot read KV config"):
+        load_config(tmp_path)  # a directory
+    with pytest.raises(ConfigError, match="Cannot read KV config"):
+        load_config(tmp_path / "missing.json")
+    good = tmp_path / "good.json"
+    save_config(PRESETS["gear-2"], good)
+    assert load_config(good) == PRESETS["gear-2"]
+    assert json.loads(good.read_text())["format"] == FORMAT
+
+
+# -- validate_for ------------------------------------------------------------------------------
+
+INDICES = st.lists(st.integers(0, 9), max_size=4, unique=True)
+
+
+@FAST
+@given(st.integers(1, 8), st.sampled_from([32, 64, 80, 128]), st.integers(1, 4), INDICES,
+       st.one_of(st.none(), INDICES.filter(bool)), st.one_of(st.none(), INDICES.filter(bool)),
+       INDICES, INDICES)
+def test_validate_for_refuses_bad_layer_indices_with_config_error(
+        num_layers, head_dim, kv_heads, overrides, mikv_layers, gear_layers, balancer_layers,
+        scale_layers):
+    doc = {"format": FORMAT, "version": 2, "name": "x", "default": VALID[1]["default"],
+           "layers": {str(i): {"key": None} for i in overrides},
+           "mikv": {"heavy_fraction": 0.1, "sink_tokens": 4,
+                    "balancer": "fixed" if balancer_layers else "off",
+                    "layers": mikv_layers},
+           "gear": None if gear_layers is None else {"rank": 2, "outlier_fraction": 0.02,
+                                                     "power_iters": 1, "layers": gear_layers},
+           "balancers": {str(i): [[1.0] * head_dim] * kv_heads for i in balancer_layers}
+           or None}
+    cfg = config_from_dict(doc)
+    if scale_layers:  # kv_scales for layers that are, or are not, engine layers
+        cfg = KVConfig("e", LayerKV(key_format="fp8_e4m3", value_format="fp8_e4m3:s1"),
+                       kv_scales={i: {"key": (1.0,)} for i in scale_layers})
+    info = SimpleNamespace(num_layers=num_layers, head_dim=head_dim,
+                           num_key_value_heads=kv_heads, declares_rope=True,
+                           architecture="Synthetic")
+    used = set(cfg.layers) | set(cfg.balancers) | set(cfg.kv_scales) | set(
+        (cfg.mikv.layers if cfg.mikv else None) or ()) | set(
+        (cfg.gear.layers if cfg.gear else None) or ())
+    try:
+        validate_for(cfg, info)
+    except ConfigError as exc:
+        assert str(exc).strip()
+    else:
+        assert all(i < num_layers for i in used), used
+        if scale_layers:
+            assert set(scale_layers) == set(range(num_layers))
