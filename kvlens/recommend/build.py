@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from kvlens.config import KVConfig, LayerKV, MikvSettings
 from kvlens.errors import ConfigError
-from kvlens.recommend.candidates import gear_settings
+from kvlens.recommend.catalog import gear_settings
 from kvlens.recommend.options import Candidate, RecommendOptions, Stream, listed
 from kvlens.recommend.result import Choice
 

@@ -2,9 +2,9 @@
 allocate for any budget (``choose``); ``recommend`` does both.
 
 ``measure`` reads one capture layer at a time: every candidate's errors
-(``kvlens.recommend.measure``), then, when the model loads (``kvlens.recommend.probe``), the
+(``kvlens.recommend.layer_errors``), then, when the model loads (``kvlens.recommend.probe``), the
 layer weights (``kvlens.recommend.sensitivity``) and the retrieval probe's errors. ``choose``
-solves the allocation and builds the config (``kvlens.recommend.allocate``).
+solves the allocation and builds the config (``kvlens.recommend.allocation``).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from kvlens.analysis.compare import torch_threads
 from kvlens.cache.layout import shape_of_capture
 from kvlens.capture.store import open_capture
 from kvlens.errors import InputError
-from kvlens.recommend.allocate import assemble
-from kvlens.recommend.candidates import candidates
-from kvlens.recommend.measure import check_windows, measure_layer
+from kvlens.recommend.allocation import assemble
+from kvlens.recommend.catalog import candidates
+from kvlens.recommend.layer_errors import check_windows, measure_layer
 from kvlens.recommend.options import RecommendOptions
 from kvlens.recommend.probe import add_retrieval_errors, load_model_for
 from kvlens.recommend.result import Recommendation

@@ -33,7 +33,7 @@ from kvlens.cache.layout import (
 from kvlens.config import LayerKV, MikvSettings, preset
 from kvlens.config.rules import check_layout
 from kvlens.errors import ConfigError
-from kvlens.recommend.candidates import gear_settings
+from kvlens.recommend.catalog import gear_settings
 from kvlens.recommend.options import Candidate, RecommendOptions
 
 

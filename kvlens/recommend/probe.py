@@ -19,7 +19,7 @@ from kvlens.errors import InputError, KvlensError, PlacementError
 from kvlens.model.architecture import describe
 from kvlens.model.load import load_model
 from kvlens.model.placement import input_device
-from kvlens.recommend.measure import measure_layer
+from kvlens.recommend.layer_errors import measure_layer
 from kvlens.recommend.options import RecommendOptions
 from kvlens.text.prompts import retrieval_text
 

@@ -21,8 +21,8 @@ from kvlens.analysis.sensitivity import (
     weights_from,
 )
 from kvlens.model.placement import input_device
-from kvlens.recommend.candidates import family, family_probes
-from kvlens.recommend.measure import layer_variants
+from kvlens.recommend.catalog import family, family_probes
+from kvlens.recommend.layer_errors import layer_variants
 from kvlens.recommend.options import Candidate
 
 

@@ -43,7 +43,7 @@ from kvlens.quant import (
     quantize_pre_rope,
     quantize_rotated,
 )
-from kvlens.recommend.candidates import gear_settings
+from kvlens.recommend.catalog import gear_settings
 from kvlens.recommend.options import Candidate, RecommendOptions, Stream, listed
 from kvlens.text.selection import format_index_spec
 

@@ -25,7 +25,7 @@ from kvlens.cache.triton_glue import kernel_layout_problem
 from kvlens.config import LayerKV
 from kvlens.errors import ConfigError, InputError
 from kvlens.recommend.build import build_config
-from kvlens.recommend.candidates import family
+from kvlens.recommend.catalog import family
 from kvlens.recommend.options import Candidate, RecommendOptions, Stream, listed
 from kvlens.recommend.pricing import decode_costs, option_bytes, tensor_fp16_bytes
 from kvlens.recommend.result import Choice, Recommendation
