@@ -122,6 +122,12 @@ def test_recommend_on_planted_outlier_keys(tmp_path):
                                               bits=(2, 4)))
     assert richer.expected_output_error <= rec.expected_output_error + 1e-12
     assert rec.config.model == {"num_layers": 2, "head_dim": 32, "num_key_value_heads": 2}
+    # Where the time went: the stages that ran, each non-negative, in --json.
+    stages = rec.profile.stages
+    assert {"candidate errors", "capture read", "allocation"} <= set(stages)
+    assert "layout sensitivity" not in stages  # the planted capture names no model
+    assert all(v >= 0 for v in stages.values()) and rec.profile.total > 0
+    assert rec.to_dict()["profile"]["stages"] == stages
 
 
 def test_errors_are_measured_on_every_capture_sample_by_default(tmp_path):

@@ -45,6 +45,7 @@ from kvlens.quant import (
 )
 from kvlens.recommend.catalog import gear_settings
 from kvlens.recommend.options import Candidate, RecommendOptions, Stream, listed
+from kvlens.recommend.profile import stage
 from kvlens.text.selection import format_index_spec
 
 
@@ -85,8 +86,9 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
             continue
         for c in run:  # GEAR's low-rank factors are per flushed block: a variant per block
             if c.gear:
-                x_hat = gear_variant(v if c.tensor == "value" else k, c,
-                                     s.block if s is not None else n_tok, opts.scale_dtype)
+                with stage("GEAR variants"):
+                    x_hat = gear_variant(v if c.tensor == "value" else k, c,
+                                         s.block if s is not None else n_tok, opts.scale_dtype)
                 variants[c] = Variant(v_hat=x_hat) if c.tensor == "value" \
                     else Variant(k_hat=x_hat)
         # the probe quantizes every token (no window): it is scored on every query
@@ -99,8 +101,9 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
                 continue
             exact = None if s is None else streaming_exact_mask(
                 n_tok, s.residual, s.flush, sinks)[picked]
-            vs = [sets.variant(c, variants[c.base], s, picked) if c.mikv_set else variants[c]
-                  for c in group]
+            with stage("MiKV set simulation"):
+                vs = [sets.variant(c, variants[c.base], s, picked) if c.mikv_set
+                      else variants[c] for c in group]
             errs = attention_errors_many(rows, k, v, vs, scaling=la.scaling,
                                          sliding_window=la.sliding_window,
                                          softcap=la.logit_softcap, exact=exact,
@@ -126,11 +129,13 @@ def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptio
 
     sel = None if opts.samples is None else list(range(min(opts.samples, meta.num_samples)))
     t = slice(None) if opts.tokens is None else slice(0, opts.tokens)
-    q, k, v = (layer.read(n, samples=sel)[:, :, t] for n in ("q", "k", "v"))
+    with stage("capture read"):
+        q, k, v = (layer.read(n, samples=sel)[:, :, t] for n in ("q", "k", "v"))
     pre_ok = any(c.stage == "pre" for c in cands) and meta.has_rope
     tables = None
     if pre_ok:
-        k_pre = layer.read("k_pre", samples=sel)[:, :, t]
+        with stage("capture read"):
+            k_pre = layer.read("k_pre", samples=sel)[:, :, t]
         # this layer's theta (Gemma3: one on sliding, one on global layers); scaled RoPE
         # (YaRN...) cannot be rebuilt: no pre-RoPE candidates then
         tables, _ = layer_rope_tables(meta, k, k_pre)

@@ -10,7 +10,7 @@ solves the allocation and builds the config (``kvlens.recommend.allocation``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from kvlens.recommend.catalog import candidates
 from kvlens.recommend.layer_errors import check_windows, measure_layer
 from kvlens.recommend.options import RecommendOptions
 from kvlens.recommend.probe import add_retrieval_errors, load_model_for
+from kvlens.recommend.profile import Profile, profiling, stage
 from kvlens.recommend.result import Recommendation
 from kvlens.recommend.sensitivity import layout_factors, probe_candidates, sensitivity_weights
 
@@ -44,6 +45,7 @@ class Measurements:
     windows: tuple[int | None, ...] = ()  # per layer sliding window (None = global)
     # per layer {storage family: factor on top of the layer weight} (--sensitivity layout)
     factors: tuple[dict, ...] = ()
+    profile: Profile = field(default_factory=Profile)  # where measure's time went
 
 
 def recommend(path: str | Path, opts: RecommendOptions,
@@ -60,7 +62,7 @@ def measure(path: str | Path, opts: RecommendOptions,
     # threads on a 2-core machine (measured: 0.6-0.8 s vs 2-15 s per SmolLM2 layer). The
     # model's forwards (sensitivity) get the threads the caller had.
     threads = torch.get_num_threads()
-    with open_capture(path) as cap, torch_threads(1):
+    with profiling() as prof, open_capture(path) as cap, torch_threads(1):
         meta = cap.meta
         if tuple(meta.layers) != tuple(range(meta.num_layers)):
             raise InputError(f"{path} captures layers {list(meta.layers)}, but a recommendation "
@@ -79,8 +81,9 @@ def measure(path: str | Path, opts: RecommendOptions,
         tables, balancers, notes, windows = [], {}, [], []
         for i, layer in enumerate(cap.iter_layers()):
             windows.append(layer.attrs.sliding_window or None)
-            table, bal, pre_ok = measure_layer(layer, meta, cands + [
-                p for p in probes if p not in cands], opts, plain=probes)
+            with stage("candidate errors"):
+                table, bal, pre_ok = measure_layer(layer, meta, cands + [
+                    p for p in probes if p not in cands], opts, plain=probes)
             if opts.pre_rope == "on" and not pre_ok:
                 raise InputError(f"Pre-RoPE keys were requested but the RoPE of {meta.model} "
                                  "cannot be rebuilt from the capture's config (scaled RoPE?).")
@@ -95,29 +98,36 @@ def measure(path: str | Path, opts: RecommendOptions,
                 progress(i + 1, meta.num_layers, f"layer {layer.index}")
         need = (opts.sensitivity != "uniform" and not opts.layer_weights) or \
             opts.retrieval != "off"
-        model, tokenizer = load_model_for(cap, opts, notes) if need else (None, None)
-        with torch_threads(threads):
+        with stage("model load"):
+            model, tokenizer = load_model_for(cap, opts, notes) if need else (None, None)
+        with torch_threads(threads), stage("sensitivity"):
             weights = opts.layer_weights or sensitivity_weights(cap, model, opts, tables,
                                                                 probes, notes, progress)
         if model is not None and opts.retrieval != "off" and opts.retrieval_weight > 0:
-            add_retrieval_errors(model, tokenizer, cands, opts, tables, balancers, notes,
-                                 progress)
+            with stage("retrieval probe"):
+                add_retrieval_errors(model, tokenizer, cands, opts, tables, balancers, notes,
+                                     progress)
         factors: tuple[dict, ...] = ()
         if opts.sensitivity in ("layout", "auto") and model is not None \
                 and not opts.layer_weights:
-            with torch_threads(threads):
+            with torch_threads(threads), stage("layout sensitivity"):
                 weights, factors = layout_factors(cap, model, opts, cands, balancers, notes,
                                                   progress)
     wanted = set(candidates(meta.head_dim, opts, meta.has_rope))
     tables = [{cf: e for cf, e in t.items() if cf[0] in wanted and cf[1] is not None}
               for t in tables]
+    prof.stages = {k: v for k, v in prof.stages.items() if v > 0}
     return Measurements(meta, tables, balancers, tuple(weights), notes, tuple(windows),
-                        factors)
+                        factors, prof)
 
 
 def choose(m: Measurements, opts: RecommendOptions) -> Recommendation:
     """Allocate under ``opts.budget_bits`` from earlier measurements and build the config."""
     tables = [{k: e for k, e in t.items() if k[0].fit in opts.fits_for(k[0].tensor)}
               for t in m.tables]  # measured with more fits than offered now: drop the rest
-    return assemble(m.meta, opts, tables, m.balancers, m.weights, list(m.notes),
-                    shape_of_capture(m.meta, m.windows), m.factors)
+    prof = Profile(dict(m.profile.stages))
+    with profiling(prof), stage("allocation"):
+        rec = assemble(m.meta, opts, tables, m.balancers, m.weights, list(m.notes),
+                       shape_of_capture(m.meta, m.windows), m.factors)
+    rec.profile = prof
+    return rec

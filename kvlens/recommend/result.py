@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvlens.recommend.options import Candidate
+from kvlens.recommend.profile import Profile
 
 
 @dataclass
@@ -50,6 +51,8 @@ class Recommendation:
     windows: tuple[int, ...] = ()  # the window sizes offered
     # [(config name, kvlens.cache.decode_cost.DecodeCost)]: the recommendation, then presets
     decode_cost: list = field(default_factory=list)
+    profile: Profile = field(default_factory=Profile)  # wall seconds per stage
+
 
     def to_dict(self) -> dict[str, Any]:
         return {"budget_bits": self.budget_bits, "mean_bits": self.mean_bits,
@@ -59,4 +62,4 @@ class Recommendation:
                 "layer_weights": list(self.weights), "kv_bytes": self.kv_bytes, "kv_bytes_fp16": self.kv_bytes_fp16,
                 "choices": [c.to_dict() for c in self.choices], "notes": self.notes,
                 "decode_cost": [{"config": n, **c.to_dict()} for n, c in self.decode_cost],
-                "config": self.config.to_dict()}
+                "profile": self.profile.to_dict(), "config": self.config.to_dict()}
