@@ -276,7 +276,7 @@ def test_recommend_measures_prices_and_writes_gear(tmp_path):
     path = _planted_capture(tmp_path / "p.h5", has_rope=False)
     opts = RecommendOptions(budget_bits=4.0, group_sizes=(32,), bits=(2, 4), balancer=False,
                             rotation=False, sensitivity="uniform", retrieval="off",
-                            fp_dtype="float16")  # outliers priced at 2 bytes below
+                            fp_dtype="float16", gear=True)  # outliers priced at 2 bytes below
     cands = candidates(32, opts, has_rope=False)
     assert {(c.tensor, c.bits, c.granularity) for c in cands if c.gear} == {
         (t, b, g) for t in ("key", "value") for b in (2, 4) for g in ("per-channel", "per-token")}

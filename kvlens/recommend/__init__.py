@@ -13,6 +13,7 @@ from kvlens.recommend.build import build_config
 from kvlens.recommend.catalog import candidates, family, family_probes, gear_settings
 from kvlens.recommend.options import (
     DEFAULT_WINDOWS,
+    THOROUGH,
     Candidate,
     RecommendOptions,
     Stream,
@@ -26,6 +27,7 @@ from kvlens.recommend.result import Choice, Recommendation
 __all__ = [
     "COST_RESOLUTION",
     "DEFAULT_WINDOWS",
+    "THOROUGH",
     "Candidate",
     "Choice",
     "Measurements",

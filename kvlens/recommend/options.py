@@ -80,6 +80,10 @@ class Candidate:
         return QuantSpec(self.bits, self.granularity, self.group_size, fit=self.fit)
 
 
+#: What ``--thorough`` adds to the default (fast) search: every candidate ``recommend`` can price.
+THOROUGH = {"gear": True, "mikv": True}
+
+
 @dataclass(frozen=True)
 class RecommendOptions:
     budget_bits: float
@@ -117,10 +121,13 @@ class RecommendOptions:
     device_map: str | None = None
     max_memory: str | None = None
     offload_folder: str | None = None
-    gear: bool = True  # offer GEAR twins of the plain G32 candidates (not with prefer_fast)
+    # GEAR and MiKV set twins are opt-in (``--thorough``, ``THOROUGH``): simulating them is a
+    # large share of the measurement and the default budgets did not choose them
+    # (docs/benchmarks.md, bench_recommend.py)
+    gear: bool = False  # offer GEAR twins of the plain G32 candidates (not with prefer_fast)
     # offer MiKV set twins (heavy hitters at set_bits) of the G32 candidates up to 4 bits, for
     # every (set_bits, heavy_fraction) combination (not with prefer_fast)
-    mikv: bool = True
+    mikv: bool = False
     mikv_set_bits: tuple[int, ...] = (4, 8)
     mikv_fractions: tuple[float, ...] = (0.1, 0.2)
     # scale/zero fits offered for the plain, pre-RoPE, balanced and rotated codes, per tensor
