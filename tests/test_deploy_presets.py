@@ -113,14 +113,6 @@ def test_bad_settings_name_the_allowed_values(name, message):
     assert message in str(exc.value)
 
 
-@pytest.fixture
-def patched_model(monkeypatch, smollm2):
-    import kvlens.model.load
-
-    monkeypatch.setattr(kvlens.model.load, "load_model", lambda *a, **k: (*smollm2, None))
-    return smollm2
-
-
 def test_generate_compare_runs_engine_settings(patched_model):
     """SmolLM2, 128 tokens: q4_0 holds exactly 4.5 bits, fp8 8 bits plus its scales; every
     prediction of an engine setting reads quantized K/V (write-before-attention)."""

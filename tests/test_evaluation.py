@@ -259,8 +259,8 @@ def test_grid_lengths_respect_the_context():
         grid_lengths(None, 256)
 
 
-def test_grid_prompts_are_seeded_and_hide_the_answer(smollm2_tokenizer):
-    tok = smollm2_tokenizer
+def test_grid_prompts_are_seeded_and_hide_the_answer(tiny_tokenizer):
+    tok = tiny_tokenizer
     grid = build_grid(tok, (300, 600), (0.1, 0.9), per_cell=1, seed=0)
     assert grid == build_grid(tok, (300, 600), (0.1, 0.9), per_cell=1, seed=0)
     assert grid != build_grid(tok, (300, 600), (0.1, 0.9), per_cell=1, seed=1)

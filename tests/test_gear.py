@@ -342,6 +342,7 @@ def test_gear_on_some_layers_generates_and_holds_what_the_layout_predicts():
     assert rep["breakdown"]["lowrank"] > 0 and rep["breakdown"]["outliers"] > 0
 
 
+@pytest.mark.triton  # the decode kernel under the interpreter
 @pytest.mark.parametrize("set_bits", [4, 8])
 def test_kernel_reads_an_integer_set_like_the_torch_path(set_bits):
     """The Triton decode kernel (interpreter on CPU) gets the integer set dequantized as its

@@ -80,6 +80,7 @@ def test_rotation_matrix_is_shared_and_counted_once():
     assert rep["breakdown"]["rotations"] == 16 * 16 * 4 and rep["unaccounted"] == 0
 
 
+@pytest.mark.triton  # the decode kernel under the interpreter
 def test_triton_generates_like_torch_with_rotation():
     pytest.importorskip("triton")
     model = tiny_model("llama")
