@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from tiny_models import tiny_config
+from tiny_models import tiny_model
 
 from kvlens.config.kvconfig import KVConfig, LayerKV, preset
 from kvlens.errors import InputError
@@ -31,12 +31,7 @@ from kvlens.quant import QuantSpec
 
 
 def _model(max_positions: int = 256, seed: int = 0):
-    from transformers import AutoModelForCausalLM
-
-    config = tiny_config("llama")
-    config.max_position_embeddings = max_positions
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    return tiny_model("llama", seed, max_positions)
 
 
 def _kivi(window: int = 16, group: int = 8, bits: int = 2) -> KVConfig:

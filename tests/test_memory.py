@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from tiny_models import tiny_config
+from tiny_models import tiny_model
 
 from kvlens.cache import compressed_attention, memory_report
 from kvlens.cache.cache import held_bytes, shape_of
@@ -28,12 +28,7 @@ R = 16  # residual window of the scaled-down presets (tiny head_dim 16, groups o
 
 
 def _model(arch: str = "llama"):
-    from transformers import AutoModelForCausalLM
-
-    config = tiny_config(arch)
-    config.max_position_embeddings = 8192
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    return tiny_model(arch, max_positions=8192)
 
 
 def _scaled(cfg: KVConfig, residual: int = R) -> KVConfig:

@@ -41,11 +41,16 @@ def tiny_config(arch: str):
     raise ValueError(arch)
 
 
-def tiny_model(arch: str, seed: int = 0):
+def tiny_model(arch: str, seed: int = 0, max_positions: int | None = None):
+    """A seeded random model of ``tiny_config(arch)`` in eval mode; ``max_positions`` overrides
+    its ``max_position_embeddings``."""
     from transformers import AutoModelForCausalLM
 
+    config = tiny_config(arch)
+    if max_positions is not None:
+        config.max_position_embeddings = max_positions
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch), attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     return model.eval()
 
 
