@@ -107,6 +107,7 @@ def test_held_bytes_equal_report_and_formula_while_decoding(arch, name):
                     _check(cache, config, shape, prompt + step)
 
 
+@pytest.mark.slow  # every config filled to 4096 tokens; shorter contexts are checked above
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_formula_bits_equal_held_bits_at_long_contexts(name):
     """Caches filled to 256, 1024 and 4096 tokens (real window of 32, chunked prefill) hold
