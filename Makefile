@@ -1,6 +1,11 @@
 # Set-up and the two entry points a newcomer needs:
 #   make demo   install everything into .venv, then run the pipeline on the embedded model
 #   make test   install everything into .venv, then run the test suite
+# and for working on it:
+#   make test-fast   the fast subset, no real model, Triton interpreter or browser:
+#                    pytest -m "not slow and not triton and not browser" (markers: pyproject.toml,
+#                    applied in tests/conftest.py)
+#   make lint        ruff over kvlens, kernels, tests and benchmarks (CI runs it before the tests)
 #
 # torch: where no NVIDIA GPU is visible the CPU build is installed (torch==$(TORCH_CPU_VERSION));
 # set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu to force CPU wheels elsewhere.
@@ -13,7 +18,7 @@ TORCH_INDEX_URL ?=
 OUT ?= out
 STAMP := $(VENV)/.kvlens-installed
 
-.PHONY: install browser demo test lint bench clean
+.PHONY: install browser demo test test-fast lint bench clean
 
 install: $(STAMP)
 
@@ -59,8 +64,13 @@ browser:
 		fi; \
 	fi
 
+FAST_TESTS := not slow and not triton and not browser
+
 test: install browser
 	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "$(FAST_TESTS)"
 
 lint: install
 	$(BIN)/ruff check kvlens kernels tests benchmarks

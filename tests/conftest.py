@@ -1,3 +1,13 @@
+"""Shared fixtures and the automatic test markers.
+
+Markers (declared in pyproject.toml; `make test-fast` deselects all three):
+- ``slow``: the test uses the real SmolLM2 (a fixture in ``SLOW_FIXTURES``, directly or through
+  another fixture) or is marked by hand because it runs long;
+- ``triton``: the test runs Triton kernels under the CPU interpreter (every test in
+  ``tests/test_kernels_*.py``; elsewhere marked by hand);
+- ``browser``: the test drives Chromium (it uses the ``chromium`` fixture).
+"""
+
 import os
 import sys
 from pathlib import Path
@@ -7,6 +17,30 @@ import pytest
 # Triton kernels are tested on CPU through its interpreter; it must be set before triton loads.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).parent))
+
+SLOW_FIXTURES = frozenset({"smollm2", "smollm2_tokenizer"})
+BROWSER_FIXTURES = frozenset({"chromium"})
+TRITON_FILES = "test_kernels_*.py"
+
+
+def auto_markers(path: Path, fixturenames) -> set[str]:
+    """The markers a test gets from what it uses: its fixtures (with the fixtures they use)
+    and the file it is in."""
+    used = set(fixturenames)
+    marks = set()
+    if used & SLOW_FIXTURES:
+        marks.add("slow")
+    if used & BROWSER_FIXTURES:
+        marks.add("browser")
+    if path.match(TRITON_FILES):
+        marks.add("triton")
+    return marks
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for name in sorted(auto_markers(item.path, getattr(item, "fixturenames", ()))):
+            item.add_marker(name)
 
 
 @pytest.fixture(scope="session")
@@ -24,17 +58,55 @@ def smollm2_tokenizer(smollm2):
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, smollm2_tokenizer):
-    """A tiny random Llama saved as a local HF directory with SmolLM2's real tokenizer, so CLI
-    tests exercise the directory-loading path in seconds."""
-    import torch
-    from tiny_models import tiny_config
-    from transformers import AutoModelForCausalLM
+def tiny_tokenizer():
+    """A small byte-level BPE tokenizer trained offline (tiny_models.tiny_tokenizer): for
+    tests that need a real tokenizer but not SmolLM2's."""
+    from tiny_models import tiny_tokenizer
 
-    path = tmp_path_factory.mktemp("tiny-llama")
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tiny_tokenizer):
+    """A tiny random Llama saved as a local HF directory with the tiny tokenizer, so CLI tests
+    exercise the directory-loading path in seconds without loading SmolLM2."""
+    from tiny_models import save_model_dir, tiny_config
+
     config = tiny_config("llama")
-    config.vocab_size = len(smollm2_tokenizer)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    smollm2_tokenizer.save_pretrained(path)
+    config.vocab_size = len(tiny_tokenizer)
+    return save_model_dir(tmp_path_factory.mktemp("tiny-llama"), config, tiny_tokenizer)
+
+
+@pytest.fixture()
+def text_file(tmp_path):
+    """A short English text file for `--text` (about 1.8k tokens of the tiny tokenizer)."""
+    path = tmp_path / "text.txt"
+    path.write_text("The quick brown fox jumps over the lazy dog. " * 80, encoding="utf-8")
     return path
+
+
+@pytest.fixture()
+def patched_model(monkeypatch, smollm2):
+    """SmolLM2 loaded once, handed to every `load_model` call of the test (CLI tests)."""
+    import kvlens.model.load
+
+    monkeypatch.setattr(kvlens.model.load, "load_model", lambda *a, **k: (*smollm2, None))
+    return smollm2
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """Path of a Chromium binary for the report's browser test; fails saying how to install
+    one, or skips when $KVLENS_SKIP_BROWSER_TESTS=1."""
+    from browser import SKIP_ENV, find_chromium
+
+    binary = find_chromium()
+    if binary:
+        return binary
+    if os.environ.get(SKIP_ENV) == "1":
+        pytest.skip(f"Chromium not installed and {SKIP_ENV}=1")
+    pytest.fail("The report's browser test needs Chromium and found none (chromium, "
+                "chromium-browser or google-chrome on PATH, or an executable $KVLENS_CHROMIUM; "
+                f"here KVLENS_CHROMIUM={os.environ.get('KVLENS_CHROMIUM')!r}). Install it: "
+                "`apt-get install -y chromium` (`make test` does this as root on Debian); or set "
+                f"{SKIP_ENV}=1 to skip this test deliberately.", pytrace=False)

@@ -4,10 +4,10 @@ attention over the packed store vs "dequantize with the reference, then attend".
 from __future__ import annotations
 
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import reference_attention, stored_view, stub_session
 from tiny_models import tiny_model
 
 from kvlens.cache import compressed_attention, memory_report
@@ -110,34 +110,6 @@ def test_packed_round_trip_equals_reference(spec, residual):
     assert held == 2 * 3 * sum(packed_bytes(spec, 3 * f, f, 64))
 
 
-def _session():
-    return SimpleNamespace(active=True, rope={})
-
-
-def _reference_attention(q, keys, values, mask):
-    """softmax(q k^T / sqrt(d) + mask) v with the repeat_kv GQA mapping."""
-    g = q.shape[1] // keys.shape[1]
-    k = keys.repeat_interleave(g, dim=1)
-    v = values.repeat_interleave(g, dim=1)
-    s = q.float() @ k.float().transpose(-1, -2) / q.shape[-1] ** 0.5
-    s = s.masked_fill(~mask, float("-inf"))
-    return (s.softmax(-1) @ v.float()).transpose(1, 2)
-
-
-def _stored_view(x, spec, f, n_q, window_dtype=torch.float16):
-    """What the cache holds: reference quantization per block for the first ``n_q`` tokens,
-    the rest as the float16 window (the default ``fp_dtype``; blocks are quantized from it)."""
-    x = x.to(window_dtype).float()
-    b, h, _, d = x.shape
-    blocks = x[:, :, :n_q].reshape(b, h, n_q // f, f, d).transpose(1, 2)
-    blocks = blocks.reshape(-1, h, f, d)
-    q = quantize(blocks, spec)
-    deq = dequantize(QTensor(q.codes, q.scale.half().float(), q.zero.half().float(), spec,
-                             q.shape))
-    deq = deq.reshape(b, n_q // f, h, f, d).transpose(1, 2).reshape(b, h, n_q, d)
-    return torch.cat((deq, x[:, :, n_q:].half().float()), dim=2)
-
-
 # T not a multiple of G, window partly full; flush 0 = the whole window, 16 = sliding window
 @pytest.mark.parametrize("total,flush", [(77, 0), (100, 0), (131, 0), (77, 16), (100, 16),
                                          (131, 16)])
@@ -146,7 +118,7 @@ def test_packed_decode_attention_equals_reference(total, flush):
     b, hq, hkv, d = 2, 6, 2, 32
     kspec, vspec = QuantSpec(2, "per-channel", 16), QuantSpec(3, "per-token", 8)
     setting = LayerKV(kspec, vspec, residual_tokens=32, flush_tokens=flush)
-    layer = CompressedLayer(setting, 0, d, session=_session())
+    layer = CompressedLayer(setting, 0, d, session=stub_session())
     k = torch.randn(b, hkv, total, d)
     k[..., 3] *= 10  # an outlier channel
     v = torch.randn(b, hkv, total, d)
@@ -165,9 +137,9 @@ def test_packed_decode_attention_equals_reference(total, flush):
     assert n_q + layer.n_res == total
     q = torch.randn(b, hq, 1, d)
     out, _ = packed_attention(q, layer, None, d ** -0.5, chunk_tokens=32)
-    keys = _stored_view(k, kspec, f, n_q)
-    values = _stored_view(v, vspec, f, n_q)
-    ref = _reference_attention(q, keys, values, torch.ones(1, 1, 1, total, dtype=torch.bool))
+    keys = stored_view(k, kspec, f, n_q)
+    values = stored_view(v, vspec, f, n_q)
+    ref = reference_attention(q, keys, values, torch.ones(1, 1, 1, total, dtype=torch.bool))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -175,7 +147,7 @@ def test_packed_attention_with_left_padding_mask_and_multi_token_queries():
     torch.manual_seed(3)
     b, hq, hkv, d, total, tq = 2, 4, 1, 16, 70, 3
     spec = QuantSpec(4, "per-channel", 8)
-    layer = CompressedLayer(LayerKV(spec, spec, 16), 0, d, session=_session())
+    layer = CompressedLayer(LayerKV(spec, spec, 16), 0, d, session=stub_session())
     k, v = torch.randn(b, hkv, total, d), torch.randn(b, hkv, total, d)
     layer.update(k[:, :, :total - tq], v[:, :, :total - tq])
     layer.commit(torch.randn(b, hq, total - tq, d), None)
@@ -185,14 +157,14 @@ def test_packed_attention_with_left_padding_mask_and_multi_token_queries():
     q = torch.randn(b, hq, tq, d)
     out, _ = packed_attention(q, layer, mask, d ** -0.5, chunk_tokens=16)
     n_q = layer.quantized_length
-    ref = _reference_attention(q, _stored_view(k, spec, 16, n_q),
-                               _stored_view(v, spec, 16, n_q), mask)
+    ref = reference_attention(q, stored_view(k, spec, 16, n_q),
+                               stored_view(v, spec, 16, n_q), mask)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     # The None mask means causal, bottom-right aligned.
     out_none, _ = packed_attention(q, layer, None, d ** -0.5)
     causal = torch.ones(1, 1, tq, total, dtype=torch.bool).tril(total - tq)
-    ref_none = _reference_attention(q, _stored_view(k, spec, 16, n_q),
-                                    _stored_view(v, spec, 16, n_q), causal)
+    ref_none = reference_attention(q, stored_view(k, spec, 16, n_q),
+                                    stored_view(v, spec, 16, n_q), causal)
     torch.testing.assert_close(out_none, ref_none, rtol=1e-5, atol=1e-5)
 
 
@@ -201,7 +173,7 @@ def test_mikv_high_precision_tokens_replace_their_low_bit_copies():
     b, hq, hkv, d, total = 1, 4, 2, 16, 40
     spec = QuantSpec(2, "per-token", 8)
     mikv = MikvSettings(heavy_fraction=0.25, sink_tokens=2, balancer="off")
-    layer = CompressedLayer(LayerKV(spec, spec, 8), 0, d, mikv=mikv, session=_session())
+    layer = CompressedLayer(LayerKV(spec, spec, 8), 0, d, mikv=mikv, session=stub_session())
     k, v = torch.randn(b, hkv, total, d), torch.randn(b, hkv, total, d)
     for t in range(total):
         layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
@@ -211,7 +183,7 @@ def test_mikv_high_precision_tokens_replace_their_low_bit_copies():
     assert layer.has_hp and bool((layer.hp_pos[..., :2].sort(-1).values
                                   == torch.tensor([0, 1])).all())
     n_q = layer.quantized_length
-    keys, values = _stored_view(k, spec, 8, n_q), _stored_view(v, spec, 8, n_q)
+    keys, values = stored_view(k, spec, 8, n_q), stored_view(v, spec, 8, n_q)
     for hh in range(hkv):  # high-precision tokens are exact
         pos = layer.hp_pos[0, hh]
         pos = pos.long()
@@ -219,7 +191,7 @@ def test_mikv_high_precision_tokens_replace_their_low_bit_copies():
         values[0, hh, pos] = v[0, hh, pos].half().float()
     q = torch.randn(b, hq, 1, d)
     out, colsum = packed_attention(q, layer, None, d ** -0.5, with_probs=True)
-    ref = _reference_attention(q, keys, values, torch.ones(1, 1, 1, total, dtype=torch.bool))
+    ref = reference_attention(q, keys, values, torch.ones(1, 1, 1, total, dtype=torch.bool))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(colsum.sum(), torch.tensor(float(hq)), rtol=1e-5, atol=1e-5)
 
@@ -304,7 +276,7 @@ def test_folded_reads_every_layout_equal_reference(name, total, flush):
     bal = torch.rand(hkv, d) + 0.5 if name.startswith("ktok16bal") else None
     mikv = MikvSettings(0.0, 0, "fixed") if bal is not None else None
     setting = LayerKV(kspec, vspec, residual_tokens=32, flush_tokens=flush)
-    layer = CompressedLayer(setting, 0, d, mikv=mikv, balancer=bal, session=_session())
+    layer = CompressedLayer(setting, 0, d, mikv=mikv, balancer=bal, session=stub_session())
     k = torch.randn(b, hkv, total, d)
     k[..., 3] *= 10  # an outlier channel
     v = torch.randn(b, hkv, total, d)
@@ -320,18 +292,18 @@ def test_folded_reads_every_layout_equal_reference(name, total, flush):
     if kspec is None:
         keys = k[:, :, :seen].half().float()
     elif bal is None:
-        keys = _stored_view(k[:, :, :seen], kspec, f, n_q)
+        keys = stored_view(k[:, :, :seen], kspec, f, n_q)
     else:  # the store holds k * bal (quantized); q / bal reads it
-        keys = _stored_view(k[:, :, :seen].half().float() * bal[:, None], kspec, f, n_q,
+        keys = stored_view(k[:, :, :seen].half().float() * bal[:, None], kspec, f, n_q,
                             torch.float32)
         keys[:, :, :n_q] /= bal[:, None]
         keys[:, :, n_q:] = k[:, :, n_q:seen].half().float()
-    values = _stored_view(v[:, :, :seen], vspec, f, n_q)
+    values = stored_view(v[:, :, :seen], vspec, f, n_q)
     mask = torch.ones(b, 1, 1, seen, dtype=torch.bool)
     mask[1, ..., :9] = False
     q = torch.randn(b, hq, 1, d)
     out, _ = packed_attention(q, layer, mask, d ** -0.5, chunk_tokens=32)
-    ref = _reference_attention(q, keys, values, mask)
+    ref = reference_attention(q, keys, values, mask)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     # a 3-token query (chunked prefill) with the causal mask
     layer.update(k[:, :, seen:], v[:, :, seen:])
@@ -342,7 +314,7 @@ def test_folded_reads_every_layout_equal_reference(name, total, flush):
     out3, _ = packed_attention(q3, layer, mask3, d ** -0.5, chunk_tokens=32)
     keys3 = torch.cat((keys, k[:, :, seen:].half().float()), 2)
     values3 = torch.cat((values, v[:, :, seen:].half().float()), 2)
-    torch.testing.assert_close(out3, _reference_attention(q3, keys3, values3, mask3),
+    torch.testing.assert_close(out3, reference_attention(q3, keys3, values3, mask3),
                                rtol=1e-5, atol=1e-5)
 
 
@@ -374,7 +346,7 @@ def test_pre_rope_keys_equal_reference(kspec):
     m = torch.ones(2, 1, 1, 45, dtype=torch.bool)
     m[1, ..., :5] = False
     out, _ = packed_attention(q, layer, m, d ** -0.5, chunk_tokens=16)
-    torch.testing.assert_close(out, _reference_attention(q, keys, values, m), rtol=1e-5,
+    torch.testing.assert_close(out, reference_attention(q, keys, values, m), rtol=1e-5,
                                atol=1e-5)
 
 

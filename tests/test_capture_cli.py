@@ -17,13 +17,6 @@ def _run(*args):
     return runner.invoke(app, ["capture", *map(str, args)])
 
 
-@pytest.fixture()
-def text_file(tmp_path):
-    path = tmp_path / "text.txt"
-    path.write_text("The quick brown fox jumps over the lazy dog. " * 40, encoding="utf-8")
-    return path
-
-
 def test_capture_json_summary(tiny_model_dir, text_file, tmp_path):
     out = tmp_path / "run.h5"
     res = _run("--model", tiny_model_dir, "--text", text_file, "-s", 2, "-t", 16,

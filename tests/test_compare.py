@@ -6,50 +6,14 @@ import json
 
 import pytest
 import torch
+from helpers import make_capture
 
 from kvlens.analysis.compare import CompareConfig, compare_axes, parse_int_list, parse_layers
-from kvlens.capture.store import CaptureMeta, LayerAttrs, write_capture
 from kvlens.errors import CaptureFileError, ConfigError, InputError
 from kvlens.quant import rope_tables_for
 from kvlens.rope import apply_rope
 
 S, HQ, HKV, T, D = 2, 4, 2, 64, 16
-SCALING = 0.25
-
-
-def make_capture(path, q, k, v, *, k_pre=None, q_pre=None, rope_theta=None, layers=1,
-                 record_theta=True):
-    """Synthetic float32 capture; the same tensors in every layer (``record_theta=False``: RoPE
-    without its theta in the metadata, as Gemma3 captures have)."""
-    rope = {} if rope_theta is None or not record_theta else \
-        {"rope_theta": rope_theta, "rope_type": "default"}
-    meta = CaptureMeta(
-        model="synthetic",
-        architecture="Synthetic",
-        model_type="synthetic",
-        num_layers=layers,
-        num_attention_heads=q.shape[1],
-        num_key_value_heads=k.shape[1],
-        head_dim=q.shape[-1],
-        has_rope=rope_theta is not None,
-        rope=rope,
-        rope_layout="half" if rope_theta is not None else "none",
-        rotary_dim=q.shape[-1] if rope_theta is not None else 0,
-        compute_dtype="float32",
-        storage_dtype="float32",
-        num_samples=q.shape[0],
-        num_tokens=q.shape[2],
-        layers=tuple(range(layers)),
-    )
-    data = {
-        "q": q,
-        "k": k,
-        "v": v,
-        "q_pre": q if q_pre is None else q_pre,
-        "k_pre": k if k_pre is None else k_pre,
-    }
-    attrs = {i: LayerAttrs(i, SCALING, 0, 0.0) for i in range(layers)}
-    return write_capture(path, meta, {i: data for i in range(layers)}, layer_attrs=attrs)
 
 
 def kivi_tensors(seed=0):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_compare import kivi_tensors, make_capture, rope_tensors
+from helpers import make_capture
+from test_compare import kivi_tensors, rope_tensors
 from typer.testing import CliRunner
 
 from kvlens.cli import app

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from test_compare import make_capture
+from helpers import make_capture
 from typer.testing import CliRunner
 
 from kvlens.analysis.compare import CompareConfig, compare_axes

@@ -7,9 +7,9 @@ import json
 
 import pytest
 import torch
+from helpers import make_capture
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_compare import make_capture
 from typer.testing import CliRunner
 
 from kvlens.cli import app

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from test_compare import SCALING
+from helpers import SCALING
 from typer.testing import CliRunner
 
 from kvlens.capture.store import CaptureMeta, LayerAttrs, write_capture

@@ -60,8 +60,8 @@ def test_agreement_counts_and_first_divergence():
     assert agreement([1, 2], [1, 2, 3]) == {"matching": 2, "total": 3, "first_divergence": 2}
 
 
-def test_passkey_prompts_hide_the_key_at_seeded_depths(smollm2):
-    _, tok = smollm2
+def test_passkey_prompts_hide_the_key_at_seeded_depths(tiny_tokenizer):
+    tok = tiny_tokenizer
     a = passkey_prompts(tok, 3, 300, seed=7)
     assert a == passkey_prompts(tok, 3, 300, seed=7)
     for text, key in a:

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from tiny_models import tiny_config
+from tiny_models import tiny_model
 
 from kvlens.config import KVConfig, LayerKV, preset
 from kvlens.errors import InputError
@@ -31,12 +31,7 @@ from kvlens.quant import QuantSpec
 
 
 def _model(max_positions: int = 256, seed: int = 0):
-    from transformers import AutoModelForCausalLM
-
-    config = tiny_config("llama")
-    config.max_position_embeddings = max_positions
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    return tiny_model("llama", seed, max_positions)
 
 
 def _kivi(window: int = 16, group: int = 8, bits: int = 2) -> KVConfig:
@@ -259,8 +254,8 @@ def test_grid_lengths_respect_the_context():
         grid_lengths(None, 256)
 
 
-def test_grid_prompts_are_seeded_and_hide_the_answer(smollm2_tokenizer):
-    tok = smollm2_tokenizer
+def test_grid_prompts_are_seeded_and_hide_the_answer(tiny_tokenizer):
+    tok = tiny_tokenizer
     grid = build_grid(tok, (300, 600), (0.1, 0.9), per_cell=1, seed=0)
     assert grid == build_grid(tok, (300, 600), (0.1, 0.9), per_cell=1, seed=0)
     assert grid != build_grid(tok, (300, 600), (0.1, 0.9), per_cell=1, seed=1)

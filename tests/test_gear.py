@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_cache import _reference_attention, _session
+from helpers import reference_attention, stub_session
 
 from kvlens.cache.gear import GearTensor, part_bytes
 from kvlens.cache.layer import CompressedLayer
@@ -80,7 +80,7 @@ def test_gear_read_path_equals_dense_reference(name, rank):
     b, hq, hkv, d, total, tq = 2, 6, 2, 24, 86, 3
     kspec, vspec = LAYOUTS[name]
     gear = GearSettings(rank, 0.05, 2)
-    layer = CompressedLayer(LayerKV(kspec, vspec, 16), 0, d, gear=gear, session=_session())
+    layer = CompressedLayer(LayerKV(kspec, vspec, 16), 0, d, gear=gear, session=stub_session())
     k = torch.randn(b, hkv, total, d)
     k[..., 5] *= 8  # an outlier channel
     v = torch.randn(b, hkv, total, d)
@@ -96,7 +96,7 @@ def test_gear_read_path_equals_dense_reference(name, rank):
     mask[1, ..., :9] = False
     q = torch.randn(b, hq, tq, d)
     out, _ = packed_attention(q, layer, mask, d ** -0.5, chunk_tokens=32)
-    torch.testing.assert_close(out, _reference_attention(q, keys, values, mask), rtol=1e-5,
+    torch.testing.assert_close(out, reference_attention(q, keys, values, mask), rtol=1e-5,
                                atol=1e-5)
     # the dense helper used by references agrees with the loop reading
     torch.testing.assert_close(layer.kgear.dense_range(16, 48),
@@ -220,7 +220,7 @@ def test_mikv_set_at_a_bit_width_is_what_attention_reads(set_bits):
     b, hq, hkv, d, total = 1, 4, 2, 32, 60
     spec = QuantSpec(2, "per-token", 8)
     mikv = MikvSettings(heavy_fraction=0.25, sink_tokens=2, balancer="off", set_bits=set_bits)
-    layer = CompressedLayer(LayerKV(spec, spec, 8), 0, d, mikv=mikv, session=_session())
+    layer = CompressedLayer(LayerKV(spec, spec, 8), 0, d, mikv=mikv, session=stub_session())
     k, v = torch.randn(b, hkv, total, d), torch.randn(b, hkv, total, d)
     for t in range(total):  # decode, choosing heavy hitters by the attention each step paid
         layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
@@ -238,7 +238,7 @@ def test_mikv_set_at_a_bit_width_is_what_attention_reads(set_bits):
         keys[0, hh, pos], values[0, hh, pos] = exact_k[0, 0], exact_v[0, 0]
     q = torch.randn(b, hq, 1, d)
     out, _ = packed_attention(q, layer, None, d ** -0.5)
-    ref = _reference_attention(q, keys, values, torch.ones(1, 1, 1, total, dtype=torch.bool))
+    ref = reference_attention(q, keys, values, torch.ones(1, 1, 1, total, dtype=torch.bool))
     torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)  # float16 set scales
     held = sum(t.untyped_storage().nbytes() for t in layer.hp_k.parts)
     per = d * 2 if set_bits is None else set_bytes_per_token(set_bits, d)
@@ -248,7 +248,7 @@ def test_mikv_set_at_a_bit_width_is_what_attention_reads(set_bits):
 def test_gear_layers_say_why_the_kernel_is_not_used():
     spec = QuantSpec(2, "per-channel", 16)
     layer = CompressedLayer(LayerKV(spec, QuantSpec(2, "per-token", 16), 16), 0, 16,
-                            gear=GearSettings(2), session=_session())
+                            gear=GearSettings(2), session=stub_session())
     assert "GEAR" in triton_unsupported(layer, torch.zeros(1, 2, 1, 16), False)
 
 
@@ -342,6 +342,7 @@ def test_gear_on_some_layers_generates_and_holds_what_the_layout_predicts():
     assert rep["breakdown"]["lowrank"] > 0 and rep["breakdown"]["outliers"] > 0
 
 
+@pytest.mark.triton  # the decode kernel under the interpreter
 @pytest.mark.parametrize("set_bits", [4, 8])
 def test_kernel_reads_an_integer_set_like_the_torch_path(set_bits):
     """The Triton decode kernel (interpreter on CPU) gets the integer set dequantized as its
@@ -353,7 +354,7 @@ def test_kernel_reads_an_integer_set_like_the_torch_path(set_bits):
     b, hq, hkv, d, total = 2, 4, 2, 16, 60
     mikv = MikvSettings(heavy_fraction=0.0, sink_tokens=4, balancer="off", set_bits=set_bits)
     spec_k, spec_v = QuantSpec(2, "per-channel", 16), QuantSpec(2, "per-token", 16)
-    layer = CompressedLayer(LayerKV(spec_k, spec_v, 16), 0, d, mikv=mikv, session=_session())
+    layer = CompressedLayer(LayerKV(spec_k, spec_v, 16), 0, d, mikv=mikv, session=stub_session())
     k, v = torch.randn(b, hkv, total, d), torch.randn(b, hkv, total, d)
     k[:, :, :4] *= 6  # large sink keys: the set's codes matter
     _fill(layer, k, v, 40, hq)

@@ -14,14 +14,6 @@ from kvlens.cli import app
 runner = CliRunner()
 
 
-@pytest.fixture
-def patched_model(monkeypatch, smollm2):
-    import kvlens.model.load
-
-    monkeypatch.setattr(kvlens.model.load, "load_model", lambda *a, **k: (*smollm2, None))
-    return smollm2
-
-
 def test_generate_json_compare(patched_model, tmp_path):
     from kvlens.config import preset, save_config
 

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from tiny_models import tiny_config
+from tiny_models import tiny_model
 
 from kvlens.cache import compressed_attention, memory_report
 from kvlens.cache.cache import held_bytes
@@ -34,12 +34,7 @@ R = 16  # residual window of the scaled-down presets (tiny head_dim 16, groups o
 
 
 def _model(arch: str = "llama"):
-    from transformers import AutoModelForCausalLM
-
-    config = tiny_config(arch)
-    config.max_position_embeddings = 8192
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    return tiny_model(arch, max_positions=8192)
 
 
 def _scaled(cfg: KVConfig, residual: int = R) -> KVConfig:
@@ -118,6 +113,7 @@ def test_held_bytes_equal_report_and_formula_while_decoding(arch, name):
                     _check(cache, config, shape, prompt + step)
 
 
+@pytest.mark.slow  # every config filled to 4096 tokens; shorter contexts are checked above
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_formula_bits_equal_held_bits_at_long_contexts(name):
     """Caches filled to 256, 1024 and 4096 tokens (real window of 32, chunked prefill) hold

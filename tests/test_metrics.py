@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from helpers import rand
 
 from kvlens.analysis.metrics import (
     attention_errors,
@@ -20,15 +21,11 @@ from kvlens.analysis.metrics import (
 from kvlens.errors import InputError
 
 
-def _rand(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
 def _qkv(b=2, hq=6, hkv=2, t=11, d=8, seed=0):
     return (
-        _rand(b, hq, t, d, seed=seed),
-        _rand(b, hkv, t, d, seed=seed + 1),
-        _rand(b, hkv, t, d, seed=seed + 2),
+        rand(b, hq, t, d, seed=seed),
+        rand(b, hkv, t, d, seed=seed + 1),
+        rand(b, hkv, t, d, seed=seed + 2),
     )
 
 
@@ -37,7 +34,7 @@ def test_rel_error_known_values():
     assert rel_error(ref, torch.tensor([3.0, 3.0])) == pytest.approx(0.2)
     assert rel_error(torch.zeros(3), torch.zeros(3)) == 0.0
     assert math.isinf(rel_error(torch.zeros(3), torch.ones(3)))
-    x = _rand(2, 3, 4, 5)
+    x = rand(2, 3, 4, 5)
     y = x.clone()
     y[:, 1] *= 1.5
     assert per_head_rel_error(x, y).tolist() == pytest.approx([0.0, 0.5, 0.0])
@@ -134,7 +131,7 @@ def _brute_force(q, k, v, k_hat, v_hat, scaling, window=0, softcap=0.0):
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (4, 0.0), (0, 3.0)])
 def test_key_errors_match_brute_force_with_odd_chunks(window, softcap):
     q, k, v = _qkv(t=13, seed=6)
-    k_hat = k + 0.1 * _rand(*k.shape, seed=9)
+    k_hat = k + 0.1 * rand(*k.shape, seed=9)
     scores, weights, output = _brute_force(q, k, v, k_hat, v, 0.35, window, softcap)
     errs = key_errors(
         q, k, v, k_hat, scaling=0.35, sliding_window=window, softcap=softcap, chunk_size=4
@@ -164,7 +161,7 @@ def test_score_error_excludes_masked_entries():
 
 def test_value_errors_and_identity_variant():
     q, k, v = _qkv(t=9, seed=8)
-    v_hat = v + 0.05 * _rand(*v.shape, seed=10)
+    v_hat = v + 0.05 * rand(*v.shape, seed=10)
     _, _, output = _brute_force(q, k, v, k, v_hat, 0.3)
     errs = value_errors(q, k, v, v_hat, scaling=0.3, chunk_size=2)
     assert errs.scores is None and errs.weights is None and errs.key_reconstruction is None
@@ -179,8 +176,8 @@ def test_many_variants_share_the_reference_and_match_single_calls():
     from kvlens.analysis.metrics import Variant, attention_errors_many
 
     q, k, v = _qkv(t=10, seed=11)
-    k_hat = k + 0.1 * _rand(*k.shape, seed=12)
-    v_hat = v + 0.1 * _rand(*v.shape, seed=13)
+    k_hat = k + 0.1 * rand(*k.shape, seed=12)
+    v_hat = v + 0.1 * rand(*v.shape, seed=13)
     variants = [Variant(k_hat=k_hat), Variant(v_hat=v_hat), Variant(k_hat, v_hat)]
     many = attention_errors_many(q, k, v, variants, scaling=0.3, sliding_window=3, chunk_size=3)
     for var, got in zip(variants, many, strict=True):
@@ -217,8 +214,8 @@ def test_exact_mask_matches_a_per_query_mixture():
     from kvlens.analysis.metrics import Variant, attention_errors_many, streaming_exact_mask
 
     q, k, v = _qkv(t=13, seed=14)
-    k_hat = k + 0.2 * _rand(*k.shape, seed=15)
-    v_hat = v + 0.2 * _rand(*v.shape, seed=16)
+    k_hat = k + 0.2 * rand(*k.shape, seed=15)
+    v_hat = v + 0.2 * rand(*v.shape, seed=16)
     exact = streaming_exact_mask(13, residual_tokens=4, flush_tokens=2, sink_tokens=1)
     got = attention_errors_many(q, k, v, [Variant(k_hat, v_hat), Variant(v_hat=v_hat)],
                                 scaling=0.3, chunk_size=5, exact=exact)
@@ -256,7 +253,7 @@ def test_streaming_mask_matches_the_real_cache_layer(residual, flush, sinks):
     t = 30
     mask = streaming_exact_mask(t, residual, flush, sinks)
     for i in range(t):
-        x = _rand(1, 1, 1, 8, seed=100 + i)
+        x = rand(1, 1, 1, 8, seed=100 + i)
         layer.update(x, x)
         hp = set() if not layer.has_hp else set(layer.hp_pos.flatten().tolist())
         exact_now = set(range(layer.quantized_length, i + 1)) | hp

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from tiny_models import tiny_config
+from tiny_models import save_model_dir, tiny_config
 
 from kvlens.cache import compressed_attention, memory_report
 from kvlens.cache.layout import ModelShape, config_device_bytes, config_part_bytes, shape_of
@@ -143,15 +143,10 @@ def test_plan_refuses_what_cannot_be_held(tmp_path):
 # -- the real accelerate path on CPU -------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def big_tiny_dir(tmp_path_factory, smollm2_tokenizer):
-    from transformers import AutoModelForCausalLM
-
-    path = tmp_path_factory.mktemp("big-tiny-llama")
-    config = _big_tiny_config(len(smollm2_tokenizer))
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    smollm2_tokenizer.save_pretrained(path)
-    return path
+def big_tiny_dir(tmp_path_factory, tiny_tokenizer):
+    # SmolLM2's vocabulary size (the default) keeps the model big enough to offload
+    return save_model_dir(tmp_path_factory.mktemp("big-tiny-llama"), _big_tiny_config(),
+                          tiny_tokenizer)
 
 
 def _capture(model, windows, path, layers=None):

@@ -20,13 +20,6 @@ DISK_MAP = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.
 
 
 @pytest.fixture()
-def text_file(tmp_path):
-    path = tmp_path / "text.txt"
-    path.write_text("The quick brown fox jumps over the lazy dog. " * 80, encoding="utf-8")
-    return path
-
-
-@pytest.fixture()
 def disk_map(tmp_path):
     path = tmp_path / "map.json"
     path.write_text(json.dumps(DISK_MAP))

@@ -7,6 +7,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as GQ
 from gguf import quants as gq
+from helpers import rand
 
 from kvlens.errors import ConfigError, InputError
 from kvlens.quant import QuantSpec, fake_quantize
@@ -29,15 +30,11 @@ from kvlens.quant.ggml import (
 NUMPY_QUANTIZED = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 
 
-def _rand(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
 def _hard(shape, seed):
     """Random data with the cases that break a near-miss port: outliers, all-zero blocks,
     exact rounding ties, constant blocks, a large offset, negative and positive extremes of
     equal magnitude (argmax tie), and fp16-overflowing scales avoided."""
-    x = _rand(*shape, seed=seed) * 2
+    x = rand(*shape, seed=seed) * 2
     b, h, t, d = shape
     x[0, 0, 0, 3] = 300.0  # outlier
     x[-1, -1, t // 2, :32] = 0.0  # all-zero block
@@ -121,7 +118,7 @@ def test_iq4_nl_at_least_as_good_as_nearest_entry_reference():
         ref = _weighted_sse(x, values[idx], d0.half().float())
         assert mine <= ref * (1 + 1e-4), (seed, mine, ref)
     # and it is a real 4-bit quantizer: relative error on Gaussian data well under q4_0's 2x
-    g = _rand(1, 4, 64, 64, seed=9)
+    g = rand(1, 4, 64, 64, seed=9)
     err_nl = (dequantize_ggml(quantize_ggml(g, GGML_FORMATS["iq4_nl"])) - g).norm() / g.norm()
     err_q4 = (dequantize_ggml(quantize_ggml(g, GGML_FORMATS["q4_0"])) - g).norm() / g.norm()
     assert err_nl < err_q4
@@ -131,16 +128,16 @@ def test_ggml_storage_bits():
     bits = {n: f.bits_per_element() for n, f in GGML_FORMATS.items()}
     assert bits == {"q8_0": 8.5, "q4_0": 4.5, "q4_1": 5.0, "q5_0": 5.5, "q5_1": 6.0, "iq4_nl": 4.5}
     for name, fmt in GGML_FORMATS.items():
-        x = _rand(1, 1, 3, 64)
+        x = rand(1, 1, 3, 64)
         raw = quantize_ggml(x, fmt).to_bytes()
         assert raw.numel() * 8 / x.numel() == bits[name]
 
 
 def test_ggml_refuses_head_dim_not_multiple_of_32():
     with pytest.raises(ConfigError, match="multiples of 32"):
-        quantize_ggml(_rand(1, 1, 4, 48), GGML_FORMATS["q4_0"])
+        quantize_ggml(rand(1, 1, 4, 48), GGML_FORMATS["q4_0"])
     with pytest.raises(InputError, match=r"\[B, H, T, D\]"):
-        quantize_ggml(_rand(4, 64), GGML_FORMATS["q4_0"])
+        quantize_ggml(rand(4, 64), GGML_FORMATS["q4_0"])
 
 
 def test_q4_1_min_wins_over_q4_0_on_offset_data():
@@ -164,7 +161,7 @@ def test_fp8_round_trip_saturates_and_rounds():
 
 
 def test_calibrate_scale_absmax_percentile_and_scope():
-    x = _rand(2, 3, 50, 16)
+    x = rand(2, 3, 50, 16)
     x[:, 1] *= 10  # one loud head
     x[0, 2, 0, 0] = 1e4  # one extreme element
     per_tensor = calibrate_scale(x, FP8Format("e4m3", "tensor"))
@@ -187,14 +184,14 @@ def test_fixed_scale_is_used_as_given():
     y = fake_quantize_format(x, parse_format("fp8_e4m3:s1"), "key")
     # scale 1.0: 0.001 lands on e4m3's subnormal grid (step 2^-9), 1000 saturates at 448
     assert y.flatten().tolist() == [2**-9, 0.5, 3.0, 448.0]
-    scale = calibrate_scale(_rand(1, 3, 4, 8), FP8Format("e4m3", "head", None, 2.0))
+    scale = calibrate_scale(rand(1, 3, 4, 8), FP8Format("e4m3", "head", None, 2.0))
     assert scale.flatten().tolist() == [2.0, 2.0, 2.0]
     with pytest.raises(ConfigError, match="not both"):
         FP8Format("e4m3", "tensor", 99.0, 1.0)
 
 
 def test_per_head_scale_beats_per_tensor_with_a_quiet_head():
-    x = _rand(1, 2, 64, 64)
+    x = rand(1, 2, 64, 64)
     x[:, 0] *= 1e-3  # head 0 near e4m3's subnormal range under a shared scale
     x[:, 1] *= 1e3
     tensor = fake_quantize_format(x, parse_format("fp8_e4m3"), "key")
@@ -204,14 +201,14 @@ def test_per_head_scale_beats_per_tensor_with_a_quiet_head():
 
 
 def test_e4m3_finer_than_e5m2_on_well_scaled_data():
-    x = _rand(1, 2, 64, 64)
+    x = rand(1, 2, 64, 64)
     e4 = (fake_quantize_format(x, parse_format("fp8_e4m3"), "key") - x).norm()
     e5 = (fake_quantize_format(x, parse_format("fp8_e5m2"), "key") - x).norm()
     assert e4 < e5
 
 
 def test_token_head_int_is_reference_symmetric_per_token():
-    x = _rand(2, 2, 9, 64)
+    x = rand(2, 2, 9, 64)
     for kind, bits in (("int8", 8), ("int4", 4)):
         got = fake_quantize_format(x, parse_format(f"{kind}@token-head"), "value")
         ref = fake_quantize(x, QuantSpec(bits, "per-token", None, symmetric=True))
@@ -255,7 +252,7 @@ def test_engine_rotation_blocks():
 
 
 def test_rotation_helps_q4_0_on_an_outlier_channel():
-    x = _rand(1, 2, 128, 64)
+    x = rand(1, 2, 128, 64)
     x[..., 5] *= 40  # one outlier channel, as post-RoPE keys have
     plain = fake_quantize_format(x, parse_format("q4_0+norot"), "key")
     rot = fake_quantize_format(x, parse_format("q4_0"), "key")

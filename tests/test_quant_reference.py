@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from helpers import rand, rel
 
 from kvlens.errors import ConfigError, InputError
 from kvlens.quant import QuantSpec, dequantize, expand_params, fake_quantize, quantize
@@ -20,14 +21,6 @@ SPECS = [
     QuantSpec(2, "per-token", 16, fit="mse"),
     QuantSpec(3, "per-channel", 8, fit="mse"),
 ]
-
-
-def _rand(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-def _rel(a, b):
-    return float((a - b).norm() / a.norm())
 
 
 # -- spec validation ------------------------------------------------------------------------
@@ -143,7 +136,7 @@ def test_constant_tensor_has_zero_error(spec):
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.label)
 def test_error_within_half_step_and_codes_in_range(spec):
-    x = _rand(2, 3, 21, 64, seed=1) * 3
+    x = rand(2, 3, 21, 64, seed=1) * 3
     q = quantize(x, spec)
     top = 2**spec.bits - 2 if spec.symmetric else 2**spec.bits - 1
     assert q.codes.dtype == torch.uint8 and int(q.codes.max()) <= top
@@ -158,7 +151,7 @@ def test_error_within_half_step_and_codes_in_range(spec):
 
 
 def test_scale_shapes_per_granularity():
-    x = _rand(2, 3, 37, 64)
+    x = rand(2, 3, 37, 64)
     assert quantize(x, QuantSpec(2, "per-token", 16)).scale.shape == (2, 3, 37, 4)
     assert quantize(x, QuantSpec(2, "per-token")).scale.shape == (2, 3, 37, 1)
     assert quantize(x, QuantSpec(2, "per-channel", 16)).zero.shape == (2, 3, 3, 64)
@@ -167,7 +160,7 @@ def test_scale_shapes_per_granularity():
 
 
 def test_partial_last_token_group_uses_only_its_tokens():
-    x = _rand(1, 2, 10, 8, seed=2)
+    x = rand(1, 2, 10, 8, seed=2)
     q = quantize(x, QuantSpec(2, "per-channel", 4))
     last = x[:, :, 8:10]
     assert torch.allclose(q.zero[:, :, 2], last.amin(dim=2))
@@ -194,7 +187,7 @@ def test_mse_fit_hand_computed_one_bit():
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_mse_fit_never_worse_than_minmax_per_group(gran, g, bits):
     # heavy-tailed data (where clipping pays) and a grid-exact group (already error-free)
-    x = _rand(2, 2, 23, 64, seed=bits) ** 3
+    x = rand(2, 2, 23, 64, seed=bits) ** 3
     parity = (torch.arange(23)[:, None] + torch.arange(64)[None, :]) % 2
     x[0, 0] = parity.float() * 2 - 1  # every group holds -1 and 1: exact on any grid
     q_mm, q_fit = quantize(x, QuantSpec(bits, gran, g)), quantize(x, QuantSpec(bits, gran, g,
@@ -215,7 +208,7 @@ def test_mse_fit_never_worse_than_minmax_per_group(gran, g, bits):
 
 def test_mse_fit_of_a_partial_token_group_ignores_the_padding():
     # the last per-channel group (2 tokens of 10 at G=4) fits as if quantized on its own
-    x = _rand(1, 2, 10, 8, seed=5) ** 3
+    x = rand(1, 2, 10, 8, seed=5) ** 3
     q = quantize(x, QuantSpec(2, "per-channel", 4, fit="mse"))
     alone = quantize(x[:, :, 8:10].contiguous(), QuantSpec(2, "per-channel", None, fit="mse"))
     torch.testing.assert_close(q.scale[:, :, 2:3], alone.scale)
@@ -223,22 +216,22 @@ def test_mse_fit_of_a_partial_token_group_ignores_the_padding():
 
 
 def test_per_tensor_is_one_scale_per_batch_and_head():
-    x = _rand(2, 3, 5, 8)
+    x = rand(2, 3, 5, 8)
     q = quantize(x, QuantSpec(4, "per-tensor"))
     assert torch.allclose(q.zero.flatten(), x.flatten(2).amin(-1).flatten())
 
 
 def test_planted_outlier_channel_favours_per_channel():
-    x = _rand(2, 2, 128, 64, seed=3)
+    x = rand(2, 2, 128, 64, seed=3)
     x[..., 5] = 40.0 + x[..., 5]  # a fixed huge channel on every token, as in keys
-    per_token = _rel(x, fake_quantize(x, QuantSpec(2, "per-token", 32)))
-    per_channel = _rel(x, fake_quantize(x, QuantSpec(2, "per-channel", 32)))
+    per_token = rel(x, fake_quantize(x, QuantSpec(2, "per-token", 32)))
+    per_channel = rel(x, fake_quantize(x, QuantSpec(2, "per-channel", 32)))
     assert per_channel < per_token / 3
 
 
 def test_error_shrinks_with_bits_and_dtype_preserved():
-    x = _rand(1, 2, 16, 32, seed=4)
-    errors = [_rel(x, fake_quantize(x, QuantSpec(b, "per-token", 16))) for b in range(1, 9)]
+    x = rand(1, 2, 16, 32, seed=4)
+    errors = [rel(x, fake_quantize(x, QuantSpec(b, "per-token", 16))) for b in range(1, 9)]
     assert all(a > b for a, b in zip(errors, errors[1:], strict=False))
     assert errors[-1] < 0.01
     xb = x.to(torch.bfloat16)

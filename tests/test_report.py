@@ -8,12 +8,11 @@ SVG, compare-axes, recommend --validate, generate --eval kld --report-json), onc
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 
 import pytest
-from browser import SKIP_ENV, Browser, find_chromium
+from browser import Browser
 from typer.testing import CliRunner
 
 from kvlens.cli import app
@@ -242,23 +241,10 @@ def test_a_missing_figure_is_named_not_fatal(run_dir, tmp_path):
 
 # -- in a real browser ------------------------------------------------------------------------
 
-def _chromium() -> str:
-    binary = find_chromium()
-    if binary:
-        return binary
-    if os.environ.get(SKIP_ENV) == "1":
-        pytest.skip(f"Chromium not installed and {SKIP_ENV}=1")
-    pytest.fail("The report's browser test needs Chromium and found none (chromium, "
-                "chromium-browser or google-chrome on PATH, or an executable $KVLENS_CHROMIUM; "
-                f"here KVLENS_CHROMIUM={os.environ.get('KVLENS_CHROMIUM')!r}). Install it: "
-                "`apt-get install -y chromium` (`make test` does this as root on Debian); or set "
-                f"{SKIP_ENV}=1 to skip this test deliberately.", pytrace=False)
-
-
-def test_report_in_headless_chromium(run_dir, tmp_path):
+def test_report_in_headless_chromium(run_dir, chromium, tmp_path):
     out = tmp_path / "report.html"
     _ok(["report", run_dir, "-o", out])
-    with Browser(_chromium()) as b:
+    with Browser(chromium) as b:
         b.open(out)
         assert b.problems() == []  # no console errors, exceptions or network requests
         images = b.evaluate("Array.from(document.images).map(i => [i.complete, i.naturalWidth])")

@@ -9,8 +9,8 @@ from kvlens.evaluation.short import passkey_prompts
 from kvlens.text.prompts import FILLER, QUESTION, retrieval_text
 
 
-def test_probe_prompt_states_the_code_once_at_a_seeded_depth(smollm2_tokenizer):
-    tok = smollm2_tokenizer
+def test_probe_prompt_states_the_code_once_at_a_seeded_depth(tiny_tokenizer):
+    tok = tiny_tokenizer
     text, code = retrieval_text(tok, 960, seed=7)
     n = len(tok(text).input_ids)
     assert 800 <= n <= 960

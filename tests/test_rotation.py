@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from helpers import rand, rel
 
 from kvlens.errors import ConfigError, InputError
 from kvlens.quant import (
@@ -20,14 +21,6 @@ from kvlens.quant import (
     unrotate,
 )
 from kvlens.rope import apply_rope
-
-
-def _rand(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-def _rel(a, b):
-    return float((a - b).norm() / a.norm())
 
 
 def _attention(q, k, v):
@@ -73,45 +66,45 @@ def test_seeded_signs_reproducible_and_seeds_differ():
 
 
 def test_scores_unchanged_when_nothing_is_quantized():
-    q, k = _rand(2, 3, 20, 64, seed=1), _rand(2, 3, 20, 64, seed=2)
+    q, k = rand(2, 3, 20, 64, seed=1), rand(2, 3, 20, 64, seed=2)
     k[..., 5] += 40.0
     for seed in (None, 11):
         r = hadamard_rotation(64, seed)
         rotated = rotate(q, r) @ rotate(k, r).transpose(-1, -2)
         plain = q @ k.transpose(-1, -2)
         assert torch.allclose(rotated, plain, atol=1e-3, rtol=1e-5)
-        assert _rel(plain, rotated) < 1e-6
+        assert rel(plain, rotated) < 1e-6
 
 
 def test_attention_output_unrotated_equals_plain_output():
-    q, k, v = (_rand(1, 2, 24, 96, seed=s) for s in (3, 4, 5))
+    q, k, v = (rand(1, 2, 24, 96, seed=s) for s in (3, 4, 5))
     r = hadamard_rotation(96, seed=2)  # block-diagonal case
     plain = _attention(q, k, v)
     # values stored as v R, attention output un-rotated by R^T
     out = unrotate(_attention(q, k, rotate(v, r)).float(), r)
-    assert _rel(plain.float(), out) < 1e-6
+    assert rel(plain.float(), out) < 1e-6
     # keys stored as k R, queries as q R: same weights, same output
     out_k = _attention(rotate(q, r), rotate(k, r), v)
-    assert _rel(plain, out_k) < 1e-6
+    assert rel(plain, out_k) < 1e-6
 
 
 def test_pre_rope_composition_is_identity_without_quantization():
     d, t = 32, 40
-    k_pre = _rand(2, 3, t, d, seed=6)
+    k_pre = rand(2, 3, t, d, seed=6)
     cos, sin = rope_tables_for(torch.arange(t).expand(2, -1), d, theta=10000.0)
     k_post = apply_rope(k_pre, cos, sin, "half")
     r = hadamard_rotation(d, seed=1)
     # store k_pre R, read back: un-rotate, then RoPE
-    assert _rel(k_post, apply_rope(unrotate(rotate(k_pre, r), r), cos, sin, "half")) < 1e-6
+    assert rel(k_post, apply_rope(unrotate(rotate(k_pre, r), r), cos, sin, "half")) < 1e-6
     # with 8 bits the whole pipeline is close, and rotation=None keeps the old behaviour
     spec = QuantSpec(8, "per-token", 8)
-    assert _rel(k_post, quantize_pre_rope(k_pre, cos, sin, spec, rotation=r)) < 1e-2
+    assert rel(k_post, quantize_pre_rope(k_pre, cos, sin, spec, rotation=r)) < 1e-2
     assert torch.equal(
         quantize_pre_rope(k_pre, cos, sin, spec),
         apply_rope(fake_quantize(k_pre, spec), cos, sin, "half"),
     )
     # RoPE and R do not commute: this is why the query cannot absorb R for pre-RoPE keys
-    assert _rel(apply_rope(rotate(k_pre, r), cos, sin, "half"), rotate(k_post, r)) > 0.1
+    assert rel(apply_rope(rotate(k_pre, r), cos, sin, "half"), rotate(k_post, r)) > 0.1
 
 
 @pytest.mark.parametrize("bad", [1, 9, 63, 0, -4, True, 64.0])
@@ -126,9 +119,9 @@ def test_bad_seed_and_shape_mismatch():
     with pytest.raises(ConfigError, match="Invalid rotation seed"):
         RotationSpec(seed=True)
     with pytest.raises(InputError, match=r"does not fit head_dim 32; expected \(32, 32\)"):
-        rotate(_rand(1, 1, 4, 32), hadamard_rotation(16))
+        rotate(rand(1, 1, 4, 32), hadamard_rotation(16))
     with pytest.raises(InputError, match=r"\[B, H, T, D\]"):
-        unrotate(_rand(4, 16), hadamard_rotation(16))
+        unrotate(rand(4, 16), hadamard_rotation(16))
 
 
 def test_rotation_spec_round_trip():
@@ -145,23 +138,23 @@ def test_rotation_spec_round_trip():
 def test_rotation_spreads_a_per_token_outlier_channel():
     # one huge channel on every token rules the per-token groups that hold it; rotated, its
     # energy is spread evenly over all channels and the rest of each token survives
-    x = _rand(2, 2, 64, 64, seed=8)
-    x[..., 9] = 50.0 + _rand(2, 2, 64, seed=9)
-    q = _rand(2, 2, 64, 64, seed=10)
+    x = rand(2, 2, 64, 64, seed=8)
+    x[..., 9] = 50.0 + rand(2, 2, 64, seed=9)
+    q = rand(2, 2, 64, 64, seed=10)
     q[..., 9] *= 0.01  # the query barely reads the outlier channel (as in real keys)
     spec = QuantSpec(4, "per-token", 32)
     plain = fake_quantize(x, spec)
     for seed in (None, 0):
         hat = quantize_rotated(x, spec, hadamard_rotation(64, seed))
-        assert _rel(x, hat) < 0.5 * _rel(x, plain), seed
+        assert rel(x, hat) < 0.5 * rel(x, plain), seed
         scores = q @ x.transpose(-1, -2)
-        assert _rel(scores, q @ hat.transpose(-1, -2)) < 0.5 * _rel(
+        assert rel(scores, q @ hat.transpose(-1, -2)) < 0.5 * rel(
             scores, q @ plain.transpose(-1, -2)
         ), seed
 
 
 def test_quantize_rotated_is_the_round_trip_in_the_original_basis():
-    x = _rand(1, 2, 16, 32, seed=10)
+    x = rand(1, 2, 16, 32, seed=10)
     r = hadamard_rotation(32, 3)
     spec = QuantSpec(4, "per-channel", 8)
     hat = quantize_rotated(x, spec, r)
@@ -171,4 +164,4 @@ def test_quantize_rotated_is_the_round_trip_in_the_original_basis():
         (rotate(x, r) - fake_quantize(rotate(x, r), spec)).norm().item(), rel=1e-5
     )
     # nearly lossless at 8 bits
-    assert _rel(x, quantize_rotated(x, QuantSpec(8, "per-token"), r)) < 1e-2
+    assert rel(x, quantize_rotated(x, QuantSpec(8, "per-token"), r)) < 1e-2

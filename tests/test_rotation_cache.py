@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_cache import _reference_attention, _session, _stored_view
+from helpers import reference_attention, stored_view, stub_session
 from tiny_models import tiny_model
 
 from kvlens.cache import compressed_attention, memory_report
@@ -31,7 +31,7 @@ def test_rotated_layer_equals_reference_attention_over_unrotated_dequantized(rot
     r = hadamard_rotation(d, seed=3)
     setting = LayerKV(KEYS, QuantSpec(2, "per-token", 8), 32, rotate_keys=rot_k,
                       rotate_values=rot_v)
-    layer = CompressedLayer(setting, 0, d, rotation=r, session=_session())
+    layer = CompressedLayer(setting, 0, d, rotation=r, session=stub_session())
     k, v = torch.randn(b, hkv, total, d), torch.randn(b, hkv, total, d)
     k[..., 5] *= 20  # an outlier channel the rotation spreads
     layer.update(k[:, :, :50], v[:, :, :50])
@@ -43,11 +43,11 @@ def test_rotated_layer_equals_reference_attention_over_unrotated_dequantized(rot
     q = torch.randn(b, hq, 1, d)
     out, _ = packed_attention(layer.to_stored_basis(q, rot_k), layer, None, d ** -0.5)
     out = layer.from_stored_basis(out)
-    keys = _stored_view(k @ r, KEYS, 32, n_q) @ r.T if rot_k else _stored_view(k, KEYS, 32, n_q)
+    keys = stored_view(k @ r, KEYS, 32, n_q) @ r.T if rot_k else stored_view(k, KEYS, 32, n_q)
     vspec = setting.value
-    values = _stored_view(v @ r, vspec, 32, n_q) @ r.T if rot_v else \
-        _stored_view(v, vspec, 32, n_q)
-    ref = _reference_attention(q, keys, values, torch.ones(1, 1, 1, total, dtype=torch.bool))
+    values = stored_view(v @ r, vspec, 32, n_q) @ r.T if rot_v else \
+        stored_view(v, vspec, 32, n_q)
+    ref = reference_attention(q, keys, values, torch.ones(1, 1, 1, total, dtype=torch.bool))
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
@@ -80,6 +80,7 @@ def test_rotation_matrix_is_shared_and_counted_once():
     assert rep["breakdown"]["rotations"] == 16 * 16 * 4 and rep["unaccounted"] == 0
 
 
+@pytest.mark.triton  # the decode kernel under the interpreter
 def test_triton_generates_like_torch_with_rotation():
     pytest.importorskip("triton")
     model = tiny_model("llama")

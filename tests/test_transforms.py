@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from helpers import rand, rel
 
 from kvlens.errors import ConfigError
 from kvlens.quant import (
@@ -20,15 +21,6 @@ from kvlens.quant import (
     split_outliers,
 )
 from kvlens.rope import apply_rope, detect_layout
-
-
-def _rand(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-def _rel(a, b):
-    return float((a - b).norm() / a.norm())
-
 
 # -- RoPE ------------------------------------------------------------------------------------
 
@@ -48,7 +40,7 @@ def _rotate_by_hand(x, positions, theta, layout):
 
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 def test_rope_tables_reproduce_planted_post(layout):
-    k_pre = _rand(2, 3, 12, 16)
+    k_pre = rand(2, 3, 12, 16)
     positions = torch.arange(12)
     planted_post = _rotate_by_hand(k_pre, positions, 500.0, layout)
     cos, sin = rope_tables_for(positions, 16, theta=500.0, layout=layout)
@@ -79,25 +71,25 @@ def test_partial_rotary_and_bad_rotary_dim():
 def test_pre_rope_quantization_keeps_outlier_channel_isolated():
     # Outlier in pre-RoPE channel 3; RoPE mixes it into partner channel 11 with a
     # token-dependent angle, so per-channel groups after RoPE see a smeared range.
-    k_pre = _rand(1, 2, 256, 16, seed=5)
+    k_pre = rand(1, 2, 256, 16, seed=5)
     k_pre[..., 3] += 30.0
     positions = torch.arange(256)
     cos, sin = rope_tables_for(positions, 16, theta=10.0)
     k_post = apply_rope(k_pre, cos, sin)
     spec = QuantSpec(2, "per-channel", 32)
-    pre = _rel(k_post, quantize_pre_rope(k_pre, cos, sin, spec))
-    post = _rel(k_post, fake_quantize(k_post, spec))
+    pre = rel(k_post, quantize_pre_rope(k_pre, cos, sin, spec))
+    post = rel(k_post, fake_quantize(k_post, spec))
     assert pre < post / 2
     exactish = quantize_pre_rope(k_pre, cos, sin, QuantSpec(8, "per-channel", 32))
-    assert _rel(k_post, exactish) < 0.01
+    assert rel(k_post, exactish) < 0.01
 
 
 # -- MiKV balancer ---------------------------------------------------------------------------
 
 
 def test_balancer_recovers_planted_ratio_and_keeps_dot_products():
-    k = _rand(2, 2, 20, 8, seed=6)
-    q = _rand(2, 4, 20, 8, seed=7)
+    k = rand(2, 2, 20, 8, seed=6)
+    q = rand(2, 4, 20, 8, seed=7)
     k_max = k.abs().amax(dim=(0, 2))
     # Plant: over each KV head's two query heads, max|q| = 9 * max|k| in every channel.
     q = q / q.abs().amax(dim=(0, 2), keepdim=True)
@@ -127,22 +119,22 @@ def test_balancer_gqa_takes_max_over_the_group_and_guards_zero():
 
 
 def test_balancer_helps_per_token_quantization_of_outlier_keys():
-    k = _rand(1, 1, 128, 32, seed=8)
+    k = rand(1, 1, 128, 32, seed=8)
     k[..., 4] *= 25.0
-    q = _rand(1, 2, 128, 32, seed=9)
+    q = rand(1, 2, 128, 32, seed=9)
     qb, kb = apply_balancer(q, k, fit_balancer(q, k))
     spec = QuantSpec(2, "per-token")
     ref = q @ k.transpose(-1, -2)
     plain = q @ fake_quantize(k, spec).transpose(-1, -2)
     balanced = qb @ fake_quantize(kb, spec).transpose(-1, -2)
-    assert _rel(ref, balanced) < _rel(ref, plain)
+    assert rel(ref, balanced) < rel(ref, plain)
 
 
 # -- outliers --------------------------------------------------------------------------------
 
 
 def test_planted_outliers_found_exactly():
-    x = _rand(2, 2, 10, 200, seed=10)
+    x = rand(2, 2, 10, 200, seed=10)
     x.clamp_(-3, 3)
     g = torch.Generator().manual_seed(11)
     planted = torch.stack([torch.randperm(200, generator=g)[:2] for _ in range(40)])
@@ -161,19 +153,19 @@ def test_outlier_count_and_token_scope():
     assert outlier_count(64, 0.0) == 0
     with pytest.raises(ConfigError, match="0 <= fraction < 1"):
         outlier_count(64, 1.5)
-    x = _rand(1, 1, 100, 4, seed=12)
+    x = rand(1, 1, 100, 4, seed=12)
     x[0, 0, 17, 2] = 99.0
     _, outliers = split_outliers(x, 0.01, dim=-2)
     assert outliers.indices.shape == (1, 1, 1, 4) and int(outliers.indices[0, 0, 0, 2]) == 17
 
 
 def test_quantize_with_outliers_beats_plain_and_keeps_outliers_exact():
-    x = _rand(1, 2, 32, 64, seed=13)
+    x = rand(1, 2, 32, 64, seed=13)
     x[0, 0, :, 7] = 30.0
     x[0, 1, 5, :3] = -40.0
     spec = QuantSpec(2, "per-token", 32)
     recon = quantize_with_outliers(x, spec, 0.05)
-    assert _rel(x, recon) < _rel(x, fake_quantize(x, spec)) / 2
+    assert rel(x, recon) < rel(x, fake_quantize(x, spec)) / 2
     assert torch.equal(recon[0, 0, :, 7], x[0, 0, :, 7])
     assert torch.equal(recon[0, 1, 5, :3], x[0, 1, 5, :3])
 
@@ -186,7 +178,7 @@ def test_planted_rank_two_residual_recovered():
     planted = torch.randn(2, 3, 40, 2, generator=g) @ torch.randn(2, 3, 2, 24, generator=g)
     low = lowrank_residual(planted, rank=2, iters=2)
     assert low.left.shape == (2, 3, 40, 2) and low.right.shape == (2, 3, 2, 24)
-    assert _rel(planted, low.reconstruct()) < 1e-5
+    assert rel(planted, low.reconstruct()) < 1e-5
 
 
 def test_lowrank_near_svd_optimum_and_deterministic():
@@ -196,7 +188,7 @@ def test_lowrank_near_svd_optimum_and_deterministic():
     low = lowrank_residual(noisy, rank=3, iters=4, seed=3)
     u, s, vh = torch.linalg.svd(noisy)
     best = (u[..., :3] * s[..., None, :3]) @ vh[..., :3, :]
-    assert _rel(noisy, low.reconstruct()) <= _rel(noisy, best) * 1.01
+    assert rel(noisy, low.reconstruct()) <= rel(noisy, best) * 1.01
     again = lowrank_residual(noisy, rank=3, iters=4, seed=3)
     assert torch.equal(low.left, again.left) and torch.equal(low.right, again.right)
     with pytest.raises(ConfigError, match="positive integer"):
@@ -204,11 +196,11 @@ def test_lowrank_near_svd_optimum_and_deterministic():
 
 
 def test_gear_beats_outliers_alone_and_is_exact_on_constants():
-    x = _rand(1, 2, 64, 32, seed=16)
+    x = rand(1, 2, 64, 32, seed=16)
     spec = QuantSpec(2, "per-channel", 32)
-    plain = _rel(x, fake_quantize(x, spec))
-    with_outliers = _rel(x, quantize_with_outliers(x, spec, 0.02))
-    gear = _rel(x, quantize_gear(x, spec, rank=4, outlier_fraction=0.02))
+    plain = rel(x, fake_quantize(x, spec))
+    with_outliers = rel(x, quantize_with_outliers(x, spec, 0.02))
+    gear = rel(x, quantize_gear(x, spec, rank=4, outlier_fraction=0.02))
     assert gear < with_outliers <= plain
     # A zero residual stays zero: GEAR on an exactly representable tensor is exact.
     flat = torch.full((1, 1, 8, 8), 2.0)

@@ -1,0 +1,94 @@
+"""Helpers shared by several test modules: seeded random tensors, a relative error, a synthetic
+capture writer, and the plain-torch references the cache tests compare against.
+
+Planted data sets (the tensors whose right answers a test states) stay in the test module that
+explains them; what is generic lives here, once. Fixtures are in conftest.py, tiny models and
+the tiny tokenizer in tiny_models.py.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from kvlens.capture.store import CaptureMeta, LayerAttrs, write_capture
+from kvlens.quant import QTensor, dequantize, quantize
+
+SCALING = 0.25  # the attention scaling make_capture records for every layer
+
+
+def rand(*shape, seed=0):
+    """Standard normal tensor from its own seeded generator."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def rel(a, b):
+    """||a - b|| / ||a|| as a float."""
+    return float((a - b).norm() / a.norm())
+
+
+def make_capture(path, q, k, v, *, k_pre=None, q_pre=None, rope_theta=None, layers=1,
+                 record_theta=True):
+    """Synthetic float32 capture; the same tensors in every layer (``record_theta=False``: RoPE
+    without its theta in the metadata, as Gemma3 captures have)."""
+    rope = {} if rope_theta is None or not record_theta else \
+        {"rope_theta": rope_theta, "rope_type": "default"}
+    meta = CaptureMeta(
+        model="synthetic",
+        architecture="Synthetic",
+        model_type="synthetic",
+        num_layers=layers,
+        num_attention_heads=q.shape[1],
+        num_key_value_heads=k.shape[1],
+        head_dim=q.shape[-1],
+        has_rope=rope_theta is not None,
+        rope=rope,
+        rope_layout="half" if rope_theta is not None else "none",
+        rotary_dim=q.shape[-1] if rope_theta is not None else 0,
+        compute_dtype="float32",
+        storage_dtype="float32",
+        num_samples=q.shape[0],
+        num_tokens=q.shape[2],
+        layers=tuple(range(layers)),
+    )
+    data = {
+        "q": q,
+        "k": k,
+        "v": v,
+        "q_pre": q if q_pre is None else q_pre,
+        "k_pre": k if k_pre is None else k_pre,
+    }
+    attrs = {i: LayerAttrs(i, SCALING, 0, 0.0) for i in range(layers)}
+    return write_capture(path, meta, {i: data for i in range(layers)}, layer_attrs=attrs)
+
+
+# -- cache references --------------------------------------------------------------------------
+
+def stub_session():
+    """The little of a compression session a lone ``CompressedLayer`` reads."""
+    return SimpleNamespace(active=True, rope={})
+
+
+def reference_attention(q, keys, values, mask):
+    """softmax(q k^T / sqrt(d) + mask) v with the repeat_kv GQA mapping."""
+    g = q.shape[1] // keys.shape[1]
+    k = keys.repeat_interleave(g, dim=1)
+    v = values.repeat_interleave(g, dim=1)
+    s = q.float() @ k.float().transpose(-1, -2) / q.shape[-1] ** 0.5
+    s = s.masked_fill(~mask, float("-inf"))
+    return (s.softmax(-1) @ v.float()).transpose(1, 2)
+
+
+def stored_view(x, spec, f, n_q, window_dtype=torch.float16):
+    """What the cache holds: reference quantization per block for the first ``n_q`` tokens,
+    the rest as the float16 window (the default ``fp_dtype``; blocks are quantized from it)."""
+    x = x.to(window_dtype).float()
+    b, h, _, d = x.shape
+    blocks = x[:, :, :n_q].reshape(b, h, n_q // f, f, d).transpose(1, 2)
+    blocks = blocks.reshape(-1, h, f, d)
+    q = quantize(blocks, spec)
+    deq = dequantize(QTensor(q.codes, q.scale.half().float(), q.zero.half().float(), spec,
+                             q.shape))
+    deq = deq.reshape(b, n_q // f, h, f, d).transpose(1, 2).reshape(b, h, n_q, d)
+    return torch.cat((deq, x[:, :, n_q:].half().float()), dim=2)
