@@ -2,6 +2,8 @@
 
 import time
 
+import pytest
+
 from kvlens.recommend.profile import Profile, profiling, stage
 
 
@@ -33,3 +35,58 @@ def test_stage_outside_a_profile_records_nothing():
     other = Profile({"a": 1.0, "b": 2.0})
     prof.merge(other)
     assert set(prof.stages) == {"a", "b"} and prof.stages["b"] == 2.0
+
+
+def _shape(**kw):
+    from kvlens.recommend.cost import CostShape
+
+    base = dict(layers=30, q_heads=9, kv_heads=3, head_dim=64, samples=4, tokens=512,
+                score_from=384, candidates=60, streams=5, families=12, sensitivity_tokens=512,
+                probe_tokens=960, params=134_515_008, vocab=49152)
+    return CostShape(**(base | kw))
+
+
+def test_cost_prediction_scales_with_the_work():
+    from kvlens.recommend.cost import predict
+
+    base = predict(_shape())
+    assert base.seconds == sum(base.stages.values()) > 0
+    assert set(base.stages) == {"capture read", "candidate errors", "layout sensitivity",
+                                "retrieval probe"}
+    twice = predict(_shape(layers=60))
+    for name in ("capture read", "candidate errors"):  # linear in layers
+        assert twice.stages[name] == pytest.approx(2 * base.stages[name])
+    # layout sensitivity: families x layers forwards, each starting at its layer: about
+    # (L + 1) / 2 whole forwards per family, each costing what the model's size does
+    assert twice.stages["layout sensitivity"] == pytest.approx(
+        base.stages["layout sensitivity"] * (1 + 12 * 61 / 2) / (1 + 12 * 31 / 2))
+    deeper = predict(_shape(layers=60, params=2 * 134_515_008))
+    assert deeper.stages["layout sensitivity"] > 3.9 * base.stages["layout sensitivity"]
+    fewer = predict(_shape(candidates=30))
+    assert fewer.stages["candidate errors"] == pytest.approx(base.stages["candidate errors"] / 2)
+    no_model = predict(_shape(params=0))
+    assert set(no_model.stages) == {"capture read", "candidate errors"}
+    assert base.peak_bytes > no_model.peak_bytes + 4 * 134_515_008 - 1
+    assert base.to_dict()["seconds"] == base.seconds
+
+
+def test_predict_cost_reads_the_capture_and_options(tmp_path):
+    from dataclasses import replace
+
+    from test_recommend import _planted_capture
+
+    from kvlens.capture.store import open_capture
+    from kvlens.recommend import RecommendOptions
+    from kvlens.recommend.pipeline import predict_cost
+
+    path = _planted_capture(tmp_path / "p.h5")
+    with open_capture(path) as cap:
+        meta = cap.meta
+    opts = RecommendOptions(budget_bits=3.0, group_sizes=(32,), bits=(2, 4))
+    cost = predict_cost(meta, opts)
+    assert cost.seconds > 0 and cost.peak_bytes > 0
+    # the planted capture names no model: no model stage is predicted with uniform weights
+    plain = predict_cost(meta, replace(opts, sensitivity="uniform", retrieval="off"))
+    assert set(plain.stages) == {"capture read", "candidate errors"}
+    more = predict_cost(meta, replace(opts, bits=(2, 4, 8)))
+    assert more.stages["candidate errors"] > cost.stages["candidate errors"]

@@ -104,7 +104,6 @@ def capture_model(model, windows, output: str | Path, *, layers: str | list[int]
     import torch
     import transformers
 
-
     start = time.perf_counter()
     info = describe(model)
     layer_list = layers if isinstance(layers, list) else parse_index_spec(layers, info.num_layers)
@@ -120,7 +119,11 @@ def capture_model(model, windows, output: str | Path, *, layers: str | list[int]
         num_tokens=t_count, layers=tuple(layer_list), model_source=model_source,
         text_source=text_source, kvlens_version=__version__,
         extra={"transformers_version": str(transformers.__version__),
-               "torch_version": str(torch.__version__)},
+               "torch_version": str(torch.__version__),
+               # the model's size, for recommend's cost prediction (kvlens.recommend.cost)
+               "num_parameters": int(sum(p.numel() for p in model.parameters())),
+               "vocab_size": int(model.get_output_embeddings().weight.shape[0]
+                                 if model.get_output_embeddings() is not None else 0)},
     )
     sink = _LayerSink(set(layer_list), info)
     device = input_device(model)

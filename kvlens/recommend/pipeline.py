@@ -21,7 +21,8 @@ from kvlens.cache.layout import shape_of_capture
 from kvlens.capture.store import open_capture
 from kvlens.errors import InputError
 from kvlens.recommend.allocation import assemble
-from kvlens.recommend.catalog import candidates
+from kvlens.recommend.catalog import candidates, family_probes
+from kvlens.recommend.cost import Cost, CostShape, estimated_params, predict
 from kvlens.recommend.layer_errors import check_windows, measure_layer
 from kvlens.recommend.options import RecommendOptions
 from kvlens.recommend.probe import add_retrieval_errors, load_model_for
@@ -131,3 +132,25 @@ def choose(m: Measurements, opts: RecommendOptions) -> Recommendation:
                        shape_of_capture(m.meta, m.windows), m.factors)
     rec.profile = prof
     return rec
+
+
+def predict_cost(meta, opts: RecommendOptions) -> Cost:
+    """``kvlens.recommend.cost.predict`` for measuring ``opts`` on a capture with ``meta``."""
+    cands = candidates(meta.head_dim, opts, meta.has_rope)
+    tokens = meta.num_tokens if opts.tokens is None else min(opts.tokens, meta.num_tokens)
+    samples = meta.num_samples if opts.samples is None else min(opts.samples, meta.num_samples)
+    vocab = int(meta.extra.get("vocab_size", 0) or 0)
+    params = int(meta.extra.get("num_parameters", 0) or 0) or estimated_params(
+        meta.num_layers, meta.num_attention_heads, meta.head_dim, vocab)
+    model_stages = not opts.layer_weights and (opts.sensitivity != "uniform"
+                                               or opts.retrieval != "off")
+    layout = opts.sensitivity in ("layout", "auto") and model_stages
+    return predict(CostShape(
+        layers=meta.num_layers, q_heads=meta.num_attention_heads,
+        kv_heads=meta.num_key_value_heads, head_dim=meta.head_dim, samples=samples,
+        tokens=tokens, score_from=opts.score_from, candidates=len(cands) + 2,
+        streams=len(opts.streams()) + 1, families=len(family_probes(cands)) if layout else 0,
+        sensitivity_tokens=meta.num_tokens if opts.tokens is None
+        else min(opts.tokens, meta.num_tokens),
+        probe_tokens=opts.retrieval_tokens if opts.retrieval != "off" and model_stages else 0,
+        params=params if model_stages else 0, vocab=vocab))

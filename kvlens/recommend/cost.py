@@ -1,0 +1,107 @@
+"""What ``recommend`` will cost before it starts: predicted wall time and peak memory.
+
+The prediction counts the work each stage does from the capture's shape and the options (layers,
+heads, head_dim, tokens, samples, candidates, windows, storage families) and the model's size,
+and divides it by rates measured on kvlens' reference machine (2 CPU cores, one thread for the
+attention passes; ``benchmarks/bench_recommend.py`` measures them, ``docs/benchmarks.md`` records
+predicted against measured). It is a model, not a measurement: a faster machine or a GPU runs
+the same work in less time, and the rates are those of the reference machine.
+
+Work units:
+
+- **candidate errors**: attention passes, ``candidates x streams x samples x query heads x
+  scored queries x visible keys x head_dim`` per layer;
+- **variants**: quantizing the captured keys/values once per candidate,
+  ``candidates x samples x KV heads x tokens x head_dim`` per layer;
+- **forwards** (layout sensitivity, retrieval probe): ``2 x parameters x tokens`` per forward,
+  one forward per storage family and layer, each starting at its layer (on average half the
+  layers run);
+- **capture read**: the bytes of the capture's float32 tensors.
+
+Peak memory: the model's float32 weights, one capture layer, every candidate's reconstruction of
+it, and the KL stage's log-probabilities (kept positions x vocabulary, three copies).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Rates of the reference machine, from benchmarks/bench_recommend.py's stage profile of the
+# default recommend on SmolLM2-135M (seconds per unit of work).
+ATTENTION_SECONDS_PER_UNIT = 2.0e-11  # candidate errors: one multiply-add of an attention pass
+VARIANT_SECONDS_PER_ELEMENT = 4.0e-8  # quantizing one captured element for one candidate
+FORWARD_SECONDS_PER_FLOP = 4.0e-11  # a model forward on the CPU
+READ_SECONDS_PER_BYTE = 2.0e-9  # reading the capture file
+RUNTIME_BYTES = 400 * 2**20  # torch, transformers and the Python process itself
+
+
+@dataclass(frozen=True)
+class CostShape:
+    """The sizes the prediction reads (from a capture's metadata and the options)."""
+
+    layers: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    samples: int  # capture samples the errors are measured on
+    tokens: int  # tokens per sample the errors are measured on
+    score_from: int  # first scored query (several windows: three times the largest)
+    candidates: int
+    streams: int  # (window, flush block) pairs a layer can end up with
+    families: int  # storage families the layout sensitivity measures (0: not run)
+    sensitivity_tokens: int  # tokens of a sensitivity forward
+    probe_tokens: int  # the retrieval probe's length (0: not run)
+    params: int  # the model's parameters (0: no model stage)
+    vocab: int
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Predicted seconds per stage and peak resident bytes."""
+
+    stages: dict[str, float]
+    peak_bytes: int
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.stages.values())
+
+    def to_dict(self) -> dict:
+        return {"stages": dict(self.stages), "seconds": self.seconds,
+                "peak_bytes": self.peak_bytes}
+
+
+def estimated_params(layers: int, q_heads: int, head_dim: int, vocab: int = 0) -> int:
+    """Parameters of a decoder with hidden size ``q_heads x head_dim`` (an estimate used before
+    the model loads: attention 4 h^2, an MLP of 8 h^2, the embedding)."""
+    hidden = q_heads * head_dim
+    return layers * 12 * hidden * hidden + vocab * hidden
+
+
+def predict(shape: CostShape) -> Cost:
+    """Predicted wall seconds per stage and peak memory of ``recommend`` on ``shape``."""
+    s = shape
+    scored = max(1, s.tokens - s.score_from)
+    attention = (s.layers * s.candidates * s.streams * s.samples * s.q_heads * scored
+                 * s.tokens * s.head_dim)
+    elements = s.layers * s.candidates * s.samples * s.kv_heads * s.tokens * s.head_dim
+    read = s.layers * s.samples * (s.q_heads + 3 * s.kv_heads) * s.tokens * s.head_dim * 4
+    stages = {
+        "capture read": read * READ_SECONDS_PER_BYTE,
+        "candidate errors": (attention * ATTENTION_SECONDS_PER_UNIT
+                             + elements * VARIANT_SECONDS_PER_ELEMENT),
+    }
+    if s.params and s.families:
+        forwards = 1 + s.families * (s.layers + 1) / 2  # each run starts at its layer
+        stages["layout sensitivity"] = (forwards * 2 * s.params * s.sensitivity_tokens
+                                        * FORWARD_SECONDS_PER_FLOP)
+    if s.params and s.probe_tokens:
+        probe_elements = s.layers * s.candidates * s.kv_heads * s.probe_tokens * s.head_dim
+        stages["retrieval probe"] = (2 * s.params * s.probe_tokens * FORWARD_SECONDS_PER_FLOP
+                                     + probe_elements * VARIANT_SECONDS_PER_ELEMENT)
+    layer_bytes = s.samples * (s.q_heads + 3 * s.kv_heads) * s.tokens * s.head_dim * 4
+    variants = s.candidates * s.samples * s.kv_heads * max(s.tokens, s.probe_tokens) \
+        * s.head_dim * 4
+    logits = 3 * (s.sensitivity_tokens // 2) * s.vocab * 4 if s.params else 0
+    peak = RUNTIME_BYTES + 4 * s.params + layer_bytes + variants + logits
+    return Cost(stages, int(peak))
