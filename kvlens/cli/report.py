@@ -38,7 +38,8 @@ def report(
     pages: list = []
 
     def write():
-        check_output_file(target, "--output", overwrite, example="report.html")
+        if run_dir.is_dir():  # otherwise write_report says what RUN_DIR must be
+            check_output_file(target, "--output", overwrite, example="report.html")
         write_output(target, lambda tmp: pages.append(write_report(run_dir, tmp,
                                                                    _deploy_option())))
 
@@ -53,10 +54,8 @@ def report(
 def _deploy_option() -> str | None:
     """The recommend option that writes deploy settings, if this kvlens has one (named in the
     report's hint when a run lacks them)."""
-    import click
-
-    cmd = typer.main.get_command(app)
-    rec = cmd.commands.get("recommend") if isinstance(cmd, click.Group) else None
+    cmd = typer.main.get_command(app)  # a group (typer may carry its own copy of click)
+    rec = getattr(cmd, "commands", {}).get("recommend")
     for param in getattr(rec, "params", []):
         if param.name in ("target", "deploy"):
             return param.opts[0]
