@@ -19,6 +19,7 @@ from kvlens.cli.common import (
     format_bytes_by_device,
     max_memory_option,
     offload_folder_option,
+    output_errors,
     overwrite_option,
     print_json,
     progress_bar,
@@ -88,8 +89,14 @@ def capture(
     opts = run_library_call(prepare)
     err_console.print(f"Capturing {samples} x {tokens} tokens from "
                       f"{escape(model or 'SmolLM2-135M-Instruct (embedded)')} ...")
+    def work():
+        # the model's own files are read through load_model, which names its failures; an
+        # OSError left here is the capture file's write (a full disk, a vanished folder)
+        with output_errors(f"the capture {output}"):
+            return run_capture(opts, output, progress=update)
+
     with progress_bar("capture") as update:
-        summary = run_library_call(lambda: run_capture(opts, output, progress=update))
+        summary = run_library_call(work)
     run_library_call(lambda: _write_report_json(summary, output))
     if as_json:
         print_json(summary.to_dict())
