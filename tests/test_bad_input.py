@@ -1,7 +1,8 @@
 """Bad input to every command, as a table: each row is a command line, a fragment of the one
-error line it must print, and the exit code (README "Exit codes": 1 for what kvlens refuses, 2
-for what the command-line parser refuses). Every row must end without a traceback and before
-any model is loaded or any measurement starts: loading a model here fails the test.
+error line it must print, and the exit code (docs/reference/README.md, "Exit codes": 1 for what
+kvlens refuses, 2 for what the command-line parser refuses, a number outside its declared range
+included). Every row must end without a traceback and before any model is loaded or any
+measurement starts: loading a model here fails the test.
 
 No row loads a model (the ``MODEL`` directory only has to exist), so this file runs in seconds.
 """
@@ -80,8 +81,6 @@ def loads(monkeypatch):
 
 ROWS = [
     # capture: options, paths, outputs
-    ("capture --model {model} -s 0 -o {dir}/a.h5", "--samples must be at least 1", 1),
-    ("capture --model {model} -t 1 -o {dir}/a.h5", "--tokens must be at least 2", 1),
     ("capture --model {model} --device foo -o {dir}/a.h5", "Unknown device 'foo'", 1),
     ("capture --model {model} --dtype float8 -o {dir}/a.h5", "Unknown dtype 'float8'", 1),
     ("capture --model {model} --text {missing} -o {dir}/a.h5", "Text file not found", 1),
@@ -123,7 +122,6 @@ ROWS = [
      "no model is loaded here", 1),
     ("recommend {cap} -b 3 --no-mikv --mikv-bits 4", "--no-mikv removes", 1),
     ("recommend {cap} -b 3 --retrieval-prompts 2", "applies to --validate", 1),
-    ("recommend {cap} -b 3 --samples 0", "--samples must be", 1),
     ("recommend {cap} -b 3 -o {exists_json}", "already exists; pass --overwrite", 1),
     ("recommend {cap} --target vllm -b 9 -o {new_json}", "kv_scales.json already exists", 1),
     # generate: presets, configs, texts, outputs, the model's options
@@ -149,6 +147,9 @@ ROWS = [
     # what the command-line parser refuses: exit code 2
     ("capture --bogus", "No such option", 2),
     ("capture -s many", "valid integer", 2),
+    ("capture --model {model} -s 0 -o {dir}/a.h5", "Invalid value for '--samples'", 2),
+    ("capture --model {model} -t 1 -o {dir}/a.h5", "Invalid value for '--tokens'", 2),
+    ("recommend {cap} -b 3 --samples 0", "Invalid value for '--samples'", 2),
     ("recommend", "Missing argument", 2),
 ]
 

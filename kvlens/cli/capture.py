@@ -32,10 +32,10 @@ from kvlens.cli.common import (
 def capture(
     text: Path = typer.Option(None, "--text", rich_help_panel=INPUT,
                               help="UTF-8 text file (default: built-in corpus)."),
-    samples: int = typer.Option(4, "--samples", "-s", rich_help_panel=INPUT,
-                                help="Number of token windows (at least 1)."),
-    tokens: int = typer.Option(512, "--tokens", "-t", rich_help_panel=INPUT,
-                               help="Tokens per window (at least 2)."),
+    samples: int = typer.Option(4, "--samples", "-s", min=1, rich_help_panel=INPUT,
+                                help="Number of token windows."),
+    tokens: int = typer.Option(512, "--tokens", "-t", min=2, rich_help_panel=INPUT,
+                               help="Tokens per window."),
     layers: str = typer.Option(None, "--layers", rich_help_panel=INPUT,
                                help="Layers to capture, e.g. 0,4,8-11 (default: all)."),
     model: str = typer.Option(None, "--model", "-m", rich_help_panel=MODEL,
@@ -62,16 +62,11 @@ def capture(
     """Run a causal LM on text and store per-layer, per-head Q, K, V (pre and post RoPE)."""
     from kvlens.capture.run import CaptureOptions, run_capture
     from kvlens.capture.store import CaptureWriter
-    from kvlens.errors import InputError, is_int
     from kvlens.report.artifacts import capture_doc_path, check_output_file
     from kvlens.text.corpus import load_text
 
     def prepare() -> CaptureOptions:
         # Everything that can be checked without the model, before it loads.
-        if not is_int(samples, 1):
-            raise InputError(f"--samples must be at least 1 (got {samples}).")
-        if not is_int(tokens, 2):
-            raise InputError(f"--tokens must be at least 2 (got {tokens}).")
         check_output_file(output, "--output", overwrite, example="run.h5")
         check_output_file(capture_doc_path(output), "--output", overwrite)
         CaptureWriter(output, overwrite=overwrite, storage_dtype=storage_dtype,

@@ -4,7 +4,7 @@ policy (atomic writes) and the one place library errors become exit codes.
 Exit codes (README, "Exit codes"): 0 success; 1 any ``KvlensError`` (bad input caught by kvlens,
 a missing or foreign file, an existing output without ``--overwrite``, a failed write); 2 a
 command line the parser itself refuses (unknown option, missing argument, a value of the wrong
-type: click's usage errors); 130 interrupted (Ctrl-C).
+type or outside its declared range: click's usage errors); 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ PLACEMENT = ("device_map", "max_memory", "offload_folder")
 def recommend(
     ctx: typer.Context,
     capture: Path = typer.Argument(..., help="Capture file from `kvlens capture`."),
-    samples: int = typer.Option(None, "--samples", rich_help_panel=INPUT,
+    samples: int = typer.Option(None, "--samples", min=1, rich_help_panel=INPUT,
                                 help="Capture samples used to measure errors (default: all "
                                      "of them; engine targets: 1)."),
     tokens: int = typer.Option(None, "--tokens", rich_help_panel=INPUT,
@@ -212,15 +212,12 @@ def recommend(
         """The checks both paths share, cheapest first: option combinations, the output
         files, the capture, the model and its placement."""
         from kvlens.capture.store import open_capture
-        from kvlens.errors import InputError
         from kvlens.model.placement import make_placement
         from kvlens.report.artifacts import check_output_file, config_doc_path
 
         _check_combinations(target, given, sensitivity=sensitivity, retrieval=retrieval,
                             validate=validate, max_kld=max_kld, no_mikv=no_mikv,
                             no_balancer=no_balancer)
-        if samples is not None and samples < 1:
-            raise InputError(f"--samples must be at least 1 (or omitted), got {samples}.")
         if output is not None:
             check_output_file(output, "--output", overwrite, example="kv.json")
             kind = "deploy" if engine else "recommend"
