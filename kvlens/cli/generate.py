@@ -199,9 +199,8 @@ def _options(config, preset_name, compare, prompt, prompt_file, max_new_tokens, 
         configs.append(configs.engine(preset_name, calibration)
                        if is_engine_setting(preset_name) else preset(preset_name))
     if compare:
-        from kvlens.evaluation.baselines import baseline, is_baseline
-
         from kvlens.config.engine import split_setting_list
+        from kvlens.evaluation.baselines import baseline, is_baseline
 
         items = split_setting_list(compare)
         configs.extend(baseline(n) if is_baseline(n) else configs.engine(n, calibration)
