@@ -15,7 +15,8 @@ import sys
 import h5py
 import numpy as np
 import pytest
-from test_compare import kivi_tensors, make_capture
+from helpers import make_capture
+from test_compare import kivi_tensors
 from typer.testing import CliRunner
 
 from kvlens.cli import app
