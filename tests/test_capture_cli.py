@@ -113,3 +113,26 @@ def test_progress_is_plain_lines_where_stderr_is_not_a_terminal(monkeypatch):
     lines = buf.getvalue().splitlines()
     assert lines == ["  measuring: 1/3 layer 0", "  measuring: 3/3 layer 2",
                      "  measuring: 1/3 probe layer 0", "  measuring: 3/3 probe layer 2"]
+
+
+def test_every_option_sits_in_a_help_panel_and_help_text_is_literal():
+    """--help groups each command's options in named panels (Input, Model & placement,
+    Output...), and brackets in help text are shown, not eaten as rich markup."""
+    import typer
+
+    commands = typer.main.get_command(app).commands  # typer may carry its own click
+    assert {"capture", "plot-outliers", "compare-axes", "recommend", "generate",
+            "report"} <= set(commands)
+    for name, command in commands.items():
+        loose = [p.opts[0] for p in command.params
+                 if p.param_type_name == "option" and not getattr(p, "rich_help_panel", None)]
+        assert loose == [], f"{name}: options outside a help panel: {loose}"
+        overwrite = [p for p in command.params if p.name == "overwrite"]
+        writes = any(p.name in ("output", "out", "plots", "report_json") for p in command.params)
+        assert bool(overwrite) == writes, f"{name}: every command that writes takes --overwrite"
+    res = runner.invoke(app, ["generate", "--help"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0 and "vllm:D[@head][:pP]" in " ".join(res.stdout.split())
+    res = runner.invoke(app, ["recommend", "--help"], env={"COLUMNS": "120"})
+    for panel in ("Input", "Budget & candidates", "Measurement", "Engine targets",
+                  "Model & placement", "Validation", "Output"):
+        assert f"─ {panel}" in res.stdout

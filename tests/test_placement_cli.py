@@ -125,3 +125,10 @@ def test_recommend_placement_errors_are_not_swallowed(tiny_model_dir, text_file,
     assert res.exit_code == 0, res.output
     notes = json.loads(res.stdout)["notes"]
     assert any("per-layout factors from measured KL" in n for n in notes)  # auto: layout
+    # --target ENGINE loads its model (--max-kld, --validate) with the same placement
+    target = ["recommend", str(cap), "--target", "vllm", "-b", "9", "--validate",
+              "--model", str(tiny_model_dir), "--device-map", "auto"]
+    res = runner.invoke(app, [*target, "--max-memory", "cpu=1MB"])
+    assert res.exit_code == 1
+    assert "would go to disk" in " ".join(res.output.split())
+    assert "measuring" not in res.output  # the model loads (and fails) before any measurement

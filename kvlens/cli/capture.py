@@ -8,54 +8,91 @@ import typer
 
 from kvlens.cli import app
 from kvlens.cli.common import (
+    INPUT,
+    MODEL,
+    OUTPUT,
+    check_model_options,
     console,
     device_map_option,
     err_console,
+    escape,
     format_bytes_by_device,
     max_memory_option,
     offload_folder_option,
+    output_errors,
+    overwrite_option,
     print_json,
     progress_bar,
     run_library_call,
+    write_output,
 )
 
 
 @app.command()
 def capture(
-    output: Path = typer.Option(Path("run.h5"), "--output", "-o", help="HDF5 file to write."),
-    model: str = typer.Option(None, "--model", "-m",
+    text: Path = typer.Option(None, "--text", rich_help_panel=INPUT,
+                              help="UTF-8 text file (default: built-in corpus)."),
+    samples: int = typer.Option(4, "--samples", "-s", min=1, rich_help_panel=INPUT,
+                                help="Number of token windows."),
+    tokens: int = typer.Option(512, "--tokens", "-t", min=2, rich_help_panel=INPUT,
+                               help="Tokens per window."),
+    layers: str = typer.Option(None, "--layers", rich_help_panel=INPUT,
+                               help="Layers to capture, e.g. 0,4,8-11 (default: all)."),
+    model: str = typer.Option(None, "--model", "-m", rich_help_panel=MODEL,
                               help="Model: omit for the embedded SmolLM2-135M-Instruct, or a "
                                    "local HF directory, a .gguf file, or a hub id."),
-    text: Path = typer.Option(None, "--text", help="UTF-8 text file (default: built-in corpus)."),
-    samples: int = typer.Option(4, "--samples", "-s", help="Number of token windows."),
-    tokens: int = typer.Option(512, "--tokens", "-t", help="Tokens per window."),
-    layers: str = typer.Option(None, "--layers", help="Layers to capture, e.g. 0,4,8-11 "
-                                                      "(default: all)."),
-    storage_dtype: str = typer.Option("float16", "--storage-dtype",
-                                      help="float16, float32 or bfloat16 (stored losslessly)."),
-    dtype: str = typer.Option("float32", "--dtype", help="Compute dtype of the model."),
-    compression: str = typer.Option("none", "--compression", help="none, gzip or lzf."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    dtype: str = typer.Option("float32", "--dtype", rich_help_panel=MODEL,
+                              help="Compute dtype of the model: float32, float16 or bfloat16."),
+    device: str = typer.Option("auto", "--device", rich_help_panel=MODEL,
+                               help="auto, cpu or cuda."),
     device_map: str = device_map_option(),
     max_memory: str = max_memory_option(),
     offload_folder: Path = offload_folder_option(),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output."),
-    as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
+    output: Path = typer.Option(Path("run.h5"), "--output", "-o", rich_help_panel=OUTPUT,
+                                help="HDF5 file to write (and RUN.capture.json beside it, for "
+                                     "`kvlens report`)."),
+    storage_dtype: str = typer.Option("float16", "--storage-dtype", rich_help_panel=OUTPUT,
+                                      help="float16, float32 or bfloat16 (stored losslessly)."),
+    compression: str = typer.Option("none", "--compression", rich_help_panel=OUTPUT,
+                                    help="none, gzip or lzf."),
+    overwrite: bool = overwrite_option(),
+    as_json: bool = typer.Option(False, "--json", rich_help_panel=OUTPUT,
+                                 help="Print a JSON summary on stdout."),
 ) -> None:
     """Run a causal LM on text and store per-layer, per-head Q, K, V (pre and post RoPE)."""
     from kvlens.capture.run import CaptureOptions, run_capture
+    from kvlens.capture.store import CaptureWriter
+    from kvlens.report.artifacts import capture_doc_path, check_output_file
+    from kvlens.text.corpus import load_text
 
-    opts = CaptureOptions(model=model, text=str(text) if text else None, samples=samples,
-                          tokens=tokens, layers=layers, storage_dtype=storage_dtype,
-                          compute_dtype=dtype, compression=compression, device=device,
-                          device_map=device_map, max_memory=max_memory,
-                          offload_folder=str(offload_folder) if offload_folder else None,
-                          overwrite=overwrite)
+    def prepare() -> CaptureOptions:
+        # Everything that can be checked without the model, before it loads.
+        check_output_file(output, "--output", overwrite, example="run.h5")
+        check_output_file(capture_doc_path(output), "--output", overwrite)
+        CaptureWriter(output, overwrite=overwrite, storage_dtype=storage_dtype,
+                      compression=compression)
+        load_text(str(text) if text else None)
+        check_model_options(model, dtype=dtype, device=device, device_map=device_map,
+                            max_memory=max_memory, offload_folder=offload_folder)
+        return CaptureOptions(model=model, text=str(text) if text else None, samples=samples,
+                              tokens=tokens, layers=layers, storage_dtype=storage_dtype,
+                              compute_dtype=dtype, compression=compression, device=device,
+                              device_map=device_map, max_memory=max_memory,
+                              offload_folder=str(offload_folder) if offload_folder else None,
+                              overwrite=overwrite)
+
+    opts = run_library_call(prepare)
     err_console.print(f"Capturing {samples} x {tokens} tokens from "
-                      f"{model or 'SmolLM2-135M-Instruct (embedded)'} ...")
+                      f"{escape(model or 'SmolLM2-135M-Instruct (embedded)')} ...")
+    def work():
+        # the model's own files are read through load_model, which names its failures; an
+        # OSError left here is the capture file's write (a full disk, a vanished folder)
+        with output_errors(f"the capture {output}"):
+            return run_capture(opts, output, progress=update)
+
     with progress_bar("capture") as update:
-        summary = run_library_call(lambda: run_capture(opts, output, progress=update))
-    _write_report_json(summary, output)
+        summary = run_library_call(work)
+    run_library_call(lambda: _write_report_json(summary, output))
     if as_json:
         print_json(summary.to_dict())
         return
@@ -69,7 +106,7 @@ def _write_report_json(summary, output: Path) -> None:
 
     with open_capture(output) as cap:
         doc = capture_doc(summary.to_dict(), cap.meta)
-    write_artifact("capture", doc, capture_doc_path(output))
+    write_output(capture_doc_path(output), lambda tmp: write_artifact("capture", doc, tmp))
 
 
 def _render(s) -> None:
@@ -77,8 +114,8 @@ def _render(s) -> None:
 
     from kvlens.text.selection import format_index_spec as _ranges
 
-    table = Table(title=f"Capture written: {s.path}", show_header=False)
-    table.add_row("model", f"{s.model} ({s.architecture})")
+    table = Table(title=f"Capture written: {escape(str(s.path))}", show_header=False)
+    table.add_row("model", escape(f"{s.model} ({s.architecture})"))
     table.add_row("layers", f"{_ranges(s.layers)} ({len(s.layers)} layers)")
     table.add_row("heads", f"{s.num_attention_heads} query / {s.num_key_value_heads} KV, "
                            f"head_dim {s.head_dim}")
@@ -93,5 +130,5 @@ def _render(s) -> None:
         by_dev.setdefault(dev, []).append(layer)
     table.add_row("layers ran on", "; ".join(f"{dev}: {_ranges(ls)}" for dev, ls in by_dev.items()))
     for note in s.notes:
-        table.add_row("note", note)
+        table.add_row("note", escape(note))
     console.print(table)

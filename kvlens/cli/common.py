@@ -1,18 +1,111 @@
-"""Shared CLI helpers: consoles, progress bars, JSON output, error mapping for the runner."""
+"""Shared CLI helpers: consoles, progress bars, JSON output, help panels, the output-file
+policy (atomic writes) and the one place library errors become exit codes.
+
+Exit codes (README, "Exit codes"): 0 success; 1 any ``KvlensError`` (bad input caught by kvlens,
+a missing or foreign file, an existing output without ``--overwrite``, a failed write); 2 a
+command line the parser itself refuses (unknown option, missing argument, a value of the wrong
+type or outside its declared range: click's usage errors); 130 interrupted (Ctrl-C).
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
+
+from kvlens.errors import KvlensError
 
 console = Console()  # results (stdout)
 err_console = Console(stderr=True)  # progress, logs, errors
+
+# --help panels (``rich_help_panel=``), shared so that every command groups its options alike.
+INPUT = "Input"
+BUDGET = "Budget & candidates"
+MEASUREMENT = "Measurement"
+ANALYSIS = "Analysis"
+ENGINE = "Engine targets (--target)"
+EVALUATION = "Evaluation"
+CACHES = "KV caches"
+MODEL = "Model & placement"
+VALIDATION = "Validation"
+OUTPUT = "Output"
+
+
+class OutputWriteError(KvlensError):
+    """An output file could not be written (disk full, no permission...)."""
+
+
+def write_output(path: str | os.PathLike, write: Callable[[Path], Any]) -> Path:
+    """Write one output file atomically: ``write(tmp)`` fills a hidden ``.NAME.partial-PID``
+    beside ``path``, which is then renamed over ``path``. A failure (``OSError``: a full disk,
+    no permission) or Ctrl-C removes the partial file, leaves ``path`` as it was and, for an
+    ``OSError``, raises ``OutputWriteError`` naming the file and the reason."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise OutputWriteError(f"Cannot write {path}: {exc.strerror or exc}. Nothing was written "
+                               "there; free some space or choose a writable location.") from None
+    finally:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+    return path
+
+
+def write_text_output(path: str | os.PathLike, text: str) -> Path:
+    """``write_output`` of a UTF-8 text."""
+    return write_output(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def write_artifact_output(kind: str, doc: Any, path: str | os.PathLike) -> Path:
+    """``kvlens.report.artifacts.write_artifact``, atomically (``write_output``)."""
+    from kvlens.report.artifacts import write_artifact
+
+    return write_output(path, lambda tmp: write_artifact(kind, doc, tmp))
+
+
+def write_config_doc(kind: str, doc: Any, config_path: Path) -> Path:
+    """recommend's ``kind`` artifact beside the config it wrote, naming the config
+    (``kvlens.report.artifacts.write_config_doc``, atomically)."""
+    from kvlens.report.artifacts import config_doc_path
+
+    return write_artifact_output(kind, {**doc, "config_file": Path(config_path).name},
+                                 config_doc_path(config_path, kind))
+
+
+@contextmanager
+def output_errors(what: str):
+    """Turn an ``OSError`` while writing ``what`` (figures a plotting library saves itself)
+    into ``OutputWriteError``."""
+    try:
+        yield
+    except OSError as exc:
+        where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
+        raise OutputWriteError(f"Cannot write {what}{where}: {exc.strerror or exc}; free some "
+                               "space or choose a writable location.") from None
+
+
+def given_options(ctx: typer.Context, names: Iterable[str]) -> dict[str, str]:
+    """Of the parameters ``names``, those the user gave (not left at their default): parameter
+    name -> the flag as spelled in --help (``"no_mikv" -> "--no-mikv"``)."""
+    def given(name: str) -> bool:
+        source = ctx.get_parameter_source(name)  # typer may carry its own copy of click's enum
+        return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
+
+    wanted = set(names)
+    return {p.name: p.opts[0] for p in ctx.command.params if p.name in wanted and given(p.name)}
 
 
 def print_json(obj: Any) -> None:
@@ -78,22 +171,39 @@ def progress_bar(description: str, enabled: bool = True):
 
 
 def device_map_option():
-    return typer.Option(None, "--device-map",
+    return typer.Option(None, "--device-map", rich_help_panel=MODEL,
                         help="Place the model with accelerate: auto, balanced, sequential "
                              "(spread over GPUs, then CPU, then disk), or a JSON map of module "
                              "-> GPU index/cpu/disk (inline or a file). docs/large-models.md.")
 
 
 def max_memory_option():
-    return typer.Option(None, "--max-memory",
+    return typer.Option(None, "--max-memory", rich_help_panel=MODEL,
                         help="With --device-map: per-device limits, e.g. "
                              "0=20GiB,1=20GiB,cpu=60GiB,disk=200GiB (GPU index, cpu, disk).")
 
 
 def offload_folder_option():
-    return typer.Option(None, "--offload-folder",
+    return typer.Option(None, "--offload-folder", rich_help_panel=MODEL,
                         help="With --device-map: a writable directory for weights offloaded "
                              "to disk (without it nothing may go to disk).")
+
+
+def overwrite_option():
+    return typer.Option(False, "--overwrite", rich_help_panel=OUTPUT,
+                        help="Replace existing output files (without it an existing output is "
+                             "refused before any work).")
+
+
+def check_model_options(model: str | None, *, dtype: str = "float32", device: str = "auto",
+                        device_map: str | None = None, max_memory: str | None = None,
+                        offload_folder: os.PathLike | str | None = None) -> None:
+    """Every check ``load_model`` makes before it reads a weight, run before any work."""
+    from kvlens.model.load import check_load_options
+
+    check_load_options(model, dtype=dtype, device=device, device_map=device_map,
+                       max_memory=max_memory,
+                       offload_folder=str(offload_folder) if offload_folder else None)
 
 
 def format_bytes_by_device(by_device: dict[str, int]) -> str:
@@ -105,13 +215,11 @@ def format_bytes_by_device(by_device: dict[str, int]) -> str:
 
 
 def run_library_call(fn: Callable[[], Any]) -> Any:
-    """Call library code, turning ``KvlensError`` into a clean exit(1) (also under CliRunner)."""
-    import typer
-
-    from kvlens.errors import KvlensError
-
+    """Call library code, turning ``KvlensError`` into one error line and exit code 1 (also
+    under CliRunner). The message is printed literally (``[@head]`` is not rich markup)."""
     try:
         return fn()
     except KvlensError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False,
+                          soft_wrap=True)
         raise typer.Exit(1) from None

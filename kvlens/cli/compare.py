@@ -8,7 +8,20 @@ from pathlib import Path
 import typer
 
 from kvlens.cli import app
-from kvlens.cli.common import console, err_console, print_json, progress_bar, run_library_call
+from kvlens.cli.common import (
+    ANALYSIS,
+    INPUT,
+    OUTPUT,
+    console,
+    err_console,
+    escape,
+    output_errors,
+    overwrite_option,
+    print_json,
+    progress_bar,
+    run_library_call,
+    write_artifact_output,
+)
 
 METRIC_LABELS = {
     "reconstruction": "recon",
@@ -21,71 +34,56 @@ METRIC_LABELS = {
 @app.command("compare-axes")
 def compare_axes_command(
     run: Path = typer.Argument(..., help="Capture file written by `kvlens capture`."),
-    layers: str = typer.Option(
-        None, "--layers", help="Layers to analyse, e.g. 0,4,8-11 (default: all captured)."
-    ),
-    bits: str = typer.Option("2,4", "--bits", help="Bit widths, comma-separated (1-8)."),
-    group_sizes: str = typer.Option(
-        "32",
-        "--group-sizes",
-        help="Group sizes G, comma-separated: per-token groups are "
-        "G channels of a token (G must divide head_dim), "
-        "per-channel groups G tokens of a channel.",
-    ),
-    stages: str = typer.Option(
-        "post",
-        "--stages",
-        help="Key stages: post (post-RoPE, as "
-        "cached) and/or pre (quantize before "
-        "RoPE, re-rotate), e.g. post,pre.",
-    ),
-    variants: str = typer.Option(
-        "",
-        "--variants",
-        help="Extra transforms beside plain quantization: balancer, "
-        "outliers, lowrank, rotate (Hadamard along head_dim; comma-separated; default none).",
-    ),
-    outlier_fraction: float = typer.Option(
-        0.01,
-        "--outlier-fraction",
-        help="Share of each quantized vector kept exact by the outliers variant.",
-    ),
-    rank: int = typer.Option(2, "--rank", help="Rank of the lowrank (GEAR) residual."),
-    rotation_seed: int = typer.Option(
-        None,
-        "--rotation-seed",
-        help="rotate variant: random sign flips drawn with this seed (randomized Hadamard); "
-        "default none (plain Hadamard).",
-    ),
-    formats: str = typer.Option(
-        "",
-        "--formats",
-        help="Engine settings swept beside the integer specs, comma-separated, spelled as "
-        "generate --compare takes them and recommend --target prints them: llamacpp:T "
-        "(q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl; Hadamard-rotated when head_dim % 64 == 0, "
-        ":norot / :rot to force), vllm:D (fp8_e4m3, fp8_e5m2: static scale calibrated per "
-        "layer on the capture; @head per KV head; :p99.9 percentile; :s1 the fixed default "
-        "scale), vllm:int8-pth / int4-pth / fp8-pth (per-token-head). Default none.",
-    ),
-    samples: int = typer.Option(None, "--samples", help="Use only the first N samples (faster)."),
-    sinks: int = typer.Option(
-        0,
-        "--sinks",
-        help="Score/output metrics read the first N tokens exact (a cache that keeps the "
-        "attention sinks at full precision).",
-    ),
-    threads: int = typer.Option(
-        1, "--threads", help="torch threads while sweeping (1 is fastest for these small ops)."
-    ),
-    as_json: bool = typer.Option(
-        False, "--json", help="Print all records and the summary as JSON on stdout."
-    ),
-    plots: Path = typer.Option(
-        None,
-        "--plots",
-        help="Directory for heatmaps, per-layer line plots and compare-axes.json (the "
-        "summary and per-layer means `kvlens report` reads); created if missing.",
-    ),
+    layers: str = typer.Option(None, "--layers", rich_help_panel=INPUT,
+                               help="Layers to analyse, e.g. 0,4,8-11 (default: all captured)."),
+    samples: int = typer.Option(None, "--samples", rich_help_panel=INPUT,
+                                help="Use only the first N samples (faster)."),
+    bits: str = typer.Option("2,4", "--bits", rich_help_panel=ANALYSIS,
+                             help="Bit widths, comma-separated (1-8)."),
+    group_sizes: str = typer.Option("32", "--group-sizes", rich_help_panel=ANALYSIS,
+                                    help="Group sizes G, comma-separated: per-token groups are "
+                                         "G channels of a token (G must divide head_dim), "
+                                         "per-channel groups G tokens of a channel."),
+    stages: str = typer.Option("post", "--stages", rich_help_panel=ANALYSIS,
+                               help="Key stages: post (post-RoPE, as cached) and/or pre "
+                                    "(quantize before RoPE, re-rotate), e.g. post,pre."),
+    variants: str = typer.Option("", "--variants", rich_help_panel=ANALYSIS,
+                                 help="Extra transforms beside plain quantization: balancer, "
+                                      "outliers, lowrank, rotate (Hadamard along head_dim; "
+                                      "comma-separated; default none)."),
+    outlier_fraction: float = typer.Option(0.01, "--outlier-fraction", rich_help_panel=ANALYSIS,
+                                           help="Share of each quantized vector kept exact by "
+                                                "the outliers variant."),
+    rank: int = typer.Option(2, "--rank", rich_help_panel=ANALYSIS,
+                             help="Rank of the lowrank (GEAR) residual."),
+    rotation_seed: int = typer.Option(None, "--rotation-seed", rich_help_panel=ANALYSIS,
+                                      help="rotate variant: random sign flips drawn with this "
+                                           "seed (randomized Hadamard); default none (plain "
+                                           "Hadamard)."),
+    formats: str = typer.Option("", "--formats", rich_help_panel=ANALYSIS,
+                                help=escape(
+                                    "Engine settings swept beside the integer specs, "
+                                    "comma-separated, spelled as generate --compare takes them "
+                                    "and recommend --target prints them: llamacpp:T (q8_0, "
+                                    "q4_0, q4_1, q5_0, q5_1, iq4_nl; Hadamard-rotated when "
+                                    "head_dim % 64 == 0, :norot / :rot to force), vllm:D "
+                                    "(fp8_e4m3, fp8_e5m2: static scale calibrated per layer on "
+                                    "the capture; @head per KV head; :p99.9 percentile; :s1 "
+                                    "the fixed default scale), vllm:int8-pth / int4-pth / "
+                                    "fp8-pth (per-token-head). Default none.")),
+    sinks: int = typer.Option(0, "--sinks", rich_help_panel=ANALYSIS,
+                              help="Score/output metrics read the first N tokens exact (a cache "
+                                   "that keeps the attention sinks at full precision)."),
+    threads: int = typer.Option(1, "--threads", rich_help_panel=ANALYSIS,
+                                help="torch threads while sweeping (1 is fastest for these "
+                                     "small ops)."),
+    plots: Path = typer.Option(None, "--plots", rich_help_panel=OUTPUT,
+                               help="Directory for heatmaps, per-layer line plots and "
+                                    "compare-axes.json (the summary and per-layer means "
+                                    "`kvlens report` reads); created if missing."),
+    overwrite: bool = overwrite_option(),
+    as_json: bool = typer.Option(False, "--json", rich_help_panel=OUTPUT,
+                                 help="Print all records and the summary as JSON on stdout."),
 ) -> None:
     """Which quantization axis wins for keys and values, under which error metric."""
     from kvlens.analysis.compare import (
@@ -96,11 +94,11 @@ def compare_axes_command(
         parse_name_list,
     )
     from kvlens.config.engine import measured_cache_types
-    from kvlens.errors import InputError
+    from kvlens.report.artifacts import check_output_folder
 
     def configure() -> CompareConfig:
-        if plots is not None and plots.exists() and not plots.is_dir():
-            raise InputError(f"--plots {plots} exists and is not a directory.")
+        if plots is not None:
+            check_output_folder(plots, "--plots", "compare-axes.json", overwrite)
         return CompareConfig(
             bits=parse_int_list(bits, "bits"),
             group_sizes=parse_int_list(group_sizes, "group sizes"),
@@ -122,12 +120,17 @@ def compare_axes_command(
         )
     if plots is not None:
         from kvlens.plots.compare import write_plots
-        from kvlens.report.artifacts import compare_doc, write_artifact
+        from kvlens.report.artifacts import compare_doc
 
-        written = run_library_call(lambda: write_plots(result, plots))
-        data = write_artifact("compare-axes", compare_doc(result, written, plots),
-                              plots / "compare-axes.json")
-        err_console.print(f"Wrote {len(written)} figures and {data} to {plots}")
+        def write_figures():
+            with output_errors(f"figures in --plots {plots}"):
+                return write_plots(result, plots)
+
+        written = run_library_call(write_figures)
+        data = run_library_call(lambda: write_artifact_output(
+            "compare-axes", compare_doc(result, written, plots), plots / "compare-axes.json"))
+        err_console.print(f"Wrote {len(written)} figures and {escape(str(data))} to "
+                          f"{escape(str(plots))}")
     if as_json:
         print_json(result.to_dict())
         return
@@ -166,7 +169,7 @@ def _render(summary: dict) -> None:
         for w in summary["winners"]
     }
     table = Table(
-        title=f"compare-axes: {cap['model']}, {len(cap['layers'])} layers, "
+        title=f"compare-axes: {escape(str(cap['model']))}, {len(cap['layers'])} layers, "
         f"{cap['samples']} x {cap['tokens']} tokens",
         caption="Relative Frobenius error ||X - X_hat|| / ||X||, mean over layers and heads. "
         "* = the better axis. recon: the quantized tensor; score: pre-softmax logits (causal); "

@@ -8,123 +8,155 @@ import typer
 
 from kvlens.cli import app
 from kvlens.cli.common import (
+    CACHES,
+    EVALUATION,
+    INPUT,
+    MODEL,
+    OUTPUT,
+    check_model_options,
     console,
     device_map_option,
     err_console,
+    escape,
     format_bytes_by_device,
+    given_options,
     max_memory_option,
     offload_folder_option,
+    overwrite_option,
     print_json,
     run_library_call,
+    write_artifact_output,
 )
+
+# Options each evaluation reads: given without any of those evaluations, they are refused.
+READ_BY = {"text": ("kld", "ppl"), "ppl_tokens": ("ppl",), "passkey_prompts": ("passkey",),
+           "passkey_context": ("passkey",), "seed": ("passkey", "retrieval"),
+           "eval_tokens": ("kld",), "chunk": ("kld",), "retrieval_prompts": ("retrieval",),
+           "retrieval_lengths": ("retrieval",)}
+COMPARE_HELP = escape(
+    "Comma list of presets, config files, transformers baselines (hf-quanto-2/4, hf-hqq-2/4, "
+    "hf-fp8) and engine settings to run side by side on the same inputs. Engine settings "
+    "(docs/deploy/README.md): llamacpp:K/V[:norot][:nofa] or llamacpp:T (types f32 f16 bf16 "
+    "q8_0 q4_0 q4_1 iq4_nl q5_0 q5_1), vllm:D[@head][:pP][:skip=L,L] (D fp8 fp8_e4m3 fp8_e5m2 "
+    "int8-pth int4-pth fp8-pth), sglang:fp8_e4m3|fp8_e5m2, transformers:quanto-2|4"
+    "[:axis_key=0|-1][:axis_value=0|-1][:group=G][:residual=R].")
 
 
 @app.command()
 def generate(
-    model: str = typer.Option(None, "--model", "-m",
-                              help="Model: omit for the embedded SmolLM2-135M-Instruct, or a "
-                                   "local HF directory, a .gguf file, or a hub id."),
-    config: Path = typer.Option(None, "--config", help="KV config JSON (as `recommend` writes)."),
-    preset_name: str = typer.Option(None, "--preset",
+    ctx: typer.Context,
+    config: Path = typer.Option(None, "--config", rich_help_panel=CACHES,
+                                help="KV config JSON (as `recommend` writes)."),
+    preset_name: str = typer.Option(None, "--preset", rich_help_panel=CACHES,
                                     help="exact, fp16, kivi-2, kivi-4, per-token-2, "
                                          "per-token-4, mikv-2, mikv-4, mikv-2-int4, "
                                          "mikv-2-int8, gear-2, gear-2-r0, gear-4, "
                                          "kivi-2-sinks, kivi-2-rot, per-token-2-rot, "
                                          "per-token-4-rot, kivi-2-prerope; or an engine "
                                          "setting (see --compare)."),
-    prompt: str = typer.Option(None, "--prompt", help="Prompt to continue."),
-    prompt_file: Path = typer.Option(None, "--prompt-file", help="UTF-8 file with the prompt."),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens to generate."),
-    evals: str = typer.Option(None, "--eval",
-                              help="Comma list: kld (long-context KL divergence, top-1 and ppl "
-                                   "vs the exact model), retrieval (passkey + key-value grid); "
-                                   "short-context checks: ppl, passkey, agreement."),
-    text: Path = typer.Option(None, "--text",
-                              help="Text for kld and ppl (default: the built-in held-out text; "
-                                   "builtin:corpus for the capture corpus)."),
-    compare: str = typer.Option(None, "--compare",
-                                help="Comma list of presets, config files, transformers "
-                                     "baselines (hf-quanto-2/4, hf-hqq-2/4, hf-fp8) and engine "
-                                     "settings to run side by side on the same inputs. Engine "
-                                     "settings (docs/deploy/README.md): llamacpp:K/V[:norot][:nofa] "
-                                     "or llamacpp:T (types f32 f16 bf16 q8_0 q4_0 q4_1 iq4_nl "
-                                     "q5_0 q5_1), vllm:D[@head][:pP][:skip=L,L] (D fp8 "
-                                     "fp8_e4m3 fp8_e5m2 int8-pth int4-pth fp8-pth), "
-                                     "sglang:fp8_e4m3|fp8_e5m2, transformers:quanto-2|4"
-                                     "[:axis_key=0|-1][:axis_value=0|-1][:group=G]"
-                                     "[:residual=R]."),
-    calibration: Path = typer.Option(None, "--calibration",
+    compare: str = typer.Option(None, "--compare", rich_help_panel=CACHES, help=COMPARE_HELP),
+    calibration: Path = typer.Option(None, "--calibration", rich_help_panel=CACHES,
                                      help="Capture file (kvlens capture) for the static fp8 "
                                           "scales of vllm:/sglang: settings (default: the "
                                           "engines' scale 1.0)."),
-    backend: str = typer.Option("auto", "--backend", help="auto, torch or triton."),
-    ppl_tokens: int = typer.Option(512, "--ppl-tokens", help="Tokens of text for ppl (short-context check)."),
-    passkey_prompts: int = typer.Option(5, "--passkey-prompts", help="Passkey prompts (short-context check)."),
-    passkey_context: int = typer.Option(1000, "--passkey-context",
-                                        help="Approximate tokens per passkey prompt."),
-    seed: int = typer.Option(0, "--seed", help="Seed for passkey and retrieval prompts."),
-    eval_tokens: int = typer.Option(None, "--eval-tokens",
-                                    help="kld: tokens of text to score (default 4096, capped by "
+    backend: str = typer.Option("auto", "--backend", rich_help_panel=CACHES,
+                                help="auto, torch or triton."),
+    prompt: str = typer.Option(None, "--prompt", rich_help_panel=INPUT,
+                               help="Prompt to continue."),
+    prompt_file: Path = typer.Option(None, "--prompt-file", rich_help_panel=INPUT,
+                                     help="UTF-8 file with the prompt."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", rich_help_panel=INPUT,
+                                       help="Tokens to generate."),
+    text: Path = typer.Option(None, "--text", rich_help_panel=INPUT,
+                              help="Text for kld and ppl (default: the built-in held-out text; "
+                                   "builtin:corpus for the capture corpus)."),
+    evals: str = typer.Option(None, "--eval", rich_help_panel=EVALUATION,
+                              help="Comma list: kld (long-context KL divergence, top-1 and ppl "
+                                   "vs the exact model), retrieval (passkey + key-value grid); "
+                                   "short-context checks: ppl, passkey, agreement."),
+    eval_tokens: int = typer.Option(None, "--eval-tokens", rich_help_panel=EVALUATION,
+                                    help="kld: tokens of text to score (default: 4096, capped by "
                                          "the model's context)."),
-    chunk: int = typer.Option(64, "--chunk",
+    chunk: int = typer.Option(64, "--chunk", rich_help_panel=EVALUATION,
                               help="kld: tokens per forward call (1 = decode mode)."),
-    retrieval_prompts: int = typer.Option(1, "--retrieval-prompts",
+    retrieval_prompts: int = typer.Option(1, "--retrieval-prompts", rich_help_panel=EVALUATION,
                                           help="retrieval: prompts per task, length and depth "
                                                "(raise for tighter intervals)."),
     retrieval_lengths: str = typer.Option(None, "--retrieval-lengths",
+                                          rich_help_panel=EVALUATION,
                                           help="retrieval: comma list of prompt lengths in "
                                                "tokens (default 1024,2048,4096 where they fit)."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    ppl_tokens: int = typer.Option(512, "--ppl-tokens", rich_help_panel=EVALUATION,
+                                   help="ppl: tokens of text (short-context check)."),
+    passkey_prompts: int = typer.Option(5, "--passkey-prompts", rich_help_panel=EVALUATION,
+                                        help="passkey: prompts (short-context check)."),
+    passkey_context: int = typer.Option(1000, "--passkey-context", rich_help_panel=EVALUATION,
+                                        help="passkey: approximate tokens per prompt."),
+    seed: int = typer.Option(0, "--seed", rich_help_panel=EVALUATION,
+                             help="Seed for passkey and retrieval prompts."),
+    model: str = typer.Option(None, "--model", "-m", rich_help_panel=MODEL,
+                              help="Model: omit for the embedded SmolLM2-135M-Instruct, or a "
+                                   "local HF directory, a .gguf file, or a hub id."),
+    dtype: str = typer.Option("float32", "--dtype", rich_help_panel=MODEL,
+                              help="Model compute dtype: float32, float16 or bfloat16."),
+    device: str = typer.Option("auto", "--device", rich_help_panel=MODEL,
+                               help="auto, cpu or cuda."),
     device_map: str = device_map_option(),
     max_memory: str = max_memory_option(),
     offload_folder: Path = offload_folder_option(),
-    dtype: str = typer.Option("float32", "--dtype", help="Model compute dtype."),
-    as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
-    report_json: Path = typer.Option(None, "--report-json",
+    as_json: bool = typer.Option(False, "--json", rich_help_panel=OUTPUT,
+                                 help="One JSON document on stdout."),
+    report_json: Path = typer.Option(None, "--report-json", rich_help_panel=OUTPUT,
                                      help="Also write the results as JSON to this file "
                                           "(e.g. out/eval.generate.json; read by `kvlens "
                                           "report`)."),
+    overwrite: bool = overwrite_option(),
 ) -> None:
     """Generate with a compressed KV cache and measure what it loses against the exact model.
 
     --eval kld scores a long held-out text (KL divergence, top-1 agreement, perplexity with bootstrap intervals and paired comparisons); --eval retrieval runs a passkey and key-value grid over lengths and depths (docs/evaluation.md). Ctrl-C prints what was finished and exits with code 130.
     """
-    configs, opts = run_library_call(lambda: _options(
-        config, preset_name, compare, prompt, prompt_file, max_new_tokens, evals, text, backend,
-        ppl_tokens, passkey_prompts, passkey_context, seed, eval_tokens, chunk,
-        retrieval_prompts, retrieval_lengths, calibration))
+    given = given_options(ctx, (*READ_BY, "calibration", "overwrite"))
+
+    def prepare():
+        from kvlens.report.artifacts import check_output_file
+
+        configs, opts = _options(
+            config, preset_name, compare, prompt, prompt_file, max_new_tokens, evals, text,
+            backend, ppl_tokens, passkey_prompts, passkey_context, seed, eval_tokens, chunk,
+            retrieval_prompts, retrieval_lengths, calibration, given=given)
+        check_output_file(report_json, "--report-json", overwrite)
+        check_model_options(model, dtype=dtype, device=device, device_map=device_map,
+                            max_memory=max_memory, offload_folder=offload_folder)
+        return configs, opts
+
+    configs, opts = run_library_call(prepare)
     for note in getattr(configs, "notes", ()):
-        err_console.print(f"note: {note}", highlight=False)
-
-    from kvlens.report.artifacts import check_output_file
-
-    run_library_call(lambda: check_output_file(report_json, "--report-json"))
+        err_console.print(f"note: {escape(note)}", highlight=False)
 
     def work():
         from kvlens.evaluation import evaluate_configs
         from kvlens.model.load import load_model
         from kvlens.model.placement import placement_summary
 
-        err_console.print(f"Loading {model or 'SmolLM2-135M-Instruct (embedded)'} ...")
+        err_console.print(f"Loading {escape(model or 'SmolLM2-135M-Instruct (embedded)')} ...")
         mdl, tok, _ = load_model(model, dtype=dtype, device=device, device_map=device_map,
                                  max_memory=max_memory,
                                  offload_folder=str(offload_folder) if offload_folder else None)
         placement = placement_summary(mdl)
         err_console.print(f"weights: {format_bytes_by_device(placement['weights_by_device'])}")
         report = evaluate_configs(mdl, tok, configs, opts,
-                                  progress=lambda msg: err_console.print(f"  {msg}"))
+                                  progress=lambda msg: err_console.print(f"  {escape(msg)}"))
         return {**report, "placement": placement}
 
     report = run_library_call(work)
     if report_json is not None:
-        from kvlens.report.artifacts import write_artifact
-
-        write_artifact("generate", {"results": report["results"],
-                                    "evaluation": report["evaluation"],
-                                    "interrupted": report["interrupted"]}, report_json)
-        err_console.print(f"results written: {report_json}")
+        run_library_call(lambda: write_artifact_output(
+            "generate", {"results": report["results"], "evaluation": report["evaluation"],
+                         "interrupted": report["interrupted"]}, report_json))
+        err_console.print(f"results written: {escape(str(report_json))}")
     err_console.print(f"backend: {report['results'][0].get('backend', '?')} "
-                      f"({report['backend_reason']})")
+                      f"({escape(str(report['backend_reason']))})")
     if as_json:
         print_json({"results": report["results"], "evaluation": report["evaluation"],
                     "placement": report["placement"], "interrupted": report["interrupted"]})
@@ -140,16 +172,26 @@ def generate(
 
 def _options(config, preset_name, compare, prompt, prompt_file, max_new_tokens, evals, text,
              backend, ppl_tokens, passkey_prompts, passkey_context, seed, eval_tokens=None,
-             chunk=64, retrieval_prompts=1, retrieval_lengths=None, calibration=None):
+             chunk=64, retrieval_prompts=1, retrieval_lengths=None, calibration=None,
+             given=None):
+    """The configs and ``EvalOptions``, every option checked (nothing loaded). ``given``: the
+    options the user gave (name -> flag); one that no requested evaluation reads is refused."""
     from kvlens.config import load_config, preset, resolve
     from kvlens.deploy import is_engine_setting
     from kvlens.errors import InputError
-    from kvlens.evaluation import EvalOptions, parse_evals
+    from kvlens.evaluation import EvalOptions, load_eval_text, parse_evals
 
     if config is not None and preset_name is not None:
         raise InputError("Give either --config FILE or --preset NAME, not both.")
     if prompt is not None and prompt_file is not None:
         raise InputError("Give either --prompt or --prompt-file, not both.")
+    names = parse_evals(evals)
+    given = given or {}
+    for name, flag in given.items():
+        readers = READ_BY.get(name, ())
+        if readers and not set(readers) & set(names):
+            raise InputError(f"{flag} is read by --eval {' or '.join(readers)}, which is not "
+                             "requested; add it to --eval or drop the option.")
     configs = _Configs()
     if config is not None:
         configs.append(load_config(config))
@@ -160,20 +202,25 @@ def _options(config, preset_name, compare, prompt, prompt_file, max_new_tokens, 
         from kvlens.config.engine import split_setting_list
         from kvlens.evaluation.baselines import baseline, is_baseline
 
-        names = split_setting_list(compare)
+        items = split_setting_list(compare)
         configs.extend(baseline(n) if is_baseline(n) else configs.engine(n, calibration)
-                       if is_engine_setting(n) else resolve(n) for n in names)
+                       if is_engine_setting(n) else resolve(n) for n in items)
     if not configs:
         raise InputError("Choose a cache: --preset NAME, --config FILE or --compare P1,P2,...")
+    if calibration is not None and not configs.engines:
+        raise InputError("--calibration gives the static fp8 scales of engine settings "
+                         "(vllm:, sglang:), and no engine setting is among --preset/--compare; "
+                         "add one or drop it.")
     if prompt_file is not None:
         try:
             prompt = Path(prompt_file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise InputError(f"Cannot read --prompt-file {prompt_file}: {exc}.") from None
-    names = parse_evals(evals)
     if not names and prompt is None:
         raise InputError("Nothing to do: give --prompt/--prompt-file and/or --eval "
                          "kld,retrieval,ppl,passkey,agreement.")
+    if text is not None:
+        load_eval_text(str(text))  # a missing or empty --text fails now, not after the load
     if chunk < 1:
         raise InputError(f"--chunk must be at least 1 (1 = decode mode); got {chunk}.")
     if eval_tokens is not None and eval_tokens < 2:
@@ -207,12 +254,14 @@ class _Configs(list):
     """The configs to run, with the notes of the engine settings among them."""
 
     notes: tuple[str, ...] = ()
+    engines: int = 0  # engine settings among them
 
     def engine(self, name: str, calibration):
         from kvlens.deploy import engine_config
 
         setting = engine_config(name, None if calibration is None else str(calibration))
         self.notes = (*self.notes, *setting.notes)
+        self.engines += 1
         return setting.config
 
 
@@ -236,7 +285,7 @@ def _render(results, opts) -> None:
         if any(e not in r for e in short) or (opts.prompt is not None and "text" not in r) \
                 or ("ppl" in r and "ppl_change" not in r):
             continue  # not finished (Ctrl-C)
-        row = [r["name"], f"{r.get('bits_per_element', 0):.2f}", _bytes(r.get("kv_bytes", 0)),
+        row = [escape(r["name"]), f"{r.get('bits_per_element', 0):.2f}", _bytes(r.get("kv_bytes", 0)),
                f"{r.get('kv_bytes', 0) / max(r.get('kv_bytes_fp16', 1), 1):.2f}x"]
         if "ppl" in opts.evals:
             row += [f"{r['ppl']:.3f}", f"{100 * r['ppl_change']:+.2f}%"]
@@ -251,7 +300,7 @@ def _render(results, opts) -> None:
     console.print(table)
     for r in results:
         if "text" in r and opts.prompt is not None:
-            console.print(f"[bold]{r['name']}[/]: {r['text']}", highlight=False)
+            console.print(f"[bold]{escape(r['name'])}[/]: {escape(r['text'])}", highlight=False)
 
 
 def _render_devices(report: dict) -> None:
@@ -262,7 +311,7 @@ def _render_devices(report: dict) -> None:
                   highlight=False)
     for r in report["results"]:
         if r.get("kv_bytes_by_device"):
-            console.print(f"{r['name']}: KV cache held by device: "
+            console.print(f"{escape(r['name'])}: KV cache held by device: "
                           f"{format_bytes_by_device(r['kv_bytes_by_device'])}", highlight=False)
 
 
@@ -295,7 +344,7 @@ def _render_long(report: dict) -> None:
     if "kld" in ev:
         p = ev["kld"]
         title = (f"KL divergence vs the exact model: {p['scored']} predictions over "
-                 f"{p['tokens']} tokens of {p['text_source']}, chunk {p['chunk']}"
+                 f"{p['tokens']} tokens of {escape(str(p['text_source']))}, chunk {p['chunk']}"
                  + (" (INTERRUPTED: partial)" if p["interrupted"] else ""))
         t = Table(title=title)
         for c in ("config", "bits/elem", "quantized share", "mean KLD", "median KLD",
@@ -308,7 +357,7 @@ def _render_long(report: dict) -> None:
             k = r.get("kld")
             if not k:
                 continue
-            t.add_row(r["name"], f"{r.get('bits_per_element', 0):.2f}",
+            t.add_row(escape(r["name"]), f"{r.get('bits_per_element', 0):.2f}",
                       f"{k['quantized_share']:.3f}", _ci(k["mean_kld"]),
                       f"{k['median_kld']['value']:.4f}", f"{k['p99_kld']['value']:.3f}",
                       _ci(k["top1_agreement"], ".3f"), _ci(k["ppl"], ".3f"),
@@ -324,20 +373,20 @@ def _render_long(report: dict) -> None:
             console.print("NLL change of the text's tokens minus mean KLD (nats; ppl change = "
                           "exp(mean KLD + this) - 1; 0 on average for text drawn from the exact "
                           "model): " + "; ".join(
-                              f"{name} {e['value']:+.4f} [{e['ci95'][0]:+.4f}, "
+                              f"{escape(name)} {e['value']:+.4f} [{e['ci95'][0]:+.4f}, "
                               f"{e['ci95'][1]:+.4f}]" for name, e in excess), highlight=False)
         for r in results:
             k = r.get("kld") or {}
             v = k.get("vs_first")
             if v:
-                console.print(f"{r['name']} - {v['reference']}: mean KLD "
+                console.print(f"{escape(r['name'])} - {escape(v['reference'])}: mean KLD "
                               f"{_diff(v['mean_kld'], '.4f')}; top-1 "
                               f"{_diff(v['top1_agreement'], '.3f')}; ppl change "
                               f"{_diff(v['ppl_change'], '.2f', 100)} points"
                               + (f"; excess NLL {_diff(v['excess_nll'], '.4f')}"
                                  if "excess_nll" in v else ""), highlight=False)
             if k and not k["vs_exact"]["mean_kld"]["distinguishable"]:
-                console.print(f"{r['name']} vs exact: not distinguishable (mean KLD interval "
+                console.print(f"{escape(r['name'])} vs exact: not distinguishable (mean KLD interval "
                               "covers 0)", highlight=False)
     if "retrieval" in ev:
         p = ev["retrieval"]
@@ -356,11 +405,11 @@ def _render_long(report: dict) -> None:
         for name, doc, vs in rows:
             cells = [f"{c['correct']}/{c['total']} [{c['wilson95'][0]:.2f}-"
                      f"{c['wilson95'][1]:.2f}]" for c in doc["by_length"]]
-            t.add_row(name, *cells, f"{doc['correct']}/{doc['total']}",
+            t.add_row(escape(name), *cells, f"{doc['correct']}/{doc['total']}",
                       "-" if vs is None else _diff(vs, ".2f"))
         console.print(t)
         for r in results:
             v = (r.get("retrieval") or {}).get("vs_first")
             if v:
-                console.print(f"{r['name']} - {v['reference']}: accuracy "
+                console.print(f"{escape(r['name'])} - {escape(v['reference'])}: accuracy "
                               f"{_diff(v['accuracy'], '.2f')}", highlight=False)

@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import typer
 
 from kvlens.cli import app
-from kvlens.cli.common import console, err_console, print_json, progress_bar, run_library_call
+from kvlens.cli.common import (
+    ANALYSIS,
+    INPUT,
+    OUTPUT,
+    console,
+    err_console,
+    escape,
+    output_errors,
+    overwrite_option,
+    print_json,
+    progress_bar,
+    run_library_call,
+    write_text_output,
+)
 
 FAMILY_ORDER = {"q": ("q_pre", "q"), "k": ("k_pre", "k"), "v": ("v",)}
 
@@ -15,39 +29,46 @@ FAMILY_ORDER = {"q": ("q_pre", "q"), "k": ("k_pre", "k"), "v": ("v",)}
 @app.command("plot-outliers")
 def plot_outliers(
     run: Path = typer.Argument(..., help="Capture file written by `kvlens capture`."),
-    out: Path = typer.Option(..., "--out", "-o", help="Directory for figures and "
-                                                      "outliers.json (created if missing)."),
-    layers: str = typer.Option(None, "--layers", help="Layers to analyse, e.g. 0,4,8-11 "
-                                                      "(default: all captured)."),
-    heads: str = typer.Option(None, "--heads", help="KV heads, e.g. 0,2 (default: all); query "
-                                                    "tensors use those heads' GQA groups."),
-    tensors: str = typer.Option("q,k,v", "--tensors", help="Tensor families: q, k, v (q and k "
-                                                           "before and after RoPE)."),
-    fmt: str = typer.Option("png", "--format", help="Figure format: png, svg or pdf."),
-    threshold: float = typer.Option(4.0, "--threshold",
+    layers: str = typer.Option(None, "--layers", rich_help_panel=INPUT,
+                               help="Layers to analyse, e.g. 0,4,8-11 (default: all captured)."),
+    heads: str = typer.Option(None, "--heads", rich_help_panel=INPUT,
+                              help="KV heads, e.g. 0,2 (default: all); query tensors use those "
+                                   "heads' GQA groups."),
+    tensors: str = typer.Option("q,k,v", "--tensors", rich_help_panel=INPUT,
+                                help="Tensor families: q, k, v (q and k before and after RoPE)."),
+    threshold: float = typer.Option(4.0, "--threshold", rich_help_panel=ANALYSIS,
                                     help="Outlier rule: channel abs-max >= THRESHOLD x median "
                                          "channel abs-max of the head."),
     profile_layers: str = typer.Option(
-        "auto", "--profile-layers",
+        "auto", "--profile-layers", rich_help_panel=ANALYSIS,
         help="Layers that get per-channel profile figures: 'auto' (the 3 most severe "
              "analysed layers), 'all', or a spec such as 3,18."),
     heatmap: list[str] = typer.Option(
-        None, "--heatmap", help="LAYER:KVHEAD for a token x channel heatmap (repeatable; "
-                                "default: the most severe pre-RoPE key head)."),
-    top: int = typer.Option(15, "--top", help="Rows in the table of strongest outliers."),
-    as_json: bool = typer.Option(False, "--json", help="Print the statistics as JSON on "
-                                                       "stdout (without per-channel profiles)."),
+        None, "--heatmap", rich_help_panel=ANALYSIS,
+        help="LAYER:KVHEAD for a token x channel heatmap (repeatable; default: the most severe "
+             "pre-RoPE key head)."),
+    top: int = typer.Option(15, "--top", rich_help_panel=ANALYSIS,
+                            help="Rows in the table of strongest outliers."),
+    out: Path = typer.Option(..., "--out", "-o", rich_help_panel=OUTPUT,
+                             help="Directory for figures and outliers.json (created if "
+                                  "missing)."),
+    fmt: str = typer.Option("png", "--format", rich_help_panel=OUTPUT,
+                            help="Figure format: png, svg or pdf."),
+    overwrite: bool = overwrite_option(),
+    as_json: bool = typer.Option(False, "--json", rich_help_panel=OUTPUT,
+                                 help="Print the statistics as JSON on stdout (without "
+                                      "per-channel profiles)."),
 ) -> None:
     """Which channels are outliers, how stable they are, and how RoPE moves them."""
     from kvlens.analysis.outliers import analyze_capture, parse_tensors
     from kvlens.errors import InputError
+    from kvlens.report.artifacts import check_output_folder
 
     def prepare():
         if fmt not in ("png", "svg", "pdf"):
             raise InputError(f"Unknown --format {fmt!r}; allowed: png, svg, pdf.")
         families = parse_tensors(tensors)
-        if out.exists() and not out.is_dir():
-            raise InputError(f"--out {out} exists and is not a directory.")
+        check_output_folder(out, "--out", "outliers.json", overwrite)
         spots = [_parse_heatmap(s) for s in heatmap or []]
         return families, spots
 
@@ -56,11 +77,13 @@ def plot_outliers(
     explicit = profile_layers.strip().lower() not in ("auto", "")
     wanted: set[int] | None = None
     model_name = [""]
+    figures = f"figures in --out {out}"
 
     def on_layer(stats) -> None:
         # Streaming: draw a layer's profiles as soon as its statistics exist.
         if explicit and (wanted is None or stats[0].layer in wanted):
-            drawn.extend(_draw_profiles(stats, model_name[0], threshold, out, fmt))
+            with output_errors(figures):
+                drawn.extend(_draw_profiles(stats, model_name[0], threshold, out, fmt))
 
     def analyse():
         nonlocal wanted
@@ -76,27 +99,34 @@ def plot_outliers(
                 if not 0 <= kv < cap.meta.num_key_value_heads:
                     raise InputError(f"--heatmap {layer}:{kv}: KV head outside 0-"
                                      f"{cap.meta.num_key_value_heads - 1}.")
-        out.mkdir(parents=True, exist_ok=True)
+        with output_errors(f"--out {out}"):
+            out.mkdir(parents=True, exist_ok=True)
         with progress_bar("plot-outliers") as update:
             return analyze_capture(run, layers=layers, heads=heads, tensors=families,
                                    threshold=threshold, progress=update, on_layer=on_layer)
 
     report = run_library_call(analyse)
-    if not explicit:
-        for layer in _most_severe_layers(report, 3):
-            drawn.extend(_draw_profiles(report.select(layer=layer), report.model, threshold,
-                                        out, fmt))
-    drawn.extend(run_library_call(lambda: _draw_heatmaps(report, spots, run, out, fmt)))
-    from kvlens.plots.outliers import plot_overview
 
-    drawn.append(plot_overview(report, out / f"overview.{fmt}"))
+    def draw_the_rest():
+        from kvlens.plots.outliers import plot_overview
+
+        if not explicit:
+            with output_errors(figures):
+                for layer in _most_severe_layers(report, 3):
+                    drawn.extend(_draw_profiles(report.select(layer=layer), report.model,
+                                                threshold, out, fmt))
+        drawn.extend(_draw_heatmaps(report, spots, run, out, fmt))
+        with output_errors(figures):
+            drawn.append(plot_overview(report, out / f"overview.{fmt}"))
+
+    run_library_call(draw_the_rest)
     stats_path = out / "outliers.json"
     from kvlens.report.artifacts import relative_names
 
-    _write_json({**report.to_dict(profiles=True), "figures": relative_names(drawn, out)},
-                stats_path)
-    err_console.print(f"Wrote {len(drawn)} figures and {stats_path} to {out} "
-                      f"(analysis {report.seconds:.1f} s).")
+    doc = {**report.to_dict(profiles=True), "figures": relative_names(drawn, out)}
+    run_library_call(lambda: write_text_output(stats_path, json.dumps(doc, indent=1) + "\n"))
+    err_console.print(f"Wrote {len(drawn)} figures and {escape(str(stats_path))} to "
+                      f"{escape(str(out))} (analysis {report.seconds:.1f} s).")
     if as_json:
         d = report.to_dict(profiles=False)
         d["figures"] = [str(p) for p in drawn]
@@ -164,22 +194,17 @@ def _draw_heatmaps(report, spots, run: Path, out: Path, fmt: str) -> list[Path]:
                 heads[name] = head
                 marks[name] = [c for h in report.select(name, layer) if h.head == head
                                for c in h.outlier_channels]
-        paths.append(plot_heatmap(arrays, report.model, layer, heads,
-                                  out / f"heatmap_layer{layer:02d}_kv{kv}.{fmt}",
-                                  outliers=marks))
+        with output_errors(f"figures in --out {out}"):
+            paths.append(plot_heatmap(arrays, report.model, layer, heads,
+                                      out / f"heatmap_layer{layer:02d}_kv{kv}.{fmt}",
+                                      outliers=marks))
     return paths
-
-
-def _write_json(obj, path: Path) -> None:
-    import json
-
-    path.write_text(json.dumps(obj, indent=1) + "\n")
 
 
 def _render(report, top: int, drawn: list[Path]) -> None:
     from rich.table import Table
 
-    sev = Table(title=f"{report.model}: outlier severity per layer (max/med = largest "
+    sev = Table(title=f"{escape(report.model)}: outlier severity per layer (max/med = largest "
                       f"channel abs-max / median over channels, worst head; outlier rule: "
                       f">= {report.threshold:g}; outl. = outlier channels summed over heads)")
     sev.add_column("layer", justify="right")
@@ -205,7 +230,8 @@ def _render(report, top: int, drawn: list[Path]) -> None:
     if report.select("q_pre"):
         console.print(_top_table(report, ["q_pre"], top, "queries"))
     console.print(f"{len(drawn)} figures in {drawn[0].parent if drawn else '-'}; "
-                  f"statistics in {drawn[0].parent / 'outliers.json' if drawn else '-'}")
+                  f"statistics in {drawn[0].parent / 'outliers.json' if drawn else '-'}",
+                  markup=False)
 
 
 def _top_table(report, tensors, top: int, what: str):

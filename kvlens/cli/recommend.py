@@ -8,14 +8,27 @@ import typer
 
 from kvlens.cli import app
 from kvlens.cli.common import (
+    BUDGET,
+    ENGINE,
+    INPUT,
+    MEASUREMENT,
+    MODEL,
+    OUTPUT,
+    VALIDATION,
+    check_model_options,
     console,
     device_map_option,
     err_console,
+    escape,
+    given_options,
     max_memory_option,
     offload_folder_option,
+    overwrite_option,
     print_json,
     progress_bar,
     run_library_call,
+    write_config_doc,
+    write_output,
 )
 
 VALIDATE_PRESETS = ("kivi-2", "kivi-4", "per-token-4")
@@ -38,156 +51,205 @@ def _numbers(spec: str, what: str, kind, words: str) -> tuple:
         raise InputError(f"Invalid {what} {spec!r}; expected a comma list of {words}.") from None
 
 
+# Options only the per-layer kvlens recommendation reads: refused with --target ENGINE.
+KVLENS_ONLY = ("residual", "windows", "flush", "sinks", "bits", "group_sizes", "key_fits",
+               "value_fits", "window_dtype", "scale_dtype", "pre_rope", "no_balancer",
+               "exponent", "no_mikv", "mikv_bits", "mikv_fractions", "sensitivity",
+               "retrieval", "retrieval_weight", "prefer_fast", "name", "retrieval_prompts")
+TARGET_ONLY = ("max_kld", "kld_anchors")  # refused without --target ENGINE
+PLACEMENT = ("device_map", "max_memory", "offload_folder")
+
+
 @app.command()
 def recommend(
+    ctx: typer.Context,
     capture: Path = typer.Argument(..., help="Capture file from `kvlens capture`."),
-    budget_bits: float = typer.Option(None, "--budget-bits", "-b",
+    samples: int = typer.Option(None, "--samples", min=1, rich_help_panel=INPUT,
+                                help="Capture samples used to measure errors (default: all "
+                                     "of them; engine targets: 1)."),
+    tokens: int = typer.Option(None, "--tokens", rich_help_panel=INPUT,
+                               help="First N tokens of each sample used (default 256 with one "
+                                    "window; with several, 4x the largest, of which the last "
+                                    "quarter is scored)."),
+    budget_bits: float = typer.Option(None, "--budget-bits", "-b", rich_help_panel=BUDGET,
                                       help="Bits per cached K/V element the cache may hold at "
                                            "--context tokens, every part counted (16 = the "
                                            "size of an fp16 cache of the same tokens). "
                                            "Required for --target kvlens."),
-    target: str = typer.Option("kvlens", "--target",
-                               help="Engine to deploy on: kvlens (a per-layer kvlens config), "
-                                    "llama.cpp (one -ctk and one -ctv type), vllm (one "
-                                    "--kv-cache-dtype plus skipped layers), sglang (one fp8 "
-                                    "dtype), transformers (QuantizedCache nbits/axis/group). "
-                                    "docs/deploy/README.md."),
-    max_kld: float = typer.Option(None, "--max-kld",
-                                  help="Engine targets: the cheapest setting whose predicted "
-                                       "KL divergence (fitted on --kld-anchors settings "
-                                       "measured on the held-out text) is at most this."),
-    kld_anchors: int = typer.Option(3, "--kld-anchors",
-                                    help="--max-kld: settings whose KLD is measured to fit "
-                                         "the predictor."),
-    output: Path = typer.Option(None, "--output", "-o",
-                                help="Write the config JSON here (and beside it "
-                                     "CONFIG.recommend.json: the choices, memory and --validate "
-                                     "results, for `kvlens report`)."),
-    context: int = typer.Option(4096, "--context", help="Reference context length for the "
-                                                        "budget accounting."),
-    residual: int = typer.Option(None, "--residual",
-                                 help="One full-precision window for every layer (tokens), as "
-                                      "before --windows; not with --windows."),
-    windows: str = typer.Option(None, "--windows",
+    context: int = typer.Option(4096, "--context", rich_help_panel=BUDGET,
+                                help="Reference context length for the budget accounting."),
+    residual: int = typer.Option(None, "--residual", rich_help_panel=BUDGET,
+                                 help="One full-precision window for every layer (tokens); "
+                                      "not with --windows."),
+    windows: str = typer.Option(None, "--windows", rich_help_panel=BUDGET,
                                 help="Full-precision window sizes each layer chooses among "
                                      "(tokens), priced as the cache holds them and measured "
                                      "on the same late queries (default 32,64,128; "
                                      "docs/recommend.md)."),
-    flush: int = typer.Option(32, "--flush",
+    flush: int = typer.Option(32, "--flush", rich_help_panel=BUDGET,
                               help="Sliding window: quantize the oldest N tokens at a time when "
                                    "the window fills (raised to per-channel group sizes); 0 = "
                                    "the whole window at once (KIVI)."),
-    sinks: int = typer.Option(4, "--sinks", help="First tokens kept at full precision "
-                                                 "(attention sinks)."),
-    bits: str = typer.Option("2,4,8", "--bits", help="Candidate bit widths (allowed 2, 3, 4, 8; "
-                             "3 measured not to earn, docs/recommend.md)."),
-    group_sizes: str = typer.Option("32,64,128", "--group-sizes",
+    sinks: int = typer.Option(4, "--sinks", rich_help_panel=BUDGET,
+                              help="First tokens kept at full precision (attention sinks)."),
+    bits: str = typer.Option("2,4,8", "--bits", rich_help_panel=BUDGET,
+                             help="Candidate bit widths (allowed 2, 3, 4, 8; "
+                                  "docs/recommend.md)."),
+    group_sizes: str = typer.Option("32,64,128", "--group-sizes", rich_help_panel=BUDGET,
                                     help="Candidate group sizes (per-token ones must divide "
                                          "head_dim; per-channel ones the layer's flush "
                                          "block, so some are skipped at small windows)."),
-    key_fits: str = typer.Option("minmax", "--key-fits",
+    key_fits: str = typer.Option("minmax", "--key-fits", rich_help_panel=BUDGET,
                                  help="How each key group's scale and zero are chosen: minmax "
                                       "(span the group, as KIVI), mse (least-squares refit that "
                                       "clips rare extremes; same storage), or both."),
-    value_fits: str = typer.Option("minmax,mse", "--value-fits",
-                                   help="The same for values (both measured by default)."),
-    window_dtype: str = typer.Option("float16", "--window-dtype",
+    value_fits: str = typer.Option("minmax,mse", "--value-fits", rich_help_panel=BUDGET,
+                                   help="The same for values."),
+    window_dtype: str = typer.Option("float16", "--window-dtype", rich_help_panel=BUDGET,
                                      help="Dtype of the full-precision parts (window, sinks, "
                                           "sets): float16, or float8_e4m3fn at one byte per "
-                                          "element (priced; the error proxy reads them exact: "
-                                          "measured to pay at 3.0 bits, to cost at 4.0; "
+                                          "element (priced; the error proxy reads them exact; "
                                           "docs/recommend.md#fp8-windows)."),
-    scale_dtype: str = typer.Option("8bit", "--scale-dtype",
+    scale_dtype: str = typer.Option("8bit", "--scale-dtype", rich_help_panel=BUDGET,
                                     help="How each quantization group's scale and zero are "
-                                         "stored: 8bit (one byte each: half of float16's "
-                                         "metadata, e.g. 0.5 bits per element less for 32-token "
-                                         "groups; priced and measured; "
-                                         "docs/recommend.md#8-bit-group-metadata) or float16. "
-                                         "Default: 8bit (the Triton kernel decodes it)."),
-    pre_rope: str = typer.Option("auto", "--pre-rope",
+                                         "stored: 8bit (one byte each, priced and measured; "
+                                         "the Triton kernel decodes it; "
+                                         "docs/recommend.md#8-bit-group-metadata) or float16."),
+    pre_rope: str = typer.Option("auto", "--pre-rope", rich_help_panel=BUDGET,
                                  help="Pre-RoPE key candidates: auto (if the capture has RoPE), "
                                       "on (required), off."),
-    no_balancer: bool = typer.Option(False, "--no-balancer", help="No balancer candidates."),
-    no_rotation: bool = typer.Option(False, "--no-rotation",
-                                     help="No Hadamard-rotated (per-token) candidates."),
-    no_mikv: bool = typer.Option(False, "--no-mikv",
+    no_balancer: bool = typer.Option(False, "--no-balancer", rich_help_panel=BUDGET,
+                                     help="No balancer candidates."),
+    exponent: float = typer.Option(0.5, "--balancer-exponent", rich_help_panel=BUDGET,
+                                   help="Balancer b = (max|q|/max|k|)^exponent."),
+    no_rotation: bool = typer.Option(False, "--no-rotation", rich_help_panel=BUDGET,
+                                     help="No Hadamard-rotated (per-token) candidates (engine "
+                                          "targets: llama.cpp without its rotation)."),
+    no_mikv: bool = typer.Option(False, "--no-mikv", rich_help_panel=BUDGET,
                                  help="No MiKV importance-set candidates (heavy hitters by "
                                       "accumulated attention, stored at --mikv-bits)."),
-    mikv_bits: str = typer.Option("4,8", "--mikv-bits",
+    mikv_bits: str = typer.Option("4,8", "--mikv-bits", rich_help_panel=BUDGET,
                                   help="MiKV set widths to try (allowed: 4, 8); one width and "
                                        "fraction is chosen for the whole config."),
-    mikv_fractions: str = typer.Option("0.1,0.2", "--mikv-fractions",
+    mikv_fractions: str = typer.Option("0.1,0.2", "--mikv-fractions", rich_help_panel=BUDGET,
                                        help="MiKV heavy-hitter fractions to try (each in "
-                                            "(0, 0.5]; MiKV published 0.2)."),
-    exponent: float = typer.Option(0.5, "--balancer-exponent",
-                                   help="Balancer b = (max|q|/max|k|)^exponent."),
-    samples: int = typer.Option(None, "--samples", min=1,
-                                help="Capture samples used to measure errors (default: all "
-                                     "of them; engine targets: 1)."),
-    tokens: int = typer.Option(None, "--tokens",
-                               help="First N tokens of each sample used (default 256 with one "
-                                    "window; with several, 4x the largest, of which the last "
-                                    "quarter is scored)."),
-    sensitivity: str = typer.Option("auto", "--sensitivity",
+                                            "(0, 0.5])."),
+    prefer_fast: bool = typer.Option(False, "--prefer-fast", rich_help_panel=BUDGET,
+                                     help="Only layouts the fused (Triton) decode kernel reads "
+                                          "(no pre-RoPE keys, GEAR or MiKV heavy hitters): every "
+                                          "decode step on CUDA stays in the kernel."),
+    sensitivity: str = typer.Option("auto", "--sensitivity", rich_help_panel=MEASUREMENT,
                                     help="Error weights: layout (measure the KL damage per "
                                          "unit error on the real model, per layer and storage "
                                          "family), model (one weight per layer: faster), "
                                          "uniform, or auto (layout when the capture's model "
                                          "can be loaded)."),
-    retrieval: str = typer.Option("auto", "--retrieval",
+    retrieval: str = typer.Option("auto", "--retrieval", rich_help_panel=MEASUREMENT,
                                   help="Add errors at the answer position of a built-in "
                                        "long-context retrieval prompt: auto (when the model "
                                        "loads), on, off."),
     retrieval_weight: float = typer.Option(1.0, "--retrieval-weight",
+                                           rich_help_panel=MEASUREMENT,
                                            help="Weight of the retrieval errors."),
-    prefer_fast: bool = typer.Option(False, "--prefer-fast",
-                                     help="Only layouts the fused (Triton) decode kernel reads "
-                                          "(no pre-RoPE keys, GEAR or MiKV heavy hitters): every "
-                                          "decode step on CUDA stays in the kernel."),
-    name: str = typer.Option("recommended", "--name", help="Name stored in the config."),
-    validate: bool = typer.Option(False, "--validate",
+    target: str = typer.Option("kvlens", "--target", rich_help_panel=ENGINE,
+                               help="Engine to deploy on: kvlens (a per-layer kvlens config), "
+                                    "llama.cpp (one -ctk and one -ctv type), vllm (one "
+                                    "--kv-cache-dtype plus skipped layers), sglang (one fp8 "
+                                    "dtype), transformers (QuantizedCache nbits/axis/group). "
+                                    "An engine target takes only --budget-bits/--max-kld, "
+                                    "--context, --samples, --tokens, --no-rotation, the model, "
+                                    "validation and output options. docs/deploy/README.md."),
+    max_kld: float = typer.Option(None, "--max-kld", rich_help_panel=ENGINE,
+                                  help="Engine targets: the cheapest setting whose predicted "
+                                       "KL divergence (fitted on --kld-anchors settings "
+                                       "measured on the held-out text) is at most this."),
+    kld_anchors: int = typer.Option(3, "--kld-anchors", rich_help_panel=ENGINE,
+                                    help="With --max-kld: settings whose KLD is measured to fit "
+                                         "the predictor."),
+    model: str = typer.Option(None, "--model", "-m", rich_help_panel=MODEL,
+                              help="Model for sensitivity, the retrieval probe, --max-kld and "
+                                   "--validate (default: the capture's own model). A model "
+                                   "given here must load."),
+    device_map: str = device_map_option(),
+    max_memory: str = max_memory_option(),
+    offload_folder: Path = offload_folder_option(),
+    validate: bool = typer.Option(False, "--validate", rich_help_panel=VALIDATION,
                                   help="Evaluate the recommendation beside the presets "
                                        f"({', '.join(VALIDATE_PRESETS)}) on the built-in "
                                        "held-out text: KL divergence, top-1 agreement and "
                                        "perplexity vs the exact model, with intervals."),
-    eval_tokens: int = typer.Option(None, "--eval-tokens",
-                                    help="--validate: tokens of held-out text to score "
-                                         "(default 4096, capped by the model's context)."),
-    retrieval_prompts: int = typer.Option(0, "--retrieval-prompts",
-                                          help="--validate: also run the retrieval grid at "
+    eval_tokens: int = typer.Option(None, "--eval-tokens", rich_help_panel=VALIDATION,
+                                    help="Tokens of held-out text scored by --validate and by "
+                                         "--max-kld's anchors (default: 4096, capped by the "
+                                         "model's context)."),
+    retrieval_prompts: int = typer.Option(0, "--retrieval-prompts", rich_help_panel=VALIDATION,
+                                          help="With --validate: also run the retrieval grid at "
                                                "1k tokens with this many prompts per task "
                                                "and depth (0 = skip)."),
-    model: str = typer.Option(None, "--model", "-m",
-                              help="Model for sensitivity and --validate (default: the "
-                                   "capture's own model)."),
-    device_map: str = device_map_option(),
-    max_memory: str = max_memory_option(),
-    offload_folder: Path = offload_folder_option(),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --output."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+    output: Path = typer.Option(None, "--output", "-o", rich_help_panel=OUTPUT,
+                                help="Write the config JSON here (and beside it "
+                                     "CONFIG.recommend.json, or CONFIG.deploy.json and an "
+                                     "engine's kv_scales.json: the results for `kvlens "
+                                     "report`)."),
+    name: str = typer.Option("recommended", "--name", rich_help_panel=OUTPUT,
+                             help="Name stored in the config."),
+    overwrite: bool = overwrite_option(),
+    as_json: bool = typer.Option(False, "--json", rich_help_panel=OUTPUT,
+                                 help="Print the result as JSON on stdout."),
 ) -> None:
     """Fit balancers and choose axis/bits/group/pre-RoPE per layer under a memory budget, or
-    (--target) the best setting an engine runs, with the exact command to deploy."""
+    (--target) the best setting an engine runs, with the exact command to deploy.
+
+    Every option given is used or refused before any measurement starts."""
     from kvlens.recommend import DEFAULT_WINDOWS, RecommendOptions, default_tokens
     from kvlens.recommend import recommend as run
 
-    if target != "kvlens":
+    engine = target != "kvlens"
+    given = given_options(ctx, KVLENS_ONLY + TARGET_ONLY + PLACEMENT +
+                          ("model", "eval_tokens"))
+
+    def check_common() -> None:
+        """The checks both paths share, cheapest first: option combinations, the output
+        files, the capture, the model and its placement."""
+        from kvlens.capture.store import open_capture
+        from kvlens.model.placement import make_placement
+        from kvlens.report.artifacts import check_output_file, config_doc_path
+
+        _check_combinations(target, given, sensitivity=sensitivity, retrieval=retrieval,
+                            validate=validate, max_kld=max_kld, no_mikv=no_mikv,
+                            no_balancer=no_balancer)
+        if output is not None:
+            check_output_file(output, "--output", overwrite, example="kv.json")
+            kind = "deploy" if engine else "recommend"
+            check_output_file(config_doc_path(output, kind), "--output", overwrite)
+            if target in ("vllm", "sglang"):
+                check_output_file(output.parent / "kv_scales.json", "--output", overwrite)
+        with open_capture(capture):
+            pass  # a missing, foreign or incomplete capture fails here, before any work
+        if model is not None:
+            check_model_options(model, device="cpu", device_map=device_map,
+                                max_memory=max_memory, offload_folder=offload_folder)
+        else:
+            make_placement(device_map, max_memory,
+                           str(offload_folder) if offload_folder else None)
+
+    run_library_call(check_common)
+    place = {"device_map": device_map, "max_memory": max_memory,
+             "offload_folder": str(offload_folder) if offload_folder else None}
+    if engine:
         from kvlens.cli.targets import run_target
 
         run_target(capture, target=target, budget_bits=budget_bits, max_kld=max_kld,
                    anchors=kld_anchors, context=context,
                    samples=1 if samples is None else samples,
                    tokens=default_tokens(()) if tokens is None else tokens,
-                   rotation=not no_rotation, model=model, output=output,
-                   overwrite=overwrite, validate=validate, eval_tokens=eval_tokens,
-                   as_json=as_json)
+                   rotation=not no_rotation, model=model, place=place, output=output,
+                   validate=validate, eval_tokens=eval_tokens, as_json=as_json)
         return
 
     def prepare():
         from kvlens.errors import InputError
 
-        if output is not None and output.exists() and not overwrite:
-            raise InputError(f"{output} already exists; pass --overwrite to replace it.")
         if budget_bits is None:
             raise InputError("--budget-bits is required for --target kvlens (engine targets "
                              "also take --max-kld).")
@@ -212,8 +274,7 @@ def recommend(
                                 sensitivity=sensitivity, model=model, name=name,
                                 flush_tokens=flush, sink_tokens=sinks, retrieval=retrieval,
                                 retrieval_weight=retrieval_weight, prefer_fast=prefer_fast,
-                                device_map=device_map, max_memory=max_memory,
-                                offload_folder=str(offload_folder) if offload_folder else None)
+                                **place)
 
     opts = run_library_call(prepare)
     with progress_bar("measuring candidates") as update:
@@ -221,8 +282,8 @@ def recommend(
     if output is not None:
         from kvlens.config import save_config
 
-        save_config(rec.config, output)
-        err_console.print(f"config written: {output}")
+        run_library_call(lambda: write_output(output, lambda tmp: save_config(rec.config, tmp)))
+        err_console.print(f"config written: {escape(str(output))}")
     validation = None
     if validate:
         from kvlens.capture.store import open_capture
@@ -244,10 +305,8 @@ def recommend(
         doc["validation"] = validation["results"]
         doc["validation_evaluation"] = validation["evaluation"]
     if output is not None:
-        from kvlens.report.artifacts import write_config_doc
-
-        data = write_config_doc("recommend", doc, output)
-        err_console.print(f"results for `kvlens report` written: {data}")
+        data = run_library_call(lambda: write_config_doc("recommend", doc, output))
+        err_console.print(f"results for `kvlens report` written: {escape(str(data))}")
     if as_json:
         print_json(doc)
         return
@@ -256,6 +315,58 @@ def recommend(
         from kvlens.cli.generate import _render_long
 
         _render_long(validation)
+
+
+def _check_combinations(target: str, given: dict[str, str], *, sensitivity: str,
+                        retrieval: str, validate: bool, max_kld, no_mikv: bool,
+                        no_balancer: bool) -> None:
+    """Refuse options that this combination would not read (never drop one silently).
+    ``given``: the options the user gave, parameter name -> flag."""
+    from kvlens.errors import InputError
+
+    def flags(names) -> str:
+        return ", ".join(given[n] for n in names if n in given)
+
+    def _them(names) -> str:
+        return "them" if sum(n in given for n in names) > 1 else "it"
+
+    engine = target != "kvlens"
+    if engine:
+        if flags(KVLENS_ONLY):
+            raise InputError(f"{flags(KVLENS_ONLY)}: not used by --target {target} (options "
+                             "of the per-layer kvlens recommendation); drop "
+                             f"{_them(KVLENS_ONLY)}, or use --target kvlens.")
+        if "kld_anchors" in given and max_kld is None:
+            raise InputError("--kld-anchors sets how many settings fit the --max-kld "
+                             "predictor; give --max-kld too, or drop it.")
+        needs_model = max_kld is not None or validate
+        why = "--max-kld or --validate"
+    else:
+        if flags(TARGET_ONLY):
+            raise InputError(f"{flags(TARGET_ONLY)}: only for an engine target (--target "
+                             "llama.cpp, vllm, sglang or transformers); the kvlens target "
+                             "takes --budget-bits.")
+        if no_mikv and flags(("mikv_bits", "mikv_fractions")):
+            raise InputError(f"{flags(('mikv_bits', 'mikv_fractions'))}: describe MiKV "
+                             "candidates, which --no-mikv removes; give one or the other.")
+        if no_balancer and "exponent" in given:
+            raise InputError("--balancer-exponent shapes balancer candidates, which "
+                             "--no-balancer removes; give one or the other.")
+        if retrieval == "off" and "retrieval_weight" in given:
+            raise InputError("--retrieval-weight weighs the retrieval probe, which --retrieval "
+                             "off skips; give one or the other.")
+        if "retrieval_prompts" in given and not validate:
+            raise InputError("--retrieval-prompts applies to --validate; add --validate or "
+                             "drop it.")
+        needs_model = sensitivity != "uniform" or retrieval != "off" or validate
+        why = "--sensitivity other than uniform, --retrieval other than off, or --validate"
+    if "eval_tokens" in given and not (validate or (engine and max_kld is not None)):
+        raise InputError("--eval-tokens sets the held-out tokens scored by --validate"
+                         + (" or --max-kld" if engine else "") + "; add that option or drop it.")
+    loaders = flags(("model",) + PLACEMENT)
+    if loaders and not needs_model:
+        raise InputError(f"{loaders}: no model is loaded here (only with {why}); drop "
+                         f"{_them(('model',) + PLACEMENT)}.")
 
 
 def _validate(config, model, eval_tokens: int | None, retrieval_prompts: int, ropts=None):
@@ -267,7 +378,7 @@ def _validate(config, model, eval_tokens: int | None, retrieval_prompts: int, ro
     from kvlens.model.architecture import describe
     from kvlens.model.load import load_model
 
-    err_console.print(f"Validating on {model or 'SmolLM2-135M-Instruct (embedded)'} ...")
+    err_console.print(f"Validating on {escape(model or 'SmolLM2-135M-Instruct (embedded)')} ...")
     place = {} if ropts is None else {"device_map": ropts.device_map,
                                       "max_memory": ropts.max_memory,
                                       "offload_folder": ropts.offload_folder}
@@ -278,14 +389,14 @@ def _validate(config, model, eval_tokens: int | None, retrieval_prompts: int, ro
         try:
             validate_for(preset(name), describe(mdl))
         except ConfigError as exc:  # e.g. G=32 presets on a head_dim-16 model
-            err_console.print(f"  skipping preset {name}: {exc}")
+            err_console.print(f"  skipping preset {name}: {escape(str(exc))}")
             continue
         configs.append(preset(name))
     evals = ("kld", "retrieval") if retrieval_prompts else ("kld",)
     opts = EvalOptions(evals=evals, eval_tokens=eval_tokens,
                        retrieval_prompts=max(retrieval_prompts, 1), retrieval_lengths=(1024,))
     report = evaluate_configs(mdl, tok, configs, opts,
-                              progress=lambda msg: err_console.print(f"  {msg}"))
+                              progress=lambda msg: err_console.print(f"  {escape(msg)}"))
     return {**report, "options": opts}
 
 
@@ -303,8 +414,8 @@ def _render(rec) -> None:
         by_layer.setdefault(ch.layer, {})[ch.tensor] = ch
     for layer, pair in sorted(by_layer.items()):
         k, v = pair["key"], pair["value"]
-        t.add_row(str(layer), f"{rec.weights[layer]:.2f}", k.candidate.short, f"{k.bits:.2f}",
-                  f"{k.output_error:.3f}", v.candidate.short, f"{v.bits:.2f}",
+        t.add_row(str(layer), f"{rec.weights[layer]:.2f}", escape(k.candidate.short), f"{k.bits:.2f}",
+                  f"{k.output_error:.3f}", escape(v.candidate.short), f"{v.bits:.2f}",
                   f"{v.output_error:.3f}", str(k.residual_tokens),
                   str(k.flush_tokens or "R"))
     console.print(t)
@@ -329,7 +440,7 @@ def _render(rec) -> None:
     _render_decode_cost(rec)
     console.print(f"expected mean attention-output error: {rec.expected_output_error:.4f}")
     for note in rec.notes:
-        console.print(f"note: {note}")
+        console.print(f"note: {escape(note)}")
 
 
 def _render_decode_cost(rec) -> None:
@@ -343,7 +454,7 @@ def _render_decode_cost(rec) -> None:
         t.add_column(col, justify="left" if col == "config" else "right")
     for name, c in rec.decode_cost:
         fused = "yes" if c.fused else f"no ({len(c.unfused)} layers)"
-        t.add_row(name, f"{c.read_bytes / 2**20:.1f} MiB", f"{c.ratio_fp16:.3f}", fused,
+        t.add_row(escape(name), f"{c.read_bytes / 2**20:.1f} MiB", f"{c.ratio_fp16:.3f}", fused,
                   f"{c.torch_unpack_bytes / 2**20:.1f} MiB")
     console.print(t)
     console.print("read: codes, scales/zeros, the filled window, sink copies, positions "
@@ -353,4 +464,4 @@ def _render_decode_cost(rec) -> None:
                   "path writes and reads per step (one chunk at a time).")
     for name, c in rec.decode_cost[:1]:
         for layer, why in sorted(c.unfused.items())[:3]:
-            console.print(f"  {name} layer {layer}: {why}")
+            console.print(f"  {escape(name)} layer {layer}: {escape(why)}")

@@ -7,39 +7,55 @@ from pathlib import Path
 import typer
 
 from kvlens.cli import app
-from kvlens.cli.common import console, err_console, run_library_call
+from kvlens.cli.common import (
+    OUTPUT,
+    console,
+    err_console,
+    escape,
+    overwrite_option,
+    run_library_call,
+    write_output,
+)
 
 
 @app.command()
 def report(
     run_dir: Path = typer.Argument(..., help="Folder the kvlens commands wrote into (e.g. out/ "
                                              "after `make demo`); searched 3 folders deep."),
-    output: Path = typer.Option(None, "--output", "-o",
+    output: Path = typer.Option(None, "--output", "-o", rich_help_panel=OUTPUT,
                                 help="HTML file to write (default: RUN_DIR/report.html)."),
+    overwrite: bool = overwrite_option(),
 ) -> None:
     """The whole diagnosis of a run folder on one self-contained HTML page.
 
     Reads what capture, plot-outliers, compare-axes, recommend and generate recorded in RUN_DIR
     (figures embedded, nothing to download; nothing is re-run) and names the command to run for
     any part that is missing (docs/report.md)."""
+    from kvlens.report.artifacts import check_output_file
     from kvlens.report.render import write_report
 
     target = output if output is not None else run_dir / "report.html"
-    page = run_library_call(lambda: write_report(run_dir, target, _deploy_option()))
-    for title, m in page.missing:
+    pages: list = []
+
+    def write():
+        if run_dir.is_dir():  # otherwise write_report says what RUN_DIR must be
+            check_output_file(target, "--output", overwrite, example="report.html")
+        write_output(target, lambda tmp: pages.append(write_report(run_dir, tmp,
+                                                                   _deploy_option())))
+
+    run_library_call(write)
+    for title, m in pages[0].missing:
         how = f"run {m.command}" if m.command else m.advice
-        err_console.print(f"[yellow]missing[/] {title}: {m.what}: {how}", highlight=False,
-                          soft_wrap=True)
-    console.print(str(target.resolve()), highlight=False, soft_wrap=True)
+        err_console.print(f"[yellow]missing[/] {escape(f'{title}: {m.what}: {how}')}",
+                          highlight=False, soft_wrap=True)
+    console.print(str(target.resolve()), highlight=False, soft_wrap=True, markup=False)
 
 
 def _deploy_option() -> str | None:
     """The recommend option that writes deploy settings, if this kvlens has one (named in the
     report's hint when a run lacks them)."""
-    import click
-
-    cmd = typer.main.get_command(app)
-    rec = cmd.commands.get("recommend") if isinstance(cmd, click.Group) else None
+    cmd = typer.main.get_command(app)  # a group (typer may carry its own copy of click)
+    rec = getattr(cmd, "commands", {}).get("recommend")
     for param in getattr(rec, "params", []):
         if param.name in ("target", "deploy"):
             return param.opts[0]

@@ -23,6 +23,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,14 +136,17 @@ def _load_gguf(source: ModelSource, dtype: Any, placement=None):
 
 
 def _write_conversion_cache(model, tokenizer, target: Path) -> None:
-    """Save dequantized weights + config + tokenizer; atomic (temp dir, then rename)."""
+    """Save dequantized weights + config + tokenizer; atomic (temp dir, then rename). An
+    unwritable cache only costs time, never correctness: the load goes on, with a warning on
+    stderr saying where and why (otherwise every run would silently pay the conversion)."""
     from safetensors.torch import save_file
 
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
-    except OSError:
-        return  # an unwritable cache only costs time, never correctness
+    except OSError as exc:
+        _warn_cache_unwritable(target, exc)
+        return
     try:
         config = model.config.to_dict()
         config.pop("quantization_config", None)
@@ -157,8 +161,36 @@ def _write_conversion_cache(model, tokenizer, target: Path) -> None:
         if target.exists():
             shutil.rmtree(target)
         tmp.rename(target)
-    except OSError:
+    except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        _warn_cache_unwritable(target, exc)
+
+
+def _warn_cache_unwritable(target: Path, exc: OSError) -> None:
+    why = exc.strerror or str(exc)
+    where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
+    print(f"kvlens: warning: could not write the GGUF conversion cache {target}: {why}{where}. "
+          "The model loaded, but every run will convert the GGUF file again; set KVLENS_CACHE "
+          "to a writable directory with room for the dequantized weights.",
+          file=sys.stderr, flush=True)
+
+
+def check_load_options(spec: str | None = None, *, dtype: str = "float32", device: str = "cpu",
+                       device_map: str | dict | None = None,
+                       max_memory: str | dict | None = None,
+                       offload_folder: str | None = None):
+    """Every check ``load_model`` makes before it reads a weight: the placement options parse
+    and agree with ``device``, ``dtype`` and ``device`` are known, ``spec`` names a model that
+    exists (resolved, nothing loaded). Cheap, so commands call it before any other work.
+    Returns ``(source, placement)``."""
+    placement = make_placement(device_map, max_memory, offload_folder)
+    if placement is not None and device not in ("auto", "cpu"):  # the CLI/library defaults
+        raise PlacementError(f"--device {device} and --device-map both say where the model goes; "
+                             "give one of them.")
+    parse_dtype(dtype)
+    if placement is None:
+        resolve_device(device)
+    return resolve_model(spec), placement
 
 
 def load_model(spec: str | None = None, *, dtype: str = "float32", device: str = "cpu",
@@ -173,12 +205,9 @@ def load_model(spec: str | None = None, *, dtype: str = "float32", device: str =
     left at a default (``auto`` or ``cpu``).
     """
 
-    placement = make_placement(device_map, max_memory, offload_folder)
-    if placement is not None and device not in ("auto", "cpu"):  # the CLI/library defaults
-
-        raise PlacementError(f"--device {device} and --device-map both say where the model goes; "
-                         "give one of them.")
-    source = resolve_model(spec)
+    source, placement = check_load_options(spec, dtype=dtype, device=device,
+                                           device_map=device_map, max_memory=max_memory,
+                                           offload_folder=offload_folder)
     torch_dtype = parse_dtype(dtype)
     try:
         if source.kind == "gguf":

@@ -51,7 +51,8 @@ def load_model_for(cap, opts: RecommendOptions, notes: list[str]):
     except KvlensError as exc:
         required = (opts.sensitivity in ("model", "layout") and not opts.layer_weights) or \
             opts.retrieval == "on"
-        if required or isinstance(exc, PlacementError):  # a placement asked for must work
+        # a model or a placement the user asked for must work: no silent fallback
+        if required or opts.model is not None or isinstance(exc, PlacementError):
             raise
         notes.append(f"uniform layer weights and no retrieval probe: the model is unavailable "
                      f"({exc})")

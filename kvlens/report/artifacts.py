@@ -62,16 +62,36 @@ def _default(o):
     raise TypeError(f"not JSON serialisable: {type(o)}")
 
 
-def check_output_file(path: str | os.PathLike | None, flag: str) -> None:
-    """Fail before the work when ``flag``'s JSON file could not be written afterwards."""
+def check_output_file(path: str | os.PathLike | None, flag: str, overwrite: bool = False,
+                      example: str = "out/eval.generate.json") -> None:
+    """Fail before the work when ``flag``'s output file could not be written afterwards: a
+    folder in its place, a missing parent folder, or (the one ``--overwrite`` policy of every
+    command) an existing file while ``overwrite`` is False."""
     if path is None:
         return
     p = Path(path)
     if p.is_dir():
-        raise InputError(f"{flag} {path} is a folder; give a file name such as "
-                         "out/eval.generate.json.")
-    if not p.parent.is_dir():
-        raise InputError(f"{flag} {path}: folder {p.parent} does not exist; create it first.")
+        raise InputError(f"{flag} {path} is a folder; give a file name such as {example}.")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise InputError(f"{flag} {path}: folder {parent} does not exist; create it first.")
+    if p.exists() and not overwrite:
+        raise InputError(f"{flag} {path} already exists; pass --overwrite to replace it, or "
+                         "choose another name.")
+
+
+def check_output_folder(folder: str | os.PathLike, flag: str, artifact: str,
+                        overwrite: bool = False) -> None:
+    """The same policy for a command that writes a folder (figures and ``artifact``, the JSON
+    it leaves for ``kvlens report``): the folder may be missing (it is created) or hold other
+    files, but one that already holds ``artifact`` is an earlier run's and is only replaced
+    with ``overwrite``."""
+    p = Path(folder)
+    if p.exists() and not p.is_dir():
+        raise InputError(f"{flag} {folder} exists and is not a directory.")
+    if (p / artifact).exists() and not overwrite:
+        raise InputError(f"{flag} {folder} already holds {artifact} from an earlier run; pass "
+                         "--overwrite to replace it, or choose another folder.")
 
 
 def relative_names(paths: Iterable[str | os.PathLike], folder: str | os.PathLike) -> list[str]:
