@@ -40,11 +40,11 @@ $(STAMP): pyproject.toml Makefile
 demo: install
 	mkdir -p $(OUT)
 	$(BIN)/kvlens capture -o $(OUT)/run.h5 --overwrite
-	$(BIN)/kvlens plot-outliers $(OUT)/run.h5 --out $(OUT)/outliers
-	$(BIN)/kvlens compare-axes $(OUT)/run.h5 --plots $(OUT)/compare
+	$(BIN)/kvlens plot-outliers $(OUT)/run.h5 --out $(OUT)/outliers --overwrite
+	$(BIN)/kvlens compare-axes $(OUT)/run.h5 --plots $(OUT)/compare --overwrite
 	$(BIN)/kvlens recommend $(OUT)/run.h5 --budget-bits 3.0 -o $(OUT)/recommended.json \
 		--overwrite --validate --eval-tokens 2048
-	$(BIN)/kvlens report $(OUT) -o $(OUT)/report.html
+	$(BIN)/kvlens report $(OUT) -o $(OUT)/report.html --overwrite
 	@echo "report: $(abspath $(OUT)/report.html)"
 
 # The report's browser test needs Chromium: installed here when missing and apt-get can

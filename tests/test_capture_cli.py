@@ -93,8 +93,9 @@ def test_version_and_help():
 
 
 def test_progress_is_plain_lines_where_stderr_is_not_a_terminal(monkeypatch):
-    """A log file cannot redraw a bar: each stage's end is a line, and lines in between come
-    at most every PLAIN_EVERY_S seconds."""
+    """A log file cannot redraw a bar: each stage's start and end is a line, lines in between
+    come at most every PLAIN_EVERY_S seconds, each with the stage's elapsed time and, before
+    its end, an ETA."""
     import io
 
     from rich.console import Console
@@ -103,7 +104,7 @@ def test_progress_is_plain_lines_where_stderr_is_not_a_terminal(monkeypatch):
 
     buf = io.StringIO()
     monkeypatch.setattr(common, "err_console", Console(file=buf, force_terminal=False))
-    clock = iter([0.0, 1.0, 2.0, 40.0, 41.0, 42.0])
+    clock = iter([0.0, 1.0, 2.0, 3.0, 40.0, 41.0, 42.0])
     monkeypatch.setattr("time.monotonic", lambda: next(clock))
     with common.progress_bar("measuring") as update:
         for i in range(1, 4):
@@ -111,8 +112,10 @@ def test_progress_is_plain_lines_where_stderr_is_not_a_terminal(monkeypatch):
         for i in range(1, 4):
             update(i, 3, f"probe layer {i - 1}")
     lines = buf.getvalue().splitlines()
-    assert lines == ["  measuring: 1/3 layer 0", "  measuring: 3/3 layer 2",
-                     "  measuring: 1/3 probe layer 0", "  measuring: 3/3 probe layer 2"]
+    assert lines == ["  measuring: 1/3 layer 0  (elapsed 1 s, ETA 2 s)",
+                     "  measuring: 3/3 layer 2  (elapsed 3 s)",
+                     "  measuring: 1/3 probe layer 0  (elapsed 37 s, ETA 74 s)",
+                     "  measuring: 3/3 probe layer 2  (elapsed 39 s)"]
 
 
 def test_every_option_sits_in_a_help_panel_and_help_text_is_literal():
@@ -136,3 +139,27 @@ def test_every_option_sits_in_a_help_panel_and_help_text_is_literal():
     for panel in ("Input", "Budget & candidates", "Measurement", "Engine targets",
                   "Model & placement", "Validation", "Output"):
         assert f"─ {panel}" in res.stdout
+
+
+def test_tables_use_a_log_width_where_stdout_is_not_a_terminal(monkeypatch):
+    """Written to a file or pipe, tables are laid out LOG_WIDTH wide so that no number is cut
+    (rich would wrap them at 80 columns); COLUMNS still wins where it is set."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvlens.cli import common
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    console = common._console()
+    assert not console.is_terminal and console.width == common.LOG_WIDTH
+    table = Table("config", *[f"column {i}" for i in range(6)])
+    table.add_row("recommend -b 3.0", *[f"0.{i:04d} [0.{i:04d}, 0.{i + 1:04d}]" for i in range(6)])
+    with console.capture() as cap:
+        console.print(table)
+    assert "…" not in cap.get() and "0.0005 [0.0005, 0.0006]" in cap.get()
+    narrow = Console(width=80, force_terminal=False)  # what rich does by default in a log
+    with narrow.capture() as cap:
+        narrow.print(table)
+    assert "0.0005 [0.0005, 0.0006]" not in cap.get()
+    monkeypatch.setenv("COLUMNS", "90")
+    assert common._console().width == 90

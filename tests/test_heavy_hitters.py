@@ -290,14 +290,19 @@ def test_bad_set_widths_and_fractions_name_the_allowed_values(tmp_path):
     with pytest.raises(InputError, match=r"allowed: fractions in \(0, 0.5\]"):
         _opts(mikv_fractions=(0.2, 0.7))
     path = _heavy_capture(tmp_path / "h.h5")
-    res = CliRunner().invoke(app, ["recommend", str(path), "-b", "4", "--mikv-bits", "2"])
+    res = CliRunner().invoke(app, ["recommend", str(path), "-b", "4", "--thorough",
+                                   "--mikv-bits", "2"])
     assert res.exit_code == 1 and "allowed: 4, 8" in res.output
-    res = CliRunner().invoke(app, ["recommend", str(path), "-b", "4", "--mikv-fractions", "x"])
+    res = CliRunner().invoke(app, ["recommend", str(path), "-b", "4", "--thorough",
+                                   "--mikv-fractions", "x"])
     assert res.exit_code == 1 and "comma list of numbers" in res.output
+    # MiKV candidates belong to the full search: asking for them without it is refused
+    res = CliRunner().invoke(app, ["recommend", str(path), "-b", "4", "--mikv-bits", "4"])
+    assert res.exit_code == 1 and "add --thorough" in res.output
     res = CliRunner().invoke(app, ["recommend", str(path), "-b", "4.2", "--bits", "2",
                                    "--group-sizes", "32", "--sinks", "0", "--no-rotation",
                                    "--no-balancer", "--sensitivity", "uniform", "--retrieval",
-                                   "off", "--no-mikv", "--residual", "128", "--json"])
+                                   "off", "--thorough", "--no-mikv", "--residual", "128", "--json"])
     assert res.exit_code == 0, res.output
     import json
 

@@ -23,8 +23,22 @@ from rich.markup import escape
 
 from kvlens.errors import KvlensError
 
-console = Console()  # results (stdout)
-err_console = Console(stderr=True)  # progress, logs, errors
+#: Width of tables written to a file or pipe (a log, CI): wide enough that no number is cut.
+LOG_WIDTH = 200
+
+
+def _console(stderr: bool = False) -> Console:
+    """A console that keeps a terminal's width, and ``LOG_WIDTH`` columns (unless ``COLUMNS``
+    says otherwise) where the output is not a terminal, where rich would otherwise wrap tables
+    at 80 columns and cut numbers."""
+    out = Console(stderr=stderr)
+    if out.is_terminal or os.environ.get("COLUMNS"):
+        return out
+    return Console(stderr=stderr, width=LOG_WIDTH)
+
+
+console = _console()  # results (stdout)
+err_console = _console(stderr=True)  # progress, logs, errors
 
 # --help panels (``rich_help_panel=``), shared so that every command groups its options alike.
 INPUT = "Input"
@@ -124,6 +138,10 @@ def _json_default(o):
 PLAIN_EVERY_S = 30.0  # progress lines where stderr is not a terminal
 
 
+def _seconds(s: float) -> str:
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
+
+
 @contextmanager
 def progress_bar(description: str, enabled: bool = True):
     """Yield ``update(done, total, note="")`` that draws a rich progress bar on stderr.
@@ -143,17 +161,31 @@ def progress_bar(description: str, enabled: bool = True):
         TimeRemainingColumn,
     )
 
-    state: dict = {}
+    state: dict = {"last": time.monotonic()}
+
+    def plain(done: int, total: int, note: str) -> None:
+        # a stage is a run of updates with one total and one note apart from its numbers; it
+        # began when the update before it came (or the bar opened)
+        now = time.monotonic()
+        key = (total, "".join(ch for ch in note if not ch.isdigit()))
+        if state.get("key") != key:
+            state.update(key=key, start=state["last"], printed=-PLAIN_EVERY_S)
+        state["last"] = now
+        if done < total and now - state["printed"] < PLAIN_EVERY_S:
+            return
+        state["printed"] = now
+        elapsed = now - state["start"]
+        timing = f"elapsed {_seconds(elapsed)}"
+        if 0 < done < total:
+            timing += f", ETA {_seconds(elapsed * (total - done) / done)}"
+        err_console.print(f"  {description}: {done}/{total} {note}".rstrip() + f"  ({timing})",
+                          highlight=False, markup=False)
 
     def update(done: int, total: int, note: str = "") -> None:
         if not enabled:
             return
         if not err_console.is_terminal:
-            now = time.monotonic()
-            if done >= total or now - state.get("printed", -PLAIN_EVERY_S) >= PLAIN_EVERY_S:
-                state["printed"] = now
-                err_console.print(f"  {description}: {done}/{total} {note}".rstrip(),
-                                  highlight=False)
+            plain(done, total, note)
             return
         if "prog" not in state:
             prog = Progress(TextColumn("[bold]{task.description}"), BarColumn(),

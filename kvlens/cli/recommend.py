@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import typer
@@ -54,7 +55,7 @@ def _numbers(spec: str, what: str, kind, words: str) -> tuple:
 # Options only the per-layer kvlens recommendation reads: refused with --target ENGINE.
 KVLENS_ONLY = ("residual", "windows", "flush", "sinks", "bits", "group_sizes", "key_fits",
                "value_fits", "window_dtype", "scale_dtype", "pre_rope", "no_balancer",
-               "exponent", "no_mikv", "mikv_bits", "mikv_fractions", "sensitivity",
+               "exponent", "thorough", "no_mikv", "mikv_bits", "mikv_fractions", "sensitivity",
                "retrieval", "retrieval_weight", "prefer_fast", "name", "retrieval_prompts")
 TARGET_ONLY = ("max_kld", "kld_anchors")  # refused without --target ENGINE
 PLACEMENT = ("device_map", "max_memory", "offload_folder")
@@ -125,9 +126,13 @@ def recommend(
     no_rotation: bool = typer.Option(False, "--no-rotation", rich_help_panel=BUDGET,
                                      help="No Hadamard-rotated (per-token) candidates (engine "
                                           "targets: llama.cpp without its rotation)."),
+    thorough: bool = typer.Option(False, "--thorough", rich_help_panel=BUDGET,
+                                  help="The full search: also GEAR twins and MiKV "
+                                       "importance-set candidates (heavy hitters by accumulated "
+                                       "attention, stored at --mikv-bits). Several times slower; "
+                                       "the default search leaves them out."),
     no_mikv: bool = typer.Option(False, "--no-mikv", rich_help_panel=BUDGET,
-                                 help="No MiKV importance-set candidates (heavy hitters by "
-                                      "accumulated attention, stored at --mikv-bits)."),
+                                 help="With --thorough: no MiKV importance-set candidates."),
     mikv_bits: str = typer.Option("4,8", "--mikv-bits", rich_help_panel=BUDGET,
                                   help="MiKV set widths to try (allowed: 4, 8); one width and "
                                        "fraction is chosen for the whole config."),
@@ -217,7 +222,7 @@ def recommend(
 
         _check_combinations(target, given, sensitivity=sensitivity, retrieval=retrieval,
                             validate=validate, max_kld=max_kld, no_mikv=no_mikv,
-                            no_balancer=no_balancer)
+                            no_balancer=no_balancer, thorough=thorough)
         if output is not None:
             check_output_file(output, "--output", overwrite, example="kv.json")
             kind = "deploy" if engine else "recommend"
@@ -265,7 +270,8 @@ def recommend(
                                 key_fits=_words(key_fits), value_fits=_words(value_fits),
                                 fp_dtype=window_dtype, scale_dtype=scale_dtype,
                                 pre_rope=pre_rope, balancer=not no_balancer,
-                                rotation=not no_rotation, mikv=not no_mikv,
+                                rotation=not no_rotation, mikv=thorough and not no_mikv,
+                                gear=thorough,
                                 mikv_set_bits=_ints(mikv_bits, "--mikv-bits"),
                                 mikv_fractions=_numbers(mikv_fractions, "--mikv-fractions",
                                                         float, "numbers"),
@@ -277,6 +283,7 @@ def recommend(
                                 **place)
 
     opts = run_library_call(prepare)
+    predicted = run_library_call(lambda: _predict(capture, opts))
     with progress_bar("measuring candidates") as update:
         rec = run_library_call(lambda: run(capture, opts, progress=update))
     if output is not None:
@@ -295,9 +302,13 @@ def recommend(
             with open_capture(capture) as cap:
                 return model_spec_from_capture(cap.meta)
 
+        start = time.perf_counter()
         validation = run_library_call(lambda: _validate(rec.config, model_for_validation(),
                                                         eval_tokens, retrieval_prompts, opts))
+        rec.profile.add("validation", time.perf_counter() - start)
+    _print_profile(rec.profile, predicted)
     doc = rec.to_dict()
+    doc["profile"]["predicted"] = predicted.to_dict()
     doc["deploy"] = {"target": "kvlens", "command": "kvlens generate --config "
                      f"{output or 'kv.json'} --prompt ...",
                      "config": str(output) if output else None}
@@ -317,9 +328,34 @@ def recommend(
         _render_long(validation)
 
 
+def _predict(capture: Path, opts):
+    """Print (stderr) and return what the measurement is predicted to cost."""
+    from kvlens.capture.store import open_capture
+    from kvlens.recommend.pipeline import predict_cost
+
+    with open_capture(capture) as cap:
+        cost = predict_cost(cap.meta, opts)
+    err_console.print(f"predicted: about {_duration(cost.seconds)} and {cost.peak_bytes / 2**30:.1f}"
+                      " GiB peak memory on the reference machine (2 CPU cores; "
+                      "kvlens.recommend.cost)", highlight=False)
+    return cost
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def _print_profile(profile, predicted) -> None:
+    """Where the time went (stderr), stage by stage, beside the prediction."""
+    parts = ", ".join(f"{name} {_duration(sec)}" for name, sec in
+                      sorted(profile.stages.items(), key=lambda kv: -kv[1]) if sec >= 0.05)
+    err_console.print(f"time by stage ({_duration(profile.total)} in all, predicted "
+                      f"{_duration(predicted.seconds)}): {parts}", highlight=False)
+
+
 def _check_combinations(target: str, given: dict[str, str], *, sensitivity: str,
                         retrieval: str, validate: bool, max_kld, no_mikv: bool,
-                        no_balancer: bool) -> None:
+                        no_balancer: bool, thorough: bool = False) -> None:
     """Refuse options that this combination would not read (never drop one silently).
     ``given``: the options the user gave, parameter name -> flag."""
     from kvlens.errors import InputError
@@ -346,6 +382,10 @@ def _check_combinations(target: str, given: dict[str, str], *, sensitivity: str,
             raise InputError(f"{flags(TARGET_ONLY)}: only for an engine target (--target "
                              "llama.cpp, vllm, sglang or transformers); the kvlens target "
                              "takes --budget-bits.")
+        if not thorough and flags(("no_mikv", "mikv_bits", "mikv_fractions")):
+            raise InputError(f"{flags(('no_mikv', 'mikv_bits', 'mikv_fractions'))}: MiKV "
+                             "candidates are offered only by the full search; add --thorough "
+                             "or drop it.")
         if no_mikv and flags(("mikv_bits", "mikv_fractions")):
             raise InputError(f"{flags(('mikv_bits', 'mikv_fractions'))}: describe MiKV "
                              "candidates, which --no-mikv removes; give one or the other.")
