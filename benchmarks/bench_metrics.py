@@ -2,7 +2,8 @@
 reference loop (``_attention_errors_reference``) on a SmolLM2-like layer, as ``kvlens
 recommend`` calls it: ``reconstruction=False``, queries from a late row, a streaming exact
 mask, key-only and value-only variants from real quantizers. Prints seconds per call (median
-of repeats) and the speedup; CPU, float32, one thread unless ``--threads``."""
+of alternating repeats, wall and process CPU time) and the median speedup of the pairs; CPU,
+float32, one thread unless ``--threads``."""
 from __future__ import annotations
 
 import argparse
@@ -32,14 +33,24 @@ def _variants(x: torch.Tensor, count: int, tensor: str) -> list[Variant]:
     return out
 
 
-def _median_s(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
+def _paired(ref, fast, repeats: int) -> dict[str, float]:
+    """Median seconds (wall and this process's CPU) of ``ref`` and ``fast`` called in
+    alternation, and the median of the per-pair ratios: robust to load that drifts on a
+    shared machine."""
+    ref(), fast()  # warm-up
+    wall: dict[str, list[float]] = {"ref": [], "fast": []}
+    cpu: dict[str, list[float]] = {"ref": [], "fast": []}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for name, fn in (("ref", ref), ("fast", fast)):
+            w0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            wall[name].append(time.perf_counter() - w0)
+            cpu[name].append(time.process_time() - c0)
+    med = statistics.median
+    return {"ref": med(wall["ref"]), "fast": med(wall["fast"]),
+            "ref_cpu": med(cpu["ref"]), "fast_cpu": med(cpu["fast"]),
+            "speedup": med([r / f for r, f in zip(wall["ref"], wall["fast"], strict=True)]),
+            "speedup_cpu": med([r / f for r, f in zip(cpu["ref"], cpu["fast"], strict=True)])}
 
 
 def _max_rel_diff(got, want) -> float:
@@ -77,17 +88,18 @@ def main() -> None:
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}; "
           f"B={b} Hq={hq} Hkv={hkv} T={t} D={d}, queries {args.from_row}..{t - 1}, "
           f"median of {args.repeats}")
-    print("| variants | reference s | batched s | speedup | max rel diff |")
-    print("|---|---:|---:|---:|---:|")
+    print("| variants | reference s | batched s | speedup | reference CPU s | batched CPU s "
+          "| CPU speedup | max rel diff |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, group in ((f"{len(keys)} key", keys), (f"{len(values)} value", values),
                         (f"{len(keys)} key + {len(values)} value", keys + values)):
-        ref = _median_s(lambda g=group: _attention_errors_reference(rows, k, v, g, **kw),
-                        args.repeats)
-        fast = _median_s(lambda g=group: attention_errors_many(rows, k, v, g, **kw),
-                         args.repeats)
+        t = _paired(lambda g=group: _attention_errors_reference(rows, k, v, g, **kw),
+                    lambda g=group: attention_errors_many(rows, k, v, g, **kw), args.repeats)
         diff = _max_rel_diff(attention_errors_many(rows, k, v, group, **kw),
                              _attention_errors_reference(rows, k, v, group, **kw))
-        print(f"| {name} | {ref:.3f} | {fast:.3f} | {ref / fast:.1f}x | {diff:.1e} |")
+        print(f"| {name} | {t['ref']:.3f} | {t['fast']:.3f} | {t['speedup']:.1f}x "
+              f"| {t['ref_cpu']:.3f} | {t['fast_cpu']:.3f} | {t['speedup_cpu']:.1f}x "
+              f"| {diff:.1e} |")
 
 
 if __name__ == "__main__":

@@ -242,7 +242,7 @@ def attention_errors_many(
 # the elementwise passes over it (mask, softmax, difference, norm) run from cache on CPU;
 # larger blocks were slower there, smaller ones pay more per-call overhead.
 BLOCK_BYTES = 8 * 2**20
-METRICS = ("scores", "weights", "output")
+_METRICS = ("scores", "weights", "output")
 
 
 @dataclass(frozen=True)
@@ -338,8 +338,8 @@ def _batched_ratios(
     pieces = len(batches) * len(chunks)
     nan, f64 = float("nan"), torch.float64
     err = {m: torch.full((pieces, len(variants), hq), nan, dtype=f64, device=q.device)
-           for m in METRICS}
-    ref = {m: torch.full((pieces, hq), nan, dtype=f64, device=q.device) for m in METRICS}
+           for m in _METRICS}
+    ref = {m: torch.full((pieces, hq), nan, dtype=f64, device=q.device) for m in _METRICS}
     full_mask = causal_mask(tq, tk, sliding_window, q.device)
     piece = 0
     for samples in batches:
@@ -356,9 +356,9 @@ def _batched_ratios(
                 for m, e in _group_sums(ch, kind, group, softcap).items():
                     err[m][piece, idx] = e
             piece += 1
-    sums = {m: err[m].sum(0).cpu() for m in METRICS}
-    refs = {m: ref[m].sum(0).cpu() for m in METRICS}
-    return [{m: _ratio(sums[m][n], refs[m]) for m in METRICS} for n in range(len(variants))]
+    sums = {m: err[m].sum(0).cpu() for m in _METRICS}
+    refs = {m: ref[m].sum(0).cpu() for m in _METRICS}
+    return [{m: _ratio(sums[m][n], refs[m]) for m in _METRICS} for n in range(len(variants))]
 
 
 def _reference_chunk(
@@ -452,30 +452,31 @@ def _keyed_weights(
     softcap: float,
     sums: dict[str, torch.Tensor],
 ) -> torch.Tensor:
-    """Weights ``[b, Hkv, N, g, c, n]`` of keyed variants, from the logits each variant's
-    keys change (0 where hidden or read exact); writes the score sums into ``sums``."""
+    """Weights ``[b, Hkv, N, g, c, n]`` of keyed variants, from the change each variant's
+    keys make to the logits (0 where hidden or read exact); writes the score sums into
+    ``sums``."""
     b, hkv, g, c, n = ch.s_ref.shape
     big = len(group)
     rows = ch.rows.unsqueeze(2)  # [b, Hkv, 1, g * c, D], times scaling
 
-    def logit_diff(xs: Sequence[torch.Tensor]) -> torch.Tensor:  # raw_ref - raw_hat
-        k_diff = stack(xs).neg_().add_(ch.k.unsqueeze(2))
+    def logit_change(xs: Sequence[torch.Tensor]) -> torch.Tensor:  # raw_hat - raw_ref
+        k_diff = stack(xs).sub_(ch.k.unsqueeze(2))
         return (rows @ k_diff.transpose(-1, -2)).view(b, hkv, big, g, c, n)
 
     if kind.k_hat:
-        delta = logit_diff([var.k_hat for var in group]).mul_(ch.counted)
+        change = logit_change([var.k_hat for var in group]).mul_(ch.counted)
     else:
-        delta = ch.raw.new_zeros(b, hkv, big, g, c, n)
+        change = ch.raw.new_zeros(b, hkv, big, g, c, n)
     if kind.k_set:  # exact selection: x * 0 and x + 0 round to nothing
-        delta.mul_(1 - member).add_(logit_diff([var.k_set for var in group]).mul_(member))
+        change.mul_(1 - member).add_(logit_change([var.k_set for var in group]).mul_(member))
     if softcap > 0:
-        # tanh(a) - tanh(a - x) = tanh(x) (1 - tanh(a) tanh(a - x)): exact 0 where x is 0
+        # tanh(a + x) - tanh(a) = tanh(x) (1 - tanh(a + x) tanh(a)): exact 0 where x is 0
         a = ch.raw.unsqueeze(2) / softcap
-        t_hat = torch.tanh(a - delta / softcap)
-        delta = torch.tanh(delta / softcap).mul_(1 - torch.tanh(a) * t_hat).mul_(softcap)
-    sums["scores"] = _pooled(delta)
-    # s_ref - delta, -inf where hidden (delta is 0 there), in place
-    return delta.neg_().add_(ch.s_masked.unsqueeze(2)).softmax(dim=-1)
+        t_hat = torch.tanh(a + change / softcap)
+        change = torch.tanh(change / softcap).mul_(1 - t_hat * torch.tanh(a)).mul_(softcap)
+    sums["scores"] = _pooled(change)
+    # s_hat = s_ref + change, -inf where hidden (change is 0 there), in place
+    return change.add_(ch.s_masked.unsqueeze(2)).softmax(dim=-1)
 
 
 def _check_inputs(
@@ -493,6 +494,7 @@ def _check_inputs(
     tq, tk = q.shape[2], k.shape[2]
     if exact is not None and tuple(exact.shape) != (tq, tk):
         raise InputError(f"exact mask has shape {tuple(exact.shape)}, expected {(tq, tk)}.")
+
 
 def _attention_errors_reference(
     q: torch.Tensor,
