@@ -4,6 +4,7 @@ sliding windows, softcap, streaming exact masks, MiKV sets, mixed kinds of varia
 
 import pytest
 import torch
+from helpers import rand
 
 from kvlens.analysis import metrics
 from kvlens.analysis.metrics import (
@@ -16,10 +17,6 @@ from kvlens.analysis.metrics import (
 FIELDS = ("key_reconstruction", "value_reconstruction", "scores", "weights", "output")
 
 
-def _rand(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
 def _mask(*shape, seed=0, p=0.3):
     return torch.rand(*shape, generator=torch.Generator().manual_seed(seed)) < p
 
@@ -29,7 +26,7 @@ def _variants(k, v, tq, seed=0):
     b, hkv, tk, _ = k.shape
 
     def near(x, s, scale):
-        return x + scale * _rand(*x.shape, seed=seed + s)
+        return x + scale * rand(*x.shape, seed=seed + s)
 
     in_set = _mask(b, hkv, tq, tk, seed=seed + 50)
     k_set, v_set = near(k, 60, 0.05), near(v, 61, 0.05)
@@ -80,8 +77,8 @@ CASES = [
 
 @pytest.mark.parametrize("b,hq,hkv,tq,tk,chunk,window,softcap,exact", CASES)
 def test_batched_equals_reference(b, hq, hkv, tq, tk, chunk, window, softcap, exact):
-    q = _rand(b, hq, tk, 16, seed=1)[:, :, tk - tq:]  # queries from a later row, as recommend
-    k, v = _rand(b, hkv, tk, 16, seed=2), _rand(b, hkv, tk, 16, seed=3)
+    q = rand(b, hq, tk, 16, seed=1)[:, :, tk - tq:]  # queries from a later row, as recommend
+    k, v = rand(b, hkv, tk, 16, seed=2), rand(b, hkv, tk, 16, seed=3)
     mask = None if exact is None else streaming_exact_mask(tk, *exact)[tk - tq:]
     variants = _variants(k, v, tq, seed=10)
     kw = dict(scaling=0.3, sliding_window=window, softcap=softcap, chunk_size=chunk, exact=mask)
@@ -97,7 +94,7 @@ def test_batched_equals_reference(b, hq, hkv, tq, tk, chunk, window, softcap, ex
 def test_groups_of_samples_and_variants_give_the_same_errors(monkeypatch):
     """A block budget that fits one sample and one variant (or a few) splits the work into
     many groups and pieces; the errors do not depend on the split."""
-    q, k, v = _rand(3, 6, 12, 8, seed=4), _rand(3, 2, 12, 8, seed=5), _rand(3, 2, 12, 8, seed=6)
+    q, k, v = rand(3, 6, 12, 8, seed=4), rand(3, 2, 12, 8, seed=5), rand(3, 2, 12, 8, seed=6)
     variants = _variants(k, v, 12, seed=20)
     kw = dict(scaling=0.4, sliding_window=0, softcap=0.0, chunk_size=5,
               exact=streaming_exact_mask(12, 4, 2, 1), reconstruction=False)
@@ -123,7 +120,7 @@ def test_groups_of_samples_and_variants_give_the_same_errors(monkeypatch):
 def test_an_unwritten_piece_shows_as_nan(monkeypatch):
     """The per-piece sums start as NaN: a chunk whose sums were not written poisons the
     result instead of counting as no error."""
-    q, k, v = _rand(1, 2, 9, 8, seed=7), _rand(1, 2, 9, 8, seed=8), _rand(1, 2, 9, 8, seed=9)
+    q, k, v = rand(1, 2, 9, 8, seed=7), rand(1, 2, 9, 8, seed=8), rand(1, 2, 9, 8, seed=9)
     real = metrics._group_sums
     calls = []
 
@@ -137,8 +134,8 @@ def test_an_unwritten_piece_shows_as_nan(monkeypatch):
 
 
 def test_half_precision_inputs_match_the_reference():
-    q = _rand(2, 4, 10, 8, seed=11).bfloat16()
-    k, v = _rand(2, 2, 10, 8, seed=12).bfloat16(), _rand(2, 2, 10, 8, seed=13).bfloat16()
+    q = rand(2, 4, 10, 8, seed=11).bfloat16()
+    k, v = rand(2, 2, 10, 8, seed=12).bfloat16(), rand(2, 2, 10, 8, seed=13).bfloat16()
     variants = [Variant(k_hat=(k.float() * 1.1).bfloat16()), Variant(v_hat=(v.float() * 0.9))]
     kw = dict(scaling=0.3, chunk_size=3)
     _check_equal(attention_errors_many(q, k, v, variants, **kw),
