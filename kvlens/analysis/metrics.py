@@ -17,7 +17,7 @@ pool every sample, token (and channel or key) of one head before taking the rati
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -215,23 +215,306 @@ def attention_errors_many(
     """Errors of attention for several variants of the cache, sharing the reference pass.
 
     q ``[B, Hq, T, D]``, k/v and every ``k_hat``/``v_hat`` ``[B, Hkv, T, D]``. Scores are
-    compared on causal (visible) entries only; weights and output everywhere. Works one sample
-    and ``chunk_size`` query rows at a time, visiting only the keys those rows can see, so
-    ``B=4, Hq=9, T=2048`` stays within a few hundred MB.
+    compared on causal (visible) entries only; weights and output everywhere. Works
+    ``chunk_size`` query rows at a time, visiting only the keys those rows can see, with the
+    variants of one kind (which tensors they replace) stacked into one batched pass; samples
+    and variants are grouped so that one group's float32 working block stays within
+    ``BLOCK_BYTES``.
 
     ``exact`` (bool ``[Tq, Tk]``, optional): where True, query ``i`` reads key/value ``j``
     exact in every variant, as a streaming cache does for its full-precision window and sink
     tokens (``streaming_exact_mask``); it takes precedence over a variant's ``in_set``.
     Reconstruction errors still cover every token; ``reconstruction=False`` skips them (None),
-    for callers that compute them once elsewhere."""
+    for callers that compute them once elsewhere.
+
+    Each error is computed from the difference the variant makes (``q (k - k_hat)ᵀ``,
+    ``w (v - v_hat)``, ``w_ref - w_hat``), so a lossless variant gives exactly 0; the results
+    equal ``_attention_errors_reference`` (one variant at a time) to float32 rounding."""
+    _check_inputs(q, k, v, variants, chunk_size, exact)
+    ratios = _batched_ratios(q, k, v, variants, scaling=scaling, sliding_window=sliding_window,
+                             softcap=softcap, chunk_size=chunk_size, exact=exact)
+    return [_errors(k, v, var, r, reconstruction)
+            for var, r in zip(variants, ratios, strict=True)]
+
+
+# Budget of one group's float32 working block: [samples, variants, Hq, chunk, keys] for keyed
+# and set variants, [samples, Hq, chunk, variants * D] for value-only ones. Small because
+# the elementwise passes over it (mask, softmax, difference, norm) run from cache on CPU;
+# larger blocks were slower there, smaller ones pay more per-call overhead.
+BLOCK_BYTES = 8 * 2**20
+_METRICS = ("scores", "weights", "output")
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """Which tensors a group of variants replaces: variants of one kind share a code path."""
+
+    k_hat: bool
+    v_hat: bool
+    k_set: bool  # in_set with k_set
+    v_set: bool  # in_set with v_set
+
+    @classmethod
+    def of(cls, var: Variant) -> _Kind:
+        has_set = var.in_set is not None
+        return cls(var.k_hat is not None, var.v_hat is not None,
+                   has_set and var.k_set is not None, has_set and var.v_set is not None)
+
+    @property
+    def keyed(self) -> bool:
+        return self.k_hat or self.k_set
+
+
+@dataclass
+class _Chunk:
+    """The reference pass over one group of samples and one chunk of query rows, in the GQA
+    layout ``[b, Hkv, g, c, ...]`` (query head ``h`` = KV head ``h // g``, member ``h % g``):
+    the keys and values it can see, the masks and the reference scores and weights.
+
+    Masks are float 0/1 (and an additive 0/-inf bias): multiplying by them is exact and,
+    on CPU, far faster than ``masked_fill``/``where`` with a broadcast bool mask."""
+
+    samples: slice
+    rows_at: slice  # query rows of the chunk
+    keys: slice  # keys some row of the chunk can see
+    rows: torch.Tensor  # [b, Hkv, g * c, D], times scaling
+    k: torch.Tensor  # [b, Hkv, n, D]
+    v: torch.Tensor  # [b, Hkv, n, D]
+    raw: torch.Tensor  # scaled logits before the softcap [b, Hkv, g, c, n]
+    s_ref: torch.Tensor  # [b, Hkv, g, c, n]
+    s_masked: torch.Tensor  # s_ref, -inf where hidden
+    w_ref: torch.Tensor  # [b, Hkv, g, c, n]
+    keep: torch.Tensor  # bool [c, n]: causal (sliding) entries
+    counted: torch.Tensor  # float [c, n]: 1 where visible and not read exact
+    fresh: torch.Tensor | None  # float [c, n]: 1 where not read exact (None: no exact mask)
+
+
+def _pooled(x: torch.Tensor) -> torch.Tensor:
+    """``[b, Hkv, (N,) g, c, L]`` -> float64 per-head sums of squares ``[(N,) Hq]``: per-row
+    norms in float32 (one fused pass), squared and pooled in float64 over rows and samples."""
+    sq = torch.linalg.vector_norm(x, dim=-1).double().square().sum(-1).sum(0)
+    return sq.reshape(-1) if sq.dim() == 2 else sq.transpose(0, 1).reshape(sq.shape[1], -1)
+
+
+def _as_float(mask: torch.Tensor) -> torch.Tensor:
+    # bool -> uint8 -> float32: the direct bool cast is several times slower on CPU
+    return mask.view(torch.uint8).to(torch.float32)
+
+
+def _batched_ratios(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    variants: Sequence[Variant],
+    *,
+    scaling: float,
+    sliding_window: int,
+    softcap: float,
+    chunk_size: int,
+    exact: torch.Tensor | None,
+) -> list[dict[str, torch.Tensor]]:
+    """Per-variant ``{metric: per-head relative error}`` of ``attention_errors_many``."""
     b, hq, tq, _ = q.shape
     tk = k.shape[2]
-    groups = num_kv_groups(hq, k.shape[1])
+    kinds: dict[_Kind, list[int]] = {}
+    for n, var in enumerate(variants):
+        kinds.setdefault(_Kind.of(var), []).append(n)
+    rows_max = min(chunk_size, tq)
+    keys_max = min(tk, sliding_window + rows_max - 1) if sliding_window > 0 else tk
+    groups, per_batch = [], b
+    for kind, idx in kinds.items():
+        if kind.keyed or kind.v_set:  # a weight block per variant
+            unit = hq * rows_max * keys_max
+        else:  # each variant's value differences and output rows
+            unit = (hq * rows_max + k.shape[1] * keys_max) * q.shape[-1]
+        units = max(1, BLOCK_BYTES // (4 * unit))
+        size = min(units, len(idx))  # (samples x variants) per block
+        groups += [(kind, idx[i:i + size]) for i in range(0, len(idx), size)]
+        per_batch = min(per_batch, max(1, units // size))
+    batches = [slice(s, min(s + per_batch, b)) for s in range(0, b, per_batch)]
+    chunks = [slice(s, min(s + chunk_size, tq)) for s in range(0, tq, chunk_size)]
+    # One slot per (samples, chunk) piece, NaN until written: a piece a group skipped shows
+    # in the result instead of silently counting as no error.
+    pieces = len(batches) * len(chunks)
+    nan, f64 = float("nan"), torch.float64
+    err = {m: torch.full((pieces, len(variants), hq), nan, dtype=f64, device=q.device)
+           for m in _METRICS}
+    ref = {m: torch.full((pieces, hq), nan, dtype=f64, device=q.device) for m in _METRICS}
+    full_mask = causal_mask(tq, tk, sliding_window, q.device)
+    piece = 0
+    for samples in batches:
+        for rows_at in chunks:
+            keys = slice(*_visible_keys(rows_at.start, rows_at.stop, tq, tk, sliding_window))
+            same = None if exact is None else exact[rows_at, keys].to(q.device)
+            ch = _reference_chunk(q, k, v, samples, rows_at, keys, full_mask[rows_at, keys],
+                                  same, scaling, softcap)
+            ref["scores"][piece] = _pooled(ch.s_ref * _as_float(ch.keep))
+            ref["weights"][piece] = _pooled(ch.w_ref)
+            ref["output"][piece] = _pooled(ch.w_ref @ ch.v.unsqueeze(2))
+            for kind, idx in groups:
+                group = [variants[n] for n in idx]
+                for m, e in _group_sums(ch, kind, group, softcap).items():
+                    err[m][piece, idx] = e
+            piece += 1
+    sums = {m: err[m].sum(0).cpu() for m in _METRICS}
+    refs = {m: ref[m].sum(0).cpu() for m in _METRICS}
+    return [{m: _ratio(sums[m][n], refs[m]) for m in _METRICS} for n in range(len(variants))]
+
+
+def _reference_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    samples: slice,
+    rows_at: slice,
+    keys: slice,
+    keep: torch.Tensor,
+    same: torch.Tensor | None,
+    scaling: float,
+    softcap: float,
+) -> _Chunk:
+    kc, vc = k[samples, :, keys].float(), v[samples, :, keys].float()
+    b, hkv, n, d = kc.shape
+    rows = q[samples, :, rows_at].float()
+    g, c = rows.shape[1] // hkv, rows.shape[2]
+    rows = rows.reshape(b, hkv, g * c, d)
+    raw = ((rows @ kc.transpose(-1, -2)) * scaling).view(b, hkv, g, c, n)
+    s_ref = _softcap(raw, softcap)
+    bias = torch.zeros(keep.shape, device=keep.device).masked_fill_(~keep, float("-inf"))
+    s_masked = s_ref + bias
+    w_ref = s_masked.softmax(dim=-1)
+    counted = keep if same is None else keep & ~same
+    fresh = None if same is None else _as_float(~same)
+    return _Chunk(samples, rows_at, keys, rows * scaling, kc, vc, raw, s_ref, s_masked, w_ref,
+                  keep, _as_float(counted), fresh)
+
+
+def _group_sums(
+    ch: _Chunk, kind: _Kind, group: Sequence[Variant], softcap: float
+) -> dict[str, torch.Tensor]:
+    """Per-variant float64 ``[N, Hq]`` sums of squared error of one chunk for ``N`` variants
+    of one kind, stacked on dim 2: ``[b, Hkv, N, g, c, ...]``.
+
+    ``o_ref - o_hat = (w_ref - w_hat) v + (w_hat * ~exact) (v - v_hat)
+    + (w_hat * set) (v_hat - v_set)``: each term is a difference the variant makes, so
+    value-only variants (``w_hat = w_ref``) need one matmul of ``w_ref`` against the stacked
+    value differences, and keyed variants one matmul of the rows against the stacked key
+    differences."""
+    b, hkv, g, c, n = ch.s_ref.shape
+    big = len(group)
+
+    def stack(xs: Sequence[torch.Tensor], dim: int = 2) -> torch.Tensor:  # [b, Hkv, N, n, D]
+        return torch.stack([x[ch.samples, :, ch.keys] for x in xs], dim=dim).float()
+
+    member = None
+    if kind.k_set or kind.v_set:  # float [b, Hkv, N, 1, c, n]: visible entries read from the set
+        member = torch.stack([var.in_set[ch.samples, :, ch.rows_at, ch.keys] for var in group],
+                             dim=2).to(ch.rows.device)
+        member = _as_float(member & (ch.counted > 0)).unsqueeze(3)
+    sums: dict[str, torch.Tensor] = {}
+    if kind.keyed:
+        w_hat = _keyed_weights(ch, kind, group, member, stack, softcap, sums)
+        if kind.v_hat or kind.v_set:
+            w_diff = ch.w_ref.unsqueeze(2) - w_hat
+        else:  # w_hat - w_ref in place: only norms are taken, the sign does not matter
+            w_diff = w_hat.sub_(ch.w_ref.unsqueeze(2))
+        sums["weights"] = _pooled(w_diff)
+        o_diff = (w_diff.view(b, hkv, -1, n) @ ch.v).view(b, hkv, big, g, c, -1)
+    else:
+        w_hat = ch.w_ref.unsqueeze(2)  # [b, Hkv, 1, g, c, n]: keys are exact
+        o_diff = None
+    if kind.v_hat:
+        reads = w_hat if ch.fresh is None else w_hat * ch.fresh  # entries that read v_hat
+        if kind.keyed:  # a weight block per variant
+            v_diff = stack([var.v_hat for var in group]).neg_().add_(ch.v.unsqueeze(2))
+            term = (reads.view(b, hkv, big, g * c, n) @ v_diff).view(b, hkv, big, g, c, -1)
+        else:  # one matmul of the shared weights against every variant's value difference
+            v_diff = stack([var.v_hat for var in group], dim=3).neg_().add_(ch.v.unsqueeze(3))
+            term = reads.view(b, hkv, g * c, n) @ v_diff.view(b, hkv, n, -1)
+            term = term.view(b, hkv, g, c, big, -1).permute(0, 1, 4, 2, 3, 5)
+        o_diff = term if o_diff is None else o_diff + term
+    if kind.v_set:
+        v_read = stack([var.v_hat for var in group]) if kind.v_hat else ch.v.unsqueeze(2)
+        v_diff = v_read - stack([var.v_set for var in group])
+        term = ((w_hat * member).view(b, hkv, big, g * c, n) @ v_diff).view(
+            b, hkv, big, g, c, -1)
+        o_diff = term if o_diff is None else o_diff + term
+    sums["output"] = _pooled(o_diff)
+    return sums
+
+
+def _keyed_weights(
+    ch: _Chunk,
+    kind: _Kind,
+    group: Sequence[Variant],
+    member: torch.Tensor | None,
+    stack: Callable[[Sequence[torch.Tensor]], torch.Tensor],
+    softcap: float,
+    sums: dict[str, torch.Tensor],
+) -> torch.Tensor:
+    """Weights ``[b, Hkv, N, g, c, n]`` of keyed variants, from the change each variant's
+    keys make to the logits (0 where hidden or read exact); writes the score sums into
+    ``sums``."""
+    b, hkv, g, c, n = ch.s_ref.shape
+    big = len(group)
+    rows = ch.rows.unsqueeze(2)  # [b, Hkv, 1, g * c, D], times scaling
+
+    def logit_change(xs: Sequence[torch.Tensor]) -> torch.Tensor:  # raw_hat - raw_ref
+        k_diff = stack(xs).sub_(ch.k.unsqueeze(2))
+        return (rows @ k_diff.transpose(-1, -2)).view(b, hkv, big, g, c, n)
+
+    if kind.k_hat:
+        change = logit_change([var.k_hat for var in group]).mul_(ch.counted)
+    else:
+        change = ch.raw.new_zeros(b, hkv, big, g, c, n)
+    if kind.k_set:  # exact selection: x * 0 and x + 0 round to nothing
+        change.mul_(1 - member).add_(logit_change([var.k_set for var in group]).mul_(member))
+    if softcap > 0:
+        # tanh(a + x) - tanh(a) = tanh(x) (1 - tanh(a + x) tanh(a)): exact 0 where x is 0
+        a = ch.raw.unsqueeze(2) / softcap
+        t_hat = torch.tanh(a + change / softcap)
+        change = torch.tanh(change / softcap).mul_(1 - t_hat * torch.tanh(a)).mul_(softcap)
+    sums["scores"] = _pooled(change)
+    # s_hat = s_ref + change, -inf where hidden (change is 0 there), in place
+    return change.add_(ch.s_masked.unsqueeze(2)).softmax(dim=-1)
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    variants: Sequence[Variant],
+    chunk_size: int,
+    exact: torch.Tensor | None,
+) -> None:
+    num_kv_groups(q.shape[1], k.shape[1])
     _check_variants(q, k, v, variants)
     if chunk_size < 1:
         raise InputError(f"chunk_size must be positive, got {chunk_size}.")
+    tq, tk = q.shape[2], k.shape[2]
     if exact is not None and tuple(exact.shape) != (tq, tk):
         raise InputError(f"exact mask has shape {tuple(exact.shape)}, expected {(tq, tk)}.")
+
+
+def _attention_errors_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    variants: Sequence[Variant],
+    *,
+    scaling: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+    chunk_size: int = DEFAULT_CHUNK,
+    exact: torch.Tensor | None = None,
+    reconstruction: bool = True,
+) -> list[AttentionErrors]:
+    """The loop ``attention_errors_many`` is tested against: one sample, one chunk of query
+    rows and one variant at a time (same arguments, same results to float32 rounding)."""
+    b, hq, tq, _ = q.shape
+    tk = k.shape[2]
+    groups = num_kv_groups(hq, k.shape[1])
+    _check_inputs(q, k, v, variants, chunk_size, exact)
     sums = [{m: _Sums(hq) for m in ("scores", "weights", "output")} for _ in variants]
     full_mask = causal_mask(tq, tk, sliding_window, q.device)
 
@@ -287,7 +570,7 @@ def attention_errors_many(
                     # set entries read v_set: add w * (v_set - v_hat) there
                     o_alt += (w_alt * member) @ (v_set[:, keys] - v_alt[:, keys])
                 acc["output"].add(o_ref, o_alt)
-    return [_errors(k, v, var, acc, reconstruction)
+    return [_errors(k, v, var, {m: s.ratio() for m, s in acc.items()}, reconstruction)
             for var, acc in zip(variants, sums, strict=True)]
 
 
@@ -342,7 +625,8 @@ def _check_variants(
 
 
 def _errors(
-    k: torch.Tensor, v: torch.Tensor, var: Variant, acc: dict[str, _Sums], recon: bool = True
+    k: torch.Tensor, v: torch.Tensor, var: Variant, ratios: dict[str, torch.Tensor],
+    recon: bool = True
 ) -> AttentionErrors:
     keyed = var.keyed
     return AttentionErrors(
@@ -350,9 +634,9 @@ def _errors(
         if var.k_hat is not None and recon else None,
         value_reconstruction=per_head_rel_error(v, var.v_hat)
         if var.v_hat is not None and recon else None,
-        scores=acc["scores"].ratio() if keyed else None,
-        weights=acc["weights"].ratio() if keyed else None,
-        output=acc["output"].ratio(),
+        scores=ratios["scores"] if keyed else None,
+        weights=ratios["weights"] if keyed else None,
+        output=ratios["output"],
     )
 
 
