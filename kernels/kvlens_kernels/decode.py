@@ -1,5 +1,9 @@
 """Fused split-K decode attention over the packed KV cache (one layer, one query token).
 
+One file on purpose (over 600 lines): as in the Triton tutorials, a kernel file reads from top to
+bottom as what it computes, the jitted kernels (packed split, dense split, merge) with a comment
+per argument, and the launcher that checks inputs and picks the split.
+
 Torch reference: dequantize the packed store with ``kvlens.quant`` (``kvlens.cache.packed.
 PackedTensor.dequantize_range``), concatenate the residual window and the extra fp16 sets, then
 ``softmax(q kᵀ * scaling + mask) v`` (``kvlens.analysis.metrics.attention_output`` / ``kvlens.cache.
