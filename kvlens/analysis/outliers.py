@@ -267,7 +267,7 @@ def _tensor_raw(x, threshold: float) -> list[tuple[_Raw, dict[str, Any]]]:
     absmax = flat.amax(dim=1)  # [H, D]
     mask, med = _flag(absmax, threshold)
     # Percentiles over tokens (nearest rank) by one numpy partition: torch.quantile and
-    # torch.sort are 5-10x slower on CPU for this shape.
+    # torch.sort are several times slower on CPU for this shape.
     n = s * t
     ranks = [min(n - 1, round(p / 100 * (n - 1))) for p in PERCENTILES]
     part = np.partition(flat.transpose(1, 2).numpy(), ranks, axis=-1)  # [H, D, N]

@@ -15,8 +15,8 @@ zeros are folded into the query, the softmax weights or the output instead of be
 the codes. Eager torch has no integer x float matmul, so the codes of **one chunk** are unpacked
 to float32 (all code slots with one broadcast shift) into a reusable workspace (CPU; see
 ``_scratch``); that transient is the only chunk-sized float tensor (keep ``chunk_tokens``
-moderate). ``torch.compile`` of the unpack + dot was measured and not adopted (slower than
-these eager ops on the 2-core CPU; ``docs/benchmarks.md``).
+moderate). ``torch.compile`` of the unpack + dot is not used: it did not beat these eager ops
+on the reference CPU (``docs/benchmarks.md``).
 
 - Per-channel keys (groups of ``G`` tokens, packed along tokens): per group ``score_t = sum_d
   (q_d * scale_{g,d}) * code_{t,d} + sum_d q_d * zero_{g,d}`` (a batched matmul over groups; no
@@ -110,11 +110,10 @@ def _scratch(slot: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tenso
     """A reusable CPU buffer of ``shape`` for the unpacked codes of one chunk (one flat buffer
     per slot, grown to the largest chunk seen: at most one chunk, ``B * Hkv * chunk_tokens * D``
     floats, kept for the process). On CPU a fresh multi-megabyte tensor per chunk is allocated
-    (and faulted in) at every step: reusing one buffer measured 0.28 -> 0.25 ms per
-    4096-token chunk in isolation (3 KV heads, d 64, 2-bit) and less allocator churn between
-    the model's own ops. CUDA's caching allocator already avoids that, so other devices get a
-    plain ``torch.empty``. Not thread-safe: the caller consumes the buffer before the next
-    unpack (decode is sequential)."""
+    (and faulted in) at every step; reusing one buffer saves that and the allocator churn
+    between the model's own ops (the timing: ``docs/benchmarks.md``). CUDA's caching allocator
+    already avoids that, so other devices get a plain ``torch.empty``. Not thread-safe: the
+    caller consumes the buffer before the next unpack (decode is sequential)."""
     if torch.device(device).type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)
     n = 1
@@ -133,8 +132,8 @@ def _unpack_rows(raw: torch.Tensor, bits: int) -> torch.Tensor:
     ``r*U + e`` = slot ``e`` of unit ``r``). One broadcast shift over the long last dimension,
     into the reusable chunk workspace (``_scratch``: the result is only valid until the next
     unpack). Units of several bytes (3-bit codes: 8 in 3 bytes) are unpacked slot by slot, each
-    slot one or two uint8 shifts over the whole chunk (measured 2.2x faster than joining a
-    unit's bytes into an int32 word first: benchmarks/bench_unpack.py)."""
+    slot one or two uint8 shifts over the whole chunk (faster than joining a unit's bytes
+    into an int32 word first: ``benchmarks/bench_unpack.py``, ``docs/benchmarks.md``)."""
 
     u, w = pack_unit(bits)
     lead, r, c = raw.shape[:-2], raw.shape[-2], raw.shape[-1]
@@ -168,8 +167,8 @@ def _token_rows(p: torch.Tensor, store, n: int) -> torch.Tensor:
     """Scale/zero rows of a channel-packed store (per-token ``[.., n, D/G]`` or per-tensor
     ``[.., n/F, 1]``) as float32 ``[B, H, nJ, n]``, contiguous (one value per token and channel
     group; a per-tensor block's value is repeated over its tokens: ``n`` floats, not a
-    dequantized tensor). Contiguous matters: a broadcast multiply with the transposed view was
-    measured 10-20x slower."""
+    dequantized tensor). Contiguous matters: a broadcast multiply with the transposed view is
+    many times slower."""
     p = p.float().transpose(-1, -2)
     if store.spec.granularity == "per-tensor":
         p = p.repeat_interleave(store.block, dim=-1)

@@ -15,8 +15,8 @@ channels.
 MiKV/sink sets, unquantized keys or values): ``float16`` by default, what a deployment stores,
 so a float32 run on CPU stores and counts them as a GPU deployment would. ``exact`` keeps the
 model's own dtype (then a config with compression off is token-for-token ``DynamicCache``).
-``float8_e4m3fn`` (version 2) holds them at one byte per element (about 2.5% relative error on a
-Gaussian vector, no scale: the range is +-448); attention reads them widened.
+``float8_e4m3fn`` (version 2) holds them at one byte per element (3 mantissa bits, no scale: the
+range is +-448); attention reads them widened.
 
 ``rotate_keys`` / ``rotate_values``: Hadamard rotation along head_dim (``kvlens.quant.rotation``;
 ``rotation_seed`` adds seeded sign flips): the cache stores ``k R`` / ``v R`` (window, sets and

@@ -16,12 +16,11 @@ Protocol (``score_text``; docs/evaluation.md):
   ``QuantizedCache`` baselines: a quantized history exists; engine-format layers quantize the
   chunk before attending to it, so always, unless both their types are float). ``quantized_share`` is the share of
   scored predictions for which that holds. Everything is scored; the share says how much of it
-  describes the compressed cache rather than the window (kivi-2, 4096 tokens, chunk 64: 0.97).
+  describes the compressed cache rather than the window (reported per config).
 - Perplexity change and KLD measure different things: the mean NLL change of the text's tokens
   is the mean KLD plus ``excess_nll``, which is zero on average only when the text is drawn from
-  the exact model. On Gemma3-270M it was -0.044 to +0.014 nats between configs of similar KLD
-  on three held-out texts (docs/vs-llamacpp.md), as large as the KLD differences compared: a
-  perplexity verdict there is partly the text's.
+  the exact model. It can be as large as the KLD differences being compared (measured in
+  docs/evaluation.md): a perplexity verdict is then partly the text's.
 - Intervals: ``kvlens.evaluation.stats``; the bootstrap unit is a block of consecutive chunks
   covering at least ``UNIT_TOKENS`` tokens (one chunk at the default chunk of 64), the same
   blocks for every config (paired differences).

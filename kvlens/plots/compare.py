@@ -157,7 +157,7 @@ def _heatmaps(Figure, np, mats, metrics, layers, title, path: Path) -> Path:
         _label_axes(ax, layers, ratio.shape[1], metric)
         fig.colorbar(im, ax=ax, label="< 0: per-channel better")
     fig.suptitle(title)
-    # fixed margins: tight_layout measured every tick label and doubled the drawing time
+    # fixed margins: tight_layout measures every tick label, a large share of the drawing time
     fig.subplots_adjust(
         left=0.06,
         right=0.97,

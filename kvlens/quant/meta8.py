@@ -17,9 +17,8 @@ one 9% step below the fitted scale (rounded up; raised first so that ``|zero| <=
 above, ``n`` within one zero unit of the nearest. For each pair the codes are the nearest ones of
 that grid, ``clip(round((x - z) / s), 0, L)``, and the pair with the least squared error over the
 group is stored. So the codes are always those of the grid that is stored, and a min/max group
-gets a small least-squares refinement on the way (a fitted group stays about as good as it was:
-measured on Gaussian data with an offset channel, 2-bit per-channel G32 min/max MSE 0.80x of the
-float32 grid's, least-squares fit 1.00x, 8-bit 1.14x; ``tests/test_meta8.py``).
+gets a small least-squares refinement on the way, while a fitted group stays about as good as
+it was (``tests/test_meta8.py`` bounds the error against the float32 grid's).
 
 The codec is the same for symmetric specs (their grid is ``-qmax..qmax`` steps, ``L = 2 qmax``;
 the stored zero is then a point of the zero grid near ``-qmax s``, no longer exactly it).

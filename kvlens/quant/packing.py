@@ -14,8 +14,8 @@ Layout (the Triton decode kernel mirrors it exactly):
 - A length that is not a multiple of ``U`` is padded with zero codes at the end (whole units);
   ``unpack_codes`` takes the original ``length`` and drops the padding.
 
-Before 2026-12-02 3-bit codes were stored in 4-bit containers and 5-7-bit codes in whole bytes,
-so the allocator paid 4 bits for 3-bit codes and never chose them.
+Earlier versions stored 3-bit codes in 4-bit containers and 5-7-bit codes in whole bytes, so
+the allocator paid 4 bits for 3-bit codes and never chose them (CHANGELOG.md).
 """
 
 from __future__ import annotations

@@ -38,8 +38,9 @@ from kvlens.recommend.options import (
 def candidates(head_dim: int, opts: RecommendOptions, has_rope: bool) -> list[Candidate]:
     """Every storable candidate; per-token groups larger than head_dim are skipped. Rotated
     candidates are per-token only (where rotation spreads outlier channels over a group;
-    measured on SmolLM2 it makes per-channel keys worse, docs/rotation.md) and need a
-    head_dim with a Hadamard construction."""
+    per-channel groups already give each outlier channel its own scales, which rotation would
+    smear over every channel; docs/rotation.md) and need a head_dim with a Hadamard
+    construction."""
 
     rotation = opts.rotation
     if rotation:
@@ -83,9 +84,8 @@ def gear_settings(layers=None):
 def family(c: Candidate) -> tuple:
     """The storage family ``--sensitivity layout`` measures one factor for: tensor, axis,
     transforms and the scale fit (bits, group size, GEAR and a MiKV set share their base's
-    factor). The fit has its own: a least-squares fit clips a group's extremes, and on
-    Gemma3-270M fitted keys turned their output error into KL at another rate than min/max
-    keys (docs/recommend.md, the scale fit)."""
+    factor). The fit has its own: a least-squares fit clips a group's extremes, so its output
+    error need not turn into KL at the rate of min/max groups (docs/recommend.md#the-scale-fit)."""
     return (c.tensor, c.granularity, c.stage, c.balancer, c.rotate, c.fit)
 
 

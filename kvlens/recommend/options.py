@@ -90,18 +90,17 @@ class RecommendOptions:
     context: int = 4096
     residual_tokens: int = 128  # the window when ``windows`` is None (one size for every layer)
     windows: tuple[int, ...] | None = None  # window sizes each layer chooses among
-    # 3-bit codes (dense, 3 bits each) are offered only when asked: at 3.0 bits they measured
-    # no better on average on either model (a Gemma3 allocation with them lost on one unseen
-    # text and won on another; docs/vs-llamacpp.md#dense-3-bit-codes-2026-12-02-last)
+    # 3-bit codes (dense, 3 bits each) are offered only when asked: offering them did not
+    # improve the allocations on average (docs/lab-notes/vs-llamacpp.md, dense 3-bit codes)
     bits: tuple[int, ...] = (2, 4, 8)
     group_sizes: tuple[int, ...] = (32, 64, 128)
     pre_rope: str = "auto"  # auto: offer pre-RoPE keys when the capture has RoPE; on; off
     balancer: bool = True
     rotation: bool = True  # offer Hadamard-rotated per-token keys and values
     balancer_exponent: float = 0.5
-    # capture samples the error tables are measured on (None: all). All four 512-token samples
-    # instead of the first alone took Gemma3-270M's 3.0-bit KLD from 0.097 to 0.075 on held-out
-    # text and 0.123 to 0.100 on a never-seen text (docs/recommend.md#calibration-text)
+    # capture samples the error tables are measured on (None: all): more calibration text
+    # steadies the ranking of candidates, at a time cost roughly in proportion (what it bought
+    # and cost: docs/lab-notes/recommend.md#calibration-text)
     samples: int | None = None
     tokens: int | None = 256
     layer_weights: tuple[float, ...] | None = None
@@ -133,12 +132,12 @@ class RecommendOptions:
     # scale/zero fits offered for the plain, pre-RoPE, balanced and rotated codes, per tensor
     # (QuantSpec.fit); GEAR and MiKV twins take the first; each fit is a family of its own
     # for --sensitivity layout. Keys: min/max only by default (docs/recommend.md#the-scale-fit:
-    # fitted keys measured worse than the proxy expects, even with a KL rate of their own)
+    # the error proxy over-rates fitted keys, even with a KL rate of their own)
     key_fits: tuple[str, ...] = ("minmax",)
     value_fits: tuple[str, ...] = ("minmax", "mse")
     # dtype of the full-precision parts (window, sinks, sets, GEAR outliers): the config's
     # fp_dtype; float8_e4m3fn halves their bytes, but the error proxy reads them exact
-    # (docs/recommend.md#fp8-windows: it pays at 3.0 bits on both models, costs at 4.0)
+    # (docs/recommend.md#fp8-windows: whether it pays depends on the budget)
     fp_dtype: str = "float16"
     # how each group's scale and zero are stored: the config's scale_dtype; "8bit" (default)
     # halves their bytes (kvlens.quant.meta8) and the error proxy measures the 8-bit grid

@@ -59,9 +59,9 @@ def measure(path: str | Path, opts: RecommendOptions,
             progress: ProgressFn | None = None) -> Measurements:
     """Per-layer candidate errors, fitted balancers and layer sensitivity weights."""
 
-    # One thread: these many small attention passes run several times faster than with two
-    # threads on a 2-core machine (measured: 0.6-0.8 s vs 2-15 s per SmolLM2 layer). The
-    # model's forwards (sensitivity) get the threads the caller had.
+    # One thread: these many small attention passes run faster than with two threads, which
+    # mostly wait on each other (as in compare-axes: docs/compare-axes.md#memory-and-time).
+    # The model's forwards (sensitivity) get the threads the caller had.
     threads = torch.get_num_threads()
     with profiling() as prof, open_capture(path) as cap, torch_threads(1):
         meta = cap.meta

@@ -63,8 +63,8 @@ def layout_factors(cap, model, opts, cands, balancers, notes, progress):
     error on its last half). The rates are normalised to mean 1 over all layers and families;
     the layer weight is a layer's mean rate, a family's factor its rate over that mean (so
     weight x factor is the rate). A first-order rate, like ``--sensitivity model``, but
-    one per layout: the rate at which a layout's output error becomes KL differs between
-    layouts (Gemma3-270M, docs/vs-llamacpp.md)."""
+    one per layout: the rate at which a layout's output error becomes KL can differ between
+    layouts (docs/lab-notes/vs-llamacpp.md, layout sensitivity)."""
 
     meta = cap.meta
     n = meta.num_tokens if opts.tokens is None else min(opts.tokens, meta.num_tokens)

@@ -4,7 +4,8 @@
 ships with CPython 3.11.7 (``pydoc_data/topics.py``, PSF licence: ``heldout_NOTICE.txt`` beside
 it). It is disjoint from the capture/calibration corpus ``kvlens/text/data/corpus.txt`` and from
 ``recommend``'s retrieval probe (built from that corpus): a test asserts they share no span of
-50 tokens. About 13.5k SmolLM2 tokens, so a 4096- (or 8192-) token evaluation fits.
+50 tokens. It is long enough for a 4096- (or 8192-) token evaluation (its length in tokens:
+docs/evaluation.md).
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ A retrieval probe for ``recommend``: a long prompt whose answer is one distant f
 
 Attention error averaged over ordinary text is dominated by local attention (recent tokens,
 sinks) and under-weights what long-context retrieval needs: a query near the end reading one
-far-back token sharply. Measured on SmolLM2 (docs/recommend.md): at 3.0 bits, allocating by
-the text average alone kept perplexity within 4% of fp16 but lost passkey retrieval (14/20 vs
-19/20); with the probe's errors added, 19/20 at the same perplexity.
+far-back token sharply, so an allocation by the text average alone can keep perplexity and
+still lose passkey retrieval. The probe's errors make retrieval part of what the allocation
+minimises (the measurements: docs/lab-notes/recommend.md).
 
 The probe: about ``tokens`` tokens of the second half of the built-in corpus (the default
 capture windows and the perplexity evaluation read its first half), a sentence stating a

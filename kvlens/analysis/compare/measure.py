@@ -65,8 +65,8 @@ def compare_axes(
     """Sweep ``config`` over the capture at ``path``, one layer in memory at a time.
 
     threads: torch intra-op threads while sweeping (restored afterwards; None = leave as is).
-    The work is many small element-wise passes, where extra threads mostly wait on each other:
-    on the 2-core development machine one thread ran a SmolLM2 layer 4x faster than two.
+    The work is many small element-wise passes, where extra threads mostly wait on each other,
+    so one thread is the default (the timing: docs/compare-axes.md#memory-and-time).
 
     Raises ``CaptureFileError`` for a missing/foreign/incomplete file, ``InputError`` or
     ``ConfigError`` for options that do not fit the capture (group size not dividing head_dim,
