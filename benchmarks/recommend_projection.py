@@ -1,0 +1,57 @@
+"""Projected `kvlens recommend` cost for larger models (a projection, not a measurement).
+
+Applies the cost model (`kvlens.recommend.cost`, rates measured on the 2-core reference machine)
+to the shapes of public models at recommend's defaults, and prints per stage the work (so a
+reader can divide it by their own machine's rate) and the projected time and peak memory on the
+reference CPU. The two real models kvlens measured are listed first so that the projection can
+be read against `docs/benchmarks.md`'s measured times.
+
+    python benchmarks/recommend_projection.py
+"""
+
+from __future__ import annotations
+
+from kvlens.recommend import DEFAULT_WINDOWS, RecommendOptions, default_tokens
+from kvlens.recommend.catalog import candidates, family_probes
+from kvlens.recommend.cost import CostShape, predict
+
+# name: (layers, q heads, kv heads, head_dim, parameters, vocabulary), from the models' configs
+MODELS = {
+    "SmolLM2-135M": (30, 9, 3, 64, 134_515_008, 49_152),
+    "Gemma3-270M": (18, 4, 1, 256, 268_098_176, 262_144),
+    "Llama-3.2-1B": (16, 32, 8, 64, 1_235_814_400, 128_256),
+    "Llama-3.1-8B": (32, 32, 8, 128, 8_030_261_248, 128_256),
+    "Llama-3.1-70B": (80, 64, 8, 128, 70_553_706_496, 128_256),
+}
+
+
+def shape_for(layers, q_heads, kv_heads, head_dim, params, vocab) -> CostShape:
+    opts = RecommendOptions(budget_bits=3.0, windows=DEFAULT_WINDOWS,
+                            residual_tokens=max(DEFAULT_WINDOWS),
+                            tokens=default_tokens(DEFAULT_WINDOWS), sensitivity="auto")
+    cands = candidates(head_dim, opts, True)
+    return CostShape(layers=layers, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                     samples=4, tokens=opts.tokens, score_from=opts.score_from,
+                     candidates=len(cands) + 2, streams=len(opts.streams()) + 1,
+                     families=len(family_probes(cands)), sensitivity_tokens=opts.tokens,
+                     probe_tokens=opts.retrieval_tokens, params=params, vocab=vocab)
+
+
+def main() -> None:
+    print("| model | candidate errors | layout sensitivity | retrieval probe | total (reference "
+          "CPU, projected) | peak memory (projected) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, dims in MODELS.items():
+        cost = predict(shape_for(*dims))
+        st = cost.stages
+
+        def fmt(s: float) -> str:
+            return f"{s / 3600:.1f} h" if s >= 3600 else f"{s / 60:.1f} min"
+
+        print(f"| {name} | {fmt(st['candidate errors'])} | {fmt(st['layout sensitivity'])} | "
+              f"{fmt(st['retrieval probe'])} | {fmt(cost.seconds)} | "
+              f"{cost.peak_bytes / 2**30:.1f} GiB |")
+
+
+if __name__ == "__main__":
+    main()
