@@ -32,7 +32,7 @@ ATTENTION_SECONDS_PER_UNIT = 6.0e-11  # candidate errors: one multiply-add of an
 VARIANT_SECONDS_PER_ELEMENT = 5.6e-8  # quantizing one captured element for one candidate
 FORWARD_SECONDS_PER_FLOP = 1.2e-11  # a model forward on the CPU
 READ_SECONDS_PER_BYTE = 2.0e-9  # reading the capture file
-RUNTIME_BYTES = 400 * 2**20  # torch, transformers and the Python process itself
+RUNTIME_BYTES = 800 * 2**20  # torch, transformers, the GGUF conversion and the process itself
 
 
 @dataclass(frozen=True)
