@@ -138,7 +138,8 @@ def _json_default(o):
 PLAIN_EVERY_S = 30.0  # progress lines where stderr is not a terminal
 
 
-def _seconds(s: float) -> str:
+def format_seconds(s: float) -> str:
+    """A duration for progress and profile lines: seconds below two minutes, else minutes."""
     return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
 
 
@@ -175,9 +176,9 @@ def progress_bar(description: str, enabled: bool = True):
             return
         state["printed"] = now
         elapsed = now - state["start"]
-        timing = f"elapsed {_seconds(elapsed)}"
+        timing = f"elapsed {format_seconds(elapsed)}"
         if 0 < done < total:
-            timing += f", ETA {_seconds(elapsed * (total - done) / done)}"
+            timing += f", ETA {format_seconds(elapsed * (total - done) / done)}"
         err_console.print(f"  {description}: {done}/{total} {note}".rstrip() + f"  ({timing})",
                           highlight=False, markup=False)
 

@@ -21,6 +21,7 @@ from kvlens.cli.common import (
     device_map_option,
     err_console,
     escape,
+    format_seconds,
     given_options,
     max_memory_option,
     offload_folder_option,
@@ -335,22 +336,18 @@ def _predict(capture: Path, opts):
 
     with open_capture(capture) as cap:
         cost = predict_cost(cap.meta, opts)
-    err_console.print(f"predicted: about {_duration(cost.seconds)} and {cost.peak_bytes / 2**30:.1f}"
+    err_console.print(f"predicted: about {format_seconds(cost.seconds)} and {cost.peak_bytes / 2**30:.1f}"
                       " GiB peak memory on the reference machine (2 CPU cores; "
                       "kvlens.recommend.cost)", highlight=False)
     return cost
 
 
-def _duration(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
-
-
 def _print_profile(profile, predicted) -> None:
     """Where the time went (stderr), stage by stage, beside the prediction."""
-    parts = ", ".join(f"{name} {_duration(sec)}" for name, sec in
+    parts = ", ".join(f"{name} {format_seconds(sec)}" for name, sec in
                       sorted(profile.stages.items(), key=lambda kv: -kv[1]) if sec >= 0.05)
-    err_console.print(f"time by stage ({_duration(profile.total)} in all, predicted "
-                      f"{_duration(predicted.seconds)}): {parts}", highlight=False)
+    err_console.print(f"time by stage ({format_seconds(profile.total)} in all, predicted "
+                      f"{format_seconds(predicted.seconds)}): {parts}", highlight=False)
 
 
 def _check_combinations(target: str, given: dict[str, str], *, sensitivity: str,
