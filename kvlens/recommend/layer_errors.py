@@ -101,9 +101,11 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
                 continue
             exact = None if s is None else streaming_exact_mask(
                 n_tok, s.residual, s.flush, sinks)[picked]
-            with stage("MiKV set simulation"):
-                vs = [sets.variant(c, variants[c.base], s, picked) if c.mikv_set
-                      else variants[c] for c in group]
+            if not group[0].mikv_set:  # plain candidates: their variants are built already
+                vs = [variants[c] for c in group]
+            else:
+                with stage("MiKV set simulation"):
+                    vs = [sets.variant(c, variants[c.base], s, picked) for c in group]
             errs = attention_errors_many(rows, k, v, vs, scaling=la.scaling,
                                          sliding_window=la.sliding_window,
                                          softcap=la.logit_softcap, exact=exact,

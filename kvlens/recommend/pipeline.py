@@ -150,7 +150,6 @@ def predict_cost(meta, opts: RecommendOptions) -> Cost:
         kv_heads=meta.num_key_value_heads, head_dim=meta.head_dim, samples=samples,
         tokens=tokens, score_from=opts.score_from, candidates=len(cands) + 2,
         streams=len(opts.streams()) + 1, families=len(family_probes(cands)) if layout else 0,
-        sensitivity_tokens=meta.num_tokens if opts.tokens is None
-        else min(opts.tokens, meta.num_tokens),
+        sensitivity_tokens=tokens,
         probe_tokens=opts.retrieval_tokens if opts.retrieval != "off" and model_stages else 0,
         params=params if model_stages else 0, vocab=vocab))
