@@ -76,6 +76,9 @@ def _search(groups: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zer
     def at(p):
         return p[:, :, :, None, :, None]
 
+    # weight is 1 everywhere unless a partial last token group was padded: skip it then
+    weight = None if bool((weight == 1).all()) else weight
+    work = torch.empty_like(groups)  # one buffer for every pair, the arithmetic in place
     best_err = best_e = best_n = None
     for de in E_OFFSETS:
         e = (e0 + de).clamp(0, 255)
@@ -84,8 +87,13 @@ def _search(groups: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zer
         for dn in N_OFFSETS:
             n = (n_mid + dn).clamp(-128, 127)
             z = n * (u * s)
-            codes = torch.round((groups - at(z)) / at(s)).clamp_(0, levels)
-            err = (weight * (codes * at(s) + at(z) - groups).square()).sum(dim=(3, 5))
+            # codes = clip(round((x - z) / s)); error = (codes * s + z - x)^2, op for op
+            torch.sub(groups, at(z), out=work)
+            work.div_(at(s)).round_().clamp_(0, levels)
+            work.mul_(at(s)).add_(at(z)).sub_(groups).square_()
+            if weight is not None:
+                work.mul_(weight)
+            err = work.sum(dim=(3, 5))
             if best_err is None:
                 best_err, best_e, best_n = err, e, n
             else:

@@ -151,17 +151,23 @@ def _mse_fit(groups: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, leve
     w = member_weight(groups, num_tokens)
     dims = (3, 5)
     n = w.sum(dim=dims) * groups.shape[5]  # members per group (padding excluded)
-    mx = (w * groups).sum(dim=dims) / n
+    padded = num_tokens < groups.shape[2] * groups.shape[3]
+
+    def weighted(t):  # w * t, skipped where every weight is 1 (the same numbers)
+        return w * t if padded else t
+
+    mx = weighted(groups).sum(dim=dims) / n
 
     def at(p):
         return p[:, :, :, None, :, None]
 
+    centred = groups - at(mx)
     for _ in range(MSE_FIT_ITERS):
-        c = torch.round((groups - at(zero)) / at(scale)).clamp_(0, levels)
-        mc = (w * c).sum(dim=dims) / n
-        dc = c - at(mc)
-        var = (w * dc * dc).sum(dim=dims)
-        cov = (w * dc * (groups - at(mx))).sum(dim=dims)
+        c = torch.sub(groups, at(zero)).div_(at(scale)).round_().clamp_(0, levels)
+        mc = weighted(c).sum(dim=dims) / n
+        dc = c.sub_(at(mc))
+        var = (weighted(dc) * dc).sum(dim=dims)
+        cov = (weighted(dc) * centred).sum(dim=dims)
         s_new = cov / var.clamp_min(FLOAT32_TINY)
         ok = (var > 0) & (s_new > scale * SCALE_FLOOR_REL) & torch.isfinite(s_new)
         scale = torch.where(ok, s_new, scale)
