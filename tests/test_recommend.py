@@ -598,3 +598,32 @@ def test_perturbed_kl_skipping_lower_layers_is_exact(arch):
     assert all(f > 0 for f in full)
     assert fast == full
     assert all("forward" not in vars(m) for m in layers)  # the patch is undone
+
+
+def test_layers_measured_on_worker_processes_give_the_same_numbers(tmp_path):
+    from kvlens.recommend import measure
+
+    path = _planted_capture(tmp_path / "p.h5", samples=2)
+    kw = dict(budget_bits=3.0, group_sizes=(32,), bits=(2, 4))
+    here = measure(path, RecommendOptions(**kw, workers=1))
+    spread = measure(path, RecommendOptions(**kw, workers=2))
+    assert here.tables == spread.tables and here.tables[0]
+    assert here.balancers.keys() == spread.balancers.keys() == {0, 1}
+    for i in here.balancers:
+        assert torch.equal(here.balancers[i], spread.balancers[i])
+    # an error a worker raises reaches the caller as itself, with its message
+    with pytest.raises(InputError, match="no more than the residual window"):
+        measure(path, RecommendOptions(**kw, residual_tokens=256, tokens=None, workers=2))
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(InputError, match="--workers must be a positive"):
+            RecommendOptions(**kw, workers=bad)
+
+
+def test_workers_follow_the_predicted_length_unless_asked():
+    from kvlens.recommend.parallel import PARALLEL_FROM_SECONDS, available_cores, resolve_workers
+
+    assert resolve_workers(None, PARALLEL_FROM_SECONDS / 2, 30) == 1  # short: no processes
+    assert resolve_workers(None, PARALLEL_FROM_SECONDS, 30) == min(available_cores(), 30)
+    assert resolve_workers(None, 1e6, 1) == 1  # never more workers than layers
+    assert resolve_workers(3, 0.0, 30) == 3  # asked: as asked
+    assert resolve_workers(8, 0.0, 2) == 2

@@ -68,6 +68,11 @@ def test_cost_prediction_scales_with_the_work():
     assert set(no_model.stages) == {"capture read", "candidate errors"}
     assert base.peak_bytes > no_model.peak_bytes + 4 * 134_515_008 - 1
     assert base.to_dict()["seconds"] == base.seconds
+    # worker processes share the per-layer stages and each holds its own runtime and layer
+    two = predict(_shape(workers=2))
+    assert two.stages["candidate errors"] == pytest.approx(base.stages["candidate errors"] / 2)
+    assert two.stages["layout sensitivity"] == base.stages["layout sensitivity"]
+    assert two.peak_bytes > base.peak_bytes
 
 
 def test_predict_cost_reads_the_capture_and_options(tmp_path):

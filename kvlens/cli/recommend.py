@@ -57,7 +57,8 @@ def _numbers(spec: str, what: str, kind, words: str) -> tuple:
 KVLENS_ONLY = ("residual", "windows", "flush", "sinks", "bits", "group_sizes", "key_fits",
                "value_fits", "window_dtype", "scale_dtype", "pre_rope", "no_balancer",
                "exponent", "thorough", "no_mikv", "mikv_bits", "mikv_fractions", "sensitivity",
-               "retrieval", "retrieval_weight", "prefer_fast", "name", "retrieval_prompts")
+               "retrieval", "retrieval_weight", "prefer_fast", "name", "retrieval_prompts",
+               "workers")
 TARGET_ONLY = ("max_kld", "kld_anchors")  # refused without --target ENGINE
 PLACEMENT = ("device_map", "max_memory", "offload_folder")
 
@@ -157,6 +158,10 @@ def recommend(
     retrieval_weight: float = typer.Option(1.0, "--retrieval-weight",
                                            rich_help_panel=MEASUREMENT,
                                            help="Weight of the retrieval errors."),
+    workers: int = typer.Option(None, "--workers", min=1, rich_help_panel=MEASUREMENT,
+                                help="Processes the per-layer measurement runs on (default: "
+                                     "every free core when the measurement is long, else 1; "
+                                     "the same numbers either way)."),
     target: str = typer.Option("kvlens", "--target", rich_help_panel=ENGINE,
                                help="Engine to deploy on: kvlens (a per-layer kvlens config), "
                                     "llama.cpp (one -ctk and one -ctv type), vllm (one "
@@ -281,7 +286,7 @@ def recommend(
                                 sensitivity=sensitivity, model=model, name=name,
                                 flush_tokens=flush, sink_tokens=sinks, retrieval=retrieval,
                                 retrieval_weight=retrieval_weight, prefer_fast=prefer_fast,
-                                **place)
+                                workers=workers, **place)
 
     opts = run_library_call(prepare)
     predicted = run_library_call(lambda: _predict(capture, opts))

@@ -18,6 +18,9 @@ Work units:
   layers run);
 - **capture read**: the bytes of the capture's float32 tensors.
 
+With ``workers`` processes the per-layer stages divide by ``workers`` (each worker measures whole
+layers on one core) and every worker adds its own runtime, capture layer and reconstructions.
+
 Peak memory: the model's float32 weights, one capture layer, every candidate's reconstruction of
 it, and the KL stage's log-probabilities (kept positions x vocabulary, three copies).
 """
@@ -33,6 +36,7 @@ VARIANT_SECONDS_PER_ELEMENT = 5.6e-8  # quantizing one captured element for one 
 FORWARD_SECONDS_PER_FLOP = 1.2e-11  # a model forward on the CPU
 READ_SECONDS_PER_BYTE = 2.0e-9  # reading the capture file
 RUNTIME_BYTES = 800 * 2**20  # torch, transformers, the GGUF conversion and the process itself
+WORKER_BYTES = 400 * 2**20  # one worker process (kvlens.recommend.parallel): torch and kvlens
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ class CostShape:
     probe_tokens: int  # the retrieval probe's length (0: not run)
     params: int  # the model's parameters (0: no model stage)
     vocab: int
+    workers: int = 1  # processes the per-layer measurements run on (kvlens.recommend.parallel)
 
 
 @dataclass(frozen=True)
@@ -89,7 +94,7 @@ def predict(shape: CostShape) -> Cost:
     stages = {
         "capture read": read * READ_SECONDS_PER_BYTE,
         "candidate errors": (attention * ATTENTION_SECONDS_PER_UNIT
-                             + elements * VARIANT_SECONDS_PER_ELEMENT),
+                             + elements * VARIANT_SECONDS_PER_ELEMENT) / s.workers,
     }
     if s.params and s.families:
         forwards = 1 + s.families * (s.layers + 1) / 2  # each run starts at its layer
@@ -98,10 +103,11 @@ def predict(shape: CostShape) -> Cost:
     if s.params and s.probe_tokens:
         probe_elements = s.layers * s.candidates * s.kv_heads * s.probe_tokens * s.head_dim
         stages["retrieval probe"] = (2 * s.params * s.probe_tokens * FORWARD_SECONDS_PER_FLOP
-                                     + probe_elements * VARIANT_SECONDS_PER_ELEMENT)
+                                     + probe_elements * VARIANT_SECONDS_PER_ELEMENT / s.workers)
     layer_bytes = s.samples * (s.q_heads + 3 * s.kv_heads) * s.tokens * s.head_dim * 4
     variants = s.candidates * s.samples * s.kv_heads * max(s.tokens, s.probe_tokens) \
         * s.head_dim * 4
     logits = 3 * (s.sensitivity_tokens // 2) * s.vocab * 4 if s.params else 0
-    peak = RUNTIME_BYTES + 4 * s.params + layer_bytes + variants + logits
+    workers = 0 if s.workers <= 1 else s.workers * (WORKER_BYTES + layer_bytes + variants)
+    peak = RUNTIME_BYTES + 4 * s.params + layer_bytes + variants + logits + workers
     return Cost(stages, int(peak))

@@ -143,6 +143,9 @@ class RecommendOptions:
     # halves their bytes (kvlens.quant.meta8) and the error proxy measures the 8-bit grid
     # (docs/recommend.md#8-bit-group-metadata); the Triton kernel decodes the bytes itself
     scale_dtype: str = "8bit"
+    # processes the per-layer measurements run on (kvlens.recommend.parallel); None: every
+    # available core when the candidate stage is predicted to be long, else this process only
+    workers: int | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.budget_bits, (int, float)) and 0 < self.budget_bits <= 16):
@@ -196,6 +199,9 @@ class RecommendOptions:
                              "also flushes it whole).")
         if self.sink_tokens < 0:
             raise InputError(f"--sinks must be >= 0, got {self.sink_tokens}.")
+        if self.workers is not None and not is_int(self.workers, 1):
+            raise InputError(f"--workers must be a positive number of processes (or omitted: "
+                             f"as many as there are free cores), got {self.workers!r}.")
 
         bad = [b for b in self.mikv_set_bits if b not in SET_BITS]
         if bad or not self.mikv_set_bits:

@@ -10,7 +10,7 @@ solves the allocation and builds the config (``kvlens.recommend.allocation``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from kvlens.recommend.catalog import candidates, family_probes
 from kvlens.recommend.cost import Cost, CostShape, estimated_params, predict
 from kvlens.recommend.layer_errors import check_windows, measure_layer
 from kvlens.recommend.options import RecommendOptions
+from kvlens.recommend.parallel import map_layers, resolve_workers
 from kvlens.recommend.probe import add_retrieval_errors, load_model_for
 from kvlens.recommend.profile import Profile, profiling, stage
 from kvlens.recommend.result import Recommendation
@@ -79,24 +80,24 @@ def measure(path: str | Path, opts: RecommendOptions,
         cands = candidates(meta.head_dim, opts, meta.has_rope)
         check_windows(meta.head_dim, opts, cands)
         probes = probe_candidates(meta.head_dim)
+        workers = workers_for(meta, opts)
+        with stage("candidate errors"):
+            rows = map_layers(_layer_table, path, meta.layers,
+                              (cands + [p for p in probes if p not in cands], probes, opts),
+                              workers, progress)
         tables, balancers, notes, windows = [], {}, [], []
-        for i, layer in enumerate(cap.iter_layers()):
-            windows.append(layer.attrs.sliding_window or None)
-            with stage("candidate errors"):
-                table, bal, pre_ok = measure_layer(layer, meta, cands + [
-                    p for p in probes if p not in cands], opts, plain=probes)
+        for index, (table, bal, pre_ok, window) in zip(meta.layers, rows):
+            windows.append(window)
             if opts.pre_rope == "on" and not pre_ok:
                 raise InputError(f"Pre-RoPE keys were requested but the RoPE of {meta.model} "
                                  "cannot be rebuilt from the capture's config (scaled RoPE?).")
             if not pre_ok and meta.has_rope and opts.pre_rope == "auto" and not notes:
-                notes.append(f"pre-RoPE candidates skipped from layer {layer.index} on where "
+                notes.append(f"pre-RoPE candidates skipped from layer {index} on where "
                              "default RoPE at no theta rebuilds the stored keys from the "
                              "stored pre-RoPE keys (scaled RoPE?)")
             tables.append(table)
             if bal is not None:
-                balancers[layer.index] = bal
-            if progress:
-                progress(i + 1, meta.num_layers, f"layer {layer.index}")
+                balancers[index] = bal
         need = (opts.sensitivity != "uniform" and not opts.layer_weights) or \
             opts.retrieval != "off"
         with stage("model load"):
@@ -107,7 +108,7 @@ def measure(path: str | Path, opts: RecommendOptions,
         if model is not None and opts.retrieval != "off" and opts.retrieval_weight > 0:
             with stage("retrieval probe"):
                 add_retrieval_errors(model, tokenizer, cands, opts, tables, balancers, notes,
-                                     progress)
+                                     progress, workers)
         factors: tuple[dict, ...] = ()
         if opts.sensitivity in ("layout", "auto") and model is not None \
                 and not opts.layer_weights:
@@ -120,6 +121,12 @@ def measure(path: str | Path, opts: RecommendOptions,
     prof.stages = {k: v for k, v in prof.stages.items() if v > 0}
     return Measurements(meta, tables, balancers, tuple(weights), notes, tuple(windows),
                         factors, prof)
+
+
+def _layer_table(layer, meta, cands, probes, opts):
+    """One layer's ``(errors, balancer, pre_ok, sliding window)`` (``map_layers``' work)."""
+    table, bal, pre_ok = measure_layer(layer, meta, cands, opts, plain=probes)
+    return table, bal, pre_ok, layer.attrs.sliding_window or None
 
 
 def choose(m: Measurements, opts: RecommendOptions) -> Recommendation:
@@ -136,6 +143,17 @@ def choose(m: Measurements, opts: RecommendOptions) -> Recommendation:
 
 def predict_cost(meta, opts: RecommendOptions) -> Cost:
     """``kvlens.recommend.cost.predict`` for measuring ``opts`` on a capture with ``meta``."""
+    return predict(replace(_cost_shape(meta, opts), workers=workers_for(meta, opts)))
+
+
+def workers_for(meta, opts: RecommendOptions) -> int:
+    """The processes the per-layer stages run on (``kvlens.recommend.parallel``): as asked, or
+    by the candidate stage's predicted length on one."""
+    alone = predict(_cost_shape(meta, opts)).stages["candidate errors"]
+    return resolve_workers(opts.workers, alone, meta.num_layers)
+
+
+def _cost_shape(meta, opts: RecommendOptions) -> CostShape:
     cands = candidates(meta.head_dim, opts, meta.has_rope)
     tokens = meta.num_tokens if opts.tokens is None else min(opts.tokens, meta.num_tokens)
     samples = meta.num_samples if opts.samples is None else min(opts.samples, meta.num_samples)
@@ -145,11 +163,11 @@ def predict_cost(meta, opts: RecommendOptions) -> Cost:
     model_stages = not opts.layer_weights and (opts.sensitivity != "uniform"
                                                or opts.retrieval != "off")
     layout = opts.sensitivity in ("layout", "auto") and model_stages
-    return predict(CostShape(
+    return CostShape(
         layers=meta.num_layers, q_heads=meta.num_attention_heads,
         kv_heads=meta.num_key_value_heads, head_dim=meta.head_dim, samples=samples,
         tokens=tokens, score_from=opts.score_from, candidates=len(cands) + 2,
         streams=len(opts.streams()) + 1, families=len(family_probes(cands)) if layout else 0,
         sensitivity_tokens=tokens,
         probe_tokens=opts.retrieval_tokens if opts.retrieval != "off" and model_stages else 0,
-        params=params if model_stages else 0, vocab=vocab))
+        params=params if model_stages else 0, vocab=vocab)

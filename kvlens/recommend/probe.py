@@ -21,6 +21,7 @@ from kvlens.model.load import load_model
 from kvlens.model.placement import input_device
 from kvlens.recommend.layer_errors import measure_layer
 from kvlens.recommend.options import RecommendOptions
+from kvlens.recommend.parallel import map_layers
 from kvlens.text.prompts import retrieval_text
 
 
@@ -60,9 +61,11 @@ def load_model_for(cap, opts: RecommendOptions, notes: list[str]):
     return model, tokenizer
 
 
-def add_retrieval_errors(model, tokenizer, cands, opts, tables, balancers, notes, progress):
+def add_retrieval_errors(model, tokenizer, cands, opts, tables, balancers, notes, progress,
+                         workers: int = 1):
     """Add ``retrieval_weight`` x each candidate's error at the retrieval probe's answer
-    position (``kvlens.text.prompts``) to the text errors in ``tables``."""
+    position (``kvlens.text.prompts``) to the text errors in ``tables`` (layers measured on
+    ``workers`` processes, ``kvlens.recommend.parallel``)."""
 
     text, _ = retrieval_text(tokenizer, opts.retrieval_tokens)
     ids = tokenizer(text, return_tensors="pt").input_ids.to(input_device(model))
@@ -71,16 +74,19 @@ def add_retrieval_errors(model, tokenizer, cands, opts, tables, balancers, notes
         path = Path(tmp) / "probe.h5"
         capture_model(model, ids, path)
         with open_capture(path) as cap:
-            n = cap.meta.num_layers
-            for i, layer in enumerate(cap.iter_layers()):
-                extra, _, _ = measure_layer(layer, cap.meta, cands, probe_opts, queries=4,
-                                            balancer=balancers.get(layer.index))
-                table = tables[i]
-                for key, (out, _, _) in extra.items():
-                    if key in table:
-                        o, sc, rc = table[key]
-                        table[key] = (o + opts.retrieval_weight * out, sc, rc)
-                if progress:
-                    progress(i + 1, n, f"retrieval probe layer {layer.index}")
+            layers = cap.meta.layers
+        extras = map_layers(_probe_layer, path, layers, (cands, probe_opts, balancers), workers,
+                            progress, label="retrieval probe layer")
+    for table, extra in zip(tables, extras):
+        for key, (out, _, _) in extra.items():
+            if key in table:
+                o, sc, rc = table[key]
+                table[key] = (o + opts.retrieval_weight * out, sc, rc)
     notes.append(f"errors include a retrieval probe ({ids.shape[1]} tokens, answer position, "
                  f"weight {opts.retrieval_weight:g}): see kvlens.text.prompts")
+
+
+def _probe_layer(layer, meta, cands, opts, balancers):
+    """One layer's errors at the probe's answer position (``map_layers``' work)."""
+    return measure_layer(layer, meta, cands, opts, queries=4,
+                         balancer=balancers.get(layer.index))[0]

@@ -1,0 +1,90 @@
+"""Per-layer measurement on several processes (``RecommendOptions.workers``).
+
+Each capture layer is measured on its own (candidate errors, the retrieval probe's errors), so
+layers are spread over worker processes, one torch thread each: on a machine with ``N`` free
+cores the candidate stage runs about ``N`` times faster, with the same numbers (each layer's
+arithmetic is the same, in the same order). Workers are started with ``spawn`` (a forked torch
+process can deadlock in its thread pool) and each opens the capture read-only once.
+
+``map_layers(fn, path, layers, args, workers)`` returns ``[fn(layer_data, meta, *args)]`` in the
+order of ``layers``; ``fn`` must be a module-level function (it is pickled by name). With one
+worker it runs here, in this process, without starting any.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+from kvlens.analysis.compare import torch_threads
+from kvlens.capture.store import open_capture
+
+#: A candidate stage predicted to take less than this (seconds, ``kvlens.recommend.cost``) runs
+#: in this process: starting a worker (a fresh interpreter importing torch) costs seconds.
+PARALLEL_FROM_SECONDS = 20.0
+
+_worker: dict[str, Any] = {}
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def resolve_workers(workers: int | None, predicted_seconds: float, layers: int) -> int:
+    """``workers`` as asked, or (None) every available core when the stage is predicted to
+    take ``PARALLEL_FROM_SECONDS`` or more, else 1; never more than ``layers``."""
+    n = workers if workers is not None else (
+        available_cores() if predicted_seconds >= PARALLEL_FROM_SECONDS else 1)
+    return max(1, min(n, layers))
+
+
+def _start(path: str) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    _worker["cap"] = open_capture(path)
+
+
+def _one(fn: Callable, index: int, args: tuple) -> tuple[int, Any]:
+    cap = _worker["cap"]
+    return index, fn(cap.layer(index), cap.meta, *args)
+
+
+def map_layers(fn: Callable, path: str | Path, layers: Sequence[int], args: tuple,
+               workers: int, progress: Callable[[int, int, str], None] | None = None,
+               label: str = "layer") -> list:
+    """``[fn(layer_data, meta, *args) for each of layers]`` on ``workers`` processes (one:
+    here), calling ``progress(done, total, f"{label} {index}")`` as layers finish."""
+    total = len(layers)
+    if workers <= 1 or total <= 1:
+        out = []
+        with open_capture(path) as cap, torch_threads(1):
+            for n, index in enumerate(layers, 1):
+                out.append(fn(cap.layer(index), cap.meta, *args))
+                if progress:
+                    progress(n, total, f"{label} {index}")
+        return out
+    results: dict[int, Any] = {}
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_start,
+                             initargs=(str(path),)) as pool:
+        jobs = [pool.submit(_one, fn, index, args) for index in layers]
+        try:
+            for n, job in enumerate(as_completed(jobs), 1):
+                index, value = job.result()
+                results[index] = value
+                if progress:
+                    progress(n, total, f"{label} {index}")
+        except BaseException:
+            for job in jobs:
+                job.cancel()
+            raise
+    return [results[index] for index in layers]
