@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import random
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -553,6 +557,36 @@ def test_layout_sensitivity_measures_a_rate_per_family(tmp_path, tiny_tokenizer)
     per_layer = measure(path, replace(opts, sensitivity="model"))
     assert per_layer.factors == () and per_layer.weights[1] == 0.0
     assert any("layer weights from measured sensitivity" in n for n in per_layer.notes)
+    # every family on layers 0 and 2 only: the same rates there; layer 1 measures the two
+    # anchors (KL 0: its attention output is zeroed), so the normalisation is the same too
+    assert m.notes[-1].count("every layer") == 1
+    two = measure(path, replace(opts, layout_layers=2))
+    assert "layers 0, 2 (the 2 anchor families on the others)" in two.notes[-1]
+    assert two.weights == pytest.approx(m.weights)
+    for got, want in zip(two.factors, m.factors):
+        assert got.keys() == want.keys() and list(got.values()) == pytest.approx(
+            list(want.values()))
+
+
+def test_shared_layout_rates_scale_the_anchor_by_the_measured_ratio():
+    from kvlens.recommend.sensitivity import _shared_rates, spread_layers
+
+    assert spread_layers(range(30), 4) == [0, 10, 19, 29]
+    assert spread_layers(range(30), 1) == [15]
+    assert spread_layers([3, 5, 7], None) == spread_layers([3, 5, 7], 3) == [3, 5, 7]
+    ak, av, f, g = ("key", "a"), ("value", "a"), ("key", "f"), ("value", "g")
+    rates = [{ak: 1.0, f: 2.0, av: 1.0, g: 0.5},  # f/ak = 2 here
+             {ak: 3.0, av: 4.0},  # anchors only
+             {ak: 2.0, f: 16.0, av: 2.0, g: 1.0}]  # f/ak = 8 here
+    full = _shared_rates(rates, (ak, f, av, g), (ak, av))
+    assert full[0] == rates[0] and full[2] == rates[2]  # measured rates are kept
+    assert full[1][f] == pytest.approx(3.0 * 18 / 3)  # sum of f over sum of the anchor
+    assert full[1][g] == pytest.approx(4.0 * 1.5 / 3)  # values scale with the value anchor
+    zero = _shared_rates([{ak: 1.0, f: 0.0}, {ak: 2.0}], (ak, f), (ak, av))
+    assert zero[1] == {ak: 2.0, f: 0.0}  # a family measured harmless stays harmless
+    assert _shared_rates([{ak: 1.0}], (ak, f), (ak, av)) == [{ak: 1.0}]  # no ratio: left out
+    with pytest.raises(InputError, match="layout_layers must be a positive"):
+        RecommendOptions(budget_bits=3.0, layout_layers=0)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt_neox", "gpt2", "qwen3"])
@@ -627,3 +661,21 @@ def test_workers_follow_the_predicted_length_unless_asked():
     assert resolve_workers(None, 1e6, 1) == 1  # never more workers than layers
     assert resolve_workers(3, 0.0, 30) == 3  # asked: as asked
     assert resolve_workers(8, 0.0, 2) == 2
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="workers fork on Linux only")
+def test_a_script_without_a_main_guard_can_measure_on_workers(tmp_path):
+    # workers are forked: a plain script calling recommend does not re-run itself in them
+    path = _planted_capture(tmp_path / "p.h5")
+    script = tmp_path / "plain.py"
+    script.write_text(
+        "from kvlens.recommend import RecommendOptions, measure\n"
+        f"m = measure({str(path)!r}, RecommendOptions(budget_bits=3.0, group_sizes=(32,), "
+        "bits=(2, 4), workers=2))\n"
+        "print('layers', len(m.tables))\n")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "kernels")]))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["layers", "2"]

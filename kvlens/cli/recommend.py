@@ -131,8 +131,10 @@ def recommend(
     thorough: bool = typer.Option(False, "--thorough", rich_help_panel=BUDGET,
                                   help="The full search: also GEAR twins and MiKV "
                                        "importance-set candidates (heavy hitters by accumulated "
-                                       "attention, stored at --mikv-bits). Several times slower; "
-                                       "the default search leaves them out."),
+                                       "attention, stored at --mikv-bits), and the layout "
+                                       "sensitivity of every storage family on every layer "
+                                       "(the default measures them on a few layers). Several "
+                                       "times slower."),
     no_mikv: bool = typer.Option(False, "--no-mikv", rich_help_panel=BUDGET,
                                  help="With --thorough: no MiKV importance-set candidates."),
     mikv_bits: str = typer.Option("4,8", "--mikv-bits", rich_help_panel=BUDGET,
@@ -286,7 +288,8 @@ def recommend(
                                 sensitivity=sensitivity, model=model, name=name,
                                 flush_tokens=flush, sink_tokens=sinks, retrieval=retrieval,
                                 retrieval_weight=retrieval_weight, prefer_fast=prefer_fast,
-                                workers=workers, **place)
+                                workers=workers,
+                                **({"layout_layers": None} if thorough else {}), **place)
 
     opts = run_library_call(prepare)
     predicted = run_library_call(lambda: _predict(capture, opts))

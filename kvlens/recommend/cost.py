@@ -14,8 +14,9 @@ Work units:
 - **variants**: quantizing the captured keys/values once per candidate,
   ``candidates x samples x KV heads x tokens x head_dim`` per layer;
 - **forwards** (layout sensitivity, retrieval probe): ``2 x parameters x tokens`` per forward,
-  one forward per storage family and layer, each starting at its layer (on average half the
-  layers run);
+  one forward per measured storage family and layer (two anchor families on every layer, every
+  family on ``family_layers`` spread-out layers), each starting at its layer (on average half
+  the layers run);
 - **capture read**: the bytes of the capture's float32 tensors.
 
 With ``workers`` processes the per-layer stages divide by ``workers`` (each worker measures whole
@@ -57,6 +58,7 @@ class CostShape:
     probe_tokens: int  # the retrieval probe's length (0: not run)
     params: int  # the model's parameters (0: no model stage)
     vocab: int
+    family_layers: int = 0  # layers that measure every family (0: all; the rest two anchors)
     workers: int = 1  # processes the per-layer measurements run on (kvlens.recommend.parallel)
 
 
@@ -97,7 +99,12 @@ def predict(shape: CostShape) -> Cost:
                              + elements * VARIANT_SECONDS_PER_ELEMENT) / s.workers,
     }
     if s.params and s.families:
-        forwards = 1 + s.families * (s.layers + 1) / 2  # each run starts at its layer
+        # each run starts at its layer: a family measured on every layer costs about
+        # (L + 1) / 2 whole forwards, one measured on a spread-out layer half a forward
+        every = s.family_layers if 0 < s.family_layers < s.layers else s.layers
+        anchors = min(2, s.families) if every < s.layers else s.families
+        forwards = 1 + anchors * (s.layers + 1) / 2 + \
+            (s.families - anchors) * every * (s.layers + 1) / (2 * s.layers)
         stages["layout sensitivity"] = (forwards * 2 * s.params * s.sensitivity_tokens
                                         * FORWARD_SECONDS_PER_FLOP)
     if s.params and s.probe_tokens:

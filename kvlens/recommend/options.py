@@ -81,7 +81,10 @@ class Candidate:
 
 
 #: What ``--thorough`` adds to the default (fast) search: every candidate ``recommend`` can price.
-THOROUGH = {"gear": True, "mikv": True}
+THOROUGH = {"gear": True, "mikv": True, "layout_layers": None}
+#: Layers on which ``--sensitivity layout`` measures every storage family (the others measure
+#: two anchor families and share the family ratios: ``kvlens.recommend.sensitivity``)
+LAYOUT_LAYERS = 4
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,8 @@ class RecommendOptions:
     # weight per layer (``kvlens.recommend.sensitivity.sensitivity_weights``); layout: and a
     # factor per storage family (``kvlens.recommend.sensitivity.layout_factors``)
     sensitivity: str = "uniform"
+    # layers on which the layout sensitivity measures every storage family (None: every layer)
+    layout_layers: int | None = LAYOUT_LAYERS
     model: str | None = None  # model for sensitivity (default: the capture's model source)
     name: str = "recommended"
     flush_tokens: int = 32  # smallest flush block of the sliding window; 0 = whole window (KIVI)
@@ -199,6 +204,9 @@ class RecommendOptions:
                              "also flushes it whole).")
         if self.sink_tokens < 0:
             raise InputError(f"--sinks must be >= 0, got {self.sink_tokens}.")
+        if self.layout_layers is not None and not is_int(self.layout_layers, 1):
+            raise InputError(f"layout_layers must be a positive number of layers (or None: "
+                             f"every layer), got {self.layout_layers!r}.")
         if self.workers is not None and not is_int(self.workers, 1):
             raise InputError(f"--workers must be a positive number of processes (or omitted: "
                              f"as many as there are free cores), got {self.workers!r}.")

@@ -3,8 +3,11 @@
 Each capture layer is measured on its own (candidate errors, the retrieval probe's errors), so
 layers are spread over worker processes, one torch thread each: on a machine with ``N`` free
 cores the candidate stage runs about ``N`` times faster, with the same numbers (each layer's
-arithmetic is the same, in the same order). Workers are started with ``spawn`` (a forked torch
-process can deadlock in its thread pool) and each opens the capture read-only once.
+arithmetic is the same, in the same order). On Linux workers are forked (no interpreter to start,
+and a script calling ``recommend`` needs no ``if __name__ == "__main__"`` guard) and set one torch
+thread before any work, as torch's own data-loader workers do; no capture file may be open in the
+calling process while they start (HDF5 would share its handle), so each worker opens the capture
+read-only itself. Elsewhere they are spawned.
 
 ``map_layers(fn, path, layers, args, workers)`` returns ``[fn(layer_data, meta, *args)]`` in the
 order of ``layers``; ``fn`` must be a module-level function (it is pickled by name). With one
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
@@ -73,7 +77,8 @@ def map_layers(fn: Callable, path: str | Path, layers: Sequence[int], args: tupl
                     progress(n, total, f"{label} {index}")
         return out
     results: dict[int, Any] = {}
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("fork" if sys.platform.startswith("linux")
+                                          else "spawn")
     with ProcessPoolExecutor(workers, mp_context=context, initializer=_start,
                              initargs=(str(path),)) as pool:
         jobs = [pool.submit(_one, fn, index, args) for index in layers]

@@ -64,8 +64,9 @@ def measure(path: str | Path, opts: RecommendOptions,
     # mostly wait on each other (as in compare-axes: docs/compare-axes.md#memory-and-time).
     # The model's forwards (sensitivity) get the threads the caller had.
     threads = torch.get_num_threads()
-    with profiling() as prof, open_capture(path) as cap, torch_threads(1):
-        meta = cap.meta
+    with profiling() as prof, torch_threads(1):
+        with open_capture(path) as cap:  # closed while worker processes start
+            meta = cap.meta
         if tuple(meta.layers) != tuple(range(meta.num_layers)):
             raise InputError(f"{path} captures layers {list(meta.layers)}, but a recommendation "
                              f"needs all {meta.num_layers}; re-run `kvlens capture` without "
@@ -100,21 +101,22 @@ def measure(path: str | Path, opts: RecommendOptions,
                 balancers[index] = bal
         need = (opts.sensitivity != "uniform" and not opts.layer_weights) or \
             opts.retrieval != "off"
-        with stage("model load"):
-            model, tokenizer = load_model_for(cap, opts, notes) if need else (None, None)
-        with torch_threads(threads), stage("sensitivity"):
-            weights = opts.layer_weights or sensitivity_weights(cap, model, opts, tables,
-                                                                probes, notes, progress)
+        factors: tuple[dict, ...] = ()
+        with open_capture(path) as cap:
+            with stage("model load"):
+                model, tokenizer = load_model_for(cap, opts, notes) if need else (None, None)
+            with torch_threads(threads), stage("sensitivity"):
+                weights = opts.layer_weights or sensitivity_weights(cap, model, opts, tables,
+                                                                    probes, notes, progress)
+            if opts.sensitivity in ("layout", "auto") and model is not None \
+                    and not opts.layer_weights:
+                with torch_threads(threads), stage("layout sensitivity"):
+                    weights, factors = layout_factors(cap, model, opts, cands, balancers, notes,
+                                                      progress)
         if model is not None and opts.retrieval != "off" and opts.retrieval_weight > 0:
             with stage("retrieval probe"):
                 add_retrieval_errors(model, tokenizer, cands, opts, tables, balancers, notes,
                                      progress, workers)
-        factors: tuple[dict, ...] = ()
-        if opts.sensitivity in ("layout", "auto") and model is not None \
-                and not opts.layer_weights:
-            with torch_threads(threads), stage("layout sensitivity"):
-                weights, factors = layout_factors(cap, model, opts, cands, balancers, notes,
-                                                  progress)
     wanted = set(candidates(meta.head_dim, opts, meta.has_rope))
     tables = [{cf: e for cf, e in t.items() if cf[0] in wanted and cf[1] is not None}
               for t in tables]
@@ -168,6 +170,7 @@ def _cost_shape(meta, opts: RecommendOptions) -> CostShape:
         kv_heads=meta.num_key_value_heads, head_dim=meta.head_dim, samples=samples,
         tokens=tokens, score_from=opts.score_from, candidates=len(cands) + 2,
         streams=len(opts.streams()) + 1, families=len(family_probes(cands)) if layout else 0,
+        family_layers=opts.layout_layers or 0,
         sensitivity_tokens=tokens,
         probe_tokens=opts.retrieval_tokens if opts.retrieval != "off" and model_stages else 0,
         params=params if model_stages else 0, vocab=vocab)

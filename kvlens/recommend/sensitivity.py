@@ -9,6 +9,7 @@ predictions per unit of attention-output error, measured by probe-quantizing tha
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 from kvlens.analysis.compare import torch_threads
@@ -24,6 +25,7 @@ from kvlens.model.placement import input_device
 from kvlens.recommend.catalog import family, family_probes
 from kvlens.recommend.layer_errors import layer_variants
 from kvlens.recommend.options import Candidate
+from kvlens.text.selection import format_index_spec
 
 
 def probe_candidates(head_dim: int) -> tuple[Candidate, Candidate]:
@@ -56,29 +58,38 @@ def sensitivity_weights(cap, model, opts, tables, probes, notes, progress
 
 
 def layout_factors(cap, model, opts, cands, balancers, notes, progress):
-    """``(layer weights, per-layer {family: factor})`` for ``--sensitivity layout``: for every
-    layer and storage family, the model's KL when only that layer's keys (or values) are
-    replaced by the family probe's reconstruction (every token quantized), per unit of the
-    probe's attention-output error on the same queries (the capture's first sample, KL and
-    error on its last half). The rates are normalised to mean 1 over all layers and families;
-    the layer weight is a layer's mean rate, a family's factor its rate over that mean (so
-    weight x factor is the rate). A first-order rate, like ``--sensitivity model``, but
-    one per layout: the rate at which a layout's output error becomes KL can differ between
-    layouts (docs/lab-notes/vs-llamacpp.md, layout sensitivity)."""
+    """``(layer weights, per-layer {family: factor})`` for ``--sensitivity layout``.
+
+    A rate is the model's KL when only one layer's keys (or values) are replaced by a storage
+    family probe's reconstruction (every token quantized), per unit of the probe's
+    attention-output error on the same queries (the capture's first sample, KL and error on
+    its last half). Every layer measures the rate of two anchor families (``anchor_probes``:
+    one for keys, one for values); ``opts.layout_layers`` layers spread over the depth
+    (``spread_layers``; every layer with None, as ``--thorough``) measure every family, and a
+    family's rate elsewhere is its anchor's rate there times the family's ratio to that anchor
+    (rates summed over the layers that measured both). The rates are normalised to mean 1
+    over all layers and families; the layer weight is a layer's mean rate, a family's factor
+    its rate over that mean (so weight x factor is the rate). A first-order rate, like
+    ``--sensitivity model``, but one per layout: the rate at which a layout's output error
+    becomes KL can differ between layouts (docs/lab-notes/vs-llamacpp.md, layout
+    sensitivity)."""
 
     meta = cap.meta
     n = meta.num_tokens if opts.tokens is None else min(opts.tokens, meta.num_tokens)
     keep = n // 2
     ids = cap.tokens()[:1, :n].to(input_device(model))
     probes = family_probes(cands)
+    anchors = anchor_probes(probes)
+    every = set(spread_layers(meta.layers, opts.layout_layers))
     one = replace(opts, samples=1, tokens=n)
     rates: list[dict] = []
     with perturbed_kl(model, ids, keep) as kl:
         for i, layer in enumerate(cap.iter_layers()):
+            measured = probes if layer.index in every else anchors
             with torch_threads(1):  # small attention passes: one thread (see measure)
-                q, k, v, variants, _, _ = layer_variants(layer, meta, probes, one,
+                q, k, v, variants, _, _ = layer_variants(layer, meta, measured, one,
                                                          balancers.get(layer.index))
-                got = [c for c in probes if variants.get(c) is not None]
+                got = [c for c in measured if variants.get(c) is not None]
                 la = layer.attrs
                 errs = attention_errors_many(q[:, :, n - keep:], k, v,
                                              [variants[c] for c in got], scaling=la.scaling,
@@ -94,6 +105,7 @@ def layout_factors(cap, model, opts, cands, balancers, notes, progress):
             rates.append(row)
             if progress:
                 progress(i + 1, meta.num_layers, f"layout sensitivity layer {layer.index}")
+    rates = _shared_rates(rates, [family(c) for c in probes], [family(c) for c in anchors])
     known = [r for row in rates for r in row.values()]
     mean = sum(known) / len(known) if known and sum(known) > 0 else 1.0
     weights, factors = [], []
@@ -103,9 +115,57 @@ def layout_factors(cap, model, opts, cands, balancers, notes, progress):
         factors.append({f: r / mean / w if w > 0 else 1.0 for f, r in row.items()})
     spread = [max(f.values()) / min(f.values()) for f in factors
               if f and min(f.values()) > 0]
-    measured = max((len(row) for row in rates), default=0)
-    notes.append(f"layer weights and per-layout factors from measured KL ({measured} storage "
-                 f"families per layer, KL on the last {keep} of {n} capture tokens): weights "
+    where = "every layer" if len(every) == meta.num_layers else \
+        f"layers {format_index_spec(sorted(every))} (the {len(anchors)} anchor families on the others)"
+    notes.append(f"layer weights and per-layout factors from measured KL ({len(probes)} storage "
+                 f"families on {where}; KL on the last {keep} of {n} capture tokens): weights "
                  f"{min(weights):.2f}-{max(weights):.2f}, largest factor ratio within a layer "
                  f"{max(spread, default=1.0):.1f}")
     return tuple(weights), tuple(factors)
+
+
+def anchor_probes(probes: Sequence[Candidate]) -> list[Candidate]:
+    """The probes every layer measures (``layout_factors``): the first key and the first value
+    family probe (``family_probes`` order: per-channel post-RoPE keys, KIVI's, and per-channel
+    values)."""
+    out = []
+    for tensor in ("key", "value"):
+        out += [c for c in probes if c.tensor == tensor][:1]
+    return out
+
+
+def spread_layers(layers: Sequence[int], count: int | None) -> list[int]:
+    """``count`` layers spread evenly over ``layers`` (the first and the last included); every
+    layer when ``count`` is None or not smaller."""
+    layers = list(layers)
+    if count is None or count >= len(layers):
+        return layers
+    if count == 1:
+        return [layers[len(layers) // 2]]
+    return sorted({layers[round(i * (len(layers) - 1) / (count - 1))] for i in range(count)})
+
+
+def _shared_rates(rates: list[dict], families: Sequence[tuple], anchors: Sequence[tuple]
+                  ) -> list[dict]:
+    """Fill each layer's missing family rates: its anchor's rate there times the family's
+    ratio to the anchor, summed over the layers that measured both (so the layers where the
+    model is most sensitive count most, and a rate of 0 is a rate like any other)."""
+    def anchor_of(f):
+        return next((a for a in anchors if a[0] == f[0]), None)
+
+    ratio = {}
+    for f in families:
+        a = anchor_of(f)
+        both = [row for row in rates if a is not None and f in row and a in row]
+        below = sum(row[a] for row in both)
+        if below > 0:
+            ratio[f] = sum(row[f] for row in both) / below
+    out = []
+    for row in rates:
+        full = dict(row)
+        for f in families:
+            a = anchor_of(f)
+            if f not in full and f in ratio and a in row:
+                full[f] = row[a] * ratio[f]
+        out.append(full)
+    return out
