@@ -679,3 +679,17 @@ def test_a_script_without_a_main_guard_can_measure_on_workers(tmp_path):
                          env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["layers", "2"]
+
+
+def test_layout_anchors_are_kivi_layouts_where_offered():
+    from kvlens.recommend import family_probes
+    from kvlens.recommend.sensitivity import anchor_probes
+
+    opts = RecommendOptions(budget_bits=3.0)
+    got = anchor_probes(family_probes(candidates(64, opts, has_rope=True)))
+    assert [(c.tensor, c.granularity, c.stage, c.rotate, c.fit) for c in got] == [
+        ("key", "per-channel", "post", False, "minmax"),
+        ("value", "per-token", "post", False, "minmax")]
+    only_mse = replace(opts, value_fits=("mse",))
+    got = anchor_probes(family_probes(candidates(64, only_mse, has_rope=True)))
+    assert got[1].tensor == "value" and got[1].fit == "mse"  # no KIVI value: the first one

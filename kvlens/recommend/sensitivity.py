@@ -125,12 +125,17 @@ def layout_factors(cap, model, opts, cands, balancers, notes, progress):
 
 
 def anchor_probes(probes: Sequence[Candidate]) -> list[Candidate]:
-    """The probes every layer measures (``layout_factors``): the first key and the first value
-    family probe (``family_probes`` order: per-channel post-RoPE keys, KIVI's, and per-channel
-    values)."""
+    """The probes every layer measures (``layout_factors``): KIVI's layouts where offered,
+    plain post-RoPE min/max per-channel keys and per-token values, else the first key and
+    value family probes."""
+    def plain(c: Candidate, granularity: str) -> bool:
+        return (c.granularity == granularity and c.stage == "post" and not c.balancer
+                and not c.rotate and c.fit == "minmax")
+
     out = []
-    for tensor in ("key", "value"):
-        out += [c for c in probes if c.tensor == tensor][:1]
+    for tensor, granularity in (("key", "per-channel"), ("value", "per-token")):
+        mine = [c for c in probes if c.tensor == tensor]
+        out += [c for c in mine if plain(c, granularity)][:1] or mine[:1]
     return out
 
 
