@@ -29,12 +29,17 @@ from kvlens.analysis.metrics import Variant, attention_errors_many
 from kvlens.capture.store import open_capture
 from kvlens.errors import ConfigError, InputError, is_int
 from kvlens.quant import (
+    CodebookSpec,
     QuantSpec,
+    RotationSpec,
     apply_balancer,
     fake_quantize,
+    fake_quantize_codebook,
     fit_balancer,
     hadamard_block_size,
     hadamard_rotation,
+    key_mean,
+    quantize_centered,
     quantize_gear,
     quantize_rotated,
     quantize_with_outliers,
@@ -104,7 +109,7 @@ def compare_axes(
         "storage_dtype": meta.storage_dtype,
     }
     summary = summarize(records)
-    if config.formats:
+    if config.formats or config.codebooks:
         summary["formats"] = format_info(
             config, meta.num_key_value_heads, meta.num_tokens, meta.head_dim
         )
@@ -162,12 +167,14 @@ def _check_fits(meta, config: CompareConfig) -> None:
                 raise ConfigError(
                     f"Format {setting.name!r} does not fit {meta.model or 'this'} capture: {exc}"
                 ) from None
-    if "rotate" in config.variants:
+    if "rotate" in config.variants or config.codebooks:
         try:
             hadamard_block_size(meta.head_dim)
         except ConfigError as exc:
+            what = ("Variant 'rotate'" if "rotate" in config.variants
+                    else "Codebooks (Hadamard-rotated)")
             raise ConfigError(
-                f"Variant 'rotate' does not fit {meta.model or 'this'} capture: {exc}"
+                f"{what} does not fit {meta.model or 'this'} capture: {exc}"
             ) from None
     if "pre" in _key_stages(config):
         if not meta.has_rope or meta.rope_layout in ("none", "", "pending"):
@@ -258,6 +265,12 @@ def _approximations(q, k, v, k_pre, tables, config: CompareConfig, layout: str):
         if "rotate" in config.variants
         else None
     )
+    means = {}
+    if "key" in config.tensors and ("center" in config.variants or config.codebooks):
+        # one mean key per KV head, from the same layer's capture (in-sample)
+        means["post"] = key_mean(k)
+        if k_pre is not None:
+            means["pre"] = key_mean(k_pre)
     balancer = None
     if "key" in config.tensors and "balancer" in config.variants and "post" in config.stages:
         # MiKV fits the balancer per prompt at prefill: one b per sample, KV head and channel.
@@ -272,7 +285,13 @@ def _approximations(q, k, v, k_pre, tables, config: CompareConfig, layout: str):
                             if name == "balancer" and stage == "pre":
                                 continue  # q/b . k*b = q . k holds only where k is consumed
                             key = _VariantKey("key", axis, bits, g, stage, name)
-                            if name == "balancer":
+                            if name == "center":
+                                x = k if stage == "post" else k_pre
+                                hat = quantize_centered(
+                                    x, means[stage], lambda c, s=spec: fake_quantize(c, s))
+                                yield key, (hat if stage == "post" else k.float() + apply_rope(
+                                    hat - k_pre.float(), *tables, layout))
+                            elif name == "balancer":
                                 _, kb = apply_balancer(q, k, balancer)
                                 scale = balancer.float().unsqueeze(-2)
                                 yield key, _transform(kb, spec, PLAIN, config, rotation) / scale
@@ -289,12 +308,50 @@ def _approximations(q, k, v, k_pre, tables, config: CompareConfig, layout: str):
                                 yield key, k.float() + err
                 if "value" in config.tensors:
                     for name in transforms:
-                        if name != "balancer":  # the balancer rescales keys against queries
+                        # the balancer rescales keys against queries; centering is for keys
+                        if name not in ("balancer", "center"):
                             yield (
                                 _VariantKey("value", axis, bits, g, None, name),
                                 _transform(v, spec, name, config, rotation),
                             )
     yield from _format_approximations(k, v, config)
+    yield from _codebook_approximations(q, k, v, config, means.get("post"))
+
+
+def codebook_record_name(bits: int, name: str) -> str:
+    """``Record.format`` of a codebook variant, e.g. ``"codebook3:fitted+center"``."""
+    return f"codebook{bits}:{name}"
+
+
+def _codebook_approximations(q, k, v, config: CompareConfig, mu):
+    """Codebook layouts (``kvlens.quant.codebook``) at every swept bit width: post-RoPE keys
+    (optionally centred by the layer's mean key) and values, in the original basis. Fitted
+    codebooks are fitted on the same layer's tensor (in-sample), the weighted one with its
+    queries; ``weighted`` and ``+center`` are for keys, so values skip them."""
+
+    for name, base, opts in config.codebook_settings():
+        for bits in config.bits:
+            spec = CodebookSpec(bits, base, rotation_spec(config),
+                                renormalize="renorm" in opts)
+            for tensor, x in (("key", k), ("value", v)):
+                if tensor not in config.tensors:
+                    continue
+                if tensor == "value" and (base == "weighted" or "center" in opts):
+                    continue
+                key = _VariantKey(tensor, "per-vector", bits, x.shape[-1],
+                                  "post" if tensor == "key" else None, PLAIN,
+                                  codebook_record_name(bits, name))
+                queries = q if base == "weighted" else None
+
+                def code(c, s=spec, queries=queries):
+                    return fake_quantize_codebook(c, s, q=queries)
+
+                yield key, quantize_centered(x, mu, code) if "center" in opts else code(x)
+
+
+def rotation_spec(config: CompareConfig) -> RotationSpec:
+    """The codebooks' rotation: the sweep's ``rotation_seed`` (None: plain Hadamard)."""
+    return RotationSpec(config.rotation_seed)
 
 
 def _format_approximations(k, v, config: CompareConfig):
