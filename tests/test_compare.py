@@ -525,3 +525,23 @@ def test_codebooks_refuse_odd_head_dim(tmp_path):
     path = make_capture(tmp_path / "odd.h5", q, k, v)
     with pytest.raises(ConfigError, match=r"Codebooks \(Hadamard-rotated\) does not fit"):
         compare_axes(path, CompareConfig(group_sizes=(3,), codebooks=("lloyd-max",)))
+
+
+def test_codebook_pre_rope_keys(tmp_path):
+    q_pre, k_pre, v = _offset_keys(3)
+    cos, sin = rope_tables_for(torch.arange(T), D)
+    q, k = (apply_rope(x, cos, sin, "half") for x in (q_pre, k_pre))
+    path = make_capture(tmp_path / "p.h5", q, k, v, q_pre=q_pre, k_pre=k_pre, rope_theta=10000.0)
+    cfg = CompareConfig(bits=(3,), group_sizes=(8,),
+                        codebooks=("weighted+pre", "weighted+pre+center", "weighted"))
+    assert cfg.codebook_pre_rope
+    r = compare_axes(path, cfg).records
+    assert {x.stage for x in by(r, format="codebook3:weighted+center+pre")} == {"pre"}
+    assert not by(r, tensor="value", format="codebook3:weighted+pre")
+    err = lambda f: mean(r, format=f, tensor="key", metric="reconstruction")  # noqa: E731
+    # the pre-RoPE mean is a constant there: centering before RoPE removes the offset
+    assert err("codebook3:weighted+center+pre") < 0.5 * err("codebook3:weighted+pre")
+    # a capture without RoPE refuses +pre
+    plain = make_capture(tmp_path / "n.h5", q, k, v)
+    with pytest.raises(InputError, match="Stage 'pre' needs"):
+        compare_axes(plain, CompareConfig(bits=(2,), group_sizes=(8,), codebooks=("fitted+pre",)))

@@ -76,8 +76,8 @@ def compare_axes_command(
                                   help="Codebook layouts swept at every --bits, comma-separated "
                                        "(docs/codebooks.md): lloyd-max, fitted, weighted (keys; "
                                        "query-weighted fit), each optionally with +center "
-                                       "(keys centred) and/or +renorm (decoded vectors rescaled "
-                                       "to the stored norm). Hadamard-rotated, one float16 norm "
+                                       "(keys centred), +renorm (decoded vectors rescaled to "
+                                       "the stored norm) and +pre (keys coded before RoPE). Hadamard-rotated, one float16 norm "
                                        "per vector. Default none."),
     sinks: int = typer.Option(0, "--sinks", rich_help_panel=ANALYSIS,
                               help="Score/output metrics read the first N tokens exact (a cache "

@@ -25,7 +25,8 @@ PLAIN = "plain"
 KEY_METRICS = ("reconstruction", "score", "attention_weights", "attention_output")
 VALUE_METRICS = ("reconstruction", "attention_output")
 METRICS = KEY_METRICS
-CODEBOOK_OPTIONS = ("center", "renorm")  # "+center" (keys), "+renorm" after a codebook name
+# after a codebook name: "+center" (keys), "+renorm", "+pre" (keys coded before RoPE)
+CODEBOOK_OPTIONS = ("center", "renorm", "pre")
 
 
 @dataclass(frozen=True)
@@ -52,9 +53,10 @@ class CompareConfig:
         on the captured tensor they are evaluated on (in-sample).
     codebooks: codebook layouts (``kvlens.quant.codebook``) swept at every ``bits``, by name:
         ``lloyd-max``, ``fitted``, ``weighted`` (keys only), each optionally followed by
-        ``+center`` (keys centred as the ``center`` variant; values are coded uncentred) and/or
-        ``+renorm`` (decoded vectors rescaled to the stored norm); stored canonical
-        (``fitted+center+renorm``). Fitted codebooks and means come from the layer's captured
+        ``+center`` (keys centred as the ``center`` variant; values are coded uncentred),
+        ``+renorm`` (decoded vectors rescaled to the stored norm) and ``+pre`` (keys coded
+        before RoPE and re-rotated, as the pre stage; ``weighted`` then weights by the pre-RoPE
+        queries); stored canonical (``fitted+center+renorm+pre``). Fitted codebooks and means come from the layer's captured
         tensor they are evaluated on (in-sample).
     layers: captured layers to analyse (None = all). samples: use only the first N samples.
     tensors: which of ``"key"``, ``"value"`` to sweep.
@@ -139,6 +141,11 @@ class CompareConfig:
             base, *opts = name.split("+")
             out.append((name, base, frozenset(opts)))
         return tuple(out)
+
+    @property
+    def codebook_pre_rope(self) -> bool:
+        """Whether a codebook codes keys before RoPE (the capture's ``k_pre`` is needed)."""
+        return "key" in self.tensors and any("pre" in o for *_, o in self.codebook_settings())
 
     def format_settings(self):
         """``self.formats`` as ``kvlens.quant.formats.FormatSetting`` objects."""

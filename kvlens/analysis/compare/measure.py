@@ -90,7 +90,7 @@ def compare_axes(
         n_samples = (
             meta.num_samples if config.samples is None else min(config.samples, meta.num_samples)
         )
-        pre = "pre" in _key_stages(config)
+        pre = "pre" in _key_stages(config) or config.codebook_pre_rope
         for done, layer in enumerate(layers):
             if progress:
                 progress(done, len(layers), f"layer {layer}")
@@ -176,7 +176,7 @@ def _check_fits(meta, config: CompareConfig) -> None:
             raise ConfigError(
                 f"{what} does not fit {meta.model or 'this'} capture: {exc}"
             ) from None
-    if "pre" in _key_stages(config):
+    if "pre" in _key_stages(config) or config.codebook_pre_rope:
         if not meta.has_rope or meta.rope_layout in ("none", "", "pending"):
             raise InputError(
                 f"Stage 'pre' needs a capture of a model with RoPE, but {meta.model or 'this'} "
@@ -200,7 +200,10 @@ def _layer_records(layer_data, config: CompareConfig, meta, n_samples: int,
         tables = checked_layer_tables(k, k_pre, meta, layer_data.index)
     keys: list[_VariantKey] = []
     variants: list[Variant] = []
-    for key, approx in _approximations(q, k, v, k_pre, tables, config, meta.rope_layout):
+    q_pre = None
+    if any(b == "weighted" and "pre" in o for _, b, o in config.codebook_settings()):
+        q_pre = layer_data.read("q_pre", samples)
+    for key, approx in _approximations(q, k, v, k_pre, tables, config, meta.rope_layout, q_pre):
         keys.append(key)
         variants.append(Variant(k_hat=approx) if key.tensor == "key" else Variant(v_hat=approx))
     attrs = layer_data.attrs
@@ -254,7 +257,7 @@ def _layer_records(layer_data, config: CompareConfig, meta, n_samples: int,
     return out
 
 
-def _approximations(q, k, v, k_pre, tables, config: CompareConfig, layout: str):
+def _approximations(q, k, v, k_pre, tables, config: CompareConfig, layout: str, q_pre=None):
     """Yield ``(_VariantKey, approximation)`` for every variant of one layer: keys as the
     post-RoPE ``[B, Hkv, T, D]`` tensor attention sees, values as themselves."""
 
@@ -267,7 +270,7 @@ def _approximations(q, k, v, k_pre, tables, config: CompareConfig, layout: str):
     )
     means = {}
     if "key" in config.tensors and ("center" in config.variants or config.codebooks):
-        # one mean key per KV head, from the same layer's capture (in-sample)
+        # one mean key per KV head and stage, from the same layer's capture (in-sample)
         means["post"] = key_mean(k)
         if k_pre is not None:
             means["pre"] = key_mean(k_pre)
@@ -315,7 +318,7 @@ def _approximations(q, k, v, k_pre, tables, config: CompareConfig, layout: str):
                                 _transform(v, spec, name, config, rotation),
                             )
     yield from _format_approximations(k, v, config)
-    yield from _codebook_approximations(q, k, v, config, means.get("post"))
+    yield from _codebook_approximations(q, k, v, config, means, k_pre, tables, layout, q_pre)
 
 
 def codebook_record_name(bits: int, name: str) -> str:
@@ -323,11 +326,14 @@ def codebook_record_name(bits: int, name: str) -> str:
     return f"codebook{bits}:{name}"
 
 
-def _codebook_approximations(q, k, v, config: CompareConfig, mu):
-    """Codebook layouts (``kvlens.quant.codebook``) at every swept bit width: post-RoPE keys
-    (optionally centred by the layer's mean key) and values, in the original basis. Fitted
-    codebooks are fitted on the same layer's tensor (in-sample), the weighted one with its
-    queries; ``weighted`` and ``+center`` are for keys, so values skip them."""
+def _codebook_approximations(q, k, v, config: CompareConfig, means, k_pre, tables, layout,
+                             q_pre):
+    """Codebook layouts (``kvlens.quant.codebook``) at every swept bit width: keys (post-RoPE,
+    or with ``+pre`` coded before RoPE and re-rotated as the pre stage; optionally centred by
+    the layer's mean key of that stage) and values, in the original basis. Fitted codebooks are
+    fitted on the same layer's tensor (in-sample), the weighted one with its queries (pre-RoPE
+    queries for ``+pre``); ``weighted``, ``+center`` and ``+pre`` are for keys, so values skip
+    them."""
 
     for name, base, opts in config.codebook_settings():
         for bits in config.bits:
@@ -336,17 +342,22 @@ def _codebook_approximations(q, k, v, config: CompareConfig, mu):
             for tensor, x in (("key", k), ("value", v)):
                 if tensor not in config.tensors:
                     continue
-                if tensor == "value" and (base == "weighted" or "center" in opts):
+                if tensor == "value" and (base == "weighted" or opts & {"center", "pre"}):
                     continue
-                key = _VariantKey(tensor, "per-vector", bits, x.shape[-1],
-                                  "post" if tensor == "key" else None, PLAIN,
+                stage = None if tensor == "value" else "pre" if "pre" in opts else "post"
+                key = _VariantKey(tensor, "per-vector", bits, x.shape[-1], stage, PLAIN,
                                   codebook_record_name(bits, name))
-                queries = q if base == "weighted" else None
+                if stage == "pre":
+                    x = k_pre
+                queries = None if base != "weighted" else q_pre if stage == "pre" else q
 
                 def code(c, s=spec, queries=queries):
                     return fake_quantize_codebook(c, s, q=queries)
 
-                yield key, quantize_centered(x, mu, code) if "center" in opts else code(x)
+                hat = quantize_centered(x, means[stage], code) if "center" in opts else code(x)
+                if stage == "pre":  # re-rotate, as the pre stage of the integer specs
+                    hat = k.float() + apply_rope(hat - k_pre.float(), *tables, layout)
+                yield key, hat
 
 
 def rotation_spec(config: CompareConfig) -> RotationSpec:
