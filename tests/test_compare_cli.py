@@ -181,3 +181,15 @@ def test_missing_file_and_plots_on_a_file(capture, tmp_path):
     blocker.write_text("x")
     res = _run(capture, *SMALL, "--plots", blocker)
     assert res.exit_code == 1 and "is not a directory" in res.output
+
+
+def test_codebooks_and_center_in_table_and_json(capture):
+    res = _run(capture, *SMALL, "--variants", "center", "--codebooks", "fitted+center,lloyd-max")
+    assert res.exit_code == 0, res.output
+    out = " ".join(res.stdout.split())
+    assert "codebook2:fitted+center" in out and "codebook2:lloyd-max" in out
+    assert "K 2b G8 post center" in out
+    data = json.loads(_run(capture, *SMALL, "--codebooks", "weighted", "--json").stdout)
+    assert {f["format"] for f in data["summary"]["formats"]} == {"codebook2:weighted"}
+    bad = _run(capture, *SMALL, "--codebooks", "kmeans")
+    assert bad.exit_code != 0 and "Unknown codebook 'kmeans'" in bad.output

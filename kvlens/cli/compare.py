@@ -49,8 +49,9 @@ def compare_axes_command(
                                     "(quantize before RoPE, re-rotate), e.g. post,pre."),
     variants: str = typer.Option("", "--variants", rich_help_panel=ANALYSIS,
                                  help="Extra transforms beside plain quantization: balancer, "
-                                      "outliers, lowrank, rotate (Hadamard along head_dim; "
-                                      "comma-separated; default none)."),
+                                      "outliers, lowrank, rotate (Hadamard along head_dim), "
+                                      "center (keys: the layer's mean key per KV head "
+                                      "subtracted; comma-separated; default none)."),
     outlier_fraction: float = typer.Option(0.01, "--outlier-fraction", rich_help_panel=ANALYSIS,
                                            help="Share of each quantized vector kept exact by "
                                                 "the outliers variant."),
@@ -71,6 +72,13 @@ def compare_axes_command(
                                     "the capture; @head per KV head; :p99.9 percentile; :s1 "
                                     "the fixed default scale), vllm:int8-pth / int4-pth / "
                                     "fp8-pth (per-token-head). Default none.")),
+    codebooks: str = typer.Option("", "--codebooks", rich_help_panel=ANALYSIS,
+                                  help="Codebook layouts swept at every --bits, comma-separated "
+                                       "(docs/codebooks.md): lloyd-max, fitted, weighted (keys; "
+                                       "query-weighted fit), each optionally with +center "
+                                       "(keys centred), +renorm (decoded vectors rescaled to "
+                                       "the stored norm) and +pre (keys coded before RoPE). Hadamard-rotated, one float16 norm "
+                                       "per vector. Default none."),
     sinks: int = typer.Option(0, "--sinks", rich_help_panel=ANALYSIS,
                               help="Score/output metrics read the first N tokens exact (a cache "
                                    "that keeps the attention sinks at full precision)."),
@@ -111,6 +119,7 @@ def compare_axes_command(
             sink_tokens=sinks,
             rotation_seed=rotation_seed,
             formats=measured_cache_types(formats),
+            codebooks=parse_name_list(codebooks),
         )
 
     config = run_library_call(configure)
@@ -224,7 +233,7 @@ def _render_formats(summary: dict) -> None:
     for (tensor, _, metric), value in means.items():
         best[(tensor, metric)] = min(value, best.get((tensor, metric), value))
     table = Table(
-        title="engine KV-cache formats",
+        title="engine KV-cache formats and codebooks",
         caption="Relative Frobenius error, mean over layers and heads (keys post-RoPE). "
         "* = lowest error among the formats. bits: storage bits per element including "
         "scales. rot: Hadamard-rotated as the engine does. " + summary["format_calibration"] + ".",

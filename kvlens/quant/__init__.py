@@ -3,7 +3,9 @@
 Tensors are ``[B, H, T, D]`` at every public function. ``spec`` says what shares a scale,
 ``reference`` quantizes/dequantizes, ``packing`` stores codes in bytes, ``transforms`` adds
 pre-RoPE keys, the MiKV balancer, dense-and-sparse outliers and the GEAR low-rank residual,
-``rotation`` the orthonormal Hadamard rotation along ``head_dim``, ``meta8`` 8-bit group
+``rotation`` the orthonormal Hadamard rotation along ``head_dim``, ``codebook`` non-uniform
+(codebook) codes of rotated coordinates with one norm per vector, ``centering`` the exact
+per-head key centering, ``meta8`` 8-bit group
 metadata, and the engines' own cache formats: ``ggml`` (llama.cpp's blocks), ``fp8`` (static fp8
 and per-token-head), ``formats`` (a format with the engine's rotation, names, the read-back
 entry point) and ``cachetypes`` (what a config stores per tensor).
@@ -11,6 +13,19 @@ Kernels and analysis are tested against these functions. The bytes a cache holds
 in one place, ``kvlens.cache.layout``.
 """
 
+from kvlens.quant.centering import center, key_mean, quantize_centered
+from kvlens.quant.codebook import (
+    CODEBOOKS,
+    Codebook,
+    CodebookSpec,
+    CodebookTensor,
+    codebook_for,
+    dequantize_codebook,
+    fake_quantize_codebook,
+    fit_codebook,
+    lloyd_max,
+    quantize_codebook,
+)
 from kvlens.quant.fake import fake_quantize
 from kvlens.quant.formats import (
     FormatSetting,
@@ -54,6 +69,19 @@ from kvlens.quant.transforms import (
 )
 
 __all__ = [
+    "CODEBOOKS",
+    "Codebook",
+    "CodebookSpec",
+    "CodebookTensor",
+    "center",
+    "codebook_for",
+    "dequantize_codebook",
+    "fake_quantize_codebook",
+    "fit_codebook",
+    "key_mean",
+    "lloyd_max",
+    "quantize_centered",
+    "quantize_codebook",
     "FP8Format",
     "FormatSetting",
     "GGMLBlockFormat",

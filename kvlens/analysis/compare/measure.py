@@ -29,12 +29,17 @@ from kvlens.analysis.metrics import Variant, attention_errors_many
 from kvlens.capture.store import open_capture
 from kvlens.errors import ConfigError, InputError, is_int
 from kvlens.quant import (
+    CodebookSpec,
     QuantSpec,
+    RotationSpec,
     apply_balancer,
     fake_quantize,
+    fake_quantize_codebook,
     fit_balancer,
     hadamard_block_size,
     hadamard_rotation,
+    key_mean,
+    quantize_centered,
     quantize_gear,
     quantize_rotated,
     quantize_with_outliers,
@@ -85,7 +90,7 @@ def compare_axes(
         n_samples = (
             meta.num_samples if config.samples is None else min(config.samples, meta.num_samples)
         )
-        pre = "pre" in _key_stages(config)
+        pre = "pre" in _key_stages(config) or config.codebook_pre_rope
         for done, layer in enumerate(layers):
             if progress:
                 progress(done, len(layers), f"layer {layer}")
@@ -104,7 +109,7 @@ def compare_axes(
         "storage_dtype": meta.storage_dtype,
     }
     summary = summarize(records)
-    if config.formats:
+    if config.formats or config.codebooks:
         summary["formats"] = format_info(
             config, meta.num_key_value_heads, meta.num_tokens, meta.head_dim
         )
@@ -162,14 +167,16 @@ def _check_fits(meta, config: CompareConfig) -> None:
                 raise ConfigError(
                     f"Format {setting.name!r} does not fit {meta.model or 'this'} capture: {exc}"
                 ) from None
-    if "rotate" in config.variants:
+    if "rotate" in config.variants or config.codebooks:
         try:
             hadamard_block_size(meta.head_dim)
         except ConfigError as exc:
+            what = ("Variant 'rotate'" if "rotate" in config.variants
+                    else "Codebooks (Hadamard-rotated)")
             raise ConfigError(
-                f"Variant 'rotate' does not fit {meta.model or 'this'} capture: {exc}"
+                f"{what} does not fit {meta.model or 'this'} capture: {exc}"
             ) from None
-    if "pre" in _key_stages(config):
+    if "pre" in _key_stages(config) or config.codebook_pre_rope:
         if not meta.has_rope or meta.rope_layout in ("none", "", "pending"):
             raise InputError(
                 f"Stage 'pre' needs a capture of a model with RoPE, but {meta.model or 'this'} "
@@ -193,7 +200,10 @@ def _layer_records(layer_data, config: CompareConfig, meta, n_samples: int,
         tables = checked_layer_tables(k, k_pre, meta, layer_data.index)
     keys: list[_VariantKey] = []
     variants: list[Variant] = []
-    for key, approx in _approximations(q, k, v, k_pre, tables, config, meta.rope_layout):
+    q_pre = None
+    if any(b == "weighted" and "pre" in o for _, b, o in config.codebook_settings()):
+        q_pre = layer_data.read("q_pre", samples)
+    for key, approx in _approximations(q, k, v, k_pre, tables, config, meta.rope_layout, q_pre):
         keys.append(key)
         variants.append(Variant(k_hat=approx) if key.tensor == "key" else Variant(v_hat=approx))
     attrs = layer_data.attrs
@@ -247,7 +257,7 @@ def _layer_records(layer_data, config: CompareConfig, meta, n_samples: int,
     return out
 
 
-def _approximations(q, k, v, k_pre, tables, config: CompareConfig, layout: str):
+def _approximations(q, k, v, k_pre, tables, config: CompareConfig, layout: str, q_pre=None):
     """Yield ``(_VariantKey, approximation)`` for every variant of one layer: keys as the
     post-RoPE ``[B, Hkv, T, D]`` tensor attention sees, values as themselves."""
 
@@ -258,6 +268,12 @@ def _approximations(q, k, v, k_pre, tables, config: CompareConfig, layout: str):
         if "rotate" in config.variants
         else None
     )
+    means = {}
+    if "key" in config.tensors and ("center" in config.variants or config.codebooks):
+        # one mean key per KV head and stage, from the same layer's capture (in-sample)
+        means["post"] = key_mean(k)
+        if k_pre is not None:
+            means["pre"] = key_mean(k_pre)
     balancer = None
     if "key" in config.tensors and "balancer" in config.variants and "post" in config.stages:
         # MiKV fits the balancer per prompt at prefill: one b per sample, KV head and channel.
@@ -272,7 +288,13 @@ def _approximations(q, k, v, k_pre, tables, config: CompareConfig, layout: str):
                             if name == "balancer" and stage == "pre":
                                 continue  # q/b . k*b = q . k holds only where k is consumed
                             key = _VariantKey("key", axis, bits, g, stage, name)
-                            if name == "balancer":
+                            if name == "center":
+                                x = k if stage == "post" else k_pre
+                                hat = quantize_centered(
+                                    x, means[stage], lambda c, s=spec: fake_quantize(c, s))
+                                yield key, (hat if stage == "post" else k.float() + apply_rope(
+                                    hat - k_pre.float(), *tables, layout))
+                            elif name == "balancer":
                                 _, kb = apply_balancer(q, k, balancer)
                                 scale = balancer.float().unsqueeze(-2)
                                 yield key, _transform(kb, spec, PLAIN, config, rotation) / scale
@@ -289,12 +311,58 @@ def _approximations(q, k, v, k_pre, tables, config: CompareConfig, layout: str):
                                 yield key, k.float() + err
                 if "value" in config.tensors:
                     for name in transforms:
-                        if name != "balancer":  # the balancer rescales keys against queries
+                        # the balancer rescales keys against queries; centering is for keys
+                        if name not in ("balancer", "center"):
                             yield (
                                 _VariantKey("value", axis, bits, g, None, name),
                                 _transform(v, spec, name, config, rotation),
                             )
     yield from _format_approximations(k, v, config)
+    yield from _codebook_approximations(q, k, v, config, means, k_pre, tables, layout, q_pre)
+
+
+def codebook_record_name(bits: int, name: str) -> str:
+    """``Record.format`` of a codebook variant, e.g. ``"codebook3:fitted+center"``."""
+    return f"codebook{bits}:{name}"
+
+
+def _codebook_approximations(q, k, v, config: CompareConfig, means, k_pre, tables, layout,
+                             q_pre):
+    """Codebook layouts (``kvlens.quant.codebook``) at every swept bit width: keys (post-RoPE,
+    or with ``+pre`` coded before RoPE and re-rotated as the pre stage; optionally centred by
+    the layer's mean key of that stage) and values, in the original basis. Fitted codebooks are
+    fitted on the same layer's tensor (in-sample), the weighted one with its queries (pre-RoPE
+    queries for ``+pre``); ``weighted``, ``+center`` and ``+pre`` are for keys, so values skip
+    them."""
+
+    for name, base, opts in config.codebook_settings():
+        for bits in config.bits:
+            spec = CodebookSpec(bits, base, rotation_spec(config),
+                                renormalize="renorm" in opts)
+            for tensor, x in (("key", k), ("value", v)):
+                if tensor not in config.tensors:
+                    continue
+                if tensor == "value" and (base == "weighted" or opts & {"center", "pre"}):
+                    continue
+                stage = None if tensor == "value" else "pre" if "pre" in opts else "post"
+                key = _VariantKey(tensor, "per-vector", bits, x.shape[-1], stage, PLAIN,
+                                  codebook_record_name(bits, name))
+                if stage == "pre":
+                    x = k_pre
+                queries = None if base != "weighted" else q_pre if stage == "pre" else q
+
+                def code(c, s=spec, queries=queries):
+                    return fake_quantize_codebook(c, s, q=queries)
+
+                hat = quantize_centered(x, means[stage], code) if "center" in opts else code(x)
+                if stage == "pre":  # re-rotate, as the pre stage of the integer specs
+                    hat = k.float() + apply_rope(hat - k_pre.float(), *tables, layout)
+                yield key, hat
+
+
+def rotation_spec(config: CompareConfig) -> RotationSpec:
+    """The codebooks' rotation: the sweep's ``rotation_seed`` (None: plain Hadamard)."""
+    return RotationSpec(config.rotation_seed)
 
 
 def _format_approximations(k, v, config: CompareConfig):

@@ -1,0 +1,423 @@
+"""Codebook (non-uniform scalar) quantization of head vectors with one norm per vector.
+
+Tensors are ``[B, H, T, D]``. Each ``[D]`` vector ``x`` (one token of one head) is stored as
+
+- its L2 norm ``n = ||x||`` in float16, and
+- ``bits``-bit codes of its *normalised, rotated* coordinates: with ``R`` the Hadamard rotation
+  of ``kvlens.quant.rotation`` (``y = x R``, ``||y|| = n``), the coordinates
+  ``z = sqrt(D) * y / n`` are each coded as the index of the nearest centroid of a 1-D codebook
+  of ``2^bits`` values (``Codebook``). ``n = 0`` gives ``z = 0``.
+
+Decoding: ``y_hat = n16 * c[codes] / sqrt(D)`` and ``x_hat = y_hat Rᵀ``. With ``renormalize``
+the decoded vector is rescaled to the stored norm instead: ``y_hat = n16 * c / ||c||``.
+
+Why ``sqrt(D)``: after a Hadamard rotation the direction ``y / n`` of a vector is spread over all
+coordinates, so each coordinate behaves like a coordinate of a uniform point on the unit sphere
+of ``R^D``, density ``∝ (1 - t²)^((D-3)/2)`` on ``[-1, 1]``, variance ``1/D`` and close to
+``N(0, 1/D)`` (HIGGS arXiv 2411.17525, TurboQuant arXiv 2504.19874). Scaled by ``sqrt(D)`` it has
+unit variance, so one codebook form serves every head_dim.
+
+Codebooks (``CODEBOOKS``):
+
+- ``"lloyd-max"``: the Lloyd-Max quantizer of that sphere-coordinate density for the layer's
+  ``D`` (``lloyd_max``), computed by iterating Lloyd's two conditions (boundaries at the
+  midpoints of neighbouring centroids; each centroid the mean of the density over its cell) on
+  a fine grid. Nothing is stored: it is a function of ``bits`` and ``D``.
+- ``"fitted"``: one codebook per layer and tensor, 1-D k-means (weighted Lloyd,
+  ``fit_codebook``) on the captured vectors' coordinates ``z``, each coordinate weighted by its
+  vector's squared norm ``n²`` (so the fit minimises the squared reconstruction error of the
+  original vectors, ``||x - x_hat||² = n²/D · ||z - c||²``). KVQuant (arXiv 2401.18079) fits
+  per-layer non-uniform datatypes the same way, on normalised values.
+- ``"weighted"`` (keys): as ``"fitted"`` with each coordinate's weight multiplied by the
+  captured queries' mean squared magnitude in that rotated channel, ``w_c = mean((q R)_c²)``
+  over the query tokens and the query heads reading that KV head (normalised to mean 1 per
+  head). A key error ``e`` moves a score by ``(q R) · e``; with errors independent across
+  channels its expected square is ``Σ_c w_c e_c²``, so this fit minimises the expected squared
+  *score* error (a Fisher-like weighting, as KVQuant's sensitivity-weighted k-means).
+
+Fitted centroids are rounded to float16 (what is stored). Storage, counted once in
+``CodebookSpec.held_bytes``: per vector ``packed_length(D, bits)`` bytes of codes (densely
+packed by ``kvlens.quant.packing``, so 3-bit codes cost 3 bits) plus 2 bytes of norm; plus
+``2^bits`` float16 centroids per fitted codebook (per layer and tensor).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvlens.errors import ConfigError, InputError, is_int
+from kvlens.quant.packing import pack_codes, packed_length, unpack_codes
+from kvlens.quant.rotation import RotationSpec, rotate, unrotate
+
+CODEBOOKS = ("lloyd-max", "fitted", "weighted")
+CODEBOOK_SPEC_VERSION = 1
+MIN_CODEBOOK_BITS, MAX_CODEBOOK_BITS = 1, 8
+NORM_BYTES = 2  # float16 norm per vector
+CENTROID_BYTES = 2  # float16 per fitted centroid
+LLOYD_GRID = 200_001
+LLOYD_ITERS = 2000
+FIT_BINS = 8192
+FIT_ITERS = 300
+_FIELDS = ("bits", "codebook", "rotation", "renormalize")
+
+
+@dataclass(frozen=True)
+class CodebookSpec:
+    """A codebook quantization config for ``[B, H, T, D]`` tensors (frozen, versioned JSON).
+
+    bits: code width, 1-8 (``2^bits`` centroids).
+    codebook: ``"lloyd-max"`` (computed for the sphere-coordinate density, nothing stored),
+        ``"fitted"`` (k-means per layer and tensor on the capture, norm²-weighted) or
+        ``"weighted"`` (keys: additionally weighted by the queries' squared magnitude per
+        rotated channel). Module docstring for the exact weights.
+    rotation: the Hadamard rotation applied before coding (``None``: code the raw channels;
+        the Lloyd-Max codebook assumes a rotation, so ``None`` is for ablations).
+    renormalize: rescale each decoded vector to its stored norm.
+    """
+
+    bits: int
+    codebook: str = "lloyd-max"
+    rotation: RotationSpec | None = field(default_factory=RotationSpec)
+    renormalize: bool = False
+
+    def __post_init__(self) -> None:
+        if not is_int(self.bits, MIN_CODEBOOK_BITS, MAX_CODEBOOK_BITS):
+            raise ConfigError(
+                f"Invalid codebook bits {self.bits!r}; allowed: integers "
+                f"{MIN_CODEBOOK_BITS}-{MAX_CODEBOOK_BITS}."
+            )
+        if self.codebook not in CODEBOOKS:
+            raise ConfigError(
+                f"Unknown codebook {self.codebook!r}; allowed: {', '.join(CODEBOOKS)}."
+            )
+        if self.rotation is not None and not isinstance(self.rotation, RotationSpec):
+            raise ConfigError(
+                f"Invalid codebook rotation {self.rotation!r}; allowed: a RotationSpec or None."
+            )
+        if not isinstance(self.renormalize, bool):
+            raise ConfigError(f"Invalid renormalize {self.renormalize!r}; allowed: true, false.")
+
+    @property
+    def fitted(self) -> bool:
+        """Whether the codebook is fitted on data (and so stored, once per layer and tensor)."""
+        return self.codebook != "lloyd-max"
+
+    @property
+    def levels(self) -> int:
+        return 1 << self.bits
+
+    # -- storage: the one place bytes are counted ---------------------------------------------
+    def held_bytes(self, num_vectors: int, head_dim: int, codebooks: int = 1) -> int:
+        """Bytes held for ``num_vectors`` coded ``[head_dim]`` vectors that share ``codebooks``
+        codebooks: packed codes and a float16 norm per vector, plus ``2^bits`` float16
+        centroids per fitted codebook (a Lloyd-Max codebook is computed, not stored)."""
+        per_vector = packed_length(head_dim, self.bits) + NORM_BYTES
+        stored = codebooks * self.levels * CENTROID_BYTES if self.fitted else 0
+        return num_vectors * per_vector + stored
+
+    def bits_per_element(self, num_vectors: int, head_dim: int, codebooks: int = 1) -> float:
+        """``held_bytes`` in bits per coded element: ``bits + 16/D`` (+ the codebook amortised
+        over the ``num_vectors * head_dim`` elements it serves)."""
+        return 8 * self.held_bytes(num_vectors, head_dim, codebooks) / (num_vectors * head_dim)
+
+    @property
+    def label(self) -> str:
+        rot = "" if self.rotation is None else f" {self.rotation.label}"
+        return f"{self.bits}b codebook {self.codebook}{rot}{' renorm' if self.renormalize else ''}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": CODEBOOK_SPEC_VERSION,
+            "bits": self.bits,
+            "codebook": self.codebook,
+            "rotation": None if self.rotation is None else self.rotation.to_dict(),
+            "renormalize": self.renormalize,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CodebookSpec:
+        """Inverse of ``to_dict``; rejects unknown keys and other versions with ``ConfigError``."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"A codebook spec must be a JSON object, got {type(data).__name__}.")
+        version = data.get("version", CODEBOOK_SPEC_VERSION)
+        if version != CODEBOOK_SPEC_VERSION:
+            raise ConfigError(
+                f"Unsupported codebook spec version {version!r}; this kvlens reads version "
+                f"{CODEBOOK_SPEC_VERSION}."
+            )
+        unknown = sorted(set(data) - set(_FIELDS) - {"version"})
+        if unknown:
+            raise ConfigError(
+                f"Unknown codebook spec keys {unknown}; allowed: {', '.join(('version',) + _FIELDS)}."
+            )
+        if "bits" not in data:
+            raise ConfigError("Codebook spec is missing 'bits'.")
+        kwargs = {k: data[k] for k in _FIELDS if k in data}
+        if kwargs.get("rotation") is not None:
+            kwargs["rotation"] = RotationSpec.from_dict(kwargs["rotation"])
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class Codebook:
+    """``2^bits`` ascending centroids (float32 ``[levels]``) in unit-variance coordinates
+    ``z = sqrt(D) * (x R)_c / ||x||``. A coordinate codes to its nearest centroid."""
+
+    centroids: torch.Tensor
+
+    def __post_init__(self) -> None:
+        c = self.centroids
+        if c.dim() != 1 or c.numel() < 2 or c.numel() & (c.numel() - 1):
+            raise InputError(
+                f"A codebook needs a power-of-two number (>= 2) of centroids, got shape "
+                f"{tuple(c.shape)}."
+            )
+        if not bool((c[1:] >= c[:-1]).all()):
+            raise InputError("Codebook centroids must be sorted ascending.")
+
+    @property
+    def bits(self) -> int:
+        return self.centroids.numel().bit_length() - 1
+
+    @property
+    def boundaries(self) -> torch.Tensor:
+        """The ``levels - 1`` cell boundaries, midpoints of neighbouring centroids."""
+        c = self.centroids
+        return (c[1:] + c[:-1]) / 2
+
+    def encode(self, z: torch.Tensor) -> torch.Tensor:
+        """uint8 code of the nearest centroid for each element of ``z``."""
+        b = self.boundaries.to(z.device)
+        return torch.bucketize(z.float().contiguous(), b).to(torch.uint8)
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.centroids.to(codes.device)[codes.long()]
+
+
+# -- codebooks ----------------------------------------------------------------------------------
+
+
+def sphere_coordinate_density(z: torch.Tensor, head_dim: int | None) -> torch.Tensor:
+    """Unnormalised density of ``sqrt(D) * t`` for ``t`` a coordinate of a uniform point on the
+    unit sphere of ``R^D``: ``(1 - z²/D)^((D-3)/2)`` on ``|z| < sqrt(D)``; ``head_dim=None`` gives
+    the standard normal (its limit as ``D`` grows)."""
+    z = z.double()
+    if head_dim is None:
+        return torch.exp(-0.5 * z * z)
+    if not is_int(head_dim, 3):
+        raise ConfigError(f"Invalid head_dim {head_dim!r} for the sphere density; allowed: >= 3.")
+    inside = (1 - z * z / head_dim).clamp_min(0)
+    return inside.pow((head_dim - 3) / 2)
+
+
+def weighted_lloyd(points: torch.Tensor, weights: torch.Tensor, levels: int,
+                   iters: int, tol: float = 1e-12) -> torch.Tensor:
+    """1-D Lloyd (weighted k-means) on ascending ``points`` with ``weights`` (float64 [N]).
+
+    Starts from the centroids of ``levels`` equal-mass cells, then alternates boundaries at
+    centroid midpoints and centroids at the weighted mean of their cell (an empty cell keeps its
+    centroid) until no centroid moves more than ``tol`` or ``iters`` rounds. Cell sums come from
+    prefix sums, so a round costs ``O(levels log N)``. Returns float64 ``[levels]``."""
+    cw = torch.cat((weights.new_zeros(1), weights.cumsum(0)))
+    cs = torch.cat((weights.new_zeros(1), (weights * points).cumsum(0)))
+    total = float(cw[-1])
+    if total <= 0:
+        raise InputError("Cannot fit a codebook: all weights are zero.")
+    # equal-mass initial cells
+    cuts = torch.searchsorted(cw, torch.linspace(0, total, levels + 1, dtype=cw.dtype)[1:-1])
+    edges = torch.cat((cuts.new_zeros(1), cuts, cuts.new_full((1,), points.numel())))
+    c = _cell_means(cw, cs, edges, points, None)
+    for _ in range(iters):
+        mids = (c[1:] + c[:-1]) / 2
+        inner = torch.searchsorted(points, mids)  # points < mid go left
+        edges = torch.cat((inner.new_zeros(1), inner, inner.new_full((1,), points.numel())))
+        new = _cell_means(cw, cs, edges, points, c)
+        moved = float((new - c).abs().max())
+        c = new
+        if moved <= tol:
+            break
+    return c
+
+
+def _cell_means(cw, cs, edges, points, previous):
+    mass = cw[edges[1:]] - cw[edges[:-1]]
+    total = cs[edges[1:]] - cs[edges[:-1]]
+    if previous is None:  # initial cells: fall back to the cell's first point when empty
+        lo = points[edges[:-1].clamp_max(points.numel() - 1)]
+        previous = lo
+    return torch.where(mass > 0, total / mass.clamp_min(1e-300), previous)
+
+
+def lloyd_max(bits: int, head_dim: int | None) -> Codebook:
+    """The Lloyd-Max codebook of ``sphere_coordinate_density`` for ``head_dim`` (None: the
+    standard normal), iterated on a ``LLOYD_GRID``-point grid; symmetric about 0 up to float
+    rounding (symmetrised exactly)."""
+    if not is_int(bits, MIN_CODEBOOK_BITS, MAX_CODEBOOK_BITS):
+        raise ConfigError(f"Invalid codebook bits {bits!r}; allowed: integers 1-8.")
+    return _lloyd_max_cached(bits, head_dim)
+
+
+_LLOYD_CACHE: dict[tuple[int, int | None], Codebook] = {}
+
+
+def _lloyd_max_cached(bits: int, head_dim: int | None) -> Codebook:
+    key = (bits, head_dim)
+    if key not in _LLOYD_CACHE:
+        reach = 12.0 if head_dim is None else min(12.0, math.sqrt(head_dim))
+        z = torch.linspace(-reach, reach, LLOYD_GRID, dtype=torch.float64)
+        w = sphere_coordinate_density(z, head_dim)
+        c = weighted_lloyd(z, w, 1 << bits, LLOYD_ITERS)
+        c = (c - c.flip(0)) / 2  # exact symmetry
+        _LLOYD_CACHE[key] = Codebook(c.float())
+    return _LLOYD_CACHE[key]
+
+
+def fit_codebook(z: torch.Tensor, bits: int, weights: torch.Tensor | None = None,
+                 bins: int = FIT_BINS, iters: int = FIT_ITERS) -> Codebook:
+    """A codebook fitted to the values ``z`` (any shape) by weighted 1-D k-means.
+
+    ``weights`` broadcast against ``z`` (None: all 1). The values are first reduced to a
+    ``bins``-bin histogram over their range (each bin as its weighted mean and mass), which keeps
+    the fit fast on millions of values and changes the optimum by far less than the float16
+    rounding of the stored centroids. Centroids are rounded to float16."""
+    if not is_int(bits, MIN_CODEBOOK_BITS, MAX_CODEBOOK_BITS):
+        raise ConfigError(f"Invalid codebook bits {bits!r}; allowed: integers 1-8.")
+    zf = z.detach().double().reshape(-1)
+    w = (torch.ones_like(zf) if weights is None
+         else torch.broadcast_to(weights.detach().double(), z.shape).reshape(-1))
+    keep = torch.isfinite(zf) & (w > 0)
+    zf, w = zf[keep], w[keep]
+    if zf.numel() == 0:
+        raise InputError("Cannot fit a codebook on no values (empty or all weights zero).")
+    lo, hi = float(zf.min()), float(zf.max())
+    span = max(hi - lo, 1e-12)
+    idx = ((zf - lo) / span * bins).long().clamp_(0, bins - 1)
+    mass = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, w)
+    sums = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, w * zf)
+    used = mass > 0
+    points, mass = sums[used] / mass[used], mass[used]
+    levels = 1 << bits
+    if points.numel() < levels:  # fewer distinct bins than centroids: pad by repetition
+        c = torch.cat((points, points[-1:].expand(levels - points.numel())))
+    else:
+        c = weighted_lloyd(points, mass, levels, iters)
+    return Codebook(c.half().float().sort().values)
+
+
+# -- quantize / dequantize ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CodebookTensor:
+    """A codebook-quantized ``[B, H, T, D]`` tensor: ``codes`` uint8 ``[B, H, T, D]`` (one code
+    per rotated coordinate, unpacked; ``packed()`` gives the stored form), ``norms`` float16
+    ``[B, H, T]``, the ``codebook`` used and the ``spec``."""
+
+    codes: torch.Tensor
+    norms: torch.Tensor
+    codebook: Codebook
+    spec: CodebookSpec
+    shape: tuple[int, int, int, int]
+
+    def packed(self) -> torch.Tensor:
+        """Codes packed densely along ``D``: uint8 ``[B, H, T, packed_length(D, bits)]``."""
+        return pack_codes(self.codes, self.spec.bits, dim=-1)
+
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, norms: torch.Tensor, codebook: Codebook,
+                    spec: CodebookSpec, head_dim: int) -> CodebookTensor:
+        codes = unpack_codes(packed, spec.bits, head_dim, dim=-1)
+        return cls(codes, norms, codebook, spec, tuple(codes.shape))
+
+
+def _check(x: torch.Tensor) -> None:
+    if x.dim() != 4:
+        raise InputError(f"Expected a [B, H, T, D] tensor, got shape {tuple(x.shape)}.")
+    if not x.is_floating_point():
+        raise InputError(f"Expected a floating-point tensor, got {x.dtype}.")
+
+
+def _rotation_matrix(spec: CodebookSpec, head_dim: int, device) -> torch.Tensor | None:
+    return None if spec.rotation is None else spec.rotation.matrix(head_dim, device)
+
+
+def normalized_coordinates(x: torch.Tensor, spec: CodebookSpec
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(z, n)``: the unit-variance rotated coordinates ``sqrt(D) * (x R) / ||x||`` ``[B, H, T,
+    D]`` float32 and the norms ``[B, H, T]`` float32 (``z = 0`` where ``n = 0``)."""
+    _check(x)
+    d = x.shape[-1]
+    r = _rotation_matrix(spec, d, x.device)
+    y = x.float() if r is None else rotate(x, r)
+    n = y.norm(dim=-1)
+    z = y * (math.sqrt(d) / n.clamp_min(torch.finfo(torch.float32).tiny))[..., None]
+    return torch.where(n[..., None] > 0, z, torch.zeros_like(z)), n
+
+
+def query_channel_weights(q: torch.Tensor, num_kv_heads: int,
+                          spec: CodebookSpec) -> torch.Tensor:
+    """``[Hkv, D]`` weights of the ``"weighted"`` fit: the mean squared rotated query
+    ``(q R)_c²`` over batch, tokens and the query heads of each KV head (GQA: query head ``h``
+    reads KV head ``h // groups``), divided by its mean over channels (so each head's weights
+    average 1 and heads keep the weight their norms give them)."""
+    _check(q)
+    b, hq, t, d = q.shape
+    if hq % num_kv_heads:
+        raise InputError(f"{hq} query heads are not a multiple of {num_kv_heads} KV heads.")
+    r = _rotation_matrix(spec, d, q.device)
+    qr = q.float() if r is None else rotate(q, r)
+    w = qr.double().pow(2).mean(dim=(0, 2)).reshape(num_kv_heads, hq // num_kv_heads, d).mean(1)
+    return (w / w.mean(dim=-1, keepdim=True).clamp_min(1e-300)).float()
+
+
+def codebook_for(x: torch.Tensor, spec: CodebookSpec, q: torch.Tensor | None = None) -> Codebook:
+    """The codebook ``spec`` uses for the tensor ``x`` ``[B, H, T, D]`` (one layer's keys or
+    values): Lloyd-Max for ``D``, or fitted on ``x`` (module docstring). ``"weighted"`` needs the
+    layer's queries ``q`` ``[B, Hq, T, D]``."""
+    d = x.shape[-1]
+    if spec.codebook == "lloyd-max":
+        return lloyd_max(spec.bits, d if d >= 3 else None)
+    z, n = normalized_coordinates(x, spec)
+    weights = (n * n)[..., None]
+    if spec.codebook == "weighted":
+        if q is None:
+            raise InputError("The 'weighted' codebook is fitted with the layer's queries; "
+                             "pass q (or use the 'fitted' codebook).")
+        weights = weights * query_channel_weights(q, x.shape[1], spec)[None, :, None, :]
+    return fit_codebook(z, spec.bits, weights)
+
+
+def quantize_codebook(x: torch.Tensor, spec: CodebookSpec, codebook: Codebook) -> CodebookTensor:
+    """Code ``x`` ``[B, H, T, D]`` with ``codebook`` (module docstring)."""
+    if codebook.bits != spec.bits:
+        raise InputError(f"A {codebook.bits}-bit codebook cannot code a {spec.bits}-bit spec.")
+    z, n = normalized_coordinates(x, spec)
+    norms = n.clamp_max(torch.finfo(torch.float16).max).half()
+    return CodebookTensor(codebook.encode(z), norms, codebook, spec, tuple(x.shape))
+
+
+def dequantize_codebook(qt: CodebookTensor) -> torch.Tensor:
+    """``[B, H, T, D]`` float32 in the original basis (un-rotated)."""
+    c = qt.codebook.decode(qt.codes)
+    d = qt.shape[-1]
+    if qt.spec.renormalize:
+        scale = 1.0 / c.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    else:
+        scale = 1.0 / math.sqrt(d)
+    y = c * scale * qt.norms.float()[..., None]
+    r = _rotation_matrix(qt.spec, d, y.device)
+    return y if r is None else unrotate(y, r)
+
+
+def fake_quantize_codebook(x: torch.Tensor, spec: CodebookSpec,
+                           codebook: Codebook | None = None,
+                           q: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize and dequantize ``x`` ``[B, H, T, D]``: float32 in ``x``'s basis. Without a
+    ``codebook`` the spec's own is made for ``x`` (``codebook_for(x, spec, q)``)."""
+    book = codebook_for(x, spec, q) if codebook is None else codebook
+    return dequantize_codebook(quantize_codebook(x, spec, book))
