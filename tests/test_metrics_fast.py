@@ -140,3 +140,31 @@ def test_half_precision_inputs_match_the_reference():
     kw = dict(scaling=0.3, chunk_size=3)
     _check_equal(attention_errors_many(q, k, v, variants, **kw),
                  _attention_errors_reference(q, k, v, variants, **kw))
+
+
+@pytest.mark.parametrize("chunk", [4, 256])
+def test_several_masks_share_the_work_and_give_each_masks_errors(chunk):
+    """``attention_errors_streams``: one call for several exact masks (and per-mask subsets of
+    the variants) equals one ``attention_errors_many`` call per mask, bit for bit, though the
+    logit changes and value differences are computed once for all masks."""
+    from kvlens.analysis.metrics import attention_errors_streams
+
+    b, hq, hkv, tk, tq = 2, 6, 2, 20, 12
+    q = rand(b, hq, tk, 16, seed=1)[:, :, tk - tq:]
+    k, v = rand(b, hkv, tk, 16, seed=2), rand(b, hkv, tk, 16, seed=3)
+    variants = _variants(k, v, tq, seed=20)
+    masks = [streaming_exact_mask(tk, r, f, s)[tk - tq:] for r, f, s in
+             ((4, 0, 1), (8, 4, 0), (6, 2, 2))] + [None]
+    n = len(variants)
+    select = [range(n), [0, 2, 4, 5], [1, 3, 7, 9, 12], [2]]  # subsets first and last
+    kw = dict(scaling=0.3, softcap=0.0, chunk_size=chunk)
+    got = attention_errors_streams(q, k, v, variants, masks, select=select, **kw)
+    for m, (mask, sel) in enumerate(zip(masks, select)):
+        want = attention_errors_many(q, k, v, variants, exact=mask, **kw)
+        for i in range(n):
+            if i not in sel:
+                assert got[m][i] is None
+                continue
+            for field in FIELDS:
+                a, w = getattr(got[m][i], field), getattr(want[i], field)
+                assert (a is None) == (w is None) and (a is None or torch.equal(a, w)), (m, i)

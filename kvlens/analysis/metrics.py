@@ -12,7 +12,7 @@ batches the variants (value-only variants share the exact weights; key-only ones
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -135,11 +135,43 @@ def attention_errors_many(
     Each error is computed from the difference the variant makes (``q (k - k_hat)ᵀ``,
     ``w (v - v_hat)``, ``w_ref - w_hat``), so a lossless variant gives exactly 0; the results
     equal ``_attention_errors_reference`` (one variant at a time) to float32 rounding."""
-    _check_inputs(q, k, v, variants, chunk_size, exact)
+    return attention_errors_streams(q, k, v, variants, [exact], scaling=scaling,
+                                    sliding_window=sliding_window, softcap=softcap,
+                                    chunk_size=chunk_size, reconstruction=reconstruction)[0]
+
+
+def attention_errors_streams(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    variants: Sequence[Variant],
+    exacts: Sequence[torch.Tensor | None],
+    *,
+    scaling: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+    chunk_size: int = DEFAULT_CHUNK,
+    reconstruction: bool = True,
+    select: Sequence[Sequence[int]] | None = None,
+) -> list[list[AttentionErrors | None]]:
+    """``attention_errors_many`` for each of several ``exacts`` masks (one per way a cache's
+    window moves), sharing what does not depend on the mask: the reference pass and each
+    keyed variant's change to the logits (``q (k - k_hat)ᵀ``), each value variant's
+    difference. ``out[m][n]`` is variant ``n`` read with mask ``m``, equal to
+    ``attention_errors_many(..., exact=exacts[m])[n]``; ``select[m]`` (optional) lists the
+    variants measured with mask ``m`` (the others are None)."""
+    for exact in exacts:
+        _check_inputs(q, k, v, variants, chunk_size, exact)
+    if select is None:
+        select = [range(len(variants))] * len(exacts)
+    if len(select) != len(exacts):
+        raise InputError(f"select has {len(select)} lists for {len(exacts)} masks.")
+    wanted = [sorted(set(sel)) for sel in select]
     ratios = _batched_ratios(q, k, v, variants, scaling=scaling, sliding_window=sliding_window,
-                             softcap=softcap, chunk_size=chunk_size, exact=exact)
-    return [_errors(k, v, var, r, reconstruction)
-            for var, r in zip(variants, ratios, strict=True)]
+                             softcap=softcap, chunk_size=chunk_size, exacts=exacts,
+                             select=wanted)
+    return [[_errors(k, v, variants[n], per[n], reconstruction) if n in per else None
+             for n in range(len(variants))] for per in ratios]
 
 
 # Budget of one group's float32 working block: [samples, variants, Hq, chunk, keys] for keyed
@@ -216,9 +248,11 @@ def _batched_ratios(
     sliding_window: int,
     softcap: float,
     chunk_size: int,
-    exact: torch.Tensor | None,
-) -> list[dict[str, torch.Tensor]]:
-    """Per-variant ``{metric: per-head relative error}`` of ``attention_errors_many``."""
+    exacts: Sequence[torch.Tensor | None],
+    select: Sequence[Sequence[int]],
+) -> list[dict[int, dict[str, torch.Tensor]]]:
+    """Per mask, ``{variant: {metric: per-head relative error}}`` of the selected variants
+    (``attention_errors_streams``)."""
     b, hq, tq, _ = q.shape
     tk = k.shape[2]
     kinds: dict[_Kind, list[int]] = {}
@@ -242,28 +276,47 @@ def _batched_ratios(
     # in the result instead of silently counting as no error.
     pieces = len(batches) * len(chunks)
     nan, f64 = float("nan"), torch.float64
-    err = {m: torch.full((pieces, len(variants), hq), nan, dtype=f64, device=q.device)
-           for m in _METRICS}
+    err = [{m: torch.full((pieces, len(variants), hq), nan, dtype=f64, device=q.device)
+            for m in _METRICS} for _ in exacts]
     ref = {m: torch.full((pieces, hq), nan, dtype=f64, device=q.device) for m in _METRICS}
     full_mask = causal_mask(tq, tk, sliding_window, q.device)
+    chosen = [set(sel) for sel in select]
     piece = 0
     for samples in batches:
         for rows_at in chunks:
             keys = slice(*_visible_keys(rows_at.start, rows_at.stop, tq, tk, sliding_window))
-            same = None if exact is None else exact[rows_at, keys].to(q.device)
-            ch = _reference_chunk(q, k, v, samples, rows_at, keys, full_mask[rows_at, keys],
-                                  same, scaling, softcap)
-            ref["scores"][piece] = _pooled(ch.s_ref * _as_float(ch.keep))
-            ref["weights"][piece] = _pooled(ch.w_ref)
-            ref["output"][piece] = _pooled(ch.w_ref @ ch.v.unsqueeze(2))
+            base = _reference_chunk(q, k, v, samples, rows_at, keys, full_mask[rows_at, keys],
+                                    None, scaling, softcap)
+            ref["scores"][piece] = _pooled(base.s_ref * _as_float(base.keep))
+            ref["weights"][piece] = _pooled(base.w_ref)
+            ref["output"][piece] = _pooled(base.w_ref @ base.v.unsqueeze(2))
+            masked = [base if exact is None else _with_exact(base, exact[rows_at, keys])
+                      for exact in exacts]
             for kind, idx in groups:
-                group = [variants[n] for n in idx]
-                for m, e in _group_sums(ch, kind, group, softcap).items():
-                    err[m][piece, idx] = e
+                shared: dict = {}  # what the group's variants change, whatever the mask
+                for m, ch in enumerate(masked):
+                    at = [i for i, n in enumerate(idx) if n in chosen[m]]
+                    if not at:
+                        continue
+                    group = [variants[idx[i]] for i in at]
+                    sums = _group_sums(ch, kind, group, softcap, shared,
+                                       None if len(at) == len(idx) else at)
+                    for metric, e in sums.items():
+                        err[m][metric][piece, [idx[i] for i in at]] = e
             piece += 1
-    sums = {m: err[m].sum(0).cpu() for m in _METRICS}
     refs = {m: ref[m].sum(0).cpu() for m in _METRICS}
-    return [{m: _ratio(sums[m][n], refs[m]) for m in _METRICS} for n in range(len(variants))]
+    out = []
+    for m, sel in enumerate(select):
+        sums = {metric: err[m][metric].sum(0).cpu() for metric in _METRICS}
+        out.append({n: {metric: _ratio(sums[metric][n], refs[metric]) for metric in _METRICS}
+                    for n in sel})
+    return out
+
+
+def _with_exact(ch: _Chunk, same: torch.Tensor) -> _Chunk:
+    """``ch`` with query ``i`` reading key/value ``j`` exact where ``same`` (``[c, n]``)."""
+    same = same.to(ch.keep.device)
+    return replace(ch, counted=_as_float(ch.keep & ~same), fresh=_as_float(~same))
 
 
 def _reference_chunk(
@@ -295,7 +348,8 @@ def _reference_chunk(
 
 
 def _group_sums(
-    ch: _Chunk, kind: _Kind, group: Sequence[Variant], softcap: float
+    ch: _Chunk, kind: _Kind, group: Sequence[Variant], softcap: float,
+    shared: dict | None = None, subset: Sequence[int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-variant float64 ``[N, Hq]`` sums of squared error of one chunk for ``N`` variants
     of one kind, stacked on dim 2: ``[b, Hkv, N, g, c, ...]``.
@@ -318,7 +372,7 @@ def _group_sums(
         member = _as_float(member & (ch.counted > 0)).unsqueeze(3)
     sums: dict[str, torch.Tensor] = {}
     if kind.keyed:
-        w_hat = _keyed_weights(ch, kind, group, member, stack, softcap, sums)
+        w_hat = _keyed_weights(ch, kind, group, member, stack, softcap, sums, shared, subset)
         if kind.v_hat or kind.v_set:
             w_diff = ch.w_ref.unsqueeze(2) - w_hat
         else:  # w_hat - w_ref in place: only norms are taken, the sign does not matter
@@ -334,8 +388,16 @@ def _group_sums(
             v_diff = stack([var.v_hat for var in group]).neg_().add_(ch.v.unsqueeze(2))
             term = (reads.view(b, hkv, big, g * c, n) @ v_diff).view(b, hkv, big, g, c, -1)
         else:  # one matmul of the shared weights against every variant's value difference
-            v_diff = stack([var.v_hat for var in group], dim=3).neg_().add_(ch.v.unsqueeze(3))
-            term = reads.view(b, hkv, g * c, n) @ v_diff.view(b, hkv, n, -1)
+            if shared is not None and "v_diff" in shared:
+                v_diff = shared["v_diff"]
+                if subset is not None:
+                    v_diff = v_diff[:, :, :, list(subset)]
+            else:
+                v_diff = stack([var.v_hat for var in group], dim=3).neg_().add_(
+                    ch.v.unsqueeze(3))
+                if shared is not None and subset is None:
+                    shared["v_diff"] = v_diff
+            term = reads.view(b, hkv, g * c, n) @ v_diff.reshape(b, hkv, n, -1)
             term = term.view(b, hkv, g, c, big, -1).permute(0, 1, 4, 2, 3, 5)
         o_diff = term if o_diff is None else o_diff + term
     if kind.v_set:
@@ -356,6 +418,8 @@ def _keyed_weights(
     stack: Callable[[Sequence[torch.Tensor]], torch.Tensor],
     softcap: float,
     sums: dict[str, torch.Tensor],
+    shared: dict | None = None,
+    subset: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Weights ``[b, Hkv, N, g, c, n]`` of keyed variants, from the change each variant's
     keys make to the logits (0 where hidden or read exact); writes the score sums into
@@ -368,7 +432,18 @@ def _keyed_weights(
         k_diff = stack(xs).sub_(ch.k.unsqueeze(2))
         return (rows @ k_diff.transpose(-1, -2)).view(b, hkv, big, g, c, n)
 
-    if kind.k_hat:
+    if kind.k_hat and shared is not None and not kind.k_set:  # the same for every mask
+        if "k_change" not in shared:
+            if subset is not None:  # computed for these members only: not for the group
+                shared = None
+            else:
+                shared["k_change"] = logit_change([var.k_hat for var in group])
+    if kind.k_hat and shared is not None and "k_change" in shared:
+        raw = shared["k_change"]
+        if subset is not None:
+            raw = raw[:, :, list(subset)]
+        change = torch.mul(raw, ch.counted)
+    elif kind.k_hat:
         change = logit_change([var.k_hat for var in group]).mul_(ch.counted)
     else:
         change = ch.raw.new_zeros(b, hkv, big, g, c, n)

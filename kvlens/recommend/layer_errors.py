@@ -29,6 +29,7 @@ from kvlens.analysis.heavy_hitters import set_membership, set_reconstruction
 from kvlens.analysis.metrics import (
     Variant,
     attention_errors_many,
+    attention_errors_streams,
     per_head_rel_error,
     streaming_exact_mask,
 )
@@ -78,8 +79,40 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
     la = layer.attrs
     runs: list[tuple[Stream | None, list[Candidate]]] = [
         (s, [c for c in variants if _fits(c, s)]) for s in opts.streams()]
-    runs.append((None, [c for c in plain if c in variants]))
     out, recon = {}, {}
+
+    def record(c: Candidate, s: Stream | None, e) -> None:
+        if c.base not in recon:  # the same for every stream and set: once per candidate
+            var = variants[c.base]
+            recon[c.base] = float(per_head_rel_error(v, var.v_hat).mean()
+                                  if c.tensor == "value"
+                                  else per_head_rel_error(k, var.k_hat).mean())
+        out[c, s] = (float(e.output.mean()),
+                     None if e.scores is None else float(e.scores.mean()), recon[c.base])
+
+    def first_row(s: Stream | None) -> int:  # the probe quantizes every token: every query
+        return n_tok - queries if queries is not None else 0 if s is None else opts.score_from
+
+    # plain candidates: every stream in one pass, sharing what does not depend on the window
+    shared = list(dict.fromkeys(c for _, run in runs for c in run
+                                if not (c.gear or c.mikv_set)))
+    if shared:
+        at = {c: i for i, c in enumerate(shared)}
+        start = first_row(runs[0][0])
+        masks = [streaming_exact_mask(n_tok, s.residual, s.flush, opts.sink_tokens)[start:]
+                 for s, _ in runs]
+        errs = attention_errors_streams(
+            q[:, :, start:], k, v, [variants[c] for c in shared], masks,
+            select=[[at[c] for c in run if c in at] for _, run in runs], scaling=la.scaling,
+            sliding_window=la.sliding_window, softcap=la.logit_softcap, reconstruction=False)
+        for (s, run), per in zip(runs, errs):
+            for c in run:
+                if c in at:
+                    record(c, s, per[at[c]])
+    # GEAR and MiKV set twins depend on the stream (per flushed block, the set replayed while
+    # decoding), and the probe reads every query: one pass per stream
+    runs = [(s, [c for c in run if c.gear or c.mikv_set]) for s, run in runs]
+    runs.append((None, [c for c in plain if c in variants]))
     sets = _SetVariants(q, k, v, la, opts)
     for s, run in runs:
         if not run:
@@ -91,8 +124,7 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
                                          s.block if s is not None else n_tok, opts.scale_dtype)
                 variants[c] = Variant(v_hat=x_hat) if c.tensor == "value" \
                     else Variant(k_hat=x_hat)
-        # the probe quantizes every token (no window): it is scored on every query
-        start = n_tok - queries if queries is not None else 0 if s is None else opts.score_from
+        start = first_row(s)
         rows, picked = q[:, :, start:], slice(start, None)
         # a layer with a MiKV set holds its sinks in the set (at its codes), not exact
         for group, sinks in (([c for c in run if not c.mikv_set], opts.sink_tokens),
@@ -111,13 +143,7 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
                                          softcap=la.logit_softcap, exact=exact,
                                          reconstruction=False)
             for c, e in zip(group, errs):
-                if c.base not in recon:  # the same for every stream and set: once per candidate
-                    var = variants[c.base]
-                    recon[c.base] = float(per_head_rel_error(v, var.v_hat).mean()
-                                          if c.tensor == "value"
-                                          else per_head_rel_error(k, var.k_hat).mean())
-                out[c, s] = (float(e.output.mean()),
-                             None if e.scores is None else float(e.scores.mean()), recon[c.base])
+                record(c, s, e)
     return out, bal, pre_ok
 
 
