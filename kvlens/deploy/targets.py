@@ -7,7 +7,9 @@ Pipeline:
    ``softmax(q k^T) v`` over the first ``tokens`` tokens of ``samples`` samples, causal, the
    layer's own scaling, sliding window and soft-cap) when only that tensor is stored in that
    type, read back as the engine reads it (``kvlens.quant.formats.fake_quantize_format``,
-   llama.cpp's rotation included; every token quantized, as the engines do). Static fp8 scales
+   llama.cpp's rotation included; every token quantized, as the engines do; for llama.cpp a
+   key type's error also has the query converted to that type's dot-product type, as its CPU
+   flash attention does: ``_llamacpp_query``). Static fp8 scales
    are calibrated on the whole capture (absmax), the tokens measured included.
 2. **Candidates** restricted to the engine's menu: llama.cpp one K type x one V type
    (``kvlens.config.engine.LLAMACPP_SEARCH_TYPES``); vLLM one dtype (fp8_e4m3 with calibrated scales or the default 1.0,
@@ -54,6 +56,7 @@ from kvlens.quant import QuantSpec, fake_quantize, fake_quantize_format
 from kvlens.quant.cachetypes import DenseType, parse_cache_type
 from kvlens.quant.formats import engine_rotation
 from kvlens.quant.fp8 import calibrate_scale
+from kvlens.quant.llamacpp_cpu import query_to_vec_dot
 from kvlens.recommend import model_spec_from_capture
 
 TARGETS = ("kvlens", "llama.cpp", "vllm", "sglang", "transformers")
@@ -176,6 +179,20 @@ def _fake(x, how, kind: str, tensor: str, scale=None):
     return fake_quantize_format(x, how, tensor, scale)
 
 
+def _llamacpp_query(q, how, name: str):
+    """The query llama.cpp's CPU flash attention dots with a ``name`` key cache, in the
+    unrotated basis: ``conv(q R) R^T`` (``kvlens.quant.llamacpp_cpu.query_to_vec_dot``; R the
+    key rotation when the type rotates). f16 keys keep the float32 query: f16/f16 ubatches take
+    the tiled float32 path (beside a quantized V, Q's fp16 rounding is below what a table entry
+    resolves)."""
+    if name == "f16":
+        return q
+    r = engine_rotation("key", q.shape[-1]) if how.rotates(q.shape[-1]) else None
+    qr = q @ r if r is not None else q
+    values, _ = query_to_vec_dot(qr, name)  # q8_1's fp16 block sum needs K's minima: omitted
+    return values @ r.T if r is not None else values
+
+
 def measure_errors(path: str | Path, target: str, opts: TargetOptions,
                    progress: Callable[[int, int], None] = lambda d, t: None):
     """``(meta, windows, table, scales)``: ``table[layer][(tensor, name)]`` = relative
@@ -219,7 +236,10 @@ def measure_errors(path: str | Path, target: str, opts: TargetOptions,
                         scale = cal.get((tensor, name))
                         xq = _fake(kv[tensor], how, kind, tensor, scale)
                         args = dict(kv, **{tensor: xq})
-                        out = attention_output(q, args["key"], args["value"], a.scaling,
+                        qe = q
+                        if target == "llama.cpp" and tensor == "key":
+                            qe = _llamacpp_query(q, how, name)
+                        out = attention_output(qe, args["key"], args["value"], a.scaling,
                                                a.sliding_window, a.logit_softcap)
                         row[(tensor, name)] = rel_error(ref, out)
             table.append(row)
