@@ -135,18 +135,25 @@ def generate(
         err_console.print(f"note: {escape(note)}", highlight=False)
 
     def work():
+        from kvlens.deploy.engine_run import llamacpp_matmul_plan
         from kvlens.evaluation import evaluate_configs
+        from kvlens.model.engine_matmul import engine_matmuls
         from kvlens.model.load import load_model
         from kvlens.model.placement import placement_summary
 
         err_console.print(f"Loading {escape(model or 'SmolLM2-135M-Instruct (embedded)')} ...")
-        mdl, tok, _ = load_model(model, dtype=dtype, device=device, device_map=device_map,
-                                 max_memory=max_memory,
-                                 offload_folder=str(offload_folder) if offload_folder else None)
+        mdl, tok, source = load_model(model, dtype=dtype, device=device,
+                                      device_map=device_map, max_memory=max_memory,
+                                      offload_folder=str(offload_folder) if offload_folder
+                                      else None)
         placement = placement_summary(mdl)
         err_console.print(f"weights: {format_bytes_by_device(placement['weights_by_device'])}")
-        report = evaluate_configs(mdl, tok, configs, opts,
-                                  progress=lambda msg: err_console.print(f"  {escape(msg)}"))
+        types, notes = llamacpp_matmul_plan(configs, source, mdl)
+        for note in notes:
+            err_console.print(f"note: {escape(note)}", highlight=False)
+        with engine_matmuls(mdl, types):
+            report = evaluate_configs(mdl, tok, configs, opts,
+                                      progress=lambda msg: err_console.print(f"  {escape(msg)}"))
         return {**report, "placement": placement}
 
     report = run_library_call(work)

@@ -93,9 +93,17 @@ def query_to_vec_dot(q: torch.Tensor, key_type: str) -> tuple[torch.Tensor, torc
     """The query rows ``[..., D]`` as the key type's ``vec_dot`` sees them after
     ``from_float`` of its ``vec_dot_type``: ``(values, s)`` with ``values`` float32 (q8: codes
     times the fp16 scale) and ``s`` q8_1's fp16 block sums ``[..., D//32]`` (``None`` for the
-    other types)."""
+    other types). The same conversion feeds every CPU ``mul_mat`` with a weight of that type
+    (``kvlens.model.engine_matmul``)."""
     _check_type(key_type)
-    vdt = VEC_DOT_TYPE[key_type]
+    return convert_rows(q, VEC_DOT_TYPE[key_type])
+
+
+def convert_rows(q: torch.Tensor, vdt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows ``[..., D]`` through ``from_float`` of the vec_dot type ``vdt`` (``f32``, ``f16``,
+    ``bf16``, ``q8_0``, ``q8_1``) and back: ``(values, s)`` as ``query_to_vec_dot``."""
+    if vdt not in ("f32", "f16", "bf16", "q8_0", "q8_1"):
+        raise ConfigError(f"Unknown vec_dot type {vdt!r}; allowed: f32, f16, bf16, q8_0, q8_1.")
     if vdt == "f32":
         return q.float(), None
     if vdt == "f16":
