@@ -47,10 +47,12 @@ from kvlens.config.engine import (
     QuantoSetting,
     setting_for_cache_type,
 )
+from kvlens.deploy.engine_run import llamacpp_matmul_plan
 from kvlens.deploy.kld_model import fit_kld_model
 from kvlens.deploy.presets import engine_config
 from kvlens.errors import ConfigError, InputError
 from kvlens.evaluation import EvalOptions, evaluate_configs
+from kvlens.model.engine_matmul import engine_matmuls
 from kvlens.model.load import load_model
 from kvlens.quant import QuantSpec, fake_quantize, fake_quantize_format
 from kvlens.quant.cachetypes import DenseType, parse_cache_type
@@ -418,12 +420,20 @@ def _anchors(front: list[TargetCandidate], n: int) -> list[TargetCandidate]:
 
 
 def measure_kld(model_bundle, configs, eval_tokens: int, progress=lambda m: None) -> list[dict]:
-    """Mean KLD (with interval) of ``configs`` on the held-out text (``kvlens.evaluation.evaluate_configs``)."""
+    """Mean KLD (with interval) of ``configs`` on the held-out text
+    (``kvlens.evaluation.evaluate_configs``). ``model_bundle``: ``(model, tokenizer)`` or
+    ``(model, tokenizer, source)``; with the source of a GGUF model a llama.cpp run also
+    simulates llama.cpp's matrix products."""
 
-    model, tok = model_bundle
-    report = evaluate_configs(model, tok, list(configs),
-                              EvalOptions(evals=("kld",), eval_tokens=eval_tokens, chunk=64),
-                              progress=progress)
+    model, tok, *rest = model_bundle
+    # a llama.cpp run simulates the engine's matrix products too (kvlens.deploy.engine_run)
+    types, notes = llamacpp_matmul_plan(list(configs), rest[0] if rest else None, model)
+    for note in notes:
+        progress(note)
+    with engine_matmuls(model, types):
+        report = evaluate_configs(model, tok, list(configs),
+                                  EvalOptions(evals=("kld",), eval_tokens=eval_tokens, chunk=64),
+                                  progress=progress)
     return [{"setting": r["name"], "bits_per_element": r["bits_per_element"],
              "mean_kld": r["kld"]["mean_kld"]["value"], "ci95": r["kld"]["mean_kld"]["ci95"],
              "top1_agreement": r["kld"]["top1_agreement"]["value"]}
@@ -475,8 +485,7 @@ def recommend_target(path: str | Path, opts: TargetOptions,
 def _load(meta, opts):
 
     spec = opts.model or model_spec_from_capture(meta)
-    model, tok, _ = load_model(spec)
-    return model, tok
+    return load_model(spec)
 
 
 def scale_files(rec: TargetRecommendation, meta) -> dict[str, str]:
