@@ -24,7 +24,7 @@ def _model():
 
 FAKE_GGUF = {f"blk.{i}.{t}.weight": "q4_1" for i in range(2)
              for t in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up")}
-FAKE_GGUF |= {"blk.0.ffn_down.weight": "q8_0", "blk.1.ffn_down.weight": "q6_k",
+FAKE_GGUF |= {"blk.0.ffn_down.weight": "q8_0", "blk.1.ffn_down.weight": "iq2_xs",
               "token_embd.weight": "q8_0", "blk.0.attn_norm.weight": "f32"}
 
 
@@ -36,7 +36,7 @@ def test_gguf_names_map_to_linear_modules(monkeypatch):
     assert types["model.layers.0.mlp.down_proj"] == "q8_0"
     assert types["lm_head"] == "q8_0"  # tied: the embedding's type
     assert "model.layers.1.mlp.down_proj" not in types
-    assert unmodelled == ["model.layers.1.mlp.down_proj: q6_k"]
+    assert unmodelled == ["model.layers.1.mlp.down_proj: iq2_xs"]
     assert len(types) == 2 * 7 - 1 + 1
 
 
@@ -72,7 +72,7 @@ def test_plan_applies_only_to_pure_llamacpp_runs_on_gguf(monkeypatch):
     llama = parse_engine_setting("llamacpp:q8_0/q4_0").kvconfig("a")
     types, notes = llamacpp_matmul_plan([preset("exact"), llama], gguf, model)
     assert len(types) == 14 and "every config, exact" in notes[0]
-    assert "K-quant" in notes[1]
+    assert "does not model" in notes[1]
     off = parse_engine_setting("llamacpp:q8_0:noarith").kvconfig("b")
     types, notes = llamacpp_matmul_plan([llama, off], gguf, model)
     assert types == {} and "not simulated" in notes[0]
@@ -90,3 +90,23 @@ def test_convert_rows_q8_matches_ggml_q8_0_grid(vdt):
     assert torch.equal(got, dequantize_ggml(quantize_ggml(x[None, None], GGML_FORMATS["q8_0"]))
                        [0, 0])
     assert (s is None) == (vdt == "q8_0")
+
+
+def test_q8_k_follows_quantize_row_q8_k_ref():
+    from kvlens.quant.llamacpp_cpu import convert_rows, quantize_q8_k
+
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(3))
+    x[0, 7] = -9.0  # the signed maximum: iscale = -127 / -9, code -127
+    got = quantize_q8_k(x)
+    blocks = x.reshape(2, 2, 256)
+    for r in range(2):
+        for b in range(2):
+            row = blocks[r, b]
+            top = row[row.abs().argmax()]
+            iscale = -127.0 / top
+            codes = torch.round(iscale * row).clamp(max=127)
+            assert torch.equal(got[r, b], codes * (1 / iscale))
+    assert abs(float(got[0, 0, 7]) + 9.0) < 1e-5  # a float32 scale: no fp16 rounding
+    assert torch.equal(convert_rows(x, "q8_k")[0], got.reshape(2, 512))
+    with pytest.raises(Exception, match="256"):
+        quantize_q8_k(torch.zeros(1, 64))

@@ -37,9 +37,9 @@ def llamacpp_matmul_plan(configs, source, model) -> tuple[dict[str, str], list[s
         notes.append(f"llama.cpp's CPU matrix products simulated for every config, exact "
                      f"included (the engine's own reference runs them too): the inputs of "
                      f"{len(types)} Linear layers with {'/'.join(kinds)} weights are converted "
-                     f"to q8 as llama.cpp does (:noarith turns this off).")
+                     f"to q8 as llama.cpp's CPU path does (:noarith turns this off).")
     if unmodelled:
         notes.append(f"llama.cpp's activation conversion is not simulated for "
-                     f"{len(unmodelled)} Linear layers with K-quant weights (e.g. "
-                     f"{unmodelled[0]}).")
+                     f"{len(unmodelled)} Linear layers whose weight type kvlens does not "
+                     f"model (e.g. {unmodelled[0]}).")
     return types, notes

@@ -2,7 +2,7 @@
 
 llama.cpp's CPU ``mul_mat`` with a quantized weight converts each activation row to the
 weight type's ``vec_dot_type`` first (``ggml-cpu.c``, ``type_traits_cpu``: q8_1 for Q4_1/Q5_1
-weights, q8_0 for Q8_0/Q4_0/Q5_0/IQ4_NL) and dots in integers. kvlens dequantizes a GGUF's
+weights, q8_0 for Q8_0/Q4_0/Q5_0/IQ4_NL, q8_K for the K-quants) and dots in integers. kvlens dequantizes a GGUF's
 weights and multiplies float activations, so the activation rounding is missing. It matters
 beyond its own size for a KV-cache comparison: two runs that differ slightly (an f16 cache and a
 q8_0 cache) round some activations to different q8 codes downstream, and every flipped code
@@ -15,9 +15,9 @@ from ``output``, or ``token_embd`` when the embedding is tied). ``engine_matmuls
 types)``: a context manager that converts those modules' inputs as llama.cpp does
 (``kvlens.quant.llamacpp_cpu.convert_rows``) and removes its hooks on exit.
 
-Not modelled: K-quant weights (Q4_K ... Q6_K; their ``q8_K`` activations have 256-element
-blocks), the ``m * s`` term of Q4_1/Q5_1 weights (q8_1's fp16 block sum: far below the
-activation rounding), float weights (F16 activations in some kernels), and every other op.
+Not modelled: the ``m * s`` term of Q4_1/Q5_1 weights (q8_1's fp16 block sum: far below the
+activation rounding), other quantized weight types (the IQ families), float weights (F16
+activations in some kernels), and every other op.
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ _GGUF_TO_HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                "ffn_down": "mlp.down_proj"}
 _BLK = re.compile(r"blk\.(\d+)\.([a-z_]+)\.weight")
-#: quantized weight types whose activation conversion is modelled
-MODELLED = tuple(t for t, v in VEC_DOT_TYPE.items() if v.startswith("q8"))
+#: a quantized weight type -> the type its activations are converted to (``type_traits_cpu``)
+WEIGHT_VEC_DOT = {t: v for t, v in VEC_DOT_TYPE.items() if v.startswith("q8")} | {
+    t: "q8_k" for t in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")}
+MODELLED = tuple(WEIGHT_VEC_DOT)
 
 
 def gguf_tensor_types(gguf_path: str) -> dict[str, str]:
@@ -79,7 +81,7 @@ def engine_matmuls(model, types: dict[str, str]) -> Iterator[int]:
     for name, mod in model.named_modules():
         if name not in types:
             continue
-        vdt = VEC_DOT_TYPE[types[name]]
+        vdt = WEIGHT_VEC_DOT[types[name]]
 
         def pre(module, args, _vdt=vdt):
             x = args[0]

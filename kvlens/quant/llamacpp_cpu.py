@@ -49,6 +49,7 @@ FA_TILE_Q = 64
 #: the attention arithmetic a KVConfig can ask for (``KVConfig.engine_attention``)
 ENGINE_ATTENTIONS = ("llamacpp-cpu-fa", "llamacpp-cpu-nofa")
 Q8_BLOCK = 32
+Q8_K_BLOCK = 256
 
 
 def _check_type(name: str) -> None:
@@ -89,6 +90,26 @@ def quantize_q8_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return codes, d.half().float(), s
 
 
+def quantize_q8_k(x: torch.Tensor) -> torch.Tensor:
+    """``quantize_row_q8_K_ref`` (also x86's) and back, rows ``[..., D]`` with ``D % 256 ==
+    0`` -> float32 ``[..., D//256, 256]``: per block of 256 the first element of largest
+    magnitude ``max`` sets ``iscale = -127 / max``, codes ``min(127, round_even(iscale x))``,
+    values ``codes / iscale`` (a float32 scale: no fp16 rounding). The K-quant weights' type."""
+    if x.shape[-1] % Q8_K_BLOCK:
+        raise ConfigError(f"q8_K needs a row length divisible by {Q8_K_BLOCK}, got "
+                          f"{x.shape[-1]}.")
+    blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // Q8_K_BLOCK, Q8_K_BLOCK)
+    idx = blocks.abs().argmax(-1, keepdim=True)  # the first of equal magnitudes
+    top = torch.gather(blocks, -1, idx)
+    safe = torch.where(top != 0, top, torch.ones_like(top))
+    iscale = torch.where(top != 0, -127.0 / safe, torch.zeros_like(top))
+    codes = torch.round(iscale * blocks).clamp(max=127)
+    d = torch.where(iscale != 0, 1.0 / torch.where(iscale != 0, iscale,
+                                                   torch.ones_like(iscale)),
+                    torch.zeros_like(iscale))
+    return codes * d
+
+
 def query_to_vec_dot(q: torch.Tensor, key_type: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The query rows ``[..., D]`` as the key type's ``vec_dot`` sees them after
     ``from_float`` of its ``vec_dot_type``: ``(values, s)`` with ``values`` float32 (q8: codes
@@ -102,8 +123,11 @@ def query_to_vec_dot(q: torch.Tensor, key_type: str) -> tuple[torch.Tensor, torc
 def convert_rows(q: torch.Tensor, vdt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rows ``[..., D]`` through ``from_float`` of the vec_dot type ``vdt`` (``f32``, ``f16``,
     ``bf16``, ``q8_0``, ``q8_1``) and back: ``(values, s)`` as ``query_to_vec_dot``."""
-    if vdt not in ("f32", "f16", "bf16", "q8_0", "q8_1"):
-        raise ConfigError(f"Unknown vec_dot type {vdt!r}; allowed: f32, f16, bf16, q8_0, q8_1.")
+    if vdt not in ("f32", "f16", "bf16", "q8_0", "q8_1", "q8_k"):
+        raise ConfigError(f"Unknown vec_dot type {vdt!r}; allowed: f32, f16, bf16, q8_0, q8_1, "
+                          "q8_k.")
+    if vdt == "q8_k":
+        return quantize_q8_k(q).reshape(q.shape), None
     if vdt == "f32":
         return q.float(), None
     if vdt == "f16":
