@@ -36,9 +36,9 @@ READ_BY = {"text": ("kld", "ppl"), "ppl_tokens": ("ppl",), "passkey_prompts": ("
 COMPARE_HELP = escape(
     "Comma list of presets, config files, transformers baselines (hf-quanto-2/4, hf-hqq-2/4, "
     "hf-fp8) and engine settings to run side by side on the same inputs. Engine settings "
-    "(docs/deploy/README.md): llamacpp:K/V[:norot][:nofa] or llamacpp:T (types f32 f16 bf16 "
-    "q8_0 q4_0 q4_1 iq4_nl q5_0 q5_1), vllm:D[@head][:pP][:skip=L,L] (D fp8 fp8_e4m3 fp8_e5m2 "
-    "int8-pth int4-pth fp8-pth), sglang:fp8_e4m3|fp8_e5m2, transformers:quanto-2|4"
+    "(docs/deploy/README.md): llamacpp:K/V[:norot][:nofa][:noarith] or llamacpp:T (types f32 f16 "
+    "bf16 q8_0 q4_0 q4_1 iq4_nl q5_0 q5_1), vllm:D[@head][:pP][:skip=L,L] (D fp8 fp8_e4m3 "
+    "fp8_e5m2 int8-pth int4-pth fp8-pth), sglang:fp8_e4m3|fp8_e5m2, transformers:quanto-2|4"
     "[:axis_key=0|-1][:axis_value=0|-1][:group=G][:residual=R].")
 
 
