@@ -158,36 +158,45 @@ def key_scores(q_values: torch.Tensor, q_sums: torch.Tensor | None, k: torch.Ten
     return s.reshape(b, hq, tq, -1)
 
 
-def accumulate_f16(scores: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+def accumulate_f16(scores: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                   key_block: int = 256) -> torch.Tensor:
     """``one_chunk``'s online softmax with an fp16 V accumulator, key by key in cache order.
 
     scores: float32 ``[B, Hq, Tq, N]`` (scaled, masked keys anything); v: ``[B, Hkv, N, D]``
     (fp16 values); visible: bool broadcastable to scores. Per visible key ``s``: on a new
-    maximum ``VKQ = fp16(VKQ * exp(M_old - s))``; else ``vs = exp(s - M)``; then ``VKQ =
-    fp16(VKQ + v * vs)`` (float32 multiply-add, one fp16 rounding, as the x86 F16C code);
-    ``S = S * ms + vs`` in float32. Returns ``VKQ / S`` float32 ``[B, Hq, Tq, D]``."""
+    maximum ``VKQ = fp16(VKQ * exp(M_old - s))``; then ``VKQ = fp16(VKQ + v * exp(s - M))``
+    (float32 multiply-add, one fp16 rounding, as the x86 F16C code); ``S = S * ms + vs``.
+    Returns ``VKQ / S`` float32 ``[B, Hq, Tq, D]``.
+
+    The running maximum depends on the scores alone (a cumulative maximum), so the factors
+    ``exp(M_old - M)`` and ``exp(s - M)`` are computed up front; only the fp16 accumulator is
+    a loop over keys (``key_block`` keys' products at a time). ``S`` is summed in float32 in
+    one go (its rounding order is not modelled)."""
     b, hq, tq, n = scores.shape
     hkv, d = v.shape[1], v.shape[-1]
     g = hq // hkv
     vis = visible.expand(b, hq, tq, n).reshape(b, hkv, g * tq, n)
-    sc = scores.reshape(b, hkv, g * tq, n)
-    vh = v.half()
+    sc = scores.reshape(b, hkv, g * tq, n).masked_fill(~vis, float("-inf"))
+    big_m = torch.cummax(sc, dim=-1).values  # the running maximum after each key
+    prev = torch.cat((torch.full_like(big_m[..., :1], float("-inf")), big_m[..., :-1]), -1)
+    new_max = vis & (sc > prev)
+    ms = torch.where(new_max, torch.exp(prev - big_m), torch.ones_like(sc))
+    vs = torch.where(vis, torch.exp(sc - big_m), torch.zeros_like(sc))
+    rescale = new_max.any(dim=(0, 1, 2)).tolist()  # keys where some row takes a new maximum
+    vf = v.half().float()
     acc = torch.zeros(b, hkv, g * tq, d, dtype=torch.float16, device=scores.device)
-    big_m = torch.full((b, hkv, g * tq, 1), float("-inf"), device=scores.device)
-    big_s = torch.zeros_like(big_m)
-    for ic in range(n):
-        live = vis[..., ic:ic + 1]
-        s = sc[..., ic:ic + 1]
-        new_max = (s > big_m) & live
-        ms = torch.where(new_max, torch.exp(big_m - s), torch.ones_like(s))
-        vs = torch.where(new_max, torch.ones_like(s), torch.exp(s - big_m))
-        scaled = torch.where(new_max, (acc.float() * ms).half(), acc)
-        added = (scaled.float() + vh[:, :, ic:ic + 1].float() * vs).half()
-        acc = torch.where(live, added, acc)
-        big_s = torch.where(live, big_s * ms + vs, big_s)
-        big_m = torch.where(new_max, s, big_m)
-    safe = torch.where(big_s > 0, big_s, torch.ones_like(big_s))
-    out = torch.where(big_s > 0, acc.float() / safe, torch.zeros_like(safe))
+    for k0 in range(0, n, key_block):
+        k1 = min(n, k0 + key_block)
+        # v * vs for this block of keys: [B, Hkv, rows, keys, D]
+        pv = vs[..., k0:k1, None] * vf[:, :, None, k0:k1, :]
+        for ic in range(k0, k1):
+            if rescale[ic]:
+                acc = (acc.float() * ms[..., ic:ic + 1]).half()
+            acc = (acc.float() + pv[..., ic - k0, :]).half()
+    total = (vs * torch.exp(big_m - big_m[..., -1:]).nan_to_num(0.0)).sum(-1, keepdim=True)
+    # VKQ is relative to the final maximum already (every rescale applied): S likewise
+    safe = torch.where(total > 0, total, torch.ones_like(total))
+    out = torch.where(total > 0, acc.float() / safe, torch.zeros_like(safe))
     return out.reshape(b, hq, tq, d)
 
 
