@@ -70,7 +70,10 @@ def test_plan_applies_only_to_pure_llamacpp_runs_on_gguf(monkeypatch):
     from kvlens.config import preset
 
     llama = parse_engine_setting("llamacpp:q8_0/q4_0").kvconfig("a")
-    types, notes = llamacpp_matmul_plan([preset("exact"), llama], gguf, model)
+    from kvlens.evaluation.baselines import Baseline
+
+    types, notes = llamacpp_matmul_plan([preset("exact"), llama, Baseline("hf-fp8", "fp8", None)],
+                                        gguf, model)
     assert len(types) == 14 and "every config, exact" in notes[0]
     assert "does not model" in notes[1]
     off = parse_engine_setting("llamacpp:q8_0:noarith").kvconfig("b")

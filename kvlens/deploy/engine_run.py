@@ -16,11 +16,14 @@ from kvlens.model.engine_matmul import matmul_types
 
 
 def llamacpp_matmul_plan(configs, source, model) -> tuple[dict[str, str], list[str]]:
+    # configs may include transformers baselines (no engine layers, no engine arithmetic)
     llama = [c.name for c in configs
-             if (c.engine_attention or "").startswith("llamacpp")]
+             if (getattr(c, "engine_attention", None) or "").startswith("llamacpp")]
     if not llama:
         return {}, []
-    others = [c.name for c in configs if c.default.engine and not c.engine_attention]
+    others = [c.name for c in configs
+              if getattr(getattr(c, "default", None), "engine", False)
+              and not getattr(c, "engine_attention", None)]
     if others:
         return {}, [f"llama.cpp's matrix-product arithmetic is not simulated in this run: "
                     f"{', '.join(others)} run another engine's (or the model's) arithmetic; "
