@@ -16,6 +16,10 @@ current batch included: every scored prediction reads quantized entries (share 1
         --model default --types q8_0/q4_0,q4_0/q4_0,q8_0/q8_0 --json out.json
 
 ``--no-rotation`` sets ``LLAMA_ATTN_ROT_DISABLE=1`` (llama.cpp then stores K and V unrotated).
+``--no-extra-bufts`` loads the weights without llama.cpp's extra CPU buffer types (AMX, weight
+repacking: ``llama_model_params.use_extra_bufts = false``), the plain ``mul_mat`` path kvlens
+simulates; a native build on a CPU that reports AMX but may not use it (a VM) needs it.
+Compare the result with the simulation: ``benchmarks/llamacpp_vs_sim.py``.
 """
 
 from __future__ import annotations
@@ -48,6 +52,20 @@ def _context(llama_cpp, path: str, n_ctx: int, chunk: int, type_k: str, type_v: 
                  type_k=_ggml_type(llama_cpp, type_k), type_v=_ggml_type(llama_cpp, type_v),
                  flash_attn=True, logits_all=False, n_threads=threads,
                  n_threads_batch=threads, verbose=False)
+
+
+def _no_extra_bufts() -> None:
+    """Make every later ``Llama(...)`` load its weights with ``use_extra_bufts = false``
+    (llama-cpp-python has no argument for it: its default params are patched)."""
+    import llama_cpp.llama as llama_module
+
+    default = llama_module.llama_cpp.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+    llama_module.llama_cpp.llama_model_default_params = params
 
 
 def _chunk_logits(llm, tokens: list[int], n_past: int) -> np.ndarray:
@@ -112,11 +130,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-rotation", action="store_true",
                     help="LLAMA_ATTN_ROT_DISABLE=1: no Hadamard rotation of Q/K/V")
+    ap.add_argument("--no-extra-bufts", action="store_true",
+                    help="no AMX / repacked weight buffers (use_extra_bufts = false)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     if args.no_rotation:
         os.environ["LLAMA_ATTN_ROT_DISABLE"] = "1"
     import llama_cpp
+
+    if args.no_extra_bufts:
+        _no_extra_bufts()
 
     from kvlens.evaluation import load_eval_text
     from kvlens.evaluation.kld import summarize
@@ -145,6 +168,7 @@ def main() -> None:
     out = {"engine": "llama-cpp-python", "version": llama_cpp.__version__, "model": path,
            "text_source": text_source, "tokens": len(ids), "chunk": args.chunk,
            "rotation": not args.no_rotation, "flash_attn": True,
+           "extra_bufts": not args.no_extra_bufts,
            "protocol": summary["protocol"], "exact": summary["exact"], "results": results}
     if args.json:
         with open(args.json, "w") as f:

@@ -55,6 +55,8 @@ def _valid_configs() -> list[dict]:
                         {2: LayerKV(key_format="f16", value_format="f16")},
                         kv_scales={0: {"key": (0.5, 0.25)}, 1: {"key": (1.0, 2.0)}},
                         fp_dtype="float8_e4m3fn").to_dict())
+    out.append(KVConfig("llamacpp", LayerKV(key_format="q8_0", value_format="q4_0"),
+                        engine_attention="llamacpp-cpu-fa").to_dict())
     return [json.loads(json.dumps(d)) for d in out]
 
 
@@ -94,7 +96,7 @@ TOP = {"format": {"str"}, "version": {"int"}, "name": {"str"}, "description": {"
        "default": {"object"}, "layers": {"object", "null"}, "mikv": {"object", "null"},
        "gear": {"object", "null"}, "balancers": {"object", "null"}, "scale_dtype": {"str"},
        "fp_dtype": {"str"}, "rotation_seed": {"int", "null"}, "model": {"object", "null"},
-       "kv_scales": {"object", "null"}}
+       "kv_scales": {"object", "null"}, "engine_attention": {"str", "null"}}
 
 
 def _typed_fields(doc: dict):

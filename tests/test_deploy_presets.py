@@ -120,7 +120,7 @@ def test_transformers_quanto_maps_to_kvlens_layouts():
     ("tgi:fp8", "unknown engine 'tgi'; engines: llamacpp, vllm, sglang, transformers"),
     ("llamacpp:q3_0", "f32, f16, bf16, q8_0, q4_0"),
     ("llamacpp:q4_0/q4_0/q4_0", "as K/V"),
-    ("llamacpp:q4_0:fast", ":norot and :nofa"),
+    ("llamacpp:q4_0:fast", ":norot, :nofa and :noarith"),
     ("llamacpp:q4_0:rot:norot", "contradict"),
     ("vllm:fp8_e4m3:p99:s1", "not both"),
     ("vllm:fp8_e4m3:s0", "positive"),

@@ -254,3 +254,24 @@ def test_generate_compare_accepts_what_recommend_prints(outlier_capture, monkeyp
                                  outlier_capture, "--prompt", "x"])
     assert result.exit_code == 1
     assert "stopped after parsing" in result.output and "Unknown" not in result.output
+
+
+def test_llamacpp_key_errors_see_the_query_in_the_key_types_dot_product_type():
+    """recommend --target llama.cpp measures a key type with the query llama.cpp dots with it:
+    rotated, through q8_0 (q4_0 keys), rotated back; f16 keys keep the float query."""
+    import torch
+
+    from kvlens.deploy.targets import _llamacpp_query
+    from kvlens.quant import engine_rotation
+    from kvlens.quant.cachetypes import parse_cache_type
+    from kvlens.quant.ggml import GGML_FORMATS, dequantize_ggml, quantize_ggml
+
+    q = torch.randn(1, 2, 5, 64, generator=torch.Generator().manual_seed(0))
+    r = engine_rotation("key", 64)
+    got = _llamacpp_query(q, parse_cache_type("q4_0"), "q4_0")
+    ref = dequantize_ggml(quantize_ggml(q @ r, GGML_FORMATS["q8_0"])) @ r.T
+    assert torch.allclose(got, ref, atol=1e-6)
+    assert not torch.allclose(got, q, atol=1e-4)
+    plain = _llamacpp_query(q, parse_cache_type("q4_0+norot"), "q4_0")
+    assert torch.allclose(plain, dequantize_ggml(quantize_ggml(q, GGML_FORMATS["q8_0"])))
+    assert _llamacpp_query(q, parse_cache_type("f16"), "f16") is q

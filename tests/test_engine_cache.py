@@ -284,3 +284,83 @@ def test_bad_engine_configs_are_refused_with_the_allowed_values():
     with pytest.raises(ConfigError, match="not an engine-format layer"):
         validate_for(replace(_engine("q8_0", "q8_0"), layers={0: LayerKV()},
                              kv_scales={0: {"key": (1.0,)}}), info)
+
+
+# -- llama.cpp's CPU attention arithmetic (KVConfig.engine_attention) ---------------------------
+
+
+@pytest.mark.parametrize("k,v", [("q8_0", "q4_0"), ("q4_0+norot", "q8_0+norot")])
+def test_llamacpp_arithmetic_equals_query_through_q8_0_reference(k, v):
+    """With engine_attention the logits equal the plain reference whose query is first rotated
+    by K's rotation, round-tripped through ggml's q8_0 (``quantize_ggml``) and rotated back:
+    ``conv(q R) . Q(k R) = (conv(q R) R^T) . k_hat``; a quantized V accumulates in float32."""
+    from kvlens.quant.ggml import GGML_FORMATS, dequantize_ggml, quantize_ggml
+
+    model = _model("llama", 64)
+    config = _engine(k, v, engine_attention="llamacpp-cpu-fa")
+    ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(1))
+    plain = replace(config, engine_attention=None)
+    rotated = parse_cache_type(k).rotates(64)
+    r = engine_rotation("key", 64) if rotated else torch.eye(64)
+    q8 = GGML_FORMATS["q8_0"]
+
+    def query_conv(module, query, *args, **kwargs):
+        return dequantize_ggml(quantize_ggml(query.float() @ r, q8)) @ r.T
+
+    from transformers import DynamicCache
+
+    def factory(original):
+        def attention(module, query, key, value, mask, **kwargs):
+            lk = plain.layer(module.layer_idx)
+            kh = fake_quantize_format(key, lk.key_type, "key", None).to(key.dtype)
+            vh = fake_quantize_format(value, lk.value_type, "value", None).to(value.dtype)
+            return original(module, query_conv(module, query), kh, vh, mask, **kwargs)
+        return attention
+
+    cache = DynamicCache(config=model.config)
+    ref = []
+    with attention_override(model, factory), torch.no_grad():
+        for c0 in range(0, 30, 7):
+            ref.append(model(ids[:, c0:c0 + 7], use_cache=True,
+                             **{cache_argument_name(model): cache}).logits)
+    ref = torch.cat(ref, 1)
+    got, _ = _engine_logits(model, ids, config, 7)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
+    storage_only, _ = _engine_logits(model, ids, plain, 7)
+    assert (got - storage_only).abs().max() > 1e-4  # the query conversion shows
+
+
+def test_llamacpp_arithmetic_f16_tiles_are_float32_and_f16_v_accumulates_in_fp16():
+    """f16/f16 in ubatches of 64 takes the tiled path (float32, the model's own arithmetic);
+    with a q8_0 K the f16 V is accumulated in fp16 (a different result)."""
+    model = _model("llama", 64)
+    ids = torch.randint(3, 128, (1, 128), generator=torch.Generator().manual_seed(2))
+    f16 = _engine("f16", "f16", engine_attention="llamacpp-cpu-fa")
+    tiled, _ = _engine_logits(model, ids, f16, 64)
+    plain, _ = _engine_logits(model, ids, replace(f16, engine_attention=None), 64)
+    torch.testing.assert_close(tiled, plain, atol=2e-5, rtol=1e-5)
+    one_chunk, _ = _engine_logits(model, ids[:, :20], f16, 5)  # 5 queries: one_chunk
+    assert (one_chunk - plain[:, :20]).abs().max() > 1e-6
+    torch.testing.assert_close(one_chunk, plain[:, :20], atol=5e-3, rtol=1e-3)
+
+
+def test_engine_attention_in_config_json_and_setting_names():
+    from kvlens.config.engine import parse_engine_setting
+
+    s = parse_engine_setting("llamacpp:q8_0/q4_0")
+    assert s.kvconfig("x").engine_attention == "llamacpp-cpu-fa"
+    assert parse_engine_setting("llamacpp:q8_0:nofa").kvconfig("x").engine_attention == \
+        "llamacpp-cpu-nofa"
+    off = parse_engine_setting("llamacpp:q8_0/q4_0:norot:noarith")
+    assert off.kvconfig("x").engine_attention is None
+    assert off.name == "llamacpp:q8_0/q4_0:norot:noarith"
+    assert parse_engine_setting(off.name) == off
+    cfg = s.kvconfig("x")
+    data = cfg.to_dict()
+    assert data["version"] == 4 and data["engine_attention"] == "llamacpp-cpu-fa"
+    assert config_from_dict(data) == cfg
+    with pytest.raises(ConfigError, match="version 4"):
+        config_from_dict(data | {"version": 3})
+    with pytest.raises(ConfigError, match="allowed: null .*llamacpp-cpu-fa"):
+        _engine("q8_0", "q8_0", engine_attention="cuda")
+    assert "engine_attention" not in _engine("q8_0", "q8_0").to_dict()

@@ -1,9 +1,10 @@
 """The attention function the compressed cache installs in the model (``make_attention_fn``).
 
-Each call goes to one of three paths: the model's own attention when no compressed cache is in
-the forward (or nothing is quantized yet), the Triton decode kernel
-(``kvlens.cache.triton_glue``) when the run's backend is triton (``kvlens.cache.backend``) and
-the kernel can serve the call, otherwise the torch read path (``kvlens.cache.torch_read``).
+Each call goes to one of four paths: the model's own attention when no compressed cache is in
+the forward (or nothing is quantized yet), an engine-format layer's own engine arithmetic
+(``EngineLayer.attend``, when the config asks for it: ``KVConfig.engine_attention``), the
+Triton decode kernel (``kvlens.cache.triton_glue``) when the run's backend is triton
+(``kvlens.cache.backend``) and the kernel can serve the call, otherwise the torch read path (``kvlens.cache.torch_read``).
 Every call that takes the torch path under the triton backend is counted, with its reason, on
 the session (``CompressionSession.backend_reason``).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvlens.cache.engine import EngineLayer
 from kvlens.cache.layer import LAYER_ATTR
 from kvlens.cache.torch_read import CHUNK_TOKENS, packed_attention
 from kvlens.cache.triton_glue import triton_decode, triton_unsupported
@@ -46,6 +48,10 @@ def make_attention_fn(backend: str = "torch", chunk_tokens: int = CHUNK_TOKENS
                 raise ConfigError("Attention logit soft-capping / attention sinks are not "
                                   "supported by the kvlens compressed cache.")
             scaling = module.scaling if scaling is None else scaling
+            if isinstance(layer, EngineLayer):  # an engine's own attention arithmetic
+                if use_triton:
+                    _note_torch(layer, "engine attention arithmetic")
+                return layer.attend(query, attention_mask, scaling), None
             # rotated keys: every stored key is k R, so the query is rotated once (q R)(k R)^T
             query = layer.to_stored_basis(query, layer.setting.rotate_keys)
             probs = layer.needs_attention_probs

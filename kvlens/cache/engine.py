@@ -36,12 +36,14 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from kvlens.cache import layout
+from kvlens.cache.layer import LAYER_ATTR
 from kvlens.errors import ConfigError
 from kvlens.quant import QuantSpec, pack_codes, quantize, unpack_codes
 from kvlens.quant.cachetypes import CacheType, DenseType, needs_scales, scale_count
 from kvlens.quant.formats import rotate_rows
 from kvlens.quant.fp8 import FP8_DTYPES, FP8_MAX
 from kvlens.quant.ggml import GGMLBlocks, dequantize_ggml, quantize_ggml
+from kvlens.quant.llamacpp_cpu import attend as llamacpp_attend
 
 
 def static_scale(ctype: CacheType, kv_heads: int, given=None) -> torch.Tensor | None:
@@ -141,6 +143,18 @@ class EngineStore:
         # the reference's x_hat = code * scale + zero with zero = -qmax * scale
         return codes.float() * self.scales + (-qmax * self.scales)
 
+    def block_minima(self) -> torch.Tensor | None:
+        """The fp16 minima ``m`` ``[B, H, N, D // 32]`` (float32) of a ``_1`` ggml type (what
+        llama.cpp's ``vec_dot`` adds as ``m * s``), else ``None``."""
+        if self.family != "ggml" or not self.fmt.has_min or self.data is None:
+            return None
+        return GGMLBlocks.from_bytes(self.data, self.fmt, self.head_dim).m.float()
+
+    @property
+    def type_name(self) -> str:
+        """The engine's name of the stored type (``f16``, ``q8_0`` ...)."""
+        return self.ctype.name if self.fmt is None else self.fmt.name
+
     # -- accounting ---------------------------------------------------------------------------
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         if self.data is None:
@@ -158,6 +172,19 @@ class EngineStore:
             self.data = self.data[index]
         if self.scales is not None:
             self.scales = self.scales[index]
+
+
+def _visible(mask: torch.Tensor | None, tq: int, n: int, device) -> torch.Tensor:
+    """bool ``[B|1, 1, Tq, N]``: which key positions each query sees; ``None`` mask = causal
+    with the queries the last ``Tq`` positions."""
+    if mask is None:
+        pos = torch.arange(n, device=device)
+        qpos = torch.arange(n - tq, n, device=device)
+        return (pos[None, :] <= qpos[:, None])[None, None]
+    m = mask[..., -n:]
+    if m.dtype == torch.bool:
+        return m
+    return m > torch.finfo(m.dtype).min / 2
 
 
 class EngineLayer(DynamicLayer):
@@ -209,17 +236,48 @@ class EngineLayer(DynamicLayer):
                               "kvlens.cache.compressed_attention(model, config).")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        out = []
+        out, stored = [], []
         for store, x, rotated, tensor in ((self.kstore, key_states, self.rotate_keys, "key"),
                                           (self.vstore, value_states, self.rotate_values,
                                            "value")):
             r = self._rotation(tensor) if rotated else None
             store.append(rotate_rows(x, r) if r is not None else x)
             back = store.read()
+            stored.append(back)
             out.append((rotate_rows(back, r.T) if r is not None else back).to(x.dtype))
         self.cumulative_length += key_states.shape[2]
+        if self.engine_attention is not None:
+            # the engine's attention reads the stored basis (and a _1 key type's block minima)
+            self._read = (stored[0], stored[1], self.kstore.block_minima())
+            setattr(out[0], LAYER_ATTR, self)
         self._evict()
         return out[0], out[1]
+
+    @property
+    def engine_attention(self) -> str | None:
+        """The engine arithmetic attention runs with (``KVConfig.engine_attention``), or
+        ``None``: the model's own float attention over the read-back K/V."""
+        return getattr(getattr(self.session, "config", None), "engine_attention", None)
+
+    def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scaling: float
+               ) -> torch.Tensor:
+        """Attention of ``query`` ``[B, Hq, Tq, D]`` over what the last ``update`` read, with
+        llama.cpp's CPU arithmetic (``kvlens.quant.llamacpp_cpu.attend``): the query rotated by
+        K's rotation, the output un-rotated by V's. ``mask``: transformers' mask over the
+        returned positions (bool or additive), ``None`` for causal. Returns the attention
+        function's layout ``[B, Tq, Hq, D]``."""
+        k, v, k_min = self._read
+        self._read = None  # one attention call per update
+        q = query.float()
+        if self.rotate_keys:
+            q = rotate_rows(q, self._rotation("key"))
+        out = llamacpp_attend(q, k, v, _visible(mask, q.shape[2], k.shape[2], q.device),
+                              scaling, self.kstore.type_name, self.vstore.type_name,
+                              k_min=k_min,
+                              flash_attention=self.engine_attention == "llamacpp-cpu-fa")
+        if self.rotate_values:
+            out = rotate_rows(out, self._rotation("value").T)
+        return out.transpose(1, 2).to(query.dtype)
 
     def _evict(self) -> None:
         """Sliding layer: drop what no later query can see (the returned tensors still hold it

@@ -36,9 +36,9 @@ READ_BY = {"text": ("kld", "ppl"), "ppl_tokens": ("ppl",), "passkey_prompts": ("
 COMPARE_HELP = escape(
     "Comma list of presets, config files, transformers baselines (hf-quanto-2/4, hf-hqq-2/4, "
     "hf-fp8) and engine settings to run side by side on the same inputs. Engine settings "
-    "(docs/deploy/README.md): llamacpp:K/V[:norot][:nofa] or llamacpp:T (types f32 f16 bf16 "
-    "q8_0 q4_0 q4_1 iq4_nl q5_0 q5_1), vllm:D[@head][:pP][:skip=L,L] (D fp8 fp8_e4m3 fp8_e5m2 "
-    "int8-pth int4-pth fp8-pth), sglang:fp8_e4m3|fp8_e5m2, transformers:quanto-2|4"
+    "(docs/deploy/README.md): llamacpp:K/V[:norot][:nofa][:noarith] or llamacpp:T (types f32 f16 "
+    "bf16 q8_0 q4_0 q4_1 iq4_nl q5_0 q5_1), vllm:D[@head][:pP][:skip=L,L] (D fp8 fp8_e4m3 "
+    "fp8_e5m2 int8-pth int4-pth fp8-pth), sglang:fp8_e4m3|fp8_e5m2, transformers:quanto-2|4"
     "[:axis_key=0|-1][:axis_value=0|-1][:group=G][:residual=R].")
 
 
@@ -135,18 +135,25 @@ def generate(
         err_console.print(f"note: {escape(note)}", highlight=False)
 
     def work():
+        from kvlens.deploy.engine_run import llamacpp_matmul_plan
         from kvlens.evaluation import evaluate_configs
+        from kvlens.model.engine_matmul import engine_matmuls
         from kvlens.model.load import load_model
         from kvlens.model.placement import placement_summary
 
         err_console.print(f"Loading {escape(model or 'SmolLM2-135M-Instruct (embedded)')} ...")
-        mdl, tok, _ = load_model(model, dtype=dtype, device=device, device_map=device_map,
-                                 max_memory=max_memory,
-                                 offload_folder=str(offload_folder) if offload_folder else None)
+        mdl, tok, source = load_model(model, dtype=dtype, device=device,
+                                      device_map=device_map, max_memory=max_memory,
+                                      offload_folder=str(offload_folder) if offload_folder
+                                      else None)
         placement = placement_summary(mdl)
         err_console.print(f"weights: {format_bytes_by_device(placement['weights_by_device'])}")
-        report = evaluate_configs(mdl, tok, configs, opts,
-                                  progress=lambda msg: err_console.print(f"  {escape(msg)}"))
+        types, notes = llamacpp_matmul_plan(configs, source, mdl)
+        for note in notes:
+            err_console.print(f"note: {escape(note)}", highlight=False)
+        with engine_matmuls(mdl, types):
+            report = evaluate_configs(mdl, tok, configs, opts,
+                                      progress=lambda msg: err_console.print(f"  {escape(msg)}"))
         return {**report, "placement": placement}
 
     report = run_library_call(work)

@@ -52,14 +52,15 @@ def run_target(capture: Path, *, target: str, budget_bits, max_kld, anchors: int
                 raise InputError(f"{capture} does not say which model it came from; pass "
                                  "--model.")
             err_console.print(f"Loading {escape(spec)} ...")
-            mdl, tok, _ = load_model(spec, **place)
+            mdl, tok, source = load_model(spec, **place)
             bundle.extend((mdl, tok))
             if eval_tokens is None:  # the default: DEFAULT_EVAL_TOKENS, capped by the context
                 limit = max_positions(mdl) or DEFAULT_EVAL_TOKENS
                 bundle.append(min(DEFAULT_EVAL_TOKENS, limit))
             else:
                 bundle.append(eval_tokens)
-        return tuple(bundle[:2])
+            bundle.append(source)
+        return (bundle[0], bundle[1], bundle[3])
 
     if max_kld is not None or validate:
         run_library_call(load)

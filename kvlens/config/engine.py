@@ -2,7 +2,7 @@
 (``generate --preset`` / ``--compare``, ``compare-axes --formats``) and printed by ``recommend
 --target``, so that what one prints the others accept. Names (case-insensitive)::
 
-    llamacpp:K/V[:norot | :rot][:nofa]      K, V in LLAMACPP_TYPES (llama.cpp -ctk K -ctv V)
+    llamacpp:K/V[:norot | :rot][:nofa][:noarith]   K, V in LLAMACPP_TYPES (-ctk K -ctv V)
     llamacpp:T                              = llamacpp:T/T
     vllm:D[@head][:pP | :sS][:skip=L,L]     D in VLLM_DTYPES (vllm serve --kv-cache-dtype D)
     sglang:D[@head][:pP | :sS]              D in SGLANG_DTYPES
@@ -11,7 +11,10 @@
 - llama.cpp: one K type and one V type for every layer; llama.cpp rotates a quantized type when
   head_dim is a multiple of 64. ``:norot`` is ``LLAMA_ATTN_ROT_DISABLE=1``; ``:rot`` forces the
   rotation where that rule would not (a what-if: llama.cpp has no such switch); ``:nofa``
-  declares a run without flash attention (llama.cpp refuses a quantized V then).
+  declares a run without flash attention (llama.cpp refuses a quantized V then). Attention runs
+  with llama.cpp's CPU arithmetic (``kvlens.quant.llamacpp_cpu``: the query converted to the
+  key type's dot-product type, an fp16 V accumulated in fp16); ``:noarith`` attends in the
+  model's float32 instead (the cache's storage error alone: a what-if, no llama.cpp switch).
 - vLLM / SGLang static fp8 (``fp8`` = ``fp8_e4m3``, ``fp8_e5m2``): scales calibrated from a
   capture when the command has one (absmax, or the ``:pP`` percentile; per layer, ``@head`` per
   KV head; SGLang's scale file holds one scale per layer for K and V: ``shared_scale``), else
@@ -100,12 +103,14 @@ def _num(x: float) -> str:
 @dataclass(frozen=True)
 class LlamaCppSetting:
     """llama.cpp ``-ctk key -ctv value``. rotation: ``"auto"`` (llama.cpp's rule), ``"off"``
-    (``:norot``), ``"on"`` (``:rot``). flash_attention: False for ``:nofa``."""
+    (``:norot``), ``"on"`` (``:rot``). flash_attention: False for ``:nofa``. arithmetic:
+    False for ``:noarith`` (the model's float attention instead of llama.cpp's CPU one)."""
 
     key: str
     value: str
     rotation: str = "auto"
     flash_attention: bool = True
+    arithmetic: bool = True
 
     engine: ClassVar[str] = "llamacpp"
 
@@ -121,8 +126,16 @@ class LlamaCppSetting:
     @property
     def name(self) -> str:
         opts = {"auto": "", "off": ":norot", "on": ":rot"}[self.rotation]
-        return f"llamacpp:{self.key}/{self.value}{opts}" + ("" if self.flash_attention
-                                                            else ":nofa")
+        return (f"llamacpp:{self.key}/{self.value}{opts}"
+                + ("" if self.flash_attention else ":nofa")
+                + ("" if self.arithmetic else ":noarith"))
+
+    @property
+    def engine_attention(self) -> str | None:
+        """``KVConfig.engine_attention`` of this setting."""
+        if not self.arithmetic:
+            return None
+        return "llamacpp-cpu-fa" if self.flash_attention else "llamacpp-cpu-nofa"
 
     @property
     def quantized(self) -> tuple[str, ...]:
@@ -139,7 +152,7 @@ class LlamaCppSetting:
                "on": " with the rotation forced on"}[self.rotation]
         return KVConfig(label, LayerKV(key_format=self.cache_type(self.key),
                                        value_format=self.cache_type(self.value)),
-                        fp_dtype="float16",
+                        fp_dtype="float16", engine_attention=self.engine_attention,
                         description=f"llama.cpp -ctk {self.key} -ctv {self.value}{how}")
 
 
@@ -333,13 +346,14 @@ def _llamacpp(raw: str, parts: list[str]) -> LlamaCppSetting:
         raise _bad(raw, f"llama.cpp cache types are {', '.join(LLAMACPP_TYPES)}, as K/V or one "
                         "type for both")
     opts = parts[1:]
-    if set(opts) - {"norot", "rot", "nofa"} or len(set(opts)) != len(opts):
-        raise _bad(raw, f"llama.cpp options are :norot and :nofa (and :rot to force the "
-                        f"rotation), each once, got {opts}")
+    if set(opts) - {"norot", "rot", "nofa", "noarith"} or len(set(opts)) != len(opts):
+        raise _bad(raw, f"llama.cpp options are :norot, :nofa and :noarith (and :rot to force "
+                        f"the rotation), each once, got {opts}")
     if "norot" in opts and "rot" in opts:
         raise _bad(raw, ":norot and :rot contradict each other")
     rotation = "off" if "norot" in opts else "on" if "rot" in opts else "auto"
-    return LlamaCppSetting(types[0], types[1], rotation, "nofa" not in opts)
+    return LlamaCppSetting(types[0], types[1], rotation, "nofa" not in opts,
+                           "noarith" not in opts)
 
 
 def _cache_dtype(raw: str, engine: str, parts: list[str]) -> CacheDtypeSetting:

@@ -23,7 +23,8 @@ writes them. The meaning of each field is ``kvlens.config.schema``. JSON form::
       "scale_dtype": "float16" | "float32" | "8bit",    # 8bit: version 3
       "fp_dtype": "float16" | "bfloat16" | "float32" | "float8_e4m3fn" | "exact",  # fp8: v2
       "rotation_seed": null | 0,               # sign flips of the Hadamard rotation
-      "model": null | {"num_layers": 30, "head_dim": 64, "num_key_value_heads": 3}
+      "model": null | {"num_layers": 30, "head_dim": 64, "num_key_value_heads": 3},
+      "engine_attention": "llamacpp-cpu-fa" | "llamacpp-cpu-nofa"   # optional; version 4
     }
 """
 
@@ -46,7 +47,8 @@ __all__ = ["FORMAT", "VERSION", "config_from_dict", "load_config", "save_config"
 _LAYER_KEYS = ("key", "value", "residual_tokens", "flush_tokens", "pre_rope_keys",
                "rotate_keys", "rotate_values", "key_format", "value_format")
 _TOP_KEYS = ("format", "version", "name", "description", "default", "layers", "mikv", "gear",
-             "balancers", "scale_dtype", "fp_dtype", "rotation_seed", "model", "kv_scales")
+             "balancers", "scale_dtype", "fp_dtype", "rotation_seed", "model", "kv_scales",
+             "engine_attention")
 _V2_LAYER_KEYS = ("key_format", "value_format")
 _MIKV_KEYS = ("heavy_fraction", "sink_tokens", "balancer", "balancer_exponent", "set_bits",
               "layers")
@@ -114,6 +116,8 @@ def config_from_dict(data: Any) -> KVConfig:
         raise ConfigError('scale_dtype "8bit" needs KV config version 3; set "version": 3.')
     if version < 2 and data.get("fp_dtype") == "float8_e4m3fn":
         raise ConfigError('fp_dtype float8_e4m3fn needs KV config version 2; set "version": 2.')
+    if version < 4 and "engine_attention" in data:
+        raise ConfigError('engine_attention needs KV config version 4; set "version": 4.')
     description = data.get("description")
     if description is not None and not isinstance(description, str):
         raise ConfigError(f"'description' must be a string, got {type(description).__name__}.")
@@ -122,7 +126,8 @@ def config_from_dict(data: Any) -> KVConfig:
                     description=description or "", model=_model(data.get("model")),
                     fp_dtype=data.get("fp_dtype", "float16"),
                     rotation_seed=data.get("rotation_seed"),
-                    kv_scales=_kv_scales(data), gear=gear)
+                    kv_scales=_kv_scales(data), gear=gear,
+                    engine_attention=data.get("engine_attention"))
 
 
 def _no_unknown(data: Mapping, allowed: tuple[str, ...], where: str) -> None:

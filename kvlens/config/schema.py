@@ -66,6 +66,7 @@ from kvlens.config.versions import FORMAT, oldest_version
 from kvlens.errors import ConfigError, is_int
 from kvlens.quant import QuantSpec, hadamard_block_size
 from kvlens.quant.cachetypes import DenseType, check_engine_layer, parse_cache_type
+from kvlens.quant.llamacpp_cpu import ENGINE_ATTENTIONS
 
 BALANCER_MODES = ("off", "online", "fixed")
 FP_DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn", "exact")
@@ -284,10 +285,16 @@ class KVConfig:
     # static fp8 scales of engine layers: {layer: {"key": (s,) or (s_0..s_H-1), "value": ...}}
     kv_scales: Mapping[int, Mapping[str, tuple[float, ...]]] = field(default_factory=dict)
     gear: GearSettings | None = None
+    # the engine arithmetic engine-format layers attend with (kvlens.quant.llamacpp_cpu
+    # ENGINE_ATTENTIONS); None: the model's own float attention over the read-back K/V
+    engine_attention: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError("A KV config needs a non-empty string 'name'.")
+        if self.engine_attention is not None and self.engine_attention not in ENGINE_ATTENTIONS:
+            raise ConfigError(f"Unknown engine_attention {self.engine_attention!r}; allowed: "
+                              f"null (the model's attention), {', '.join(ENGINE_ATTENTIONS)}.")
         if self.scale_dtype not in SCALE_DTYPES:
             raise ConfigError(f"Unknown scale_dtype {self.scale_dtype!r}; allowed: "
                               f"{', '.join(SCALE_DTYPES)}.")
@@ -362,7 +369,8 @@ class KVConfig:
             "model": dict(self.model) if self.model else None,
         } | ({"kv_scales": {str(i): {t: list(v) for t, v in s.items()}
                             for i, s in sorted(self.kv_scales.items())}}
-             if self.kv_scales else {})
+             if self.kv_scales else {}) | ({"engine_attention": self.engine_attention}
+                                          if self.engine_attention else {})
 
     @property
     def format_version(self) -> int:

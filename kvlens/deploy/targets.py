@@ -7,7 +7,9 @@ Pipeline:
    ``softmax(q k^T) v`` over the first ``tokens`` tokens of ``samples`` samples, causal, the
    layer's own scaling, sliding window and soft-cap) when only that tensor is stored in that
    type, read back as the engine reads it (``kvlens.quant.formats.fake_quantize_format``,
-   llama.cpp's rotation included; every token quantized, as the engines do). Static fp8 scales
+   llama.cpp's rotation included; every token quantized, as the engines do; for llama.cpp a
+   key type's error also has the query converted to that type's dot-product type, as its CPU
+   flash attention does: ``_llamacpp_query``). Static fp8 scales
    are calibrated on the whole capture (absmax), the tokens measured included.
 2. **Candidates** restricted to the engine's menu: llama.cpp one K type x one V type
    (``kvlens.config.engine.LLAMACPP_SEARCH_TYPES``); vLLM one dtype (fp8_e4m3 with calibrated scales or the default 1.0,
@@ -45,15 +47,18 @@ from kvlens.config.engine import (
     QuantoSetting,
     setting_for_cache_type,
 )
+from kvlens.deploy.engine_run import llamacpp_matmul_plan
 from kvlens.deploy.kld_model import fit_kld_model
 from kvlens.deploy.presets import engine_config
 from kvlens.errors import ConfigError, InputError
 from kvlens.evaluation import EvalOptions, evaluate_configs
+from kvlens.model.engine_matmul import engine_matmuls
 from kvlens.model.load import load_model
 from kvlens.quant import QuantSpec, fake_quantize, fake_quantize_format
 from kvlens.quant.cachetypes import DenseType, parse_cache_type
 from kvlens.quant.formats import engine_rotation
 from kvlens.quant.fp8 import calibrate_scale
+from kvlens.quant.llamacpp_cpu import query_to_vec_dot
 from kvlens.recommend import model_spec_from_capture
 
 TARGETS = ("kvlens", "llama.cpp", "vllm", "sglang", "transformers")
@@ -176,6 +181,20 @@ def _fake(x, how, kind: str, tensor: str, scale=None):
     return fake_quantize_format(x, how, tensor, scale)
 
 
+def _llamacpp_query(q, how, name: str):
+    """The query llama.cpp's CPU flash attention dots with a ``name`` key cache, in the
+    unrotated basis: ``conv(q R) R^T`` (``kvlens.quant.llamacpp_cpu.query_to_vec_dot``; R the
+    key rotation when the type rotates). f16 keys keep the float32 query: f16/f16 ubatches take
+    the tiled float32 path (beside a quantized V, Q's fp16 rounding is below what a table entry
+    resolves)."""
+    if name == "f16":
+        return q
+    r = engine_rotation("key", q.shape[-1]) if how.rotates(q.shape[-1]) else None
+    qr = q @ r if r is not None else q
+    values, _ = query_to_vec_dot(qr, name)  # q8_1's fp16 block sum needs K's minima: omitted
+    return values @ r.T if r is not None else values
+
+
 def measure_errors(path: str | Path, target: str, opts: TargetOptions,
                    progress: Callable[[int, int], None] = lambda d, t: None):
     """``(meta, windows, table, scales)``: ``table[layer][(tensor, name)]`` = relative
@@ -219,7 +238,10 @@ def measure_errors(path: str | Path, target: str, opts: TargetOptions,
                         scale = cal.get((tensor, name))
                         xq = _fake(kv[tensor], how, kind, tensor, scale)
                         args = dict(kv, **{tensor: xq})
-                        out = attention_output(q, args["key"], args["value"], a.scaling,
+                        qe = q
+                        if target == "llama.cpp" and tensor == "key":
+                            qe = _llamacpp_query(q, how, name)
+                        out = attention_output(qe, args["key"], args["value"], a.scaling,
                                                a.sliding_window, a.logit_softcap)
                         row[(tensor, name)] = rel_error(ref, out)
             table.append(row)
@@ -398,12 +420,20 @@ def _anchors(front: list[TargetCandidate], n: int) -> list[TargetCandidate]:
 
 
 def measure_kld(model_bundle, configs, eval_tokens: int, progress=lambda m: None) -> list[dict]:
-    """Mean KLD (with interval) of ``configs`` on the held-out text (``kvlens.evaluation.evaluate_configs``)."""
+    """Mean KLD (with interval) of ``configs`` on the held-out text
+    (``kvlens.evaluation.evaluate_configs``). ``model_bundle``: ``(model, tokenizer)`` or
+    ``(model, tokenizer, source)``; with the source of a GGUF model a llama.cpp run also
+    simulates llama.cpp's matrix products."""
 
-    model, tok = model_bundle
-    report = evaluate_configs(model, tok, list(configs),
-                              EvalOptions(evals=("kld",), eval_tokens=eval_tokens, chunk=64),
-                              progress=progress)
+    model, tok, *rest = model_bundle
+    # a llama.cpp run simulates the engine's matrix products too (kvlens.deploy.engine_run)
+    types, notes = llamacpp_matmul_plan(list(configs), rest[0] if rest else None, model)
+    for note in notes:
+        progress(note)
+    with engine_matmuls(model, types):
+        report = evaluate_configs(model, tok, list(configs),
+                                  EvalOptions(evals=("kld",), eval_tokens=eval_tokens, chunk=64),
+                                  progress=progress)
     return [{"setting": r["name"], "bits_per_element": r["bits_per_element"],
              "mean_kld": r["kld"]["mean_kld"]["value"], "ci95": r["kld"]["mean_kld"]["ci95"],
              "top1_agreement": r["kld"]["top1_agreement"]["value"]}
@@ -455,8 +485,7 @@ def recommend_target(path: str | Path, opts: TargetOptions,
 def _load(meta, opts):
 
     spec = opts.model or model_spec_from_capture(meta)
-    model, tok, _ = load_model(spec)
-    return model, tok
+    return load_model(spec)
 
 
 def scale_files(rec: TargetRecommendation, meta) -> dict[str, str]:
