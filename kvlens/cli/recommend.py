@@ -58,7 +58,7 @@ KVLENS_ONLY = ("residual", "windows", "flush", "sinks", "bits", "group_sizes", "
                "value_fits", "window_dtype", "scale_dtype", "pre_rope", "no_balancer",
                "exponent", "thorough", "no_mikv", "mikv_bits", "mikv_fractions", "sensitivity",
                "retrieval", "retrieval_weight", "prefer_fast", "name", "retrieval_prompts",
-               "workers")
+               "workers", "layout_layers")
 TARGET_ONLY = ("max_kld", "kld_anchors")  # refused without --target ENGINE
 PLACEMENT = ("device_map", "max_memory", "offload_folder")
 
@@ -131,10 +131,8 @@ def recommend(
     thorough: bool = typer.Option(False, "--thorough", rich_help_panel=BUDGET,
                                   help="The full search: also GEAR twins and MiKV "
                                        "importance-set candidates (heavy hitters by accumulated "
-                                       "attention, stored at --mikv-bits), and the layout "
-                                       "sensitivity of every storage family on every layer "
-                                       "(the default measures them on a few layers). Several "
-                                       "times slower."),
+                                       "attention, stored at --mikv-bits). Several times "
+                                       "slower; the default search leaves them out."),
     no_mikv: bool = typer.Option(False, "--no-mikv", rich_help_panel=BUDGET,
                                  help="With --thorough: no MiKV importance-set candidates."),
     mikv_bits: str = typer.Option("4,8", "--mikv-bits", rich_help_panel=BUDGET,
@@ -160,6 +158,13 @@ def recommend(
     retrieval_weight: float = typer.Option(1.0, "--retrieval-weight",
                                            rich_help_panel=MEASUREMENT,
                                            help="Weight of the retrieval errors."),
+    layout_layers: int = typer.Option(None, "--layout-layers", min=1,
+                                      rich_help_panel=MEASUREMENT,
+                                      help="Layout sensitivity: measure every storage family on "
+                                           "this many layers spread over the depth and two "
+                                           "anchor families on the others, sharing each "
+                                           "family's ratio to its anchor (faster; default: every "
+                                           "family on every layer)."),
     workers: int = typer.Option(None, "--workers", min=1, rich_help_panel=MEASUREMENT,
                                 help="Processes the per-layer measurement runs on (default: "
                                      "every free core when the measurement is long, else 1; "
@@ -288,8 +293,7 @@ def recommend(
                                 sensitivity=sensitivity, model=model, name=name,
                                 flush_tokens=flush, sink_tokens=sinks, retrieval=retrieval,
                                 retrieval_weight=retrieval_weight, prefer_fast=prefer_fast,
-                                workers=workers,
-                                **({"layout_layers": None} if thorough else {}), **place)
+                                workers=workers, layout_layers=layout_layers, **place)
 
     opts = run_library_call(prepare)
     predicted = run_library_call(lambda: _predict(capture, opts))

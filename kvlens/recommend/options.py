@@ -81,10 +81,7 @@ class Candidate:
 
 
 #: What ``--thorough`` adds to the default (fast) search: every candidate ``recommend`` can price.
-THOROUGH = {"gear": True, "mikv": True, "layout_layers": None}
-#: Layers on which ``--sensitivity layout`` measures every storage family (the others measure
-#: two anchor families and share the family ratios: ``kvlens.recommend.sensitivity``)
-LAYOUT_LAYERS = 4
+THOROUGH = {"gear": True, "mikv": True}
 
 
 @dataclass(frozen=True)
@@ -111,8 +108,9 @@ class RecommendOptions:
     # weight per layer (``kvlens.recommend.sensitivity.sensitivity_weights``); layout: and a
     # factor per storage family (``kvlens.recommend.sensitivity.layout_factors``)
     sensitivity: str = "uniform"
-    # layers on which the layout sensitivity measures every storage family (None: every layer)
-    layout_layers: int | None = LAYOUT_LAYERS
+    # layers on which the layout sensitivity measures every storage family, the others two
+    # anchors sharing the family ratios (--layout-layers; None: every family on every layer)
+    layout_layers: int | None = None
     model: str | None = None  # model for sensitivity (default: the capture's model source)
     name: str = "recommended"
     flush_tokens: int = 32  # smallest flush block of the sliding window; 0 = whole window (KIVI)
