@@ -11,6 +11,7 @@ Versions:
   ``mikv.layers``, ``gear``, a spec's ``fit`` (``QuantSpec`` version 2), ``fp_dtype``
   ``float8_e4m3fn``.
 - 3: ``scale_dtype`` ``"8bit"``.
+- 4: codebook value specs (``CodebookSpec``) and the fitted centroids in ``codebooks``.
 
 The parser that enforces these (``kvlens.config.io``) and the dataclasses that write them
 (``kvlens.config.schema``) both read them from here.
@@ -21,17 +22,19 @@ from __future__ import annotations
 # The file-format identifier written into every config; it names the module that first
 # defined the format and is kept as is so that existing files stay readable.
 FORMAT = "kvlens.kvconfig"
-VERSION = 3
+VERSION = 4
 
 
 def oldest_version(config) -> int:
     """The oldest version that can express ``config`` (a ``kvlens.config.schema.KVConfig``):
     1 unless it uses a version-2 feature (engine cache types, ``kv_scales``,
     ``mikv.set_bits``, ``mikv.layers``, ``gear``, a spec's ``fit``, fp8 full-precision parts),
-    3 with ``scale_dtype`` ``"8bit"``."""
+    3 with ``scale_dtype`` ``"8bit"``, 4 with a codebook value spec."""
+    layers = (config.default, *config.layers.values())
+    if config.codebooks or any(lk.value_codebook is not None for lk in layers):
+        return 4
     if config.scale_dtype == "8bit":
         return 3
-    layers = (config.default, *config.layers.values())
     specs = [s for lk in layers for s in (lk.key, lk.value)]
     mikv = config.mikv
     uses_v2 = (bool(config.kv_scales)
