@@ -3,12 +3,19 @@ folded torch read path equals dequantize-then-attend on odd shapes."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
+from helpers import reference_attention, stored_view, stub_session
 
 from kvlens.analysis.metrics import attention_output
 from kvlens.cache.codebook import CodebookStore, codebook_attention
+from kvlens.cache.layer import CompressedLayer
+from kvlens.cache.torch_read import packed_attention
+from kvlens.config import LayerKV, MikvSettings
 from kvlens.errors import InputError
+from kvlens.quant import QuantSpec, fake_quantize_codebook, hadamard_rotation, packed_length
 from kvlens.quant.codebook import CodebookSpec, codebook_for, lloyd_max
 from kvlens.quant.rotation import RotationSpec
 
@@ -62,8 +69,6 @@ def test_held_bytes_equal_reported(kind, bits, d):
 
 
 def test_store_round_trip_equals_reference_quantizer():
-    from kvlens.quant.codebook import fake_quantize_codebook
-
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(1, 2, 13, 32, generator=gen)
     spec = CodebookSpec(3)
@@ -81,3 +86,89 @@ def test_bad_shapes():
         codebook_attention(torch.randn(1, 1, 4, 8), store, store, 1.0)
     with pytest.raises(InputError, match="cannot code"):
         CodebookStore(CodebookSpec(3), lloyd_max(2, 8), 8)
+
+
+# -- codebook values in the compressed cache (a KVConfig value layout) --------------------------
+
+
+@pytest.mark.parametrize("bits,fitted,renorm,flush,total,sinks", [
+    (3, True, True, 0, 80, 0),     # recommend's layout, KIVI whole-window flush
+    (2, True, True, 16, 134, 4),   # sliding block, sinks kept exact
+    (3, False, False, 16, 77, 0),  # Lloyd-Max (nothing stored), no renorm
+    (4, True, False, 0, 131, 4),
+])
+def test_cache_layer_codebook_values_equal_reference(bits, fitted, renorm, flush, total, sinks):
+    """A CompressedLayer storing codebook values (rotated window, packed codes + norms) beside
+    per-channel keys, decoded token by token, batch 2 with row 1 left-padded, GQA 6/2, several
+    chunks: its attention equals "rotate, code with the reference quantizer, attend, un-rotate"
+    with the window (and sinks) exact."""
+    torch.manual_seed(total + bits)
+    b, hq, hkv, d, r = 2, 6, 2, 32, 32
+    rot = hadamard_rotation(d, 5)
+    kspec = QuantSpec(2, "per-channel", 16)
+    kind = "fitted" if fitted else "lloyd-max"
+    vspec = CodebookSpec(bits, kind, RotationSpec(5), renormalize=renorm)
+    v = torch.randn(b, hkv, total, d) * torch.rand(1, 1, total, 1) * 3
+    k = torch.randn(b, hkv, total, d)
+    book = codebook_for(v, vspec) if fitted else None
+    cents = None if book is None else book.centroids.half().float()
+    setting = LayerKV(kspec, vspec, residual_tokens=r, flush_tokens=flush)
+    assert setting.rotate_values  # the codebook's rotation is the layer's value rotation
+    mikv = MikvSettings(0.0, sinks, "off") if sinks else None
+    layer = CompressedLayer(setting, 0, d, rotation=rot, mikv=mikv, session=stub_session(),
+                            value_centroids=cents)
+    seen = total - 1
+    layer.update(k[:, :, :41], v[:, :, :41])
+    layer.commit(torch.randn(b, hq, 41, d), None)
+    for t in range(41, seen):
+        layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        layer.commit(torch.randn(b, hq, 1, d), None)
+    n_q = layer.quantized_length
+    assert n_q >= r and layer.n_res > 0
+    parts = dict(layer.named_tensors())
+    assert parts["codes"].shape == (b, hkv, n_q, packed_length(d, bits))
+    assert parts["norms"].dtype == torch.float16
+    assert ("codebooks" in parts) == fitted
+    # reference, in the rotated basis the layer stores: fp16 window of v R, the flushed part
+    # coded by the reference quantizer, the sinks exact (from the window copy), then R^T
+    vr = (v[:, :, :seen] @ rot).half().float()
+    ref_book = None if book is None else replace(book, centroids=cents)
+    coded = fake_quantize_codebook(vr[:, :, :n_q], replace(vspec, rotation=None), ref_book)
+    coded[:, :, :sinks] = vr[:, :, :sinks]
+    values = torch.cat((coded, vr[:, :, n_q:]), 2) @ rot.T
+    keys = stored_view(k[:, :, :seen], kspec, flush or r, n_q)
+    keys[:, :, :sinks] = k[:, :, :sinks].half().float()
+    mask = torch.ones(b, 1, 1, seen, dtype=torch.bool)
+    mask[1, ..., :9] = False
+    q = torch.randn(b, hq, 1, d)
+    out, _ = packed_attention(q, layer, mask, d ** -0.5, chunk_tokens=32)
+    out = layer.from_stored_basis(out)
+    torch.testing.assert_close(out, reference_attention(q, keys, values, mask),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_cache_store_drops_whole_blocks_and_selects_batch_rows():
+    spec = CodebookSpec(2)
+    store = CodebookStore.for_cache(spec, None, 16, block=4)
+    assert store.spec.rotation is None and store.centroids is None
+    x = torch.randn(3, 2, 12, 16)
+    store.append(x)
+    full = store.dequantize_range(0, 12)
+    store.drop_front(8)
+    assert store.length == 4 and store.packed.shape[2] == 4
+    torch.testing.assert_close(store.dequantize_range(0, 4), full[:, :, 8:])
+    with pytest.raises(ValueError, match="whole blocks"):
+        store.drop_front(3)
+    store.select_batch(torch.tensor([2, 0]))
+    torch.testing.assert_close(store.dequantize_range(0, 4), full[[2, 0], :, 8:])
+    with pytest.raises(InputError, match="needs its centroids"):
+        CodebookStore.for_cache(CodebookSpec(2, "fitted"), None, 16, block=4)
+
+
+def test_codebook_layers_say_they_are_torch_only():
+    from kvlens.cache.triton_glue import kernel_layout_problem
+
+    setting = LayerKV(QuantSpec(2, "per-channel", 32), CodebookSpec(3, "lloyd-max"), 32)
+    assert "codebook values (torch path only" in kernel_layout_problem(setting, 64)
+    uniform = LayerKV(QuantSpec(2, "per-channel", 32), QuantSpec(2, "per-token", 32), 32)
+    assert kernel_layout_problem(uniform, 64) is None

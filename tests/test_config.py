@@ -32,7 +32,7 @@ from kvlens.config import (
     validate_for,
 )
 from kvlens.errors import ConfigError
-from kvlens.quant import QuantSpec
+from kvlens.quant import CodebookSpec, QuantSpec, RotationSpec
 
 FAST = settings(max_examples=150, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow])
@@ -57,6 +57,13 @@ def _valid_configs() -> list[dict]:
                         fp_dtype="float8_e4m3fn").to_dict())
     out.append(KVConfig("llamacpp", LayerKV(key_format="q8_0", value_format="q4_0"),
                         engine_attention="llamacpp-cpu-fa").to_dict())
+    book = CodebookSpec(3, "fitted", RotationSpec(2), renormalize=True)
+    out.append(KVConfig("codebook", LayerKV(spec, book, 64, flush_tokens=32),
+                        {1: LayerKV(spec, CodebookSpec(2, rotation=RotationSpec(2)), 32),
+                         2: LayerKV(spec, spec, 32)}, rotation_seed=2,
+                        mikv=MikvSettings(0.0, 4, "off"),
+                        codebooks={0: {"value": (-2.0, -1.0, -0.5, -0.125, 0.125, 0.5, 1.0,
+                                                 2.0)}}).to_dict())
     return [json.loads(json.dumps(d)) for d in out]
 
 
@@ -371,3 +378,57 @@ def test_validate_for_refuses_bad_layer_indices_with_config_error(
         assert all(i < num_layers for i in used), used
         if scale_layers:
             assert set(scale_layers) == set(range(num_layers))
+
+
+# -- codebook values (version 4) ------------------------------------------------------------------
+
+BOOK2 = {"value": (-1.5, -0.5, 0.5, 1.5)}
+
+
+def _book_config(**kw) -> KVConfig:
+    spec = QuantSpec(2, "per-channel", 32)
+    base = dict(name="cb", default=LayerKV(spec, CodebookSpec(2, "fitted"), 32),
+                codebooks={0: BOOK2, 1: BOOK2})
+    return KVConfig(**(base | kw))
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: LayerKV(CodebookSpec(2), None, 32), "not a key layout"),
+    (lambda: LayerKV(None, CodebookSpec(2, rotation=None), 32, rotate_values=True),
+     "has no rotation"),
+    (lambda: _book_config(gear=GearSettings()), "gear cannot be combined with a codebook"),
+    (lambda: _book_config(rotation_seed=3), "rotation seed None is not the config's "
+                                            "rotation_seed 3"),
+    (lambda: _book_config(codebooks={0: {"value": (1.0, 0.0, 2.0, 3.0)}}), "ascending"),
+    (lambda: _book_config(codebooks={0: {"value": (0.0, 1.0)}}), "4 finite ascending"),
+    (lambda: _book_config(codebooks={0: {"key": BOOK2["value"]}}), "unknown tensor 'key'"),
+    (lambda: _book_config(layers={1: LayerKV(QuantSpec(2, "per-channel", 32),
+                                             CodebookSpec(2), 32)}),
+     "layer 1 does not store its values with a fitted codebook"),
+])
+def test_codebook_configs_refused_with_the_reason(make, message):
+    with pytest.raises(ConfigError, match=message):
+        make()
+
+
+def test_codebook_value_sets_the_value_rotation_and_version_4():
+    cfg = _book_config()
+    assert cfg.default.rotate_values and cfg.default.value_codebook == CodebookSpec(2, "fitted")
+    assert cfg.format_version == 4 and cfg.centroids_for(1) == BOOK2["value"]
+    assert cfg.centroids_for(5) is None
+    doc = cfg.to_dict()
+    for version in (1, 2, 3):  # an older version cannot express it
+        with pytest.raises(ConfigError, match="need KV config version 4"):
+            config_from_dict(doc | {"version": version})
+    # no centroids for a layer that needs them: refused against the model, naming the fix
+    info = SimpleNamespace(num_layers=3, head_dim=64, num_key_value_heads=2, declares_rope=True,
+                           architecture="Synthetic")
+    with pytest.raises(ConfigError, match=r"layer 2 stores values with a fitted 2-bit codebook "
+                                          r"but gives no centroids; add codebooks.2.value"):
+        validate_for(cfg, info)
+    with pytest.raises(ConfigError, match=r"codebooks for layers \[1\]"):
+        validate_for(cfg, SimpleNamespace(**(vars(info) | {"num_layers": 1})))
+    validate_for(_book_config(codebooks={i: BOOK2 for i in range(3)}), info)
+    odd = SimpleNamespace(**(vars(info) | {"head_dim": 63}))
+    with pytest.raises(ConfigError, match="No Hadamard rotation for head_dim 63"):
+        validate_for(_book_config(codebooks={i: BOOK2 for i in range(3)}), odd)

@@ -221,3 +221,27 @@ def test_preset_help_lists_every_preset():
     assert result.exit_code == 0
     missing = [name for name in PRESETS if name not in result.stdout]
     assert not missing
+
+
+def test_generate_runs_codebook_values(tiny_model_dir, tiny_kivi, tmp_path):
+    """A config with fitted codebook values (centroids in the config) runs through `generate`,
+    is counted at its bits and reports the torch path (no Triton kernel reads codebooks)."""
+    from kvlens.config import KVConfig, LayerKV, load_config, save_config
+    from kvlens.quant import CodebookSpec, QuantSpec
+
+    book = CodebookSpec(3, "fitted", renormalize=True)
+    cents = (-2.0, -1.2, -0.6, -0.2, 0.2, 0.6, 1.2, 2.0)
+    path = tmp_path / "tiny-book.json"
+    save_config(KVConfig("tiny-book", LayerKV(QuantSpec(2, "per-channel", 8), book, 16),
+                         codebooks={i: {"value": cents} for i in range(3)}), path)
+    assert load_config(path).default.value == book
+    result = runner.invoke(app, ["generate", "--model", str(tiny_model_dir), "--compare",
+                                 f"exact,{tiny_kivi},{path}", "--eval", "kld", "--eval-tokens",
+                                 "96", "--chunk", "16", "--json"])
+    assert result.exit_code == 0, result.output
+    exact, kivi, ours = json.loads(result.stdout)["results"]
+    assert ours["name"] == "tiny-book"
+    assert 0 < ours["kld"]["mean_kld"]["value"] < 1
+    # values: 3-bit codes + a 16-bit norm per 16-channel vector (4 bits) against kivi's 2-bit
+    # per-token G8 values (2 + 32/8 = 6 bits): the codebook cache is the smaller one
+    assert ours["bits_per_element"] < kivi["bits_per_element"] < exact["bits_per_element"]

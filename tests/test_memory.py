@@ -28,7 +28,7 @@ from kvlens.cache.layout import (
 from kvlens.config import PRESETS, KVConfig, LayerKV, MikvSettings, config_from_dict
 from kvlens.errors import ConfigError
 from kvlens.model.hooks import cache_argument_name
-from kvlens.quant import QuantSpec
+from kvlens.quant import CodebookSpec, QuantSpec, RotationSpec
 
 R = 16  # residual window of the scaled-down presets (tiny head_dim 16, groups of 8)
 
@@ -59,8 +59,25 @@ def _mixed() -> KVConfig:
                     balancers={1: ((1.5,) * 16, (0.5,) * 16)})
 
 
+BOOK3 = (-2.1, -1.2, -0.6, -0.2, 0.2, 0.6, 1.2, 2.1)
+
+
+def _codebook() -> KVConfig:
+    """Codebook values as `recommend` writes them (fitted, renormalised, centroids in the
+    config) beside uniform keys, sinks and a sliding block; layer 1: a 2-bit Lloyd-Max codebook
+    (nothing stored) under per-token keys, layer 2 whole-window flushes with a seeded rotation."""
+    s = QuantSpec
+    book = CodebookSpec(3, "fitted", RotationSpec(3), renormalize=True)
+    default = LayerKV(s(2, "per-channel", 8), book, R, flush_tokens=8)
+    layers = {1: LayerKV(s(4, "per-token", 8), CodebookSpec(2, rotation=RotationSpec(3)), R),
+              2: LayerKV(s(3, "per-channel", 8), book, R, pre_rope_keys=True)}
+    return KVConfig("codebook", default, layers, mikv=MikvSettings(0.0, 4, "off"),
+                    rotation_seed=3, codebooks={0: {"value": BOOK3}, 2: {"value": BOOK3}})
+
+
 CONFIGS = {name: _scaled(cfg) for name, cfg in PRESETS.items()} | {
-    "mixed": _mixed(), "mixed-8bit": replace(_mixed(), name="mixed-8bit", scale_dtype="8bit")}
+    "mixed": _mixed(), "mixed-8bit": replace(_mixed(), name="mixed-8bit", scale_dtype="8bit"),
+    "codebook": _codebook()}
 
 
 def _shape(model) -> ModelShape:
@@ -119,7 +136,8 @@ def test_formula_bits_equal_held_bits_at_long_contexts(name):
     """Caches filled to 256, 1024 and 4096 tokens (real window of 32, chunked prefill) hold
     exactly the formula's bits; a left-padded batch of 2 too."""
     model = _model("gemma3")  # sliding (window 8) and global layers
-    config = _scaled(CONFIGS[name], 32) if not name.startswith("mixed") else CONFIGS[name]
+    config = _scaled(CONFIGS[name], 32) if not name.startswith(("mixed", "codebook")) \
+        else CONFIGS[name]
     shape = _shape(model)
     ids = torch.randint(3, 128, (2, 4096), generator=torch.Generator().manual_seed(2))
     with torch.no_grad(), compressed_attention(model, config) as session:

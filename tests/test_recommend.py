@@ -164,7 +164,8 @@ def test_mse_fit_candidates_win_on_gaussian_values(tmp_path):
 
     path = _planted_capture(tmp_path / "p.h5")
     kw = dict(budget_bits=3.6, group_sizes=(32,), bits=(2, 4), mikv=False, gear=False,
-              fp_dtype="float16", scale_dtype="float16")  # 8-bit metadata refines min/max too
+              fp_dtype="float16", scale_dtype="float16",  # 8-bit metadata refines min/max too
+              codebooks=False)  # uniform grids only (codebooks: the test below)
     m = measure(path, RecommendOptions(**kw, key_fits=("minmax", "mse")))
     both = choose(m, RecommendOptions(**kw))
     minmax = choose(m, RecommendOptions(**kw, value_fits=("minmax",)))
@@ -426,7 +427,7 @@ def test_rotation_candidates_are_measured_priced_and_written(tmp_path):
     path = _planted_capture(tmp_path / "p.h5", has_rope=False)
     opts = RecommendOptions(budget_bits=4.0, group_sizes=(32,), bits=(4,), balancer=False)
     cands = candidates(32, opts, has_rope=False)
-    rotated = [c for c in cands if c.rotate]
+    rotated = [c for c in cands if c.rotate and not c.codebook]  # codebooks rotate too
     assert rotated and all(c.granularity == "per-token" for c in rotated)
     assert not any(c.rotate for c in candidates(32, replace(opts, rotation=False), False))
     m = measure(path, replace(opts, sensitivity="uniform", retrieval="off"))
@@ -693,3 +694,60 @@ def test_layout_anchors_are_kivi_layouts_where_offered():
     only_mse = replace(opts, value_fits=("mse",))
     got = anchor_probes(family_probes(candidates(64, only_mse, has_rope=True)))
     assert got[1].tensor == "value" and got[1].fit == "mse"  # no KIVI value: the first one
+
+
+def test_codebook_values_are_measured_priced_and_written(tmp_path):
+    """Gaussian values: codebooks of the rotated normalised vectors (a float16 norm per
+    vector) code them with far lower attention-output error than rotated 2-bit per-token codes
+    (docs/codebooks.md: 0.135 vs 0.29 at 3 bits on real values). Priced through the layout
+    (codes + norms + centroids), chosen under a budget, written with the fitted centroids into
+    the config, which then loads."""
+    from kvlens.cache.layout import ModelShape, stream_state
+    from kvlens.config import LayerKV
+    from kvlens.quant import CodebookSpec, packed_length
+
+    path = _planted_capture(tmp_path / "p.h5", has_rope=False)
+    # uniform codes at 2 bits only: the 3-bit codebook (3.5 bits at head_dim 32) is the one
+    # way to spend more on values
+    assert not RecommendOptions(budget_bits=3.0).codebooks  # opt-in (--codebooks)
+    opts = RecommendOptions(budget_bits=3.6, group_sizes=(32,), bits=(2,), balancer=False,
+                            sensitivity="uniform", retrieval="off", mikv=False, gear=False,
+                            codebooks=True)
+    cands = candidates(32, opts, has_rope=False)
+    cb2, cb3 = Candidate.codebook_values(2), Candidate.codebook_values(3)
+    assert {c for c in cands if c.codebook} == {cb2, cb3}
+    assert cb3.spec() == CodebookSpec(3, "fitted", renormalize=True) and cb3.rotate
+    for off in (dict(codebooks=False), dict(prefer_fast=True), dict(rotation=False)):
+        assert not any(c.codebook for c in candidates(32, replace(opts, **off), False))
+    m = measure(path, opts)
+    assert set(m.codebooks) == {0, 1} and set(m.codebooks[0]) == {2, 3}
+    rot2 = Candidate("value", 2, "per-token", 32, rotate=True)
+    for table in m.tables:
+        s = next(s for c, s in table if c == cb3)
+        assert table[cb3, s][0] < 0.6 * table[rot2, s][0]  # output error
+        assert table[cb2, s][0] < table[rot2, s][0]
+    # priced by the layout: 3-bit codes cost 4 bytes more than 2-bit ones per 32-channel vector
+    shape, k = ModelShape(2, 2, 32), Candidate("key", 2, "per-channel", 32)
+    f = opts.layer_flush(k)
+    held = stream_state(LayerKV(k.spec(), cb2.spec(), max(opts.window_sizes), flush_tokens=f),
+                        opts.context).q_held
+    diff = option_bytes(k, cb3, f, opts, shape, 0)[0] - option_bytes(k, cb2, f, opts, shape, 0)[0]
+    assert diff == 2 * held * (packed_length(32, 3) - packed_length(32, 2)) + (8 - 4) * 2
+    rec = choose(m, opts)
+    chosen = {ch.layer: ch.candidate for ch in rec.choices
+              if ch.tensor == "value" and ch.candidate.codebook}
+    assert chosen, [ch.candidate.label for ch in rec.choices]
+    cfg = rec.config
+    for layer, c in chosen.items():
+        assert cfg.layer(layer).value == c.spec() and cfg.layer(layer).rotate_values
+        want = m.codebooks[layer][c.bits].centroids.half().float().tolist()
+        assert list(cfg.centroids_for(layer)) == want
+    assert set(cfg.codebooks) == set(chosen) and cfg.format_version == 4
+    assert rec.mean_bits <= 3.6
+    out = tmp_path / "kv.json"
+    save_config(cfg, out)
+    assert load_config(out).to_dict() == cfg.to_dict()
+    # the same measurements without codebooks: none chosen, and a higher error
+    plain = choose(m, replace(opts, codebooks=False))
+    assert not any(ch.candidate.codebook for ch in plain.choices) and not plain.config.codebooks
+    assert rec.expected_output_error < plain.expected_output_error

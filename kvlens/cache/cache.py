@@ -23,6 +23,7 @@ import torch
 
 from kvlens.cache.attention import make_attention_fn
 from kvlens.cache.backend import select_backend
+from kvlens.cache.codebook import CodebookStore
 from kvlens.cache.engine import EngineLayer, EngineStore, static_scale
 from kvlens.cache.gear import GearTensor
 from kvlens.cache.layer import CompressedLayer, DenseTensor
@@ -98,13 +99,17 @@ class CompressionSession:
                 bal = torch.tensor(bal, dtype=torch.float32, device=devices[idx])
             else:
                 bal = None
+            cents = self.config.centroids_for(idx)
+            if cents is not None:
+                cents = torch.tensor(cents, dtype=torch.float32, device=devices[idx])
             layers.append(CompressedLayer(self.config.layer(idx), idx, self.info.head_dim,
                                           scale_dtype=self.config.scale_dtype,
                                           fp_dtype=self.config.fp_dtype,
                                           mikv=self.config.mikv_for(idx),
                                           balancer=bal, sliding_window=windows[idx],
                                           rotation=rotations.get(devices[idx]), session=self,
-                                          gear=self.config.gear_for(idx)))
+                                          gear=self.config.gear_for(idx),
+                                          value_centroids=cents))
         return Cache(layers=layers)
 
     def _engine_layer(self, idx: int, window: int | None):
@@ -218,6 +223,6 @@ def held_bytes_by_device(obj) -> dict[str, int]:
         elif isinstance(o, dict):
             stack.extend(o.values())
         elif isinstance(o, (CompressedLayer, DenseTensor, PackedTensor, EngineLayer,
-                            EngineStore, SetRows, GearTensor)) or o is obj:
+                            EngineStore, SetRows, GearTensor, CodebookStore)) or o is obj:
             stack.extend(v for k, v in vars(o).items() if k != "session")
     return total

@@ -1,5 +1,4 @@
-"""A codebook-coded K or V store and its torch read path (phase 1 of issue 36: standalone, not
-yet a ``KVConfig`` layout).
+"""A codebook-coded K or V store and its torch read path.
 
 ``CodebookStore`` holds one tensor (keys or values) of one layer, ``[B, H, N, D]`` tokens, in the
 layout of ``kvlens.quant.codebook``: per vector its codes in the rotated basis, densely packed
@@ -7,6 +6,16 @@ along ``D`` (``packed_length(D, bits)`` uint8 per token and head), one float16 n
 layer's codebook (``2^bits`` float16 centroids when fitted; a Lloyd-Max codebook is recomputed
 from ``bits`` and ``D`` and holds no bytes). ``held_bytes()`` counts the tensors the store really
 holds; ``CodebookSpec.held_bytes`` predicts them (tested equal).
+
+In the compressed cache (``kvlens.cache.layer``, a ``KVConfig`` value spec) the store is the
+layer's value history: it has the ``PackedTensor`` interface the layer streams through
+(``block``, ``append``, ``drop_front``, ``dequantize_range``, ``named_tensors`` by
+``kvlens.cache.layout`` part: ``codes``, ``norms``, ``codebooks``) and ``value_out`` for the
+torch read path (``kvlens.cache.torch_read``), which merges it with the exact window and sinks
+by the same online softmax as every layout. There the layer rotates (the codebook's rotation is
+the layer's value rotation: window, sets and store all hold ``v R``, the output is un-rotated
+once), so the store codes the already rotated vectors with ``rotation=None``
+(``for_cache``).
 
 ``codebook_attention(query, keys, values, scaling)`` attends ``query`` ``[B, Hq, Tq, D]`` to the
 stores chunk by chunk (``chunk_tokens``) with an online softmax, without materialising the
@@ -27,6 +36,7 @@ bottom-right aligned (the last query sits at the last key).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -37,6 +47,7 @@ from kvlens.quant.codebook import (
     CodebookSpec,
     CodebookTensor,
     dequantize_codebook,
+    lloyd_max,
     quantize_codebook,
 )
 from kvlens.quant.packing import unpack_codes
@@ -48,18 +59,43 @@ CHUNK_TOKENS = 1024
 class CodebookStore:
     """One tensor of one layer coded with ``spec`` and ``codebook`` (module docstring).
 
-    packed: uint8 ``[B, H, N, packed_length(D, bits)]``; norms: float16 ``[B, H, N]``."""
+    packed: uint8 ``[B, H, N, packed_length(D, bits)]``; norms: float16 ``[B, H, N]``;
+    centroids: float16 ``[2^bits]`` when fitted (a Lloyd-Max codebook holds nothing: it is
+    recomputed, cached per process, from ``bits`` and ``D``). ``block``: tokens the cache
+    flushes together (``drop_front`` drops whole blocks)."""
 
-    def __init__(self, spec: CodebookSpec, codebook: Codebook, head_dim: int):
+    def __init__(self, spec: CodebookSpec, codebook: Codebook, head_dim: int, block: int = 1):
         if codebook.bits != spec.bits:
             raise InputError(f"A {codebook.bits}-bit codebook cannot code a {spec.bits}-bit spec.")
         self.spec = spec
         self.head_dim = head_dim
+        self.block = block
         # stored as float16 when fitted (what is counted); the decode uses the same values
-        self.centroids = codebook.centroids.half() if spec.fitted else codebook.centroids
-        self.codebook = Codebook(self.centroids.float())
+        self.centroids = codebook.centroids.half() if spec.fitted else None
+        self._computed = None if spec.fitted else codebook  # Lloyd-Max: computed, not held
         self.packed: torch.Tensor | None = None
         self.norms: torch.Tensor | None = None
+
+    @classmethod
+    def for_cache(cls, spec: CodebookSpec, centroids, head_dim: int, block: int,
+                  device=None) -> CodebookStore:
+        """The value store of a cache layer: codes the layer's (already rotated) vectors with
+        ``spec`` less its rotation; ``centroids`` (fitted: the config's ``codebooks`` entry)
+        or the Lloyd-Max codebook for ``head_dim``."""
+        if spec.fitted:
+            if centroids is None:
+                raise InputError(f"A fitted {spec.bits}-bit codebook needs its centroids.")
+            book = Codebook(torch.as_tensor(centroids, dtype=torch.float32, device=device))
+        else:
+            book = lloyd_max(spec.bits, head_dim if head_dim >= 3 else None)
+        return cls(replace(spec, rotation=None), book, head_dim, block)
+
+    @property
+    def codebook(self) -> Codebook:
+        """The codebook codes are decoded with (from the stored float16 centroids)."""
+        if self._computed is not None:
+            return self._computed
+        return Codebook(self.centroids.float())
 
     @property
     def length(self) -> int:
@@ -69,6 +105,8 @@ class CodebookStore:
         """Code ``x`` ``[B, H, t, D]`` (original basis) and append it along tokens."""
         if x.dim() != 4 or x.shape[-1] != self.head_dim:
             raise InputError(f"Expected [B, H, t, {self.head_dim}], got {tuple(x.shape)}.")
+        if x.shape[2] == 0:
+            return
         qt = quantize_codebook(x, self.spec, self.codebook)
         packed = qt.packed()
         if self.packed is None:
@@ -83,6 +121,42 @@ class CodebookStore:
             return 0
         held = sum(t.numel() * t.element_size() for t in (self.packed, self.norms))
         return held + (self.centroids.numel() * CENTROID_BYTES if self.spec.fitted else 0)
+
+    # -- the cache's store interface (kvlens.cache.layer) --------------------------------------
+    def drop_front(self, n: int) -> None:
+        """Forget the oldest ``n`` tokens (whole blocks; a sliding layer's expired history):
+        the buffers shrink to what stays (one copy)."""
+        if n % self.block or n > self.length:
+            raise ValueError(f"drop_front needs whole blocks of {self.block} tokens within the "
+                             f"{self.length} stored, got {n}")
+        if n == 0:
+            return
+        self.packed = self.packed[:, :, n:].clone()
+        self.norms = self.norms[:, :, n:].clone()
+
+    def dequantize_range(self, t0: int, t1: int) -> torch.Tensor:
+        """Tokens ``[t0, t1)`` as float32 ``[B, H, t1 - t0, D]`` in the coded basis (the
+        reference decode; only this slice is materialised)."""
+        qt = CodebookTensor.from_packed(self.packed[:, :, t0:t1], self.norms[:, :, t0:t1],
+                                        self.codebook, self.spec, self.head_dim)
+        return dequantize_codebook(qt)
+
+    def value_out(self, p: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
+        """Softmax weights ``p`` ``[B, H, M, t1 - t0]`` times the coded values ``[t0, t1)``:
+        ``sum_t (p_t s_t) c[code_t]`` ``[B, H, M, D]`` in the coded (rotated) basis, the
+        vector scales folded into the weights (no dequantized value is materialised)."""
+        c, sv = self.chunk(t0, t1)
+        return torch.matmul(p * sv[:, :, None, :], c)
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """The buffers by ``kvlens.cache.layout`` part name (the fitted centroids are held from
+        the start, the codes and norms once something is stored)."""
+        out = {} if self.packed is None else {"codes": self.packed, "norms": self.norms}
+        return out | ({"codebooks": self.centroids} if self.centroids is not None else {})
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        if self.packed is not None:
+            self.packed, self.norms = self.packed[index], self.norms[index]
 
     def reported_bytes(self) -> int:
         """``CodebookSpec.held_bytes`` for what the store holds (one codebook)."""

@@ -2,8 +2,9 @@
 
 A ``CompressedLayer`` keeps, for its layer, ``[B, H, *, D]`` history in up to three places:
 
-- the **packed store** (``kvlens.cache.packed.PackedTensor`` for a quantized tensor, or a
-  full-precision ``DenseTensor`` when only the other tensor is quantized): cache positions
+- the **packed store** (``kvlens.cache.packed.PackedTensor`` for a quantized tensor,
+  ``kvlens.cache.codebook.CodebookStore`` for codebook values, or a full-precision
+  ``DenseTensor`` when only the other tensor is quantized): cache positions
   ``[q_start, q_end)``, immutable once written;
 - the **residual window**: the newest ``n_res`` tokens (positions ``[res_start, N)``) at the
   config's ``fp_dtype``, exact; when it holds ``R = residual_tokens`` tokens its oldest are
@@ -43,6 +44,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from kvlens.cache import layout
+from kvlens.cache.codebook import CodebookStore
 from kvlens.cache.gear import GearTensor
 from kvlens.cache.mixed import SetRows
 from kvlens.cache.packed import PackedTensor
@@ -122,7 +124,7 @@ class CompressedLayer(DynamicLayer):
                  scale_dtype: str = "float16", fp_dtype: str = "float16",
                  mikv: MikvSettings | None = None, balancer: torch.Tensor | None = None,
                  sliding_window: int | None = None, rotation: torch.Tensor | None = None,
-                 session=None, gear=None):
+                 session=None, gear=None, value_centroids: torch.Tensor | None = None):
         super().__init__()
         self.is_initialized = False  # set by the base class from transformers 4.57 on, not 4.56
         self.setting = setting
@@ -140,9 +142,14 @@ class CompressedLayer(DynamicLayer):
         self.kstore = PackedTensor.create(setting.key, r, head_dim, scale_dtype,
                                           setting.flush_tokens) \
             if setting.key is not None else DenseTensor(fp)
-        self.vstore = PackedTensor.create(setting.value, r, head_dim, scale_dtype,
-                                          setting.flush_tokens) \
-            if setting.value is not None else DenseTensor(fp)
+        if setting.value_codebook is not None:  # fitted: the config's centroids
+            self.vstore = CodebookStore.for_cache(setting.value, value_centroids, head_dim,
+                                                  self.flush_every)
+        elif setting.value is not None:
+            self.vstore = PackedTensor.create(setting.value, r, head_dim, scale_dtype,
+                                              setting.flush_tokens)
+        else:
+            self.vstore = DenseTensor(fp)
         self.res_k, self.res_v = DenseTensor(fp, "window"), DenseTensor(fp, "window")
         self.fp_dtype = fp
         self.q_start = 0  # first packed position (a sliding layer evicts whole blocks)

@@ -32,7 +32,11 @@ layer not in ``mikv.layers`` keeps only its sinks at ``fp_dtype``, ``KVConfig.mi
 packed block, ``kvlens.cache.gear``), ``positions`` (int32: the set's positions, and
 for pre-RoPE keys every held token's RoPE position), ``masks`` (bool per held packed token:
 H2O sets only), ``accumulators`` (float32 accumulated attention per held token: H2O only),
-``balancers`` (float32 ``[Hkv, D]``), ``rotations`` (one float32 ``[D, D]`` Hadamard matrix
+``balancers`` (float32 ``[Hkv, D]``), ``norms`` and ``codebooks`` (codebook values,
+``kvlens.cache.codebook``: their codes are ``codes``, densely packed along channels, plus one
+float16 norm per held vector and, for a fitted codebook, its ``2^bits`` float16 centroids per
+layer, held from the layer's first token; ``CodebookSpec.held_bytes`` is the same count),
+``rotations`` (one float32 ``[D, D]`` Hadamard matrix
 shared by every layer that rotates, counted once per device those layers run on).
 
 Engine-format layers (``key_format``/``value_format``, ``kvlens.cache.engine``) hold every token
@@ -56,11 +60,13 @@ from kvlens.config.rules import flush_block
 from kvlens.errors import ConfigError
 from kvlens.model.architecture import describe
 from kvlens.model.placement import layer_devices
-from kvlens.quant import packed_length
+from kvlens.quant import CodebookSpec, packed_length
 from kvlens.quant.cachetypes import DenseType, scale_count
+from kvlens.quant.codebook import CENTROID_BYTES, NORM_BYTES
 
 PARTS = ("codes", "scales", "zeros", "dense", "window", "sets", "positions", "masks",
-         "accumulators", "balancers", "rotations", "blocks", "outliers", "lowrank")
+         "accumulators", "balancers", "rotations", "blocks", "outliers", "lowrank", "norms",
+         "codebooks")
 FP_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
 # bytes of one group's scale (and of its zero) per config scale_dtype (kvlens.cache.packed)
 SCALE_BYTES = {"float16": 2, "float32": 4, "8bit": 1}
@@ -151,10 +157,14 @@ def packed_bytes(spec, tokens: int, flush: int, head_dim: int, scale_bytes: int 
                  ) -> tuple[int, int, int]:
     """``(codes, scales, zeros)`` bytes of ``tokens`` (a multiple of ``flush``) packed tokens of
     one (batch row, KV head), in ``kvlens.cache.packed``'s layout (dense codes in whole packing
-    units, whole scale groups, a stored zero for every group)."""
+    units, whole scale groups, a stored zero for every group). A codebook spec
+    (``kvlens.cache.codebook``): ``(codes, norms, 0)``, codes packed along channels and one
+    float16 norm per vector (its centroids are per layer: ``layer_part_bytes``)."""
 
     if tokens == 0:
         return 0, 0, 0
+    if isinstance(spec, CodebookSpec):
+        return tokens * packed_length(head_dim, spec.bits), tokens * NORM_BYTES, 0
     if spec.granularity == "per-channel":
         codes = packed_length(tokens, spec.bits) * head_dim  # tokens: whole units
     else:
@@ -193,6 +203,11 @@ def layer_part_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batc
     for spec in (setting.key, setting.value):
         if spec is None:
             parts["dense"] += rows * st.q_held * head_dim * fp_bytes
+        elif isinstance(spec, CodebookSpec):
+            c, norms, _ = packed_bytes(spec, st.q_held, f, head_dim)
+            parts["codes"] += rows * c
+            parts["norms"] += rows * norms
+            parts["codebooks"] += spec.levels * CENTROID_BYTES if spec.fitted else 0
         else:
             c, s, z = packed_bytes(spec, st.q_held, f, head_dim, scale_bytes)
             parts["codes"] += rows * c

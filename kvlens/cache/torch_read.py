@@ -30,6 +30,10 @@ on the reference CPU (``docs/benchmarks.md``).
   sum_{t in g} p_t code_{t,c} + z_{g,c} * sum_{t in g} p_t``.
 - Per-token / per-tensor values (packed along channels): the value scale folds into the softmax
   weights, ``out_d = sum_t (p_t * scale_{t,j}) * code_{t,d} + sum_t p_t * zero_{t,j}``.
+- Codebook values (``kvlens.cache.codebook.CodebookStore``): each vector's scale (norm over
+  ``sqrt(D)``, or over its centroids' norm when renormalised) folds into the softmax weights,
+  ``out = sum_t (p_t s_t) c[code_t]`` in the rotated basis (``CodebookStore.value_out``); the
+  layer un-rotates the merged output once, as for rotated values.
 - The channel balancer (``q / b``) and ``scaling`` fold into ``q`` first.
 - Pre-RoPE keys: RoPE rotates each dequantized key by its own position, so scales cannot fold
   into one query; the chunk is dequantized in place on its unpacked codes (``code * scale +
@@ -47,6 +51,7 @@ from __future__ import annotations
 
 import torch
 
+from kvlens.cache.codebook import CodebookStore
 from kvlens.quant import pack_unit
 from kvlens.rope import rotate
 
@@ -263,6 +268,8 @@ def _value_out(layer, p: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
     store = layer.vstore
     if layer.setting.value is None:
         return torch.matmul(p, store.dequantize_range(t0, t1))
+    if isinstance(store, CodebookStore):
+        return store.value_out(p, t0, t1)
     b, h, m, n = p.shape
     d = store.head_dim
     c = store.spec.bits

@@ -58,7 +58,7 @@ KVLENS_ONLY = ("residual", "windows", "flush", "sinks", "bits", "group_sizes", "
                "value_fits", "window_dtype", "scale_dtype", "pre_rope", "no_balancer",
                "exponent", "thorough", "no_mikv", "mikv_bits", "mikv_fractions", "sensitivity",
                "retrieval", "retrieval_weight", "prefer_fast", "name", "retrieval_prompts",
-               "workers", "layout_layers")
+               "workers", "layout_layers", "codebooks")
 TARGET_ONLY = ("max_kld", "kld_anchors")  # refused without --target ENGINE
 PLACEMENT = ("device_map", "max_memory", "offload_folder")
 
@@ -128,6 +128,11 @@ def recommend(
     no_rotation: bool = typer.Option(False, "--no-rotation", rich_help_panel=BUDGET,
                                      help="No Hadamard-rotated (per-token) candidates (engine "
                                           "targets: llama.cpp without its rotation)."),
+    codebooks: bool = typer.Option(False, "--codebooks", rich_help_panel=BUDGET,
+                                   help="Also codebook value candidates (2- and 3-bit fitted "
+                                        "codebooks of rotated values with a norm per vector, "
+                                        "docs/codebooks.md; not with --prefer-fast or "
+                                        "--no-rotation)."),
     thorough: bool = typer.Option(False, "--thorough", rich_help_panel=BUDGET,
                                   help="The full search: also GEAR twins and MiKV "
                                        "importance-set candidates (heavy hitters by accumulated "
@@ -284,7 +289,7 @@ def recommend(
                                 fp_dtype=window_dtype, scale_dtype=scale_dtype,
                                 pre_rope=pre_rope, balancer=not no_balancer,
                                 rotation=not no_rotation, mikv=thorough and not no_mikv,
-                                gear=thorough,
+                                gear=thorough, codebooks=codebooks,
                                 mikv_set_bits=_ints(mikv_bits, "--mikv-bits"),
                                 mikv_fractions=_numbers(mikv_fractions, "--mikv-fractions",
                                                         float, "numbers"),

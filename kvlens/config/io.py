@@ -25,7 +25,14 @@ writes them. The meaning of each field is ``kvlens.config.schema``. JSON form::
       "rotation_seed": null | 0,               # sign flips of the Hadamard rotation
       "model": null | {"num_layers": 30, "head_dim": 64, "num_key_value_heads": 3},
       "engine_attention": "llamacpp-cpu-fa" | "llamacpp-cpu-nofa"   # optional; version 4
+      "codebooks": {"3": {"value": [c_0, ..., c_7]}}     # version 4, fitted centroids
     }
+
+A value spec may be a codebook spec (version 4, ``kvlens.quant.codebook.CodebookSpec``),
+told apart by its ``"codebook"`` key::
+
+    "value": {"version": 1, "bits": 3, "codebook": "fitted", "rotation": {"version": 1,
+              "seed": null}, "renormalize": true}
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from typing import Any
 from kvlens.config.schema import GearSettings, KVConfig, LayerKV, MikvSettings
 from kvlens.config.versions import FORMAT, VERSION
 from kvlens.errors import ConfigError, is_int
-from kvlens.quant import QuantSpec
+from kvlens.quant import CodebookSpec, QuantSpec
 
 __all__ = ["FORMAT", "VERSION", "config_from_dict", "load_config", "save_config"]
 
@@ -48,7 +55,7 @@ _LAYER_KEYS = ("key", "value", "residual_tokens", "flush_tokens", "pre_rope_keys
                "rotate_keys", "rotate_values", "key_format", "value_format")
 _TOP_KEYS = ("format", "version", "name", "description", "default", "layers", "mikv", "gear",
              "balancers", "scale_dtype", "fp_dtype", "rotation_seed", "model", "kv_scales",
-             "engine_attention")
+             "engine_attention", "codebooks")
 _V2_LAYER_KEYS = ("key_format", "value_format")
 _MIKV_KEYS = ("heavy_fraction", "sink_tokens", "balancer", "balancer_exponent", "set_bits",
               "layers")
@@ -56,10 +63,12 @@ _GEAR_KEYS = ("rank", "outlier_fraction", "power_iters", "layers")
 _MODEL_KEYS = ("num_layers", "head_dim", "num_key_value_heads")
 
 
-def _spec(value: Any, where: str) -> QuantSpec | None:
+def _spec(value: Any, where: str) -> QuantSpec | CodebookSpec | None:
     if value is None:
         return None
     try:
+        if isinstance(value, Mapping) and "codebook" in value:
+            return CodebookSpec.from_dict(value)
         return QuantSpec.from_dict(value)
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
@@ -112,6 +121,10 @@ def config_from_dict(data: Any) -> KVConfig:
             mikv.set_bits is not None or mikv.layers is not None))):
         raise ConfigError("'gear', 'mikv.set_bits' and 'mikv.layers' need KV config version 2; "
                           'set "version": 2.')
+    codebook = any(isinstance(s.value, CodebookSpec) for s in (default, *layers.values()))
+    if version < 4 and (codebook or data.get("codebooks") is not None):
+        raise ConfigError('codebook value specs and \'codebooks\' need KV config version 4; set '
+                          '"version": 4.')
     if version < 3 and data.get("scale_dtype") == "8bit":
         raise ConfigError('scale_dtype "8bit" needs KV config version 3; set "version": 3.')
     if version < 2 and data.get("fp_dtype") == "float8_e4m3fn":
@@ -127,7 +140,7 @@ def config_from_dict(data: Any) -> KVConfig:
                     fp_dtype=data.get("fp_dtype", "float16"),
                     rotation_seed=data.get("rotation_seed"),
                     kv_scales=_kv_scales(data), gear=gear,
-                    engine_attention=data.get("engine_attention"))
+                    engine_attention=data.get("engine_attention"), codebooks=_codebooks(data))
 
 
 def _no_unknown(data: Mapping, allowed: tuple[str, ...], where: str) -> None:
@@ -177,6 +190,19 @@ def _kv_scales(data: Mapping) -> dict[int, dict[str, tuple[float, ...]]]:
                               "[s, ...]}} with positive finite scales (one per layer, or one "
                               "per KV head).")
         out[idx] = {t: tuple(float(s) for s in v) for t, v in entry.items()}
+    return out
+
+
+def _codebooks(data: Mapping) -> dict[int, dict[str, tuple[float, ...]]]:
+    """``codebooks``: per layer, ``{"value": [centroids]}`` (checked by ``KVConfig``)."""
+    out = {}
+    for idx, entry in _indexed(data, "codebooks", 'an object mapping layer indices to '
+                                                  '{"value": [centroids]}').items():
+        if not isinstance(entry, Mapping) or not all(isinstance(v, list)
+                                                     for v in entry.values()):
+            raise ConfigError(f'codebooks.{idx} must be {{"value": [c_0, ...]}} (the fitted '
+                              "codebook's centroids, ascending).")
+        out[idx] = {t: tuple(v) for t, v in entry.items()}
     return out
 
 

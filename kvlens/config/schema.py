@@ -49,6 +49,18 @@ float32, or ``"8bit"`` (version 3): one byte each (``kvlens.quant.meta8``: a sca
 grid and the zero as a signed multiple of a fraction of the step), half the metadata bytes of
 float16, the codes re-chosen against the stored grid.
 
+``value`` may also be a ``CodebookSpec`` (``kvlens.quant.codebook``; version 4): each value
+vector of the quantized history is stored as ``bits``-bit codes of its Hadamard-rotated,
+normalised coordinates (nearest centroid of a 1-D codebook) plus its float16 norm
+(``kvlens.cache.codebook``). Its rotation is the layer's value rotation (``rotate_values`` is
+set from it: the window and sets are stored rotated too, the output un-rotated once), so its
+seed must be the config's ``rotation_seed``. A ``"fitted"`` codebook's ``2^bits`` centroids are
+stored in the config, per layer, in ``codebooks`` (``{layer: {"value": [c_0, ..]}}``, ascending,
+float16 values): fitted on a capture (``recommend``), not at prefill, so every run of the config
+decodes with the same codebook; the cache holds them as float16 and counts them
+(``kvlens.cache.layout``). Keys stay uniform (codebook keys lost to per-channel pre-RoPE keys on
+both models measured, docs/codebooks.md); GEAR cannot be combined with codebook values.
+
 A config is written at the oldest version that can express it (``kvlens.config.versions``).
 
 ``validate_for(config, info)`` checks a config against a loaded model (layer count, head_dim,
@@ -57,6 +69,7 @@ group sizes, balancer shapes) and raises ``ConfigError`` naming the allowed valu
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -64,7 +77,7 @@ from typing import Any
 from kvlens.config.rules import check_layout, flush_block
 from kvlens.config.versions import FORMAT, oldest_version
 from kvlens.errors import ConfigError, is_int
-from kvlens.quant import QuantSpec, hadamard_block_size
+from kvlens.quant import CodebookSpec, QuantSpec, hadamard_block_size
 from kvlens.quant.cachetypes import DenseType, check_engine_layer, parse_cache_type
 from kvlens.quant.llamacpp_cpu import ENGINE_ATTENTIONS
 
@@ -73,14 +86,16 @@ FP_DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn", "exact")
 # group scale/zero storage (kvlens.cache.packed; "8bit": kvlens.quant.meta8)
 SCALE_DTYPES = ("float16", "float32", "8bit")
 SET_BITS = (4, 8)  # integer widths of the MiKV importance set (None: fp_dtype)
+CODEBOOK_TENSORS = ("value",)  # tensors a codebook spec may store (keys: docs/codebooks.md)
 
 
 @dataclass(frozen=True)
 class LayerKV:
-    """How one layer's cache is stored. ``None`` spec = not quantized (model dtype)."""
+    """How one layer's cache is stored. ``None`` spec = not quantized (model dtype); ``value``
+    may be a ``CodebookSpec`` (module docstring)."""
 
     key: QuantSpec | None = None
-    value: QuantSpec | None = None
+    value: QuantSpec | CodebookSpec | None = None
     residual_tokens: int = 0
     pre_rope_keys: bool = False
     flush_tokens: int = 0  # 0: flush the whole window when full (KIVI); F: the oldest F at a time
@@ -93,6 +108,7 @@ class LayerKV:
     def __post_init__(self) -> None:
         if self.key_format is not None or self.value_format is not None:
             self._check_engine()
+        self._check_codebook()
         r = self.residual_tokens
         if not is_int(r, 0):
             raise ConfigError(f"Invalid residual_tokens {r!r}; allowed: an integer >= 0.")
@@ -114,6 +130,32 @@ class LayerKV:
                               "the Hadamard rotation and RoPE do not commute, so the query "
                               "cannot absorb the rotation (compare-axes measures the "
                               "combination); disable one of them.")
+
+    def _check_codebook(self) -> None:
+        if isinstance(self.key, CodebookSpec):
+            raise ConfigError("A codebook spec is not a key layout of the cache (codebook keys "
+                              "lost to per-channel pre-RoPE keys, docs/codebooks.md); allowed "
+                              "for: value. Use a uniform key spec (bits, granularity, "
+                              "group_size).")
+        for name in ("key", "value"):
+            spec = getattr(self, name)
+            if spec is not None and not isinstance(spec, (QuantSpec, CodebookSpec)):
+                raise ConfigError(f"Invalid {name} spec {spec!r}; allowed: a QuantSpec, "
+                                  "a CodebookSpec (value only) or None.")
+        if not isinstance(self.value, CodebookSpec):
+            return
+        if self.value.rotation is None:
+            if self.rotate_values is True:
+                raise ConfigError("rotate_values is set but the codebook value spec has no "
+                                  "rotation (its rotation is the layer's value rotation); give "
+                                  "the codebook a rotation or set rotate_values: false.")
+        else:  # the codebook's rotation is the layer's: window and sets stored rotated too
+            object.__setattr__(self, "rotate_values", True)
+
+    @property
+    def value_codebook(self) -> CodebookSpec | None:
+        """The value ``CodebookSpec`` (``None``: values uniform or unquantized)."""
+        return self.value if isinstance(self.value, CodebookSpec) else None
 
     def _check_engine(self) -> None:
 
@@ -288,6 +330,8 @@ class KVConfig:
     # the engine arithmetic engine-format layers attend with (kvlens.quant.llamacpp_cpu
     # ENGINE_ATTENTIONS); None: the model's own float attention over the read-back K/V
     engine_attention: str | None = None
+    # fitted codebook centroids (float16 values, ascending): {layer: {"value": (c_0, ...)}}
+    codebooks: Mapping[int, Mapping[str, tuple[float, ...]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -319,6 +363,10 @@ class KVConfig:
                 if self.gear.layers is None else [(i, self.layer(i)) for i in self.gear.layers]
             for idx, setting in targets:
                 where = "default" if idx is None else f"layer {idx}"
+                if setting.compressed and setting.value_codebook is not None:
+                    raise ConfigError(f"{where}: gear cannot be combined with a codebook value "
+                                      "spec (GEAR's sparse and low-rank terms correct uniform "
+                                      "codes); disable one of them.")
                 if setting.compressed and setting.pre_rope_keys and setting.key is not None:
                     raise ConfigError(f"{where}: gear cannot be combined with pre_rope_keys (the "
                                       "low-rank and sparse terms live in the stored basis, which "
@@ -327,9 +375,56 @@ class KVConfig:
                     # the flush block (kvlens.config.rules.flush_block; 0: no valid layout,
                     # which validate_for reports)
                     block = setting.flush_tokens or setting.residual_tokens or (
-                        1 if spec is not None and spec.granularity == "per-token" else 0)
+                        1 if spec is not None and (isinstance(spec, CodebookSpec)
+                                                   or spec.granularity == "per-token") else 0)
                     if spec is not None and block:
                         self.gear.check_block(block, None, where)
+
+        self._check_codebooks()
+
+    def _check_codebooks(self) -> None:
+        """Rotation seeds of codebook layers, and the shape of ``codebooks`` (every entry for a
+        layer storing that tensor with a fitted codebook of its bits; which layers need one is
+        checked against the model's layer count by ``validate_for``)."""
+        for idx, setting in [(None, self.default), *sorted(self.layers.items())]:
+            book = setting.value_codebook
+            if book is not None and book.rotation is not None \
+                    and book.rotation.seed != self.rotation_seed:
+                where = "default" if idx is None else f"layer {idx}"
+                raise ConfigError(f"{where}: the codebook's rotation seed {book.rotation.seed!r} "
+                                  f"is not the config's rotation_seed {self.rotation_seed!r} "
+                                  "(the codebook's rotation is the layer's value rotation); "
+                                  "make them equal.")
+        if not isinstance(self.codebooks, Mapping):
+            raise ConfigError("'codebooks' must map layer indices to {\"value\": [centroids]}.")
+        for idx, entry in self.codebooks.items():
+            if not is_int(idx, 0) or not isinstance(entry, Mapping) or not entry:
+                raise ConfigError(f"codebooks.{idx}: allowed: a layer index >= 0 mapping to "
+                                  '{"value": [c_0, ...]}.')
+            for tensor, cents in entry.items():
+                if tensor not in CODEBOOK_TENSORS:
+                    raise ConfigError(f"codebooks.{idx}: unknown tensor {tensor!r}; allowed: "
+                                      f"{', '.join(CODEBOOK_TENSORS)}.")
+                book = self.layer(idx).value_codebook
+                if book is None or not book.fitted:
+                    raise ConfigError(f"codebooks.{idx}.{tensor}: layer {idx} does not store "
+                                      f"its {tensor}s with a fitted codebook spec, so these "
+                                      "centroids would be unused; remove them.")
+                ok = isinstance(cents, (list, tuple)) and len(cents) == book.levels and all(
+                    isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c)
+                    for c in cents) and all(a <= b for a, b in zip(cents, cents[1:]))
+                if not ok:
+                    raise ConfigError(f"codebooks.{idx}.{tensor}: allowed: {book.levels} finite "
+                                      f"ascending numbers (the {book.bits}-bit codebook's "
+                                      "centroids).")
+        object.__setattr__(self, "codebooks", {  # one form: int layers, float tuples
+            int(i): {t: tuple(float(c) for c in v) for t, v in e.items()}
+            for i, e in self.codebooks.items()})
+
+    def centroids_for(self, idx: int, tensor: str = "value") -> tuple[float, ...] | None:
+        """The stored centroids of layer ``idx``'s ``tensor`` codebook (``None``: none stored)."""
+        cents = self.codebooks.get(idx, {}).get(tensor)
+        return None if cents is None else tuple(float(c) for c in cents)
 
     def layer(self, idx: int) -> LayerKV:
         return self.layers.get(idx, self.default)
@@ -367,7 +462,9 @@ class KVConfig:
             "fp_dtype": self.fp_dtype,
             "rotation_seed": self.rotation_seed,
             "model": dict(self.model) if self.model else None,
-        } | ({"kv_scales": {str(i): {t: list(v) for t, v in s.items()}
+        } | ({"codebooks": {str(i): {t: [float(c) for c in v] for t, v in e.items()}
+                            for i, e in sorted(self.codebooks.items())}}
+             if self.codebooks else {}) | ({"kv_scales": {str(i): {t: list(v) for t, v in s.items()}
                             for i, s in sorted(self.kv_scales.items())}}
              if self.kv_scales else {}) | ({"engine_attention": self.engine_attention}
                                           if self.engine_attention else {})
@@ -379,7 +476,7 @@ class KVConfig:
         return oldest_version(self)
 
 
-def _spec_dict(spec: QuantSpec | None) -> dict[str, Any] | None:
+def _spec_dict(spec: QuantSpec | CodebookSpec | None) -> dict[str, Any] | None:
     return None if spec is None else spec.to_dict()
 
 
@@ -400,6 +497,10 @@ def validate_for(config: KVConfig, info) -> None:
     if bad:
         raise ConfigError(f"Config {config.name!r} overrides layers {bad}, but the model has "
                           f"{n} layers; allowed indices: 0-{n - 1}.")
+    bad = sorted(i for i in config.codebooks if i >= n)
+    if bad:
+        raise ConfigError(f"Config {config.name!r} gives codebooks for layers {bad}, but the "
+                          f"model has {n} layers; allowed indices: 0-{n - 1}.")
     bad = sorted(i for i in config.kv_scales if i >= n)
     if bad:
         raise ConfigError(f"Config {config.name!r} gives kv_scales for layers {bad}, but the "
@@ -413,6 +514,12 @@ def validate_for(config: KVConfig, info) -> None:
         elif idx in config.kv_scales:
             raise ConfigError(f"Config {config.name!r} gives kv_scales for layer {idx}, which "
                               "is not an engine-format layer (no key_format/value_format).")
+        book = layer.value_codebook
+        if book is not None and book.fitted and config.centroids_for(idx) is None:
+            raise ConfigError(f"Config {config.name!r} layer {idx} stores values with a fitted "
+                              f"{book.bits}-bit codebook but gives no centroids; add "
+                              f'codebooks.{idx}.value ({book.levels} numbers, e.g. from '
+                              "`kvlens recommend`) or use codebook \"lloyd-max\".")
         for what, spec in (("key", layer.key), ("value", layer.value)):
             if spec is not None:
                 check_layout(spec, layer.residual_tokens, d, f"layer {idx} {what}",

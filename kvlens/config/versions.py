@@ -11,7 +11,8 @@ Versions:
   ``mikv.layers``, ``gear``, a spec's ``fit`` (``QuantSpec`` version 2), ``fp_dtype``
   ``float8_e4m3fn``.
 - 3: ``scale_dtype`` ``"8bit"``.
-- 4: ``engine_attention`` (the engine arithmetic engine-format layers attend with).
+- 4: ``engine_attention`` (the engine arithmetic engine-format layers attend with); codebook
+  value specs (``CodebookSpec``) and the fitted centroids in ``codebooks``.
 
 The parser that enforces these (``kvlens.config.io``) and the dataclasses that write them
 (``kvlens.config.schema``) both read them from here.
@@ -29,12 +30,13 @@ def oldest_version(config) -> int:
     """The oldest version that can express ``config`` (a ``kvlens.config.schema.KVConfig``):
     1 unless it uses a version-2 feature (engine cache types, ``kv_scales``,
     ``mikv.set_bits``, ``mikv.layers``, ``gear``, a spec's ``fit``, fp8 full-precision parts),
-    3 with ``scale_dtype`` ``"8bit"``, 4 with ``engine_attention``."""
-    if getattr(config, "engine_attention", None):
+    3 with ``scale_dtype`` ``"8bit"``, 4 with ``engine_attention`` or a codebook value spec."""
+    layers = (config.default, *config.layers.values())
+    if getattr(config, "engine_attention", None) or config.codebooks or \
+            any(lk.value_codebook is not None for lk in layers):
         return 4
     if config.scale_dtype == "8bit":
         return 3
-    layers = (config.default, *config.layers.values())
     specs = [s for lk in layers for s in (lk.key, lk.value)]
     mikv = config.mikv
     uses_v2 = (bool(config.kv_scales)

@@ -117,7 +117,7 @@ def _fused(kc: Candidate, vc: Candidate, stream: Stream, head_dim: int) -> bool:
     return kernel_layout_problem(setting, head_dim) is None
 
 
-def assemble(meta, opts, tables, balancers, weights, notes, shape, factors=()
+def assemble(meta, opts, tables, balancers, weights, notes, shape, factors=(), codebooks=None
              ) -> Recommendation:
     """The ``Recommendation`` for ``opts.budget_bits`` from per-layer error ``tables``, layer
     ``weights`` (and per-layout ``factors``) on a model of ``shape``: the best allocation
@@ -196,7 +196,7 @@ def assemble(meta, opts, tables, balancers, weights, notes, shape, factors=()
                                   recon, min(better)[1] if better else "", s.flush,
                                   s.residual))
     expected = sum(ch.output_error for ch in choices) / len(choices)
-    config = build_config(meta, opts, choices, balancers)
+    config = build_config(meta, opts, choices, balancers, codebooks)
     mean_bits = config_bits(config, shape, opts.context)
     rec = Recommendation(config, choices, opts.budget_bits, mean_bits, expected, opts.context,
                          weights=tuple(weights), notes=notes,

@@ -1,6 +1,7 @@
 """The versioned ``KVConfig`` a recommendation writes (``build_config``): per-layer settings
 from the chosen candidates and windows, the most common one as the default, and the config-wide
-MiKV, GEAR and balancer sections."""
+MiKV, GEAR and balancer sections, and the fitted centroids of the layers that chose codebook
+values (``codebooks``)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ from kvlens.recommend.options import Candidate, RecommendOptions, Stream, listed
 from kvlens.recommend.result import Choice
 
 
-def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balancers):
-    """The versioned ``kvlens.config`` config that ``kvlens generate --config`` consumes."""
+def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balancers,
+                 codebooks=None):
+    """The versioned ``kvlens.config`` config that ``kvlens generate --config`` consumes.
+    ``codebooks``: per layer ``{bits: kvlens.quant.Codebook}``, the value codebooks the
+    candidates were measured with."""
 
     by_layer: dict[int, dict[str, Candidate]] = {}
     streams: dict[int, Stream] = {}
@@ -38,6 +42,14 @@ def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balanc
     if len(set(sets.values())) > 1:
         raise ConfigError(f"internal: MiKV sets of different widths/fractions chosen: {sets}")
     set_bits, fraction = next(iter(sets.values())) if sets else (None, 0.0)
+    books = {}
+    for i, p in by_layer.items():
+        if p["value"].codebook:
+            book = (codebooks or {}).get(i, {}).get(p["value"].bits)
+            if book is None:
+                raise ConfigError(f"internal: layer {i} chose codebook values but no codebook "
+                                  "was fitted for it")
+            books[i] = {"value": tuple(float(c) for c in book.centroids.half().float())}
     mikv = None
     if used or opts.sink_tokens or sets:
         # layers not in mikv.layers keep only the sinks, at fp16 (KVConfig.mikv_for), as their
@@ -51,7 +63,7 @@ def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balanc
         gear=gear_settings(gear_layers) if gear_layers else None,
         balancers={i: tuple(tuple(float(x) for x in row) for row in b.tolist())
                    for i, b in used.items()},
-        fp_dtype=opts.fp_dtype, scale_dtype=opts.scale_dtype,
+        fp_dtype=opts.fp_dtype, scale_dtype=opts.scale_dtype, codebooks=books,
         description=(f"kvlens recommend for {meta.model}: budget {opts.budget_bits} bits/element "
                      f"at {opts.context} tokens (residual window "
                      f"{listed(sorted({s.residual for s in streams.values()}), '/')}, "

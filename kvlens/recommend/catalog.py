@@ -12,7 +12,11 @@ for neither (the config's ``gear.layers``). With ``mikv`` (default on) the G32 c
 heavy_fraction)`` of ``mikv_set_bits`` x ``mikv_fractions``: heavy hitters and sinks kept at
 ``set_bits`` codes, measured by replaying the cache's H2O selection while decoding
 (``kvlens.analysis.heavy_hitters``); a layer takes the set for both tensors or neither (the
-config's ``mikv.layers``). Only what ``kvlens generate`` can run is offered.
+config's ``mikv.layers``). With ``codebooks`` (opt-in; ``--codebooks``) also codebook
+values at 2 and 3 bits (``CODEBOOK_BITS``): ``fitted+renorm`` of docs/codebooks.md, each
+layer's codebook fitted on its captured values, stored as packed codes and a float16 norm per
+vector (rotated, so only where rotation is offered; torch read path only, so not with
+``prefer_fast``). Only what ``kvlens generate`` can run is offered.
 
 ``family`` groups candidates by storage layout for ``--sensitivity layout``; ``family_probes``
 picks the one candidate per family that is measured for it.
@@ -27,6 +31,7 @@ from kvlens.config import GearSettings
 from kvlens.errors import ConfigError
 from kvlens.quant import hadamard_block_size
 from kvlens.recommend.options import (
+    CODEBOOK_BITS,
     GEAR_GROUP,
     GRANULARITIES,
     MIKV_GROUP,
@@ -68,6 +73,8 @@ def candidates(head_dim: int, opts: RecommendOptions, has_rope: bool) -> list[Ca
                         continue
                     if opts.gear and not opts.prefer_fast and g == GEAR_GROUP and b <= 4:
                         out.append(Candidate(tensor, b, gran, g, gear=True))
+    if opts.codebooks and rotation and not opts.prefer_fast:
+        out += [Candidate.codebook_values(b) for b in CODEBOOK_BITS]
     # MiKV set twins: plain or balanced post-RoPE G32 codes up to 4 bits (a set beside 8-bit
     # codes buys nothing), one per global (set_bits, heavy_fraction)
     return out + [replace(c, mikv_set=m) for c in out if c.group_size == MIKV_GROUP
@@ -85,7 +92,9 @@ def family(c: Candidate) -> tuple:
     """The storage family ``--sensitivity layout`` measures one factor for: tensor, axis,
     transforms and the scale fit (bits, group size, GEAR and a MiKV set share their base's
     factor). The fit has its own: a least-squares fit clips a group's extremes, so its output
-    error need not turn into KL at the rate of min/max groups (docs/recommend.md#the-scale-fit)."""
+    error need not turn into KL at the rate of min/max groups (docs/recommend.md#the-scale-fit).
+    Codebook values are a family of their own (non-uniform codes, a norm per vector): their
+    axis is ``per-vector``."""
     return (c.tensor, c.granularity, c.stage, c.balancer, c.rotate, c.fit)
 
 

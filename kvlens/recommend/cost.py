@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 # Rates of the reference machine, from benchmarks/bench_recommend.py's stage profile of the
 # default recommend on SmolLM2-135M (seconds per unit of work).
-ATTENTION_SECONDS_PER_UNIT = 6.0e-11  # candidate errors: one multiply-add of an attention pass
-VARIANT_SECONDS_PER_ELEMENT = 5.6e-8  # quantizing one captured element for one candidate
-FORWARD_SECONDS_PER_FLOP = 1.2e-11  # a model forward on the CPU
+ATTENTION_SECONDS_PER_UNIT = 4.1e-11  # candidate errors: one multiply-add of an attention pass
+VARIANT_SECONDS_PER_ELEMENT = 3.8e-8  # quantizing one captured element for one candidate
+FORWARD_SECONDS_PER_FLOP = 7.3e-12  # a model forward on the CPU
 READ_SECONDS_PER_BYTE = 2.0e-9  # reading the capture file
 RUNTIME_BYTES = 800 * 2**20  # torch, transformers, the GGUF conversion and the process itself
 WORKER_BYTES = 400 * 2**20  # one worker process (kvlens.recommend.parallel): torch and kvlens

@@ -12,7 +12,10 @@ too, to explain. By default the first ``tokens=256`` tokens of every capture sam
 windows every option is scored on the same queries, from ``score_from`` (three times the
 largest window) on, of ``default_tokens`` (four times it).
 
-``layer_variants`` builds what the cache would give back for each candidate, ``gear_variant``
+``layer_variants`` builds what the cache would give back for each candidate (codebook values:
+``fake_quantize_codebook`` with the layer's codebook, fitted on the layer's captured values
+once and then given to every later measurement of that layer, as the config will store it),
+``gear_variant``
 and ``_SetVariants`` the GEAR and MiKV set twins (they depend on the flush block),
 ``measure_layer`` scores them; ``check_windows`` refuses window sizes nothing can be stored
 with.
@@ -37,7 +40,9 @@ from kvlens.config import MikvSettings
 from kvlens.config.rules import check_layout
 from kvlens.errors import ConfigError, InputError
 from kvlens.quant import (
+    codebook_for,
     fake_quantize,
+    fake_quantize_codebook,
     fit_balancer,
     hadamard_rotation,
     quantize_gear,
@@ -51,9 +56,11 @@ from kvlens.text.selection import format_index_spec
 
 
 def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOptions,
-                  plain: Sequence[Candidate] = (), queries: int | None = None, balancer=None):
-    """Per-candidate mean errors on one capture layer and the fitted balancer ``[Hkv, D]``
-    (None when no candidate uses it).
+                  plain: Sequence[Candidate] = (), queries: int | None = None, balancer=None,
+                  codebooks=None):
+    """Per-candidate mean errors on one capture layer, the fitted balancer ``[Hkv, D]``
+    (None when no candidate uses it), whether pre-RoPE candidates were measured, and the
+    layer's value codebooks ``{bits: Codebook}`` (``layer_variants``).
 
     Errors are ``{(candidate, Stream(R, F)): (out, score, recon)}`` for every window ``R``
     (``opts.window_sizes``) and flush block ``F`` the candidate can be stored with
@@ -65,9 +72,10 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
     ``plain`` are also measured with every token quantized, key ``(candidate, None)`` (the
     sensitivity probe, which quantizes the whole layer). ``queries``: score only the last
     queries (the retrieval probe's answer position). ``balancer``: use this fitted balancer
-    instead of fitting one on this layer's data."""
+    instead of fitting one on this layer's data; ``codebooks``: likewise the value codebooks."""
 
-    q, k, v, variants, bal, pre_ok = layer_variants(layer, meta, cands, opts, balancer)
+    q, k, v, variants, bal, pre_ok, books = layer_variants(layer, meta, cands, opts, balancer,
+                                                           codebooks)
     n_tok = k.shape[2]
     if n_tok <= max(max(opts.window_sizes), opts.score_from):
         raise InputError(f"The capture has {n_tok} tokens per sample, no more than "
@@ -144,16 +152,19 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
                                          reconstruction=False)
             for c, e in zip(group, errs):
                 record(c, s, e)
-    return out, bal, pre_ok
+    return out, bal, pre_ok, books
 
 
 def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptions,
-                   balancer=None):
-    """``(q, k, v, variants, balancer, pre_ok)`` of one capture layer (``opts.samples`` and
-    ``opts.tokens``): ``variants[c]`` is what the cache would give back for candidate ``c``
-    with every token quantized (a ``kvlens.analysis.metrics.Variant``), None for MiKV set and GEAR
-    twins (they depend on the flush block: built by ``measure_layer``); pre-RoPE candidates
-    are left out when the capture's RoPE cannot be rebuilt (``pre_ok`` False)."""
+                   balancer=None, codebooks=None):
+    """``(q, k, v, variants, balancer, pre_ok, codebooks)`` of one capture layer
+    (``opts.samples`` and ``opts.tokens``): ``variants[c]`` is what the cache would give back
+    for candidate ``c`` with every token quantized (a ``kvlens.analysis.metrics.Variant``), None
+    for MiKV set and GEAR twins (they depend on the flush block: built by ``measure_layer``);
+    pre-RoPE candidates are left out when the capture's RoPE cannot be rebuilt (``pre_ok``
+    False). ``codebooks`` ``{bits: Codebook}``: the value codebooks of codebook candidates,
+    given (fitted earlier on this layer) or fitted here on these values (``codebook_for``:
+    norm²-weighted k-means, float16 centroids) and returned."""
 
     sel = None if opts.samples is None else list(range(min(opts.samples, meta.num_samples)))
     t = slice(None) if opts.tokens is None else slice(0, opts.tokens)
@@ -174,12 +185,17 @@ def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptio
     la = layer.attrs
     rot = hadamard_rotation(k.shape[-1]) if any(c.rotate for c in cands) else None
     variants: dict[Candidate, Variant] = {}
+    books = dict(codebooks or {})
     sd = opts.scale_dtype  # the group metadata the cache will store
     for c in cands:
         if c.stage == "pre" and not pre_ok:
             continue
         spec = c.spec()
-        if c.mikv_set:  # the set depends on the flush block: built per run below
+        if c.codebook:  # values: the layer's fitted codebook (the config stores its centroids)
+            if c.bits not in books:  # a 1-D k-means on a histogram: milliseconds
+                books[c.bits] = codebook_for(v, spec)
+            variants[c] = Variant(v_hat=fake_quantize_codebook(v, spec, books[c.bits]))
+        elif c.mikv_set:  # the set depends on the flush block: built per run below
             if not la.sliding_window and c.base in cands:
                 variants[c] = None
         elif c.gear:  # depends on the flush block: built per run below
@@ -197,7 +213,7 @@ def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptio
             variants[c] = Variant(k_hat=fake_quantize(k * b, spec, sd) / b)
         else:
             variants[c] = Variant(k_hat=fake_quantize(k, spec, sd))
-    return q, k, v, variants, bal, pre_ok
+    return q, k, v, variants, bal, pre_ok, books
 
 
 def gear_variant(x, c: Candidate, block: int, scale_dtype: str = "float32"):

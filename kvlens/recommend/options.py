@@ -12,10 +12,13 @@ from typing import NamedTuple
 from kvlens.cache.layout import FP_BYTES, SCALE_BYTES
 from kvlens.config import SET_BITS
 from kvlens.errors import InputError, is_int
-from kvlens.quant import QuantSpec
+from kvlens.quant import CodebookSpec, QuantSpec, RotationSpec
 from kvlens.quant.spec import FITS
 
 GRANULARITIES = ("per-channel", "per-token")
+#: A codebook candidate's granularity: each vector has its own scale (its float16 norm)
+PER_VECTOR = "per-vector"
+CODEBOOK_BITS = (2, 3)  # codebook values offered (docs/codebooks.md: they win at 2 and 3 bits)
 GEAR_GROUP = 32  # GEAR twins are offered for KIVI's G32 grouping only (measuring cost)
 MIKV_GROUP = 32  # so are MiKV set twins (each is simulated while decoding: measuring cost)
 MIKV_FRACTION_MAX = 0.5  # largest heavy fraction offered (more is no longer a small set)
@@ -51,9 +54,20 @@ class Candidate:
     # MiKV importance set (set_bits, heavy_fraction) beside the codes; None: sinks only
     mikv_set: tuple[int, float] | None = None
     fit: str = "minmax"  # how each group's scale and zero are chosen (QuantSpec.fit)
+    # values only: a fitted, renormalised codebook of the Hadamard-rotated normalised vectors
+    # with one float16 norm per vector (kvlens.quant.codebook; granularity PER_VECTOR, no
+    # groups: group_size 0, rotate True, fit "minmax" unused)
+    codebook: bool = False
+
+    @classmethod
+    def codebook_values(cls, bits: int) -> Candidate:
+        """The codebook value candidate at ``bits`` (docs/codebooks.md: ``fitted+renorm``)."""
+        return cls("value", bits, PER_VECTOR, 0, rotate=True, codebook=True)
 
     @property
     def short(self) -> str:
+        if self.codebook:
+            return f"{self.bits}b codebook"
         axis = "ch" if self.granularity == "per-channel" else "tok"
         extra = (" pre" if self.stage == "pre" else "") + (" bal" if self.balancer else "") + \
             (" rot" if self.rotate else "") + (" gear" if self.gear else "") + \
@@ -63,6 +77,8 @@ class Candidate:
 
     @property
     def label(self) -> str:
+        if self.codebook:
+            return f"{self.bits}b codebook fitted+renorm (rotated, per-vector fp16 norm)"
         extra = (" pre-RoPE" if self.stage == "pre" else "") + \
             (" +bal" if self.balancer else "") + (" +rotation" if self.rotate else "") + \
             (" +GEAR" if self.gear else "") + \
@@ -75,8 +91,11 @@ class Candidate:
         """The same storage without the MiKV set."""
         return replace(self, mikv_set=None)
 
-    def spec(self):
-
+    def spec(self) -> QuantSpec | CodebookSpec:
+        """What the config stores this candidate as (a codebook: its fitted centroids go in
+        the config's ``codebooks``)."""
+        if self.codebook:
+            return CodebookSpec(self.bits, "fitted", RotationSpec(), renormalize=True)
         return QuantSpec(self.bits, self.granularity, self.group_size, fit=self.fit)
 
 
@@ -149,6 +168,10 @@ class RecommendOptions:
     # processes the per-layer measurements run on (kvlens.recommend.parallel); None: every
     # available core when the candidate stage is predicted to be long, else this process only
     workers: int | None = None
+    # offer codebook values (CODEBOOK_BITS; kvlens.quant.codebook, fitted per layer on the
+    # capture; torch read path only, so not with prefer_fast; rotated, so not without rotation).
+    # Opt-in (--codebooks) until it earns a place at the current defaults (docs/codebooks.md)
+    codebooks: bool = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.budget_bits, (int, float)) and 0 < self.budget_bits <= 16):

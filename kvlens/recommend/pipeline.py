@@ -48,6 +48,8 @@ class Measurements:
     # per layer {storage family: factor on top of the layer weight} (--sensitivity layout)
     factors: tuple[dict, ...] = ()
     profile: Profile = field(default_factory=Profile)  # where measure's time went
+    # per layer {bits: kvlens.quant.Codebook}: the value codebooks fitted on the capture
+    codebooks: dict[int, dict] = field(default_factory=dict)
 
 
 def recommend(path: str | Path, opts: RecommendOptions,
@@ -86,8 +88,10 @@ def measure(path: str | Path, opts: RecommendOptions,
             rows = map_layers(_layer_table, path, meta.layers,
                               (cands + [p for p in probes if p not in cands], probes, opts),
                               workers, progress)
-        tables, balancers, notes, windows = [], {}, [], []
-        for index, (table, bal, pre_ok, window) in zip(meta.layers, rows):
+        tables, balancers, notes, windows, books = [], {}, [], [], {}
+        for index, (table, bal, pre_ok, window, book) in zip(meta.layers, rows):
+            if book:
+                books[index] = book
             windows.append(window)
             if opts.pre_rope == "on" and not pre_ok:
                 raise InputError(f"Pre-RoPE keys were requested but the RoPE of {meta.model} "
@@ -112,33 +116,36 @@ def measure(path: str | Path, opts: RecommendOptions,
                     and not opts.layer_weights:
                 with torch_threads(threads), stage("layout sensitivity"):
                     weights, factors = layout_factors(cap, model, opts, cands, balancers, notes,
-                                                      progress)
+                                                      progress, books)
         if model is not None and opts.retrieval != "off" and opts.retrieval_weight > 0:
             with stage("retrieval probe"):
                 add_retrieval_errors(model, tokenizer, cands, opts, tables, balancers, notes,
-                                     progress, workers)
+                                     progress, workers, books)
     wanted = set(candidates(meta.head_dim, opts, meta.has_rope))
     tables = [{cf: e for cf, e in t.items() if cf[0] in wanted and cf[1] is not None}
               for t in tables]
     prof.stages = {k: v for k, v in prof.stages.items() if v > 0}
     return Measurements(meta, tables, balancers, tuple(weights), notes, tuple(windows),
-                        factors, prof)
+                        factors, prof, books)
 
 
 def _layer_table(layer, meta, cands, probes, opts):
-    """One layer's ``(errors, balancer, pre_ok, sliding window)`` (``map_layers``' work)."""
-    table, bal, pre_ok = measure_layer(layer, meta, cands, opts, plain=probes)
-    return table, bal, pre_ok, layer.attrs.sliding_window or None
+    """One layer's ``(errors, balancer, pre_ok, sliding window, value codebooks)``
+    (``map_layers``' work)."""
+    table, bal, pre_ok, books = measure_layer(layer, meta, cands, opts, plain=probes)
+    return table, bal, pre_ok, layer.attrs.sliding_window or None, books
 
 
 def choose(m: Measurements, opts: RecommendOptions) -> Recommendation:
     """Allocate under ``opts.budget_bits`` from earlier measurements and build the config."""
-    tables = [{k: e for k, e in t.items() if k[0].fit in opts.fits_for(k[0].tensor)}
-              for t in m.tables]  # measured with more fits than offered now: drop the rest
+    # measured with more fits (or codebooks) than offered now: drop the rest
+    tables = [{k: e for k, e in t.items()
+               if (opts.codebooks if k[0].codebook else k[0].fit in opts.fits_for(k[0].tensor))}
+              for t in m.tables]
     prof = Profile(dict(m.profile.stages))
     with profiling(prof), stage("allocation"):
         rec = assemble(m.meta, opts, tables, m.balancers, m.weights, list(m.notes),
-                       shape_of_capture(m.meta, m.windows), m.factors)
+                       shape_of_capture(m.meta, m.windows), m.factors, m.codebooks)
     rec.profile = prof
     return rec
 

@@ -57,7 +57,7 @@ def sensitivity_weights(cap, model, opts, tables, probes, notes, progress
     return tuple(weights)
 
 
-def layout_factors(cap, model, opts, cands, balancers, notes, progress):
+def layout_factors(cap, model, opts, cands, balancers, notes, progress, codebooks=None):
     """``(layer weights, per-layer {family: factor})`` for ``--sensitivity layout``.
 
     A rate is the model's KL when only one layer's keys (or values) are replaced by a storage
@@ -87,8 +87,9 @@ def layout_factors(cap, model, opts, cands, balancers, notes, progress):
         for i, layer in enumerate(cap.iter_layers()):
             measured = probes if layer.index in every else anchors
             with torch_threads(1):  # small attention passes: one thread (see measure)
-                q, k, v, variants, _, _ = layer_variants(layer, meta, measured, one,
-                                                         balancers.get(layer.index))
+                q, k, v, variants, _, _, _ = layer_variants(
+                    layer, meta, measured, one, balancers.get(layer.index),
+                    (codebooks or {}).get(layer.index))
                 got = [c for c in measured if variants.get(c) is not None]
                 la = layer.attrs
                 errs = attention_errors_many(q[:, :, n - keep:], k, v,
