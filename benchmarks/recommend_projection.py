@@ -34,7 +34,8 @@ def shape_for(layers, q_heads, kv_heads, head_dim, params, vocab) -> CostShape:
                      samples=4, tokens=opts.tokens, score_from=opts.score_from,
                      candidates=len(cands) + 2, streams=len(opts.streams()) + 1,
                      families=len(family_probes(cands)), sensitivity_tokens=opts.tokens,
-                     probe_tokens=opts.retrieval_tokens, params=params, vocab=vocab)
+                     probe_tokens=opts.retrieval_tokens, params=params, vocab=vocab,
+                     workers=2)  # the reference machine's two cores
 
 
 def main() -> None:
