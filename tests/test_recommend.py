@@ -717,8 +717,10 @@ def test_codebook_values_are_measured_priced_and_written(tmp_path):
     cb2, cb3 = Candidate.codebook_values(2), Candidate.codebook_values(3)
     assert {c for c in cands if c.codebook} == {cb2, cb3}
     assert cb3.spec() == CodebookSpec(3, "fitted", renormalize=True) and cb3.rotate
-    for off in (dict(codebooks=False), dict(prefer_fast=True), dict(rotation=False)):
-        assert not any(c.codebook for c in candidates(32, replace(opts, **off), False))
+    assert not any(c.codebook for c in candidates(32, replace(opts, codebooks=False), False))
+    for clash in (dict(prefer_fast=True), dict(rotation=False)):  # asked for, cannot be offered
+        with pytest.raises(InputError, match="--codebooks offers codebook values"):
+            replace(opts, **clash)
     m = measure(path, opts)
     assert set(m.codebooks) == {0, 1} and set(m.codebooks[0]) == {2, 3}
     rot2 = Candidate("value", 2, "per-token", 32, rotate=True)
