@@ -53,6 +53,7 @@ import torch
 from kvlens.errors import ConfigError, InputError, is_int
 from kvlens.quant.packing import pack_codes, packed_length, unpack_codes
 from kvlens.quant.rotation import RotationSpec, rotate, unrotate
+from kvlens.quant.spec import check_versioned_dict
 
 CODEBOOKS = ("lloyd-max", "fitted", "weighted")
 CODEBOOK_SPEC_VERSION = 1
@@ -142,19 +143,7 @@ class CodebookSpec:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CodebookSpec:
         """Inverse of ``to_dict``; rejects unknown keys and other versions with ``ConfigError``."""
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"A codebook spec must be a JSON object, got {type(data).__name__}.")
-        version = data.get("version", CODEBOOK_SPEC_VERSION)
-        if version != CODEBOOK_SPEC_VERSION:
-            raise ConfigError(
-                f"Unsupported codebook spec version {version!r}; this kvlens reads version "
-                f"{CODEBOOK_SPEC_VERSION}."
-            )
-        unknown = sorted(set(data) - set(_FIELDS) - {"version"})
-        if unknown:
-            raise ConfigError(
-                f"Unknown codebook spec keys {unknown}; allowed: {', '.join(('version',) + _FIELDS)}."
-            )
+        check_versioned_dict(data, "codebook spec", CODEBOOK_SPEC_VERSION, _FIELDS)
         if "bits" not in data:
             raise ConfigError("Codebook spec is missing 'bits'.")
         kwargs = {k: data[k] for k in _FIELDS if k in data}

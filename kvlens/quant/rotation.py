@@ -44,7 +44,7 @@ import torch
 
 from kvlens.errors import ConfigError, InputError, is_int
 from kvlens.quant.fake import fake_quantize
-from kvlens.quant.spec import QuantSpec
+from kvlens.quant.spec import QuantSpec, check_versioned_dict
 
 ROTATION_VERSION = 1
 _FIELDS = ("seed",)
@@ -166,17 +166,5 @@ class RotationSpec:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RotationSpec:
         """Inverse of ``to_dict``; rejects unknown keys and other versions with ``ConfigError``."""
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"A rotation must be a JSON object, got {type(data).__name__}.")
-        version = data.get("version", ROTATION_VERSION)
-        if version != ROTATION_VERSION:
-            raise ConfigError(
-                f"Unsupported rotation version {version!r}; this kvlens reads version "
-                f"{ROTATION_VERSION}."
-            )
-        unknown = sorted(set(data) - set(_FIELDS) - {"version"})
-        if unknown:
-            raise ConfigError(
-                f"Unknown rotation keys {unknown}; allowed: {', '.join(('version',) + _FIELDS)}."
-            )
+        check_versioned_dict(data, "rotation", ROTATION_VERSION, _FIELDS)
         return cls(**{k: data[k] for k in _FIELDS if k in data})

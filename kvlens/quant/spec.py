@@ -33,6 +33,22 @@ _FIELDS = ("bits", "granularity", "group_size", "symmetric", "fit")
 FITS = ("minmax", "mse")
 
 
+def check_versioned_dict(data: Any, what: str, version: int, fields: Sequence[str]) -> None:
+    """Refuse with ``ConfigError`` what a one-version spec's ``from_dict`` cannot read: not a
+    JSON object, another ``version`` (absent means ``version``), keys outside ``fields``.
+    ``what`` names the spec in the messages ("rotation", "codebook spec")."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"A {what} must be a JSON object, got {type(data).__name__}.")
+    got = data.get("version", version)
+    if got != version:
+        raise ConfigError(f"Unsupported {what} version {got!r}; this kvlens reads version "
+                          f"{version}.")
+    unknown = sorted(set(data) - set(fields) - {"version"})
+    if unknown:
+        raise ConfigError(f"Unknown {what} keys {unknown}; allowed: "
+                          f"{', '.join(('version', *fields))}.")
+
+
 @dataclass(frozen=True)
 class QuantSpec:
     """A uniform integer quantization config for ``[B, H, T, D]`` tensors.
