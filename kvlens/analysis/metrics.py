@@ -432,12 +432,11 @@ def _keyed_weights(
         k_diff = stack(xs).sub_(ch.k.unsqueeze(2))
         return (rows @ k_diff.transpose(-1, -2)).view(b, hkv, big, g, c, n)
 
-    if kind.k_hat and shared is not None and not kind.k_set:  # the same for every mask
-        if "k_change" not in shared:
-            if subset is not None:  # computed for these members only: not for the group
-                shared = None
-            else:
-                shared["k_change"] = logit_change([var.k_hat for var in group])
+    # the logit change is the same for every mask: kept for the group's next mask (not when
+    # only some members are here, nor beside a set, whose change is masked per query)
+    if kind.k_hat and not kind.k_set and shared is not None and subset is None \
+            and "k_change" not in shared:
+        shared["k_change"] = logit_change([var.k_hat for var in group])
     if kind.k_hat and shared is not None and "k_change" in shared:
         raw = shared["k_change"]
         if subset is not None:
