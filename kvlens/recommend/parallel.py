@@ -24,6 +24,8 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kvlens.analysis.compare import torch_threads
 from kvlens.capture.store import open_capture
 
@@ -51,8 +53,6 @@ def resolve_workers(workers: int | None, predicted_seconds: float, layers: int) 
 
 
 def _start(path: str) -> None:
-    import torch
-
     torch.set_num_threads(1)
     _worker["cap"] = open_capture(path)
 
