@@ -567,6 +567,13 @@ def test_layout_sensitivity_measures_a_rate_per_family(tmp_path, tiny_tokenizer)
     for got, want in zip(two.factors, m.factors):
         assert got.keys() == want.keys() and list(got.values()) == pytest.approx(
             list(want.values()))
+    if sys.platform.startswith("linux"):  # layers measured on forked workers: the same rates
+        # (to float tolerance: a worker's forwards run on one thread, this process's on more)
+        spread = measure(path, replace(opts, workers=2))
+        assert spread.weights == pytest.approx(m.weights, rel=1e-4)
+        for got, want in zip(spread.factors, m.factors):
+            assert got.keys() == want.keys() and list(got.values()) == pytest.approx(
+                list(want.values()), rel=1e-4)
 
 
 def test_shared_layout_rates_scale_the_anchor_by_the_measured_ratio():

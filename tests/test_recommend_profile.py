@@ -71,7 +71,10 @@ def test_cost_prediction_scales_with_the_work():
     # worker processes share the per-layer stages and each holds its own runtime and layer
     two = predict(_shape(workers=2))
     assert two.stages["candidate errors"] == pytest.approx(base.stages["candidate errors"] / 2)
-    assert two.stages["layout sensitivity"] == base.stages["layout sensitivity"]
+    # its forwards too, each at the one-core rate (slower than one on every core, so the
+    # stage gains less than the worker count)
+    assert base.stages["layout sensitivity"] / 2 < two.stages["layout sensitivity"] \
+        < base.stages["layout sensitivity"]
     assert two.peak_bytes > base.peak_bytes
 
 

@@ -173,7 +173,8 @@ def recommend(
     workers: int = typer.Option(None, "--workers", min=1, rich_help_panel=MEASUREMENT,
                                 help="Processes the per-layer measurement runs on (default: "
                                      "every free core when the measurement is long, else 1; "
-                                     "the same numbers either way)."),
+                                     "the same numbers either way, up to float rounding in "
+                                     "the layout sensitivity's model runs)."),
     target: str = typer.Option("kvlens", "--target", rich_help_panel=ENGINE,
                                help="Engine to deploy on: kvlens (a per-layer kvlens config), "
                                     "llama.cpp (one -ctk and one -ctv type), vllm (one "

@@ -20,7 +20,8 @@ Work units:
 - **capture read**: the bytes of the capture's float32 tensors.
 
 With ``workers`` processes the per-layer stages divide by ``workers`` (each worker measures whole
-layers on one core) and every worker adds its own runtime, capture layer and reconstructions.
+layers on one core, so a worker's forward runs at the one-core rate) and every worker adds its own
+runtime, capture layer and reconstructions.
 
 Peak memory: the model's float32 weights, one capture layer, every candidate's reconstruction of
 it, and the KL stage's log-probabilities (kept positions x vocabulary, three copies).
@@ -34,7 +35,8 @@ from dataclasses import dataclass
 # default recommend on SmolLM2-135M (seconds per unit of work).
 ATTENTION_SECONDS_PER_UNIT = 4.1e-11  # candidate errors: one multiply-add of an attention pass
 VARIANT_SECONDS_PER_ELEMENT = 3.8e-8  # quantizing one captured element for one candidate
-FORWARD_SECONDS_PER_FLOP = 7.3e-12  # a model forward on the CPU
+FORWARD_SECONDS_PER_FLOP = 7.3e-12  # a model forward on the CPU (all its cores)
+WORKER_FORWARD_SECONDS_PER_FLOP = 1.2e-11  # one on one core (a worker process)
 READ_SECONDS_PER_BYTE = 2.0e-9  # reading the capture file
 RUNTIME_BYTES = 800 * 2**20  # torch, transformers, the GGUF conversion and the process itself
 WORKER_BYTES = 400 * 2**20  # one worker process (kvlens.recommend.parallel): torch and kvlens
@@ -103,10 +105,13 @@ def predict(shape: CostShape) -> Cost:
         # (L + 1) / 2 whole forwards, one measured on a spread-out layer half a forward
         every = s.family_layers if 0 < s.family_layers < s.layers else s.layers
         anchors = min(2, s.families) if every < s.layers else s.families
-        forwards = 1 + anchors * (s.layers + 1) / 2 + \
+        perturbed = anchors * (s.layers + 1) / 2 + \
             (s.families - anchors) * every * (s.layers + 1) / (2 * s.layers)
-        stages["layout sensitivity"] = (forwards * 2 * s.params * s.sensitivity_tokens
-                                        * FORWARD_SECONDS_PER_FLOP)
+        flops = 2 * s.params * s.sensitivity_tokens
+        # the reference run here; the perturbed runs here or shared by one-thread workers
+        stages["layout sensitivity"] = flops * (FORWARD_SECONDS_PER_FLOP + perturbed * (
+            FORWARD_SECONDS_PER_FLOP if s.workers <= 1
+            else WORKER_FORWARD_SECONDS_PER_FLOP / s.workers))
     if s.params and s.probe_tokens:
         probe_elements = s.layers * s.candidates * s.kv_heads * s.probe_tokens * s.head_dim
         stages["retrieval probe"] = (2 * s.params * s.probe_tokens * FORWARD_SECONDS_PER_FLOP

@@ -166,7 +166,8 @@ class RecommendOptions:
     # (docs/recommend.md#8-bit-group-metadata); the Triton kernel decodes the bytes itself
     scale_dtype: str = "8bit"
     # processes the per-layer measurements run on (kvlens.recommend.parallel); None: every
-    # available core when the candidate stage is predicted to be long, else this process only
+    # available core when the per-layer stages (candidate errors, layout sensitivity) are
+    # predicted to be long, else this process only
     workers: int | None = None
     # offer codebook values (CODEBOOK_BITS; kvlens.quant.codebook, fitted per layer on the
     # capture; torch read path only, so not with prefer_fast; rotated, so not without rotation).

@@ -1,9 +1,12 @@
 """Per-layer measurement on several processes (``RecommendOptions.workers``).
 
-Each capture layer is measured on its own (candidate errors, the retrieval probe's errors), so
-layers are spread over worker processes, one torch thread each: on a machine with ``N`` free
-cores the candidate stage runs about ``N`` times faster, with the same numbers (each layer's
-arithmetic is the same, in the same order). On Linux workers are forked (no interpreter to start,
+Each capture layer is measured on its own (candidate errors, the layout sensitivity's model
+runs, the retrieval probe's errors), so layers are spread over worker processes, one torch
+thread each: on a machine with ``N`` free cores the candidate stage runs about ``N`` times
+faster, with the same numbers (each layer's arithmetic is the same, in the same order). A model
+forward gains less (one forward on every core is already parallel; on one core per worker it
+also does not stall when other programs take a core), and its sums may round differently on
+one thread. On Linux workers are forked (no interpreter to start,
 and a script calling ``recommend`` needs no ``if __name__ == "__main__"`` guard) and set one torch
 thread before any work, as torch's own data-loader workers do; no capture file may be open in the
 calling process while they start (HDF5 would share its handle), so each worker opens the capture
@@ -62,23 +65,29 @@ def _one(fn: Callable, index: int, args: tuple) -> tuple[int, Any]:
     return index, fn(cap.layer(index), cap.meta, *args)
 
 
+def can_fork() -> bool:
+    """Whether workers are forked here (Linux): they then start with this process's memory,
+    a loaded model included; elsewhere they are spawned and start bare."""
+    return sys.platform.startswith("linux")
+
+
 def map_layers(fn: Callable, path: str | Path, layers: Sequence[int], args: tuple,
                workers: int, progress: Callable[[int, int, str], None] | None = None,
-               label: str = "layer") -> list:
+               label: str = "layer", threads: int = 1) -> list:
     """``[fn(layer_data, meta, *args) for each of layers]`` on ``workers`` processes (one:
-    here), calling ``progress(done, total, f"{label} {index}")`` as layers finish."""
+    here, on ``threads`` torch threads), calling ``progress(done, total, f"{label} {index}")``
+    as layers finish."""
     total = len(layers)
     if workers <= 1 or total <= 1:
         out = []
-        with open_capture(path) as cap, torch_threads(1):
+        with open_capture(path) as cap, torch_threads(threads):
             for n, index in enumerate(layers, 1):
                 out.append(fn(cap.layer(index), cap.meta, *args))
                 if progress:
                     progress(n, total, f"{label} {index}")
         return out
     results: dict[int, Any] = {}
-    context = multiprocessing.get_context("fork" if sys.platform.startswith("linux")
-                                          else "spawn")
+    context = multiprocessing.get_context("fork" if can_fork() else "spawn")
     with ProcessPoolExecutor(workers, mp_context=context, initializer=_start,
                              initargs=(str(path),)) as pool:
         jobs = [pool.submit(_one, fn, index, args) for index in layers]

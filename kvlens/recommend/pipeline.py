@@ -106,17 +106,17 @@ def measure(path: str | Path, opts: RecommendOptions,
         need = (opts.sensitivity != "uniform" and not opts.layer_weights) or \
             opts.retrieval != "off"
         factors: tuple[dict, ...] = ()
-        with open_capture(path) as cap:
+        with open_capture(path) as cap:  # closed before the layout stage's workers start
             with stage("model load"):
                 model, tokenizer = load_model_for(cap, opts, notes) if need else (None, None)
             with torch_threads(threads), stage("sensitivity"):
                 weights = opts.layer_weights or sensitivity_weights(cap, model, opts, tables,
                                                                     probes, notes, progress)
-            if opts.sensitivity in ("layout", "auto") and model is not None \
-                    and not opts.layer_weights:
-                with torch_threads(threads), stage("layout sensitivity"):
-                    weights, factors = layout_factors(cap, model, opts, cands, balancers, notes,
-                                                      progress, books)
+        if opts.sensitivity in ("layout", "auto") and model is not None \
+                and not opts.layer_weights:
+            with torch_threads(threads), stage("layout sensitivity"):
+                weights, factors = layout_factors(path, model, opts, cands, balancers, notes,
+                                                  progress, books, workers)
         if model is not None and opts.retrieval != "off" and opts.retrieval_weight > 0:
             with stage("retrieval probe"):
                 add_retrieval_errors(model, tokenizer, cands, opts, tables, balancers, notes,
@@ -156,9 +156,10 @@ def predict_cost(meta, opts: RecommendOptions) -> Cost:
 
 
 def workers_for(meta, opts: RecommendOptions) -> int:
-    """The processes the per-layer stages run on (``kvlens.recommend.parallel``): as asked, or
-    by the candidate stage's predicted length on one."""
-    alone = predict(_cost_shape(meta, opts)).stages["candidate errors"]
+    """The processes the per-layer stages (candidate errors, layout sensitivity) run on
+    (``kvlens.recommend.parallel``): as asked, or by their predicted length on one."""
+    stages = predict(_cost_shape(meta, opts)).stages
+    alone = stages["candidate errors"] + stages.get("layout sensitivity", 0.0)
     return resolve_workers(opts.workers, alone, meta.num_layers)
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+import torch
+
 from kvlens.analysis.compare import torch_threads
 from kvlens.analysis.metrics import attention_errors_many
 from kvlens.analysis.sensitivity import (
@@ -21,10 +23,12 @@ from kvlens.analysis.sensitivity import (
     perturbed_kl,
     weights_from,
 )
+from kvlens.capture.store import open_capture
 from kvlens.model.placement import input_device
 from kvlens.recommend.catalog import family, family_probes
 from kvlens.recommend.layer_errors import layer_variants
 from kvlens.recommend.options import Candidate
+from kvlens.recommend.parallel import can_fork, map_layers
 from kvlens.text.selection import format_index_spec
 
 
@@ -57,7 +61,8 @@ def sensitivity_weights(cap, model, opts, tables, probes, notes, progress
     return tuple(weights)
 
 
-def layout_factors(cap, model, opts, cands, balancers, notes, progress, codebooks=None):
+def layout_factors(path, model, opts, cands, balancers, notes, progress, codebooks=None,
+                   workers: int = 1):
     """``(layer weights, per-layer {family: factor})`` for ``--sensitivity layout``.
 
     A rate is the model's KL when only one layer's keys (or values) are replaced by a storage
@@ -72,40 +77,32 @@ def layout_factors(cap, model, opts, cands, balancers, notes, progress, codebook
     its rate over that mean (so weight x factor is the rate). A first-order rate, like
     ``--sensitivity model``, but one per layout: the rate at which a layout's output error
     becomes KL can differ between layouts (docs/lab-notes/vs-llamacpp.md, layout
-    sensitivity)."""
+    sensitivity).
 
-    meta = cap.meta
-    n = meta.num_tokens if opts.tokens is None else min(opts.tokens, meta.num_tokens)
+    Layers are measured on ``workers`` forked processes (``kvlens.recommend.parallel``), one
+    torch thread each, every one reading the reference run made here; with one worker (or
+    where processes cannot be forked) they run here on the caller's threads. No capture may be
+    open in the caller (``path`` is opened here and by each worker)."""
+
+    with open_capture(path) as cap:
+        meta = cap.meta
+        n = meta.num_tokens if opts.tokens is None else min(opts.tokens, meta.num_tokens)
+        ids = cap.tokens()[:1, :n].to(input_device(model))
     keep = n // 2
-    ids = cap.tokens()[:1, :n].to(input_device(model))
     probes = family_probes(cands)
     anchors = anchor_probes(probes)
     every = set(spread_layers(meta.layers, opts.layout_layers))
     one = replace(opts, samples=1, tokens=n)
-    rates: list[dict] = []
+    workers = workers if can_fork() else 1
     with perturbed_kl(model, ids, keep) as kl:
-        for i, layer in enumerate(cap.iter_layers()):
-            measured = probes if layer.index in every else anchors
-            with torch_threads(1):  # small attention passes: one thread (see measure)
-                q, k, v, variants, _, _, _ = layer_variants(
-                    layer, meta, measured, one, balancers.get(layer.index),
-                    (codebooks or {}).get(layer.index))
-                got = [c for c in measured if variants.get(c) is not None]
-                la = layer.attrs
-                errs = attention_errors_many(q[:, :, n - keep:], k, v,
-                                             [variants[c] for c in got], scaling=la.scaling,
-                                             sliding_window=la.sliding_window,
-                                             softcap=la.logit_softcap, reconstruction=False)
-            row = {}
-            for c, e in zip(got, errs):
-                var, err = variants[c], float(e.output.mean())
-                damage = kl(layer.index, key=var.k_hat - k) if c.tensor == "key" else \
-                    kl(layer.index, value=var.v_hat - v)
-                if err > 0:
-                    row[family(c)] = damage / err
-            rates.append(row)
-            if progress:
-                progress(i + 1, meta.num_layers, f"layout sensitivity layer {layer.index}")
+        _run["kl"] = kl  # read by the forked workers (a closure cannot be pickled)
+        try:
+            rates = map_layers(_layout_row, path, meta.layers,
+                               (probes, anchors, every, one, keep, balancers, codebooks or {}),
+                               workers, progress, label="layout sensitivity layer",
+                               threads=torch.get_num_threads())
+        finally:
+            _run.clear()
     rates = _shared_rates(rates, [family(c) for c in probes], [family(c) for c in anchors])
     known = [r for row in rates for r in row.values()]
     mean = sum(known) / len(known) if known and sum(known) > 0 else 1.0
@@ -123,6 +120,33 @@ def layout_factors(cap, model, opts, cands, balancers, notes, progress, codebook
                  f"{min(weights):.2f}-{max(weights):.2f}, largest factor ratio within a layer "
                  f"{max(spread, default=1.0):.1f}")
     return tuple(weights), tuple(factors)
+
+
+
+_run: dict = {}
+
+
+def _layout_row(layer, meta, probes, anchors, every, opts, keep, balancers, codebooks) -> dict:
+    """One layer's ``{family: KL rate}`` (``layout_factors``' work on ``map_layers``)."""
+    kl = _run["kl"]
+    n = opts.tokens
+    measured = probes if layer.index in every else anchors
+    with torch_threads(1):  # small attention passes: one thread (see measure)
+        q, k, v, variants, _, _, _ = layer_variants(
+            layer, meta, measured, opts, balancers.get(layer.index), codebooks.get(layer.index))
+        got = [c for c in measured if variants.get(c) is not None]
+        la = layer.attrs
+        errs = attention_errors_many(q[:, :, n - keep:], k, v, [variants[c] for c in got],
+                                     scaling=la.scaling, sliding_window=la.sliding_window,
+                                     softcap=la.logit_softcap, reconstruction=False)
+    row = {}
+    for c, e in zip(got, errs):
+        var, err = variants[c], float(e.output.mean())
+        damage = kl(layer.index, key=var.k_hat - k) if c.tensor == "key" else \
+            kl(layer.index, value=var.v_hat - v)
+        if err > 0:
+            row[family(c)] = damage / err
+    return row
 
 
 def anchor_probes(probes: Sequence[Candidate]) -> list[Candidate]:
