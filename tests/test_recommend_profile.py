@@ -76,6 +76,9 @@ def test_cost_prediction_scales_with_the_work():
     assert base.stages["layout sensitivity"] / 2 < two.stages["layout sensitivity"] \
         < base.stages["layout sensitivity"]
     assert two.peak_bytes > base.peak_bytes
+    # a spawned worker holds its own runtime; a forked one shares its parent's
+    assert predict(_shape(workers=2, forked=False)).peak_bytes > two.peak_bytes
+    assert predict(_shape(workers=1, forked=False)).peak_bytes == base.peak_bytes
 
 
 def test_predict_cost_reads_the_capture_and_options(tmp_path):

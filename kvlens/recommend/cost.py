@@ -20,11 +20,13 @@ Work units:
 - **capture read**: the bytes of the capture's float32 tensors.
 
 With ``workers`` processes the per-layer stages divide by ``workers`` (each worker measures whole
-layers on one core, so a worker's forward runs at the one-core rate) and every worker adds its own
-runtime, capture layer and reconstructions.
+layers on one core, so a worker's forward runs at the one-core rate) and every worker holds its
+own capture layer and reconstructions (and, when spawned rather than forked, its own runtime).
 
-Peak memory: the model's float32 weights, one capture layer, every candidate's reconstruction of
-it, and the KL stage's log-probabilities (kept positions x vocabulary, three copies).
+Peak memory (every process together, the proportional set size ``benchmarks/bench_recommend.py``
+samples): the runtime, the model's float32 weights, the KL stage's log-probabilities (kept
+positions x vocabulary, three copies), and per measuring process one capture layer and every
+candidate's reconstruction of it.
 """
 
 from __future__ import annotations
@@ -38,8 +40,10 @@ VARIANT_SECONDS_PER_ELEMENT = 3.8e-8  # quantizing one captured element for one 
 FORWARD_SECONDS_PER_FLOP = 7.3e-12  # a model forward on the CPU (all its cores)
 WORKER_FORWARD_SECONDS_PER_FLOP = 1.2e-11  # one on one core (a worker process)
 READ_SECONDS_PER_BYTE = 2.0e-9  # reading the capture file
-RUNTIME_BYTES = 800 * 2**20  # torch, transformers, the GGUF conversion and the process itself
-WORKER_BYTES = 400 * 2**20  # one worker process (kvlens.recommend.parallel): torch and kvlens
+RUNTIME_BYTES = 500 * 2**20  # torch, transformers, the GGUF conversion and the process itself
+# a spawned worker's own torch and kvlens (kvlens.recommend.parallel); a forked one shares its
+# parent's pages and holds little beyond its capture layer and reconstructions
+WORKER_BYTES = 400 * 2**20
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,7 @@ class CostShape:
     vocab: int
     family_layers: int = 0  # layers that measure every family (0: all; the rest two anchors)
     workers: int = 1  # processes the per-layer measurements run on (kvlens.recommend.parallel)
+    forked: bool = True  # workers start as copies of the calling process (Linux), not fresh
 
 
 @dataclass(frozen=True)
@@ -117,9 +122,12 @@ def predict(shape: CostShape) -> Cost:
         stages["retrieval probe"] = (2 * s.params * s.probe_tokens * FORWARD_SECONDS_PER_FLOP
                                      + probe_elements * VARIANT_SECONDS_PER_ELEMENT / s.workers)
     layer_bytes = s.samples * (s.q_heads + 3 * s.kv_heads) * s.tokens * s.head_dim * 4
-    variants = s.candidates * s.samples * s.kv_heads * max(s.tokens, s.probe_tokens) \
+    # a layer's reconstructions: the text's samples, or the probe's one longer sequence
+    variants = s.candidates * s.kv_heads * max(s.samples * s.tokens, s.probe_tokens) \
         * s.head_dim * 4
     logits = 3 * (s.sensitivity_tokens // 2) * s.vocab * 4 if s.params else 0
-    workers = 0 if s.workers <= 1 else s.workers * (WORKER_BYTES + layer_bytes + variants)
-    peak = RUNTIME_BYTES + 4 * s.params + layer_bytes + variants + logits + workers
+    # every process measuring a layer holds one; spawned workers also their own runtime
+    measuring = max(1, s.workers) * (layer_bytes + variants)
+    spawned = s.workers * WORKER_BYTES if s.workers > 1 and not s.forked else 0
+    peak = RUNTIME_BYTES + 4 * s.params + logits + measuring + spawned
     return Cost(stages, int(peak))

@@ -25,7 +25,7 @@ from kvlens.recommend.catalog import candidates, family_probes
 from kvlens.recommend.cost import Cost, CostShape, estimated_params, predict
 from kvlens.recommend.layer_errors import check_windows, measure_layer
 from kvlens.recommend.options import RecommendOptions
-from kvlens.recommend.parallel import map_layers, resolve_workers
+from kvlens.recommend.parallel import can_fork, map_layers, resolve_workers
 from kvlens.recommend.probe import add_retrieval_errors, load_model_for
 from kvlens.recommend.profile import Profile, profiling, stage
 from kvlens.recommend.result import Recommendation
@@ -152,7 +152,8 @@ def choose(m: Measurements, opts: RecommendOptions) -> Recommendation:
 
 def predict_cost(meta, opts: RecommendOptions) -> Cost:
     """``kvlens.recommend.cost.predict`` for measuring ``opts`` on a capture with ``meta``."""
-    return predict(replace(_cost_shape(meta, opts), workers=workers_for(meta, opts)))
+    return predict(replace(_cost_shape(meta, opts), workers=workers_for(meta, opts),
+                           forked=can_fork()))
 
 
 def workers_for(meta, opts: RecommendOptions) -> int:
