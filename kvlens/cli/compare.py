@@ -51,7 +51,11 @@ def compare_axes_command(
                                  help="Extra transforms beside plain quantization: balancer, "
                                       "outliers, lowrank, rotate (Hadamard along head_dim), "
                                       "center (keys: the layer's mean key per KV head "
-                                      "subtracted; comma-separated; default none)."),
+                                      "subtracted), predict (AQUA-KV: keys predicted from the "
+                                      "previous layer's reconstructed keys, values from the "
+                                      "layer's keys and the previous layer's values, fitted on "
+                                      "the other samples; only the residual quantized; "
+                                      "docs/codebooks.md). Comma-separated; default none."),
     outlier_fraction: float = typer.Option(0.01, "--outlier-fraction", rich_help_panel=ANALYSIS,
                                            help="Share of each quantized vector kept exact by "
                                                 "the outliers variant."),
@@ -77,7 +81,9 @@ def compare_axes_command(
                                        "(docs/codebooks.md): lloyd-max, fitted, weighted (keys; "
                                        "query-weighted fit), each optionally with +center "
                                        "(keys centred), +renorm (decoded vectors rescaled to "
-                                       "the stored norm) and +pre (keys coded before RoPE). Hadamard-rotated, one float16 norm "
+                                       "the stored norm), +pre (keys coded before RoPE) and "
+                                       "+predict (the residual of the predict variant coded). "
+                                       "Hadamard-rotated, one float16 norm "
                                        "per vector. Default none."),
     sinks: int = typer.Option(0, "--sinks", rich_help_panel=ANALYSIS,
                               help="Score/output metrics read the first N tokens exact (a cache "
