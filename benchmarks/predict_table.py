@@ -10,6 +10,10 @@ Two modes:
   pre-RoPE keys, and from both. Each sample predicted by a map fitted on the other samples
   (``kvlens.quant.predict.cross_fit_predict``); mean, min and max over layers with a
   predecessor of the per-head explained variance.
+- ``python benchmarks/predict_table.py transfer CAL.h5 EVAL.h5`` checks that the leave-one-out
+  fits above are not flattered by fitting on the same text: the same predictors (exact inputs)
+  fitted on every sample of one capture and applied to another capture of the same model on
+  other text, beside the leave-one-sample-out figure within the second capture.
 - ``python benchmarks/predict_table.py table RESULT.json`` reads the ``--json`` output of
   ``kvlens compare-axes ... --variants predict`` and prints, per tensor, plain and predict side
   by side for every swept layout (uniform: held bits ``bits + 16/G`` with 8-bit group metadata
@@ -58,6 +62,56 @@ def ev(path: str, ridges: list[float]) -> None:
               f"{max(vals):.3f} |")
 
 
+def _cases(prev: dict, cur: dict) -> dict:
+    return {
+        "keys post <- keys post (l-1)": ([prev["k"]], cur["k"]),
+        "keys pre <- keys pre (l-1)": ([prev["k_pre"]], cur["k_pre"]),
+        "values <- keys pre (l), values (l-1)": ([cur["k_pre"], prev["v"]], cur["v"]),
+    }
+
+
+def transfer(cal_path: str, eval_path: str, ridge: float) -> None:
+    from kvlens.capture.store import open_capture
+    from kvlens.quant.predict import (
+        cross_fit_predict,
+        explained_variance,
+        fit_ridge,
+        from_token_features,
+        token_features,
+    )
+
+    rows = defaultdict(lambda: ([], []))
+    with open_capture(cal_path) as cal, open_capture(eval_path) as ev_cap:
+        if tuple(cal.layers) != tuple(ev_cap.layers):
+            raise SystemExit("the two captures hold different layers")
+        prev = None
+        for layer in cal.layers:
+            cur = {}
+            for name in ("k", "k_pre", "v"):
+                cur[name] = (cal.layer(layer).read(name).float(),
+                             ev_cap.layer(layer).read(name).float())
+            if prev is not None:
+                pc = {n: t[0] for n, t in prev.items()}
+                cc = {n: t[0] for n, t in cur.items()}
+                pe = {n: t[1] for n, t in prev.items()}
+                ce = {n: t[1] for n, t in cur.items()}
+                for (name, (xc, yc)), (_, (xe, ye)) in zip(
+                        _cases(pc, cc).items(), _cases(pe, ce).items(), strict=True):
+                    fc, fy = token_features(*xc), token_features(yc)
+                    fit = fit_ridge(fc.reshape(-1, fc.shape[-1]), fy.reshape(-1, fy.shape[-1]),
+                                    ridge)
+                    pred = from_token_features(fit(token_features(*xe)), ye.shape[1],
+                                               ye.shape[-1])
+                    rows[name][0].append(float(explained_variance(ye, pred).mean()))
+                    loo = cross_fit_predict(xe, ye, ridge)
+                    rows[name][1].append(float(explained_variance(ye, loo).mean()))
+            prev = cur
+    print("| predictor | fitted on the other capture | leave one sample out |")
+    print("|---|---:|---:|")
+    for name, (other, loo) in rows.items():
+        print(f"| {name} | {sum(other) / len(other):.3f} | {sum(loo) / len(loo):.3f} |")
+
+
 def table(path: str) -> None:
     data = json.loads(open(path).read())
     summary = data["summary"]
@@ -74,7 +128,7 @@ def table(path: str) -> None:
         name = m["format"]
         base = name.replace("+predict", "")
         variant = "predict" if name != base else "plain"
-        f = info[base]
+        f = info[name]  # the same cache bits with and without +predict
         rows[(m["tensor"], f["code_bits"], base, f"{f['bits_per_element']:.2f}")][
             (variant, m["metric"])] = m["mean"]
     explained = defaultdict(list)
@@ -112,11 +166,17 @@ def main() -> None:
     p = sub.add_parser("ev")
     p.add_argument("capture")
     p.add_argument("--ridge", default="1e-3")
+    tr = sub.add_parser("transfer")
+    tr.add_argument("calibration")
+    tr.add_argument("evaluation")
+    tr.add_argument("--ridge", type=float, default=1e-2)
     t = sub.add_parser("table")
     t.add_argument("result")
     args = parser.parse_args()
     if args.mode == "ev":
         ev(args.capture, [float(r) for r in args.ridge.split(",")])
+    elif args.mode == "transfer":
+        transfer(args.calibration, args.evaluation, args.ridge)
     else:
         table(args.result)
 
