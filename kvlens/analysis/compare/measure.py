@@ -199,11 +199,12 @@ def _check_fits(meta, config: CompareConfig) -> None:
             raise ConfigError(
                 f"{what} does not fit {meta.model or 'this'} capture: {exc}"
             ) from None
-    if uses_prediction(config) and meta.num_samples < 2:
+    used = meta.num_samples if config.samples is None else min(config.samples, meta.num_samples)
+    if uses_prediction(config) and used < 2:
         raise InputError(
-            "Variant 'predict' needs a capture of at least 2 samples: each sample is predicted "
-            f"by a map fitted on the others, and {meta.model or 'this'} capture has "
-            f"{meta.num_samples}."
+            "Variant 'predict' needs at least 2 samples: each sample is predicted by a map "
+            f"fitted on the others, and {used} of {meta.model or 'this'} capture's "
+            f"{meta.num_samples} are used."
         )
     if "pre" in _key_stages(config) or config.codebook_pre_rope:
         if not _rope_ok(meta):
