@@ -1,0 +1,161 @@
+"""A model-level check of cross-layer prediction (docs/codebooks.md "Cross-layer prediction"):
+KL divergence of SmolLM2's next-token distribution with fake-quantized keys and values, with and
+without AQUA-KV-style prediction, on the built-in held-out text.
+
+    python benchmarks/predict_kld.py CAPTURE.h5 [--tokens 2048] [--bits 2,3]
+
+What it does. The predictors are fitted on the capture (every sample; the capture corpus, not
+the held-out text they are scored on), layer after layer on the *reconstructed* tensors of the
+chain (``kvlens.quant.predict``), for each bit width. Then one forward pass over the first
+``--tokens`` tokens of the held-out text with forward hooks on every layer's ``k_proj`` and
+``v_proj`` (Llama: their outputs are the pre-RoPE keys and the values, so the model applies RoPE
+to the reconstructed keys itself): plain ``Q(x)`` or predicted ``p + Q(x - p)``, where ``p``
+reads the previous layer's reconstruction *in this forward pass* (quantization errors propagate
+through the model, as in a decoder). Keys per-channel G64 (pre-RoPE), values per-token G64.
+Against the exact model: mean KL(exact || quantized) over positions, top-1 agreement.
+
+What it does not model: every token is quantized (no residual window, no exact sinks), the
+per-channel groups are formed over the whole prefill (a cache would form them as its window
+flushes), and a single forward call: a storage-free proxy, paired across configurations. Llama
+architectures only (Gemma3's ``k_proj`` output is normalised before RoPE and the capture's
+pre-RoPE keys are taken after that norm).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from kvlens.capture.store import open_capture
+from kvlens.evaluation.kld import load_eval_text
+from kvlens.model.load import load_model
+from kvlens.quant import QuantSpec, fake_quantize
+from kvlens.quant.predict import (
+    DEFAULT_RIDGE,
+    fit_ridge,
+    from_token_features,
+    quantize_residual,
+    token_features,
+)
+
+G = 64
+
+
+def _specs(bits: int):
+    return QuantSpec(bits, "per-channel", G), QuantSpec(bits, "per-token", G)
+
+
+def fit_chain(path: str, bits: int):
+    """Per layer: ``(key_predictor or None, value_predictor)`` fitted along the chain of
+    reconstructions on every sample of the capture."""
+    kspec, vspec = _specs(bits)
+    fits = []
+    with open_capture(path) as cap:
+        prev_k = prev_v = None
+        for layer in cap.layers:
+            data = cap.layer(layer)
+            k, v = data.read("k_pre").float(), data.read("v").float()
+            if prev_k is None:
+                kfit, kp = None, k.mean(dim=(0, 2), keepdim=True).expand_as(k)
+                kmean = kp[0, :, 0]
+            else:
+                (kfit, kp), kmean = fit([prev_k], k), None
+            k_hat = quantize_residual(k, kp, lambda r: fake_quantize(r, kspec))
+            vfit, vp = fit([k_hat] + ([prev_v] if prev_v is not None else []), v)
+            v_hat = quantize_residual(v, vp, lambda r: fake_quantize(r, vspec))
+            fits.append((kfit, kmean, vfit))
+            prev_k, prev_v = k_hat, v_hat
+    return fits
+
+
+def fit(inputs, target):
+    """The predictor of ``target`` ``[B, H, T, D]`` from ``inputs`` on every sample, and its
+    prediction of them."""
+    b, h, t, d = target.shape
+    x = token_features(*inputs)
+    y = token_features(target)
+    f = fit_ridge(x.reshape(b * t, x.shape[-1]), y.reshape(b * t, y.shape[-1]), DEFAULT_RIDGE)
+    return f, from_token_features(f(x), h, d)
+
+
+class Hooks:
+    """Forward hooks on ``k_proj``/``v_proj`` of every layer: plain or predicted fake
+    quantization, the chain's state carried within one forward pass."""
+
+    def __init__(self, model, bits: int, fits=None):
+        self.kspec, self.vspec = _specs(bits)
+        self.fits = fits
+        self.prev_k = self.prev_v = self.cur_k = None
+        cfg = model.config
+        self.heads = cfg.num_key_value_heads
+        self.dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.handles = []
+        for i, layer in enumerate(model.model.layers):
+            attn = layer.self_attn
+            self.handles.append(attn.k_proj.register_forward_hook(self._hook(i, "k")))
+            self.handles.append(attn.v_proj.register_forward_hook(self._hook(i, "v")))
+
+    def _hook(self, layer: int, tensor: str):
+        def hook(_module, _inputs, out):
+            b, t, _ = out.shape
+            x = out.float().reshape(b, t, self.heads, self.dim).permute(0, 2, 1, 3)
+            spec = self.kspec if tensor == "k" else self.vspec
+            code = lambda r: fake_quantize(r, spec)  # noqa: E731
+            if self.fits is None:
+                hat = code(x)
+            else:
+                kfit, kmean, vfit = self.fits[layer]
+                if tensor == "k":
+                    if kfit is None:
+                        p = kmean[None, :, None, :].expand_as(x)
+                    else:
+                        p = from_token_features(kfit(token_features(self.prev_k)), self.heads,
+                                                self.dim)
+                else:
+                    inputs = [self.cur_k] + ([self.prev_v] if layer > 0 else [])
+                    p = from_token_features(vfit(token_features(*inputs)), self.heads, self.dim)
+                hat = quantize_residual(x, p, code)
+            if tensor == "k":
+                # this layer's values and the next layer's keys read this reconstruction
+                self.cur_k = self.prev_k = hat
+            else:
+                self.prev_v = hat
+            return hat.permute(0, 2, 1, 3).reshape(b, t, -1).to(out.dtype)
+        return hook
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("capture")
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--bits", default="2,3")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model, tokenizer, _ = load_model(None)
+    text, _ = load_eval_text(None)
+    ids = torch.tensor([tokenizer(text).input_ids[: args.tokens]])
+    with torch.no_grad():
+        exact = torch.log_softmax(model(ids).logits[0].double(), -1)
+        print("| bits (K per-channel G64 pre-RoPE, V per-token G64) | variant | mean KLD | "
+              "top-1 agreement |")
+        print("|---|---|---:|---:|")
+        for bits in (int(b) for b in args.bits.split(",")):
+            fits = fit_chain(args.capture, bits)
+            for name, f in (("plain", None), ("predict", fits)):
+                hooks = Hooks(model, bits, f)
+                try:
+                    logp = torch.log_softmax(model(ids).logits[0].double(), -1)
+                finally:
+                    hooks.remove()
+                kld = (exact.exp() * (exact - logp)).sum(-1)
+                top1 = (exact.argmax(-1) == logp.argmax(-1)).double().mean()
+                print(f"| {bits} | {name} | {float(kld.mean()):.4f} | {float(top1):.3f} |")
+
+
+if __name__ == "__main__":
+    main()
