@@ -14,6 +14,7 @@ from kvlens.quant import QuantSpec, fake_quantize
 from kvlens.quant.predict import (
     cross_fit_predict,
     explained_variance,
+    fit_predict,
     fit_ridge,
     predictor_bytes,
     quantize_residual,
@@ -197,3 +198,70 @@ def test_predict_needs_two_samples_and_checks_codebook_names(tmp_path):
             CompareConfig(codebooks=(name,))
     assert CompareConfig(codebooks=("Fitted+Predict+renorm",)).codebooks == (
         "fitted+renorm+predict",)
+
+
+def test_fit_predict_applies_a_calibration_fit_to_other_data():
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(HKV * D, HKV * D, generator=g)
+
+    def pair(n):
+        x = torch.randn(n, HKV, T, D, generator=g)
+        y = (token_features(x) @ w).reshape(n, T, HKV, D).permute(0, 2, 1, 3)
+        return x, y
+
+    (xc, yc), (xe, ye) = pair(2), pair(1)
+    pred, in_sample = fit_predict([xc], yc, [xe], ye, ridge=0.0)
+    torch.testing.assert_close(pred, ye, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(in_sample, yc, atol=1e-3, rtol=1e-3)
+    # no inputs: the calibration mean, broadcast over the evaluated tensor
+    mean, _ = fit_predict([], yc, [], ye[:, :, :5])
+    torch.testing.assert_close(mean, yc.mean(dim=(0, 2), keepdim=True).expand(1, -1, 5, -1))
+    with pytest.raises(InputError, match="do not match"):
+        fit_predict([xc], yc, [], ye)
+
+
+def test_calibration_chain_fits_on_the_other_capture(tmp_path):
+    """With a calibration capture, layer 1's map is fitted on the calibration chain's
+    reconstruction of layer 0 and applied to the measured capture's reconstruction."""
+    _, ks, vs = _chained_keys(noise=0.0, seed=6)
+    _, cal_ks, cal_vs = _chained_keys(noise=0.0, seed=6)  # same maps...
+    g = torch.Generator().manual_seed(7)
+    cal_ks = [k + 0.01 * torch.randn(k.shape, generator=g) for k in cal_ks]  # ...other data
+    cfg = CompareConfig(bits=(2,), group_sizes=(8,), variants=("predict",), tensors=("key",))
+    chain = PredictChain(cfg, rope_ok=False)
+    chain.advance(0, ks[0], None, vs[0], calibration=(cal_ks[0], None, cal_vs[0]))
+    hats1 = chain.advance(1, ks[1], None, vs[1], calibration=(cal_ks[1], None, cal_vs[1]))
+    ckey = ("key", "per-token", 2, 8, "post")
+    spec = QuantSpec(2, "per-token", 8)
+
+    def code(r):
+        return fake_quantize(r, spec)
+
+    p0, c0 = fit_predict([], cal_ks[0], [], ks[0], chain.ridge)
+    hat0, cal_hat0 = quantize_residual(ks[0], p0, code), quantize_residual(cal_ks[0], c0, code)
+    p1, _ = fit_predict([cal_hat0], cal_ks[1], [hat0], ks[1], chain.ridge)
+    torch.testing.assert_close(hats1[ckey], quantize_residual(ks[1], p1, code))
+
+
+def test_predict_calibration_capture_in_compare_axes(tmp_path):
+    q, ks, vs = _chained_keys(layers=3, seed=8)
+    per = {i: {"k": ks[i], "k_pre": ks[i], "v": vs[i]} for i in range(3)}
+    cal = make_capture(tmp_path / "cal.h5", q, ks[0], vs[0], layers=3, per_layer=per)
+    one = make_capture(tmp_path / "one.h5", q[:1], ks[0][:1], vs[0][:1], layers=3,
+                       per_layer={i: {n: t[:1] for n, t in d.items()} for i, d in per.items()})
+    cfg = CompareConfig(bits=(2,), group_sizes=(8,), variants=("predict",),
+                        predict_calibration=str(cal))
+    res = compare_axes(one, cfg)  # one sample is enough when the fit is elsewhere
+    assert res.summary["predictors"]["fitted_on"] == f"every sample of {cal}"
+    r = [x for x in res.records if x.layer == 2 and x.metric == "attention_output"
+         and x.tensor == "key"]
+    pred = sum(x.rel_error for x in r if x.variant == "predict")
+    plain = sum(x.rel_error for x in r if x.variant == "plain")
+    assert pred < 0.5 * plain
+    other = make_capture(tmp_path / "other.h5", q, torch.cat([ks[0]] * 2, dim=1),
+                         torch.cat([vs[0]] * 2, dim=1), layers=3)
+    with pytest.raises(InputError, match="does not match"):
+        compare_axes(one, CompareConfig(bits=(2,), group_sizes=(8,), variants=("predict",),
+                                        predict_calibration=str(other)))
+    with pytest.raises(ConfigError, match="needs --variants predict"):
+        CompareConfig(predict_calibration=str(cal))

@@ -85,6 +85,12 @@ def compare_axes_command(
                                        "+predict (the residual of the predict variant coded). "
                                        "Hadamard-rotated, one float16 norm "
                                        "per vector. Default none."),
+    predict_calibration: Path = typer.Option(None, "--predict-calibration",
+                                             rich_help_panel=ANALYSIS,
+                                             help="predict variant: fit the predictors on "
+                                                  "every sample of this capture of the same "
+                                                  "model (other text) instead of leaving one "
+                                                  "sample out of RUN."),
     sinks: int = typer.Option(0, "--sinks", rich_help_panel=ANALYSIS,
                               help="Score/output metrics read the first N tokens exact (a cache "
                                    "that keeps the attention sinks at full precision)."),
@@ -126,6 +132,8 @@ def compare_axes_command(
             rotation_seed=rotation_seed,
             formats=measured_cache_types(formats),
             codebooks=parse_name_list(codebooks),
+            predict_calibration=(None if predict_calibration is None
+                                 else str(predict_calibration)),
         )
 
     config = run_library_call(configure)

@@ -137,6 +137,33 @@ def cross_fit_predict(inputs: Sequence[torch.Tensor], target: torch.Tensor,
     return from_token_features(out, h, d)
 
 
+def fit_predict(train_inputs: Sequence[torch.Tensor], train_target: torch.Tensor,
+                inputs: Sequence[torch.Tensor], target: torch.Tensor,
+                ridge: float = DEFAULT_RIDGE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fit on every sample of ``train_inputs`` -> ``train_target`` (``[B, H, T, D]``: a
+    calibration capture) and predict ``target`` (another capture's tensor, any number of
+    samples and tokens; only its shape is read) from ``inputs`` (its inputs, as many as
+    ``train_inputs``). Returns ``(prediction of target, in-sample prediction of
+    train_target)``, float32 ``[B, H, T, D]`` each (the second for a calibration chain)."""
+    b, h, t, d = _check(train_target)
+    eb, eh, et, ed = _check(target)
+    if (eh, ed) != (h, d) or len(inputs) != len(train_inputs):
+        raise InputError(
+            f"Calibration ({len(train_inputs)} inputs -> {tuple(train_target.shape)}) and "
+            f"evaluation ({len(inputs)} inputs -> {tuple(target.shape)}) do not match."
+        )
+
+    def feats(tensors, nb, nt, like):
+        return (token_features(*tensors) if tensors
+                else torch.zeros(nb, nt, 0, dtype=torch.float32, device=like.device))
+
+    x = feats(train_inputs, b, t, train_target)
+    xe = feats(inputs, eb, et, target)
+    y = token_features(train_target)
+    fit = fit_ridge(x.reshape(b * t, x.shape[-1]), y.reshape(b * t, y.shape[-1]), ridge)
+    return from_token_features(fit(xe), h, d), from_token_features(fit(x), h, d)
+
+
 def quantize_residual(x: torch.Tensor, prediction: torch.Tensor, fake_quantize) -> torch.Tensor:
     """``prediction + fake_quantize(x - prediction)``: any layout (a ``QuantSpec``, a codebook...)
     applied to what the prediction misses, ``[B, H, T, D]`` float32 in ``x``'s frame."""

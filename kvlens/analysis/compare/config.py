@@ -69,6 +69,9 @@ class CompareConfig:
     sink_tokens: the first N tokens are read exact by every query in the score / weight /
         output metrics (a cache keeping the attention sinks at full precision, as
         ``generate``'s ``sink_tokens``); reconstruction still covers every token.
+    predict_calibration: path of another capture of the same model (other text) to fit the
+        ``predict`` variant's predictors on, all of its samples; None: leave one sample out of
+        the measured capture.
     """
 
     bits: tuple[int, ...] = (2, 4)
@@ -84,6 +87,7 @@ class CompareConfig:
     rotation_seed: int | None = None
     formats: tuple[str, ...] = ()
     codebooks: tuple[str, ...] = ()
+    predict_calibration: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("bits", "group_sizes", "stages", "variants", "tensors", "formats",
@@ -139,6 +143,14 @@ class CompareConfig:
         object.__setattr__(
             self, "codebooks", tuple(dict.fromkeys(parse_codebook(c) for c in self.codebooks))
         )
+        cal = self.predict_calibration
+        if cal is not None:
+            if not isinstance(cal, str) or not cal.strip():
+                raise ConfigError(f"Invalid predict calibration {cal!r}; expected a capture path.")
+            if "predict" not in self.variants and not any(
+                    "+predict" in c for c in self.codebooks):
+                raise ConfigError(
+                    "A predict calibration capture needs --variants predict or a +predict codebook.")
 
     def codebook_settings(self) -> tuple[tuple[str, str, frozenset[str]], ...]:
         """``(name, codebook, options)`` for each of ``self.codebooks``."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 from kvlens.analysis.compare.config import (
@@ -105,14 +105,22 @@ def compare_axes(
             chain = PredictChain(config, _rope_ok(meta))
             walk = tuple(i for i in cap.layers if i <= max(layers))
         measured = set(layers)
-        for done, layer in enumerate(walk):
-            if progress:
-                progress(done, len(walk), f"layer {layer}")
-            data = cap.layer(layer)
-            if layer in measured:
-                records.extend(_layer_records(data, config, meta, n_samples, pre, chain))
-            else:
-                _advance_chain(chain, data, n_samples)
+        with ExitStack() as stack:
+            cal = None
+            if config.predict_calibration is not None:
+                cal = stack.enter_context(open_capture(config.predict_calibration))
+                _check_calibration(cal.meta, meta, walk)
+            for done, layer in enumerate(walk):
+                if progress:
+                    progress(done, len(walk), f"layer {layer}")
+                data = cap.layer(layer)
+                cal_data = None if cal is None else _chain_tensors(cal.layer(layer), chain)
+                if layer in measured:
+                    records.extend(_layer_records(data, config, meta, n_samples, pre, chain,
+                                                  cal_data))
+                else:
+                    chain.advance(layer, *_chain_tensors(data, chain, n_samples),
+                                  calibration=cal_data)
         if progress:
             progress(len(walk), len(walk), "done")
     capture_info = {
@@ -134,6 +142,9 @@ def compare_axes(
     if chain is not None:
         summary["predictors"] = predictor_info(
             meta.num_key_value_heads, meta.num_tokens, meta.head_dim)
+        summary["predictors"]["fitted_on"] = (
+            "leave one sample out" if config.predict_calibration is None
+            else f"every sample of {config.predict_calibration}")
         summary["predictors"]["explained_variance"] = [
             e for e in chain.explained if e["layer"] in measured]
     summary = {
@@ -200,11 +211,12 @@ def _check_fits(meta, config: CompareConfig) -> None:
                 f"{what} does not fit {meta.model or 'this'} capture: {exc}"
             ) from None
     used = meta.num_samples if config.samples is None else min(config.samples, meta.num_samples)
-    if uses_prediction(config) and used < 2:
+    if uses_prediction(config) and used < 2 and config.predict_calibration is None:
         raise InputError(
             "Variant 'predict' needs at least 2 samples: each sample is predicted by a map "
             f"fitted on the others, and {used} of {meta.model or 'this'} capture's "
-            f"{meta.num_samples} are used."
+            f"{meta.num_samples} are used (or fit on another capture: "
+            "--predict-calibration)."
         )
     if "pre" in _key_stages(config) or config.codebook_pre_rope:
         if not _rope_ok(meta):
@@ -220,17 +232,36 @@ def _rope_ok(meta) -> bool:
     return bool(meta.has_rope) and meta.rope_layout not in ("none", "", "pending")
 
 
-def _advance_chain(chain: PredictChain, layer_data, n_samples: int) -> dict:
-    """Run the prediction chain through a layer that is not measured (its reconstructions are
-    what the next layer's predictions read)."""
+def _chain_tensors(layer_data, chain: PredictChain, n_samples: int | None = None):
+    """``(k, k_pre or None, v)`` of one layer, as the prediction chain reads them (for a layer
+    that is not measured, or the calibration capture's layer)."""
     samples = slice(0, n_samples)
     k = layer_data.read("k", samples)
     k_pre = layer_data.read("k_pre", samples) if chain.rope_ok else None
-    return chain.advance(layer_data.index, k, k_pre, layer_data.read("v", samples))
+    return k, k_pre, layer_data.read("v", samples)
+
+
+def _check_calibration(cal_meta, meta, layers) -> None:
+    """The calibration capture must hold the same model's shapes and every chained layer."""
+    mine = (meta.num_key_value_heads, meta.head_dim, meta.num_layers, _rope_ok(meta))
+    theirs = (cal_meta.num_key_value_heads, cal_meta.head_dim, cal_meta.num_layers,
+              _rope_ok(cal_meta))
+    if mine != theirs:
+        raise InputError(
+            f"The predict calibration capture ({cal_meta.model}: KV heads, head_dim, layers, "
+            f"pre-RoPE keys {theirs}) does not match the measured one ({meta.model}: {mine})."
+        )
+    missing = sorted(set(layers) - set(cal_meta.layers))
+    if missing:
+        raise InputError(
+            f"The predict calibration capture lacks layers {missing}; the chain needs every "
+            f"layer up to the last measured ({', '.join(map(str, layers))})."
+        )
 
 
 def _layer_records(layer_data, config: CompareConfig, meta, n_samples: int,
-                   pre: bool, chain: PredictChain | None = None) -> list[Record]:
+                   pre: bool, chain: PredictChain | None = None,
+                   calibration=None) -> list[Record]:
     import torch
 
 
@@ -243,7 +274,8 @@ def _layer_records(layer_data, config: CompareConfig, meta, n_samples: int,
         k_pre = layer_data.read("k_pre", samples)
     if pre:
         tables = checked_layer_tables(k, k_pre, meta, layer_data.index)
-    predicted = chain.advance(layer_data.index, k, k_pre, v) if chain is not None else {}
+    predicted = ({} if chain is None
+                 else chain.advance(layer_data.index, k, k_pre, v, calibration=calibration))
     keys: list[_VariantKey] = []
     variants: list[Variant] = []
     q_pre = None

@@ -18,7 +18,9 @@ For every swept layout (uniform axis x bits x group size x key stage, and codebo
 
 Predictors are fitted per layer on the reconstructed inputs of the other samples and applied to
 each sample's reconstructed inputs (``cross_fit_predict``: no sample is predicted by a map
-fitted on it). Fitted codebooks are fitted on the residual they code (in-sample, as the other
+fitted on it), or, with a calibration capture (``CompareConfig.predict_calibration``), on every
+sample of that capture along its own chain of reconstructions (``fit_predict``) and applied to
+every sample of the measured one: fitted on one text, measured on another. Fitted codebooks are fitted on the residual they code (in-sample, as the other
 codebook variants).
 """
 
@@ -39,6 +41,7 @@ from kvlens.quant.predict import (
     DEFAULT_RIDGE,
     cross_fit_predict,
     explained_variance,
+    fit_predict,
     predictor_bytes,
     quantize_residual,
 )
@@ -67,39 +70,60 @@ class PredictChain:
     ridge: float = DEFAULT_RIDGE
     prev_layer: int | None = None
     prev: dict[tuple, object] = field(default_factory=dict)
+    cal_prev: dict[tuple, object] = field(default_factory=dict)
     explained: list[dict] = field(default_factory=list)
 
-    def advance(self, layer: int, k, k_pre, v) -> dict[tuple, object]:
+    def advance(self, layer: int, k, k_pre, v, calibration=None) -> dict[tuple, object]:
         """Reconstruct layer ``layer`` under every predicted layout from the previous layer's
         reconstructions; returns ``{chain key: reconstruction}`` (keys in their stage's frame:
         pre-RoPE keys before RoPE) and keeps them for the next layer.
+
+        ``calibration``: the same layer's ``(k, k_pre, v)`` of another capture of the model;
+        the predictors are then fitted on all of its samples (on its own chain of
+        reconstructions) and applied to every sample here, instead of leave-one-sample-out.
 
         Chain keys: ``("key", axis, bits, group_size, stage)``, ``("value", axis, bits,
         group_size)`` for the uniform layouts, ``("key", name, bits, stage)`` and
         ``("value", name, bits)`` for ``+predict`` codebooks."""
         linked = self.prev_layer is not None and layer == self.prev_layer + 1
         prev = self.prev if linked else {}
+        cal_prev = self.cal_prev if linked else {}
         frames = {"post": k, "pre": k_pre}
+        cal_frames = ({"post": calibration[0], "pre": calibration[1]}
+                      if calibration is not None else None)
         hats: dict[tuple, object] = {}
+        cal_hats: dict[tuple, object] = {}
         for ckey, code in self._key_layouts():
             stage = ckey[-1]
-            x = frames[stage]
             inputs = [prev[ckey]] if ckey in prev else []
-            hats[ckey] = self._step(layer, ckey, x, inputs, code, len(inputs))
+            cal = None if cal_frames is None else (
+                [cal_prev[ckey]] if ckey in cal_prev else [], cal_frames[stage])
+            hats[ckey], cal_hats[ckey] = self._step(layer, ckey, frames[stage], inputs, code,
+                                                    cal)
         for ckey, code, key_input in self._value_layouts():
             inputs = [hats[key_input]] + ([prev[ckey]] if ckey in prev else [])
-            hats[ckey] = self._step(layer, ckey, v, inputs, code, len(inputs))
-        self.prev, self.prev_layer = hats, layer
+            cal = None if cal_frames is None else (
+                [cal_hats[key_input]] + ([cal_prev[ckey]] if ckey in cal_prev else []),
+                calibration[2])
+            hats[ckey], cal_hats[ckey] = self._step(layer, ckey, v, inputs, code, cal)
+        self.prev, self.cal_prev, self.prev_layer = hats, cal_hats, layer
         return hats
 
-    def _step(self, layer, ckey, x, inputs, code, n_inputs):
-        prediction = cross_fit_predict(inputs, x, self.ridge)
+    def _step(self, layer, ckey, x, inputs, code, cal=None):
+        """``(reconstruction, calibration reconstruction or None)`` of one layout's tensor."""
+        cal_hat = None
+        if cal is None:
+            prediction = cross_fit_predict(inputs, x, self.ridge)
+        else:
+            cal_inputs, cal_x = cal
+            prediction, cal_prediction = fit_predict(cal_inputs, cal_x, inputs, x, self.ridge)
+            cal_hat = quantize_residual(cal_x, cal_prediction, code)
         ev = explained_variance(x, prediction)
         self.explained.append({
             "layer": layer, "tensor": ckey[0], "layout": _layout_name(ckey),
-            "inputs": n_inputs, "explained_variance": float(ev.mean()),
+            "inputs": len(inputs), "explained_variance": float(ev.mean()),
         })
-        return quantize_residual(x, prediction, code)
+        return quantize_residual(x, prediction, code), cal_hat
 
     def _key_layouts(self) -> list[tuple[tuple, Callable]]:
         config = self.config
