@@ -12,7 +12,9 @@ chain (``kvlens.quant.predict``), for each bit width. Then one forward pass over
 to the reconstructed keys itself): plain ``Q(x)`` or predicted ``p + Q(x - p)``, where ``p``
 reads the previous layer's reconstruction *in this forward pass* (quantization errors propagate
 through the model, as in a decoder). Keys per-channel G64 (pre-RoPE), values per-token G64.
-Against the exact model: mean KL(exact || quantized) over positions, top-1 agreement.
+Against the exact model: mean KL(exact || quantized) over positions (the logits at position
+``t`` score token ``t + 1``), top-1 agreement, and the paired difference predict - plain with a
+95% bootstrap interval over blocks of 64 positions.
 
 What it does not model: every token is quantized (no residual window, no exact sinks), the
 per-channel groups are formed over the whole prefill (a cache would form them as its window
@@ -29,6 +31,7 @@ import torch
 
 from kvlens.capture.store import open_capture
 from kvlens.evaluation.kld import load_eval_text
+from kvlens.evaluation.stats import bootstrap_indices, percentile_interval
 from kvlens.model.load import load_model
 from kvlens.quant import QuantSpec, fake_quantize
 from kvlens.quant.predict import (
@@ -40,6 +43,7 @@ from kvlens.quant.predict import (
 )
 
 G = 64
+UNIT = 64  # positions per bootstrap block
 
 
 def _specs(bits: int):
@@ -141,20 +145,28 @@ def main() -> None:
     ids = torch.tensor([tokenizer(text).input_ids[: args.tokens]])
     with torch.no_grad():
         exact = torch.log_softmax(model(ids).logits[0].double(), -1)
-        print("| bits (K per-channel G64 pre-RoPE, V per-token G64) | variant | mean KLD | "
-              "top-1 agreement |")
-        print("|---|---|---:|---:|")
+        print("| bits (K per-channel G64 pre-RoPE, V per-token G64) | KLD plain | KLD predict "
+              "| paired (predict - plain) | top-1 plain | top-1 predict |")
+        print("|---|---:|---:|---:|---:|---:|")
+        # paired bootstrap over blocks of 64 positions (kvlens.evaluation.stats's draws)
+        n = exact.shape[0] // UNIT * UNIT
+        draws = bootstrap_indices(n // UNIT)
         for bits in (int(b) for b in args.bits.split(",")):
             fits = fit_chain(args.capture, bits)
+            kld, top1 = {}, {}
             for name, f in (("plain", None), ("predict", fits)):
                 hooks = Hooks(model, bits, f)
                 try:
                     logp = torch.log_softmax(model(ids).logits[0].double(), -1)
                 finally:
                     hooks.remove()
-                kld = (exact.exp() * (exact - logp)).sum(-1)
-                top1 = (exact.argmax(-1) == logp.argmax(-1)).double().mean()
-                print(f"| {bits} | {name} | {float(kld.mean()):.4f} | {float(top1):.3f} |")
+                kld[name] = (exact.exp() * (exact - logp)).sum(-1)
+                top1[name] = float((exact.argmax(-1) == logp.argmax(-1)).double().mean())
+            diff = (kld["predict"] - kld["plain"])[:n].reshape(-1, UNIT).mean(-1).numpy()
+            lo, hi = percentile_interval(diff[draws].mean(-1))
+            print(f"| {bits} | {float(kld['plain'].mean()):.4f} | "
+                  f"{float(kld['predict'].mean()):.4f} | {float(diff.mean()):+.4f} "
+                  f"[{lo:+.4f}, {hi:+.4f}] | {top1['plain']:.3f} | {top1['predict']:.3f} |")
 
 
 if __name__ == "__main__":
