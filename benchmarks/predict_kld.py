@@ -1,8 +1,8 @@
 """A model-level check of cross-layer prediction (docs/codebooks.md "Cross-layer prediction"):
-KL divergence of SmolLM2's next-token distribution with fake-quantized keys and values, with and
+KL divergence of a model's next-token distribution (SmolLM2 or Gemma3) with fake-quantized keys and values, with and
 without AQUA-KV-style prediction, on the built-in held-out text.
 
-    python benchmarks/predict_kld.py CAPTURE.h5 [--tokens 2048] [--bits 2,3]
+    python benchmarks/predict_kld.py CAPTURE.h5 [--tokens 2048] [--bits 2,3] [--model GGUF]
 
 What it does. The predictors are fitted on the capture (every sample; the capture corpus, not
 the held-out text they are scored on), layer after layer on the *reconstructed* tensors of the
@@ -18,9 +18,8 @@ Against the exact model: mean KL(exact || quantized) over positions (the logits 
 
 What it does not model: every token is quantized (no residual window, no exact sinks), the
 per-channel groups are formed over the whole prefill (a cache would form them as its window
-flushes), and a single forward call: a storage-free proxy, paired across configurations. Llama
-architectures only (Gemma3's ``k_proj`` output is normalised before RoPE and the capture's
-pre-RoPE keys are taken after that norm).
+flushes), and a single forward call: a storage-free proxy, paired across configurations.
+``CAPTURE`` must be a capture of ``--model``.
 """
 
 from __future__ import annotations
@@ -84,49 +83,92 @@ def fit(inputs, target):
 
 
 class Hooks:
-    """Forward hooks on ``k_proj``/``v_proj`` of every layer: plain or predicted fake
-    quantization, the chain's state carried within one forward pass."""
+    """Forward hooks that replace every layer's pre-RoPE keys and values by their plain or
+    predicted fake quantization, the chain's state carried within one forward pass.
+
+    Llama: ``k_proj`` and ``v_proj`` outputs are the pre-RoPE keys and the values. Gemma3: the
+    keys are normalised (``k_norm``) after ``v_proj`` has run, so ``k_proj``'s output is kept,
+    both reconstructions are made when ``v_proj`` runs (the keys through the layer's own
+    ``k_norm``) and ``k_norm``'s output is replaced by the key reconstruction."""
 
     def __init__(self, model, bits: int, fits=None):
         self.kspec, self.vspec = _specs(bits)
         self.fits = fits
         self.prev_k = self.prev_v = self.cur_k = None
+        self.raw_k = None
+        self.inside_norm = False
         cfg = model.config
         self.heads = cfg.num_key_value_heads
         self.dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.handles = []
         for i, layer in enumerate(model.model.layers):
             attn = layer.self_attn
-            self.handles.append(attn.k_proj.register_forward_hook(self._hook(i, "k")))
-            self.handles.append(attn.v_proj.register_forward_hook(self._hook(i, "v")))
+            norm = getattr(attn, "k_norm", None)
+            hooks = ((attn.k_proj, self._keep_raw), (attn.v_proj, self._values_after_norm(i, norm)),
+                     (norm, self._normed_keys)) if norm is not None else (
+                (attn.k_proj, self._keys(i)), (attn.v_proj, self._values(i)))
+            for module, hook in hooks:
+                self.handles.append(module.register_forward_hook(hook))
 
-    def _hook(self, layer: int, tensor: str):
+    def _split(self, out):
+        b, t, _ = out.shape
+        return out.float().reshape(b, t, self.heads, self.dim).permute(0, 2, 1, 3)
+
+    @staticmethod
+    def _merge(hat, like):
+        b, h, t, d = hat.shape
+        return hat.permute(0, 2, 1, 3).reshape(b, t, h * d).to(like.dtype)
+
+    def key_hat(self, layer: int, x):
+        """Layer ``layer``'s pre-RoPE keys ``[B, H, T, D]`` -> their reconstruction."""
+        code = lambda r: fake_quantize(r, self.kspec)  # noqa: E731
+        if self.fits is None:
+            hat = code(x)
+        else:
+            kfit, kmean, _ = self.fits[layer]
+            p = (kmean[None, :, None, :].expand_as(x) if kfit is None else
+                 from_token_features(kfit(token_features(self.prev_k)), self.heads, self.dim))
+            hat = quantize_residual(x, p, code)
+        # this layer's values and the next layer's keys read this reconstruction
+        self.cur_k = self.prev_k = hat
+        return hat
+
+    def value_hat(self, layer: int, x):
+        code = lambda r: fake_quantize(r, self.vspec)  # noqa: E731
+        if self.fits is None:
+            hat = code(x)
+        else:
+            vfit = self.fits[layer][2]
+            inputs = [self.cur_k] + ([self.prev_v] if layer > 0 else [])
+            p = from_token_features(vfit(token_features(*inputs)), self.heads, self.dim)
+            hat = quantize_residual(x, p, code)
+        self.prev_v = hat
+        return hat
+
+    def _keys(self, layer):
+        return lambda _m, _i, out: self._merge(self.key_hat(layer, self._split(out)), out)
+
+    def _values(self, layer):
+        return lambda _m, _i, out: self._merge(self.value_hat(layer, self._split(out)), out)
+
+    def _keep_raw(self, _module, _inputs, out):
+        self.raw_k = out
+
+    def _values_after_norm(self, layer, norm):
         def hook(_module, _inputs, out):
-            b, t, _ = out.shape
-            x = out.float().reshape(b, t, self.heads, self.dim).permute(0, 2, 1, 3)
-            spec = self.kspec if tensor == "k" else self.vspec
-            code = lambda r: fake_quantize(r, spec)  # noqa: E731
-            if self.fits is None:
-                hat = code(x)
-            else:
-                kfit, kmean, vfit = self.fits[layer]
-                if tensor == "k":
-                    if kfit is None:
-                        p = kmean[None, :, None, :].expand_as(x)
-                    else:
-                        p = from_token_features(kfit(token_features(self.prev_k)), self.heads,
-                                                self.dim)
-                else:
-                    inputs = [self.cur_k] + ([self.prev_v] if layer > 0 else [])
-                    p = from_token_features(vfit(token_features(*inputs)), self.heads, self.dim)
-                hat = quantize_residual(x, p, code)
-            if tensor == "k":
-                # this layer's values and the next layer's keys read this reconstruction
-                self.cur_k = self.prev_k = hat
-            else:
-                self.prev_v = hat
-            return hat.permute(0, 2, 1, 3).reshape(b, t, -1).to(out.dtype)
+            self.inside_norm = True
+            try:
+                normed = norm(self._split(self.raw_k).to(self.raw_k.dtype))
+            finally:
+                self.inside_norm = False
+            self.key_hat(layer, normed.float())
+            return self._merge(self.value_hat(layer, self._split(out)), out)
         return hook
+
+    def _normed_keys(self, _module, _inputs, out):
+        if self.inside_norm:
+            return None
+        return self.cur_k.to(out.dtype)
 
     def remove(self):
         for h in self.handles:
@@ -138,9 +180,10 @@ def main() -> None:
     parser.add_argument("capture")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--bits", default="2,3")
+    parser.add_argument("--model", default=None, help="kvlens --model spec (default SmolLM2)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    model, tokenizer, _ = load_model(None)
+    model, tokenizer, _ = load_model(args.model)
     text, _ = load_eval_text(None)
     ids = torch.tensor([tokenizer(text).input_ids[: args.tokens]])
     with torch.no_grad():
