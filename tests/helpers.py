@@ -29,9 +29,10 @@ def rel(a, b):
 
 
 def make_capture(path, q, k, v, *, k_pre=None, q_pre=None, rope_theta=None, layers=1,
-                 record_theta=True):
+                 record_theta=True, per_layer=None):
     """Synthetic float32 capture; the same tensors in every layer (``record_theta=False``: RoPE
-    without its theta in the metadata, as Gemma3 captures have)."""
+    without its theta in the metadata, as Gemma3 captures have) unless ``per_layer``
+    ``{layer: {"k": ..., ...}}`` replaces some of a layer's tensors."""
     rope = {} if rope_theta is None or not record_theta else \
         {"rope_theta": rope_theta, "rope_type": "default"}
     meta = CaptureMeta(
@@ -60,7 +61,9 @@ def make_capture(path, q, k, v, *, k_pre=None, q_pre=None, rope_theta=None, laye
         "k_pre": k if k_pre is None else k_pre,
     }
     attrs = {i: LayerAttrs(i, SCALING, 0, 0.0) for i in range(layers)}
-    return write_capture(path, meta, {i: data for i in range(layers)}, layer_attrs=attrs)
+    per_layer = per_layer or {}
+    return write_capture(path, meta, {i: {**data, **per_layer.get(i, {})} for i in range(layers)},
+                         layer_attrs=attrs)
 
 
 # -- cache references --------------------------------------------------------------------------

@@ -103,6 +103,8 @@ ROWS = [
     # compare-axes and plot-outliers options and outputs
     ("compare-axes {cap} --group-sizes 48", "does not divide head_dim 16", 1),
     ("compare-axes {cap} --bits 9", "Invalid bits 9", 1),
+    ("compare-axes {cap} --group-sizes 8 --samples 1 --variants predict", "at least 2 samples",
+     1),
     ("compare-axes {cap} --plots {compare}", "already holds compare-axes.json", 1),
     ("compare-axes {cap} --plots {exists_json}", "is not a directory", 1),
     ("plot-outliers {cap} --out {outliers}", "already holds outliers.json", 1),

@@ -193,3 +193,17 @@ def test_codebooks_and_center_in_table_and_json(capture):
     assert {f["format"] for f in data["summary"]["formats"]} == {"codebook2:weighted"}
     bad = _run(capture, *SMALL, "--codebooks", "kmeans")
     assert bad.exit_code != 0 and "Unknown codebook 'kmeans'" in bad.output
+
+
+def test_predict_variant_in_table_and_json(capture):
+    res = _run(capture, *SMALL, "--variants", "predict", "--codebooks", "fitted+renorm+predict")
+    assert res.exit_code == 0, res.output
+    out = " ".join(res.stdout.split())
+    assert "K 2b G8 post predict" in out and "codebook2:fitted+renorm+predict" in out
+    data = json.loads(_run(capture, *SMALL, "--variants", "predict", "--json").stdout)
+    pred = data["summary"]["predictors"]
+    assert pred["key"]["bytes_per_layer"] > 0 and pred["value"]["bytes_per_layer"] > 0
+    assert {e["layer"] for e in pred["explained_variance"]} == {0, 1}
+    assert {r["variant"] for r in data["records"]} == {"plain", "predict"}
+    bad = _run(capture, *SMALL, "--codebooks", "fitted+center+predict")
+    assert bad.exit_code != 0 and "does not combine" in bad.output

@@ -51,7 +51,11 @@ def compare_axes_command(
                                  help="Extra transforms beside plain quantization: balancer, "
                                       "outliers, lowrank, rotate (Hadamard along head_dim), "
                                       "center (keys: the layer's mean key per KV head "
-                                      "subtracted; comma-separated; default none)."),
+                                      "subtracted), predict (AQUA-KV: keys predicted from the "
+                                      "previous layer's reconstructed keys, values from the "
+                                      "layer's keys and the previous layer's values, fitted on "
+                                      "the other samples; only the residual quantized; "
+                                      "docs/codebooks.md). Comma-separated; default none."),
     outlier_fraction: float = typer.Option(0.01, "--outlier-fraction", rich_help_panel=ANALYSIS,
                                            help="Share of each quantized vector kept exact by "
                                                 "the outliers variant."),
@@ -77,8 +81,16 @@ def compare_axes_command(
                                        "(docs/codebooks.md): lloyd-max, fitted, weighted (keys; "
                                        "query-weighted fit), each optionally with +center "
                                        "(keys centred), +renorm (decoded vectors rescaled to "
-                                       "the stored norm) and +pre (keys coded before RoPE). Hadamard-rotated, one float16 norm "
+                                       "the stored norm), +pre (keys coded before RoPE) and "
+                                       "+predict (the residual of the predict variant coded). "
+                                       "Hadamard-rotated, one float16 norm "
                                        "per vector. Default none."),
+    predict_calibration: Path = typer.Option(None, "--predict-calibration",
+                                             rich_help_panel=ANALYSIS,
+                                             help="predict variant: fit the predictors on "
+                                                  "every sample of this capture of the same "
+                                                  "model (other text) instead of leaving one "
+                                                  "sample out of RUN."),
     sinks: int = typer.Option(0, "--sinks", rich_help_panel=ANALYSIS,
                               help="Score/output metrics read the first N tokens exact (a cache "
                                    "that keeps the attention sinks at full precision)."),
@@ -120,6 +132,8 @@ def compare_axes_command(
             rotation_seed=rotation_seed,
             formats=measured_cache_types(formats),
             codebooks=parse_name_list(codebooks),
+            predict_calibration=(None if predict_calibration is None
+                                 else str(predict_calibration)),
         )
 
     config = run_library_call(configure)

@@ -5,7 +5,8 @@ Tensors are ``[B, H, T, D]`` at every public function. ``spec`` says what shares
 pre-RoPE keys, the MiKV balancer, dense-and-sparse outliers and the GEAR low-rank residual,
 ``rotation`` the orthonormal Hadamard rotation along ``head_dim``, ``codebook`` non-uniform
 (codebook) codes of rotated coordinates with one norm per vector, ``centering`` the exact
-per-head key centering, ``meta8`` 8-bit group
+per-head key centering, ``predict`` cross-layer prediction with the residual
+quantized (AQUA-KV), ``meta8`` 8-bit group
 metadata, and the engines' own cache formats: ``ggml`` (llama.cpp's blocks), ``fp8`` (static fp8
 and per-token-head), ``formats`` (a format with the engine's rotation, names, the read-back
 entry point) and ``cachetypes`` (what a config stores per tensor).
@@ -42,6 +43,14 @@ from kvlens.quant.packing import (
     pack_unit,
     packed_length,
     unpack_codes,
+)
+from kvlens.quant.predict import (
+    LinearPredictor,
+    cross_fit_predict,
+    explained_variance,
+    fit_ridge,
+    predictor_bytes,
+    quantize_residual,
 )
 from kvlens.quant.reference import QTensor, dequantize, expand_params, quantize
 from kvlens.quant.rotation import (
@@ -96,6 +105,12 @@ __all__ = [
     "quantize_ggml",
     "rotate_rows",
     "GRANULARITIES",
+    "LinearPredictor",
+    "cross_fit_predict",
+    "explained_variance",
+    "fit_ridge",
+    "predictor_bytes",
+    "quantize_residual",
     "OUTLIER_SCOPES",
     "LowRank",
     "QTensor",

@@ -20,13 +20,14 @@ CONFIG_VERSION = 1
 TENSOR_NAMES = ("key", "value")
 AXES = ("per-token", "per-channel")
 STAGES = ("post", "pre")  # post-RoPE (what the cache holds) / pre-RoPE (KVQuant), keys only
-EXTRA_VARIANTS = ("balancer", "outliers", "lowrank", "rotate", "center")
+EXTRA_VARIANTS = ("balancer", "outliers", "lowrank", "rotate", "center", "predict")
 PLAIN = "plain"
 KEY_METRICS = ("reconstruction", "score", "attention_weights", "attention_output")
 VALUE_METRICS = ("reconstruction", "attention_output")
 METRICS = KEY_METRICS
-# after a codebook name: "+center" (keys), "+renorm", "+pre" (keys coded before RoPE)
-CODEBOOK_OPTIONS = ("center", "renorm", "pre")
+# after a codebook name: "+center" (keys), "+renorm", "+pre" (keys coded before RoPE),
+# "+predict" (the residual of a cross-layer prediction coded, kvlens.analysis.compare.predict)
+CODEBOOK_OPTIONS = ("center", "renorm", "pre", "predict")
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,11 @@ class CompareConfig:
         ``"rotate"`` (orthonormal Hadamard along head_dim, ``kvlens.quant.rotation``),
         ``"center"`` (keys: the per-KV-head mean key of the layer subtracted before quantizing
         and added back, ``kvlens.quant.centering``; the post stage centres post-RoPE keys, the
-        pre stage pre-RoPE keys).
+        pre stage pre-RoPE keys), ``"predict"`` (AQUA-KV: keys predicted from the previous
+        layer's reconstructed keys of the same stage, values from the layer's reconstructed
+        keys and the previous layer's reconstructed values, by ridge maps fitted on the other
+        samples; only the residual is quantized, ``kvlens.analysis.compare.predict``; needs at
+        least 2 samples).
     outlier_fraction: share of each quantization vector kept exact by ``"outliers"``.
     rank: rank of the ``"lowrank"`` residual per (sample, head).
     rotation_seed: ``"rotate"`` without sign flips (None) or with random sign flips drawn with
@@ -56,13 +61,17 @@ class CompareConfig:
         ``+center`` (keys centred as the ``center`` variant; values are coded uncentred),
         ``+renorm`` (decoded vectors rescaled to the stored norm) and ``+pre`` (keys coded
         before RoPE and re-rotated, as the pre stage; ``weighted`` then weights by the pre-RoPE
-        queries); stored canonical (``fitted+center+renorm+pre``). Fitted codebooks and means come from the layer's captured
+        queries) and ``+predict`` (the residual of the ``predict`` variant's prediction coded;
+        not with ``weighted`` or ``+center``); stored canonical (``fitted+center+renorm+pre``). Fitted codebooks and means come from the layer's captured
         tensor they are evaluated on (in-sample).
     layers: captured layers to analyse (None = all). samples: use only the first N samples.
     tensors: which of ``"key"``, ``"value"`` to sweep.
     sink_tokens: the first N tokens are read exact by every query in the score / weight /
         output metrics (a cache keeping the attention sinks at full precision, as
         ``generate``'s ``sink_tokens``); reconstruction still covers every token.
+    predict_calibration: path of another capture of the same model (other text) to fit the
+        ``predict`` variant's predictors on, all of its samples; None: leave one sample out of
+        the measured capture.
     """
 
     bits: tuple[int, ...] = (2, 4)
@@ -78,6 +87,7 @@ class CompareConfig:
     rotation_seed: int | None = None
     formats: tuple[str, ...] = ()
     codebooks: tuple[str, ...] = ()
+    predict_calibration: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("bits", "group_sizes", "stages", "variants", "tensors", "formats",
@@ -133,6 +143,14 @@ class CompareConfig:
         object.__setattr__(
             self, "codebooks", tuple(dict.fromkeys(parse_codebook(c) for c in self.codebooks))
         )
+        cal = self.predict_calibration
+        if cal is not None:
+            if not isinstance(cal, str) or not cal.strip():
+                raise ConfigError(f"Invalid predict calibration {cal!r}; expected a capture path.")
+            if "predict" not in self.variants and not any(
+                    "+predict" in c for c in self.codebooks):
+                raise ConfigError(
+                    "A predict calibration capture needs --variants predict or a +predict codebook.")
 
     def codebook_settings(self) -> tuple[tuple[str, str, frozenset[str]], ...]:
         """``(name, codebook, options)`` for each of ``self.codebooks``."""
@@ -198,6 +216,12 @@ def parse_codebook(name: object) -> str:
     for o in opts:
         if o not in CODEBOOK_OPTIONS:
             raise ConfigError(f"Unknown codebook option {o!r} in {name!r}; allowed: {allowed}.")
+    if "predict" in opts and ("center" in opts or base == "weighted"):
+        raise ConfigError(
+            f"Codebook {name!r}: +predict codes a prediction's residual, whose intercept already "
+            "centres it; it does not combine with +center or with weighted (use fitted or "
+            "lloyd-max)."
+        )
     return "+".join([base, *(o for o in CODEBOOK_OPTIONS if o in opts)])
 
 
