@@ -75,9 +75,24 @@ def _codebook() -> KVConfig:
                     rotation_seed=3, codebooks={0: {"value": BOOK3}, 2: {"value": BOOK3}})
 
 
+def _codebook_keys() -> KVConfig:
+    """Codebook keys: vLLM turboquant's layout (Lloyd-Max keys renormalised, 4-bit per-token
+    values, no window) by default; layer 1 fitted keys and values (centroids in the config) with
+    a window and a sliding block; layer 2 kept exact at fp_dtype (turboquant's boundary
+    layers)."""
+    s = QuantSpec
+    rot = RotationSpec(3)
+    default = LayerKV(CodebookSpec(3, rotation=rot, renormalize=True), s(4, "per-token"))
+    layers = {1: LayerKV(CodebookSpec(2, "fitted", rot), CodebookSpec(3, "fitted", rot), R,
+                         flush_tokens=8),
+              2: LayerKV()}
+    return KVConfig("codebook-keys", default, layers, rotation_seed=3,
+                    codebooks={1: {"key": (-1.5, -0.5, 0.5, 1.5), "value": BOOK3}})
+
+
 CONFIGS = {name: _scaled(cfg) for name, cfg in PRESETS.items()} | {
     "mixed": _mixed(), "mixed-8bit": replace(_mixed(), name="mixed-8bit", scale_dtype="8bit"),
-    "codebook": _codebook()}
+    "codebook": _codebook(), "codebook-keys": _codebook_keys()}
 
 
 def _shape(model) -> ModelShape:

@@ -3,7 +3,7 @@
 A ``CompressedLayer`` keeps, for its layer, ``[B, H, *, D]`` history in up to three places:
 
 - the **packed store** (``kvlens.cache.packed.PackedTensor`` for a quantized tensor,
-  ``kvlens.cache.codebook.CodebookStore`` for codebook values, or a full-precision
+  ``kvlens.cache.codebook.CodebookStore`` for codebook keys or values, or a full-precision
   ``DenseTensor`` when only the other tensor is quantized): cache positions
   ``[q_start, q_end)``, immutable once written;
 - the **residual window**: the newest ``n_res`` tokens (positions ``[res_start, N)``) at the
@@ -124,7 +124,8 @@ class CompressedLayer(DynamicLayer):
                  scale_dtype: str = "float16", fp_dtype: str = "float16",
                  mikv: MikvSettings | None = None, balancer: torch.Tensor | None = None,
                  sliding_window: int | None = None, rotation: torch.Tensor | None = None,
-                 session=None, gear=None, value_centroids: torch.Tensor | None = None):
+                 session=None, gear=None, value_centroids: torch.Tensor | None = None,
+                 key_centroids: torch.Tensor | None = None):
         super().__init__()
         self.is_initialized = False  # set by the base class from transformers 4.57 on, not 4.56
         self.setting = setting
@@ -139,9 +140,14 @@ class CompressedLayer(DynamicLayer):
         r = setting.residual_tokens
         self.flush_every = layout.flush_every(setting)  # 0 = never flush (nothing quantized)
         fp = _fp_dtype(fp_dtype)
-        self.kstore = PackedTensor.create(setting.key, r, head_dim, scale_dtype,
-                                          setting.flush_tokens) \
-            if setting.key is not None else DenseTensor(fp)
+        if setting.key_codebook is not None:  # fitted: the config's centroids
+            self.kstore = CodebookStore.for_cache(setting.key, key_centroids, head_dim,
+                                                  self.flush_every)
+        elif setting.key is not None:
+            self.kstore = PackedTensor.create(setting.key, r, head_dim, scale_dtype,
+                                              setting.flush_tokens)
+        else:
+            self.kstore = DenseTensor(fp)
         if setting.value_codebook is not None:  # fitted: the config's centroids
             self.vstore = CodebookStore.for_cache(setting.value, value_centroids, head_dim,
                                                   self.flush_every)
