@@ -473,4 +473,9 @@ def test_codebook_keys_set_the_key_rotation_and_version_5():
                                           r"but gives no centroids; add codebooks.2.key"):
         validate_for(cfg, info)
     assert _book_config().format_version == 4  # value codebooks alone stay version 4
+    normal = _book_config(default=LayerKV(QuantSpec(2, "per-channel", 32),
+                                          CodebookSpec(2, "lloyd-max-normal"), 32), codebooks={})
+    assert normal.format_version == 5  # the normal codebook is new in version 5
+    with pytest.raises(ConfigError, match="need KV config version 5"):
+        config_from_dict(normal.to_dict() | {"version": 4})
     assert {d["version"] for d in VALID if d["name"] == "codebook"} == {4}

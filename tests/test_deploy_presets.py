@@ -214,7 +214,8 @@ def test_vllm_turboquant_settings_code_keys_with_a_codebook(name, kbits, vbits):
     s = engine_config(name, num_layers=30)
     cfg = s.config
     assert s.per_model and s.engine == "vllm" and cfg.name == name
-    assert cfg.default.key == CodebookSpec(kbits, "lloyd-max", RotationSpec(), renormalize=True)
+    assert cfg.default.key == CodebookSpec(kbits, "lloyd-max-normal", RotationSpec(),
+                                          renormalize=True)
     assert cfg.default.value == QuantSpec(vbits, "per-token") and cfg.default.rotate_keys
     assert not cfg.default.rotate_values and cfg.default.residual_tokens == 0
     assert cfg.scale_dtype == "float16" and cfg.fp_dtype == "float16" and cfg.mikv is None
@@ -224,7 +225,7 @@ def test_vllm_turboquant_settings_code_keys_with_a_codebook(name, kbits, vbits):
     assert engine_config(name, num_layers=1).config.layers == {}
     assert engine_config(name).config.layers == {}  # resolved once the model is known
     assert "first and last 2 layers exact (layers 0, 1, 28, 29)" in s.notes[0]
-    assert "sphere density" in s.notes[0] and cfg.format_version == 5
+    assert "Triton decode kernel" in s.notes[0] and cfg.format_version == 5
     with pytest.raises(ConfigError, match="not one cache type"):
         measured_cache_type(parse_engine_setting(name))
     assert "vllm:T (T: turboquant_4bit_nc" in allowed_settings()

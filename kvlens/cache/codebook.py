@@ -46,8 +46,8 @@ from kvlens.quant.codebook import (
     Codebook,
     CodebookSpec,
     CodebookTensor,
+    computed_codebook,
     dequantize_codebook,
-    lloyd_max,
     quantize_codebook,
 )
 from kvlens.quant.packing import unpack_codes
@@ -81,13 +81,13 @@ class CodebookStore:
                   device=None) -> CodebookStore:
         """The key or value store of a cache layer: codes the layer's (already rotated) vectors with
         ``spec`` less its rotation; ``centroids`` (fitted: the config's ``codebooks`` entry)
-        or the Lloyd-Max codebook for ``head_dim``."""
+        or the computed codebook for ``head_dim`` (``computed_codebook``)."""
         if spec.fitted:
             if centroids is None:
                 raise InputError(f"A fitted {spec.bits}-bit codebook needs its centroids.")
             book = Codebook(torch.as_tensor(centroids, dtype=torch.float32, device=device))
         else:
-            book = lloyd_max(spec.bits, head_dim if head_dim >= 3 else None)
+            book = computed_codebook(spec, head_dim)
         return cls(replace(spec, rotation=None), book, head_dim, block)
 
     @property

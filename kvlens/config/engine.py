@@ -25,7 +25,8 @@
   (``--kv-cache-dtype-skip-layers``).
 - vLLM ``turboquant_*`` (``TURBOQUANT_TYPES``, vLLM's ``TQ_PRESETS``): keys Hadamard-rotated
   (plain Sylvester, no sign flips), each coordinate of the normalised rotated key coded with a
-  Lloyd-Max codebook of ``key_bits`` bits plus one fp16 norm per vector, the ``_nc`` presets
+  Lloyd-Max codebook of ``key_bits`` bits for the normal distribution (``"lloyd-max-normal"``,
+  vLLM's ``N(0, 1/D)`` centroids) plus one fp16 norm per vector, the ``_nc`` presets
   renormalising the decoded centroids (``CodebookSpec(renormalize=True)``); values min-max
   quantized per token (one fp16 scale and zero per vector, ``value_bits`` bits); the first and
   last ``TURBOQUANT_BOUNDARY`` layers (at most half the layers) kept in the model dtype, which
@@ -310,7 +311,7 @@ class TurboQuantSetting:
         """The config for a model of ``num_layers`` layers: every layer but the boundary ones
         codes keys (codebook) and values (per-token min-max) with no full-precision window;
         the boundary layers keep both at float16."""
-        key = CodebookSpec(self.key_bits, "lloyd-max", RotationSpec(),
+        key = CodebookSpec(self.key_bits, "lloyd-max-normal", RotationSpec(),
                            renormalize=self.norm_correction)
         value = QuantSpec(self.value_bits, "per-token")  # one scale and zero per vector
         return KVConfig(label, LayerKV(key, value),

@@ -125,10 +125,13 @@ def config_from_dict(data: Any) -> KVConfig:
     codebook = any(isinstance(s.value, CodebookSpec) for s in (default, *layers.values()))
     key_books = any(isinstance(s.key, CodebookSpec) for s in (default, *layers.values()))
     books = data.get("codebooks")
-    if version < 5 and (key_books or isinstance(books, Mapping) and any(
+    normal = any(isinstance(b, CodebookSpec) and b.codebook == "lloyd-max-normal"
+                 for lk in (default, *layers.values()) for b in (lk.key, lk.value))
+    if version < 5 and (key_books or normal or isinstance(books, Mapping) and any(
             isinstance(e, Mapping) and "key" in e for e in books.values())):
-        raise ConfigError('codebook key specs (and \'codebooks.<layer>.key\') need KV config '
-                          'version 5; set "version": 5.')
+        raise ConfigError('codebook key specs, \'codebooks.<layer>.key\' and the '
+                          '"lloyd-max-normal" codebook need KV config version 5; set '
+                          '"version": 5.')
     if version < 4 and (codebook or data.get("codebooks") is not None):
         raise ConfigError('codebook value specs and \'codebooks\' need KV config version 4; set '
                           '"version": 4.')

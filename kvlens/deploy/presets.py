@@ -96,10 +96,8 @@ def _llamacpp_notes(raw: str, s: LlamaCppSetting) -> tuple[str, ...]:
 TURBOQUANT_DIFFERENCES = (
     "kvlens attends each chunk's own keys and values exact and reads earlier tokens from the "
     "compressed cache (vLLM: exact only within a first prefill chunk; a decode step or a later "
-    "chunk reads its own tokens back compressed too); Lloyd-Max centroids of the rotated "
-    "coordinate's exact sphere density (vLLM: of its Gaussian approximation N(0, 1/D)); "
-    "attention in the model's float precision, not vLLM's Triton decode kernel. "
-    "docs/deploy/vllm.md.")
+    "chunk reads its own tokens back compressed too); attention in the model's float "
+    "precision, not vLLM's Triton decode kernel. docs/deploy/vllm.md.")
 
 
 def _turboquant(raw: str, s: TurboQuantSetting, num_layers: int | None) -> EngineSetting:
