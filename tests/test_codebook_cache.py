@@ -206,6 +206,34 @@ def test_cache_layer_codebook_keys_equal_reference(bits, fitted, renorm, r, flus
                                rtol=1e-5, atol=1e-5)
 
 
+def test_write_first_reads_a_forwards_own_tokens_compressed():
+    """``write_first`` (KVConfig.write_before_attention, vLLM TurboQuant's order): the first
+    forward attends exact and codes its tokens after; every later forward codes its tokens
+    before attending, so its own keys and values are read back compressed."""
+    torch.manual_seed(3)
+    b, hq, hkv, d = 2, 4, 2, 16
+    rot = hadamard_rotation(d, None)
+    kspec = CodebookSpec(3, "lloyd-max-normal", RotationSpec(), renormalize=True)
+    vspec = QuantSpec(4, "per-token")
+    layer = CompressedLayer(LayerKV(kspec, vspec), 0, d, rotation=rot, session=stub_session(),
+                            write_first=True)
+    k, v = torch.randn(b, hkv, 24, d), torch.randn(b, hkv, 24, d)
+    layer.update(k[:, :, :20], v[:, :, :20])
+    assert layer.quantized_length == 0 and layer.n_res == 20  # the first forward: exact
+    layer.commit(torch.randn(b, hq, 20, d), None)
+    assert layer.quantized_length == 20 and layer.n_res == 0
+    layer.update(k[:, :, 20:23], v[:, :, 20:23])  # a later forward: coded before attention
+    assert layer.quantized_length == 23 and layer.n_res == 0
+    kr = (k[:, :, :23] @ rot).half().float()
+    keys = fake_quantize_codebook(kr, replace(kspec, rotation=None)) @ rot.T
+    values = stored_view(v[:, :, :23], vspec, 1, 23)
+    q = torch.randn(b, hq, 3, d)
+    mask = torch.ones(23, 23, dtype=torch.bool).tril()[None, None, 20:].expand(b, 1, 3, 23)
+    out, _ = packed_attention(layer.to_stored_basis(q, True), layer, None, d ** -0.5)
+    torch.testing.assert_close(out, reference_attention(q, keys, values, mask),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_codebook_keys_refused_with_pre_rope_keys_and_unrotated_flags():
     with pytest.raises(ConfigError, match="pre_rope_keys"):
         LayerKV(CodebookSpec(3), QuantSpec(4, "per-token"), pre_rope_keys=True)

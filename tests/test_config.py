@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -68,7 +69,8 @@ def _valid_configs() -> list[dict]:
     out.append(KVConfig("codebook-keys", LayerKV(CodebookSpec(3, renormalize=True, rotation=(
         RotationSpec(2))), QuantSpec(4, "per-token")),
                         {0: LayerKV(key_format="f16", value_format="f16"),
-                         1: LayerKV(kbook, book, 64, flush_tokens=32)}, rotation_seed=2,
+                         1: LayerKV(kbook, book)}, rotation_seed=2,
+                        write_before_attention=True,
                         codebooks={1: {"key": (-1.5, -0.5, 0.5, 1.5),
                                        "value": (-2.0, -1.0, -0.5, -0.125, 0.125, 0.5, 1.0,
                                                  2.0)}}).to_dict())
@@ -473,6 +475,21 @@ def test_codebook_keys_set_the_key_rotation_and_version_5():
                                           r"but gives no centroids; add codebooks.2.key"):
         validate_for(cfg, info)
     assert _book_config().format_version == 4  # value codebooks alone stay version 4
+    first = KVConfig("wf", LayerKV(QuantSpec(4, "per-token"), QuantSpec(4, "per-token")),
+                     {0: LayerKV(), 1: LayerKV(key_format="q8_0", value_format="q8_0")},
+                     write_before_attention=True)
+    assert first.format_version == 5 and first.to_dict()["write_before_attention"] is True
+    with pytest.raises(ConfigError, match="write_before_attention needs KV config version 5"):
+        config_from_dict(first.to_dict() | {"version": 4})
+    assert "write_before_attention" not in _book_config().to_dict()
+    for bad, message in ((dict(default=LayerKV(QuantSpec(4, "per-token"), None, 16)),
+                          "default: write_before_attention codes every token at once"),
+                         (dict(layers={2: LayerKV(None, QuantSpec(4, "per-token"), 8)}),
+                          "layer 2: write_before_attention .* residual_tokens=8, allowed: 0"),
+                         (dict(mikv=MikvSettings(0.0, 4, "off")), "cannot be combined with 'mikv'"),
+                         (dict(write_before_attention=1), "allowed: true, false")):
+        with pytest.raises(ConfigError, match=message):
+            replace(first, **bad)
     normal = _book_config(default=LayerKV(QuantSpec(2, "per-channel", 32),
                                           CodebookSpec(2, "lloyd-max-normal"), 32), codebooks={})
     assert normal.format_version == 5  # the normal codebook is new in version 5

@@ -26,6 +26,7 @@ from kvlens.cache.layout import (
     shape_of,
 )
 from kvlens.config import PRESETS, KVConfig, LayerKV, MikvSettings, config_from_dict
+from kvlens.deploy import engine_config
 from kvlens.errors import ConfigError
 from kvlens.model.hooks import cache_argument_name
 from kvlens.quant import CodebookSpec, QuantSpec, RotationSpec
@@ -92,7 +93,8 @@ def _codebook_keys() -> KVConfig:
 
 CONFIGS = {name: _scaled(cfg) for name, cfg in PRESETS.items()} | {
     "mixed": _mixed(), "mixed-8bit": replace(_mixed(), name="mixed-8bit", scale_dtype="8bit"),
-    "codebook": _codebook(), "codebook-keys": _codebook_keys()}
+    "codebook": _codebook(), "codebook-keys": _codebook_keys(),
+    "vllm-turboquant": engine_config("vllm:turboquant_k3v4_nc", num_layers=3).config}
 
 
 def _shape(model) -> ModelShape:
@@ -151,7 +153,7 @@ def test_formula_bits_equal_held_bits_at_long_contexts(name):
     """Caches filled to 256, 1024 and 4096 tokens (real window of 32, chunked prefill) hold
     exactly the formula's bits; a left-padded batch of 2 too."""
     model = _model("gemma3")  # sliding (window 8) and global layers
-    config = _scaled(CONFIGS[name], 32) if not name.startswith(("mixed", "codebook")) \
+    config = _scaled(CONFIGS[name], 32) if not name.startswith(("mixed", "codebook", "vllm")) \
         else CONFIGS[name]
     shape = _shape(model)
     ids = torch.randint(3, 128, (2, 4096), generator=torch.Generator().manual_seed(2))

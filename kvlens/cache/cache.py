@@ -111,7 +111,8 @@ class CompressionSession:
                                           rotation=rotations.get(devices[idx]), session=self,
                                           gear=self.config.gear_for(idx),
                                           value_centroids=cents["value"],
-                                          key_centroids=cents["key"]))
+                                          key_centroids=cents["key"],
+                                          write_first=self.config.write_before_attention))
         return Cache(layers=layers)
 
     def _engine_layer(self, idx: int, window: int | None):

@@ -31,7 +31,9 @@ tensor the layer holds for ``memory_report``.
 layer, the side channel kvlens' attention function reads); the attention function then calls
 ``commit(query, colsum)`` which fits the online balancer (first call), accumulates attention,
 flushes and evicts. So prefill attention always sees exact K/V and the cache stores them
-compressed after.
+compressed after; except with ``KVConfig.write_before_attention`` (vLLM TurboQuant's order):
+after the cache's first forward, ``update()`` codes the new tokens at once, so the forward that
+brings them reads them back compressed.
 
 Pre-RoPE keys: the layer stores each held token's RoPE position (int32) and re-creates its
 (cos, sin) from the model's own RoPE frequencies (``kvlens.rope.RopeFrequencies``), checked
@@ -125,7 +127,7 @@ class CompressedLayer(DynamicLayer):
                  mikv: MikvSettings | None = None, balancer: torch.Tensor | None = None,
                  sliding_window: int | None = None, rotation: torch.Tensor | None = None,
                  session=None, gear=None, value_centroids: torch.Tensor | None = None,
-                 key_centroids: torch.Tensor | None = None):
+                 key_centroids: torch.Tensor | None = None, write_first: bool = False):
         super().__init__()
         self.is_initialized = False  # set by the base class from transformers 4.57 on, not 4.56
         self.setting = setting
@@ -195,6 +197,9 @@ class CompressedLayer(DynamicLayer):
                               "was given (build the cache with compressed_attention).")
         self.rope = None  # kvlens.rope.RopeFrequencies
         self.rope_options: list | None = None
+        # KVConfig.write_before_attention: after the first forward, code the new tokens before
+        # attending to them (needs no window and no MiKV set: validated by KVConfig)
+        self.write_first = write_first and bool(self.flush_every)
 
     # -- transformers interface -----------------------------------------------------------------
     def lazy_initialization(self, key_states, value_states, *args, **kwargs) -> None:
@@ -218,7 +223,12 @@ class CompressedLayer(DynamicLayer):
                           capacity=cap)
         if self.stores_pre_rope:
             self._record_positions(key_states.shape[0], t)
+        first = self.cumulative_length == 0
         self.cumulative_length += t
+        if self.write_first and not first:  # read back compressed by this forward's attention
+            n = layout.flush_count(self.n_res, self.setting.residual_tokens, self.flush_every)
+            if n:
+                self._flush(n)
         key_states = key_states.view_as(key_states)  # a fresh tensor object to tag
         setattr(key_states, LAYER_ATTR, self)
         return key_states, value_states

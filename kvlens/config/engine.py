@@ -30,7 +30,8 @@
   renormalising the decoded centroids (``CodebookSpec(renormalize=True)``); values min-max
   quantized per token (one fp16 scale and zero per vector, ``value_bits`` bits); the first and
   last ``TURBOQUANT_BOUNDARY`` layers (at most half the layers) kept in the model dtype, which
-  is why ``kvconfig`` needs the model's layer count. ``turboquant_k8v4`` (fp8 keys beside
+  is why ``kvconfig`` needs the model's layer count; a forward after the first reads its own
+  tokens back compressed (``KVConfig.write_before_attention``). ``turboquant_k8v4`` (fp8 keys beside
   integer values in one layer) is refused: a kvlens layer cannot store that pair. What is and
   is not simulated: docs/deploy/vllm.md.
 - transformers ``QuantizedCache`` (quanto backend, defaults ``QUANTO_DEFAULTS``): ``axis=0``
@@ -317,6 +318,7 @@ class TurboQuantSetting:
         return KVConfig(label, LayerKV(key, value),
                         {i: LayerKV() for i in self.boundary_layers(num_layers)},
                         fp_dtype="float16", scale_dtype="float16",
+                        write_before_attention=True,
                         description=f"vllm --kv-cache-dtype {self.dtype}")
 
 

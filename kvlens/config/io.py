@@ -27,6 +27,7 @@ writes them. The meaning of each field is ``kvlens.config.schema``. JSON form::
       "engine_attention": "llamacpp-cpu-fa" | "llamacpp-cpu-nofa"   # optional; version 4
       "codebooks": {"3": {"value": [c_0, ..., c_7]}}     # version 4, fitted centroids
                                                          # ("key": [...]: version 5)
+      "write_before_attention": true           # optional; version 5 (vLLM TurboQuant's order)
     }
 
 A value spec may be a codebook spec (version 4, ``kvlens.quant.codebook.CodebookSpec``; a key
@@ -56,7 +57,7 @@ _LAYER_KEYS = ("key", "value", "residual_tokens", "flush_tokens", "pre_rope_keys
                "rotate_keys", "rotate_values", "key_format", "value_format")
 _TOP_KEYS = ("format", "version", "name", "description", "default", "layers", "mikv", "gear",
              "balancers", "scale_dtype", "fp_dtype", "rotation_seed", "model", "kv_scales",
-             "engine_attention", "codebooks")
+             "engine_attention", "codebooks", "write_before_attention")
 _V2_LAYER_KEYS = ("key_format", "value_format")
 _MIKV_KEYS = ("heavy_fraction", "sink_tokens", "balancer", "balancer_exponent", "set_bits",
               "layers")
@@ -132,6 +133,8 @@ def config_from_dict(data: Any) -> KVConfig:
         raise ConfigError('codebook key specs, \'codebooks.<layer>.key\' and the '
                           '"lloyd-max-normal" codebook need KV config version 5; set '
                           '"version": 5.')
+    if version < 5 and "write_before_attention" in data:
+        raise ConfigError('write_before_attention needs KV config version 5; set "version": 5.')
     if version < 4 and (codebook or data.get("codebooks") is not None):
         raise ConfigError('codebook value specs and \'codebooks\' need KV config version 4; set '
                           '"version": 4.')
@@ -150,7 +153,8 @@ def config_from_dict(data: Any) -> KVConfig:
                     fp_dtype=data.get("fp_dtype", "float16"),
                     rotation_seed=data.get("rotation_seed"),
                     kv_scales=_kv_scales(data), gear=gear,
-                    engine_attention=data.get("engine_attention"), codebooks=_codebooks(data))
+                    engine_attention=data.get("engine_attention"), codebooks=_codebooks(data),
+                    write_before_attention=data.get("write_before_attention", False))
 
 
 def _no_unknown(data: Mapping, allowed: tuple[str, ...], where: str) -> None:

@@ -60,6 +60,12 @@ float16 values): fitted on a capture (``recommend``), not at prefill, so every r
 decodes with the same codebook; the cache holds them as float16 and counts them
 (``kvlens.cache.layout``). GEAR cannot be combined with codebook specs.
 
+``write_before_attention`` (version 5; default false): after a cache's first forward, each
+forward's new tokens are coded into the compressed store before it attends, so it reads them back
+compressed, as vLLM's TurboQuant backend does (flash attention over the raw K/V of a first
+prefill chunk, its decode kernel over the compressed cache after). Compressed layers then keep
+no residual window and there is no MiKV set (refused otherwise).
+
 ``key`` may be a ``CodebookSpec`` too (version 5): the same layout for keys, the codebook's
 rotation the layer's key rotation (``rotate_keys`` is set from it: the window stores ``k R`` and
 attention uses ``q R``), scores read as ``s_t * ((q R) . c[code_t])`` without a dequantized key
@@ -351,6 +357,8 @@ class KVConfig:
     # the engine arithmetic engine-format layers attend with (kvlens.quant.llamacpp_cpu
     # ENGINE_ATTENTIONS); None: the model's own float attention over the read-back K/V
     engine_attention: str | None = None
+    # vLLM TurboQuant's order: after the first forward, new tokens are coded before attention
+    write_before_attention: bool = False
     # fitted codebook centroids (float16 values, ascending): {layer: {"key"|"value": (c_0, ...)}}
     codebooks: Mapping[int, Mapping[str, tuple[float, ...]]] = field(default_factory=dict)
 
@@ -360,6 +368,11 @@ class KVConfig:
         if self.engine_attention is not None and self.engine_attention not in ENGINE_ATTENTIONS:
             raise ConfigError(f"Unknown engine_attention {self.engine_attention!r}; allowed: "
                               f"null (the model's attention), {', '.join(ENGINE_ATTENTIONS)}.")
+        if not isinstance(self.write_before_attention, bool):
+            raise ConfigError(f"Invalid write_before_attention {self.write_before_attention!r}; "
+                              "allowed: true, false.")
+        if self.write_before_attention:
+            self._check_write_first()
         if self.scale_dtype not in SCALE_DTYPES:
             raise ConfigError(f"Unknown scale_dtype {self.scale_dtype!r}; allowed: "
                               f"{', '.join(SCALE_DTYPES)}.")
@@ -403,6 +416,21 @@ class KVConfig:
                         self.gear.check_block(block, None, where)
 
         self._check_codebooks()
+
+    def _check_write_first(self) -> None:
+        """``write_before_attention`` codes each forward's tokens at once: no compressed layer
+        may keep a residual window (nothing would wait in it) or a MiKV set (chosen from the
+        attention the tokens receive before they are coded)."""
+        if self.mikv is not None:
+            raise ConfigError("write_before_attention cannot be combined with 'mikv' (its set is "
+                              "chosen from the attention tokens receive before they are coded); "
+                              "remove one of them.")
+        for idx, setting in [(None, self.default), *sorted(self.layers.items())]:
+            if setting.compressed and not setting.engine and setting.residual_tokens:
+                where = "default" if idx is None else f"layer {idx}"
+                raise ConfigError(f"{where}: write_before_attention codes every token at once, "
+                                  f"so a compressed layer keeps no residual window; got "
+                                  f"residual_tokens={setting.residual_tokens}, allowed: 0.")
 
     def _check_codebooks(self) -> None:
         """Rotation seeds of codebook layers, and the shape of ``codebooks`` (every entry for a
@@ -491,7 +519,8 @@ class KVConfig:
              if self.codebooks else {}) | ({"kv_scales": {str(i): {t: list(v) for t, v in s.items()}
                             for i, s in sorted(self.kv_scales.items())}}
              if self.kv_scales else {}) | ({"engine_attention": self.engine_attention}
-                                          if self.engine_attention else {})
+                                          if self.engine_attention else {}) | (
+            {"write_before_attention": True} if self.write_before_attention else {})
 
     @property
     def format_version(self) -> int:

@@ -94,10 +94,10 @@ def _llamacpp_notes(raw: str, s: LlamaCppSetting) -> tuple[str, ...]:
 
 
 TURBOQUANT_DIFFERENCES = (
-    "kvlens attends each chunk's own keys and values exact and reads earlier tokens from the "
-    "compressed cache (vLLM: exact only within a first prefill chunk; a decode step or a later "
-    "chunk reads its own tokens back compressed too); attention in the model's float "
-    "precision, not vLLM's Triton decode kernel. docs/deploy/vllm.md.")
+    "attention in the model's float precision over the coded cache, not vLLM's Triton decode "
+    "kernel (nor its fp16 dequantize-then-flash-attention path for chunks over 128 tokens); "
+    "as in vLLM, a first forward attends exact and every later one reads its own tokens back "
+    "compressed. docs/deploy/vllm.md.")
 
 
 def _turboquant(raw: str, s: TurboQuantSetting, num_layers: int | None) -> EngineSetting:
