@@ -52,7 +52,7 @@ from kvlens.cache.mixed import SetRows
 from kvlens.cache.packed import PackedTensor
 from kvlens.config import LayerKV, MikvSettings
 from kvlens.errors import ConfigError
-from kvlens.quant import fit_balancer
+from kvlens.quant import CodebookSpec, fit_balancer
 from kvlens.rope import RopeFrequencies, invert_rope
 
 LAYER_ATTR = "_kvlens_layer"
@@ -139,25 +139,11 @@ class CompressedLayer(DynamicLayer):
         # A sliding layer drops what its window hides (see commit); the model's sliding mask,
         # built over absolute positions from get_mask_sizes, hides the rest.
         self.is_sliding = sliding_window is not None
-        r = setting.residual_tokens
         self.flush_every = layout.flush_every(setting)  # 0 = never flush (nothing quantized)
         fp = _fp_dtype(fp_dtype)
-        if setting.key_codebook is not None:  # fitted: the config's centroids
-            self.kstore = CodebookStore.for_cache(setting.key, key_centroids, head_dim,
-                                                  self.flush_every)
-        elif setting.key is not None:
-            self.kstore = PackedTensor.create(setting.key, r, head_dim, scale_dtype,
-                                              setting.flush_tokens)
-        else:
-            self.kstore = DenseTensor(fp)
-        if setting.value_codebook is not None:  # fitted: the config's centroids
-            self.vstore = CodebookStore.for_cache(setting.value, value_centroids, head_dim,
-                                                  self.flush_every)
-        elif setting.value is not None:
-            self.vstore = PackedTensor.create(setting.value, r, head_dim, scale_dtype,
-                                              setting.flush_tokens)
-        else:
-            self.vstore = DenseTensor(fp)
+        self.kstore, self.vstore = (
+            self._store(spec, cents, head_dim, scale_dtype, fp)
+            for spec, cents in ((setting.key, key_centroids), (setting.value, value_centroids)))
         self.res_k, self.res_v = DenseTensor(fp, "window"), DenseTensor(fp, "window")
         self.fp_dtype = fp
         self.q_start = 0  # first packed position (a sliding layer evicts whole blocks)
@@ -200,6 +186,16 @@ class CompressedLayer(DynamicLayer):
         # KVConfig.write_before_attention: after the first forward, code the new tokens before
         # attending to them (needs no window and no MiKV set: validated by KVConfig)
         self.write_first = write_first and bool(self.flush_every)
+
+    def _store(self, spec, centroids, head_dim: int, scale_dtype: str, fp):
+        """The history store of one tensor: codebook codes (fitted: the config's ``centroids``),
+        packed uniform codes, or full precision at ``fp`` when ``spec`` is ``None``."""
+        if isinstance(spec, CodebookSpec):
+            return CodebookStore.for_cache(spec, centroids, head_dim, self.flush_every)
+        if spec is not None:
+            return PackedTensor.create(spec, self.setting.residual_tokens, head_dim, scale_dtype,
+                                       self.setting.flush_tokens)
+        return DenseTensor(fp)
 
     # -- transformers interface -----------------------------------------------------------------
     def lazy_initialization(self, key_states, value_states, *args, **kwargs) -> None:
