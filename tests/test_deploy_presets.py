@@ -232,6 +232,51 @@ def test_vllm_turboquant_settings_code_keys_with_a_codebook(name, kbits, vbits):
     assert "vllm:T (T: turboquant_4bit_nc" in allowed_settings()
 
 
+def _vllm_turboquant_reference(k, v, key_bits, value_bits):
+    """vLLM's turboquant_*_nc store and decode written out from its source's formulas
+    (docs/deploy/vllm.md), independently of kvlens: ``y = k / (|k| + 1e-8) H`` with the
+    normalised Sylvester Hadamard ``H``, codes against the midpoints of the Lloyd-Max centroids
+    of N(0, 1/D), fp16 norm, decoded centroids renormalised; values min-max per token,
+    ``floor((v - min) / scale + 0.5)``, fp16 scale and min."""
+    from kvlens.quant.codebook import lloyd_max
+
+    d = k.shape[-1]
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    h = h / d ** 0.5
+    cents = lloyd_max(key_bits, None).centroids / d ** 0.5  # N(0, 1/D)
+    norm = k.norm(dim=-1, keepdim=True)
+    y = (k / (norm + 1e-8)) @ h
+    c = cents[torch.bucketize(y, (cents[1:] + cents[:-1]) / 2)]
+    k_hat = (norm.half().float() * c / c.norm(dim=-1, keepdim=True)) @ h
+    lo, hi = v.amin(-1, keepdim=True), v.amax(-1, keepdim=True)
+    scale = ((hi - lo) / (2 ** value_bits - 1)).clamp_min(1e-8)
+    code = torch.floor((v - lo) / scale + 0.5).clamp(0, 2 ** value_bits - 1)
+    return k_hat, code * scale.half().float() + lo.half().float()
+
+
+@pytest.mark.parametrize("name,kbits,vbits,d", [("vllm:turboquant_4bit_nc", 4, 4, 64),
+                                                 ("vllm:turboquant_3bit_nc", 3, 3, 256)])
+def test_vllm_turboquant_codes_what_vllms_formulas_give(name, kbits, vbits, d):
+    """The config's key and value specs, through kvlens's reference quantizers (values with
+    their scale and zero rounded to fp16, as the cache stores them), give back what vLLM's
+    store-and-decode formulas give."""
+    from kvlens.quant import QTensor, dequantize, fake_quantize_codebook, quantize
+
+    torch.manual_seed(d)
+    k = torch.randn(2, 3, 40, d) * torch.rand(1, 1, 40, 1) * 4
+    v = torch.randn(2, 3, 40, d) + torch.rand(1, 1, 40, 1)
+    layer = engine_config(name, num_layers=30).config.default
+    q = quantize(v, layer.value)
+    v_hat = dequantize(QTensor(q.codes, q.scale.half().float(), q.zero.half().float(),
+                               layer.value, q.shape))
+    k_ref, v_ref = _vllm_turboquant_reference(k, v, kbits, vbits)
+    torch.testing.assert_close(fake_quantize_codebook(k, layer.key), k_ref, rtol=1e-4,
+                               atol=1e-4)
+    torch.testing.assert_close(v_hat, v_ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture
 def patched_model(monkeypatch, smollm2):
     import kvlens.model.load
