@@ -268,4 +268,6 @@ def test_generate_compare_vllm_turboquant(tiny_model_dir):
     for r in (tq4, tq3):
         assert 0 < r["kld"]["mean_kld"]["value"] < 1
     assert "resolved when the model is loaded" in result.stderr  # noted before the load
+    assert "vllm:turboquant_3bit_nc: layers kept exact for this 3-layer model: 0, 2" in \
+        result.stderr
     assert "vllm:turboquant_4bit_nc: keys 4-bit Lloyd-Max codes" in result.stderr

@@ -148,7 +148,8 @@ def generate(
                                       device_map=device_map, max_memory=max_memory,
                                       offload_folder=str(offload_folder) if offload_folder
                                       else None)
-        configs.for_model(describe(mdl).num_layers)
+        for line in configs.for_model(describe(mdl).num_layers):
+            err_console.print(f"note: {escape(line)}", highlight=False)
         placement = placement_summary(mdl)
         err_console.print(f"weights: {format_bytes_by_device(placement['weights_by_device'])}")
         types, notes = llamacpp_matmul_plan(configs, source, mdl)
@@ -277,16 +278,21 @@ class _Configs(list):
             self.per_model = (*self.per_model, (setting.config, name))
         return setting.config
 
-    def for_model(self, num_layers: int) -> None:
+    def for_model(self, num_layers: int) -> list[str]:
         """Rebuild the configs of settings that depend on the model's layer count (vLLM
-        TurboQuant's boundary layers), in place."""
+        TurboQuant's boundary layers), in place; returns a line per rebuilt setting."""
         from kvlens.deploy import engine_config
 
+        lines = []
         for config, name in self.per_model:
+            built = engine_config(name, num_layers=num_layers).config
             for i, c in enumerate(self):
                 if c is config:
-                    self[i] = engine_config(name, num_layers=num_layers).config
+                    self[i] = built
+            exact = ", ".join(map(str, sorted(built.layers))) or "none"
+            lines.append(f"{name}: layers kept exact for this {num_layers}-layer model: {exact}")
         self.per_model = ()
+        return lines
 
 
 def _render(results, opts) -> None:
