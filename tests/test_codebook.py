@@ -15,6 +15,7 @@ from kvlens.quant.codebook import (
     CodebookSpec,
     CodebookTensor,
     codebook_for,
+    computed_codebook,
     dequantize_codebook,
     fake_quantize_codebook,
     fit_codebook,
@@ -50,6 +51,22 @@ def test_lloyd_max_gaussian_matches_max_table(bits):
     pdf = torch.exp(-z * z / 2) / math.sqrt(2 * math.pi)
     err = (z - cb.decode(cb.encode(z)).double()) ** 2
     assert float(torch.trapezoid(err * pdf, z)) == pytest.approx(mse, rel=2e-3)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 256])
+def test_lloyd_max_normal_is_the_gaussian_codebook_for_every_head_dim(head_dim):
+    """``"lloyd-max-normal"`` (vLLM TurboQuant's centroids, Lloyd-Max for N(0, 1/D) in
+    unit-variance coordinates) is Max's N(0, 1) quantizer whatever ``D``, stores nothing, and
+    differs from the sphere-density ``"lloyd-max"`` codebook, most at small ``D``."""
+    spec = CodebookSpec(3, "lloyd-max-normal")
+    book = computed_codebook(spec, head_dim)
+    assert not spec.fitted and spec.held_bytes(10, head_dim) == 10 * (3 * head_dim // 8 + 2)
+    assert book.centroids[4:].tolist() == pytest.approx(MAX_TABLE[3][0], abs=2e-3)
+    sphere = computed_codebook(CodebookSpec(3), head_dim).centroids
+    assert float((sphere - book.centroids).abs().max()) > 1e-3  # not the same codebook
+    assert codebook_for(torch.randn(1, 1, 4, head_dim), spec) is book
+    with pytest.raises(InputError, match="fitted on data"):
+        computed_codebook(CodebookSpec(3, "fitted"), head_dim)
 
 
 @pytest.mark.parametrize("bits,head_dim", [(2, 64), (3, 64), (3, 256), (4, 16)])
@@ -233,7 +250,7 @@ def test_spec_validation_and_json():
         CodebookSpec(9)
     with pytest.raises(ConfigError, match="allowed: integers 1-8"):
         CodebookSpec(True)
-    with pytest.raises(ConfigError, match="allowed: lloyd-max, fitted, weighted"):
+    with pytest.raises(ConfigError, match="allowed: lloyd-max, lloyd-max-normal, fitted, weighted"):
         CodebookSpec(3, "kmeans")
     with pytest.raises(ConfigError, match="RotationSpec or None"):
         CodebookSpec(3, rotation="hadamard")

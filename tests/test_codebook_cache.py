@@ -14,7 +14,7 @@ from kvlens.cache.codebook import CodebookStore, codebook_attention
 from kvlens.cache.layer import CompressedLayer
 from kvlens.cache.torch_read import packed_attention
 from kvlens.config import LayerKV, MikvSettings
-from kvlens.errors import InputError
+from kvlens.errors import ConfigError, InputError
 from kvlens.quant import QuantSpec, fake_quantize_codebook, hadamard_rotation, packed_length
 from kvlens.quant.codebook import CodebookSpec, codebook_for, lloyd_max
 from kvlens.quant.rotation import RotationSpec
@@ -147,6 +147,101 @@ def test_cache_layer_codebook_values_equal_reference(bits, fitted, renorm, flush
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("bits,fitted,renorm,r,flush,total,d,vbook", [
+    (3, False, True, 0, 0, 37, 32, False),   # turboquant_k3v4_nc's layout: no window
+    (4, False, True, 0, 0, 53, 24, True),    # odd head_dim (Hadamard blocks of 8), codebook V
+    (2, True, False, 16, 8, 70, 32, False),  # fitted keys, sliding block
+    (3, True, True, 32, 0, 81, 24, True),    # whole-window flushes, both tensors coded
+])
+def test_cache_layer_codebook_keys_equal_reference(bits, fitted, renorm, r, flush, total, d,
+                                                   vbook):
+    """A CompressedLayer storing codebook keys (rotated window, packed codes + norms, scores
+    from the rotated query times the centroid lookups times each key's scale) beside uniform
+    per-token or codebook values, prefilled then decoded token by token, batch 2 with row 1
+    left-padded, GQA 6/2: its attention equals "rotate, code the keys with the reference
+    quantizer, un-rotate, attend" with the window exact."""
+    torch.manual_seed(total + bits)
+    b, hq, hkv = 2, 6, 2
+    rot = hadamard_rotation(d, 7)
+    kind = "fitted" if fitted else "lloyd-max"
+    kspec = CodebookSpec(bits, kind, RotationSpec(7), renormalize=renorm)
+    vspec = CodebookSpec(3, rotation=RotationSpec(7)) if vbook else QuantSpec(4, "per-token")
+    k = torch.randn(b, hkv, total, d) * torch.rand(1, 1, total, 1) * 3
+    k[:, :, 0] *= 20  # an outlier token (the attention sink of real keys)
+    v = torch.randn(b, hkv, total, d)
+    book = codebook_for(k, kspec) if fitted else None
+    cents = None if book is None else book.centroids.half().float()
+    setting = LayerKV(kspec, vspec, residual_tokens=r, flush_tokens=flush)
+    assert setting.rotate_keys and setting.rotate_values == vbook
+    layer = CompressedLayer(setting, 0, d, rotation=rot, session=stub_session(),
+                            key_centroids=cents)
+    seen = total - 1
+    layer.update(k[:, :, :19], v[:, :, :19])
+    layer.commit(torch.randn(b, hq, 19, d), None)
+    for t in range(19, seen):
+        layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        layer.commit(torch.randn(b, hq, 1, d), None)
+    n_q = layer.quantized_length
+    assert n_q > 0 and (layer.n_res > 0) == (r > 0)
+    parts = dict(layer.named_tensors())
+    assert parts["codes"].shape[:3] == (b, hkv, n_q) and parts["norms"].dtype == torch.float16
+    assert ("codebooks" in parts) == fitted
+    kr = (k[:, :, :seen] @ rot).half().float()  # the fp16 window of k R the blocks come from
+    ref_book = None if book is None else replace(book, centroids=cents)
+    coded = fake_quantize_codebook(kr[:, :, :n_q], replace(kspec, rotation=None), ref_book)
+    keys = torch.cat((coded, kr[:, :, n_q:]), 2) @ rot.T
+    if vbook:
+        vr = (v[:, :, :seen] @ rot).half().float()
+        vc = fake_quantize_codebook(vr[:, :, :n_q], replace(vspec, rotation=None))
+        values = torch.cat((vc, vr[:, :, n_q:]), 2) @ rot.T
+    else:
+        values = stored_view(v[:, :, :seen], vspec, flush or r or 1, n_q)
+    mask = torch.ones(b, 1, 1, seen, dtype=torch.bool)
+    mask[1, ..., :5] = False
+    q = torch.randn(b, hq, 1, d)
+    out, _ = packed_attention(layer.to_stored_basis(q, True), layer, mask, d ** -0.5,
+                              chunk_tokens=16)
+    out = layer.from_stored_basis(out)
+    torch.testing.assert_close(out, reference_attention(q, keys, values, mask),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_write_first_reads_a_forwards_own_tokens_compressed():
+    """``write_first`` (KVConfig.write_before_attention, vLLM TurboQuant's order): the first
+    forward attends exact and codes its tokens after; every later forward codes its tokens
+    before attending, so its own keys and values are read back compressed."""
+    torch.manual_seed(3)
+    b, hq, hkv, d = 2, 4, 2, 16
+    rot = hadamard_rotation(d, None)
+    kspec = CodebookSpec(3, "lloyd-max-normal", RotationSpec(), renormalize=True)
+    vspec = QuantSpec(4, "per-token")
+    layer = CompressedLayer(LayerKV(kspec, vspec), 0, d, rotation=rot, session=stub_session(),
+                            write_first=True)
+    k, v = torch.randn(b, hkv, 24, d), torch.randn(b, hkv, 24, d)
+    layer.update(k[:, :, :20], v[:, :, :20])
+    assert layer.quantized_length == 0 and layer.n_res == 20  # the first forward: exact
+    layer.commit(torch.randn(b, hq, 20, d), None)
+    assert layer.quantized_length == 20 and layer.n_res == 0
+    layer.update(k[:, :, 20:23], v[:, :, 20:23])  # a later forward: coded before attention
+    assert layer.quantized_length == 23 and layer.n_res == 0
+    kr = (k[:, :, :23] @ rot).half().float()
+    keys = fake_quantize_codebook(kr, replace(kspec, rotation=None)) @ rot.T
+    values = stored_view(v[:, :, :23], vspec, 1, 23)
+    q = torch.randn(b, hq, 3, d)
+    mask = torch.ones(23, 23, dtype=torch.bool).tril()[None, None, 20:].expand(b, 1, 3, 23)
+    out, _ = packed_attention(layer.to_stored_basis(q, True), layer, None, d ** -0.5)
+    torch.testing.assert_close(out, reference_attention(q, keys, values, mask),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_codebook_keys_refused_with_pre_rope_keys_and_unrotated_flags():
+    with pytest.raises(ConfigError, match="pre_rope_keys"):
+        LayerKV(CodebookSpec(3), QuantSpec(4, "per-token"), pre_rope_keys=True)
+    with pytest.raises(ConfigError, match="rotate_keys is set but the codebook key spec"):
+        LayerKV(CodebookSpec(3, rotation=None), QuantSpec(4, "per-token"), rotate_keys=True)
+    assert not LayerKV(CodebookSpec(3, rotation=None), QuantSpec(4, "per-token")).rotate_keys
+
+
 def test_cache_store_drops_whole_blocks_and_selects_batch_rows():
     spec = CodebookSpec(2)
     store = CodebookStore.for_cache(spec, None, 16, block=4)
@@ -170,5 +265,7 @@ def test_codebook_layers_say_they_are_torch_only():
 
     setting = LayerKV(QuantSpec(2, "per-channel", 32), CodebookSpec(3, "lloyd-max"), 32)
     assert "codebook values (torch path only" in kernel_layout_problem(setting, 64)
+    keys = LayerKV(CodebookSpec(3, "lloyd-max"), QuantSpec(4, "per-token"), 0)
+    assert "codebook keys (torch path only" in kernel_layout_problem(keys, 64)
     uniform = LayerKV(QuantSpec(2, "per-channel", 32), QuantSpec(2, "per-token", 32), 32)
     assert kernel_layout_problem(uniform, 64) is None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -63,6 +64,15 @@ def _valid_configs() -> list[dict]:
                          2: LayerKV(spec, spec, 32)}, rotation_seed=2,
                         mikv=MikvSettings(0.0, 4, "off"),
                         codebooks={0: {"value": (-2.0, -1.0, -0.5, -0.125, 0.125, 0.5, 1.0,
+                                                 2.0)}}).to_dict())
+    kbook = CodebookSpec(2, "fitted", RotationSpec(2))
+    out.append(KVConfig("codebook-keys", LayerKV(CodebookSpec(3, renormalize=True, rotation=(
+        RotationSpec(2))), QuantSpec(4, "per-token")),
+                        {0: LayerKV(key_format="f16", value_format="f16"),
+                         1: LayerKV(kbook, book)}, rotation_seed=2,
+                        write_before_attention=True,
+                        codebooks={1: {"key": (-1.5, -0.5, 0.5, 1.5),
+                                       "value": (-2.0, -1.0, -0.5, -0.125, 0.125, 0.5, 1.0,
                                                  2.0)}}).to_dict())
     return [json.loads(json.dumps(d)) for d in out]
 
@@ -393,7 +403,7 @@ def _book_config(**kw) -> KVConfig:
 
 
 @pytest.mark.parametrize("make,message", [
-    (lambda: LayerKV(CodebookSpec(2), None, 32), "not a key layout"),
+    (lambda: LayerKV(CodebookSpec(2), None, 32, pre_rope_keys=True), "pre_rope_keys"),
     (lambda: LayerKV(None, CodebookSpec(2, rotation=None), 32, rotate_values=True),
      "has no rotation"),
     (lambda: _book_config(gear=GearSettings()), "gear cannot be combined with a codebook"),
@@ -401,7 +411,14 @@ def _book_config(**kw) -> KVConfig:
                                             "rotation_seed 3"),
     (lambda: _book_config(codebooks={0: {"value": (1.0, 0.0, 2.0, 3.0)}}), "ascending"),
     (lambda: _book_config(codebooks={0: {"value": (0.0, 1.0)}}), "4 finite ascending"),
-    (lambda: _book_config(codebooks={0: {"key": BOOK2["value"]}}), "unknown tensor 'key'"),
+    (lambda: _book_config(codebooks={0: {"key": BOOK2["value"]}}),
+     "layer 0 does not store its keys with a fitted codebook"),
+    (lambda: _book_config(codebooks={0: {"query": BOOK2["value"]}}), "unknown tensor 'query'"),
+    (lambda: _book_config(default=LayerKV(CodebookSpec(2, rotation=RotationSpec(1)),
+                                          CodebookSpec(2, "fitted"), 32)),
+     "the key codebook's rotation seed 1 is not the config's rotation_seed None"),
+    (lambda: _book_config(default=LayerKV(CodebookSpec(2), None, 32), gear=GearSettings(),
+                          codebooks={}), "gear cannot be combined with a codebook"),
     (lambda: _book_config(layers={1: LayerKV(QuantSpec(2, "per-channel", 32),
                                              CodebookSpec(2), 32)}),
      "layer 1 does not store its values with a fitted codebook"),
@@ -432,3 +449,50 @@ def test_codebook_value_sets_the_value_rotation_and_version_4():
     odd = SimpleNamespace(**(vars(info) | {"head_dim": 63}))
     with pytest.raises(ConfigError, match="No Hadamard rotation for head_dim 63"):
         validate_for(_book_config(codebooks={i: BOOK2 for i in range(3)}), odd)
+
+
+def test_codebook_keys_set_the_key_rotation_and_version_5():
+    """Codebook keys (version 5): the key rotation follows the codebook, a file of an older
+    version is refused naming version 5, fitted key centroids are required against the model,
+    and configs of versions 1-4 still read (``test_valid_configs_round_trip``) and are still
+    written at their own version."""
+    keys = CodebookSpec(3, "fitted")
+    cfg = KVConfig("ck", LayerKV(keys, QuantSpec(4, "per-token")),
+                   codebooks={i: {"key": tuple(range(8))} for i in (0, 1)})
+    assert cfg.default.rotate_keys and cfg.default.key_codebook == keys
+    assert cfg.format_version == 5 and cfg.centroids_for(1, "key") == tuple(range(8))
+    assert cfg.centroids_for(1) is None  # values have none
+    doc = cfg.to_dict()
+    for version in (1, 2, 3, 4):
+        with pytest.raises(ConfigError, match="need KV config version 5"):
+            config_from_dict(doc | {"version": version})
+    with pytest.raises(ConfigError, match="need KV config version 5"):  # centroids alone
+        config_from_dict(_book_config().to_dict() | {"codebooks": {"0": {
+            "value": [-1.5, -0.5, 0.5, 1.5], "key": [-1.5, -0.5, 0.5, 1.5]}}})
+    info = SimpleNamespace(num_layers=3, head_dim=64, num_key_value_heads=2, declares_rope=True,
+                           architecture="Synthetic")
+    with pytest.raises(ConfigError, match=r"layer 2 stores keys with a fitted 3-bit codebook "
+                                          r"but gives no centroids; add codebooks.2.key"):
+        validate_for(cfg, info)
+    assert _book_config().format_version == 4  # value codebooks alone stay version 4
+    first = KVConfig("wf", LayerKV(QuantSpec(4, "per-token"), QuantSpec(4, "per-token")),
+                     {0: LayerKV(), 1: LayerKV(key_format="q8_0", value_format="q8_0")},
+                     write_before_attention=True)
+    assert first.format_version == 5 and first.to_dict()["write_before_attention"] is True
+    with pytest.raises(ConfigError, match="write_before_attention needs KV config version 5"):
+        config_from_dict(first.to_dict() | {"version": 4})
+    assert "write_before_attention" not in _book_config().to_dict()
+    for bad, message in ((dict(default=LayerKV(QuantSpec(4, "per-token"), None, 16)),
+                          "default: write_before_attention codes every token at once"),
+                         (dict(layers={2: LayerKV(None, QuantSpec(4, "per-token"), 8)}),
+                          "layer 2: write_before_attention .* residual_tokens=8, allowed: 0"),
+                         (dict(mikv=MikvSettings(0.0, 4, "off")), "cannot be combined with 'mikv'"),
+                         (dict(write_before_attention=1), "allowed: true, false")):
+        with pytest.raises(ConfigError, match=message):
+            replace(first, **bad)
+    normal = _book_config(default=LayerKV(QuantSpec(2, "per-channel", 32),
+                                          CodebookSpec(2, "lloyd-max-normal"), 32), codebooks={})
+    assert normal.format_version == 5  # the normal codebook is new in version 5
+    with pytest.raises(ConfigError, match="need KV config version 5"):
+        config_from_dict(normal.to_dict() | {"version": 4})
+    assert {d["version"] for d in VALID if d["name"] == "codebook"} == {4}

@@ -22,16 +22,20 @@ from kvlens.config.engine import (
     QUANTO_BITS,
     SGLANG_DTYPES,
     STATIC_FP8_DTYPES,
+    TURBOQUANT_TYPES,
     CacheDtypeSetting,
     LlamaCppSetting,
     QuantoSetting,
+    TurboQuantSetting,
+    allowed_settings,
+    measured_cache_type,
     parse_engine_setting,
     setting_for_cache_type,
     split_setting_list,
 )
 from kvlens.deploy import engine_config, is_engine_setting
 from kvlens.errors import ConfigError
-from kvlens.quant import QuantSpec
+from kvlens.quant import CodebookSpec, QuantSpec, RotationSpec
 
 runner = CliRunner()
 
@@ -134,6 +138,10 @@ def test_transformers_quanto_maps_to_kvlens_layouts():
     ("transformers:quanto-4:axis_key=1", "0 or -1"),
     ("transformers:quanto-4:nbits=4", "allowed: axis_key"),
     ("vllm:fp8_e4m3@head", "--calibration run.h5"),
+    ("vllm:turboquant_k8v4", "turboquant_k8v4 is not simulated: it stores fp8 keys"),
+    ("vllm:turboquant_2bit", "turboquant_4bit_nc, turboquant_k3v4_nc, turboquant_3bit_nc"),
+    ("vllm:turboquant_4bit_nc:skip=1", "TurboQuant dtypes take no options"),
+    ("sglang:turboquant_4bit_nc", "fp8_e4m3, fp8_e5m2"),
 ])
 def test_bad_settings_name_the_allowed_values(name, message):
     assert is_engine_setting(name)
@@ -152,6 +160,7 @@ SETTINGS = st.one_of(
     st.builds(CacheDtypeSetting, st.sampled_from(["vllm", "sglang"]),
               st.sampled_from(SGLANG_DTYPES), fixed_scale=st.floats(1e-6, 1e6)),
     st.builds(CacheDtypeSetting, st.just("vllm"), st.sampled_from(sorted(PER_TOKEN_HEAD))),
+    st.builds(TurboQuantSetting, st.sampled_from(TURBOQUANT_TYPES)),
     st.builds(QuantoSetting, st.sampled_from(QUANTO_BITS), st.sampled_from(QUANTO_AXES),
               st.sampled_from(QUANTO_AXES), st.integers(1, 256), st.integers(0, 512)),
 )
@@ -193,6 +202,79 @@ def test_vllm_fixed_scales_and_the_cache_types_they_store():
     assert setting_for_cache_type("q4_0+norot").name == "llamacpp:q4_0/q4_0:norot"
     assert split_setting_list("vllm:fp8:skip=0,2,q8_0.json,3") == [
         "vllm:fp8:skip=0,2", "q8_0.json", "3"]
+
+
+@pytest.mark.parametrize("name,kbits,vbits", [("vllm:turboquant_4bit_nc", 4, 4),
+                                               ("vllm:turboquant_k3v4_nc", 3, 4),
+                                               ("vllm:TurboQuant_3bit_nc", 3, 3)])
+def test_vllm_turboquant_settings_code_keys_with_a_codebook(name, kbits, vbits):
+    """vLLM's TQ_PRESETS: Lloyd-Max keys after a plain Hadamard rotation with renormalised
+    centroids (norm correction) and an fp16 norm, per-token min-max values (one scale and zero
+    per vector), no window, and the first and last two layers (at most half of them) exact."""
+    s = engine_config(name, num_layers=30)
+    cfg = s.config
+    assert s.per_model and s.engine == "vllm" and cfg.name == name
+    assert cfg.default.key == CodebookSpec(kbits, "lloyd-max-normal", RotationSpec(),
+                                          renormalize=True)
+    assert cfg.default.value == QuantSpec(vbits, "per-token") and cfg.default.rotate_keys
+    assert not cfg.default.rotate_values and cfg.default.residual_tokens == 0
+    assert cfg.scale_dtype == "float16" and cfg.fp_dtype == "float16" and cfg.mikv is None
+    assert cfg.write_before_attention  # a forward after the first reads its tokens compressed
+    assert sorted(cfg.layers) == [0, 1, 28, 29]
+    assert all(not lk.compressed for lk in cfg.layers.values())
+    assert sorted(engine_config(name, num_layers=3).config.layers) == [0, 2]
+    assert engine_config(name, num_layers=1).config.layers == {}
+    assert engine_config(name).config.layers == {}  # resolved once the model is known
+    assert "first and last 2 layers exact (layers 0, 1, 28, 29)" in s.notes[0]
+    assert "Triton decode kernel" in s.notes[0] and cfg.format_version == 5
+    with pytest.raises(ConfigError, match="not one cache type"):
+        measured_cache_type(parse_engine_setting(name))
+    assert "vllm:T (T: turboquant_4bit_nc" in allowed_settings()
+
+
+def _vllm_turboquant_reference(k, v, key_bits, value_bits):
+    """vLLM's turboquant_*_nc store and decode written out from its source's formulas
+    (docs/deploy/vllm.md), independently of kvlens: ``y = k / (|k| + 1e-8) H`` with the
+    normalised Sylvester Hadamard ``H``, codes against the midpoints of the Lloyd-Max centroids
+    of N(0, 1/D), fp16 norm, decoded centroids renormalised; values min-max per token,
+    ``floor((v - min) / scale + 0.5)``, fp16 scale and min."""
+    from kvlens.quant.codebook import lloyd_max
+
+    d = k.shape[-1]
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    h = h / d ** 0.5
+    cents = lloyd_max(key_bits, None).centroids / d ** 0.5  # N(0, 1/D)
+    norm = k.norm(dim=-1, keepdim=True)
+    y = (k / (norm + 1e-8)) @ h
+    c = cents[torch.bucketize(y, (cents[1:] + cents[:-1]) / 2)]
+    k_hat = (norm.half().float() * c / c.norm(dim=-1, keepdim=True)) @ h
+    lo, hi = v.amin(-1, keepdim=True), v.amax(-1, keepdim=True)
+    scale = ((hi - lo) / (2 ** value_bits - 1)).clamp_min(1e-8)
+    code = torch.floor((v - lo) / scale + 0.5).clamp(0, 2 ** value_bits - 1)
+    return k_hat, code * scale.half().float() + lo.half().float()
+
+
+@pytest.mark.parametrize("name,kbits,vbits,d", [("vllm:turboquant_4bit_nc", 4, 4, 64),
+                                                 ("vllm:turboquant_3bit_nc", 3, 3, 256)])
+def test_vllm_turboquant_codes_what_vllms_formulas_give(name, kbits, vbits, d):
+    """The config's key and value specs, through kvlens's reference quantizers (values with
+    their scale and zero rounded to fp16, as the cache stores them), give back what vLLM's
+    store-and-decode formulas give."""
+    from kvlens.quant import QTensor, dequantize, fake_quantize_codebook, quantize
+
+    torch.manual_seed(d)
+    k = torch.randn(2, 3, 40, d) * torch.rand(1, 1, 40, 1) * 4
+    v = torch.randn(2, 3, 40, d) + torch.rand(1, 1, 40, 1)
+    layer = engine_config(name, num_layers=30).config.default
+    q = quantize(v, layer.value)
+    v_hat = dequantize(QTensor(q.codes, q.scale.half().float(), q.zero.half().float(),
+                               layer.value, q.shape))
+    k_ref, v_ref = _vllm_turboquant_reference(k, v, kbits, vbits)
+    torch.testing.assert_close(fake_quantize_codebook(k, layer.key), k_ref, rtol=1e-4,
+                               atol=1e-4)
+    torch.testing.assert_close(v_hat, v_ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ from kvlens.cache.layout import (
     shape_of,
 )
 from kvlens.config import PRESETS, KVConfig, LayerKV, MikvSettings, config_from_dict
+from kvlens.deploy import engine_config
 from kvlens.errors import ConfigError
 from kvlens.model.hooks import cache_argument_name
 from kvlens.quant import CodebookSpec, QuantSpec, RotationSpec
@@ -75,9 +76,25 @@ def _codebook() -> KVConfig:
                     rotation_seed=3, codebooks={0: {"value": BOOK3}, 2: {"value": BOOK3}})
 
 
+def _codebook_keys() -> KVConfig:
+    """Codebook keys: vLLM turboquant's layout (Lloyd-Max keys renormalised, 4-bit per-token
+    values, no window) by default; layer 1 fitted keys and values (centroids in the config) with
+    a window and a sliding block; layer 2 kept exact at fp_dtype (turboquant's boundary
+    layers)."""
+    s = QuantSpec
+    rot = RotationSpec(3)
+    default = LayerKV(CodebookSpec(3, rotation=rot, renormalize=True), s(4, "per-token"))
+    layers = {1: LayerKV(CodebookSpec(2, "fitted", rot), CodebookSpec(3, "fitted", rot), R,
+                         flush_tokens=8),
+              2: LayerKV()}
+    return KVConfig("codebook-keys", default, layers, rotation_seed=3,
+                    codebooks={1: {"key": (-1.5, -0.5, 0.5, 1.5), "value": BOOK3}})
+
+
 CONFIGS = {name: _scaled(cfg) for name, cfg in PRESETS.items()} | {
     "mixed": _mixed(), "mixed-8bit": replace(_mixed(), name="mixed-8bit", scale_dtype="8bit"),
-    "codebook": _codebook()}
+    "codebook": _codebook(), "codebook-keys": _codebook_keys(),
+    "vllm-turboquant": engine_config("vllm:turboquant_k3v4_nc", num_layers=3).config}
 
 
 def _shape(model) -> ModelShape:
@@ -136,7 +153,7 @@ def test_formula_bits_equal_held_bits_at_long_contexts(name):
     """Caches filled to 256, 1024 and 4096 tokens (real window of 32, chunked prefill) hold
     exactly the formula's bits; a left-padded batch of 2 too."""
     model = _model("gemma3")  # sliding (window 8) and global layers
-    config = _scaled(CONFIGS[name], 32) if not name.startswith(("mixed", "codebook")) \
+    config = _scaled(CONFIGS[name], 32) if not name.startswith(("mixed", "codebook", "vllm")) \
         else CONFIGS[name]
     shape = _shape(model)
     ids = torch.randint(3, 128, (2, 4096), generator=torch.Generator().manual_seed(2))

@@ -99,9 +99,10 @@ class CompressionSession:
                 bal = torch.tensor(bal, dtype=torch.float32, device=devices[idx])
             else:
                 bal = None
-            cents = self.config.centroids_for(idx)
-            if cents is not None:
-                cents = torch.tensor(cents, dtype=torch.float32, device=devices[idx])
+            cents = {t: self.config.centroids_for(idx, t) for t in ("key", "value")}
+            cents = {t: None if c is None else torch.tensor(c, dtype=torch.float32,
+                                                           device=devices[idx])
+                     for t, c in cents.items()}
             layers.append(CompressedLayer(self.config.layer(idx), idx, self.info.head_dim,
                                           scale_dtype=self.config.scale_dtype,
                                           fp_dtype=self.config.fp_dtype,
@@ -109,7 +110,9 @@ class CompressionSession:
                                           balancer=bal, sliding_window=windows[idx],
                                           rotation=rotations.get(devices[idx]), session=self,
                                           gear=self.config.gear_for(idx),
-                                          value_centroids=cents))
+                                          value_centroids=cents["value"],
+                                          key_centroids=cents["key"],
+                                          write_first=self.config.write_before_attention))
         return Cache(layers=layers)
 
     def _engine_layer(self, idx: int, window: int | None):

@@ -7,15 +7,15 @@ layer's codebook (``2^bits`` float16 centroids when fitted; a Lloyd-Max codebook
 from ``bits`` and ``D`` and holds no bytes). ``held_bytes()`` counts the tensors the store really
 holds; ``CodebookSpec.held_bytes`` predicts them (tested equal).
 
-In the compressed cache (``kvlens.cache.layer``, a ``KVConfig`` value spec) the store is the
-layer's value history: it has the ``PackedTensor`` interface the layer streams through
+In the compressed cache (``kvlens.cache.layer``, a ``KVConfig`` key or value spec) the store is
+the layer's key or value history: it has the ``PackedTensor`` interface the layer streams through
 (``block``, ``append``, ``drop_front``, ``dequantize_range``, ``named_tensors`` by
 ``kvlens.cache.layout`` part: ``codes``, ``norms``, ``codebooks``) and ``value_out`` for the
 torch read path (``kvlens.cache.torch_read``), which merges it with the exact window and sinks
-by the same online softmax as every layout. There the layer rotates (the codebook's rotation is
-the layer's value rotation: window, sets and store all hold ``v R``, the output is un-rotated
-once), so the store codes the already rotated vectors with ``rotation=None``
-(``for_cache``).
+by the same online softmax as every layout, and ``key_scores`` for keys. There the layer rotates
+(the codebook's rotation is the layer's value or key rotation: window, sets and store all hold
+``v R`` / ``k R``; the output is un-rotated once, the query rotated once), so the store codes
+the already rotated vectors with ``rotation=None`` (``for_cache``).
 
 ``codebook_attention(query, keys, values, scaling)`` attends ``query`` ``[B, Hq, Tq, D]`` to the
 stores chunk by chunk (``chunk_tokens``) with an online softmax, without materialising the
@@ -46,8 +46,8 @@ from kvlens.quant.codebook import (
     Codebook,
     CodebookSpec,
     CodebookTensor,
+    computed_codebook,
     dequantize_codebook,
-    lloyd_max,
     quantize_codebook,
 )
 from kvlens.quant.packing import unpack_codes
@@ -79,15 +79,15 @@ class CodebookStore:
     @classmethod
     def for_cache(cls, spec: CodebookSpec, centroids, head_dim: int, block: int,
                   device=None) -> CodebookStore:
-        """The value store of a cache layer: codes the layer's (already rotated) vectors with
+        """The key or value store of a cache layer: codes the layer's (already rotated) vectors with
         ``spec`` less its rotation; ``centroids`` (fitted: the config's ``codebooks`` entry)
-        or the Lloyd-Max codebook for ``head_dim``."""
+        or the computed codebook for ``head_dim`` (``computed_codebook``)."""
         if spec.fitted:
             if centroids is None:
                 raise InputError(f"A fitted {spec.bits}-bit codebook needs its centroids.")
             book = Codebook(torch.as_tensor(centroids, dtype=torch.float32, device=device))
         else:
-            book = lloyd_max(spec.bits, head_dim if head_dim >= 3 else None)
+            book = computed_codebook(spec, head_dim)
         return cls(replace(spec, rotation=None), book, head_dim, block)
 
     @property
@@ -147,6 +147,13 @@ class CodebookStore:
         vector scales folded into the weights (no dequantized value is materialised)."""
         c, sv = self.chunk(t0, t1)
         return torch.matmul(p * sv[:, :, None, :], c)
+
+    def key_scores(self, q: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
+        """Queries ``q`` ``[B, H, M, D]`` (in the coded, rotated basis, scaling folded in) against
+        the coded keys ``[t0, t1)``: ``s_t * (q . c[code_t])`` ``[B, H, M, t1 - t0]``, each
+        vector's scale applied to its score (no dequantized key is materialised)."""
+        c, sk = self.chunk(t0, t1)
+        return torch.matmul(q, c.transpose(-1, -2)).mul_(sk[:, :, None, :])
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """The buffers by ``kvlens.cache.layout`` part name (the fitted centroids are held from

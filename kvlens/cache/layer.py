@@ -3,7 +3,7 @@
 A ``CompressedLayer`` keeps, for its layer, ``[B, H, *, D]`` history in up to three places:
 
 - the **packed store** (``kvlens.cache.packed.PackedTensor`` for a quantized tensor,
-  ``kvlens.cache.codebook.CodebookStore`` for codebook values, or a full-precision
+  ``kvlens.cache.codebook.CodebookStore`` for codebook keys or values, or a full-precision
   ``DenseTensor`` when only the other tensor is quantized): cache positions
   ``[q_start, q_end)``, immutable once written;
 - the **residual window**: the newest ``n_res`` tokens (positions ``[res_start, N)``) at the
@@ -31,7 +31,9 @@ tensor the layer holds for ``memory_report``.
 layer, the side channel kvlens' attention function reads); the attention function then calls
 ``commit(query, colsum)`` which fits the online balancer (first call), accumulates attention,
 flushes and evicts. So prefill attention always sees exact K/V and the cache stores them
-compressed after.
+compressed after; except with ``KVConfig.write_before_attention`` (vLLM TurboQuant's order):
+after the cache's first forward, ``update()`` codes the new tokens at once, so the forward that
+brings them reads them back compressed.
 
 Pre-RoPE keys: the layer stores each held token's RoPE position (int32) and re-creates its
 (cos, sin) from the model's own RoPE frequencies (``kvlens.rope.RopeFrequencies``), checked
@@ -50,7 +52,7 @@ from kvlens.cache.mixed import SetRows
 from kvlens.cache.packed import PackedTensor
 from kvlens.config import LayerKV, MikvSettings
 from kvlens.errors import ConfigError
-from kvlens.quant import fit_balancer
+from kvlens.quant import CodebookSpec, fit_balancer
 from kvlens.rope import RopeFrequencies, invert_rope
 
 LAYER_ATTR = "_kvlens_layer"
@@ -124,7 +126,8 @@ class CompressedLayer(DynamicLayer):
                  scale_dtype: str = "float16", fp_dtype: str = "float16",
                  mikv: MikvSettings | None = None, balancer: torch.Tensor | None = None,
                  sliding_window: int | None = None, rotation: torch.Tensor | None = None,
-                 session=None, gear=None, value_centroids: torch.Tensor | None = None):
+                 session=None, gear=None, value_centroids: torch.Tensor | None = None,
+                 key_centroids: torch.Tensor | None = None, write_first: bool = False):
         super().__init__()
         self.is_initialized = False  # set by the base class from transformers 4.57 on, not 4.56
         self.setting = setting
@@ -136,20 +139,11 @@ class CompressedLayer(DynamicLayer):
         # A sliding layer drops what its window hides (see commit); the model's sliding mask,
         # built over absolute positions from get_mask_sizes, hides the rest.
         self.is_sliding = sliding_window is not None
-        r = setting.residual_tokens
         self.flush_every = layout.flush_every(setting)  # 0 = never flush (nothing quantized)
         fp = _fp_dtype(fp_dtype)
-        self.kstore = PackedTensor.create(setting.key, r, head_dim, scale_dtype,
-                                          setting.flush_tokens) \
-            if setting.key is not None else DenseTensor(fp)
-        if setting.value_codebook is not None:  # fitted: the config's centroids
-            self.vstore = CodebookStore.for_cache(setting.value, value_centroids, head_dim,
-                                                  self.flush_every)
-        elif setting.value is not None:
-            self.vstore = PackedTensor.create(setting.value, r, head_dim, scale_dtype,
-                                              setting.flush_tokens)
-        else:
-            self.vstore = DenseTensor(fp)
+        self.kstore, self.vstore = (
+            self._store(spec, cents, head_dim, scale_dtype, fp)
+            for spec, cents in ((setting.key, key_centroids), (setting.value, value_centroids)))
         self.res_k, self.res_v = DenseTensor(fp, "window"), DenseTensor(fp, "window")
         self.fp_dtype = fp
         self.q_start = 0  # first packed position (a sliding layer evicts whole blocks)
@@ -189,6 +183,19 @@ class CompressedLayer(DynamicLayer):
                               "was given (build the cache with compressed_attention).")
         self.rope = None  # kvlens.rope.RopeFrequencies
         self.rope_options: list | None = None
+        # KVConfig.write_before_attention: after the first forward, code the new tokens before
+        # attending to them (needs no window and no MiKV set: validated by KVConfig)
+        self.write_first = write_first and bool(self.flush_every)
+
+    def _store(self, spec, centroids, head_dim: int, scale_dtype: str, fp):
+        """The history store of one tensor: codebook codes (fitted: the config's ``centroids``),
+        packed uniform codes, or full precision at ``fp`` when ``spec`` is ``None``."""
+        if isinstance(spec, CodebookSpec):
+            return CodebookStore.for_cache(spec, centroids, head_dim, self.flush_every)
+        if spec is not None:
+            return PackedTensor.create(spec, self.setting.residual_tokens, head_dim, scale_dtype,
+                                       self.setting.flush_tokens)
+        return DenseTensor(fp)
 
     # -- transformers interface -----------------------------------------------------------------
     def lazy_initialization(self, key_states, value_states, *args, **kwargs) -> None:
@@ -212,7 +219,12 @@ class CompressedLayer(DynamicLayer):
                           capacity=cap)
         if self.stores_pre_rope:
             self._record_positions(key_states.shape[0], t)
+        first = self.cumulative_length == 0
         self.cumulative_length += t
+        if self.write_first and not first:  # read back compressed by this forward's attention
+            n = layout.flush_count(self.n_res, self.setting.residual_tokens, self.flush_every)
+            if n:
+                self._flush(n)
         key_states = key_states.view_as(key_states)  # a fresh tensor object to tag
         setattr(key_states, LAYER_ATTR, self)
         return key_states, value_states

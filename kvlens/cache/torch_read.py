@@ -34,6 +34,9 @@ on the reference CPU (``docs/benchmarks.md``).
   ``sqrt(D)``, or over its centroids' norm when renormalised) folds into the softmax weights,
   ``out = sum_t (p_t s_t) c[code_t]`` in the rotated basis (``CodebookStore.value_out``); the
   layer un-rotates the merged output once, as for rotated values.
+- Codebook keys (``CodebookStore``, the keys stored rotated and ``q`` rotated by the layer):
+  each vector's scale multiplies its score, ``score_t = s_t * (q . c[code_t])``
+  (``CodebookStore.key_scores``).
 - The channel balancer (``q / b``) and ``scaling`` fold into ``q`` first.
 - Pre-RoPE keys: RoPE rotates each dequantized key by its own position, so scales cannot fold
   into one query; the chunk is dequantized in place on its unpacked codes (``code * scale +
@@ -224,6 +227,8 @@ def _key_scores(layer, q: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
     store = layer.kstore
     if layer.setting.key is None:  # a dense (unquantized) key history
         return torch.matmul(q, store.dequantize_range(t0, t1).transpose(-1, -2))
+    if isinstance(store, CodebookStore):
+        return store.key_scores(q, t0, t1)
     if layer.stores_pre_rope:  # RoPE rotates the dequantized key: dequantize, rotate, dot
 
         k = _dequant_chunk(store, t0, t1)

@@ -35,9 +35,10 @@ def kernel_layout_problem(setting, head_dim: int) -> str | None:
 
     if setting.key is None or setting.value is None:
         return "keys or values not quantized (the kernel reads both from the packed store)"
-    if setting.value_codebook is not None:
-        return ("codebook values (torch path only: no Triton kernel reads codebook codes yet; "
-                "docs/codebooks.md)")
+    for tensor in ("key", "value"):
+        if setting.codebook(tensor) is not None:
+            return (f"codebook {tensor}s (torch path only: no Triton kernel reads codebook "
+                    "codes yet; docs/codebooks.md)")
     if setting.pre_rope_keys:
         return ("pre-RoPE keys (the kernel does not re-apply RoPE; the torch path rotates each "
                 "dequantized chunk)")

@@ -78,7 +78,8 @@ def compare_axes_command(
                                     "fp8-pth (per-token-head). Default none.")),
     codebooks: str = typer.Option("", "--codebooks", rich_help_panel=ANALYSIS,
                                   help="Codebook layouts swept at every --bits, comma-separated "
-                                       "(docs/codebooks.md): lloyd-max, fitted, weighted (keys; "
+                                       "(docs/codebooks.md): lloyd-max, lloyd-max-normal (vLLM "
+                                       "TurboQuant's), fitted, weighted (keys; "
                                        "query-weighted fit), each optionally with +center "
                                        "(keys centred), +renorm (decoded vectors rescaled to "
                                        "the stored norm), +pre (keys coded before RoPE) and "

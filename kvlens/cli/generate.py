@@ -38,7 +38,8 @@ COMPARE_HELP = escape(
     "hf-fp8) and engine settings to run side by side on the same inputs. Engine settings "
     "(docs/deploy/README.md): llamacpp:K/V[:norot][:nofa][:noarith] or llamacpp:T (types f32 f16 "
     "bf16 q8_0 q4_0 q4_1 iq4_nl q5_0 q5_1), vllm:D[@head][:pP][:skip=L,L] (D fp8 fp8_e4m3 "
-    "fp8_e5m2 int8-pth int4-pth fp8-pth), sglang:fp8_e4m3|fp8_e5m2, transformers:quanto-2|4"
+    "fp8_e5m2 int8-pth int4-pth fp8-pth), vllm:turboquant_4bit_nc|k3v4_nc|3bit_nc (codebook "
+    "keys, first and last two layers exact), sglang:fp8_e4m3|fp8_e5m2, transformers:quanto-2|4"
     "[:axis_key=0|-1][:axis_value=0|-1][:group=G][:residual=R].")
 
 
@@ -137,6 +138,7 @@ def generate(
     def work():
         from kvlens.deploy.engine_run import llamacpp_matmul_plan
         from kvlens.evaluation import evaluate_configs
+        from kvlens.model.architecture import describe
         from kvlens.model.engine_matmul import engine_matmuls
         from kvlens.model.load import load_model
         from kvlens.model.placement import placement_summary
@@ -146,6 +148,8 @@ def generate(
                                       device_map=device_map, max_memory=max_memory,
                                       offload_folder=str(offload_folder) if offload_folder
                                       else None)
+        for line in configs.for_model(describe(mdl).num_layers):
+            err_console.print(f"note: {escape(line)}", highlight=False)
         placement = placement_summary(mdl)
         err_console.print(f"weights: {format_bytes_by_device(placement['weights_by_device'])}")
         types, notes = llamacpp_matmul_plan(configs, source, mdl)
@@ -262,6 +266,7 @@ class _Configs(list):
 
     notes: tuple[str, ...] = ()
     engines: int = 0  # engine settings among them
+    per_model: tuple = ()  # (config, setting name) of settings that need the model's layers
 
     def engine(self, name: str, calibration):
         from kvlens.deploy import engine_config
@@ -269,7 +274,25 @@ class _Configs(list):
         setting = engine_config(name, None if calibration is None else str(calibration))
         self.notes = (*self.notes, *setting.notes)
         self.engines += 1
+        if setting.per_model:
+            self.per_model = (*self.per_model, (setting.config, name))
         return setting.config
+
+    def for_model(self, num_layers: int) -> list[str]:
+        """Rebuild the configs of settings that depend on the model's layer count (vLLM
+        TurboQuant's boundary layers), in place; returns a line per rebuilt setting."""
+        from kvlens.deploy import engine_config
+
+        lines = []
+        for config, name in self.per_model:
+            built = engine_config(name, num_layers=num_layers).config
+            for i, c in enumerate(self):
+                if c is config:
+                    self[i] = built
+            exact = ", ".join(map(str, sorted(built.layers))) or "none"
+            lines.append(f"{name}: layers kept exact for this {num_layers}-layer model: {exact}")
+        self.per_model = ()
+        return lines
 
 
 def _render(results, opts) -> None:

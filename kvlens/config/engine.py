@@ -5,6 +5,7 @@
     llamacpp:K/V[:norot | :rot][:nofa][:noarith]   K, V in LLAMACPP_TYPES (-ctk K -ctv V)
     llamacpp:T                              = llamacpp:T/T
     vllm:D[@head][:pP | :sS][:skip=L,L]     D in VLLM_DTYPES (vllm serve --kv-cache-dtype D)
+    vllm:turboquant_X                       X in 4bit_nc, k3v4_nc, 3bit_nc (TURBOQUANT_TYPES)
     sglang:D[@head][:pP | :sS]              D in SGLANG_DTYPES
     transformers:quanto-B[:axis_key=A][:axis_value=A][:group=G][:residual=R]   B in 2, 4
 
@@ -22,13 +23,24 @@
   (``:s1`` = the default). vLLM's per-token-head dtypes (``int8-pth`` ...) scale each token
   dynamically and take no scope or scale. ``:skip=`` keeps those layers at f16
   (``--kv-cache-dtype-skip-layers``).
+- vLLM ``turboquant_*`` (``TURBOQUANT_TYPES``, vLLM's ``TQ_PRESETS``): keys Hadamard-rotated
+  (plain Sylvester, no sign flips), each coordinate of the normalised rotated key coded with a
+  Lloyd-Max codebook of ``key_bits`` bits for the normal distribution (``"lloyd-max-normal"``,
+  vLLM's ``N(0, 1/D)`` centroids) plus one fp16 norm per vector, the ``_nc`` presets
+  renormalising the decoded centroids (``CodebookSpec(renormalize=True)``); values min-max
+  quantized per token (one fp16 scale and zero per vector, ``value_bits`` bits); the first and
+  last ``TURBOQUANT_BOUNDARY`` layers (at most half the layers) kept in the model dtype, which
+  is why ``kvconfig`` needs the model's layer count; a forward after the first reads its own
+  tokens back compressed (``KVConfig.write_before_attention``). ``turboquant_k8v4`` (fp8 keys beside
+  integer values in one layer) is refused: a kvlens layer cannot store that pair. What is and
+  is not simulated: docs/deploy/vllm.md.
 - transformers ``QuantizedCache`` (quanto backend, defaults ``QUANTO_DEFAULTS``): ``axis=0``
   groups ``G`` channels of one token (per-token ``G``), ``axis=-1`` groups ``G`` tokens of one
   channel (per-channel ``G``), the residual window is ``R``: a kvlens layout, not transformers'
   code.
 
-``parse_engine_setting`` reads a name into a ``LlamaCppSetting``, ``CacheDtypeSetting`` or
-``QuantoSetting``; ``setting.name`` writes the canonical spelling back (``parse(s.name) == s``)
+``parse_engine_setting`` reads a name into a ``LlamaCppSetting``, ``CacheDtypeSetting``,
+``TurboQuantSetting`` or ``QuantoSetting``; ``setting.name`` writes the canonical spelling back (``parse(s.name) == s``)
 and ``setting.kvconfig(label)`` is the ``KVConfig`` that simulates it (engine cache types,
 ``kvlens.quant.cachetypes``, or a kvlens layout). Calibrating static fp8 scales reads a capture,
 which is ``kvlens.deploy.presets``'s job; notes for the user are printed there too.
@@ -43,7 +55,7 @@ from typing import ClassVar
 
 from kvlens.config.schema import KVConfig, LayerKV
 from kvlens.errors import ConfigError, is_int
-from kvlens.quant import QuantSpec
+from kvlens.quant import CodebookSpec, QuantSpec, RotationSpec
 from kvlens.quant.formats import parse_format
 from kvlens.quant.fp8 import TOKEN_HEAD_KINDS
 from kvlens.quant.ggml import GGML_FORMATS
@@ -70,6 +82,13 @@ SGLANG_DTYPES = ("fp8_e4m3", "fp8_e5m2")
 VLLM_SEARCH_TYPES = ("fp8_e4m3", "fp8_e4m3:s1", "fp8_e5m2:s1")
 SGLANG_SEARCH_TYPES = VLLM_SEARCH_TYPES
 
+# vLLM's turboquant_* KV-cache dtypes: (key bits, value bits, norm correction), from vLLM's
+# TQ_PRESETS (vllm/model_executor/layers/quantization/turboquant/config.py)
+TURBOQUANT_PRESETS = {"turboquant_k8v4": (8, 4, False), "turboquant_4bit_nc": (4, 4, True),
+                      "turboquant_k3v4_nc": (3, 4, True), "turboquant_3bit_nc": (3, 3, True)}
+TURBOQUANT_TYPES = tuple(t for t, (kb, _, _) in TURBOQUANT_PRESETS.items() if kb != 8)
+TURBOQUANT_BOUNDARY = 2  # first and last layers vLLM keeps uncompressed (get_boundary_skip_layers)
+
 QUANTO_BITS = (2, 4)
 QUANTO_AXES = (0, -1)
 QUANTO_DEFAULTS = {"axis_key": 0, "axis_value": 0, "group": 64, "residual": 128}
@@ -83,6 +102,7 @@ def allowed_settings() -> str:
     """Every accepted form, with its allowed values (for error messages and ``--help``)."""
     return ("llamacpp:K/V[:norot|:rot][:nofa] (K, V: " + ", ".join(LLAMACPP_TYPES) + "), "
             "vllm:D[@head][:pP|:sS][:skip=L,L] (D: " + ", ".join(VLLM_DTYPES) + "), "
+            "vllm:T (T: " + ", ".join(TURBOQUANT_TYPES) + "), "
             "sglang:D[@head][:pP|:sS] (D: " + ", ".join(SGLANG_DTYPES) + "), "
             "transformers:quanto-B[:axis_key=A][:axis_value=A][:group=G][:residual=R] "
             "(B: 2, 4; A: 0, -1)")
@@ -244,6 +264,65 @@ class CacheDtypeSetting:
 
 
 @dataclass(frozen=True)
+class TurboQuantSetting:
+    """vLLM ``--kv-cache-dtype turboquant_*`` (module docstring): ``dtype`` in
+    ``TURBOQUANT_TYPES``."""
+
+    dtype: str
+
+    engine: ClassVar[str] = "vllm"
+
+    def __post_init__(self) -> None:
+        if self.dtype == "turboquant_k8v4":
+            raise ConfigError("turboquant_k8v4 is not simulated: it stores fp8 keys beside 4-bit "
+                              "integer values in one layer, which a kvlens layer cannot hold "
+                              "(fp8 is an engine cache type, integer values a kvlens layout); "
+                              f"allowed: {', '.join(TURBOQUANT_TYPES)}.")
+        if self.dtype not in TURBOQUANT_TYPES:
+            raise ConfigError(f"Unknown vLLM TurboQuant dtype {self.dtype!r}; allowed: "
+                              f"{', '.join(TURBOQUANT_TYPES)}.")
+
+    @property
+    def name(self) -> str:
+        return f"vllm:{self.dtype}"
+
+    @property
+    def key_bits(self) -> int:
+        return TURBOQUANT_PRESETS[self.dtype][0]
+
+    @property
+    def value_bits(self) -> int:
+        return TURBOQUANT_PRESETS[self.dtype][1]
+
+    @property
+    def norm_correction(self) -> bool:
+        return TURBOQUANT_PRESETS[self.dtype][2]
+
+    @staticmethod
+    def boundary_layers(num_layers: int) -> tuple[int, ...]:
+        """The layers vLLM keeps uncompressed: the first and last ``TURBOQUANT_BOUNDARY``, at most
+        ``num_layers // 2`` on each side (vLLM's ``get_boundary_skip_layers`` for a model without
+        Mamba or linear-attention layers)."""
+        if not is_int(num_layers, 1):
+            raise ConfigError(f"Invalid num_layers {num_layers!r}; allowed: an integer >= 1.")
+        n = min(TURBOQUANT_BOUNDARY, num_layers // 2)
+        return tuple(sorted({*range(n), *range(num_layers - n, num_layers)}))
+
+    def kvconfig(self, label: str, num_layers: int) -> KVConfig:
+        """The config for a model of ``num_layers`` layers: every layer but the boundary ones
+        codes keys (codebook) and values (per-token min-max) with no full-precision window;
+        the boundary layers keep both at float16."""
+        key = CodebookSpec(self.key_bits, "lloyd-max-normal", RotationSpec(),
+                           renormalize=self.norm_correction)
+        value = QuantSpec(self.value_bits, "per-token")  # one scale and zero per vector
+        return KVConfig(label, LayerKV(key, value),
+                        {i: LayerKV() for i in self.boundary_layers(num_layers)},
+                        fp_dtype="float16", scale_dtype="float16",
+                        write_before_attention=True,
+                        description=f"vllm --kv-cache-dtype {self.dtype}")
+
+
+@dataclass(frozen=True)
 class QuantoSetting:
     """transformers ``QuantizedCache(backend="quanto", nbits=bits, axis_key, axis_value,
     q_group_size=group, residual_length=residual)`` as a kvlens layout."""
@@ -288,7 +367,7 @@ class QuantoSetting:
                                     f"residual_length={self.residual})")
 
 
-EngineSettingName = LlamaCppSetting | CacheDtypeSetting | QuantoSetting
+EngineSettingName = LlamaCppSetting | CacheDtypeSetting | TurboQuantSetting | QuantoSetting
 
 
 # -- parsing --------------------------------------------------------------------------------------
@@ -356,7 +435,12 @@ def _llamacpp(raw: str, parts: list[str]) -> LlamaCppSetting:
                            "noarith" not in opts)
 
 
-def _cache_dtype(raw: str, engine: str, parts: list[str]) -> CacheDtypeSetting:
+def _cache_dtype(raw: str, engine: str, parts: list[str]
+                 ) -> CacheDtypeSetting | TurboQuantSetting:
+    if engine == "vllm" and parts[0].startswith("turboquant"):
+        if len(parts) > 1:
+            raise _bad(raw, f"vLLM TurboQuant dtypes take no options, got {parts[1:]}")
+        return TurboQuantSetting(parts[0])
     dtype, at, scope = parts[0].partition("@")
     kw: dict = {}
     for opt in parts[1:]:
@@ -435,6 +519,11 @@ def measured_cache_type(setting: EngineSettingName) -> str:
         if not setting.quantized:
             raise ConfigError(f"{name} keeps keys and values unquantized; nothing to measure.")
         return setting.cache_type(setting.key)
+    if isinstance(setting, TurboQuantSetting):
+        raise ConfigError(f"{name} is not one cache type: it codes keys with a codebook and "
+                          "values with per-token integers and keeps the boundary layers exact; "
+                          "compare-axes measures its parts with --codebooks lloyd-max+renorm "
+                          f"(keys, {setting.key_bits} bits in --bits) and per-token values.")
     if setting.shared_scale and setting.calibrates:
         raise ConfigError(f"{name}: SGLang shares one scale between keys and values, which "
                           "compare-axes does not model (it calibrates each tensor); measure "

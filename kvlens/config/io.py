@@ -26,10 +26,12 @@ writes them. The meaning of each field is ``kvlens.config.schema``. JSON form::
       "model": null | {"num_layers": 30, "head_dim": 64, "num_key_value_heads": 3},
       "engine_attention": "llamacpp-cpu-fa" | "llamacpp-cpu-nofa"   # optional; version 4
       "codebooks": {"3": {"value": [c_0, ..., c_7]}}     # version 4, fitted centroids
+                                                         # ("key": [...]: version 5)
+      "write_before_attention": true           # optional; version 5 (vLLM TurboQuant's order)
     }
 
-A value spec may be a codebook spec (version 4, ``kvlens.quant.codebook.CodebookSpec``),
-told apart by its ``"codebook"`` key::
+A value spec may be a codebook spec (version 4, ``kvlens.quant.codebook.CodebookSpec``; a key
+spec from version 5), told apart by its ``"codebook"`` key::
 
     "value": {"version": 1, "bits": 3, "codebook": "fitted", "rotation": {"version": 1,
               "seed": null}, "renormalize": true}
@@ -55,7 +57,7 @@ _LAYER_KEYS = ("key", "value", "residual_tokens", "flush_tokens", "pre_rope_keys
                "rotate_keys", "rotate_values", "key_format", "value_format")
 _TOP_KEYS = ("format", "version", "name", "description", "default", "layers", "mikv", "gear",
              "balancers", "scale_dtype", "fp_dtype", "rotation_seed", "model", "kv_scales",
-             "engine_attention", "codebooks")
+             "engine_attention", "codebooks", "write_before_attention")
 _V2_LAYER_KEYS = ("key_format", "value_format")
 _MIKV_KEYS = ("heavy_fraction", "sink_tokens", "balancer", "balancer_exponent", "set_bits",
               "layers")
@@ -122,6 +124,17 @@ def config_from_dict(data: Any) -> KVConfig:
         raise ConfigError("'gear', 'mikv.set_bits' and 'mikv.layers' need KV config version 2; "
                           'set "version": 2.')
     codebook = any(isinstance(s.value, CodebookSpec) for s in (default, *layers.values()))
+    key_books = any(isinstance(s.key, CodebookSpec) for s in (default, *layers.values()))
+    books = data.get("codebooks")
+    normal = any(isinstance(b, CodebookSpec) and b.codebook == "lloyd-max-normal"
+                 for lk in (default, *layers.values()) for b in (lk.key, lk.value))
+    if version < 5 and (key_books or normal or isinstance(books, Mapping) and any(
+            isinstance(e, Mapping) and "key" in e for e in books.values())):
+        raise ConfigError('codebook key specs, \'codebooks.<layer>.key\' and the '
+                          '"lloyd-max-normal" codebook need KV config version 5; set '
+                          '"version": 5.')
+    if version < 5 and "write_before_attention" in data:
+        raise ConfigError('write_before_attention needs KV config version 5; set "version": 5.')
     if version < 4 and (codebook or data.get("codebooks") is not None):
         raise ConfigError('codebook value specs and \'codebooks\' need KV config version 4; set '
                           '"version": 4.')
@@ -140,7 +153,8 @@ def config_from_dict(data: Any) -> KVConfig:
                     fp_dtype=data.get("fp_dtype", "float16"),
                     rotation_seed=data.get("rotation_seed"),
                     kv_scales=_kv_scales(data), gear=gear,
-                    engine_attention=data.get("engine_attention"), codebooks=_codebooks(data))
+                    engine_attention=data.get("engine_attention"), codebooks=_codebooks(data),
+                    write_before_attention=data.get("write_before_attention", False))
 
 
 def _no_unknown(data: Mapping, allowed: tuple[str, ...], where: str) -> None:
@@ -194,14 +208,16 @@ def _kv_scales(data: Mapping) -> dict[int, dict[str, tuple[float, ...]]]:
 
 
 def _codebooks(data: Mapping) -> dict[int, dict[str, tuple[float, ...]]]:
-    """``codebooks``: per layer, ``{"value": [centroids]}`` (checked by ``KVConfig``)."""
+    """``codebooks``: per layer, ``{"key": [centroids], "value": [centroids]}`` (either or
+    both; checked by ``KVConfig``)."""
     out = {}
     for idx, entry in _indexed(data, "codebooks", 'an object mapping layer indices to '
-                                                  '{"value": [centroids]}').items():
+                                                  '{"key"|"value": [centroids]}').items():
         if not isinstance(entry, Mapping) or not all(isinstance(v, list)
                                                      for v in entry.values()):
-            raise ConfigError(f'codebooks.{idx} must be {{"value": [c_0, ...]}} (the fitted '
-                              "codebook's centroids, ascending).")
+            raise ConfigError(f'codebooks.{idx} must be {{"key": [c_0, ...], "value": [c_0, '
+                              "...]} (the fitted codebooks' centroids, ascending; either or "
+                              "both).")
         out[idx] = {t: tuple(v) for t, v in entry.items()}
     return out
 

@@ -58,8 +58,21 @@ seed must be the config's ``rotation_seed``. A ``"fitted"`` codebook's ``2^bits`
 stored in the config, per layer, in ``codebooks`` (``{layer: {"value": [c_0, ..]}}``, ascending,
 float16 values): fitted on a capture (``recommend``), not at prefill, so every run of the config
 decodes with the same codebook; the cache holds them as float16 and counts them
-(``kvlens.cache.layout``). Keys stay uniform (codebook keys lost to per-channel pre-RoPE keys on
-both models measured, docs/codebooks.md); GEAR cannot be combined with codebook values.
+(``kvlens.cache.layout``). GEAR cannot be combined with codebook specs.
+
+``write_before_attention`` (version 5; default false): after a cache's first forward, each
+forward's new tokens are coded into the compressed store before it attends, so it reads them back
+compressed, as vLLM's TurboQuant backend does (flash attention over the raw K/V of a first
+prefill chunk, its decode kernel over the compressed cache after). Compressed layers then keep
+no residual window and there is no MiKV set (refused otherwise).
+
+``key`` may be a ``CodebookSpec`` too (version 5): the same layout for keys, the codebook's
+rotation the layer's key rotation (``rotate_keys`` is set from it: the window stores ``k R`` and
+attention uses ``q R``), scores read as ``s_t * ((q R) . c[code_t])`` without a dequantized key
+(``kvlens.cache.codebook``); fitted key centroids in ``codebooks.<layer>.key``. Not with pre-RoPE
+keys (the rotation and RoPE do not commute). This is the key coding of vLLM's ``turboquant_*``
+KV-cache types (``kvlens.config.engine``); ``recommend`` does not offer it (codebook keys lost to
+per-channel pre-RoPE keys on both models measured, docs/codebooks.md).
 
 A config is written at the oldest version that can express it (``kvlens.config.versions``).
 
@@ -86,15 +99,15 @@ FP_DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn", "exact")
 # group scale/zero storage (kvlens.cache.packed; "8bit": kvlens.quant.meta8)
 SCALE_DTYPES = ("float16", "float32", "8bit")
 SET_BITS = (4, 8)  # integer widths of the MiKV importance set (None: fp_dtype)
-CODEBOOK_TENSORS = ("value",)  # tensors a codebook spec may store (keys: docs/codebooks.md)
+CODEBOOK_TENSORS = ("key", "value")  # tensors a codebook spec may store
 
 
 @dataclass(frozen=True)
 class LayerKV:
-    """How one layer's cache is stored. ``None`` spec = not quantized (model dtype); ``value``
-    may be a ``CodebookSpec`` (module docstring)."""
+    """How one layer's cache is stored. ``None`` spec = not quantized (model dtype); ``key`` and
+    ``value`` may be ``CodebookSpec`` s (module docstring)."""
 
-    key: QuantSpec | None = None
+    key: QuantSpec | CodebookSpec | None = None
     value: QuantSpec | CodebookSpec | None = None
     residual_tokens: int = 0
     pre_rope_keys: bool = False
@@ -132,30 +145,44 @@ class LayerKV:
                               "combination); disable one of them.")
 
     def _check_codebook(self) -> None:
-        if isinstance(self.key, CodebookSpec):
-            raise ConfigError("A codebook spec is not a key layout of the cache (codebook keys "
-                              "lost to per-channel pre-RoPE keys, docs/codebooks.md); allowed "
-                              "for: value. Use a uniform key spec (bits, granularity, "
-                              "group_size).")
         for name in ("key", "value"):
             spec = getattr(self, name)
             if spec is not None and not isinstance(spec, (QuantSpec, CodebookSpec)):
                 raise ConfigError(f"Invalid {name} spec {spec!r}; allowed: a QuantSpec, "
-                                  "a CodebookSpec (value only) or None.")
-        if not isinstance(self.value, CodebookSpec):
-            return
-        if self.value.rotation is None:
-            if self.rotate_values is True:
-                raise ConfigError("rotate_values is set but the codebook value spec has no "
-                                  "rotation (its rotation is the layer's value rotation); give "
-                                  "the codebook a rotation or set rotate_values: false.")
-        else:  # the codebook's rotation is the layer's: window and sets stored rotated too
-            object.__setattr__(self, "rotate_values", True)
+                                  "a CodebookSpec or None.")
+        if isinstance(self.key, CodebookSpec) and self.pre_rope_keys:
+            raise ConfigError("A codebook key spec cannot be combined with pre_rope_keys in the "
+                              "cache: its Hadamard rotation and RoPE do not commute, so the "
+                              "query cannot absorb the rotation; use a uniform key spec or "
+                              "pre_rope_keys: false.")
+        for tensor, flag in (("key", "rotate_keys"), ("value", "rotate_values")):
+            book = self.codebook(tensor)
+            if book is None:
+                continue
+            if book.rotation is None:
+                if getattr(self, flag) is True:
+                    raise ConfigError(f"{flag} is set but the codebook {tensor} spec has no "
+                                      f"rotation (its rotation is the layer's {tensor} "
+                                      "rotation); give the codebook a rotation or set "
+                                      f"{flag}: false.")
+            else:  # the codebook's rotation is the layer's: window and sets stored rotated too
+                object.__setattr__(self, flag, True)
+
+    def codebook(self, tensor: str) -> CodebookSpec | None:
+        """The ``CodebookSpec`` of ``tensor`` (``"key"`` or ``"value"``; ``None``: uniform or
+        unquantized)."""
+        spec = getattr(self, tensor)
+        return spec if isinstance(spec, CodebookSpec) else None
+
+    @property
+    def key_codebook(self) -> CodebookSpec | None:
+        """The key ``CodebookSpec`` (``None``: keys uniform or unquantized)."""
+        return self.codebook("key")
 
     @property
     def value_codebook(self) -> CodebookSpec | None:
         """The value ``CodebookSpec`` (``None``: values uniform or unquantized)."""
-        return self.value if isinstance(self.value, CodebookSpec) else None
+        return self.codebook("value")
 
     def _check_engine(self) -> None:
 
@@ -330,7 +357,9 @@ class KVConfig:
     # the engine arithmetic engine-format layers attend with (kvlens.quant.llamacpp_cpu
     # ENGINE_ATTENTIONS); None: the model's own float attention over the read-back K/V
     engine_attention: str | None = None
-    # fitted codebook centroids (float16 values, ascending): {layer: {"value": (c_0, ...)}}
+    # vLLM TurboQuant's order: after the first forward, new tokens are coded before attention
+    write_before_attention: bool = False
+    # fitted codebook centroids (float16 values, ascending): {layer: {"key"|"value": (c_0, ...)}}
     codebooks: Mapping[int, Mapping[str, tuple[float, ...]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -339,6 +368,11 @@ class KVConfig:
         if self.engine_attention is not None and self.engine_attention not in ENGINE_ATTENTIONS:
             raise ConfigError(f"Unknown engine_attention {self.engine_attention!r}; allowed: "
                               f"null (the model's attention), {', '.join(ENGINE_ATTENTIONS)}.")
+        if not isinstance(self.write_before_attention, bool):
+            raise ConfigError(f"Invalid write_before_attention {self.write_before_attention!r}; "
+                              "allowed: true, false.")
+        if self.write_before_attention:
+            self._check_write_first()
         if self.scale_dtype not in SCALE_DTYPES:
             raise ConfigError(f"Unknown scale_dtype {self.scale_dtype!r}; allowed: "
                               f"{', '.join(SCALE_DTYPES)}.")
@@ -363,8 +397,9 @@ class KVConfig:
                 if self.gear.layers is None else [(i, self.layer(i)) for i in self.gear.layers]
             for idx, setting in targets:
                 where = "default" if idx is None else f"layer {idx}"
-                if setting.compressed and setting.value_codebook is not None:
-                    raise ConfigError(f"{where}: gear cannot be combined with a codebook value "
+                if setting.compressed and (setting.value_codebook is not None
+                                           or setting.key_codebook is not None):
+                    raise ConfigError(f"{where}: gear cannot be combined with a codebook "
                                       "spec (GEAR's sparse and low-rank terms correct uniform "
                                       "codes); disable one of them.")
                 if setting.compressed and setting.pre_rope_keys and setting.key is not None:
@@ -382,30 +417,47 @@ class KVConfig:
 
         self._check_codebooks()
 
+    def _check_write_first(self) -> None:
+        """``write_before_attention`` codes each forward's tokens at once: no compressed layer
+        may keep a residual window (nothing would wait in it) or a MiKV set (chosen from the
+        attention the tokens receive before they are coded)."""
+        if self.mikv is not None:
+            raise ConfigError("write_before_attention cannot be combined with 'mikv' (its set is "
+                              "chosen from the attention tokens receive before they are coded); "
+                              "remove one of them.")
+        for idx, setting in [(None, self.default), *sorted(self.layers.items())]:
+            if setting.compressed and not setting.engine and setting.residual_tokens:
+                where = "default" if idx is None else f"layer {idx}"
+                raise ConfigError(f"{where}: write_before_attention codes every token at once, "
+                                  f"so a compressed layer keeps no residual window; got "
+                                  f"residual_tokens={setting.residual_tokens}, allowed: 0.")
+
     def _check_codebooks(self) -> None:
         """Rotation seeds of codebook layers, and the shape of ``codebooks`` (every entry for a
         layer storing that tensor with a fitted codebook of its bits; which layers need one is
         checked against the model's layer count by ``validate_for``)."""
         for idx, setting in [(None, self.default), *sorted(self.layers.items())]:
-            book = setting.value_codebook
-            if book is not None and book.rotation is not None \
-                    and book.rotation.seed != self.rotation_seed:
-                where = "default" if idx is None else f"layer {idx}"
-                raise ConfigError(f"{where}: the codebook's rotation seed {book.rotation.seed!r} "
-                                  f"is not the config's rotation_seed {self.rotation_seed!r} "
-                                  "(the codebook's rotation is the layer's value rotation); "
-                                  "make them equal.")
+            for tensor in CODEBOOK_TENSORS:
+                book = setting.codebook(tensor)
+                if book is not None and book.rotation is not None \
+                        and book.rotation.seed != self.rotation_seed:
+                    where = "default" if idx is None else f"layer {idx}"
+                    raise ConfigError(f"{where}: the {tensor} codebook's rotation seed "
+                                      f"{book.rotation.seed!r} is not the config's rotation_seed "
+                                      f"{self.rotation_seed!r} (the codebook's rotation is the "
+                                      f"layer's {tensor} rotation); make them equal.")
         if not isinstance(self.codebooks, Mapping):
-            raise ConfigError("'codebooks' must map layer indices to {\"value\": [centroids]}.")
+            raise ConfigError("'codebooks' must map layer indices to {\"key\"|\"value\": "
+                              "[centroids]}.")
         for idx, entry in self.codebooks.items():
             if not is_int(idx, 0) or not isinstance(entry, Mapping) or not entry:
                 raise ConfigError(f"codebooks.{idx}: allowed: a layer index >= 0 mapping to "
-                                  '{"value": [c_0, ...]}.')
+                                  '{"key": [c_0, ...], "value": [c_0, ...]} (either or both).')
             for tensor, cents in entry.items():
                 if tensor not in CODEBOOK_TENSORS:
                     raise ConfigError(f"codebooks.{idx}: unknown tensor {tensor!r}; allowed: "
                                       f"{', '.join(CODEBOOK_TENSORS)}.")
-                book = self.layer(idx).value_codebook
+                book = self.layer(idx).codebook(tensor)
                 if book is None or not book.fitted:
                     raise ConfigError(f"codebooks.{idx}.{tensor}: layer {idx} does not store "
                                       f"its {tensor}s with a fitted codebook spec, so these "
@@ -467,7 +519,8 @@ class KVConfig:
              if self.codebooks else {}) | ({"kv_scales": {str(i): {t: list(v) for t, v in s.items()}
                             for i, s in sorted(self.kv_scales.items())}}
              if self.kv_scales else {}) | ({"engine_attention": self.engine_attention}
-                                          if self.engine_attention else {})
+                                          if self.engine_attention else {}) | (
+            {"write_before_attention": True} if self.write_before_attention else {})
 
     @property
     def format_version(self) -> int:
@@ -514,12 +567,13 @@ def validate_for(config: KVConfig, info) -> None:
         elif idx in config.kv_scales:
             raise ConfigError(f"Config {config.name!r} gives kv_scales for layer {idx}, which "
                               "is not an engine-format layer (no key_format/value_format).")
-        book = layer.value_codebook
-        if book is not None and book.fitted and config.centroids_for(idx) is None:
-            raise ConfigError(f"Config {config.name!r} layer {idx} stores values with a fitted "
-                              f"{book.bits}-bit codebook but gives no centroids; add "
-                              f'codebooks.{idx}.value ({book.levels} numbers, e.g. from '
-                              "`kvlens recommend`) or use codebook \"lloyd-max\".")
+        for tensor in CODEBOOK_TENSORS:
+            book = layer.codebook(tensor)
+            if book is not None and book.fitted and config.centroids_for(idx, tensor) is None:
+                raise ConfigError(f"Config {config.name!r} layer {idx} stores {tensor}s with a "
+                                  f"fitted {book.bits}-bit codebook but gives no centroids; add "
+                                  f'codebooks.{idx}.{tensor} ({book.levels} numbers, e.g. from '
+                                  "`kvlens recommend`) or use codebook \"lloyd-max\".")
         for what, spec in (("key", layer.key), ("value", layer.value)):
             if spec is not None:
                 check_layout(spec, layer.residual_tokens, d, f"layer {idx} {what}",

@@ -19,9 +19,11 @@ from kvlens.capture.store import open_capture
 from kvlens.config import KVConfig
 from kvlens.config.engine import (
     ENGINES,
+    TURBOQUANT_BOUNDARY,
     CacheDtypeSetting,
     LlamaCppSetting,
     QuantoSetting,
+    TurboQuantSetting,
     allowed_settings,
     is_engine_setting,
     parse_engine_setting,
@@ -43,18 +45,27 @@ TRANSFORMERS_DIFFERENCES = (
 
 @dataclass(frozen=True)
 class EngineSetting:
-    """A parsed setting: the engine, the config to simulate it and what to print."""
+    """A parsed setting: the engine, the config to simulate it and what to print.
+    ``per_model``: the config depends on the model's layer count (vLLM TurboQuant's boundary
+    layers); ``config`` is then for the ``num_layers`` given, or has no boundary layers when
+    none was, and the caller rebuilds it with ``engine_config(name, num_layers=L)`` once the
+    model is known."""
 
     engine: str
     config: KVConfig
     notes: tuple[str, ...]
+    per_model: bool = False
 
 
-def engine_config(name: str, calibration: str | None = None) -> EngineSetting:
+def engine_config(name: str, calibration: str | None = None,
+                  num_layers: int | None = None) -> EngineSetting:
     """The ``EngineSetting`` for ``name`` (``kvlens.config.engine``); ``calibration``: a capture
-    file for static fp8 scales. Unknown engines, types or options raise ``ConfigError`` with the
-    allowed values."""
+    file for static fp8 scales; ``num_layers``: the model's layer count, which the config of a
+    TurboQuant setting depends on (``EngineSetting.per_model``). Unknown engines, types or
+    options raise ``ConfigError`` with the allowed values."""
     setting = parse_engine_setting(name)
+    if isinstance(setting, TurboQuantSetting):
+        return _turboquant(name, setting, num_layers)
     if isinstance(setting, LlamaCppSetting):
         return EngineSetting(setting.engine, setting.kvconfig(name), _llamacpp_notes(name, setting))
     if isinstance(setting, QuantoSetting):
@@ -80,6 +91,28 @@ def _llamacpp_notes(raw: str, s: LlamaCppSetting) -> tuple[str, ...]:
         notes.append(f"{raw}: the rotation is forced on for every head_dim (a what-if: "
                      "llama.cpp rotates only when head_dim is a multiple of 64).")
     return tuple(notes)
+
+
+TURBOQUANT_DIFFERENCES = (
+    "attention in the model's float precision over the coded cache, not vLLM's Triton decode "
+    "kernel (nor its fp16 dequantize-then-flash-attention path for chunks over 128 tokens); "
+    "as in vLLM, a first forward attends exact and every later one reads its own tokens back "
+    "compressed. docs/deploy/vllm.md.")
+
+
+def _turboquant(raw: str, s: TurboQuantSetting, num_layers: int | None) -> EngineSetting:
+    if num_layers is None:  # every layer coded until the model (its layer count) is known
+        cfg = replace(s.kvconfig(raw, 1), layers={})
+        where = "resolved when the model is loaded"
+    else:
+        cfg = s.kvconfig(raw, num_layers)
+        where = f"layers {', '.join(map(str, s.boundary_layers(num_layers)))}"
+    note = (f"{raw}: keys {s.key_bits}-bit Lloyd-Max codes of the Hadamard-rotated normalised "
+            f"key plus an fp16 norm{' (centroids renormalised)' if s.norm_correction else ''}, "
+            f"values {s.value_bits}-bit min-max per token (fp16 scale and zero); the first and "
+            f"last {TURBOQUANT_BOUNDARY} layers exact ({where}). Differences: "
+            + TURBOQUANT_DIFFERENCES)
+    return EngineSetting(s.engine, cfg, (note,), per_model=True)
 
 
 def _cache_dtype(raw: str, s: CacheDtypeSetting, calibration: str | None) -> EngineSetting:

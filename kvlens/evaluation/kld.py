@@ -10,7 +10,8 @@ Protocol (``score_text``; docs/evaluation.md):
   prediction: ``KL(p_exact || p_config)`` (float64 log-softmax), top-1 agreement (same argmax)
   and the negative log-likelihood of the true next token under both.
 - A chunk's own tokens are attended exactly in the forward call that brings them (they wait in
-  the residual window); they are quantized when a window flush follows a call. So a prediction
+  the residual window); they are quantized when a window flush follows a call (a config with
+  ``write_before_attention`` codes them before every call but the first). So a prediction
   **reads quantized entries** iff, when its chunk's forward call starts, some layer of that
   config's cache holds a non-empty quantized store (``quantized_length > 0``; for transformers'
   ``QuantizedCache`` baselines: a quantized history exists; engine-format layers quantize the

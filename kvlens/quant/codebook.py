@@ -23,6 +23,9 @@ Codebooks (``CODEBOOKS``):
   ``D`` (``lloyd_max``), computed by iterating Lloyd's two conditions (boundaries at the
   midpoints of neighbouring centroids; each centroid the mean of the density over its cell) on
   a fine grid. Nothing is stored: it is a function of ``bits`` and ``D``.
+- ``"lloyd-max-normal"``: the Lloyd-Max quantizer of the standard normal, the large-``D`` limit
+  of that density (``lloyd_max(bits, None)``): the centroids vLLM's ``turboquant_*`` types use
+  (Lloyd-Max for ``N(0, 1/D)``, in these unit-variance coordinates). Nothing is stored.
 - ``"fitted"``: one codebook per layer and tensor, 1-D k-means (weighted Lloyd,
   ``fit_codebook``) on the captured vectors' coordinates ``z``, each coordinate weighted by its
   vector's squared norm ``n²`` (so the fit minimises the squared reconstruction error of the
@@ -55,7 +58,8 @@ from kvlens.quant.packing import pack_codes, packed_length, unpack_codes
 from kvlens.quant.rotation import RotationSpec, rotate, unrotate
 from kvlens.quant.spec import check_versioned_dict
 
-CODEBOOKS = ("lloyd-max", "fitted", "weighted")
+CODEBOOKS = ("lloyd-max", "lloyd-max-normal", "fitted", "weighted")
+COMPUTED_CODEBOOKS = ("lloyd-max", "lloyd-max-normal")  # functions of bits (and D): not stored
 CODEBOOK_SPEC_VERSION = 1
 MIN_CODEBOOK_BITS, MAX_CODEBOOK_BITS = 1, 8
 NORM_BYTES = 2  # float16 norm per vector
@@ -73,6 +77,7 @@ class CodebookSpec:
 
     bits: code width, 1-8 (``2^bits`` centroids).
     codebook: ``"lloyd-max"`` (computed for the sphere-coordinate density, nothing stored),
+        ``"lloyd-max-normal"`` (computed for the standard normal, vLLM's; nothing stored),
         ``"fitted"`` (k-means per layer and tensor on the capture, norm²-weighted) or
         ``"weighted"`` (keys: additionally weighted by the queries' squared magnitude per
         rotated channel). Module docstring for the exact weights.
@@ -106,7 +111,7 @@ class CodebookSpec:
     @property
     def fitted(self) -> bool:
         """Whether the codebook is fitted on data (and so stored, once per layer and tensor)."""
-        return self.codebook != "lloyd-max"
+        return self.codebook not in COMPUTED_CODEBOOKS
 
     @property
     def levels(self) -> int:
@@ -266,6 +271,16 @@ def _lloyd_max_cached(bits: int, head_dim: int | None) -> Codebook:
     return _LLOYD_CACHE[key]
 
 
+def computed_codebook(spec: CodebookSpec, head_dim: int) -> Codebook:
+    """The codebook of a spec that stores none (``COMPUTED_CODEBOOKS``) for ``head_dim``:
+    Lloyd-Max of the sphere-coordinate density (the standard normal below ``D = 3``), or of the
+    standard normal for ``"lloyd-max-normal"``."""
+    if spec.fitted:
+        raise InputError(f"A {spec.codebook!r} codebook is fitted on data, not computed.")
+    exact = spec.codebook == "lloyd-max" and head_dim >= 3
+    return lloyd_max(spec.bits, head_dim if exact else None)
+
+
 def fit_codebook(z: torch.Tensor, bits: int, weights: torch.Tensor | None = None,
                  bins: int = FIT_BINS, iters: int = FIT_ITERS) -> Codebook:
     """A codebook fitted to the values ``z`` (any shape) by weighted 1-D k-means.
@@ -369,8 +384,8 @@ def codebook_for(x: torch.Tensor, spec: CodebookSpec, q: torch.Tensor | None = N
     values): Lloyd-Max for ``D``, or fitted on ``x`` (module docstring). ``"weighted"`` needs the
     layer's queries ``q`` ``[B, Hq, T, D]``."""
     d = x.shape[-1]
-    if spec.codebook == "lloyd-max":
-        return lloyd_max(spec.bits, d if d >= 3 else None)
+    if not spec.fitted:
+        return computed_codebook(spec, d)
     z, n = normalized_coordinates(x, spec)
     weights = (n * n)[..., None]
     if spec.codebook == "weighted":

@@ -87,6 +87,8 @@ def format_info(config: CompareConfig, kv_heads: int, tokens: int, head_dim: int
 
 CODEBOOK_CALIBRATION = {
     "lloyd-max": "computed (Lloyd-Max for the rotated sphere coordinate), not stored",
+    "lloyd-max-normal": "computed (Lloyd-Max for the standard normal, vLLM TurboQuant's), not "
+    "stored",
     "fitted": "fitted per layer and tensor on the capture (in-sample), norm²-weighted",
     "weighted": "fitted per layer on the captured keys (in-sample), weighted by norm² and the "
     "queries' squared magnitude per rotated channel",
