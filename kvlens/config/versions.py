@@ -13,6 +13,8 @@ Versions:
 - 3: ``scale_dtype`` ``"8bit"``.
 - 4: ``engine_attention`` (the engine arithmetic engine-format layers attend with); codebook
   value specs (``CodebookSpec``) and the fitted centroids in ``codebooks``.
+- 5: ``center_keys`` (a layer's keys stored centred on its mean key) and the mean keys in
+  ``key_means``.
 
 The parser that enforces these (``kvlens.config.io``) and the dataclasses that write them
 (``kvlens.config.schema``) both read them from here.
@@ -23,15 +25,18 @@ from __future__ import annotations
 # The file-format identifier written into every config; it names the module that first
 # defined the format and is kept as is so that existing files stay readable.
 FORMAT = "kvlens.kvconfig"
-VERSION = 4
+VERSION = 5
 
 
 def oldest_version(config) -> int:
     """The oldest version that can express ``config`` (a ``kvlens.config.schema.KVConfig``):
     1 unless it uses a version-2 feature (engine cache types, ``kv_scales``,
     ``mikv.set_bits``, ``mikv.layers``, ``gear``, a spec's ``fit``, fp8 full-precision parts),
-    3 with ``scale_dtype`` ``"8bit"``, 4 with ``engine_attention`` or a codebook value spec."""
+    3 with ``scale_dtype`` ``"8bit"``, 4 with ``engine_attention`` or a codebook value spec,
+    5 with centred keys."""
     layers = (config.default, *config.layers.values())
+    if config.key_means or any(lk.center_keys for lk in layers):
+        return 5
     if getattr(config, "engine_attention", None) or config.codebooks or \
             any(lk.value_codebook is not None for lk in layers):
         return 4
