@@ -102,6 +102,9 @@ class CompressionSession:
             cents = self.config.centroids_for(idx)
             if cents is not None:
                 cents = torch.tensor(cents, dtype=torch.float32, device=devices[idx])
+            mean = self.config.key_mean_for(idx)
+            if mean is not None:
+                mean = torch.tensor(mean, dtype=torch.float16, device=devices[idx])
             layers.append(CompressedLayer(self.config.layer(idx), idx, self.info.head_dim,
                                           scale_dtype=self.config.scale_dtype,
                                           fp_dtype=self.config.fp_dtype,
@@ -109,7 +112,7 @@ class CompressionSession:
                                           balancer=bal, sliding_window=windows[idx],
                                           rotation=rotations.get(devices[idx]), session=self,
                                           gear=self.config.gear_for(idx),
-                                          value_centroids=cents))
+                                          value_centroids=cents, key_mean=mean))
         return Cache(layers=layers)
 
     def _engine_layer(self, idx: int, window: int | None):

@@ -38,6 +38,9 @@ def kernel_layout_problem(setting, head_dim: int) -> str | None:
     if setting.value_codebook is not None:
         return ("codebook values (torch path only: no Triton kernel reads codebook codes yet; "
                 "docs/codebooks.md)")
+    if setting.center_keys:
+        return ("centred keys (torch path only: the kernel does not add the mean key's score "
+                "shift q.mu; docs/codebooks.md)")
     if setting.pre_rope_keys:
         return ("pre-RoPE keys (the kernel does not re-apply RoPE; the torch path rotates each "
                 "dequantized chunk)")
