@@ -129,9 +129,57 @@ def test_centred_pre_rope_keys_equal_reference():
                                atol=1e-5)
 
 
-def test_centred_layer_needs_its_mean_and_the_kernel_says_why_not():
+def test_centred_layer_needs_its_mean_and_the_kernel_reads_post_rope_ones():
     setting = LayerKV(KSPEC, VSPEC, 32, center_keys=True)
     with pytest.raises(ConfigError, match="centres its keys but no mean key was given"):
         CompressedLayer(setting, 0, D, session=stub_session())
-    assert "centred keys (torch path only" in kernel_layout_problem(setting, D)
-    assert kernel_layout_problem(LayerKV(KSPEC, VSPEC, 32), D) is None
+    assert kernel_layout_problem(setting, D) is None
+    pre = LayerKV(KSPEC, VSPEC, 32, pre_rope_keys=True, center_keys=True)
+    assert "pre-RoPE keys" in kernel_layout_problem(pre, D)
+
+
+@pytest.mark.parametrize("variant", ["plain", "rotated", "balanced"])
+def test_triton_kernel_reads_centred_keys_like_the_torch_path(variant):
+    """The fused decode kernel (Triton interpreter on CPU) over a centred layer equals the
+    torch read path, masks included."""
+    pytest.importorskip("triton")
+    from kvlens.cache.triton_glue import triton_decode, triton_unsupported
+
+    gen = torch.Generator().manual_seed(5)
+    total = 77
+    k, v = _keys(total, 4.0, gen), torch.randn(B, HKV, total, D, generator=gen)
+    layer = _filled(variant, k, v, k.mean(dim=(0, 2)).half())
+    q = torch.randn(B, HQ, 1, D, generator=gen)
+    q = layer.to_stored_basis(q, layer.setting.rotate_keys)
+    assert triton_unsupported(layer, q, with_probs=False) is None
+    mask = torch.ones(B, 1, 1, total, dtype=torch.bool)
+    mask[1, ..., :9] = False
+    for m in (mask, None):
+        ref, _ = packed_attention(q, layer, m, D ** -0.5)
+        out, why = triton_decode(q, layer, m, D ** -0.5)
+        assert why is None
+        torch.testing.assert_close(out, ref, atol=3e-3, rtol=3e-3)
+
+
+def test_triton_backend_generates_the_same_tokens_as_torch_with_centred_keys():
+    """A tiny Llama with centred per-token keys (one layer rotated): greedy tokens through the
+    kernel (interpreter) equal the torch path's; only the prefill takes the torch path."""
+    pytest.importorskip("triton")
+    model = tiny_model("llama")
+    tok = QuantSpec(2, "per-token", 16)
+    mean = tuple(tuple(0.3 * ((c % 5) - 2) for c in range(16)) for _ in range(HKV))
+    cfg = KVConfig("c", LayerKV(tok, tok, 32, center_keys=True),
+                   {1: LayerKV(tok, tok, 32, rotate_keys=True, center_keys=True)},
+                   key_means={i: mean for i in range(3)})
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(7))
+    out = {}
+    for backend in ("torch", "triton"):
+        with compressed_attention(model, cfg, backend=backend) as session:
+            cache = session.new_cache()
+            out[backend] = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                          max_new_tokens=8, do_sample=False, pad_token_id=0,
+                                          **{cache_argument_name(model): cache})
+        assert cache.layers[0].quantized_length >= 16
+    assert torch.equal(out["triton"], out["torch"])
+    assert session.backend == "triton"
+    assert sum(session.torch_path_calls.values()) == 3  # only the prefill

@@ -19,7 +19,8 @@ vector (rotated, so only where rotation is offered; torch read path only, so not
 ``prefer_fast``). With ``centering`` (opt-in; ``--centering``) also centred twins of the
 per-token key candidates up to 4 bits (``CENTER_BITS``) with the first key fit, plain,
 pre-RoPE and rotated (not balanced): the layer's mean key (computed on the capture) subtracted
-before quantizing, kept in the config, added back on read (``kvlens.quant.centering``;
+before quantizing, kept in the config, added back on read (``kvlens.quant.centering``; the
+fused kernel reads the post-RoPE ones, so ``prefer_fast`` keeps those;
 docs/codebooks.md: it halves per-token key reconstruction error; per-channel groups absorb a
 per-channel offset, so they get no twin). Only what ``kvlens generate`` can run is offered.
 
@@ -81,7 +82,8 @@ def candidates(head_dim: int, opts: RecommendOptions, has_rope: bool) -> list[Ca
                         out.append(Candidate(tensor, b, gran, g, gear=True))
     if opts.codebooks and rotation and not opts.prefer_fast:
         out += [Candidate.codebook_values(b) for b in CODEBOOK_BITS]
-    if opts.centering and not opts.prefer_fast:
+    if opts.centering:  # (prefer_fast offers no pre-RoPE keys to centre; the kernel reads
+        # centred post-RoPE ones)
         out += [replace(c, center=True) for c in out if c.tensor == "key"
                 and c.granularity == "per-token" and c.bits in CENTER_BITS
                 and not (c.balancer or c.gear or c.mikv_set) and c.fit == opts.key_fits[0]]

@@ -178,8 +178,8 @@ class RecommendOptions:
     codebooks: bool = False
     # offer centred twins of the per-token key candidates up to 4 bits (CENTER_BITS; plain,
     # pre-RoPE and rotated; kvlens.quant.centering, the mean key of each layer computed on the
-    # capture and stored in the config); torch read path only, so not with prefer_fast.
-    # Opt-in (--centering) until a paired ablation shows it pays (docs/codebooks.md)
+    # capture and stored in the config); with prefer_fast only the post-RoPE ones (the fused
+    # kernel adds the mean's score shift; it reads no pre-RoPE keys). Opt-in (--centering) until a paired ablation shows it pays (docs/codebooks.md)
     centering: bool = False
 
     def __post_init__(self) -> None:
@@ -238,9 +238,6 @@ class RecommendOptions:
             raise InputError("--codebooks offers codebook values, which the fused decode kernel "
                              "does not read and which are coded rotated: drop --prefer-fast and "
                              "--no-rotation, or --codebooks.")
-        if self.centering and self.prefer_fast:
-            raise InputError("--centering offers centred keys, which the fused decode kernel "
-                             "does not read: drop --prefer-fast or --centering.")
         if self.layout_layers is not None and not is_int(self.layout_layers, 1):
             raise InputError(f"layout_layers must be a positive number of layers (or None: "
                              f"every layer), got {self.layout_layers!r}.")
