@@ -463,6 +463,20 @@ def _packed_geometry(which: str, layout: str, bits: int, group, codes, scale, ze
     return tok, rows_t, gd
 
 
+def _head_vectors(name: str, t, b: int, hkv: int, d: int, dev) -> torch.Tensor | None:
+    """A per-KV-head vector argument (``[Hkv, D]`` or ``[B, Hkv, D]``) checked and as
+    ``[1|B, Hkv, D]``; ``None`` stays ``None``."""
+    if t is None:
+        return None
+    check_tensor(name, t, t.dim() if isinstance(t, torch.Tensor) and t.dim() in (2, 3) else 3,
+                 FLOAT_DTYPES, dev)
+    out = t if t.dim() == 3 else t.unsqueeze(0)
+    check_shape(name, out, (out.shape[0], hkv, d))
+    if out.shape[0] not in (1, b):
+        raise KernelInputError(f"{name} batch {out.shape[0]} must be 1 or {b}.")
+    return out
+
+
 def decode_attention(
     q: torch.Tensor,
     k_codes: torch.Tensor | None,
@@ -590,22 +604,8 @@ def decode_attention(
         check_tensor("valid_start", valid_start, 1, INT_DTYPES, dev)
         check_shape("valid_start", valid_start, (b,))
         start = valid_start
-    bal = None
-    if balancer is not None:
-        check_tensor("balancer", balancer, balancer.dim() if isinstance(balancer, torch.Tensor)
-                     and balancer.dim() in (2, 3) else 3, FLOAT_DTYPES, dev)
-        bal = balancer if balancer.dim() == 3 else balancer.unsqueeze(0)
-        check_shape("balancer", bal, (bal.shape[0], hkv, d))
-        if bal.shape[0] not in (1, b):
-            raise KernelInputError(f"balancer batch {bal.shape[0]} must be 1 or {b}.")
-    mu = None
-    if key_mean is not None:
-        check_tensor("key_mean", key_mean, key_mean.dim() if isinstance(key_mean, torch.Tensor)
-                     and key_mean.dim() in (2, 3) else 3, FLOAT_DTYPES, dev)
-        mu = key_mean if key_mean.dim() == 3 else key_mean.unsqueeze(0)
-        check_shape("key_mean", mu, (mu.shape[0], hkv, d))
-        if mu.shape[0] not in (1, b):
-            raise KernelInputError(f"key_mean batch {mu.shape[0]} must be 1 or {b}.")
+    bal = _head_vectors("balancer", balancer, b, hkv, d, dev)
+    mu = _head_vectors("key_mean", key_mean, b, hkv, d, dev)
 
     bg = max(16, next_pow2(gq))
     bd = max(16, next_pow2(d))
@@ -646,10 +646,9 @@ def decode_attention(
     start_arg = start if start is not None else dummy
     qs = (q.stride(0), q.stride(1), q.stride(3))
     if n_packed:
-        bal_args = (bal, 0 if bal.shape[0] == 1 else bal.stride(0), bal.stride(1),
-                    bal.stride(2)) if bal is not None else (dummy, 0, 0, 0)
-        mu_args = (mu, 0 if mu.shape[0] == 1 else mu.stride(0), mu.stride(1),
-                   mu.stride(2)) if mu is not None else (dummy, 0, 0, 0)
+        bal_args, mu_args = ((x, 0 if x.shape[0] == 1 else x.stride(0), x.stride(1),
+                              x.stride(2)) if x is not None else (dummy, 0, 0, 0)
+                             for x in (bal, mu))
         pv_args = (pvalid, *pvalid.stride()) if pvalid is not None else (dummy, 0, 0, 0)
         nkg, ndg = d // kgeo[2], d // vgeo[2]
         # per-tensor scales have one column: stride 0 reads it for every channel
