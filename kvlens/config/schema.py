@@ -98,7 +98,6 @@ FP_DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn", "exact")
 SCALE_DTYPES = ("float16", "float32", "8bit")
 SET_BITS = (4, 8)  # integer widths of the MiKV importance set (None: fp_dtype)
 CODEBOOK_TENSORS = ("value",)  # tensors a codebook spec may store (keys: docs/codebooks.md)
-CENTERING_REFUSED = "center_keys needs quantized uniform keys (a key spec)"
 
 
 @dataclass(frozen=True)
@@ -187,8 +186,8 @@ class LayerKV:
             raise ConfigError("key_format/value_format (an engine's cache types) cannot be "
                               "combined with kvlens quantization specs, a residual window, "
                               "pre-RoPE keys, center_keys or rotate_keys/rotate_values (the "
-                              "engine type "
-                              "carries its own rotation: +rot/+norot); set key/value to null, "
+                              "engine type carries its own rotation: +rot/+norot); set "
+                              "key/value to null, "
                               "residual_tokens 0 and the flags false.")
 
     @property
