@@ -847,3 +847,29 @@ def test_centred_config_runs_in_generate_and_holds_its_predicted_bytes(tmp_path)
     rep = memory_report(cache)
     assert rep["breakdown"] == config_part_bytes(loaded, shape_of(model), tokens)
     assert rep["breakdown"]["means"] == 3 * 2 * 2 * 16  # 3 layers, float16 [Hkv=2, D=16]
+
+
+def test_a_given_mean_key_is_used_not_recomputed(tmp_path):
+    """The retrieval probe and the layout sensitivity measure on other data than the capture
+    (the probe's own capture, one sample): they are handed the capture's mean, as the config
+    stores it, and must code with that one."""
+    from kvlens.capture.store import open_capture
+    from kvlens.quant import QuantSpec, fake_quantize
+    from kvlens.quant.centering import quantize_centered
+    from kvlens.recommend.layer_errors import layer_variants, mean_key
+
+    path = _planted_capture(tmp_path / "p.h5")
+    opts = RecommendOptions(budget_bits=4.0, group_sizes=(32,), bits=(2,), centering=True)
+    c = Candidate("key", 2, "per-token", 32, center=True)
+    given = torch.zeros(2, 32)  # not the capture's mean
+    with open_capture(path) as cap:
+        layer = next(iter(cap.iter_layers()))
+        _, k, _, variants, _, _, books = layer_variants(layer, cap.meta, [c], opts,
+                                                        codebooks={mean_key("post"): given})
+        _, _, _, own, _, _, fitted = layer_variants(layer, cap.meta, [c], opts)
+    assert books[mean_key("post")] is given
+    assert torch.equal(variants[c].k_hat, quantize_centered(
+        k, given, lambda x: fake_quantize(x, QuantSpec(2, "per-token", 32), "8bit")))
+    # the planted offsets, mostly averaged away by RoPE after it (docs/codebooks.md), not all
+    assert fitted[mean_key("post")].abs().max() > 0.25
+    assert not torch.equal(own[c].k_hat, variants[c].k_hat)
