@@ -74,6 +74,12 @@ def _valid_configs() -> list[dict]:
                         codebooks={1: {"key": (-1.5, -0.5, 0.5, 1.5),
                                        "value": (-2.0, -1.0, -0.5, -0.125, 0.125, 0.5, 1.0,
                                                  2.0)}}).to_dict())
+    tok = QuantSpec(2, "per-token", 32)
+    out.append(KVConfig("centred", LayerKV(tok, spec, 64, pre_rope_keys=True, center_keys=True),
+                        {1: LayerKV(tok, tok, 64, rotate_keys=True, center_keys=True),
+                         2: LayerKV(tok, tok, 64)}, mikv=MikvSettings(0.0, 4, "off"),
+                        key_means={0: ((0.5, -0.25), (1.0, 2.0)),
+                                   1: ((0.0, 0.125), (-1.0, 3.0))}).to_dict())
     return [json.loads(json.dumps(d)) for d in out]
 
 
@@ -104,7 +110,7 @@ SPEC = {"version": {"int", "bool"}, "bits": {"int"}, "granularity": {"str"},
 LAYER = {"key": {"object", "null"}, "value": {"object", "null"},
          "residual_tokens": {"int"}, "flush_tokens": {"int"}, "pre_rope_keys": {"bool"},
          "rotate_keys": {"bool"}, "rotate_values": {"bool"}, "key_format": {"str", "null"},
-         "value_format": {"str", "null"}}
+         "value_format": {"str", "null"}, "center_keys": {"bool"}}
 MIKV = {"heavy_fraction": NUMBER, "sink_tokens": {"int"}, "balancer": {"str"},
         "balancer_exponent": NUMBER, "set_bits": {"int", "null"}, "layers": {"list", "null"}}
 GEAR = {"rank": {"int"}, "outlier_fraction": NUMBER, "power_iters": {"int"},
@@ -113,7 +119,8 @@ TOP = {"format": {"str"}, "version": {"int"}, "name": {"str"}, "description": {"
        "default": {"object"}, "layers": {"object", "null"}, "mikv": {"object", "null"},
        "gear": {"object", "null"}, "balancers": {"object", "null"}, "scale_dtype": {"str"},
        "fp_dtype": {"str"}, "rotation_seed": {"int", "null"}, "model": {"object", "null"},
-       "kv_scales": {"object", "null"}, "engine_attention": {"str", "null"}}
+       "kv_scales": {"object", "null"}, "engine_attention": {"str", "null"},
+       "key_means": {"object", "null"}}
 
 
 def _typed_fields(doc: dict):
@@ -208,7 +215,7 @@ def test_a_removed_key_is_a_config_error_or_a_config(doc, data):
         assert cfg is None  # required
 
 
-INDEX_TABLES = ("layers", "balancers", "kv_scales")  # objects keyed by layer index
+INDEX_TABLES = ("layers", "balancers", "kv_scales", "key_means")  # objects keyed by layer index
 
 
 @FAST
@@ -451,6 +458,13 @@ def test_codebook_value_sets_the_value_rotation_and_version_4():
         validate_for(_book_config(codebooks={i: BOOK2 for i in range(3)}), odd)
 
 
+def test_centred_codebook_keys_are_refused():
+    # both version 5, merged from two branches: the codebook key read path adds no mean back
+    with pytest.raises(ConfigError, match="center_keys cannot be combined with a codebook key"):
+        LayerKV(CodebookSpec(3), QuantSpec(4, "per-token"), center_keys=True)
+    assert LayerKV(QuantSpec(2, "per-token", 32), None, center_keys=True).center_keys
+
+
 def test_codebook_keys_set_the_key_rotation_and_version_5():
     """Codebook keys (version 5): the key rotation follows the codebook, a file of an older
     version is refused naming version 5, fitted key centroids are required against the model,
@@ -496,3 +510,68 @@ def test_codebook_keys_set_the_key_rotation_and_version_5():
     with pytest.raises(ConfigError, match="need KV config version 5"):
         config_from_dict(normal.to_dict() | {"version": 4})
     assert {d["version"] for d in VALID if d["name"] == "codebook"} == {4}
+
+
+# -- centred keys (version 5) ---------------------------------------------------------------------
+
+MEAN = ((0.5, -0.25), (1.0, 2.0))  # [Hkv=2][D=2]
+TOK = QuantSpec(2, "per-token", 32)
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: LayerKV(None, TOK, 32, center_keys=True), "keys are not quantized"),
+    (lambda: LayerKV(TOK, TOK, 32, center_keys=1), "Invalid center_keys 1"),
+    (lambda: KVConfig("c", LayerKV(TOK, TOK, 32), key_means={0: MEAN}),
+     "layer 0 does not centre its keys"),
+    (lambda: KVConfig("c", LayerKV(TOK, TOK, 32, center_keys=True),
+                      key_means={0: ((0.5, -0.25), (1.0,))}), "one list per KV head"),
+    (lambda: KVConfig("c", LayerKV(TOK, TOK, 32, center_keys=True),
+                      key_means={0: ((float("nan"), 0.0),)}), "finite numbers"),
+    (lambda: KVConfig("c", LayerKV(TOK, TOK, 32, center_keys=True), key_means={0: MEAN},
+                      gear=GearSettings()), "gear cannot be combined with center_keys"),
+])
+def test_centred_key_configs_refused_with_the_reason(make, message):
+    with pytest.raises(ConfigError, match=message):
+        make()
+
+
+def test_centred_keys_are_version_5_and_need_their_means():
+    tok2 = QuantSpec(2, "per-token", 2)  # fits head_dim 2
+    cfg = KVConfig("c", LayerKV(tok2, tok2, 32, center_keys=True), key_means={0: MEAN, 1: MEAN})
+    assert cfg.format_version == 5 and cfg.key_mean_for(1) == MEAN and cfg.key_mean_for(2) is None
+    doc = cfg.to_dict()
+    assert doc["default"]["center_keys"] is True and doc["key_means"]["0"] == [[0.5, -0.25],
+                                                                              [1.0, 2.0]]
+    assert config_from_dict(json.loads(json.dumps(doc))) == cfg
+    for version in (1, 2, 3, 4):  # an older version cannot express it
+        with pytest.raises(ConfigError, match="need KV config version 5"):
+            config_from_dict(doc | {"version": version})
+    info = SimpleNamespace(num_layers=3, head_dim=2, num_key_value_heads=2, declares_rope=True,
+                           architecture="Synthetic")
+    with pytest.raises(ConfigError, match=r"layer 2 centres its keys \(center_keys\) but gives "
+                                          r"no mean; add key_means.2"):
+        validate_for(cfg, info)
+    with pytest.raises(ConfigError, match=r"key_means for layers \[1\]"):
+        validate_for(cfg, SimpleNamespace(**(vars(info) | {"num_layers": 1})))
+    with pytest.raises(ConfigError, match=r"key_means.0 has shape \[2, 2\] but the model needs "
+                                          r"\[num_key_value_heads=1, head_dim=2\]"):
+        validate_for(cfg, SimpleNamespace(**(vars(info) | {"num_key_value_heads": 1})))
+    validate_for(replace(cfg, key_means={i: MEAN for i in range(3)}), info)
+
+
+# A version-4 file as kvlens wrote it before version 5 (codebook values, 8-bit metadata): this
+# kvlens reads it unchanged and writes it back as version 4 (no centring in it).
+V4_FILE = """{"format": "kvlens.kvconfig", "version": 4, "name": "cb", "description": "",
+ "default": {"key": {"version": 1, "bits": 2, "granularity": "per-channel", "group_size": 32,
+   "symmetric": false}, "value": {"version": 1, "bits": 2, "codebook": "fitted",
+   "rotation": {"version": 1, "seed": null}, "renormalize": true}, "residual_tokens": 32,
+   "flush_tokens": 0, "pre_rope_keys": false, "rotate_keys": false, "rotate_values": true},
+ "layers": {}, "mikv": null, "balancers": null, "scale_dtype": "8bit", "fp_dtype": "float16",
+ "rotation_seed": null, "model": null, "codebooks": {"0": {"value": [-1.5, -0.5, 0.5, 1.5]}}}"""
+
+
+def test_a_version_4_file_reads_unchanged():
+    doc = json.loads(V4_FILE)
+    cfg = config_from_dict(doc)
+    assert not cfg.default.center_keys and cfg.key_means == {}
+    assert cfg.format_version == 4 and cfg.to_dict() == doc

@@ -91,10 +91,27 @@ def _codebook_keys() -> KVConfig:
                     codebooks={1: {"key": (-1.5, -0.5, 0.5, 1.5), "value": BOOK3}})
 
 
+def _centred() -> KVConfig:
+    """Centred keys as `recommend --centering` writes them: post-RoPE per-token keys with a fixed
+    balancer and sinks (default), rotated (layer 1), pre-RoPE (layer 2); a mean per layer."""
+    s = QuantSpec
+    default = LayerKV(s(2, "per-token", 8), s(2, "per-token", 8), R, flush_tokens=8,
+                      center_keys=True)
+    layers = {1: LayerKV(s(4, "per-token", 16), s(2, "per-token", 8), R, rotate_keys=True,
+                         center_keys=True),
+              2: LayerKV(s(2, "per-token", 8), s(2, "per-channel", 8), R, pre_rope_keys=True,
+                         center_keys=True)}
+    mean = tuple(tuple(0.25 * (h + 1) * (c % 3 - 1) for c in range(16)) for h in range(2))
+    return KVConfig("centred", default, layers, mikv=MikvSettings(0.0, 4, "fixed"),
+                    balancers={0: ((1.5,) * 16, (0.5,) * 16)},
+                    key_means={i: mean for i in range(3)})
+
+
 CONFIGS = {name: _scaled(cfg) for name, cfg in PRESETS.items()} | {
     "mixed": _mixed(), "mixed-8bit": replace(_mixed(), name="mixed-8bit", scale_dtype="8bit"),
     "codebook": _codebook(), "codebook-keys": _codebook_keys(),
-    "vllm-turboquant": engine_config("vllm:turboquant_k3v4_nc", num_layers=3).config}
+    "vllm-turboquant": engine_config("vllm:turboquant_k3v4_nc", num_layers=3).config,
+    "centred": _centred()}
 
 
 def _shape(model) -> ModelShape:
@@ -153,7 +170,8 @@ def test_formula_bits_equal_held_bits_at_long_contexts(name):
     """Caches filled to 256, 1024 and 4096 tokens (real window of 32, chunked prefill) hold
     exactly the formula's bits; a left-padded batch of 2 too."""
     model = _model("gemma3")  # sliding (window 8) and global layers
-    config = _scaled(CONFIGS[name], 32) if not name.startswith(("mixed", "codebook", "vllm")) \
+    config = _scaled(CONFIGS[name], 32) if not name.startswith(
+        ("mixed", "codebook", "vllm", "centred")) \
         else CONFIGS[name]
     shape = _shape(model)
     ids = torch.randint(3, 128, (2, 4096), generator=torch.Generator().manual_seed(2))

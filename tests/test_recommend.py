@@ -760,3 +760,123 @@ def test_codebook_values_are_measured_priced_and_written(tmp_path):
     plain = choose(m, replace(opts, codebooks=False))
     assert not any(ch.candidate.codebook for ch in plain.choices) and not plain.config.codebooks
     assert rec.expected_output_error < plain.expected_output_error
+
+
+def _only_centred_keys(m):
+    """``m`` with every key candidate but the centred ones dropped (the allocation must take
+    them): the config-writing path, whatever the planted data would have chosen."""
+    return replace(m, tables=[{cs: e for cs, e in t.items()
+                               if cs[0].tensor == "value" or cs[0].center} for t in m.tables])
+
+
+def test_centred_key_candidates_are_measured_priced_and_written(tmp_path):
+    """Planted pre-RoPE keys with two offset channels (+25, -18 on every token): the pre-RoPE
+    mean computed on the capture finds them, centred 2-bit per-token keys code them with far
+    lower output error than uncentred ones, they cost one float16 mean per KV head more (the
+    layout's count), and the written config holds the means (version 5) and loads."""
+    from kvlens.cache.layout import ModelShape
+    from kvlens.quant.centering import centering_bytes
+    from kvlens.recommend.layer_errors import mean_key
+
+    path = _planted_capture(tmp_path / "p.h5")
+    assert not RecommendOptions(budget_bits=3.0).centering  # opt-in (--centering)
+    opts = RecommendOptions(budget_bits=4.0, group_sizes=(32,), bits=(2, 4), balancer=False,
+                            sensitivity="uniform", retrieval="off", centering=True)
+    cands = candidates(32, opts, has_rope=True)
+    centred = {c for c in cands if c.center}
+    assert centred == {Candidate("key", b, "per-token", 32, stage=st, rotate=r, center=True)
+                       for b in (2, 4) for st, r in (("post", False), ("pre", False),
+                                                     ("post", True))}
+    assert not any(c.center for c in candidates(32, replace(opts, centering=False), True))
+    # the fused kernel reads centred post-RoPE keys (not pre-RoPE ones)
+    fast = {c for c in candidates(32, replace(opts, prefer_fast=True), True) if c.center}
+    assert fast == {c for c in centred if c.stage == "post"}
+    m = measure(path, opts)
+    for layer in (0, 1):
+        mu = m.codebooks[layer][mean_key("pre")]
+        assert mu.shape == (2, 32)
+        assert mu[:, 3].tolist() == pytest.approx([25.0, 25.0], abs=0.2)
+        assert mu[:, 20].tolist() == pytest.approx([-18.0, -18.0], abs=0.2)
+        assert mean_key("post") in m.codebooks[layer]
+        table = m.tables[layer]
+        pre = Candidate("key", 2, "per-token", 32, stage="pre")
+        s = next(s for c, s in table if c == pre)
+        assert table[replace(pre, center=True), s][0] < 0.5 * table[pre, s][0]
+    shape, v = ModelShape(2, 2, 32), Candidate("value", 2, "per-token", 32)
+    k = Candidate("key", 2, "per-token", 32, stage="pre")
+    f = opts.layer_flush(k)
+    diff = option_bytes(replace(k, center=True), v, f, opts, shape, 0)[0] - \
+        option_bytes(k, v, f, opts, shape, 0)[0]
+    assert diff == centering_bytes(2, 32) == 2 * 2 * 32
+    rec = choose(_only_centred_keys(m), opts)
+    cfg = rec.config
+    assert cfg.format_version == 5 and set(cfg.key_means) == {0, 1}
+    for ch in rec.choices:
+        if ch.tensor == "key":
+            c = ch.candidate
+            assert c.center and cfg.layer(ch.layer).center_keys
+            assert cfg.layer(ch.layer).pre_rope_keys == (c.stage == "pre")
+            want = m.codebooks[ch.layer][mean_key(c.stage)].tolist()
+            assert [list(r) for r in cfg.key_mean_for(ch.layer)] == want
+    assert rec.mean_bits <= 4.0
+    out = tmp_path / "kv.json"
+    save_config(cfg, out)
+    assert load_config(out).to_dict() == cfg.to_dict()
+
+
+def test_centred_config_runs_in_generate_and_holds_its_predicted_bytes(tmp_path):
+    """A tiny Llama's capture -> recommend --centering (centred keys taken) -> JSON -> load ->
+    compressed generation: the cache holds exactly the bytes the layout predicts, means
+    included, and reports them under 'means'."""
+    from kvlens.cache import compressed_attention, memory_report
+    from kvlens.cache.layout import config_part_bytes, shape_of
+    from kvlens.config import validate_for
+    from kvlens.evaluation.decode import greedy
+    from kvlens.model.architecture import describe
+
+    model = tiny_model("llama")
+    ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(0))
+    cap = tmp_path / "tiny.h5"
+    capture_model(model, ids, cap)
+    opts = RecommendOptions(budget_bits=5.0, context=512, group_sizes=(16,), residual_tokens=16,
+                            centering=True)
+    rec = choose(_only_centred_keys(measure(cap, opts)), opts)
+    out = tmp_path / "cfg.json"
+    save_config(rec.config, out)
+    loaded = load_config(out)
+    assert loaded.to_dict() == rec.config.to_dict() and loaded.key_means
+    validate_for(loaded, describe(model))
+    prompt = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    with compressed_attention(model, loaded, backend="torch") as session:
+        new, cache = greedy(model, prompt, session, 8)
+    assert new.shape == (1, 8)
+    tokens = cache.get_seq_length()
+    rep = memory_report(cache)
+    assert rep["breakdown"] == config_part_bytes(loaded, shape_of(model), tokens)
+    assert rep["breakdown"]["means"] == 3 * 2 * 2 * 16  # 3 layers, float16 [Hkv=2, D=16]
+
+
+def test_a_given_mean_key_is_used_not_recomputed(tmp_path):
+    """The retrieval probe and the layout sensitivity measure on other data than the capture
+    (the probe's own capture, one sample): they are handed the capture's mean, as the config
+    stores it, and must code with that one."""
+    from kvlens.capture.store import open_capture
+    from kvlens.quant import QuantSpec, fake_quantize
+    from kvlens.quant.centering import quantize_centered
+    from kvlens.recommend.layer_errors import layer_variants, mean_key
+
+    path = _planted_capture(tmp_path / "p.h5")
+    opts = RecommendOptions(budget_bits=4.0, group_sizes=(32,), bits=(2,), centering=True)
+    c = Candidate("key", 2, "per-token", 32, center=True)
+    given = torch.zeros(2, 32)  # not the capture's mean
+    with open_capture(path) as cap:
+        layer = next(iter(cap.iter_layers()))
+        _, k, _, variants, _, _, books = layer_variants(layer, cap.meta, [c], opts,
+                                                        codebooks={mean_key("post"): given})
+        _, _, _, own, _, _, fitted = layer_variants(layer, cap.meta, [c], opts)
+    assert books[mean_key("post")] is given
+    assert torch.equal(variants[c].k_hat, quantize_centered(
+        k, given, lambda x: fake_quantize(x, QuantSpec(2, "per-token", 32), "8bit")))
+    # the planted offsets, mostly averaged away by RoPE after it (docs/codebooks.md), not all
+    assert fitted[mean_key("post")].abs().max() > 0.25
+    assert not torch.equal(own[c].k_hat, variants[c].k_hat)

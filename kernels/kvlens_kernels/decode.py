@@ -34,6 +34,8 @@ its KV head so packed bytes are read once):
    the softmax weights: ``out[j-th channel group] += dot(p * v_scale[:, j], codes[:, group j]) +
    sum_t p * v_zero[:, j]`` as a batched dot over the ``D/Gv`` channel groups. The channel
    balancer is folded into ``q`` (``q / balancer``) and ``scaling * log2(e)`` too (``exp2``).
+   Centred keys (the store holds ``k - mu``): every packed score gets ``q · mu`` (the query
+   before the balancer), computed once per program: ``q · (deq + mu)`` without touching codes.
    Online softmax per split; writes the unnormalised output, running max and sum.
 2. ``_dense_split_kernel``, same idea for a full-precision segment (residual window, each extra
    set): its splits are further rows of the same partial buffers.
@@ -127,6 +129,7 @@ def _token_mask(b, pos, valid, mask_ptr, smb, smn, start_ptr,
 def _packed_split_kernel(
     q_ptr, sqb, sqh, sqd,  # [B, Hq, 1, D] query (T stride unused)
     bal_ptr, sbb, sbh, sbd,  # balancer [B|1, Hkv, D] (sbb = 0 when shared)
+    mu_ptr, smub, smuh, smud,  # mean key of centred keys [B|1, Hkv, D] (smub = 0 when shared)
     kc_ptr, skcb, skch, skct, skcd,  # key codes uint8: [B, Hkv, cap/Pk, D] or [B, Hkv, cap, D/Pk]
     ks_ptr, sksb, sksh, skst, sksd,  # key scale [B, Hkv, rows, cols] (skst/sksd per layout)
     kz_ptr, skzb, skzh, skzt, skzd,  # key zero, same shape
@@ -157,7 +160,7 @@ def _packed_split_kernel(
     GV: tl.constexpr, GV_P: tl.constexpr,  # per-token values: channels per group and pad
     NDG: tl.constexpr, NDG_P: tl.constexpr,  # per-token values: groups per token (D/GV) and pad
     HAS_BAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_START: tl.constexpr,
-    HAS_PVALID: tl.constexpr,
+    HAS_PVALID: tl.constexpr, HAS_MU: tl.constexpr,
 ):
     pid = tl.program_id(0)
     sid = tl.program_id(1)
@@ -169,6 +172,9 @@ def _packed_split_kernel(
     dmask = di < D
     q = tl.load(q_ptr + b * sqb + (h * GQ + gi[:, None]) * sqh + di[None, :] * sqd,
                 mask=gmask[:, None] & dmask[None, :], other=0.0).to(tl.float32) * qscale
+    if HAS_MU:  # centred keys: the score shift q . mu (log2 units), before the balancer
+        mu = tl.load(mu_ptr + b * smub + h * smuh + di * smud, mask=dmask, other=0.0)
+        qmu = tl.sum(q * mu.to(tl.float32)[None, :], axis=1)  # [BG]
     if HAS_BAL:
         bal = tl.load(bal_ptr + b * sbb + h * sbh + di * sbd, mask=dmask, other=1.0)
         q = q / bal.to(tl.float32)[None, :]
@@ -236,6 +242,8 @@ def _packed_split_kernel(
                 kcode = _unpack_at(kc_ptr + b * skcb + h * skch + t[None, :] * skct,
                                    di[:, None], skcd, tv[None, :] & dmask[:, None], KB, KU, KW)
             s = tl.dot(qs, kcode.to(tl.float16)) + bias[:, None]
+        if HAS_MU:
+            s = s + qmu[:, None]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -455,6 +463,20 @@ def _packed_geometry(which: str, layout: str, bits: int, group, codes, scale, ze
     return tok, rows_t, gd
 
 
+def _head_vectors(name: str, t, b: int, hkv: int, d: int, dev) -> torch.Tensor | None:
+    """A per-KV-head vector argument (``[Hkv, D]`` or ``[B, Hkv, D]``) checked and as
+    ``[1|B, Hkv, D]``; ``None`` stays ``None``."""
+    if t is None:
+        return None
+    check_tensor(name, t, t.dim() if isinstance(t, torch.Tensor) and t.dim() in (2, 3) else 3,
+                 FLOAT_DTYPES, dev)
+    out = t if t.dim() == 3 else t.unsqueeze(0)
+    check_shape(name, out, (out.shape[0], hkv, d))
+    if out.shape[0] not in (1, b):
+        raise KernelInputError(f"{name} batch {out.shape[0]} must be 1 or {b}.")
+    return out
+
+
 def decode_attention(
     q: torch.Tensor,
     k_codes: torch.Tensor | None,
@@ -478,6 +500,7 @@ def decode_attention(
     extra: tuple | list = (),
     packed_valid: torch.Tensor | None = None,
     balancer: torch.Tensor | None = None,
+    key_mean: torch.Tensor | None = None,
     key_mask: torch.Tensor | None = None,
     valid_start: torch.Tensor | None = None,
     split_tokens: int | None = None,
@@ -500,6 +523,8 @@ def decode_attention(
     packed_valid: bool ``[B, Hkv, >=length]``, False hides a packed token (MiKV hp copies).
     balancer: ``[Hkv, D]`` or ``[B, Hkv, D]``: keys were stored as ``k * balancer``; the query is
     divided by it for the packed segment only.
+    key_mean: ``[Hkv, D]`` or ``[B, Hkv, D]``: the packed keys are centred (``k - key_mean``,
+    before any balancer); the packed segment's scores get ``q · key_mean`` back.
     key_mask: bool ``[B, N]`` over absolute positions, True = attend. valid_start: ``[B]`` ints,
     positions before it are masked (left padding).
     split_tokens: tokens per split of the packed store (multiple of the token block); ``None``
@@ -579,14 +604,8 @@ def decode_attention(
         check_tensor("valid_start", valid_start, 1, INT_DTYPES, dev)
         check_shape("valid_start", valid_start, (b,))
         start = valid_start
-    bal = None
-    if balancer is not None:
-        check_tensor("balancer", balancer, balancer.dim() if isinstance(balancer, torch.Tensor)
-                     and balancer.dim() in (2, 3) else 3, FLOAT_DTYPES, dev)
-        bal = balancer if balancer.dim() == 3 else balancer.unsqueeze(0)
-        check_shape("balancer", bal, (bal.shape[0], hkv, d))
-        if bal.shape[0] not in (1, b):
-            raise KernelInputError(f"balancer batch {bal.shape[0]} must be 1 or {b}.")
+    bal = _head_vectors("balancer", balancer, b, hkv, d, dev)
+    mu = _head_vectors("key_mean", key_mean, b, hkv, d, dev)
 
     bg = max(16, next_pow2(gq))
     bd = max(16, next_pow2(d))
@@ -627,8 +646,9 @@ def decode_attention(
     start_arg = start if start is not None else dummy
     qs = (q.stride(0), q.stride(1), q.stride(3))
     if n_packed:
-        bal_args = (bal, 0 if bal.shape[0] == 1 else bal.stride(0), bal.stride(1),
-                    bal.stride(2)) if bal is not None else (dummy, 0, 0, 0)
+        bal_args, mu_args = ((x, 0 if x.shape[0] == 1 else x.stride(0), x.stride(1),
+                              x.stride(2)) if x is not None else (dummy, 0, 0, 0)
+                             for x in (bal, mu))
         pv_args = (pvalid, *pvalid.stride()) if pvalid is not None else (dummy, 0, 0, 0)
         nkg, ndg = d // kgeo[2], d // vgeo[2]
         # per-tensor scales have one column: stride 0 reads it for every channel
@@ -637,7 +657,7 @@ def decode_attention(
         vss = v_scale.stride()[:3] + ((0,) if v_layout == "per-tensor" else v_scale.stride()[3:])
         vzs = v_zero.stride()[:3] + ((0,) if v_layout == "per-tensor" else v_zero.stride()[3:])
         _packed_split_kernel[(programs, n_packed)](
-            q, *qs, *bal_args,
+            q, *qs, *bal_args, *mu_args,
             k_codes, *k_codes.stride(), k_scale, *kss, k_zero, *kzs,
             v_codes, *v_codes.stride(), v_scale, *vss, v_zero, *vzs,
             *pv_args, *mask_args, start_arg, o_part, m_part, l_part,
@@ -648,7 +668,7 @@ def decode_attention(
             VB=v_bits, VU=vunit[0], VW=vunit[1], V_TOK=vgeo[0], VRT=vgeo[1],
             GV=vgeo[2], GV_P=max(16, next_pow2(vgeo[2])), NDG=ndg, NDG_P=next_pow2(ndg),
             HAS_BAL=bal is not None, HAS_MASK=mask is not None, HAS_START=start is not None,
-            HAS_PVALID=pvalid is not None, K_M8=k_zero_unit is not None,
+            HAS_PVALID=pvalid is not None, HAS_MU=mu is not None, K_M8=k_zero_unit is not None,
             V_M8=v_zero_unit is not None, MB=META8_SCALE_BIAS, MS=META8_SCALE_STEPS)
     base = n_packed
     for dk, dv, dpos, n_tok, pos0, split, n_splits in dense:

@@ -103,6 +103,9 @@ class CompressionSession:
             cents = {t: None if c is None else torch.tensor(c, dtype=torch.float32,
                                                            device=devices[idx])
                      for t, c in cents.items()}
+            mean = self.config.key_mean_for(idx)
+            if mean is not None:
+                mean = torch.tensor(mean, dtype=torch.float16, device=devices[idx])
             layers.append(CompressedLayer(self.config.layer(idx), idx, self.info.head_dim,
                                           scale_dtype=self.config.scale_dtype,
                                           fp_dtype=self.config.fp_dtype,
@@ -112,7 +115,8 @@ class CompressionSession:
                                           gear=self.config.gear_for(idx),
                                           value_centroids=cents["value"],
                                           key_centroids=cents["key"],
-                                          write_first=self.config.write_before_attention))
+                                          write_first=self.config.write_before_attention,
+                                          key_mean=mean))
         return Cache(layers=layers)
 
     def _engine_layer(self, idx: int, window: int | None):

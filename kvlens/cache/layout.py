@@ -36,6 +36,8 @@ H2O sets only), ``accumulators`` (float32 accumulated attention per held token: 
 ``kvlens.cache.codebook``: their codes are ``codes``, densely packed along channels, plus one
 float16 norm per held vector and, for a fitted codebook, its ``2^bits`` float16 centroids per
 layer, held from the layer's first token; ``CodebookSpec.held_bytes`` is the same count),
+``means`` (centred keys, ``LayerKV.center_keys``: the layer's mean key, float16 ``[Hkv, D]``,
+``kvlens.quant.centering.centering_bytes``, held from the layer's first token),
 ``rotations`` (one float32 ``[D, D]`` Hadamard matrix
 shared by every layer that rotates, counted once per device those layers run on).
 
@@ -62,11 +64,12 @@ from kvlens.model.architecture import describe
 from kvlens.model.placement import layer_devices
 from kvlens.quant import CodebookSpec, packed_length
 from kvlens.quant.cachetypes import DenseType, scale_count
+from kvlens.quant.centering import centering_bytes
 from kvlens.quant.codebook import CENTROID_BYTES, NORM_BYTES
 
 PARTS = ("codes", "scales", "zeros", "dense", "window", "sets", "positions", "masks",
          "accumulators", "balancers", "rotations", "blocks", "outliers", "lowrank", "norms",
-         "codebooks")
+         "codebooks", "means")
 FP_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
 # bytes of one group's scale (and of its zero) per config scale_dtype (kvlens.cache.packed)
 SCALE_BYTES = {"float16": 2, "float32": 4, "8bit": 1}
@@ -235,6 +238,8 @@ def layer_part_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batc
         parts["positions"] += batch * (tokens - st.q_start) * POSITION_BYTES
     if balancer and setting.key is not None:
         parts["balancers"] = kv_heads * head_dim * 4
+    if setting.center_keys and setting.key is not None:
+        parts["means"] = centering_bytes(kv_heads, head_dim)
     return parts
 
 

@@ -94,7 +94,8 @@ def triton_decode(query: torch.Tensor, layer, mask: torch.Tensor | None, scaling
                   ) -> tuple[torch.Tensor | None, str | None]:
     """``kvlens_kernels.decode_attention`` over ``layer`` -> (output ``[B, 1, Hq, D]`` or
     ``None``, reason it was not used). Passes the MiKV high-precision set (extra segment, its
-    packed copies hidden) and the channel balancer."""
+    packed copies hidden), the channel balancer and the mean key of centred (post-RoPE) keys in
+    the stored basis (the kernel adds ``q · mu`` to the packed scores)."""
     from kvlens_kernels import decode_attention
 
     b = query.shape[0]
@@ -133,6 +134,7 @@ def triton_decode(query: torch.Tensor, layer, mask: torch.Tensor | None, scaling
         residual_v=_wide(layer.res_v.buf, query.dtype) if layer.n_res else None,
         residual_len=layer.n_res,
         extra=extra, packed_valid=pvalid, balancer=bal, key_mask=key_mask,
+        key_mean=layer.stored_key_mean() if layer.key_mean is not None else None,
         k_zero_unit=ks.zero_unit, v_zero_unit=vs.zero_unit)
     return out.transpose(1, 2), None
 

@@ -58,7 +58,7 @@ KVLENS_ONLY = ("residual", "windows", "flush", "sinks", "bits", "group_sizes", "
                "value_fits", "window_dtype", "scale_dtype", "pre_rope", "no_balancer",
                "exponent", "thorough", "no_mikv", "mikv_bits", "mikv_fractions", "sensitivity",
                "retrieval", "retrieval_weight", "prefer_fast", "name", "retrieval_prompts",
-               "workers", "layout_layers", "codebooks")
+               "workers", "layout_layers", "codebooks", "centering")
 TARGET_ONLY = ("max_kld", "kld_anchors")  # refused without --target ENGINE
 PLACEMENT = ("device_map", "max_memory", "offload_folder")
 
@@ -133,6 +133,11 @@ def recommend(
                                         "codebooks of rotated values with a norm per vector, "
                                         "docs/codebooks.md; not with --prefer-fast or "
                                         "--no-rotation)."),
+    centering: bool = typer.Option(False, "--centering", rich_help_panel=BUDGET,
+                                   help="Also centred per-token key candidates (2-4 bits; the "
+                                        "layer's mean key, computed on the capture, subtracted "
+                                        "before quantizing, stored in the config and added back "
+                                        "on read; docs/codebooks.md)."),
     thorough: bool = typer.Option(False, "--thorough", rich_help_panel=BUDGET,
                                   help="The full search: also GEAR twins and MiKV "
                                        "importance-set candidates (heavy hitters by accumulated "
@@ -290,7 +295,7 @@ def recommend(
                                 fp_dtype=window_dtype, scale_dtype=scale_dtype,
                                 pre_rope=pre_rope, balancer=not no_balancer,
                                 rotation=not no_rotation, mikv=thorough and not no_mikv,
-                                gear=thorough, codebooks=codebooks,
+                                gear=thorough, codebooks=codebooks, centering=centering,
                                 mikv_set_bits=_ints(mikv_bits, "--mikv-bits"),
                                 mikv_fractions=_numbers(mikv_fractions, "--mikv-fractions",
                                                         float, "numbers"),

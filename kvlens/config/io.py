@@ -27,8 +27,12 @@ writes them. The meaning of each field is ``kvlens.config.schema``. JSON form::
       "engine_attention": "llamacpp-cpu-fa" | "llamacpp-cpu-nofa"   # optional; version 4
       "codebooks": {"3": {"value": [c_0, ..., c_7]}}     # version 4, fitted centroids
                                                          # ("key": [...]: version 5)
-      "write_before_attention": true           # optional; version 5 (vLLM TurboQuant's order)
+      "write_before_attention": true,          # optional; version 5 (vLLM TurboQuant's order)
+      "key_means": {"3": [[mu_0, ..., mu_{D-1}] per KV head]}   # version 5
     }
+
+A layer setting may add ``"center_keys": true`` (version 5): its keys are stored centred on
+its ``key_means`` entry (``kvlens.config.schema``).
 
 A value spec may be a codebook spec (version 4, ``kvlens.quant.codebook.CodebookSpec``; a key
 spec from version 5), told apart by its ``"codebook"`` key::
@@ -54,10 +58,10 @@ from kvlens.quant import CodebookSpec, QuantSpec
 __all__ = ["FORMAT", "VERSION", "config_from_dict", "load_config", "save_config"]
 
 _LAYER_KEYS = ("key", "value", "residual_tokens", "flush_tokens", "pre_rope_keys",
-               "rotate_keys", "rotate_values", "key_format", "value_format")
+               "rotate_keys", "rotate_values", "key_format", "value_format", "center_keys")
 _TOP_KEYS = ("format", "version", "name", "description", "default", "layers", "mikv", "gear",
              "balancers", "scale_dtype", "fp_dtype", "rotation_seed", "model", "kv_scales",
-             "engine_attention", "codebooks", "write_before_attention")
+             "engine_attention", "codebooks", "write_before_attention", "key_means")
 _V2_LAYER_KEYS = ("key_format", "value_format")
 _MIKV_KEYS = ("heavy_fraction", "sink_tokens", "balancer", "balancer_exponent", "set_bits",
               "layers")
@@ -86,7 +90,7 @@ def _layer(data: Any, base: LayerKV | None, where: str) -> LayerKV:
         if name in data:
             kwargs[name] = _spec(data[name], f"{where}.{name}")
     for name in ("residual_tokens", "flush_tokens", "pre_rope_keys", "rotate_keys",
-                 "rotate_values", "key_format", "value_format"):
+                 "rotate_values", "key_format", "value_format", "center_keys"):
         if name in data:
             kwargs[name] = data[name]
     try:
@@ -138,6 +142,10 @@ def config_from_dict(data: Any) -> KVConfig:
     if version < 4 and (codebook or data.get("codebooks") is not None):
         raise ConfigError('codebook value specs and \'codebooks\' need KV config version 4; set '
                           '"version": 4.')
+    centred = any(s.center_keys for s in (default, *layers.values()))
+    if version < 5 and (centred or data.get("key_means") is not None):
+        raise ConfigError("center_keys and 'key_means' need KV config version 5; set "
+                          '"version": 5.')
     if version < 3 and data.get("scale_dtype") == "8bit":
         raise ConfigError('scale_dtype "8bit" needs KV config version 3; set "version": 3.')
     if version < 2 and data.get("fp_dtype") == "float8_e4m3fn":
@@ -154,7 +162,15 @@ def config_from_dict(data: Any) -> KVConfig:
                     rotation_seed=data.get("rotation_seed"),
                     kv_scales=_kv_scales(data), gear=gear,
                     engine_attention=data.get("engine_attention"), codebooks=_codebooks(data),
-                    write_before_attention=data.get("write_before_attention", False))
+                    write_before_attention=data.get("write_before_attention", False),
+                    key_means=_key_means(data))
+
+
+def _key_means(data: Mapping) -> dict[int, Any]:
+    """``key_means``: per layer, one list of head_dim numbers per KV head (checked by
+    ``KVConfig`` and ``validate_for``)."""
+    return dict(_indexed(data, "key_means", "an object mapping layer indices to "
+                                            "[[mu_0, ...] per KV head]"))
 
 
 def _no_unknown(data: Mapping, allowed: tuple[str, ...], where: str) -> None:

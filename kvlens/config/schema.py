@@ -74,6 +74,17 @@ keys (the rotation and RoPE do not commute). This is the key coding of vLLM's ``
 KV-cache types (``kvlens.config.engine``); ``recommend`` does not offer it (codebook keys lost to
 per-channel pre-RoPE keys on both models measured, docs/codebooks.md).
 
+``center_keys`` (per layer; version 5): the layer's quantized keys are stored centred, ``quant(k
+- mu)``, with ``mu`` one mean key per KV head (``kvlens.quant.centering``), and read back as
+``deq + mu``, so exact (window, sink) keys and coded keys stay on the same footing. ``mu`` lives
+in the config, ``key_means`` (``{layer: [[mu_0 .. mu_{D-1}] per KV head]}``, float16 values,
+computed on a capture by ``recommend``), and is held once per layer by the cache (counted,
+``kvlens.cache.layout``). Its basis is the one the layer quantizes keys in: the **pre-RoPE**
+mean for ``pre_rope_keys`` layers (added back before RoPE is re-applied: lossless, and it
+removes more than the post-RoPE mean, docs/codebooks.md), the **post-RoPE** mean otherwise
+(always unrotated: a ``rotate_keys`` layer subtracts ``mu R`` from ``k R``; with a balancer the
+mean is subtracted before balancing). Not with GEAR or engine-format layers.
+
 A config is written at the oldest version that can express it (``kvlens.config.versions``).
 
 ``validate_for(config, info)`` checks a config against a loaded model (layer count, head_dim,
@@ -117,8 +128,15 @@ class LayerKV:
     # engine cache types (kvlens.quant.cachetypes names, e.g. "q8_0", "f16"): both or neither
     key_format: str | None = None
     value_format: str | None = None
+    # keys stored centred on the config's key_means of the layer (module docstring; version 5)
+    center_keys: bool = False
 
     def __post_init__(self) -> None:
+        # the flags' types first: a codebook spec sets its tensor's rotation flag below
+        for name in ("pre_rope_keys", "rotate_keys", "rotate_values", "center_keys"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"Invalid {name} {getattr(self, name)!r}; allowed: true, "
+                                  "false.")
         if self.key_format is not None or self.value_format is not None:
             self._check_engine()
         self._check_codebook()
@@ -129,10 +147,6 @@ class LayerKV:
         if not is_int(f, 0, r) or (f and not r):
             raise ConfigError(f"Invalid flush_tokens {f!r} for residual_tokens {r}; allowed: 0 "
                               f"(flush the whole window) or 1-{max(r, 1)} (needs a window).")
-        for name in ("pre_rope_keys", "rotate_keys", "rotate_values"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"Invalid {name} {getattr(self, name)!r}; allowed: true, "
-                                  "false.")
         for name, spec in (("rotate_keys", self.key), ("rotate_values", self.value)):
             if getattr(self, name) and spec is None:
                 raise ConfigError(f"{name} is set but that tensor is not quantized, so the "
@@ -143,6 +157,14 @@ class LayerKV:
                               "the Hadamard rotation and RoPE do not commute, so the query "
                               "cannot absorb the rotation (compare-axes measures the "
                               "combination); disable one of them.")
+        if self.center_keys and self.key is None:
+            raise ConfigError("center_keys is set but keys are not quantized, so there is "
+                              "nothing to centre; set a key spec or center_keys: false.")
+        if self.center_keys and isinstance(self.key, CodebookSpec):
+            raise ConfigError("center_keys cannot be combined with a codebook key spec (the "
+                              "codebook codes each key's direction and norm; its read path has "
+                              "no mean to add back); use a uniform key spec or center_keys: "
+                              "false.")
 
     def _check_codebook(self) -> None:
         for name in ("key", "value"):
@@ -192,11 +214,13 @@ class LayerKV:
         parse_cache_type(self.key_format)
         parse_cache_type(self.value_format)
         if (self.key is not None or self.value is not None or self.residual_tokens
-                or self.pre_rope_keys or self.rotate_keys or self.rotate_values):
+                or self.pre_rope_keys or self.rotate_keys or self.rotate_values
+                or self.center_keys):
             raise ConfigError("key_format/value_format (an engine's cache types) cannot be "
                               "combined with kvlens quantization specs, a residual window, "
-                              "pre-RoPE keys or rotate_keys/rotate_values (the engine type "
-                              "carries its own rotation: +rot/+norot); set key/value to null, "
+                              "pre-RoPE keys, center_keys or rotate_keys/rotate_values (the "
+                              "engine type carries its own rotation: +rot/+norot); set "
+                              "key/value to null, "
                               "residual_tokens 0 and the flags false.")
 
     @property
@@ -229,6 +253,8 @@ class LayerKV:
                "rotate_values": self.rotate_values}
         if self.engine:
             out.update(key_format=self.key_format, value_format=self.value_format)
+        if self.center_keys:  # written only when set: older readers read the rest
+            out["center_keys"] = True
         return out
 
     @property
@@ -361,6 +387,8 @@ class KVConfig:
     write_before_attention: bool = False
     # fitted codebook centroids (float16 values, ascending): {layer: {"key"|"value": (c_0, ...)}}
     codebooks: Mapping[int, Mapping[str, tuple[float, ...]]] = field(default_factory=dict)
+    # mean keys of the center_keys layers, float16 values: {layer: ((mu_0..mu_D-1) per KV head)}
+    key_means: Mapping[int, tuple[tuple[float, ...], ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -414,8 +442,42 @@ class KVConfig:
                                                    or spec.granularity == "per-token") else 0)
                     if spec is not None and block:
                         self.gear.check_block(block, None, where)
+                if setting.compressed and setting.center_keys:
+                    raise ConfigError(f"{where}: gear cannot be combined with center_keys (the "
+                                      "sparse and low-rank terms would correct the centred "
+                                      "codes, which the cache does not model); disable one of "
+                                      "them.")
 
         self._check_codebooks()
+        self._check_key_means()
+
+    def _check_key_means(self) -> None:
+        """The shape of ``key_means``: entries only for layers that centre their keys, each a
+        non-empty list (one per KV head) of equally long lists of finite numbers (which layers
+        need one, and the model's head count and head_dim, are checked by ``validate_for``)."""
+        if not isinstance(self.key_means, Mapping):
+            raise ConfigError("'key_means' must map layer indices to [[mu_0, ...] per KV head].")
+        out = {}
+        for idx, rows in self.key_means.items():
+            if not is_int(idx, 0):
+                raise ConfigError(f"key_means.{idx}: allowed: a layer index >= 0.")
+            if not self.layer(idx).center_keys:
+                raise ConfigError(f"key_means.{idx}: layer {idx} does not centre its keys "
+                                  "(center_keys false), so this mean would be unused; remove it "
+                                  "or set center_keys on that layer.")
+            ok = isinstance(rows, (list, tuple)) and rows and all(
+                isinstance(r, (list, tuple)) and len(r) == len(rows[0]) and r and all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+                    for x in r) for r in rows)
+            if not ok:
+                raise ConfigError(f"key_means.{idx}: allowed: one list per KV head of head_dim "
+                                  "finite numbers (the layer's mean key).")
+            out[int(idx)] = tuple(tuple(float(x) for x in r) for r in rows)
+        object.__setattr__(self, "key_means", out)
+
+    def key_mean_for(self, idx: int) -> tuple[tuple[float, ...], ...] | None:
+        """Layer ``idx``'s stored mean keys ``[Hkv][D]`` (``None``: none stored)."""
+        return self.key_means.get(idx)
 
     def _check_write_first(self) -> None:
         """``write_before_attention`` codes each forward's tokens at once: no compressed layer
@@ -505,7 +567,9 @@ class KVConfig:
         return {
             "format": FORMAT, "version": self.format_version, "name": self.name,
             "description": self.description, "default": self.default.to_dict(),
-            "layers": {str(i): v.to_dict() for i, v in sorted(self.layers.items())},
+            "layers": {str(i): v.to_dict() | ({"center_keys": v.center_keys}
+                                              if self.default.center_keys else {})
+                       for i, v in sorted(self.layers.items())},  # overrides merge over default
             "mikv": self.mikv.to_dict() if self.mikv else None,
             **({"gear": self.gear.to_dict()} if self.gear else {}),
             "balancers": {str(i): [list(r) for r in b] for i, b in sorted(self.balancers.items())}
@@ -520,7 +584,9 @@ class KVConfig:
                             for i, s in sorted(self.kv_scales.items())}}
              if self.kv_scales else {}) | ({"engine_attention": self.engine_attention}
                                           if self.engine_attention else {}) | (
-            {"write_before_attention": True} if self.write_before_attention else {})
+            {"write_before_attention": True} if self.write_before_attention else {}) | (
+            {"key_means": {str(i): [list(r) for r in m] for i, m in sorted(self.key_means.items())}}
+            if self.key_means else {})
 
     @property
     def format_version(self) -> int:
@@ -554,6 +620,10 @@ def validate_for(config: KVConfig, info) -> None:
     if bad:
         raise ConfigError(f"Config {config.name!r} gives codebooks for layers {bad}, but the "
                           f"model has {n} layers; allowed indices: 0-{n - 1}.")
+    bad = sorted(i for i in config.key_means if i >= n)
+    if bad:
+        raise ConfigError(f"Config {config.name!r} gives key_means for layers {bad}, but the "
+                          f"model has {n} layers; allowed indices: 0-{n - 1}.")
     bad = sorted(i for i in config.kv_scales if i >= n)
     if bad:
         raise ConfigError(f"Config {config.name!r} gives kv_scales for layers {bad}, but the "
@@ -574,6 +644,7 @@ def validate_for(config: KVConfig, info) -> None:
                                   f"fitted {book.bits}-bit codebook but gives no centroids; add "
                                   f'codebooks.{idx}.{tensor} ({book.levels} numbers, e.g. from '
                                   "`kvlens recommend`) or use codebook \"lloyd-max\".")
+        _check_layer_mean(config, idx, hkv, d)
         for what, spec in (("key", layer.key), ("value", layer.value)):
             if spec is not None:
                 check_layout(spec, layer.residual_tokens, d, f"layer {idx} {what}",
@@ -609,3 +680,17 @@ def validate_for(config: KVConfig, info) -> None:
         if len(b) != hkv or any(len(r) != d for r in b):
             raise ConfigError(f"balancers.{idx} has shape [{len(b)}, {len(b[0]) if b else 0}] "
                               f"but the model needs [num_key_value_heads={hkv}, head_dim={d}].")
+
+
+def _check_layer_mean(config: KVConfig, idx: int, hkv: int, d: int) -> None:
+    """A centring layer needs its mean keys, ``[num_key_value_heads][head_dim]``."""
+    if not config.layer(idx).center_keys:
+        return
+    mean = config.key_mean_for(idx)
+    if mean is None:
+        raise ConfigError(f"Config {config.name!r} layer {idx} centres its keys (center_keys) "
+                          f"but gives no mean; add key_means.{idx} ({hkv} lists of {d} numbers, "
+                          "e.g. from `kvlens recommend --centering`) or set center_keys: false.")
+    if len(mean) != hkv or len(mean[0]) != d:
+        raise ConfigError(f"key_means.{idx} has shape [{len(mean)}, {len(mean[0])}] but the "
+                          f"model needs [num_key_value_heads={hkv}, head_dim={d}].")

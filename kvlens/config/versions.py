@@ -14,7 +14,9 @@ Versions:
 - 4: ``engine_attention`` (the engine arithmetic engine-format layers attend with); codebook
   value specs (``CodebookSpec``) and the fitted centroids in ``codebooks``.
 - 5: codebook key specs (``CodebookSpec`` as ``key``) and their centroids
-  (``codebooks.<layer>.key``); the ``"lloyd-max-normal"`` codebook; ``write_before_attention``.
+  (``codebooks.<layer>.key``); the ``"lloyd-max-normal"`` codebook; ``write_before_attention``;
+  ``center_keys`` (a layer's keys stored centred on its mean key) and the mean keys in
+  ``key_means``.
 
 The parser that enforces these (``kvlens.config.io``) and the dataclasses that write them
 (``kvlens.config.schema``) both read them from here.
@@ -33,14 +35,15 @@ def oldest_version(config) -> int:
     1 unless it uses a version-2 feature (engine cache types, ``kv_scales``,
     ``mikv.set_bits``, ``mikv.layers``, ``gear``, a spec's ``fit``, fp8 full-precision parts),
     3 with ``scale_dtype`` ``"8bit"``, 4 with ``engine_attention`` or a codebook value spec,
-    5 with a codebook key spec, a ``"lloyd-max-normal"`` codebook or
-    ``write_before_attention``."""
+    5 with a codebook key spec, a ``"lloyd-max-normal"`` codebook, ``write_before_attention``
+    or centred keys."""
     layers = (config.default, *config.layers.values())
     books = [b for lk in layers for b in (lk.key_codebook, lk.value_codebook) if b is not None]
     if any(lk.key_codebook is not None for lk in layers) or any(
             "key" in entry for entry in config.codebooks.values()) or any(
             b.codebook == "lloyd-max-normal" for b in books) or getattr(
-            config, "write_before_attention", False):
+            config, "write_before_attention", False) or config.key_means or any(
+            lk.center_keys for lk in layers):
         return 5
     if getattr(config, "engine_attention", None) or config.codebooks or \
             any(lk.value_codebook is not None for lk in layers):

@@ -8,9 +8,10 @@ Why it is exact (post-RoPE keys). Every score of a query ``q`` against a centred
 ``q · (k_j - mu) = q · k_j - q · mu``: the same shift for every key ``j`` the query reads, and
 softmax is invariant to a constant shift of its inputs, so the attention weights and output
 are unchanged (with the model's causal mask, scaling and GQA mapping: ``mu`` is per KV head, and
-every query head reading that KV head sees its own constant ``q · mu``). A cache may therefore
-store ``quant(k - mu)`` and never add ``mu`` back on the attention path; ``mu`` is kept only to
-give back the keys themselves (the reconstruction metric, ``quantize_centered`` adds it).
+every query head reading that KV head sees its own constant ``q · mu``). That holds only if
+*every* key a query reads is shifted alike: the compressed cache keeps its window and sink keys
+exact (uncentred), so it adds ``mu`` back to the coded ones (``kvlens.cache.layer``: the score
+shift ``q · mu`` on the packed keys), as ``quantize_centered`` does.
 Logit soft-capping (``tanh``, Gemma 2) breaks the invariance: the shift is applied before the
 cap. Gemma 3 and Llama-style models have no cap.
 

@@ -113,7 +113,7 @@ def _fused(kc: Candidate, vc: Candidate, stream: Stream, head_dim: int) -> bool:
     the rule is the dispatch's own, ``kvlens.cache.triton_glue.kernel_layout_problem``)."""
 
     setting = LayerKV(kc.spec(), vc.spec(), stream.residual, kc.stage == "pre",
-                      flush_tokens=stream.flush)
+                      flush_tokens=stream.flush, center_keys=kc.center)
     return kernel_layout_problem(setting, head_dim) is None
 
 

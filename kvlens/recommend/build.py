@@ -1,7 +1,8 @@
 """The versioned ``KVConfig`` a recommendation writes (``build_config``): per-layer settings
 from the chosen candidates and windows, the most common one as the default, and the config-wide
-MiKV, GEAR and balancer sections, and the fitted centroids of the layers that chose codebook
-values (``codebooks``)."""
+MiKV, GEAR and balancer sections, the fitted centroids of the layers that chose codebook
+values (``codebooks``) and the mean keys of the layers that chose centred keys
+(``key_means``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Sequence
 from kvlens.config import KVConfig, LayerKV, MikvSettings
 from kvlens.errors import ConfigError
 from kvlens.recommend.catalog import gear_settings
+from kvlens.recommend.layer_errors import mean_key
 from kvlens.recommend.options import Candidate, RecommendOptions, Stream, listed
 from kvlens.recommend.result import Choice
 
@@ -18,8 +20,8 @@ from kvlens.recommend.result import Choice
 def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balancers,
                  codebooks=None):
     """The versioned ``kvlens.config`` config that ``kvlens generate --config`` consumes.
-    ``codebooks``: per layer ``{bits: kvlens.quant.Codebook}``, the value codebooks the
-    candidates were measured with."""
+    ``codebooks``: per layer ``{bits: kvlens.quant.Codebook, mean_key(stage): [Hkv, D]}``,
+    the value codebooks and mean keys the candidates were measured with."""
 
     by_layer: dict[int, dict[str, Candidate]] = {}
     streams: dict[int, Stream] = {}
@@ -31,7 +33,8 @@ def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balanc
         k, v = pair["key"], pair["value"]
         r, f = streams[layer]
         settings[layer] = LayerKV(k.spec(), v.spec(), r, k.stage == "pre", flush_tokens=f,
-                                  rotate_keys=k.rotate, rotate_values=v.rotate)
+                                  rotate_keys=k.rotate, rotate_values=v.rotate,
+                                  center_keys=k.center)
     default = Counter(settings.values()).most_common(1)[0][0]
     overrides = {i: s for i, s in settings.items() if s != default}
     used = {i: balancers[i] for i, p in by_layer.items() if p["key"].balancer}
@@ -50,6 +53,14 @@ def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balanc
                 raise ConfigError(f"internal: layer {i} chose codebook values but no codebook "
                                   "was fitted for it")
             books[i] = {"value": tuple(float(c) for c in book.centroids.half().float())}
+    means = {}
+    for i, p in by_layer.items():
+        if p["key"].center:
+            mu = (codebooks or {}).get(i, {}).get(mean_key(p["key"].stage))
+            if mu is None:
+                raise ConfigError(f"internal: layer {i} chose centred keys but no mean key was "
+                                  "computed for it")
+            means[i] = tuple(tuple(float(x) for x in row) for row in mu.half().float().tolist())
     mikv = None
     if used or opts.sink_tokens or sets:
         # layers not in mikv.layers keep only the sinks, at fp16 (KVConfig.mikv_for), as their
@@ -63,7 +74,7 @@ def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balanc
         gear=gear_settings(gear_layers) if gear_layers else None,
         balancers={i: tuple(tuple(float(x) for x in row) for row in b.tolist())
                    for i, b in used.items()},
-        fp_dtype=opts.fp_dtype, scale_dtype=opts.scale_dtype, codebooks=books,
+        fp_dtype=opts.fp_dtype, scale_dtype=opts.scale_dtype, codebooks=books, key_means=means,
         description=(f"kvlens recommend for {meta.model}: budget {opts.budget_bits} bits/element "
                      f"at {opts.context} tokens (residual window "
                      f"{listed(sorted({s.residual for s in streams.values()}), '/')}, "

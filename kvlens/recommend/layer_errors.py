@@ -14,7 +14,9 @@ largest window) on, of ``default_tokens`` (four times it).
 
 ``layer_variants`` builds what the cache would give back for each candidate (codebook values:
 ``fake_quantize_codebook`` with the layer's codebook, fitted on the layer's captured values
-once and then given to every later measurement of that layer, as the config will store it),
+once and then given to every later measurement of that layer, as the config will store it;
+centred keys likewise with the layer's mean key, ``mean_key``, computed once on the whole
+capture and handed on in the same per-layer dict),
 ``gear_variant``
 and ``_SetVariants`` the GEAR and MiKV set twins (they depend on the flush block),
 ``measure_layer`` scores them; ``check_windows`` refuses window sizes nothing can be stored
@@ -49,10 +51,19 @@ from kvlens.quant import (
     quantize_pre_rope,
     quantize_rotated,
 )
+from kvlens.quant.centering import key_mean, quantize_centered
 from kvlens.recommend.catalog import gear_settings
 from kvlens.recommend.options import Candidate, RecommendOptions, Stream, listed
 from kvlens.recommend.profile import stage
+from kvlens.rope import apply_rope
 from kvlens.text.selection import format_index_spec
+
+
+def mean_key(stage_name: str) -> tuple[str, str]:
+    """The key of a layer's mean key ``[Hkv, D]`` in the per-layer dict of fitted data that
+    ``layer_variants`` returns beside its value codebooks (``{bits: Codebook}``): one per key
+    stage (``"post"``, ``"pre"``), computed on the capture and stored in the config."""
+    return ("key-mean", stage_name)
 
 
 def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOptions,
@@ -162,9 +173,11 @@ def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptio
     for candidate ``c`` with every token quantized (a ``kvlens.analysis.metrics.Variant``), None
     for MiKV set and GEAR twins (they depend on the flush block: built by ``measure_layer``);
     pre-RoPE candidates are left out when the capture's RoPE cannot be rebuilt (``pre_ok``
-    False). ``codebooks`` ``{bits: Codebook}``: the value codebooks of codebook candidates,
-    given (fitted earlier on this layer) or fitted here on these values (``codebook_for``:
-    norm²-weighted k-means, float16 centroids) and returned."""
+    False). ``codebooks`` ``{bits: Codebook, mean_key(stage): [Hkv, D]}``: the value codebooks
+    of codebook candidates and the mean keys of centred candidates, given (fitted earlier on
+    this layer's capture) or fitted here (``codebook_for``: norm²-weighted k-means on these
+    values, float16 centroids; ``key_mean``: the mean over every sample and token of the
+    layer's captured keys, float16) and returned."""
 
     sel = None if opts.samples is None else list(range(min(opts.samples, meta.num_samples)))
     t = slice(None) if opts.tokens is None else slice(0, opts.tokens)
@@ -191,7 +204,18 @@ def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptio
         if c.stage == "pre" and not pre_ok:
             continue
         spec = c.spec()
-        if c.codebook:  # values: the layer's fitted codebook (the config stores its centroids)
+        if c.center:
+            mk = mean_key(c.stage)
+            if mk not in books:  # the calibration data: every sample and token of the capture
+                with stage("capture read"):
+                    books[mk] = key_mean(layer.read("k_pre" if c.stage == "pre" else "k"))
+            x = k_pre if c.stage == "pre" else k
+            k_hat = quantize_centered(x, books[mk], lambda y, c=c, spec=spec: (
+                quantize_rotated(y, spec, rot, sd) if c.rotate else fake_quantize(y, spec, sd)))
+            if c.stage == "pre":  # given its mean back before RoPE, as the cache reads it
+                k_hat = apply_rope(k_hat, *tables, meta.rope_layout)
+            variants[c] = Variant(k_hat=k_hat)
+        elif c.codebook:  # values: the layer's fitted codebook (the config stores its centroids)
             if c.bits not in books:  # a 1-D k-means on a histogram: milliseconds
                 books[c.bits] = codebook_for(v, spec)
             variants[c] = Variant(v_hat=fake_quantize_codebook(v, spec, books[c.bits]))

@@ -19,6 +19,7 @@ GRANULARITIES = ("per-channel", "per-token")
 #: A codebook candidate's granularity: each vector has its own scale (its float16 norm)
 PER_VECTOR = "per-vector"
 CODEBOOK_BITS = (2, 3)  # codebook values offered (docs/codebooks.md: they win at 2 and 3 bits)
+CENTER_BITS = (2, 3, 4)  # centred key twins offered (centring buys little at 8 bits)
 GEAR_GROUP = 32  # GEAR twins are offered for KIVI's G32 grouping only (measuring cost)
 MIKV_GROUP = 32  # so are MiKV set twins (each is simulated while decoding: measuring cost)
 MIKV_FRACTION_MAX = 0.5  # largest heavy fraction offered (more is no longer a small set)
@@ -58,6 +59,9 @@ class Candidate:
     # with one float16 norm per vector (kvlens.quant.codebook; granularity PER_VECTOR, no
     # groups: group_size 0, rotate True, fit "minmax" unused)
     codebook: bool = False
+    # keys only: stored centred on the layer's mean key, computed on the capture (pre-RoPE mean
+    # for pre-RoPE keys, else post-RoPE; kvlens.quant.centering; the config's key_means)
+    center: bool = False
 
     @classmethod
     def codebook_values(cls, bits: int) -> Candidate:
@@ -72,7 +76,7 @@ class Candidate:
         extra = (" pre" if self.stage == "pre" else "") + (" bal" if self.balancer else "") + \
             (" rot" if self.rotate else "") + (" gear" if self.gear else "") + \
             (f" set{self.mikv_set[0]}@{self.mikv_set[1]:g}" if self.mikv_set else "") + \
-            (" mse" if self.fit == "mse" else "")
+            (" mse" if self.fit == "mse" else "") + (" ctr" if self.center else "")
         return f"{self.bits}b {axis} G{self.group_size}{extra}"
 
     @property
@@ -83,7 +87,7 @@ class Candidate:
             (" +bal" if self.balancer else "") + (" +rotation" if self.rotate else "") + \
             (" +GEAR" if self.gear else "") + \
             (f" +MiKV set {self.mikv_set[1]:g} INT{self.mikv_set[0]}" if self.mikv_set else "") + \
-            (" mse-fit" if self.fit == "mse" else "")
+            (" mse-fit" if self.fit == "mse" else "") + (" +centred" if self.center else "")
         return f"{self.bits}b {self.granularity} G{self.group_size}{extra}"
 
     @property
@@ -173,6 +177,11 @@ class RecommendOptions:
     # capture; torch read path only, so not with prefer_fast; rotated, so not without rotation).
     # Opt-in (--codebooks) until it earns a place at the current defaults (docs/codebooks.md)
     codebooks: bool = False
+    # offer centred twins of the per-token key candidates up to 4 bits (CENTER_BITS; plain,
+    # pre-RoPE and rotated; kvlens.quant.centering, the mean key of each layer computed on the
+    # capture and stored in the config); with prefer_fast only the post-RoPE ones (the fused
+    # kernel adds the mean's score shift; it reads no pre-RoPE keys). Opt-in (--centering) until a paired ablation shows it pays (docs/codebooks.md)
+    centering: bool = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.budget_bits, (int, float)) and 0 < self.budget_bits <= 16):
