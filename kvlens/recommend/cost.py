@@ -24,9 +24,9 @@ layers on one core, so a worker's forward runs at the one-core rate) and every w
 own capture layer and reconstructions (and, when spawned rather than forked, its own runtime).
 
 Peak memory (every process together, the proportional set size ``benchmarks/bench_recommend.py``
-samples): the runtime, the model's float32 weights, the KL stage's log-probabilities (kept
-positions x vocabulary, three copies), and per measuring process one capture layer and every
-candidate's reconstruction of it.
+samples): the runtime, the model's float32 weights, and per measuring process one capture layer,
+every candidate's reconstruction of it and the KL stage's log-probabilities (kept positions x
+vocabulary, three copies).
 """
 
 from __future__ import annotations
@@ -126,8 +126,9 @@ def predict(shape: CostShape) -> Cost:
     variants = s.candidates * s.kv_heads * max(s.samples * s.tokens, s.probe_tokens) \
         * s.head_dim * 4
     logits = 3 * (s.sensitivity_tokens // 2) * s.vocab * 4 if s.params else 0
-    # every process measuring a layer holds one; spawned workers also their own runtime
-    measuring = max(1, s.workers) * (layer_bytes + variants)
+    # every process measuring a layer holds one, and the layout sensitivity's log-probabilities
+    # of its own runs; spawned workers also their own runtime
+    measuring = max(1, s.workers) * (layer_bytes + variants + logits)
     spawned = s.workers * WORKER_BYTES if s.workers > 1 and not s.forked else 0
-    peak = RUNTIME_BYTES + 4 * s.params + logits + measuring + spawned
+    peak = RUNTIME_BYTES + 4 * s.params + measuring + spawned
     return Cost(stages, int(peak))
