@@ -822,6 +822,10 @@ def test_centred_key_candidates_are_measured_priced_and_written(tmp_path):
     out = tmp_path / "kv.json"
     save_config(cfg, out)
     assert load_config(out).to_dict() == cfg.to_dict()
+    # measured with centred twins, allocated without --centering: none of them is chosen
+    plain = choose(m, replace(opts, centering=False))
+    assert not any(ch.candidate.center for ch in plain.choices)
+    assert not plain.config.key_means
 
 
 def test_centred_config_runs_in_generate_and_holds_its_predicted_bytes(tmp_path):

@@ -138,9 +138,10 @@ def _layer_table(layer, meta, cands, probes, opts):
 
 def choose(m: Measurements, opts: RecommendOptions) -> Recommendation:
     """Allocate under ``opts.budget_bits`` from earlier measurements and build the config."""
-    # measured with more fits (or codebooks) than offered now: drop the rest
+    # measured with more fits (or codebooks, or centred keys) than offered now: drop the rest
     tables = [{k: e for k, e in t.items()
-               if (opts.codebooks if k[0].codebook else k[0].fit in opts.fits_for(k[0].tensor))}
+               if (opts.codebooks if k[0].codebook else k[0].fit in opts.fits_for(k[0].tensor))
+               and (opts.centering or not k[0].center)}
               for t in m.tables]
     prof = Profile(dict(m.profile.stages))
     with profiling(prof), stage("allocation"):
