@@ -423,12 +423,17 @@ def test_mixed_engine_and_uncompressed_kvlens_layers_equal_reference(arch, kvlen
 def test_quantized_kvlens_layers_beside_an_engine_layer_equal_all_kvlens(arch, engine_at):
     """4-bit kvlens layers (packed store, evicted blocks on Gemma3's sliding layers) give the
     same logits whether the remaining layer is a float16 kvlens layer or the f16/f16 engine
-    layer that reads back the same values: the packed read path gets the same mask."""
+    layer that reads back the same values: the packed read path gets the same mask. The mixed
+    cache holds what kvlens.cache.layout predicts."""
     model = _model(arch, 64)
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(7))
-    mixed, cache = _engine_logits(model, ids, _mixed(QUANT, {engine_at: ENGINE_F16}), SCHEDULE)
+    config = _mixed(QUANT, {engine_at: ENGINE_F16})
+    mixed, cache = _engine_logits(model, ids, config, SCHEDULE)
     kvlens, _ = _engine_logits(model, ids, _mixed(QUANT, {engine_at: FP16}), SCHEDULE)
     torch.testing.assert_close(mixed, kvlens, atol=2e-5, rtol=1e-5)
+    rep = memory_report(cache)
+    assert rep["unaccounted"] == 0
+    assert rep["breakdown"] == config_part_bytes(config, shape_of(model), 40, 1)
     with torch.no_grad():
         exact = model(ids).logits
     assert (mixed - exact).abs().max() > 1e-3  # the 4-bit layers did quantize
@@ -449,3 +454,23 @@ def test_mixed_config_with_engine_attention_on_gemma3():
     torch.testing.assert_close(mixed[:, :128], kvlens[:, :128], atol=2e-5, rtol=1e-5)
     assert (mixed[:, 128:] - kvlens[:, 128:]).abs().max() > 1e-6  # llama.cpp's decode path ran
     torch.testing.assert_close(mixed[:, 128:], kvlens[:, 128:], atol=5e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("which", ["inner", "outer"])
+def test_mixed_config_in_nested_sessions(which):
+    """Sessions nest (``kvlens.evaluation.kld.score_text`` opens one per config): a mixed
+    config's cache gives the same logits whichever session built it, each layer's mask trimmed
+    once."""
+    model = _model("gemma3", 64)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(9))
+    config = _mixed(QUANT, {0: LayerKV(key_format="q8_0", value_format="q4_0")})
+    alone, _ = _engine_logits(model, ids, config, SCHEDULE)
+    other = _engine("q4_0", "q4_0")
+    with compressed_attention(model, config if which == "outer" else other) as outer, \
+            compressed_attention(model, config if which == "inner" else other) as inner, \
+            torch.no_grad():
+        cache = (inner if which == "inner" else outer).new_cache()
+        kw = {cache_argument_name(model): cache}
+        nested = torch.cat([model(ids[:, a:b], use_cache=True, **kw).logits
+                            for a, b in _spans(ids.shape[1], SCHEDULE)], 1)
+    torch.testing.assert_close(nested, alone, atol=0, rtol=0)

@@ -46,8 +46,11 @@ def make_attention_fn(backend: str = "torch", chunk_tokens: int = CHUNK_TOKENS
                                 dropout=dropout, **kwargs)
             if isinstance(layer, EngineLayer) and layer.engine_attention is None:
                 # the model's own attention over the K/V the engine layer read back; the mask
-                # covers positions from 0 (HistoryLayer), the returned K/V from read_start
-                return original(module, query, key, value, layer.returned_mask(attention_mask),
+                # covers positions from 0 (HistoryLayer), the returned K/V from read_start.
+                # An untagged key: ``original`` may be another session's kvlens attention
+                # (nested sessions), which must not trim the mask again.
+                return original(module, query, key.view_as(key),
+                                value, layer.returned_mask(attention_mask),
                                 scaling=scaling, dropout=dropout, **kwargs)
             if kwargs.get("softcap") or kwargs.get("s_aux") is not None:
                 raise ConfigError("Attention logit soft-capping / attention sinks are not "
