@@ -24,7 +24,7 @@ from kvlens.cache.layout import config_bits, config_part_bytes, shape_of
 from kvlens.config import KVConfig, LayerKV, config_from_dict, validate_for
 from kvlens.errors import ConfigError
 from kvlens.model.hooks import attention_override, cache_argument_name
-from kvlens.quant import engine_rotation, fake_quantize_format, rotate_rows
+from kvlens.quant import QuantSpec, engine_rotation, fake_quantize_format, rotate_rows
 from kvlens.quant.cachetypes import DenseType, parse_cache_type
 
 
@@ -57,7 +57,15 @@ def _scales(n_layers: int, heads: int | None = None, seed: int = 0) -> dict:
             for i in range(n_layers)}
 
 
-def _reference_logits(model, ids, config: KVConfig, chunk: int, record: dict | None = None):
+def _spans(total: int, chunk) -> list[tuple[int, int]]:
+    """Forward calls over ``total`` tokens: ``chunk`` tokens each (an int), or the given sizes
+    (a tuple; e.g. chunked prefill then one-token decode steps)."""
+    sizes = [chunk] * -(-total // chunk) if isinstance(chunk, int) else list(chunk)
+    ends = [min(total, sum(sizes[:i + 1])) for i in range(len(sizes))]
+    return [(a, b) for a, b in zip([0, *ends], ends) if b > a]
+
+
+def _reference_logits(model, ids, config: KVConfig, chunk, record: dict | None = None):
     """Plain reference: DynamicCache keeps exact K/V; the attention function reads them
     quantize-dequantized by ``fake_quantize_format`` (per tensor, per layer setting)."""
     from transformers import DynamicCache
@@ -87,18 +95,19 @@ def _reference_logits(model, ids, config: KVConfig, chunk: int, record: dict | N
     cache = DynamicCache(config=model.config)
     logits = []
     with attention_override(model, factory), torch.no_grad():
-        for c0 in range(0, ids.shape[1], chunk):
+        for a, b in _spans(ids.shape[1], chunk):
             kw = {cache_argument_name(model): cache}
-            logits.append(model(ids[:, c0:c0 + chunk], use_cache=True, **kw).logits)
+            logits.append(model(ids[:, a:b], use_cache=True, **kw).logits)
     return torch.cat(logits, 1)
 
 
-def _engine_logits(model, ids, config: KVConfig, chunk: int):
+def _engine_logits(model, ids, config: KVConfig, chunk):
+    """Logits of ``ids`` through kvlens' cache for ``config`` (``chunk``: as ``_spans``)."""
     with compressed_attention(model, config) as session, torch.no_grad():
         cache = session.new_cache()
         kw = {cache_argument_name(model): cache}
-        logits = [model(ids[:, c0:c0 + chunk], use_cache=True, **kw).logits
-                  for c0 in range(0, ids.shape[1], chunk)]
+        logits = [model(ids[:, a:b], use_cache=True, **kw).logits
+                  for a, b in _spans(ids.shape[1], chunk)]
     return torch.cat(logits, 1), cache
 
 
@@ -364,3 +373,104 @@ def test_engine_attention_in_config_json_and_setting_names():
     with pytest.raises(ConfigError, match="allowed: null .*llamacpp-cpu-fa"):
         _engine("q8_0", "q8_0", engine_attention="cuda")
     assert "engine_attention" not in _engine("q8_0", "q8_0").to_dict()
+
+
+# -- configs mixing engine-format and kvlens layers ------------------------------------------
+# transformers builds one mask per layer type from the first layer of that type
+# (kvlens.cache.layer.HistoryLayer); a sliding engine layer and a sliding kvlens layer in one
+# config must read the same mask. An uncompressed kvlens layer (LayerKV(): float16 window, the
+# model's own attention) attends to exactly what an f16/f16 engine layer reads back, so the two
+# kinds can stand in for each other with equal logits.
+
+FP16 = LayerKV()
+ENGINE_F16 = LayerKV(key_format="f16", value_format="f16")
+# 4-bit kvlens layer: flushes every 4 tokens, so sliding layers evict packed blocks by 40 tokens
+QUANT = LayerKV(QuantSpec(4, "per-channel", 4), QuantSpec(4, "per-token", 32),
+                residual_tokens=8, flush_tokens=4)
+# chunked prefill past the window (8), then decode steps
+SCHEDULE = (7, 7, 7, 5) + (1,) * 14
+
+
+def _mixed(default: LayerKV, layers: dict, **kw) -> KVConfig:
+    return KVConfig("mixed", default, layers, **kw)
+
+
+@pytest.mark.parametrize("kvlens_at", [0, 2], ids=["kvlens-first-sliding",
+                                                   "engine-first-sliding"])
+@pytest.mark.parametrize("arch", ["gemma3", "llama"])
+def test_mixed_engine_and_uncompressed_kvlens_layers_equal_reference(arch, kvlens_at):
+    """Engine q8_0/q4_0 layers beside float16 kvlens layers (Gemma3: one sliding layer of each
+    kind, either one first) equal the plain reference in which the kvlens layers are f16/f16
+    engine layers."""
+    model = _model(arch, 64)
+    eng = LayerKV(key_format="q8_0", value_format="q4_0")
+    config = _mixed(eng, {1: FP16, kvlens_at: FP16})
+    as_engine = _mixed(eng, {1: ENGINE_F16, kvlens_at: ENGINE_F16})
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(6))
+    ref = _reference_logits(model, ids, as_engine, SCHEDULE)
+    got, cache = _engine_logits(model, ids, config, SCHEDULE)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
+    if arch == "gemma3":  # both sliding layers dropped what their window hides
+        assert cache.layers[0].cumulative_length == 40
+        held = [cache.layers[i].held_tokens if i != kvlens_at else cache.layers[i].n_res
+                for i in (0, 2)]
+        assert held == [7, 7]
+
+
+@pytest.mark.parametrize("engine_at", [0, 2], ids=["engine-first-sliding",
+                                                   "kvlens-first-sliding"])
+@pytest.mark.parametrize("arch", ["gemma3", "llama"])
+def test_quantized_kvlens_layers_beside_an_engine_layer_equal_all_kvlens(arch, engine_at):
+    """4-bit kvlens layers (packed store, evicted blocks on Gemma3's sliding layers) give the
+    same logits whether the remaining layer is a float16 kvlens layer or the f16/f16 engine
+    layer that reads back the same values: the packed read path gets the same mask. The mixed
+    cache holds what kvlens.cache.layout predicts."""
+    model = _model(arch, 64)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(7))
+    config = _mixed(QUANT, {engine_at: ENGINE_F16})
+    mixed, cache = _engine_logits(model, ids, config, SCHEDULE)
+    kvlens, _ = _engine_logits(model, ids, _mixed(QUANT, {engine_at: FP16}), SCHEDULE)
+    torch.testing.assert_close(mixed, kvlens, atol=2e-5, rtol=1e-5)
+    rep = memory_report(cache)
+    assert rep["unaccounted"] == 0
+    assert rep["breakdown"] == config_part_bytes(config, shape_of(model), 40, 1)
+    with torch.no_grad():
+        exact = model(ids).logits
+    assert (mixed - exact).abs().max() > 1e-3  # the 4-bit layers did quantize
+    if arch == "gemma3":
+        assert cache.layers[2 - engine_at].q_start > 0  # and evicted packed blocks
+
+
+def test_mixed_config_with_engine_attention_on_gemma3():
+    """llama.cpp's arithmetic on the f16/f16 engine layers (tiled prefill: float32, the model's
+    own arithmetic) beside kvlens layers equals the all-kvlens config in the prefill; decode
+    steps (one query: fp16 V accumulation) stay close."""
+    model = _model("gemma3", 64)
+    ids = torch.randint(3, 128, (1, 131), generator=torch.Generator().manual_seed(8))
+    schedule = (64, 64, 1, 1, 1)
+    mixed, _ = _engine_logits(model, ids, _mixed(QUANT, {0: ENGINE_F16},
+                                                 engine_attention="llamacpp-cpu-fa"), schedule)
+    kvlens, _ = _engine_logits(model, ids, _mixed(QUANT, {0: FP16}), schedule)
+    torch.testing.assert_close(mixed[:, :128], kvlens[:, :128], atol=2e-5, rtol=1e-5)
+    assert (mixed[:, 128:] - kvlens[:, 128:]).abs().max() > 1e-6  # llama.cpp's decode path ran
+    torch.testing.assert_close(mixed[:, 128:], kvlens[:, 128:], atol=5e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("which", ["inner", "outer"])
+def test_mixed_config_in_nested_sessions(which):
+    """Sessions nest (``kvlens.evaluation.kld.score_text`` opens one per config): a mixed
+    config's cache gives the same logits whichever session built it, each layer's mask trimmed
+    once."""
+    model = _model("gemma3", 64)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(9))
+    config = _mixed(QUANT, {0: LayerKV(key_format="q8_0", value_format="q4_0")})
+    alone, _ = _engine_logits(model, ids, config, SCHEDULE)
+    other = _engine("q4_0", "q4_0")
+    with compressed_attention(model, config if which == "outer" else other) as outer, \
+            compressed_attention(model, config if which == "inner" else other) as inner, \
+            torch.no_grad():
+        cache = (inner if which == "inner" else outer).new_cache()
+        kw = {cache_argument_name(model): cache}
+        nested = torch.cat([model(ids[:, a:b], use_cache=True, **kw).logits
+                            for a, b in _spans(ids.shape[1], SCHEDULE)], 1)
+    torch.testing.assert_close(nested, alone, atol=0, rtol=0)

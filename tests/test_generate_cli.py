@@ -297,3 +297,36 @@ def test_generate_runs_centred_keys(tiny_model_dir, tmp_path):
     assert ours["name"] == "tiny-ctr" and 0 < ours["kld"]["mean_kld"]["value"] < 1
     assert ours["kld"]["mean_kld"]["value"] != plain["kld"]["mean_kld"]["value"]
     assert ours["bits_per_element"] > plain["bits_per_element"]
+
+
+def test_generate_kld_mixed_engine_and_kvlens_layers_on_gemma3(tmp_path, tiny_tokenizer):
+    """``--eval kld`` on a tiny Gemma3 (sliding window 8) with configs mixing engine-format and
+    kvlens layers, all in one --compare (their sessions nest): the float16 kvlens layer and the
+    f16/f16 engine layer in its place score identically; the q8_0 engine layer beside 2-bit
+    kvlens layers is scored too."""
+    from tiny_models import save_model_dir, tiny_config
+
+    from kvlens.config import KVConfig, LayerKV, save_config
+    from kvlens.quant import QuantSpec
+
+    config = tiny_config("gemma3")
+    config.vocab_size = len(tiny_tokenizer)
+    config.head_dim = 32  # llama.cpp's q8_0 needs multiples of 32
+    model_dir = save_model_dir(tmp_path / "tiny-gemma3", config, tiny_tokenizer)
+    quant = LayerKV(QuantSpec(2, "per-channel", 8), QuantSpec(2, "per-token", 8), 16)
+    configs = {"kvlens-f16": {0: LayerKV()},
+               "engine-f16": {0: LayerKV(key_format="f16", value_format="f16")},
+               "engine-q8": {2: LayerKV(key_format="q8_0", value_format="q8_0")}}
+    paths = []
+    for name, layers in configs.items():
+        paths.append(tmp_path / f"{name}.json")
+        save_config(KVConfig(name, quant, layers), paths[-1])
+    result = runner.invoke(app, ["generate", "--model", str(model_dir), "--compare",
+                                 ",".join(map(str, paths)), "--eval", "kld",
+                                 "--eval-tokens", "96", "--chunk", "16", "--json"])
+    assert result.exit_code == 0, result.output
+    kvlens_f16, engine_f16, engine_q8 = (r["kld"] for r in json.loads(result.stdout)["results"])
+    for key in ("mean_kld", "p99_kld", "top1_agreement"):
+        assert engine_f16[key] == kvlens_f16[key]
+    assert engine_f16["vs_first"]["mean_kld"]["diff"] == 0.0
+    assert kvlens_f16["mean_kld"]["value"] > 0 and engine_q8["mean_kld"]["value"] > 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvlens.cache.engine import EngineLayer
-from kvlens.cache.layer import LAYER_ATTR
+from kvlens.cache.layer import LAYER_ATTR, held_columns
 from kvlens.cache.torch_read import CHUNK_TOKENS, packed_attention
 from kvlens.cache.triton_glue import triton_decode, triton_unsupported
 from kvlens.errors import BackendError, ConfigError
@@ -44,6 +44,14 @@ def make_attention_fn(backend: str = "torch", chunk_tokens: int = CHUNK_TOKENS
             if layer is None:  # no compressed cache in this forward: the model's own path
                 return original(module, query, key, value, attention_mask, scaling=scaling,
                                 dropout=dropout, **kwargs)
+            if isinstance(layer, EngineLayer) and layer.engine_attention is None:
+                # the model's own attention over the K/V the engine layer read back; the mask
+                # covers positions from 0 (HistoryLayer), the returned K/V from read_start.
+                # An untagged key: ``original`` may be another session's kvlens attention
+                # (nested sessions), which must not trim the mask again.
+                return original(module, query, key.view_as(key),
+                                value, layer.returned_mask(attention_mask),
+                                scaling=scaling, dropout=dropout, **kwargs)
             if kwargs.get("softcap") or kwargs.get("s_aux") is not None:
                 raise ConfigError("Attention logit soft-capping / attention sinks are not "
                                   "supported by the kvlens compressed cache.")
@@ -62,8 +70,8 @@ def make_attention_fn(backend: str = "torch", chunk_tokens: int = CHUNK_TOKENS
                     _note_torch(layer, "nothing quantized yet (model's own attention)")
                 k = layer.res_k.view().to(query.dtype).contiguous()
                 v = layer.res_v.view().to(query.dtype).contiguous()
-                if attention_mask is not None and layer.res_start:  # a sliding layer trimmed
-                    attention_mask = attention_mask[..., layer.res_start:]
+                # a sliding layer dropped [0, res_start)
+                attention_mask = held_columns(attention_mask, layer.res_start)
                 out, _ = original(module, query, k, v, attention_mask, scaling=scaling,
                                   dropout=dropout, **kwargs)
             else:

@@ -25,18 +25,19 @@ blocks); the read-back is un-rotated (``Q(x R) R^T``), which equals attending wi
 un-rotating the output. The matrices live on the session, outside the cache, as llama.cpp keeps
 them in host memory outside its KV buffer: held bytes compare with the engine's KV buffer.
 
-Sliding-window layers keep the last ``W - 1`` tokens at rest (``kvlens.cache.layout``) and
-report the first held position as the mask offset. Bytes are predicted by
-``kvlens.cache.layout.engine_layer_bytes``.
+Sliding-window layers keep the last ``W - 1`` tokens at rest (``kvlens.cache.layout``). Like
+every kvlens layer they report a mask over absolute positions from 0
+(``kvlens.cache.layer.HistoryLayer``: one mask serves all sliding layers, kvlens and engine layers
+alike), and attention reads the mask's columns of the positions ``update()`` returned
+(``read_start`` on). Bytes are predicted by ``kvlens.cache.layout.engine_layer_bytes``.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DynamicLayer
 
 from kvlens.cache import layout
-from kvlens.cache.layer import LAYER_ATTR
+from kvlens.cache.layer import LAYER_ATTR, HistoryLayer, held_columns
 from kvlens.errors import ConfigError
 from kvlens.quant import QuantSpec, pack_codes, quantize, unpack_codes
 from kvlens.quant.cachetypes import CacheType, DenseType, needs_scales, scale_count
@@ -175,19 +176,20 @@ class EngineStore:
 
 
 def _visible(mask: torch.Tensor | None, tq: int, n: int, device) -> torch.Tensor:
-    """bool ``[B|1, 1, Tq, N]``: which key positions each query sees; ``None`` mask = causal
-    with the queries the last ``Tq`` positions."""
+    """bool ``[B|1, 1, Tq, n]``: which of the ``n`` returned key positions each query sees, from
+    ``mask``'s columns of those positions (``EngineLayer.returned_mask``); ``None`` mask =
+    causal with the queries the last ``Tq`` positions."""
     if mask is None:
         pos = torch.arange(n, device=device)
         qpos = torch.arange(n - tq, n, device=device)
         return (pos[None, :] <= qpos[:, None])[None, None]
-    m = mask[..., -n:]
+    m = mask
     if m.dtype == torch.bool:
         return m
     return m > torch.finfo(m.dtype).min / 2
 
 
-class EngineLayer(DynamicLayer):
+class EngineLayer(HistoryLayer):
     """A transformers cache layer storing K and V in engine cache types (module docstring).
 
     key_type / value_type: ``kvlens.quant.cachetypes`` types. key_scale / value_scale: float32
@@ -214,6 +216,7 @@ class EngineLayer(DynamicLayer):
         self.is_sliding = sliding_window is not None
         self.cumulative_length = 0
         self.start = 0  # first held position (a sliding layer drops older ones)
+        self.read_start = 0  # first position of what the last update() returned
 
     # -- transformers interface -------------------------------------------------------------
     def lazy_initialization(self, key_states, value_states, *args, **kwargs) -> None:
@@ -246,12 +249,19 @@ class EngineLayer(DynamicLayer):
             stored.append(back)
             out.append((rotate_rows(back, r.T) if r is not None else back).to(x.dtype))
         self.cumulative_length += key_states.shape[2]
+        self.read_start = self.start
         if self.engine_attention is not None:
             # the engine's attention reads the stored basis (and a _1 key type's block minima)
             self._read = (stored[0], stored[1], self.kstore.block_minima())
-            setattr(out[0], LAYER_ATTR, self)
+        # tagged for kvlens' attention function, which trims the mask to the returned positions
+        setattr(out[0], LAYER_ATTR, self)
         self._evict()
         return out[0], out[1]
+
+    def returned_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """transformers' mask (absolute positions from 0, ``HistoryLayer``) cut to the positions
+        the last ``update()`` returned (``[read_start, N)``)."""
+        return held_columns(mask, self.read_start)
 
     @property
     def engine_attention(self) -> str | None:
@@ -271,7 +281,8 @@ class EngineLayer(DynamicLayer):
         q = query.float()
         if self.rotate_keys:
             q = rotate_rows(q, self._rotation("key"))
-        out = llamacpp_attend(q, k, v, _visible(mask, q.shape[2], k.shape[2], q.device),
+        out = llamacpp_attend(q, k, v,
+                              _visible(self.returned_mask(mask), q.shape[2], k.shape[2], q.device),
                               scaling, self.kstore.type_name, self.vstore.type_name,
                               k_min=k_min,
                               flash_attention=self.engine_attention == "llamacpp-cpu-fa")
@@ -287,18 +298,6 @@ class EngineLayer(DynamicLayer):
             self.kstore.drop_front(n)
             self.vstore.drop_front(n)
             self.start += n
-
-    def get_seq_length(self) -> int:
-        return self.cumulative_length
-
-    def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:
-        # update() returns the held positions [start, N) plus the new ones
-        if isinstance(query_length, torch.Tensor):
-            query_length = query_length.shape[0]
-        return self.cumulative_length - self.start + query_length, self.start
-
-    def get_max_length(self) -> int:
-        return -1
 
     def reset(self) -> None:
         raise ConfigError("A kvlens engine-format cache cannot be reset; build a new one.")

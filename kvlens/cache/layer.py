@@ -124,7 +124,43 @@ def _fp_dtype(name: str) -> torch.dtype | None:
     return None if name == "exact" else getattr(torch, name)
 
 
-class CompressedLayer(DynamicLayer):
+class HistoryLayer(DynamicLayer):
+    """What every kvlens cache layer (``CompressedLayer``, ``kvlens.cache.engine.EngineLayer``)
+    tells transformers' mask builder, defined once.
+
+    transformers builds **one** mask per layer type (``masking_utils``: the sizes come from the
+    first sliding layer, ``cache.is_sliding.index(True)``, or the first full one) and hands it to
+    every layer of that type. So all kvlens layers report the same thing: the mask covers
+    absolute positions ``[0, N + q)`` (offset 0), whatever each layer still holds; a layer that
+    dropped positions (a sliding layer's eviction) reads only the columns it holds
+    (``held_columns``), and the sliding mask hides the dropped ones anyway. A layer reporting
+    its own held span instead would hand a mask of the wrong width to the other layers of its
+    type as soon as one config mixes layer kinds."""
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:
+        # transformers < 5 passes cache_position (a tensor of the new positions), later
+        # versions the query length.
+        if isinstance(query_length, torch.Tensor):
+            query_length = query_length.shape[0]
+        return self.cumulative_length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+def held_columns(mask: torch.Tensor | None, first: int) -> torch.Tensor | None:
+    """The columns of transformers' mask (over absolute positions ``[0, N)``, see
+    ``HistoryLayer``) for the positions ``[first, N)`` a layer still holds; ``None`` stays
+    ``None`` (causal)."""
+    if mask is None or not first:
+        return mask
+    return mask[..., first:]
+
+
+class CompressedLayer(HistoryLayer):
     """A transformers cache layer whose history is packed low-bit codes (see module doc)."""
 
     is_compileable = False
@@ -146,7 +182,7 @@ class CompressedLayer(DynamicLayer):
         self.cumulative_length = 0
         self.sliding_window = sliding_window
         # A sliding layer drops what its window hides (see commit); the model's sliding mask,
-        # built over absolute positions from get_mask_sizes, hides the rest.
+        # built over absolute positions (HistoryLayer.get_mask_sizes), hides the rest.
         self.is_sliding = sliding_window is not None
         self.flush_every = layout.flush_every(setting)  # 0 = never flush (nothing quantized)
         fp = _fp_dtype(fp_dtype)
@@ -294,20 +330,6 @@ class CompressedLayer(DynamicLayer):
                               "(pre_rope_keys: false).")
         self.rope = self.rope_options[0]
         self.positions = pos if self.positions is None else torch.cat((self.positions, pos), 1)
-
-    def get_seq_length(self) -> int:
-        return self.cumulative_length
-
-    def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:
-        # transformers < 5 passes cache_position (a tensor of the new positions), later
-        # versions the query length. The mask covers absolute positions 0..N-1 (evicted
-        # positions of a sliding layer are hidden by its sliding mask anyway).
-        if isinstance(query_length, torch.Tensor):
-            query_length = query_length.shape[0]
-        return self.cumulative_length + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
 
     def reset(self) -> None:
         raise ConfigError("A kvlens compressed cache cannot be reset; build a new one.")
