@@ -612,22 +612,14 @@ def validate_for(config: KVConfig, info) -> None:
             if want is not None and want != actual:
                 raise ConfigError(f"Config {config.name!r} was made for a model with {key}="
                                   f"{want}, but this model has {key}={actual}.")
-    bad = sorted(i for i in config.layers if i >= n)
-    if bad:
-        raise ConfigError(f"Config {config.name!r} overrides layers {bad}, but the model has "
-                          f"{n} layers; allowed indices: 0-{n - 1}.")
-    bad = sorted(i for i in config.codebooks if i >= n)
-    if bad:
-        raise ConfigError(f"Config {config.name!r} gives codebooks for layers {bad}, but the "
-                          f"model has {n} layers; allowed indices: 0-{n - 1}.")
-    bad = sorted(i for i in config.key_means if i >= n)
-    if bad:
-        raise ConfigError(f"Config {config.name!r} gives key_means for layers {bad}, but the "
-                          f"model has {n} layers; allowed indices: 0-{n - 1}.")
-    bad = sorted(i for i in config.kv_scales if i >= n)
-    if bad:
-        raise ConfigError(f"Config {config.name!r} gives kv_scales for layers {bad}, but the "
-                          f"model has {n} layers; allowed indices: 0-{n - 1}.")
+    for what, indexed in (("overrides layers", config.layers),
+                          ("gives codebooks for layers", config.codebooks),
+                          ("gives key_means for layers", config.key_means),
+                          ("gives kv_scales for layers", config.kv_scales)):
+        bad = sorted(i for i in indexed if i >= n)
+        if bad:
+            raise ConfigError(f"Config {config.name!r} {what} {bad}, but the model has {n} "
+                              f"layers; allowed indices: 0-{n - 1}.")
     for idx in range(n):
         layer = config.layer(idx)
         if layer.engine:
