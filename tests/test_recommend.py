@@ -776,6 +776,7 @@ def test_centred_key_candidates_are_measured_priced_and_written(tmp_path):
     layout's count), and the written config holds the means (version 5) and loads."""
     from kvlens.cache.layout import ModelShape
     from kvlens.quant.centering import centering_bytes
+    from kvlens.recommend import family_probes
     from kvlens.recommend.layer_errors import mean_key
 
     path = _planted_capture(tmp_path / "p.h5")
@@ -787,21 +788,28 @@ def test_centred_key_candidates_are_measured_priced_and_written(tmp_path):
     assert centred == {Candidate("key", b, "per-token", 32, stage=st, rotate=r, center=True)
                        for b in (2, 4) for st, r in (("post", False), ("pre", False),
                                                      ("post", True))}
-    assert not any(c.center for c in candidates(32, replace(opts, centering=False), True))
+    # centred keys replace the plain per-token ones: the same count and storage families
+    plain_cands = candidates(32, replace(opts, centering=False), True)
+    assert not any(c.center for c in plain_cands)
+    assert len(plain_cands) == len(cands)
+    assert not any(c.tensor == "key" and c.granularity == "per-token" for c in cands
+                   if not c.center)
+    assert len(family_probes(cands)) == len(family_probes(plain_cands))
     # the fused kernel reads centred post-RoPE keys (not pre-RoPE ones)
     fast = {c for c in candidates(32, replace(opts, prefer_fast=True), True) if c.center}
     assert fast == {c for c in centred if c.stage == "post"}
     m = measure(path, opts)
+    m_plain = measure(path, replace(opts, centering=False))
     for layer in (0, 1):
         mu = m.codebooks[layer][mean_key("pre")]
         assert mu.shape == (2, 32)
         assert mu[:, 3].tolist() == pytest.approx([25.0, 25.0], abs=0.2)
         assert mu[:, 20].tolist() == pytest.approx([-18.0, -18.0], abs=0.2)
         assert mean_key("post") in m.codebooks[layer]
-        table = m.tables[layer]
         pre = Candidate("key", 2, "per-token", 32, stage="pre")
-        s = next(s for c, s in table if c == pre)
-        assert table[replace(pre, center=True), s][0] < 0.5 * table[pre, s][0]
+        s = next(s for c, s in m_plain.tables[layer] if c == pre)
+        assert m.tables[layer][replace(pre, center=True), s][0] < \
+            0.5 * m_plain.tables[layer][pre, s][0]
     shape, v = ModelShape(2, 2, 32), Candidate("value", 2, "per-token", 32)
     k = Candidate("key", 2, "per-token", 32, stage="pre")
     f = opts.layer_flush(k)
@@ -822,7 +830,7 @@ def test_centred_key_candidates_are_measured_priced_and_written(tmp_path):
     out = tmp_path / "kv.json"
     save_config(cfg, out)
     assert load_config(out).to_dict() == cfg.to_dict()
-    # measured with centred twins, allocated without --centering: none of them is chosen
+    # measured with centred keys, allocated without --centering: none of them is chosen
     plain = choose(m, replace(opts, centering=False))
     assert not any(ch.candidate.center for ch in plain.choices)
     assert not plain.config.key_means

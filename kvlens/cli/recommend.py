@@ -134,10 +134,10 @@ def recommend(
                                         "docs/codebooks.md; not with --prefer-fast or "
                                         "--no-rotation)."),
     centering: bool = typer.Option(False, "--centering", rich_help_panel=BUDGET,
-                                   help="Also centred per-token key candidates (2-4 bits; the "
-                                        "layer's mean key, computed on the capture, subtracted "
-                                        "before quantizing, stored in the config and added back "
-                                        "on read; docs/codebooks.md)."),
+                                   help="Offer the per-token key candidates centred instead of "
+                                        "plain: the layer's mean key, computed on the capture, "
+                                        "subtracted before quantizing, stored in the config and "
+                                        "added back on read (docs/codebooks.md)."),
     thorough: bool = typer.Option(False, "--thorough", rich_help_panel=BUDGET,
                                   help="The full search: also GEAR twins and MiKV "
                                        "importance-set candidates (heavy hitters by accumulated "

@@ -16,13 +16,15 @@ config's ``mikv.layers``). With ``codebooks`` (opt-in; ``--codebooks``) also cod
 values at 2 and 3 bits (``CODEBOOK_BITS``): ``fitted+renorm`` of docs/codebooks.md, each
 layer's codebook fitted on its captured values, stored as packed codes and a float16 norm per
 vector (rotated, so only where rotation is offered; torch read path only, so not with
-``prefer_fast``). With ``centering`` (opt-in; ``--centering``) also centred twins of the
-per-token key candidates up to 4 bits (``CENTER_BITS``) with the first key fit, plain,
-pre-RoPE and rotated (not balanced): the layer's mean key (computed on the capture) subtracted
-before quantizing, kept in the config, added back on read (``kvlens.quant.centering``; the
-fused kernel reads the post-RoPE ones, so ``prefer_fast`` keeps those;
-docs/codebooks.md: it halves per-token key reconstruction error; per-channel groups absorb a
-per-channel offset, so they get no twin). Only what ``kvlens generate`` can run is offered.
+``prefer_fast``). With ``centering`` (opt-in; ``--centering``) the
+per-token key candidates of the first key fit, plain, pre-RoPE and rotated (not balanced), are
+offered centred instead of plain (``centrable``): the layer's mean key (computed on the capture)
+subtracted before quantizing, kept in the config, added back on read
+(``kvlens.quant.centering``; the fused kernel reads the post-RoPE ones, so ``prefer_fast`` keeps
+those; docs/codebooks.md: it halves per-token key reconstruction error; per-channel groups
+absorb a per-channel offset, so they are not centred). Replacing rather than adding keeps the
+candidate count and the storage families, so centring costs ``recommend`` no time. Only what
+``kvlens generate`` can run is offered.
 
 ``family`` groups candidates by storage layout for ``--sensitivity layout``; ``family_probes``
 picks the one candidate per family that is measured for it.
@@ -37,7 +39,6 @@ from kvlens.config import GearSettings
 from kvlens.errors import ConfigError
 from kvlens.quant import hadamard_block_size
 from kvlens.recommend.options import (
-    CENTER_BITS,
     CODEBOOK_BITS,
     GEAR_GROUP,
     GRANULARITIES,
@@ -82,16 +83,23 @@ def candidates(head_dim: int, opts: RecommendOptions, has_rope: bool) -> list[Ca
                         out.append(Candidate(tensor, b, gran, g, gear=True))
     if opts.codebooks and rotation and not opts.prefer_fast:
         out += [Candidate.codebook_values(b) for b in CODEBOOK_BITS]
-    if opts.centering:  # (prefer_fast offers no pre-RoPE keys to centre; the kernel reads
-        # centred post-RoPE ones)
-        out += [replace(c, center=True) for c in out if c.tensor == "key"
-                and c.granularity == "per-token" and c.bits in CENTER_BITS
-                and not (c.balancer or c.gear or c.mikv_set) and c.fit == opts.key_fits[0]]
+    if opts.centering:  # the per-token keys are offered centred (prefer_fast offers no
+        # pre-RoPE keys to centre; the kernel reads centred post-RoPE ones)
+        out = [replace(c, center=True) if centrable(c, opts) else c for c in out]
     # MiKV set twins: plain or balanced post-RoPE G32 codes up to 4 bits (a set beside 8-bit
-    # codes buys nothing), one per global (set_bits, heavy_fraction)
+    # codes buys nothing; centred keys have none), one per global (set_bits, heavy_fraction)
     return out + [replace(c, mikv_set=m) for c in out if c.group_size == MIKV_GROUP
                   and c.bits <= 4 and c.stage == "post" and not (c.rotate or c.gear or c.center)
                   and c.fit == opts.fits_for(c.tensor)[0] for m in opts.mikv_sets()]
+
+
+def centrable(c: Candidate, opts: RecommendOptions) -> bool:
+    """Whether ``--centering`` offers ``c`` centred instead of plain: per-token keys of the
+    first key fit, plain, pre-RoPE or rotated (not balanced: the balancer divides channels,
+    and a mean would have to follow it; not GEAR or a MiKV set)."""
+    return (c.tensor == "key" and c.granularity == "per-token" and not c.center
+            and not (c.balancer or c.gear or c.mikv_set or c.codebook)
+            and c.fit == opts.key_fits[0])
 
 
 def gear_settings(layers=None):

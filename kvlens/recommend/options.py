@@ -19,7 +19,6 @@ GRANULARITIES = ("per-channel", "per-token")
 #: A codebook candidate's granularity: each vector has its own scale (its float16 norm)
 PER_VECTOR = "per-vector"
 CODEBOOK_BITS = (2, 3)  # codebook values offered (docs/codebooks.md: they win at 2 and 3 bits)
-CENTER_BITS = (2, 3, 4)  # centred key twins offered (centring buys little at 8 bits)
 GEAR_GROUP = 32  # GEAR twins are offered for KIVI's G32 grouping only (measuring cost)
 MIKV_GROUP = 32  # so are MiKV set twins (each is simulated while decoding: measuring cost)
 MIKV_FRACTION_MAX = 0.5  # largest heavy fraction offered (more is no longer a small set)
@@ -177,10 +176,11 @@ class RecommendOptions:
     # capture; torch read path only, so not with prefer_fast; rotated, so not without rotation).
     # Opt-in (--codebooks) until it earns a place at the current defaults (docs/codebooks.md)
     codebooks: bool = False
-    # offer centred twins of the per-token key candidates up to 4 bits (CENTER_BITS; plain,
-    # pre-RoPE and rotated; kvlens.quant.centering, the mean key of each layer computed on the
-    # capture and stored in the config); with prefer_fast only the post-RoPE ones (the fused
-    # kernel adds the mean's score shift; it reads no pre-RoPE keys). Opt-in (--centering) until a paired ablation shows it pays (docs/codebooks.md)
+    # offer the per-token key candidates centred instead of plain (kvlens.recommend.catalog.
+    # centrable; kvlens.quant.centering, the mean key of each layer computed on the capture and
+    # stored in the config); with prefer_fast only post-RoPE ones are offered (the fused kernel
+    # adds the mean's score shift; it reads no pre-RoPE keys). Opt-in (--centering): the paired
+    # ablation on both models is mixed (docs/codebooks.md#centred-keys)
     centering: bool = False
 
     def __post_init__(self) -> None:
