@@ -5,9 +5,11 @@ bottom as what it computes, the jitted kernels (packed split, dense split, merge
 per argument, and the launcher that checks inputs and picks the split.
 
 Torch reference: dequantize the packed store with ``kvlens.quant`` (``kvlens.cache.packed.
-PackedTensor.dequantize_range``), concatenate the residual window and the extra fp16 sets, then
+PackedTensor.dequantize_range``; codebook stores ``kvlens.quant.codebook.dequantize_codebook``,
+``tests/test_kernels_codebook.py``), concatenate the residual window and the extra fp16 sets, then
 ``softmax(q kᵀ * scaling + mask) v`` (``kvlens.analysis.metrics.attention_output`` / ``kvlens.cache.
-attention.packed_attention``). Tested in ``tests/test_kernels_decode.py``.
+attention.packed_attention``). Tested in ``tests/test_kernels_decode.py`` and
+``tests/test_kernels_codebook.py``.
 
 Inputs (layout of ``kvlens.cache.packed``; codes packed densely in units of ``U`` codes in
 ``W`` bytes, ``kvlens.quant.pack_unit``, little-endian; ``Pk``/``Pv = U / W`` codes per byte):
@@ -18,6 +20,12 @@ Inputs (layout of ``kvlens.cache.packed``; codes packed densely in units of ``U`
   D]`` uint8, ``k_scale``/``k_zero`` ``[B, Hkv, capK/Gk, D]`` (row ``t // Gk``).
 - values, per-token groups of ``Gv`` channels packed along channels: ``v_codes [B, Hkv, capV,
   ceil(D/Pv)]`` uint8, ``v_scale``/``v_zero`` ``[B, Hkv, capV, D/Gv]`` (row ``t``).
+- either may instead be codebook-coded (``layout="codebook"``, ``kvlens.cache.codebook``): per
+  token and head the codes of the vector packed along channels ``[B, Hkv, cap, ceil(D/U)*W]``,
+  its norm ``n_t`` in ``*_scale [B, Hkv, cap]`` (no zero), and the codebook's ``2^bits``
+  centroids ``c`` (``*_centroids``). The vector is ``s_t * c[code_t]`` with ``s_t = n_t / ||c[
+  code_t]||`` (renormalised) or ``n_t / sqrt(D)``, in the basis it was coded in (a rotated
+  codebook: the caller passes ``q R`` and un-rotates the output).
 - tokens ``[0, length)`` of the packed store sit at absolute positions ``0..length-1``; the
   residual window ``[B, Hkv, >=n_res, D]`` at ``length..length+n_res-1``; each extra set
   ``(k, v, pos)`` (``[B, Hkv, N, D]`` x2, ``pos [B, Hkv, N]`` absolute positions, ``pos < 0`` =
@@ -36,6 +44,10 @@ its KV head so packed bytes are read once):
    balancer is folded into ``q`` (``q / balancer``) and ``scaling * log2(e)`` too (``exp2``).
    Centred keys (the store holds ``k - mu``): every packed score gets ``q · mu`` (the query
    before the balancer), computed once per program: ``q · (deq + mu)`` without touching codes.
+   Codebook keys (``K_CB``): the block's codes index the centroid table (a gather from at most
+   256 floats, L1-resident), ``score_t = s_t * dot(q, c[code_t])`` (fp16 dot, fp32 accumulate;
+   ``s_t`` from the norm and, renormalised, the gathered centroids' norm). Codebook values
+   (``V_CB``): ``out += dot(p * s, c[codes])``, the scale folded into the softmax weights.
    Online softmax per split; writes the unnormalised output, running max and sum.
 2. ``_dense_split_kernel``, same idea for a full-precision segment (residual window, each extra
    set): its splits are further rows of the same partial buffers.
@@ -44,7 +56,8 @@ its KV head so packed bytes are read once):
 Memory traffic per KV head and step: packed codes ``length * D * (ck + cv) / 8`` bytes, key
 scales+zeros ``2 * length/Gk * D * s`` and value scales+zeros ``2 * length * D/Gv * s`` (``s``
 = scale bytes: 2 or 4, or 1 for 8-bit metadata, decoded in registers with one exp2 per
-group), the residual/extra segments in full precision, plus ``splits * g * (D + 2) * 4``
+group; a codebook tensor: its codes, ``length * s`` bytes of norms and the ``2^bits`` table),
+the residual/extra segments in full precision, plus ``splits * g * (D + 2) * 4``
 bytes of partials written and read back once. Nothing dequantized is ever written to memory.
 Bytes of one packed byte that several tokens (keys) or channels (values) share are fetched by
 several lanes of the same program; they hit L1, HBM reads each byte once.

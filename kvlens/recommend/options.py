@@ -235,10 +235,9 @@ class RecommendOptions:
                              "also flushes it whole).")
         if self.sink_tokens < 0:
             raise InputError(f"--sinks must be >= 0, got {self.sink_tokens}.")
-        if self.codebooks and (self.prefer_fast or not self.rotation):
-            raise InputError("--codebooks offers codebook values, which the fused decode kernel "
-                             "does not read and which are coded rotated: drop --prefer-fast and "
-                             "--no-rotation, or --codebooks.")
+        if self.codebooks and not self.rotation:
+            raise InputError("--codebooks offers codebook values, which are coded rotated: drop "
+                             "--no-rotation or --codebooks.")
         if self.layout_layers is not None and not is_int(self.layout_layers, 1):
             raise InputError(f"layout_layers must be a positive number of layers (or None: "
                              f"every layer), got {self.layout_layers!r}.")
