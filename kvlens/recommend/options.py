@@ -174,7 +174,8 @@ class RecommendOptions:
     # predicted to be long, else this process only
     workers: int | None = None
     # offer codebook values (CODEBOOK_BITS; kvlens.quant.codebook, fitted per layer on the
-    # capture; torch read path only, so not with prefer_fast; rotated, so not without rotation).
+    # capture; the fused decode kernel reads them, so prefer_fast keeps them; rotated, so not
+    # without rotation).
     # Opt-in (--codebooks) until it earns a place at the current defaults (docs/codebooks.md)
     codebooks: bool = False
     # offer centred twins of the per-token key candidates up to 4 bits (CENTER_BITS; plain,
