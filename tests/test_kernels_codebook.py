@@ -16,6 +16,7 @@ with both backends.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -26,7 +27,8 @@ from tiny_models import tiny_model
 triton = pytest.importorskip("triton")
 
 import kvlens_kernels.decode as kda  # noqa: E402
-from kvlens_kernels import KernelInputError, decode_attention  # noqa: E402
+from kvlens_kernels import KernelInputError  # noqa: E402
+from kvlens_kernels import decode_attention as _decode_attention  # noqa: E402
 
 from kvlens.cache import compressed_attention  # noqa: E402
 from kvlens.cache.layer import CompressedLayer  # noqa: E402
@@ -50,6 +52,18 @@ from kvlens.quant.codebook import (  # noqa: E402
     quantize_codebook,
 )
 from kvlens.quant.rotation import RotationSpec  # noqa: E402
+
+#: ``cuda`` runs the direct kernel calls compiled on the GPU (``benchmarks/gpu_check.sh``, with
+#: ``TRITON_INTERPRET=0``; the cache tests, which run the interpreter on CPU, are skipped then).
+DEVICE = os.environ.get("KVLENS_KERNEL_TEST_DEVICE", "cpu")
+cpu_only = pytest.mark.skipif(DEVICE != "cpu", reason="runs the interpreter on CPU tensors")
+
+
+def decode_attention(*args, **kw):
+    """The kernel with every tensor argument on ``DEVICE``; the output back on CPU."""
+    def to(x):
+        return x.to(DEVICE) if isinstance(x, torch.Tensor) else x
+    return _decode_attention(*map(to, args), **{k: to(v) for k, v in kw.items()}).cpu()
 
 
 @pytest.fixture(autouse=True)
@@ -214,6 +228,7 @@ def _filled_layer(setting, d, hkv, total, rot, **kw):
     return layer
 
 
+@cpu_only
 @pytest.mark.parametrize("kspec,vspec,residual,sinks", [
     (CodebookSpec(3, renormalize=True), QuantSpec(4, "per-token", 16), 0, 0),
     (QuantSpec(2, "per-channel", 16), CodebookSpec(2, "fitted"), 16, 2),
@@ -255,6 +270,7 @@ def _generate(model, ids, config, backend):
     return out, session
 
 
+@cpu_only
 @pytest.mark.parametrize("name", ["turboquant", "codebook-mix"])
 def test_triton_generates_the_same_tokens_with_codebooks(name, monkeypatch):
     """A tiny Llama (head_dim 16) generating with vLLM TurboQuant's layout (codebook keys,
