@@ -5,7 +5,7 @@
 #      uniform and codebook layouts;
 #   2. bench_kernels.py's GPU correctness checks for every layout, then decode timings at 4k, 32k
 #      and 128k tokens: fp16 SDPA vs kivi-2 and the new layouts (per-token keys + per-channel
-#      values, per-tensor, 3-bit), 2 and 4 bits, G64, MHA and GQA layers.
+#      values, per-tensor, 3-bit, codebook keys or values), 2 and 4 bits, G64, MHA and GQA layers.
 # Usage (repository root, kvlens + kernels importable):  bash benchmarks/gpu_check.sh [out.json]
 set -euo pipefail
 out="${1:-bench_kernels_gpu.json}"
@@ -13,4 +13,4 @@ python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no C
 TRITON_INTERPRET=0 KVLENS_KERNEL_TEST_DEVICE=cuda python -m pytest -q -x \
     tests/test_kernels_decode.py tests/test_kernels_codebook.py
 python benchmarks/bench_kernels.py --contexts 4096 32768 131072 --bits 2 4 --groups 64 \
-    --layouts kivi tokch tensor tok3 kivi8 --out "$out"
+    --layouts kivi tokch tensor tok3 kivi8 cbk cbv --out "$out"
