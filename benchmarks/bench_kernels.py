@@ -9,7 +9,10 @@
    (per-channel keys, per-token values), ``tokch`` (per-token keys, per-channel values:
    ``recommend``'s usual SmolLM2 choice), ``tensor`` (per-tensor, one scale per 128-token
    block), ``tok3`` (3-bit per-token keys and per-channel values, densely packed: 8 codes in 3 bytes),
-   ``kivi8`` (KIVI's layout with 8-bit group metadata, decoded in the kernel).
+   ``kivi8`` (KIVI's layout with 8-bit group metadata, decoded in the kernel), ``cbk``
+   (codebook keys, Lloyd-Max for the normal, renormalised: vLLM TurboQuant's key coding,
+   beside per-token values), ``cbv`` (per-channel keys beside codebook values, Lloyd-Max,
+   renormalised); a codebook tensor ignores ``--groups``.
 3. Bytes moved (codes + scales + residual + q/out) / latency, as a fraction of the measured
    device-to-device copy bandwidth.
 
@@ -31,7 +34,11 @@ LAYOUTS = {"kivi": ("per-channel", "per-token", None, "float16"),
            "tokch": ("per-token", "per-channel", None, "float16"),
            "tensor": ("per-tensor", "per-tensor", None, "float16"),
            "tok3": ("per-token", "per-channel", 3, "float16"),
-           "kivi8": ("per-channel", "per-token", None, "8bit")}
+           "kivi8": ("per-channel", "per-token", None, "8bit"),
+           "cbk": ("codebook", "per-token", None, "float16"),
+           "cbv": ("per-channel", "codebook", None, "float16")}
+#: the codebook of each tensor in the codebook layouts (kvlens.quant.codebook)
+CODEBOOKS = {"k": "lloyd-max-normal", "v": "lloyd-max"}
 BLOCK = 128  # flush block F of the generic stores (per-tensor: one scale per block)
 
 
@@ -103,6 +110,11 @@ def _generic(torch, layout, b, hkv, t, d, bits, group):
     bits = fixed or bits
     args, deq = {}, []
     for name, gran in (("k", kg), ("v", vg)):
+        if gran == "codebook":
+            st, book_args = _codebook_store(torch, name, b, hkv, t, d, bits)
+            args.update(book_args)
+            deq.append(st.dequantize_range(0, t))
+            continue
         spec = QuantSpec(bits, gran, None if gran == "per-tensor" else group)
         st = PackedTensor.create(spec, BLOCK, d, scale_dtype)
         st.append(torch.randn(b, hkv, t, d, device="cuda"))
@@ -113,6 +125,21 @@ def _generic(torch, layout, b, hkv, t, d, bits, group):
                      f"{name}_zero_unit": st.zero_unit})
         deq.append(st.dequantize_range(0, t))
     return args, deq
+
+
+def _codebook_store(torch, name, b, hkv, t, d, bits):
+    """A codebook-coded tensor as the cache holds it (``kvlens.cache.codebook.CodebookStore``,
+    renormalised, ``CODEBOOKS[name]``) and the kernel's arguments for it."""
+    from kvlens.cache.codebook import CodebookStore
+    from kvlens.quant import CodebookSpec
+
+    spec = CodebookSpec(bits, CODEBOOKS[name], None, renormalize=True)
+    st = CodebookStore.for_cache(spec, None, d, BLOCK)
+    st.append(torch.randn(b, hkv, t, d, device="cuda"))
+    return st, {f"{name}_codes": st.packed, f"{name}_scale": st.norms, f"{name}_zero": None,
+                f"{name}_bits": bits, f"{name}_group": None, f"{name}_layout": "codebook",
+                f"{name}_centroids": st.codebook.centroids.to(st.packed.device),
+                f"{name}_renormalize": True}
 
 
 def check_layouts(torch, layouts) -> None:

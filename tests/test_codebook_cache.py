@@ -260,12 +260,14 @@ def test_cache_store_drops_whole_blocks_and_selects_batch_rows():
         CodebookStore.for_cache(CodebookSpec(2, "fitted"), None, 16, block=4)
 
 
-def test_codebook_layers_say_they_are_torch_only():
+def test_codebook_layers_are_read_by_the_kernel():
+    """The fused decode kernel reads codebook keys and values (tests/test_kernels_codebook.py);
+    the dispatch rule lets them through and still checks the uniform side."""
     from kvlens.cache.triton_glue import kernel_layout_problem
 
     setting = LayerKV(QuantSpec(2, "per-channel", 32), CodebookSpec(3, "lloyd-max"), 32)
-    assert "codebook values (torch path only" in kernel_layout_problem(setting, 64)
+    assert kernel_layout_problem(setting, 64) is None
     keys = LayerKV(CodebookSpec(3, "lloyd-max"), QuantSpec(4, "per-token"), 0)
-    assert "codebook keys (torch path only" in kernel_layout_problem(keys, 64)
-    uniform = LayerKV(QuantSpec(2, "per-channel", 32), QuantSpec(2, "per-token", 32), 32)
-    assert kernel_layout_problem(uniform, 64) is None
+    assert kernel_layout_problem(keys, 64) is None
+    odd = LayerKV(CodebookSpec(3, "lloyd-max"), QuantSpec(4, "per-channel", 24), 48)
+    assert "value group 24 per-channel" in kernel_layout_problem(odd, 64)

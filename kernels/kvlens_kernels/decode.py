@@ -5,9 +5,11 @@ bottom as what it computes, the jitted kernels (packed split, dense split, merge
 per argument, and the launcher that checks inputs and picks the split.
 
 Torch reference: dequantize the packed store with ``kvlens.quant`` (``kvlens.cache.packed.
-PackedTensor.dequantize_range``), concatenate the residual window and the extra fp16 sets, then
+PackedTensor.dequantize_range``; codebook stores ``kvlens.quant.codebook.dequantize_codebook``,
+``tests/test_kernels_codebook.py``), concatenate the residual window and the extra fp16 sets, then
 ``softmax(q kᵀ * scaling + mask) v`` (``kvlens.analysis.metrics.attention_output`` / ``kvlens.cache.
-attention.packed_attention``). Tested in ``tests/test_kernels_decode.py``.
+attention.packed_attention``). Tested in ``tests/test_kernels_decode.py`` and
+``tests/test_kernels_codebook.py``.
 
 Inputs (layout of ``kvlens.cache.packed``; codes packed densely in units of ``U`` codes in
 ``W`` bytes, ``kvlens.quant.pack_unit``, little-endian; ``Pk``/``Pv = U / W`` codes per byte):
@@ -18,6 +20,12 @@ Inputs (layout of ``kvlens.cache.packed``; codes packed densely in units of ``U`
   D]`` uint8, ``k_scale``/``k_zero`` ``[B, Hkv, capK/Gk, D]`` (row ``t // Gk``).
 - values, per-token groups of ``Gv`` channels packed along channels: ``v_codes [B, Hkv, capV,
   ceil(D/Pv)]`` uint8, ``v_scale``/``v_zero`` ``[B, Hkv, capV, D/Gv]`` (row ``t``).
+- either may instead be codebook-coded (``layout="codebook"``, ``kvlens.cache.codebook``): per
+  token and head the codes of the vector packed along channels ``[B, Hkv, cap, ceil(D/U)*W]``,
+  its norm ``n_t`` in ``*_scale [B, Hkv, cap]`` (no zero), and the codebook's ``2^bits``
+  centroids ``c`` (``*_centroids``). The vector is ``s_t * c[code_t]`` with ``s_t = n_t / ||c[
+  code_t]||`` (renormalised) or ``n_t / sqrt(D)``, in the basis it was coded in (a rotated
+  codebook: the caller passes ``q R`` and un-rotates the output).
 - tokens ``[0, length)`` of the packed store sit at absolute positions ``0..length-1``; the
   residual window ``[B, Hkv, >=n_res, D]`` at ``length..length+n_res-1``; each extra set
   ``(k, v, pos)`` (``[B, Hkv, N, D]`` x2, ``pos [B, Hkv, N]`` absolute positions, ``pos < 0`` =
@@ -36,6 +44,10 @@ its KV head so packed bytes are read once):
    balancer is folded into ``q`` (``q / balancer``) and ``scaling * log2(e)`` too (``exp2``).
    Centred keys (the store holds ``k - mu``): every packed score gets ``q · mu`` (the query
    before the balancer), computed once per program: ``q · (deq + mu)`` without touching codes.
+   Codebook keys (``K_CB``): the block's codes index the centroid table (a gather from at most
+   256 floats, L1-resident), ``score_t = s_t * dot(q, c[code_t])`` (fp16 dot, fp32 accumulate;
+   ``s_t`` from the norm and, renormalised, the gathered centroids' norm). Codebook values
+   (``V_CB``): ``out += dot(p * s, c[codes])``, the scale folded into the softmax weights.
    Online softmax per split; writes the unnormalised output, running max and sum.
 2. ``_dense_split_kernel``, same idea for a full-precision segment (residual window, each extra
    set): its splits are further rows of the same partial buffers.
@@ -44,7 +56,8 @@ its KV head so packed bytes are read once):
 Memory traffic per KV head and step: packed codes ``length * D * (ck + cv) / 8`` bytes, key
 scales+zeros ``2 * length/Gk * D * s`` and value scales+zeros ``2 * length * D/Gv * s`` (``s``
 = scale bytes: 2 or 4, or 1 for 8-bit metadata, decoded in registers with one exp2 per
-group), the residual/extra segments in full precision, plus ``splits * g * (D + 2) * 4``
+group; a codebook tensor: its codes, ``length * s`` bytes of norms and the ``2^bits`` table),
+the residual/extra segments in full precision, plus ``splits * g * (D + 2) * 4``
 bytes of partials written and read back once. Nothing dequantized is ever written to memory.
 Bytes of one packed byte that several tokens (keys) or channels (values) share are fetched by
 several lanes of the same program; they hit L1, HBM reads each byte once.
@@ -113,6 +126,28 @@ def _unpack_at(base, i, stride, m, BITS: tl.constexpr, U: tl.constexpr, W: tl.co
 
 
 @triton.jit
+def _centroids(cb_ptr, code, keep):
+    """float32 centroids ``c[code]`` from the ``2^bits`` table at ``cb_ptr`` (a gather from a
+    table of at most 256 entries: it stays in L1); 0 where ``keep`` is False (padded channels,
+    so they add nothing to a dot or a norm)."""
+    c = tl.load(cb_ptr + code).to(tl.float32)
+    return tl.where(keep, c, 0.0)
+
+
+@triton.jit
+def _codebook_scale(norm, cent, axis: tl.constexpr, inv_sqrt_d, RN: tl.constexpr):
+    """Each codebook vector's float32 scale (``kvlens.cache.codebook.CodebookStore.chunk``):
+    ``norm / ||c||`` over the channels (``axis``) of its centroids ``cent`` when renormalised
+    (``RN``), else ``norm / sqrt(D)``."""
+    n = norm.to(tl.float32)
+    if RN:
+        return n / tl.maximum(tl.sqrt(tl.sum(cent * cent, axis=axis)),
+                              1.1754943508222875e-38)  # float32 tiny, as the reference
+    else:
+        return n * inv_sqrt_d
+
+
+@triton.jit
 def _token_mask(b, pos, valid, mask_ptr, smb, smn, start_ptr,
                 HAS_MASK: tl.constexpr, HAS_START: tl.constexpr):
     """``valid`` AND the padding mask / valid start at absolute positions ``pos``."""
@@ -136,23 +171,27 @@ def _packed_split_kernel(
     vc_ptr, svcb, svch, svct, svcd,  # value codes uint8, same two layouts as the keys
     vs_ptr, svsb, svsh, svst, svsd,  # value scale [B, Hkv, rows, cols]
     vz_ptr, svzb, svzh, svzt, svzd,  # value zero, same shape
+    kcb_ptr, vcb_ptr,  # codebook keys / values: centroid tables [2^bits] (K_CB / V_CB)
     pv_ptr, spvb, spvh, spvt,  # packed_valid [B, Hkv, cap] uint8 (MiKV: not in the hp set)
     mask_ptr, smb, smn,  # key_mask [B, N] uint8 over absolute positions
     start_ptr,  # valid_start [B] int
     o_ptr, m_ptr, l_ptr,  # partials [B*Hkv, S, GQ, D] fp32 and [B*Hkv, S, GQ] fp32 x2
     Hkv, D, GQ, length, split, S_TOTAL, qscale,  # sizes; qscale = scaling * log2(e)
     k_unit, v_unit,  # 8-bit metadata: the zero's unit in steps (kvlens.quant.meta8.zero_unit)
+    inv_sqrt_d,  # codebook scale without renormalisation: norm / sqrt(D)
     BG: tl.constexpr,  # padded query heads per KV head (>= 16 for tl.dot)
     BD: tl.constexpr,  # padded head dim
     BT: tl.constexpr,  # tokens per block; divides every token group (KRT, VRT when > 1)
     KB: tl.constexpr, KU: tl.constexpr, KW: tl.constexpr,  # key bits, packing unit (U, W)
     K_TOK: tl.constexpr,  # keys packed along tokens (per-channel) instead of channels
-    KRT: tl.constexpr,  # tokens per key scale row (per-channel G, per-tensor F; 1 = per-token)
+    KRT: tl.constexpr,  # tokens per key scale row (per-channel G, per-tensor F; 1 = per-token;
+    #                     0 = codebook: one norm per token, no scale rows)
     GKD: tl.constexpr, GKD_P: tl.constexpr,  # per-token keys: channels per group and pad
     NKG: tl.constexpr, NKG_P: tl.constexpr,  # per-token keys: groups per token (D/GKD) and pad
     VB: tl.constexpr, VU: tl.constexpr, VW: tl.constexpr,  # value bits, packing unit (U, W)
     V_TOK: tl.constexpr,  # values packed along tokens (per-channel)
-    VRT: tl.constexpr,  # tokens per value scale row (per-channel G, per-tensor F; 1 = per-token)
+    VRT: tl.constexpr,  # tokens per value scale row (per-channel G, per-tensor F; 1 = per-token;
+    #                     0 = codebook)
     K_M8: tl.constexpr,  # key scale/zero are 8-bit codes (uint8 / int8), decoded here
     V_M8: tl.constexpr,  # value scale/zero likewise
     MB: tl.constexpr,  # 8-bit scale code bias (kvlens.quant.meta8.SCALE_BIAS)
@@ -161,6 +200,8 @@ def _packed_split_kernel(
     NDG: tl.constexpr, NDG_P: tl.constexpr,  # per-token values: groups per token (D/GV) and pad
     HAS_BAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_START: tl.constexpr,
     HAS_PVALID: tl.constexpr, HAS_MU: tl.constexpr,
+    K_CB: tl.constexpr, V_CB: tl.constexpr,  # keys / values codebook-coded (k_scale = norms)
+    K_RN: tl.constexpr, V_RN: tl.constexpr,  # codebook scale norm / ||c|| (renormalised)
 ):
     pid = tl.program_id(0)
     sid = tl.program_id(1)
@@ -213,7 +254,15 @@ def _packed_split_kernel(
             keep = tl.load(pv_ptr + b * spvb + h * spvh + t * spvt, mask=tv, other=0)
             valid = valid & (keep != 0)
         # -- keys -> scores [BG, BT] (log2 units)
-        if KRT == 1:
+        if K_CB:
+            # codebook: score_t = s_t * (q . c[code_t]), codes packed along channels
+            kcode = _unpack_at(kc_ptr + b * skcb + h * skch + t[None, :] * skct, di[:, None],
+                               skcd, tv[None, :] & dmask[:, None], KB, KU, KW)
+            kcent = _centroids(kcb_ptr, kcode, dmask[:, None])  # [BD, BT]
+            knorm = tl.load(ks_ptr + b * sksb + h * sksh + t * skst, mask=tv, other=0)
+            ksc = _codebook_scale(knorm, kcent, 0, inv_sqrt_d, K_RN)  # [BT]
+            s = tl.dot(q.to(tl.float16), kcent.to(tl.float16)) * ksc[None, :]
+        elif KRT == 1:
             # per-token: score_t = sum_j s_tj * (q_j . code_tj) + z_tj * sum(q_j)
             kcode = _unpack_at(kc_ptr + b * skcb + h * skch + t[None, None, :] * skct, kct,
                                skcd, kctm & tv[None, None, :], KB, KU, KW).to(tl.float16)
@@ -251,7 +300,16 @@ def _packed_split_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         # -- values
-        if VRT == 1:
+        if V_CB:
+            # codebook: out += sum_t (p_t s_t) c[code_t], codes packed along channels
+            vcode = _unpack_at(vc_ptr + b * svcb + h * svch + t[:, None] * svct, di[None, :],
+                               svcd, tv[:, None] & dmask[None, :], VB, VU, VW)
+            vcent = _centroids(vcb_ptr, vcode, dmask[None, :])  # [BT, BD]
+            vnorm = tl.load(vs_ptr + b * svsb + h * svsh + t * svst, mask=tv, other=0)
+            vsc = _codebook_scale(vnorm, vcent, 1, inv_sqrt_d, V_RN)  # [BT]
+            pw = (p * vsc[None, :]).to(tl.float16)
+            acc = acc * alpha[:, None] + tl.dot(pw, vcent.to(tl.float16))
+        elif VRT == 1:
             # per-token: fold the scale of each channel group into p
             vsp = vj[:, None] * svsd + t[None, :] * svst
             pmask = (vj[:, None] < NDG) & tv[None, :]
@@ -409,7 +467,8 @@ def _as_u8(name: str, t, b: int, hkv: int | None, min_len: int, device) -> torch
     return t.view(torch.uint8) if t.dtype == torch.bool else t
 
 
-LAYOUTS = ("per-channel", "per-token", "per-tensor")
+LAYOUTS = ("per-channel", "per-token", "per-tensor", "codebook")
+CODEBOOK = "codebook"
 
 
 def _packed_geometry(which: str, layout: str, bits: int, group, codes, scale, zero, length: int,
@@ -425,6 +484,9 @@ def _packed_geometry(which: str, layout: str, bits: int, group, codes, scale, ze
         raise KernelInputError(f"{which}_layout {layout!r} is not a packed layout; allowed: "
                          f"{', '.join(LAYOUTS)}.")
     per, width = pack_unit(bits)
+    if layout == CODEBOOK:
+        return _codebook_geometry(which, bits, group, codes, scale, zero, length, b, hkv, d,
+                                  dev, meta8)
     if layout == "per-token":
         gd = d if group is None else group
         check_int(gname, gd, 1)
@@ -461,6 +523,53 @@ def _packed_geometry(which: str, layout: str, bits: int, group, codes, scale, ze
             raise KernelInputError(f"{name} has {t.shape[2]} group rows < {n_rows} needed for length "
                              f"{length} ({layout}, {gname} {group}).")
     return tok, rows_t, gd
+
+
+def _param_strides(t, layout: str) -> tuple[int, int, int, int]:
+    """Strides of a scale/zero tensor as the kernel indexes it ``[B, H, row, col]``: a per-tensor
+    one has one column (stride 0 reads it for every channel); codebook norms ``[B, H, N]`` get a
+    column stride of 0 and a codebook's absent zero all zeros."""
+    if t is None:
+        return 0, 0, 0, 0
+    if layout == CODEBOOK:
+        return (*t.stride(), 0)
+    return t.stride()[:3] + ((0,) if layout == "per-tensor" else t.stride()[3:])
+
+
+def _codebook_geometry(which: str, bits: int, group, codes, norms, zero, length: int, b: int,
+                       hkv: int, d: int, dev, meta8: bool) -> tuple[bool, int, int]:
+    """Check a codebook-coded tensor (``kvlens.cache.codebook``): codes packed along channels
+    ``[B, Hkv, >=length, ceil(D/U)*W]``, ``*_scale`` = the norms ``[B, Hkv, >=length]``, no
+    zero, group or 8-bit unit. Returns the geometry ``(False, 0, D)`` (no scale rows)."""
+    for name, given in ((f"{which}_zero", zero), (f"{which}_group", group)):
+        if given is not None:
+            raise KernelInputError(f"{name} must be None for {which}_layout 'codebook' (a codebook "
+                                   f"tensor has one norm per vector and a centroid table).")
+    if meta8:
+        raise KernelInputError(f"{which}_zero_unit must be None for {which}_layout 'codebook' "
+                               "(its norms are float16/float32, not 8-bit codes).")
+    per, width = pack_unit(bits)
+    cname = f"{which}_codes"
+    check_tensor(cname, codes, 4, (torch.uint8,), dev)
+    check_shape(cname, codes, (b, hkv, None, -(-d // per) * width))
+    nname = f"{which}_scale"
+    check_tensor(nname, norms, 3, SCALE_DTYPES, dev)
+    check_shape(nname, norms, (b, hkv, None))
+    for name, t in ((cname, codes), (nname, norms)):
+        if t.shape[2] < length:
+            raise KernelInputError(f"{name} holds {t.shape[2]} tokens < length {length}.")
+    return False, 0, d
+
+
+def _centroid_table(which: str, table, bits: int, dev) -> torch.Tensor:
+    """A codebook's ``2^bits`` centroids (float16/float32, 1-D, contiguous on ``dev``)."""
+    name = f"{which}_centroids"
+    if table is None:
+        raise KernelInputError(f"{which}_layout 'codebook' needs {name}: the {1 << bits} "
+                               f"centroids of its {bits}-bit codebook.")
+    check_tensor(name, table, 1, SCALE_DTYPES, dev)
+    check_shape(name, table, (1 << bits,))
+    return table.contiguous()
 
 
 def _head_vectors(name: str, t, b: int, hkv: int, d: int, dev) -> torch.Tensor | None:
@@ -506,6 +615,10 @@ def decode_attention(
     split_tokens: int | None = None,
     k_zero_unit: float | None = None,
     v_zero_unit: float | None = None,
+    k_centroids: torch.Tensor | None = None,
+    v_centroids: torch.Tensor | None = None,
+    k_renormalize: bool = False,
+    v_renormalize: bool = False,
 ) -> torch.Tensor:
     """Decode attention of ``q`` ``[B, Hq, 1, D]`` over one layer's compressed cache ->
     ``[B, Hq, 1, D]`` in ``q.dtype``. Layout and semantics: module docstring.
@@ -532,6 +645,13 @@ def decode_attention(
     k_zero_unit/v_zero_unit: ``None``: the scales and zeros are float16/float32. A number: they
     are 8-bit group metadata (``kvlens.quant.meta8``: scale uint8 codes, zero int8 codes whose
     unit is this many quantization steps, ``zero_unit(bits)``), decoded in the kernel.
+    ``k_layout`` / ``v_layout`` ``"codebook"`` (``kvlens.cache.codebook``; keys and values
+    independently): ``*_codes`` uint8 ``[B, Hkv, >=length, ceil(D/U)*W]`` (one vector's codes
+    packed along channels), ``*_scale`` its norms ``[B, Hkv, >=length]`` float16/float32,
+    ``*_zero`` and ``*_group`` ``None``; ``*_centroids`` the ``2^bits`` centroids
+    (float16/float32), ``*_renormalize`` the spec's flag (scale ``norm / ||c||`` instead of
+    ``norm / sqrt(D)``). The vectors are read in the basis they were coded in: a rotated
+    codebook's query must come rotated, and a value codebook's output comes back rotated.
     """
     check_tensor("q", q, 4, FLOAT_DTYPES)
     dev = q.device
@@ -559,10 +679,18 @@ def decode_attention(
         raise KernelInputError(f"query heads {hq} must be a multiple of KV heads {hkv} (GQA).")
     gq = hq // hkv
     kgeo = vgeo = (False, 1, d)
+    for name, lay in (("k_layout", k_layout), ("v_layout", v_layout)):
+        if lay not in LAYOUTS:
+            raise KernelInputError(f"{name} {lay!r} is not a packed layout; allowed: "
+                                   f"{', '.join(LAYOUTS)}.")
+    k_book, v_book = k_layout == CODEBOOK, v_layout == CODEBOOK
+    k_table = v_table = None
     if length:
-        if any(t is None for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)):
+        needed = [k_codes, k_scale, v_codes, v_scale] + [z for z, book in (
+            (k_zero, k_book), (v_zero, v_book)) if not book]
+        if any(t is None for t in needed):
             raise KernelInputError("length > 0 needs all of k_codes, k_scale, k_zero, v_codes, "
-                             "v_scale, v_zero.")
+                             "v_scale, v_zero (no zeros for a codebook layout).")
         for name, unit in (("k_zero_unit", k_zero_unit), ("v_zero_unit", v_zero_unit)):
             if unit is not None and not (isinstance(unit, (int, float)) and unit > 0):
                 raise KernelInputError(f"{name} must be a positive number (8-bit metadata) or None, "
@@ -571,6 +699,13 @@ def decode_attention(
                                 length, b, hkv, d, dev, meta8=k_zero_unit is not None)
         vgeo = _packed_geometry("v", v_layout, v_bits, v_group, v_codes, v_scale, v_zero,
                                 length, b, hkv, d, dev, meta8=v_zero_unit is not None)
+        for name, flag in (("k_renormalize", k_renormalize), ("v_renormalize", v_renormalize)):
+            if not isinstance(flag, bool):
+                raise KernelInputError(f"{name} must be True or False, got {flag!r}.")
+        if k_book:
+            k_table = _centroid_table("k", k_centroids, k_bits, dev)
+        if v_book:
+            v_table = _centroid_table("v", v_centroids, v_bits, dev)
     if residual_len:
         for name, t in (("residual_k", residual_k), ("residual_v", residual_v)):
             if t is None:
@@ -652,24 +787,26 @@ def decode_attention(
         pv_args = (pvalid, *pvalid.stride()) if pvalid is not None else (dummy, 0, 0, 0)
         nkg, ndg = d // kgeo[2], d // vgeo[2]
         # per-tensor scales have one column: stride 0 reads it for every channel
-        kss = k_scale.stride()[:3] + ((0,) if k_layout == "per-tensor" else k_scale.stride()[3:])
-        kzs = k_zero.stride()[:3] + ((0,) if k_layout == "per-tensor" else k_zero.stride()[3:])
-        vss = v_scale.stride()[:3] + ((0,) if v_layout == "per-tensor" else v_scale.stride()[3:])
-        vzs = v_zero.stride()[:3] + ((0,) if v_layout == "per-tensor" else v_zero.stride()[3:])
+        # codebook norms are 3-D (a fourth stride of 0) and have no zero (never read)
+        kss, kzs = (_param_strides(t, k_layout) for t in (k_scale, k_zero))
+        vss, vzs = (_param_strides(t, v_layout) for t in (v_scale, v_zero))
         _packed_split_kernel[(programs, n_packed)](
             q, *qs, *bal_args, *mu_args,
-            k_codes, *k_codes.stride(), k_scale, *kss, k_zero, *kzs,
-            v_codes, *v_codes.stride(), v_scale, *vss, v_zero, *vzs,
+            k_codes, *k_codes.stride(), k_scale, *kss, dummy if k_book else k_zero, *kzs,
+            v_codes, *v_codes.stride(), v_scale, *vss, dummy if v_book else v_zero, *vzs,
+            dummy if k_table is None else k_table, dummy if v_table is None else v_table,
             *pv_args, *mask_args, start_arg, o_part, m_part, l_part,
             hkv, d, gq, length, split_p, s_total, qscale,
-            float(k_zero_unit or 0.0), float(v_zero_unit or 0.0),
+            float(k_zero_unit or 0.0), float(v_zero_unit or 0.0), 1.0 / math.sqrt(d),
             BG=bg, BD=bd, BT=bt_p, KB=k_bits, KU=kunit[0], KW=kunit[1], K_TOK=kgeo[0], KRT=kgeo[1],
             GKD=kgeo[2], GKD_P=max(16, next_pow2(kgeo[2])), NKG=nkg, NKG_P=next_pow2(nkg),
             VB=v_bits, VU=vunit[0], VW=vunit[1], V_TOK=vgeo[0], VRT=vgeo[1],
             GV=vgeo[2], GV_P=max(16, next_pow2(vgeo[2])), NDG=ndg, NDG_P=next_pow2(ndg),
             HAS_BAL=bal is not None, HAS_MASK=mask is not None, HAS_START=start is not None,
             HAS_PVALID=pvalid is not None, HAS_MU=mu is not None, K_M8=k_zero_unit is not None,
-            V_M8=v_zero_unit is not None, MB=META8_SCALE_BIAS, MS=META8_SCALE_STEPS)
+            V_M8=v_zero_unit is not None, MB=META8_SCALE_BIAS, MS=META8_SCALE_STEPS,
+            K_CB=k_book, V_CB=v_book, K_RN=k_book and k_renormalize,
+            V_RN=v_book and v_renormalize)
     base = n_packed
     for dk, dv, dpos, n_tok, pos0, split, n_splits in dense:
         pos_args = (dpos, *dpos.stride()) if dpos is not None else (dummy, 0, 0, 0)

@@ -5,14 +5,18 @@
 the per-call dispatch, ``kvlens.cache.decode_cost`` and ``recommend``'s ``--prefer-fast``);
 ``triton_unsupported`` adds the per-call reasons (prefill, attention probabilities, GEAR);
 ``triton_decode`` turns a ``CompressedLayer`` and transformers' mask into the kernel's arguments.
+Codebook keys and values (``kvlens.cache.codebook``) are read by the kernel too, in the layer's
+rotated basis: the attention function passes the rotated query and un-rotates the output, for
+both backends alike.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvlens.cache.codebook import CodebookStore
 from kvlens.config.rules import flush_block
-from kvlens.quant import pack_unit
+from kvlens.quant import CodebookSpec, pack_unit
 
 
 def triton_unsupported(layer, query: torch.Tensor, with_probs: bool) -> str | None:
@@ -35,14 +39,12 @@ def kernel_layout_problem(setting, head_dim: int) -> str | None:
 
     if setting.key is None or setting.value is None:
         return "keys or values not quantized (the kernel reads both from the packed store)"
-    for tensor in ("key", "value"):
-        if setting.codebook(tensor) is not None:
-            return (f"codebook {tensor}s (torch path only: no Triton kernel reads codebook "
-                    "codes yet; docs/codebooks.md)")
     if setting.pre_rope_keys:
         return ("pre-RoPE keys (the kernel does not re-apply RoPE; the torch path rotates each "
                 "dequantized chunk)")
     for what, spec in (("key", setting.key), ("value", setting.value)):
+        if isinstance(spec, CodebookSpec):  # any bits, head_dim and block: codes per vector
+            continue
         block = flush_block(spec, setting.residual_tokens, setting.flush_tokens)
         why = _spec_kernel_problem(what, spec, block, head_dim)
         if why:
@@ -125,18 +127,36 @@ def triton_decode(query: torch.Tensor, layer, mask: torch.Tensor | None, scaling
             pvalid = (torch.arange(length, device=query.device) >= hidden).expand(
                 b, layer.hp_pos.shape[1], length)
     bal = layer.balancer if layer.balancer is not None else None
+    (kc, kscale, kzero), kw_k = _store_arguments("k", ks, query.device)
+    (vc, vscale, vzero), kw_v = _store_arguments("v", vs, query.device)
     out = decode_attention(
-        query, ks.codes, ks.scale, ks.zero, vs.codes, vs.scale, vs.zero, length,
-        k_bits=ks.spec.bits, v_bits=vs.spec.bits, k_group=_kernel_group(ks.spec, ks.block),
-        v_group=_kernel_group(vs.spec, vs.block), k_layout=ks.spec.granularity,
-        v_layout=vs.spec.granularity, scaling=float(scaling),
+        query, kc, kscale, kzero, vc, vscale, vzero, length, **kw_k, **kw_v,
+        scaling=float(scaling),
         residual_k=_wide(layer.res_k.buf, query.dtype) if layer.n_res else None,
         residual_v=_wide(layer.res_v.buf, query.dtype) if layer.n_res else None,
         residual_len=layer.n_res,
         extra=extra, packed_valid=pvalid, balancer=bal, key_mask=key_mask,
-        key_mean=layer.stored_key_mean() if layer.key_mean is not None else None,
-        k_zero_unit=ks.zero_unit, v_zero_unit=vs.zero_unit)
+        key_mean=layer.stored_key_mean() if layer.key_mean is not None else None)
     return out.transpose(1, 2), None
+
+
+def _store_arguments(which: str, store, device) -> tuple[tuple, dict]:
+    """``((codes, scale, zero), keywords)`` of the kernel for one packed store (``which`` = ``k``
+    or ``v``). A ``CodebookStore`` passes its packed codes, its norms as the scale, no zero, and
+    the centroid table: the held float16 centroids of a fitted codebook, or the computed
+    (Lloyd-Max) float32 table copied to ``device`` for the call (2^bits floats, as the torch
+    path's ``CodebookStore.chunk`` does); its vectors are in the layer's rotated basis, which the
+    caller's query already is (``kvlens.cache.attention`` rotates it once)."""
+    if isinstance(store, CodebookStore):
+        table = store.centroids if store.centroids is not None else \
+            store.codebook.centroids.to(device)
+        return (store.packed, store.norms, None), {
+            f"{which}_bits": store.spec.bits, f"{which}_group": None,
+            f"{which}_layout": "codebook", f"{which}_centroids": table,
+            f"{which}_renormalize": store.spec.renormalize}
+    return (store.codes, store.scale, store.zero), {
+        f"{which}_bits": store.spec.bits, f"{which}_group": _kernel_group(store.spec, store.block),
+        f"{which}_layout": store.spec.granularity, f"{which}_zero_unit": store.zero_unit}
 
 
 def _wide(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -131,8 +131,7 @@ def recommend(
     codebooks: bool = typer.Option(False, "--codebooks", rich_help_panel=BUDGET,
                                    help="Also codebook value candidates (2- and 3-bit fitted "
                                         "codebooks of rotated values with a norm per vector, "
-                                        "docs/codebooks.md; not with --prefer-fast or "
-                                        "--no-rotation)."),
+                                        "docs/codebooks.md; not with --no-rotation)."),
     centering: bool = typer.Option(False, "--centering", rich_help_panel=BUDGET,
                                    help="Offer the per-token key candidates centred instead of "
                                         "plain: the layer's mean key, computed on the capture, "

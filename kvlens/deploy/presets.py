@@ -94,8 +94,9 @@ def _llamacpp_notes(raw: str, s: LlamaCppSetting) -> tuple[str, ...]:
 
 
 TURBOQUANT_DIFFERENCES = (
-    "attention in the model's float precision over the coded cache, not vLLM's Triton decode "
-    "kernel (nor its fp16 dequantize-then-flash-attention path for chunks over 128 tokens); "
+    "attention in the model's float precision over the coded cache (or kvlens' fused decode "
+    "kernel with --backend triton), not vLLM's Triton decode kernel (nor its fp16 "
+    "dequantize-then-flash-attention path for chunks over 128 tokens); "
     "as in vLLM, a first forward attends exact and every later one reads its own tokens back "
     "compressed. docs/deploy/vllm.md.")
 

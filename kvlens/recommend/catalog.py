@@ -15,8 +15,8 @@ heavy_fraction)`` of ``mikv_set_bits`` x ``mikv_fractions``: heavy hitters and s
 config's ``mikv.layers``). With ``codebooks`` (opt-in; ``--codebooks``) also codebook
 values at 2 and 3 bits (``CODEBOOK_BITS``): ``fitted+renorm`` of docs/codebooks.md, each
 layer's codebook fitted on its captured values, stored as packed codes and a float16 norm per
-vector (rotated, so only where rotation is offered; torch read path only, so not with
-``prefer_fast``). With ``centering`` (opt-in; ``--centering``) the
+vector (rotated, so only where rotation is offered; the fused decode kernel reads them, so
+``prefer_fast`` keeps them). With ``centering`` (opt-in; ``--centering``) the
 per-token key candidates of the first key fit, plain, pre-RoPE and rotated (not balanced), are
 offered centred instead of plain (``centrable``): the layer's mean key (computed on the capture)
 subtracted before quantizing, kept in the config, added back on read
@@ -81,7 +81,7 @@ def candidates(head_dim: int, opts: RecommendOptions, has_rope: bool) -> list[Ca
                         continue
                     if opts.gear and not opts.prefer_fast and g == GEAR_GROUP and b <= 4:
                         out.append(Candidate(tensor, b, gran, g, gear=True))
-    if opts.codebooks and rotation and not opts.prefer_fast:
+    if opts.codebooks and rotation:  # the fused decode kernel reads them (--prefer-fast too)
         out += [Candidate.codebook_values(b) for b in CODEBOOK_BITS]
     if opts.centering:  # the per-token keys are offered centred (prefer_fast offers no
         # pre-RoPE keys to centre; the kernel reads centred post-RoPE ones)

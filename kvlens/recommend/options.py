@@ -173,7 +173,8 @@ class RecommendOptions:
     # predicted to be long, else this process only
     workers: int | None = None
     # offer codebook values (CODEBOOK_BITS; kvlens.quant.codebook, fitted per layer on the
-    # capture; torch read path only, so not with prefer_fast; rotated, so not without rotation).
+    # capture; the fused decode kernel reads them, so prefer_fast keeps them; rotated, so not
+    # without rotation).
     # Opt-in (--codebooks) until it earns a place at the current defaults (docs/codebooks.md)
     codebooks: bool = False
     # offer the per-token key candidates centred instead of plain (kvlens.recommend.catalog.
@@ -235,10 +236,9 @@ class RecommendOptions:
                              "also flushes it whole).")
         if self.sink_tokens < 0:
             raise InputError(f"--sinks must be >= 0, got {self.sink_tokens}.")
-        if self.codebooks and (self.prefer_fast or not self.rotation):
-            raise InputError("--codebooks offers codebook values, which the fused decode kernel "
-                             "does not read and which are coded rotated: drop --prefer-fast and "
-                             "--no-rotation, or --codebooks.")
+        if self.codebooks and not self.rotation:
+            raise InputError("--codebooks offers codebook values, which are coded rotated: drop "
+                             "--no-rotation or --codebooks.")
         if self.layout_layers is not None and not is_int(self.layout_layers, 1):
             raise InputError(f"layout_layers must be a positive number of layers (or None: "
                              f"every layer), got {self.layout_layers!r}.")
