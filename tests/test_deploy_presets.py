@@ -138,8 +138,8 @@ def test_transformers_quanto_maps_to_kvlens_layouts():
     ("transformers:quanto-4:axis_key=1", "0 or -1"),
     ("transformers:quanto-4:nbits=4", "allowed: axis_key"),
     ("vllm:fp8_e4m3@head", "--calibration run.h5"),
-    ("vllm:turboquant_k8v4", "turboquant_k8v4 is not simulated: it stores fp8 keys"),
-    ("vllm:turboquant_2bit", "turboquant_4bit_nc, turboquant_k3v4_nc, turboquant_3bit_nc"),
+    ("vllm:turboquant_2bit", "turboquant_k8v4, turboquant_4bit_nc, turboquant_k3v4_nc, "
+                             "turboquant_3bit_nc"),
     ("vllm:turboquant_4bit_nc:skip=1", "TurboQuant dtypes take no options"),
     ("sglang:turboquant_4bit_nc", "fp8_e4m3, fp8_e5m2"),
 ])
@@ -229,7 +229,28 @@ def test_vllm_turboquant_settings_code_keys_with_a_codebook(name, kbits, vbits):
     assert "Triton decode kernel" in s.notes[0] and cfg.format_version == 5
     with pytest.raises(ConfigError, match="not one cache type"):
         measured_cache_type(parse_engine_setting(name))
-    assert "vllm:T (T: turboquant_4bit_nc" in allowed_settings()
+    assert "vllm:T (T: turboquant_k8v4, turboquant_4bit_nc" in allowed_settings()
+
+
+def test_vllm_turboquant_k8v4_casts_keys_to_fp8():
+    """turboquant_k8v4 (vLLM's TQ_PRESETS: 8-bit keys, 4-bit values, no norm correction): keys
+    cast to fp8 e4m3 with no scale and no rotation, i.e. a layer with unquantized keys at
+    fp_dtype float8_e4m3fn (a saturating cast: 500 reads back as 448), values 4-bit min-max per
+    token, and the boundary layers f16 engine layers (the config's fp_dtype is fp8, so a kvlens
+    float layer would not be float16)."""
+    from kvlens.cache.layer import DenseTensor
+
+    s = engine_config("vllm:turboquant_k8v4", num_layers=30)
+    cfg = s.config
+    assert cfg.default.key is None and cfg.default.value == QuantSpec(4, "per-token")
+    assert not cfg.default.rotate_keys and cfg.default.residual_tokens == 0
+    assert cfg.fp_dtype == "float8_e4m3fn" and cfg.write_before_attention
+    assert sorted(cfg.layers) == [0, 1, 28, 29]
+    assert all(lk.key_format == lk.value_format == "f16" for lk in cfg.layers.values())
+    assert "keys cast to fp8 e4m3 (no scale, not rotated)" in s.notes[0]
+    store = DenseTensor(torch.float8_e4m3fn)
+    store.append(torch.tensor([500.0, -3.3, 0.1]).reshape(1, 1, 3, 1))
+    assert store.buf.float().flatten().tolist() == pytest.approx([448.0, -3.25, 0.1015625])
 
 
 def _vllm_turboquant_reference(k, v, key_bits, value_bits):

@@ -251,21 +251,23 @@ def test_generate_compare_vllm_turboquant(tiny_model_dir):
     """vllm:turboquant_* settings run through `generate --compare` on a tiny 3-layer Llama
     (head_dim 16): layers 0 and 2 are the exact boundary layers, layer 1 holds 4-bit codebook
     keys (4 bits + a 16-bit norm per 16 channels = 5 bits) and 4-bit per-token values (4 bits +
-    fp16 scale and zero = 6 bits) for 4bit_nc, 3 + 1 and 3 + 2 bits for 3bit_nc; plus the
-    float32 [16, 16] Hadamard matrix the cache holds, over 96 tokens x 3 layers x 2 KV heads x
+    fp16 scale and zero = 6 bits) for 4bit_nc, 3 + 1 and 3 + 2 bits for 3bit_nc (plus the
+    float32 [16, 16] Hadamard matrix the cache holds), fp8 keys and 6-bit values for k8v4, over 96 tokens x 3 layers x 2 KV heads x
     16 channels x (K, V)."""
     result = runner.invoke(app, ["generate", "--model", str(tiny_model_dir), "--compare",
-                                 "exact,vllm:turboquant_4bit_nc,vllm:turboquant_3bit_nc",
+                                 "exact,vllm:turboquant_4bit_nc,vllm:turboquant_3bit_nc,"
+                                 "vllm:turboquant_k8v4",
                                  "--eval", "kld", "--eval-tokens", "96", "--chunk", "16",
                                  "--json"])
     assert result.exit_code == 0, result.output
-    exact, tq4, tq3 = json.loads(result.stdout)["results"]
+    exact, tq4, tq3, k8 = json.loads(result.stdout)["results"]
     assert tq4["name"] == "vllm:turboquant_4bit_nc" and tq3["name"] == "vllm:turboquant_3bit_nc"
     rotation = 16 * 16 * 32 / (96 * 3 * 2 * 16 * 2)
     assert tq4["bits_per_element"] == pytest.approx((4 * 16 + 5 + 6) / 6 + rotation)
     assert tq3["bits_per_element"] == pytest.approx((4 * 16 + 4 + 5) / 6 + rotation)
+    assert k8["bits_per_element"] == pytest.approx((4 * 16 + 8 + 6) / 6)  # fp8 keys, no rotation
     assert exact["kld"]["mean_kld"]["value"] == 0.0
-    for r in (tq4, tq3):
+    for r in (tq4, tq3, k8):
         assert 0 < r["kld"]["mean_kld"]["value"] < 1
     assert "resolved when the model is loaded" in result.stderr  # noted before the load
     assert "vllm:turboquant_3bit_nc: layers kept exact for this 3-layer model: 0, 2" in \

@@ -31,9 +31,10 @@
   quantized per token (one fp16 scale and zero per vector, ``value_bits`` bits); the first and
   last ``TURBOQUANT_BOUNDARY`` layers (at most half the layers) kept in the model dtype, which
   is why ``kvconfig`` needs the model's layer count; a forward after the first reads its own
-  tokens back compressed (``KVConfig.write_before_attention``). ``turboquant_k8v4`` (fp8 keys beside
-  integer values in one layer) is refused: a kvlens layer cannot store that pair. What is and
-  is not simulated: docs/deploy/vllm.md.
+  tokens back compressed (``KVConfig.write_before_attention``). ``turboquant_k8v4`` stores keys
+  as a plain saturating fp8 e4m3 cast (no scale, no rotation: the layer's unquantized key store
+  at ``fp_dtype`` float8_e4m3fn) beside the same 4-bit values, its boundary layers as ``f16``
+  engine layers. What is and is not simulated: docs/deploy/vllm.md.
 - transformers ``QuantizedCache`` (quanto backend, defaults ``QUANTO_DEFAULTS``): ``axis=0``
   groups ``G`` channels of one token (per-token ``G``), ``axis=-1`` groups ``G`` tokens of one
   channel (per-channel ``G``), the residual window is ``R``: a kvlens layout, not transformers'
@@ -86,7 +87,7 @@ SGLANG_SEARCH_TYPES = VLLM_SEARCH_TYPES
 # TQ_PRESETS (vllm/model_executor/layers/quantization/turboquant/config.py)
 TURBOQUANT_PRESETS = {"turboquant_k8v4": (8, 4, False), "turboquant_4bit_nc": (4, 4, True),
                       "turboquant_k3v4_nc": (3, 4, True), "turboquant_3bit_nc": (3, 3, True)}
-TURBOQUANT_TYPES = tuple(t for t, (kb, _, _) in TURBOQUANT_PRESETS.items() if kb != 8)
+TURBOQUANT_TYPES = tuple(TURBOQUANT_PRESETS)
 TURBOQUANT_BOUNDARY = 2  # first and last layers vLLM keeps uncompressed (get_boundary_skip_layers)
 
 QUANTO_BITS = (2, 4)
@@ -273,11 +274,6 @@ class TurboQuantSetting:
     engine: ClassVar[str] = "vllm"
 
     def __post_init__(self) -> None:
-        if self.dtype == "turboquant_k8v4":
-            raise ConfigError("turboquant_k8v4 is not simulated: it stores fp8 keys beside 4-bit "
-                              "integer values in one layer, which a kvlens layer cannot hold "
-                              "(fp8 is an engine cache type, integer values a kvlens layout); "
-                              f"allowed: {', '.join(TURBOQUANT_TYPES)}.")
         if self.dtype not in TURBOQUANT_TYPES:
             raise ConfigError(f"Unknown vLLM TurboQuant dtype {self.dtype!r}; allowed: "
                               f"{', '.join(TURBOQUANT_TYPES)}.")
@@ -308,16 +304,27 @@ class TurboQuantSetting:
         n = min(TURBOQUANT_BOUNDARY, num_layers // 2)
         return tuple(sorted({*range(n), *range(num_layers - n, num_layers)}))
 
+    @property
+    def fp8_keys(self) -> bool:
+        """``turboquant_k8v4``: keys cast to fp8 e4m3 with no scale, not rotated (no codebook)."""
+        return self.key_bits == 8
+
     def kvconfig(self, label: str, num_layers: int) -> KVConfig:
         """The config for a model of ``num_layers`` layers: every layer but the boundary ones
-        codes keys (codebook) and values (per-token min-max) with no full-precision window;
-        the boundary layers keep both at float16."""
-        key = CodebookSpec(self.key_bits, "lloyd-max-normal", RotationSpec(),
-                           renormalize=self.norm_correction)
+        codes keys (codebook; ``k8v4``: a saturating fp8 e4m3 cast, kept as the layer's
+        full-precision key store at ``fp_dtype`` float8_e4m3fn) and values (per-token min-max)
+        with no full-precision window; the boundary layers keep both at float16 (``k8v4``: as
+        ``f16`` engine layers, since its ``fp_dtype`` is fp8)."""
         value = QuantSpec(self.value_bits, "per-token")  # one scale and zero per vector
+        if self.fp8_keys:
+            key, fp, exact = None, "float8_e4m3fn", LayerKV(key_format="f16", value_format="f16")
+        else:
+            key = CodebookSpec(self.key_bits, "lloyd-max-normal", RotationSpec(),
+                               renormalize=self.norm_correction)
+            fp, exact = "float16", LayerKV()
         return KVConfig(label, LayerKV(key, value),
-                        {i: LayerKV() for i in self.boundary_layers(num_layers)},
-                        fp_dtype="float16", scale_dtype="float16",
+                        {i: exact for i in self.boundary_layers(num_layers)},
+                        fp_dtype=fp, scale_dtype="float16",
                         write_before_attention=True,
                         description=f"vllm --kv-cache-dtype {self.dtype}")
 

@@ -108,9 +108,10 @@ def _turboquant(raw: str, s: TurboQuantSetting, num_layers: int | None) -> Engin
     else:
         cfg = s.kvconfig(raw, num_layers)
         where = f"layers {', '.join(map(str, s.boundary_layers(num_layers)))}"
-    note = (f"{raw}: keys {s.key_bits}-bit Lloyd-Max codes of the Hadamard-rotated normalised "
-            f"key plus an fp16 norm{' (centroids renormalised)' if s.norm_correction else ''}, "
-            f"values {s.value_bits}-bit min-max per token (fp16 scale and zero); the first and "
+    keys = "keys cast to fp8 e4m3 (no scale, not rotated)" if s.fp8_keys else (
+        f"keys {s.key_bits}-bit Lloyd-Max codes of the Hadamard-rotated normalised key plus an "
+        f"fp16 norm{' (centroids renormalised)' if s.norm_correction else ''}")
+    note = (f"{raw}: {keys}, values {s.value_bits}-bit min-max per token (fp16 scale and zero); the first and "
             f"last {TURBOQUANT_BOUNDARY} layers exact ({where}). Differences: "
             + TURBOQUANT_DIFFERENCES)
     return EngineSetting(s.engine, cfg, (note,), per_model=True)
