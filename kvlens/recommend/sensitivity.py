@@ -104,13 +104,7 @@ def layout_factors(path, model, opts, cands, balancers, notes, progress, codeboo
         finally:
             _run.clear()
     rates = _shared_rates(rates, [family(c) for c in probes], [family(c) for c in anchors])
-    known = [r for row in rates for r in row.values()]
-    mean = sum(known) / len(known) if known and sum(known) > 0 else 1.0
-    weights, factors = [], []
-    for row in rates:
-        w = sum(row.values()) / len(row) / mean if row else 1.0
-        weights.append(w)
-        factors.append({f: r / mean / w if w > 0 else 1.0 for f, r in row.items()})
+    weights, factors = weights_and_factors(rates)
     spread = [max(f.values()) / min(f.values()) for f in factors
               if f and min(f.values()) > 0]
     where = "every layer" if len(every) == meta.num_layers else \
@@ -121,6 +115,20 @@ def layout_factors(path, model, opts, cands, balancers, notes, progress, codeboo
                  f"{max(spread, default=1.0):.1f}")
     return tuple(weights), tuple(factors)
 
+
+
+def weights_and_factors(rates: Sequence[dict]) -> tuple[list[float], list[dict]]:
+    """Per-layer ``{family: rate}`` -> ``(layer weights, per-layer {family: factor})``: the rates
+    normalised to mean 1 over all layers and families, a layer's weight its mean rate, a
+    family's factor its rate over that mean (weight x factor is the normalised rate)."""
+    known = [r for row in rates for r in row.values()]
+    mean = sum(known) / len(known) if known and sum(known) > 0 else 1.0
+    weights, factors = [], []
+    for row in rates:
+        w = sum(row.values()) / len(row) / mean if row else 1.0
+        weights.append(w)
+        factors.append({f: r / mean / w if w > 0 else 1.0 for f, r in row.items()})
+    return weights, factors
 
 
 _run: dict = {}
