@@ -458,10 +458,17 @@ def test_codebook_value_sets_the_value_rotation_and_version_4():
         validate_for(_book_config(codebooks={i: BOOK2 for i in range(3)}), odd)
 
 
-def test_centred_codebook_keys_are_refused():
-    # both version 5, merged from two branches: the codebook key read path adds no mean back
-    with pytest.raises(ConfigError, match="center_keys cannot be combined with a codebook key"):
-        LayerKV(CodebookSpec(3), QuantSpec(4, "per-token"), center_keys=True)
+def test_centred_codebook_keys_are_accepted_post_rope_only():
+    # the codebook codes k R - mu R and its scores get q . mu back (tests/test_codebook_cache.py)
+    lk = LayerKV(CodebookSpec(3), QuantSpec(4, "per-token"), center_keys=True)
+    assert lk.center_keys and lk.rotate_keys
+    cfg = KVConfig("c", lk, key_means={0: ((0.5,) * 4,)})
+    assert cfg.format_version == 5
+    assert config_from_dict(cfg.to_dict()).default == lk  # round trip keeps the flag
+    # pre-RoPE codebook keys stay refused for their own reason (rotation and RoPE)
+    with pytest.raises(ConfigError, match="codebook key spec cannot be combined with pre_rope"):
+        LayerKV(CodebookSpec(3), QuantSpec(4, "per-token"), center_keys=True,
+                pre_rope_keys=True)
     assert LayerKV(QuantSpec(2, "per-token", 32), None, center_keys=True).center_keys
 
 

@@ -83,7 +83,9 @@ computed on a capture by ``recommend``), and is held once per layer by the cache
 mean for ``pre_rope_keys`` layers (added back before RoPE is re-applied: lossless, and it
 removes more than the post-RoPE mean, docs/codebooks.md), the **post-RoPE** mean otherwise
 (always unrotated: a ``rotate_keys`` layer subtracts ``mu R`` from ``k R``; with a balancer the
-mean is subtracted before balancing). Not with GEAR or engine-format layers.
+mean is subtracted before balancing). A codebook key spec centres the same way: it codes the
+direction and norm of ``k R - mu R`` and its scores get ``q · mu`` back. Not with GEAR or
+engine-format layers.
 
 A config is written at the oldest version that can express it (``kvlens.config.versions``).
 
@@ -160,11 +162,6 @@ class LayerKV:
         if self.center_keys and self.key is None:
             raise ConfigError("center_keys is set but keys are not quantized, so there is "
                               "nothing to centre; set a key spec or center_keys: false.")
-        if self.center_keys and isinstance(self.key, CodebookSpec):
-            raise ConfigError("center_keys cannot be combined with a codebook key spec (the "
-                              "codebook codes each key's direction and norm; its read path has "
-                              "no mean to add back); use a uniform key spec or center_keys: "
-                              "false.")
 
     def _check_codebook(self) -> None:
         for name in ("key", "value"):
