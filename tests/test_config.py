@@ -27,6 +27,8 @@ from kvlens.config import (
     KVConfig,
     LayerKV,
     MikvSettings,
+    TurboQuantSetting,
+    centre_codebook_keys,
     config_from_dict,
     load_config,
     save_config,
@@ -470,6 +472,19 @@ def test_centred_codebook_keys_are_accepted_post_rope_only():
         LayerKV(CodebookSpec(3), QuantSpec(4, "per-token"), center_keys=True,
                 pre_rope_keys=True)
     assert LayerKV(QuantSpec(2, "per-token", 32), None, center_keys=True).center_keys
+
+
+def test_centre_codebook_keys_centres_only_the_codebook_key_layers():
+    tq = TurboQuantSetting("turboquant_4bit_nc").kvconfig("tq", 6)  # layers 0, 1, 4, 5 exact
+    mean = ((0.5, -0.25),)
+    cfg = centre_codebook_keys(tq, {i: mean for i in range(6)}, name="tq-c")
+    assert cfg.name == "tq-c" and cfg.default.center_keys and cfg.default.rotate_keys
+    assert [cfg.layer(i).center_keys for i in range(6)] == [False, False, True, True, False,
+                                                            False]
+    assert cfg.key_means == {2: mean, 3: mean} and cfg.write_before_attention
+    assert config_from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    uniform = KVConfig("u", LayerKV(QuantSpec(2, "per-token", 32), QuantSpec(2, "per-token")))
+    assert centre_codebook_keys(uniform, {0: mean}) == uniform  # no codebook keys: unchanged
 
 
 def test_codebook_keys_set_the_key_rotation_and_version_5():

@@ -34,7 +34,7 @@ from kvlens.cache import compressed_attention  # noqa: E402
 from kvlens.cache.layer import CompressedLayer  # noqa: E402
 from kvlens.cache.torch_read import packed_attention  # noqa: E402
 from kvlens.cache.triton_glue import kernel_layout_problem, triton_decode  # noqa: E402
-from kvlens.config import KVConfig, LayerKV, MikvSettings  # noqa: E402
+from kvlens.config import KVConfig, LayerKV, MikvSettings, centre_codebook_keys  # noqa: E402
 from kvlens.config.engine import TurboQuantSetting  # noqa: E402
 from kvlens.model.hooks import cache_argument_name  # noqa: E402
 from kvlens.quant import (  # noqa: E402
@@ -331,8 +331,8 @@ def test_triton_generates_the_same_tokens_with_codebooks(name, monkeypatch):
         config = TurboQuantSetting("turboquant_k3v4_nc").kvconfig("tq", 3)
         if name == "turboquant-centred":  # layer 1's codebook keys coded centred
             mean = tuple(tuple(0.4 * ((c % 5) - 2) for c in range(16)) for _ in range(2))
-            config = replace(config, default=replace(config.default, center_keys=True),
-                             key_means={1: mean})
+            config = centre_codebook_keys(config, {i: mean for i in range(3)})
+            assert config.layer(1).center_keys and set(config.key_means) == {1}
         compressed = [1]
         # the exact layers at every forward, and layer 1's first (it attends exact)
         torch_calls = 2 * 6 + 1

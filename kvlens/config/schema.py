@@ -592,6 +592,23 @@ class KVConfig:
         return oldest_version(self)
 
 
+def centre_codebook_keys(config: KVConfig, key_means: Mapping[int, Any],
+                         name: str | None = None) -> KVConfig:
+    """``config`` with the keys of its codebook-key layers stored centred (``center_keys``) on
+    ``key_means`` ``{layer: [Hkv][D]}`` (post-RoPE means, e.g. ``kvlens.quant.centering.
+    key_mean`` of a capture; float16 values); means of other layers are left out. A centred layer
+    without its mean is refused against the model (``validate_for``)."""
+    def centred(lk: LayerKV) -> LayerKV:
+        return replace(lk, center_keys=True) if lk.key_codebook is not None else lk
+
+    default = centred(config.default)
+    layers = {i: centred(lk) for i, lk in config.layers.items()}
+    means = {int(i): tuple(tuple(float(x) for x in head) for head in mean)
+             for i, mean in key_means.items() if layers.get(int(i), default).center_keys}
+    return replace(config, name=name or config.name, default=default, layers=layers,
+                   key_means=means)
+
+
 def _spec_dict(spec: QuantSpec | CodebookSpec | None) -> dict[str, Any] | None:
     return None if spec is None else spec.to_dict()
 
