@@ -16,7 +16,13 @@ from kvlens.cache.torch_read import packed_attention
 from kvlens.config import LayerKV, MikvSettings
 from kvlens.errors import ConfigError, InputError
 from kvlens.quant import QuantSpec, fake_quantize_codebook, hadamard_rotation, packed_length
-from kvlens.quant.codebook import CodebookSpec, codebook_for, lloyd_max
+from kvlens.quant.codebook import (
+    CodebookSpec,
+    codebook_for,
+    dequantize_codebook,
+    lloyd_max,
+    quantize_codebook,
+)
 from kvlens.quant.rotation import RotationSpec
 
 
@@ -204,6 +210,103 @@ def test_cache_layer_codebook_keys_equal_reference(bits, fitted, renorm, r, flus
     out = layer.from_stored_basis(out)
     torch.testing.assert_close(out, reference_attention(q, keys, values, mask),
                                rtol=1e-5, atol=1e-5)
+
+
+def _offset_keys(b, hkv, total, d, gen, outlier=True):
+    """Keys with a per-(head, channel) offset 4x their spread, the case centring is for, and
+    (``outlier``) an outlier first token."""
+    k = torch.randn(b, hkv, total, d, generator=gen) * torch.rand(1, 1, total, 1, generator=gen)
+    k = k + 4.0 * torch.randn(hkv, d, generator=gen)[None, :, None]
+    if outlier:
+        k[:, :, 0] *= 5
+    return k
+
+
+def _centred_codebook_layer(kspec, vspec, k, v, r, flush, rot, mu, cents=None, center=True):
+    """A layer with codebook keys (centred on ``mu`` when ``center``), prefilled with 19 tokens
+    then decoded one token at a time up to all but the last of ``k``."""
+    b, hkv, total, d = k.shape
+    setting = LayerKV(kspec, vspec, residual_tokens=r, flush_tokens=flush, center_keys=center)
+    layer = CompressedLayer(setting, 0, d, rotation=rot, session=stub_session(),
+                            key_centroids=cents, key_mean=mu if center else None)
+    layer.update(k[:, :, :19], v[:, :, :19])
+    layer.commit(torch.randn(b, 3 * hkv, 19, d), None)
+    for t in range(19, total - 1):
+        layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        layer.commit(torch.randn(b, 3 * hkv, 1, d), None)
+    return layer
+
+
+@pytest.mark.parametrize("bits,fitted,renorm,r,flush,total,d", [
+    (4, False, True, 0, 0, 45, 32),   # TurboQuant 4-bit _nc's key coding: no window
+    (3, False, False, 16, 8, 70, 24),  # odd head_dim (Hadamard blocks of 8), sliding block
+    (3, True, True, 32, 0, 81, 32),   # fitted key centroids, whole-window flushes
+    (2, True, False, 16, 0, 66, 24),
+])
+def test_centred_codebook_keys_equal_reference(bits, fitted, renorm, r, flush, total, d):
+    """Centred codebook keys (``center_keys``): the layer codes ``k R - mu R`` and its scores
+    get ``q · mu`` back, so prefill then decode, batch 2 with row 1 left-padded, GQA 6/2 and a
+    window equals "centre, rotate, code with the reference quantizer, un-rotate, add mu back,
+    attend" with the window exact. The stored codes are those of the centred keys (and differ
+    from an uncentred layer's), so a path that ignored the mean on either side fails."""
+    gen = torch.Generator().manual_seed(total + bits)
+    b, hq, hkv = 2, 6, 2
+    rot = hadamard_rotation(d, 7)
+    kspec = CodebookSpec(bits, "fitted" if fitted else "lloyd-max", RotationSpec(7),
+                         renormalize=renorm)
+    vspec = QuantSpec(4, "per-token")
+    k, v = _offset_keys(b, hkv, total, d, gen), torch.randn(b, hkv, total, d, generator=gen)
+    mu = k.mean(dim=(0, 2)).half()  # post-RoPE mean per KV head, float16 as the config holds it
+    mu_r = mu.float() @ rot  # the mean in the stored (rotated) basis
+    kr = (k[:, :, :total - 1] @ rot).half().float()  # the fp16 window of k R
+    book = codebook_for(kr - mu_r[None, :, None], kspec) if fitted else None
+    cents = None if book is None else book.centroids.half().float()
+    layer = _centred_codebook_layer(kspec, vspec, k, v, r, flush, rot, mu, cents)
+    seen, n_q = total - 1, layer.quantized_length
+    assert n_q > 0 and (layer.n_res > 0) == (r > 0)
+    assert torch.equal(layer.key_mean, mu) and "means" in dict(layer.named_tensors())
+    # the store holds the reference codes of the centred, rotated keys
+    ref_book = layer.kstore.codebook
+    centred = kr[:, :, :n_q] - mu_r[None, :, None]
+    qt = quantize_codebook(centred, replace(kspec, rotation=None), ref_book)
+    assert torch.equal(layer.kstore.packed, qt.packed())
+    assert torch.equal(layer.kstore.norms, qt.norms)
+    plain = _centred_codebook_layer(kspec, vspec, k, v, r, flush, rot, mu, cents, center=False)
+    assert not torch.equal(plain.kstore.packed, layer.kstore.packed)
+    # reference: un-rotate the decoded centred keys, add mu back; the window exact
+    coded = dequantize_codebook(qt) @ rot.T + mu.float()[None, :, None]
+    keys = torch.cat((coded, kr[:, :, n_q:] @ rot.T), 2)
+    values = stored_view(v[:, :, :seen], vspec, flush or r or 1, n_q)
+    mask = torch.ones(b, 1, 1, seen, dtype=torch.bool)
+    mask[1, ..., :5] = False
+    q = torch.randn(b, hq, 1, d, generator=gen)
+    out, _ = packed_attention(layer.to_stored_basis(q, True), layer, mask, d ** -0.5,
+                              chunk_tokens=16)
+    torch.testing.assert_close(out, reference_attention(q, keys, values, mask),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_centring_shrinks_the_error_of_offset_codebook_keys():
+    """Planted: keys with a per-channel offset 4x their spread (no outlier token). A codebook
+    codes each key's direction and norm, so its error grows with the norm the offset inflates;
+    centred, the same 3-bit codes give a much closer attention output (about 5x here)."""
+    gen = torch.Generator().manual_seed(12)
+    b, hkv, total, d = 2, 2, 90, 32
+    rot = hadamard_rotation(d, 7)
+    kspec = CodebookSpec(3, rotation=RotationSpec(7), renormalize=True)
+    k = _offset_keys(b, hkv, total, d, gen, outlier=False)
+    v = torch.randn(b, hkv, total, d, generator=gen)
+    mu = k.mean(dim=(0, 2)).half()
+    q = torch.randn(b, 6, 1, d, generator=gen)
+    mask = torch.ones(b, 1, 1, total - 1, dtype=torch.bool)
+    exact = reference_attention(q, k[:, :, :total - 1], v[:, :, :total - 1], mask)
+    err = {}
+    for center in (False, True):
+        layer = _centred_codebook_layer(kspec, QuantSpec(8, "per-token"), k, v, 0, 0, rot, mu,
+                                        center=center)
+        out, _ = packed_attention(layer.to_stored_basis(q, True), layer, mask, d ** -0.5)
+        err[center] = float((out - exact).norm() / exact.norm())
+    assert err[True] < 0.4 * err[False], err
 
 
 def test_write_first_reads_a_forwards_own_tokens_compressed():

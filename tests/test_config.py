@@ -27,6 +27,8 @@ from kvlens.config import (
     KVConfig,
     LayerKV,
     MikvSettings,
+    TurboQuantSetting,
+    centre_codebook_keys,
     config_from_dict,
     load_config,
     save_config,
@@ -458,11 +460,31 @@ def test_codebook_value_sets_the_value_rotation_and_version_4():
         validate_for(_book_config(codebooks={i: BOOK2 for i in range(3)}), odd)
 
 
-def test_centred_codebook_keys_are_refused():
-    # both version 5, merged from two branches: the codebook key read path adds no mean back
-    with pytest.raises(ConfigError, match="center_keys cannot be combined with a codebook key"):
-        LayerKV(CodebookSpec(3), QuantSpec(4, "per-token"), center_keys=True)
+def test_centred_codebook_keys_are_accepted_post_rope_only():
+    # the codebook codes k R - mu R and its scores get q . mu back (tests/test_codebook_cache.py)
+    lk = LayerKV(CodebookSpec(3), QuantSpec(4, "per-token"), center_keys=True)
+    assert lk.center_keys and lk.rotate_keys
+    cfg = KVConfig("c", lk, key_means={0: ((0.5,) * 4,)})
+    assert cfg.format_version == 5
+    assert config_from_dict(cfg.to_dict()).default == lk  # round trip keeps the flag
+    # pre-RoPE codebook keys stay refused for their own reason (rotation and RoPE)
+    with pytest.raises(ConfigError, match="codebook key spec cannot be combined with pre_rope"):
+        LayerKV(CodebookSpec(3), QuantSpec(4, "per-token"), center_keys=True,
+                pre_rope_keys=True)
     assert LayerKV(QuantSpec(2, "per-token", 32), None, center_keys=True).center_keys
+
+
+def test_centre_codebook_keys_centres_only_the_codebook_key_layers():
+    tq = TurboQuantSetting("turboquant_4bit_nc").kvconfig("tq", 6)  # layers 0, 1, 4, 5 exact
+    mean = ((0.5, -0.25),)
+    cfg = centre_codebook_keys(tq, {i: mean for i in range(6)}, name="tq-c")
+    assert cfg.name == "tq-c" and cfg.default.center_keys and cfg.default.rotate_keys
+    assert [cfg.layer(i).center_keys for i in range(6)] == [False, False, True, True, False,
+                                                            False]
+    assert cfg.key_means == {2: mean, 3: mean} and cfg.write_before_attention
+    assert config_from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    uniform = KVConfig("u", LayerKV(QuantSpec(2, "per-token", 32), QuantSpec(2, "per-token")))
+    assert centre_codebook_keys(uniform, {0: mean}) == uniform  # no codebook keys: unchanged
 
 
 def test_codebook_keys_set_the_key_rotation_and_version_5():

@@ -8,9 +8,9 @@ decoded with ``dequantize_codebook``; the uniform side with ``kvlens.quant.quant
 reference attends in float64 (``test_kernels_decode._reference``'s formula). Partials are
 NaN-poisoned. Odd shapes: head_dim 64 and 256, token counts 37, 45, 70, 101; GQA 3 and 2;
 2, 3 and 4 bits; fitted and Lloyd-Max codebooks; renormalised or not; keys only, values only,
-both; a residual window, left padding and a mask hole. Then the cache: a ``CompressedLayer``
-read by ``triton_decode`` equals its torch path, and a tiny Llama generates the same tokens
-with both backends.
+both; a residual window, left padding and a mask hole; centred codebook keys (``key_mean``).
+Then the cache: a ``CompressedLayer`` read by ``triton_decode`` equals its torch path (centred
+codebook keys included), and a tiny Llama generates the same tokens with both backends.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from kvlens.cache import compressed_attention  # noqa: E402
 from kvlens.cache.layer import CompressedLayer  # noqa: E402
 from kvlens.cache.torch_read import packed_attention  # noqa: E402
 from kvlens.cache.triton_glue import kernel_layout_problem, triton_decode  # noqa: E402
-from kvlens.config import KVConfig, LayerKV, MikvSettings  # noqa: E402
+from kvlens.config import KVConfig, LayerKV, MikvSettings, centre_codebook_keys  # noqa: E402
 from kvlens.config.engine import TurboQuantSetting  # noqa: E402
 from kvlens.model.hooks import cache_argument_name  # noqa: E402
 from kvlens.quant import (  # noqa: E402
@@ -177,6 +177,35 @@ def test_rotated_codebooks_are_read_in_the_rotated_basis():
     assert (plain @ r.T - ref).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("d,res,renorm", [(64, 5, True), (24, 0, False)])
+def test_centred_codebook_keys_get_the_mean_back(d, res, renorm):
+    """Codebook keys coded centred (``k - mu``) with ``key_mean``: the packed scores get
+    ``q · mu`` back, so the kernel equals attention over ``deq + mu`` beside an exact window
+    (GQA 3, left padding). Without ``key_mean`` (a kernel ignoring the mean) it differs."""
+    g = torch.Generator().manual_seed(d + res)
+    b, hq, hkv, t = 2, 6, 2, 45
+    mu = (4 * torch.randn(hkv, d, generator=g)).half().float()
+    k = torch.randn(b, hkv, t + res, d, generator=g) + mu[None, :, None]
+    v = torch.randn(b, hkv, t + res, d, generator=g)
+    q = torch.randn(b, hq, 1, d, generator=g)
+    spec = CodebookSpec(3, LLOYD, None, renormalize=renorm)
+    (kc, ks, _), kw_k, k_deq = _coded("k", k[:, :, :t] - mu[None, :, None], spec)
+    (vc, vs, vz), kw_v, v_deq = _coded("v", v[:, :, :t], QuantSpec(4, "per-token"))
+    rk, rv = k[:, :, t:].half(), v[:, :, t:].half()
+    valid_start = torch.tensor([0, 7])
+    kw = {**kw_k, **kw_v, "scaling": d ** -0.5, "residual_k": rk, "residual_v": rv,
+          "residual_len": res, "valid_start": valid_start}
+    out = decode_attention(q, kc, ks, None, vc, vs, vz, t, key_mean=mu.half(), **kw)
+    valid = (torch.arange(t + res)[None] >= valid_start[:, None])[:, None].expand(b, hkv, -1)
+    keys = torch.cat((k_deq + mu[None, :, None], rk.float()), 2)
+    ref = _reference(q, keys, torch.cat((v_deq, rv.float()), 2), valid, d ** -0.5)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, atol=3e-3, rtol=3e-3)
+    if res:  # with no window every score shifts alike and softmax forgives a missing mean
+        missing = decode_attention(q, kc, ks, None, vc, vs, vz, t, **kw)
+        assert (missing - ref).abs().max() > 1e-2
+
+
 def test_codebook_inputs_raise_clear_errors():
     g = torch.Generator().manual_seed(1)
     k, v = torch.randn(1, 1, 40, 64, generator=g), torch.randn(1, 1, 40, 64, generator=g)
@@ -229,24 +258,31 @@ def _filled_layer(setting, d, hkv, total, rot, **kw):
 
 
 @cpu_only
-@pytest.mark.parametrize("kspec,vspec,residual,sinks", [
-    (CodebookSpec(3, renormalize=True), QuantSpec(4, "per-token", 16), 0, 0),
-    (QuantSpec(2, "per-channel", 16), CodebookSpec(2, "fitted"), 16, 2),
-    (CodebookSpec(4, "fitted"), CodebookSpec(3, renormalize=True), 16, 0),
+@pytest.mark.parametrize("kspec,vspec,residual,sinks,center", [
+    (CodebookSpec(3, renormalize=True), QuantSpec(4, "per-token", 16), 0, 0, False),
+    (QuantSpec(2, "per-channel", 16), CodebookSpec(2, "fitted"), 16, 2, False),
+    (CodebookSpec(4, "fitted"), CodebookSpec(3, renormalize=True), 16, 0, False),
+    (CodebookSpec(4, renormalize=True), QuantSpec(4, "per-token", 16), 16, 2, True),
+    (CodebookSpec(3, "fitted"), CodebookSpec(3, renormalize=True), 16, 0, True),
 ])
-def test_kernel_reads_a_codebook_layer_like_the_torch_path(kspec, vspec, residual, sinks):
+def test_kernel_reads_a_codebook_layer_like_the_torch_path(kspec, vspec, residual, sinks,
+                                                           center):
     """A cache layer with codebook keys and/or values (rotated window, fitted centroids from
-    the config, a MiKV sinks set in the rotated basis): ``triton_decode`` on the rotated query
-    equals the torch path, with transformers' bool and additive masks (row 1 left-padded)."""
+    the config, a MiKV sinks set in the rotated basis, centred codebook keys whose mean the
+    glue passes in the rotated basis): ``triton_decode`` on the rotated query equals the torch
+    path, with transformers' bool and additive masks (row 1 left-padded)."""
     d, hkv, total = 32, 1, 83
     rot = hadamard_rotation(d, None)
     books = {}
     for name, spec in (("key", kspec), ("value", vspec)):
         if isinstance(spec, CodebookSpec) and spec.fitted:
             books[f"{name}_centroids"] = torch.linspace(-2.5, 2.5, 1 << spec.bits).half().float()
+    if center:
+        books["key_mean"] = torch.linspace(-3.0, 3.0, hkv * d).reshape(hkv, d).half()
     mikv = MikvSettings(0.0, sinks, "off") if sinks else None
-    layer = _filled_layer(LayerKV(kspec, vspec, residual), d, hkv, total, rot, mikv=mikv,
-                          **books)
+    layer = _filled_layer(LayerKV(kspec, vspec, residual, center_keys=center), d, hkv, total,
+                          rot, mikv=mikv, **books)
+    assert (layer.key_mean is not None) == center
     assert layer.quantized_length > 0 and layer.has_hp == bool(sinks)
     assert kernel_layout_problem(layer.setting, d) is None
     q = layer.to_stored_basis(torch.randn(2, 3 * hkv, 1, d), layer.setting.rotate_keys)
@@ -271,10 +307,11 @@ def _generate(model, ids, config, backend):
 
 
 @cpu_only
-@pytest.mark.parametrize("name", ["turboquant", "codebook-mix"])
+@pytest.mark.parametrize("name", ["turboquant", "turboquant-centred", "codebook-mix"])
 def test_triton_generates_the_same_tokens_with_codebooks(name, monkeypatch):
     """A tiny Llama (head_dim 16) generating with vLLM TurboQuant's layout (codebook keys,
-    per-token values, coded before attention; layers 0 and 2 kept exact) and with a mix of
+    per-token values, coded before attention; layers 0 and 2 kept exact), the same with
+    centred codebook keys, and with a mix of
     codebook keys, fitted codebook values and uniform layers: the Triton path (interpreter)
     gives the tokens of the torch path, and the kernel serves every decode step of every
     compressed layer."""
@@ -290,8 +327,12 @@ def test_triton_generates_the_same_tokens_with_codebooks(name, monkeypatch):
     monkeypatch.setattr(attention, "triton_decode", counted)
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(11))
-    if name == "turboquant":
+    if name.startswith("turboquant"):
         config = TurboQuantSetting("turboquant_k3v4_nc").kvconfig("tq", 3)
+        if name == "turboquant-centred":  # layer 1's codebook keys coded centred
+            mean = tuple(tuple(0.4 * ((c % 5) - 2) for c in range(16)) for _ in range(2))
+            config = centre_codebook_keys(config, {i: mean for i in range(3)})
+            assert config.layer(1).center_keys and set(config.key_means) == {1}
         compressed = [1]
         # the exact layers at every forward, and layer 1's first (it attends exact)
         torch_calls = 2 * 6 + 1

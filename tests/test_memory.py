@@ -25,7 +25,14 @@ from kvlens.cache.layout import (
     config_part_bytes,
     shape_of,
 )
-from kvlens.config import PRESETS, KVConfig, LayerKV, MikvSettings, config_from_dict
+from kvlens.config import (
+    PRESETS,
+    KVConfig,
+    LayerKV,
+    MikvSettings,
+    centre_codebook_keys,
+    config_from_dict,
+)
 from kvlens.deploy import engine_config
 from kvlens.errors import ConfigError
 from kvlens.model.hooks import cache_argument_name
@@ -107,11 +114,22 @@ def _centred() -> KVConfig:
                     key_means={i: mean for i in range(3)})
 
 
+def _centred_codebook_keys() -> KVConfig:
+    """``_codebook_keys`` with its codebook keys centred (default and layer 1; layer 2 exact):
+    one float16 mean per KV head held by each centred layer."""
+    mean = tuple(tuple(0.25 * (h + 1) * (c % 3 - 1) for c in range(16)) for h in range(2))
+    return centre_codebook_keys(_codebook_keys(), {i: mean for i in range(3)},
+                                name="codebook-keys-centred")
+
+
 CONFIGS = {name: _scaled(cfg) for name, cfg in PRESETS.items()} | {
     "mixed": _mixed(), "mixed-8bit": replace(_mixed(), name="mixed-8bit", scale_dtype="8bit"),
     "codebook": _codebook(), "codebook-keys": _codebook_keys(),
     "vllm-turboquant": engine_config("vllm:turboquant_k3v4_nc", num_layers=3).config,
-    "centred": _centred()}
+    "centred": _centred(), "codebook-keys-centred": _centred_codebook_keys(),
+    "vllm-turboquant-centred": centre_codebook_keys(
+        engine_config("vllm:turboquant_4bit_nc", num_layers=3).config,
+        {1: _centred_codebook_keys().key_means[1]})}
 
 
 def _shape(model) -> ModelShape:

@@ -43,7 +43,8 @@ its KV head so packed bytes are read once):
    sum_t p * v_zero[:, j]`` as a batched dot over the ``D/Gv`` channel groups. The channel
    balancer is folded into ``q`` (``q / balancer``) and ``scaling * log2(e)`` too (``exp2``).
    Centred keys (the store holds ``k - mu``): every packed score gets ``q · mu`` (the query
-   before the balancer), computed once per program: ``q · (deq + mu)`` without touching codes.
+   before the balancer), computed once per program: ``q · (deq + mu)`` without touching codes;
+   uniform and codebook keys alike (a rotated codebook's ``mu`` comes rotated, ``mu R``).
    Codebook keys (``K_CB``): the block's codes index the centroid table (a gather from at most
    256 floats, L1-resident), ``score_t = s_t * dot(q, c[code_t])`` (fp16 dot, fp32 accumulate;
    ``s_t`` from the norm and, renormalised, the gathered centroids' norm). Codebook values

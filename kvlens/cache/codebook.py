@@ -15,7 +15,10 @@ torch read path (``kvlens.cache.torch_read``), which merges it with the exact wi
 by the same online softmax as every layout, and ``key_scores`` for keys. There the layer rotates
 (the codebook's rotation is the layer's value or key rotation: window, sets and store all hold
 ``v R`` / ``k R``; the output is un-rotated once, the query rotated once), so the store codes
-the already rotated vectors with ``rotation=None`` (``for_cache``).
+the already rotated vectors with ``rotation=None`` (``for_cache``). Centred keys
+(``LayerKV.center_keys``) reach the store already centred, ``k R - mu R``: the store codes their
+direction and norm like any vector, and the layer adds ``q · mu`` to ``key_scores``
+(``CompressedLayer.key_score_shift``), as for uniform keys.
 
 ``codebook_attention(query, keys, values, scaling)`` attends ``query`` ``[B, Hq, Tq, D]`` to the
 stores chunk by chunk (``chunk_tokens``) with an online softmax, without materialising the

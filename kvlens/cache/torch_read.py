@@ -36,7 +36,8 @@ on the reference CPU (``docs/benchmarks.md``).
   layer un-rotates the merged output once, as for rotated values.
 - Codebook keys (``CodebookStore``, the keys stored rotated and ``q`` rotated by the layer):
   each vector's scale multiplies its score, ``score_t = s_t * (q . c[code_t])``
-  (``CodebookStore.key_scores``).
+  (``CodebookStore.key_scores``); centred, the codes are those of ``k R - mu R`` and the score
+  shift below applies unchanged.
 - The channel balancer (``q / b``) and ``scaling`` fold into ``q`` first.
 - Centred keys (``LayerKV.center_keys``): the packed keys are ``k - mu``; post-RoPE, every
   score against them gets ``q · mu`` added (one dot per query row and KV head,

@@ -1,7 +1,8 @@
 """The generation config: what every layer of the compressed cache stores.
 
 - ``schema``: the frozen dataclasses (``LayerKV``, ``MikvSettings``, ``GearSettings``,
-  ``KVConfig``), their validation, and ``validate_for`` against a model.
+  ``KVConfig``), their validation, ``validate_for`` against a model, and
+  ``centre_codebook_keys`` (a config's codebook keys stored centred).
 - ``io``: the versioned JSON form (``config_from_dict``, ``load_config``, ``save_config``);
   ``versions``: its ``FORMAT`` string, ``VERSION`` and what each version added.
 - ``presets``: the named presets and ``resolve`` (a preset name or a config file).
@@ -31,6 +32,7 @@ from kvlens.config.schema import (
     KVConfig,
     LayerKV,
     MikvSettings,
+    centre_codebook_keys,
     validate_for,
 )
 from kvlens.config.versions import FORMAT, VERSION
@@ -52,6 +54,7 @@ __all__ = [
     "QuantoSetting",
     "TurboQuantSetting",
     "allowed_settings",
+    "centre_codebook_keys",
     "check_layout",
     "config_from_dict",
     "flush_block",

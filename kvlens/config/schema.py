@@ -83,7 +83,9 @@ computed on a capture by ``recommend``), and is held once per layer by the cache
 mean for ``pre_rope_keys`` layers (added back before RoPE is re-applied: lossless, and it
 removes more than the post-RoPE mean, docs/codebooks.md), the **post-RoPE** mean otherwise
 (always unrotated: a ``rotate_keys`` layer subtracts ``mu R`` from ``k R``; with a balancer the
-mean is subtracted before balancing). Not with GEAR or engine-format layers.
+mean is subtracted before balancing). A codebook key spec centres the same way: it codes the
+direction and norm of ``k R - mu R`` and its scores get ``q · mu`` back. Not with GEAR or
+engine-format layers.
 
 A config is written at the oldest version that can express it (``kvlens.config.versions``).
 
@@ -160,11 +162,6 @@ class LayerKV:
         if self.center_keys and self.key is None:
             raise ConfigError("center_keys is set but keys are not quantized, so there is "
                               "nothing to centre; set a key spec or center_keys: false.")
-        if self.center_keys and isinstance(self.key, CodebookSpec):
-            raise ConfigError("center_keys cannot be combined with a codebook key spec (the "
-                              "codebook codes each key's direction and norm; its read path has "
-                              "no mean to add back); use a uniform key spec or center_keys: "
-                              "false.")
 
     def _check_codebook(self) -> None:
         for name in ("key", "value"):
@@ -593,6 +590,23 @@ class KVConfig:
         """The oldest version that can express this config (``kvlens.config.versions``), so
         older kvlens versions still read configs that use none of the newer features."""
         return oldest_version(self)
+
+
+def centre_codebook_keys(config: KVConfig, key_means: Mapping[int, Any],
+                         name: str | None = None) -> KVConfig:
+    """``config`` with the keys of its codebook-key layers stored centred (``center_keys``) on
+    ``key_means`` ``{layer: [Hkv][D]}`` (post-RoPE means, e.g. ``kvlens.quant.centering.
+    key_mean`` of a capture; float16 values); means of other layers are left out. A centred layer
+    without its mean is refused against the model (``validate_for``)."""
+    def centred(lk: LayerKV) -> LayerKV:
+        return replace(lk, center_keys=True) if lk.key_codebook is not None else lk
+
+    default = centred(config.default)
+    layers = {i: centred(lk) for i, lk in config.layers.items()}
+    means = {int(i): tuple(tuple(float(x) for x in head) for head in mean)
+             for i, mean in key_means.items() if layers.get(int(i), default).center_keys}
+    return replace(config, name=name or config.name, default=default, layers=layers,
+                   key_means=means)
 
 
 def _spec_dict(spec: QuantSpec | CodebookSpec | None) -> dict[str, Any] | None:
