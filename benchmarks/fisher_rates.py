@@ -41,6 +41,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from llamacpp_vs_sim import spearman
 from recommend_ablation import cli_options
 
 
@@ -134,14 +135,6 @@ def _pearson(xs, ys) -> float:
     return sxy / (sx * sy) if sx > 0 and sy > 0 else float("nan")
 
 
-def _ranks(xs):
-    order = sorted(range(len(xs)), key=lambda i: xs[i])
-    r = [0.0] * len(xs)
-    for rank, i in enumerate(order):
-        r[i] = float(rank)
-    return r
-
-
 def compare(measured: list[dict], estimated: list[dict]) -> dict:
     """Log-rate correlation over every (layer, family), the mean within-layer rank
     correlation, and the correlation of the layer weights."""
@@ -149,7 +142,7 @@ def compare(measured: list[dict], estimated: list[dict]) -> dict:
 
     pairs = [(row_m[f], row_e[f]) for row_m, row_e in zip(measured, estimated)
              for f in row_m if f in row_e and row_m[f] > 0 and row_e[f] > 0]
-    within = [_pearson(_ranks([rm[f] for f in common]), _ranks([re[f] for f in common]))
+    within = [spearman([rm[f] for f in common], [re[f] for f in common])
               for rm, re in zip(measured, estimated)
               for common in [[f for f in rm if f in re]] if len(common) > 2]
     wm, _ = weights_and_factors(measured)
