@@ -116,7 +116,6 @@ def layout_factors(path, model, opts, cands, balancers, notes, progress, codeboo
     return tuple(weights), tuple(factors)
 
 
-
 def weights_and_factors(rates: Sequence[dict]) -> tuple[list[float], list[dict]]:
     """Per-layer ``{family: rate}`` -> ``(layer weights, per-layer {family: factor})``: the rates
     normalised to mean 1 over all layers and families, a layer's weight its mean rate, a
