@@ -44,8 +44,8 @@ Centred keys (``LayerKV.center_keys``): the layer holds its mean key ``mu`` ``[H
 and packs ``k - mu`` (in the stored basis: ``k R - mu R`` for rotated keys, codebook keys
 included; before the balancer scales it). The read adds ``mu`` back, so window, sink and
 packed keys are all the model's keys up to quantization: pre-RoPE, ``mu`` is added to each
-dequantized chunk before RoPE; post-RoPE, the scores against the packed keys get ``q · mu`` (``key_score_shift``), which is
-``q · (deq + mu)`` without touching the codes.
+dequantized chunk before RoPE; post-RoPE, the scores against the packed keys get ``q · mu``
+(``key_score_shift``), which is ``q · (deq + mu)`` without touching the codes.
 """
 
 from __future__ import annotations
