@@ -40,19 +40,27 @@ import pickle
 import time
 from dataclasses import replace
 from pathlib import Path
+from statistics import correlation
 
+import torch
 from llamacpp_vs_sim import spearman
 from recommend_ablation import cli_options
+
+from kvlens.analysis.attention import attention_output
+from kvlens.analysis.metrics import attention_errors_many
+from kvlens.capture.store import open_capture
+from kvlens.config import save_config
+from kvlens.model.architecture import attention_modules
+from kvlens.recommend import candidates, choose, family, family_probes, measure
+from kvlens.recommend.layer_errors import layer_variants
+from kvlens.recommend.probe import load_model_for
+from kvlens.recommend.sensitivity import anchor_probes, weights_and_factors
 
 
 def fisher_grads(model, ids, keep: int, samples: int, seed: int):
     """Per sample, per layer: the gradient ``[T, Hq * D]`` of ``sum log p(y)`` (``y`` sampled
     from the exact model at the last ``keep`` positions) with respect to the layer's
     attention output."""
-    import torch
-
-    from kvlens.model.architecture import attention_modules
-
     attns = attention_modules(model)
     hidden = attns[0].o_proj.in_features
     zs = [torch.zeros(1, ids.shape[1], hidden, requires_grad=True) for _ in attns]
@@ -78,17 +86,8 @@ def fisher_grads(model, ids, keep: int, samples: int, seed: int):
     return grads
 
 
-def fisher_rows(path, m, opts, grads, n: int, keep: int):
-    """Per layer ``{family: (rate A, rate B)}`` for every storage family probe."""
-    import torch
-
-    from kvlens.analysis.attention import attention_output
-    from kvlens.analysis.metrics import attention_errors_many
-    from kvlens.capture.store import open_capture
-    from kvlens.recommend import candidates, family, family_probes
-    from kvlens.recommend.layer_errors import layer_variants
-
-    probes = family_probes(candidates(m.meta.head_dim, opts, m.meta.has_rope))
+def fisher_rows(path, m, opts, probes, grads, n: int, keep: int):
+    """Per layer ``{family: (rate A, rate B)}`` for every storage family probe in ``probes``."""
     one = replace(opts, samples=1, tokens=n)
     rows = []
     with open_capture(path) as cap:
@@ -121,25 +120,13 @@ def fisher_rows(path, m, opts, grads, n: int, keep: int):
 
 def objective(rec, weights, factors) -> float:
     """``rec``'s allocation objective scored with ``weights`` and ``factors``."""
-    from kvlens.recommend import family
-
     return sum(weights[ch.layer] * factors[ch.layer].get(family(ch.candidate), 1.0)
                * ch.output_error for ch in rec.choices)
-
-
-def _pearson(xs, ys) -> float:
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
-    sx = math.sqrt(sum((x - mx) ** 2 for x in xs))
-    sy = math.sqrt(sum((y - my) ** 2 for y in ys))
-    return sxy / (sx * sy) if sx > 0 and sy > 0 else float("nan")
 
 
 def compare(measured: list[dict], estimated: list[dict]) -> dict:
     """Log-rate correlation over every (layer, family), the mean within-layer rank
     correlation, and the correlation of the layer weights."""
-    from kvlens.recommend.sensitivity import weights_and_factors
-
     pairs = [(row_m[f], row_e[f]) for row_m, row_e in zip(measured, estimated)
              for f in row_m if f in row_e and row_m[f] > 0 and row_e[f] > 0]
     within = [spearman([rm[f] for f in common], [re[f] for f in common])
@@ -147,24 +134,19 @@ def compare(measured: list[dict], estimated: list[dict]) -> dict:
               for common in [[f for f in rm if f in re]] if len(common) > 2]
     wm, _ = weights_and_factors(measured)
     we, _ = weights_and_factors(estimated)
-    return {"log_rate_corr": _pearson([math.log(a) for a, _ in pairs],
+    return {"log_rate_corr": correlation([math.log(a) for a, _ in pairs],
                                       [math.log(b) for _, b in pairs]),
             "within_layer_rank_corr": sum(within) / len(within) if within else float("nan"),
-            "layer_weight_corr": _pearson(wm, we), "pairs": len(pairs)}
+            "layer_weight_corr": correlation(wm, we), "pairs": len(pairs)}
 
 
-def hybrid(measured: list[dict], estimated: list[dict]) -> list[dict]:
-    """Each layer's anchor rates measured; every other family's rate is its anchor's times
-    the family's ratio to that anchor in ``estimated``."""
-    from kvlens.recommend import family
-    from kvlens.recommend.sensitivity import anchor_probes
-
+def hybrid(measured: list[dict], estimated: list[dict], anchors: list[tuple]) -> list[dict]:
+    """Each layer's anchor rates (``anchors``: the anchor families) measured; every other
+    family's rate is its anchor's times the family's ratio to that anchor in ``estimated``."""
     out = []
     for row_m, row_e in zip(measured, estimated):
-        fams = list(row_m)
-        anchors = [family(c) for c in anchor_probes(_as_candidates(fams))]
         row = {}
-        for f in fams:
+        for f in row_m:
             a = next((x for x in anchors if x[0] == f[0]), None)
             if a in row_m and a in row_e and f in row_e and row_e[a] > 0:
                 row[f] = row_m[a] * row_e[f] / row_e[a]
@@ -174,23 +156,7 @@ def hybrid(measured: list[dict], estimated: list[dict]) -> list[dict]:
     return out
 
 
-def _as_candidates(fams):
-    """Stand-in candidates carrying the fields ``anchor_probes`` reads from a family tuple."""
-    from types import SimpleNamespace
-
-    return [SimpleNamespace(tensor=f[0], granularity=f[1], stage=f[2], balancer=f[3],
-                            rotate=f[4], fit=f[5], center=f[6], family=f) for f in fams]
-
-
 def main() -> None:
-    import torch
-
-    from kvlens.capture.store import open_capture
-    from kvlens.config import save_config
-    from kvlens.recommend import choose, measure
-    from kvlens.recommend.probe import load_model_for
-    from kvlens.recommend.sensitivity import weights_and_factors
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("capture")
     ap.add_argument("--model", default=None)
@@ -222,13 +188,14 @@ def main() -> None:
         ids = cap.tokens()[:1, :n]
         model, _ = load_model_for(cap, opts, [])
     torch.set_num_threads(1)
+    probes = family_probes(candidates(m.meta.head_dim, opts, m.meta.has_rope))
     start = time.perf_counter()
     grads = fisher_grads(model, ids, keep, args.samples, args.seed)
-    rows = fisher_rows(args.capture, m, opts, grads, n, keep)
+    rows = fisher_rows(args.capture, m, opts, probes, grads, n, keep)
     fisher_s = time.perf_counter() - start
     est_a = [{f: r[0] for f, r in row.items()} for row in rows]
     est_b = [{f: r[1] for f, r in row.items()} for row in rows]
-    mixed = hybrid(measured, est_a)
+    mixed = hybrid(measured, est_a, [family(c) for c in anchor_probes(probes)])
 
     summary = {"capture": args.capture, "samples": args.samples, "tokens": n, "keep": keep,
                "fisher_seconds_one_thread": fisher_s, "measured_layout_stage_seconds": layout_s,
