@@ -106,7 +106,8 @@ def main(argv=None) -> None:
     if profile.get("predicted"):
         pred = profile["predicted"]
         print(f"predicted  {pred.get('seconds', float('nan')):8.1f} s, peak "
-              f"{pred.get('peak_bytes', 0) / 2**20:,.0f} MiB")
+              f"{pred.get('peak_bytes', 0) / 2**20:,.0f} MiB (machine factor "
+              f"{pred.get('machine_factor', float('nan')):.2f})")
     print(f"held bits  {doc.get('mean_bits', float('nan')):.3f} at budget {args.budget}")
 
 

@@ -81,6 +81,20 @@ def test_cost_prediction_scales_with_the_work():
     assert predict(_shape(workers=1, forked=False)).peak_bytes == base.peak_bytes
 
 
+def test_a_slower_machine_scales_every_stage_and_not_the_memory():
+    from kvlens.recommend.cost import machine_factor, predict
+
+    base = predict(_shape())
+    slow = predict(_shape(), factor=2.5)
+    assert base.machine_factor == 1.0 and slow.machine_factor == 2.5
+    assert slow.to_dict()["machine_factor"] == 2.5
+    for name, sec in base.stages.items():
+        assert slow.stages[name] == pytest.approx(2.5 * sec)
+    assert slow.peak_bytes == base.peak_bytes
+    # timed once per process: every prediction in a run uses the same factor
+    assert machine_factor() == machine_factor() > 0
+
+
 def test_predict_cost_reads_the_capture_and_options(tmp_path):
     from dataclasses import replace
 
@@ -96,6 +110,12 @@ def test_predict_cost_reads_the_capture_and_options(tmp_path):
     opts = RecommendOptions(budget_bits=3.0, group_sizes=(32,), bits=(2, 4))
     cost = predict_cost(meta, opts)
     assert cost.seconds > 0 and cost.peak_bytes > 0
+    # this machine's factor, unless one is given
+    from kvlens.recommend.cost import machine_factor
+
+    assert cost.machine_factor == machine_factor()
+    half = predict_cost(meta, opts, factor=0.5 * machine_factor())
+    assert half.seconds == pytest.approx(cost.seconds / 2)
     # the planted capture names no model: no model stage is predicted with uniform weights
     plain = predict_cost(meta, replace(opts, sensitivity="uniform", retrieval="off"))
     assert set(plain.stages) == {"capture read", "candidate errors"}

@@ -5,7 +5,10 @@ heads, head_dim, tokens, samples, candidates, windows, storage families) and the
 and divides it by rates measured on kvlens' reference machine (2 CPU cores, one thread for the
 attention passes; ``benchmarks/bench_recommend.py`` measures them, ``docs/benchmarks.md`` records
 predicted against measured). It is a model, not a measurement: a faster machine or a GPU runs
-the same work in less time, and the rates are those of the reference machine.
+the same work in less time. ``machine_factor`` times one float32 matrix product on one thread
+at start-up against the reference machine's time for it, and ``predict`` scales every stage by
+that factor (the forwards and attention passes are products of that kind; the factor is one
+timing, so a loaded machine reads slower than it is).
 
 Work units:
 
@@ -31,14 +34,21 @@ vocabulary, three copies).
 
 from __future__ import annotations
 
+import functools
+import time
 from dataclasses import dataclass
 
-# Rates of the reference machine, from benchmarks/bench_recommend.py's stage profile of the
-# default recommend on SmolLM2-135M (seconds per unit of work).
-ATTENTION_SECONDS_PER_UNIT = 4.1e-11  # candidate errors: one multiply-add of an attention pass
-VARIANT_SECONDS_PER_ELEMENT = 3.8e-8  # quantizing one captured element for one candidate
-FORWARD_SECONDS_PER_FLOP = 7.3e-12  # a model forward on the CPU (all its cores)
-WORKER_FORWARD_SECONDS_PER_FLOP = 1.2e-11  # one on one core (a worker process)
+# Rates of the reference machine (2-core AMD EPYC VM, docs/benchmarks.md), from
+# benchmarks/bench_recommend.py's stage profile of the default recommend on SmolLM2-135M
+# (seconds per unit of work).
+ATTENTION_SECONDS_PER_UNIT = 4.6e-11  # candidate errors: one multiply-add of an attention pass
+VARIANT_SECONDS_PER_ELEMENT = 4.3e-8  # quantizing one captured element for one candidate
+FORWARD_SECONDS_PER_FLOP = 1.37e-11  # a model forward on the CPU (all its cores)
+WORKER_FORWARD_SECONDS_PER_FLOP = 2.25e-11  # one on one core (a worker process)
+# ``machine_factor``'s product (a SmolLM2 MLP projection over 512 tokens) on the reference
+# machine, one thread, best of its repeats
+REFERENCE_MATMUL_SHAPE = (512, 576, 1536)
+REFERENCE_MATMUL_SECONDS = 1.03e-2
 READ_SECONDS_PER_BYTE = 2.0e-9  # reading the capture file
 RUNTIME_BYTES = 500 * 2**20  # torch, transformers, the GGUF conversion and the process itself
 # a spawned worker's own torch and kvlens (kvlens.recommend.parallel); a forked one shares its
@@ -75,6 +85,7 @@ class Cost:
 
     stages: dict[str, float]
     peak_bytes: int
+    machine_factor: float = 1.0  # the stages are the reference machine's times x this
 
     @property
     def seconds(self) -> float:
@@ -82,7 +93,29 @@ class Cost:
 
     def to_dict(self) -> dict:
         return {"stages": dict(self.stages), "seconds": self.seconds,
-                "peak_bytes": self.peak_bytes}
+                "peak_bytes": self.peak_bytes, "machine_factor": self.machine_factor}
+
+
+@functools.cache
+def machine_factor(repeats: int = 15) -> float:
+    """This machine's time for ``REFERENCE_MATMUL_SHAPE``'s float32 product on one thread
+    (best of ``repeats``) over the reference machine's: 2.0 reads "half as fast". Timed once
+    per process (about 0.2 s on the reference machine)."""
+    import torch
+
+    from kvlens.analysis.compare import torch_threads
+
+    m, k, n = REFERENCE_MATMUL_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+    best = float("inf")
+    with torch_threads(1), torch.no_grad():
+        torch.nn.functional.linear(x, w)  # warm-up
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            best = min(best, time.perf_counter() - start)
+    return best / REFERENCE_MATMUL_SECONDS
 
 
 def estimated_params(layers: int, q_heads: int, head_dim: int, vocab: int = 0) -> int:
@@ -92,8 +125,9 @@ def estimated_params(layers: int, q_heads: int, head_dim: int, vocab: int = 0) -
     return layers * 12 * hidden * hidden + vocab * hidden
 
 
-def predict(shape: CostShape) -> Cost:
-    """Predicted wall seconds per stage and peak memory of ``recommend`` on ``shape``."""
+def predict(shape: CostShape, factor: float = 1.0) -> Cost:
+    """Predicted wall seconds per stage and peak memory of ``recommend`` on ``shape``, on a
+    machine ``factor`` times slower than the reference one (``machine_factor``)."""
     s = shape
     scored = max(1, s.tokens - s.score_from)
     attention = (s.layers * s.candidates * s.streams * s.samples * s.q_heads * scored
@@ -131,4 +165,4 @@ def predict(shape: CostShape) -> Cost:
     measuring = max(1, s.workers) * (layer_bytes + variants + logits)
     spawned = s.workers * WORKER_BYTES if s.workers > 1 and not s.forked else 0
     peak = RUNTIME_BYTES + 4 * s.params + measuring + spawned
-    return Cost(stages, int(peak))
+    return Cost({name: sec * factor for name, sec in stages.items()}, int(peak), factor)

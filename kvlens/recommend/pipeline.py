@@ -22,7 +22,7 @@ from kvlens.capture.store import open_capture
 from kvlens.errors import InputError
 from kvlens.recommend.allocation import assemble
 from kvlens.recommend.catalog import candidates, family_probes
-from kvlens.recommend.cost import Cost, CostShape, estimated_params, predict
+from kvlens.recommend.cost import Cost, CostShape, estimated_params, machine_factor, predict
 from kvlens.recommend.layer_errors import check_windows, measure_layer
 from kvlens.recommend.options import RecommendOptions
 from kvlens.recommend.parallel import can_fork, map_layers, resolve_workers
@@ -151,10 +151,12 @@ def choose(m: Measurements, opts: RecommendOptions) -> Recommendation:
     return rec
 
 
-def predict_cost(meta, opts: RecommendOptions) -> Cost:
-    """``kvlens.recommend.cost.predict`` for measuring ``opts`` on a capture with ``meta``."""
+def predict_cost(meta, opts: RecommendOptions, factor: float | None = None) -> Cost:
+    """``kvlens.recommend.cost.predict`` for measuring ``opts`` on a capture with ``meta``, on
+    this machine (``factor`` None: ``machine_factor()``, timed once per process)."""
     return predict(replace(_cost_shape(meta, opts), workers=workers_for(meta, opts),
-                           forked=can_fork()))
+                           forked=can_fork()),
+                   machine_factor() if factor is None else factor)
 
 
 def workers_for(meta, opts: RecommendOptions) -> int:
