@@ -38,6 +38,10 @@ import functools
 import time
 from dataclasses import dataclass
 
+import torch
+
+from kvlens.analysis.compare import torch_threads
+
 # Rates of the reference machine (2-core AMD EPYC VM, docs/benchmarks.md), from
 # benchmarks/bench_recommend.py's stage profile of the default recommend on SmolLM2-135M
 # (seconds per unit of work).
@@ -101,10 +105,6 @@ def machine_factor(repeats: int = 15) -> float:
     """This machine's time for ``REFERENCE_MATMUL_SHAPE``'s float32 product on one thread
     (best of ``repeats``) over the reference machine's: 2.0 reads "half as fast". Timed once
     per process (about 0.2 s on the reference machine)."""
-    import torch
-
-    from kvlens.analysis.compare import torch_threads
-
     m, k, n = REFERENCE_MATMUL_SHAPE
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
