@@ -118,6 +118,17 @@ def fisher_rows(path, m, opts, probes, grads, n: int, keep: int):
     return rows
 
 
+def cached_measurement(capture, opts, out: Path):
+    """``measure(capture, opts)``, pickled to ``out/measurement.pkl`` and read from there when
+    present."""
+    cached = out / "measurement.pkl"
+    if cached.exists():
+        return pickle.loads(cached.read_bytes())
+    m = measure(capture, opts)
+    cached.write_bytes(pickle.dumps(m))
+    return m
+
+
 def objective(rec, weights, factors) -> float:
     """``rec``'s allocation objective scored with ``weights`` and ``factors``."""
     return sum(weights[ch.layer] * factors[ch.layer].get(family(ch.candidate), 1.0)
@@ -172,12 +183,7 @@ def main() -> None:
     opts = replace(cli_options(3.0, args.model), fp_dtype=args.window_dtype,
                    centering=args.centering)
 
-    cached = out / "measurement.pkl"
-    if cached.exists():
-        m = pickle.loads(cached.read_bytes())
-    else:
-        m = measure(args.capture, opts)
-        cached.write_bytes(pickle.dumps(m))
+    m = cached_measurement(args.capture, opts, out)
     layout_s = m.profile.stages.get("layout sensitivity", float("nan"))
     measured = [{f: w * x for f, x in fac.items()} for w, fac in zip(m.weights, m.factors)]
 

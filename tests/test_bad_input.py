@@ -126,6 +126,11 @@ ROWS = [
     ("recommend {cap} -b 3 --thorough --no-mikv --mikv-bits 4", "--no-mikv removes", 1),
     ("recommend {cap} -b 3 --no-mikv", "add --thorough", 1),
     ("recommend {cap} -b 3 --retrieval-prompts 2", "applies to --validate", 1),
+    ("recommend {cap} -b 3 --sensitivity model --layout-tokens 256",
+     "--layout-tokens: shape the layout sensitivity", 1),
+    ("recommend {cap} -b 3 --sensitivity uniform --layout-layers 2 --layout-tokens 256",
+     "--layout-layers, --layout-tokens: shape the layout sensitivity", 1),
+    ("recommend {cap} -b 3 --layout-tokens 64", "above the largest window (128)", 1),
     ("recommend {cap} -b 3 -o {exists_json}", "already exists; pass --overwrite", 1),
     ("recommend {cap} --target vllm -b 9 -o {new_json}", "kv_scales.json already exists", 1),
     # generate: presets, configs, texts, outputs, the model's options

@@ -567,6 +567,19 @@ def test_layout_sensitivity_measures_a_rate_per_family(tmp_path, tiny_tokenizer)
     for got, want in zip(two.factors, m.factors):
         assert got.keys() == want.keys() and list(got.values()) == pytest.approx(
             list(want.values()))
+    # --layout-tokens: the sample's own length is the same measurement (its forwards'
+    # reconstructions are made with one window: every token is quantized anyway); fewer tokens
+    # run shorter forwards, KL on the last half of them
+    whole = measure(path, replace(opts, layout_tokens=64))
+    assert whole.weights == pytest.approx(m.weights)
+    for got, want in zip(whole.factors, m.factors):
+        assert list(got.values()) == pytest.approx(list(want.values()))
+    short = measure(path, replace(opts, layout_tokens=32))
+    assert "KL on the last 16 of 32 capture tokens" in short.notes[-1]
+    assert short.weights[1] == 0.0 and short.weights != pytest.approx(m.weights)
+    with pytest.raises(InputError, match="above the largest window"):
+        replace(opts, layout_tokens=16)
+    assert replace(opts, layout_tokens=17).layout_tokens == 17
     if sys.platform.startswith("linux"):  # layers measured on forked workers: the same rates
         # (to float tolerance: a worker's forwards run on one thread, this process's on more)
         spread = measure(path, replace(opts, workers=2))

@@ -119,5 +119,11 @@ def test_predict_cost_reads_the_capture_and_options(tmp_path):
     # the planted capture names no model: no model stage is predicted with uniform weights
     plain = predict_cost(meta, replace(opts, sensitivity="uniform", retrieval="off"))
     assert set(plain.stages) == {"capture read", "candidate errors"}
+    # shorter layout forwards: a cheaper layout stage, the rest as before
+    layout = replace(opts, sensitivity="layout", model="some/model")
+    full, short = (predict_cost(meta, replace(layout, layout_tokens=t), factor=1.0)
+                   for t in (None, 200))
+    assert short.stages["layout sensitivity"] < full.stages["layout sensitivity"]
+    assert short.stages["candidate errors"] == full.stages["candidate errors"]
     more = predict_cost(meta, replace(opts, bits=(2, 4, 8)))
     assert more.stages["candidate errors"] > cost.stages["candidate errors"]

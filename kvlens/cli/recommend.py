@@ -58,7 +58,7 @@ KVLENS_ONLY = ("residual", "windows", "flush", "sinks", "bits", "group_sizes", "
                "value_fits", "window_dtype", "scale_dtype", "pre_rope", "no_balancer",
                "exponent", "thorough", "no_mikv", "mikv_bits", "mikv_fractions", "sensitivity",
                "retrieval", "retrieval_weight", "prefer_fast", "name", "retrieval_prompts",
-               "workers", "layout_layers", "codebooks", "centering")
+               "workers", "layout_layers", "layout_tokens", "codebooks", "centering")
 TARGET_ONLY = ("max_kld", "kld_anchors")  # refused without --target ENGINE
 PLACEMENT = ("device_map", "max_memory", "offload_folder")
 
@@ -174,6 +174,12 @@ def recommend(
                                            "anchor families on the others, sharing each "
                                            "family's ratio to its anchor (faster; default: every "
                                            "family on every layer)."),
+    layout_tokens: int = typer.Option(None, "--layout-tokens", min=1,
+                                      rich_help_panel=MEASUREMENT,
+                                      help="Layout sensitivity: tokens of its model forwards "
+                                           "(the capture's first sample, KL on the last half; "
+                                           "above the largest window). Fewer is faster; "
+                                           "default: --tokens."),
     workers: int = typer.Option(None, "--workers", min=1, rich_help_panel=MEASUREMENT,
                                 help="Processes the per-layer measurement runs on (default: "
                                      "every free core when the measurement is long, else 1; "
@@ -303,7 +309,8 @@ def recommend(
                                 sensitivity=sensitivity, model=model, name=name,
                                 flush_tokens=flush, sink_tokens=sinks, retrieval=retrieval,
                                 retrieval_weight=retrieval_weight, prefer_fast=prefer_fast,
-                                workers=workers, layout_layers=layout_layers, **place)
+                                workers=workers, layout_layers=layout_layers,
+                                layout_tokens=layout_tokens, **place)
 
     opts = run_library_call(prepare)
     predicted = run_library_call(lambda: _predict(capture, opts))
@@ -413,6 +420,11 @@ def _check_combinations(target: str, given: dict[str, str], *, sensitivity: str,
         if no_balancer and "exponent" in given:
             raise InputError("--balancer-exponent shapes balancer candidates, which "
                              "--no-balancer removes; give one or the other.")
+        if sensitivity in ("uniform", "model") and flags(("layout_layers", "layout_tokens")):
+            raise InputError(f"{flags(('layout_layers', 'layout_tokens'))}: shape the layout "
+                             f"sensitivity, which --sensitivity {sensitivity} does not run; "
+                             f"use --sensitivity layout or auto, or drop "
+                             f"{_them(('layout_layers', 'layout_tokens'))}.")
         if retrieval == "off" and "retrieval_weight" in given:
             raise InputError("--retrieval-weight weighs the retrieval probe, which --retrieval "
                              "off skips; give one or the other.")

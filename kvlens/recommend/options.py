@@ -133,6 +133,9 @@ class RecommendOptions:
     # layers on which the layout sensitivity measures every storage family, the others two
     # anchors sharing the family ratios (--layout-layers; None: every family on every layer)
     layout_layers: int | None = None
+    # tokens of the layout sensitivity's forwards (the capture's first sample, KL on the last
+    # half; --layout-tokens; None: ``tokens``); more than the largest window
+    layout_tokens: int | None = None
     model: str | None = None  # model for sensitivity (default: the capture's model source)
     name: str = "recommended"
     flush_tokens: int = 32  # smallest flush block of the sliding window; 0 = whole window (KIVI)
@@ -242,6 +245,12 @@ class RecommendOptions:
         if self.layout_layers is not None and not is_int(self.layout_layers, 1):
             raise InputError(f"layout_layers must be a positive number of layers (or None: "
                              f"every layer), got {self.layout_layers!r}.")
+        if self.layout_tokens is not None and \
+                not is_int(self.layout_tokens, max(self.window_sizes) + 1):
+            raise InputError(f"--layout-tokens {self.layout_tokens!r} must be a number of tokens "
+                             f"above the largest window ({max(self.window_sizes)}): the layout "
+                             "sensitivity's forwards stand for contexts the window does not "
+                             "cover (or omit it: --tokens).")
         if self.workers is not None and not is_int(self.workers, 1):
             raise InputError(f"--workers must be a positive number of processes (or omitted: "
                              f"as many as there are free cores), got {self.workers!r}.")

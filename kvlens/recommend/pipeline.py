@@ -29,7 +29,12 @@ from kvlens.recommend.parallel import can_fork, map_layers, resolve_workers
 from kvlens.recommend.probe import add_retrieval_errors, load_model_for
 from kvlens.recommend.profile import Profile, profiling, stage
 from kvlens.recommend.result import Recommendation
-from kvlens.recommend.sensitivity import layout_factors, probe_candidates, sensitivity_weights
+from kvlens.recommend.sensitivity import (
+    layout_factors,
+    layout_tokens,
+    probe_candidates,
+    sensitivity_weights,
+)
 
 ProgressFn = Callable[[int, int, str], None]
 
@@ -183,6 +188,6 @@ def _cost_shape(meta, opts: RecommendOptions) -> CostShape:
         tokens=tokens, score_from=opts.score_from, candidates=len(cands) + 2,
         streams=len(opts.streams()) + 1, families=len(family_probes(cands)) if layout else 0,
         family_layers=opts.layout_layers or 0,
-        sensitivity_tokens=tokens,
+        sensitivity_tokens=layout_tokens(opts, meta.num_tokens),
         probe_tokens=opts.retrieval_tokens if opts.retrieval != "off" and model_stages else 0,
         params=params if model_stages else 0, vocab=vocab)

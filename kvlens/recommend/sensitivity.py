@@ -67,9 +67,10 @@ def layout_factors(path, model, opts, cands, balancers, notes, progress, codeboo
 
     A rate is the model's KL when only one layer's keys (or values) are replaced by a storage
     family probe's reconstruction (every token quantized), per unit of the probe's
-    attention-output error on the same queries (the capture's first sample, KL and error on
-    its last half). Every layer measures the rate of two anchor families (``anchor_probes``:
-    one for keys, one for values); ``opts.layout_layers`` layers spread over the depth
+    attention-output error on the same queries (the capture's first sample cut to
+    ``layout_tokens``, KL and error on its last half). Every layer measures the rate of two
+    anchor families (``anchor_probes``: one for keys, one for values); ``opts.layout_layers``
+    layers spread over the depth
     (``spread_layers``; every layer with None, as ``--thorough``) measure every family, and a
     family's rate elsewhere is its anchor's rate there times the family's ratio to that anchor
     (rates summed over the layers that measured both). The rates are normalised to mean 1
@@ -86,13 +87,16 @@ def layout_factors(path, model, opts, cands, balancers, notes, progress, codeboo
 
     with open_capture(path) as cap:
         meta = cap.meta
-        n = meta.num_tokens if opts.tokens is None else min(opts.tokens, meta.num_tokens)
+        n = layout_tokens(opts, meta.num_tokens)
         ids = cap.tokens()[:1, :n].to(input_device(model))
     keep = n // 2
     probes = family_probes(cands)
     anchors = anchor_probes(probes)
     every = set(spread_layers(meta.layers, opts.layout_layers))
-    one = replace(opts, samples=1, tokens=n)
+    # the reconstructions of those n tokens (every token quantized: one window is as good
+    # as several here, and lets n be shorter than --tokens)
+    largest = max(opts.window_sizes)
+    one = replace(opts, samples=1, tokens=n, windows=(largest,), residual_tokens=largest)
     workers = workers if can_fork() else 1
     with perturbed_kl(model, ids, keep) as kl:
         _run["kl"] = kl  # read by the forked workers (a closure cannot be pickled)
@@ -114,6 +118,13 @@ def layout_factors(path, model, opts, cands, balancers, notes, progress, codeboo
                  f"{min(weights):.2f}-{max(weights):.2f}, largest factor ratio within a layer "
                  f"{max(spread, default=1.0):.1f}")
     return tuple(weights), tuple(factors)
+
+
+def layout_tokens(opts, capture_tokens: int) -> int:
+    """Tokens of the layout sensitivity's forwards: ``opts.layout_tokens`` (else
+    ``opts.tokens``, else the whole sample), at most the capture's."""
+    want = opts.layout_tokens or opts.tokens
+    return capture_tokens if want is None else min(want, capture_tokens)
 
 
 def weights_and_factors(rates: Sequence[dict]) -> tuple[list[float], list[dict]]:
