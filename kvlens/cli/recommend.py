@@ -366,10 +366,9 @@ def _predict(capture: Path, opts):
     with open_capture(capture) as cap:
         cost = predict_cost(cap.meta, opts)
     err_console.print(f"predicted: about {format_seconds(cost.seconds)} and {cost.peak_bytes / 2**30:.1f}"
-                      " GiB peak memory (the reference machine's rates x "
-                      f"{cost.machine_factor:.2f}, this machine's time for one timed matrix "
-                      "product over the reference machine's; kvlens.recommend.cost)",
-                      highlight=False)
+                      " GiB peak memory (the reference machine's times x "
+                      f"{cost.machine_factor:.2f}, this machine's speed from a timed matrix "
+                      "product; kvlens.recommend.cost)", highlight=False)
     return cost
 
 
