@@ -73,11 +73,11 @@ def layout_factors(path, model, opts, cands, balancers, notes, progress, codeboo
     layers spread over the depth (``spread_layers``; every layer with None, as
     ``--thorough``) measure every family, and a family's rate elsewhere is its anchor's rate
     there times the family's ratio to that anchor (rates summed over the layers that measured
-    both). The rates are normalised to mean 1 over all layers and families; the layer weight is a layer's mean rate, a family's factor
-    its rate over that mean (so weight x factor is the rate). A first-order rate, like
-    ``--sensitivity model``, but one per layout: the rate at which a layout's output error
-    becomes KL can differ between layouts (docs/lab-notes/vs-llamacpp.md, layout
-    sensitivity).
+    both). The rates are normalised to mean 1 over all layers and families; the layer weight
+    is a layer's mean rate, a family's factor its rate over that mean (so weight x factor is
+    the rate). A first-order rate, like ``--sensitivity model``, but one per layout: the rate
+    at which a layout's output error becomes KL can differ between layouts
+    (docs/lab-notes/vs-llamacpp.md, layout sensitivity).
 
     Layers are measured on ``workers`` forked processes (``kvlens.recommend.parallel``), one
     torch thread each, every one reading the reference run made here; with one worker (or
