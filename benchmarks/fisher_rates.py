@@ -129,6 +129,12 @@ def cached_measurement(capture, opts, out: Path):
     return m
 
 
+def rates_of(weights, factors) -> list[dict]:
+    """Per-layer ``{family: rate}`` from layer weights and per-family factors (weight x factor;
+    the inverse of ``weights_and_factors`` up to its normalisation)."""
+    return [{f: w * x for f, x in fac.items()} for w, fac in zip(weights, factors)]
+
+
 def objective(rec, weights, factors) -> float:
     """``rec``'s allocation objective scored with ``weights`` and ``factors``."""
     return sum(weights[ch.layer] * factors[ch.layer].get(family(ch.candidate), 1.0)
@@ -185,7 +191,7 @@ def main() -> None:
 
     m = cached_measurement(args.capture, opts, out)
     layout_s = m.profile.stages.get("layout sensitivity", float("nan"))
-    measured = [{f: w * x for f, x in fac.items()} for w, fac in zip(m.weights, m.factors)]
+    measured = rates_of(m.weights, m.factors)
 
     with open_capture(args.capture) as cap:
         n = cap.meta.num_tokens if opts.tokens is None else min(opts.tokens,

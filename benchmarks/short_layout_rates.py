@@ -23,7 +23,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from fisher_rates import cached_measurement, compare, objective
+from fisher_rates import cached_measurement, compare, objective, rates_of
 from recommend_ablation import cli_options
 
 from kvlens.capture.store import open_capture
@@ -49,7 +49,7 @@ def main() -> None:
 
     m = cached_measurement(args.capture, opts, out)
     full_s = m.profile.stages.get("layout sensitivity", float("nan"))
-    measured = [{f: w * x for f, x in fac.items()} for w, fac in zip(m.weights, m.factors)]
+    measured = rates_of(m.weights, m.factors)
 
     # one window (the largest): the multi-window scoring rule (tokens > 3 x the largest
     # window) is for the candidate errors; a layout forward quantizes every token
@@ -63,7 +63,7 @@ def main() -> None:
     weights, factors = layout_factors(args.capture, model, short_opts, cands, m.balancers, [],
                                       None, m.codebooks, workers)
     short_s = time.perf_counter() - start
-    short = [{f: w * x for f, x in fac.items()} for w, fac in zip(weights, factors)]
+    short = rates_of(weights, factors)
 
     summary = {"capture": args.capture, "short_tokens": args.short, "tokens": opts.tokens,
                "layout_seconds": {"full": full_s, "short": short_s},
