@@ -15,17 +15,18 @@ from kvlens.recommend import DEFAULT_WINDOWS, RecommendOptions, default_tokens
 from kvlens.recommend.catalog import candidates, family_probes
 from kvlens.recommend.cost import CostShape, predict
 
-# name: (layers, q heads, kv heads, head_dim, parameters, vocabulary), from the models' configs
+# name: (layers, q heads, kv heads, head_dim, parameters, vocabulary, hidden size), from the
+# models' configs
 MODELS = {
-    "SmolLM2-135M": (30, 9, 3, 64, 134_515_008, 49_152),
-    "Gemma3-270M": (18, 4, 1, 256, 268_098_176, 262_144),
-    "Llama-3.2-1B": (16, 32, 8, 64, 1_235_814_400, 128_256),
-    "Llama-3.1-8B": (32, 32, 8, 128, 8_030_261_248, 128_256),
-    "Llama-3.1-70B": (80, 64, 8, 128, 70_553_706_496, 128_256),
+    "SmolLM2-135M": (30, 9, 3, 64, 134_515_008, 49_152, 576),
+    "Gemma3-270M": (18, 4, 1, 256, 268_098_176, 262_144, 640),
+    "Llama-3.2-1B": (16, 32, 8, 64, 1_235_814_400, 128_256, 2048),
+    "Llama-3.1-8B": (32, 32, 8, 128, 8_030_261_248, 128_256, 4096),
+    "Llama-3.1-70B": (80, 64, 8, 128, 70_553_706_496, 128_256, 8192),
 }
 
 
-def shape_for(layers, q_heads, kv_heads, head_dim, params, vocab) -> CostShape:
+def shape_for(layers, q_heads, kv_heads, head_dim, params, vocab, hidden) -> CostShape:
     opts = RecommendOptions(budget_bits=3.0, windows=DEFAULT_WINDOWS,
                             residual_tokens=max(DEFAULT_WINDOWS),
                             tokens=default_tokens(DEFAULT_WINDOWS), sensitivity="auto")
@@ -35,7 +36,7 @@ def shape_for(layers, q_heads, kv_heads, head_dim, params, vocab) -> CostShape:
                      candidates=len(cands) + 2, streams=len(opts.streams()) + 1,
                      families=len(family_probes(cands)), sensitivity_tokens=opts.tokens,
                      probe_tokens=opts.retrieval_tokens, params=params, vocab=vocab,
-                     workers=2)  # the reference machine's two cores
+                     hidden=hidden, workers=2)  # the reference machine's two cores
 
 
 def main() -> None:

@@ -73,6 +73,11 @@ def test_capture_is_exact_and_harmless(arch, tmp_path):
     with open_capture(path) as cap:
         assert cap.meta.num_samples == S and cap.meta.num_tokens == T
         assert torch.equal(cap.tokens(), windows)
+        # the model's size, for recommend's cost prediction
+        head = model.get_output_embeddings().weight
+        assert cap.meta.extra["vocab_size"] == head.shape[0] == model.config.vocab_size
+        assert cap.meta.extra["hidden_size"] == head.shape[1] == model.config.hidden_size
+        assert cap.meta.extra["num_parameters"] == sum(p.numel() for p in model.parameters())
         for layer in cap.iter_layers():
             q, k, v = layer.read("q"), layer.read("k"), layer.read("v")
             assert q.shape[1] == cap.meta.num_attention_heads

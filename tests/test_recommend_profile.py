@@ -57,11 +57,22 @@ def test_cost_prediction_scales_with_the_work():
     for name in ("capture read", "candidate errors"):  # linear in layers
         assert twice.stages[name] == pytest.approx(2 * base.stages[name])
     # layout sensitivity: families x layers forwards, each starting at its layer: about
-    # (L + 1) / 2 whole forwards per family, each costing what the model's size does
-    assert twice.stages["layout sensitivity"] == pytest.approx(
-        base.stages["layout sensitivity"] * (1 + 12 * 61 / 2) / (1 + 12 * 31 / 2))
+    # (L + 1) / 2 whole forwards of the decoder per family, each costing what its size does
+    # (no vocabulary: no LM head, no KL passes)
+    bare = predict(_shape(vocab=0)).stages["layout sensitivity"]
+    assert predict(_shape(vocab=0, layers=60)).stages["layout sensitivity"] == pytest.approx(
+        bare * (1 + 12 * 61 / 2) / (1 + 12 * 31 / 2))
     deeper = predict(_shape(layers=60, params=2 * 134_515_008))
-    assert deeper.stages["layout sensitivity"] > 3.9 * base.stages["layout sensitivity"]
+    assert deeper.stages["layout sensitivity"] > 3.5 * base.stages["layout sensitivity"]
+    # ... and one LM head over the kept half of the tokens plus the KL's passes per run,
+    # wherever the run starts: a larger vocabulary costs more at the same decoder size
+    head = 49152 * 576
+    big = predict(_shape(vocab=262144, params=134_515_008 - head + 262144 * 576))
+    assert big.stages["layout sensitivity"] > 2 * base.stages["layout sensitivity"]
+    # the head's size is vocabulary x hidden size (q_heads x head_dim unless given)
+    assert predict(_shape(hidden=576)).stages == base.stages
+    assert predict(_shape(hidden=640)).stages["layout sensitivity"] != \
+        base.stages["layout sensitivity"]
     fewer = predict(_shape(candidates=30))
     assert fewer.stages["candidate errors"] == pytest.approx(base.stages["candidate errors"] / 2)
     no_model = predict(_shape(params=0))

@@ -123,7 +123,9 @@ def capture_model(model, windows, output: str | Path, *, layers: str | list[int]
                # the model's size, for recommend's cost prediction (kvlens.recommend.cost)
                "num_parameters": int(sum(p.numel() for p in model.parameters())),
                "vocab_size": int(model.get_output_embeddings().weight.shape[0]
-                                 if model.get_output_embeddings() is not None else 0)},
+                                 if model.get_output_embeddings() is not None else 0),
+               "hidden_size": int(model.get_output_embeddings().weight.shape[1]
+                                  if model.get_output_embeddings() is not None else 0)},
     )
     sink = _LayerSink(set(layer_list), info)
     device = input_device(model)

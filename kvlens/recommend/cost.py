@@ -16,10 +16,13 @@ Work units:
   scored queries x visible keys x head_dim`` per layer;
 - **variants**: quantizing the captured keys/values once per candidate,
   ``candidates x samples x KV heads x tokens x head_dim`` per layer;
-- **forwards** (layout sensitivity, retrieval probe): ``2 x parameters x tokens`` per forward,
-  one forward per measured storage family and layer (two anchor families on every layer, every
-  family on ``family_layers`` spread-out layers), each starting at its layer (on average half
-  the layers run);
+- **forwards** (layout sensitivity, retrieval probe): ``2 x parameters x tokens`` per forward.
+  The layout sensitivity runs one per measured storage family and layer (two anchor families on
+  every layer, every family on ``family_layers`` spread-out layers), each starting at its layer
+  (on average half the decoder layers run), its LM head (``2 x vocabulary x hidden`` per kept
+  position; the embedding is tied, an untied head counts as decoder weights) on the kept half
+  of the tokens only, and its KL divergence a few passes over ``kept positions x vocabulary``
+  logits (``logits``);
 - **capture read**: the bytes of the capture's float32 tensors.
 
 With ``workers`` processes the per-layer stages divide by ``workers`` (each worker measures whole
@@ -48,7 +51,11 @@ from kvlens.analysis.compare import torch_threads
 ATTENTION_SECONDS_PER_UNIT = 4.6e-11  # candidate errors: one multiply-add of an attention pass
 VARIANT_SECONDS_PER_ELEMENT = 4.3e-8  # quantizing one captured element for one candidate
 FORWARD_SECONDS_PER_FLOP = 1.37e-11  # a model forward on the CPU (all its cores)
-WORKER_FORWARD_SECONDS_PER_FLOP = 2.25e-11  # one on one core (a worker process)
+# The layout sensitivity's perturbed runs on a worker (one core): both rates fitted to that
+# stage's time on SmolLM2 and Gemma3 (benchmarks/short_layout_rates.py, 2026-12-04, divided by
+# the machine factor then, 0.89): decoder and LM head FLOPs, and the KL's passes over the logits
+WORKER_FORWARD_SECONDS_PER_FLOP = 1.69e-11
+WORKER_LOGIT_SECONDS = 5.0e-9  # per kept position and vocabulary entry
 # ``machine_factor``'s product (a SmolLM2 MLP projection over 512 tokens) on the reference
 # machine, one thread, best of its repeats
 REFERENCE_MATMUL_SHAPE = (512, 576, 1536)
@@ -78,6 +85,7 @@ class CostShape:
     probe_tokens: int  # the retrieval probe's length (0: not run)
     params: int  # the model's parameters (0: no model stage)
     vocab: int
+    hidden: int = 0  # the model's hidden size (0: q_heads x head_dim)
     family_layers: int = 0  # layers that measure every family (0: all; the rest two anchors)
     workers: int = 1  # processes the per-layer measurements run on (kvlens.recommend.parallel)
     forked: bool = True  # workers start as copies of the calling process (Linux), not fresh
@@ -140,17 +148,21 @@ def predict(shape: CostShape, factor: float = 1.0) -> Cost:
                              + elements * VARIANT_SECONDS_PER_ELEMENT) / s.workers,
     }
     if s.params and s.families:
-        # each run starts at its layer: a family measured on every layer costs about
-        # (L + 1) / 2 whole forwards, one measured on a spread-out layer half a forward
+        # one perturbed run per measured (layer, family)
         every = s.family_layers if 0 < s.family_layers < s.layers else s.layers
         anchors = min(2, s.families) if every < s.layers else s.families
-        perturbed = anchors * (s.layers + 1) / 2 + \
-            (s.families - anchors) * every * (s.layers + 1) / (2 * s.layers)
-        flops = 2 * s.params * s.sensitivity_tokens
-        # the reference run here; the perturbed runs here or shared by one-thread workers
-        stages["layout sensitivity"] = flops * (FORWARD_SECONDS_PER_FLOP + perturbed * (
-            FORWARD_SECONDS_PER_FLOP if s.workers <= 1
-            else WORKER_FORWARD_SECONDS_PER_FLOP / s.workers))
+        runs = anchors * s.layers + (s.families - anchors) * every
+        head = s.vocab * (s.hidden or s.q_heads * s.head_dim)
+        kept = s.sensitivity_tokens // 2
+        body = 2 * max(0, s.params - head) * s.sensitivity_tokens  # every decoder layer
+        head_flops = 2 * head * kept
+        # the reference run here; the perturbed runs, each through (L + 1) / 2L of the layers
+        # on average, here or shared by one-thread workers
+        per_flop = FORWARD_SECONDS_PER_FLOP if s.workers <= 1 else \
+            WORKER_FORWARD_SECONDS_PER_FLOP / s.workers
+        stages["layout sensitivity"] = (body + head_flops) * FORWARD_SECONDS_PER_FLOP + runs * (
+            (body * (s.layers + 1) / (2 * s.layers) + head_flops) * per_flop
+            + kept * s.vocab * WORKER_LOGIT_SECONDS / max(1, s.workers))
     if s.params and s.probe_tokens:
         probe_elements = s.layers * s.candidates * s.kv_heads * s.probe_tokens * s.head_dim
         stages["retrieval probe"] = (2 * s.params * s.probe_tokens * FORWARD_SECONDS_PER_FLOP

@@ -190,4 +190,5 @@ def _cost_shape(meta, opts: RecommendOptions) -> CostShape:
         family_layers=opts.layout_layers or 0,
         sensitivity_tokens=layout_tokens(opts, meta.num_tokens),
         probe_tokens=opts.retrieval_tokens if opts.retrieval != "off" and model_stages else 0,
-        params=params if model_stages else 0, vocab=vocab)
+        params=params if model_stages else 0, vocab=vocab,
+        hidden=int(meta.extra.get("hidden_size", 0) or 0))
