@@ -93,6 +93,7 @@ def main(argv=None) -> None:
         cap_peak = _peak_child_mib()
         rec_wall, stdout, rec_held = _run(["recommend", str(cap), "-b", str(args.budget), "-o",
                                  str(out / "recommended.json"), "--overwrite", "--json",
+                                 "--remeasure",  # never an earlier run's kept measurement
                                  *shlex.split(args.extra)])
         doc = json.loads(stdout)
     print(f"capture    {cap_wall:8.1f} s  (peak RSS {cap_peak:,.0f} MiB)")

@@ -10,12 +10,16 @@ Markers (declared in pyproject.toml; `make test-fast` deselects all three):
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 # Triton kernels are tested on CPU through its interpreter; it must be set before triton loads.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# recommend's kept measurements (kvlens.recommend.reuse) go to a directory of this test run's
+# own, so that no test reads what another run (or the user) measured
+os.environ["KVLENS_MEASUREMENT_CACHE"] = tempfile.mkdtemp(prefix="kvlens-test-measurements-")
 sys.path.insert(0, str(Path(__file__).parent))
 
 SLOW_FIXTURES = frozenset({"smollm2", "smollm2_tokenizer"})

@@ -303,6 +303,60 @@ def test_recommend_cli(tmp_path):
     assert res.exit_code == 1 and "do not divide" in res.output
 
 
+def test_recommend_reuses_a_kept_measurement(tmp_path, monkeypatch):
+    """A second `recommend` on the same capture with the same measuring options reads the
+    first run's measurement (any budget): the same config as measuring again. Another
+    measuring option, a rewritten capture or an unreadable kept file measure again;
+    KVLENS_MEASUREMENT_CACHE=off keeps nothing."""
+    from kvlens.recommend.reuse import REUSED_STAGE
+
+    kept = tmp_path / "kept"
+    monkeypatch.setenv("KVLENS_MEASUREMENT_CACHE", str(kept))
+    path = _planted_capture(tmp_path / "p.h5")
+    base = ["recommend", str(path), "--residual", "128", "--group-sizes", "32", "--json"]
+
+    def run(*extra):
+        res = runner.invoke(app, [*base, *extra])
+        assert res.exit_code == 0, res.output
+        return json.loads(res.stdout), res.output
+
+    first, said = run("-b", "3.5")
+    assert "reused" not in said and "candidate errors" in first["profile"]["stages"]
+    files = list(kept.glob("*.pkl"))
+    assert len(files) == 1 and not list(kept.glob(".*"))
+    again, said = run("-b", "3.0")
+    assert "measurements reused from an earlier run" in said
+    assert set(again["profile"]["stages"]) == {REUSED_STAGE, "allocation"}
+    assert again["profile"]["predicted"] is None
+    assert any(str(files[0]) in n for n in again["notes"])
+    fresh, said = run("-b", "3.0", "--remeasure")
+    assert "reused" not in said and "candidate errors" in fresh["profile"]["stages"]
+    assert fresh["choices"] == again["choices"] and fresh["mean_bits"] == again["mean_bits"]
+    assert again["choices"] != first["choices"]  # another budget, another allocation
+    # the window dtype is priced by the allocation only: the same measurement
+    fp8, said = run("-b", "3.0", "--window-dtype", "float8_e4m3fn")
+    assert "reused" in said
+    assert fp8["choices"] == run("-b", "3.0", "--window-dtype", "float8_e4m3fn",
+                                 "--remeasure")[0]["choices"]
+    # another measuring option is another measurement
+    _, said = run("-b", "3.0", "--group-sizes", "32,64")
+    assert "reused" not in said and len(list(kept.glob("*.pkl"))) == 2
+    # an unreadable kept file is measured again and replaced
+    files[0].write_bytes(b"not a pickle")
+    _, said = run("-b", "3.0")
+    assert "reused" not in said
+    _, said = run("-b", "3.0")
+    assert "reused" in said
+    # a capture rewritten at the same path is a new measurement
+    path.unlink()
+    _planted_capture(path, seed=1)
+    _, said = run("-b", "3.0")
+    assert "reused" not in said and len(list(kept.glob("*.pkl"))) == 3
+    monkeypatch.setenv("KVLENS_MEASUREMENT_CACHE", "off")
+    _, said = run("-b", "3.0")
+    assert "reused" not in said and len(list(kept.glob("*.pkl"))) == 3
+
+
 def test_sensitivity_sees_a_layer_that_cannot_matter():
     """A layer whose attention output is multiplied by zero (o_proj = 0) cannot be hurt by
     quantizing its cache: KL exactly 0 there, positive elsewhere."""

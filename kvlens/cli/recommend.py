@@ -58,7 +58,8 @@ KVLENS_ONLY = ("residual", "windows", "flush", "sinks", "bits", "group_sizes", "
                "value_fits", "window_dtype", "scale_dtype", "pre_rope", "no_balancer",
                "exponent", "thorough", "no_mikv", "mikv_bits", "mikv_fractions", "sensitivity",
                "retrieval", "retrieval_weight", "prefer_fast", "name", "retrieval_prompts",
-               "workers", "layout_layers", "layout_tokens", "codebooks", "centering")
+               "workers", "layout_layers", "layout_tokens", "codebooks", "centering",
+               "remeasure")
 TARGET_ONLY = ("max_kld", "kld_anchors")  # refused without --target ENGINE
 PLACEMENT = ("device_map", "max_memory", "offload_folder")
 
@@ -185,6 +186,12 @@ def recommend(
                                      "every free core when the measurement is long, else 1; "
                                      "the same numbers either way, up to float rounding in "
                                      "the layout sensitivity's model runs)."),
+    remeasure: bool = typer.Option(False, "--remeasure", rich_help_panel=MEASUREMENT,
+                                   help="Measure again even where an earlier run on this "
+                                        "capture with the same measuring options kept its "
+                                        "measurement (any budget, context, --window-dtype and "
+                                        "--name reuse it; KVLENS_MEASUREMENT_CACHE=off keeps "
+                                        "none; docs/recommend.md#time)."),
     target: str = typer.Option("kvlens", "--target", rich_help_panel=ENGINE,
                                help="Engine to deploy on: kvlens (a per-layer kvlens config), "
                                     "llama.cpp (one -ctk and one -ctv type), vllm (one "
@@ -235,8 +242,8 @@ def recommend(
     (--target) the best setting an engine runs, with the exact command to deploy.
 
     Every option given is used or refused before any measurement starts."""
-    from kvlens.recommend import DEFAULT_WINDOWS, RecommendOptions, default_tokens
-    from kvlens.recommend import recommend as run
+    from kvlens.recommend import DEFAULT_WINDOWS, RecommendOptions, choose, default_tokens, measure
+    from kvlens.recommend.reuse import keep, kept_file, read_kept
 
     engine = target != "kvlens"
     given = given_options(ctx, KVLENS_ONLY + TARGET_ONLY + PLACEMENT +
@@ -313,9 +320,18 @@ def recommend(
                                 layout_tokens=layout_tokens, **place)
 
     opts = run_library_call(prepare)
-    predicted = run_library_call(lambda: _predict(capture, opts))
-    with progress_bar("measuring candidates") as update:
-        rec = run_library_call(lambda: run(capture, opts, progress=update))
+    kept = run_library_call(lambda: kept_file(capture, opts))
+    measured = None if remeasure else run_library_call(lambda: read_kept(kept))
+    if measured is not None:
+        err_console.print(f"measurements reused from an earlier run: {escape(str(kept))} "
+                          "(--remeasure measures again)", highlight=False)
+        predicted = None
+    else:
+        predicted = run_library_call(lambda: _predict(capture, opts))
+        with progress_bar("measuring candidates") as update:
+            measured = run_library_call(lambda: measure(capture, opts, progress=update))
+        keep(measured, kept)
+    rec = run_library_call(lambda: choose(measured, opts))
     if output is not None:
         from kvlens.config import save_config
 
@@ -338,7 +354,7 @@ def recommend(
         rec.profile.add("validation", time.perf_counter() - start)
     _print_profile(rec.profile, predicted)
     doc = rec.to_dict()
-    doc["profile"]["predicted"] = predicted.to_dict()
+    doc["profile"]["predicted"] = predicted.to_dict() if predicted is not None else None
     doc["deploy"] = {"target": "kvlens", "command": "kvlens generate --config "
                      f"{output or 'kv.json'} --prompt ...",
                      "config": str(output) if output else None}
@@ -373,11 +389,13 @@ def _predict(capture: Path, opts):
 
 
 def _print_profile(profile, predicted) -> None:
-    """Where the time went (stderr), stage by stage, beside the prediction."""
+    """Where the time went (stderr), stage by stage, beside the prediction (None: nothing was
+    predicted, the measurement was reused)."""
     parts = ", ".join(f"{name} {format_seconds(sec)}" for name, sec in
                       sorted(profile.stages.items(), key=lambda kv: -kv[1]) if sec >= 0.05)
-    err_console.print(f"time by stage ({format_seconds(profile.total)} in all, predicted "
-                      f"{format_seconds(predicted.seconds)}): {parts}", highlight=False)
+    said = "" if predicted is None else f", predicted {format_seconds(predicted.seconds)}"
+    err_console.print(f"time by stage ({format_seconds(profile.total)} in all{said}): {parts}",
+                      highlight=False)
 
 
 def _check_combinations(target: str, given: dict[str, str], *, sensitivity: str,

@@ -4,8 +4,8 @@ Modules, in dependency order: ``options`` (what is asked, ``Candidate``, ``Strea
 ``catalog`` (what is offered, storage families), ``pricing`` (bytes held and read),
 ``layer_errors`` (errors per layer), ``probe`` (the model and the retrieval probe),
 ``sensitivity`` (layer weights), ``result``, ``build`` (the config), ``allocation`` (the
-knapsack), ``pipeline`` (``measure`` a capture once, ``choose`` for any budget). Import the
-public names from here.
+knapsack), ``pipeline`` (``measure`` a capture once, ``choose`` for any budget), ``reuse``
+(measurements kept between runs). Import the public names from here.
 """
 
 from kvlens.recommend.allocation import COST_RESOLUTION, allocate

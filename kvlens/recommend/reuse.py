@@ -1,0 +1,129 @@
+"""Measurements kept between runs: ``kvlens recommend`` again on the same capture with the
+same measuring options reads what the first run measured instead of measuring again
+(``kept_file``, ``read_kept``, ``keep``).
+
+``measure`` does not read the budget (``choose`` allocates from its ``Measurements`` for any
+budget), so a second ``kvlens recommend run.h5 -b 2.5`` after ``-b 3.0`` needs no model forward.
+A measurement is kept under ``$KVLENS_MEASUREMENT_CACHE`` (default: ``measurements/`` in
+kvlens' cache directory, ``$KVLENS_CACHE`` or ``~/.cache/kvlens``; ``off`` keeps and reads
+none), named by a hash of everything it depends on:
+
+- the capture file's bytes (a new capture of the same text is a new file: it has its own
+  creation time);
+- every ``RecommendOptions`` field except ``ALLOCATION_ONLY`` (those ``choose`` reads and
+  ``measure`` does not; every other field counts, even where it changes nothing);
+- the model file or directory the model stages load (its path, sizes and modification times);
+- kvlens' own source files and the torch and transformers versions, so that changed code never
+  reads a measurement of the old code.
+
+The files are Python pickles written by this module into the user's own cache directory; a
+file that does not read back (an older layout, a broken write) is measured again and replaced.
+Files are written to a temporary name and renamed, so an interrupted run leaves none that looks
+complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import os
+import pickle
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from kvlens.capture.store import open_capture
+from kvlens.model.load import cache_root
+from kvlens.recommend.options import RecommendOptions
+from kvlens.recommend.pipeline import Measurements
+from kvlens.recommend.probe import model_spec_from_capture
+from kvlens.recommend.profile import Profile
+
+#: ``RecommendOptions`` fields that only the allocation reads (``choose``): a measurement made
+#: with other values of these is the same measurement
+ALLOCATION_ONLY = ("budget_bits", "context", "name", "fp_dtype")
+#: a measurement read back: the one stage of its profile
+REUSED_STAGE = "measurement read"
+
+
+def cache_dir() -> Path | None:
+    """Where measurements are kept (None: ``$KVLENS_MEASUREMENT_CACHE`` is ``off``)."""
+    where = os.environ.get("KVLENS_MEASUREMENT_CACHE", "")
+    if where.lower() == "off":
+        return None
+    return Path(where) if where else cache_root() / "measurements"
+
+
+@functools.cache
+def _source_digest() -> str:
+    """A hash of kvlens' own Python sources (this installation's code)."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def _path_state(spec: str | None) -> str:
+    """``spec`` and, where it names a file or directory here, every file's size and time."""
+    if not spec or not Path(spec).exists():
+        return repr(spec)
+    p = Path(spec).resolve()
+    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file())
+    return repr([(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files])
+
+
+def measurement_key(path: str | Path, opts: RecommendOptions) -> str:
+    """The name of ``measure(path, opts)``'s result among kept measurements."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(hashlib.file_digest(f, "sha256").digest())
+    with open_capture(path) as cap:
+        spec = opts.model or model_spec_from_capture(cap.meta)
+    fields = {k: v for k, v in dataclasses.asdict(opts).items() if k not in ALLOCATION_ONLY}
+    for part in (repr(sorted(fields.items())), _path_state(spec), _source_digest(),
+                 torch.__version__, transformers.__version__):
+        h.update(part.encode())
+    return h.hexdigest()
+
+
+def kept_file(path: str | Path, opts: RecommendOptions) -> Path | None:
+    """The file ``measure(path, opts)`` is kept in (None: no measurement is kept)."""
+    where = cache_dir()
+    return None if where is None else where / f"{measurement_key(path, opts)}.pkl"
+
+
+def read_kept(kept: Path | None) -> Measurements | None:
+    """The measurement kept in ``kept`` (None: none there, or one that does not read back).
+    Its profile has one stage, ``REUSED_STAGE``, and a note says where it came from."""
+    if kept is None or not kept.is_file():
+        return None
+    start = time.perf_counter()
+    try:
+        m = pickle.loads(kept.read_bytes())
+    except Exception:  # noqa: BLE001 - an unreadable file is measured again and replaced
+        return None
+    if not isinstance(m, Measurements):
+        return None
+    note = (f"measurements reused from an earlier run with the same capture and measuring "
+            f"options ({kept}; --remeasure measures again)")
+    return dataclasses.replace(m, notes=[*m.notes, note],
+                               profile=Profile({REUSED_STAGE: time.perf_counter() - start}))
+
+
+def keep(m: Measurements, kept: Path | None) -> None:
+    """Write ``m`` to ``kept`` (a temporary file renamed; a cache that cannot be written costs
+    only the next run's time)."""
+    if kept is None:
+        return
+    tmp = kept.with_name(f".{kept.name}.{os.getpid()}.tmp")
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(pickle.dumps(m))
+        os.replace(tmp, kept)
+    except OSError:
+        tmp.unlink(missing_ok=True)
