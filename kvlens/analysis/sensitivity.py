@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
+import torch
+
 from kvlens.model.architecture import decoder_layers
 from kvlens.model.hooks import attention_override
 from kvlens.quant import QuantSpec, fake_quantize
@@ -78,8 +80,6 @@ def _replaced_kl(model, input_ids, keep: int) -> Iterator[Callable[..., float]]:
     """Yield ``kl(layer, key_fn=None, value_fn=None)``: the mean next-token KL(exact ||
     changed) over the last ``keep`` positions when that layer's attention reads
     ``key_fn(key)`` / ``value_fn(value)`` (None: unchanged)."""
-    import torch
-
     target: dict = {}
 
     def make(orig):
@@ -129,8 +129,6 @@ class Reference:
     LARGEST_EXP = 60.0
 
     def __init__(self, logits):
-        import torch
-
         self.logits = logits
         self.logp = torch.log_softmax(logits, -1)
         self.p = self.logp.exp()
@@ -139,8 +137,6 @@ class Reference:
     def kl(self, changed) -> float:
         """Mean ``KL(p || softmax(changed))`` over positions (each at least 0); ``changed``
         (the perturbed run's float32 logits, the reference's shape) is overwritten."""
-        import torch
-
         def mean(x):  # E_p[x] per position
             return torch.einsum("...v,...v->...", self.p, x) / self.total
 
