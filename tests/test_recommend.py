@@ -355,6 +355,19 @@ def test_recommend_reuses_a_kept_measurement(tmp_path, monkeypatch):
     monkeypatch.setenv("KVLENS_MEASUREMENT_CACHE", "off")
     _, said = run("-b", "3.0")
     assert "reused" not in said and len(list(kept.glob("*.pkl"))) == 3
+    # at most KEEP_AT_MOST files: the least recently used go (a read counts as a use)
+    from kvlens.recommend import reuse
+    from kvlens.recommend.pipeline import Measurements
+
+    monkeypatch.setattr(reuse, "KEEP_AT_MOST", 2)
+    files = sorted(kept.glob("*.pkl"), key=lambda f: f.stat().st_mtime_ns)
+    for i, f in enumerate(files):
+        os.utime(f, ns=(10**18 + i, 10**18 + i))
+    assert reuse.read_kept(files[0]) is not None  # the oldest, used now
+    reuse.keep(reuse.read_kept(files[0]), kept / "new.pkl")
+    left = set(kept.glob("*.pkl"))
+    assert left == {files[0], kept / "new.pkl"}
+    assert isinstance(reuse.read_kept(kept / "new.pkl"), Measurements)
 
 
 def test_sensitivity_sees_a_layer_that_cannot_matter():

@@ -19,7 +19,7 @@ none), named by a hash of everything it depends on:
 The files are Python pickles written by this module into the user's own cache directory; a
 file that does not read back (an older layout, a broken write) is measured again and replaced.
 Files are written to a temporary name and renamed, so an interrupted run leaves none that looks
-complete.
+complete; at most ``KEEP_AT_MOST`` are kept, the least recently used removed first.
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ from kvlens.recommend.profile import Profile
 ALLOCATION_ONLY = ("budget_bits", "context", "name", "fp_dtype")
 #: a measurement read back: the one stage of its profile
 REUSED_STAGE = "measurement read"
+#: measurements kept at most (a SmolLM2 one is about 0.6 MB); the least recently used go first
+KEEP_AT_MOST = 64
 
 
 def cache_dir() -> Path | None:
@@ -109,6 +111,10 @@ def read_kept(kept: Path | None) -> Measurements | None:
         return None
     if not isinstance(m, Measurements):
         return None
+    try:
+        kept.touch()  # recently used: kept longest (keep)
+    except OSError:
+        pass
     note = (f"measurements reused from an earlier run with the same capture and measuring "
             f"options ({kept}; --remeasure measures again)")
     return dataclasses.replace(m, notes=[*m.notes, note],
@@ -125,5 +131,9 @@ def keep(m: Measurements, kept: Path | None) -> None:
         kept.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_bytes(pickle.dumps(m))
         os.replace(tmp, kept)
+        # a read touches its file (read_kept): the oldest by modification time went unused
+        older = sorted(kept.parent.glob("*.pkl"), key=lambda f: f.stat().st_mtime_ns)
+        for f in older[:-KEEP_AT_MOST]:
+            f.unlink(missing_ok=True)
     except OSError:
         tmp.unlink(missing_ok=True)
