@@ -130,8 +130,7 @@ class Reference:
 
     def __init__(self, logits):
         self.logits = logits
-        self.logp = torch.log_softmax(logits, -1)
-        self.p = self.logp.exp()
+        self.p = torch.log_softmax(logits, -1).exp()
         self.total = self.p.sum(-1)  # sum_i p_i: 1 up to rounding
 
     def kl(self, changed) -> float:
@@ -146,7 +145,8 @@ class Reference:
         if float(x.amax()) <= self.LARGEST_EXP:
             kl = torch.log1p(mean(x.expm1_())) - below
         else:
-            kl = torch.logsumexp(x.add_(self.logp), -1) - torch.log(self.total) - below
+            logp = torch.log_softmax(self.logits, -1)  # rarely needed: not kept
+            kl = torch.logsumexp(x.add_(logp), -1) - torch.log(self.total) - below
         # each position's KL is >= 0; float32 rounding can leave about -1e-8 where the
         # change is that small (a random model's keys): 0 there
         return float(kl.clamp_(min=0).mean())

@@ -243,7 +243,7 @@ def recommend(
 
     Every option given is used or refused before any measurement starts."""
     from kvlens.recommend import DEFAULT_WINDOWS, RecommendOptions, choose, default_tokens, measure
-    from kvlens.recommend.reuse import keep, kept_file, read_kept
+    from kvlens.recommend.reuse import keep, kept_file, read_kept, reused_note
 
     engine = target != "kvlens"
     given = given_options(ctx, KVLENS_ONLY + TARGET_ONLY + PLACEMENT +
@@ -323,8 +323,7 @@ def recommend(
     kept = run_library_call(lambda: kept_file(capture, opts))
     measured = None if remeasure else run_library_call(lambda: read_kept(kept))
     if measured is not None:
-        err_console.print(f"measurements reused from an earlier run: {escape(str(kept))} "
-                          "(--remeasure measures again)", highlight=False)
+        err_console.print(escape(reused_note(kept)), highlight=False)
         predicted = None
     else:
         predicted = run_library_call(lambda: _predict(capture, opts))

@@ -47,7 +47,7 @@ from kvlens.recommend.profile import Profile
 ALLOCATION_ONLY = ("budget_bits", "context", "name", "fp_dtype")
 #: a measurement read back: the one stage of its profile
 REUSED_STAGE = "measurement read"
-#: measurements kept at most (a SmolLM2 one is about 0.6 MB); the least recently used go first
+#: measurements kept at most (sizes: docs/benchmarks.md); the least recently used go first
 KEEP_AT_MOST = 64
 
 
@@ -115,10 +115,14 @@ def read_kept(kept: Path | None) -> Measurements | None:
         kept.touch()  # recently used: kept longest (keep)
     except OSError:
         pass
-    note = (f"measurements reused from an earlier run with the same capture and measuring "
-            f"options ({kept}; --remeasure measures again)")
-    return dataclasses.replace(m, notes=[*m.notes, note],
+    return dataclasses.replace(m, notes=[*m.notes, reused_note(kept)],
                                profile=Profile({REUSED_STAGE: time.perf_counter() - start}))
+
+
+def reused_note(kept: Path) -> str:
+    """What a run that read the measurement kept in ``kept`` says about it."""
+    return (f"measurements reused from an earlier run with the same capture and measuring "
+            f"options ({kept}; --remeasure measures again)")
 
 
 def keep(m: Measurements, kept: Path | None) -> None:
