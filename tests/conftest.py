@@ -8,7 +8,9 @@ Markers (declared in pyproject.toml; `make test-fast` deselects all three):
 - ``browser``: the test drives Chromium (it uses the ``chromium`` fixture).
 """
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -18,8 +20,9 @@ import pytest
 # Triton kernels are tested on CPU through its interpreter; it must be set before triton loads.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 # recommend's kept measurements (kvlens.recommend.reuse) go to a directory of this test run's
-# own, so that no test reads what another run (or the user) measured
+# own, so that no test reads what another run (or the user) measured; removed when it ends
 os.environ["KVLENS_MEASUREMENT_CACHE"] = tempfile.mkdtemp(prefix="kvlens-test-measurements-")
+atexit.register(shutil.rmtree, os.environ["KVLENS_MEASUREMENT_CACHE"], ignore_errors=True)
 sys.path.insert(0, str(Path(__file__).parent))
 
 SLOW_FIXTURES = frozenset({"smollm2", "smollm2_tokenizer"})
