@@ -3,6 +3,7 @@ KL divergence of a model's next-token distribution (SmolLM2 or Gemma3) with fake
 without AQUA-KV-style prediction, on the built-in held-out text.
 
     python benchmarks/predict_kld.py CAPTURE.h5 [--tokens 2048] [--bits 2,3] [--model GGUF]
+        [--predictors chain,values-from-keys]
 
 What it does. The predictors are fitted on the capture (every sample; the capture corpus, not
 the held-out text they are scored on), layer after layer on the *reconstructed* tensors of the
@@ -16,6 +17,18 @@ Against the exact model: mean KL(exact || quantized) over positions (the logits 
 ``t`` score token ``t + 1``), top-1 agreement, and the paired difference predict - plain with a
 95% bootstrap interval over blocks of 64 positions.
 
+Predictors (``--predictors``): ``chain`` is the AQUA-KV chain above (keys from layer ``l-1``'s
+keys, values from the layer's keys and layer ``l-1``'s values); ``values-from-keys`` predicts
+only the values, from the same layer's reconstructed keys (no link between layers; the keys are
+coded plain).
+
+Equal bits. The maps are model-side bytes (``kvlens.quant.predict.predictor_bytes``, float16),
+so a predicted cache at ``b`` code bits costs ``b`` plus the maps spread over the held tokens.
+The second table gives what prediction is worth in plain code bits (where the plain KLD,
+log-linear between the measured bit widths, equals the predicted one) and the context at which
+the maps cost that much: ``map bits / (worth x 2 x KV heads x head_dim)`` tokens per layer for
+one sequence. Shorter than that, spending the maps' bytes on plain code bits is the better use.
+
 What it does not model: every token is quantized (no residual window, no exact sinks), the
 per-channel groups are formed over the whole prefill (a cache would form them as its window
 flushes), and a single forward call: a storage-free proxy, paired across configurations.
@@ -25,6 +38,8 @@ flushes), and a single forward call: a storage-free proxy, paired across configu
 from __future__ import annotations
 
 import argparse
+import math
+from dataclasses import dataclass
 
 import torch
 
@@ -37,6 +52,7 @@ from kvlens.quant.predict import (
     DEFAULT_RIDGE,
     fit_ridge,
     from_token_features,
+    predictor_bytes,
     quantize_residual,
     token_features,
 )
@@ -49,25 +65,49 @@ def _specs(bits: int):
     return QuantSpec(bits, "per-channel", G), QuantSpec(bits, "per-token", G)
 
 
-def fit_chain(path: str, bits: int):
-    """Per layer: ``(key_predictor or None, value_predictor)`` fitted along the chain of
-    reconstructions on every sample of the capture."""
+PREDICTORS = ("chain", "values-from-keys")
+
+
+@dataclass(frozen=True)
+class LayerFit:
+    """One layer's predictors: keys from the previous layer's keys (``key``; ``key_mean``
+    instead on the first layer of a chain; neither: keys coded plain) and values from the
+    layer's keys and, with ``previous_values``, the previous layer's values."""
+
+    key: object
+    key_mean: torch.Tensor | None
+    value: object
+    previous_values: bool
+    bytes: int  # the stored maps (float16 weights and intercepts)
+
+
+def fit_chain(path: str, bits: int, predictors: str = "chain") -> list[LayerFit]:
+    """Per layer, the predictors fitted along the chain of reconstructions on every sample of
+    the capture (``predictors``: one of ``PREDICTORS``)."""
     kspec, vspec = _specs(bits)
     fits = []
     with open_capture(path) as cap:
+        heads, dim = cap.meta.num_key_value_heads, cap.meta.head_dim
         prev_k = prev_v = None
         for layer in cap.layers:
             data = cap.layer(layer)
             k, v = data.read("k_pre").float(), data.read("v").float()
-            if prev_k is None:
-                kfit, kp = None, k.mean(dim=(0, 2), keepdim=True).expand_as(k)
-                kmean = kp[0, :, 0]
+            kfit = kmean = None
+            if predictors == "values-from-keys":
+                k_hat, key_inputs = fake_quantize(k, kspec), None
             else:
-                (kfit, kp), kmean = fit([prev_k], k), None
-            k_hat = quantize_residual(k, kp, lambda r: fake_quantize(r, kspec))
-            vfit, vp = fit([k_hat] + ([prev_v] if prev_v is not None else []), v)
+                if prev_k is None:
+                    kp = k.mean(dim=(0, 2), keepdim=True).expand_as(k)
+                    kmean, key_inputs = kp[0, :, 0], 0
+                else:
+                    (kfit, kp), key_inputs = fit([prev_k], k), 1
+                k_hat = quantize_residual(k, kp, lambda r: fake_quantize(r, kspec))
+            with_prev = predictors == "chain" and prev_v is not None
+            vfit, vp = fit([k_hat] + ([prev_v] if with_prev else []), v)
             v_hat = quantize_residual(v, vp, lambda r: fake_quantize(r, vspec))
-            fits.append((kfit, kmean, vfit))
+            held = predictor_bytes(heads, dim, 1 + with_prev) + (
+                0 if key_inputs is None else predictor_bytes(heads, dim, key_inputs))
+            fits.append(LayerFit(kfit, kmean, vfit, with_prev, held))
             prev_k, prev_v = k_hat, v_hat
     return fits
 
@@ -122,12 +162,12 @@ class Hooks:
     def key_hat(self, layer: int, x):
         """Layer ``layer``'s pre-RoPE keys ``[B, H, T, D]`` -> their reconstruction."""
         code = lambda r: fake_quantize(r, self.kspec)  # noqa: E731
-        if self.fits is None:
+        fit = None if self.fits is None else self.fits[layer]
+        if fit is None or (fit.key is None and fit.key_mean is None):
             hat = code(x)
         else:
-            kfit, kmean, _ = self.fits[layer]
-            p = (kmean[None, :, None, :].expand_as(x) if kfit is None else
-                 from_token_features(kfit(token_features(self.prev_k)), self.heads, self.dim))
+            p = (fit.key_mean[None, :, None, :].expand_as(x) if fit.key is None else
+                 from_token_features(fit.key(token_features(self.prev_k)), self.heads, self.dim))
             hat = quantize_residual(x, p, code)
         # this layer's values and the next layer's keys read this reconstruction
         self.cur_k = self.prev_k = hat
@@ -138,9 +178,9 @@ class Hooks:
         if self.fits is None:
             hat = code(x)
         else:
-            vfit = self.fits[layer][2]
-            inputs = [self.cur_k] + ([self.prev_v] if layer > 0 else [])
-            p = from_token_features(vfit(token_features(*inputs)), self.heads, self.dim)
+            fit = self.fits[layer]
+            inputs = [self.cur_k] + ([self.prev_v] if fit.previous_values else [])
+            p = from_token_features(fit.value(token_features(*inputs)), self.heads, self.dim)
             hat = quantize_residual(x, p, code)
         self.prev_v = hat
         return hat
@@ -187,42 +227,79 @@ def _compare(exact, logits, rows: int = 256):
     return torch.cat(kld), torch.cat(same)
 
 
+def plain_bits_worth(plain: dict[int, float], bits: int, kld: float) -> float | None:
+    """How many plain code bits above ``bits`` give ``kld``: the bit width where the plain
+    KLDs (``{bits: KLD}``, log-linear between measured widths) reach it, minus ``bits``. None
+    where it lies beyond the measured widths."""
+    xs = sorted(plain)
+    for lo, hi in zip(xs, xs[1:]):
+        a, b = math.log(plain[lo]), math.log(plain[hi])
+        if min(a, b) <= math.log(kld) <= max(a, b) and a != b:
+            return lo + (hi - lo) * (a - math.log(kld)) / (a - b) - bits
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("capture")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--bits", default="2,3")
     parser.add_argument("--model", default=None, help="kvlens --model spec (default SmolLM2)")
+    parser.add_argument("--predictors", default="chain",
+                        help=f"comma-separated, of: {', '.join(PREDICTORS)}")
     args = parser.parse_args()
+    kinds = args.predictors.split(",")
+    if not set(kinds) <= set(PREDICTORS):
+        parser.error(f"--predictors: {args.predictors!r}; allowed: {', '.join(PREDICTORS)}")
     torch.manual_seed(0)
     model, tokenizer, _ = load_model(args.model)
     text, _ = load_eval_text(None)
     ids = torch.tensor([tokenizer(text).input_ids[: args.tokens]])
+    cfg = model.config
+    elements = 2 * cfg.num_key_value_heads * (
+        getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    plain, rows = {}, []
     with torch.no_grad():
         exact = model(ids).logits[0]  # float32 [T, vocab]; compared in float64 chunks
-        print("| bits (K per-channel G64 pre-RoPE, V per-token G64) | KLD plain | KLD predict "
-              "| paired (predict - plain) | top-1 plain | top-1 predict |")
-        print("|---|---:|---:|---:|---:|---:|")
+        print("| bits (K per-channel G64 pre-RoPE, V per-token G64) | predictors | KLD plain "
+              "| KLD predict | paired (predict - plain) | top-1 plain | top-1 predict |")
+        print("|---|---|---:|---:|---:|---:|---:|")
         # paired bootstrap over blocks of 64 positions (kvlens.evaluation.stats's draws)
         n = exact.shape[0] // UNIT * UNIT
         draws = bootstrap_indices(n // UNIT)
+
+        def run(bits, fits):
+            hooks = Hooks(model, bits, fits)
+            try:
+                logits = model(ids).logits[0]
+            finally:
+                hooks.remove()
+            kld, same = _compare(exact, logits)
+            return kld, float(same.double().mean())
+
         for bits in (int(b) for b in args.bits.split(",")):
-            fits = fit_chain(args.capture, bits)
-            kld, top1 = {}, {}
-            for name, f in (("plain", None), ("predict", fits)):
-                hooks = Hooks(model, bits, f)
-                try:
-                    logits = model(ids).logits[0]
-                finally:
-                    hooks.remove()
-                kld[name], same = _compare(exact, logits)
-                top1[name] = float(same.double().mean())
-                del logits
-            diff = (kld["predict"] - kld["plain"])[:n].reshape(-1, UNIT).mean(-1).numpy()
-            lo, hi = percentile_interval(diff[draws].mean(-1))
-            print(f"| {bits} | {float(kld['plain'].mean()):.4f} | "
-                  f"{float(kld['predict'].mean()):.4f} | {float(diff.mean()):+.4f} "
-                  f"[{lo:+.4f}, {hi:+.4f}] | {top1['plain']:.3f} | {top1['predict']:.3f} |")
+            base, base_top1 = run(bits, None)
+            plain[bits] = float(base.mean())
+            for kind in kinds:
+                fits = fit_chain(args.capture, bits, kind)
+                kld, top1 = run(bits, fits)
+                diff = (kld - base)[:n].reshape(-1, UNIT).mean(-1).numpy()
+                lo, hi = percentile_interval(diff[draws].mean(-1))
+                print(f"| {bits} | {kind} | {plain[bits]:.4f} | {float(kld.mean()):.4f} | "
+                      f"{float(diff.mean()):+.4f} [{lo:+.4f}, {hi:+.4f}] | {base_top1:.3f} | "
+                      f"{top1:.3f} |", flush=True)
+                rows.append((bits, kind, float(kld.mean()),
+                             sum(f.bytes for f in fits) / len(fits)))
+    print()
+    print("| bits | predictors | maps per layer (bytes) | worth in plain code bits "
+          "| break-even context (tokens, one sequence) |")
+    print("|---|---|---:|---:|---:|")
+    for bits, kind, kld, held in rows:
+        worth = plain_bits_worth(plain, bits, kld)
+        even = ("n/a" if worth is None or worth <= 0
+                else f"{held * 8 / (worth * elements):,.0f}")
+        print(f"| {bits} | {kind} | {held:,.0f} | "
+              f"{'beyond the measured widths' if worth is None else f'{worth:+.2f}'} | {even} |")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from kvlens.recommend import (
     option_bytes,
     recommend,
 )
+from kvlens.recommend.layer_errors import codebook_slot
 
 
 def _brute_force(costs, errors, budget):
@@ -835,16 +836,18 @@ def test_codebook_values_are_measured_priced_and_written(tmp_path):
                             codebooks=True)
     cands = candidates(32, opts, has_rope=False)
     cb2, cb3 = Candidate.codebook_values(2), Candidate.codebook_values(3)
-    assert {c for c in cands if c.codebook} == {cb2, cb3}
+    keys = {Candidate.codebook_keys(2), Candidate.codebook_keys(3)}
+    assert {c for c in cands if c.codebook} == {cb2, cb3} | keys
     assert cb3.spec() == CodebookSpec(3, "fitted", renormalize=True) and cb3.rotate
     assert not any(c.codebook for c in candidates(32, replace(opts, codebooks=False), False))
-    with pytest.raises(InputError, match="--codebooks offers codebook values"):
+    with pytest.raises(InputError, match="--codebooks offers codebook keys and values"):
         replace(opts, rotation=False)  # asked for, cannot be offered
     # the fused decode kernel reads codebook values: --prefer-fast keeps them
     fast = candidates(32, replace(opts, prefer_fast=True), has_rope=False)
-    assert {c for c in fast if c.codebook} == {cb2, cb3}
+    assert {c for c in fast if c.codebook} == {cb2, cb3} | keys
     m = measure(path, opts)
-    assert set(m.codebooks) == {0, 1} and set(m.codebooks[0]) == {2, 3}
+    assert set(m.codebooks) == {0, 1}
+    assert set(m.codebooks[0]) == {codebook_slot(c) for c in {cb2, cb3} | keys}
     rot2 = Candidate("value", 2, "per-token", 32, rotate=True)
     for table in m.tables:
         s = next(s for c, s in table if c == cb3)
@@ -864,7 +867,7 @@ def test_codebook_values_are_measured_priced_and_written(tmp_path):
     cfg = rec.config
     for layer, c in chosen.items():
         assert cfg.layer(layer).value == c.spec() and cfg.layer(layer).rotate_values
-        want = m.codebooks[layer][c.bits].centroids.half().float().tolist()
+        want = m.codebooks[layer][codebook_slot(c)].centroids.half().float().tolist()
         assert list(cfg.centroids_for(layer)) == want
     assert set(cfg.codebooks) == set(chosen) and cfg.format_version == 4
     assert rec.mean_bits <= 3.6
@@ -875,6 +878,99 @@ def test_codebook_values_are_measured_priced_and_written(tmp_path):
     plain = choose(m, replace(opts, codebooks=False))
     assert not any(ch.candidate.codebook for ch in plain.choices) and not plain.config.codebooks
     assert rec.expected_output_error < plain.expected_output_error
+
+
+def _only_codebook_keys(m):
+    """``m`` with every key candidate but the codebook ones dropped (the allocation must take
+    them): the config-writing path, whatever the data would have chosen."""
+    return replace(m, tables=[{cs: e for cs, e in t.items()
+                               if cs[0].tensor == "value" or cs[0].codebook} for t in m.tables])
+
+
+def test_codebook_key_candidates_are_measured_centred_and_written(tmp_path):
+    """Planted keys with two offset channels (no RoPE, so the stored keys keep the offsets):
+    codebook keys (post-RoPE, fitted+renorm) are offered with --codebooks, centred instead of
+    plain with --centering too; a centred key codebook is fitted on the centred keys and codes
+    them with a far lower output error than the plain one (the offsets dominate each key's
+    norm); the written config holds the key centroids and the mean keys, and loads."""
+    from kvlens.capture.store import open_capture
+    from kvlens.quant import codebook_for
+    from kvlens.quant.centering import center, key_mean
+    from kvlens.recommend.layer_errors import mean_key
+
+    path = _planted_capture(tmp_path / "p.h5", has_rope=False)
+    opts = RecommendOptions(budget_bits=4.0, group_sizes=(32,), bits=(2,), balancer=False,
+                            sensitivity="uniform", retrieval="off", mikv=False, gear=False,
+                            codebooks=True, centering=True)
+    kb2, kb3 = Candidate.codebook_keys(2), Candidate.codebook_keys(3)
+    assert kb2.stage == "post" and kb2.rotate and kb2.spec() == Candidate.codebook_values(2).spec()
+    cands = candidates(32, opts, has_rope=False)
+    assert {c for c in cands if c.codebook and c.tensor == "key"} == {
+        replace(kb2, center=True), replace(kb3, center=True)}
+    plain_opts = replace(opts, centering=False)
+    assert {c for c in candidates(32, plain_opts, False) if c.codebook and c.tensor == "key"} \
+        == {kb2, kb3}
+    m, m_plain = measure(path, opts), measure(path, plain_opts)
+    ckb2 = replace(kb2, center=True)
+    with open_capture(path) as cap:
+        k = cap.layer(0).read("k").float()
+    mu = m.codebooks[0][mean_key("post")]
+    assert torch.equal(mu, key_mean(k))
+    want = codebook_for(center(k, mu), ckb2.spec()).centroids
+    assert torch.equal(m.codebooks[0][codebook_slot(ckb2)].centroids, want)
+    assert codebook_slot(kb2) in m_plain.codebooks[0]
+    assert codebook_slot(ckb2) != codebook_slot(kb2) != codebook_slot(Candidate.codebook_values(2))
+    for layer in (0, 1):
+        s = next(s for c, s in m.tables[layer] if c == ckb2)
+        assert m.tables[layer][ckb2, s][0] < 0.7 * m_plain.tables[layer][kb2, s][0]
+    rec = choose(_only_codebook_keys(m), opts)
+    cfg = rec.config
+    assert cfg.format_version == 5 and set(cfg.key_means) == {0, 1}
+    for ch in rec.choices:
+        if ch.tensor == "key":
+            c, setting = ch.candidate, cfg.layer(ch.layer)
+            assert c.codebook and c.center and setting.key == c.spec()
+            assert setting.center_keys and setting.rotate_keys and not setting.pre_rope_keys
+            book = m.codebooks[ch.layer][codebook_slot(c)].centroids.half().float().tolist()
+            assert list(cfg.codebooks[ch.layer]["key"]) == book
+    out = tmp_path / "kv.json"
+    save_config(cfg, out)
+    assert load_config(out).to_dict() == cfg.to_dict()
+    # allocated without --codebooks from the same measurement: no codebook is chosen
+    plain = choose(m, replace(opts, codebooks=False))
+    assert not any(ch.candidate.codebook for ch in plain.choices) and not plain.config.codebooks
+
+
+def test_codebook_key_config_runs_in_generate_and_holds_its_predicted_bytes(tmp_path):
+    """A tiny Llama's capture -> recommend --codebooks --centering with codebook keys taken ->
+    JSON -> load -> compressed generation: the cache holds exactly the bytes the layout
+    predicts, the key codebooks and means included."""
+    from kvlens.cache import compressed_attention, memory_report
+    from kvlens.cache.layout import config_part_bytes, shape_of
+    from kvlens.config import validate_for
+    from kvlens.evaluation.decode import greedy
+    from kvlens.model.architecture import describe
+
+    model = tiny_model("llama")
+    ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(0))
+    cap = tmp_path / "tiny.h5"
+    capture_model(model, ids, cap)
+    opts = RecommendOptions(budget_bits=5.0, context=512, group_sizes=(16,), residual_tokens=16,
+                            codebooks=True, centering=True)
+    rec = choose(_only_codebook_keys(measure(cap, opts)), opts)
+    out = tmp_path / "cfg.json"
+    save_config(rec.config, out)
+    loaded = load_config(out)
+    assert loaded.to_dict() == rec.config.to_dict()
+    assert all("key" in b for b in loaded.codebooks.values()) and loaded.key_means
+    validate_for(loaded, describe(model))
+    prompt = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    with compressed_attention(model, loaded, backend="torch") as session:
+        new, cache = greedy(model, prompt, session, 8)
+    assert new.shape == (1, 8)
+    rep = memory_report(cache)
+    assert rep["breakdown"] == config_part_bytes(loaded, shape_of(model), cache.get_seq_length())
+    assert rep["breakdown"]["codebooks"] > 0 and rep["breakdown"]["means"] > 0
 
 
 def _only_centred_keys(m):

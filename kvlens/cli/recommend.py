@@ -130,12 +130,14 @@ def recommend(
                                      help="No Hadamard-rotated (per-token) candidates (engine "
                                           "targets: llama.cpp without its rotation)."),
     codebooks: bool = typer.Option(False, "--codebooks", rich_help_panel=BUDGET,
-                                   help="Also codebook value candidates (2- and 3-bit fitted "
-                                        "codebooks of rotated values with a norm per vector, "
+                                   help="Also codebook key and value candidates (2- and 3-bit "
+                                        "fitted codebooks of rotated vectors with a norm per "
+                                        "vector; keys post-RoPE, centred with --centering; "
                                         "docs/codebooks.md; not with --no-rotation)."),
     centering: bool = typer.Option(False, "--centering", rich_help_panel=BUDGET,
-                                   help="Offer the per-token key candidates centred instead of "
-                                        "plain: the layer's mean key, computed on the capture, "
+                                   help="Offer the per-token (and codebook) key candidates "
+                                        "centred instead of plain: the layer's mean key, "
+                                        "computed on the capture, "
                                         "subtracted before quantizing, stored in the config and "
                                         "added back on read (docs/codebooks.md)."),
     thorough: bool = typer.Option(False, "--thorough", rich_help_panel=BUDGET,

@@ -144,6 +144,8 @@ def assemble(meta, opts, tables, balancers, weights, notes, shape, factors=(), c
                 table, opts,
                 lambda kc, vc, s, w=w: 16 * n * option(kc, vc, s, w)[0] / fp16_total,
                 weights[layer], shape.head_dim, factors[layer] if factors else None))
+        if not all(fronts):  # a layer with nothing to store it (e.g. only rotated layouts)
+            return None, math.inf
         costs = [[p[0] for p in front] for front in fronts]
         errors = [[p[1] for p in front] for front in fronts]
         # one [D, D] float32 rotation matrix is shared by every rotating layer: reserve it

@@ -1,7 +1,7 @@
 """The versioned ``KVConfig`` a recommendation writes (``build_config``): per-layer settings
 from the chosen candidates and windows, the most common one as the default, and the config-wide
 MiKV, GEAR and balancer sections, the fitted centroids of the layers that chose codebook
-values (``codebooks``) and the mean keys of the layers that chose centred keys
+keys or values (``codebooks``) and the mean keys of the layers that chose centred keys
 (``key_means``)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from kvlens.config import KVConfig, LayerKV, MikvSettings
 from kvlens.errors import ConfigError
 from kvlens.recommend.catalog import gear_settings
-from kvlens.recommend.layer_errors import mean_key
+from kvlens.recommend.layer_errors import codebook_slot, mean_key
 from kvlens.recommend.options import Candidate, RecommendOptions, Stream, listed
 from kvlens.recommend.result import Choice
 
@@ -20,8 +20,8 @@ from kvlens.recommend.result import Choice
 def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balancers,
                  codebooks=None):
     """The versioned ``kvlens.config`` config that ``kvlens generate --config`` consumes.
-    ``codebooks``: per layer ``{bits: kvlens.quant.Codebook, mean_key(stage): [Hkv, D]}``,
-    the value codebooks and mean keys the candidates were measured with."""
+    ``codebooks``: per layer ``{codebook_slot(c): kvlens.quant.Codebook, mean_key(stage):
+    [Hkv, D]}``, the codebooks and mean keys the candidates were measured with."""
 
     by_layer: dict[int, dict[str, Candidate]] = {}
     streams: dict[int, Stream] = {}
@@ -47,12 +47,15 @@ def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balanc
     set_bits, fraction = next(iter(sets.values())) if sets else (None, 0.0)
     books = {}
     for i, p in by_layer.items():
-        if p["value"].codebook:
-            book = (codebooks or {}).get(i, {}).get(p["value"].bits)
+        for tensor, c in p.items():
+            if not c.codebook:
+                continue
+            book = (codebooks or {}).get(i, {}).get(codebook_slot(c))
             if book is None:
-                raise ConfigError(f"internal: layer {i} chose codebook values but no codebook "
-                                  "was fitted for it")
-            books[i] = {"value": tuple(float(c) for c in book.centroids.half().float())}
+                raise ConfigError(f"internal: layer {i} chose codebook {tensor}s but no "
+                                  "codebook was fitted for it")
+            books.setdefault(i, {})[tensor] = tuple(
+                float(x) for x in book.centroids.half().float())
     means = {}
     for i, p in by_layer.items():
         if p["key"].center:

@@ -13,12 +13,13 @@ heavy_fraction)`` of ``mikv_set_bits`` x ``mikv_fractions``: heavy hitters and s
 ``set_bits`` codes, measured by replaying the cache's H2O selection while decoding
 (``kvlens.analysis.heavy_hitters``); a layer takes the set for both tensors or neither (the
 config's ``mikv.layers``). With ``codebooks`` (opt-in; ``--codebooks``) also codebook
-values at 2 and 3 bits (``CODEBOOK_BITS``): ``fitted+renorm`` of docs/codebooks.md, each
-layer's codebook fitted on its captured values, stored as packed codes and a float16 norm per
-vector (rotated, so only where rotation is offered; the fused decode kernel reads them, so
-``prefer_fast`` keeps them). With ``centering`` (opt-in; ``--centering``) the
-per-token key candidates of the first key fit, plain, pre-RoPE and rotated (not balanced), are
-offered centred instead of plain (``centrable``): the layer's mean key (computed on the capture)
+keys (post-RoPE: the rotation and RoPE do not commute) and values at 2 and 3 bits
+(``CODEBOOK_BITS``): ``fitted+renorm`` of docs/codebooks.md, each layer's codebook fitted on its
+captured keys or values, stored as packed codes and a float16 norm per vector (rotated, so only
+where rotation is offered; the fused decode kernel reads them, so ``prefer_fast`` keeps them).
+With ``centering`` (opt-in; ``--centering``) the per-token key candidates of the first key fit,
+plain, pre-RoPE and rotated (not balanced), and the codebook keys are offered centred instead
+of plain (``centrable``): the layer's mean key (computed on the capture)
 subtracted before quantizing, kept in the config, added back on read
 (``kvlens.quant.centering``; the fused kernel reads the post-RoPE ones, so ``prefer_fast`` keeps
 those; docs/codebooks.md: it halves per-token key reconstruction error; per-channel groups
@@ -82,6 +83,7 @@ def candidates(head_dim: int, opts: RecommendOptions, has_rope: bool) -> list[Ca
                     if opts.gear and not opts.prefer_fast and g == GEAR_GROUP and b <= 4:
                         out.append(Candidate(tensor, b, gran, g, gear=True))
     if opts.codebooks and rotation:  # the fused decode kernel reads them (--prefer-fast too)
+        out += [Candidate.codebook_keys(b) for b in CODEBOOK_BITS]
         out += [Candidate.codebook_values(b) for b in CODEBOOK_BITS]
     if opts.centering:  # the per-token keys are offered centred (prefer_fast offers no
         # pre-RoPE keys to centre; the kernel reads centred post-RoPE ones)
@@ -96,9 +98,13 @@ def candidates(head_dim: int, opts: RecommendOptions, has_rope: bool) -> list[Ca
 def centrable(c: Candidate, opts: RecommendOptions) -> bool:
     """Whether ``--centering`` offers ``c`` centred instead of plain: per-token keys of the
     first key fit, plain, pre-RoPE or rotated (not balanced: the balancer divides channels,
-    and a mean would have to follow it; not GEAR or a MiKV set)."""
-    return (c.tensor == "key" and c.granularity == "per-token" and not c.center
-            and not (c.balancer or c.gear or c.mikv_set or c.codebook)
+    and a mean would have to follow it; not GEAR or a MiKV set), and codebook keys (their norm
+    and direction are those of the centred key)."""
+    if c.tensor != "key" or c.center:
+        return False
+    if c.codebook:
+        return True
+    return (c.granularity == "per-token" and not (c.balancer or c.gear or c.mikv_set)
             and c.fit == opts.key_fits[0])
 
 
@@ -113,8 +119,8 @@ def family(c: Candidate) -> tuple:
     transforms and the scale fit (bits, group size, GEAR and a MiKV set share their base's
     factor). The fit has its own: a least-squares fit clips a group's extremes, so its output
     error need not turn into KL at the rate of min/max groups (docs/recommend.md#the-scale-fit).
-    Codebook values are a family of their own (non-uniform codes, a norm per vector): their
-    axis is ``per-vector``. Centred keys are a family of their own (``center``)."""
+    Codebook keys and values are families of their own (non-uniform codes, a norm per vector):
+    their axis is ``per-vector``. Centred keys are a family of their own (``center``)."""
     return (c.tensor, c.granularity, c.stage, c.balancer, c.rotate, c.fit, c.center)
 
 

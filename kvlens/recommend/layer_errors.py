@@ -12,9 +12,10 @@ too, to explain. By default the first ``tokens=256`` tokens of every capture sam
 windows every option is scored on the same queries, from ``score_from`` (three times the
 largest window) on, of ``default_tokens`` (four times it).
 
-``layer_variants`` builds what the cache would give back for each candidate (codebook values:
-``fake_quantize_codebook`` with the layer's codebook, fitted on the layer's captured values
-once and then given to every later measurement of that layer, as the config will store it;
+``layer_variants`` builds what the cache would give back for each candidate (codebook keys and
+values: ``fake_quantize_codebook`` with the layer's codebook, ``codebook_slot``, fitted on the
+layer's captured keys (centred ones: minus the mean key) or values once and then given to every
+later measurement of that layer, as the config will store it;
 centred keys likewise with the layer's mean key, ``mean_key``, computed once on the whole
 capture and handed on in the same per-layer dict),
 ``gear_variant``
@@ -51,7 +52,7 @@ from kvlens.quant import (
     quantize_pre_rope,
     quantize_rotated,
 )
-from kvlens.quant.centering import key_mean, quantize_centered
+from kvlens.quant.centering import center, key_mean, quantize_centered
 from kvlens.recommend.catalog import gear_settings
 from kvlens.recommend.options import Candidate, RecommendOptions, Stream, listed
 from kvlens.recommend.profile import stage
@@ -61,9 +62,15 @@ from kvlens.text.selection import format_index_spec
 
 def mean_key(stage_name: str) -> tuple[str, str]:
     """The key of a layer's mean key ``[Hkv, D]`` in the per-layer dict of fitted data that
-    ``layer_variants`` returns beside its value codebooks (``{bits: Codebook}``): one per key
-    stage (``"post"``, ``"pre"``), computed on the capture and stored in the config."""
+    ``layer_variants`` returns beside its codebooks (``codebook_slot``): one per key stage
+    (``"post"``, ``"pre"``), computed on the capture and stored in the config."""
     return ("key-mean", stage_name)
+
+
+def codebook_slot(c: Candidate) -> tuple[str, str, int, bool]:
+    """The key of codebook candidate ``c``'s fitted codebook in that per-layer dict: one per
+    tensor, bit width and centring (a centred key codebook is fitted on the centred keys)."""
+    return ("codebook", c.tensor, c.bits, c.center)
 
 
 def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOptions,
@@ -173,11 +180,11 @@ def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptio
     for candidate ``c`` with every token quantized (a ``kvlens.analysis.metrics.Variant``), None
     for MiKV set and GEAR twins (they depend on the flush block: built by ``measure_layer``);
     pre-RoPE candidates are left out when the capture's RoPE cannot be rebuilt (``pre_ok``
-    False). ``codebooks`` ``{bits: Codebook, mean_key(stage): [Hkv, D]}``: the value codebooks
-    of codebook candidates and the mean keys of centred candidates, given (fitted earlier on
-    this layer's capture) or fitted here (``codebook_for``: norm²-weighted k-means on these
-    values, float16 centroids; ``key_mean``: the mean over every sample and token of the
-    layer's captured keys, float16) and returned."""
+    False). ``codebooks`` ``{codebook_slot(c): Codebook, mean_key(stage): [Hkv, D]}``: the
+    codebooks of codebook candidates and the mean keys of centred candidates, given (fitted
+    earlier on this layer's capture) or fitted here (``codebook_for``: norm²-weighted k-means on
+    these keys or values, float16 centroids; ``key_mean``: the mean over every sample and token
+    of the layer's captured keys, float16) and returned."""
 
     sel = None if opts.samples is None else list(range(min(opts.samples, meta.num_samples)))
     t = slice(None) if opts.tokens is None else slice(0, opts.tokens)
@@ -209,16 +216,21 @@ def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptio
             if mk not in books:  # the calibration data: every sample and token of the capture
                 with stage("capture read"):
                     books[mk] = key_mean(layer.read("k_pre" if c.stage == "pre" else "k"))
+        if c.codebook:  # the layer's fitted codebook (the config stores its centroids)
+            x, slot = (v if c.tensor == "value" else k), codebook_slot(c)
+            mu = books[mean_key(c.stage)] if c.center else None
+            if slot not in books:  # a 1-D k-means on a histogram: milliseconds
+                books[slot] = codebook_for(x if mu is None else center(x, mu), spec)
+            code = lambda y, s=slot, spec=spec: fake_quantize_codebook(y, spec, books[s])  # noqa: E731
+            x_hat = code(x) if mu is None else quantize_centered(x, mu, code)
+            variants[c] = Variant(v_hat=x_hat) if c.tensor == "value" else Variant(k_hat=x_hat)
+        elif c.center:
             x = k_pre if c.stage == "pre" else k
             k_hat = quantize_centered(x, books[mk], lambda y, c=c, spec=spec: (
                 quantize_rotated(y, spec, rot, sd) if c.rotate else fake_quantize(y, spec, sd)))
             if c.stage == "pre":  # given its mean back before RoPE, as the cache reads it
                 k_hat = apply_rope(k_hat, *tables, meta.rope_layout)
             variants[c] = Variant(k_hat=k_hat)
-        elif c.codebook:  # values: the layer's fitted codebook (the config stores its centroids)
-            if c.bits not in books:  # a 1-D k-means on a histogram: milliseconds
-                books[c.bits] = codebook_for(v, spec)
-            variants[c] = Variant(v_hat=fake_quantize_codebook(v, spec, books[c.bits]))
         elif c.mikv_set:  # the set depends on the flush block: built per run below
             if not la.sliding_window and c.base in cands:
                 variants[c] = None

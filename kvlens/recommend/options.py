@@ -18,7 +18,7 @@ from kvlens.quant.spec import FITS
 GRANULARITIES = ("per-channel", "per-token")
 #: A codebook candidate's granularity: each vector has its own scale (its float16 norm)
 PER_VECTOR = "per-vector"
-CODEBOOK_BITS = (2, 3)  # codebook values offered (docs/codebooks.md: they win at 2 and 3 bits)
+CODEBOOK_BITS = (2, 3)  # codebook keys and values offered (docs/codebooks.md: values win at 2, 3)
 GEAR_GROUP = 32  # GEAR twins are offered for KIVI's G32 grouping only (measuring cost)
 MIKV_GROUP = 32  # so are MiKV set twins (each is simulated while decoding: measuring cost)
 MIKV_FRACTION_MAX = 0.5  # largest heavy fraction offered (more is no longer a small set)
@@ -54,9 +54,9 @@ class Candidate:
     # MiKV importance set (set_bits, heavy_fraction) beside the codes; None: sinks only
     mikv_set: tuple[int, float] | None = None
     fit: str = "minmax"  # how each group's scale and zero are chosen (QuantSpec.fit)
-    # values only: a fitted, renormalised codebook of the Hadamard-rotated normalised vectors
-    # with one float16 norm per vector (kvlens.quant.codebook; granularity PER_VECTOR, no
-    # groups: group_size 0, rotate True, fit "minmax" unused)
+    # a fitted, renormalised codebook of the Hadamard-rotated normalised vectors with one
+    # float16 norm per vector (kvlens.quant.codebook; granularity PER_VECTOR, no groups:
+    # group_size 0, rotate True, fit "minmax" unused; keys post-RoPE only)
     codebook: bool = False
     # keys only: stored centred on the layer's mean key, computed on the capture (pre-RoPE mean
     # for pre-RoPE keys, else post-RoPE; kvlens.quant.centering; the config's key_means)
@@ -67,10 +67,16 @@ class Candidate:
         """The codebook value candidate at ``bits`` (docs/codebooks.md: ``fitted+renorm``)."""
         return cls("value", bits, PER_VECTOR, 0, rotate=True, codebook=True)
 
+    @classmethod
+    def codebook_keys(cls, bits: int) -> Candidate:
+        """The codebook key candidate at ``bits``: post-RoPE (the rotation and RoPE do not
+        commute, so the cache refuses pre-RoPE codebook keys), ``fitted+renorm``."""
+        return cls("key", bits, PER_VECTOR, 0, rotate=True, codebook=True)
+
     @property
     def short(self) -> str:
         if self.codebook:
-            return f"{self.bits}b codebook"
+            return f"{self.bits}b codebook" + (" ctr" if self.center else "")
         axis = "ch" if self.granularity == "per-channel" else "tok"
         extra = (" pre" if self.stage == "pre" else "") + (" bal" if self.balancer else "") + \
             (" rot" if self.rotate else "") + (" gear" if self.gear else "") + \
@@ -81,7 +87,8 @@ class Candidate:
     @property
     def label(self) -> str:
         if self.codebook:
-            return f"{self.bits}b codebook fitted+renorm (rotated, per-vector fp16 norm)"
+            return (f"{self.bits}b codebook fitted+renorm (rotated, per-vector fp16 norm)"
+                    + (" +centred" if self.center else ""))
         extra = (" pre-RoPE" if self.stage == "pre" else "") + \
             (" +bal" if self.balancer else "") + (" +rotation" if self.rotate else "") + \
             (" +GEAR" if self.gear else "") + \
@@ -175,9 +182,9 @@ class RecommendOptions:
     # available core when the per-layer stages (candidate errors, layout sensitivity) are
     # predicted to be long, else this process only
     workers: int | None = None
-    # offer codebook values (CODEBOOK_BITS; kvlens.quant.codebook, fitted per layer on the
-    # capture; the fused decode kernel reads them, so prefer_fast keeps them; rotated, so not
-    # without rotation).
+    # offer codebook keys (post-RoPE) and values (CODEBOOK_BITS; kvlens.quant.codebook, fitted
+    # per layer and tensor on the capture; the fused decode kernel reads them, so prefer_fast
+    # keeps them; rotated, so not without rotation).
     # Opt-in (--codebooks) until it earns a place at the current defaults (docs/codebooks.md)
     codebooks: bool = False
     # offer the per-token key candidates centred instead of plain (kvlens.recommend.catalog.
@@ -240,8 +247,8 @@ class RecommendOptions:
         if self.sink_tokens < 0:
             raise InputError(f"--sinks must be >= 0, got {self.sink_tokens}.")
         if self.codebooks and not self.rotation:
-            raise InputError("--codebooks offers codebook values, which are coded rotated: drop "
-                             "--no-rotation or --codebooks.")
+            raise InputError("--codebooks offers codebook keys and values, which are coded "
+                             "rotated: drop --no-rotation or --codebooks.")
         if self.layout_layers is not None and not is_int(self.layout_layers, 1):
             raise InputError(f"layout_layers must be a positive number of layers (or None: "
                              f"every layer), got {self.layout_layers!r}.")

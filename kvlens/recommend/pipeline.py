@@ -53,7 +53,8 @@ class Measurements:
     # per layer {storage family: factor on top of the layer weight} (--sensitivity layout)
     factors: tuple[dict, ...] = ()
     profile: Profile = field(default_factory=Profile)  # where measure's time went
-    # per layer {bits: kvlens.quant.Codebook}: the value codebooks fitted on the capture
+    # per layer {codebook_slot(c): kvlens.quant.Codebook, mean_key(stage): [Hkv, D]}: the
+    # codebooks and mean keys fitted on the capture (kvlens.recommend.layer_errors)
     codebooks: dict[int, dict] = field(default_factory=dict)
 
 

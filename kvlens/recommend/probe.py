@@ -89,7 +89,7 @@ def add_retrieval_errors(model, tokenizer, cands, opts, tables, balancers, notes
 
 def _probe_layer(layer, meta, cands, opts, balancers, codebooks):
     """One layer's errors at the probe's answer position (``map_layers``' work), with the
-    balancer and value codebooks fitted on the capture (what the config stores)."""
+    balancer, codebooks and mean keys fitted on the capture (what the config stores)."""
     return measure_layer(layer, meta, cands, opts, queries=4,
                          balancer=balancers.get(layer.index),
                          codebooks=codebooks.get(layer.index))[0]
