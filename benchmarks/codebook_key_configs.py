@@ -1,21 +1,25 @@
 """Configs for the codebook-key ablation (docs/codebooks.md, issue 36 item 4): what
 ``recommend``'s codebook keys change, chosen from one measurement.
 
+    kvlens recommend run.h5 -b 3.0 --window-dtype float8_e4m3fn -o today-3.json
     python benchmarks/codebook_key_configs.py run.h5 --window-dtype float8_e4m3fn --out cbk/
-    kvlens generate --eval kld --json --compare cbk/plain-3.0.json,cbk/keys-3.0.json,cbk/all-3.0.json
+    kvlens generate --eval kld --json --compare today-3.json,cbk/ctr+keys-3.json,cbk/all-3.json
 
 One ``measure`` at ``kvlens recommend``'s defaults with ``--codebooks --centering`` (pickled to
 ``OUT/measurement.pkl`` and reused when present), then per budget (``--bits``) three configs
 allocated from it:
 
-- ``plain-B.json``: without either option (what ``kvlens recommend -b B`` chooses);
-- ``keys-B.json``: plus the codebook keys only (centred, as ``--codebooks --centering``
-  offers them; no codebook values, per-token keys plain);
+- ``ctr-B.json``: what ``--centering`` alone chooses (centred per-token keys);
+- ``ctr+keys-B.json``: plus the codebook keys (centred, as ``--codebooks --centering`` offers
+  them), no codebook values;
 - ``all-B.json``: everything ``--codebooks --centering`` offers.
 
 Allocating from one measurement is what separate runs choose: the other candidates'
-measurements are the same (docs/codebooks.md, the codebook-value ablation). Prints each config's
-held bits and the layers whose key or value layout differs from ``plain``.
+measurements are the same (docs/codebooks.md, the codebook-value ablation). ``--centering``
+offers the per-token keys centred *instead of* plain, so today's config (no option) cannot be
+chosen from this measurement where it takes plain per-token keys: make it with ``kvlens
+recommend`` as above. Prints each config's held bits and the layers whose key or value layout
+differs from ``ctr``.
 """
 
 from __future__ import annotations
@@ -31,11 +35,10 @@ from kvlens.config import save_config
 from kvlens.recommend import choose
 
 
-def only_codebook_keys(m):
-    """``m`` without codebook values and without centred uniform keys."""
+def without_codebook_values(m):
+    """``m`` without the codebook value candidates."""
     return replace(m, tables=[{cs: e for cs, e in t.items()
-                               if not (cs[0].codebook and cs[0].tensor == "value")
-                               and not (cs[0].center and not cs[0].codebook)}
+                               if not (cs[0].codebook and cs[0].tensor == "value")}
                               for t in m.tables])
 
 
@@ -55,10 +58,10 @@ def main() -> None:
     print(f"measured in {sum(m.profile.stages.values()):.0f} s")
     for b in (float(x) for x in args.bits.split(",")):
         o = replace(opts, budget_bits=b)
-        recs = {"plain": choose(m, replace(o, codebooks=False, centering=False)),
-                "keys": choose(only_codebook_keys(m), o),
+        recs = {"ctr": choose(m, replace(o, codebooks=False)),
+                "ctr+keys": choose(without_codebook_values(m), o),
                 "all": choose(m, o)}
-        base = {(ch.layer, ch.tensor): ch.candidate for ch in recs["plain"].choices}
+        base = {(ch.layer, ch.tensor): ch.candidate for ch in recs["ctr"].choices}
         for name, rec in recs.items():
             save_config(rec.config, out / f"{name}-{b:g}.json")
             changed = sorted({f"{ch.layer}{ch.tensor[0]}:{ch.candidate.short}"
@@ -66,7 +69,7 @@ def main() -> None:
                              key=lambda s: int(s.split(":")[0][:-1]))
             cb = sum(ch.candidate.codebook for ch in rec.choices if ch.tensor == "key")
             print(f"{b:g} {name}: {rec.mean_bits:.3f} bits, {cb} codebook-key layers, "
-                  f"changed vs plain: {' '.join(changed) or 'none'}")
+                  f"changed vs ctr: {' '.join(changed) or 'none'}")
 
 
 if __name__ == "__main__":
