@@ -46,6 +46,7 @@ import torch
 from kvlens.capture.store import open_capture
 from kvlens.evaluation.kld import load_eval_text
 from kvlens.evaluation.stats import bootstrap_indices, percentile_interval
+from kvlens.model.architecture import describe
 from kvlens.model.load import load_model
 from kvlens.quant import QuantSpec, fake_quantize
 from kvlens.quant.predict import (
@@ -137,9 +138,8 @@ class Hooks:
         self.prev_k = self.prev_v = self.cur_k = None
         self.raw_k = None
         self.inside_norm = False
-        cfg = model.config
-        self.heads = cfg.num_key_value_heads
-        self.dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        info = describe(model)
+        self.heads, self.dim = info.num_key_value_heads, info.head_dim
         self.handles = []
         for i, layer in enumerate(model.model.layers):
             attn = layer.self_attn
@@ -255,9 +255,8 @@ def main() -> None:
     model, tokenizer, _ = load_model(args.model)
     text, _ = load_eval_text(None)
     ids = torch.tensor([tokenizer(text).input_ids[: args.tokens]])
-    cfg = model.config
-    elements = 2 * cfg.num_key_value_heads * (
-        getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    info = describe(model)
+    elements = 2 * info.num_key_value_heads * info.head_dim
     plain, rows = {}, []
     with torch.no_grad():
         exact = model(ids).logits[0]  # float32 [T, vocab]; compared in float64 chunks

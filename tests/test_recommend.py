@@ -880,11 +880,15 @@ def test_codebook_values_are_measured_priced_and_written(tmp_path):
     assert rec.expected_output_error < plain.expected_output_error
 
 
-def _only_codebook_keys(m):
-    """``m`` with every key candidate but the codebook ones dropped (the allocation must take
-    them): the config-writing path, whatever the data would have chosen."""
+def _only_keys(m, keep):
+    """``m`` with every key candidate ``c`` but those with ``keep(c)`` dropped (the allocation
+    must take them): the config-writing path, whatever the data would have chosen."""
     return replace(m, tables=[{cs: e for cs, e in t.items()
-                               if cs[0].tensor == "value" or cs[0].codebook} for t in m.tables])
+                               if cs[0].tensor == "value" or keep(cs[0])} for t in m.tables])
+
+
+def _only_codebook_keys(m):
+    return _only_keys(m, lambda c: c.codebook)
 
 
 def test_codebook_key_candidates_are_measured_centred_and_written(tmp_path):
@@ -974,10 +978,7 @@ def test_codebook_key_config_runs_in_generate_and_holds_its_predicted_bytes(tmp_
 
 
 def _only_centred_keys(m):
-    """``m`` with every key candidate but the centred ones dropped (the allocation must take
-    them): the config-writing path, whatever the planted data would have chosen."""
-    return replace(m, tables=[{cs: e for cs, e in t.items()
-                               if cs[0].tensor == "value" or cs[0].center} for t in m.tables])
+    return _only_keys(m, lambda c: c.center)
 
 
 def test_centred_key_candidates_are_measured_priced_and_written(tmp_path):
