@@ -1,10 +1,16 @@
-"""Gradient (Fisher) estimates of ``recommend``'s layout rates, against the measured ones (#35).
+"""Cheaper estimates of ``recommend``'s layout rates, against the measured ones (issue #35).
 
-``recommend --sensitivity layout`` (the default) measures, per layer and storage family, the
-model's KL when one layer's keys or values are replaced by a probe's reconstruction, per unit
-of the probe's attention-output error: one perturbed forward per layer and family, most of
-``recommend``'s time. This script estimates the same rates from a few backward passes and
-checks whether the configs chosen with them are as good:
+``recommend --sensitivity layout`` (what ``auto`` measures when the model loads) measures, per
+layer and storage family, the model's KL when one layer's keys or values are replaced by a
+probe's reconstruction, per unit of the probe's attention-output error: one perturbed forward per
+layer and family (``kvlens.recommend.sensitivity.layout_factors``), most of ``recommend``'s time.
+Both modes start from a full measurement (``kvlens.recommend.measure`` at the library's defaults,
+``RecommendOptions(budget_bits=...)``, with the given options; pickled to ``OUT/measurement.pkl``
+and reused when present), estimate the rates another way, allocate with each, score every
+chosen config with the measured rates (the objective gap) and write the configs for a paired
+KLD run (``OUT/measured-B.json`` beside ``OUT/fisher-B.json`` or ``OUT/short-B.json``).
+
+``fisher``: gradient (Fisher) estimates from a few backward passes.
 
 - with labels ``y`` sampled from the exact model at the last ``keep`` positions, ``g`` the
   gradient of ``sum_t log p(y_t)`` with respect to a layer's attention output (the input of
@@ -16,19 +22,18 @@ checks whether the configs chosen with them are as good:
 - the rates (KL over the probe's output error, as ``layout_factors`` measures them) are
   normalised the same way (``kvlens.recommend.sensitivity.weights_and_factors``);
 - the allocation runs with the measured rates, with estimator A's, and with a hybrid (each
-  layer's anchor rates measured, the other families' ratios to them from A); each chosen
-  config is scored with the measured rates, and its objective's gap to the measured one's is
-  printed. The configs are written (``OUT/measured-B.json``, ``OUT/fisher-B.json``) for a
-  paired KLD run:
+  layer's anchor rates measured, the other families' ratios to them from A). The Fisher passes
+  run on one thread; their wall time is printed beside the measured layout stage's.
 
-    python benchmarks/fisher_rates.py run.h5 --window-dtype float8_e4m3fn --out fis/
-    python benchmarks/fisher_rates.py gemma.h5 --model gemma-3-270m-q4_k_m.gguf \\
+``short``: the same perturbed forwards, of ``--short`` tokens (KL on the last half of those)
+instead of ``--tokens``; prints the layout stage's wall time both ways (the same worker
+processes as ``recommend``).
+
+    python benchmarks/studies/layout_rates.py fisher run.h5 --window-dtype float8_e4m3fn --out fis/
+    python benchmarks/studies/layout_rates.py fisher gemma.h5 --model gemma-3-270m-q4_k_m.gguf \\
         --window-dtype float8_e4m3fn --out fis-gemma/
+    python benchmarks/studies/layout_rates.py short run.h5 --window-dtype float8_e4m3fn --out short/
     kvlens generate --eval kld --json --compare fis/measured-3.0.json,fis/fisher-3.0.json
-
-The measurement (``kvlens.recommend.measure`` at ``kvlens recommend``'s defaults with the
-given options) is pickled to ``OUT/measurement.pkl`` and reused when present. The Fisher
-passes run on one thread; their wall time is printed beside the measured layout stage's.
 """
 
 from __future__ import annotations
@@ -43,18 +48,18 @@ from pathlib import Path
 from statistics import correlation
 
 import torch
-from llamacpp_vs_sim import spearman
-from recommend_ablation import cli_options
+from scipy.stats import spearmanr
 
 from kvlens.analysis.attention import attention_output
 from kvlens.analysis.metrics import attention_errors_many
 from kvlens.capture.store import open_capture
 from kvlens.config import save_config
 from kvlens.model.architecture import attention_modules
-from kvlens.recommend import candidates, choose, family, family_probes, measure
+from kvlens.recommend import RecommendOptions, candidates, choose, family, family_probes, measure
 from kvlens.recommend.layer_errors import layer_variants
+from kvlens.recommend.parallel import resolve_workers
 from kvlens.recommend.probe import load_model_for
-from kvlens.recommend.sensitivity import anchor_probes, weights_and_factors
+from kvlens.recommend.sensitivity import anchor_probes, layout_factors, weights_and_factors
 
 
 def fisher_grads(model, ids, keep: int, samples: int, seed: int):
@@ -146,7 +151,7 @@ def compare(measured: list[dict], estimated: list[dict]) -> dict:
     correlation, and the correlation of the layer weights."""
     pairs = [(row_m[f], row_e[f]) for row_m, row_e in zip(measured, estimated)
              for f in row_m if f in row_e and row_m[f] > 0 and row_e[f] > 0]
-    within = [spearman([rm[f] for f in common], [re[f] for f in common])
+    within = [float(spearmanr([rm[f] for f in common], [re[f] for f in common])[0])
               for rm, re in zip(measured, estimated)
               for common in [[f for f in rm if f in re]] if len(common) > 2]
     wm, _ = weights_and_factors(measured)
@@ -173,22 +178,17 @@ def hybrid(measured: list[dict], estimated: list[dict], anchors: list[tuple]) ->
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("capture")
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--window-dtype", default="float16")
-    ap.add_argument("--centering", action="store_true")
-    ap.add_argument("--bits", default="3.0,2.5")
-    ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="fisher")
-    args = ap.parse_args()
+def measured_options(args) -> RecommendOptions:
+    """What ``kvlens recommend CAPTURE -b 3.0`` measures with the given options (the budget is
+    the allocation's only: ``measure`` does not read it)."""
+    return RecommendOptions(budget_bits=3.0, model=args.model, fp_dtype=args.window_dtype,
+                            centering=getattr(args, "centering", False))
+
+
+def fisher(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    opts = replace(cli_options(3.0, args.model), fp_dtype=args.window_dtype,
-                   centering=args.centering)
-
+    opts = measured_options(args)
     m = cached_measurement(args.capture, opts, out)
     layout_s = m.profile.stages.get("layout sensitivity", float("nan"))
     measured = rates_of(m.weights, m.factors)
@@ -239,6 +239,73 @@ def main() -> None:
         print(f"| {b} | {gaps['fisher']:+.1%} | {gaps['hybrid']:+.1%} |")
     (out / "fisher_rates.json").write_text(json.dumps(summary, indent=1, default=str))
     print(f"\nconfigs and fisher_rates.json written to {out}/")
+
+
+def short(args) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    opts = measured_options(args)
+    m = cached_measurement(args.capture, opts, out)
+    full_s = m.profile.stages.get("layout sensitivity", float("nan"))
+    measured = rates_of(m.weights, m.factors)
+
+    # one window (the largest): the multi-window scoring rule (tokens > 3 x the largest
+    # window) is for the candidate errors; a layout forward quantizes every token
+    largest = max(opts.window_sizes)
+    short_opts = replace(opts, tokens=args.short, windows=(largest,), residual_tokens=largest)
+    with open_capture(args.capture) as cap:
+        model, _ = load_model_for(cap, opts, [])
+    cands = candidates(m.meta.head_dim, opts, m.meta.has_rope)
+    workers = resolve_workers(opts.workers, float("inf"), m.meta.num_layers)
+    start = time.perf_counter()
+    weights, factors = layout_factors(args.capture, model, short_opts, cands, m.balancers, [],
+                                      None, m.codebooks, workers)
+    short_s = time.perf_counter() - start
+    short_rates = rates_of(weights, factors)
+
+    summary = {"capture": args.capture, "short_tokens": args.short, "tokens": opts.tokens,
+               "layout_seconds": {"full": full_s, "short": short_s},
+               "rates": compare(measured, short_rates), "gaps": {}}
+    c = summary["rates"]
+    print(f"layout stage: {full_s:.1f} s at {opts.tokens} tokens (the measurement), "
+          f"{short_s:.1f} s at {args.short} tokens ({workers} worker processes)")
+    print(f"rates at {args.short} against {opts.tokens} tokens: log-rate corr. "
+          f"{c['log_rate_corr']:.3f}, within-layer rank corr. {c['within_layer_rank_corr']:.3f}, "
+          f"layer-weight corr. {c['layer_weight_corr']:.3f} ({c['pairs']} rates)")
+    wm, fm = weights_and_factors(measured)
+    print("\n| bits | objective gap, short rates |\n|---:|---:|")
+    for b in (float(x) for x in args.bits.split(",")):
+        ob = replace(opts, budget_bits=b)
+        rec_m = choose(m, ob)
+        rec_s = choose(replace(m, weights=tuple(weights), factors=tuple(factors)), ob)
+        gap = objective(rec_s, wm, fm) / objective(rec_m, wm, fm) - 1
+        summary["gaps"][str(b)] = gap
+        save_config(rec_m.config, out / f"measured-{b}.json")
+        save_config(rec_s.config, out / f"short-{b}.json")
+        same = sum(a == s for a, s in zip(rec_m.choices, rec_s.choices))
+        print(f"| {b} | {gap:+.1%} | ({same} of {len(rec_m.choices)} choices the same)")
+    (out / "short_layout_rates.json").write_text(json.dumps(summary, indent=1, default=str))
+    print(f"\nconfigs and short_layout_rates.json written to {out}/")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="mode", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("capture")
+    common.add_argument("--model", default=None)
+    common.add_argument("--window-dtype", default="float16")
+    common.add_argument("--bits", default="3.0,2.5", help="budgets to allocate, comma list")
+    f = sub.add_parser("fisher", parents=[common], help="gradient (Fisher) estimates")
+    f.add_argument("--centering", action="store_true")
+    f.add_argument("--samples", type=int, default=8)
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--out", default="fisher")
+    s = sub.add_parser("short", parents=[common], help="forwards of fewer tokens")
+    s.add_argument("--short", type=int, default=256, help="tokens of the shorter forwards")
+    s.add_argument("--out", default="short")
+    args = ap.parse_args(argv)
+    fisher(args) if args.mode == "fisher" else short(args)
 
 
 if __name__ == "__main__":
