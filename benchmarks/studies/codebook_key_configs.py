@@ -2,11 +2,12 @@
 ``recommend``'s codebook keys change, chosen from one measurement.
 
     kvlens recommend run.h5 -b 3.0 --window-dtype float8_e4m3fn -o today-3.json
-    python benchmarks/codebook_key_configs.py run.h5 --window-dtype float8_e4m3fn --out cbk/
+    python benchmarks/studies/codebook_key_configs.py run.h5 --window-dtype float8_e4m3fn --out cbk/
     kvlens generate --eval kld --json --compare today-3.json,cbk/ctr+keys-3.json,cbk/all-3.json
 
-One ``measure`` at ``kvlens recommend``'s defaults with ``--codebooks --centering`` (pickled to
-``OUT/measurement.pkl`` and reused when present), then per budget (``--bits``) three configs
+One ``measure`` at the library's defaults (``RecommendOptions(budget_bits=...)``, what ``kvlens
+recommend`` runs) with ``--codebooks --centering`` (pickled to ``OUT/measurement.pkl`` and reused
+when present), then per budget (``--bits``) three configs
 allocated from it:
 
 - ``ctr-B.json``: what ``--centering`` alone chooses (centred per-token keys);
@@ -25,14 +26,23 @@ differs from ``ctr``.
 from __future__ import annotations
 
 import argparse
+import pickle
 from dataclasses import replace
 from pathlib import Path
 
-from fisher_rates import cached_measurement
-from recommend_ablation import cli_options
-
 from kvlens.config import save_config
-from kvlens.recommend import choose
+from kvlens.recommend import RecommendOptions, choose, measure
+
+
+def cached_measurement(capture, opts, out: Path):
+    """``measure(capture, opts)``, pickled to ``out/measurement.pkl`` and read from there when
+    present (its profile kept, unlike ``recommend``'s kept measurements)."""
+    cached = out / "measurement.pkl"
+    if cached.exists():
+        return pickle.loads(cached.read_bytes())
+    m = measure(capture, opts)
+    cached.write_bytes(pickle.dumps(m))
+    return m
 
 
 def without_codebook_values(m):
@@ -42,18 +52,18 @@ def without_codebook_values(m):
                               for t in m.tables])
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("capture")
     ap.add_argument("--model", default=None)
     ap.add_argument("--window-dtype", default="float16")
     ap.add_argument("--bits", default="3.0,2.5")
     ap.add_argument("--out", default="cbk")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    opts = replace(cli_options(3.0, args.model), fp_dtype=args.window_dtype, codebooks=True,
-                   centering=True)
+    opts = RecommendOptions(budget_bits=3.0, model=args.model, fp_dtype=args.window_dtype,
+                            codebooks=True, centering=True)
     m = cached_measurement(args.capture, opts, out)
     print(f"measured in {sum(m.profile.stages.values()):.0f} s")
     for b in (float(x) for x in args.bits.split(",")):

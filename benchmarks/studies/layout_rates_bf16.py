@@ -10,7 +10,7 @@ in float32). It prints seconds per layer row and how the bfloat16 rates differ f
 ones (log-rate correlation, mean and spread of the log ratio, share of family pairs within a
 layer ordered the same way). One thread, as a worker process measures. A benchmark, not a test.
 
-    python benchmarks/layout_rates_bf16.py CAPTURE.h5 [--layers 0,6,12,18,24,29]
+    python benchmarks/studies/layout_rates_bf16.py CAPTURE.h5 [--layers 0,6,12,18,24,29]
 """
 
 from __future__ import annotations
@@ -25,34 +25,59 @@ from dataclasses import replace
 
 import torch
 
+from kvlens.analysis.compare import torch_threads
+from kvlens.analysis.metrics import attention_errors_many
 from kvlens.analysis.sensitivity import perturbed_kl
 from kvlens.capture.store import open_capture
-from kvlens.recommend.catalog import candidates, family_probes
-from kvlens.recommend.options import DEFAULT_WINDOWS, RecommendOptions, default_tokens
+from kvlens.recommend import RecommendOptions, candidates, family, family_probes
+from kvlens.recommend.layer_errors import layer_variants
 from kvlens.recommend.probe import load_model_for
-from kvlens.recommend.sensitivity import _layout_row, _run, anchor_probes
+from kvlens.recommend.sensitivity import layout_tokens
 
 
-def main() -> None:
+def layout_row(layer, meta, probes, opts, keep: int, kl) -> dict:
+    """One layer's ``{family: KL rate}`` for every probe, as the layout stage measures it (a
+    copy of the per-layer step of ``kvlens.recommend.sensitivity.layout_factors``, which has
+    no public one-layer entry point; balancers and codebooks fitted here on the layer, as
+    ``measure`` fits them). ``kl`` is ``perturbed_kl``'s measuring function."""
+    n = opts.tokens
+    with torch_threads(1):
+        q, k, v, variants, _, _, _ = layer_variants(layer, meta, probes, opts, None, None)
+        got = [c for c in probes if variants.get(c) is not None]
+        la = layer.attrs
+        errs = attention_errors_many(q[:, :, n - keep:], k, v, [variants[c] for c in got],
+                                     scaling=la.scaling, sliding_window=la.sliding_window,
+                                     softcap=la.logit_softcap, reconstruction=False)
+    row = {}
+    for c, e in zip(got, errs):
+        var, err = variants[c], float(e.output.mean())
+        damage = kl(layer.index, key=var.k_hat - k) if c.tensor == "key" else \
+            kl(layer.index, value=var.v_hat - v)
+        if err > 0:
+            row[family(c)] = damage / err
+    return row
+
+
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("capture")
     parser.add_argument("--layers", default=None,
                         help="comma-separated layers (default: six spread over the depth)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    opts = RecommendOptions(budget_bits=3.0, windows=DEFAULT_WINDOWS,
-                            residual_tokens=max(DEFAULT_WINDOWS),
-                            tokens=default_tokens(DEFAULT_WINDOWS), sensitivity="auto")
+    opts = RecommendOptions(budget_bits=3.0)  # what `kvlens recommend` measures
     with open_capture(args.capture) as cap:
         meta = cap.meta
         layers = [int(x) for x in args.layers.split(",")] if args.layers else \
             sorted({round(i * (meta.num_layers - 1) / 5) for i in range(6)})
         model, _ = load_model_for(cap, opts, [])
-        n = min(opts.tokens, meta.num_tokens)
+        n = layout_tokens(opts, meta.num_tokens)
         ids = cap.tokens()[:1, :n]
         probes = family_probes(candidates(meta.head_dim, opts, meta.has_rope))
         keep = n // 2
-        one = replace(opts, samples=1, tokens=n)
+        # as layout_factors: one window (the largest), every token quantized
+        largest = max(opts.window_sizes)
+        one = replace(opts, samples=1, tokens=n, windows=(largest,), residual_tokens=largest)
         ways = {
             "float32": (model, contextlib.nullcontext),
             "bfloat16 model": (copy.deepcopy(model).to(torch.bfloat16), contextlib.nullcontext),
@@ -61,12 +86,9 @@ def main() -> None:
         rates = {}
         for name, (m, ctx) in ways.items():
             with ctx(), perturbed_kl(m, ids, keep) as kl:
-                _run["kl"] = kl
                 start = time.perf_counter()
-                rates[name] = [_layout_row(cap.layer(i), meta, probes, anchor_probes(probes),
-                                           set(meta.layers), one, keep, {}, {})
+                rates[name] = [layout_row(cap.layer(i), meta, probes, one, keep, kl)
                                for i in layers]
-                _run.clear()
             print(f"{name:18s} {(time.perf_counter() - start) / len(layers):6.2f} s per layer "
                   f"row ({len(probes)} families, {n} tokens, layers {layers})", flush=True)
     exact = rates["float32"]
