@@ -5,16 +5,15 @@ switched off, then (``--eval``) scores every distinct config in one lockstep KL-
 on the built-in held-out text (``kvlens.evaluation.evaluate_configs``: the first config, the full recommendation,
 is the paired reference):
 
-    OMP_NUM_THREADS=1 python benchmarks/recommend_ablation.py run.h5 -b 3.0 --out abl/ --eval
-    OMP_NUM_THREADS=1 python benchmarks/recommend_ablation.py gemma.h5 -b 4.85 \\
+    OMP_NUM_THREADS=1 python benchmarks/studies/recommend_ablation.py run.h5 -b 3.0 --out abl/ --eval
+    OMP_NUM_THREADS=1 python benchmarks/studies/recommend_ablation.py gemma.h5 -b 4.85 \\
         --model gemma-3-270m-Q4_K_M.gguf --out abl-gemma/ --eval
 
 Levers (each row: the full recommendation's options with that one lever off):
 
 - candidate families, filtered from one measurement: ``rotation`` (Hadamard-rotated per-token
   candidates), ``balancer`` (MiKV channel balancer on per-token keys), ``pre-rope`` (keys
-  quantized before RoPE), ``gear`` (GEAR outliers + low-rank twins), ``mikv`` (MiKV
-  importance-set twins), ``transforms`` (all five);
+  quantized before RoPE), ``transforms`` (all three);
 - ``sensitivity``: uniform weights instead of the model's measured KL damage per unit error
   (the KLD-driven allocation);
 - ``layout`` (re-measured): one weight per layer (``--sensitivity model``) instead of one per
@@ -26,11 +25,14 @@ Levers (each row: the full recommendation's options with that one lever off):
   window and errors over every query of the first 256 tokens, recommend's behaviour before
   per-layer windows).
 
-The full recommendation uses ``kvlens recommend``'s defaults (``cli_options``).
+The full recommendation uses the library's defaults, ``RecommendOptions(budget_bits=B,
+model=M)``: what ``kvlens recommend -b B [--model M]`` runs.
 
 ``--variant KEY=VALUE[,KEY=VALUE...]`` (repeatable) adds re-measured rows with other
-``RecommendOptions`` (e.g. ``retrieval_tokens=2000``, ``tokens=512``), named by the overrides:
-what a changed default would buy, before it is re-checked on fresh text.
+``RecommendOptions`` (e.g. ``retrieval_tokens=2000``, ``tokens=1024``), named by the overrides:
+what a changed default would buy, before it is re-checked on fresh text. Candidates that are
+off by default are such rows: ``--variant gear=true``, ``--variant mikv=true`` (GEAR and MiKV
+twins, ``--thorough``), ``--variant codebooks=true``, ``--variant centering=true``.
 
 Configs that come out identical to the full recommendation are reported as such and not
 evaluated again. Prints a markdown table and writes ``OUT/ablation.json``.
@@ -44,25 +46,16 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+# levers on by default, switched off; the opt-in candidates (GEAR, MiKV, codebooks, centred
+# keys) are --variant rows that switch them on
 FAMILIES = {"rotation": {"rotation": False}, "balancer": {"balancer": False},
-            "pre-rope": {"pre_rope": "off"}, "gear": {"gear": False},
-            "mikv": {"mikv": False},
-            "transforms": {"rotation": False, "balancer": False, "pre_rope": "off",
-                           "gear": False, "mikv": False}}
+            "pre-rope": {"pre_rope": "off"},
+            "transforms": {"rotation": False, "balancer": False, "pre_rope": "off"}}
 REMEASURED = {"layout": {"sensitivity": "model"}, "retrieval": {"retrieval": "off"}, "sinks": {"sink_tokens": 0},
               "sliding": {"flush_tokens": 0}, "windows": {"windows": (128,)},
               "windows+proxy": {"windows": (128,), "tokens": 256}}
-LEVERS = ("rotation", "balancer", "pre-rope", "gear", "mikv", "transforms", "sensitivity",
-          "layout", "retrieval", "sinks", "sliding", "windows", "windows+proxy")
-
-
-def cli_options(budget_bits: float, model: str | None):
-    """``RecommendOptions`` as ``kvlens recommend -b B [--model M]`` builds them."""
-    from kvlens.recommend import DEFAULT_WINDOWS, RecommendOptions, default_tokens
-
-    return RecommendOptions(budget_bits=budget_bits, residual_tokens=max(DEFAULT_WINDOWS),
-                            windows=DEFAULT_WINDOWS, tokens=default_tokens(DEFAULT_WINDOWS),
-                            sensitivity="auto", model=model)
+LEVERS = ("rotation", "balancer", "pre-rope", "transforms", "sensitivity", "layout",
+          "retrieval", "sinks", "sliding", "windows", "windows+proxy")
 
 
 def _one_window_same_queries(opts, **changes):
@@ -181,7 +174,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("capture")
     ap.add_argument("-b", "--budget-bits", type=float, required=True)
@@ -198,18 +191,19 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="folder for the configs and ablation.json")
     ap.add_argument("--eval", action="store_true", help="score the configs (KLD, 4096 tokens)")
     ap.add_argument("--eval-tokens", type=int, default=4096)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     levers = [x for x in args.levers.split(",") if x and x != "none"]
     bad = [x for x in levers if x not in LEVERS]
     if bad:
         ap.error(f"unknown levers {bad}; allowed: {', '.join(LEVERS)}")
 
     from kvlens.config import save_config
+    from kvlens.recommend import RecommendOptions
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = lambda msg: print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)  # noqa: E731
-    opts = cli_options(args.budget_bits, args.model)
+    opts = RecommendOptions(budget_bits=args.budget_bits, model=args.model)
     budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
     recs = recommendations(args.capture, opts, levers, log, args.variant, budgets)
     rows, configs, seen = [], [], {}
