@@ -15,13 +15,13 @@ import tempfile
 import time
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--storage-dtype", default="float16")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     import torch
 

@@ -71,7 +71,7 @@ def _prefill(model, ids, cache, name: str, chunk: int = 2048):
     return out.logits[:, -1:].argmax(-1)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     from transformers import DynamicCache
 
     from kvlens.cache import compressed_attention, memory_report
@@ -90,7 +90,7 @@ def main() -> None:
                     help="torch threads; 0 keeps torch's default (OMP_NUM_THREADS or all cores)")
     ap.add_argument("--backend", default="torch", help="auto, torch or triton")
     ap.add_argument("--json-out", default=None, help="also write the rows to this JSON file")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok, _ = load_model(args.model, device="cpu")

@@ -64,7 +64,7 @@ def _fill(model, ids, session, chunk: int, steps: int):
     return cache
 
 
-def main() -> None:
+def main(argv=None) -> None:
     from kvlens.cache import compressed_attention, memory_report
     from kvlens.cache.layout import config_bits, shape_of
     from kvlens.config import resolve
@@ -80,7 +80,7 @@ def main() -> None:
                          "do not depend on the chunking, and one forward is much faster here)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--json", default=None, help="also write the rows here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
 
     model, tok, source = load_model(args.model)

@@ -64,7 +64,7 @@ def _max_rel_diff(got, want) -> float:
     return worst
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
@@ -73,7 +73,7 @@ def main() -> None:
     ap.add_argument("--from-row", type=int, default=384, help="first query row measured")
     ap.add_argument("--keys", type=int, default=60, help="key-only variants")
     ap.add_argument("--values", type=int, default=40, help="value-only variants")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     b, hq, hkv, t, d = args.samples, 9, 3, args.tokens, 64

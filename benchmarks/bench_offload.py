@@ -72,13 +72,13 @@ def run_one(name: str, tokens: int, new_tokens: int, repeats: int) -> dict:
                 "threads": torch.get_num_threads()}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one placement, print JSON
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.one:
         print(json.dumps(run_one(args.one, args.tokens, args.new_tokens, args.repeats)))
         return

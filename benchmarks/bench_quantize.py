@@ -25,10 +25,10 @@ def _time(x, spec, repeats, fn=quantize):
     return statistics.median(out) * 1e3
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--repeats", type=int, default=50)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
     print("| block | spec | minmax ms | mse ms | ratio | minmax + 8-bit metadata ms |")

@@ -33,14 +33,14 @@ def _time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per chunk")
     ap.add_argument("--heads", type=int, default=3, help="KV heads")
     ap.add_argument("--dim", type=int, default=64, help="head_dim")
     ap.add_argument("--bits", default="2,3,4,8")
     ap.add_argument("--repeats", type=int, default=20)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     g = torch.Generator().manual_seed(0)
     n = args.heads * args.tokens * args.dim
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); chunk [1, "

@@ -86,7 +86,7 @@ def plot(data: dict, png: Path) -> None:
     print(f"wrote {png}")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
     ap.add_argument("--tokens", type=int, default=4096)
@@ -98,7 +98,7 @@ def main() -> None:
                     "(e.g. rec- for an ablation's lever rows)")
     ap.add_argument("--out", help="write OUT.json and OUT.png")
     ap.add_argument("--replot", help="redraw OUT.png from this OUT.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.replot:
         plot(json.loads(Path(args.replot).read_text()), Path(args.replot).with_suffix(".png"))
         return

@@ -120,7 +120,7 @@ def score_types(llama_cpp, path: str, ids: list[int], chunk: int, pairs: list[tu
     return scores
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="default", help="'default' (SmolLM2) or a .gguf path")
     ap.add_argument("--types", default="q8_0/q4_0,q4_0/q4_0,q8_0/q8_0",
@@ -133,7 +133,7 @@ def main() -> None:
     ap.add_argument("--no-extra-bufts", action="store_true",
                     help="no AMX / repacked weight buffers (use_extra_bufts = false)")
     ap.add_argument("--json", default=None, help="write the results here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.no_rotation:
         os.environ["LLAMA_ATTN_ROT_DISABLE"] = "1"
     import llama_cpp

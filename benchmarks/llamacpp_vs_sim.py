@@ -74,12 +74,12 @@ def table(real: dict, sim: dict, within: float) -> tuple[list[str], list[tuple[s
     return lines, sorted(set(missing))
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("real", help="benchmarks/llamacpp_kld.py --json output")
     ap.add_argument("sim", help="kvlens generate --report-json output")
     ap.add_argument("--within", type=float, default=1.5)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     with open(args.real) as f:
         real = _real(json.load(f))
     with open(args.sim) as f:

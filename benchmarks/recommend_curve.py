@@ -1,7 +1,9 @@
 """Budget/quality curve: recommendations at several bit budgets vs the presets, on SmolLM2.
 
-Measures the capture once, allocates a config per budget, then runs decode-mode perplexity (and
-optionally passkey) for fp16, the presets and each recommendation on the same text. Bits are the
+Measures the capture once at the library's defaults (``RecommendOptions(budget_bits=B)``: what
+``kvlens recommend -b B`` runs), allocates a config per budget, then runs decode-mode perplexity
+(and optionally passkey) for fp16, the presets and each recommendation on the same text, with the
+capture's model (or ``--model``). Bits are the
 held-bytes accounting of ``kvlens.cache.layout.config_bits`` at --context tokens (fp16 scales/zeros and
 residual window), identical for presets and recommendations. Writes a PNG plot and a JSON.
 
@@ -22,16 +24,18 @@ from pathlib import Path
 PRESETS = ("kivi-2", "kivi-2-sinks", "kivi-4", "per-token-2", "per-token-4")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("capture", nargs="?")
+    ap.add_argument("--model", help="model for recommend and the evaluation (default: the "
+                                    "capture's)")
     ap.add_argument("--replot", help="Redraw the PNG next to this JSON of measured rows.")
     ap.add_argument("--budgets", default="2.5,3,3.5,4,5")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--ppl-tokens", type=int, default=512)
     ap.add_argument("--passkey-prompts", type=int, default=0)
     ap.add_argument("--out", default="docs/img")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.replot:
         rows = json.loads(Path(args.replot).read_text())
         _plot(rows, Path(args.replot).with_suffix(".png"), args.context)
@@ -40,15 +44,16 @@ def main() -> None:
         ap.error("a capture file is needed (or --replot JSON)")
 
     from kvlens.cache.layout import config_bits, shape_of_capture
+    from kvlens.capture.store import open_capture
     from kvlens.config import preset
     from kvlens.errors import InputError
     from kvlens.evaluation import EvalOptions, evaluate_configs
     from kvlens.model.load import load_model
-    from kvlens.recommend import RecommendOptions, choose, measure
+    from kvlens.recommend import RecommendOptions, choose, measure, model_spec_from_capture
 
     t0 = time.perf_counter()
     budgets = [float(b) for b in args.budgets.split(",")]
-    opts = RecommendOptions(budget_bits=budgets[0], context=args.context, sensitivity="auto")
+    opts = RecommendOptions(budget_bits=budgets[0], context=args.context, model=args.model)
     m = measure(args.capture, opts)
     recs = {}
     for b in budgets:
@@ -58,7 +63,11 @@ def main() -> None:
             print(f"budget {b:g}: skipped ({exc})")
             continue
         recs[b] = replace(rec.config, name=f"recommended-{b:g}")
-    model, tok, _ = load_model(None)
+    spec = args.model
+    if spec is None:
+        with open_capture(args.capture) as cap:
+            spec = model_spec_from_capture(cap.meta)
+    model, tok, _ = load_model(spec)
     configs = [preset(p) for p in PRESETS] + list(recs.values())
     evals = ("ppl",) + (("passkey",) if args.passkey_prompts else ())
     report = evaluate_configs(model, tok, configs, EvalOptions(

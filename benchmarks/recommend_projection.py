@@ -1,17 +1,19 @@
 """Projected `kvlens recommend` cost for larger models (a projection, not a measurement).
 
 Applies the cost model (`kvlens.recommend.cost`, rates measured on the 2-core reference machine)
-to the shapes of public models at recommend's defaults, and prints per stage the work (so a
-reader can divide it by their own machine's rate) and the projected time and peak memory on the
-reference CPU. The two real models kvlens measured are listed first so that the projection can
-be read against `docs/benchmarks.md`'s measured times.
+to the shapes of public models at recommend's defaults (`RecommendOptions(budget_bits=3.0)`),
+and prints per stage the work (so a reader can divide it by their own machine's rate) and the
+projected time and peak memory on the reference CPU. The two real models kvlens measured are
+listed first so that the projection can be read against `docs/benchmarks.md`'s measured times.
 
     python benchmarks/recommend_projection.py
 """
 
 from __future__ import annotations
 
-from kvlens.recommend import DEFAULT_WINDOWS, RecommendOptions, default_tokens
+import argparse
+
+from kvlens.recommend import RecommendOptions
 from kvlens.recommend.catalog import candidates, family_probes
 from kvlens.recommend.cost import CostShape, predict
 
@@ -27,9 +29,7 @@ MODELS = {
 
 
 def shape_for(layers, q_heads, kv_heads, head_dim, params, vocab, hidden) -> CostShape:
-    opts = RecommendOptions(budget_bits=3.0, windows=DEFAULT_WINDOWS,
-                            residual_tokens=max(DEFAULT_WINDOWS),
-                            tokens=default_tokens(DEFAULT_WINDOWS), sensitivity="auto")
+    opts = RecommendOptions(budget_bits=3.0)  # what `kvlens recommend -b 3.0` runs
     cands = candidates(head_dim, opts, True)
     return CostShape(layers=layers, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
                      samples=4, tokens=opts.tokens, score_from=opts.score_from,
@@ -39,7 +39,8 @@ def shape_for(layers, q_heads, kv_heads, head_dim, params, vocab, hidden) -> Cos
                      hidden=hidden, workers=2)  # the reference machine's two cores
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     print("| model | candidate errors | layout sensitivity | retrieval probe | total (reference "
           "CPU, projected) | peak memory (projected) |")
     print("|---|---:|---:|---:|---:|---:|")

@@ -5,7 +5,7 @@ layer and KV head, measured on a capture (``kvlens.quant.centering.key_mean``: t
 every sample and token). docs/codebooks.md ("Centred codebook keys") has the measurement.
 
     kvlens capture -o smol.h5                                    # SmolLM2, the default model
-    python benchmarks/centred_codebook_keys.py smol.h5 -o tq4-centred.json
+    python benchmarks/studies/centred_codebook_keys.py smol.h5 -o tq4-centred.json
     kvlens generate --eval kld --json --eval-tokens 1024 \\
         --compare vllm:turboquant_4bit_nc,tq4-centred.json
 """
@@ -32,13 +32,13 @@ def centred_setting(capture: str, setting: str):
                                         f"post-RoPE means of {capture}")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("capture", help="capture file (kvlens capture) of the model to run")
     parser.add_argument("-o", "--output", required=True, help="config file to write")
     parser.add_argument("--setting", default="vllm:turboquant_4bit_nc",
                         help="a vllm:turboquant_* setting (default: %(default)s)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     config = centred_setting(args.capture, args.setting)
     save_config(config, args.output)
     print(f"{args.output}: {config.name}, keys centred in layers {sorted(config.key_means)}")

@@ -2,12 +2,12 @@
 
 Two modes:
 
-- ``python benchmarks/codebook_table.py table RESULT.json`` reads the ``--json`` output of
+- ``python benchmarks/studies/codebook_table.py table RESULT.json`` reads the ``--json`` output of
   ``kvlens compare-axes`` (run with ``--codebooks`` and ``--variants center,rotate``) and prints
   one markdown table per tensor: every variant with its storage bits per element (uniform
   specs: ``bits + 32/G``, a float16 scale and zero per group of ``G``; codebooks: the summary's
   ``bits_per_element``), and the mean over layers and heads of each metric, sorted by bits.
-- ``python benchmarks/codebook_table.py ranges CAPTURE.h5`` measures what centering does to the
+- ``python benchmarks/studies/codebook_table.py ranges CAPTURE.h5`` measures what centering does to the
   keys' per-token range (max - min over channels, the span of a whole-vector per-token group)
   and to the key norm (what a per-vector codebook stores), for post-RoPE keys centred by their
   mean and pre-RoPE keys centred by theirs: mean over layers of the ratio centred / raw.
@@ -73,11 +73,11 @@ def ranges(path: str) -> None:
               f"({t.min():.3f}-{t.max():.3f})")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("mode", choices=("table", "ranges"))
     ap.add_argument("path")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     table(args.path) if args.mode == "table" else ranges(args.path)
 
 

@@ -2,7 +2,7 @@
 KL divergence of a model's next-token distribution (SmolLM2 or Gemma3) with fake-quantized keys and values, with and
 without AQUA-KV-style prediction, on the built-in held-out text.
 
-    python benchmarks/predict_kld.py CAPTURE.h5 [--tokens 2048] [--bits 2,3] [--model GGUF]
+    python benchmarks/studies/predict_kld.py CAPTURE.h5 [--tokens 2048] [--bits 2,3] [--model GGUF]
         [--predictors chain,values-from-keys]
 
 What it does. The predictors are fitted on the capture (every sample; the capture corpus, not
@@ -239,7 +239,7 @@ def plain_bits_worth(plain: dict[int, float], bits: int, kld: float) -> float | 
     return None
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("capture")
     parser.add_argument("--tokens", type=int, default=2048)
@@ -247,7 +247,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="kvlens --model spec (default SmolLM2)")
     parser.add_argument("--predictors", default="chain",
                         help=f"comma-separated, of: {', '.join(PREDICTORS)}")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     kinds = args.predictors.split(",")
     if not set(kinds) <= set(PREDICTORS):
         parser.error(f"--predictors: {args.predictors!r}; allowed: {', '.join(PREDICTORS)}")

@@ -3,18 +3,18 @@ quantization at the same held bits.
 
 Two modes:
 
-- ``python benchmarks/predict_table.py ev CAPTURE.h5 [--ridge 1e-3,1e-2]`` measures how much of
+- ``python benchmarks/studies/predict_table.py ev CAPTURE.h5 [--ridge 1e-3,1e-2]`` measures how much of
   each tensor the predictors explain with *exact* inputs (an upper bound for the reconstructed
   inputs the ``predict`` variant uses): keys from the previous layer's keys (post-RoPE from
   post-RoPE, pre-RoPE from pre-RoPE), values from the previous layer's values, from the layer's
   pre-RoPE keys, and from both. Each sample predicted by a map fitted on the other samples
   (``kvlens.quant.predict.cross_fit_predict``); mean, min and max over layers with a
   predecessor of the per-head explained variance.
-- ``python benchmarks/predict_table.py transfer CAL.h5 EVAL.h5`` checks that the leave-one-out
+- ``python benchmarks/studies/predict_table.py transfer CAL.h5 EVAL.h5`` checks that the leave-one-out
   fits above are not flattered by fitting on the same text: the same predictors (exact inputs)
   fitted on every sample of one capture and applied to another capture of the same model on
   other text, beside the leave-one-sample-out figure within the second capture.
-- ``python benchmarks/predict_table.py table RESULT.json`` reads the ``--json`` output of
+- ``python benchmarks/studies/predict_table.py table RESULT.json`` reads the ``--json`` output of
   ``kvlens compare-axes ... --variants predict`` and prints, per tensor, plain and predict side
   by side for every swept layout (uniform: held bits ``bits + 16/G`` with 8-bit group metadata
   and ``bits + 32/G`` with float16; codebooks: the summary's ``bits_per_element``), the mean
@@ -160,7 +160,7 @@ def table(path: str) -> None:
                   f"the capture's length (reads {p['reads']})")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="mode", required=True)
     p = sub.add_parser("ev")
@@ -172,7 +172,7 @@ def main() -> None:
     tr.add_argument("--ridge", type=float, default=1e-2)
     t = sub.add_parser("table")
     t.add_argument("result")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.mode == "ev":
         ev(args.capture, [float(r) for r in args.ridge.split(",")])
     elif args.mode == "transfer":
