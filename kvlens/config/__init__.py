@@ -1,8 +1,8 @@
 """The generation config: what every layer of the compressed cache stores.
 
 - ``schema``: the frozen dataclasses (``LayerKV``, ``MikvSettings``, ``GearSettings``,
-  ``KVConfig``), their validation, ``validate_for`` against a model, and
-  ``centre_codebook_keys`` (a config's codebook keys stored centred).
+  ``KVConfig``), their validation, and ``centre_codebook_keys`` (a config's codebook keys
+  stored centred); ``model_check``: ``validate_for``, whether a config fits a loaded model.
 - ``io``: the versioned JSON form (``config_from_dict``, ``load_config``, ``save_config``);
   ``versions``: its ``FORMAT`` string, ``VERSION`` and what each version added.
 - ``presets``: the named presets and ``resolve`` (a preset name or a config file).
@@ -21,6 +21,7 @@ from kvlens.config.engine import (
     parse_engine_setting,
 )
 from kvlens.config.io import config_from_dict, load_config, save_config
+from kvlens.config.model_check import validate_for
 from kvlens.config.presets import PRESETS, preset, resolve
 from kvlens.config.rules import check_layout, flush_block
 from kvlens.config.schema import (
@@ -33,7 +34,6 @@ from kvlens.config.schema import (
     LayerKV,
     MikvSettings,
     centre_codebook_keys,
-    validate_for,
 )
 from kvlens.config.versions import FORMAT, VERSION
 

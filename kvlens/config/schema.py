@@ -1,7 +1,7 @@
 """What a compressed-KV-cache config means: frozen dataclasses (``LayerKV``, ``MikvSettings``,
-``GearSettings``, ``KVConfig``) that validate themselves on construction, and ``validate_for``,
-which checks a config against a loaded model. The JSON form and its versions are
-``kvlens.config.io``; the named presets ``kvlens.config.presets``.
+``GearSettings``, ``KVConfig``) that validate themselves on construction. Whether a config fits
+a loaded model is ``kvlens.config.model_check`` (``validate_for``); the JSON form and its
+versions are ``kvlens.config.io``; the named presets ``kvlens.config.presets``.
 
 A config is a ``default`` layer setting plus optional per-layer overrides. Each layer setting
 says how keys and values are quantized (a ``QuantSpec`` each, or ``None`` = kept in the model's
@@ -71,8 +71,8 @@ rotation the layer's key rotation (``rotate_keys`` is set from it: the window st
 attention uses ``q R``), scores read as ``s_t * ((q R) . c[code_t])`` without a dequantized key
 (``kvlens.cache.codebook``); fitted key centroids in ``codebooks.<layer>.key``. Not with pre-RoPE
 keys (the rotation and RoPE do not commute). This is the key coding of vLLM's ``turboquant_*``
-KV-cache types (``kvlens.config.engine``); ``recommend`` does not offer it (codebook keys lost to
-per-channel pre-RoPE keys on both models measured, docs/codebooks.md).
+KV-cache types (``kvlens.config.engine``); ``recommend`` offers it when asked (``recommend
+--codebooks``: opt-in, its ablation in docs/lab-notes/codebooks.md).
 
 ``center_keys`` (per layer; version 5): the layer's quantized keys are stored centred, ``quant(k
 - mu)``, with ``mu`` one mean key per KV head (``kvlens.quant.centering``), and read back as
@@ -81,16 +81,13 @@ in the config, ``key_means`` (``{layer: [[mu_0 .. mu_{D-1}] per KV head]}``, flo
 computed on a capture by ``recommend``), and is held once per layer by the cache (counted,
 ``kvlens.cache.layout``). Its basis is the one the layer quantizes keys in: the **pre-RoPE**
 mean for ``pre_rope_keys`` layers (added back before RoPE is re-applied: lossless, and it
-removes more than the post-RoPE mean, docs/codebooks.md), the **post-RoPE** mean otherwise
+removes more than the post-RoPE mean, docs/lab-notes/codebooks.md), the **post-RoPE** mean otherwise
 (always unrotated: a ``rotate_keys`` layer subtracts ``mu R`` from ``k R``; with a balancer the
 mean is subtracted before balancing). A codebook key spec centres the same way: it codes the
 direction and norm of ``k R - mu R`` and its scores get ``q · mu`` back. Not with GEAR or
 engine-format layers.
 
 A config is written at the oldest version that can express it (``kvlens.config.versions``).
-
-``validate_for(config, info)`` checks a config against a loaded model (layer count, head_dim,
-group sizes, balancer shapes) and raises ``ConfigError`` naming the allowed values.
 """
 
 from __future__ import annotations
@@ -100,11 +97,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvlens.config.rules import check_layout, flush_block
 from kvlens.config.versions import FORMAT, oldest_version
 from kvlens.errors import ConfigError, is_int
-from kvlens.quant import CodebookSpec, QuantSpec, hadamard_block_size
-from kvlens.quant.cachetypes import DenseType, check_engine_layer, parse_cache_type
+from kvlens.quant import CodebookSpec, QuantSpec
+from kvlens.quant.cachetypes import DenseType, parse_cache_type
 from kvlens.quant.llamacpp_cpu import ENGINE_ATTENTIONS
 
 BALANCER_MODES = ("off", "online", "fixed")
@@ -611,92 +607,3 @@ def centre_codebook_keys(config: KVConfig, key_means: Mapping[int, Any],
 
 def _spec_dict(spec: QuantSpec | CodebookSpec | None) -> dict[str, Any] | None:
     return None if spec is None else spec.to_dict()
-
-
-# -- validation against a model ------------------------------------------------------------
-
-def validate_for(config: KVConfig, info) -> None:
-    """Raise ``ConfigError`` unless ``config`` fits the model described by ``info``
-    (``kvlens.model.architecture.ModelInfo``)."""
-
-    n, d, hkv = info.num_layers, info.head_dim, info.num_key_value_heads
-    if config.model:
-        for key, actual in (("num_layers", n), ("head_dim", d), ("num_key_value_heads", hkv)):
-            want = config.model.get(key)
-            if want is not None and want != actual:
-                raise ConfigError(f"Config {config.name!r} was made for a model with {key}="
-                                  f"{want}, but this model has {key}={actual}.")
-    for what, indexed in (("overrides layers", config.layers),
-                          ("gives codebooks for layers", config.codebooks),
-                          ("gives key_means for layers", config.key_means),
-                          ("gives kv_scales for layers", config.kv_scales)):
-        bad = sorted(i for i in indexed if i >= n)
-        if bad:
-            raise ConfigError(f"Config {config.name!r} {what} {bad}, but the model has {n} "
-                              f"layers; allowed indices: 0-{n - 1}.")
-    for idx in range(n):
-        layer = config.layer(idx)
-        if layer.engine:
-
-            check_engine_layer(layer, d, hkv, config.kv_scales.get(idx),
-                               f"Config {config.name!r} layer {idx}")
-        elif idx in config.kv_scales:
-            raise ConfigError(f"Config {config.name!r} gives kv_scales for layer {idx}, which "
-                              "is not an engine-format layer (no key_format/value_format).")
-        for tensor in CODEBOOK_TENSORS:
-            book = layer.codebook(tensor)
-            if book is not None and book.fitted and config.centroids_for(idx, tensor) is None:
-                raise ConfigError(f"Config {config.name!r} layer {idx} stores {tensor}s with a "
-                                  f"fitted {book.bits}-bit codebook but gives no centroids; add "
-                                  f'codebooks.{idx}.{tensor} ({book.levels} numbers, e.g. from '
-                                  "`kvlens recommend`) or use codebook \"lloyd-max\".")
-        _check_layer_mean(config, idx, hkv, d)
-        for what, spec in (("key", layer.key), ("value", layer.value)):
-            if spec is not None:
-                check_layout(spec, layer.residual_tokens, d, f"layer {idx} {what}",
-                             layer.flush_tokens)
-                if config.gear_for(idx) is not None:
-
-                    config.gear.check_block(flush_block(spec, layer.residual_tokens,
-                                                        layer.flush_tokens), d,
-                                            f"Config {config.name!r} layer {idx} {what}")
-        if layer.rotates:
-
-            try:
-                hadamard_block_size(d)
-            except ConfigError as exc:
-                raise ConfigError(f"Config {config.name!r} layer {idx}: {exc}") from None
-        if layer.rotate_keys and config.mikv is not None and (
-                config.mikv.balancer == "online" or idx in config.balancers):
-            raise ConfigError(f"Config {config.name!r} layer {idx}: rotate_keys cannot be "
-                              "combined with the MiKV channel balancer (it rescales channels "
-                              "the rotation mixes); disable one of them.")
-        if layer.pre_rope_keys and not info.declares_rope:
-            raise ConfigError(f"Config {config.name!r} asks for pre-RoPE keys but "
-                              f"{info.architecture} has no rotary embedding.")
-    for name, part in (("gear", config.gear), ("mikv", config.mikv)):
-        bad = [i for i in (part.layers or ()) if i >= n] if part else []
-        if bad:
-            raise ConfigError(f"{name}.layers {bad}: the model has {n} layers; allowed "
-                              f"indices: 0-{n - 1}.")
-    for idx, b in config.balancers.items():
-        if idx >= n:
-            raise ConfigError(f"balancers.{idx}: the model has {n} layers; allowed indices: "
-                              f"0-{n - 1}.")
-        if len(b) != hkv or any(len(r) != d for r in b):
-            raise ConfigError(f"balancers.{idx} has shape [{len(b)}, {len(b[0]) if b else 0}] "
-                              f"but the model needs [num_key_value_heads={hkv}, head_dim={d}].")
-
-
-def _check_layer_mean(config: KVConfig, idx: int, hkv: int, d: int) -> None:
-    """A centring layer needs its mean keys, ``[num_key_value_heads][head_dim]``."""
-    if not config.layer(idx).center_keys:
-        return
-    mean = config.key_mean_for(idx)
-    if mean is None:
-        raise ConfigError(f"Config {config.name!r} layer {idx} centres its keys (center_keys) "
-                          f"but gives no mean; add key_means.{idx} ({hkv} lists of {d} numbers, "
-                          "e.g. from `kvlens recommend --centering`) or set center_keys: false.")
-    if len(mean) != hkv or len(mean[0]) != d:
-        raise ConfigError(f"key_means.{idx} has shape [{len(mean)}, {len(mean[0])}] but the "
-                          f"model needs [num_key_value_heads={hkv}, head_dim={d}].")

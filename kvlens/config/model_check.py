@@ -1,0 +1,98 @@
+"""Whether a config fits a loaded model: ``validate_for(config, info)`` checks a ``KVConfig``
+(``kvlens.config.schema``, which checks everything a config can check on its own) against the
+model's shape (layer count, head_dim, KV heads, group sizes, balancer and mean-key shapes,
+codebook centroids, engine-format scales, RoPE for pre-RoPE keys) and raises ``ConfigError``
+naming the allowed values.
+"""
+
+from __future__ import annotations
+
+from kvlens.config.rules import check_layout, flush_block
+from kvlens.config.schema import CODEBOOK_TENSORS, KVConfig
+from kvlens.errors import ConfigError
+from kvlens.quant import hadamard_block_size
+from kvlens.quant.cachetypes import check_engine_layer
+
+
+def validate_for(config: KVConfig, info) -> None:
+    """Raise ``ConfigError`` unless ``config`` fits the model described by ``info``
+    (``kvlens.model.architecture.ModelInfo``)."""
+
+    n, d, hkv = info.num_layers, info.head_dim, info.num_key_value_heads
+    if config.model:
+        for key, actual in (("num_layers", n), ("head_dim", d), ("num_key_value_heads", hkv)):
+            want = config.model.get(key)
+            if want is not None and want != actual:
+                raise ConfigError(f"Config {config.name!r} was made for a model with {key}="
+                                  f"{want}, but this model has {key}={actual}.")
+    for what, indexed in (("overrides layers", config.layers),
+                          ("gives codebooks for layers", config.codebooks),
+                          ("gives key_means for layers", config.key_means),
+                          ("gives kv_scales for layers", config.kv_scales)):
+        bad = sorted(i for i in indexed if i >= n)
+        if bad:
+            raise ConfigError(f"Config {config.name!r} {what} {bad}, but the model has {n} "
+                              f"layers; allowed indices: 0-{n - 1}.")
+    for idx in range(n):
+        layer = config.layer(idx)
+        if layer.engine:
+            check_engine_layer(layer, d, hkv, config.kv_scales.get(idx),
+                               f"Config {config.name!r} layer {idx}")
+        elif idx in config.kv_scales:
+            raise ConfigError(f"Config {config.name!r} gives kv_scales for layer {idx}, which "
+                              "is not an engine-format layer (no key_format/value_format).")
+        for tensor in CODEBOOK_TENSORS:
+            book = layer.codebook(tensor)
+            if book is not None and book.fitted and config.centroids_for(idx, tensor) is None:
+                raise ConfigError(f"Config {config.name!r} layer {idx} stores {tensor}s with a "
+                                  f"fitted {book.bits}-bit codebook but gives no centroids; add "
+                                  f'codebooks.{idx}.{tensor} ({book.levels} numbers, e.g. from '
+                                  "`kvlens recommend`) or use codebook \"lloyd-max\".")
+        _check_layer_mean(config, idx, hkv, d)
+        for what, spec in (("key", layer.key), ("value", layer.value)):
+            if spec is not None:
+                check_layout(spec, layer.residual_tokens, d, f"layer {idx} {what}",
+                             layer.flush_tokens)
+                if config.gear_for(idx) is not None:
+                    config.gear.check_block(flush_block(spec, layer.residual_tokens,
+                                                        layer.flush_tokens), d,
+                                            f"Config {config.name!r} layer {idx} {what}")
+        if layer.rotates:
+            try:
+                hadamard_block_size(d)
+            except ConfigError as exc:
+                raise ConfigError(f"Config {config.name!r} layer {idx}: {exc}") from None
+        if layer.rotate_keys and config.mikv is not None and (
+                config.mikv.balancer == "online" or idx in config.balancers):
+            raise ConfigError(f"Config {config.name!r} layer {idx}: rotate_keys cannot be "
+                              "combined with the MiKV channel balancer (it rescales channels "
+                              "the rotation mixes); disable one of them.")
+        if layer.pre_rope_keys and not info.declares_rope:
+            raise ConfigError(f"Config {config.name!r} asks for pre-RoPE keys but "
+                              f"{info.architecture} has no rotary embedding.")
+    for name, part in (("gear", config.gear), ("mikv", config.mikv)):
+        bad = [i for i in (part.layers or ()) if i >= n] if part else []
+        if bad:
+            raise ConfigError(f"{name}.layers {bad}: the model has {n} layers; allowed "
+                              f"indices: 0-{n - 1}.")
+    for idx, b in config.balancers.items():
+        if idx >= n:
+            raise ConfigError(f"balancers.{idx}: the model has {n} layers; allowed indices: "
+                              f"0-{n - 1}.")
+        if len(b) != hkv or any(len(r) != d for r in b):
+            raise ConfigError(f"balancers.{idx} has shape [{len(b)}, {len(b[0]) if b else 0}] "
+                              f"but the model needs [num_key_value_heads={hkv}, head_dim={d}].")
+
+
+def _check_layer_mean(config: KVConfig, idx: int, hkv: int, d: int) -> None:
+    """A centring layer needs its mean keys, ``[num_key_value_heads][head_dim]``."""
+    if not config.layer(idx).center_keys:
+        return
+    mean = config.key_mean_for(idx)
+    if mean is None:
+        raise ConfigError(f"Config {config.name!r} layer {idx} centres its keys (center_keys) "
+                          f"but gives no mean; add key_means.{idx} ({hkv} lists of {d} numbers, "
+                          "e.g. from `kvlens recommend --centering`) or set center_keys: false.")
+    if len(mean) != hkv or len(mean[0]) != d:
+        raise ConfigError(f"key_means.{idx} has shape [{len(mean)}, {len(mean[0])}] but the "
+                          f"model needs [num_key_value_heads={hkv}, head_dim={d}].")
