@@ -20,8 +20,9 @@ from kvlens import __version__
 from kvlens.capture.store import CaptureMeta, CaptureWriter, LayerAttrs
 from kvlens.errors import ModelLoadError, NumericalError
 from kvlens.model.architecture import describe
+from kvlens.model.header import read_header
 from kvlens.model.hooks import attention_override, rope_inputs
-from kvlens.model.load import load_model
+from kvlens.model.load import check_load_options, load_model
 from kvlens.model.placement import input_device, weights_by_device
 from kvlens.rope import detect_layout, invert_rope
 from kvlens.text.corpus import load_text, token_windows
@@ -79,10 +80,7 @@ def run_capture(options: CaptureOptions, output: str | Path,
                 progress: ProgressFn | None = None) -> CaptureSummary:
     """Load the model and text named in ``options`` and write a capture file to ``output``."""
 
-    # Cheap checks before the expensive model load.
-    CaptureWriter(output, overwrite=options.overwrite, storage_dtype=options.storage_dtype,
-                  compression=options.compression)
-    text, text_source = load_text(options.text)
+    text, text_source = check_capture(options, output)
     model, tokenizer, source = load_model(options.model, dtype=options.compute_dtype,
                                           device=options.device, device_map=options.device_map,
                                           max_memory=options.max_memory,
@@ -94,6 +92,31 @@ def run_capture(options: CaptureOptions, output: str | Path,
                          model_source=f"{source.kind}:{source.location}"
                          + (f"/{source.gguf_file}" if source.gguf_file else ""),
                          text_source=text_source, progress=progress)
+
+
+def check_capture(options: CaptureOptions, output: str | Path) -> tuple[str, str]:
+    """Every check ``run_capture`` can make before the model loads: the output, the text
+    (returned as ``(text, source)``), the model's load options and ``--layers``."""
+    CaptureWriter(output, overwrite=options.overwrite, storage_dtype=options.storage_dtype,
+                  compression=options.compression)
+    text = load_text(options.text)
+    source, _ = check_load_options(options.model, dtype=options.compute_dtype,
+                                   device=options.device, device_map=options.device_map,
+                                   max_memory=options.max_memory,
+                                   offload_folder=options.offload_folder)
+    check_layer_spec(options.layers, read_header(source).num_layers)
+    return text
+
+
+def check_layer_spec(spec: str | None, num_layers: int | None) -> None:
+    """``--layers`` before the model loads: its syntax always, its indices against
+    ``num_layers`` where the model's files declare it (``kvlens.model.header``)."""
+    if spec is None or spec.strip().lower() in ("", "all"):
+        return
+    parse_index_spec(spec, num_layers if num_layers is not None else _NO_LIMIT)
+
+
+_NO_LIMIT = 2**62  # the syntax alone: any index >= 0
 
 
 def capture_model(model, windows, output: str | Path, *, layers: str | list[int] | None = None,

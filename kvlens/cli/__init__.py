@@ -10,8 +10,12 @@ Results go to stdout, progress and logs to stderr.
 from __future__ import annotations
 
 import typer
+from typer.core import TyperCommand
+
+from kvlens.cli.common import KvlensCommand, KvlensGroup
 
 app = typer.Typer(
+    cls=KvlensGroup,
     name="kvlens",
     help="Diagnose, choose and prove KV-cache quantization for LLMs.",
     no_args_is_help=True,
@@ -30,6 +34,9 @@ def _register_commands() -> None:
         except ModuleNotFoundError as exc:
             if exc.name != f"kvlens.cli.{optional}":
                 raise
+    for info in app.registered_commands:  # one command class: one way of showing --help
+        if info.cls in (None, TyperCommand):
+            info.cls = KvlensCommand
 
 
 _register_commands()

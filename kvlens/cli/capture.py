@@ -11,7 +11,6 @@ from kvlens.cli.common import (
     INPUT,
     MODEL,
     OUTPUT,
-    check_model_options,
     console,
     device_map_option,
     err_console,
@@ -33,11 +32,13 @@ def capture(
     text: Path = typer.Option(None, "--text", rich_help_panel=INPUT,
                               help="UTF-8 text file (default: built-in corpus)."),
     samples: int = typer.Option(4, "--samples", "-s", min=1, rich_help_panel=INPUT,
-                                help="Number of token windows."),
+                                help="Number of token windows (samples)."),
     tokens: int = typer.Option(512, "--tokens", "-t", min=2, rich_help_panel=INPUT,
                                help="Tokens per window."),
     layers: str = typer.Option(None, "--layers", rich_help_panel=INPUT,
-                               help="Layers to capture, e.g. 0,4,8-11 (default: all)."),
+                               help="Layers to capture, e.g. 0,4,8-11 (default: all); "
+                                    "checked against the model's layer count before it "
+                                    "loads."),
     model: str = typer.Option(None, "--model", "-m", rich_help_panel=MODEL,
                               help="Model: omit for the embedded SmolLM2-135M-Instruct, or a "
                                    "local HF directory, a .gguf file, or a hub id."),
@@ -59,27 +60,30 @@ def capture(
     as_json: bool = typer.Option(False, "--json", rich_help_panel=OUTPUT,
                                  help="Print a JSON summary on stdout."),
 ) -> None:
-    """Run a causal LM on text and store per-layer, per-head Q, K, V (pre and post RoPE)."""
-    from kvlens.capture.run import CaptureOptions, run_capture
-    from kvlens.capture.store import CaptureWriter
+    """Run a causal LM on text and store per-layer, per-head Q, K, V (pre and post RoPE).
+
+    Examples:
+
+      kvlens capture -o out/run.h5
+      kvlens capture --layers 0-3 --samples 2 --tokens 256 -o small.h5
+      kvlens capture --model my-model.gguf -o run.h5
+    """
+    from kvlens.capture.run import CaptureOptions, check_capture, run_capture
     from kvlens.report.artifacts import capture_doc_path, check_output_file
-    from kvlens.text.corpus import load_text
 
     def prepare() -> CaptureOptions:
-        # Everything that can be checked without the model, before it loads.
+        # Everything that can be checked without the model, before it loads: the outputs,
+        # the text, the model's options, --layers against the layer count its files declare.
         check_output_file(output, "--output", overwrite, example="run.h5")
         check_output_file(capture_doc_path(output), "--output", overwrite)
-        CaptureWriter(output, overwrite=overwrite, storage_dtype=storage_dtype,
-                      compression=compression)
-        load_text(str(text) if text else None)
-        check_model_options(model, dtype=dtype, device=device, device_map=device_map,
-                            max_memory=max_memory, offload_folder=offload_folder)
-        return CaptureOptions(model=model, text=str(text) if text else None, samples=samples,
+        opts = CaptureOptions(model=model, text=str(text) if text else None, samples=samples,
                               tokens=tokens, layers=layers, storage_dtype=storage_dtype,
                               compute_dtype=dtype, compression=compression, device=device,
                               device_map=device_map, max_memory=max_memory,
                               offload_folder=str(offload_folder) if offload_folder else None,
                               overwrite=overwrite)
+        check_capture(opts, output)
+        return opts
 
     opts = run_library_call(prepare)
     err_console.print(f"Capturing {samples} x {tokens} tokens from "

@@ -20,8 +20,47 @@ from typing import Any
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperCommand, TyperGroup
 
 from kvlens.errors import KvlensError
+
+# -- --help ---------------------------------------------------------------------------------
+
+#: Text appended to a command's --help, computed when the help is shown (command name -> a
+#: function): a grammar defined in the library, whose import would load torch, stays out of
+#: ``kvlens --help`` and of importing the CLI.
+HELP_APPENDIX: dict[str, Callable[[], str]] = {}
+
+
+def _flags_without_type(params: list) -> list:
+    # typer prints a flag's Python type as its value (``--overwrite <bool>``); a flag takes none
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
+class KvlensCommand(TyperCommand):
+    """Every kvlens command (``kvlens.cli.app`` gives it to each): flags shown without a value
+    type, and ``HELP_APPENDIX`` added to the help text when it is shown."""
+
+    def get_params(self, ctx):
+        return _flags_without_type(super().get_params(ctx))
+
+    def format_help(self, ctx, formatter) -> None:
+        appendix = HELP_APPENDIX.get(self.name)
+        if appendix is not None and not getattr(self, "_appended", False):
+            self.help = f"{self.help or ''}\n\n{escape(appendix())}"
+            self._appended = True
+        super().format_help(ctx, formatter)
+
+
+class KvlensGroup(TyperGroup):
+    """``kvlens`` itself: its flags (--version, --help) shown without a value type."""
+
+    def get_params(self, ctx):
+        return _flags_without_type(super().get_params(ctx))
+
 
 #: Width of tables written to a file or pipe (a log, CI): wide enough that no number is cut.
 LOG_WIDTH = 200
@@ -228,15 +267,31 @@ def overwrite_option():
                              "refused before any work).")
 
 
+def open_range(low: float, high: float):
+    """An option callback refusing values outside the open interval ``(low, high)`` as the
+    parser refuses a number outside a declared ``min=``/``max=`` (exit code 2): click's own
+    ranges are closed in typer."""
+    def check(value):
+        if value is not None and not low < value < high:
+            bounds = f"x>{low:g}" if high == float("inf") else f"{low:g}<x<{high:g}"
+            raise typer.BadParameter(f"{value:g} is not in the range {bounds}.")
+        return value
+
+    return check
+
+
 def check_model_options(model: str | None, *, dtype: str = "float32", device: str = "auto",
                         device_map: str | None = None, max_memory: str | None = None,
-                        offload_folder: os.PathLike | str | None = None) -> None:
-    """Every check ``load_model`` makes before it reads a weight, run before any work."""
+                        offload_folder: os.PathLike | str | None = None):
+    """Every check ``load_model`` makes before it reads a weight, run before any work; returns
+    the resolved ``kvlens.model.load.ModelSource`` (for ``kvlens.model.header.read_header``)."""
     from kvlens.model.load import check_load_options
 
-    check_load_options(model, dtype=dtype, device=device, device_map=device_map,
-                       max_memory=max_memory,
-                       offload_folder=str(offload_folder) if offload_folder else None)
+    source, _ = check_load_options(model, dtype=dtype, device=device, device_map=device_map,
+                                   max_memory=max_memory,
+                                   offload_folder=str(offload_folder) if offload_folder
+                                   else None)
+    return source
 
 
 def format_bytes_by_device(by_device: dict[str, int]) -> str:

@@ -15,6 +15,8 @@ from kvlens.cli.common import (
     console,
     err_console,
     escape,
+    given_options,
+    open_range,
     output_errors,
     overwrite_option,
     print_json,
@@ -23,6 +25,13 @@ from kvlens.cli.common import (
     write_artifact_output,
 )
 
+# Options that only a variant reads: given without any of their readers, they are refused.
+READ_BY = {
+    "rank": (("--variants lowrank", lambda c: "lowrank" in c.variants),),
+    "outlier_fraction": (("--variants outliers", lambda c: "outliers" in c.variants),),
+    "rotation_seed": (("--variants rotate", lambda c: "rotate" in c.variants),
+                      ("--codebooks", lambda c: bool(c.codebooks))),
+}
 METRIC_LABELS = {
     "reconstruction": "recon",
     "score": "score",
@@ -33,11 +42,14 @@ METRIC_LABELS = {
 
 @app.command("compare-axes")
 def compare_axes_command(
-    run: Path = typer.Argument(..., help="Capture file written by `kvlens capture`."),
+    ctx: typer.Context,
+    run: Path = typer.Argument(..., metavar="RUN", show_default=False,
+                               help="Capture file written by `kvlens capture`."),
     layers: str = typer.Option(None, "--layers", rich_help_panel=INPUT,
                                help="Layers to analyse, e.g. 0,4,8-11 (default: all captured)."),
-    samples: int = typer.Option(None, "--samples", rich_help_panel=INPUT,
-                                help="Use only the first N samples (faster)."),
+    samples: int = typer.Option(None, "--samples", min=1, rich_help_panel=INPUT,
+                                help="Use only the first N samples (faster; at most the "
+                                     "capture's)."),
     bits: str = typer.Option("2,4", "--bits", rich_help_panel=ANALYSIS,
                              help="Bit widths, comma-separated (1-8)."),
     group_sizes: str = typer.Option("32", "--group-sizes", rich_help_panel=ANALYSIS,
@@ -56,15 +68,18 @@ def compare_axes_command(
                                       "layer's keys and the previous layer's values, fitted on "
                                       "the other samples; only the residual quantized; "
                                       "docs/codebooks.md). Comma-separated; default none."),
-    outlier_fraction: float = typer.Option(0.01, "--outlier-fraction", rich_help_panel=ANALYSIS,
-                                           help="Share of each quantized vector kept exact by "
-                                                "the outliers variant."),
-    rank: int = typer.Option(2, "--rank", rich_help_panel=ANALYSIS,
-                             help="Rank of the lowrank (GEAR) residual."),
-    rotation_seed: int = typer.Option(None, "--rotation-seed", rich_help_panel=ANALYSIS,
-                                      help="rotate variant: random sign flips drawn with this "
-                                           "seed (randomized Hadamard); default none (plain "
-                                           "Hadamard)."),
+    outlier_fraction: float = typer.Option(0.01, "--outlier-fraction",
+                                           callback=open_range(0.0, 1.0),
+                                           rich_help_panel=ANALYSIS,
+                                           help="outliers variant: share of each quantized "
+                                                "vector kept exact (0 < f < 1)."),
+    rank: int = typer.Option(2, "--rank", min=1, rich_help_panel=ANALYSIS,
+                             help="lowrank variant: rank of the GEAR residual."),
+    rotation_seed: int = typer.Option(None, "--rotation-seed", min=0,
+                                      rich_help_panel=ANALYSIS,
+                                      help="rotate variant and --codebooks: random sign flips "
+                                           "drawn with this seed (randomized Hadamard); "
+                                           "default none (plain Hadamard)."),
     formats: str = typer.Option("", "--formats", rich_help_panel=ANALYSIS,
                                 help=escape(
                                     "Engine settings swept beside the integer specs, "
@@ -92,10 +107,10 @@ def compare_axes_command(
                                                   "every sample of this capture of the same "
                                                   "model (other text) instead of leaving one "
                                                   "sample out of RUN."),
-    sinks: int = typer.Option(0, "--sinks", rich_help_panel=ANALYSIS,
+    sinks: int = typer.Option(0, "--sinks", min=0, rich_help_panel=ANALYSIS,
                               help="Score/output metrics read the first N tokens exact (a cache "
                                    "that keeps the attention sinks at full precision)."),
-    threads: int = typer.Option(1, "--threads", rich_help_panel=ANALYSIS,
+    threads: int = typer.Option(1, "--threads", min=1, rich_help_panel=ANALYSIS,
                                 help="torch threads while sweeping (1 is fastest for these "
                                      "small ops)."),
     plots: Path = typer.Option(None, "--plots", rich_help_panel=OUTPUT,
@@ -106,7 +121,14 @@ def compare_axes_command(
     as_json: bool = typer.Option(False, "--json", rich_help_panel=OUTPUT,
                                  help="Print all records and the summary as JSON on stdout."),
 ) -> None:
-    """Which quantization axis wins for keys and values, under which error metric."""
+    """Which quantization axis wins for keys and values, under which error metric.
+
+    Examples:
+
+      kvlens compare-axes out/run.h5 --plots out/compare
+      kvlens compare-axes out/run.h5 --bits 2 --variants rotate,lowrank --rank 4
+      kvlens compare-axes out/run.h5 --formats llamacpp:q4_0,vllm:fp8_e4m3
+    """
     from kvlens.analysis.compare import (
         CompareConfig,
         compare_axes,
@@ -117,10 +139,12 @@ def compare_axes_command(
     from kvlens.config.engine import measured_cache_types
     from kvlens.report.artifacts import check_output_folder
 
+    given = given_options(ctx, READ_BY)
+
     def configure() -> CompareConfig:
         if plots is not None:
             check_output_folder(plots, "--plots", "compare-axes.json", overwrite)
-        return CompareConfig(
+        config = CompareConfig(
             bits=parse_int_list(bits, "bits"),
             group_sizes=parse_int_list(group_sizes, "group sizes"),
             stages=parse_name_list(stages),
@@ -136,6 +160,9 @@ def compare_axes_command(
             predict_calibration=(None if predict_calibration is None
                                  else str(predict_calibration)),
         )
+        _refuse_unread(config, given)
+        _check_against_capture(run, config)
+        return config
 
     config = run_library_call(configure)
     with progress_bar("compare-axes") as update:
@@ -159,6 +186,30 @@ def compare_axes_command(
         print_json(result.to_dict())
         return
     _render(result.summary)
+
+
+def _refuse_unread(config, given: dict[str, str]) -> None:
+    """An option given for a variant the sweep does not run is refused, not dropped."""
+    from kvlens.errors import InputError
+
+    for name, flag in given.items():
+        readers = READ_BY[name]
+        if not any(reads(config) for _, reads in readers):
+            spelled = " or ".join(what for what, _ in readers)
+            raise InputError(f"{flag} is read by {spelled}, which is not requested; request "
+                             f"it or drop {flag}.")
+
+
+def _check_against_capture(run: Path, config) -> None:
+    """What depends on the capture, before the sweep starts: --samples at most its samples."""
+    from kvlens.capture.store import open_capture
+    from kvlens.errors import InputError
+
+    with open_capture(run) as cap:
+        have = cap.meta.num_samples
+    if config.samples is not None and config.samples > have:
+        raise InputError(f"--samples {config.samples}: {run} holds {have} samples; allowed: "
+                         f"1-{have}.")
 
 
 def _fmt(value: float | None, best: bool) -> str:

@@ -10,6 +10,7 @@ from kvlens.cli import app
 from kvlens.cli.common import (
     CACHES,
     EVALUATION,
+    HELP_APPENDIX,
     INPUT,
     MODEL,
     OUTPUT,
@@ -33,14 +34,15 @@ READ_BY = {"text": ("kld", "ppl"), "ppl_tokens": ("ppl",), "passkey_prompts": ("
            "passkey_context": ("passkey",), "seed": ("passkey", "retrieval"),
            "eval_tokens": ("kld",), "chunk": ("kld",), "retrieval_prompts": ("retrieval",),
            "retrieval_lengths": ("retrieval",)}
-COMPARE_HELP = escape(
-    "Comma list of presets, config files, transformers baselines (hf-quanto-2/4, hf-hqq-2/4, "
-    "hf-fp8) and engine settings to run side by side on the same inputs. Engine settings "
-    "(docs/deploy/README.md): llamacpp:K/V[:norot][:nofa][:noarith] or llamacpp:T (types f32 f16 "
-    "bf16 q8_0 q4_0 q4_1 iq4_nl q5_0 q5_1), vllm:D[@head][:pP][:skip=L,L] (D fp8 fp8_e4m3 "
-    "fp8_e5m2 int8-pth int4-pth fp8-pth), vllm:turboquant_4bit_nc|k3v4_nc|3bit_nc (codebook "
-    "keys, first and last two layers exact), sglang:fp8_e4m3|fp8_e5m2, transformers:quanto-2|4"
-    "[:axis_key=0|-1][:axis_value=0|-1][:group=G][:residual=R].")
+# What the help of --preset and --compare calls "the grammar above": the one definition in
+# kvlens.config.engine, added when the help is shown (importing it loads torch).
+HELP_APPENDIX["generate"] = lambda: _engine_grammar_help()
+
+
+def _engine_grammar_help() -> str:
+    from kvlens.config.engine import setting_grammar
+
+    return "Engine settings (docs/deploy/README.md):\n" + setting_grammar()
 
 
 @app.command()
@@ -54,8 +56,12 @@ def generate(
                                          "mikv-2-int8, gear-2, gear-2-r0, gear-4, "
                                          "kivi-2-sinks, kivi-2-rot, per-token-2-rot, "
                                          "per-token-4-rot, kivi-2-prerope; or an engine "
-                                         "setting (see --compare)."),
-    compare: str = typer.Option(None, "--compare", rich_help_panel=CACHES, help=COMPARE_HELP),
+                                         "setting (grammar above)."),
+    compare: str = typer.Option(None, "--compare", rich_help_panel=CACHES,
+                                help="Comma list run side by side on the same inputs: presets "
+                                     "(see --preset), config files, transformers baselines "
+                                     "(hf-quanto-2, hf-quanto-4, hf-hqq-2, hf-hqq-4, hf-fp8) "
+                                     "and engine settings (grammar above)."),
     calibration: Path = typer.Option(None, "--calibration", rich_help_panel=CACHES,
                                      help="Capture file (kvlens capture) for the static fp8 "
                                           "scales of vllm:/sglang: settings (default: the "
@@ -66,7 +72,8 @@ def generate(
                                help="Prompt to continue."),
     prompt_file: Path = typer.Option(None, "--prompt-file", rich_help_panel=INPUT,
                                      help="UTF-8 file with the prompt."),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens", rich_help_panel=INPUT,
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1,
+                                       rich_help_panel=INPUT,
                                        help="Tokens to generate."),
     text: Path = typer.Option(None, "--text", rich_help_panel=INPUT,
                               help="Text for kld and ppl (default: the built-in held-out text; "
@@ -75,23 +82,28 @@ def generate(
                               help="Comma list: kld (long-context KL divergence, top-1 and ppl "
                                    "vs the exact model), retrieval (passkey + key-value grid); "
                                    "short-context checks: ppl, passkey, agreement."),
-    eval_tokens: int = typer.Option(None, "--eval-tokens", rich_help_panel=EVALUATION,
+    eval_tokens: int = typer.Option(None, "--eval-tokens", min=2,
+                                    rich_help_panel=EVALUATION,
                                     help="kld: tokens of text to score (default: 4096, capped by "
                                          "the model's context)."),
-    chunk: int = typer.Option(64, "--chunk", rich_help_panel=EVALUATION,
+    chunk: int = typer.Option(64, "--chunk", min=1, rich_help_panel=EVALUATION,
                               help="kld: tokens per forward call (1 = decode mode)."),
-    retrieval_prompts: int = typer.Option(1, "--retrieval-prompts", rich_help_panel=EVALUATION,
+    retrieval_prompts: int = typer.Option(1, "--retrieval-prompts", min=1,
+                                          rich_help_panel=EVALUATION,
                                           help="retrieval: prompts per task, length and depth "
                                                "(raise for tighter intervals)."),
     retrieval_lengths: str = typer.Option(None, "--retrieval-lengths",
                                           rich_help_panel=EVALUATION,
                                           help="retrieval: comma list of prompt lengths in "
                                                "tokens (default 1024,2048,4096 where they fit)."),
-    ppl_tokens: int = typer.Option(512, "--ppl-tokens", rich_help_panel=EVALUATION,
+    ppl_tokens: int = typer.Option(512, "--ppl-tokens", min=40,
+                                   rich_help_panel=EVALUATION,
                                    help="ppl: tokens of text (short-context check)."),
-    passkey_prompts: int = typer.Option(5, "--passkey-prompts", rich_help_panel=EVALUATION,
+    passkey_prompts: int = typer.Option(5, "--passkey-prompts", min=1,
+                                        rich_help_panel=EVALUATION,
                                         help="passkey: prompts (short-context check)."),
-    passkey_context: int = typer.Option(1000, "--passkey-context", rich_help_panel=EVALUATION,
+    passkey_context: int = typer.Option(1000, "--passkey-context", min=64,
+                                        rich_help_panel=EVALUATION,
                                         help="passkey: approximate tokens per prompt."),
     seed: int = typer.Option(0, "--seed", rich_help_panel=EVALUATION,
                              help="Seed for passkey and retrieval prompts."),
@@ -115,6 +127,12 @@ def generate(
 ) -> None:
     """Generate with a compressed KV cache and measure what it loses against the exact model.
 
+    Examples:
+
+      kvlens generate --preset kivi-2 --prompt "The capital of France is"
+      kvlens generate --compare fp16,llamacpp:q8_0/q4_0,kivi-2 --eval kld
+      kvlens generate --config out/kv.json --eval kld,retrieval
+
     --eval kld scores a long held-out text (KL divergence, top-1 agreement, perplexity with bootstrap intervals and paired comparisons); --eval retrieval runs a passkey and key-value grid over lengths and depths (docs/evaluation.md). Ctrl-C prints what was finished and exits with code 130.
     """
     given = given_options(ctx, (*READ_BY, "calibration", "overwrite"))
@@ -127,8 +145,9 @@ def generate(
             backend, ppl_tokens, passkey_prompts, passkey_context, seed, eval_tokens, chunk,
             retrieval_prompts, retrieval_lengths, calibration, given=given)
         check_output_file(report_json, "--report-json", overwrite)
-        check_model_options(model, dtype=dtype, device=device, device_map=device_map,
-                            max_memory=max_memory, offload_folder=offload_folder)
+        source = check_model_options(model, dtype=dtype, device=device, device_map=device_map,
+                                     max_memory=max_memory, offload_folder=offload_folder)
+        _check_against_model(configs, opts, source)
         return configs, opts
 
     configs, opts = run_library_call(prepare)
@@ -187,6 +206,7 @@ def _options(config, preset_name, compare, prompt, prompt_file, max_new_tokens, 
              given=None):
     """The configs and ``EvalOptions``, every option checked (nothing loaded). ``given``: the
     options the user gave (name -> flag); one that no requested evaluation reads is refused."""
+    from kvlens.cache.backend import BACKENDS
     from kvlens.config import load_config, preset, resolve
     from kvlens.deploy import is_engine_setting
     from kvlens.errors import InputError
@@ -197,6 +217,8 @@ def _options(config, preset_name, compare, prompt, prompt_file, max_new_tokens, 
     if prompt is not None and prompt_file is not None:
         raise InputError("Give either --prompt or --prompt-file, not both.")
     names = parse_evals(evals)
+    if backend not in BACKENDS:
+        raise InputError(f"Unknown --backend {backend!r}; allowed: {', '.join(BACKENDS)}.")
     given = given or {}
     for name, flag in given.items():
         readers = READ_BY.get(name, ())
@@ -259,6 +281,33 @@ def _options(config, preset_name, compare, prompt, prompt_file, max_new_tokens, 
                        seed=seed, backend=backend, eval_tokens=eval_tokens, chunk=chunk,
                        retrieval_prompts=retrieval_prompts, retrieval_lengths=lengths)
     return configs, opts
+
+
+def _check_against_model(configs, opts, source) -> None:
+    """What depends on the model, checked against the shape its files declare
+    (``kvlens.model.header``) before it loads: each config's layers and heads, the retrieval
+    lengths and the kld tokens against its context. What the files do not declare is checked
+    after the load."""
+    import sys
+
+    from kvlens.config import KVConfig, validate_for
+    from kvlens.evaluation.kld import check_lengths
+    from kvlens.evaluation.needles import grid_lengths
+    from kvlens.model.header import read_header
+
+    header = read_header(source)
+    if header.complete:
+        rebuilt = {id(config) for config, _ in configs.per_model}  # built once the model loads
+        for config in configs:
+            if isinstance(config, KVConfig) and id(config) not in rebuilt:
+                validate_for(config, header)
+    limit = header.max_positions
+    if limit is None:
+        return
+    if "retrieval" in opts.evals:
+        grid_lengths(opts.retrieval_lengths, limit)
+    if "kld" in opts.evals:  # the text's length is checked once it is tokenized
+        check_lengths(sys.maxsize, opts.eval_tokens, opts.chunk, limit, "")
 
 
 class _Configs(list):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import typer
@@ -15,6 +16,7 @@ from kvlens.cli.common import (
     console,
     err_console,
     escape,
+    open_range,
     output_errors,
     overwrite_option,
     print_json,
@@ -28,7 +30,8 @@ FAMILY_ORDER = {"q": ("q_pre", "q"), "k": ("k_pre", "k"), "v": ("v",)}
 
 @app.command("plot-outliers")
 def plot_outliers(
-    run: Path = typer.Argument(..., help="Capture file written by `kvlens capture`."),
+    run: Path = typer.Argument(..., metavar="RUN", show_default=False,
+                               help="Capture file written by `kvlens capture`."),
     layers: str = typer.Option(None, "--layers", rich_help_panel=INPUT,
                                help="Layers to analyse, e.g. 0,4,8-11 (default: all captured)."),
     heads: str = typer.Option(None, "--heads", rich_help_panel=INPUT,
@@ -36,9 +39,10 @@ def plot_outliers(
                                    "heads' GQA groups."),
     tensors: str = typer.Option("q,k,v", "--tensors", rich_help_panel=INPUT,
                                 help="Tensor families: q, k, v (q and k before and after RoPE)."),
-    threshold: float = typer.Option(4.0, "--threshold", rich_help_panel=ANALYSIS,
+    threshold: float = typer.Option(4.0, "--threshold", callback=open_range(1.0, math.inf),
+                                    rich_help_panel=ANALYSIS,
                                     help="Outlier rule: channel abs-max >= THRESHOLD x median "
-                                         "channel abs-max of the head."),
+                                         "channel abs-max of the head (THRESHOLD > 1)."),
     profile_layers: str = typer.Option(
         "auto", "--profile-layers", rich_help_panel=ANALYSIS,
         help="Layers that get per-channel profile figures: 'auto' (the 3 most severe "
@@ -47,7 +51,7 @@ def plot_outliers(
         None, "--heatmap", rich_help_panel=ANALYSIS,
         help="LAYER:KVHEAD for a token x channel heatmap (repeatable; default: the most severe "
              "pre-RoPE key head)."),
-    top: int = typer.Option(15, "--top", rich_help_panel=ANALYSIS,
+    top: int = typer.Option(15, "--top", min=1, rich_help_panel=ANALYSIS,
                             help="Rows in the table of strongest outliers."),
     out: Path = typer.Option(..., "--out", "-o", rich_help_panel=OUTPUT,
                              help="Directory for figures and outliers.json (created if "
@@ -59,7 +63,13 @@ def plot_outliers(
                                  help="Print the statistics as JSON on stdout (without "
                                       "per-channel profiles)."),
 ) -> None:
-    """Which channels are outliers, how stable they are, and how RoPE moves them."""
+    """Which channels are outliers, how stable they are, and how RoPE moves them.
+
+    Examples:
+
+      kvlens plot-outliers out/run.h5 --out out/outliers
+      kvlens plot-outliers out/run.h5 --out out/k --tensors k --heatmap 2:0 --format svg
+    """
     from kvlens.analysis.outliers import analyze_capture, parse_tensors
     from kvlens.errors import InputError
     from kvlens.report.artifacts import check_output_folder

@@ -20,7 +20,7 @@ from kvlens.cli.common import (
 
 @app.command()
 def report(
-    run_dir: Path = typer.Argument(..., help="Folder the kvlens commands wrote into (e.g. out/ "
+    run_dir: Path = typer.Argument(..., metavar="RUN_DIR", show_default=False, help="Folder the kvlens commands wrote into (e.g. out/ "
                                              "after `make demo`); searched 3 folders deep."),
     output: Path = typer.Option(None, "--output", "-o", rich_help_panel=OUTPUT,
                                 help="HTML file to write (default: RUN_DIR/report.html)."),
@@ -28,9 +28,14 @@ def report(
 ) -> None:
     """The whole diagnosis of a run folder on one self-contained HTML page.
 
-    Reads what capture, plot-outliers, compare-axes, recommend and generate recorded in RUN_DIR
-    (figures embedded, nothing to download; nothing is re-run) and names the command to run for
-    any part that is missing (docs/report.md)."""
+    Examples:
+
+      kvlens report out
+      kvlens report out -o out/diagnosis.html --overwrite
+
+    Reads what capture, plot-outliers, compare-axes, recommend and generate recorded in \
+RUN_DIR (figures embedded, nothing to download; nothing is re-run) and names the command to \
+run for any part that is missing (docs/report.md)."""
     from kvlens.report.artifacts import check_output_file
     from kvlens.report.render import write_report
 

@@ -1,13 +1,11 @@
 """Engine settings: the one vocabulary for "what an engine user deploys", read by every command
 (``generate --preset`` / ``--compare``, ``compare-axes --formats``) and printed by ``recommend
---target``, so that what one prints the others accept. Names (case-insensitive)::
+--target``, so that what one prints the others accept. Names (case-insensitive) follow one
+grammar, ``setting_forms()`` (each form with its allowed values) and ``SETTING_OPTIONS`` (what
+its options mean): ``--help``, error messages and docs print that text, never a copy::
 
-    llamacpp:K/V[:norot | :rot][:nofa][:noarith]   K, V in LLAMACPP_TYPES (-ctk K -ctv V)
-    llamacpp:T                              = llamacpp:T/T
-    vllm:D[@head][:pP | :sS][:skip=L,L]     D in VLLM_DTYPES (vllm serve --kv-cache-dtype D)
-    vllm:turboquant_X                       X in 4bit_nc, k3v4_nc, 3bit_nc (TURBOQUANT_TYPES)
-    sglang:D[@head][:pP | :sS]              D in SGLANG_DTYPES
-    transformers:quanto-B[:axis_key=A][:axis_value=A][:group=G][:residual=R]   B in 2, 4
+    llamacpp:K/V[:norot|:rot][:nofa][:noarith]    llamacpp:T    vllm:D[@head][:pP|:sS][:skip=L,L]
+    vllm:turboquant_*    sglang:D[@head][:pP|:sS]    transformers:quanto-B[:axis_key=A]...
 
 - llama.cpp: one K type and one V type for every layer; llama.cpp rotates a quantized type when
   head_dim is a multiple of 64. ``:norot`` is ``LLAMA_ATTN_ROT_DISABLE=1``; ``:rot`` forces the
@@ -99,14 +97,41 @@ _PERCENTILE = re.compile(r"p([0-9.]+(?:e[+-]?[0-9]+)?)")
 _SKIP = re.compile(r"skip=([0-9]+(?:,[0-9]+)*)")
 
 
+def setting_forms() -> tuple[str, ...]:
+    """Every accepted form of an engine setting with its allowed values: the one spelling of
+    the grammar that ``--help``, the error messages and the docs print (module docstring)."""
+    pth = tuple(f"{k}-pth" for k in TOKEN_HEAD_KINDS)
+    return (
+        "llamacpp:K/V[:norot|:rot][:nofa][:noarith] (K, V: " + ", ".join(LLAMACPP_TYPES) + ")",
+        "llamacpp:T (= llamacpp:T/T)",
+        "vllm:D[@head][:pP|:sS][:skip=L,L] (D: " + ", ".join(STATIC_FP8_DTYPES) + ")",
+        "vllm:D[:skip=L,L] (D: " + ", ".join(pth) + "; also spelled "
+        + ", ".join(k for k in PER_TOKEN_HEAD if not k.endswith("-pth")) + ")",
+        "vllm:Q (Q: " + ", ".join(TURBOQUANT_TYPES) + ")",
+        "sglang:D[@head][:pP|:sS] (D: " + ", ".join(SGLANG_DTYPES) + ")",
+        "transformers:quanto-B[:axis_key=A][:axis_value=A][:group=G][:residual=R] (B: "
+        + ", ".join(map(str, QUANTO_BITS)) + "; A: " + ", ".join(map(str, QUANTO_AXES)) + ")",
+    )
+
+
+#: What each option of ``setting_forms`` means (``--help`` prints it under the forms).
+SETTING_OPTIONS = (
+    ":norot / :rot: llama.cpp's Hadamard rotation off / forced; :nofa: without flash "
+    "attention; :noarith: the model's float attention instead of llama.cpp's CPU arithmetic; "
+    "@head: one fp8 scale per KV head; :pP: scales calibrated at percentile P of a capture "
+    "(--calibration); :sS: a fixed scale S (:s1 the engines' default); :skip=L,L: layers kept "
+    "at f16; G: group size; R: residual tokens. Names are case-insensitive; llama.cpp: is "
+    "llamacpp:.")
+
+
 def allowed_settings() -> str:
-    """Every accepted form, with its allowed values (for error messages and ``--help``)."""
-    return ("llamacpp:K/V[:norot|:rot][:nofa] (K, V: " + ", ".join(LLAMACPP_TYPES) + "), "
-            "vllm:D[@head][:pP|:sS][:skip=L,L] (D: " + ", ".join(VLLM_DTYPES) + "), "
-            "vllm:T (T: " + ", ".join(TURBOQUANT_TYPES) + "), "
-            "sglang:D[@head][:pP|:sS] (D: " + ", ".join(SGLANG_DTYPES) + "), "
-            "transformers:quanto-B[:axis_key=A][:axis_value=A][:group=G][:residual=R] "
-            "(B: 2, 4; A: 0, -1)")
+    """Every accepted form, with its allowed values, on one line (for error messages)."""
+    return "; ".join(setting_forms())
+
+
+def setting_grammar() -> str:
+    """The grammar as ``--help`` prints it: one form per line, then what the options mean."""
+    return "\n".join(f"  {form}" for form in setting_forms()) + "\n" + SETTING_OPTIONS
 
 
 def _bad(name: str, why: str) -> ConfigError:

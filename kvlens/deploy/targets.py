@@ -28,6 +28,7 @@ Pipeline:
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 from collections.abc import Callable
@@ -52,6 +53,7 @@ from kvlens.deploy.kld_model import fit_kld_model
 from kvlens.deploy.presets import engine_config
 from kvlens.errors import ConfigError, InputError
 from kvlens.evaluation import EvalOptions, evaluate_configs
+from kvlens.evaluation.kld import DEFAULT_EVAL_TOKENS
 from kvlens.model.engine_matmul import engine_matmuls
 from kvlens.model.load import load_model
 from kvlens.quant import QuantSpec, fake_quantize, fake_quantize_format
@@ -62,6 +64,8 @@ from kvlens.quant.llamacpp_cpu import query_to_vec_dot
 from kvlens.recommend import model_spec_from_capture
 
 TARGETS = ("kvlens", "llama.cpp", "vllm", "sglang", "transformers")
+# other spellings of a target: llamacpp is how engine settings name llama.cpp (llamacpp:q8_0)
+TARGET_ALIASES = {"llamacpp": "llama.cpp"}
 QUANTO = [(b, ak, av, g) for b in (4, 2) for ak in (0, -1) for av in (0, -1) for g in (64, 32)]
 DOCS = {
     "llama.cpp": "llama.cpp tools/server README: -ctk/--cache-type-k, -ctv/--cache-type-v, "
@@ -77,6 +81,20 @@ DOCS = {
 }
 
 
+def canonical_target(name: str) -> str:
+    """The ``TARGETS`` entry ``name`` spells (case-insensitive; ``TARGET_ALIASES`` included),
+    or ``ConfigError`` naming the closest target and every allowed one."""
+    key = str(name).strip().lower()
+    key = TARGET_ALIASES.get(key, key)
+    if key in TARGETS:
+        return key
+    close = difflib.get_close_matches(key, [*TARGETS, *TARGET_ALIASES], n=1, cutoff=0.6)
+    hint = f" Did you mean {TARGET_ALIASES.get(close[0], close[0])!r}?" if close else ""
+    aliases = ", ".join(f"{a} = {t}" for a, t in TARGET_ALIASES.items())
+    raise ConfigError(f"Unknown --target {name!r}.{hint} Allowed: {', '.join(TARGETS)} "
+                      f"({aliases}).")
+
+
 @dataclass(frozen=True)
 class TargetOptions:
     target: str
@@ -84,15 +102,16 @@ class TargetOptions:
     max_kld: float | None = None
     context: int = 4096
     samples: int = 1
-    tokens: int = 512
+    tokens: int = 256
     rotation: bool = True  # llama.cpp rotation (False: LLAMA_ATTN_ROT_DISABLE=1)
-    eval_tokens: int = 2048  # KLD anchors and --validate
+    # held-out tokens of the KLD anchors and --validate (kvlens recommend caps it at the
+    # model's context)
+    eval_tokens: int = DEFAULT_EVAL_TOKENS
     anchors: int = 3
     model: str | None = None
 
     def __post_init__(self) -> None:
-        if self.target not in TARGETS:
-            raise ConfigError(f"Unknown --target {self.target!r}; allowed: {', '.join(TARGETS)}.")
+        object.__setattr__(self, "target", canonical_target(self.target))
         if self.target != "kvlens" and self.budget_bits is None and self.max_kld is None:
             raise InputError(f"--target {self.target} needs --budget-bits B (lowest error "
                              "within B held bits per element) or --max-kld X (cheapest "

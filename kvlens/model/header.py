@@ -1,0 +1,163 @@
+"""What a model's files say about its shape before any weight is read: the layer count, the
+context length and the head counts, from ``config.json`` (a HuggingFace directory, or a hub
+id's config already in the local HuggingFace cache) or from a GGUF file's metadata (its
+key-value header is read; the tensor data is not touched).
+
+Commands check options that depend on the model (``capture --layers 99``, ``generate
+--retrieval-lengths``, a config naming layer 99) against it before the model loads. A field
+the files do not give is ``None``, and the check waits for the loaded model.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvlens.model.load import ModelSource
+
+
+@dataclass(frozen=True)
+class ModelHeader:
+    """A model's shape as its files declare it (``None``: not declared)."""
+
+    num_layers: int | None = None
+    max_positions: int | None = None  # max_position_embeddings / GGUF context_length
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    where: str = ""  # the file it was read from
+    architecture: str = ""
+    # Whether the model has RoPE is known only once it is built: assumed here, so that a check
+    # against the header refuses nothing the loaded model would accept.
+    declares_rope: bool = True
+
+    @property
+    def complete(self) -> bool:
+        """Whether layers, KV heads and head_dim are all declared (what ``validate_for`` reads,
+        ``kvlens.config.validate_for``, apart from RoPE)."""
+        return bool(self.num_layers and self.num_key_value_heads and self.head_dim)
+
+
+def read_header(source: ModelSource) -> ModelHeader:
+    """The ``ModelHeader`` of a resolved source; an empty one where nothing can be read
+    without loading (a hub model not in the local cache, an unreadable file)."""
+    try:
+        if source.kind == "gguf":
+            return _gguf_header(Path(source.location) / (source.gguf_file or ""))
+        if source.kind == "dir":
+            return _config_header(Path(source.location) / "config.json")
+        return _hub_header(source.location)
+    except (OSError, ValueError, struct.error, UnicodeDecodeError):
+        return ModelHeader()  # the load itself names what is wrong with the files
+
+
+def _positive(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 \
+        else None
+
+
+def _first(config: dict, *names: str) -> int | None:
+    for name in names:
+        value = _positive(config.get(name))
+        if value is not None:
+            return value
+    return None
+
+
+def header_from_config(config: dict, where: str = "") -> ModelHeader:
+    """A ``ModelHeader`` from a transformers config dict (a multimodal model's text part)."""
+    text = config.get("text_config")
+    if isinstance(text, dict) and not _first(config, "num_hidden_layers", "n_layer"):
+        config = text
+    layers = _first(config, "num_hidden_layers", "n_layer", "num_layers")
+    heads = _first(config, "num_attention_heads", "n_head")
+    kv = _first(config, "num_key_value_heads") or heads
+    hidden = _first(config, "hidden_size", "n_embd")
+    head_dim = _first(config, "head_dim") or (hidden // heads if hidden and heads else None)
+    names = config.get("architectures") or [config.get("model_type") or ""]
+    return ModelHeader(num_layers=layers, architecture=str(names[0]),
+                       max_positions=_first(config, "max_position_embeddings", "n_positions"),
+                       num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+                       where=where)
+
+
+def _config_header(path: Path) -> ModelHeader:
+    config = json.loads(path.read_text(encoding="utf-8"))
+    return header_from_config(config, str(path)) if isinstance(config, dict) else ModelHeader()
+
+
+def _hub_header(repo_id: str) -> ModelHeader:
+    """Only a config already in the local HuggingFace cache (no network here)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    path = try_to_load_from_cache(repo_id, "config.json")
+    return _config_header(Path(path)) if isinstance(path, str) else ModelHeader()
+
+
+# -- GGUF metadata ------------------------------------------------------------------------------
+
+# GGUF value types (ggml's gguf.h): type id -> struct format of a scalar
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
+            11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
+    """The key-value metadata of a GGUF file (version 2 or 3): scalars and strings as values,
+    arrays skipped (``None``). Reads the header only; raises ``ValueError`` for another file."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        version, _tensors, count = struct.unpack_from("<IQQ", buf, 4)
+        if version < 2:
+            raise ValueError(f"GGUF version {version} is not supported")
+        pos, out = 24, {}
+        for _ in range(count):
+            key, pos = _string(buf, pos)
+            (kind,), pos = struct.unpack_from("<I", buf, pos), pos + 4
+            out[key], pos = _value(buf, pos, kind)
+        return out
+
+
+def _string(buf, pos: int) -> tuple[str, int]:
+    (n,) = struct.unpack_from("<Q", buf, pos)
+    return bytes(buf[pos + 8:pos + 8 + n]).decode("utf-8", "replace"), pos + 8 + n
+
+
+def _value(buf, pos: int, kind: int) -> tuple[Any, int]:
+    if kind in _SCALARS:
+        fmt = _SCALARS[kind]
+        return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
+    if kind == _STRING:
+        return _string(buf, pos)
+    if kind == _ARRAY:
+        item, n = struct.unpack_from("<IQ", buf, pos)
+        pos += 12
+        if item in _SCALARS:
+            return None, pos + n * struct.calcsize(_SCALARS[item])
+        for _ in range(n):
+            _, pos = _value(buf, pos, item)
+        return None, pos
+    raise ValueError(f"unknown GGUF value type {kind}")
+
+
+def _gguf_header(path: Path) -> ModelHeader:
+    meta = read_gguf_metadata(path)
+    arch = meta.get("general.architecture")
+    if not isinstance(arch, str):
+        return ModelHeader()
+
+    def get(key: str) -> int | None:
+        return _positive(meta.get(f"{arch}.{key}"))
+
+    heads = get("attention.head_count")
+    hidden = get("embedding_length")
+    head_dim = get("attention.key_length") or (hidden // heads if hidden and heads else None)
+    return ModelHeader(num_layers=get("block_count"), max_positions=get("context_length"),
+                       num_attention_heads=heads,
+                       num_key_value_heads=get("attention.head_count_kv") or heads,
+                       head_dim=head_dim, where=str(path), architecture=arch)
