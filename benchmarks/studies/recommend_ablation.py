@@ -195,7 +195,10 @@ def main(argv=None) -> None:
     levers = [x for x in args.levers.split(",") if x and x != "none"]
     bad = [x for x in levers if x not in LEVERS]
     if bad:
-        ap.error(f"unknown levers {bad}; allowed: {', '.join(LEVERS)}")
+        opt_in = [x for x in bad if x in ("gear", "mikv")]
+        hint = (f" ({', '.join(opt_in)}: off by default, so measure them on with "
+                f"{' '.join(f'--variant {x}=true' for x in opt_in)})" if opt_in else "")
+        ap.error(f"unknown levers {bad}; allowed: {', '.join(LEVERS)}{hint}")
 
     from kvlens.config import save_config
     from kvlens.recommend import RecommendOptions
