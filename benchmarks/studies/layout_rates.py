@@ -252,7 +252,7 @@ def short(args) -> None:
     # one window (the largest): the multi-window scoring rule (tokens > 3 x the largest
     # window) is for the candidate errors; a layout forward quantizes every token
     largest = max(opts.window_sizes)
-    short_opts = replace(opts, tokens=args.short, windows=(largest,), residual_tokens=largest)
+    short_opts = replace(opts, tokens=args.short, windows=(largest,))
     with open_capture(args.capture) as cap:
         model, _ = load_model_for(cap, opts, [])
     cands = candidates(m.meta.head_dim, opts, m.meta.has_rope)

@@ -77,7 +77,7 @@ def main(argv=None) -> None:
         keep = n // 2
         # as layout_factors: one window (the largest), every token quantized
         largest = max(opts.window_sizes)
-        one = replace(opts, samples=1, tokens=n, windows=(largest,), residual_tokens=largest)
+        one = replace(opts, samples=1, tokens=n, windows=(largest,))
         ways = {
             "float32": (model, contextlib.nullcontext),
             "bfloat16 model": (copy.deepcopy(model).to(torch.bfloat16), contextlib.nullcontext),

@@ -90,10 +90,20 @@ def parse_variant(spec: str, opts) -> dict:
         elif raw.lower() in ("none", "null"):
             out[key] = None
         elif "tuple" in str(kind):
-            out[key] = tuple(int(x) for x in raw.split("/"))
-        else:  # int | None and the like
-            out[key] = int(raw) if raw.lstrip("-").isdigit() else float(raw)
+            out[key] = tuple(_scalar(x) for x in raw.split("/"))
+        else:  # int | None, int | str | None and the like
+            out[key] = _scalar(raw)
     return out
+
+
+def _scalar(raw: str):
+    """``"4"`` -> 4, ``"0.1"`` -> 0.1, anything else (``"auto"``, ``"mse"``) the string."""
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    return raw
 
 
 def recommendations(capture: str, opts, levers, log, variants=(), budgets=()) -> dict:
