@@ -2,7 +2,7 @@
 (codebook keys, per-token values, boundary layers exact, coded before attention) with the
 codebook-key layers' keys stored centred (``center_keys``) on the post-RoPE mean key of each
 layer and KV head, measured on a capture (``kvlens.quant.centering.key_mean``: the mean over
-every sample and token). docs/codebooks.md ("Centred codebook keys") has the measurement.
+every sample and token). docs/lab-notes/codebooks.md ("Centred codebook keys") has the measurement.
 
     kvlens capture -o smol.h5                                    # SmolLM2, the default model
     python benchmarks/studies/centred_codebook_keys.py smol.h5 -o tq4-centred.json

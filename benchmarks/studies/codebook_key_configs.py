@@ -1,4 +1,4 @@
-"""Configs for the codebook-key ablation (docs/codebooks.md, issue 36 item 4): what
+"""Configs for the codebook-key ablation (docs/lab-notes/codebooks.md, issue 36 item 4): what
 ``recommend``'s codebook keys change, chosen from one measurement.
 
     kvlens recommend run.h5 -b 3.0 --window-dtype float8_e4m3fn -o today-3.json
@@ -16,7 +16,7 @@ allocated from it:
 - ``all-B.json``: everything ``--codebooks --centering`` offers.
 
 Allocating from one measurement is what separate runs choose: the other candidates'
-measurements are the same (docs/codebooks.md, the codebook-value ablation). ``--centering``
+measurements are the same (docs/lab-notes/codebooks.md, the codebook-value ablation). ``--centering``
 offers the per-token keys centred *instead of* plain, so today's config (no option) cannot be
 chosen from this measurement where it takes plain per-token keys: make it with ``kvlens
 recommend`` as above. Prints each config's held bits and the layers whose key or value layout

@@ -1,4 +1,4 @@
-"""Tables for docs/codebooks.md: codebooks and key centering against the uniform variants.
+"""Tables for docs/lab-notes/codebooks.md: codebooks and key centering against the uniform variants.
 
 Two modes:
 

@@ -1,4 +1,4 @@
-"""A model-level check of cross-layer prediction (docs/codebooks.md "Cross-layer prediction"):
+"""A model-level check of cross-layer prediction (docs/lab-notes/codebooks.md "Cross-layer prediction"):
 KL divergence of a model's next-token distribution (SmolLM2 or Gemma3) with fake-quantized keys and values, with and
 without AQUA-KV-style prediction, on the built-in held-out text.
 

@@ -1,4 +1,4 @@
-"""Tables for docs/codebooks.md "Cross-layer prediction": AQUA-KV-style prediction against plain
+"""Tables for docs/lab-notes/codebooks.md "Cross-layer prediction": AQUA-KV-style prediction against plain
 quantization at the same held bits.
 
 Two modes:
