@@ -95,3 +95,19 @@ def stored_view(x, spec, f, n_q, window_dtype=torch.float16):
                              q.shape))
     deq = deq.reshape(b, n_q // f, h, f, d).transpose(1, 2).reshape(b, h, n_q, d)
     return torch.cat((deq, x[:, :, n_q:].half().float()), dim=2)
+
+
+def small_options(**kw):
+    """``RecommendOptions`` with the small settings these tests were written for where they do
+    not say otherwise: one window (``residual_tokens`` R: ``windows=(R,)``; default 128), 256
+    tokens and uniform sensitivity. The library's own defaults are what ``kvlens recommend``
+    runs (several windows, layout sensitivity), slower on the synthetic captures here."""
+    from kvlens.recommend import RecommendOptions
+
+    r = kw.pop("residual_tokens", None)
+    if r is not None:
+        kw["windows"] = (r,)
+    kw.setdefault("windows", (128,))
+    kw.setdefault("tokens", 256)
+    kw.setdefault("sensitivity", "uniform")
+    return RecommendOptions(**kw)

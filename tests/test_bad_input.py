@@ -35,6 +35,19 @@ def files(tmp_path_factory):
     model = d / "model"  # resolves as a HF model directory; loading it would fail the test
     model.mkdir()
     (model / "config.json").write_text("{}")
+    # a model directory whose config.json declares its shape (2 layers, 256 positions): the
+    # options that depend on the model are checked against it, still without loading it
+    shaped = d / "shaped"
+    shaped.mkdir()
+    (shaped / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 2, "max_position_embeddings": 256, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "hidden_size": 256}))
+    from dataclasses import replace
+
+    from kvlens.config import preset, save_config
+
+    kivi = preset("kivi-2")
+    save_config(replace(kivi, name="layer99", layers={99: kivi.default}), d / "layer99.json")
     (d / "text.txt").write_text("Some text to read. " * 20, encoding="utf-8")
     (d / "exists.json").write_text("{}")
     (d / "exists.h5").write_bytes(b"keep me")
@@ -94,6 +107,11 @@ ROWS = [
     ("capture --model {model} --device-map sideways -o {dir}/a.h5", "Unknown --device-map", 1),
     ("capture --model {model} -o {exists_h5}", "already exists; pass --overwrite", 1),
     ("capture --model {model} -o {nofolder}", "does not exist", 1),
+    # capture --layers: the syntax always, the range against the layer count the model's files
+    # declare (config.json, or the embedded SmolLM2 GGUF's metadata: 30 layers)
+    ("capture --model {model} --layers abc -o {dir}/a.h5", "'abc' is not an index", 1),
+    ("capture --model {shaped} --layers 0,99 -o {dir}/a.h5", "[99] outside 0-1", 1),
+    ("capture --layers 99 -o {dir}/a.h5", "[99] outside 0-29 (the model has 30 layers)", 1),
     # capture files that are missing, foreign or corrupt
     ("compare-axes {missing}", "not found", 1),
     ("compare-axes {foreign}", "not a kvlens capture", 1),
@@ -109,30 +127,58 @@ ROWS = [
     ("compare-axes {cap} --plots {exists_json}", "is not a directory", 1),
     ("plot-outliers {cap} --out {outliers}", "already holds outliers.json", 1),
     ("plot-outliers {cap} --out {dir}/o --format bmp", "Unknown --format 'bmp'", 1),
+    # compare-axes: an option no requested variant reads, more samples than the capture holds
+    ("compare-axes {cap} --rank 3", "--rank is read by --variants lowrank", 1),
+    ("compare-axes {cap} --rotation-seed 3", "--rotation-seed is read by --variants rotate", 1),
+    ("compare-axes {cap} --outlier-fraction 0.1", "--outlier-fraction is read by --variants "
+     "outliers", 1),
+    ("compare-axes {cap} --samples 10", "--samples 10: ", 1),
     # recommend: placement, model, option combinations, outputs -- all before measuring
     ("recommend {cap} -b 3 --device-map auto --max-memory 0=abc", "Invalid --max-memory", 1),
     ("recommend {cap} -b 3 --model {dir}/nope", "Model not found", 1),
-    ("recommend {cap} -b 3 --group-sizes 48", "do not divide", 1),
+    ("recommend {cap} -b 3 --set group-sizes=48", "do not divide", 1),
     ("recommend {cap} -b 3 --max-kld 0.1", "only for an engine target", 1),
-    ("recommend {cap} -b 3 --kld-anchors 2", "only for an engine target", 1),
-    ("recommend {cap} --target vllm -b 9 --flush 16 --name x",
-     "--flush, --name: not used by --target vllm", 1),
+    ("recommend {cap} -b 3 --set kld-anchors=2", "only for an engine target", 1),
+    ("recommend {cap} --target vllm -b 9 --set flush=16 --name x",
+     "--name, --set flush: not used by --target vllm", 1),
+    ("recommend {cap} --target vllm -b 9 --windows 64", "--windows: not used by --target", 1),
     ("recommend {cap} --target vllm -b 9 --eval-tokens 128", "--eval-tokens sets", 1),
-    ("recommend {cap} --target vllm -b 9 --kld-anchors 2", "give --max-kld too", 1),
+    ("recommend {cap} --target vllm -b 9 --set kld-anchors=2", "give --max-kld too", 1),
     ("recommend {cap} --target vllm -b 9 --device-map auto", "no model is loaded here", 1),
     ("recommend {cap} --target tgi -b 9", "Unknown --target 'tgi'", 1),
-    ("recommend {cap} -b 3 --sensitivity uniform --retrieval off --model {model}",
+    ("recommend {cap} -b 3 --set sensitivity=uniform --set retrieval=off --model {model}",
      "no model is loaded here", 1),
-    ("recommend {cap} -b 3 --thorough --no-mikv --mikv-bits 4", "--no-mikv removes", 1),
-    ("recommend {cap} -b 3 --no-mikv", "add --thorough", 1),
+    ("recommend {cap} -b 3 --set mikv-bits=4", "add --thorough", 1),
+    ("recommend {cap} -b 3 --thorough --set mikv=off --set mikv-fractions=0.1",
+     "MiKV candidates, which are not offered", 1),
+    ("recommend {cap} -b 3 --set balancer=off --set balancer-exponent=0.3",
+     "--set balancer=off removes", 1),
+    ("recommend {cap} -b 3 --thorough --set prefer-fast=on", "not read by the fused kernel", 1),
     ("recommend {cap} -b 3 --retrieval-prompts 2", "applies to --validate", 1),
-    ("recommend {cap} -b 3 --sensitivity model --layout-tokens 256",
-     "--layout-tokens: shape the layout sensitivity", 1),
-    ("recommend {cap} -b 3 --sensitivity uniform --layout-layers 2 --layout-tokens 256",
-     "--layout-layers, --layout-tokens: shape the layout sensitivity", 1),
-    ("recommend {cap} -b 3 --layout-tokens 64", "above the largest window (128)", 1),
+    ("recommend {cap} -b 3 --set sensitivity=model --set layout-tokens=256",
+     "--set layout-tokens: shape the layout sensitivity", 1),
+    ("recommend {cap} -b 3 --set sensitivity=uniform --set layout-layers=2 "
+     "--set layout-tokens=256", "--set layout-layers, --set layout-tokens: shape the layout", 1),
+    ("recommend {cap} -b 3 --set layout-tokens=64", "above the largest window (128)", 1),
+    ("recommend {cap} -b 3 --set retrieval=off --set retrieval-weight=2",
+     "--set retrieval=off skips", 1),
     ("recommend {cap} -b 3 -o {exists_json}", "already exists; pass --overwrite", 1),
     ("recommend {cap} --target vllm -b 9 -o {new_json}", "kv_scales.json already exists", 1),
+    # recommend: what the capture's shape settles before any measurement
+    ("recommend {cap} -b 1.0", "The budget is too small", 1),
+    ("recommend {cap} -b 3 --samples 99", "holds 2 samples", 1),
+    ("recommend {cap} -b 3 --tokens 99999", "tokens per sample", 1),
+    ("recommend {cap} -b 3 --windows 0", "Window sizes [0] are not allowed", 1),
+    # recommend: the research door (--set)
+    ("recommend {cap} -b 3 --set bogus=1", "unknown lever 'bogus'", 1),
+    ("recommend {cap} -b 3 --set codebok=on", "did you mean codebooks", 1),
+    ("recommend {cap} -b 3 --set codebooks", "expected NAME=VALUE", 1),
+    ("recommend {cap} -b 3 --set codebooks=maybe", "expected on|off", 1),
+    ("recommend {cap} -b 3 --set bits=2,x", "expected int,...", 1),
+    ("recommend {cap} -b 3 --set flush=8 --set flush=16", "given twice", 1),
+    ("recommend {cap} --target vllm -b 9 --set codebooks=on",
+     "--set codebooks: not used by --target vllm", 1),
+    ("recommend {cap} -b 3 --thorough --target vllm", "--thorough: not used by --target", 1),
     # generate: presets, configs, texts, outputs, the model's options
     ("generate --preset kivi-9 --prompt x", "Unknown preset 'kivi-9'", 1),
     # an engine-setting error lists the grammar with brackets: printed, not eaten as markup
@@ -147,6 +193,16 @@ ROWS = [
     ("generate --preset kivi-2 --prompt x --model {dir}/nope", "Model not found", 1),
     ("generate --preset kivi-2 --prompt x --report-json {exists_json}",
      "already exists; pass --overwrite", 1),
+    ("generate --preset kivi-2 --prompt x --backend cuda", "Unknown --backend 'cuda'", 1),
+    # generate: what depends on the model, against the shape its files declare
+    ("generate --preset kivi-2 --eval retrieval --retrieval-lengths 100000",
+     "Retrieval lengths 100000 do not fit", 1),
+    ("generate --model {shaped} --preset kivi-2 --eval retrieval --retrieval-lengths 1000",
+     "allowed 64-", 1),
+    ("generate --model {shaped} --preset kivi-2 --eval kld --eval-tokens 300",
+     "beyond the model's context", 1),
+    ("generate --config {layer99} --prompt x", "overrides layers [99], but the model has 30", 1),
+    ("generate --model {shaped} --config {layer99} --prompt x", "allowed indices: 0-1", 1),
     # report
     ("report {empty}", "holds no kvlens results", 1),
     ("report {dir}/nope", "is not a folder", 1),
@@ -156,8 +212,22 @@ ROWS = [
     ("capture -s many", "valid integer", 2),
     ("capture --model {model} -s 0 -o {dir}/a.h5", "Invalid value for '--samples'", 2),
     ("capture --model {model} -t 1 -o {dir}/a.h5", "Invalid value for '--tokens'", 2),
+    ("compare-axes {cap} --samples 0", "Invalid value for '--samples'", 2),
+    ("compare-axes {cap} --rank 0", "Invalid value for '--rank'", 2),
+    ("compare-axes {cap} --outlier-fraction 1", "Invalid value for '--outlier-fraction'", 2),
+    ("compare-axes {cap} --threads 0", "Invalid value for '--threads'", 2),
+    ("plot-outliers {cap} --out {dir}/o --top 0", "Invalid value for '--top'", 2),
+    ("plot-outliers {cap} --out {dir}/o --threshold 1", "Invalid value for '--threshold'", 2),
+    ("generate --preset kivi-2 --prompt x --max-new-tokens 0",
+     "Invalid value for '--max-new-tokens'", 2),
+    ("generate --preset kivi-2 --eval kld --chunk 0", "Invalid value for '--chunk'", 2),
     ("recommend {cap} -b 3 --samples 0", "Invalid value for '--samples'", 2),
-    ("recommend", "Missing argument", 2),
+    ("recommend {cap} -b 0", "Invalid value for '--budget-bits'", 2),
+    ("recommend {cap} -b 17", "Invalid value for '--budget-bits'", 2),
+    ("recommend {cap} -b 3 --retrieval-prompts -1", "Invalid value for '--retrieval-prompts'",
+     2),
+    ("recommend {cap} --target llama.cpp --max-kld 0", "Invalid value for '--max-kld'", 2),
+    ("recommend -b 3", "CAPTURE", 2),
 ]
 
 
@@ -189,8 +259,8 @@ def test_an_explicit_model_that_cannot_load_is_an_error_not_a_fallback(files, tm
     from test_recommend import _planted_capture
 
     cap = _planted_capture(tmp_path / "p.h5")
-    res = runner.invoke(app, ["recommend", str(cap), "-b", "3.5", "--residual", "128",
-                              "--group-sizes", "32", "--retrieval", "off", "--model",
+    res = runner.invoke(app, ["recommend", str(cap), "-b", "3.5", "--windows", "128",
+                              "--set", "group-sizes=32", "--set", "retrieval=off", "--model",
                               str(files["model"])])
     assert res.exit_code == 1 and isinstance(res.exception, SystemExit), res.output
     assert "error:" in res.output and "uniform layer weights" not in res.output

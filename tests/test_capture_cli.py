@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -134,7 +136,7 @@ def test_every_option_sits_in_a_help_panel_and_help_text_is_literal():
         writes = any(p.name in ("output", "out", "plots", "report_json") for p in command.params)
         assert bool(overwrite) == writes, f"{name}: every command that writes takes --overwrite"
     res = runner.invoke(app, ["generate", "--help"], env={"COLUMNS": "200"})
-    assert res.exit_code == 0 and "vllm:D[@head][:pP]" in " ".join(res.stdout.split())
+    assert res.exit_code == 0 and "vllm:D[@head][:pP|:sS]" in " ".join(res.stdout.split())
     res = runner.invoke(app, ["recommend", "--help"], env={"COLUMNS": "120"})
     for panel in ("Input", "Budget & candidates", "Measurement", "Engine targets",
                   "Model & placement", "Validation", "Output"):
@@ -163,3 +165,85 @@ def test_tables_use_a_log_width_where_stdout_is_not_a_terminal(monkeypatch):
     assert "0.0005 [0.0005, 0.0006]" not in cap.get()
     monkeypatch.setenv("COLUMNS", "90")
     assert common._console().width == 90
+
+
+# -- --help: whole, true, with examples -----------------------------------------------------
+
+def _commands() -> dict:
+    import typer
+
+    return typer.main.get_command(app).commands
+
+
+def _help(args: list[str], columns: int = 80) -> str:
+    res = runner.invoke(app, [*args, "--help"], env={"COLUMNS": str(columns)})
+    assert res.exit_code == 0, res.output
+    return res.stdout
+
+
+def _flat(text: str) -> str:
+    """Help text as one line: panel borders dropped, wrapped lines joined."""
+    return " ".join(re.sub(r"[│╭╮╰╯─]", " ", text).split())
+
+
+@pytest.mark.parametrize("command", ["capture", "compare-axes", "plot-outliers", "generate",
+                                     "recommend", "report"])
+def test_help_is_whole_at_80_columns(command):
+    """Rich cuts a word too long for its cell with an ellipsis: no help text may be cut."""
+    assert command in _commands()
+    text = _help([command])
+    assert "…" not in text, text
+    assert not re.search(r"\w\.\.\.\s*│", text), text
+
+
+def test_every_command_is_covered_by_the_help_tests():
+    assert set(_commands()) == {"capture", "compare-axes", "plot-outliers", "generate",
+                                "recommend", "report"}
+
+
+def test_flags_show_no_value_type():
+    """A flag takes no value: --help shows none (typer would print ``--overwrite <bool>``)."""
+    for args in ([], *([c] for c in _commands())):
+        text = _help(args, 120)
+        assert "<bool>" not in text, args
+    assert re.search(r"--overwrite +Replace existing", _help(["capture"], 120))
+
+
+@pytest.mark.parametrize("command", ["capture", "compare-axes", "plot-outliers", "generate",
+                                     "recommend", "report"])
+def test_help_opens_with_examples_that_parse(command):
+    """2-3 example command lines above the options, each one the CLI accepts (checked as
+    tests/test_docs.py checks the docs' command lines)."""
+    from test_docs import CommandLine, problems
+
+    text = _help([command], 120)
+    before_options = text.split("╭─", 1)[0]
+    examples = [line.strip() for line in before_options.splitlines()
+                if line.strip().startswith(f"kvlens {command}")]
+    assert 2 <= len(examples) <= 3, before_options
+    for example in examples:
+        line = CommandLine(page=Path(__file__), line=0, text=example, complete=True)
+        assert problems(line) == [], example
+
+
+def test_engine_setting_grammar_is_one_text_in_help_and_errors():
+    """--help and the error for a bad engine setting print the same grammar, from one
+    definition (kvlens.config.engine.setting_forms)."""
+    from kvlens.config.engine import SETTING_OPTIONS, setting_forms
+
+    help_text = _flat(_help(["generate"], 80))
+    res = runner.invoke(app, ["generate", "--compare", "vllm:nope", "--prompt", "x"])
+    assert res.exit_code == 1 and res.output.startswith("error:")
+    error = _flat(res.output)
+    for form in setting_forms():
+        assert form in help_text, form
+        assert form in error, form
+    assert " ".join(SETTING_OPTIONS.split()) in help_text
+
+
+def test_help_names_no_measured_number():
+    """Help texts describe; measured numbers (seconds, KLDs, speed-ups) belong in docs/."""
+    for command in _commands():
+        text = _flat(_help([command], 200))
+        assert not re.search(r"\d+(\.\d+)? ?(s|min|seconds|minutes)\b|\d+(\.\d+)?x faster|"
+                             r"KLD (of |= ?)?\d", text), (command, text)

@@ -161,10 +161,6 @@ def test_foreign_hdf5_is_refused(tmp_path):
         (["--variants", "gear"], "Unknown variant 'gear'"),
         (["--layers", "7"], "Layer 7 is not in"),
         (["--layers", "x"], "Invalid layer spec"),
-        (["--samples", "0"], "Invalid samples 0"),
-        (["--threads", "0"], "Invalid threads 0"),
-        (["--outlier-fraction", "2"], "Invalid outlier fraction"),
-        (["--rotation-seed", "-1"], "Invalid rotation seed -1"),
     ],
 )
 def test_bad_options(capture, args, message):
@@ -172,6 +168,24 @@ def test_bad_options(capture, args, message):
     assert res.exit_code == 1, res.output
     assert message in " ".join(res.output.split())
     assert "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("args", [["--samples", "0"], ["--threads", "0"],
+                                  ["--outlier-fraction", "2"], ["--rotation-seed", "-1"],
+                                  ["--sinks", "-1"], ["--rank", "0"]])
+def test_numbers_outside_their_declared_range_are_refused_by_the_parser(capture, args):
+    """Exit code 2, as for every command: the range is declared on the option."""
+    res = _run(capture, *SMALL, *args)
+    assert res.exit_code == 2, res.output
+    assert f"Invalid value for '{args[0]}'" in " ".join(res.output.split())
+
+
+def test_an_option_of_a_variant_is_read_with_it(capture):
+    """--rank, --outlier-fraction, --rotation-seed are accepted with the variant that reads
+    them (and refused without it: tests/test_bad_input.py)."""
+    res = _run(capture, *SMALL, "--bits", "2", "--variants", "lowrank,rotate", "--rank", "1",
+               "--rotation-seed", "3", "--samples", "1")
+    assert res.exit_code == 0, res.output
 
 
 def test_missing_file_and_plots_on_a_file(capture, tmp_path):

@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import small_options
 from test_recommend import _planted_capture, runner
 
 from kvlens.cli import app
 from kvlens.errors import InputError
-from kvlens.recommend import RecommendOptions, recommend
+from kvlens.recommend import recommend
 
 
 def test_decode_cost_model_counts_bytes_read_per_step():
@@ -46,21 +47,21 @@ def test_decode_cost_model_counts_bytes_read_per_step():
 
 def test_prefer_fast_keeps_only_fused_layouts(tmp_path):
     path = _planted_capture(tmp_path / "p.h5")
-    opts = RecommendOptions(budget_bits=3.5, group_sizes=(32,), bits=(2, 4), prefer_fast=True)
+    opts = small_options(budget_bits=3.5, group_sizes=(32,), bits=(2, 4), prefer_fast=True)
     rec = recommend(path, opts)
     assert all(c.candidate.stage == "post" for c in rec.choices)
     names = [n for n, _ in rec.decode_cost]
     assert names[0] == rec.config.name and "kivi-2" in names and "fp16" in names
     assert rec.decode_cost[0][1].fused
     assert "per-token-4" not in names  # G64 per-token groups do not fit head_dim 32
-    with pytest.raises(InputError, match="--prefer-fast"):
-        RecommendOptions(budget_bits=3.5, pre_rope="on", prefer_fast=True)
-    res = runner.invoke(app, ["recommend", str(path), "-b", "3.5", "--group-sizes", "32",
-                              "--bits", "2,4", "--prefer-fast", "--json", "--residual", "128"])
+    with pytest.raises(InputError, match="--set prefer-fast"):
+        small_options(budget_bits=3.5, pre_rope="on", prefer_fast=True)
+    res = runner.invoke(app, ["recommend", str(path), "-b", "3.5", "--set", "group-sizes=32",
+                              "--set", "bits=2,4", "--set", "prefer-fast=on", "--json", "--windows", "128"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert doc["decode_cost"][0]["fused"] and doc["decode_cost"][0]["read_vs_fp16"] < 0.5
     assert doc["config"]["scale_dtype"] == "8bit"  # the kernel reads 8-bit metadata too
-    res = runner.invoke(app, ["recommend", str(path), "-b", "3.5", "--group-sizes", "32",
-                              "--bits", "2,4", "--residual", "128"])
+    res = runner.invoke(app, ["recommend", str(path), "-b", "3.5", "--set", "group-sizes=32",
+                              "--set", "bits=2,4", "--windows", "128"])
     assert res.exit_code == 0 and "Decode cost at 4,096 tokens" in res.output

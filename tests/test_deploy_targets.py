@@ -237,7 +237,9 @@ def test_every_printed_setting_resolves_in_generate_to_the_same_config(outlier_c
 
 def test_generate_compare_accepts_what_recommend_prints(outlier_capture, monkeypatch):
     """The CLI path: every vLLM setting recommend prints is accepted by `generate --compare`
-    (parsing happens before the model loads, which is stopped here)."""
+    (parsing happens before the model's files are read, which is stopped here: the capture's
+    scales do not fit the default model)."""
+    import kvlens.model.header
     import kvlens.model.load
     from kvlens.deploy.targets import candidates_for, measure_errors
     from kvlens.errors import ModelLoadError
@@ -246,6 +248,7 @@ def test_generate_compare_accepts_what_recommend_prints(outlier_capture, monkeyp
         raise ModelLoadError("stopped after parsing")
 
     monkeypatch.setattr(kvlens.model.load, "load_model", stop)
+    monkeypatch.setattr(kvlens.model.header, "read_header", stop)
     opts = TargetOptions("vllm", budget_bits=16)
     names = [c.setting for c in candidates_for("vllm", *measure_errors(outlier_capture, "vllm",
                                                                        opts), opts)]
@@ -275,3 +278,21 @@ def test_llamacpp_key_errors_see_the_query_in_the_key_types_dot_product_type():
     plain = _llamacpp_query(q, parse_cache_type("q4_0+norot"), "q4_0")
     assert torch.allclose(plain, dequantize_ggml(quantize_ggml(q, GGML_FORMATS["q8_0"])))
     assert _llamacpp_query(q, parse_cache_type("f16"), "f16") is q
+
+
+def test_target_names_take_the_engine_setting_spelling_and_suggest_the_closest():
+    """--target llamacpp is llama.cpp (as engine settings spell it, llamacpp:q8_0), names are
+    case-insensitive, and an unknown name gets the closest target and every allowed one."""
+    from kvlens.deploy.targets import TARGETS, TargetOptions, canonical_target
+    from kvlens.errors import ConfigError
+
+    assert canonical_target("llamacpp") == canonical_target("LLAMA.CPP") == "llama.cpp"
+    assert TargetOptions(target="llamacpp", budget_bits=4.0).target == "llama.cpp"
+    with pytest.raises(ConfigError) as err:
+        canonical_target("vlm")
+    message = str(err.value)
+    assert "Unknown --target 'vlm' (did you mean 'vllm'?); allowed:" in message
+    assert all(t in message for t in TARGETS)
+    with pytest.raises(ConfigError, match="Unknown --target 'tgi'; allowed: kvlens") as err:
+        canonical_target("tgi")
+    assert "did you mean" not in str(err.value)

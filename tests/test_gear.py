@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import reference_attention, stub_session
+from helpers import reference_attention, small_options, stub_session
 
 from kvlens.cache.gear import GearTensor, part_bytes
 from kvlens.cache.layer import CompressedLayer
@@ -264,7 +264,6 @@ def test_recommend_measures_prices_and_writes_gear(tmp_path):
     from kvlens.cache.layout import ModelShape, config_bits
     from kvlens.recommend import (
         Candidate,
-        RecommendOptions,
         Stream,
         candidates,
         choose,
@@ -274,7 +273,7 @@ def test_recommend_measures_prices_and_writes_gear(tmp_path):
     )
 
     path = _planted_capture(tmp_path / "p.h5", has_rope=False)
-    opts = RecommendOptions(budget_bits=4.0, group_sizes=(32,), bits=(2, 4), balancer=False,
+    opts = small_options(budget_bits=4.0, group_sizes=(32,), bits=(2, 4), balancer=False,
                             rotation=False, sensitivity="uniform", retrieval="off",
                             fp_dtype="float16", gear=True)  # outliers priced at 2 bytes below
     cands = candidates(32, opts, has_rope=False)
@@ -283,7 +282,7 @@ def test_recommend_measures_prices_and_writes_gear(tmp_path):
     assert not any(c.gear for c in candidates(32, replace(opts, gear=False), False))
     m = measure(path, opts)
     f = opts.layer_flush(Candidate("key", 2, "per-channel", 32))
-    s = Stream(opts.residual_tokens, f)
+    s = Stream(max(opts.window_sizes), f)
     for table in m.tables:  # measured: 0.63-0.77x, except 2-bit per-token keys (0.77-0.91x)
         for c in (c for c in cands if c.gear):
             plain_err, gear_err = table[replace(c, gear=False), s][0], table[c, s][0]
@@ -293,7 +292,7 @@ def test_recommend_measures_prices_and_writes_gear(tmp_path):
     k, v = Candidate("key", 2, "per-channel", 32), Candidate("value", 2, "per-token", 32)
     plain = option_bytes(k, v, f, opts, shape, 0)
     gear = option_bytes(replace(k, gear=True), replace(v, gear=True), f, opts, shape, 0)
-    held = opts.context - opts.residual_tokens + f  # the layout's quantized tokens at context
+    held = opts.context - max(opts.window_sizes) + f  # the layout's quantized tokens at context
     extra = sum(2 * sum(part_bytes(c.spec(), gear_settings(), held - held % f, f, 32, 2))
                 for c in (k, v))
     assert gear[0] - plain[0] == extra > 0

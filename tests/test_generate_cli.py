@@ -133,21 +133,37 @@ def test_generate_kld_table(tiny_model_dir, tiny_kivi):
     assert re.search(r"minus mean KLD .*: tiny-kivi [+-]\d\.\d{4} \[[+-]\d\.\d{4}, [+-]", flat)
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--eval-tokens", "300"], "max_position_embeddings is 256; allowed: 2-256"),
-    (["--eval-tokens", "64", "--chunk", "65"], "--chunk must be between 1"),
-    (["--chunk", "0"], "--chunk must be at least 1"),
-    (["--eval", "retrieval", "--retrieval-lengths", "1000"], "allowed 64-240 tokens"),
-    (["--eval", "retrieval", "--retrieval-lengths", "2k"], "comma list of integers"),
-    (["--eval", "retrieval", "--retrieval-prompts", "0"], "--retrieval-prompts must be at"),
+@pytest.mark.parametrize("args,message,code", [
+    (["--eval-tokens", "300"], "max_position_embeddings is 256; allowed: 2-256", 1),
+    (["--eval-tokens", "64", "--chunk", "65"], "--chunk must be between 1", 1),
+    (["--chunk", "0"], "Invalid value for '--chunk'", 2),  # below its declared minimum
+    (["--eval", "retrieval", "--retrieval-lengths", "1000"], "allowed 64-240 tokens", 1),
+    (["--eval", "retrieval", "--retrieval-lengths", "2k"], "comma list of integers", 1),
+    (["--eval", "retrieval", "--retrieval-prompts", "0"], "Invalid value for", 2),
 ])
-def test_generate_long_eval_bad_input(tiny_model_dir, args, message):
+def test_generate_long_eval_bad_input(tiny_model_dir, args, message, code):
+    """Refused before the model loads: the tiny model's config.json declares its context."""
     base = ["generate", "--model", str(tiny_model_dir), "--preset", "fp16"]
     if "--eval" not in args:
         args = ["--eval", "kld", *args]
     result = runner.invoke(app, [*base, *args])
-    assert result.exit_code == 1, result.output
-    assert message in result.output
+    assert result.exit_code == code, result.output
+    assert message in " ".join(result.output.split())
+    assert "Loading" not in result.output
+
+
+def test_the_model_header_is_read_without_loading(tiny_model_dir):
+    """kvlens.model.header: the shape a model's files declare, from config.json or a GGUF
+    file's metadata, equals the loaded model's (the embedded SmolLM2: 30 layers, 8192
+    positions)."""
+    from kvlens.model.header import read_header
+    from kvlens.model.load import resolve_model
+
+    tiny = read_header(resolve_model(str(tiny_model_dir)))
+    assert tiny.num_layers is not None and tiny.max_positions == 256 and tiny.complete
+    gguf = read_header(resolve_model(None))
+    assert (gguf.num_layers, gguf.max_positions, gguf.num_key_value_heads, gguf.head_dim) == \
+        (30, 8192, 3, 64)
 
 
 def test_generate_kld_longer_than_the_text(tiny_model_dir, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import small_options
 
 from kvlens.analysis.heavy_hitters import set_membership, set_reconstruction
 from kvlens.analysis.metrics import (
@@ -217,14 +218,13 @@ def _heavy_capture(path, heavy_layers=(0,), seed=0):
 
 
 def _opts(**kw):
-    from kvlens.recommend import RecommendOptions
 
     # min/max codes only: set twins are built on them (a fitted twin is not offered), so
     # these tests compare sets with the codes they sit beside
     base = dict(budget_bits=4.2, bits=(2,), group_sizes=(32,), sensitivity="uniform",
                 retrieval="off", sink_tokens=0, rotation=False, balancer=False, gear=False, mikv=True,
                 value_fits=("minmax",), scale_dtype="float16")  # budgets sized for float16
-    return RecommendOptions(**(base | kw))
+    return small_options(**(base | kw))
 
 
 def test_recommend_puts_a_set_where_the_heavy_hitters_are(tmp_path):
@@ -291,18 +291,18 @@ def test_bad_set_widths_and_fractions_name_the_allowed_values(tmp_path):
         _opts(mikv_fractions=(0.2, 0.7))
     path = _heavy_capture(tmp_path / "h.h5")
     res = CliRunner().invoke(app, ["recommend", str(path), "-b", "4", "--thorough",
-                                   "--mikv-bits", "2"])
+                                   "--set", "mikv-bits=2"])
     assert res.exit_code == 1 and "allowed: 4, 8" in res.output
     res = CliRunner().invoke(app, ["recommend", str(path), "-b", "4", "--thorough",
-                                   "--mikv-fractions", "x"])
-    assert res.exit_code == 1 and "comma list of numbers" in res.output
+                                   "--set", "mikv-fractions=x"])
+    assert res.exit_code == 1 and "expected float,..." in res.output
     # MiKV candidates belong to the full search: asking for them without it is refused
-    res = CliRunner().invoke(app, ["recommend", str(path), "-b", "4", "--mikv-bits", "4"])
+    res = CliRunner().invoke(app, ["recommend", str(path), "-b", "4", "--set", "mikv-bits=4"])
     assert res.exit_code == 1 and "add --thorough" in res.output
-    res = CliRunner().invoke(app, ["recommend", str(path), "-b", "4.2", "--bits", "2",
-                                   "--group-sizes", "32", "--sinks", "0", "--no-rotation",
-                                   "--no-balancer", "--sensitivity", "uniform", "--retrieval",
-                                   "off", "--thorough", "--no-mikv", "--residual", "128", "--json"])
+    res = CliRunner().invoke(app, ["recommend", str(path), "-b", "4.2", "--set", "bits=2",
+                                   "--set", "group-sizes=32", "--set", "sinks=0", "--set", "rotation=off",
+                                   "--set", "balancer=off", "--set", "sensitivity=uniform", "--set",
+                                   "retrieval=off", "--thorough", "--set", "mikv=off", "--windows", "128", "--json"])
     assert res.exit_code == 0, res.output
     import json
 

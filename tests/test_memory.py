@@ -14,6 +14,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from helpers import small_options
 from tiny_models import tiny_model
 
 from kvlens.cache import compressed_attention, memory_report
@@ -346,13 +347,13 @@ def test_live_cache_stores_what_a_recommend_config_names(tmp_path):
     stores exactly the specs, window, flush block, pre-RoPE and balancer it names."""
     from kvlens.capture.run import capture_model
     from kvlens.config import load_config, save_config
-    from kvlens.recommend import RecommendOptions, recommend
+    from kvlens.recommend import recommend
 
     model = _model()
     cap = tmp_path / "tiny.h5"
     capture_model(model, torch.randint(0, 128, (1, 64), generator=torch.Generator()
                                        .manual_seed(0)), cap)
-    rec = recommend(cap, RecommendOptions(budget_bits=6.0, context=512, group_sizes=(8, 16),
+    rec = recommend(cap, small_options(budget_bits=6.0, context=512, group_sizes=(8, 16),
                                           residual_tokens=16, flush_tokens=8, bits=(2, 3, 4)))
     save_config(rec.config, tmp_path / "cfg.json")
     cfg = load_config(tmp_path / "cfg.json")

@@ -115,8 +115,8 @@ def test_recommend_placement_errors_are_not_swallowed(tiny_model_dir, text_file,
     res = _capture("--model", tiny_model_dir, "--text", text_file, "-s", 1, "-t", 32,
                    "-o", cap)
     assert res.exit_code == 0, res.output
-    args = ["recommend", str(cap), "-b", "6", "--context", "512", "--residual", "16",
-            "--group-sizes", "16", "--model", str(tiny_model_dir), "--retrieval", "off",
+    args = ["recommend", str(cap), "-b", "6", "--context", "512", "--windows", "16",
+            "--set", "group-sizes=16", "--model", str(tiny_model_dir), "--set", "retrieval=off",
             "--device-map", "auto"]
     res = runner.invoke(app, [*args, "--max-memory", "cpu=1MB"])
     assert res.exit_code == 1

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import small_options
 from tiny_models import tiny_model
 from typer.testing import CliRunner
 
@@ -25,7 +26,6 @@ from kvlens.errors import InputError
 from kvlens.recommend import (
     COST_RESOLUTION,
     Candidate,
-    RecommendOptions,
     Stream,
     allocate,
     candidates,
@@ -110,7 +110,7 @@ def _planted_capture(path, has_rope=True, seed=0, thetas=(10000.0, 10000.0), rec
 def test_recommend_on_planted_outlier_keys(tmp_path):
     path = _planted_capture(tmp_path / "p.h5")
     # min/max grids only: a least-squares fit can make per-token groups with outliers usable
-    opts = RecommendOptions(budget_bits=3.5, group_sizes=(32,), bits=(2, 4),
+    opts = small_options(budget_bits=3.5, group_sizes=(32,), bits=(2, 4),
                             value_fits=("minmax",))
     rec = recommend(path, opts)
     assert rec.mean_bits <= 3.5
@@ -123,7 +123,7 @@ def test_recommend_on_planted_outlier_keys(tmp_path):
     assert rec.expected_output_error == pytest.approx(
         sum(c.output_error for c in rec.choices) / len(rec.choices))
     # More budget never makes the expected error worse.
-    richer = recommend(path, RecommendOptions(budget_bits=6.0, group_sizes=(32,),
+    richer = recommend(path, small_options(budget_bits=6.0, group_sizes=(32,),
                                               bits=(2, 4)))
     assert richer.expected_output_error <= rec.expected_output_error + 1e-12
     assert rec.config.model == {"num_layers": 2, "head_dim": 32, "num_key_value_heads": 2}
@@ -144,16 +144,16 @@ def test_errors_are_measured_on_every_capture_sample_by_default(tmp_path):
     path = _planted_capture(tmp_path / "p.h5", samples=3)
     kw = dict(budget_bits=3.0, group_sizes=(32,), bits=(2,), mikv=False, gear=False,
               rotation=False, balancer=False)
-    assert RecommendOptions(**kw).samples is None
-    every = measure(path, RecommendOptions(**kw))
-    three = measure(path, RecommendOptions(**kw, samples=3))
-    first = measure(path, RecommendOptions(**kw, samples=1))
+    assert small_options(**kw).samples is None
+    every = measure(path, small_options(**kw))
+    three = measure(path, small_options(**kw, samples=3))
+    first = measure(path, small_options(**kw, samples=1))
     assert every.tables == three.tables
     assert every.tables[0].keys() == first.tables[0].keys()
     assert all(every.tables[0][c] != first.tables[0][c] for c in first.tables[0])
     for bad in (0, -1, 1.5, True):
         with pytest.raises(InputError, match="--samples must be a positive"):
-            RecommendOptions(**kw, samples=bad)
+            small_options(**kw, samples=bad)
 
 
 def test_mse_fit_candidates_win_on_gaussian_values(tmp_path):
@@ -167,9 +167,9 @@ def test_mse_fit_candidates_win_on_gaussian_values(tmp_path):
     kw = dict(budget_bits=3.6, group_sizes=(32,), bits=(2, 4), mikv=False, gear=False,
               fp_dtype="float16", scale_dtype="float16",  # 8-bit metadata refines min/max too
               codebooks=False)  # uniform grids only (codebooks: the test below)
-    m = measure(path, RecommendOptions(**kw, key_fits=("minmax", "mse")))
-    both = choose(m, RecommendOptions(**kw))
-    minmax = choose(m, RecommendOptions(**kw, value_fits=("minmax",)))
+    m = measure(path, small_options(**kw, key_fits=("minmax", "mse")))
+    both = choose(m, small_options(**kw))
+    minmax = choose(m, small_options(**kw, value_fits=("minmax",)))
     values = [c for c in both.choices if c.tensor == "value" and c.candidate.bits == 2]
     assert values and all(c.candidate.fit == "mse" for c in values)
     assert all(c.candidate.fit == "minmax" for c in both.choices if c.tensor == "key")
@@ -177,10 +177,10 @@ def test_mse_fit_candidates_win_on_gaussian_values(tmp_path):
     assert both.expected_output_error < 0.95 * minmax.expected_output_error
     assert both.mean_bits <= 3.6 and minmax.mean_bits <= 3.6
     assert any(k[0].fit == "mse" and k[0].tensor == "key" for k in m.tables[0])
-    for flag, bad in (("--key-fits l2", dict(key_fits=("l2",))),
-                      ("--value-fits (empty)", dict(value_fits=()))):
+    for flag, bad in (("--set key-fits=l2", dict(key_fits=("l2",))),
+                      ("--set value-fits=(empty)", dict(value_fits=()))):
         with pytest.raises(InputError, match=flag.replace("(", r"\(").replace(")", r"\)")):
-            RecommendOptions(budget_bits=3.6, **bad)
+            small_options(budget_bits=3.6, **bad)
     # the config carries the fit (a version-2 spec) for the cache to quantize with
     for c in values:
         assert both.config.layer(c.layer).value.fit == "mse"
@@ -202,7 +202,7 @@ def test_each_layer_finds_its_own_rope_theta(tmp_path):
             assert tables is not None
             found.append(theta)
     assert found[0] == 10000.0 and found[1] == pytest.approx(31415.9, rel=1e-3)
-    opts = RecommendOptions(budget_bits=3.5, group_sizes=(32,), bits=(2, 4), pre_rope="on",
+    opts = small_options(budget_bits=3.5, group_sizes=(32,), bits=(2, 4), pre_rope="on",
                             value_fits=("minmax",), mikv=False, gear=False)
     rec = recommend(path, opts)  # "on" raises unless every layer offers pre-RoPE keys
     assert not any("pre-RoPE candidates skipped" in n for n in rec.notes)
@@ -218,11 +218,11 @@ def test_each_layer_finds_its_own_rope_theta(tmp_path):
 def test_budget_below_any_candidate_and_pre_rope_without_rope(tmp_path):
     path = _planted_capture(tmp_path / "p.h5")
     with pytest.raises(InputError, match="budget is too small"):
-        recommend(path, RecommendOptions(budget_bits=2.0, context=1024))
+        recommend(path, small_options(budget_bits=2.0, context=1024))
     plain = _planted_capture(tmp_path / "norope.h5", has_rope=False)
     with pytest.raises(InputError, match="no pre-RoPE data"):
-        recommend(plain, RecommendOptions(budget_bits=4.0, pre_rope="on"))
-    rec = recommend(plain, RecommendOptions(budget_bits=4.0))  # auto: simply no pre candidates
+        recommend(plain, small_options(budget_bits=4.0, pre_rope="on"))
+    rec = recommend(plain, small_options(budget_bits=4.0))  # auto: simply no pre candidates
     assert all(c.candidate.stage == "post" for c in rec.choices)
 
 
@@ -234,7 +234,7 @@ def test_option_bytes_count_every_part():
 
     shape = ModelShape(1, 2, 64)
     k, v = Candidate("key", 2, "per-channel", 32), Candidate("value", 2, "per-token", 32)
-    opts = RecommendOptions(budget_bits=4.0, context=1024, fp_dtype="float16",
+    opts = small_options(budget_bits=4.0, context=1024, fp_dtype="float16",
                             scale_dtype="float16")
     total, k_share, v_share = option_bytes(k, v, 0, opts, shape, 0)
     elems = 2 * 1024 * 64  # per KV head, K and V
@@ -251,7 +251,7 @@ def test_option_bytes_count_every_part():
     m8 = option_bytes(k, v, 0, replace(opts, scale_dtype="8bit"), shape, 0)
     assert m8[0] == total - 2 * 0.5 * elems / 8
     assert m8[1] == k_share - 0.5 * elems / 8 and m8[2] == v_share - 0.5 * elems / 8
-    with pytest.raises(InputError, match="--scale-dtype"):
+    with pytest.raises(InputError, match="--set scale-dtype"):
         replace(opts, scale_dtype="float8")
 
 
@@ -266,7 +266,7 @@ def test_written_config_runs_in_generate(tmp_path):
     windows = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(0))
     cap = tmp_path / "tiny.h5"
     capture_model(model, windows, cap)
-    rec = recommend(cap, RecommendOptions(budget_bits=5.0, context=512, group_sizes=(16,),
+    rec = recommend(cap, small_options(budget_bits=5.0, context=512, group_sizes=(16,),
                                           residual_tokens=16))
     out = tmp_path / "cfg.json"
     save_config(rec.config, out)
@@ -287,8 +287,8 @@ def test_recommend_cli(tmp_path):
     out = tmp_path / "rec.json"
     # one window for every layer (--residual), as before --windows; the planted capture's
     # 256 tokens are too few for the default windows (tests/test_recommend_windows.py)
-    res = runner.invoke(app, ["recommend", str(path), "--budget-bits", "3.5", "--residual",
-                              "128", "--group-sizes", "32", "-o", str(out), "--json"])
+    res = runner.invoke(app, ["recommend", str(path), "--budget-bits", "3.5", "--windows",
+                              "128", "--set", "group-sizes=32", "-o", str(out), "--json"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert doc["mean_bits"] <= 3.5 and len(doc["choices"]) == 4
@@ -296,11 +296,11 @@ def test_recommend_cli(tmp_path):
     # refuses to overwrite, and reports impossible budgets and bad files clearly
     res = runner.invoke(app, ["recommend", str(path), "-b", "3.5", "-o", str(out)])
     assert res.exit_code == 1 and "--overwrite" in res.output
-    res = runner.invoke(app, ["recommend", str(path), "-b", "1.0", "--residual", "128"])
+    res = runner.invoke(app, ["recommend", str(path), "-b", "1.0", "--windows", "128"])
     assert res.exit_code == 1 and "budget is too small" in res.output
     res = runner.invoke(app, ["recommend", str(tmp_path / "none.h5"), "-b", "3"])
     assert res.exit_code == 1 and "not found" in res.output
-    res = runner.invoke(app, ["recommend", str(path), "-b", "3", "--group-sizes", "48"])
+    res = runner.invoke(app, ["recommend", str(path), "-b", "3", "--set", "group-sizes=48"])
     assert res.exit_code == 1 and "do not divide" in res.output
 
 
@@ -314,7 +314,7 @@ def test_recommend_reuses_a_kept_measurement(tmp_path, monkeypatch):
     kept = tmp_path / "kept"
     monkeypatch.setenv("KVLENS_MEASUREMENT_CACHE", str(kept))
     path = _planted_capture(tmp_path / "p.h5")
-    base = ["recommend", str(path), "--residual", "128", "--group-sizes", "32", "--json"]
+    base = ["recommend", str(path), "--windows", "128", "--set", "group-sizes=32", "--json"]
 
     def run(*extra):
         res = runner.invoke(app, [*base, *extra])
@@ -340,7 +340,7 @@ def test_recommend_reuses_a_kept_measurement(tmp_path, monkeypatch):
     assert fp8["choices"] == run("-b", "3.0", "--window-dtype", "float8_e4m3fn",
                                  "--remeasure")[0]["choices"]
     # another measuring option is another measurement
-    _, said = run("-b", "3.0", "--group-sizes", "32,64")
+    _, said = run("-b", "3.0", "--set", "bits=2,4")
     assert "reused" not in said and len(list(kept.glob("*.pkl"))) == 2
     # an unreadable kept file is measured again and replaced
     files[0].write_bytes(b"not a pickle")
@@ -414,12 +414,12 @@ def test_config_bits_matches_the_budget_accounting(tmp_path):
     assert config_bits(preset("fp16"), sliding, 32768) == 16.0
     assert sliding.fp16_bytes(32768) == 2 * 3 * 64 * 2 * (511 + 32768)
     path = _planted_capture(tmp_path / "p.h5")
-    rec = recommend(path, RecommendOptions(budget_bits=4.0, group_sizes=(32,)))
+    rec = recommend(path, small_options(budget_bits=4.0, group_sizes=(32,)))
     assert config_bits(rec.config, shape_of_capture(rec_meta(path)),
                        rec.context) == pytest.approx(rec.mean_bits)
     assert rec.mean_bits <= 4.0 and rec.config.mikv.sink_tokens == 4
     # with 8-bit group metadata the written config says so and is priced so
-    rec8 = recommend(path, RecommendOptions(budget_bits=4.0, group_sizes=(32,),
+    rec8 = recommend(path, small_options(budget_bits=4.0, group_sizes=(32,),
                                             scale_dtype="8bit"))
     assert rec8.config.scale_dtype == "8bit" and rec8.mean_bits <= 4.0
     assert config_bits(rec8.config, shape_of_capture(rec_meta(path)),
@@ -429,20 +429,20 @@ def test_config_bits_matches_the_budget_accounting(tmp_path):
 
 
 def test_sliding_window_blocks_follow_the_group_sizes(tmp_path):
-    opts = RecommendOptions(budget_bits=3.0, group_sizes=(32, 64, 128))
+    opts = small_options(budget_bits=3.0, group_sizes=(32, 64, 128))
     tok = Candidate("value", 2, "per-token", 32)
     assert opts.layer_flush(tok, tok) == 32
     assert opts.layer_flush(Candidate("key", 2, "per-channel", 64), tok) == 64
     assert opts.layer_flush(Candidate("key", 2, "per-channel", 128), tok) == 0  # = the window
     assert opts.flush_options() == [0, 32, 64]
     assert replace(opts, flush_tokens=0).flush_options() == [0]
-    with pytest.raises(InputError, match="--flush 30"):
-        RecommendOptions(budget_bits=3.0, flush_tokens=30)
+    with pytest.raises(InputError, match="--set flush=30"):
+        small_options(budget_bits=3.0, flush_tokens=30)
     with pytest.raises(InputError, match="must exceed the residual window"):
-        RecommendOptions(budget_bits=3.0, tokens=128)
+        small_options(budget_bits=3.0, tokens=128)
     # the written config carries each layer's block, and generate accepts it
     path = _planted_capture(tmp_path / "p.h5")
-    rec = recommend(path, RecommendOptions(budget_bits=4.0, group_sizes=(32, 64),
+    rec = recommend(path, small_options(budget_bits=4.0, group_sizes=(32, 64),
                                            bits=(2, 4)))
     for ch in rec.choices:
         layer = rec.config.layer(ch.layer)
@@ -467,8 +467,8 @@ def test_recommend_validate_end_to_end(tiny_model_dir, tmp_path):
     res = runner.invoke(app, ["capture", "--model", str(tiny_model_dir), "--text", str(text),
                               "-s", "1", "-t", "64", "-o", str(cap)])
     assert res.exit_code == 0, res.output
-    args = ["recommend", str(cap), "-b", "6", "--context", "512", "--residual", "16",
-            "--group-sizes", "16", "--model", str(tiny_model_dir), "--validate",
+    args = ["recommend", str(cap), "-b", "6", "--context", "512", "--windows", "16",
+            "--set", "group-sizes=16", "--model", str(tiny_model_dir), "--validate",
             "--eval-tokens", "96"]
     res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output
@@ -493,7 +493,7 @@ def test_rotation_candidates_are_measured_priced_and_written(tmp_path):
     from kvlens.cache.layout import ModelShape
 
     path = _planted_capture(tmp_path / "p.h5", has_rope=False)
-    opts = RecommendOptions(budget_bits=4.0, group_sizes=(32,), bits=(4,), balancer=False)
+    opts = small_options(budget_bits=4.0, group_sizes=(32,), bits=(4,), balancer=False)
     cands = candidates(32, opts, has_rope=False)
     rotated = [c for c in cands if c.rotate and not c.codebook]  # codebooks rotate too
     assert rotated and all(c.granularity == "per-token" for c in rotated)
@@ -523,7 +523,7 @@ def test_rotation_matrix_cost_never_makes_a_feasible_budget_fail(tmp_path):
     import re
 
     path = _planted_capture(tmp_path / "p.h5", has_rope=False)
-    opts = RecommendOptions(budget_bits=2.0, group_sizes=(32,), bits=(2, 4), balancer=False,
+    opts = small_options(budget_bits=2.0, group_sizes=(32,), bits=(2, 4), balancer=False,
                             sensitivity="uniform", retrieval="off")
     m = measure(path, opts)
     with pytest.raises(InputError, match="need") as err:
@@ -626,7 +626,7 @@ def test_layout_sensitivity_measures_a_rate_per_family(tmp_path, tiny_tokenizer)
     ids = torch.randint(0, 2000, (1, 64), generator=torch.Generator().manual_seed(0))
     path = tmp_path / "c.h5"
     capture_model(model, ids, path, storage_dtype="float32")
-    opts = RecommendOptions(budget_bits=5.0, context=512, residual_tokens=16,
+    opts = small_options(budget_bits=5.0, context=512, residual_tokens=16,
                             group_sizes=(16,), bits=(2, 4), tokens=None, gear=False,
                             mikv=False, sensitivity="layout", model=str(mdir),
                             retrieval="off")
@@ -653,7 +653,7 @@ def test_layout_sensitivity_measures_a_rate_per_family(tmp_path, tiny_tokenizer)
     assert bits[1, "key"] == bits[1, "value"] == 2
     assert max(bits[0, "key"], bits[0, "value"], bits[2, "key"], bits[2, "value"]) == 4
     with pytest.raises(InputError, match="layout"):
-        RecommendOptions(budget_bits=3.0, sensitivity="per-head")
+        small_options(budget_bits=3.0, sensitivity="per-head")
     # auto is layout when the model loads; model keeps one weight per layer
     assert measure(path, replace(opts, sensitivity="auto")).factors == m.factors
     per_layer = measure(path, replace(opts, sensitivity="model"))
@@ -707,8 +707,8 @@ def test_shared_layout_rates_scale_the_anchor_by_the_measured_ratio():
     zero = _shared_rates([{ak: 1.0, f: 0.0}, {ak: 2.0}], (ak, f), (ak, av))
     assert zero[1] == {ak: 2.0, f: 0.0}  # a family measured harmless stays harmless
     assert _shared_rates([{ak: 1.0}], (ak, f), (ak, av)) == [{ak: 1.0}]  # no ratio: left out
-    with pytest.raises(InputError, match="layout_layers must be a positive"):
-        RecommendOptions(budget_bits=3.0, layout_layers=0)
+    with pytest.raises(InputError, match="--set layout-layers must be a positive"):
+        small_options(budget_bits=3.0, layout_layers=0)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt_neox", "gpt2", "qwen3"])
@@ -761,18 +761,18 @@ def test_layers_measured_on_worker_processes_give_the_same_numbers(tmp_path):
 
     path = _planted_capture(tmp_path / "p.h5", samples=2)
     kw = dict(budget_bits=3.0, group_sizes=(32,), bits=(2, 4))
-    here = measure(path, RecommendOptions(**kw, workers=1))
-    spread = measure(path, RecommendOptions(**kw, workers=2))
+    here = measure(path, small_options(**kw, workers=1))
+    spread = measure(path, small_options(**kw, workers=2))
     assert here.tables == spread.tables and here.tables[0]
     assert here.balancers.keys() == spread.balancers.keys() == {0, 1}
     for i in here.balancers:
         assert torch.equal(here.balancers[i], spread.balancers[i])
     # an error a worker raises reaches the caller as itself, with its message
     with pytest.raises(InputError, match="no more than the residual window"):
-        measure(path, RecommendOptions(**kw, residual_tokens=256, tokens=None, workers=2))
+        measure(path, small_options(**kw, residual_tokens=256, tokens=None, workers=2))
     for bad in (0, -2, 1.5, True):
         with pytest.raises(InputError, match="--workers must be a positive"):
-            RecommendOptions(**kw, workers=bad)
+            small_options(**kw, workers=bad)
 
 
 def test_workers_follow_the_predicted_length_unless_asked():
@@ -793,7 +793,7 @@ def test_a_script_without_a_main_guard_can_measure_on_workers(tmp_path):
     script.write_text(
         "from kvlens.recommend import RecommendOptions, measure\n"
         f"m = measure({str(path)!r}, RecommendOptions(budget_bits=3.0, group_sizes=(32,), "
-        "bits=(2, 4), workers=2))\n"
+        "bits=(2, 4), workers=2, windows=(128,), tokens=256, sensitivity='uniform'))\n"
         "print('layers', len(m.tables))\n")
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "kernels")]))
@@ -807,7 +807,7 @@ def test_layout_anchors_are_kivi_layouts_where_offered():
     from kvlens.recommend import family_probes
     from kvlens.recommend.sensitivity import anchor_probes
 
-    opts = RecommendOptions(budget_bits=3.0)
+    opts = small_options(budget_bits=3.0)
     got = anchor_probes(family_probes(candidates(64, opts, has_rope=True)))
     assert [(c.tensor, c.granularity, c.stage, c.rotate, c.fit) for c in got] == [
         ("key", "per-channel", "post", False, "minmax"),
@@ -830,8 +830,8 @@ def test_codebook_values_are_measured_priced_and_written(tmp_path):
     path = _planted_capture(tmp_path / "p.h5", has_rope=False)
     # uniform codes at 2 bits only: the 3-bit codebook (3.5 bits at head_dim 32) is the one
     # way to spend more on values
-    assert not RecommendOptions(budget_bits=3.0).codebooks  # opt-in (--codebooks)
-    opts = RecommendOptions(budget_bits=3.6, group_sizes=(32,), bits=(2,), balancer=False,
+    assert not small_options(budget_bits=3.0).codebooks  # opt-in (--codebooks)
+    opts = small_options(budget_bits=3.6, group_sizes=(32,), bits=(2,), balancer=False,
                             sensitivity="uniform", retrieval="off", mikv=False, gear=False,
                             codebooks=True)
     cands = candidates(32, opts, has_rope=False)
@@ -840,7 +840,7 @@ def test_codebook_values_are_measured_priced_and_written(tmp_path):
     assert {c for c in cands if c.codebook} == {cb2, cb3} | keys
     assert cb3.spec() == CodebookSpec(3, "fitted", renormalize=True) and cb3.rotate
     assert not any(c.codebook for c in candidates(32, replace(opts, codebooks=False), False))
-    with pytest.raises(InputError, match="--codebooks offers codebook keys and values"):
+    with pytest.raises(InputError, match="--set codebooks=on offers codebook keys and values"):
         replace(opts, rotation=False)  # asked for, cannot be offered
     # the fused decode kernel reads codebook values: --prefer-fast keeps them
     fast = candidates(32, replace(opts, prefer_fast=True), has_rope=False)
@@ -903,7 +903,7 @@ def test_codebook_key_candidates_are_measured_centred_and_written(tmp_path):
     from kvlens.recommend.layer_errors import mean_key
 
     path = _planted_capture(tmp_path / "p.h5", has_rope=False)
-    opts = RecommendOptions(budget_bits=4.0, group_sizes=(32,), bits=(2,), balancer=False,
+    opts = small_options(budget_bits=4.0, group_sizes=(32,), bits=(2,), balancer=False,
                             sensitivity="uniform", retrieval="off", mikv=False, gear=False,
                             codebooks=True, centering=True)
     kb2, kb3 = Candidate.codebook_keys(2), Candidate.codebook_keys(3)
@@ -959,7 +959,7 @@ def test_codebook_key_config_runs_in_generate_and_holds_its_predicted_bytes(tmp_
     ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(0))
     cap = tmp_path / "tiny.h5"
     capture_model(model, ids, cap)
-    opts = RecommendOptions(budget_bits=5.0, context=512, group_sizes=(16,), residual_tokens=16,
+    opts = small_options(budget_bits=5.0, context=512, group_sizes=(16,), residual_tokens=16,
                             codebooks=True, centering=True)
     rec = choose(_only_codebook_keys(measure(cap, opts)), opts)
     out = tmp_path / "cfg.json"
@@ -992,8 +992,8 @@ def test_centred_key_candidates_are_measured_priced_and_written(tmp_path):
     from kvlens.recommend.layer_errors import mean_key
 
     path = _planted_capture(tmp_path / "p.h5")
-    assert not RecommendOptions(budget_bits=3.0).centering  # opt-in (--centering)
-    opts = RecommendOptions(budget_bits=4.0, group_sizes=(32,), bits=(2, 4), balancer=False,
+    assert not small_options(budget_bits=3.0).centering  # opt-in (--centering)
+    opts = small_options(budget_bits=4.0, group_sizes=(32,), bits=(2, 4), balancer=False,
                             sensitivity="uniform", retrieval="off", centering=True)
     cands = candidates(32, opts, has_rope=True)
     centred = {c for c in cands if c.center}
@@ -1062,7 +1062,7 @@ def test_centred_config_runs_in_generate_and_holds_its_predicted_bytes(tmp_path)
     ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(0))
     cap = tmp_path / "tiny.h5"
     capture_model(model, ids, cap)
-    opts = RecommendOptions(budget_bits=5.0, context=512, group_sizes=(16,), residual_tokens=16,
+    opts = small_options(budget_bits=5.0, context=512, group_sizes=(16,), residual_tokens=16,
                             centering=True)
     rec = choose(_only_centred_keys(measure(cap, opts)), opts)
     out = tmp_path / "cfg.json"
@@ -1090,7 +1090,7 @@ def test_a_given_mean_key_is_used_not_recomputed(tmp_path):
     from kvlens.recommend.layer_errors import layer_variants, mean_key
 
     path = _planted_capture(tmp_path / "p.h5")
-    opts = RecommendOptions(budget_bits=4.0, group_sizes=(32,), bits=(2,), centering=True)
+    opts = small_options(budget_bits=4.0, group_sizes=(32,), bits=(2,), centering=True)
     c = Candidate("key", 2, "per-token", 32, center=True)
     given = torch.zeros(2, 32)  # not the capture's mean
     with open_capture(path) as cap:

@@ -3,6 +3,7 @@
 import time
 
 import pytest
+from helpers import small_options
 
 from kvlens.recommend.profile import Profile, profiling, stage
 
@@ -112,13 +113,12 @@ def test_predict_cost_reads_the_capture_and_options(tmp_path):
     from test_recommend import _planted_capture
 
     from kvlens.capture.store import open_capture
-    from kvlens.recommend import RecommendOptions
     from kvlens.recommend.pipeline import predict_cost
 
     path = _planted_capture(tmp_path / "p.h5")
     with open_capture(path) as cap:
         meta = cap.meta
-    opts = RecommendOptions(budget_bits=3.0, group_sizes=(32,), bits=(2, 4))
+    opts = small_options(budget_bits=3.0, group_sizes=(32,), bits=(2, 4))
     cost = predict_cost(meta, opts)
     assert cost.seconds > 0 and cost.peak_bytes > 0
     # this machine's factor, unless one is given

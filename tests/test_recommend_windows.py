@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from helpers import small_options
 from typer.testing import CliRunner
 
 from kvlens.cache.layout import shape_of_capture
@@ -17,7 +18,6 @@ from kvlens.cli import app
 from kvlens.errors import InputError
 from kvlens.recommend import (
     DEFAULT_WINDOWS,
-    RecommendOptions,
     Stream,
     choose,
     default_tokens,
@@ -29,9 +29,9 @@ runner = CliRunner()
 
 
 def test_window_options_and_scored_queries():
-    one = RecommendOptions(budget_bits=3.0)
+    one = small_options(budget_bits=3.0)
     assert one.window_sizes == (128,) and one.score_from == 0  # as before: every query
-    many = RecommendOptions(budget_bits=3.0, windows=(128, 32, 64, 64), tokens=512)
+    many = small_options(budget_bits=3.0, windows=(128, 32, 64, 64), tokens=512)
     assert many.window_sizes == (32, 64, 128)
     # every option is scored on the same queries, each with >= 2x the largest window of
     # quantized history
@@ -51,12 +51,12 @@ def test_window_options_and_scored_queries():
 ])
 def test_bad_window_sizes_are_refused_naming_the_allowed_values(windows, match):
     with pytest.raises(InputError, match=match):
-        RecommendOptions(budget_bits=3.0, windows=windows, tokens=512)
+        small_options(budget_bits=3.0, windows=windows, tokens=512)
 
 
 def test_too_few_tokens_for_several_windows_says_how_many():
     with pytest.raises(InputError, match="three times the largest window .384.*--tokens 512"):
-        RecommendOptions(budget_bits=3.0, windows=(32, 128), tokens=256)
+        small_options(budget_bits=3.0, windows=(32, 128), tokens=256)
 
 
 def _local_capture(path, t=512, seed=0):
@@ -91,7 +91,7 @@ def _local_capture(path, t=512, seed=0):
 
 def test_the_layer_that_needs_its_window_gets_the_larger_one(tmp_path):
     path = _local_capture(tmp_path / "local.h5")
-    opts = RecommendOptions(budget_bits=16.0, context=1024, windows=(32, 128), tokens=512,
+    opts = small_options(budget_bits=16.0, context=1024, windows=(32, 128), tokens=512,
                             group_sizes=(32,), bits=(2, 4), sensitivity="uniform",
                             retrieval="off", balancer=False, rotation=False, gear=False,
                             fp_dtype="float16")
@@ -124,17 +124,17 @@ def test_window_too_small_for_any_candidate(tmp_path):
     """head_dim 32 with groups of 64 only: no per-token group fits, and a per-channel group of
     64 needs a flush block of 64, which a 16-token window cannot give."""
     path = _local_capture(tmp_path / "local.h5")
-    opts = RecommendOptions(budget_bits=8.0, windows=(16, 64), tokens=512, group_sizes=(64,),
+    opts = small_options(budget_bits=8.0, windows=(16, 64), tokens=512, group_sizes=(64,),
                             sensitivity="uniform", retrieval="off")
     with pytest.raises(InputError, match=r"window of 16 tokens.*allowed window sizes .*: "
                                          r"64-128 and above"):
         measure(path, opts)
 
 
-def test_cli_windows_and_residual(tmp_path):
+def test_cli_windows(tmp_path):
     path = _local_capture(tmp_path / "local.h5")
-    common = ["recommend", str(path), "-b", "8", "--group-sizes", "32", "--sensitivity",
-              "uniform", "--retrieval", "off", "--json"]
+    common = ["recommend", str(path), "-b", "8", "--set", "group-sizes=32", "--set",
+              "sensitivity=uniform", "--set", "retrieval=off", "--json"]
     res = runner.invoke(app, common)  # the default list
     assert res.exit_code == 0, res.output
     import json
@@ -142,12 +142,10 @@ def test_cli_windows_and_residual(tmp_path):
     doc = json.loads(res.stdout)
     assert doc["windows"] == list(DEFAULT_WINDOWS)
     assert {c["residual_tokens"] for c in doc["choices"]} <= set(DEFAULT_WINDOWS)
-    res = runner.invoke(app, [*common, "--residual", "64"])  # one window, as before
+    res = runner.invoke(app, [*common, "--windows", "64"])  # one window, as before
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert doc["windows"] == [64] and {c["residual_tokens"] for c in doc["choices"]} == {64}
-    res = runner.invoke(app, [*common, "--residual", "64", "--windows", "32,64"])
-    assert res.exit_code == 1 and "give one of them" in res.output
     res = runner.invoke(app, [*common, "--windows", "0,64"])
     assert res.exit_code == 1 and "allowed: positive integers" in res.output
 
@@ -174,7 +172,7 @@ def test_mixed_window_config_holds_the_bytes_it_was_priced_at(tmp_path, fp):
     capture_model(model, torch.randint(0, 128, (1, 128),
                                        generator=torch.Generator().manual_seed(0)), cap)
     context = 160
-    opts = RecommendOptions(budget_bits=16.0, context=context, windows=(8, 16, 32),
+    opts = small_options(budget_bits=16.0, context=context, windows=(8, 16, 32),
                             tokens=128, group_sizes=(8, 16), flush_tokens=8, bits=(2, 4),
                             sensitivity="uniform", retrieval="off", gear=False, fp_dtype=fp)
     m = measure(cap, opts)

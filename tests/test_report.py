@@ -43,8 +43,8 @@ def run_dir(tiny_model_dir, tmp_path_factory):
     _ok(["plot-outliers", cap, "--out", run / "outliers", "--format", "svg",
          "--threshold", "2"])
     _ok(["compare-axes", cap, "--plots", run / "compare", "--group-sizes", "16"])
-    rec = ["recommend", cap, "--context", "512", "--residual", "16", "--group-sizes", "16",
-           "--model", tiny_model_dir, "--retrieval", "off"]
+    rec = ["recommend", cap, "--context", "512", "--windows", "16", "--set", "group-sizes=16",
+           "--model", tiny_model_dir, "--set", "retrieval=off"]
     _ok([*rec, "-b", "6", "-o", run / "recommended.json", "--validate", "--eval-tokens", 96])
     _ok([*rec, "-b", "5", "-o", other / "small.json", "--name", "small"])
     _ok(["recommend", cap, "--target", "vllm", "--budget-bits", "9", "-o", run / "vllm.json"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from helpers import small_options
 
 from kvlens.errors import InputError
 from kvlens.evaluation.short import passkey_prompts
@@ -30,7 +31,7 @@ def test_recommend_adds_weighted_probe_errors(tiny_model_dir, tmp_path):
     """tables(weight w) = text errors + w * probe errors, exactly linear in w."""
     from kvlens.capture.run import capture_model
     from kvlens.model.load import load_model
-    from kvlens.recommend import RecommendOptions, measure
+    from kvlens.recommend import measure
 
     model, tok, _ = load_model(str(tiny_model_dir))
     import torch
@@ -40,9 +41,9 @@ def test_recommend_adds_weighted_probe_errors(tiny_model_dir, tmp_path):
     capture_model(model, windows, cap, model_source=f"dir:{tiny_model_dir}")
     base = dict(budget_bits=4.0, residual_tokens=32, group_sizes=(16,), bits=(2, 4),
                 tokens=128, retrieval_tokens=256)
-    m0 = measure(cap, RecommendOptions(**base, retrieval="off"))
-    m1 = measure(cap, RecommendOptions(**base, retrieval="on", retrieval_weight=1.0))
-    m2 = measure(cap, RecommendOptions(**base, retrieval="on", retrieval_weight=2.0))
+    m0 = measure(cap, small_options(**base, retrieval="off"))
+    m1 = measure(cap, small_options(**base, retrieval="on", retrieval_weight=1.0))
+    m2 = measure(cap, small_options(**base, retrieval="on", retrieval_weight=2.0))
     assert any("retrieval probe" in n for n in m1.notes)
     diffs = 0
     for t0, t1, t2 in zip(m0.tables, m1.tables, m2.tables):
@@ -53,17 +54,17 @@ def test_recommend_adds_weighted_probe_errors(tiny_model_dir, tmp_path):
             assert e1 >= e0
             diffs += e1 > e0
     assert diffs > 0
-    with pytest.raises(InputError, match="--retrieval"):
-        RecommendOptions(budget_bits=3.0, retrieval="maybe")
+    with pytest.raises(InputError, match="--set retrieval"):
+        small_options(budget_bits=3.0, retrieval="maybe")
 
 
 def test_probe_required_without_a_model_is_a_clear_error(tmp_path):
     from test_recommend import _planted_capture
 
-    from kvlens.recommend import RecommendOptions, measure
+    from kvlens.recommend import measure
 
     path = _planted_capture(tmp_path / "p.h5")
     with pytest.raises(InputError, match="does not say which model"):
-        measure(path, RecommendOptions(budget_bits=4.0, retrieval="on"))
-    m = measure(path, RecommendOptions(budget_bits=4.0))  # auto: goes on without, says so
+        measure(path, small_options(budget_bits=4.0, retrieval="on"))
+    m = measure(path, small_options(budget_bits=4.0))  # auto: goes on without, says so
     assert any("no retrieval probe" in n for n in m.notes)

@@ -34,9 +34,13 @@ def _register_commands() -> None:
         except ModuleNotFoundError as exc:
             if exc.name != f"kvlens.cli.{optional}":
                 raise
-    for info in app.registered_commands:  # one command class: one way of showing --help
+    # One way of showing --help for every command: KvlensCommand, mixed into a command's own
+    # class where it has one.
+    for info in app.registered_commands:
         if info.cls in (None, TyperCommand):
             info.cls = KvlensCommand
+        elif not issubclass(info.cls, KvlensCommand):
+            info.cls = type(info.cls.__name__, (KvlensCommand, info.cls), {})
 
 
 _register_commands()

@@ -1,4 +1,13 @@
-"""``kvlens recommend``: a per-layer KV quantization config under a memory budget."""
+"""``kvlens recommend``: a per-layer KV quantization config under a memory budget, or the
+setting an engine runs (``--target``).
+
+The command is a thin call: its options become ``kvlens.recommend.RecommendOptions`` (or the
+engine targets' ``TargetOptions``) with only the options given, so every default is the
+library's (``--help`` shows them from there); research levers arrive through one option,
+``--set NAME=VALUE`` (``kvlens.research``). Which options each target reads is derived from
+those two dataclasses (``readers``); an option the chosen target or combination would not read
+is refused before any work.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +15,7 @@ import time
 from pathlib import Path
 
 import typer
+from typer.core import TyperCommand
 
 from kvlens.cli import app
 from kvlens.cli.common import (
@@ -34,222 +44,185 @@ from kvlens.cli.common import (
 )
 
 VALIDATE_PRESETS = ("kivi-2", "kivi-4", "per-token-4")
-
-
-def _words(text: str) -> tuple[str, ...]:
-    return tuple(w.strip() for w in text.split(",") if w.strip())
-
-
-def _ints(spec: str, what: str) -> tuple[int, ...]:
-    return _numbers(spec, what, int, "integers")
-
-
-def _numbers(spec: str, what: str, kind, words: str) -> tuple:
-    from kvlens.errors import InputError
-
-    try:
-        return tuple(kind(x) for x in spec.split(",") if x.strip())
-    except ValueError:
-        raise InputError(f"Invalid {what} {spec!r}; expected a comma list of {words}.") from None
-
-
-# Options only the per-layer kvlens recommendation reads: refused with --target ENGINE.
-KVLENS_ONLY = ("residual", "windows", "flush", "sinks", "bits", "group_sizes", "key_fits",
-               "value_fits", "window_dtype", "scale_dtype", "pre_rope", "no_balancer",
-               "exponent", "thorough", "no_mikv", "mikv_bits", "mikv_fractions", "sensitivity",
-               "retrieval", "retrieval_weight", "prefer_fast", "name", "retrieval_prompts",
-               "workers", "layout_layers", "layout_tokens", "codebooks", "centering",
-               "remeasure")
-TARGET_ONLY = ("max_kld", "kld_anchors")  # refused without --target ENGINE
+RESEARCH = "Research levers (not defaults)"
+KVLENS, ENGINES = "kvlens", "engine"
+#: Who reads the command's parameters that are not a field of ``RecommendOptions`` or
+#: ``TargetOptions`` of the same name (the rest: ``readers``).
+CLI_READERS = {
+    "capture": {KVLENS, ENGINES}, "target": {KVLENS, ENGINES}, "settings": {KVLENS, ENGINES},
+    "validate": {KVLENS, ENGINES}, "eval_tokens": {KVLENS, ENGINES},
+    "output": {KVLENS, ENGINES}, "overwrite": {KVLENS, ENGINES}, "as_json": {KVLENS, ENGINES},
+    # the placement of the model a target's --max-kld or --validate loads (run_target's place)
+    "device_map": {KVLENS, ENGINES}, "max_memory": {KVLENS, ENGINES},
+    "offload_folder": {KVLENS, ENGINES},
+    "thorough": {KVLENS}, "remeasure": {KVLENS}, "retrieval_prompts": {KVLENS},
+}
+#: What ``--thorough`` sets (``RecommendOptions`` fields)
+THOROUGH_FIELDS = ("gear", "mikv")
 PLACEMENT = ("device_map", "max_memory", "offload_folder")
 
 
-@app.command()
+def readers(param: str) -> set[str]:
+    """The targets that read the command's parameter ``param``: ``KVLENS`` (the per-layer
+    recommendation) where it is a ``RecommendOptions`` field, ``ENGINES`` where it is a
+    ``TargetOptions`` field, else ``CLI_READERS``."""
+    from dataclasses import fields
+
+    from kvlens.deploy.targets import TargetOptions
+    from kvlens.recommend import RecommendOptions
+
+    if param in CLI_READERS:
+        return CLI_READERS[param]
+    return ({KVLENS} if param in {f.name for f in fields(RecommendOptions)} else set()) | \
+        ({ENGINES} if param in {f.name for f in fields(TargetOptions)} else set())
+
+
+class _LibraryDefaults(TyperCommand):
+    """``--help`` shows each option's default from ``RecommendOptions`` / ``TargetOptions``
+    (the one source), read when help is asked for (so that ``kvlens --help`` loads no torch)."""
+
+    def format_help(self, ctx, formatter) -> None:
+        from dataclasses import MISSING, fields
+
+        from kvlens.deploy.targets import TargetOptions
+        from kvlens.recommend import RecommendOptions
+
+        defaults: dict[str, set] = {}
+        for cls in (TargetOptions, RecommendOptions):
+            for f in fields(cls):
+                if f.default is not MISSING:
+                    shown = f.default
+                    shown = ",".join(map(str, shown)) if isinstance(shown, tuple) else shown
+                    defaults.setdefault(f.name, set()).add(str(shown))
+        for p in self.params:
+            shown = defaults.get(p.name, set())
+            if len(shown) == 1 and "None" not in shown and not isinstance(p.default, bool) \
+                    and p.name != "target":
+                # shown only: the command passes the library only what the user gave
+                p.default, p.show_default = shown.pop(), True
+        super().format_help(ctx, formatter)
+
+
+def _above_zero(value: float | None) -> float | None:
+    """A number that must be positive: outside that range is a usage error (exit 2), as
+    click's ``min=`` ranges are."""
+    if value is not None and not value > 0:
+        raise typer.BadParameter(f"{value} is not above 0.")
+    return value
+
+
+def _ints(spec: str, what: str) -> tuple[int, ...]:
+    from kvlens.errors import InputError
+
+    try:
+        return tuple(int(x) for x in spec.split(",") if x.strip())
+    except ValueError:
+        raise InputError(f"Invalid {what} {spec!r}; expected a comma list of integers.") from None
+
+
+@app.command(cls=_LibraryDefaults)
 def recommend(
     ctx: typer.Context,
-    capture: Path = typer.Argument(..., help="Capture file from `kvlens capture`."),
+    capture: Path = typer.Argument(None, show_default=False, metavar="CAPTURE",
+                                   help="Capture file from `kvlens capture`."),
     samples: int = typer.Option(None, "--samples", min=1, rich_help_panel=INPUT,
-                                help="Capture samples used to measure errors (default: all "
-                                     "of them; engine targets: 1)."),
-    tokens: int = typer.Option(None, "--tokens", rich_help_panel=INPUT,
-                               help="First N tokens of each sample used (default 256 with one "
-                                    "window; with several, 4x the largest, of which the last "
-                                    "quarter is scored)."),
-    budget_bits: float = typer.Option(None, "--budget-bits", "-b", rich_help_panel=BUDGET,
+                                help="Capture samples to measure errors on (default: all; "
+                                     "engine targets: the first)."),
+    tokens: int = typer.Option(None, "--tokens", min=1, rich_help_panel=INPUT,
+                               help="First N tokens of each sample to measure on (default: "
+                                    "four times the largest window; the last quarter is "
+                                    "scored)."),
+    budget_bits: float = typer.Option(None, "--budget-bits", "-b", max=16,
+                                      callback=_above_zero, rich_help_panel=BUDGET,
                                       help="Bits per cached K/V element the cache may hold at "
-                                           "--context tokens, every part counted (16 = the "
-                                           "size of an fp16 cache of the same tokens). "
-                                           "Required for --target kvlens."),
-    context: int = typer.Option(4096, "--context", rich_help_panel=BUDGET,
-                                help="Reference context length for the budget accounting."),
-    residual: int = typer.Option(None, "--residual", rich_help_panel=BUDGET,
-                                 help="One full-precision window for every layer (tokens); "
-                                      "not with --windows."),
+                                           "--context tokens, every part counted (16 = an "
+                                           "fp16 cache). Required unless an engine target "
+                                           "takes --max-kld."),
+    context: int = typer.Option(None, "--context", min=1, rich_help_panel=BUDGET,
+                                help="Context length the budget is counted at (tokens)."),
     windows: str = typer.Option(None, "--windows", rich_help_panel=BUDGET,
                                 help="Full-precision window sizes each layer chooses among "
-                                     "(tokens), priced as the cache holds them and measured "
-                                     "on the same late queries (default 32,64,128; "
-                                     "docs/recommend.md)."),
-    flush: int = typer.Option(32, "--flush", rich_help_panel=BUDGET,
-                              help="Sliding window: quantize the oldest N tokens at a time when "
-                                   "the window fills (raised to per-channel group sizes); 0 = "
-                                   "the whole window at once (KIVI)."),
-    sinks: int = typer.Option(4, "--sinks", rich_help_panel=BUDGET,
-                              help="First tokens kept at full precision (attention sinks)."),
-    bits: str = typer.Option("2,4,8", "--bits", rich_help_panel=BUDGET,
-                             help="Candidate bit widths (allowed 2, 3, 4, 8; "
-                                  "docs/recommend.md)."),
-    group_sizes: str = typer.Option("32,64,128", "--group-sizes", rich_help_panel=BUDGET,
-                                    help="Candidate group sizes (per-token ones must divide "
-                                         "head_dim; per-channel ones the layer's flush "
-                                         "block, so some are skipped at small windows)."),
-    key_fits: str = typer.Option("minmax", "--key-fits", rich_help_panel=BUDGET,
-                                 help="How each key group's scale and zero are chosen: minmax "
-                                      "(span the group, as KIVI), mse (least-squares refit that "
-                                      "clips rare extremes; same storage), or both."),
-    value_fits: str = typer.Option("minmax,mse", "--value-fits", rich_help_panel=BUDGET,
-                                   help="The same for values."),
-    window_dtype: str = typer.Option("float16", "--window-dtype", rich_help_panel=BUDGET,
-                                     help="Dtype of the full-precision parts (window, sinks, "
-                                          "sets): float16, or float8_e4m3fn at one byte per "
-                                          "element (priced; the error proxy reads them exact; "
-                                          "docs/recommend.md#fp8-windows)."),
-    scale_dtype: str = typer.Option("8bit", "--scale-dtype", rich_help_panel=BUDGET,
-                                    help="How each quantization group's scale and zero are "
-                                         "stored: 8bit (one byte each, priced and measured; "
-                                         "the Triton kernel decodes it; "
-                                         "docs/recommend.md#8-bit-group-metadata) or float16."),
-    pre_rope: str = typer.Option("auto", "--pre-rope", rich_help_panel=BUDGET,
-                                 help="Pre-RoPE key candidates: auto (if the capture has RoPE), "
-                                      "on (required), off."),
-    no_balancer: bool = typer.Option(False, "--no-balancer", rich_help_panel=BUDGET,
-                                     help="No balancer candidates."),
-    exponent: float = typer.Option(0.5, "--balancer-exponent", rich_help_panel=BUDGET,
-                                   help="Balancer b = (max|q|/max|k|)^exponent."),
-    no_rotation: bool = typer.Option(False, "--no-rotation", rich_help_panel=BUDGET,
-                                     help="No Hadamard-rotated (per-token) candidates (engine "
-                                          "targets: llama.cpp without its rotation)."),
-    codebooks: bool = typer.Option(False, "--codebooks", rich_help_panel=BUDGET,
-                                   help="Also codebook key and value candidates (2- and 3-bit "
-                                        "fitted codebooks of rotated vectors with a norm per "
-                                        "vector; keys post-RoPE, centred with --centering; "
-                                        "docs/codebooks.md; not with --no-rotation)."),
-    centering: bool = typer.Option(False, "--centering", rich_help_panel=BUDGET,
-                                   help="Offer the per-token (and codebook) key candidates "
-                                        "centred instead of plain: the layer's mean key, "
-                                        "computed on the capture, "
-                                        "subtracted before quantizing, stored in the config and "
-                                        "added back on read (docs/codebooks.md)."),
+                                     "(tokens, comma list)."),
+    fp_dtype: str = typer.Option(None, "--window-dtype", rich_help_panel=BUDGET,
+                                 help="Dtype of the full-precision parts (window, sinks): "
+                                      "float16, or float8_e4m3fn (one byte per element)."),
     thorough: bool = typer.Option(False, "--thorough", rich_help_panel=BUDGET,
-                                  help="The full search: also GEAR twins and MiKV "
-                                       "importance-set candidates (heavy hitters by accumulated "
-                                       "attention, stored at --mikv-bits). Several times "
-                                       "slower; the default search leaves them out."),
-    no_mikv: bool = typer.Option(False, "--no-mikv", rich_help_panel=BUDGET,
-                                 help="With --thorough: no MiKV importance-set candidates."),
-    mikv_bits: str = typer.Option("4,8", "--mikv-bits", rich_help_panel=BUDGET,
-                                  help="MiKV set widths to try (allowed: 4, 8); one width and "
-                                       "fraction is chosen for the whole config."),
-    mikv_fractions: str = typer.Option("0.1,0.2", "--mikv-fractions", rich_help_panel=BUDGET,
-                                       help="MiKV heavy-hitter fractions to try (each in "
-                                            "(0, 0.5])."),
-    prefer_fast: bool = typer.Option(False, "--prefer-fast", rich_help_panel=BUDGET,
-                                     help="Only layouts the fused (Triton) decode kernel reads "
-                                          "(no pre-RoPE keys, GEAR or MiKV heavy hitters): every "
-                                          "decode step on CUDA stays in the kernel."),
-    sensitivity: str = typer.Option("auto", "--sensitivity", rich_help_panel=MEASUREMENT,
-                                    help="Error weights: layout (measure the KL damage per "
-                                         "unit error on the real model, per layer and storage "
-                                         "family), model (one weight per layer: faster), "
-                                         "uniform, or auto (layout when the capture's model "
-                                         "can be loaded)."),
-    retrieval: str = typer.Option("auto", "--retrieval", rich_help_panel=MEASUREMENT,
-                                  help="Add errors at the answer position of a built-in "
-                                       "long-context retrieval prompt: auto (when the model "
-                                       "loads), on, off."),
-    retrieval_weight: float = typer.Option(1.0, "--retrieval-weight",
-                                           rich_help_panel=MEASUREMENT,
-                                           help="Weight of the retrieval errors."),
-    layout_layers: int = typer.Option(None, "--layout-layers", min=1,
-                                      rich_help_panel=MEASUREMENT,
-                                      help="Layout sensitivity: measure every storage family on "
-                                           "this many layers spread over the depth and two "
-                                           "anchor families on the others, sharing each "
-                                           "family's ratio to its anchor (faster; default: every "
-                                           "family on every layer)."),
-    layout_tokens: int = typer.Option(None, "--layout-tokens", min=1,
-                                      rich_help_panel=MEASUREMENT,
-                                      help="Layout sensitivity: tokens of its model forwards "
-                                           "(the capture's first sample, KL on the last half; "
-                                           "above the largest window). Fewer is faster; "
-                                           "default: --tokens."),
-    workers: int = typer.Option(None, "--workers", min=1, rich_help_panel=MEASUREMENT,
-                                help="Processes the per-layer measurement runs on (default: "
-                                     "every free core when the measurement is long, else 1; "
-                                     "the same numbers either way, up to float rounding in "
-                                     "the layout sensitivity's model runs)."),
-    remeasure: bool = typer.Option(False, "--remeasure", rich_help_panel=MEASUREMENT,
-                                   help="Measure again even where an earlier run on this "
-                                        "capture with the same measuring options kept its "
-                                        "measurement (any budget, context, --window-dtype and "
-                                        "--name reuse it; KVLENS_MEASUREMENT_CACHE=off keeps "
-                                        "none; docs/recommend.md#time)."),
+                                  help="Also offer GEAR and MiKV candidates: several times "
+                                       "slower."),
     target: str = typer.Option("kvlens", "--target", rich_help_panel=ENGINE,
-                               help="Engine to deploy on: kvlens (a per-layer kvlens config), "
-                                    "llama.cpp (one -ctk and one -ctv type), vllm (one "
-                                    "--kv-cache-dtype plus skipped layers), sglang (one fp8 "
-                                    "dtype), transformers (QuantizedCache nbits/axis/group). "
-                                    "An engine target takes only --budget-bits/--max-kld, "
-                                    "--context, --samples, --tokens, --no-rotation, the model, "
-                                    "validation and output options. docs/deploy/README.md."),
-    max_kld: float = typer.Option(None, "--max-kld", rich_help_panel=ENGINE,
+                               help="What to recommend for: kvlens (a per-layer config for "
+                                    "kvlens' cache), llama.cpp (-ctk/-ctv), vllm "
+                                    "(--kv-cache-dtype), sglang, transformers "
+                                    "(QuantizedCache). docs/deploy/README.md."),
+    max_kld: float = typer.Option(None, "--max-kld", callback=_above_zero,
+                                  rich_help_panel=ENGINE,
                                   help="Engine targets: the cheapest setting whose predicted "
-                                       "KL divergence (fitted on --kld-anchors settings "
-                                       "measured on the held-out text) is at most this."),
-    kld_anchors: int = typer.Option(3, "--kld-anchors", rich_help_panel=ENGINE,
-                                    help="With --max-kld: settings whose KLD is measured to fit "
-                                         "the predictor."),
+                                       "KL divergence is at most this."),
+    workers: int = typer.Option(None, "--workers", min=1, rich_help_panel=MEASUREMENT,
+                                help="Processes to measure on (default: every free core when "
+                                     "the measurement is long)."),
+    remeasure: bool = typer.Option(False, "--remeasure", rich_help_panel=MEASUREMENT,
+                                   help="Measure again instead of reusing the measurement an "
+                                        "earlier run on this capture kept "
+                                        "(docs/recommend.md#time)."),
     model: str = typer.Option(None, "--model", "-m", rich_help_panel=MODEL,
-                              help="Model for sensitivity, the retrieval probe, --max-kld and "
-                                   "--validate (default: the capture's own model). A model "
-                                   "given here must load."),
+                              help="Model to measure sensitivity and validate on (default: "
+                                   "the capture's own)."),
     device_map: str = device_map_option(),
     max_memory: str = max_memory_option(),
     offload_folder: Path = offload_folder_option(),
     validate: bool = typer.Option(False, "--validate", rich_help_panel=VALIDATION,
-                                  help="Evaluate the recommendation beside the presets "
-                                       f"({', '.join(VALIDATE_PRESETS)}) on the built-in "
-                                       "held-out text: KL divergence, top-1 agreement and "
-                                       "perplexity vs the exact model, with intervals."),
-    eval_tokens: int = typer.Option(None, "--eval-tokens", rich_help_panel=VALIDATION,
-                                    help="Tokens of held-out text scored by --validate and by "
-                                         "--max-kld's anchors (default: 4096, capped by the "
-                                         "model's context)."),
-    retrieval_prompts: int = typer.Option(0, "--retrieval-prompts", rich_help_panel=VALIDATION,
-                                          help="With --validate: also run the retrieval grid at "
-                                               "1k tokens with this many prompts per task "
+                                  help="Measure the result against the exact model on "
+                                       "held-out text (KL divergence, top-1, perplexity, "
+                                       f"with intervals), beside {', '.join(VALIDATE_PRESETS)}."),
+    eval_tokens: int = typer.Option(None, "--eval-tokens", min=2, rich_help_panel=VALIDATION,
+                                    help="Held-out tokens scored by --validate and --max-kld "
+                                         "(at most the model's context)."),
+    retrieval_prompts: int = typer.Option(0, "--retrieval-prompts", min=0,
+                                          rich_help_panel=VALIDATION,
+                                          help="With --validate: also run the retrieval grid "
+                                               "at 1k tokens with this many prompts per task "
                                                "and depth (0 = skip)."),
     output: Path = typer.Option(None, "--output", "-o", rich_help_panel=OUTPUT,
-                                help="Write the config JSON here (and beside it "
-                                     "CONFIG.recommend.json, or CONFIG.deploy.json and an "
-                                     "engine's kv_scales.json: the results for `kvlens "
-                                     "report`)."),
-    name: str = typer.Option("recommended", "--name", rich_help_panel=OUTPUT,
+                                help="Write the config JSON here (and the results for "
+                                     "`kvlens report` beside it)."),
+    name: str = typer.Option(None, "--name", rich_help_panel=OUTPUT,
                              help="Name stored in the config."),
     overwrite: bool = overwrite_option(),
     as_json: bool = typer.Option(False, "--json", rich_help_panel=OUTPUT,
                                  help="Print the result as JSON on stdout."),
+    settings: list[str] = typer.Option(None, "--set", metavar="NAME=VALUE",
+                                       rich_help_panel=RESEARCH,
+                                       help="A research lever, NAME=VALUE (repeatable); "
+                                            "`--set list` lists them. Not defaults: each is "
+                                            "an ablation in docs/lab-notes/."),
 ) -> None:
-    """Fit balancers and choose axis/bits/group/pre-RoPE per layer under a memory budget, or
-    (--target) the best setting an engine runs, with the exact command to deploy.
+    """Choose how to quantize each layer's KV cache under a memory budget, or (--target) the
+    setting an engine runs, with the command to deploy it.
+
+    Examples:
+
+      kvlens recommend run.h5 -b 3.0 -o kv.json --validate
+
+      kvlens recommend run.h5 --target llama.cpp --max-kld 0.01 --validate
+
+      kvlens recommend run.h5 -b 2.5 --set codebooks=on
 
     Every option given is used or refused before any measurement starts."""
-    from kvlens.recommend import DEFAULT_WINDOWS, RecommendOptions, choose, default_tokens, measure
-    from kvlens.recommend.reuse import keep, kept_file, read_kept, reused_note
+    from kvlens.research import RECOMMEND, TARGET, describe, parse_settings
 
+    settings = list(settings or [])
+    if "list" in settings:
+        console.print(describe(), highlight=False, markup=False)
+        return
+    if capture is None:
+        raise typer.BadParameter("a capture file from `kvlens capture` is required.",
+                                 param_hint="CAPTURE")
     engine = target != "kvlens"
-    given = given_options(ctx, KVLENS_ONLY + TARGET_ONLY + PLACEMENT +
-                          ("model", "eval_tokens"))
+    params = [p.name for p in ctx.command.params]
+    given = given_options(ctx, params)
+    levers = run_library_call(lambda: parse_settings(settings))
+    fields = {p: ctx.params[p] for p in given if KVLENS in readers(p) and p not in CLI_READERS}
 
     def check_common() -> None:
         """The checks both paths share, cheapest first: option combinations, the output
@@ -258,9 +231,8 @@ def recommend(
         from kvlens.model.placement import make_placement
         from kvlens.report.artifacts import check_output_file, config_doc_path
 
-        _check_combinations(target, given, sensitivity=sensitivity, retrieval=retrieval,
-                            validate=validate, max_kld=max_kld, no_mikv=no_mikv,
-                            no_balancer=no_balancer, thorough=thorough)
+        _check_combinations(target, given, levers, validate=validate, max_kld=max_kld,
+                            thorough=thorough)
         if output is not None:
             check_output_file(output, "--output", overwrite, example="kv.json")
             kind = "deploy" if engine else "recommend"
@@ -282,57 +254,31 @@ def recommend(
     if engine:
         from kvlens.cli.targets import run_target
 
-        run_target(capture, target=target, budget_bits=budget_bits, max_kld=max_kld,
-                   anchors=kld_anchors, context=context,
-                   samples=1 if samples is None else samples,
-                   tokens=default_tokens(()) if tokens is None else tokens,
-                   rotation=not no_rotation, model=model, place=place, output=output,
-                   validate=validate, eval_tokens=eval_tokens, as_json=as_json)
+        target_fields = {p: ctx.params[p] for p in given if ENGINES in readers(p)
+                         and p not in CLI_READERS}
+        run_target(capture, {"target": target, **target_fields, **levers[TARGET]}, place=place,
+                   output=output, validate=validate, eval_tokens=eval_tokens, as_json=as_json)
         return
 
     def prepare():
         from kvlens.errors import InputError
+        from kvlens.recommend import RecommendOptions, check
 
         if budget_bits is None:
             raise InputError("--budget-bits is required for --target kvlens (engine targets "
                              "also take --max-kld).")
-        if residual is not None and windows is not None:
-            raise InputError("--residual R is one window for every layer and --windows a list "
-                             "each layer chooses from; give one of them.")
-        sizes = (_ints(windows, "--windows") if windows is not None else
-                 (residual,) if residual is not None else DEFAULT_WINDOWS)
-        return RecommendOptions(budget_bits=budget_bits, context=context,
-                                residual_tokens=max(sizes, default=128), windows=sizes,
-                                bits=_ints(bits, "--bits"),
-                                group_sizes=_ints(group_sizes, "--group-sizes"),
-                                key_fits=_words(key_fits), value_fits=_words(value_fits),
-                                fp_dtype=window_dtype, scale_dtype=scale_dtype,
-                                pre_rope=pre_rope, balancer=not no_balancer,
-                                rotation=not no_rotation, mikv=thorough and not no_mikv,
-                                gear=thorough, codebooks=codebooks, centering=centering,
-                                mikv_set_bits=_ints(mikv_bits, "--mikv-bits"),
-                                mikv_fractions=_numbers(mikv_fractions, "--mikv-fractions",
-                                                        float, "numbers"),
-                                balancer_exponent=exponent, samples=samples,
-                                tokens=default_tokens(sizes) if tokens is None else tokens,
-                                sensitivity=sensitivity, model=model, name=name,
-                                flush_tokens=flush, sink_tokens=sinks, retrieval=retrieval,
-                                retrieval_weight=retrieval_weight, prefer_fast=prefer_fast,
-                                workers=workers, layout_layers=layout_layers,
-                                layout_tokens=layout_tokens, **place)
+        values = dict(fields) | {k: v for k, v in place.items() if k in given}
+        if "windows" in values:
+            values["windows"] = _ints(windows, "--windows")
+        values |= {f: True for f in THOROUGH_FIELDS if thorough} | levers[RECOMMEND]
+        opts = RecommendOptions(**values)
+        check(capture, opts)
+        if tokens is not None:
+            _check_tokens(capture, tokens)
+        return opts
 
     opts = run_library_call(prepare)
-    kept = run_library_call(lambda: kept_file(capture, opts))
-    measured = None if remeasure else run_library_call(lambda: read_kept(kept))
-    if measured is not None:
-        err_console.print(escape(reused_note(kept)), highlight=False)
-        predicted = None
-    else:
-        predicted = run_library_call(lambda: _predict(capture, opts))
-        with progress_bar("measuring candidates") as update:
-            measured = run_library_call(lambda: measure(capture, opts, progress=update))
-        keep(measured, kept)
-    rec = run_library_call(lambda: choose(measured, opts))
+    rec = _run_recommend(capture, opts, remeasure)
     if output is not None:
         from kvlens.config import save_config
 
@@ -353,9 +299,8 @@ def recommend(
         validation = run_library_call(lambda: _validate(rec.config, model_for_validation(),
                                                         eval_tokens, retrieval_prompts, opts))
         rec.profile.add("validation", time.perf_counter() - start)
-    _print_profile(rec.profile, predicted)
+    _print_profile(rec.profile, rec.predicted)
     doc = rec.to_dict()
-    doc["profile"]["predicted"] = predicted.to_dict() if predicted is not None else None
     doc["deploy"] = {"target": "kvlens", "command": "kvlens generate --config "
                      f"{output or 'kv.json'} --prompt ...",
                      "config": str(output) if output else None}
@@ -375,18 +320,26 @@ def recommend(
         _render_long(validation)
 
 
-def _predict(capture: Path, opts):
-    """Print (stderr) and return what the measurement is predicted to cost."""
+def _run_recommend(capture: Path, opts, remeasure: bool):
+    """``kvlens.recommend.recommend`` with a progress bar, its messages on stderr."""
+    from kvlens.recommend import recommend as run
+
+    with progress_bar("measuring candidates") as update:
+        return run_library_call(lambda: run(
+            capture, opts, update, remeasure=remeasure,
+            log=lambda msg: err_console.print(escape(msg), highlight=False)))
+
+
+def _check_tokens(capture: Path, tokens: int) -> None:
+    """``--tokens`` beyond the capture's samples would be cut short without a word: refuse."""
     from kvlens.capture.store import open_capture
-    from kvlens.recommend.pipeline import predict_cost
+    from kvlens.errors import InputError
 
     with open_capture(capture) as cap:
-        cost = predict_cost(cap.meta, opts)
-    err_console.print(f"predicted: about {format_seconds(cost.seconds)} and {cost.peak_bytes / 2**30:.1f}"
-                      " GiB peak memory (the reference machine's times x "
-                      f"{cost.machine_factor:.2f}, this machine's speed from a timed matrix "
-                      "product; kvlens.recommend.cost)", highlight=False)
-    return cost
+        n = cap.meta.num_tokens
+    if tokens > n:
+        raise InputError(f"--tokens {tokens}: {capture} holds {n} tokens per sample; give at "
+                         f"most {n} (or omit it).")
 
 
 def _print_profile(profile, predicted) -> None:
@@ -399,65 +352,81 @@ def _print_profile(profile, predicted) -> None:
                       highlight=False)
 
 
-def _check_combinations(target: str, given: dict[str, str], *, sensitivity: str,
-                        retrieval: str, validate: bool, max_kld, no_mikv: bool,
-                        no_balancer: bool, thorough: bool = False) -> None:
+def _check_combinations(target: str, given: dict[str, str], levers: dict[str, dict], *,
+                        validate: bool, max_kld, thorough: bool) -> None:
     """Refuse options that this combination would not read (never drop one silently).
-    ``given``: the options the user gave, parameter name -> flag."""
+    ``given``: the options the user gave, parameter name -> flag; ``levers``: the parsed
+    ``--set`` levers per owner (``kvlens.research.parse_settings``)."""
     from kvlens.errors import InputError
+    from kvlens.research import RECOMMEND, TARGET
+    from kvlens.research import levers as all_levers
 
-    def flags(names) -> str:
-        return ", ".join(given[n] for n in names if n in given)
+    by_field = {lv.field: lv for lv in all_levers().values()}
+    names = dict(given)  # parameter or lever field -> how the user spelled it
+    for owner in (RECOMMEND, TARGET):
+        names |= {f: f"--set {by_field[f].name}" for f in levers[owner]}
 
-    def _them(names) -> str:
-        return "them" if sum(n in given for n in names) > 1 else "it"
+    def flags(keys) -> str:
+        return ", ".join(names[k] for k in keys if k in names)
+
+    def them(keys) -> str:
+        return "them" if sum(k in names for k in keys) > 1 else "it"
 
     engine = target != "kvlens"
     if engine:
-        if flags(KVLENS_ONLY):
-            raise InputError(f"{flags(KVLENS_ONLY)}: not used by --target {target} (options "
-                             "of the per-layer kvlens recommendation); drop "
-                             f"{_them(KVLENS_ONLY)}, or use --target kvlens.")
-        if "kld_anchors" in given and max_kld is None:
-            raise InputError("--kld-anchors sets how many settings fit the --max-kld "
+        unread = [p for p in given if ENGINES not in readers(p)] + \
+            [f for f in levers[RECOMMEND] if f not in levers[TARGET]]
+        if unread:
+            raise InputError(f"{flags(unread)}: not used by --target {target} (options of the "
+                             f"per-layer kvlens recommendation); drop {them(unread)}, or use "
+                             "--target kvlens.")
+        if "anchors" in levers[TARGET] and max_kld is None:
+            raise InputError("--set kld-anchors sets how many settings fit the --max-kld "
                              "predictor; give --max-kld too, or drop it.")
         needs_model = max_kld is not None or validate
         why = "--max-kld or --validate"
     else:
-        if flags(TARGET_ONLY):
-            raise InputError(f"{flags(TARGET_ONLY)}: only for an engine target (--target "
+        unread = [p for p in given if KVLENS not in readers(p)] + \
+            [f for f in levers[TARGET] if f not in levers[RECOMMEND]]
+        if unread:
+            raise InputError(f"{flags(unread)}: only for an engine target (--target "
                              "llama.cpp, vllm, sglang or transformers); the kvlens target "
                              "takes --budget-bits.")
-        if not thorough and flags(("no_mikv", "mikv_bits", "mikv_fractions")):
-            raise InputError(f"{flags(('no_mikv', 'mikv_bits', 'mikv_fractions'))}: MiKV "
-                             "candidates are offered only by the full search; add --thorough "
-                             "or drop it.")
-        if no_mikv and flags(("mikv_bits", "mikv_fractions")):
-            raise InputError(f"{flags(('mikv_bits', 'mikv_fractions'))}: describe MiKV "
-                             "candidates, which --no-mikv removes; give one or the other.")
-        if no_balancer and "exponent" in given:
-            raise InputError("--balancer-exponent shapes balancer candidates, which "
-                             "--no-balancer removes; give one or the other.")
+        opts = levers[RECOMMEND]
+        mikv = opts.get("mikv", thorough)
+        if not mikv and flags(("mikv_set_bits", "mikv_fractions")):
+            raise InputError(f"{flags(('mikv_set_bits', 'mikv_fractions'))}: describe MiKV "
+                             "candidates, which are not offered; add --thorough (or --set "
+                             f"mikv=on), or drop {them(('mikv_set_bits', 'mikv_fractions'))}.")
+        if not opts.get("balancer", True) and "balancer_exponent" in opts:
+            raise InputError("--set balancer-exponent shapes balancer candidates, which "
+                             "--set balancer=off removes; give one or the other.")
+        if opts.get("prefer_fast") and (thorough or opts.get("gear") or opts.get("mikv")):
+            raise InputError(f"{flags(('thorough', 'gear', 'mikv'))}: GEAR and MiKV "
+                             "candidates are not read by the fused kernel, which --set "
+                             "prefer-fast=on keeps to; give one or the other.")
+        sensitivity = opts.get("sensitivity", "auto")
         if sensitivity in ("uniform", "model") and flags(("layout_layers", "layout_tokens")):
-            raise InputError(f"{flags(('layout_layers', 'layout_tokens'))}: shape the layout "
-                             f"sensitivity, which --sensitivity {sensitivity} does not run; "
-                             f"use --sensitivity layout or auto, or drop "
-                             f"{_them(('layout_layers', 'layout_tokens'))}.")
-        if retrieval == "off" and "retrieval_weight" in given:
-            raise InputError("--retrieval-weight weighs the retrieval probe, which --retrieval "
-                             "off skips; give one or the other.")
+            keys = ("layout_layers", "layout_tokens")
+            raise InputError(f"{flags(keys)}: shape the layout sensitivity, which --set "
+                             f"sensitivity={sensitivity} does not run; drop {them(keys)}.")
+        retrieval = opts.get("retrieval", "auto")
+        if retrieval == "off" and "retrieval_weight" in opts:
+            raise InputError("--set retrieval-weight weighs the retrieval probe, which --set "
+                             "retrieval=off skips; give one or the other.")
         if "retrieval_prompts" in given and not validate:
             raise InputError("--retrieval-prompts applies to --validate; add --validate or "
                              "drop it.")
         needs_model = sensitivity != "uniform" or retrieval != "off" or validate
-        why = "--sensitivity other than uniform, --retrieval other than off, or --validate"
+        why = ("--validate, or research levers that measure on the model (--set "
+               "sensitivity, --set retrieval)")
     if "eval_tokens" in given and not (validate or (engine and max_kld is not None)):
         raise InputError("--eval-tokens sets the held-out tokens scored by --validate"
                          + (" or --max-kld" if engine else "") + "; add that option or drop it.")
     loaders = flags(("model",) + PLACEMENT)
     if loaders and not needs_model:
         raise InputError(f"{loaders}: no model is loaded here (only with {why}); drop "
-                         f"{_them(('model',) + PLACEMENT)}.")
+                         f"{them(('model',) + PLACEMENT)}.")
 
 
 def _validate(config, model, eval_tokens: int | None, retrieval_prompts: int, ropts=None):

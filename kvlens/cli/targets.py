@@ -17,22 +17,19 @@ from kvlens.cli.common import (
 )
 
 
-def run_target(capture: Path, *, target: str, budget_bits, max_kld, anchors: int, context: int,
-               samples: int, tokens: int, rotation: bool, model, place: dict, output,
-               validate: bool, eval_tokens, as_json: bool) -> None:
-    """``place``: ``device_map``, ``max_memory``, ``offload_folder`` for the model that
-    ``--max-kld`` and ``--validate`` load (the command checked every option before)."""
+def run_target(capture: Path, fields: dict, *, place: dict, output, validate: bool,
+               eval_tokens, as_json: bool) -> None:
+    """``fields``: the ``TargetOptions`` fields given (the rest are its defaults); ``place``:
+    ``device_map``, ``max_memory``, ``offload_folder`` for the model that ``--max-kld`` and
+    ``--validate`` load (the command checked every option before)."""
     from dataclasses import replace
 
     from kvlens.deploy.targets import TargetOptions, recommend_target
     from kvlens.deploy.targets import validate as run_validation
-    from kvlens.evaluation.kld import DEFAULT_EVAL_TOKENS
 
     def prepare():
-        return TargetOptions(target=target, budget_bits=budget_bits, max_kld=max_kld,
-                             context=context, samples=samples, tokens=tokens,
-                             rotation=rotation, eval_tokens=eval_tokens or DEFAULT_EVAL_TOKENS,
-                             anchors=anchors, model=model)
+        given = {"eval_tokens": eval_tokens} if eval_tokens is not None else {}
+        return TargetOptions(**fields, **given)
 
     opts = run_library_call(prepare)
     bundle: list = []
@@ -47,21 +44,21 @@ def run_target(capture: Path, *, target: str, budget_bits, max_kld, anchors: int
             from kvlens.recommend import model_spec_from_capture
 
             with open_capture(capture) as cap:
-                spec = model or model_spec_from_capture(cap.meta)
+                spec = opts.model or model_spec_from_capture(cap.meta)
             if spec is None:
                 raise InputError(f"{capture} does not say which model it came from; pass "
                                  "--model.")
             err_console.print(f"Loading {escape(spec)} ...")
             mdl, tok, source = load_model(spec, **place)
             bundle.extend((mdl, tok))
-            if eval_tokens is None:  # the default: DEFAULT_EVAL_TOKENS, capped by the context
-                limit = max_positions(mdl) or DEFAULT_EVAL_TOKENS
-                bundle.append(min(DEFAULT_EVAL_TOKENS, limit))
+            if eval_tokens is None:  # the default, capped by the model's context
+                bundle.append(min(opts.eval_tokens, max_positions(mdl) or opts.eval_tokens))
             else:
                 bundle.append(eval_tokens)
             bundle.append(source)
         return (bundle[0], bundle[1], bundle[3])
 
+    max_kld = opts.max_kld
     if max_kld is not None or validate:
         run_library_call(load)
         opts = replace(opts, eval_tokens=bundle[2])

@@ -89,9 +89,9 @@ def canonical_target(name: str) -> str:
     if key in TARGETS:
         return key
     close = difflib.get_close_matches(key, [*TARGETS, *TARGET_ALIASES], n=1, cutoff=0.6)
-    hint = f" Did you mean {TARGET_ALIASES.get(close[0], close[0])!r}?" if close else ""
+    hint = f" (did you mean {TARGET_ALIASES.get(close[0], close[0])!r}?)" if close else ""
     aliases = ", ".join(f"{a} = {t}" for a, t in TARGET_ALIASES.items())
-    raise ConfigError(f"Unknown --target {name!r}.{hint} Allowed: {', '.join(TARGETS)} "
+    raise ConfigError(f"Unknown --target {name!r}{hint}; allowed: {', '.join(TARGETS)} "
                       f"({aliases}).")
 
 

@@ -5,7 +5,8 @@ Modules, in dependency order: ``options`` (what is asked, ``Candidate``, ``Strea
 ``layer_errors`` (errors per layer), ``probe`` (the model and the retrieval probe),
 ``sensitivity`` (layer weights), ``result``, ``build`` (the config), ``allocation`` (the
 knapsack), ``pipeline`` (``measure`` a capture once, ``choose`` for any budget), ``reuse``
-(measurements kept between runs). Import the public names from here.
+(measurements kept between runs), ``run`` (``recommend``: check, reuse or measure, choose).
+Research levers (options no default uses) are listed in ``kvlens.research``. Import the public names from here.
 """
 
 from kvlens.recommend.allocation import COST_RESOLUTION, allocate
@@ -19,10 +20,11 @@ from kvlens.recommend.options import (
     Stream,
     default_tokens,
 )
-from kvlens.recommend.pipeline import Measurements, choose, measure, recommend
+from kvlens.recommend.pipeline import Measurements, choose, measure
 from kvlens.recommend.pricing import option_bytes
 from kvlens.recommend.probe import model_spec_from_capture
 from kvlens.recommend.result import Choice, Recommendation
+from kvlens.recommend.run import check, recommend
 
 __all__ = [
     "COST_RESOLUTION",
@@ -37,6 +39,7 @@ __all__ = [
     "allocate",
     "build_config",
     "candidates",
+    "check",
     "choose",
     "default_tokens",
     "family",

@@ -25,7 +25,7 @@ from kvlens.cache.triton_glue import kernel_layout_problem
 from kvlens.config import LayerKV
 from kvlens.errors import ConfigError, InputError
 from kvlens.recommend.build import build_config
-from kvlens.recommend.catalog import family
+from kvlens.recommend.catalog import candidates, family
 from kvlens.recommend.options import Candidate, RecommendOptions, Stream, listed
 from kvlens.recommend.pricing import decode_costs, option_bytes, tensor_fp16_bytes
 from kvlens.recommend.result import Choice, Recommendation
@@ -117,61 +117,113 @@ def _fused(kc: Candidate, vc: Candidate, stream: Stream, head_dim: int) -> bool:
     return kernel_layout_problem(setting, head_dim) is None
 
 
+class _Pricing:
+    """Each layer's Pareto front of options in budget units (bits per element of the whole
+    cache, times the number of layers) and what the cheapest of them need."""
+
+    def __init__(self, meta, opts: RecommendOptions, weights, shape, factors=()):
+        self.meta, self.opts, self.weights, self.shape = meta, opts, weights, shape
+        self.factors = factors
+        self.fp16_total = shape.fp16_bytes(opts.context)
+        self.option = cache(self._option)  # one cache per pricing
+
+    def _option(self, kc, vc, s, window):
+        """``option_bytes`` of a layer with sliding ``window`` storing ``kc``/``vc``."""
+        shape = self.shape
+        layer = next(i for i in range(shape.num_layers) if shape.window(i) == window)
+        return option_bytes(kc, vc, s.flush, self.opts, shape, layer, residual=s.residual)
+
+    def fronts(self, tables, rotation: bool, mikv_set) -> list[list]:
+        """Per layer ``_layer_options`` with or without rotated candidates, with MiKV sets
+        at the global ``mikv_set`` (None: no set)."""
+        n, out = len(tables), []
+        for layer, table in zip(self.meta.layers, tables):
+            w = self.shape.window(layer)
+            table = {cf: e for cf, e in table.items() if (rotation or not cf[0].rotate)
+                     and cf[0].mikv_set in (None, mikv_set)}
+            out.append(_layer_options(
+                table, self.opts,
+                lambda kc, vc, s, w=w: 16 * n * self.option(kc, vc, s, w)[0] / self.fp16_total,
+                self.weights[layer], self.shape.head_dim,
+                self.factors[layer] if self.factors else None))
+        return out
+
+    def reserve(self, fronts) -> float:
+        """Budget bits of the one ``[D, D]`` float32 rotation matrix every rotating layer
+        shares (0 when no option rotates)."""
+        rotates = any(p[2].rotate or p[3].rotate for front in fronts for p in front)
+        return 16 * self.shape.head_dim ** 2 * 4 / self.fp16_total if rotates else 0.0
+
+    def need(self, fronts) -> float:
+        """Bits per element the cheapest option of every layer needs (costs rounded up per
+        layer, as ``allocate`` rounds them), the shared rotation matrix included."""
+        units = sum(math.ceil(min(p[0] for p in front) * COST_RESOLUTION - 1e-9)
+                    for front in fronts)
+        return units / COST_RESOLUTION / len(fronts) + self.reserve(fronts)
+
+    def variants(self) -> list[tuple[bool, tuple | None]]:
+        """The config-wide choices solved for separately: with and without rotated
+        candidates, no MiKV set and each ``(set_bits, heavy_fraction)``."""
+        return [(rot, m) for rot in ((True, False) if self.opts.rotation else (False,))
+                for m in (None, *self.opts.mikv_sets())]
+
+
+def _too_small(need: float, opts: RecommendOptions) -> InputError:
+    return InputError(
+        f"The budget is too small: the cheapest candidates need {need:.3f} bits per element at "
+        f"{opts.context} tokens (windows of {listed(opts.window_sizes, '/')} tokens and "
+        f"{opts.sink_tokens} sink tokens included), more than the {opts.budget_bits} asked "
+        "for. Raise --budget-bits or --context, or offer smaller --windows.")
+
+
+def check_budget(meta, opts: RecommendOptions, shape) -> None:
+    """Refuse, before anything is measured, a budget that even the cheapest candidates
+    ``opts`` offers on a model of ``shape`` exceed (prices need no measurement)."""
+    cands = candidates(meta.head_dim, opts, meta.has_rope)
+    table = {(c, s): (0.0, 0.0, 0.0) for c in cands for s in opts.streams()}
+    tables = [table] * len(meta.layers)
+    pricing = _Pricing(meta, opts, [1.0] * meta.num_layers, shape)
+    needs = []
+    for rot, m in pricing.variants():
+        fronts = pricing.fronts(tables, rot, m)
+        if all(fronts):
+            needs.append(pricing.need(fronts))
+    if needs and min(needs) > opts.budget_bits:
+        raise _too_small(min(needs), opts)
+
+
 def assemble(meta, opts, tables, balancers, weights, notes, shape, factors=(), codebooks=None
              ) -> Recommendation:
     """The ``Recommendation`` for ``opts.budget_bits`` from per-layer error ``tables``, layer
     ``weights`` (and per-layout ``factors``) on a model of ``shape``: the best allocation
     over the config-wide choices, its ``Choice`` s, config, bytes and decode costs."""
-    fp16_total = shape.fp16_bytes(opts.context)
     n = len(tables)
-
-    @cache
-    def option(kc, vc, s, window):
-        layer = next(i for i in range(shape.num_layers) if shape.window(i) == window)
-        return option_bytes(kc, vc, s.flush, opts, shape, layer, residual=s.residual)
+    pricing = _Pricing(meta, opts, weights, shape, factors)
+    option = pricing.option
 
     def solve(rotation: bool, mikv_set):
         """``((objective, fronts, picks), None)`` of the best allocation with or without
         rotated candidates, with MiKV sets at the global ``mikv_set`` (None: no set), or
         ``(None, bits the cheapest options need)`` when nothing fits."""
-        fronts = []
-        for layer, table in zip(meta.layers, tables):
-            w = shape.window(layer)
-            table = {cf: e for cf, e in table.items() if (rotation or not cf[0].rotate)
-                     and cf[0].mikv_set in (None, mikv_set)}
-            # budget units: bits per element of the whole cache, times the number of layers
-            fronts.append(_layer_options(
-                table, opts,
-                lambda kc, vc, s, w=w: 16 * n * option(kc, vc, s, w)[0] / fp16_total,
-                weights[layer], shape.head_dim, factors[layer] if factors else None))
+        fronts = pricing.fronts(tables, rotation, mikv_set)
         if not all(fronts):  # a layer with nothing to store it (e.g. only rotated layouts)
             return None, math.inf
         costs = [[p[0] for p in front] for front in fronts]
         errors = [[p[1] for p in front] for front in fronts]
-        # one [D, D] float32 rotation matrix is shared by every rotating layer: reserve it
-        rotates = any(p[2].rotate or p[3].rotate for front in fronts for p in front)
-        reserve = 16 * shape.head_dim ** 2 * 4 / fp16_total if rotates else 0.0
         try:
-            picks = allocate(costs, errors, n * (opts.budget_bits - reserve))
+            picks = allocate(costs, errors, n * (opts.budget_bits - pricing.reserve(fronts)))
         except InputError:  # what the allocation needs: its costs are rounded up per layer
-            need = sum(math.ceil(min(c) * COST_RESOLUTION - 1e-9) for c in costs)
-            return None, need / COST_RESOLUTION / n + reserve
+            return None, pricing.need(fronts)
         return (sum(e[p] for e, p in zip(errors, picks)), fronts, picks), None
 
     # the shared rotation matrix is a fixed cost the knapsack cannot split over layers, and a
     # MiKV set's width and fraction are global settings: solve for each (with and without
     # rotated candidates; no set or each set) and keep the best allocation
     sets = [None, *opts.mikv_sets()]
-    solved = [(m, *solve(rot, m)) for rot in ((True, False) if opts.rotation else (False,))
-              for m in sets]
+    solved = [(m, *solve(rot, m)) for rot, m in pricing.variants()]
     best = min((s for _, s, _ in solved if s is not None), key=lambda s: s[0], default=None)
     if best is None:
-        raise InputError(
-            f"The budget is too small: the cheapest candidates need "
-            f"{min(need for _, _, need in solved):.3f} bits per element at {opts.context} "
-            f"tokens (windows of {listed(opts.window_sizes, '/')} tokens and "
-            f"{opts.sink_tokens} sink tokens included), more than the {opts.budget_bits} asked "
-            "for. Raise --budget-bits or --context, or offer smaller --windows / fewer --sinks.")
+        raise _too_small(min(need for _, _, need in solved), opts)
     _, fronts, picks = best
     if len(sets) > 1:
         plain = min((s[0] for m, s, _ in solved if s is not None and m is None), default=math.inf)

@@ -6,7 +6,7 @@ of one layer), ``Stream`` (how a layer's full-precision window moves), the const
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from kvlens.cache.layout import FP_BYTES, SCALE_BYTES
@@ -23,7 +23,9 @@ GEAR_GROUP = 32  # GEAR twins are offered for KIVI's G32 grouping only (measurin
 MIKV_GROUP = 32  # so are MiKV set twins (each is simulated while decoding: measuring cost)
 MIKV_FRACTION_MAX = 0.5  # largest heavy fraction offered (more is no longer a small set)
 SENSITIVITIES = ("auto", "model", "layout", "uniform")
-DEFAULT_WINDOWS = (32, 64, 128)  # the CLI's --windows (docs/recommend.md: why these)
+DEFAULT_WINDOWS = (32, 64, 128)  # the default --windows (docs/recommend.md: why these)
+#: ``RecommendOptions.tokens`` derived from the windows (``default_tokens``)
+AUTO = "auto"
 
 
 class Stream(NamedTuple):
@@ -113,91 +115,156 @@ class Candidate:
 THOROUGH = {"gear": True, "mikv": True}
 
 
+#: Where an option lives (``dataclasses.field`` metadata ``"door"``): ``MAIN`` a main option of
+#: ``kvlens recommend`` (its flag is ``"flag"``); ``RESEARCH`` a lever behind the research door
+#: (``kvlens.research``; ``kvlens recommend --set NAME=VALUE``, NAME ``"lever"``); ``LIBRARY``
+#: the Python API only. ``tests/test_recommend_options.py`` checks every field is classified.
+MAIN, RESEARCH, LIBRARY = "main", "research", "library"
+
+
+def _main(default, flag: str):
+    return field(default=default, metadata={"door": MAIN, "flag": flag})
+
+
+def _lever(default, lever: str, help: str):
+    return field(default=default, metadata={"door": RESEARCH, "lever": lever, "help": help})
+
+
+def _library(default):
+    return field(default=default, metadata={"door": LIBRARY})
+
+
+def option_name(name: str) -> str:
+    """How a user names ``RecommendOptions`` field ``name``: ``--window-dtype`` for a main
+    option, ``--set flush`` for a research lever, the field name for a library one."""
+    meta = RecommendOptions.__dataclass_fields__[name].metadata
+    if meta.get("door") == MAIN:
+        return meta["flag"]
+    return f"--set {meta['lever']}" if meta.get("door") == RESEARCH else name
+
+
 @dataclass(frozen=True)
 class RecommendOptions:
-    budget_bits: float
-    context: int = 4096
-    residual_tokens: int = 128  # the window when ``windows`` is None (one size for every layer)
-    windows: tuple[int, ...] | None = None  # window sizes each layer chooses among
-    # 3-bit codes (dense, 3 bits each) are offered only when asked: offering them did not
-    # improve the allocations on average (docs/lab-notes/vs-llamacpp.md, dense 3-bit codes)
-    bits: tuple[int, ...] = (2, 4, 8)
-    group_sizes: tuple[int, ...] = (32, 64, 128)
-    pre_rope: str = "auto"  # auto: offer pre-RoPE keys when the capture has RoPE; on; off
-    balancer: bool = True
-    rotation: bool = True  # offer Hadamard-rotated per-token keys and values
-    balancer_exponent: float = 0.5
+    """Everything ``recommend`` is asked; the defaults are what ``kvlens recommend -b B`` runs
+    (the CLI builds its options from this class). Fields are main options, research levers or
+    library-only (``door`` metadata; ``option_name``)."""
+
+    budget_bits: float = field(metadata={"door": MAIN, "flag": "--budget-bits"})
+    context: int = _main(4096, "--context")
+    # window sizes each layer chooses among (docs/recommend.md: why these)
+    windows: tuple[int, ...] = _main(DEFAULT_WINDOWS, "--windows")
     # capture samples the error tables are measured on (None: all): more calibration text
     # steadies the ranking of candidates, at a time cost roughly in proportion (what it bought
     # and cost: docs/lab-notes/recommend.md#calibration-text)
-    samples: int | None = None
-    tokens: int | None = 256
-    layer_weights: tuple[float, ...] | None = None
-    # uniform | model | layout | auto (layout when the capture's model is loadable); model: a
-    # weight per layer (``kvlens.recommend.sensitivity.sensitivity_weights``); layout: and a
-    # factor per storage family (``kvlens.recommend.sensitivity.layout_factors``)
-    sensitivity: str = "uniform"
-    # layers on which the layout sensitivity measures every storage family, the others two
-    # anchors sharing the family ratios (--layout-layers; None: every family on every layer)
-    layout_layers: int | None = None
-    # tokens of the layout sensitivity's forwards (the capture's first sample, KL on the last
-    # half; --layout-tokens; None: ``tokens``); more than the largest window
-    layout_tokens: int | None = None
-    model: str | None = None  # model for sensitivity (default: the capture's model source)
-    name: str = "recommended"
-    flush_tokens: int = 32  # smallest flush block of the sliding window; 0 = whole window (KIVI)
-    sink_tokens: int = 4  # first tokens kept at full precision (attention sinks)
-    retrieval: str = "auto"  # add the retrieval probe's errors: auto (when the model loads), on, off
-    retrieval_weight: float = 1.0
-    retrieval_tokens: int = 960
-    prefer_fast: bool = False  # only layouts the fused (Triton) decode kernel reads
+    samples: int | None = _main(None, "--samples")
+    # first tokens of each sample measured on (None: all); AUTO: ``default_tokens(windows)``
+    tokens: int | str | None = _main(AUTO, "--tokens")
+    model: str | None = _main(None, "--model")  # default: the capture's model source
+    name: str = _main("recommended", "--name")
     # where the model loaded for sensitivity/retrieval goes (kvlens.model.placement; None = one device)
-    device_map: str | None = None
-    max_memory: str | None = None
-    offload_folder: str | None = None
+    device_map: str | None = _main(None, "--device-map")
+    max_memory: str | None = _main(None, "--max-memory")
+    offload_folder: str | None = _main(None, "--offload-folder")
+    # dtype of the full-precision parts (window, sinks, sets, GEAR outliers): the config's
+    # fp_dtype; float8_e4m3fn halves their bytes, but the error proxy reads them exact
+    # (docs/recommend.md#fp8-windows: whether it pays depends on the budget)
+    fp_dtype: str = _main("float16", "--window-dtype")
+    # processes the per-layer measurements run on (kvlens.recommend.parallel); None: every
+    # available core when the per-layer stages (candidate errors, layout sensitivity) are
+    # predicted to be long, else this process only
+    workers: int | None = _main(None, "--workers")
     # GEAR and MiKV set twins are opt-in (``--thorough``, ``THOROUGH``): simulating them is a
     # large share of the measurement and the default budgets did not choose them
     # (docs/benchmarks.md, bench_recommend.py)
-    gear: bool = False  # offer GEAR twins of the plain G32 candidates (not with prefer_fast)
-    # offer MiKV set twins (heavy hitters at set_bits) of the G32 candidates up to 4 bits, for
-    # every (set_bits, heavy_fraction) combination (not with prefer_fast)
-    mikv: bool = False
-    mikv_set_bits: tuple[int, ...] = (4, 8)
-    mikv_fractions: tuple[float, ...] = (0.1, 0.2)
+    gear: bool = _lever(False, "gear", "offer GEAR twins (outliers + low-rank factors) of the "
+                        "G32 candidates (--thorough sets it)")
+    mikv: bool = _lever(False, "mikv", "offer MiKV importance-set twins of the G32 candidates "
+                        "up to 4 bits (--thorough sets it)")
+    mikv_set_bits: tuple[int, ...] = _lever((4, 8), "mikv-bits",
+                                            "MiKV set widths to try (4, 8); one width and "
+                                            "fraction is chosen for the whole config")
+    mikv_fractions: tuple[float, ...] = _lever((0.1, 0.2), "mikv-fractions",
+                                               "MiKV heavy-hitter fractions to try, each in "
+                                               "(0, 0.5]")
+    # 3-bit codes (dense, 3 bits each) are offered only when asked: offering them did not
+    # improve the allocations on average (docs/lab-notes/vs-llamacpp.md, dense 3-bit codes)
+    bits: tuple[int, ...] = _lever((2, 4, 8), "bits", "candidate bit widths (2, 3, 4, 8)")
+    group_sizes: tuple[int, ...] = _lever((32, 64, 128), "group-sizes",
+                                          "candidate group sizes (per-token ones must divide "
+                                          "head_dim, per-channel ones the flush block)")
+    # auto: offer pre-RoPE keys when the capture has RoPE; on; off
+    pre_rope: str = _lever("auto", "pre-rope", "pre-RoPE key candidates: auto (when the "
+                           "capture has RoPE), on (required), off")
+    balancer: bool = _lever(True, "balancer", "offer MiKV channel-balancer key candidates")
+    balancer_exponent: float = _lever(0.5, "balancer-exponent",
+                                      "balancer b = (max|q| / max|k|) ^ exponent")
+    # offer Hadamard-rotated per-token keys and values (engine targets: llama.cpp's rotation)
+    rotation: bool = _lever(True, "rotation", "offer Hadamard-rotated per-token candidates "
+                            "(engine targets: llama.cpp with its rotation)")
+    # uniform | model | layout | auto (layout when the capture's model is loadable); model: a
+    # weight per layer (``kvlens.recommend.sensitivity.sensitivity_weights``); layout: and a
+    # factor per storage family (``kvlens.recommend.sensitivity.layout_factors``)
+    sensitivity: str = _lever("auto", "sensitivity",
+                              "error weights: auto (layout when the model loads), layout (KL "
+                              "damage per unit error, per layer and storage family), model "
+                              "(one weight per layer), uniform")
+    # layers on which the layout sensitivity measures every storage family, the others two
+    # anchors sharing the family ratios (None: every family on every layer)
+    layout_layers: int | None = _lever(None, "layout-layers",
+                                       "layout sensitivity: measure every storage family on "
+                                       "this many layers only, two anchor families elsewhere")
+    # tokens of the layout sensitivity's forwards (the capture's first sample, KL on the last
+    # half; None: ``tokens``); more than the largest window
+    layout_tokens: int | None = _lever(None, "layout-tokens",
+                                       "layout sensitivity: tokens of its model forwards "
+                                       "(default: --tokens)")
+    # smallest flush block of the sliding window; 0 = whole window (KIVI)
+    flush_tokens: int = _lever(32, "flush", "quantize the oldest N window tokens at a time "
+                               "when the window fills; 0 = the whole window (KIVI)")
+    sink_tokens: int = _lever(4, "sinks", "first tokens kept at full precision "
+                              "(attention sinks)")
+    # add the retrieval probe's errors: auto (when the model loads), on, off
+    retrieval: str = _lever("auto", "retrieval", "add errors at the answer position of a "
+                            "built-in retrieval prompt: auto (when the model loads), on, off")
+    retrieval_weight: float = _lever(1.0, "retrieval-weight", "weight of the retrieval errors")
+    prefer_fast: bool = _lever(False, "prefer-fast", "only layouts the fused Triton decode "
+                               "kernel reads")
     # scale/zero fits offered for the plain, pre-RoPE, balanced and rotated codes, per tensor
     # (QuantSpec.fit); GEAR and MiKV twins take the first; each fit is a family of its own
     # for --sensitivity layout. Keys: min/max only by default (docs/recommend.md#the-scale-fit:
     # the error proxy over-rates fitted keys, even with a KL rate of their own)
-    key_fits: tuple[str, ...] = ("minmax",)
-    value_fits: tuple[str, ...] = ("minmax", "mse")
-    # dtype of the full-precision parts (window, sinks, sets, GEAR outliers): the config's
-    # fp_dtype; float8_e4m3fn halves their bytes, but the error proxy reads them exact
-    # (docs/recommend.md#fp8-windows: whether it pays depends on the budget)
-    fp_dtype: str = "float16"
+    key_fits: tuple[str, ...] = _lever(("minmax",), "key-fits",
+                                       "how key groups' scale and zero are chosen: minmax, "
+                                       "mse, or both")
+    value_fits: tuple[str, ...] = _lever(("minmax", "mse"), "value-fits",
+                                         "the same for values")
     # how each group's scale and zero are stored: the config's scale_dtype; "8bit" (default)
     # halves their bytes (kvlens.quant.meta8) and the error proxy measures the 8-bit grid
     # (docs/recommend.md#8-bit-group-metadata); the Triton kernel decodes the bytes itself
-    scale_dtype: str = "8bit"
-    # processes the per-layer measurements run on (kvlens.recommend.parallel); None: every
-    # available core when the per-layer stages (candidate errors, layout sensitivity) are
-    # predicted to be long, else this process only
-    workers: int | None = None
+    scale_dtype: str = _lever("8bit", "scale-dtype", "how group scales and zeros are stored: "
+                              "8bit or float16")
     # offer codebook keys (post-RoPE) and values (CODEBOOK_BITS; kvlens.quant.codebook, fitted
     # per layer and tensor on the capture; the fused decode kernel reads them, so prefer_fast
-    # keeps them; rotated, so not without rotation).
-    # Opt-in (--codebooks) until it earns a place at the current defaults (docs/codebooks.md)
-    codebooks: bool = False
+    # keeps them; rotated, so not without rotation). Opt-in until it earns a place at the
+    # current defaults (docs/lab-notes/codebooks.md)
+    codebooks: bool = _lever(False, "codebooks", "offer 2- and 3-bit codebook key and value "
+                             "candidates fitted on the capture")
     # offer the per-token key candidates centred instead of plain (kvlens.recommend.catalog.
     # centrable; kvlens.quant.centering, the mean key of each layer computed on the capture and
     # stored in the config); with prefer_fast only post-RoPE ones are offered (the fused kernel
-    # adds the mean's score shift; it reads no pre-RoPE keys). Opt-in (--centering): the paired
-    # ablation on both models is mixed (docs/codebooks.md#centred-keys)
-    centering: bool = False
+    # adds the mean's score shift; it reads no pre-RoPE keys). Opt-in: the paired ablation on
+    # both models is mixed (docs/lab-notes/codebooks.md)
+    centering: bool = _lever(False, "centering", "offer per-token keys centred on the "
+                             "layer's mean key instead of plain")
+    layer_weights: tuple[float, ...] | None = _library(None)
+    retrieval_tokens: int = _library(960)
 
     def __post_init__(self) -> None:
+        if self.tokens == AUTO:  # frozen: set once, here, from the windows
+            object.__setattr__(self, "tokens", default_tokens(self._checked_windows()))
         if not (isinstance(self.budget_bits, (int, float)) and 0 < self.budget_bits <= 16):
             raise InputError(f"--budget-bits must be in (0, 16], got {self.budget_bits}.")
-        self._check_windows()
+        self._checked_windows()
         if self.samples is not None and not is_int(self.samples, 1):
             raise InputError(f"--samples must be a positive number of capture samples (or "
                              f"omitted: all of them), got {self.samples!r}.")
@@ -206,30 +273,30 @@ class RecommendOptions:
             raise InputError(f"--context {self.context} must exceed the residual window "
                              f"({r} tokens).")
         if self.sensitivity not in SENSITIVITIES:
-            raise InputError(f"Unknown --sensitivity {self.sensitivity!r}; allowed: "
+            raise InputError(f"Unknown --set sensitivity={self.sensitivity!r}; allowed: "
                              f"{listed(SENSITIVITIES)}.")
         if self.retrieval not in ("auto", "on", "off"):
-            raise InputError(f"Unknown --retrieval {self.retrieval!r}; allowed: auto, on, off.")
+            raise InputError(f"Unknown --set retrieval={self.retrieval!r}; allowed: auto, on, off.")
         if not self.retrieval_weight >= 0:
-            raise InputError(f"--retrieval-weight must be >= 0, got {self.retrieval_weight}.")
+            raise InputError(f"--set retrieval-weight must be >= 0, got {self.retrieval_weight}.")
         if self.retrieval_tokens <= r + 64:
             raise InputError(f"The retrieval probe ({self.retrieval_tokens} tokens) must be well "
                              f"beyond the residual window ({r}).")
         if self.pre_rope not in ("auto", "on", "off"):
-            raise InputError(f"Unknown --pre-rope {self.pre_rope!r}; allowed: auto, on, off.")
+            raise InputError(f"Unknown --set pre-rope={self.pre_rope!r}; allowed: auto, on, off.")
         if self.prefer_fast and self.pre_rope == "on":
-            raise InputError("--prefer-fast keeps only layouts the fused decode kernel reads, "
-                             "and it does not read pre-RoPE keys; use --pre-rope auto or off.")
+            raise InputError("--set prefer-fast=on keeps only layouts the fused decode kernel reads, "
+                             "and it does not read pre-RoPE keys; use --set pre-rope=auto or off.")
 
         if self.fp_dtype not in FP_BYTES:
             raise InputError(f"--window-dtype {self.fp_dtype!r}: allowed {listed(FP_BYTES)}.")
         if self.scale_dtype not in SCALE_BYTES:
-            raise InputError(f"--scale-dtype {self.scale_dtype!r}: allowed "
+            raise InputError(f"--set scale-dtype={self.scale_dtype!r}: allowed "
                              f"{listed(SCALE_BYTES)}.")
 
-        for flag, fits in (("--key-fits", self.key_fits), ("--value-fits", self.value_fits)):
+        for flag, fits in (("--set key-fits=", self.key_fits), ("--set value-fits=", self.value_fits)):
             if not fits or any(f not in FITS for f in fits) or len(set(fits)) != len(fits):
-                raise InputError(f"{flag} {','.join(fits) or '(empty)'}: give one or both of "
+                raise InputError(f"{flag}{','.join(fits) or '(empty)'}: give one or both of "
                                  f"{listed(FITS)}, each once.")
         bad = [b for b in self.bits if b not in (2, 3, 4, 8)]
         if bad:
@@ -241,20 +308,20 @@ class RecommendOptions:
                              f"({listed(self.window_sizes)}), which per-channel keys need.")
         f = self.flush_tokens
         if f < 0 or f % 4 or any(f % g for g in self.group_sizes if g < f):
-            raise InputError(f"--flush {f} must be 0 (flush the whole window) or a multiple of "
+            raise InputError(f"--set flush={f} must be 0 (flush the whole window) or a multiple of "
                              "4 and of the smaller group sizes (a block >= the residual window "
                              "also flushes it whole).")
         if self.sink_tokens < 0:
-            raise InputError(f"--sinks must be >= 0, got {self.sink_tokens}.")
+            raise InputError(f"--set sinks must be >= 0, got {self.sink_tokens}.")
         if self.codebooks and not self.rotation:
-            raise InputError("--codebooks offers codebook keys and values, which are coded "
-                             "rotated: drop --no-rotation or --codebooks.")
+            raise InputError("--set codebooks=on offers codebook keys and values, which are coded "
+                             "rotated: drop --set rotation=off or codebooks=on.")
         if self.layout_layers is not None and not is_int(self.layout_layers, 1):
-            raise InputError(f"layout_layers must be a positive number of layers (or None: "
+            raise InputError(f"--set layout-layers must be a positive number of layers (or None: "
                              f"every layer), got {self.layout_layers!r}.")
         if self.layout_tokens is not None and \
                 not is_int(self.layout_tokens, max(self.window_sizes) + 1):
-            raise InputError(f"--layout-tokens {self.layout_tokens!r} must be a number of tokens "
+            raise InputError(f"--set layout-tokens={self.layout_tokens!r} must be a number of tokens "
                              f"above the largest window ({max(self.window_sizes)}): the layout "
                              "sensitivity's forwards stand for contexts the window does not "
                              "cover (or omit it: --tokens).")
@@ -264,11 +331,11 @@ class RecommendOptions:
 
         bad = [b for b in self.mikv_set_bits if b not in SET_BITS]
         if bad or not self.mikv_set_bits:
-            raise InputError(f"Unsupported --mikv-bits {bad or 'none'}; allowed: "
+            raise InputError(f"Unsupported --set mikv-bits: {bad or 'none'}; allowed: "
                              f"{', '.join(map(str, SET_BITS))} (the MiKV set's integer widths).")
         bad = [f for f in self.mikv_fractions if not 0 < f <= MIKV_FRACTION_MAX]
         if bad or not self.mikv_fractions:
-            raise InputError(f"Unsupported --mikv-fractions {bad or 'none'}; allowed: fractions "
+            raise InputError(f"Unsupported --set mikv-fractions: {bad or 'none'}; allowed: fractions "
                              f"in (0, {MIKV_FRACTION_MAX}] (MiKV's published 0.2, e.g. 0.1,0.2).")
         if self.tokens is not None and self.tokens <= max(r, self.score_from):
             raise InputError(f"--tokens {self.tokens} must exceed "
@@ -279,21 +346,20 @@ class RecommendOptions:
                                 f"the residual window ({r}): errors are measured on the "
                                 "queries that read quantized history."))
 
-    def _check_windows(self) -> None:
-        if self.windows is not None and not self.windows:
+    def _checked_windows(self) -> tuple[int, ...]:
+        if not self.windows:
             raise InputError("--windows is empty; give one or more window sizes (tokens), "
                              f"e.g. {listed(DEFAULT_WINDOWS, ',')}.")
-        bad = [w for w in self.window_sizes if not is_int(w, 1)]
+        bad = [w for w in self.windows if not is_int(w, 1)]
         if bad:
             raise InputError(f"Window sizes {bad} are not allowed; allowed: positive integers "
                              f"(tokens kept at full precision), e.g. "
                              f"{listed(DEFAULT_WINDOWS, ',')}.")
+        return self.window_sizes
 
     @property
     def window_sizes(self) -> tuple[int, ...]:
         """The full-precision window sizes a layer chooses among, ascending."""
-        if self.windows is None:
-            return (self.residual_tokens,)
         return tuple(sorted(set(self.windows)))
 
     @property

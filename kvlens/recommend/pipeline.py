@@ -1,5 +1,5 @@
 """The ``recommend`` pipeline: measure a capture once (``measure`` -> ``Measurements``), then
-allocate for any budget (``choose``); ``recommend`` does both.
+allocate for any budget (``choose``); ``kvlens.recommend.run.recommend`` does both.
 
 ``measure`` reads one capture layer at a time: every candidate's errors
 (``kvlens.recommend.layer_errors``), then, when the model loads (``kvlens.recommend.probe``), the
@@ -58,12 +58,6 @@ class Measurements:
     codebooks: dict[int, dict] = field(default_factory=dict)
 
 
-def recommend(path: str | Path, opts: RecommendOptions,
-              progress: ProgressFn | None = None) -> Recommendation:
-    """Measure every candidate on the capture, allocate under the budget, build the config."""
-    return choose(measure(path, opts, progress), opts)
-
-
 def measure(path: str | Path, opts: RecommendOptions,
             progress: ProgressFn | None = None) -> Measurements:
     """Per-layer candidate errors, fitted balancers and layer sensitivity weights."""
@@ -75,17 +69,7 @@ def measure(path: str | Path, opts: RecommendOptions,
     with profiling() as prof, torch_threads(1):
         with open_capture(path) as cap:  # closed while worker processes start
             meta = cap.meta
-        if tuple(meta.layers) != tuple(range(meta.num_layers)):
-            raise InputError(f"{path} captures layers {list(meta.layers)}, but a recommendation "
-                             f"needs all {meta.num_layers}; re-run `kvlens capture` without "
-                             "--layers.")
-        if opts.layer_weights and len(opts.layer_weights) != meta.num_layers:
-            raise InputError(f"{len(opts.layer_weights)} layer weights given for "
-                             f"{meta.num_layers} layers.")
-        if opts.pre_rope == "on" and not meta.has_rope:
-            raise InputError(f"Pre-RoPE keys were requested but {path} has no pre-RoPE data: "
-                             f"{meta.model} has no rotary embedding (q_pre/k_pre equal q/k). "
-                             "Use --pre-rope auto or off.")
+        check_capture(path, meta, opts)
         cands = candidates(meta.head_dim, opts, meta.has_rope)
         check_windows(meta.head_dim, opts, cands)
         probes = probe_candidates(meta.head_dim)
@@ -133,6 +117,26 @@ def measure(path: str | Path, opts: RecommendOptions,
     prof.stages = {k: v for k, v in prof.stages.items() if v > 0}
     return Measurements(meta, tables, balancers, tuple(weights), notes, tuple(windows),
                         factors, prof, books)
+
+
+def check_capture(path: str | Path, meta, opts: RecommendOptions) -> None:
+    """Refuse ``opts`` on the capture at ``path`` (``meta``) where it cannot be measured: a
+    capture of some layers only, more samples than it holds, pre-RoPE keys it lacks, layer
+    weights of another depth."""
+    if tuple(meta.layers) != tuple(range(meta.num_layers)):
+        raise InputError(f"{path} captures layers {list(meta.layers)}, but a recommendation "
+                         f"needs all {meta.num_layers}; re-run `kvlens capture` without "
+                         "--layers.")
+    if opts.samples is not None and opts.samples > meta.num_samples:
+        raise InputError(f"--samples {opts.samples}: {path} holds {meta.num_samples} samples; "
+                         f"give at most {meta.num_samples} (or omit it: all of them).")
+    if opts.pre_rope == "on" and not meta.has_rope:
+        raise InputError(f"Pre-RoPE keys were requested but {path} has no pre-RoPE data: "
+                         f"{meta.model} has no rotary embedding (q_pre/k_pre equal q/k). "
+                         "Use --set pre-rope=auto or off.")
+    if opts.layer_weights and len(opts.layer_weights) != meta.num_layers:
+        raise InputError(f"{len(opts.layer_weights)} layer weights given for "
+                         f"{meta.num_layers} layers.")
 
 
 def _layer_table(layer, meta, cands, probes, opts):

@@ -95,7 +95,7 @@ def layout_factors(path, model, opts, cands, balancers, notes, progress, codeboo
     # the reconstructions of those n tokens (every token quantized: one window is as good
     # as several here, and lets n be shorter than --tokens)
     largest = max(opts.window_sizes)
-    one = replace(opts, samples=1, tokens=n, windows=(largest,), residual_tokens=largest)
+    one = replace(opts, samples=1, tokens=n, windows=(largest,))
     workers = workers if can_fork() else 1
     with perturbed_kl(model, ids, keep) as kl:
         _run["kl"] = kl  # read by the forked workers (a closure cannot be pickled)

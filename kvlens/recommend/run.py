@@ -1,0 +1,64 @@
+"""``recommend``: the one call behind ``kvlens recommend`` (per-layer target). It checks the
+capture and the options before any work (``check``: layers, samples, RoPE, and a budget that
+even the cheapest candidates exceed), reads a measurement kept by an earlier run with the same
+measuring options (``kvlens.recommend.reuse``) or measures and keeps it
+(``kvlens.recommend.pipeline.measure``), then allocates for the budget (``choose``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from kvlens.cache.layout import shape_of_capture
+from kvlens.capture.store import open_capture
+from kvlens.recommend.allocation import check_budget
+from kvlens.recommend.options import RecommendOptions
+from kvlens.recommend.pipeline import ProgressFn, check_capture, choose, measure, predict_cost
+from kvlens.recommend.profile import format_seconds
+from kvlens.recommend.result import Recommendation
+from kvlens.recommend.reuse import keep, kept_file, read_kept, reused_note
+
+LogFn = Callable[[str], None]
+
+
+def check(path: str | Path, opts: RecommendOptions) -> None:
+    """Everything about ``opts`` on this capture that can be refused before measuring: a
+    capture of some layers only, more samples than it holds, pre-RoPE keys it lacks, and a
+    budget the cheapest candidates exceed (priced from the capture's shape)."""
+    with open_capture(path) as cap:
+        meta = cap.meta
+        windows = [cap.layer(i).attrs.sliding_window or None for i in meta.layers]
+    check_capture(path, meta, opts)
+    check_budget(meta, opts, shape_of_capture(meta, windows))
+
+
+def describe_cost(cost) -> str:
+    """The prediction line ``recommend`` prints before it measures."""
+    return (f"predicted: about {format_seconds(cost.seconds)} and {cost.peak_bytes / 2**30:.1f} GiB "
+            f"peak memory (the reference machine's times x {cost.machine_factor:.2f}, this "
+            "machine's speed from a timed matrix product; kvlens.recommend.cost)")
+
+
+def recommend(path: str | Path, opts: RecommendOptions, progress: ProgressFn | None = None, *,
+              remeasure: bool = False, log: LogFn | None = None) -> Recommendation:
+    """The per-layer recommendation for ``opts`` on the capture at ``path``: checked
+    (``check``), measured or read back from an earlier run with the same measuring options
+    (``remeasure`` measures again), allocated under ``opts.budget_bits``. ``log`` receives the
+    prediction before measuring, or the note that the measurement was reused."""
+    say = log or (lambda _msg: None)
+    check(path, opts)
+    kept = kept_file(path, opts)
+    measured = None if remeasure else read_kept(kept)
+    predicted = None
+    if measured is not None:
+        say(reused_note(kept))
+    else:
+        with open_capture(path) as cap:
+            predicted = predict_cost(cap.meta, opts)
+        say(describe_cost(predicted))
+        measured = measure(path, opts, progress)
+        keep(measured, kept)
+    rec = choose(measured, opts)
+    rec.predicted = predicted
+    return rec
