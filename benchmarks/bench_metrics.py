@@ -1,5 +1,5 @@
 """Time ``attention_errors_many`` (variants batched by kind) against its one-variant-at-a-time
-reference loop (``_attention_errors_reference``) on a SmolLM2-like layer, as ``kvlens
+reference loop (``attention_errors_reference``) on a SmolLM2-like layer, as ``kvlens
 recommend`` calls it: ``reconstruction=False``, queries from a late row, a streaming exact
 mask, key-only and value-only variants from real quantizers. Prints seconds per call (median
 of alternating repeats, wall and process CPU time) and the median speedup of the pairs; CPU,
@@ -15,8 +15,8 @@ import torch
 
 from kvlens.analysis.metrics import (
     Variant,
-    _attention_errors_reference,
     attention_errors_many,
+    attention_errors_reference,
     streaming_exact_mask,
 )
 from kvlens.quant import QuantSpec, fake_quantize
@@ -93,10 +93,10 @@ def main(argv=None) -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, group in ((f"{len(keys)} key", keys), (f"{len(values)} value", values),
                         (f"{len(keys)} key + {len(values)} value", keys + values)):
-        t = _paired(lambda g=group: _attention_errors_reference(rows, k, v, g, **kw),
+        t = _paired(lambda g=group: attention_errors_reference(rows, k, v, g, **kw),
                     lambda g=group: attention_errors_many(rows, k, v, g, **kw), args.repeats)
         diff = _max_rel_diff(attention_errors_many(rows, k, v, group, **kw),
-                             _attention_errors_reference(rows, k, v, group, **kw))
+                             attention_errors_reference(rows, k, v, group, **kw))
         print(f"| {name} | {t['ref']:.3f} | {t['fast']:.3f} | {t['speedup']:.1f}x "
               f"| {t['ref_cpu']:.3f} | {t['fast_cpu']:.3f} | {t['speedup_cpu']:.1f}x "
               f"| {diff:.1e} |")

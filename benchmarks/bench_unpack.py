@@ -1,5 +1,5 @@
 """Torch-path unpack speed per code width: the CPU decode's per-chunk cost of turning packed
-codes into float32 (``kvlens.cache.torch_read._unpack_rows`` / ``_unpack_cols``).
+codes into float32 (``kvlens.cache.torch_read.unpack_rows`` / ``unpack_cols``).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_unpack.py --tokens 4096 --heads 3 --dim 64
 
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from kvlens.cache.torch_read import _unpack_cols, _unpack_rows
+from kvlens.cache.torch_read import unpack_cols, unpack_rows
 from kvlens.quant import pack_codes
 
 
@@ -53,10 +53,10 @@ def main(argv=None) -> None:
         # contiguous, as the cache's buffers are (pack_codes along dim 2 returns a permuted view)
         rows = pack_codes(codes, bits, dim=2).contiguous()
         cols = pack_codes(codes, bits, dim=3).contiguous()
-        assert torch.equal(_unpack_rows(rows, bits), codes.float())  # unpacks what was packed
-        assert torch.equal(_unpack_cols(cols, bits, args.dim), codes.float().transpose(-1, -2))
-        tk = _time(lambda rows=rows, bits=bits: _unpack_rows(rows, bits), args.repeats)
-        tv = _time(lambda cols=cols, bits=bits: _unpack_cols(cols, bits, args.dim), args.repeats)
+        assert torch.equal(unpack_rows(rows, bits), codes.float())  # unpacks what was packed
+        assert torch.equal(unpack_cols(cols, bits, args.dim), codes.float().transpose(-1, -2))
+        tk = _time(lambda rows=rows, bits=bits: unpack_rows(rows, bits), args.repeats)
+        tv = _time(lambda cols=cols, bits=bits: unpack_cols(cols, bits, args.dim), args.repeats)
         print(f"| {bits} | {tk * 1e3:.3f} | {tk / n * 1e9:.2f} | {tv * 1e3:.3f} | "
               f"{tv / n * 1e9:.2f} |")
 

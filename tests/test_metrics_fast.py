@@ -1,5 +1,5 @@
 """The batched ``attention_errors_many`` against its one-variant-at-a-time reference loop
-(``_attention_errors_reference``) on odd shapes: GQA, chunks that do not divide the rows,
+(``attention_errors_reference``) on odd shapes: GQA, chunks that do not divide the rows,
 sliding windows, softcap, streaming exact masks, MiKV sets, mixed kinds of variants."""
 
 import pytest
@@ -9,8 +9,8 @@ from helpers import rand
 from kvlens.analysis import metrics
 from kvlens.analysis.metrics import (
     Variant,
-    _attention_errors_reference,
     attention_errors_many,
+    attention_errors_reference,
     streaming_exact_mask,
 )
 
@@ -83,7 +83,7 @@ def test_batched_equals_reference(b, hq, hkv, tq, tk, chunk, window, softcap, ex
     variants = _variants(k, v, tq, seed=10)
     kw = dict(scaling=0.3, sliding_window=window, softcap=softcap, chunk_size=chunk, exact=mask)
     got = attention_errors_many(q, k, v, variants, **kw)
-    _check_equal(got, _attention_errors_reference(q, k, v, variants, **kw))
+    _check_equal(got, attention_errors_reference(q, k, v, variants, **kw))
     for lossless in got[-3:]:
         assert float(lossless.output.abs().max()) == 0.0
         assert lossless.scores is None or float(lossless.scores.abs().max()) == 0.0
@@ -114,7 +114,7 @@ def test_groups_of_samples_and_variants_give_the_same_errors(monkeypatch):
         monkeypatch.setattr(metrics, "BLOCK_BYTES", units * per_unit)
         _check_equal(attention_errors_many(q, k, v, variants, **kw), whole, rtol=1e-6)
         assert max(calls) <= units and sum(calls) > 3 * len(variants)
-    _check_equal(whole, _attention_errors_reference(q, k, v, variants, **kw))
+    _check_equal(whole, attention_errors_reference(q, k, v, variants, **kw))
 
 
 def test_an_unwritten_piece_shows_as_nan(monkeypatch):
@@ -139,7 +139,7 @@ def test_half_precision_inputs_match_the_reference():
     variants = [Variant(k_hat=(k.float() * 1.1).bfloat16()), Variant(v_hat=(v.float() * 0.9))]
     kw = dict(scaling=0.3, chunk_size=3)
     _check_equal(attention_errors_many(q, k, v, variants, **kw),
-                 _attention_errors_reference(q, k, v, variants, **kw))
+                 attention_errors_reference(q, k, v, variants, **kw))
 
 
 @pytest.mark.parametrize("chunk", [4, 256])

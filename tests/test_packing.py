@@ -82,12 +82,12 @@ def test_bad_input_raises():
 def test_torch_path_unpack_equals_unpack_codes(bits, shape):
     """The decode path's chunk unpack (one broadcast shift into a reused workspace) returns the
     codes ``unpack_codes`` does, along tokens and along channels, on chunk-like shapes."""
-    from kvlens.cache.torch_read import _unpack_cols, _unpack_rows
+    from kvlens.cache.torch_read import unpack_cols, unpack_rows
 
     u, _ = pack_unit(bits)
     shape = (*shape[:2], -(-shape[2] // u) * u, shape[3])  # tokens: whole units, as stored
     codes = _codes(shape, bits, seed=bits + shape[2])
-    rows = _unpack_rows(pack_codes(codes, bits, dim=2), bits)
+    rows = unpack_rows(pack_codes(codes, bits, dim=2), bits)
     assert rows.is_contiguous() and torch.equal(rows, codes.float())
-    cols = _unpack_cols(pack_codes(codes, bits, dim=3), bits, shape[3])
+    cols = unpack_cols(pack_codes(codes, bits, dim=3), bits, shape[3])
     assert torch.equal(cols, codes.float().transpose(-1, -2))

@@ -5,7 +5,7 @@ codes), the relative error of the pre-softmax scores, the weights and the attent
 against the exact attention, pooled per head (``kvlens.analysis.attention`` defines the
 attention, the masks and the relative error, and is re-exported here). ``attention_errors_many``
 batches the variants (value-only variants share the exact weights; key-only ones are stacked);
-``_attention_errors_reference`` is the plain loop it is tested against
+``attention_errors_reference`` is the plain loop it is tested against
 (``tests/test_metrics_fast.py``).
 """
 
@@ -134,7 +134,7 @@ def attention_errors_many(
 
     Each error is computed from the difference the variant makes (``q (k - k_hat)ᵀ``,
     ``w (v - v_hat)``, ``w_ref - w_hat``), so a lossless variant gives exactly 0; the results
-    equal ``_attention_errors_reference`` (one variant at a time) to float32 rounding."""
+    equal ``attention_errors_reference`` (one variant at a time) to float32 rounding."""
     return attention_errors_streams(q, k, v, variants, [exact], scaling=scaling,
                                     sliding_window=sliding_window, softcap=softcap,
                                     chunk_size=chunk_size, reconstruction=reconstruction)[0]
@@ -475,7 +475,7 @@ def _check_inputs(
         raise InputError(f"exact mask has shape {tuple(exact.shape)}, expected {(tq, tk)}.")
 
 
-def _attention_errors_reference(
+def attention_errors_reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,

@@ -139,7 +139,7 @@ def _scratch(slot: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tenso
     return buf[:n].view(shape)
 
 
-def _unpack_rows(raw: torch.Tensor, bits: int) -> torch.Tensor:
+def unpack_rows(raw: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 ``[..., R, C]`` (each run of ``W`` byte rows is one packing unit holding ``U``
     codes of consecutive rows, ``kvlens.quant.packing``) -> float32 ``[..., R / W * U, C]`` (row
     ``r*U + e`` = slot ``e`` of unit ``r``). One broadcast shift over the long last dimension,
@@ -169,11 +169,11 @@ def _unpack_rows(raw: torch.Tensor, bits: int) -> torch.Tensor:
     return out.copy_(codes.view(*lead, r // w * u, c))
 
 
-def _unpack_cols(raw: torch.Tensor, bits: int, d: int) -> torch.Tensor:
+def unpack_cols(raw: torch.Tensor, bits: int, d: int) -> torch.Tensor:
     """uint8 ``[..., T, packed_length(D)]`` packed along channels -> float32 ``[..., D, T]``
     (channels first: the bytes are transposed, which is cheap, then unpacked with one broadcast
     shift over the long token dimension)."""
-    return _unpack_rows(raw.transpose(-1, -2).contiguous(), bits)[..., :d, :]
+    return unpack_rows(raw.transpose(-1, -2).contiguous(), bits)[..., :d, :]
 
 
 def _token_rows(p: torch.Tensor, store, n: int) -> torch.Tensor:
@@ -212,12 +212,12 @@ def _dequant_chunk(store, t0: int, t1: int) -> torch.Tensor:
     n = t1 - t0
     if store.packs_tokens:
         g = _key_group(store)
-        x = _unpack_rows(store.code_bytes(t0, t1), c).view(b, h, n // g, g, d)
+        x = unpack_rows(store.code_bytes(t0, t1), c).view(b, h, n // g, g, d)
         scale, zero = store.params(slice(t0 // g, t1 // g))
         x.mul_(scale[:, :, :, None].float())
         x.add_(zero[:, :, :, None].float())
         return x.view(b, h, n, d)
-    x = _unpack_cols(store.code_bytes(t0, t1), c, d)  # [B, H, D, n]
+    x = unpack_cols(store.code_bytes(t0, t1), c, d)  # [B, H, D, n]
     scale, zero = _token_scales(store, t0, t1)
     nj = scale.shape[-2]
     x5 = x.reshape(b, h, nj, d // nj, n)
@@ -251,7 +251,7 @@ def _key_scores(layer, q: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
     if store.packs_tokens:  # per-channel: one scale row per G tokens
         g = _key_group(store)
         ng = n // g
-        codes = _unpack_rows(store.code_bytes(t0, t1), c)
+        codes = unpack_rows(store.code_bytes(t0, t1), c)
         scale, zero = (p.float() for p in store.params(slice(t0 // g, t1 // g)))  # [B,H,nG,D]
         qs = q[:, :, None] * scale[:, :, :, None]  # [B, H, nG, M, D]
         s = torch.matmul(qs, codes.view(b, h, ng, g, d).transpose(-1, -2))  # [B, H, nG, M, G]
@@ -259,7 +259,7 @@ def _key_scores(layer, q: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
         return s.permute(0, 1, 3, 2, 4).reshape(b, h, m, n)
     # per-token (groups of G channels) / per-tensor: codes packed along channels, one scale per
     # (token, channel group): score_t = sum_j s_tj (q_j . code_tj) + z_tj * sum(q_j)
-    codes = _unpack_cols(store.code_bytes(t0, t1), c, d)  # [B, H, D, n]
+    codes = unpack_cols(store.code_bytes(t0, t1), c, d)  # [B, H, D, n]
     scale, zero = _token_scales(store, t0, t1)  # [B, H, nJ, n]
     nj = scale.shape[-2]
     gd = d // nj
@@ -288,7 +288,7 @@ def _value_out(layer, p: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
     if store.packs_tokens:  # per-channel: o_d = sum_g s_gd (p_g . code_gd) + z_gd * sum(p_g)
         g = _key_group(store)
         ng = n // g
-        codes = _unpack_rows(store.code_bytes(t0, t1), c)  # [B, H, n, D]
+        codes = unpack_rows(store.code_bytes(t0, t1), c)  # [B, H, n, D]
         scale, zero = (p.float() for p in store.params(slice(t0 // g, t1 // g)))  # [B,H,nG,D]
         pg = p.view(b, h, m, ng, g).transpose(2, 3)  # [B, H, nG, M, G]
         part = torch.matmul(pg, codes.view(b, h, ng, g, d))  # [B, H, nG, M, D]
@@ -299,7 +299,7 @@ def _value_out(layer, p: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
     scale, zero = _token_scales(store, t0, t1)  # [B, H, nJ, n]
     nj = scale.shape[-2]
     g = d // nj
-    codes = _unpack_cols(store.code_bytes(t0, t1), c, d)  # [B, H, D, n]
+    codes = unpack_cols(store.code_bytes(t0, t1), c, d)  # [B, H, D, n]
     w = p[:, :, None] * scale[:, :, :, None]  # [B, H, nJ, M, n]
     out = torch.matmul(w, codes.reshape(b, h, nj, g, n).transpose(-1, -2))  # [B, H, nJ, M, G]
     out += torch.matmul(p, zero.transpose(-1, -2)).transpose(-1, -2).unsqueeze(-1)
