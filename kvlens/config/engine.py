@@ -107,7 +107,7 @@ def setting_forms() -> tuple[str, ...]:
         "vllm:D[@head][:pP|:sS][:skip=L,L] (D: " + ", ".join(STATIC_FP8_DTYPES) + ")",
         "vllm:D[:skip=L,L] (D: " + ", ".join(pth) + "; also spelled "
         + ", ".join(k for k in PER_TOKEN_HEAD if not k.endswith("-pth")) + ")",
-        "vllm:Q (Q: " + ", ".join(TURBOQUANT_TYPES) + ")",
+        "vllm:T (T: " + ", ".join(TURBOQUANT_TYPES) + ")",
         "sglang:D[@head][:pP|:sS] (D: " + ", ".join(SGLANG_DTYPES) + ")",
         "transformers:quanto-B[:axis_key=A][:axis_value=A][:group=G][:residual=R] (B: "
         + ", ".join(map(str, QUANTO_BITS)) + "; A: " + ", ".join(map(str, QUANTO_AXES)) + ")",
