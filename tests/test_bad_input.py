@@ -227,7 +227,7 @@ ROWS = [
     ("recommend {cap} -b 3 --retrieval-prompts -1", "Invalid value for '--retrieval-prompts'",
      2),
     ("recommend {cap} --target llama.cpp --max-kld 0", "Invalid value for '--max-kld'", 2),
-    ("recommend -b 3", "CAPTURE", 2),
+    ("recommend -b 3", "Missing argument 'CAPTURE'", 2),
 ]
 
 

@@ -1,6 +1,7 @@
 """The ``kvlens`` command line: a thin layer over the library.
 
-Each command lives in its own module here and registers itself on ``app``; a command parses
+Each command lives in its own module here and registers itself on ``app``
+(``kvlens.cli.app``); a command parses
 options, builds a config, calls one library function and renders. Library errors
 (``KvlensError``) become one red line on stderr and exit code 1, in one place:
 ``kvlens.cli.common.run_library_call``.
@@ -9,19 +10,12 @@ Results go to stdout, progress and logs to stderr.
 
 from __future__ import annotations
 
-import typer
 from typer.core import TyperCommand
 
-from kvlens.cli.common import KvlensCommand, KvlensGroup
+from kvlens.cli.app import app
+from kvlens.cli.common import KvlensCommand
 
-app = typer.Typer(
-    cls=KvlensGroup,
-    name="kvlens",
-    help="Diagnose, choose and prove KV-cache quantization for LLMs.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
+__all__ = ["app", "main"]
 
 
 def _register_commands() -> None:
@@ -44,19 +38,6 @@ def _register_commands() -> None:
 
 
 _register_commands()
-
-
-@app.callback(invoke_without_command=True)
-def _root(ctx: typer.Context,
-          version: bool = typer.Option(False, "--version", help="Print the version and exit.")):
-    if version:
-        from kvlens import __version__
-
-        typer.echo(__version__)
-        raise typer.Exit()
-    if ctx.invoked_subcommand is None:
-        typer.echo(ctx.get_help())
-        raise typer.Exit()
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from kvlens.cli import app
+from kvlens.cli.app import app
 from kvlens.cli.common import (
     INPUT,
     MODEL,

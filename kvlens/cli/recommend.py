@@ -15,9 +15,8 @@ import time
 from pathlib import Path
 
 import typer
-from typer.core import TyperCommand
 
-from kvlens.cli import app
+from kvlens.cli.app import app
 from kvlens.cli.common import (
     BUDGET,
     ENGINE,
@@ -26,6 +25,7 @@ from kvlens.cli.common import (
     MODEL,
     OUTPUT,
     VALIDATION,
+    KvlensCommand,
     check_model_options,
     console,
     device_map_option,
@@ -77,7 +77,7 @@ def readers(param: str) -> set[str]:
         ({ENGINES} if param in {f.name for f in fields(TargetOptions)} else set())
 
 
-class _LibraryDefaults(TyperCommand):
+class _LibraryDefaults(KvlensCommand):
     """``--help`` shows each option's default from ``RecommendOptions`` / ``TargetOptions``
     (the one source), read when help is asked for (so that ``kvlens --help`` loads no torch)."""
 
@@ -103,6 +103,16 @@ class _LibraryDefaults(TyperCommand):
         super().format_help(ctx, formatter)
 
 
+def _list_levers(value: list[str] | None) -> list[str] | None:
+    """``--set list``: print the research levers and stop (eager: no capture needed)."""
+    if value and "list" in value:
+        from kvlens.research import describe
+
+        console.print(describe(), highlight=False, markup=False)
+        raise typer.Exit()
+    return value
+
+
 def _above_zero(value: float | None) -> float | None:
     """A number that must be positive: outside that range is a usage error (exit 2), as
     click's ``min=`` ranges are."""
@@ -123,7 +133,7 @@ def _ints(spec: str, what: str) -> tuple[int, ...]:
 @app.command(cls=_LibraryDefaults)
 def recommend(
     ctx: typer.Context,
-    capture: Path = typer.Argument(None, show_default=False, metavar="CAPTURE",
+    capture: Path = typer.Argument(..., show_default=False, metavar="CAPTURE",
                                    help="Capture file from `kvlens capture`."),
     samples: int = typer.Option(None, "--samples", min=1, rich_help_panel=INPUT,
                                 help="Capture samples to measure errors on (default: all; "
@@ -191,8 +201,8 @@ def recommend(
     overwrite: bool = overwrite_option(),
     as_json: bool = typer.Option(False, "--json", rich_help_panel=OUTPUT,
                                  help="Print the result as JSON on stdout."),
-    settings: list[str] = typer.Option(None, "--set", metavar="NAME=VALUE",
-                                       rich_help_panel=RESEARCH,
+    settings: list[str] = typer.Option(None, "--set", metavar="NAME=VALUE", is_eager=True,
+                                       callback=_list_levers, rich_help_panel=RESEARCH,
                                        help="A research lever, NAME=VALUE (repeatable); "
                                             "`--set list` lists them. Not defaults: each is "
                                             "an ablation in docs/lab-notes/."),
@@ -209,15 +219,12 @@ def recommend(
       kvlens recommend run.h5 -b 2.5 --set codebooks=on
 
     Every option given is used or refused before any measurement starts."""
-    from kvlens.research import RECOMMEND, TARGET, describe, parse_settings
+    from kvlens.research import RECOMMEND, TARGET, parse_settings
 
     settings = list(settings or [])
-    if "list" in settings:
-        console.print(describe(), highlight=False, markup=False)
-        return
-    if capture is None:
-        raise typer.BadParameter("a capture file from `kvlens capture` is required.",
-                                 param_hint="CAPTURE")
+    from kvlens.deploy.targets import canonical_target
+
+    target = run_library_call(lambda: canonical_target(target))  # llamacpp, VLLM...
     engine = target != "kvlens"
     params = [p.name for p in ctx.command.params]
     given = given_options(ctx, params)
