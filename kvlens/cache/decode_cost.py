@@ -1,6 +1,6 @@
 """What one decode step reads from a compressed cache: a documented model of bytes, per layout.
 
-Decode attention is bound by the bytes it reads (``/work/shared/notes/kernels.md``: every step
+Decode attention is bound by the bytes it reads (docs/kernels.md: every step
 reads the whole cache). This module turns the byte description of ``kvlens.cache.layout`` into
 the bytes one single-token decode step reads, for ``recommend`` to report next to the presets:
 

@@ -72,7 +72,7 @@ attention uses ``q R``), scores read as ``s_t * ((q R) . c[code_t])`` without a 
 (``kvlens.cache.codebook``); fitted key centroids in ``codebooks.<layer>.key``. Not with pre-RoPE
 keys (the rotation and RoPE do not commute). This is the key coding of vLLM's ``turboquant_*``
 KV-cache types (``kvlens.config.engine``); ``recommend`` offers it when asked (``recommend
---codebooks``: opt-in, its ablation in docs/lab-notes/codebooks.md).
+--set codebooks=on``: opt-in, its ablation in docs/lab-notes/codebooks.md).
 
 ``center_keys`` (per layer; version 5): the layer's quantized keys are stored centred, ``quant(k
 - mu)``, with ``mu`` one mean key per KV head (``kvlens.quant.centering``), and read back as

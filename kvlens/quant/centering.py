@@ -23,7 +23,7 @@ positions. Centering pre-RoPE keys is still lossless if the read path adds ``mu_
 before applying RoPE (``quantize_pre_rope`` dequantizes, then rotates: one add per key read),
 which is how ``quantize_centered`` is used for the pre-RoPE stage. Which one shrinks the
 range more is a property of the model's keys (the post-RoPE mean of a channel pair rotating
-with position averages towards zero, the pre-RoPE mean does not): ``docs/codebooks.md``
+with position averages towards zero, the pre-RoPE mean does not): ``docs/lab-notes/codebooks.md``
 measures both on real captures.
 """
 

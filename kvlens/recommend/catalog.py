@@ -14,7 +14,7 @@ heavy_fraction)`` of ``mikv_set_bits`` x ``mikv_fractions``: heavy hitters and s
 (``kvlens.analysis.heavy_hitters``); a layer takes the set for both tensors or neither (the
 config's ``mikv.layers``). With ``codebooks`` (opt-in; ``--codebooks``) also codebook
 keys (post-RoPE: the rotation and RoPE do not commute) and values at 2 and 3 bits
-(``CODEBOOK_BITS``): ``fitted+renorm`` of docs/codebooks.md, each layer's codebook fitted on its
+(``CODEBOOK_BITS``): ``fitted+renorm`` of docs/lab-notes/codebooks.md, each layer's codebook fitted on its
 captured keys or values, stored as packed codes and a float16 norm per vector (rotated, so only
 where rotation is offered; the fused decode kernel reads them, so ``prefer_fast`` keeps them).
 With ``centering`` (opt-in; ``--centering``) the per-token key candidates of the first key fit,
@@ -22,7 +22,7 @@ plain, pre-RoPE and rotated (not balanced), and the codebook keys are offered ce
 of plain (``centrable``): the layer's mean key (computed on the capture)
 subtracted before quantizing, kept in the config, added back on read
 (``kvlens.quant.centering``; the fused kernel reads the post-RoPE ones, so ``prefer_fast`` keeps
-those; docs/codebooks.md: it halves per-token key reconstruction error; per-channel groups
+those; docs/lab-notes/codebooks.md: it halves per-token key reconstruction error; per-channel groups
 absorb a per-channel offset, so they are not centred). Replacing rather than adding keeps the
 candidate count and the storage families, so centring costs ``recommend`` no time. Only what
 ``kvlens generate`` can run is offered.

@@ -53,7 +53,7 @@ VARIANT_SECONDS_PER_ELEMENT = 4.3e-8  # quantizing one captured element for one 
 FORWARD_SECONDS_PER_FLOP = 1.37e-11  # a model forward on the CPU (all its cores)
 # The layout sensitivity's perturbed runs on a worker (one core): decoder and LM head FLOPs,
 # and the KL's passes over the logits; both rates fitted to that stage's time on SmolLM2 and
-# Gemma3 over the machine factor then (docs/benchmarks.md, the perturbed runs' KL)
+# Gemma3 over the machine factor then (docs/lab-notes/benchmark-history.md, the perturbed runs' KL)
 WORKER_FORWARD_SECONDS_PER_FLOP = 1.69e-11
 WORKER_LOGIT_SECONDS = 5.0e-9  # per kept position and vocabulary entry
 # ``machine_factor``'s product (a SmolLM2 MLP projection over 512 tokens) on the reference

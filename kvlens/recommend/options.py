@@ -18,7 +18,7 @@ from kvlens.quant.spec import FITS
 GRANULARITIES = ("per-channel", "per-token")
 #: A codebook candidate's granularity: each vector has its own scale (its float16 norm)
 PER_VECTOR = "per-vector"
-CODEBOOK_BITS = (2, 3)  # codebook keys and values offered (docs/codebooks.md: values win at 2, 3)
+CODEBOOK_BITS = (2, 3)  # codebook keys and values offered (docs/lab-notes/codebooks.md: values win at 2, 3)
 GEAR_GROUP = 32  # GEAR twins are offered for KIVI's G32 grouping only (measuring cost)
 MIKV_GROUP = 32  # so are MiKV set twins (each is simulated while decoding: measuring cost)
 MIKV_FRACTION_MAX = 0.5  # largest heavy fraction offered (more is no longer a small set)
@@ -66,7 +66,7 @@ class Candidate:
 
     @classmethod
     def codebook_values(cls, bits: int) -> Candidate:
-        """The codebook value candidate at ``bits`` (docs/codebooks.md: ``fitted+renorm``)."""
+        """The codebook value candidate at ``bits`` (docs/lab-notes/codebooks.md: ``fitted+renorm``)."""
         return cls("value", bits, PER_VECTOR, 0, rotate=True, codebook=True)
 
     @classmethod
