@@ -57,7 +57,7 @@ def test_every_parameter_is_read_by_a_target():
     for name in _command_params():
         assert readers(name) <= {KVLENS, ENGINES} and readers(name), name
     # the derivation: a per-layer field is kvlens-only, a target field both or engine-only
-    assert readers("windows") == {KVLENS} and readers("max_kld") == {ENGINES}
+    assert readers("windows") == {KVLENS} and readers("anchors") == {ENGINES}
     assert readers("budget_bits") == {KVLENS, ENGINES}
     assert set(CLI_READERS) <= set(_command_params())
 
@@ -76,7 +76,7 @@ def test_the_command_runs_the_library_defaults(cap, monkeypatch):
         seen.append(opts)
         raise KvlensError("stopped")
 
-    monkeypatch.setattr(kvlens.recommend, "recommend", stop)
+    monkeypatch.setattr(kvlens.recommend, "measurement", stop)
     res = runner.invoke(app, ["recommend", str(cap), "-b", "8"])
     assert res.exit_code == 1 and "stopped" in res.output, res.output
     assert seen == [RecommendOptions(budget_bits=8)]

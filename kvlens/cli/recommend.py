@@ -55,7 +55,9 @@ CLI_READERS = {
     # the placement of the model a target's --max-kld or --validate loads (run_target's place)
     "device_map": {KVLENS, ENGINES}, "max_memory": {KVLENS, ENGINES},
     "offload_folder": {KVLENS, ENGINES},
+    "max_kld": {KVLENS, ENGINES},  # kvlens: the budget search (kvlens.recommend.search)
     "thorough": {KVLENS}, "remeasure": {KVLENS}, "retrieval_prompts": {KVLENS},
+    "budgets": {KVLENS},
 }
 #: What ``--thorough`` sets (``RecommendOptions`` fields)
 THOROUGH_FIELDS = ("gear", "mikv")
@@ -148,6 +150,9 @@ def recommend(
                                            "--context tokens, every part counted (16 = an "
                                            "fp16 cache). Required unless an engine target "
                                            "takes --max-kld."),
+    budgets: str = typer.Option(None, "--budgets", rich_help_panel=BUDGET,
+                                help="Several budgets (comma list) from one measurement: one "
+                                     "config each, written as NAME-<B>b.json beside --output."),
     context: int = typer.Option(None, "--context", min=1, rich_help_panel=BUDGET,
                                 help="Context length the budget is counted at (tokens)."),
     windows: str = typer.Option(None, "--windows", rich_help_panel=BUDGET,
@@ -166,8 +171,9 @@ def recommend(
                                     "(QuantizedCache). docs/deploy/README.md."),
     max_kld: float = typer.Option(None, "--max-kld", callback=_above_zero,
                                   rich_help_panel=ENGINE,
-                                  help="Engine targets: the cheapest setting whose predicted "
-                                       "KL divergence is at most this."),
+                                  help="The smallest budget (per-layer target: measured "
+                                       "KLD of its config; engine targets: predicted KLD of "
+                                       "a setting) at most this KL divergence."),
     workers: int = typer.Option(None, "--workers", min=1, rich_help_panel=MEASUREMENT,
                                 help="Processes to measure on (default: every free core when "
                                      "the measurement is long)."),
@@ -231,6 +237,11 @@ def recommend(
     levers = run_library_call(lambda: parse_settings(settings))
     fields = {p: ctx.params[p] for p in given if KVLENS in readers(p) and p not in CLI_READERS}
 
+    budget_list = run_library_call(lambda: _budget_list(budgets, output, budget_bits, max_kld,
+                                                        engine))
+    outputs = [] if output is None else [_output_for(output, b) for b in budget_list] \
+        if budget_list else [output]
+
     def check_common() -> None:
         """The checks both paths share, cheapest first: option combinations, the output
         files, the capture, the model and its placement."""
@@ -240,10 +251,10 @@ def recommend(
 
         _check_combinations(target, given, levers, validate=validate, max_kld=max_kld,
                             thorough=thorough)
-        if output is not None:
-            check_output_file(output, "--output", overwrite, example="kv.json")
+        for out in outputs:
+            check_output_file(out, "--output", overwrite, example="kv.json")
             kind = "deploy" if engine else "recommend"
-            check_output_file(config_doc_path(output, kind), "--output", overwrite)
+            check_output_file(config_doc_path(out, kind), "--output", overwrite)
             if target in ("vllm", "sglang"):
                 check_output_file(output.parent / "kv_scales.json", "--output", overwrite)
         with open_capture(capture):
@@ -268,15 +279,13 @@ def recommend(
         return
 
     def prepare():
-        from kvlens.errors import InputError
         from kvlens.recommend import RecommendOptions, check
 
-        if budget_bits is None:
-            raise InputError("--budget-bits is required for --target kvlens (engine targets "
-                             "also take --max-kld).")
         values = dict(fields) | {k: v for k, v in place.items() if k in given}
         if "windows" in values:
             values["windows"] = _ints(windows, "--windows")
+        # the measurement does not read the budget: --budgets and --max-kld allocate later
+        values["budget_bits"] = budget_bits or min(budget_list, default=16.0)
         values |= {f: True for f in THOROUGH_FIELDS if thorough} | levers[RECOMMEND]
         opts = RecommendOptions(**values)
         check(capture, opts)
@@ -285,56 +294,187 @@ def recommend(
         return opts
 
     opts = run_library_call(prepare)
-    rec = _run_recommend(capture, opts, remeasure)
-    if output is not None:
+    measured, predicted = _measure(capture, opts, remeasure)
+    loaded = _ModelOnce(capture, model, place)
+    search = None
+    if max_kld is not None:
+        search = _search(measured, opts, max_kld, loaded, eval_tokens)
+        recs = [search.chosen]
+    else:
+        recs = [_choose(measured, opts, b, len(budget_list) > 1) for b in
+                (budget_list or [opts.budget_bits])]
+    for rec in recs:
+        rec.predicted = predicted
+    for rec, out in zip(recs, outputs):
         from kvlens.config import save_config
 
-        run_library_call(lambda: write_output(output, lambda tmp: save_config(rec.config, tmp)))
-        err_console.print(f"config written: {escape(str(output))}")
+        run_library_call(lambda r=rec, o=out: write_output(o, lambda tmp: save_config(r.config,
+                                                                                      tmp)))
+        err_console.print(f"config written: {escape(str(out))}")
     validation = None
     if validate:
-        from kvlens.capture.store import open_capture
-        from kvlens.recommend import model_spec_from_capture
-
-        def model_for_validation():
-            if model:
-                return model
-            with open_capture(capture) as cap:
-                return model_spec_from_capture(cap.meta)
-
         start = time.perf_counter()
-        validation = run_library_call(lambda: _validate(rec.config, model_for_validation(),
-                                                        eval_tokens, retrieval_prompts, opts))
-        rec.profile.add("validation", time.perf_counter() - start)
-    _print_profile(rec.profile, rec.predicted)
-    doc = rec.to_dict()
-    doc["deploy"] = {"target": "kvlens", "command": "kvlens generate --config "
-                     f"{output or 'kv.json'} --prompt ...",
-                     "config": str(output) if output else None}
-    if validation is not None:
-        doc["validation"] = validation["results"]
-        doc["validation_evaluation"] = validation["evaluation"]
-    if output is not None:
-        data = run_library_call(lambda: write_config_doc("recommend", doc, output))
-        err_console.print(f"results for `kvlens report` written: {escape(str(data))}")
+        validation = run_library_call(lambda: _validate([r.config for r in recs], loaded,
+                                                        eval_tokens, retrieval_prompts))
+        recs[0].profile.add("validation", time.perf_counter() - start)
+    _print_profile(recs[0].profile, predicted)
+    docs = []
+    for rec, out in zip(recs, outputs or [None] * len(recs)):
+        doc = rec.to_dict()
+        doc["deploy"] = {"target": "kvlens", "command": "kvlens generate --config "
+                         f"{out or 'kv.json'} --prompt ...", "config": str(out) if out else None}
+        if search is not None:
+            doc["search"] = search.to_dict()
+        if validation is not None:
+            doc["validation"] = validation["results"]
+            doc["validation_evaluation"] = validation["evaluation"]
+        if out is not None:
+            data = run_library_call(lambda d=doc, o=out: write_config_doc("recommend", d, o))
+            err_console.print(f"results for `kvlens report` written: {escape(str(data))}")
+        docs.append(doc)
     if as_json:
-        print_json(doc)
+        print_json(docs[0] if len(docs) == 1 else {"recommendations": docs})
         return
-    _render(rec)
+    if search is not None:
+        _render_search(search)
+    if len(recs) > 1:
+        _render_budgets(recs)
+    else:
+        _render(recs[0])
     if validation is not None:
         from kvlens.cli.generate import _render_long
 
         _render_long(validation)
 
 
-def _run_recommend(capture: Path, opts, remeasure: bool):
-    """``kvlens.recommend.recommend`` with a progress bar, its messages on stderr."""
-    from kvlens.recommend import recommend as run
+def _budget_list(spec: str | None, output, budget_bits, max_kld, engine: bool) -> list[float]:
+    """``--budgets`` as numbers (empty when not given), and the one-mode rule of the
+    per-layer target: exactly one of --budget-bits, --budgets and --max-kld."""
+    from kvlens.errors import InputError
+
+    if engine:
+        if spec is not None:
+            raise InputError("--budgets: not used by an engine target (one setting per "
+                             "engine); give --budget-bits or --max-kld.")
+        return []
+    given = [flag for flag, v in (("--budget-bits", budget_bits), ("--budgets", spec),
+                                  ("--max-kld", max_kld)) if v is not None]
+    if len(given) != 1:
+        raise InputError("--target kvlens takes one of --budget-bits B (one config), --budgets "
+                         "B1,B2,... (one config each) and --max-kld X (the smallest budget "
+                         "whose config's measured KLD is at most X)"
+                         + (f"; got {' and '.join(given)}." if given else "."))
+    if spec is None:
+        return []
+    try:
+        values = sorted({float(x) for x in spec.split(",") if x.strip()})
+    except ValueError:
+        raise InputError(f"Invalid --budgets {spec!r}; expected a comma list of bit "
+                         "budgets, e.g. 2.5,3,4.") from None
+    if not values or any(not 0 < v <= 16 for v in values):
+        raise InputError(f"--budgets {spec}: each budget must be in (0, 16].")
+    if output is None and len(values) > 1:
+        raise InputError("--budgets writes one config per budget: give --output (the configs "
+                         "are named NAME-<B>b.json beside it).")
+    return values
+
+
+def _output_for(output: Path, budget: float) -> Path:
+    """Where ``--budgets`` writes the config of ``budget``: ``kv.json`` -> ``kv-2.5b.json``."""
+    return output.with_name(f"{output.stem}-{budget:g}b{output.suffix}")
+
+
+class _ModelOnce:
+    """The model ``--max-kld`` and ``--validate`` score on, loaded once when first needed:
+    ``--model`` or the capture's own, placed as asked."""
+
+    def __init__(self, capture: Path, model: str | None, place: dict):
+        self.capture, self.model, self.place, self.loaded = capture, model, place, None
+
+    def spec(self) -> str | None:
+        from kvlens.capture.store import open_capture
+        from kvlens.recommend import model_spec_from_capture
+
+        if self.model:
+            return self.model
+        with open_capture(self.capture) as cap:
+            return model_spec_from_capture(cap.meta)
+
+    def get(self):
+        """``(model, tokenizer)``."""
+        if self.loaded is None:
+            from kvlens.errors import InputError
+            from kvlens.model.load import load_model
+
+            spec = self.spec()
+            if spec is None:
+                raise InputError(f"{self.capture} does not say which model it came from; pass "
+                                 "--model.")
+            err_console.print(f"Loading {escape(spec)} for the held-out scoring ...")
+            mdl, tok, _ = load_model(spec, **self.place)
+            self.loaded = (mdl, tok)
+        return self.loaded
+
+
+def _measure(capture: Path, opts, remeasure: bool):
+    """``kvlens.recommend.measurement`` with a progress bar, its messages on stderr."""
+    from kvlens.recommend import measurement
 
     with progress_bar("measuring candidates") as update:
-        return run_library_call(lambda: run(
+        return run_library_call(lambda: measurement(
             capture, opts, update, remeasure=remeasure,
             log=lambda msg: err_console.print(escape(msg), highlight=False)))
+
+
+def _choose(measured, opts, budget: float, named: bool):
+    """The recommendation at ``budget`` (``named``: its config named NAME-<B>b)."""
+    from dataclasses import replace
+
+    from kvlens.recommend import choose
+
+    changes = {"budget_bits": budget} | ({"name": f"{opts.name}-{budget:g}b"} if named else {})
+    return run_library_call(lambda: choose(measured, replace(opts, **changes)))
+
+
+def _search(measured, opts, max_kld: float, loaded: _ModelOnce, eval_tokens):
+    """``kvlens.recommend.search_budget`` scored on the loaded model, its steps on stderr."""
+    from kvlens.recommend import kld_scorer, search_budget
+
+    def run():
+        mdl, tok = loaded.get()
+        say = lambda msg: err_console.print(f"  {escape(msg)}", highlight=False)  # noqa: E731
+        return search_budget(measured, opts, max_kld, kld_scorer(mdl, tok, eval_tokens),
+                             log=say)
+
+    return run_library_call(run)
+
+
+def _render_search(search) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"Budgets tried for --max-kld {search.max_kld:g} (held-out text, mean KLD "
+                    "with its 95% interval)")
+    for col in ("budget", "bits held", "mean KLD", "95% interval", "top-1", ""):
+        t.add_column(col, justify="right")
+    for st in search.steps:
+        lo, hi = st.kld["mean_kld"]["ci95"]
+        mark = "chosen" if st.budget_bits == search.chosen.budget_bits else (
+            "meets" if st.mean_kld <= search.max_kld else "misses")
+        t.add_row(f"{st.budget_bits:g}", f"{st.mean_bits:.3f}", f"{st.mean_kld:.4f}",
+                  f"[{lo:.4f}, {hi:.4f}]", f"{st.kld['top1_agreement']['value']:.3f}", mark)
+    console.print(t)
+
+
+def _render_budgets(recs) -> None:
+    from rich.table import Table
+
+    t = Table(title="Configs at each budget (one measurement)")
+    for col in ("config", "budget", "bits held", "expected output error"):
+        t.add_column(col, justify="left" if col == "config" else "right")
+    for rec in recs:
+        t.add_row(escape(rec.config.name), f"{rec.budget_bits:g}", f"{rec.mean_bits:.3f}",
+                  f"{rec.expected_output_error:.4f}")
+    console.print(t)
 
 
 def _check_tokens(capture: Path, tokens: int) -> None:
@@ -424,37 +564,37 @@ def _check_combinations(target: str, given: dict[str, str], levers: dict[str, di
         if "retrieval_prompts" in given and not validate:
             raise InputError("--retrieval-prompts applies to --validate; add --validate or "
                              "drop it.")
-        needs_model = sensitivity != "uniform" or retrieval != "off" or validate
-        why = ("--validate, or research levers that measure on the model (--set "
+        needs_model = sensitivity != "uniform" or retrieval != "off" or validate or \
+            max_kld is not None
+        why = ("--validate, --max-kld, or research levers that measure on the model (--set "
                "sensitivity, --set retrieval)")
-    if "eval_tokens" in given and not (validate or (engine and max_kld is not None)):
-        raise InputError("--eval-tokens sets the held-out tokens scored by --validate"
-                         + (" or --max-kld" if engine else "") + "; add that option or drop it.")
+    if "eval_tokens" in given and not (validate or max_kld is not None):
+        raise InputError("--eval-tokens sets the held-out tokens scored by --validate or "
+                         "--max-kld; add one of them or drop it.")
     loaders = flags(("model",) + PLACEMENT)
     if loaders and not needs_model:
         raise InputError(f"{loaders}: no model is loaded here (only with {why}); drop "
                          f"{them(('model',) + PLACEMENT)}.")
 
 
-def _validate(config, model, eval_tokens: int | None, retrieval_prompts: int, ropts=None):
-    """The recommendation and the presets, scored against the exact model on the held-out text
-    (``kvlens.evaluation``: nothing `recommend` calibrates on)."""
+def _validate(configs: list, loaded: _ModelOnce, eval_tokens: int | None,
+              retrieval_prompts: int):
+    """The recommendation(s) and the presets, scored against the exact model on the held-out
+    text (``kvlens.evaluation``: nothing `recommend` calibrates on)."""
     from kvlens.config import preset, validate_for
     from kvlens.errors import ConfigError
     from kvlens.evaluation import EvalOptions, evaluate_configs
     from kvlens.model.architecture import describe
-    from kvlens.model.load import load_model
 
-    err_console.print(f"Validating on {escape(model or 'SmolLM2-135M-Instruct (embedded)')} ...")
-    place = {} if ropts is None else {"device_map": ropts.device_map,
-                                      "max_memory": ropts.max_memory,
-                                      "offload_folder": ropts.offload_folder}
-    mdl, tok, _ = load_model(model, **place)
-    validate_for(config, describe(mdl))
-    configs = [config]
+    mdl, tok = loaded.get()
+    err_console.print(f"Validating on {escape(loaded.spec() or 'the capture model')} ...")
+    shape = describe(mdl)
+    for config in configs:
+        validate_for(config, shape)
+    configs = list(configs)
     for name in VALIDATE_PRESETS:
         try:
-            validate_for(preset(name), describe(mdl))
+            validate_for(preset(name), shape)
         except ConfigError as exc:  # e.g. G=32 presets on a head_dim-16 model
             err_console.print(f"  skipping preset {name}: {escape(str(exc))}")
             continue

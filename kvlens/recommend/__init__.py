@@ -5,7 +5,8 @@ Modules, in dependency order: ``options`` (what is asked, ``Candidate``, ``Strea
 ``layer_errors`` (errors per layer), ``probe`` (the model and the retrieval probe),
 ``sensitivity`` (layer weights), ``result``, ``build`` (the config), ``allocation`` (the
 knapsack), ``pipeline`` (``measure`` a capture once, ``choose`` for any budget), ``reuse``
-(measurements kept between runs), ``run`` (``recommend``: check, reuse or measure, choose).
+(measurements kept between runs), ``run`` (``recommend``: check, reuse or measure, choose),
+``search`` (the smallest budget under a KLD target).
 Research levers (options no default uses) are listed in ``kvlens.research``. Import the public names from here.
 """
 
@@ -24,10 +25,12 @@ from kvlens.recommend.pipeline import Measurements, choose, measure
 from kvlens.recommend.pricing import option_bytes
 from kvlens.recommend.probe import model_spec_from_capture
 from kvlens.recommend.result import Choice, Recommendation
-from kvlens.recommend.run import check, recommend
+from kvlens.recommend.run import check, measurement, recommend
+from kvlens.recommend.search import BudgetSearch, kld_scorer, search_budget
 
 __all__ = [
     "COST_RESOLUTION",
+    "BudgetSearch",
     "DEFAULT_WINDOWS",
     "THOROUGH",
     "Candidate",
@@ -45,8 +48,11 @@ __all__ = [
     "family",
     "family_probes",
     "gear_settings",
+    "kld_scorer",
     "measure",
+    "measurement",
     "model_spec_from_capture",
     "option_bytes",
     "recommend",
+    "search_budget",
 ]

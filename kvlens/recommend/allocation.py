@@ -176,20 +176,27 @@ def _too_small(need: float, opts: RecommendOptions) -> InputError:
         "for. Raise --budget-bits or --context, or offer smaller --windows.")
 
 
-def check_budget(meta, opts: RecommendOptions, shape) -> None:
-    """Refuse, before anything is measured, a budget that even the cheapest candidates
-    ``opts`` offers on a model of ``shape`` exceed (prices need no measurement)."""
+def cheapest_bits(meta, opts: RecommendOptions, shape) -> float:
+    """Bits per element the cheapest candidates ``opts`` offers need on a model of ``shape``
+    (every config-wide variant tried; prices need no measurement); inf: none stores a layer."""
     cands = candidates(meta.head_dim, opts, meta.has_rope)
     table = {(c, s): (0.0, 0.0, 0.0) for c in cands for s in opts.streams()}
     tables = [table] * len(meta.layers)
     pricing = _Pricing(meta, opts, [1.0] * meta.num_layers, shape)
-    needs = []
+    needs = [math.inf]
     for rot, m in pricing.variants():
         fronts = pricing.fronts(tables, rot, m)
         if all(fronts):
             needs.append(pricing.need(fronts))
-    if needs and min(needs) > opts.budget_bits:
-        raise _too_small(min(needs), opts)
+    return min(needs)
+
+
+def check_budget(meta, opts: RecommendOptions, shape) -> None:
+    """Refuse, before anything is measured, a budget that even the cheapest candidates
+    ``opts`` offers on a model of ``shape`` exceed."""
+    need = cheapest_bits(meta, opts, shape)
+    if math.isfinite(need) and need > opts.budget_bits:
+        raise _too_small(need, opts)
 
 
 def assemble(meta, opts, tables, balancers, weights, notes, shape, factors=(), codebooks=None

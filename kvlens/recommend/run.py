@@ -13,8 +13,16 @@ from pathlib import Path
 from kvlens.cache.layout import shape_of_capture
 from kvlens.capture.store import open_capture
 from kvlens.recommend.allocation import check_budget
+from kvlens.recommend.cost import Cost
 from kvlens.recommend.options import RecommendOptions
-from kvlens.recommend.pipeline import ProgressFn, check_capture, choose, measure, predict_cost
+from kvlens.recommend.pipeline import (
+    Measurements,
+    ProgressFn,
+    check_capture,
+    choose,
+    measure,
+    predict_cost,
+)
 from kvlens.recommend.profile import format_seconds
 from kvlens.recommend.result import Recommendation
 from kvlens.recommend.reuse import keep, kept_file, read_kept, reused_note
@@ -40,25 +48,33 @@ def describe_cost(cost) -> str:
             "machine's speed from a timed matrix product; kvlens.recommend.cost)")
 
 
-def recommend(path: str | Path, opts: RecommendOptions, progress: ProgressFn | None = None, *,
-              remeasure: bool = False, log: LogFn | None = None) -> Recommendation:
-    """The per-layer recommendation for ``opts`` on the capture at ``path``: checked
-    (``check``), measured or read back from an earlier run with the same measuring options
-    (``remeasure`` measures again), allocated under ``opts.budget_bits``. ``log`` receives the
-    prediction before measuring, or the note that the measurement was reused."""
+def measurement(path: str | Path, opts: RecommendOptions, progress: ProgressFn | None = None,
+                *, remeasure: bool = False, log: LogFn | None = None
+                ) -> tuple[Measurements, Cost | None]:
+    """``(measurements, predicted cost)`` of ``opts`` on the capture at ``path``: checked
+    (``check``), then read back from an earlier run with the same measuring options (predicted
+    None) or measured and kept (``remeasure`` measures again). ``log`` receives the prediction
+    before measuring, or the note that the measurement was reused."""
     say = log or (lambda _msg: None)
     check(path, opts)
     kept = kept_file(path, opts)
     measured = None if remeasure else read_kept(kept)
-    predicted = None
     if measured is not None:
         say(reused_note(kept))
-    else:
-        with open_capture(path) as cap:
-            predicted = predict_cost(cap.meta, opts)
-        say(describe_cost(predicted))
-        measured = measure(path, opts, progress)
-        keep(measured, kept)
+        return measured, None
+    with open_capture(path) as cap:
+        predicted = predict_cost(cap.meta, opts)
+    say(describe_cost(predicted))
+    measured = measure(path, opts, progress)
+    keep(measured, kept)
+    return measured, predicted
+
+
+def recommend(path: str | Path, opts: RecommendOptions, progress: ProgressFn | None = None, *,
+              remeasure: bool = False, log: LogFn | None = None) -> Recommendation:
+    """The per-layer recommendation for ``opts`` on the capture at ``path``: ``measurement``,
+    then allocated under ``opts.budget_bits``."""
+    measured, predicted = measurement(path, opts, progress, remeasure=remeasure, log=log)
     rec = choose(measured, opts)
     rec.predicted = predicted
     return rec

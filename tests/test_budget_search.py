@@ -1,0 +1,94 @@
+"""``recommend --max-kld`` for the per-layer target (``kvlens.recommend.search``) and
+``--budgets``: the smallest budget whose config's measured KLD meets a target, found from one
+measurement; several budgets from one measurement."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from helpers import small_options
+from test_recommend import _planted_capture
+from typer.testing import CliRunner
+
+from kvlens.cli import app
+from kvlens.errors import InputError
+from kvlens.recommend import choose, measure, search_budget
+from kvlens.recommend.search import RESOLUTION, budget_grid
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    path = _planted_capture(tmp_path_factory.mktemp("search") / "p.h5")
+    opts = small_options(budget_bits=16.0, group_sizes=(32,), bits=(2, 4, 8), retrieval="off")
+    return measure(path, opts), opts
+
+
+def _known_kld(m):
+    """A stand-in for the model: KLD = 2^-(bits the config holds), which falls as the budget
+    grows, so the answer is known."""
+    from kvlens.cache.layout import config_bits, shape_of_capture
+
+    shape = shape_of_capture(m.meta, m.windows)
+    return lambda config: 1.0 / 2 ** config_bits(config, shape, 4096)
+
+
+def test_the_search_finds_the_smallest_budget_that_meets_the_target(measured):
+    m, opts = measured
+    kld_of, calls = _known_kld(m), []
+
+    def score(config):
+        calls.append(config)
+        return {"mean_kld": {"value": kld_of(config), "ci95": [0.0, 1.0]},
+                "top1_agreement": {"value": 0.9}, "ppl_change": {"value": 0.01}}
+
+    grid = budget_grid(m, opts)
+    assert grid == sorted(grid) and len(grid) > 2
+    assert all(abs(b / RESOLUTION - round(b / RESOLUTION)) < 1e-9 for b in grid)
+    truth = {b: kld_of(choose(m, replace(opts, budget_bits=b)).config) for b in grid}
+    target = truth[grid[len(grid) // 2]]
+    result = search_budget(m, opts, target, score)
+    best = min(b for b, k in truth.items() if k <= target)
+    assert result.chosen.budget_bits == best
+    assert result.chosen_step.mean_kld <= target
+    assert result.steps[0].budget_bits == grid[-1]  # the largest first
+    assert len(calls) <= len(result.steps) <= 2 + len(grid).bit_length()  # a bisection
+    doc = result.to_dict()
+    assert doc["chosen_budget_bits"] == best and len(doc["steps"]) == len(result.steps)
+    with pytest.raises(InputError, match="Even the largest useful budget"):
+        search_budget(m, opts, truth[grid[-1]] / 2, score)
+
+
+def test_recommend_max_kld_and_budgets_on_a_tiny_model(tiny_model_dir, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 80, encoding="utf-8")
+    cap = tmp_path / "run.h5"
+    res = runner.invoke(app, ["capture", "--model", str(tiny_model_dir), "--text", str(text),
+                              "-s", "1", "-t", "64", "-o", str(cap)])
+    assert res.exit_code == 0, res.output
+    common = ["recommend", str(cap), "--context", "512", "--windows", "16", "--set",
+              "group-sizes=16", "--model", str(tiny_model_dir), "--eval-tokens", "96"]
+    res = runner.invoke(app, [*common, "--max-kld", "0.05", "--json", "-o",
+                              str(tmp_path / "kv.json")])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    steps = doc["search"]["steps"]
+    chosen = [s for s in steps if s["budget_bits"] == doc["search"]["chosen_budget_bits"]]
+    assert chosen and chosen[0]["mean_kld"] <= 0.05
+    assert doc["budget_bits"] == doc["search"]["chosen_budget_bits"]
+    # every budget below the chosen one that was tried missed the target
+    assert all(s["mean_kld"] > 0.05 for s in steps if s["budget_bits"] < doc["budget_bits"])
+    assert (tmp_path / "kv.json").is_file() and "reused" not in res.stderr
+    # several budgets from the (kept) measurement, validated side by side in one run
+    res = runner.invoke(app, [*common, "--budgets", "4,6", "-o", str(tmp_path / "b.json"),
+                              "--validate", "--json"])
+    assert res.exit_code == 0, res.output
+    docs = json.loads(res.stdout)["recommendations"]
+    assert [d["budget_bits"] for d in docs] == [4.0, 6.0]
+    assert (tmp_path / "b-4b.json").is_file() and (tmp_path / "b-6b.json").is_file()
+    names = [r["name"] for r in docs[0]["validation"]]
+    assert names[:2] == ["recommended-4b", "recommended-6b"]
+    assert "measurements reused" in res.stderr
