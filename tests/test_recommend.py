@@ -323,7 +323,7 @@ def test_recommend_reuses_a_kept_measurement(tmp_path, monkeypatch):
 
     first, said = run("-b", "3.5")
     assert "reused" not in said and "candidate errors" in first["profile"]["stages"]
-    files = list(kept.glob("*.pkl"))
+    files = list(kept.glob("*.npz"))
     assert len(files) == 1 and not list(kept.glob(".*"))
     again, said = run("-b", "3.0")
     assert "measurements reused from an earlier run" in said
@@ -341,9 +341,10 @@ def test_recommend_reuses_a_kept_measurement(tmp_path, monkeypatch):
                                  "--remeasure")[0]["choices"]
     # another measuring option is another measurement
     _, said = run("-b", "3.0", "--set", "bits=2,4")
-    assert "reused" not in said and len(list(kept.glob("*.pkl"))) == 2
-    # an unreadable kept file is measured again and replaced
-    files[0].write_bytes(b"not a pickle")
+    assert "reused" not in said and len(list(kept.glob("*.npz"))) == 2
+    # an unreadable kept file is measured again and replaced (tests/test_reuse.py: planted
+    # pickles, damaged and other-version files)
+    files[0].write_bytes(b"not a kept measurement")
     _, said = run("-b", "3.0")
     assert "reused" not in said
     _, said = run("-b", "3.0")
@@ -352,23 +353,23 @@ def test_recommend_reuses_a_kept_measurement(tmp_path, monkeypatch):
     path.unlink()
     _planted_capture(path, seed=1)
     _, said = run("-b", "3.0")
-    assert "reused" not in said and len(list(kept.glob("*.pkl"))) == 3
+    assert "reused" not in said and len(list(kept.glob("*.npz"))) == 3
     monkeypatch.setenv("KVLENS_MEASUREMENT_CACHE", "off")
     _, said = run("-b", "3.0")
-    assert "reused" not in said and len(list(kept.glob("*.pkl"))) == 3
+    assert "reused" not in said and len(list(kept.glob("*.npz"))) == 3
     # at most KEEP_AT_MOST files: the least recently used go (a read counts as a use)
     from kvlens.recommend import reuse
     from kvlens.recommend.pipeline import Measurements
 
     monkeypatch.setattr(reuse, "KEEP_AT_MOST", 2)
-    files = sorted(kept.glob("*.pkl"), key=lambda f: f.stat().st_mtime_ns)
+    files = sorted(kept.glob("*.npz"), key=lambda f: f.stat().st_mtime_ns)
     for i, f in enumerate(files):
         os.utime(f, ns=(10**18 + i, 10**18 + i))
     assert reuse.read_kept(files[0]) is not None  # the oldest, used now
-    reuse.keep(reuse.read_kept(files[0]), kept / "new.pkl")
-    left = set(kept.glob("*.pkl"))
-    assert left == {files[0], kept / "new.pkl"}
-    assert isinstance(reuse.read_kept(kept / "new.pkl"), Measurements)
+    reuse.keep(reuse.read_kept(files[0]), kept / "new.npz")
+    left = set(kept.glob("*.npz"))
+    assert left == {files[0], kept / "new.npz"}
+    assert isinstance(reuse.read_kept(kept / "new.npz"), Measurements)
 
 
 def test_sensitivity_sees_a_layer_that_cannot_matter():

@@ -16,8 +16,17 @@ none), named by a hash of everything it depends on:
 - kvlens' own source files and the torch and transformers versions, so that changed code never
   reads a measurement of the old code.
 
-The files are Python pickles written by this module into the user's own cache directory; a
-file that does not read back (an older layout, a broken write) is measured again and replaced.
+A kept file (``<key>.npz``) holds data only, so that a file planted in a shared cache directory
+cannot run code when read (the pickles of earlier versions could): an uncompressed numpy
+``.npz`` whose ``document.npy`` member is a JSON document (UTF-8 bytes in a uint8 array) for the
+structure (the capture's metadata, the candidates, streams, layer weights, notes, windows,
+factors) and whose ``a<i>.npy`` members are the numeric arrays it refers to (the error tables,
+balancers, codebook centroids, mean keys), with a format name and version. It is written and
+read by an explicit encoder and decoder for exactly the types of ``Measurements``
+(``kvlens.recommend.kept_format``: the layout in full); reading checks the zip, every array's
+header (numeric dtypes only: no object array, so nothing is unpickled), the version and every
+field's type. A file that fails any check (another version, a pickle, a truncated or altered
+file) is measured again and replaced, never executed.
 Files are written to a temporary name and renamed, so an interrupted run leaves none that looks
 complete; at most ``KEEP_AT_MOST`` are kept, the least recently used removed first.
 """
@@ -28,8 +37,8 @@ import dataclasses
 import functools
 import hashlib
 import os
-import pickle
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -37,6 +46,7 @@ import transformers
 
 from kvlens.capture.store import open_capture
 from kvlens.model.load import cache_root
+from kvlens.recommend.kept_format import KeptFormatError, decode, encode
 from kvlens.recommend.options import RecommendOptions
 from kvlens.recommend.pipeline import Measurements
 from kvlens.recommend.probe import model_spec_from_capture
@@ -47,8 +57,10 @@ from kvlens.recommend.profile import Profile
 ALLOCATION_ONLY = ("budget_bits", "context", "name", "fp_dtype")
 #: a measurement read back: the one stage of its profile
 REUSED_STAGE = "measurement read"
-#: measurements kept at most (sizes: docs/benchmarks.md); the least recently used go first
+#: measurements kept at most (sizes: docs/lab-notes/benchmark-history.md); the least recently used go first
 KEEP_AT_MOST = 64
+#: the kept files' suffix (kvlens.recommend.kept_format; earlier versions' ``.pkl`` are never read)
+KEPT_SUFFIX = ".npz"
 
 
 def cache_dir() -> Path | None:
@@ -96,20 +108,19 @@ def measurement_key(path: str | Path, opts: RecommendOptions) -> str:
 def kept_file(path: str | Path, opts: RecommendOptions) -> Path | None:
     """The file ``measure(path, opts)`` is kept in (None: no measurement is kept)."""
     where = cache_dir()
-    return None if where is None else where / f"{measurement_key(path, opts)}.pkl"
+    return None if where is None else where / f"{measurement_key(path, opts)}{KEPT_SUFFIX}"
 
 
 def read_kept(kept: Path | None) -> Measurements | None:
-    """The measurement kept in ``kept`` (None: none there, or one that does not read back).
-    Its profile has one stage, ``REUSED_STAGE``, and a note says where it came from."""
+    """The measurement kept in ``kept`` (None: none there, or one that does not read back:
+    ``kvlens.recommend.kept_format.decode`` refuses it). Its profile has one stage,
+    ``REUSED_STAGE``, and a note says where it came from."""
     if kept is None or not kept.is_file():
         return None
     start = time.perf_counter()
     try:
-        m = pickle.loads(kept.read_bytes())
-    except Exception:  # noqa: BLE001 - an unreadable file is measured again and replaced
-        return None
-    if not isinstance(m, Measurements):
+        m = decode(kept.read_bytes())
+    except (OSError, KeptFormatError):  # measured again and replaced (keep)
         return None
     try:
         kept.touch()  # recently used: kept longest (keep)
@@ -132,11 +143,16 @@ def keep(m: Measurements, kept: Path | None) -> None:
         return
     tmp = kept.with_name(f".{kept.name}.{os.getpid()}.tmp")
     try:
+        data = encode(m)
+    except KeptFormatError as e:  # a value this format does not know: said, not kept
+        warnings.warn(f"measurement not kept: {e}", stacklevel=2)
+        return
+    try:
         kept.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_bytes(pickle.dumps(m))
+        tmp.write_bytes(data)
         os.replace(tmp, kept)
         # a read touches its file (read_kept): the oldest by modification time went unused
-        older = sorted(kept.parent.glob("*.pkl"), key=lambda f: f.stat().st_mtime_ns)
+        older = sorted(kept.parent.glob(f"*{KEPT_SUFFIX}"), key=lambda f: f.stat().st_mtime_ns)
         for f in older[:-KEEP_AT_MOST]:
             f.unlink(missing_ok=True)
     except OSError:
