@@ -92,3 +92,29 @@ def test_recommend_max_kld_and_budgets_on_a_tiny_model(tiny_model_dir, tmp_path)
     names = [r["name"] for r in docs[0]["validation"]]
     assert names[:2] == ["recommended-4b", "recommended-6b"]
     assert "measurements reused" in res.stderr
+
+
+def test_recommend_runs_its_model_stages_in_the_dtype_asked(tiny_model_dir, tmp_path):
+    """--dtype bfloat16: sensitivity, the probe and --validate load the model in bfloat16, and
+    the validation says its exact reference ran in bfloat16; the dtype is a measuring option
+    (another dtype is another measurement)."""
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 80, encoding="utf-8")
+    cap = tmp_path / "run.h5"
+    res = runner.invoke(app, ["capture", "--model", str(tiny_model_dir), "--text", str(text),
+                              "-s", "1", "-t", "64", "-o", str(cap)])
+    assert res.exit_code == 0, res.output
+    common = ["recommend", str(cap), "-b", "6", "--context", "512", "--windows", "16", "--set",
+              "group-sizes=16", "--model", str(tiny_model_dir), "--validate", "--eval-tokens",
+              "96", "--json"]
+    docs = {}
+    for dtype in ("float32", "bfloat16"):
+        res = runner.invoke(app, [*common, "--dtype", dtype])
+        assert res.exit_code == 0, res.output
+        assert "measurements reused" not in res.stderr
+        docs[dtype] = json.loads(res.stdout)
+        assert docs[dtype]["validation_evaluation"]["kld"]["model_dtype"] == dtype
+    assert all(w > 0 for w in docs["bfloat16"]["layer_weights"])
+    assert docs["bfloat16"]["layer_weights"] != docs["float32"]["layer_weights"]
+    res = runner.invoke(app, ["recommend", str(cap), "-b", "6", "--dtype", "float8"])
+    assert res.exit_code == 1 and "Unknown dtype 'float8'" in res.output

@@ -422,7 +422,9 @@ def _render_long(report: dict) -> None:
     results, ev = report["results"], report["evaluation"]
     if "kld" in ev:
         p = ev["kld"]
-        title = (f"KL divergence vs the exact model: {p['scored']} predictions over "
+        exact = f"the exact model ({p['model_dtype']})" if p.get("model_dtype") else \
+            "the exact model"
+        title = (f"KL divergence vs {exact}: {p['scored']} predictions over "
                  f"{p['tokens']} tokens of {escape(str(p['text_source']))}, chunk {p['chunk']}"
                  + (" (INTERRUPTED: partial)" if p["interrupted"] else ""))
         t = Table(title=title)

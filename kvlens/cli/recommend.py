@@ -53,7 +53,7 @@ CLI_READERS = {
     "validate": {KVLENS, ENGINES}, "eval_tokens": {KVLENS, ENGINES},
     "output": {KVLENS, ENGINES}, "overwrite": {KVLENS, ENGINES}, "as_json": {KVLENS, ENGINES},
     # the placement of the model a target's --max-kld or --validate loads (run_target's place)
-    "device_map": {KVLENS, ENGINES}, "max_memory": {KVLENS, ENGINES},
+    "dtype": {KVLENS, ENGINES}, "device_map": {KVLENS, ENGINES}, "max_memory": {KVLENS, ENGINES},
     "offload_folder": {KVLENS, ENGINES},
     "max_kld": {KVLENS, ENGINES},  # kvlens: the budget search (kvlens.recommend.search)
     "thorough": {KVLENS}, "remeasure": {KVLENS}, "retrieval_prompts": {KVLENS},
@@ -61,7 +61,7 @@ CLI_READERS = {
 }
 #: What ``--thorough`` sets (``RecommendOptions`` fields)
 THOROUGH_FIELDS = ("gear", "mikv")
-PLACEMENT = ("device_map", "max_memory", "offload_folder")
+PLACEMENT = ("dtype", "device_map", "max_memory", "offload_folder")
 
 
 def readers(param: str) -> set[str]:
@@ -184,6 +184,10 @@ def recommend(
     model: str = typer.Option(None, "--model", "-m", rich_help_panel=MODEL,
                               help="Model to measure sensitivity and validate on (default: "
                                    "the capture's own)."),
+    dtype: str = typer.Option(None, "--dtype", rich_help_panel=MODEL,
+                              help="Dtype the model runs in for sensitivity, --max-kld and "
+                                   "--validate (the exact reference too): float32, bfloat16 or "
+                                   "float16."),
     device_map: str = device_map_option(),
     max_memory: str = max_memory_option(),
     offload_folder: Path = offload_folder_option(),
@@ -260,15 +264,21 @@ def recommend(
         with open_capture(capture):
             pass  # a missing, foreign or incomplete capture fails here, before any work
         if model is not None:
-            check_model_options(model, device="cpu", device_map=device_map,
-                                max_memory=max_memory, offload_folder=offload_folder)
+            check_model_options(model, **({"dtype": dtype} if dtype else {}), device="cpu",
+                                device_map=device_map, max_memory=max_memory,
+                                offload_folder=offload_folder)
         else:
+            from kvlens.model.load import parse_dtype
+
+            if dtype:
+                parse_dtype(dtype)
             make_placement(device_map, max_memory,
                            str(offload_folder) if offload_folder else None)
 
     run_library_call(check_common)
     place = {"device_map": device_map, "max_memory": max_memory,
-             "offload_folder": str(offload_folder) if offload_folder else None}
+             "offload_folder": str(offload_folder) if offload_folder else None} | (
+        {"dtype": dtype} if dtype else {})
     if engine:
         from kvlens.cli.targets import run_target
 
@@ -295,7 +305,7 @@ def recommend(
 
     opts = run_library_call(prepare)
     measured, predicted = _measure(capture, opts, remeasure)
-    loaded = _ModelOnce(capture, model, place)
+    loaded = _ModelOnce(capture, model, place | {"dtype": opts.dtype})
     search = None
     if max_kld is not None:
         search = _search(measured, opts, max_kld, loaded, eval_tokens)

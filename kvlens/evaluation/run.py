@@ -85,6 +85,7 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
                  + f", KL/NLL {sec['kl_and_nll']:.1f} s; bootstrap ...")
         summary = summarize(scores)
         report["evaluation"]["kld"] = {"text_source": text_source, **summary["protocol"],
+                                       "model_dtype": model_dtype(model),
                                        "exact": summary["exact"]}
         for res, doc in zip(report["results"], summary["configs"]):
             if doc is not None:
@@ -108,6 +109,12 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
     for res in report["results"]:
         res.setdefault("backend", select_backend(options.backend, device)[0])
     return report
+
+
+def model_dtype(model) -> str:
+    """The dtype the model's weights run in (the exact reference of every comparison):
+    ``"float32"``, ``"bfloat16"``..."""
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
 def _every(progress: Callable[[str], None], label: str, parts: int = 8):

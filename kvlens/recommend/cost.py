@@ -30,7 +30,9 @@ layers on one core, so a worker's forward runs at the one-core rate) and every w
 own capture layer and reconstructions (and, when spawned rather than forked, its own runtime).
 
 Peak memory (every process together, the proportional set size ``benchmarks/bench_recommend.py``
-samples): the runtime, the model's float32 weights, and per measuring process one capture layer,
+samples): the runtime, the model's weights at the model stages' dtype (``weight_bytes``; the
+rates are float32 ones: a half-precision forward is timed as a float32 one), and per measuring
+process one capture layer,
 every candidate's reconstruction of it and the KL stage's log-probabilities (kept positions x
 vocabulary, three copies).
 """
@@ -88,6 +90,7 @@ class CostShape:
     hidden: int = 0  # the model's hidden size (0: q_heads x head_dim)
     family_layers: int = 0  # layers that measure every family (0: all; the rest two anchors)
     workers: int = 1  # processes the per-layer measurements run on (kvlens.recommend.parallel)
+    weight_bytes: int = 4  # bytes per model weight (the model stages' dtype)
     forked: bool = True  # workers start as copies of the calling process (Linux), not fresh
 
 
@@ -176,5 +179,5 @@ def predict(shape: CostShape, factor: float = 1.0) -> Cost:
     # of its own runs; spawned workers also their own runtime
     measuring = max(1, s.workers) * (layer_bytes + variants + logits)
     spawned = s.workers * WORKER_BYTES if s.workers > 1 and not s.forked else 0
-    peak = RUNTIME_BYTES + 4 * s.params + measuring + spawned
+    peak = RUNTIME_BYTES + s.weight_bytes * s.params + measuring + spawned
     return Cost({name: sec * factor for name, sec in stages.items()}, int(peak), factor)

@@ -12,6 +12,7 @@ from typing import NamedTuple
 from kvlens.cache.layout import FP_BYTES, SCALE_BYTES
 from kvlens.config import SET_BITS
 from kvlens.errors import InputError, is_int
+from kvlens.model.load import DTYPES
 from kvlens.quant import CodebookSpec, QuantSpec, RotationSpec
 from kvlens.quant.spec import FITS
 
@@ -160,6 +161,9 @@ class RecommendOptions:
     # first tokens of each sample measured on (None: all); AUTO: ``default_tokens(windows)``
     tokens: int | str | None = _main(AUTO, "--tokens")
     model: str | None = _main(None, "--model")  # default: the capture's model source
+    # dtype the model stages (sensitivity, retrieval probe, validation) load the model in; the
+    # exact reference of every KLD is the model at this dtype
+    dtype: str = _main("float32", "--dtype")
     name: str = _main("recommended", "--name")
     # where the model loaded for sensitivity/retrieval goes (kvlens.model.placement; None = one device)
     device_map: str | None = _main(None, "--device-map")
@@ -288,6 +292,8 @@ class RecommendOptions:
             raise InputError("--set prefer-fast=on keeps only layouts the fused decode kernel reads, "
                              "and it does not read pre-RoPE keys; use --set pre-rope=auto or off.")
 
+        if self.dtype not in DTYPES:
+            raise InputError(f"Unknown --dtype {self.dtype!r}; allowed: {listed(DTYPES)}.")
         if self.fp_dtype not in FP_BYTES:
             raise InputError(f"--window-dtype {self.fp_dtype!r}: allowed {listed(FP_BYTES)}.")
         if self.scale_dtype not in SCALE_BYTES:

@@ -20,6 +20,7 @@ from kvlens.analysis.compare import torch_threads
 from kvlens.cache.layout import shape_of_capture
 from kvlens.capture.store import open_capture
 from kvlens.errors import InputError
+from kvlens.model.load import parse_dtype
 from kvlens.recommend.allocation import assemble
 from kvlens.recommend.catalog import candidates, family_probes
 from kvlens.recommend.cost import Cost, CostShape, estimated_params, machine_factor, predict
@@ -196,4 +197,5 @@ def _cost_shape(meta, opts: RecommendOptions) -> CostShape:
         sensitivity_tokens=layout_tokens(opts, meta.num_tokens),
         probe_tokens=opts.retrieval_tokens if opts.retrieval != "off" and model_stages else 0,
         params=params if model_stages else 0, vocab=vocab,
-        hidden=int(meta.extra.get("hidden_size", 0) or 0))
+        hidden=int(meta.extra.get("hidden_size", 0) or 0),
+        weight_bytes=parse_dtype(opts.dtype).itemsize)

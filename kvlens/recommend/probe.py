@@ -41,7 +41,7 @@ def load_model_for(cap, opts: RecommendOptions, notes: list[str]):
         if spec is None:
             raise InputError(f"{cap.path} does not say which model it came from; pass --model.")
 
-        model, tokenizer, _ = load_model(spec, device_map=opts.device_map,
+        model, tokenizer, _ = load_model(spec, dtype=opts.dtype, device_map=opts.device_map,
                                          max_memory=opts.max_memory,
                                          offload_folder=opts.offload_folder)
         info = describe(model)
