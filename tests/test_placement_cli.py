@@ -132,3 +132,39 @@ def test_recommend_placement_errors_are_not_swallowed(tiny_model_dir, text_file,
     assert res.exit_code == 1
     assert "would go to disk" in " ".join(res.output.split())
     assert "measuring" not in res.output  # the model loads (and fails) before any measurement
+
+
+def test_every_model_stage_under_disk_offload_equals_the_plain_run(tiny_model_dir, text_file,
+                                                                   disk_map, tmp_path):
+    """recommend's layout sensitivity, retrieval probe, --max-kld search and --validate, and
+    generate --eval kld, with two of the three layers offloaded to disk: the same layer
+    weights, config and KLDs as the plain run (the same arithmetic, only where the weights
+    wait between layers)."""
+    cap = tmp_path / "run.h5"
+    res = _capture("--model", tiny_model_dir, "--text", text_file, "-s", 1, "-t", 64, "-o", cap)
+    assert res.exit_code == 0, res.output
+    base = ["recommend", str(cap), "--context", "512", "--windows", "16", "--set",
+            "group-sizes=16", "--model", str(tiny_model_dir), "--set", "retrieval=on",
+            "--eval-tokens", "96", "--max-kld", "0.05", "--validate", "--remeasure", "--json"]
+    docs = []
+    for extra, out in (([], "a.json"), (["--device-map", str(disk_map), "--offload-folder",
+                                         str(tmp_path / "off")], "b.json")):
+        res = runner.invoke(app, [*base, *extra, "-o", str(tmp_path / out)])
+        assert res.exit_code == 0, res.output
+        docs.append(json.loads(res.stdout))
+    plain, placed = docs
+    assert placed["layer_weights"] == pytest.approx(plain["layer_weights"], rel=1e-4)
+    assert placed["config"] == plain["config"]
+    assert placed["search"]["chosen_budget_bits"] == plain["search"]["chosen_budget_bits"]
+    for a, b in zip(plain["validation"], placed["validation"]):
+        assert b["kld"]["mean_kld"]["value"] == pytest.approx(a["kld"]["mean_kld"]["value"],
+                                                              rel=1e-4, abs=1e-7)
+    gen = ["generate", "--model", str(tiny_model_dir), "--config", str(tmp_path / "a.json"),
+           "--eval", "kld", "--eval-tokens", "96", "--json"]
+    runs = []
+    for extra in ([], ["--device-map", str(disk_map), "--offload-folder",
+                       str(tmp_path / "off2")]):
+        res = runner.invoke(app, [*gen, *extra])
+        assert res.exit_code == 0, res.output
+        runs.append(json.loads(res.stdout)["results"][0]["kld"]["mean_kld"]["value"])
+    assert runs[1] == pytest.approx(runs[0], rel=1e-4, abs=1e-7)
