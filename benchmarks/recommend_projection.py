@@ -2,9 +2,12 @@
 
 Applies the cost model (`kvlens.recommend.cost`, rates measured on the 2-core reference machine)
 to the shapes of public models at recommend's defaults (`RecommendOptions(budget_bits=3.0)`),
-and prints per stage the work (so a reader can divide it by their own machine's rate) and the
-projected time and peak memory on the reference CPU. The two real models kvlens measured are
-listed first so that the projection can be read against `docs/benchmarks.md`'s measured times.
+and prints per stage the projected time and peak memory: on the reference CPU with the model
+stages in float32 and in bfloat16 (`--dtype bfloat16`: half the weights' memory; timed at the
+float32 rates), and with the model stages on one H100 in bfloat16 (the published peak times
+`kvlens.recommend.cost.GPU_EFFICIENCY`, an assumption; the candidate errors stay on the CPU).
+The two real models kvlens measured are listed first so that the projection can be read
+against `docs/benchmarks.md`'s measured times.
 
     python benchmarks/recommend_projection.py
 """
@@ -15,7 +18,7 @@ import argparse
 
 from kvlens.recommend import RecommendOptions
 from kvlens.recommend.catalog import candidates, family_probes
-from kvlens.recommend.cost import CostShape, predict
+from kvlens.recommend.cost import GPU_MEMORY_BYTES, CostShape, Hardware, predict
 
 # name: (layers, q heads, kv heads, head_dim, parameters, vocabulary, hidden size), from the
 # models' configs
@@ -28,7 +31,8 @@ MODELS = {
 }
 
 
-def shape_for(layers, q_heads, kv_heads, head_dim, params, vocab, hidden) -> CostShape:
+def shape_for(layers, q_heads, kv_heads, head_dim, params, vocab, hidden,
+              weight_bytes: int = 4) -> CostShape:
     opts = RecommendOptions(budget_bits=3.0)  # what `kvlens recommend -b 3.0` runs
     cands = candidates(head_dim, opts, True)
     return CostShape(layers=layers, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
@@ -36,24 +40,35 @@ def shape_for(layers, q_heads, kv_heads, head_dim, params, vocab, hidden) -> Cos
                      candidates=len(cands) + 2, streams=len(opts.streams()) + 1,
                      families=len(family_probes(cands)), sensitivity_tokens=opts.tokens,
                      probe_tokens=opts.retrieval_tokens, params=params, vocab=vocab,
-                     hidden=hidden, workers=2)  # the reference machine's two cores
+                     hidden=hidden, workers=2,  # the reference machine's two cores
+                     weight_bytes=weight_bytes)
+
+
+HARDWARE = ((Hardware(None, "float32"), 4), (Hardware(None, "bfloat16"), 2),
+            (Hardware("h100", "bfloat16"), 2))
+
+
+def _fmt(s: float) -> str:
+    return f"{s / 3600:.1f} h" if s >= 3600 else f"{s / 60:.1f} min"
 
 
 def main(argv=None) -> None:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
-    print("| model | candidate errors | layout sensitivity | retrieval probe | total (reference "
-          "CPU, projected) | peak memory (projected) |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for name, dims in MODELS.items():
-        cost = predict(shape_for(*dims))
-        st = cost.stages
-
-        def fmt(s: float) -> str:
-            return f"{s / 3600:.1f} h" if s >= 3600 else f"{s / 60:.1f} min"
-
-        print(f"| {name} | {fmt(st['candidate errors'])} | {fmt(st['layout sensitivity'])} | "
-              f"{fmt(st['retrieval probe'])} | {fmt(cost.seconds)} | "
-              f"{cost.peak_bytes / 2**30:.1f} GiB |")
+    for hw, weight_bytes in HARDWARE:
+        print(f"\n{hw.label}\n")
+        print("| model | candidate errors | layout sensitivity | retrieval probe | total | "
+              "host peak | GPU memory |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for name, dims in MODELS.items():
+            cost = predict(shape_for(*dims, weight_bytes=weight_bytes),
+                           hardware=hw if hw.gpu else None)
+            st = cost.stages
+            gpu = f"{cost.device_bytes / 2**30:.1f} GiB" if cost.device_bytes else "-"
+            if hw.gpu and cost.device_bytes > GPU_MEMORY_BYTES[hw.gpu]:
+                gpu += " (more than one GPU holds: --device-map)"
+            print(f"| {name} | {_fmt(st['candidate errors'])} | "
+                  f"{_fmt(st['layout sensitivity'])} | {_fmt(st['retrieval probe'])} | "
+                  f"{_fmt(cost.seconds)} | {cost.peak_bytes / 2**30:.1f} GiB | {gpu} |")
 
 
 if __name__ == "__main__":

@@ -138,3 +138,30 @@ def test_predict_cost_reads_the_capture_and_options(tmp_path):
     assert short.stages["candidate errors"] == full.stages["candidate errors"]
     more = predict_cost(meta, replace(opts, bits=(2, 4, 8)))
     assert more.stages["candidate errors"] > cost.stages["candidate errors"]
+
+
+def test_the_cost_model_prices_the_dtype_and_projects_a_gpu():
+    """Half-precision weights halve the weights' share of the peak; on a GPU the weights move
+    to the device and the model forwards take the published peak's time, the candidate errors
+    (measured on the CPU) do not change."""
+    from kvlens.recommend.cost import GPU_EFFICIENCY, GPU_PEAK_FLOPS, CostShape, Hardware, predict
+
+    shape = dict(layers=16, q_heads=32, kv_heads=8, head_dim=64, samples=4, tokens=512,
+                 score_from=384, candidates=40, streams=6, families=12,
+                 sensitivity_tokens=512, probe_tokens=960, params=1_235_814_400,
+                 vocab=128_256, hidden=2048)
+    f32 = predict(CostShape(**shape, weight_bytes=4))
+    bf16 = predict(CostShape(**shape, weight_bytes=2))
+    assert f32.peak_bytes - bf16.peak_bytes == 2 * shape["params"]
+    assert f32.stages == bf16.stages and f32.device_bytes == 0
+    gpu = predict(CostShape(**shape, weight_bytes=2), factor=3.0,
+                  hardware=Hardware("h100", "bfloat16"))
+    assert gpu.device_bytes == 2 * shape["params"]
+    assert gpu.peak_bytes == bf16.peak_bytes - 2 * shape["params"]
+    assert gpu.stages["candidate errors"] == 3.0 * f32.stages["candidate errors"]
+    assert gpu.stages["layout sensitivity"] < f32.stages["layout sensitivity"] / 100
+    # the GPU stage is its FLOPs over the assumed rate, whatever this CPU's factor
+    assert predict(CostShape(**shape, weight_bytes=2), hardware=Hardware("h100", "bfloat16")
+                   ).stages["layout sensitivity"] == gpu.stages["layout sensitivity"]
+    assert Hardware("h100", "float32").forward_flops == \
+        GPU_PEAK_FLOPS["h100"]["float32"] * GPU_EFFICIENCY

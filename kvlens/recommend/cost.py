@@ -63,10 +63,47 @@ WORKER_LOGIT_SECONDS = 5.0e-9  # per kept position and vocabulary entry
 REFERENCE_MATMUL_SHAPE = (512, 576, 1536)
 REFERENCE_MATMUL_SECONDS = 1.03e-2
 READ_SECONDS_PER_BYTE = 2.0e-9  # reading the capture file
+LOGIT_FLOPS = 10  # a GPU projection's KL work per kept position and vocabulary entry
 RUNTIME_BYTES = 500 * 2**20  # torch, transformers, the GGUF conversion and the process itself
 # a spawned worker's own torch and kvlens (kvlens.recommend.parallel); a forked one shares its
 # parent's pages and holds little beyond its capture layer and reconstructions
 WORKER_BYTES = 400 * 2**20
+
+
+#: Published dense peak FLOP/s of GPUs by dtype (NVIDIA H100 SXM / H200 datasheets: tensor-core
+#: bfloat16/float16 without sparsity, float32 without tensor cores), for projections only
+GPU_PEAK_FLOPS = {
+    "h100": {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
+    "h200": {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
+}
+GPU_MEMORY_BYTES = {"h100": 80 * 10**9, "h200": 141 * 10**9}
+#: the share of that peak a batch-1 forward of a few hundred tokens is assumed to reach (an
+#: assumption, not a measurement: no GPU run of recommend has been measured)
+GPU_EFFICIENCY = 0.25
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Where the model stages run, for ``predict``: the reference CPU (``gpu`` None: its
+    measured rates), or one GPU of ``GPU_PEAK_FLOPS`` holding the weights (a projection from
+    its published peak times ``GPU_EFFICIENCY``; the candidate errors stay on the CPU, where
+    kvlens measures them on the capture's tensors)."""
+
+    gpu: str | None = None
+    dtype: str = "float32"
+
+    @property
+    def label(self) -> str:
+        if self.gpu is None:
+            return f"reference CPU, {self.dtype} (rates measured)"
+        return (f"{self.gpu.upper()}, {self.dtype} (projected: published peak x "
+                f"{GPU_EFFICIENCY})")
+
+    @property
+    def forward_flops(self) -> float | None:
+        """FLOP/s of a model forward there (None: the CPU's measured rates)."""
+        return None if self.gpu is None else GPU_PEAK_FLOPS[self.gpu][self.dtype] * \
+            GPU_EFFICIENCY
 
 
 @dataclass(frozen=True)
@@ -101,6 +138,7 @@ class Cost:
     stages: dict[str, float]
     peak_bytes: int
     machine_factor: float = 1.0  # the stages are the reference machine's times x this
+    device_bytes: int = 0  # held on the GPU (the weights), when the model stages run on one
 
     @property
     def seconds(self) -> float:
@@ -108,7 +146,8 @@ class Cost:
 
     def to_dict(self) -> dict:
         return {"stages": dict(self.stages), "seconds": self.seconds,
-                "peak_bytes": self.peak_bytes, "machine_factor": self.machine_factor}
+                "peak_bytes": self.peak_bytes, "machine_factor": self.machine_factor,
+                "device_bytes": self.device_bytes}
 
 
 @functools.cache
@@ -136,10 +175,12 @@ def estimated_params(layers: int, q_heads: int, head_dim: int, vocab: int = 0) -
     return layers * 12 * hidden * hidden + vocab * hidden
 
 
-def predict(shape: CostShape, factor: float = 1.0) -> Cost:
+def predict(shape: CostShape, factor: float = 1.0, hardware: Hardware | None = None) -> Cost:
     """Predicted wall seconds per stage and peak memory of ``recommend`` on ``shape``, on a
-    machine ``factor`` times slower than the reference one (``machine_factor``)."""
+    machine ``factor`` times slower than the reference one (``machine_factor``), its model
+    stages on ``hardware`` (None: the CPU; a GPU: a projection, ``Hardware``)."""
     s = shape
+    gpu = hardware is not None and hardware.gpu is not None
     scored = max(1, s.tokens - s.score_from)
     attention = (s.layers * s.candidates * s.streams * s.samples * s.q_heads * scored
                  * s.tokens * s.head_dim)
@@ -163,13 +204,20 @@ def predict(shape: CostShape, factor: float = 1.0) -> Cost:
         # on average, here or shared by one-thread workers
         per_flop = FORWARD_SECONDS_PER_FLOP if s.workers <= 1 else \
             WORKER_FORWARD_SECONDS_PER_FLOP / s.workers
-        stages["layout sensitivity"] = (body + head_flops) * FORWARD_SECONDS_PER_FLOP + runs * (
-            (body * (s.layers + 1) / (2 * s.layers) + head_flops) * per_flop
-            + kept * s.vocab * WORKER_LOGIT_SECONDS / max(1, s.workers))
+        flops = (body + head_flops) + runs * (body * (s.layers + 1) / (2 * s.layers) + head_flops)
+        if gpu:  # every run on the one GPU, the KL's few passes over the logits included
+            stages["layout sensitivity"] = (flops + runs * kept * s.vocab * LOGIT_FLOPS) / \
+                hardware.forward_flops / factor
+        else:
+            stages["layout sensitivity"] = (body + head_flops) * FORWARD_SECONDS_PER_FLOP + \
+                runs * ((body * (s.layers + 1) / (2 * s.layers) + head_flops) * per_flop
+                        + kept * s.vocab * WORKER_LOGIT_SECONDS / max(1, s.workers))
     if s.params and s.probe_tokens:
         probe_elements = s.layers * s.candidates * s.kv_heads * s.probe_tokens * s.head_dim
-        stages["retrieval probe"] = (2 * s.params * s.probe_tokens * FORWARD_SECONDS_PER_FLOP
-                                     + probe_elements * VARIANT_SECONDS_PER_ELEMENT / s.workers)
+        forward = 2 * s.params * s.probe_tokens
+        stages["retrieval probe"] = (forward / hardware.forward_flops / factor if gpu else
+                                     forward * FORWARD_SECONDS_PER_FLOP) + \
+            probe_elements * VARIANT_SECONDS_PER_ELEMENT / s.workers
     layer_bytes = s.samples * (s.q_heads + 3 * s.kv_heads) * s.tokens * s.head_dim * 4
     # a layer's reconstructions: the text's samples, or the probe's one longer sequence
     variants = s.candidates * s.kv_heads * max(s.samples * s.tokens, s.probe_tokens) \
@@ -179,5 +227,7 @@ def predict(shape: CostShape, factor: float = 1.0) -> Cost:
     # of its own runs; spawned workers also their own runtime
     measuring = max(1, s.workers) * (layer_bytes + variants + logits)
     spawned = s.workers * WORKER_BYTES if s.workers > 1 and not s.forked else 0
-    peak = RUNTIME_BYTES + s.weight_bytes * s.params + measuring + spawned
-    return Cost({name: sec * factor for name, sec in stages.items()}, int(peak), factor)
+    weights = s.weight_bytes * s.params
+    peak = RUNTIME_BYTES + (0 if gpu else weights) + measuring + spawned
+    return Cost({name: sec * factor for name, sec in stages.items()}, int(peak), factor,
+                weights if gpu else 0)
