@@ -79,5 +79,11 @@ bench: install
 	$(BIN)/python benchmarks/bench_capture.py
 	$(BIN)/python benchmarks/bench_decode_cpu.py
 
+# The GPU acceptance run (needs a CUDA GPU; never in CI): docs/gpu.md. Summary: $(GPU_OUT)/summary.json
+GPU_OUT ?= out-gpu
+.PHONY: gpu-check
+gpu-check: install
+	PYTHON=$(BIN)/python bash benchmarks/gpu_check.sh --out-dir $(GPU_OUT) --summary $(GPU_OUT)/summary.json
+
 clean:
 	rm -rf $(VENV) $(OUT) .pytest_cache

@@ -1,0 +1,220 @@
+"""benchmarks/gpu_acceptance.py (the GPU acceptance run, docs/gpu.md) on CPU: the summary and its
+failure reporting on planted steps, the readings of ``generate --json`` that decide whether the
+Triton path was really used, a failing ``kvlens`` step named in the summary with a non-zero
+exit, and (slow) the ``--cpu-smoke`` run end to end on the real default model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_acceptance.py"
+
+
+def _load():
+    name = "_kvlens_gpu_acceptance"
+    spec = importlib.util.spec_from_file_location(name, SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the body runs
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[name]
+    return module
+
+
+ga = _load()
+
+TRITON_REASON = ("Triton requested (CUDA): decode kernel for single-token decode steps, torch "
+                 "path otherwise; torch path for: nothing quantized yet (model's own attention) "
+                 "(60 calls), prefill / multi-token query (the kernel takes one query token) "
+                 "(30 calls)")
+
+
+def test_torch_path_calls_are_read_per_reason():
+    assert ga.torch_path_calls(TRITON_REASON) == {
+        "nothing quantized yet (model's own attention)": 60,
+        "prefill / multi-token query (the kernel takes one query token)": 30}
+    # a reason with a comma inside its parentheses stays one reason
+    reason = ("x; torch path for: key group 24 per-token (the kernel needs a divisor of "
+              "head_dim 64, >= 16) (7 calls)")
+    assert ga.torch_path_calls(reason) == {
+        "key group 24 per-token (the kernel needs a divisor of head_dim 64, >= 16)": 7}
+    assert ga.torch_path_calls("torch path requested") == {}
+    assert ga.torch_path_calls(None) == {}
+
+
+def test_the_triton_verdict_accepts_a_run_the_kernel_served():
+    results = [{"name": "recommended", "backend": "triton", "backend_reason": TRITON_REASON},
+               {"name": "kivi-2", "backend": "triton", "backend_reason": TRITON_REASON}]
+    verdict = ga.triton_verdict(results, kernel_calls=540, required=True)
+    assert verdict["used"] and verdict["problems"] == []
+    assert verdict["torch_path_calls"] == 180
+    assert verdict["kernel_share"] == pytest.approx(540 / 720, abs=1e-4)
+
+
+@pytest.mark.parametrize("results, calls, expect", [
+    ([{"name": "kv", "backend": "torch", "backend_reason": "torch path requested"}], 0,
+     "kv ran on the torch backend"),
+    ([{"name": "kv", "backend": "triton", "backend_reason": TRITON_REASON}], 0,
+     "never called"),
+    ([{"name": "kv", "backend": "triton", "backend_reason":
+       "T; torch path for: pre-RoPE keys (the kernel does not re-apply RoPE) (90 calls)"}], 10,
+     "kv took the torch path for {'pre-RoPE keys"),
+])
+def test_the_triton_verdict_names_a_silent_torch_fallback(results, calls, expect):
+    with pytest.raises(ga.StepFailure, match="not really used") as failure:
+        ga.triton_verdict(results, kernel_calls=calls, required=True)
+    assert expect in str(failure.value)
+    verdict = ga.triton_verdict(results, kernel_calls=calls, required=False)  # smoke: recorded
+    assert not verdict["used"] and any(expect in p for p in verdict["problems"])
+
+
+def test_the_backends_perplexities_must_agree():
+    assert ga.compare_ppl({"kv": 10.0, "kivi-2": 12.0}, {"kv": 10.05, "kivi-2": 12.0}, 0.01) == \
+        {"kv": pytest.approx(0.05 / 10.05, abs=1e-6), "kivi-2": 0.0}
+    with pytest.raises(ga.StepFailure, match="kv 0.0476"):
+        ga.compare_ppl({"kv": 10.0}, {"kv": 10.5}, 0.01)
+    with pytest.raises(ga.StepFailure, match="no config"):
+        ga.compare_ppl({"kv": 10.0}, {"other": 10.0}, 0.01)
+
+
+def test_bench_figures_summarise_the_timings():
+    rows = [{"layer": "gqa", "layout": "kivi", "context": c, "bits": 2, "group": 64,
+             "triton_ms": 0.1, "sdpa_fp16_ms": 0.1 * s, "speedup": s, "gbps": 1000.0,
+             "frac_copy_bw": 0.5, "bytes": 1} for c, s in ((8192, 2.0), (32768, 4.0),
+                                                          (16384, 3.0))]
+    fig = ga.bench_figures({"device": "H100", "copy_bandwidth_gbps": 3000.0, "results": rows})
+    assert (fig["speedup_min"], fig["speedup_median"], fig["speedup_max"]) == (2.0, 3.0, 4.0)
+    assert "bytes" not in fig["rows"][0] and fig["device"] == "H100"
+    with pytest.raises(ga.StepFailure, match="timed nothing"):
+        ga.bench_figures({"results": []})
+
+
+def _acceptance(tmp_path, steps):
+    acc = ga.Acceptance(tmp_path / "s" / "summary.json", "cpu-smoke")
+    for step in steps:
+        acc.run(step)
+    return acc, acc.finish()
+
+
+def _fail():
+    raise ga.StepFailure("capture wrote nothing")
+
+
+def test_a_failed_step_is_named_its_dependents_skipped_and_the_exit_is_nonzero(tmp_path):
+    acc, code = _acceptance(tmp_path, [
+        ga.Step("a", lambda: {"figure": 1}),
+        ga.Step("b", _fail, ("a",)),
+        ga.Step("c", lambda: {"never": 1}, ("b",)),
+        ga.Step("d", lambda: {"figure": 2}, ("a",)),
+        ga.Step("e", lambda: {}, skip="not in this mode"),
+        ga.Step("f", lambda: 1 / 0),
+    ])
+    doc = json.loads(acc.path.read_text())
+    assert code == 1 and doc["ok"] is False
+    assert doc["failed_steps"] == ["b", "f"]
+    steps = doc["steps"]
+    assert list(steps) == ["a", "b", "c", "d", "e", "f"]
+    assert steps["a"] == {"ok": True, "figure": 1, "seconds": steps["a"]["seconds"]}
+    assert steps["b"]["ok"] is False and steps["b"]["error"] == "capture wrote nothing"
+    assert steps["c"]["ok"] is False and "needs b" in steps["c"]["skipped"]
+    assert steps["d"]["ok"] is True and steps["e"] == {"ok": True, "skipped": "not in this mode",
+                                                       "seconds": 0.0}
+    assert steps["f"]["error"].startswith("ZeroDivisionError")  # a bug is reported, not hidden
+    assert not list(acc.path.parent.glob("*.tmp"))
+
+
+def test_a_run_of_passing_steps_exits_zero(tmp_path):
+    acc, code = _acceptance(tmp_path, [ga.Step("a", lambda: {})])
+    assert code == 0 and json.loads(acc.path.read_text())["ok"] is True
+
+
+def test_run_command_names_the_exit_status_and_stderr(tmp_path):
+    log = tmp_path / "logs" / "x.log"
+    with pytest.raises(ga.StepFailure, match=r"status 3.*\n.*boom"):
+        ga.run_command([sys.executable, "-c", "import sys; print('boom', file=sys.stderr); "
+                        "sys.exit(3)"], log, timeout=60)
+    assert "boom" in log.read_text()
+    with pytest.raises(ga.StepFailure, match="timed out after 1 s"):
+        ga.run_command([sys.executable, "-c", "import time; time.sleep(30)"], log, timeout=1)
+    with pytest.raises(ga.StepFailure, match="printed no JSON"):
+        ga.run_command([sys.executable, "-c", "print('hi')"], log, 60, stdout_json=True)
+    assert ga.run_command([sys.executable, "-c", "print('[1]')"], log, 60,
+                          stdout_json=True) == [1]
+
+
+def test_the_counting_shim_runs_kvlens_and_writes_the_count(tmp_path):
+    counts = tmp_path / "calls.json"
+    proc = subprocess.run([sys.executable, "-c", ga.COUNTING_SHIM, str(counts), "--version"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"\d+\.\d+", proc.stdout)
+    assert json.loads(counts.read_text())["decode_attention"] == 0
+
+
+def test_a_failing_kvlens_step_fails_the_run_loudly(tmp_path):
+    missing = tmp_path / "missing.gguf"
+    code = ga.main(["--cpu-smoke", "--out-dir", str(tmp_path / "o"), "--model", str(missing)])
+    doc = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert code == 1 and doc["ok"] is False and doc["failed_steps"] == ["capture"]
+    steps = doc["steps"]
+    assert steps["environment"]["ok"] and "kvlens capture --model" in steps["capture"]["error"]
+    assert "missing.gguf" in steps["capture"]["error"]
+    assert "needs capture" in steps["report"]["skipped"]
+    assert "needs recommend" in steps["generate-kld"]["skipped"]
+    assert (tmp_path / "o" / "logs" / "capture.log").is_file()
+
+
+def test_the_gpu_run_fails_at_environment_without_cuda(tmp_path):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is present")
+    summary = tmp_path / "gpu.json"
+    code = ga.main(["--out-dir", str(tmp_path / "o"), "--summary", str(summary)])
+    doc = json.loads(summary.read_text())
+    assert code == 1 and doc["mode"] == "gpu" and doc["failed_steps"] == ["environment"]
+    assert "no CUDA GPU" in doc["steps"]["environment"]["error"]
+    assert "needs environment" in doc["steps"]["kernel-bench"]["skipped"]
+
+
+def test_gpu_check_sh_and_the_makefile_run_the_script():
+    wrapper = (ROOT / "benchmarks" / "gpu_check.sh").read_text()
+    assert "benchmarks/gpu_acceptance.py" in wrapper and '"$@"' in wrapper
+    make = (ROOT / "Makefile").read_text()
+    recipe = re.search(r"^gpu-check:.*\n((?:\t.*\n)+)", make, re.M)
+    assert recipe and "benchmarks/gpu_check.sh" in recipe.group(1)
+
+
+@pytest.mark.slow
+def test_the_cpu_smoke_run_end_to_end(tmp_path):
+    """The whole pipeline on the real SmolLM2, reduced (about 1-2.5 minutes on 2 cores)."""
+    out = tmp_path / "smoke"
+    assert ga.main(["--cpu-smoke", "--out-dir", str(out)]) == 0
+    doc = json.loads((out / "summary.json").read_text())
+    steps = doc["steps"]
+    assert doc["ok"] and doc["failed_steps"] == [] and doc["mode"] == "cpu-smoke"
+    assert all(s["ok"] for s in steps.values())
+    assert steps["capture"]["layers"] == 30 and steps["capture"]["layer_devices"] == ["cpu"]
+    assert steps["recommend"]["kernel_reads_every_layer"] is True
+    assert steps["recommend"]["bits_held_at_context"] <= 3.0 + 1e-9
+    kld = steps["generate-kld"]["configs"]
+    assert set(kld) == {"fp16", "kivi-2", "recommended"}
+    rec = kld["recommended"]
+    assert rec["quantized_share"] > 0 and 0 < rec["mean_kld"] < 1
+    assert rec["mean_kld_ci95"][0] <= rec["mean_kld"] <= rec["mean_kld_ci95"][1]
+    assert kld["fp16"]["mean_kld"] < 1e-4
+    assert steps["generate-kld"]["kernel_calls"] == 0
+    assert "skipped" in steps["generate-triton"] and "skipped" in steps["kernel-bench"]
+    torch_step = steps["generate-torch"]
+    assert set(torch_step["ppl"]) == {"recommended", "kivi-2"}
+    assert doc["triton"]["used"] is False and doc["triton"]["kernel_calls"] == 0
+    assert (out / "report.html").stat().st_size > 0
+    assert all(s["seconds"] >= 0 for s in steps.values()) and doc["seconds"] > 0
