@@ -56,7 +56,7 @@ def run(args: list[str]) -> tuple[float, dict, int]:
     if proc.returncode:
         sys.exit(f"`kvlens {' '.join(args)}` failed ({proc.returncode})")
     text = "".join(chunks)
-    return time.perf_counter() - start, json.loads(text) if text.strip() else {}, peak
+    return time.perf_counter() - start, json.loads(text) if "--json" in args else {}, peak
 
 
 def main(argv=None) -> None:
