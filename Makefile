@@ -79,7 +79,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_capture.py
 	$(BIN)/python benchmarks/bench_decode_cpu.py
 
-# The GPU acceptance run (needs a CUDA GPU; never in CI): docs/gpu.md. Summary: $(GPU_OUT)/summary.json
+# The GPU acceptance run (needs a CUDA GPU; never in CI): docs/internals/gpu-acceptance.md. Summary: $(GPU_OUT)/summary.json
 GPU_OUT ?= out-gpu
 .PHONY: gpu-check
 gpu-check: install

@@ -2,7 +2,7 @@
 CUDA GPU, each step timed, one JSON summary; never in CI (it needs a GPU), except its
 ``--cpu-smoke`` mode, which ``tests/test_gpu_acceptance.py`` runs.
 
-Steps, each a ``kvlens`` command in its own process (the page: docs/gpu.md):
+Steps, each a ``kvlens`` command in its own process (the page: docs/internals/gpu-acceptance.md):
 
 1. ``environment``: torch, triton, CUDA, the GPU's name (no CUDA GPU: this step fails);
 2. ``capture``: ``kvlens capture`` (the embedded SmolLM2, on CUDA);
@@ -117,8 +117,9 @@ def settings_for(args) -> Settings:
                                    "--set", "sensitivity=uniform", "--set", "retrieval=off"),
                         eval_tokens=128, kld_chunk=32, ppl_tokens=48, kernel_bench=False,
                         budget_s=None)
+    # recommend loads its model on the CPU unless a device map places it: on the GPU here
     return Settings(device="cuda", backend="triton", capture=(), compare_axes=(),
-                    recommend=(), eval_tokens=args.eval_tokens, kld_chunk=64,
+                    recommend=("--device-map", "auto"), eval_tokens=args.eval_tokens, kld_chunk=64,
                     ppl_tokens=args.ppl_tokens, kernel_bench=True,
                     budget_s=args.budget_s or None)
 

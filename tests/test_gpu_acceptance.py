@@ -1,4 +1,4 @@
-"""benchmarks/gpu_acceptance.py (the GPU acceptance run, docs/gpu.md) on CPU: the summary and its
+"""benchmarks/gpu_acceptance.py (the GPU acceptance run, docs/internals/gpu-acceptance.md) on CPU: the summary and its
 failure reporting on planted steps, the readings of ``generate --json`` that decide whether the
 Triton path was really used, a failing ``kvlens`` step named in the summary with a non-zero
 exit, and (slow) the ``--cpu-smoke`` run end to end on the real default model."""
