@@ -50,6 +50,7 @@ def test_generate_table_with_ppl(patched_model):
     (["--preset", "kivi-2", "--eval", "bleu"], "allowed: ppl, passkey, agreement"),
     (["--preset", "kivi-2", "--config", "x.json", "--prompt", "x"], "not both"),
     (["--compare", "fp16,nope", "--prompt", "x"], "allowed presets"),
+    (["--compare", "fp16,kivi-2", "--eval", "kld", "--frontier", "f.pdf"], "PNG or SVG"),
 ])
 def test_generate_bad_options(args, message):
     result = runner.invoke(app, ["generate", *args])
@@ -119,6 +120,33 @@ def test_generate_kld_and_retrieval_json(tiny_model_dir, tiny_kivi):
         assert r["retrieval"]["total"] == 6 and len(r["retrieval"]["by_length"]) == 1
         lo, hi = r["retrieval"]["by_length"][0]["wilson95"]
         assert 0.0 <= lo <= hi <= 1.0
+
+
+def test_generate_frontier(tiny_model_dir, tiny_kivi, tmp_path):
+    """--frontier draws the chart; --json and --report-json carry the points and the front."""
+    chart, doc_path = tmp_path / "front.svg", tmp_path / "e.generate.json"
+    result = runner.invoke(app, ["generate", "--model", str(tiny_model_dir), "--compare",
+                                 f"fp16,{tiny_kivi},vllm:fp8_e4m3", "--eval", "kld",
+                                 "--eval-tokens", "96", "--chunk", "16", "--frontier",
+                                 str(chart), "--report-json", str(doc_path), "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    front = doc["frontier"]
+    assert front == json.loads(doc_path.read_text())["frontier"]
+    assert [(p["name"], p["kind"]) for p in front["points"]] == [
+        ("fp16", "preset"), ("tiny-kivi", "config"), ("vllm:fp8_e4m3", "engine")]
+    for p, r in zip(front["points"], doc["results"]):
+        assert p["bits"] == r["bits_per_element"]
+        assert p["mean_kld"] == r["kld"]["mean_kld"]["value"]
+        assert p["ci95"] == r["kld"]["mean_kld"]["ci95"]
+        others = [q for q in front["points"] if q is not p]
+        dominated = any(q["bits"] <= p["bits"] and q["mean_kld"] <= p["mean_kld"]
+                        and (q["bits"], q["mean_kld"]) != (p["bits"], p["mean_kld"])
+                        for q in others)
+        assert p["on_front"] is not dominated
+    fewest = min(front["points"], key=lambda p: (p["bits"], p["mean_kld"]))
+    assert front["front"][0] == fewest["name"]  # the fewest bits is always on the front
+    assert "<svg" in chart.read_text()
 
 
 def test_generate_kld_table(tiny_model_dir, tiny_kivi):

@@ -7,12 +7,17 @@ SVG, compare-axes, recommend --validate, generate --eval kld --report-json), onc
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import re
 import shutil
 
 import pytest
+import torch
 from browser import Browser
+from helpers import make_capture
+from PIL import Image
 from typer.testing import CliRunner
 
 from kvlens.cli import app
@@ -20,7 +25,7 @@ from kvlens.report.artifacts import ARTIFACT_KINDS, find_artifacts
 from kvlens.report.sections import _channel_table, _verdict
 
 runner = CliRunner()
-TABLE_IDS = ("model-table", "channels-k_pre", "axes-table", "disagree-table", "recommend-table",
+TABLE_IDS = ("answer-table", "model-table", "channels-k_pre", "axes-table", "disagree-table", "recommend-table",
              "memory-table", "kld-table-0", "kld-table-1")
 
 
@@ -49,8 +54,9 @@ def run_dir(tiny_model_dir, tmp_path_factory):
     _ok([*rec, "-b", "5", "-o", other / "small.json", "--name", "small"])
     _ok(["recommend", cap, "--target", "vllm", "--budget-bits", "9", "-o", run / "vllm.json"])
     _ok(["generate", "--model", tiny_model_dir, "--compare",
-         f"{run / 'recommended.json'},{other / 'small.json'}", "--eval", "kld",
-         "--eval-tokens", 96, "--report-json", run / "eval.generate.json"])
+         f"{run / 'recommended.json'},{other / 'small.json'},vllm:fp8_e4m3", "--eval", "kld",
+         "--eval-tokens", 96, "--report-json", run / "eval.generate.json",
+         "--frontier", run / "frontier.png"])
     return run
 
 
@@ -72,7 +78,14 @@ def test_each_command_leaves_its_artifact(run_dir):
     rec = found["recommend"][0][1]
     assert rec["config_file"] == "recommended.json" and rec["validation"]
     gen = found["generate"][0][1]
-    assert [r["name"] for r in gen["results"]] == ["recommended", "small"]
+    assert [r["name"] for r in gen["results"]] == ["recommended", "small", "vllm:fp8_e4m3"]
+    points = gen["frontier"]["points"]
+    assert [(q["name"], q["kind"]) for q in points] == [
+        ("recommended", "config"), ("small", "config"), ("vllm:fp8_e4m3", "engine")]
+    assert [q["bits"] for q in points] == [r["bits_per_element"] for r in gen["results"]]
+    assert gen["frontier"]["front"] == [q["name"] for q in sorted(
+        (q for q in points if q["on_front"]), key=lambda q: (q["bits"], q["mean_kld"]))]
+    assert (run_dir / "frontier.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_report_has_every_section_and_embeds_every_figure(run_dir, tmp_path):
@@ -87,12 +100,18 @@ def test_report_has_every_section_and_embeds_every_figure(run_dir, tmp_path):
     assert not re.findall(r'(?:src|href)="(?!data:|#)', html)
     found = find_artifacts(run_dir)
     n_svg = len(found["outliers"][0][1]["figures"])
-    n_png = len(found["compare-axes"][0][1]["figures"])
+    n_png = len(found["compare-axes"][0][1]["figures"]) + 1  # + the frontier, re-drawn
     assert html.count("<img ") == html.count('<img src="data:image/png;base64,') == n_png
     assert html.count("<svg") >= n_svg
     # recommend records its deploy entry (target kvlens: the config to run)
     assert 'id="deploy-table"' in html and "kvlens generate --config " in html
     assert "missing Recommendation: deploy settings" not in res.output
+    # the answer first: the recommendation, its KLD, the engine beside it, the frontier
+    assert html.index('id="answer"') < html.index('id="model"') < html.index('id="validation"')
+    answer = html[html.index('id="answer"'):html.index('id="model"')]
+    for part in ('id="answer-lead"', 'id="answer-table"', 'id="answer-deploy"',
+                 "vllm:fp8_e4m3", "vllm serve", "Pareto front", "data:image/png;base64,"):
+        assert part in answer, part
 
 
 def test_verdict_compares_the_configs_that_were_scored(run_dir, tmp_path):
@@ -239,6 +258,72 @@ def test_a_missing_figure_is_named_not_fatal(run_dir, tmp_path):
     assert f"Figure <code>{gone}</code> not shown: file" in html
 
 
+# -- the page's size ------------------------------------------------------------------------------
+
+# The issue's limit for the page of `make demo`'s run (SmolLM2-135M: 30 layers, 9 query and 3 KV
+# heads, head_dim 64): 1.5 MB, so that it can be mailed. Its figures are the bulk of it.
+MAX_PAGE_BYTES = 1_500_000
+
+
+@pytest.fixture(scope="module")
+def demo_sized(run_dir, tmp_path_factory):
+    """A run folder with the demo's figure set at the demo's pixel sizes: plot-outliers and
+    compare-axes (PNG, their default) on a synthetic capture of SmolLM2-135M's shape, beside the
+    tiny run's recommend, deploy, generate and capture artifacts. Uncompressed, these figures
+    would make a page of over 3 MB; `make demo`'s real ones one of about 4.9 MB."""
+    d = tmp_path_factory.mktemp("demo-sized")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 9, 512, 64, generator=g)
+    k = torch.randn(1, 3, 512, 64, generator=g)
+    k[..., 3] += 20.0  # an outlier channel, as real keys have
+    v = torch.randn(1, 3, 512, 64, generator=g)
+    layers = {i: {"k": k * (1 + i / 10), "k_pre": k * (1 + i / 10)} for i in range(30)}
+    make_capture(d / "run.h5", q, k, v, rope_theta=10000.0, layers=30, per_layer=layers)
+    _ok(["plot-outliers", d / "run.h5", "--out", d / "outliers"])
+    _ok(["compare-axes", d / "run.h5", "--plots", d / "compare"])
+    for name in ("run.capture.json", "recommended.recommend.json", "recommended.json",
+                 "vllm.deploy.json", "eval.generate.json"):
+        shutil.copy(run_dir / name, d)
+    return d
+
+
+@pytest.mark.slow
+def test_the_page_of_a_demo_sized_run_stays_small(demo_sized, tmp_path):
+    out = tmp_path / "report.html"
+    _ok(["report", demo_sized, "-o", out])
+    html = out.read_text()
+    found = find_artifacts(demo_sized)
+    shown = len(found["outliers"][0][1]["figures"]) + len(found["compare-axes"][0][1]["figures"])
+    pngs = re.findall(r'<img src="data:image/png;base64,([^"]+)"', html)
+    assert len(pngs) == shown + 1  # every figure, and the frontier
+    for data in pngs:  # each at most as wide as the page shows it, a palette PNG
+        with Image.open(io.BytesIO(base64.b64decode(data))) as im:
+            assert im.width <= 1040 and im.mode == "P", (im.width, im.mode)
+    assert len(out.read_bytes()) <= MAX_PAGE_BYTES
+
+
+def test_figures_are_embedded_at_the_width_shown(tmp_path):
+    from matplotlib.figure import Figure
+
+    from kvlens.report.figures import SHOWN_WIDTH, compact_png, load_figure
+
+    fig = Figure(figsize=(16.8, 3.6))  # as wide as compare-axes' line figures
+    ax = fig.subplots()
+    for i in range(4):
+        ax.plot(torch.randn(30, generator=torch.Generator().manual_seed(i)).cumsum(0))
+    fig.savefig(tmp_path / "wide.png", dpi=100)
+    raw = (tmp_path / "wide.png").read_bytes()
+    small = compact_png(raw)
+    with Image.open(io.BytesIO(small)) as im:
+        assert (im.width, im.mode) == (SHOWN_WIDTH, "P")
+        assert im.height == round(360 * SHOWN_WIDTH / 1680)
+    assert len(small) < len(raw) / 2
+    shown = load_figure(tmp_path, "wide.png", "caption")
+    assert shown.src == "data:image/png;base64," + base64.b64encode(small).decode("ascii")
+    (tmp_path / "broken.png").write_bytes(raw[:100])  # the signature, then nothing decodable
+    assert "cannot be decoded" in load_figure(tmp_path, "broken.png", "c").problem
+
+
 # -- in a real browser ------------------------------------------------------------------------
 
 def test_report_in_headless_chromium(run_dir, chromium, tmp_path):
@@ -286,3 +371,86 @@ def test_report_in_headless_chromium(run_dir, chromium, tmp_path):
 def _luma(css: str) -> float:
     r, g, b = (int(x) for x in re.findall(r"\d+", css)[:3])
     return 0.299 * r + 0.587 * g + 0.114 * b
+
+
+# -- the answer (section 1), from synthetic artifacts ------------------------------------------
+
+def _res(name, bits, kld, ref=None, diff=None):
+    stat = {"value": kld, "ci95": [kld * 0.9, kld * 1.1]}
+    vs = None if ref is None else {"reference": ref, "mean_kld": {
+        "diff": diff, "ci95": [diff - 0.001, diff + 0.001], "distinguishable": True}}
+    return {"name": name, "bits_per_element": bits,
+            "kld": {"mean_kld": stat, "ppl_change": {"value": 0.01, "ci95": [0.0, 0.02]},
+                    "top1_agreement": {"value": 0.9, "ci95": [0.85, 0.95]}, "vs_first": vs}}
+
+
+PROTO = {"tokens": 2048, "text_source": "builtin:heldout"}
+
+
+def _rec_doc(kv_bytes, fp16):
+    return {"config": {"name": "rec"}, "config_file": "rec.json", "mean_bits": 3.0,
+            "context": 4096, "budget_bits": 3.0, "kv_bytes": kv_bytes, "kv_bytes_fp16": fp16,
+            "validation": [_res("rec", 3.4, 0.05)], "validation_evaluation": {"kld": PROTO},
+            "deploy": {"target": "kvlens", "command": "kvlens generate --config rec.json"}}
+
+
+def _answer(tmp_path, **kinds):
+    from kvlens.report.answer import answer_section
+
+    arts = {kind: [(tmp_path / f"{kind}{i}.json", doc) for i, doc in enumerate(docs)]
+            for kind, docs in kinds.items()}
+    return answer_section(arts, tmp_path, str(tmp_path / "run.h5"))
+
+
+def test_answer_sets_the_recommendation_against_kivi2_and_the_best_engine(tmp_path):
+    mib = 2**20
+    gen = {"results": [_res("rec", 3.5, 0.04), _res("kivi-2", 3.6, 0.09, "rec", 0.05),
+                       _res("llamacpp:q8_0/q4_0", 6.5, 0.02, "rec", -0.02),
+                       _res("vllm:fp8_e4m3", 8.0, 0.01, "rec", -0.03)],
+           "evaluation": {"kld": {**PROTO, "tokens": 1024}},
+           "frontier": {"points": [{"name": "rec", "kind": "config", "bits": 3.5,
+                                    "mean_kld": 0.04, "ci95": [0.03, 0.05], "on_front": True}],
+                        "front": ["rec"]}}
+    deploy = {"target": "vllm", "setting": "vllm:fp8_e4m3", "bits_per_element": 8.0,
+              "deploy": {"target": "vllm", "command": "vllm serve M --kv-cache-dtype fp8_e4m3"}}
+    sec = _answer(tmp_path, recommend=[_rec_doc({"4096": mib, "32768": 8 * mib},
+                                                {"4096": 4 * mib, "32768": 32 * mib})],
+                  generate=[gen], deploy=[deploy])
+    assert sec.lead.startswith("Use rec.json") and "3.00 bits per element at 4,096 tokens" in \
+        sec.lead
+    # the recommendation's scores come from the run that scored kivi-2 and engines beside it
+    assert "over 1024 tokens" in sec.lead and "0.0400 [0.0360, 0.0440]" in sec.lead
+    table = next(t for t in sec.tables if t.id == "answer-table")
+    assert [r[0] for r in table.rows] == ["rec", "kivi-2", "vllm:fp8_e4m3"]
+    assert table.rows[1][6].startswith("+0.0500") and table.rows[2][6].startswith("-0.0300")
+    assert all(r[7].startswith("generate0.json") for r in table.rows)
+    memory = next(p for p in sec.paragraphs if p.startswith("Memory"))
+    assert "4,096 tokens: 1.0 MiB instead of 4.0 MiB, 3.0 MiB saved (75%)" in memory
+    assert "32,768 tokens: 8.0 MiB instead of 32.0 MiB, 24.0 MiB saved (75%)" in memory
+    assert "131,072 tokens not recorded" in memory  # what is there is shown, and said so
+    deploy_rows = next(t for t in sec.tables if t.id == "answer-deploy").rows
+    assert [r[0] for r in deploy_rows] == ["kvlens", "vllm"]
+    assert "fp8_e4m3" in deploy_rows[1][1]
+    assert sec.figures and sec.figures[0].src.startswith("data:image/png;base64,")
+    assert "Pareto front" in sec.figures[0].caption and not sec.missing
+
+
+def test_answer_without_engines_or_frontier_says_what_to_run(tmp_path):
+    sec = _answer(tmp_path, recommend=[_rec_doc({"1024": 10, "4096": 40},
+                                                {"1024": 100, "4096": 400})])
+    assert "over 2048 tokens" in sec.lead  # recommend's own validation
+    assert "No engine setting was measured" in " ".join(sec.paragraphs)
+    assert "kivi-2 was not scored in this run." in sec.paragraphs
+    memory = next(p for p in sec.paragraphs if p.startswith("Memory"))
+    assert "1,024 tokens" in memory and "32,768, 131,072 tokens not recorded" in memory
+    assert [m.command.split()[:2] for m in sec.missing] == [["kvlens", "generate"]]
+    assert "--frontier" in sec.missing[0].command and "rec.json,kivi-2" in sec.missing[0].command
+
+
+def test_answer_with_nothing_to_conclude_names_the_commands(tmp_path):
+    sec = _answer(tmp_path, capture=[{"capture_file": "run.h5"}])
+    assert sec.lead.startswith("Nothing to conclude yet")
+    commands = [m.command for m in sec.missing]
+    assert commands[0].startswith("kvlens recommend") and "--validate" in commands[0]
+    assert commands[1].startswith("kvlens generate") and "--frontier" in commands[1]
+    assert not sec.tables and not sec.figures

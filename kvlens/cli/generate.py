@@ -123,6 +123,10 @@ def generate(
                                      help="Also write the results as JSON to this file "
                                           "(e.g. out/eval.generate.json; read by `kvlens "
                                           "report`)."),
+    frontier: Path = typer.Option(None, "--frontier", rich_help_panel=OUTPUT,
+                                  help="Also draw each setting's bits held against its mean "
+                                       "KLD, with the Pareto front, to this PNG or SVG file "
+                                       "(needs --eval kld)."),
     overwrite: bool = overwrite_option(),
 ) -> None:
     """Generate with a compressed KV cache and measure what it loses against the exact model.
@@ -145,6 +149,7 @@ def generate(
             backend, ppl_tokens, passkey_prompts, passkey_context, seed, eval_tokens, chunk,
             retrieval_prompts, retrieval_lengths, calibration, given=given)
         check_output_file(report_json, "--report-json", overwrite)
+        _check_frontier(frontier, opts, overwrite)
         source = check_model_options(model, dtype=dtype, device=device, device_map=device_map,
                                      max_memory=max_memory, offload_folder=offload_folder)
         _check_against_model(configs, opts, source)
@@ -180,16 +185,24 @@ def generate(
         return {**report, "placement": placement}
 
     report = run_library_call(work)
+    front = _frontier_doc(report, configs.kinds)
+    extra = {} if front is None else {"frontier": front}
     if report_json is not None:
         run_library_call(lambda: write_artifact_output(
             "generate", {"results": report["results"], "evaluation": report["evaluation"],
-                         "interrupted": report["interrupted"]}, report_json))
+                         "interrupted": report["interrupted"], **extra}, report_json))
         err_console.print(f"results written: {escape(str(report_json))}")
+    if frontier is not None and front is not None:
+        run_library_call(lambda: _draw_frontier(front, report, model, frontier))
+        err_console.print(f"frontier written: {escape(str(frontier))}")
+    elif frontier is not None:
+        err_console.print("frontier not drawn: the kld evaluation did not run to its end.")
     err_console.print(f"backend: {report['results'][0].get('backend', '?')} "
                       f"({escape(str(report['backend_reason']))})")
     if as_json:
         print_json({"results": report["results"], "evaluation": report["evaluation"],
-                    "placement": report["placement"], "interrupted": report["interrupted"]})
+                    "placement": report["placement"], "interrupted": report["interrupted"],
+                    **extra})
     else:
         _render(report["results"], opts)
         _render_long(report)
@@ -211,6 +224,7 @@ def _options(config, preset_name, compare, prompt, prompt_file, max_new_tokens, 
     from kvlens.deploy import is_engine_setting
     from kvlens.errors import InputError
     from kvlens.evaluation import EvalOptions, load_eval_text, parse_evals
+    from kvlens.evaluation.frontier import setting_kind
 
     if config is not None and preset_name is not None:
         raise InputError("Give either --config FILE or --preset NAME, not both.")
@@ -228,9 +242,11 @@ def _options(config, preset_name, compare, prompt, prompt_file, max_new_tokens, 
     configs = _Configs()
     if config is not None:
         configs.append(load_config(config))
+        configs.kinds += ("config",)
     if preset_name is not None:
         configs.append(configs.engine(preset_name, calibration)
                        if is_engine_setting(preset_name) else preset(preset_name))
+        configs.kinds += (setting_kind(preset_name),)
     if compare:
         from kvlens.config.engine import split_setting_list
         from kvlens.evaluation.baselines import baseline, is_baseline
@@ -238,6 +254,7 @@ def _options(config, preset_name, compare, prompt, prompt_file, max_new_tokens, 
         items = split_setting_list(compare)
         configs.extend(baseline(n) if is_baseline(n) else configs.engine(n, calibration)
                        if is_engine_setting(n) else resolve(n) for n in items)
+        configs.kinds += tuple(setting_kind(n) for n in items)
     if not configs:
         raise InputError("Choose a cache: --preset NAME, --config FILE or --compare P1,P2,...")
     if calibration is not None and not configs.engines:
@@ -310,10 +327,48 @@ def _check_against_model(configs, opts, source) -> None:
         check_lengths(sys.maxsize, opts.eval_tokens, opts.chunk, limit, "")
 
 
+def _check_frontier(path, opts, overwrite: bool) -> None:
+    """``--frontier`` draws the mean KLD: refused without ``--eval kld``, or for a file it
+    could not write afterwards."""
+    from kvlens.errors import InputError
+    from kvlens.plots.frontier import FORMATS
+    from kvlens.report.artifacts import check_output_file
+
+    if path is None:
+        return
+    if "kld" not in opts.evals:
+        raise InputError("--frontier draws each setting's mean KLD, which only --eval kld "
+                         "measures; add kld to --eval or drop --frontier.")
+    if Path(path).suffix.lower() not in FORMATS:
+        raise InputError(f"--frontier {path}: the chart is written as PNG or SVG; name a "
+                         f"{' or '.join(FORMATS)} file, e.g. out/frontier.png.")
+    check_output_file(path, "--frontier", overwrite, example="out/frontier.png")
+
+
+def _frontier_doc(report: dict, kinds) -> dict | None:
+    """The ``frontier`` entry of the JSON: every setting kld scored, and its Pareto front."""
+    from kvlens.evaluation.frontier import frontier_doc, points_from_results
+
+    if "kld" not in report["evaluation"]:
+        return None
+    return frontier_doc(points_from_results(report["results"], kinds))
+
+
+def _draw_frontier(front: dict, report: dict, model, path) -> None:
+    from kvlens.plots.frontier import write_frontier
+
+    p = report["evaluation"]["kld"]
+    name = Path(str(model)).name if model else "SmolLM2-135M-Instruct"
+    write_frontier(front, path, f"{name}: {p['tokens']} tokens of "
+                                f"{p['text_source']}" + (" (interrupted: partial)"
+                                                         if report["interrupted"] else ""))
+
+
 class _Configs(list):
     """The configs to run, with the notes of the engine settings among them."""
 
     notes: tuple[str, ...] = ()
+    kinds: tuple[str, ...] = ()  # per config, its kvlens.evaluation.frontier kind
     engines: int = 0  # engine settings among them
     per_model: tuple = ()  # (config, setting name) of settings that need the model's layers
 

@@ -2,16 +2,26 @@
 
 A figure's caption says what it shows from its file name alone (the names are fixed by
 ``kvlens.plots.outliers`` and ``kvlens.plots.compare``), so a reader needs no terminal output.
+
+PNG figures are embedded at the resolution the page shows them (``compact_png``): at most
+``SHOWN_WIDTH`` pixels wide, as 256-colour palette PNGs, which is what keeps the page of a whole
+run small enough to mail (docs/report.md, "Size"). The files themselves are not changed.
 """
 
 from __future__ import annotations
 
 import base64
+import io
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 EMBEDDABLE = (".png", ".svg")
+# The widest a figure is shown: the page's 1100 px column less its padding and the figure
+# panel's (report.html.j2: 1100 - 2 x 24 - 2 x 5 - 2 x 1). Wider PNGs are scaled down to it;
+# narrower ones keep their size (a resampled image compresses far worse than the original).
+SHOWN_WIDTH = 1040
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _XML_PROLOG = re.compile(r"^\s*(<\?xml[^>]*\?>\s*)?(<!DOCTYPE[^>]*>\s*)?", re.S)
 
 
@@ -36,15 +46,51 @@ def load_figure(folder: Path, name: str, caption: str) -> Figure:
         return Figure(name, caption, problem=f"file {path} is missing: re-run the command that "
                                              "drew it")
     if path.suffix.lower() == ".png":
-        if not data.startswith(b"\x89PNG\r\n\x1a\n"):
+        if not data.startswith(PNG_SIGNATURE):
             return Figure(name, caption, problem=f"{path} is not a PNG file")
-        return Figure(name, caption, src="data:image/png;base64,"
-                      + base64.b64encode(data).decode("ascii"))
+        try:
+            data = compact_png(data)
+        except OSError as exc:  # PIL cannot decode it: a truncated or damaged file
+            return Figure(name, caption, problem=f"{path} cannot be decoded ({exc})")
+        return png_figure(name, caption, data)
     text = data.decode("utf-8", errors="replace")
     svg = _XML_PROLOG.sub("", text, count=1)
     if not svg.lstrip().startswith("<svg"):
         return Figure(name, caption, problem=f"{path} is not an SVG file")
     return Figure(name, caption, svg=svg)
+
+
+def png_figure(name: str, caption: str, data: bytes) -> Figure:
+    """A figure of PNG bytes, embedded as a data: URI."""
+    return Figure(name, caption, src="data:image/png;base64,"
+                  + base64.b64encode(data).decode("ascii"))
+
+
+def compact_png(data: bytes, max_width: int = SHOWN_WIDTH) -> bytes:
+    """``data`` re-encoded for the page: scaled down to ``max_width`` pixels (when wider), made
+    opaque on white (the panel figures sit on), quantized to a 256-colour palette without
+    dithering and saved optimised; ``data`` itself when that is not smaller. Matplotlib's
+    antialiased lines and colour maps survive 256 colours without a visible change.
+
+    Raises ``OSError`` when ``data`` is not a PNG that PIL can decode."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as im:
+        im.load()
+        if im.mode in ("RGBA", "LA", "P", "PA"):
+            rgba = im.convert("RGBA")
+            img = Image.new("RGB", rgba.size, "white")
+            img.paste(rgba, mask=rgba.getchannel("A"))
+        else:
+            img = im.convert("RGB")
+    if img.width > max_width:
+        img = img.resize((max_width, max(1, round(img.height * max_width / img.width))),
+                         Image.Resampling.LANCZOS)
+    palette = img.quantize(colors=256, method=Image.Quantize.FASTOCTREE,
+                           dither=Image.Dither.NONE)
+    out = io.BytesIO()
+    palette.save(out, format="PNG", optimize=True)
+    return out.getvalue() if out.tell() < len(data) else data
 
 
 def outlier_caption(name: str, threshold: float) -> str:

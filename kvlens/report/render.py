@@ -15,6 +15,7 @@ from pathlib import Path
 from kvlens import __version__
 from kvlens.errors import InputError
 from kvlens.report import sections as S
+from kvlens.report.answer import answer_section
 from kvlens.report.artifacts import ARTIFACT_KINDS, MAX_DEPTH, find_artifacts
 
 TEMPLATE = "report.html.j2"
@@ -51,7 +52,8 @@ def build_report(run_dir: str | os.PathLike, deploy_option: str | None = None) -
             f"OUT={run_dir}` or `kvlens capture -o {root / 'run.h5'}` and the commands after it "
             "(docs/report.md).")
     hint = _capture_hint(artifacts, root)
-    body = [S.model_section(artifacts, root, hint), S.outliers_section(artifacts, root, hint),
+    body = [answer_section(artifacts, root, hint),
+            S.model_section(artifacts, root, hint), S.outliers_section(artifacts, root, hint),
             S.axes_section(artifacts, root, hint),
             S.recommend_section(artifacts, root, hint, deploy_option),
             S.validation_section(artifacts, root)]

@@ -46,6 +46,7 @@ class Section:
     id: str
     title: str
     source: str = ""  # artifact file(s) the section was read from
+    lead: str = ""  # the section's conclusion, first and set apart
     paragraphs: list[str] = field(default_factory=list)
     tables: list[Table] = field(default_factory=list)
     figures: list[Figure] = field(default_factory=list)

@@ -1,0 +1,294 @@
+"""Section 1 of the report, the answer: the recommended config and what it costs, in a few lines
+and one picture, before the diagnosis that explains it.
+
+Read from the artifacts only (nothing is computed anew but sums and choices among what the
+commands recorded):
+
+- the recommendation (``recommend``): its config, bits at the reference context and, from its
+  ``validation`` (``recommend --validate``) or from a ``generate`` artifact that scored the same
+  config, its mean KLD, perplexity change and top-1 agreement with their 95% intervals;
+- beside it kivi-2 and the engine setting with the lowest mean KLD that any scored run measured
+  (``generate --compare ... --eval kld``), with the paired difference to the recommendation
+  when both were scored in the same run;
+- the memory it saves against fp16 at ``MEMORY_CONTEXTS`` (recommend's ``kv_bytes`` and
+  ``kv_bytes_fp16``; other recorded contexts stand in for missing ones, and the page says so);
+- the command for each engine target that ``recommend --target`` chose (``deploy`` artifacts);
+- the bits-vs-KLD frontier of the newest ``generate`` artifact that recorded one
+  (``generate --frontier``), re-drawn at the width the page shows it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvlens.evaluation.frontier import setting_kind
+from kvlens.plots.frontier import frontier_png
+from kvlens.report.figures import compact_png, png_figure
+from kvlens.report.sections import (
+    MEMORY_CONTEXTS,
+    Missing,
+    Section,
+    Table,
+    _ci,
+    _mib,
+    _rel,
+    latest,
+)
+
+COMPARED_PRESET = "kivi-2"  # the published baseline the recommendation is set against
+FRONTIER_WIDTH = 800  # px the frontier chart is drawn and shown at
+KIND_LABEL = {"engine": "engine setting", "preset": "kvlens preset", "config": "kvlens config",
+              "baseline": "transformers baseline"}
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One config that a run scored with ``--eval kld``."""
+
+    name: str
+    kind: str
+    result: dict  # the run's result entry (bits_per_element, kld)
+    source: str  # the artifact, relative to the run folder
+    protocol: dict  # the run's kld protocol (tokens, text_source, ...)
+
+    @property
+    def kld(self) -> float:
+        return self.result["kld"]["mean_kld"]["value"]
+
+
+def answer_section(artifacts: dict, run_dir: Path, capture_hint: str) -> Section:
+    sec = Section("answer", "The answer")
+    rec_path, rec = latest(artifacts, "recommend")
+    scored = _scored(artifacts, run_dir)
+    if rec is None and not scored:
+        _nothing_yet(sec, run_dir, capture_hint, artifacts)
+        return sec
+    rec_name = _rec_name(rec) if rec else None
+    mine = _mine(scored, rec_name)
+    preset = _pick(scored, COMPARED_PRESET, mine)
+    engines = [s for s in scored if s.kind == "engine"]
+    engine = min(engines, key=lambda s: s.kld) if engines else None
+    if rec is not None:
+        sec.source = _rel(rec_path, run_dir)
+        sec.lead = _headline(rec, mine)
+        if mine is None:
+            sec.missing.append(Missing(
+                "the recommendation's KL divergence against the exact model",
+                f"kvlens recommend {capture_hint} ... -o {run_dir / rec.get('config_file', '')} "
+                "--validate"))
+    else:
+        sec.lead = ("No recommendation in this run; the settings it scored are compared "
+                    "below.")
+        sec.missing.append(Missing("a per-layer recommendation",
+                                   f"kvlens recommend {capture_hint} --budget-bits 3.0 -o "
+                                   f"{run_dir / 'recommended.json'} --validate"))
+    rows = [(mine, "recommended"), (preset, "published baseline"),
+            (engine, "lowest KLD of the engine settings measured")]
+    if rec is None:  # no recommendation: the front of the newest frontier stands in
+        rows = [(s, "on the Pareto front") for s in _front(artifacts, scored, run_dir)] \
+            + rows[1:]
+    sec.tables.append(_table([(s, why) for s, why in rows if s is not None], mine))
+    if preset is None:
+        sec.paragraphs.append(f"{COMPARED_PRESET} was not scored in this run.")
+    if engine is None:
+        sec.paragraphs.append("No engine setting was measured (llama.cpp, vLLM, SGLang or "
+                              "transformers cache types, scored with --eval kld).")
+    if rec is not None:
+        sec.paragraphs.append(_memory(rec))
+    _deploy_table(sec, rec, artifacts)
+    _frontier(sec, artifacts, run_dir, rec_path, rec, capture_hint)
+    return sec
+
+
+# -- what was scored ----------------------------------------------------------------------------
+
+def _scored(artifacts: dict, run_dir: Path) -> list[Scored]:
+    """Every config scored with kld: recommend's validation first, then each generate run,
+    the newest first."""
+    out = []
+    path, rec = latest(artifacts, "recommend")
+    if rec and rec.get("validation"):
+        proto = (rec.get("validation_evaluation") or {}).get("kld") or {}
+        out += [Scored(r["name"], setting_kind(r["name"]), r, _rel(path, run_dir), proto)
+                for r in rec["validation"] if _has_kld(r)]
+    for gpath, gdoc in artifacts.get("generate") or []:
+        proto = (gdoc.get("evaluation") or {}).get("kld")
+        if not proto:
+            continue
+        kinds = {p["name"]: p["kind"] for p in (gdoc.get("frontier") or {}).get("points", [])}
+        out += [Scored(r["name"], kinds.get(r["name"]) or setting_kind(r["name"]), r,
+                       _rel(gpath, run_dir), proto)
+                for r in gdoc.get("results") or [] if _has_kld(r)]
+    return out
+
+
+def _has_kld(r: dict) -> bool:
+    return isinstance((r.get("kld") or {}).get("mean_kld"), dict)
+
+
+def _rec_name(rec: dict) -> str:
+    return (rec.get("config") or {}).get("name") or Path(rec.get("config_file", "")).stem
+
+
+def _mine(scored: list[Scored], name: str | None) -> Scored | None:
+    """The recommendation's scores: from the run that also scored kivi-2 and engine settings
+    beside it (then the paired differences apply), else from recommend's validation."""
+    def others(s: Scored) -> int:
+        peers = [t for t in scored if t.source == s.source]
+        return (any(t.name == COMPARED_PRESET for t in peers)
+                + any(t.kind == "engine" for t in peers))
+
+    mine = [s for s in scored if s.name == name]
+    return max(mine, key=others) if mine else None  # max keeps the first of equals
+
+
+def _pick(scored: list[Scored], name: str, mine: Scored | None) -> Scored | None:
+    """``name``'s scores, from the run that scored the recommendation when it did."""
+    same = [s for s in scored if s.name == name]
+    return next((s for s in same if mine and s.source == mine.source), same[0] if same else None)
+
+
+def _front(artifacts: dict, scored: list[Scored], run_dir: Path) -> list[Scored]:
+    """The settings on the newest recorded frontier, in order of bits."""
+    path, _, front = _newest_frontier(artifacts)
+    if front is None:
+        return []
+    source = _rel(path, run_dir)
+    by_name = {s.name: s for s in scored if s.source == source}
+    return [by_name[n] for n in front.get("front") or [] if n in by_name]
+
+
+# -- the lines ----------------------------------------------------------------------------------
+
+def _headline(rec: dict, mine: Scored | None) -> str:
+    text = (f"Use {rec.get('config_file', 'the recommended config')} (kvlens generate --config "
+            f"reads it): {rec['mean_bits']:.2f} bits per element at {rec['context']:,} tokens "
+            f"(budget {rec['budget_bits']:g})")
+    if mine is None:
+        return text + "; its KL divergence was not measured."
+    k, p = mine.result["kld"], mine.protocol
+    return (text + f"; over {p.get('tokens', '?')} tokens of {p.get('text_source', '?')} it "
+            f"held {mine.result.get('bits_per_element', float('nan')):.2f} bits per element, "
+            f"mean KL divergence {_ci(k['mean_kld'], '.4f')} against the exact model, "
+            f"perplexity change {_ci(k['ppl_change'], '.2f', 100, '+')} %, top-1 agreement "
+            f"{_ci(k['top1_agreement'], '.3f')} (95% intervals).")
+
+
+def _table(rows: list[tuple[Scored, str]], mine: Scored | None) -> Table:
+    out, seen = [], set()
+    for s, why in rows:
+        if (s.name, s.source) in seen:
+            continue
+        seen.add((s.name, s.source))
+        k = s.result["kld"]
+        vs = k.get("vs_first") or {}
+        paired = "-"
+        if mine is not None and s is not mine and s.source == mine.source \
+                and vs.get("reference") == mine.name:
+            d = vs["mean_kld"]
+            paired = _ci(d, ".4f", sign="+", key="diff", sep="\n") + (
+                "\nnot distinguishable" if not d["distinguishable"] else "")
+        out.append([s.name, f"{KIND_LABEL.get(s.kind, s.kind)}:\n{why}",
+                    f"{s.result.get('bits_per_element', float('nan')):.2f}",
+                    _ci(k["mean_kld"], ".4f", sep="\n"),
+                    _ci(k["ppl_change"], ".2f", 100, "+", sep=" %\n") + " %",
+                    _ci(k["top1_agreement"], ".3f", sep="\n"), paired,
+                    f"{s.source}\n{s.protocol.get('tokens', '?')} tokens"])
+    ref = mine.name if mine else "the recommendation"
+    return Table(["setting", "what", "bits / element", "mean KLD", "ppl change",
+                  "top-1 agreement", f"KLD minus {ref}'s", "measured in"], out,
+                 caption="Bits each cache held over the scored text, mean KL divergence "
+                         "against the exact model, perplexity change and top-1 agreement with "
+                         "their 95% bootstrap intervals; the paired difference where both were "
+                         "scored in the same run. Rows from different runs were scored on the "
+                         "texts and lengths their run names.",
+                 id="answer-table", left=(0, 1, 7))
+
+
+def _memory(rec: dict) -> str:
+    kv = {int(k): v for k, v in (rec.get("kv_bytes") or {}).items()}
+    fp16 = {int(k): v for k, v in (rec.get("kv_bytes_fp16") or {}).items()}
+    both = sorted(set(kv) & set(fp16))
+    shown = [c for c in MEMORY_CONTEXTS if c in both]
+    absent = [c for c in MEMORY_CONTEXTS if c not in both]
+    if absent:  # what the artifact has instead
+        shown = sorted({*shown, *both})
+    if not shown:
+        return "Memory: the recommendation records no KV bytes per context."
+    parts = [f"{c:,} tokens: {_mib(kv[c])} instead of {_mib(fp16[c])}, "
+             f"{_mib(fp16[c] - kv[c])} saved ({1 - kv[c] / fp16[c]:.0%})" for c in shown]
+    text = "Memory of the KV cache (all layers, batch 1) against fp16: " + "; ".join(parts) + "."
+    if absent:
+        text += (f" {', '.join(f'{c:,}' for c in absent)} tokens not recorded by recommend; "
+                 "the contexts it recorded are shown.")
+    return text
+
+
+def _deploy_table(sec: Section, rec: dict | None, artifacts: dict) -> None:
+    """The command per engine target: the recommendation's own (kvlens), then the newest deploy
+    artifact of each engine."""
+    rows, targets = [], set()
+    own = (rec or {}).get("deploy") or ((rec or {}).get("config") or {}).get("deploy")
+    for d in own if isinstance(own, list) else [own] if own else []:
+        if isinstance(d, dict) and d.get("command"):
+            rows.append([str(d.get("target", "kvlens")), str(d["command"]), "-"])
+    for _, ddoc in artifacts.get("deploy") or []:  # newest first
+        d = ddoc.get("deploy") or {}
+        target = str(d.get("target") or ddoc.get("target") or "?")
+        if target in targets or not d.get("command"):
+            continue
+        targets.add(target)
+        bits = ddoc.get("bits_per_element")
+        rows.append([target, str(d["command"]),
+                     f"{ddoc.get('setting', '?')}, "
+                     + ("?" if bits is None else f"{bits:.2f}") + " bits"])
+    if rows:
+        sec.tables.append(Table(["target", "command", "setting"], rows, id="answer-deploy",
+                                caption="How to run it: the recommendation with kvlens, and "
+                                        "the setting recommend --target chose for each engine "
+                                        "(details in the recommendation section).",
+                                left=(0, 1, 2)))
+
+
+def _newest_frontier(artifacts: dict):
+    for path, doc in artifacts.get("generate") or []:  # newest first
+        if (doc.get("frontier") or {}).get("points"):
+            return path, doc, doc["frontier"]
+    return None, None, None
+
+
+def _frontier(sec: Section, artifacts: dict, run_dir: Path, rec_path, rec,
+              capture_hint: str) -> None:
+    path, doc, front = _newest_frontier(artifacts)
+    if front is None:
+        engines = [str(d.get("setting")) for _, d in artifacts.get("deploy") or []
+                   if d.get("setting")]
+        mine = str(rec_path.parent / rec["config_file"]) if rec and rec.get("config_file") \
+            else str(run_dir / "recommended.json")
+        items = ",".join(dict.fromkeys([mine, COMPARED_PRESET, *engines]))
+        sec.missing.append(Missing(
+            "the bits-vs-KLD frontier of the recommendation, kivi-2 and engine settings",
+            f"kvlens generate --compare {items} --eval kld --frontier "
+            f"{run_dir / 'frontier.png'} --report-json {run_dir / 'compare.generate.json'}"))
+        return
+    p = (doc.get("evaluation") or {}).get("kld") or {}
+    title = f"{p.get('tokens', '?')} tokens of {p.get('text_source', '?')}"
+    names = ", ".join(front.get("front") or []) or "none"
+    caption = (f"Bits per element each cache held (measured) against its mean KL divergence "
+               f"from the exact model (log scale; bars: 95% intervals), {title}, from "
+               f"{_rel(path, run_dir)}. Marker and colour: the kind of setting. Dashed step "
+               f"line: the Pareto front, the settings no other holds fewer bits with a lower "
+               f"KLD than: {names}.")
+    sec.figures.append(png_figure(f"frontier ({_rel(path, run_dir)})", caption,
+                                  compact_png(frontier_png(front, title, FRONTIER_WIDTH))))
+
+
+def _nothing_yet(sec: Section, run_dir: Path, capture_hint: str, artifacts: dict) -> None:
+    sec.lead = ("Nothing to conclude yet: this run holds no recommendation and no scored "
+                "comparison. Run the two commands below, then kvlens report again.")
+    rec = run_dir / "recommended.json"
+    sec.missing.append(Missing("a recommendation with its KL divergence",
+                               f"kvlens recommend {capture_hint} --budget-bits 3.0 -o {rec} "
+                               "--validate"))
+    _frontier(sec, artifacts, run_dir, None, None, capture_hint)
