@@ -37,6 +37,7 @@ from kvlens.report.sections import (
 )
 
 COMPARED_PRESET = "kivi-2"  # the published baseline the recommendation is set against
+EXAMPLE_ENGINES = ("llamacpp:q8_0/q4_0", "vllm:fp8_e4m3")  # named when no deploy chose any
 FRONTIER_WIDTH = 800  # px the frontier chart is drawn and shown at
 KIND_LABEL = {"engine": "engine setting", "preset": "kvlens preset", "config": "kvlens config",
               "baseline": "transformers baseline"}
@@ -243,12 +244,13 @@ def _deploy_table(sec: Section, rec: dict | None, artifacts: dict) -> None:
         rows.append([target, str(d["command"]),
                      f"{ddoc.get('setting', '?')}, "
                      + ("?" if bits is None else f"{bits:.2f}") + " bits"])
+    engines = ("the setting recommend --target chose for each engine (details in the "
+               "recommendation section)" if targets else "no engine: recommend --target "
+               "llama.cpp|vllm|sglang|transformers -o X.json was not run")
     if rows:
         sec.tables.append(Table(["target", "command", "setting"], rows, id="answer-deploy",
-                                caption="How to run it: the recommendation with kvlens, and "
-                                        "the setting recommend --target chose for each engine "
-                                        "(details in the recommendation section).",
-                                left=(0, 1, 2)))
+                                caption=f"How to run it: the recommendation with kvlens, and "
+                                        f"{engines}.", left=(0, 1, 2)))
 
 
 def _newest_frontier(artifacts: dict):
@@ -266,7 +268,7 @@ def _frontier(sec: Section, artifacts: dict, run_dir: Path, rec_path, rec,
                    if d.get("setting")]
         mine = str(rec_path.parent / rec["config_file"]) if rec and rec.get("config_file") \
             else str(run_dir / "recommended.json")
-        items = ",".join(dict.fromkeys([mine, COMPARED_PRESET, *engines]))
+        items = ",".join(dict.fromkeys([mine, COMPARED_PRESET, *(engines or EXAMPLE_ENGINES)]))
         sec.missing.append(Missing(
             "the bits-vs-KLD frontier of the recommendation, kivi-2 and engine settings",
             f"kvlens generate --compare {items} --eval kld --frontier "
