@@ -158,3 +158,19 @@ def test_backend_choice_on_cpu(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(BackendError, match="TRITON_INTERPRET=1"):
         select_backend("triton", "cpu")
+
+
+def test_kld_scoring_reports_the_torch_path_calls_of_its_chunks():
+    """--eval kld under the triton backend: the chunks of a long text are multi-token
+    forwards, which the decode kernel does not serve; each config's result says so (its
+    ``backend_reason`` counts them) instead of reading as if the kernel had run."""
+    from kvlens.evaluation.kld import score_text, summarize
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 96), generator=torch.Generator().manual_seed(3))
+    scores = score_text(model, ids, [_config()], chunk=16, backend="triton")
+    (doc,) = summarize(scores)["configs"]
+    assert "torch path for" in doc["backend_reason"], doc["backend_reason"]
+    torch_run = score_text(model, ids, [_config()], chunk=16, backend="torch")
+    assert "torch path for" not in (summarize(torch_run)["configs"][0].get("backend_reason")
+                                    or "")

@@ -72,6 +72,8 @@ class TokenScores:
     nll: list = field(default_factory=list)
     quantized: list = field(default_factory=list)
     memory: dict | None = None
+    # why this backend, and (triton) which attention calls took the torch path
+    backend_reason: str | None = None
 
 
 @dataclass
@@ -240,8 +242,9 @@ def score_text(model, ids, configs: Sequence, chunk: int = DEFAULT_CHUNK, backen
         result.seconds = {"exact_forward": round(clock["exact"], 2),
                           "config_forward": [round(v, 2) for v in per_config],
                           "kl_and_nll": round(clock["scoring"], 2)}
-        for ts, config, cache in zip(result.configs, configs, caches):
+        for ts, config, cache, session in zip(result.configs, configs, caches, sessions):
             ts.memory = _memory(config, cache)
+            ts.backend_reason = getattr(session, "backend_reason", None)
     return result
 
 
@@ -319,6 +322,8 @@ def summarize(scores: TextScores, resamples: int = RESAMPLES, seed: int = BOOTST
                 for stat in PAIRED}}
         if ts.memory:
             res["memory"] = ts.memory
+        if ts.backend_reason:
+            res["backend_reason"] = ts.backend_reason
         out.append(res)
     exact = {"ppl": {"value": ppl_exact, "ci95": percentile_interval(ppl_exact_samples)}}
     return {"protocol": _protocol(scores, len(units), resamples, seed), "exact": exact,

@@ -91,6 +91,8 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
             if doc is not None:
                 memory = doc.pop("memory", None)
                 doc.pop("name")
+                if doc.get("backend_reason"):  # the kld run's own: torch-path calls counted
+                    res["backend_reason"] = doc.pop("backend_reason")
                 res["kld"] = doc
                 _merge_memory(res, memory)
         report["interrupted"] = scores.interrupted
