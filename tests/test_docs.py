@@ -481,3 +481,14 @@ def test_python_imports_in_docs_resolve():
 def test_readme_is_short():
     size = len((ROOT / "README.md").read_bytes())
     assert size <= README_LIMIT, f"README.md is {size} bytes; keep it under {README_LIMIT}"
+
+
+USER_PATH_LIMIT = 160 * 1024  # README + docs/*.md + docs/deploy/*.md (issue 48)
+
+
+def test_the_user_path_stays_small():
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+             *sorted((ROOT / "docs" / "deploy").glob("*.md"))]
+    size = sum(len(f.read_bytes()) for f in files)
+    assert size <= USER_PATH_LIMIT, (f"the user-path docs are {size} bytes; keep them under "
+                                     f"{USER_PATH_LIMIT} (experiment logs go to docs/lab-notes/)")
