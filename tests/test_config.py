@@ -36,6 +36,7 @@ from kvlens.config import (
 )
 from kvlens.errors import ConfigError
 from kvlens.quant import CodebookSpec, QuantSpec, RotationSpec
+from kvlens.quant.coupled import CoupledSpec
 
 FAST = settings(max_examples=150, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow])
@@ -82,6 +83,17 @@ def _valid_configs() -> list[dict]:
                          2: LayerKV(tok, tok, 64)}, mikv=MikvSettings(0.0, 4, "off"),
                         key_means={0: ((0.5, -0.25), (1.0, 2.0)),
                                    1: ((0.0, 0.125), (-1.0, 3.0))}).to_dict())
+    # coupled keys and values (version 6, research): codebooks, permutation, channel weights
+    coupled = CoupledSpec(2, 1, "correlation", "layer", weighted=True)
+    out.append(KVConfig("coupled", LayerKV(coupled, CoupledSpec(2, 2, scope="layer"), 64,
+                                           flush_tokens=32),
+                        {1: LayerKV(tok, tok, 32)}, mikv=MikvSettings(0.0, 4, "off"),
+                        coupled_codebooks={0: {
+                            "key": {"centroids": [[[-1.0, 0.5], [1.0, -0.5]]],
+                                    "permutation": [[1, 0, 3, 2]],
+                                    "weights": [[1.0, 2.0, 0.5, 1.0]]},
+                            "value": {"centroids": [[[-1.0, -1.0], [-0.25, 0.5], [0.25, -0.5],
+                                                     [1.0, 1.0]]]}}}).to_dict())
     return [json.loads(json.dumps(d)) for d in out]
 
 
@@ -122,7 +134,7 @@ TOP = {"format": {"str"}, "version": {"int"}, "name": {"str"}, "description": {"
        "gear": {"object", "null"}, "balancers": {"object", "null"}, "scale_dtype": {"str"},
        "fp_dtype": {"str"}, "rotation_seed": {"int", "null"}, "model": {"object", "null"},
        "kv_scales": {"object", "null"}, "engine_attention": {"str", "null"},
-       "key_means": {"object", "null"}}
+       "key_means": {"object", "null"}, "coupled_codebooks": {"object", "null"}}
 
 
 def _typed_fields(doc: dict):

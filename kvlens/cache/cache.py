@@ -24,6 +24,7 @@ import torch
 from kvlens.cache.attention import make_attention_fn
 from kvlens.cache.backend import select_backend
 from kvlens.cache.codebook import CodebookStore
+from kvlens.cache.coupled import CoupledStore
 from kvlens.cache.engine import EngineLayer, EngineStore, static_scale
 from kvlens.cache.gear import GearTensor
 from kvlens.cache.layer import CompressedLayer, DenseTensor
@@ -31,6 +32,7 @@ from kvlens.cache.layout import PARTS, sliding_windows
 from kvlens.cache.mixed import SetRows
 from kvlens.cache.packed import PackedTensor
 from kvlens.config import KVConfig, validate_for
+from kvlens.config.coupled import books_for
 from kvlens.model.architecture import describe
 from kvlens.model.hooks import attention_override, rope_frequency_candidates, rope_inputs
 from kvlens.model.placement import input_device, layer_devices
@@ -103,6 +105,11 @@ class CompressionSession:
             cents = {t: None if c is None else torch.tensor(c, dtype=torch.float32,
                                                            device=devices[idx])
                      for t, c in cents.items()}
+            for t in ("key", "value"):  # coupled specs: the layer's CoupledCodebooks
+                books = books_for(self.config, idx, t, self.info.num_key_value_heads,
+                                  self.info.head_dim)
+                if books is not None:
+                    cents[t] = books.to(devices[idx])
             mean = self.config.key_mean_for(idx)
             if mean is not None:
                 mean = torch.tensor(mean, dtype=torch.float16, device=devices[idx])
@@ -230,6 +237,7 @@ def held_bytes_by_device(obj) -> dict[str, int]:
         elif isinstance(o, dict):
             stack.extend(o.values())
         elif isinstance(o, (CompressedLayer, DenseTensor, PackedTensor, EngineLayer,
-                            EngineStore, SetRows, GearTensor, CodebookStore)) or o is obj:
+                            EngineStore, SetRows, GearTensor, CodebookStore,
+                            CoupledStore)) or o is obj:
             stack.extend(v for k, v in vars(o).items() if k != "session")
     return total

@@ -38,7 +38,8 @@ rounded to float16 (what is stored). The same inputs and seed give the same code
 Storage, counted once in ``CoupledSpec.held_bytes``: per vector ``ceil((D / c) b / 8)`` bytes of
 indices, packed densely (``pack_indices``: a little-endian bit stream, index ``j`` at bits
 ``[j b, (j+1) b)``); per codebook ``2^b · c`` float16 centroids; for ``"correlation"`` one byte
-per channel and KV head of permutation. The codebooks are per model (fitted once on calibration
+per channel and KV head of permutation; for ``weighted`` one float16 channel weight per channel
+and KV head (the encoder's nearest-centroid search needs them, so a cache holds them). The codebooks are per model (fitted once on calibration
 text), so their bytes do not grow with the context; ``bits_per_element`` amortises them over a
 stated number of tokens.
 """
@@ -63,6 +64,7 @@ MIN_INDEX_BITS, MAX_INDEX_BITS = 1, 16
 DEFAULT_ITERS = 20
 CENTROID_BYTES = 2  # float16
 PERMUTATION_BYTES = 1  # one uint8 channel index per channel and KV head (head_dim <= 256)
+WEIGHT_BYTES = 2  # weighted: one float16 channel weight per channel and KV head
 _CHUNK = 1 << 24  # distance-matrix entries computed at once in the nearest-centroid search
 _FIELDS = ("channels", "index_bits", "grouping", "scope", "weighted", "iters", "seed")
 # short names of the options in a setting name ("c4b8+corr+head+weighted")
@@ -94,7 +96,7 @@ class CoupledSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.channels not in COUPLED_CHANNELS or isinstance(self.channels, bool):
+        if not is_int(self.channels, 1) or self.channels not in COUPLED_CHANNELS:
             raise ConfigError(f"Invalid coupled channels {self.channels!r}; allowed: "
                               f"{', '.join(map(str, COUPLED_CHANNELS))}.")
         if not is_int(self.index_bits, MIN_INDEX_BITS, MAX_INDEX_BITS):
@@ -150,11 +152,13 @@ class CoupledSpec:
         return {"layer": 1, "group": groups, "head": kv_heads * groups}[self.scope]
 
     def codebook_bytes(self, kv_heads: int, head_dim: int) -> int:
-        """Bytes of one layer's (one tensor's) codebooks and permutation: ``2^b · c`` float16
-        per codebook, plus one byte per channel and KV head for ``"correlation"``."""
+        """Bytes of one layer's (one tensor's) codebooks, permutation and channel weights:
+        ``2^b · c`` float16 per codebook, plus one byte per channel and KV head for
+        ``"correlation"`` and two (float16) for ``weighted``."""
         books = self.num_codebooks(kv_heads, head_dim) * self.levels * self.channels
         perm = PERMUTATION_BYTES * kv_heads * head_dim if self.grouping == "correlation" else 0
-        return books * CENTROID_BYTES + perm
+        weights = WEIGHT_BYTES * kv_heads * head_dim if self.weighted else 0
+        return books * CENTROID_BYTES + perm + weights
 
     def index_bytes(self, head_dim: int) -> int:
         """Packed index bytes of one ``[head_dim]`` vector: ``ceil((D / c) b / 8)``."""
@@ -337,7 +341,8 @@ class CoupledCodebooks:
         ``head * (D / c) + group``).
     permutation: ``"correlation"``: int64 ``[H, D]``, the channels of head ``h`` in group order
         (group ``j`` holds channels ``permutation[h, j c:(j+1) c]``); else None.
-    channel_weights: ``weighted``: float32 ``[H, D]`` in the grouping's basis; else None.
+    channel_weights: ``weighted``: float32 ``[H, D]`` in the grouping's basis (float16-rounded:
+        what is stored); else None.
     """
 
     spec: CoupledSpec
@@ -349,6 +354,66 @@ class CoupledCodebooks:
 
     def held_bytes(self, num_tokens: int, batch: int = 1) -> int:
         return self.spec.held_bytes(num_tokens, self.kv_heads, self.head_dim, batch)
+
+    def to(self, device) -> CoupledCodebooks:
+        """The same codebooks with their tensors on ``device``."""
+        def move(t):
+            return None if t is None else t.to(device)
+
+        return CoupledCodebooks(self.spec, self.centroids.to(device), self.kv_heads,
+                                self.head_dim, move(self.permutation), move(self.channel_weights))
+
+
+def coupled_codebooks(spec: CoupledSpec, centroids, kv_heads: int, head_dim: int,
+                      permutation=None, channel_weights=None) -> CoupledCodebooks:
+    """``CoupledCodebooks`` from stored arrays (a KV config's ``coupled_codebooks`` entry, or a
+    cache's float16 / uint8 tensors): ``centroids`` ``[num_codebooks, 2^b, c]``, ``permutation``
+    ``[H, D]`` (``"correlation"`` only), ``channel_weights`` ``[H, D]`` (``weighted`` only).
+    Shapes are checked against ``spec``, ``kv_heads`` and ``head_dim`` (``ConfigError`` saying
+    which); centroids and weights are float16-rounded, as stored."""
+    spec.check_fits(head_dim)
+    c = torch.as_tensor(centroids, dtype=torch.float32)
+    want = (spec.num_codebooks(kv_heads, head_dim), spec.levels, spec.channels)
+    if tuple(c.shape) != want:
+        raise ConfigError(f"Coupled {spec.name} codebooks for {kv_heads} KV heads x head_dim "
+                          f"{head_dim} must have shape [codebooks, centroids, channels] = "
+                          f"{list(want)}, got {list(c.shape)}.")
+    if not bool(torch.isfinite(c).all()):
+        raise ConfigError(f"Coupled {spec.name} centroids must be finite numbers.")
+    perm = weights = None
+    for name, given, needed in (("permutation", permutation, spec.grouping == "correlation"),
+                                ("channel weights", channel_weights, spec.weighted)):
+        if needed != (given is not None):
+            why = "needs" if needed else "takes no"
+            raise ConfigError(f"Coupled {spec.name} {why} {name} (correlation grouping: a "
+                              "permutation; weighted: channel weights).")
+    if permutation is not None:
+        perm = torch.as_tensor(permutation).long()
+        ok = tuple(perm.shape) == (kv_heads, head_dim) and bool(
+            (perm.sort(-1).values == torch.arange(head_dim)).all())
+        if not ok:
+            raise ConfigError(f"Coupled {spec.name} permutation must be {kv_heads} rows (one per "
+                              f"KV head), each a permutation of 0-{head_dim - 1}.")
+    if channel_weights is not None:
+        weights = torch.as_tensor(channel_weights, dtype=torch.float32)
+        if tuple(weights.shape) != (kv_heads, head_dim) or not bool(
+                (torch.isfinite(weights) & (weights > 0)).all()):
+            raise ConfigError(f"Coupled {spec.name} channel weights must be {kv_heads} rows (one "
+                              f"per KV head) of {head_dim} positive finite numbers.")
+        weights = weights.half().float()
+    return CoupledCodebooks(spec, c.half().float(), kv_heads, head_dim, perm, weights)
+
+
+def coupled_arrays(books: CoupledCodebooks) -> dict[str, Any]:
+    """``books`` as plain nested lists (the JSON form of a KV config's ``coupled_codebooks``
+    entry, ``coupled_codebooks``' inverse): ``centroids`` and, when the spec has them,
+    ``permutation`` and ``weights``."""
+    out: dict[str, Any] = {"centroids": books.centroids.half().float().tolist()}
+    if books.permutation is not None:
+        out["permutation"] = books.permutation.long().tolist()
+    if books.channel_weights is not None:
+        out["weights"] = books.channel_weights.half().float().tolist()
+    return out
 
 
 def _check(x: torch.Tensor, what: str = "tensor") -> None:
@@ -396,8 +461,10 @@ def _greedy_groups(corr: torch.Tensor, channels: int) -> torch.Tensor:
     return torch.tensor(order, dtype=torch.int64)
 
 
-def _to_basis(x: torch.Tensor, spec: CoupledSpec, permutation) -> torch.Tensor:
-    """``x`` in the basis whose consecutive channels form the groups, float32."""
+def to_group_basis(x: torch.Tensor, spec: CoupledSpec, permutation) -> torch.Tensor:
+    """``x`` ``[B, H, T, D]`` in the basis whose consecutive channels form the groups, float32
+    (an orthogonal change of basis: a channel permutation per head, or the Hadamard rotation,
+    so dot products are kept)."""
     if spec.grouping == "hadamard":
         return rotate(x, hadamard_rotation(x.shape[-1], None, x.device))
     if spec.grouping == "correlation":
@@ -406,13 +473,29 @@ def _to_basis(x: torch.Tensor, spec: CoupledSpec, permutation) -> torch.Tensor:
     return x.float()
 
 
-def _from_basis(y: torch.Tensor, spec: CoupledSpec, permutation) -> torch.Tensor:
+def from_group_basis(y: torch.Tensor, spec: CoupledSpec, permutation) -> torch.Tensor:
+    """Inverse of ``to_group_basis``."""
     if spec.grouping == "hadamard":
         return unrotate(y, hadamard_rotation(y.shape[-1], None, y.device))
     if spec.grouping == "correlation":
         idx = permutation.to(y.device)[None, :, None, :].expand(y.shape)
         return torch.empty_like(y).scatter_(-1, idx, y)
     return y
+
+
+def codebook_table(books: CoupledCodebooks) -> torch.Tensor:
+    """The centroids per KV head and channel group, float32 ``[H, D / c, 2^b, c]`` (a view
+    expanded from the stored codebooks for the ``"layer"`` and ``"group"`` scopes): group ``j``
+    of head ``h`` decodes index ``i`` to ``codebook_table(books)[h, j, i]``, in the grouping's
+    basis."""
+    spec, h = books.spec, books.kv_heads
+    groups = books.head_dim // spec.channels
+    c = books.centroids.float()
+    if spec.scope == "layer":
+        return c.expand(h, groups, *c.shape[1:])
+    if spec.scope == "group":
+        return c[None].expand(h, *c.shape)
+    return c.reshape(h, groups, *c.shape[1:])
 
 
 def _as_points(y: torch.Tensor, spec: CoupledSpec) -> torch.Tensor:
@@ -485,8 +568,8 @@ def fit_coupled(x: torch.Tensor, spec: CoupledSpec, q: torch.Tensor | None = Non
         if q is None:
             raise InputError("A weighted coupled fit weights channels by the layer's queries; "
                              "pass q (or drop +weighted).")
-        weights = query_weights(q, h, spec, perm)
-    y = _to_basis(x, spec, perm)
+        weights = query_weights(q, h, spec, perm).half().float()  # what is stored
+    y = to_group_basis(x, spec, perm)
     books = CoupledCodebooks(spec, torch.empty(0), h, d, perm, weights)
     pw = _point_weights(books, y.shape)
     c = kmeans(_as_points(y, spec), spec.levels, spec.iters, spec.seed, pw)
@@ -504,7 +587,7 @@ def encode_coupled(x: torch.Tensor, books: CoupledCodebooks) -> torch.Tensor:
     """int32 indices ``[B, H, T, D / c]``: each channel group's nearest centroid (weighted
     distance for ``weighted``), in the grouping's basis."""
     _check_books(x, books)
-    y = _to_basis(x, books.spec, books.permutation)
+    y = to_group_basis(x, books.spec, books.permutation)
     idx = nearest(_as_points(y, books.spec), books.centroids, _point_weights(books, y.shape))
     return _from_points(idx[..., None], books.spec, y.shape)[..., 0].to(torch.int32)
 
@@ -521,7 +604,7 @@ def decode_coupled(codes: torch.Tensor, books: CoupledCodebooks) -> torch.Tensor
     k = torch.arange(idx.shape[0], device=idx.device)[:, None]
     c = books.centroids.to(codes.device)[k, idx]  # [K, N, c]
     y = _from_points(c, spec, shape).reshape(shape)
-    return _from_basis(y, spec, books.permutation)
+    return from_group_basis(y, spec, books.permutation)
 
 
 def fake_quantize_coupled(x: torch.Tensor, spec: CoupledSpec | None = None,
