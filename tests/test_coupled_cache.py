@@ -339,3 +339,61 @@ def test_store_refuses_bad_input_and_the_kernel_says_why():
     assert "coupled keys" in kernel_layout_problem(LayerKV(KSPEC, QuantSpec(4, "per-token")), 16)
     assert "coupled values" in kernel_layout_problem(
         LayerKV(QuantSpec(4, "per-token"), VSPEC), 16)
+
+
+# -- configs from a capture (kvlens.recommend.coupled) and the study's choice of setting ---------
+
+
+def test_configs_from_a_capture_fit_each_layer_on_its_own_tensors(tmp_path):
+    """Planted: layer 1's keys and values are layer 0's times 10, so its codebooks are fitted
+    on its own tensors (10x the centroids), not shared; the config runs the tiny shape."""
+    from helpers import make_capture
+
+    from kvlens.recommend.coupled import capture_shape, coupled_config, fit_codebooks
+
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, h, 40, 16, generator=gen) for h in (4, 2, 2))
+    path = make_capture(tmp_path / "cap.h5", q, k, v, layers=2,
+                        per_layer={1: {"k": 10 * k, "v": 10 * v}})
+    kspec, vspec = CoupledSpec(2, 3, weighted=True, iters=3), CoupledSpec(4, 4, iters=3)
+    books = fit_codebooks(str(path), kspec, vspec)
+    assert set(books) == {0, 1} and set(books[0]) == {"key", "value"}
+    direct = fit_coupled(k, kspec, q)
+    torch.testing.assert_close(books[0]["key"].centroids, direct.centroids)
+    torch.testing.assert_close(books[1]["value"].centroids, 10 * books[0]["value"].centroids,
+                               rtol=2e-3, atol=1e-3)
+    shape = capture_shape(str(path))
+    assert (shape.num_layers, shape.kv_heads, shape.head_dim) == (2, 2, 16)
+    config = coupled_config("from-capture", kspec, vspec, books, 2, residual_tokens=16,
+                            flush_tokens=8)
+    validate_for(config, _info(layers=2))
+    assert config.default.coupled("key") == kspec and config.mikv.sink_tokens == 4
+    priced = coupled_config("priced", kspec, vspec, None, 2)  # bytes only: no codebooks
+    assert config_bits(priced, shape, 4096) == pytest.approx(config_bits(
+        replace(config, default=replace(config.default, residual_tokens=128, flush_tokens=32)),
+        shape, 4096))
+    with pytest.raises(ConfigError, match="gives no codebooks"):
+        validate_for(priced, _info(layers=2))
+    with pytest.raises(InputError, match="No coupled codebooks for layers"):
+        coupled_config("short", kspec, vspec, books, 3)
+
+
+def test_the_study_picks_the_largest_setting_within_the_budget():
+    from pathlib import Path
+
+    from test_benchmarks import load_script
+
+    from kvlens.cache.layout import ModelShape
+    from kvlens.quant.coupled import parse_coupled
+
+    study = load_script(Path(__file__).parents[1] / "benchmarks/studies/coupled_kld.py")
+    shape = ModelShape(30, 3, 64)  # SmolLM2
+    settings = [parse_coupled(s) for s in ("c2b4", "c2b5", "c2b6")]
+    # held bits at 4096 tokens: codes (4000 tokens flushed: 96 wait in the window) + the fp16
+    # window buffer (128 tokens: 0.5 bit) + sinks + codebooks: c2b5 2.9989; weighted keys add
+    # their float16 channel weights (3 x 64 x 2 bytes a layer) and c2b5 no longer fits 3.0
+    key, value, bits = study.pick_setting(settings, 3.0, shape, 4096, weighted=False)
+    assert (key.name, value.name) == ("c2b5", "c2b5") and 2.99 < bits <= 3.0
+    key, value, bits = study.pick_setting(settings, 3.0, shape, 4096, weighted=True)
+    assert (key.name, value.name) == ("c2b4+weighted", "c2b4") and 2.4 < bits <= 2.5
+    assert study.pick_setting(settings, 2.0, shape, 4096, weighted=False) is None
