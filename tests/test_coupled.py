@@ -160,6 +160,22 @@ def test_packing_matches_the_cache_packing_for_byte_units():
         pack_indices(torch.tensor([4]), 2)
 
 
+@pytest.mark.parametrize("bits", range(1, 17))
+def test_unpacking_inverts_packing_at_every_width(bits):
+    """Every width 1-16 (indices straddling two or three bytes), lengths that leave a partial
+    last byte: unpack(pack(x)) == x; planted bits read back little-endian (3-bit index 2 spans
+    bits 6-8, across the byte boundary)."""
+    gen = torch.Generator().manual_seed(bits)
+    for length in (1, 3, 7, 16, 33):
+        codes = torch.randint(0, 1 << bits, (2, 3, length), generator=gen)
+        packed = pack_indices(codes, bits)
+        assert packed.shape[-1] == -(-length * bits // 8)
+        out = unpack_indices(packed, bits, length)
+        assert out.dtype == torch.int32 and torch.equal(out.long(), codes)
+    planted = torch.tensor([[0b10100000, 0b1]], dtype=torch.uint8)  # bits 5, 7 and 8 set
+    assert unpack_indices(planted, 3, 3).tolist() == [[0, 4, 6]]
+
+
 def test_names_and_json_round_trip():
     for name in ("c4b8", "c2b6+corr+head", "c8b16+hadamard+layer+weighted"):
         spec = parse_coupled(name)

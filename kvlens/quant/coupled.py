@@ -236,15 +236,21 @@ def pack_indices(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_indices(packed: torch.Tensor, bits: int, length: int) -> torch.Tensor:
-    """Inverse of ``pack_indices``: int32 ``[..., length]``."""
+    """Inverse of ``pack_indices``: int32 ``[..., length]``. Index ``j`` starts at bit
+    ``s = j bits`` and spans at most three bytes (``bits <= 16``, ``s mod 8 <= 7``): those bytes
+    are gathered, joined little-endian into one int32 word, shifted right by ``s mod 8`` and
+    masked (three gathers of ``length`` entries, no per-bit tensor)."""
     if packed.dtype != torch.uint8:
         raise InputError(f"Packed indices must be uint8, got {packed.dtype}.")
+    if not is_int(bits, MIN_INDEX_BITS, MAX_INDEX_BITS):
+        raise ConfigError(f"Cannot unpack {bits!r}-bit indices; allowed: 1-16.")
     if packed.shape[-1] * 8 < length * bits:
         raise InputError(f"{packed.shape[-1]} bytes cannot hold {length} {bits}-bit indices.")
-    stream = (packed.long()[..., None] >> torch.arange(8, device=packed.device)) & 1
-    stream = stream.reshape(*packed.shape[:-1], -1)[..., : length * bits]
-    stream = stream.reshape(*packed.shape[:-1], length, bits)
-    return (stream << torch.arange(bits, device=packed.device)).sum(-1).to(torch.int32)
+    start = torch.arange(length, device=packed.device) * bits
+    first, shift = start // 8, (start % 8).to(torch.int32)
+    raw = torch.nn.functional.pad(packed, (0, 2)).to(torch.int32)
+    word = raw[..., first] | (raw[..., first + 1] << 8) | (raw[..., first + 2] << 16)
+    return (word >> shift) & ((1 << bits) - 1)
 
 
 # -- k-means ------------------------------------------------------------------------------------
