@@ -167,10 +167,13 @@ def packed_bytes(spec, tokens: int, flush: int, head_dim: int, scale_bytes: int 
     one (batch row, KV head), in ``kvlens.cache.packed``'s layout (dense codes in whole packing
     units, whole scale groups, a stored zero for every group). A codebook spec
     (``kvlens.cache.codebook``): ``(codes, norms, 0)``, codes packed along channels and one
-    float16 norm per vector (its centroids are per layer: ``layer_part_bytes``)."""
+    float16 norm per vector (its centroids are per layer: ``layer_part_bytes``). A coupled spec
+    (``kvlens.cache.coupled``): ``(codes, 0, 0)``, its packed indices (codebooks per layer)."""
 
     if tokens == 0:
         return 0, 0, 0
+    if isinstance(spec, CoupledSpec):
+        return tokens * spec.index_bytes(head_dim), 0, 0
     if isinstance(spec, CodebookSpec):
         return tokens * packed_length(head_dim, spec.bits), tokens * NORM_BYTES, 0
     if spec.granularity == "per-channel":
@@ -212,7 +215,7 @@ def layer_part_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batc
         if spec is None:
             parts["dense"] += rows * st.q_held * head_dim * fp_bytes
         elif isinstance(spec, CoupledSpec):
-            parts["codes"] += rows * st.q_held * spec.index_bytes(head_dim)
+            parts["codes"] += rows * packed_bytes(spec, st.q_held, f, head_dim)[0]
             parts["codebooks"] += spec.codebook_bytes(kv_heads, head_dim)
         elif isinstance(spec, CodebookSpec):
             c, norms, _ = packed_bytes(spec, st.q_held, f, head_dim)
