@@ -42,22 +42,32 @@ def _pss(pid: int) -> int:
     return total
 
 
-def run(args: list[str]) -> tuple[float, dict, int]:
-    """``(wall seconds, the JSON it printed, peak Pss bytes)`` of ``kvlens ARGS``."""
+def run(args: list[str]) -> tuple[float, dict, int, list]:
+    """``(wall seconds, the JSON it printed, peak Pss bytes, [(unix time, Pss bytes), ...])``
+    of ``kvlens ARGS``."""
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "kvlens", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
-    peak = 0
-    chunks = []
+    samples = []
     while proc.poll() is None:
-        peak = max(peak, _pss(proc.pid))
+        samples.append((time.time(), _pss(proc.pid)))
         time.sleep(0.2)
-    chunks.append(proc.stdout.read())
+    text = proc.stdout.read()
     if proc.returncode:
         sys.exit(f"`kvlens {' '.join(args)}` failed ({proc.returncode})")
-    text = "".join(chunks)
-    return time.perf_counter() - start, json.loads(text) if "--json" in args else {}, peak
+    doc = json.loads(text) if "--json" in args else {}
+    return time.perf_counter() - start, doc, max(b for _, b in samples), samples
 
+
+def stage_peaks(spans: list, samples: list) -> dict[str, int]:
+    """The peak Pss sampled while each stage was the innermost one running (its profile's
+    ``spans``; a sample in no span goes to "outside stages": start-up, loading, writing)."""
+    peaks: dict[str, int] = {}
+    for t, held in samples:
+        inside = [s for s in spans if s[1] <= t <= s[2]]
+        name = max(inside, key=lambda s: s[1])[0] if inside else "outside stages"
+        peaks[name] = max(peaks.get(name, 0), held)
+    return peaks
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -74,18 +84,21 @@ def main(argv=None) -> None:
     configs = []
     for dtype in DTYPES:
         cfg = out / f"{dtype}.json"
-        wall, doc, peak = run(["recommend", str(cap), "-b", str(args.budget), "--dtype", dtype,
-                               "--name", f"recommended-{dtype}",
-                               "-o", str(cfg), "--overwrite", "--remeasure", "--json"])
+        wall, doc, peak, samples = run(["recommend", str(cap), "-b", str(args.budget),
+                                        "--dtype", dtype, "--name", f"recommended-{dtype}",
+                                        "-o", str(cfg), "--overwrite", "--remeasure", "--json"])
         configs.append((dtype, cfg, doc))
+        peaks = stage_peaks(doc["profile"]["spans"], samples)
         stages = ", ".join(f"{k} {v:.1f} s" for k, v in doc["profile"]["stages"].items())
+        held = ", ".join(f"{k} {v / 2**20:,.0f} MiB" for k, v in peaks.items())
         print(f"recommend --dtype {dtype}: {wall:.1f} s, peak Pss {peak / 2**20:,.0f} MiB, "
-              f"held bits {doc['mean_bits']:.3f}; {stages}")
+              f"held bits {doc['mean_bits']:.3f}\n  time by stage: {stages}\n"
+              f"  peak Pss by stage: {held}")
     picks = [{(c["layer"], c["tensor"]): (c["candidate"]["label"], c["residual_tokens"])
               for c in doc["choices"]} for _, _, doc in configs]
     differ = sorted({layer for (layer, _), v in picks[0].items() if picks[1][layer, _] != v})
     print(f"layers whose choice differs: {len(differ)} {differ}")
-    _, doc, _ = run(["generate", *(["--model", args.model] if args.model else []),
+    _, doc, _, _ = run(["generate", *(["--model", args.model] if args.model else []),
                      "--dtype", "bfloat16", "--compare", ",".join(str(c) for _, c, _ in configs),
                      "--eval", "kld", "--eval-tokens", str(args.eval_tokens), "--json"])
     for r in doc["results"]:

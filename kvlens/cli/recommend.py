@@ -11,7 +11,6 @@ is refused before any work.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import typer
@@ -323,10 +322,11 @@ def recommend(
         err_console.print(f"config written: {escape(str(out))}")
     validation = None
     if validate:
-        start = time.perf_counter()
-        validation = run_library_call(lambda: _validate([r.config for r in recs], loaded,
-                                                        eval_tokens, retrieval_prompts))
-        recs[0].profile.add("validation", time.perf_counter() - start)
+        from kvlens.recommend.profile import profiling, stage
+
+        with profiling(recs[0].profile), stage("validation"):
+            validation = run_library_call(lambda: _validate([r.config for r in recs], loaded,
+                                                            eval_tokens, retrieval_prompts))
     _print_profile(recs[0].profile, predicted)
     docs = []
     for rec, out in zip(recs, outputs or [None] * len(recs)):
@@ -449,12 +449,17 @@ def _choose(measured, opts, budget: float, named: bool):
 def _search(measured, opts, max_kld: float, loaded: _ModelOnce, eval_tokens):
     """``kvlens.recommend.search_budget`` scored on the loaded model, its steps on stderr."""
     from kvlens.recommend import kld_scorer, search_budget
+    from kvlens.recommend.profile import Profile, profiling, stage
 
     def run():
-        mdl, tok = loaded.get()
-        say = lambda msg: err_console.print(f"  {escape(msg)}", highlight=False)  # noqa: E731
-        return search_budget(measured, opts, max_kld, kld_scorer(mdl, tok, eval_tokens),
-                             log=say)
+        searched = Profile()
+        with profiling(searched), stage("budget search"):
+            mdl, tok = loaded.get()
+            say = lambda msg: err_console.print(f"  {escape(msg)}", highlight=False)  # noqa: E731
+            found = search_budget(measured, opts, max_kld, kld_scorer(mdl, tok, eval_tokens),
+                                  log=say)
+        found.chosen.profile.merge(searched)  # the steps' allocations and KLD runs
+        return found
 
     return run_library_call(run)
 

@@ -154,7 +154,7 @@ def choose(m: Measurements, opts: RecommendOptions) -> Recommendation:
                if (opts.codebooks if k[0].codebook else k[0].fit in opts.fits_for(k[0].tensor))
                and (opts.centering or not k[0].center)}
               for t in m.tables]
-    prof = Profile(dict(m.profile.stages))
+    prof = Profile(dict(m.profile.stages), list(m.profile.spans))
     with profiling(prof), stage("allocation"):
         rec = assemble(m.meta, opts, tables, m.balancers, m.weights, list(m.notes),
                        shape_of_capture(m.meta, m.windows), m.factors, m.codebooks)

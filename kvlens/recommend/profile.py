@@ -3,7 +3,9 @@
 ``measure`` and ``choose`` open a ``Profile`` with ``profiling()``; any code below them marks
 its work with ``stage(name)``, a no-op when no profile is open. A stage nested in another (the
 capture reads inside candidate measurement, say) is charged to itself only, so the stages add
-up to the profiled wall time.
+up to the profiled wall time. Each stage's run is also kept as a span of wall-clock times
+(``spans``), so that a memory sampler outside the process (``benchmarks/bench_recommend.py``,
+``benchmarks/studies/recommend_dtype.py``) can say which stage its peak fell in.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ class Profile:
     """Exclusive wall seconds per stage, in the order stages were first entered."""
 
     stages: dict[str, float] = field(default_factory=dict)
+    # [name, start, end] per run of a stage, in Unix seconds (``time.time()``), nested ones too
+    spans: list[list] = field(default_factory=list)
     _open: list[list] = field(default_factory=list, repr=False)  # [name, start, nested]
 
     def add(self, name: str, seconds: float) -> None:
@@ -30,13 +34,15 @@ class Profile:
     def merge(self, other: Profile) -> None:
         for name, seconds in other.stages.items():
             self.add(name, seconds)
+        self.spans.extend(other.spans)
 
     @property
     def total(self) -> float:
         return sum(self.stages.values())
 
     def to_dict(self) -> dict:
-        return {"stages": dict(self.stages), "total_seconds": self.total}
+        return {"stages": dict(self.stages), "total_seconds": self.total,
+                "spans": [list(s) for s in self.spans]}
 
 
 @contextmanager
@@ -59,11 +65,13 @@ def stage(name: str) -> Iterator[None]:
         return
     profile.stages.setdefault(name, 0.0)
     entry = [name, time.perf_counter(), 0.0]
+    started = time.time()
     profile._open.append(entry)
     try:
         yield
     finally:
         profile._open.pop()
+        profile.spans.append([name, started, time.time()])
         elapsed = time.perf_counter() - entry[1]
         profile.add(name, elapsed - entry[2])
         if profile._open:
