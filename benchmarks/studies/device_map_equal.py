@@ -47,7 +47,7 @@ def main(argv=None) -> None:
     p.add_argument("--max-memory", default="cpu=150MiB")
     p.add_argument("--budget", type=float, default=3.0)
     p.add_argument("--samples", type=int, default=2, help="recommend --samples")
-    p.add_argument("--tokens", type=int, default=256, help="recommend --tokens")
+    p.add_argument("--tokens", type=int, default=512, help="recommend --tokens")
     p.add_argument("--eval-tokens", type=int, default=1024)
     args = p.parse_args(argv)
     out = args.keep
