@@ -22,7 +22,7 @@ from kvlens.capture.store import open_capture
 from kvlens.errors import InputError
 from kvlens.model.load import parse_dtype
 from kvlens.recommend.allocation import assemble
-from kvlens.recommend.catalog import candidates, family_probes
+from kvlens.recommend.catalog import candidates, family_probes, still_offered
 from kvlens.recommend.cost import Cost, CostShape, estimated_params, machine_factor, predict
 from kvlens.recommend.layer_errors import check_windows, measure_layer
 from kvlens.recommend.options import RecommendOptions
@@ -149,11 +149,9 @@ def _layer_table(layer, meta, cands, probes, opts):
 
 def choose(m: Measurements, opts: RecommendOptions) -> Recommendation:
     """Allocate under ``opts.budget_bits`` from earlier measurements and build the config."""
-    # measured with more fits (or codebooks, or centred keys) than offered now: drop the rest
-    tables = [{k: e for k, e in t.items()
-               if (opts.codebooks if k[0].codebook else k[0].fit in opts.fits_for(k[0].tensor))
-               and (opts.centering or not k[0].center)}
-              for t in m.tables]
+    # measured with more fits (or codebooks, centred keys, coupled codes) than offered now:
+    # drop the rest
+    tables = [{k: e for k, e in t.items() if still_offered(k[0], opts)} for t in m.tables]
     prof = Profile(dict(m.profile.stages), list(m.profile.spans))
     with profiling(prof), stage("allocation"):
         rec = assemble(m.meta, opts, tables, m.balancers, m.weights, list(m.notes),
