@@ -4,8 +4,8 @@
 its work with ``stage(name)``, a no-op when no profile is open. A stage nested in another (the
 capture reads inside candidate measurement, say) is charged to itself only, so the stages add
 up to the profiled wall time. Each stage's run is also kept as a span of wall-clock times
-(``spans``), so that a memory sampler outside the process (``benchmarks/bench_recommend.py``,
-``benchmarks/studies/recommend_dtype.py``) can say which stage its peak fell in.
+(``spans``), so that a memory sampler outside the process
+(``benchmarks/studies/recommend_dtype.py``) can say which stage its peak fell in.
 """
 
 from __future__ import annotations
