@@ -18,12 +18,14 @@ from kvlens.quant import (
     encode_coupled,
     fake_quantize_coupled,
     fit_coupled,
+    held_out_coupled,
     kmeans,
     pack_codes,
     pack_indices,
     parse_coupled,
     unpack_indices,
 )
+from kvlens.quant.coupled import nearest
 
 
 def rel(x, y):
@@ -63,6 +65,43 @@ def test_weighted_kmeans_moves_centroids_towards_heavy_coordinates():
     c = kmeans(p, 2, 20, weights=w)[0]
     spread = (c[0] - c[1]).abs()
     assert spread[0] > 5 * spread[1]
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_nearest_is_the_brute_force_argmin(weighted):
+    # the one-product distance against the plain weighted squared distance, odd shapes
+    g = torch.Generator().manual_seed(7)
+    p, c = torch.randn(3, 37, 3, generator=g), torch.randn(3, 11, 3, generator=g)
+    w = torch.rand(3, 37, 3, generator=g) + 0.1 if weighted else None
+    d = (p[:, :, None] - c[:, None]) ** 2
+    want = (d if w is None else w[:, :, None] * d).sum(-1).argmin(-1)
+    assert torch.equal(nearest(p, c, w), want)
+
+
+@pytest.mark.parametrize("shape", [(4, 1, 16, 4), (1, 1, 64, 4)])
+def test_held_out_codes_each_half_with_the_other_halfs_codebooks(shape):
+    # the first half (of the samples; of the tokens with one sample) sits at +5, the second
+    # at -5: in-sample the 4 centroids cover both, held out each half only sees the other
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(*shape, generator=g)
+    dim = 0 if shape[0] > 1 else 2
+    n = shape[dim]
+    x.narrow(dim, 0, n // 2).add_(5.0)
+    x.narrow(dim, n // 2, n - n // 2).sub_(5.0)
+    spec = CoupledSpec(2, 2)
+    assert rel(x, fake_quantize_coupled(x, spec)) < 0.3
+    held = held_out_coupled(x, spec)
+    assert held.shape == x.shape
+    assert rel(x, held) > 1.0
+    # each half is exactly what the other half's codebooks give
+    a, b = x.narrow(dim, 0, n // 2), x.narrow(dim, n // 2, n - n // 2)
+    want = fake_quantize_coupled(a, books=fit_coupled(b, spec))
+    assert torch.equal(held.narrow(dim, 0, n // 2), want)
+
+
+def test_held_out_needs_two_samples_or_tokens():
+    with pytest.raises(InputError, match="2 samples or 2 tokens"):
+        held_out_coupled(torch.randn(1, 1, 1, 4), CoupledSpec(2, 2))
 
 
 def test_deterministic_with_a_seed():

@@ -17,7 +17,9 @@ values: ``fake_quantize_codebook`` with the layer's codebook, ``codebook_slot``,
 layer's captured keys (centred ones: minus the mean key) or values once and then given to every
 later measurement of that layer, as the config will store it; coupled keys and values likewise
 with the layer's ``kvlens.quant.coupled`` codebooks, ``coupled_slot``, fitted on the captured
-post-RoPE keys (weighted by the captured queries) or values;
+post-RoPE keys (weighted by the captured queries) or values, but measured held out
+(``held_out_coupled``: each half of the samples coded with codebooks fitted on the other half;
+in-sample, a setting with few fitting points per centroid would look nearly lossless);
 centred keys likewise with the layer's mean key, ``mean_key``, computed once on the whole
 capture and handed on in the same per-layer dict),
 ``gear_variant``
@@ -52,6 +54,7 @@ from kvlens.quant import (
     fit_balancer,
     fit_coupled,
     hadamard_rotation,
+    held_out_coupled,
     quantize_gear,
     quantize_pre_rope,
     quantize_rotated,
@@ -195,7 +198,7 @@ def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptio
     keys of centred candidates, given (fitted earlier on this layer's capture) or fitted here
     (``codebook_for``: norm²-weighted k-means on these keys or values, float16 centroids;
     ``fit_coupled``: k-means per channel group on these keys, weighted by these queries, or
-    values; ``key_mean``: the mean over every sample and token of the layer's captured keys,
+    values, their variant coded held out, ``held_out_coupled``; ``key_mean``: the mean over every sample and token of the layer's captured keys,
     float16) and returned."""
 
     sel = None if opts.samples is None else list(range(min(opts.samples, meta.num_samples)))
@@ -230,11 +233,14 @@ def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptio
                     books[mk] = key_mean(layer.read("k_pre" if c.stage == "pre" else "k"))
         if c.coupled:  # the layer's fitted codebooks (the config's coupled_codebooks)
             x, slot = (v if c.tensor == "value" else k), coupled_slot(c)
-            if slot not in books:
+            qw = q.float() if spec.weighted else None
+            if slot in books:  # fitted on the capture, read here on other tokens (the probe)
+                x_hat = fake_quantize_coupled(x.float(), books=books[slot])
+            else:  # the config's codebooks fit every token; the error is measured held out
                 with stage("coupled fit"):
-                    books[slot] = fit_coupled(x.float(), spec,
-                                              q.float() if spec.weighted else None)
-            x_hat = fake_quantize_coupled(x.float(), books=books[slot]).to(x.dtype)
+                    books[slot] = fit_coupled(x.float(), spec, qw)
+                    x_hat = held_out_coupled(x.float(), spec, qw)
+            x_hat = x_hat.to(x.dtype)
             variants[c] = Variant(v_hat=x_hat) if c.tensor == "value" else Variant(k_hat=x_hat)
         elif c.codebook:  # the layer's fitted codebook (the config stores its centroids)
             x, slot = (v if c.tensor == "value" else k), codebook_slot(c)
