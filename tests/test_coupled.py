@@ -99,6 +99,20 @@ def test_held_out_codes_each_half_with_the_other_halfs_codebooks(shape):
     assert torch.equal(held.narrow(dim, 0, n // 2), want)
 
 
+def test_query_weights_of_an_unread_channel_stay_positive_in_float16():
+    # a channel no query reads (Gemma3 has such): its weight is clamped to float16's smallest
+    # normal, so the stored weights are positive (the config refuses zeros)
+    from kvlens.quant.coupled import query_weights
+
+    q = torch.randn(1, 2, 32, 8, generator=torch.Generator().manual_seed(9))
+    q[..., 3] = 0.0
+    spec = CoupledSpec(2, 2, weighted=True)
+    w = query_weights(q, 1, spec).half()
+    assert bool((w > 0).all()) and float(w[0, 3]) == float(torch.finfo(torch.float16).tiny)
+    books = fit_coupled(torch.randn(1, 1, 32, 8), spec, q)
+    assert bool((books.channel_weights > 0).all())
+
+
 def test_held_out_needs_two_samples_or_tokens():
     with pytest.raises(InputError, match="2 samples or 2 tokens"):
         held_out_coupled(torch.randn(1, 1, 1, 4), CoupledSpec(2, 2))

@@ -84,6 +84,23 @@ def test_plan_applies_only_to_pure_llamacpp_runs_on_gguf(monkeypatch):
     assert types == {} and "not a GGUF" in notes[0]
 
 
+def test_llamacpp_results_of_a_run_without_its_matrix_products_are_marked_partial():
+    from kvlens.config import preset
+    from kvlens.deploy.engine_run import mark_partial_llamacpp
+    from kvlens.evaluation.frontier import points_from_results
+
+    configs = [preset("kivi-2"), parse_engine_setting("llamacpp:q8_0/q4_0").kvconfig("a"),
+               parse_engine_setting("vllm:fp8_e4m3").kvconfig("b")]
+    kld = {"mean_kld": {"value": 0.01, "ci95": [0.009, 0.011]}}
+    results = [{"name": c.name, "bits_per_element": 4.0, "kld": kld} for c in configs]
+    assert mark_partial_llamacpp(results, configs, {"blk.0.attn_q": "q8_0"}) == []  # simulated
+    assert all("engine_arithmetic" not in r for r in results)
+    assert mark_partial_llamacpp(results, configs, {}) == ["a"]
+    assert [r.get("engine_arithmetic") for r in results] == [None, "partial", None]
+    points = points_from_results(results, ["preset", "engine", "engine"])
+    assert [p.partial for p in points] == [False, True, False]
+
+
 @pytest.mark.parametrize("vdt", ["q8_0", "q8_1"])
 def test_convert_rows_q8_matches_ggml_q8_0_grid(vdt):
     from kvlens.quant.llamacpp_cpu import convert_rows

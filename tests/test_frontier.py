@@ -65,6 +65,21 @@ def test_points_from_results_skip_unscored_configs():
     assert points == [FrontierPoint("kivi-2", "preset", 3.5, 0.1, (0.09, 0.11))]
 
 
+def test_partial_llamacpp_points_are_flagged_and_drawn_hollow(tmp_path):
+    from kvlens.plots.frontier import frontier_figure
+
+    q = FrontierPoint("llamacpp:q8_0/q4_0", "engine", 6.5, 0.0045, (0.004, 0.005), partial=True)
+    doc = frontier_doc([q, _p("kivi-2", 3.5, 0.1)])
+    assert doc["points"][0]["partial"] is True and "partial" not in doc["points"][1]
+    ax = frontier_figure(doc).axes[0]
+    labels = [t.get_text() for t in ax.texts]
+    assert "llamacpp:q8_0/q4_0 (cache only)" in labels and "kivi-2" in labels
+    faces = {ln.get_marker(): ln.get_markerfacecolor() for ln in ax.lines if ln.get_marker()
+             in ("s", "o")}
+    assert faces["s"] == "none" and faces["o"] != "none"
+    assert any("cache only" in t.get_text() for t in ax.get_legend().get_texts())
+
+
 @pytest.mark.parametrize("item, kind", [
     ("kivi-2", "preset"), ("fp16", "preset"), ("llamacpp:q8_0/q4_0", "engine"),
     ("vllm:fp8_e4m3", "engine"), ("hf-quanto-4", "baseline"), ("out/recommended.json", "config"),

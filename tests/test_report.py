@@ -349,6 +349,11 @@ def test_report_in_headless_chromium(run_dir, chromium, tmp_path):
         prose = b.evaluate("Array.from(document.querySelectorAll('caption, figcaption, p, li, "
                            "td')).map(e => e.innerText).join('\\n')")
         assert "{" not in prose and "None" not in prose  # no unfilled or unset values
+        # the answer fits the page at the page's widest (text columns wrap, no sideways scroll)
+        b.evaluate("document.body.style.width = '1100px'")
+        wide = b.evaluate("[document.getElementById('answer-table').scrollWidth, "
+                          "document.getElementById('answer-table').parentElement.clientWidth]")
+        assert wide[0] <= wide[1], wide
         verdict = b.evaluate("document.getElementById('verdict').innerText")
         assert "mean KL divergence" in verdict
         light = b.screenshot(tmp_path / "report-light.png")

@@ -35,6 +35,7 @@ from rich.markup import escape
 from typer.core import TyperCommand, TyperGroup
 
 from kvlens.errors import KvlensError
+from kvlens.recommend.profile import format_seconds
 
 # -- --help ---------------------------------------------------------------------------------
 
@@ -187,11 +188,6 @@ def _json_default(o):
 
 
 PLAIN_EVERY_S = 30.0  # progress lines where stderr is not a terminal
-
-
-def format_seconds(s: float) -> str:
-    """A duration for progress and profile lines: seconds below two minutes, else minutes."""
-    return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
 
 
 @contextmanager

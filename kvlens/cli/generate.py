@@ -160,7 +160,7 @@ def generate(
         err_console.print(f"note: {escape(note)}", highlight=False)
 
     def work():
-        from kvlens.deploy.engine_run import llamacpp_matmul_plan
+        from kvlens.deploy.engine_run import llamacpp_matmul_plan, mark_partial_llamacpp
         from kvlens.evaluation import evaluate_configs
         from kvlens.model.architecture import describe
         from kvlens.model.engine_matmul import engine_matmuls
@@ -182,6 +182,7 @@ def generate(
         with engine_matmuls(mdl, types):
             report = evaluate_configs(mdl, tok, configs, opts,
                                       progress=lambda msg: err_console.print(f"  {escape(msg)}"))
+        mark_partial_llamacpp(report["results"], configs, types)
         return {**report, "placement": placement}
 
     report = run_library_call(work)

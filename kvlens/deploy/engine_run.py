@@ -3,7 +3,8 @@ engine_matmul``) apply to every config of a run, the exact reference included, b
 real engine's reference (its f16 cache) runs through them too.
 
 ``llamacpp_matmul_plan(configs, source, model)`` -> ``(types, notes)``: the Linear modules to
-hook (empty when the run is not a llama.cpp run) and the notes to print. A run is a llama.cpp
+hook (empty when the run is not a llama.cpp run) and the notes to print; ``mark_partial_llamacpp``
+tags the results of llama.cpp settings a run scored without those products. A run is a llama.cpp
 run when some config attends with llama.cpp's arithmetic (``KVConfig.engine_attention``), no
 config is another engine's setting or a ``:noarith`` one, and the model is a GGUF file with
 quantized weights."""
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import os
 
+from kvlens.evaluation.frontier import PARTIAL_LLAMACPP
 from kvlens.model.engine_matmul import matmul_types
 
 
@@ -46,3 +48,19 @@ def llamacpp_matmul_plan(configs, source, model) -> tuple[dict[str, str], list[s
                      f"{len(unmodelled)} Linear layers whose weight type kvlens does not "
                      f"model (e.g. {unmodelled[0]}).")
     return types, notes
+
+
+def mark_partial_llamacpp(results, configs, types: dict[str, str]) -> list[str]:
+    """Set ``engine_arithmetic = PARTIAL_LLAMACPP`` on the results of llama.cpp settings
+    (``results`` aligned with ``configs``) when the run did not simulate the engine's matrix
+    products (``types`` empty: a mixed run or a model without GGUF weight types): their KLD is
+    the cache's and the attention's alone, below what the engine itself loses. Returns their
+    names."""
+    if types:
+        return []
+    marked = []
+    for r, c in zip(results, configs):
+        if (getattr(c, "engine_attention", None) or "").startswith("llamacpp"):
+            r["engine_arithmetic"] = PARTIAL_LLAMACPP
+            marked.append(r["name"])
+    return marked

@@ -24,6 +24,9 @@ from kvlens.evaluation.baselines import is_baseline
 # What told apart in the chart: engine settings (llamacpp:, vllm:, ...), kvlens presets,
 # kvlens config files (e.g. recommend's output) and transformers' own caches (hf-*).
 KINDS = ("engine", "preset", "config", "baseline")
+#: a result's ``engine_arithmetic`` when it is a llama.cpp setting scored without the engine's
+#: matrix products (``kvlens.deploy.engine_run.mark_partial_llamacpp``): the cache alone
+PARTIAL_LLAMACPP = "partial"
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,7 @@ class FrontierPoint:
     bits: float  # bits per element the cache held
     mean_kld: float
     ci95: tuple[float, float]
+    partial: bool = False  # a llama.cpp setting scored without the engine's matrix products
 
     def dominates(self, other: FrontierPoint) -> bool:
         return (self.bits <= other.bits and self.mean_kld <= other.mean_kld
@@ -66,18 +70,21 @@ def points_from_results(results: Iterable[Mapping], kinds: Sequence[str]) -> lis
             continue
         lo, hi = stat.get("ci95") or (value, value)
         out.append(FrontierPoint(str(r["name"]), kind, float(bits), float(value),
-                                 (float(lo), float(hi))))
+                                 (float(lo), float(hi)),
+                                 r.get("engine_arithmetic") == PARTIAL_LLAMACPP))
     return out
 
 
 def frontier_doc(points: Sequence[FrontierPoint]) -> dict:
-    """``{"points": [{name, kind, bits, mean_kld, ci95, on_front}], "front": [names in bits
-    order]}``: the points in the order given."""
+    """``{"points": [{name, kind, bits, mean_kld, ci95, on_front[, partial]}], "front": [names
+    in bits order]}``: the points in the order given (``partial``: true for a llama.cpp setting
+    scored without the engine's matrix products)."""
     front = pareto_front(points)
     on = {id(p) for p in front}
     return {"points": [{"name": p.name, "kind": p.kind, "bits": p.bits,
                         "mean_kld": p.mean_kld, "ci95": list(p.ci95),
-                        "on_front": id(p) in on} for p in points],
+                        "on_front": id(p) in on, **({"partial": True} if p.partial else {})}
+                       for p in points],
             "front": [p.name for p in front]}
 
 

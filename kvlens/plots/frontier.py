@@ -5,6 +5,10 @@ setting at (bits per element held, mean KL divergence), its 95% interval as an e
 log y axis, the marker and colour telling engine settings, kvlens presets, kvlens config files
 and transformers baselines apart, every point labelled, and the Pareto front as a step line.
 
+A llama.cpp setting scored without the engine's matrix products (``partial`` in the document: a
+run mixing engines) is drawn hollow and labelled ``(cache only)``: it reads below what the
+engine itself loses.
+
 A mean KLD of 0 (the exact cache) has no place on a log axis: such a point sits on the axis's
 floor, drawn as a downward triangle and labelled ``= 0``.
 
@@ -51,10 +55,15 @@ def frontier_figure(doc: Mapping, title: str = "", width_in: float = 8.0):
         ax.errorbar([p["bits"]], [y], yerr=[[max(y - lo, 0.0)], [max(hi - y, 0.0)]],
                     fmt="v" if p["mean_kld"] <= 0 else marker, color=colour, ms=7, capsize=3,
                     mec="black" if p.get("on_front") else colour, mew=1.2 if p.get("on_front")
-                    else 0.5, zorder=3)
+                    else 0.5, mfc="none" if p.get("partial") else colour, zorder=3)
         handles.setdefault(p["kind"], Line2D([], [], ls="", marker=marker, color=colour, ms=7,
                                              label=label))
-        ax.annotate(p["name"] + (" (= 0)" if p["mean_kld"] <= 0 else ""), (p["bits"], y),
+        if p.get("partial"):
+            handles.setdefault("partial", Line2D([], [], ls="", marker=marker, color=colour,
+                                                 mfc="none", ms=7, label="llama.cpp, cache only "
+                                                 "(matrix products not simulated)"))
+        ax.annotate(p["name"] + (" (= 0)" if p["mean_kld"] <= 0 else "")
+                    + (" (cache only)" if p.get("partial") else ""), (p["bits"], y),
                     xytext=(6, 6 if rank[id(p)] % 2 == 0 else -11), textcoords="offset points",
                     fontsize=7.5, color="#222222", zorder=4)
     front = [p for p in points if p.get("on_front")]

@@ -544,7 +544,8 @@ def query_weights(q: torch.Tensor, num_kv_heads: int, spec: CoupledSpec,
                   permutation=None) -> torch.Tensor:
     """float32 ``[Hkv, D]``: ``mean(q_d²)`` in the grouping's basis over batch, tokens and the
     query heads reading each KV head (GQA: query head ``h`` reads KV head ``h // groups``),
-    normalised to mean 1 per KV head."""
+    normalised to mean 1 per KV head, and kept within float16's positive normal range (what the
+    config stores: a channel the queries never read, as on Gemma3's layers, would round to 0)."""
     _check(q, "query tensor")
     b, hq, t, d = q.shape
     if hq % num_kv_heads:
@@ -554,7 +555,9 @@ def query_weights(q: torch.Tensor, num_kv_heads: int, spec: CoupledSpec,
     w = q.double().pow(2).mean(dim=(0, 2)).reshape(num_kv_heads, hq // num_kv_heads, d).mean(1)
     if spec.grouping == "correlation":
         w = torch.gather(w, -1, permutation.to(w.device))
-    return (w / w.mean(-1, keepdim=True).clamp_min(1e-300)).float()
+    w = w / w.mean(-1, keepdim=True).clamp_min(1e-300)
+    return w.clamp(float(torch.finfo(torch.float16).tiny),
+                   float(torch.finfo(torch.float16).max)).float()
 
 
 def _point_weights(books: CoupledCodebooks, shape) -> torch.Tensor | None:

@@ -23,7 +23,14 @@ from kvlens.errors import InputError
 from kvlens.model.load import parse_dtype
 from kvlens.recommend.allocation import assemble
 from kvlens.recommend.catalog import candidates, family_probes, still_offered
-from kvlens.recommend.cost import Cost, CostShape, estimated_params, machine_factor, predict
+from kvlens.recommend.cost import (
+    Cost,
+    CostShape,
+    coupled_fit_entries,
+    estimated_params,
+    machine_factor,
+    predict,
+)
 from kvlens.recommend.layer_errors import check_windows, measure_layer
 from kvlens.recommend.options import RecommendOptions
 from kvlens.recommend.parallel import can_fork, map_layers, resolve_workers
@@ -196,4 +203,6 @@ def _cost_shape(meta, opts: RecommendOptions) -> CostShape:
         probe_tokens=opts.retrieval_tokens if opts.retrieval != "off" and model_stages else 0,
         params=params if model_stages else 0, vocab=vocab,
         hidden=int(meta.extra.get("hidden_size", 0) or 0),
-        weight_bytes=parse_dtype(opts.dtype).itemsize)
+        weight_bytes=parse_dtype(opts.dtype).itemsize,
+        coupled_entries=sum(coupled_fit_entries(c.spec(), meta.head_dim) for c in cands
+                            if c.coupled))
