@@ -198,8 +198,8 @@ def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptio
     keys of centred candidates, given (fitted earlier on this layer's capture) or fitted here
     (``codebook_for``: norm²-weighted k-means on these keys or values, float16 centroids;
     ``fit_coupled``: k-means per channel group on these keys, weighted by these queries, or
-    values, their variant coded held out, ``held_out_coupled``; ``key_mean``: the mean over every sample and token of the layer's captured keys,
-    float16) and returned."""
+    values, their variant coded held out, ``held_out_coupled``; ``key_mean``: the mean over
+    every sample and token of the layer's captured keys, float16) and returned."""
 
     sel = None if opts.samples is None else list(range(min(opts.samples, meta.num_samples)))
     t = slice(None) if opts.tokens is None else slice(0, opts.tokens)
@@ -233,13 +233,14 @@ def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptio
                     books[mk] = key_mean(layer.read("k_pre" if c.stage == "pre" else "k"))
         if c.coupled:  # the layer's fitted codebooks (the config's coupled_codebooks)
             x, slot = (v if c.tensor == "value" else k), coupled_slot(c)
-            qw = q.float() if spec.weighted else None
+            xf = x.float()
             if slot in books:  # fitted on the capture, read here on other tokens (the probe)
-                x_hat = fake_quantize_coupled(x.float(), books=books[slot])
+                x_hat = fake_quantize_coupled(xf, books=books[slot])
             else:  # the config's codebooks fit every token; the error is measured held out
+                qw = q.float() if spec.weighted else None
                 with stage("coupled fit"):
-                    books[slot] = fit_coupled(x.float(), spec, qw)
-                    x_hat = held_out_coupled(x.float(), spec, qw)
+                    books[slot] = fit_coupled(xf, spec, qw)
+                    x_hat = held_out_coupled(xf, spec, qw)
             x_hat = x_hat.to(x.dtype)
             variants[c] = Variant(v_hat=x_hat) if c.tensor == "value" else Variant(k_hat=x_hat)
         elif c.codebook:  # the layer's fitted codebook (the config stores its centroids)
