@@ -1,5 +1,5 @@
-"""Attention computed with the model's own semantics (mask, GQA, scaling, softcap), relative
-errors, and the streaming view of a cache (which entries a decoding query reads exact).
+"""Attention computed with the model's own semantics (mask, GQA, scaling, softcap, sinks),
+relative errors, and the streaming view of a cache (which entries a decoding query reads exact).
 
 Tensors are ``[B, H, T, D]``: queries ``[B, Hq, Tq, D]``, keys and values ``[B, Hkv, Tk, D]``
 with ``Hq = groups * Hkv``. Semantics follow transformers' eager attention:
@@ -7,6 +7,10 @@ with ``Hq = groups * Hkv``. Semantics follow transformers' eager attention:
 - GQA: query head ``h`` reads KV head ``h // groups`` (``repeat_kv``).
 - logits ``= q kᵀ * scaling``, then optional softcap ``tanh(logits / c) * c``, then the mask,
   then a float32 softmax.
+- Learned attention sinks (gpt-oss, ``sinks``: one logit per query head, ``None`` or empty =
+  none): the softmax runs over the logits and the head's sink logit appended as one more
+  column, which is then dropped (it holds no value): the sink only adds ``exp(sink)`` to the
+  denominator, so a row's weights sum to less than one.
 - Causal mask, bottom-right aligned: query ``t`` sits at absolute position ``Tk - Tq + t`` and
   sees keys at positions ``<=`` its own; with ``sliding_window = w > 0`` only keys at positions
   ``> qpos - w`` (the last ``w`` keys including itself), as ``sliding_window_overlay``.
@@ -85,13 +89,37 @@ def attention_scores(
     q: torch.Tensor, k: torch.Tensor, scaling: float, softcap: float = 0.0
 ) -> torch.Tensor:
     """Pre-softmax logits ``[B, Hq, Tq, Tk]`` float32, unmasked: ``q kᵀ * scaling``, then
-    ``tanh(x / softcap) * softcap`` when ``softcap > 0``."""
+    ``tanh(x / softcap) * softcap`` when ``softcap > 0`` (attention sinks add a column to the
+    softmax, not to these logits: ``attention_weights``)."""
     k = expand_kv(k, q.shape[1]).float()
     return _softcap((q.float() @ k.transpose(-1, -2)) * scaling, softcap)
 
 
 def _softcap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
     return torch.tanh(scores / softcap) * softcap if softcap > 0 else scores
+
+
+def sink_logits(sinks, num_q_heads: int, device=None) -> torch.Tensor | None:
+    """The attention-sink logits as float32 ``[Hq]`` (``None`` when ``sinks`` is ``None`` or
+    empty): a tensor or a sequence of floats, one per query head (``LayerAttrs.sinks``)."""
+    if sinks is None or len(sinks) == 0:
+        return None
+    out = torch.as_tensor(sinks, dtype=torch.float32).detach().reshape(-1).to(device)
+    if out.numel() != num_q_heads:
+        raise InputError(f"{out.numel()} attention-sink logits for {num_q_heads} query heads; "
+                         "give one per query head (or none).")
+    return out
+
+
+def sink_softmax(scores: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dimension of ``scores`` with the ``sink`` logits (broadcastable to
+    ``scores[..., :1]``) as one more column, dropped after (module docstring); plain softmax
+    when ``sink`` is ``None``. Masked entries are ``-inf``."""
+    if sink is None:
+        return scores.softmax(dim=-1)
+    top = torch.maximum(scores.amax(-1, keepdim=True), sink)
+    e = torch.exp(scores - top)
+    return e / (e.sum(-1, keepdim=True) + torch.exp(sink - top))
 
 
 def _visible_keys(
@@ -103,16 +131,21 @@ def _visible_keys(
     return lo, offset + end
 
 
-def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor,
+                    sink: torch.Tensor | None = None) -> torch.Tensor:
+    return sink_softmax(scores.masked_fill(~mask, float("-inf")), sink)
 
 
 def attention_weights(
-    q: torch.Tensor, k: torch.Tensor, scaling: float, sliding_window: int = 0, softcap: float = 0.0
+    q: torch.Tensor, k: torch.Tensor, scaling: float, sliding_window: int = 0, softcap: float = 0.0,
+    sinks=None,
 ) -> torch.Tensor:
-    """Post-softmax attention ``[B, Hq, Tq, Tk]`` float32 with the causal (sliding) mask."""
+    """Post-softmax attention ``[B, Hq, Tq, Tk]`` float32 with the causal (sliding) mask and the
+    optional attention-sink logits ``sinks`` ``[Hq]`` (rows then sum to less than one)."""
     mask = causal_mask(q.shape[2], k.shape[2], sliding_window, q.device)
-    return _masked_softmax(attention_scores(q, k, scaling, softcap), mask)
+    sink = sink_logits(sinks, q.shape[1], q.device)
+    return _masked_softmax(attention_scores(q, k, scaling, softcap), mask,
+                           None if sink is None else sink.view(-1, 1, 1))
 
 
 def attention_output(
@@ -122,10 +155,12 @@ def attention_output(
     scaling: float,
     sliding_window: int = 0,
     softcap: float = 0.0,
+    sinks=None,
 ) -> torch.Tensor:
     """``softmax(mask(softcap(q kᵀ * scaling))) v`` -> ``[B, Hq, Tq, D]`` float32 (before the
-    output projection)."""
-    weights = attention_weights(q, k, scaling, sliding_window, softcap)
+    output projection), the softmax with the optional attention-sink logits ``sinks``
+    ``[Hq]``."""
+    weights = attention_weights(q, k, scaling, sliding_window, softcap, sinks)
     return weights @ expand_kv(v, q.shape[1]).float()
 
 

@@ -20,7 +20,12 @@ from __future__ import annotations
 
 import torch
 
-from kvlens.analysis.metrics import num_kv_groups, streaming_quantized_length
+from kvlens.analysis.metrics import (
+    num_kv_groups,
+    sink_logits,
+    sink_softmax,
+    streaming_quantized_length,
+)
 from kvlens.cache.layout import set_size
 from kvlens.cache.mixed import dequantize_rows, quantize_rows
 
@@ -36,14 +41,15 @@ def set_reconstruction(x: torch.Tensor, bits: int | None) -> torch.Tensor:
 
 def set_membership(q: torch.Tensor, k: torch.Tensor, k_read: torch.Tensor,
                    k_set: torch.Tensor, mikv, *, scaling: float, residual_tokens: int,
-                   flush_tokens: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                   flush_tokens: int = 0, softcap: float = 0.0, sinks=None) -> torch.Tensor:
     """Bool ``[B, Hkv, T, T]``: True where decoding query ``i`` reads key ``j`` from the MiKV
     set of a layer with window ``residual_tokens``, flush block ``flush_tokens`` and settings
     ``mikv`` (``heavy_fraction``, ``sink_tokens``), fed the ``T`` tokens one at a time.
 
     q ``[B, Hq, T, D]``; k ``[B, Hkv, T, D]`` exact (the window); ``k_read``: packed keys as the
     cache reads them (balancer folded back: ``Q(k b) / b``); ``k_set``: set keys as read
-    (``set_reconstruction``). The accumulated attention uses these reads, as the cache's does.
+    (``set_reconstruction``). The accumulated attention uses these reads, as the cache's does,
+    and the attention-sink logits ``sinks`` ``[Hq]`` (``None`` or empty = none).
     Global (causal, no sliding window) layers only: sliding layers keep no set."""
 
     b, hq, t, d = q.shape
@@ -51,6 +57,8 @@ def set_membership(q: torch.Tensor, k: torch.Tensor, k_read: torch.Tensor,
     g = num_kv_groups(hq, hkv)
     n_q = streaming_quantized_length(t, residual_tokens, flush_tokens).tolist()
     qg = (q.float() * scaling).reshape(b, hkv, g, t, d)
+    sink = sink_logits(sinks, hq, q.device)
+    sink = None if sink is None else sink.view(hkv, g, 1, 1)
     pos = torch.arange(t, device=q.device)
     member = torch.zeros(b, hkv, t, dtype=torch.bool, device=q.device)
     in_set = torch.zeros(b, hkv, t, t, dtype=torch.bool, device=q.device)
@@ -69,7 +77,7 @@ def set_membership(q: torch.Tensor, k: torch.Tensor, k_read: torch.Tensor,
         if softcap > 0:
             s = torch.tanh(s / softcap) * softcap
         future = pos[None, :i1] > pos[i0:i1, None]
-        p = s.masked_fill(future, float("-inf")).softmax(dim=-1)
+        p = sink_softmax(s.masked_fill(future, float("-inf")), sink)
         acc[:, :, :i1] += p.sum(dim=(2, 3))
         in_set[:, :, i0:i1] = member[:, :, None, :]
         if i1 < t and n_q[i1] > nq:  # the flush after query i1 - 1

@@ -30,6 +30,8 @@ from kvlens.analysis.attention import (  # noqa: F401  (re-exported: the public 
     num_kv_groups,
     per_head_rel_error,
     rel_error,
+    sink_logits,
+    sink_softmax,
     streaming_exact_mask,
     streaming_quantized_length,
 )
@@ -116,6 +118,7 @@ def attention_errors_many(
     chunk_size: int = DEFAULT_CHUNK,
     exact: torch.Tensor | None = None,
     reconstruction: bool = True,
+    sinks=None,
 ) -> list[AttentionErrors]:
     """Errors of attention for several variants of the cache, sharing the reference pass.
 
@@ -130,14 +133,16 @@ def attention_errors_many(
     exact in every variant, as a streaming cache does for its full-precision window and sink
     tokens (``streaming_exact_mask``); it takes precedence over a variant's ``in_set``.
     Reconstruction errors still cover every token; ``reconstruction=False`` skips them (None),
-    for callers that compute them once elsewhere.
+    for callers that compute them once elsewhere. ``sinks``: the attention-sink logits ``[Hq]``
+    (``kvlens.analysis.attention``; ``None`` or empty = none).
 
     Each error is computed from the difference the variant makes (``q (k - k_hat)ᵀ``,
     ``w (v - v_hat)``, ``w_ref - w_hat``), so a lossless variant gives exactly 0; the results
     equal ``attention_errors_reference`` (one variant at a time) to float32 rounding."""
     return attention_errors_streams(q, k, v, variants, [exact], scaling=scaling,
                                     sliding_window=sliding_window, softcap=softcap,
-                                    chunk_size=chunk_size, reconstruction=reconstruction)[0]
+                                    chunk_size=chunk_size, reconstruction=reconstruction,
+                                    sinks=sinks)[0]
 
 
 def attention_errors_streams(
@@ -153,6 +158,7 @@ def attention_errors_streams(
     chunk_size: int = DEFAULT_CHUNK,
     reconstruction: bool = True,
     select: Sequence[Sequence[int]] | None = None,
+    sinks=None,
 ) -> list[list[AttentionErrors | None]]:
     """``attention_errors_many`` for each of several ``exacts`` masks (one per way a cache's
     window moves), sharing what does not depend on the mask: the reference pass and each
@@ -169,7 +175,7 @@ def attention_errors_streams(
     wanted = [sorted(set(sel)) for sel in select]
     ratios = _batched_ratios(q, k, v, variants, scaling=scaling, sliding_window=sliding_window,
                              softcap=softcap, chunk_size=chunk_size, exacts=exacts,
-                             select=wanted)
+                             select=wanted, sinks=sink_logits(sinks, q.shape[1], q.device))
     return [[_errors(k, v, variants[n], per[n], reconstruction) if n in per else None
              for n in range(len(variants))] for per in ratios]
 
@@ -224,6 +230,7 @@ class _Chunk:
     keep: torch.Tensor  # bool [c, n]: causal (sliding) entries
     counted: torch.Tensor  # float [c, n]: 1 where visible and not read exact
     fresh: torch.Tensor | None  # float [c, n]: 1 where not read exact (None: no exact mask)
+    sink: torch.Tensor | None = None  # attention-sink logits [Hkv, g, 1, 1] (None: none)
 
 
 def _pooled(x: torch.Tensor) -> torch.Tensor:
@@ -250,6 +257,7 @@ def _batched_ratios(
     chunk_size: int,
     exacts: Sequence[torch.Tensor | None],
     select: Sequence[Sequence[int]],
+    sinks: torch.Tensor | None = None,
 ) -> list[dict[int, dict[str, torch.Tensor]]]:
     """Per mask, ``{variant: {metric: per-head relative error}}`` of the selected variants
     (``attention_errors_streams``)."""
@@ -286,7 +294,7 @@ def _batched_ratios(
         for rows_at in chunks:
             keys = slice(*_visible_keys(rows_at.start, rows_at.stop, tq, tk, sliding_window))
             base = _reference_chunk(q, k, v, samples, rows_at, keys, full_mask[rows_at, keys],
-                                    None, scaling, softcap)
+                                    None, scaling, softcap, sinks)
             ref["scores"][piece] = _pooled(base.s_ref * _as_float(base.keep))
             ref["weights"][piece] = _pooled(base.w_ref)
             ref["output"][piece] = _pooled(base.w_ref @ base.v.unsqueeze(2))
@@ -330,6 +338,7 @@ def _reference_chunk(
     same: torch.Tensor | None,
     scaling: float,
     softcap: float,
+    sinks: torch.Tensor | None = None,
 ) -> _Chunk:
     kc, vc = k[samples, :, keys].float(), v[samples, :, keys].float()
     b, hkv, n, d = kc.shape
@@ -340,11 +349,12 @@ def _reference_chunk(
     s_ref = _softcap(raw, softcap)
     bias = torch.zeros(keep.shape, device=keep.device).masked_fill_(~keep, float("-inf"))
     s_masked = s_ref + bias
-    w_ref = s_masked.softmax(dim=-1)
+    sink = None if sinks is None else sinks.view(hkv, g, 1, 1)
+    w_ref = sink_softmax(s_masked, sink)
     counted = keep if same is None else keep & ~same
     fresh = None if same is None else _as_float(~same)
     return _Chunk(samples, rows_at, keys, rows * scaling, kc, vc, raw, s_ref, s_masked, w_ref,
-                  keep, _as_float(counted), fresh)
+                  keep, _as_float(counted), fresh, sink)
 
 
 def _group_sums(
@@ -455,7 +465,8 @@ def _keyed_weights(
         change = torch.tanh(change / softcap).mul_(1 - t_hat * torch.tanh(a)).mul_(softcap)
     sums["scores"] = _pooled(change)
     # s_hat = s_ref + change, -inf where hidden (change is 0 there), in place
-    return change.add_(ch.s_masked.unsqueeze(2)).softmax(dim=-1)
+    sink = None if ch.sink is None else ch.sink.unsqueeze(1)  # [Hkv, 1, g, 1, 1]
+    return sink_softmax(change.add_(ch.s_masked.unsqueeze(2)), sink)
 
 
 def _check_inputs(
@@ -487,6 +498,7 @@ def attention_errors_reference(
     chunk_size: int = DEFAULT_CHUNK,
     exact: torch.Tensor | None = None,
     reconstruction: bool = True,
+    sinks=None,
 ) -> list[AttentionErrors]:
     """The loop ``attention_errors_many`` is tested against: one sample, one chunk of query
     rows and one variant at a time (same arguments, same results to float32 rounding)."""
@@ -494,6 +506,8 @@ def attention_errors_reference(
     tk = k.shape[2]
     groups = num_kv_groups(hq, k.shape[1])
     _check_inputs(q, k, v, variants, chunk_size, exact)
+    sink = sink_logits(sinks, hq, q.device)
+    sink = None if sink is None else sink.view(hq, 1, 1)
     sums = [{m: _Sums(hq) for m in ("scores", "weights", "output")} for _ in variants]
     full_mask = causal_mask(tq, tk, sliding_window, q.device)
 
@@ -521,7 +535,7 @@ def attention_errors_reference(
             same = None if exact is None else exact[start:end, keys].to(q.device)
             s_ref = _softcap((rows @ k_ref[:, keys].transpose(-1, -2)) * scaling, softcap)
             s_ref_sq = _row_sq(torch.where(keep, s_ref, 0.0))
-            w_ref = s_ref.masked_fill(hide, float("-inf")).softmax(dim=-1)
+            w_ref = sink_softmax(s_ref.masked_fill(hide, float("-inf")), sink)
             o_ref = w_ref @ v_ref[:, keys]
             for acc, var, k_alt, v_alt, (in_set, k_set, v_set) in zip(
                     sums, variants, k_alts, v_alts, sets, strict=True):
@@ -539,7 +553,7 @@ def attention_errors_reference(
                                          softcap)
                         s_alt = torch.where(member, s_set, s_alt)
                     acc["scores"].add(s_ref, s_alt, s_ref_sq, keep)
-                    w_alt = s_alt.masked_fill_(hide, float("-inf")).softmax(dim=-1)
+                    w_alt = sink_softmax(s_alt.masked_fill_(hide, float("-inf")), sink)
                     acc["weights"].add(w_ref, w_alt)
                 o_alt = w_alt @ v_alt[:, keys]
                 if same is not None and v_alt is not v_ref:
@@ -603,6 +617,7 @@ def attention_errors(
     sliding_window: int = 0,
     softcap: float = 0.0,
     chunk_size: int = DEFAULT_CHUNK,
+    sinks=None,
 ) -> AttentionErrors:
     """Errors when keys are replaced by ``k_hat`` and/or values by ``v_hat`` (one variant of
     ``attention_errors_many``)."""
@@ -615,6 +630,7 @@ def attention_errors(
         sliding_window=sliding_window,
         softcap=softcap,
         chunk_size=chunk_size,
+        sinks=sinks,
     )[0]
 
 
@@ -628,6 +644,7 @@ def key_errors(
     sliding_window: int = 0,
     softcap: float = 0.0,
     chunk_size: int = DEFAULT_CHUNK,
+    sinks=None,
 ) -> AttentionErrors:
     """Key variant (only K replaced): reconstruction ``[Hkv]``, scores, weights, output
     ``[Hq]``."""
@@ -640,6 +657,7 @@ def key_errors(
         sliding_window=sliding_window,
         softcap=softcap,
         chunk_size=chunk_size,
+        sinks=sinks,
     )
 
 
@@ -653,6 +671,7 @@ def value_errors(
     sliding_window: int = 0,
     softcap: float = 0.0,
     chunk_size: int = DEFAULT_CHUNK,
+    sinks=None,
 ) -> AttentionErrors:
     """Value variant (only V replaced): reconstruction ``[Hkv]`` and output ``[Hq]``."""
     return attention_errors(
@@ -664,4 +683,5 @@ def value_errors(
         sliding_window=sliding_window,
         softcap=softcap,
         chunk_size=chunk_size,
+        sinks=sinks,
     )

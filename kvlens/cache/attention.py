@@ -7,17 +7,34 @@ Triton decode kernel (``kvlens.cache.triton_glue``) when the run's backend is tr
 (``kvlens.cache.backend``) and the kernel can serve the call, otherwise the torch read path (``kvlens.cache.torch_read``).
 Every call that takes the torch path under the triton backend is counted, with its reason, on
 the session (``CompressionSession.backend_reason``).
+
+Logit soft-capping (Gemma 2: the ``softcap`` keyword) and learned attention sinks (gpt-oss: the
+``s_aux`` keyword, else the module's ``sinks``) reach every path: the model's own attention
+receives its keywords unchanged, the torch read path and the engine arithmetic apply them; the
+Triton kernel reads neither, so such calls take the torch path and say why.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from kvlens.cache.engine import EngineLayer
 from kvlens.cache.layer import LAYER_ATTR, held_columns
 from kvlens.cache.torch_read import CHUNK_TOKENS, packed_attention
 from kvlens.cache.triton_glue import triton_decode, triton_unsupported
-from kvlens.errors import BackendError, ConfigError
+from kvlens.errors import BackendError
+
+
+def _attention_sinks(module, kwargs: dict):
+    """The learned attention-sink logits ``[Hq]`` of this call (gpt-oss passes them as
+    ``s_aux``; a model that keeps them on the module as ``sinks`` without passing them is read
+    there), or ``None``."""
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = getattr(module, "sinks", None)
+    return sinks if isinstance(sinks, torch.Tensor) else None
 
 
 def _note_torch(layer, reason: str) -> None:
@@ -52,14 +69,14 @@ def make_attention_fn(backend: str = "torch", chunk_tokens: int = CHUNK_TOKENS
                 return original(module, query, key.view_as(key),
                                 value, layer.returned_mask(attention_mask),
                                 scaling=scaling, dropout=dropout, **kwargs)
-            if kwargs.get("softcap") or kwargs.get("s_aux") is not None:
-                raise ConfigError("Attention logit soft-capping / attention sinks are not "
-                                  "supported by the kvlens compressed cache.")
             scaling = module.scaling if scaling is None else scaling
+            softcap = float(kwargs.get("softcap") or 0.0)
+            sinks = _attention_sinks(module, kwargs)
             if isinstance(layer, EngineLayer):  # an engine's own attention arithmetic
                 if use_triton:
                     _note_torch(layer, "engine attention arithmetic")
-                return layer.attend(query, attention_mask, scaling), None
+                return layer.attend(query, attention_mask, scaling, softcap=softcap,
+                                    sinks=sinks), None
             # rotated keys: every stored key is k R, so the query is rotated once (q R)(k R)^T
             query = layer.to_stored_basis(query, layer.setting.rotate_keys)
             probs = layer.needs_attention_probs
@@ -76,14 +93,15 @@ def make_attention_fn(backend: str = "torch", chunk_tokens: int = CHUNK_TOKENS
                                   dropout=dropout, **kwargs)
             else:
                 if use_triton:
-                    why = triton_unsupported(layer, query, probs)
+                    why = triton_unsupported(layer, query, probs, softcap=softcap, sinks=sinks)
                     if why is None:
                         out, why = triton_decode(query, layer, attention_mask, scaling)
                     if why is not None:
                         _note_torch(layer, why)
                 if out is None:
                     out, colsum = packed_attention(query, layer, attention_mask, scaling,
-                                                   chunk_tokens, with_probs=probs)
+                                                   chunk_tokens, with_probs=probs,
+                                                   softcap=softcap, sinks=sinks)
             layer.commit(query, colsum)
             return layer.from_stored_basis(out), None
 

@@ -54,6 +54,13 @@ on the reference CPU (``docs/benchmarks.md``).
 Same math as "dequantize with the reference, then attend", different float rounding (tested
 against it to 1e-5 for every layout, ``tests/test_cache.py``).
 
+Logit soft-capping and learned attention sinks, as transformers' eager attention of Gemma 2 and
+gpt-oss: with ``softcap = c`` every segment's scaled scores become ``c * tanh(s / c)`` before the
+mask is added; ``sinks`` (one logit per query head, ``repeat_kv`` mapping) is one more column of
+the softmax that holds no value: the online softmax starts from it (running max = the sink,
+sum = 1, output 0), so it only adds ``exp(sink)`` to every denominator (and to the log-sum-exp
+of the probabilities pass). Tested in ``tests/test_sinks_softcap.py``.
+
 Positions: the packed store holds absolute positions ``[q_start, q_end)`` (``q_start > 0`` once a
 sliding-window layer evicted blocks), the window ``[res_start, N)``; masks are indexed by
 absolute position.
@@ -321,10 +328,17 @@ def _packed_values(layer, p: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
 
 # -- segments -------------------------------------------------------------------------------------
 
-def _segments(layer, q: torch.Tensor, qb: torch.Tensor, mask, tq: int, chunk_tokens: int):
+def _capped(s: torch.Tensor, softcap: float) -> torch.Tensor:
+    """Gemma 2's logit soft-capping ``c * tanh(s / c)`` of scaled scores (before the mask);
+    ``softcap`` 0 = none."""
+    return torch.tanh(s / softcap) * softcap if softcap else s
+
+
+def _segments(layer, q: torch.Tensor, qb: torch.Tensor, mask, tq: int, chunk_tokens: int,
+              softcap: float = 0.0):
     """``(scores [B, Hkv, g, Tq, C], values_fn, positions)`` for every piece of ``layer``:
     ``values_fn(p [B, Hkv, M, C]) -> [B, Hkv, M, D]``; positions are ``(t0, t1)`` or per-head
-    ``[B, Hkv, C]``."""
+    ``[B, Hkv, C]``. Scores are soft-capped (``softcap`` > 0) before the mask bias."""
     b, hkv, m, d = q.shape
     g = m // tq
     n_total = layer.cumulative_length
@@ -340,7 +354,7 @@ def _segments(layer, q: torch.Tensor, qb: torch.Tensor, mask, tq: int, chunk_tok
             s += shift
         if layer.kgear is not None:  # GEAR: q (S + L)^T from the factors and sparse entries
             s += layer.kgear.key_terms(qb, t0, t1)
-        s = s.view(b, hkv, g, tq, t1 - t0)
+        s = _capped(s.view(b, hkv, g, tq, t1 - t0), softcap)
         bias = _range_bias(mask, a0 + t0, a0 + t1, tq, n_total, q.device)
         if bias is not None:
             s = s + bias
@@ -351,13 +365,13 @@ def _segments(layer, q: torch.Tensor, qb: torch.Tensor, mask, tq: int, chunk_tok
         yield s, (lambda p, t0=t0, t1=t1: _packed_values(layer, p, t0, t1)), (a0 + t0, a0 + t1)
     if layer.has_hp:
         k, v = layer.hp_k.read(), layer.hp_v.read()
-        s = torch.matmul(q, k.transpose(-1, -2)).view(b, hkv, g, tq, -1)
+        s = _capped(torch.matmul(q, k.transpose(-1, -2)).view(b, hkv, g, tq, -1), softcap)
         s = s + _bias(mask, layer.hp_pos.long(), tq, n_total, b, hkv)
         yield s, (lambda p, v=v: torch.matmul(p, v)), layer.hp_pos.long()
     if layer.n_res:
         k, v = layer.res_k.view().float(), layer.res_v.view().float()
         r0 = layer.res_start
-        s = torch.matmul(q, k.transpose(-1, -2)).view(b, hkv, g, tq, -1)
+        s = _capped(torch.matmul(q, k.transpose(-1, -2)).view(b, hkv, g, tq, -1), softcap)
         bias = _range_bias(mask, r0, r0 + layer.n_res, tq, n_total, q.device)
         if bias is not None:
             s = s + bias
@@ -378,18 +392,27 @@ def _queries(query: torch.Tensor, layer, scaling: float):
 
 
 def packed_attention(query: torch.Tensor, layer, mask: torch.Tensor | None, scaling: float,
-                     chunk_tokens: int = CHUNK_TOKENS, with_probs: bool = False
+                     chunk_tokens: int = CHUNK_TOKENS, with_probs: bool = False, *,
+                     softcap: float = 0.0, sinks: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention output ``[B, Tq, Hq, D]`` (transformers' attention-function layout) and, when
     ``with_probs``, the attention mass per cached position ``[B, Hkv, N]`` (summed over the
-    query heads of each KV head and over the queries; used for H2O heavy hitters)."""
+    query heads of each KV head and over the queries; used for H2O heavy hitters).
+
+    ``softcap``: logit soft-capping (0 = none); ``sinks``: the learned attention-sink logit of
+    each query head ``[Hq]`` (gpt-oss's ``s_aux``; ``None`` = none), not MiKV's sink tokens
+    (module docstring)."""
     b, hq, tq, d = query.shape
     q, qb = _queries(query, layer, scaling)
     hkv, m_rows = q.shape[1], q.shape[2]
     g = m_rows // tq
     n_total = layer.cumulative_length
     m = s_sum = acc = None
-    for s, values, _ in _segments(layer, q, qb, mask, tq, chunk_tokens):
+    if sinks is not None:  # the sink column first: max = sink, sum = exp(0), no value
+        m = sinks.detach().float().to(q.device).view(1, hkv, g, 1, 1).expand(b, hkv, g, tq, 1)
+        s_sum = torch.ones(b, hkv, g, tq, 1, device=q.device)
+        acc = torch.zeros(b, hkv, g, tq, d, device=q.device)
+    for s, values, _ in _segments(layer, q, qb, mask, tq, chunk_tokens, softcap):
         seg_max = s.amax(-1, keepdim=True)
         m_new = seg_max if m is None else torch.maximum(m, seg_max)
         m_safe = m_new.nan_to_num(neginf=0.0)  # a fully masked row: exp(-inf - 0) = 0
@@ -413,7 +436,7 @@ def packed_attention(query: torch.Tensor, layer, mask: torch.Tensor | None, scal
     lse = torch.where(s_sum > 0, m.nan_to_num(neginf=0.0) + s_sum.log(),
                       torch.tensor(float("inf"), device=query.device))
     colsum = torch.zeros(b, hkv, n_total, device=query.device)
-    for s, _, pos in _segments(layer, q, qb, mask, tq, chunk_tokens):
+    for s, _, pos in _segments(layer, q, qb, mask, tq, chunk_tokens, softcap):
         p = torch.exp(s - lse).sum(dim=(2, 3))
         if isinstance(pos, tuple):
             colsum[:, :, pos[0]:pos[1]] += p

@@ -3,7 +3,8 @@
 
 ``kernel_layout_problem`` is the one rule for which stored layouts the kernel reads (shared by
 the per-call dispatch, ``kvlens.cache.decode_cost`` and ``recommend``'s ``--prefer-fast``);
-``triton_unsupported`` adds the per-call reasons (prefill, attention probabilities, GEAR);
+``triton_unsupported`` adds the per-call reasons (prefill, attention probabilities, GEAR, logit
+soft-capping and attention sinks, which the kernel does not apply);
 ``triton_decode`` turns a ``CompressedLayer`` and transformers' mask into the kernel's arguments.
 Codebook keys and values (``kvlens.cache.codebook``) are read by the kernel too, in the layer's
 rotated basis: the attention function passes the rotated query and un-rotates the output, for
@@ -20,10 +21,17 @@ from kvlens.quant import CodebookSpec, pack_unit
 from kvlens.quant.coupled import CoupledSpec
 
 
-def triton_unsupported(layer, query: torch.Tensor, with_probs: bool) -> str | None:
-    """Why ``kvlens_kernels.decode_attention`` cannot serve this call (``None``: it can)."""
+def triton_unsupported(layer, query: torch.Tensor, with_probs: bool, *, softcap: float = 0.0,
+                       sinks: torch.Tensor | None = None) -> str | None:
+    """Why ``kvlens_kernels.decode_attention`` cannot serve this call (``None``: it can).
+    ``softcap`` / ``sinks``: the call's logit soft-capping and learned attention-sink logits
+    (``kvlens.cache.attention``), which the kernel does not read."""
     if query.shape[2] != 1:
         return "prefill / multi-token query (the kernel takes one query token)"
+    if softcap:
+        return "logit soft-capping (the kernel does not apply tanh capping to its scores)"
+    if sinks is not None:
+        return "attention sinks (the kernel's softmax has no learned sink term)"
     if with_probs:
         return ("MiKV heavy-hitter selection needs attention probabilities, which the kernel "
                 "does not return")

@@ -28,6 +28,13 @@ the same way (no f32->f16 cast of the cache), softmax in float32, and ``mul_mat(
 converts the probabilities to V's vec_dot type (f16 for an f16 V; llama.cpp refuses a
 quantized V without flash attention, which is then accumulated in float32 here).
 
+Logit soft-capping (Gemma 2) and learned attention sinks (gpt-oss), as ``one_chunk`` and
+``tiled`` apply them: ``scale /= softcap`` once, then ``softcap * tanhf(s * scale)`` per score
+before the mask (the non-flash graph's ``ggml_tanh`` between two ``ggml_scale`` is the same
+formula with the scale applied first: not modelled to the last ulp); the head's sink logit
+joins the row maximum and adds ``expf(sink - M)`` to the sum after the last key, with no value
+(``ggml_soft_max_add_sinks`` / ``ggml_flash_attn_ext_add_sinks``).
+
 Not modelled: the f32 rounding order of the online softmax (one float32 softmax here),
 ``expf`` versus torch's ``exp`` (last-ulp differences), the split-KV decode path of f16/f16
 with more than 512 keys (its per-thread chunks; one chunk here, what one thread computes),
@@ -159,7 +166,7 @@ def key_scores(q_values: torch.Tensor, q_sums: torch.Tensor | None, k: torch.Ten
 
 
 def accumulate_f16(scores: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
-                   key_block: int = 256) -> torch.Tensor:
+                   key_block: int = 256, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``one_chunk``'s online softmax with an fp16 V accumulator, key by key in cache order.
 
     scores: float32 ``[B, Hq, Tq, N]`` (scaled, masked keys anything); v: ``[B, Hkv, N, D]``
@@ -171,7 +178,8 @@ def accumulate_f16(scores: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
     The running maximum depends on the scores alone (a cumulative maximum), so the factors
     ``exp(M_old - M)`` and ``exp(s - M)`` are computed up front; only the fp16 accumulator is
     a loop over keys (``key_block`` keys' products at a time). ``S`` is summed in float32 in
-    one go (its rounding order is not modelled)."""
+    one go (its rounding order is not modelled). ``sinks`` ``[Hq]``: the heads' sink logits,
+    joined after the last key on the float32 copy of ``VKQ`` (module docstring)."""
     b, hq, tq, n = scores.shape
     hkv, d = v.shape[1], v.shape[-1]
     g = hq // hkv
@@ -195,21 +203,32 @@ def accumulate_f16(scores: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
             acc = (acc.float() + pv[..., ic - k0, :]).half()
     total = (vs * torch.exp(big_m - big_m[..., -1:]).nan_to_num(0.0)).sum(-1, keepdim=True)
     # VKQ is relative to the final maximum already (every rescale applied): S likewise
+    vkq = acc.float()
+    if sinks is not None:  # after the last key, on the float32 copy of VKQ (module docstring)
+        sink = sinks.float().view(1, hq, 1, 1).expand(b, hq, tq, 1).reshape(b, hkv, g * tq, 1)
+        last = big_m[..., -1:]
+        above = sink > last
+        ms = torch.where(above, torch.exp(last - sink), torch.ones_like(sink))
+        vkq = vkq * ms
+        total = total * ms + torch.where(above, torch.ones_like(sink), torch.exp(sink - last))
     safe = torch.where(total > 0, total, torch.ones_like(total))
-    out = torch.where(total > 0, acc.float() / safe, torch.zeros_like(safe))
+    out = torch.where(total > 0, vkq / safe, torch.zeros_like(safe))
     return out.reshape(b, hq, tq, d)
 
 
 def _softmax_v(scores: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
-               p_type: str | None = None) -> torch.Tensor:
-    """float32 softmax over visible keys times V (GQA broadcast); ``p_type`` ``"f16"`` rounds
-    the probabilities to fp16 first (the non-flash ``mul_mat(v, kq)`` with an f16 V)."""
+               p_type: str | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 softmax over visible keys (and the heads' ``sinks`` ``[Hq]``, no value) times V
+    (GQA broadcast); ``p_type`` ``"f16"`` rounds the probabilities to fp16 first (the non-flash
+    ``mul_mat(v, kq)`` with an f16 V)."""
     b, hq, tq, n = scores.shape
     hkv = v.shape[1]
     s = scores.masked_fill(~visible, float("-inf"))
-    m = s.amax(-1, keepdim=True).nan_to_num(neginf=0.0)
+    m = s.amax(-1, keepdim=True)
+    sink = None if sinks is None else sinks.float().view(1, hq, 1, 1)
+    m = (m if sink is None else torch.maximum(m, sink)).nan_to_num(neginf=0.0)
     p = torch.exp(s - m)
-    total = p.sum(-1, keepdim=True)
+    total = p.sum(-1, keepdim=True) + (0.0 if sink is None else torch.exp(sink - m))
     p = p / torch.where(total > 0, total, torch.ones_like(total))
     if p_type == "f16":
         p = p.half().float()
@@ -217,15 +236,25 @@ def _softmax_v(scores: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
     return out.reshape(b, hq, tq, -1)
 
 
+def _scaled(raw: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    """Raw scores times ``scale``, soft-capped as ggml does it (module docstring)."""
+    if not softcap:
+        return raw * scale
+    folded = torch.tensor(scale, dtype=torch.float32) / torch.tensor(softcap, dtype=torch.float32)
+    return torch.tanh(raw * folded.to(raw.device)) * softcap
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
            scale: float, key_type: str, value_type: str, *, k_min: torch.Tensor | None = None,
-           flash_attention: bool = True) -> torch.Tensor:
+           flash_attention: bool = True, softcap: float = 0.0,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """llama.cpp's CPU attention output ``[B, Hq, Tq, D]`` float32 (module docstring).
 
     q: ``[B, Hq, Tq, D]`` in K's stored basis; k, v: the cache as read back ``[B, Hkv, N, D]``
     (dequantized float32; f16 types hold fp16 values); visible: bool broadcastable to
     ``[B, Hq, Tq, N]``; key_type / value_type: the ``-ctk/-ctv`` names; k_min: the key blocks'
-    minima of a ``_1`` key type (``key_scores``)."""
+    minima of a ``_1`` key type (``key_scores``); softcap: logit soft-capping (0 = none);
+    sinks: the learned attention-sink logit of each query head ``[Hq]`` (``None`` = none)."""
     tq = q.shape[2]
     if flash_attention:
         kt, vt = fa_read_type(key_type), fa_read_type(value_type)
@@ -233,11 +262,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Ten
         v = v.half().float() if vt != value_type else v
         if fa_path(kt, vt, tq) == "tiled":
             raw = key_scores(q.float(), None, k, None)
-            return _softmax_v(raw * scale, v, visible)
+            return _softmax_v(_scaled(raw, scale, softcap), v, visible, sinks=sinks)
     else:
         kt, vt = key_type, value_type
     qv, qs = query_to_vec_dot(q, kt)
-    scores = key_scores(qv, qs, k, k_min) * scale
+    scores = _scaled(key_scores(qv, qs, k, k_min), scale, softcap)
     if flash_attention and vt == "f16":
-        return accumulate_f16(scores, v, visible)
-    return _softmax_v(scores, v, visible, "f16" if not flash_attention and vt == "f16" else None)
+        return accumulate_f16(scores, v, visible, sinks=sinks)
+    return _softmax_v(scores, v, visible, "f16" if not flash_attention and vt == "f16" else None,
+                      sinks)
