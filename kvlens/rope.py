@@ -5,17 +5,50 @@ when ``R < D``: only the first ``R`` channels rotate). Two channel layouts exist
 - ``"half"`` (HF default, also GGUF Llama weights as loaded by HF): channel ``i`` pairs with
   ``i + R/2``;
 - ``"interleaved"``: channel ``2i`` pairs with ``2i + 1``.
+
+That pair ``(layout, cos, sin)`` of width ``R`` is kvlens' one normalised form of a layer's
+RoPE (``RopeTables``); every function here and downstream works on it. Models hand RoPE to
+their attention modules in other forms too; a ``RopeForm`` names one (how the tables hold the
+per-pair angles and which channels the model pairs) and normalises its tables:
+
+- ``half`` tables applied ``half``: ``cat(f, f)`` (most models);
+- ``interleaved`` tables applied ``interleaved``: ``repeat_interleave(f, 2)`` (Cohere);
+- ``compact`` tables applied ``half``: one column per pair (gpt-oss);
+- ``half`` tables applied ``interleaved``: ``cat(f, f)``, of which the model repeats the first
+  half (GLM, GLM-4);
+- ``complex`` tables applied ``interleaved``: ``freqs_cis = cos + i sin`` per pair (Llama 4);
+- ``half`` tables applied ``half`` to de-interleaved input: the model reads its pairs as
+  ``(2i, 2i+1)`` and writes them as ``(i, i + R/2)`` (DeepSeek V3's
+  ``apply_rotary_pos_emb_interleave``); kvlens' pre-RoPE tensor is then the de-interleaved one
+  (``deinterleave``: a fixed permutation of the rotary channels), which RoPE rotates half-wise.
+
+Which form a layer uses is never guessed from its tables: ``kvlens.model.rotary`` runs the
+model's own rotary function on a probe and keeps the form that reproduces it
+(``matching_form``). A new form is one more ``RopeForm`` in ``FORMS`` (and a table kind in
+``TABLE_KINDS`` if its tables hold the angles some new way).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 LAYOUTS = ("half", "interleaved")
+#: how ``position_embeddings`` hold the per-pair angles: ``(cos, sin)`` as ``cat(f, f)``
+#: (``half``), as ``repeat_interleave(f, 2)`` (``interleaved``), one column per pair
+#: (``compact``), or one complex tensor ``cos + i sin`` per pair (``complex``)
+TABLE_KINDS = ("half", "interleaved", "compact", "complex")
+#: a form reproduces a model's rotary function when the largest difference on the probe is at
+#: most this times the largest output: float32 rounding inside the model's function (several
+#: cast to float32) stays far below it, a wrong pairing or table misses by order one
+PROBE_TOLERANCE = 1e-5
 
 
 def detect_layout(cos: torch.Tensor) -> str:
-    """Infer the pairing from the cos table: "half" when both halves repeat each other."""
+    """The pairing a duplicated cos table suggests: "half" when both halves repeat each other.
+    A shape check only: the capture finds a layer's layout by reproducing the model's own rotary
+    function (``matching_form``), since some models (GLM) apply half tables interleaved."""
     r = cos.shape[-1]
     if torch.equal(cos[..., : r // 2], cos[..., r // 2:]):
         return "half"
@@ -100,3 +133,127 @@ class RopeFrequencies:
         ``reproduces`` as tables are seen."""
         return [cls(inv_freq, scaling, layout) for inv_freq, scaling in candidates
                 for layout in LAYOUTS]
+
+
+@dataclass(frozen=True, eq=False)
+class RopeTables:
+    """A layer's RoPE in kvlens' normalised form: ``cos``, ``sin`` ``[B, T, R]`` for the first
+    ``R`` channels of each head, paired as ``layout``."""
+
+    layout: str
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.cos.shape[-1])
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """RoPE on ``x`` ``[B, H, T, D]`` (``apply_rope``)."""
+        return apply_rope(x, self.cos, self.sin, self.layout)
+
+    def invert(self, x: torch.Tensor) -> torch.Tensor:
+        """The tensor RoPE was applied to, from ``x`` ``[B, H, T, D]`` (``invert_rope``)."""
+        return invert_rope(x, self.cos, self.sin, self.layout)
+
+
+def _is_real_pair(pe) -> bool:
+    return (isinstance(pe, tuple) and len(pe) == 2
+            and all(isinstance(t, torch.Tensor) and not t.is_complex() for t in pe)
+            and pe[0].shape == pe[1].shape and pe[0].dim() >= 1)
+
+
+@dataclass(frozen=True)
+class RopeForm:
+    """One way a model gives RoPE to its attention: how its ``position_embeddings`` hold the
+    per-pair angles (``tables``, one of ``TABLE_KINDS``) and which channels it pairs
+    (``layout``, one of ``LAYOUTS``). ``position_embeddings`` is ``(cos, sin)`` ``[B, T, W]``
+    or, for ``complex`` tables, one complex tensor ``[B, T, R/2]``."""
+
+    tables: str
+    layout: str
+    #: the model de-interleaves its input's rotary channels before rotating (module docstring)
+    deinterleaves_input: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.tables} tables, {self.layout} pairs" + (
+            " of de-interleaved input" if self.deinterleaves_input else "")
+
+    def accepts(self, pe) -> bool:
+        """Whether ``pe`` has this form's shape (duplicated tables repeat exactly)."""
+        if self.tables == "complex":
+            return isinstance(pe, torch.Tensor) and pe.is_complex()
+        if not _is_real_pair(pe):
+            return False
+        width = pe[0].shape[-1]
+        if self.tables == "compact":
+            return True
+        if width % 2:
+            return False
+        if self.tables == "half":
+            return all(torch.equal(t[..., : width // 2], t[..., width // 2:]) for t in pe)
+        return all(torch.equal(t[..., 0::2], t[..., 1::2]) for t in pe)
+
+    def rotary_dim(self, pe) -> int:
+        """``R``: the channels ``pe`` rotates in this form."""
+        width = int((pe if self.tables == "complex" else pe[0]).shape[-1])
+        return 2 * width if self.tables in ("compact", "complex") else width
+
+    def pairs(self, pe) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-pair ``(cos, sin)`` ``[B, T, R/2]``."""
+        if self.tables == "complex":
+            return pe.real, pe.imag
+        cos, sin = pe
+        if self.tables == "half":
+            half = cos.shape[-1] // 2
+            return cos[..., :half], sin[..., :half]
+        if self.tables == "interleaved":
+            return cos[..., 0::2], sin[..., 0::2]
+        return cos, sin
+
+    def normalise(self, pe) -> RopeTables:
+        """``pe`` as ``RopeTables`` (``cat(f, f)`` for half pairs, ``repeat_interleave`` for
+        interleaved ones), in the dtype of its tables."""
+        cos, sin = self.pairs(pe)
+        if self.layout == "half":
+            return RopeTables("half", torch.cat((cos, cos), -1), torch.cat((sin, sin), -1))
+        return RopeTables("interleaved", cos.repeat_interleave(2, -1),
+                          sin.repeat_interleave(2, -1))
+
+
+FORMS = (RopeForm("half", "half"), RopeForm("interleaved", "interleaved"),
+         RopeForm("compact", "half"), RopeForm("half", "interleaved"),
+         RopeForm("complex", "interleaved"), RopeForm("half", "half", deinterleaves_input=True))
+
+
+def deinterleave(x: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """``x`` ``[..., D]`` with its first ``rotary_dim`` channels reordered from interleaved
+    pairs ``(2i, 2i+1)`` to half pairs ``(i, i + R/2)``: evens first, then odds."""
+    rot, rest = _split(x, rotary_dim)
+    return torch.cat((rot[..., 0::2], rot[..., 1::2], rest), dim=-1)
+
+
+def matching_form(pe, probes: tuple[torch.Tensor, ...], model_out: tuple[torch.Tensor, ...],
+                  forms: tuple[RopeForm, ...] = FORMS) -> RopeForm | None:
+    """The first of ``forms`` whose normalised tables, applied by ``apply_rope`` (float64) to
+    each probe ``[B, H, T, W]``, give the model's own rotary function's output on it
+    (``model_out``, same shapes), within ``PROBE_TOLERANCE``; ``None`` when none does. A form
+    rotating more than ``W`` channels cannot be checked on these probes and is skipped."""
+    width = probes[0].shape[-1]
+    for form in forms:
+        if not form.accepts(pe) or form.rotary_dim(pe) > width:
+            continue
+        tables = form.normalise(pe)
+        r = tables.rotary_dim
+        inputs = [deinterleave(p, r) if form.deinterleaves_input else p for p in probes]
+        if all(_close(tables.apply(p.double()), o) for p, o in zip(inputs, model_out)):
+            return form
+    return None
+
+
+def _close(mine: torch.Tensor, theirs: torch.Tensor) -> bool:
+    if theirs.shape != mine.shape:
+        return False
+    diff = (mine - theirs.double()).abs().max()
+    return bool(diff <= PROBE_TOLERANCE * max(1.0, float(mine.abs().max())))

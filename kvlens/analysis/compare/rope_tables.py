@@ -1,9 +1,11 @@
 """RoPE tables that reproduce a capture's stored keys from its stored pre-RoPE keys.
 
 Quantizing keys before RoPE (``compare-axes --stages pre``, ``recommend``'s pre-RoPE candidates)
-means re-rotating them with the model's own tables. A capture records ``rope_theta`` and the
-layout, but scaled variants (YaRN, linear scaling) and per-layer thetas (Gemma3) are not always
-recorded, so the tables are re-created and checked against the stored pair, per layer.
+means re-rotating them with the model's own tables. Captures store each layer's tables
+(``kvlens.capture.store.StoredRope``): exact for every RoPE variant (YaRN, LongRoPE, Llama 3,
+dynamic scaling, per-layer thetas) and used as they are. Older captures record only
+``rope_theta`` and the layout, so for them the tables are re-created (a theta search) and checked
+against the stored pair, per layer.
 """
 
 from __future__ import annotations
@@ -42,17 +44,28 @@ COMMON_ROPE_THETAS = (10000.0, 500000.0, 1000000.0, 100000.0, 1000.0, 5000000.0,
                       50000.0, 250000.0, 2000000.0)
 
 
-def layer_rope_tables(meta, k, k_pre, n_tokens: int | None = None):
+def layer_rope_tables(meta, k, k_pre, n_tokens: int | None = None, stored=None):
     """``(tables, theta)`` reproducing one layer's stored keys from its stored pre-RoPE keys
-    (``k``, ``k_pre``: ``[S, H, T, D]``), or ``(None, None)``. Tries the capture's recorded
-    ``rope_theta``, then common thetas, then a search over theta (log scale) on the rebuild
-    error; a theta counts only when its rebuild error is within ``ROPE_CHECK_TOLERANCE``. Why
-    per layer: models such as Gemma3 use one theta on their sliding-window layers and another
-    on their global ones, and a capture may not record them (Gemma3's config keeps them per
-    layer type); the check keeps scaled variants (YaRN...) out."""
+    (``k``, ``k_pre``: ``[S, H, T, D]``, the first T positions of the capture's windows), or
+    ``(None, None)``. ``stored`` (``LayerData.rope()``): the layer's captured tables, used as
+    they are (``theta`` is then ``None``), checked like any others; a layer that applies no
+    RoPE has none. Without them (older captures) tries the capture's recorded ``rope_theta``,
+    then common thetas, then a search over theta (log scale) on the rebuild error; a theta
+    counts only when its rebuild error is within ``ROPE_CHECK_TOLERANCE``. Why per layer: models
+    such as Gemma3 use one theta on their sliding-window layers and another on their global
+    ones, and a capture may not record them (Gemma3's config keeps them per layer type); the
+    check keeps scaled variants (YaRN...) out."""
     if meta.rope_layout not in ("half", "interleaved"):
         return None, None
     n_tok = k.shape[2] if n_tokens is None else n_tokens
+    if stored is not None:
+        if not stored.applies:
+            return None, None
+        full = stored_tables(stored, k.shape[0], n_tok)
+        if rope_rebuild_error(k[:, :, :n_tok], k_pre[:, :, :n_tok], full, meta.rope_layout) \
+                > ROPE_CHECK_TOLERANCE:
+            return None, None
+        return full, None
     probe = slice(0, min(k.shape[2], 256))
     kp, pp = k[:1, :, probe], k_pre[:1, :, probe]
 
@@ -88,15 +101,32 @@ def layer_rope_tables(meta, k, k_pre, n_tokens: int | None = None):
     return full, found
 
 
+def stored_tables(stored, n_samples: int, n_tokens: int):
+    """A layer's captured tables (``StoredRope``) for the first ``n_tokens`` positions of
+    ``n_samples`` windows: ``(cos, sin)`` ``[S, T, R]``."""
+    return tuple(t[:n_tokens].expand(n_samples, -1, -1) for t in (stored.cos, stored.sin))
+
+
 def rope_rebuild_error(k, k_pre, tables, layout: str) -> float:
     """Relative error of re-applying RoPE (``tables``) to stored pre-RoPE keys vs stored keys."""
 
     return rel_error(k, apply_rope(k_pre, *tables, layout))
 
 
-def checked_layer_tables(k, k_pre, meta, layer: int):
-    """The layer's RoPE tables (``layer_rope_tables``) or an ``InputError`` saying why not."""
-    tables, _ = layer_rope_tables(meta, k, k_pre)
+def checked_layer_tables(k, k_pre, meta, layer: int, stored=None):
+    """The layer's RoPE tables (``layer_rope_tables``, with its captured tables ``stored`` when
+    the capture has them) or an ``InputError`` saying why not."""
+    tables, _ = layer_rope_tables(meta, k, k_pre, stored=stored)
+    if tables is None and stored is not None:
+        if not stored.applies:
+            raise InputError(f"Layer {layer} applies no RoPE (a NoPE layer): its keys have no "
+                             "pre-RoPE form to quantize. Use --stages post.")
+        err = rope_rebuild_error(k, k_pre, stored_tables(stored, k.shape[0], k.shape[2]),
+                                 meta.rope_layout)
+        raise InputError(
+            f"Layer {layer}: the capture's own RoPE tables re-applied to its stored pre-RoPE "
+            f"keys miss the stored keys (relative error {err:.3g} > {ROPE_CHECK_TOLERANCE}); "
+            "the capture is inconsistent. Re-run `kvlens capture`, or use --stages post.")
     if tables is None:
         theta = meta.rope.get("rope_theta")
         err = rope_rebuild_error(k, k_pre, rope_tables(meta, k.shape[0], k.shape[2],
