@@ -1,8 +1,9 @@
 """Engine cache types: what one tensor (K or V) of one layer is stored as in an engine's cache.
 
 A cache type is either an engine format (``kvlens.quant.formats.FormatSetting``: ggml blocks,
-static fp8, dynamic per-token-head) or a plain float type (``DenseType``: llama.cpp's ``f16``,
-``bf16``, ``f32``; vLLM's ``auto``/skipped layers are ``f16``). ``parse_cache_type`` reads the
+static fp8, dynamic per-token-head, vLLM's ``fp8_ds_mla``) or a plain float type
+(``DenseType``: llama.cpp's ``f16``, ``bf16``, ``f32``; vLLM's ``auto``/skipped layers are
+``f16``). ``parse_cache_type`` reads the
 names ``kvlens.quant.formats.parse_format`` reads plus the three float names; configs store the
 name (``KVConfig`` ``key_format`` / ``value_format``).
 
@@ -84,9 +85,14 @@ def check_engine_layer(layer, head_dim: int, kv_heads: int, scales, where: str) 
     (``{"key": (...), "value": (...)}`` or None) where the types need them."""
 
     scales = scales or {}
+    ds_mla = [getattr(getattr(ct, "format", None), "family", None) == "ds-mla"
+              for ct in (layer.key_type, layer.value_type)]
+    if any(ds_mla) and not all(ds_mla):
+        raise ConfigError(f"{where}: fp8_ds_mla stores an MLA model's one latent row, keys and "
+                          "values alike; set key_format and value_format both to fp8_ds_mla.")
     for tensor, ct in (("key", layer.key_type), ("value", layer.value_type)):
         fmt = getattr(ct, "format", None)
-        if fmt is not None and fmt.family == "ggml":
+        if fmt is not None and fmt.family in ("ggml", "ds-mla"):
             try:
                 fmt.check_fits((1, 1, 1, head_dim))
             except ConfigError as exc:

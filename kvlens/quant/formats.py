@@ -1,7 +1,8 @@
 """Engine KV-cache formats as an engine runs them: the format (``kvlens.quant.ggml`` for
 llama.cpp's ggml blocks, ``kvlens.quant.fp8`` for vLLM/SGLang's static fp8 and per-token-head
-formats) plus the engine's rotation, their names, and the one entry point that reads a tensor
-back as the engine would (``fake_quantize_format``). Tensors are ``[B, H, T, D]``.
+formats, ``kvlens.quant.ds_mla`` for vLLM's ``fp8_ds_mla`` cache of an MLA latent row) plus
+the engine's rotation, their names, and the one entry point that reads a tensor back as the
+engine would (``fake_quantize_format``). Tensors are ``[B, H, T, D]``.
 
 - ``FormatSetting``: a format plus the engine's rotation. llama.cpp rotates Q/K/V by an
   orthonormal Walsh-Hadamard matrix when the cache type is quantized and ``head_dim % 64 ==
@@ -11,8 +12,8 @@ back as the engine would (``fake_quantize_format``). Tensors are ``[B, H, T, D]`
   ``"on"``/``"off"`` force it (names ``q4_0+rot`` / ``q4_0+norot``).
 
 ``parse_format`` reads names such as ``q8_0``, ``q4_0+norot``, ``fp8_e4m3``, ``fp8_e4m3@head``,
-``fp8_e5m2@head:p99.9``, ``fp8_e4m3:s1``, ``int8@token-head``; unknown names raise
-``ConfigError`` listing the allowed ones. These are the cache-type names a config stores
+``fp8_e5m2@head:p99.9``, ``fp8_e4m3:s1``, ``int8@token-head``, ``fp8_ds_mla``; unknown names
+raise ``ConfigError`` listing the allowed ones. These are the cache-type names a config stores
 (``kvlens.quant.cachetypes``); what a user types on the command line is an engine setting
 (``kvlens.config.engine``).
 """
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from kvlens.errors import ConfigError, InputError
+from kvlens.quant.ds_mla import DS_MLA, DsMlaFormat, fake_quantize_ds_mla
 from kvlens.quant.fp8 import (
     STATIC_SCOPES,
     TOKEN_HEAD_KINDS,
@@ -42,7 +44,7 @@ from kvlens.quant.rotation import hadamard_rotation
 ROTATIONS = ("auto", "on", "off")
 LLAMA_CPP_ROTATION_MULTIPLE = 64
 FORMAT_VERSION = 1
-KVFormat = GGMLBlockFormat | FP8Format | TokenHeadFormat
+KVFormat = GGMLBlockFormat | FP8Format | TokenHeadFormat | DsMlaFormat
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,7 @@ def allowed_format_names() -> tuple[str, ...]:
         "fp8_e4m3@head",
         "fp8_e5m2@head",
         *(f"{k}@token-head" for k in TOKEN_HEAD_KINDS),
+        DS_MLA.name,
     )
 
 
@@ -170,6 +173,10 @@ def parse_format(text: str) -> FormatSetting:
         if scope not in (None, "token-head"):
             raise _unknown(raw, f"{kind} exists only as a dynamic per-token-head format")
         return FormatSetting(TokenHeadFormat(kind), rotation)
+    if kind == DS_MLA.name:  # one latent row: no scale to choose, nothing an engine rotates
+        if scope is not None or rot is not None:
+            raise _unknown(raw, f"{kind} takes no @scope and no +rot / +norot")
+        return FormatSetting(DS_MLA)
     raise _unknown(raw, f"unknown type {kind!r}")
 
 
@@ -231,6 +238,8 @@ def fake_quantize_format(
         if scale is None:
             scale = calibrate_scale(x, fmt)
         out = fp8_round_trip(x, scale.to(x.device), fmt.fp8)
+    elif fmt.family == "ds-mla":
+        out = fake_quantize_ds_mla(x)
     else:
         out = fake_quantize_token_head(x, fmt)
     return rotate_rows(out, r.T) if r is not None else out

@@ -1,0 +1,116 @@
+"""vLLM's ``fp8_ds_mla`` KV-cache format: how vLLM's sparse MLA backends (FlashMLA, DeepSeek
+V3.2's attention) store an MLA model's latent row; the one place its quantize/dequantize
+semantics live (plain torch; rows are ``[..., D]``).
+
+Per token, what vLLM's ``concat_and_cache_ds_mla_kernel`` writes (docs/engine-formats.md cites
+the source):
+
+- the latent (``kv_lora_rank`` channels) in tiles of ``TILE`` channels, each tile with its own
+  float32 scale ``s = max(amax(|x|) / 448, FLT_MIN)`` computed when the token is written, and
+  its channels stored as fp8 e4m3 codes ``fp8(x / s)`` (a saturating, round-to-nearest-even
+  cast);
+- the RoPE key (``qk_rope_head_dim`` channels) copied unquantized, as bfloat16.
+
+vLLM runs the format on bfloat16 activations only, so a row of another dtype is first rounded
+to bfloat16 (what a bf16 model would hand the kernel). Reading back gives ``bf16(code * s)`` for
+the latent (vLLM's ``cp_gather_and_upconvert_fp8_kv_cache``) and the RoPE channels as stored.
+
+kvlens's latent row is ``[k_pe ; c]`` (``kvlens.model.mla``: RoPE channels first), so the leading
+``D mod TILE`` channels are the RoPE part and the rest, a positive multiple of ``TILE``, the
+latent. vLLM packs each token as ``[codes][scales][rope]`` (656 bytes for DeepSeek's 512 + 64);
+``DsMlaRows`` holds the same three parts as separate tensors, the same bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvlens.errors import ConfigError
+
+TILE = 128  # latent channels sharing one scale
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # the kernel's scale divisor
+FLT_MIN = float(torch.finfo(torch.float32).tiny)  # the smallest scale the kernel stores
+SCALE_BYTES = 4  # float32 scales
+ROPE_BYTES = 2  # bfloat16 RoPE channels
+
+
+@dataclass(frozen=True)
+class DsMlaFormat:
+    """vLLM's ``fp8_ds_mla`` (module docstring): meaningful only for an MLA model's latent row,
+    which the model check (``kvlens.config.model_check``) makes sure of."""
+
+    family = "ds-mla"
+    name = "fp8_ds_mla"
+    code_bits = 8
+
+    @property
+    def shares_scale(self) -> str:
+        return (f"{TILE} latent channels of one token (dynamic float32 scale); the RoPE channels "
+                "are kept in bfloat16")
+
+    def split(self, head_dim: int) -> tuple[int, int]:
+        """``(rope, latent)`` channels of a row of ``head_dim``: the leading ``head_dim % TILE``
+        and the rest; ``ConfigError`` unless the latent is a positive multiple of ``TILE``."""
+        rope = head_dim % TILE
+        if head_dim < TILE:
+            raise ConfigError(
+                f"fp8_ds_mla needs an MLA latent row of RoPE channels (fewer than {TILE}) then a "
+                f"latent of a positive multiple of {TILE} channels (vLLM runs 64 + 512); a row "
+                f"of {head_dim} channels has no latent tile.")
+        return rope, head_dim - rope
+
+    def check_fits(self, shape: Sequence[int]) -> None:
+        self.split(int(shape[-1]))
+
+    def row_bytes(self, head_dim: int) -> int:
+        """Bytes one token's row holds: fp8 codes, a float32 scale per tile, bf16 RoPE."""
+        rope, latent = self.split(head_dim)
+        return latent + SCALE_BYTES * (latent // TILE) + ROPE_BYTES * rope
+
+    def bits_per_element(self, shape: Sequence[int]) -> float:
+        d = int(shape[-1])
+        return 8 * self.row_bytes(d) / d
+
+
+DS_MLA = DsMlaFormat()
+
+
+@dataclass(frozen=True, eq=False)
+class DsMlaRows:
+    """What the cache holds for rows ``[..., D]``: ``codes`` uint8 fp8-e4m3 bit patterns
+    ``[..., latent]``, ``scales`` float32 ``[..., latent / TILE]``, ``rope`` bfloat16
+    ``[..., rope]``."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    rope: torch.Tensor
+
+
+def quantize_ds_mla(x: torch.Tensor) -> DsMlaRows:
+    """Rows ``x`` ``[..., D]`` (any float dtype) -> what vLLM's kernel writes for them."""
+    rope_dim, latent = DS_MLA.split(x.shape[-1])
+    lead = tuple(x.shape[:-1])
+    row = x.detach().to(torch.bfloat16)  # the kernel's input dtype
+    tiles = row[..., rope_dim:].float().reshape(*lead, latent // TILE, TILE)
+    # float32 division, then the kernel's floor (an all-zero tile gets FLT_MIN, codes 0)
+    scales = torch.clamp_min(tiles.abs().amax(dim=-1) / FP8_MAX, FLT_MIN)
+    codes = (tiles / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return DsMlaRows(codes.view(torch.uint8).reshape(*lead, latent), scales,
+                     row[..., :rope_dim].contiguous())
+
+
+def dequantize_ds_mla(rows: DsMlaRows) -> torch.Tensor:
+    """float32 ``[..., D]``: the RoPE channels as stored, then ``bf16(code * scale)``."""
+    lead = tuple(rows.codes.shape[:-1])
+    n = rows.scales.shape[-1]
+    codes = rows.codes.view(torch.float8_e4m3fn).float().reshape(*lead, n, TILE)
+    latent = (codes * rows.scales[..., None]).to(torch.bfloat16).float()
+    return torch.cat((rows.rope.float(), latent.reshape(*lead, n * TILE)), dim=-1)
+
+
+def fake_quantize_ds_mla(x: torch.Tensor) -> torch.Tensor:
+    """What attention reads back from an ``fp8_ds_mla`` cache of rows ``x``, float32."""
+    return dequantize_ds_mla(quantize_ds_mla(x))
