@@ -211,7 +211,8 @@ def test_each_layer_finds_its_own_rope_theta(tmp_path):
     with pytest.raises(InputError, match="cannot be rebuilt"):
         recommend(scaled, opts)
     rec = recommend(scaled, replace(opts, pre_rope="auto"))
-    assert any("pre-RoPE candidates skipped from layer 1" in n for n in rec.notes)
+    assert any("pre-RoPE candidates skipped where the RoPE of layer(s) 1 cannot" in n
+               for n in rec.notes)
     assert not any(c.candidate.stage == "pre" for c in rec.choices if c.layer == 1)
 
 

@@ -27,13 +27,20 @@ from kvlens.cache.codebook import CodebookStore
 from kvlens.cache.coupled import CoupledStore
 from kvlens.cache.engine import EngineLayer, EngineStore, static_scale
 from kvlens.cache.gear import GearTensor
-from kvlens.cache.layer import CompressedLayer, DenseTensor
-from kvlens.cache.layout import PARTS, sliding_windows
+from kvlens.cache.layer import (
+    STATE_FIELDS,
+    CompressedLayer,
+    DenseTensor,
+    HistoryLayer,
+    with_fixed_state,
+)
+from kvlens.cache.layout import PARTS
 from kvlens.cache.mixed import SetRows
 from kvlens.cache.packed import PackedTensor
 from kvlens.config import KVConfig, validate_for
 from kvlens.config.coupled import books_for
-from kvlens.model.architecture import describe
+from kvlens.errors import ConfigError
+from kvlens.model.architecture import describe, text_config
 from kvlens.model.hooks import attention_override, rope_frequency_candidates, rope_inputs
 from kvlens.model.placement import input_device, layer_devices
 from kvlens.quant import engine_rotation, hadamard_rotation
@@ -74,68 +81,89 @@ class CompressionSession:
         return f"{self.selection_reason}; torch path for: {parts}"
 
     def new_cache(self):
-        """A fresh ``transformers.Cache`` of ``CompressedLayer`` s for this model."""
+        """A fresh ``transformers.Cache``: a ``CompressedLayer`` (or ``EngineLayer``) for each
+        layer with a KV cache; transformers' own layer for each layer without one (a hybrid
+        model's linear-attention or SSM layers: their fixed-size state stays exact)."""
         from transformers.cache_utils import Cache
 
-
-        windows = sliding_windows(self.model, self.info.num_layers)
+        kv = self.info.attention_layers
         # Each layer's stores live where that layer computes (a device map may spread the
         # layers over GPUs); its rotation and balancer are put there too, one rotation copy
         # per device (kvlens.cache.layout counts them).
-
         devices = layer_devices(self.model)
         rotations: dict = {}
-        if any(self.config.layer(i).rotates for i in range(self.info.num_layers)):
-
+        if any(self.config.layer(i).rotates for i in kv):
             rotation = hadamard_rotation(self.info.head_dim, self.config.rotation_seed)
             rotations = {d: rotation.to(d) for d in dict.fromkeys(
-                devices[i] for i in range(self.info.num_layers)
-                if self.config.layer(i).rotates)}
+                devices[i] for i in kv if self.config.layer(i).rotates)}
+        exact = exact_layers(self.model) if self.info.is_hybrid or self.info.state_layers \
+            else {}
         layers = []
         for idx in range(self.info.num_layers):
-            if self.config.layer(idx).engine:
-                layers.append(self._engine_layer(idx, windows[idx]))
+            if idx not in kv:
+                layers.append(exact[idx])
                 continue
-            bal = self.config.balancers.get(idx)  # only with mikv.balancer "fixed" (validated)
-            if bal is not None and self.config.layer(idx).compressed:
-                bal = torch.tensor(bal, dtype=torch.float32, device=devices[idx])
+            states = {"number_of_states": exact[idx].number_of_states} if idx in exact else {}
+            if self.config.layer(idx).engine:
+                layers.append(self._engine_layer(idx, **states))
             else:
-                bal = None
-            cents = {t: self.config.centroids_for(idx, t) for t in ("key", "value")}
-            cents = {t: None if c is None else torch.tensor(c, dtype=torch.float32,
-                                                           device=devices[idx])
-                     for t, c in cents.items()}
-            for t in ("key", "value"):  # coupled specs: the layer's CoupledCodebooks
-                books = books_for(self.config, idx, t, self.info.num_key_value_heads,
-                                  self.info.head_dim)
-                if books is not None:
-                    cents[t] = books.to(devices[idx])
-            mean = self.config.key_mean_for(idx)
-            if mean is not None:
-                mean = torch.tensor(mean, dtype=torch.float16, device=devices[idx])
-            layers.append(CompressedLayer(self.config.layer(idx), idx, self.info.head_dim,
-                                          scale_dtype=self.config.scale_dtype,
-                                          fp_dtype=self.config.fp_dtype,
-                                          mikv=self.config.mikv_for(idx),
-                                          balancer=bal, sliding_window=windows[idx],
-                                          rotation=rotations.get(devices[idx]), session=self,
-                                          gear=self.config.gear_for(idx),
-                                          value_centroids=cents["value"],
-                                          key_centroids=cents["key"],
-                                          write_first=self.config.write_before_attention,
-                                          key_mean=mean))
+                layers.append(self._compressed_layer(idx, devices[idx],
+                                                     rotations.get(devices[idx]), **states))
         return Cache(layers=layers)
 
-    def _engine_layer(self, idx: int, window: int | None):
+    def _compressed_layer(self, idx: int, device, rotation, **states):
+        bal = self.config.balancers.get(idx)  # only with mikv.balancer "fixed" (validated)
+        if bal is not None and self.config.layer(idx).compressed:
+            bal = torch.tensor(bal, dtype=torch.float32, device=device)
+        else:
+            bal = None
+        cents = {t: self.config.centroids_for(idx, t) for t in ("key", "value")}
+        cents = {t: None if c is None else torch.tensor(c, dtype=torch.float32, device=device)
+                 for t, c in cents.items()}
+        for t in ("key", "value"):  # coupled specs: the layer's CoupledCodebooks
+            books = books_for(self.config, idx, t, self.info.num_key_value_heads,
+                              self.info.head_dim)
+            if books is not None:
+                cents[t] = books.to(device)
+        mean = self.config.key_mean_for(idx)
+        if mean is not None:
+            mean = torch.tensor(mean, dtype=torch.float16, device=device)
+        cls = with_fixed_state(CompressedLayer) if states else CompressedLayer
+        return cls(self.config.layer(idx), idx, self.info.head_dim,
+                   scale_dtype=self.config.scale_dtype, fp_dtype=self.config.fp_dtype,
+                   mikv=self.config.mikv_for(idx), balancer=bal,
+                   sliding_window=self.info.window(idx), rotation=rotation, session=self,
+                   gear=self.config.gear_for(idx), value_centroids=cents["value"],
+                   key_centroids=cents["key"], write_first=self.config.write_before_attention,
+                   key_mean=mean, kv_shared=self.info.mla is not None, **states)
+
+    def _engine_layer(self, idx: int, **states):
 
         setting = self.config.layer(idx)
         given = self.config.kv_scales.get(idx, {})
         hkv = self.info.num_key_value_heads
-        return EngineLayer(setting.key_type, setting.value_type, idx, self.info.head_dim,
-                           key_scale=static_scale(setting.key_type, hkv, given.get("key")),
-                           value_scale=static_scale(setting.value_type, hkv,
-                                                    given.get("value")),
-                           sliding_window=window, session=self)
+        cls = with_fixed_state(EngineLayer) if states else EngineLayer
+        return cls(setting.key_type, setting.value_type, idx, self.info.head_dim,
+                   key_scale=static_scale(setting.key_type, hkv, given.get("key")),
+                   value_scale=static_scale(setting.value_type, hkv, given.get("value")),
+                   sliding_window=self.info.window(idx), session=self,
+                   kv_shared=self.info.mla is not None, **states)
+
+
+def exact_layers(model) -> dict:
+    """Per model index, transformers' own cache layer for every layer whose state kvlens leaves
+    exact: a layer without a KV cache (linear attention, SSM, convolution, MLP only), and a
+    hybrid layer's state beside its K/V (its ``number_of_states`` is read from it)."""
+    from transformers import cache_utils
+
+    get = getattr(cache_utils, "get_layer_types_and_kwargs", None)
+    mapping = getattr(cache_utils, "DYNAMIC_LAYER_TYPE_MAPPING", None)
+    if get is None or mapping is None:
+        raise ConfigError("This hybrid model's cache needs transformers' per-layer cache types "
+                          "(transformers 5.x); upgrade transformers.")
+    types, kwargs = get(text_config(model.config))
+    return {i: mapping[t](**kw) for i, (t, kw) in enumerate(zip(types, kwargs))
+            if t not in ("full_attention", "sliding_attention", "chunked_attention")}
 
 
 def _device(model):
@@ -153,7 +181,7 @@ def compressed_attention(model, config: KVConfig, backend: str = "auto"
     session = CompressionSession(model, config, info, name, reason)
     with ExitStack() as stack:
         stack.enter_context(attention_override(model, make_attention_fn(name)))
-        if any(config.layer(i).pre_rope_keys for i in range(info.num_layers)):
+        if any(config.layer(i).pre_rope_keys for i in info.attention_layers):
             session.rope = stack.enter_context(rope_inputs(model))
             session.rope_candidates = rope_frequency_candidates(model)
         session.active = True
@@ -175,13 +203,15 @@ def memory_report(cache) -> dict:
     them, or the last ``W - 1`` in a sliding-window layer); ``bits_per_element`` =
     ``16 * kv_bytes / kv_bytes_fp16``; ``by_device``: the held bytes per device the storages
     live on (they sum to ``kv_bytes`` exactly; each layer's stores are on the device its
-    attention runs on). Python object headers are not counted."""
+    attention runs on). ``state_bytes``: what a hybrid model's layers without a KV cache hold
+    (their fixed-size linear-attention, SSM or convolution states, kept exact by transformers'
+    own layers), apart from ``kv_bytes``. Python object headers are not counted."""
 
     parts = dict.fromkeys(PARTS, 0)
     seen: set = set()
     fp16 = 0
     for layer in cache.layers:
-        if not getattr(layer, "is_initialized", False):
+        if not isinstance(layer, HistoryLayer) or not getattr(layer, "is_initialized", False):
             continue
         for part, tensor in layer.named_tensors():
             parts[part] += _storage_bytes(tensor, seen)
@@ -189,13 +219,35 @@ def memory_report(cache) -> dict:
             *layer.res_k.buf.shape[:2], layer.res_k.buf.shape[3])
         w = layer.sliding_window
         visible = layer.cumulative_length if w is None else min(layer.cumulative_length, w - 1)
-        fp16 += 2 * b * h * visible * d * 2
+        fp16 += layer.kv_tensors * b * h * visible * d * 2  # MLA: one latent row per token
     named = sum(parts.values())
     by_device = held_bytes_by_device(cache)
     walked = sum(by_device.values())
     return {"kv_bytes": walked, "kv_bytes_fp16": fp16,
             "bits_per_element": 16.0 * walked / fp16 if fp16 else 0.0,
-            "breakdown": parts, "unaccounted": walked - named, "by_device": by_device}
+            "breakdown": parts, "unaccounted": walked - named, "by_device": by_device,
+            "state_bytes": state_bytes(cache)}
+
+
+def state_bytes(cache) -> int:
+    """Bytes of the fixed-size states a hybrid model's cache keeps beside its K/V: every
+    storage in the layers that are not kvlens layers, and the state fields of kvlens' hybrid
+    layers (``STATE_FIELDS``); 0 for a model whose every layer has a KV cache."""
+    seen: set = set()
+    total = 0
+    for layer in cache.layers:
+        fields = vars(layer).items() if not isinstance(layer, HistoryLayer) else \
+            ((k, v) for k, v in vars(layer).items() if k in STATE_FIELDS)
+        stack = [v for _, v in fields]
+        while stack:
+            o = stack.pop()
+            if isinstance(o, torch.Tensor):
+                total += _storage_bytes(o, seen)
+            elif isinstance(o, (list, tuple)):
+                stack.extend(o)
+            elif isinstance(o, dict):
+                stack.extend(o.values())
+    return total
 
 
 def _storage_bytes(tensor: torch.Tensor, seen: set) -> int:
@@ -239,5 +291,6 @@ def held_bytes_by_device(obj) -> dict[str, int]:
         elif isinstance(o, (CompressedLayer, DenseTensor, PackedTensor, EngineLayer,
                             EngineStore, SetRows, GearTensor, CodebookStore,
                             CoupledStore)) or o is obj:
-            stack.extend(v for k, v in vars(o).items() if k != "session")
+            stack.extend(v for k, v in vars(o).items()
+                         if k != "session" and k not in STATE_FIELDS)
     return total

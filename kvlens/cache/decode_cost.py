@@ -56,16 +56,20 @@ class DecodeCost:
 
 def layer_read_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batch: int = 1,
                      fp_bytes: int = 2, scale_bytes: int = 2, mikv=None, balancer: bool = False,
-                     sliding_window: int | None = None, gear=None) -> tuple[int, int]:
-    """``(read, torch_unpack)`` bytes of one decode step over one layer (module doc)."""
+                     sliding_window: int | None = None, gear=None, kv_shared: bool = False
+                     ) -> tuple[int, int]:
+    """``(read, torch_unpack)`` bytes of one decode step over one layer (module doc); a store
+    shared by keys and values (MLA, ``layout.shares_storage``) is read once."""
     parts = layout.layer_part_bytes(setting, tokens=tokens, head_dim=head_dim,
                                     kv_heads=kv_heads, batch=batch, fp_bytes=fp_bytes,
                                     scale_bytes=scale_bytes, mikv=mikv, balancer=balancer,
-                                    sliding_window=sliding_window, gear=gear)
+                                    sliding_window=sliding_window, gear=gear,
+                                    kv_shared=kv_shared)
+    one = layout.shares_storage(setting, kv_shared, head_dim, balancer=balancer, gear=gear)
     st = layout.stream_state(setting, tokens, sliding_window)
     rows = batch * kv_heads
-    parts["window"] = 2 * rows * st.n_res * head_dim * fp_bytes  # filled part only
-    quantized = sum(s is not None for s in (setting.key, setting.value))
+    parts["window"] = (1 if one else 2) * rows * st.n_res * head_dim * fp_bytes  # filled only
+    quantized = 1 if one else sum(s is not None for s in (setting.key, setting.value))
     unpack = 4 * rows * st.q_held * head_dim * quantized
     return sum(parts.values()), unpack
 
@@ -81,7 +85,7 @@ def config_decode_cost(config, shape: layout.ModelShape, tokens: int, batch: int
     scale = layout.SCALE_BYTES[config.scale_dtype]
     read = unpack = 0
     unfused = {}
-    for i in range(shape.num_layers):
+    for i in shape.kv_layers:
         setting = config.layer(i)
         mikv = config.mikv_for(i)
         balancer = mikv is not None and (mikv.balancer == "online" or
@@ -90,7 +94,8 @@ def config_decode_cost(config, shape: layout.ModelShape, tokens: int, batch: int
                                 kv_heads=shape.kv_heads, batch=batch, fp_bytes=fp,
                                 scale_bytes=scale, mikv=mikv,
                                 balancer=balancer and setting.compressed,
-                                sliding_window=shape.window(i), gear=config.gear_for(i))
+                                sliding_window=shape.window(i), gear=config.gear_for(i),
+                                kv_shared=shape.kv_shared)
         read += r
         unpack += u
         if setting.compressed:

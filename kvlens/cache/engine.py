@@ -17,6 +17,9 @@ Storage per tensor (``EngineStore``), exactly what the engine holds per token an
   plus the layer's float32 scale(s) (1, or one per KV head; part ``scales``);
 - dynamic per-token-head: packed codes (int8: 1 byte, int4: 2 per byte; fp8: float8) plus one
   float32 scale per token and head;
+- vLLM's ``fp8_ds_mla`` (an MLA latent row, ``kvlens.quant.ds_mla``): the latent's fp8 codes as
+  uint8 (part ``codes``), one float32 scale per 128-channel tile (``scales``) and the bfloat16
+  RoPE channels (``dense``);
 - ``f16`` / ``bf16`` / ``f32``: the plain tensor (part ``dense``).
 
 llama.cpp's rotation: a rotated type stores ``x R`` (``kvlens.quant.formats.engine_rotation``:
@@ -41,6 +44,7 @@ from kvlens.cache.layer import LAYER_ATTR, HistoryLayer, held_columns
 from kvlens.errors import ConfigError
 from kvlens.quant import QuantSpec, pack_codes, quantize, unpack_codes
 from kvlens.quant.cachetypes import CacheType, DenseType, needs_scales, scale_count
+from kvlens.quant.ds_mla import DsMlaRows, dequantize_ds_mla, quantize_ds_mla
 from kvlens.quant.formats import rotate_rows
 from kvlens.quant.fp8 import FP8_DTYPES, FP8_MAX
 from kvlens.quant.ggml import GGMLBlocks, dequantize_ggml, quantize_ggml
@@ -73,43 +77,52 @@ class EngineStore:
         self.head_dim = head_dim
         self.family = ctype.family if isinstance(ctype, DenseType) else ctype.format.family
         self.fmt = None if isinstance(ctype, DenseType) else ctype.format
-        if self.family == "ggml":
+        if self.family in ("ggml", "ds-mla"):
             self.fmt.check_fits((1, 1, 1, head_dim))
         self.static_scale = scale
         self.data: torch.Tensor | None = None  # codes / blocks / dense values
-        self.scales: torch.Tensor | None = None  # per-token-head float32 [B, H, N, 1]
+        # per-token-head float32 [B, H, N, 1]; fp8_ds_mla float32 [B, H, N, tiles]
+        self.scales: torch.Tensor | None = None
+        self.rope: torch.Tensor | None = None  # fp8_ds_mla's bfloat16 RoPE channels
         self.length = 0
 
     # -- writing -----------------------------------------------------------------------------
-    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``x`` float ``[B, H, t, D]`` (stored basis) -> (data, per-token scales or None)."""
+    def encode(self, x: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``x`` float ``[B, H, t, D]`` (stored basis) -> (data, per-token scales or None,
+        fp8_ds_mla's RoPE channels or None)."""
         if self.family == "dense":
-            return x.to(getattr(torch, self.ctype.torch_dtype)), None
+            return x.to(getattr(torch, self.ctype.torch_dtype)), None, None
         if self.family == "ggml":
 
-            return quantize_ggml(x, self.fmt).to_bytes(), None
+            return quantize_ggml(x, self.fmt).to_bytes(), None, None
         if self.family == "fp8":
 
             s = self.static_scale.to(x.device)
             safe = torch.where(s > 0, s, torch.ones_like(s))
             top = FP8_MAX[self.fmt.fp8]
-            return (x.float() / safe).clamp(-top, top).to(FP8_DTYPES[self.fmt.fp8]), None
+            return (x.float() / safe).clamp(-top, top).to(FP8_DTYPES[self.fmt.fp8]), None, None
+        if self.family == "ds-mla":
+            rows = quantize_ds_mla(x)
+            return rows.codes, rows.scales, rows.rope
         # dynamic per-token-head
         if self.fmt.kind == "fp8":
 
             s = x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX["e4m3"]
             safe = torch.where(s > 0, s, torch.ones_like(s))
             codes = (x.float() / safe).clamp(-FP8_MAX["e4m3"], FP8_MAX["e4m3"])
-            return codes.to(torch.float8_e4m3fn), s
+            return codes.to(torch.float8_e4m3fn), s, None
 
         q = quantize(x.float(), QuantSpec(self.fmt.code_bits, "per-token", None, True))
-        return pack_codes(q.codes, self.fmt.code_bits), q.scale
+        return pack_codes(q.codes, self.fmt.code_bits), q.scale, None
 
     def append(self, x: torch.Tensor) -> None:
-        data, scales = self.encode(x)
+        data, scales, rope = self.encode(x)
         self.data = data if self.data is None else torch.cat((self.data, data), dim=2)
         if scales is not None:
             self.scales = scales if self.scales is None else torch.cat((self.scales, scales), 2)
+        if rope is not None:
+            self.rope = rope if self.rope is None else torch.cat((self.rope, rope), dim=2)
         self.length += x.shape[2]
 
     def drop_front(self, n: int) -> None:
@@ -118,6 +131,8 @@ class EngineStore:
         self.data = self.data[:, :, n:].clone()
         if self.scales is not None:
             self.scales = self.scales[:, :, n:].clone()
+        if self.rope is not None:
+            self.rope = self.rope[:, :, n:].clone()
         self.length -= n
 
     # -- reading ------------------------------------------------------------------------------
@@ -133,6 +148,8 @@ class EngineStore:
             s = self.static_scale.to(self.data.device)
             y = self.data.float() * torch.where(s > 0, s, torch.ones_like(s))
             return torch.where(s > 0, y, torch.zeros_like(y))
+        if self.family == "ds-mla":
+            return dequantize_ds_mla(DsMlaRows(self.data, self.scales, self.rope))
         if self.fmt.kind == "fp8":
             s = self.scales
             y = self.data.float() * torch.where(s > 0, s, torch.ones_like(s))
@@ -166,6 +183,8 @@ class EngineStore:
             out.append(("scales", self.scales))
         if self.static_scale is not None:
             out.append(("scales", self.static_scale))
+        if self.rope is not None:
+            out.append(("dense", self.rope))
         return out
 
     def select_batch(self, index: torch.Tensor) -> None:
@@ -173,6 +192,8 @@ class EngineStore:
             self.data = self.data[index]
         if self.scales is not None:
             self.scales = self.scales[index]
+        if self.rope is not None:
+            self.rope = self.rope[index]
 
 
 def _visible(mask: torch.Tensor | None, tq: int, n: int, device) -> torch.Tensor:
@@ -201,7 +222,7 @@ class EngineLayer(HistoryLayer):
     def __init__(self, key_type: CacheType, value_type: CacheType, layer_idx: int,
                  head_dim: int, *, key_scale: torch.Tensor | None = None,
                  value_scale: torch.Tensor | None = None, sliding_window: int | None = None,
-                 session=None):
+                 session=None, kv_shared: bool = False):
         super().__init__()
         self.is_initialized = False
         self.layer_idx = layer_idx
@@ -210,6 +231,12 @@ class EngineLayer(HistoryLayer):
         self.key_type, self.value_type = key_type, value_type
         self.kstore = EngineStore(key_type, head_dim, key_scale)
         self.vstore = EngineStore(value_type, head_dim, value_scale)
+        # an MLA layer's keys and values are one latent row (kvlens.model.mla): stored once
+        # when both are stored alike, as engines store it
+        self.kv_tensors = 1 if kv_shared else 2
+        self.shares = layout.engine_types_share(key_type, value_type, kv_shared, head_dim)
+        if self.shares:
+            self.vstore = self.kstore
         self.rotate_keys = key_type.rotates(head_dim)
         self.rotate_values = value_type.rotates(head_dim)
         self.sliding_window = sliding_window
@@ -220,6 +247,7 @@ class EngineLayer(HistoryLayer):
 
     # -- transformers interface -------------------------------------------------------------
     def lazy_initialization(self, key_states, value_states, *args, **kwargs) -> None:
+        self.check_shapes(key_states, value_states)
         self.device = key_states.device
         self.dtype = key_states.dtype
         self.keys = key_states.new_empty(0)
@@ -244,7 +272,8 @@ class EngineLayer(HistoryLayer):
                                           (self.vstore, value_states, self.rotate_values,
                                            "value")):
             r = self._rotation(tensor) if rotated else None
-            store.append(rotate_rows(x, r) if r is not None else x)
+            if not (self.shares and tensor == "value"):  # one store: written once
+                store.append(rotate_rows(x, r) if r is not None else x)
             back = store.read()
             stored.append(back)
             out.append((rotate_rows(back, r.T) if r is not None else back).to(x.dtype))
@@ -269,12 +298,14 @@ class EngineLayer(HistoryLayer):
         ``None``: the model's own float attention over the read-back K/V."""
         return getattr(getattr(self.session, "config", None), "engine_attention", None)
 
-    def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scaling: float
-               ) -> torch.Tensor:
+    def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scaling: float, *,
+               softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of ``query`` ``[B, Hq, Tq, D]`` over what the last ``update`` read, with
         llama.cpp's CPU arithmetic (``kvlens.quant.llamacpp_cpu.attend``): the query rotated by
         K's rotation, the output un-rotated by V's. ``mask``: transformers' mask over the
-        returned positions (bool or additive), ``None`` for causal. Returns the attention
+        returned positions (bool or additive), ``None`` for causal. ``softcap`` (0 = none) and
+        ``sinks`` (one logit per query head, ``None`` = none): Gemma 2's logit soft-capping and
+        gpt-oss's attention sinks, applied as llama.cpp's kernels do. Returns the attention
         function's layout ``[B, Tq, Hq, D]``."""
         k, v, k_min = self._read
         self._read = None  # one attention call per update
@@ -285,7 +316,9 @@ class EngineLayer(HistoryLayer):
                               _visible(self.returned_mask(mask), q.shape[2], k.shape[2], q.device),
                               scaling, self.kstore.type_name, self.vstore.type_name,
                               k_min=k_min,
-                              flash_attention=self.engine_attention == "llamacpp-cpu-fa")
+                              flash_attention=self.engine_attention == "llamacpp-cpu-fa",
+                              softcap=softcap,
+                              sinks=None if sinks is None else sinks.detach().to(q.device))
         if self.rotate_values:
             out = rotate_rows(out, self._rotation("value").T)
         return out.transpose(1, 2).to(query.dtype)
@@ -295,8 +328,8 @@ class EngineLayer(HistoryLayer):
         for this call's attention)."""
         n = layout.evict_boundary(self.cumulative_length, self.sliding_window) - self.start
         if n > 0:
-            self.kstore.drop_front(n)
-            self.vstore.drop_front(n)
+            for store in self._stores():
+                store.drop_front(n)
             self.start += n
 
     def reset(self) -> None:
@@ -314,8 +347,12 @@ class EngineLayer(HistoryLayer):
         self.batch_repeat_interleave(0)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.kstore.select_batch(indices)
-        self.vstore.select_batch(indices)
+        for store in self._stores():
+            store.select_batch(indices)
+
+    def _stores(self) -> list:
+        """The key store and the value store (once when they are one)."""
+        return [self.kstore] if self.shares else [self.kstore, self.vstore]
 
     # -- state and accounting ----------------------------------------------------------------
     @property
@@ -340,7 +377,7 @@ class EngineLayer(HistoryLayer):
         return b, h, self.head_dim
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        out = self.kstore.named_tensors() + self.vstore.named_tensors()
+        out = [pair for store in self._stores() for pair in store.named_tensors()]
         for name in ("keys", "values"):
             t = getattr(self, name, None)
             if isinstance(t, torch.Tensor):

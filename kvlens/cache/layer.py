@@ -52,6 +52,7 @@ dequantized chunk before RoPE; post-RoPE, the scores against the packed keys get
 from __future__ import annotations
 
 import torch
+from transformers import cache_utils
 from transformers.cache_utils import DynamicLayer
 
 from kvlens.cache import layout
@@ -67,6 +68,9 @@ from kvlens.quant.coupled import CoupledSpec
 from kvlens.rope import RopeFrequencies, invert_rope
 
 LAYER_ATTR = "_kvlens_layer"
+#: what transformers' linear-attention cache layer keeps of a hybrid layer's fixed-size state
+#: (conv and recurrent states of its Mamba / linear-attention part): not K/V bytes
+STATE_FIELDS = frozenset({"conv_states", "recurrent_states"})
 
 
 class DenseTensor:
@@ -153,6 +157,19 @@ class HistoryLayer(DynamicLayer):
     def get_max_length(self) -> int:
         return -1
 
+    def check_shapes(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """At the first update: the K/V the model hands this layer have the KV heads and
+        head_dim the cache was built for (read from the model's modules and config,
+        ``kvlens.model.architecture.describe``); one ``ConfigError`` line otherwise."""
+        info = getattr(self.session, "info", None)
+        want = (getattr(info, "num_key_value_heads", key_states.shape[1]), self.head_dim)
+        for name, x in (("keys", key_states), ("values", value_states)):
+            if (x.shape[1], x.shape[-1]) != want:
+                raise ConfigError(
+                    f"layer {self.layer_idx}: the model hands the cache {name} of {x.shape[1]} "
+                    f"heads x {x.shape[-1]} channels, but its modules and config say "
+                    f"{want[0]} x {want[1]}; kvlens cannot cache this architecture.")
+
 
 def held_columns(mask: torch.Tensor | None, first: int) -> torch.Tensor | None:
     """The columns of transformers' mask (over absolute positions ``[0, N)``, see
@@ -161,6 +178,36 @@ def held_columns(mask: torch.Tensor | None, first: int) -> torch.Tensor | None:
     if mask is None or not first:
         return mask
     return mask[..., first:]
+
+
+_WITH_STATE: dict = {}
+
+
+def with_fixed_state(cls):
+    """``cls`` (a kvlens cache layer) that also keeps the fixed-size state of a hybrid layer
+    (Falcon-H1: attention and a Mamba mixer in one layer), as transformers' own
+    ``LinearAttentionLayer`` keeps it: exact, beside the layer's K/V. Its constructor takes
+    ``number_of_states`` besides ``cls``'s arguments."""
+    linear = getattr(cache_utils, "LinearAttentionLayer", None)
+    if linear is None:
+        raise ConfigError("This model has layers with both attention and a recurrent state; "
+                          "kvlens' cache supports them on transformers versions that have "
+                          "LinearAttentionLayer (5.x): upgrade transformers.")
+    if cls not in _WITH_STATE:
+        def __init__(self, *args, number_of_states: int = 1, **kwargs):
+            linear.__init__(self, number_of_states=number_of_states)
+            cls.__init__(self, *args, **kwargs)
+
+        def lazy_initialization(self, *args, **kwargs):
+            # K/V: (key_states, value_states); the state: keyword arguments only
+            if args:
+                return cls.lazy_initialization(self, *args, **kwargs)
+            return linear.lazy_initialization(self, **kwargs)
+
+        _WITH_STATE[cls] = type(f"Hybrid{cls.__name__}", (cls, linear),
+                                {"__init__": __init__,
+                                 "lazy_initialization": lazy_initialization})
+    return _WITH_STATE[cls]
 
 
 class CompressedLayer(HistoryLayer):
@@ -175,7 +222,7 @@ class CompressedLayer(HistoryLayer):
                  sliding_window: int | None = None, rotation: torch.Tensor | None = None,
                  session=None, gear=None, value_centroids: torch.Tensor | None = None,
                  key_centroids: torch.Tensor | None = None, write_first: bool = False,
-                 key_mean: torch.Tensor | None = None):
+                 key_mean: torch.Tensor | None = None, kv_shared: bool = False):
         super().__init__()
         self.is_initialized = False  # set by the base class from transformers 4.57 on, not 4.56
         self.setting = setting
@@ -189,10 +236,18 @@ class CompressedLayer(HistoryLayer):
         self.is_sliding = sliding_window is not None
         self.flush_every = layout.flush_every(setting)  # 0 = never flush (nothing quantized)
         fp = _fp_dtype(fp_dtype)
+        # an MLA layer's keys and values are one latent row: an fp16 cache holds it once, and
+        # so does this layer when both are stored alike (one store and one window)
+        self.kv_tensors = 1 if kv_shared else 2
+        self.shares = layout.shares_storage(
+            setting, kv_shared, head_dim, gear=gear,
+            balancer=balancer is not None or (mikv is not None and mikv.balancer == "online"))
         self.kstore, self.vstore = (
             self._store(spec, cents, head_dim, scale_dtype, fp)
             for spec, cents in ((setting.key, key_centroids), (setting.value, value_centroids)))
         self.res_k, self.res_v = DenseTensor(fp, "window"), DenseTensor(fp, "window")
+        if self.shares:
+            self.vstore, self.res_v = self.kstore, self.res_k
         self.fp_dtype = fp
         self.q_start = 0  # first packed position (a sliding layer evicts whole blocks)
         self.res_start = 0  # first window position
@@ -263,6 +318,7 @@ class CompressedLayer(HistoryLayer):
 
     # -- transformers interface -----------------------------------------------------------------
     def lazy_initialization(self, key_states, value_states, *args, **kwargs) -> None:
+        self.check_shapes(key_states, value_states)
         self.device = key_states.device
         self.dtype = key_states.dtype
         self.keys = key_states.new_empty(0)
@@ -279,8 +335,9 @@ class CompressedLayer(HistoryLayer):
         t = key_states.shape[2]
         cap = self.setting.residual_tokens if self.flush_every else 0
         self.res_k.append(self.to_stored_basis(key_states, self.setting.rotate_keys), capacity=cap)
-        self.res_v.append(self.to_stored_basis(value_states, self.setting.rotate_values),
-                          capacity=cap)
+        if not self.shares:
+            self.res_v.append(self.to_stored_basis(value_states, self.setting.rotate_values),
+                              capacity=cap)
         if self.stores_pre_rope:
             self._record_positions(key_states.shape[0], t)
         first = self.cumulative_length == 0
@@ -322,17 +379,29 @@ class CompressedLayer(HistoryLayer):
         """Keep the RoPE positions of the new tokens, checking that the model's RoPE can be
         re-created from them."""
 
-        cos, sin, pos = self.session.rope.get(self.layer_idx, (None, None, None))
-        if cos is None or pos is None:
-            raise ConfigError("pre-RoPE keys need the layer's RoPE tables and position_ids, "
-                              "which this model does not pass to its attention modules; use "
-                              "post-RoPE keys (pre_rope_keys: false).")
+        cos0, _, pos = self.session.rope.get(self.layer_idx, (None, None, None))
+        if cos0 is None:
+            raise ConfigError("pre-RoPE keys need the layer's RoPE tables, which this model "
+                              "does not pass to its attention modules; use post-RoPE keys "
+                              "(pre_rope_keys: false).")
+        if pos is None:  # not passed to attention (Llama 4): the cache positions, which the
+            # tables are checked against below
+            pos = torch.arange(self.cumulative_length, self.cumulative_length + t,
+                               device=cos0.device)[None]
+        # the call's tables in kvlens' normalised form (their form checked once against the
+        # model's own rotary function, kvlens.model.rotary)
+        tables = self.session.rope.tables(self.layer_idx, self.head_dim)
+        if tables is None:
+            raise ConfigError(f"pre-RoPE keys: layer {self.layer_idx} applies no RoPE (a NoPE "
+                              "layer), so its keys have no pre-RoPE form; use post-RoPE keys "
+                              "there (pre_rope_keys: false).")
         pos = pos[:, -t:].expand(b, t).to(torch.int32)
-        cos, sin = cos[:, -t:].expand(b, t, -1), sin[:, -t:].expand(b, t, -1)
+        cos, sin = (x[:, -t:].expand(b, t, -1) for x in (tables.cos, tables.sin))
         # Keep every (frequencies, layout) that reproduces all tables seen so far: a prompt of
         # one token (position 0) fits any of them.
         if self.rope_options is None:
-            self.rope_options = RopeFrequencies.all_matching(self.session.rope_candidates)
+            self.rope_options = [r for r in RopeFrequencies.all_matching(
+                self.session.rope_candidates) if r.layout == tables.layout]
         self.rope_options = [r for r in self.rope_options if r.reproduces(cos, sin, pos)]
         if not self.rope_options:
             raise ConfigError(f"pre-RoPE keys: layer {self.layer_idx}'s RoPE tables cannot be "
@@ -357,10 +426,9 @@ class CompressedLayer(HistoryLayer):
         self.batch_repeat_interleave(0)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        for store in (self.kstore, self.vstore, self.res_k, self.res_v, self.hp_k, self.hp_v,
-                      self.kgear, self.vgear):
-            if store is not None:
-                store.select_batch(indices)
+        for store in self._stores(self.kstore, self.vstore, self.res_k, self.res_v, self.hp_k,
+                                  self.hp_v, self.kgear, self.vgear):
+            store.select_batch(indices)
         for name in ("acc", "is_hp", "hp_pos", "positions"):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name)[indices])
@@ -448,8 +516,8 @@ class CompressedLayer(HistoryLayer):
             k_store = k_store.float() * self.balancer.float().unsqueeze(-2)
         k_store = k_store if self.setting.key is not None else k
         v_store = v.float() if self.setting.value is not None else v
-        for store, gear, x in ((self.kstore, self.kgear, k_store),
-                               (self.vstore, self.vgear, v_store)):
+        pairs = ((self.kstore, self.kgear, k_store), (self.vstore, self.vgear, v_store))
+        for store, gear, x in pairs[:1] if self.shares else pairs:
             if gear is not None:
                 gear.compress(x, store)
             else:
@@ -457,8 +525,8 @@ class CompressedLayer(HistoryLayer):
         if self.keeps_full_precision_set:
             self._select_heavy(t0, n, k, v)
         # The window keeps the rest (at most R-1 tokens) in a buffer of R tokens again.
-        self.res_k.drop_front(n, self.setting.residual_tokens)
-        self.res_v.drop_front(n, self.setting.residual_tokens)
+        for res in self._stores(self.res_k, self.res_v):
+            res.drop_front(n, self.setting.residual_tokens)
         self.res_start += n
 
     def _evict(self) -> None:
@@ -469,16 +537,15 @@ class CompressedLayer(HistoryLayer):
                     * self.flush_every)
             if n <= 0:
                 return
-            for store in (self.kstore, self.vstore, self.kgear, self.vgear):
-                if store is not None:
-                    store.drop_front(n)
+            for store in self._stores(self.kstore, self.vstore, self.kgear, self.vgear):
+                store.drop_front(n)
             self.q_start += n
         else:
             n = dead - self.res_start
             if n <= 0:
                 return
-            self.res_k.drop_front(n)
-            self.res_v.drop_front(n)
+            for res in self._stores(self.res_k, self.res_v):
+                res.drop_front(n)
             self.res_start += n
         if self.positions is not None:
             self.positions = self.positions[:, n:].clone()
@@ -506,12 +573,22 @@ class CompressedLayer(HistoryLayer):
             self.is_hp = torch.zeros(b, h, end, dtype=torch.bool, device=k.device)
             self.is_hp.scatter_(-1, self.hp_pos.long(), True)
 
+    @staticmethod
+    def _stores(*stores) -> list:
+        """The distinct stores among ``stores`` (a shared key/value store once; ``None`` s
+        dropped)."""
+        out: list = []
+        for s in stores:
+            if s is not None and all(s is not o for o in out):
+                out.append(s)
+        return out
+
     # -- accounting -----------------------------------------------------------------------------
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """``(part, tensor)`` for every tensor this layer holds (parts of
         ``kvlens.cache.layout``); ``memory_report`` counts their storages."""
         out = []
-        for store in (self.kstore, self.vstore, self.res_k, self.res_v):
+        for store in self._stores(self.kstore, self.vstore, self.res_k, self.res_v):
             named = store.named_tensors()  # a dict by part, or (part, tensor) pairs (coupled)
             out += list(named.items()) if isinstance(named, dict) else named
         out += [("sets", t) for t in self.hp_k.parts + self.hp_v.parts]

@@ -51,7 +51,9 @@ its type (``engine_layer_bytes``): ``blocks`` (ggml block bytes, ``D / 32 * bloc
 token and head, the fp16 scales inside), ``codes`` (fp8: 1 byte per element; per-token-head int8
 1 byte, int4 half a byte), ``scales`` (float32: per-token-head one per token and head; static
 fp8 one per layer or per KV head, held once the layer holds a token), ``dense`` (f16/bf16/f32
-types). They hold no window and no rotation matrix (llama.cpp keeps those outside its KV
+types). vLLM's ``fp8_ds_mla`` (``kvlens.quant.ds_mla``) holds per token a byte per latent
+channel (``codes``), a float32 scale per latent tile (``scales``) and its bfloat16 RoPE
+channels (``dense``). They hold no window and no rotation matrix (llama.cpp keeps those outside its KV
 buffer; kvlens keeps them on the session).
 """
 
@@ -66,7 +68,7 @@ from kvlens.config.rules import flush_block
 from kvlens.errors import ConfigError
 from kvlens.model.architecture import describe
 from kvlens.model.placement import layer_devices
-from kvlens.quant import CodebookSpec, packed_length
+from kvlens.quant import CodebookSpec, ds_mla, packed_length
 from kvlens.quant.cachetypes import DenseType, scale_count
 from kvlens.quant.centering import centering_bytes
 from kvlens.quant.codebook import CENTROID_BYTES, NORM_BYTES
@@ -195,11 +197,37 @@ def set_size(mikv, q_start: int, q_end: int) -> int:
     return min(held, math.ceil(mikv.heavy_fraction * held) + sinks)
 
 
+def shares_storage(setting, kv_shared: bool, head_dim: int, *, balancer: bool = False,
+                   gear=None) -> bool:
+    """Whether a layer keeps its keys and values in **one** store: a layer whose keys and values
+    are one tensor (``kv_shared``: an MLA model's latent row, ``kvlens.model.mla``) stored
+    alike (the same spec or engine type, the same rotation, no transform of the keys alone:
+    pre-RoPE, centring, balancer, GEAR). Otherwise the layer keeps two stores, as for any
+    model."""
+    if not kv_shared:
+        return False
+    if setting.engine:
+        return engine_types_share(setting.key_type, setting.value_type, kv_shared, head_dim)
+    return (setting.key == setting.value and setting.rotate_keys == setting.rotate_values
+            and not setting.pre_rope_keys and not setting.center_keys and not balancer
+            and gear is None)
+
+
+def engine_types_share(key_type, value_type, kv_shared: bool, head_dim: int) -> bool:
+    """``shares_storage`` for an engine-format layer: one type for both, not rotated (llama.cpp
+    rotates keys and values differently), no static scale (calibrated per tensor)."""
+    return kv_shared and key_type == value_type and not key_type.rotates(head_dim) and \
+        scale_count(key_type, 1) == 0
+
+
 def layer_part_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batch: int = 1,
                      fp_bytes: int = 2, scale_bytes: int = 2, mikv=None,
-                     balancer: bool = False, sliding_window: int | None = None, gear=None
-                     ) -> dict[str, int]:
+                     balancer: bool = False, sliding_window: int | None = None, gear=None,
+                     kv_shared: bool = False) -> dict[str, int]:
     """Bytes of every part one ``CompressedLayer`` holds after ``tokens`` tokens.
+
+    kv_shared: keys and values are one tensor (MLA): one store and one window where
+    ``shares_storage`` says so.
 
     gear: the config's ``GearSettings`` (each quantized tensor's packed blocks also hold
     outliers and low-rank factors; ignored for uncompressed layers).
@@ -211,7 +239,8 @@ def layer_part_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batc
     st = stream_state(setting, tokens, sliding_window)
     f = flush_every(setting)
     rows = batch * kv_heads
-    for spec in (setting.key, setting.value):
+    one = shares_storage(setting, kv_shared, head_dim, balancer=balancer, gear=gear)
+    for spec in (setting.key,) if one else (setting.key, setting.value):
         if spec is None:
             parts["dense"] += rows * st.q_held * head_dim * fp_bytes
         elif isinstance(spec, CoupledSpec):
@@ -232,7 +261,7 @@ def layer_part_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batc
                 o, lr = part_bytes(spec, gear, st.q_held, f, head_dim, fp_bytes)
                 parts["outliers"] += rows * o
                 parts["lowrank"] += rows * lr
-    parts["window"] = 2 * rows * st.window_capacity * head_dim * fp_bytes
+    parts["window"] = (1 if one else 2) * rows * st.window_capacity * head_dim * fp_bytes
     sets = mikv if setting.compressed and sliding_window is None else None
     if sets is not None and sets.heavy_fraction + sets.sink_tokens > 0:
         k = set_size(sets, st.q_start, st.q_end)
@@ -256,14 +285,23 @@ def layer_part_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batc
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the bytes of a cache depend on, besides the config and the token count."""
+    """What the bytes of a cache depend on, besides the config and the token count. Layers are
+    model indices; only the layers with a KV cache (``kv_layers``) hold bytes here (a hybrid
+    model's linear-attention or SSM layers keep a fixed-size state the cache leaves exact)."""
 
     num_layers: int
     kv_heads: int
     head_dim: int
-    sliding_windows: tuple[int | None, ...] = ()  # per layer; () = every layer global
+    sliding_windows: tuple[int | None, ...] = ()  # per model layer; () = every layer global
     model_dtype_bytes: int = 2
-    devices: tuple[str, ...] = ()  # per layer, where it runs; () = all on one device
+    devices: tuple[str, ...] = ()  # per model layer, where it runs; () = all on one device
+    attention_layers: tuple[int, ...] = ()  # layers with a KV cache; () = every layer
+    kv_shared: bool = False  # keys and values are one tensor (MLA's latent row)
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """Model indices of the layers with a KV cache."""
+        return self.attention_layers or tuple(range(self.num_layers))
 
     def device(self, layer: int) -> str:
         return self.devices[layer] if self.devices else "all"
@@ -276,10 +314,16 @@ class ModelShape:
         w = self.window(layer)
         return tokens if w is None else min(tokens, w - 1)
 
+    @property
+    def kv_tensors(self) -> int:
+        """Tensors an fp16 cache holds per layer: K and V, or one latent row (MLA)."""
+        return 1 if self.kv_shared else 2
+
     def fp16_bytes(self, tokens: int, batch: int = 1) -> int:
-        """Bytes of an fp16 K/V cache holding what each layer can still attend to."""
-        return sum(2 * batch * self.kv_heads * self.visible_tokens(i, tokens) * self.head_dim
-                   * 2 for i in range(self.num_layers))
+        """Bytes of an fp16 K/V cache holding what each layer can still attend to (an MLA
+        model's: its latent rows, once, as engines and transformers hold them)."""
+        return sum(self.kv_tensors * batch * self.kv_heads * self.visible_tokens(i, tokens)
+                   * self.head_dim * 2 for i in self.kv_layers)
 
 
 # -- the shape of a model: from a loaded model, or from a capture's metadata -----------------
@@ -289,13 +333,22 @@ def _windows(windows) -> tuple[int | None, ...]:
     return tuple(windows) if any(windows) else ()
 
 
+def _all_layers(layers, num_layers: int) -> tuple[int, ...]:
+    """``ModelShape.attention_layers``: ``()`` when every layer has a KV cache."""
+    layers = tuple(layers)
+    return () if layers == tuple(range(num_layers)) else layers
+
+
 def shape_of_capture(meta, windows=()) -> ModelShape:
     """``ModelShape`` of a captured model from its capture metadata
-    (``kvlens.capture.store.CaptureMeta``: layers, KV heads, head_dim) and ``windows``, each
-    layer's sliding window (``None`` = global; the capture's layer attributes); fp16 model
-    dtype, one device."""
+    (``kvlens.capture.store.CaptureMeta``: layers, the layers with a KV cache, KV heads,
+    head_dim) and ``windows``, the sliding window of each captured layer in ``meta.layers``
+    order (``None`` = global; the capture's layer attributes); fp16 model dtype, one device."""
+    per_layer = dict(zip(meta.layers, windows))
     return ModelShape(meta.num_layers, meta.num_key_value_heads, meta.head_dim,
-                      _windows(windows))
+                      _windows([per_layer.get(i) for i in range(meta.num_layers)]),
+                      attention_layers=_all_layers(meta.attention_layers, meta.num_layers),
+                      kv_shared=meta.kv_shared)
 
 
 def shape_of(model) -> ModelShape:
@@ -303,35 +356,11 @@ def shape_of(model) -> ModelShape:
     the devices its layers run on): what its cache's bytes depend on besides the config and the
     tokens."""
     info = describe(model)
-    windows = sliding_windows(model, info.num_layers)
     devices = tuple(str(d) for d in layer_devices(model))
     return ModelShape(info.num_layers, info.num_key_value_heads, info.head_dim,
-                      _windows(windows), next(model.parameters()).element_size(),
-                      devices if len(set(devices)) > 1 else ())
-
-
-def sliding_windows(model, num_layers: int) -> list[int | None]:
-    """Per layer, its sliding window (``None`` = global attention)."""
-    config = model.config
-    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") \
-        else config
-    types = getattr(config, "layer_types", None)
-    window = getattr(config, "sliding_window", None)
-    if types is None:
-        types = ["sliding_attention" if window else "full_attention"] * num_layers
-    out = []
-    for t in types[:num_layers]:
-        if t in ("sliding_attention", "chunked_attention"):
-            if t == "chunked_attention":
-                raise ConfigError("Chunked attention layers are not supported by the kvlens "
-                                  "compressed cache.")
-            out.append(int(window))
-        elif t == "full_attention":
-            out.append(None)
-        else:
-            raise ConfigError(f"Layer type {t!r} is not supported by the kvlens compressed "
-                              "cache; supported: full_attention, sliding_attention.")
-    return out
+                      _windows(info.windows), next(model.parameters()).element_size(),
+                      devices if len(set(devices)) > 1 else (),
+                      _all_layers(info.attention_layers, info.num_layers), info.mla is not None)
 
 
 def engine_tensor_bytes(ctype, held: int, head_dim: int, kv_heads: int, batch: int = 1
@@ -352,6 +381,11 @@ def engine_tensor_bytes(ctype, held: int, head_dim: int, kv_heads: int, batch: i
     elif fmt.family == "fp8":
         parts["codes"] = rows * head_dim
         parts["scales"] = scale_count(ctype, kv_heads) * 4
+    elif fmt.family == "ds-mla":  # fp8 latent tiles, a float32 scale each, bf16 RoPE channels
+        rope, latent = fmt.split(head_dim)
+        parts["codes"] = rows * latent
+        parts["scales"] = rows * latent // ds_mla.TILE * ds_mla.SCALE_BYTES
+        parts["dense"] = rows * rope * ds_mla.ROPE_BYTES
     else:  # dynamic per-token-head: packed codes + a float32 scale per token and head
         parts["codes"] = rows * -(-head_dim * fmt.code_bits // 8)
         parts["scales"] = rows * 4
@@ -359,11 +393,14 @@ def engine_tensor_bytes(ctype, held: int, head_dim: int, kv_heads: int, batch: i
 
 
 def engine_layer_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batch: int = 1,
-                       sliding_window: int | None = None) -> dict[str, int]:
-    """Bytes of every part one ``EngineLayer`` holds after ``tokens`` tokens (any chunking)."""
+                       sliding_window: int | None = None, kv_shared: bool = False
+                       ) -> dict[str, int]:
+    """Bytes of every part one ``EngineLayer`` holds after ``tokens`` tokens (any chunking);
+    one store where ``shares_storage`` says so (``kv_shared``: MLA)."""
     held = tokens - evict_boundary(tokens, sliding_window)
     total = dict.fromkeys(PARTS, 0)
-    for ctype in (setting.key_type, setting.value_type):
+    one = shares_storage(setting, kv_shared, head_dim)
+    for ctype in (setting.key_type,) if one else (setting.key_type, setting.value_type):
         for k, v in engine_tensor_bytes(ctype, held, head_dim, kv_heads, batch).items():
             total[k] += v
     return total
@@ -374,7 +411,7 @@ def _layer_parts(config, shape: ModelShape, i: int, tokens: int, batch: int) -> 
     if setting.engine:
         return engine_layer_bytes(setting, tokens=tokens, head_dim=shape.head_dim,
                                   kv_heads=shape.kv_heads, batch=batch,
-                                  sliding_window=shape.window(i))
+                                  sliding_window=shape.window(i), kv_shared=shape.kv_shared)
     mikv = config.mikv_for(i)
     balancer = mikv is not None and (mikv.balancer == "online" or
                                      (mikv.balancer == "fixed" and i in config.balancers))
@@ -383,13 +420,14 @@ def _layer_parts(config, shape: ModelShape, i: int, tokens: int, batch: int) -> 
                             fp_bytes=fp_bytes_of(config.fp_dtype, shape.model_dtype_bytes),
                             scale_bytes=SCALE_BYTES[config.scale_dtype], mikv=mikv,
                             balancer=balancer and setting.compressed,
-                            sliding_window=shape.window(i), gear=config.gear_for(i))
+                            sliding_window=shape.window(i), gear=config.gear_for(i),
+                            kv_shared=shape.kv_shared)
 
 
 def rotation_devices(config, shape: ModelShape) -> list[str]:
     """Devices holding a copy of the shared rotation matrix: one per device with a layer that
     rotates (layers on the same device share it)."""
-    return list(dict.fromkeys(shape.device(i) for i in range(shape.num_layers)
+    return list(dict.fromkeys(shape.device(i) for i in shape.kv_layers
                               if config.layer(i).rotates))
 
 
@@ -397,7 +435,7 @@ def config_part_bytes(config, shape: ModelShape, tokens: int, batch: int = 1
                       ) -> dict[str, int]:
     """Bytes by part of a whole cache for ``config`` after ``tokens`` tokens."""
     total = dict.fromkeys(PARTS, 0)
-    for i in range(shape.num_layers):
+    for i in shape.kv_layers:
         for k, v in _layer_parts(config, shape, i, tokens, batch).items():
             total[k] += v
     total["rotations"] = len(rotation_devices(config, shape)) * shape.head_dim ** 2 * 4
@@ -409,7 +447,7 @@ def config_device_bytes(config, shape: ModelShape, tokens: int, batch: int = 1
     """Held bytes per device (``shape.devices``; ``"all"`` when unset) after ``tokens``
     tokens: each layer's parts where it runs, a rotation copy on each rotating device."""
     out: dict[str, int] = {}
-    for i in range(shape.num_layers):
+    for i in shape.kv_layers:
         dev = shape.device(i)
         out[dev] = out.get(dev, 0) + sum(_layer_parts(config, shape, i, tokens, batch).values())
     for dev in rotation_devices(config, shape):

@@ -3,9 +3,15 @@
 For every selected layer and each sample the registered attention function (see ``kvlens.model.hooks``)
 receives the post-RoPE q ``[B, Hq, T, D]`` and k, v ``[B, Hkv, T, D]`` exactly as the model's
 attention consumes them (before any GQA repeat). Pre-RoPE q, k are recovered by inverting RoPE
-with the exact ``(cos, sin)`` the layer was called with (float64; this also gives the right
-tensor for QK-norm models, where the norm sits between projection and RoPE). Each sample is
-written to disk as it is produced, so peak memory does not grow with the number of samples.
+with the exact tables the layer was called with (float64; this also gives the right tensor for
+QK-norm models, where the norm sits between projection and RoPE), normalised to
+``kvlens.rope.RopeTables`` in the form that reproduces the model's own rotary function
+(``kvlens.model.rotary``; a model none reproduces is refused). Each RoPE layer's normalised
+tables for positions ``0..T-1`` are written once (``rope_cos``, ``rope_sin`` ``[T, R]``): every
+window starts at position 0, so they are the same for every sample (checked against the
+``position_ids`` and the later samples' tables), and re-applying them is exact for every RoPE
+scaling. Each sample is written to disk as it is produced, so peak memory does not grow with
+the number of samples.
 """
 
 from __future__ import annotations
@@ -18,15 +24,15 @@ from typing import Any
 
 from kvlens import __version__
 from kvlens.capture.store import CaptureMeta, CaptureWriter, LayerAttrs
-from kvlens.errors import ModelLoadError, NumericalError
+from kvlens.errors import InputError, ModelLoadError, NumericalError
 from kvlens.model.architecture import describe
 from kvlens.model.header import read_header
-from kvlens.model.hooks import attention_override, rope_inputs
+from kvlens.model.hooks import attention_override, check_observed, observe_attention, rope_inputs
 from kvlens.model.load import check_load_options, load_model
 from kvlens.model.placement import input_device, weights_by_device
-from kvlens.rope import detect_layout, invert_rope
+from kvlens.rope import FORMS, RopeTables
 from kvlens.text.corpus import load_text, token_windows
-from kvlens.text.selection import parse_index_spec
+from kvlens.text.selection import format_index_spec, parse_index_spec
 
 ProgressFn = Callable[[int, int, str], None]
 
@@ -104,16 +110,38 @@ def check_capture(options: CaptureOptions, output: str | Path) -> tuple[str, str
                                    device=options.device, device_map=options.device_map,
                                    max_memory=options.max_memory,
                                    offload_folder=options.offload_folder)
-    check_layer_spec(options.layers, read_header(source).num_layers)
+    header = read_header(source)
+    check_layer_spec(options.layers, header.num_layers, header.kv_layers)
     return text
 
 
-def check_layer_spec(spec: str | None, num_layers: int | None) -> None:
+def check_layer_spec(spec: str | None, num_layers: int | None,
+                     kv_layers: tuple[int, ...] | None = None) -> None:
     """``--layers`` before the model loads: its syntax always, its indices against
-    ``num_layers`` where the model's files declare it (``kvlens.model.header``)."""
+    ``num_layers`` and the layers with a KV cache where the model's files declare them
+    (``kvlens.model.header``)."""
     if spec is None or spec.strip().lower() in ("", "all"):
         return
-    parse_index_spec(spec, num_layers if num_layers is not None else _NO_LIMIT)
+    chosen = parse_index_spec(spec, num_layers if num_layers is not None else _NO_LIMIT)
+    _check_kv_layers(chosen, kv_layers)
+
+
+def _check_kv_layers(chosen, kv_layers) -> None:
+    bad = [i for i in chosen if kv_layers is not None and i not in kv_layers]
+    if bad:
+        raise InputError(f"--layers {format_index_spec(bad)}: these layers hold no KV cache "
+                         "(a hybrid model's linear-attention or SSM layers keep a fixed-size "
+                         f"state instead); layers with a KV cache: {format_index_spec(kv_layers)}.")
+
+
+def capture_layers(layers: str | list[int] | None, info) -> list[int]:
+    """The layers to capture: ``layers`` (a ``--layers`` spec or a list of model indices),
+    by default every layer with a KV cache (``info``: ``kvlens.model.architecture.ModelInfo``)."""
+    if layers is None or (isinstance(layers, str) and layers.strip().lower() in ("", "all")):
+        return list(info.attention_layers)
+    chosen = layers if isinstance(layers, list) else parse_index_spec(layers, info.num_layers)
+    _check_kv_layers(chosen, info.attention_layers)
+    return chosen
 
 
 _NO_LIMIT = 2**62  # the syntax alone: any index >= 0
@@ -129,8 +157,11 @@ def capture_model(model, windows, output: str | Path, *, layers: str | list[int]
 
     start = time.perf_counter()
     info = describe(model)
-    layer_list = layers if isinstance(layers, list) else parse_index_spec(layers, info.num_layers)
+    layer_list = capture_layers(layers, info)
     s_count, t_count = int(windows.shape[0]), int(windows.shape[1])
+    device = input_device(model)
+    # the shapes the model really uses, before any file is written
+    check_observed(info, observe_attention(model, windows[:1, :min(t_count, 8)].to(device)))
     compute_dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     meta = CaptureMeta(
         model=model_name or getattr(model.config, "_name_or_path", "") or info.architecture,
@@ -140,6 +171,8 @@ def capture_model(model, windows, output: str | Path, *, layers: str | list[int]
         has_rope=info.declares_rope, rope=info.rope, rope_layout="pending", rotary_dim=0,
         compute_dtype=compute_dtype, storage_dtype=storage_dtype, num_samples=s_count,
         num_tokens=t_count, layers=tuple(layer_list), model_source=model_source,
+        kv_layers=info.attention_layers if info.is_hybrid else (),
+        kv_shared=info.mla is not None,
         text_source=text_source, kvlens_version=__version__,
         extra={"transformers_version": str(transformers.__version__),
                "torch_version": str(torch.__version__),
@@ -148,10 +181,10 @@ def capture_model(model, windows, output: str | Path, *, layers: str | list[int]
                "vocab_size": int(model.get_output_embeddings().weight.shape[0]
                                  if model.get_output_embeddings() is not None else 0),
                "hidden_size": int(model.get_output_embeddings().weight.shape[1]
-                                  if model.get_output_embeddings() is not None else 0)},
+                                  if model.get_output_embeddings() is not None else 0),
+               **({"mla": asdict(info.mla)} if info.mla is not None else {})},
     )
     sink = _LayerSink(set(layer_list), info)
-    device = input_device(model)
     writer = CaptureWriter(output, overwrite=overwrite, storage_dtype=storage_dtype,
                            compression=compression)
     with writer, rope_inputs(model) as tables, \
@@ -198,11 +231,14 @@ class _LayerSink:
         self.seen: set[int] = set()
         self.rope_layout = "pending"
         self.rotary_dim = 0
+        self.rope_inputs = None  # set by attention_fn
+        self._rope: dict[int, Any] = {}  # layer -> its RopeTables at sample 0 (None: NoPE)
         self.notes: list[str] = []
         self._layer_attrs: dict[int, Any] = {}
         self.devices: dict[int, str] = {}  # layer -> device its tensors arrived on
 
     def attention_fn(self, original: Callable, tables: dict[int, tuple]) -> Callable:
+        self.rope_inputs = tables  # kvlens.model.rotary.RopeInputs: _pre_rope normalises them
         def fn(module, query, key, value, attention_mask, **kwargs):
             out = original(module, query, key, value, attention_mask, **kwargs)
             idx = module.layer_idx
@@ -231,40 +267,119 @@ class _LayerSink:
             scaling = kwargs.get("scaling")
             if scaling is None:
                 scaling = getattr(module, "scaling", None) or self.info.head_dim ** -0.5
+            sinks = kwargs.get("s_aux")  # gpt-oss's learned sink logits, one per query head
+            if sinks is None:
+                sinks = getattr(module, "sinks", None)
             self._layer_attrs[idx] = LayerAttrs(
-                idx, float(scaling), int(kwargs.get("sliding_window") or 0),
-                float(kwargs.get("softcap") or 0.0))
+                idx, float(scaling), self._window(idx, kwargs, int(query.shape[-2])),
+                float(kwargs.get("softcap") or 0.0),
+                tuple(sinks.detach().float().reshape(-1).tolist()) if hasattr(sinks, "detach")
+                else ())
         self.seen.add(idx)
 
+    def _window(self, idx: int, kwargs: dict, tokens: int) -> int:
+        """The layer's sliding window (0 = none); a chunked-attention layer (Llama 4) is
+        recorded as a sliding window of one chunk, what its cache keeps: the analysis' masks
+        equal chunked attention's while a sample is at most one chunk long (noted otherwise)."""
+        window = int(kwargs.get("sliding_window") or 0)
+        if self.info.kind(idx) == "chunked":
+            window = int(self.info.window(idx))
+            note = (f"chunked attention (chunks of {window} tokens) analysed as a sliding window "
+                    f"of {window}: exact only up to {window} tokens per sample")
+            if tokens > window and note not in self.notes:
+                self.notes.append(note)
+        return window
+
     def _pre_rope(self, idx, post, pe) -> dict[str, Any]:
-
-        if pe is None:
-            if self.info.declares_rope:
-                raise ModelLoadError(
-                    f"Unsupported model {self.info.architecture}: its config declares RoPE but "
-                    f"layer {idx} received no position_embeddings=(cos, sin), so pre-RoPE "
-                    "tensors cannot be recovered exactly.")
-            self._set_layout("none", 0)
+        """``q_pre``, ``k_pre`` ``[H, T, D]``: RoPE inverted (float64) with the layer's own
+        tables in kvlens' normalised form, whose form was checked against the model's rotary
+        function (``kvlens.model.rotary``; a form no one reproduces raises ``ModelLoadError``).
+        A layer that applies no RoPE (NoPE) keeps its tensors."""
+        tables = None
+        if pe is not None:
+            tables = self.rope_inputs.tables(idx, int(post["q"].shape[-1]))
+        elif self.info.declares_rope:
+            raise ModelLoadError(
+                f"Unsupported model {self.info.architecture}: its config declares RoPE but "
+                f"layer {idx} received no position_embeddings (cos, sin) or freqs_cis, so "
+                "pre-RoPE tensors cannot be recovered exactly.")
+        if tables is not None:
+            tables = RopeTables(tables.layout, tables.cos[:1], tables.sin[:1])
+            self._check_positions(idx, tables, int(post["q"].shape[-2]))
+        self._set_layout(idx, tables)
+        if tables is None:
             return {"q_pre": post["q"], "k_pre": post["k"]}
-        cos, sin = pe
-        layout = detect_layout(cos)
-        self._set_layout(layout, int(cos.shape[-1]))
-        cos, sin = cos[:1], sin[:1]
-        return {"q_pre": invert_rope(post["q"][None], cos, sin, layout)[0],
-                "k_pre": invert_rope(post["k"][None], cos, sin, layout)[0]}
+        return {"q_pre": tables.invert(post["q"][None])[0],
+                "k_pre": tables.invert(post["k"][None])[0]}
 
-    def _set_layout(self, layout: str, rotary_dim: int) -> None:
+    def _check_positions(self, idx: int, tables, t: int) -> None:
+        """The file keeps one RoPE table per layer, for positions ``0..T-1``: refuse a call at
+        other positions (where the model passes its ``position_ids``) or of another length."""
+        import torch
+
+        pos = self.rope_inputs[idx][2]
+        if tables.cos.shape[-2] != t or (pos is not None and not torch.equal(
+                pos.reshape(-1, pos.shape[-1])[0].cpu(), torch.arange(t))):
+            raise ModelLoadError(
+                f"Unsupported model {self.info.architecture}: layer {idx} was called at "
+                f"positions other than 0..{t - 1} for a window of {t} tokens; kvlens capture "
+                "stores one RoPE table per layer for those positions.")
+
+    def _set_layout(self, idx: int, tables) -> None:
+        """Keep layer ``idx``'s RoPE (``None``: it applies none) from its first sample and check
+        later samples use the same tables (they share positions ``0..T-1``); every RoPE layer
+        must share one layout and rotary width (file attributes ``rope_layout``,
+        ``rotary_dim``)."""
+        import torch
+
+        if idx in self._rope:
+            kept = self._rope[idx]
+            same = (kept is None and tables is None) or (
+                kept is not None and tables is not None and kept.layout == tables.layout
+                and torch.equal(kept.cos, tables.cos) and torch.equal(kept.sin, tables.sin))
+            if not same:
+                raise ModelLoadError(
+                    f"Unsupported model {self.info.architecture}: layer {idx}'s RoPE tables "
+                    f"differ between samples at the same positions (sample {self.sample}); "
+                    "kvlens capture stores one table per layer.")
+            return
+        self._rope[idx] = tables
+        if tables is None:
+            return
         if self.rope_layout == "pending":
-            self.rope_layout, self.rotary_dim = layout, rotary_dim
-            if layout == "none":
-                self.notes.append("model has no RoPE: q_pre/k_pre equal q/k")
-            elif rotary_dim < self.info.head_dim:
-                self.notes.append(f"partial rotary: first {rotary_dim} of "
-                                  f"{self.info.head_dim} channels rotate")
+            self.rope_layout, self.rotary_dim = tables.layout, tables.rotary_dim
+        elif (self.rope_layout, self.rotary_dim) != (tables.layout, tables.rotary_dim):
+            raise ModelLoadError(
+                f"Unsupported model {self.info.architecture}: layer {idx} applies RoPE "
+                f"{tables.layout} to {tables.rotary_dim} channels, other layers {self.rope_layout}"
+                f" to {self.rotary_dim}; a capture file has one RoPE layout and width.")
+
+    def _rope_notes(self) -> list[str]:
+        nope = sorted(i for i, t in self._rope.items() if t is None)
+        if self.rope_layout == "none":
+            if any(i in self.rope_inputs for i in nope):
+                return [f"layers {nope} apply no RoPE (NoPE): q_pre/k_pre equal q/k"]
+            return ["model has no RoPE: q_pre/k_pre equal q/k"]
+        notes = [f"RoPE given as {f.name}, stored as {self.rope_layout} tables"
+                 for f in self.rope_inputs.detector.forms
+                 if f not in FORMS[:2]]  # the two plain forms need no note
+        if nope:
+            notes.append(f"layers {nope} apply no RoPE (NoPE): q_pre/k_pre equal q/k there")
+        if self.rotary_dim < self.info.head_dim:
+            notes.append(f"partial rotary: first {self.rotary_dim} of "
+                         f"{self.info.head_dim} channels rotate")
+        return notes
 
     def finalize_layout(self, writer) -> None:
+        if self.rope_layout == "pending":
+            self.rope_layout = "none"
+        self.notes.extend(self._rope_notes())
         writer.set_attr("rope_layout", self.rope_layout)
         writer.set_attr("rotary_dim", self.rotary_dim)
         writer.set_attr("has_rope", self.rope_layout != "none")
+        if self.rope_layout != "none":  # each layer's tables at positions 0..T-1, [T, R]
+            for idx, tables in sorted(self._rope.items()):
+                writer.write_rope(idx, self.rope_layout,
+                                  *((tables.cos[0], tables.sin[0]) if tables else (None, None)))
         for la in self._layer_attrs.values():
             writer.set_layer_attrs(la)

@@ -1,6 +1,6 @@
 """The kvlens capture file: HDF5 layout, writer and lazy reader (the only module that knows it).
 
-Layout, schema version 1 (documented in ``docs/capture-format.md``)::
+Layout, schema version 1 (documented in ``docs/reference/capture-format.md``)::
 
     /                      attrs: kvlens_format="kvlens-capture", kvlens_schema_version=1,
                                   kvlens_version, complete (bool), model, model_source,
@@ -8,15 +8,23 @@ Layout, schema version 1 (documented in ``docs/capture-format.md``)::
                                   num_key_value_heads, head_dim, has_rope, rope (JSON),
                                   rope_layout, rotary_dim, compute_dtype, storage_dtype,
                                   created, num_samples, num_tokens, layers (int array),
-                                  text_source, transformers_version, torch_version, notes
+                                  attention_layers (int array: the model's layers with a KV
+                                  cache; absent in older files = all), kv_shared (bool: MLA,
+                                  k and v are one latent row), text_source,
+                                  transformers_version, torch_version, notes, mla (JSON)
     /tokens                [S, T] int32        dims: sample, token
     /layers/NNN            attrs: layer_index, scaling, sliding_window (0 = none),
-                                  logit_softcap (0 = none)
+                                  logit_softcap (0 = none), attention_sinks (float32 [Hq],
+                                  learned sink logits; absent = none)
     /layers/NNN/q          [S, Hq,  T, D]      post-RoPE query   dims: sample, head, token, channel
     /layers/NNN/k          [S, Hkv, T, D]      post-RoPE key (before any GQA repeat)
     /layers/NNN/v          [S, Hkv, T, D]      value
     /layers/NNN/q_pre      [S, Hq,  T, D]      query before RoPE
     /layers/NNN/k_pre      [S, Hkv, T, D]      key before RoPE
+    /layers/NNN/rope_cos   [T, R] float32      the layer's RoPE at positions 0..T-1, in kvlens'
+    /layers/NNN/rope_sin   [T, R] float32      normalised form (rope_layout pairs, first R
+                                               channels); only in files with RoPE, not on a
+                                               layer that applies none (attr applies_rope=False)
 
 bfloat16 has no HDF5 type: it is stored losslessly as its raw 16-bit pattern (uint16) with the
 dataset attribute ``dtype="bfloat16"``; the reader reinterprets it. Writers create the file
@@ -39,6 +47,7 @@ from kvlens.text.selection import format_index_spec
 FORMAT_NAME = "kvlens-capture"
 SCHEMA_VERSION = 1
 TENSORS = ("q", "k", "v", "q_pre", "k_pre")
+ROPE_TABLES = ("rope_cos", "rope_sin")
 DIMS = ("sample", "head", "token", "channel")
 STORAGE_DTYPES = ("float16", "float32", "bfloat16")
 COMPRESSIONS = ("none", "gzip", "lzf")
@@ -70,10 +79,22 @@ class CaptureMeta:
     kvlens_version: str = ""
     schema_version: int = SCHEMA_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
+    #: model indices of the layers with a KV cache (a hybrid model's others keep a fixed-size
+    #: state); () = every layer
+    kv_layers: tuple[int, ...] = ()
+    #: keys and values are one tensor: an MLA model's latent row (``kvlens.model.mla``; q, k,
+    #: v are then in the absorbed form and k equals v)
+    kv_shared: bool = False
 
     @property
     def num_key_value_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Model indices of the layers with a KV cache (all of them unless the model is
+        hybrid)."""
+        return self.kv_layers or tuple(range(self.num_layers))
 
 
 @dataclass(frozen=True)
@@ -82,6 +103,8 @@ class LayerAttrs:
     scaling: float
     sliding_window: int  # 0 = full causal attention
     logit_softcap: float  # 0 = none
+    #: learned attention-sink logit per query head (gpt-oss's ``s_aux``); () = none
+    sinks: tuple[float, ...] = ()
 
 
 def layer_key(layer: int) -> str:
@@ -168,9 +191,16 @@ class CaptureWriter:
                 self._datasets[(layer, name)] = ds
 
     def set_layer_attrs(self, la: LayerAttrs) -> None:
-        self._file[layer_key(la.layer_index)].attrs.update({
+        import numpy as np
+
+        attrs = self._file[layer_key(la.layer_index)].attrs
+        attrs.update({
             "layer_index": la.layer_index, "scaling": la.scaling,
             "sliding_window": la.sliding_window, "logit_softcap": la.logit_softcap})
+        if la.sinks:  # absent = none (as in files written before sinks were recorded)
+            attrs["attention_sinks"] = np.asarray(la.sinks, dtype=np.float32)
+        elif "attention_sinks" in attrs:
+            del attrs["attention_sinks"]
 
     def write_tokens(self, sample: int, token_ids) -> None:
         self._file["tokens"][sample] = token_ids
@@ -178,6 +208,20 @@ class CaptureWriter:
     def write(self, layer: int, name: str, sample: int, tensor) -> None:
         """Store ``tensor`` ``[H, T, D]`` (torch) for one layer, tensor name and sample."""
         self._datasets[(layer, name)][sample] = to_storage(tensor, self.storage_dtype)
+
+    def write_rope(self, layer: int, layout: str, cos, sin) -> None:
+        """Store a layer's RoPE tables ``cos``, ``sin`` ``[T, R]`` (torch, normalised:
+        ``layout`` pairs, the first R channels; the same for every sample, whose positions are
+        ``0..T-1``), or mark a layer that applies no RoPE (``cos`` None)."""
+        g = self._file[layer_key(layer)]
+        g.attrs["applies_rope"] = cos is not None
+        if cos is None:
+            return
+        for name, table in zip(ROPE_TABLES, (cos, sin)):
+            ds = g.create_dataset(name, data=table.detach().float().cpu().numpy())
+            ds.attrs["dtype"] = "float32"
+            ds.attrs["layout"] = layout
+            _label(ds, ("token", "channel"))
 
     def set_attr(self, key: str, value: Any) -> None:
         self._file.attrs[key] = value
@@ -239,6 +283,8 @@ def _meta_to_attrs(meta: CaptureMeta) -> dict[str, Any]:
         "num_samples": meta.num_samples,
         "num_tokens": meta.num_tokens,
         "layers": np.asarray(meta.layers, dtype=np.int32),
+        "attention_layers": np.asarray(meta.attention_layers, dtype=np.int32),
+        "kv_shared": meta.kv_shared,
         "text_source": meta.text_source,
         **{k: (json.dumps(v) if isinstance(v, (dict, list)) else v)
            for k, v in meta.extra.items()},
@@ -248,7 +294,9 @@ def _meta_to_attrs(meta: CaptureMeta) -> dict[str, Any]:
 _META_KEYS = {"kvlens_version", "model", "model_source", "architecture", "model_type",
               "num_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "has_rope",
               "rope", "rope_layout", "rotary_dim", "compute_dtype", "storage_dtype", "created",
-              "num_samples", "num_tokens", "layers", "text_source", "kvlens_format",
+              "num_samples", "num_tokens", "layers", "attention_layers", "kv_shared",
+              "text_source",
+              "kvlens_format",
               "kvlens_schema_version", "complete"}
 
 
@@ -261,6 +309,17 @@ def _attr(value):
     return value
 
 
+@dataclass(frozen=True, eq=False)
+class StoredRope:
+    """What a capture recorded of one layer's RoPE: whether it applies RoPE (``False``: a NoPE
+    layer of a RoPE model, where ``q_pre == q``) and, if so, its tables at positions
+    ``0..T-1``, float32 torch ``[T, R]``, paired as the file's ``rope_layout``."""
+
+    applies: bool
+    cos: Any = None
+    sin: Any = None
+
+
 class LayerData:
     """Lazy access to one captured layer; every read returns float32 torch ``[S, H, T, D]``."""
 
@@ -268,8 +327,9 @@ class LayerData:
         self._group = group
         self._storage_dtype = storage_dtype
         a = group.attrs
+        sinks = tuple(float(x) for x in a["attention_sinks"]) if "attention_sinks" in a else ()
         self.attrs = LayerAttrs(int(a["layer_index"]), float(a["scaling"]),
-                                int(a["sliding_window"]), float(a["logit_softcap"]))
+                                int(a["sliding_window"]), float(a["logit_softcap"]), sinks)
 
     @property
     def index(self) -> int:
@@ -289,6 +349,18 @@ class LayerData:
         else:
             arr = ds[s][:, h] if not isinstance(s, slice) else ds[s, h]
         return from_storage(arr, self._storage_dtype)
+
+    def rope(self) -> StoredRope | None:
+        """The layer's RoPE as captured (``StoredRope``), or ``None`` where the file does not
+        say (files without RoPE, and captures written before the tables were stored)."""
+        import torch
+
+        if "applies_rope" not in self._group.attrs:
+            return None
+        if not bool(self._group.attrs["applies_rope"]):
+            return StoredRope(False)
+        cos, sin = (torch.from_numpy(self._group[n][...]).float() for n in ROPE_TABLES)
+        return StoredRope(True, cos, sin)
 
     def __getattr__(self, name: str):
         if name in TENSORS:
@@ -401,6 +473,8 @@ def _meta_from_attrs(attrs) -> CaptureMeta:
         num_samples=int(a["num_samples"]),
         num_tokens=int(a["num_tokens"]),
         layers=tuple(int(x) for x in attrs["layers"][()]),
+        kv_layers=_kv_layers(attrs, int(a["num_layers"])),
+        kv_shared=bool(a.get("kv_shared", False)),
         created=str(a.get("created", "")),
         model_source=str(a.get("model_source", "")),
         text_source=str(a.get("text_source", "")),
@@ -408,6 +482,15 @@ def _meta_from_attrs(attrs) -> CaptureMeta:
         schema_version=int(a["kvlens_schema_version"]),
         extra=extra,
     )
+
+
+def _kv_layers(attrs, num_layers: int) -> tuple[int, ...]:
+    """``CaptureMeta.kv_layers`` from the file (files written before hybrid models were
+    supported have no ``attention_layers``: every layer has a KV cache)."""
+    if "attention_layers" not in attrs:
+        return ()
+    layers = tuple(int(x) for x in attrs["attention_layers"][()])
+    return () if layers == tuple(range(num_layers)) else layers
 
 
 def write_capture(path: str | os.PathLike, meta: CaptureMeta, tensors: dict[int, dict[str, Any]],

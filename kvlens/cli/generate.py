@@ -172,7 +172,8 @@ def generate(
                                       device_map=device_map, max_memory=max_memory,
                                       offload_folder=str(offload_folder) if offload_folder
                                       else None)
-        for line in configs.for_model(describe(mdl).num_layers):
+        info = describe(mdl)
+        for line in configs.for_model(info.num_layers, info.is_hybrid):
             err_console.print(f"note: {escape(line)}", highlight=False)
         placement = placement_summary(mdl)
         err_console.print(f"weights: {format_bytes_by_device(placement['weights_by_device'])}")
@@ -383,14 +384,14 @@ class _Configs(list):
             self.per_model = (*self.per_model, (setting.config, name))
         return setting.config
 
-    def for_model(self, num_layers: int) -> list[str]:
+    def for_model(self, num_layers: int, hybrid: bool = False) -> list[str]:
         """Rebuild the configs of settings that depend on the model's layer count (vLLM
         TurboQuant's boundary layers), in place; returns a line per rebuilt setting."""
         from kvlens.deploy import engine_config
 
         lines = []
         for config, name in self.per_model:
-            built = engine_config(name, num_layers=num_layers).config
+            built = engine_config(name, num_layers=num_layers, hybrid=hybrid).config
             for i, c in enumerate(self):
                 if c is config:
                     self[i] = built

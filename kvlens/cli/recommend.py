@@ -634,9 +634,9 @@ def _render(rec) -> None:
     by_layer: dict[int, dict] = {}
     for ch in rec.choices:
         by_layer.setdefault(ch.layer, {})[ch.tensor] = ch
-    for layer, pair in sorted(by_layer.items()):
+    for j, (layer, pair) in enumerate(sorted(by_layer.items())):  # weights: in layer order
         k, v = pair["key"], pair["value"]
-        t.add_row(str(layer), f"{rec.weights[layer]:.2f}", escape(k.candidate.short), f"{k.bits:.2f}",
+        t.add_row(str(layer), f"{rec.weights[j]:.2f}", escape(k.candidate.short), f"{k.bits:.2f}",
                   f"{k.output_error:.3f}", escape(v.candidate.short), f"{v.bits:.2f}",
                   f"{v.output_error:.3f}", str(k.residual_tokens),
                   str(k.flush_tokens or "R"))

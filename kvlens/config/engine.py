@@ -33,6 +33,9 @@ its options mean): ``--help``, error messages and docs print that text, never a 
   as a plain saturating fp8 e4m3 cast (no scale, no rotation: the layer's unquantized key store
   at ``fp_dtype`` float8_e4m3fn) beside the same 4-bit values, its boundary layers as ``f16``
   engine layers. What is and is not simulated: docs/deploy/vllm.md.
+- vLLM ``fp8_ds_mla`` (``DS_MLA_DTYPE``; MLA models only, where keys and values are one latent
+  row): the latent in fp8 e4m3 tiles, each with a float32 scale computed as the token is
+  written, and the RoPE channels in bfloat16 (``kvlens.quant.ds_mla``); no scope or scale.
 - transformers ``QuantizedCache`` (quanto backend, defaults ``QUANTO_DEFAULTS``): ``axis=0``
   groups ``G`` channels of one token (per-token ``G``), ``axis=-1`` groups ``G`` tokens of one
   channel (per-channel ``G``), the residual window is ``R``: a kvlens layout, not transformers'
@@ -55,6 +58,7 @@ from typing import ClassVar
 from kvlens.config.schema import KVConfig, LayerKV
 from kvlens.errors import ConfigError, is_int
 from kvlens.quant import CodebookSpec, QuantSpec, RotationSpec
+from kvlens.quant.ds_mla import DS_MLA
 from kvlens.quant.formats import parse_format
 from kvlens.quant.fp8 import TOKEN_HEAD_KINDS
 from kvlens.quant.ggml import GGML_FORMATS
@@ -75,6 +79,8 @@ STATIC_FP8_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")  # fp8 is vLLM's alias of fp
 PER_TOKEN_HEAD = {**{f"{k}-pth": f"{k}@token-head" for k in TOKEN_HEAD_KINDS},
                   **{f"{k}_per_token_head": f"{k}@token-head" for k in TOKEN_HEAD_KINDS}}
 VLLM_DTYPES = (*STATIC_FP8_DTYPES, *(f"{k}-pth" for k in TOKEN_HEAD_KINDS))
+# vLLM's cache of an MLA model's latent row (its sparse MLA backends; kvlens.quant.ds_mla)
+DS_MLA_DTYPE = DS_MLA.name
 SGLANG_DTYPES = ("fp8_e4m3", "fp8_e5m2")
 # the cache types `recommend --target vllm / sglang` searches: calibrated e4m3, and e4m3 and
 # e5m2 at the default scale 1.0 (e5m2's 2 mantissa bits lose to e4m3 once calibrated)
@@ -108,6 +114,7 @@ def setting_forms() -> tuple[str, ...]:
         "vllm:D[:skip=L,L] (D: " + ", ".join(pth) + "; also spelled "
         + ", ".join(k for k in PER_TOKEN_HEAD if not k.endswith("-pth")) + ")",
         "vllm:T (T: " + ", ".join(TURBOQUANT_TYPES) + ")",
+        f"vllm:{DS_MLA_DTYPE}[:skip=L,L] (MLA models: the latent row, fp8 tiles + bf16 RoPE)",
         "sglang:D[@head][:pP|:sS] (D: " + ", ".join(SGLANG_DTYPES) + ")",
         "transformers:quanto-B[:axis_key=A][:axis_value=A][:group=G][:residual=R] (B: "
         + ", ".join(map(str, QUANTO_BITS)) + "; A: " + ", ".join(map(str, QUANTO_AXES)) + ")",
@@ -220,14 +227,15 @@ class CacheDtypeSetting:
             raise ConfigError(f"--kv-cache-dtype settings are vllm and sglang, not "
                               f"{self.engine!r}.")
         allowed = VLLM_DTYPES if self.engine == "vllm" else SGLANG_DTYPES
-        if self.dtype not in allowed and not (self.engine == "vllm"
-                                              and self.dtype in PER_TOKEN_HEAD):
-            raise ConfigError(f"{self.engine} KV-cache dtypes here are {', '.join(allowed)}; "
+        if self.dtype not in allowed and not (self.engine == "vllm" and (
+                self.dtype in PER_TOKEN_HEAD or self.dtype == DS_MLA_DTYPE)):
+            raise ConfigError(f"{self.engine} KV-cache dtypes here are {', '.join(allowed)}"
+                              f"{f', {DS_MLA_DTYPE}' if self.engine == 'vllm' else ''}; "
                               f"got {self.dtype!r}.")
-        if self.per_token_head and (self.scope != "tensor" or self.percentile is not None
-                                    or self.fixed_scale is not None):
-            raise ConfigError("per-token-head dtypes take no @scope, :pP or :sS (their scales "
-                              "are dynamic).")
+        if self.dynamic and (self.scope != "tensor" or self.percentile is not None
+                             or self.fixed_scale is not None):
+            raise ConfigError(f"per-token-head dtypes and {DS_MLA_DTYPE} take no @scope, :pP "
+                              "or :sS (their scales are dynamic).")
         if self.scope not in ("tensor", "head"):
             raise ConfigError(f"scale scope @{self.scope}; allowed: none (per tensor) or @head.")
         if self.skip and self.engine != "vllm":
@@ -242,9 +250,14 @@ class CacheDtypeSetting:
         return self.dtype in PER_TOKEN_HEAD
 
     @property
+    def dynamic(self) -> bool:
+        """Scales computed as each token is written: per-token-head and ``fp8_ds_mla``."""
+        return self.per_token_head or self.dtype == DS_MLA_DTYPE
+
+    @property
     def calibrates(self) -> bool:
         """Static fp8 whose scales come from a capture when the command has one."""
-        return not self.per_token_head and self.fixed_scale is None
+        return not self.dynamic and self.fixed_scale is None
 
     @property
     def shared_scale(self) -> bool:
@@ -266,6 +279,8 @@ class CacheDtypeSetting:
         which then needs no ``@head`` or ``:pP``."""
         if self.per_token_head:
             return PER_TOKEN_HEAD[self.dtype]
+        if self.dtype == DS_MLA_DTYPE:
+            return DS_MLA_DTYPE
         out = ("fp8_e4m3" if self.dtype == "fp8" else self.dtype) + (
             "@head" if self.scope == "head" else "")
         if self.fixed_scale is not None:
@@ -320,12 +335,16 @@ class TurboQuantSetting:
         return TURBOQUANT_PRESETS[self.dtype][2]
 
     @staticmethod
-    def boundary_layers(num_layers: int) -> tuple[int, ...]:
+    def boundary_layers(num_layers: int, hybrid: bool = False) -> tuple[int, ...]:
         """The layers vLLM keeps uncompressed: the first and last ``TURBOQUANT_BOUNDARY``, at most
-        ``num_layers // 2`` on each side (vLLM's ``get_boundary_skip_layers`` for a model without
-        Mamba or linear-attention layers)."""
+        ``num_layers // 2`` on each side (vLLM's ``get_boundary_skip_layers``); none in a hybrid
+        model (Mamba or linear-attention layers beside attention: vLLM PR #39931 turns boundary
+        protection off there, as two layers on each side would be a large share of its few
+        attention layers)."""
         if not is_int(num_layers, 1):
             raise ConfigError(f"Invalid num_layers {num_layers!r}; allowed: an integer >= 1.")
+        if hybrid:
+            return ()
         n = min(TURBOQUANT_BOUNDARY, num_layers // 2)
         return tuple(sorted({*range(n), *range(num_layers - n, num_layers)}))
 
@@ -334,7 +353,7 @@ class TurboQuantSetting:
         """``turboquant_k8v4``: keys cast to fp8 e4m3 with no scale, not rotated (no codebook)."""
         return self.key_bits == 8
 
-    def kvconfig(self, label: str, num_layers: int) -> KVConfig:
+    def kvconfig(self, label: str, num_layers: int, hybrid: bool = False) -> KVConfig:
         """The config for a model of ``num_layers`` layers: every layer but the boundary ones
         codes keys (codebook; ``k8v4``: a saturating fp8 e4m3 cast, kept as the layer's
         full-precision key store at ``fp_dtype`` float8_e4m3fn) and values (per-token min-max)
@@ -348,7 +367,7 @@ class TurboQuantSetting:
                                renormalize=self.norm_correction)
             fp, exact = "float16", LayerKV()
         return KVConfig(label, LayerKV(key, value),
-                        {i: exact for i in self.boundary_layers(num_layers)},
+                        {i: exact for i in self.boundary_layers(num_layers, hybrid)},
                         fp_dtype=fp, scale_dtype="float16",
                         write_before_attention=True,
                         description=f"vllm --kv-cache-dtype {self.dtype}")
@@ -529,6 +548,8 @@ def setting_for_cache_type(cache_type: str, engine: str | None = None,
                           "a forced rotation has no engine setting.")
     if fmt.family == "token-head":
         return CacheDtypeSetting(engine or "vllm", f"{fmt.kind}-pth", skip=skip)
+    if fmt.family == DS_MLA.family:
+        return CacheDtypeSetting(engine or "vllm", DS_MLA_DTYPE, skip=skip)
     return CacheDtypeSetting(engine or "vllm", f"fp8_{fmt.fp8}", fmt.scope, fmt.percentile,
                              fmt.fixed_scale, skip)
 
@@ -556,6 +577,10 @@ def measured_cache_type(setting: EngineSettingName) -> str:
                           "values with per-token integers and keeps the boundary layers exact; "
                           "compare-axes measures its parts with --codebooks lloyd-max+renorm "
                           f"(keys, {setting.key_bits} bits in --bits) and per-token values.")
+    if setting.dtype == DS_MLA_DTYPE:
+        raise ConfigError(f"{name} stores an MLA model's latent row, which compare-axes does "
+                          "not measure; run generate --compare " + name + " --eval kld on the "
+                          "model instead.")
     if setting.shared_scale and setting.calibrates:
         raise ConfigError(f"{name}: SGLang shares one scale between keys and values, which "
                           "compare-axes does not model (it calibrates each tensor); measure "

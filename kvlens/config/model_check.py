@@ -1,8 +1,8 @@
 """Whether a config fits a loaded model: ``validate_for(config, info)`` checks a ``KVConfig``
 (``kvlens.config.schema``, which checks everything a config can check on its own) against the
 model's shape (layer count, head_dim, KV heads, group sizes, balancer and mean-key shapes,
-codebook centroids, engine-format scales, RoPE for pre-RoPE keys) and raises ``ConfigError``
-naming the allowed values.
+codebook centroids, engine-format scales, RoPE for pre-RoPE keys, an MLA latent row for
+``fp8_ds_mla``) and raises ``ConfigError`` naming the allowed values.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from kvlens.config.coupled import check_for_model as check_coupled_for_model
 from kvlens.config.rules import check_layout, flush_block
 from kvlens.config.schema import CODEBOOK_TENSORS, KVConfig
 from kvlens.errors import ConfigError
-from kvlens.quant import hadamard_block_size
+from kvlens.quant import ds_mla, hadamard_block_size
 from kvlens.quant.cachetypes import check_engine_layer
+from kvlens.text.selection import format_index_spec as _spec
 
 
 def validate_for(config: KVConfig, info) -> None:
@@ -20,6 +21,7 @@ def validate_for(config: KVConfig, info) -> None:
     (``kvlens.model.architecture.ModelInfo``)."""
 
     n, d, hkv = info.num_layers, info.head_dim, info.num_key_value_heads
+    kv = tuple(getattr(info, "attention_layers", None) or range(n))
     if config.model:
         for key, actual in (("num_layers", n), ("head_dim", d), ("num_key_value_heads", hkv)):
             want = config.model.get(key)
@@ -35,7 +37,13 @@ def validate_for(config: KVConfig, info) -> None:
         if bad:
             raise ConfigError(f"Config {config.name!r} {what} {bad}, but the model has {n} "
                               f"layers; allowed indices: 0-{n - 1}.")
-    for idx in range(n):
+        stateful = sorted(i for i in indexed if i < n and i not in kv)
+        if stateful:
+            raise ConfigError(f"Config {config.name!r} {what} {stateful}, which hold no KV "
+                              "cache in this hybrid model (a linear-attention or SSM state, "
+                              f"left exact); its layers with a KV cache: {_spec(kv)}.")
+    _check_ds_mla(config, info, kv)
+    for idx in kv:
         layer = config.layer(idx)
         if layer.engine:
             check_engine_layer(layer, d, hkv, config.kv_scales.get(idx),
@@ -85,6 +93,30 @@ def validate_for(config: KVConfig, info) -> None:
         if len(b) != hkv or any(len(r) != d for r in b):
             raise ConfigError(f"balancers.{idx} has shape [{len(b)}, {len(b[0]) if b else 0}] "
                               f"but the model needs [num_key_value_heads={hkv}, head_dim={d}].")
+
+
+def _check_ds_mla(config: KVConfig, info, kv: tuple[int, ...]) -> None:
+    """vLLM's ``fp8_ds_mla`` stores an MLA model's latent row (``kvlens.quant.ds_mla``): refused
+    for any other model (``info.mla`` is None: ``ModelInfo``, or the ``ModelHeader`` before the
+    model loads) and for a row it cannot split into its RoPE channels and whole latent tiles."""
+    layers = [i for i in kv if config.layer(i).engine and any(
+        getattr(getattr(ct, "format", None), "family", None) == ds_mla.DS_MLA.family
+        for ct in (config.layer(i).key_type, config.layer(i).value_type))]
+    if not layers:
+        return
+    what = f"Config {config.name!r} stores layers {_spec(layers)} as fp8_ds_mla"
+    mla = getattr(info, "mla", None)
+    if mla is None:
+        model = getattr(info, "architecture", "") or "this model"
+        raise ConfigError(f"{what}, vLLM's cache of an MLA model's latent row (DeepSeek V2/V3 "
+                          f"and their kin), but {model} is not an MLA model; use vllm:fp8 or "
+                          "vllm:fp8_per_token_head.")
+    tile = ds_mla.TILE
+    if not (mla.rope_dim < tile and mla.latent_dim > 0 and mla.latent_dim % tile == 0):
+        raise ConfigError(f"{what}, which needs fewer than {tile} RoPE channels "
+                          f"(qk_rope_head_dim) and a latent of a positive multiple of {tile} "
+                          f"channels (kv_lora_rank); this model has qk_rope_head_dim="
+                          f"{mla.rope_dim}, kv_lora_rank={mla.latent_dim}.")
 
 
 def _check_layer_mean(config: KVConfig, idx: int, hkv: int, d: int) -> None:

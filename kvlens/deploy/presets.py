@@ -58,14 +58,15 @@ class EngineSetting:
 
 
 def engine_config(name: str, calibration: str | None = None,
-                  num_layers: int | None = None) -> EngineSetting:
+                  num_layers: int | None = None, hybrid: bool = False) -> EngineSetting:
     """The ``EngineSetting`` for ``name`` (``kvlens.config.engine``); ``calibration``: a capture
-    file for static fp8 scales; ``num_layers``: the model's layer count, which the config of a
-    TurboQuant setting depends on (``EngineSetting.per_model``). Unknown engines, types or
-    options raise ``ConfigError`` with the allowed values."""
+    file for static fp8 scales; ``num_layers`` and ``hybrid`` (some layers hold no KV cache):
+    the model's, which the config of a TurboQuant setting depends on
+    (``EngineSetting.per_model``). Unknown engines, types or options raise ``ConfigError`` with
+    the allowed values."""
     setting = parse_engine_setting(name)
     if isinstance(setting, TurboQuantSetting):
-        return _turboquant(name, setting, num_layers)
+        return _turboquant(name, setting, num_layers, hybrid)
     if isinstance(setting, LlamaCppSetting):
         return EngineSetting(setting.engine, setting.kvconfig(name), _llamacpp_notes(name, setting))
     if isinstance(setting, QuantoSetting):
@@ -101,13 +102,14 @@ TURBOQUANT_DIFFERENCES = (
     "compressed. docs/deploy/vllm.md.")
 
 
-def _turboquant(raw: str, s: TurboQuantSetting, num_layers: int | None) -> EngineSetting:
+def _turboquant(raw: str, s: TurboQuantSetting, num_layers: int | None,
+                hybrid: bool = False) -> EngineSetting:
     if num_layers is None:  # every layer coded until the model (its layer count) is known
         cfg = replace(s.kvconfig(raw, 1), layers={})
         where = "resolved when the model is loaded"
     else:
-        cfg = s.kvconfig(raw, num_layers)
-        where = f"layers {', '.join(map(str, s.boundary_layers(num_layers)))}"
+        cfg = s.kvconfig(raw, num_layers, hybrid)
+        where = f"layers {', '.join(map(str, s.boundary_layers(num_layers, hybrid))) or 'none'}"
     keys = "keys cast to fp8 e4m3 (no scale, not rotated)" if s.fp8_keys else (
         f"keys {s.key_bits}-bit Lloyd-Max codes of the Hadamard-rotated normalised key plus an "
         f"fp16 norm{' (centroids renormalised)' if s.norm_correction else ''}")

@@ -237,7 +237,7 @@ def measure_errors(path: str | Path, target: str, opts: TargetOptions,
             kv = {t: x[:n_smp, :, :n_tok].float() for t, x in full.items()}
             with torch.no_grad():
                 ref = attention_output(q, kv["key"], kv["value"], a.scaling, a.sliding_window,
-                                       a.logit_softcap)
+                                       a.logit_softcap, a.sinks)
                 row, srow, cal = {}, {}, {}
                 for name, (how, _) in variants.items():
                     fmt = getattr(how, "format", None)
@@ -261,7 +261,7 @@ def measure_errors(path: str | Path, target: str, opts: TargetOptions,
                         if target == "llama.cpp" and tensor == "key":
                             qe = _llamacpp_query(q, how, name)
                         out = attention_output(qe, args["key"], args["value"], a.scaling,
-                                               a.sliding_window, a.logit_softcap)
+                                               a.sliding_window, a.logit_softcap, a.sinks)
                         row[(tensor, name)] = rel_error(ref, out)
             table.append(row)
             scales.append(srow)
@@ -296,31 +296,34 @@ def _llamacpp(table, shape, opts) -> list[TargetCandidate]:
     return out
 
 
-def _fp8_scales(scales, layers, dtype: str) -> dict:
-    """kv_scales of a calibrated dtype for ``layers`` (from ``measure_errors``)."""
-    return {i: {"key": tuple(scales[i][("key", dtype)]),
-                "value": tuple(scales[i][("value", dtype)])} for i in layers}
+def _fp8_scales(scales, layers, positions, dtype: str) -> dict:
+    """kv_scales of a calibrated dtype for the captured layers at ``positions`` of ``layers``
+    (their model indices; ``scales`` from ``measure_errors``, in the same order)."""
+    return {layers[j]: {"key": tuple(scales[j][("key", dtype)]),
+                        "value": tuple(scales[j][("value", dtype)])} for j in positions}
 
 
 def _vllm(table, scales, shape, opts, meta) -> list[TargetCandidate]:
 
     out = []
     n = len(table)
+    layers = meta.layers  # model indices, in table order
     for dtype in VLLM_SEARCH_TYPES:
         contrib = [row[("key", dtype)] ** 2 + row[("value", dtype)] ** 2 for row in table]
-        order = sorted(range(n), key=lambda i: -contrib[i])
+        order = sorted(range(n), key=lambda j: -contrib[j])
         calibrated = ":s" not in dtype
         for k in range(n + 1):
-            skip = tuple(sorted(order[:k]))
+            skipped = set(order[:k])  # positions in the table
+            skip = tuple(sorted(layers[j] for j in skipped))
             cfg = KVConfig(setting_for_cache_type(dtype, "vllm", skip).name,
                            LayerKV(key_format=dtype, value_format=dtype),
                            {i: LayerKV(key_format="f16", value_format="f16") for i in skip},
                            fp_dtype="float16")
             if calibrated:
                 cfg = replace(cfg, kv_scales=_fp8_scales(
-                    scales, [i for i in range(n) if i not in skip], dtype))
-            errs = [(0.0, 0.0) if i in skip else (row[("key", dtype)], row[("value", dtype)])
-                    for i, row in enumerate(table)]
+                    scales, layers, [j for j in range(n) if j not in skipped], dtype))
+            errs = [(0.0, 0.0) if j in skipped else (row[("key", dtype)], row[("value", dtype)])
+                    for j, row in enumerate(table)]
             base = dtype.split(":")[0]
             cmd = f"vllm serve MODEL --kv-cache-dtype {base}"
             if skip:
@@ -336,7 +339,7 @@ def _vllm(table, scales, shape, opts, meta) -> list[TargetCandidate]:
     return out
 
 
-def _sglang(table, scales, shape, opts) -> list[TargetCandidate]:
+def _sglang(table, scales, shape, opts, meta) -> list[TargetCandidate]:
 
     out = []
     n = len(table)
@@ -346,7 +349,7 @@ def _sglang(table, scales, shape, opts) -> list[TargetCandidate]:
                        fp_dtype="float16")
         errs = [(row[("key", dtype)], row[("value", dtype)]) for row in table]
         if calibrated:
-            cfg = replace(cfg, kv_scales=_fp8_scales(scales, range(n), dtype))
+            cfg = replace(cfg, kv_scales=_fp8_scales(scales, meta.layers, range(n), dtype))
         base = dtype.split(":")[0]
         cmd = f"python -m sglang.launch_server --model-path MODEL --kv-cache-dtype {base}"
         if calibrated:
@@ -419,7 +422,7 @@ def candidates_for(target: str, meta, windows, table, scales, opts) -> list[Targ
     if target == "vllm":
         return _vllm(table, scales, shape, opts, meta)
     if target == "sglang":
-        return _sglang(table, scales, shape, opts)
+        return _sglang(table, scales, shape, opts, meta)
     return _transformers(table, shape, opts, meta.head_dim)
 
 

@@ -161,8 +161,11 @@ def _session(model, config, backend: str):
 def _memory(config, cache) -> dict:
 
     report = (baseline_memory_report if isinstance(config, Baseline) else memory_report)(cache)
-    return {**{k: report[k] for k in ("kv_bytes", "kv_bytes_fp16", "bits_per_element")},
-            "kv_bytes_by_device": report["by_device"]}
+    out = {**{k: report[k] for k in ("kv_bytes", "kv_bytes_fp16", "bits_per_element")},
+           "kv_bytes_by_device": report["by_device"]}
+    if report.get("state_bytes"):  # a hybrid model's fixed-size states, apart from its K/V
+        out["state_bytes"] = report["state_bytes"]
+    return out
 
 
 def score_text(model, ids, configs: Sequence, chunk: int = DEFAULT_CHUNK, backend: str = "auto",

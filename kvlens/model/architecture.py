@@ -1,7 +1,21 @@
 """What kvlens needs to know about a loaded model's attention, in one frozen dataclass.
 
-Shapes and RoPE facts are read from the model config and its attention modules; an
+Shapes and layer kinds are read from the model's config and its attention modules (the head
+counts from the modules where they say it: a config may carry a ``num_key_value_heads`` its
+architecture ignores); the capture checks them against the model's first forward. An
 architecture kvlens cannot hook raises ``ModelLoadError`` naming the reason.
+
+Layers are named by their index in the model (``model.layers[i]``). Every layer has a kind:
+
+- ``full``, ``sliding`` (a window of ``W`` tokens), ``chunked`` (attention inside chunks of
+  ``C`` tokens): softmax attention with a KV cache that grows with the context;
+- ``state``: no KV cache, a fixed-size state instead (linear attention such as Gated DeltaNet,
+  a Mamba/SSM mixer, a short convolution): the layers of hybrid models that kvlens leaves exact;
+- ``none``: no token mixing at all (a layer with only an MLP or MoE block).
+
+``attention_layers`` are the layers with a KV cache (the only ones kvlens captures, quantizes
+and counts); ``state_layers`` the ones holding a fixed-size state (a Falcon-H1 layer is in both:
+attention and a Mamba mixer side by side).
 """
 
 from __future__ import annotations
@@ -10,53 +24,189 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlens.errors import ModelLoadError
+from kvlens.model.mla import MlaShape, is_mla, mla_shape
 
 _ROPE_CONFIG_KEYS = ("rope_parameters", "rope_theta", "rotary_dim", "rotary_pct",
                      "partial_rotary_factor", "rotary_emb_base")
+
+KV_KINDS = ("full", "sliding", "chunked")
+LAYER_KINDS = (*KV_KINDS, "state", "none")
+# transformers' layer_types vocabulary -> (kvlens kind, holds a fixed-size state too)
+_LAYER_TYPES = {
+    "full_attention": ("full", False), "attention": ("full", False),
+    "global_attention": ("full", False),
+    "sliding_attention": ("sliding", False), "local_attention": ("sliding", False),
+    "chunked_attention": ("chunked", False),
+    "hybrid": ("full", True), "hybrid_sliding": ("sliding", True),
+    "linear_attention": ("state", True), "conv": ("state", True), "mamba": ("state", True),
+    "mamba2": ("state", True), "ssm": ("state", True), "recurrent": ("state", True),
+    "mlp": ("none", False), "moe": ("none", False), "dummy": ("none", False),
+}
 
 
 @dataclass(frozen=True)
 class ModelInfo:
     architecture: str
     model_type: str
-    num_layers: int
+    num_layers: int  # decoder layers: model indices 0 .. num_layers - 1
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
     declares_rope: bool
     rope: dict[str, Any] = field(default_factory=dict)
+    #: per model layer: one of LAYER_KINDS (() = every layer "full")
+    layer_kinds: tuple[str, ...] = ()
+    #: per model layer: the sliding window (sliding) or chunk (chunked) in tokens, else None
+    windows: tuple[int | None, ...] = ()
+    #: layers holding a fixed-size (non-KV) state, left exact by kvlens
+    state_layers: tuple[int, ...] = ()
+    #: MLA models (``kvlens.model.mla``): the latent row every layer caches; keys and values
+    #: are that one row (one KV head, ``head_dim`` = its width)
+    mla: MlaShape | None = None
 
     @property
     def num_key_value_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Model indices of the layers with a KV cache."""
+        if not self.layer_kinds:
+            return tuple(range(self.num_layers))
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k in KV_KINDS)
 
-def _text_config(config):
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layers hold no KV cache."""
+        return len(self.attention_layers) < self.num_layers
+
+    def kind(self, layer: int) -> str:
+        return self.layer_kinds[layer] if self.layer_kinds else "full"
+
+    def window(self, layer: int) -> int | None:
+        return self.windows[layer] if self.windows else None
+
+
+def text_config(config):
+    """The decoder's config (a multimodal model's text part; the config itself otherwise)."""
     get = getattr(config, "get_text_config", None)
-    return get() if get is not None else config
+    if get is None:
+        return config
+    try:
+        return get(decoder=True)
+    except TypeError:  # transformers versions without the decoder argument
+        return get()
 
 
-def attention_modules(model) -> list:
-    """The self-attention module of each decoder layer, in layer order."""
+def _candidate_modules(model) -> dict[int, Any]:
+    """Per layer index, the first module whose class name says attention (the first found in
+    ``named_modules`` order is the layer's own: ``self_attn`` before anything it contains)."""
     found = {}
     for _, module in model.named_modules():
         idx = getattr(module, "layer_idx", None)
-        if idx is None or not isinstance(idx, int):
+        if idx is None or not isinstance(idx, int) or isinstance(idx, bool):
             continue
         name = type(module).__name__.lower()
         if "attention" in name and "flash" not in name and idx not in found:
             found[idx] = module
-    return [found[i] for i in sorted(found)]
+    return found
+
+
+def _num_layers(config, found: dict[int, Any]) -> int:
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return max(found) + 1 if found else 0
+
+
+def _config_layer_types(config, n: int) -> list[str] | None:
+    types = getattr(config, "layer_types", None)
+    if types is None or len(types) != n:
+        return None
+    return [str(t) for t in types]
+
+
+def layer_kinds(config, found: dict[int, Any], architecture: str
+                ) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """``(kind per model layer, layers holding a fixed-size state)`` from the config's
+    ``layer_types`` where it has them, else from the attention modules found and the config's
+    ``sliding_window`` / ``attention_chunk_size`` (as transformers infers them)."""
+    n = _num_layers(config, found)
+    sharing = getattr(config, "kv_sharing_modes", None) or getattr(
+        config, "num_kv_shared_layers", None)
+    if sharing:
+        raise ModelLoadError(
+            f"Unsupported model {architecture}: some of its layers reuse another layer's KV "
+            "cache (KV sharing), which kvlens' capture and cache do not model.")
+    types = _config_layer_types(config, n)
+    if types is None:
+        window = getattr(config, "sliding_window", None)
+        if getattr(config, "use_sliding_window", True) is False:
+            window = None
+        chunk = getattr(config, "attention_chunk_size", None)
+        default = "sliding" if window else "chunked" if chunk else "full"
+        return tuple(default if i in found else "none" for i in range(n)), ()
+    unknown = sorted({t for t in types if t not in _LAYER_TYPES})
+    if unknown:
+        raise ModelLoadError(
+            f"Unsupported model {architecture}: layer type(s) {', '.join(unknown)} (kvlens "
+            f"supports {', '.join(sorted(_LAYER_TYPES))}).")
+    kinds = tuple(_LAYER_TYPES[t][0] for t in types)
+    state = tuple(i for i, t in enumerate(types) if _LAYER_TYPES[t][1])
+    return kinds, state
+
+
+def kv_layers_of_types(types) -> tuple[int, ...] | None:
+    """Model indices of the layers with a KV cache from a config's ``layer_types`` list
+    (``None`` when a type is unknown here: the loaded model decides)."""
+    if not all(t in _LAYER_TYPES for t in types):
+        return None
+    return tuple(i for i, t in enumerate(types) if _LAYER_TYPES[t][0] in KV_KINDS)
+
+
+def layer_windows(config, kinds: tuple[str, ...]) -> tuple[int | None, ...]:
+    """Per model layer, its sliding window or attention chunk (tokens), ``None`` otherwise."""
+    window = getattr(config, "sliding_window", None)
+    chunk = getattr(config, "attention_chunk_size", None)
+    out = []
+    for kind in kinds:
+        size = window if kind == "sliding" else chunk if kind == "chunked" else None
+        if kind in ("sliding", "chunked") and not (isinstance(size, int) and size > 0):
+            raise ModelLoadError(f"A {kind} attention layer but the config gives no "
+                                 f"{'sliding_window' if kind == 'sliding' else 'attention_chunk_size'}.")
+        out.append(size if kind in ("sliding", "chunked") else None)
+    return tuple(out)
+
+
+def attention_modules(model) -> list:
+    """The self-attention module of each layer with a KV cache, in layer order (see
+    ``describe(model).attention_layers`` for their model indices)."""
+    found = _candidate_modules(model)
+    config = text_config(model.config)
+    kinds, _ = layer_kinds(config, found, type(model).__name__)
+    return [found[i] for i in sorted(found) if i < len(kinds) and kinds[i] in KV_KINDS]
 
 
 def decoder_layers(model) -> list:
-    """The decoder layer (the module holding the self-attention) of each layer, in layer
-    order."""
+    """Every decoder layer of the model, in model order (index ``i`` is layer ``i``): the
+    modules of the ``ModuleList`` that holds the layers with attention."""
+    import torch
+
+    found = _candidate_modules(model)
+    if not found:
+        return []
     parents = {}
     for _, module in model.named_modules():
         for child in module.children():
             parents[id(child)] = module
-    return [parents[id(m)] for m in attention_modules(model)]
+    node = found[min(found)]
+    while id(node) in parents:
+        parent = parents[id(node)]
+        if isinstance(parent, torch.nn.ModuleList):
+            return list(parent)
+        node = parent
+    return [parents.get(id(found[i]), found[i]) for i in sorted(found)]
 
 
 def rope_config(config) -> dict[str, Any]:
@@ -72,35 +222,75 @@ def rope_config(config) -> dict[str, Any]:
     return out
 
 
-def describe(model) -> ModelInfo:
-    config = _text_config(model.config)
-    modules = attention_modules(model)
-    if not modules:
-        raise ModelLoadError(
-            f"Unsupported model {type(model).__name__}: no attention modules with a layer index "
-            "were found. kvlens supports decoder-only HF causal LMs that use transformers' "
-            "attention interface (Llama, Mistral, Qwen2/3, Gemma3, GPT-NeoX, Phi3, GPT-2, ...)."
-        )
-    if any(getattr(m, "is_causal", True) is False for m in modules):
-        raise ModelLoadError(
-            f"Unsupported model {type(model).__name__}: its attention is not causal (an encoder "
-            "such as BERT). kvlens analyses KV caches of decoder-only causal LMs.")
+def has_rotary_module(model) -> bool:
+    """Whether the model holds rotary frequencies (a rotary-embedding module's ``inv_freq`` or
+    ``freqs_cis`` buffer): read from its modules, as a config may carry RoPE parameters its
+    model does not use (Granite 4 hybrid without ``position_embedding_type="rope"``)."""
+    return any(name.endswith(("inv_freq", "freqs_cis")) for name, _ in model.named_buffers())
+
+
+def _head_counts(config, module, architecture: str) -> tuple[int, int, int]:
+    """``(query heads, KV heads, head_dim)``: KV heads from the module's own
+    ``num_key_value_groups`` where it has one (a config's ``num_key_value_heads`` may be a
+    value the architecture ignores), else the config's, else multi-head."""
     n_heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
-    n_kv = getattr(config, "num_key_value_heads", None) or n_heads
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
-    head_dim = getattr(modules[0], "head_dim", None) or getattr(config, "head_dim", None)
+    head_dim = getattr(module, "head_dim", None) or getattr(config, "head_dim", None)
     if head_dim is None and hidden and n_heads:
         head_dim = hidden // n_heads
+    groups = getattr(module, "num_key_value_groups", None)
+    if isinstance(groups, int) and groups > 0 and n_heads:
+        n_kv = n_heads // groups
+    else:  # no grouping attribute: the module's own count, else multi-head attention
+        n_kv = getattr(module, "num_key_value_heads", None) or n_heads
     if not (n_heads and n_kv and head_dim):
-        raise ModelLoadError(f"Unsupported model {type(model).__name__}: cannot read head counts.")
+        raise ModelLoadError(f"Unsupported model {architecture}: cannot read its head counts.")
+    return int(n_heads), int(n_kv), int(head_dim)
+
+
+def describe(model) -> ModelInfo:
+    config = text_config(model.config)
+    architecture = type(model).__name__
+    found = _candidate_modules(model)
+    if not found:
+        raise ModelLoadError(
+            f"Unsupported model {architecture}: no attention modules with a layer index "
+            "were found. kvlens supports decoder-only HF causal LMs that use transformers' "
+            "attention interface (docs/reference/architectures.md lists the tested families)."
+        )
+    kinds, state = layer_kinds(config, found, architecture)
+    attention = [i for i, k in enumerate(kinds) if k in KV_KINDS]
+    missing = [i for i in attention if i not in found]
+    if missing:
+        raise ModelLoadError(
+            f"Unsupported model {architecture}: its config declares attention in layers "
+            f"{missing} but kvlens found no attention module there.")
+    if not attention:
+        raise ModelLoadError(
+            f"Unsupported model {architecture}: no layer holds a KV cache (every layer keeps "
+            "a fixed-size state), so there is nothing for kvlens to quantize.")
+    modules = [found[i] for i in attention]
+    if any(getattr(m, "is_causal", True) is False for m in modules):
+        raise ModelLoadError(
+            f"Unsupported model {architecture}: its attention is not causal (an encoder "
+            "such as BERT). kvlens analyses KV caches of decoder-only causal LMs.")
+    n_heads, n_kv, head_dim = _head_counts(config, modules[0], architecture)
+    mla = mla_shape(modules[0]) if is_mla(modules[0]) else None
+    if mla is not None:  # absorbed: one latent row per token serves every head
+        n_kv, head_dim = 1, mla.row_dim
     rope = rope_config(config)
     return ModelInfo(
-        architecture=type(model).__name__,
+        architecture=architecture,
         model_type=str(getattr(config, "model_type", "unknown")),
-        num_layers=len(modules),
-        num_attention_heads=int(n_heads),
-        num_key_value_heads=int(n_kv),
-        head_dim=int(head_dim),
-        declares_rope=bool(rope) or any(hasattr(config, k) for k in _ROPE_CONFIG_KEYS),
+        num_layers=len(kinds),
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv,
+        head_dim=head_dim,
+        declares_rope=has_rotary_module(model),
         rope=rope,
+        layer_kinds=kinds if any(k != "full" for k in kinds) else (),
+        windows=layer_windows(config, kinds) if any(k in ("sliding", "chunked")
+                                                    for k in kinds) else (),
+        state_layers=state,
+        mla=mla,
     )

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvlens.model.load import ModelSource
+from kvlens.model.architecture import kv_layers_of_types
+from kvlens.model.mla import MlaShape
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,19 @@ class ModelHeader:
     # Whether the model has RoPE is known only once it is built: assumed here, so that a check
     # against the header refuses nothing the loaded model would accept.
     declares_rope: bool = True
+    #: the layers with a KV cache, where the config's layer_types say (a hybrid model); None:
+    #: every layer, or not declared
+    kv_layers: tuple[int, ...] | None = None
+    model_type: str = ""
+    #: an MLA model's latent row, as ``ModelInfo.mla`` (widths the config does not give are 0)
+    mla: MlaShape | None = None
+
+    @property
+    def attention_layers(self) -> tuple[int, ...] | None:
+        """Model indices of the layers with a KV cache (``None``: unknown before loading)."""
+        if self.kv_layers is not None:
+            return self.kv_layers
+        return tuple(range(self.num_layers)) if self.num_layers else None
 
     @property
     def complete(self) -> bool:
@@ -42,9 +56,10 @@ class ModelHeader:
         return bool(self.num_layers and self.num_key_value_heads and self.head_dim)
 
 
-def read_header(source: ModelSource) -> ModelHeader:
-    """The ``ModelHeader`` of a resolved source; an empty one where nothing can be read
-    without loading (a hub model not in the local cache, an unreadable file)."""
+def read_header(source) -> ModelHeader:
+    """The ``ModelHeader`` of a resolved source (``kvlens.model.load.ModelSource``); an empty
+    one where nothing can be read without loading (a hub model not in the local cache, an
+    unreadable file)."""
     try:
         if source.kind == "gguf":
             return _gguf_header(Path(source.location) / (source.gguf_file or ""))
@@ -75,14 +90,29 @@ def header_from_config(config: dict, where: str = "") -> ModelHeader:
         config = text
     layers = _first(config, "num_hidden_layers", "n_layer", "num_layers")
     heads = _first(config, "num_attention_heads", "n_head")
-    kv = _first(config, "num_key_value_heads") or heads
+    kv = None if config.get("model_type") in _MULTI_HEAD_ONLY else \
+        _first(config, "num_key_value_heads") or heads
     hidden = _first(config, "hidden_size", "n_embd")
     head_dim = _first(config, "head_dim") or (hidden // heads if hidden and heads else None)
+    latent, rope = _first(config, "kv_lora_rank"), _first(config, "qk_rope_head_dim")
+    mla = None
+    if latent and rope:  # MLA: one latent row per token (kvlens.model.mla)
+        kv, head_dim = 1, latent + rope
+        mla = MlaShape(rope, latent, _first(config, "qk_nope_head_dim") or 0,
+                       _first(config, "v_head_dim") or 0)
     names = config.get("architectures") or [config.get("model_type") or ""]
+    types = config.get("layer_types")
+    kv_layers = kv_layers_of_types(types) if isinstance(types, list) and layers \
+        and len(types) == layers else None
     return ModelHeader(num_layers=layers, architecture=str(names[0]),
                        max_positions=_first(config, "max_position_embeddings", "n_positions"),
                        num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
-                       where=where)
+                       where=where, kv_layers=kv_layers,
+                       model_type=str(config.get("model_type") or ""), mla=mla)
+
+
+#: families whose attention ignores a ``num_key_value_heads`` their config may carry
+_MULTI_HEAD_ONLY = frozenset({"gpt_neox", "gpt2", "gptj", "bloom", "opt", "gpt_bigcode"})
 
 
 def _config_header(path: Path) -> ModelHeader:
@@ -160,4 +190,5 @@ def _gguf_header(path: Path) -> ModelHeader:
     return ModelHeader(num_layers=get("block_count"), max_positions=get("context_length"),
                        num_attention_heads=heads,
                        num_key_value_heads=get("attention.head_count_kv") or heads,
-                       head_dim=head_dim, where=str(path), architecture=arch)
+                       head_dim=head_dim, where=str(path), architecture=arch,
+                       model_type=arch)

@@ -17,6 +17,8 @@ from contextlib import contextmanager
 
 from kvlens.errors import ModelLoadError
 from kvlens.model.architecture import attention_modules
+from kvlens.model.mla import absorbed_mla
+from kvlens.model.rotary import RopeInputs
 
 _counter = itertools.count()
 
@@ -39,7 +41,8 @@ def original_attention(model) -> tuple[str, Callable]:
 
 @contextmanager
 def attention_override(model, make_fn: Callable[[Callable], Callable]) -> Iterator[str]:
-    """Run the model with ``make_fn(original_fn)`` as its attention function."""
+    """Run the model with ``make_fn(original_fn)`` as its attention function (MLA layers in
+    their absorbed form, ``kvlens.model.mla``: the function reads their latent rows)."""
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
@@ -50,7 +53,8 @@ def attention_override(model, make_fn: Callable[[Callable], Callable]) -> Iterat
     AttentionMaskInterface.register(name, mask_map.get(orig_name, mask_map.get("sdpa")))
     model.set_attn_implementation(name)
     try:
-        yield name
+        with absorbed_mla(model):  # MLA layers attend over their cached latent rows
+            yield name
     finally:
         model.set_attn_implementation(orig_name)
         AttentionInterface._global_mapping.pop(name, None)
@@ -58,16 +62,16 @@ def attention_override(model, make_fn: Callable[[Callable], Callable]) -> Iterat
 
 
 @contextmanager
-def rope_inputs(model) -> Iterator[dict[int, tuple]]:
+def rope_inputs(model) -> Iterator[RopeInputs]:
     """Per layer index, ``(cos, sin, position_ids)`` of the latest call of its attention module
-    (``position_ids`` is ``None`` where the model does not pass it to attention)."""
-    seen: dict[int, tuple] = {}
+    (``position_ids`` is ``None`` where the model does not pass it to attention; Llama 4's
+    complex ``freqs_cis`` is recorded as ``(freqs_cis, None, position_ids)``). The mapping's
+    ``tables(layer, head_dim)`` normalises them (``kvlens.model.rotary``)."""
+    seen = RopeInputs()
     handles = []
     for module in attention_modules(model):
-        def hook(mod, args, kwargs, _idx=module.layer_idx):
-            pe = kwargs.get("position_embeddings")
-            if isinstance(pe, tuple) and len(pe) == 2:
-                seen[_idx] = (*pe, kwargs.get("position_ids"))
+        def hook(mod, args, kwargs):
+            seen.record(mod, kwargs.get("position_embeddings"), kwargs.get("position_ids"))
         handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
     try:
         yield seen
@@ -92,3 +96,43 @@ def cache_argument_name(model) -> str:
     """``cache`` on transformers >= 5.24, ``past_key_values`` before."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def observe_attention(model, input_ids) -> dict[int, tuple[int, int, int, int]]:
+    """Per layer index, ``(query heads, KV heads, key head_dim, value head_dim)`` of the
+    tensors its attention function receives in one forward of ``input_ids`` ``[1, T]``: the
+    shapes the model really uses, whatever its config says."""
+    import torch
+
+    seen: dict[int, tuple[int, int, int, int]] = {}
+
+    def make(original):
+        def fn(module, query, key, value, attention_mask, **kwargs):
+            seen.setdefault(module.layer_idx, (query.shape[1], key.shape[1], key.shape[-1],
+                                               value.shape[-1]))
+            return original(module, query, key, value, attention_mask, **kwargs)
+        return fn
+
+    with torch.no_grad(), attention_override(model, make):
+        model(input_ids=input_ids, use_cache=False)
+    return seen
+
+
+def check_observed(info, seen: dict[int, tuple[int, int, int, int]]) -> None:
+    """Raise ``ModelLoadError`` (one line) unless every layer with a KV cache in ``info``
+    (``kvlens.model.architecture.ModelInfo``) called the attention interface with the shapes
+    ``info`` read from the model's modules and config."""
+    want = (info.num_attention_heads, info.num_key_value_heads, info.head_dim, info.head_dim)
+    missing = [i for i in info.attention_layers if i not in seen]
+    if missing:
+        raise ModelLoadError(
+            f"Unsupported model {info.architecture}: layers {missing} never called the "
+            "attention interface, so kvlens cannot capture or cache them.")
+    for i in info.attention_layers:
+        if seen[i] != want:
+            hq, hkv, dk, dv = seen[i]
+            raise ModelLoadError(
+                f"Unsupported model {info.architecture}: layer {i}'s attention receives {hq} "
+                f"query heads, {hkv} KV heads, keys of {dk} and values of {dv} channels, but "
+                f"its modules and config say {want[0]}, {want[1]}, {want[2]} and {want[3]}; "
+                "kvlens needs these to agree (and keys and values of one width).")

@@ -31,6 +31,8 @@ from typing import Any
 
 from kvlens.errors import InputError, ModelLoadError, PlacementError
 from kvlens.model.architecture import describe
+from kvlens.model.families import check_family
+from kvlens.model.header import read_header
 from kvlens.model.placement import make_placement, plan_device_map, writable_error
 
 DEFAULT_MODEL = "smollm2"
@@ -158,6 +160,11 @@ def _write_conversion_cache(model, tokenizer, target: Path) -> None:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save_pretrained(tmp)
         (tmp / "kvlens-complete").write_text("1")
+        if (target / "kvlens-complete").is_file():
+            # another process (a parallel test worker, a second kvlens command) converted the
+            # same file meanwhile and may be reading it: keep that one
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
         if target.exists():
             shutil.rmtree(target)
         tmp.rename(target)
@@ -190,7 +197,10 @@ def check_load_options(spec: str | None = None, *, dtype: str = "float32", devic
     parse_dtype(dtype)
     if placement is None:
         resolve_device(device)
-    return resolve_model(spec), placement
+    source = resolve_model(spec)
+    header = read_header(source)
+    check_family(header.model_type, header.where)
+    return source, placement
 
 
 def load_model(spec: str | None = None, *, dtype: str = "float32", device: str = "cpu",

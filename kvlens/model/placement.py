@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlens.errors import ModelLoadError, PlacementError
-from kvlens.model.architecture import attention_modules
+from kvlens.model.architecture import attention_modules, decoder_layers
 
 STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 MEMORY_KEYS = "GPU index (0, 1, ...), cpu, mps, disk"
@@ -348,9 +348,12 @@ def input_device(model):
 
 
 def layer_devices(model) -> list:
-    """Per decoder layer, the device its attention computes on (``torch.device``)."""
-
-    return [execution_device(model, m) for m in attention_modules(model)]
+    """Per model layer (index ``i`` = layer ``i``), the device its attention computes on, or
+    the layer itself where it has no attention (a hybrid model's state layers)
+    (``torch.device``)."""
+    attention = {m.layer_idx: m for m in attention_modules(model)}
+    layers = decoder_layers(model)
+    return [execution_device(model, attention.get(i, layer)) for i, layer in enumerate(layers)]
 
 
 def weights_by_device(model) -> dict[str, int]:

@@ -130,22 +130,24 @@ class _Pricing:
     def _option(self, kc, vc, s, window):
         """``option_bytes`` of a layer with sliding ``window`` storing ``kc``/``vc``."""
         shape = self.shape
-        layer = next(i for i in range(shape.num_layers) if shape.window(i) == window)
+        layer = next(i for i in shape.kv_layers if shape.window(i) == window)
         return option_bytes(kc, vc, s.flush, self.opts, shape, layer, residual=s.residual)
 
     def fronts(self, tables, rotation: bool, mikv_set) -> list[list]:
         """Per layer ``_layer_options`` with or without rotated candidates, with MiKV sets
         at the global ``mikv_set`` (None: no set)."""
         n, out = len(tables), []
-        for layer, table in zip(self.meta.layers, tables):
+        # weights and factors are per captured layer, in the order of meta.layers (model
+        # indices: a hybrid model's layers with a KV cache)
+        for j, (layer, table) in enumerate(zip(self.meta.layers, tables)):
             w = self.shape.window(layer)
             table = {cf: e for cf, e in table.items() if (rotation or not cf[0].rotate)
                      and cf[0].mikv_set in (None, mikv_set)}
             out.append(_layer_options(
                 table, self.opts,
                 lambda kc, vc, s, w=w: 16 * n * self.option(kc, vc, s, w)[0] / self.fp16_total,
-                self.weights[layer], self.shape.head_dim,
-                self.factors[layer] if self.factors else None))
+                self.weights[j], self.shape.head_dim,
+                self.factors[j] if self.factors else None))
         return out
 
     def reserve(self, fronts) -> float:
@@ -182,7 +184,7 @@ def cheapest_bits(meta, opts: RecommendOptions, shape) -> float:
     cands = candidates(meta.head_dim, opts, meta.has_rope)
     table = {(c, s): (0.0, 0.0, 0.0) for c in cands for s in opts.streams()}
     tables = [table] * len(meta.layers)
-    pricing = _Pricing(meta, opts, [1.0] * meta.num_layers, shape)
+    pricing = _Pricing(meta, opts, [1.0] * len(meta.layers), shape)
     needs = [math.inf]
     for rot, m in pricing.variants():
         fronts = pricing.fronts(tables, rot, m)

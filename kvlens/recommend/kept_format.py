@@ -60,7 +60,7 @@ from kvlens.recommend.pipeline import Measurements
 from kvlens.recommend.profile import Profile
 
 FORMAT = "kvlens.measurements"
-VERSION = 2  # 2: coupled candidates and their codebooks
+VERSION = 3  # 2: coupled candidates and their codebooks; 3: the capture's KV layers
 #: what starts every file (a zip's local file header); anything else is refused unread
 ZIP_MAGIC = b"PK\x03\x04"
 DOCUMENT = "document.npy"
@@ -79,7 +79,7 @@ _META_TYPES = {
     "rope": dict, "rope_layout": str, "rotary_dim": int, "compute_dtype": str,
     "storage_dtype": str, "num_samples": int, "num_tokens": int, "layers": "ints",
     "created": str, "model_source": str, "text_source": str, "kvlens_version": str,
-    "schema_version": int, "extra": dict,
+    "schema_version": int, "extra": dict, "kv_layers": "ints", "kv_shared": bool,
 }
 #: Candidate's fields and their types (``mikv_set``: None or ``(set bits, heavy fraction)``)
 _CANDIDATE_TYPES = {

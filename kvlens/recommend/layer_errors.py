@@ -143,7 +143,8 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
         errs = attention_errors_streams(
             q[:, :, start:], k, v, [variants[c] for c in shared], masks,
             select=[[at[c] for c in run if c in at] for _, run in runs], scaling=la.scaling,
-            sliding_window=la.sliding_window, softcap=la.logit_softcap, reconstruction=False)
+            sliding_window=la.sliding_window, softcap=la.logit_softcap, sinks=la.sinks,
+            reconstruction=False)
         for (s, run), per in zip(runs, errs):
             for c in run:
                 if c in at:
@@ -179,7 +180,7 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
                     vs = [sets.variant(c, variants[c.base], s, picked) for c in group]
             errs = attention_errors_many(rows, k, v, vs, scaling=la.scaling,
                                          sliding_window=la.sliding_window,
-                                         softcap=la.logit_softcap, exact=exact,
+                                         softcap=la.logit_softcap, sinks=la.sinks, exact=exact,
                                          reconstruction=False)
             for c, e in zip(group, errs):
                 record(c, s, e)
@@ -212,7 +213,7 @@ def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptio
             k_pre = layer.read("k_pre", samples=sel)[:, :, t]
         # this layer's theta (Gemma3: one on sliding, one on global layers); scaled RoPE
         # (YaRN...) cannot be rebuilt: no pre-RoPE candidates then
-        tables, _ = layer_rope_tables(meta, k, k_pre)
+        tables, _ = layer_rope_tables(meta, k, k_pre, stored=layer.rope())
         pre_ok = tables is not None
     bal = balancer
     if bal is None and any(c.balancer for c in cands):
@@ -320,7 +321,7 @@ class _SetVariants:
             self._members[key] = set_membership(
                 self.q, self.k, k_read, k_set, mikv, scaling=self.attrs.scaling,
                 residual_tokens=stream.residual, flush_tokens=stream.flush,
-                softcap=self.attrs.logit_softcap)
+                softcap=self.attrs.logit_softcap, sinks=self.attrs.sinks)
         return self._members[key]
 
     def variant(self, c: Candidate, base, stream: Stream, rows: slice):

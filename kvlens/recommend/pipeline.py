@@ -43,6 +43,7 @@ from kvlens.recommend.sensitivity import (
     probe_candidates,
     sensitivity_weights,
 )
+from kvlens.text.selection import format_index_spec
 
 ProgressFn = Callable[[int, int, str], None]
 
@@ -87,17 +88,19 @@ def measure(path: str | Path, opts: RecommendOptions,
                               (cands + [p for p in probes if p not in cands], probes, opts),
                               workers, progress)
         tables, balancers, notes, windows, books = [], {}, [], [], {}
-        for index, (table, bal, pre_ok, window, book) in zip(meta.layers, rows):
+        no_pre = [index for index, row in zip(meta.layers, rows) if not row[2]]
+        if no_pre and meta.has_rope and opts.pre_rope != "off":
+            why = (f"the RoPE of layer(s) {format_index_spec(no_pre)} cannot be rebuilt from "
+                   "the capture (a layer without RoPE, or a capture written before kvlens "
+                   "stored each layer's RoPE tables, of a scaled RoPE)")
+            if opts.pre_rope == "on":
+                raise InputError(f"Pre-RoPE keys were requested but {why}; use --set "
+                                 "pre-rope=auto.")
+            notes.append(f"pre-RoPE candidates skipped where {why}")
+        for index, (table, bal, _pre_ok, window, book) in zip(meta.layers, rows):
             if book:
                 books[index] = book
             windows.append(window)
-            if opts.pre_rope == "on" and not pre_ok:
-                raise InputError(f"Pre-RoPE keys were requested but the RoPE of {meta.model} "
-                                 "cannot be rebuilt from the capture's config (scaled RoPE?).")
-            if not pre_ok and meta.has_rope and opts.pre_rope == "auto" and not notes:
-                notes.append(f"pre-RoPE candidates skipped from layer {index} on where "
-                             "default RoPE at no theta rebuilds the stored keys from the "
-                             "stored pre-RoPE keys (scaled RoPE?)")
             tables.append(table)
             if bal is not None:
                 balancers[index] = bal
@@ -131,10 +134,10 @@ def check_capture(path: str | Path, meta, opts: RecommendOptions) -> None:
     """Refuse ``opts`` on the capture at ``path`` (``meta``) where it cannot be measured: a
     capture of some layers only, more samples than it holds, pre-RoPE keys it lacks, layer
     weights of another depth."""
-    if tuple(meta.layers) != tuple(range(meta.num_layers)):
+    if tuple(meta.layers) != tuple(meta.attention_layers):
         raise InputError(f"{path} captures layers {list(meta.layers)}, but a recommendation "
-                         f"needs all {meta.num_layers}; re-run `kvlens capture` without "
-                         "--layers.")
+                         f"needs every layer with a KV cache ({len(meta.attention_layers)}); "
+                         "re-run `kvlens capture` without --layers.")
     if opts.samples is not None and opts.samples > meta.num_samples:
         raise InputError(f"--samples {opts.samples}: {path} holds {meta.num_samples} samples; "
                          f"give at most {meta.num_samples} (or omit it: all of them).")
@@ -142,9 +145,9 @@ def check_capture(path: str | Path, meta, opts: RecommendOptions) -> None:
         raise InputError(f"Pre-RoPE keys were requested but {path} has no pre-RoPE data: "
                          f"{meta.model} has no rotary embedding (q_pre/k_pre equal q/k). "
                          "Use --set pre-rope=auto or off.")
-    if opts.layer_weights and len(opts.layer_weights) != meta.num_layers:
+    if opts.layer_weights and len(opts.layer_weights) != len(meta.layers):
         raise InputError(f"{len(opts.layer_weights)} layer weights given for "
-                         f"{meta.num_layers} layers.")
+                         f"{len(meta.layers)} layers with a KV cache.")
 
 
 def _layer_table(layer, meta, cands, probes, opts):
@@ -180,7 +183,7 @@ def workers_for(meta, opts: RecommendOptions) -> int:
     (``kvlens.recommend.parallel``): as asked, or by their predicted length on one."""
     stages = predict(_cost_shape(meta, opts)).stages
     alone = stages["candidate errors"] + stages.get("layout sensitivity", 0.0)
-    return resolve_workers(opts.workers, alone, meta.num_layers)
+    return resolve_workers(opts.workers, alone, len(meta.layers))
 
 
 def _cost_shape(meta, opts: RecommendOptions) -> CostShape:
@@ -194,7 +197,7 @@ def _cost_shape(meta, opts: RecommendOptions) -> CostShape:
                                                or opts.retrieval != "off")
     layout = opts.sensitivity in ("layout", "auto") and model_stages
     return CostShape(
-        layers=meta.num_layers, q_heads=meta.num_attention_heads,
+        layers=len(meta.layers), q_heads=meta.num_attention_heads,
         kv_heads=meta.num_key_value_heads, head_dim=meta.head_dim, samples=samples,
         tokens=tokens, score_from=opts.score_from, candidates=len(cands) + 2,
         streams=len(opts.streams()) + 1, families=len(family_probes(cands)) if layout else 0,

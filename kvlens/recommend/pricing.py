@@ -28,6 +28,7 @@ from kvlens.cache.layout import (
     flush_every,
     layer_part_bytes,
     packed_bytes,
+    shares_storage,
     stream_state,
 )
 from kvlens.config import LayerKV, MikvSettings, preset
@@ -53,11 +54,15 @@ def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOption
     w = shape.window(layer)
     mikv = _layer_mikv(kc, opts)
     fp, sb = FP_BYTES[opts.fp_dtype], SCALE_BYTES[opts.scale_dtype]
+    gear = gear_settings() if kc.gear else None
     parts = layer_part_bytes(setting, tokens=opts.context, head_dim=shape.head_dim,
                              kv_heads=shape.kv_heads, mikv=mikv, balancer=kc.balancer,
-                             sliding_window=w, gear=gear_settings() if kc.gear else None,
-                             fp_bytes=fp, scale_bytes=sb)
+                             sliding_window=w, gear=gear, fp_bytes=fp, scale_bytes=sb,
+                             kv_shared=shape.kv_shared)
     total = sum(parts.values())
+    if shares_storage(setting, shape.kv_shared, shape.head_dim, balancer=kc.balancer,
+                      gear=gear):  # one store for both (MLA): half each
+        return total, total / 2, total / 2
     held = stream_state(setting, opts.context, w).q_held
     f = flush_every(setting)
     own = [shape.kv_heads * (sum(packed_bytes(c.spec(), held, f, shape.head_dim, sb)) + (
@@ -77,9 +82,11 @@ def _layer_mikv(c: Candidate, opts: RecommendOptions):
     return MikvSettings(0.0, opts.sink_tokens, "off") if opts.sink_tokens else None
 
 
-def tensor_fp16_bytes(shape, layer: int, context: int) -> int:
-    """Bytes of one tensor (K or V) of ``layer`` in an fp16 cache after ``context`` tokens."""
-    return shape.kv_heads * shape.visible_tokens(layer, context) * shape.head_dim * 2
+def tensor_fp16_bytes(shape, layer: int, context: int) -> float:
+    """Bytes of one tensor (K or V) of ``layer`` in an fp16 cache after ``context`` tokens (an
+    MLA model's: half its one latent row, which serves as both)."""
+    return shape.kv_heads * shape.visible_tokens(layer, context) * shape.head_dim * 2 * \
+        shape.kv_tensors / 2
 
 
 COST_PRESETS = ("fp16", "kivi-2", "kivi-4", "per-token-4")

@@ -48,7 +48,7 @@ def sensitivity_weights(cap, model, opts, tables, probes, notes, progress
     all 1 for the other settings or without a model."""
     meta = cap.meta
     if opts.sensitivity in ("uniform", "layout", "auto") or model is None:
-        return (1.0,) * meta.num_layers
+        return (1.0,) * len(meta.layers)
     n = meta.num_tokens if opts.tokens is None else min(opts.tokens, meta.num_tokens)
     ids = cap.tokens()[:1, :n].to(input_device(model))
     kl = layer_kl(model, ids, list(meta.layers), progress, group_size=probes[0].group_size)
@@ -110,7 +110,7 @@ def layout_factors(path, model, opts, cands, balancers, notes, progress, codeboo
     weights, factors = weights_and_factors(rates)
     spread = [max(f.values()) / min(f.values()) for f in factors
               if f and min(f.values()) > 0]
-    where = "every layer" if len(every) == meta.num_layers else \
+    where = "every layer" if len(every) == len(meta.layers) else \
         f"layers {format_index_spec(sorted(every))} (the {len(anchors)} anchor families on the others)"
     notes.append(f"layer weights and per-layout factors from measured KL ({len(probes)} storage "
                  f"families on {where}; KL on the last {keep} of {n} capture tokens): weights "
@@ -155,7 +155,8 @@ def _layout_row(layer, meta, probes, anchors, every, opts, keep, balancers, code
         la = layer.attrs
         errs = attention_errors_many(q[:, :, n - keep:], k, v, [variants[c] for c in got],
                                      scaling=la.scaling, sliding_window=la.sliding_window,
-                                     softcap=la.logit_softcap, reconstruction=False)
+                                     softcap=la.logit_softcap, sinks=la.sinks,
+                                     reconstruction=False)
     row = {}
     for c, e in zip(got, errs):
         var, err = variants[c], float(e.output.mean())

@@ -426,9 +426,9 @@ def recommend_section(artifacts: dict, run_dir: Path, capture_hint: str,
     for ch in doc.get("choices") or []:
         by_layer[ch["layer"]][ch["tensor"]] = ch
     rows = []
-    for layer in sorted(by_layer):
+    for j, layer in enumerate(sorted(by_layer)):  # weights: per layer with a KV cache, in order
         k, v = by_layer[layer].get("key"), by_layer[layer].get("value")
-        rows.append([str(layer), _f(weights[layer], ".2f") if layer < len(weights) else "-",
+        rows.append([str(layer), _f(weights[j], ".2f") if j < len(weights) else "-",
                      *_choice_cells(k), *_choice_cells(v)])
     sec.tables.append(Table(
         ["layer", "weight", "key", "K bits", "K out err", "value", "V bits", "V out err"], rows,

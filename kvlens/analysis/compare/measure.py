@@ -288,7 +288,7 @@ def _layer_records(layer_data, config: CompareConfig, meta, samples: slice,
     if pre or (chain is not None and chain.rope_ok):
         k_pre = layer_data.read("k_pre", samples)
     if pre:
-        tables = checked_layer_tables(k, k_pre, meta, layer_data.index)
+        tables = checked_layer_tables(k, k_pre, meta, layer_data.index, layer_data.rope())
     predicted = ({} if chain is None
                  else chain.advance(layer_data.index, k, k_pre, v, calibration=calibration))
     keys: list[_VariantKey] = []
@@ -320,6 +320,7 @@ def _layer_records(layer_data, config: CompareConfig, meta, samples: slice,
         scaling=attrs.scaling,
         sliding_window=attrs.sliding_window,
         softcap=attrs.logit_softcap,
+        sinks=attrs.sinks,
         exact=exact,
     )
     out: list[Record] = []

@@ -1,0 +1,159 @@
+"""Multi-head latent attention (MLA: DeepSeek V2/V3 and their kin) as engines cache it.
+
+An MLA layer caches, per token, one compressed latent ``c`` (``kv_lora_rank`` channels, after
+``kv_a_layernorm``) and one decoupled RoPE key ``k_r`` (``qk_rope_head_dim`` channels), shared
+by every head; each head's key and value are re-expanded from them by ``kv_b_proj`` (``W_UK``,
+``W_UV``). Engines (FlashMLA, vLLM's MLA backends and ``fp8_ds_mla``) attend in the *absorbed*
+form, never expanding the history: with ``q_lat[h] = q_nope[h] W_UK[h]``,
+
+    score_t[h] = (q_rot[h] . k_r,t + q_lat[h] . c_t) * scaling
+    out[h]     = (sum_t p_t[h] c_t) W_UV[h]^T
+
+which is exactly multi-query attention with one KV head over the **latent row**
+``x_t = [k_r,t ; c_t]`` (rotary channels first, so RoPE rotates the first
+``qk_rope_head_dim`` channels as in any partially rotary model) with queries
+``[q_rot ; q_lat]``, keys = values = ``x`` and the output's latent part up-projected per head.
+
+``absorbed_mla(model)`` (used by ``kvlens.model.hooks.attention_override``, so every kvlens
+hook sees MLA this way) replaces each MLA module's forward by ``_absorbed_forward`` for the
+duration of the block: the attention function then receives the latent rows as ``key`` and
+``value`` ``[B, 1, T, dr + r]``, and a cache's ``update`` stores the latent row (what the
+engines store), not transformers' per-head expansion. RoPE is the model's own function
+(``apply_rotary_pos_emb``, ``apply_rotary_pos_emb_interleave`` or the complex
+``apply_rotary_emb``, as the module's forward uses it). The absorbed forward equals the
+model's own up to float rounding (tested on DeepSeek V2 and V3).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from kvlens.errors import ModelLoadError
+
+_MLA_PARTS = ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
+
+
+@dataclass(frozen=True)
+class MlaShape:
+    """The cached latent of one MLA layer: ``rope_dim`` (``qk_rope_head_dim``) RoPE channels
+    then ``latent_dim`` (``kv_lora_rank``) latent channels, per token, for all heads."""
+
+    rope_dim: int
+    latent_dim: int
+    nope_dim: int
+    value_dim: int
+
+    @property
+    def row_dim(self) -> int:
+        return self.rope_dim + self.latent_dim
+
+
+def is_mla(module) -> bool:
+    """Whether ``module`` is an MLA attention module kvlens knows how to absorb."""
+    return all(hasattr(module, p) for p in _MLA_PARTS) and \
+        isinstance(getattr(module, "kv_lora_rank", None), int)
+
+
+def mla_shape(module) -> MlaShape:
+    return MlaShape(int(module.qk_rope_head_dim), int(module.kv_lora_rank),
+                    int(module.qk_nope_head_dim), int(module.v_head_dim))
+
+
+def _rope_fn(module):
+    """The model's own RoPE application for this module: ``(q_rot, k_rot, pe) -> (q, k)``."""
+    import torch
+
+    code = sys.modules[type(module).__module__]
+    interleave = bool(getattr(module.config, "rope_interleave", False))
+
+    def apply(q, k, pe):
+        if isinstance(pe, torch.Tensor) and pe.is_complex():
+            return code.apply_rotary_emb(q, k, pe.to(q.device))
+        cos, sin = pe
+        if interleave:
+            return code.apply_rotary_pos_emb_interleave(q, k, cos, sin)
+        return code.apply_rotary_pos_emb(q, k, cos, sin)
+
+    needed = ("apply_rotary_emb", "apply_rotary_pos_emb_interleave" if interleave else
+              "apply_rotary_pos_emb")
+    if not any(hasattr(code, n) for n in needed):
+        raise ModelLoadError(f"Unsupported MLA model {type(module).__name__}: kvlens cannot find "
+                             "the rotary function its attention uses.")
+    return apply
+
+
+def _absorbed_forward(module, rope):
+    """A forward for ``module`` in the absorbed form (module docstring), same signature and
+    outputs as the model's own."""
+    import torch
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    shape = mla_shape(module)
+    heads = int(module.num_heads)
+    code = sys.modules[type(module).__module__]
+
+    def forward(hidden_states, attention_mask=None, *args, **kwargs):
+        position_embeddings = kwargs.pop("position_embeddings", None)
+        if position_embeddings is None and args:
+            position_embeddings, args = args[0], args[1:]
+        cache = kwargs.pop("cache", None)
+        if cache is None:
+            cache = kwargs.pop("past_key_values", None)
+        b, t = hidden_states.shape[:-1]
+        if module.q_lora_rank is None:
+            q = module.q_proj(hidden_states)
+        else:
+            q = module.q_b_proj(module.q_a_layernorm(module.q_a_proj(hidden_states)))
+        q = q.view(b, t, heads, shape.nope_dim + shape.rope_dim).transpose(1, 2)
+        q_nope, q_rot = torch.split(q, [shape.nope_dim, shape.rope_dim], dim=-1)
+        kv = module.kv_a_proj_with_mqa(hidden_states)
+        c, k_rot = torch.split(kv, [shape.latent_dim, shape.rope_dim], dim=-1)
+        c = module.kv_a_layernorm(c).view(b, 1, t, shape.latent_dim)
+        k_rot = k_rot.view(b, 1, t, shape.rope_dim)
+        q_rot, k_rot = rope(q_rot, k_rot, position_embeddings)
+        w = module.kv_b_proj.weight.view(heads, shape.nope_dim + shape.value_dim,
+                                         shape.latent_dim)
+        w_uk, w_uv = w[:, :shape.nope_dim], w[:, shape.nope_dim:]
+        q_lat = torch.matmul(q_nope, w_uk.to(q_nope.dtype))  # [B, H, T, r]
+        query = torch.cat((q_rot, q_lat), dim=-1)
+        row = torch.cat((k_rot.to(c.dtype), c), dim=-1)  # [B, 1, T, dr + r]
+        key = value = row
+        if cache is not None:
+            key, value = cache.update(row, row, module.layer_idx, kwargs=kwargs)
+        name = module.config._attn_implementation
+        fn = ALL_ATTENTION_FUNCTIONS.get(name) if name != "eager" else None
+        fn = fn or code.eager_attention_forward
+        out, weights = fn(module, query, key, value, attention_mask, dropout=0.0,
+                          scaling=module.scaling, **kwargs)
+        lat = out[..., shape.rope_dim:]  # [B, T, H, r]: the latent part of the output
+        out = torch.einsum("bthr,hvr->bthv", lat, w_uv.to(lat.dtype))
+        return module.o_proj(out.reshape(b, t, heads * shape.value_dim)), weights
+
+    return forward
+
+
+@contextmanager
+def absorbed_mla(model) -> Iterator[list]:
+    """Run every MLA attention module of ``model`` in the absorbed form (module docstring) for
+    the duration of the block; yields the patched modules (empty for other models). Each
+    module's ``num_key_value_groups`` is set to its head count meanwhile (one latent row serves
+    every head), and everything is restored on exit."""
+    modules = [m for m in model.modules() if is_mla(m)]
+    saved = []
+    try:
+        for m in modules:
+            forward = _absorbed_forward(m, _rope_fn(m))
+            saved.append((m, m.__dict__.get("forward"), m.num_key_value_groups))
+            m.forward = forward
+            m.num_key_value_groups = int(m.num_heads)
+        yield modules
+    finally:
+        for m, forward, groups in saved:
+            if forward is None:
+                del m.forward
+            else:
+                m.forward = forward
+            m.num_key_value_groups = groups
