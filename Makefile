@@ -1,6 +1,7 @@
 # Set-up and the two entry points a newcomer needs:
 #   make demo   install everything into .venv, then run the pipeline on the embedded model
-#   make test   install everything into .venv, then run the test suite
+#   make test   install everything into .venv, then run the test suite (in parallel on every
+#               core: pytest -n auto; a failing test is rerun alone with pytest PATH::NAME)
 # and for working on it:
 #   make test-fast   the fast subset, no real model, Triton interpreter or browser:
 #                    pytest -m "not slow and not triton and not browser" (markers: pyproject.toml,
@@ -76,7 +77,7 @@ browser:
 FAST_TESTS := not slow and not triton and not browser
 
 test: install browser
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "$(FAST_TESTS)"

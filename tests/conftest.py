@@ -19,6 +19,13 @@ import pytest
 
 # Triton kernels are tested on CPU through its interpreter; it must be set before triton loads.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # a parallel worker (`make test` runs two) gets COLUMNS=80 in its environment, which the
+    # CLI honours (kvlens.cli.common): the tables of a serial run (LOG_WIDTH wide) instead
+    os.environ.pop("COLUMNS", None)
+    os.environ.pop("LINES", None)
+    # one torch thread per worker: two workers share the cores instead of oversubscribing them
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 # recommend's kept measurements (kvlens.recommend.reuse) go to a directory of this test run's
 # own, so that no test reads what another run (or the user) measured; removed when it ends
 os.environ["KVLENS_MEASUREMENT_CACHE"] = tempfile.mkdtemp(prefix="kvlens-test-measurements-")

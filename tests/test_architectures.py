@@ -107,3 +107,30 @@ def test_architecture_doc_is_generated_from_the_matrix():
     path = ROOT / "docs" / "reference" / "architectures.md"
     assert path.read_text(encoding="utf-8") == render(), \
         "docs/reference/architectures.md is stale: run `python docs/gen_architectures.py`"
+
+
+@pytest.mark.parametrize("family,message", [
+    ("diffllama", "attention ran twice over one cache update"),
+    ("doge", "masks each attention head differently"),
+])
+def test_what_the_cache_cannot_model_is_one_error_not_wrong_numbers(family, message):
+    """Past the refusal by name (a model loaded by hand): a model attending twice per cache
+    update (DiffLlama: each call passes other values, which the cache would ignore) or with
+    per-head masks (Doge) stops with one ConfigError instead of computing something else."""
+    import torch
+    import transformers as tf
+
+    from kvlens.cache import compressed_attention
+    from kvlens.config import preset
+    from kvlens.errors import ConfigError
+    from kvlens.model.hooks import cache_argument_name
+
+    config = tf.AutoConfig.for_model(family, vocab_size=256, hidden_size=128,
+                                     intermediate_size=192, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(3, 256, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), compressed_attention(model, preset("kivi-4")) as session:
+        with pytest.raises(ConfigError, match=message):
+            model(ids, use_cache=True, **{cache_argument_name(model): session.new_cache()})

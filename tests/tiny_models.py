@@ -180,6 +180,12 @@ MATRIX = {
     "jamba": ("hybrid", lambda tf: tf.JambaConfig(**_moe(
         num_experts=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
         expert_layer_offset=1, mamba_d_state=16))),
+    "nemotron_h": ("hybrid", lambda tf: tf.NemotronHConfig(**_moe(
+        head_dim=MATRIX_HEAD_DIM, n_routed_experts=4, moe_intermediate_size=64,
+        moe_shared_expert_intermediate_size=64, n_shared_experts=1, n_group=1, topk_group=1,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2))),
+    "lfm2": ("hybrid", lambda tf: tf.Lfm2Config(**_common(
+        layer_types=["conv", "full_attention"], full_attn_idxs=[1]))),
     # chunked attention
     "llama4": ("chunked", lambda tf: tf.Llama4TextConfig(**_common(
         head_dim=MATRIX_HEAD_DIM, num_local_experts=4, num_experts_per_tok=1,
@@ -224,5 +230,7 @@ MATRIX_NOTES = {
     "granitemoehybrid": "Mamba-2 layer beside an attention layer without RoPE",
     "falcon_h1": "attention and a Mamba-2 mixer side by side in every layer",
     "jamba": "Mamba layer beside an attention layer",
+    "nemotron_h": "Mamba-2, MoE-only, attention and MLP-only layers (layers without a mixer)",
+    "lfm2": "short-convolution layer beside an attention layer",
     "llama4": "chunked attention, complex RoPE, a NoPE layer, QK L2-norm",
 }

@@ -24,7 +24,7 @@ from kvlens.cache.engine import EngineLayer
 from kvlens.cache.layer import LAYER_ATTR, held_columns
 from kvlens.cache.torch_read import CHUNK_TOKENS, packed_attention
 from kvlens.cache.triton_glue import triton_decode, triton_unsupported
-from kvlens.errors import BackendError
+from kvlens.errors import BackendError, ConfigError
 
 
 def _attention_sinks(module, kwargs: dict):
@@ -61,6 +61,12 @@ def make_attention_fn(backend: str = "torch", chunk_tokens: int = CHUNK_TOKENS
             if layer is None:  # no compressed cache in this forward: the model's own path
                 return original(module, query, key, value, attention_mask, scaling=scaling,
                                 dropout=dropout, **kwargs)
+            layer.claim_attention()
+            if attention_mask is not None and attention_mask.dim() == 4 and \
+                    attention_mask.shape[1] > 1:
+                raise ConfigError(f"layer {layer.layer_idx}: the model masks each attention "
+                                  "head differently (a dynamic, per-head mask), which kvlens' "
+                                  "cache attention does not model.")
             if isinstance(layer, EngineLayer) and layer.engine_attention is None:
                 # the model's own attention over the K/V the engine layer read back; the mask
                 # covers positions from 0 (HistoryLayer), the returned K/V from read_start.
@@ -76,7 +82,7 @@ def make_attention_fn(backend: str = "torch", chunk_tokens: int = CHUNK_TOKENS
                 if use_triton:
                     _note_torch(layer, "engine attention arithmetic")
                 return layer.attend(query, attention_mask, scaling, softcap=softcap,
-                                    sinks=sinks), None
+                                    sinks=sinks).contiguous(), None
             # rotated keys: every stored key is k R, so the query is rotated once (q R)(k R)^T
             query = layer.to_stored_basis(query, layer.setting.rotate_keys)
             probs = layer.needs_attention_probs
@@ -103,7 +109,9 @@ def make_attention_fn(backend: str = "torch", chunk_tokens: int = CHUNK_TOKENS
                                                    chunk_tokens, with_probs=probs,
                                                    softcap=softcap, sinks=sinks)
             layer.commit(query, colsum)
-            return layer.from_stored_basis(out), None
+            # contiguous as transformers' own attention functions return it (some models view
+            # the output without reshaping)
+            return layer.from_stored_basis(out).contiguous(), None
 
         return attention
 

@@ -267,6 +267,7 @@ class EngineLayer(HistoryLayer):
                               "kvlens.cache.compressed_attention(model, config).")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self.attended = False
         out, stored = [], []
         for store, x, rotated, tensor in ((self.kstore, key_states, self.rotate_keys, "key"),
                                           (self.vstore, value_states, self.rotate_values,

@@ -157,6 +157,18 @@ class HistoryLayer(DynamicLayer):
     def get_max_length(self) -> int:
         return -1
 
+    def claim_attention(self) -> None:
+        """Called by kvlens' attention function once per call over this layer: a second call
+        over one ``update`` (a model attending twice per layer, such as differential
+        attention, which kvlens' cache does not model: it reads its own store, not the tensors
+        each call passes) is one ``ConfigError`` line."""
+        if getattr(self, "attended", False):
+            raise ConfigError(f"layer {self.layer_idx}'s attention ran twice over one cache "
+                              "update (a model that attends twice per layer, such as "
+                              "differential attention); kvlens' cache supports one attention "
+                              "call per update.")
+        self.attended = True
+
     def check_shapes(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """At the first update: the K/V the model hands this layer have the KV heads and
         head_dim the cache was built for (read from the model's modules and config,
@@ -332,6 +344,7 @@ class CompressedLayer(HistoryLayer):
                               "the attention function that reads the packed store).")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self.attended = False
         t = key_states.shape[2]
         cap = self.setting.residual_tokens if self.flush_every else 0
         self.res_k.append(self.to_stored_basis(key_states, self.setting.rotate_keys), capacity=cap)

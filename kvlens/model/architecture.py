@@ -259,6 +259,12 @@ def describe(model) -> ModelInfo:
             "attention interface (docs/reference/architectures.md lists the tested families)."
         )
     kinds, state = layer_kinds(config, found, architecture)
+    beyond = sorted(i for i in found if i >= len(kinds))
+    if beyond:
+        raise ModelLoadError(
+            f"Unsupported model {architecture}: attention modules with layer indices {beyond} "
+            f"beyond its {len(kinds)} layers (layers run in cycles), which kvlens' cache does "
+            "not model.")
     attention = [i for i, k in enumerate(kinds) if k in KV_KINDS]
     missing = [i for i in attention if i not in found]
     if missing:

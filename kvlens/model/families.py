@@ -17,16 +17,37 @@ _SHARED = ("shares KV caches between layers (some layers read another layer's ca
            "kvlens' capture and cache do not model")
 _SPARSE = ("selects the keys each query reads with a learned indexer (sparse attention over "
            "an indexed cache), which kvlens' attention does not model")
-_ENCODER = "is an encoder or encoder-decoder model; kvlens analyses decoder-only causal LMs"
+_COMPRESSED = ("caches some layers in a learned compressed form (heavily compressed "
+               "attention), which kvlens' capture and cache do not model")
+_ENCODER = "is an encoder-decoder model; kvlens analyses decoder-only causal LMs"
+_LEGACY = ("computes attention without transformers' attention interface, which kvlens hooks "
+           "to read and replace the keys and values")
+_OWN_CACHE = ("keeps a cache of its own type (lightning attention), which transformers does not "
+              "let kvlens' cache replace")
+_TWICE = ("attends twice per layer over one cache update (differential attention), which "
+          "kvlens' cache, one attention call per update, does not model")
+_PER_HEAD_MASK = ("masks each head differently (dynamic mask attention), which kvlens' cache "
+                  "attention does not model")
+_CYCLES = ("runs its layers in cycles, with cache layer indices beyond its layer count, which "
+           "kvlens' cache does not model")
 
-#: model_type (config.json) or GGUF general.architecture -> why kvlens refuses it
+#: model_type (config.json) or GGUF general.architecture -> why kvlens refuses it (a survey of
+#: transformers 5.24's causal LMs found each failing, with an error line, after loading)
 REFUSED: dict[str, str] = {
-    "mamba": _NO_KV, "mamba2": _NO_KV, "falcon_mamba": _NO_KV, "rwkv": _NO_KV,
-    "xlstm": _NO_KV, "rwkv6": _NO_KV, "rwkv7": _NO_KV,
-    "gemma3n": _SHARED, "gemma3n_text": _SHARED, "gemma4": _SHARED, "gemma4_text": _SHARED,
-    "deepseek_v32": _SPARSE, "glm_moe_dsa": _SPARSE,
-    "t5": _ENCODER, "t5gemma": _ENCODER, "bart": _ENCODER, "bert": _ENCODER,
-    "roberta": _ENCODER, "whisper": _ENCODER,
+    **dict.fromkeys(("mamba", "mamba2", "falcon_mamba", "rwkv", "rwkv6", "rwkv7", "xlstm"),
+                    _NO_KV),
+    **dict.fromkeys(("gemma3n", "gemma3n_text", "gemma4", "gemma4_text",
+                     "gemma4_unified_text"), _SHARED),
+    **dict.fromkeys(("deepseek_v32", "glm_moe_dsa", "axk2", "dots3_note_text", "hy_v4",
+                     "qwen4_exp_text"), _SPARSE),
+    "deepseek_v4": _COMPRESSED,
+    **dict.fromkeys(("t5", "t5gemma", "bart", "whisper", "blenderbot", "blenderbot-small",
+                     "marian", "mbart", "pegasus", "plbart", "bigbird_pegasus", "prophetnet",
+                     "mvp"), _ENCODER),
+    **dict.fromkeys(("bloom", "mpt", "falcon", "gpt_neo", "gptj", "codegen", "xglm",
+                     "openai-gpt", "xlm", "xlnet", "reformer", "cpmant", "gpt_neox_japanese",
+                     "rembert", "roformer", "megatron-bert", "big_bird", "trocr"), _LEGACY),
+    "minimax": _OWN_CACHE, "diffllama": _TWICE, "doge": _PER_HEAD_MASK, "hrm_text": _CYCLES,
 }
 
 

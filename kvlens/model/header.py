@@ -111,8 +111,10 @@ def header_from_config(config: dict, where: str = "") -> ModelHeader:
                        model_type=str(config.get("model_type") or ""), mla=mla)
 
 
-#: families whose attention ignores a ``num_key_value_heads`` their config may carry
-_MULTI_HEAD_ONLY = frozenset({"gpt_neox", "gpt2", "gptj", "bloom", "opt", "gpt_bigcode"})
+#: families whose config's ``num_key_value_heads`` is not the KV heads their attention reads
+#: (multi-head attention ignoring it; JetMoE's mixture of attention heads)
+_MULTI_HEAD_ONLY = frozenset({"gpt_neox", "gpt2", "gptj", "bloom", "opt", "gpt_bigcode",
+                              "jetmoe"})
 
 
 def _config_header(path: Path) -> ModelHeader:

@@ -33,8 +33,9 @@ def original_attention(model) -> tuple[str, Callable]:
         fn = getattr(module, "eager_attention_forward", None)
         if fn is None:
 
-            raise ModelLoadError(f"{type(model).__name__} has no eager attention function that "
-                                 "kvlens can wrap; load it with attn_implementation='sdpa'.")
+            raise ModelLoadError(f"Unsupported model {type(model).__name__}: its attention does "
+                                 "not go through transformers' attention interface (no "
+                                 "eager_attention_forward), which kvlens hooks.")
         return "eager", fn
     return name, ALL_ATTENTION_FUNCTIONS[name]
 
