@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
+from kvlens.cache.torch_read import packed_attention
 from kvlens.capture.store import CaptureMeta, LayerAttrs, write_capture
 from kvlens.quant import QTensor, dequantize, quantize
 
@@ -111,3 +112,21 @@ def small_options(**kw):
     kw.setdefault("tokens", 256)
     kw.setdefault("sensitivity", "uniform")
     return RecommendOptions(**kw)
+
+
+def decode_one_by_one(layer, q, k, v, scaling, softcap: float = 0.0, sinks=None):
+    """Feed a ``CompressedLayer`` one token at a time as generate does (each query right after
+    its token): ``(the MiKV set before each query [B, Hkv, T, T] bool, attention outputs
+    [B, Hq, T, D])``; ``softcap``/``sinks`` as ``packed_attention`` takes them."""
+    b, hkv, t, _ = k.shape
+    sets = torch.zeros(b, hkv, t, t, dtype=torch.bool)
+    outs = []
+    for i in range(t):
+        layer.update(k[:, :, i:i + 1], v[:, :, i:i + 1])
+        if layer.has_hp:
+            sets[:, :, i].scatter_(-1, layer.hp_pos.long(), True)
+        out, colsum = packed_attention(q[:, :, i:i + 1], layer, None, scaling, with_probs=True,
+                                       softcap=softcap, sinks=sinks)
+        layer.commit(q[:, :, i:i + 1], colsum)
+        outs.append(out.transpose(1, 2))
+    return sets, torch.cat(outs, dim=2)

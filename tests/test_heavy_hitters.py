@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import small_options
+from helpers import decode_one_by_one, small_options
 
 from kvlens.analysis.heavy_hitters import set_membership, set_reconstruction
 from kvlens.analysis.metrics import (
@@ -16,7 +16,6 @@ from kvlens.analysis.metrics import (
     streaming_exact_mask,
 )
 from kvlens.cache.layer import CompressedLayer
-from kvlens.cache.torch_read import packed_attention
 from kvlens.config import LayerKV, MikvSettings
 from kvlens.quant import QuantSpec, fake_quantize
 
@@ -26,20 +25,6 @@ class _Session:
     rope: dict = {}
 
 
-def _decode(layer, q, k, v, scaling):
-    """Feed the layer one token at a time as generate does; ``(set before each query [B, Hkv,
-    T, T] bool, attention outputs [B, Hq, T, D])``."""
-    b, hkv, t, _ = k.shape
-    sets = torch.zeros(b, hkv, t, t, dtype=torch.bool)
-    outs = []
-    for i in range(t):
-        layer.update(k[:, :, i:i + 1], v[:, :, i:i + 1])
-        if layer.has_hp:
-            sets[:, :, i].scatter_(-1, layer.hp_pos.long(), True)
-        out, colsum = packed_attention(q[:, :, i:i + 1], layer, None, scaling, with_probs=True)
-        layer.commit(q[:, :, i:i + 1], colsum)
-        outs.append(out.transpose(1, 2))
-    return sets, torch.cat(outs, dim=2)
 
 
 CASES = {
@@ -68,7 +53,7 @@ def test_simulated_set_and_output_follow_the_cache_layer(case):
     bal = (1.0 + torch.rand(hkv, d, generator=g)) if balanced else None
     layer = CompressedLayer(LayerKV(spec_k, spec_v, residual, flush_tokens=flush), 0, d,
                             fp_dtype="float32", mikv=mikv, balancer=bal, session=_Session())
-    cache_sets, cache_out = _decode(layer, q, k, v, scaling)
+    cache_sets, cache_out = decode_one_by_one(layer, q, k, v, scaling)
 
     k_read = fake_quantize(k * bal[None, :, None], spec_k) / bal[None, :, None] if balanced \
         else fake_quantize(k, spec_k)

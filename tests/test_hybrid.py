@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_memory import _check, _prefill_then_decode
 from tiny_models import TINY_VOCAB
 
 from kvlens.cache import compressed_attention, memory_report
-from kvlens.cache.cache import held_bytes
-from kvlens.cache.layout import config_bits, config_part_bytes, shape_of
+from kvlens.cache.layout import config_part_bytes, shape_of
 from kvlens.capture.run import capture_model
 from kvlens.capture.store import open_capture
 from kvlens.config import LayerKV, preset
@@ -77,17 +77,10 @@ def test_held_bytes_count_only_the_attention_layers(name):
     ids = torch.randint(3, TINY_VOCAB, (1, 90), generator=torch.Generator().manual_seed(1))
     with torch.no_grad(), compressed_attention(model, config) as session:
         cache = session.new_cache()
-        kw = {cache_argument_name(model): cache}
-        model(ids[:, :70], use_cache=True, **kw)
-        for t in range(70, 90):
-            model(ids[:, t:t + 1], use_cache=True, **kw)
-    rep = memory_report(cache)
-    assert rep["unaccounted"] == 0
-    assert rep["kv_bytes"] == held_bytes(cache) == sum(config_part_bytes(config, shape,
-                                                                         90).values())
+        _prefill_then_decode(model, cache, ids, 70)
+    rep = _check(cache, config, shape, 90)  # held bytes = report = formula, part by part
     # an fp16 cache of the one attention layer: K and V, 1 KV head, 90 tokens, 64 channels
-    assert rep["kv_bytes_fp16"] == shape.fp16_bytes(90) == 2 * 1 * 90 * 64 * 2
-    assert rep["bits_per_element"] == pytest.approx(config_bits(config, shape, 90))
+    assert rep["kv_bytes_fp16"] == 2 * 1 * 90 * 64 * 2
     states = [layer for i, layer in enumerate(cache.layers) if i != 3]
     state = sum(t.untyped_storage().nbytes() for layer in states
                 for d in (layer.conv_states, layer.recurrent_states) for t in d.values()

@@ -8,11 +8,11 @@ from dataclasses import replace
 
 import pytest
 import torch
+from test_memory import _check, _prefill_then_decode
 from tiny_models import TINY_VOCAB
 
-from kvlens.cache import compressed_attention, memory_report
-from kvlens.cache.cache import held_bytes
-from kvlens.cache.layout import config_bits, config_part_bytes, shape_of
+from kvlens.cache import compressed_attention
+from kvlens.cache.layout import shape_of
 from kvlens.capture.run import capture_model
 from kvlens.capture.store import open_capture
 from kvlens.config import LayerKV, preset
@@ -124,15 +124,8 @@ def test_held_bytes_of_the_latent_cache_equal_the_formula(name):
     ids = torch.randint(3, TINY_VOCAB, (1, 80), generator=torch.Generator().manual_seed(4))
     with torch.no_grad(), compressed_attention(model, config) as session:
         cache = session.new_cache()
-        kw = {cache_argument_name(model): cache}
-        model(ids[:, :60], use_cache=True, **kw)
-        for t in range(60, 80):
-            model(ids[:, t:t + 1], use_cache=True, **kw)
-    rep = memory_report(cache)
-    assert rep["unaccounted"] == 0
-    assert rep["kv_bytes"] == held_bytes(cache) == sum(config_part_bytes(config, shape,
-                                                                         80).values())
+        _prefill_then_decode(model, cache, ids, 60)
+    rep = _check(cache, config, shape, 80)  # held bytes = report = formula, part by part
     assert rep["kv_bytes_fp16"] == 2 * 80 * (ROPE + LATENT) * 2  # 2 layers, one row each
-    assert rep["bits_per_element"] == pytest.approx(config_bits(config, shape, 80))
     layer = cache.layers[0]
     assert (layer.kstore is layer.vstore) == (name != "kivi-4")

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import stored_view, stub_session
+from helpers import decode_one_by_one, stored_view, stub_session
 
 from kvlens.analysis.attention import attention_output, attention_weights, causal_mask
 from kvlens.analysis.heavy_hitters import set_membership, set_reconstruction
@@ -183,21 +183,6 @@ def test_packed_attention_without_a_window_and_with_nothing_visible():
     torch.testing.assert_close(colsum, p.view(b, hkv, -1, n).sum(2), rtol=1e-5, atol=1e-5)
 
 
-def _decode(layer, q, k, v, scaling, softcap, sinks):
-    """Feed ``layer`` one token at a time as generate does: ``(set before each query [B, Hkv,
-    T, T] bool, outputs [B, Hq, T, D])``."""
-    b, hkv, t, _ = k.shape
-    sets = torch.zeros(b, hkv, t, t, dtype=torch.bool)
-    outs = []
-    for i in range(t):
-        layer.update(k[:, :, i:i + 1], v[:, :, i:i + 1])
-        if layer.has_hp:
-            sets[:, :, i].scatter_(-1, layer.hp_pos.long(), True)
-        out, colsum = packed_attention(q[:, :, i:i + 1], layer, None, scaling, with_probs=True,
-                                       softcap=softcap, sinks=sinks)
-        layer.commit(q[:, :, i:i + 1], colsum)
-        outs.append(out.transpose(1, 2))
-    return sets, torch.cat(outs, dim=2)
 
 
 def test_mikv_set_with_sinks_and_softcap_follows_the_cache_layer():
@@ -213,7 +198,7 @@ def test_mikv_set_with_sinks_and_softcap_follows_the_cache_layer():
     mikv = MikvSettings(0.25, 2, "off", set_bits=4)
     layer = CompressedLayer(LayerKV(spec_k, spec_v, 8, flush_tokens=4), 0, d,
                             fp_dtype="float32", mikv=mikv, session=stub_session())
-    cache_sets, cache_out = _decode(layer, q, k, v, scaling, softcap, sinks)
+    cache_sets, cache_out = decode_one_by_one(layer, q, k, v, scaling, softcap, sinks)
     k_read, v_read = fake_quantize(k, spec_k), fake_quantize(v, spec_v)
     k_set, v_set = set_reconstruction(k, 4), set_reconstruction(v, 4)
     kw = dict(scaling=scaling, residual_tokens=8, flush_tokens=4, softcap=softcap)
