@@ -38,7 +38,11 @@ What kvlens does with each kind:
 - **MLA**: the cache holds one latent row per token (the compressed latent and the decoupled
   RoPE key), as engines store it; kvlens attends in the absorbed form (`kvlens.model.mla`), so
   capture, compare-axes and recommend see that row, and the compressed cache stores it (once,
-  when keys and values are stored alike).
+  when keys and values are stored alike). Their value error is measured on the latent output,
+  before each head's up-projection; `vllm:fp8_ds_mla` simulates vLLM's MLA format. Not stored:
+  the per-head keys and values transformers' eager path expands (`W_UK c`, `W_UV c` of the row,
+  which `kv_b_proj` rebuilds; for DeepSeek V3 about 70 times the row's size, and no engine
+  caches them).
 - **chunked**: attention inside chunks; the cache keeps what the current chunk can still read.
   The analysis (compare-axes, recommend) masks a chunked layer as a sliding window of one chunk:
   exact while a captured sample is at most one chunk long (capture notes it otherwise).

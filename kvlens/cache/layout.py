@@ -53,8 +53,12 @@ token and head, the fp16 scales inside), ``codes`` (fp8: 1 byte per element; per
 fp8 one per layer or per KV head, held once the layer holds a token), ``dense`` (f16/bf16/f32
 types). vLLM's ``fp8_ds_mla`` (``kvlens.quant.ds_mla``) holds per token a byte per latent
 channel (``codes``), a float32 scale per latent tile (``scales``) and its bfloat16 RoPE
-channels (``dense``). They hold no window and no rotation matrix (llama.cpp keeps those outside its KV
-buffer; kvlens keeps them on the session).
+channels (``dense``). They hold no window and no rotation matrix (llama.cpp keeps those
+outside its KV buffer; kvlens keeps them on the session).
+
+MLA models (``ModelShape.kv_shared``: keys and values are one latent row) keep one store and
+one window for both where ``shares_storage`` says so, and an fp16 cache of them holds the row
+once (``ModelShape.kv_tensors``).
 """
 
 from __future__ import annotations

@@ -173,8 +173,8 @@ def layer_windows(config, kinds: tuple[str, ...]) -> tuple[int | None, ...]:
     for kind in kinds:
         size = window if kind == "sliding" else chunk if kind == "chunked" else None
         if kind in ("sliding", "chunked") and not (isinstance(size, int) and size > 0):
-            raise ModelLoadError(f"A {kind} attention layer but the config gives no "
-                                 f"{'sliding_window' if kind == 'sliding' else 'attention_chunk_size'}.")
+            field = "sliding_window" if kind == "sliding" else "attention_chunk_size"
+            raise ModelLoadError(f"A {kind} attention layer but the config gives no {field}.")
         out.append(size if kind in ("sliding", "chunked") else None)
     return tuple(out)
 
