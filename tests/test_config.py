@@ -36,7 +36,6 @@ from kvlens.config import (
 )
 from kvlens.errors import ConfigError
 from kvlens.quant import CodebookSpec, QuantSpec, RotationSpec
-from kvlens.quant.coupled import CoupledSpec
 
 FAST = settings(max_examples=150, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow])
@@ -83,17 +82,6 @@ def _valid_configs() -> list[dict]:
                          2: LayerKV(tok, tok, 64)}, mikv=MikvSettings(0.0, 4, "off"),
                         key_means={0: ((0.5, -0.25), (1.0, 2.0)),
                                    1: ((0.0, 0.125), (-1.0, 3.0))}).to_dict())
-    # coupled keys and values (version 6, research): codebooks, permutation, channel weights
-    coupled = CoupledSpec(2, 1, "correlation", "layer", weighted=True)
-    out.append(KVConfig("coupled", LayerKV(coupled, CoupledSpec(2, 2, scope="layer"), 64,
-                                           flush_tokens=32),
-                        {1: LayerKV(tok, tok, 32)}, mikv=MikvSettings(0.0, 4, "off"),
-                        coupled_codebooks={0: {
-                            "key": {"centroids": [[[-1.0, 0.5], [1.0, -0.5]]],
-                                    "permutation": [[1, 0, 3, 2]],
-                                    "weights": [[1.0, 2.0, 0.5, 1.0]]},
-                            "value": {"centroids": [[[-1.0, -1.0], [-0.25, 0.5], [0.25, -0.5],
-                                                     [1.0, 1.0]]]}}}).to_dict())
     return [json.loads(json.dumps(d)) for d in out]
 
 
@@ -134,7 +122,7 @@ TOP = {"format": {"str"}, "version": {"int"}, "name": {"str"}, "description": {"
        "gear": {"object", "null"}, "balancers": {"object", "null"}, "scale_dtype": {"str"},
        "fp_dtype": {"str"}, "rotation_seed": {"int", "null"}, "model": {"object", "null"},
        "kv_scales": {"object", "null"}, "engine_attention": {"str", "null"},
-       "key_means": {"object", "null"}, "coupled_codebooks": {"object", "null"}}
+       "key_means": {"object", "null"}}
 
 
 def _typed_fields(doc: dict):
@@ -196,7 +184,8 @@ def test_valid_configs_round_trip():
     for doc in VALID:
         cfg = config_from_dict(doc)
         assert cfg.to_dict() == doc
-    assert {d["version"] for d in VALID} == set(range(1, VERSION + 1))
+    # version 6 added only coupled layouts, since removed (issue #57): nothing is written at it
+    assert {d["version"] for d in VALID} == set(range(1, VERSION))
 
 
 @FAST
@@ -609,3 +598,51 @@ def test_a_version_4_file_reads_unchanged():
     cfg = config_from_dict(doc)
     assert not cfg.default.center_keys and cfg.key_means == {}
     assert cfg.format_version == 4 and cfg.to_dict() == doc
+
+
+# A version-6 file with coupled (CQ) keys and values, as kvlens wrote it before issue #57 removed
+# them (docs/lab-notes/coupled.md names the last commit that had them).
+V6_COUPLED_FILE = """{"format": "kvlens.kvconfig", "version": 6, "name": "coupled",
+ "description": "", "default": {"key": {"version": 1, "channels": 2, "index_bits": 1,
+   "grouping": "correlation", "scope": "layer", "weighted": true, "iters": 20, "seed": 0},
+   "value": {"version": 1, "channels": 2, "index_bits": 2, "grouping": "consecutive",
+   "scope": "layer", "weighted": false, "iters": 20, "seed": 0}, "residual_tokens": 64,
+   "flush_tokens": 32, "pre_rope_keys": false, "rotate_keys": false, "rotate_values": false},
+ "layers": {"1": {"key": {"version": 1, "bits": 2, "granularity": "per-token", "group_size": 32,
+   "symmetric": false}, "value": {"version": 1, "bits": 2, "granularity": "per-token",
+   "group_size": 32, "symmetric": false}, "residual_tokens": 32, "flush_tokens": 0,
+   "pre_rope_keys": false, "rotate_keys": false, "rotate_values": false}},
+ "mikv": {"heavy_fraction": 0.0, "sink_tokens": 4, "balancer": "off", "balancer_exponent": 0.5},
+ "balancers": null, "scale_dtype": "float16", "fp_dtype": "float16", "rotation_seed": null,
+ "model": null, "coupled_codebooks": {"0": {"key": {"centroids": [[[-1.0, 0.5], [1.0, -0.5]]],
+   "permutation": [[1, 0, 3, 2]], "weights": [[1.0, 2.0, 0.5, 1.0]]},
+   "value": {"centroids": [[[-1.0, -1.0], [-0.25, 0.5], [0.25, -0.5], [1.0, 1.0]]]}}}}"""
+REMOVED = (r"coupled layouts were removed from kvlens \(a negative result, "
+           r"docs/lab-notes/coupled\.md\)")
+
+
+def test_a_coupled_config_is_refused_naming_the_removal(tmp_path):
+    """Coupled layouts were removed (issue #57): a file that stores them, through its specs
+    (default or a layer override), its ``coupled_codebooks`` or both, whatever its version, is
+    one ``ConfigError`` that says so and names the lab note, not an unknown-key error."""
+    doc = json.loads(V6_COUPLED_FILE)
+    coupled_default, plain = doc["default"], doc["layers"]["1"]
+    no_books = {k: v for k, v in doc.items() if k != "coupled_codebooks"}
+    for bad in (doc, doc | {"version": 5}, no_books,
+                doc | {"default": plain, "layers": {}},  # the codebooks alone
+                no_books | {"default": plain, "layers": {"0": coupled_default}}):
+        with pytest.raises(ConfigError, match=REMOVED):
+            config_from_dict(bad)
+    path = tmp_path / "coupled.json"
+    path.write_text(V6_COUPLED_FILE)
+    with pytest.raises(ConfigError, match=rf"coupled\.json: .*{REMOVED}"):
+        load_config(path)
+
+
+def test_a_version_6_file_without_coupled_layouts_reads():
+    """Version 6 added nothing but coupled layouts, so a version-6 file without them reads as
+    the config it describes and is written back at the oldest version that expresses it."""
+    assert VERSION == 6
+    for doc in VALID:
+        cfg = config_from_dict(doc | {"version": 6})
+        assert cfg == config_from_dict(doc) and cfg.format_version == doc["version"]

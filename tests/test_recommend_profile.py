@@ -138,22 +138,6 @@ def test_predict_cost_reads_the_capture_and_options(tmp_path):
     assert short.stages["candidate errors"] == full.stages["candidate errors"]
     more = predict_cost(meta, replace(opts, bits=(2, 4, 8)))
     assert more.stages["candidate errors"] > cost.stages["candidate errors"]
-    # --set coupled=on: the k-means fits of its candidates are priced with the candidate errors
-    from kvlens.quant import parse_coupled
-    from kvlens.recommend.cost import KMEANS_SECONDS_PER_ENTRY, coupled_fit_entries, predict
-    from kvlens.recommend.pipeline import _cost_shape
-
-    assert _cost_shape(meta, opts).coupled_entries == 0
-    shape = _cost_shape(meta, replace(opts, coupled=True))
-    d = meta.head_dim
-    assert shape.coupled_entries == sum(coupled_fit_entries(parse_coupled(n), d) for n in (
-        "c2b4+weighted", "c2b5+weighted", "c2b6+weighted", "c4b8+weighted",
-        "c2b4", "c2b5", "c2b6", "c4b8")) == 4 * 21 * (d // 2 * (16 + 32 + 64) + d // 4 * 256)
-    assert KMEANS_SECONDS_PER_ENTRY > 0
-    fits = (shape.layers * shape.samples * shape.kv_heads * shape.tokens
-            * shape.coupled_entries * KMEANS_SECONDS_PER_ENTRY)
-    assert predict(shape).stages["candidate errors"] == pytest.approx(
-        predict(replace(shape, coupled_entries=0)).stages["candidate errors"] + fits)
 
 
 def test_the_cost_model_prices_the_dtype_and_projects_a_gpu():

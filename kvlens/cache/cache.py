@@ -24,7 +24,6 @@ import torch
 from kvlens.cache.attention import make_attention_fn
 from kvlens.cache.backend import select_backend
 from kvlens.cache.codebook import CodebookStore
-from kvlens.cache.coupled import CoupledStore
 from kvlens.cache.engine import EngineLayer, EngineStore, static_scale
 from kvlens.cache.gear import GearTensor
 from kvlens.cache.layer import (
@@ -38,7 +37,6 @@ from kvlens.cache.layout import PARTS
 from kvlens.cache.mixed import SetRows
 from kvlens.cache.packed import PackedTensor
 from kvlens.config import KVConfig, validate_for
-from kvlens.config.coupled import books_for
 from kvlens.errors import ConfigError
 from kvlens.model.architecture import describe, text_config
 from kvlens.model.hooks import attention_override, rope_frequency_candidates, rope_inputs
@@ -120,11 +118,6 @@ class CompressionSession:
         cents = {t: self.config.centroids_for(idx, t) for t in ("key", "value")}
         cents = {t: None if c is None else torch.tensor(c, dtype=torch.float32, device=device)
                  for t, c in cents.items()}
-        for t in ("key", "value"):  # coupled specs: the layer's CoupledCodebooks
-            books = books_for(self.config, idx, t, self.info.num_key_value_heads,
-                              self.info.head_dim)
-            if books is not None:
-                cents[t] = books.to(device)
         mean = self.config.key_mean_for(idx)
         if mean is not None:
             mean = torch.tensor(mean, dtype=torch.float16, device=device)
@@ -289,8 +282,7 @@ def held_bytes_by_device(obj) -> dict[str, int]:
         elif isinstance(o, dict):
             stack.extend(o.values())
         elif isinstance(o, (CompressedLayer, DenseTensor, PackedTensor, EngineLayer,
-                            EngineStore, SetRows, GearTensor, CodebookStore,
-                            CoupledStore)) or o is obj:
+                            EngineStore, SetRows, GearTensor, CodebookStore)) or o is obj:
             stack.extend(v for k, v in vars(o).items()
                          if k != "session" and k not in STATE_FIELDS)
     return total

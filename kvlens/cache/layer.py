@@ -3,8 +3,7 @@
 A ``CompressedLayer`` keeps, for its layer, ``[B, H, *, D]`` history in up to three places:
 
 - the **packed store** (``kvlens.cache.packed.PackedTensor`` for a quantized tensor,
-  ``kvlens.cache.codebook.CodebookStore`` for codebook keys or values,
-  ``kvlens.cache.coupled.CoupledStore`` for coupled ones (research), or a full-precision
+  ``kvlens.cache.codebook.CodebookStore`` for codebook keys or values, or a full-precision
   ``DenseTensor`` when only the other tensor is quantized): cache positions
   ``[q_start, q_end)``, immutable once written;
 - the **residual window**: the newest ``n_res`` tokens (positions ``[res_start, N)``) at the
@@ -57,14 +56,12 @@ from transformers.cache_utils import DynamicLayer
 
 from kvlens.cache import layout
 from kvlens.cache.codebook import CodebookStore
-from kvlens.cache.coupled import CoupledStore
 from kvlens.cache.gear import GearTensor
 from kvlens.cache.mixed import SetRows
 from kvlens.cache.packed import PackedTensor
 from kvlens.config import LayerKV, MikvSettings
 from kvlens.errors import ConfigError
 from kvlens.quant import CodebookSpec, fit_balancer
-from kvlens.quant.coupled import CoupledSpec
 from kvlens.rope import RopeFrequencies, invert_rope
 
 LAYER_ATTR = "_kvlens_layer"
@@ -312,15 +309,7 @@ class CompressedLayer(HistoryLayer):
 
     def _store(self, spec, centroids, head_dim: int, scale_dtype: str, fp):
         """The history store of one tensor: codebook codes (fitted: the config's ``centroids``),
-        coupled indices (``centroids``: the layer's ``CoupledCodebooks``), packed uniform codes,
-        or full precision at ``fp`` when ``spec`` is ``None``."""
-        if isinstance(spec, CoupledSpec):
-            if centroids is None or centroids.spec != spec:
-                raise ConfigError(f"layer {self.layer_idx} stores a tensor with coupled "
-                                  f"{spec.name} but was given no codebooks of that spec (build "
-                                  "the cache with compressed_attention, which reads the config's "
-                                  "coupled_codebooks).")
-            return CoupledStore(centroids, self.flush_every, centroids.centroids.device)
+        packed uniform codes, or full precision at ``fp`` when ``spec`` is ``None``."""
         if isinstance(spec, CodebookSpec):
             return CodebookStore.for_cache(spec, centroids, head_dim, self.flush_every)
         if spec is not None:
@@ -602,8 +591,7 @@ class CompressedLayer(HistoryLayer):
         ``kvlens.cache.layout``); ``memory_report`` counts their storages."""
         out = []
         for store in self._stores(self.kstore, self.vstore, self.res_k, self.res_v):
-            named = store.named_tensors()  # a dict by part, or (part, tensor) pairs (coupled)
-            out += list(named.items()) if isinstance(named, dict) else named
+            out += list(store.named_tensors().items())
         out += [("sets", t) for t in self.hp_k.parts + self.hp_v.parts]
         for gear in (self.kgear, self.vgear):
             if gear is not None:

@@ -36,10 +36,6 @@ H2O sets only), ``accumulators`` (float32 accumulated attention per held token: 
 ``kvlens.cache.codebook``: their codes are ``codes``, densely packed along channels, plus one
 float16 norm per held vector and, for a fitted codebook, its ``2^bits`` float16 centroids per
 layer, held from the layer's first token; ``CodebookSpec.held_bytes`` is the same count),
-coupled keys and values (research, ``kvlens.cache.coupled``): their packed indices are
-``codes`` (``CoupledSpec.index_bytes(D)`` per held vector) and their codebooks, permutation and
-channel weights ``codebooks`` (``CoupledSpec.codebook_bytes``, once per layer and tensor, held
-from the layer's first token; ``CoupledSpec.held_bytes`` is the same count),
 ``means`` (centred keys, ``LayerKV.center_keys``: the layer's mean key, float16 ``[Hkv, D]``,
 ``kvlens.quant.centering.centering_bytes``, held from the layer's first token),
 ``rotations`` (one float32 ``[D, D]`` Hadamard matrix
@@ -76,7 +72,6 @@ from kvlens.quant import CodebookSpec, ds_mla, packed_length
 from kvlens.quant.cachetypes import DenseType, scale_count
 from kvlens.quant.centering import centering_bytes
 from kvlens.quant.codebook import CENTROID_BYTES, NORM_BYTES
-from kvlens.quant.coupled import CoupledSpec
 
 PARTS = ("codes", "scales", "zeros", "dense", "window", "sets", "positions", "masks",
          "accumulators", "balancers", "rotations", "blocks", "outliers", "lowrank", "norms",
@@ -173,13 +168,10 @@ def packed_bytes(spec, tokens: int, flush: int, head_dim: int, scale_bytes: int 
     one (batch row, KV head), in ``kvlens.cache.packed``'s layout (dense codes in whole packing
     units, whole scale groups, a stored zero for every group). A codebook spec
     (``kvlens.cache.codebook``): ``(codes, norms, 0)``, codes packed along channels and one
-    float16 norm per vector (its centroids are per layer: ``layer_part_bytes``). A coupled spec
-    (``kvlens.cache.coupled``): ``(codes, 0, 0)``, its packed indices (codebooks per layer)."""
+    float16 norm per vector (its centroids are per layer: ``layer_part_bytes``)."""
 
     if tokens == 0:
         return 0, 0, 0
-    if isinstance(spec, CoupledSpec):
-        return tokens * spec.index_bytes(head_dim), 0, 0
     if isinstance(spec, CodebookSpec):
         return tokens * packed_length(head_dim, spec.bits), tokens * NORM_BYTES, 0
     if spec.granularity == "per-channel":
@@ -247,9 +239,6 @@ def layer_part_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batc
     for spec in (setting.key,) if one else (setting.key, setting.value):
         if spec is None:
             parts["dense"] += rows * st.q_held * head_dim * fp_bytes
-        elif isinstance(spec, CoupledSpec):
-            parts["codes"] += rows * packed_bytes(spec, st.q_held, f, head_dim)[0]
-            parts["codebooks"] += spec.codebook_bytes(kv_heads, head_dim)
         elif isinstance(spec, CodebookSpec):
             c, norms, _ = packed_bytes(spec, st.q_held, f, head_dim)
             parts["codes"] += rows * c

@@ -38,10 +38,6 @@ on the reference CPU (``docs/benchmarks.md``).
   each vector's scale multiplies its score, ``score_t = s_t * (q . c[code_t])``
   (``CodebookStore.key_scores``); centred, the codes are those of ``k R - mu R`` and the score
   shift below applies unchanged.
-- Coupled keys and values (research, ``kvlens.cache.coupled.CoupledStore``): per-codebook lookup
-  tables ``q · centroid`` for the scores and softmax weights summed per centroid for the output
-  when the table is the smaller tensor (decode), else the chunk's centroids looked up and
-  multiplied (prefill: one chunk decoded at a time, never the history).
 - The channel balancer (``q / b``) and ``scaling`` fold into ``q`` first.
 - Centred keys (``LayerKV.center_keys``): the packed keys are ``k - mu``; post-RoPE, every
   score against them gets ``q · mu`` added (one dot per query row and KV head,
@@ -71,7 +67,6 @@ from __future__ import annotations
 import torch
 
 from kvlens.cache.codebook import CodebookStore
-from kvlens.cache.coupled import CoupledStore
 from kvlens.quant import pack_unit
 from kvlens.rope import rotate
 
@@ -244,7 +239,7 @@ def _key_scores(layer, q: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
     store = layer.kstore
     if layer.setting.key is None:  # a dense (unquantized) key history
         return torch.matmul(q, store.dequantize_range(t0, t1).transpose(-1, -2))
-    if isinstance(store, (CodebookStore, CoupledStore)):
+    if isinstance(store, CodebookStore):
         return store.key_scores(q, t0, t1)
     if layer.stores_pre_rope:  # RoPE rotates the dequantized key: dequantize, rotate, dot
 
@@ -292,7 +287,7 @@ def _value_out(layer, p: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
     store = layer.vstore
     if layer.setting.value is None:
         return torch.matmul(p, store.dequantize_range(t0, t1))
-    if isinstance(store, (CodebookStore, CoupledStore)):
+    if isinstance(store, CodebookStore):
         return store.value_out(p, t0, t1)
     b, h, m, n = p.shape
     d = store.head_dim

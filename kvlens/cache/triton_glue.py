@@ -18,7 +18,6 @@ import torch
 from kvlens.cache.codebook import CodebookStore
 from kvlens.config.rules import flush_block
 from kvlens.quant import CodebookSpec, pack_unit
-from kvlens.quant.coupled import CoupledSpec
 
 
 def triton_unsupported(layer, query: torch.Tensor, with_probs: bool, *, softcap: float = 0.0,
@@ -52,9 +51,6 @@ def kernel_layout_problem(setting, head_dim: int) -> str | None:
         return ("pre-RoPE keys (the kernel does not re-apply RoPE; the torch path rotates each "
                 "dequantized chunk)")
     for what, spec in (("key", setting.key), ("value", setting.value)):
-        if isinstance(spec, CoupledSpec):
-            return (f"coupled {what}s (research: the kernel does not read coupled indices; the "
-                    "torch path does)")
         if isinstance(spec, CodebookSpec):  # any bits, head_dim and block: codes per vector
             continue
         block = flush_block(spec, setting.residual_tokens, setting.flush_tokens)

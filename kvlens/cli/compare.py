@@ -29,7 +29,6 @@ from kvlens.cli.common import (
 READ_BY = {
     "rank": (("--variants lowrank", lambda c: "lowrank" in c.variants),),
     "outlier_fraction": (("--variants outliers", lambda c: "outliers" in c.variants),),
-    "coupled": (("--variants coupled", lambda c: "coupled" in c.variants),),
     "rotation_seed": (("--variants rotate", lambda c: "rotate" in c.variants),
                       ("--codebooks", lambda c: bool(c.codebooks))),
 }
@@ -68,9 +67,7 @@ def compare_axes_command(
                                       "previous layer's reconstructed keys, values from the "
                                       "layer's keys and the previous layer's values, fitted on "
                                       "the other samples; only the residual quantized; "
-                                      "docs/codebooks.md), coupled (research: channels coded "
-                                      "jointly, docs/lab-notes/coupled.md). Comma-separated; "
-                                      "default none."),
+                                      "docs/codebooks.md). Comma-separated; default none."),
     outlier_fraction: float = typer.Option(0.01, "--outlier-fraction",
                                            callback=open_range(0.0, 1.0),
                                            rich_help_panel=ANALYSIS,
@@ -104,12 +101,6 @@ def compare_axes_command(
                                        "+predict (the residual of the predict variant coded). "
                                        "Hadamard-rotated, one float16 norm "
                                        "per vector. Default none."),
-    coupled: str = typer.Option(None, "--coupled", rich_help_panel=ANALYSIS,
-                                help="coupled variant: settings, comma-separated, e.g. "
-                                     "c4b8,c2b6+corr: c channels share one b-bit index "
-                                     "(b/c bits per channel), optionally +corr or +hadamard "
-                                     "grouping, +layer or +head codebooks, +weighted keys. "
-                                     "Default c4b8,c4b10,c2b6."),
     predict_calibration: Path = typer.Option(None, "--predict-calibration",
                                              rich_help_panel=ANALYSIS,
                                              help="predict variant: fit the predictors on "
@@ -166,7 +157,6 @@ def compare_axes_command(
             rotation_seed=rotation_seed,
             formats=measured_cache_types(formats),
             codebooks=parse_name_list(codebooks),
-            coupled=parse_name_list(coupled),
             predict_calibration=(None if predict_calibration is None
                                  else str(predict_calibration)),
         )

@@ -28,8 +28,7 @@ writes them. The meaning of each field is ``kvlens.config.schema``. JSON form::
       "codebooks": {"3": {"value": [c_0, ..., c_7]}}     # version 4, fitted centroids
                                                          # ("key": [...]: version 5)
       "write_before_attention": true,          # optional; version 5 (vLLM TurboQuant's order)
-      "key_means": {"3": [[mu_0, ..., mu_{D-1}] per KV head]},  # version 5
-      "coupled_codebooks": {"3": {"key": {"centroids": [...], ...}}}  # version 6 (research)
+      "key_means": {"3": [[mu_0, ..., mu_{D-1}] per KV head]}   # version 5
     }
 
 A layer setting may add ``"center_keys": true`` (version 5): its keys are stored centred on
@@ -41,12 +40,10 @@ spec from version 5), told apart by its ``"codebook"`` key::
     "value": {"version": 1, "bits": 3, "codebook": "fitted", "rotation": {"version": 1,
               "seed": null}, "renormalize": true}
 
-A key or value spec may be a coupled spec (version 6, research: ``kvlens.quant.coupled.
-CoupledSpec``, its codebooks in ``coupled_codebooks``, ``kvlens.config.coupled``), told apart by
-its ``"channels"`` key::
-
-    "key": {"version": 1, "channels": 4, "index_bits": 8, "grouping": "consecutive",
-            "scope": "group", "weighted": false, "iters": 20, "seed": 0}
+Version 6 added coupled (CQ) key and value specs (told apart by their ``"channels"`` key) and
+their codebooks in ``coupled_codebooks``; issue #57 removed them (docs/lab-notes/coupled.md), so
+a file that uses them is refused with that reason (``_refuse_coupled``) and a version-6 file
+without them reads as any other.
 """
 
 from __future__ import annotations
@@ -62,7 +59,6 @@ from kvlens.config.schema import GearSettings, KVConfig, LayerKV, MikvSettings
 from kvlens.config.versions import FORMAT, VERSION
 from kvlens.errors import ConfigError, is_int
 from kvlens.quant import CodebookSpec, QuantSpec
-from kvlens.quant.coupled import CoupledSpec
 
 __all__ = ["FORMAT", "VERSION", "config_from_dict", "load_config", "save_config"]
 
@@ -70,8 +66,7 @@ _LAYER_KEYS = ("key", "value", "residual_tokens", "flush_tokens", "pre_rope_keys
                "rotate_keys", "rotate_values", "key_format", "value_format", "center_keys")
 _TOP_KEYS = ("format", "version", "name", "description", "default", "layers", "mikv", "gear",
              "balancers", "scale_dtype", "fp_dtype", "rotation_seed", "model", "kv_scales",
-             "engine_attention", "codebooks", "write_before_attention", "key_means",
-             "coupled_codebooks")
+             "engine_attention", "codebooks", "write_before_attention", "key_means")
 _V2_LAYER_KEYS = ("key_format", "value_format")
 _MIKV_KEYS = ("heavy_fraction", "sink_tokens", "balancer", "balancer_exponent", "set_bits",
               "layers")
@@ -79,14 +74,12 @@ _GEAR_KEYS = ("rank", "outlier_fraction", "power_iters", "layers")
 _MODEL_KEYS = ("num_layers", "head_dim", "num_key_value_heads")
 
 
-def _spec(value: Any, where: str) -> QuantSpec | CodebookSpec | CoupledSpec | None:
+def _spec(value: Any, where: str) -> QuantSpec | CodebookSpec | None:
     if value is None:
         return None
     try:
         if isinstance(value, Mapping) and "codebook" in value:
             return CodebookSpec.from_dict(value)
-        if isinstance(value, Mapping) and "channels" in value:
-            return CoupledSpec.from_dict(value)
         return QuantSpec.from_dict(value)
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
@@ -122,6 +115,7 @@ def config_from_dict(data: Any) -> KVConfig:
     if not is_int(version, 1, VERSION):
         raise ConfigError(f"Unsupported KV config version {version!r}; this kvlens reads "
                           f"versions 1-{VERSION} (an integer).")
+    _refuse_coupled(data)
     _no_unknown(data, _TOP_KEYS, "KV config")
     raw_layers = _indexed(data, "layers", "an object mapping layer indices to overrides")
     if version < 2 and ("kv_scales" in data or any(
@@ -158,11 +152,6 @@ def config_from_dict(data: Any) -> KVConfig:
     if version < 5 and (centred or data.get("key_means") is not None):
         raise ConfigError("center_keys and 'key_means' need KV config version 5; set "
                           '"version": 5.')
-    if version < 6 and (data.get("coupled_codebooks") is not None or any(
-            s.coupled(t) is not None for s in (default, *layers.values())
-            for t in ("key", "value"))):
-        raise ConfigError('coupled key/value specs and \'coupled_codebooks\' need KV config '
-                          'version 6; set "version": 6.')
     if version < 3 and data.get("scale_dtype") == "8bit":
         raise ConfigError('scale_dtype "8bit" needs KV config version 3; set "version": 3.')
     if version < 2 and data.get("fp_dtype") == "float8_e4m3fn":
@@ -180,9 +169,23 @@ def config_from_dict(data: Any) -> KVConfig:
                     kv_scales=_kv_scales(data), gear=gear,
                     engine_attention=data.get("engine_attention"), codebooks=_codebooks(data),
                     write_before_attention=data.get("write_before_attention", False),
-                    key_means=_key_means(data),
-                    coupled_codebooks=_indexed(data, "coupled_codebooks", "an object mapping "
-                                               "layer indices to {\"key\"|\"value\": {...}}"))
+                    key_means=_key_means(data))
+
+
+def _refuse_coupled(data: Mapping) -> None:
+    """Refuse a config that stores coupled (CQ) keys or values (``coupled_codebooks``, or a
+    spec with ``"channels"``): version 6 had them, issue #57 removed them, and naming that
+    reason beats an "unknown key" error for a file an older kvlens wrote."""
+    settings = [data.get("default")]
+    if isinstance(data.get("layers"), Mapping):
+        settings += list(data["layers"].values())
+    specs = [s.get(t) for s in settings if isinstance(s, Mapping) for t in ("key", "value")]
+    if "coupled_codebooks" in data or any(isinstance(s, Mapping) and "channels" in s
+                                          for s in specs):
+        raise ConfigError("This config stores coupled (CQ) keys or values ('coupled_codebooks' "
+                          "or a spec with \"channels\"); coupled layouts were removed from "
+                          "kvlens (a negative result, docs/lab-notes/coupled.md). Make a new "
+                          "config without them, e.g. with kvlens recommend.")
 
 
 def _key_means(data: Mapping) -> dict[int, Any]:

@@ -7,7 +7,6 @@ codebook centroids, engine-format scales, RoPE for pre-RoPE keys, an MLA latent 
 
 from __future__ import annotations
 
-from kvlens.config.coupled import check_for_model as check_coupled_for_model
 from kvlens.config.rules import check_layout, flush_block
 from kvlens.config.schema import CODEBOOK_TENSORS, KVConfig
 from kvlens.errors import ConfigError
@@ -30,7 +29,6 @@ def validate_for(config: KVConfig, info) -> None:
                                   f"{want}, but this model has {key}={actual}.")
     for what, indexed in (("overrides layers", config.layers),
                           ("gives codebooks for layers", config.codebooks),
-                          ("gives coupled_codebooks for layers", config.coupled_codebooks),
                           ("gives key_means for layers", config.key_means),
                           ("gives kv_scales for layers", config.kv_scales)):
         bad = sorted(i for i in indexed if i >= n)
@@ -67,7 +65,6 @@ def validate_for(config: KVConfig, info) -> None:
                     config.gear.check_block(flush_block(spec, layer.residual_tokens,
                                                         layer.flush_tokens), d,
                                             f"Config {config.name!r} layer {idx} {what}")
-        check_coupled_for_model(config, idx, hkv, d)
         if layer.rotates:
             try:
                 hadamard_block_size(d)

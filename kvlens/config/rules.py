@@ -4,26 +4,23 @@ together (``flush_block``) and whether a spec fits a head (``check_layout``). Th
 validated with them before any model loads.
 
 A codebook spec (``kvlens.quant.codebook.CodebookSpec``) codes each vector on its own (one norm
-per vector, codes along channels): it streams as a per-token spec and fits any window. So does a
-coupled spec (``kvlens.quant.coupled.CoupledSpec``: one index per group of ``c`` channels), whose
-``c`` must divide head_dim."""
+per vector, codes along channels): it streams as a per-token spec and fits any window."""
 
 from __future__ import annotations
 
 from kvlens.errors import ConfigError
 from kvlens.quant.codebook import CodebookSpec
-from kvlens.quant.coupled import CoupledSpec
 from kvlens.quant.packing import pack_unit
 from kvlens.quant.spec import QuantSpec
 
 
-def flush_block(spec: QuantSpec | CodebookSpec | CoupledSpec, residual_tokens: int,
+def flush_block(spec: QuantSpec | CodebookSpec, residual_tokens: int,
                 flush_tokens: int = 0) -> int:
     """``F``: tokens quantized together as one block (see the module docstring):
     ``flush_tokens`` when set (a sliding window), else the whole window."""
     if flush_tokens:
         return flush_tokens
-    if isinstance(spec, (CodebookSpec, CoupledSpec)) or spec.granularity == "per-token":
+    if isinstance(spec, CodebookSpec) or spec.granularity == "per-token":
         return residual_tokens if residual_tokens else 1
     if residual_tokens < 1:
         raise ConfigError(f"{spec.granularity} quantization groups tokens, so it needs a "
@@ -32,16 +29,10 @@ def flush_block(spec: QuantSpec | CodebookSpec | CoupledSpec, residual_tokens: i
     return residual_tokens
 
 
-def check_layout(spec: QuantSpec | CodebookSpec | CoupledSpec, residual_tokens: int,
+def check_layout(spec: QuantSpec | CodebookSpec, residual_tokens: int,
                  head_dim: int, what: str = "", flush_tokens: int = 0) -> None:
     """Raise ``ConfigError`` unless ``spec`` can be stored in this layout for ``head_dim``."""
     where = f"{what}: " if what else ""
-    if isinstance(spec, CoupledSpec):  # per vector: any window; c must divide head_dim
-        try:
-            spec.check_fits(head_dim)
-        except ConfigError as exc:
-            raise ConfigError(f"{where}{exc}") from None
-        return
     if isinstance(spec, CodebookSpec):  # per vector: any window (its rotation is the layer's
         return  # value rotation, checked with the others by validate_for)
     if spec.granularity == "per-token" and spec.group_size and head_dim % spec.group_size:

@@ -87,10 +87,6 @@ mean is subtracted before balancing). A codebook key spec centres the same way: 
 direction and norm of ``k R - mu R`` and its scores get ``q · mu`` back. Not with GEAR or
 engine-format layers.
 
-``key`` / ``value`` may be a ``kvlens.quant.coupled.CoupledSpec`` (research, version 6): ``c``
-channels per ``b``-bit index into codebooks stored in ``coupled_codebooks``
-(``kvlens.config.coupled`` has its rules and JSON form, ``kvlens.cache.coupled`` the store).
-
 A config is written at the oldest version that can express it (``kvlens.config.versions``).
 """
 
@@ -101,13 +97,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvlens.config.coupled import check_layer as check_coupled_layer
-from kvlens.config.coupled import codebooks_to_dict, normalise_codebooks
 from kvlens.config.versions import FORMAT, oldest_version
 from kvlens.errors import ConfigError, is_int
 from kvlens.quant import CodebookSpec, QuantSpec
 from kvlens.quant.cachetypes import DenseType, parse_cache_type
-from kvlens.quant.coupled import CoupledSpec
 from kvlens.quant.llamacpp_cpu import ENGINE_ATTENTIONS
 
 BALANCER_MODES = ("off", "online", "fixed")
@@ -121,10 +114,10 @@ CODEBOOK_TENSORS = ("key", "value")  # tensors a codebook spec may store
 @dataclass(frozen=True)
 class LayerKV:
     """How one layer's cache is stored. ``None`` spec = not quantized (model dtype); ``key`` and
-    ``value`` may be ``CodebookSpec`` s or ``CoupledSpec`` s (module docstring)."""
+    ``value`` may be ``CodebookSpec`` s (module docstring)."""
 
-    key: QuantSpec | CodebookSpec | CoupledSpec | None = None
-    value: QuantSpec | CodebookSpec | CoupledSpec | None = None
+    key: QuantSpec | CodebookSpec | None = None
+    value: QuantSpec | CodebookSpec | None = None
     residual_tokens: int = 0
     pre_rope_keys: bool = False
     flush_tokens: int = 0  # 0: flush the whole window when full (KIVI); F: the oldest F at a time
@@ -169,10 +162,9 @@ class LayerKV:
     def _check_codebook(self) -> None:
         for name in ("key", "value"):
             spec = getattr(self, name)
-            if spec is not None and not isinstance(spec, (QuantSpec, CodebookSpec, CoupledSpec)):
+            if spec is not None and not isinstance(spec, (QuantSpec, CodebookSpec)):
                 raise ConfigError(f"Invalid {name} spec {spec!r}; allowed: a QuantSpec, "
-                                  "a CodebookSpec, a CoupledSpec or None.")
-        check_coupled_layer(self)
+                                  "a CodebookSpec or None.")
         if isinstance(self.key, CodebookSpec) and self.pre_rope_keys:
             raise ConfigError("A codebook key spec cannot be combined with pre_rope_keys in the "
                               "cache: its Hadamard rotation and RoPE do not commute, so the "
@@ -196,11 +188,6 @@ class LayerKV:
         unquantized)."""
         spec = getattr(self, tensor)
         return spec if isinstance(spec, CodebookSpec) else None
-
-    def coupled(self, tensor: str) -> CoupledSpec | None:
-        """The ``CoupledSpec`` of ``tensor`` (``"key"`` or ``"value"``; ``None``: not coupled)."""
-        spec = getattr(self, tensor)
-        return spec if isinstance(spec, CoupledSpec) else None
 
     @property
     def key_codebook(self) -> CodebookSpec | None:
@@ -395,9 +382,6 @@ class KVConfig:
     codebooks: Mapping[int, Mapping[str, tuple[float, ...]]] = field(default_factory=dict)
     # mean keys of the center_keys layers, float16 values: {layer: ((mu_0..mu_D-1) per KV head)}
     key_means: Mapping[int, tuple[tuple[float, ...], ...]] = field(default_factory=dict)
-    # coupled specs' codebooks: {layer: {"key"|"value": {"centroids": ..., ...}}} (version 6)
-    coupled_codebooks: Mapping[int, Mapping[str, Mapping[str, tuple]]] = field(
-        default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -435,9 +419,7 @@ class KVConfig:
             for idx, setting in targets:
                 where = "default" if idx is None else f"layer {idx}"
                 if setting.compressed and (setting.value_codebook is not None
-                                           or setting.key_codebook is not None
-                                           or setting.coupled("key") is not None
-                                           or setting.coupled("value") is not None):
+                                           or setting.key_codebook is not None):
                     raise ConfigError(f"{where}: gear cannot be combined with a codebook "
                                       "spec (GEAR's sparse and low-rank terms correct uniform "
                                       "codes); disable one of them.")
@@ -449,7 +431,7 @@ class KVConfig:
                     # the flush block (kvlens.config.rules.flush_block; 0: no valid layout,
                     # which validate_for reports)
                     block = setting.flush_tokens or setting.residual_tokens or (
-                        1 if spec is not None and (isinstance(spec, (CodebookSpec, CoupledSpec))
+                        1 if spec is not None and (isinstance(spec, CodebookSpec)
                                                    or spec.granularity == "per-token") else 0)
                     if spec is not None and block:
                         self.gear.check_block(block, None, where)
@@ -461,7 +443,6 @@ class KVConfig:
 
         self._check_codebooks()
         self._check_key_means()
-        object.__setattr__(self, "coupled_codebooks", normalise_codebooks(self))
 
     def _check_key_means(self) -> None:
         """The shape of ``key_means``: entries only for layers that centre their keys, each a
@@ -598,9 +579,7 @@ class KVConfig:
                                           if self.engine_attention else {}) | (
             {"write_before_attention": True} if self.write_before_attention else {}) | (
             {"key_means": {str(i): [list(r) for r in m] for i, m in sorted(self.key_means.items())}}
-            if self.key_means else {}) | (
-            {"coupled_codebooks": codebooks_to_dict(self.coupled_codebooks)}
-            if self.coupled_codebooks else {})
+            if self.key_means else {})
 
     @property
     def format_version(self) -> int:

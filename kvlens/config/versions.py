@@ -17,8 +17,10 @@ Versions:
   (``codebooks.<layer>.key``); the ``"lloyd-max-normal"`` codebook; ``write_before_attention``;
   ``center_keys`` (a layer's keys stored centred on its mean key) and the mean keys in
   ``key_means``.
-- 6: coupled key and value specs (``kvlens.quant.coupled.CoupledSpec``, research) and their
-  codebooks in ``coupled_codebooks`` (``kvlens.config.coupled``).
+- 6: coupled (CQ) key and value specs and their codebooks in ``coupled_codebooks`` (research).
+  Removed by issue #57 (a negative result, docs/lab-notes/coupled.md): a file that uses them is
+  refused with that reason; a version-6 file without them still reads, and nothing is written
+  at version 6 any more.
 
 The parser that enforces these (``kvlens.config.io``) and the dataclasses that write them
 (``kvlens.config.schema``) both read them from here.
@@ -38,10 +40,8 @@ def oldest_version(config) -> int:
     ``mikv.set_bits``, ``mikv.layers``, ``gear``, a spec's ``fit``, fp8 full-precision parts),
     3 with ``scale_dtype`` ``"8bit"``, 4 with ``engine_attention`` or a codebook value spec,
     5 with a codebook key spec, a ``"lloyd-max-normal"`` codebook, ``write_before_attention``
-    or centred keys, 6 with a coupled spec."""
+    or centred keys."""
     layers = (config.default, *config.layers.values())
-    if any(lk.coupled(t) is not None for lk in layers for t in ("key", "value")):
-        return 6
     books = [b for lk in layers for b in (lk.key_codebook, lk.value_codebook) if b is not None]
     if any(lk.key_codebook is not None for lk in layers) or any(
             "key" in entry for entry in config.codebooks.values()) or any(

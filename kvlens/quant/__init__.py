@@ -5,8 +5,7 @@ Tensors are ``[B, H, T, D]`` at every public function. ``spec`` says what shares
 pre-RoPE keys, the MiKV balancer, dense-and-sparse outliers and the GEAR low-rank residual,
 ``rotation`` the orthonormal Hadamard rotation along ``head_dim``, ``codebook`` non-uniform
 (codebook) codes of rotated coordinates with one norm per vector, ``centering`` the exact
-per-head key centering, ``coupled`` coupled (vector) codes of channel groups (CQ, research),
-``predict`` cross-layer prediction with the residual
+per-head key centering, ``predict`` cross-layer prediction with the residual
 quantized (AQUA-KV), ``meta8`` 8-bit group
 metadata, and the engines' own cache formats: ``ggml`` (llama.cpp's blocks), ``fp8`` (static fp8
 and per-token-head), ``formats`` (a format with the engine's rotation, names, the read-back
@@ -27,20 +26,6 @@ from kvlens.quant.codebook import (
     fit_codebook,
     lloyd_max,
     quantize_codebook,
-)
-from kvlens.quant.coupled import (
-    CoupledCodebooks,
-    CoupledSpec,
-    correlation_permutation,
-    decode_coupled,
-    encode_coupled,
-    fake_quantize_coupled,
-    fit_coupled,
-    held_out_coupled,
-    kmeans,
-    pack_indices,
-    parse_coupled,
-    unpack_indices,
 )
 from kvlens.quant.fake import fake_quantize
 from kvlens.quant.formats import (
@@ -106,18 +91,6 @@ __all__ = [
     "lloyd_max",
     "quantize_centered",
     "quantize_codebook",
-    "CoupledCodebooks",
-    "CoupledSpec",
-    "correlation_permutation",
-    "decode_coupled",
-    "encode_coupled",
-    "fake_quantize_coupled",
-    "fit_coupled",
-    "held_out_coupled",
-    "kmeans",
-    "pack_indices",
-    "parse_coupled",
-    "unpack_indices",
     "FP8Format",
     "FormatSetting",
     "GGMLBlockFormat",

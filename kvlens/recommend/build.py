@@ -1,8 +1,7 @@
 """The versioned ``KVConfig`` a recommendation writes (``build_config``): per-layer settings
 from the chosen candidates and windows, the most common one as the default, and the config-wide
 MiKV, GEAR and balancer sections, the fitted centroids of the layers that chose codebook
-keys or values (``codebooks``), the fitted codebooks of the layers that chose coupled keys or
-values (``coupled_codebooks``) and the mean keys of the layers that chose centred keys
+keys or values (``codebooks``) and the mean keys of the layers that chose centred keys
 (``key_means``)."""
 
 from __future__ import annotations
@@ -12,9 +11,8 @@ from collections.abc import Sequence
 
 from kvlens.config import KVConfig, LayerKV, MikvSettings
 from kvlens.errors import ConfigError
-from kvlens.quant.coupled import coupled_arrays
 from kvlens.recommend.catalog import gear_settings
-from kvlens.recommend.layer_errors import codebook_slot, coupled_slot, mean_key
+from kvlens.recommend.layer_errors import codebook_slot, mean_key
 from kvlens.recommend.options import Candidate, RecommendOptions, Stream, listed
 from kvlens.recommend.result import Choice
 
@@ -22,9 +20,8 @@ from kvlens.recommend.result import Choice
 def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balancers,
                  codebooks=None):
     """The versioned ``kvlens.config`` config that ``kvlens generate --config`` consumes.
-    ``codebooks``: per layer ``{codebook_slot(c): kvlens.quant.Codebook, coupled_slot(c):
-    kvlens.quant.CoupledCodebooks, mean_key(stage): [Hkv, D]}``, the codebooks and mean keys
-    the candidates were measured with."""
+    ``codebooks``: per layer ``{codebook_slot(c): kvlens.quant.Codebook, mean_key(stage):
+    [Hkv, D]}``, the codebooks and mean keys the candidates were measured with."""
 
     by_layer: dict[int, dict[str, Candidate]] = {}
     streams: dict[int, Stream] = {}
@@ -48,22 +45,17 @@ def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balanc
     if len(set(sets.values())) > 1:
         raise ConfigError(f"internal: MiKV sets of different widths/fractions chosen: {sets}")
     set_bits, fraction = next(iter(sets.values())) if sets else (None, 0.0)
-    books, coupled = {}, {}
+    books = {}
     for i, p in by_layer.items():
         for tensor, c in p.items():
-            if not (c.codebook or c.coupled):
+            if not c.codebook:
                 continue
-            kind = "coupled" if c.coupled else "codebook"
-            book = (codebooks or {}).get(i, {}).get(
-                coupled_slot(c) if c.coupled else codebook_slot(c))
+            book = (codebooks or {}).get(i, {}).get(codebook_slot(c))
             if book is None:
-                raise ConfigError(f"internal: layer {i} chose {kind} {tensor}s but no "
+                raise ConfigError(f"internal: layer {i} chose codebook {tensor}s but no "
                                   "codebook was fitted for it")
-            if c.coupled:
-                coupled.setdefault(i, {})[tensor] = coupled_arrays(book)
-            else:
-                books.setdefault(i, {})[tensor] = tuple(
-                    float(x) for x in book.centroids.half().float())
+            books.setdefault(i, {})[tensor] = tuple(
+                float(x) for x in book.centroids.half().float())
     means = {}
     for i, p in by_layer.items():
         if p["key"].center:
@@ -86,7 +78,6 @@ def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balanc
         balancers={i: tuple(tuple(float(x) for x in row) for row in b.tolist())
                    for i, b in used.items()},
         fp_dtype=opts.fp_dtype, scale_dtype=opts.scale_dtype, codebooks=books, key_means=means,
-        coupled_codebooks=coupled,
         description=(f"kvlens recommend for {meta.model}: budget {opts.budget_bits} bits/element "
                      f"at {opts.context} tokens (residual window "
                      f"{listed(sorted({s.residual for s in streams.values()}), '/')}, "

@@ -24,13 +24,8 @@ subtracted before quantizing, kept in the config, added back on read
 (``kvlens.quant.centering``; the fused kernel reads the post-RoPE ones, so ``prefer_fast`` keeps
 those; docs/lab-notes/codebooks.md: it halves per-token key reconstruction error; per-channel groups
 absorb a per-channel offset, so they are not centred). Replacing rather than adding keeps the
-candidate count and the storage families, so centring costs ``recommend`` no time. With
-``coupled`` (opt-in; ``--set coupled=on``, research) also coupled (CQ) keys and values
-(``COUPLED_SETTINGS``: 2 or 4 channels per index, 2-3 bits per channel; docs/lab-notes/coupled.md):
-each layer's codebooks fitted on its captured keys (post-RoPE, weighted by the queries) or
-values, stored as packed indices (no scales); where the channels divide head_dim and not with
-``prefer_fast`` (the fused decode kernel does not read them). Only what ``kvlens generate`` can
-run is offered.
+candidate count and the storage families, so centring costs ``recommend`` no time. Only what
+``kvlens generate`` can run is offered.
 
 ``family`` groups candidates by storage layout for ``--sensitivity layout``; ``family_probes``
 picks the one candidate per family that is measured for it.
@@ -46,7 +41,6 @@ from kvlens.errors import ConfigError
 from kvlens.quant import hadamard_block_size
 from kvlens.recommend.options import (
     CODEBOOK_BITS,
-    COUPLED_SETTINGS,
     GEAR_GROUP,
     GRANULARITIES,
     MIKV_GROUP,
@@ -91,9 +85,6 @@ def candidates(head_dim: int, opts: RecommendOptions, has_rope: bool) -> list[Ca
     if opts.codebooks and rotation:  # the fused decode kernel reads them (--prefer-fast too)
         out += [Candidate.codebook_keys(b) for b in CODEBOOK_BITS]
         out += [Candidate.codebook_values(b) for b in CODEBOOK_BITS]
-    if opts.coupled and not opts.prefer_fast:  # the fused decode kernel does not read them
-        out += [Candidate.coupled_codes(t, c, b) for t in ("key", "value")
-                for c, b in COUPLED_SETTINGS if head_dim % c == 0]
     if opts.centering:  # the per-token keys are offered centred (prefer_fast offers no
         # pre-RoPE keys to centre; the kernel reads centred post-RoPE ones)
         out = [replace(c, center=True) if centrable(c, opts) else c for c in out]
@@ -101,7 +92,7 @@ def candidates(head_dim: int, opts: RecommendOptions, has_rope: bool) -> list[Ca
     # codes buys nothing; centred keys have none), one per global (set_bits, heavy_fraction)
     return out + [replace(c, mikv_set=m) for c in out if c.group_size == MIKV_GROUP
                   and c.bits <= 4 and c.stage == "post"
-                  and not (c.rotate or c.gear or c.center or c.coupled)
+                  and not (c.rotate or c.gear or c.center)
                   and c.fit == opts.fits_for(c.tensor)[0] for m in opts.mikv_sets()]
 
 
@@ -120,11 +111,9 @@ def centrable(c: Candidate, opts: RecommendOptions) -> bool:
 
 def still_offered(c: Candidate, opts: RecommendOptions) -> bool:
     """Whether ``opts`` offers measured candidate ``c`` (``choose`` on a measurement made with
-    more: other fits, codebooks, centred keys or coupled codes are dropped)."""
+    more: other fits, codebooks or centred keys are dropped)."""
     if c.codebook:
         offered = opts.codebooks
-    elif c.coupled:
-        offered = opts.coupled
     else:
         offered = c.fit in opts.fits_for(c.tensor)
     return offered and (opts.centering or not c.center)
@@ -142,9 +131,8 @@ def family(c: Candidate) -> tuple:
     factor). The fit has its own: a least-squares fit clips a group's extremes, so its output
     error need not turn into KL at the rate of min/max groups (docs/recommend.md#the-scale-fit).
     Codebook keys and values are families of their own (non-uniform codes, a norm per vector):
-    their axis is ``per-vector``. Centred keys are a family of their own (``center``), and so
-    are coupled keys and values (``coupled``: per-vector too, not rotated)."""
-    return (c.tensor, c.granularity, c.stage, c.balancer, c.rotate, c.fit, c.center, c.coupled)
+    their axis is ``per-vector``. Centred keys are a family of their own (``center``)."""
+    return (c.tensor, c.granularity, c.stage, c.balancer, c.rotate, c.fit, c.center)
 
 
 def family_probes(cands: Sequence[Candidate]) -> list[Candidate]:

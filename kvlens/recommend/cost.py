@@ -23,10 +23,6 @@ Work units:
   position; the embedding is tied, an untied head counts as decoder weights) on the kept half
   of the tokens only, and its KL divergence a few passes over ``kept positions x vocabulary``
   logits (``logits``);
-- **coupled fits** (``--set coupled=on``, research): k-means distance entries, ``samples x KV
-  heads x tokens x coupled_entries`` per layer (``coupled_entries``: per token of one KV head,
-  every coupled candidate's ``D / c`` groups x ``2^b`` centroids x its Lloyd rounds, twice: the
-  held-out halves and the kept fit), counted in the candidate errors stage;
 - **capture read**: the bytes of the capture's float32 tensors.
 
 With ``workers`` processes the per-layer stages divide by ``workers`` (each worker measures whole
@@ -67,9 +63,6 @@ WORKER_LOGIT_SECONDS = 5.0e-9  # per kept position and vocabulary entry
 REFERENCE_MATMUL_SHAPE = (512, 576, 1536)
 REFERENCE_MATMUL_SECONDS = 1.03e-2
 READ_SECONDS_PER_BYTE = 2.0e-9  # reading the capture file
-# one nearest-centroid distance entry of a coupled k-means fit on a worker (one core), fitted to
-# the coupled candidates' share of the candidate errors stage on SmolLM2 (docs/lab-notes/coupled.md)
-KMEANS_SECONDS_PER_ENTRY = 9.1e-9
 LOGIT_FLOPS = 10  # a GPU projection's KL work per kept position and vocabulary entry
 RUNTIME_BYTES = 500 * 2**20  # torch, transformers, the GGUF conversion and the process itself
 # a spawned worker's own torch and kvlens (kvlens.recommend.parallel); a forked one shares its
@@ -136,7 +129,6 @@ class CostShape:
     workers: int = 1  # processes the per-layer measurements run on (kvlens.recommend.parallel)
     weight_bytes: int = 4  # bytes per model weight (the model stages' dtype)
     forked: bool = True  # workers start as copies of the calling process (Linux), not fresh
-    coupled_entries: int = 0  # k-means distance entries per token of one KV head (0: no coupled)
 
 
 @dataclass(frozen=True)
@@ -176,13 +168,6 @@ def machine_factor(repeats: int = 15) -> float:
     return best / REFERENCE_MATMUL_SECONDS
 
 
-def coupled_fit_entries(spec, head_dim: int) -> int:
-    """``CostShape.coupled_entries`` of one coupled candidate (a ``kvlens.quant.CoupledSpec``):
-    per token of one KV head, its ``head_dim / c`` channel groups x ``2^b`` centroids x (Lloyd
-    rounds + the k-means++ start), twice (``held_out_coupled``'s halves, then the kept fit)."""
-    return 2 * (spec.iters + 1) * (head_dim // spec.channels) * spec.levels
-
-
 def estimated_params(layers: int, q_heads: int, head_dim: int, vocab: int = 0) -> int:
     """Parameters of a decoder with hidden size ``q_heads x head_dim`` (an estimate used before
     the model loads: attention 4 h^2, an MLP of 8 h^2, the embedding)."""
@@ -201,12 +186,10 @@ def predict(shape: CostShape, factor: float = 1.0, hardware: Hardware | None = N
                  * s.tokens * s.head_dim)
     elements = s.layers * s.candidates * s.samples * s.kv_heads * s.tokens * s.head_dim
     read = s.layers * s.samples * (s.q_heads + 3 * s.kv_heads) * s.tokens * s.head_dim * 4
-    kmeans = s.layers * s.samples * s.kv_heads * s.tokens * s.coupled_entries
     stages = {
         "capture read": read * READ_SECONDS_PER_BYTE,
         "candidate errors": (attention * ATTENTION_SECONDS_PER_UNIT
-                             + elements * VARIANT_SECONDS_PER_ELEMENT
-                             + kmeans * KMEANS_SECONDS_PER_ENTRY) / s.workers,
+                             + elements * VARIANT_SECONDS_PER_ELEMENT) / s.workers,
     }
     if s.params and s.families:
         # one perturbed run per measured (layer, family)

@@ -25,15 +25,11 @@ The document, one key per ``Measurements`` field:
   ``windows`` (int or null); ``factors``: per layer ``[[family, factor], ...]`` (a family is a
   tuple of scalars, ``kvlens.recommend.catalog.family``); ``profile``: ``[[stage, seconds], ...]``;
 - ``codebooks``: ``[[layer, [[slot, kind, value], ...]], ...]``: ``slot`` the key of
-  ``kvlens.recommend.layer_errors.codebook_slot``, ``coupled_slot`` or ``mean_key``, ``kind``
-  ``"codebook"`` (``value`` a tensor: a ``kvlens.quant.Codebook``'s centroids), ``"tensor"``
-  (a mean key) or ``"coupled"`` (``value`` ``{"spec": CoupledSpec.to_dict(), "kv_heads": H,
-  "head_dim": D, "centroids": tensor, "permutation": int64 tensor or null, "weights": tensor or
-  null}``: a ``kvlens.quant.CoupledCodebooks``, rebuilt and shape-checked by
-  ``kvlens.quant.coupled.coupled_codebooks``).
+  ``kvlens.recommend.layer_errors.codebook_slot`` or ``mean_key``, ``kind`` ``"codebook"``
+  (``value`` a tensor: a ``kvlens.quant.Codebook``'s centroids) or ``"tensor"`` (a mean key).
 
 A tensor is ``{"array": i, "dtype": torch dtype, "shape": [...]}`` (bfloat16 stored as its int16
-bits; int64 only for a coupled permutation). ``decode`` checks everything: the zip members (stored, not compressed, named as above),
+bits). ``decode`` checks everything: the zip members (stored, not compressed, named as above),
 each ``.npy`` header (a plain numeric dtype whose size matches the member's bytes), the format
 name and version, every field's type and every index; any failure raises ``KeptFormatError``.
 """
@@ -53,14 +49,15 @@ import torch
 
 from kvlens.capture.store import CaptureMeta
 from kvlens.errors import ConfigError, InputError
-from kvlens.quant import Codebook, CoupledCodebooks, CoupledSpec
-from kvlens.quant.coupled import coupled_codebooks
+from kvlens.quant import Codebook
 from kvlens.recommend.options import Candidate, Stream
 from kvlens.recommend.pipeline import Measurements
 from kvlens.recommend.profile import Profile
 
 FORMAT = "kvlens.measurements"
-VERSION = 3  # 2: coupled candidates and their codebooks; 3: the capture's KV layers
+# 2: coupled candidates and their codebooks; 3: the capture's KV layers; 4: coupled removed
+# (issue #57: ``Candidate`` lost its ``coupled`` field)
+VERSION = 4
 #: what starts every file (a zip's local file header); anything else is refused unread
 ZIP_MAGIC = b"PK\x03\x04"
 DOCUMENT = "document.npy"
@@ -70,8 +67,6 @@ _SCALARS = (type(None), bool, int, float, str)
 #: torch dtypes a tensor may have, and the numpy dtype its bytes are stored as
 _TENSOR_DTYPES = {"float16": np.dtype("<f2"), "float32": np.dtype("<f4"),
                   "float64": np.dtype("<f8"), "bfloat16": np.dtype("<i2")}
-#: what a coupled permutation (channel indices) is stored as, and only it
-_INDEX_DTYPES = {"int64": np.dtype("<i8")}
 #: CaptureMeta's fields and the check each value must pass
 _META_TYPES = {
     "model": str, "architecture": str, "model_type": str, "num_layers": int,
@@ -85,10 +80,9 @@ _META_TYPES = {
 _CANDIDATE_TYPES = {
     "tensor": str, "bits": int, "granularity": str, "group_size": int, "stage": str,
     "balancer": bool, "rotate": bool, "gear": bool, "mikv_set": "mikv", "fit": str,
-    "codebook": bool, "center": bool, "coupled": bool,
+    "codebook": bool, "center": bool,
 }
-_CODEBOOK, _TENSOR, _COUPLED = "codebook", "tensor", "coupled"
-_COUPLED_KEYS = {"spec", "kv_heads", "head_dim", "centroids", "permutation", "weights"}
+_CODEBOOK, _TENSOR = "codebook", "tensor"
 
 
 class KeptFormatError(ValueError):
@@ -164,10 +158,10 @@ def _put_array(a: np.ndarray, arrays: list) -> int:
     return len(arrays) - 1
 
 
-def _put_tensor(t, arrays: list, dtypes: dict = _TENSOR_DTYPES) -> dict:
+def _put_tensor(t, arrays: list) -> dict:
     name = str(t.dtype).removeprefix("torch.") if isinstance(t, torch.Tensor) else None
-    if name not in dtypes:
-        raise _refuse_encode(f"the tensor ({', '.join(dtypes)} only)", t)
+    if name not in _TENSOR_DTYPES:
+        raise _refuse_encode(f"the tensor ({', '.join(_TENSOR_DTYPES)} only)", t)
     x = t.detach().cpu().contiguous()
     a = (x.view(torch.int16) if name == "bfloat16" else x).numpy()
     return {"array": _put_array(a, arrays), "dtype": name, "shape": list(x.shape)}
@@ -241,15 +235,6 @@ def _encode_table(table: dict, cands: dict, streams: dict, arrays: list) -> dict
 
 
 def _encode_slot(slot, value, arrays: list) -> list:
-    if isinstance(value, CoupledCodebooks):
-        def maybe(t, dtypes=_TENSOR_DTYPES):
-            return None if t is None else _put_tensor(t, arrays, dtypes)
-
-        return [_scalar_tuple(slot), _COUPLED, {
-            "spec": value.spec.to_dict(), "kv_heads": _int(value.kv_heads),
-            "head_dim": _int(value.head_dim), "centroids": _put_tensor(value.centroids, arrays),
-            "permutation": maybe(value.permutation, _INDEX_DTYPES),
-            "weights": maybe(value.channel_weights)}]
     if isinstance(value, Codebook):
         return [_scalar_tuple(slot), _CODEBOOK, _put_tensor(value.centroids, arrays)]
     return [_scalar_tuple(slot), _TENSOR, _put_tensor(value, arrays)]
@@ -371,13 +356,13 @@ def _get_array(ref, arrays: list, what: str) -> np.ndarray:
     return arrays[i]
 
 
-def _get_tensor(ref, arrays: list, what: str, dtypes: dict = _TENSOR_DTYPES) -> torch.Tensor:
+def _get_tensor(ref, arrays: list, what: str) -> torch.Tensor:
     _need(type(ref) is dict and set(ref) == {"array", "dtype", "shape"}, f"{what} is no tensor")
     name = _get_str(ref["dtype"], what)
-    _need(name in dtypes, f"{what} has dtype {name!r}")
+    _need(name in _TENSOR_DTYPES, f"{what} has dtype {name!r}")
     a = _get_array(ref["array"], arrays, what)
     shape = [_get_int(n, what) for n in _list(ref["shape"], what)]
-    _need(a.dtype == dtypes[name] and list(a.shape) == shape,
+    _need(a.dtype == _TENSOR_DTYPES[name] and list(a.shape) == shape,
           f"{what}: stored {a.dtype} {list(a.shape)}, declared {name} {shape}")
     t = torch.from_numpy(a.astype(a.dtype.newbyteorder("="), copy=True))
     return t.view(torch.bfloat16) if name == "bfloat16" else t
@@ -475,28 +460,8 @@ def _decode_books(x, arrays: list) -> dict:
     for entry in _list(x, "codebooks"):
         slot, kind, ref = _list(entry, "codebook entry", 3)
         slot = _get_tuple(slot, "codebook slot")
-        _need(kind in (_CODEBOOK, _TENSOR, _COUPLED), f"codebook entry kind {kind!r}")
-        if kind == _COUPLED:
-            books[slot] = _decode_coupled(ref, arrays)
-            continue
+        _need(kind in (_CODEBOOK, _TENSOR), f"codebook entry kind {kind!r}")
         t = _get_tensor(ref, arrays, "codebook tensor")
         books[slot] = Codebook(t) if kind == _CODEBOOK else t
     return books
 
-
-def _decode_coupled(x, arrays: list) -> CoupledCodebooks:
-    """A coupled entry's ``CoupledCodebooks`` (module docstring), its spec and every shape
-    checked by ``coupled_codebooks`` (a ``ConfigError`` there: ``decode`` refuses the file)."""
-    _need(type(x) is dict and set(x) == _COUPLED_KEYS, "coupled codebooks' fields")
-    _need(type(x["spec"]) is dict, "coupled spec is not an object")
-
-    def maybe(ref, what, dtypes=_TENSOR_DTYPES):
-        return None if ref is None else _get_tensor(ref, arrays, what, dtypes)
-
-    centroids = _get_tensor(x["centroids"], arrays, "coupled centroids")
-    _need(centroids.dtype == torch.float32, "coupled centroids are not float32")
-    return coupled_codebooks(
-        CoupledSpec.from_dict(x["spec"]), centroids, _get_int(x["kv_heads"], "kv_heads"),
-        _get_int(x["head_dim"], "head_dim"),
-        maybe(x["permutation"], "coupled permutation", _INDEX_DTYPES),
-        maybe(x["weights"], "coupled channel weights"))

@@ -15,12 +15,7 @@ largest window) on, of ``default_tokens`` (four times it).
 ``layer_variants`` builds what the cache would give back for each candidate (codebook keys and
 values: ``fake_quantize_codebook`` with the layer's codebook, ``codebook_slot``, fitted on the
 layer's captured keys (centred ones: minus the mean key) or values once and then given to every
-later measurement of that layer, as the config will store it; coupled keys and values likewise
-with the layer's ``kvlens.quant.coupled`` codebooks, ``coupled_slot``, fitted on the captured
-post-RoPE keys (weighted by the captured queries) or values, but measured held out
-(``held_out_coupled``: each half of the samples coded with codebooks fitted on the other half;
-in-sample, a setting with few fitting points per centroid would look nearly lossless);
-centred keys likewise with the layer's mean key, ``mean_key``, computed once on the whole
+later measurement of that layer, as the config will store it; centred keys likewise with the layer's mean key, ``mean_key``, computed once on the whole
 capture and handed on in the same per-layer dict),
 ``gear_variant``
 and ``_SetVariants`` the GEAR and MiKV set twins (they depend on the flush block),
@@ -50,11 +45,8 @@ from kvlens.quant import (
     codebook_for,
     fake_quantize,
     fake_quantize_codebook,
-    fake_quantize_coupled,
     fit_balancer,
-    fit_coupled,
     hadamard_rotation,
-    held_out_coupled,
     quantize_gear,
     quantize_pre_rope,
     quantize_rotated,
@@ -78,12 +70,6 @@ def codebook_slot(c: Candidate) -> tuple[str, str, int, bool]:
     """The key of codebook candidate ``c``'s fitted codebook in that per-layer dict: one per
     tensor, bit width and centring (a centred key codebook is fitted on the centred keys)."""
     return ("codebook", c.tensor, c.bits, c.center)
-
-
-def coupled_slot(c: Candidate) -> tuple[str, str, str]:
-    """The key of coupled candidate ``c``'s fitted codebooks (a ``kvlens.quant.CoupledCodebooks``)
-    in that per-layer dict: one per tensor and setting (``CoupledSpec.name``)."""
-    return ("coupled", c.tensor, c.spec().name)
 
 
 def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOptions,
@@ -194,13 +180,11 @@ def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptio
     for candidate ``c`` with every token quantized (a ``kvlens.analysis.metrics.Variant``), None
     for MiKV set and GEAR twins (they depend on the flush block: built by ``measure_layer``);
     pre-RoPE candidates are left out when the capture's RoPE cannot be rebuilt (``pre_ok``
-    False). ``codebooks`` ``{codebook_slot(c): Codebook, coupled_slot(c): CoupledCodebooks,
-    mean_key(stage): [Hkv, D]}``: the codebooks of codebook and coupled candidates and the mean
-    keys of centred candidates, given (fitted earlier on this layer's capture) or fitted here
-    (``codebook_for``: norm²-weighted k-means on these keys or values, float16 centroids;
-    ``fit_coupled``: k-means per channel group on these keys, weighted by these queries, or
-    values, their variant coded held out, ``held_out_coupled``; ``key_mean``: the mean over
-    every sample and token of the layer's captured keys, float16) and returned."""
+    False). ``codebooks`` ``{codebook_slot(c): Codebook, mean_key(stage): [Hkv, D]}``: the
+    codebooks of codebook candidates and the mean keys of centred candidates, given (fitted
+    earlier on this layer's capture) or fitted here (``codebook_for``: norm²-weighted k-means
+    on these keys or values, float16 centroids; ``key_mean``: the mean over every sample and
+    token of the layer's captured keys, float16) and returned."""
 
     sel = None if opts.samples is None else list(range(min(opts.samples, meta.num_samples)))
     t = slice(None) if opts.tokens is None else slice(0, opts.tokens)
@@ -232,19 +216,7 @@ def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptio
             if mk not in books:  # the calibration data: every sample and token of the capture
                 with stage("capture read"):
                     books[mk] = key_mean(layer.read("k_pre" if c.stage == "pre" else "k"))
-        if c.coupled:  # the layer's fitted codebooks (the config's coupled_codebooks)
-            x, slot = (v if c.tensor == "value" else k), coupled_slot(c)
-            xf = x.float()
-            if slot in books:  # fitted on the capture, read here on other tokens (the probe)
-                x_hat = fake_quantize_coupled(xf, books=books[slot])
-            else:  # the config's codebooks fit every token; the error is measured held out
-                qw = q.float() if spec.weighted else None
-                with stage("coupled fit"):
-                    books[slot] = fit_coupled(xf, spec, qw)
-                    x_hat = held_out_coupled(xf, spec, qw)
-            x_hat = x_hat.to(x.dtype)
-            variants[c] = Variant(v_hat=x_hat) if c.tensor == "value" else Variant(k_hat=x_hat)
-        elif c.codebook:  # the layer's fitted codebook (the config stores its centroids)
+        if c.codebook:  # the layer's fitted codebook (the config stores its centroids)
             x, slot = (v if c.tensor == "value" else k), codebook_slot(c)
             mu = books[mean_key(c.stage)] if c.center else None
             if slot not in books:  # a 1-D k-means on a histogram: milliseconds

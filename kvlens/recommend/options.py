@@ -13,17 +13,13 @@ from kvlens.cache.layout import FP_BYTES, SCALE_BYTES
 from kvlens.config import SET_BITS
 from kvlens.errors import InputError, is_int
 from kvlens.model.load import DTYPES
-from kvlens.quant import CodebookSpec, CoupledSpec, QuantSpec, RotationSpec
+from kvlens.quant import CodebookSpec, QuantSpec, RotationSpec
 from kvlens.quant.spec import FITS
 
 GRANULARITIES = ("per-channel", "per-token")
 #: A codebook candidate's granularity: each vector has its own scale (its float16 norm)
 PER_VECTOR = "per-vector"
 CODEBOOK_BITS = (2, 3)  # codebook keys and values offered (docs/lab-notes/codebooks.md: values win at 2, 3)
-#: coupled (CQ) keys and values offered, ``(channels, index bits)``: 2.0, 2.5 and 3.0 bits per
-#: channel with pairs, 2.0 with quads (docs/lab-notes/coupled.md, step 1: the bands where
-#: coupled codes beat scalar ones; ``c4b10``'s codebooks cost more than its codes save)
-COUPLED_SETTINGS = ((2, 4), (2, 5), (2, 6), (4, 8))
 GEAR_GROUP = 32  # GEAR twins are offered for KIVI's G32 grouping only (measuring cost)
 MIKV_GROUP = 32  # so are MiKV set twins (each is simulated while decoding: measuring cost)
 MIKV_FRACTION_MAX = 0.5  # largest heavy fraction offered (more is no longer a small set)
@@ -68,16 +64,6 @@ class Candidate:
     # keys only: stored centred on the layer's mean key, computed on the capture (pre-RoPE mean
     # for pre-RoPE keys, else post-RoPE; kvlens.quant.centering; the config's key_means)
     center: bool = False
-    # coupled (CQ, kvlens.quant.coupled): ``group_size`` channels coded jointly by one
-    # ``bits``-bit index into codebooks fitted per layer on the capture (granularity
-    # PER_VECTOR, no scales; keys post-RoPE and query-weighted; the config's coupled_codebooks)
-    coupled: bool = False
-
-    @classmethod
-    def coupled_codes(cls, tensor: str, channels: int, index_bits: int) -> Candidate:
-        """The coupled candidate of ``tensor`` with ``channels`` channels per ``index_bits``-bit
-        index (``COUPLED_SETTINGS``; keys weighted by the queries: ``spec``)."""
-        return cls(tensor, index_bits, PER_VECTOR, channels, coupled=True)
 
     @classmethod
     def codebook_values(cls, bits: int) -> Candidate:
@@ -92,8 +78,6 @@ class Candidate:
 
     @property
     def short(self) -> str:
-        if self.coupled:
-            return f"coupled {self.spec().name}"
         if self.codebook:
             return f"{self.bits}b codebook" + (" ctr" if self.center else "")
         axis = "ch" if self.granularity == "per-channel" else "tok"
@@ -105,9 +89,6 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        if self.coupled:
-            return (f"coupled {self.spec().name} ({self.group_size} channels per "
-                    f"{self.bits}-bit index, fitted codebooks)")
         if self.codebook:
             return (f"{self.bits}b codebook fitted+renorm (rotated, per-vector fp16 norm)"
                     + (" +centred" if self.center else ""))
@@ -123,12 +104,9 @@ class Candidate:
         """The same storage without the MiKV set."""
         return replace(self, mikv_set=None)
 
-    def spec(self) -> QuantSpec | CodebookSpec | CoupledSpec:
+    def spec(self) -> QuantSpec | CodebookSpec:
         """What the config stores this candidate as (a codebook: its fitted centroids go in
-        the config's ``codebooks``; coupled: its codebooks in ``coupled_codebooks``; keys
-        weighted by the queries, docs/lab-notes/coupled.md: the largest lever for keys)."""
-        if self.coupled:
-            return CoupledSpec(self.group_size, self.bits, weighted=self.tensor == "key")
+        the config's ``codebooks``)."""
         if self.codebook:
             return CodebookSpec(self.bits, "fitted", RotationSpec(), renormalize=True)
         return QuantSpec(self.bits, self.granularity, self.group_size, fit=self.fit)
@@ -282,12 +260,6 @@ class RecommendOptions:
     # both models is mixed (docs/lab-notes/codebooks.md)
     centering: bool = _lever(False, "centering", "offer per-token keys centred on the "
                              "layer's mean key instead of plain")
-    # offer coupled (CQ) keys and values (COUPLED_SETTINGS; kvlens.quant.coupled, codebooks
-    # fitted per layer and tensor on the capture; the fused decode kernel does not read them,
-    # so not with prefer_fast). Opt-in until the paired KLD ablation says otherwise
-    # (docs/lab-notes/coupled.md)
-    coupled: bool = _lever(False, "coupled", "offer coupled keys and values (2 or 4 channels "
-                           "per index, 2-3 bits per channel) with codebooks fitted on the capture")
     layer_weights: tuple[float, ...] | None = _library(None)
     retrieval_tokens: int = _library(960)
 
@@ -350,10 +322,6 @@ class RecommendOptions:
         if self.codebooks and not self.rotation:
             raise InputError("--set codebooks=on offers codebook keys and values, which are coded "
                              "rotated: drop --set rotation=off or codebooks=on.")
-        if self.coupled and self.prefer_fast:
-            raise InputError("--set coupled=on offers coupled keys and values, which the fused "
-                             "decode kernel does not read: drop --set prefer-fast=on or "
-                             "coupled=on.")
         if self.layout_layers is not None and not is_int(self.layout_layers, 1):
             raise InputError(f"--set layout-layers must be a positive number of layers (or None: "
                              f"every layer), got {self.layout_layers!r}.")

@@ -26,7 +26,6 @@ from kvlens.recommend.catalog import candidates, family_probes, still_offered
 from kvlens.recommend.cost import (
     Cost,
     CostShape,
-    coupled_fit_entries,
     estimated_params,
     machine_factor,
     predict,
@@ -159,8 +158,7 @@ def _layer_table(layer, meta, cands, probes, opts):
 
 def choose(m: Measurements, opts: RecommendOptions) -> Recommendation:
     """Allocate under ``opts.budget_bits`` from earlier measurements and build the config."""
-    # measured with more fits (or codebooks, centred keys, coupled codes) than offered now:
-    # drop the rest
+    # measured with more fits (or codebooks, centred keys) than offered now: drop the rest
     tables = [{k: e for k, e in t.items() if still_offered(k[0], opts)} for t in m.tables]
     prof = Profile(dict(m.profile.stages), list(m.profile.spans))
     with profiling(prof), stage("allocation"):
@@ -206,6 +204,4 @@ def _cost_shape(meta, opts: RecommendOptions) -> CostShape:
         probe_tokens=opts.retrieval_tokens if opts.retrieval != "off" and model_stages else 0,
         params=params if model_stages else 0, vocab=vocab,
         hidden=int(meta.extra.get("hidden_size", 0) or 0),
-        weight_bytes=parse_dtype(opts.dtype).itemsize,
-        coupled_entries=sum(coupled_fit_entries(c.spec(), meta.head_dim) for c in cands
-                            if c.coupled))
+        weight_bytes=parse_dtype(opts.dtype).itemsize)

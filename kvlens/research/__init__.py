@@ -2,15 +2,15 @@
 
 A lever is an option of ``kvlens.recommend.RecommendOptions`` (or of the engine targets'
 ``kvlens.deploy.targets.TargetOptions``) that no default uses: codebook keys and values,
-coupled (CQ) keys and values, centred keys, layout-sensitivity sharing, fit and balancer
-knobs, MiKV sub-knobs, the candidate sets. Each is tried in an ablation (docs/lab-notes/) and
-moves to the main options only when it wins at the defaults on both models and both texts. Here
-they are listed (``levers``), parsed from ``NAME=VALUE`` (``parse_settings``: what ``kvlens
-recommend --set`` takes) and described (``describe``: what ``--set list`` prints).
+centred keys, layout-sensitivity sharing, fit and balancer knobs, MiKV sub-knobs, the candidate
+sets. Each is tried in an ablation (docs/lab-notes/) and moves to the main options only when it
+wins at the defaults on both models and both texts. Here they are listed (``levers``), parsed
+from ``NAME=VALUE`` (``parse_settings``: what ``kvlens recommend --set`` takes) and described
+(``describe``: what ``--set list`` prints).
 
 The research code itself stays where its layer puts it (``kvlens.quant.codebook``,
-``kvlens.quant.coupled``, ``kvlens.quant.centering``, ``kvlens.quant.predict``...); this
-module is the door, not the room.
+``kvlens.quant.centering``, ``kvlens.quant.predict``...); this module is the door, not the
+room.
 """
 
 from __future__ import annotations

@@ -13,8 +13,6 @@ from typing import Any
 
 from kvlens.errors import ConfigError, InputError, is_int
 from kvlens.quant.codebook import CODEBOOKS
-from kvlens.quant.coupled import DEFAULT_ITERS as COUPLED_ITERS
-from kvlens.quant.coupled import parse_coupled
 from kvlens.quant.formats import parse_format
 from kvlens.text.selection import parse_index_spec
 
@@ -22,9 +20,7 @@ CONFIG_VERSION = 1
 TENSOR_NAMES = ("key", "value")
 AXES = ("per-token", "per-channel")
 STAGES = ("post", "pre")  # post-RoPE (what the cache holds) / pre-RoPE (KVQuant), keys only
-EXTRA_VARIANTS = ("balancer", "outliers", "lowrank", "rotate", "center", "predict", "coupled")
-# the coupled variant's settings when none are named: 2.0, 2.5 and 3.0 index bits per channel
-DEFAULT_COUPLED = ("c4b8", "c4b10", "c2b6")
+EXTRA_VARIANTS = ("balancer", "outliers", "lowrank", "rotate", "center", "predict")
 PLAIN = "plain"
 KEY_METRICS = ("reconstruction", "score", "attention_weights", "attention_output")
 VALUE_METRICS = ("reconstruction", "attention_output")
@@ -51,13 +47,7 @@ class CompareConfig:
         layer's reconstructed keys of the same stage, values from the layer's reconstructed
         keys and the previous layer's reconstructed values, by ridge maps fitted on the other
         samples; only the residual is quantized, ``kvlens.analysis.compare.predict``; needs at
-        least 2 samples), ``"coupled"`` (research: CQ coupled quantization of keys and values,
-        ``kvlens.analysis.compare.coupled``; codebooks fitted on the first half of the samples
-        and every variant measured on the rest).
-    coupled: the ``coupled`` variant's settings (``kvlens.quant.coupled.parse_coupled``:
-        ``c4b8``, ``c2b6+corr+head``, ...), stored canonical; default ``DEFAULT_COUPLED`` when
-        the variant is asked; refused without it.
-    coupled_iters: Lloyd rounds of the coupled k-means (library only).
+        least 2 samples).
     outlier_fraction: share of each quantization vector kept exact by ``"outliers"``.
     rank: rank of the ``"lowrank"`` residual per (sample, head).
     rotation_seed: ``"rotate"`` without sign flips (None) or with random sign flips drawn with
@@ -98,12 +88,10 @@ class CompareConfig:
     formats: tuple[str, ...] = ()
     codebooks: tuple[str, ...] = ()
     predict_calibration: str | None = None
-    coupled: tuple[str, ...] = ()
-    coupled_iters: int = COUPLED_ITERS
 
     def __post_init__(self) -> None:
         for name in ("bits", "group_sizes", "stages", "variants", "tensors", "formats",
-                     "codebooks", "coupled"):
+                     "codebooks"):
             value = getattr(self, name)
             if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
                 raise ConfigError(f"{name} must be a list, got {value!r}.")
@@ -155,7 +143,6 @@ class CompareConfig:
         object.__setattr__(
             self, "codebooks", tuple(dict.fromkeys(parse_codebook(c) for c in self.codebooks))
         )
-        self._check_coupled()
         cal = self.predict_calibration
         if cal is not None:
             if not isinstance(cal, str) or not cal.strip():
@@ -164,22 +151,6 @@ class CompareConfig:
                     "+predict" in c for c in self.codebooks):
                 raise ConfigError(
                     "A predict calibration capture needs --variants predict or a +predict codebook.")
-
-    def _check_coupled(self) -> None:
-        if "coupled" not in self.variants:
-            if self.coupled:
-                raise ConfigError("Coupled settings are read by the coupled variant; add "
-                                  "coupled to the variants or drop the settings.")
-            return
-        if "predict" in self.variants or any("+predict" in c for c in self.codebooks):
-            raise ConfigError("The coupled variant measures on held-out samples and predict "
-                              "leaves one sample out; run them in separate sweeps.")
-        if not is_int(self.coupled_iters, 0):
-            raise ConfigError(f"Invalid coupled iterations {self.coupled_iters!r}; allowed: "
-                              "integers >= 0.")
-        names = self.coupled or DEFAULT_COUPLED
-        specs = [parse_coupled(n, self.coupled_iters) for n in names]
-        object.__setattr__(self, "coupled", tuple(dict.fromkeys(s.name for s in specs)))
 
     def codebook_settings(self) -> tuple[tuple[str, str, frozenset[str]], ...]:
         """``(name, codebook, options)`` for each of ``self.codebooks``."""

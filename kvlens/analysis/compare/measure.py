@@ -17,16 +17,6 @@ from kvlens.analysis.compare.config import (
     PLAIN,
     CompareConfig,
 )
-from kvlens.analysis.compare.coupled import (
-    COUPLED,
-    coupled_approximations,
-    coupled_info,
-    coupled_record_name,
-    coupled_specs,
-    fit_samples,
-    split_note,
-    uses_coupled,
-)
 from kvlens.analysis.compare.predict import (
     PREDICT,
     PredictChain,
@@ -107,10 +97,6 @@ def compare_axes(
             meta.num_samples if config.samples is None else min(config.samples, meta.num_samples)
         )
         pre = "pre" in _key_stages(config) or config.codebook_pre_rope
-        # coupled codebooks are fitted on the first half of the samples; then every variant
-        # is measured on the rest (kvlens.analysis.compare.coupled)
-        fit, measured_samples = (fit_samples(n_samples) if uses_coupled(config)
-                                 else (None, slice(0, n_samples)))
         chain = None
         walk = layers
         if uses_prediction(config):
@@ -130,8 +116,8 @@ def compare_axes(
                 data = cap.layer(layer)
                 cal_data = None if cal is None else _chain_tensors(cal.layer(layer), chain)
                 if layer in measured:
-                    records.extend(_layer_records(data, config, meta, measured_samples, pre,
-                                                  chain, cal_data, fit))
+                    records.extend(_layer_records(data, config, meta, slice(0, n_samples),
+                                                  pre, chain, cal_data))
                 else:
                     chain.advance(layer, *_chain_tensors(data, chain, n_samples),
                                   calibration=cal_data)
@@ -144,16 +130,14 @@ def compare_axes(
         "num_attention_heads": meta.num_attention_heads,
         "num_key_value_heads": meta.num_key_value_heads,
         "head_dim": meta.head_dim,
-        "samples": measured_samples.stop - measured_samples.start,
+        "samples": n_samples,
         "tokens": meta.num_tokens,
         "storage_dtype": meta.storage_dtype,
     }
     summary = summarize(records)
     shape = (meta.num_key_value_heads, meta.num_tokens, meta.head_dim)
-    if config.formats or config.codebooks or uses_coupled(config):
-        summary["formats"] = format_info(config, *shape) + coupled_info(config, *shape)
-    if uses_coupled(config):
-        summary["coupled"] = split_note(n_samples)
+    if config.formats or config.codebooks:
+        summary["formats"] = format_info(config, *shape)
     if chain is not None:
         summary["predictors"] = predictor_info(
             meta.num_key_value_heads, meta.num_tokens, meta.head_dim)
@@ -233,8 +217,6 @@ def _check_fits(meta, config: CompareConfig) -> None:
             f"{meta.num_samples} are used (or fit on another capture: "
             "--predict-calibration)."
         )
-    for spec in coupled_specs(config) if uses_coupled(config) else ():
-        spec.check_fits(meta.head_dim)
     if "pre" in _key_stages(config) or config.codebook_pre_rope:
         if not _rope_ok(meta):
             raise InputError(
@@ -278,7 +260,7 @@ def _check_calibration(cal_meta, meta, layers) -> None:
 
 def _layer_records(layer_data, config: CompareConfig, meta, samples: slice,
                    pre: bool, chain: PredictChain | None = None,
-                   calibration=None, fit: slice | None = None) -> list[Record]:
+                   calibration=None) -> list[Record]:
     import torch
 
     q = layer_data.read("q", samples)
@@ -300,13 +282,6 @@ def _layer_records(layer_data, config: CompareConfig, meta, samples: slice,
                                        predicted):
         keys.append(key)
         variants.append(Variant(k_hat=approx) if key.tensor == "key" else Variant(v_hat=approx))
-    if fit is not None:
-        fitted_on = tuple(layer_data.read(n, fit) for n in ("q", "k", "v"))
-        for tensor, spec, approx in coupled_approximations(config, fitted_on, (q, k, v)):
-            keys.append(_VariantKey(tensor, "per-vector", spec.index_bits, spec.channels,
-                                    "post" if tensor == "key" else None, PLAIN,
-                                    coupled_record_name(spec)))
-            variants.append(Variant(k_hat=approx) if tensor == "key" else Variant(v_hat=approx))
     attrs = layer_data.attrs
     exact = None
     if config.sink_tokens:
@@ -365,7 +340,7 @@ def _approximations(q, k, v, k_pre, tables, config: CompareConfig, layout: str, 
     post-RoPE ``[B, Hkv, T, D]`` tensor attention sees, values as themselves. ``predicted``:
     the layer's reconstructions along each ``predict`` chain (``PredictChain.advance``)."""
 
-    transforms = (PLAIN, *(n for n in config.variants if n != COUPLED))
+    transforms = (PLAIN, *config.variants)
     # the same R for every layer and head: it depends only on head_dim and the seed
     rotation = (
         hadamard_rotation(k.shape[-1], config.rotation_seed, k.device)
