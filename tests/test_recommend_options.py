@@ -13,6 +13,7 @@ from test_compare import kivi_tensors
 from typer.testing import CliRunner
 
 import kvlens.recommend
+import kvlens.recommend.answer
 from kvlens.cli import app
 from kvlens.cli.recommend import CLI_READERS, ENGINES, KVLENS, readers
 from kvlens.errors import InputError, KvlensError
@@ -76,7 +77,7 @@ def test_the_command_runs_the_library_defaults(cap, monkeypatch):
         seen.append(opts)
         raise KvlensError("stopped")
 
-    monkeypatch.setattr(kvlens.recommend, "measurement", stop)
+    monkeypatch.setattr(kvlens.recommend.answer, "measurement", stop)
     res = runner.invoke(app, ["recommend", str(cap), "-b", "8"])
     assert res.exit_code == 1 and "stopped" in res.output, res.output
     assert seen == [RecommendOptions(budget_bits=8)]

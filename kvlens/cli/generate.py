@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import typer
@@ -142,6 +143,7 @@ def generate(
     given = given_options(ctx, (*READ_BY, "calibration", "overwrite"))
 
     def prepare():
+        from kvlens.deploy.settings import check_against_model
         from kvlens.report.artifacts import check_output_file
 
         configs, opts = _options(
@@ -152,7 +154,7 @@ def generate(
         _check_frontier(frontier, opts, overwrite)
         source = check_model_options(model, dtype=dtype, device=device, device_map=device_map,
                                      max_memory=max_memory, offload_folder=offload_folder)
-        _check_against_model(configs, opts, source)
+        check_against_model(configs, opts, source)
         return configs, opts
 
     configs, opts = run_library_call(prepare)
@@ -219,50 +221,32 @@ def _options(config, preset_name, compare, prompt, prompt_file, max_new_tokens, 
              backend, ppl_tokens, passkey_prompts, passkey_context, seed, eval_tokens=None,
              chunk=64, retrieval_prompts=1, retrieval_lengths=None, calibration=None,
              given=None):
-    """The configs and ``EvalOptions``, every option checked (nothing loaded). ``given``: the
-    options the user gave (name -> flag); one that no requested evaluation reads is refused."""
-    from kvlens.cache.backend import BACKENDS
-    from kvlens.config import load_config, preset, resolve
-    from kvlens.deploy import is_engine_setting
+    """The settings (``kvlens.deploy.settings.resolve_settings``) and ``EvalOptions`` (which
+    checks its values), nothing loaded. ``given``: the options the user gave (name -> flag);
+    one that no requested evaluation reads is refused."""
+    from kvlens.deploy.settings import resolve_settings
     from kvlens.errors import InputError
     from kvlens.evaluation import EvalOptions, load_eval_text, parse_evals
-    from kvlens.evaluation.frontier import setting_kind
+    from kvlens.evaluation.options import parse_lengths
 
-    if config is not None and preset_name is not None:
-        raise InputError("Give either --config FILE or --preset NAME, not both.")
     if prompt is not None and prompt_file is not None:
         raise InputError("Give either --prompt or --prompt-file, not both.")
     names = parse_evals(evals)
-    if backend not in BACKENDS:
-        raise InputError(f"Unknown --backend {backend!r}; allowed: {', '.join(BACKENDS)}.")
-    given = given or {}
-    for name, flag in given.items():
+    for name, flag in (given or {}).items():
         readers = READ_BY.get(name, ())
         if readers and not set(readers) & set(names):
             raise InputError(f"{flag} is read by --eval {' or '.join(readers)}, which is not "
                              "requested; add it to --eval or drop the option.")
-    configs = _Configs()
-    if config is not None:
-        configs.append(load_config(config))
-        configs.kinds += ("config",)
-    if preset_name is not None:
-        configs.append(configs.engine(preset_name, calibration)
-                       if is_engine_setting(preset_name) else preset(preset_name))
-        configs.kinds += (setting_kind(preset_name),)
-    if compare:
-        from kvlens.config.engine import split_setting_list
-        from kvlens.evaluation.baselines import baseline, is_baseline
-
-        items = split_setting_list(compare)
-        configs.extend(baseline(n) if is_baseline(n) else configs.engine(n, calibration)
-                       if is_engine_setting(n) else resolve(n) for n in items)
-        configs.kinds += tuple(setting_kind(n) for n in items)
-    if not configs:
-        raise InputError("Choose a cache: --preset NAME, --config FILE or --compare P1,P2,...")
-    if calibration is not None and not configs.engines:
-        raise InputError("--calibration gives the static fp8 scales of engine settings "
-                         "(vllm:, sglang:), and no engine setting is among --preset/--compare; "
-                         "add one or drop it.")
+    if config is not None and preset_name is not None:  # before any file is read
+        raise InputError("Give either --config FILE or --preset NAME, not both.")
+    opts = EvalOptions(evals=names, prompt=prompt, max_new_tokens=max_new_tokens,
+                       text=str(text) if text else None, ppl_tokens=ppl_tokens,
+                       passkey_prompts=passkey_prompts, passkey_context=passkey_context,
+                       seed=seed, backend=backend, eval_tokens=eval_tokens, chunk=chunk,
+                       retrieval_prompts=retrieval_prompts,
+                       retrieval_lengths=parse_lengths(retrieval_lengths))
+    settings = resolve_settings(config, preset_name, compare,
+                                None if calibration is None else str(calibration))
     if prompt_file is not None:
         try:
             prompt = Path(prompt_file).read_text(encoding="utf-8")
@@ -273,60 +257,7 @@ def _options(config, preset_name, compare, prompt, prompt_file, max_new_tokens, 
                          "kld,retrieval,ppl,passkey,agreement.")
     if text is not None:
         load_eval_text(str(text))  # a missing or empty --text fails now, not after the load
-    if chunk < 1:
-        raise InputError(f"--chunk must be at least 1 (1 = decode mode); got {chunk}.")
-    if eval_tokens is not None and eval_tokens < 2:
-        raise InputError(f"--eval-tokens must be at least 2 (got {eval_tokens}).")
-    if eval_tokens is not None and chunk > eval_tokens:
-        raise InputError(f"--chunk must be between 1 (decode mode) and --eval-tokens "
-                         f"({eval_tokens}); got {chunk}.")
-    lengths = None
-    if retrieval_lengths:
-        try:
-            lengths = tuple(int(x) for x in retrieval_lengths.split(",") if x.strip())
-        except ValueError:
-            raise InputError(f"--retrieval-lengths must be a comma list of integers (got "
-                             f"{retrieval_lengths!r}).") from None
-    for flag, value, low in (("--max-new-tokens", max_new_tokens, 1),
-                             ("--retrieval-prompts", retrieval_prompts, 1),
-                             ("--passkey-prompts", passkey_prompts, 1),
-                             ("--passkey-context", passkey_context, 64),
-                             ("--ppl-tokens", ppl_tokens, 40)):
-        if value < low:
-            raise InputError(f"{flag} must be at least {low} (got {value}).")
-    opts = EvalOptions(evals=names, prompt=prompt, max_new_tokens=max_new_tokens,
-                       text=str(text) if text else None, ppl_tokens=ppl_tokens,
-                       passkey_prompts=passkey_prompts, passkey_context=passkey_context,
-                       seed=seed, backend=backend, eval_tokens=eval_tokens, chunk=chunk,
-                       retrieval_prompts=retrieval_prompts, retrieval_lengths=lengths)
-    return configs, opts
-
-
-def _check_against_model(configs, opts, source) -> None:
-    """What depends on the model, checked against the shape its files declare
-    (``kvlens.model.header``) before it loads: each config's layers and heads, the retrieval
-    lengths and the kld tokens against its context. What the files do not declare is checked
-    after the load."""
-    import sys
-
-    from kvlens.config import KVConfig, validate_for
-    from kvlens.evaluation.kld import check_lengths
-    from kvlens.evaluation.needles import grid_lengths
-    from kvlens.model.header import read_header
-
-    header = read_header(source)
-    if header.complete:
-        rebuilt = {id(config) for config, _ in configs.per_model}  # built once the model loads
-        for config in configs:
-            if isinstance(config, KVConfig) and id(config) not in rebuilt:
-                validate_for(config, header)
-    limit = header.max_positions
-    if limit is None:
-        return
-    if "retrieval" in opts.evals:
-        grid_lengths(opts.retrieval_lengths, limit)
-    if "kld" in opts.evals:  # the text's length is checked once it is tokenized
-        check_lengths(sys.maxsize, opts.eval_tokens, opts.chunk, limit, "")
+    return settings, replace(opts, prompt=prompt)
 
 
 def _check_frontier(path, opts, overwrite: bool) -> None:
@@ -364,41 +295,6 @@ def _draw_frontier(front: dict, report: dict, model, path) -> None:
     write_frontier(front, path, f"{name}: {p['tokens']} tokens of "
                                 f"{p['text_source']}" + (" (interrupted: partial)"
                                                          if report["interrupted"] else ""))
-
-
-class _Configs(list):
-    """The configs to run, with the notes of the engine settings among them."""
-
-    notes: tuple[str, ...] = ()
-    kinds: tuple[str, ...] = ()  # per config, its kvlens.evaluation.frontier kind
-    engines: int = 0  # engine settings among them
-    per_model: tuple = ()  # (config, setting name) of settings that need the model's layers
-
-    def engine(self, name: str, calibration):
-        from kvlens.deploy import engine_config
-
-        setting = engine_config(name, None if calibration is None else str(calibration))
-        self.notes = (*self.notes, *setting.notes)
-        self.engines += 1
-        if setting.per_model:
-            self.per_model = (*self.per_model, (setting.config, name))
-        return setting.config
-
-    def for_model(self, num_layers: int, hybrid: bool = False) -> list[str]:
-        """Rebuild the configs of settings that depend on the model's layer count (vLLM
-        TurboQuant's boundary layers), in place; returns a line per rebuilt setting."""
-        from kvlens.deploy import engine_config
-
-        lines = []
-        for config, name in self.per_model:
-            built = engine_config(name, num_layers=num_layers, hybrid=hybrid).config
-            for i, c in enumerate(self):
-                if c is config:
-                    self[i] = built
-            exact = ", ".join(map(str, sorted(built.layers))) or "none"
-            lines.append(f"{name}: layers kept exact for this {num_layers}-layer model: {exact}")
-        self.per_model = ()
-        return lines
 
 
 def _render(results, opts) -> None:

@@ -40,9 +40,9 @@ from kvlens.cli.common import (
     run_library_call,
     write_config_doc,
     write_output,
+    write_text_output,
 )
 
-VALIDATE_PRESETS = ("kivi-2", "kivi-4", "per-token-4")
 RESEARCH = "Research levers (not defaults)"
 KVLENS, ENGINES = "kvlens", "engine"
 #: Who reads the command's parameters that are not a field of ``RecommendOptions`` or
@@ -193,7 +193,7 @@ def recommend(
     validate: bool = typer.Option(False, "--validate", rich_help_panel=VALIDATION,
                                   help="Measure the result against the exact model on "
                                        "held-out text (KL divergence, top-1, perplexity, "
-                                       f"with intervals), beside {', '.join(VALIDATE_PRESETS)}."),
+                                       "with intervals), beside kivi-2, kivi-4, per-token-4."),
     eval_tokens: int = typer.Option(None, "--eval-tokens", min=2, rich_help_panel=VALIDATION,
                                     help="Held-out tokens scored by --validate and --max-kld "
                                          "(at most the model's context)."),
@@ -228,240 +228,136 @@ def recommend(
       kvlens recommend run.h5 -b 2.5 --set codebooks=on
 
     Every option given is used or refused before any measurement starts."""
-    from kvlens.research import RECOMMEND, TARGET, parse_settings
-
-    settings = list(settings or [])
+    from kvlens.deploy.answer import RecommendRequest, recommend_run
     from kvlens.deploy.targets import canonical_target
+    from kvlens.research import RECOMMEND, TARGET, parse_settings
 
     target = run_library_call(lambda: canonical_target(target))  # llamacpp, VLLM...
     engine = target != "kvlens"
-    params = [p.name for p in ctx.command.params]
-    given = given_options(ctx, params)
-    levers = run_library_call(lambda: parse_settings(settings))
-    fields = {p: ctx.params[p] for p in given if KVLENS in readers(p) and p not in CLI_READERS}
-
-    budget_list = run_library_call(lambda: _budget_list(budgets, output, budget_bits, max_kld,
-                                                        engine))
+    given = given_options(ctx, [p.name for p in ctx.command.params])
+    levers = run_library_call(lambda: parse_settings(list(settings or [])))
+    budget_list = run_library_call(lambda: _budgets(budgets, output, budget_bits, max_kld,
+                                                    engine))
     outputs = [] if output is None else [_output_for(output, b) for b in budget_list] \
         if budget_list else [output]
-
-    def check_common() -> None:
-        """The checks both paths share, cheapest first: option combinations, the output
-        files, the capture, the model and its placement."""
-        from kvlens.capture.store import open_capture
-        from kvlens.model.placement import make_placement
-        from kvlens.report.artifacts import check_output_file, config_doc_path
-
-        _check_combinations(target, given, levers, validate=validate, max_kld=max_kld,
-                            thorough=thorough)
-        for out in outputs:
-            check_output_file(out, "--output", overwrite, example="kv.json")
-            kind = "deploy" if engine else "recommend"
-            check_output_file(config_doc_path(out, kind), "--output", overwrite)
-            if target in ("vllm", "sglang"):
-                check_output_file(output.parent / "kv_scales.json", "--output", overwrite)
-        with open_capture(capture):
-            pass  # a missing, foreign or incomplete capture fails here, before any work
-        if model is not None:
-            check_model_options(model, **({"dtype": dtype} if dtype else {}), device="cpu",
-                                device_map=device_map, max_memory=max_memory,
-                                offload_folder=offload_folder)
-        else:
-            from kvlens.model.load import parse_dtype
-
-            if dtype:
-                parse_dtype(dtype)
-            make_placement(device_map, max_memory,
-                           str(offload_folder) if offload_folder else None)
-
-    run_library_call(check_common)
+    run_library_call(lambda: _check_common(
+        capture, target, given, levers, outputs, overwrite, validate=validate, max_kld=max_kld,
+        thorough=thorough, model=model, dtype=dtype, device_map=device_map,
+        max_memory=max_memory, offload_folder=offload_folder))
     place = {"device_map": device_map, "max_memory": max_memory,
              "offload_folder": str(offload_folder) if offload_folder else None} | (
         {"dtype": dtype} if dtype else {})
-    if engine:
-        from kvlens.cli.targets import run_target
-
-        target_fields = {p: ctx.params[p] for p in given if ENGINES in readers(p)
-                         and p not in CLI_READERS}
-        run_target(capture, {"target": target, **target_fields, **levers[TARGET]}, place=place,
-                   output=output, validate=validate, eval_tokens=eval_tokens, as_json=as_json)
-        return
-
-    def prepare():
-        from kvlens.recommend import RecommendOptions, check
-
-        values = dict(fields) | {k: v for k, v in place.items() if k in given}
+    owner, lever_owner = (ENGINES, TARGET) if engine else (KVLENS, RECOMMEND)
+    values = {p: ctx.params[p] for p in given if owner in readers(p) and p not in CLI_READERS}
+    if not engine:
+        values |= {k: v for k, v in place.items() if k in given}
         if "windows" in values:
-            values["windows"] = _ints(windows, "--windows")
+            values["windows"] = run_library_call(lambda: _ints(windows, "--windows"))
         # the measurement does not read the budget: --budgets and --max-kld allocate later
         values["budget_bits"] = budget_bits or min(budget_list, default=16.0)
-        values |= {f: True for f in THOROUGH_FIELDS if thorough} | levers[RECOMMEND]
-        opts = RecommendOptions(**values)
-        check(capture, opts)
-        if tokens is not None:
-            _check_tokens(capture, tokens)
-        return opts
+        values |= {f: True for f in THOROUGH_FIELDS if thorough}
+    request = RecommendRequest(
+        capture, target, values | levers[lever_owner], tuple(budget_list), max_kld, validate,
+        eval_tokens, retrieval_prompts, tokens, model, place, remeasure, tuple(outputs))
+    with progress_bar("measuring engine cache types" if engine else "measuring candidates") \
+            as update:
+        answer = run_library_call(lambda: recommend_run(
+            request, save=_save_engine if engine else _save_config, progress=update,
+            log=lambda msg: err_console.print(escape(msg), highlight=False)))
+    if engine:
+        from kvlens.cli.targets import show_target
 
-    opts = run_library_call(prepare)
-    measured, predicted = _measure(capture, opts, remeasure)
-    loaded = _ModelOnce(capture, model, place | {"dtype": opts.dtype})
-    search = None
-    if max_kld is not None:
-        search = _search(measured, opts, max_kld, loaded, eval_tokens)
-        recs = [search.chosen]
-    else:
-        recs = [_choose(measured, opts, b, len(budget_list) > 1) for b in
-                (budget_list or [opts.budget_bits])]
-    for rec in recs:
-        rec.predicted = predicted
-    for rec, out in zip(recs, outputs):
-        from kvlens.config import save_config
-
-        run_library_call(lambda r=rec, o=out: write_output(o, lambda tmp: save_config(r.config,
-                                                                                      tmp)))
-        err_console.print(f"config written: {escape(str(out))}")
-    validation = None
-    if validate:
-        from kvlens.recommend.profile import profiling, stage
-
-        with profiling(recs[0].profile), stage("validation"):
-            validation = run_library_call(lambda: _validate([r.config for r in recs], loaded,
-                                                            eval_tokens, retrieval_prompts))
-    _print_profile(recs[0].profile, predicted)
-    docs = []
-    for rec, out in zip(recs, outputs or [None] * len(recs)):
-        doc = rec.to_dict()
-        doc["deploy"] = {"target": "kvlens", "command": "kvlens generate --config "
-                         f"{out or 'kv.json'} --prompt ...", "config": str(out) if out else None}
-        if search is not None:
-            doc["search"] = search.to_dict()
-        if validation is not None:
-            doc["validation"] = validation["results"]
-            doc["validation_evaluation"] = validation["evaluation"]
-        if out is not None:
-            data = run_library_call(lambda d=doc, o=out: write_config_doc("recommend", d, o))
-            err_console.print(f"results for `kvlens report` written: {escape(str(data))}")
-        docs.append(doc)
+        show_target(answer, output, as_json)
+        return
+    _print_profile(answer.recommendations[0].profile, answer.predicted)
+    for doc, out in zip(answer.documents, outputs):
+        data = run_library_call(lambda d=doc, o=out: write_config_doc("recommend", d, o))
+        err_console.print(f"results for `kvlens report` written: {escape(str(data))}")
     if as_json:
+        docs = answer.documents
         print_json(docs[0] if len(docs) == 1 else {"recommendations": docs})
         return
-    if search is not None:
-        _render_search(search)
-    if len(recs) > 1:
-        _render_budgets(recs)
+    if answer.search is not None:
+        _render_search(answer.search)
+    if len(answer.recommendations) > 1:
+        _render_budgets(answer.recommendations)
     else:
-        _render(recs[0])
-    if validation is not None:
+        _render(answer.recommendations[0])
+    if answer.validation is not None:
         from kvlens.cli.generate import _render_long
 
-        _render_long(validation)
+        _render_long(answer.validation)
 
 
-def _budget_list(spec: str | None, output, budget_bits, max_kld, engine: bool) -> list[float]:
-    """``--budgets`` as numbers (empty when not given), and the one-mode rule of the
-    per-layer target: exactly one of --budget-bits, --budgets and --max-kld."""
+def _budgets(spec: str | None, output, budget_bits, max_kld, engine: bool) -> list[float]:
+    """``kvlens.recommend.answer.budget_list`` (the per-layer target's one-mode rule); an
+    engine target runs one setting per engine."""
     from kvlens.errors import InputError
+    from kvlens.recommend.answer import budget_list
 
     if engine:
         if spec is not None:
             raise InputError("--budgets: not used by an engine target (one setting per "
                              "engine); give --budget-bits or --max-kld.")
         return []
-    given = [flag for flag, v in (("--budget-bits", budget_bits), ("--budgets", spec),
-                                  ("--max-kld", max_kld)) if v is not None]
-    if len(given) != 1:
-        raise InputError("--target kvlens takes one of --budget-bits B (one config), --budgets "
-                         "B1,B2,... (one config each) and --max-kld X (the smallest budget "
-                         "whose config's measured KLD is at most X)"
-                         + (f"; got {' and '.join(given)}." if given else "."))
-    if spec is None:
-        return []
-    try:
-        values = sorted({float(x) for x in spec.split(",") if x.strip()})
-    except ValueError:
-        raise InputError(f"Invalid --budgets {spec!r}; expected a comma list of bit "
-                         "budgets, e.g. 2.5,3,4.") from None
-    if not values or any(not 0 < v <= 16 for v in values):
-        raise InputError(f"--budgets {spec}: each budget must be in (0, 16].")
-    if output is None and len(values) > 1:
-        raise InputError("--budgets writes one config per budget: give --output (the configs "
-                         "are named NAME-<B>b.json beside it).")
-    return values
+    return budget_list(spec, budget_bits, max_kld, output)
 
 
 def _output_for(output: Path, budget: float) -> Path:
-    """Where ``--budgets`` writes the config of ``budget``: ``kv.json`` -> ``kv-2.5b.json``."""
-    return output.with_name(f"{output.stem}-{budget:g}b{output.suffix}")
+    from kvlens.recommend.answer import output_for
+
+    return output_for(output, budget)
 
 
-class _ModelOnce:
-    """The model ``--max-kld`` and ``--validate`` score on, loaded once when first needed:
-    ``--model`` or the capture's own, placed as asked."""
+def _check_common(capture, target, given, levers, outputs, overwrite, *, validate, max_kld,
+                  thorough, model, dtype, device_map, max_memory, offload_folder) -> None:
+    """The checks both targets share, cheapest first: option combinations, the output files,
+    the capture, the model and its placement."""
+    from kvlens.capture.store import open_capture
+    from kvlens.model.load import parse_dtype
+    from kvlens.model.placement import make_placement
+    from kvlens.report.artifacts import check_output_file, config_doc_path
 
-    def __init__(self, capture: Path, model: str | None, place: dict):
-        self.capture, self.model, self.place, self.loaded = capture, model, place, None
-
-    def spec(self) -> str | None:
-        from kvlens.capture.store import open_capture
-        from kvlens.recommend import model_spec_from_capture
-
-        if self.model:
-            return self.model
-        with open_capture(self.capture) as cap:
-            return model_spec_from_capture(cap.meta)
-
-    def get(self):
-        """``(model, tokenizer)``."""
-        if self.loaded is None:
-            from kvlens.errors import InputError
-            from kvlens.model.load import load_model
-
-            spec = self.spec()
-            if spec is None:
-                raise InputError(f"{self.capture} does not say which model it came from; pass "
-                                 "--model.")
-            err_console.print(f"Loading {escape(spec)} for the held-out scoring ...")
-            mdl, tok, _ = load_model(spec, **self.place)
-            self.loaded = (mdl, tok)
-        return self.loaded
+    _check_combinations(target, given, levers, validate=validate, max_kld=max_kld,
+                        thorough=thorough)
+    engine = target != "kvlens"
+    for out in outputs:
+        check_output_file(out, "--output", overwrite, example="kv.json")
+        check_output_file(config_doc_path(out, "deploy" if engine else "recommend"), "--output",
+                          overwrite)
+        if target in ("vllm", "sglang"):
+            check_output_file(out.parent / "kv_scales.json", "--output", overwrite)
+    with open_capture(capture):
+        pass  # a missing, foreign or incomplete capture fails here, before any work
+    if model is not None:
+        check_model_options(model, **({"dtype": dtype} if dtype else {}), device="cpu",
+                            device_map=device_map, max_memory=max_memory,
+                            offload_folder=offload_folder)
+        return
+    if dtype:
+        parse_dtype(dtype)
+    make_placement(device_map, max_memory, str(offload_folder) if offload_folder else None)
 
 
-def _measure(capture: Path, opts, remeasure: bool):
-    """``kvlens.recommend.measurement`` with a progress bar, its messages on stderr."""
-    from kvlens.recommend import measurement
+def _save_config(rec, out: Path) -> None:
+    """Write a per-layer recommendation's config as soon as it is chosen."""
+    from kvlens.config import save_config
 
-    with progress_bar("measuring candidates") as update:
-        return run_library_call(lambda: measurement(
-            capture, opts, update, remeasure=remeasure,
-            log=lambda msg: err_console.print(escape(msg), highlight=False)))
+    write_output(out, lambda tmp: save_config(rec.config, tmp))
+    err_console.print(f"config written: {escape(str(out))}")
 
 
-def _choose(measured, opts, budget: float, named: bool):
-    """The recommendation at ``budget`` (``named``: its config named NAME-<B>b)."""
-    from dataclasses import replace
+def _save_engine(rec, out: Path) -> None:
+    """Write an engine target's config and its scale files (``kv_scales.json``) beside it."""
+    from kvlens.config import save_config
 
-    from kvlens.recommend import choose
-
-    changes = {"budget_bits": budget} | ({"name": f"{opts.name}-{budget:g}b"} if named else {})
-    return run_library_call(lambda: choose(measured, replace(opts, **changes)))
-
-
-def _search(measured, opts, max_kld: float, loaded: _ModelOnce, eval_tokens):
-    """``kvlens.recommend.search_budget`` scored on the loaded model, its steps on stderr."""
-    from kvlens.recommend import kld_scorer, search_budget
-    from kvlens.recommend.profile import Profile, profiling, stage
-
-    def run():
-        searched = Profile()
-        with profiling(searched), stage("budget search"):
-            mdl, tok = loaded.get()
-            say = lambda msg: err_console.print(f"  {escape(msg)}", highlight=False)  # noqa: E731
-            found = search_budget(measured, opts, max_kld, kld_scorer(mdl, tok, eval_tokens),
-                                  log=say)
-        found.chosen.profile.merge(searched)  # the steps' allocations and KLD runs
-        return found
-
-    return run_library_call(run)
+    write_output(out, lambda tmp: save_config(rec.chosen.config, tmp))
+    written = [str(out)]
+    for name, text in rec.files.items():
+        write_text_output(out.parent / name, text)
+        written.append(str(out.parent / name))
+    for w in written:
+        err_console.print(f"written: {escape(w)}")
 
 
 def _render_search(search) -> None:
@@ -490,18 +386,6 @@ def _render_budgets(recs) -> None:
         t.add_row(escape(rec.config.name), f"{rec.budget_bits:g}", f"{rec.mean_bits:.3f}",
                   f"{rec.expected_output_error:.4f}")
     console.print(t)
-
-
-def _check_tokens(capture: Path, tokens: int) -> None:
-    """``--tokens`` beyond the capture's samples would be cut short without a word: refuse."""
-    from kvlens.capture.store import open_capture
-    from kvlens.errors import InputError
-
-    with open_capture(capture) as cap:
-        n = cap.meta.num_tokens
-    if tokens > n:
-        raise InputError(f"--tokens {tokens}: {capture} holds {n} tokens per sample; give at "
-                         f"most {n} (or omit it).")
 
 
 def _print_profile(profile, predicted) -> None:
@@ -590,36 +474,6 @@ def _check_combinations(target: str, given: dict[str, str], levers: dict[str, di
     if loaders and not needs_model:
         raise InputError(f"{loaders}: no model is loaded here (only with {why}); drop "
                          f"{them(('model',) + PLACEMENT)}.")
-
-
-def _validate(configs: list, loaded: _ModelOnce, eval_tokens: int | None,
-              retrieval_prompts: int):
-    """The recommendation(s) and the presets, scored against the exact model on the held-out
-    text (``kvlens.evaluation``: nothing `recommend` calibrates on)."""
-    from kvlens.config import preset, validate_for
-    from kvlens.errors import ConfigError
-    from kvlens.evaluation import EvalOptions, evaluate_configs
-    from kvlens.model.architecture import describe
-
-    mdl, tok = loaded.get()
-    err_console.print(f"Validating on {escape(loaded.spec() or 'the capture model')} ...")
-    shape = describe(mdl)
-    for config in configs:
-        validate_for(config, shape)
-    configs = list(configs)
-    for name in VALIDATE_PRESETS:
-        try:
-            validate_for(preset(name), shape)
-        except ConfigError as exc:  # e.g. G=32 presets on a head_dim-16 model
-            err_console.print(f"  skipping preset {name}: {escape(str(exc))}")
-            continue
-        configs.append(preset(name))
-    evals = ("kld", "retrieval") if retrieval_prompts else ("kld",)
-    opts = EvalOptions(evals=evals, eval_tokens=eval_tokens,
-                       retrieval_prompts=max(retrieval_prompts, 1), retrieval_lengths=(1024,))
-    report = evaluate_configs(mdl, tok, configs, opts,
-                              progress=lambda msg: err_console.print(f"  {escape(msg)}"))
-    return {**report, "options": opts}
 
 
 def _render(rec) -> None:

@@ -1,10 +1,12 @@
 """What ``kvlens generate --eval`` runs: the evaluation names (``EVALS``), their options
-(``EvalOptions``) and the parser of ``--eval`` lists, checked before any model loads."""
+(``EvalOptions``, which checks its own values) and the parser of ``--eval`` lists, all checked
+before any model loads."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvlens.cache.backend import BACKENDS
 from kvlens.errors import InputError
 
 EVALS = ("ppl", "passkey", "agreement", "kld", "retrieval")
@@ -29,6 +31,29 @@ class EvalOptions:
     retrieval_lengths: tuple[int, ...] | None = None  # None: 1k, 2k, 4k that fit the model
     retrieval_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
 
+    def __post_init__(self) -> None:
+        bad = [n for n in self.evals if n not in EVALS]
+        if bad:
+            raise InputError(f"Unknown evaluation(s) {', '.join(bad)}; allowed: "
+                             f"{', '.join(EVALS)}.")
+        if self.backend not in BACKENDS:
+            raise InputError(f"Unknown --backend {self.backend!r}; allowed: "
+                             f"{', '.join(BACKENDS)}.")
+        if self.chunk < 1:
+            raise InputError(f"--chunk must be at least 1 (1 = decode mode); got {self.chunk}.")
+        if self.eval_tokens is not None and self.eval_tokens < 2:
+            raise InputError(f"--eval-tokens must be at least 2 (got {self.eval_tokens}).")
+        if self.eval_tokens is not None and self.chunk > self.eval_tokens:
+            raise InputError(f"--chunk must be between 1 (decode mode) and --eval-tokens "
+                             f"({self.eval_tokens}); got {self.chunk}.")
+        for flag, value, low in (("--max-new-tokens", self.max_new_tokens, 1),
+                                 ("--retrieval-prompts", self.retrieval_prompts, 1),
+                                 ("--passkey-prompts", self.passkey_prompts, 1),
+                                 ("--passkey-context", self.passkey_context, 64),
+                                 ("--ppl-tokens", self.ppl_tokens, 40)):
+            if value < low:
+                raise InputError(f"{flag} must be at least {low} (got {value}).")
+
 
 def parse_evals(spec: str | None) -> tuple[str, ...]:
     if not spec:
@@ -38,3 +63,14 @@ def parse_evals(spec: str | None) -> tuple[str, ...]:
     if bad:
         raise InputError(f"Unknown evaluation(s) {', '.join(bad)}; allowed: {', '.join(EVALS)}.")
     return names
+
+
+def parse_lengths(spec: str | None) -> tuple[int, ...] | None:
+    """A ``--retrieval-lengths`` comma list (``None``: not given)."""
+    if not spec:
+        return None
+    try:
+        return tuple(int(x) for x in spec.split(",") if x.strip())
+    except ValueError:
+        raise InputError(f"--retrieval-lengths must be a comma list of integers (got "
+                         f"{spec!r}).") from None
