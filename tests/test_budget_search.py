@@ -118,3 +118,28 @@ def test_recommend_runs_its_model_stages_in_the_dtype_asked(tiny_model_dir, tmp_
     assert docs["bfloat16"]["layer_weights"] != docs["float32"]["layer_weights"]
     res = runner.invoke(app, ["recommend", str(cap), "-b", "6", "--dtype", "float8"])
     assert res.exit_code == 1 and "Unknown dtype 'float8'" in res.output
+
+
+def test_the_library_call_behind_the_command_answers_both_targets(tmp_path):
+    """``kvlens.deploy.answer.recommend_run`` as docs/recommend.md shows it: several budgets
+    from one measurement (each config saved as soon as it is chosen), and an engine target."""
+    from kvlens.deploy.answer import EngineAnswer, RecommendRequest, recommend_run
+    from kvlens.recommend.answer import LayerAnswer
+
+    path = _planted_capture(tmp_path / "p.h5")
+    levers = {"group_sizes": (32,), "bits": (2, 4), "windows": (32,), "retrieval": "off",
+              "sensitivity": "uniform"}
+    outputs = (tmp_path / "kv-4b.json", tmp_path / "kv-8b.json")
+    saved = []
+    answer = recommend_run(
+        RecommendRequest(path, options={"budget_bits": 8.0, **levers}, budgets=(4.0, 8.0),
+                         outputs=outputs),
+        save=lambda rec, out: saved.append((rec.config.name, out)))
+    assert isinstance(answer, LayerAnswer) and len(answer.recommendations) == 2
+    assert saved == [("recommended-4b", outputs[0]), ("recommended-8b", outputs[1])]
+    low, high = answer.recommendations
+    assert low.mean_bits <= 4.0 < high.mean_bits <= 8.0
+    assert [d["deploy"]["config"] for d in answer.documents] == [str(o) for o in outputs]
+    engine = recommend_run(RecommendRequest(path, "llama.cpp", options={"budget_bits": 16.0}))
+    assert isinstance(engine, EngineAnswer)
+    assert engine.document["deploy"]["command"].startswith("llama-server")

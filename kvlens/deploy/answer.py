@@ -116,7 +116,7 @@ def _engine(request: RecommendRequest, save, progress, say: LogFn) -> EngineAnsw
         if request.eval_tokens is None:  # the default, capped by the model's context
             opts = replace(opts, eval_tokens=min(opts.eval_tokens,
                                                  max_positions(mdl) or opts.eval_tokens))
-    rec = recommend_target(request.capture, opts, progress=progress,
+    rec = recommend_target(request.capture, opts, progress=progress or (lambda *_: None),
                            log=lambda m: say(f"  {m}"),
                            model_bundle=load() if opts.max_kld is not None else None)
     if save is not None and request.outputs:
