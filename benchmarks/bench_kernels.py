@@ -134,7 +134,7 @@ def _codebook_store(torch, name, b, hkv, t, d, bits):
     from kvlens.quant import CodebookSpec
 
     spec = CodebookSpec(bits, CODEBOOKS[name], None, renormalize=True)
-    st = CodebookStore.for_cache(spec, None, d, BLOCK)
+    st = CodebookStore.for_cache(spec, d, BLOCK)
     st.append(torch.randn(b, hkv, t, d, device="cuda"))
     return st, {f"{name}_codes": st.packed, f"{name}_scale": st.norms, f"{name}_zero": None,
                 f"{name}_bits": bits, f"{name}_group": None, f"{name}_layout": "codebook",

@@ -121,8 +121,7 @@ ROWS = [
     # compare-axes and plot-outliers options and outputs
     ("compare-axes {cap} --group-sizes 48", "does not divide head_dim 16", 1),
     ("compare-axes {cap} --bits 9", "Invalid bits 9", 1),
-    ("compare-axes {cap} --group-sizes 8 --samples 1 --variants predict", "at least 2 samples",
-     1),
+    ("compare-axes {cap} --group-sizes 8 --variants center", "Unknown variant 'center'", 1),
     ("compare-axes {cap} --plots {compare}", "already holds compare-axes.json", 1),
     ("compare-axes {cap} --plots {exists_json}", "is not a directory", 1),
     ("plot-outliers {cap} --out {outliers}", "already holds outliers.json", 1),
@@ -179,13 +178,14 @@ ROWS = [
     ("recommend {cap} -b 3 --windows 0", "Window sizes [0] are not allowed", 1),
     # recommend: the research door (--set)
     ("recommend {cap} -b 3 --set bogus=1", "unknown lever 'bogus'", 1),
-    ("recommend {cap} -b 3 --set codebok=on", "did you mean codebooks", 1),
-    ("recommend {cap} -b 3 --set codebooks", "expected NAME=VALUE", 1),
-    ("recommend {cap} -b 3 --set codebooks=maybe", "expected on|off", 1),
+    ("recommend {cap} -b 3 --set codebooks=on", "unknown lever 'codebooks'", 1),  # removed
+    ("recommend {cap} -b 3 --set gera=on", "did you mean gear", 1),
+    ("recommend {cap} -b 3 --set gear", "expected NAME=VALUE", 1),
+    ("recommend {cap} -b 3 --set gear=maybe", "expected on|off", 1),
     ("recommend {cap} -b 3 --set bits=2,x", "expected int,...", 1),
     ("recommend {cap} -b 3 --set flush=8 --set flush=16", "given twice", 1),
-    ("recommend {cap} --target vllm -b 9 --set codebooks=on",
-     "--set codebooks: not used by --target vllm", 1),
+    ("recommend {cap} --target vllm -b 9 --set gear=on",
+     "--set gear: not used by --target vllm", 1),
     ("recommend {cap} -b 3 --thorough --target vllm", "--thorough: not used by --target", 1),
     # generate: presets, configs, texts, outputs, the model's options
     ("generate --preset kivi-9 --prompt x", "Unknown preset 'kivi-9'", 1),

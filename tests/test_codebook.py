@@ -1,5 +1,5 @@
-"""Codebook quantization (kvlens.quant.codebook): Lloyd-Max against known answers, fitted and
-query-weighted codebooks on planted data, per-vector norms, packing and the byte count."""
+"""Codebook quantization (kvlens.quant.codebook, vLLM TurboQuant's keys): Lloyd-Max against known
+answers, per-vector norms, packing and the byte count."""
 
 from __future__ import annotations
 
@@ -14,15 +14,12 @@ from kvlens.quant.codebook import (
     Codebook,
     CodebookSpec,
     CodebookTensor,
-    codebook_for,
     computed_codebook,
     dequantize_codebook,
     fake_quantize_codebook,
-    fit_codebook,
     lloyd_max,
     normalized_coordinates,
     quantize_codebook,
-    query_channel_weights,
     sphere_coordinate_density,
 )
 from kvlens.quant.packing import packed_length
@@ -60,13 +57,14 @@ def test_lloyd_max_normal_is_the_gaussian_codebook_for_every_head_dim(head_dim):
     differs from the sphere-density ``"lloyd-max"`` codebook, most at small ``D``."""
     spec = CodebookSpec(3, "lloyd-max-normal")
     book = computed_codebook(spec, head_dim)
-    assert not spec.fitted and spec.held_bytes(10, head_dim) == 10 * (3 * head_dim // 8 + 2)
+    assert spec.held_bytes(10, head_dim) == 10 * (3 * head_dim // 8 + 2)
     assert book.centroids[4:].tolist() == pytest.approx(MAX_TABLE[3][0], abs=2e-3)
     sphere = computed_codebook(CodebookSpec(3), head_dim).centroids
     assert float((sphere - book.centroids).abs().max()) > 1e-3  # not the same codebook
-    assert codebook_for(torch.randn(1, 1, 4, head_dim), spec) is book
-    with pytest.raises(InputError, match="fitted on data"):
-        computed_codebook(CodebookSpec(3, "fitted"), head_dim)
+    assert computed_codebook(spec, head_dim) is book  # computed once per process
+    x = torch.randn(1, 1, 4, head_dim)
+    assert torch.equal(fake_quantize_codebook(x, spec),
+                       dequantize_codebook(quantize_codebook(x, spec, book)))
 
 
 @pytest.mark.parametrize("bits,head_dim", [(2, 64), (3, 64), (3, 256), (4, 16)])
@@ -100,34 +98,6 @@ def test_lloyd_max_beats_best_uniform_grid(bits):
         for step in torch.linspace(0.05, 2.5, 500).tolist()
     )
     assert mse(lloyd_max(bits, head_dim)) < best_uniform
-
-
-def test_fit_codebook_recovers_planted_clusters():
-    gen = torch.Generator().manual_seed(0)
-    centers = torch.tensor([-3.0, -1.0, 0.5, 2.0])
-    z = centers[torch.randint(0, 4, (40_000,), generator=gen)]
-    z = z + 0.01 * torch.randn(z.shape, generator=gen)
-    cb = fit_codebook(z, 2)
-    torch.testing.assert_close(cb.centroids, centers, atol=5e-3, rtol=0)
-    assert cb.centroids.dtype == torch.float32
-    assert torch.equal(cb.centroids, cb.centroids.half().float())  # stored as float16
-
-
-def test_fit_codebook_weights_pull_centroids():
-    # Three clusters at 1 bit: unweighted, -1 and 1 share a centroid (0) and 4 has its own;
-    # zero weight on the cluster at 4 removes it and -1, 1 get one centroid each.
-    z = torch.tensor([-1.0] * 100 + [1.0] * 100 + [4.0] * 100)
-    w = torch.tensor([1.0] * 200 + [0.0] * 100)
-    assert fit_codebook(z, 1, w).centroids.tolist() == pytest.approx([-1.0, 1.0], abs=1e-3)
-    assert fit_codebook(z, 1).centroids.tolist() == pytest.approx([0.0, 4.0], abs=1e-2)
-
-
-def test_fit_on_rotated_gaussian_lands_near_lloyd_max():
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 3, 2000, 64, generator=gen)
-    spec = CodebookSpec(3, "fitted")
-    fitted = codebook_for(x, spec)
-    torch.testing.assert_close(fitted.centroids, lloyd_max(3, 64).centroids, atol=0.03, rtol=0)
 
 
 def test_norms_and_coordinates():
@@ -178,40 +148,6 @@ def test_codebook_beats_uniform_per_token_on_gaussian_vectors():
         fake_quantize(x, QuantSpec(3, "per-token", 32)))
 
 
-def test_query_weights_follow_query_energy():
-    gen = torch.Generator().manual_seed(6)
-    spec = CodebookSpec(2, "weighted", rotation=None)
-    q = torch.randn(1, 4, 100, 8, generator=gen)
-    q[:, 2:, :, 3] *= 10  # query heads 2, 3 read KV head 1
-    w = query_channel_weights(q, 2, spec)
-    assert w.shape == (2, 8)
-    torch.testing.assert_close(w.mean(-1), torch.ones(2))
-    assert int(w[1].argmax()) == 3 and float(w[1, 3]) > 5 and float(w[0].max()) < 2
-
-
-def test_weighted_fit_lowers_score_error_when_queries_favour_channels():
-    # Keys whose large-|z| coordinates sit in channels the queries read: the weighted codebook
-    # spends its levels there and the score error drops against the plain fitted one.
-    gen = torch.Generator().manual_seed(7)
-    d = 16
-    k = torch.randn(1, 1, 3000, d, generator=gen)
-    k[..., :4] *= 4
-    q = torch.randn(1, 2, 3000, d, generator=gen) * 0.1
-    q[..., 4:] *= 30
-    err = {}
-    for kind in ("fitted", "weighted"):
-        spec = CodebookSpec(2, kind, rotation=None)
-        kh = fake_quantize_codebook(k, spec, q=q)
-        s, sh = q @ k.transpose(-1, -2), q @ kh.transpose(-1, -2)
-        err[kind] = float((s - sh).norm() / s.norm())
-    assert err["weighted"] < 0.9 * err["fitted"]
-
-
-def test_weighted_needs_queries():
-    with pytest.raises(InputError, match="queries"):
-        codebook_for(torch.randn(1, 1, 4, 8), CodebookSpec(2, "weighted"))
-
-
 @pytest.mark.parametrize("bits,head_dim", [(3, 64), (3, 24), (2, 10), (4, 256), (5, 6)])
 def test_packing_round_trip_on_odd_shapes(bits, head_dim):
     gen = torch.Generator().manual_seed(bits)
@@ -230,10 +166,7 @@ def test_held_bytes_and_bits_per_element():
     lm = CodebookSpec(3)
     assert lm.held_bytes(10, 64) == 10 * (24 + 2)
     assert lm.bits_per_element(10, 64) == pytest.approx(3 + 16 / 64)
-    fitted = CodebookSpec(3, "fitted")
-    assert fitted.held_bytes(10, 64, codebooks=2) == 10 * 26 + 2 * 8 * 2
-    n = 3 * 512  # vectors of one layer's keys (3 KV heads x 512 tokens)
-    assert fitted.bits_per_element(n, 64) == pytest.approx(3 + 0.25 + 8 * 16 / (n * 64))
+    assert CodebookSpec(3, "lloyd-max-normal").held_bytes(10, 64) == lm.held_bytes(10, 64)
     # the stored bytes equal what the packed tensor and norms actually occupy
     x = torch.randn(1, 3, 11, 64)
     qt = quantize_codebook(x, lm, lloyd_max(3, 64))
@@ -242,16 +175,17 @@ def test_held_bytes_and_bits_per_element():
 
 
 def test_spec_validation_and_json():
-    spec = CodebookSpec(3, "weighted", RotationSpec(seed=2), renormalize=True)
+    spec = CodebookSpec(3, "lloyd-max-normal", RotationSpec(seed=2), renormalize=True)
     assert CodebookSpec.from_dict(spec.to_dict()) == spec
     assert CodebookSpec.from_dict(CodebookSpec(2, rotation=None).to_dict()).rotation is None
-    assert spec.label == "3b codebook weighted hadamard seed 2 renorm"
+    assert spec.label == "3b codebook lloyd-max-normal hadamard seed 2 renorm"
     with pytest.raises(ConfigError, match="allowed: integers 1-8"):
         CodebookSpec(9)
     with pytest.raises(ConfigError, match="allowed: integers 1-8"):
         CodebookSpec(True)
-    with pytest.raises(ConfigError, match="allowed: lloyd-max, lloyd-max-normal, fitted, weighted"):
-        CodebookSpec(3, "kmeans")
+    for removed in ("kmeans", "fitted", "weighted"):  # fitted codebooks: removed (issue #57)
+        with pytest.raises(ConfigError, match="allowed: lloyd-max, lloyd-max-normal[.]$"):
+            CodebookSpec(3, removed)
     with pytest.raises(ConfigError, match="RotationSpec or None"):
         CodebookSpec(3, rotation="hadamard")
     with pytest.raises(ConfigError, match="Unknown codebook spec keys"):
@@ -259,7 +193,7 @@ def test_spec_validation_and_json():
     with pytest.raises(ConfigError, match="version"):
         CodebookSpec.from_dict({"version": 9, "bits": 3})
     with pytest.raises(ConfigError, match="missing 'bits'"):
-        CodebookSpec.from_dict({"codebook": "fitted"})
+        CodebookSpec.from_dict({"codebook": "lloyd-max"})
 
 
 def test_bad_inputs():

@@ -445,103 +445,21 @@ def test_is_int_bounds_and_bools():
     assert not is_int(True, 0) and not is_int(1.0, 0) and not is_int("3", 0) and not is_int(None, 0)
 
 
-# -- key centering and codebooks ----------------------------------------------------------
+# -- removed variants and the pre stage's RoPE ------------------------------------------------
 
 
-def _offset_keys(seed=0, t=T):
-    """Keys with a large constant vector per KV head (the structure centering removes)."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(S, HQ, t, D, generator=g)
-    k = torch.randn(S, HKV, t, D, generator=g) + 6 * torch.randn(HKV, D, generator=g)[:, None, :]
-    v = torch.randn(S, HKV, t, D, generator=g)
-    return q, k, v
+@pytest.mark.parametrize("variant", ["center", "predict"])
+def test_removed_variants_are_unknown(variant):
+    """Key centring and cross-layer prediction were removed (issue #57, negative results):
+    asking for them lists the variants that remain."""
+    with pytest.raises(ConfigError, match=rf"Unknown variant '{variant}'; allowed: balancer, "
+                                          "outliers, lowrank, rotate"):
+        CompareConfig(variants=(variant,))
 
 
-def test_center_variant_helps_per_token_keys_not_per_channel(tmp_path):
-    q, k, v = _offset_keys()
-    path = make_capture(tmp_path / "c.h5", q, k, v)
-    res = compare_axes(path, CompareConfig(bits=(2,), group_sizes=(8,), variants=("center",)))
-    r = res.records
-    for metric in ("reconstruction", "score", "attention_output"):
-        tok = dict(tensor="key", axis="per-token", metric=metric)
-        assert mean(r, variant="center", **tok) < 0.5 * mean(r, variant="plain", **tok)
-    ch = dict(tensor="key", axis="per-channel", metric="reconstruction")
-    assert mean(r, variant="center", **ch) == pytest.approx(mean(r, variant="plain", **ch),
-                                                            rel=0.05)
-    assert not by(r, tensor="value", variant="center")  # centering is for keys
-
-
-def test_center_variant_pre_rope_adds_the_mean_back_before_rope(tmp_path):
-    q, k_pre, v = _offset_keys(1)
-    cos, sin = rope_tables_for(torch.arange(T), D)
-    k = apply_rope(k_pre, cos, sin, "half")
-    path = make_capture(tmp_path / "r.h5", q, k, v, k_pre=k_pre, rope_theta=10000.0)
-    res = compare_axes(path, CompareConfig(bits=(2,), group_sizes=(8,), stages=("post", "pre"),
-                                           variants=("center",), tensors=("key",)))
-    r = res.records
-    pre = dict(tensor="key", axis="per-token", stage="pre", metric="reconstruction")
-    assert mean(r, variant="center", **pre) < 0.5 * mean(r, variant="plain", **pre)
-
-
-def test_codebook_records_and_bits(tmp_path):
-    q, k, v = _offset_keys(2)
-    path = make_capture(tmp_path / "cb.h5", q, k, v)
-    cfg = CompareConfig(bits=(2, 3), group_sizes=(8,), tensors=("key", "value"),
-                        codebooks=("lloyd-max", "Weighted+renorm+center", "fitted"))
-    assert cfg.codebooks == ("lloyd-max", "weighted+center+renorm", "fitted")
-    res = compare_axes(path, cfg)
-    r = res.records
-    names = {x.format for x in r if x.format}
-    assert names == {f"codebook{b}:{n}" for b in (2, 3) for n in cfg.codebooks}
-    # weighted and +center are key-only
-    assert not by(r, tensor="value", format="codebook3:weighted+center+renorm")
-    assert by(r, tensor="value", format="codebook3:fitted")
-    assert {x.axis for x in r if x.format} == {"per-vector"}
-    # more bits, less error; centering removes the offset the per-vector norm would carry
-    err = lambda f: mean(r, format=f, tensor="key", metric="score")  # noqa: E731
-    assert err("codebook3:lloyd-max") < err("codebook2:lloyd-max")
-    assert err("codebook2:weighted+center+renorm") < 0.5 * err("codebook2:lloyd-max")
-    info = {f["format"]: f for f in res.summary["formats"]}
-    n_vec = HKV * T
-    assert info["codebook3:lloyd-max"]["bits_per_element"] == pytest.approx(3 + 16 / D)
-    assert info["codebook2:fitted"]["bits_per_element"] == pytest.approx(
-        2 + 16 / D + 4 * 16 / (n_vec * D))
-    assert info["codebook2:weighted+center+renorm"]["bits_per_element"] == pytest.approx(
-        2 + 16 / D + 4 * 16 / (n_vec * D) + HKV * D * 16 / (n_vec * D))
-    assert CompareConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
-
-
-@pytest.mark.parametrize("name,match", [("kmeans", "Unknown codebook 'kmeans'"),
-                                        ("fitted+rot", "Unknown codebook option 'rot'"),
-                                        ("", "Invalid codebook")])
-def test_codebook_names_are_checked(name, match):
-    with pytest.raises(ConfigError, match=match):
-        CompareConfig(codebooks=(name,))
-
-
-def test_codebooks_refuse_odd_head_dim(tmp_path):
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, h, 8, 9, generator=g) for h in (2, 1, 1))
-    path = make_capture(tmp_path / "odd.h5", q, k, v)
-    with pytest.raises(ConfigError, match=r"Codebooks \(Hadamard-rotated\) does not fit"):
-        compare_axes(path, CompareConfig(group_sizes=(3,), codebooks=("lloyd-max",)))
-
-
-def test_codebook_pre_rope_keys(tmp_path):
-    q_pre, k_pre, v = _offset_keys(3)
-    cos, sin = rope_tables_for(torch.arange(T), D)
-    q, k = (apply_rope(x, cos, sin, "half") for x in (q_pre, k_pre))
-    path = make_capture(tmp_path / "p.h5", q, k, v, q_pre=q_pre, k_pre=k_pre, rope_theta=10000.0)
-    cfg = CompareConfig(bits=(3,), group_sizes=(8,),
-                        codebooks=("weighted+pre", "weighted+pre+center", "weighted"))
-    assert cfg.codebook_pre_rope
-    r = compare_axes(path, cfg).records
-    assert {x.stage for x in by(r, format="codebook3:weighted+center+pre")} == {"pre"}
-    assert not by(r, tensor="value", format="codebook3:weighted+pre")
-    err = lambda f: mean(r, format=f, tensor="key", metric="reconstruction")  # noqa: E731
-    # the pre-RoPE mean is a constant there: centering before RoPE removes the offset
-    assert err("codebook3:weighted+center+pre") < 0.5 * err("codebook3:weighted+pre")
-    # a capture without RoPE refuses +pre
+def test_pre_stage_needs_a_capture_with_rope(tmp_path):
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(S, h, T, D, generator=g) for h in (HQ, HKV, HKV))
     plain = make_capture(tmp_path / "n.h5", q, k, v)
     with pytest.raises(InputError, match="Stage 'pre' needs"):
-        compare_axes(plain, CompareConfig(bits=(2,), group_sizes=(8,), codebooks=("fitted+pre",)))
+        compare_axes(plain, CompareConfig(bits=(2,), group_sizes=(8,), stages=("post", "pre")))

@@ -197,27 +197,12 @@ def test_missing_file_and_plots_on_a_file(capture, tmp_path):
     assert res.exit_code == 1 and "is not a directory" in res.output
 
 
-def test_codebooks_and_center_in_table_and_json(capture):
-    res = _run(capture, *SMALL, "--variants", "center", "--codebooks", "fitted+center,lloyd-max")
-    assert res.exit_code == 0, res.output
-    out = " ".join(res.stdout.split())
-    assert "codebook2:fitted+center" in out and "codebook2:lloyd-max" in out
-    assert "K 2b G8 post center" in out
-    data = json.loads(_run(capture, *SMALL, "--codebooks", "weighted", "--json").stdout)
-    assert {f["format"] for f in data["summary"]["formats"]} == {"codebook2:weighted"}
-    bad = _run(capture, *SMALL, "--codebooks", "kmeans")
-    assert bad.exit_code != 0 and "Unknown codebook 'kmeans'" in bad.output
-
-
-def test_predict_variant_in_table_and_json(capture):
-    res = _run(capture, *SMALL, "--variants", "predict", "--codebooks", "fitted+renorm+predict")
-    assert res.exit_code == 0, res.output
-    out = " ".join(res.stdout.split())
-    assert "K 2b G8 post predict" in out and "codebook2:fitted+renorm+predict" in out
-    data = json.loads(_run(capture, *SMALL, "--variants", "predict", "--json").stdout)
-    pred = data["summary"]["predictors"]
-    assert pred["key"]["bytes_per_layer"] > 0 and pred["value"]["bytes_per_layer"] > 0
-    assert {e["layer"] for e in pred["explained_variance"]} == {0, 1}
-    assert {r["variant"] for r in data["records"]} == {"plain", "predict"}
-    bad = _run(capture, *SMALL, "--codebooks", "fitted+center+predict")
-    assert bad.exit_code != 0 and "does not combine" in bad.output
+def test_removed_options_are_refused(capture):
+    """--codebooks, --predict-calibration and the center / predict variants were removed
+    (issue #57, negative results): asking for them is a usage error, not a silent no-op."""
+    for args, message in ((("--codebooks", "lloyd-max"), "No such option: --codebooks"),
+                          (("--predict-calibration", "x.h5"), "No such option"),
+                          (("--variants", "center"), "Unknown variant 'center'"),
+                          (("--variants", "predict"), "Unknown variant 'predict'")):
+        bad = _run(capture, *SMALL, *args)
+        assert bad.exit_code != 0 and message in " ".join(bad.output.split()), bad.output

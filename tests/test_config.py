@@ -27,8 +27,6 @@ from kvlens.config import (
     KVConfig,
     LayerKV,
     MikvSettings,
-    TurboQuantSetting,
-    centre_codebook_keys,
     config_from_dict,
     load_config,
     save_config,
@@ -60,28 +58,12 @@ def _valid_configs() -> list[dict]:
                         fp_dtype="float8_e4m3fn").to_dict())
     out.append(KVConfig("llamacpp", LayerKV(key_format="q8_0", value_format="q4_0"),
                         engine_attention="llamacpp-cpu-fa").to_dict())
-    book = CodebookSpec(3, "fitted", RotationSpec(2), renormalize=True)
-    out.append(KVConfig("codebook", LayerKV(spec, book, 64, flush_tokens=32),
-                        {1: LayerKV(spec, CodebookSpec(2, rotation=RotationSpec(2)), 32),
-                         2: LayerKV(spec, spec, 32)}, rotation_seed=2,
-                        mikv=MikvSettings(0.0, 4, "off"),
-                        codebooks={0: {"value": (-2.0, -1.0, -0.5, -0.125, 0.125, 0.5, 1.0,
-                                                 2.0)}}).to_dict())
-    kbook = CodebookSpec(2, "fitted", RotationSpec(2))
+    kbook = CodebookSpec(2, "lloyd-max-normal", RotationSpec(2))
     out.append(KVConfig("codebook-keys", LayerKV(CodebookSpec(3, renormalize=True, rotation=(
         RotationSpec(2))), QuantSpec(4, "per-token")),
                         {0: LayerKV(key_format="f16", value_format="f16"),
-                         1: LayerKV(kbook, book)}, rotation_seed=2,
-                        write_before_attention=True,
-                        codebooks={1: {"key": (-1.5, -0.5, 0.5, 1.5),
-                                       "value": (-2.0, -1.0, -0.5, -0.125, 0.125, 0.5, 1.0,
-                                                 2.0)}}).to_dict())
-    tok = QuantSpec(2, "per-token", 32)
-    out.append(KVConfig("centred", LayerKV(tok, spec, 64, pre_rope_keys=True, center_keys=True),
-                        {1: LayerKV(tok, tok, 64, rotate_keys=True, center_keys=True),
-                         2: LayerKV(tok, tok, 64)}, mikv=MikvSettings(0.0, 4, "off"),
-                        key_means={0: ((0.5, -0.25), (1.0, 2.0)),
-                                   1: ((0.0, 0.125), (-1.0, 3.0))}).to_dict())
+                         1: LayerKV(kbook, spec)}, rotation_seed=2,
+                        write_before_attention=True).to_dict())
     return [json.loads(json.dumps(d)) for d in out]
 
 
@@ -112,7 +94,7 @@ SPEC = {"version": {"int", "bool"}, "bits": {"int"}, "granularity": {"str"},
 LAYER = {"key": {"object", "null"}, "value": {"object", "null"},
          "residual_tokens": {"int"}, "flush_tokens": {"int"}, "pre_rope_keys": {"bool"},
          "rotate_keys": {"bool"}, "rotate_values": {"bool"}, "key_format": {"str", "null"},
-         "value_format": {"str", "null"}, "center_keys": {"bool"}}
+         "value_format": {"str", "null"}}
 MIKV = {"heavy_fraction": NUMBER, "sink_tokens": {"int"}, "balancer": {"str"},
         "balancer_exponent": NUMBER, "set_bits": {"int", "null"}, "layers": {"list", "null"}}
 GEAR = {"rank": {"int"}, "outlier_fraction": NUMBER, "power_iters": {"int"},
@@ -121,8 +103,7 @@ TOP = {"format": {"str"}, "version": {"int"}, "name": {"str"}, "description": {"
        "default": {"object"}, "layers": {"object", "null"}, "mikv": {"object", "null"},
        "gear": {"object", "null"}, "balancers": {"object", "null"}, "scale_dtype": {"str"},
        "fp_dtype": {"str"}, "rotation_seed": {"int", "null"}, "model": {"object", "null"},
-       "kv_scales": {"object", "null"}, "engine_attention": {"str", "null"},
-       "key_means": {"object", "null"}}
+       "kv_scales": {"object", "null"}, "engine_attention": {"str", "null"}}
 
 
 def _typed_fields(doc: dict):
@@ -218,7 +199,7 @@ def test_a_removed_key_is_a_config_error_or_a_config(doc, data):
         assert cfg is None  # required
 
 
-INDEX_TABLES = ("layers", "balancers", "kv_scales", "key_means")  # objects keyed by layer index
+INDEX_TABLES = ("layers", "balancers", "kv_scales")  # objects keyed by layer index
 
 
 @FAST
@@ -400,125 +381,59 @@ def test_validate_for_refuses_bad_layer_indices_with_config_error(
             assert set(scale_layers) == set(range(num_layers))
 
 
-# -- codebook values (version 4) ------------------------------------------------------------------
+# -- codebook keys (version 5: vLLM TurboQuant's) --------------------------------------------------
 
-BOOK2 = {"value": (-1.5, -0.5, 0.5, 1.5)}
+TOK = QuantSpec(2, "per-token", 32)
 
 
-def _book_config(**kw) -> KVConfig:
-    spec = QuantSpec(2, "per-channel", 32)
-    base = dict(name="cb", default=LayerKV(spec, CodebookSpec(2, "fitted"), 32),
-                codebooks={0: BOOK2, 1: BOOK2})
+def _key_book_config(**kw) -> KVConfig:
+    base = dict(name="ck", default=LayerKV(CodebookSpec(3, "lloyd-max-normal", renormalize=True),
+                                           QuantSpec(4, "per-token")))
     return KVConfig(**(base | kw))
 
 
 @pytest.mark.parametrize("make,message", [
     (lambda: LayerKV(CodebookSpec(2), None, 32, pre_rope_keys=True), "pre_rope_keys"),
-    (lambda: LayerKV(None, CodebookSpec(2, rotation=None), 32, rotate_values=True),
+    (lambda: LayerKV(CodebookSpec(2, rotation=None), None, 32, rotate_keys=True),
      "has no rotation"),
-    (lambda: _book_config(gear=GearSettings()), "gear cannot be combined with a codebook"),
-    (lambda: _book_config(rotation_seed=3), "rotation seed None is not the config's "
-                                            "rotation_seed 3"),
-    (lambda: _book_config(codebooks={0: {"value": (1.0, 0.0, 2.0, 3.0)}}), "ascending"),
-    (lambda: _book_config(codebooks={0: {"value": (0.0, 1.0)}}), "4 finite ascending"),
-    (lambda: _book_config(codebooks={0: {"key": BOOK2["value"]}}),
-     "layer 0 does not store its keys with a fitted codebook"),
-    (lambda: _book_config(codebooks={0: {"query": BOOK2["value"]}}), "unknown tensor 'query'"),
-    (lambda: _book_config(default=LayerKV(CodebookSpec(2, rotation=RotationSpec(1)),
-                                          CodebookSpec(2, "fitted"), 32)),
+    (lambda: _key_book_config(gear=GearSettings()), "gear cannot be combined with a codebook"),
+    (lambda: _key_book_config(rotation_seed=3), "rotation seed None is not the config's "
+                                                "rotation_seed 3"),
+    (lambda: _key_book_config(default=LayerKV(CodebookSpec(2, rotation=RotationSpec(1)), TOK)),
      "the key codebook's rotation seed 1 is not the config's rotation_seed None"),
-    (lambda: _book_config(default=LayerKV(CodebookSpec(2), None, 32), gear=GearSettings(),
-                          codebooks={}), "gear cannot be combined with a codebook"),
-    (lambda: _book_config(layers={1: LayerKV(QuantSpec(2, "per-channel", 32),
-                                             CodebookSpec(2), 32)}),
-     "layer 1 does not store its values with a fitted codebook"),
+    (lambda: LayerKV(TOK, CodebookSpec(2), 32), "A codebook value spec .* removed from kvlens"),
 ])
 def test_codebook_configs_refused_with_the_reason(make, message):
     with pytest.raises(ConfigError, match=message):
         make()
 
 
-def test_codebook_value_sets_the_value_rotation_and_version_4():
-    cfg = _book_config()
-    assert cfg.default.rotate_values and cfg.default.value_codebook == CodebookSpec(2, "fitted")
-    assert cfg.format_version == 4 and cfg.centroids_for(1) == BOOK2["value"]
-    assert cfg.centroids_for(5) is None
-    doc = cfg.to_dict()
-    for version in (1, 2, 3):  # an older version cannot express it
-        with pytest.raises(ConfigError, match="need KV config version 4"):
-            config_from_dict(doc | {"version": version})
-    # no centroids for a layer that needs them: refused against the model, naming the fix
-    info = SimpleNamespace(num_layers=3, head_dim=64, num_key_value_heads=2, declares_rope=True,
-                           architecture="Synthetic")
-    with pytest.raises(ConfigError, match=r"layer 2 stores values with a fitted 2-bit codebook "
-                                          r"but gives no centroids; add codebooks.2.value"):
-        validate_for(cfg, info)
-    with pytest.raises(ConfigError, match=r"codebooks for layers \[1\]"):
-        validate_for(cfg, SimpleNamespace(**(vars(info) | {"num_layers": 1})))
-    validate_for(_book_config(codebooks={i: BOOK2 for i in range(3)}), info)
-    odd = SimpleNamespace(**(vars(info) | {"head_dim": 63}))
-    with pytest.raises(ConfigError, match="No Hadamard rotation for head_dim 63"):
-        validate_for(_book_config(codebooks={i: BOOK2 for i in range(3)}), odd)
-
-
-def test_centred_codebook_keys_are_accepted_post_rope_only():
-    # the codebook codes k R - mu R and its scores get q . mu back (tests/test_codebook_cache.py)
-    lk = LayerKV(CodebookSpec(3), QuantSpec(4, "per-token"), center_keys=True)
-    assert lk.center_keys and lk.rotate_keys
-    cfg = KVConfig("c", lk, key_means={0: ((0.5,) * 4,)})
-    assert cfg.format_version == 5
-    assert config_from_dict(cfg.to_dict()).default == lk  # round trip keeps the flag
-    # pre-RoPE codebook keys stay refused for their own reason (rotation and RoPE)
-    with pytest.raises(ConfigError, match="codebook key spec cannot be combined with pre_rope"):
-        LayerKV(CodebookSpec(3), QuantSpec(4, "per-token"), center_keys=True,
-                pre_rope_keys=True)
-    assert LayerKV(QuantSpec(2, "per-token", 32), None, center_keys=True).center_keys
-
-
-def test_centre_codebook_keys_centres_only_the_codebook_key_layers():
-    tq = TurboQuantSetting("turboquant_4bit_nc").kvconfig("tq", 6)  # layers 0, 1, 4, 5 exact
-    mean = ((0.5, -0.25),)
-    cfg = centre_codebook_keys(tq, {i: mean for i in range(6)}, name="tq-c")
-    assert cfg.name == "tq-c" and cfg.default.center_keys and cfg.default.rotate_keys
-    assert [cfg.layer(i).center_keys for i in range(6)] == [False, False, True, True, False,
-                                                            False]
-    assert cfg.key_means == {2: mean, 3: mean} and cfg.write_before_attention
-    assert config_from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
-    uniform = KVConfig("u", LayerKV(QuantSpec(2, "per-token", 32), QuantSpec(2, "per-token")))
-    assert centre_codebook_keys(uniform, {0: mean}) == uniform  # no codebook keys: unchanged
-
-
 def test_codebook_keys_set_the_key_rotation_and_version_5():
     """Codebook keys (version 5): the key rotation follows the codebook, a file of an older
-    version is refused naming version 5, fitted key centroids are required against the model,
-    and configs of versions 1-4 still read (``test_valid_configs_round_trip``) and are still
-    written at their own version."""
-    keys = CodebookSpec(3, "fitted")
-    cfg = KVConfig("ck", LayerKV(keys, QuantSpec(4, "per-token")),
-                   codebooks={i: {"key": tuple(range(8))} for i in (0, 1)})
-    assert cfg.default.rotate_keys and cfg.default.key_codebook == keys
-    assert cfg.format_version == 5 and cfg.centroids_for(1, "key") == tuple(range(8))
-    assert cfg.centroids_for(1) is None  # values have none
-    doc = cfg.to_dict()
-    for version in (1, 2, 3, 4):
-        with pytest.raises(ConfigError, match="need KV config version 5"):
-            config_from_dict(doc | {"version": version})
-    with pytest.raises(ConfigError, match="need KV config version 5"):  # centroids alone
-        config_from_dict(_book_config().to_dict() | {"codebooks": {"0": {
-            "value": [-1.5, -0.5, 0.5, 1.5], "key": [-1.5, -0.5, 0.5, 1.5]}}})
+    version is refused naming version 5, the layout is checked against the model, and configs
+    of versions 1-4 still read (``test_valid_configs_round_trip``) and are still written at
+    their own version."""
+    for kind in ("lloyd-max", "lloyd-max-normal"):
+        keys = CodebookSpec(3, kind)
+        cfg = KVConfig("ck", LayerKV(keys, QuantSpec(4, "per-token")))
+        assert cfg.default.rotate_keys and cfg.default.key_codebook == keys
+        assert cfg.format_version == 5
+        doc = cfg.to_dict()
+        for version in (1, 2, 3, 4):
+            with pytest.raises(ConfigError, match="codebook key specs need KV config version 5"):
+                config_from_dict(doc | {"version": version})
     info = SimpleNamespace(num_layers=3, head_dim=64, num_key_value_heads=2, declares_rope=True,
                            architecture="Synthetic")
-    with pytest.raises(ConfigError, match=r"layer 2 stores keys with a fitted 3-bit codebook "
-                                          r"but gives no centroids; add codebooks.2.key"):
-        validate_for(cfg, info)
-    assert _book_config().format_version == 4  # value codebooks alone stay version 4
+    validate_for(cfg, info)
+    with pytest.raises(ConfigError, match="No Hadamard rotation for head_dim 63"):
+        validate_for(cfg, SimpleNamespace(**(vars(info) | {"head_dim": 63})))
     first = KVConfig("wf", LayerKV(QuantSpec(4, "per-token"), QuantSpec(4, "per-token")),
                      {0: LayerKV(), 1: LayerKV(key_format="q8_0", value_format="q8_0")},
                      write_before_attention=True)
     assert first.format_version == 5 and first.to_dict()["write_before_attention"] is True
     with pytest.raises(ConfigError, match="write_before_attention needs KV config version 5"):
         config_from_dict(first.to_dict() | {"version": 4})
-    assert "write_before_attention" not in _book_config().to_dict()
+    assert "write_before_attention" not in KVConfig("u", LayerKV(TOK, TOK, 32)).to_dict()
     for bad, message in ((dict(default=LayerKV(QuantSpec(4, "per-token"), None, 16)),
                           "default: write_before_attention codes every token at once"),
                          (dict(layers={2: LayerKV(None, QuantSpec(4, "per-token"), 8)}),
@@ -527,63 +442,13 @@ def test_codebook_keys_set_the_key_rotation_and_version_5():
                          (dict(write_before_attention=1), "allowed: true, false")):
         with pytest.raises(ConfigError, match=message):
             replace(first, **bad)
-    normal = _book_config(default=LayerKV(QuantSpec(2, "per-channel", 32),
-                                          CodebookSpec(2, "lloyd-max-normal"), 32), codebooks={})
-    assert normal.format_version == 5  # the normal codebook is new in version 5
-    with pytest.raises(ConfigError, match="need KV config version 5"):
-        config_from_dict(normal.to_dict() | {"version": 4})
-    assert {d["version"] for d in VALID if d["name"] == "codebook"} == {4}
 
 
-# -- centred keys (version 5) ---------------------------------------------------------------------
+# -- removed research layouts: codebook values, fitted codebooks, centred keys (issue #57) ---------
 
-MEAN = ((0.5, -0.25), (1.0, 2.0))  # [Hkv=2][D=2]
-TOK = QuantSpec(2, "per-token", 32)
-
-
-@pytest.mark.parametrize("make,message", [
-    (lambda: LayerKV(None, TOK, 32, center_keys=True), "keys are not quantized"),
-    (lambda: LayerKV(TOK, TOK, 32, center_keys=1), "Invalid center_keys 1"),
-    (lambda: KVConfig("c", LayerKV(TOK, TOK, 32), key_means={0: MEAN}),
-     "layer 0 does not centre its keys"),
-    (lambda: KVConfig("c", LayerKV(TOK, TOK, 32, center_keys=True),
-                      key_means={0: ((0.5, -0.25), (1.0,))}), "one list per KV head"),
-    (lambda: KVConfig("c", LayerKV(TOK, TOK, 32, center_keys=True),
-                      key_means={0: ((float("nan"), 0.0),)}), "finite numbers"),
-    (lambda: KVConfig("c", LayerKV(TOK, TOK, 32, center_keys=True), key_means={0: MEAN},
-                      gear=GearSettings()), "gear cannot be combined with center_keys"),
-])
-def test_centred_key_configs_refused_with_the_reason(make, message):
-    with pytest.raises(ConfigError, match=message):
-        make()
-
-
-def test_centred_keys_are_version_5_and_need_their_means():
-    tok2 = QuantSpec(2, "per-token", 2)  # fits head_dim 2
-    cfg = KVConfig("c", LayerKV(tok2, tok2, 32, center_keys=True), key_means={0: MEAN, 1: MEAN})
-    assert cfg.format_version == 5 and cfg.key_mean_for(1) == MEAN and cfg.key_mean_for(2) is None
-    doc = cfg.to_dict()
-    assert doc["default"]["center_keys"] is True and doc["key_means"]["0"] == [[0.5, -0.25],
-                                                                              [1.0, 2.0]]
-    assert config_from_dict(json.loads(json.dumps(doc))) == cfg
-    for version in (1, 2, 3, 4):  # an older version cannot express it
-        with pytest.raises(ConfigError, match="need KV config version 5"):
-            config_from_dict(doc | {"version": version})
-    info = SimpleNamespace(num_layers=3, head_dim=2, num_key_value_heads=2, declares_rope=True,
-                           architecture="Synthetic")
-    with pytest.raises(ConfigError, match=r"layer 2 centres its keys \(center_keys\) but gives "
-                                          r"no mean; add key_means.2"):
-        validate_for(cfg, info)
-    with pytest.raises(ConfigError, match=r"key_means for layers \[1\]"):
-        validate_for(cfg, SimpleNamespace(**(vars(info) | {"num_layers": 1})))
-    with pytest.raises(ConfigError, match=r"key_means.0 has shape \[2, 2\] but the model needs "
-                                          r"\[num_key_value_heads=1, head_dim=2\]"):
-        validate_for(cfg, SimpleNamespace(**(vars(info) | {"num_key_value_heads": 1})))
-    validate_for(replace(cfg, key_means={i: MEAN for i in range(3)}), info)
-
-
-# A version-4 file as kvlens wrote it before version 5 (codebook values, 8-bit metadata): this
-# kvlens reads it unchanged and writes it back as version 4 (no centring in it).
+# A version-4 file as kvlens wrote it (fitted codebook values and their centroids, 8-bit
+# metadata) and a version-5 one (centred keys, a fitted key codebook), before issue #57 removed
+# them (docs/lab-notes/codebooks.md names the last commit that had them).
 V4_FILE = """{"format": "kvlens.kvconfig", "version": 4, "name": "cb", "description": "",
  "default": {"key": {"version": 1, "bits": 2, "granularity": "per-channel", "group_size": 32,
    "symmetric": false}, "value": {"version": 1, "bits": 2, "codebook": "fitted",
@@ -591,13 +456,60 @@ V4_FILE = """{"format": "kvlens.kvconfig", "version": 4, "name": "cb", "descript
    "flush_tokens": 0, "pre_rope_keys": false, "rotate_keys": false, "rotate_values": true},
  "layers": {}, "mikv": null, "balancers": null, "scale_dtype": "8bit", "fp_dtype": "float16",
  "rotation_seed": null, "model": null, "codebooks": {"0": {"value": [-1.5, -0.5, 0.5, 1.5]}}}"""
+V5_FILE = """{"format": "kvlens.kvconfig", "version": 5, "name": "centred", "description": "",
+ "default": {"key": {"version": 1, "bits": 2, "granularity": "per-token", "group_size": 32,
+   "symmetric": false}, "value": {"version": 1, "bits": 2, "granularity": "per-token",
+   "group_size": 32, "symmetric": false}, "residual_tokens": 64, "flush_tokens": 0,
+   "pre_rope_keys": false, "rotate_keys": false, "rotate_values": false, "center_keys": true},
+ "layers": {"1": {"key": {"version": 1, "bits": 2, "codebook": "weighted", "rotation": {
+   "version": 1, "seed": null}, "renormalize": true}, "center_keys": false}},
+ "mikv": null, "balancers": null, "scale_dtype": "float16", "fp_dtype": "float16",
+ "rotation_seed": null, "model": null, "codebooks": {"1": {"key": [-1.5, -0.5, 0.5, 1.5]}},
+ "key_means": {"0": [[0.5, -0.25], [1.0, 2.0]]}}"""
+REMOVED_CB = (r"removed from kvlens by issue #57 \(a negative result, "
+              r"docs/lab-notes/codebooks\.md\)")
 
 
-def test_a_version_4_file_reads_unchanged():
-    doc = json.loads(V4_FILE)
-    cfg = config_from_dict(doc)
-    assert not cfg.default.center_keys and cfg.key_means == {}
-    assert cfg.format_version == 4 and cfg.to_dict() == doc
+def test_a_config_with_a_removed_layout_is_refused_naming_the_removal(tmp_path):
+    """Codebook values, fitted codebooks and centred keys were removed (issue #57): a file that
+    stores any of them, alone or together, whatever its version, is one ``ConfigError`` that
+    names what it stores and the lab note, not an unknown-key error."""
+    plain = json.loads(V5_FILE)
+    plain["default"].pop("center_keys")
+    plain = {k: v for k, v in plain.items() if k not in ("codebooks", "key_means")} | {
+        "layers": {}}
+    assert config_from_dict(plain).default.key == TOK
+    value_book = {"version": 1, "bits": 3, "codebook": "lloyd-max", "rotation": None,
+                  "renormalize": False}
+    fitted_key = json.loads(V5_FILE)["layers"]["1"]["key"]
+    for bad, what in (
+            (json.loads(V4_FILE), r"fitted codebook centroids \('codebooks'\), a codebook value "
+                                  r"spec, a fitted codebook spec"),
+            (json.loads(V5_FILE), r"centred keys \('key_means'\), centred keys "
+                                  r"\('center_keys': true\), fitted codebook centroids"),
+            (plain | {"key_means": {"0": [[0.5, -0.25]]}}, r"centred keys \('key_means'\),"),
+            (_set(plain, ("default", "center_keys"), True), r"\('center_keys': true\),"),
+            (plain | {"layers": {"2": {"center_keys": True}}}, r"\('center_keys': true\),"),
+            (plain | {"codebooks": {"0": {"key": [0.0, 1.0]}}}, "centroids \\('codebooks'\\),"),
+            (_set(plain, ("default", "value"), value_book), "a codebook value spec,"),
+            (_set(plain, ("default", "key"), fitted_key), "a fitted codebook spec,")):
+        with pytest.raises(ConfigError, match=f"This config stores .*{what}.*{REMOVED_CB}"):
+            config_from_dict(bad)
+    path = tmp_path / "centred.json"
+    path.write_text(V5_FILE)
+    with pytest.raises(ConfigError, match=rf"centred\.json: .*{REMOVED_CB}"):
+        load_config(path)
+
+
+def test_center_keys_false_reads_as_absent():
+    """``"center_keys": false`` (which older versions wrote into the layer overrides of a
+    centred default) asks for nothing removed: the config reads as without it."""
+    doc = VALID[6]
+    flagged = _set(_set(doc, ("default", "center_keys"), False),
+                   ("layers", "3", "center_keys"), False)
+    assert config_from_dict(flagged) == config_from_dict(doc)
+    with pytest.raises(ConfigError, match="unknown keys"):
+        config_from_dict(_set(doc, ("default", "centre_keys"), False))
 
 
 # A version-6 file with coupled (CQ) keys and values, as kvlens wrote it before issue #57 removed

@@ -7,10 +7,11 @@ before triton loads). The codebook side is coded with the reference quantizer
 decoded with ``dequantize_codebook``; the uniform side with ``kvlens.quant.quantize``; the
 reference attends in float64 (``test_kernels_decode._reference``'s formula). Partials are
 NaN-poisoned. Odd shapes: head_dim 64 and 256, token counts 37, 45, 70, 101; GQA 3 and 2;
-2, 3 and 4 bits; fitted and Lloyd-Max codebooks; renormalised or not; keys only, values only,
-both; a residual window, left padding and a mask hole; centred codebook keys (``key_mean``).
-Then the cache: a ``CompressedLayer`` read by ``triton_decode`` equals its torch path (centred
-codebook keys included), and a tiny Llama generates the same tokens with both backends.
+2, 3 and 4 bits; the Lloyd-Max codebooks with float32 or float16 tables; renormalised or not;
+keys only, values only, both (the kernel reads either; the cache codes keys only, vLLM
+TurboQuant's); a residual window, left padding and a mask hole. Then the cache: a
+``CompressedLayer`` with codebook keys read by ``triton_decode`` equals its torch path, and a
+tiny Llama generates the same tokens with both backends.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from kvlens.cache import compressed_attention  # noqa: E402
 from kvlens.cache.layer import CompressedLayer  # noqa: E402
 from kvlens.cache.torch_read import packed_attention  # noqa: E402
 from kvlens.cache.triton_glue import kernel_layout_problem, triton_decode  # noqa: E402
-from kvlens.config import KVConfig, LayerKV, MikvSettings, centre_codebook_keys  # noqa: E402
+from kvlens.config import KVConfig, LayerKV, MikvSettings  # noqa: E402
 from kvlens.config.engine import TurboQuantSetting  # noqa: E402
 from kvlens.model.hooks import cache_argument_name  # noqa: E402
 from kvlens.quant import (  # noqa: E402
@@ -47,7 +48,7 @@ from kvlens.quant import (  # noqa: E402
 )
 from kvlens.quant.codebook import (  # noqa: E402
     CodebookSpec,
-    codebook_for,
+    computed_codebook,
     dequantize_codebook,
     quantize_codebook,
 )
@@ -71,16 +72,17 @@ def _poison(monkeypatch):
     monkeypatch.setattr(kda, "POISON_PARTIALS", True)
 
 
-def _coded(which, x, spec):
+def _coded(which, x, spec, half=False):
     """The kernel's arguments for ``x`` ``[B, H, T, D]`` coded with ``spec`` and what they
-    decode to (float32, the basis the kernel reads: a rotated codebook's rotated basis)."""
+    decode to (float32, the basis the kernel reads: a rotated codebook's rotated basis);
+    ``half``: the centroid table passed as float16 (and coded with those values)."""
     if isinstance(spec, CodebookSpec):
-        book = codebook_for(x, spec)
-        if spec.fitted:  # the cache stores fitted centroids as float16 (so does the config)
+        book = computed_codebook(spec, x.shape[-1])
+        if half:
             book = replace(book, centroids=book.centroids.half().float())
         qt = quantize_codebook(x, spec, book)
         deq = dequantize_codebook(replace(qt, spec=replace(spec, rotation=None)))
-        table = book.centroids.half() if spec.fitted else book.centroids
+        table = book.centroids.half() if half else book.centroids
         return (qt.packed(), qt.norms, None), {
             f"{which}_layout": "codebook", f"{which}_group": None, f"{which}_bits": spec.bits,
             f"{which}_centroids": table, f"{which}_renormalize": spec.renormalize}, deq
@@ -103,26 +105,26 @@ def _reference(q, k, v, valid, scaling):
     return (torch.softmax(s, dim=-1).nan_to_num(0.0) @ vv).float()
 
 
-LLOYD = "lloyd-max"
+LLOYD, NORMAL = "lloyd-max", "lloyd-max-normal"
 CASES = [
-    # (B, Hq, Hkv, D, T packed, residual, key spec, value spec, split)
+    # (B, Hq, Hkv, D, T packed, residual, key spec, value spec, split, float16 tables)
     pytest.param(1, 3, 1, 64, 37, 5, CodebookSpec(3, LLOYD, None, renormalize=True),
-                 CodebookSpec(3, "fitted", None), None, id="both-3b-D64-T37-g3-window"),
-    pytest.param(2, 3, 1, 256, 45, 0, CodebookSpec(4, "fitted", None, renormalize=True),
-                 QuantSpec(4, "per-token", 32), None, id="keys-4b-fitted-D256-T45-B2"),
+                 CodebookSpec(3, NORMAL, None), None, True, id="both-3b-D64-T37-g3-window"),
+    pytest.param(2, 3, 1, 256, 45, 0, CodebookSpec(4, NORMAL, None, renormalize=True),
+                 QuantSpec(4, "per-token", 32), None, True, id="keys-4b-fp16-D256-T45-B2"),
     pytest.param(2, 6, 2, 64, 70, 3, QuantSpec(2, "per-channel", 32),
-                 CodebookSpec(2, LLOYD, None), 32, id="values-2b-D64-T70-g3-splits"),
-    pytest.param(1, 4, 2, 256, 101, 7, CodebookSpec(2, "lloyd-max-normal", None),
-                 CodebookSpec(4, "fitted", None, renormalize=True), 64,
+                 CodebookSpec(2, LLOYD, None), 32, False, id="values-2b-D64-T70-g3-splits"),
+    pytest.param(1, 4, 2, 256, 101, 7, CodebookSpec(2, NORMAL, None),
+                 CodebookSpec(4, LLOYD, None, renormalize=True), 64, False,
                  id="both-2b4b-D256-T101-g2"),
-    pytest.param(1, 3, 1, 64, 37, 0, CodebookSpec(3, LLOYD, None, renormalize=True),
-                 QuantSpec(4, "per-token"), None, id="turboquant-k3v4-layout"),
+    pytest.param(1, 3, 1, 64, 37, 0, CodebookSpec(3, NORMAL, None, renormalize=True),
+                 QuantSpec(4, "per-token"), None, False, id="turboquant-k3v4-layout"),
 ]
 
 
-@pytest.mark.parametrize("b,hq,hkv,d,t,res,kspec,vspec,split", CASES)
+@pytest.mark.parametrize("b,hq,hkv,d,t,res,kspec,vspec,split,half", CASES)
 def test_codebook_decode_matches_dequantize_then_attend(b, hq, hkv, d, t, res, kspec, vspec,
-                                                         split):
+                                                         split, half):
     """Keys scored as ``s_t * (q . c[code_t])``, values summed as ``sum_t (p_t s_t) c[code_t]``
     in the kernel equal attention over the reference's dequantized vectors; row 2 of a batch is
     left-padded and every row has a masked token (one in the window when there is one)."""
@@ -131,8 +133,8 @@ def test_codebook_decode_matches_dequantize_then_attend(b, hq, hkv, d, t, res, k
     k[..., 3] += 3.0
     v = torch.randn(b, hkv, t + res, d, generator=g)
     q = torch.randn(b, hq, 1, d, generator=g)
-    (kc, ks, kz), kw_k, k_deq = _coded("k", k[:, :, :t], kspec)
-    (vc, vs, vz), kw_v, v_deq = _coded("v", v[:, :, :t], vspec)
+    (kc, ks, kz), kw_k, k_deq = _coded("k", k[:, :, :t], kspec, half)
+    (vc, vs, vz), kw_v, v_deq = _coded("v", v[:, :, :t], vspec, half)
     rk, rv = k[:, :, t:].half(), v[:, :, t:].half()
     key_mask = torch.ones(b, t + res, dtype=torch.bool)
     key_mask[:, t // 3] = False
@@ -165,7 +167,7 @@ def test_rotated_codebooks_are_read_in_the_rotated_basis():
     q = torch.randn(b, hq, 1, d, generator=g)
     (kc, ks, _), kw_k, _ = _coded("k", k, spec)
     (vc, vs, _), kw_v, _ = _coded("v", v, spec)
-    book = codebook_for(k, spec)
+    book = computed_codebook(spec, d)
     k_ref = dequantize_codebook(quantize_codebook(k, spec, book))  # original basis
     v_ref = dequantize_codebook(quantize_codebook(v, spec, book))
     r = rot.matrix(d, q.device)
@@ -175,35 +177,6 @@ def test_rotated_codebooks_are_read_in_the_rotated_basis():
     plain = decode_attention(q @ r, kc, ks, None, vc, vs, None, t, **kw_k,
                              **{**kw_v, "v_renormalize": False}, scaling=0.125)
     assert (plain @ r.T - ref).abs().max() > 1e-2
-
-
-@pytest.mark.parametrize("d,res,renorm", [(64, 5, True), (24, 0, False)])
-def test_centred_codebook_keys_get_the_mean_back(d, res, renorm):
-    """Codebook keys coded centred (``k - mu``) with ``key_mean``: the packed scores get
-    ``q · mu`` back, so the kernel equals attention over ``deq + mu`` beside an exact window
-    (GQA 3, left padding). Without ``key_mean`` (a kernel ignoring the mean) it differs."""
-    g = torch.Generator().manual_seed(d + res)
-    b, hq, hkv, t = 2, 6, 2, 45
-    mu = (4 * torch.randn(hkv, d, generator=g)).half().float()
-    k = torch.randn(b, hkv, t + res, d, generator=g) + mu[None, :, None]
-    v = torch.randn(b, hkv, t + res, d, generator=g)
-    q = torch.randn(b, hq, 1, d, generator=g)
-    spec = CodebookSpec(3, LLOYD, None, renormalize=renorm)
-    (kc, ks, _), kw_k, k_deq = _coded("k", k[:, :, :t] - mu[None, :, None], spec)
-    (vc, vs, vz), kw_v, v_deq = _coded("v", v[:, :, :t], QuantSpec(4, "per-token"))
-    rk, rv = k[:, :, t:].half(), v[:, :, t:].half()
-    valid_start = torch.tensor([0, 7])
-    kw = {**kw_k, **kw_v, "scaling": d ** -0.5, "residual_k": rk, "residual_v": rv,
-          "residual_len": res, "valid_start": valid_start}
-    out = decode_attention(q, kc, ks, None, vc, vs, vz, t, key_mean=mu.half(), **kw)
-    valid = (torch.arange(t + res)[None] >= valid_start[:, None])[:, None].expand(b, hkv, -1)
-    keys = torch.cat((k_deq + mu[None, :, None], rk.float()), 2)
-    ref = _reference(q, keys, torch.cat((v_deq, rv.float()), 2), valid, d ** -0.5)
-    assert not out.isnan().any()
-    torch.testing.assert_close(out, ref, atol=3e-3, rtol=3e-3)
-    if res:  # with no window every score shifts alike and softmax forgives a missing mean
-        missing = decode_attention(q, kc, ks, None, vc, vs, vz, t, **kw)
-        assert (missing - ref).abs().max() > 1e-2
 
 
 def test_codebook_inputs_raise_clear_errors():
@@ -258,31 +231,20 @@ def _filled_layer(setting, d, hkv, total, rot, **kw):
 
 
 @cpu_only
-@pytest.mark.parametrize("kspec,vspec,residual,sinks,center", [
-    (CodebookSpec(3, renormalize=True), QuantSpec(4, "per-token", 16), 0, 0, False),
-    (QuantSpec(2, "per-channel", 16), CodebookSpec(2, "fitted"), 16, 2, False),
-    (CodebookSpec(4, "fitted"), CodebookSpec(3, renormalize=True), 16, 0, False),
-    (CodebookSpec(4, renormalize=True), QuantSpec(4, "per-token", 16), 16, 2, True),
-    (CodebookSpec(3, "fitted"), CodebookSpec(3, renormalize=True), 16, 0, True),
+@pytest.mark.parametrize("kspec,vspec,residual,sinks", [
+    (CodebookSpec(3, renormalize=True), QuantSpec(4, "per-token", 16), 0, 0),
+    (CodebookSpec(2, NORMAL), QuantSpec(2, "per-channel", 16), 16, 2),
+    (CodebookSpec(4, NORMAL), QuantSpec(3, "per-token", 16), 16, 0),
+    (CodebookSpec(4, renormalize=True), QuantSpec(4, "per-token", 16), 16, 2),
 ])
-def test_kernel_reads_a_codebook_layer_like_the_torch_path(kspec, vspec, residual, sinks,
-                                                           center):
-    """A cache layer with codebook keys and/or values (rotated window, fitted centroids from
-    the config, a MiKV sinks set in the rotated basis, centred codebook keys whose mean the
-    glue passes in the rotated basis): ``triton_decode`` on the rotated query equals the torch
-    path, with transformers' bool and additive masks (row 1 left-padded)."""
+def test_kernel_reads_a_codebook_layer_like_the_torch_path(kspec, vspec, residual, sinks):
+    """A cache layer with codebook keys (rotated window, a MiKV sinks set in the rotated
+    basis) beside uniform values: ``triton_decode`` on the rotated query equals the torch path,
+    with transformers' bool and additive masks (row 1 left-padded)."""
     d, hkv, total = 32, 1, 83
     rot = hadamard_rotation(d, None)
-    books = {}
-    for name, spec in (("key", kspec), ("value", vspec)):
-        if isinstance(spec, CodebookSpec) and spec.fitted:
-            books[f"{name}_centroids"] = torch.linspace(-2.5, 2.5, 1 << spec.bits).half().float()
-    if center:
-        books["key_mean"] = torch.linspace(-3.0, 3.0, hkv * d).reshape(hkv, d).half()
     mikv = MikvSettings(0.0, sinks, "off") if sinks else None
-    layer = _filled_layer(LayerKV(kspec, vspec, residual, center_keys=center), d, hkv, total,
-                          rot, mikv=mikv, **books)
-    assert (layer.key_mean is not None) == center
+    layer = _filled_layer(LayerKV(kspec, vspec, residual), d, hkv, total, rot, mikv=mikv)
     assert layer.quantized_length > 0 and layer.has_hp == bool(sinks)
     assert kernel_layout_problem(layer.setting, d) is None
     q = layer.to_stored_basis(torch.randn(2, 3 * hkv, 1, d), layer.setting.rotate_keys)
@@ -307,14 +269,12 @@ def _generate(model, ids, config, backend):
 
 
 @cpu_only
-@pytest.mark.parametrize("name", ["turboquant", "turboquant-centred", "codebook-mix"])
+@pytest.mark.parametrize("name", ["turboquant", "codebook-mix"])
 def test_triton_generates_the_same_tokens_with_codebooks(name, monkeypatch):
     """A tiny Llama (head_dim 16) generating with vLLM TurboQuant's layout (codebook keys,
-    per-token values, coded before attention; layers 0 and 2 kept exact), the same with
-    centred codebook keys, and with a mix of
-    codebook keys, fitted codebook values and uniform layers: the Triton path (interpreter)
-    gives the tokens of the torch path, and the kernel serves every decode step of every
-    compressed layer."""
+    per-token values, coded before attention; layers 0 and 2 kept exact), and with a mix of
+    codebook-key and uniform layers: the Triton path (interpreter) gives the tokens of the
+    torch path, and the kernel serves every decode step of every compressed layer."""
     import kvlens.cache.attention as attention
 
     served = []
@@ -327,22 +287,16 @@ def test_triton_generates_the_same_tokens_with_codebooks(name, monkeypatch):
     monkeypatch.setattr(attention, "triton_decode", counted)
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(11))
-    if name.startswith("turboquant"):
+    if name == "turboquant":
         config = TurboQuantSetting("turboquant_k3v4_nc").kvconfig("tq", 3)
-        if name == "turboquant-centred":  # layer 1's codebook keys coded centred
-            mean = tuple(tuple(0.4 * ((c % 5) - 2) for c in range(16)) for _ in range(2))
-            config = centre_codebook_keys(config, {i: mean for i in range(3)})
-            assert config.layer(1).center_keys and set(config.key_means) == {1}
         compressed = [1]
         # the exact layers at every forward, and layer 1's first (it attends exact)
         torch_calls = 2 * 6 + 1
     else:
-        cents = tuple(float(c) for c in torch.linspace(-2.0, 2.0, 8).half())
         config = KVConfig(
-            "mix", LayerKV(QuantSpec(2, "per-channel", 16), CodebookSpec(3, "fitted"), 32),
-            {1: LayerKV(CodebookSpec(2, renormalize=True), CodebookSpec(4, renormalize=True),
-                        32)},
-            codebooks={0: {"value": cents}, 2: {"value": cents}})
+            "mix", LayerKV(QuantSpec(2, "per-channel", 16), QuantSpec(2, "per-token", 16), 32),
+            {1: LayerKV(CodebookSpec(2, NORMAL, renormalize=True), QuantSpec(4, "per-token"),
+                        32)})
         compressed = [0, 1, 2]
         torch_calls = 3  # the prefill: nothing quantized yet
     ref, _ = _generate(model, ids, config, "torch")

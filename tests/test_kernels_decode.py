@@ -369,43 +369,34 @@ def test_per_token_keys_balancer_folded_into_q():
     torch.testing.assert_close(out, ref, atol=3e-3, rtol=3e-3)
 
 
-@pytest.mark.parametrize("ks,bal_on,batch_mu", [
-    (QuantSpec(2, "per-token", 32), True, False),
-    (QuantSpec(2, "per-token", None), False, True),
-    (QuantSpec(3, "per-channel", 32), False, False),
-])
-def test_centred_keys_get_their_mean_back(ks, bal_on, batch_mu):
-    """The store holds ``(k - mu) * bal``; the kernel adds ``q . mu`` to every packed score, so
-    attention equals the reference over ``deq / bal + mu`` packed keys and exact window keys
-    (which are not centred). Keys with a large offset, so a missing shift would show."""
+@pytest.mark.parametrize("ks", [QuantSpec(2, "per-token", 32), QuantSpec(3, "per-channel", 32)])
+def test_balancer_per_batch_row_and_its_shape_check(ks):
+    """A balancer given per batch row (``[B, Hkv, D]``): the store holds ``k * bal[b]`` and the
+    kernel divides each row's query by its own, so attention equals the reference over
+    ``deq / bal[b]`` packed keys beside exact window keys; a balancer of the wrong head_dim is
+    refused by name."""
     g = torch.Generator().manual_seed(21)
     b, hq, hkv, d, t, res = 2, 4, 2, 64, 130, 7
-    k = torch.randn(b, hkv, t + res, d, generator=g) + \
-        5 * torch.randn(hkv, d, generator=g)[None, :, None]
+    k = torch.randn(b, hkv, t + res, d, generator=g)
     v = torch.randn(b, hkv, t + res, d, generator=g)
     q = torch.randn(b, hq, 1, d, generator=g)
-    mu = k[:, :, :t].mean(dim=2) if batch_mu else k.mean(dim=(0, 2))
-    mu4 = mu[:, :, None] if batch_mu else mu[None, :, None]
-    bal = torch.rand(hkv, d, generator=g) + 0.5 if bal_on else torch.ones(hkv, d)
-    kst, kg = _store((k[:, :, :t] - mu4) * bal[:, None], ks, 64)
+    bal = torch.rand(b, hkv, d, generator=g) * 3 + 0.25
+    kst, kg = _store(k[:, :, :t] * bal[:, :, None], ks, 64)
     vst, vg = _store(v[:, :, :t], QuantSpec(2, "per-token", 32), 64)
     rk, rv = k[:, :, t:].half(), v[:, :, t:].half()
+    kw = dict(k_bits=ks.bits, v_bits=2, k_group=kg, v_group=vg, k_layout=ks.granularity,
+              v_layout="per-token", scaling=0.125)
     out = decode_attention(q, kst.codes, kst.scale, kst.zero, vst.codes, vst.scale, vst.zero, t,
-                           k_bits=ks.bits, v_bits=2, k_group=kg, v_group=vg,
-                           k_layout=ks.granularity, v_layout="per-token", scaling=0.125,
-                           residual_k=rk, residual_v=rv, residual_len=res,
-                           balancer=bal if bal_on else None, key_mean=mu)
-    keys = kst.dequantize_range(0, kst.length)[:, :, :t] / bal[:, None] + mu4
+                           residual_k=rk, residual_v=rv, residual_len=res, balancer=bal, **kw)
+    keys = kst.dequantize_range(0, kst.length)[:, :, :t] / bal[:, :, None]
     full_k = torch.cat((keys, rk.float()), 2)
     full_v = torch.cat((vst.dequantize_range(0, vst.length)[:, :, :t], rv.float()), 2)
     ref = _reference(q, full_k, full_v, torch.ones(b, hkv, t + res, dtype=torch.bool), 0.125)
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref, atol=3e-3, rtol=3e-3)
-    with pytest.raises(KernelInputError, match="key_mean"):
+    with pytest.raises(KernelInputError, match="balancer"):
         decode_attention(q, kst.codes, kst.scale, kst.zero, vst.codes, vst.scale, vst.zero, t,
-                         k_bits=ks.bits, v_bits=2, k_group=kg, v_group=vg,
-                         k_layout=ks.granularity, v_layout="per-token", scaling=0.125,
-                         key_mean=mu[..., :8])
+                         balancer=bal[..., :8], **kw)
 
 
 def test_new_layout_inputs_raise_clear_errors():

@@ -31,7 +31,6 @@ from kvlens.config import (
     KVConfig,
     LayerKV,
     MikvSettings,
-    centre_codebook_keys,
     config_from_dict,
 )
 from kvlens.deploy import engine_config
@@ -68,69 +67,25 @@ def _mixed() -> KVConfig:
                     balancers={1: ((1.5,) * 16, (0.5,) * 16)})
 
 
-BOOK3 = (-2.1, -1.2, -0.6, -0.2, 0.2, 0.6, 1.2, 2.1)
-
-
-def _codebook() -> KVConfig:
-    """Codebook values as `recommend` writes them (fitted, renormalised, centroids in the
-    config) beside uniform keys, sinks and a sliding block; layer 1: a 2-bit Lloyd-Max codebook
-    (nothing stored) under per-token keys, layer 2 whole-window flushes with a seeded rotation."""
-    s = QuantSpec
-    book = CodebookSpec(3, "fitted", RotationSpec(3), renormalize=True)
-    default = LayerKV(s(2, "per-channel", 8), book, R, flush_tokens=8)
-    layers = {1: LayerKV(s(4, "per-token", 8), CodebookSpec(2, rotation=RotationSpec(3)), R),
-              2: LayerKV(s(3, "per-channel", 8), book, R, pre_rope_keys=True)}
-    return KVConfig("codebook", default, layers, mikv=MikvSettings(0.0, 4, "off"),
-                    rotation_seed=3, codebooks={0: {"value": BOOK3}, 2: {"value": BOOK3}})
-
-
 def _codebook_keys() -> KVConfig:
     """Codebook keys: vLLM turboquant's layout (Lloyd-Max keys renormalised, 4-bit per-token
-    values, no window) by default; layer 1 fitted keys and values (centroids in the config) with
-    a window and a sliding block; layer 2 kept exact at fp_dtype (turboquant's boundary
+    values, no window) by default; layer 1 2-bit Lloyd-Max-normal keys beside per-channel values
+    with a window and a sliding block; layer 2 kept exact at fp_dtype (turboquant's boundary
     layers)."""
     s = QuantSpec
     rot = RotationSpec(3)
     default = LayerKV(CodebookSpec(3, rotation=rot, renormalize=True), s(4, "per-token"))
-    layers = {1: LayerKV(CodebookSpec(2, "fitted", rot), CodebookSpec(3, "fitted", rot), R,
+    layers = {1: LayerKV(CodebookSpec(2, "lloyd-max-normal", rot), s(3, "per-channel", 8), R,
                          flush_tokens=8),
               2: LayerKV()}
-    return KVConfig("codebook-keys", default, layers, rotation_seed=3,
-                    codebooks={1: {"key": (-1.5, -0.5, 0.5, 1.5), "value": BOOK3}})
-
-
-def _centred() -> KVConfig:
-    """Centred keys as `recommend --centering` writes them: post-RoPE per-token keys with a fixed
-    balancer and sinks (default), rotated (layer 1), pre-RoPE (layer 2); a mean per layer."""
-    s = QuantSpec
-    default = LayerKV(s(2, "per-token", 8), s(2, "per-token", 8), R, flush_tokens=8,
-                      center_keys=True)
-    layers = {1: LayerKV(s(4, "per-token", 16), s(2, "per-token", 8), R, rotate_keys=True,
-                         center_keys=True),
-              2: LayerKV(s(2, "per-token", 8), s(2, "per-channel", 8), R, pre_rope_keys=True,
-                         center_keys=True)}
-    mean = tuple(tuple(0.25 * (h + 1) * (c % 3 - 1) for c in range(16)) for h in range(2))
-    return KVConfig("centred", default, layers, mikv=MikvSettings(0.0, 4, "fixed"),
-                    balancers={0: ((1.5,) * 16, (0.5,) * 16)},
-                    key_means={i: mean for i in range(3)})
-
-
-def _centred_codebook_keys() -> KVConfig:
-    """``_codebook_keys`` with its codebook keys centred (default and layer 1; layer 2 exact):
-    one float16 mean per KV head held by each centred layer."""
-    mean = tuple(tuple(0.25 * (h + 1) * (c % 3 - 1) for c in range(16)) for h in range(2))
-    return centre_codebook_keys(_codebook_keys(), {i: mean for i in range(3)},
-                                name="codebook-keys-centred")
+    return KVConfig("codebook-keys", default, layers, rotation_seed=3)
 
 
 CONFIGS = {name: _scaled(cfg) for name, cfg in PRESETS.items()} | {
     "mixed": _mixed(), "mixed-8bit": replace(_mixed(), name="mixed-8bit", scale_dtype="8bit"),
-    "codebook": _codebook(), "codebook-keys": _codebook_keys(),
+    "codebook-keys": _codebook_keys(),
     "vllm-turboquant": engine_config("vllm:turboquant_k3v4_nc", num_layers=3).config,
-    "centred": _centred(), "codebook-keys-centred": _centred_codebook_keys(),
-    "vllm-turboquant-centred": centre_codebook_keys(
-        engine_config("vllm:turboquant_4bit_nc", num_layers=3).config,
-        {1: _centred_codebook_keys().key_means[1]})}
+    "vllm-turboquant-4bit": engine_config("vllm:turboquant_4bit_nc", num_layers=3).config}
 
 
 def _shape(model) -> ModelShape:
@@ -190,7 +145,7 @@ def test_formula_bits_equal_held_bits_at_long_contexts(name):
     exactly the formula's bits; a left-padded batch of 2 too."""
     model = _model("gemma3")  # sliding (window 8) and global layers
     config = _scaled(CONFIGS[name], 32) if not name.startswith(
-        ("mixed", "codebook", "vllm", "centred")) \
+        ("mixed", "codebook", "vllm")) \
         else CONFIGS[name]
     shape = _shape(model)
     ids = torch.randint(3, 128, (2, 4096), generator=torch.Generator().manual_seed(2))

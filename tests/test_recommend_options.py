@@ -83,9 +83,9 @@ def test_the_command_runs_the_library_defaults(cap, monkeypatch):
     assert seen == [RecommendOptions(budget_bits=8)]
     assert seen[0].tokens == 512 and seen[0].sensitivity == "auto"  # the derived tokens
     res = runner.invoke(app, ["recommend", str(cap), "-b", "8", "--thorough", "--set",
-                              "codebooks=on", "--set", "mikv=off", "--windows", "128"])
+                              "balancer=off", "--set", "mikv=off", "--windows", "128"])
     assert res.exit_code == 1, res.output
-    assert seen[1] == RecommendOptions(budget_bits=8, gear=True, mikv=False, codebooks=True,
+    assert seen[1] == RecommendOptions(budget_bits=8, gear=True, mikv=False, balancer=False,
                                        windows=(128,))
     assert seen[1].tokens == 256  # derived from the one window
 
@@ -105,14 +105,16 @@ def test_set_list_describes_every_lever():
 
 
 def test_parse_settings_types_and_owners():
-    got = parse_settings(["codebooks=on", "bits=2,3", "layout-layers=none", "rotation=off",
+    got = parse_settings(["prefer-fast=on", "bits=2,3", "layout-layers=none", "rotation=off",
                           "kld-anchors=2", "mikv-fractions=0.1", "key-fits=minmax,mse"])
-    assert got[RECOMMEND] == {"codebooks": True, "bits": (2, 3), "layout_layers": None,
+    assert got[RECOMMEND] == {"prefer_fast": True, "bits": (2, 3), "layout_layers": None,
                               "rotation": False, "mikv_fractions": (0.1,),
                               "key_fits": ("minmax", "mse")}
     assert got[TARGET] == {"rotation": False, "anchors": 2}
     for bad, said in (("nope=1", "unknown lever"), ("flush", "NAME=VALUE"),
-                      ("flush=x", "expected int"), ("codebooks=2", "on|off")):
+                      ("flush=x", "expected int"), ("prefer-fast=2", "on|off"),
+                      ("codebooks=on", "unknown lever 'codebooks'"),  # removed (issue #57)
+                      ("centering=on", "unknown lever 'centering'")):
         with pytest.raises(InputError, match=said):
             parse_settings([bad])
 

@@ -32,9 +32,10 @@ KVLENS = Path(__file__).resolve().parents[1] / "kvlens"
 
 
 def _opts(**kw):
-    """Codebook and centred candidates, two windows (two streams per candidate)."""
-    kw = {"budget_bits": 3.0, "codebooks": True, "centering": True, "windows": (32, 64),
-          "group_sizes": (32,), **kw}
+    """MiKV set and GEAR twins, both key fits, two windows (two streams per candidate): every
+    kind of candidate field the format carries."""
+    kw = {"budget_bits": 3.0, "gear": True, "mikv": True, "key_fits": ("minmax", "mse"),
+          "windows": (32, 64), "group_sizes": (32,), **kw}
     return small_options(**kw)
 
 
@@ -53,14 +54,6 @@ def _same(a: Measurements, b: Measurements) -> None:
     for i in a.balancers:
         assert a.balancers[i].dtype == b.balancers[i].dtype
         assert torch.equal(a.balancers[i], b.balancers[i])
-    assert a.codebooks.keys() == b.codebooks.keys()
-    for i, books in a.codebooks.items():
-        assert list(books) == list(b.codebooks[i])
-        for slot, x in books.items():
-            y = b.codebooks[i][slot]
-            assert type(x) is type(y)
-            x, y = getattr(x, "centroids", x), getattr(y, "centroids", y)
-            assert x.dtype == y.dtype and torch.equal(x, y)
 
 
 def _same_choice(a: Measurements, b: Measurements, opts) -> list[str]:
@@ -72,17 +65,29 @@ def _same_choice(a: Measurements, b: Measurements, opts) -> list[str]:
 
 
 def test_read_back_allocates_as_measured(measured):
-    """The round trip on a real measurement with codebooks and centred keys: the same fields
-    and, at budgets that choose codebook and centred candidates, the same recommendation."""
+    """The round trip on a real measurement with MiKV set and GEAR twins and fitted keys: the
+    same fields and, at several budgets, the same recommendation."""
     _, m = measured
     back = decode(encode(m))
     _same(m, back)
-    assert any(back.codebooks.values()) and back.balancers
-    chosen = []
+    cands = {c for t in back.tables for c, _ in t}
+    assert back.balancers and any(c.mikv_set for c in cands) and any(c.gear for c in cands)
+    assert any(c.fit == "mse" and c.tensor == "key" for c in cands)
     for budget in (2.7, 3.0, 3.2, 4.0):
-        chosen += _same_choice(m, back, _opts(budget_bits=budget))
-    # the budgets exercise what the format must carry beyond the tables
-    assert any("codebook" in c for c in chosen) and any("ctr" in c for c in chosen)
+        _same_choice(m, back, _opts(budget_bits=budget))
+    # with only set (or GEAR) twins for keys, the allocation takes them from the read-back file
+    # as from the measurement: what the format carries beyond plain candidates is used
+    for keep, budget, word in ((lambda c: c.mikv_set, 4.0, " set"), (lambda c: c.gear, 8.0,
+                                                                     " gear")):
+        a, b = (_only_keys(x, keep) for x in (m, back))
+        assert all(word in c for c in _same_choice(a, b, _opts(budget_bits=budget)))
+
+
+def _only_keys(m: Measurements, keep) -> Measurements:
+    """``m`` with every key candidate but those with ``keep(c)`` dropped."""
+    return dataclasses.replace(m, tables=[{cs: e for cs, e in t.items()
+                                           if cs[0].tensor == "value" or keep(cs[0])}
+                                          for t in m.tables])
 
 
 def test_encoder_carries_weights_factors_and_odd_values(measured):

@@ -97,9 +97,8 @@ def fisher_rows(path, m, opts, probes, grads, n: int, keep: int):
     rows = []
     with open_capture(path) as cap:
         for layer in (cap.layer(i) for i in m.meta.layers):
-            q, k, v, variants, _, _, _ = layer_variants(
-                layer, m.meta, probes, one, m.balancers.get(layer.index),
-                m.codebooks.get(layer.index))
+            q, k, v, variants, _, _ = layer_variants(
+                layer, m.meta, probes, one, m.balancers.get(layer.index))
             got = [c for c in probes if variants.get(c) is not None]
             la = layer.attrs
             kw = dict(scaling=la.scaling, sliding_window=la.sliding_window,
@@ -181,8 +180,7 @@ def hybrid(measured: list[dict], estimated: list[dict], anchors: list[tuple]) ->
 def measured_options(args) -> RecommendOptions:
     """What ``kvlens recommend CAPTURE -b 3.0`` measures with the given options (the budget is
     the allocation's only: ``measure`` does not read it)."""
-    return RecommendOptions(budget_bits=3.0, model=args.model, fp_dtype=args.window_dtype,
-                            centering=getattr(args, "centering", False))
+    return RecommendOptions(budget_bits=3.0, model=args.model, fp_dtype=args.window_dtype)
 
 
 def fisher(args) -> None:
@@ -259,7 +257,7 @@ def short(args) -> None:
     workers = resolve_workers(opts.workers, float("inf"), m.meta.num_layers)
     start = time.perf_counter()
     weights, factors = layout_factors(args.capture, model, short_opts, cands, m.balancers, [],
-                                      None, m.codebooks, workers)
+                                      None, workers)
     short_s = time.perf_counter() - start
     short_rates = rates_of(weights, factors)
 
@@ -297,7 +295,6 @@ def main(argv=None) -> None:
     common.add_argument("--window-dtype", default="float16")
     common.add_argument("--bits", default="3.0,2.5", help="budgets to allocate, comma list")
     f = sub.add_parser("fisher", parents=[common], help="gradient (Fisher) estimates")
-    f.add_argument("--centering", action="store_true")
     f.add_argument("--samples", type=int, default=8)
     f.add_argument("--seed", type=int, default=0)
     f.add_argument("--out", default="fisher")

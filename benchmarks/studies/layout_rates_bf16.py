@@ -38,11 +38,11 @@ from kvlens.recommend.sensitivity import layout_tokens
 def layout_row(layer, meta, probes, opts, keep: int, kl) -> dict:
     """One layer's ``{family: KL rate}`` for every probe, as the layout stage measures it (a
     copy of the per-layer step of ``kvlens.recommend.sensitivity.layout_factors``, which has
-    no public one-layer entry point; balancers and codebooks fitted here on the layer, as
+    no public one-layer entry point; balancers fitted here on the layer, as
     ``measure`` fits them). ``kl`` is ``perturbed_kl``'s measuring function."""
     n = opts.tokens
     with torch_threads(1):
-        q, k, v, variants, _, _, _ = layer_variants(layer, meta, probes, opts, None, None)
+        q, k, v, variants, _, _ = layer_variants(layer, meta, probes, opts, None)
         got = [c for c in probes if variants.get(c) is not None]
         la = layer.attrs
         errs = attention_errors_many(q[:, :, n - keep:], k, v, [variants[c] for c in got],

@@ -32,7 +32,7 @@ model=M)``: what ``kvlens recommend -b B [--model M]`` runs.
 ``RecommendOptions`` (e.g. ``retrieval_tokens=2000``, ``tokens=1024``), named by the overrides:
 what a changed default would buy, before it is re-checked on fresh text. Candidates that are
 off by default are such rows: ``--variant gear=true``, ``--variant mikv=true`` (GEAR and MiKV
-twins, ``--thorough``), ``--variant codebooks=true``, ``--variant centering=true``.
+twins, ``--thorough``).
 
 Configs that come out identical to the full recommendation are reported as such and not
 evaluated again. Prints a markdown table and writes ``OUT/ablation.json``.
@@ -46,8 +46,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-# levers on by default, switched off; the opt-in candidates (GEAR, MiKV, codebooks, centred
-# keys) are --variant rows that switch them on
+# levers on by default, switched off; the opt-in candidates (GEAR, MiKV) are --variant rows
+# that switch them on
 FAMILIES = {"rotation": {"rotation": False}, "balancer": {"balancer": False},
             "pre-rope": {"pre_rope": "off"},
             "transforms": {"rotation": False, "balancer": False, "pre_rope": "off"}}

@@ -42,9 +42,6 @@ its KV head so packed bytes are read once):
    the softmax weights: ``out[j-th channel group] += dot(p * v_scale[:, j], codes[:, group j]) +
    sum_t p * v_zero[:, j]`` as a batched dot over the ``D/Gv`` channel groups. The channel
    balancer is folded into ``q`` (``q / balancer``) and ``scaling * log2(e)`` too (``exp2``).
-   Centred keys (the store holds ``k - mu``): every packed score gets ``q · mu`` (the query
-   before the balancer), computed once per program: ``q · (deq + mu)`` without touching codes;
-   uniform and codebook keys alike (a rotated codebook's ``mu`` comes rotated, ``mu R``).
    Codebook keys (``K_CB``): the block's codes index the centroid table (a gather from at most
    256 floats, L1-resident), ``score_t = s_t * dot(q, c[code_t])`` (fp16 dot, fp32 accumulate;
    ``s_t`` from the norm and, renormalised, the gathered centroids' norm). Codebook values
@@ -165,7 +162,6 @@ def _token_mask(b, pos, valid, mask_ptr, smb, smn, start_ptr,
 def _packed_split_kernel(
     q_ptr, sqb, sqh, sqd,  # [B, Hq, 1, D] query (T stride unused)
     bal_ptr, sbb, sbh, sbd,  # balancer [B|1, Hkv, D] (sbb = 0 when shared)
-    mu_ptr, smub, smuh, smud,  # mean key of centred keys [B|1, Hkv, D] (smub = 0 when shared)
     kc_ptr, skcb, skch, skct, skcd,  # key codes uint8: [B, Hkv, cap/Pk, D] or [B, Hkv, cap, D/Pk]
     ks_ptr, sksb, sksh, skst, sksd,  # key scale [B, Hkv, rows, cols] (skst/sksd per layout)
     kz_ptr, skzb, skzh, skzt, skzd,  # key zero, same shape
@@ -200,7 +196,7 @@ def _packed_split_kernel(
     GV: tl.constexpr, GV_P: tl.constexpr,  # per-token values: channels per group and pad
     NDG: tl.constexpr, NDG_P: tl.constexpr,  # per-token values: groups per token (D/GV) and pad
     HAS_BAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_START: tl.constexpr,
-    HAS_PVALID: tl.constexpr, HAS_MU: tl.constexpr,
+    HAS_PVALID: tl.constexpr,
     K_CB: tl.constexpr, V_CB: tl.constexpr,  # keys / values codebook-coded (k_scale = norms)
     K_RN: tl.constexpr, V_RN: tl.constexpr,  # codebook scale norm / ||c|| (renormalised)
 ):
@@ -214,9 +210,6 @@ def _packed_split_kernel(
     dmask = di < D
     q = tl.load(q_ptr + b * sqb + (h * GQ + gi[:, None]) * sqh + di[None, :] * sqd,
                 mask=gmask[:, None] & dmask[None, :], other=0.0).to(tl.float32) * qscale
-    if HAS_MU:  # centred keys: the score shift q . mu (log2 units), before the balancer
-        mu = tl.load(mu_ptr + b * smub + h * smuh + di * smud, mask=dmask, other=0.0)
-        qmu = tl.sum(q * mu.to(tl.float32)[None, :], axis=1)  # [BG]
     if HAS_BAL:
         bal = tl.load(bal_ptr + b * sbb + h * sbh + di * sbd, mask=dmask, other=1.0)
         q = q / bal.to(tl.float32)[None, :]
@@ -292,8 +285,6 @@ def _packed_split_kernel(
                 kcode = _unpack_at(kc_ptr + b * skcb + h * skch + t[None, :] * skct,
                                    di[:, None], skcd, tv[None, :] & dmask[:, None], KB, KU, KW)
             s = tl.dot(qs, kcode.to(tl.float16)) + bias[:, None]
-        if HAS_MU:
-            s = s + qmu[:, None]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -610,7 +601,6 @@ def decode_attention(
     extra: tuple | list = (),
     packed_valid: torch.Tensor | None = None,
     balancer: torch.Tensor | None = None,
-    key_mean: torch.Tensor | None = None,
     key_mask: torch.Tensor | None = None,
     valid_start: torch.Tensor | None = None,
     split_tokens: int | None = None,
@@ -637,8 +627,6 @@ def decode_attention(
     packed_valid: bool ``[B, Hkv, >=length]``, False hides a packed token (MiKV hp copies).
     balancer: ``[Hkv, D]`` or ``[B, Hkv, D]``: keys were stored as ``k * balancer``; the query is
     divided by it for the packed segment only.
-    key_mean: ``[Hkv, D]`` or ``[B, Hkv, D]``: the packed keys are centred (``k - key_mean``,
-    before any balancer); the packed segment's scores get ``q · key_mean`` back.
     key_mask: bool ``[B, N]`` over absolute positions, True = attend. valid_start: ``[B]`` ints,
     positions before it are masked (left padding).
     split_tokens: tokens per split of the packed store (multiple of the token block); ``None``
@@ -741,7 +729,6 @@ def decode_attention(
         check_shape("valid_start", valid_start, (b,))
         start = valid_start
     bal = _head_vectors("balancer", balancer, b, hkv, d, dev)
-    mu = _head_vectors("key_mean", key_mean, b, hkv, d, dev)
 
     bg = max(16, next_pow2(gq))
     bd = max(16, next_pow2(d))
@@ -782,9 +769,8 @@ def decode_attention(
     start_arg = start if start is not None else dummy
     qs = (q.stride(0), q.stride(1), q.stride(3))
     if n_packed:
-        bal_args, mu_args = ((x, 0 if x.shape[0] == 1 else x.stride(0), x.stride(1),
-                              x.stride(2)) if x is not None else (dummy, 0, 0, 0)
-                             for x in (bal, mu))
+        bal_args = ((bal, 0 if bal.shape[0] == 1 else bal.stride(0), bal.stride(1),
+                     bal.stride(2)) if bal is not None else (dummy, 0, 0, 0))
         pv_args = (pvalid, *pvalid.stride()) if pvalid is not None else (dummy, 0, 0, 0)
         nkg, ndg = d // kgeo[2], d // vgeo[2]
         # per-tensor scales have one column: stride 0 reads it for every channel
@@ -792,7 +778,7 @@ def decode_attention(
         kss, kzs = (_param_strides(t, k_layout) for t in (k_scale, k_zero))
         vss, vzs = (_param_strides(t, v_layout) for t in (v_scale, v_zero))
         _packed_split_kernel[(programs, n_packed)](
-            q, *qs, *bal_args, *mu_args,
+            q, *qs, *bal_args,
             k_codes, *k_codes.stride(), k_scale, *kss, dummy if k_book else k_zero, *kzs,
             v_codes, *v_codes.stride(), v_scale, *vss, dummy if v_book else v_zero, *vzs,
             dummy if k_table is None else k_table, dummy if v_table is None else v_table,
@@ -804,7 +790,7 @@ def decode_attention(
             VB=v_bits, VU=vunit[0], VW=vunit[1], V_TOK=vgeo[0], VRT=vgeo[1],
             GV=vgeo[2], GV_P=max(16, next_pow2(vgeo[2])), NDG=ndg, NDG_P=next_pow2(ndg),
             HAS_BAL=bal is not None, HAS_MASK=mask is not None, HAS_START=start is not None,
-            HAS_PVALID=pvalid is not None, HAS_MU=mu is not None, K_M8=k_zero_unit is not None,
+            HAS_PVALID=pvalid is not None, K_M8=k_zero_unit is not None,
             V_M8=v_zero_unit is not None, MB=META8_SCALE_BIAS, MS=META8_SCALE_STEPS,
             K_CB=k_book, V_CB=v_book, K_RN=k_book and k_renormalize,
             V_RN=v_book and v_renormalize)

@@ -115,20 +115,13 @@ class CompressionSession:
             bal = torch.tensor(bal, dtype=torch.float32, device=device)
         else:
             bal = None
-        cents = {t: self.config.centroids_for(idx, t) for t in ("key", "value")}
-        cents = {t: None if c is None else torch.tensor(c, dtype=torch.float32, device=device)
-                 for t, c in cents.items()}
-        mean = self.config.key_mean_for(idx)
-        if mean is not None:
-            mean = torch.tensor(mean, dtype=torch.float16, device=device)
         cls = with_fixed_state(CompressedLayer) if states else CompressedLayer
         return cls(self.config.layer(idx), idx, self.info.head_dim,
                    scale_dtype=self.config.scale_dtype, fp_dtype=self.config.fp_dtype,
                    mikv=self.config.mikv_for(idx), balancer=bal,
                    sliding_window=self.info.window(idx), rotation=rotation, session=self,
-                   gear=self.config.gear_for(idx), value_centroids=cents["value"],
-                   key_centroids=cents["key"], write_first=self.config.write_before_attention,
-                   key_mean=mean, kv_shared=self.info.mla is not None, **states)
+                   gear=self.config.gear_for(idx), write_first=self.config.write_before_attention,
+                   kv_shared=self.info.mla is not None, **states)
 
     def _engine_layer(self, idx: int, **states):
 

@@ -9,7 +9,7 @@ the bytes one single-token decode step reads, for ``recommend`` to report next t
   ``2 * s * D / G`` per token too, per-tensor ones ``2 * s / F``);
 - an unquantized tensor's dense history, the filled part of the residual window (not its spare
   capacity), the MiKV full-precision set with its positions and mask, pre-RoPE positions (to
-  re-create RoPE), accumulators (read and written by H2O), balancers, mean keys, GEAR's
+  re-create RoPE), accumulators (read and written by H2O), balancers, GEAR's
   outliers and low-rank factors (read whole every step);
 - ``torch_unpack_bytes``: on the eager torch path (CPU) each quantized element is also unpacked
   to float32 once per step, chunk by chunk (written, then read by the matmul): 4 bytes per

@@ -3,7 +3,7 @@
 A ``CompressedLayer`` keeps, for its layer, ``[B, H, *, D]`` history in up to three places:
 
 - the **packed store** (``kvlens.cache.packed.PackedTensor`` for a quantized tensor,
-  ``kvlens.cache.codebook.CodebookStore`` for codebook keys or values, or a full-precision
+  ``kvlens.cache.codebook.CodebookStore`` for codebook keys, or a full-precision
   ``DenseTensor`` when only the other tensor is quantized): cache positions
   ``[q_start, q_end)``, immutable once written;
 - the **residual window**: the newest ``n_res`` tokens (positions ``[res_start, N)``) at the
@@ -38,14 +38,6 @@ brings them reads them back compressed.
 Pre-RoPE keys: the layer stores each held token's RoPE position (int32) and re-creates its
 (cos, sin) from the model's own RoPE frequencies (``kvlens.rope.RopeFrequencies``), checked
 against the tables the model passed at every update.
-
-Centred keys (``LayerKV.center_keys``): the layer holds its mean key ``mu`` ``[Hkv, D]`` float16
-(the config's ``key_means``, in the basis keys are quantized in: pre- or post-RoPE, unrotated)
-and packs ``k - mu`` (in the stored basis: ``k R - mu R`` for rotated keys, codebook keys
-included; before the balancer scales it). The read adds ``mu`` back, so window, sink and
-packed keys are all the model's keys up to quantization: pre-RoPE, ``mu`` is added to each
-dequantized chunk before RoPE; post-RoPE, the scores against the packed keys get ``q · mu``
-(``key_score_shift``), which is ``q · (deq + mu)`` without touching the codes.
 """
 
 from __future__ import annotations
@@ -229,9 +221,8 @@ class CompressedLayer(HistoryLayer):
                  scale_dtype: str = "float16", fp_dtype: str = "float16",
                  mikv: MikvSettings | None = None, balancer: torch.Tensor | None = None,
                  sliding_window: int | None = None, rotation: torch.Tensor | None = None,
-                 session=None, gear=None, value_centroids: torch.Tensor | None = None,
-                 key_centroids: torch.Tensor | None = None, write_first: bool = False,
-                 key_mean: torch.Tensor | None = None, kv_shared: bool = False):
+                 session=None, gear=None, write_first: bool = False,
+                 kv_shared: bool = False):
         super().__init__()
         self.is_initialized = False  # set by the base class from transformers 4.57 on, not 4.56
         self.setting = setting
@@ -251,9 +242,8 @@ class CompressedLayer(HistoryLayer):
         self.shares = layout.shares_storage(
             setting, kv_shared, head_dim, gear=gear,
             balancer=balancer is not None or (mikv is not None and mikv.balancer == "online"))
-        self.kstore, self.vstore = (
-            self._store(spec, cents, head_dim, scale_dtype, fp)
-            for spec, cents in ((setting.key, key_centroids), (setting.value, value_centroids)))
+        self.kstore, self.vstore = (self._store(spec, head_dim, scale_dtype, fp)
+                                    for spec in (setting.key, setting.value))
         self.res_k, self.res_v = DenseTensor(fp, "window"), DenseTensor(fp, "window")
         if self.shares:
             self.vstore, self.res_v = self.kstore, self.res_k
@@ -298,20 +288,12 @@ class CompressedLayer(HistoryLayer):
         # KVConfig.write_before_attention: after the first forward, code the new tokens before
         # attending to them (needs no window and no MiKV set: validated by KVConfig)
         self.write_first = write_first and bool(self.flush_every)
-        # centred keys: the mean key [Hkv, D] float16, held (and counted) once per layer
-        self.key_mean = None
-        if setting.center_keys and setting.key is not None:
-            if key_mean is None:
-                raise ConfigError(f"layer {layer_idx} centres its keys but no mean key was given "
-                                  "(build the cache with compressed_attention, which reads the "
-                                  "config's key_means).")
-            self.key_mean = key_mean.to(torch.float16)
 
-    def _store(self, spec, centroids, head_dim: int, scale_dtype: str, fp):
-        """The history store of one tensor: codebook codes (fitted: the config's ``centroids``),
-        packed uniform codes, or full precision at ``fp`` when ``spec`` is ``None``."""
+    def _store(self, spec, head_dim: int, scale_dtype: str, fp):
+        """The history store of one tensor: codebook codes (keys), packed uniform codes, or
+        full precision at ``fp`` when ``spec`` is ``None``."""
         if isinstance(spec, CodebookSpec):
-            return CodebookStore.for_cache(spec, centroids, head_dim, self.flush_every)
+            return CodebookStore.for_cache(spec, head_dim, self.flush_every)
         if spec is not None:
             return PackedTensor.create(spec, self.setting.residual_tokens, head_dim, scale_dtype,
                                        self.setting.flush_tokens)
@@ -363,19 +345,6 @@ class CompressedLayer(HistoryLayer):
         if not self.setting.rotate_values:
             return out
         return (out.float() @ self.rotation.T).to(out.dtype)
-
-    def stored_key_mean(self) -> torch.Tensor:
-        """The mean key in the stored basis, ``[Hkv, D]`` float32 (``mu R`` for rotated keys)."""
-        mu = self.key_mean.float()
-        return mu @ self.rotation if self.setting.rotate_keys else mu
-
-    def key_score_shift(self, q: torch.Tensor) -> torch.Tensor | None:
-        """``q · mu`` ``[B, Hkv, M, 1]`` for ``q`` ``[B, Hkv, M, D]`` (stored basis, scaled): what
-        the scores against this layer's packed post-RoPE centred keys lack; ``None`` when the
-        keys are not centred or are centred before RoPE (the read adds ``mu`` before RoPE)."""
-        if self.key_mean is None or self.stores_pre_rope:
-            return None
-        return torch.matmul(q, self.stored_key_mean().to(q.device)[None, :, :, None])
 
     def _record_positions(self, b: int, t: int) -> None:
         """Keep the RoPE positions of the new tokens, checking that the model's RoPE can be
@@ -512,8 +481,6 @@ class CompressedLayer(HistoryLayer):
 
             cos, sin = self.rope_tables(t0, t0 + n)
             k_store = invert_rope(k.float(), cos, sin, self.rope.layout)
-        if self.key_mean is not None:  # centred before the balancer scales channels
-            k_store = k_store.float() - self.stored_key_mean()[None, :, None, :]
         if self.balancer is not None and self.setting.key is not None:
             k_store = k_store.float() * self.balancer.float().unsqueeze(-2)
         k_store = k_store if self.setting.key is not None else k
@@ -599,7 +566,6 @@ class CompressedLayer(HistoryLayer):
         for part, name in (("positions", "hp_pos"),
                            ("masks", "is_hp"), ("accumulators", "acc"),
                            ("positions", "positions"), ("balancers", "balancer"),
-                           ("means", "key_mean"),
                            ("rotations", "rotation"),
                            ("dense", "keys"), ("dense", "values")):
             t = getattr(self, name, None)

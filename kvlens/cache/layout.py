@@ -32,13 +32,9 @@ layer not in ``mikv.layers`` keeps only its sinks at ``fp_dtype``, ``KVConfig.mi
 packed block, ``kvlens.cache.gear``), ``positions`` (int32: the set's positions, and
 for pre-RoPE keys every held token's RoPE position), ``masks`` (bool per held packed token:
 H2O sets only), ``accumulators`` (float32 accumulated attention per held token: H2O only),
-``balancers`` (float32 ``[Hkv, D]``), ``norms`` and ``codebooks`` (codebook values,
-``kvlens.cache.codebook``: their codes are ``codes``, densely packed along channels, plus one
-float16 norm per held vector and, for a fitted codebook, its ``2^bits`` float16 centroids per
-layer, held from the layer's first token; ``CodebookSpec.held_bytes`` is the same count),
-``means`` (centred keys, ``LayerKV.center_keys``: the layer's mean key, float16 ``[Hkv, D]``,
-``kvlens.quant.centering.centering_bytes``, held from the layer's first token),
-``rotations`` (one float32 ``[D, D]`` Hadamard matrix
+``balancers`` (float32 ``[Hkv, D]``), ``norms`` (codebook keys, ``kvlens.cache.codebook``:
+their codes are ``codes``, densely packed along channels, plus one float16 norm per held vector;
+``CodebookSpec.held_bytes`` is the same count), ``rotations`` (one float32 ``[D, D]`` Hadamard matrix
 shared by every layer that rotates, counted once per device those layers run on).
 
 Engine-format layers (``key_format``/``value_format``, ``kvlens.cache.engine``) hold every token
@@ -70,12 +66,10 @@ from kvlens.model.architecture import describe
 from kvlens.model.placement import layer_devices
 from kvlens.quant import CodebookSpec, ds_mla, packed_length
 from kvlens.quant.cachetypes import DenseType, scale_count
-from kvlens.quant.centering import centering_bytes
-from kvlens.quant.codebook import CENTROID_BYTES, NORM_BYTES
+from kvlens.quant.codebook import NORM_BYTES
 
 PARTS = ("codes", "scales", "zeros", "dense", "window", "sets", "positions", "masks",
-         "accumulators", "balancers", "rotations", "blocks", "outliers", "lowrank", "norms",
-         "codebooks", "means")
+         "accumulators", "balancers", "rotations", "blocks", "outliers", "lowrank", "norms")
 FP_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
 # bytes of one group's scale (and of its zero) per config scale_dtype (kvlens.cache.packed)
 SCALE_BYTES = {"float16": 2, "float32": 4, "8bit": 1}
@@ -168,7 +162,7 @@ def packed_bytes(spec, tokens: int, flush: int, head_dim: int, scale_bytes: int 
     one (batch row, KV head), in ``kvlens.cache.packed``'s layout (dense codes in whole packing
     units, whole scale groups, a stored zero for every group). A codebook spec
     (``kvlens.cache.codebook``): ``(codes, norms, 0)``, codes packed along channels and one
-    float16 norm per vector (its centroids are per layer: ``layer_part_bytes``)."""
+    float16 norm per vector (its codebook is computed, not held)."""
 
     if tokens == 0:
         return 0, 0, 0
@@ -198,14 +192,14 @@ def shares_storage(setting, kv_shared: bool, head_dim: int, *, balancer: bool = 
     """Whether a layer keeps its keys and values in **one** store: a layer whose keys and values
     are one tensor (``kv_shared``: an MLA model's latent row, ``kvlens.model.mla``) stored
     alike (the same spec or engine type, the same rotation, no transform of the keys alone:
-    pre-RoPE, centring, balancer, GEAR). Otherwise the layer keeps two stores, as for any
+    pre-RoPE, balancer, GEAR). Otherwise the layer keeps two stores, as for any
     model."""
     if not kv_shared:
         return False
     if setting.engine:
         return engine_types_share(setting.key_type, setting.value_type, kv_shared, head_dim)
     return (setting.key == setting.value and setting.rotate_keys == setting.rotate_values
-            and not setting.pre_rope_keys and not setting.center_keys and not balancer
+            and not setting.pre_rope_keys and not balancer
             and gear is None)
 
 
@@ -243,7 +237,6 @@ def layer_part_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batc
             c, norms, _ = packed_bytes(spec, st.q_held, f, head_dim)
             parts["codes"] += rows * c
             parts["norms"] += rows * norms
-            parts["codebooks"] += spec.levels * CENTROID_BYTES if spec.fitted else 0
         else:
             c, s, z = packed_bytes(spec, st.q_held, f, head_dim, scale_bytes)
             parts["codes"] += rows * c
@@ -271,8 +264,6 @@ def layer_part_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batc
         parts["positions"] += batch * (tokens - st.q_start) * POSITION_BYTES
     if balancer and setting.key is not None:
         parts["balancers"] = kv_heads * head_dim * 4
-    if setting.center_keys and setting.key is not None:
-        parts["means"] = centering_bytes(kv_heads, head_dim)
     return parts
 
 

@@ -30,19 +30,11 @@ on the reference CPU (``docs/benchmarks.md``).
   sum_{t in g} p_t code_{t,c} + z_{g,c} * sum_{t in g} p_t``.
 - Per-token / per-tensor values (packed along channels): the value scale folds into the softmax
   weights, ``out_d = sum_t (p_t * scale_{t,j}) * code_{t,d} + sum_t p_t * zero_{t,j}``.
-- Codebook values (``kvlens.cache.codebook.CodebookStore``): each vector's scale (norm over
-  ``sqrt(D)``, or over its centroids' norm when renormalised) folds into the softmax weights,
-  ``out = sum_t (p_t s_t) c[code_t]`` in the rotated basis (``CodebookStore.value_out``); the
-  layer un-rotates the merged output once, as for rotated values.
-- Codebook keys (``CodebookStore``, the keys stored rotated and ``q`` rotated by the layer):
-  each vector's scale multiplies its score, ``score_t = s_t * (q . c[code_t])``
-  (``CodebookStore.key_scores``); centred, the codes are those of ``k R - mu R`` and the score
-  shift below applies unchanged.
+- Codebook keys (``kvlens.cache.codebook.CodebookStore``, the keys stored rotated and ``q``
+  rotated by the layer): each vector's scale (norm over ``sqrt(D)``, or over its centroids'
+  norm when renormalised) multiplies its score, ``score_t = s_t * (q . c[code_t])``
+  (``CodebookStore.key_scores``).
 - The channel balancer (``q / b``) and ``scaling`` fold into ``q`` first.
-- Centred keys (``LayerKV.center_keys``): the packed keys are ``k - mu``; post-RoPE, every
-  score against them gets ``q · mu`` added (one dot per query row and KV head,
-  ``CompressedLayer.key_score_shift``); pre-RoPE, ``mu`` is added to the dequantized chunk
-  before RoPE.
 - Pre-RoPE keys: RoPE rotates each dequantized key by its own position, so scales cannot fold
   into one query; the chunk is dequantized in place on its unpacked codes (``code * scale +
   zero``, float32), rotated with (cos, sin) re-created from the stored positions and dotted.
@@ -244,8 +236,6 @@ def _key_scores(layer, q: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
     if layer.stores_pre_rope:  # RoPE rotates the dequantized key: dequantize, rotate, dot
 
         k = _dequant_chunk(store, t0, t1)
-        if layer.key_mean is not None:  # centred before RoPE: add the pre-RoPE mean back
-            k += layer.key_mean.float()[None, :, None, :]
         cos, sin = layer.rope_tables(layer.q_start + t0, layer.q_start + t1)
         r = cos.shape[-1]
         rot = k[..., :r]
@@ -287,8 +277,6 @@ def _value_out(layer, p: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
     store = layer.vstore
     if layer.setting.value is None:
         return torch.matmul(p, store.dequantize_range(t0, t1))
-    if isinstance(store, CodebookStore):
-        return store.value_out(p, t0, t1)
     b, h, m, n = p.shape
     d = store.head_dim
     c = store.spec.bits
@@ -341,12 +329,9 @@ def _segments(layer, q: torch.Tensor, qb: torch.Tensor, mask, tq: int, chunk_tok
     sinks = layer.sink_end - a0  # a sinks-only set hides the packed prefix [0, sinks)
     f = max(layer.flush_every, 1)
     step = max(1, chunk_tokens // f) * f
-    shift = layer.key_score_shift(q) if nq else None  # centred post-RoPE keys: q . mu
     for t0 in range(0, nq, step):
         t1 = min(nq, t0 + step)
         s = _key_scores(layer, qb, t0, t1)
-        if shift is not None:
-            s += shift
         if layer.kgear is not None:  # GEAR: q (S + L)^T from the factors and sparse entries
             s += layer.kgear.key_terms(qb, t0, t1)
         s = _capped(s.view(b, hkv, g, tq, t1 - t0), softcap)

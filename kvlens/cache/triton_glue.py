@@ -6,9 +6,8 @@ the per-call dispatch, ``kvlens.cache.decode_cost`` and ``recommend``'s ``--pref
 ``triton_unsupported`` adds the per-call reasons (prefill, attention probabilities, GEAR, logit
 soft-capping and attention sinks, which the kernel does not apply);
 ``triton_decode`` turns a ``CompressedLayer`` and transformers' mask into the kernel's arguments.
-Codebook keys and values (``kvlens.cache.codebook``) are read by the kernel too, in the layer's
-rotated basis: the attention function passes the rotated query and un-rotates the output, for
-both backends alike.
+Codebook keys (``kvlens.cache.codebook``) are read by the kernel too, in the layer's rotated
+basis: the attention function passes the rotated query, for both backends alike.
 """
 
 from __future__ import annotations
@@ -104,8 +103,7 @@ def triton_decode(query: torch.Tensor, layer, mask: torch.Tensor | None, scaling
                   ) -> tuple[torch.Tensor | None, str | None]:
     """``kvlens_kernels.decode_attention`` over ``layer`` -> (output ``[B, 1, Hq, D]`` or
     ``None``, reason it was not used). Passes the MiKV high-precision set (extra segment, its
-    packed copies hidden), the channel balancer and the mean key of centred (post-RoPE) keys in
-    the stored basis (the kernel adds ``q · mu`` to the packed scores)."""
+    packed copies hidden) and the channel balancer."""
     from kvlens_kernels import decode_attention
 
     b = query.shape[0]
@@ -143,21 +141,19 @@ def triton_decode(query: torch.Tensor, layer, mask: torch.Tensor | None, scaling
         residual_k=_wide(layer.res_k.buf, query.dtype) if layer.n_res else None,
         residual_v=_wide(layer.res_v.buf, query.dtype) if layer.n_res else None,
         residual_len=layer.n_res,
-        extra=extra, packed_valid=pvalid, balancer=bal, key_mask=key_mask,
-        key_mean=layer.stored_key_mean() if layer.key_mean is not None else None)
+        extra=extra, packed_valid=pvalid, balancer=bal, key_mask=key_mask)
     return out.transpose(1, 2), None
 
 
 def _store_arguments(which: str, store, device) -> tuple[tuple, dict]:
     """``((codes, scale, zero), keywords)`` of the kernel for one packed store (``which`` = ``k``
-    or ``v``). A ``CodebookStore`` passes its packed codes, its norms as the scale, no zero, and
-    the centroid table: the held float16 centroids of a fitted codebook, or the computed
-    (Lloyd-Max) float32 table copied to ``device`` for the call (2^bits floats, as the torch
-    path's ``CodebookStore.chunk`` does); its vectors are in the layer's rotated basis, which the
-    caller's query already is (``kvlens.cache.attention`` rotates it once)."""
+    or ``v``). A ``CodebookStore`` (keys) passes its packed codes, its norms as the scale, no
+    zero, and the computed (Lloyd-Max) float32 centroid table copied to ``device`` for the call
+    (2^bits floats, as the torch path's ``CodebookStore.chunk`` does); its vectors are in the
+    layer's rotated basis, which the caller's query already is (``kvlens.cache.attention``
+    rotates it once)."""
     if isinstance(store, CodebookStore):
-        table = store.centroids if store.centroids is not None else \
-            store.codebook.centroids.to(device)
+        table = store.codebook.centroids.to(device)
         return (store.packed, store.norms, None), {
             f"{which}_bits": store.spec.bits, f"{which}_group": None,
             f"{which}_layout": "codebook", f"{which}_centroids": table,

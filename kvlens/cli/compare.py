@@ -29,8 +29,7 @@ from kvlens.cli.common import (
 READ_BY = {
     "rank": (("--variants lowrank", lambda c: "lowrank" in c.variants),),
     "outlier_fraction": (("--variants outliers", lambda c: "outliers" in c.variants),),
-    "rotation_seed": (("--variants rotate", lambda c: "rotate" in c.variants),
-                      ("--codebooks", lambda c: bool(c.codebooks))),
+    "rotation_seed": (("--variants rotate", lambda c: "rotate" in c.variants),),
 }
 METRIC_LABELS = {
     "reconstruction": "recon",
@@ -61,13 +60,8 @@ def compare_axes_command(
                                     "(quantize before RoPE, re-rotate), e.g. post,pre."),
     variants: str = typer.Option("", "--variants", rich_help_panel=ANALYSIS,
                                  help="Extra transforms beside plain quantization: balancer, "
-                                      "outliers, lowrank, rotate (Hadamard along head_dim), "
-                                      "center (keys: the layer's mean key per KV head "
-                                      "subtracted), predict (AQUA-KV: keys predicted from the "
-                                      "previous layer's reconstructed keys, values from the "
-                                      "layer's keys and the previous layer's values, fitted on "
-                                      "the other samples; only the residual quantized; "
-                                      "docs/codebooks.md). Comma-separated; default none."),
+                                      "outliers, lowrank, rotate (Hadamard along head_dim). "
+                                      "Comma-separated; default none."),
     outlier_fraction: float = typer.Option(0.01, "--outlier-fraction",
                                            callback=open_range(0.0, 1.0),
                                            rich_help_panel=ANALYSIS,
@@ -77,7 +71,7 @@ def compare_axes_command(
                              help="lowrank variant: rank of the GEAR residual."),
     rotation_seed: int = typer.Option(None, "--rotation-seed", min=0,
                                       rich_help_panel=ANALYSIS,
-                                      help="rotate variant and --codebooks: random sign flips "
+                                      help="rotate variant: random sign flips "
                                            "drawn with this seed (randomized Hadamard); "
                                            "default none (plain Hadamard)."),
     formats: str = typer.Option("", "--formats", rich_help_panel=ANALYSIS,
@@ -91,22 +85,6 @@ def compare_axes_command(
                                     "the capture; @head per KV head; :p99.9 percentile; :s1 "
                                     "the fixed default scale), vllm:int8-pth / int4-pth / "
                                     "fp8-pth (per-token-head). Default none.")),
-    codebooks: str = typer.Option("", "--codebooks", rich_help_panel=ANALYSIS,
-                                  help="Codebook layouts swept at every --bits, comma-separated "
-                                       "(docs/codebooks.md): lloyd-max, lloyd-max-normal (vLLM "
-                                       "TurboQuant's), fitted, weighted (keys; "
-                                       "query-weighted fit), each optionally with +center "
-                                       "(keys centred), +renorm (decoded vectors rescaled to "
-                                       "the stored norm), +pre (keys coded before RoPE) and "
-                                       "+predict (the residual of the predict variant coded). "
-                                       "Hadamard-rotated, one float16 norm "
-                                       "per vector. Default none."),
-    predict_calibration: Path = typer.Option(None, "--predict-calibration",
-                                             rich_help_panel=ANALYSIS,
-                                             help="predict variant: fit the predictors on "
-                                                  "every sample of this capture of the same "
-                                                  "model (other text) instead of leaving one "
-                                                  "sample out of RUN."),
     sinks: int = typer.Option(0, "--sinks", min=0, rich_help_panel=ANALYSIS,
                               help="Score/output metrics read the first N tokens exact (a cache "
                                    "that keeps the attention sinks at full precision)."),
@@ -156,9 +134,6 @@ def compare_axes_command(
             sink_tokens=sinks,
             rotation_seed=rotation_seed,
             formats=measured_cache_types(formats),
-            codebooks=parse_name_list(codebooks),
-            predict_calibration=(None if predict_calibration is None
-                                 else str(predict_calibration)),
         )
         _refuse_unread(config, given)
         _check_against_capture(run, config)
@@ -299,7 +274,7 @@ def _render_formats(summary: dict) -> None:
     for (tensor, _, metric), value in means.items():
         best[(tensor, metric)] = min(value, best.get((tensor, metric), value))
     table = Table(
-        title="engine KV-cache formats and codebooks",
+        title="engine KV-cache formats",
         caption="Relative Frobenius error, mean over layers and heads (keys post-RoPE). "
         "* = lowest error among the formats. bits: storage bits per element including "
         "scales. rot: Hadamard-rotated as the engine does. " + summary["format_calibration"] + ".",

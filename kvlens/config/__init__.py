@@ -1,8 +1,7 @@
 """The generation config: what every layer of the compressed cache stores.
 
 - ``schema``: the frozen dataclasses (``LayerKV``, ``MikvSettings``, ``GearSettings``,
-  ``KVConfig``), their validation, and ``centre_codebook_keys`` (a config's codebook keys
-  stored centred); ``model_check``: ``validate_for``, whether a config fits a loaded model.
+  ``KVConfig``) and their validation; ``model_check``: ``validate_for``, whether a config fits a loaded model.
 - ``io``: the versioned JSON form (``config_from_dict``, ``load_config``, ``save_config``);
   ``versions``: its ``FORMAT`` string, ``VERSION`` and what each version added.
 - ``presets``: the named presets and ``resolve`` (a preset name or a config file).
@@ -33,7 +32,6 @@ from kvlens.config.schema import (
     KVConfig,
     LayerKV,
     MikvSettings,
-    centre_codebook_keys,
 )
 from kvlens.config.versions import FORMAT, VERSION
 
@@ -54,7 +52,6 @@ __all__ = [
     "QuantoSetting",
     "TurboQuantSetting",
     "allowed_settings",
-    "centre_codebook_keys",
     "check_layout",
     "config_from_dict",
     "flush_block",

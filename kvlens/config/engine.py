@@ -574,9 +574,9 @@ def measured_cache_type(setting: EngineSettingName) -> str:
         return setting.cache_type(setting.key)
     if isinstance(setting, TurboQuantSetting):
         raise ConfigError(f"{name} is not one cache type: it codes keys with a codebook and "
-                          "values with per-token integers and keeps the boundary layers exact; "
-                          "compare-axes measures its parts with --codebooks lloyd-max+renorm "
-                          f"(keys, {setting.key_bits} bits in --bits) and per-token values.")
+                          "values with per-token integers and keeps the boundary layers exact, "
+                          "which compare-axes does not model; run generate --compare "
+                          f"{name} --eval kld on the model instead.")
     if setting.dtype == DS_MLA_DTYPE:
         raise ConfigError(f"{name} stores an MLA model's latent row, which compare-axes does "
                           "not measure; run generate --compare " + name + " --eval kld on the "

@@ -25,24 +25,23 @@ writes them. The meaning of each field is ``kvlens.config.schema``. JSON form::
       "rotation_seed": null | 0,               # sign flips of the Hadamard rotation
       "model": null | {"num_layers": 30, "head_dim": 64, "num_key_value_heads": 3},
       "engine_attention": "llamacpp-cpu-fa" | "llamacpp-cpu-nofa"   # optional; version 4
-      "codebooks": {"3": {"value": [c_0, ..., c_7]}}     # version 4, fitted centroids
-                                                         # ("key": [...]: version 5)
       "write_before_attention": true,          # optional; version 5 (vLLM TurboQuant's order)
-      "key_means": {"3": [[mu_0, ..., mu_{D-1}] per KV head]}   # version 5
     }
 
-A layer setting may add ``"center_keys": true`` (version 5): its keys are stored centred on
-its ``key_means`` entry (``kvlens.config.schema``).
+A key spec may be a codebook spec (version 5, ``kvlens.quant.codebook.CodebookSpec``), told
+apart by its ``"codebook"`` key::
 
-A value spec may be a codebook spec (version 4, ``kvlens.quant.codebook.CodebookSpec``; a key
-spec from version 5), told apart by its ``"codebook"`` key::
+    "key": {"version": 1, "bits": 3, "codebook": "lloyd-max-normal", "rotation": {"version": 1,
+            "seed": null}, "renormalize": true}
 
-    "value": {"version": 1, "bits": 3, "codebook": "fitted", "rotation": {"version": 1,
-              "seed": null}, "renormalize": true}
+Versions 4 and 5 also had codebook value specs, fitted codebooks (``"codebook": "fitted"`` or
+``"weighted"``) with their centroids in ``codebooks``, and centred keys (``"center_keys":
+true`` and the mean keys in ``key_means``); issue #57 removed them (docs/lab-notes/codebooks.md),
+so a file that uses them is refused with that reason (``_refuse_removed``).
 
 Version 6 added coupled (CQ) key and value specs (told apart by their ``"channels"`` key) and
 their codebooks in ``coupled_codebooks``; issue #57 removed them (docs/lab-notes/coupled.md), so
-a file that uses them is refused with that reason (``_refuse_coupled``) and a version-6 file
+a file that uses them is refused with that reason (``_refuse_removed``) and a version-6 file
 without them reads as any other.
 """
 
@@ -55,7 +54,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kvlens.config.schema import GearSettings, KVConfig, LayerKV, MikvSettings
+from kvlens.config.schema import REMOVED, GearSettings, KVConfig, LayerKV, MikvSettings
 from kvlens.config.versions import FORMAT, VERSION
 from kvlens.errors import ConfigError, is_int
 from kvlens.quant import CodebookSpec, QuantSpec
@@ -63,10 +62,10 @@ from kvlens.quant import CodebookSpec, QuantSpec
 __all__ = ["FORMAT", "VERSION", "config_from_dict", "load_config", "save_config"]
 
 _LAYER_KEYS = ("key", "value", "residual_tokens", "flush_tokens", "pre_rope_keys",
-               "rotate_keys", "rotate_values", "key_format", "value_format", "center_keys")
+               "rotate_keys", "rotate_values", "key_format", "value_format")
 _TOP_KEYS = ("format", "version", "name", "description", "default", "layers", "mikv", "gear",
              "balancers", "scale_dtype", "fp_dtype", "rotation_seed", "model", "kv_scales",
-             "engine_attention", "codebooks", "write_before_attention", "key_means")
+             "engine_attention", "write_before_attention")
 _V2_LAYER_KEYS = ("key_format", "value_format")
 _MIKV_KEYS = ("heavy_fraction", "sink_tokens", "balancer", "balancer_exponent", "set_bits",
               "layers")
@@ -88,14 +87,15 @@ def _spec(value: Any, where: str) -> QuantSpec | CodebookSpec | None:
 def _layer(data: Any, base: LayerKV | None, where: str) -> LayerKV:
     if not isinstance(data, Mapping):
         raise ConfigError(f"{where} must be a JSON object with keys {', '.join(_LAYER_KEYS)}.")
-    _no_unknown(data, _LAYER_KEYS, where)
+    # "center_keys": false (written by older versions) is the only behaviour left: ignored
+    _no_unknown({k: v for k, v in data.items() if k != "center_keys"}, _LAYER_KEYS, where)
     base = base or LayerKV()
     kwargs: dict[str, Any] = {}
     for name in ("key", "value"):
         if name in data:
             kwargs[name] = _spec(data[name], f"{where}.{name}")
     for name in ("residual_tokens", "flush_tokens", "pre_rope_keys", "rotate_keys",
-                 "rotate_values", "key_format", "value_format", "center_keys"):
+                 "rotate_values", "key_format", "value_format"):
         if name in data:
             kwargs[name] = data[name]
     try:
@@ -115,7 +115,7 @@ def config_from_dict(data: Any) -> KVConfig:
     if not is_int(version, 1, VERSION):
         raise ConfigError(f"Unsupported KV config version {version!r}; this kvlens reads "
                           f"versions 1-{VERSION} (an integer).")
-    _refuse_coupled(data)
+    _refuse_removed(data)
     _no_unknown(data, _TOP_KEYS, "KV config")
     raw_layers = _indexed(data, "layers", "an object mapping layer indices to overrides")
     if version < 2 and ("kv_scales" in data or any(
@@ -133,25 +133,10 @@ def config_from_dict(data: Any) -> KVConfig:
             mikv.set_bits is not None or mikv.layers is not None))):
         raise ConfigError("'gear', 'mikv.set_bits' and 'mikv.layers' need KV config version 2; "
                           'set "version": 2.')
-    codebook = any(isinstance(s.value, CodebookSpec) for s in (default, *layers.values()))
-    key_books = any(isinstance(s.key, CodebookSpec) for s in (default, *layers.values()))
-    books = data.get("codebooks")
-    normal = any(isinstance(b, CodebookSpec) and b.codebook == "lloyd-max-normal"
-                 for lk in (default, *layers.values()) for b in (lk.key, lk.value))
-    if version < 5 and (key_books or normal or isinstance(books, Mapping) and any(
-            isinstance(e, Mapping) and "key" in e for e in books.values())):
-        raise ConfigError('codebook key specs, \'codebooks.<layer>.key\' and the '
-                          '"lloyd-max-normal" codebook need KV config version 5; set '
-                          '"version": 5.')
+    if version < 5 and any(s.key_codebook is not None for s in (default, *layers.values())):
+        raise ConfigError('codebook key specs need KV config version 5; set "version": 5.')
     if version < 5 and "write_before_attention" in data:
         raise ConfigError('write_before_attention needs KV config version 5; set "version": 5.')
-    if version < 4 and (codebook or data.get("codebooks") is not None):
-        raise ConfigError('codebook value specs and \'codebooks\' need KV config version 4; set '
-                          '"version": 4.')
-    centred = any(s.center_keys for s in (default, *layers.values()))
-    if version < 5 and (centred or data.get("key_means") is not None):
-        raise ConfigError("center_keys and 'key_means' need KV config version 5; set "
-                          '"version": 5.')
     if version < 3 and data.get("scale_dtype") == "8bit":
         raise ConfigError('scale_dtype "8bit" needs KV config version 3; set "version": 3.')
     if version < 2 and data.get("fp_dtype") == "float8_e4m3fn":
@@ -167,32 +152,40 @@ def config_from_dict(data: Any) -> KVConfig:
                     fp_dtype=data.get("fp_dtype", "float16"),
                     rotation_seed=data.get("rotation_seed"),
                     kv_scales=_kv_scales(data), gear=gear,
-                    engine_attention=data.get("engine_attention"), codebooks=_codebooks(data),
-                    write_before_attention=data.get("write_before_attention", False),
-                    key_means=_key_means(data))
+                    engine_attention=data.get("engine_attention"),
+                    write_before_attention=data.get("write_before_attention", False))
 
 
-def _refuse_coupled(data: Mapping) -> None:
-    """Refuse a config that stores coupled (CQ) keys or values (``coupled_codebooks``, or a
-    spec with ``"channels"``): version 6 had them, issue #57 removed them, and naming that
-    reason beats an "unknown key" error for a file an older kvlens wrote."""
+def _refuse_removed(data: Mapping) -> None:
+    """Refuse a config that stores a layout issue #57 removed, naming the reason (which beats an
+    "unknown key" error for a file an older kvlens wrote): coupled (CQ) keys or values
+    (``coupled_codebooks``, or a spec with ``"channels"``; version 6), and codebook values,
+    fitted codebooks (``codebooks``, a ``"fitted"`` or ``"weighted"`` codebook) and centred keys
+    (``key_means``, ``"center_keys": true``; versions 4 and 5). ``"center_keys": false`` asks
+    for nothing removed and is read as absent."""
     settings = [data.get("default")]
     if isinstance(data.get("layers"), Mapping):
         settings += list(data["layers"].values())
-    specs = [s.get(t) for s in settings if isinstance(s, Mapping) for t in ("key", "value")]
-    if "coupled_codebooks" in data or any(isinstance(s, Mapping) and "channels" in s
-                                          for s in specs):
+    settings = [s for s in settings if isinstance(s, Mapping)]
+    specs = [s.get(t) for s in settings for t in ("key", "value")]
+    specs = [x for x in specs if isinstance(x, Mapping)]
+    if "coupled_codebooks" in data or any("channels" in x for x in specs):
         raise ConfigError("This config stores coupled (CQ) keys or values ('coupled_codebooks' "
                           "or a spec with \"channels\"); coupled layouts were removed from "
                           "kvlens (a negative result, docs/lab-notes/coupled.md). Make a new "
                           "config without them, e.g. with kvlens recommend.")
-
-
-def _key_means(data: Mapping) -> dict[int, Any]:
-    """``key_means``: per layer, one list of head_dim numbers per KV head (checked by
-    ``KVConfig`` and ``validate_for``)."""
-    return dict(_indexed(data, "key_means", "an object mapping layer indices to "
-                                            "[[mu_0, ...] per KV head]"))
+    found = [what for what, present in (
+        ("centred keys ('key_means')", "key_means" in data),
+        ("centred keys ('center_keys': true)", any(s.get("center_keys", False) is not False
+                                                   for s in settings)),
+        ("fitted codebook centroids ('codebooks')", "codebooks" in data),
+        ("a codebook value spec", any(isinstance(s.get("value"), Mapping)
+                                      and "codebook" in s["value"] for s in settings)),
+        ("a fitted codebook spec", any("codebook" in x and x["codebook"] in ("fitted", "weighted")
+                                       for x in specs))) if present]
+    if found:
+        raise ConfigError(f"This config stores {', '.join(found)}, {REMOVED}. Make a new config "
+                          "without them, e.g. with kvlens recommend.")
 
 
 def _no_unknown(data: Mapping, allowed: tuple[str, ...], where: str) -> None:
@@ -242,21 +235,6 @@ def _kv_scales(data: Mapping) -> dict[int, dict[str, tuple[float, ...]]]:
                               "[s, ...]}} with positive finite scales (one per layer, or one "
                               "per KV head).")
         out[idx] = {t: tuple(float(s) for s in v) for t, v in entry.items()}
-    return out
-
-
-def _codebooks(data: Mapping) -> dict[int, dict[str, tuple[float, ...]]]:
-    """``codebooks``: per layer, ``{"key": [centroids], "value": [centroids]}`` (either or
-    both; checked by ``KVConfig``)."""
-    out = {}
-    for idx, entry in _indexed(data, "codebooks", 'an object mapping layer indices to '
-                                                  '{"key"|"value": [centroids]}').items():
-        if not isinstance(entry, Mapping) or not all(isinstance(v, list)
-                                                     for v in entry.values()):
-            raise ConfigError(f'codebooks.{idx} must be {{"key": [c_0, ...], "value": [c_0, '
-                              "...]} (the fitted codebooks' centroids, ascending; either or "
-                              "both).")
-        out[idx] = {t: tuple(v) for t, v in entry.items()}
     return out
 
 

@@ -1,14 +1,14 @@
 """Whether a config fits a loaded model: ``validate_for(config, info)`` checks a ``KVConfig``
 (``kvlens.config.schema``, which checks everything a config can check on its own) against the
-model's shape (layer count, head_dim, KV heads, group sizes, balancer and mean-key shapes,
-codebook centroids, engine-format scales, RoPE for pre-RoPE keys, an MLA latent row for
+model's shape (layer count, head_dim, KV heads, group sizes, balancer shapes, engine-format
+scales, RoPE for pre-RoPE keys, an MLA latent row for
 ``fp8_ds_mla``) and raises ``ConfigError`` naming the allowed values.
 """
 
 from __future__ import annotations
 
 from kvlens.config.rules import check_layout, flush_block
-from kvlens.config.schema import CODEBOOK_TENSORS, KVConfig
+from kvlens.config.schema import KVConfig
 from kvlens.errors import ConfigError
 from kvlens.quant import ds_mla, hadamard_block_size
 from kvlens.quant.cachetypes import check_engine_layer
@@ -28,8 +28,6 @@ def validate_for(config: KVConfig, info) -> None:
                 raise ConfigError(f"Config {config.name!r} was made for a model with {key}="
                                   f"{want}, but this model has {key}={actual}.")
     for what, indexed in (("overrides layers", config.layers),
-                          ("gives codebooks for layers", config.codebooks),
-                          ("gives key_means for layers", config.key_means),
                           ("gives kv_scales for layers", config.kv_scales)):
         bad = sorted(i for i in indexed if i >= n)
         if bad:
@@ -49,14 +47,6 @@ def validate_for(config: KVConfig, info) -> None:
         elif idx in config.kv_scales:
             raise ConfigError(f"Config {config.name!r} gives kv_scales for layer {idx}, which "
                               "is not an engine-format layer (no key_format/value_format).")
-        for tensor in CODEBOOK_TENSORS:
-            book = layer.codebook(tensor)
-            if book is not None and book.fitted and config.centroids_for(idx, tensor) is None:
-                raise ConfigError(f"Config {config.name!r} layer {idx} stores {tensor}s with a "
-                                  f"fitted {book.bits}-bit codebook but gives no centroids; add "
-                                  f'codebooks.{idx}.{tensor} ({book.levels} numbers, e.g. from '
-                                  "`kvlens recommend`) or use codebook \"lloyd-max\".")
-        _check_layer_mean(config, idx, hkv, d)
         for what, spec in (("key", layer.key), ("value", layer.value)):
             if spec is not None:
                 check_layout(spec, layer.residual_tokens, d, f"layer {idx} {what}",
@@ -114,17 +104,3 @@ def _check_ds_mla(config: KVConfig, info, kv: tuple[int, ...]) -> None:
                           f"(qk_rope_head_dim) and a latent of a positive multiple of {tile} "
                           f"channels (kv_lora_rank); this model has qk_rope_head_dim="
                           f"{mla.rope_dim}, kv_lora_rank={mla.latent_dim}.")
-
-
-def _check_layer_mean(config: KVConfig, idx: int, hkv: int, d: int) -> None:
-    """A centring layer needs its mean keys, ``[num_key_value_heads][head_dim]``."""
-    if not config.layer(idx).center_keys:
-        return
-    mean = config.key_mean_for(idx)
-    if mean is None:
-        raise ConfigError(f"Config {config.name!r} layer {idx} centres its keys (center_keys) "
-                          f"but gives no mean; add key_means.{idx} ({hkv} lists of {d} numbers, "
-                          "e.g. from `kvlens recommend --centering`) or set center_keys: false.")
-    if len(mean) != hkv or len(mean[0]) != d:
-        raise ConfigError(f"key_means.{idx} has shape [{len(mean)}, {len(mean[0])}] but the "
-                          f"model needs [num_key_value_heads={hkv}, head_dim={d}].")

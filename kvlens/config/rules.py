@@ -34,7 +34,7 @@ def check_layout(spec: QuantSpec | CodebookSpec, residual_tokens: int,
     """Raise ``ConfigError`` unless ``spec`` can be stored in this layout for ``head_dim``."""
     where = f"{what}: " if what else ""
     if isinstance(spec, CodebookSpec):  # per vector: any window (its rotation is the layer's
-        return  # value rotation, checked with the others by validate_for)
+        return  # key rotation, checked with the others by validate_for)
     if spec.granularity == "per-token" and spec.group_size and head_dim % spec.group_size:
         allowed = [g for g in range(1, head_dim + 1) if head_dim % g == 0]
         raise ConfigError(f"{where}group size {spec.group_size} does not divide head_dim "

@@ -49,50 +49,30 @@ float32, or ``"8bit"`` (version 3): one byte each (``kvlens.quant.meta8``: a sca
 grid and the zero as a signed multiple of a fraction of the step), half the metadata bytes of
 float16, the codes re-chosen against the stored grid.
 
-``value`` may also be a ``CodebookSpec`` (``kvlens.quant.codebook``; version 4): each value
-vector of the quantized history is stored as ``bits``-bit codes of its Hadamard-rotated,
-normalised coordinates (nearest centroid of a 1-D codebook) plus its float16 norm
-(``kvlens.cache.codebook``). Its rotation is the layer's value rotation (``rotate_values`` is
-set from it: the window and sets are stored rotated too, the output un-rotated once), so its
-seed must be the config's ``rotation_seed``. A ``"fitted"`` codebook's ``2^bits`` centroids are
-stored in the config, per layer, in ``codebooks`` (``{layer: {"value": [c_0, ..]}}``, ascending,
-float16 values): fitted on a capture (``recommend``), not at prefill, so every run of the config
-decodes with the same codebook; the cache holds them as float16 and counts them
-(``kvlens.cache.layout``). GEAR cannot be combined with codebook specs.
-
 ``write_before_attention`` (version 5; default false): after a cache's first forward, each
 forward's new tokens are coded into the compressed store before it attends, so it reads them back
 compressed, as vLLM's TurboQuant backend does (flash attention over the raw K/V of a first
 prefill chunk, its decode kernel over the compressed cache after). Compressed layers then keep
 no residual window and there is no MiKV set (refused otherwise).
 
-``key`` may be a ``CodebookSpec`` too (version 5): the same layout for keys, the codebook's
-rotation the layer's key rotation (``rotate_keys`` is set from it: the window stores ``k R`` and
-attention uses ``q R``), scores read as ``s_t * ((q R) . c[code_t])`` without a dequantized key
-(``kvlens.cache.codebook``); fitted key centroids in ``codebooks.<layer>.key``. Not with pre-RoPE
-keys (the rotation and RoPE do not commute). This is the key coding of vLLM's ``turboquant_*``
-KV-cache types (``kvlens.config.engine``); ``recommend`` offers it when asked (``recommend
---set codebooks=on``: opt-in, its ablation in docs/lab-notes/codebooks.md).
+``key`` may be a ``CodebookSpec`` (``kvlens.quant.codebook``; version 5): each key vector of
+the quantized history is stored as ``bits``-bit codes of its Hadamard-rotated, normalised
+coordinates (nearest centroid of a computed 1-D codebook) plus its float16 norm
+(``kvlens.cache.codebook``). The codebook's rotation is the layer's key rotation (``rotate_keys``
+is set from it: the window stores ``k R`` and attention uses ``q R``), so its seed must be the
+config's ``rotation_seed``; scores read as ``s_t * ((q R) . c[code_t])`` without a dequantized
+key. Not with pre-RoPE keys (the rotation and RoPE do not commute) or GEAR. This is the key
+coding of vLLM's ``turboquant_*`` KV-cache types (``kvlens.config.engine``).
 
-``center_keys`` (per layer; version 5): the layer's quantized keys are stored centred, ``quant(k
-- mu)``, with ``mu`` one mean key per KV head (``kvlens.quant.centering``), and read back as
-``deq + mu``, so exact (window, sink) keys and coded keys stay on the same footing. ``mu`` lives
-in the config, ``key_means`` (``{layer: [[mu_0 .. mu_{D-1}] per KV head]}``, float16 values,
-computed on a capture by ``recommend``), and is held once per layer by the cache (counted,
-``kvlens.cache.layout``). Its basis is the one the layer quantizes keys in: the **pre-RoPE**
-mean for ``pre_rope_keys`` layers (added back before RoPE is re-applied: lossless, and it
-removes more than the post-RoPE mean, docs/lab-notes/codebooks.md), the **post-RoPE** mean otherwise
-(always unrotated: a ``rotate_keys`` layer subtracts ``mu R`` from ``k R``; with a balancer the
-mean is subtracted before balancing). A codebook key spec centres the same way: it codes the
-direction and norm of ``k R - mu R`` and its scores get ``q · mu`` back. Not with GEAR or
-engine-format layers.
+Removed by issue #57 (negative results, docs/lab-notes/codebooks.md): codebook value specs,
+fitted codebooks and their centroids (``codebooks``), centred keys (``center_keys``,
+``key_means``); ``kvlens.config.io`` refuses a file that stores them.
 
 A config is written at the oldest version that can express it (``kvlens.config.versions``).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -108,16 +88,17 @@ FP_DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn", "exact")
 # group scale/zero storage (kvlens.cache.packed; "8bit": kvlens.quant.meta8)
 SCALE_DTYPES = ("float16", "float32", "8bit")
 SET_BITS = (4, 8)  # integer widths of the MiKV importance set (None: fp_dtype)
-CODEBOOK_TENSORS = ("key", "value")  # tensors a codebook spec may store
+#: why a config that stores a removed research layout is refused (here and by kvlens.config.io)
+REMOVED = "removed from kvlens by issue #57 (a negative result, docs/lab-notes/codebooks.md)"
 
 
 @dataclass(frozen=True)
 class LayerKV:
     """How one layer's cache is stored. ``None`` spec = not quantized (model dtype); ``key`` and
-    ``value`` may be ``CodebookSpec`` s (module docstring)."""
+    ``key`` may be a ``CodebookSpec`` (module docstring)."""
 
     key: QuantSpec | CodebookSpec | None = None
-    value: QuantSpec | CodebookSpec | None = None
+    value: QuantSpec | None = None
     residual_tokens: int = 0
     pre_rope_keys: bool = False
     flush_tokens: int = 0  # 0: flush the whole window when full (KIVI); F: the oldest F at a time
@@ -126,12 +107,10 @@ class LayerKV:
     # engine cache types (kvlens.quant.cachetypes names, e.g. "q8_0", "f16"): both or neither
     key_format: str | None = None
     value_format: str | None = None
-    # keys stored centred on the config's key_means of the layer (module docstring; version 5)
-    center_keys: bool = False
 
     def __post_init__(self) -> None:
         # the flags' types first: a codebook spec sets its tensor's rotation flag below
-        for name in ("pre_rope_keys", "rotate_keys", "rotate_values", "center_keys"):
+        for name in ("pre_rope_keys", "rotate_keys", "rotate_values"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"Invalid {name} {getattr(self, name)!r}; allowed: true, "
                                   "false.")
@@ -155,49 +134,37 @@ class LayerKV:
                               "the Hadamard rotation and RoPE do not commute, so the query "
                               "cannot absorb the rotation (compare-axes measures the "
                               "combination); disable one of them.")
-        if self.center_keys and self.key is None:
-            raise ConfigError("center_keys is set but keys are not quantized, so there is "
-                              "nothing to centre; set a key spec or center_keys: false.")
 
     def _check_codebook(self) -> None:
-        for name in ("key", "value"):
-            spec = getattr(self, name)
-            if spec is not None and not isinstance(spec, (QuantSpec, CodebookSpec)):
-                raise ConfigError(f"Invalid {name} spec {spec!r}; allowed: a QuantSpec, "
-                                  "a CodebookSpec or None.")
+        if self.key is not None and not isinstance(self.key, (QuantSpec, CodebookSpec)):
+            raise ConfigError(f"Invalid key spec {self.key!r}; allowed: a QuantSpec, a "
+                              "CodebookSpec or None.")
+        if isinstance(self.value, CodebookSpec):
+            raise ConfigError(f"A codebook value spec ({self.value.label}) was {REMOVED}; "
+                              "store values with a QuantSpec.")
+        if self.value is not None and not isinstance(self.value, QuantSpec):
+            raise ConfigError(f"Invalid value spec {self.value!r}; allowed: a QuantSpec or "
+                              "None.")
         if isinstance(self.key, CodebookSpec) and self.pre_rope_keys:
             raise ConfigError("A codebook key spec cannot be combined with pre_rope_keys in the "
                               "cache: its Hadamard rotation and RoPE do not commute, so the "
                               "query cannot absorb the rotation; use a uniform key spec or "
                               "pre_rope_keys: false.")
-        for tensor, flag in (("key", "rotate_keys"), ("value", "rotate_values")):
-            book = self.codebook(tensor)
-            if book is None:
-                continue
-            if book.rotation is None:
-                if getattr(self, flag) is True:
-                    raise ConfigError(f"{flag} is set but the codebook {tensor} spec has no "
-                                      f"rotation (its rotation is the layer's {tensor} "
-                                      "rotation); give the codebook a rotation or set "
-                                      f"{flag}: false.")
-            else:  # the codebook's rotation is the layer's: window and sets stored rotated too
-                object.__setattr__(self, flag, True)
-
-    def codebook(self, tensor: str) -> CodebookSpec | None:
-        """The ``CodebookSpec`` of ``tensor`` (``"key"`` or ``"value"``; ``None``: uniform or
-        unquantized)."""
-        spec = getattr(self, tensor)
-        return spec if isinstance(spec, CodebookSpec) else None
+        book = self.key_codebook
+        if book is None:
+            return
+        if book.rotation is None:
+            if self.rotate_keys is True:
+                raise ConfigError("rotate_keys is set but the codebook key spec has no rotation "
+                                  "(its rotation is the layer's key rotation); give the "
+                                  "codebook a rotation or set rotate_keys: false.")
+        else:  # the codebook's rotation is the layer's: window and sets stored rotated too
+            object.__setattr__(self, "rotate_keys", True)
 
     @property
     def key_codebook(self) -> CodebookSpec | None:
         """The key ``CodebookSpec`` (``None``: keys uniform or unquantized)."""
-        return self.codebook("key")
-
-    @property
-    def value_codebook(self) -> CodebookSpec | None:
-        """The value ``CodebookSpec`` (``None``: values uniform or unquantized)."""
-        return self.codebook("value")
+        return self.key if isinstance(self.key, CodebookSpec) else None
 
     def _check_engine(self) -> None:
 
@@ -207,11 +174,10 @@ class LayerKV:
         parse_cache_type(self.key_format)
         parse_cache_type(self.value_format)
         if (self.key is not None or self.value is not None or self.residual_tokens
-                or self.pre_rope_keys or self.rotate_keys or self.rotate_values
-                or self.center_keys):
+                or self.pre_rope_keys or self.rotate_keys or self.rotate_values):
             raise ConfigError("key_format/value_format (an engine's cache types) cannot be "
                               "combined with kvlens quantization specs, a residual window, "
-                              "pre-RoPE keys, center_keys or rotate_keys/rotate_values (the "
+                              "pre-RoPE keys or rotate_keys/rotate_values (the "
                               "engine type carries its own rotation: +rot/+norot); set "
                               "key/value to null, "
                               "residual_tokens 0 and the flags false.")
@@ -246,8 +212,6 @@ class LayerKV:
                "rotate_values": self.rotate_values}
         if self.engine:
             out.update(key_format=self.key_format, value_format=self.value_format)
-        if self.center_keys:  # written only when set: older readers read the rest
-            out["center_keys"] = True
         return out
 
     @property
@@ -378,10 +342,6 @@ class KVConfig:
     engine_attention: str | None = None
     # vLLM TurboQuant's order: after the first forward, new tokens are coded before attention
     write_before_attention: bool = False
-    # fitted codebook centroids (float16 values, ascending): {layer: {"key"|"value": (c_0, ...)}}
-    codebooks: Mapping[int, Mapping[str, tuple[float, ...]]] = field(default_factory=dict)
-    # mean keys of the center_keys layers, float16 values: {layer: ((mu_0..mu_D-1) per KV head)}
-    key_means: Mapping[int, tuple[tuple[float, ...], ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -418,8 +378,7 @@ class KVConfig:
                 if self.gear.layers is None else [(i, self.layer(i)) for i in self.gear.layers]
             for idx, setting in targets:
                 where = "default" if idx is None else f"layer {idx}"
-                if setting.compressed and (setting.value_codebook is not None
-                                           or setting.key_codebook is not None):
+                if setting.compressed and setting.key_codebook is not None:
                     raise ConfigError(f"{where}: gear cannot be combined with a codebook "
                                       "spec (GEAR's sparse and low-rank terms correct uniform "
                                       "codes); disable one of them.")
@@ -435,42 +394,7 @@ class KVConfig:
                                                    or spec.granularity == "per-token") else 0)
                     if spec is not None and block:
                         self.gear.check_block(block, None, where)
-                if setting.compressed and setting.center_keys:
-                    raise ConfigError(f"{where}: gear cannot be combined with center_keys (the "
-                                      "sparse and low-rank terms would correct the centred "
-                                      "codes, which the cache does not model); disable one of "
-                                      "them.")
-
-        self._check_codebooks()
-        self._check_key_means()
-
-    def _check_key_means(self) -> None:
-        """The shape of ``key_means``: entries only for layers that centre their keys, each a
-        non-empty list (one per KV head) of equally long lists of finite numbers (which layers
-        need one, and the model's head count and head_dim, are checked by ``validate_for``)."""
-        if not isinstance(self.key_means, Mapping):
-            raise ConfigError("'key_means' must map layer indices to [[mu_0, ...] per KV head].")
-        out = {}
-        for idx, rows in self.key_means.items():
-            if not is_int(idx, 0):
-                raise ConfigError(f"key_means.{idx}: allowed: a layer index >= 0.")
-            if not self.layer(idx).center_keys:
-                raise ConfigError(f"key_means.{idx}: layer {idx} does not centre its keys "
-                                  "(center_keys false), so this mean would be unused; remove it "
-                                  "or set center_keys on that layer.")
-            ok = isinstance(rows, (list, tuple)) and rows and all(
-                isinstance(r, (list, tuple)) and len(r) == len(rows[0]) and r and all(
-                    isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-                    for x in r) for r in rows)
-            if not ok:
-                raise ConfigError(f"key_means.{idx}: allowed: one list per KV head of head_dim "
-                                  "finite numbers (the layer's mean key).")
-            out[int(idx)] = tuple(tuple(float(x) for x in r) for r in rows)
-        object.__setattr__(self, "key_means", out)
-
-    def key_mean_for(self, idx: int) -> tuple[tuple[float, ...], ...] | None:
-        """Layer ``idx``'s stored mean keys ``[Hkv][D]`` (``None``: none stored)."""
-        return self.key_means.get(idx)
+        self._check_codebook_seeds()
 
     def _check_write_first(self) -> None:
         """``write_before_attention`` codes each forward's tokens at once: no compressed layer
@@ -487,51 +411,18 @@ class KVConfig:
                                   f"so a compressed layer keeps no residual window; got "
                                   f"residual_tokens={setting.residual_tokens}, allowed: 0.")
 
-    def _check_codebooks(self) -> None:
-        """Rotation seeds of codebook layers, and the shape of ``codebooks`` (every entry for a
-        layer storing that tensor with a fitted codebook of its bits; which layers need one is
-        checked against the model's layer count by ``validate_for``)."""
+    def _check_codebook_seeds(self) -> None:
+        """A codebook key spec's rotation is its layer's key rotation: its seed must be the
+        config's ``rotation_seed``."""
         for idx, setting in [(None, self.default), *sorted(self.layers.items())]:
-            for tensor in CODEBOOK_TENSORS:
-                book = setting.codebook(tensor)
-                if book is not None and book.rotation is not None \
-                        and book.rotation.seed != self.rotation_seed:
-                    where = "default" if idx is None else f"layer {idx}"
-                    raise ConfigError(f"{where}: the {tensor} codebook's rotation seed "
-                                      f"{book.rotation.seed!r} is not the config's rotation_seed "
-                                      f"{self.rotation_seed!r} (the codebook's rotation is the "
-                                      f"layer's {tensor} rotation); make them equal.")
-        if not isinstance(self.codebooks, Mapping):
-            raise ConfigError("'codebooks' must map layer indices to {\"key\"|\"value\": "
-                              "[centroids]}.")
-        for idx, entry in self.codebooks.items():
-            if not is_int(idx, 0) or not isinstance(entry, Mapping) or not entry:
-                raise ConfigError(f"codebooks.{idx}: allowed: a layer index >= 0 mapping to "
-                                  '{"key": [c_0, ...], "value": [c_0, ...]} (either or both).')
-            for tensor, cents in entry.items():
-                if tensor not in CODEBOOK_TENSORS:
-                    raise ConfigError(f"codebooks.{idx}: unknown tensor {tensor!r}; allowed: "
-                                      f"{', '.join(CODEBOOK_TENSORS)}.")
-                book = self.layer(idx).codebook(tensor)
-                if book is None or not book.fitted:
-                    raise ConfigError(f"codebooks.{idx}.{tensor}: layer {idx} does not store "
-                                      f"its {tensor}s with a fitted codebook spec, so these "
-                                      "centroids would be unused; remove them.")
-                ok = isinstance(cents, (list, tuple)) and len(cents) == book.levels and all(
-                    isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c)
-                    for c in cents) and all(a <= b for a, b in zip(cents, cents[1:]))
-                if not ok:
-                    raise ConfigError(f"codebooks.{idx}.{tensor}: allowed: {book.levels} finite "
-                                      f"ascending numbers (the {book.bits}-bit codebook's "
-                                      "centroids).")
-        object.__setattr__(self, "codebooks", {  # one form: int layers, float tuples
-            int(i): {t: tuple(float(c) for c in v) for t, v in e.items()}
-            for i, e in self.codebooks.items()})
-
-    def centroids_for(self, idx: int, tensor: str = "value") -> tuple[float, ...] | None:
-        """The stored centroids of layer ``idx``'s ``tensor`` codebook (``None``: none stored)."""
-        cents = self.codebooks.get(idx, {}).get(tensor)
-        return None if cents is None else tuple(float(c) for c in cents)
+            book = setting.key_codebook
+            if book is not None and book.rotation is not None \
+                    and book.rotation.seed != self.rotation_seed:
+                where = "default" if idx is None else f"layer {idx}"
+                raise ConfigError(f"{where}: the key codebook's rotation seed "
+                                  f"{book.rotation.seed!r} is not the config's rotation_seed "
+                                  f"{self.rotation_seed!r} (the codebook's rotation is the "
+                                  "layer's key rotation); make them equal.")
 
     def layer(self, idx: int) -> LayerKV:
         return self.layers.get(idx, self.default)
@@ -560,8 +451,7 @@ class KVConfig:
         return {
             "format": FORMAT, "version": self.format_version, "name": self.name,
             "description": self.description, "default": self.default.to_dict(),
-            "layers": {str(i): v.to_dict() | ({"center_keys": v.center_keys}
-                                              if self.default.center_keys else {})
+            "layers": {str(i): v.to_dict()
                        for i, v in sorted(self.layers.items())},  # overrides merge over default
             "mikv": self.mikv.to_dict() if self.mikv else None,
             **({"gear": self.gear.to_dict()} if self.gear else {}),
@@ -571,38 +461,17 @@ class KVConfig:
             "fp_dtype": self.fp_dtype,
             "rotation_seed": self.rotation_seed,
             "model": dict(self.model) if self.model else None,
-        } | ({"codebooks": {str(i): {t: [float(c) for c in v] for t, v in e.items()}
-                            for i, e in sorted(self.codebooks.items())}}
-             if self.codebooks else {}) | ({"kv_scales": {str(i): {t: list(v) for t, v in s.items()}
+        } | ({"kv_scales": {str(i): {t: list(v) for t, v in s.items()}
                             for i, s in sorted(self.kv_scales.items())}}
              if self.kv_scales else {}) | ({"engine_attention": self.engine_attention}
                                           if self.engine_attention else {}) | (
-            {"write_before_attention": True} if self.write_before_attention else {}) | (
-            {"key_means": {str(i): [list(r) for r in m] for i, m in sorted(self.key_means.items())}}
-            if self.key_means else {})
+            {"write_before_attention": True} if self.write_before_attention else {})
 
     @property
     def format_version(self) -> int:
         """The oldest version that can express this config (``kvlens.config.versions``), so
         older kvlens versions still read configs that use none of the newer features."""
         return oldest_version(self)
-
-
-def centre_codebook_keys(config: KVConfig, key_means: Mapping[int, Any],
-                         name: str | None = None) -> KVConfig:
-    """``config`` with the keys of its codebook-key layers stored centred (``center_keys``) on
-    ``key_means`` ``{layer: [Hkv][D]}`` (post-RoPE means, e.g. ``kvlens.quant.centering.
-    key_mean`` of a capture; float16 values); means of other layers are left out. A centred layer
-    without its mean is refused against the model (``validate_for``)."""
-    def centred(lk: LayerKV) -> LayerKV:
-        return replace(lk, center_keys=True) if lk.key_codebook is not None else lk
-
-    default = centred(config.default)
-    layers = {i: centred(lk) for i, lk in config.layers.items()}
-    means = {int(i): tuple(tuple(float(x) for x in head) for head in mean)
-             for i, mean in key_means.items() if layers.get(int(i), default).center_keys}
-    return replace(config, name=name or config.name, default=default, layers=layers,
-                   key_means=means)
 
 
 def _spec_dict(spec: QuantSpec | CodebookSpec | None) -> dict[str, Any] | None:

@@ -11,12 +11,12 @@ Versions:
   ``mikv.layers``, ``gear``, a spec's ``fit`` (``QuantSpec`` version 2), ``fp_dtype``
   ``float8_e4m3fn``.
 - 3: ``scale_dtype`` ``"8bit"``.
-- 4: ``engine_attention`` (the engine arithmetic engine-format layers attend with); codebook
-  value specs (``CodebookSpec``) and the fitted centroids in ``codebooks``.
-- 5: codebook key specs (``CodebookSpec`` as ``key``) and their centroids
-  (``codebooks.<layer>.key``); the ``"lloyd-max-normal"`` codebook; ``write_before_attention``;
-  ``center_keys`` (a layer's keys stored centred on its mean key) and the mean keys in
-  ``key_means``.
+- 4: ``engine_attention`` (the engine arithmetic engine-format layers attend with).
+- 5: codebook key specs (``CodebookSpec`` as ``key``, ``"lloyd-max"`` or
+  ``"lloyd-max-normal"``: vLLM TurboQuant's keys); ``write_before_attention``.
+- 4 and 5 also had codebook value specs, fitted codebooks and their centroids (``codebooks``)
+  and centred keys (``center_keys``, ``key_means``). Removed by issue #57 (negative results,
+  docs/lab-notes/codebooks.md): a file that uses them is refused with that reason.
 - 6: coupled (CQ) key and value specs and their codebooks in ``coupled_codebooks`` (research).
   Removed by issue #57 (a negative result, docs/lab-notes/coupled.md): a file that uses them is
   refused with that reason; a version-6 file without them still reads, and nothing is written
@@ -38,19 +38,13 @@ def oldest_version(config) -> int:
     """The oldest version that can express ``config`` (a ``kvlens.config.schema.KVConfig``):
     1 unless it uses a version-2 feature (engine cache types, ``kv_scales``,
     ``mikv.set_bits``, ``mikv.layers``, ``gear``, a spec's ``fit``, fp8 full-precision parts),
-    3 with ``scale_dtype`` ``"8bit"``, 4 with ``engine_attention`` or a codebook value spec,
-    5 with a codebook key spec, a ``"lloyd-max-normal"`` codebook, ``write_before_attention``
-    or centred keys."""
+    3 with ``scale_dtype`` ``"8bit"``, 4 with ``engine_attention``, 5 with a codebook key spec
+    or ``write_before_attention``."""
     layers = (config.default, *config.layers.values())
-    books = [b for lk in layers for b in (lk.key_codebook, lk.value_codebook) if b is not None]
-    if any(lk.key_codebook is not None for lk in layers) or any(
-            "key" in entry for entry in config.codebooks.values()) or any(
-            b.codebook == "lloyd-max-normal" for b in books) or getattr(
-            config, "write_before_attention", False) or config.key_means or any(
-            lk.center_keys for lk in layers):
+    if any(lk.key_codebook is not None for lk in layers) or getattr(
+            config, "write_before_attention", False):
         return 5
-    if getattr(config, "engine_attention", None) or config.codebooks or \
-            any(lk.value_codebook is not None for lk in layers):
+    if getattr(config, "engine_attention", None):
         return 4
     if config.scale_dtype == "8bit":
         return 3

@@ -4,26 +4,22 @@ Tensors are ``[B, H, T, D]`` at every public function. ``spec`` says what shares
 ``reference`` quantizes/dequantizes, ``packing`` stores codes in bytes, ``transforms`` adds
 pre-RoPE keys, the MiKV balancer, dense-and-sparse outliers and the GEAR low-rank residual,
 ``rotation`` the orthonormal Hadamard rotation along ``head_dim``, ``codebook`` non-uniform
-(codebook) codes of rotated coordinates with one norm per vector, ``centering`` the exact
-per-head key centering, ``predict`` cross-layer prediction with the residual
-quantized (AQUA-KV), ``meta8`` 8-bit group
-metadata, and the engines' own cache formats: ``ggml`` (llama.cpp's blocks), ``fp8`` (static fp8
-and per-token-head), ``formats`` (a format with the engine's rotation, names, the read-back
+(codebook) codes of rotated coordinates with one norm per vector (vLLM TurboQuant's keys),
+``meta8`` 8-bit group metadata, and the engines' own cache formats: ``ggml`` (llama.cpp's
+blocks), ``fp8`` (static fp8 and per-token-head), ``formats`` (a format with the engine's rotation, names, the read-back
 entry point) and ``cachetypes`` (what a config stores per tensor).
 Kernels and analysis are tested against these functions. The bytes a cache holds are counted
 in one place, ``kvlens.cache.layout``.
 """
 
-from kvlens.quant.centering import center, key_mean, quantize_centered
 from kvlens.quant.codebook import (
     CODEBOOKS,
     Codebook,
     CodebookSpec,
     CodebookTensor,
-    codebook_for,
+    computed_codebook,
     dequantize_codebook,
     fake_quantize_codebook,
-    fit_codebook,
     lloyd_max,
     quantize_codebook,
 )
@@ -43,14 +39,6 @@ from kvlens.quant.packing import (
     pack_unit,
     packed_length,
     unpack_codes,
-)
-from kvlens.quant.predict import (
-    LinearPredictor,
-    cross_fit_predict,
-    explained_variance,
-    fit_ridge,
-    predictor_bytes,
-    quantize_residual,
 )
 from kvlens.quant.reference import QTensor, dequantize, expand_params, quantize
 from kvlens.quant.rotation import (
@@ -82,14 +70,10 @@ __all__ = [
     "Codebook",
     "CodebookSpec",
     "CodebookTensor",
-    "center",
-    "codebook_for",
+    "computed_codebook",
     "dequantize_codebook",
     "fake_quantize_codebook",
-    "fit_codebook",
-    "key_mean",
     "lloyd_max",
-    "quantize_centered",
     "quantize_codebook",
     "FP8Format",
     "FormatSetting",
@@ -105,12 +89,6 @@ __all__ = [
     "quantize_ggml",
     "rotate_rows",
     "GRANULARITIES",
-    "LinearPredictor",
-    "cross_fit_predict",
-    "explained_variance",
-    "fit_ridge",
-    "predictor_bytes",
-    "quantize_residual",
     "OUTLIER_SCOPES",
     "LowRank",
     "QTensor",

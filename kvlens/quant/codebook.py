@@ -26,22 +26,12 @@ Codebooks (``CODEBOOKS``):
 - ``"lloyd-max-normal"``: the Lloyd-Max quantizer of the standard normal, the large-``D`` limit
   of that density (``lloyd_max(bits, None)``): the centroids vLLM's ``turboquant_*`` types use
   (Lloyd-Max for ``N(0, 1/D)``, in these unit-variance coordinates). Nothing is stored.
-- ``"fitted"``: one codebook per layer and tensor, 1-D k-means (weighted Lloyd,
-  ``fit_codebook``) on the captured vectors' coordinates ``z``, each coordinate weighted by its
-  vector's squared norm ``n²`` (so the fit minimises the squared reconstruction error of the
-  original vectors, ``||x - x_hat||² = n²/D · ||z - c||²``). KVQuant (arXiv 2401.18079) fits
-  per-layer non-uniform datatypes the same way, on normalised values.
-- ``"weighted"`` (keys): as ``"fitted"`` with each coordinate's weight multiplied by the
-  captured queries' mean squared magnitude in that rotated channel, ``w_c = mean((q R)_c²)``
-  over the query tokens and the query heads reading that KV head (normalised to mean 1 per
-  head). A key error ``e`` moves a score by ``(q R) · e``; with errors independent across
-  channels its expected square is ``Σ_c w_c e_c²``, so this fit minimises the expected squared
-  *score* error (a Fisher-like weighting, as KVQuant's sensitivity-weighted k-means).
 
-Fitted centroids are rounded to float16 (what is stored). Storage, counted once in
-``CodebookSpec.held_bytes``: per vector ``packed_length(D, bits)`` bytes of codes (densely
-packed by ``kvlens.quant.packing``, so 3-bit codes cost 3 bits) plus 2 bytes of norm; plus
-``2^bits`` float16 centroids per fitted codebook (per layer and tensor).
+Fitted codebooks (k-means on a capture, per layer and tensor) were a research lever with a
+recorded negative result, removed by issue #57 (docs/lab-notes/codebooks.md). Storage, counted
+once in ``CodebookSpec.held_bytes``: per vector ``packed_length(D, bits)`` bytes of codes (densely
+packed by ``kvlens.quant.packing``, so 3-bit codes cost 3 bits) plus 2 bytes of norm; the
+codebook itself is computed, not stored.
 """
 
 from __future__ import annotations
@@ -58,16 +48,12 @@ from kvlens.quant.packing import pack_codes, packed_length, unpack_codes
 from kvlens.quant.rotation import RotationSpec, rotate, unrotate
 from kvlens.quant.spec import check_versioned_dict
 
-CODEBOOKS = ("lloyd-max", "lloyd-max-normal", "fitted", "weighted")
-COMPUTED_CODEBOOKS = ("lloyd-max", "lloyd-max-normal")  # functions of bits (and D): not stored
+CODEBOOKS = ("lloyd-max", "lloyd-max-normal")  # functions of bits (and D): nothing stored
 CODEBOOK_SPEC_VERSION = 1
 MIN_CODEBOOK_BITS, MAX_CODEBOOK_BITS = 1, 8
 NORM_BYTES = 2  # float16 norm per vector
-CENTROID_BYTES = 2  # float16 per fitted centroid
 LLOYD_GRID = 200_001
 LLOYD_ITERS = 2000
-FIT_BINS = 8192
-FIT_ITERS = 300
 _FIELDS = ("bits", "codebook", "rotation", "renormalize")
 
 
@@ -76,11 +62,8 @@ class CodebookSpec:
     """A codebook quantization config for ``[B, H, T, D]`` tensors (frozen, versioned JSON).
 
     bits: code width, 1-8 (``2^bits`` centroids).
-    codebook: ``"lloyd-max"`` (computed for the sphere-coordinate density, nothing stored),
-        ``"lloyd-max-normal"`` (computed for the standard normal, vLLM's; nothing stored),
-        ``"fitted"`` (k-means per layer and tensor on the capture, norm²-weighted) or
-        ``"weighted"`` (keys: additionally weighted by the queries' squared magnitude per
-        rotated channel). Module docstring for the exact weights.
+    codebook: ``"lloyd-max"`` (computed for the sphere-coordinate density) or
+        ``"lloyd-max-normal"`` (computed for the standard normal, vLLM's); nothing stored.
     rotation: the Hadamard rotation applied before coding (``None``: code the raw channels;
         the Lloyd-Max codebook assumes a rotation, so ``None`` is for ablations).
     renormalize: rescale each decoded vector to its stored norm.
@@ -109,27 +92,18 @@ class CodebookSpec:
             raise ConfigError(f"Invalid renormalize {self.renormalize!r}; allowed: true, false.")
 
     @property
-    def fitted(self) -> bool:
-        """Whether the codebook is fitted on data (and so stored, once per layer and tensor)."""
-        return self.codebook not in COMPUTED_CODEBOOKS
-
-    @property
     def levels(self) -> int:
         return 1 << self.bits
 
     # -- storage: the one place bytes are counted ---------------------------------------------
-    def held_bytes(self, num_vectors: int, head_dim: int, codebooks: int = 1) -> int:
-        """Bytes held for ``num_vectors`` coded ``[head_dim]`` vectors that share ``codebooks``
-        codebooks: packed codes and a float16 norm per vector, plus ``2^bits`` float16
-        centroids per fitted codebook (a Lloyd-Max codebook is computed, not stored)."""
-        per_vector = packed_length(head_dim, self.bits) + NORM_BYTES
-        stored = codebooks * self.levels * CENTROID_BYTES if self.fitted else 0
-        return num_vectors * per_vector + stored
+    def held_bytes(self, num_vectors: int, head_dim: int) -> int:
+        """Bytes held for ``num_vectors`` coded ``[head_dim]`` vectors: packed codes and a
+        float16 norm per vector (the codebook is computed, not stored)."""
+        return num_vectors * (packed_length(head_dim, self.bits) + NORM_BYTES)
 
-    def bits_per_element(self, num_vectors: int, head_dim: int, codebooks: int = 1) -> float:
-        """``held_bytes`` in bits per coded element: ``bits + 16/D`` (+ the codebook amortised
-        over the ``num_vectors * head_dim`` elements it serves)."""
-        return 8 * self.held_bytes(num_vectors, head_dim, codebooks) / (num_vectors * head_dim)
+    def bits_per_element(self, num_vectors: int, head_dim: int) -> float:
+        """``held_bytes`` in bits per coded element: ``bits + 16/D``."""
+        return 8 * self.held_bytes(num_vectors, head_dim) / (num_vectors * head_dim)
 
     @property
     def label(self) -> str:
@@ -272,45 +246,11 @@ def _lloyd_max_cached(bits: int, head_dim: int | None) -> Codebook:
 
 
 def computed_codebook(spec: CodebookSpec, head_dim: int) -> Codebook:
-    """The codebook of a spec that stores none (``COMPUTED_CODEBOOKS``) for ``head_dim``:
-    Lloyd-Max of the sphere-coordinate density (the standard normal below ``D = 3``), or of the
-    standard normal for ``"lloyd-max-normal"``."""
-    if spec.fitted:
-        raise InputError(f"A {spec.codebook!r} codebook is fitted on data, not computed.")
+    """The codebook of ``spec`` for ``head_dim``: Lloyd-Max of the sphere-coordinate density
+    (the standard normal below ``D = 3``), or of the standard normal for
+    ``"lloyd-max-normal"``."""
     exact = spec.codebook == "lloyd-max" and head_dim >= 3
     return lloyd_max(spec.bits, head_dim if exact else None)
-
-
-def fit_codebook(z: torch.Tensor, bits: int, weights: torch.Tensor | None = None,
-                 bins: int = FIT_BINS, iters: int = FIT_ITERS) -> Codebook:
-    """A codebook fitted to the values ``z`` (any shape) by weighted 1-D k-means.
-
-    ``weights`` broadcast against ``z`` (None: all 1). The values are first reduced to a
-    ``bins``-bin histogram over their range (each bin as its weighted mean and mass), which keeps
-    the fit fast on millions of values and changes the optimum by far less than the float16
-    rounding of the stored centroids. Centroids are rounded to float16."""
-    if not is_int(bits, MIN_CODEBOOK_BITS, MAX_CODEBOOK_BITS):
-        raise ConfigError(f"Invalid codebook bits {bits!r}; allowed: integers 1-8.")
-    zf = z.detach().double().reshape(-1)
-    w = (torch.ones_like(zf) if weights is None
-         else torch.broadcast_to(weights.detach().double(), z.shape).reshape(-1))
-    keep = torch.isfinite(zf) & (w > 0)
-    zf, w = zf[keep], w[keep]
-    if zf.numel() == 0:
-        raise InputError("Cannot fit a codebook on no values (empty or all weights zero).")
-    lo, hi = float(zf.min()), float(zf.max())
-    span = max(hi - lo, 1e-12)
-    idx = ((zf - lo) / span * bins).long().clamp_(0, bins - 1)
-    mass = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, w)
-    sums = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, w * zf)
-    used = mass > 0
-    points, mass = sums[used] / mass[used], mass[used]
-    levels = 1 << bits
-    if points.numel() < levels:  # fewer distinct bins than centroids: pad by repetition
-        c = torch.cat((points, points[-1:].expand(levels - points.numel())))
-    else:
-        c = weighted_lloyd(points, mass, levels, iters)
-    return Codebook(c.half().float().sort().values)
 
 
 # -- quantize / dequantize ----------------------------------------------------------------------
@@ -363,39 +303,6 @@ def normalized_coordinates(x: torch.Tensor, spec: CodebookSpec
     return torch.where(n[..., None] > 0, z, torch.zeros_like(z)), n
 
 
-def query_channel_weights(q: torch.Tensor, num_kv_heads: int,
-                          spec: CodebookSpec) -> torch.Tensor:
-    """``[Hkv, D]`` weights of the ``"weighted"`` fit: the mean squared rotated query
-    ``(q R)_c²`` over batch, tokens and the query heads of each KV head (GQA: query head ``h``
-    reads KV head ``h // groups``), divided by its mean over channels (so each head's weights
-    average 1 and heads keep the weight their norms give them)."""
-    _check(q)
-    b, hq, t, d = q.shape
-    if hq % num_kv_heads:
-        raise InputError(f"{hq} query heads are not a multiple of {num_kv_heads} KV heads.")
-    r = _rotation_matrix(spec, d, q.device)
-    qr = q.float() if r is None else rotate(q, r)
-    w = qr.double().pow(2).mean(dim=(0, 2)).reshape(num_kv_heads, hq // num_kv_heads, d).mean(1)
-    return (w / w.mean(dim=-1, keepdim=True).clamp_min(1e-300)).float()
-
-
-def codebook_for(x: torch.Tensor, spec: CodebookSpec, q: torch.Tensor | None = None) -> Codebook:
-    """The codebook ``spec`` uses for the tensor ``x`` ``[B, H, T, D]`` (one layer's keys or
-    values): Lloyd-Max for ``D``, or fitted on ``x`` (module docstring). ``"weighted"`` needs the
-    layer's queries ``q`` ``[B, Hq, T, D]``."""
-    d = x.shape[-1]
-    if not spec.fitted:
-        return computed_codebook(spec, d)
-    z, n = normalized_coordinates(x, spec)
-    weights = (n * n)[..., None]
-    if spec.codebook == "weighted":
-        if q is None:
-            raise InputError("The 'weighted' codebook is fitted with the layer's queries; "
-                             "pass q (or use the 'fitted' codebook).")
-        weights = weights * query_channel_weights(q, x.shape[1], spec)[None, :, None, :]
-    return fit_codebook(z, spec.bits, weights)
-
-
 def quantize_codebook(x: torch.Tensor, spec: CodebookSpec, codebook: Codebook) -> CodebookTensor:
     """Code ``x`` ``[B, H, T, D]`` with ``codebook`` (module docstring)."""
     if codebook.bits != spec.bits:
@@ -418,10 +325,8 @@ def dequantize_codebook(qt: CodebookTensor) -> torch.Tensor:
     return y if r is None else unrotate(y, r)
 
 
-def fake_quantize_codebook(x: torch.Tensor, spec: CodebookSpec,
-                           codebook: Codebook | None = None,
-                           q: torch.Tensor | None = None) -> torch.Tensor:
-    """Quantize and dequantize ``x`` ``[B, H, T, D]``: float32 in ``x``'s basis. Without a
-    ``codebook`` the spec's own is made for ``x`` (``codebook_for(x, spec, q)``)."""
-    book = codebook_for(x, spec, q) if codebook is None else codebook
+def fake_quantize_codebook(x: torch.Tensor, spec: CodebookSpec) -> torch.Tensor:
+    """Quantize and dequantize ``x`` ``[B, H, T, D]`` with the spec's codebook for its head_dim:
+    float32 in ``x``'s basis."""
+    book = computed_codebook(spec, x.shape[-1])
     return dequantize_codebook(quantize_codebook(x, spec, book))

@@ -1,8 +1,6 @@
 """The versioned ``KVConfig`` a recommendation writes (``build_config``): per-layer settings
 from the chosen candidates and windows, the most common one as the default, and the config-wide
-MiKV, GEAR and balancer sections, the fitted centroids of the layers that chose codebook
-keys or values (``codebooks``) and the mean keys of the layers that chose centred keys
-(``key_means``)."""
+MiKV, GEAR and balancer sections."""
 
 from __future__ import annotations
 
@@ -12,16 +10,12 @@ from collections.abc import Sequence
 from kvlens.config import KVConfig, LayerKV, MikvSettings
 from kvlens.errors import ConfigError
 from kvlens.recommend.catalog import gear_settings
-from kvlens.recommend.layer_errors import codebook_slot, mean_key
 from kvlens.recommend.options import Candidate, RecommendOptions, Stream, listed
 from kvlens.recommend.result import Choice
 
 
-def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balancers,
-                 codebooks=None):
-    """The versioned ``kvlens.config`` config that ``kvlens generate --config`` consumes.
-    ``codebooks``: per layer ``{codebook_slot(c): kvlens.quant.Codebook, mean_key(stage):
-    [Hkv, D]}``, the codebooks and mean keys the candidates were measured with."""
+def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balancers):
+    """The versioned ``kvlens.config`` config that ``kvlens generate --config`` consumes."""
 
     by_layer: dict[int, dict[str, Candidate]] = {}
     streams: dict[int, Stream] = {}
@@ -33,8 +27,7 @@ def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balanc
         k, v = pair["key"], pair["value"]
         r, f = streams[layer]
         settings[layer] = LayerKV(k.spec(), v.spec(), r, k.stage == "pre", flush_tokens=f,
-                                  rotate_keys=k.rotate, rotate_values=v.rotate,
-                                  center_keys=k.center)
+                                  rotate_keys=k.rotate, rotate_values=v.rotate)
     default = Counter(settings.values()).most_common(1)[0][0]
     overrides = {i: s for i, s in settings.items() if s != default}
     used = {i: balancers[i] for i, p in by_layer.items() if p["key"].balancer}
@@ -45,25 +38,6 @@ def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balanc
     if len(set(sets.values())) > 1:
         raise ConfigError(f"internal: MiKV sets of different widths/fractions chosen: {sets}")
     set_bits, fraction = next(iter(sets.values())) if sets else (None, 0.0)
-    books = {}
-    for i, p in by_layer.items():
-        for tensor, c in p.items():
-            if not c.codebook:
-                continue
-            book = (codebooks or {}).get(i, {}).get(codebook_slot(c))
-            if book is None:
-                raise ConfigError(f"internal: layer {i} chose codebook {tensor}s but no "
-                                  "codebook was fitted for it")
-            books.setdefault(i, {})[tensor] = tuple(
-                float(x) for x in book.centroids.half().float())
-    means = {}
-    for i, p in by_layer.items():
-        if p["key"].center:
-            mu = (codebooks or {}).get(i, {}).get(mean_key(p["key"].stage))
-            if mu is None:
-                raise ConfigError(f"internal: layer {i} chose centred keys but no mean key was "
-                                  "computed for it")
-            means[i] = tuple(tuple(float(x) for x in row) for row in mu.half().float().tolist())
     mikv = None
     if used or opts.sink_tokens or sets:
         # layers not in mikv.layers keep only the sinks, at fp16 (KVConfig.mikv_for), as their
@@ -77,7 +51,7 @@ def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balanc
         gear=gear_settings(gear_layers) if gear_layers else None,
         balancers={i: tuple(tuple(float(x) for x in row) for row in b.tolist())
                    for i, b in used.items()},
-        fp_dtype=opts.fp_dtype, scale_dtype=opts.scale_dtype, codebooks=books, key_means=means,
+        fp_dtype=opts.fp_dtype, scale_dtype=opts.scale_dtype,
         description=(f"kvlens recommend for {meta.model}: budget {opts.budget_bits} bits/element "
                      f"at {opts.context} tokens (residual window "
                      f"{listed(sorted({s.residual for s in streams.values()}), '/')}, "

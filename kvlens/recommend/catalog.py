@@ -12,20 +12,9 @@ for neither (the config's ``gear.layers``). With ``mikv`` (default on) the G32 c
 heavy_fraction)`` of ``mikv_set_bits`` x ``mikv_fractions``: heavy hitters and sinks kept at
 ``set_bits`` codes, measured by replaying the cache's H2O selection while decoding
 (``kvlens.analysis.heavy_hitters``); a layer takes the set for both tensors or neither (the
-config's ``mikv.layers``). With ``codebooks`` (opt-in; ``--codebooks``) also codebook
-keys (post-RoPE: the rotation and RoPE do not commute) and values at 2 and 3 bits
-(``CODEBOOK_BITS``): ``fitted+renorm`` of docs/lab-notes/codebooks.md, each layer's codebook fitted on its
-captured keys or values, stored as packed codes and a float16 norm per vector (rotated, so only
-where rotation is offered; the fused decode kernel reads them, so ``prefer_fast`` keeps them).
-With ``centering`` (opt-in; ``--centering``) the per-token key candidates of the first key fit,
-plain, pre-RoPE and rotated (not balanced), and the codebook keys are offered centred instead
-of plain (``centrable``): the layer's mean key (computed on the capture)
-subtracted before quantizing, kept in the config, added back on read
-(``kvlens.quant.centering``; the fused kernel reads the post-RoPE ones, so ``prefer_fast`` keeps
-those; docs/lab-notes/codebooks.md: it halves per-token key reconstruction error; per-channel groups
-absorb a per-channel offset, so they are not centred). Replacing rather than adding keeps the
-candidate count and the storage families, so centring costs ``recommend`` no time. Only what
-``kvlens generate`` can run is offered.
+config's ``mikv.layers``). Only what ``kvlens generate`` can run is offered. (Codebook and
+centred-key candidates were research levers until issue #57 removed them: negative results,
+docs/lab-notes/codebooks.md.)
 
 ``family`` groups candidates by storage layout for ``--sensitivity layout``; ``family_probes``
 picks the one candidate per family that is measured for it.
@@ -40,7 +29,6 @@ from kvlens.config import GearSettings
 from kvlens.errors import ConfigError
 from kvlens.quant import hadamard_block_size
 from kvlens.recommend.options import (
-    CODEBOOK_BITS,
     GEAR_GROUP,
     GRANULARITIES,
     MIKV_GROUP,
@@ -82,41 +70,18 @@ def candidates(head_dim: int, opts: RecommendOptions, has_rope: bool) -> list[Ca
                         continue
                     if opts.gear and not opts.prefer_fast and g == GEAR_GROUP and b <= 4:
                         out.append(Candidate(tensor, b, gran, g, gear=True))
-    if opts.codebooks and rotation:  # the fused decode kernel reads them (--prefer-fast too)
-        out += [Candidate.codebook_keys(b) for b in CODEBOOK_BITS]
-        out += [Candidate.codebook_values(b) for b in CODEBOOK_BITS]
-    if opts.centering:  # the per-token keys are offered centred (prefer_fast offers no
-        # pre-RoPE keys to centre; the kernel reads centred post-RoPE ones)
-        out = [replace(c, center=True) if centrable(c, opts) else c for c in out]
     # MiKV set twins: plain or balanced post-RoPE G32 codes up to 4 bits (a set beside 8-bit
-    # codes buys nothing; centred keys have none), one per global (set_bits, heavy_fraction)
+    # codes buys nothing), one per global (set_bits, heavy_fraction)
     return out + [replace(c, mikv_set=m) for c in out if c.group_size == MIKV_GROUP
                   and c.bits <= 4 and c.stage == "post"
-                  and not (c.rotate or c.gear or c.center)
+                  and not (c.rotate or c.gear)
                   and c.fit == opts.fits_for(c.tensor)[0] for m in opts.mikv_sets()]
-
-
-def centrable(c: Candidate, opts: RecommendOptions) -> bool:
-    """Whether ``--centering`` offers ``c`` centred instead of plain: per-token keys of the
-    first key fit, plain, pre-RoPE or rotated (not balanced: the balancer divides channels,
-    and a mean would have to follow it; not GEAR or a MiKV set), and codebook keys (their norm
-    and direction are those of the centred key)."""
-    if c.tensor != "key" or c.center:
-        return False
-    if c.codebook:
-        return True
-    return (c.granularity == "per-token" and not (c.balancer or c.gear or c.mikv_set)
-            and c.fit == opts.key_fits[0])
 
 
 def still_offered(c: Candidate, opts: RecommendOptions) -> bool:
     """Whether ``opts`` offers measured candidate ``c`` (``choose`` on a measurement made with
-    more: other fits, codebooks or centred keys are dropped)."""
-    if c.codebook:
-        offered = opts.codebooks
-    else:
-        offered = c.fit in opts.fits_for(c.tensor)
-    return offered and (opts.centering or not c.center)
+    more fits: the others are dropped)."""
+    return c.fit in opts.fits_for(c.tensor)
 
 
 def gear_settings(layers=None):
@@ -129,10 +94,8 @@ def family(c: Candidate) -> tuple:
     """The storage family ``--sensitivity layout`` measures one factor for: tensor, axis,
     transforms and the scale fit (bits, group size, GEAR and a MiKV set share their base's
     factor). The fit has its own: a least-squares fit clips a group's extremes, so its output
-    error need not turn into KL at the rate of min/max groups (docs/recommend.md#the-scale-fit).
-    Codebook keys and values are families of their own (non-uniform codes, a norm per vector):
-    their axis is ``per-vector``. Centred keys are a family of their own (``center``)."""
-    return (c.tensor, c.granularity, c.stage, c.balancer, c.rotate, c.fit, c.center)
+    error need not turn into KL at the rate of min/max groups (docs/recommend.md#the-scale-fit)."""
+    return (c.tensor, c.granularity, c.stage, c.balancer, c.rotate, c.fit)
 
 
 def family_probes(cands: Sequence[Candidate]) -> list[Candidate]:

@@ -23,10 +23,7 @@ The document, one key per ``Measurements`` field:
   ``(output, score, reconstruction)`` errors (``scored`` False: the score error is None);
 - ``balancers``: ``[[layer, tensor], ...]``; ``weights``: the layer weights; ``notes``;
   ``windows`` (int or null); ``factors``: per layer ``[[family, factor], ...]`` (a family is a
-  tuple of scalars, ``kvlens.recommend.catalog.family``); ``profile``: ``[[stage, seconds], ...]``;
-- ``codebooks``: ``[[layer, [[slot, kind, value], ...]], ...]``: ``slot`` the key of
-  ``kvlens.recommend.layer_errors.codebook_slot`` or ``mean_key``, ``kind`` ``"codebook"``
-  (``value`` a tensor: a ``kvlens.quant.Codebook``'s centroids) or ``"tensor"`` (a mean key).
+  tuple of scalars, ``kvlens.recommend.catalog.family``); ``profile``: ``[[stage, seconds], ...]``.
 
 A tensor is ``{"array": i, "dtype": torch dtype, "shape": [...]}`` (bfloat16 stored as its int16
 bits). ``decode`` checks everything: the zip members (stored, not compressed, named as above),
@@ -49,15 +46,16 @@ import torch
 
 from kvlens.capture.store import CaptureMeta
 from kvlens.errors import ConfigError, InputError
-from kvlens.quant import Codebook
 from kvlens.recommend.options import Candidate, Stream
 from kvlens.recommend.pipeline import Measurements
 from kvlens.recommend.profile import Profile
 
 FORMAT = "kvlens.measurements"
 # 2: coupled candidates and their codebooks; 3: the capture's KV layers; 4: coupled removed
-# (issue #57: ``Candidate`` lost its ``coupled`` field)
-VERSION = 4
+# (issue #57: ``Candidate`` lost its ``coupled`` field); 5: codebook and centred-key candidates
+# removed (issue #57: ``Candidate`` lost ``codebook`` and ``center``, the document its
+# ``codebooks``, a family its centring flag)
+VERSION = 5
 #: what starts every file (a zip's local file header); anything else is refused unread
 ZIP_MAGIC = b"PK\x03\x04"
 DOCUMENT = "document.npy"
@@ -80,9 +78,7 @@ _META_TYPES = {
 _CANDIDATE_TYPES = {
     "tensor": str, "bits": int, "granularity": str, "group_size": int, "stage": str,
     "balancer": bool, "rotate": bool, "gear": bool, "mikv_set": "mikv", "fit": str,
-    "codebook": bool, "center": bool,
 }
-_CODEBOOK, _TENSOR = "codebook", "tensor"
 
 
 class KeptFormatError(ValueError):
@@ -109,8 +105,6 @@ def encode(m: Measurements) -> bytes:
         "factors": [[[_scalar_tuple(f), _number(x)] for f, x in row.items()]
                     for row in m.factors],
         "profile": [[_str(s), _number(x)] for s, x in m.profile.stages.items()],
-        "codebooks": [[_int(i), [_encode_slot(s, x, arrays) for s, x in books.items()]]
-                      for i, books in m.codebooks.items()],
     }
     doc["candidates"] = [_encode_candidate(c) for c in cands]
     doc["streams"] = [[_int(s.residual), _int(s.flush)] for s in streams]
@@ -232,12 +226,6 @@ def _encode_table(table: dict, cands: dict, streams: dict, arrays: list) -> dict
     return {"keys": _put_array(np.array(keys, np.int64).reshape(-1, 2), arrays),
             "errors": _put_array(np.array(errors, np.float64).reshape(-1, 3), arrays),
             "scored": _put_array(np.array(scored, np.bool_), arrays)}
-
-
-def _encode_slot(slot, value, arrays: list) -> list:
-    if isinstance(value, Codebook):
-        return [_scalar_tuple(slot), _CODEBOOK, _put_tensor(value.centroids, arrays)]
-    return [_scalar_tuple(slot), _TENSOR, _put_tensor(value, arrays)]
 
 
 def _is_kind(value, kind) -> bool:
@@ -386,7 +374,7 @@ def _unplain(x, arrays: list, what: str, depth: int = 0):
 
 def _decode_document(doc: dict, arrays: list) -> Measurements:
     known = {"format", "version", "meta", "candidates", "streams", "tables", "balancers",
-             "weights", "notes", "windows", "factors", "profile", "codebooks"}
+             "weights", "notes", "windows", "factors", "profile"}
     _need(set(doc) == known, f"keys {sorted(doc)}")
     cands = [_decode_candidate(c) for c in _list(doc["candidates"], "candidates")]
     streams = [Stream(*(_get_int(n, "stream") for n in _list(s, "stream", 2)))
@@ -409,9 +397,6 @@ def _decode_document(doc: dict, arrays: list) -> Measurements:
         profile=Profile({_get_str(s, "stage"): _get_number(x, "seconds")
                          for s, x in (_list(p, "stage", 2)
                                       for p in _list(doc["profile"], "profile"))}),
-        codebooks={_get_int(i, "layer"): _decode_books(books, arrays)
-                   for i, books in (_list(p, "codebooks", 2)
-                                    for p in _list(doc["codebooks"], "codebooks"))},
     )
 
 
@@ -453,15 +438,3 @@ def _decode_table(x, cands: list, streams: list, arrays: list) -> dict:
         table[cands[c], None if s < 0 else streams[s]] = (out, score if has else None, recon)
     _need(len(table) == n, "table has a key twice")
     return table
-
-
-def _decode_books(x, arrays: list) -> dict:
-    books = {}
-    for entry in _list(x, "codebooks"):
-        slot, kind, ref = _list(entry, "codebook entry", 3)
-        slot = _get_tuple(slot, "codebook slot")
-        _need(kind in (_CODEBOOK, _TENSOR), f"codebook entry kind {kind!r}")
-        t = _get_tensor(ref, arrays, "codebook tensor")
-        books[slot] = Codebook(t) if kind == _CODEBOOK else t
-    return books
-

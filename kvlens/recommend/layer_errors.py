@@ -12,12 +12,7 @@ too, to explain. By default the first ``tokens=256`` tokens of every capture sam
 windows every option is scored on the same queries, from ``score_from`` (three times the
 largest window) on, of ``default_tokens`` (four times it).
 
-``layer_variants`` builds what the cache would give back for each candidate (codebook keys and
-values: ``fake_quantize_codebook`` with the layer's codebook, ``codebook_slot``, fitted on the
-layer's captured keys (centred ones: minus the mean key) or values once and then given to every
-later measurement of that layer, as the config will store it; centred keys likewise with the layer's mean key, ``mean_key``, computed once on the whole
-capture and handed on in the same per-layer dict),
-``gear_variant``
+``layer_variants`` builds what the cache would give back for each candidate, ``gear_variant``
 and ``_SetVariants`` the GEAR and MiKV set twins (they depend on the flush block),
 ``measure_layer`` scores them; ``check_windows`` refuses window sizes nothing can be stored
 with.
@@ -42,42 +37,23 @@ from kvlens.config import MikvSettings
 from kvlens.config.rules import check_layout
 from kvlens.errors import ConfigError, InputError
 from kvlens.quant import (
-    codebook_for,
     fake_quantize,
-    fake_quantize_codebook,
     fit_balancer,
     hadamard_rotation,
     quantize_gear,
     quantize_pre_rope,
     quantize_rotated,
 )
-from kvlens.quant.centering import center, key_mean, quantize_centered
 from kvlens.recommend.catalog import gear_settings
 from kvlens.recommend.options import Candidate, RecommendOptions, Stream, listed
 from kvlens.recommend.profile import stage
-from kvlens.rope import apply_rope
 from kvlens.text.selection import format_index_spec
 
 
-def mean_key(stage_name: str) -> tuple[str, str]:
-    """The key of a layer's mean key ``[Hkv, D]`` in the per-layer dict of fitted data that
-    ``layer_variants`` returns beside its codebooks (``codebook_slot``): one per key stage
-    (``"post"``, ``"pre"``), computed on the capture and stored in the config."""
-    return ("key-mean", stage_name)
-
-
-def codebook_slot(c: Candidate) -> tuple[str, str, int, bool]:
-    """The key of codebook candidate ``c``'s fitted codebook in that per-layer dict: one per
-    tensor, bit width and centring (a centred key codebook is fitted on the centred keys)."""
-    return ("codebook", c.tensor, c.bits, c.center)
-
-
 def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOptions,
-                  plain: Sequence[Candidate] = (), queries: int | None = None, balancer=None,
-                  codebooks=None):
+                  plain: Sequence[Candidate] = (), queries: int | None = None, balancer=None):
     """Per-candidate mean errors on one capture layer, the fitted balancer ``[Hkv, D]``
-    (None when no candidate uses it), whether pre-RoPE candidates were measured, and the
-    layer's value codebooks ``{bits: Codebook}`` (``layer_variants``).
+    (None when no candidate uses it) and whether pre-RoPE candidates were measured.
 
     Errors are ``{(candidate, Stream(R, F)): (out, score, recon)}`` for every window ``R``
     (``opts.window_sizes``) and flush block ``F`` the candidate can be stored with
@@ -89,10 +65,9 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
     ``plain`` are also measured with every token quantized, key ``(candidate, None)`` (the
     sensitivity probe, which quantizes the whole layer). ``queries``: score only the last
     queries (the retrieval probe's answer position). ``balancer``: use this fitted balancer
-    instead of fitting one on this layer's data; ``codebooks``: likewise the value codebooks."""
+    instead of fitting one on this layer's data."""
 
-    q, k, v, variants, bal, pre_ok, books = layer_variants(layer, meta, cands, opts, balancer,
-                                                           codebooks)
+    q, k, v, variants, bal, pre_ok = layer_variants(layer, meta, cands, opts, balancer)
     n_tok = k.shape[2]
     if n_tok <= max(max(opts.window_sizes), opts.score_from):
         raise InputError(f"The capture has {n_tok} tokens per sample, no more than "
@@ -170,21 +145,17 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
                                          reconstruction=False)
             for c, e in zip(group, errs):
                 record(c, s, e)
-    return out, bal, pre_ok, books
+    return out, bal, pre_ok
 
 
 def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptions,
-                   balancer=None, codebooks=None):
-    """``(q, k, v, variants, balancer, pre_ok, codebooks)`` of one capture layer
+                   balancer=None):
+    """``(q, k, v, variants, balancer, pre_ok)`` of one capture layer
     (``opts.samples`` and ``opts.tokens``): ``variants[c]`` is what the cache would give back
     for candidate ``c`` with every token quantized (a ``kvlens.analysis.metrics.Variant``), None
     for MiKV set and GEAR twins (they depend on the flush block: built by ``measure_layer``);
     pre-RoPE candidates are left out when the capture's RoPE cannot be rebuilt (``pre_ok``
-    False). ``codebooks`` ``{codebook_slot(c): Codebook, mean_key(stage): [Hkv, D]}``: the
-    codebooks of codebook candidates and the mean keys of centred candidates, given (fitted
-    earlier on this layer's capture) or fitted here (``codebook_for``: norm²-weighted k-means
-    on these keys or values, float16 centroids; ``key_mean``: the mean over every sample and
-    token of the layer's captured keys, float16) and returned."""
+    False)."""
 
     sel = None if opts.samples is None else list(range(min(opts.samples, meta.num_samples)))
     t = slice(None) if opts.tokens is None else slice(0, opts.tokens)
@@ -205,33 +176,12 @@ def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptio
     la = layer.attrs
     rot = hadamard_rotation(k.shape[-1]) if any(c.rotate for c in cands) else None
     variants: dict[Candidate, Variant] = {}
-    books = dict(codebooks or {})
     sd = opts.scale_dtype  # the group metadata the cache will store
     for c in cands:
         if c.stage == "pre" and not pre_ok:
             continue
         spec = c.spec()
-        if c.center:
-            mk = mean_key(c.stage)
-            if mk not in books:  # the calibration data: every sample and token of the capture
-                with stage("capture read"):
-                    books[mk] = key_mean(layer.read("k_pre" if c.stage == "pre" else "k"))
-        if c.codebook:  # the layer's fitted codebook (the config stores its centroids)
-            x, slot = (v if c.tensor == "value" else k), codebook_slot(c)
-            mu = books[mean_key(c.stage)] if c.center else None
-            if slot not in books:  # a 1-D k-means on a histogram: milliseconds
-                books[slot] = codebook_for(x if mu is None else center(x, mu), spec)
-            code = lambda y, s=slot, spec=spec: fake_quantize_codebook(y, spec, books[s])  # noqa: E731
-            x_hat = code(x) if mu is None else quantize_centered(x, mu, code)
-            variants[c] = Variant(v_hat=x_hat) if c.tensor == "value" else Variant(k_hat=x_hat)
-        elif c.center:
-            x = k_pre if c.stage == "pre" else k
-            k_hat = quantize_centered(x, books[mk], lambda y, c=c, spec=spec: (
-                quantize_rotated(y, spec, rot, sd) if c.rotate else fake_quantize(y, spec, sd)))
-            if c.stage == "pre":  # given its mean back before RoPE, as the cache reads it
-                k_hat = apply_rope(k_hat, *tables, meta.rope_layout)
-            variants[c] = Variant(k_hat=k_hat)
-        elif c.mikv_set:  # the set depends on the flush block: built per run below
+        if c.mikv_set:  # the set depends on the flush block: built per run below
             if not la.sliding_window and c.base in cands:
                 variants[c] = None
         elif c.gear:  # depends on the flush block: built per run below
@@ -249,7 +199,7 @@ def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptio
             variants[c] = Variant(k_hat=fake_quantize(k * b, spec, sd) / b)
         else:
             variants[c] = Variant(k_hat=fake_quantize(k, spec, sd))
-    return q, k, v, variants, bal, pre_ok, books
+    return q, k, v, variants, bal, pre_ok
 
 
 def gear_variant(x, c: Candidate, block: int, scale_dtype: str = "float32"):

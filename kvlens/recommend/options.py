@@ -13,13 +13,10 @@ from kvlens.cache.layout import FP_BYTES, SCALE_BYTES
 from kvlens.config import SET_BITS
 from kvlens.errors import InputError, is_int
 from kvlens.model.load import DTYPES
-from kvlens.quant import CodebookSpec, QuantSpec, RotationSpec
+from kvlens.quant import QuantSpec
 from kvlens.quant.spec import FITS
 
 GRANULARITIES = ("per-channel", "per-token")
-#: A codebook candidate's granularity: each vector has its own scale (its float16 norm)
-PER_VECTOR = "per-vector"
-CODEBOOK_BITS = (2, 3)  # codebook keys and values offered (docs/lab-notes/codebooks.md: values win at 2, 3)
 GEAR_GROUP = 32  # GEAR twins are offered for KIVI's G32 grouping only (measuring cost)
 MIKV_GROUP = 32  # so are MiKV set twins (each is simulated while decoding: measuring cost)
 MIKV_FRACTION_MAX = 0.5  # largest heavy fraction offered (more is no longer a small set)
@@ -57,46 +54,23 @@ class Candidate:
     # MiKV importance set (set_bits, heavy_fraction) beside the codes; None: sinks only
     mikv_set: tuple[int, float] | None = None
     fit: str = "minmax"  # how each group's scale and zero are chosen (QuantSpec.fit)
-    # a fitted, renormalised codebook of the Hadamard-rotated normalised vectors with one
-    # float16 norm per vector (kvlens.quant.codebook; granularity PER_VECTOR, no groups:
-    # group_size 0, rotate True, fit "minmax" unused; keys post-RoPE only)
-    codebook: bool = False
-    # keys only: stored centred on the layer's mean key, computed on the capture (pre-RoPE mean
-    # for pre-RoPE keys, else post-RoPE; kvlens.quant.centering; the config's key_means)
-    center: bool = False
-
-    @classmethod
-    def codebook_values(cls, bits: int) -> Candidate:
-        """The codebook value candidate at ``bits`` (docs/lab-notes/codebooks.md: ``fitted+renorm``)."""
-        return cls("value", bits, PER_VECTOR, 0, rotate=True, codebook=True)
-
-    @classmethod
-    def codebook_keys(cls, bits: int) -> Candidate:
-        """The codebook key candidate at ``bits``: post-RoPE (the rotation and RoPE do not
-        commute, so the cache refuses pre-RoPE codebook keys), ``fitted+renorm``."""
-        return cls("key", bits, PER_VECTOR, 0, rotate=True, codebook=True)
 
     @property
     def short(self) -> str:
-        if self.codebook:
-            return f"{self.bits}b codebook" + (" ctr" if self.center else "")
         axis = "ch" if self.granularity == "per-channel" else "tok"
         extra = (" pre" if self.stage == "pre" else "") + (" bal" if self.balancer else "") + \
             (" rot" if self.rotate else "") + (" gear" if self.gear else "") + \
             (f" set{self.mikv_set[0]}@{self.mikv_set[1]:g}" if self.mikv_set else "") + \
-            (" mse" if self.fit == "mse" else "") + (" ctr" if self.center else "")
+            (" mse" if self.fit == "mse" else "")
         return f"{self.bits}b {axis} G{self.group_size}{extra}"
 
     @property
     def label(self) -> str:
-        if self.codebook:
-            return (f"{self.bits}b codebook fitted+renorm (rotated, per-vector fp16 norm)"
-                    + (" +centred" if self.center else ""))
         extra = (" pre-RoPE" if self.stage == "pre" else "") + \
             (" +bal" if self.balancer else "") + (" +rotation" if self.rotate else "") + \
             (" +GEAR" if self.gear else "") + \
             (f" +MiKV set {self.mikv_set[1]:g} INT{self.mikv_set[0]}" if self.mikv_set else "") + \
-            (" mse-fit" if self.fit == "mse" else "") + (" +centred" if self.center else "")
+            (" mse-fit" if self.fit == "mse" else "")
         return f"{self.bits}b {self.granularity} G{self.group_size}{extra}"
 
     @property
@@ -104,11 +78,8 @@ class Candidate:
         """The same storage without the MiKV set."""
         return replace(self, mikv_set=None)
 
-    def spec(self) -> QuantSpec | CodebookSpec:
-        """What the config stores this candidate as (a codebook: its fitted centroids go in
-        the config's ``codebooks``)."""
-        if self.codebook:
-            return CodebookSpec(self.bits, "fitted", RotationSpec(), renormalize=True)
+    def spec(self) -> QuantSpec:
+        """What the config stores this candidate as."""
         return QuantSpec(self.bits, self.granularity, self.group_size, fit=self.fit)
 
 
@@ -247,19 +218,6 @@ class RecommendOptions:
     # (docs/recommend.md#8-bit-group-metadata); the Triton kernel decodes the bytes itself
     scale_dtype: str = _lever("8bit", "scale-dtype", "how group scales and zeros are stored: "
                               "8bit or float16")
-    # offer codebook keys (post-RoPE) and values (CODEBOOK_BITS; kvlens.quant.codebook, fitted
-    # per layer and tensor on the capture; the fused decode kernel reads them, so prefer_fast
-    # keeps them; rotated, so not without rotation). Opt-in until it earns a place at the
-    # current defaults (docs/lab-notes/codebooks.md)
-    codebooks: bool = _lever(False, "codebooks", "offer 2- and 3-bit codebook key and value "
-                             "candidates fitted on the capture")
-    # offer the per-token key candidates centred instead of plain (kvlens.recommend.catalog.
-    # centrable; kvlens.quant.centering, the mean key of each layer computed on the capture and
-    # stored in the config); with prefer_fast only post-RoPE ones are offered (the fused kernel
-    # adds the mean's score shift; it reads no pre-RoPE keys). Opt-in: the paired ablation on
-    # both models is mixed (docs/lab-notes/codebooks.md)
-    centering: bool = _lever(False, "centering", "offer per-token keys centred on the "
-                             "layer's mean key instead of plain")
     layer_weights: tuple[float, ...] | None = _library(None)
     retrieval_tokens: int = _library(960)
 
@@ -319,9 +277,6 @@ class RecommendOptions:
                              "also flushes it whole).")
         if self.sink_tokens < 0:
             raise InputError(f"--set sinks must be >= 0, got {self.sink_tokens}.")
-        if self.codebooks and not self.rotation:
-            raise InputError("--set codebooks=on offers codebook keys and values, which are coded "
-                             "rotated: drop --set rotation=off or codebooks=on.")
         if self.layout_layers is not None and not is_int(self.layout_layers, 1):
             raise InputError(f"--set layout-layers must be a positive number of layers (or None: "
                              f"every layer), got {self.layout_layers!r}.")

@@ -61,9 +61,6 @@ class Measurements:
     # per layer {storage family: factor on top of the layer weight} (--sensitivity layout)
     factors: tuple[dict, ...] = ()
     profile: Profile = field(default_factory=Profile)  # where measure's time went
-    # per layer {codebook_slot(c): kvlens.quant.Codebook, mean_key(stage): [Hkv, D]}: the
-    # codebooks and mean keys fitted on the capture (kvlens.recommend.layer_errors)
-    codebooks: dict[int, dict] = field(default_factory=dict)
 
 
 def measure(path: str | Path, opts: RecommendOptions,
@@ -86,7 +83,7 @@ def measure(path: str | Path, opts: RecommendOptions,
             rows = map_layers(_layer_table, path, meta.layers,
                               (cands + [p for p in probes if p not in cands], probes, opts),
                               workers, progress)
-        tables, balancers, notes, windows, books = [], {}, [], [], {}
+        tables, balancers, notes, windows = [], {}, [], []
         no_pre = [index for index, row in zip(meta.layers, rows) if not row[2]]
         if no_pre and meta.has_rope and opts.pre_rope != "off":
             why = (f"the RoPE of layer(s) {format_index_spec(no_pre)} cannot be rebuilt from "
@@ -96,9 +93,7 @@ def measure(path: str | Path, opts: RecommendOptions,
                 raise InputError(f"Pre-RoPE keys were requested but {why}; use --set "
                                  "pre-rope=auto.")
             notes.append(f"pre-RoPE candidates skipped where {why}")
-        for index, (table, bal, _pre_ok, window, book) in zip(meta.layers, rows):
-            if book:
-                books[index] = book
+        for index, (table, bal, _pre_ok, window) in zip(meta.layers, rows):
             windows.append(window)
             tables.append(table)
             if bal is not None:
@@ -116,17 +111,17 @@ def measure(path: str | Path, opts: RecommendOptions,
                 and not opts.layer_weights:
             with torch_threads(threads), stage("layout sensitivity"):
                 weights, factors = layout_factors(path, model, opts, cands, balancers, notes,
-                                                  progress, books, workers)
+                                                  progress, workers)
         if model is not None and opts.retrieval != "off" and opts.retrieval_weight > 0:
             with stage("retrieval probe"):
                 add_retrieval_errors(model, tokenizer, cands, opts, tables, balancers, notes,
-                                     progress, workers, books)
+                                     progress, workers)
     wanted = set(candidates(meta.head_dim, opts, meta.has_rope))
     tables = [{cf: e for cf, e in t.items() if cf[0] in wanted and cf[1] is not None}
               for t in tables]
     prof.stages = {k: v for k, v in prof.stages.items() if v > 0}
     return Measurements(meta, tables, balancers, tuple(weights), notes, tuple(windows),
-                        factors, prof, books)
+                        factors, prof)
 
 
 def check_capture(path: str | Path, meta, opts: RecommendOptions) -> None:
@@ -150,20 +145,19 @@ def check_capture(path: str | Path, meta, opts: RecommendOptions) -> None:
 
 
 def _layer_table(layer, meta, cands, probes, opts):
-    """One layer's ``(errors, balancer, pre_ok, sliding window, value codebooks)``
-    (``map_layers``' work)."""
-    table, bal, pre_ok, books = measure_layer(layer, meta, cands, opts, plain=probes)
-    return table, bal, pre_ok, layer.attrs.sliding_window or None, books
+    """One layer's ``(errors, balancer, pre_ok, sliding window)`` (``map_layers``' work)."""
+    table, bal, pre_ok = measure_layer(layer, meta, cands, opts, plain=probes)
+    return table, bal, pre_ok, layer.attrs.sliding_window or None
 
 
 def choose(m: Measurements, opts: RecommendOptions) -> Recommendation:
     """Allocate under ``opts.budget_bits`` from earlier measurements and build the config."""
-    # measured with more fits (or codebooks, centred keys) than offered now: drop the rest
+    # measured with more fits than offered now: drop the rest
     tables = [{k: e for k, e in t.items() if still_offered(k[0], opts)} for t in m.tables]
     prof = Profile(dict(m.profile.stages), list(m.profile.spans))
     with profiling(prof), stage("allocation"):
         rec = assemble(m.meta, opts, tables, m.balancers, m.weights, list(m.notes),
-                       shape_of_capture(m.meta, m.windows), m.factors, m.codebooks)
+                       shape_of_capture(m.meta, m.windows), m.factors)
     rec.profile = prof
     return rec
 

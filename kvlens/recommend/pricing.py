@@ -49,8 +49,7 @@ def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOption
 
     r = max(opts.window_sizes) if residual is None else residual
     setting = LayerKV(kc.spec(), vc.spec(), r, kc.stage == "pre",
-                      flush_tokens=flush, rotate_keys=kc.rotate, rotate_values=vc.rotate,
-                      center_keys=kc.center)
+                      flush_tokens=flush, rotate_keys=kc.rotate, rotate_values=vc.rotate)
     w = shape.window(layer)
     mikv = _layer_mikv(kc, opts)
     fp, sb = FP_BYTES[opts.fp_dtype], SCALE_BYTES[opts.scale_dtype]

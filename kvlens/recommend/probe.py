@@ -62,7 +62,7 @@ def load_model_for(cap, opts: RecommendOptions, notes: list[str]):
 
 
 def add_retrieval_errors(model, tokenizer, cands, opts, tables, balancers, notes, progress,
-                         workers: int = 1, codebooks=None):
+                         workers: int = 1):
     """Add ``retrieval_weight`` x each candidate's error at the retrieval probe's answer
     position (``kvlens.text.prompts``) to the text errors in ``tables`` (layers measured on
     ``workers`` processes, ``kvlens.recommend.parallel``)."""
@@ -76,7 +76,7 @@ def add_retrieval_errors(model, tokenizer, cands, opts, tables, balancers, notes
         with open_capture(path) as cap:
             layers = cap.meta.layers
         extras = map_layers(_probe_layer, path, layers,
-                            (cands, probe_opts, balancers, codebooks or {}), workers,
+                            (cands, probe_opts, balancers), workers,
                             progress, label="retrieval probe layer")
     for table, extra in zip(tables, extras):
         for key, (out, _, _) in extra.items():
@@ -87,9 +87,8 @@ def add_retrieval_errors(model, tokenizer, cands, opts, tables, balancers, notes
                  f"weight {opts.retrieval_weight:g}): see kvlens.text.prompts")
 
 
-def _probe_layer(layer, meta, cands, opts, balancers, codebooks):
+def _probe_layer(layer, meta, cands, opts, balancers):
     """One layer's errors at the probe's answer position (``map_layers``' work), with the
-    balancer, codebooks and mean keys fitted on the capture (what the config stores)."""
+    balancer fitted on the capture (what the config stores)."""
     return measure_layer(layer, meta, cands, opts, queries=4,
-                         balancer=balancers.get(layer.index),
-                         codebooks=codebooks.get(layer.index))[0]
+                         balancer=balancers.get(layer.index))[0]

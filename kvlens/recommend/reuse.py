@@ -21,7 +21,7 @@ cannot run code when read (the pickles of earlier versions could): an uncompress
 ``.npz`` whose ``document.npy`` member is a JSON document (UTF-8 bytes in a uint8 array) for the
 structure (the capture's metadata, the candidates, streams, layer weights, notes, windows,
 factors) and whose ``a<i>.npy`` members are the numeric arrays it refers to (the error tables,
-balancers, codebook centroids, mean keys), with a format name and version. It is written and
+balancers), with a format name and version. It is written and
 read by an explicit encoder and decoder for exactly the types of ``Measurements``
 (``kvlens.recommend.kept_format``: the layout in full); reading checks the zip, every array's
 header (numeric dtypes only: no object array, so nothing is unpickled), the version and every

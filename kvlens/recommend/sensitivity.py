@@ -61,8 +61,7 @@ def sensitivity_weights(cap, model, opts, tables, probes, notes, progress
     return tuple(weights)
 
 
-def layout_factors(path, model, opts, cands, balancers, notes, progress, codebooks=None,
-                   workers: int = 1):
+def layout_factors(path, model, opts, cands, balancers, notes, progress, workers: int = 1):
     """``(layer weights, per-layer {family: factor})`` for ``--sensitivity layout``.
 
     A rate is the model's KL when only one layer's keys (or values) are replaced by a storage
@@ -101,7 +100,7 @@ def layout_factors(path, model, opts, cands, balancers, notes, progress, codeboo
         _run["kl"] = kl  # read by the forked workers (a closure cannot be pickled)
         try:
             rates = map_layers(_layout_row, path, meta.layers,
-                               (probes, anchors, every, one, keep, balancers, codebooks or {}),
+                               (probes, anchors, every, one, keep, balancers),
                                workers, progress, label="layout sensitivity layer",
                                threads=torch.get_num_threads())
         finally:
@@ -143,14 +142,14 @@ def weights_and_factors(rates: Sequence[dict]) -> tuple[list[float], list[dict]]
 _run: dict = {}
 
 
-def _layout_row(layer, meta, probes, anchors, every, opts, keep, balancers, codebooks) -> dict:
+def _layout_row(layer, meta, probes, anchors, every, opts, keep, balancers) -> dict:
     """One layer's ``{family: KL rate}`` (``layout_factors``' work on ``map_layers``)."""
     kl = _run["kl"]
     n = opts.tokens
     measured = probes if layer.index in every else anchors
     with torch_threads(1):  # small attention passes: one thread (see measure)
-        q, k, v, variants, _, _, _ = layer_variants(
-            layer, meta, measured, opts, balancers.get(layer.index), codebooks.get(layer.index))
+        q, k, v, variants, _, _ = layer_variants(layer, meta, measured, opts,
+                                                 balancers.get(layer.index))
         got = [c for c in measured if variants.get(c) is not None]
         la = layer.attrs
         errs = attention_errors_many(q[:, :, n - keep:], k, v, [variants[c] for c in got],

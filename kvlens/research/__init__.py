@@ -1,15 +1,16 @@
 """The research door: levers that have not earned a place at the defaults, in one place.
 
 A lever is an option of ``kvlens.recommend.RecommendOptions`` (or of the engine targets'
-``kvlens.deploy.targets.TargetOptions``) that no default uses: codebook keys and values,
-centred keys, layout-sensitivity sharing, fit and balancer knobs, MiKV sub-knobs, the candidate
-sets. Each is tried in an ablation (docs/lab-notes/) and moves to the main options only when it
-wins at the defaults on both models and both texts. Here they are listed (``levers``), parsed
+``kvlens.deploy.targets.TargetOptions``) that no default uses: layout-sensitivity sharing, fit
+and balancer knobs, MiKV sub-knobs, the candidate sets. Each is tried in an ablation
+(docs/lab-notes/) and moves to the main options only when it wins at the defaults on both models
+and both texts; a lever with a recorded negative result is removed from the code, its lab note
+naming the last commit that had it (coupled quantization, codebook candidates, centred keys and
+cross-layer prediction, issue #57). Here they are listed (``levers``), parsed
 from ``NAME=VALUE`` (``parse_settings``: what ``kvlens recommend --set`` takes) and described
 (``describe``: what ``--set list`` prints).
 
-The research code itself stays where its layer puts it (``kvlens.quant.codebook``,
-``kvlens.quant.centering``, ``kvlens.quant.predict``...); this module is the door, not the
+The research code itself stays where its layer puts it; this module is the door, not the
 room.
 """
 
@@ -125,7 +126,7 @@ def _example(lever: Lever) -> str:
 
 
 def parse_settings(items: typing.Iterable[str]) -> dict[str, dict[str, Any]]:
-    """``["codebooks=on", "mikv-bits=4"]`` -> ``{RECOMMEND: {field: value}, TARGET: {...}}``
+    """``["gear=on", "mikv-bits=4"]`` -> ``{RECOMMEND: {field: value}, TARGET: {...}}``
     (an owner's dict holds only its own levers), refusing an unknown name (with the nearest
     names), a missing ``=``, a value of the wrong type or a lever given twice."""
     known = levers()
@@ -135,7 +136,7 @@ def parse_settings(items: typing.Iterable[str]) -> dict[str, dict[str, Any]]:
         name, eq, value = item.partition("=")
         name = name.strip()
         if not eq:
-            raise InputError(f"--set {item!r}: expected NAME=VALUE, e.g. --set codebooks=on "
+            raise InputError(f"--set {item!r}: expected NAME=VALUE, e.g. --set gear=on "
                              "(--set list prints every lever).")
         if name not in known:
             near = difflib.get_close_matches(name, known, n=3)

@@ -2,7 +2,7 @@
 
 For every captured layer (streamed one at a time) and every combination of tensor (key, value)
 x axis (per-token, per-channel) x bits x group size x key stage (post-RoPE, pre-RoPE) x transform
-(plain, balancer, outliers, lowrank, rotate, center, predict), and for every engine cache format asked for
+(plain, balancer, outliers, lowrank, rotate), and for every engine cache format asked for
 (``formats``: ggml q8_0/q4_0/..., fp8, per-token-head int8/int4/fp8, ``kvlens.quant.formats``),
 one tensor is fake-quantized with the reference library (``kvlens.quant``) while the other two
 stay exact, and the relative Frobenius error
@@ -24,8 +24,7 @@ Tensors are ``[B, H, T, D]`` (B = samples) throughout.
 Modules, in dependency order: ``config`` (``CompareConfig``, the names records are keyed by, the
 command-line parsers), ``records`` (``Record``, ``CompareResult``), ``rope_tables`` (RoPE tables
 re-created and checked per layer, for pre-RoPE keys), ``summary`` (means, winners, the KIVI
-check, engine-format info), ``predict`` (the ``predict`` variant's chain of cross-layer
-predictions over the layers) and ``measure`` (``compare_axes``: the sweep itself). This package
+check, engine-format info) and ``measure`` (``compare_axes``: the sweep itself). This package
 names the public API; import from ``kvlens.analysis.compare``.
 """
 

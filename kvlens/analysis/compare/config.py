@@ -12,7 +12,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvlens.errors import ConfigError, InputError, is_int
-from kvlens.quant.codebook import CODEBOOKS
 from kvlens.quant.formats import parse_format
 from kvlens.text.selection import parse_index_spec
 
@@ -20,14 +19,11 @@ CONFIG_VERSION = 1
 TENSOR_NAMES = ("key", "value")
 AXES = ("per-token", "per-channel")
 STAGES = ("post", "pre")  # post-RoPE (what the cache holds) / pre-RoPE (KVQuant), keys only
-EXTRA_VARIANTS = ("balancer", "outliers", "lowrank", "rotate", "center", "predict")
+EXTRA_VARIANTS = ("balancer", "outliers", "lowrank", "rotate")
 PLAIN = "plain"
 KEY_METRICS = ("reconstruction", "score", "attention_weights", "attention_output")
 VALUE_METRICS = ("reconstruction", "attention_output")
 METRICS = KEY_METRICS
-# after a codebook name: "+center" (keys), "+renorm", "+pre" (keys coded before RoPE),
-# "+predict" (the residual of a cross-layer prediction coded, kvlens.analysis.compare.predict)
-CODEBOOK_OPTIONS = ("center", "renorm", "pre", "predict")
 
 
 @dataclass(frozen=True)
@@ -40,14 +36,9 @@ class CompareConfig:
         pre-RoPE key and re-rotates it (values have no stage).
     variants: extra transforms beside plain quantization: ``"balancer"`` (MiKV, keys,
         post-RoPE only), ``"outliers"`` (dense-and-sparse), ``"lowrank"`` (GEAR residual),
-        ``"rotate"`` (orthonormal Hadamard along head_dim, ``kvlens.quant.rotation``),
-        ``"center"`` (keys: the per-KV-head mean key of the layer subtracted before quantizing
-        and added back, ``kvlens.quant.centering``; the post stage centres post-RoPE keys, the
-        pre stage pre-RoPE keys), ``"predict"`` (AQUA-KV: keys predicted from the previous
-        layer's reconstructed keys of the same stage, values from the layer's reconstructed
-        keys and the previous layer's reconstructed values, by ridge maps fitted on the other
-        samples; only the residual is quantized, ``kvlens.analysis.compare.predict``; needs at
-        least 2 samples).
+        ``"rotate"`` (orthonormal Hadamard along head_dim, ``kvlens.quant.rotation``).
+        (``"center"``, ``"predict"`` and ``codebooks`` were removed by issue #57: negative
+        results, docs/lab-notes/codebooks.md.)
     outlier_fraction: share of each quantization vector kept exact by ``"outliers"``.
     rank: rank of the ``"lowrank"`` residual per (sample, head).
     rotation_seed: ``"rotate"`` without sign flips (None) or with random sign flips drawn with
@@ -56,22 +47,11 @@ class CompareConfig:
         (``kvlens.quant.formats.parse_format``: ``q8_0``, ``q4_0+norot``, ``fp8_e4m3@head``,
         ``int8@token-head`` ...), stored canonical. Static fp8 scales are calibrated per layer
         on the captured tensor they are evaluated on (in-sample).
-    codebooks: codebook layouts (``kvlens.quant.codebook``) swept at every ``bits``, by name:
-        ``lloyd-max``, ``fitted``, ``weighted`` (keys only), each optionally followed by
-        ``+center`` (keys centred as the ``center`` variant; values are coded uncentred),
-        ``+renorm`` (decoded vectors rescaled to the stored norm) and ``+pre`` (keys coded
-        before RoPE and re-rotated, as the pre stage; ``weighted`` then weights by the pre-RoPE
-        queries) and ``+predict`` (the residual of the ``predict`` variant's prediction coded;
-        not with ``weighted`` or ``+center``); stored canonical (``fitted+center+renorm+pre``). Fitted codebooks and means come from the layer's captured
-        tensor they are evaluated on (in-sample).
     layers: captured layers to analyse (None = all). samples: use only the first N samples.
     tensors: which of ``"key"``, ``"value"`` to sweep.
     sink_tokens: the first N tokens are read exact by every query in the score / weight /
         output metrics (a cache keeping the attention sinks at full precision, as
         ``generate``'s ``sink_tokens``); reconstruction still covers every token.
-    predict_calibration: path of another capture of the same model (other text) to fit the
-        ``predict`` variant's predictors on, all of its samples; None: leave one sample out of
-        the measured capture.
     """
 
     bits: tuple[int, ...] = (2, 4)
@@ -86,12 +66,9 @@ class CompareConfig:
     sink_tokens: int = 0
     rotation_seed: int | None = None
     formats: tuple[str, ...] = ()
-    codebooks: tuple[str, ...] = ()
-    predict_calibration: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("bits", "group_sizes", "stages", "variants", "tensors", "formats",
-                     "codebooks"):
+        for name in ("bits", "group_sizes", "stages", "variants", "tensors", "formats"):
             value = getattr(self, name)
             if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
                 raise ConfigError(f"{name} must be a list, got {value!r}.")
@@ -140,31 +117,6 @@ class CompareConfig:
             names = tuple(dict.fromkeys(parse_format(f).name for f in self.formats))
             object.__setattr__(self, "formats", names)
 
-        object.__setattr__(
-            self, "codebooks", tuple(dict.fromkeys(parse_codebook(c) for c in self.codebooks))
-        )
-        cal = self.predict_calibration
-        if cal is not None:
-            if not isinstance(cal, str) or not cal.strip():
-                raise ConfigError(f"Invalid predict calibration {cal!r}; expected a capture path.")
-            if "predict" not in self.variants and not any(
-                    "+predict" in c for c in self.codebooks):
-                raise ConfigError(
-                    "A predict calibration capture needs --variants predict or a +predict codebook.")
-
-    def codebook_settings(self) -> tuple[tuple[str, str, frozenset[str]], ...]:
-        """``(name, codebook, options)`` for each of ``self.codebooks``."""
-        out = []
-        for name in self.codebooks:
-            base, *opts = name.split("+")
-            out.append((name, base, frozenset(opts)))
-        return tuple(out)
-
-    @property
-    def codebook_pre_rope(self) -> bool:
-        """Whether a codebook codes keys before RoPE (the capture's ``k_pre`` is needed)."""
-        return "key" in self.tensors and any("pre" in o for *_, o in self.codebook_settings())
-
     def format_settings(self):
         """``self.formats`` as ``kvlens.quant.formats.FormatSetting`` objects."""
 
@@ -201,28 +153,6 @@ def _check_choices(
     for v in values:
         if v not in allowed:
             raise ConfigError(f"Unknown {what} {v!r}; allowed: {', '.join(allowed)}.")
-
-
-def parse_codebook(name: object) -> str:
-    """Canonical codebook variant name (``"Fitted+renorm+center"`` -> ``"fitted+center+renorm"``);
-    ``ConfigError`` listing the allowed names otherwise."""
-    allowed = (f"{', '.join(CODEBOOKS)}, each optionally with "
-               f"{' / '.join('+' + o for o in CODEBOOK_OPTIONS)}")
-    if not isinstance(name, str) or not name.strip():
-        raise ConfigError(f"Invalid codebook {name!r}; allowed: {allowed}.")
-    base, *opts = [p.strip().lower() for p in name.split("+")]
-    if base not in CODEBOOKS:
-        raise ConfigError(f"Unknown codebook {base!r}; allowed: {allowed}.")
-    for o in opts:
-        if o not in CODEBOOK_OPTIONS:
-            raise ConfigError(f"Unknown codebook option {o!r} in {name!r}; allowed: {allowed}.")
-    if "predict" in opts and ("center" in opts or base == "weighted"):
-        raise ConfigError(
-            f"Codebook {name!r}: +predict codes a prediction's residual, whose intercept already "
-            "centres it; it does not combine with +center or with weighted (use fitted or "
-            "lloyd-max)."
-        )
-    return "+".join([base, *(o for o in CODEBOOK_OPTIONS if o in opts)])
 
 
 def parse_int_list(text: str | None, what: str) -> tuple[int, ...]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from kvlens.analysis.compare.config import (
@@ -16,12 +16,6 @@ from kvlens.analysis.compare.config import (
     EXTRA_VARIANTS,
     PLAIN,
     CompareConfig,
-)
-from kvlens.analysis.compare.predict import (
-    PREDICT,
-    PredictChain,
-    predictor_info,
-    uses_prediction,
 )
 from kvlens.analysis.compare.records import (
     CompareResult,
@@ -35,17 +29,12 @@ from kvlens.analysis.metrics import Variant, attention_errors_many
 from kvlens.capture.store import open_capture
 from kvlens.errors import ConfigError, InputError, is_int
 from kvlens.quant import (
-    CodebookSpec,
     QuantSpec,
-    RotationSpec,
     apply_balancer,
     fake_quantize,
-    fake_quantize_codebook,
     fit_balancer,
     hadamard_block_size,
     hadamard_rotation,
-    key_mean,
-    quantize_centered,
     quantize_gear,
     quantize_rotated,
     quantize_with_outliers,
@@ -96,33 +85,14 @@ def compare_axes(
         n_samples = (
             meta.num_samples if config.samples is None else min(config.samples, meta.num_samples)
         )
-        pre = "pre" in _key_stages(config) or config.codebook_pre_rope
-        chain = None
-        walk = layers
-        if uses_prediction(config):
-            # a chain runs through every captured layer up to the last one measured: each
-            # layer's prediction reads the previous layer's reconstruction
-            chain = PredictChain(config, _rope_ok(meta))
-            walk = tuple(i for i in cap.layers if i <= max(layers))
-        measured = set(layers)
-        with ExitStack() as stack:
-            cal = None
-            if config.predict_calibration is not None:
-                cal = stack.enter_context(open_capture(config.predict_calibration))
-                _check_calibration(cal.meta, meta, walk)
-            for done, layer in enumerate(walk):
-                if progress:
-                    progress(done, len(walk), f"layer {layer}")
-                data = cap.layer(layer)
-                cal_data = None if cal is None else _chain_tensors(cal.layer(layer), chain)
-                if layer in measured:
-                    records.extend(_layer_records(data, config, meta, slice(0, n_samples),
-                                                  pre, chain, cal_data))
-                else:
-                    chain.advance(layer, *_chain_tensors(data, chain, n_samples),
-                                  calibration=cal_data)
+        pre = "pre" in _key_stages(config)
+        for done, layer in enumerate(layers):
+            if progress:
+                progress(done, len(layers), f"layer {layer}")
+            records.extend(_layer_records(cap.layer(layer), config, meta, slice(0, n_samples),
+                                          pre))
         if progress:
-            progress(len(walk), len(walk), "done")
+            progress(len(layers), len(layers), "done")
     capture_info = {
         "path": str(path),
         "model": meta.model,
@@ -136,16 +106,8 @@ def compare_axes(
     }
     summary = summarize(records)
     shape = (meta.num_key_value_heads, meta.num_tokens, meta.head_dim)
-    if config.formats or config.codebooks:
+    if config.formats:
         summary["formats"] = format_info(config, *shape)
-    if chain is not None:
-        summary["predictors"] = predictor_info(
-            meta.num_key_value_heads, meta.num_tokens, meta.head_dim)
-        summary["predictors"]["fitted_on"] = (
-            "leave one sample out" if config.predict_calibration is None
-            else f"every sample of {config.predict_calibration}")
-        summary["predictors"]["explained_variance"] = [
-            e for e in chain.explained if e["layer"] in measured]
     summary = {
         "config": config.to_dict(),
         "capture": capture_info,
@@ -200,24 +162,14 @@ def _check_fits(meta, config: CompareConfig) -> None:
                 raise ConfigError(
                     f"Format {setting.name!r} does not fit {meta.model or 'this'} capture: {exc}"
                 ) from None
-    if "rotate" in config.variants or config.codebooks:
+    if "rotate" in config.variants:
         try:
             hadamard_block_size(meta.head_dim)
         except ConfigError as exc:
-            what = ("Variant 'rotate'" if "rotate" in config.variants
-                    else "Codebooks (Hadamard-rotated)")
             raise ConfigError(
-                f"{what} does not fit {meta.model or 'this'} capture: {exc}"
+                f"Variant 'rotate' does not fit {meta.model or 'this'} capture: {exc}"
             ) from None
-    used = meta.num_samples if config.samples is None else min(config.samples, meta.num_samples)
-    if uses_prediction(config) and used < 2 and config.predict_calibration is None:
-        raise InputError(
-            "Variant 'predict' needs at least 2 samples: each sample is predicted by a map "
-            f"fitted on the others, and {used} of {meta.model or 'this'} capture's "
-            f"{meta.num_samples} are used (or fit on another capture: "
-            "--predict-calibration)."
-        )
-    if "pre" in _key_stages(config) or config.codebook_pre_rope:
+    if "pre" in _key_stages(config):
         if not _rope_ok(meta):
             raise InputError(
                 f"Stage 'pre' needs a capture of a model with RoPE, but {meta.model or 'this'} "
@@ -231,55 +183,20 @@ def _rope_ok(meta) -> bool:
     return bool(meta.has_rope) and meta.rope_layout not in ("none", "", "pending")
 
 
-def _chain_tensors(layer_data, chain: PredictChain, n_samples: int | None = None):
-    """``(k, k_pre or None, v)`` of one layer, as the prediction chain reads them (for a layer
-    that is not measured, or the calibration capture's layer)."""
-    samples = slice(0, n_samples)
-    k = layer_data.read("k", samples)
-    k_pre = layer_data.read("k_pre", samples) if chain.rope_ok else None
-    return k, k_pre, layer_data.read("v", samples)
-
-
-def _check_calibration(cal_meta, meta, layers) -> None:
-    """The calibration capture must hold the same model's shapes and every chained layer."""
-    mine = (meta.num_key_value_heads, meta.head_dim, meta.num_layers, _rope_ok(meta))
-    theirs = (cal_meta.num_key_value_heads, cal_meta.head_dim, cal_meta.num_layers,
-              _rope_ok(cal_meta))
-    if mine != theirs:
-        raise InputError(
-            f"The predict calibration capture ({cal_meta.model}: KV heads, head_dim, layers, "
-            f"pre-RoPE keys {theirs}) does not match the measured one ({meta.model}: {mine})."
-        )
-    missing = sorted(set(layers) - set(cal_meta.layers))
-    if missing:
-        raise InputError(
-            f"The predict calibration capture lacks layers {missing}; the chain needs every "
-            f"layer up to the last measured ({', '.join(map(str, layers))})."
-        )
-
-
 def _layer_records(layer_data, config: CompareConfig, meta, samples: slice,
-                   pre: bool, chain: PredictChain | None = None,
-                   calibration=None) -> list[Record]:
+                   pre: bool) -> list[Record]:
     import torch
 
     q = layer_data.read("q", samples)
     k = layer_data.read("k", samples)
     v = layer_data.read("v", samples)
     k_pre = tables = None
-    if pre or (chain is not None and chain.rope_ok):
-        k_pre = layer_data.read("k_pre", samples)
     if pre:
+        k_pre = layer_data.read("k_pre", samples)
         tables = checked_layer_tables(k, k_pre, meta, layer_data.index, layer_data.rope())
-    predicted = ({} if chain is None
-                 else chain.advance(layer_data.index, k, k_pre, v, calibration=calibration))
     keys: list[_VariantKey] = []
     variants: list[Variant] = []
-    q_pre = None
-    if any(b == "weighted" and "pre" in o for _, b, o in config.codebook_settings()):
-        q_pre = layer_data.read("q_pre", samples)
-    for key, approx in _approximations(q, k, v, k_pre, tables, config, meta.rope_layout, q_pre,
-                                       predicted):
+    for key, approx in _approximations(q, k, v, k_pre, tables, config, meta.rope_layout):
         keys.append(key)
         variants.append(Variant(k_hat=approx) if key.tensor == "key" else Variant(v_hat=approx))
     attrs = layer_data.attrs
@@ -334,11 +251,9 @@ def _layer_records(layer_data, config: CompareConfig, meta, samples: slice,
     return out
 
 
-def _approximations(q, k, v, k_pre, tables, config: CompareConfig, layout: str, q_pre=None,
-                    predicted=None):
+def _approximations(q, k, v, k_pre, tables, config: CompareConfig, layout: str):
     """Yield ``(_VariantKey, approximation)`` for every variant of one layer: keys as the
-    post-RoPE ``[B, Hkv, T, D]`` tensor attention sees, values as themselves. ``predicted``:
-    the layer's reconstructions along each ``predict`` chain (``PredictChain.advance``)."""
+    post-RoPE ``[B, Hkv, T, D]`` tensor attention sees, values as themselves."""
 
     transforms = (PLAIN, *config.variants)
     # the same R for every layer and head: it depends only on head_dim and the seed
@@ -347,12 +262,6 @@ def _approximations(q, k, v, k_pre, tables, config: CompareConfig, layout: str, 
         if "rotate" in config.variants
         else None
     )
-    means = {}
-    if "key" in config.tensors and ("center" in config.variants or config.codebooks):
-        # one mean key per KV head and stage, from the same layer's capture (in-sample)
-        means["post"] = key_mean(k)
-        if k_pre is not None:
-            means["pre"] = key_mean(k_pre)
     balancer = None
     if "key" in config.tensors and "balancer" in config.variants and "post" in config.stages:
         # MiKV fits the balancer per prompt at prefill: one b per sample, KV head and channel.
@@ -367,17 +276,7 @@ def _approximations(q, k, v, k_pre, tables, config: CompareConfig, layout: str, 
                             if name == "balancer" and stage == "pre":
                                 continue  # q/b . k*b = q . k holds only where k is consumed
                             key = _VariantKey("key", axis, bits, g, stage, name)
-                            if name == "center":
-                                x = k if stage == "post" else k_pre
-                                hat = quantize_centered(
-                                    x, means[stage], lambda c, s=spec: fake_quantize(c, s))
-                                yield key, (hat if stage == "post" else k.float() + apply_rope(
-                                    hat - k_pre.float(), *tables, layout))
-                            elif name == PREDICT:
-                                hat = predicted[("key", axis, bits, g, stage)]
-                                yield key, (hat if stage == "post" else k.float() + apply_rope(
-                                    hat - k_pre.float(), *tables, layout))
-                            elif name == "balancer":
+                            if name == "balancer":
                                 _, kb = apply_balancer(q, k, balancer)
                                 scale = balancer.float().unsqueeze(-2)
                                 yield key, _transform(kb, spec, PLAIN, config, rotation) / scale
@@ -394,65 +293,12 @@ def _approximations(q, k, v, k_pre, tables, config: CompareConfig, layout: str, 
                                 yield key, k.float() + err
                 if "value" in config.tensors:
                     for name in transforms:
-                        # the balancer rescales keys against queries; centering is for keys
-                        if name not in ("balancer", "center"):
+                        if name != "balancer":  # it rescales keys against queries
                             yield (
                                 _VariantKey("value", axis, bits, g, None, name),
-                                predicted[("value", axis, bits, g)] if name == PREDICT
-                                else _transform(v, spec, name, config, rotation),
+                                _transform(v, spec, name, config, rotation),
                             )
     yield from _format_approximations(k, v, config)
-    yield from _codebook_approximations(q, k, v, config, means, k_pre, tables, layout, q_pre,
-                                        predicted)
-
-
-def codebook_record_name(bits: int, name: str) -> str:
-    """``Record.format`` of a codebook variant, e.g. ``"codebook3:fitted+center"``."""
-    return f"codebook{bits}:{name}"
-
-
-def _codebook_approximations(q, k, v, config: CompareConfig, means, k_pre, tables, layout,
-                             q_pre, predicted=None):
-    """Codebook layouts (``kvlens.quant.codebook``) at every swept bit width: keys (post-RoPE,
-    or with ``+pre`` coded before RoPE and re-rotated as the pre stage; optionally centred by
-    the layer's mean key of that stage) and values, in the original basis. Fitted codebooks are
-    fitted on the same layer's tensor (in-sample), the weighted one with its queries (pre-RoPE
-    queries for ``+pre``); ``weighted``, ``+center`` and ``+pre`` are for keys, so values skip
-    them."""
-
-    for name, base, opts in config.codebook_settings():
-        for bits in config.bits:
-            spec = CodebookSpec(bits, base, rotation_spec(config),
-                                renormalize="renorm" in opts)
-            for tensor, x in (("key", k), ("value", v)):
-                if tensor not in config.tensors:
-                    continue
-                if tensor == "value" and (base == "weighted" or opts & {"center", "pre"}):
-                    continue
-                stage = None if tensor == "value" else "pre" if "pre" in opts else "post"
-                key = _VariantKey(tensor, "per-vector", bits, x.shape[-1], stage, PLAIN,
-                                  codebook_record_name(bits, name))
-                if stage == "pre":
-                    x = k_pre
-                queries = None if base != "weighted" else q_pre if stage == "pre" else q
-
-                def code(c, s=spec, queries=queries):
-                    return fake_quantize_codebook(c, s, q=queries)
-
-                if PREDICT in opts:  # along the layout's prediction chain
-                    hat = predicted[(tensor, name, bits) + ((stage,) if stage else ())]
-                elif "center" in opts:
-                    hat = quantize_centered(x, means[stage], code)
-                else:
-                    hat = code(x)
-                if stage == "pre":  # re-rotate, as the pre stage of the integer specs
-                    hat = k.float() + apply_rope(hat - k_pre.float(), *tables, layout)
-                yield key, hat
-
-
-def rotation_spec(config: CompareConfig) -> RotationSpec:
-    """The codebooks' rotation: the sweep's ``rotation_seed`` (None: plain Hadamard)."""
-    return RotationSpec(config.rotation_seed)
 
 
 def _format_approximations(k, v, config: CompareConfig):

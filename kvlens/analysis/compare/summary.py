@@ -19,8 +19,6 @@ from kvlens.analysis.compare.config import (
     CompareConfig,
 )
 from kvlens.analysis.compare.records import Record
-from kvlens.quant.centering import centering_bytes
-from kvlens.quant.codebook import CodebookSpec
 
 _TIE = 1e-9
 
@@ -43,10 +41,8 @@ FORMAT_CALIBRATION_NOTE = (
 
 
 def format_info(config: CompareConfig, kv_heads: int, tokens: int, head_dim: int) -> list[dict]:
-    """Per swept format and codebook (one entry per bit width): layout, storage bits per
-    element for one sequence of the capture's shape (a fitted codebook and the mean keys
-    amortised over it), whether keys and values are rotated, and how scales or codebooks were
-    calibrated."""
+    """Per swept format: layout, storage bits per element for one sequence of the capture's
+    shape, whether keys and values are rotated, and how scales were calibrated."""
     out = []
     shape = (1, kv_heads, tokens, head_dim)
     for setting in config.format_settings():
@@ -62,37 +58,7 @@ def format_info(config: CompareConfig, kv_heads: int, tokens: int, head_dim: int
                 "calibration": _calibration(fmt),
             }
         )
-    num_vectors = kv_heads * tokens
-    for name, base, opts in config.codebook_settings():
-        for bits in config.bits:
-            spec = CodebookSpec(bits, base)
-            bpe = spec.bits_per_element(num_vectors, head_dim)
-            if "center" in opts:  # the mean keys, float16 [Hkv, D] per layer
-                bpe += 8 * centering_bytes(kv_heads, head_dim) / (num_vectors * head_dim)
-            out.append(
-                {
-                    "format": f"codebook{bits}:{name}",
-                    "family": "codebook",
-                    "shares_scale": "one float16 norm per vector",
-                    "code_bits": bits,
-                    "bits_per_element": bpe,
-                    "rotated": True,
-                    "calibration": CODEBOOK_CALIBRATION[base]
-                    + ("; mean key per KV head from the capture (in-sample)"
-                       if "center" in opts else ""),
-                }
-            )
     return out
-
-
-CODEBOOK_CALIBRATION = {
-    "lloyd-max": "computed (Lloyd-Max for the rotated sphere coordinate), not stored",
-    "lloyd-max-normal": "computed (Lloyd-Max for the standard normal, vLLM TurboQuant's), not "
-    "stored",
-    "fitted": "fitted per layer and tensor on the capture (in-sample), norm²-weighted",
-    "weighted": "fitted per layer on the captured keys (in-sample), weighted by norm² and the "
-    "queries' squared magnitude per rotated channel",
-}
 
 
 def _calibration(fmt) -> str:
