@@ -23,7 +23,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # Lowest first. A module's layer is its first name under kvlens (package or top module).
-LAYERS = ("errors", "text", "rope", "quant", "config", "model", "capture", "cache", "analysis",
+LAYERS = ("errors", "units", "text", "rope", "quant", "config", "model", "capture", "cache", "analysis",
           "evaluation", "recommend", "deploy", "research", "plots", "report", "cli")
 RANK = {name: i for i, name in enumerate(LAYERS)}
 LAZY_ALLOWED = ("kvlens.cli",)  # command bodies import the library lazily (--help stays instant)

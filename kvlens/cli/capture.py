@@ -15,6 +15,7 @@ from kvlens.cli.common import (
     device_map_option,
     err_console,
     escape,
+    format_bytes,
     format_bytes_by_device,
     max_memory_option,
     offload_folder_option,
@@ -126,7 +127,7 @@ def _render(s) -> None:
     table.add_row("tokens", f"{s.samples} samples x {s.tokens} tokens")
     table.add_row("RoPE", s.rope_layout)
     table.add_row("storage", s.storage_dtype)
-    table.add_row("file size", f"{s.file_bytes / 2**20:.1f} MiB")
+    table.add_row("file size", format_bytes(s.file_bytes))
     table.add_row("time", f"{s.seconds:.1f} s")
     table.add_row("weights", format_bytes_by_device(s.weights_by_device))
     by_dev: dict[str, list[int]] = {}

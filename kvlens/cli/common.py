@@ -35,7 +35,7 @@ from rich.markup import escape
 from typer.core import TyperCommand, TyperGroup
 
 from kvlens.errors import KvlensError
-from kvlens.recommend.profile import format_seconds
+from kvlens.units import format_bytes, format_seconds
 
 # -- --help ---------------------------------------------------------------------------------
 
@@ -165,7 +165,7 @@ def output_errors(what: str):
 
 def given_options(ctx: typer.Context, names: Iterable[str]) -> dict[str, str]:
     """Of the parameters ``names``, those the user gave (not left at their default): parameter
-    name -> the flag as spelled in --help (``"no_mikv" -> "--no-mikv"``)."""
+    name -> the flag as spelled in --help (``"budget_bits" -> "--budget-bits"``)."""
     def given(name: str) -> bool:
         source = ctx.get_parameter_source(name)  # typer may carry its own copy of click's enum
         return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
@@ -303,11 +303,8 @@ def check_model_options(model: str | None, *, dtype: str = "float32", device: st
 
 
 def format_bytes_by_device(by_device: dict[str, int]) -> str:
-    """``cpu 270.1 MiB, disk 243.1 MiB`` (KiB below 1 MiB)."""
-    def size(n: int) -> str:
-        return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
-
-    return ", ".join(f"{dev} {size(n)}" for dev, n in by_device.items()) or "-"
+    """``cpu 270.1 MiB, disk 243.1 MiB``."""
+    return ", ".join(f"{dev} {format_bytes(n)}" for dev, n in by_device.items()) or "-"
 
 
 def run_library_call(fn: Callable[[], Any]) -> Any:

@@ -29,6 +29,7 @@ from kvlens.cli.common import (
     run_library_call,
     write_artifact_output,
 )
+from kvlens.units import format_bytes, format_interval
 
 # Options each evaluation reads: given without any of those evaluations, they are refused.
 READ_BY = {"text": ("kld", "ppl"), "ppl_tokens": ("ppl",), "passkey_prompts": ("passkey",),
@@ -317,7 +318,7 @@ def _render(results, opts) -> None:
         if any(e not in r for e in short) or (opts.prompt is not None and "text" not in r) \
                 or ("ppl" in r and "ppl_change" not in r):
             continue  # not finished (Ctrl-C)
-        row = [escape(r["name"]), f"{r.get('bits_per_element', 0):.2f}", _bytes(r.get("kv_bytes", 0)),
+        row = [escape(r["name"]), f"{r.get('bits_per_element', 0):.2f}", format_bytes(r.get("kv_bytes", 0)),
                f"{r.get('kv_bytes', 0) / max(r.get('kv_bytes_fp16', 1), 1):.2f}x"]
         if "ppl" in opts.evals:
             row += [f"{r['ppl']:.3f}", f"{100 * r['ppl_change']:+.2f}%"]
@@ -347,24 +348,9 @@ def _render_devices(report: dict) -> None:
                           f"{format_bytes_by_device(r['kv_bytes_by_device'])}", highlight=False)
 
 
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def _ci(stat: dict, fmt: str = ".4f", scale: float = 1.0, sign: str = "", unit: str = "") -> str:
-    """``value`` over its 95% interval on a second line (keeps the columns narrow)."""
-    lo, hi = stat["ci95"]
-    v = stat["value"] * scale
-    return f"{v:{sign}{fmt}}{unit}\n[{lo * scale:{sign}{fmt}}, {hi * scale:{sign}{fmt}}]"
-
-
 def _diff(d: dict, fmt: str, scale: float = 1.0) -> str:
-    lo, hi = d["ci95"]
-    text = f"{d['diff'] * scale:+{fmt}} [{lo * scale:+{fmt}}, {hi * scale:+{fmt}}]"
+    """A paired difference with its interval, said not distinguishable where it is not."""
+    text = format_interval(d, fmt, scale=scale, sign="+", key="diff")
     return text + (" not distinguishable" if not d["distinguishable"] else "")
 
 
@@ -386,16 +372,18 @@ def _render_long(report: dict) -> None:
             t.add_column(c, justify="left" if c == "config" else "right")
         ex = p.get("exact")
         if ex:
-            t.add_row("exact", "-", "-", "0", "0", "0", "1", _ci(ex["ppl"], ".3f"), "0")
+            t.add_row("exact", "-", "-", "0", "0", "0", "1",
+                      format_interval(ex["ppl"], ".3f", sep="\n"), "0")
         for r in results:
             k = r.get("kld")
             if not k:
                 continue
             t.add_row(escape(r["name"]), f"{r.get('bits_per_element', 0):.2f}",
-                      f"{k['quantized_share']:.3f}", _ci(k["mean_kld"]),
+                      f"{k['quantized_share']:.3f}", format_interval(k["mean_kld"], sep="\n"),
                       f"{k['median_kld']['value']:.4f}", f"{k['p99_kld']['value']:.3f}",
-                      _ci(k["top1_agreement"], ".3f"), _ci(k["ppl"], ".3f"),
-                      _ci(k["ppl_change"], ".2f", 100, "+", "%"))
+                      format_interval(k["top1_agreement"], ".3f", sep="\n"),
+                      format_interval(k["ppl"], ".3f", sep="\n"),
+                      format_interval(k["ppl_change"], ".2f", scale=100, sign="+", unit="%", sep="\n"))
         console.print(t)
         console.print("Second lines: 95% bootstrap intervals over blocks of "
                       f"{p['bootstrap']['unit_tokens']} tokens ({p['bootstrap']['resamples']} "
@@ -407,8 +395,8 @@ def _render_long(report: dict) -> None:
             console.print("NLL change of the text's tokens minus mean KLD (nats; ppl change = "
                           "exp(mean KLD + this) - 1; 0 on average for text drawn from the exact "
                           "model): " + "; ".join(
-                              f"{escape(name)} {e['value']:+.4f} [{e['ci95'][0]:+.4f}, "
-                              f"{e['ci95'][1]:+.4f}]" for name, e in excess), highlight=False)
+                              f"{escape(name)} {format_interval(e, '.4f', sign='+')}"
+                              for name, e in excess), highlight=False)
         for r in results:
             k = r.get("kld") or {}
             v = k.get("vs_first")

@@ -30,6 +30,7 @@ from kvlens.cli.common import (
     device_map_option,
     err_console,
     escape,
+    format_bytes,
     format_seconds,
     given_options,
     max_memory_option,
@@ -225,7 +226,7 @@ def recommend(
 
       kvlens recommend run.h5 --target llama.cpp --max-kld 0.01 --validate
 
-      kvlens recommend run.h5 -b 2.5 --set codebooks=on
+      kvlens recommend run.h5 -b 2.5 --set gear=on
 
     Every option given is used or refused before any measurement starts."""
     from kvlens.deploy.answer import RecommendRequest, recommend_run
@@ -511,7 +512,7 @@ def _render(rec) -> None:
         m.add_column(col, justify="right")
     for ctx, b in rec.kv_bytes.items():
         f = rec.kv_bytes_fp16[ctx]
-        m.add_row(f"{ctx:,}", f"{b / 2**20:.1f} MiB", f"{f / 2**20:.1f} MiB", f"{f / b:.2f}x")
+        m.add_row(f"{ctx:,}", format_bytes(b), format_bytes(f), f"{f / b:.2f}x")
     console.print(m)
     _render_decode_cost(rec)
     console.print(f"expected mean attention-output error: {rec.expected_output_error:.4f}")
@@ -530,8 +531,8 @@ def _render_decode_cost(rec) -> None:
         t.add_column(col, justify="left" if col == "config" else "right")
     for name, c in rec.decode_cost:
         fused = "yes" if c.fused else f"no ({len(c.unfused)} layers)"
-        t.add_row(escape(name), f"{c.read_bytes / 2**20:.1f} MiB", f"{c.ratio_fp16:.3f}", fused,
-                  f"{c.torch_unpack_bytes / 2**20:.1f} MiB")
+        t.add_row(escape(name), format_bytes(c.read_bytes), f"{c.ratio_fp16:.3f}", fused,
+                  format_bytes(c.torch_unpack_bytes))
     console.print(t)
     console.print("read: codes, scales/zeros, the filled window, sink copies, positions "
                   "(kvlens.cache.decode_cost); a memory-bound step takes time in proportion. "

@@ -10,6 +10,7 @@ from kvlens.cli.common import (
     run_library_call,
     write_config_doc,
 )
+from kvlens.units import format_interval
 
 
 def show_target(answer, output, as_json: bool) -> None:
@@ -58,12 +59,10 @@ def _render(rec, validation) -> None:
                       f"fitted on {len(rec.anchors)} measured settings:", highlight=False)
         for a in rec.anchors:
             console.print(f"  {escape(a['setting'])}: S {a['score']:.4g}, measured KLD "
-                          f"{a['mean_kld']:.4f} [{a['ci95'][0]:.4f}, {a['ci95'][1]:.4f}]",
-                          highlight=False)
+                          f"{format_interval(a, '.4f', key='mean_kld')}", highlight=False)
     if validation is not None:
-        lo, hi = validation["ci95"]
         console.print(f"validation ({escape(c.setting)}, held-out text): measured KLD "
-                      f"{validation['mean_kld']:.4f} [{lo:.4f}, {hi:.4f}], top-1 "
+                      f"{format_interval(validation, '.4f', key='mean_kld')}, top-1 "
                       f"{validation['top1_agreement']:.3f}" + (
                           "" if rec.predicted_kld is None
                           else f"; predicted {rec.predicted_kld:.4f}"), highlight=False)

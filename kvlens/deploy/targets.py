@@ -119,7 +119,7 @@ class TargetOptions:
         if self.max_kld is not None and not self.max_kld > 0:
             raise InputError(f"--max-kld must be positive, got {self.max_kld}.")
         if self.anchors < 1:
-            raise InputError(f"--kld-anchors must be at least 1, got {self.anchors}.")
+            raise InputError(f"--set kld-anchors must be at least 1, got {self.anchors}.")
 
 
 @dataclass

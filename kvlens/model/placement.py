@@ -27,6 +27,7 @@ from typing import Any
 
 from kvlens.errors import ModelLoadError, PlacementError
 from kvlens.model.architecture import attention_modules, decoder_layers
+from kvlens.units import format_bytes
 
 STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 MEMORY_KEYS = "GPU index (0, 1, ...), cpu, mps, disk"
@@ -218,13 +219,6 @@ class DevicePlan:
     total_bytes: int
 
 
-def _fmt(n: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
-
-
 def empty_model(config, dtype):
     """The model of ``config`` on the meta device (no memory), weights tied."""
     from accelerate import init_empty_weights
@@ -295,19 +289,19 @@ def _check_disk(plan: DevicePlan, placement: Placement, dtype) -> None:
     on_disk = plan.bytes_by_device.get("disk", 0)
     if not on_disk:
         return
-    held = ", ".join(f"{dev}: {_fmt(b)}" for dev, b in plan.bytes_by_device.items()
+    held = ", ".join(f"{dev}: {format_bytes(b)}" for dev, b in plan.bytes_by_device.items()
                      if dev != "disk")
-    limits = ", ".join(f"{k}={_fmt(v)}" for k, v in placement.max_memory) or "none given"
-    need = (f"the model's weights take {_fmt(plan.total_bytes)} at {str(dtype).split('.')[-1]}; "
+    limits = ", ".join(f"{k}={format_bytes(v)}" for k, v in placement.max_memory) or "none given"
+    need = (f"the model's weights take {format_bytes(plan.total_bytes)} at {str(dtype).split('.')[-1]}; "
             f"the memory devices hold {held or 'nothing'} (--max-memory: {limits}), so "
-            f"{_fmt(on_disk)} would go to disk")
+            f"{format_bytes(on_disk)} would go to disk")
     if placement.offload_folder is None:
         raise PlacementError(f"The model does not fit: {need}, and disk offload needs "
                          "--offload-folder DIR. Raise --max-memory or add --offload-folder.")
     disk_limit = placement.limits().get("disk")
     if disk_limit is not None and on_disk > disk_limit:
         raise PlacementError(f"The model does not fit even with disk offload: {need}, over the disk "
-                         f"limit {_fmt(disk_limit)}. Raise --max-memory (memory or disk).")
+                         f"limit {format_bytes(disk_limit)}. Raise --max-memory (memory or disk).")
 
 
 # -- after loading ------------------------------------------------------------------------------

@@ -113,7 +113,7 @@ def _fused(kc: Candidate, vc: Candidate, stream: Stream, head_dim: int) -> bool:
     the rule is the dispatch's own, ``kvlens.cache.triton_glue.kernel_layout_problem``)."""
 
     setting = LayerKV(kc.spec(), vc.spec(), stream.residual, kc.stage == "pre",
-                      flush_tokens=stream.flush, center_keys=kc.center)
+                      flush_tokens=stream.flush)
     return kernel_layout_problem(setting, head_dim) is None
 
 
@@ -201,7 +201,7 @@ def check_budget(meta, opts: RecommendOptions, shape) -> None:
         raise _too_small(need, opts)
 
 
-def assemble(meta, opts, tables, balancers, weights, notes, shape, factors=(), codebooks=None
+def assemble(meta, opts, tables, balancers, weights, notes, shape, factors=()
              ) -> Recommendation:
     """The ``Recommendation`` for ``opts.budget_bits`` from per-layer error ``tables``, layer
     ``weights`` (and per-layout ``factors``) on a model of ``shape``: the best allocation
@@ -259,7 +259,7 @@ def assemble(meta, opts, tables, balancers, weights, notes, shape, factors=(), c
                                   recon, min(better)[1] if better else "", s.flush,
                                   s.residual))
     expected = sum(ch.output_error for ch in choices) / len(choices)
-    config = build_config(meta, opts, choices, balancers, codebooks)
+    config = build_config(meta, opts, choices, balancers)
     mean_bits = config_bits(config, shape, opts.context)
     rec = Recommendation(config, choices, opts.budget_bits, mean_bits, expected, opts.context,
                          weights=tuple(weights), notes=notes,
@@ -270,6 +270,6 @@ def assemble(meta, opts, tables, balancers, weights, notes, shape, factors=(), c
         rec.kv_bytes_fp16[ctx] = shape.fp16_bytes(ctx)
     rec.decode_cost = decode_costs(config, shape, opts.context)
     if opts.prefer_fast and not rec.decode_cost[0][1].fused:
-        raise ConfigError(f"internal: --prefer-fast chose layouts without a fused path: "
+        raise ConfigError(f"internal: --set prefer-fast=on chose layouts without a fused path: "
                           f"{rec.decode_cost[0][1].unfused}")
     return rec

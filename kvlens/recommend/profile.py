@@ -76,8 +76,3 @@ def stage(name: str) -> Iterator[None]:
         profile.add(name, elapsed - entry[2])
         if profile._open:
             profile._open[-1][2] += elapsed
-
-
-def format_seconds(s: float) -> str:
-    """A duration for progress and profile lines: seconds below two minutes, else minutes."""
-    return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"

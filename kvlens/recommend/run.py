@@ -23,9 +23,9 @@ from kvlens.recommend.pipeline import (
     measure,
     predict_cost,
 )
-from kvlens.recommend.profile import format_seconds
 from kvlens.recommend.result import Recommendation
 from kvlens.recommend.reuse import keep, kept_file, read_kept, reused_note
+from kvlens.units import format_bytes, format_seconds
 
 LogFn = Callable[[str], None]
 
@@ -43,7 +43,7 @@ def check(path: str | Path, opts: RecommendOptions) -> None:
 
 def describe_cost(cost) -> str:
     """The prediction line ``recommend`` prints before it measures."""
-    return (f"predicted: about {format_seconds(cost.seconds)} and {cost.peak_bytes / 2**30:.1f} GiB "
+    return (f"predicted: about {format_seconds(cost.seconds)} and {format_bytes(cost.peak_bytes)} "
             f"peak memory (the reference machine's times x {cost.machine_factor:.2f}, this "
             "machine's speed from a timed matrix product; kvlens.recommend.cost)")
 

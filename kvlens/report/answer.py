@@ -30,11 +30,10 @@ from kvlens.report.sections import (
     Missing,
     Section,
     Table,
-    _ci,
-    _mib,
     _rel,
     latest,
 )
+from kvlens.units import format_bytes, format_interval
 
 COMPARED_PRESET = "kivi-2"  # the published baseline the recommendation is set against
 EXAMPLE_ENGINES = ("llamacpp:q8_0/q4_0", "vllm:fp8_e4m3")  # named when no deploy chose any
@@ -171,9 +170,10 @@ def _headline(rec: dict, mine: Scored | None) -> str:
     k, p = mine.result["kld"], mine.protocol
     return (text + f"; over {p.get('tokens', '?')} tokens of {p.get('text_source', '?')} it "
             f"held {mine.result.get('bits_per_element', float('nan')):.2f} bits per element, "
-            f"mean KL divergence {_ci(k['mean_kld'], '.4f')} against the exact model, "
-            f"perplexity change {_ci(k['ppl_change'], '.2f', 100, '+')} %, top-1 agreement "
-            f"{_ci(k['top1_agreement'], '.3f')} (95% intervals).")
+            f"mean KL divergence {format_interval(k['mean_kld'], '.4f')} against the exact "
+            f"model, perplexity change "
+            f"{format_interval(k['ppl_change'], '.2f', scale=100, sign='+')} %, top-1 "
+            f"agreement {format_interval(k['top1_agreement'], '.3f')} (95% intervals).")
 
 
 def _table(rows: list[tuple[Scored, str]], mine: Scored | None) -> Table:
@@ -188,13 +188,13 @@ def _table(rows: list[tuple[Scored, str]], mine: Scored | None) -> Table:
         if mine is not None and s is not mine and s.source == mine.source \
                 and vs.get("reference") == mine.name:
             d = vs["mean_kld"]
-            paired = _ci(d, ".4f", sign="+", key="diff", sep="\n") + (
+            paired = format_interval(d, ".4f", sign="+", key="diff", sep="\n") + (
                 "\nnot distinguishable" if not d["distinguishable"] else "")
         out.append([s.name, f"{KIND_LABEL.get(s.kind, s.kind)}:\n{why}",
                     f"{s.result.get('bits_per_element', float('nan')):.2f}",
-                    _ci(k["mean_kld"], ".4f", sep="\n"),
-                    _ci(k["ppl_change"], ".2f", 100, "+", sep=" %\n") + " %",
-                    _ci(k["top1_agreement"], ".3f", sep="\n"), paired,
+                    format_interval(k["mean_kld"], ".4f", sep="\n"),
+                    format_interval(k["ppl_change"], ".2f", scale=100, sign="+", unit=" %", sep="\n") + " %",
+                    format_interval(k["top1_agreement"], ".3f", sep="\n"), paired,
                     f"{s.source}\n{s.protocol.get('tokens', '?')} tokens"])
     ref = mine.name if mine else "the recommendation"
     return Table(["setting", "what", "bits / element", "mean KLD", "ppl change",
@@ -217,8 +217,8 @@ def _memory(rec: dict) -> str:
         shown = sorted({*shown, *both})
     if not shown:
         return "Memory: the recommendation records no KV bytes per context."
-    parts = [f"{c:,} tokens: {_mib(kv[c])} instead of {_mib(fp16[c])}, "
-             f"{_mib(fp16[c] - kv[c])} saved ({1 - kv[c] / fp16[c]:.0%})" for c in shown]
+    parts = [f"{c:,} tokens: {format_bytes(kv[c])} instead of {format_bytes(fp16[c])}, "
+             f"{format_bytes(fp16[c] - kv[c])} saved ({1 - kv[c] / fp16[c]:.0%})" for c in shown]
     text = "Memory of the KV cache (all layers, batch 1) against fp16: " + "; ".join(parts) + "."
     if absent:
         text += (f" {', '.join(f'{c:,}' for c in absent)} tokens not recorded by recommend; "

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from kvlens.report.figures import Figure, compare_caption, load_figure, outlier_caption
 from kvlens.text.selection import format_index_spec
+from kvlens.units import format_bytes, format_interval
 
 MEMORY_CONTEXTS = (4096, 32768, 131072)
 STABLE_TOKEN_SHARE = 0.9  # token stability at or above which an outlier counts as stable
@@ -83,10 +84,6 @@ def _start(sec: Section, artifacts: dict, run_dir: Path, kind: str, what: str,
 
 def _f(v: float | None, fmt: str = ".4f") -> str:
     return "-" if v is None else format(v, fmt)
-
-
-def _mib(n: float) -> str:
-    return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
 
 
 # -- 1. model and capture -------------------------------------------------------------------
@@ -457,7 +454,7 @@ def _memory_table(doc: dict) -> Table:
     rows = []
     for ctx in MEMORY_CONTEXTS:
         if ctx in kv and ctx in fp16:
-            rows.append([f"{ctx:,}", _mib(kv[ctx]), _mib(fp16[ctx]), f"{kv[ctx] / fp16[ctx]:.3f}",
+            rows.append([f"{ctx:,}", format_bytes(kv[ctx]), format_bytes(fp16[ctx]), f"{kv[ctx] / fp16[ctx]:.3f}",
                          f"{16 * kv[ctx] / fp16[ctx]:.2f}"])
         else:
             rows.append([f"{ctx:,}", "not recorded", "-", "-", "-"])
@@ -504,8 +501,9 @@ def _validated_kld(validation) -> str:
     (``kvlens.deploy.targets.validate``), or ``""``."""
     if not isinstance(validation, dict) or validation.get("mean_kld") is None:
         return ""
-    lo, hi = validation.get("ci95") or (float("nan"), float("nan"))
-    return f"{validation['mean_kld']:.4f} [{lo:.4f}, {hi:.4f}]"
+    stat = {"mean_kld": validation["mean_kld"],
+            "ci95": validation.get("ci95") or (float("nan"), float("nan"))}
+    return format_interval(stat, ".4f", key="mean_kld")
 
 
 # -- 5. validation --------------------------------------------------------------------------
@@ -549,33 +547,23 @@ def validation_section(artifacts: dict, run_dir: Path) -> Section:
     return sec
 
 
-def _ci(stat: dict, fmt: str, scale: float = 1.0, sign: str = "", key: str = "value",
-        sep: str = " ") -> str:
-    """``value [lo, hi]``; a value too small for ``fmt`` keeps 3 significant digits. Table
-    cells put the interval on a second line (``sep="\n"``)."""
-    v, (lo, hi) = stat[key] * scale, stat["ci95"]
-    if fmt.endswith("f") and 0 < abs(v) < 10 ** -int(fmt[1:-1] or 0):
-        fmt = ".3g"
-    return f"{v:{sign}{fmt}}{sep}[{lo * scale:{sign}{fmt}}, {hi * scale:{sign}{fmt}}]"
-
-
 def _kld_table(results: list[dict], proto: dict, table_id: str) -> tuple[Table, str]:
     rows = []
     exact = proto.get("exact")
     if exact:
-        rows.append(["exact", "16", "0", "1", _ci(exact["ppl"], ".3f", sep="\n"),
+        rows.append(["exact", "16", "0", "1", format_interval(exact["ppl"], ".3f", sep="\n"),
                      "0", "-"])
     scored = [r for r in results if r.get("kld")]
     for r in scored:
         k = r["kld"]
         vs = k.get("vs_first")
         paired = "-" if not vs else (
-            _ci(vs["mean_kld"], ".4f", sign="+", key="diff", sep="\n")
+            format_interval(vs["mean_kld"], ".4f", sign="+", key="diff", sep="\n")
             + ("" if vs["mean_kld"]["distinguishable"] else "\nnot distinguishable"))
         rows.append([r["name"], f"{r.get('bits_per_element', float('nan')):.2f}",
-                     _ci(k["mean_kld"], ".4f", sep="\n"),
-                     _ci(k["top1_agreement"], ".3f", sep="\n"), _ci(k["ppl"], ".3f", sep="\n"),
-                     _ci(k["ppl_change"], ".2f", 100, "+", sep=" %\n") + " %", paired])
+                     format_interval(k["mean_kld"], ".4f", sep="\n"),
+                     format_interval(k["top1_agreement"], ".3f", sep="\n"), format_interval(k["ppl"], ".3f", sep="\n"),
+                     format_interval(k["ppl_change"], ".2f", scale=100, sign="+", unit=" %", sep="\n") + " %", paired])
     boot = proto.get("bootstrap") or {}
     caption = (f"{proto.get('scored')} predictions over {proto.get('tokens')} tokens of "
                f"{proto.get('text_source')}, {proto.get('chunk')} tokens per forward"
@@ -603,7 +591,7 @@ def _verdict(scored: list[dict], tokens: int | None = None) -> str:
         if scored:
             k = scored[0]["kld"]
             return (f"{scored[0]['name']} has a mean KL divergence of "
-                    f"{_ci(k['mean_kld'], '.4f')} against the exact model (no other config "
+                    f"{format_interval(k['mean_kld'], '.4f')} against the exact model (no other config "
                     "was scored beside it).")
         return ""
     ref = next((r["kld"]["vs_first"]["reference"] for r in scored if r["kld"].get("vs_first")),
@@ -631,7 +619,7 @@ def _verdict(scored: list[dict], tokens: int | None = None) -> str:
     return (f"At {first.get('bits_per_element', float('nan')):.2f} bits per element held "
             f"over {tokens or 'the scored'} tokens, "
             f"{first['name']}'s mean KL divergence against the exact model, "
-            f"{_ci(first['kld']['mean_kld'], '.4f')}, is " + "; ".join(parts)
+            f"{format_interval(first['kld']['mean_kld'], '.4f')}, is " + "; ".join(parts)
             + " (paired 95% intervals).")
 
 

@@ -1,0 +1,62 @@
+"""Every command-line flag a message names exists: an error that tells the user to pass
+``--prefer-fast`` after that option became ``--set prefer-fast=on`` sends them nowhere.
+
+The messages are the string parts of every ``raise`` in kvlens/ (f-strings included); a flag
+is ``--word`` (``-b``-style short flags are not checked). Flags of the engines kvlens tells
+users to run (llama.cpp, vLLM, SGLang, pip) are listed in ``ENGINE_FLAGS``."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import typer
+
+from kvlens.cli import app
+
+ROOT = Path(__file__).resolve().parent.parent
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
+#: flags of other programs that kvlens' messages tell users to run
+ENGINE_FLAGS = frozenset({
+    "--kv-cache-dtype", "--kv-cache-dtype-skip-layers", "--quantization-param-path",
+    "--model-path", "--no-deps", "--index-url",
+})
+
+
+def _cli_flags() -> set[str]:
+    """Every long option of every command (and the group's own)."""
+    group = typer.main.get_command(app)
+    flags = {"--help", "--version"}
+    commands = [group, *getattr(group, "commands", {}).values()]
+    for command in commands:
+        for param in command.params:
+            flags.update(o for o in (*param.opts, *param.secondary_opts) if o.startswith("--"))
+    return flags
+
+
+def _message_parts(node: ast.Raise) -> list[str]:
+    """The string constants of a raise statement (f-string literal parts included)."""
+    return [n.value for n in ast.walk(node) if isinstance(n, ast.Constant)
+            and isinstance(n.value, str)]
+
+
+def _named_flags() -> list[tuple[str, int, str]]:
+    out = []
+    for path in sorted((ROOT / "kvlens").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Raise):
+                for text in _message_parts(node):
+                    out += [(str(path.relative_to(ROOT)), node.lineno, f)
+                            for f in FLAG.findall(text)]
+    return out
+
+
+def test_every_flag_named_in_a_message_exists():
+    known = _cli_flags() | ENGINE_FLAGS
+    assert {"--budget-bits", "--eval-tokens", "--prompt-file"} <= known
+    named = _named_flags()
+    assert len(named) > 50  # the scan finds the messages (it would pass vacuously otherwise)
+    unknown = [f"{path}:{line}: {flag}" for path, line, flag in named if flag not in known]
+    assert not unknown, "messages name flags no command has:\n" + "\n".join(unknown)
