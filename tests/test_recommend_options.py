@@ -16,6 +16,7 @@ import kvlens.recommend
 import kvlens.recommend.answer
 from kvlens.cli import app
 from kvlens.cli.recommend import CLI_READERS, ENGINES, KVLENS, readers
+from kvlens.cli.recommend import RESEARCH as RESEARCH_PANEL
 from kvlens.errors import InputError, KvlensError
 from kvlens.recommend import RecommendOptions
 from kvlens.recommend.options import LIBRARY, MAIN, RESEARCH, option_name
@@ -65,7 +66,7 @@ def test_every_parameter_is_read_by_a_target():
 
 def test_the_main_panels_hold_at_most_25_options():
     main = [p for p in _command_params().values()
-            if getattr(p, "rich_help_panel", None) not in (None, "Research levers (not defaults)")
+            if getattr(p, "rich_help_panel", None) not in (None, RESEARCH_PANEL)
             and p.param_type_name == "option"]
     assert len(main) <= 25, [p.name for p in main]
 
@@ -144,3 +145,17 @@ def test_the_library_call_keeps_and_reuses_its_measurement(cap):
     fresh = kvlens.recommend.recommend(cap, opts, remeasure=True, log=said.append)
     assert said[-1].startswith("predicted:")
     assert [c.candidate for c in fresh.choices] == [c.candidate for c in first.choices]
+
+
+def test_set_list_keeps_the_knobs_of_the_default_run_apart_from_experiments():
+    """``--set list``: every knob of the default run under the first heading, the experiments
+    (no default uses them: GEAR and MiKV) under the second."""
+    text = describe()
+    knobs, experiments = text.split("\n\nExperiments")
+    assert knobs.startswith("Knobs of the default run")
+    by_group = {lv.name: lv.experiment for lv in levers().values()}
+    assert {n for n, e in by_group.items() if e} == {"gear", "mikv", "mikv-bits",
+                                                    "mikv-fractions"}
+    for name, experiment in by_group.items():
+        assert (f"  {name}=" in experiments) == experiment
+        assert (f"  {name}=" in knobs) != experiment

@@ -44,7 +44,7 @@ from kvlens.cli.common import (
     write_text_output,
 )
 
-RESEARCH = "Research levers (not defaults)"
+RESEARCH = "Knobs and experiments (--set)"
 KVLENS, ENGINES = "kvlens", "engine"
 #: Who reads the command's parameters that are not a field of ``RecommendOptions`` or
 #: ``TargetOptions`` of the same name (the rest: ``readers``).
@@ -213,9 +213,9 @@ def recommend(
                                  help="Print the result as JSON on stdout."),
     settings: list[str] = typer.Option(None, "--set", metavar="NAME=VALUE", is_eager=True,
                                        callback=_list_levers, rich_help_panel=RESEARCH,
-                                       help="A research lever, NAME=VALUE (repeatable); "
-                                            "`--set list` lists them. Not defaults: each is "
-                                            "an ablation in docs/lab-notes/."),
+                                       help="A knob of the default run or an experiment, "
+                                            "NAME=VALUE (repeatable); `--set list` lists "
+                                            "both groups."),
 ) -> None:
     """Choose how to quantize each layer's KV cache under a memory budget, or (--target) the
     setting an engine runs, with the command to deploy it.

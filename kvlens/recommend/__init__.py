@@ -7,7 +7,8 @@ Modules, in dependency order: ``options`` (what is asked, ``Candidate``, ``Strea
 knapsack), ``pipeline`` (``measure`` a capture once, ``choose`` for any budget), ``reuse``
 (measurements kept between runs), ``run`` (``recommend``: check, reuse or measure, choose),
 ``search`` (the smallest budget under a KLD target).
-Research levers (options no default uses) are listed in ``kvlens.research``. Import the public names from here.
+The options behind ``recommend --set`` (knobs of the default run, and experiments) are listed
+in ``kvlens.research``. Import the public names from here.
 """
 
 from kvlens.recommend.allocation import COST_RESOLUTION, allocate

@@ -3,20 +3,23 @@
 Per tensor: keys and values x granularity (per-channel, per-token) x bits (2, 4, 8 by default;
 3 when ``bits`` asks for it, docs/recommend.md) x group size x scale fit; keys also pre-RoPE
 (KVQuant) and, for per-token keys, with the MiKV channel balancer fitted on the capture
-(``b = (max|q| / max|k|)^exponent``); per-token keys and values also Hadamard-rotated. With
-``gear`` (default on) also GEAR twins of the plain G32 candidates up to 4 bits (GEAR's
-published settings, ``gear_settings``: 2% outliers per vector, rank 4 per flushed block,
-measured block by block at the layer's flush block). A layer takes GEAR for both tensors or
-for neither (the config's ``gear.layers``). With ``mikv`` (default on) the G32 candidates up to
-4 bits (plain or balanced) also have MiKV set twins, one per global ``(set_bits,
-heavy_fraction)`` of ``mikv_set_bits`` x ``mikv_fractions``: heavy hitters and sinks kept at
-``set_bits`` codes, measured by replaying the cache's H2O selection while decoding
-(``kvlens.analysis.heavy_hitters``); a layer takes the set for both tensors or neither (the
-config's ``mikv.layers``). Only what ``kvlens generate`` can run is offered. (Codebook and
-centred-key candidates were research levers until issue #57 removed them: negative results,
+(``b = (max|q| / max|k|)^exponent``); per-token keys and values also Hadamard-rotated.
+
+With the ``gear`` experiment (off by default; ``--thorough`` or ``--set gear=on``) also GEAR
+twins of the plain G32 candidates up to 4 bits (GEAR's published settings, ``gear_settings``:
+2% outliers per vector, rank 4 per flushed block, measured block by block at the layer's flush
+block). A layer takes GEAR for both tensors or for neither (the config's ``gear.layers``). With
+the ``mikv`` experiment (off by default; ``--thorough`` or ``--set mikv=on``) the G32
+candidates up to 4 bits (plain or balanced) also have MiKV set twins, one per global
+``(set_bits, heavy_fraction)`` of ``mikv_set_bits`` x ``mikv_fractions``: heavy hitters and
+sinks kept at ``set_bits`` codes, measured by replaying the cache's H2O selection while
+decoding (``kvlens.analysis.heavy_hitters``); a layer takes the set for both tensors or neither
+(the config's ``mikv.layers``). Only what ``kvlens generate`` can run is offered. (Codebook and
+centred-key candidates were experiments until issue #57 removed them: negative results,
 docs/lab-notes/codebooks.md.)
 
-``family`` groups candidates by storage layout for ``--sensitivity layout``; ``family_probes``
+``family`` groups candidates by storage layout for the layout sensitivity (``--set
+sensitivity=layout``, and ``auto`` when the model loads); ``family_probes``
 picks the one candidate per family that is measured for it.
 """
 
@@ -91,7 +94,7 @@ def gear_settings(layers=None):
 
 
 def family(c: Candidate) -> tuple:
-    """The storage family ``--sensitivity layout`` measures one factor for: tensor, axis,
+    """The storage family ``--set sensitivity=layout`` measures one factor for: tensor, axis,
     transforms and the scale fit (bits, group size, GEAR and a MiKV set share their base's
     factor). The fit has its own: a least-squares fit clips a group's extremes, so its output
     error need not turn into KL at the rate of min/max groups (docs/recommend.md#the-scale-fit)."""

@@ -99,7 +99,15 @@ def _main(default, flag: str):
 
 
 def _lever(default, lever: str, help: str):
+    """A knob of the default run behind ``--set`` (the default recommendation uses it, at its
+    default value)."""
     return field(default=default, metadata={"door": RESEARCH, "lever": lever, "help": help})
+
+
+def _experiment(default, lever: str, help: str):
+    """An experiment behind ``--set``: no default run uses it (ablated in docs/lab-notes/)."""
+    return field(default=default, metadata={"door": RESEARCH, "lever": lever, "help": help,
+                                            "experiment": True})
 
 
 def _library(default):
@@ -151,16 +159,16 @@ class RecommendOptions:
     # GEAR and MiKV set twins are opt-in (``--thorough``, ``THOROUGH``): simulating them is a
     # large share of the measurement and the default budgets did not choose them
     # (docs/benchmarks.md, bench_recommend.py)
-    gear: bool = _lever(False, "gear", "offer GEAR twins (outliers + low-rank factors) of the "
-                        "G32 candidates (--thorough sets it)")
-    mikv: bool = _lever(False, "mikv", "offer MiKV importance-set twins of the G32 candidates "
-                        "up to 4 bits (--thorough sets it)")
-    mikv_set_bits: tuple[int, ...] = _lever((4, 8), "mikv-bits",
-                                            "MiKV set widths to try (4, 8); one width and "
-                                            "fraction is chosen for the whole config")
-    mikv_fractions: tuple[float, ...] = _lever((0.1, 0.2), "mikv-fractions",
-                                               "MiKV heavy-hitter fractions to try, each in "
-                                               "(0, 0.5]")
+    gear: bool = _experiment(False, "gear", "offer GEAR twins (outliers + low-rank factors) "
+                             "of the G32 candidates (--thorough sets it)")
+    mikv: bool = _experiment(False, "mikv", "offer MiKV importance-set twins of the G32 "
+                             "candidates up to 4 bits (--thorough sets it)")
+    mikv_set_bits: tuple[int, ...] = _experiment((4, 8), "mikv-bits",
+                                                 "MiKV set widths to try (4, 8); one width and "
+                                                 "fraction is chosen for the whole config")
+    mikv_fractions: tuple[float, ...] = _experiment((0.1, 0.2), "mikv-fractions",
+                                                    "MiKV heavy-hitter fractions to try, each "
+                                                    "in (0, 0.5]")
     # 3-bit codes (dense, 3 bits each) are offered only when asked: offering them did not
     # improve the allocations on average (docs/lab-notes/vs-llamacpp.md, dense 3-bit codes)
     bits: tuple[int, ...] = _lever((2, 4, 8), "bits", "candidate bit widths (2, 3, 4, 8)")
@@ -206,7 +214,7 @@ class RecommendOptions:
                                "kernel reads")
     # scale/zero fits offered for the plain, pre-RoPE, balanced and rotated codes, per tensor
     # (QuantSpec.fit); GEAR and MiKV twins take the first; each fit is a family of its own
-    # for --sensitivity layout. Keys: min/max only by default (docs/recommend.md#the-scale-fit:
+    # for --set sensitivity=layout. Keys: min/max only by default (docs/recommend.md#the-scale-fit:
     # the error proxy over-rates fitted keys, even with a KL rate of their own)
     key_fits: tuple[str, ...] = _lever(("minmax",), "key-fits",
                                        "how key groups' scale and zero are chosen: minmax, "

@@ -58,7 +58,7 @@ class Measurements:
     weights: tuple[float, ...]
     notes: list[str]
     windows: tuple[int | None, ...] = ()  # per layer sliding window (None = global)
-    # per layer {storage family: factor on top of the layer weight} (--sensitivity layout)
+    # per layer {storage family: factor on top of the layer weight} (--set sensitivity=layout)
     factors: tuple[dict, ...] = ()
     profile: Profile = field(default_factory=Profile)  # where measure's time went
 

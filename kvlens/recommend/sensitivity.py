@@ -43,7 +43,7 @@ def probe_candidates(head_dim: int) -> tuple[Candidate, Candidate]:
 
 def sensitivity_weights(cap, model, opts, tables, probes, notes, progress
                         ) -> tuple[float, ...]:
-    """Per-layer weights for ``--sensitivity model``: the model's KL when ``probes`` quantize
+    """Per-layer weights for ``--set sensitivity=model``: the model's KL when ``probes`` quantize
     one layer, per unit of their attention-output error in ``tables`` (every token quantized);
     all 1 for the other settings or without a model."""
     meta = cap.meta
@@ -62,7 +62,7 @@ def sensitivity_weights(cap, model, opts, tables, probes, notes, progress
 
 
 def layout_factors(path, model, opts, cands, balancers, notes, progress, workers: int = 1):
-    """``(layer weights, per-layer {family: factor})`` for ``--sensitivity layout``.
+    """``(layer weights, per-layer {family: factor})`` for ``--set sensitivity=layout``.
 
     A rate is the model's KL when only one layer's keys (or values) are replaced by a storage
     family probe's reconstruction (every token quantized), per unit of the probe's
@@ -74,7 +74,7 @@ def layout_factors(path, model, opts, cands, balancers, notes, progress, workers
     there times the family's ratio to that anchor (rates summed over the layers that measured
     both). The rates are normalised to mean 1 over all layers and families; the layer weight
     is a layer's mean rate, a family's factor its rate over that mean (so weight x factor is
-    the rate). A first-order rate, like ``--sensitivity model``, but one per layout: the rate
+    the rate). A first-order rate, like ``--set sensitivity=model``, but one per layout: the rate
     at which a layout's output error becomes KL can differ between layouts
     (docs/lab-notes/vs-llamacpp.md, layout sensitivity).
 

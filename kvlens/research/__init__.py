@@ -1,16 +1,19 @@
-"""The research door: levers that have not earned a place at the defaults, in one place.
+"""The door behind ``kvlens recommend --set NAME=VALUE``: the levers that are not main options,
+in one place, in two groups.
 
 A lever is an option of ``kvlens.recommend.RecommendOptions`` (or of the engine targets'
-``kvlens.deploy.targets.TargetOptions``) that no default uses: layout-sensitivity sharing, fit
-and balancer knobs, MiKV sub-knobs, the candidate sets. Each is tried in an ablation
-(docs/lab-notes/) and moves to the main options only when it wins at the defaults on both models
-and both texts; a lever with a recorded negative result is removed from the code, its lab note
-naming the last commit that had it (coupled quantization, codebook candidates, centred keys and
-cross-layer prediction, issue #57). Here they are listed (``levers``), parsed
-from ``NAME=VALUE`` (``parse_settings``: what ``kvlens recommend --set`` takes) and described
-(``describe``: what ``--set list`` prints).
+``kvlens.deploy.targets.TargetOptions``) that is not a main option. Most are **knobs of the
+default run**: every run uses them at their defaults (the candidate sets, fits, the balancer,
+rotation, the sensitivity and the retrieval probe, the flush block and sinks, the metadata
+dtype). The rest are **experiments** no default uses (GEAR and MiKV twins and their
+sub-knobs), each ablated in docs/lab-notes/; one moves to the main options only when it wins at
+the defaults on both models and both texts, and a lever with a recorded negative result is
+removed from the code, its lab note naming the last commit that had it (coupled quantization,
+codebook candidates, centred keys and cross-layer prediction, issue #57). Here they are listed
+(``levers``), parsed from ``NAME=VALUE`` (``parse_settings``: what ``kvlens recommend --set``
+takes) and described (``describe``: what ``--set list`` prints, knobs apart from experiments).
 
-The research code itself stays where its layer puts it; this module is the door, not the
+The code a lever switches on stays where its layer puts it; this module is the door, not the
 room.
 """
 
@@ -49,6 +52,9 @@ class Lever:
     kind: Any  # the field's annotation, resolved
     default: Any
     help: str
+    #: an experiment no default run uses; otherwise a knob of the default run (set at its
+    #: default in every run)
+    experiment: bool = False
 
     @property
     def syntax(self) -> str:
@@ -83,7 +89,8 @@ def levers() -> dict[str, Lever]:
         name = f.metadata["lever"]
         owners = (RECOMMEND, TARGET) if name in TARGET_LEVERS and f.name in target_fields \
             else (RECOMMEND,)
-        out[name] = Lever(name, f.name, owners, hints[f.name], f.default, f.metadata["help"])
+        out[name] = Lever(name, f.name, owners, hints[f.name], f.default, f.metadata["help"],
+                          bool(f.metadata.get("experiment")))
     target_hints = typing.get_type_hints(TargetOptions)
     defaults = {f.name: f.default for f in fields(TargetOptions)}
     for name, (field_name, text) in TARGET_LEVERS.items():
@@ -153,17 +160,27 @@ def parse_settings(items: typing.Iterable[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
+#: the two groups ``--set list`` prints, experiments last
+GROUPS = ((False, "Knobs of the default run (kvlens recommend --set NAME=VALUE; every run uses "
+                  "each at its default):"),
+          (True, "Experiments (--set NAME=VALUE; no default uses them, each ablated in "
+                 "docs/lab-notes/):"))
+
+
 def describe() -> str:
-    """The levers as ``--set list`` prints them: name, syntax, default and what it does."""
-    rows = [(lv.name, lv.syntax, _example(lv) if not isinstance(lv.default, bool)
-             else ("on" if lv.default else "off"), lv.help, lv.owners)
-            for lv in levers().values()]
-    width = max(len(r[0]) + len(r[1]) for r in rows) + 3
-    lines = ["Research levers (kvlens recommend --set NAME=VALUE; not defaults, each ablated in "
-             "docs/lab-notes/):"]
-    for name, syntax, default, text, owners in rows:
-        where = "" if owners == (RECOMMEND,) else \
-            " [engine targets]" if owners == (TARGET,) else " [also engine targets]"
-        lines.append(f"  {name}={syntax}".ljust(width + 4) + f"{text} (default {default}){where}")
+    """The levers as ``--set list`` prints them, knobs of the default run apart from
+    experiments: name, syntax, default and what it does."""
+    known = levers().values()
+    width = max(len(lv.name) + len(lv.syntax) for lv in known) + 3
+    lines: list[str] = []
+    for experiment, title in GROUPS:
+        lines += ([""] if lines else []) + [title]
+        for lv in (lv for lv in known if lv.experiment == experiment):
+            default = ("on" if lv.default else "off") if isinstance(lv.default, bool) \
+                else _example(lv)
+            where = "" if lv.owners == (RECOMMEND,) else \
+                " [engine targets]" if lv.owners == (TARGET,) else " [also engine targets]"
+            lines.append(f"  {lv.name}={lv.syntax}".ljust(width + 4)
+                         + f"{lv.help} (default {default}){where}")
     return "\n".join(lines)
 
