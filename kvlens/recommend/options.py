@@ -242,6 +242,22 @@ class RecommendOptions:
         if self.context <= r:
             raise InputError(f"--context {self.context} must exceed the residual window "
                              f"({r} tokens).")
+        self._check_probes(r)
+        self._check_dtypes()
+        self._check_candidates()
+        self._check_measurement()
+        self._check_mikv()
+        if self.tokens is not None and self.tokens <= max(r, self.score_from):
+            raise InputError(f"--tokens {self.tokens} must exceed "
+                             + (f"three times the largest window ({self.score_from}): with several "
+                                "windows errors are scored on the queries from there on, "
+                                f"e.g. --tokens {default_tokens(self.window_sizes)}."
+                                if self.score_from else
+                                f"the residual window ({r}): errors are measured on the "
+                                "queries that read quantized history."))
+
+    def _check_probes(self, r: int) -> None:
+        """The sensitivity, the retrieval probe and the pre-RoPE candidates."""
         if self.sensitivity not in SENSITIVITIES:
             raise InputError(f"Unknown --set sensitivity={self.sensitivity!r}; allowed: "
                              f"{listed(SENSITIVITIES)}.")
@@ -258,6 +274,7 @@ class RecommendOptions:
             raise InputError("--set prefer-fast=on keeps only layouts the fused decode kernel reads, "
                              "and it does not read pre-RoPE keys; use --set pre-rope=auto or off.")
 
+    def _check_dtypes(self) -> None:
         if self.dtype not in DTYPES:
             raise InputError(f"Unknown --dtype {self.dtype!r}; allowed: {listed(DTYPES)}.")
         if self.fp_dtype not in FP_BYTES:
@@ -266,6 +283,8 @@ class RecommendOptions:
             raise InputError(f"--set scale-dtype={self.scale_dtype!r}: allowed "
                              f"{listed(SCALE_BYTES)}.")
 
+    def _check_candidates(self) -> None:
+        """The fits, bit widths, group sizes, flush block and sinks offered."""
         for flag, fits in (("--set key-fits=", self.key_fits), ("--set value-fits=", self.value_fits)):
             if not fits or any(f not in FITS for f in fits) or len(set(fits)) != len(fits):
                 raise InputError(f"{flag}{','.join(fits) or '(empty)'}: give one or both of "
@@ -285,6 +304,9 @@ class RecommendOptions:
                              "also flushes it whole).")
         if self.sink_tokens < 0:
             raise InputError(f"--set sinks must be >= 0, got {self.sink_tokens}.")
+
+    def _check_measurement(self) -> None:
+        """The layout sensitivity's size and the worker processes."""
         if self.layout_layers is not None and not is_int(self.layout_layers, 1):
             raise InputError(f"--set layout-layers must be a positive number of layers (or None: "
                              f"every layer), got {self.layout_layers!r}.")
@@ -298,6 +320,7 @@ class RecommendOptions:
             raise InputError(f"--workers must be a positive number of processes (or omitted: "
                              f"as many as there are free cores), got {self.workers!r}.")
 
+    def _check_mikv(self) -> None:
         bad = [b for b in self.mikv_set_bits if b not in SET_BITS]
         if bad or not self.mikv_set_bits:
             raise InputError(f"Unsupported --set mikv-bits: {bad or 'none'}; allowed: "
@@ -306,14 +329,6 @@ class RecommendOptions:
         if bad or not self.mikv_fractions:
             raise InputError(f"Unsupported --set mikv-fractions: {bad or 'none'}; allowed: fractions "
                              f"in (0, {MIKV_FRACTION_MAX}] (MiKV's published 0.2, e.g. 0.1,0.2).")
-        if self.tokens is not None and self.tokens <= max(r, self.score_from):
-            raise InputError(f"--tokens {self.tokens} must exceed "
-                             + (f"three times the largest window ({self.score_from}): with several "
-                                "windows errors are scored on the queries from there on, "
-                                f"e.g. --tokens {default_tokens(self.window_sizes)}."
-                                if self.score_from else
-                                f"the residual window ({r}): errors are measured on the "
-                                "queries that read quantized history."))
 
     def _checked_windows(self) -> tuple[int, ...]:
         if not self.windows:
