@@ -60,6 +60,7 @@ from dataclasses import dataclass
 
 from kvlens.cache.gear import part_bytes
 from kvlens.cache.mixed import set_bytes_per_token
+from kvlens.config import FP_BYTES
 from kvlens.config.rules import flush_block
 from kvlens.errors import ConfigError
 from kvlens.model.architecture import describe
@@ -70,7 +71,6 @@ from kvlens.quant.codebook import NORM_BYTES
 
 PARTS = ("codes", "scales", "zeros", "dense", "window", "sets", "positions", "masks",
          "accumulators", "balancers", "rotations", "blocks", "outliers", "lowrank", "norms")
-FP_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
 # bytes of one group's scale (and of its zero) per config scale_dtype (kvlens.cache.packed)
 SCALE_BYTES = {"float16": 2, "float32": 4, "8bit": 1}
 POSITION_BYTES = 4  # int32

@@ -59,8 +59,6 @@ CLI_READERS = {
     "thorough": {KVLENS}, "remeasure": {KVLENS}, "retrieval_prompts": {KVLENS},
     "budgets": {KVLENS},
 }
-#: What ``--thorough`` sets (``RecommendOptions`` fields)
-THOROUGH_FIELDS = ("gear", "mikv")
 PLACEMENT = ("dtype", "device_map", "max_memory", "offload_folder")
 
 
@@ -256,7 +254,10 @@ def recommend(
             values["windows"] = run_library_call(lambda: _ints(windows, "--windows"))
         # the measurement does not read the budget: --budgets and --max-kld allocate later
         values["budget_bits"] = budget_bits or min(budget_list, default=16.0)
-        values |= {f: True for f in THOROUGH_FIELDS if thorough}
+        if thorough:
+            from kvlens.recommend import THOROUGH
+
+            values |= THOROUGH
     request = RecommendRequest(
         capture, target, values | levers[lever_owner], tuple(budget_list), max_kld, validate,
         eval_tokens, retrieval_prompts, tokens, model, place, remeasure, tuple(outputs))

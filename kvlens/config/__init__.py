@@ -25,6 +25,7 @@ from kvlens.config.presets import PRESETS, preset, resolve
 from kvlens.config.rules import check_layout, flush_block
 from kvlens.config.schema import (
     BALANCER_MODES,
+    FP_BYTES,
     FP_DTYPES,
     SCALE_DTYPES,
     SET_BITS,
@@ -38,6 +39,7 @@ from kvlens.config.versions import FORMAT, VERSION
 __all__ = [
     "BALANCER_MODES",
     "FORMAT",
+    "FP_BYTES",
     "FP_DTYPES",
     "PRESETS",
     "SCALE_DTYPES",

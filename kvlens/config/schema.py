@@ -84,7 +84,10 @@ from kvlens.quant.cachetypes import DenseType, parse_cache_type
 from kvlens.quant.llamacpp_cpu import ENGINE_ATTENTIONS
 
 BALANCER_MODES = ("off", "online", "fixed")
-FP_DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn", "exact")
+#: bytes per element of each dtype the full-precision parts (window, sinks, sets) may be held in
+FP_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
+#: what a config's ``fp_dtype`` may say: one of those, or ``exact`` (the model's own dtype)
+FP_DTYPES = (*FP_BYTES, "exact")
 # group scale/zero storage (kvlens.cache.packed; "8bit": kvlens.quant.meta8)
 SCALE_DTYPES = ("float16", "float32", "8bit")
 SET_BITS = (4, 8)  # integer widths of the MiKV importance set (None: fp_dtype)

@@ -33,8 +33,8 @@ from kvlens.errors import ConfigError
 from kvlens.quant import hadamard_block_size
 from kvlens.recommend.options import (
     GEAR_GROUP,
-    GRANULARITIES,
     MIKV_GROUP,
+    OFFERED_GRANULARITIES,
     Candidate,
     RecommendOptions,
 )
@@ -55,7 +55,7 @@ def candidates(head_dim: int, opts: RecommendOptions, has_rope: bool) -> list[Ca
             rotation = False
     out = []
     for tensor in ("key", "value"):
-        for gran in GRANULARITIES:
+        for gran in OFFERED_GRANULARITIES:
             for g in opts.group_sizes:
                 if gran == "per-token" and (g > head_dim or head_dim % g):
                     continue

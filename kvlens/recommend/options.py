@@ -9,14 +9,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
-from kvlens.cache.layout import FP_BYTES, SCALE_BYTES
-from kvlens.config import SET_BITS
+from kvlens.cache.layout import SCALE_BYTES
+from kvlens.config import FP_BYTES, SET_BITS
 from kvlens.errors import InputError, is_int
 from kvlens.model.load import DTYPES
 from kvlens.quant import QuantSpec
-from kvlens.quant.spec import FITS
+from kvlens.quant.spec import FITS, GRANULARITIES
 
-GRANULARITIES = ("per-channel", "per-token")
+#: the granularities candidates take (quant's vocabulary, ``GRANULARITIES``, without
+#: per-tensor: one scale per flushed block is an engine format's, not a candidate's)
+OFFERED_GRANULARITIES = tuple(g for g in GRANULARITIES if g != "per-tensor")
 GEAR_GROUP = 32  # GEAR twins are offered for KIVI's G32 grouping only (measuring cost)
 MIKV_GROUP = 32  # so are MiKV set twins (each is simulated while decoding: measuring cost)
 MIKV_FRACTION_MAX = 0.5  # largest heavy fraction offered (more is no longer a small set)

@@ -23,7 +23,6 @@ from typing import Any
 from kvlens.cache.decode_cost import config_decode_cost
 from kvlens.cache.gear import part_bytes
 from kvlens.cache.layout import (
-    FP_BYTES,
     SCALE_BYTES,
     flush_every,
     layer_part_bytes,
@@ -31,7 +30,7 @@ from kvlens.cache.layout import (
     shares_storage,
     stream_state,
 )
-from kvlens.config import LayerKV, MikvSettings, preset
+from kvlens.config import FP_BYTES, LayerKV, MikvSettings, preset
 from kvlens.config.rules import check_layout
 from kvlens.errors import ConfigError
 from kvlens.recommend.catalog import gear_settings
