@@ -7,7 +7,9 @@ that is a cycle through a half-initialised package. Library modules import kvlen
 (an import hidden in a function hides a cycle); the one exception is ``kvlens.cli``, whose
 commands import the library when they run so that ``kvlens --help`` does not load torch.
 ``kvlens_kernels`` (kernels/) takes tensors and ints and imports nothing of kvlens. No module
-of kvlens is longer than ``MAX_LINES``.
+of kvlens is longer than ``MAX_LINES``, and no function longer than ``MAX_FUNCTION_LINES``
+(a Typer command counted from its body's first statement after the docstring, so that its
+option signature does not count).
 
 Each rule is a ``check_*`` function of a module map (``module_map``) that returns the problems it
 finds; the tests run them on the real tree and on planted trees, which they must catch.
@@ -28,6 +30,7 @@ LAYERS = ("errors", "units", "text", "rope", "quant", "config", "model", "captur
 RANK = {name: i for i, name in enumerate(LAYERS)}
 LAZY_ALLOWED = ("kvlens.cli",)  # command bodies import the library lazily (--help stays instant)
 MAX_LINES = 700  # a module longer than this holds more than one meaning: split it
+MAX_FUNCTION_LINES = 80  # a longer function does more than one thing: split it into named steps
 
 
 class Edge(NamedTuple):
@@ -176,6 +179,59 @@ def check_module_length(modules: dict[str, Path], limit: int = MAX_LINES) -> lis
     return out
 
 
+def _is_typer_command(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Decorated with ``@<app>.command`` or ``@<app>.command(...)``."""
+    for decorator in fn.decorator_list:
+        target = decorator.func if isinstance(decorator, ast.Call) else decorator
+        if isinstance(target, ast.Attribute) and target.attr == "command":
+            return True
+    return False
+
+
+def _counted_from(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """The first line counted: the ``def`` line, or for a Typer command the first statement
+    after its docstring (its option signature is a table of options, not logic)."""
+    if not _is_typer_command(fn):
+        return fn.lineno
+    body = fn.body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        body = body[1:]
+    return body[0].lineno if body else fn.end_lineno + 1
+
+
+def function_lengths(tree: ast.Module) -> list[tuple[str, int, int]]:
+    """``(qualified name, def line, counted lines)`` of every function and method in ``tree``,
+    nested ones included (``Class.method``, ``outer.inner``)."""
+    out = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out.append((prefix + child.name, child.lineno,
+                            child.end_lineno - _counted_from(child) + 1))
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+            else:
+                visit(child, prefix)
+
+    visit(tree, "")
+    return out
+
+
+def check_function_length(modules: dict[str, Path], limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """Functions longer than ``limit`` lines (Typer commands: their body after the docstring)."""
+    out = []
+    for m, path in sorted(modules.items()):
+        root = modules[m.split(".")[0]].parent.parent  # holds the top package
+        for name, line, n in function_lengths(ast.parse(path.read_text(), str(path))):
+            if n > limit:
+                out.append(f"{path.relative_to(root)}:{line} {name}: {n} lines "
+                           f"(at most {limit}: split it into named steps)")
+    return out
+
+
 def check_imports_nothing_of(modules: dict[str, Path], forbidden: dict[str, Path]) -> list[str]:
     """Imports, by any module of ``modules``, of a module of ``forbidden``."""
     return [f"{m}:{e.line} -> {e.target}" for m, path in modules.items()
@@ -220,6 +276,11 @@ def test_every_module_is_at_most_max_lines():
     assert not long, "modules too long:\n" + "\n".join(long)
 
 
+def test_every_function_is_at_most_max_function_lines():
+    long = check_function_length(MODULES)
+    assert not long, "functions too long:\n" + "\n".join(long)
+
+
 # -- planted trees: the same checks must catch a planted violation -------------------------------
 
 BASE = {"__init__.py": "", "quant/__init__.py": "", "cli/__init__.py": "",
@@ -260,6 +321,14 @@ PLANTED = {
     "module too long": (check_module_length, {"quant/a.py": "x = 1\n" * (MAX_LINES + 1)},
                         f"kvlens/quant/a.py: {MAX_LINES + 1} lines"),
     "unknown layer": (check_layers_known, {"foo.py": ""}, "kvlens.foo (add its layer"),
+    "function too long": (check_function_length,
+                          {"quant/a.py": "def f():\n" + "    x = 1\n" * MAX_FUNCTION_LINES},
+                          f"kvlens/quant/a.py:1 f: {MAX_FUNCTION_LINES + 1} lines"),
+    "Typer command body too long": (
+        check_function_length,
+        {"cli/cmd.py": "@app.command()\ndef run(\n    x: int = 1,\n):\n    \"\"\"Doc.\"\"\"\n"
+                       + "    x += 1\n" * (MAX_FUNCTION_LINES + 1)},
+        f"kvlens/cli/cmd.py:2 run: {MAX_FUNCTION_LINES + 1} lines"),
 }
 
 
@@ -272,7 +341,7 @@ def _plant(tmp_path: Path, files: dict[str, str]) -> dict[str, Path]:
 
 
 CHECKS = (check_layers_known, check_upward, check_cycles, check_own_package_init,
-          check_hidden_imports, check_module_length)
+          check_hidden_imports, check_module_length, check_function_length)
 
 
 def test_the_checks_pass_a_clean_planted_tree(tmp_path):
@@ -282,7 +351,8 @@ def test_the_checks_pass_a_clean_planted_tree(tmp_path):
                                 "quant/a.py": "from kvlens.quant import b\nfrom . import b\n"
                                               "from kvlens.quant.b import X\n",
                                 "cli/main.py": "def main():\n    from kvlens.quant import X\n",
-                                "quant/c.py": "from kvlens import __version__\n"})
+                                "quant/c.py": "from kvlens import __version__\n",
+                                "quant/d.py": "def f():\n" + "    x = 1\n" * 79})
     for check in CHECKS:
         assert check(modules) == [], check.__name__
 
@@ -292,6 +362,30 @@ def test_the_checks_catch_a_planted_violation(tmp_path, planted):
     check, files, expected = PLANTED[planted]
     problems = check(_plant(tmp_path, files))
     assert any(p.startswith(expected) for p in problems), problems
+
+
+def _source(*lines: str) -> str:
+    return "".join(line + "\n" for line in lines)
+
+
+def test_function_lengths_count_a_typer_command_from_its_body():
+    """A plain function counts from ``def`` (docstring included); a Typer command from the
+    first statement after its docstring, however long its signature; methods and nested
+    functions are measured on their own under their qualified names."""
+    body = ["    x = 1"] * MAX_FUNCTION_LINES
+    source = _source(
+        "def plain():", '    """Doc."""', *body[2:],                                 # 1..80
+        "@app.command(name='c')", "def command(", *["    x: int = 1,"] * 200, "):",  # 81..283
+        '    """Doc."""', *body,                                                       # 284..364
+        "class Layer:", "    def method(self):", *["    " + line for line in body],   # 365..446
+        "def outer():", "    def inner():", "        pass", "    return inner",          # 447..450
+    )
+    lengths = {name: (line, n) for name, line, n in function_lengths(ast.parse(source))}
+    assert lengths == {"plain": (1, MAX_FUNCTION_LINES), "command": (82, MAX_FUNCTION_LINES),
+                       "Layer.method": (366, MAX_FUNCTION_LINES + 1), "outer": (447, 4),
+                       "outer.inner": (448, 2)}
+    long = [name for name, _, n in function_lengths(ast.parse(source)) if n > MAX_FUNCTION_LINES]
+    assert long == ["Layer.method"]
 
 
 def test_kernels_check_catches_a_planted_import(tmp_path):

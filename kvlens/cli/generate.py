@@ -356,82 +356,92 @@ def _diff(d: dict, fmt: str, scale: float = 1.0) -> str:
 
 def _render_long(report: dict) -> None:
     """Tables for --eval kld and --eval retrieval, with the paired comparisons."""
-    from rich.table import Table
-
     results, ev = report["results"], report["evaluation"]
     if "kld" in ev:
-        p = ev["kld"]
-        exact = f"the exact model ({p['model_dtype']})" if p.get("model_dtype") else \
-            "the exact model"
-        title = (f"KL divergence vs {exact}: {p['scored']} predictions over "
-                 f"{p['tokens']} tokens of {escape(str(p['text_source']))}, chunk {p['chunk']}"
-                 + (" (INTERRUPTED: partial)" if p["interrupted"] else ""))
-        t = Table(title=title)
-        for c in ("config", "bits/elem", "quantized share", "mean KLD", "median KLD",
-                  "p99 KLD", "top-1 agree", "ppl", "ppl change"):
-            t.add_column(c, justify="left" if c == "config" else "right")
-        ex = p.get("exact")
-        if ex:
-            t.add_row("exact", "-", "-", "0", "0", "0", "1",
-                      format_interval(ex["ppl"], ".3f", sep="\n"), "0")
-        for r in results:
-            k = r.get("kld")
-            if not k:
-                continue
-            t.add_row(escape(r["name"]), f"{r.get('bits_per_element', 0):.2f}",
-                      f"{k['quantized_share']:.3f}", format_interval(k["mean_kld"], sep="\n"),
-                      f"{k['median_kld']['value']:.4f}", f"{k['p99_kld']['value']:.3f}",
-                      format_interval(k["top1_agreement"], ".3f", sep="\n"),
-                      format_interval(k["ppl"], ".3f", sep="\n"),
-                      format_interval(k["ppl_change"], ".2f", scale=100, sign="+", unit="%", sep="\n"))
-        console.print(t)
-        console.print("Second lines: 95% bootstrap intervals over blocks of "
-                      f"{p['bootstrap']['unit_tokens']} tokens ({p['bootstrap']['resamples']} "
-                      "resamples). quantized share: predictions whose attention read at least "
-                      "one quantized entry.")
-        excess = [(r["name"], r["kld"]["excess_nll"]) for r in results
-                  if r.get("kld") and "excess_nll" in r["kld"] and r["kld"]["quantized_share"]]
-        if excess:
-            console.print("NLL change of the text's tokens minus mean KLD (nats; ppl change = "
-                          "exp(mean KLD + this) - 1; 0 on average for text drawn from the exact "
-                          "model): " + "; ".join(
-                              f"{escape(name)} {format_interval(e, '.4f', sign='+')}"
-                              for name, e in excess), highlight=False)
-        for r in results:
-            k = r.get("kld") or {}
-            v = k.get("vs_first")
-            if v:
-                console.print(f"{escape(r['name'])} - {escape(v['reference'])}: mean KLD "
-                              f"{_diff(v['mean_kld'], '.4f')}; top-1 "
-                              f"{_diff(v['top1_agreement'], '.3f')}; ppl change "
-                              f"{_diff(v['ppl_change'], '.2f', 100)} points"
-                              + (f"; excess NLL {_diff(v['excess_nll'], '.4f')}"
-                                 if "excess_nll" in v else ""), highlight=False)
-            if k and not k["vs_exact"]["mean_kld"]["distinguishable"]:
-                console.print(f"{escape(r['name'])} vs exact: not distinguishable (mean KLD interval "
-                              "covers 0)", highlight=False)
+        _render_kld(results, ev["kld"])
     if "retrieval" in ev:
-        p = ev["retrieval"]
-        ex = p.get("exact")
-        t = Table(title=f"Retrieval (passkey + key-value), {p['prompts']} prompts per config, "
-                        f"depths {p['depths']}; correct/total [Wilson 95%]"
-                        + (" (INTERRUPTED: partial)" if p["interrupted"] else ""))
-        t.add_column("config")
-        for length in p["lengths"]:
-            t.add_column(f"{length} tok", justify="right")
-        t.add_column("all", justify="right")
-        t.add_column("vs exact [95% CI]", justify="right")
-        rows = ([("exact", ex, None)] if ex else []) + \
-            [(r["name"], r["retrieval"], r["retrieval"]["vs_exact"]["accuracy"])
-             for r in results if r.get("retrieval")]
-        for name, doc, vs in rows:
-            cells = [f"{c['correct']}/{c['total']} [{c['wilson95'][0]:.2f}-"
-                     f"{c['wilson95'][1]:.2f}]" for c in doc["by_length"]]
-            t.add_row(escape(name), *cells, f"{doc['correct']}/{doc['total']}",
-                      "-" if vs is None else _diff(vs, ".2f"))
-        console.print(t)
-        for r in results:
-            v = (r.get("retrieval") or {}).get("vs_first")
-            if v:
-                console.print(f"{escape(r['name'])} - {escape(v['reference'])}: accuracy "
-                              f"{_diff(v['accuracy'], '.2f')}", highlight=False)
+        _render_retrieval(results, ev["retrieval"])
+
+
+def _render_kld(results: list[dict], p: dict) -> None:
+    """The --eval kld table, the excess-NLL line and each config's paired comparisons."""
+    from rich.table import Table
+
+    exact = f"the exact model ({p['model_dtype']})" if p.get("model_dtype") else \
+        "the exact model"
+    title = (f"KL divergence vs {exact}: {p['scored']} predictions over "
+             f"{p['tokens']} tokens of {escape(str(p['text_source']))}, chunk {p['chunk']}"
+             + (" (INTERRUPTED: partial)" if p["interrupted"] else ""))
+    t = Table(title=title)
+    for c in ("config", "bits/elem", "quantized share", "mean KLD", "median KLD",
+              "p99 KLD", "top-1 agree", "ppl", "ppl change"):
+        t.add_column(c, justify="left" if c == "config" else "right")
+    ex = p.get("exact")
+    if ex:
+        t.add_row("exact", "-", "-", "0", "0", "0", "1",
+                  format_interval(ex["ppl"], ".3f", sep="\n"), "0")
+    for r in results:
+        k = r.get("kld")
+        if not k:
+            continue
+        t.add_row(escape(r["name"]), f"{r.get('bits_per_element', 0):.2f}",
+                  f"{k['quantized_share']:.3f}", format_interval(k["mean_kld"], sep="\n"),
+                  f"{k['median_kld']['value']:.4f}", f"{k['p99_kld']['value']:.3f}",
+                  format_interval(k["top1_agreement"], ".3f", sep="\n"),
+                  format_interval(k["ppl"], ".3f", sep="\n"),
+                  format_interval(k["ppl_change"], ".2f", scale=100, sign="+", unit="%", sep="\n"))
+    console.print(t)
+    console.print("Second lines: 95% bootstrap intervals over blocks of "
+                  f"{p['bootstrap']['unit_tokens']} tokens ({p['bootstrap']['resamples']} "
+                  "resamples). quantized share: predictions whose attention read at least "
+                  "one quantized entry.")
+    excess = [(r["name"], r["kld"]["excess_nll"]) for r in results
+              if r.get("kld") and "excess_nll" in r["kld"] and r["kld"]["quantized_share"]]
+    if excess:
+        console.print("NLL change of the text's tokens minus mean KLD (nats; ppl change = "
+                      "exp(mean KLD + this) - 1; 0 on average for text drawn from the exact "
+                      "model): " + "; ".join(
+                          f"{escape(name)} {format_interval(e, '.4f', sign='+')}"
+                          for name, e in excess), highlight=False)
+    for r in results:
+        k = r.get("kld") or {}
+        v = k.get("vs_first")
+        if v:
+            console.print(f"{escape(r['name'])} - {escape(v['reference'])}: mean KLD "
+                          f"{_diff(v['mean_kld'], '.4f')}; top-1 "
+                          f"{_diff(v['top1_agreement'], '.3f')}; ppl change "
+                          f"{_diff(v['ppl_change'], '.2f', 100)} points"
+                          + (f"; excess NLL {_diff(v['excess_nll'], '.4f')}"
+                             if "excess_nll" in v else ""), highlight=False)
+        if k and not k["vs_exact"]["mean_kld"]["distinguishable"]:
+            console.print(f"{escape(r['name'])} vs exact: not distinguishable (mean KLD interval "
+                          "covers 0)", highlight=False)
+
+
+def _render_retrieval(results: list[dict], p: dict) -> None:
+    """The --eval retrieval table and each config's paired comparison with the first."""
+    from rich.table import Table
+
+    ex = p.get("exact")
+    t = Table(title=f"Retrieval (passkey + key-value), {p['prompts']} prompts per config, "
+                    f"depths {p['depths']}; correct/total [Wilson 95%]"
+                    + (" (INTERRUPTED: partial)" if p["interrupted"] else ""))
+    t.add_column("config")
+    for length in p["lengths"]:
+        t.add_column(f"{length} tok", justify="right")
+    t.add_column("all", justify="right")
+    t.add_column("vs exact [95% CI]", justify="right")
+    rows = ([("exact", ex, None)] if ex else []) + \
+        [(r["name"], r["retrieval"], r["retrieval"]["vs_exact"]["accuracy"])
+         for r in results if r.get("retrieval")]
+    for name, doc, vs in rows:
+        cells = [f"{c['correct']}/{c['total']} [{c['wilson95'][0]:.2f}-"
+                 f"{c['wilson95'][1]:.2f}]" for c in doc["by_length"]]
+        t.add_row(escape(name), *cells, f"{doc['correct']}/{doc['total']}",
+                  "-" if vs is None else _diff(vs, ".2f"))
+    console.print(t)
+    for r in results:
+        v = (r.get("retrieval") or {}).get("vs_first")
+        if v:
+            console.print(f"{escape(r['name'])} - {escape(v['reference'])}: accuracy "
+                          f"{_diff(v['accuracy'], '.2f')}", highlight=False)

@@ -179,7 +179,6 @@ def score_text(model, ids, configs: Sequence, chunk: int = DEFAULT_CHUNK, backen
     ``interrupted=True``."""
     import torch
 
-
     n = ids.shape[1]
     if n < 2 or not 1 <= chunk <= n:
         raise InputError(f"Need at least 2 tokens and 1 <= chunk <= {n} (got chunk {chunk}).")
@@ -201,14 +200,7 @@ def score_text(model, ids, configs: Sequence, chunk: int = DEFAULT_CHUNK, backen
                 targets = ids[0, s + 1:s + chunk + 1]
                 m = targets.shape[0]  # the text's last token scores nothing
                 t0 = time.perf_counter()
-                if installed != plain:
-                    model.set_attn_implementation(plain)
-                try:
-                    kw = {arg: exact_cache} if exact_cache is not None else {}
-                    out = model(x, use_cache=True, **kw)
-                finally:
-                    if installed != plain:
-                        model.set_attn_implementation(installed)
+                out = _exact_forward(model, x, arg, exact_cache, plain, installed)
                 exact_cache = _returned_cache(out)
                 t1 = time.perf_counter()
                 clock["exact"] += t1 - t0
@@ -216,28 +208,11 @@ def score_text(model, ids, configs: Sequence, chunk: int = DEFAULT_CHUNK, backen
                 nll_e = -logp_e.gather(-1, targets[:, None])[:, 0]
                 top_e = logp_e.argmax(-1)
                 p_e = logp_e.exp()
-                rows = []
-                for j, cache in enumerate(caches):
-                    quant = reads_quantized(cache)
-                    t2 = time.perf_counter()
-                    logits = model(x, use_cache=True, **{arg: cache}).logits
-                    t3 = time.perf_counter()
-                    per_config[j] += t3 - t2
-                    clock["scoring"] -= t3 - t2
-                    logp = torch.log_softmax(logits[0, :m].double(), -1)
-                    kld = (p_e * (logp_e - logp)).sum(-1).clamp_min(0.0)
-                    rows.append((kld, logp.argmax(-1) == top_e,
-                                 -logp.gather(-1, targets[:, None])[:, 0], quant))
-                # Record a chunk only once every config has scored it (an interrupt inside the
-                # loop above leaves all configs on the same chunks).
-                for ts, (kld, top1, nll, quant) in zip(result.configs, rows):
-                    ts.kld.extend(kld.tolist())
-                    ts.top1.extend(top1.tolist())
-                    ts.nll.extend(nll.tolist())
-                    ts.quantized.extend([quant] * m)
-                result.nll_exact.extend(nll_e.tolist())
-                result.chunk_of_token.extend([k] * m)
-                result.chunks_done = k + 1
+                rows = _score_configs(model, x, arg, caches, (logp_e, top_e, p_e), targets,
+                                      clock, per_config)
+                # Record a chunk only once every config has scored it (an interrupt inside
+                # _score_configs leaves all configs on the same chunks).
+                _record_chunk(result, rows, nll_e, k)
                 clock["scoring"] += time.perf_counter() - t1
                 progress(k + 1, len(starts))
         except KeyboardInterrupt:
@@ -249,6 +224,58 @@ def score_text(model, ids, configs: Sequence, chunk: int = DEFAULT_CHUNK, backen
             ts.memory = _memory(config, cache)
             ts.backend_reason = getattr(session, "backend_reason", None)
     return result
+
+
+def _exact_forward(model, x, arg: str, exact_cache, plain: str, installed: str):
+    """The exact model's forward on chunk ``x``: its own attention implementation (``plain``)
+    switched back in for the call, the configs' (``installed``) restored after it."""
+    if installed != plain:
+        model.set_attn_implementation(plain)
+    try:
+        kw = {arg: exact_cache} if exact_cache is not None else {}
+        return model(x, use_cache=True, **kw)
+    finally:
+        if installed != plain:
+            model.set_attn_implementation(installed)
+
+
+def _score_configs(model, x, arg: str, caches: list, exact: tuple, targets,
+                   clock: dict[str, float], per_config: list[float]) -> list[tuple]:
+    """Each config's forward on chunk ``x`` through its cache, scored against the exact
+    model's ``(log-probabilities, top-1, probabilities)``: per config ``(KLD, top-1 agreement,
+    NLL, whether it read quantized entries)``. Each forward's time goes to ``per_config`` and
+    is taken off ``clock["scoring"]`` (which times the scoring around the forwards)."""
+    import torch
+
+    logp_e, top_e, p_e = exact
+    m = targets.shape[0]
+    rows = []
+    for j, cache in enumerate(caches):
+        quant = reads_quantized(cache)
+        t2 = time.perf_counter()
+        logits = model(x, use_cache=True, **{arg: cache}).logits
+        t3 = time.perf_counter()
+        per_config[j] += t3 - t2
+        clock["scoring"] -= t3 - t2
+        logp = torch.log_softmax(logits[0, :m].double(), -1)
+        kld = (p_e * (logp_e - logp)).sum(-1).clamp_min(0.0)
+        rows.append((kld, logp.argmax(-1) == top_e,
+                     -logp.gather(-1, targets[:, None])[:, 0], quant))
+    return rows
+
+
+def _record_chunk(result: TextScores, rows: list[tuple], nll_exact, k: int) -> None:
+    """Append chunk ``k``'s scores (``rows`` from ``_score_configs``, one per config, and the
+    exact model's NLL) to ``result``."""
+    m = nll_exact.shape[0]
+    for ts, (kld, top1, nll, quant) in zip(result.configs, rows):
+        ts.kld.extend(kld.tolist())
+        ts.top1.extend(top1.tolist())
+        ts.nll.extend(nll.tolist())
+        ts.quantized.extend([quant] * m)
+    result.nll_exact.extend(nll_exact.tolist())
+    result.chunk_of_token.extend([k] * m)
+    result.chunks_done = k + 1
 
 
 def _returned_cache(out):

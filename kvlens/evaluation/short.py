@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from kvlens.cache import compressed_attention, memory_report
 from kvlens.config import KVConfig, preset
@@ -77,6 +78,16 @@ def _encode(tokenizer, text: str, device):
     return tokenizer(text, return_tensors="pt").input_ids.to(device)
 
 
+@dataclass(frozen=True)
+class _Inputs:
+    """What every config is run on, tokenized once: the prompt to continue (``None``: no
+    generation), the decode-mode perplexity text (``None``: no ppl) and the passkey prompts."""
+    device: object
+    prompt_ids: object
+    ppl_ids: object
+    passkeys: list[tuple[str, str]]
+
+
 def short_evals(model, tokenizer, configs: list[KVConfig], options: EvalOptions,
                  progress: Callable[[str], None]) -> tuple[list[dict], bool]:
     """Generation with ``options.prompt`` and the short-context ppl / passkey / agreement:
@@ -88,59 +99,15 @@ def short_evals(model, tokenizer, configs: list[KVConfig], options: EvalOptions,
     need_agree = "agreement" in options.evals
     if need_agree and prompt_ids is None:
         prompt_ids = _encode(tokenizer, DEFAULT_PROMPT, device)
-    ppl_ids = None
-    if "ppl" in options.evals:
-        text, source = load_eval_text(options.text)
-        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
-        if ids.shape[1] < options.ppl_tokens:
-            raise InputError(f"The text from {source} has {ids.shape[1]} tokens; decode-mode "
-                             f"perplexity needs {options.ppl_tokens} (lower --ppl-tokens or "
-                             "give a longer --text).")
-        ppl_ids = ids[:, :options.ppl_tokens].to(device)
+    ppl_ids = _ppl_ids(tokenizer, options, device) if "ppl" in options.evals else None
     passkeys = passkey_prompts(tokenizer, options.passkey_prompts, options.passkey_context,
                                options.seed) if "passkey" in options.evals else []
+    inputs = _Inputs(device, prompt_ids, ppl_ids, passkeys)
 
     baseline: dict = {}
 
     def run(config: KVConfig) -> dict:
-        res: dict = {"name": config.name}
-        caches = []
-        if isinstance(config, Baseline):
-            ctx, report_fn = baseline_session(model, config), baseline_memory_report
-        else:
-            ctx, report_fn = compressed_attention(model, config, options.backend), memory_report
-        with ctx as session:
-            res["backend"] = session.backend
-            if prompt_ids is not None:
-                progress(f"{config.name}: generating {options.max_new_tokens} tokens")
-                new, cache = greedy(model, prompt_ids, session, options.max_new_tokens)
-                caches.append(cache)
-                res["text"] = tokenizer.decode(new[0], skip_special_tokens=True)
-                res["_tokens"] = new[0].tolist()
-            if ppl_ids is not None:
-                progress(f"{config.name}: decode-mode perplexity over {ppl_ids.shape[1]} tokens")
-                res["ppl"], cache = decode_ppl(model, ppl_ids, session, options.ppl_prefix)
-                caches.append(cache)
-            if passkeys:
-                correct = 0
-                lengths = []
-                for i, (text, key) in enumerate(passkeys):
-                    progress(f"{config.name}: passkey {i + 1}/{len(passkeys)}")
-                    ids = _encode(tokenizer, text, device)
-                    lengths.append(ids.shape[1])
-                    new, cache = greedy(model, ids, session, 8)
-                    caches.append(cache)
-                    correct += key in tokenizer.decode(new[0], skip_special_tokens=True)
-                res["passkey"] = {"correct": correct, "total": len(passkeys),
-                                  "context_tokens": round(sum(lengths) / len(lengths))}
-        res["backend_reason"] = session.backend_reason
-        reports = [report_fn(c) for c in caches]
-        if reports:
-            biggest = max(reports, key=lambda r: r["kv_bytes_fp16"])
-            res.update(kv_bytes=biggest["kv_bytes"], kv_bytes_fp16=biggest["kv_bytes_fp16"],
-                       bits_per_element=biggest["bits_per_element"],
-                       kv_bytes_by_device=biggest["by_device"])
-        return res
+        return _run_config(model, tokenizer, config, options, inputs, progress)
 
     results = []
     interrupted = False
@@ -156,15 +123,88 @@ def short_evals(model, tokenizer, configs: list[KVConfig], options: EvalOptions,
             results.append(res)
     except KeyboardInterrupt:  # keep the configs that finished
         interrupted = True
+    _compare_with_reference(results, baseline, ppl=ppl_ids is not None, agree=need_agree)
+    return results, interrupted
+
+
+def _ppl_ids(tokenizer, options: EvalOptions, device):
+    """The first ``options.ppl_tokens`` tokens of the evaluation text ``[1, T]``, on
+    ``device``; refused when the text is shorter."""
+    text, source = load_eval_text(options.text)
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    if ids.shape[1] < options.ppl_tokens:
+        raise InputError(f"The text from {source} has {ids.shape[1]} tokens; decode-mode "
+                         f"perplexity needs {options.ppl_tokens} (lower --ppl-tokens or "
+                         "give a longer --text).")
+    return ids[:, :options.ppl_tokens].to(device)
+
+
+def _run_config(model, tokenizer, config: KVConfig, options: EvalOptions, inputs: _Inputs,
+                progress: Callable[[str], None]) -> dict:
+    """One config's generation, decode-mode ppl and passkeys in one session, with the held
+    bytes of its biggest cache (the greedy tokens kept under ``_tokens`` for agreement)."""
+    res: dict = {"name": config.name}
+    caches = []
+    if isinstance(config, Baseline):
+        ctx, report_fn = baseline_session(model, config), baseline_memory_report
+    else:
+        ctx, report_fn = compressed_attention(model, config, options.backend), memory_report
+    with ctx as session:
+        res["backend"] = session.backend
+        if inputs.prompt_ids is not None:
+            progress(f"{config.name}: generating {options.max_new_tokens} tokens")
+            new, cache = greedy(model, inputs.prompt_ids, session, options.max_new_tokens)
+            caches.append(cache)
+            res["text"] = tokenizer.decode(new[0], skip_special_tokens=True)
+            res["_tokens"] = new[0].tolist()
+        if inputs.ppl_ids is not None:
+            progress(f"{config.name}: decode-mode perplexity over {inputs.ppl_ids.shape[1]} "
+                     "tokens")
+            res["ppl"], cache = decode_ppl(model, inputs.ppl_ids, session, options.ppl_prefix)
+            caches.append(cache)
+        if inputs.passkeys:
+            res["passkey"], passkey_caches = _passkey(model, tokenizer, session, config.name,
+                                                      inputs, progress)
+            caches += passkey_caches
+    res["backend_reason"] = session.backend_reason
+    reports = [report_fn(c) for c in caches]
+    if reports:
+        biggest = max(reports, key=lambda r: r["kv_bytes_fp16"])
+        res.update(kv_bytes=biggest["kv_bytes"], kv_bytes_fp16=biggest["kv_bytes_fp16"],
+                   bits_per_element=biggest["bits_per_element"],
+                   kv_bytes_by_device=biggest["by_device"])
+    return res
+
+
+def _passkey(model, tokenizer, session, name: str, inputs: _Inputs,
+             progress: Callable[[str], None]) -> tuple[dict, list]:
+    """Greedy answers to the passkey prompts: ``(the count correct and the mean prompt
+    length, the caches)``."""
+    correct = 0
+    lengths = []
+    caches = []
+    for i, (text, key) in enumerate(inputs.passkeys):
+        progress(f"{name}: passkey {i + 1}/{len(inputs.passkeys)}")
+        ids = _encode(tokenizer, text, inputs.device)
+        lengths.append(ids.shape[1])
+        new, cache = greedy(model, ids, session, 8)
+        caches.append(cache)
+        correct += key in tokenizer.decode(new[0], skip_special_tokens=True)
+    return ({"correct": correct, "total": len(inputs.passkeys),
+             "context_tokens": round(sum(lengths) / len(lengths))}, caches)
+
+
+def _compare_with_reference(results: list[dict], baseline: dict, ppl: bool, agree: bool) -> None:
+    """Each result's ppl change and greedy agreement against the exact reference
+    (``baseline``; none when it did not finish), then the greedy tokens dropped."""
     for res in results:
-        if ppl_ids is not None and baseline:
+        if ppl and baseline:
             res["ppl_fp16"] = baseline["ppl"]
             res["ppl_change"] = res["ppl"] / baseline["ppl"] - 1
-        if need_agree and baseline:
+        if agree and baseline:
             res["agreement"] = agreement(res["_tokens"], baseline["_tokens"])
     for res in results:
         res.pop("_tokens", None)
-    return results, interrupted
 
 
 def agreement(tokens: list[int], reference: list[int]) -> dict:

@@ -76,76 +76,107 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
                             f"the residual window ({max(opts.window_sizes)}): no query would "
                             "read quantized history")
                          + ". Capture longer samples or offer smaller windows.")
-    la = layer.attrs
     runs: list[tuple[Stream | None, list[Candidate]]] = [
         (s, [c for c in variants if _fits(c, s)]) for s in opts.streams()]
-    out, recon = {}, {}
+    scoring = _LayerScoring(q, k, v, layer.attrs, opts, variants, queries)
+    scoring.score_shared(runs)
+    # GEAR and MiKV set twins depend on the stream (per flushed block, the set replayed while
+    # decoding), and the probe reads every query: one pass per stream
+    runs = [(s, [c for c in run if c.gear or c.mikv_set]) for s, run in runs]
+    runs.append((None, [c for c in plain if c in variants]))
+    scoring.score_per_stream(runs)
+    return scoring.out, bal, pre_ok
 
-    def record(c: Candidate, s: Stream | None, e) -> None:
-        if c.base not in recon:  # the same for every stream and set: once per candidate
-            var = variants[c.base]
-            recon[c.base] = float(per_head_rel_error(v, var.v_hat).mean()
-                                  if c.tensor == "value"
-                                  else per_head_rel_error(k, var.k_hat).mean())
-        out[c, s] = (float(e.output.mean()),
-                     None if e.scores is None else float(e.scores.mean()), recon[c.base])
 
-    def first_row(s: Stream | None) -> int:  # the probe quantizes every token: every query
-        return n_tok - queries if queries is not None else 0 if s is None else opts.score_from
+class _LayerScoring:
+    """The errors of one capture layer's candidates, filled by ``measure_layer``'s passes:
+    ``out[candidate, stream] = (out, score, recon)``; ``variants`` gains the GEAR twins of
+    each stream as they are built."""
 
-    # plain candidates: every stream in one pass, sharing what does not depend on the window
-    shared = list(dict.fromkeys(c for _, run in runs for c in run
-                                if not (c.gear or c.mikv_set)))
-    if shared:
+    def __init__(self, q, k, v, attrs, opts: RecommendOptions, variants: dict,
+                 queries: int | None):
+        self.q, self.k, self.v, self.attrs, self.opts = q, k, v, attrs, opts
+        self.variants, self.queries, self.n_tok = variants, queries, k.shape[2]
+        self.out: dict = {}
+        self._recon: dict = {}
+
+    def record(self, c: Candidate, s: Stream | None, e) -> None:
+        if c.base not in self._recon:  # the same for every stream and set: once per candidate
+            var = self.variants[c.base]
+            self._recon[c.base] = float(per_head_rel_error(self.v, var.v_hat).mean()
+                                        if c.tensor == "value"
+                                        else per_head_rel_error(self.k, var.k_hat).mean())
+        self.out[c, s] = (float(e.output.mean()),
+                          None if e.scores is None else float(e.scores.mean()),
+                          self._recon[c.base])
+
+    def first_row(self, s: Stream | None) -> int:  # the probe quantizes every token: every query
+        if self.queries is not None:
+            return self.n_tok - self.queries
+        return 0 if s is None else self.opts.score_from
+
+    def score_shared(self, runs: list[tuple[Stream | None, list[Candidate]]]) -> None:
+        """Plain candidates: every stream in one pass, sharing what does not depend on the
+        window."""
+        la, opts, variants = self.attrs, self.opts, self.variants
+        shared = list(dict.fromkeys(c for _, run in runs for c in run
+                                    if not (c.gear or c.mikv_set)))
+        if not shared:
+            return
         at = {c: i for i, c in enumerate(shared)}
-        start = first_row(runs[0][0])
-        masks = [streaming_exact_mask(n_tok, s.residual, s.flush, opts.sink_tokens)[start:]
+        start = self.first_row(runs[0][0])
+        masks = [streaming_exact_mask(self.n_tok, s.residual, s.flush, opts.sink_tokens)[start:]
                  for s, _ in runs]
         errs = attention_errors_streams(
-            q[:, :, start:], k, v, [variants[c] for c in shared], masks,
+            self.q[:, :, start:], self.k, self.v, [variants[c] for c in shared], masks,
             select=[[at[c] for c in run if c in at] for _, run in runs], scaling=la.scaling,
             sliding_window=la.sliding_window, softcap=la.logit_softcap, sinks=la.sinks,
             reconstruction=False)
         for (s, run), per in zip(runs, errs):
             for c in run:
                 if c in at:
-                    record(c, s, per[at[c]])
-    # GEAR and MiKV set twins depend on the stream (per flushed block, the set replayed while
-    # decoding), and the probe reads every query: one pass per stream
-    runs = [(s, [c for c in run if c.gear or c.mikv_set]) for s, run in runs]
-    runs.append((None, [c for c in plain if c in variants]))
-    sets = _SetVariants(q, k, v, la, opts)
-    for s, run in runs:
-        if not run:
-            continue
-        for c in run:  # GEAR's low-rank factors are per flushed block: a variant per block
+                    self.record(c, s, per[at[c]])
+
+    def score_per_stream(self, runs: list[tuple[Stream | None, list[Candidate]]]) -> None:
+        """GEAR and MiKV set twins and the probe's candidates (stream None): one pass per
+        stream."""
+        la, opts, variants = self.attrs, self.opts, self.variants
+        sets = _SetVariants(self.q, self.k, self.v, la, opts)
+        for s, run in runs:
+            if not run:
+                continue
+            self._build_gear_variants(s, run)
+            start = self.first_row(s)
+            rows, picked = self.q[:, :, start:], slice(start, None)
+            # a layer with a MiKV set holds its sinks in the set (at its codes), not exact
+            for group, sinks in (([c for c in run if not c.mikv_set], opts.sink_tokens),
+                                 ([c for c in run if c.mikv_set], 0)):
+                if not group:
+                    continue
+                exact = None if s is None else streaming_exact_mask(
+                    self.n_tok, s.residual, s.flush, sinks)[picked]
+                if not group[0].mikv_set:  # plain candidates: their variants are built already
+                    vs = [variants[c] for c in group]
+                else:
+                    with stage("MiKV set simulation"):
+                        vs = [sets.variant(c, variants[c.base], s, picked) for c in group]
+                errs = attention_errors_many(rows, self.k, self.v, vs, scaling=la.scaling,
+                                             sliding_window=la.sliding_window,
+                                             softcap=la.logit_softcap, sinks=la.sinks,
+                                             exact=exact, reconstruction=False)
+                for c, e in zip(group, errs):
+                    self.record(c, s, e)
+
+    def _build_gear_variants(self, s: Stream | None, run: list[Candidate]) -> None:
+        """GEAR's low-rank factors are per flushed block: a variant per block."""
+        for c in run:
             if c.gear:
                 with stage("GEAR variants"):
-                    x_hat = gear_variant(v if c.tensor == "value" else k, c,
-                                         s.block if s is not None else n_tok, opts.scale_dtype)
-                variants[c] = Variant(v_hat=x_hat) if c.tensor == "value" \
+                    x_hat = gear_variant(self.v if c.tensor == "value" else self.k, c,
+                                         s.block if s is not None else self.n_tok,
+                                         self.opts.scale_dtype)
+                self.variants[c] = Variant(v_hat=x_hat) if c.tensor == "value" \
                     else Variant(k_hat=x_hat)
-        start = first_row(s)
-        rows, picked = q[:, :, start:], slice(start, None)
-        # a layer with a MiKV set holds its sinks in the set (at its codes), not exact
-        for group, sinks in (([c for c in run if not c.mikv_set], opts.sink_tokens),
-                             ([c for c in run if c.mikv_set], 0)):
-            if not group:
-                continue
-            exact = None if s is None else streaming_exact_mask(
-                n_tok, s.residual, s.flush, sinks)[picked]
-            if not group[0].mikv_set:  # plain candidates: their variants are built already
-                vs = [variants[c] for c in group]
-            else:
-                with stage("MiKV set simulation"):
-                    vs = [sets.variant(c, variants[c.base], s, picked) for c in group]
-            errs = attention_errors_many(rows, k, v, vs, scaling=la.scaling,
-                                         sliding_window=la.sliding_window,
-                                         softcap=la.logit_softcap, sinks=la.sinks, exact=exact,
-                                         reconstruction=False)
-            for c, e in zip(group, errs):
-                record(c, s, e)
-    return out, bal, pre_ok
 
 
 def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptions,

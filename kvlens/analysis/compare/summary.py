@@ -107,11 +107,36 @@ def summarize(records: Sequence[Record]) -> dict[str, Any]:
     ``format_means``; they take no part in the axis comparison."""
     format_means = summarize_formats(records)
     records = [r for r in records if r.format is None]
+    means = _axis_means(records)
+    mean_of = means_by_key(means)
+    configs = sorted(
+        {_config_key(r) for r in records},
+        key=lambda c: _sort_key(
+            {"tensor": c[0], "bits": c[1], "group_size": c[2], "stage": c[3], "variant": c[4]}
+        ),
+    )
+    winners, rankings = _winners_and_rankings(records, mean_of, configs)
+    return {
+        "aggregation": "mean over layers and heads of per-(layer, head) relative Frobenius "
+        "errors; reconstruction per KV head, attention metrics per query head",
+        "means": means,
+        "winners": winners,
+        "rankings": rankings,
+        "disagreements": [r for r in rankings if r["disagree"]],
+        "kivi_pattern": _kivi_pattern(mean_of, configs),
+        **(
+            {"format_means": format_means, "format_calibration": FORMAT_CALIBRATION_NOTE}
+            if format_means
+            else {}
+        ),
+    }
+
+
+def _axis_means(records: Sequence[Record]) -> list[dict[str, Any]]:
+    """Mean, min, max and count over layers and heads per (config, axis, metric), sorted."""
     sums: dict[tuple, list[float]] = defaultdict(list)
-    per_layer: dict[tuple, list[float]] = defaultdict(list)
     for r in records:
         sums[(*_config_key(r), r.axis, r.metric)].append(r.rel_error)
-        per_layer[(*_config_key(r), r.axis, r.metric, r.layer)].append(r.rel_error)
     means = []
     for (tensor, bits, g, stage, variant, axis, metric), vals in sums.items():
         means.append(
@@ -130,16 +155,21 @@ def summarize(records: Sequence[Record]) -> dict[str, Any]:
             }
         )
     means.sort(key=_sort_key)
-    mean_of = means_by_key(means)
+    return means
+
+
+def _winners_and_rankings(
+    records: Sequence[Record], mean_of: Mapping[tuple, float], configs: Sequence[tuple]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Per config and metric, the axis with the lower mean error (and in how many layers
+    per-channel wins); per config, the winner of each metric and whether reconstruction and
+    attention output disagree."""
+    per_layer: dict[tuple, list[float]] = defaultdict(list)
+    for r in records:
+        per_layer[(*_config_key(r), r.axis, r.metric, r.layer)].append(r.rel_error)
     layer_mean = {k: sum(v) / len(v) for k, v in per_layer.items()}
     layers = sorted({r.layer for r in records})
     winners, rankings = [], []
-    configs = sorted(
-        {_config_key(r) for r in records},
-        key=lambda c: _sort_key(
-            {"tensor": c[0], "bits": c[1], "group_size": c[2], "stage": c[3], "variant": c[4]}
-        ),
-    )
     for ck in configs:
         metrics = KEY_METRICS if ck[0] == "key" else VALUE_METRICS
         ranking = dict(zip(("tensor", "bits", "group_size", "stage", "variant"), ck, strict=True))
@@ -173,20 +203,7 @@ def summarize(records: Sequence[Record]) -> dict[str, Any]:
             recon and output and "tie" not in (recon, output) and recon != output
         )
         rankings.append(ranking)
-    return {
-        "aggregation": "mean over layers and heads of per-(layer, head) relative Frobenius "
-        "errors; reconstruction per KV head, attention metrics per query head",
-        "means": means,
-        "winners": winners,
-        "rankings": rankings,
-        "disagreements": [r for r in rankings if r["disagree"]],
-        "kivi_pattern": _kivi_pattern(mean_of, configs),
-        **(
-            {"format_means": format_means, "format_calibration": FORMAT_CALIBRATION_NOTE}
-            if format_means
-            else {}
-        ),
-    }
+    return winners, rankings
 
 
 def means_by_key(means: Sequence[Mapping[str, Any]]) -> dict[tuple, float]:
