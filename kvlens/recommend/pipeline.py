@@ -12,13 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from kvlens.analysis.compare import torch_threads
 from kvlens.cache.layout import shape_of_capture
-from kvlens.capture.store import open_capture
+from kvlens.capture.store import CaptureMeta, open_capture
 from kvlens.errors import InputError
 from kvlens.model.load import parse_dtype
 from kvlens.recommend.allocation import assemble
@@ -31,7 +30,7 @@ from kvlens.recommend.cost import (
     predict,
 )
 from kvlens.recommend.layer_errors import check_windows, measure_layer
-from kvlens.recommend.options import RecommendOptions
+from kvlens.recommend.options import Candidate, RecommendOptions, Stream
 from kvlens.recommend.parallel import can_fork, map_layers, resolve_workers
 from kvlens.recommend.probe import add_retrieval_errors, load_model_for
 from kvlens.recommend.profile import Profile, profiling, stage
@@ -52,14 +51,19 @@ class Measurements:
     """Everything ``recommend`` measured on a capture; ``choose`` allocates from it for any
     budget without measuring again."""
 
-    meta: Any
-    tables: list[dict]  # per layer: {Candidate: (output_err, score_err, recon_err)}
-    balancers: dict[int, Any]
+    # The annotations are exact: kvlens.recommend.kept_format writes and checks a kept
+    # measurement by them.
+    meta: CaptureMeta
+    # per layer: {(candidate, stream; None: the probe's): (output, score, reconstruction)
+    # errors}, the score error None where the layer has no score
+    tables: list[dict[tuple[Candidate, Stream | None], tuple[float, float | None, float]]]
+    balancers: dict[int, torch.Tensor]
     weights: tuple[float, ...]
     notes: list[str]
     windows: tuple[int | None, ...] = ()  # per layer sliding window (None = global)
-    # per layer {storage family: factor on top of the layer weight} (--set sensitivity=layout)
-    factors: tuple[dict, ...] = ()
+    # per layer {storage family (catalog.family: a tuple of its traits): factor on top of the
+    # layer weight} (--set sensitivity=layout)
+    factors: tuple[dict[tuple[str | bool, ...], float], ...] = ()
     profile: Profile = field(default_factory=Profile)  # where measure's time went
 
 

@@ -26,7 +26,8 @@ class Profile:
     stages: dict[str, float] = field(default_factory=dict)
     # [name, start, end] per run of a stage, in Unix seconds (``time.time()``), nested ones too
     spans: list[list] = field(default_factory=list)
-    _open: list[list] = field(default_factory=list, repr=False)  # [name, start, nested]
+    # [name, start, nested] per stage now open: the run's state, never a constructor argument
+    _open: list[list] = field(default_factory=list, init=False, repr=False)
 
     def add(self, name: str, seconds: float) -> None:
         self.stages[name] = self.stages.get(name, 0.0) + seconds

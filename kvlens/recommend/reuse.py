@@ -18,15 +18,10 @@ none), named by a hash of everything it depends on:
 
 A kept file (``<key>.npz``) holds data only, so that a file planted in a shared cache directory
 cannot run code when read (the pickles of earlier versions could): an uncompressed numpy
-``.npz`` whose ``document.npy`` member is a JSON document (UTF-8 bytes in a uint8 array) for the
-structure (the capture's metadata, the candidates, streams, layer weights, notes, windows,
-factors) and whose ``a<i>.npy`` members are the numeric arrays it refers to (the error tables,
-balancers), with a format name and version. It is written and
-read by an explicit encoder and decoder for exactly the types of ``Measurements``
-(``kvlens.recommend.kept_format``: the layout in full); reading checks the zip, every array's
-header (numeric dtypes only: no object array, so nothing is unpickled), the version and every
-field's type. A file that fails any check (another version, a pickle, a truncated or altered
-file) is measured again and replaced, never executed.
+``.npz`` of a JSON document and numeric arrays, written and checked by ``Measurements``' own
+field annotations (``kvlens.recommend.kept_format``; the generic codec,
+``kvlens.recommend.codec``, has the layout in full). A file that fails any check (another
+version, a pickle, a truncated or altered file) is measured again and replaced, never executed.
 Files are written to a temporary name and renamed, so an interrupted run leaves none that looks
 complete; at most ``KEEP_AT_MOST`` are kept, the least recently used removed first.
 """
