@@ -12,8 +12,11 @@ from types import SimpleNamespace
 
 import torch
 
+from kvlens.cache import compressed_attention
 from kvlens.cache.torch_read import packed_attention
 from kvlens.capture.store import CaptureMeta, LayerAttrs, write_capture
+from kvlens.config import preset
+from kvlens.model.hooks import cache_argument_name
 from kvlens.quant import QTensor, dequantize, quantize
 
 SCALING = 0.25  # the attention scaling make_capture records for every layer
@@ -130,3 +133,14 @@ def decode_one_by_one(layer, q, k, v, scaling, softcap: float = 0.0, sinks=None)
         layer.commit(q[:, :, i:i + 1], colsum)
         outs.append(out.transpose(1, 2))
     return sets, torch.cat(outs, dim=2)
+
+
+def exact_cache_generates_like_the_model(model, ids, max_new_tokens: int) -> bool:
+    """Whether greedy generation through kvlens' cache with the ``exact`` preset (nothing
+    quantized) gives the tokens transformers' own cache gives."""
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+        with compressed_attention(model, preset("exact")) as session:
+            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                                 **{cache_argument_name(model): session.new_cache()})
+    return torch.equal(ref, out)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import exact_cache_generates_like_the_model
 from test_memory import _check, _prefill_then_decode
 from tiny_models import TINY_VOCAB
 
@@ -91,14 +92,8 @@ def test_held_bytes_count_only_the_attention_layers(name):
 def test_exact_cache_leaves_the_hybrid_model_unchanged():
     """With nothing quantized, greedy tokens equal transformers' own cache's: the linear
     layers' states are transformers' own, the attention layer reads exact K/V."""
-    model = _qwen3_next()
     ids = torch.randint(3, TINY_VOCAB, (1, 24), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        ref = model.generate(ids, max_new_tokens=12, do_sample=False)
-        with compressed_attention(model, preset("exact")) as session:
-            out = model.generate(ids, max_new_tokens=12, do_sample=False,
-                                 **{cache_argument_name(model): session.new_cache()})
-    assert torch.equal(ref, out)
+    assert exact_cache_generates_like_the_model(_qwen3_next(), ids, 12)
 
 
 def test_falcon_h1_layers_keep_their_mamba_state_beside_compressed_kv():
@@ -106,15 +101,10 @@ def test_falcon_h1_layers_keep_their_mamba_state_beside_compressed_kv():
     config = _small(preset("kivi-4"))
     shape = shape_of(model)
     ids = torch.randint(3, TINY_VOCAB, (1, 60), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        ref = model.generate(ids[:, :20], max_new_tokens=8, do_sample=False)
-        with compressed_attention(model, preset("exact")) as session:
-            out = model.generate(ids[:, :20], max_new_tokens=8, do_sample=False,
-                                 **{cache_argument_name(model): session.new_cache()})
-        with compressed_attention(model, config) as session:
-            cache = session.new_cache()
-            model(ids, use_cache=True, **{cache_argument_name(model): cache})
-    assert torch.equal(ref, out)
+    assert exact_cache_generates_like_the_model(model, ids[:, :20], 8)
+    with torch.no_grad(), compressed_attention(model, config) as session:
+        cache = session.new_cache()
+        model(ids, use_cache=True, **{cache_argument_name(model): cache})
     rep = memory_report(cache)
     assert rep["kv_bytes"] == sum(config_part_bytes(config, shape, 60).values())
     assert rep["unaccounted"] == 0 and rep["state_bytes"] > 0

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from helpers import exact_cache_generates_like_the_model
 from test_memory import _check, _prefill_then_decode
 from tiny_models import TINY_VOCAB
 
@@ -18,7 +19,6 @@ from kvlens.capture.store import open_capture
 from kvlens.config import LayerKV, preset
 from kvlens.config.schema import KVConfig
 from kvlens.model.architecture import describe
-from kvlens.model.hooks import cache_argument_name
 from kvlens.model.mla import absorbed_mla
 from kvlens.quant import QuantSpec
 
@@ -92,14 +92,8 @@ def test_capture_stores_the_latent_row_once_per_token(tmp_path):
 
 
 def test_exact_cache_generates_the_models_tokens():
-    model = _deepseek(3)
     ids = torch.randint(3, TINY_VOCAB, (1, 21), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        ref = model.generate(ids, max_new_tokens=10, do_sample=False)
-        with compressed_attention(model, preset("exact")) as session:
-            out = model.generate(ids, max_new_tokens=10, do_sample=False,
-                                 **{cache_argument_name(model): session.new_cache()})
-    assert torch.equal(ref, out)
+    assert exact_cache_generates_like_the_model(_deepseek(3), ids, 10)
 
 
 SAME = QuantSpec(4, "per-token", 16)
