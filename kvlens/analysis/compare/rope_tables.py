@@ -58,14 +58,17 @@ def layer_rope_tables(meta, k, k_pre, n_tokens: int | None = None, stored=None):
     if meta.rope_layout not in ("half", "interleaved"):
         return None, None
     n_tok = k.shape[2] if n_tokens is None else n_tokens
+
+    def rebuilds(full) -> bool:
+        """Whether tables ``full`` rebuild the stored keys from the pre-RoPE ones."""
+        return rope_rebuild_error(k[:, :, :n_tok], k_pre[:, :, :n_tok], full,
+                                  meta.rope_layout) <= ROPE_CHECK_TOLERANCE
+
     if stored is not None:
         if not stored.applies:
             return None, None
         full = stored_tables(stored, k.shape[0], n_tok)
-        if rope_rebuild_error(k[:, :, :n_tok], k_pre[:, :, :n_tok], full, meta.rope_layout) \
-                > ROPE_CHECK_TOLERANCE:
-            return None, None
-        return full, None
+        return (full, None) if rebuilds(full) else (None, None)
     probe = slice(0, min(k.shape[2], 256))
     kp, pp = k[:1, :, probe], k_pre[:1, :, probe]
 
@@ -95,10 +98,7 @@ def layer_rope_tables(meta, k, k_pre, n_tokens: int | None = None, stored=None):
     if found is None:
         return None, None
     full = tables(found, k.shape[0], n_tok)
-    if rope_rebuild_error(k[:, :, :n_tok], k_pre[:, :, :n_tok], full, meta.rope_layout) \
-            > ROPE_CHECK_TOLERANCE:
-        return None, None
-    return full, found
+    return (full, found) if rebuilds(full) else (None, None)
 
 
 def stored_tables(stored, n_samples: int, n_tokens: int):
