@@ -84,7 +84,7 @@ def _store(torch, b, hkv, t, d, bits, group, residual):
     built by the cache's own ``PackedTensor`` as ``_generic`` does, with a flush block of
     ``group`` tokens so that ``t`` need only be a multiple of ``group``: returns the kernel's
     positional packed arguments, a random fp16 residual window and the fp16 K/V quantized."""
-    from kvlens.cache.packed import PackedTensor
+    from kvlens.layouts.packed import PackedTensor
     from kvlens.quant import QuantSpec
 
     k = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.float16)
@@ -103,7 +103,7 @@ def _store(torch, b, hkv, t, d, bits, group, residual):
 def _generic(torch, layout, b, hkv, t, d, bits, group):
     """Packed K/V of ``layout`` built by the cache's own ``PackedTensor`` (reference quantizer),
     ``t`` a multiple of ``BLOCK``: returns the kernel arguments and the dequantized K/V."""
-    from kvlens.cache.packed import PackedTensor
+    from kvlens.layouts.packed import PackedTensor
     from kvlens.quant import QuantSpec
 
     kg, vg, fixed, scale_dtype = LAYOUTS[layout]
@@ -128,9 +128,9 @@ def _generic(torch, layout, b, hkv, t, d, bits, group):
 
 
 def _codebook_store(torch, name, b, hkv, t, d, bits):
-    """A codebook-coded tensor as the cache holds it (``kvlens.cache.codebook.CodebookStore``,
+    """A codebook-coded tensor as the cache holds it (``kvlens.layouts.codebook.CodebookStore``,
     renormalised, ``CODEBOOKS[name]``) and the kernel's arguments for it."""
-    from kvlens.cache.codebook import CodebookStore
+    from kvlens.layouts.codebook import CodebookStore
     from kvlens.quant import CodebookSpec
 
     spec = CodebookSpec(bits, CODEBOOKS[name], None, renormalize=True)

@@ -13,11 +13,11 @@ from tiny_models import tiny_model
 from kvlens.cache import compressed_attention, memory_report
 from kvlens.cache.backend import select_backend
 from kvlens.cache.layer import CompressedLayer
-from kvlens.cache.layout import packed_bytes
-from kvlens.cache.packed import PackedTensor
 from kvlens.cache.torch_read import packed_attention
 from kvlens.config import KVConfig, LayerKV, MikvSettings, preset
 from kvlens.errors import BackendError, ConfigError
+from kvlens.layouts import layout_of
+from kvlens.layouts.packed import PackedTensor
 from kvlens.model.hooks import cache_argument_name
 from kvlens.quant import QTensor, QuantSpec, dequantize, quantize
 
@@ -98,7 +98,7 @@ def test_packed_round_trip_equals_reference(spec, residual):
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
     # held bytes are exactly the layout's prediction (no spare capacity), far below fp32
     held = sum(t.untyped_storage().nbytes() for t in store.named_tensors().values())
-    assert held == 2 * 3 * sum(packed_bytes(spec, 5 * f, f, 64))
+    assert held == 2 * 3 * sum(layout_of(spec).part_bytes(5 * f, 64, f).values())
     assert held < x.numel() * 2 * spec.bits / 8 + x.numel()
     # codes are dense: exactly bits/8 bytes per element (3 bits: 8 codes in 3 bytes)
     assert store.codes.untyped_storage().nbytes() == x.numel() * spec.bits // 8
@@ -107,7 +107,7 @@ def test_packed_round_trip_equals_reference(spec, residual):
     torch.testing.assert_close(store.dequantize_range(0, 3 * f), ref[:, :, 2 * f:], rtol=0,
                                atol=1e-6)
     held = sum(t.untyped_storage().nbytes() for t in store.named_tensors().values())
-    assert held == 2 * 3 * sum(packed_bytes(spec, 3 * f, f, 64))
+    assert held == 2 * 3 * sum(layout_of(spec).part_bytes(3 * f, 64, f).values())
 
 
 # T not a multiple of G, window partly full; flush 0 = the whole window, 16 = sliding window

@@ -1,4 +1,4 @@
-"""kvlens.cache.codebook (vLLM TurboQuant's keys): the coded store holds what
+"""kvlens.layouts.codebook (vLLM TurboQuant's keys): the coded store holds what
 CodebookSpec.held_bytes reports, and a layer's folded torch read path equals
 code-with-the-reference-then-attend on odd shapes."""
 
@@ -10,11 +10,11 @@ import pytest
 import torch
 from helpers import reference_attention, stored_view, stub_session
 
-from kvlens.cache.codebook import CodebookStore
 from kvlens.cache.layer import CompressedLayer
 from kvlens.cache.torch_read import packed_attention
 from kvlens.config import LayerKV
 from kvlens.errors import ConfigError, InputError
+from kvlens.layouts.codebook import CodebookStore
 from kvlens.quant import QuantSpec, fake_quantize_codebook, hadamard_rotation
 from kvlens.quant.codebook import CodebookSpec, computed_codebook, lloyd_max
 from kvlens.quant.rotation import RotationSpec

@@ -238,7 +238,7 @@ def test_vllm_turboquant_k8v4_casts_keys_to_fp8():
     fp_dtype float8_e4m3fn (a saturating cast: 500 reads back as 448), values 4-bit min-max per
     token, and the boundary layers f16 engine layers (the config's fp_dtype is fp8, so a kvlens
     float layer would not be float16)."""
-    from kvlens.cache.layer import DenseTensor
+    from kvlens.layouts import DenseTensor
 
     s = engine_config("vllm:turboquant_k8v4", num_layers=30)
     cfg = s.config

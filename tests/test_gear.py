@@ -14,7 +14,6 @@ from helpers import reference_attention, small_options, stub_session
 from kvlens.cache.gear import GearTensor, part_bytes
 from kvlens.cache.layer import CompressedLayer
 from kvlens.cache.mixed import dequantize_rows, quantize_rows, set_bytes_per_token
-from kvlens.cache.packed import PackedTensor
 from kvlens.cache.torch_read import packed_attention
 from kvlens.cache.triton_glue import triton_unsupported
 from kvlens.config import (
@@ -27,6 +26,7 @@ from kvlens.config import (
     validate_for,
 )
 from kvlens.errors import ConfigError
+from kvlens.layouts.packed import PackedTensor
 from kvlens.quant import QuantSpec, fake_quantize
 
 

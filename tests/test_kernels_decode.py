@@ -168,10 +168,10 @@ def test_masks_balancer_and_mikv_extra_set():
 
 @pytest.mark.parametrize("scale_dtype", ["float16", "8bit"])
 def test_reads_the_cache_packed_store_in_place(scale_dtype):
-    """The buffers of ``kvlens.cache.packed.PackedTensor`` (fp16 scales, sized to what they
+    """The buffers of ``kvlens.layouts.packed.PackedTensor`` (fp16 scales, sized to what they
     hold, also after a sliding layer's eviction) are read as they are, 8-bit metadata as its
     uint8/int8 bytes; reference = the store's own ``dequantize_range``."""
-    from kvlens.cache.packed import PackedTensor
+    from kvlens.layouts.packed import PackedTensor
 
     g = torch.Generator().manual_seed(2)
     b, hq, hkv, d, flush = 1, 4, 2, 128, 64
@@ -281,9 +281,9 @@ def test_bad_inputs_raise_clear_errors():
 
 
 def _store(x, spec, block):
-    """The cache's own packed store (``kvlens.cache.packed``) holding ``x`` rounded up to whole
+    """The cache's own packed store (``kvlens.layouts.packed``) holding ``x`` rounded up to whole
     blocks; returns the store and its kernel group argument."""
-    from kvlens.cache.packed import PackedTensor
+    from kvlens.layouts.packed import PackedTensor
 
     b, h, t, d = x.shape
     st = PackedTensor.create(spec, block, d)

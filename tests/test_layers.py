@@ -25,8 +25,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # Lowest first. A module's layer is its first name under kvlens (package or top module).
-LAYERS = ("errors", "units", "text", "rope", "quant", "config", "model", "capture", "cache", "analysis",
-          "evaluation", "recommend", "deploy", "research", "plots", "report", "cli")
+LAYERS = ("errors", "units", "text", "rope", "quant", "layouts", "config", "model", "capture", "cache",
+          "analysis", "evaluation", "recommend", "deploy", "research", "plots", "report", "cli")
 RANK = {name: i for i, name in enumerate(LAYERS)}
 LAZY_ALLOWED = ("kvlens.cli",)  # command bodies import the library lazily (--help stays instant)
 MAX_LINES = 700  # a module longer than this holds more than one meaning: split it

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from kvlens.cache.layer import CompressedLayer
-from kvlens.cache.layout import packed_bytes
-from kvlens.cache.packed import PackedTensor
 from kvlens.cache.torch_read import packed_attention
 from kvlens.config import KVConfig, LayerKV, load_config, save_config
 from kvlens.errors import ConfigError
+from kvlens.layouts import layout_of
+from kvlens.layouts.packed import PackedTensor
 from kvlens.quant import QuantSpec, dequantize, fake_quantize
 from kvlens.quant.meta8 import (
     code_levels,
@@ -128,10 +128,10 @@ def test_packed_store_round_trip_and_bytes(spec, residual):
     ref = dequantize(q).reshape(2, 4, 3, f, 64).transpose(1, 2).reshape(2, 3, 4 * f, 64)
     torch.testing.assert_close(store.dequantize_range(0, 4 * f), ref, rtol=0, atol=1e-6)
     held = sum(t.untyped_storage().nbytes() for t in store.named_tensors().values())
-    assert held == 2 * 3 * sum(packed_bytes(spec, 4 * f, f, 64, scale_bytes=1))
+    assert held == 2 * 3 * sum(layout_of(spec).part_bytes(4 * f, 64, f, "8bit").values())
     # half the metadata bytes of float16
-    c16, s16, z16 = packed_bytes(spec, 4 * f, f, 64)
-    c8, s8, z8 = packed_bytes(spec, 4 * f, f, 64, scale_bytes=1)
+    c16, s16, z16 = layout_of(spec).part_bytes(4 * f, 64, f).values()
+    c8, s8, z8 = layout_of(spec).part_bytes(4 * f, 64, f, "8bit").values()
     assert (c8, 2 * s8, 2 * z8) == (c16, s16, z16)
     store.drop_front(f)
     torch.testing.assert_close(store.dequantize_range(0, 3 * f), ref[:, :, f:], rtol=0,

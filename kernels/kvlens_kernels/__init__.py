@@ -1,4 +1,4 @@
-"""Triton kernels over kvlens' packed KV cache (layout: ``kvlens.cache.packed``).
+"""Triton kernels over kvlens' packed KV cache (layout: ``kvlens.layouts.packed``).
 
 Stable API (tensors and ints only, never kvlens objects, and nothing of kvlens imported; tensors ``[B, H, T, D]``):
 
@@ -7,7 +7,7 @@ Stable API (tensors and ints only, never kvlens objects, and nothing of kvlens i
   full-precision residual window and extra fp16 token sets (MiKV), returning ``[B, Hq, 1, D]``
   (reference: dequantize with ``kvlens.quant`` then softmax attention). Keys and values may each
   be uniform codes with group scales or codebook codes with a norm per vector (``*_layout=
-  "codebook"``, ``kvlens.cache.codebook``).
+  "codebook"``, ``kvlens.layouts.codebook``).
   Generation calls it for single-token decode steps when the backend is triton
   (``kvlens.cache.attention``: ``select_backend``, ``triton_decode``).
 

@@ -4,14 +4,14 @@ One file on purpose (over 600 lines): as in the Triton tutorials, a kernel file 
 bottom as what it computes, the jitted kernels (packed split, dense split, merge) with a comment
 per argument, and the launcher that checks inputs and picks the split.
 
-Torch reference: dequantize the packed store with ``kvlens.quant`` (``kvlens.cache.packed.
+Torch reference: dequantize the packed store with ``kvlens.quant`` (``kvlens.layouts.packed.
 PackedTensor.dequantize_range``; codebook stores ``kvlens.quant.codebook.dequantize_codebook``,
 ``tests/test_kernels_codebook.py``), concatenate the residual window and the extra fp16 sets, then
 ``softmax(q kᵀ * scaling + mask) v`` (``kvlens.analysis.metrics.attention_output`` / ``kvlens.cache.
 attention.packed_attention``). Tested in ``tests/test_kernels_decode.py`` and
 ``tests/test_kernels_codebook.py``.
 
-Inputs (layout of ``kvlens.cache.packed``; codes packed densely in units of ``U`` codes in
+Inputs (layout of ``kvlens.layouts.packed``; codes packed densely in units of ``U`` codes in
 ``W`` bytes, ``kvlens.quant.pack_unit``, little-endian; ``Pk``/``Pv = U / W`` codes per byte):
 
 - ``q`` ``[B, Hq, 1, D]``; ``Hq = g * Hkv`` (GQA, ``repeat_kv`` order: query head ``h*g + i``
@@ -20,7 +20,7 @@ Inputs (layout of ``kvlens.cache.packed``; codes packed densely in units of ``U`
   D]`` uint8, ``k_scale``/``k_zero`` ``[B, Hkv, capK/Gk, D]`` (row ``t // Gk``).
 - values, per-token groups of ``Gv`` channels packed along channels: ``v_codes [B, Hkv, capV,
   ceil(D/Pv)]`` uint8, ``v_scale``/``v_zero`` ``[B, Hkv, capV, D/Gv]`` (row ``t``).
-- either may instead be codebook-coded (``layout="codebook"``, ``kvlens.cache.codebook``): per
+- either may instead be codebook-coded (``layout="codebook"``, ``kvlens.layouts.codebook``): per
   token and head the codes of the vector packed along channels ``[B, Hkv, cap, ceil(D/U)*W]``,
   its norm ``n_t`` in ``*_scale [B, Hkv, cap]`` (no zero), and the codebook's ``2^bits``
   centroids ``c`` (``*_centroids``). The vector is ``s_t * c[code_t]`` with ``s_t = n_t / ||c[
@@ -134,7 +134,7 @@ def _centroids(cb_ptr, code, keep):
 
 @triton.jit
 def _codebook_scale(norm, cent, axis: tl.constexpr, inv_sqrt_d, RN: tl.constexpr):
-    """Each codebook vector's float32 scale (``kvlens.cache.codebook.CodebookStore.chunk``):
+    """Each codebook vector's float32 scale (``kvlens.layouts.codebook.CodebookStore.chunk``):
     ``norm / ||c||`` over the channels (``axis``) of its centroids ``cent`` when renormalised
     (``RN``), else ``norm / sqrt(D)``."""
     n = norm.to(tl.float32)
@@ -530,7 +530,7 @@ def _param_strides(t, layout: str) -> tuple[int, int, int, int]:
 
 def _codebook_geometry(which: str, bits: int, group, codes, norms, zero, length: int, b: int,
                        hkv: int, d: int, dev, meta8: bool) -> tuple[bool, int, int]:
-    """Check a codebook-coded tensor (``kvlens.cache.codebook``): codes packed along channels
+    """Check a codebook-coded tensor (``kvlens.layouts.codebook``): codes packed along channels
     ``[B, Hkv, >=length, ceil(D/U)*W]``, ``*_scale`` = the norms ``[B, Hkv, >=length]``, no
     zero, group or 8-bit unit. Returns the geometry ``(False, 0, D)`` (no scale rows)."""
     for name, given in ((f"{which}_zero", zero), (f"{which}_group", group)):
@@ -615,7 +615,7 @@ def decode_attention(
     ``[B, Hq, 1, D]`` in ``q.dtype``. Layout and semantics: module docstring.
 
     k_codes/k_scale/k_zero, v_codes/v_scale/v_zero: the packed keys / values in
-    ``kvlens.cache.packed``'s layout for ``k_layout`` / ``v_layout``: ``per-channel`` (groups of
+    ``kvlens.layouts.packed``'s layout for ``k_layout`` / ``v_layout``: ``per-channel`` (groups of
     ``*_group`` tokens, packed along tokens; KIVI's keys), ``per-token`` (groups of ``*_group``
     channels, ``None`` = ``D``, packed along channels; KIVI's values) or ``per-tensor`` (one
     scale per block of ``*_group`` tokens, packed along channels). ``length``: packed tokens (absolute positions ``0..length-1``); the
@@ -634,7 +634,7 @@ def decode_attention(
     k_zero_unit/v_zero_unit: ``None``: the scales and zeros are float16/float32. A number: they
     are 8-bit group metadata (``kvlens.quant.meta8``: scale uint8 codes, zero int8 codes whose
     unit is this many quantization steps, ``zero_unit(bits)``), decoded in the kernel.
-    ``k_layout`` / ``v_layout`` ``"codebook"`` (``kvlens.cache.codebook``; keys and values
+    ``k_layout`` / ``v_layout`` ``"codebook"`` (``kvlens.layouts.codebook``; keys and values
     independently): ``*_codes`` uint8 ``[B, Hkv, >=length, ceil(D/U)*W]`` (one vector's codes
     packed along channels), ``*_scale`` its norms ``[B, Hkv, >=length]`` float16/float32,
     ``*_zero`` and ``*_group`` ``None``; ``*_centroids`` the ``2^bits`` centroids

@@ -23,21 +23,19 @@ import torch
 
 from kvlens.cache.attention import make_attention_fn
 from kvlens.cache.backend import select_backend
-from kvlens.cache.codebook import CodebookStore
 from kvlens.cache.engine import EngineLayer, EngineStore, static_scale
 from kvlens.cache.gear import GearTensor
 from kvlens.cache.layer import (
     STATE_FIELDS,
     CompressedLayer,
-    DenseTensor,
     HistoryLayer,
     with_fixed_state,
 )
 from kvlens.cache.layout import PARTS
 from kvlens.cache.mixed import SetRows
-from kvlens.cache.packed import PackedTensor
 from kvlens.config import KVConfig, validate_for
 from kvlens.errors import ConfigError
+from kvlens.layouts import Store
 from kvlens.model.architecture import describe, text_config
 from kvlens.model.hooks import attention_override, rope_frequency_candidates, rope_inputs
 from kvlens.model.placement import input_device, layer_devices
@@ -274,8 +272,8 @@ def held_bytes_by_device(obj) -> dict[str, int]:
             stack.extend(o)
         elif isinstance(o, dict):
             stack.extend(o.values())
-        elif isinstance(o, (CompressedLayer, DenseTensor, PackedTensor, EngineLayer,
-                            EngineStore, SetRows, GearTensor, CodebookStore)) or o is obj:
+        elif isinstance(o, (CompressedLayer, Store, EngineLayer, EngineStore, SetRows,
+                            GearTensor)) or o is obj:
             stack.extend(v for k, v in vars(o).items()
                          if k != "session" and k not in STATE_FIELDS)
     return total

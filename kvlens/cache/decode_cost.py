@@ -55,14 +55,15 @@ class DecodeCost:
 
 
 def layer_read_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batch: int = 1,
-                     fp_bytes: int = 2, scale_bytes: int = 2, mikv=None, balancer: bool = False,
+                     fp_bytes: int = 2, scale_dtype: str = "float16", mikv=None,
+                     balancer: bool = False,
                      sliding_window: int | None = None, gear=None, kv_shared: bool = False
                      ) -> tuple[int, int]:
     """``(read, torch_unpack)`` bytes of one decode step over one layer (module doc); a store
     shared by keys and values (MLA, ``layout.shares_storage``) is read once."""
     parts = layout.layer_part_bytes(setting, tokens=tokens, head_dim=head_dim,
                                     kv_heads=kv_heads, batch=batch, fp_bytes=fp_bytes,
-                                    scale_bytes=scale_bytes, mikv=mikv, balancer=balancer,
+                                    scale_dtype=scale_dtype, mikv=mikv, balancer=balancer,
                                     sliding_window=sliding_window, gear=gear,
                                     kv_shared=kv_shared)
     one = layout.shares_storage(setting, kv_shared, head_dim, balancer=balancer, gear=gear)
@@ -80,9 +81,8 @@ def config_decode_cost(config, shape: layout.ModelShape, tokens: int, batch: int
     with the same per-layer rules as ``layout.config_part_bytes``."""
 
     fp = layout.fp_bytes_of(config.fp_dtype, shape.model_dtype_bytes)
-    # bytes read per scale (and per zero): the kernel reads 8-bit metadata as bytes and
-    # decodes it in registers (docs/kernels.md)
-    scale = layout.SCALE_BYTES[config.scale_dtype]
+    # bytes read per scale (and per zero) are the bytes held: the kernel reads 8-bit metadata
+    # as bytes and decodes it in registers (docs/kernels.md)
     read = unpack = 0
     unfused = {}
     for i in shape.kv_layers:
@@ -92,7 +92,7 @@ def config_decode_cost(config, shape: layout.ModelShape, tokens: int, batch: int
                                          (mikv.balancer == "fixed" and i in config.balancers))
         r, u = layer_read_bytes(setting, tokens=tokens, head_dim=shape.head_dim,
                                 kv_heads=shape.kv_heads, batch=batch, fp_bytes=fp,
-                                scale_bytes=scale, mikv=mikv,
+                                scale_dtype=config.scale_dtype, mikv=mikv,
                                 balancer=balancer and setting.compressed,
                                 sliding_window=shape.window(i), gear=config.gear_for(i),
                                 kv_shared=shape.kv_shared)

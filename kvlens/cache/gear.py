@@ -8,7 +8,7 @@ tokens (the layer's flush block: GEAR's streaming buffer ``n_b``) of one quantiz
    the quantizer groups: per-channel keys -> each channel's ``F`` tokens, ``n = F``; per-token
    values -> each token's ``D`` channels, ``n = D``) are set to zero before quantizing, so they
    do not stretch the ranges;
-2. **D_hat**: the block is quantized into the packed store (``kvlens.cache.packed``), unchanged;
+2. **D_hat**: the block is quantized into the packed store (``kvlens.layouts.packed``), unchanged;
 3. **S, stored**: at each outlier position the correction ``x - D_hat`` (``D_hat`` as the cache
    reads it, float16 scales), so ``D_hat + S`` is exact there (up to ``fp_dtype`` rounding);
 4. **L**: a rank-``r`` approximation of the block's remaining residual ``x - D_hat - S`` per

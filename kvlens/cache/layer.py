@@ -2,9 +2,9 @@
 
 A ``CompressedLayer`` keeps, for its layer, ``[B, H, *, D]`` history in up to three places:
 
-- the **packed store** (``kvlens.cache.packed.PackedTensor`` for a quantized tensor,
-  ``kvlens.cache.codebook.CodebookStore`` for codebook keys, or a full-precision
-  ``DenseTensor`` when only the other tensor is quantized): cache positions
+- the **store** of each tensor: its storage layout's (``kvlens.layouts``: packed integer codes,
+  codebook keys...), or a full-precision ``DenseTensor`` when only the other tensor is
+  quantized: cache positions
   ``[q_start, q_end)``, immutable once written;
 - the **residual window**: the newest ``n_res`` tokens (positions ``[res_start, N)``) at the
   config's ``fp_dtype``, exact; when it holds ``R = residual_tokens`` tokens its oldest are
@@ -47,73 +47,18 @@ from transformers import cache_utils
 from transformers.cache_utils import DynamicLayer
 
 from kvlens.cache import layout
-from kvlens.cache.codebook import CodebookStore
 from kvlens.cache.gear import GearTensor
 from kvlens.cache.mixed import SetRows
-from kvlens.cache.packed import PackedTensor
 from kvlens.config import LayerKV, MikvSettings
 from kvlens.errors import ConfigError
-from kvlens.quant import CodebookSpec, fit_balancer
+from kvlens.layouts import DenseTensor, Store, layout_of
+from kvlens.quant import fit_balancer
 from kvlens.rope import RopeFrequencies, invert_rope
 
 LAYER_ATTR = "_kvlens_layer"
 #: what transformers' linear-attention cache layer keeps of a hybrid layer's fixed-size state
 #: (conv and recurrent states of its Mamba / linear-attention part): not K/V bytes
 STATE_FIELDS = frozenset({"conv_states", "recurrent_states"})
-
-
-class DenseTensor:
-    """Full-precision history ``[B, H, T, D]`` at a fixed dtype, with the ``PackedTensor``
-    interface. Its buffer holds exactly ``length`` tokens unless a ``capacity`` is asked for
-    (the residual window keeps room for ``R``)."""
-
-    def __init__(self, dtype: torch.dtype | None = None, part: str = "dense"):
-        self.dtype = dtype  # None: the dtype of the first tensor appended
-        self.part = part
-        self.buf: torch.Tensor | None = None
-        self.length = 0
-
-    @property
-    def capacity(self) -> int:
-        return 0 if self.buf is None else self.buf.shape[2]
-
-    def _resize(self, cap: int, keep_from: int = 0) -> None:
-        """A new buffer of ``cap`` tokens holding ``[keep_from, length)`` at its front."""
-        b, h, _, d = self.buf.shape
-        new = self.buf.new_zeros(b, h, cap, d)
-        m = self.length - keep_from
-        new[:, :, :m] = self.buf[:, :, keep_from:self.length]
-        self.buf = new
-
-    def append(self, x: torch.Tensor, capacity: int = 0) -> None:
-        if self.buf is None:
-            self.dtype = self.dtype or x.dtype
-            self.buf = x.new_zeros(*x.shape[:2], 0, x.shape[3], dtype=self.dtype)
-        need = self.length + x.shape[2]
-        if need > self.capacity:
-            self._resize(max(need, capacity))
-        self.buf[:, :, self.length:need] = x.to(self.dtype)
-        self.length = need
-
-    def drop_front(self, n: int, capacity: int = 0) -> None:
-        """Forget the oldest ``n`` tokens; the buffer is resized to ``max(capacity, rest)``."""
-        if self.buf is None or n == 0 and self.capacity == max(capacity, self.length):
-            return
-        self._resize(max(capacity, self.length - n), keep_from=n)
-        self.length -= n
-
-    def view(self, t0: int = 0, t1: int | None = None) -> torch.Tensor:
-        return self.buf[:, :, t0:self.length if t1 is None else t1]
-
-    def dequantize_range(self, t0: int, t1: int) -> torch.Tensor:
-        return self.buf[:, :, t0:t1].float()
-
-    def named_tensors(self) -> dict[str, torch.Tensor]:
-        return {} if self.buf is None else {self.part: self.buf}
-
-    def select_batch(self, index: torch.Tensor) -> None:
-        if self.buf is not None:
-            self.buf = self.buf[index]
 
 
 def _fp_dtype(name: str) -> torch.dtype | None:
@@ -289,15 +234,14 @@ class CompressedLayer(HistoryLayer):
         # attending to them (needs no window and no MiKV set: validated by KVConfig)
         self.write_first = write_first and bool(self.flush_every)
 
-    def _store(self, spec, head_dim: int, scale_dtype: str, fp):
-        """The history store of one tensor: codebook codes (keys), packed uniform codes, or
-        full precision at ``fp`` when ``spec`` is ``None``."""
-        if isinstance(spec, CodebookSpec):
-            return CodebookStore.for_cache(spec, head_dim, self.flush_every)
-        if spec is not None:
-            return PackedTensor.create(spec, self.setting.residual_tokens, head_dim, scale_dtype,
-                                       self.setting.flush_tokens)
-        return DenseTensor(fp)
+    def _store(self, spec, head_dim: int, scale_dtype: str, fp) -> Store:
+        """The history store of one tensor: its layout's (``kvlens.layouts``), or full
+        precision at ``fp`` when ``spec`` is ``None``."""
+        if spec is None:
+            return DenseTensor(fp)
+        layout = layout_of(spec)
+        layout.check(self.setting.residual_tokens, head_dim, flush_tokens=self.setting.flush_tokens)
+        return layout.new_store(head_dim, self.flush_every, scale_dtype)
 
     # -- transformers interface -----------------------------------------------------------------
     def lazy_initialization(self, key_states, value_states, *args, **kwargs) -> None:

@@ -4,7 +4,8 @@ its bytes that the cache, ``memory_report``, ``config_bits`` and ``recommend``'s
 The cache (``kvlens.cache.layer``) calls the streaming rules here (``flush_every``,
 ``flush_count``, ``evict_boundary``, ``set_size``) to decide what to keep; its window buffer
 keeps room for ``R`` tokens (``window_capacity``). ``layer_part_bytes`` predicts the bytes of every
-tensor a layer holds from the same rules and the packed layout (``kvlens.cache.packed``). Tests
+tensor a layer holds from the same rules and each store's layout (``kvlens.layouts``:
+``Layout.part_bytes``). Tests
 fill real caches to ``N`` tokens and check the prediction against the bytes the cache object
 really holds. ``ModelShape`` (what the bytes depend on besides the config and the tokens) is
 built here, from a loaded model (``shape_of``) or from a capture's metadata
@@ -32,7 +33,7 @@ layer not in ``mikv.layers`` keeps only its sinks at ``fp_dtype``, ``KVConfig.mi
 packed block, ``kvlens.cache.gear``), ``positions`` (int32: the set's positions, and
 for pre-RoPE keys every held token's RoPE position), ``masks`` (bool per held packed token:
 H2O sets only), ``accumulators`` (float32 accumulated attention per held token: H2O only),
-``balancers`` (float32 ``[Hkv, D]``), ``norms`` (codebook keys, ``kvlens.cache.codebook``:
+``balancers`` (float32 ``[Hkv, D]``), ``norms`` (codebook keys, ``kvlens.layouts.codebook``:
 their codes are ``codes``, densely packed along channels, plus one float16 norm per held vector;
 ``CodebookSpec.held_bytes`` is the same count), ``rotations`` (one float32 ``[D, D]`` Hadamard matrix
 shared by every layer that rotates, counted once per device those layers run on).
@@ -61,18 +62,15 @@ from dataclasses import dataclass
 from kvlens.cache.gear import part_bytes
 from kvlens.cache.mixed import set_bytes_per_token
 from kvlens.config import FP_BYTES
-from kvlens.config.rules import flush_block
 from kvlens.errors import ConfigError
+from kvlens.layouts import flush_block, layout_of
 from kvlens.model.architecture import describe
 from kvlens.model.placement import layer_devices
-from kvlens.quant import CodebookSpec, ds_mla, packed_length
+from kvlens.quant import ds_mla
 from kvlens.quant.cachetypes import DenseType, scale_count
-from kvlens.quant.codebook import NORM_BYTES
 
 PARTS = ("codes", "scales", "zeros", "dense", "window", "sets", "positions", "masks",
          "accumulators", "balancers", "rotations", "blocks", "outliers", "lowrank", "norms")
-# bytes of one group's scale (and of its zero) per config scale_dtype (kvlens.cache.packed)
-SCALE_BYTES = {"float16": 2, "float32": 4, "8bit": 1}
 POSITION_BYTES = 4  # int32
 
 
@@ -156,27 +154,6 @@ def fp_bytes_of(fp_dtype: str, model_dtype_bytes: int) -> int:
     return FP_BYTES[fp_dtype]
 
 
-def packed_bytes(spec, tokens: int, flush: int, head_dim: int, scale_bytes: int = 2
-                 ) -> tuple[int, int, int]:
-    """``(codes, scales, zeros)`` bytes of ``tokens`` (a multiple of ``flush``) packed tokens of
-    one (batch row, KV head), in ``kvlens.cache.packed``'s layout (dense codes in whole packing
-    units, whole scale groups, a stored zero for every group). A codebook spec
-    (``kvlens.cache.codebook``): ``(codes, norms, 0)``, codes packed along channels and one
-    float16 norm per vector (its codebook is computed, not held)."""
-
-    if tokens == 0:
-        return 0, 0, 0
-    if isinstance(spec, CodebookSpec):
-        return tokens * packed_length(head_dim, spec.bits), tokens * NORM_BYTES, 0
-    if spec.granularity == "per-channel":
-        codes = packed_length(tokens, spec.bits) * head_dim  # tokens: whole units
-    else:
-        codes = tokens * packed_length(head_dim, spec.bits)
-    bt, bd = spec.block_shape(flush, head_dim)
-    groups = tokens // flush * -(-flush // bt) * (head_dim // bd)
-    return codes, groups * scale_bytes, groups * scale_bytes
-
-
 def set_size(mikv, q_start: int, q_end: int) -> int:
     """Tokens in the MiKV full-precision set after ``q_end`` tokens were quantized (those
     before ``q_start`` evicted): the sinks while they are held, plus ``ceil(f * held)``."""
@@ -211,7 +188,7 @@ def engine_types_share(key_type, value_type, kv_shared: bool, head_dim: int) -> 
 
 
 def layer_part_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batch: int = 1,
-                     fp_bytes: int = 2, scale_bytes: int = 2, mikv=None,
+                     fp_bytes: int = 2, scale_dtype: str = "float16", mikv=None,
                      balancer: bool = False, sliding_window: int | None = None, gear=None,
                      kv_shared: bool = False) -> dict[str, int]:
     """Bytes of every part one ``CompressedLayer`` holds after ``tokens`` tokens.
@@ -233,15 +210,10 @@ def layer_part_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batc
     for spec in (setting.key,) if one else (setting.key, setting.value):
         if spec is None:
             parts["dense"] += rows * st.q_held * head_dim * fp_bytes
-        elif isinstance(spec, CodebookSpec):
-            c, norms, _ = packed_bytes(spec, st.q_held, f, head_dim)
-            parts["codes"] += rows * c
-            parts["norms"] += rows * norms
         else:
-            c, s, z = packed_bytes(spec, st.q_held, f, head_dim, scale_bytes)
-            parts["codes"] += rows * c
-            parts["scales"] += rows * s
-            parts["zeros"] += rows * z
+            for part, n in layout_of(spec).part_bytes(st.q_held, head_dim, f,
+                                                      scale_dtype).items():
+                parts[part] += rows * n
             if gear is not None:
 
                 o, lr = part_bytes(spec, gear, st.q_held, f, head_dim, fp_bytes)
@@ -402,7 +374,7 @@ def _layer_parts(config, shape: ModelShape, i: int, tokens: int, batch: int) -> 
     return layer_part_bytes(setting, tokens=tokens, head_dim=shape.head_dim,
                             kv_heads=shape.kv_heads, batch=batch,
                             fp_bytes=fp_bytes_of(config.fp_dtype, shape.model_dtype_bytes),
-                            scale_bytes=SCALE_BYTES[config.scale_dtype], mikv=mikv,
+                            scale_dtype=config.scale_dtype, mikv=mikv,
                             balancer=balancer and setting.compressed,
                             sliding_window=shape.window(i), gear=config.gear_for(i),
                             kv_shared=shape.kv_shared)

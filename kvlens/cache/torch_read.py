@@ -30,10 +30,12 @@ on the reference CPU (``docs/benchmarks.md``).
   sum_{t in g} p_t code_{t,c} + z_{g,c} * sum_{t in g} p_t``.
 - Per-token / per-tensor values (packed along channels): the value scale folds into the softmax
   weights, ``out_d = sum_t (p_t * scale_{t,j}) * code_{t,d} + sum_t p_t * zero_{t,j}``.
-- Codebook keys (``kvlens.cache.codebook.CodebookStore``, the keys stored rotated and ``q``
+- Codebook keys (``kvlens.layouts.codebook.CodebookStore``, the keys stored rotated and ``q``
   rotated by the layer): each vector's scale (norm over ``sqrt(D)``, or over its centroids'
   norm when renormalised) multiplies its score, ``score_t = s_t * (q . c[code_t])``
   (``CodebookStore.key_scores``).
+- Any other storage layout (``kvlens.layouts``): its ``key_scores`` when it has one, else its
+  store's read-back (``dequantize_range``) of the chunk, dotted; values likewise.
 - The channel balancer (``q / b``) and ``scaling`` fold into ``q`` first.
 - Pre-RoPE keys: RoPE rotates each dequantized key by its own position, so scales cannot fold
   into one query; the chunk is dequantized in place on its unpacked codes (``code * scale +
@@ -58,7 +60,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlens.cache.codebook import CodebookStore
+from kvlens.layouts.packed import PackedTensor
 from kvlens.quant import pack_unit
 from kvlens.rope import rotate
 
@@ -229,18 +231,18 @@ def _key_scores(layer, q: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
     ``[B, Hkv, M, t1 - t0]``. Scales fold into ``q`` (module docstring); only the codes of this
     chunk are unpacked (float32, one chunk: eager torch has no integer x float matmul)."""
     store = layer.kstore
-    if layer.setting.key is None:  # a dense (unquantized) key history
-        return torch.matmul(q, store.dequantize_range(t0, t1).transpose(-1, -2))
-    if isinstance(store, CodebookStore):
-        return store.key_scores(q, t0, t1)
-    if layer.stores_pre_rope:  # RoPE rotates the dequantized key: dequantize, rotate, dot
-
-        k = _dequant_chunk(store, t0, t1)
-        cos, sin = layer.rope_tables(layer.q_start + t0, layer.q_start + t1)
-        r = cos.shape[-1]
-        rot = k[..., :r]
-        rot_k = rot * cos[:, None] + rotate(rot, layer.rope.layout) * sin[:, None]
-        k = rot_k if r == k.shape[-1] else torch.cat((rot_k, k[..., r:]), dim=-1)
+    packed = isinstance(store, PackedTensor)
+    if not packed and not layer.stores_pre_rope and hasattr(store, "key_scores"):
+        return store.key_scores(q, t0, t1)  # a layout with its own score path (codebook keys)
+    if not packed or layer.stores_pre_rope:  # any other store: its read-back; pre-RoPE keys:
+        # RoPE rotates the dequantized key: dequantize, rotate, dot
+        k = _dequant_chunk(store, t0, t1) if packed else store.dequantize_range(t0, t1)
+        if layer.stores_pre_rope:
+            cos, sin = layer.rope_tables(layer.q_start + t0, layer.q_start + t1)
+            r = cos.shape[-1]
+            rot = k[..., :r]
+            rot_k = rot * cos[:, None] + rotate(rot, layer.rope.layout) * sin[:, None]
+            k = rot_k if r == k.shape[-1] else torch.cat((rot_k, k[..., r:]), dim=-1)
         return torch.matmul(q, k.transpose(-1, -2))
     b, h, m, d = q.shape
     n = t1 - t0
@@ -275,7 +277,7 @@ def _value_out(layer, p: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
     Scales fold into the weights or the output (module docstring); only this chunk's codes are
     unpacked to float32."""
     store = layer.vstore
-    if layer.setting.value is None:
+    if not isinstance(store, PackedTensor):  # dense history or another layout: its read-back
         return torch.matmul(p, store.dequantize_range(t0, t1))
     b, h, m, n = p.shape
     d = store.head_dim

@@ -6,7 +6,7 @@ the per-call dispatch, ``kvlens.cache.decode_cost`` and ``recommend``'s ``--pref
 ``triton_unsupported`` adds the per-call reasons (prefill, attention probabilities, GEAR, logit
 soft-capping and attention sinks, which the kernel does not apply);
 ``triton_decode`` turns a ``CompressedLayer`` and transformers' mask into the kernel's arguments.
-Codebook keys (``kvlens.cache.codebook``) are read by the kernel too, in the layer's rotated
+Codebook keys (``kvlens.layouts.codebook``) are read by the kernel too, in the layer's rotated
 basis: the attention function passes the rotated query, for both backends alike.
 """
 
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from kvlens.cache.codebook import CodebookStore
-from kvlens.config.rules import flush_block
-from kvlens.quant import CodebookSpec, pack_unit
+from kvlens.layouts import flush_block, layout_of
+from kvlens.layouts.codebook import CodebookStore
+from kvlens.quant import CodebookSpec, QuantSpec, pack_unit
 
 
 def triton_unsupported(layer, query: torch.Tensor, with_probs: bool, *, softcap: float = 0.0,
@@ -52,6 +52,9 @@ def kernel_layout_problem(setting, head_dim: int) -> str | None:
     for what, spec in (("key", setting.key), ("value", setting.value)):
         if isinstance(spec, CodebookSpec):  # any bits, head_dim and block: codes per vector
             continue
+        if not isinstance(spec, QuantSpec):
+            return (f"{what} layout {layout_of(spec).kind} (the kernel reads packed integer "
+                    "codes and codebook keys)")
         block = flush_block(spec, setting.residual_tokens, setting.flush_tokens)
         why = _spec_kernel_problem(what, spec, block, head_dim)
         if why:

@@ -7,7 +7,7 @@
 - ``presets``: the named presets and ``resolve`` (a preset name or a config file).
 - ``engine``: the engine-setting vocabulary (``llamacpp:q4_0``, ``vllm:fp8_e4m3:s1`` ...) every
   command reads and ``recommend --target`` prints.
-- ``rules``: the layout rules a config must meet (``flush_block``, ``check_layout``).
+The storage layouts a config's ``key``/``value`` name, and their rules, are ``kvlens.layouts``.
 """
 
 from kvlens.config.engine import (
@@ -22,7 +22,6 @@ from kvlens.config.engine import (
 from kvlens.config.io import config_from_dict, load_config, save_config
 from kvlens.config.model_check import validate_for
 from kvlens.config.presets import PRESETS, preset, resolve
-from kvlens.config.rules import check_layout, flush_block
 from kvlens.config.schema import (
     BALANCER_MODES,
     FP_BYTES,
@@ -54,9 +53,7 @@ __all__ = [
     "QuantoSetting",
     "TurboQuantSetting",
     "allowed_settings",
-    "check_layout",
     "config_from_dict",
-    "flush_block",
     "is_engine_setting",
     "load_config",
     "parse_engine_setting",

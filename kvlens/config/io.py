@@ -57,7 +57,7 @@ from typing import Any
 from kvlens.config.schema import REMOVED, GearSettings, KVConfig, LayerKV, MikvSettings
 from kvlens.config.versions import FORMAT, VERSION
 from kvlens.errors import ConfigError, is_int
-from kvlens.quant import CodebookSpec, QuantSpec
+from kvlens.layouts import layout_from_dict
 
 __all__ = ["FORMAT", "VERSION", "config_from_dict", "load_config", "save_config"]
 
@@ -73,13 +73,14 @@ _GEAR_KEYS = ("rank", "outlier_fraction", "power_iters", "layers")
 _MODEL_KEYS = ("num_layers", "head_dim", "num_key_value_heads")
 
 
-def _spec(value: Any, where: str) -> QuantSpec | CodebookSpec | None:
+def _spec(value: Any, where: str):
+    """A storage layout spec from its JSON form (``kvlens.layouts``): ``"layout"`` names it;
+    without it, a codebook spec (version 5 files) or the uniform integer spec."""
     if value is None:
         return None
     try:
-        if isinstance(value, Mapping) and "codebook" in value:
-            return CodebookSpec.from_dict(value)
-        return QuantSpec.from_dict(value)
+        default = "codebook" if isinstance(value, Mapping) and "codebook" in value else "uniform"
+        return layout_from_dict(value, default)
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
 

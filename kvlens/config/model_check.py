@@ -7,9 +7,9 @@ scales, RoPE for pre-RoPE keys, an MLA latent row for
 
 from __future__ import annotations
 
-from kvlens.config.rules import check_layout, flush_block
 from kvlens.config.schema import KVConfig
 from kvlens.errors import ConfigError
+from kvlens.layouts import check_layout, flush_block
 from kvlens.quant import ds_mla, hadamard_block_size
 from kvlens.quant.cachetypes import check_engine_layer
 from kvlens.text.selection import format_index_spec as _spec

@@ -58,7 +58,7 @@ no residual window and there is no MiKV set (refused otherwise).
 ``key`` may be a ``CodebookSpec`` (``kvlens.quant.codebook``; version 5): each key vector of
 the quantized history is stored as ``bits``-bit codes of its Hadamard-rotated, normalised
 coordinates (nearest centroid of a computed 1-D codebook) plus its float16 norm
-(``kvlens.cache.codebook``). The codebook's rotation is the layer's key rotation (``rotate_keys``
+(``kvlens.layouts.codebook``). The codebook's rotation is the layer's key rotation (``rotate_keys``
 is set from it: the window stores ``k R`` and attention uses ``q R``), so its seed must be the
 config's ``rotation_seed``; scores read as ``s_t * ((q R) . c[code_t])`` without a dequantized
 key. Not with pre-RoPE keys (the rotation and RoPE do not commute) or GEAR. This is the key
@@ -79,7 +79,9 @@ from typing import Any
 
 from kvlens.config.versions import FORMAT, oldest_version
 from kvlens.errors import ConfigError, is_int
-from kvlens.quant import CodebookSpec, QuantSpec
+from kvlens.layouts import flush_block, is_layout_spec, kinds, layout_of
+from kvlens.layouts.packed import SCALE_DTYPES
+from kvlens.quant import CodebookSpec
 from kvlens.quant.cachetypes import DenseType, parse_cache_type
 from kvlens.quant.llamacpp_cpu import ENGINE_ATTENTIONS
 
@@ -88,8 +90,6 @@ BALANCER_MODES = ("off", "online", "fixed")
 FP_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
 #: what a config's ``fp_dtype`` may say: one of those, or ``exact`` (the model's own dtype)
 FP_DTYPES = (*FP_BYTES, "exact")
-# group scale/zero storage (kvlens.cache.packed; "8bit": kvlens.quant.meta8)
-SCALE_DTYPES = ("float16", "float32", "8bit")
 SET_BITS = (4, 8)  # integer widths of the MiKV importance set (None: fp_dtype)
 #: why a config that stores a removed research layout is refused (here and by kvlens.config.io)
 REMOVED = "removed from kvlens by issue #57 (a negative result, docs/lab-notes/codebooks.md)"
@@ -100,8 +100,8 @@ class LayerKV:
     """How one layer's cache is stored. ``None`` spec = not quantized (model dtype); ``key`` and
     ``key`` may be a ``CodebookSpec`` (module docstring)."""
 
-    key: QuantSpec | CodebookSpec | None = None
-    value: QuantSpec | None = None
+    key: Any = None  # a storage layout spec (kvlens.layouts: QuantSpec, CodebookSpec...)
+    value: Any = None
     residual_tokens: int = 0
     pre_rope_keys: bool = False
     flush_tokens: int = 0  # 0: flush the whole window when full (KIVI); F: the oldest F at a time
@@ -139,15 +139,14 @@ class LayerKV:
                               "combination); disable one of them.")
 
     def _check_codebook(self) -> None:
-        if self.key is not None and not isinstance(self.key, (QuantSpec, CodebookSpec)):
-            raise ConfigError(f"Invalid key spec {self.key!r}; allowed: a QuantSpec, a "
-                              "CodebookSpec or None.")
+        for name in ("key", "value"):
+            spec = getattr(self, name)
+            if spec is not None and not is_layout_spec(spec):
+                raise ConfigError(f"Invalid {name} spec {spec!r}; allowed: a storage layout "
+                                  f"({', '.join(kinds())}) or None.")
         if isinstance(self.value, CodebookSpec):
             raise ConfigError(f"A codebook value spec ({self.value.label}) was {REMOVED}; "
                               "store values with a QuantSpec.")
-        if self.value is not None and not isinstance(self.value, QuantSpec):
-            raise ConfigError(f"Invalid value spec {self.value!r}; allowed: a QuantSpec or "
-                              "None.")
         if isinstance(self.key, CodebookSpec) and self.pre_rope_keys:
             raise ConfigError("A codebook key spec cannot be combined with pre_rope_keys in the "
                               "cache: its Hadamard rotation and RoPE do not commute, so the "
@@ -392,11 +391,13 @@ class KVConfig:
                 for spec in (setting.key, setting.value):
                     # the flush block (kvlens.config.rules.flush_block; 0: no valid layout,
                     # which validate_for reports)
-                    block = setting.flush_tokens or setting.residual_tokens or (
-                        1 if spec is not None and (isinstance(spec, CodebookSpec)
-                                                   or spec.granularity == "per-token") else 0)
-                    if spec is not None and block:
-                        self.gear.check_block(block, None, where)
+                    if spec is None:
+                        continue
+                    try:
+                        block = flush_block(spec, setting.residual_tokens, setting.flush_tokens)
+                    except ConfigError:
+                        continue
+                    self.gear.check_block(block, None, where)
         self._check_codebook_seeds()
 
     def _check_write_first(self) -> None:
@@ -477,5 +478,5 @@ class KVConfig:
         return oldest_version(self)
 
 
-def _spec_dict(spec: QuantSpec | CodebookSpec | None) -> dict[str, Any] | None:
-    return None if spec is None else spec.to_dict()
+def _spec_dict(spec) -> dict[str, Any] | None:
+    return None if spec is None else layout_of(spec).to_dict()

@@ -34,8 +34,8 @@ from kvlens.analysis.metrics import (
     streaming_exact_mask,
 )
 from kvlens.config import MikvSettings
-from kvlens.config.rules import check_layout
 from kvlens.errors import ConfigError, InputError
+from kvlens.layouts import check_layout
 from kvlens.quant import (
     fake_quantize,
     fit_balancer,

@@ -9,8 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
-from kvlens.cache.layout import SCALE_BYTES
-from kvlens.config import FP_BYTES, SET_BITS
+from kvlens.config import FP_BYTES, SCALE_DTYPES, SET_BITS
 from kvlens.errors import InputError, is_int
 from kvlens.model.load import DTYPES
 from kvlens.quant import QuantSpec
@@ -281,9 +280,9 @@ class RecommendOptions:
             raise InputError(f"Unknown --dtype {self.dtype!r}; allowed: {listed(DTYPES)}.")
         if self.fp_dtype not in FP_BYTES:
             raise InputError(f"--window-dtype {self.fp_dtype!r}: allowed {listed(FP_BYTES)}.")
-        if self.scale_dtype not in SCALE_BYTES:
+        if self.scale_dtype not in SCALE_DTYPES:
             raise InputError(f"--set scale-dtype={self.scale_dtype!r}: allowed "
-                             f"{listed(SCALE_BYTES)}.")
+                             f"{listed(SCALE_DTYPES)}.")
 
     def _check_candidates(self) -> None:
         """The fits, bit widths, group sizes, flush block and sinks offered."""

@@ -22,17 +22,10 @@ from typing import Any
 
 from kvlens.cache.decode_cost import config_decode_cost
 from kvlens.cache.gear import part_bytes
-from kvlens.cache.layout import (
-    SCALE_BYTES,
-    flush_every,
-    layer_part_bytes,
-    packed_bytes,
-    shares_storage,
-    stream_state,
-)
+from kvlens.cache.layout import flush_every, layer_part_bytes, shares_storage, stream_state
 from kvlens.config import FP_BYTES, LayerKV, MikvSettings, preset
-from kvlens.config.rules import check_layout
 from kvlens.errors import ConfigError
+from kvlens.layouts import check_layout, layout_of
 from kvlens.recommend.catalog import gear_settings
 from kvlens.recommend.options import Candidate, RecommendOptions
 
@@ -51,11 +44,11 @@ def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOption
                       flush_tokens=flush, rotate_keys=kc.rotate, rotate_values=vc.rotate)
     w = shape.window(layer)
     mikv = _layer_mikv(kc, opts)
-    fp, sb = FP_BYTES[opts.fp_dtype], SCALE_BYTES[opts.scale_dtype]
+    fp, sd = FP_BYTES[opts.fp_dtype], opts.scale_dtype
     gear = gear_settings() if kc.gear else None
     parts = layer_part_bytes(setting, tokens=opts.context, head_dim=shape.head_dim,
                              kv_heads=shape.kv_heads, mikv=mikv, balancer=kc.balancer,
-                             sliding_window=w, gear=gear, fp_bytes=fp, scale_bytes=sb,
+                             sliding_window=w, gear=gear, fp_bytes=fp, scale_dtype=sd,
                              kv_shared=shape.kv_shared)
     total = sum(parts.values())
     if shares_storage(setting, shape.kv_shared, shape.head_dim, balancer=kc.balancer,
@@ -63,7 +56,8 @@ def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOption
         return total, total / 2, total / 2
     held = stream_state(setting, opts.context, w).q_held
     f = flush_every(setting)
-    own = [shape.kv_heads * (sum(packed_bytes(c.spec(), held, f, shape.head_dim, sb)) + (
+    own = [shape.kv_heads * (sum(layout_of(c.spec()).part_bytes(held, shape.head_dim, f,
+                                                                sd).values()) + (
         sum(part_bytes(c.spec(), gear_settings(), held, f, shape.head_dim, fp)) if c.gear
         else 0)) for c in (kc, vc)]
     shared = (total - sum(own)) / 2

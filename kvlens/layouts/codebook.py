@@ -24,20 +24,23 @@ docs/lab-notes/codebooks.md); its code is what TurboQuant's keys need.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from kvlens.errors import InputError
+from kvlens.layouts.protocol import register
 from kvlens.quant.codebook import (
+    NORM_BYTES,
     Codebook,
     CodebookSpec,
     CodebookTensor,
     computed_codebook,
     dequantize_codebook,
+    fake_quantize_codebook,
     quantize_codebook,
 )
-from kvlens.quant.packing import unpack_codes
+from kvlens.quant.packing import packed_length, unpack_codes
 
 
 class CodebookStore:
@@ -146,3 +149,49 @@ class CodebookStore:
         else:
             inv = torch.full(c.shape[:-1], 1.0 / math.sqrt(self.head_dim), device=c.device)
         return c, self.norms[:, :, t0:t1].float() * inv
+
+
+@dataclass(frozen=True)
+class Codebooked:
+    """``CodebookSpec`` ``spec`` as a ``kvlens.layouts.Layout``: each vector on its own (codes
+    along channels and a norm), so it streams as a per-token spec and fits any window. Its
+    reference includes the spec's rotation; in the cache the layer rotates (window and store
+    hold ``k R``) and the store codes with ``rotation=None`` (``CodebookStore.for_cache``)."""
+
+    spec: CodebookSpec
+    kind = "codebook"
+
+    @property
+    def bits(self) -> int:
+        return self.spec.bits
+
+    @property
+    def label(self) -> str:
+        return self.spec.label
+
+    def to_dict(self) -> dict:
+        return self.spec.to_dict()
+
+    def flush_block(self, residual_tokens: int, flush_tokens: int = 0) -> int:
+        return flush_tokens or residual_tokens or 1
+
+    def check(self, residual_tokens: int, head_dim: int, what: str = "",
+              flush_tokens: int = 0) -> None:
+        """Any window and head fit (its rotation is checked with the layer's, by
+        ``kvlens.config.model_check``)."""
+
+    def reconstruct(self, x, block: int, scale_dtype: str = "float16"):
+        return fake_quantize_codebook(x, self.spec)
+
+    def new_store(self, head_dim: int, block: int, scale_dtype: str = "float16"):
+        return CodebookStore.for_cache(self.spec, head_dim, block)
+
+    def part_bytes(self, tokens: int, head_dim: int, block: int,
+                   scale_dtype: str = "float16") -> dict[str, int]:
+        """Codes packed along channels and a float16 norm per vector (``CodebookSpec.
+        held_bytes``; the codebook is computed, not held)."""
+        return {"codes": tokens * packed_length(head_dim, self.spec.bits),
+                "norms": tokens * NORM_BYTES}
+
+
+register(CodebookSpec, Codebooked.kind, CodebookSpec.from_dict, Codebooked)

@@ -65,9 +65,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlens.config import SCALE_DTYPES
-from kvlens.config.rules import check_layout, flush_block
 from kvlens.errors import ConfigError
+from kvlens.layouts.protocol import check_layout, flush_block
 from kvlens.quant import (
     QTensor,
     QuantSpec,
@@ -81,6 +80,9 @@ from kvlens.quant import (
 from kvlens.quant.meta8 import decode_group_meta, quantize_meta8, zero_unit
 
 META8 = "8bit"
+#: how each group's scale and zero are stored (a config's ``scale_dtype``) and their bytes each
+SCALE_BYTES = {"float16": 2, "float32": 4, META8: 1}
+SCALE_DTYPES = tuple(SCALE_BYTES)
 
 
 @dataclass

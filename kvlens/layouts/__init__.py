@@ -1,0 +1,37 @@
+"""Storage layouts: how the cache stores one tensor's history, behind one protocol
+(``protocol``: ``Layout`` and ``Store``, the registry, ``layout_of``).
+
+``uniform`` adapts ``QuantSpec`` (packed integer codes, ``packed``'s ``PackedTensor``),
+``codebook`` adapts ``CodebookSpec`` (vLLM TurboQuant's keys, ``CodebookStore``), ``dense`` is
+the full-precision store (windows, unquantized tensors). Every other module of this package is
+a layout that registers itself, and is imported here when the package loads: adding a layout
+is its module and its test (docs/internals/architecture.md).
+"""
+
+import importlib
+import pkgutil
+
+from kvlens.layouts import codebook, uniform
+from kvlens.layouts.dense import DenseTensor
+from kvlens.layouts.protocol import (
+    LAYOUT_KEY,
+    Layout,
+    Store,
+    check_layout,
+    flush_block,
+    is_layout_spec,
+    kinds,
+    layout_from_dict,
+    layout_of,
+    register,
+    spec_types,
+)
+
+_BUILT_IN = {"protocol", "dense", "packed", "uniform", "codebook"}
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name not in _BUILT_IN:
+        importlib.import_module(f"{__name__}.{_module.name}")
+
+__all__ = ["LAYOUT_KEY", "DenseTensor", "Layout", "Store", "check_layout", "codebook",
+           "flush_block", "is_layout_spec", "kinds", "layout_from_dict", "layout_of", "register",
+           "spec_types", "uniform"]

@@ -1,0 +1,164 @@
+"""The storage-layout protocol: what a way of storing one tensor's history must provide, and the
+registry that finds the layout of a spec.
+
+A **layout** (``Layout``) is how the cache keeps the quantized history ``[B, H, T, D]`` of one
+tensor (keys or values of one layer): a frozen, JSON-serialisable spec. It owns, for that
+tensor,
+
+- its **reference semantics** (``reconstruct``): what the cache gives back for ``x`` with every
+  token stored, in blocks of ``block`` tokens; recommend's candidates and compare-axes' variants
+  are measured through it, and the store is tested equal to it;
+- its **store** (``new_store``, a ``Store``): the buffers a cache layer appends blocks to, drops
+  expired blocks from and reads back;
+- its **held bytes** (``part_bytes``): what a store holding ``tokens`` tokens holds, by part of
+  ``kvlens.cache.layout.PARTS``; the memory walker counts the store's ``named_tensors`` and a
+  test checks the two agree;
+- its **JSON form** (``to_dict``; read back by ``layout_from_dict`` through the registry, keyed
+  by ``"layout"``), and its **streaming rules** (``flush_block``: tokens quantized together;
+  ``check``: whether it fits a head and a window).
+
+What a layout does not own composes around it, the same for every layout: the residual window,
+Hadamard rotation (the store sees ``x R``), pre-RoPE keys (the store sees ``k`` before RoPE),
+the MiKV channel balancer (``k * b``) and the fitted parameters they carry (the cache layer,
+``kvlens.cache.layer``; recommend's variants, ``kvlens.recommend.layer_errors``).
+
+A spec class becomes a layout with ``register``: either the class implements ``Layout`` itself
+(a new layout, one module of this package, which ``kvlens.layouts`` imports on start), or an
+adapter class wraps a spec defined lower down (``QuantSpec`` and ``CodebookSpec`` live in
+``kvlens.quant``: ``kvlens.layouts.uniform`` and ``kvlens.layouts.codebook`` adapt them).
+``layout_of(spec)`` returns the ``Layout`` either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+from kvlens.errors import ConfigError
+
+#: the JSON key naming a registered layout (absent: the uniform integer layout, ``QuantSpec``)
+LAYOUT_KEY = "layout"
+
+
+@runtime_checkable
+class Store(Protocol):
+    """One tensor's stored history ``[B, H, length, D]`` in a cache layer (positions
+    ``[q_start, q_end)`` of the layer; blocks are immutable once appended)."""
+
+    @property
+    def length(self) -> int:
+        """Tokens stored."""
+
+    def append(self, x) -> None:
+        """Store ``x`` ``[B, H, n * F, D]`` (whole blocks, float32) after what is held."""
+
+    def drop_front(self, n: int) -> None:
+        """Forget the oldest ``n`` tokens (whole blocks); buffers shrink to what stays."""
+
+    def dequantize_range(self, t0: int, t1: int):
+        """Tokens ``[t0, t1)`` as float32 ``[B, H, t1 - t0, D]``, as ``reconstruct`` gives
+        them."""
+
+    def named_tensors(self) -> dict:
+        """Every tensor held, by part name (``kvlens.cache.layout.PARTS``)."""
+
+    def select_batch(self, index) -> None:
+        """Keep the batch rows ``index``."""
+
+
+@runtime_checkable
+class Layout(Protocol):
+    """How one tensor's history is stored (module docstring). Tensors are ``[B, H, T, D]``."""
+
+    #: its name in JSON (``{"layout": kind, ...}``) and in messages
+    kind: str
+
+    @property
+    def bits(self) -> int:
+        """Code bits per element (what labels and the bit-width vocabulary show)."""
+
+    @property
+    def label(self) -> str:
+        """A short human label, e.g. ``2-bit per-channel G32``."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form (``layout_from_dict`` reads it back)."""
+
+    def flush_block(self, residual_tokens: int, flush_tokens: int = 0) -> int:
+        """``F``: tokens quantized together as one block."""
+
+    def check(self, residual_tokens: int, head_dim: int, what: str = "",
+              flush_tokens: int = 0) -> None:
+        """Raise ``ConfigError`` (prefixed ``what``) unless it can be stored for ``head_dim``
+        with this window."""
+
+    def reconstruct(self, x, block: int, scale_dtype: str = "float16"):
+        """The reference: float32 ``x_hat`` of ``x`` stored block by block (``block`` tokens;
+        a partial tail block as the store would hold it once complete)."""
+
+    def new_store(self, head_dim: int, block: int, scale_dtype: str = "float16") -> Store:
+        """An empty store for a cache layer with flush block ``block``."""
+
+    def part_bytes(self, tokens: int, head_dim: int, block: int,
+                   scale_dtype: str = "float16") -> dict[str, int]:
+        """Bytes a store holding ``tokens`` tokens (a multiple of ``block``) of one (batch row,
+        KV head) holds, by part."""
+
+
+_ADAPTERS: dict[type, Callable[[Any], Layout]] = {}
+_KINDS: dict[str, Callable[[Mapping[str, Any]], Any]] = {}
+
+
+def register(spec_type: type, kind: str, from_dict: Callable[[Mapping[str, Any]], Any],
+             adapter: Callable[[Any], Layout] | None = None) -> None:
+    """Make ``spec_type`` a layout named ``kind``: ``from_dict`` reads its JSON form,
+    ``adapter(spec)`` is its ``Layout`` (``None``: the spec is its own layout)."""
+    if kind in _KINDS and _KINDS[kind] is not from_dict:
+        raise ValueError(f"layout kind {kind!r} is registered twice")
+    _KINDS[kind] = from_dict
+    _ADAPTERS[spec_type] = adapter or (lambda spec: spec)
+
+
+def spec_types() -> tuple[type, ...]:
+    """Every registered spec class (what a config's ``key``/``value`` may hold)."""
+    return tuple(_ADAPTERS)
+
+
+def kinds() -> tuple[str, ...]:
+    """Every registered layout name."""
+    return tuple(_KINDS)
+
+
+def is_layout_spec(spec: Any) -> bool:
+    return type(spec) in _ADAPTERS
+
+
+def layout_of(spec: Any) -> Layout:
+    """The ``Layout`` of a registered spec; ``ConfigError`` for anything else."""
+    adapter = _ADAPTERS.get(type(spec))
+    if adapter is None:
+        raise ConfigError(f"Not a storage layout: {spec!r}; allowed: a spec of "
+                          f"{', '.join(kinds())}.")
+    return adapter(spec)
+
+
+def layout_from_dict(data: Any, default: str) -> Any:
+    """A spec from its JSON form: ``data["layout"]`` names it (``default`` when absent)."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"A layout spec must be a JSON object, got {type(data).__name__}.")
+    kind = data.get(LAYOUT_KEY, default)
+    read = _KINDS.get(kind)
+    if read is None:
+        raise ConfigError(f"Unknown layout {kind!r}; allowed: {', '.join(kinds())}.")
+    return read(data)
+
+
+def flush_block(spec: Any, residual_tokens: int, flush_tokens: int = 0) -> int:
+    """``F`` of ``spec`` stored with this window (``Layout.flush_block``)."""
+    return layout_of(spec).flush_block(residual_tokens, flush_tokens)
+
+
+def check_layout(spec: Any, residual_tokens: int, head_dim: int, what: str = "",
+                 flush_tokens: int = 0) -> None:
+    """``ConfigError`` unless ``spec`` can be stored for ``head_dim`` (``Layout.check``)."""
+    layout_of(spec).check(residual_tokens, head_dim, what, flush_tokens)
