@@ -52,7 +52,7 @@ def oldest_version(config) -> int:
     mikv = config.mikv
     uses_v2 = (bool(config.kv_scales)
                or any(lk.engine for lk in layers)
-               or any(s is not None and s.fit != "minmax" for s in specs)
+               or any(getattr(s, "fit", "minmax") != "minmax" for s in specs)
                or config.fp_dtype == "float8_e4m3fn"
                or config.gear is not None
                or (mikv is not None and (mikv.set_bits is not None or mikv.layers is not None)))

@@ -162,3 +162,11 @@ def check_layout(spec: Any, residual_tokens: int, head_dim: int, what: str = "",
                  flush_tokens: int = 0) -> None:
     """``ConfigError`` unless ``spec`` can be stored for ``head_dim`` (``Layout.check``)."""
     layout_of(spec).check(residual_tokens, head_dim, what, flush_tokens)
+
+
+def reference(spec: Any, scale_dtype: str = "float16") -> Callable:
+    """``x -> x_hat``: ``spec``'s ``reconstruct`` with every token of ``x`` stored as one block
+    (what recommend's candidates and compare-axes' variants are measured with; rotation and
+    pre-RoPE compose around it, ``kvlens.quant.quantize_rotated``)."""
+    layout = layout_of(spec)
+    return lambda x: layout.reconstruct(x, x.shape[2], scale_dtype)

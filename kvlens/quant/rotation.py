@@ -44,7 +44,7 @@ import torch
 
 from kvlens.errors import ConfigError, InputError, is_int
 from kvlens.quant.fake import fake_quantize
-from kvlens.quant.spec import QuantSpec, check_versioned_dict
+from kvlens.quant.spec import check_versioned_dict
 
 ROTATION_VERSION = 1
 _FIELDS = ("seed",)
@@ -126,16 +126,26 @@ def unrotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     return x.float() @ r.float().to(x.device).T
 
 
-def quantize_rotated(x: torch.Tensor, spec: QuantSpec, r: torch.Tensor,
+def quantize_rotated(x: torch.Tensor, spec, r: torch.Tensor,
                      scale_dtype: str = "float32") -> torch.Tensor:
     """Rotate, quantize with ``spec`` (``kvlens.quant.reference``), dequantize, un-rotate:
-    ``fake_quantize(x R, spec) Rᵀ``, ``[B, H, T, D]`` float32 in the original basis.
+    ``fake_quantize(x R, spec) Rᵀ``, ``[B, H, T, D]`` float32 in the original basis. ``spec``
+    may instead be a function ``x -> x_hat`` (a storage layout's reference,
+    ``kvlens.layouts.Layout.reconstruct``): the rotation composes around any layout.
 
     For keys this is the key a plain query sees (``q · k_hat = (q R) · deq(k R)``); for values,
     attention over it equals the un-rotated attention output over ``deq(v R)``. Because ``R`` is
     orthonormal, ``||x - x_hat||`` is the same in either basis. ``scale_dtype``: as
     ``fake_quantize``'s."""
-    return unrotate(fake_quantize(rotate(x, r), spec, scale_dtype), r)
+    return unrotate(quantizer(spec, scale_dtype)(rotate(x, r)), r)
+
+
+def quantizer(spec, scale_dtype: str = "float32"):
+    """``x -> x_hat``: ``spec`` itself when it is such a function, else ``fake_quantize`` with
+    this ``QuantSpec``."""
+    if callable(spec):
+        return spec
+    return lambda x: fake_quantize(x, spec, scale_dtype)
 
 
 @dataclass(frozen=True)

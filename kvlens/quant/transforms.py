@@ -15,7 +15,7 @@ import torch
 
 from kvlens.errors import ConfigError, InputError, is_int
 from kvlens.quant.fake import fake_quantize
-from kvlens.quant.rotation import quantize_rotated
+from kvlens.quant.rotation import quantize_rotated, quantizer
 from kvlens.quant.spec import QuantSpec
 from kvlens.rope import LAYOUTS, apply_rope
 
@@ -61,7 +61,7 @@ def quantize_pre_rope(
     k_pre: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    spec: QuantSpec,
+    spec,
     layout: str = "half",
     rotation: torch.Tensor | None = None,
     scale_dtype: str = "float32",
@@ -72,9 +72,10 @@ def quantize_pre_rope(
     are the layer's ``[B, T, R]`` tables (e.g. from ``rope_tables_for``). With ``rotation``
     (``[D, D]`` from ``hadamard_rotation``) the stored form is ``k_pre R``: it is quantized,
     dequantized and un-rotated by ``Rᵀ`` *before* RoPE is applied (RoPE and ``R`` do not
-    commute, so the query cannot absorb ``R`` here). ``scale_dtype``: as ``fake_quantize``'s."""
+    commute, so the query cannot absorb ``R`` here). ``scale_dtype``: as ``fake_quantize``'s.
+    ``spec``: a ``QuantSpec`` or a function ``x -> x_hat`` (``quantize_rotated``)."""
     if rotation is None:
-        hat = fake_quantize(k_pre.float(), spec, scale_dtype)
+        hat = quantizer(spec, scale_dtype)(k_pre.float())
     else:
         hat = quantize_rotated(k_pre, spec, rotation, scale_dtype)
     return apply_rope(hat, cos, sin, layout)

@@ -35,9 +35,8 @@ from kvlens.analysis.metrics import (
 )
 from kvlens.config import MikvSettings
 from kvlens.errors import ConfigError, InputError
-from kvlens.layouts import check_layout
+from kvlens.layouts import check_layout, reference
 from kvlens.quant import (
-    fake_quantize,
     fit_balancer,
     hadamard_rotation,
     quantize_gear,
@@ -211,25 +210,27 @@ def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptio
     for c in cands:
         if c.stage == "pre" and not pre_ok:
             continue
-        spec = c.spec()
+        # the candidate's storage layout's reference (kvlens.layouts); rotation, pre-RoPE
+        # and the balancer compose around it
+        quant = reference(c.spec(), sd)
         if c.mikv_set:  # the set depends on the flush block: built per run below
             if not la.sliding_window and c.base in cands:
                 variants[c] = None
         elif c.gear:  # depends on the flush block: built per run below
             variants[c] = None
         elif c.rotate:  # what the cache stores (x R) seen back in the original basis
-            x_hat = quantize_rotated(v if c.tensor == "value" else k, spec, rot, sd)
+            x_hat = quantize_rotated(v if c.tensor == "value" else k, quant, rot)
             variants[c] = Variant(v_hat=x_hat) if c.tensor == "value" else Variant(k_hat=x_hat)
         elif c.tensor == "value":
-            variants[c] = Variant(v_hat=fake_quantize(v, spec, sd))
+            variants[c] = Variant(v_hat=quant(v))
         elif c.stage == "pre":
-            variants[c] = Variant(k_hat=quantize_pre_rope(k_pre, *tables, spec,
-                                                          meta.rope_layout, scale_dtype=sd))
+            variants[c] = Variant(k_hat=quantize_pre_rope(k_pre, *tables, quant,
+                                                          meta.rope_layout))
         elif c.balancer:
             b = bal[None, :, None, :]
-            variants[c] = Variant(k_hat=fake_quantize(k * b, spec, sd) / b)
+            variants[c] = Variant(k_hat=quant(k * b) / b)
         else:
-            variants[c] = Variant(k_hat=fake_quantize(k, spec, sd))
+            variants[c] = Variant(k_hat=quant(k))
     return q, k, v, variants, bal, pre_ok
 
 

@@ -28,10 +28,10 @@ from kvlens.analysis.compare.summary import format_info, summarize
 from kvlens.analysis.metrics import Variant, attention_errors_many
 from kvlens.capture.store import open_capture
 from kvlens.errors import ConfigError, InputError, is_int
+from kvlens.layouts import reference
 from kvlens.quant import (
     QuantSpec,
     apply_balancer,
-    fake_quantize,
     fit_balancer,
     hadamard_block_size,
     hadamard_rotation,
@@ -321,12 +321,12 @@ def _transform(x, spec, name: str, config: CompareConfig, rotation=None):
     """``x_hat`` in ``x``'s own basis (``rotate`` is un-rotated after dequantizing, so every
     metric, reconstruction included, compares against the original tensor)."""
 
-    if name == PLAIN:
-        return fake_quantize(x.float(), spec)
+    if name == PLAIN:  # the layout's reference (kvlens.layouts), float32 group metadata
+        return reference(spec, "float32")(x.float())
     if name == "outliers":
         return quantize_with_outliers(x, spec, config.outlier_fraction)
     if name == "lowrank":
         return quantize_gear(x, spec, config.rank)
     if name == "rotate":
-        return quantize_rotated(x, spec, rotation)
+        return quantize_rotated(x, reference(spec, "float32"), rotation)
     raise ConfigError(f"Unknown variant {name!r}; allowed: {', '.join((PLAIN,) + EXTRA_VARIANTS)}.")
