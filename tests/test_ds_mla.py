@@ -167,7 +167,7 @@ def test_engine_store_holds_the_reference_bytes():
     _assert_stored_like_reference(store.data, store.scales, store.rope, store.read(), x)
     parts = engine_tensor_bytes(store.ctype, 33, x.shape[-1], 3, batch=2)
     held = {}
-    for part, t in store.named_tensors():
+    for part, t in store.named_tensors().items():
         held[part] = held.get(part, 0) + t.numel() * t.element_size()
     assert held == {k: v for k, v in parts.items() if v}
     assert sum(held.values()) == 2 * 3 * 33 * DS_MLA.row_bytes(x.shape[-1])

@@ -23,7 +23,7 @@ import torch
 
 from kvlens.cache.attention import make_attention_fn
 from kvlens.cache.backend import select_backend
-from kvlens.cache.engine import EngineLayer, EngineStore, static_scale
+from kvlens.cache.engine import EngineLayer, static_scale
 from kvlens.cache.gear import GearTensor
 from kvlens.cache.layer import (
     STATE_FIELDS,
@@ -272,7 +272,7 @@ def held_bytes_by_device(obj) -> dict[str, int]:
             stack.extend(o)
         elif isinstance(o, dict):
             stack.extend(o.values())
-        elif isinstance(o, (CompressedLayer, Store, EngineLayer, EngineStore, SetRows,
+        elif isinstance(o, (CompressedLayer, Store, EngineLayer, SetRows,
                             GearTensor)) or o is obj:
             stack.extend(v for k, v in vars(o).items()
                          if k != "session" and k not in STATE_FIELDS)

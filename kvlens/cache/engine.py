@@ -161,6 +161,10 @@ class EngineStore:
         # the reference's x_hat = code * scale + zero with zero = -qmax * scale
         return codes.float() * self.scales + (-qmax * self.scales)
 
+    def dequantize_range(self, t0: int, t1: int) -> torch.Tensor:
+        """Tokens ``[t0, t1)`` of ``read()`` (``kvlens.layouts.Store``)."""
+        return self.read()[:, :, t0:t1]
+
     def block_minima(self) -> torch.Tensor | None:
         """The fp16 minima ``m`` ``[B, H, N, D // 32]`` (float32) of a ``_1`` ggml type (what
         llama.cpp's ``vec_dot`` adds as ``m * s``), else ``None``."""
@@ -174,17 +178,17 @@ class EngineStore:
         return self.ctype.name if self.fmt is None else self.fmt.name
 
     # -- accounting ---------------------------------------------------------------------------
-    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """The buffers by part (``kvlens.layouts.Store``): a type holds per-token scales or a
+        static scale, not both, and RoPE channels (``fp8_ds_mla``) only beside codes."""
         if self.data is None:
-            return []
+            return {}
         part = {"dense": "dense", "ggml": "blocks"}.get(self.family, "codes")
-        out = [(part, self.data)]
-        if self.scales is not None:
-            out.append(("scales", self.scales))
-        if self.static_scale is not None:
-            out.append(("scales", self.static_scale))
-        if self.rope is not None:
-            out.append(("dense", self.rope))
+        out = {part: self.data}
+        for name, t in (("scales", self.scales), ("scales", self.static_scale),
+                        ("dense", self.rope)):
+            if t is not None:
+                out[name] = t
         return out
 
     def select_batch(self, index: torch.Tensor) -> None:
@@ -378,7 +382,7 @@ class EngineLayer(HistoryLayer):
         return b, h, self.head_dim
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        out = [pair for store in self._stores() for pair in store.named_tensors()]
+        out = [pair for store in self._stores() for pair in store.named_tensors().items()]
         for name in ("keys", "values"):
             t = getattr(self, name, None)
             if isinstance(t, torch.Tensor):
