@@ -73,9 +73,8 @@ def files(tmp_path_factory):
 def loads(monkeypatch):
     """Every way a command loads a model, replaced by one that records the call and fails."""
     import kvlens.capture.run
-    import kvlens.deploy.targets
+    import kvlens.capture.source
     import kvlens.model.load as load
-    import kvlens.recommend.probe  # noqa: F401  (imported so that its load_model is patched)
 
     calls = []
 
@@ -89,7 +88,7 @@ def loads(monkeypatch):
             monkeypatch.setattr(module, "load_model", refuse)
     monkeypatch.setattr(load, "_load_pretrained", refuse)
     monkeypatch.setattr(load, "_load_gguf", refuse)
-    assert kvlens.capture.run.load_model is refuse and kvlens.deploy.targets.load_model is refuse
+    assert kvlens.capture.run.load_model is refuse and kvlens.capture.source.load_model is refuse
     return calls
 
 

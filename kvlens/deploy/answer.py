@@ -15,13 +15,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kvlens.capture.source import CaptureModel
 from kvlens.capture.store import open_capture
 from kvlens.deploy.targets import TargetOptions, TargetRecommendation, recommend_target
 from kvlens.deploy.targets import validate as validate_target
 from kvlens.errors import InputError
 from kvlens.evaluation.kld import max_positions
-from kvlens.model.load import load_model
-from kvlens.recommend import RecommendOptions, check, model_spec_from_capture
+from kvlens.recommend import RecommendOptions, check
 from kvlens.recommend.answer import LayerAnswer, recommend_layers
 
 LogFn = Callable[[str], None]
@@ -96,34 +96,22 @@ def check_tokens(capture: Path, tokens: int) -> None:
 def _engine(request: RecommendRequest, save, progress, say: LogFn) -> EngineAnswer:
     given = {"eval_tokens": request.eval_tokens} if request.eval_tokens is not None else {}
     opts = TargetOptions(target=request.target, **request.options, **given)
-    bundle: list = []
-
-    def load():
-        """``(model, tokenizer, source)``, loaded once, before any measurement: a model that
-        cannot load fails first."""
-        if not bundle:
-            with open_capture(request.capture) as cap:
-                spec = opts.model or model_spec_from_capture(cap.meta)
-            if spec is None:
-                raise InputError(f"{request.capture} does not say which model it came from; "
-                                 "pass --model.")
-            say(f"Loading {spec} ...")
-            bundle.extend(load_model(spec, **request.place))
-        return tuple(bundle)
-
+    # the model, loaded once, before any measurement: a model that cannot load fails first
+    loaded = CaptureModel(request.capture, opts.model or request.model, request.place, say)
     if opts.max_kld is not None or request.validate:
-        mdl = load()[0]
+        mdl = loaded.get()[0]
         if request.eval_tokens is None:  # the default, capped by the model's context
             opts = replace(opts, eval_tokens=min(opts.eval_tokens,
                                                  max_positions(mdl) or opts.eval_tokens))
     rec = recommend_target(request.capture, opts, progress=progress or (lambda *_: None),
                            log=lambda m: say(f"  {m}"),
-                           model_bundle=load() if opts.max_kld is not None else None)
+                           model_bundle=loaded.get() if opts.max_kld is not None else None)
     if save is not None and request.outputs:
         save(rec, request.outputs[0])
     validation = None
     if request.validate:
-        validation = validate_target(rec, load(), opts.eval_tokens, lambda m: say(f"  {m}"))
+        validation = validate_target(rec, loaded.get(), opts.eval_tokens,
+                                     lambda m: say(f"  {m}"))
     doc = rec.to_dict()
     doc["files"] = rec.files
     if validation is not None:
