@@ -126,9 +126,11 @@ ROWS = [
     ("plot-outliers {cap} --out {outliers}", "already holds outliers.json", 1),
     ("plot-outliers {cap} --out {dir}/o --format bmp", "Unknown --format 'bmp'", 1),
     # compare-axes: an option no requested variant reads, more samples than the capture holds
-    ("compare-axes {cap} --rank 3", "--rank is read by --variants lowrank", 1),
-    ("compare-axes {cap} --rotation-seed 3", "--rotation-seed is read by --variants rotate", 1),
-    ("compare-axes {cap} --outlier-fraction 0.1", "--outlier-fraction is read by --variants "
+    ("compare-axes {cap} --rank 3", "--rank: read by --variants lowrank, not by a run "
+     "without --variants", 1),
+    ("compare-axes {cap} --rotation-seed 3 --variants lowrank", "--rotation-seed: read by "
+     "--variants rotate, not by --variants lowrank", 1),
+    ("compare-axes {cap} --outlier-fraction 0.1", "--outlier-fraction: read by --variants "
      "outliers", 1),
     ("compare-axes {cap} --samples 10", "--samples 10: ", 1),
     # recommend: placement, model, option combinations, outputs -- all before measuring
@@ -347,3 +349,38 @@ def test_an_unwritable_gguf_conversion_cache_warns(tmp_path, monkeypatch, capsys
     err = capsys.readouterr().err
     assert "could not write the GGUF conversion cache" in err and "No space left" in err
     assert not target.exists() and list((tmp_path / "cache").iterdir()) == []
+
+
+def test_refuse_unread_names_the_option_the_modes_that_read_it_and_the_one_asked():
+    """The one helper every command's refusal table goes through
+    (``kvlens.cli.common.refuse_unread``): an option read by the run passes, one that is not is
+    refused naming it, the modes that read it and the mode asked for; options one rule refuses
+    are named together; of several rules on one option the first that refuses is named; an
+    option outside the table is read by every mode."""
+    from kvlens.cli.common import ReadOnly, read_with, refuse_unread
+    from kvlens.errors import InputError
+
+    table = {"rank": read_with("--variants", "lowrank"),
+             "seed": read_with("--variants", "rotate", "lowrank")}
+    refuse_unread(table, {"rank": "--rank", "seed": "--seed", "other": "--other"}, ("lowrank",))
+    with pytest.raises(InputError) as got:
+        refuse_unread(table, {"other": "--other", "rank": "--rank", "seed": "--seed"},
+                      ("balancer",))
+    assert str(got.value) == ("--rank: read by --variants lowrank, not by --variants balancer; "
+                              "add it to --variants, or drop it.")
+    with pytest.raises(InputError, match="not by a run without --variants; add one to"):
+        refuse_unread(table, {"seed": "--seed"}, ())
+    wide = ReadOnly("wide runs", lambda run: run["wide"], "a narrow run")
+    deep = ReadOnly(lambda run: f"depth > {run['depth']}", lambda run: run["depth"] > 1,
+                    lambda run: f"--depth {run['depth']}", "raise --depth")
+    rules = {"a": (wide, deep), "b": (wide, deep), "c": deep}
+    with pytest.raises(InputError) as got:
+        refuse_unread(rules, {"a": "--a", "b": "--b", "c": "--c"}, {"wide": True, "depth": 1})
+    assert str(got.value) == ("--a, --b, --c: read by depth > 1, not by --depth 1; raise "
+                              "--depth, or drop them.")
+    with pytest.raises(InputError, match=r"^--a: read by wide runs, not by a narrow run; drop "
+                                         r"it\.$"):
+        refuse_unread(rules, {"a": "--a", "c": "--c"}, {"wide": False, "depth": 2})
+    with pytest.raises(InputError) as got:  # --a is refused by its first rule only
+        refuse_unread(rules, {"c": "--c", "a": "--a"}, {"wide": False, "depth": 1})
+    assert str(got.value).startswith("--c: read by depth > 1")
