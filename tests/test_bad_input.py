@@ -144,13 +144,17 @@ ROWS = [
     ("recommend {cap} --budgets 2.5,x -o {dir}/kv.json", "Invalid --budgets", 1),
     ("recommend {cap} --budgets 0,3 -o {dir}/kv.json", "each budget must be in (0, 16]", 1),
     ("recommend {cap} --budgets 1,3 -o {dir}/kv.json", "The budget is too small", 1),
-    ("recommend {cap} --target vllm --budgets 2.5,3", "--budgets: not used by an engine", 1),
-    ("recommend {cap} -b 3 --eval-tokens 128", "--eval-tokens sets", 1),
-    ("recommend {cap} -b 3 --set kld-anchors=2", "only for an engine target", 1),
+    ("recommend {cap} --target vllm --budgets 2.5,3", "--budgets: read by --target kvlens", 1),
+    ("recommend {cap} -b 3 --eval-tokens 128", "--eval-tokens: read by --validate or --max-kld",
+     1),
+    ("recommend {cap} -b 3 --set kld-anchors=2", "--set kld-anchors: read by an engine "
+     "target (--target llama.cpp, vllm, sglang or transformers), not by --target kvlens", 1),
     ("recommend {cap} --target vllm -b 9 --set flush=16 --name x",
-     "--name, --set flush: not used by --target vllm", 1),
-    ("recommend {cap} --target vllm -b 9 --windows 64", "--windows: not used by --target", 1),
-    ("recommend {cap} --target vllm -b 9 --eval-tokens 128", "--eval-tokens sets", 1),
+     "--name, --set flush: read by --target kvlens (options of the per-layer kvlens "
+     "recommendation), not by --target vllm; use --target kvlens, or drop them.", 1),
+    ("recommend {cap} --target vllm -b 9 --windows 64", "--windows: read by --target kvlens", 1),
+    ("recommend {cap} --target vllm -b 9 --eval-tokens 128", "--eval-tokens: read by "
+     "--validate or --max-kld", 1),
     ("recommend {cap} --target vllm -b 9 --set kld-anchors=2", "give --max-kld too", 1),
     ("recommend {cap} --target vllm -b 9 --device-map auto", "no model is loaded here", 1),
     ("recommend {cap} --target tgi -b 9", "Unknown --target 'tgi'", 1),
@@ -158,18 +162,23 @@ ROWS = [
      "no model is loaded here", 1),
     ("recommend {cap} -b 3 --set mikv-bits=4", "add --thorough", 1),
     ("recommend {cap} -b 3 --thorough --set mikv=off --set mikv-fractions=0.1",
-     "MiKV candidates, which are not offered", 1),
+     "--set mikv-fractions: read by MiKV candidates", 1),
     ("recommend {cap} -b 3 --set balancer=off --set balancer-exponent=0.3",
-     "--set balancer=off removes", 1),
-    ("recommend {cap} -b 3 --thorough --set prefer-fast=on", "not read by the fused kernel", 1),
-    ("recommend {cap} -b 3 --retrieval-prompts 2", "applies to --validate", 1),
+     "not by --set balancer=off, which removes them", 1),
+    ("recommend {cap} -b 3 --thorough --set prefer-fast=on", "--thorough: read by the torch "
+     "decode path (GEAR and MiKV candidates are not read by the fused kernel), not by --set "
+     "prefer-fast=on", 1),
+    ("recommend {cap} -b 3 --set gear=off --set prefer-fast=on --set mikv=on",
+     "--set gear, --set mikv: read by the torch decode path", 1),
+    ("recommend {cap} -b 3 --retrieval-prompts 2", "--retrieval-prompts: read by --validate", 1),
     ("recommend {cap} -b 3 --set sensitivity=model --set layout-tokens=256",
-     "--set layout-tokens: shape the layout sensitivity", 1),
+     "--set layout-tokens: read by the layout sensitivity (--set sensitivity=auto or layout), "
+     "not by --set sensitivity=model", 1),
     ("recommend {cap} -b 3 --set sensitivity=uniform --set layout-layers=2 "
-     "--set layout-tokens=256", "--set layout-layers, --set layout-tokens: shape the layout", 1),
+     "--set layout-tokens=256", "--set layout-layers, --set layout-tokens: read by the layout", 1),
     ("recommend {cap} -b 3 --set layout-tokens=64", "above the largest window (128)", 1),
     ("recommend {cap} -b 3 --set retrieval=off --set retrieval-weight=2",
-     "--set retrieval=off skips", 1),
+     "--set retrieval-weight: read by the retrieval probe, not by --set retrieval=off", 1),
     ("recommend {cap} -b 3 -o {exists_json}", "already exists; pass --overwrite", 1),
     ("recommend {cap} --target vllm -b 9 -o {new_json}", "kv_scales.json already exists", 1),
     # recommend: what the capture's shape settles before any measurement
@@ -186,8 +195,8 @@ ROWS = [
     ("recommend {cap} -b 3 --set bits=2,x", "expected int,...", 1),
     ("recommend {cap} -b 3 --set flush=8 --set flush=16", "given twice", 1),
     ("recommend {cap} --target vllm -b 9 --set gear=on",
-     "--set gear: not used by --target vllm", 1),
-    ("recommend {cap} -b 3 --thorough --target vllm", "--thorough: not used by --target", 1),
+     "--set gear: read by --target kvlens", 1),
+    ("recommend {cap} -b 3 --thorough --target vllm", "--thorough: read by --target kvlens", 1),
     # generate: presets, configs, texts, outputs, the model's options
     ("generate --preset kivi-9 --prompt x", "Unknown preset 'kivi-9'", 1),
     # an engine-setting error lists the grammar with brackets: printed, not eaten as markup
