@@ -44,12 +44,11 @@ def main(argv=None) -> None:
         ap.error("a capture file is needed (or --replot JSON)")
 
     from kvlens.cache.layout import config_bits, shape_of_capture
-    from kvlens.capture.store import open_capture
+    from kvlens.capture.source import CaptureModel
     from kvlens.config import preset
     from kvlens.errors import InputError
     from kvlens.evaluation import EvalOptions, evaluate_configs
-    from kvlens.model.load import load_model
-    from kvlens.recommend import RecommendOptions, choose, measure, model_spec_from_capture
+    from kvlens.recommend import RecommendOptions, choose, measure
 
     t0 = time.perf_counter()
     budgets = [float(b) for b in args.budgets.split(",")]
@@ -63,11 +62,7 @@ def main(argv=None) -> None:
             print(f"budget {b:g}: skipped ({exc})")
             continue
         recs[b] = replace(rec.config, name=f"recommended-{b:g}")
-    spec = args.model
-    if spec is None:
-        with open_capture(args.capture) as cap:
-            spec = model_spec_from_capture(cap.meta)
-    model, tok, _ = load_model(spec)
+    model, tok = CaptureModel(args.capture, args.model).get()
     configs = [preset(p) for p in PRESETS] + list(recs.values())
     evals = ("ppl",) + (("passkey",) if args.passkey_prompts else ())
     report = evaluate_configs(model, tok, configs, EvalOptions(

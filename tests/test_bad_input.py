@@ -73,9 +73,8 @@ def files(tmp_path_factory):
 def loads(monkeypatch):
     """Every way a command loads a model, replaced by one that records the call and fails."""
     import kvlens.capture.run
-    import kvlens.deploy.targets
+    import kvlens.capture.source
     import kvlens.model.load as load
-    import kvlens.recommend.probe  # noqa: F401  (imported so that its load_model is patched)
 
     calls = []
 
@@ -89,7 +88,7 @@ def loads(monkeypatch):
             monkeypatch.setattr(module, "load_model", refuse)
     monkeypatch.setattr(load, "_load_pretrained", refuse)
     monkeypatch.setattr(load, "_load_gguf", refuse)
-    assert kvlens.capture.run.load_model is refuse and kvlens.deploy.targets.load_model is refuse
+    assert kvlens.capture.run.load_model is refuse and kvlens.capture.source.load_model is refuse
     return calls
 
 
@@ -127,9 +126,11 @@ ROWS = [
     ("plot-outliers {cap} --out {outliers}", "already holds outliers.json", 1),
     ("plot-outliers {cap} --out {dir}/o --format bmp", "Unknown --format 'bmp'", 1),
     # compare-axes: an option no requested variant reads, more samples than the capture holds
-    ("compare-axes {cap} --rank 3", "--rank is read by --variants lowrank", 1),
-    ("compare-axes {cap} --rotation-seed 3", "--rotation-seed is read by --variants rotate", 1),
-    ("compare-axes {cap} --outlier-fraction 0.1", "--outlier-fraction is read by --variants "
+    ("compare-axes {cap} --rank 3", "--rank: read by --variants lowrank, not by a run "
+     "without --variants", 1),
+    ("compare-axes {cap} --rotation-seed 3 --variants lowrank", "--rotation-seed: read by "
+     "--variants rotate, not by --variants lowrank", 1),
+    ("compare-axes {cap} --outlier-fraction 0.1", "--outlier-fraction: read by --variants "
      "outliers", 1),
     ("compare-axes {cap} --samples 10", "--samples 10: ", 1),
     # recommend: placement, model, option combinations, outputs -- all before measuring
@@ -143,13 +144,17 @@ ROWS = [
     ("recommend {cap} --budgets 2.5,x -o {dir}/kv.json", "Invalid --budgets", 1),
     ("recommend {cap} --budgets 0,3 -o {dir}/kv.json", "each budget must be in (0, 16]", 1),
     ("recommend {cap} --budgets 1,3 -o {dir}/kv.json", "The budget is too small", 1),
-    ("recommend {cap} --target vllm --budgets 2.5,3", "--budgets: not used by an engine", 1),
-    ("recommend {cap} -b 3 --eval-tokens 128", "--eval-tokens sets", 1),
-    ("recommend {cap} -b 3 --set kld-anchors=2", "only for an engine target", 1),
+    ("recommend {cap} --target vllm --budgets 2.5,3", "--budgets: read by --target kvlens", 1),
+    ("recommend {cap} -b 3 --eval-tokens 128", "--eval-tokens: read by --validate or --max-kld",
+     1),
+    ("recommend {cap} -b 3 --set kld-anchors=2", "--set kld-anchors: read by an engine "
+     "target (--target llama.cpp, vllm, sglang or transformers), not by --target kvlens", 1),
     ("recommend {cap} --target vllm -b 9 --set flush=16 --name x",
-     "--name, --set flush: not used by --target vllm", 1),
-    ("recommend {cap} --target vllm -b 9 --windows 64", "--windows: not used by --target", 1),
-    ("recommend {cap} --target vllm -b 9 --eval-tokens 128", "--eval-tokens sets", 1),
+     "--name, --set flush: read by --target kvlens (options of the per-layer kvlens "
+     "recommendation), not by --target vllm; use --target kvlens, or drop them.", 1),
+    ("recommend {cap} --target vllm -b 9 --windows 64", "--windows: read by --target kvlens", 1),
+    ("recommend {cap} --target vllm -b 9 --eval-tokens 128", "--eval-tokens: read by "
+     "--validate or --max-kld", 1),
     ("recommend {cap} --target vllm -b 9 --set kld-anchors=2", "give --max-kld too", 1),
     ("recommend {cap} --target vllm -b 9 --device-map auto", "no model is loaded here", 1),
     ("recommend {cap} --target tgi -b 9", "Unknown --target 'tgi'", 1),
@@ -157,18 +162,23 @@ ROWS = [
      "no model is loaded here", 1),
     ("recommend {cap} -b 3 --set mikv-bits=4", "add --thorough", 1),
     ("recommend {cap} -b 3 --thorough --set mikv=off --set mikv-fractions=0.1",
-     "MiKV candidates, which are not offered", 1),
+     "--set mikv-fractions: read by MiKV candidates", 1),
     ("recommend {cap} -b 3 --set balancer=off --set balancer-exponent=0.3",
-     "--set balancer=off removes", 1),
-    ("recommend {cap} -b 3 --thorough --set prefer-fast=on", "not read by the fused kernel", 1),
-    ("recommend {cap} -b 3 --retrieval-prompts 2", "applies to --validate", 1),
+     "not by --set balancer=off, which removes them", 1),
+    ("recommend {cap} -b 3 --thorough --set prefer-fast=on", "--thorough: read by the torch "
+     "decode path (GEAR and MiKV candidates are not read by the fused kernel), not by --set "
+     "prefer-fast=on", 1),
+    ("recommend {cap} -b 3 --set gear=off --set prefer-fast=on --set mikv=on",
+     "--set gear, --set mikv: read by the torch decode path", 1),
+    ("recommend {cap} -b 3 --retrieval-prompts 2", "--retrieval-prompts: read by --validate", 1),
     ("recommend {cap} -b 3 --set sensitivity=model --set layout-tokens=256",
-     "--set layout-tokens: shape the layout sensitivity", 1),
+     "--set layout-tokens: read by the layout sensitivity (--set sensitivity=auto or layout), "
+     "not by --set sensitivity=model", 1),
     ("recommend {cap} -b 3 --set sensitivity=uniform --set layout-layers=2 "
-     "--set layout-tokens=256", "--set layout-layers, --set layout-tokens: shape the layout", 1),
+     "--set layout-tokens=256", "--set layout-layers, --set layout-tokens: read by the layout", 1),
     ("recommend {cap} -b 3 --set layout-tokens=64", "above the largest window (128)", 1),
     ("recommend {cap} -b 3 --set retrieval=off --set retrieval-weight=2",
-     "--set retrieval=off skips", 1),
+     "--set retrieval-weight: read by the retrieval probe, not by --set retrieval=off", 1),
     ("recommend {cap} -b 3 -o {exists_json}", "already exists; pass --overwrite", 1),
     ("recommend {cap} --target vllm -b 9 -o {new_json}", "kv_scales.json already exists", 1),
     # recommend: what the capture's shape settles before any measurement
@@ -185,8 +195,8 @@ ROWS = [
     ("recommend {cap} -b 3 --set bits=2,x", "expected int,...", 1),
     ("recommend {cap} -b 3 --set flush=8 --set flush=16", "given twice", 1),
     ("recommend {cap} --target vllm -b 9 --set gear=on",
-     "--set gear: not used by --target vllm", 1),
-    ("recommend {cap} -b 3 --thorough --target vllm", "--thorough: not used by --target", 1),
+     "--set gear: read by --target kvlens", 1),
+    ("recommend {cap} -b 3 --thorough --target vllm", "--thorough: read by --target kvlens", 1),
     # generate: presets, configs, texts, outputs, the model's options
     ("generate --preset kivi-9 --prompt x", "Unknown preset 'kivi-9'", 1),
     # an engine-setting error lists the grammar with brackets: printed, not eaten as markup
@@ -348,3 +358,38 @@ def test_an_unwritable_gguf_conversion_cache_warns(tmp_path, monkeypatch, capsys
     err = capsys.readouterr().err
     assert "could not write the GGUF conversion cache" in err and "No space left" in err
     assert not target.exists() and list((tmp_path / "cache").iterdir()) == []
+
+
+def test_refuse_unread_names_the_option_the_modes_that_read_it_and_the_one_asked():
+    """The one helper every command's refusal table goes through
+    (``kvlens.cli.common.refuse_unread``): an option read by the run passes, one that is not is
+    refused naming it, the modes that read it and the mode asked for; options one rule refuses
+    are named together; of several rules on one option the first that refuses is named; an
+    option outside the table is read by every mode."""
+    from kvlens.cli.common import ReadOnly, read_with, refuse_unread
+    from kvlens.errors import InputError
+
+    table = {"rank": read_with("--variants", "lowrank"),
+             "seed": read_with("--variants", "rotate", "lowrank")}
+    refuse_unread(table, {"rank": "--rank", "seed": "--seed", "other": "--other"}, ("lowrank",))
+    with pytest.raises(InputError) as got:
+        refuse_unread(table, {"other": "--other", "rank": "--rank", "seed": "--seed"},
+                      ("balancer",))
+    assert str(got.value) == ("--rank: read by --variants lowrank, not by --variants balancer; "
+                              "add it to --variants, or drop it.")
+    with pytest.raises(InputError, match="not by a run without --variants; add one to"):
+        refuse_unread(table, {"seed": "--seed"}, ())
+    wide = ReadOnly("wide runs", lambda run: run["wide"], "a narrow run")
+    deep = ReadOnly(lambda run: f"depth > {run['depth']}", lambda run: run["depth"] > 1,
+                    lambda run: f"--depth {run['depth']}", "raise --depth")
+    rules = {"a": (wide, deep), "b": (wide, deep), "c": deep}
+    with pytest.raises(InputError) as got:
+        refuse_unread(rules, {"a": "--a", "b": "--b", "c": "--c"}, {"wide": True, "depth": 1})
+    assert str(got.value) == ("--a, --b, --c: read by depth > 1, not by --depth 1; raise "
+                              "--depth, or drop them.")
+    with pytest.raises(InputError, match=r"^--a: read by wide runs, not by a narrow run; drop "
+                                         r"it\.$"):
+        refuse_unread(rules, {"a": "--a", "c": "--c"}, {"wide": False, "depth": 2})
+    with pytest.raises(InputError) as got:  # --a is refused by its first rule only
+        refuse_unread(rules, {"c": "--c", "a": "--a"}, {"wide": False, "depth": 1})
+    assert str(got.value).startswith("--c: read by depth > 1")

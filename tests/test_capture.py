@@ -136,3 +136,26 @@ def test_layer_selection_and_storage_dtypes(tmp_path):
             torch.testing.assert_close(got, exact, atol=tol, rtol=tol)
             with pytest.raises(Exception, match="Layer 1 is not in"):
                 cap.layer(1)
+
+
+def test_the_model_beside_a_capture_is_loaded_once_where_named(tmp_path, monkeypatch):
+    """``kvlens.capture.source.CaptureModel``, the one loader of a model beside a capture:
+    ``--model`` (or the capture's own), placed as asked, loaded once; a capture that does not
+    say which model it came from, with no ``--model``, is an error, never a default model."""
+    from helpers import make_capture, rand
+
+    import kvlens.capture.source
+    from kvlens.capture.source import CaptureModel
+    from kvlens.errors import InputError
+
+    path = tmp_path / "cap.h5"
+    make_capture(path, rand(1, 2, 8, 16), rand(1, 2, 8, 16, seed=1), rand(1, 2, 8, 16, seed=2))
+    calls, said = [], []
+    monkeypatch.setattr(kvlens.capture.source, "load_model",
+                        lambda spec, **kw: calls.append((spec, kw)) or ("model", "tok", None))
+    loaded = CaptureModel(path, "some/dir", {"dtype": "bfloat16"}, said.append, " for x")
+    assert loaded.get() == ("model", "tok") and loaded.get() == ("model", "tok")
+    assert calls == [("some/dir", {"dtype": "bfloat16"})] and said == ["Loading some/dir for x ..."]
+    with pytest.raises(InputError, match="does not say which model it came from; pass --model"):
+        CaptureModel(path).get()
+    assert len(calls) == 1

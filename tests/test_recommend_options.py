@@ -15,8 +15,9 @@ from typer.testing import CliRunner
 import kvlens.recommend
 import kvlens.recommend.answer
 from kvlens.cli import app
-from kvlens.cli.recommend import CLI_READERS, ENGINES, KVLENS, readers
+from kvlens.cli.recommend import COMMAND_ONLY
 from kvlens.cli.recommend import RESEARCH as RESEARCH_PANEL
+from kvlens.deploy.answer import ENGINE, PER_LAYER, REQUEST_READERS, readers
 from kvlens.errors import InputError, KvlensError
 from kvlens.recommend import RecommendOptions
 from kvlens.recommend.options import LIBRARY, MAIN, RESEARCH, option_name
@@ -56,12 +57,17 @@ def test_every_field_is_classified_and_reachable():
 
 
 def test_every_parameter_is_read_by_a_target():
-    for name in _command_params():
-        assert readers(name) <= {KVLENS, ENGINES} and readers(name), name
+    params = _command_params()
+    for name in set(params) - set(COMMAND_ONLY):
+        assert readers(name) <= {PER_LAYER, ENGINE} and readers(name), name
     # the derivation: a per-layer field is kvlens-only, a target field both or engine-only
-    assert readers("windows") == {KVLENS} and readers("anchors") == {ENGINES}
-    assert readers("budget_bits") == {KVLENS, ENGINES}
-    assert set(CLI_READERS) <= set(_command_params())
+    assert readers("windows") == {PER_LAYER} and readers("anchors") == {ENGINE}
+    assert readers("budget_bits") == {PER_LAYER, ENGINE} and not readers("nope")
+    assert set(REQUEST_READERS) | set(COMMAND_ONLY) <= set(params)
+    # a --set lever is named by its field beside the parameters: no name means both
+    lever_fields = {lv.field for lv in levers().values()}
+    assert not lever_fields & set(params)
+    assert all(readers(f) for f in lever_fields)
 
 
 def test_the_main_panels_hold_at_most_25_options():
@@ -159,3 +165,31 @@ def test_set_list_keeps_the_knobs_of_the_default_run_apart_from_experiments():
     for name, experiment in by_group.items():
         assert (f"  {name}=" in experiments) == experiment
         assert (f"  {name}=" in knobs) != experiment
+
+
+def test_the_request_is_built_from_the_options_given(cap, tmp_path):
+    """``kvlens.deploy.answer.request_for``: what the command passes the library. The per-layer
+    target's options hold only what was given (the budget the measurement reads, --thorough
+    under the levers, the placement); several budgets name one output each; an engine target's
+    --max-kld reaches its ``TargetOptions`` (it was dropped once: ``--target llama.cpp
+    --max-kld X`` then said it needed --budget-bits or --max-kld)."""
+    from kvlens.deploy.answer import request_for
+
+    out = tmp_path / "kv.json"
+    req = request_for(cap, "kvlens", {"budgets": "4,2.5", "output": out, "windows": "64,128",
+                                      "thorough": True, "device_map": "auto", "validate": True},
+                      {"mikv": False})
+    assert req.options == {"windows": (64, 128), "device_map": "auto", "budget_bits": 2.5,
+                           "gear": True, "mikv": False}
+    assert req.budgets == (2.5, 4.0) and req.validate and req.max_kld is None
+    assert req.outputs == (tmp_path / "kv-2.5b.json", tmp_path / "kv-4b.json")
+    assert req.place == {"device_map": "auto", "max_memory": None, "offload_folder": None}
+    engine = request_for(cap, "llamacpp", {"max_kld": 0.01, "context": 1024, "dtype": "float16"})
+    assert engine.target == "llama.cpp" and engine.max_kld == 0.01
+    assert engine.options == {"context": 1024} and engine.place["dtype"] == "float16"
+    with pytest.raises(TypeError, match="reads no"):
+        request_for(cap, "vllm", {"budget_bits": 4.0, "windows": "64"})
+    res = runner.invoke(app, ["recommend", str(cap), "--target", "llama.cpp", "--max-kld",
+                              "0.01"])
+    assert res.exit_code == 1 and "does not say which model it came from" in res.output, \
+        res.output

@@ -252,16 +252,10 @@ def main(argv=None) -> None:
         log(f"{row}: {rec.mean_bits:.3f} bits, {changed} layers changed, expected error "
             f"{rec.expected_output_error:.4f}{' (same as ' + r['same_as'] + ')' if 'same_as' in r else ''}")
     if args.eval:
-        from kvlens.capture.store import open_capture
+        from kvlens.capture.source import CaptureModel
         from kvlens.evaluation import EvalOptions, evaluate_configs
-        from kvlens.model.load import load_model
-        from kvlens.recommend import model_spec_from_capture
 
-        spec = args.model
-        if spec is None:
-            with open_capture(args.capture) as cap:
-                spec = model_spec_from_capture(cap.meta)
-        model, tok, _ = load_model(spec)
+        model, tok = CaptureModel(args.capture, args.model).get()
         from kvlens.config import preset
 
         for name in (x for x in args.presets.split(",") if x.strip()):

@@ -24,8 +24,9 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperCommand, TyperGroup
 
-from kvlens.errors import KvlensError
+from kvlens.errors import InputError, KvlensError
 from kvlens.units import format_bytes, format_seconds
 
 # -- --help ---------------------------------------------------------------------------------
@@ -172,6 +173,55 @@ def given_options(ctx: typer.Context, names: Iterable[str]) -> dict[str, str]:
 
     wanted = set(names)
     return {p.name: p.opts[0] for p in ctx.command.params if p.name in wanted and given(p.name)}
+
+
+@dataclass(frozen=True, eq=False)
+class ReadOnly:
+    """An option that only some modes of a command read: ``reads(run)`` says whether ``run``
+    (the command's own record of what this command line asks for) is one of them. ``by``
+    names the modes that read it and ``mode`` the one asked for (each a text, or a function
+    of ``run`` giving one), as the user spells them; ``fix`` what to do instead of dropping
+    it (``{them}``: it or them)."""
+
+    by: str | Callable[[Any], str]
+    reads: Callable[[Any], bool]
+    mode: str | Callable[[Any], str]
+    fix: str = ""
+
+    def message(self, flags: list[str], run: Any) -> str:
+        them = "them" if len(flags) > 1 else "it"
+        by, mode = (t(run) if callable(t) else t for t in (self.by, self.mode))
+        fix = f"{self.fix.format(them=them)}, or " if self.fix else ""
+        return f"{', '.join(flags)}: read by {by}, not by {mode}; {fix}drop {them}."
+
+
+def read_with(option: str, *modes: str) -> ReadOnly:
+    """Read when the command line's ``option`` (``--eval``, ``--variants``) asks for one of
+    ``modes``; its ``run`` is the modes asked for."""
+    return ReadOnly(by=f"{option} {' or '.join(modes)}",
+                    reads=lambda asked: bool(set(modes) & set(asked)),
+                    mode=lambda asked: f"{option} {','.join(asked)}" if asked
+                    else f"a run without {option}",
+                    fix=f"add {'one' if len(modes) > 1 else 'it'} to {option}")
+
+
+def refuse_unread(table: Mapping[str, ReadOnly | tuple[ReadOnly, ...]],
+                  given: Mapping[str, str], run: Any) -> None:
+    """Refuse the options the user gave that ``run`` does not read, never drop one silently:
+    one ``InputError`` naming them (as spelled in ``given``, name -> flag), the modes that
+    read them and the one asked for. ``table``: the command's one table, option name -> its
+    ``ReadOnly`` (or several, each of which must read it; the first that does not is named);
+    an option not in it is read by every mode. Options that one ``ReadOnly`` refuses are named
+    together; the first such group is raised."""
+    refused: dict[int, tuple[ReadOnly, list[str]]] = {}
+    for name, flag in given.items():
+        rules = table.get(name, ())
+        for rule in rules if isinstance(rules, tuple) else (rules,):
+            if not rule.reads(run):
+                refused.setdefault(id(rule), (rule, []))[1].append(flag)
+                break
+    for rule, flags in refused.values():
+        raise InputError(rule.message(flags, run))
 
 
 def print_json(obj: Any) -> None:

@@ -21,16 +21,16 @@ from kvlens.cli.common import (
     overwrite_option,
     print_json,
     progress_bar,
+    read_with,
+    refuse_unread,
     run_library_call,
     write_artifact_output,
 )
 
-# Options that only a variant reads: given without any of their readers, they are refused.
-READ_BY = {
-    "rank": (("--variants lowrank", lambda c: "lowrank" in c.variants),),
-    "outlier_fraction": (("--variants outliers", lambda c: "outliers" in c.variants),),
-    "rotation_seed": (("--variants rotate", lambda c: "rotate" in c.variants),),
-}
+# The options only some variants read (refuse_unread): given without any of them, refused.
+READ_BY = {"rank": read_with("--variants", "lowrank"),
+           "outlier_fraction": read_with("--variants", "outliers"),
+           "rotation_seed": read_with("--variants", "rotate")}
 METRIC_LABELS = {
     "reconstruction": "recon",
     "score": "score",
@@ -135,7 +135,7 @@ def compare_axes_command(
             rotation_seed=rotation_seed,
             formats=measured_cache_types(formats),
         )
-        _refuse_unread(config, given)
+        refuse_unread(READ_BY, given, config.variants)
         _check_against_capture(run, config)
         return config
 
@@ -161,18 +161,6 @@ def compare_axes_command(
         print_json(result.to_dict())
         return
     _render(result.summary)
-
-
-def _refuse_unread(config, given: dict[str, str]) -> None:
-    """An option given for a variant the sweep does not run is refused, not dropped."""
-    from kvlens.errors import InputError
-
-    for name, flag in given.items():
-        readers = READ_BY[name]
-        if not any(reads(config) for _, reads in readers):
-            spelled = " or ".join(what for what, _ in readers)
-            raise InputError(f"{flag} is read by {spelled}, which is not requested; request "
-                             f"it or drop {flag}.")
 
 
 def _check_against_capture(run: Path, config) -> None:

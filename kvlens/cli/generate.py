@@ -26,16 +26,21 @@ from kvlens.cli.common import (
     offload_folder_option,
     overwrite_option,
     print_json,
+    read_with,
+    refuse_unread,
     run_library_call,
     write_artifact_output,
 )
 from kvlens.units import format_bytes, format_interval
 
-# Options each evaluation reads: given without any of those evaluations, they are refused.
-READ_BY = {"text": ("kld", "ppl"), "ppl_tokens": ("ppl",), "passkey_prompts": ("passkey",),
-           "passkey_context": ("passkey",), "seed": ("passkey", "retrieval"),
-           "eval_tokens": ("kld",), "chunk": ("kld",), "retrieval_prompts": ("retrieval",),
-           "retrieval_lengths": ("retrieval",)}
+# The options only some evaluations read (refuse_unread): given without any of them, refused.
+READ_BY = {"text": read_with("--eval", "kld", "ppl"), "ppl_tokens": read_with("--eval", "ppl"),
+           "passkey_prompts": read_with("--eval", "passkey"),
+           "passkey_context": read_with("--eval", "passkey"),
+           "seed": read_with("--eval", "passkey", "retrieval"),
+           "eval_tokens": read_with("--eval", "kld"), "chunk": read_with("--eval", "kld"),
+           "retrieval_prompts": read_with("--eval", "retrieval"),
+           "retrieval_lengths": read_with("--eval", "retrieval")}
 # What the help of --preset and --compare calls "the grammar above": the one definition in
 # kvlens.config.engine, added when the help is shown (importing it loads torch).
 HELP_APPENDIX["generate"] = lambda: _engine_grammar_help()
@@ -233,11 +238,7 @@ def _options(config, preset_name, compare, prompt, prompt_file, max_new_tokens, 
     if prompt is not None and prompt_file is not None:
         raise InputError("Give either --prompt or --prompt-file, not both.")
     names = parse_evals(evals)
-    for name, flag in (given or {}).items():
-        readers = READ_BY.get(name, ())
-        if readers and not set(readers) & set(names):
-            raise InputError(f"{flag} is read by --eval {' or '.join(readers)}, which is not "
-                             "requested; add it to --eval or drop the option.")
+    refuse_unread(READ_BY, given or {}, names)
     if config is not None and preset_name is not None:  # before any file is read
         raise InputError("Give either --config FILE or --preset NAME, not both.")
     opts = EvalOptions(evals=names, prompt=prompt, max_new_tokens=max_new_tokens,

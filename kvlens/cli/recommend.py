@@ -1,17 +1,21 @@
 """``kvlens recommend``: a per-layer KV quantization config under a memory budget, or the
 setting an engine runs (``--target``).
 
-The command is a thin call: its options become ``kvlens.recommend.RecommendOptions`` (or the
-engine targets' ``TargetOptions``) with only the options given, so every default is the
-library's (``--help`` shows them from there); research levers arrive through one option,
-``--set NAME=VALUE`` (``kvlens.research``). Which options each target reads is derived from
-those two dataclasses (``readers``); an option the chosen target or combination would not read
-is refused before any work.
+The command is a thin call: the options given become a ``RecommendRequest``
+(``kvlens.deploy.answer.request_for``) with only the options given, so every default is the
+library's (``--help`` shows them from ``RecommendOptions`` and the engine targets'
+``TargetOptions``); research levers arrive through one option, ``--set NAME=VALUE``
+(``kvlens.research``); ``recommend_run`` answers it and ``kvlens.cli.recommend_show`` shows the
+answer. An option the chosen target or combination would not read is refused before any work,
+by one table (``CONDITIONS``, over which target reads which option: ``readers``, derived from
+the two dataclasses) and ``kvlens.cli.common.refuse_unread``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -25,56 +29,114 @@ from kvlens.cli.common import (
     OUTPUT,
     VALIDATION,
     KvlensCommand,
-    check_model_options,
+    ReadOnly,
     console,
     device_map_option,
     err_console,
     escape,
-    format_bytes,
-    format_seconds,
     given_options,
     max_memory_option,
     offload_folder_option,
     overwrite_option,
-    print_json,
     progress_bar,
+    refuse_unread,
     run_library_call,
-    write_config_doc,
     write_output,
     write_text_output,
 )
 
 RESEARCH = "Knobs and experiments (--set)"
-KVLENS, ENGINES = "kvlens", "engine"
-#: Who reads the command's parameters that are not a field of ``RecommendOptions`` or
-#: ``TargetOptions`` of the same name (the rest: ``readers``).
-CLI_READERS = {
-    "capture": {KVLENS, ENGINES}, "target": {KVLENS, ENGINES}, "settings": {KVLENS, ENGINES},
-    "validate": {KVLENS, ENGINES}, "eval_tokens": {KVLENS, ENGINES},
-    "output": {KVLENS, ENGINES}, "overwrite": {KVLENS, ENGINES}, "as_json": {KVLENS, ENGINES},
-    # the placement of the model a target's --max-kld or --validate loads (run_target's place)
-    "dtype": {KVLENS, ENGINES}, "device_map": {KVLENS, ENGINES}, "max_memory": {KVLENS, ENGINES},
-    "offload_folder": {KVLENS, ENGINES},
-    "max_kld": {KVLENS, ENGINES},  # kvlens: the budget search (kvlens.recommend.search)
-    "thorough": {KVLENS}, "remeasure": {KVLENS}, "retrieval_prompts": {KVLENS},
-    "budgets": {KVLENS},
+#: parameters the command reads itself, for either target; the rest make the request
+#: (``kvlens.deploy.answer.request_for``), whose ``readers`` say which target reads which
+COMMAND_ONLY = ("capture", "target", "settings", "overwrite", "as_json")
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What a ``kvlens recommend`` command line asks for, as its refusal table reads it:
+    ``levers``, the per-layer recommendation's ``--set`` levers (field -> value)."""
+
+    target: str
+    validate: bool
+    max_kld: float | None
+    thorough: bool
+    levers: dict[str, Any]
+
+    @property
+    def engine(self) -> bool:
+        return self.target != "kvlens"
+
+    def lever(self, name: str, default: Any = None) -> Any:
+        return self.levers.get(name, default)
+
+    def loads_model(self) -> bool:
+        measures = not self.engine and (self.lever("sensitivity", "auto") != "uniform"
+                                        or self.lever("retrieval", "auto") != "off")
+        return measures or self.validate or self.max_kld is not None
+
+
+PER_LAYER = ReadOnly("--target kvlens (options of the per-layer kvlens recommendation)",
+                     lambda a: not a.engine, lambda a: f"--target {a.target}",
+                     "use --target kvlens")
+ENGINE_ONLY = ReadOnly("an engine target (--target llama.cpp, vllm, sglang or transformers)",
+                       lambda a: a.engine, "--target kvlens", "name one with --target")
+BY_TARGET = {frozenset({"kvlens"}): (PER_LAYER,), frozenset({"engine"}): (ENGINE_ONLY,),
+             frozenset({"kvlens", "engine"}): ()}
+MODEL_STAGES = ReadOnly(
+    lambda a: "a run that loads the model (" + ("--max-kld or --validate" if a.engine else
+                                                "--validate, --max-kld, or research levers that "
+                                                "measure on it: --set sensitivity, --set "
+                                                "retrieval") + ")",
+    Asked.loads_model, "this one: no model is loaded here")
+MIKV = ReadOnly("MiKV candidates (--thorough or --set mikv=on)",
+                lambda a: a.lever("mikv", a.thorough), "this run, which offers none",
+                "add --thorough (or --set mikv=on)")
+TORCH_PATH = ReadOnly("the torch decode path (GEAR and MiKV candidates are not read by the "
+                      "fused kernel)", lambda a: not (a.lever("prefer_fast") and (
+                          a.thorough or a.lever("gear") or a.lever("mikv"))),
+                      "--set prefer-fast=on, which keeps to that kernel",
+                      "drop --set prefer-fast=on")
+LAYOUT = ReadOnly("the layout sensitivity (--set sensitivity=auto or layout)",
+                  lambda a: a.lever("sensitivity", "auto") not in ("uniform", "model"),
+                  lambda a: f"--set sensitivity={a.lever('sensitivity')}, which does not run it")
+#: What an option needs besides its target (``BY_TARGET``): the command's refusal table.
+CONDITIONS = {
+    "anchors": (ReadOnly("--max-kld (settings whose KLD is measured to fit its predictor)",
+                         lambda a: a.max_kld is not None, "a run without it",
+                         "give --max-kld too"),),
+    "eval_tokens": (ReadOnly("--validate or --max-kld (the held-out tokens they score)",
+                             lambda a: a.validate or a.max_kld is not None,
+                             "a run without them", "add one of them"),),
+    "retrieval_prompts": (ReadOnly("--validate (its retrieval grid)", lambda a: a.validate,
+                                   "a run without it", "add --validate"),),
+    "mikv_set_bits": (MIKV,), "mikv_fractions": (MIKV,),
+    "thorough": (TORCH_PATH,), "gear": (TORCH_PATH,), "mikv": (TORCH_PATH,),
+    "balancer_exponent": (ReadOnly("balancer candidates", lambda a: a.lever("balancer", True),
+                                   "--set balancer=off, which removes them",
+                                   "drop --set balancer=off"),),
+    "layout_layers": (LAYOUT,), "layout_tokens": (LAYOUT,),
+    "retrieval_weight": (ReadOnly("the retrieval probe",
+                                  lambda a: a.lever("retrieval", "auto") != "off",
+                                  "--set retrieval=off, which skips it",
+                                  "drop --set retrieval=off"),),
+    **{name: (MODEL_STAGES,) for name in ("model", "dtype", "device_map", "max_memory",
+                                          "offload_folder")},
 }
-PLACEMENT = ("dtype", "device_map", "max_memory", "offload_folder")
 
 
-def readers(param: str) -> set[str]:
-    """The targets that read the command's parameter ``param``: ``KVLENS`` (the per-layer
-    recommendation) where it is a ``RecommendOptions`` field, ``ENGINES`` where it is a
-    ``TargetOptions`` field, else ``CLI_READERS``."""
-    from dataclasses import fields
+def refuse_unread_options(given: dict[str, str], levers: dict[str, dict], asked: Asked) -> None:
+    """Refuse the options (``given``: parameter -> flag) and ``--set`` levers (parsed per
+    owner, ``kvlens.research.parse_settings``) that ``asked`` would not read: the options of
+    the other target (``kvlens.deploy.answer.readers``), then ``CONDITIONS``."""
+    from kvlens.deploy.answer import readers
+    from kvlens.research import levers as all_levers
 
-    from kvlens.deploy.targets import TargetOptions
-    from kvlens.recommend import RecommendOptions
-
-    if param in CLI_READERS:
-        return CLI_READERS[param]
-    return ({KVLENS} if param in {f.name for f in fields(RecommendOptions)} else set()) | \
-        ({ENGINES} if param in {f.name for f in fields(TargetOptions)} else set())
+    by_field = {lv.field: lv for lv in all_levers().values()}
+    spelled = dict(given) | {f: f"--set {by_field[f].name}" for owned in levers.values()
+                             for f in owned}
+    table = {name: CONDITIONS.get(name, ()) if name in COMMAND_ONLY else
+             BY_TARGET[readers(name)] + CONDITIONS.get(name, ()) for name in spelled}
+    refuse_unread(table, spelled, asked)
 
 
 class _LibraryDefaults(KvlensCommand):
@@ -119,15 +181,6 @@ def _above_zero(value: float | None) -> float | None:
     if value is not None and not value > 0:
         raise typer.BadParameter(f"{value} is not above 0.")
     return value
-
-
-def _ints(spec: str, what: str) -> tuple[int, ...]:
-    from kvlens.errors import InputError
-
-    try:
-        return tuple(int(x) for x in spec.split(",") if x.strip())
-    except ValueError:
-        raise InputError(f"Invalid {what} {spec!r}; expected a comma list of integers.") from None
 
 
 @app.command(cls=_LibraryDefaults)
@@ -227,7 +280,8 @@ def recommend(
       kvlens recommend run.h5 -b 2.5 --set gear=on
 
     Every option given is used or refused before any measurement starts."""
-    from kvlens.deploy.answer import RecommendRequest, recommend_run
+    from kvlens.cli.recommend_show import show_layers, show_target
+    from kvlens.deploy.answer import recommend_run, request_for
     from kvlens.deploy.targets import canonical_target
     from kvlens.research import RECOMMEND, TARGET, parse_settings
 
@@ -235,110 +289,34 @@ def recommend(
     engine = target != "kvlens"
     given = given_options(ctx, [p.name for p in ctx.command.params])
     levers = run_library_call(lambda: parse_settings(list(settings or [])))
-    budget_list = run_library_call(lambda: _budgets(budgets, output, budget_bits, max_kld,
-                                                    engine))
-    outputs = [] if output is None else [_output_for(output, b) for b in budget_list] \
-        if budget_list else [output]
-    run_library_call(lambda: _check_common(
-        capture, target, given, levers, outputs, overwrite, validate=validate, max_kld=max_kld,
-        thorough=thorough, model=model, dtype=dtype, device_map=device_map,
-        max_memory=max_memory, offload_folder=offload_folder))
-    place = {"device_map": device_map, "max_memory": max_memory,
-             "offload_folder": str(offload_folder) if offload_folder else None} | (
-        {"dtype": dtype} if dtype else {})
-    owner, lever_owner = (ENGINES, TARGET) if engine else (KVLENS, RECOMMEND)
-    values = {p: ctx.params[p] for p in given if owner in readers(p) and p not in CLI_READERS}
-    if not engine:
-        values |= {k: v for k, v in place.items() if k in given}
-        if "windows" in values:
-            values["windows"] = run_library_call(lambda: _ints(windows, "--windows"))
-        # the measurement does not read the budget: --budgets and --max-kld allocate later
-        values["budget_bits"] = budget_bits or min(budget_list, default=16.0)
-        if thorough:
-            from kvlens.recommend import THOROUGH
-
-            values |= THOROUGH
-    request = RecommendRequest(
-        capture, target, values | levers[lever_owner], tuple(budget_list), max_kld, validate,
-        eval_tokens, retrieval_prompts, tokens, model, place, remeasure, tuple(outputs))
+    asked = Asked(target, validate, max_kld, thorough, levers[RECOMMEND])
+    run_library_call(lambda: refuse_unread_options(given, levers, asked))
+    request = run_library_call(lambda: request_for(
+        capture, target, {p: ctx.params[p] for p in given if p not in COMMAND_ONLY},
+        levers[TARGET if engine else RECOMMEND]))
+    run_library_call(lambda: _check_outputs(request.outputs, target, overwrite))
     with progress_bar("measuring engine cache types" if engine else "measuring candidates") \
             as update:
         answer = run_library_call(lambda: recommend_run(
             request, save=_save_engine if engine else _save_config, progress=update,
             log=lambda msg: err_console.print(escape(msg), highlight=False)))
     if engine:
-        from kvlens.cli.targets import show_target
-
         show_target(answer, output, as_json)
-        return
-    _print_profile(answer.recommendations[0].profile, answer.predicted)
-    for doc, out in zip(answer.documents, outputs):
-        data = run_library_call(lambda d=doc, o=out: write_config_doc("recommend", d, o))
-        err_console.print(f"results for `kvlens report` written: {escape(str(data))}")
-    if as_json:
-        docs = answer.documents
-        print_json(docs[0] if len(docs) == 1 else {"recommendations": docs})
-        return
-    if answer.search is not None:
-        _render_search(answer.search)
-    if len(answer.recommendations) > 1:
-        _render_budgets(answer.recommendations)
     else:
-        _render(answer.recommendations[0])
-    if answer.validation is not None:
-        from kvlens.cli.generate import _render_long
-
-        _render_long(answer.validation)
+        show_layers(answer, request.outputs, as_json)
 
 
-def _budgets(spec: str | None, output, budget_bits, max_kld, engine: bool) -> list[float]:
-    """``kvlens.recommend.answer.budget_list`` (the per-layer target's one-mode rule); an
-    engine target runs one setting per engine."""
-    from kvlens.errors import InputError
-    from kvlens.recommend.answer import budget_list
-
-    if engine:
-        if spec is not None:
-            raise InputError("--budgets: not used by an engine target (one setting per "
-                             "engine); give --budget-bits or --max-kld.")
-        return []
-    return budget_list(spec, budget_bits, max_kld, output)
-
-
-def _output_for(output: Path, budget: float) -> Path:
-    from kvlens.recommend.answer import output_for
-
-    return output_for(output, budget)
-
-
-def _check_common(capture, target, given, levers, outputs, overwrite, *, validate, max_kld,
-                  thorough, model, dtype, device_map, max_memory, offload_folder) -> None:
-    """The checks both targets share, cheapest first: option combinations, the output files,
-    the capture, the model and its placement."""
-    from kvlens.capture.store import open_capture
-    from kvlens.model.load import parse_dtype
-    from kvlens.model.placement import make_placement
+def _check_outputs(outputs, target: str, overwrite: bool) -> None:
+    """Each config, its result document and (vLLM, SGLang) its scale file: refused where it
+    exists without --overwrite, before any work."""
     from kvlens.report.artifacts import check_output_file, config_doc_path
 
-    _check_combinations(target, given, levers, validate=validate, max_kld=max_kld,
-                        thorough=thorough)
-    engine = target != "kvlens"
     for out in outputs:
         check_output_file(out, "--output", overwrite, example="kv.json")
-        check_output_file(config_doc_path(out, "deploy" if engine else "recommend"), "--output",
-                          overwrite)
+        check_output_file(config_doc_path(out, "recommend" if target == "kvlens" else "deploy"),
+                          "--output", overwrite)
         if target in ("vllm", "sglang"):
             check_output_file(out.parent / "kv_scales.json", "--output", overwrite)
-    with open_capture(capture):
-        pass  # a missing, foreign or incomplete capture fails here, before any work
-    if model is not None:
-        check_model_options(model, **({"dtype": dtype} if dtype else {}), device="cpu",
-                            device_map=device_map, max_memory=max_memory,
-                            offload_folder=offload_folder)
-        return
-    if dtype:
-        parse_dtype(dtype)
-    make_placement(device_map, max_memory, str(offload_folder) if offload_folder else None)
 
 
 def _save_config(rec, out: Path) -> None:
@@ -360,186 +338,3 @@ def _save_engine(rec, out: Path) -> None:
         written.append(str(out.parent / name))
     for w in written:
         err_console.print(f"written: {escape(w)}")
-
-
-def _render_search(search) -> None:
-    from rich.table import Table
-
-    t = Table(title=f"Budgets tried for --max-kld {search.max_kld:g} (held-out text, mean KLD "
-                    "with its 95% interval)")
-    for col in ("budget", "bits held", "mean KLD", "95% interval", "top-1", ""):
-        t.add_column(col, justify="right")
-    for st in search.steps:
-        lo, hi = st.kld["mean_kld"]["ci95"]
-        mark = "chosen" if st.budget_bits == search.chosen.budget_bits else (
-            "meets" if st.mean_kld <= search.max_kld else "misses")
-        t.add_row(f"{st.budget_bits:g}", f"{st.mean_bits:.3f}", f"{st.mean_kld:.4f}",
-                  f"[{lo:.4f}, {hi:.4f}]", f"{st.kld['top1_agreement']['value']:.3f}", mark)
-    console.print(t)
-
-
-def _render_budgets(recs) -> None:
-    from rich.table import Table
-
-    t = Table(title="Configs at each budget (one measurement)")
-    for col in ("config", "budget", "bits held", "expected output error"):
-        t.add_column(col, justify="left" if col == "config" else "right")
-    for rec in recs:
-        t.add_row(escape(rec.config.name), f"{rec.budget_bits:g}", f"{rec.mean_bits:.3f}",
-                  f"{rec.expected_output_error:.4f}")
-    console.print(t)
-
-
-def _print_profile(profile, predicted) -> None:
-    """Where the time went (stderr), stage by stage, beside the prediction (None: nothing was
-    predicted, the measurement was reused)."""
-    parts = ", ".join(f"{name} {format_seconds(sec)}" for name, sec in
-                      sorted(profile.stages.items(), key=lambda kv: -kv[1]) if sec >= 0.05)
-    said = "" if predicted is None else f", predicted {format_seconds(predicted.seconds)}"
-    err_console.print(f"time by stage ({format_seconds(profile.total)} in all{said}): {parts}",
-                      highlight=False)
-
-
-def _check_combinations(target: str, given: dict[str, str], levers: dict[str, dict], *,
-                        validate: bool, max_kld, thorough: bool) -> None:
-    """Refuse options that this combination would not read (never drop one silently).
-    ``given``: the options the user gave, parameter name -> flag; ``levers``: the parsed
-    ``--set`` levers per owner (``kvlens.research.parse_settings``)."""
-    from kvlens.errors import InputError
-    from kvlens.research import RECOMMEND, TARGET
-    from kvlens.research import levers as all_levers
-
-    by_field = {lv.field: lv for lv in all_levers().values()}
-    names = dict(given)  # parameter or lever field -> how the user spelled it
-    for owner in (RECOMMEND, TARGET):
-        names |= {f: f"--set {by_field[f].name}" for f in levers[owner]}
-
-    def flags(keys) -> str:
-        return ", ".join(names[k] for k in keys if k in names)
-
-    def them(keys) -> str:
-        return "them" if sum(k in names for k in keys) > 1 else "it"
-
-    engine = target != "kvlens"
-    if engine:
-        unread = [p for p in given if ENGINES not in readers(p)] + \
-            [f for f in levers[RECOMMEND] if f not in levers[TARGET]]
-        if unread:
-            raise InputError(f"{flags(unread)}: not used by --target {target} (options of the "
-                             f"per-layer kvlens recommendation); drop {them(unread)}, or use "
-                             "--target kvlens.")
-        if "anchors" in levers[TARGET] and max_kld is None:
-            raise InputError("--set kld-anchors sets how many settings fit the --max-kld "
-                             "predictor; give --max-kld too, or drop it.")
-        needs_model = max_kld is not None or validate
-        why = "--max-kld or --validate"
-    else:
-        unread = [p for p in given if KVLENS not in readers(p)] + \
-            [f for f in levers[TARGET] if f not in levers[RECOMMEND]]
-        if unread:
-            raise InputError(f"{flags(unread)}: only for an engine target (--target "
-                             "llama.cpp, vllm, sglang or transformers); the kvlens target "
-                             "takes --budget-bits.")
-        opts = levers[RECOMMEND]
-        mikv = opts.get("mikv", thorough)
-        if not mikv and flags(("mikv_set_bits", "mikv_fractions")):
-            raise InputError(f"{flags(('mikv_set_bits', 'mikv_fractions'))}: describe MiKV "
-                             "candidates, which are not offered; add --thorough (or --set "
-                             f"mikv=on), or drop {them(('mikv_set_bits', 'mikv_fractions'))}.")
-        if not opts.get("balancer", True) and "balancer_exponent" in opts:
-            raise InputError("--set balancer-exponent shapes balancer candidates, which "
-                             "--set balancer=off removes; give one or the other.")
-        if opts.get("prefer_fast") and (thorough or opts.get("gear") or opts.get("mikv")):
-            raise InputError(f"{flags(('thorough', 'gear', 'mikv'))}: GEAR and MiKV "
-                             "candidates are not read by the fused kernel, which --set "
-                             "prefer-fast=on keeps to; give one or the other.")
-        sensitivity = opts.get("sensitivity", "auto")
-        if sensitivity in ("uniform", "model") and flags(("layout_layers", "layout_tokens")):
-            keys = ("layout_layers", "layout_tokens")
-            raise InputError(f"{flags(keys)}: shape the layout sensitivity, which --set "
-                             f"sensitivity={sensitivity} does not run; drop {them(keys)}.")
-        retrieval = opts.get("retrieval", "auto")
-        if retrieval == "off" and "retrieval_weight" in opts:
-            raise InputError("--set retrieval-weight weighs the retrieval probe, which --set "
-                             "retrieval=off skips; give one or the other.")
-        if "retrieval_prompts" in given and not validate:
-            raise InputError("--retrieval-prompts applies to --validate; add --validate or "
-                             "drop it.")
-        needs_model = sensitivity != "uniform" or retrieval != "off" or validate or \
-            max_kld is not None
-        why = ("--validate, --max-kld, or research levers that measure on the model (--set "
-               "sensitivity, --set retrieval)")
-    if "eval_tokens" in given and not (validate or max_kld is not None):
-        raise InputError("--eval-tokens sets the held-out tokens scored by --validate or "
-                         "--max-kld; add one of them or drop it.")
-    loaders = flags(("model",) + PLACEMENT)
-    if loaders and not needs_model:
-        raise InputError(f"{loaders}: no model is loaded here (only with {why}); drop "
-                         f"{them(('model',) + PLACEMENT)}.")
-
-
-def _render(rec) -> None:
-    from rich.table import Table
-
-    t = Table(title=f"Recommendation: {rec.mean_bits:.3f} bits/element (budget "
-                    f"{rec.budget_bits}) at {rec.context} tokens; windows "
-                    f"{'/'.join(map(str, rec.windows))} offered, {rec.sink_tokens} sink tokens")
-    for col in ("layer", "weight", "key", "bits", "K out", "value", "bits", "V out", "R", "F"):
-        t.add_column(col, justify="left" if col in ("key", "value") else "right",
-                     no_wrap=True)
-    by_layer: dict[int, dict] = {}
-    for ch in rec.choices:
-        by_layer.setdefault(ch.layer, {})[ch.tensor] = ch
-    for j, (layer, pair) in enumerate(sorted(by_layer.items())):  # weights: in layer order
-        k, v = pair["key"], pair["value"]
-        t.add_row(str(layer), f"{rec.weights[j]:.2f}", escape(k.candidate.short), f"{k.bits:.2f}",
-                  f"{k.output_error:.3f}", escape(v.candidate.short), f"{v.bits:.2f}",
-                  f"{v.output_error:.3f}", str(k.residual_tokens),
-                  str(k.flush_tokens or "R"))
-    console.print(t)
-    console.print("K out / V out: relative attention-output error when only that tensor is "
-                  "quantized (where it is consumed), on the capture's text plus, when the "
-                  "retrieval probe ran, at its answer position: the metric each choice "
-                  "minimises, weighted by the layer's sensitivity (weight). Score and "
-                  "reconstruction errors of every choice are in --json. ch = "
-                  "per-channel (groups of G tokens), tok = per-token (groups of G channels), "
-                  "pre = keys quantized before RoPE, bal = MiKV channel balancer, rot = Hadamard "
-                  "rotation. R = the layer's full-precision window (tokens), F = tokens "
-                  "quantized at a time when the window fills (R = the whole window). Errors "
-                  "are measured as decoding reads the cache: the window and sink tokens "
-                  "exact.")
-    m = Table(title="KV cache memory (all layers, batch 1)")
-    for col in ("context", "recommended", "fp16", "ratio"):
-        m.add_column(col, justify="right")
-    for ctx, b in rec.kv_bytes.items():
-        f = rec.kv_bytes_fp16[ctx]
-        m.add_row(f"{ctx:,}", format_bytes(b), format_bytes(f), f"{f / b:.2f}x")
-    console.print(m)
-    _render_decode_cost(rec)
-    console.print(f"expected mean attention-output error: {rec.expected_output_error:.4f}")
-    for note in rec.notes:
-        console.print(f"note: {escape(note)}")
-
-
-def _render_decode_cost(rec) -> None:
-    from rich.table import Table
-
-    if not rec.decode_cost:
-        return
-    t = Table(title=f"Decode cost at {rec.context:,} tokens (model: bytes one decode step "
-                    "reads, all layers, batch 1)")
-    for col in ("config", "read", "vs fp16", "fused kernel path", "torch-path unpack"):
-        t.add_column(col, justify="left" if col == "config" else "right")
-    for name, c in rec.decode_cost:
-        fused = "yes" if c.fused else f"no ({len(c.unfused)} layers)"
-        t.add_row(escape(name), format_bytes(c.read_bytes), f"{c.ratio_fp16:.3f}", fused,
-                  format_bytes(c.torch_unpack_bytes))
-    console.print(t)
-    console.print("read: codes, scales/zeros, the filled window, sink copies, positions "
-                  "(kvlens.cache.decode_cost); a memory-bound step takes time in proportion. "
-                  "fused: the Triton decode kernel reads every layer (CUDA); otherwise those "
-                  "layers take the torch path. torch-path unpack: float32 codes the eager CPU "
-                  "path writes and reads per step (one chunk at a time).")
-    for name, c in rec.decode_cost[:1]:
-        for layer, why in sorted(c.unfused.items())[:3]:
-            console.print(f"  {escape(name)} layer {layer}: {escape(why)}")

@@ -4,25 +4,35 @@ A ``RecommendRequest`` says what is asked: the capture, the target (``kvlens``: 
 config, ``kvlens.recommend.answer``; an engine: the setting it runs,
 ``kvlens.deploy.targets``), the target's options (``RecommendOptions`` or ``TargetOptions``
 fields), one budget, several budgets or a KLD bound, and whether to validate against the exact
-model. ``recommend_run`` checks it against the capture, measures, chooses, validates and
-returns the answer with its result documents; writing files and rendering are the caller's.
+model. ``request_for`` builds one from the options a command line gave. ``recommend_run``
+checks it (``check_request``: the capture, the model and its placement, before any work),
+measures, chooses, validates and returns the answer with its result documents; writing files
+and rendering are the caller's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from kvlens.analysis.compare.config import parse_int_list
+from kvlens.capture.source import CaptureModel
 from kvlens.capture.store import open_capture
-from kvlens.deploy.targets import TargetOptions, TargetRecommendation, recommend_target
+from kvlens.deploy.targets import (
+    TargetOptions,
+    TargetRecommendation,
+    canonical_target,
+    recommend_target,
+)
 from kvlens.deploy.targets import validate as validate_target
 from kvlens.errors import InputError
 from kvlens.evaluation.kld import max_positions
-from kvlens.model.load import load_model
-from kvlens.recommend import RecommendOptions, check, model_spec_from_capture
-from kvlens.recommend.answer import LayerAnswer, recommend_layers
+from kvlens.model.load import check_load_options, parse_dtype
+from kvlens.model.placement import make_placement
+from kvlens.recommend import THOROUGH, RecommendOptions, check
+from kvlens.recommend.answer import LayerAnswer, budget_list, output_for, recommend_layers
 
 LogFn = Callable[[str], None]
 
@@ -34,7 +44,8 @@ class RecommendRequest:
     ``options``: the fields given of ``RecommendOptions`` (target ``kvlens``) or
     ``TargetOptions`` (an engine target), the rest are their defaults; ``budgets``: several
     budgets from one measurement (per-layer target); ``max_kld``: the smallest budget whose
-    config's measured KLD is at most this (an engine target reads it from ``options``);
+    config's measured KLD is at most this (an engine target: the cheapest setting whose
+    predicted KLD is; there it may also come in ``options``);
     ``place``: where the model ``--max-kld`` and validation load goes (``load_model``'s
     ``dtype``, ``device_map``, ``max_memory``, ``offload_folder``); ``outputs``: where each
     config is written (named in the documents)."""
@@ -63,6 +74,88 @@ class EngineAnswer:
     document: dict
 
 
+PER_LAYER, ENGINE = "kvlens", "engine"  # the per-layer target, and any engine target
+PLACEMENT = ("dtype", "device_map", "max_memory", "offload_folder")
+#: The targets that read each option ``request_for`` takes that is not a field of the target's
+#: options (``RecommendOptions``, ``TargetOptions``) of the same name (``readers``).
+REQUEST_READERS = {
+    **dict.fromkeys(("max_kld", "validate", "eval_tokens", "output", *PLACEMENT),
+                    frozenset({PER_LAYER, ENGINE})),
+    **dict.fromkeys(("budgets", "thorough", "retrieval_prompts", "remeasure"),
+                    frozenset({PER_LAYER})),
+}
+#: the request's own fields ``request_for`` fills from the options given
+REQUEST_FIELDS = ("max_kld", "validate", "eval_tokens", "retrieval_prompts", "tokens", "model",
+                  "remeasure")
+
+
+def readers(name: str) -> frozenset[str]:
+    """The targets that read option (or ``--set`` lever field) ``name``: ``PER_LAYER`` where it
+    is a ``RecommendOptions`` field, ``ENGINE`` where it is a ``TargetOptions`` field, else
+    ``REQUEST_READERS`` (empty: an option of neither)."""
+    if name in REQUEST_READERS:
+        return REQUEST_READERS[name]
+    return frozenset({PER_LAYER} if name in _fields(RecommendOptions) else ()) | \
+        frozenset({ENGINE} if name in _fields(TargetOptions) else ())
+
+
+def _fields(cls) -> set[str]:
+    return {f.name for f in fields(cls)} - {"target"}
+
+
+def request_for(capture: str | Path, target: str = "kvlens", given: dict[str, Any] | None = None,
+                levers: dict[str, Any] | None = None) -> RecommendRequest:
+    """The request a command line makes (``kvlens recommend``). ``given``: the options given,
+    by ``kvlens recommend``'s parameter names (fields of the target's options; the request's
+    own, ``REQUEST_FIELDS``; the model's placement, ``PLACEMENT``; for the per-layer target
+    ``windows`` and ``budgets`` as comma lists, ``thorough`` and ``output``, where the config is
+    written, one per budget beside it with several budgets); ``levers``: the target's research
+    levers (``kvlens.research.parse_settings``), over ``thorough``. The per-layer target takes
+    exactly one of ``budget_bits``, ``budgets`` and ``max_kld`` (``budget_list``)."""
+    target, given = canonical_target(target), dict(given or {})
+    engine = target != "kvlens"
+    unread = sorted(k for k in given if (ENGINE if engine else PER_LAYER) not in readers(k))
+    if unread:
+        raise TypeError(f"request_for: --target {target} reads no {unread}")
+    names = _fields(TargetOptions if engine else RecommendOptions)
+    output = given.pop("output", None)
+    budgets = [] if engine else budget_list(given.pop("budgets", None),
+                                            given.get("budget_bits"), given.get("max_kld"),
+                                            output)
+    outputs = [] if output is None else [output_for(output, b) for b in budgets] \
+        if budgets else [output]
+    if given.get("offload_folder") is not None:
+        given["offload_folder"] = str(given["offload_folder"])
+    place = {k: given.get(k) for k in PLACEMENT[1:]} | (
+        {"dtype": given["dtype"]} if given.get("dtype") else {})
+    options = {k: v for k, v in given.items() if k in names and k not in ("max_kld", "eval_tokens")}
+    if not engine:
+        if isinstance(options.get("windows"), str):
+            options["windows"] = parse_int_list(options["windows"], "--windows")
+        # the measurement does not read the budget: --budgets and --max-kld allocate later
+        options["budget_bits"] = given.get("budget_bits") or min(budgets, default=16.0)
+        options |= THOROUGH if given.pop("thorough", False) else {}
+    own = {k: given[k] for k in REQUEST_FIELDS if k in given}
+    return RecommendRequest(Path(capture), target, options | dict(levers or {}),
+                            budgets=tuple(budgets), place=place, outputs=tuple(outputs), **own)
+
+
+def check_request(request: RecommendRequest) -> None:
+    """What can be refused before any work, cheapest first: a missing, foreign or incomplete
+    capture, then the model (``--model``: every check ``load_model`` makes before it reads a
+    weight) and its placement."""
+    with open_capture(request.capture):
+        pass
+    place = request.place
+    if request.model is not None:
+        check_load_options(request.model, device="cpu", **place)
+        return
+    if place.get("dtype"):
+        parse_dtype(place["dtype"])
+    make_placement(place.get("device_map"), place.get("max_memory"),
+                   place.get("offload_folder"))
+
+
 def recommend_run(request: RecommendRequest, *, save: Callable | None = None,
                   progress=None, log: LogFn | None = None) -> LayerAnswer | EngineAnswer:
     """Answer ``request``: the per-layer recommendation(s) (``LayerAnswer``) or the engine
@@ -70,6 +163,7 @@ def recommend_run(request: RecommendRequest, *, save: Callable | None = None,
     soon as it is chosen (before a validation); ``progress(done, total, what)`` follows the
     measurement; ``log`` receives the messages for the user."""
     say = log or (lambda _msg: None)
+    check_request(request)
     if request.target != "kvlens":
         return _engine(request, save, progress, say)
     opts = RecommendOptions(**request.options)
@@ -94,36 +188,25 @@ def check_tokens(capture: Path, tokens: int) -> None:
 
 
 def _engine(request: RecommendRequest, save, progress, say: LogFn) -> EngineAnswer:
-    given = {"eval_tokens": request.eval_tokens} if request.eval_tokens is not None else {}
-    opts = TargetOptions(target=request.target, **request.options, **given)
-    bundle: list = []
-
-    def load():
-        """``(model, tokenizer, source)``, loaded once, before any measurement: a model that
-        cannot load fails first."""
-        if not bundle:
-            with open_capture(request.capture) as cap:
-                spec = opts.model or model_spec_from_capture(cap.meta)
-            if spec is None:
-                raise InputError(f"{request.capture} does not say which model it came from; "
-                                 "pass --model.")
-            say(f"Loading {spec} ...")
-            bundle.extend(load_model(spec, **request.place))
-        return tuple(bundle)
-
+    given = {k: v for k, v in (("max_kld", request.max_kld), ("eval_tokens", request.eval_tokens))
+             if v is not None}
+    opts = TargetOptions(target=request.target, **(request.options | given))
+    # the model, loaded once, before any measurement: a model that cannot load fails first
+    loaded = CaptureModel(request.capture, opts.model or request.model, request.place, say)
     if opts.max_kld is not None or request.validate:
-        mdl = load()[0]
+        mdl = loaded.get()[0]
         if request.eval_tokens is None:  # the default, capped by the model's context
             opts = replace(opts, eval_tokens=min(opts.eval_tokens,
                                                  max_positions(mdl) or opts.eval_tokens))
     rec = recommend_target(request.capture, opts, progress=progress or (lambda *_: None),
                            log=lambda m: say(f"  {m}"),
-                           model_bundle=load() if opts.max_kld is not None else None)
+                           model_bundle=loaded.get() if opts.max_kld is not None else None)
     if save is not None and request.outputs:
         save(rec, request.outputs[0])
     validation = None
     if request.validate:
-        validation = validate_target(rec, load(), opts.eval_tokens, lambda m: say(f"  {m}"))
+        validation = validate_target(rec, loaded.get(), opts.eval_tokens,
+                                     lambda m: say(f"  {m}"))
     doc = rec.to_dict()
     doc["files"] = rec.files
     if validation is not None:

@@ -38,6 +38,7 @@ from typing import Any
 
 from kvlens.analysis.metrics import attention_output, rel_error
 from kvlens.cache.layout import config_bits, shape_of_capture
+from kvlens.capture.source import CaptureModel
 from kvlens.capture.store import open_capture
 from kvlens.config import KVConfig, LayerKV
 from kvlens.config.engine import (
@@ -55,13 +56,11 @@ from kvlens.errors import ConfigError, InputError
 from kvlens.evaluation import EvalOptions, evaluate_configs
 from kvlens.evaluation.kld import DEFAULT_EVAL_TOKENS
 from kvlens.model.engine_matmul import engine_matmuls
-from kvlens.model.load import load_model
 from kvlens.quant import QuantSpec, fake_quantize, fake_quantize_format
 from kvlens.quant.cachetypes import DenseType, parse_cache_type
 from kvlens.quant.formats import engine_rotation
 from kvlens.quant.fp8 import calibrate_scale
 from kvlens.quant.llamacpp_cpu import query_to_vec_dot
-from kvlens.recommend import model_spec_from_capture
 
 TARGETS = ("kvlens", "llama.cpp", "vllm", "sglang", "transformers")
 # other spellings of a target: llamacpp is how engine settings name llama.cpp (llamacpp:q8_0)
@@ -489,7 +488,7 @@ def recommend_target(path: str | Path, opts: TargetOptions,
     rec_model, anchors = None, []
     if opts.max_kld is not None:
         if model_bundle is None:
-            model_bundle = _load(meta, opts)
+            model_bundle = CaptureModel(path, opts.model).get()
         picks = _anchors(front, opts.anchors)
         log(f"KLD anchors ({opts.eval_tokens} tokens): {', '.join(c.setting for c in picks)}")
         anchors = measure_kld(model_bundle, [c.config for c in picks], opts.eval_tokens, log)
@@ -502,12 +501,6 @@ def recommend_target(path: str | Path, opts: TargetOptions,
                                anchors, notes)
     rec.files = scale_files(rec, meta)
     return rec
-
-
-def _load(meta, opts):
-
-    spec = opts.model or model_spec_from_capture(meta)
-    return load_model(spec)
 
 
 def scale_files(rec: TargetRecommendation, meta) -> dict[str, str]:

@@ -24,7 +24,6 @@ from kvlens.recommend.options import (
 )
 from kvlens.recommend.pipeline import Measurements, choose, measure
 from kvlens.recommend.pricing import option_bytes
-from kvlens.recommend.probe import model_spec_from_capture
 from kvlens.recommend.result import Choice, Recommendation
 from kvlens.recommend.run import check, measurement, recommend
 from kvlens.recommend.search import BudgetSearch, kld_scorer, search_budget
@@ -52,7 +51,6 @@ __all__ = [
     "kld_scorer",
     "measure",
     "measurement",
-    "model_spec_from_capture",
     "option_bytes",
     "recommend",
     "search_budget",

@@ -16,16 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from kvlens.capture.store import open_capture
+from kvlens.capture.source import CaptureModel
 from kvlens.config import preset, validate_for
 from kvlens.errors import ConfigError, InputError
 from kvlens.evaluation import EvalOptions, evaluate_configs
 from kvlens.model.architecture import describe
-from kvlens.model.load import load_model
 from kvlens.recommend.cost import Cost
 from kvlens.recommend.options import RecommendOptions
 from kvlens.recommend.pipeline import ProgressFn, choose
-from kvlens.recommend.probe import model_spec_from_capture
 from kvlens.recommend.profile import Profile, profiling, stage
 from kvlens.recommend.result import Recommendation
 from kvlens.recommend.run import measurement
@@ -81,33 +79,6 @@ def output_for(output: Path, budget: float) -> Path:
     return output.with_name(f"{output.stem}-{budget:g}b{output.suffix}")
 
 
-class ModelOnce:
-    """The model the budget search and the validation score on, loaded once when first
-    needed: ``model`` or the capture's own, placed by ``place`` (``load_model``'s keywords)."""
-
-    def __init__(self, capture: Path, model: str | None, place: dict, log: LogFn):
-        self.capture, self.model, self.place, self.log = capture, model, place, log
-        self.loaded = None
-
-    def spec(self) -> str | None:
-        if self.model:
-            return self.model
-        with open_capture(self.capture) as cap:
-            return model_spec_from_capture(cap.meta)
-
-    def get(self):
-        """``(model, tokenizer)``."""
-        if self.loaded is None:
-            spec = self.spec()
-            if spec is None:
-                raise InputError(f"{self.capture} does not say which model it came from; pass "
-                                 "--model.")
-            self.log(f"Loading {spec} for the held-out scoring ...")
-            mdl, tok, _ = load_model(spec, **self.place)
-            self.loaded = (mdl, tok)
-        return self.loaded
-
-
 def recommend_layers(capture: str | Path, opts: RecommendOptions, *,
                      budgets: list[float] | tuple[float, ...] = (), max_kld: float | None = None,
                      validate: bool = False, eval_tokens: int | None = None,
@@ -128,7 +99,8 @@ def recommend_layers(capture: str | Path, opts: RecommendOptions, *,
     say = log or (lambda _msg: None)
     capture = Path(capture)
     measured, predicted = measurement(capture, opts, progress, remeasure=remeasure, log=say)
-    loaded = ModelOnce(capture, model, dict(place or {}) | {"dtype": opts.dtype}, say)
+    loaded = CaptureModel(capture, model, dict(place or {}) | {"dtype": opts.dtype}, say,
+                          " for the held-out scoring")
     search = None
     if max_kld is not None:
         search = _search(measured, opts, max_kld, loaded, eval_tokens, say)
@@ -152,7 +124,7 @@ def recommend_layers(capture: str | Path, opts: RecommendOptions, *,
     return LayerAnswer(recs, docs, search, validation, predicted)
 
 
-def _search(measured, opts, max_kld: float, loaded: ModelOnce, eval_tokens, say: LogFn):
+def _search(measured, opts, max_kld: float, loaded: CaptureModel, eval_tokens, say: LogFn):
     """``search_budget`` scored on the loaded model; its allocations and KLD runs join the
     chosen recommendation's profile."""
     searched = Profile()
@@ -164,7 +136,7 @@ def _search(measured, opts, max_kld: float, loaded: ModelOnce, eval_tokens, say:
     return found
 
 
-def validate_configs(configs: list, loaded: ModelOnce, eval_tokens: int | None,
+def validate_configs(configs: list, loaded: CaptureModel, eval_tokens: int | None,
                      retrieval_prompts: int, say: LogFn) -> dict:
     """The recommendation(s) and the presets that fit the model, scored against the exact
     model on the held-out text (nothing `recommend` calibrates on)."""

@@ -1,10 +1,9 @@
 """The model ``recommend`` loads beside the capture, and the retrieval probe it runs with it.
 
-``model_spec_from_capture`` names the captured model; ``load_model_for`` loads it (or
-``--model``) for the layer weights and the probe, or notes why not when the ``auto`` settings
-allow going without. ``add_retrieval_errors`` captures the model on a retrieval prompt
-(``kvlens.text.prompts``) and adds each candidate's error at the answer position to its text
-errors.
+``load_model_for`` loads the captured model (or ``--model``; ``kvlens.capture.source``) for the
+layer weights and the probe, or notes why not when the ``auto`` settings allow going without.
+``add_retrieval_errors`` captures the model on a retrieval prompt (``kvlens.text.prompts``) and
+adds each candidate's error at the answer position to its text errors.
 """
 
 from __future__ import annotations
@@ -14,21 +13,15 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvlens.capture.run import capture_model
+from kvlens.capture.source import CaptureModel, model_spec_from_capture
 from kvlens.capture.store import open_capture
 from kvlens.errors import InputError, KvlensError, PlacementError
 from kvlens.model.architecture import describe
-from kvlens.model.load import load_model
 from kvlens.model.placement import input_device
 from kvlens.recommend.layer_errors import measure_layer
 from kvlens.recommend.options import RecommendOptions
 from kvlens.recommend.parallel import map_layers
 from kvlens.text.prompts import retrieval_text
-
-
-def model_spec_from_capture(meta) -> str | None:
-    """The ``--model`` string that reloads the captured model, if the capture says."""
-    kind, _, where = meta.model_source.partition(":")
-    return where if kind in ("gguf", "dir", "hub") and where else None
 
 
 def load_model_for(cap, opts: RecommendOptions, notes: list[str]):
@@ -37,13 +30,10 @@ def load_model_for(cap, opts: RecommendOptions, notes: list[str]):
 
     meta = cap.meta
     spec = opts.model or model_spec_from_capture(meta)
+    place = {"dtype": opts.dtype, "device_map": opts.device_map,
+             "max_memory": opts.max_memory, "offload_folder": opts.offload_folder}
     try:
-        if spec is None:
-            raise InputError(f"{cap.path} does not say which model it came from; pass --model.")
-
-        model, tokenizer, _ = load_model(spec, dtype=opts.dtype, device_map=opts.device_map,
-                                         max_memory=opts.max_memory,
-                                         offload_folder=opts.offload_folder)
+        model, tokenizer = CaptureModel(cap.path, spec, place).get()
         info = describe(model)
         if (info.num_layers, info.head_dim, info.num_key_value_heads) != (
                 meta.num_layers, meta.head_dim, meta.num_key_value_heads):

@@ -39,12 +39,12 @@ from pathlib import Path
 import torch
 import transformers
 
+from kvlens.capture.source import model_spec_from_capture
 from kvlens.capture.store import open_capture
 from kvlens.model.load import cache_root
 from kvlens.recommend.kept_format import KeptFormatError, decode, encode
 from kvlens.recommend.options import RecommendOptions
 from kvlens.recommend.pipeline import Measurements
-from kvlens.recommend.probe import model_spec_from_capture
 from kvlens.recommend.profile import Profile
 
 #: ``RecommendOptions`` fields that only the allocation reads (``choose``): a measurement made

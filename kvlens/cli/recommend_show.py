@@ -1,0 +1,202 @@
+"""``kvlens recommend``'s answer (``kvlens.deploy.answer.recommend_run``) shown: the result
+documents written beside the configs for ``kvlens report``, then JSON on stdout or the tables;
+``show_layers`` for the per-layer target, ``show_target`` for an engine target."""
+
+from __future__ import annotations
+
+from kvlens.cli.common import (
+    console,
+    err_console,
+    escape,
+    format_bytes,
+    format_seconds,
+    print_json,
+    run_library_call,
+    write_config_doc,
+)
+from kvlens.units import format_interval
+
+
+def show_layers(answer, outputs, as_json: bool) -> None:
+    """The per-layer target's answer (``kvlens.recommend.answer.LayerAnswer``): where the time
+    went (stderr), each document beside its config in ``outputs``, then JSON or the tables."""
+    _print_profile(answer.recommendations[0].profile, answer.predicted)
+    for doc, out in zip(answer.documents, outputs):
+        data = run_library_call(lambda d=doc, o=out: write_config_doc("recommend", d, o))
+        err_console.print(f"results for `kvlens report` written: {escape(str(data))}")
+    if as_json:
+        docs = answer.documents
+        print_json(docs[0] if len(docs) == 1 else {"recommendations": docs})
+        return
+    if answer.search is not None:
+        _render_search(answer.search)
+    if len(answer.recommendations) > 1:
+        _render_budgets(answer.recommendations)
+    else:
+        _render(answer.recommendations[0])
+    if answer.validation is not None:
+        from kvlens.cli.generate import _render_long
+
+        _render_long(answer.validation)
+
+
+def show_target(answer, output, as_json: bool) -> None:
+    """An engine target's answer (``kvlens.deploy.answer.EngineAnswer``): its document beside
+    ``output`` for ``kvlens report``, then JSON or the tables."""
+    if output is not None:
+        data = run_library_call(lambda: write_config_doc("deploy", answer.document, output))
+        err_console.print(f"results for `kvlens report` written: {escape(str(data))}")
+    if as_json:
+        print_json(answer.document)
+        return
+    _render_target(answer.recommendation, answer.validation)
+
+
+def _render_target(rec, validation) -> None:
+    from rich.table import Table
+
+    c = rec.chosen
+    console.print(f"[bold]Deploy on {rec.target}:[/] {escape(c.deploy['command'])}", highlight=False)
+    for name, text in rec.files.items():
+        console.print(escape(f"scale file {name} ({c.deploy.get('docs', '')}):"), highlight=False)
+        console.print(text.rstrip(), highlight=False, markup=False)
+    pred = "" if rec.predicted_kld is None else f", predicted KLD {rec.predicted_kld:.4f}"
+    console.print(f"simulated as {escape(c.setting)}: {c.bits:.3f} held bits/element at "
+                  f"{rec.context} tokens, error score S = {c.score:.4g}{pred}", highlight=False)
+    t = Table(title="Where it hurts (chosen setting): relative attention-output error per "
+                    "layer, share of S")
+    for col in ("layer", "K out", "V out", "share of S"):
+        t.add_column(col, justify="right")
+    for r in rec.where_it_hurts():
+        t.add_row(str(r["layer"]), f"{r['e_key']:.4f}", f"{r['e_value']:.4f}",
+                  f"{100 * r['share']:.1f}%")
+    console.print(t)
+    f = Table(title=f"{rec.target} settings on the cost/error front ({rec.candidates} "
+                    "candidates)")
+    for col in ("setting", "bits/elem", "S", "pred. KLD"):
+        f.add_column(col, justify="left" if col == "setting" else "right")
+    for cand in rec.front:
+        p = "-" if rec.kld_model is None else f"{rec.kld_model.predict(cand.score):.4f}"
+        mark = " <" if cand is c else ""
+        f.add_row(escape(cand.setting + mark), f"{cand.bits:.3f}", f"{cand.score:.4g}", p)
+    console.print(f)
+    if rec.kld_model is not None:
+        m = rec.kld_model
+        console.print(f"KLD model: KLD = {m.c:.4g} * S^{m.alpha:.3f} (log RMSE {m.log_rmse:.3f}) "
+                      f"fitted on {len(rec.anchors)} measured settings:", highlight=False)
+        for a in rec.anchors:
+            console.print(f"  {escape(a['setting'])}: S {a['score']:.4g}, measured KLD "
+                          f"{format_interval(a, '.4f', key='mean_kld')}", highlight=False)
+    if validation is not None:
+        console.print(f"validation ({escape(c.setting)}, held-out text): measured KLD "
+                      f"{format_interval(validation, '.4f', key='mean_kld')}, top-1 "
+                      f"{validation['top1_agreement']:.3f}" + (
+                          "" if rec.predicted_kld is None
+                          else f"; predicted {rec.predicted_kld:.4f}"), highlight=False)
+    for note in rec.notes:
+        console.print(f"note: {escape(note)}", highlight=False)
+
+
+def _print_profile(profile, predicted) -> None:
+    """Where the time went (stderr), stage by stage, beside the prediction (None: nothing was
+    predicted, the measurement was reused)."""
+    parts = ", ".join(f"{name} {format_seconds(sec)}" for name, sec in
+                      sorted(profile.stages.items(), key=lambda kv: -kv[1]) if sec >= 0.05)
+    said = "" if predicted is None else f", predicted {format_seconds(predicted.seconds)}"
+    err_console.print(f"time by stage ({format_seconds(profile.total)} in all{said}): {parts}",
+                      highlight=False)
+
+
+def _render_search(search) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"Budgets tried for --max-kld {search.max_kld:g} (held-out text, mean KLD "
+                    "with its 95% interval)")
+    for col in ("budget", "bits held", "mean KLD", "95% interval", "top-1", ""):
+        t.add_column(col, justify="right")
+    for st in search.steps:
+        lo, hi = st.kld["mean_kld"]["ci95"]
+        mark = "chosen" if st.budget_bits == search.chosen.budget_bits else (
+            "meets" if st.mean_kld <= search.max_kld else "misses")
+        t.add_row(f"{st.budget_bits:g}", f"{st.mean_bits:.3f}", f"{st.mean_kld:.4f}",
+                  f"[{lo:.4f}, {hi:.4f}]", f"{st.kld['top1_agreement']['value']:.3f}", mark)
+    console.print(t)
+
+
+def _render_budgets(recs) -> None:
+    from rich.table import Table
+
+    t = Table(title="Configs at each budget (one measurement)")
+    for col in ("config", "budget", "bits held", "expected output error"):
+        t.add_column(col, justify="left" if col == "config" else "right")
+    for rec in recs:
+        t.add_row(escape(rec.config.name), f"{rec.budget_bits:g}", f"{rec.mean_bits:.3f}",
+                  f"{rec.expected_output_error:.4f}")
+    console.print(t)
+
+
+def _render(rec) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"Recommendation: {rec.mean_bits:.3f} bits/element (budget "
+                    f"{rec.budget_bits}) at {rec.context} tokens; windows "
+                    f"{'/'.join(map(str, rec.windows))} offered, {rec.sink_tokens} sink tokens")
+    for col in ("layer", "weight", "key", "bits", "K out", "value", "bits", "V out", "R", "F"):
+        t.add_column(col, justify="left" if col in ("key", "value") else "right",
+                     no_wrap=True)
+    by_layer: dict[int, dict] = {}
+    for ch in rec.choices:
+        by_layer.setdefault(ch.layer, {})[ch.tensor] = ch
+    for j, (layer, pair) in enumerate(sorted(by_layer.items())):  # weights: in layer order
+        k, v = pair["key"], pair["value"]
+        t.add_row(str(layer), f"{rec.weights[j]:.2f}", escape(k.candidate.short), f"{k.bits:.2f}",
+                  f"{k.output_error:.3f}", escape(v.candidate.short), f"{v.bits:.2f}",
+                  f"{v.output_error:.3f}", str(k.residual_tokens),
+                  str(k.flush_tokens or "R"))
+    console.print(t)
+    console.print("K out / V out: relative attention-output error when only that tensor is "
+                  "quantized (where it is consumed), on the capture's text plus, when the "
+                  "retrieval probe ran, at its answer position: the metric each choice "
+                  "minimises, weighted by the layer's sensitivity (weight). Score and "
+                  "reconstruction errors of every choice are in --json. ch = "
+                  "per-channel (groups of G tokens), tok = per-token (groups of G channels), "
+                  "pre = keys quantized before RoPE, bal = MiKV channel balancer, rot = Hadamard "
+                  "rotation. R = the layer's full-precision window (tokens), F = tokens "
+                  "quantized at a time when the window fills (R = the whole window). Errors "
+                  "are measured as decoding reads the cache: the window and sink tokens "
+                  "exact.")
+    m = Table(title="KV cache memory (all layers, batch 1)")
+    for col in ("context", "recommended", "fp16", "ratio"):
+        m.add_column(col, justify="right")
+    for ctx, b in rec.kv_bytes.items():
+        f = rec.kv_bytes_fp16[ctx]
+        m.add_row(f"{ctx:,}", format_bytes(b), format_bytes(f), f"{f / b:.2f}x")
+    console.print(m)
+    _render_decode_cost(rec)
+    console.print(f"expected mean attention-output error: {rec.expected_output_error:.4f}")
+    for note in rec.notes:
+        console.print(f"note: {escape(note)}")
+
+
+def _render_decode_cost(rec) -> None:
+    from rich.table import Table
+
+    if not rec.decode_cost:
+        return
+    t = Table(title=f"Decode cost at {rec.context:,} tokens (model: bytes one decode step "
+                    "reads, all layers, batch 1)")
+    for col in ("config", "read", "vs fp16", "fused kernel path", "torch-path unpack"):
+        t.add_column(col, justify="left" if col == "config" else "right")
+    for name, c in rec.decode_cost:
+        fused = "yes" if c.fused else f"no ({len(c.unfused)} layers)"
+        t.add_row(escape(name), format_bytes(c.read_bytes), f"{c.ratio_fp16:.3f}", fused,
+                  format_bytes(c.torch_unpack_bytes))
+    console.print(t)
+    console.print("read: codes, scales/zeros, the filled window, sink copies, positions "
+                  "(kvlens.cache.decode_cost); a memory-bound step takes time in proportion. "
+                  "fused: the Triton decode kernel reads every layer (CUDA); otherwise those "
+                  "layers take the torch path. torch-path unpack: float32 codes the eager CPU "
+                  "path writes and reads per step (one chunk at a time).")
+    for name, c in rec.decode_cost[:1]:
+        for layer, why in sorted(c.unfused.items())[:3]:
+            console.print(f"  {escape(name)} layer {layer}: {escape(why)}")
