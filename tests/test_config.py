@@ -23,7 +23,6 @@ from kvlens.config import (
     FORMAT,
     PRESETS,
     VERSION,
-    GearSettings,
     KVConfig,
     LayerKV,
     MikvSettings,
@@ -43,13 +42,13 @@ def _valid_configs() -> list[dict]:
     """JSON forms that use every part of the format (all versions)."""
     kivi = PRESETS["kivi-2"]
     spec = QuantSpec(2, "per-token", 32, fit="mse")
-    out = [PRESETS[n].to_dict() for n in ("exact", "kivi-2", "mikv-2-int4", "gear-2",
+    out = [PRESETS[n].to_dict() for n in ("exact", "kivi-2", "mikv-2-int4", "kivi-2-prerope",
                                           "kivi-2-sinks", "per-token-2-rot")]
     out.append(KVConfig("overrides", kivi.default,
                         {0: LayerKV(), 3: LayerKV(spec, spec, 64, flush_tokens=32)},
                         mikv=MikvSettings(0.1, 4, "fixed", layers=(1, 3)),
                         balancers={1: ((1.0, 2.0), (0.5, 4.0))}, scale_dtype="8bit",
-                        rotation_seed=7, gear=GearSettings(2, 0.05, 1, layers=(0, 3)),
+                        rotation_seed=7,
                         model={"num_layers": 4, "head_dim": 64, "num_key_value_heads": 2},
                         description="every feature").to_dict())
     out.append(KVConfig("engine", LayerKV(key_format="fp8_e4m3@head", value_format="q4_0+norot"),
@@ -97,11 +96,9 @@ LAYER = {"key": {"object", "null"}, "value": {"object", "null"},
          "value_format": {"str", "null"}}
 MIKV = {"heavy_fraction": NUMBER, "sink_tokens": {"int"}, "balancer": {"str"},
         "balancer_exponent": NUMBER, "set_bits": {"int", "null"}, "layers": {"list", "null"}}
-GEAR = {"rank": {"int"}, "outlier_fraction": NUMBER, "power_iters": {"int"},
-        "layers": {"list", "null"}}
 TOP = {"format": {"str"}, "version": {"int"}, "name": {"str"}, "description": {"str", "null"},
        "default": {"object"}, "layers": {"object", "null"}, "mikv": {"object", "null"},
-       "gear": {"object", "null"}, "balancers": {"object", "null"}, "scale_dtype": {"str"},
+       "balancers": {"object", "null"}, "scale_dtype": {"str"},
        "fp_dtype": {"str"}, "rotation_seed": {"int", "null"}, "model": {"object", "null"},
        "kv_scales": {"object", "null"}, "engine_attention": {"str", "null"}}
 
@@ -122,11 +119,10 @@ def _typed_fields(doc: dict):
                 for key, kinds in SPEC.items():
                     if key in layer[tensor]:
                         yield (*base, tensor, key), kinds
-    for section, fields in (("mikv", MIKV), ("gear", GEAR)):
-        if isinstance(doc.get(section), dict):
-            for key, kinds in fields.items():
-                if key in doc[section]:
-                    yield (section, key), kinds
+    if isinstance(doc.get("mikv"), dict):
+        for key, kinds in MIKV.items():
+            if key in doc["mikv"]:
+                yield ("mikv", key), kinds
 
 
 def _get(doc, path):
@@ -255,17 +251,17 @@ def test_bad_layer_indices_are_refused(doc, section, key):
 
 
 @FAST
-@given(st.sampled_from(["mikv", "gear"]), GARBAGE)
-@example("mikv", [-1])
-@example("gear", [0, 0])
-@example("gear", [1.0])
-@example("mikv", [True])
-def test_bad_section_layer_lists_are_refused(section, layers):
+@given(GARBAGE)
+@example([-1])
+@example([0, 0])
+@example([1.0])
+@example([True])
+def test_bad_mikv_layer_lists_are_refused(layers):
     assume(not (isinstance(layers, list) and all(_kind(x) == "int" and x >= 0 for x in layers)
                 and len(set(layers)) == len(layers)) and layers is not None)
-    doc = VALID[6]  # uses mikv.layers and gear.layers
-    with pytest.raises(ConfigError, match=f"{section}.layers"):
-        config_from_dict(_set(doc, (section, "layers"), layers))
+    doc = VALID[6]  # uses mikv.layers
+    with pytest.raises(ConfigError, match="mikv.layers"):
+        config_from_dict(_set(doc, ("mikv", "layers"), layers))
 
 
 @FAST
@@ -335,8 +331,8 @@ def test_load_config_errors_name_the_file(tmp_path):
     with pytest.raises(ConfigError, match="Cannot read KV config"):
         load_config(tmp_path / "missing.json")
     good = tmp_path / "good.json"
-    save_config(PRESETS["gear-2"], good)
-    assert load_config(good) == PRESETS["gear-2"]
+    save_config(PRESETS["mikv-2-int4"], good)
+    assert load_config(good) == PRESETS["mikv-2-int4"]
     assert json.loads(good.read_text())["format"] == FORMAT
 
 
@@ -347,18 +343,14 @@ INDICES = st.lists(st.integers(0, 9), max_size=4, unique=True)
 
 @FAST
 @given(st.integers(1, 8), st.sampled_from([32, 64, 80, 128]), st.integers(1, 4), INDICES,
-       st.one_of(st.none(), INDICES.filter(bool)), st.one_of(st.none(), INDICES.filter(bool)),
-       INDICES, INDICES)
+       st.one_of(st.none(), INDICES.filter(bool)), INDICES, INDICES)
 def test_validate_for_refuses_bad_layer_indices_with_config_error(
-        num_layers, head_dim, kv_heads, overrides, mikv_layers, gear_layers, balancer_layers,
-        scale_layers):
+        num_layers, head_dim, kv_heads, overrides, mikv_layers, balancer_layers, scale_layers):
     doc = {"format": FORMAT, "version": 2, "name": "x", "default": VALID[1]["default"],
            "layers": {str(i): {"key": None} for i in overrides},
            "mikv": {"heavy_fraction": 0.1, "sink_tokens": 4,
                     "balancer": "fixed" if balancer_layers else "off",
                     "layers": mikv_layers},
-           "gear": None if gear_layers is None else {"rank": 2, "outlier_fraction": 0.02,
-                                                     "power_iters": 1, "layers": gear_layers},
            "balancers": {str(i): [[1.0] * head_dim] * kv_heads for i in balancer_layers}
            or None}
     cfg = config_from_dict(doc)
@@ -369,8 +361,7 @@ def test_validate_for_refuses_bad_layer_indices_with_config_error(
                            num_key_value_heads=kv_heads, declares_rope=True,
                            architecture="Synthetic")
     used = set(cfg.layers) | set(cfg.balancers) | set(cfg.kv_scales) | set(
-        (cfg.mikv.layers if cfg.mikv else None) or ()) | set(
-        (cfg.gear.layers if cfg.gear else None) or ())
+        (cfg.mikv.layers if cfg.mikv else None) or ())
     try:
         validate_for(cfg, info)
     except ConfigError as exc:
@@ -396,7 +387,6 @@ def _key_book_config(**kw) -> KVConfig:
     (lambda: LayerKV(CodebookSpec(2), None, 32, pre_rope_keys=True), "pre_rope_keys"),
     (lambda: LayerKV(CodebookSpec(2, rotation=None), None, 32, rotate_keys=True),
      "has no rotation"),
-    (lambda: _key_book_config(gear=GearSettings()), "gear cannot be combined with a codebook"),
     (lambda: _key_book_config(rotation_seed=3), "rotation seed None is not the config's "
                                                 "rotation_seed 3"),
     (lambda: _key_book_config(default=LayerKV(CodebookSpec(2, rotation=RotationSpec(1)), TOK)),
@@ -558,3 +548,34 @@ def test_a_version_6_file_without_coupled_layouts_reads():
     for doc in VALID:
         cfg = config_from_dict(doc | {"version": 6})
         assert cfg == config_from_dict(doc) and cfg.format_version == doc["version"]
+
+
+# The gear-2 preset as kvlens wrote it (version 2; its description shortened) before issue #57
+# removed GEAR (docs/lab-notes/gear-mikv.md names the last commit that had it).
+V2_GEAR_FILE = """{"format": "kvlens.kvconfig", "version": 2, "name": "gear-2", "description":
+ "GEAR on KIVI 2-bit grouping", "default": {"key": {"version": 1, "bits": 2, "granularity":
+   "per-channel", "group_size": 32, "symmetric": false}, "value": {"version": 1, "bits": 2,
+   "granularity": "per-token", "group_size": 32, "symmetric": false}, "residual_tokens": 64,
+   "flush_tokens": 0, "pre_rope_keys": false, "rotate_keys": false, "rotate_values": false},
+ "layers": {}, "mikv": null, "gear": {"rank": 4, "outlier_fraction": 0.02, "power_iters": 3,
+   "layers": null}, "balancers": null, "scale_dtype": "float16", "fp_dtype": "float16",
+ "rotation_seed": null, "model": null}"""
+REMOVED_GEAR = (r"GEAR was removed from kvlens by issue #57 \(a negative result, "
+                r"docs/lab-notes/gear-mikv\.md\)")
+
+
+def test_a_gear_config_is_refused_naming_the_removal(tmp_path):
+    """GEAR was removed (issue #57): a file with a ``gear`` section, whatever its version or
+    settings, is one ``ConfigError`` that says so and names the lab note, not an unknown-key
+    error; ``"gear": null`` asks for nothing removed and reads as absent."""
+    doc = json.loads(V2_GEAR_FILE)
+    for bad in (doc, doc | {"version": 5}, _set(doc, ("gear", "layers"), [0, 3]),
+                doc | {"gear": {}}, doc | {"gear": "on"}):
+        with pytest.raises(ConfigError, match=REMOVED_GEAR):
+            config_from_dict(bad)
+    assert config_from_dict(doc | {"gear": None}) == config_from_dict(
+        {k: v for k, v in doc.items() if k != "gear"})
+    path = tmp_path / "gear.json"
+    path.write_text(V2_GEAR_FILE)
+    with pytest.raises(ConfigError, match=rf"gear\.json: .*{REMOVED_GEAR}"):
+        load_config(path)

@@ -207,7 +207,7 @@ def _opts(**kw):
     # min/max codes only: set twins are built on them (a fitted twin is not offered), so
     # these tests compare sets with the codes they sit beside
     base = dict(budget_bits=4.2, bits=(2,), group_sizes=(32,), sensitivity="uniform",
-                retrieval="off", sink_tokens=0, rotation=False, balancer=False, gear=False, mikv=True,
+                retrieval="off", sink_tokens=0, rotation=False, balancer=False, mikv=True,
                 value_fits=("minmax",), scale_dtype="float16")  # budgets sized for float16
     return small_options(**(base | kw))
 

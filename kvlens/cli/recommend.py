@@ -160,7 +160,7 @@ def recommend(
                                  help="Dtype of the full-precision parts (window, sinks): "
                                       "float16, or float8_e4m3fn (one byte per element)."),
     thorough: bool = typer.Option(False, "--thorough", rich_help_panel=BUDGET,
-                                  help="Also offer GEAR and MiKV candidates: several times "
+                                  help="Also offer MiKV candidates: several times "
                                        "slower."),
     target: str = typer.Option("kvlens", "--target", rich_help_panel=ENGINE,
                                help="What to recommend for: kvlens (a per-layer config for "
@@ -224,7 +224,7 @@ def recommend(
 
       kvlens recommend run.h5 --target llama.cpp --max-kld 0.01 --validate
 
-      kvlens recommend run.h5 -b 2.5 --set gear=on
+      kvlens recommend run.h5 -b 2.5 --set mikv=on
 
     Every option given is used or refused before any measurement starts."""
     from kvlens.deploy.answer import RecommendRequest, recommend_run
@@ -449,8 +449,8 @@ def _check_combinations(target: str, given: dict[str, str], levers: dict[str, di
         if not opts.get("balancer", True) and "balancer_exponent" in opts:
             raise InputError("--set balancer-exponent shapes balancer candidates, which "
                              "--set balancer=off removes; give one or the other.")
-        if opts.get("prefer_fast") and (thorough or opts.get("gear") or opts.get("mikv")):
-            raise InputError(f"{flags(('thorough', 'gear', 'mikv'))}: GEAR and MiKV "
+        if opts.get("prefer_fast") and (thorough or opts.get("mikv")):
+            raise InputError(f"{flags(('thorough', 'mikv'))}: MiKV "
                              "candidates are not read by the fused kernel, which --set "
                              "prefer-fast=on keeps to; give one or the other.")
         sensitivity = opts.get("sensitivity", "auto")

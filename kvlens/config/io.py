@@ -17,8 +17,6 @@ writes them. The meaning of each field is ``kvlens.config.schema``. JSON form::
                       "balancer": "off" | "online" | "fixed", "balancer_exponent": 0.5,
                       "set_bits": null | 4 | 8,              # version 2
                       "layers": null | [0, 3, ...]},         # version 2
-      "gear": null | {"rank": 4, "outlier_fraction": 0.02, "power_iters": 3,
-                      "layers": null | [0, 3, ...]},         # version 2
       "balancers": null | {"0": [[b_0 ... b_{D-1}] per KV head], ...},   # for "fixed"
       "scale_dtype": "float16" | "float32" | "8bit",    # 8bit: version 3
       "fp_dtype": "float16" | "bfloat16" | "float32" | "float8_e4m3fn" | "exact",  # fp8: v2
@@ -43,6 +41,11 @@ Version 6 added coupled (CQ) key and value specs (told apart by their ``"channel
 their codebooks in ``coupled_codebooks``; issue #57 removed them (docs/lab-notes/coupled.md), so
 a file that uses them is refused with that reason (``_refuse_removed``) and a version-6 file
 without them reads as any other.
+
+Version 2 also had GEAR (``"gear": {"rank", "outlier_fraction", "power_iters", "layers"}``);
+issue #57 removed it (a negative result, docs/lab-notes/gear-mikv.md), so a file that stores a
+``gear`` section is refused with that reason (``_refuse_removed``); ``"gear": null`` asks for
+nothing removed and is read as absent.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kvlens.config.schema import REMOVED, GearSettings, KVConfig, LayerKV, MikvSettings
+from kvlens.config.schema import REMOVED, KVConfig, LayerKV, MikvSettings
 from kvlens.config.versions import FORMAT, VERSION
 from kvlens.errors import ConfigError, is_int
 from kvlens.quant import CodebookSpec, QuantSpec
@@ -63,13 +66,12 @@ __all__ = ["FORMAT", "VERSION", "config_from_dict", "load_config", "save_config"
 
 _LAYER_KEYS = ("key", "value", "residual_tokens", "flush_tokens", "pre_rope_keys",
                "rotate_keys", "rotate_values", "key_format", "value_format")
-_TOP_KEYS = ("format", "version", "name", "description", "default", "layers", "mikv", "gear",
+_TOP_KEYS = ("format", "version", "name", "description", "default", "layers", "mikv",
              "balancers", "scale_dtype", "fp_dtype", "rotation_seed", "model", "kv_scales",
              "engine_attention", "write_before_attention")
 _V2_LAYER_KEYS = ("key_format", "value_format")
 _MIKV_KEYS = ("heavy_fraction", "sink_tokens", "balancer", "balancer_exponent", "set_bits",
               "layers")
-_GEAR_KEYS = ("rank", "outlier_fraction", "power_iters", "layers")
 _MODEL_KEYS = ("num_layers", "head_dim", "num_key_value_heads")
 
 
@@ -116,7 +118,8 @@ def config_from_dict(data: Any) -> KVConfig:
         raise ConfigError(f"Unsupported KV config version {version!r}; this kvlens reads "
                           f"versions 1-{VERSION} (an integer).")
     _refuse_removed(data)
-    _no_unknown(data, _TOP_KEYS, "KV config")
+    # "gear": null (GEAR off, which older versions could say) asks for nothing removed: ignored
+    _no_unknown({k: v for k, v in data.items() if k != "gear"}, _TOP_KEYS, "KV config")
     raw_layers = _indexed(data, "layers", "an object mapping layer indices to overrides")
     if version < 2 and ("kv_scales" in data or any(
             isinstance(v, Mapping) and set(v) & set(_V2_LAYER_KEYS)
@@ -128,10 +131,9 @@ def config_from_dict(data: Any) -> KVConfig:
     default = _layer(data["default"], None, "default")
     layers = {idx: _layer(value, default, f"layers.{idx}") for idx, value in raw_layers.items()}
     mikv = _section(data, "mikv", _MIKV_KEYS, MikvSettings)
-    gear = _section(data, "gear", _GEAR_KEYS, GearSettings)
-    if version < 2 and (gear is not None or (mikv is not None and (
-            mikv.set_bits is not None or mikv.layers is not None))):
-        raise ConfigError("'gear', 'mikv.set_bits' and 'mikv.layers' need KV config version 2; "
+    if version < 2 and mikv is not None and (mikv.set_bits is not None
+                                             or mikv.layers is not None):
+        raise ConfigError("'mikv.set_bits' and 'mikv.layers' need KV config version 2; "
                           'set "version": 2.')
     if version < 5 and any(s.key_codebook is not None for s in (default, *layers.values())):
         raise ConfigError('codebook key specs need KV config version 5; set "version": 5.')
@@ -151,18 +153,24 @@ def config_from_dict(data: Any) -> KVConfig:
                     description=description or "", model=_model(data.get("model")),
                     fp_dtype=data.get("fp_dtype", "float16"),
                     rotation_seed=data.get("rotation_seed"),
-                    kv_scales=_kv_scales(data), gear=gear,
+                    kv_scales=_kv_scales(data),
                     engine_attention=data.get("engine_attention"),
                     write_before_attention=data.get("write_before_attention", False))
 
 
 def _refuse_removed(data: Mapping) -> None:
     """Refuse a config that stores a layout issue #57 removed, naming the reason (which beats an
-    "unknown key" error for a file an older kvlens wrote): coupled (CQ) keys or values
-    (``coupled_codebooks``, or a spec with ``"channels"``; version 6), and codebook values,
-    fitted codebooks (``codebooks``, a ``"fitted"`` or ``"weighted"`` codebook) and centred keys
-    (``key_means``, ``"center_keys": true``; versions 4 and 5). ``"center_keys": false`` asks
-    for nothing removed and is read as absent."""
+    "unknown key" error for a file an older kvlens wrote): GEAR (a ``gear`` section; version
+    2), coupled (CQ) keys or values (``coupled_codebooks``, or a spec with ``"channels"``;
+    version 6), and codebook values, fitted codebooks (``codebooks``, a ``"fitted"`` or
+    ``"weighted"`` codebook) and centred keys (``key_means``, ``"center_keys": true``; versions
+    4 and 5). ``"gear": null`` and ``"center_keys": false`` ask for nothing removed and are read
+    as absent."""
+    if data.get("gear") is not None:
+        raise ConfigError("This config stores GEAR ('gear': outliers and low-rank factors); GEAR "
+                          "was removed from kvlens by issue #57 (a negative result, "
+                          "docs/lab-notes/gear-mikv.md). Make a new config without it, e.g. "
+                          "with kvlens recommend.")
     settings = [data.get("default")]
     if isinstance(data.get("layers"), Mapping):
         settings += list(data["layers"].values())
@@ -254,7 +262,7 @@ def _model(raw: Any) -> dict[str, int] | None:
 
 
 def _section(data: Mapping, name: str, keys: tuple[str, ...], cls):
-    """An optional settings object (``mikv``, ``gear``): ``None`` when absent or null."""
+    """An optional settings object (``mikv``): ``None`` when absent or null."""
     raw = data.get(name)
     if raw is None:
         return None

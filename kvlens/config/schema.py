@@ -1,5 +1,5 @@
 """What a compressed-KV-cache config means: frozen dataclasses (``LayerKV``, ``MikvSettings``,
-``GearSettings``, ``KVConfig``) that validate themselves on construction. Whether a config fits
+``KVConfig``) that validate themselves on construction. Whether a config fits
 a loaded model is ``kvlens.config.model_check`` (``validate_for``); the JSON form and its
 versions are ``kvlens.config.io``; the named presets ``kvlens.config.presets``.
 
@@ -31,12 +31,6 @@ at ``fp_dtype`` (a sinks-only set: no heavy hitters, no ``set_bits`` codes, no H
 accumulators), which is what ``recommend`` measures and prices for a layer without a set; the
 balancer settings apply to every layer either way (``KVConfig.mikv_for``). Listing layers needs
 ``heavy_fraction > 0``. Sliding-window layers keep no set at all (listed or not).
-``gear``: GEAR (``kvlens.cache.gear``) on every quantized tensor of the compressed layers listed
-in ``gear.layers`` (``null``: every compressed layer): each
-flushed block of ``F`` tokens (the layer's flush block, GEAR's ``n_b``) is stored as quantized
-codes plus the ``outlier_fraction`` largest entries of each quantization vector (sparse) plus a
-rank-``rank`` approximation of the block's remaining residual (``power_iters`` power
-iterations).
 
 ``key_format`` / ``value_format`` (per layer, both or neither): an engine's own cache types
 (``kvlens.quant.cachetypes``: ``q8_0``, ``q4_0``, ``fp8_e4m3``... ``f16``), stored as that engine
@@ -61,12 +55,13 @@ coordinates (nearest centroid of a computed 1-D codebook) plus its float16 norm
 (``kvlens.cache.codebook``). The codebook's rotation is the layer's key rotation (``rotate_keys``
 is set from it: the window stores ``k R`` and attention uses ``q R``), so its seed must be the
 config's ``rotation_seed``; scores read as ``s_t * ((q R) . c[code_t])`` without a dequantized
-key. Not with pre-RoPE keys (the rotation and RoPE do not commute) or GEAR. This is the key
-coding of vLLM's ``turboquant_*`` KV-cache types (``kvlens.config.engine``).
+key. Not with pre-RoPE keys (the rotation and RoPE do not commute). This is the key coding of
+vLLM's ``turboquant_*`` KV-cache types (``kvlens.config.engine``).
 
-Removed by issue #57 (negative results, docs/lab-notes/codebooks.md): codebook value specs,
-fitted codebooks and their centroids (``codebooks``), centred keys (``center_keys``,
-``key_means``); ``kvlens.config.io`` refuses a file that stores them.
+Removed by issue #57 (negative results): codebook value specs, fitted codebooks and their
+centroids (``codebooks``), centred keys (``center_keys``, ``key_means``;
+docs/lab-notes/codebooks.md) and GEAR (``gear``; docs/lab-notes/gear-mikv.md);
+``kvlens.config.io`` refuses a file that stores them.
 
 A config is written at the oldest version that can express it (``kvlens.config.versions``).
 """
@@ -284,46 +279,6 @@ def _layer_list(layers: Any, where: str) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class GearSettings:
-    """GEAR: per flushed block, codes + ``outlier_fraction`` sparse entries per quantization
-    vector + a rank-``rank`` residual approximation (``rank`` 0: no low-rank term)."""
-
-    rank: int = 4
-    outlier_fraction: float = 0.02
-    power_iters: int = 3
-    layers: tuple[int, ...] | None = None  # None: every compressed layer
-
-    def __post_init__(self) -> None:
-        r = self.rank
-        if not is_int(r, 0):
-            raise ConfigError(f"Invalid gear.rank {r!r}; allowed: an integer from 0 (no "
-                              "low-rank term) to the flush block and head_dim.")
-        s = self.outlier_fraction
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s < 0.5:
-            raise ConfigError(f"Invalid gear.outlier_fraction {s!r}; allowed: strictly between "
-                              "0 and 0.5 (e.g. 0.02 for GEAR's 2%).")
-        i = self.power_iters
-        if not is_int(i, 0, 20):
-            raise ConfigError(f"Invalid gear.power_iters {i!r}; allowed: an integer 0-20.")
-        if self.layers is not None:
-            object.__setattr__(self, "layers", _layer_list(self.layers, "gear.layers"))
-
-    def check_block(self, block: int, head_dim: int | None, where: str) -> None:
-        """The rank cannot exceed what a ``block x head_dim`` residual has."""
-        limit = block if head_dim is None else min(block, head_dim)
-        if self.rank > limit:
-            dims = f"{block} tokens" + ("" if head_dim is None else f" x head_dim {head_dim}")
-            raise ConfigError(f"{where}: gear.rank {self.rank} is larger than a flushed block "
-                              f"of {dims} allows; allowed: 0-{limit} (or a larger "
-                              "residual_tokens / flush_tokens).")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "outlier_fraction": self.outlier_fraction,
-                "power_iters": self.power_iters,
-                "layers": None if self.layers is None else list(self.layers)}
-
-
-@dataclass(frozen=True)
 class KVConfig:
     """A whole compressed-cache config (see the module docstring for the JSON form)."""
 
@@ -339,7 +294,6 @@ class KVConfig:
     rotation_seed: int | None = None  # random sign flips of the Hadamard rotation (None: none)
     # static fp8 scales of engine layers: {layer: {"key": (s,) or (s_0..s_H-1), "value": ...}}
     kv_scales: Mapping[int, Mapping[str, tuple[float, ...]]] = field(default_factory=dict)
-    gear: GearSettings | None = None
     # the engine arithmetic engine-format layers attend with (kvlens.quant.llamacpp_cpu
     # ENGINE_ATTENTIONS); None: the model's own float attention over the read-back K/V
     engine_attention: str | None = None
@@ -376,27 +330,6 @@ class KVConfig:
             raise ConfigError(f"The config gives 'balancers' but has {mode}, which would ignore "
                               "them; set mikv.balancer to 'fixed' (allowed: "
                               f"{', '.join(BALANCER_MODES)}) or remove 'balancers'.")
-        if self.gear is not None:
-            targets = [(None, self.default), *sorted(self.layers.items())] \
-                if self.gear.layers is None else [(i, self.layer(i)) for i in self.gear.layers]
-            for idx, setting in targets:
-                where = "default" if idx is None else f"layer {idx}"
-                if setting.compressed and setting.key_codebook is not None:
-                    raise ConfigError(f"{where}: gear cannot be combined with a codebook "
-                                      "spec (GEAR's sparse and low-rank terms correct uniform "
-                                      "codes); disable one of them.")
-                if setting.compressed and setting.pre_rope_keys and setting.key is not None:
-                    raise ConfigError(f"{where}: gear cannot be combined with pre_rope_keys (the "
-                                      "low-rank and sparse terms live in the stored basis, which "
-                                      "RoPE rotates per token); disable one of them.")
-                for spec in (setting.key, setting.value):
-                    # the flush block (kvlens.config.rules.flush_block; 0: no valid layout,
-                    # which validate_for reports)
-                    block = setting.flush_tokens or setting.residual_tokens or (
-                        1 if spec is not None and (isinstance(spec, CodebookSpec)
-                                                   or spec.granularity == "per-token") else 0)
-                    if spec is not None and block:
-                        self.gear.check_block(block, None, where)
         self._check_codebook_seeds()
 
     def _check_write_first(self) -> None:
@@ -430,14 +363,6 @@ class KVConfig:
     def layer(self, idx: int) -> LayerKV:
         return self.layers.get(idx, self.default)
 
-    def gear_for(self, idx: int) -> GearSettings | None:
-        """The GEAR settings layer ``idx`` stores its quantized tensors with (or ``None``)."""
-        g = self.gear
-        if g is None or not self.layer(idx).compressed or (g.layers is not None
-                                                            and idx not in g.layers):
-            return None
-        return g
-
     def mikv_for(self, idx: int) -> MikvSettings | None:
         """The MiKV settings layer ``idx`` keeps its set with: ``mikv`` itself when the layer
         keeps heavy hitters (``mikv.layers`` null or listing it), else its sinks-only form."""
@@ -457,7 +382,6 @@ class KVConfig:
             "layers": {str(i): v.to_dict()
                        for i, v in sorted(self.layers.items())},  # overrides merge over default
             "mikv": self.mikv.to_dict() if self.mikv else None,
-            **({"gear": self.gear.to_dict()} if self.gear else {}),
             "balancers": {str(i): [list(r) for r in b] for i, b in sorted(self.balancers.items())}
             or None,
             "scale_dtype": self.scale_dtype,

@@ -8,8 +8,9 @@ Versions:
 - 1: quantization specs, residual window and flush block, pre-RoPE keys, rotation, MiKV sets
   and balancers, ``scale_dtype`` float16/float32, ``fp_dtype`` float16/bfloat16/float32/exact.
 - 2: engine cache types (``key_format`` / ``value_format``), ``kv_scales``, ``mikv.set_bits``,
-  ``mikv.layers``, ``gear``, a spec's ``fit`` (``QuantSpec`` version 2), ``fp_dtype``
-  ``float8_e4m3fn``.
+  ``mikv.layers``, a spec's ``fit`` (``QuantSpec`` version 2), ``fp_dtype`` ``float8_e4m3fn``.
+  Version 2 also had GEAR (``gear``). Removed by issue #57 (a negative result,
+  docs/lab-notes/gear-mikv.md): a file that uses it is refused with that reason.
 - 3: ``scale_dtype`` ``"8bit"``.
 - 4: ``engine_attention`` (the engine arithmetic engine-format layers attend with).
 - 5: codebook key specs (``CodebookSpec`` as ``key``, ``"lloyd-max"`` or
@@ -37,7 +38,7 @@ VERSION = 6
 def oldest_version(config) -> int:
     """The oldest version that can express ``config`` (a ``kvlens.config.schema.KVConfig``):
     1 unless it uses a version-2 feature (engine cache types, ``kv_scales``,
-    ``mikv.set_bits``, ``mikv.layers``, ``gear``, a spec's ``fit``, fp8 full-precision parts),
+    ``mikv.set_bits``, ``mikv.layers``, a spec's ``fit``, fp8 full-precision parts),
     3 with ``scale_dtype`` ``"8bit"``, 4 with ``engine_attention``, 5 with a codebook key spec
     or ``write_before_attention``."""
     layers = (config.default, *config.layers.values())
@@ -54,6 +55,5 @@ def oldest_version(config) -> int:
                or any(lk.engine for lk in layers)
                or any(s is not None and s.fit != "minmax" for s in specs)
                or config.fp_dtype == "float8_e4m3fn"
-               or config.gear is not None
                or (mikv is not None and (mikv.set_bits is not None or mikv.layers is not None)))
     return 2 if uses_v2 else 1
