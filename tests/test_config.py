@@ -161,8 +161,7 @@ def test_valid_configs_round_trip():
     for doc in VALID:
         cfg = config_from_dict(doc)
         assert cfg.to_dict() == doc
-    # version 6 added only coupled layouts, since removed (issue #57): nothing is written at it
-    assert {d["version"] for d in VALID} == set(range(1, VERSION))
+    assert VERSION == 1 and {d["version"] for d in VALID} == {VERSION}  # one version
 
 
 @FAST
@@ -216,22 +215,26 @@ def test_an_unknown_key_is_refused(doc, data, key, value):
 @given(st.sampled_from(VALID), GARBAGE | st.integers())
 @example(VALID[0], 0)
 @example(VALID[0], VERSION + 1)
+@example(VALID[0], 6)  # the development builds' versions 2-6
 @example(VALID[0], True)
 @example(VALID[0], 1.0)
 @example(VALID[0], "1")
 def test_unknown_and_malformed_versions_are_refused(doc, version):
-    assume(not (_kind(version) == "int" and 1 <= version <= VERSION))
+    assume(not (_kind(version) == "int" and version == VERSION))
     with pytest.raises(ConfigError, match="version"):
         config_from_dict(_set(doc, ("version",), version))
 
 
-@FAST
-@given(st.sampled_from(VALID), GARBAGE)
-def test_a_version_too_old_for_the_features_is_refused(doc, _):
-    needed = doc["version"]
-    for older in range(1, needed):
-        with pytest.raises(ConfigError, match="version"):
-            config_from_dict(_set(doc, ("version",), older))
+def test_a_development_version_is_refused_naming_the_one_version():
+    """The development builds before 0.1.0 wrote versions 2-6, each adding fields to version 1,
+    which now holds them all: such a file is refused naming version 1, and reads once it says
+    so (a removed layout in it is refused by name: the tests below)."""
+    for doc in VALID:
+        for version in range(2, 7):
+            with pytest.raises(ConfigError, match=r"version 1 \(a file of the development "
+                                                  r'builds .* "version": 1\)'):
+                config_from_dict(doc | {"version": version})
+        assert config_from_dict(doc).to_dict() == doc
 
 
 BAD_INDICES = st.sampled_from(["-1", "x", "1.5", "", " 1", "+1", "1_0", "1e3", "0x1", "\u0661"]) \
@@ -346,7 +349,7 @@ INDICES = st.lists(st.integers(0, 9), max_size=4, unique=True)
        st.one_of(st.none(), INDICES.filter(bool)), INDICES, INDICES)
 def test_validate_for_refuses_bad_layer_indices_with_config_error(
         num_layers, head_dim, kv_heads, overrides, mikv_layers, balancer_layers, scale_layers):
-    doc = {"format": FORMAT, "version": 2, "name": "x", "default": VALID[1]["default"],
+    doc = {"format": FORMAT, "version": VERSION, "name": "x", "default": VALID[1]["default"],
            "layers": {str(i): {"key": None} for i in overrides},
            "mikv": {"heavy_fraction": 0.1, "sink_tokens": 4,
                     "balancer": "fixed" if balancer_layers else "off",
@@ -398,20 +401,15 @@ def test_codebook_configs_refused_with_the_reason(make, message):
         make()
 
 
-def test_codebook_keys_set_the_key_rotation_and_version_5():
-    """Codebook keys (version 5): the key rotation follows the codebook, a file of an older
-    version is refused naming version 5, the layout is checked against the model, and configs
-    of versions 1-4 still read (``test_valid_configs_round_trip``) and are still written at
-    their own version."""
+def test_codebook_keys_set_the_key_rotation():
+    """Codebook keys: the key rotation follows the codebook, the config writes and reads back
+    (at the one version), and the layout is checked against the model."""
     for kind in ("lloyd-max", "lloyd-max-normal"):
         keys = CodebookSpec(3, kind)
         cfg = KVConfig("ck", LayerKV(keys, QuantSpec(4, "per-token")))
         assert cfg.default.rotate_keys and cfg.default.key_codebook == keys
-        assert cfg.format_version == 5
         doc = cfg.to_dict()
-        for version in (1, 2, 3, 4):
-            with pytest.raises(ConfigError, match="codebook key specs need KV config version 5"):
-                config_from_dict(doc | {"version": version})
+        assert doc["version"] == VERSION and config_from_dict(doc) == cfg
     info = SimpleNamespace(num_layers=3, head_dim=64, num_key_value_heads=2, declares_rope=True,
                            architecture="Synthetic")
     validate_for(cfg, info)
@@ -420,9 +418,8 @@ def test_codebook_keys_set_the_key_rotation_and_version_5():
     first = KVConfig("wf", LayerKV(QuantSpec(4, "per-token"), QuantSpec(4, "per-token")),
                      {0: LayerKV(), 1: LayerKV(key_format="q8_0", value_format="q8_0")},
                      write_before_attention=True)
-    assert first.format_version == 5 and first.to_dict()["write_before_attention"] is True
-    with pytest.raises(ConfigError, match="write_before_attention needs KV config version 5"):
-        config_from_dict(first.to_dict() | {"version": 4})
+    assert first.to_dict()["write_before_attention"] is True
+    assert config_from_dict(first.to_dict()) == first
     assert "write_before_attention" not in KVConfig("u", LayerKV(TOK, TOK, 32)).to_dict()
     for bad, message in ((dict(default=LayerKV(QuantSpec(4, "per-token"), None, 16)),
                           "default: write_before_attention codes every token at once"),
@@ -467,7 +464,7 @@ def test_a_config_with_a_removed_layout_is_refused_naming_the_removal(tmp_path):
     plain = json.loads(V5_FILE)
     plain["default"].pop("center_keys")
     plain = {k: v for k, v in plain.items() if k not in ("codebooks", "key_means")} | {
-        "layers": {}}
+        "layers": {}, "version": VERSION}
     assert config_from_dict(plain).default.key == TOK
     value_book = {"version": 1, "bits": 3, "codebook": "lloyd-max", "rotation": None,
                   "renormalize": False}
@@ -530,7 +527,7 @@ def test_a_coupled_config_is_refused_naming_the_removal(tmp_path):
     doc = json.loads(V6_COUPLED_FILE)
     coupled_default, plain = doc["default"], doc["layers"]["1"]
     no_books = {k: v for k, v in doc.items() if k != "coupled_codebooks"}
-    for bad in (doc, doc | {"version": 5}, no_books,
+    for bad in (doc, doc | {"version": 1}, no_books,
                 doc | {"default": plain, "layers": {}},  # the codebooks alone
                 no_books | {"default": plain, "layers": {"0": coupled_default}}):
         with pytest.raises(ConfigError, match=REMOVED):
@@ -539,15 +536,6 @@ def test_a_coupled_config_is_refused_naming_the_removal(tmp_path):
     path.write_text(V6_COUPLED_FILE)
     with pytest.raises(ConfigError, match=rf"coupled\.json: .*{REMOVED}"):
         load_config(path)
-
-
-def test_a_version_6_file_without_coupled_layouts_reads():
-    """Version 6 added nothing but coupled layouts, so a version-6 file without them reads as
-    the config it describes and is written back at the oldest version that expresses it."""
-    assert VERSION == 6
-    for doc in VALID:
-        cfg = config_from_dict(doc | {"version": 6})
-        assert cfg == config_from_dict(doc) and cfg.format_version == doc["version"]
 
 
 # The gear-2 preset as kvlens wrote it (version 2; its description shortened) before issue #57
@@ -569,12 +557,13 @@ def test_a_gear_config_is_refused_naming_the_removal(tmp_path):
     settings, is one ``ConfigError`` that says so and names the lab note, not an unknown-key
     error; ``"gear": null`` asks for nothing removed and reads as absent."""
     doc = json.loads(V2_GEAR_FILE)
-    for bad in (doc, doc | {"version": 5}, _set(doc, ("gear", "layers"), [0, 3]),
+    for bad in (doc, doc | {"version": 1}, _set(doc, ("gear", "layers"), [0, 3]),
                 doc | {"gear": {}}, doc | {"gear": "on"}):
         with pytest.raises(ConfigError, match=REMOVED_GEAR):
             config_from_dict(bad)
-    assert config_from_dict(doc | {"gear": None}) == config_from_dict(
-        {k: v for k, v in doc.items() if k != "gear"})
+    off = doc | {"version": VERSION}
+    assert config_from_dict(off | {"gear": None}) == config_from_dict(
+        {k: v for k, v in off.items() if k != "gear"})
     path = tmp_path / "gear.json"
     path.write_text(V2_GEAR_FILE)
     with pytest.raises(ConfigError, match=rf"gear\.json: .*{REMOVED_GEAR}"):

@@ -15,7 +15,7 @@ channels.
 MiKV/sink sets, unquantized keys or values): ``float16`` by default, what a deployment stores,
 so a float32 run on CPU stores and counts them as a GPU deployment would. ``exact`` keeps the
 model's own dtype (then a config with compression off is token-for-token ``DynamicCache``).
-``float8_e4m3fn`` (version 2) holds them at one byte per element (3 mantissa bits, no scale: the
+``float8_e4m3fn`` holds them at one byte per element (3 mantissa bits, no scale: the
 range is +-448); attention reads them widened.
 
 ``rotate_keys`` / ``rotate_values``: Hadamard rotation along head_dim (``kvlens.quant.rotation``;
@@ -39,18 +39,18 @@ stores them with no full-precision window (``kvlens.cache.engine``; the engine s
 static fp8 scales (one per layer or per KV head).
 
 ``scale_dtype``: how each quantization group's scale and zero are stored: float16 (default) or
-float32, or ``"8bit"`` (version 3): one byte each (``kvlens.quant.meta8``: a scale on a 9% log
-grid and the zero as a signed multiple of a fraction of the step), half the metadata bytes of
-float16, the codes re-chosen against the stored grid.
+float32, or ``"8bit"``: one byte each (``kvlens.quant.meta8``: a scale on a 9% log grid and
+the zero as a signed multiple of a fraction of the step), half the metadata bytes of float16,
+the codes re-chosen against the stored grid.
 
-``write_before_attention`` (version 5; default false): after a cache's first forward, each
-forward's new tokens are coded into the compressed store before it attends, so it reads them back
-compressed, as vLLM's TurboQuant backend does (flash attention over the raw K/V of a first
-prefill chunk, its decode kernel over the compressed cache after). Compressed layers then keep
-no residual window and there is no MiKV set (refused otherwise).
+``write_before_attention`` (default false): after a cache's first forward, each forward's new
+tokens are coded into the compressed store before it attends, so it reads them back compressed,
+as vLLM's TurboQuant backend does (flash attention over the raw K/V of a first prefill chunk,
+its decode kernel over the compressed cache after). Compressed layers then keep no residual
+window and there is no MiKV set (refused otherwise).
 
-``key`` may be a ``CodebookSpec`` (``kvlens.quant.codebook``; version 5): each key vector of
-the quantized history is stored as ``bits``-bit codes of its Hadamard-rotated, normalised
+``key`` may be a ``CodebookSpec`` (``kvlens.quant.codebook``): each key vector of the
+quantized history is stored as ``bits``-bit codes of its Hadamard-rotated, normalised
 coordinates (nearest centroid of a computed 1-D codebook) plus its float16 norm
 (``kvlens.cache.codebook``). The codebook's rotation is the layer's key rotation (``rotate_keys``
 is set from it: the window stores ``k R`` and attention uses ``q R``), so its seed must be the
@@ -63,7 +63,7 @@ centroids (``codebooks``), centred keys (``center_keys``, ``key_means``;
 docs/lab-notes/codebooks.md) and GEAR (``gear``; docs/lab-notes/gear-mikv.md);
 ``kvlens.config.io`` refuses a file that stores them.
 
-A config is written at the oldest version that can express it (``kvlens.config.versions``).
+Every config is written at ``"version": 1``, the one version (``kvlens.config.versions``).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvlens.config.versions import FORMAT, oldest_version
+from kvlens.config.versions import FORMAT, VERSION
 from kvlens.errors import ConfigError, is_int
 from kvlens.quant import CodebookSpec, QuantSpec
 from kvlens.quant.cachetypes import DenseType, parse_cache_type
@@ -260,7 +260,7 @@ class MikvSettings:
              "balancer": self.balancer, "balancer_exponent": self.balancer_exponent}
         if self.set_bits is not None:
             d["set_bits"] = self.set_bits
-        # written only when set, so a config without it stays readable by version-1 readers
+        # written only when set
         return d | ({"layers": list(self.layers)} if self.layers is not None else {})
 
     @property
@@ -377,7 +377,7 @@ class KVConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "format": FORMAT, "version": self.format_version, "name": self.name,
+            "format": FORMAT, "version": VERSION, "name": self.name,
             "description": self.description, "default": self.default.to_dict(),
             "layers": {str(i): v.to_dict()
                        for i, v in sorted(self.layers.items())},  # overrides merge over default
@@ -393,12 +393,6 @@ class KVConfig:
              if self.kv_scales else {}) | ({"engine_attention": self.engine_attention}
                                           if self.engine_attention else {}) | (
             {"write_before_attention": True} if self.write_before_attention else {})
-
-    @property
-    def format_version(self) -> int:
-        """The oldest version that can express this config (``kvlens.config.versions``), so
-        older kvlens versions still read configs that use none of the newer features."""
-        return oldest_version(self)
 
 
 def _spec_dict(spec: QuantSpec | CodebookSpec | None) -> dict[str, Any] | None:
