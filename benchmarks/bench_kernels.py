@@ -11,8 +11,7 @@
    block), ``tok3`` (3-bit per-token keys and per-channel values, densely packed: 8 codes in 3 bytes),
    ``kivi8`` (KIVI's layout with 8-bit group metadata, decoded in the kernel), ``cbk``
    (codebook keys, Lloyd-Max for the normal, renormalised: vLLM TurboQuant's key coding,
-   beside per-token values), ``cbv`` (per-channel keys beside codebook values, Lloyd-Max,
-   renormalised); a codebook tensor ignores ``--groups``.
+   beside per-token values; the keys ignore ``--groups``).
 3. Bytes moved (codes + scales + residual + q/out) / latency, as a fraction of the measured
    device-to-device copy bandwidth.
 
@@ -35,10 +34,9 @@ LAYOUTS = {"kivi": ("per-channel", "per-token", None, "float16"),
            "tensor": ("per-tensor", "per-tensor", None, "float16"),
            "tok3": ("per-token", "per-channel", 3, "float16"),
            "kivi8": ("per-channel", "per-token", None, "8bit"),
-           "cbk": ("codebook", "per-token", None, "float16"),
-           "cbv": ("per-channel", "codebook", None, "float16")}
-#: the codebook of each tensor in the codebook layouts (kvlens.quant.codebook)
-CODEBOOKS = {"k": "lloyd-max-normal", "v": "lloyd-max"}
+           "cbk": ("codebook", "per-token", None, "float16")}
+#: the codebook of the codebook keys (kvlens.quant.codebook: vLLM TurboQuant's)
+KEY_CODEBOOK = "lloyd-max-normal"
 BLOCK = 128  # flush block F of the generic stores (per-tensor: one scale per block)
 
 
@@ -128,12 +126,12 @@ def _generic(torch, layout, b, hkv, t, d, bits, group):
 
 
 def _codebook_store(torch, name, b, hkv, t, d, bits):
-    """A codebook-coded tensor as the cache holds it (``kvlens.layouts.codebook.CodebookStore``,
-    renormalised, ``CODEBOOKS[name]``) and the kernel's arguments for it."""
+    """Codebook-coded keys as the cache holds them (``kvlens.layouts.codebook.CodebookStore``,
+    renormalised, ``KEY_CODEBOOK``) and the kernel's arguments for them."""
     from kvlens.layouts.codebook import CodebookStore
     from kvlens.quant import CodebookSpec
 
-    spec = CodebookSpec(bits, CODEBOOKS[name], None, renormalize=True)
+    spec = CodebookSpec(bits, KEY_CODEBOOK, None, renormalize=True)
     st = CodebookStore.for_cache(spec, d, BLOCK)
     st.append(torch.randn(b, hkv, t, d, device="cuda"))
     return st, {f"{name}_codes": st.packed, f"{name}_scale": st.norms, f"{name}_zero": None,

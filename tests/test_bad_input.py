@@ -126,10 +126,8 @@ ROWS = [
     ("plot-outliers {cap} --out {outliers}", "already holds outliers.json", 1),
     ("plot-outliers {cap} --out {dir}/o --format bmp", "Unknown --format 'bmp'", 1),
     # compare-axes: an option no requested variant reads, more samples than the capture holds
-    ("compare-axes {cap} --rank 3", "--rank: read by --variants lowrank, not by a run "
-     "without --variants", 1),
-    ("compare-axes {cap} --rotation-seed 3 --variants lowrank", "--rotation-seed: read by "
-     "--variants rotate, not by --variants lowrank", 1),
+    ("compare-axes {cap} --rotation-seed 3 --variants outliers", "--rotation-seed: read by "
+     "--variants rotate, not by --variants outliers", 1),
     ("compare-axes {cap} --outlier-fraction 0.1", "--outlier-fraction: read by --variants "
      "outliers", 1),
     ("compare-axes {cap} --samples 10", "--samples 10: ", 1),
@@ -189,13 +187,14 @@ ROWS = [
     # recommend: the research door (--set)
     ("recommend {cap} -b 3 --set bogus=1", "unknown lever 'bogus'", 1),
     ("recommend {cap} -b 3 --set codebooks=on", "unknown lever 'codebooks'", 1),  # removed
-    ("recommend {cap} -b 3 --set gera=on", "did you mean gear", 1),
-    ("recommend {cap} -b 3 --set gear", "expected NAME=VALUE", 1),
-    ("recommend {cap} -b 3 --set gear=maybe", "expected on|off", 1),
+    ("recommend {cap} -b 3 --set gear=on", "unknown lever 'gear'", 1),  # removed
+    ("recommend {cap} -b 3 --set mkiv=on", "did you mean mikv", 1),
+    ("recommend {cap} -b 3 --set mikv", "expected NAME=VALUE", 1),
+    ("recommend {cap} -b 3 --set mikv=maybe", "expected on|off", 1),
     ("recommend {cap} -b 3 --set bits=2,x", "expected int,...", 1),
     ("recommend {cap} -b 3 --set flush=8 --set flush=16", "given twice", 1),
-    ("recommend {cap} --target vllm -b 9 --set gear=on",
-     "--set gear: read by --target kvlens", 1),
+    ("recommend {cap} --target vllm -b 9 --set mikv=on",
+     "--set mikv: read by --target kvlens", 1),
     ("recommend {cap} -b 3 --thorough --target vllm", "--thorough: read by --target kvlens", 1),
     # generate: presets, configs, texts, outputs, the model's options
     ("generate --preset kivi-9 --prompt x", "Unknown preset 'kivi-9'", 1),
@@ -233,7 +232,6 @@ ROWS = [
     ("capture --model {model} -s 0 -o {dir}/a.h5", "Invalid value for '--samples'", 2),
     ("capture --model {model} -t 1 -o {dir}/a.h5", "Invalid value for '--tokens'", 2),
     ("compare-axes {cap} --samples 0", "Invalid value for '--samples'", 2),
-    ("compare-axes {cap} --rank 0", "Invalid value for '--rank'", 2),
     ("compare-axes {cap} --outlier-fraction 1", "Invalid value for '--outlier-fraction'", 2),
     ("compare-axes {cap} --threads 0", "Invalid value for '--threads'", 2),
     ("plot-outliers {cap} --out {dir}/o --top 0", "Invalid value for '--top'", 2),

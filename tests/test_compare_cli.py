@@ -172,7 +172,7 @@ def test_bad_options(capture, args, message):
 
 @pytest.mark.parametrize("args", [["--samples", "0"], ["--threads", "0"],
                                   ["--outlier-fraction", "2"], ["--rotation-seed", "-1"],
-                                  ["--sinks", "-1"], ["--rank", "0"]])
+                                  ["--sinks", "-1"]])
 def test_numbers_outside_their_declared_range_are_refused_by_the_parser(capture, args):
     """Exit code 2, as for every command: the range is declared on the option."""
     res = _run(capture, *SMALL, *args)
@@ -181,10 +181,10 @@ def test_numbers_outside_their_declared_range_are_refused_by_the_parser(capture,
 
 
 def test_an_option_of_a_variant_is_read_with_it(capture):
-    """--rank, --outlier-fraction, --rotation-seed are accepted with the variant that reads
-    them (and refused without it: tests/test_bad_input.py)."""
-    res = _run(capture, *SMALL, "--bits", "2", "--variants", "lowrank,rotate", "--rank", "1",
-               "--rotation-seed", "3", "--samples", "1")
+    """--outlier-fraction, --rotation-seed are accepted with the variant that reads them (and
+    refused without it: tests/test_bad_input.py)."""
+    res = _run(capture, *SMALL, "--bits", "2", "--variants", "outliers,rotate",
+               "--outlier-fraction", "0.05", "--rotation-seed", "3", "--samples", "1")
     assert res.exit_code == 0, res.output
 
 
@@ -198,11 +198,14 @@ def test_missing_file_and_plots_on_a_file(capture, tmp_path):
 
 
 def test_removed_options_are_refused(capture):
-    """--codebooks, --predict-calibration and the center / predict variants were removed
-    (issue #57, negative results): asking for them is a usage error, not a silent no-op."""
+    """--codebooks, --predict-calibration, the center / predict variants and GEAR's lowrank
+    variant with its --rank were removed (issue #57, negative results): asking for them is a
+    usage error, not a silent no-op."""
     for args, message in ((("--codebooks", "lloyd-max"), "No such option: --codebooks"),
                           (("--predict-calibration", "x.h5"), "No such option"),
                           (("--variants", "center"), "Unknown variant 'center'"),
-                          (("--variants", "predict"), "Unknown variant 'predict'")):
+                          (("--variants", "predict"), "Unknown variant 'predict'"),
+                          (("--variants", "lowrank"), "Unknown variant 'lowrank'"),
+                          (("--rank", "2"), "No such option: --rank")):
         bad = _run(capture, *SMALL, *args)
         assert bad.exit_code != 0 and message in " ".join(bad.output.split()), bad.output

@@ -23,7 +23,6 @@ from kvlens.config import (
     FORMAT,
     PRESETS,
     VERSION,
-    GearSettings,
     KVConfig,
     LayerKV,
     MikvSettings,
@@ -43,13 +42,13 @@ def _valid_configs() -> list[dict]:
     """JSON forms that use every part of the format (all versions)."""
     kivi = PRESETS["kivi-2"]
     spec = QuantSpec(2, "per-token", 32, fit="mse")
-    out = [PRESETS[n].to_dict() for n in ("exact", "kivi-2", "mikv-2-int4", "gear-2",
+    out = [PRESETS[n].to_dict() for n in ("exact", "kivi-2", "mikv-2-int4", "kivi-2-prerope",
                                           "kivi-2-sinks", "per-token-2-rot")]
     out.append(KVConfig("overrides", kivi.default,
                         {0: LayerKV(), 3: LayerKV(spec, spec, 64, flush_tokens=32)},
                         mikv=MikvSettings(0.1, 4, "fixed", layers=(1, 3)),
                         balancers={1: ((1.0, 2.0), (0.5, 4.0))}, scale_dtype="8bit",
-                        rotation_seed=7, gear=GearSettings(2, 0.05, 1, layers=(0, 3)),
+                        rotation_seed=7,
                         model={"num_layers": 4, "head_dim": 64, "num_key_value_heads": 2},
                         description="every feature").to_dict())
     out.append(KVConfig("engine", LayerKV(key_format="fp8_e4m3@head", value_format="q4_0+norot"),
@@ -97,11 +96,9 @@ LAYER = {"key": {"object", "null"}, "value": {"object", "null"},
          "value_format": {"str", "null"}}
 MIKV = {"heavy_fraction": NUMBER, "sink_tokens": {"int"}, "balancer": {"str"},
         "balancer_exponent": NUMBER, "set_bits": {"int", "null"}, "layers": {"list", "null"}}
-GEAR = {"rank": {"int"}, "outlier_fraction": NUMBER, "power_iters": {"int"},
-        "layers": {"list", "null"}}
 TOP = {"format": {"str"}, "version": {"int"}, "name": {"str"}, "description": {"str", "null"},
        "default": {"object"}, "layers": {"object", "null"}, "mikv": {"object", "null"},
-       "gear": {"object", "null"}, "balancers": {"object", "null"}, "scale_dtype": {"str"},
+       "balancers": {"object", "null"}, "scale_dtype": {"str"},
        "fp_dtype": {"str"}, "rotation_seed": {"int", "null"}, "model": {"object", "null"},
        "kv_scales": {"object", "null"}, "engine_attention": {"str", "null"}}
 
@@ -122,11 +119,10 @@ def _typed_fields(doc: dict):
                 for key, kinds in SPEC.items():
                     if key in layer[tensor]:
                         yield (*base, tensor, key), kinds
-    for section, fields in (("mikv", MIKV), ("gear", GEAR)):
-        if isinstance(doc.get(section), dict):
-            for key, kinds in fields.items():
-                if key in doc[section]:
-                    yield (section, key), kinds
+    if isinstance(doc.get("mikv"), dict):
+        for key, kinds in MIKV.items():
+            if key in doc["mikv"]:
+                yield ("mikv", key), kinds
 
 
 def _get(doc, path):
@@ -165,8 +161,7 @@ def test_valid_configs_round_trip():
     for doc in VALID:
         cfg = config_from_dict(doc)
         assert cfg.to_dict() == doc
-    # version 6 added only coupled layouts, since removed (issue #57): nothing is written at it
-    assert {d["version"] for d in VALID} == set(range(1, VERSION))
+    assert VERSION == 1 and {d["version"] for d in VALID} == {VERSION}  # one version
 
 
 @FAST
@@ -220,22 +215,26 @@ def test_an_unknown_key_is_refused(doc, data, key, value):
 @given(st.sampled_from(VALID), GARBAGE | st.integers())
 @example(VALID[0], 0)
 @example(VALID[0], VERSION + 1)
+@example(VALID[0], 6)  # the development builds' versions 2-6
 @example(VALID[0], True)
 @example(VALID[0], 1.0)
 @example(VALID[0], "1")
 def test_unknown_and_malformed_versions_are_refused(doc, version):
-    assume(not (_kind(version) == "int" and 1 <= version <= VERSION))
+    assume(not (_kind(version) == "int" and version == VERSION))
     with pytest.raises(ConfigError, match="version"):
         config_from_dict(_set(doc, ("version",), version))
 
 
-@FAST
-@given(st.sampled_from(VALID), GARBAGE)
-def test_a_version_too_old_for_the_features_is_refused(doc, _):
-    needed = doc["version"]
-    for older in range(1, needed):
-        with pytest.raises(ConfigError, match="version"):
-            config_from_dict(_set(doc, ("version",), older))
+def test_a_development_version_is_refused_naming_the_one_version():
+    """The development builds before 0.1.0 wrote versions 2-6, each adding fields to version 1,
+    which now holds them all: such a file is refused naming version 1, and reads once it says
+    so (a removed layout in it is refused by name: the tests below)."""
+    for doc in VALID:
+        for version in range(2, 7):
+            with pytest.raises(ConfigError, match=r"version 1 \(a file of the development "
+                                                  r'builds .* "version": 1\)'):
+                config_from_dict(doc | {"version": version})
+        assert config_from_dict(doc).to_dict() == doc
 
 
 BAD_INDICES = st.sampled_from(["-1", "x", "1.5", "", " 1", "+1", "1_0", "1e3", "0x1", "\u0661"]) \
@@ -255,17 +254,17 @@ def test_bad_layer_indices_are_refused(doc, section, key):
 
 
 @FAST
-@given(st.sampled_from(["mikv", "gear"]), GARBAGE)
-@example("mikv", [-1])
-@example("gear", [0, 0])
-@example("gear", [1.0])
-@example("mikv", [True])
-def test_bad_section_layer_lists_are_refused(section, layers):
+@given(GARBAGE)
+@example([-1])
+@example([0, 0])
+@example([1.0])
+@example([True])
+def test_bad_mikv_layer_lists_are_refused(layers):
     assume(not (isinstance(layers, list) and all(_kind(x) == "int" and x >= 0 for x in layers)
                 and len(set(layers)) == len(layers)) and layers is not None)
-    doc = VALID[6]  # uses mikv.layers and gear.layers
-    with pytest.raises(ConfigError, match=f"{section}.layers"):
-        config_from_dict(_set(doc, (section, "layers"), layers))
+    doc = VALID[6]  # uses mikv.layers
+    with pytest.raises(ConfigError, match="mikv.layers"):
+        config_from_dict(_set(doc, ("mikv", "layers"), layers))
 
 
 @FAST
@@ -335,8 +334,8 @@ def test_load_config_errors_name_the_file(tmp_path):
     with pytest.raises(ConfigError, match="Cannot read KV config"):
         load_config(tmp_path / "missing.json")
     good = tmp_path / "good.json"
-    save_config(PRESETS["gear-2"], good)
-    assert load_config(good) == PRESETS["gear-2"]
+    save_config(PRESETS["mikv-2-int4"], good)
+    assert load_config(good) == PRESETS["mikv-2-int4"]
     assert json.loads(good.read_text())["format"] == FORMAT
 
 
@@ -347,18 +346,14 @@ INDICES = st.lists(st.integers(0, 9), max_size=4, unique=True)
 
 @FAST
 @given(st.integers(1, 8), st.sampled_from([32, 64, 80, 128]), st.integers(1, 4), INDICES,
-       st.one_of(st.none(), INDICES.filter(bool)), st.one_of(st.none(), INDICES.filter(bool)),
-       INDICES, INDICES)
+       st.one_of(st.none(), INDICES.filter(bool)), INDICES, INDICES)
 def test_validate_for_refuses_bad_layer_indices_with_config_error(
-        num_layers, head_dim, kv_heads, overrides, mikv_layers, gear_layers, balancer_layers,
-        scale_layers):
-    doc = {"format": FORMAT, "version": 2, "name": "x", "default": VALID[1]["default"],
+        num_layers, head_dim, kv_heads, overrides, mikv_layers, balancer_layers, scale_layers):
+    doc = {"format": FORMAT, "version": VERSION, "name": "x", "default": VALID[1]["default"],
            "layers": {str(i): {"key": None} for i in overrides},
            "mikv": {"heavy_fraction": 0.1, "sink_tokens": 4,
                     "balancer": "fixed" if balancer_layers else "off",
                     "layers": mikv_layers},
-           "gear": None if gear_layers is None else {"rank": 2, "outlier_fraction": 0.02,
-                                                     "power_iters": 1, "layers": gear_layers},
            "balancers": {str(i): [[1.0] * head_dim] * kv_heads for i in balancer_layers}
            or None}
     cfg = config_from_dict(doc)
@@ -369,8 +364,7 @@ def test_validate_for_refuses_bad_layer_indices_with_config_error(
                            num_key_value_heads=kv_heads, declares_rope=True,
                            architecture="Synthetic")
     used = set(cfg.layers) | set(cfg.balancers) | set(cfg.kv_scales) | set(
-        (cfg.mikv.layers if cfg.mikv else None) or ()) | set(
-        (cfg.gear.layers if cfg.gear else None) or ())
+        (cfg.mikv.layers if cfg.mikv else None) or ())
     try:
         validate_for(cfg, info)
     except ConfigError as exc:
@@ -396,7 +390,6 @@ def _key_book_config(**kw) -> KVConfig:
     (lambda: LayerKV(CodebookSpec(2), None, 32, pre_rope_keys=True), "pre_rope_keys"),
     (lambda: LayerKV(CodebookSpec(2, rotation=None), None, 32, rotate_keys=True),
      "has no rotation"),
-    (lambda: _key_book_config(gear=GearSettings()), "gear cannot be combined with a codebook"),
     (lambda: _key_book_config(rotation_seed=3), "rotation seed None is not the config's "
                                                 "rotation_seed 3"),
     (lambda: _key_book_config(default=LayerKV(CodebookSpec(2, rotation=RotationSpec(1)), TOK)),
@@ -408,20 +401,15 @@ def test_codebook_configs_refused_with_the_reason(make, message):
         make()
 
 
-def test_codebook_keys_set_the_key_rotation_and_version_5():
-    """Codebook keys (version 5): the key rotation follows the codebook, a file of an older
-    version is refused naming version 5, the layout is checked against the model, and configs
-    of versions 1-4 still read (``test_valid_configs_round_trip``) and are still written at
-    their own version."""
+def test_codebook_keys_set_the_key_rotation():
+    """Codebook keys: the key rotation follows the codebook, the config writes and reads back
+    (at the one version), and the layout is checked against the model."""
     for kind in ("lloyd-max", "lloyd-max-normal"):
         keys = CodebookSpec(3, kind)
         cfg = KVConfig("ck", LayerKV(keys, QuantSpec(4, "per-token")))
         assert cfg.default.rotate_keys and cfg.default.key_codebook == keys
-        assert cfg.format_version == 5
         doc = cfg.to_dict()
-        for version in (1, 2, 3, 4):
-            with pytest.raises(ConfigError, match="codebook key specs need KV config version 5"):
-                config_from_dict(doc | {"version": version})
+        assert doc["version"] == VERSION and config_from_dict(doc) == cfg
     info = SimpleNamespace(num_layers=3, head_dim=64, num_key_value_heads=2, declares_rope=True,
                            architecture="Synthetic")
     validate_for(cfg, info)
@@ -430,9 +418,8 @@ def test_codebook_keys_set_the_key_rotation_and_version_5():
     first = KVConfig("wf", LayerKV(QuantSpec(4, "per-token"), QuantSpec(4, "per-token")),
                      {0: LayerKV(), 1: LayerKV(key_format="q8_0", value_format="q8_0")},
                      write_before_attention=True)
-    assert first.format_version == 5 and first.to_dict()["write_before_attention"] is True
-    with pytest.raises(ConfigError, match="write_before_attention needs KV config version 5"):
-        config_from_dict(first.to_dict() | {"version": 4})
+    assert first.to_dict()["write_before_attention"] is True
+    assert config_from_dict(first.to_dict()) == first
     assert "write_before_attention" not in KVConfig("u", LayerKV(TOK, TOK, 32)).to_dict()
     for bad, message in ((dict(default=LayerKV(QuantSpec(4, "per-token"), None, 16)),
                           "default: write_before_attention codes every token at once"),
@@ -477,7 +464,7 @@ def test_a_config_with_a_removed_layout_is_refused_naming_the_removal(tmp_path):
     plain = json.loads(V5_FILE)
     plain["default"].pop("center_keys")
     plain = {k: v for k, v in plain.items() if k not in ("codebooks", "key_means")} | {
-        "layers": {}}
+        "layers": {}, "version": VERSION}
     assert config_from_dict(plain).default.key == TOK
     value_book = {"version": 1, "bits": 3, "codebook": "lloyd-max", "rotation": None,
                   "renormalize": False}
@@ -540,7 +527,7 @@ def test_a_coupled_config_is_refused_naming_the_removal(tmp_path):
     doc = json.loads(V6_COUPLED_FILE)
     coupled_default, plain = doc["default"], doc["layers"]["1"]
     no_books = {k: v for k, v in doc.items() if k != "coupled_codebooks"}
-    for bad in (doc, doc | {"version": 5}, no_books,
+    for bad in (doc, doc | {"version": 1}, no_books,
                 doc | {"default": plain, "layers": {}},  # the codebooks alone
                 no_books | {"default": plain, "layers": {"0": coupled_default}}):
         with pytest.raises(ConfigError, match=REMOVED):
@@ -551,10 +538,33 @@ def test_a_coupled_config_is_refused_naming_the_removal(tmp_path):
         load_config(path)
 
 
-def test_a_version_6_file_without_coupled_layouts_reads():
-    """Version 6 added nothing but coupled layouts, so a version-6 file without them reads as
-    the config it describes and is written back at the oldest version that expresses it."""
-    assert VERSION == 6
-    for doc in VALID:
-        cfg = config_from_dict(doc | {"version": 6})
-        assert cfg == config_from_dict(doc) and cfg.format_version == doc["version"]
+# The gear-2 preset as kvlens wrote it (version 2; its description shortened) before issue #57
+# removed GEAR (docs/lab-notes/gear-mikv.md names the last commit that had it).
+V2_GEAR_FILE = """{"format": "kvlens.kvconfig", "version": 2, "name": "gear-2", "description":
+ "GEAR on KIVI 2-bit grouping", "default": {"key": {"version": 1, "bits": 2, "granularity":
+   "per-channel", "group_size": 32, "symmetric": false}, "value": {"version": 1, "bits": 2,
+   "granularity": "per-token", "group_size": 32, "symmetric": false}, "residual_tokens": 64,
+   "flush_tokens": 0, "pre_rope_keys": false, "rotate_keys": false, "rotate_values": false},
+ "layers": {}, "mikv": null, "gear": {"rank": 4, "outlier_fraction": 0.02, "power_iters": 3,
+   "layers": null}, "balancers": null, "scale_dtype": "float16", "fp_dtype": "float16",
+ "rotation_seed": null, "model": null}"""
+REMOVED_GEAR = (r"GEAR was removed from kvlens by issue #57 \(a negative result, "
+                r"docs/lab-notes/gear-mikv\.md\)")
+
+
+def test_a_gear_config_is_refused_naming_the_removal(tmp_path):
+    """GEAR was removed (issue #57): a file with a ``gear`` section, whatever its version or
+    settings, is one ``ConfigError`` that says so and names the lab note, not an unknown-key
+    error; ``"gear": null`` asks for nothing removed and reads as absent."""
+    doc = json.loads(V2_GEAR_FILE)
+    for bad in (doc, doc | {"version": 1}, _set(doc, ("gear", "layers"), [0, 3]),
+                doc | {"gear": {}}, doc | {"gear": "on"}):
+        with pytest.raises(ConfigError, match=REMOVED_GEAR):
+            config_from_dict(bad)
+    off = doc | {"version": VERSION}
+    assert config_from_dict(off | {"gear": None}) == config_from_dict(
+        {k: v for k, v in off.items() if k != "gear"})
+    path = tmp_path / "gear.json"
+    path.write_text(V2_GEAR_FILE)
+    with pytest.raises(ConfigError, match=rf"gear\.json: .*{REMOVED_GEAR}"):
+        load_config(path)

@@ -21,7 +21,7 @@ import torch
 from kvlens.cache import compressed_attention, memory_report
 from kvlens.cache.cache import held_bytes
 from kvlens.cache.layout import config_bits, config_part_bytes, shape_of
-from kvlens.config import KVConfig, LayerKV, config_from_dict, validate_for
+from kvlens.config import VERSION, KVConfig, LayerKV, config_from_dict, validate_for
 from kvlens.errors import ConfigError
 from kvlens.model.hooks import attention_override, cache_argument_name
 from kvlens.quant import QuantSpec, engine_rotation, fake_quantize_format, rotate_rows
@@ -257,17 +257,15 @@ def test_bits_per_element_match_the_formats():
     assert fp8 == pytest.approx(8 + 32 / (2 * 1024 * 64))
 
 
-def test_config_json_round_trip_and_versions():
+def test_config_json_round_trip():
     cfg = KVConfig("x", LayerKV(key_format="q8_0", value_format="q4_0+norot"),
                    {2: LayerKV(key_format="f16", value_format="f16")},
                    kv_scales={})
     data = cfg.to_dict()
-    assert data["version"] == 2
+    assert data["version"] == VERSION and data["default"]["key_format"] == "q8_0"
     assert config_from_dict(data) == cfg
     plain = KVConfig("p", LayerKV()).to_dict()
-    assert plain["version"] == 1 and "kv_scales" not in plain
-    with pytest.raises(ConfigError, match="version 2"):
-        config_from_dict(data | {"version": 1})
+    assert plain["version"] == VERSION and "kv_scales" not in plain
     scaled = _engine("fp8_e4m3", "fp8_e4m3", kv_scales={0: {"key": (0.1,), "value": (0.2,)}})
     assert config_from_dict(scaled.to_dict()).kv_scales == {0: {"key": (0.1,), "value": (0.2,)}}
 
@@ -366,10 +364,8 @@ def test_engine_attention_in_config_json_and_setting_names():
     assert parse_engine_setting(off.name) == off
     cfg = s.kvconfig("x")
     data = cfg.to_dict()
-    assert data["version"] == 4 and data["engine_attention"] == "llamacpp-cpu-fa"
+    assert data["version"] == VERSION and data["engine_attention"] == "llamacpp-cpu-fa"
     assert config_from_dict(data) == cfg
-    with pytest.raises(ConfigError, match="version 4"):
-        config_from_dict(data | {"version": 3})
     with pytest.raises(ConfigError, match="allowed: null .*llamacpp-cpu-fa"):
         _engine("q8_0", "q8_0", engine_attention="cuda")
     assert "engine_attention" not in _engine("q8_0", "q8_0").to_dict()

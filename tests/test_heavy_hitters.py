@@ -109,14 +109,12 @@ def test_mikv_layers_round_trip_and_bad_input():
     # a layer not listed keeps only the sinks, at fp_dtype
     assert base.mikv_for(1) == MikvSettings(0.0, 4, "off")
     doc = base.to_dict()
-    assert doc["version"] == 2 and doc["mikv"]["layers"] == [0, 2]
+    assert doc["mikv"]["layers"] == [0, 2]
     assert config_from_dict(json.loads(json.dumps(doc))) == base
-    # null: every compressed layer keeps heavy hitters, and version 1 stays readable
+    # null: every compressed layer keeps heavy hitters, and the list is not written
     plain = KVConfig("all", base.default, mikv=MikvSettings(0.2, 4, "off"))
-    assert "layers" not in plain.to_dict()["mikv"] and plain.to_dict()["version"] == 1
+    assert "layers" not in plain.to_dict()["mikv"]
     assert plain.mikv_for(1) == plain.mikv
-    with pytest.raises(ConfigError, match="need KV config version 2"):
-        config_from_dict(doc | {"version": 1})
     for bad in ([1, 1], [-1], "0", [True], [0.5]):
         with pytest.raises(ConfigError, match=r"mikv.layers .*allowed: null \(every compressed "
                                               "layer\\) or a list of distinct"):
@@ -207,7 +205,7 @@ def _opts(**kw):
     # min/max codes only: set twins are built on them (a fitted twin is not offered), so
     # these tests compare sets with the codes they sit beside
     base = dict(budget_bits=4.2, bits=(2,), group_sizes=(32,), sensitivity="uniform",
-                retrieval="off", sink_tokens=0, rotation=False, balancer=False, gear=False, mikv=True,
+                retrieval="off", sink_tokens=0, rotation=False, balancer=False, mikv=True,
                 value_fits=("minmax",), scale_dtype="float16")  # budgets sized for float16
     return small_options(**(base | kw))
 

@@ -1,5 +1,5 @@
-"""Codebook-coded keys and values in the fused Triton decode kernel (``decode_attention`` with
-``k_layout`` / ``v_layout`` ``"codebook"``) vs "dequantize with the reference, then attend".
+"""Codebook-coded keys in the fused Triton decode kernel (``decode_attention`` with ``k_layout``
+``"codebook"``: vLLM TurboQuant's keys) vs "dequantize with the reference, then attend".
 
 Runs on CPU through the Triton interpreter (``tests/conftest.py`` sets ``TRITON_INTERPRET=1``
 before triton loads). The codebook side is coded with the reference quantizer
@@ -8,8 +8,8 @@ decoded with ``dequantize_codebook``; the uniform side with ``kvlens.quant.quant
 reference attends in float64 (``test_kernels_decode._reference``'s formula). Partials are
 NaN-poisoned. Odd shapes: head_dim 64 and 256, token counts 37, 45, 70, 101; GQA 3 and 2;
 2, 3 and 4 bits; the Lloyd-Max codebooks with float32 or float16 tables; renormalised or not;
-keys only, values only, both (the kernel reads either; the cache codes keys only, vLLM
-TurboQuant's); a residual window, left padding and a mask hole. Then the cache: a
+beside per-token and per-channel values (codebook values were removed by issue #57: the kernel
+refuses them); a residual window, left padding and a mask hole. Then the cache: a
 ``CompressedLayer`` with codebook keys read by ``triton_decode`` equals its torch path, and a
 tiny Llama generates the same tokens with both backends.
 """
@@ -109,14 +109,13 @@ LLOYD, NORMAL = "lloyd-max", "lloyd-max-normal"
 CASES = [
     # (B, Hq, Hkv, D, T packed, residual, key spec, value spec, split, float16 tables)
     pytest.param(1, 3, 1, 64, 37, 5, CodebookSpec(3, LLOYD, None, renormalize=True),
-                 CodebookSpec(3, NORMAL, None), None, True, id="both-3b-D64-T37-g3-window"),
+                 QuantSpec(3, "per-token", 32), None, True, id="keys-3b-D64-T37-g3-window"),
     pytest.param(2, 3, 1, 256, 45, 0, CodebookSpec(4, NORMAL, None, renormalize=True),
                  QuantSpec(4, "per-token", 32), None, True, id="keys-4b-fp16-D256-T45-B2"),
-    pytest.param(2, 6, 2, 64, 70, 3, QuantSpec(2, "per-channel", 32),
-                 CodebookSpec(2, LLOYD, None), 32, False, id="values-2b-D64-T70-g3-splits"),
+    pytest.param(2, 6, 2, 64, 70, 3, CodebookSpec(2, LLOYD, None),
+                 QuantSpec(2, "per-channel", 32), 32, False, id="keys-2b-vch-D64-T70-g3-splits"),
     pytest.param(1, 4, 2, 256, 101, 7, CodebookSpec(2, NORMAL, None),
-                 CodebookSpec(4, LLOYD, None, renormalize=True), 64, False,
-                 id="both-2b4b-D256-T101-g2"),
+                 QuantSpec(4, "per-token", 64), 64, False, id="keys-2b-v4b-D256-T101-g2"),
     pytest.param(1, 3, 1, 64, 37, 0, CodebookSpec(3, NORMAL, None, renormalize=True),
                  QuantSpec(4, "per-token"), None, False, id="turboquant-k3v4-layout"),
 ]
@@ -125,9 +124,9 @@ CASES = [
 @pytest.mark.parametrize("b,hq,hkv,d,t,res,kspec,vspec,split,half", CASES)
 def test_codebook_decode_matches_dequantize_then_attend(b, hq, hkv, d, t, res, kspec, vspec,
                                                          split, half):
-    """Keys scored as ``s_t * (q . c[code_t])``, values summed as ``sum_t (p_t s_t) c[code_t]``
-    in the kernel equal attention over the reference's dequantized vectors; row 2 of a batch is
-    left-padded and every row has a masked token (one in the window when there is one)."""
+    """Keys scored as ``s_t * (q . c[code_t])`` in the kernel equal attention over the
+    reference's dequantized vectors; row 2 of a batch is left-padded and every row has a masked
+    token (one in the window when there is one)."""
     g = torch.Generator().manual_seed(t + d + hq)
     k = torch.randn(b, hkv, t + res, d, generator=g) * torch.rand(1, 1, t + res, 1, generator=g)
     k[..., 3] += 3.0
@@ -154,10 +153,10 @@ def test_codebook_decode_matches_dequantize_then_attend(b, hq, hkv, d, t, res, k
 
 
 def test_rotated_codebooks_are_read_in_the_rotated_basis():
-    """The kernel reads what the store holds, the rotated vectors: given ``q R`` it returns the
-    rotated output, ``out Rᵀ`` is attention over the reference's un-rotated decode. A kernel
-    that forgot the renormalisation or the scale would miss by far more than the tolerance:
-    the same call without ``renormalize`` differs."""
+    """The kernel reads what the store holds, the rotated keys: given ``q R`` it scores them as
+    attention over the reference's un-rotated decode scores them. A kernel that forgot the
+    renormalisation or the scale would miss by far more than the tolerance: the same call
+    without ``renormalize`` differs."""
     g = torch.Generator().manual_seed(5)
     b, hq, hkv, d, t = 1, 3, 1, 64, 50
     rot = RotationSpec(seed=3)
@@ -166,17 +165,16 @@ def test_rotated_codebooks_are_read_in_the_rotated_basis():
     v = torch.randn(b, hkv, t, d, generator=g)
     q = torch.randn(b, hq, 1, d, generator=g)
     (kc, ks, _), kw_k, _ = _coded("k", k, spec)
-    (vc, vs, _), kw_v, _ = _coded("v", v, spec)
+    (vc, vs, vz), kw_v, v_ref = _coded("v", v, QuantSpec(4, "per-token", 32))
     book = computed_codebook(spec, d)
     k_ref = dequantize_codebook(quantize_codebook(k, spec, book))  # original basis
-    v_ref = dequantize_codebook(quantize_codebook(v, spec, book))
     r = rot.matrix(d, q.device)
-    out = decode_attention(q @ r, kc, ks, None, vc, vs, None, t, **kw_k, **kw_v, scaling=0.125)
+    out = decode_attention(q @ r, kc, ks, None, vc, vs, vz, t, **kw_k, **kw_v, scaling=0.125)
     ref = _reference(q, k_ref, v_ref, torch.ones(b, hkv, t, dtype=torch.bool), 0.125)
-    torch.testing.assert_close(out @ r.T, ref, atol=3e-3, rtol=3e-3)
-    plain = decode_attention(q @ r, kc, ks, None, vc, vs, None, t, **kw_k,
-                             **{**kw_v, "v_renormalize": False}, scaling=0.125)
-    assert (plain @ r.T - ref).abs().max() > 1e-2
+    torch.testing.assert_close(out, ref, atol=3e-3, rtol=3e-3)
+    plain = decode_attention(q @ r, kc, ks, None, vc, vs, vz, t,
+                             **{**kw_k, "k_renormalize": False}, **kw_v, scaling=0.125)
+    assert (plain - ref).abs().max() > 1e-2
 
 
 def test_codebook_inputs_raise_clear_errors():
@@ -195,7 +193,10 @@ def test_codebook_inputs_raise_clear_errors():
             ({"k_group": 32}, "k_group must be None for k_layout 'codebook'"),
             ({"k_zero_unit": 1.0}, "k_zero_unit must be None for k_layout 'codebook'"),
             ({"k_renormalize": 1}, "k_renormalize must be True or False"),
-            ({"k_layout": "codebooks"}, "k_layout 'codebooks' is not a packed layout")):
+            ({"k_layout": "codebooks"}, "k_layout 'codebooks' is not a packed layout"),
+            # codebook values were removed (issue #57): no config can store them
+            ({"v_layout": "codebook"}, "v_layout 'codebook' is not a packed layout; allowed: "
+                                       "per-channel, per-token, per-tensor")):
         with pytest.raises(KernelInputError, match=message):
             decode_attention(*args, **{**kw, **change})
     with pytest.raises(KernelInputError, match="k_zero must be None for k_layout 'codebook'"):

@@ -169,18 +169,14 @@ def test_cache_attention_reads_the_stored_grid():
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_config_is_written_as_version_3_and_older_versions_are_refused(tmp_path):
+def test_config_writes_and_reads_8bit_metadata(tmp_path):
     cfg = KVConfig("m8", LayerKV(QuantSpec(2, "per-channel", 32), QuantSpec(2, "per-token", 32),
                                  32), scale_dtype="8bit")
     path = tmp_path / "c.json"
     save_config(cfg, path)
     data = json.loads(path.read_text())
-    assert data["version"] == 3 and data["scale_dtype"] == "8bit"
+    assert data["scale_dtype"] == "8bit"
     assert load_config(path) == cfg
-    data["version"] = 2
-    path.write_text(json.dumps(data))
-    with pytest.raises(ConfigError, match="version 3"):
-        load_config(path)
     with pytest.raises(ConfigError, match="allowed: float16, float32, 8bit"):
         KVConfig("x", cfg.default, scale_dtype="int4")
 

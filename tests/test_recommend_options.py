@@ -90,11 +90,16 @@ def test_the_command_runs_the_library_defaults(cap, monkeypatch):
     assert seen == [RecommendOptions(budget_bits=8)]
     assert seen[0].tokens == 512 and seen[0].sensitivity == "auto"  # the derived tokens
     res = runner.invoke(app, ["recommend", str(cap), "-b", "8", "--thorough", "--set",
-                              "balancer=off", "--set", "mikv=off", "--windows", "128"])
+                              "balancer=off", "--set", "mikv-bits=4", "--windows", "128"])
     assert res.exit_code == 1, res.output
-    assert seen[1] == RecommendOptions(budget_bits=8, gear=True, mikv=False, balancer=False,
-                                       windows=(128,))
+    assert seen[1] == RecommendOptions(budget_bits=8, mikv=True, mikv_set_bits=(4,),
+                                       balancer=False, windows=(128,))
     assert seen[1].tokens == 256  # derived from the one window
+    # a lever given with --set wins over what --thorough sets
+    res = runner.invoke(app, ["recommend", str(cap), "-b", "8", "--thorough", "--set",
+                              "mikv=off"])
+    assert res.exit_code == 1, res.output
+    assert seen[2] == RecommendOptions(budget_bits=8, mikv=False)
 
 
 def test_help_shows_the_library_defaults():
@@ -155,13 +160,12 @@ def test_the_library_call_keeps_and_reuses_its_measurement(cap):
 
 def test_set_list_keeps_the_knobs_of_the_default_run_apart_from_experiments():
     """``--set list``: every knob of the default run under the first heading, the experiments
-    (no default uses them: GEAR and MiKV) under the second."""
+    (no default uses them: MiKV) under the second."""
     text = describe()
     knobs, experiments = text.split("\n\nExperiments")
     assert knobs.startswith("Knobs of the default run")
     by_group = {lv.name: lv.experiment for lv in levers().values()}
-    assert {n for n, e in by_group.items() if e} == {"gear", "mikv", "mikv-bits",
-                                                    "mikv-fractions"}
+    assert {n for n, e in by_group.items() if e} == {"mikv", "mikv-bits", "mikv-fractions"}
     for name, experiment in by_group.items():
         assert (f"  {name}=" in experiments) == experiment
         assert (f"  {name}=" in knobs) != experiment
@@ -180,7 +184,7 @@ def test_the_request_is_built_from_the_options_given(cap, tmp_path):
                                       "thorough": True, "device_map": "auto", "validate": True},
                       {"mikv": False})
     assert req.options == {"windows": (64, 128), "device_map": "auto", "budget_bits": 2.5,
-                           "gear": True, "mikv": False}
+                           "mikv": False}
     assert req.budgets == (2.5, 4.0) and req.validate and req.max_kld is None
     assert req.outputs == (tmp_path / "kv-2.5b.json", tmp_path / "kv-4b.json")
     assert req.place == {"device_map": "auto", "max_memory": None, "offload_folder": None}

@@ -93,7 +93,7 @@ def test_the_layer_that_needs_its_window_gets_the_larger_one(tmp_path):
     path = _local_capture(tmp_path / "local.h5")
     opts = small_options(budget_bits=16.0, context=1024, windows=(32, 128), tokens=512,
                             group_sizes=(32,), bits=(2, 4), sensitivity="uniform",
-                            retrieval="off", balancer=False, rotation=False, gear=False,
+                            retrieval="off", balancer=False, rotation=False,
                             fp_dtype="float16")
     m = measure(path, opts)
     err = [{s.residual: e[0] for (c, s), e in t.items()
@@ -174,7 +174,7 @@ def test_mixed_window_config_holds_the_bytes_it_was_priced_at(tmp_path, fp):
     context = 160
     opts = small_options(budget_bits=16.0, context=context, windows=(8, 16, 32),
                             tokens=128, group_sizes=(8, 16), flush_tokens=8, bits=(2, 4),
-                            sensitivity="uniform", retrieval="off", gear=False, fp_dtype=fp)
+                            sensitivity="uniform", retrieval="off", fp_dtype=fp)
     m = measure(cap, opts)
     rec = None
     need = _cheapest_bits(m, opts)

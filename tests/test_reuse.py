@@ -32,9 +32,9 @@ KVLENS = Path(__file__).resolve().parents[1] / "kvlens"
 
 
 def _opts(**kw):
-    """MiKV set and GEAR twins, both key fits, two windows (two streams per candidate): every
-    kind of candidate field the format carries."""
-    kw = {"budget_bits": 3.0, "gear": True, "mikv": True, "key_fits": ("minmax", "mse"),
+    """MiKV set twins, balanced and rotated candidates, both key fits, two windows (two streams
+    per candidate): every kind of candidate field the format carries."""
+    kw = {"budget_bits": 3.0, "mikv": True, "key_fits": ("minmax", "mse"),
           "windows": (32, 64), "group_sizes": (32,), **kw}
     return small_options(**kw)
 
@@ -56,31 +56,34 @@ def _same(a: Measurements, b: Measurements) -> None:
         assert torch.equal(a.balancers[i], b.balancers[i])
 
 
-def _same_choice(a: Measurements, b: Measurements, opts) -> list[str]:
+def _same_choice(a: Measurements, b: Measurements, opts) -> list[tuple[str, str]]:
     ra, rb = choose(a, opts), choose(b, opts)
     assert ra.choices == rb.choices
     assert ra.config.to_dict() == rb.config.to_dict()
     assert ra.mean_bits == rb.mean_bits and ra.notes == rb.notes
-    return [c.candidate.short for c in ra.choices]
+    return [(c.tensor, c.candidate.short) for c in ra.choices]
 
 
 def test_read_back_allocates_as_measured(measured):
-    """The round trip on a real measurement with MiKV set and GEAR twins and fitted keys: the
-    same fields and, at several budgets, the same recommendation."""
+    """The round trip on a real measurement with MiKV set twins, balanced and rotated
+    candidates and fitted keys: the same fields and, at several budgets, the same
+    recommendation."""
     _, m = measured
     back = decode(encode(m))
     _same(m, back)
     cands = {c for t in back.tables for c, _ in t}
-    assert back.balancers and any(c.mikv_set for c in cands) and any(c.gear for c in cands)
+    assert back.balancers and any(c.mikv_set for c in cands) and any(c.rotate for c in cands)
     assert any(c.fit == "mse" and c.tensor == "key" for c in cands)
     for budget in (2.7, 3.0, 3.2, 4.0):
         _same_choice(m, back, _opts(budget_bits=budget))
-    # with only set (or GEAR) twins for keys, the allocation takes them from the read-back file
-    # as from the measurement: what the format carries beyond plain candidates is used
-    for keep, budget, word in ((lambda c: c.mikv_set, 4.0, " set"), (lambda c: c.gear, 8.0,
-                                                                     " gear")):
+    # with only set twins (or balanced candidates) for keys, the allocation takes them from the
+    # read-back file as from the measurement: what the format carries beyond plain candidates
+    # is used (a layer takes a set for both tensors; the balancer is the keys' alone)
+    for keep, word, tensors in ((lambda c: c.mikv_set, " set", ("key", "value")),
+                                (lambda c: c.balancer, " bal", ("key",))):
         a, b = (_only_keys(x, keep) for x in (m, back))
-        assert all(word in c for c in _same_choice(a, b, _opts(budget_bits=budget)))
+        chosen = _same_choice(a, b, _opts(budget_bits=4.0))
+        assert all(word in c for t, c in chosen if t in tensors), chosen
 
 
 def _only_keys(m: Measurements, keep) -> Measurements:

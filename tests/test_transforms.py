@@ -1,6 +1,5 @@
-"""Transforms with planted structure: RoPE tables, balancer, outliers, low-rank residual."""
+"""Transforms with planted structure: RoPE tables, balancer, outliers."""
 
-import math
 
 import pytest
 import torch
@@ -12,9 +11,7 @@ from kvlens.quant import (
     apply_balancer,
     fake_quantize,
     fit_balancer,
-    lowrank_residual,
     outlier_count,
-    quantize_gear,
     quantize_pre_rope,
     quantize_with_outliers,
     rope_tables_for,
@@ -168,41 +165,3 @@ def test_quantize_with_outliers_beats_plain_and_keeps_outliers_exact():
     assert rel(x, recon) < rel(x, fake_quantize(x, spec)) / 2
     assert torch.equal(recon[0, 0, :, 7], x[0, 0, :, 7])
     assert torch.equal(recon[0, 1, 5, :3], x[0, 1, 5, :3])
-
-
-# -- low rank / GEAR -------------------------------------------------------------------------
-
-
-def test_planted_rank_two_residual_recovered():
-    g = torch.Generator().manual_seed(14)
-    planted = torch.randn(2, 3, 40, 2, generator=g) @ torch.randn(2, 3, 2, 24, generator=g)
-    low = lowrank_residual(planted, rank=2, iters=2)
-    assert low.left.shape == (2, 3, 40, 2) and low.right.shape == (2, 3, 2, 24)
-    assert rel(planted, low.reconstruct()) < 1e-5
-
-
-def test_lowrank_near_svd_optimum_and_deterministic():
-    g = torch.Generator().manual_seed(15)
-    signal = torch.randn(1, 2, 64, 3, generator=g) @ torch.randn(1, 2, 3, 32, generator=g)
-    noisy = signal + 0.01 * torch.randn(1, 2, 64, 32, generator=g)
-    low = lowrank_residual(noisy, rank=3, iters=4, seed=3)
-    u, s, vh = torch.linalg.svd(noisy)
-    best = (u[..., :3] * s[..., None, :3]) @ vh[..., :3, :]
-    assert rel(noisy, low.reconstruct()) <= rel(noisy, best) * 1.01
-    again = lowrank_residual(noisy, rank=3, iters=4, seed=3)
-    assert torch.equal(low.left, again.left) and torch.equal(low.right, again.right)
-    with pytest.raises(ConfigError, match="positive integer"):
-        lowrank_residual(noisy, rank=0)
-
-
-def test_gear_beats_outliers_alone_and_is_exact_on_constants():
-    x = rand(1, 2, 64, 32, seed=16)
-    spec = QuantSpec(2, "per-channel", 32)
-    plain = rel(x, fake_quantize(x, spec))
-    with_outliers = rel(x, quantize_with_outliers(x, spec, 0.02))
-    gear = rel(x, quantize_gear(x, spec, rank=4, outlier_fraction=0.02))
-    assert gear < with_outliers <= plain
-    # A zero residual stays zero: GEAR on an exactly representable tensor is exact.
-    flat = torch.full((1, 1, 8, 8), 2.0)
-    assert torch.equal(quantize_gear(flat, spec, rank=2), flat)
-    assert math.isfinite(gear)

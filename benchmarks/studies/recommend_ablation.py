@@ -31,8 +31,7 @@ model=M)``: what ``kvlens recommend -b B [--model M]`` runs.
 ``--variant KEY=VALUE[,KEY=VALUE...]`` (repeatable) adds re-measured rows with other
 ``RecommendOptions`` (e.g. ``retrieval_tokens=2000``, ``tokens=1024``), named by the overrides:
 what a changed default would buy, before it is re-checked on fresh text. Candidates that are
-off by default are such rows: ``--variant gear=true``, ``--variant mikv=true`` (GEAR and MiKV
-twins, ``--thorough``).
+off by default are such rows: ``--variant mikv=true`` (MiKV twins, ``--thorough``).
 
 Configs that come out identical to the full recommendation are reported as such and not
 evaluated again. Prints a markdown table and writes ``OUT/ablation.json``.
@@ -46,7 +45,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-# levers on by default, switched off; the opt-in candidates (GEAR, MiKV) are --variant rows
+# levers on by default, switched off; the opt-in candidates (MiKV) are --variant rows
 # that switch them on
 FAMILIES = {"rotation": {"rotation": False}, "balancer": {"balancer": False},
             "pre-rope": {"pre_rope": "off"},
@@ -205,7 +204,7 @@ def main(argv=None) -> None:
     levers = [x for x in args.levers.split(",") if x and x != "none"]
     bad = [x for x in levers if x not in LEVERS]
     if bad:
-        opt_in = [x for x in bad if x in ("gear", "mikv")]
+        opt_in = [x for x in bad if x == "mikv"]
         hint = (f" ({', '.join(opt_in)}: off by default, so measure them on with "
                 f"{' '.join(f'--variant {x}=true' for x in opt_in)})" if opt_in else "")
         ap.error(f"unknown levers {bad}; allowed: {', '.join(LEVERS)}{hint}")

@@ -5,9 +5,9 @@ Stable API (tensors and ints only, never kvlens objects, and nothing of kvlens i
 - ``decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, length, ...)``:
   fused split-K decode attention of ``q`` ``[B, Hq, 1, D]`` over the packed store plus the
   full-precision residual window and extra fp16 token sets (MiKV), returning ``[B, Hq, 1, D]``
-  (reference: dequantize with ``kvlens.quant`` then softmax attention). Keys and values may each
-  be uniform codes with group scales or codebook codes with a norm per vector (``*_layout=
-  "codebook"``, ``kvlens.layouts.codebook``).
+  (reference: dequantize with ``kvlens.quant`` then softmax attention). Keys and values are
+  uniform codes with group scales; keys may instead be codebook codes with a norm per vector
+  (``k_layout="codebook"``, ``kvlens.layouts.codebook``: vLLM TurboQuant's).
   Generation calls it for single-token decode steps when the backend is triton
   (``kvlens.cache.attention``: ``select_backend``, ``triton_decode``).
 

@@ -20,12 +20,12 @@ Inputs (layout of ``kvlens.layouts.packed``; codes packed densely in units of ``
   D]`` uint8, ``k_scale``/``k_zero`` ``[B, Hkv, capK/Gk, D]`` (row ``t // Gk``).
 - values, per-token groups of ``Gv`` channels packed along channels: ``v_codes [B, Hkv, capV,
   ceil(D/Pv)]`` uint8, ``v_scale``/``v_zero`` ``[B, Hkv, capV, D/Gv]`` (row ``t``).
-- either may instead be codebook-coded (``layout="codebook"``, ``kvlens.layouts.codebook``): per
-  token and head the codes of the vector packed along channels ``[B, Hkv, cap, ceil(D/U)*W]``,
-  its norm ``n_t`` in ``*_scale [B, Hkv, cap]`` (no zero), and the codebook's ``2^bits``
-  centroids ``c`` (``*_centroids``). The vector is ``s_t * c[code_t]`` with ``s_t = n_t / ||c[
-  code_t]||`` (renormalised) or ``n_t / sqrt(D)``, in the basis it was coded in (a rotated
-  codebook: the caller passes ``q R`` and un-rotates the output).
+- keys may instead be codebook-coded (``k_layout="codebook"``, ``kvlens.layouts.codebook``, vLLM
+  TurboQuant's keys): per token and head the codes of the vector packed along channels ``[B,
+  Hkv, cap, ceil(D/U)*W]``, its norm ``n_t`` in ``k_scale [B, Hkv, cap]`` (no zero), and the
+  codebook's ``2^bits`` centroids ``c`` (``k_centroids``). The key is ``s_t * c[code_t]`` with
+  ``s_t = n_t / ||c[code_t]||`` (renormalised) or ``n_t / sqrt(D)``, in the basis it was coded
+  in (a rotated codebook: the caller passes ``q R``).
 - tokens ``[0, length)`` of the packed store sit at absolute positions ``0..length-1``; the
   residual window ``[B, Hkv, >=n_res, D]`` at ``length..length+n_res-1``; each extra set
   ``(k, v, pos)`` (``[B, Hkv, N, D]`` x2, ``pos [B, Hkv, N]`` absolute positions, ``pos < 0`` =
@@ -44,8 +44,7 @@ its KV head so packed bytes are read once):
    balancer is folded into ``q`` (``q / balancer``) and ``scaling * log2(e)`` too (``exp2``).
    Codebook keys (``K_CB``): the block's codes index the centroid table (a gather from at most
    256 floats, L1-resident), ``score_t = s_t * dot(q, c[code_t])`` (fp16 dot, fp32 accumulate;
-   ``s_t`` from the norm and, renormalised, the gathered centroids' norm). Codebook values
-   (``V_CB``): ``out += dot(p * s, c[codes])``, the scale folded into the softmax weights.
+   ``s_t`` from the norm and, renormalised, the gathered centroids' norm).
    Online softmax per split; writes the unnormalised output, running max and sum.
 2. ``_dense_split_kernel``, same idea for a full-precision segment (residual window, each extra
    set): its splits are further rows of the same partial buffers.
@@ -54,7 +53,7 @@ its KV head so packed bytes are read once):
 Memory traffic per KV head and step: packed codes ``length * D * (ck + cv) / 8`` bytes, key
 scales+zeros ``2 * length/Gk * D * s`` and value scales+zeros ``2 * length * D/Gv * s`` (``s``
 = scale bytes: 2 or 4, or 1 for 8-bit metadata, decoded in registers with one exp2 per
-group; a codebook tensor: its codes, ``length * s`` bytes of norms and the ``2^bits`` table),
+group; codebook keys: their codes, ``length * s`` bytes of norms and the ``2^bits`` table),
 the residual/extra segments in full precision, plus ``splits * g * (D + 2) * 4``
 bytes of partials written and read back once. Nothing dequantized is ever written to memory.
 Bytes of one packed byte that several tokens (keys) or channels (values) share are fetched by
@@ -133,13 +132,13 @@ def _centroids(cb_ptr, code, keep):
 
 
 @triton.jit
-def _codebook_scale(norm, cent, axis: tl.constexpr, inv_sqrt_d, RN: tl.constexpr):
-    """Each codebook vector's float32 scale (``kvlens.layouts.codebook.CodebookStore.chunk``):
-    ``norm / ||c||`` over the channels (``axis``) of its centroids ``cent`` when renormalised
-    (``RN``), else ``norm / sqrt(D)``."""
+def _codebook_scale(norm, cent, inv_sqrt_d, RN: tl.constexpr):
+    """Each codebook key's float32 scale (``kvlens.layouts.codebook.CodebookStore.chunk``):
+    ``norm / ||c||`` over the channels (axis 0) of its centroids ``cent [BD, BT]`` when
+    renormalised (``RN``), else ``norm / sqrt(D)``."""
     n = norm.to(tl.float32)
     if RN:
-        return n / tl.maximum(tl.sqrt(tl.sum(cent * cent, axis=axis)),
+        return n / tl.maximum(tl.sqrt(tl.sum(cent * cent, axis=0)),
                               1.1754943508222875e-38)  # float32 tiny, as the reference
     else:
         return n * inv_sqrt_d
@@ -168,7 +167,7 @@ def _packed_split_kernel(
     vc_ptr, svcb, svch, svct, svcd,  # value codes uint8, same two layouts as the keys
     vs_ptr, svsb, svsh, svst, svsd,  # value scale [B, Hkv, rows, cols]
     vz_ptr, svzb, svzh, svzt, svzd,  # value zero, same shape
-    kcb_ptr, vcb_ptr,  # codebook keys / values: centroid tables [2^bits] (K_CB / V_CB)
+    kcb_ptr,  # codebook keys: centroid table [2^bits] (K_CB)
     pv_ptr, spvb, spvh, spvt,  # packed_valid [B, Hkv, cap] uint8 (MiKV: not in the hp set)
     mask_ptr, smb, smn,  # key_mask [B, N] uint8 over absolute positions
     start_ptr,  # valid_start [B] int
@@ -187,8 +186,7 @@ def _packed_split_kernel(
     NKG: tl.constexpr, NKG_P: tl.constexpr,  # per-token keys: groups per token (D/GKD) and pad
     VB: tl.constexpr, VU: tl.constexpr, VW: tl.constexpr,  # value bits, packing unit (U, W)
     V_TOK: tl.constexpr,  # values packed along tokens (per-channel)
-    VRT: tl.constexpr,  # tokens per value scale row (per-channel G, per-tensor F; 1 = per-token;
-    #                     0 = codebook)
+    VRT: tl.constexpr,  # tokens per value scale row (per-channel G, per-tensor F; 1 = per-token)
     K_M8: tl.constexpr,  # key scale/zero are 8-bit codes (uint8 / int8), decoded here
     V_M8: tl.constexpr,  # value scale/zero likewise
     MB: tl.constexpr,  # 8-bit scale code bias (kvlens.quant.meta8.SCALE_BIAS)
@@ -197,8 +195,8 @@ def _packed_split_kernel(
     NDG: tl.constexpr, NDG_P: tl.constexpr,  # per-token values: groups per token (D/GV) and pad
     HAS_BAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_START: tl.constexpr,
     HAS_PVALID: tl.constexpr,
-    K_CB: tl.constexpr, V_CB: tl.constexpr,  # keys / values codebook-coded (k_scale = norms)
-    K_RN: tl.constexpr, V_RN: tl.constexpr,  # codebook scale norm / ||c|| (renormalised)
+    K_CB: tl.constexpr,  # keys codebook-coded (k_scale = norms)
+    K_RN: tl.constexpr,  # codebook scale norm / ||c|| (renormalised)
 ):
     pid = tl.program_id(0)
     sid = tl.program_id(1)
@@ -254,7 +252,7 @@ def _packed_split_kernel(
                                skcd, tv[None, :] & dmask[:, None], KB, KU, KW)
             kcent = _centroids(kcb_ptr, kcode, dmask[:, None])  # [BD, BT]
             knorm = tl.load(ks_ptr + b * sksb + h * sksh + t * skst, mask=tv, other=0)
-            ksc = _codebook_scale(knorm, kcent, 0, inv_sqrt_d, K_RN)  # [BT]
+            ksc = _codebook_scale(knorm, kcent, inv_sqrt_d, K_RN)  # [BT]
             s = tl.dot(q.to(tl.float16), kcent.to(tl.float16)) * ksc[None, :]
         elif KRT == 1:
             # per-token: score_t = sum_j s_tj * (q_j . code_tj) + z_tj * sum(q_j)
@@ -292,16 +290,7 @@ def _packed_split_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         # -- values
-        if V_CB:
-            # codebook: out += sum_t (p_t s_t) c[code_t], codes packed along channels
-            vcode = _unpack_at(vc_ptr + b * svcb + h * svch + t[:, None] * svct, di[None, :],
-                               svcd, tv[:, None] & dmask[None, :], VB, VU, VW)
-            vcent = _centroids(vcb_ptr, vcode, dmask[None, :])  # [BT, BD]
-            vnorm = tl.load(vs_ptr + b * svsb + h * svsh + t * svst, mask=tv, other=0)
-            vsc = _codebook_scale(vnorm, vcent, 1, inv_sqrt_d, V_RN)  # [BT]
-            pw = (p * vsc[None, :]).to(tl.float16)
-            acc = acc * alpha[:, None] + tl.dot(pw, vcent.to(tl.float16))
-        elif VRT == 1:
+        if VRT == 1:
             # per-token: fold the scale of each channel group into p
             vsp = vj[:, None] * svsd + t[None, :] * svst
             pmask = (vj[:, None] < NDG) & tv[None, :]
@@ -459,8 +448,9 @@ def _as_u8(name: str, t, b: int, hkv: int | None, min_len: int, device) -> torch
     return t.view(torch.uint8) if t.dtype == torch.bool else t
 
 
-LAYOUTS = ("per-channel", "per-token", "per-tensor", "codebook")
 CODEBOOK = "codebook"
+LAYOUTS = ("per-channel", "per-token", "per-tensor", CODEBOOK)  # codebook: keys only
+VALUE_LAYOUTS = LAYOUTS[:3]
 
 
 def _packed_geometry(which: str, layout: str, bits: int, group, codes, scale, zero, length: int,
@@ -607,9 +597,7 @@ def decode_attention(
     k_zero_unit: float | None = None,
     v_zero_unit: float | None = None,
     k_centroids: torch.Tensor | None = None,
-    v_centroids: torch.Tensor | None = None,
     k_renormalize: bool = False,
-    v_renormalize: bool = False,
 ) -> torch.Tensor:
     """Decode attention of ``q`` ``[B, Hq, 1, D]`` over one layer's compressed cache ->
     ``[B, Hq, 1, D]`` in ``q.dtype``. Layout and semantics: module docstring.
@@ -634,13 +622,13 @@ def decode_attention(
     k_zero_unit/v_zero_unit: ``None``: the scales and zeros are float16/float32. A number: they
     are 8-bit group metadata (``kvlens.quant.meta8``: scale uint8 codes, zero int8 codes whose
     unit is this many quantization steps, ``zero_unit(bits)``), decoded in the kernel.
-    ``k_layout`` / ``v_layout`` ``"codebook"`` (``kvlens.layouts.codebook``; keys and values
-    independently): ``*_codes`` uint8 ``[B, Hkv, >=length, ceil(D/U)*W]`` (one vector's codes
-    packed along channels), ``*_scale`` its norms ``[B, Hkv, >=length]`` float16/float32,
-    ``*_zero`` and ``*_group`` ``None``; ``*_centroids`` the ``2^bits`` centroids
-    (float16/float32), ``*_renormalize`` the spec's flag (scale ``norm / ||c||`` instead of
-    ``norm / sqrt(D)``). The vectors are read in the basis they were coded in: a rotated
-    codebook's query must come rotated, and a value codebook's output comes back rotated.
+    ``k_layout`` ``"codebook"`` (``kvlens.layouts.codebook``, keys only: vLLM TurboQuant's):
+    ``k_codes`` uint8 ``[B, Hkv, >=length, ceil(D/U)*W]`` (one vector's codes packed along
+    channels), ``k_scale`` its norms ``[B, Hkv, >=length]`` float16/float32, ``k_zero`` and
+    ``k_group`` ``None``; ``k_centroids`` the ``2^bits`` centroids (float16/float32),
+    ``k_renormalize`` the spec's flag (scale ``norm / ||c||`` instead of ``norm / sqrt(D)``).
+    The keys are read in the basis they were coded in: a rotated codebook's query must come
+    rotated.
     """
     check_tensor("q", q, 4, FLOAT_DTYPES)
     dev = q.device
@@ -668,15 +656,15 @@ def decode_attention(
         raise KernelInputError(f"query heads {hq} must be a multiple of KV heads {hkv} (GQA).")
     gq = hq // hkv
     kgeo = vgeo = (False, 1, d)
-    for name, lay in (("k_layout", k_layout), ("v_layout", v_layout)):
-        if lay not in LAYOUTS:
+    for name, lay, allowed in (("k_layout", k_layout, LAYOUTS),
+                               ("v_layout", v_layout, VALUE_LAYOUTS)):
+        if lay not in allowed:
             raise KernelInputError(f"{name} {lay!r} is not a packed layout; allowed: "
-                                   f"{', '.join(LAYOUTS)}.")
-    k_book, v_book = k_layout == CODEBOOK, v_layout == CODEBOOK
-    k_table = v_table = None
+                                   f"{', '.join(allowed)}.")
+    k_book = k_layout == CODEBOOK
+    k_table = None
     if length:
-        needed = [k_codes, k_scale, v_codes, v_scale] + [z for z, book in (
-            (k_zero, k_book), (v_zero, v_book)) if not book]
+        needed = [k_codes, k_scale, v_codes, v_scale, v_zero] + ([] if k_book else [k_zero])
         if any(t is None for t in needed):
             raise KernelInputError("length > 0 needs all of k_codes, k_scale, k_zero, v_codes, "
                              "v_scale, v_zero (no zeros for a codebook layout).")
@@ -688,13 +676,11 @@ def decode_attention(
                                 length, b, hkv, d, dev, meta8=k_zero_unit is not None)
         vgeo = _packed_geometry("v", v_layout, v_bits, v_group, v_codes, v_scale, v_zero,
                                 length, b, hkv, d, dev, meta8=v_zero_unit is not None)
-        for name, flag in (("k_renormalize", k_renormalize), ("v_renormalize", v_renormalize)):
-            if not isinstance(flag, bool):
-                raise KernelInputError(f"{name} must be True or False, got {flag!r}.")
+        if not isinstance(k_renormalize, bool):
+            raise KernelInputError(f"k_renormalize must be True or False, got "
+                                   f"{k_renormalize!r}.")
         if k_book:
             k_table = _centroid_table("k", k_centroids, k_bits, dev)
-        if v_book:
-            v_table = _centroid_table("v", v_centroids, v_bits, dev)
     if residual_len:
         for name, t in (("residual_k", residual_k), ("residual_v", residual_v)):
             if t is None:
@@ -780,8 +766,8 @@ def decode_attention(
         _packed_split_kernel[(programs, n_packed)](
             q, *qs, *bal_args,
             k_codes, *k_codes.stride(), k_scale, *kss, dummy if k_book else k_zero, *kzs,
-            v_codes, *v_codes.stride(), v_scale, *vss, dummy if v_book else v_zero, *vzs,
-            dummy if k_table is None else k_table, dummy if v_table is None else v_table,
+            v_codes, *v_codes.stride(), v_scale, *vss, v_zero, *vzs,
+            dummy if k_table is None else k_table,
             *pv_args, *mask_args, start_arg, o_part, m_part, l_part,
             hkv, d, gq, length, split_p, s_total, qscale,
             float(k_zero_unit or 0.0), float(v_zero_unit or 0.0), 1.0 / math.sqrt(d),
@@ -792,8 +778,7 @@ def decode_attention(
             HAS_BAL=bal is not None, HAS_MASK=mask is not None, HAS_START=start is not None,
             HAS_PVALID=pvalid is not None, K_M8=k_zero_unit is not None,
             V_M8=v_zero_unit is not None, MB=META8_SCALE_BIAS, MS=META8_SCALE_STEPS,
-            K_CB=k_book, V_CB=v_book, K_RN=k_book and k_renormalize,
-            V_RN=v_book and v_renormalize)
+            K_CB=k_book, K_RN=k_book and k_renormalize)
     base = n_packed
     for dk, dv, dpos, n_tok, pos0, split, n_splits in dense:
         pos_args = (dpos, *dpos.stride()) if dpos is not None else (dummy, 0, 0, 0)

@@ -24,7 +24,6 @@ import torch
 from kvlens.cache.attention import make_attention_fn
 from kvlens.cache.backend import select_backend
 from kvlens.cache.engine import EngineLayer, static_scale
-from kvlens.cache.gear import GearTensor
 from kvlens.cache.layer import (
     STATE_FIELDS,
     CompressedLayer,
@@ -118,7 +117,7 @@ class CompressionSession:
                    scale_dtype=self.config.scale_dtype, fp_dtype=self.config.fp_dtype,
                    mikv=self.config.mikv_for(idx), balancer=bal,
                    sliding_window=self.info.window(idx), rotation=rotation, session=self,
-                   gear=self.config.gear_for(idx), write_first=self.config.write_before_attention,
+                   write_first=self.config.write_before_attention,
                    kv_shared=self.info.mla is not None, **states)
 
     def _engine_layer(self, idx: int, **states):
@@ -272,8 +271,7 @@ def held_bytes_by_device(obj) -> dict[str, int]:
             stack.extend(o)
         elif isinstance(o, dict):
             stack.extend(o.values())
-        elif isinstance(o, (CompressedLayer, Store, EngineLayer, SetRows,
-                            GearTensor)) or o is obj:
+        elif isinstance(o, (CompressedLayer, Store, EngineLayer, SetRows)) or o is obj:
             stack.extend(v for k, v in vars(o).items()
                          if k != "session" and k not in STATE_FIELDS)
     return total

@@ -9,8 +9,8 @@ the bytes one single-token decode step reads, for ``recommend`` to report next t
   ``2 * s * D / G`` per token too, per-tensor ones ``2 * s / F``);
 - an unquantized tensor's dense history, the filled part of the residual window (not its spare
   capacity), the MiKV full-precision set with its positions and mask, pre-RoPE positions (to
-  re-create RoPE), accumulators (read and written by H2O), balancers, GEAR's
-  outliers and low-rank factors (read whole every step);
+  re-create RoPE), accumulators (read and written by H2O) and balancers (read whole every
+  step);
 - ``torch_unpack_bytes``: on the eager torch path (CPU) each quantized element is also unpacked
   to float32 once per step, chunk by chunk (written, then read by the matmul): 4 bytes per
   element, which on a CPU costs as much traffic as an fp32 cache. The fused kernel never does.
@@ -56,17 +56,16 @@ class DecodeCost:
 
 def layer_read_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batch: int = 1,
                      fp_bytes: int = 2, scale_dtype: str = "float16", mikv=None,
-                     balancer: bool = False,
-                     sliding_window: int | None = None, gear=None, kv_shared: bool = False
+                     balancer: bool = False, sliding_window: int | None = None,
+                     kv_shared: bool = False
                      ) -> tuple[int, int]:
     """``(read, torch_unpack)`` bytes of one decode step over one layer (module doc); a store
     shared by keys and values (MLA, ``layout.shares_storage``) is read once."""
     parts = layout.layer_part_bytes(setting, tokens=tokens, head_dim=head_dim,
                                     kv_heads=kv_heads, batch=batch, fp_bytes=fp_bytes,
                                     scale_dtype=scale_dtype, mikv=mikv, balancer=balancer,
-                                    sliding_window=sliding_window, gear=gear,
-                                    kv_shared=kv_shared)
-    one = layout.shares_storage(setting, kv_shared, head_dim, balancer=balancer, gear=gear)
+                                    sliding_window=sliding_window, kv_shared=kv_shared)
+    one = layout.shares_storage(setting, kv_shared, head_dim, balancer=balancer)
     st = layout.stream_state(setting, tokens, sliding_window)
     rows = batch * kv_heads
     parts["window"] = (1 if one else 2) * rows * st.n_res * head_dim * fp_bytes  # filled only
@@ -94,8 +93,7 @@ def config_decode_cost(config, shape: layout.ModelShape, tokens: int, batch: int
                                 kv_heads=shape.kv_heads, batch=batch, fp_bytes=fp,
                                 scale_dtype=config.scale_dtype, mikv=mikv,
                                 balancer=balancer and setting.compressed,
-                                sliding_window=shape.window(i), gear=config.gear_for(i),
-                                kv_shared=shape.kv_shared)
+                                sliding_window=shape.window(i), kv_shared=shape.kv_shared)
         read += r
         unpack += u
         if setting.compressed:
@@ -103,8 +101,6 @@ def config_decode_cost(config, shape: layout.ModelShape, tokens: int, batch: int
             if why is None and mikv is not None and mikv.heavy_fraction > 0 \
                     and shape.window(i) is None:
                 why = "MiKV heavy hitters (attention probabilities: torch path)"
-            if why is None and config.gear_for(i) is not None:
-                why = "GEAR sparse and low-rank terms (torch path)"
             if why:
                 unfused[i] = why
     return DecodeCost(tokens, read, shape.fp16_bytes(tokens, batch), unpack, unfused)

@@ -18,9 +18,7 @@ A ``CompressedLayer`` keeps, for its layer, ``[B, H, *, D]`` history in up to th
   layer's sinks leave its window, and its whole history is at most ``W`` tokens. The set is
   stored at ``fp_dtype`` or, with ``mikv.set_bits``, as 4- or 8-bit per-token codes
   (``kvlens.cache.mixed``). The layer gets its own settings (``KVConfig.mikv_for``): a layer
-  not in ``mikv.layers`` keeps a sinks-only set at ``fp_dtype``;
-- the **GEAR parts** (config ``gear``): per quantized tensor, the sparse outliers and low-rank
-  factors of every packed block (``kvlens.cache.gear``), aligned with the packed store.
+  not in ``mikv.layers`` keeps a sinks-only set at ``fp_dtype``.
 
 Nothing is kept twice: after a flush the window buffer shrinks back to ``R`` tokens, the stores
 hold exactly their tokens, and a sliding-window layer drops what no later query can see. The
@@ -47,7 +45,6 @@ from transformers import cache_utils
 from transformers.cache_utils import DynamicLayer
 
 from kvlens.cache import layout
-from kvlens.cache.gear import GearTensor
 from kvlens.cache.mixed import SetRows
 from kvlens.config import LayerKV, MikvSettings
 from kvlens.errors import ConfigError
@@ -166,7 +163,7 @@ class CompressedLayer(HistoryLayer):
                  scale_dtype: str = "float16", fp_dtype: str = "float16",
                  mikv: MikvSettings | None = None, balancer: torch.Tensor | None = None,
                  sliding_window: int | None = None, rotation: torch.Tensor | None = None,
-                 session=None, gear=None, write_first: bool = False,
+                 session=None, write_first: bool = False,
                  kv_shared: bool = False):
         super().__init__()
         self.is_initialized = False  # set by the base class from transformers 4.57 on, not 4.56
@@ -185,7 +182,7 @@ class CompressedLayer(HistoryLayer):
         # so does this layer when both are stored alike (one store and one window)
         self.kv_tensors = 1 if kv_shared else 2
         self.shares = layout.shares_storage(
-            setting, kv_shared, head_dim, gear=gear,
+            setting, kv_shared, head_dim,
             balancer=balancer is not None or (mikv is not None and mikv.balancer == "online"))
         self.kstore, self.vstore = (self._store(spec, head_dim, scale_dtype, fp)
                                     for spec in (setting.key, setting.value))
@@ -211,15 +208,6 @@ class CompressedLayer(HistoryLayer):
         set_bits = self.mikv.set_bits if self.mikv is not None else None
         self.hp_k, self.hp_v = (SetRows(set_bits, fp, head_dim) for _ in range(2))
         self.hp_pos = None  # [B, Hkv, K] int32
-        # GEAR: sparse + low-rank parts beside each packed store (None: plain codes)
-        self.kgear = self.vgear = None
-        if gear is not None:
-
-            if setting.pre_rope_keys and setting.key is not None:
-                raise ConfigError("GEAR cannot be combined with pre-RoPE keys; disable one.")
-            self.kgear, self.vgear = (
-                GearTensor(spec, gear, self.flush_every, head_dim, fp)
-                if spec is not None else None for spec in (setting.key, setting.value))
         # pre-RoPE keys: positions of held tokens [B, N - q_start] int32, and the RoPE re-creator
         self.stores_pre_rope = setting.pre_rope_keys and setting.key is not None
         self.positions: torch.Tensor | None = None
@@ -342,7 +330,7 @@ class CompressedLayer(HistoryLayer):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         for store in self._stores(self.kstore, self.vstore, self.res_k, self.res_v, self.hp_k,
-                                  self.hp_v, self.kgear, self.vgear):
+                                  self.hp_v):
             store.select_batch(indices)
         for name in ("acc", "is_hp", "hp_pos", "positions"):
             if getattr(self, name) is not None:
@@ -429,12 +417,9 @@ class CompressedLayer(HistoryLayer):
             k_store = k_store.float() * self.balancer.float().unsqueeze(-2)
         k_store = k_store if self.setting.key is not None else k
         v_store = v.float() if self.setting.value is not None else v
-        pairs = ((self.kstore, self.kgear, k_store), (self.vstore, self.vgear, v_store))
-        for store, gear, x in pairs[:1] if self.shares else pairs:
-            if gear is not None:
-                gear.compress(x, store)
-            else:
-                store.append(x)
+        pairs = ((self.kstore, k_store), (self.vstore, v_store))
+        for store, x in pairs[:1] if self.shares else pairs:
+            store.append(x)
         if self.keeps_full_precision_set:
             self._select_heavy(t0, n, k, v)
         # The window keeps the rest (at most R-1 tokens) in a buffer of R tokens again.
@@ -450,7 +435,7 @@ class CompressedLayer(HistoryLayer):
                     * self.flush_every)
             if n <= 0:
                 return
-            for store in self._stores(self.kstore, self.vstore, self.kgear, self.vgear):
+            for store in self._stores(self.kstore, self.vstore):
                 store.drop_front(n)
             self.q_start += n
         else:
@@ -504,9 +489,6 @@ class CompressedLayer(HistoryLayer):
         for store in self._stores(self.kstore, self.vstore, self.res_k, self.res_v):
             out += list(store.named_tensors().items())
         out += [("sets", t) for t in self.hp_k.parts + self.hp_v.parts]
-        for gear in (self.kgear, self.vgear):
-            if gear is not None:
-                out += gear.named_tensors()
         for part, name in (("positions", "hp_pos"),
                            ("masks", "is_hp"), ("accumulators", "acc"),
                            ("positions", "positions"), ("balancers", "balancer"),

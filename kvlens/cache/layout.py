@@ -29,10 +29,9 @@ too), ``dense`` (an unquantized tensor's history next to a quantized one), ``win
 (MiKV heavy hitters and sink tokens, K and V, at ``fp_dtype`` or, with ``mikv.set_bits``, as
 per-token codes plus float16 scales and zeros, ``kvlens.cache.mixed``; global layers only; a
 layer not in ``mikv.layers`` keeps only its sinks at ``fp_dtype``, ``KVConfig.mikv_for``),
-``outliers`` and ``lowrank`` (GEAR's sparse entries, values and indices, and low-rank factors per
-packed block, ``kvlens.cache.gear``), ``positions`` (int32: the set's positions, and
-for pre-RoPE keys every held token's RoPE position), ``masks`` (bool per held packed token:
-H2O sets only), ``accumulators`` (float32 accumulated attention per held token: H2O only),
+``positions`` (int32: the set's positions, and for pre-RoPE keys every held token's RoPE
+position), ``masks`` (bool per held packed token: H2O sets only), ``accumulators`` (float32
+accumulated attention per held token: H2O only),
 ``balancers`` (float32 ``[Hkv, D]``), ``norms`` (codebook keys, ``kvlens.layouts.codebook``:
 their codes are ``codes``, densely packed along channels, plus one float16 norm per held vector;
 ``CodebookSpec.held_bytes`` is the same count), ``rotations`` (one float32 ``[D, D]`` Hadamard matrix
@@ -59,7 +58,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvlens.cache.gear import part_bytes
 from kvlens.cache.mixed import set_bytes_per_token
 from kvlens.config import FP_BYTES
 from kvlens.errors import ConfigError
@@ -70,7 +68,7 @@ from kvlens.quant import ds_mla
 from kvlens.quant.cachetypes import DenseType, scale_count
 
 PARTS = ("codes", "scales", "zeros", "dense", "window", "sets", "positions", "masks",
-         "accumulators", "balancers", "rotations", "blocks", "outliers", "lowrank", "norms")
+         "accumulators", "balancers", "rotations", "blocks", "norms")
 POSITION_BYTES = 4  # int32
 
 
@@ -164,20 +162,18 @@ def set_size(mikv, q_start: int, q_end: int) -> int:
     return min(held, math.ceil(mikv.heavy_fraction * held) + sinks)
 
 
-def shares_storage(setting, kv_shared: bool, head_dim: int, *, balancer: bool = False,
-                   gear=None) -> bool:
+def shares_storage(setting, kv_shared: bool, head_dim: int, *, balancer: bool = False) -> bool:
     """Whether a layer keeps its keys and values in **one** store: a layer whose keys and values
     are one tensor (``kv_shared``: an MLA model's latent row, ``kvlens.model.mla``) stored
     alike (the same spec or engine type, the same rotation, no transform of the keys alone:
-    pre-RoPE, balancer, GEAR). Otherwise the layer keeps two stores, as for any
+    pre-RoPE, balancer). Otherwise the layer keeps two stores, as for any
     model."""
     if not kv_shared:
         return False
     if setting.engine:
         return engine_types_share(setting.key_type, setting.value_type, kv_shared, head_dim)
     return (setting.key == setting.value and setting.rotate_keys == setting.rotate_values
-            and not setting.pre_rope_keys and not balancer
-            and gear is None)
+            and not setting.pre_rope_keys and not balancer)
 
 
 def engine_types_share(key_type, value_type, kv_shared: bool, head_dim: int) -> bool:
@@ -189,15 +185,13 @@ def engine_types_share(key_type, value_type, kv_shared: bool, head_dim: int) -> 
 
 def layer_part_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batch: int = 1,
                      fp_bytes: int = 2, scale_dtype: str = "float16", mikv=None,
-                     balancer: bool = False, sliding_window: int | None = None, gear=None,
+                     balancer: bool = False, sliding_window: int | None = None,
                      kv_shared: bool = False) -> dict[str, int]:
     """Bytes of every part one ``CompressedLayer`` holds after ``tokens`` tokens.
 
     kv_shared: keys and values are one tensor (MLA): one store and one window where
     ``shares_storage`` says so.
 
-    gear: the config's ``GearSettings`` (each quantized tensor's packed blocks also hold
-    outliers and low-rank factors; ignored for uncompressed layers).
     mikv: the config's ``MikvSettings`` (ignored for uncompressed layers, as the cache does).
     balancer: the layer stores a ``[Hkv, D]`` float32 balancer (fixed or fitted online)."""
     parts = dict.fromkeys(PARTS, 0)
@@ -206,7 +200,7 @@ def layer_part_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batc
     st = stream_state(setting, tokens, sliding_window)
     f = flush_every(setting)
     rows = batch * kv_heads
-    one = shares_storage(setting, kv_shared, head_dim, balancer=balancer, gear=gear)
+    one = shares_storage(setting, kv_shared, head_dim, balancer=balancer)
     for spec in (setting.key,) if one else (setting.key, setting.value):
         if spec is None:
             parts["dense"] += rows * st.q_held * head_dim * fp_bytes
@@ -214,11 +208,6 @@ def layer_part_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batc
             for part, n in layout_of(spec).part_bytes(st.q_held, head_dim, f,
                                                       scale_dtype).items():
                 parts[part] += rows * n
-            if gear is not None:
-
-                o, lr = part_bytes(spec, gear, st.q_held, f, head_dim, fp_bytes)
-                parts["outliers"] += rows * o
-                parts["lowrank"] += rows * lr
     parts["window"] = (1 if one else 2) * rows * st.window_capacity * head_dim * fp_bytes
     sets = mikv if setting.compressed and sliding_window is None else None
     if sets is not None and sets.heavy_fraction + sets.sink_tokens > 0:
@@ -376,8 +365,7 @@ def _layer_parts(config, shape: ModelShape, i: int, tokens: int, batch: int) -> 
                             fp_bytes=fp_bytes_of(config.fp_dtype, shape.model_dtype_bytes),
                             scale_dtype=config.scale_dtype, mikv=mikv,
                             balancer=balancer and setting.compressed,
-                            sliding_window=shape.window(i), gear=config.gear_for(i),
-                            kv_shared=shape.kv_shared)
+                            sliding_window=shape.window(i), kv_shared=shape.kv_shared)
 
 
 def rotation_devices(config, shape: ModelShape) -> list[str]:

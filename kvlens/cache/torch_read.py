@@ -303,14 +303,6 @@ def _value_out(layer, p: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
     return out.permute(0, 1, 3, 2, 4).reshape(b, h, m, d)
 
 
-def _packed_values(layer, p: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
-    """``p`` times packed values ``[t0, t1)``, plus GEAR's ``p (S + L)`` where stored."""
-    out = _value_out(layer, p, t0, t1)
-    if layer.vgear is not None:
-        out += layer.vgear.value_terms(p, t0, t1)
-    return out
-
-
 # -- segments -------------------------------------------------------------------------------------
 
 def _capped(s: torch.Tensor, softcap: float) -> torch.Tensor:
@@ -334,8 +326,6 @@ def _segments(layer, q: torch.Tensor, qb: torch.Tensor, mask, tq: int, chunk_tok
     for t0 in range(0, nq, step):
         t1 = min(nq, t0 + step)
         s = _key_scores(layer, qb, t0, t1)
-        if layer.kgear is not None:  # GEAR: q (S + L)^T from the factors and sparse entries
-            s += layer.kgear.key_terms(qb, t0, t1)
         s = _capped(s.view(b, hkv, g, tq, t1 - t0), softcap)
         bias = _range_bias(mask, a0 + t0, a0 + t1, tq, n_total, q.device)
         if bias is not None:
@@ -344,7 +334,7 @@ def _segments(layer, q: torch.Tensor, qb: torch.Tensor, mask, tq: int, chunk_tok
             s = s.masked_fill(layer.is_hp[:, :, None, None, a0 + t0:a0 + t1], float("-inf"))
         if sinks > t0:
             s[..., :sinks - t0] = float("-inf")
-        yield s, (lambda p, t0=t0, t1=t1: _packed_values(layer, p, t0, t1)), (a0 + t0, a0 + t1)
+        yield s, (lambda p, t0=t0, t1=t1: _value_out(layer, p, t0, t1)), (a0 + t0, a0 + t1)
     if layer.has_hp:
         k, v = layer.hp_k.read(), layer.hp_v.read()
         s = _capped(torch.matmul(q, k.transpose(-1, -2)).view(b, hkv, g, tq, -1), softcap)

@@ -3,7 +3,7 @@
 
 ``kernel_layout_problem`` is the one rule for which stored layouts the kernel reads (shared by
 the per-call dispatch, ``kvlens.cache.decode_cost`` and ``recommend``'s ``--prefer-fast``);
-``triton_unsupported`` adds the per-call reasons (prefill, attention probabilities, GEAR, logit
+``triton_unsupported`` adds the per-call reasons (prefill, attention probabilities, logit
 soft-capping and attention sinks, which the kernel does not apply);
 ``triton_decode`` turns a ``CompressedLayer`` and transformers' mask into the kernel's arguments.
 Codebook keys (``kvlens.layouts.codebook``) are read by the kernel too, in the layer's rotated
@@ -33,9 +33,6 @@ def triton_unsupported(layer, query: torch.Tensor, with_probs: bool, *, softcap:
     if with_probs:
         return ("MiKV heavy-hitter selection needs attention probabilities, which the kernel "
                 "does not return")
-    if layer.kgear is not None or layer.vgear is not None:
-        return ("GEAR sparse and low-rank terms (the kernel reads only the packed codes and "
-                "scales)")
     return kernel_layout_problem(layer.setting, layer.head_dim)
 
 

@@ -28,8 +28,7 @@ from kvlens.cli.common import (
 )
 
 # The options only some variants read (refuse_unread): given without any of them, refused.
-READ_BY = {"rank": read_with("--variants", "lowrank"),
-           "outlier_fraction": read_with("--variants", "outliers"),
+READ_BY = {"outlier_fraction": read_with("--variants", "outliers"),
            "rotation_seed": read_with("--variants", "rotate")}
 METRIC_LABELS = {
     "reconstruction": "recon",
@@ -60,15 +59,13 @@ def compare_axes_command(
                                     "(quantize before RoPE, re-rotate), e.g. post,pre."),
     variants: str = typer.Option("", "--variants", rich_help_panel=ANALYSIS,
                                  help="Extra transforms beside plain quantization: balancer, "
-                                      "outliers, lowrank, rotate (Hadamard along head_dim). "
+                                      "outliers, rotate (Hadamard along head_dim). "
                                       "Comma-separated; default none."),
     outlier_fraction: float = typer.Option(0.01, "--outlier-fraction",
                                            callback=open_range(0.0, 1.0),
                                            rich_help_panel=ANALYSIS,
                                            help="outliers variant: share of each quantized "
                                                 "vector kept exact (0 < f < 1)."),
-    rank: int = typer.Option(2, "--rank", min=1, rich_help_panel=ANALYSIS,
-                             help="lowrank variant: rank of the GEAR residual."),
     rotation_seed: int = typer.Option(None, "--rotation-seed", min=0,
                                       rich_help_panel=ANALYSIS,
                                       help="rotate variant: random sign flips "
@@ -104,7 +101,7 @@ def compare_axes_command(
     Examples:
 
       kvlens compare-axes out/run.h5 --plots out/compare
-      kvlens compare-axes out/run.h5 --bits 2 --variants rotate,lowrank --rank 4
+      kvlens compare-axes out/run.h5 --bits 2 --variants rotate,outliers --outlier-fraction 0.02
       kvlens compare-axes out/run.h5 --formats llamacpp:q4_0,vllm:fp8_e4m3
     """
     from kvlens.analysis.compare import (
@@ -128,7 +125,6 @@ def compare_axes_command(
             stages=parse_name_list(stages),
             variants=parse_name_list(variants),
             outlier_fraction=outlier_fraction,
-            rank=rank,
             layers=parse_layers(layers),
             samples=samples,
             sink_tokens=sinks,

@@ -91,9 +91,9 @@ MODEL_STAGES = ReadOnly(
 MIKV = ReadOnly("MiKV candidates (--thorough or --set mikv=on)",
                 lambda a: a.lever("mikv", a.thorough), "this run, which offers none",
                 "add --thorough (or --set mikv=on)")
-TORCH_PATH = ReadOnly("the torch decode path (GEAR and MiKV candidates are not read by the "
-                      "fused kernel)", lambda a: not (a.lever("prefer_fast") and (
-                          a.thorough or a.lever("gear") or a.lever("mikv"))),
+TORCH_PATH = ReadOnly("the torch decode path (MiKV candidates are not read by the fused "
+                      "kernel)", lambda a: not (a.lever("prefer_fast") and (
+                          a.thorough or a.lever("mikv"))),
                       "--set prefer-fast=on, which keeps to that kernel",
                       "drop --set prefer-fast=on")
 LAYOUT = ReadOnly("the layout sensitivity (--set sensitivity=auto or layout)",
@@ -110,7 +110,7 @@ CONDITIONS = {
     "retrieval_prompts": (ReadOnly("--validate (its retrieval grid)", lambda a: a.validate,
                                    "a run without it", "add --validate"),),
     "mikv_set_bits": (MIKV,), "mikv_fractions": (MIKV,),
-    "thorough": (TORCH_PATH,), "gear": (TORCH_PATH,), "mikv": (TORCH_PATH,),
+    "thorough": (TORCH_PATH,), "mikv": (TORCH_PATH,),
     "balancer_exponent": (ReadOnly("balancer candidates", lambda a: a.lever("balancer", True),
                                    "--set balancer=off, which removes them",
                                    "drop --set balancer=off"),),
@@ -213,7 +213,7 @@ def recommend(
                                  help="Dtype of the full-precision parts (window, sinks): "
                                       "float16, or float8_e4m3fn (one byte per element)."),
     thorough: bool = typer.Option(False, "--thorough", rich_help_panel=BUDGET,
-                                  help="Also offer GEAR and MiKV candidates: several times "
+                                  help="Also offer MiKV candidates: several times "
                                        "slower."),
     target: str = typer.Option("kvlens", "--target", rich_help_panel=ENGINE,
                                help="What to recommend for: kvlens (a per-layer config for "
@@ -277,7 +277,7 @@ def recommend(
 
       kvlens recommend run.h5 --target llama.cpp --max-kld 0.01 --validate
 
-      kvlens recommend run.h5 -b 2.5 --set gear=on
+      kvlens recommend run.h5 -b 2.5 --set mikv=on
 
     Every option given is used or refused before any measurement starts."""
     from kvlens.cli.recommend_show import show_layers, show_target

@@ -1,9 +1,9 @@
 """The generation config: what every layer of the compressed cache stores.
 
-- ``schema``: the frozen dataclasses (``LayerKV``, ``MikvSettings``, ``GearSettings``,
-  ``KVConfig``) and their validation; ``model_check``: ``validate_for``, whether a config fits a loaded model.
+- ``schema``: the frozen dataclasses (``LayerKV``, ``MikvSettings``, ``KVConfig``) and
+  their validation; ``model_check``: ``validate_for``, whether a config fits a loaded model.
 - ``io``: the versioned JSON form (``config_from_dict``, ``load_config``, ``save_config``);
-  ``versions``: its ``FORMAT`` string, ``VERSION`` and what each version added.
+  ``versions``: its ``FORMAT`` string and its one ``VERSION``.
 - ``presets``: the named presets and ``resolve`` (a preset name or a config file).
 - ``engine``: the engine-setting vocabulary (``llamacpp:q4_0``, ``vllm:fp8_e4m3:s1`` ...) every
   command reads and ``recommend --target`` prints.
@@ -28,7 +28,6 @@ from kvlens.config.schema import (
     FP_DTYPES,
     SCALE_DTYPES,
     SET_BITS,
-    GearSettings,
     KVConfig,
     LayerKV,
     MikvSettings,
@@ -45,7 +44,6 @@ __all__ = [
     "SET_BITS",
     "VERSION",
     "CacheDtypeSetting",
-    "GearSettings",
     "KVConfig",
     "LayerKV",
     "LlamaCppSetting",

@@ -1,8 +1,8 @@
 """The KV config's JSON form: ``config_from_dict`` (parse and validate, every problem a
-``ConfigError`` saying where), ``load_config`` / ``save_config``, and the version checks
-(a feature newer than the file's ``version`` is refused; ``kvlens.config.versions`` holds the
-``format`` string and the version history). ``generate`` reads these files, ``recommend``
-writes them. The meaning of each field is ``kvlens.config.schema``. JSON form::
+``ConfigError`` saying where), ``load_config`` / ``save_config``. Every file says ``"version":
+1``, the one version (``kvlens.config.versions``: the development builds before 0.1.0 wrote
+2-6, which collapse into it). ``generate`` reads these files, ``recommend`` writes them. The
+meaning of each field is ``kvlens.config.schema``. JSON form::
 
     {
       "format": "kvlens.kvconfig", "version": 1, "name": "kivi-2", "description": "...",
@@ -10,39 +10,38 @@ writes them. The meaning of each field is ``kvlens.config.schema``. JSON form::
                   "value": {"bits": 2, "granularity": "per-token",   "group_size": 32},
                   "residual_tokens": 128, "flush_tokens": 0, "pre_rope_keys": false,
                   "rotate_keys": false, "rotate_values": false},
-                  # a spec may add "fit": "mse" (spec version 2, config version 2): a
-                  # least-squares scale/zero per group (kvlens.quant.reference)
+                  # a spec may add "fit": "mse" (spec version 2): a least-squares scale/zero
+                  # per group (kvlens.quant.reference); a layer may instead give an engine's
+                  # "key_format" / "value_format" (kvlens.quant.cachetypes)
       "layers": {"0": {"key": null}},          # partial overrides, merged over "default"
       "mikv": null | {"heavy_fraction": 0.2, "sink_tokens": 4,
                       "balancer": "off" | "online" | "fixed", "balancer_exponent": 0.5,
-                      "set_bits": null | 4 | 8,              # version 2
-                      "layers": null | [0, 3, ...]},         # version 2
-      "gear": null | {"rank": 4, "outlier_fraction": 0.02, "power_iters": 3,
-                      "layers": null | [0, 3, ...]},         # version 2
+                      "set_bits": null | 4 | 8,              # optional
+                      "layers": null | [0, 3, ...]},         # optional
       "balancers": null | {"0": [[b_0 ... b_{D-1}] per KV head], ...},   # for "fixed"
-      "scale_dtype": "float16" | "float32" | "8bit",    # 8bit: version 3
-      "fp_dtype": "float16" | "bfloat16" | "float32" | "float8_e4m3fn" | "exact",  # fp8: v2
+      "scale_dtype": "float16" | "float32" | "8bit",
+      "fp_dtype": "float16" | "bfloat16" | "float32" | "float8_e4m3fn" | "exact",
       "rotation_seed": null | 0,               # sign flips of the Hadamard rotation
       "model": null | {"num_layers": 30, "head_dim": 64, "num_key_value_heads": 3},
-      "engine_attention": "llamacpp-cpu-fa" | "llamacpp-cpu-nofa"   # optional; version 4
-      "write_before_attention": true,          # optional; version 5 (vLLM TurboQuant's order)
+      "kv_scales": {"0": {"key": [s, ...], "value": [s, ...]}},     # optional
+      "engine_attention": "llamacpp-cpu-fa" | "llamacpp-cpu-nofa"   # optional
+      "write_before_attention": true,          # optional (vLLM TurboQuant's order)
     }
 
-A key spec may be a codebook spec (version 5, ``kvlens.quant.codebook.CodebookSpec``), told
-apart by its ``"codebook"`` key::
+A key spec may be a codebook spec (``kvlens.quant.codebook.CodebookSpec``), told apart by its
+``"codebook"`` key::
 
     "key": {"version": 1, "bits": 3, "codebook": "lloyd-max-normal", "rotation": {"version": 1,
             "seed": null}, "renormalize": true}
 
-Versions 4 and 5 also had codebook value specs, fitted codebooks (``"codebook": "fitted"`` or
-``"weighted"``) with their centroids in ``codebooks``, and centred keys (``"center_keys":
-true`` and the mean keys in ``key_means``); issue #57 removed them (docs/lab-notes/codebooks.md),
-so a file that uses them is refused with that reason (``_refuse_removed``).
-
-Version 6 added coupled (CQ) key and value specs (told apart by their ``"channels"`` key) and
-their codebooks in ``coupled_codebooks``; issue #57 removed them (docs/lab-notes/coupled.md), so
-a file that uses them is refused with that reason (``_refuse_removed``) and a version-6 file
-without them reads as any other.
+Issue #57 removed research layouts the development builds could store, each a negative result:
+codebook value specs, fitted codebooks (``"codebook": "fitted"`` or ``"weighted"``) with their
+centroids in ``codebooks`` and centred keys (``"center_keys": true``, ``key_means``;
+docs/lab-notes/codebooks.md); coupled (CQ) specs (told apart by their ``"channels"`` key) and
+``coupled_codebooks`` (docs/lab-notes/coupled.md); GEAR (``"gear": {"rank",
+"outlier_fraction", "power_iters", "layers"}``, docs/lab-notes/gear-mikv.md). A file that
+stores one is refused with that reason (``_refuse_removed``), before its version is read;
+``"gear": null`` and ``"center_keys": false`` ask for nothing removed and read as absent.
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kvlens.config.schema import REMOVED, GearSettings, KVConfig, LayerKV, MikvSettings
+from kvlens.config.schema import REMOVED, KVConfig, LayerKV, MikvSettings
 from kvlens.config.versions import FORMAT, VERSION
 from kvlens.errors import ConfigError, is_int
 from kvlens.layouts import layout_from_dict
@@ -63,13 +62,11 @@ __all__ = ["FORMAT", "VERSION", "config_from_dict", "load_config", "save_config"
 
 _LAYER_KEYS = ("key", "value", "residual_tokens", "flush_tokens", "pre_rope_keys",
                "rotate_keys", "rotate_values", "key_format", "value_format")
-_TOP_KEYS = ("format", "version", "name", "description", "default", "layers", "mikv", "gear",
+_TOP_KEYS = ("format", "version", "name", "description", "default", "layers", "mikv",
              "balancers", "scale_dtype", "fp_dtype", "rotation_seed", "model", "kv_scales",
              "engine_attention", "write_before_attention")
-_V2_LAYER_KEYS = ("key_format", "value_format")
 _MIKV_KEYS = ("heavy_fraction", "sink_tokens", "balancer", "balancer_exponent", "set_bits",
               "layers")
-_GEAR_KEYS = ("rank", "outlier_fraction", "power_iters", "layers")
 _MODEL_KEYS = ("num_layers", "head_dim", "num_key_value_heads")
 
 
@@ -112,38 +109,20 @@ def config_from_dict(data: Any) -> KVConfig:
     if data.get("format", FORMAT) != FORMAT:
         raise ConfigError(f"Not a kvlens KV config: format {data.get('format')!r} (expected "
                           f"{FORMAT!r}).")
-    version = data.get("version")
-    if not is_int(version, 1, VERSION):
-        raise ConfigError(f"Unsupported KV config version {version!r}; this kvlens reads "
-                          f"versions 1-{VERSION} (an integer).")
     _refuse_removed(data)
-    _no_unknown(data, _TOP_KEYS, "KV config")
+    version = data.get("version")
+    if not is_int(version, VERSION, VERSION):
+        raise ConfigError(f"Unsupported KV config version {version!r}; this kvlens reads "
+                          f"version {VERSION} (a file of the development builds before 0.1.0, "
+                          f"versions 2-6, reads once it says \"version\": {VERSION}).")
+    # "gear": null (GEAR off, which development builds could say) asks for nothing removed
+    _no_unknown({k: v for k, v in data.items() if k != "gear"}, _TOP_KEYS, "KV config")
     raw_layers = _indexed(data, "layers", "an object mapping layer indices to overrides")
-    if version < 2 and ("kv_scales" in data or any(
-            isinstance(v, Mapping) and set(v) & set(_V2_LAYER_KEYS)
-            for v in [data.get("default"), *raw_layers.values()])):
-        raise ConfigError("key_format/value_format and kv_scales need KV config version 2; "
-                          f"this file says version {version}: set \"version\": 2.")
     if "default" not in data:
         raise ConfigError("KV config is missing 'default' (the setting for every layer).")
     default = _layer(data["default"], None, "default")
     layers = {idx: _layer(value, default, f"layers.{idx}") for idx, value in raw_layers.items()}
     mikv = _section(data, "mikv", _MIKV_KEYS, MikvSettings)
-    gear = _section(data, "gear", _GEAR_KEYS, GearSettings)
-    if version < 2 and (gear is not None or (mikv is not None and (
-            mikv.set_bits is not None or mikv.layers is not None))):
-        raise ConfigError("'gear', 'mikv.set_bits' and 'mikv.layers' need KV config version 2; "
-                          'set "version": 2.')
-    if version < 5 and any(s.key_codebook is not None for s in (default, *layers.values())):
-        raise ConfigError('codebook key specs need KV config version 5; set "version": 5.')
-    if version < 5 and "write_before_attention" in data:
-        raise ConfigError('write_before_attention needs KV config version 5; set "version": 5.')
-    if version < 3 and data.get("scale_dtype") == "8bit":
-        raise ConfigError('scale_dtype "8bit" needs KV config version 3; set "version": 3.')
-    if version < 2 and data.get("fp_dtype") == "float8_e4m3fn":
-        raise ConfigError('fp_dtype float8_e4m3fn needs KV config version 2; set "version": 2.')
-    if version < 4 and "engine_attention" in data:
-        raise ConfigError('engine_attention needs KV config version 4; set "version": 4.')
     description = data.get("description")
     if description is not None and not isinstance(description, str):
         raise ConfigError(f"'description' must be a string, got {type(description).__name__}.")
@@ -152,18 +131,25 @@ def config_from_dict(data: Any) -> KVConfig:
                     description=description or "", model=_model(data.get("model")),
                     fp_dtype=data.get("fp_dtype", "float16"),
                     rotation_seed=data.get("rotation_seed"),
-                    kv_scales=_kv_scales(data), gear=gear,
+                    kv_scales=_kv_scales(data),
                     engine_attention=data.get("engine_attention"),
                     write_before_attention=data.get("write_before_attention", False))
 
 
 def _refuse_removed(data: Mapping) -> None:
     """Refuse a config that stores a layout issue #57 removed, naming the reason (which beats an
-    "unknown key" error for a file an older kvlens wrote): coupled (CQ) keys or values
-    (``coupled_codebooks``, or a spec with ``"channels"``; version 6), and codebook values,
-    fitted codebooks (``codebooks``, a ``"fitted"`` or ``"weighted"`` codebook) and centred keys
-    (``key_means``, ``"center_keys": true``; versions 4 and 5). ``"center_keys": false`` asks
-    for nothing removed and is read as absent."""
+    "unknown key" or a version error for a file a development build wrote): GEAR (a ``gear``
+    section), coupled (CQ) keys or values (``coupled_codebooks``, or a spec with
+    ``"channels"``), and codebook values, fitted codebooks (``codebooks``, a ``"fitted"`` or
+    ``"weighted"`` codebook) and centred keys (``key_means``, ``"center_keys": true``).
+    ``"gear": null`` and ``"center_keys": false`` ask for nothing removed and are read as
+    absent. ``data`` is any JSON object: what is not the expected shape is left to the
+    parser."""
+    if data.get("gear") is not None:
+        raise ConfigError("This config stores GEAR ('gear': outliers and low-rank factors); GEAR "
+                          "was removed from kvlens by issue #57 (a negative result, "
+                          "docs/lab-notes/gear-mikv.md). Make a new config without it, e.g. "
+                          "with kvlens recommend.")
     settings = [data.get("default")]
     if isinstance(data.get("layers"), Mapping):
         settings += list(data["layers"].values())
@@ -255,7 +241,7 @@ def _model(raw: Any) -> dict[str, int] | None:
 
 
 def _section(data: Mapping, name: str, keys: tuple[str, ...], cls):
-    """An optional settings object (``mikv``, ``gear``): ``None`` when absent or null."""
+    """An optional settings object (``mikv``): ``None`` when absent or null."""
     raw = data.get(name)
     if raw is None:
         return None

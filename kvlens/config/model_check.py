@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvlens.config.schema import KVConfig
 from kvlens.errors import ConfigError
-from kvlens.layouts import check_layout, flush_block
+from kvlens.layouts import check_layout
 from kvlens.quant import ds_mla, hadamard_block_size
 from kvlens.quant.cachetypes import check_engine_layer
 from kvlens.text.selection import format_index_spec as _spec
@@ -51,10 +51,6 @@ def validate_for(config: KVConfig, info) -> None:
             if spec is not None:
                 check_layout(spec, layer.residual_tokens, d, f"layer {idx} {what}",
                              layer.flush_tokens)
-                if config.gear_for(idx) is not None:
-                    config.gear.check_block(flush_block(spec, layer.residual_tokens,
-                                                        layer.flush_tokens), d,
-                                            f"Config {config.name!r} layer {idx} {what}")
         if layer.rotates:
             try:
                 hadamard_block_size(d)
@@ -68,10 +64,10 @@ def validate_for(config: KVConfig, info) -> None:
         if layer.pre_rope_keys and not info.declares_rope:
             raise ConfigError(f"Config {config.name!r} asks for pre-RoPE keys but "
                               f"{info.architecture} has no rotary embedding.")
-    for name, part in (("gear", config.gear), ("mikv", config.mikv)):
-        bad = [i for i in (part.layers or ()) if i >= n] if part else []
+    if config.mikv is not None:
+        bad = [i for i in (config.mikv.layers or ()) if i >= n]
         if bad:
-            raise ConfigError(f"{name}.layers {bad}: the model has {n} layers; allowed "
+            raise ConfigError(f"mikv.layers {bad}: the model has {n} layers; allowed "
                               f"indices: 0-{n - 1}.")
     for idx, b in config.balancers.items():
         if idx >= n:

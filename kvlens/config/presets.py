@@ -1,4 +1,4 @@
-"""The named KV-cache presets (``exact``, ``fp16``, ``kivi-2``, ``mikv-2-int4``, ``gear-2``...) and
+"""The named KV-cache presets (``exact``, ``fp16``, ``kivi-2``, ``mikv-2-int4``...) and
 ``resolve``, which turns a preset name or a config file path into a ``KVConfig``. Engine
 settings (``llamacpp:q4_0`` ...) are ``kvlens.config.engine``."""
 
@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvlens.config.io import load_config
-from kvlens.config.schema import GearSettings, KVConfig, LayerKV, MikvSettings
+from kvlens.config.schema import KVConfig, LayerKV, MikvSettings
 from kvlens.errors import ConfigError
 from kvlens.quant import QuantSpec
 
@@ -44,16 +44,6 @@ def _mikv_set(bits: int, set_bits: int) -> KVConfig:
                                "channel balancer")
 
 
-def _gear(bits: int, rank: int = 4) -> KVConfig:
-    what = f"rank-{rank} residual" if rank else "no low-rank term (ablation)"
-    return KVConfig(f"gear-{bits}" + ("" if rank == 4 else f"-r{rank}"),
-                    LayerKV(QuantSpec(bits, "per-channel", 32), QuantSpec(bits, "per-token", 32),
-                            64),
-                    gear=GearSettings(rank, 0.02, 3),
-                    description=f"GEAR on KIVI {bits}-bit grouping: 2% outliers per vector "
-                                f"exact, {what} per 64-token block (n_b = 64, the fp window)")
-
-
 PRESETS: dict[str, KVConfig] = {
     "exact": KVConfig("exact", LayerKV(), fp_dtype="exact",
                       description="no compression, the model's own dtype (same tokens as "
@@ -68,9 +58,6 @@ PRESETS: dict[str, KVConfig] = {
     "mikv-4": _mikv(4),
     "mikv-2-int4": _mikv_set(2, 4),
     "mikv-2-int8": _mikv_set(2, 8),
-    "gear-2": _gear(2),
-    "gear-2-r0": _gear(2, 0),
-    "gear-4": _gear(4),
     "kivi-2-sinks": replace(_kivi(2), name="kivi-2-sinks",
                             default=replace(_kivi(2).default, flush_tokens=32),
                             mikv=MikvSettings(0.0, 4, "off"),

@@ -1,5 +1,5 @@
 """What a compressed-KV-cache config means: frozen dataclasses (``LayerKV``, ``MikvSettings``,
-``GearSettings``, ``KVConfig``) that validate themselves on construction. Whether a config fits
+``KVConfig``) that validate themselves on construction. Whether a config fits
 a loaded model is ``kvlens.config.model_check`` (``validate_for``); the JSON form and its
 versions are ``kvlens.config.io``; the named presets ``kvlens.config.presets``.
 
@@ -15,7 +15,7 @@ channels.
 MiKV/sink sets, unquantized keys or values): ``float16`` by default, what a deployment stores,
 so a float32 run on CPU stores and counts them as a GPU deployment would. ``exact`` keeps the
 model's own dtype (then a config with compression off is token-for-token ``DynamicCache``).
-``float8_e4m3fn`` (version 2) holds them at one byte per element (3 mantissa bits, no scale: the
+``float8_e4m3fn`` holds them at one byte per element (3 mantissa bits, no scale: the
 range is +-448); attention reads them widened.
 
 ``rotate_keys`` / ``rotate_values``: Hadamard rotation along head_dim (``kvlens.quant.rotation``;
@@ -31,12 +31,6 @@ at ``fp_dtype`` (a sinks-only set: no heavy hitters, no ``set_bits`` codes, no H
 accumulators), which is what ``recommend`` measures and prices for a layer without a set; the
 balancer settings apply to every layer either way (``KVConfig.mikv_for``). Listing layers needs
 ``heavy_fraction > 0``. Sliding-window layers keep no set at all (listed or not).
-``gear``: GEAR (``kvlens.cache.gear``) on every quantized tensor of the compressed layers listed
-in ``gear.layers`` (``null``: every compressed layer): each
-flushed block of ``F`` tokens (the layer's flush block, GEAR's ``n_b``) is stored as quantized
-codes plus the ``outlier_fraction`` largest entries of each quantization vector (sparse) plus a
-rank-``rank`` approximation of the block's remaining residual (``power_iters`` power
-iterations).
 
 ``key_format`` / ``value_format`` (per layer, both or neither): an engine's own cache types
 (``kvlens.quant.cachetypes``: ``q8_0``, ``q4_0``, ``fp8_e4m3``... ``f16``), stored as that engine
@@ -45,30 +39,31 @@ stores them with no full-precision window (``kvlens.cache.engine``; the engine s
 static fp8 scales (one per layer or per KV head).
 
 ``scale_dtype``: how each quantization group's scale and zero are stored: float16 (default) or
-float32, or ``"8bit"`` (version 3): one byte each (``kvlens.quant.meta8``: a scale on a 9% log
-grid and the zero as a signed multiple of a fraction of the step), half the metadata bytes of
-float16, the codes re-chosen against the stored grid.
+float32, or ``"8bit"``: one byte each (``kvlens.quant.meta8``: a scale on a 9% log grid and
+the zero as a signed multiple of a fraction of the step), half the metadata bytes of float16,
+the codes re-chosen against the stored grid.
 
-``write_before_attention`` (version 5; default false): after a cache's first forward, each
-forward's new tokens are coded into the compressed store before it attends, so it reads them back
-compressed, as vLLM's TurboQuant backend does (flash attention over the raw K/V of a first
-prefill chunk, its decode kernel over the compressed cache after). Compressed layers then keep
-no residual window and there is no MiKV set (refused otherwise).
+``write_before_attention`` (default false): after a cache's first forward, each forward's new
+tokens are coded into the compressed store before it attends, so it reads them back compressed,
+as vLLM's TurboQuant backend does (flash attention over the raw K/V of a first prefill chunk,
+its decode kernel over the compressed cache after). Compressed layers then keep no residual
+window and there is no MiKV set (refused otherwise).
 
-``key`` may be a ``CodebookSpec`` (``kvlens.quant.codebook``; version 5): each key vector of
-the quantized history is stored as ``bits``-bit codes of its Hadamard-rotated, normalised
+``key`` may be a ``CodebookSpec`` (``kvlens.quant.codebook``): each key vector of the
+quantized history is stored as ``bits``-bit codes of its Hadamard-rotated, normalised
 coordinates (nearest centroid of a computed 1-D codebook) plus its float16 norm
 (``kvlens.layouts.codebook``). The codebook's rotation is the layer's key rotation (``rotate_keys``
 is set from it: the window stores ``k R`` and attention uses ``q R``), so its seed must be the
 config's ``rotation_seed``; scores read as ``s_t * ((q R) . c[code_t])`` without a dequantized
-key. Not with pre-RoPE keys (the rotation and RoPE do not commute) or GEAR. This is the key
-coding of vLLM's ``turboquant_*`` KV-cache types (``kvlens.config.engine``).
+key. Not with pre-RoPE keys (the rotation and RoPE do not commute). This is the key coding of
+vLLM's ``turboquant_*`` KV-cache types (``kvlens.config.engine``).
 
-Removed by issue #57 (negative results, docs/lab-notes/codebooks.md): codebook value specs,
-fitted codebooks and their centroids (``codebooks``), centred keys (``center_keys``,
-``key_means``); ``kvlens.config.io`` refuses a file that stores them.
+Removed by issue #57 (negative results): codebook value specs, fitted codebooks and their
+centroids (``codebooks``), centred keys (``center_keys``, ``key_means``;
+docs/lab-notes/codebooks.md) and GEAR (``gear``; docs/lab-notes/gear-mikv.md);
+``kvlens.config.io`` refuses a file that stores them.
 
-A config is written at the oldest version that can express it (``kvlens.config.versions``).
+Every config is written at ``"version": 1``, the one version (``kvlens.config.versions``).
 """
 
 from __future__ import annotations
@@ -77,9 +72,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvlens.config.versions import FORMAT, oldest_version
+from kvlens.config.versions import FORMAT, VERSION
 from kvlens.errors import ConfigError, is_int
-from kvlens.layouts import flush_block, is_layout_spec, kinds, layout_of
+from kvlens.layouts import is_layout_spec, kinds, layout_of
 from kvlens.layouts.packed import SCALE_DTYPES
 from kvlens.quant import CodebookSpec
 from kvlens.quant.cachetypes import DenseType, parse_cache_type
@@ -264,7 +259,7 @@ class MikvSettings:
              "balancer": self.balancer, "balancer_exponent": self.balancer_exponent}
         if self.set_bits is not None:
             d["set_bits"] = self.set_bits
-        # written only when set, so a config without it stays readable by version-1 readers
+        # written only when set
         return d | ({"layers": list(self.layers)} if self.layers is not None else {})
 
     @property
@@ -283,46 +278,6 @@ def _layer_list(layers: Any, where: str) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class GearSettings:
-    """GEAR: per flushed block, codes + ``outlier_fraction`` sparse entries per quantization
-    vector + a rank-``rank`` residual approximation (``rank`` 0: no low-rank term)."""
-
-    rank: int = 4
-    outlier_fraction: float = 0.02
-    power_iters: int = 3
-    layers: tuple[int, ...] | None = None  # None: every compressed layer
-
-    def __post_init__(self) -> None:
-        r = self.rank
-        if not is_int(r, 0):
-            raise ConfigError(f"Invalid gear.rank {r!r}; allowed: an integer from 0 (no "
-                              "low-rank term) to the flush block and head_dim.")
-        s = self.outlier_fraction
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s < 0.5:
-            raise ConfigError(f"Invalid gear.outlier_fraction {s!r}; allowed: strictly between "
-                              "0 and 0.5 (e.g. 0.02 for GEAR's 2%).")
-        i = self.power_iters
-        if not is_int(i, 0, 20):
-            raise ConfigError(f"Invalid gear.power_iters {i!r}; allowed: an integer 0-20.")
-        if self.layers is not None:
-            object.__setattr__(self, "layers", _layer_list(self.layers, "gear.layers"))
-
-    def check_block(self, block: int, head_dim: int | None, where: str) -> None:
-        """The rank cannot exceed what a ``block x head_dim`` residual has."""
-        limit = block if head_dim is None else min(block, head_dim)
-        if self.rank > limit:
-            dims = f"{block} tokens" + ("" if head_dim is None else f" x head_dim {head_dim}")
-            raise ConfigError(f"{where}: gear.rank {self.rank} is larger than a flushed block "
-                              f"of {dims} allows; allowed: 0-{limit} (or a larger "
-                              "residual_tokens / flush_tokens).")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "outlier_fraction": self.outlier_fraction,
-                "power_iters": self.power_iters,
-                "layers": None if self.layers is None else list(self.layers)}
-
-
-@dataclass(frozen=True)
 class KVConfig:
     """A whole compressed-cache config (see the module docstring for the JSON form)."""
 
@@ -338,7 +293,6 @@ class KVConfig:
     rotation_seed: int | None = None  # random sign flips of the Hadamard rotation (None: none)
     # static fp8 scales of engine layers: {layer: {"key": (s,) or (s_0..s_H-1), "value": ...}}
     kv_scales: Mapping[int, Mapping[str, tuple[float, ...]]] = field(default_factory=dict)
-    gear: GearSettings | None = None
     # the engine arithmetic engine-format layers attend with (kvlens.quant.llamacpp_cpu
     # ENGINE_ATTENTIONS); None: the model's own float attention over the read-back K/V
     engine_attention: str | None = None
@@ -375,29 +329,6 @@ class KVConfig:
             raise ConfigError(f"The config gives 'balancers' but has {mode}, which would ignore "
                               "them; set mikv.balancer to 'fixed' (allowed: "
                               f"{', '.join(BALANCER_MODES)}) or remove 'balancers'.")
-        if self.gear is not None:
-            targets = [(None, self.default), *sorted(self.layers.items())] \
-                if self.gear.layers is None else [(i, self.layer(i)) for i in self.gear.layers]
-            for idx, setting in targets:
-                where = "default" if idx is None else f"layer {idx}"
-                if setting.compressed and setting.key_codebook is not None:
-                    raise ConfigError(f"{where}: gear cannot be combined with a codebook "
-                                      "spec (GEAR's sparse and low-rank terms correct uniform "
-                                      "codes); disable one of them.")
-                if setting.compressed and setting.pre_rope_keys and setting.key is not None:
-                    raise ConfigError(f"{where}: gear cannot be combined with pre_rope_keys (the "
-                                      "low-rank and sparse terms live in the stored basis, which "
-                                      "RoPE rotates per token); disable one of them.")
-                for spec in (setting.key, setting.value):
-                    # the flush block (kvlens.config.rules.flush_block; 0: no valid layout,
-                    # which validate_for reports)
-                    if spec is None:
-                        continue
-                    try:
-                        block = flush_block(spec, setting.residual_tokens, setting.flush_tokens)
-                    except ConfigError:
-                        continue
-                    self.gear.check_block(block, None, where)
         self._check_codebook_seeds()
 
     def _check_write_first(self) -> None:
@@ -431,14 +362,6 @@ class KVConfig:
     def layer(self, idx: int) -> LayerKV:
         return self.layers.get(idx, self.default)
 
-    def gear_for(self, idx: int) -> GearSettings | None:
-        """The GEAR settings layer ``idx`` stores its quantized tensors with (or ``None``)."""
-        g = self.gear
-        if g is None or not self.layer(idx).compressed or (g.layers is not None
-                                                            and idx not in g.layers):
-            return None
-        return g
-
     def mikv_for(self, idx: int) -> MikvSettings | None:
         """The MiKV settings layer ``idx`` keeps its set with: ``mikv`` itself when the layer
         keeps heavy hitters (``mikv.layers`` null or listing it), else its sinks-only form."""
@@ -453,12 +376,11 @@ class KVConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "format": FORMAT, "version": self.format_version, "name": self.name,
+            "format": FORMAT, "version": VERSION, "name": self.name,
             "description": self.description, "default": self.default.to_dict(),
             "layers": {str(i): v.to_dict()
                        for i, v in sorted(self.layers.items())},  # overrides merge over default
             "mikv": self.mikv.to_dict() if self.mikv else None,
-            **({"gear": self.gear.to_dict()} if self.gear else {}),
             "balancers": {str(i): [list(r) for r in b] for i, b in sorted(self.balancers.items())}
             or None,
             "scale_dtype": self.scale_dtype,
@@ -470,12 +392,6 @@ class KVConfig:
              if self.kv_scales else {}) | ({"engine_attention": self.engine_attention}
                                           if self.engine_attention else {}) | (
             {"write_before_attention": True} if self.write_before_attention else {})
-
-    @property
-    def format_version(self) -> int:
-        """The oldest version that can express this config (``kvlens.config.versions``), so
-        older kvlens versions still read configs that use none of the newer features."""
-        return oldest_version(self)
 
 
 def _spec_dict(spec) -> dict[str, Any] | None:

@@ -2,7 +2,7 @@
 
 Tensors are ``[B, H, T, D]`` at every public function. ``spec`` says what shares a scale,
 ``reference`` quantizes/dequantizes, ``packing`` stores codes in bytes, ``transforms`` adds
-pre-RoPE keys, the MiKV balancer, dense-and-sparse outliers and the GEAR low-rank residual,
+pre-RoPE keys, the MiKV balancer and dense-and-sparse outliers,
 ``rotation`` the orthonormal Hadamard rotation along ``head_dim``, ``codebook`` non-uniform
 (codebook) codes of rotated coordinates with one norm per vector (vLLM TurboQuant's keys),
 ``meta8`` 8-bit group metadata, and the engines' own cache formats: ``ggml`` (llama.cpp's
@@ -52,13 +52,10 @@ from kvlens.quant.rotation import (
 from kvlens.quant.spec import GRANULARITIES, QuantSpec
 from kvlens.quant.transforms import (
     OUTLIER_SCOPES,
-    LowRank,
     SparseOutliers,
     apply_balancer,
     fit_balancer,
-    lowrank_residual,
     outlier_count,
-    quantize_gear,
     quantize_pre_rope,
     quantize_with_outliers,
     rope_tables_for,
@@ -90,7 +87,6 @@ __all__ = [
     "rotate_rows",
     "GRANULARITIES",
     "OUTLIER_SCOPES",
-    "LowRank",
     "QTensor",
     "QuantSpec",
     "RotationSpec",
@@ -102,13 +98,11 @@ __all__ = [
     "fit_balancer",
     "hadamard_block_size",
     "hadamard_rotation",
-    "lowrank_residual",
     "outlier_count",
     "pack_codes",
     "pack_unit",
     "packed_length",
     "quantize",
-    "quantize_gear",
     "quantize_pre_rope",
     "quantize_rotated",
     "quantize_with_outliers",

@@ -1,6 +1,6 @@
-"""Transforms around the quantizer: pre-RoPE keys (KVQuant), the MiKV channel balancer,
-dense-and-sparse outliers (KVQuant/GEAR) and the GEAR low-rank residual. The Hadamard rotation
-lives in ``kvlens.quant.rotation``.
+"""Transforms around the quantizer: pre-RoPE keys (KVQuant), the MiKV channel balancer and
+dense-and-sparse outliers (KVQuant). The Hadamard rotation lives in
+``kvlens.quant.rotation``.
 
 All tensors are ``[B, H, T, D]`` unless stated; every quantization goes through
 ``kvlens.quant.reference`` so these add structure around one definition of the quantizer.
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlens.errors import ConfigError, InputError, is_int
+from kvlens.errors import ConfigError, InputError
 from kvlens.quant.fake import fake_quantize
 from kvlens.quant.rotation import quantize_rotated, quantizer
 from kvlens.quant.spec import QuantSpec
@@ -214,61 +214,3 @@ def quantize_with_outliers(
     dim = scope_dim(scope or default_outlier_scope(spec))
     dense, outliers = split_outliers(x.float(), fraction, dim)
     return outliers.scatter_into(fake_quantize(dense, spec, scale_dtype))
-
-
-# -- GEAR low-rank residual ---------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LowRank:
-    """Rank-r factors per (batch, head): ``left [B, H, T, r]``, ``right [B, H, r, D]``;
-    ``left`` has orthonormal columns."""
-
-    left: torch.Tensor
-    right: torch.Tensor
-
-    def reconstruct(self) -> torch.Tensor:
-        return self.left @ self.right
-
-
-def lowrank_residual(residual: torch.Tensor, rank: int, iters: int = 3, seed: int = 0) -> LowRank:
-    """Rank-``rank`` approximation of each ``[T, D]`` matrix of ``residual`` ``[B, H, T, D]`` by
-    subspace (power) iteration, as GEAR does instead of a full SVD.
-
-    Start from a Gaussian ``[D, r]`` sketch drawn from a CPU generator seeded with ``seed``
-    (deterministic on every device), then ``iters`` rounds of ``Y = R Ω``, ``Ω = orth(Rᵀ Y)``;
-    finally ``left = orth(R Ω)``, ``right = leftᵀ R``. An exactly rank-r residual is recovered
-    after the first product; more iterations sharpen the top-r subspace when the spectrum is
-    noisy. Float32."""
-    if not is_int(rank, 1):
-        raise ConfigError(f"Invalid low-rank rank {rank!r}; allowed: a positive integer.")
-    if not is_int(iters, 0):
-        raise ConfigError(f"Invalid power iterations {iters!r}; allowed: 0 or more.")
-    if residual.dim() != 4:
-        raise InputError(f"Expected a [B, H, T, D] residual, got {tuple(residual.shape)}.")
-    r_mat = residual.detach().float()
-    b, h, t, d = r_mat.shape
-    rank = min(rank, t, d)
-    gen = torch.Generator().manual_seed(seed)
-    omega = torch.randn(b, h, d, rank, generator=gen).to(r_mat.device)
-    for _ in range(iters):
-        omega = torch.linalg.qr(r_mat.transpose(-1, -2) @ (r_mat @ omega)).Q
-    left = torch.linalg.qr(r_mat @ omega).Q
-    return LowRank(left, left.transpose(-1, -2) @ r_mat)
-
-
-def quantize_gear(
-    x: torch.Tensor,
-    spec: QuantSpec,
-    rank: int,
-    outlier_fraction: float = 0.0,
-    iters: int = 3,
-    seed: int = 0,
-    outlier_scope: str | None = None,
-    scale_dtype: str = "float32",
-) -> torch.Tensor:
-    """GEAR reconstruction ``D_hat + S + L`` ``[B, H, T, D]`` float32: outliers ``S`` exact,
-    the rest quantized (``D_hat``, group metadata ``scale_dtype``), then a rank-``rank``
-    approximation ``L`` of what remains, ``x - (D_hat + S)``, per (batch, head)."""
-    base = quantize_with_outliers(x, spec, outlier_fraction, outlier_scope, scale_dtype)
-    return base + lowrank_residual(x.float() - base, rank, iters, seed).reconstruct()

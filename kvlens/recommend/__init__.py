@@ -13,7 +13,7 @@ in ``kvlens.research``. Import the public names from here.
 
 from kvlens.recommend.allocation import COST_RESOLUTION, allocate
 from kvlens.recommend.build import build_config
-from kvlens.recommend.catalog import candidates, family, family_probes, gear_settings
+from kvlens.recommend.catalog import candidates, family, family_probes
 from kvlens.recommend.options import (
     DEFAULT_WINDOWS,
     THOROUGH,
@@ -47,7 +47,6 @@ __all__ = [
     "default_tokens",
     "family",
     "family_probes",
-    "gear_settings",
     "kld_scorer",
     "measure",
     "measurement",

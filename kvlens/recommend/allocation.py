@@ -89,9 +89,8 @@ def _layer_options(table, opts: RecommendOptions, cost, weight: float, head_dim:
         for kc in keys:
             for vc in values:
                 s = Stream(r, opts.layer_flush(kc, vc, residual=r))
-                # GEAR and a MiKV set are a layer's choice (the config's gear.layers,
-                # mikv.layers)
-                if kc.gear != vc.gear or kc.mikv_set != vc.mikv_set:
+                # a MiKV set is a layer's choice (the config's mikv.layers)
+                if kc.mikv_set != vc.mikv_set:
                     continue
                 if opts.prefer_fast and not _fused(kc, vc, s, head_dim):
                     continue
@@ -249,7 +248,7 @@ def assemble(meta, opts, tables, balancers, weights, notes, shape, factors=()
             # the cheapest same-tensor candidate with a lower error (it did not fit the budget)
             better = []
             for o in (o for o, g in table if g == s and o.tensor == c.tensor
-                      and o.gear == c.gear and o.mikv_set == c.mikv_set):
+                      and o.mikv_set == c.mikv_set):
                 pair = (o, vc) if c.tensor == "key" else (kc, o)
                 if table[o, s][0] < out and opts.layer_flush(*pair, residual=s.residual) == \
                         s.flush:

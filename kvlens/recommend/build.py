@@ -1,6 +1,6 @@
 """The versioned ``KVConfig`` a recommendation writes (``build_config``): per-layer settings
 from the chosen candidates and windows, the most common one as the default, and the config-wide
-MiKV, GEAR and balancer sections."""
+MiKV and balancer sections."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from collections.abc import Sequence
 
 from kvlens.config import KVConfig, LayerKV, MikvSettings
 from kvlens.errors import ConfigError
-from kvlens.recommend.catalog import gear_settings
 from kvlens.recommend.options import Candidate, RecommendOptions, Stream, listed
 from kvlens.recommend.result import Choice
 
@@ -33,7 +32,6 @@ def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balanc
     used = {i: balancers[i] for i, p in by_layer.items() if p["key"].balancer}
     if any(settings[i].pre_rope_keys for i in used):
         raise ConfigError("internal: balancer chosen together with pre-RoPE keys")
-    gear_layers = sorted(i for i, p in by_layer.items() if p["key"].gear)
     sets = {i: p["key"].mikv_set for i, p in by_layer.items() if p["key"].mikv_set}
     if len(set(sets.values())) > 1:
         raise ConfigError(f"internal: MiKV sets of different widths/fractions chosen: {sets}")
@@ -48,7 +46,6 @@ def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balanc
                             layers=sorted(sets) if sets else None)
     return KVConfig(
         name=opts.name, default=default, layers=overrides, mikv=mikv,
-        gear=gear_settings(gear_layers) if gear_layers else None,
         balancers={i: tuple(tuple(float(x) for x in row) for row in b.tolist())
                    for i, b in used.items()},
         fp_dtype=opts.fp_dtype, scale_dtype=opts.scale_dtype,

@@ -18,8 +18,9 @@ FORMAT = "kvlens.measurements"
 # (issue #57: ``Candidate`` lost its ``coupled`` field); 5: codebook and centred-key candidates
 # removed (issue #57: ``Candidate`` lost ``codebook`` and ``center``, the document its
 # ``codebooks``, a family its centring flag); 6: written by the generic codec (the tables as
-# JSON pairs, streams as records, the profile's spans kept)
-VERSION = 6
+# JSON pairs, streams as records, the profile's spans kept); 7: GEAR removed (issue #57:
+# ``Candidate`` lost its ``gear`` field)
+VERSION = 7
 #: a measurement that this format cannot write, or bytes that are not one it wrote
 KeptFormatError = CodecError
 CODEC = DataclassCodec(Measurements, FORMAT, VERSION,

@@ -12,17 +12,14 @@ too, to explain. By default the first ``tokens=256`` tokens of every capture sam
 windows every option is scored on the same queries, from ``score_from`` (three times the
 largest window) on, of ``default_tokens`` (four times it).
 
-``layer_variants`` builds what the cache would give back for each candidate, ``gear_variant``
-and ``_SetVariants`` the GEAR and MiKV set twins (they depend on the flush block),
-``measure_layer`` scores them; ``check_windows`` refuses window sizes nothing can be stored
+``layer_variants`` builds what the cache would give back for each candidate, ``_SetVariants``
+the MiKV set twins (they depend on the flush block), ``measure_layer`` scores them; ``check_windows`` refuses window sizes nothing can be stored
 with.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-import torch
 
 from kvlens.analysis.compare import layer_rope_tables
 from kvlens.analysis.heavy_hitters import set_membership, set_reconstruction
@@ -39,11 +36,9 @@ from kvlens.layouts import check_layout, reference
 from kvlens.quant import (
     fit_balancer,
     hadamard_rotation,
-    quantize_gear,
     quantize_pre_rope,
     quantize_rotated,
 )
-from kvlens.recommend.catalog import gear_settings
 from kvlens.recommend.options import Candidate, RecommendOptions, Stream, listed
 from kvlens.recommend.profile import stage
 from kvlens.text.selection import format_index_spec
@@ -79,9 +74,9 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
         (s, [c for c in variants if _fits(c, s)]) for s in opts.streams()]
     scoring = _LayerScoring(q, k, v, layer.attrs, opts, variants, queries)
     scoring.score_shared(runs)
-    # GEAR and MiKV set twins depend on the stream (per flushed block, the set replayed while
-    # decoding), and the probe reads every query: one pass per stream
-    runs = [(s, [c for c in run if c.gear or c.mikv_set]) for s, run in runs]
+    # MiKV set twins depend on the stream (the set replayed while decoding), and the probe
+    # reads every query: one pass per stream
+    runs = [(s, [c for c in run if c.mikv_set]) for s, run in runs]
     runs.append((None, [c for c in plain if c in variants]))
     scoring.score_per_stream(runs)
     return scoring.out, bal, pre_ok
@@ -89,8 +84,7 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
 
 class _LayerScoring:
     """The errors of one capture layer's candidates, filled by ``measure_layer``'s passes:
-    ``out[candidate, stream] = (out, score, recon)``; ``variants`` gains the GEAR twins of
-    each stream as they are built."""
+    ``out[candidate, stream] = (out, score, recon)``."""
 
     def __init__(self, q, k, v, attrs, opts: RecommendOptions, variants: dict,
                  queries: int | None):
@@ -118,8 +112,7 @@ class _LayerScoring:
         """Plain candidates: every stream in one pass, sharing what does not depend on the
         window."""
         la, opts, variants = self.attrs, self.opts, self.variants
-        shared = list(dict.fromkeys(c for _, run in runs for c in run
-                                    if not (c.gear or c.mikv_set)))
+        shared = list(dict.fromkeys(c for _, run in runs for c in run if not c.mikv_set))
         if not shared:
             return
         at = {c: i for i, c in enumerate(shared)}
@@ -137,14 +130,12 @@ class _LayerScoring:
                     self.record(c, s, per[at[c]])
 
     def score_per_stream(self, runs: list[tuple[Stream | None, list[Candidate]]]) -> None:
-        """GEAR and MiKV set twins and the probe's candidates (stream None): one pass per
-        stream."""
+        """MiKV set twins and the probe's candidates (stream None): one pass per stream."""
         la, opts, variants = self.attrs, self.opts, self.variants
         sets = _SetVariants(self.q, self.k, self.v, la, opts)
         for s, run in runs:
             if not run:
                 continue
-            self._build_gear_variants(s, run)
             start = self.first_row(s)
             rows, picked = self.q[:, :, start:], slice(start, None)
             # a layer with a MiKV set holds its sinks in the set (at its codes), not exact
@@ -166,24 +157,13 @@ class _LayerScoring:
                 for c, e in zip(group, errs):
                     self.record(c, s, e)
 
-    def _build_gear_variants(self, s: Stream | None, run: list[Candidate]) -> None:
-        """GEAR's low-rank factors are per flushed block: a variant per block."""
-        for c in run:
-            if c.gear:
-                with stage("GEAR variants"):
-                    x_hat = gear_variant(self.v if c.tensor == "value" else self.k, c,
-                                         s.block if s is not None else self.n_tok,
-                                         self.opts.scale_dtype)
-                self.variants[c] = Variant(v_hat=x_hat) if c.tensor == "value" \
-                    else Variant(k_hat=x_hat)
-
 
 def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptions,
                    balancer=None):
     """``(q, k, v, variants, balancer, pre_ok)`` of one capture layer
     (``opts.samples`` and ``opts.tokens``): ``variants[c]`` is what the cache would give back
     for candidate ``c`` with every token quantized (a ``kvlens.analysis.metrics.Variant``), None
-    for MiKV set and GEAR twins (they depend on the flush block: built by ``measure_layer``);
+    for MiKV set twins (they depend on the flush block: built by ``measure_layer``);
     pre-RoPE candidates are left out when the capture's RoPE cannot be rebuilt (``pre_ok``
     False)."""
 
@@ -216,8 +196,6 @@ def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptio
         if c.mikv_set:  # the set depends on the flush block: built per run below
             if not la.sliding_window and c.base in cands:
                 variants[c] = None
-        elif c.gear:  # depends on the flush block: built per run below
-            variants[c] = None
         elif c.rotate:  # what the cache stores (x R) seen back in the original basis
             x_hat = quantize_rotated(v if c.tensor == "value" else k, quant, rot)
             variants[c] = Variant(v_hat=x_hat) if c.tensor == "value" else Variant(k_hat=x_hat)
@@ -232,22 +210,6 @@ def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptio
         else:
             variants[c] = Variant(k_hat=quant(k))
     return q, k, v, variants, bal, pre_ok
-
-
-def gear_variant(x, c: Candidate, block: int, scale_dtype: str = "float32"):
-    """What a GEAR layer with flush block ``block`` holds for ``x`` ``[B, H, T, D]``: blocks of
-    ``block`` tokens, each ``D_hat + S + L`` (``kvlens.quant.quantize_gear``, group metadata
-    ``scale_dtype``), the tail (a partial block, read from the window in the cache) the same
-    on its own."""
-
-    g = gear_settings()
-    out = []
-    for t0 in range(0, x.shape[2], block):
-        part = x[:, :, t0:t0 + block]
-        rank = min(g.rank, part.shape[2], part.shape[3])
-        out.append(quantize_gear(part, c.spec(), rank, g.outlier_fraction, g.power_iters,
-                                 scale_dtype=scale_dtype))
-    return torch.cat(out, dim=2)
 
 
 class _SetVariants:
@@ -294,8 +256,6 @@ class _SetVariants:
 def _fits(c: Candidate, stream: Stream) -> bool:
     """Can ``c`` be stored in a layer whose window moves as ``stream``?"""
 
-    if c.gear and gear_settings().rank > stream.block:
-        return False
     if c.granularity != "per-channel":
         return True
     try:  # the cache's own rule: the group and the code packing must divide the block

@@ -18,8 +18,9 @@ from kvlens.quant.spec import FITS, GRANULARITIES
 #: the granularities candidates take (quant's vocabulary, ``GRANULARITIES``, without
 #: per-tensor: one scale per flushed block is an engine format's, not a candidate's)
 OFFERED_GRANULARITIES = tuple(g for g in GRANULARITIES if g != "per-tensor")
-GEAR_GROUP = 32  # GEAR twins are offered for KIVI's G32 grouping only (measuring cost)
-MIKV_GROUP = 32  # so are MiKV set twins (each is simulated while decoding: measuring cost)
+# MiKV set twins are offered for KIVI's G32 grouping only (each is simulated while decoding:
+# measuring cost)
+MIKV_GROUP = 32
 MIKV_FRACTION_MAX = 0.5  # largest heavy fraction offered (more is no longer a small set)
 SENSITIVITIES = ("auto", "model", "layout", "uniform")
 DEFAULT_WINDOWS = (32, 64, 128)  # the default --windows (docs/recommend.md: why these)
@@ -51,7 +52,6 @@ class Candidate:
     stage: str = "post"  # keys only: "pre" = quantize before RoPE
     balancer: bool = False  # keys only: MiKV channel balancer
     rotate: bool = False  # Hadamard rotation along head_dim (kvlens.quant.rotation)
-    gear: bool = False  # GEAR outliers + low-rank factors (gear_settings) beside the codes
     # MiKV importance set (set_bits, heavy_fraction) beside the codes; None: sinks only
     mikv_set: tuple[int, float] | None = None
     fit: str = "minmax"  # how each group's scale and zero are chosen (QuantSpec.fit)
@@ -60,7 +60,7 @@ class Candidate:
     def short(self) -> str:
         axis = "ch" if self.granularity == "per-channel" else "tok"
         extra = (" pre" if self.stage == "pre" else "") + (" bal" if self.balancer else "") + \
-            (" rot" if self.rotate else "") + (" gear" if self.gear else "") + \
+            (" rot" if self.rotate else "") + \
             (f" set{self.mikv_set[0]}@{self.mikv_set[1]:g}" if self.mikv_set else "") + \
             (" mse" if self.fit == "mse" else "")
         return f"{self.bits}b {axis} G{self.group_size}{extra}"
@@ -69,7 +69,6 @@ class Candidate:
     def label(self) -> str:
         extra = (" pre-RoPE" if self.stage == "pre" else "") + \
             (" +bal" if self.balancer else "") + (" +rotation" if self.rotate else "") + \
-            (" +GEAR" if self.gear else "") + \
             (f" +MiKV set {self.mikv_set[1]:g} INT{self.mikv_set[0]}" if self.mikv_set else "") + \
             (" mse-fit" if self.fit == "mse" else "")
         return f"{self.bits}b {self.granularity} G{self.group_size}{extra}"
@@ -85,7 +84,7 @@ class Candidate:
 
 
 #: What ``--thorough`` adds to the default (fast) search: every candidate ``recommend`` can price.
-THOROUGH = {"gear": True, "mikv": True}
+THOROUGH = {"mikv": True}
 
 
 #: Where an option lives (``dataclasses.field`` metadata ``"door"``): ``MAIN`` a main option of
@@ -149,7 +148,7 @@ class RecommendOptions:
     device_map: str | None = _main(None, "--device-map")
     max_memory: str | None = _main(None, "--max-memory")
     offload_folder: str | None = _main(None, "--offload-folder")
-    # dtype of the full-precision parts (window, sinks, sets, GEAR outliers): the config's
+    # dtype of the full-precision parts (window, sinks, sets): the config's
     # fp_dtype; float8_e4m3fn halves their bytes, but the error proxy reads them exact
     # (docs/recommend.md#fp8-windows: whether it pays depends on the budget)
     fp_dtype: str = _main("float16", "--window-dtype")
@@ -157,11 +156,9 @@ class RecommendOptions:
     # available core when the per-layer stages (candidate errors, layout sensitivity) are
     # predicted to be long, else this process only
     workers: int | None = _main(None, "--workers")
-    # GEAR and MiKV set twins are opt-in (``--thorough``, ``THOROUGH``): simulating them is a
+    # MiKV set twins are opt-in (``--thorough``, ``THOROUGH``): simulating them is a
     # large share of the measurement and the default budgets did not choose them
     # (docs/benchmarks.md, bench_recommend.py)
-    gear: bool = _experiment(False, "gear", "offer GEAR twins (outliers + low-rank factors) "
-                             "of the G32 candidates (--thorough sets it)")
     mikv: bool = _experiment(False, "mikv", "offer MiKV importance-set twins of the G32 "
                              "candidates up to 4 bits (--thorough sets it)")
     mikv_set_bits: tuple[int, ...] = _experiment((4, 8), "mikv-bits",
@@ -214,7 +211,7 @@ class RecommendOptions:
     prefer_fast: bool = _lever(False, "prefer-fast", "only layouts the fused Triton decode "
                                "kernel reads")
     # scale/zero fits offered for the plain, pre-RoPE, balanced and rotated codes, per tensor
-    # (QuantSpec.fit); GEAR and MiKV twins take the first; each fit is a family of its own
+    # (QuantSpec.fit); MiKV twins take the first; each fit is a family of its own
     # for --set sensitivity=layout. Keys: min/max only by default (docs/recommend.md#the-scale-fit:
     # the error proxy over-rates fitted keys, even with a KL rate of their own)
     key_fits: tuple[str, ...] = _lever(("minmax",), "key-fits",

@@ -5,8 +5,7 @@ layer of the cache holds after ``L`` tokens (``RecommendOptions.context``, defau
 ``kvlens.cache.layout`` (the same description the cache allocates by, tested against held
 bytes): codes at their bits (dense), scales and zeros, the window buffer (``R`` tokens, ``R``
 chosen per layer from ``windows``), the sink tokens' copies and positions, pre-RoPE positions,
-balancers, GEAR's outlier values and indices and low-rank factors, MiKV sets (codes, scales,
-positions, H2O mask and accumulators); a sliding-window layer counts only what it keeps. The
+balancers, MiKV sets (codes, scales, positions, H2O mask and accumulators); a sliding-window layer counts only what it keeps. The
 budget is in bits per element relative to an fp16 cache of the same tokens
 (``tensor_fp16_bytes``; 16 = as big as fp16). The model's shape comes from the capture
 (``kvlens.cache.layout.shape_of_capture``).
@@ -21,12 +20,10 @@ from __future__ import annotations
 from typing import Any
 
 from kvlens.cache.decode_cost import config_decode_cost
-from kvlens.cache.gear import part_bytes
 from kvlens.cache.layout import flush_every, layer_part_bytes, shares_storage, stream_state
 from kvlens.config import FP_BYTES, LayerKV, MikvSettings, preset
 from kvlens.errors import ConfigError
 from kvlens.layouts import check_layout, layout_of
-from kvlens.recommend.catalog import gear_settings
 from kvlens.recommend.options import Candidate, RecommendOptions
 
 
@@ -45,21 +42,19 @@ def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOption
     w = shape.window(layer)
     mikv = _layer_mikv(kc, opts)
     fp, sd = FP_BYTES[opts.fp_dtype], opts.scale_dtype
-    gear = gear_settings() if kc.gear else None
     parts = layer_part_bytes(setting, tokens=opts.context, head_dim=shape.head_dim,
                              kv_heads=shape.kv_heads, mikv=mikv, balancer=kc.balancer,
-                             sliding_window=w, gear=gear, fp_bytes=fp, scale_dtype=sd,
+                             sliding_window=w, fp_bytes=fp, scale_dtype=sd,
                              kv_shared=shape.kv_shared)
     total = sum(parts.values())
-    if shares_storage(setting, shape.kv_shared, shape.head_dim, balancer=kc.balancer,
-                      gear=gear):  # one store for both (MLA): half each
+    if shares_storage(setting, shape.kv_shared, shape.head_dim, balancer=kc.balancer):
+        # one store for both (MLA): half each
         return total, total / 2, total / 2
     held = stream_state(setting, opts.context, w).q_held
     f = flush_every(setting)
-    own = [shape.kv_heads * (sum(layout_of(c.spec()).part_bytes(held, shape.head_dim, f,
-                                                                sd).values()) + (
-        sum(part_bytes(c.spec(), gear_settings(), held, f, shape.head_dim, fp)) if c.gear
-        else 0)) for c in (kc, vc)]
+    own = [shape.kv_heads * sum(layout_of(c.spec()).part_bytes(held, shape.head_dim, f,
+                                                               sd).values())
+           for c in (kc, vc)]
     shared = (total - sum(own)) / 2
     return total, own[0] + shared, own[1] + shared
 

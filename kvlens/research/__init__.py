@@ -5,11 +5,11 @@ A lever is an option of ``kvlens.recommend.RecommendOptions`` (or of the engine 
 ``kvlens.deploy.targets.TargetOptions``) that is not a main option. Most are **knobs of the
 default run**: every run uses them at their defaults (the candidate sets, fits, the balancer,
 rotation, the sensitivity and the retrieval probe, the flush block and sinks, the metadata
-dtype). The rest are **experiments** no default uses (GEAR and MiKV twins and their
-sub-knobs), each ablated in docs/lab-notes/; one moves to the main options only when it wins at
-the defaults on both models and both texts, and a lever with a recorded negative result is
-removed from the code, its lab note naming the last commit that had it (coupled quantization,
-codebook candidates, centred keys and cross-layer prediction, issue #57). Here they are listed
+dtype). The rest are **experiments** no default uses (MiKV twins and their sub-knobs), each
+ablated in docs/lab-notes/; one moves to the main options only when it wins at the defaults on
+both models and both texts, and a lever with a recorded negative result is removed from the
+code, its lab note naming the last commit that had it (coupled quantization, codebook
+candidates, centred keys and cross-layer prediction, GEAR twins, issue #57). Here they are listed
 (``levers``), parsed from ``NAME=VALUE`` (``parse_settings``: what ``kvlens recommend --set``
 takes) and described (``describe``: what ``--set list`` prints, knobs apart from experiments).
 
@@ -133,7 +133,7 @@ def _example(lever: Lever) -> str:
 
 
 def parse_settings(items: typing.Iterable[str]) -> dict[str, dict[str, Any]]:
-    """``["gear=on", "mikv-bits=4"]`` -> ``{RECOMMEND: {field: value}, TARGET: {...}}``
+    """``["mikv=on", "mikv-bits=4"]`` -> ``{RECOMMEND: {field: value}, TARGET: {...}}``
     (an owner's dict holds only its own levers), refusing an unknown name (with the nearest
     names), a missing ``=``, a value of the wrong type or a lever given twice."""
     known = levers()
@@ -143,7 +143,7 @@ def parse_settings(items: typing.Iterable[str]) -> dict[str, dict[str, Any]]:
         name, eq, value = item.partition("=")
         name = name.strip()
         if not eq:
-            raise InputError(f"--set {item!r}: expected NAME=VALUE, e.g. --set gear=on "
+            raise InputError(f"--set {item!r}: expected NAME=VALUE, e.g. --set mikv=on "
                              "(--set list prints every lever).")
         if name not in known:
             near = difflib.get_close_matches(name, known, n=3)

@@ -2,7 +2,7 @@
 
 For every captured layer (streamed one at a time) and every combination of tensor (key, value)
 x axis (per-token, per-channel) x bits x group size x key stage (post-RoPE, pre-RoPE) x transform
-(plain, balancer, outliers, lowrank, rotate), and for every engine cache format asked for
+(plain, balancer, outliers, rotate), and for every engine cache format asked for
 (``formats``: ggml q8_0/q4_0/..., fp8, per-token-head int8/int4/fp8, ``kvlens.quant.formats``),
 one tensor is fake-quantized with the reference library (``kvlens.quant``) while the other two
 stay exact, and the relative Frobenius error

@@ -19,7 +19,7 @@ CONFIG_VERSION = 1
 TENSOR_NAMES = ("key", "value")
 AXES = ("per-token", "per-channel")
 STAGES = ("post", "pre")  # post-RoPE (what the cache holds) / pre-RoPE (KVQuant), keys only
-EXTRA_VARIANTS = ("balancer", "outliers", "lowrank", "rotate")
+EXTRA_VARIANTS = ("balancer", "outliers", "rotate")
 PLAIN = "plain"
 KEY_METRICS = ("reconstruction", "score", "attention_weights", "attention_output")
 VALUE_METRICS = ("reconstruction", "attention_output")
@@ -35,12 +35,11 @@ class CompareConfig:
     stages: key stages: ``"post"`` quantizes the stored post-RoPE key; ``"pre"`` quantizes the
         pre-RoPE key and re-rotates it (values have no stage).
     variants: extra transforms beside plain quantization: ``"balancer"`` (MiKV, keys,
-        post-RoPE only), ``"outliers"`` (dense-and-sparse), ``"lowrank"`` (GEAR residual),
-        ``"rotate"`` (orthonormal Hadamard along head_dim, ``kvlens.quant.rotation``).
-        (``"center"``, ``"predict"`` and ``codebooks`` were removed by issue #57: negative
-        results, docs/lab-notes/codebooks.md.)
+        post-RoPE only), ``"outliers"`` (dense-and-sparse), ``"rotate"`` (orthonormal Hadamard
+        along head_dim, ``kvlens.quant.rotation``). (``"center"``, ``"predict"`` and
+        ``codebooks`` were removed by issue #57: negative results, docs/lab-notes/codebooks.md;
+        so was ``"lowrank"``, GEAR's residual, with its ``rank``: docs/lab-notes/gear-mikv.md.)
     outlier_fraction: share of each quantization vector kept exact by ``"outliers"``.
-    rank: rank of the ``"lowrank"`` residual per (sample, head).
     rotation_seed: ``"rotate"`` without sign flips (None) or with random sign flips drawn with
         this seed (randomized Hadamard).
     formats: engine cache formats swept beside the integer specs, by name
@@ -59,7 +58,6 @@ class CompareConfig:
     stages: tuple[str, ...] = ("post",)
     variants: tuple[str, ...] = ()
     outlier_fraction: float = 0.01
-    rank: int = 2
     layers: tuple[int, ...] | None = None
     samples: int | None = None
     tensors: tuple[str, ...] = TENSOR_NAMES
@@ -97,8 +95,6 @@ class CompareConfig:
                 f"Invalid outlier fraction {self.outlier_fraction!r}; allowed: 0 < f < 1 "
                 "(e.g. 0.01 for 1%)."
             )
-        if not is_int(self.rank, 1):
-            raise ConfigError(f"Invalid rank {self.rank!r}; allowed: a positive integer.")
         if self.samples is not None and not is_int(self.samples, 1):
             raise ConfigError(f"Invalid samples {self.samples!r}; allowed: a positive integer.")
         s = self.sink_tokens

@@ -35,7 +35,6 @@ from kvlens.quant import (
     fit_balancer,
     hadamard_block_size,
     hadamard_rotation,
-    quantize_gear,
     quantize_rotated,
     quantize_with_outliers,
 )
@@ -325,8 +324,6 @@ def _transform(x, spec, name: str, config: CompareConfig, rotation=None):
         return reference(spec, "float32")(x.float())
     if name == "outliers":
         return quantize_with_outliers(x, spec, config.outlier_fraction)
-    if name == "lowrank":
-        return quantize_gear(x, spec, config.rank)
     if name == "rotate":
         return quantize_rotated(x, reference(spec, "float32"), rotation)
     raise ConfigError(f"Unknown variant {name!r}; allowed: {', '.join((PLAIN,) + EXTRA_VARIANTS)}.")
