@@ -164,10 +164,11 @@ ROWS = [
     ("recommend {cap} -b 3 --set balancer=off --set balancer-exponent=0.3",
      "not by --set balancer=off, which removes them", 1),
     ("recommend {cap} -b 3 --thorough --set prefer-fast=on", "--thorough: read by the torch "
-     "decode path (GEAR and MiKV candidates are not read by the fused kernel), not by --set "
+     "decode path (MiKV candidates are not read by the fused kernel), not by --set "
      "prefer-fast=on", 1),
-    ("recommend {cap} -b 3 --set gear=off --set prefer-fast=on --set mikv=on",
-     "--set gear, --set mikv: read by the torch decode path", 1),
+    ("recommend {cap} -b 3 --set prefer-fast=on --set mikv=on",
+     "--set mikv: read by the torch decode path", 1),
+    ("recommend {cap} -b 3 --set gear=on", "--set: unknown lever 'gear'; allowed: mikv", 1),
     ("recommend {cap} -b 3 --retrieval-prompts 2", "--retrieval-prompts: read by --validate", 1),
     ("recommend {cap} -b 3 --set sensitivity=model --set layout-tokens=256",
      "--set layout-tokens: read by the layout sensitivity (--set sensitivity=auto or layout), "

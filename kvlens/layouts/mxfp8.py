@@ -1,5 +1,6 @@
-"""MXFP8 history: the OCP Microscaling E4M3 format (OCP MX specification v1.0, 2023, section
-5.3 and 6.3) as a storage layout, the way SGLang's ``mxfp8`` KV-cache type names it.
+"""MXFP8 history: the OCP Microscaling E4M3 format (OCP MX specification v1.0, 2023, sections
+5.3 and 6.3) as a storage layout. (SGLang offers an ``mxfp8`` KV-cache type; whether its scale
+rule and rounding are these is not checked here: issue #58.)
 
 Each token's ``[D]`` vector of one head is cut into blocks of ``K = 32`` consecutive channels.
 A block stores one shared scale ``X = 2^e`` as an E8M0 byte (``e + 127``) and 32 E4M3 elements
