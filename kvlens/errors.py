@@ -7,6 +7,10 @@ wrong and how to fix it. The CLI turns these into one red line and exit code 1 (
 
 from __future__ import annotations
 
+import re
+
+_FIELD = re.compile(r"\{([a-z][a-z0-9_]*)\}")  # an option named by its field in a message
+
 
 class KvlensError(Exception):
     """Base class: a user-facing problem with a message that explains the fix."""
@@ -20,7 +24,22 @@ class InputError(KvlensError):
     """Bad options or input data (text, layer spec, paths, group sizes...)."""
 
 
-class PlacementError(InputError):
+class OptionError(InputError):
+    """A bad option value, named by its field. The message names each option as ``{field}``
+    (e.g. ``"Unknown {dtype} 'x'; allowed: ..."``): the library's text says the field
+    (``dtype``), the CLI's says the flag it was given as (``render(name)``: ``--dtype``)."""
+
+    def __init__(self, template: str):
+        self.template = template
+        self.fields = tuple(dict.fromkeys(_FIELD.findall(template)))
+        super().__init__(self.render())
+
+    def render(self, name=lambda field: field) -> str:
+        """The message with each ``{field}`` written as ``name(field)``."""
+        return _FIELD.sub(lambda m: name(m.group(1)), self.template)
+
+
+class PlacementError(OptionError):
     """A device map, memory limit or offload folder that cannot place the model."""
 
 

@@ -60,3 +60,27 @@ def test_every_flag_named_in_a_message_exists():
     assert len(named) > 50  # the scan finds the messages (it would pass vacuously otherwise)
     unknown = [f"{path}:{line}: {flag}" for path, line, flag in named if flag not in known]
     assert not unknown, "messages name flags no command has:\n" + "\n".join(unknown)
+
+
+def test_every_field_an_option_error_names_is_a_flag():
+    """Library errors name options by field (``{max_memory}``, ``kvlens.errors.OptionError``)
+    and the CLI writes each as its flag (``flag_of``: ``--max-memory``): every field such a
+    message names must be one."""
+    from kvlens.cli.common import flag_of
+    from kvlens.errors import OptionError
+
+    assert OptionError("Invalid {max_memory} entry 'x'").render(flag_of) == \
+        "Invalid --max-memory entry 'x'"
+    assert str(OptionError("Invalid {max_memory} entry 'x'")) == "Invalid max_memory entry 'x'"
+    known = _cli_flags()
+    named = []
+    for path in sorted((ROOT / "kvlens").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and \
+                    getattr(node.exc.func, "id", "").endswith(("OptionError", "PlacementError")):
+                for text in _message_parts(node):
+                    named += [(f"{path.relative_to(ROOT)}:{node.lineno}", f)
+                              for f in re.findall(r"\{([a-z][a-z0-9_]*)\}", text)]
+    assert len(named) > 10  # the scan finds them
+    unknown = [f"{where}: {{{f}}}" for where, f in named if flag_of(f) not in known]
+    assert not unknown, "option errors name fields that are no flag:\n" + "\n".join(unknown)

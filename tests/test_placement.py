@@ -51,7 +51,7 @@ def test_parse_max_memory_accelerate_form():
 
 @pytest.mark.parametrize("spec, message", [
     ("cpu:20GiB", "expected DEVICE=SIZE"),
-    ("cpu=20XB", "Invalid --max-memory size for cpu"),
+    ("cpu=20XB", "Invalid max_memory size for cpu"),
     ("cpu=0GiB", "more than 0 bytes"),
     ("tpu=1GiB", "Unknown device 'tpu'"),
     ("cpu=1GiB,cpu=2GiB", "twice"),
@@ -78,15 +78,15 @@ def test_parse_device_map(tmp_path):
 
 
 def test_make_placement_errors(tmp_path):
-    with pytest.raises(PlacementError, match="only applies with --device-map"):
+    with pytest.raises(PlacementError, match="only applies with device_map"):
         make_placement(None, "cpu=1GiB")
-    with pytest.raises(PlacementError, match="explicit --device-map"):
+    with pytest.raises(PlacementError, match="explicit device_map"):
         make_placement('{"": "cpu"}', "cpu=1GiB")
-    with pytest.raises(PlacementError, match="disk limit but no --offload-folder"):
+    with pytest.raises(PlacementError, match="disk limit but no offload_folder"):
         make_placement("auto", "cpu=1GiB,disk=2GiB")
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
-    with pytest.raises(PlacementError, match="--offload-folder .* is not a writable directory"):
+    with pytest.raises(PlacementError, match="offload_folder .* is not a writable directory"):
         make_placement("auto", "cpu=1GiB", blocker / "offload")
     if torch.cuda.device_count() == 0:
         with pytest.raises(PlacementError, match="names GPU 0 but this machine has no CUDA GPU"):
@@ -129,7 +129,7 @@ def test_plan_refuses_what_cannot_be_held(tmp_path):
         plan_device_map(config, torch.float32, make_placement("auto", "cpu=40MB"))
     msg = str(err.value)
     assert "48.2 MiB at float32" in msg and "cpu: 24.1 MiB" in msg
-    assert "24.1 MiB would go to disk" in msg and "--offload-folder" in msg
+    assert "24.1 MiB would go to disk" in msg and "offload_folder" in msg
     with pytest.raises(PlacementError, match=r"over the disk limit 9.5 MiB"):
         plan_device_map(config, torch.float32,
                         make_placement("auto", "cpu=40MB,disk=10MB", tmp_path / "off"))

@@ -35,7 +35,7 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperCommand, TyperGroup
 
-from kvlens.errors import InputError, KvlensError
+from kvlens.errors import InputError, KvlensError, OptionError
 from kvlens.units import format_bytes, format_seconds
 
 # -- --help ---------------------------------------------------------------------------------
@@ -357,12 +357,19 @@ def format_bytes_by_device(by_device: dict[str, int]) -> str:
     return ", ".join(f"{dev} {format_bytes(n)}" for dev, n in by_device.items()) or "-"
 
 
-def run_library_call(fn: Callable[[], Any]) -> Any:
+def flag_of(field: str) -> str:
+    """The flag a library field is given as: ``max_memory`` -> ``--max-memory``."""
+    return "--" + field.replace("_", "-")
+
+
+def run_library_call(fn: Callable[[], Any], name: Callable[[str], str] = flag_of) -> Any:
     """Call library code, turning ``KvlensError`` into one error line and exit code 1 (also
-    under CliRunner). The message is printed literally (``[@head]`` is not rich markup)."""
+    under CliRunner). An ``OptionError`` names its options by ``name(field)`` (the flag they
+    were given as). The message is printed literally (``[@head]`` is not rich markup)."""
     try:
         return fn()
     except KvlensError as exc:
-        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False,
+        text = exc.render(name) if isinstance(exc, OptionError) else str(exc)
+        err_console.print(f"[bold red]error:[/] {escape(text)}", highlight=False,
                           soft_wrap=True)
         raise typer.Exit(1) from None

@@ -98,17 +98,17 @@ def parse_max_memory(spec: str) -> dict[int | str, int]:
     out: dict[int | str, int] = {}
     items = [s for s in spec.split(",") if s.strip()]
     if not items:
-        raise PlacementError("--max-memory is empty; expected e.g. 0=20GiB,cpu=60GiB,disk=200GiB.")
+        raise PlacementError("{max_memory} is empty; expected e.g. 0=20GiB,cpu=60GiB,disk=200GiB.")
     for item in items:
         name, sep, size = item.partition("=")
         if not sep or not name.strip() or not size.strip():
-            raise PlacementError(f"Invalid --max-memory entry {item.strip()!r}: expected "
+            raise PlacementError(f"Invalid {{max_memory}} entry {item.strip()!r}: expected "
                              "DEVICE=SIZE, e.g. 0=20GiB,cpu=60GiB,disk=200GiB (devices: "
                              f"{MEMORY_KEYS}).")
-        key = _device_key(name, "--max-memory")
+        key = _device_key(name, "{max_memory}")
         if key in out:
-            raise PlacementError(f"--max-memory names device {key!r} twice.")
-        out[key] = parse_size(size.strip(), f"--max-memory size for {key}")
+            raise PlacementError(f"{{max_memory}} names device {key!r} twice.")
+        out[key] = parse_size(size.strip(), f"{{max_memory}} size for {key}")
     return out
 
 
@@ -118,15 +118,15 @@ def parse_device_map(spec: str) -> str | dict[str, int | str]:
     if text in STRATEGIES:
         return text
     if text.startswith("{"):
-        source = "inline --device-map JSON"
+        source = "inline {device_map} JSON"
     elif Path(text).expanduser().is_file():
         source = text
         try:
             text = Path(text).expanduser().read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
-            raise PlacementError(f"Cannot read --device-map file {source}: {exc}.") from None
+            raise PlacementError(f"Cannot read {{device_map}} file {source}: {exc}.") from None
     else:
-        raise PlacementError(f"Unknown --device-map {spec!r}; allowed: {', '.join(STRATEGIES)}, a "
+        raise PlacementError(f"Unknown {{device_map}} {spec!r}; allowed: {', '.join(STRATEGIES)}, a "
                          "JSON object such as '{\"model.layers.0\": 0, \"\": \"cpu\"}', or a "
                          "JSON file holding one.")
     try:
@@ -153,23 +153,23 @@ def make_placement(device_map: str | None = None, max_memory: str | dict | None 
     """Validate the three options together; ``None`` when no device map is asked for."""
     if device_map is None:
         if max_memory or offload_folder:
-            flag = "--max-memory" if max_memory else "--offload-folder"
-            raise PlacementError(f"{flag} only applies with --device-map; add --device-map auto "
+            flag = "{max_memory}" if max_memory else "{offload_folder}"
+            raise PlacementError(f"{flag} only applies with {{device_map}}; add {{device_map}} auto "
                              f"(or {', '.join(STRATEGIES[1:])}, or an explicit map).")
         return None
     dmap = parse_device_map(device_map) if isinstance(device_map, str) else dict(device_map)
     limits = parse_max_memory(max_memory) if isinstance(max_memory, str) else \
         dict(max_memory or {})
     if isinstance(dmap, dict) and limits:
-        raise PlacementError("--max-memory applies to a strategy (auto, balanced, sequential); an "
-                         "explicit --device-map already says where each module goes.")
-    _check_gpus([k for k in limits if isinstance(k, int)], "--max-memory")
+        raise PlacementError("{max_memory} applies to a strategy (auto, balanced, sequential); an "
+                         "explicit {device_map} already says where each module goes.")
+    _check_gpus([k for k in limits if isinstance(k, int)], "{max_memory}")
     if isinstance(dmap, dict):
-        _check_gpus(sorted({v for v in dmap.values() if isinstance(v, int)}), "--device-map")
+        _check_gpus(sorted({v for v in dmap.values() if isinstance(v, int)}), "{device_map}")
     folder = _writable_folder(offload_folder) if offload_folder else None
     if "disk" in limits and folder is None:
-        raise PlacementError("--max-memory gives a disk limit but no --offload-folder; add "
-                         "--offload-folder DIR (a writable directory for offloaded weights).")
+        raise PlacementError("{max_memory} gives a disk limit but no {offload_folder}; add "
+                         "{offload_folder} DIR (a writable directory for offloaded weights).")
     if isinstance(dmap, str):
         return Placement(strategy=dmap, max_memory=tuple(limits.items()), offload_folder=folder)
     return Placement(explicit=tuple(dmap.items()), offload_folder=folder)
@@ -185,7 +185,7 @@ def _check_gpus(indices: list[int], flag: str) -> None:
     if missing:
         have = f"GPUs 0-{n - 1}" if n else "no CUDA GPU"
         raise PlacementError(f"{flag} names GPU {', '.join(map(str, missing))} but this machine has "
-                         f"{have}; use cpu (and disk with --offload-folder) or the GPU indices "
+                         f"{have}; use cpu (and disk with {{offload_folder}}) or the GPU indices "
                          "that exist.")
 
 
@@ -203,7 +203,7 @@ def _writable_folder(path: str | os.PathLike) -> str:
     folder = Path(path).expanduser()
     why = writable_error(folder)
     if why is not None:
-        raise PlacementError(f"--offload-folder {folder} is not a writable directory ({why}); "
+        raise PlacementError(f"{{offload_folder}} {folder} is not a writable directory ({why}); "
                              "pass a directory you can write to.")
     return str(folder.resolve())
 
@@ -276,12 +276,12 @@ def _check_coverage(model, dmap: dict[str, int | str]) -> None:
     missing = [n for n in names if not covered(n)]
     if missing:
         modules = sorted({n.rsplit(".", 1)[0] for n in missing})
-        raise PlacementError(f"--device-map does not place {len(missing)} weight tensor(s), in modules "
+        raise PlacementError(f"{{device_map}} does not place {len(missing)} weight tensor(s), in modules "
                          f"{', '.join(modules[:6])}{' ...' if len(modules) > 6 else ''}; add "
                          "them (or a \"\" entry for everything else).")
     unknown = [k for k in dmap if k and not any(n == k or n.startswith(k + ".") for n in names)]
     if unknown:
-        raise PlacementError(f"--device-map names modules the model does not have: "
+        raise PlacementError(f"{{device_map}} names modules the model does not have: "
                          f"{', '.join(unknown[:6])}.")
 
 
@@ -293,15 +293,15 @@ def _check_disk(plan: DevicePlan, placement: Placement, dtype) -> None:
                      if dev != "disk")
     limits = ", ".join(f"{k}={format_bytes(v)}" for k, v in placement.max_memory) or "none given"
     need = (f"the model's weights take {format_bytes(plan.total_bytes)} at {str(dtype).split('.')[-1]}; "
-            f"the memory devices hold {held or 'nothing'} (--max-memory: {limits}), so "
+            f"the memory devices hold {held or 'nothing'} ({{max_memory}}: {limits}), so "
             f"{format_bytes(on_disk)} would go to disk")
     if placement.offload_folder is None:
         raise PlacementError(f"The model does not fit: {need}, and disk offload needs "
-                         "--offload-folder DIR. Raise --max-memory or add --offload-folder.")
+                         "{offload_folder} DIR. Raise {max_memory} or add {offload_folder}.")
     disk_limit = placement.limits().get("disk")
     if disk_limit is not None and on_disk > disk_limit:
         raise PlacementError(f"The model does not fit even with disk offload: {need}, over the disk "
-                         f"limit {format_bytes(disk_limit)}. Raise --max-memory (memory or disk).")
+                         f"limit {format_bytes(disk_limit)}. Raise {{max_memory}} (memory or disk).")
 
 
 # -- after loading ------------------------------------------------------------------------------
