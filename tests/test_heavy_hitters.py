@@ -1,4 +1,4 @@
-"""MiKV's importance set simulated on q, k, v (``kvlens.analysis.heavy_hitters``) against the real cache
+"""MiKV's importance set simulated on q, k, v (``kvlens.research.heavy_hitters``) against the real cache
 layer, step by step: the same set at every query, the same attention output."""
 
 from __future__ import annotations
@@ -7,7 +7,6 @@ import pytest
 import torch
 from helpers import decode_one_by_one, small_options
 
-from kvlens.analysis.heavy_hitters import set_membership, set_reconstruction
 from kvlens.analysis.metrics import (
     Variant,
     attention_errors_many,
@@ -18,6 +17,8 @@ from kvlens.analysis.metrics import (
 from kvlens.cache.layer import CompressedLayer
 from kvlens.config import LayerKV, MikvSettings
 from kvlens.quant import QuantSpec, fake_quantize
+from kvlens.research.heavy_hitters import set_membership, set_reconstruction
+from kvlens.research.mikv import MikvSets, set_of, set_twin
 
 
 class _Session:
@@ -205,7 +206,8 @@ def _opts(**kw):
     # min/max codes only: set twins are built on them (a fitted twin is not offered), so
     # these tests compare sets with the codes they sit beside
     base = dict(budget_bits=4.2, bits=(2,), group_sizes=(32,), sensitivity="uniform",
-                retrieval="off", sink_tokens=0, rotation=False, balancer=False, mikv=True,
+                retrieval="off", sink_tokens=0, rotation=False, balancer=False,
+                extensions=(MikvSets(),),
                 value_fits=("minmax",), scale_dtype="float16")  # budgets sized for float16
     return small_options(**(base | kw))
 
@@ -223,21 +225,21 @@ def test_recommend_puts_a_set_where_the_heavy_hitters_are(tmp_path):
     opts = _opts()
     m = measure(path, opts)
     plain = Candidate("value", 2, "per-token", 32)
-    twin = replace(plain, mikv_set=(8, 0.2))
+    twin = set_twin(plain, 8, 0.2)
     s = Stream(128, 32)  # the one window (128 tokens), sliding by 32
     assert m.tables[0][twin, s][0] < 0.3 * m.tables[0][plain, s][0]
     assert m.tables[1][twin, s][0] > 0.7 * m.tables[1][plain, s][0]
     rec = choose(m, opts)
     assert rec.config.mikv.layers == (0,) and rec.mean_bits <= opts.budget_bits
-    assert [ch.candidate.mikv_set is not None for ch in rec.choices] == [True, True, False, False]
-    assert rec.config.mikv.set_bits == rec.choices[0].candidate.mikv_set[0]
-    assert rec.config.mikv.heavy_fraction == rec.choices[0].candidate.mikv_set[1]
+    assert [set_of(ch.candidate) is not None for ch in rec.choices] == [True, True, False, False]
+    assert rec.config.mikv.set_bits == set_of(rec.choices[0].candidate)[0]
+    assert rec.config.mikv.heavy_fraction == set_of(rec.choices[0].candidate)[1]
     assert config_bits(rec.config, shape_of_capture(m.meta), opts.context) == pytest.approx(
         rec.mean_bits)
     assert "without a set" in rec.notes[-1]
     # too tight for a set; switched off; --prefer-fast: no set
     assert choose(m, replace(opts, budget_bits=3.6)).config.mikv is None
-    for off in (replace(opts, mikv=False), replace(opts, prefer_fast=True)):
+    for off in (replace(opts, extensions=()), replace(opts, prefer_fast=True)):
         assert choose(m, off).config.mikv is None
 
 
@@ -245,8 +247,6 @@ def test_set_candidates_are_priced_by_the_layout():
     """A twin costs its base plus the set (INT4 codes and fp16 scale/zero per token and
     tensor, an int32 position per set token), the H2O mask (a byte per packed token) and the
     accumulators (float32 per held token), per KV head."""
-    from dataclasses import replace
-
     from kvlens.cache.layout import ModelShape
     from kvlens.recommend import Candidate, option_bytes
 
@@ -254,7 +254,7 @@ def test_set_candidates_are_priced_by_the_layout():
     opts = _opts(context=1024)
     k, v = Candidate("key", 2, "per-channel", 32), Candidate("value", 2, "per-token", 32)
     base = option_bytes(k, v, 32, opts, shape, 0)[0]
-    twin = option_bytes(replace(k, mikv_set=(4, 0.1)), replace(v, mikv_set=(4, 0.1)), 32, opts,
+    twin = option_bytes(set_twin(k, 4, 0.1), set_twin(v, 4, 0.1), 32, opts,
                         shape, 0)[0]
     packed = 928  # ceil((1024 - 128 + 1) / 32) * 32 tokens quantized
     held = 93  # ceil(0.1 * 928)
@@ -269,9 +269,9 @@ def test_bad_set_widths_and_fractions_name_the_allowed_values(tmp_path):
     from kvlens.errors import InputError
 
     with pytest.raises(InputError, match="allowed: 4, 8"):
-        _opts(mikv_set_bits=(4, 3))
+        _opts(extensions=(MikvSets(set_bits=(4, 3)),))
     with pytest.raises(InputError, match=r"allowed: fractions in \(0, 0.5\]"):
-        _opts(mikv_fractions=(0.2, 0.7))
+        _opts(extensions=(MikvSets(fractions=(0.2, 0.7)),))
     path = _heavy_capture(tmp_path / "h.h5")
     res = CliRunner().invoke(app, ["recommend", str(path), "-b", "4", "--thorough",
                                    "--set", "mikv-bits=2"])

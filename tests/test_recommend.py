@@ -141,7 +141,7 @@ def test_errors_are_measured_on_every_capture_sample_by_default(tmp_path):
     from kvlens.recommend import measure
 
     path = _planted_capture(tmp_path / "p.h5", samples=3)
-    kw = dict(budget_bits=3.0, group_sizes=(32,), bits=(2,), mikv=False,
+    kw = dict(budget_bits=3.0, group_sizes=(32,), bits=(2,), extensions=(),
               rotation=False, balancer=False)
     assert small_options(**kw).samples is None
     every = measure(path, small_options(**kw))
@@ -163,7 +163,7 @@ def test_mse_fit_candidates_win_on_gaussian_values(tmp_path):
     from kvlens.recommend import choose, measure
 
     path = _planted_capture(tmp_path / "p.h5")
-    kw = dict(budget_bits=3.6, group_sizes=(32,), bits=(2, 4), mikv=False,
+    kw = dict(budget_bits=3.6, group_sizes=(32,), bits=(2, 4), extensions=(),
               fp_dtype="float16", scale_dtype="float16")  # 8-bit metadata refines min/max too
     m = measure(path, small_options(**kw, key_fits=("minmax", "mse")))
     both = choose(m, small_options(**kw))
@@ -202,7 +202,7 @@ def test_each_layer_finds_its_own_rope_theta(tmp_path):
             found.append(theta)
     assert found[0] == 10000.0 and found[1] == pytest.approx(31415.9, rel=1e-3)
     opts = small_options(budget_bits=3.5, group_sizes=(32,), bits=(2, 4), pre_rope="on",
-                            value_fits=("minmax",), mikv=False)
+                            value_fits=("minmax",), extensions=())
     rec = recommend(path, opts)  # "on" raises unless every layer offers pre-RoPE keys
     assert not any("pre-RoPE candidates skipped" in n for n in rec.notes)
     # linearly scaled RoPE on layer 1: no default theta rebuilds it -> refused / skipped
@@ -629,7 +629,7 @@ def test_layout_sensitivity_measures_a_rate_per_family(tmp_path, tiny_tokenizer)
     capture_model(model, ids, path, storage_dtype="float32")
     opts = small_options(budget_bits=5.0, context=512, residual_tokens=16,
                             group_sizes=(16,), bits=(2, 4), tokens=None,
-                            mikv=False, sensitivity="layout", model=str(mdir),
+                            extensions=(), sensitivity="layout", model=str(mdir),
                             retrieval="off")
     m = measure(path, opts)
     probes = family_probes(candidates(16, opts, has_rope=True))

@@ -22,6 +22,7 @@ from kvlens.errors import InputError, KvlensError
 from kvlens.recommend import RecommendOptions
 from kvlens.recommend.options import LIBRARY, MAIN, RESEARCH, option_name
 from kvlens.research import RECOMMEND, TARGET, describe, levers, parse_settings
+from kvlens.research.mikv import MikvSets
 
 runner = CliRunner()
 
@@ -92,14 +93,14 @@ def test_the_command_runs_the_library_defaults(cap, monkeypatch):
     res = runner.invoke(app, ["recommend", str(cap), "-b", "8", "--thorough", "--set",
                               "balancer=off", "--set", "mikv-bits=4", "--windows", "128"])
     assert res.exit_code == 1, res.output
-    assert seen[1] == RecommendOptions(budget_bits=8, mikv=True, mikv_set_bits=(4,),
+    assert seen[1] == RecommendOptions(budget_bits=8, extensions=(MikvSets(set_bits=(4,)),),
                                        balancer=False, windows=(128,))
     assert seen[1].tokens == 256  # derived from the one window
     # a lever given with --set wins over what --thorough sets
     res = runner.invoke(app, ["recommend", str(cap), "-b", "8", "--thorough", "--set",
                               "mikv=off"])
     assert res.exit_code == 1, res.output
-    assert seen[2] == RecommendOptions(budget_bits=8, mikv=False)
+    assert seen[2] == RecommendOptions(budget_bits=8)  # no extension switched on
 
 
 def test_help_shows_the_library_defaults():

@@ -20,6 +20,7 @@ import torch
 from helpers import small_options
 from test_recommend import _planted_capture
 
+import kvlens.research  # noqa: F401  (registers the MiKV set twins these tests measure)
 from kvlens.recommend import reuse
 from kvlens.recommend.catalog import family
 from kvlens.recommend.kept_format import VERSION, KeptFormatError, decode, encode
@@ -34,7 +35,7 @@ KVLENS = Path(__file__).resolve().parents[1] / "kvlens"
 def _opts(**kw):
     """MiKV set twins, balanced and rotated candidates, both key fits, two windows (two streams
     per candidate): every kind of candidate field the format carries."""
-    kw = {"budget_bits": 3.0, "mikv": True, "key_fits": ("minmax", "mse"),
+    kw = {"budget_bits": 3.0, "extensions": ("mikv",), "key_fits": ("minmax", "mse"),
           "windows": (32, 64), "group_sizes": (32,), **kw}
     return small_options(**kw)
 
@@ -72,14 +73,14 @@ def test_read_back_allocates_as_measured(measured):
     back = decode(encode(m))
     _same(m, back)
     cands = {c for t in back.tables for c, _ in t}
-    assert back.balancers and any(c.mikv_set for c in cands) and any(c.rotate for c in cands)
+    assert back.balancers and any(c.twin for c in cands) and any(c.rotate for c in cands)
     assert any(c.fit == "mse" and c.tensor == "key" for c in cands)
     for budget in (2.7, 3.0, 3.2, 4.0):
         _same_choice(m, back, _opts(budget_bits=budget))
     # with only set twins (or balanced candidates) for keys, the allocation takes them from the
     # read-back file as from the measurement: what the format carries beyond plain candidates
     # is used (a layer takes a set for both tensors; the balancer is the keys' alone)
-    for keep, word, tensors in ((lambda c: c.mikv_set, " set", ("key", "value")),
+    for keep, word, tensors in ((lambda c: c.twin, " set", ("key", "value")),
                                 (lambda c: c.balancer, " bal", ("key",))):
         a, b = (_only_keys(x, keep) for x in (m, back))
         chosen = _same_choice(a, b, _opts(budget_bits=4.0))

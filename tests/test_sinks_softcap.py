@@ -13,7 +13,6 @@ import torch
 from helpers import decode_one_by_one, stored_view, stub_session
 
 from kvlens.analysis.attention import attention_output, attention_weights, causal_mask
-from kvlens.analysis.heavy_hitters import set_membership, set_reconstruction
 from kvlens.analysis.metrics import (
     Variant,
     attention_errors_many,
@@ -32,6 +31,7 @@ from kvlens.config import KVConfig, LayerKV, MikvSettings, preset
 from kvlens.errors import InputError
 from kvlens.model.hooks import attention_override, cache_argument_name
 from kvlens.quant import QuantSpec, fake_quantize
+from kvlens.research.heavy_hitters import set_membership, set_reconstruction
 
 MIN = torch.finfo(torch.float32).min
 

@@ -1,3 +1,3 @@
 """Analysis of captured tensors: error metrics (``metrics``), per-axis quantization error
-(``compare``), outlier channels (``outliers``), MiKV set simulation (``heavy_hitters``) and the
-real model's per-layer sensitivity (``sensitivity``)."""
+(``compare``), outlier channels (``outliers``) and the real model's per-layer sensitivity
+(``sensitivity``). (MiKV's set simulation is research: ``kvlens.research.heavy_hitters``.)"""

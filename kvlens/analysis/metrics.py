@@ -59,7 +59,7 @@ class Variant:
     """One approximation of the cache: ``k_hat`` and/or ``v_hat`` ``[B, Hkv, T, D]`` (None =
     that tensor is kept exact).
 
-    A MiKV importance set (``kvlens.analysis.heavy_hitters``): where ``in_set`` (bool ``[B, Hkv, Tq,
+    A MiKV importance set (``kvlens.research.heavy_hitters``): where ``in_set`` (bool ``[B, Hkv, Tq,
     Tk]``) is True, query ``i`` reads key ``j`` as ``k_set`` and value ``j`` as ``v_set``
     (``[B, Hkv, Tk, D]``; None = that tensor of the set is read exact). The set changes with
     the query (it is re-chosen while decoding), hence a mask per query."""

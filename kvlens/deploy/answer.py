@@ -31,8 +31,9 @@ from kvlens.errors import InputError
 from kvlens.evaluation.kld import max_positions
 from kvlens.model.load import check_load_options, parse_dtype
 from kvlens.model.placement import make_placement
-from kvlens.recommend import THOROUGH, RecommendOptions, check
+from kvlens.recommend import RecommendOptions, check
 from kvlens.recommend.answer import LayerAnswer, budget_list, output_for, recommend_layers
+from kvlens.recommend.extension import fold_levers, lever_fields, thorough_levers
 
 LogFn = Callable[[str], None]
 
@@ -91,11 +92,13 @@ REQUEST_FIELDS = ("max_kld", "validate", "eval_tokens", "retrieval_prompts", "to
 
 def readers(name: str) -> frozenset[str]:
     """The targets that read option (or ``--set`` lever field) ``name``: ``PER_LAYER`` where it
-    is a ``RecommendOptions`` field, ``ENGINE`` where it is a ``TargetOptions`` field, else
-    ``REQUEST_READERS`` (empty: an option of neither)."""
+    is a ``RecommendOptions`` field or a registered candidate extension's lever field
+    (``kvlens.recommend.extension.lever_fields``), ``ENGINE`` where it is a ``TargetOptions``
+    field, else ``REQUEST_READERS`` (empty: an option of neither)."""
     if name in REQUEST_READERS:
         return REQUEST_READERS[name]
-    return frozenset({PER_LAYER} if name in _fields(RecommendOptions) else ()) | \
+    per_layer = name in _fields(RecommendOptions) or name in lever_fields()
+    return frozenset({PER_LAYER} if per_layer else ()) | \
         frozenset({ENGINE} if name in _fields(TargetOptions) else ())
 
 
@@ -110,14 +113,15 @@ def request_for(capture: str | Path, target: str = "kvlens", given: dict[str, An
     own, ``REQUEST_FIELDS``; the model's placement, ``PLACEMENT``; for the per-layer target
     ``windows`` and ``budgets`` as comma lists, ``thorough`` and ``output``, where the config is
     written, one per budget beside it with several budgets); ``levers``: the target's research
-    levers (``kvlens.research.parse_settings``), over ``thorough``. The per-layer target takes
+    levers (``kvlens.research.parse_settings``), over ``thorough`` (which switches on the
+    registered research extensions: ``thorough_levers``). The per-layer target takes
     exactly one of ``budget_bits``, ``budgets`` and ``max_kld`` (``budget_list``)."""
     target, given = canonical_target(target), dict(given or {})
     engine = target != "kvlens"
     unread = sorted(k for k in given if (ENGINE if engine else PER_LAYER) not in readers(k))
     if unread:
         raise TypeError(f"request_for: --target {target} reads no {unread}")
-    names = _fields(TargetOptions if engine else RecommendOptions)
+    names = _fields(TargetOptions) if engine else _fields(RecommendOptions) | set(lever_fields())
     output = given.pop("output", None)
     budgets = [] if engine else budget_list(given.pop("budgets", None),
                                             given.get("budget_bits"), given.get("max_kld"),
@@ -134,7 +138,7 @@ def request_for(capture: str | Path, target: str = "kvlens", given: dict[str, An
             options["windows"] = parse_int_list(options["windows"], "--windows")
         # the measurement does not read the budget: --budgets and --max-kld allocate later
         options["budget_bits"] = given.get("budget_bits") or min(budgets, default=16.0)
-        options |= THOROUGH if given.pop("thorough", False) else {}
+        options |= thorough_levers() if given.pop("thorough", False) else {}
     own = {k: given[k] for k in REQUEST_FIELDS if k in given}
     return RecommendRequest(Path(capture), target, options | dict(levers or {}),
                             budgets=tuple(budgets), place=place, outputs=tuple(outputs), **own)
@@ -166,7 +170,7 @@ def recommend_run(request: RecommendRequest, *, save: Callable | None = None,
     check_request(request)
     if request.target != "kvlens":
         return _engine(request, save, progress, say)
-    opts = RecommendOptions(**request.options)
+    opts = RecommendOptions(**fold_levers(request.options))
     check(request.capture, opts)
     if request.tokens is not None:
         check_tokens(request.capture, request.tokens)

@@ -6,7 +6,8 @@ Modules, in dependency order: ``options`` (what is asked, ``Candidate``, ``Strea
 ``sensitivity`` (layer weights), ``result``, ``build`` (the config), ``allocation`` (the
 knapsack), ``pipeline`` (``measure`` a capture once, ``choose`` for any budget), ``reuse``
 (measurements kept between runs), ``run`` (``recommend``: check, reuse or measure, choose),
-``search`` (the smallest budget under a KLD target).
+``search`` (the smallest budget under a KLD target); ``extension`` (the protocol and registry
+through which research adds twins of the candidates: ``kvlens.research`` registers them).
 The options behind ``recommend --set`` (knobs of the default run, and experiments) are listed
 in ``kvlens.research``. Import the public names from here.
 """
@@ -14,9 +15,9 @@ in ``kvlens.research``. Import the public names from here.
 from kvlens.recommend.allocation import COST_RESOLUTION, allocate
 from kvlens.recommend.build import build_config
 from kvlens.recommend.catalog import candidates, family, family_probes
+from kvlens.recommend.extension import CandidateExtension, Twin, TwinMeasurer, register
 from kvlens.recommend.options import (
     DEFAULT_WINDOWS,
-    THOROUGH,
     Candidate,
     RecommendOptions,
     Stream,
@@ -32,13 +33,15 @@ __all__ = [
     "COST_RESOLUTION",
     "BudgetSearch",
     "DEFAULT_WINDOWS",
-    "THOROUGH",
     "Candidate",
+    "CandidateExtension",
     "Choice",
     "Measurements",
     "Recommendation",
     "RecommendOptions",
     "Stream",
+    "Twin",
+    "TwinMeasurer",
     "allocate",
     "build_config",
     "candidates",
@@ -52,5 +55,6 @@ __all__ = [
     "measurement",
     "option_bytes",
     "recommend",
+    "register",
     "search_budget",
 ]

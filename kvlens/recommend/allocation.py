@@ -6,8 +6,8 @@ to the mean cost over all layers and both tensors <= budget: a multiple-choice k
 (``allocate``) over each layer's Pareto front (``_layer_options``), solved exactly by dynamic
 programming on costs rounded up to ``1/COST_RESOLUTION`` bit (so the budget is never exceeded).
 Config-wide choices are solved for separately and the best objective kept (``assemble``): with
-and without rotated candidates (the shared matrix), without MiKV sets and with each
-``(set_bits, heavy_fraction)``. ``prefer_fast`` (``--prefer-fast``) offers only (key, value)
+and without rotated candidates (the shared matrix), without research twins and with each
+config-wide twin setting (``RecommendOptions.twin_settings``; ``kvlens.recommend.extension``). ``prefer_fast`` (``--prefer-fast``) offers only (key, value)
 pairs the fused decode kernel reads (``kvlens.cache.triton_glue.kernel_layout_problem``: no
 pre-RoPE keys), so decoding on CUDA never leaves the kernel.
 """
@@ -89,8 +89,8 @@ def _layer_options(table, opts: RecommendOptions, cost, weight: float, head_dim:
         for kc in keys:
             for vc in values:
                 s = Stream(r, opts.layer_flush(kc, vc, residual=r))
-                # a MiKV set is a layer's choice (the config's mikv.layers)
-                if kc.mikv_set != vc.mikv_set:
+                # a twin is a layer's choice: both tensors or neither
+                if kc.twin != vc.twin:
                     continue
                 if opts.prefer_fast and not _fused(kc, vc, s, head_dim):
                     continue
@@ -132,16 +132,16 @@ class _Pricing:
         layer = next(i for i in shape.kv_layers if shape.window(i) == window)
         return option_bytes(kc, vc, s.flush, self.opts, shape, layer, residual=s.residual)
 
-    def fronts(self, tables, rotation: bool, mikv_set) -> list[list]:
-        """Per layer ``_layer_options`` with or without rotated candidates, with MiKV sets
-        at the global ``mikv_set`` (None: no set)."""
+    def fronts(self, tables, rotation: bool, twin) -> list[list]:
+        """Per layer ``_layer_options`` with or without rotated candidates, with research
+        twins at the config-wide ``twin`` setting (None: no twin)."""
         n, out = len(tables), []
         # weights and factors are per captured layer, in the order of meta.layers (model
         # indices: a hybrid model's layers with a KV cache)
         for j, (layer, table) in enumerate(zip(self.meta.layers, tables)):
             w = self.shape.window(layer)
             table = {cf: e for cf, e in table.items() if (rotation or not cf[0].rotate)
-                     and cf[0].mikv_set in (None, mikv_set)}
+                     and cf[0].twin in (None, twin)}
             out.append(_layer_options(
                 table, self.opts,
                 lambda kc, vc, s, w=w: 16 * n * self.option(kc, vc, s, w)[0] / self.fp16_total,
@@ -164,9 +164,18 @@ class _Pricing:
 
     def variants(self) -> list[tuple[bool, tuple | None]]:
         """The config-wide choices solved for separately: with and without rotated
-        candidates, no MiKV set and each ``(set_bits, heavy_fraction)``."""
+        candidates, no twin and each config-wide twin setting."""
         return [(rot, m) for rot in ((True, False) if self.opts.rotation else (False,))
-                for m in (None, *self.opts.mikv_sets())]
+                for m in (None, *self.opts.twin_settings())]
+
+
+def _twin_notes(opts: RecommendOptions, solved, best: float) -> list[str]:
+    """Each extension's note on its settings (``CandidateExtension.note``), beside the best
+    objective without a twin."""
+    plain = min((s[0] for m, s, _ in solved if s is not None and m is None), default=math.inf)
+    return [ext.note([t.setting for t in opts.twin_settings() if t.extension == ext.name],
+                     best, plain)
+            for ext in opts.extensions if ext.settings(opts)]
 
 
 def _too_small(need: float, opts: RecommendOptions) -> InputError:
@@ -209,11 +218,11 @@ def assemble(meta, opts, tables, balancers, weights, notes, shape, factors=()
     pricing = _Pricing(meta, opts, weights, shape, factors)
     option = pricing.option
 
-    def solve(rotation: bool, mikv_set):
+    def solve(rotation: bool, twin):
         """``((objective, fronts, picks), None)`` of the best allocation with or without
-        rotated candidates, with MiKV sets at the global ``mikv_set`` (None: no set), or
-        ``(None, bits the cheapest options need)`` when nothing fits."""
-        fronts = pricing.fronts(tables, rotation, mikv_set)
+        rotated candidates, with twins at the config-wide ``twin`` setting (None: no twin),
+        or ``(None, bits the cheapest options need)`` when nothing fits."""
+        fronts = pricing.fronts(tables, rotation, twin)
         if not all(fronts):  # a layer with nothing to store it (e.g. only rotated layouts)
             return None, math.inf
         costs = [[p[0] for p in front] for front in fronts]
@@ -225,18 +234,14 @@ def assemble(meta, opts, tables, balancers, weights, notes, shape, factors=()
         return (sum(e[p] for e, p in zip(errors, picks)), fronts, picks), None
 
     # the shared rotation matrix is a fixed cost the knapsack cannot split over layers, and a
-    # MiKV set's width and fraction are global settings: solve for each (with and without
-    # rotated candidates; no set or each set) and keep the best allocation
-    sets = [None, *opts.mikv_sets()]
+    # twin's setting is config-wide: solve for each (with and without rotated candidates; no
+    # twin or each setting) and keep the best allocation
     solved = [(m, *solve(rot, m)) for rot, m in pricing.variants()]
     best = min((s for _, s, _ in solved if s is not None), key=lambda s: s[0], default=None)
     if best is None:
         raise _too_small(min(need for _, _, need in solved), opts)
     _, fronts, picks = best
-    if len(sets) > 1:
-        plain = min((s[0] for m, s, _ in solved if s is not None and m is None), default=math.inf)
-        notes = notes + [f"MiKV set candidates ({', '.join(f'INT{b} {h:g}' for b, h in sets[1:])}"
-                         f"): objective {best[0]:.4f}, {plain:.4f} without a set"]
+    notes = notes + _twin_notes(opts, solved, best[0])
     choices = []
     for layer, front, pick, table in zip(meta.layers, fronts, picks, tables):
         _, _, kc, vc, s = front[pick]
@@ -248,7 +253,7 @@ def assemble(meta, opts, tables, balancers, weights, notes, shape, factors=()
             # the cheapest same-tensor candidate with a lower error (it did not fit the budget)
             better = []
             for o in (o for o, g in table if g == s and o.tensor == c.tensor
-                      and o.mikv_set == c.mikv_set):
+                      and o.twin == c.twin):
                 pair = (o, vc) if c.tensor == "key" else (kc, o)
                 if table[o, s][0] < out and opts.layer_flush(*pair, residual=s.residual) == \
                         s.flush:

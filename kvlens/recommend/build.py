@@ -1,6 +1,7 @@
 """The versioned ``KVConfig`` a recommendation writes (``build_config``): per-layer settings
-from the chosen candidates and windows, the most common one as the default, and the config-wide
-MiKV and balancer sections."""
+from the chosen candidates and windows, the most common one as the default, the config-wide
+sinks-and-balancer section (``mikv``) and what the chosen research twins add to it
+(``CandidateExtension.write``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Sequence
 
 from kvlens.config import KVConfig, LayerKV, MikvSettings
 from kvlens.errors import ConfigError
+from kvlens.recommend.extension import extension_class
 from kvlens.recommend.options import Candidate, RecommendOptions, Stream, listed
 from kvlens.recommend.result import Choice
 
@@ -32,18 +34,17 @@ def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balanc
     used = {i: balancers[i] for i, p in by_layer.items() if p["key"].balancer}
     if any(settings[i].pre_rope_keys for i in used):
         raise ConfigError("internal: balancer chosen together with pre-RoPE keys")
-    sets = {i: p["key"].mikv_set for i, p in by_layer.items() if p["key"].mikv_set}
-    if len(set(sets.values())) > 1:
-        raise ConfigError(f"internal: MiKV sets of different widths/fractions chosen: {sets}")
-    set_bits, fraction = next(iter(sets.values())) if sets else (None, 0.0)
     mikv = None
-    if used or opts.sink_tokens or sets:
-        # layers not in mikv.layers keep only the sinks, at fp16 (KVConfig.mikv_for), as their
-        # candidates were measured and priced
-        mikv = MikvSettings(heavy_fraction=fraction, sink_tokens=opts.sink_tokens,
+    if used or opts.sink_tokens:
+        mikv = MikvSettings(heavy_fraction=0.0, sink_tokens=opts.sink_tokens,
                             balancer="fixed" if used else "off",
-                            balancer_exponent=opts.balancer_exponent, set_bits=set_bits,
-                            layers=sorted(sets) if sets else None)
+                            balancer_exponent=opts.balancer_exponent)
+    twins: dict[str, dict[int, tuple]] = {}
+    for i, p in by_layer.items():
+        if p["key"].twin is not None:
+            twins.setdefault(p["key"].twin.extension, {})[i] = p["key"].twin.setting
+    for name, chosen in twins.items():  # what the research twins chosen add to the config
+        mikv = extension_class(name)().write(mikv, chosen, opts)
     return KVConfig(
         name=opts.name, default=default, layers=overrides, mikv=mikv,
         balancers={i: tuple(tuple(float(x) for x in row) for row in b.tolist())

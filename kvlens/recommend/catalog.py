@@ -5,14 +5,11 @@ Per tensor: keys and values x granularity (per-channel, per-token) x bits (2, 4,
 (KVQuant) and, for per-token keys, with the MiKV channel balancer fitted on the capture
 (``b = (max|q| / max|k|)^exponent``); per-token keys and values also Hadamard-rotated.
 
-With the ``mikv`` experiment (off by default; ``--thorough`` or ``--set mikv=on``) the G32
-candidates up to 4 bits (plain or balanced) also have MiKV set twins, one per global
-``(set_bits, heavy_fraction)`` of ``mikv_set_bits`` x ``mikv_fractions``: heavy hitters and
-sinks kept at ``set_bits`` codes, measured by replaying the cache's H2O selection while
-decoding (``kvlens.analysis.heavy_hitters``); a layer takes the set for both tensors or neither
-(the config's ``mikv.layers``). Only what ``kvlens generate`` can run is offered. (Codebook,
-centred-key and GEAR candidates were experiments until issue #57 removed them: negative
-results, docs/lab-notes/codebooks.md and docs/lab-notes/gear-mikv.md.)
+The research extensions switched on (``RecommendOptions.extensions``, none by default;
+``kvlens.recommend.extension``) add twins of these candidates; a layer takes a twin for both
+tensors or neither. Only what ``kvlens generate`` can run is offered. (Codebook, centred-key
+and GEAR candidates were experiments until issue #57 removed them: negative results,
+docs/lab-notes/codebooks.md and docs/lab-notes/gear-mikv.md.)
 
 ``family`` groups candidates by storage layout for the layout sensitivity (``--set
 sensitivity=layout``, and ``auto`` when the model loads); ``family_probes``
@@ -22,16 +19,10 @@ picks the one candidate per family that is measured for it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
 from kvlens.errors import ConfigError
 from kvlens.quant import hadamard_block_size
-from kvlens.recommend.options import (
-    MIKV_GROUP,
-    OFFERED_GRANULARITIES,
-    Candidate,
-    RecommendOptions,
-)
+from kvlens.recommend.options import OFFERED_GRANULARITIES, Candidate, RecommendOptions
 
 
 def candidates(head_dim: int, opts: RecommendOptions, has_rope: bool) -> list[Candidate]:
@@ -63,12 +54,8 @@ def candidates(head_dim: int, opts: RecommendOptions, has_rope: bool) -> list[Ca
                         out.append(Candidate(tensor, b, gran, g, balancer=True, fit=fit))
                     if gran == "per-token" and rotation:
                         out.append(Candidate(tensor, b, gran, g, rotate=True, fit=fit))
-    # MiKV set twins: plain or balanced post-RoPE G32 codes up to 4 bits (a set beside 8-bit
-    # codes buys nothing), one per global (set_bits, heavy_fraction)
-    return out + [replace(c, mikv_set=m) for c in out if c.group_size == MIKV_GROUP
-                  and c.bits <= 4 and c.stage == "post"
-                  and not c.rotate
-                  and c.fit == opts.fits_for(c.tensor)[0] for m in opts.mikv_sets()]
+    # the research extensions' twins of these (kvlens.recommend.extension)
+    return out + [t for ext in opts.extensions for t in ext.twins(out, opts)]
 
 
 def still_offered(c: Candidate, opts: RecommendOptions) -> bool:
@@ -79,7 +66,7 @@ def still_offered(c: Candidate, opts: RecommendOptions) -> bool:
 
 def family(c: Candidate) -> tuple:
     """The storage family ``--set sensitivity=layout`` measures one factor for: tensor, axis,
-    transforms and the scale fit (bits, group size and a MiKV set share their base's factor).
+    transforms and the scale fit (bits, group size and a twin share their base's factor).
     The fit has its own: a least-squares fit clips a group's extremes, so its output error need
     not turn into KL at the rate of min/max groups (docs/recommend.md#the-scale-fit)."""
     return (c.tensor, c.granularity, c.stage, c.balancer, c.rotate, c.fit)
@@ -90,7 +77,7 @@ def family_probes(cands: Sequence[Candidate]) -> list[Candidate]:
     per-channel at the smallest group (KIVI's), per-token at the largest (cheapest scales)."""
     out = []
     for fam in dict.fromkeys(family(c) for c in cands):
-        members = [c for c in cands if family(c) == fam and not c.mikv_set]
+        members = [c for c in cands if family(c) == fam and c.twin is None]
         if not members:
             continue
         bits = min(c.bits for c in members)

@@ -19,8 +19,9 @@ FORMAT = "kvlens.measurements"
 # removed (issue #57: ``Candidate`` lost ``codebook`` and ``center``, the document its
 # ``codebooks``, a family its centring flag); 6: written by the generic codec (the tables as
 # JSON pairs, streams as records, the profile's spans kept); 7: GEAR removed (issue #57:
-# ``Candidate`` lost its ``gear`` field)
-VERSION = 7
+# ``Candidate`` lost its ``gear`` field); 8: research twins behind the extension point (issue
+# #57: ``Candidate.mikv_set`` became ``Candidate.twin``, a ``Twin``)
+VERSION = 8
 #: a measurement that this format cannot write, or bytes that are not one it wrote
 KeptFormatError = CodecError
 CODEC = DataclassCodec(Measurements, FORMAT, VERSION,

@@ -12,8 +12,9 @@ too, to explain. By default the first ``tokens=256`` tokens of every capture sam
 windows every option is scored on the same queries, from ``score_from`` (three times the
 largest window) on, of ``default_tokens`` (four times it).
 
-``layer_variants`` builds what the cache would give back for each candidate, ``_SetVariants``
-the MiKV set twins (they depend on the flush block), ``measure_layer`` scores them; ``check_windows`` refuses window sizes nothing can be stored
+``layer_variants`` builds what the cache would give back for each candidate, ``measure_layer``
+scores them (a research twin's variant is built per stream by its extension's measurer,
+``kvlens.recommend.extension``); ``check_windows`` refuses window sizes nothing can be stored
 with.
 """
 
@@ -22,7 +23,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvlens.analysis.compare import layer_rope_tables
-from kvlens.analysis.heavy_hitters import set_membership, set_reconstruction
 from kvlens.analysis.metrics import (
     Variant,
     attention_errors_many,
@@ -30,7 +30,6 @@ from kvlens.analysis.metrics import (
     per_head_rel_error,
     streaming_exact_mask,
 )
-from kvlens.config import MikvSettings
 from kvlens.errors import ConfigError, InputError
 from kvlens.layouts import check_layout, reference
 from kvlens.quant import (
@@ -53,9 +52,9 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
     (``opts.window_sizes``) and flush block ``F`` the candidate can be stored with
     (``opts.streams()``), measured as the cache reads history while decoding: recent tokens
     (the window, as it slides with ``F``) and the first ``opts.sink_tokens`` exact
-    (``kvlens.analysis.metrics.streaming_exact_mask``), on queries from ``opts.score_from`` on. MiKV
-    set twins (``Candidate.mikv_set``) are measured as such a layer decodes
-    (``_SetVariants``); a sliding-window layer keeps no set, so has no twins. Candidates in
+    (``kvlens.analysis.metrics.streaming_exact_mask``), on queries from ``opts.score_from`` on.
+    Research twins (``Candidate.twin``) are measured by their extension's measurer, per
+    stream, on the layers it says can keep them (``CandidateExtension.offered_on``). Candidates in
     ``plain`` are also measured with every token quantized, key ``(candidate, None)`` (the
     sensitivity probe, which quantizes the whole layer). ``queries``: score only the last
     queries (the retrieval probe's answer position). ``balancer``: use this fitted balancer
@@ -74,9 +73,9 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
         (s, [c for c in variants if _fits(c, s)]) for s in opts.streams()]
     scoring = _LayerScoring(q, k, v, layer.attrs, opts, variants, queries)
     scoring.score_shared(runs)
-    # MiKV set twins depend on the stream (the set replayed while decoding), and the probe
-    # reads every query: one pass per stream
-    runs = [(s, [c for c in run if c.mikv_set]) for s, run in runs]
+    # twins depend on the stream (e.g. a set replayed while decoding), and the probe reads
+    # every query: one pass per stream
+    runs = [(s, [c for c in run if c.twin is not None]) for s, run in runs]
     runs.append((None, [c for c in plain if c in variants]))
     scoring.score_per_stream(runs)
     return scoring.out, bal, pre_ok
@@ -112,7 +111,7 @@ class _LayerScoring:
         """Plain candidates: every stream in one pass, sharing what does not depend on the
         window."""
         la, opts, variants = self.attrs, self.opts, self.variants
-        shared = list(dict.fromkeys(c for _, run in runs for c in run if not c.mikv_set))
+        shared = list(dict.fromkeys(c for _, run in runs for c in run if c.twin is None))
         if not shared:
             return
         at = {c: i for i, c in enumerate(shared)}
@@ -130,26 +129,30 @@ class _LayerScoring:
                     self.record(c, s, per[at[c]])
 
     def score_per_stream(self, runs: list[tuple[Stream | None, list[Candidate]]]) -> None:
-        """MiKV set twins and the probe's candidates (stream None): one pass per stream."""
+        """Research twins and the probe's candidates (stream None): one pass per stream."""
         la, opts, variants = self.attrs, self.opts, self.variants
-        sets = _SetVariants(self.q, self.k, self.v, la, opts)
+        measurers = {e.name: e.measurer(self.q, self.k, self.v, la, opts)
+                     for e in opts.extensions}
         for s, run in runs:
             if not run:
                 continue
             start = self.first_row(s)
             rows, picked = self.q[:, :, start:], slice(start, None)
-            # a layer with a MiKV set holds its sinks in the set (at its codes), not exact
-            for group, sinks in (([c for c in run if not c.mikv_set], opts.sink_tokens),
-                                 ([c for c in run if c.mikv_set], 0)):
+            # stable candidates read the sinks exact; a twin's measurer says what it reads
+            # exact (TwinMeasurer.exact_sinks)
+            groups = [(None, [c for c in run if c.twin is None], opts.sink_tokens)]
+            groups += [(m, [c for c in run if c.twin is not None and c.twin.extension == name],
+                        m.exact_sinks) for name, m in measurers.items()]
+            for measurer, group, sinks in groups:
                 if not group:
                     continue
                 exact = None if s is None else streaming_exact_mask(
                     self.n_tok, s.residual, s.flush, sinks)[picked]
-                if not group[0].mikv_set:  # plain candidates: their variants are built already
+                if measurer is None:  # stable candidates: their variants are built already
                     vs = [variants[c] for c in group]
                 else:
-                    with stage("MiKV set simulation"):
-                        vs = [sets.variant(c, variants[c.base], s, picked) for c in group]
+                    with stage(measurer.stage):
+                        vs = [measurer.variant(c, variants[c.base], s, picked) for c in group]
                 errs = attention_errors_many(rows, self.k, self.v, vs, scaling=la.scaling,
                                              sliding_window=la.sliding_window,
                                              softcap=la.logit_softcap, sinks=la.sinks,
@@ -163,7 +166,7 @@ def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptio
     """``(q, k, v, variants, balancer, pre_ok)`` of one capture layer
     (``opts.samples`` and ``opts.tokens``): ``variants[c]`` is what the cache would give back
     for candidate ``c`` with every token quantized (a ``kvlens.analysis.metrics.Variant``), None
-    for MiKV set twins (they depend on the flush block: built by ``measure_layer``);
+    for research twins (they depend on the stream: built by ``measure_layer``);
     pre-RoPE candidates are left out when the capture's RoPE cannot be rebuilt (``pre_ok``
     False)."""
 
@@ -193,8 +196,8 @@ def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptio
         # the candidate's storage layout's reference (kvlens.layouts); rotation, pre-RoPE
         # and the balancer compose around it
         quant = reference(c.spec(), sd)
-        if c.mikv_set:  # the set depends on the flush block: built per run below
-            if not la.sliding_window and c.base in cands:
+        if c.twin is not None:  # it depends on the stream: built per run (measure_layer)
+            if c.base in cands and _extension(opts, c).offered_on(la):
                 variants[c] = None
         elif c.rotate:  # what the cache stores (x R) seen back in the original basis
             x_hat = quantize_rotated(v if c.tensor == "value" else k, quant, rot)
@@ -212,45 +215,9 @@ def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptio
     return q, k, v, variants, bal, pre_ok
 
 
-class _SetVariants:
-    """``Variant``s of MiKV set twins on one capture layer: each tensor measured alone, as for
-    every candidate, with the set the cache would keep (``kvlens.analysis.heavy_hitters``): for keys, the
-    H2O attention accumulated through the candidate's codes and the set's codes; for values
-    (keys exact) through exact keys, so one set per (heavy fraction, stream)."""
-
-    def __init__(self, q, k, v, attrs, opts: RecommendOptions):
-        self.q, self.k, self.v, self.attrs, self.opts = q, k, v, attrs, opts
-        self._recon: dict = {}
-        self._members: dict = {}
-
-    def reconstruction(self, tensor: str, bits: int):
-
-        if (tensor, bits) not in self._recon:
-            x = self.k if tensor == "key" else self.v
-            self._recon[tensor, bits] = set_reconstruction(x, bits)
-        return self._recon[tensor, bits]
-
-    def membership(self, key, k_read, k_set, fraction: float, stream: Stream):
-
-        if key not in self._members:
-            mikv = MikvSettings(fraction, self.opts.sink_tokens, "off")
-            self._members[key] = set_membership(
-                self.q, self.k, k_read, k_set, mikv, scaling=self.attrs.scaling,
-                residual_tokens=stream.residual, flush_tokens=stream.flush,
-                softcap=self.attrs.logit_softcap, sinks=self.attrs.sinks)
-        return self._members[key]
-
-    def variant(self, c: Candidate, base, stream: Stream, rows: slice):
-        """``c``'s variant with the layer's window moving as ``stream``, for the query
-        ``rows`` measured."""
-
-        bits, fraction = c.mikv_set
-        x_set = self.reconstruction(c.tensor, bits)
-        if c.tensor == "key":
-            member = self.membership((c, stream), base.k_hat, x_set, fraction, stream)
-            return Variant(k_hat=base.k_hat, in_set=member[:, :, rows], k_set=x_set)
-        member = self.membership((fraction, stream), self.k, self.k, fraction, stream)
-        return Variant(v_hat=base.v_hat, in_set=member[:, :, rows], v_set=x_set)
+def _extension(opts: RecommendOptions, c: Candidate):
+    """The extension (switched on in ``opts``) twin ``c`` belongs to."""
+    return next(e for e in opts.extensions if e.name == c.twin.extension)
 
 
 def _fits(c: Candidate, stream: Stream) -> bool:

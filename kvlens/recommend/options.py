@@ -1,27 +1,26 @@
 """What ``recommend`` is asked and what it chooses among: ``RecommendOptions`` (every option,
 validated with errors that name the allowed values), ``Candidate`` (one way to store one tensor
 of one layer), ``Stream`` (how a layer's full-precision window moves), the constants they share,
-``default_tokens`` and ``listed`` (values joined for messages)."""
+``default_tokens`` and ``listed`` (values joined for messages). Research candidates (twins of
+these, ``Candidate.twin``) come from the extensions ``extensions`` switches on
+(``kvlens.recommend.extension``)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-from kvlens.config import FP_BYTES, SCALE_DTYPES, SET_BITS
+from kvlens.config import FP_BYTES, SCALE_DTYPES
 from kvlens.errors import InputError, is_int
 from kvlens.model.load import DTYPES
 from kvlens.quant import QuantSpec
 from kvlens.quant.spec import FITS, GRANULARITIES
+from kvlens.recommend.extension import Twin, resolve, twin_extension
 
 #: the granularities candidates take (quant's vocabulary, ``GRANULARITIES``, without
 #: per-tensor: one scale per flushed block is an engine format's, not a candidate's)
 OFFERED_GRANULARITIES = tuple(g for g in GRANULARITIES if g != "per-tensor")
-# MiKV set twins are offered for KIVI's G32 grouping only (each is simulated while decoding:
-# measuring cost)
-MIKV_GROUP = 32
-MIKV_FRACTION_MAX = 0.5  # largest heavy fraction offered (more is no longer a small set)
 SENSITIVITIES = ("auto", "model", "layout", "uniform")
 DEFAULT_WINDOWS = (32, 64, 128)  # the default --windows (docs/recommend.md: why these)
 #: ``RecommendOptions.tokens`` derived from the windows (``default_tokens``)
@@ -52,8 +51,9 @@ class Candidate:
     stage: str = "post"  # keys only: "pre" = quantize before RoPE
     balancer: bool = False  # keys only: MiKV channel balancer
     rotate: bool = False  # Hadamard rotation along head_dim (kvlens.quant.rotation)
-    # MiKV importance set (set_bits, heavy_fraction) beside the codes; None: sinks only
-    mikv_set: tuple[int, float] | None = None
+    # what a research extension keeps beside the codes (kvlens.recommend.extension); None: the
+    # stable candidate (its sinks only)
+    twin: Twin | None = None
     fit: str = "minmax"  # how each group's scale and zero are chosen (QuantSpec.fit)
 
     @property
@@ -61,7 +61,7 @@ class Candidate:
         axis = "ch" if self.granularity == "per-channel" else "tok"
         extra = (" pre" if self.stage == "pre" else "") + (" bal" if self.balancer else "") + \
             (" rot" if self.rotate else "") + \
-            (f" set{self.mikv_set[0]}@{self.mikv_set[1]:g}" if self.mikv_set else "") + \
+            self._twin_words()[0] + \
             (" mse" if self.fit == "mse" else "")
         return f"{self.bits}b {axis} G{self.group_size}{extra}"
 
@@ -69,22 +69,23 @@ class Candidate:
     def label(self) -> str:
         extra = (" pre-RoPE" if self.stage == "pre" else "") + \
             (" +bal" if self.balancer else "") + (" +rotation" if self.rotate else "") + \
-            (f" +MiKV set {self.mikv_set[1]:g} INT{self.mikv_set[0]}" if self.mikv_set else "") + \
+            self._twin_words()[1] + \
             (" mse-fit" if self.fit == "mse" else "")
         return f"{self.bits}b {self.granularity} G{self.group_size}{extra}"
 
+    def _twin_words(self) -> tuple[str, str]:
+        if self.twin is None:
+            return "", ""
+        return twin_extension(self.twin).words(self.twin.setting)
+
     @property
     def base(self) -> Candidate:
-        """The same storage without the MiKV set."""
-        return replace(self, mikv_set=None)
+        """The same storage without its twin's extra (itself for a stable candidate)."""
+        return replace(self, twin=None)
 
     def spec(self) -> QuantSpec:
         """What the config stores this candidate as."""
         return QuantSpec(self.bits, self.granularity, self.group_size, fit=self.fit)
-
-
-#: What ``--thorough`` adds to the default (fast) search: every candidate ``recommend`` can price.
-THOROUGH = {"mikv": True}
 
 
 #: Where an option lives (``dataclasses.field`` metadata ``"door"``): ``MAIN`` a main option of
@@ -102,12 +103,6 @@ def _lever(default, lever: str, help: str):
     """A knob of the default run behind ``--set`` (the default recommendation uses it, at its
     default value)."""
     return field(default=default, metadata={"door": RESEARCH, "lever": lever, "help": help})
-
-
-def _experiment(default, lever: str, help: str):
-    """An experiment behind ``--set``: no default run uses it (ablated in docs/lab-notes/)."""
-    return field(default=default, metadata={"door": RESEARCH, "lever": lever, "help": help,
-                                            "experiment": True})
 
 
 def _library(default):
@@ -156,17 +151,10 @@ class RecommendOptions:
     # available core when the per-layer stages (candidate errors, layout sensitivity) are
     # predicted to be long, else this process only
     workers: int | None = _main(None, "--workers")
-    # MiKV set twins are opt-in (``--thorough``, ``THOROUGH``): simulating them is a
-    # large share of the measurement and the default budgets did not choose them
-    # (docs/benchmarks.md, bench_recommend.py)
-    mikv: bool = _experiment(False, "mikv", "offer MiKV importance-set twins of the G32 "
-                             "candidates up to 4 bits (--thorough sets it)")
-    mikv_set_bits: tuple[int, ...] = _experiment((4, 8), "mikv-bits",
-                                                 "MiKV set widths to try (4, 8); one width and "
-                                                 "fraction is chosen for the whole config")
-    mikv_fractions: tuple[float, ...] = _experiment((0.1, 0.2), "mikv-fractions",
-                                                    "MiKV heavy-hitter fractions to try, each "
-                                                    "in (0, 0.5]")
+    # research candidate extensions switched on (kvlens.recommend.extension): settings objects
+    # or registered names (their defaults), none by default; kvlens.research registers them
+    # and its levers (``--set NAME=on``, ``--thorough``) reach them
+    extensions: tuple[Any, ...] = _library(())
     # 3-bit codes (dense, 3 bits each) are offered only when asked: offering them did not
     # improve the allocations on average (docs/lab-notes/vs-llamacpp.md, dense 3-bit codes)
     bits: tuple[int, ...] = _lever((2, 4, 8), "bits", "candidate bit widths (2, 3, 4, 8)")
@@ -211,7 +199,7 @@ class RecommendOptions:
     prefer_fast: bool = _lever(False, "prefer-fast", "only layouts the fused Triton decode "
                                "kernel reads")
     # scale/zero fits offered for the plain, pre-RoPE, balanced and rotated codes, per tensor
-    # (QuantSpec.fit); MiKV twins take the first; each fit is a family of its own
+    # (QuantSpec.fit); twins (kvlens.recommend.extension) may take the first; each fit is a family of its own
     # for --set sensitivity=layout. Keys: min/max only by default (docs/recommend.md#the-scale-fit:
     # the error proxy over-rates fitted keys, even with a KL rate of their own)
     key_fits: tuple[str, ...] = _lever(("minmax",), "key-fits",
@@ -244,7 +232,7 @@ class RecommendOptions:
         self._check_dtypes()
         self._check_candidates()
         self._check_measurement()
-        self._check_mikv()
+        object.__setattr__(self, "extensions", resolve(self.extensions))
         if self.tokens is not None and self.tokens <= max(r, self.score_from):
             raise InputError(f"--tokens {self.tokens} must exceed "
                              + (f"three times the largest window ({self.score_from}): with several "
@@ -318,16 +306,6 @@ class RecommendOptions:
             raise InputError(f"--workers must be a positive number of processes (or omitted: "
                              f"as many as there are free cores), got {self.workers!r}.")
 
-    def _check_mikv(self) -> None:
-        bad = [b for b in self.mikv_set_bits if b not in SET_BITS]
-        if bad or not self.mikv_set_bits:
-            raise InputError(f"Unsupported --set mikv-bits: {bad or 'none'}; allowed: "
-                             f"{', '.join(map(str, SET_BITS))} (the MiKV set's integer widths).")
-        bad = [f for f in self.mikv_fractions if not 0 < f <= MIKV_FRACTION_MAX]
-        if bad or not self.mikv_fractions:
-            raise InputError(f"Unsupported --set mikv-fractions: {bad or 'none'}; allowed: fractions "
-                             f"in (0, {MIKV_FRACTION_MAX}] (MiKV's published 0.2, e.g. 0.1,0.2).")
-
     def _checked_windows(self) -> tuple[int, ...]:
         if not self.windows:
             raise InputError("--windows is empty; give one or more window sizes (tokens), "
@@ -370,12 +348,10 @@ class RecommendOptions:
         """The scale fits offered for ``tensor`` ("key" or "value")."""
         return self.key_fits if tensor == "key" else self.value_fits
 
-    def mikv_sets(self) -> list[tuple[int, float]]:
-        """The global (set_bits, heavy_fraction) combinations offered (none: ``[]``)."""
-        if not self.mikv or self.prefer_fast:
-            return []
-        return [(b, f) for b in sorted(set(self.mikv_set_bits))
-                for f in sorted(set(self.mikv_fractions))]
+    def twin_settings(self) -> list[Twin]:
+        """The config-wide twin settings the allocation solves for separately, one extension's
+        each (none: ``[]``)."""
+        return [Twin(e.name, s) for e in self.extensions for s in e.settings(self)]
 
     def flush_options(self, residual: int | None = None) -> list[int]:
         """Every flush block a layer with a ``residual``-token window can end up with (see

@@ -5,7 +5,8 @@ layer of the cache holds after ``L`` tokens (``RecommendOptions.context``, defau
 ``kvlens.cache.layout`` (the same description the cache allocates by, tested against held
 bytes): codes at their bits (dense), scales and zeros, the window buffer (``R`` tokens, ``R``
 chosen per layer from ``windows``), the sink tokens' copies and positions, pre-RoPE positions,
-balancers, MiKV sets (codes, scales, positions, H2O mask and accumulators); a sliding-window layer counts only what it keeps. The
+balancers, what a research twin keeps (``CandidateExtension.held``); a sliding-window layer
+counts only what it keeps. The
 budget is in bits per element relative to an fp16 cache of the same tokens
 (``tensor_fp16_bytes``; 16 = as big as fp16). The model's shape comes from the capture
 (``kvlens.cache.layout.shape_of_capture``).
@@ -24,6 +25,7 @@ from kvlens.cache.layout import flush_every, layer_part_bytes, shares_storage, s
 from kvlens.config import FP_BYTES, LayerKV, MikvSettings, preset
 from kvlens.errors import ConfigError
 from kvlens.layouts import check_layout, layout_of
+from kvlens.recommend.extension import twin_extension
 from kvlens.recommend.options import Candidate, RecommendOptions
 
 
@@ -40,7 +42,7 @@ def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOption
     setting = LayerKV(kc.spec(), vc.spec(), r, kc.stage == "pre",
                       flush_tokens=flush, rotate_keys=kc.rotate, rotate_values=vc.rotate)
     w = shape.window(layer)
-    mikv = _layer_mikv(kc, opts)
+    mikv = _layer_section(kc, opts)
     fp, sd = FP_BYTES[opts.fp_dtype], opts.scale_dtype
     parts = layer_part_bytes(setting, tokens=opts.context, head_dim=shape.head_dim,
                              kv_heads=shape.kv_heads, mikv=mikv, balancer=kc.balancer,
@@ -59,13 +61,13 @@ def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOption
     return total, own[0] + shared, own[1] + shared
 
 
-def _layer_mikv(c: Candidate, opts: RecommendOptions):
-    """The MiKV settings a layer storing ``c`` keeps its set with (what the written config's
-    ``mikv_for`` gives that layer): heavy hitters at ``c.mikv_set``, else the sinks at fp16."""
+def _layer_section(c: Candidate, opts: RecommendOptions):
+    """The sinks section a layer storing ``c`` is priced with (what the written config's
+    ``mikv_for`` gives that layer): the sinks at ``fp_dtype``, or what ``c``'s twin keeps
+    (``CandidateExtension.held``)."""
 
-    if c.mikv_set:
-        bits, fraction = c.mikv_set
-        return MikvSettings(fraction, opts.sink_tokens, "off", set_bits=bits)
+    if c.twin is not None:
+        return twin_extension(c.twin).held(c.twin.setting, opts)
     return MikvSettings(0.0, opts.sink_tokens, "off") if opts.sink_tokens else None
 
 

@@ -1,20 +1,28 @@
-"""The door behind ``kvlens recommend --set NAME=VALUE``: the levers that are not main options,
-in one place, in two groups.
+"""The lab: research that has not earned a default, in one package (torchao's ``prototype/`` is
+the model), plugged into stable recommend's extension point
+(``kvlens.recommend.extension``), and the door behind ``kvlens recommend --set NAME=VALUE``.
+
+Importing this package registers its candidate extensions: ``mikv`` (MiKV importance-set
+twins, ``kvlens.research.mikv``, with its set simulation ``kvlens.research.heavy_hitters``).
+Stable recommend names none of them; a library user switches one on with
+``RecommendOptions(extensions=(MikvSets(),))`` or by name (``extensions=("mikv",)``) after
+importing this package.
+
+The door: the levers that are not main options, in one place, in two groups.
 
 A lever is an option of ``kvlens.recommend.RecommendOptions`` (or of the engine targets'
 ``kvlens.deploy.targets.TargetOptions``) that is not a main option. Most are **knobs of the
 default run**: every run uses them at their defaults (the candidate sets, fits, the balancer,
 rotation, the sensitivity and the retrieval probe, the flush block and sinks, the metadata
-dtype). The rest are **experiments** no default uses (MiKV twins and their sub-knobs), each
-ablated in docs/lab-notes/; one moves to the main options only when it wins at the defaults on
+dtype). The rest are **experiments** no default uses (the extensions registered here, each
+switched on by its name, and their settings: MiKV twins), each ablated in docs/lab-notes/; one moves to the main options only when it wins at the defaults on
 both models and both texts, and a lever with a recorded negative result is removed from the
 code, its lab note naming the last commit that had it (coupled quantization, codebook
 candidates, centred keys and cross-layer prediction, GEAR twins, issue #57). Here they are listed
 (``levers``), parsed from ``NAME=VALUE`` (``parse_settings``: what ``kvlens recommend --set``
 takes) and described (``describe``: what ``--set list`` prints, knobs apart from experiments).
 
-The code a lever switches on stays where its layer puts it; this module is the door, not the
-room.
+A knob's code stays where its layer puts it; an experiment's lives in this package.
 """
 
 from __future__ import annotations
@@ -26,7 +34,9 @@ from typing import Any
 
 from kvlens.deploy.targets import TargetOptions
 from kvlens.errors import InputError
+from kvlens.recommend.extension import registered
 from kvlens.recommend.options import RESEARCH, RecommendOptions
+from kvlens.research import mikv  # noqa: F401  (registers the MiKV set twins)
 
 #: owners of a lever: the per-layer recommendation and the engine targets
 RECOMMEND, TARGET = "recommend", "target"
@@ -79,8 +89,9 @@ def _unwrap(kind) -> tuple[Any, bool]:
 
 
 def levers() -> dict[str, Lever]:
-    """Every lever by name, in the order of ``RecommendOptions`` then the target-only ones."""
-    out: dict[str, Lever] = {}
+    """Every lever by name: the registered extensions', those of ``RecommendOptions`` in its
+    order, then the target-only ones."""
+    out: dict[str, Lever] = _extension_levers()  # first, as when they were options' fields
     hints = typing.get_type_hints(RecommendOptions)
     target_fields = {f for f, _ in TARGET_LEVERS.values()}
     for f in fields(RecommendOptions):
@@ -89,14 +100,27 @@ def levers() -> dict[str, Lever]:
         name = f.metadata["lever"]
         owners = (RECOMMEND, TARGET) if name in TARGET_LEVERS and f.name in target_fields \
             else (RECOMMEND,)
-        out[name] = Lever(name, f.name, owners, hints[f.name], f.default, f.metadata["help"],
-                          bool(f.metadata.get("experiment")))
+        out[name] = Lever(name, f.name, owners, hints[f.name], f.default, f.metadata["help"])
     target_hints = typing.get_type_hints(TargetOptions)
     defaults = {f.name: f.default for f in fields(TargetOptions)}
     for name, (field_name, text) in TARGET_LEVERS.items():
         if name not in out:
             out[name] = Lever(name, field_name, (TARGET,), target_hints[field_name],
                               defaults[field_name], text)
+    return out
+
+
+def _extension_levers() -> dict[str, Lever]:
+    """Each registered extension's levers: its switch (``--set NAME=on``, field ``NAME``) and
+    its settings (field ``NAME_FIELD``), all experiments."""
+    out: dict[str, Lever] = {}
+    for name, cls in registered().items():
+        out[name] = Lever(name, name, (RECOMMEND,), bool, False, cls.help, True)
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            out[f.metadata["lever"]] = Lever(f.metadata["lever"], f"{name}_{f.name}",
+                                             (RECOMMEND,), hints[f.name], f.default,
+                                             f.metadata["help"], True)
     return out
 
 
