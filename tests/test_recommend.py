@@ -151,7 +151,7 @@ def test_errors_are_measured_on_every_capture_sample_by_default(tmp_path):
     assert every.tables[0].keys() == first.tables[0].keys()
     assert all(every.tables[0][c] != first.tables[0][c] for c in first.tables[0])
     for bad in (0, -1, 1.5, True):
-        with pytest.raises(InputError, match="--samples must be a positive"):
+        with pytest.raises(InputError, match="samples must be a positive"):
             small_options(**kw, samples=bad)
 
 
@@ -251,7 +251,7 @@ def test_option_bytes_count_every_part():
     m8 = option_bytes(k, v, 0, replace(opts, scale_dtype="8bit"), shape, 0)
     assert m8[0] == total - 2 * 0.5 * elems / 8
     assert m8[1] == k_share - 0.5 * elems / 8 and m8[2] == v_share - 0.5 * elems / 8
-    with pytest.raises(InputError, match="--set scale-dtype"):
+    with pytest.raises(InputError, match="scale_dtype="):
         replace(opts, scale_dtype="float8")
 
 
@@ -437,7 +437,7 @@ def test_sliding_window_blocks_follow_the_group_sizes(tmp_path):
     assert opts.layer_flush(Candidate("key", 2, "per-channel", 128), tok) == 0  # = the window
     assert opts.flush_options() == [0, 32, 64]
     assert replace(opts, flush_tokens=0).flush_options() == [0]
-    with pytest.raises(InputError, match="--set flush=30"):
+    with pytest.raises(InputError, match="flush_tokens=30"):
         small_options(budget_bits=3.0, flush_tokens=30)
     with pytest.raises(InputError, match="must exceed the residual window"):
         small_options(budget_bits=3.0, tokens=128)
@@ -708,7 +708,7 @@ def test_shared_layout_rates_scale_the_anchor_by_the_measured_ratio():
     zero = _shared_rates([{ak: 1.0, f: 0.0}, {ak: 2.0}], (ak, f), (ak, av))
     assert zero[1] == {ak: 2.0, f: 0.0}  # a family measured harmless stays harmless
     assert _shared_rates([{ak: 1.0}], (ak, f), (ak, av)) == [{ak: 1.0}]  # no ratio: left out
-    with pytest.raises(InputError, match="--set layout-layers must be a positive"):
+    with pytest.raises(InputError, match="layout_layers must be a positive"):
         small_options(budget_bits=3.0, layout_layers=0)
 
 
@@ -772,7 +772,7 @@ def test_layers_measured_on_worker_processes_give_the_same_numbers(tmp_path):
     with pytest.raises(InputError, match="no more than the residual window"):
         measure(path, small_options(**kw, residual_tokens=256, tokens=None, workers=2))
     for bad in (0, -2, 1.5, True):
-        with pytest.raises(InputError, match="--workers must be a positive"):
+        with pytest.raises(InputError, match="workers must be a positive"):
             small_options(**kw, workers=bad)
 
 

@@ -47,7 +47,7 @@ def test_window_options_and_scored_queries():
 @pytest.mark.parametrize("windows, match", [
     ((0, 64), r"Window sizes \[0\] are not allowed; allowed: positive integers"),
     ((-32,), r"Window sizes \[-32\] are not allowed"),
-    ((), "--windows is empty"),
+    ((), "windows is empty"),
 ])
 def test_bad_window_sizes_are_refused_naming_the_allowed_values(windows, match):
     with pytest.raises(InputError, match=match):
@@ -55,7 +55,7 @@ def test_bad_window_sizes_are_refused_naming_the_allowed_values(windows, match):
 
 
 def test_too_few_tokens_for_several_windows_says_how_many():
-    with pytest.raises(InputError, match="three times the largest window .384.*--tokens 512"):
+    with pytest.raises(InputError, match="three times the largest window .384.*tokens 512"):
         small_options(budget_bits=3.0, windows=(32, 128), tokens=256)
 
 

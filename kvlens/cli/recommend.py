@@ -34,6 +34,7 @@ from kvlens.cli.common import (
     device_map_option,
     err_console,
     escape,
+    flag_of,
     given_options,
     max_memory_option,
     offload_folder_option,
@@ -293,17 +294,26 @@ def recommend(
     run_library_call(lambda: refuse_unread_options(given, levers, asked))
     request = run_library_call(lambda: request_for(
         capture, target, {p: ctx.params[p] for p in given if p not in COMMAND_ONLY},
-        levers[TARGET if engine else RECOMMEND]))
+        levers[TARGET if engine else RECOMMEND]), name=_flag)
     run_library_call(lambda: _check_outputs(request.outputs, target, overwrite))
     with progress_bar("measuring engine cache types" if engine else "measuring candidates") \
             as update:
         answer = run_library_call(lambda: recommend_run(
             request, save=_save_engine if engine else _save_config, progress=update,
-            log=lambda msg: err_console.print(escape(msg), highlight=False)))
+            log=lambda msg: err_console.print(escape(msg), highlight=False)), name=_flag)
     if engine:
         show_target(answer, output, as_json)
     else:
         show_layers(answer, request.outputs, as_json)
+
+
+def _flag(field: str) -> str:
+    """How the user gave a library field: a ``RecommendOptions`` field by its option or lever
+    (``option_name``), anything else by its flag."""
+    from kvlens.recommend.options import RecommendOptions, option_name
+
+    return option_name(field) if field in RecommendOptions.__dataclass_fields__ else \
+        flag_of(field)
 
 
 def _check_outputs(outputs, target: str, overwrite: bool) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 from kvlens.config import FP_BYTES, SCALE_DTYPES
-from kvlens.errors import InputError, is_int
+from kvlens.errors import InputError, OptionError, is_int
 from kvlens.model.load import DTYPES
 from kvlens.quant import QuantSpec
 from kvlens.quant.spec import FITS, GRANULARITIES
@@ -219,14 +219,14 @@ class RecommendOptions:
         if self.tokens == AUTO:  # frozen: set once, here, from the windows
             object.__setattr__(self, "tokens", default_tokens(self._checked_windows()))
         if not (isinstance(self.budget_bits, (int, float)) and 0 < self.budget_bits <= 16):
-            raise InputError(f"--budget-bits must be in (0, 16], got {self.budget_bits}.")
+            raise OptionError(f"{{budget_bits}} must be in (0, 16], got {self.budget_bits}.")
         self._checked_windows()
         if self.samples is not None and not is_int(self.samples, 1):
-            raise InputError(f"--samples must be a positive number of capture samples (or "
+            raise OptionError(f"{{samples}} must be a positive number of capture samples (or "
                              f"omitted: all of them), got {self.samples!r}.")
         r = max(self.window_sizes)
         if self.context <= r:
-            raise InputError(f"--context {self.context} must exceed the residual window "
+            raise OptionError(f"{{context}} {self.context} must exceed the residual window "
                              f"({r} tokens).")
         self._check_probes(r)
         self._check_dtypes()
@@ -234,10 +234,10 @@ class RecommendOptions:
         self._check_measurement()
         object.__setattr__(self, "extensions", resolve(self.extensions))
         if self.tokens is not None and self.tokens <= max(r, self.score_from):
-            raise InputError(f"--tokens {self.tokens} must exceed "
+            raise OptionError(f"{{tokens}} {self.tokens} must exceed "
                              + (f"three times the largest window ({self.score_from}): with several "
                                 "windows errors are scored on the queries from there on, "
-                                f"e.g. --tokens {default_tokens(self.window_sizes)}."
+                                f"e.g. {{tokens}} {default_tokens(self.window_sizes)}."
                                 if self.score_from else
                                 f"the residual window ({r}): errors are measured on the "
                                 "queries that read quantized history."))
@@ -245,28 +245,28 @@ class RecommendOptions:
     def _check_probes(self, r: int) -> None:
         """The sensitivity, the retrieval probe and the pre-RoPE candidates."""
         if self.sensitivity not in SENSITIVITIES:
-            raise InputError(f"Unknown --set sensitivity={self.sensitivity!r}; allowed: "
+            raise OptionError(f"Unknown {{sensitivity}}={self.sensitivity!r}; allowed: "
                              f"{listed(SENSITIVITIES)}.")
         if self.retrieval not in ("auto", "on", "off"):
-            raise InputError(f"Unknown --set retrieval={self.retrieval!r}; allowed: auto, on, off.")
+            raise OptionError(f"Unknown {{retrieval}}={self.retrieval!r}; allowed: auto, on, off.")
         if not self.retrieval_weight >= 0:
-            raise InputError(f"--set retrieval-weight must be >= 0, got {self.retrieval_weight}.")
+            raise OptionError(f"{{retrieval_weight}} must be >= 0, got {self.retrieval_weight}.")
         if self.retrieval_tokens <= r + 64:
             raise InputError(f"The retrieval probe ({self.retrieval_tokens} tokens) must be well "
                              f"beyond the residual window ({r}).")
         if self.pre_rope not in ("auto", "on", "off"):
-            raise InputError(f"Unknown --set pre-rope={self.pre_rope!r}; allowed: auto, on, off.")
+            raise OptionError(f"Unknown {{pre_rope}}={self.pre_rope!r}; allowed: auto, on, off.")
         if self.prefer_fast and self.pre_rope == "on":
-            raise InputError("--set prefer-fast=on keeps only layouts the fused decode kernel reads, "
-                             "and it does not read pre-RoPE keys; use --set pre-rope=auto or off.")
+            raise OptionError("{prefer_fast}=on keeps only layouts the fused decode kernel reads, "
+                             "and it does not read pre-RoPE keys; use {pre_rope}=auto or off.")
 
     def _check_dtypes(self) -> None:
         if self.dtype not in DTYPES:
-            raise InputError(f"Unknown --dtype {self.dtype!r}; allowed: {listed(DTYPES)}.")
+            raise OptionError(f"Unknown {{dtype}} {self.dtype!r}; allowed: {listed(DTYPES)}.")
         if self.fp_dtype not in FP_BYTES:
-            raise InputError(f"--window-dtype {self.fp_dtype!r}: allowed {listed(FP_BYTES)}.")
+            raise OptionError(f"{{fp_dtype}} {self.fp_dtype!r}: allowed {listed(FP_BYTES)}.")
         if self.scale_dtype not in SCALE_DTYPES:
-            raise InputError(f"--set scale-dtype={self.scale_dtype!r}: allowed "
+            raise OptionError(f"{{scale_dtype}}={self.scale_dtype!r}: allowed "
                              f"{listed(SCALE_DTYPES)}.")
 
     def _check_candidates(self) -> None:
@@ -285,30 +285,30 @@ class RecommendOptions:
                              f"({listed(self.window_sizes)}), which per-channel keys need.")
         f = self.flush_tokens
         if f < 0 or f % 4 or any(f % g for g in self.group_sizes if g < f):
-            raise InputError(f"--set flush={f} must be 0 (flush the whole window) or a multiple of "
+            raise OptionError(f"{{flush_tokens}}={f} must be 0 (flush the whole window) or a multiple of "
                              "4 and of the smaller group sizes (a block >= the residual window "
                              "also flushes it whole).")
         if self.sink_tokens < 0:
-            raise InputError(f"--set sinks must be >= 0, got {self.sink_tokens}.")
+            raise OptionError(f"{{sink_tokens}} must be >= 0, got {self.sink_tokens}.")
 
     def _check_measurement(self) -> None:
         """The layout sensitivity's size and the worker processes."""
         if self.layout_layers is not None and not is_int(self.layout_layers, 1):
-            raise InputError(f"--set layout-layers must be a positive number of layers (or None: "
+            raise OptionError(f"{{layout_layers}} must be a positive number of layers (or None: "
                              f"every layer), got {self.layout_layers!r}.")
         if self.layout_tokens is not None and \
                 not is_int(self.layout_tokens, max(self.window_sizes) + 1):
-            raise InputError(f"--set layout-tokens={self.layout_tokens!r} must be a number of tokens "
+            raise OptionError(f"{{layout_tokens}}={self.layout_tokens!r} must be a number of tokens "
                              f"above the largest window ({max(self.window_sizes)}): the layout "
                              "sensitivity's forwards stand for contexts the window does not "
-                             "cover (or omit it: --tokens).")
+                             "cover (or omit it: {tokens}).")
         if self.workers is not None and not is_int(self.workers, 1):
-            raise InputError(f"--workers must be a positive number of processes (or omitted: "
+            raise OptionError(f"{{workers}} must be a positive number of processes (or omitted: "
                              f"as many as there are free cores), got {self.workers!r}.")
 
     def _checked_windows(self) -> tuple[int, ...]:
         if not self.windows:
-            raise InputError("--windows is empty; give one or more window sizes (tokens), "
+            raise OptionError("{windows} is empty; give one or more window sizes (tokens), "
                              f"e.g. {listed(DEFAULT_WINDOWS, ',')}.")
         bad = [w for w in self.windows if not is_int(w, 1)]
         if bad:
