@@ -13,7 +13,22 @@ _FIELD = re.compile(r"\{([a-z][a-z0-9_]*)\}")  # an option named by its field in
 
 
 class KvlensError(Exception):
-    """Base class: a user-facing problem with a message that explains the fix."""
+    """Base class: a user-facing problem with a message that explains the fix. The message
+    names each option by its field as ``{field}`` (e.g. ``"Unknown {dtype} 'x'; allowed:
+    ..."``): the library's text says the field (``dtype``), the CLI's says the flag it was given
+    as (``render(name)``: ``--dtype``)."""
+
+    def __init__(self, template: str = "", *args):
+        self.template = str(template)
+        self.fields = tuple(dict.fromkeys(_FIELD.findall(self.template)))
+        super().__init__(self.render(), *args)
+
+    def render(self, name=lambda field: field) -> str:
+        """The message with each ``{field}`` written as ``name(field)``."""
+        return _FIELD.sub(lambda m: name(m.group(1)), self.template)
+
+    def __reduce__(self):  # from a worker process with its fields intact
+        return type(self), (self.template, *self.args[1:])
 
 
 class ModelLoadError(KvlensError):
@@ -25,18 +40,7 @@ class InputError(KvlensError):
 
 
 class OptionError(InputError):
-    """A bad option value, named by its field. The message names each option as ``{field}``
-    (e.g. ``"Unknown {dtype} 'x'; allowed: ..."``): the library's text says the field
-    (``dtype``), the CLI's says the flag it was given as (``render(name)``: ``--dtype``)."""
-
-    def __init__(self, template: str):
-        self.template = template
-        self.fields = tuple(dict.fromkeys(_FIELD.findall(template)))
-        super().__init__(self.render())
-
-    def render(self, name=lambda field: field) -> str:
-        """The message with each ``{field}`` written as ``name(field)``."""
-        return _FIELD.sub(lambda m: name(m.group(1)), self.template)
+    """A bad option value, named by its field (``{field}``, ``KvlensError``)."""
 
 
 class PlacementError(OptionError):

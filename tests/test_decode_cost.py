@@ -54,7 +54,7 @@ def test_prefer_fast_keeps_only_fused_layouts(tmp_path):
     assert names[0] == rec.config.name and "kivi-2" in names and "fp16" in names
     assert rec.decode_cost[0][1].fused
     assert "per-token-4" not in names  # G64 per-token groups do not fit head_dim 32
-    with pytest.raises(InputError, match="--set prefer-fast"):
+    with pytest.raises(InputError, match="prefer_fast=on keeps only"):
         small_options(budget_bits=3.5, pre_rope="on", prefer_fast=True)
     res = runner.invoke(app, ["recommend", str(path), "-b", "3.5", "--set", "group-sizes=32",
                               "--set", "bits=2,4", "--set", "prefer-fast=on", "--json", "--windows", "128"])

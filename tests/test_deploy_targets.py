@@ -154,7 +154,7 @@ def test_max_kld_takes_the_cheapest_setting_under_the_fitted_prediction(offset_c
     ok = [f for f in front if 0.5 * f.score <= x]
     assert rec.chosen.bits == min(f.bits for f in ok)
     assert rec.predicted_kld <= x * (1 + 1e-9)
-    with pytest.raises(ConfigError, match="raise --max-kld"):
+    with pytest.raises(ConfigError, match="raise max_kld"):
         recommend_target(offset_capture, TargetOptions("llama.cpp", max_kld=-0.0 + 1e-300),
                          model_bundle=("model", "tok"))
 
@@ -172,7 +172,7 @@ def test_pareto_drops_dominated_settings():
 def test_options_are_checked():
     with pytest.raises(ConfigError, match="allowed: kvlens, llama.cpp, vllm, sglang"):
         TargetOptions("tensorrt", budget_bits=8)
-    with pytest.raises(InputError, match="--budget-bits B .* or --max-kld X"):
+    with pytest.raises(InputError, match="budget_bits B .* or max_kld X"):
         TargetOptions("vllm")
 
 
@@ -291,8 +291,8 @@ def test_target_names_take_the_engine_setting_spelling_and_suggest_the_closest()
     with pytest.raises(ConfigError) as err:
         canonical_target("vlm")
     message = str(err.value)
-    assert "Unknown --target 'vlm' (did you mean 'vllm'?); allowed:" in message
+    assert "Unknown target 'vlm' (did you mean 'vllm'?); allowed:" in message
     assert all(t in message for t in TARGETS)
-    with pytest.raises(ConfigError, match="Unknown --target 'tgi'; allowed: kvlens") as err:
+    with pytest.raises(ConfigError, match="Unknown target 'tgi'; allowed: kvlens") as err:
         canonical_target("tgi")
     assert "did you mean" not in str(err.value)

@@ -62,10 +62,14 @@ def test_every_flag_named_in_a_message_exists():
     assert not unknown, "messages name flags no command has:\n" + "\n".join(unknown)
 
 
+KVLENS_ERRORS = {"KvlensError", "InputError", "OptionError", "PlacementError", "ConfigError",
+                 "ModelLoadError", "CaptureFileError", "BackendError", "NumericalError"}
+
+
 def test_every_field_an_option_error_names_is_a_flag():
-    """Library errors name options by field (``{max_memory}``, ``kvlens.errors.OptionError``)
-    and the CLI writes each as its flag (``flag_of``: ``--max-memory``): every field such a
-    message names must be one."""
+    """Library errors name options by field (``{max_memory}``, ``kvlens.errors.KvlensError``)
+    and the CLI writes each as its flag (``flag_of``: ``--max-memory``; recommend's options and
+    levers as ``option_name``, ``--set NAME``): every field such a message names must be one."""
     from kvlens.cli.common import flag_of
     from kvlens.errors import OptionError
 
@@ -77,7 +81,7 @@ def test_every_field_an_option_error_names_is_a_flag():
     for path in sorted((ROOT / "kvlens").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and \
-                    getattr(node.exc.func, "id", "").endswith(("OptionError", "PlacementError")):
+                    getattr(node.exc.func, "id", "") in KVLENS_ERRORS:
                 for text in _message_parts(node):
                     named += [(f"{path.relative_to(ROOT)}:{node.lineno}", f)
                               for f in re.findall(r"\{([a-z][a-z0-9_]*)\}", text)]
@@ -89,7 +93,7 @@ def test_every_field_an_option_error_names_is_a_flag():
         if field in RecommendOptions.__dataclass_fields__:
             name = option_name(field)
             return name in known or name.removeprefix("--set ") in levers()
-        return flag_of(field) in known
+        return flag_of(field) in known or any(lv.field == field for lv in levers().values())
 
     unknown = [f"{where}: {{{f}}}" for where, f in named if not exists(f)]
     assert not unknown, "option errors name fields that are no flag:\n" + "\n".join(unknown)

@@ -54,7 +54,7 @@ def test_recommend_adds_weighted_probe_errors(tiny_model_dir, tmp_path):
             assert e1 >= e0
             diffs += e1 > e0
     assert diffs > 0
-    with pytest.raises(InputError, match="--set retrieval"):
+    with pytest.raises(InputError, match="Unknown retrieval="):
         small_options(budget_bits=3.0, retrieval="maybe")
 
 

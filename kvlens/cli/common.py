@@ -35,7 +35,7 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperCommand, TyperGroup
 
-from kvlens.errors import InputError, KvlensError, OptionError
+from kvlens.errors import InputError, KvlensError
 from kvlens.units import format_bytes, format_seconds
 
 # -- --help ---------------------------------------------------------------------------------
@@ -364,12 +364,12 @@ def flag_of(field: str) -> str:
 
 def run_library_call(fn: Callable[[], Any], name: Callable[[str], str] = flag_of) -> Any:
     """Call library code, turning ``KvlensError`` into one error line and exit code 1 (also
-    under CliRunner). An ``OptionError`` names its options by ``name(field)`` (the flag they
-    were given as). The message is printed literally (``[@head]`` is not rich markup)."""
+    under CliRunner). The message names options by ``name(field)`` (the flag they were given
+    as, ``KvlensError.render``). The message is printed literally (``[@head]`` is not rich markup)."""
     try:
         return fn()
     except KvlensError as exc:
-        text = exc.render(name) if isinstance(exc, OptionError) else str(exc)
+        text = exc.render(name)
         err_console.print(f"[bold red]error:[/] {escape(text)}", highlight=False,
                           soft_wrap=True)
         raise typer.Exit(1) from None

@@ -1,14 +1,10 @@
 """``kvlens recommend``: a per-layer KV quantization config under a memory budget, or the
-setting an engine runs (``--target``).
-
-The command is a thin call: the options given become a ``RecommendRequest``
-(``kvlens.deploy.answer.request_for``) with only the options given, so every default is the
-library's (``--help`` shows them from ``RecommendOptions`` and the engine targets'
-``TargetOptions``); research levers arrive through one option, ``--set NAME=VALUE``
-(``kvlens.research``); ``recommend_run`` answers it and ``kvlens.cli.recommend_show`` shows the
-answer. An option the chosen target or combination would not read is refused before any work,
-by one table (``CONDITIONS``, over which target reads which option: ``readers``, derived from
-the two dataclasses) and ``kvlens.cli.common.refuse_unread``.
+setting an engine runs (``--target``). A thin call: the options given become a
+``RecommendRequest`` (``kvlens.deploy.answer.request_for``; every default is the library's),
+research levers arrive as ``--set NAME=VALUE`` (``kvlens.research``), ``recommend_run`` answers
+and ``kvlens.cli.recommend_show`` shows the answer. An option the target or combination would
+not read is refused before any work, by one table (``CONDITIONS``, with ``readers``) and
+``kvlens.cli.common.refuse_unread``; library errors name fields, shown as flags (``_flag``).
 """
 
 from __future__ import annotations
@@ -308,12 +304,15 @@ def recommend(
 
 
 def _flag(field: str) -> str:
-    """How the user gave a library field: a ``RecommendOptions`` field by its option or lever
-    (``option_name``), anything else by its flag."""
+    """How the user gave a library field: ``option_name`` (recommend's), ``--set NAME`` (a
+    lever), else its flag."""
     from kvlens.recommend.options import RecommendOptions, option_name
+    from kvlens.research import levers
 
-    return option_name(field) if field in RecommendOptions.__dataclass_fields__ else \
-        flag_of(field)
+    if field in RecommendOptions.__dataclass_fields__:
+        return option_name(field)
+    return next((f"--set {lv.name}" for lv in levers().values() if lv.field == field),
+                flag_of(field))
 
 
 def _check_outputs(outputs, target: str, overwrite: bool) -> None:

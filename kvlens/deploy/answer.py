@@ -27,7 +27,7 @@ from kvlens.deploy.targets import (
     recommend_target,
 )
 from kvlens.deploy.targets import validate as validate_target
-from kvlens.errors import InputError
+from kvlens.errors import OptionError
 from kvlens.evaluation.kld import max_positions
 from kvlens.model.load import check_load_options, parse_dtype
 from kvlens.model.placement import make_placement
@@ -187,7 +187,7 @@ def check_tokens(capture: Path, tokens: int) -> None:
     with open_capture(capture) as cap:
         n = cap.meta.num_tokens
     if tokens > n:
-        raise InputError(f"--tokens {tokens}: {capture} holds {n} tokens per sample; give at "
+        raise OptionError(f"{{tokens}} {tokens}: {capture} holds {n} tokens per sample; give at "
                          f"most {n} (or omit it).")
 
 

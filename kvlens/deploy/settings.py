@@ -16,7 +16,7 @@ import sys
 from kvlens.config import KVConfig, load_config, preset, resolve, validate_for
 from kvlens.config.engine import split_setting_list
 from kvlens.deploy.presets import engine_config, is_engine_setting
-from kvlens.errors import InputError
+from kvlens.errors import OptionError
 from kvlens.evaluation.baselines import baseline, is_baseline
 from kvlens.evaluation.frontier import setting_kind
 from kvlens.evaluation.kld import check_lengths
@@ -61,7 +61,7 @@ def resolve_settings(config=None, preset_name: str | None = None, compare: str |
     of any of those and transformers baselines, in that order. ``calibration``: a capture file
     for the static fp8 scales of vllm:/sglang: settings."""
     if config is not None and preset_name is not None:
-        raise InputError("Give either --config FILE or --preset NAME, not both.")
+        raise OptionError("Give either {config} FILE or {preset} NAME, not both.")
     out = Settings()
     if config is not None:
         out.append(load_config(config))
@@ -76,10 +76,10 @@ def resolve_settings(config=None, preset_name: str | None = None, compare: str |
                    if is_engine_setting(n) else resolve(n) for n in items)
         out.kinds += tuple(setting_kind(n) for n in items)
     if not out:
-        raise InputError("Choose a cache: --preset NAME, --config FILE or --compare P1,P2,...")
+        raise OptionError("Choose a cache: {preset} NAME, {config} FILE or {compare} P1,P2,...")
     if calibration is not None and not out.engines:
-        raise InputError("--calibration gives the static fp8 scales of engine settings "
-                         "(vllm:, sglang:), and no engine setting is among --preset/--compare; "
+        raise OptionError("{calibration} gives the static fp8 scales of engine settings "
+                         "(vllm:, sglang:), and no engine setting is among {preset}/{compare}; "
                          "add one or drop it.")
     return out
 

@@ -52,7 +52,7 @@ from kvlens.config.engine import (
 from kvlens.deploy.engine_run import llamacpp_matmul_plan
 from kvlens.deploy.kld_model import fit_kld_model
 from kvlens.deploy.presets import engine_config
-from kvlens.errors import ConfigError, InputError
+from kvlens.errors import ConfigError, OptionError
 from kvlens.evaluation import EvalOptions, evaluate_configs
 from kvlens.evaluation.kld import DEFAULT_EVAL_TOKENS
 from kvlens.model.engine_matmul import engine_matmuls
@@ -90,7 +90,7 @@ def canonical_target(name: str) -> str:
     close = difflib.get_close_matches(key, [*TARGETS, *TARGET_ALIASES], n=1, cutoff=0.6)
     hint = f" (did you mean {TARGET_ALIASES.get(close[0], close[0])!r}?)" if close else ""
     aliases = ", ".join(f"{a} = {t}" for a, t in TARGET_ALIASES.items())
-    raise ConfigError(f"Unknown --target {name!r}{hint}; allowed: {', '.join(TARGETS)} "
+    raise ConfigError(f"Unknown {{target}} {name!r}{hint}; allowed: {', '.join(TARGETS)} "
                       f"({aliases}).")
 
 
@@ -112,13 +112,13 @@ class TargetOptions:
     def __post_init__(self) -> None:
         object.__setattr__(self, "target", canonical_target(self.target))
         if self.target != "kvlens" and self.budget_bits is None and self.max_kld is None:
-            raise InputError(f"--target {self.target} needs --budget-bits B (lowest error "
-                             "within B held bits per element) or --max-kld X (cheapest "
+            raise OptionError(f"{{target}} {self.target} needs {{budget_bits}} B (lowest error "
+                             "within B held bits per element) or {max_kld} X (cheapest "
                              "setting with predicted KLD <= X).")
         if self.max_kld is not None and not self.max_kld > 0:
-            raise InputError(f"--max-kld must be positive, got {self.max_kld}.")
+            raise OptionError(f"{{max_kld}} must be positive, got {self.max_kld}.")
         if self.anchors < 1:
-            raise InputError(f"--set kld-anchors must be at least 1, got {self.anchors}.")
+            raise OptionError(f"{{anchors}} must be at least 1, got {self.anchors}.")
 
 
 @dataclass
@@ -403,14 +403,14 @@ def choose(front: list[TargetCandidate], opts: TargetOptions, kld_model=None
             raise ConfigError(f"No {opts.target} setting is predicted under KLD {opts.max_kld}: "
                               f"the most accurate, {best.setting} ({best.bits:.2f} bits), is "
                               f"predicted at {kld_model.predict(best.score):.4g}; raise "
-                              "--max-kld.")
+                              "{max_kld}.")
         return min(ok, key=lambda c: (c.bits, c.score))
     ok = [c for c in front if c.bits <= opts.budget_bits]
     if not ok:
         cheapest = min(front, key=lambda c: c.bits)
         raise ConfigError(f"No {opts.target} setting fits {opts.budget_bits} bits per element at "
                           f"{opts.context} tokens; the cheapest, {cheapest.setting}, holds "
-                          f"{cheapest.bits:.2f}. Raise --budget-bits.")
+                          f"{cheapest.bits:.2f}. Raise {{budget_bits}}.")
     return min(ok, key=lambda c: c.score)
 
 

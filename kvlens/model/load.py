@@ -192,7 +192,7 @@ def check_load_options(spec: str | None = None, *, dtype: str = "float32", devic
     Returns ``(source, placement)``."""
     placement = make_placement(device_map, max_memory, offload_folder)
     if placement is not None and device not in ("auto", "cpu"):  # the CLI/library defaults
-        raise PlacementError(f"--device {device} and --device-map both say where the model goes; "
+        raise PlacementError(f"{{device}} {device} and {{device_map}} both say where the model goes; "
                              "give one of them.")
     parse_dtype(dtype)
     if placement is None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kvlens.capture.source import CaptureModel
 from kvlens.config import preset, validate_for
-from kvlens.errors import ConfigError, InputError
+from kvlens.errors import ConfigError, OptionError
 from kvlens.evaluation import EvalOptions, evaluate_configs
 from kvlens.model.architecture import describe
 from kvlens.recommend.cost import Cost
@@ -55,8 +55,8 @@ def budget_list(budgets: str | None, budget_bits: float | None, max_kld: float |
     given = [flag for flag, v in (("--budget-bits", budget_bits), ("--budgets", budgets),
                                   ("--max-kld", max_kld)) if v is not None]
     if len(given) != 1:
-        raise InputError("--target kvlens takes one of --budget-bits B (one config), --budgets "
-                         "B1,B2,... (one config each) and --max-kld X (the smallest budget "
+        raise OptionError("{target} kvlens takes one of {budget_bits} B (one config), {budgets} "
+                         "B1,B2,... (one config each) and {max_kld} X (the smallest budget "
                          "whose config's measured KLD is at most X)"
                          + (f"; got {' and '.join(given)}." if given else "."))
     if budgets is None:
@@ -64,12 +64,12 @@ def budget_list(budgets: str | None, budget_bits: float | None, max_kld: float |
     try:
         values = sorted({float(x) for x in budgets.split(",") if x.strip()})
     except ValueError:
-        raise InputError(f"Invalid --budgets {budgets!r}; expected a comma list of bit "
+        raise OptionError(f"Invalid {{budgets}} {budgets!r}; expected a comma list of bit "
                          "budgets, e.g. 2.5,3,4.") from None
     if not values or any(not 0 < v <= 16 for v in values):
-        raise InputError(f"--budgets {budgets}: each budget must be in (0, 16].")
+        raise OptionError(f"{{budgets}} {budgets}: each budget must be in (0, 16].")
     if output is None and len(values) > 1:
-        raise InputError("--budgets writes one config per budget: give --output (the configs "
+        raise OptionError("{budgets} writes one config per budget: give {output} (the configs "
                          "are named NAME-<B>b.json beside it).")
     return values
 

@@ -18,7 +18,7 @@ import torch
 from kvlens.analysis.compare import torch_threads
 from kvlens.cache.layout import shape_of_capture
 from kvlens.capture.store import CaptureMeta, open_capture
-from kvlens.errors import InputError
+from kvlens.errors import InputError, OptionError
 from kvlens.model.load import parse_dtype
 from kvlens.recommend.allocation import assemble
 from kvlens.recommend.catalog import candidates, family_probes, still_offered
@@ -137,12 +137,12 @@ def check_capture(path: str | Path, meta, opts: RecommendOptions) -> None:
                          f"needs every layer with a KV cache ({len(meta.attention_layers)}); "
                          "re-run `kvlens capture` without --layers.")
     if opts.samples is not None and opts.samples > meta.num_samples:
-        raise InputError(f"--samples {opts.samples}: {path} holds {meta.num_samples} samples; "
+        raise OptionError(f"{{samples}} {opts.samples}: {path} holds {meta.num_samples} samples; "
                          f"give at most {meta.num_samples} (or omit it: all of them).")
     if opts.pre_rope == "on" and not meta.has_rope:
-        raise InputError(f"Pre-RoPE keys were requested but {path} has no pre-RoPE data: "
+        raise OptionError(f"Pre-RoPE keys were requested but {path} has no pre-RoPE data: "
                          f"{meta.model} has no rotary embedding (q_pre/k_pre equal q/k). "
-                         "Use --set pre-rope=auto or off.")
+                         "Use {pre_rope}=auto or off.")
     if opts.layer_weights and len(opts.layer_weights) != len(meta.layers):
         raise InputError(f"{len(opts.layer_weights)} layer weights given for "
                          f"{len(meta.layers)} layers with a KV cache.")
