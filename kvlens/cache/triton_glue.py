@@ -31,7 +31,9 @@ def triton_unsupported(layer, query: torch.Tensor, with_probs: bool, *, softcap:
     if sinks is not None:
         return "attention sinks (the kernel's softmax has no learned sink term)"
     if with_probs:  # the layer's set policy reads them (kvlens.cache.sets)
-        return layer.set_policy.kernel_problem
+        policy = getattr(layer, "set_policy", None)
+        return getattr(policy, "kernel_problem", None) or (
+            "the layer's set needs attention probabilities, which the kernel does not return")
     return kernel_layout_problem(layer.setting, layer.head_dim)
 
 

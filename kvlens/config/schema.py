@@ -305,7 +305,7 @@ class KVConfig:
 
     def _check_write_first(self) -> None:
         """``write_before_attention`` codes each forward's tokens at once: no compressed layer
-        may keep a residual window (nothing would wait in it) or a MiKV set (chosen from the
+        may keep a residual window (nothing would wait in it) or a set (chosen from the
         attention the tokens receive before they are coded)."""
         if self.mikv is not None:
             raise ConfigError("write_before_attention cannot be combined with 'mikv' (its set is "

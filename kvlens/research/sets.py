@@ -48,8 +48,8 @@ SET_BITS = (4, 8)  # integer widths of the importance set (None: fp_dtype)
 SET_GROUP = 32
 SCALE_DTYPE = torch.float16
 #: why the fused decode kernel cannot serve a layer choosing heavy hitters
-KERNEL_PROBLEM = ("MiKV heavy-hitter selection needs attention probabilities, which the kernel "
-                  "does not return")
+KERNEL_PROBLEM = ("MiKV heavy hitters: their selection needs attention probabilities, which the "
+                  "kernel does not return (torch path)")
 
 
 # -- the set's codes -------------------------------------------------------------------------------
