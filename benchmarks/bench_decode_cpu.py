@@ -52,7 +52,8 @@ def mixed_3bit(num_layers: int):
 def _fillable(config) -> bool:
     m = config.mikv
     pre = any(s.pre_rope_keys for s in (config.default, *config.layers.values()))
-    return not pre and (m is None or (m.heavy_fraction == 0 and m.balancer != "online"))
+    heavy = m is not None and getattr(m.importance, "heavy_fraction", 0) > 0
+    return not pre and (m is None or (not heavy and m.balancer != "online"))
 
 
 def _fill(ccache, dcache, hq: int) -> None:

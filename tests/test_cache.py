@@ -20,6 +20,7 @@ from kvlens.layouts import layout_of
 from kvlens.layouts.packed import PackedTensor
 from kvlens.model.hooks import cache_argument_name
 from kvlens.quant import QTensor, QuantSpec, dequantize, quantize
+from kvlens.research.sets import mikv_settings
 
 
 def _small(name: str, residual: int):
@@ -172,7 +173,7 @@ def test_mikv_high_precision_tokens_replace_their_low_bit_copies():
     torch.manual_seed(4)
     b, hq, hkv, d, total = 1, 4, 2, 16, 40
     spec = QuantSpec(2, "per-token", 8)
-    mikv = MikvSettings(heavy_fraction=0.25, sink_tokens=2, balancer="off")
+    mikv = mikv_settings(heavy_fraction=0.25, sink_tokens=2, balancer="off")
     layer = CompressedLayer(LayerKV(spec, spec, 8), 0, d, mikv=mikv, session=stub_session())
     k, v = torch.randn(b, hkv, total, d), torch.randn(b, hkv, total, d)
     for t in range(total):
@@ -274,7 +275,7 @@ def test_folded_reads_every_layout_equal_reference(name, total, flush):
     b, hq, hkv, d = 2, 6, 2, 32
     kspec, vspec = LAYOUTS[name]
     bal = torch.rand(hkv, d) + 0.5 if name.startswith("ktok16bal") else None
-    mikv = MikvSettings(0.0, 0, "fixed") if bal is not None else None
+    mikv = MikvSettings(0, "fixed") if bal is not None else None
     setting = LayerKV(kspec, vspec, residual_tokens=32, flush_tokens=flush)
     layer = CompressedLayer(setting, 0, d, mikv=mikv, balancer=bal, session=stub_session())
     k = torch.randn(b, hkv, total, d)

@@ -33,6 +33,7 @@ from kvlens.config import (
 )
 from kvlens.errors import ConfigError
 from kvlens.quant import CodebookSpec, QuantSpec, RotationSpec
+from kvlens.research.sets import mikv_settings
 
 FAST = settings(max_examples=150, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow])
@@ -46,7 +47,7 @@ def _valid_configs() -> list[dict]:
                                           "kivi-2-sinks", "per-token-2-rot")]
     out.append(KVConfig("overrides", kivi.default,
                         {0: LayerKV(), 3: LayerKV(spec, spec, 64, flush_tokens=32)},
-                        mikv=MikvSettings(0.1, 4, "fixed", layers=(1, 3)),
+                        mikv=mikv_settings(0.1, 4, "fixed", layers=(1, 3)),
                         balancers={1: ((1.0, 2.0), (0.5, 4.0))}, scale_dtype="8bit",
                         rotation_seed=7,
                         model={"num_layers": 4, "head_dim": 64, "num_key_value_heads": 2},
@@ -364,7 +365,7 @@ def test_validate_for_refuses_bad_layer_indices_with_config_error(
                            num_key_value_heads=kv_heads, declares_rope=True,
                            architecture="Synthetic")
     used = set(cfg.layers) | set(cfg.balancers) | set(cfg.kv_scales) | set(
-        (cfg.mikv.layers if cfg.mikv else None) or ())
+        (cfg.mikv.importance.layers if cfg.mikv and cfg.mikv.importance else None) or ())
     try:
         validate_for(cfg, info)
     except ConfigError as exc:
@@ -425,7 +426,7 @@ def test_codebook_keys_set_the_key_rotation():
                           "default: write_before_attention codes every token at once"),
                          (dict(layers={2: LayerKV(None, QuantSpec(4, "per-token"), 8)}),
                           "layer 2: write_before_attention .* residual_tokens=8, allowed: 0"),
-                         (dict(mikv=MikvSettings(0.0, 4, "off")), "cannot be combined with 'mikv'"),
+                         (dict(mikv=MikvSettings(4, "off")), "cannot be combined with 'mikv'"),
                          (dict(write_before_attention=1), "allowed: true, false")):
         with pytest.raises(ConfigError, match=message):
             replace(first, **bad)

@@ -19,6 +19,7 @@ from kvlens.config import LayerKV, MikvSettings
 from kvlens.quant import QuantSpec, fake_quantize
 from kvlens.research.heavy_hitters import set_membership, set_reconstruction
 from kvlens.research.mikv import MikvSets, set_of, set_twin
+from kvlens.research.sets import mikv_settings
 
 
 class _Session:
@@ -50,7 +51,7 @@ def test_simulated_set_and_output_follow_the_cache_layer(case):
     q, k, v = (torch.randn(b, h, t, d, generator=g) for h in (hq, hkv, hkv))
     k[:, :, 5::7] *= 3.0  # a few tokens that draw attention: the set is not arbitrary
     scaling = d ** -0.5
-    mikv = MikvSettings(heavy, sinks, "fixed" if balanced else "off", set_bits=bits)
+    mikv = mikv_settings(heavy, sinks, "fixed" if balanced else "off", set_bits=bits)
     bal = (1.0 + torch.rand(hkv, d, generator=g)) if balanced else None
     layer = CompressedLayer(LayerKV(spec_k, spec_v, residual, flush_tokens=flush), 0, d,
                             fp_dtype="float32", mikv=mikv, balancer=bal, session=_Session())
@@ -104,25 +105,25 @@ def test_mikv_layers_round_trip_and_bad_input():
 
     s = QuantSpec
     base = KVConfig("partial-mikv", LayerKV(s(2, "per-channel", 8), s(2, "per-token", 8), 16),
-                    mikv=MikvSettings(0.2, 4, "off", set_bits=4, layers=[2, 0]))
-    assert base.mikv.layers == (0, 2)
+                    mikv=mikv_settings(0.2, 4, "off", set_bits=4, layers=[2, 0]))
+    assert base.mikv.importance.layers == (0, 2)
     assert base.mikv_for(0) == base.mikv and base.mikv_for(2) == base.mikv
     # a layer not listed keeps only the sinks, at fp_dtype
-    assert base.mikv_for(1) == MikvSettings(0.0, 4, "off")
+    assert base.mikv_for(1) == MikvSettings(4, "off")
     doc = base.to_dict()
     assert doc["mikv"]["layers"] == [0, 2]
     assert config_from_dict(json.loads(json.dumps(doc))) == base
     # null: every compressed layer keeps heavy hitters, and the list is not written
-    plain = KVConfig("all", base.default, mikv=MikvSettings(0.2, 4, "off"))
+    plain = KVConfig("all", base.default, mikv=mikv_settings(0.2, 4, "off"))
     assert "layers" not in plain.to_dict()["mikv"]
     assert plain.mikv_for(1) == plain.mikv
     for bad in ([1, 1], [-1], "0", [True], [0.5]):
         with pytest.raises(ConfigError, match=r"mikv.layers .*allowed: null \(every compressed "
                                               "layer\\) or a list of distinct"):
-            MikvSettings(0.2, 4, "off", layers=bad)
+            mikv_settings(0.2, 4, "off", layers=bad)
     with pytest.raises(ConfigError, match="heavy_fraction is 0"):
-        MikvSettings(0.0, 4, "off", layers=[0])
-    with pytest.raises(ConfigError, match="keys heavy_fraction"):
+        mikv_settings(0.0, 4, "off", layers=[0])
+    with pytest.raises(ConfigError, match=r"unknown keys \[.layer.\]; allowed: .*heavy_fraction"):
         config_from_dict(doc | {"mikv": doc["mikv"] | {"layer": [0]}})
 
 
@@ -135,7 +136,7 @@ def test_mikv_layers_beyond_the_model_are_refused():
 
     s = QuantSpec
     cfg = KVConfig("x", LayerKV(s(2, "per-channel", 8), s(2, "per-token", 8), 16),
-                   mikv=MikvSettings(0.2, 4, "off", layers=[1, 7]))
+                   mikv=mikv_settings(0.2, 4, "off", layers=[1, 7]))
     with pytest.raises(ConfigError, match=r"mikv.layers \[7\].*allowed indices: 0-2"):
         validate_for(cfg, describe(tiny_model("llama")))
 
@@ -153,7 +154,7 @@ def test_sets_on_some_layers_hold_what_the_layout_predicts():
     default = LayerKV(s(2, "per-channel", 8), s(2, "per-token", 8), 16, flush_tokens=8)
     config = KVConfig("partial-mikv", default, {2: LayerKV(s(4, "per-token", 8),
                                                            s(2, "per-channel", 8), 16)},
-                      mikv=MikvSettings(0.2, 3, "off", set_bits=4, layers=[1]))
+                      mikv=mikv_settings(0.2, 3, "off", set_bits=4, layers=[1]))
     model = _model()
     shape = _shape(model)
     ids = torch.randint(3, 128, (1, 120), generator=torch.Generator().manual_seed(4))
@@ -230,10 +231,10 @@ def test_recommend_puts_a_set_where_the_heavy_hitters_are(tmp_path):
     assert m.tables[0][twin, s][0] < 0.3 * m.tables[0][plain, s][0]
     assert m.tables[1][twin, s][0] > 0.7 * m.tables[1][plain, s][0]
     rec = choose(m, opts)
-    assert rec.config.mikv.layers == (0,) and rec.mean_bits <= opts.budget_bits
+    assert rec.config.mikv.importance.layers == (0,) and rec.mean_bits <= opts.budget_bits
     assert [set_of(ch.candidate) is not None for ch in rec.choices] == [True, True, False, False]
-    assert rec.config.mikv.set_bits == set_of(rec.choices[0].candidate)[0]
-    assert rec.config.mikv.heavy_fraction == set_of(rec.choices[0].candidate)[1]
+    assert rec.config.mikv.importance.set_bits == set_of(rec.choices[0].candidate)[0]
+    assert rec.config.mikv.importance.heavy_fraction == set_of(rec.choices[0].candidate)[1]
     assert config_bits(rec.config, shape_of_capture(m.meta), opts.context) == pytest.approx(
         rec.mean_bits)
     assert "without a set" in rec.notes[-1]
@@ -312,7 +313,7 @@ def test_recommended_sets_run_in_generate_and_hold_the_priced_bytes(tmp_path):
     opts = _opts(budget_bits=16.0, context=512, residual_tokens=32, flush_tokens=32,
                  sink_tokens=2, layer_weights=(1.0, 0.0, 1.0))
     rec = choose(measure(cap, opts), opts)
-    assert rec.config.mikv.layers == (0, 2)
+    assert rec.config.mikv.importance.layers == (0, 2)
     save_config(rec.config, tmp_path / "cfg.json")
     cfg = load_config(tmp_path / "cfg.json")
     assert cfg == rec.config

@@ -244,7 +244,7 @@ def test_kernel_reads_a_codebook_layer_like_the_torch_path(kspec, vspec, residua
     with transformers' bool and additive masks (row 1 left-padded)."""
     d, hkv, total = 32, 1, 83
     rot = hadamard_rotation(d, None)
-    mikv = MikvSettings(0.0, sinks, "off") if sinks else None
+    mikv = MikvSettings(sinks, "off") if sinks else None
     layer = _filled_layer(LayerKV(kspec, vspec, residual), d, hkv, total, rot, mikv=mikv)
     assert layer.quantized_length > 0 and layer.has_hp == bool(sinks)
     assert kernel_layout_problem(layer.setting, d) is None

@@ -26,6 +26,7 @@ from kvlens.config import LayerKV, MikvSettings, preset  # noqa: E402
 from kvlens.errors import BackendError  # noqa: E402
 from kvlens.model.hooks import cache_argument_name  # noqa: E402
 from kvlens.quant import QuantSpec  # noqa: E402
+from kvlens.research.sets import mikv_settings  # noqa: E402
 
 KEYS, VALUES = QuantSpec(2, "per-channel", 16), QuantSpec(2, "per-token", 16)
 
@@ -33,7 +34,7 @@ KEYS, VALUES = QuantSpec(2, "per-channel", 16), QuantSpec(2, "per-token", 16)
 def _config(flush=0, sinks=0):
     cfg = preset("kivi-2")
     return replace(cfg, default=LayerKV(KEYS, VALUES, residual_tokens=32, flush_tokens=flush),
-                   mikv=MikvSettings(0.0, sinks, "off") if sinks else None)
+                   mikv=MikvSettings(sinks, "off") if sinks else None)
 
 
 def _generate(model, ids, mask, backend, n, config=None):
@@ -81,7 +82,7 @@ def test_kernel_reads_mikv_set_and_balancer_like_the_torch_path(fp):
     or fp8) and a fixed channel balancer: the kernel call equals the torch path."""
     torch.manual_seed(4)
     b, hq, hkv, d, total = 2, 4, 2, 16, 75
-    mikv = MikvSettings(heavy_fraction=0.1, sink_tokens=2, balancer="fixed")
+    mikv = mikv_settings(heavy_fraction=0.1, sink_tokens=2, balancer="fixed")
     bal = torch.rand(hkv, d) + 0.5
     layer = CompressedLayer(LayerKV(KEYS, VALUES, 16), 0, d, mikv=mikv, balancer=bal,
                             session=SimpleNamespace(active=True, rope={}), fp_dtype=fp)

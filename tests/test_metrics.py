@@ -248,7 +248,7 @@ def test_streaming_mask_matches_the_real_cache_layer(residual, flush, sinks):
 
     spec = QuantSpec(2, "per-token", 4)
     layer = CompressedLayer(LayerKV(spec, spec, residual, flush_tokens=flush), 0, 8,
-                            mikv=MikvSettings(0.0, sinks, "off") if sinks else None,
+                            mikv=MikvSettings(sinks, "off") if sinks else None,
                             session=Session())
     t = 30
     mask = streaming_exact_mask(t, residual, flush, sinks)

@@ -9,17 +9,16 @@ import torch
 from helpers import reference_attention, stub_session
 
 from kvlens.cache.layer import CompressedLayer
-from kvlens.cache.mixed import dequantize_rows, quantize_rows, set_bytes_per_token
 from kvlens.cache.torch_read import packed_attention
 from kvlens.cache.triton_glue import triton_unsupported
 from kvlens.config import (
     PRESETS,
     LayerKV,
-    MikvSettings,
     config_from_dict,
 )
 from kvlens.errors import ConfigError
 from kvlens.quant import QuantSpec, fake_quantize
+from kvlens.research.sets import dequantize_rows, mikv_settings, quantize_rows, set_bytes_per_token
 
 
 def _fill(layer, k, v, prefill, hq):
@@ -33,7 +32,7 @@ def _fill(layer, k, v, prefill, hq):
 def test_mikv_set_bits_are_validated():
     for bad in (2, 3, 16, "4", True):
         with pytest.raises(ConfigError, match=r"allowed: null \(the set at fp_dtype\), 4, 8"):
-            MikvSettings(0.2, 4, "off", set_bits=bad)
+            mikv_settings(0.2, 4, "off", set_bits=bad)
     data = PRESETS["mikv-2-int4"].to_dict()
     assert data["mikv"]["set_bits"] == 4
     assert config_from_dict(data) == PRESETS["mikv-2-int4"]
@@ -60,7 +59,7 @@ def test_mikv_set_at_a_bit_width_is_what_attention_reads(set_bits):
     torch.manual_seed(4)
     b, hq, hkv, d, total = 1, 4, 2, 32, 60
     spec = QuantSpec(2, "per-token", 8)
-    mikv = MikvSettings(heavy_fraction=0.25, sink_tokens=2, balancer="off", set_bits=set_bits)
+    mikv = mikv_settings(heavy_fraction=0.25, sink_tokens=2, balancer="off", set_bits=set_bits)
     layer = CompressedLayer(LayerKV(spec, spec, 8), 0, d, mikv=mikv, session=stub_session())
     k, v = torch.randn(b, hkv, total, d), torch.randn(b, hkv, total, d)
     for t in range(total):  # decode, choosing heavy hitters by the attention each step paid
@@ -96,7 +95,7 @@ def test_kernel_reads_an_integer_set_like_the_torch_path(set_bits):
 
     torch.manual_seed(6)
     b, hq, hkv, d, total = 2, 4, 2, 16, 60
-    mikv = MikvSettings(heavy_fraction=0.0, sink_tokens=4, balancer="off", set_bits=set_bits)
+    mikv = mikv_settings(heavy_fraction=0.0, sink_tokens=4, balancer="off", set_bits=set_bits)
     spec_k, spec_v = QuantSpec(2, "per-channel", 16), QuantSpec(2, "per-token", 16)
     layer = CompressedLayer(LayerKV(spec_k, spec_v, 16), 0, d, mikv=mikv, session=stub_session())
     k, v = torch.randn(b, hkv, total, d), torch.randn(b, hkv, total, d)

@@ -407,7 +407,7 @@ def test_config_bits_matches_the_budget_accounting(tmp_path):
         (3.0 * 4096 + 16 * 128) / 4096)
     assert config_bits(preset("fp16"), shape, 4096) == 16.0
     # sink tokens: 16-bit K and V copies plus an int32 position per token and KV head
-    sinks = replace(preset("kivi-2"), mikv=MikvSettings(0.0, 4, "off"))
+    sinks = replace(preset("kivi-2"), mikv=MikvSettings(4, "off"))
     assert config_bits(sinks, shape, 4096) == pytest.approx(
         (3.0 * 4096 + 16 * 128) / 4096 + 4 * (16 + 32 / 128) / 4096)
     # a sliding-window layer counts only its window: fp16 is 16 bits of what it holds

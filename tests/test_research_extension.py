@@ -74,3 +74,35 @@ def test_stable_recommend_names_no_research_lever():
             text = "\n".join(line for line in text.splitlines() if not line.startswith("#"))
         found = [w for w in RESEARCH_WORDS if w in text]
         assert not found, f"{path.name} names {found}"
+
+
+def test_cache_and_config_name_no_heavy_hitters_and_need_the_research_import():
+    """Stage 2 (issue #57): MiKV's importance set (heavy hitters, coded set rows, its layers,
+    its presets) is a research set policy (``kvlens.research.sets``) plugged into the cache's
+    ``kvlens.cache.sets`` and the config's ``kvlens.config.extension``; without
+    ``kvlens.research`` a config or preset that asks for it is a clear ``ConfigError``, while
+    the stable sinks and balancer load."""
+    words = ("heavy_fraction", "heavy hitter", "set_bits", "is_hp", "H2O", "mikv-2")
+    for pkg in ("cache", "config"):
+        for path in sorted((ROOT / "kvlens" / pkg).glob("*.py")):
+            text = path.read_text().lower()
+            assert not [w for w in words if w.lower() in text], path
+    code = (
+        "from kvlens.config import config_from_dict, preset, KVConfig, LayerKV\n"
+        "from kvlens.errors import ConfigError\n"
+        "base = {'format': 'kvlens.kvconfig', 'version': 1, 'name': 'x', 'default': {}}\n"
+        "sinks = config_from_dict(base | {'mikv': {'heavy_fraction': 0.0, 'sink_tokens': 4,"
+        " 'balancer': 'off', 'balancer_exponent': 0.5}})\n"
+        "assert sinks.mikv.sink_tokens == 4 and sinks.mikv.importance is None\n"
+        "for bad in (lambda: config_from_dict(base | {'mikv': {'heavy_fraction': 0.2}}),"
+        " lambda: preset('mikv-2')):\n"
+        "    try:\n"
+        "        bad()\n"
+        "    except ConfigError as exc:\n"
+        "        assert 'kvlens.research is imported' in str(exc), exc\n"
+        "    else:\n"
+        "        raise AssertionError('no error')\n"
+        "import sys; assert 'kvlens.research' not in sys.modules\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr

@@ -115,7 +115,7 @@ def test_bad_rotation_settings_are_refused():
         validate_for(odd, info)
     info.head_dim = 16
     bal = KVConfig("x", replace(base, key=QuantSpec(2, "per-token", 16), rotate_keys=True),
-                   mikv=MikvSettings(0.0, 0, "online"))
+                   mikv=MikvSettings(0, "online"))
     with pytest.raises(ConfigError, match="balancer"):
         validate_for(bal, info)
     doc = KVConfig("x", replace(base, rotate_values=True), rotation_seed=4).to_dict()

@@ -27,11 +27,12 @@ from kvlens.cache.torch_read import packed_attention
 from kvlens.cache.triton_glue import triton_unsupported
 from kvlens.capture.run import _LayerSink, capture_model
 from kvlens.capture.store import open_capture
-from kvlens.config import KVConfig, LayerKV, MikvSettings, preset
+from kvlens.config import KVConfig, LayerKV, preset
 from kvlens.errors import InputError
 from kvlens.model.hooks import attention_override, cache_argument_name
 from kvlens.quant import QuantSpec, fake_quantize
 from kvlens.research.heavy_hitters import set_membership, set_reconstruction
+from kvlens.research.sets import mikv_settings
 
 MIN = torch.finfo(torch.float32).min
 
@@ -195,7 +196,7 @@ def test_mikv_set_with_sinks_and_softcap_follows_the_cache_layer():
     q, k, v = (torch.randn(b, h, t, d, generator=g) for h in (hq, hkv, hkv))
     k[:, :, 5::7] *= 3.0  # a few tokens that draw attention
     sinks, softcap, scaling = torch.randn(hq, generator=g) * 2 + 4, 1.5, d ** -0.5
-    mikv = MikvSettings(0.25, 2, "off", set_bits=4)
+    mikv = mikv_settings(0.25, 2, "off", set_bits=4)
     layer = CompressedLayer(LayerKV(spec_k, spec_v, 8, flush_tokens=4), 0, d,
                             fp_dtype="float32", mikv=mikv, session=stub_session())
     cache_sets, cache_out = decode_one_by_one(layer, q, k, v, scaling, softcap, sinks)

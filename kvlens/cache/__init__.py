@@ -1,7 +1,7 @@
 """The compressed KV cache: packed low-bit storage that plugs into transformers' generation.
 
-``packed`` owns the storage layout, ``layer`` the per-layer streaming logic (residual window,
-MiKV high-precision set), ``cache`` building the whole cache and installing it around a model.
+``layer`` holds the per-layer streaming logic (residual window, the set of kept tokens, whose
+policy is the extension point ``sets``: the sinks by default), ``cache`` building the whole cache and installing it around a model.
 Attention over it: ``attention`` is the function installed in the model (one path per call),
 ``torch_read`` the torch read path over the packed store, ``backend`` the per-run choice
 between torch and Triton (``select_backend``), ``triton_glue`` the calls into the Triton decode

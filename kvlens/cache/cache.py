@@ -31,7 +31,7 @@ from kvlens.cache.layer import (
     with_fixed_state,
 )
 from kvlens.cache.layout import PARTS
-from kvlens.cache.mixed import SetRows
+from kvlens.cache.sets import SetPolicy, SetRows
 from kvlens.config import KVConfig, validate_for
 from kvlens.errors import ConfigError
 from kvlens.layouts import Store
@@ -271,7 +271,7 @@ def held_bytes_by_device(obj) -> dict[str, int]:
             stack.extend(o)
         elif isinstance(o, dict):
             stack.extend(o.values())
-        elif isinstance(o, (CompressedLayer, Store, EngineLayer, SetRows)) or o is obj:
+        elif isinstance(o, (CompressedLayer, Store, EngineLayer, SetRows, SetPolicy)) or o is obj:
             stack.extend(v for k, v in vars(o).items()
                          if k != "session" and k not in STATE_FIELDS)
     return total

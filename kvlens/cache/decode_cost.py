@@ -8,8 +8,8 @@ the bytes one single-token decode step reads, for ``recommend`` to report next t
   each once per step; per-token scales cost ``2 * s * D / G`` bytes per token, per-channel ones
   ``2 * s * D / G`` per token too, per-tensor ones ``2 * s / F``);
 - an unquantized tensor's dense history, the filled part of the residual window (not its spare
-  capacity), the MiKV full-precision set with its positions and mask, pre-RoPE positions (to
-  re-create RoPE), accumulators (read and written by H2O) and balancers (read whole every
+  capacity), the layer's set with its positions and its policy's state (mask, accumulators:
+  ``kvlens.cache.sets``), pre-RoPE positions (to re-create RoPE) and balancers (read whole every
   step);
 - ``torch_unpack_bytes``: on the eager torch path (CPU) each quantized element is also unpacked
   to float32 once per step, chunk by chunk (written, then read by the matmul): 4 bytes per
@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvlens.cache import layout
+from kvlens.cache.sets import set_policy
 from kvlens.cache.triton_glue import kernel_layout_problem
 
 
@@ -98,9 +99,10 @@ def config_decode_cost(config, shape: layout.ModelShape, tokens: int, batch: int
         unpack += u
         if setting.compressed:
             why = kernel_layout_problem(setting, shape.head_dim)
-            if why is None and mikv is not None and mikv.heavy_fraction > 0 \
+            policy = set_policy(mikv)
+            if why is None and policy is not None and policy.needs_attention_probs \
                     and shape.window(i) is None:
-                why = "MiKV heavy hitters (attention probabilities: torch path)"
+                why = policy.kernel_problem
             if why:
                 unfused[i] = why
     return DecodeCost(tokens, read, shape.fp16_bytes(tokens, batch), unpack, unfused)

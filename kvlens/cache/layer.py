@@ -10,15 +10,15 @@ A ``CompressedLayer`` keeps, for its layer, ``[B, H, *, D]`` history in up to th
   config's ``fp_dtype``, exact; when it holds ``R = residual_tokens`` tokens its oldest are
   flushed to the packed store in blocks of ``F`` (``flush_tokens``; default ``F = R``: all of
   them, as KIVI);
-- the **high-precision set** (MiKV only): per KV head, full-precision copies of the heavy-hitter
-  tokens (largest accumulated attention, H2O) and the first ``sink_tokens`` positions, chosen
-  again at every flush among the current set and the flushed tokens. Their low-bit copies stay
-  in the packed store and are masked out at attention (``is_hp``; a sinks-only set hides the
-  packed prefix ``[0, sink_end)`` instead, without a mask). Global layers only: a sliding-window
-  layer's sinks leave its window, and its whole history is at most ``W`` tokens. The set is
-  stored at ``fp_dtype`` or, with ``mikv.set_bits``, as 4- or 8-bit per-token codes
-  (``kvlens.cache.mixed``). The layer gets its own settings (``KVConfig.mikv_for``): a layer
-  not in ``mikv.layers`` keeps a sinks-only set at ``fp_dtype``.
+- the **set** (``kvlens.cache.sets``): per KV head, copies of some quantized tokens, chosen by
+  the layer's ``SetPolicy`` again at every flush among the current set and the flushed tokens:
+  the stable policy keeps the first ``sink_tokens`` positions (attention sinks) at ``fp_dtype``;
+  a research policy (``KVConfig.mikv_for``: the config's ``importance`` settings) may choose
+  others, store them otherwise and accumulate the attention each token receives. Their low-bit
+  copies stay in the packed store and are hidden at attention: by the policy's mask
+  (``set_mask``), or, for a set that is the packed prefix, ``[q_start, sink_end)`` without one.
+  Global layers only: a sliding-window layer's sinks leave its window, and its whole history is
+  at most ``W`` tokens.
 
 Nothing is kept twice: after a flush the window buffer shrinks back to ``R`` tokens, the stores
 hold exactly their tokens, and a sliding-window layer drops what no later query can see. The
@@ -27,7 +27,8 @@ tensor the layer holds for ``memory_report``.
 
 ``update()`` appends the new tokens to the residual window and returns them (tagged with this
 layer, the side channel kvlens' attention function reads); the attention function then calls
-``commit(query, colsum)`` which fits the online balancer (first call), accumulates attention,
+``commit(query, colsum)`` which fits the online balancer (first call), hands the set policy
+the attention mass (when it reads it),
 flushes and evicts. So prefill attention always sees exact K/V and the cache stores them
 compressed after; except with ``KVConfig.write_before_attention`` (vLLM TurboQuant's order):
 after the cache's first forward, ``update()`` codes the new tokens at once, so the forward that
@@ -45,7 +46,7 @@ from transformers import cache_utils
 from transformers.cache_utils import DynamicLayer
 
 from kvlens.cache import layout
-from kvlens.cache.mixed import SetRows
+from kvlens.cache.sets import SetRows, set_policy
 from kvlens.config import LayerKV, MikvSettings
 from kvlens.errors import ConfigError
 from kvlens.layouts import DenseTensor, Store, layout_of
@@ -203,10 +204,10 @@ class CompressedLayer(HistoryLayer):
         self.balancer = balancer  # [Hkv, D]; k*b stored, q/b used
         self.want_online_balancer = (self.mikv is not None and self.mikv.balancer == "online"
                                      and self.setting.key is not None and balancer is None)
-        self.acc: torch.Tensor | None = None  # [B, Hkv, N] accumulated attention (H2O)
-        self.is_hp: torch.Tensor | None = None  # [B, Hkv, q_end] bool (H2O)
-        set_bits = self.mikv.set_bits if self.mikv is not None else None
-        self.hp_k, self.hp_v = (SetRows(set_bits, fp, head_dim) for _ in range(2))
+        # the set's policy (kvlens.cache.sets; None: no set) and its rows
+        self.set_policy = set_policy(self.mikv) if not self.is_sliding else None
+        self.hp_k, self.hp_v = (SetRows(fp, head_dim) if self.set_policy is None else
+                                self.set_policy.new_rows(fp, head_dim) for _ in range(2))
         self.hp_pos = None  # [B, Hkv, K] int32
         # pre-RoPE keys: positions of held tokens [B, N - q_start] int32, and the RoPE re-creator
         self.stores_pre_rope = setting.pre_rope_keys and setting.key is not None
@@ -219,7 +220,7 @@ class CompressedLayer(HistoryLayer):
         self.rope = None  # kvlens.rope.RopeFrequencies
         self.rope_options: list | None = None
         # KVConfig.write_before_attention: after the first forward, code the new tokens before
-        # attending to them (needs no window and no MiKV set: validated by KVConfig)
+        # attending to them (needs no window and no set: validated by KVConfig)
         self.write_first = write_first and bool(self.flush_every)
 
     def _store(self, spec, head_dim: int, scale_dtype: str, fp) -> Store:
@@ -332,9 +333,11 @@ class CompressedLayer(HistoryLayer):
         for store in self._stores(self.kstore, self.vstore, self.res_k, self.res_v, self.hp_k,
                                   self.hp_v):
             store.select_batch(indices)
-        for name in ("acc", "is_hp", "hp_pos", "positions"):
+        for name in ("hp_pos", "positions"):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name)[indices])
+        if self.set_policy is not None:
+            self.set_policy.select_batch(indices)
 
     # -- state ----------------------------------------------------------------------------------
     @property
@@ -356,20 +359,21 @@ class CompressedLayer(HistoryLayer):
 
     @property
     def sink_end(self) -> int:
-        """A sinks-only set hides packed positions ``[q_start, sink_end)`` (no mask stored)."""
-        if self.mikv is None or self.mikv.heavy_fraction > 0 or not self.has_hp:
+        """A set that is the packed prefix (no mask) hides packed positions
+        ``[q_start, sink_end)``."""
+        if self.set_policy is None or self.set_policy.masked or not self.has_hp:
             return self.q_start
         return self.q_start + self.hp_pos.shape[-1]
 
     @property
-    def needs_attention_probs(self) -> bool:
-        # sinks alone are chosen by position: only heavy hitters need the attention mass
-        return self.keeps_full_precision_set and self.mikv.heavy_fraction > 0
+    def set_mask(self) -> torch.Tensor | None:
+        """``[B, Hkv, q_end]`` bool: the packed positions a masked set hides (else ``None``)."""
+        return None if self.set_policy is None else self.set_policy.mask
 
     @property
-    def keeps_full_precision_set(self) -> bool:
-        return (self.mikv is not None and not self.is_sliding
-                and self.mikv.heavy_fraction + self.mikv.sink_tokens > 0)
+    def needs_attention_probs(self) -> bool:
+        # sinks are chosen by position: only a policy that reads the attention mass needs it
+        return self.set_policy is not None and self.set_policy.needs_attention_probs
 
     def rope_tables(self, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` float32 ``[B, t1 - t0, R]`` of absolute positions ``[t0, t1)``."""
@@ -389,20 +393,11 @@ class CompressedLayer(HistoryLayer):
                                          exponent=self.mikv.balancer_exponent)
             self.want_online_balancer = False
         if colsum is not None:
-            self._accumulate(colsum)
+            self.set_policy.observe(colsum)
         n = layout.flush_count(self.n_res, self.setting.residual_tokens, self.flush_every)
         if n:
             self._flush(n)
         self._evict()
-
-    def _accumulate(self, colsum: torch.Tensor) -> None:
-        n = colsum.shape[-1]
-        if self.acc is None or self.acc.shape[-1] < n:  # exactly the held positions
-            acc = colsum.new_zeros(*colsum.shape[:2], n)
-            if self.acc is not None:
-                acc[..., :self.acc.shape[-1]] = self.acc
-            self.acc = acc
-        self.acc[..., :n] += colsum
 
     def _flush(self, n: int) -> None:
         t0 = self.q_end
@@ -420,8 +415,8 @@ class CompressedLayer(HistoryLayer):
         pairs = ((self.kstore, k_store), (self.vstore, v_store))
         for store, x in pairs[:1] if self.shares else pairs:
             store.append(x)
-        if self.keeps_full_precision_set:
-            self._select_heavy(t0, n, k, v)
+        if self.set_policy is not None:
+            self._choose_set(t0, n, k, v)
         # The window keeps the rest (at most R-1 tokens) in a buffer of R tokens again.
         for res in self._stores(self.res_k, self.res_v):
             res.drop_front(n, self.setting.residual_tokens)
@@ -448,28 +443,19 @@ class CompressedLayer(HistoryLayer):
         if self.positions is not None:
             self.positions = self.positions[:, n:].clone()
 
-    def _select_heavy(self, t0: int, n: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """MiKV: re-choose the full-precision set among the current set and the flushed block
-        ``[t0, t0 + n)`` (size: ``kvlens.cache.layout.set_size``)."""
+    def _choose_set(self, t0: int, n: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Re-choose the set among the current set and the flushed block ``[t0, t0 + n)``
+        (its policy's ``size`` and ``choose``)."""
         b, h = k.shape[:2]
         end = t0 + n
         pos_new = torch.arange(t0, end, device=k.device, dtype=torch.int32).expand(b, h, n)
         cand_pos = pos_new if self.hp_pos is None else torch.cat((self.hp_pos, pos_new), dim=-1)
         cand_k, cand_v = self.hp_k.candidates(k), self.hp_v.candidates(v)
-        keep = min(cand_pos.shape[-1], layout.set_size(self.mikv, 0, end))
-        if self.mikv.heavy_fraction == 0:  # sinks: the first positions, no attention needed
-            idx = (-cand_pos.float()).topk(keep, dim=-1).indices.sort(-1).values
-        else:
-            acc = self.acc[..., :end] if self.acc is not None else k.new_zeros(b, h, end)
-            score = acc.float().gather(-1, cand_pos.long())
-            score = torch.where(cand_pos < self.mikv.sink_tokens, torch.inf, score)
-            idx = score.topk(keep, dim=-1).indices
+        keep = min(cand_pos.shape[-1], self.set_policy.size(0, end))
+        idx = self.set_policy.choose(cand_pos, keep, end)
         self.hp_pos = cand_pos.gather(-1, idx)
         self.hp_k.choose(cand_k, idx)
         self.hp_v.choose(cand_v, idx)
-        if self.mikv.heavy_fraction > 0:
-            self.is_hp = torch.zeros(b, h, end, dtype=torch.bool, device=k.device)
-            self.is_hp.scatter_(-1, self.hp_pos.long(), True)
 
     @staticmethod
     def _stores(*stores) -> list:
@@ -489,8 +475,9 @@ class CompressedLayer(HistoryLayer):
         for store in self._stores(self.kstore, self.vstore, self.res_k, self.res_v):
             out += list(store.named_tensors().items())
         out += [("sets", t) for t in self.hp_k.parts + self.hp_v.parts]
+        if self.set_policy is not None:
+            out += self.set_policy.named_tensors()
         for part, name in (("positions", "hp_pos"),
-                           ("masks", "is_hp"), ("accumulators", "acc"),
                            ("positions", "positions"), ("balancers", "balancer"),
                            ("rotations", "rotation"),
                            ("dense", "keys"), ("dense", "values")):

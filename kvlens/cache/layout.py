@@ -2,7 +2,7 @@
 its bytes that the cache, ``memory_report``, ``config_bits`` and ``recommend``'s budget share.
 
 The cache (``kvlens.cache.layer``) calls the streaming rules here (``flush_every``,
-``flush_count``, ``evict_boundary``, ``set_size``) to decide what to keep; its window buffer
+``flush_count``, ``evict_boundary``; a set's size is its policy's, ``kvlens.cache.sets``) to decide what to keep; its window buffer
 keeps room for ``R`` tokens (``window_capacity``). ``layer_part_bytes`` predicts the bytes of every
 tensor a layer holds from the same rules and each store's layout (``kvlens.layouts``:
 ``Layout.part_bytes``). Tests
@@ -26,12 +26,12 @@ window, ``F`` the flush block and ``W`` a sliding-window layer's window:
 
 Parts (bytes): ``codes``, ``scales``, ``zeros`` (packed store; symmetric specs store their zero
 too), ``dense`` (an unquantized tensor's history next to a quantized one), ``window``, ``sets``
-(MiKV heavy hitters and sink tokens, K and V, at ``fp_dtype`` or, with ``mikv.set_bits``, as
-per-token codes plus float16 scales and zeros, ``kvlens.cache.mixed``; global layers only; a
-layer not in ``mikv.layers`` keeps only its sinks at ``fp_dtype``, ``KVConfig.mikv_for``),
-``positions`` (int32: the set's positions, and for pre-RoPE keys every held token's RoPE
-position), ``masks`` (bool per held packed token: H2O sets only), ``accumulators`` (float32
-accumulated attention per held token: H2O only),
+(the set's rows, K and V, ``SetPolicy.row_bytes`` per token: the sink tokens at ``fp_dtype``,
+or what a research policy keeps, ``kvlens.cache.sets``; global layers only; each layer's
+settings are ``KVConfig.mikv_for``'s), ``positions`` (int32: the set's positions, and for
+pre-RoPE keys every held token's RoPE position), ``masks`` and ``accumulators`` (a set
+policy's state, ``SetPolicy.state_bytes``: a mask per held packed token, float32 attention
+accumulated per held token),
 ``balancers`` (float32 ``[Hkv, D]``), ``norms`` (codebook keys, ``kvlens.layouts.codebook``:
 their codes are ``codes``, densely packed along channels, plus one float16 norm per held vector;
 ``CodebookSpec.held_bytes`` is the same count), ``rotations`` (one float32 ``[D, D]`` Hadamard matrix
@@ -55,10 +55,9 @@ once (``ModelShape.kv_tensors``).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from kvlens.cache.mixed import set_bytes_per_token
+from kvlens.cache.sets import set_policy
 from kvlens.config import FP_BYTES
 from kvlens.errors import ConfigError
 from kvlens.layouts import flush_block, layout_of
@@ -152,16 +151,6 @@ def fp_bytes_of(fp_dtype: str, model_dtype_bytes: int) -> int:
     return FP_BYTES[fp_dtype]
 
 
-def set_size(mikv, q_start: int, q_end: int) -> int:
-    """Tokens in the MiKV full-precision set after ``q_end`` tokens were quantized (those
-    before ``q_start`` evicted): the sinks while they are held, plus ``ceil(f * held)``."""
-    if mikv is None or q_end == q_start:
-        return 0
-    held = q_end - q_start
-    sinks = max(0, min(mikv.sink_tokens, q_end) - q_start)
-    return min(held, math.ceil(mikv.heavy_fraction * held) + sinks)
-
-
 def shares_storage(setting, kv_shared: bool, head_dim: int, *, balancer: bool = False) -> bool:
     """Whether a layer keeps its keys and values in **one** store: a layer whose keys and values
     are one tensor (``kv_shared``: an MLA model's latent row, ``kvlens.model.mla``) stored
@@ -192,7 +181,8 @@ def layer_part_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batc
     kv_shared: keys and values are one tensor (MLA): one store and one window where
     ``shares_storage`` says so.
 
-    mikv: the config's ``MikvSettings`` (ignored for uncompressed layers, as the cache does).
+    mikv: the layer's ``MikvSettings`` (``KVConfig.mikv_for``; ignored for uncompressed
+    layers, as the cache does): the set its policy keeps (``kvlens.cache.sets``).
     balancer: the layer stores a ``[Hkv, D]`` float32 balancer (fixed or fitted online)."""
     parts = dict.fromkeys(PARTS, 0)
     if tokens == 0:
@@ -209,18 +199,13 @@ def layer_part_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batc
                                                       scale_dtype).items():
                 parts[part] += rows * n
     parts["window"] = (1 if one else 2) * rows * st.window_capacity * head_dim * fp_bytes
-    sets = mikv if setting.compressed and sliding_window is None else None
-    if sets is not None and sets.heavy_fraction + sets.sink_tokens > 0:
-        k = set_size(sets, st.q_start, st.q_end)
-        if sets.set_bits is None:
-            parts["sets"] = 2 * rows * k * head_dim * fp_bytes
-        else:
-
-            parts["sets"] = 2 * rows * k * set_bytes_per_token(sets.set_bits, head_dim)
+    policy = set_policy(mikv) if setting.compressed and sliding_window is None else None
+    if policy is not None:
+        k = policy.size(st.q_start, st.q_end)
+        parts["sets"] = 2 * rows * k * policy.row_bytes(head_dim, fp_bytes)
         parts["positions"] += rows * k * POSITION_BYTES
-        if sets.heavy_fraction > 0:
-            parts["masks"] = rows * st.q_held
-            parts["accumulators"] = rows * (tokens - st.q_start) * 4
+        for part, n in policy.state_bytes(rows, st.q_held, tokens - st.q_start).items():
+            parts[part] += n
     if setting.pre_rope_keys and setting.key is not None:
         parts["positions"] += batch * (tokens - st.q_start) * POSITION_BYTES
     if balancer and setting.key is not None:

@@ -3,7 +3,7 @@ store, with scales folded instead of dequantizing (the reference backend; runs o
 
 ``packed_attention(query, layer, mask, scaling)`` attends ``query`` ``[B, Hq, Tq, D]`` to every
 token of a ``CompressedLayer`` without ever materialising the dequantized history: the packed
-store is read in chunks of ``chunk_tokens`` tokens, then the MiKV high-precision set and the
+store is read in chunks of ``chunk_tokens`` tokens, then the layer's set (``kvlens.cache.sets``) and the
 residual window are attended as further segments; segments are merged with an online softmax
 (running max / sum, flash-decoding style). GQA is handled by grouping the ``Hq = g * Hkv`` query
 heads per KV head (``repeat_kv`` mapping), so packed K/V are read once per KV head. The mask is
@@ -89,7 +89,7 @@ def _range_bias(mask: torch.Tensor | None, t0: int, t1: int, tq: int, n_total: i
 def _bias(mask: torch.Tensor | None, pos: torch.Tensor, tq: int, n_total: int, b: int,
           hkv: int) -> torch.Tensor:
     """Additive float bias broadcastable to scores ``[B, Hkv, g, Tq, C]`` for key positions
-    ``pos`` ``[B, Hkv, C]`` (per head: the MiKV high-precision set)."""
+    ``pos`` ``[B, Hkv, C]`` (per head: the layer's set)."""
     if mask is None:
         qpos = torch.arange(n_total - tq, n_total, device=pos.device)
         allowed = (pos[:, :, None, :] <= qpos[None, None, :, None]).unsqueeze(2)
@@ -320,7 +320,7 @@ def _segments(layer, q: torch.Tensor, qb: torch.Tensor, mask, tq: int, chunk_tok
     g = m // tq
     n_total = layer.cumulative_length
     nq, a0 = layer.quantized_length, layer.q_start  # packed: local [0, nq) = absolute a0 + t
-    sinks = layer.sink_end - a0  # a sinks-only set hides the packed prefix [0, sinks)
+    sinks = layer.sink_end - a0  # a prefix set (the sinks) hides the packed [0, sinks)
     f = max(layer.flush_every, 1)
     step = max(1, chunk_tokens // f) * f
     for t0 in range(0, nq, step):
@@ -330,8 +330,8 @@ def _segments(layer, q: torch.Tensor, qb: torch.Tensor, mask, tq: int, chunk_tok
         bias = _range_bias(mask, a0 + t0, a0 + t1, tq, n_total, q.device)
         if bias is not None:
             s = s + bias
-        if layer.is_hp is not None:
-            s = s.masked_fill(layer.is_hp[:, :, None, None, a0 + t0:a0 + t1], float("-inf"))
+        if layer.set_mask is not None:
+            s = s.masked_fill(layer.set_mask[:, :, None, None, a0 + t0:a0 + t1], float("-inf"))
         if sinks > t0:
             s[..., :sinks - t0] = float("-inf")
         yield s, (lambda p, t0=t0, t1=t1: _value_out(layer, p, t0, t1)), (a0 + t0, a0 + t1)
@@ -369,10 +369,10 @@ def packed_attention(query: torch.Tensor, layer, mask: torch.Tensor | None, scal
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention output ``[B, Tq, Hq, D]`` (transformers' attention-function layout) and, when
     ``with_probs``, the attention mass per cached position ``[B, Hkv, N]`` (summed over the
-    query heads of each KV head and over the queries; used for H2O heavy hitters).
+    query heads of each KV head and over the queries; read by a set policy that needs it).
 
     ``softcap``: logit soft-capping (0 = none); ``sinks``: the learned attention-sink logit of
-    each query head ``[Hq]`` (gpt-oss's ``s_aux``; ``None`` = none), not MiKV's sink tokens
+    each query head ``[Hq]`` (gpt-oss's ``s_aux``; ``None`` = none), not the sink tokens a set keeps
     (module docstring)."""
     b, hq, tq, d = query.shape
     q, qb = _queries(query, layer, scaling)

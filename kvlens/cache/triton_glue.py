@@ -30,9 +30,10 @@ def triton_unsupported(layer, query: torch.Tensor, with_probs: bool, *, softcap:
         return "logit soft-capping (the kernel does not apply tanh capping to its scores)"
     if sinks is not None:
         return "attention sinks (the kernel's softmax has no learned sink term)"
-    if with_probs:
-        return ("MiKV heavy-hitter selection needs attention probabilities, which the kernel "
-                "does not return")
+    if with_probs:  # the layer's set policy reads them (kvlens.cache.sets)
+        policy = getattr(layer, "set_policy", None)
+        return getattr(policy, "kernel_problem", None) or (
+            "the layer's set needs attention probabilities, which the kernel does not return")
     return kernel_layout_problem(layer.setting, layer.head_dim)
 
 
@@ -102,8 +103,8 @@ def _key_mask(mask: torch.Tensor | None, b: int, n: int) -> tuple[torch.Tensor |
 def triton_decode(query: torch.Tensor, layer, mask: torch.Tensor | None, scaling: float
                   ) -> tuple[torch.Tensor | None, str | None]:
     """``kvlens_kernels.decode_attention`` over ``layer`` -> (output ``[B, 1, Hq, D]`` or
-    ``None``, reason it was not used). Passes the MiKV high-precision set (extra segment, its
-    packed copies hidden) and the channel balancer."""
+    ``None``, reason it was not used). Passes the layer's set (extra segment, its packed copies
+    hidden) and the channel balancer."""
     from kvlens_kernels import decode_attention
 
     b = query.shape[0]
@@ -118,7 +119,7 @@ def triton_decode(query: torch.Tensor, layer, mask: torch.Tensor | None, scaling
     length = layer.quantized_length
     extra, pvalid = [], None
     if layer.has_hp:
-        # an integer set (mikv.set_bits) is dequantized to a transient fp16 copy: the kernel
+        # a coded set (rows with bits) is dequantized to a transient fp16 copy: the kernel
         # reads full-precision extra segments only
         hk, hv = layer.hp_k, layer.hp_v
         if hk.bits is not None:
@@ -126,9 +127,9 @@ def triton_decode(query: torch.Tensor, layer, mask: torch.Tensor | None, scaling
         else:
             hk, hv = _wide(hk.parts[0], query.dtype), _wide(hv.parts[0], query.dtype)
         extra = [(hk, hv, layer.hp_pos - a0)]
-        if layer.is_hp is not None:
-            pvalid = ~layer.is_hp[:, :, a0:a0 + length]
-        else:  # sinks-only: the packed prefix is hidden
+        if layer.set_mask is not None:
+            pvalid = ~layer.set_mask[:, :, a0:a0 + length]
+        else:  # a set that is the packed prefix (the sinks): the prefix is hidden
             hidden = layer.sink_end - a0
             pvalid = (torch.arange(length, device=query.device) >= hidden).expand(
                 b, layer.hp_pos.shape[1], length)

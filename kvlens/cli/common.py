@@ -365,7 +365,11 @@ def flag_of(field: str) -> str:
 def run_library_call(fn: Callable[[], Any], name: Callable[[str], str] = flag_of) -> Any:
     """Call library code, turning ``KvlensError`` into one error line and exit code 1 (also
     under CliRunner). The message names options by ``name(field)`` (the flag they were given
-    as, ``KvlensError.render``). The message is printed literally (``[@head]`` is not rich markup)."""
+    as, ``KvlensError.render``) and is printed literally (``[@head]`` is not rich markup).
+    The research package is imported first: its presets and config keys (``kvlens.research``)
+    are the CLI's."""
+    import kvlens.research  # noqa: F401  (registers research presets, config keys, twins)
+
     try:
         return fn()
     except KvlensError as exc:

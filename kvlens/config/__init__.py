@@ -5,6 +5,7 @@
 - ``io``: the versioned JSON form (``config_from_dict``, ``load_config``, ``save_config``);
   ``versions``: its ``FORMAT`` string and its one ``VERSION``.
 - ``presets``: the named presets and ``resolve`` (a preset name or a config file).
+- ``extension``: the set settings research adds to the ``mikv`` section (``register``).
 - ``engine``: the engine-setting vocabulary (``llamacpp:q4_0``, ``vllm:fp8_e4m3:s1`` ...) every
   command reads and ``recommend --target`` prints.
 The storage layouts a config's ``key``/``value`` name, and their rules, are ``kvlens.layouts``.
@@ -27,7 +28,6 @@ from kvlens.config.schema import (
     FP_BYTES,
     FP_DTYPES,
     SCALE_DTYPES,
-    SET_BITS,
     KVConfig,
     LayerKV,
     MikvSettings,
@@ -41,7 +41,6 @@ __all__ = [
     "FP_DTYPES",
     "PRESETS",
     "SCALE_DTYPES",
-    "SET_BITS",
     "VERSION",
     "CacheDtypeSetting",
     "KVConfig",

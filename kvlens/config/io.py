@@ -14,10 +14,9 @@ meaning of each field is ``kvlens.config.schema``. JSON form::
                   # per group (kvlens.quant.reference); a layer may instead give an engine's
                   # "key_format" / "value_format" (kvlens.quant.cachetypes)
       "layers": {"0": {"key": null}},          # partial overrides, merged over "default"
-      "mikv": null | {"heavy_fraction": 0.2, "sink_tokens": 4,
+      "mikv": null | {"sink_tokens": 4,
                       "balancer": "off" | "online" | "fixed", "balancer_exponent": 0.5,
-                      "set_bits": null | 4 | 8,              # optional
-                      "layers": null | [0, 3, ...]},         # optional
+                      ...},     # keys of a research set policy (kvlens.config.extension)
       "balancers": null | {"0": [[b_0 ... b_{D-1}] per KV head], ...},   # for "fixed"
       "scale_dtype": "float16" | "float32" | "8bit",
       "fp_dtype": "float16" | "bfloat16" | "float32" | "float8_e4m3fn" | "exact",
@@ -53,6 +52,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from kvlens.config.extension import read_settings
 from kvlens.config.schema import REMOVED, KVConfig, LayerKV, MikvSettings
 from kvlens.config.versions import FORMAT, VERSION
 from kvlens.errors import ConfigError, is_int
@@ -65,8 +65,7 @@ _LAYER_KEYS = ("key", "value", "residual_tokens", "flush_tokens", "pre_rope_keys
 _TOP_KEYS = ("format", "version", "name", "description", "default", "layers", "mikv",
              "balancers", "scale_dtype", "fp_dtype", "rotation_seed", "model", "kv_scales",
              "engine_attention", "write_before_attention")
-_MIKV_KEYS = ("heavy_fraction", "sink_tokens", "balancer", "balancer_exponent", "set_bits",
-              "layers")
+_MIKV_KEYS = ("sink_tokens", "balancer", "balancer_exponent")  # the stable keys
 _MODEL_KEYS = ("num_layers", "head_dim", "num_key_value_heads")
 
 
@@ -122,7 +121,7 @@ def config_from_dict(data: Any) -> KVConfig:
         raise ConfigError("KV config is missing 'default' (the setting for every layer).")
     default = _layer(data["default"], None, "default")
     layers = {idx: _layer(value, default, f"layers.{idx}") for idx, value in raw_layers.items()}
-    mikv = _section(data, "mikv", _MIKV_KEYS, MikvSettings)
+    mikv = _mikv(data.get("mikv"))
     description = data.get("description")
     if description is not None and not isinstance(description, str):
         raise ConfigError(f"'description' must be a string, got {type(description).__name__}.")
@@ -240,14 +239,16 @@ def _model(raw: Any) -> dict[str, int] | None:
     return dict(raw) or None
 
 
-def _section(data: Mapping, name: str, keys: tuple[str, ...], cls):
-    """An optional settings object (``mikv``): ``None`` when absent or null."""
-    raw = data.get(name)
+def _mikv(raw: Any) -> MikvSettings | None:
+    """The ``mikv`` section (``None`` when absent or null): its stable keys, and the keys of a
+    registered research set policy as its ``importance`` (``kvlens.config.extension``)."""
     if raw is None:
         return None
-    if not isinstance(raw, Mapping) or set(raw) - set(keys):
-        raise ConfigError(f"'{name}' must be an object with keys {', '.join(keys)}.")
-    return cls(**raw)
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"'mikv' must be an object with keys {', '.join(_MIKV_KEYS)}, ...")
+    importance = read_settings(raw, _MIKV_KEYS)
+    return MikvSettings(**{k: v for k, v in raw.items() if k in _MIKV_KEYS},
+                        importance=importance)
 
 
 def _index(key: Any, where: str) -> int:

@@ -64,11 +64,8 @@ def validate_for(config: KVConfig, info) -> None:
         if layer.pre_rope_keys and not info.declares_rope:
             raise ConfigError(f"Config {config.name!r} asks for pre-RoPE keys but "
                               f"{info.architecture} has no rotary embedding.")
-    if config.mikv is not None:
-        bad = [i for i in (config.mikv.layers or ()) if i >= n]
-        if bad:
-            raise ConfigError(f"mikv.layers {bad}: the model has {n} layers; allowed "
-                              f"indices: 0-{n - 1}.")
+    if config.mikv is not None and config.mikv.importance is not None:
+        config.mikv.importance.check_model(n)
     for idx, b in config.balancers.items():
         if idx >= n:
             raise ConfigError(f"balancers.{idx}: the model has {n} layers; allowed indices: "

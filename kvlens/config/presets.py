@@ -1,6 +1,7 @@
-"""The named KV-cache presets (``exact``, ``fp16``, ``kivi-2``, ``mikv-2-int4``...) and
-``resolve``, which turns a preset name or a config file path into a ``KVConfig``. Engine
-settings (``llamacpp:q4_0`` ...) are ``kvlens.config.engine``."""
+"""The named KV-cache presets (``exact``, ``fp16``, ``kivi-2``...) and ``resolve``, which turns a
+preset name or a config file path into a ``KVConfig``. Research adds its presets with
+``add_preset`` when it is imported (``kvlens.research``). Engine settings (``llamacpp:q4_0``
+...) are ``kvlens.config.engine``."""
 
 from __future__ import annotations
 
@@ -27,23 +28,6 @@ def _per_token(bits: int) -> KVConfig:
                                 "window (transformers QuantizedCache-style baseline)")
 
 
-def _mikv(bits: int) -> KVConfig:
-    return KVConfig(f"mikv-{bits}", LayerKV(QuantSpec(bits, "per-token", 32),
-                                            QuantSpec(bits, "per-token", 32), 32),
-                    mikv=MikvSettings(0.2, 4, "online"),
-                    description=f"MiKV: 20% heavy-hitter + 4 sink tokens at full precision, rest "
-                                f"{bits}-bit per-token G32 with an online channel balancer")
-
-
-def _mikv_set(bits: int, set_bits: int) -> KVConfig:
-    base = _mikv(bits)
-    return replace(base, name=f"mikv-{bits}-int{set_bits}",
-                   mikv=replace(base.mikv, set_bits=set_bits),
-                   description=f"MiKV: 20% heavy-hitter + 4 sink tokens stored at INT{set_bits} "
-                               f"(per-token G32), rest {bits}-bit per-token G32 with an online "
-                               "channel balancer")
-
-
 PRESETS: dict[str, KVConfig] = {
     "exact": KVConfig("exact", LayerKV(), fp_dtype="exact",
                       description="no compression, the model's own dtype (same tokens as "
@@ -54,13 +38,9 @@ PRESETS: dict[str, KVConfig] = {
     "kivi-4": _kivi(4),
     "per-token-2": _per_token(2),
     "per-token-4": _per_token(4),
-    "mikv-2": _mikv(2),
-    "mikv-4": _mikv(4),
-    "mikv-2-int4": _mikv_set(2, 4),
-    "mikv-2-int8": _mikv_set(2, 8),
     "kivi-2-sinks": replace(_kivi(2), name="kivi-2-sinks",
                             default=replace(_kivi(2).default, flush_tokens=32),
-                            mikv=MikvSettings(0.0, 4, "off"),
+                            mikv=MikvSettings(4, "off"),
                             description="kivi-2 with the first 4 tokens (attention sinks) kept at "
                                         "full precision and a sliding window (the oldest 32 of "
                                         "128 tokens quantized at a time)"),
@@ -84,9 +64,21 @@ PRESETS: dict[str, KVConfig] = {
 }
 
 
+#: what an unknown preset's message adds: research presets arrive with kvlens.research
+RESEARCH_HINT = "research presets are added when kvlens.research is imported (the CLI does)"
+
+
+def add_preset(config: KVConfig) -> None:
+    """Add a preset under ``config.name`` (research registers its own this way)."""
+    if PRESETS.get(config.name, config) != config:
+        raise ValueError(f"preset {config.name!r} is registered twice")
+    PRESETS[config.name] = config
+
+
 def preset(name: str) -> KVConfig:
     if name not in PRESETS:
-        raise ConfigError(f"Unknown preset {name!r}; allowed: {', '.join(PRESETS)}.")
+        raise ConfigError(f"Unknown preset {name!r}; allowed: {', '.join(PRESETS)}; "
+                          f"{RESEARCH_HINT}.")
     return PRESETS[name]
 
 
@@ -97,4 +89,4 @@ def resolve(spec: str) -> KVConfig:
     if spec.endswith(".json") or Path(spec).is_file():
         return load_config(spec)
     raise ConfigError(f"Unknown preset {spec!r} (and no such config file); allowed presets: "
-                      f"{', '.join(PRESETS)}.")
+                      f"{', '.join(PRESETS)}; {RESEARCH_HINT}.")

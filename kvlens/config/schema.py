@@ -8,11 +8,11 @@ says how keys and values are quantized (a ``QuantSpec`` each, or ``None`` = kept
 dtype), how many of the newest tokens wait in the full-precision residual window, how many of
 them are quantized at a time when it fills (``flush_tokens``: 0 = all, KIVI; fewer = a sliding
 window that always keeps recent tokens exact), and whether keys are stored before RoPE.
-Optional MiKV settings keep a fraction of important tokens at high precision and balance key
+Optional ``mikv`` settings keep the attention sinks at full precision and balance key
 channels.
 
 ``fp_dtype`` is the dtype of every full-precision part the cache holds (the residual window,
-MiKV/sink sets, unquantized keys or values): ``float16`` by default, what a deployment stores,
+sink sets, unquantized keys or values): ``float16`` by default, what a deployment stores,
 so a float32 run on CPU stores and counts them as a GPU deployment would. ``exact`` keeps the
 model's own dtype (then a config with compression off is token-for-token ``DynamicCache``).
 ``float8_e4m3fn`` holds them at one byte per element (3 mantissa bits, no scale: the
@@ -23,14 +23,12 @@ range is +-448); attention reads them widened.
 packed history alike), attends with ``q R`` and un-rotates the output by ``R^T``, so nothing
 changes when nothing is quantized. Not with pre-RoPE keys or a balancer on the same keys.
 
-``mikv.set_bits``: the bit width the MiKV importance set (heavy hitters and sinks) is stored at:
-``null`` = ``fp_dtype`` (as before), 4 or 8 = per-token integer codes (``kvlens.cache.mixed``).
-``mikv.layers``: the compressed layers that keep heavy hitters (``null``: every compressed
-layer, as before). A compressed layer *not* listed keeps only the first ``sink_tokens`` tokens,
-at ``fp_dtype`` (a sinks-only set: no heavy hitters, no ``set_bits`` codes, no H2O mask or
-accumulators), which is what ``recommend`` measures and prices for a layer without a set; the
-balancer settings apply to every layer either way (``KVConfig.mikv_for``). Listing layers needs
-``heavy_fraction > 0``. Sliding-window layers keep no set at all (listed or not).
+``mikv``: the knobs of the default run that carry MiKV's name: ``sink_tokens`` (the first
+tokens kept at ``fp_dtype`` beside their codes, in global compressed layers) and the channel
+balancer (``balancer``, ``balancer_exponent``, the fixed ``balancers``). A research set policy
+(``kvlens.config.extension``, registered by ``kvlens.research``) may add its keys to the section
+(``MikvSettings.importance``); ``KVConfig.mikv_for`` gives each layer its settings. Sliding-window
+layers keep no set.
 
 ``key_format`` / ``value_format`` (per layer, both or neither): an engine's own cache types
 (``kvlens.quant.cachetypes``: ``q8_0``, ``q4_0``, ``fp8_e4m3``... ``f16``), stored as that engine
@@ -47,7 +45,7 @@ the codes re-chosen against the stored grid.
 tokens are coded into the compressed store before it attends, so it reads them back compressed,
 as vLLM's TurboQuant backend does (flash attention over the raw K/V of a first prefill chunk,
 its decode kernel over the compressed cache after). Compressed layers then keep no residual
-window and there is no MiKV set (refused otherwise).
+window and there is no ``mikv`` set (refused otherwise).
 
 ``key`` may be a ``CodebookSpec`` (``kvlens.quant.codebook``): each key vector of the
 quantized history is stored as ``bits``-bit codes of its Hadamard-rotated, normalised
@@ -85,7 +83,6 @@ BALANCER_MODES = ("off", "online", "fixed")
 FP_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
 #: what a config's ``fp_dtype`` may say: one of those, or ``exact`` (the model's own dtype)
 FP_DTYPES = (*FP_BYTES, "exact")
-SET_BITS = (4, 8)  # integer widths of the MiKV importance set (None: fp_dtype)
 #: why a config that stores a removed research layout is refused (here and by kvlens.config.io)
 REMOVED = "removed from kvlens by issue #57 (a negative result, docs/lab-notes/codebooks.md)"
 
@@ -218,22 +215,18 @@ class LayerKV:
 
 @dataclass(frozen=True)
 class MikvSettings:
-    """MiKV: keep ``heavy_fraction`` of tokens (by H2O accumulated attention) plus the first
-    ``sink_tokens`` at full precision; balance key channels (``k*b`` stored, ``q/b`` used).
-    ``layers``: the layers with heavy hitters (None: every compressed layer); the others keep
-    only the sinks, at ``fp_dtype`` (``KVConfig.mikv_for``)."""
+    """Knobs of the default run that carry MiKV's name: keep the first ``sink_tokens`` tokens
+    (attention sinks) at ``fp_dtype`` and balance key channels (``k*b`` stored, ``q/b`` used).
+    ``importance``: a research set policy's settings (``kvlens.config.extension``, registered by
+    ``kvlens.research``) that replaces the sinks-only set on the layers it applies to; the others
+    keep the sinks alone (``KVConfig.mikv_for``)."""
 
-    heavy_fraction: float = 0.2
     sink_tokens: int = 4
     balancer: str = "off"
     balancer_exponent: float = 0.5
-    set_bits: int | None = None  # None: the set is stored at fp_dtype; 4 or 8: integer codes
-    layers: tuple[int, ...] | None = None  # None: every compressed layer keeps heavy hitters
+    importance: Any = None  # a kvlens.config.extension.SetSettings, or None: the sinks alone
 
     def __post_init__(self) -> None:
-        f = self.heavy_fraction
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
-            raise ConfigError(f"Invalid mikv.heavy_fraction {f!r}; allowed: 0.0-1.0.")
         s = self.sink_tokens
         if not is_int(s, 0):
             raise ConfigError(f"Invalid mikv.sink_tokens {s!r}; allowed: an integer >= 0.")
@@ -243,38 +236,17 @@ class MikvSettings:
         e = self.balancer_exponent
         if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 < e <= 1:
             raise ConfigError(f"Invalid mikv.balancer_exponent {e!r}; allowed: (0, 1].")
-        b = self.set_bits
-        if b is not None and (isinstance(b, bool) or b not in SET_BITS):
-            raise ConfigError(f"Unsupported mikv.set_bits {b!r}; allowed: null (the set at "
-                              f"fp_dtype), {', '.join(map(str, SET_BITS))}.")
-        if self.layers is not None:
-            object.__setattr__(self, "layers", _layer_list(self.layers, "mikv.layers"))
-            if not f > 0:
-                raise ConfigError("mikv.layers lists the layers that keep heavy hitters, but "
-                                  "mikv.heavy_fraction is 0; allowed: null (every compressed "
-                                  "layer) or a heavy_fraction > 0 with the list.")
 
     def to_dict(self) -> dict[str, Any]:
-        d = {"heavy_fraction": self.heavy_fraction, "sink_tokens": self.sink_tokens,
-             "balancer": self.balancer, "balancer_exponent": self.balancer_exponent}
-        if self.set_bits is not None:
-            d["set_bits"] = self.set_bits
-        # written only when set
-        return d | ({"layers": list(self.layers)} if self.layers is not None else {})
+        d = {"sink_tokens": self.sink_tokens, "balancer": self.balancer,
+             "balancer_exponent": self.balancer_exponent}
+        return d | (self.importance.to_dict() if self.importance is not None else {})
 
     @property
     def sinks_only(self) -> MikvSettings:
-        """What a layer not in ``layers`` keeps: the sinks at ``fp_dtype``, the balancer."""
-        return replace(self, heavy_fraction=0.0, set_bits=None, layers=None)
-
-
-def _layer_list(layers: Any, where: str) -> tuple[int, ...]:
-    """A sorted tuple of distinct layer indices >= 0, or a ``ConfigError`` naming ``where``."""
-    ok = isinstance(layers, (list, tuple)) and all(is_int(x, 0) for x in layers)
-    if not ok or len(set(layers)) != len(layers):
-        raise ConfigError(f"Invalid {where} {layers!r}; allowed: null (every compressed layer) "
-                          "or a list of distinct layer indices >= 0.")
-    return tuple(sorted(layers))
+        """What a layer the ``importance`` set does not apply to keeps: the sinks at
+        ``fp_dtype``, the balancer."""
+        return replace(self, importance=None)
 
 
 @dataclass(frozen=True)
@@ -333,7 +305,7 @@ class KVConfig:
 
     def _check_write_first(self) -> None:
         """``write_before_attention`` codes each forward's tokens at once: no compressed layer
-        may keep a residual window (nothing would wait in it) or a MiKV set (chosen from the
+        may keep a residual window (nothing would wait in it) or a set (chosen from the
         attention the tokens receive before they are coded)."""
         if self.mikv is not None:
             raise ConfigError("write_before_attention cannot be combined with 'mikv' (its set is "
@@ -363,10 +335,10 @@ class KVConfig:
         return self.layers.get(idx, self.default)
 
     def mikv_for(self, idx: int) -> MikvSettings | None:
-        """The MiKV settings layer ``idx`` keeps its set with: ``mikv`` itself when the layer
-        keeps heavy hitters (``mikv.layers`` null or listing it), else its sinks-only form."""
+        """The settings layer ``idx`` keeps its set with: ``mikv`` itself when its
+        ``importance`` set applies to the layer (or there is none), else its sinks-only form."""
         m = self.mikv
-        if m is None or m.layers is None or idx in m.layers:
+        if m is None or m.importance is None or m.importance.applies_to(idx):
             return m
         return m.sinks_only
 

@@ -36,7 +36,7 @@ def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balanc
         raise ConfigError("internal: balancer chosen together with pre-RoPE keys")
     mikv = None
     if used or opts.sink_tokens:
-        mikv = MikvSettings(heavy_fraction=0.0, sink_tokens=opts.sink_tokens,
+        mikv = MikvSettings(sink_tokens=opts.sink_tokens,
                             balancer="fixed" if used else "off",
                             balancer_exponent=opts.balancer_exponent)
     twins: dict[str, dict[int, tuple]] = {}

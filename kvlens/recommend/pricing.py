@@ -68,7 +68,7 @@ def _layer_section(c: Candidate, opts: RecommendOptions):
 
     if c.twin is not None:
         return twin_extension(c.twin).held(c.twin.setting, opts)
-    return MikvSettings(0.0, opts.sink_tokens, "off") if opts.sink_tokens else None
+    return MikvSettings(opts.sink_tokens, "off") if opts.sink_tokens else None
 
 
 def tensor_fp16_bytes(shape, layer: int, context: int) -> float:

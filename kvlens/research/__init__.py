@@ -3,7 +3,11 @@ the model), plugged into stable recommend's extension point
 (``kvlens.recommend.extension``), and the door behind ``kvlens recommend --set NAME=VALUE``.
 
 Importing this package registers its candidate extensions: ``mikv`` (MiKV importance-set
-twins, ``kvlens.research.mikv``, with its set simulation ``kvlens.research.heavy_hitters``).
+twins, ``kvlens.research.mikv``, with its set simulation ``kvlens.research.heavy_hitters``), and
+MiKV's importance set in the cache and the config (``kvlens.research.sets``: heavy hitters by
+H2O attention, the set as 4/8-bit codes, ``mikv.layers``, through ``kvlens.cache.sets`` and
+``kvlens.config.extension``) with its presets (``mikv-2``, ``mikv-4``, ``mikv-2-int4``,
+``mikv-2-int8``).
 Stable recommend names none of them; a library user switches one on with
 ``RecommendOptions(extensions=(MikvSets(),))`` or by name (``extensions=("mikv",)``) after
 importing this package.
@@ -36,7 +40,10 @@ from kvlens.deploy.targets import TargetOptions
 from kvlens.errors import InputError
 from kvlens.recommend.extension import registered
 from kvlens.recommend.options import RESEARCH, RecommendOptions
-from kvlens.research import mikv  # noqa: F401  (registers the MiKV set twins)
+from kvlens.research import (
+    mikv,  # noqa: F401  (registers the MiKV set twins)
+    sets,  # noqa: F401  (registers MiKV's importance set and presets)
+)
 
 #: owners of a lever: the per-layer recommendation and the engine targets
 RECOMMEND, TARGET = "recommend", "target"

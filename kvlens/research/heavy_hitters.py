@@ -26,13 +26,13 @@ from kvlens.analysis.metrics import (
     sink_softmax,
     streaming_quantized_length,
 )
-from kvlens.cache.layout import set_size
-from kvlens.cache.mixed import dequantize_rows, quantize_rows
+from kvlens.cache.sets import set_policy
+from kvlens.research.sets import dequantize_rows, quantize_rows
 
 
 def set_reconstruction(x: torch.Tensor, bits: int | None) -> torch.Tensor:
     """What the set reads for ``x`` ``[B, Hkv, T, D]``: its ``bits`` per-token codes
-    dequantized (``kvlens.cache.mixed``), or ``x`` itself for a set at full precision."""
+    dequantized (``kvlens.research.sets``), or ``x`` itself for a set at full precision."""
     if bits is None:
         return x.float()
 
@@ -44,7 +44,7 @@ def set_membership(q: torch.Tensor, k: torch.Tensor, k_read: torch.Tensor,
                    flush_tokens: int = 0, softcap: float = 0.0, sinks=None) -> torch.Tensor:
     """Bool ``[B, Hkv, T, T]``: True where decoding query ``i`` reads key ``j`` from the MiKV
     set of a layer with window ``residual_tokens``, flush block ``flush_tokens`` and settings
-    ``mikv`` (``heavy_fraction``, ``sink_tokens``), fed the ``T`` tokens one at a time.
+    ``mikv`` (a ``MikvSettings``: its set policy's size, ``kvlens.cache.sets``, and sinks), fed the ``T`` tokens one at a time.
 
     q ``[B, Hq, T, D]``; k ``[B, Hkv, T, D]`` exact (the window); ``k_read``: packed keys as the
     cache reads them (balancer folded back: ``Q(k b) / b``); ``k_set``: set keys as read
@@ -54,6 +54,11 @@ def set_membership(q: torch.Tensor, k: torch.Tensor, k_read: torch.Tensor,
 
     b, hq, t, d = q.shape
     hkv = k.shape[1]
+    policy = set_policy(mikv)
+
+    def size(end: int) -> int:
+        return 0 if policy is None else policy.size(0, end)
+
     g = num_kv_groups(hq, hkv)
     n_q = streaming_quantized_length(t, residual_tokens, flush_tokens).tolist()
     qg = (q.float() * scaling).reshape(b, hkv, g, t, d)
@@ -81,7 +86,7 @@ def set_membership(q: torch.Tensor, k: torch.Tensor, k_read: torch.Tensor,
         acc[:, :, :i1] += p.sum(dim=(2, 3))
         in_set[:, :, i0:i1] = member[:, :, None, :]
         if i1 < t and n_q[i1] > nq:  # the flush after query i1 - 1
-            member = _choose(member, acc, nq, n_q[i1], mikv, set_size(mikv, 0, n_q[i1]))
+            member = _choose(member, acc, nq, n_q[i1], mikv, size(n_q[i1]))
         i0 = i1
     return in_set
 
@@ -89,7 +94,7 @@ def set_membership(q: torch.Tensor, k: torch.Tensor, k_read: torch.Tensor,
 def _choose(member: torch.Tensor, acc: torch.Tensor, t0: int, t1: int, mikv,
             size: int) -> torch.Tensor:
     """The set after flushing ``[t0, t1)``: among the current set and the block, the sinks and
-    then the largest accumulated attention (``CompressedLayer._select_heavy``)."""
+    then the largest accumulated attention (``HeavyHitters.choose``)."""
     cand = member.clone()
     cand[:, :, t0:t1] = True
     keep = min(int(cand[0, 0].sum()), size)

@@ -9,7 +9,7 @@ bits (plain or balanced, post-RoPE, min/max fitted) also have set twins, one per
 ``set_bits`` codes beside the base's codes, measured by replaying the cache's H2O selection
 while decoding (``kvlens.research.heavy_hitters``). A layer takes the set for both tensors or
 neither; the config lists the layers that took it (``mikv.layers``) at the one width and
-fraction chosen (``mikv.set_bits``, ``mikv.heavy_fraction``). A sliding-window layer keeps no
+fraction chosen (``mikv.set_bits``, ``mikv.heavy_fraction``; ``kvlens.research.sets``). A sliding-window layer keeps no
 set, so has no twins.
 """
 
@@ -20,11 +20,12 @@ from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 from kvlens.analysis.metrics import Variant
-from kvlens.config import SET_BITS, MikvSettings
+from kvlens.config import MikvSettings
 from kvlens.errors import ConfigError, InputError
 from kvlens.recommend.extension import Twin, register
 from kvlens.recommend.options import Candidate, RecommendOptions, Stream
 from kvlens.research.heavy_hitters import set_membership, set_reconstruction
+from kvlens.research.sets import SET_BITS, ImportanceSet, mikv_settings
 
 NAME = "mikv"
 #: set twins are offered for KIVI's G32 grouping only (each is simulated while decoding:
@@ -96,7 +97,7 @@ class MikvSets:
         """Heavy hitters (and the sinks) at the set's codes, as ``mikv_for`` gives a layer in
         ``mikv.layers``."""
         bits, fraction = setting
-        return MikvSettings(fraction, opts.sink_tokens, "off", set_bits=bits)
+        return mikv_settings(fraction, opts.sink_tokens, "off", set_bits=bits)
 
     def write(self, section: MikvSettings | None, chosen: Mapping[int, tuple],
               opts: RecommendOptions) -> MikvSettings:
@@ -107,10 +108,9 @@ class MikvSets:
             raise ConfigError(f"internal: MiKV sets of different widths/fractions chosen: "
                               f"{dict(chosen)}")
         bits, fraction = next(iter(chosen.values()))
-        base = section or MikvSettings(heavy_fraction=0.0, sink_tokens=opts.sink_tokens,
-                                       balancer="off",
+        base = section or MikvSettings(sink_tokens=opts.sink_tokens, balancer="off",
                                        balancer_exponent=opts.balancer_exponent)
-        return replace(base, heavy_fraction=fraction, set_bits=bits, layers=sorted(chosen))
+        return replace(base, importance=ImportanceSet(fraction, bits, sorted(chosen)))
 
     def note(self, settings: Sequence[tuple], best: float, plain: float) -> str:
         return (f"MiKV set candidates ({', '.join(f'INT{b} {h:g}' for b, h in settings)}): "
@@ -149,7 +149,7 @@ class SetVariants:
 
     def membership(self, key, k_read, k_set, fraction: float, stream: Stream):
         if key not in self._members:
-            mikv = MikvSettings(fraction, self.opts.sink_tokens, "off")
+            mikv = mikv_settings(fraction, self.opts.sink_tokens, "off")
             self._members[key] = set_membership(
                 self.q, self.k, k_read, k_set, mikv, scaling=self.attrs.scaling,
                 residual_tokens=stream.residual, flush_tokens=stream.flush,

@@ -1,0 +1,262 @@
+"""MiKV's importance set in the cache: heavy hitters chosen by H2O accumulated attention, the
+set stored as 4/8-bit per-token codes, the layers that keep it, and the presets that use it.
+
+A research set policy (``kvlens.cache.sets``) plugged in through the config's extension point
+(``kvlens.config.extension``): importing ``kvlens.research`` registers ``ImportanceSet``, the
+``mikv`` section's keys ``heavy_fraction``, ``set_bits`` and ``layers``, and the presets
+``mikv-2``, ``mikv-4``, ``mikv-2-int4`` and ``mikv-2-int8``.
+
+``heavy_fraction`` > 0: besides the first ``sink_tokens`` (always kept), each global compressed
+layer keeps ``ceil(heavy_fraction * held)`` of its quantized tokens per KV head, those with the
+largest attention accumulated since they were cached (H2O), chosen again at every flush among
+the current set and the flushed block; the set is hidden in the packed store by a mask (parts
+``masks`` and ``accumulators``). ``set_bits`` = 4 or 8: each set token's key and value are kept
+as per-token integer codes (reference quantizer, ``set_spec``: asymmetric, groups of 32 channels,
+or the whole head when 32 does not divide ``head_dim``), packed along channels, with float16
+scale and zero per group; ``None`` keeps them at ``fp_dtype``. Per-token codes belong to one
+token each, so re-choosing the set only gathers rows. Bytes per set token and tensor:
+``packed_length(D, bits)`` code bytes plus ``2 * 2 * D / G`` scale and zero bytes
+(``set_bytes_per_token``). ``layers``: the compressed layers that keep this set (``None``: every
+one); the others keep the sinks alone at ``fp_dtype`` (``KVConfig.mikv_for``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+import torch
+
+from kvlens.cache.sets import SetRows, first_positions, sinks_held
+from kvlens.config import KVConfig, LayerKV, MikvSettings
+from kvlens.config.extension import register
+from kvlens.config.presets import add_preset
+from kvlens.errors import ConfigError, is_int
+from kvlens.quant import (
+    QTensor,
+    QuantSpec,
+    dequantize,
+    pack_codes,
+    packed_length,
+    quantize,
+    unpack_codes,
+)
+
+SET_BITS = (4, 8)  # integer widths of the importance set (None: fp_dtype)
+SET_GROUP = 32
+SCALE_DTYPE = torch.float16
+#: why the fused decode kernel cannot serve a layer choosing heavy hitters
+KERNEL_PROBLEM = ("MiKV heavy hitters: their selection needs attention probabilities, which the "
+                  "kernel does not return (torch path)")
+
+
+# -- the set's codes -------------------------------------------------------------------------------
+
+def set_spec(bits: int, head_dim: int) -> QuantSpec:
+    """How a set token is quantized: per-token, groups of 32 channels (or the head)."""
+    return QuantSpec(bits, "per-token", SET_GROUP if head_dim % SET_GROUP == 0 else None)
+
+
+def set_bytes_per_token(bits: int, head_dim: int) -> int:
+    """Bytes one token of one tensor (key or value) of the set holds at ``bits``."""
+    spec = set_spec(bits, head_dim)
+    groups = head_dim // (spec.group_size or head_dim)
+    return packed_length(head_dim, bits) + 2 * groups * SCALE_DTYPE.itemsize
+
+
+def quantize_rows(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` ``[B, H, K, D]`` -> ``(codes uint8 [B, H, K, ceil(D/P)], scale, zero float16
+    [B, H, K, D/G])``: each row quantized on its own (so rows can be gathered later)."""
+    q = quantize(x.float(), set_spec(bits, x.shape[-1]))
+    return pack_codes(q.codes, bits, dim=3), q.scale.to(SCALE_DTYPE), q.zero.to(SCALE_DTYPE)
+
+
+def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
+                    head_dim: int) -> torch.Tensor:
+    """Inverse of ``quantize_rows`` -> float32 ``[B, H, K, D]``."""
+    spec = set_spec(bits, head_dim)
+    c = unpack_codes(codes, bits, head_dim, dim=3)
+    shape = (*c.shape[:3], head_dim)
+    return dequantize(QTensor(c, scale.float(), zero.float(), spec, shape))
+
+
+class CodedRows(SetRows):
+    """Set rows stored as per-token ``bits``-bit codes: ``parts`` = (codes, scale, zero)."""
+
+    def __init__(self, bits: int, head_dim: int):
+        super().__init__(None, head_dim)
+        self.bits = bits
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return quantize_rows(x, self.bits)
+
+    def read(self) -> torch.Tensor:
+        return dequantize_rows(*self.parts, self.bits, self.head_dim)
+
+
+# -- the policy ------------------------------------------------------------------------------------
+
+class HeavyHitters:
+    """The cache's ``SetPolicy`` for an ``ImportanceSet``: the sinks plus ``ceil(f * held)``
+    heavy hitters (``f`` = 0: the sinks alone, as a prefix), rows at ``set_bits``."""
+
+    kernel_problem = KERNEL_PROBLEM
+
+    def __init__(self, heavy_fraction: float, sink_tokens: int, set_bits: int | None):
+        self.heavy_fraction = heavy_fraction
+        self.sink_tokens = sink_tokens
+        self.set_bits = set_bits
+        self.masked = self.needs_attention_probs = heavy_fraction > 0
+        self.acc: torch.Tensor | None = None  # [B, Hkv, N] accumulated attention (H2O)
+        self.mask: torch.Tensor | None = None  # [B, Hkv, q_end] bool: the set's packed copies
+
+    @property
+    def empty(self) -> bool:
+        return self.heavy_fraction + self.sink_tokens == 0
+
+    def size(self, q_start: int, q_end: int) -> int:
+        held = q_end - q_start
+        if held == 0:
+            return 0
+        sinks = sinks_held(self.sink_tokens, q_start, q_end)
+        return min(held, math.ceil(self.heavy_fraction * held) + sinks)
+
+    def new_rows(self, dtype: torch.dtype | None, head_dim: int) -> SetRows:
+        return SetRows(dtype, head_dim) if self.set_bits is None else \
+            CodedRows(self.set_bits, head_dim)
+
+    def row_bytes(self, head_dim: int, fp_bytes: int) -> int:
+        return head_dim * fp_bytes if self.set_bits is None else \
+            set_bytes_per_token(self.set_bits, head_dim)
+
+    def observe(self, colsum: torch.Tensor) -> None:
+        n = colsum.shape[-1]
+        if self.acc is None or self.acc.shape[-1] < n:  # exactly the held positions
+            acc = colsum.new_zeros(*colsum.shape[:2], n)
+            if self.acc is not None:
+                acc[..., :self.acc.shape[-1]] = self.acc
+            self.acc = acc
+        self.acc[..., :n] += colsum
+
+    def choose(self, cand_pos: torch.Tensor, keep: int, end: int) -> torch.Tensor:
+        if not self.masked:  # sinks: the first positions, no attention needed
+            return first_positions(cand_pos, keep)
+        b, h = cand_pos.shape[:2]
+        acc = self.acc[..., :end] if self.acc is not None else \
+            torch.zeros(b, h, end, device=cand_pos.device)
+        score = acc.float().gather(-1, cand_pos.long())
+        score = torch.where(cand_pos < self.sink_tokens, torch.inf, score)
+        idx = score.topk(keep, dim=-1).indices
+        self.mask = torch.zeros(b, h, end, dtype=torch.bool, device=cand_pos.device)
+        self.mask.scatter_(-1, cand_pos.gather(-1, idx).long(), True)
+        return idx
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return [(part, t) for part, t in (("masks", self.mask), ("accumulators", self.acc))
+                if t is not None]
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        self.acc = None if self.acc is None else self.acc[index]
+        self.mask = None if self.mask is None else self.mask[index]
+
+    def state_bytes(self, rows: int, q_held: int, held: int) -> dict[str, int]:
+        if not self.masked:
+            return {}
+        return {"masks": rows * q_held, "accumulators": rows * held * 4}
+
+
+# -- the settings ------------------------------------------------------------------------------------
+
+def _layer_list(layers: Any, where: str) -> tuple[int, ...]:
+    """A sorted tuple of distinct layer indices >= 0, or a ``ConfigError`` naming ``where``."""
+    ok = isinstance(layers, (list, tuple)) and all(is_int(x, 0) for x in layers)
+    if not ok or len(set(layers)) != len(layers):
+        raise ConfigError(f"Invalid {where} {layers!r}; allowed: null (every compressed layer) "
+                          "or a list of distinct layer indices >= 0.")
+    return tuple(sorted(layers))
+
+
+@register
+@dataclass(frozen=True)
+class ImportanceSet:
+    """MiKV's set settings (module docstring): ``heavy_fraction`` of tokens by H2O accumulated
+    attention, at ``set_bits`` (``None``: ``fp_dtype``), on ``layers`` (``None``: every
+    compressed layer)."""
+
+    keys: ClassVar[tuple[str, ...]] = ("heavy_fraction", "set_bits", "layers")
+
+    heavy_fraction: float = 0.2
+    set_bits: int | None = None  # None: the set is stored at fp_dtype; 4 or 8: integer codes
+    layers: tuple[int, ...] | None = None  # None: every compressed layer keeps heavy hitters
+
+    def __post_init__(self) -> None:
+        f = self.heavy_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
+            raise ConfigError(f"Invalid mikv.heavy_fraction {f!r}; allowed: 0.0-1.0.")
+        b = self.set_bits
+        if b is not None and (isinstance(b, bool) or b not in SET_BITS):
+            raise ConfigError(f"Unsupported mikv.set_bits {b!r}; allowed: null (the set at "
+                              f"fp_dtype), {', '.join(map(str, SET_BITS))}.")
+        if self.layers is not None:
+            object.__setattr__(self, "layers", _layer_list(self.layers, "mikv.layers"))
+            if not f > 0:
+                raise ConfigError("mikv.layers lists the layers that keep heavy hitters, but "
+                                  "mikv.heavy_fraction is 0; allowed: null (every compressed "
+                                  "layer) or a heavy_fraction > 0 with the list.")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ImportanceSet:
+        return cls(**{"heavy_fraction": 0.0} | dict(data))
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"heavy_fraction": self.heavy_fraction}
+        if self.set_bits is not None:
+            d["set_bits"] = self.set_bits
+        return d | ({"layers": list(self.layers)} if self.layers is not None else {})
+
+    def applies_to(self, layer: int) -> bool:
+        return self.layers is None or layer in self.layers
+
+    def check_model(self, num_layers: int) -> None:
+        bad = [i for i in (self.layers or ()) if i >= num_layers]
+        if bad:
+            raise ConfigError(f"mikv.layers {bad}: the model has {num_layers} layers; allowed "
+                              f"indices: 0-{num_layers - 1}.")
+
+    def policy(self, sink_tokens: int) -> HeavyHitters:
+        return HeavyHitters(self.heavy_fraction, sink_tokens, self.set_bits)
+
+
+def mikv_settings(heavy_fraction: float = 0.2, sink_tokens: int = 4, balancer: str = "off",
+                  balancer_exponent: float = 0.5, set_bits: int | None = None,
+                  layers=None) -> MikvSettings:
+    """A ``mikv`` section with MiKV's importance set (its fields in the order the section's
+    JSON names them); ``heavy_fraction`` 0 with no ``set_bits``: the sinks alone."""
+    importance = None if not heavy_fraction and set_bits is None and layers is None else \
+        ImportanceSet(heavy_fraction, set_bits, layers)
+    return MikvSettings(sink_tokens, balancer, balancer_exponent, importance)
+
+
+# -- the presets -------------------------------------------------------------------------------------
+
+def _mikv(bits: int) -> KVConfig:
+    return KVConfig(f"mikv-{bits}", LayerKV(QuantSpec(bits, "per-token", 32),
+                                            QuantSpec(bits, "per-token", 32), 32),
+                    mikv=mikv_settings(0.2, 4, "online"),
+                    description=f"MiKV: 20% heavy-hitter + 4 sink tokens at full precision, rest "
+                                f"{bits}-bit per-token G32 with an online channel balancer")
+
+
+def _mikv_set(bits: int, set_bits: int) -> KVConfig:
+    base = _mikv(bits)
+    return replace(base, name=f"mikv-{bits}-int{set_bits}",
+                   mikv=mikv_settings(0.2, 4, "online", set_bits=set_bits),
+                   description=f"MiKV: 20% heavy-hitter + 4 sink tokens stored at INT{set_bits} "
+                               f"(per-token G32), rest {bits}-bit per-token G32 with an online "
+                               "channel balancer")
+
+
+for _config in (_mikv(2), _mikv(4), _mikv_set(2, 4), _mikv_set(2, 8)):
+    add_preset(_config)
