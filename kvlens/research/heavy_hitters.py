@@ -3,7 +3,7 @@
 ``kvlens.cache.layer.CompressedLayer`` with heavy hitters (``mikv.heavy_fraction > 0``),
 fed one token at a time, does this at every step ``i``: query ``i`` attends to the packed
 history (tokens in the set masked out), the set (read from its ``set_bits`` codes,
-``kvlens.cache.mixed``) and the window (exact); the attention mass every held position received
+``kvlens.research.sets``) and the window (exact); the attention mass every held position received
 (summed over the query heads of its KV head) is added to its H2O accumulator; when the window
 fills, its oldest block is flushed and the set is chosen again among the current set and the
 flushed block: the ``sink_tokens`` first positions always, then the largest accumulated
