@@ -5,7 +5,6 @@ width, in the cache: stored parts follow their definitions, the folded read path
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,6 +26,7 @@ from kvlens.config import (
 )
 from kvlens.errors import ConfigError
 from kvlens.layouts.packed import PackedTensor
+from kvlens.model.shape import ModelShape
 from kvlens.quant import QuantSpec, fake_quantize
 
 
@@ -174,8 +174,7 @@ def test_gear_config_is_validated_and_versioned():
                  gear=GearSettings(2))
     cfg = KVConfig("x", LayerKV(QuantSpec(2, "per-channel", 32), QuantSpec(2, "per-token", 16),
                                 64), gear=GearSettings(20))
-    info = SimpleNamespace(num_layers=2, head_dim=16, num_key_value_heads=1, declares_rope=True,
-                           architecture="LlamaForCausalLM")
+    info = ModelShape(2, 1, 1, 16, architecture="LlamaForCausalLM")
     with pytest.raises(ConfigError, match=r"head_dim 16 allows; allowed: 0-16"):
         validate_for(cfg, info)
     data = PRESETS["gear-2"].to_dict()
@@ -261,7 +260,8 @@ def test_recommend_measures_prices_and_writes_gear(tmp_path):
     from test_recommend import _planted_capture
 
     from kvlens.cache.gear import part_bytes
-    from kvlens.cache.layout import ModelShape, config_bits
+    from kvlens.cache.layout import config_bits
+    from kvlens.model.shape import ModelShape
     from kvlens.recommend import (
         Candidate,
         Stream,
@@ -288,7 +288,7 @@ def test_recommend_measures_prices_and_writes_gear(tmp_path):
             plain_err, gear_err = table[replace(c, gear=False), s][0], table[c, s][0]
             coarse = c.tensor == "key" and c.granularity == "per-token" and c.bits == 2
             assert gear_err < (0.95 if coarse else 0.8) * plain_err, (c, gear_err, plain_err)
-    shape = ModelShape(2, 2, 32)
+    shape = ModelShape(2, 2, 2, 32)
     k, v = Candidate("key", 2, "per-channel", 32), Candidate("value", 2, "per-token", 32)
     plain = option_bytes(k, v, f, opts, shape, 0)
     gear = option_bytes(replace(k, gear=True), replace(v, gear=True), f, opts, shape, 0)

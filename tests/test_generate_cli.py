@@ -188,10 +188,10 @@ def test_the_model_header_is_read_without_loading(tiny_model_dir):
     from kvlens.model.load import resolve_model
 
     tiny = read_header(resolve_model(str(tiny_model_dir)))
-    assert tiny.num_layers is not None and tiny.max_positions == 256 and tiny.complete
+    assert tiny.shape.num_layers and tiny.max_positions == 256 and tiny.complete
     gguf = read_header(resolve_model(None))
-    assert (gguf.num_layers, gguf.max_positions, gguf.num_key_value_heads, gguf.head_dim) == \
-        (30, 8192, 3, 64)
+    assert (gguf.shape.num_layers, gguf.max_positions, gguf.shape.num_key_value_heads,
+            gguf.shape.head_dim) == (30, 8192, 3, 64)
 
 
 def test_generate_kld_longer_than_the_text(tiny_model_dir, tmp_path):

@@ -171,7 +171,7 @@ def test_sets_on_some_layers_hold_what_the_layout_predicts():
     assert [layer.hp_k.bits for layer in cache.layers] == [None, 4, None]
     # 112 of the 120 tokens are quantized (window 16, blocks of 8): 3 sinks + ceil(0.2 * 112)
     assert [layer.hp_pos.shape[-1] for layer in cache.layers] == [3, 3 + 23, 3]
-    assert rep["breakdown"]["masks"] == 112 * shape.kv_heads  # one layer's H2O mask
+    assert rep["breakdown"]["masks"] == 112 * shape.num_key_value_heads  # one layer's H2O mask
 
 
 # -- recommend: MiKV set candidates --------------------------------------------------------------
@@ -249,10 +249,10 @@ def test_set_candidates_are_priced_by_the_layout():
     accumulators (float32 per held token), per KV head."""
     from dataclasses import replace
 
-    from kvlens.cache.layout import ModelShape
+    from kvlens.model.shape import ModelShape
     from kvlens.recommend import Candidate, option_bytes
 
-    shape = ModelShape(1, 2, 32)
+    shape = ModelShape(1, 2, 2, 32)
     opts = _opts(context=1024)
     k, v = Candidate("key", 2, "per-channel", 32), Candidate("value", 2, "per-token", 32)
     base = option_bytes(k, v, 32, opts, shape, 0)[0]

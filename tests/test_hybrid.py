@@ -74,7 +74,7 @@ def test_held_bytes_count_only_the_attention_layers(name):
     model = _qwen3_next()
     config = _small(preset(name))
     shape = shape_of(model)
-    assert shape.kv_layers == (3,)
+    assert shape.attention_layers == (3,)
     ids = torch.randint(3, TINY_VOCAB, (1, 90), generator=torch.Generator().manual_seed(1))
     with torch.no_grad(), compressed_attention(model, config) as session:
         cache = session.new_cache()

@@ -229,9 +229,9 @@ def test_option_bytes_count_every_part():
     # keys 2-bit per-channel G32 and values 2-bit per-token G32 (3 bits each with fp16 scale
     # and zero) on the 1024 tokens quantized at 1024 tokens (flushed whole), the 128-token fp16
     # window buffer, and 4 sink tokens: fp16 K and V plus an int32 position per KV head.
-    from kvlens.cache.layout import ModelShape
+    from kvlens.model.shape import ModelShape
 
-    shape = ModelShape(1, 2, 64)
+    shape = ModelShape(1, 2, 2, 64)
     k, v = Candidate("key", 2, "per-channel", 32), Candidate("value", 2, "per-token", 32)
     opts = small_options(budget_bits=4.0, context=1024, fp_dtype="float16",
                             scale_dtype="float16")
@@ -396,10 +396,11 @@ def rec_meta(path):
 
 
 def test_config_bits_matches_the_budget_accounting(tmp_path):
-    from kvlens.cache.layout import ModelShape, config_bits
+    from kvlens.cache.layout import config_bits
     from kvlens.config import preset
+    from kvlens.model.shape import ModelShape
 
-    shape = ModelShape(30, 3, 64)
+    shape = ModelShape(30, 3, 3, 64)
     # kivi-2 at 4096 tokens, head_dim 64: 3 bits on all 4096 tokens (flushed whole at 4096)
     # plus the window's 128-token fp16 buffer.
     assert config_bits(preset("kivi-2"), shape, 4096) == pytest.approx(
@@ -410,7 +411,7 @@ def test_config_bits_matches_the_budget_accounting(tmp_path):
     assert config_bits(sinks, shape, 4096) == pytest.approx(
         (3.0 * 4096 + 16 * 128) / 4096 + 4 * (16 + 32 / 128) / 4096)
     # a sliding-window layer counts only its window: fp16 is 16 bits of what it holds
-    sliding = ModelShape(2, 3, 64, (512, None))
+    sliding = ModelShape(2, 3, 3, 64, windows=(512, None))
     assert config_bits(preset("fp16"), sliding, 32768) == 16.0
     assert sliding.fp16_bytes(32768) == 2 * 3 * 64 * 2 * (511 + 32768)
     path = _planted_capture(tmp_path / "p.h5")
@@ -490,7 +491,7 @@ def test_rotation_candidates_are_measured_priced_and_written(tmp_path):
     """Keys with two outlier channels: a per-token group holding them is coarse; the Hadamard
     rotation spreads them, so rotated per-token keys measure lower error than plain per-token
     ones at the same price, and the config `recommend` writes stores what it chose."""
-    from kvlens.cache.layout import ModelShape
+    from kvlens.model.shape import ModelShape
 
     path = _planted_capture(tmp_path / "p.h5", has_rope=False)
     opts = small_options(budget_bits=4.0, group_sizes=(32,), bits=(4,), balancer=False)
@@ -506,7 +507,7 @@ def test_rotation_candidates_are_measured_priced_and_written(tmp_path):
         # attention output (0.09 vs 0.27 at 4 bits) and scores
         assert table[rot_k, f][0] < 0.5 * table[plain_k, f][0]
         assert table[rot_k, f][1] < 0.5 * table[plain_k, f][1]
-    shape = ModelShape(2, 2, 32)
+    shape = ModelShape(2, 2, 2, 32)
     v = Candidate("value", 4, "per-token", 32)
     assert option_bytes(rot_k, v, f.flush, opts, shape, 0) == option_bytes(
         plain_k, v, f.flush, opts, shape, 0)

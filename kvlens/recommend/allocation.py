@@ -130,7 +130,7 @@ class _Pricing:
     def _option(self, kc, vc, s, window):
         """``option_bytes`` of a layer with sliding ``window`` storing ``kc``/``vc``."""
         shape = self.shape
-        layer = next(i for i in shape.kv_layers if shape.window(i) == window)
+        layer = next(i for i in shape.attention_layers if shape.window(i) == window)
         return option_bytes(kc, vc, s.flush, self.opts, shape, layer, residual=s.residual)
 
     def fronts(self, tables, rotation: bool, mikv_set) -> list[list]:

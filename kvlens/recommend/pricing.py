@@ -47,7 +47,7 @@ def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOption
     fp, sd = FP_BYTES[opts.fp_dtype], opts.scale_dtype
     gear = gear_settings() if kc.gear else None
     parts = layer_part_bytes(setting, tokens=opts.context, head_dim=shape.head_dim,
-                             kv_heads=shape.kv_heads, mikv=mikv, balancer=kc.balancer,
+                             kv_heads=shape.num_key_value_heads, mikv=mikv, balancer=kc.balancer,
                              sliding_window=w, gear=gear, fp_bytes=fp, scale_dtype=sd,
                              kv_shared=shape.kv_shared)
     total = sum(parts.values())
@@ -56,10 +56,10 @@ def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOption
         return total, total / 2, total / 2
     held = stream_state(setting, opts.context, w).q_held
     f = flush_every(setting)
-    own = [shape.kv_heads * (sum(layout_of(c.spec()).part_bytes(held, shape.head_dim, f,
-                                                                sd).values()) + (
-        sum(part_bytes(c.spec(), gear_settings(), held, f, shape.head_dim, fp)) if c.gear
-        else 0)) for c in (kc, vc)]
+    own = [shape.num_key_value_heads
+           * (sum(layout_of(c.spec()).part_bytes(held, shape.head_dim, f, sd).values())
+              + (sum(part_bytes(c.spec(), gear_settings(), held, f, shape.head_dim, fp))
+                 if c.gear else 0)) for c in (kc, vc)]
     shared = (total - sum(own)) / 2
     return total, own[0] + shared, own[1] + shared
 
@@ -77,8 +77,8 @@ def _layer_mikv(c: Candidate, opts: RecommendOptions):
 def tensor_fp16_bytes(shape, layer: int, context: int) -> float:
     """Bytes of one tensor (K or V) of ``layer`` in an fp16 cache after ``context`` tokens (an
     MLA model's: half its one latent row, which serves as both)."""
-    return shape.kv_heads * shape.visible_tokens(layer, context) * shape.head_dim * 2 * \
-        shape.kv_tensors / 2
+    return shape.num_key_value_heads * shape.visible_tokens(layer, context) * shape.head_dim \
+        * 2 * shape.kv_tensors / 2
 
 
 COST_PRESETS = ("fp16", "kivi-2", "kivi-4", "per-token-4")
