@@ -17,6 +17,7 @@ from kvlens.analysis.metrics import (
 )
 from kvlens.cache.layer import CompressedLayer
 from kvlens.config import LayerKV, MikvSettings
+from kvlens.model.shape import ModelShape
 from kvlens.quant import QuantSpec, fake_quantize
 
 
@@ -194,9 +195,8 @@ def _heavy_capture(path, heavy_layers=(0,), seed=0):
             k[:, :, 7::16] += 3.0 * u
             v[:, :, 7::16] *= 4.0
         tensors[layer] = {"q": q, "k": k, "v": v, "q_pre": q, "k_pre": k}
-    meta = CaptureMeta(model="planted", architecture="Synthetic", model_type="synthetic",
-                       num_layers=2, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d,
-                       has_rope=False, rope={}, rope_layout="none", rotary_dim=0,
+    meta = CaptureMeta(model="planted", shape=ModelShape(2, hq, hkv, d, has_rope=False),
+                       rope_layout="none", rotary_dim=0,
                        compute_dtype="float32", storage_dtype="float32", num_samples=s,
                        num_tokens=t, layers=(0, 1))
     return write_capture(path, meta, tensors)
@@ -218,7 +218,7 @@ def test_recommend_puts_a_set_where_the_heavy_hitters_are(tmp_path):
     layer 0, the config says so (mikv.layers = [0]) and its bits are the priced ones."""
     from dataclasses import replace
 
-    from kvlens.cache.layout import config_bits, shape_of_capture
+    from kvlens.cache.layout import config_bits
     from kvlens.recommend import Candidate, Stream, choose, measure
 
     path = _heavy_capture(tmp_path / "h.h5")
@@ -234,7 +234,7 @@ def test_recommend_puts_a_set_where_the_heavy_hitters_are(tmp_path):
     assert [ch.candidate.mikv_set is not None for ch in rec.choices] == [True, True, False, False]
     assert rec.config.mikv.set_bits == rec.choices[0].candidate.mikv_set[0]
     assert rec.config.mikv.heavy_fraction == rec.choices[0].candidate.mikv_set[1]
-    assert config_bits(rec.config, shape_of_capture(m.meta), opts.context) == pytest.approx(
+    assert config_bits(rec.config, m.meta.shape, opts.context) == pytest.approx(
         rec.mean_bits)
     assert "without a set" in rec.notes[-1]
     # too tight for a set; switched off; --prefer-fast: no set
@@ -249,7 +249,6 @@ def test_set_candidates_are_priced_by_the_layout():
     accumulators (float32 per held token), per KV head."""
     from dataclasses import replace
 
-    from kvlens.model.shape import ModelShape
     from kvlens.recommend import Candidate, option_bytes
 
     shape = ModelShape(1, 2, 2, 32)

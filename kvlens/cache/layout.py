@@ -7,9 +7,9 @@ keeps room for ``R`` tokens (``window_capacity``). ``layer_part_bytes`` predicts
 tensor a layer holds from the same rules and each store's layout (``kvlens.layouts``:
 ``Layout.part_bytes``). Tests
 fill real caches to ``N`` tokens and check the prediction against the bytes the cache object
-really holds. ``ModelShape`` (what the bytes depend on besides the config and the tokens) is
-built here, from a loaded model (``shape_of``) or from a capture's metadata
-(``shape_of_capture``).
+really holds. The bytes depend on the config, the tokens and the model's shape
+(``kvlens.model.shape.ModelShape``: a loaded model's, ``shape_of``, or a capture's,
+``CaptureMeta.shape``).
 
 State after ``N`` tokens (any chunking: the rules depend on ``N`` only), with ``R`` the residual
 window, ``F`` the flush block and ``W`` a sliding-window layer's window:
@@ -65,7 +65,6 @@ from kvlens.config import FP_BYTES
 from kvlens.errors import ConfigError
 from kvlens.layouts import flush_block, layout_of
 from kvlens.model.architecture import describe
-from kvlens.model.mla import MlaShape
 from kvlens.model.placement import layer_devices
 from kvlens.model.shape import ModelShape
 from kvlens.quant import ds_mla
@@ -239,20 +238,6 @@ def layer_part_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batc
     if balancer and setting.key is not None:
         parts["balancers"] = kv_heads * head_dim * 4
     return parts
-
-
-# -- the shape of a model: from a loaded model, or from a capture's metadata -----------------
-
-def shape_of_capture(meta, windows=()) -> ModelShape:
-    """``ModelShape`` of a captured model from its capture metadata
-    (``kvlens.capture.store.CaptureMeta``: layers, the layers with a KV cache, KV heads,
-    head_dim) and ``windows``, the sliding window of each captured layer in ``meta.layers``
-    order (``None`` = global; the capture's layer attributes); fp16 model dtype, one device."""
-    per_layer = dict(zip(meta.layers, windows))
-    return ModelShape(meta.num_layers, meta.num_attention_heads, meta.num_key_value_heads,
-                      meta.head_dim, meta.attention_layers,
-                      tuple(per_layer.get(i) for i in range(meta.num_layers)),
-                      mla=MlaShape(0, 0, 0, 0) if meta.kv_shared else None)
 
 
 def shape_of(model) -> ModelShape:

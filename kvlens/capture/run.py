@@ -157,14 +157,9 @@ def capture_model(model, windows, output: str | Path, *, layers: str | list[int]
     compute_dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     meta = CaptureMeta(
         model=model_name or getattr(model.config, "_name_or_path", "") or info.architecture,
-        architecture=info.architecture, model_type=info.model_type,
-        num_layers=info.num_layers, num_attention_heads=info.num_attention_heads,
-        num_key_value_heads=info.num_key_value_heads, head_dim=info.head_dim,
-        has_rope=info.has_rope, rope=info.rope, rope_layout="pending", rotary_dim=0,
+        shape=info, rope_layout="pending", rotary_dim=0,
         compute_dtype=compute_dtype, storage_dtype=storage_dtype, num_samples=s_count,
         num_tokens=t_count, layers=tuple(layer_list), model_source=model_source,
-        kv_layers=info.attention_layers if info.is_hybrid else (),
-        kv_shared=info.mla is not None,
         text_source=text_source, kvlens_version=__version__,
         extra={"transformers_version": str(transformers.__version__),
                "torch_version": str(torch.__version__),
@@ -173,8 +168,7 @@ def capture_model(model, windows, output: str | Path, *, layers: str | list[int]
                "vocab_size": int(model.get_output_embeddings().weight.shape[0]
                                  if model.get_output_embeddings() is not None else 0),
                "hidden_size": int(model.get_output_embeddings().weight.shape[1]
-                                  if model.get_output_embeddings() is not None else 0),
-               **({"mla": asdict(info.mla)} if info.mla is not None else {})},
+                                  if model.get_output_embeddings() is not None else 0)},
     )
     sink = _LayerSink(set(layer_list), info)
     writer = CaptureWriter(output, overwrite=overwrite, storage_dtype=storage_dtype,

@@ -9,7 +9,7 @@ balancers, GEAR's outlier values and indices and low-rank factors, MiKV sets (co
 positions, H2O mask and accumulators); a sliding-window layer counts only what it keeps. The
 budget is in bits per element relative to an fp16 cache of the same tokens
 (``tensor_fp16_bytes``; 16 = as big as fp16). The model's shape comes from the capture
-(``kvlens.cache.layout.shape_of_capture``).
+(``kvlens.capture.store.CaptureMeta.shape``).
 
 **Decode cost** (``decode_costs``): the bytes one decode step reads at ``L`` tokens for the
 recommendation and the presets (``kvlens.cache.decode_cost``: a documented model, not a
