@@ -182,14 +182,13 @@ def _cost_shape(meta, opts: RecommendOptions) -> CostShape:
     tokens = meta.num_tokens if opts.tokens is None else min(opts.tokens, meta.num_tokens)
     samples = meta.num_samples if opts.samples is None else min(opts.samples, meta.num_samples)
     vocab = int(meta.extra.get("vocab_size", 0) or 0)
-    params = int(meta.extra.get("num_parameters", 0) or 0) or estimated_params(
-        meta.shape.num_layers, meta.shape.num_attention_heads, meta.shape.head_dim, vocab)
+    params = int(meta.extra.get("num_parameters", 0) or 0) or estimated_params(meta.shape,
+                                                                                vocab)
     model_stages = not opts.layer_weights and (opts.sensitivity != "uniform"
                                                or opts.retrieval != "off")
     layout = opts.sensitivity in ("layout", "auto") and model_stages
     return CostShape(
-        layers=len(meta.layers), q_heads=meta.shape.num_attention_heads,
-        kv_heads=meta.shape.num_key_value_heads, head_dim=meta.shape.head_dim, samples=samples,
+        model=meta.shape, layers=len(meta.layers), samples=samples,
         tokens=tokens, score_from=opts.score_from, candidates=len(cands) + 2,
         streams=len(opts.streams()) + 1, families=len(family_probes(cands)) if layout else 0,
         family_layers=opts.layout_layers or 0,
