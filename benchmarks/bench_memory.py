@@ -92,7 +92,7 @@ def main(argv=None) -> None:
     while ids.shape[1] < need:  # repeat the corpus for long prompts (memory does not care)
         ids = torch.cat((ids, ids), dim=1)
     ids = ids.to(device)
-    print(f"model {source.display_name} ({shape.num_layers} layers, {shape.kv_heads} KV heads, "
+    print(f"model {source.display_name} ({shape.num_layers} layers, {shape.num_key_value_heads} KV heads, "
           f"head_dim {shape.head_dim}); {device}; process memory = "
           f"{'torch.cuda.memory_allocated' if device.type == 'cuda' else 'RSS after malloc_trim'}")
     header = (f"{'config':<22} {'tokens':>6} {'report MiB':>10} {'process MiB':>11} "

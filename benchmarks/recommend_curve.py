@@ -43,7 +43,7 @@ def main(argv=None) -> None:
     if not args.capture:
         ap.error("a capture file is needed (or --replot JSON)")
 
-    from kvlens.cache.layout import config_bits, shape_of_capture
+    from kvlens.cache.layout import config_bits
     from kvlens.capture.source import CaptureModel
     from kvlens.config import preset
     from kvlens.errors import InputError
@@ -68,8 +68,7 @@ def main(argv=None) -> None:
     report = evaluate_configs(model, tok, configs, EvalOptions(
         evals=evals, ppl_tokens=args.ppl_tokens, passkey_prompts=args.passkey_prompts),
         progress=lambda msg: print("  " + msg, flush=True))
-    meta = m.meta
-    shape = shape_of_capture(meta, m.windows)
+    shape = m.meta.shape
     rows = []
     for cfg, res in zip(configs, report["results"]):
         rows.append({"name": res["name"], "bits": config_bits(cfg, shape, args.context),

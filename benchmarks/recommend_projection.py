@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvlens.model.shape import ModelShape
 from kvlens.recommend import RecommendOptions
 from kvlens.recommend.catalog import candidates, family_probes
 from kvlens.recommend.cost import GPU_MEMORY_BYTES, CostShape, Hardware, predict
@@ -35,7 +36,7 @@ def shape_for(layers, q_heads, kv_heads, head_dim, params, vocab, hidden,
               weight_bytes: int = 4) -> CostShape:
     opts = RecommendOptions(budget_bits=3.0)  # what `kvlens recommend -b 3.0` runs
     cands = candidates(head_dim, opts, True)
-    return CostShape(layers=layers, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+    return CostShape(model=ModelShape(layers, q_heads, kv_heads, head_dim), layers=layers,
                      samples=4, tokens=opts.tokens, score_from=opts.score_from,
                      candidates=len(cands) + 2, streams=len(opts.streams()) + 1,
                      families=len(family_probes(cands)), sensitivity_tokens=opts.tokens,

@@ -14,6 +14,11 @@ def format_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def format_bytes_by_device(by_device: dict[str, int]) -> str:
+    """``cpu 270.1 MiB, disk 243.1 MiB``."""
+    return ", ".join(f"{dev} {format_bytes(n)}" for dev, n in by_device.items()) or "-"
+
+
 def format_seconds(s: float) -> str:
     """A duration for progress and profile lines: seconds below two minutes, else minutes."""
     return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"

@@ -17,6 +17,7 @@ from kvlens.cache.torch_read import packed_attention
 from kvlens.capture.store import CaptureMeta, LayerAttrs, write_capture
 from kvlens.config import preset
 from kvlens.model.hooks import cache_argument_name
+from kvlens.model.shape import ModelShape
 from kvlens.quant import QTensor, dequantize, quantize
 
 SCALING = 0.25  # the attention scaling make_capture records for every layer
@@ -41,14 +42,8 @@ def make_capture(path, q, k, v, *, k_pre=None, q_pre=None, rope_theta=None, laye
         {"rope_theta": rope_theta, "rope_type": "default"}
     meta = CaptureMeta(
         model="synthetic",
-        architecture="Synthetic",
-        model_type="synthetic",
-        num_layers=layers,
-        num_attention_heads=q.shape[1],
-        num_key_value_heads=k.shape[1],
-        head_dim=q.shape[-1],
-        has_rope=rope_theta is not None,
-        rope=rope,
+        shape=ModelShape(layers, q.shape[1], k.shape[1], q.shape[-1], architecture="Synthetic",
+                         model_type="synthetic", has_rope=rope_theta is not None, rope=rope),
         rope_layout="half" if rope_theta is not None else "none",
         rotary_dim=q.shape[-1] if rope_theta is not None else 0,
         compute_dtype="float32",

@@ -30,10 +30,9 @@ def measured(tmp_path_factory):
 def _known_kld(m):
     """A stand-in for the model: KLD = 2^-(bits the config holds), which falls as the budget
     grows, so the answer is known."""
-    from kvlens.cache.layout import config_bits, shape_of_capture
+    from kvlens.cache.layout import config_bits
 
-    shape = shape_of_capture(m.meta, m.windows)
-    return lambda config: 1.0 / 2 ** config_bits(config, shape, 4096)
+    return lambda config: 1.0 / 2 ** config_bits(config, m.meta.shape, 4096)
 
 
 def test_the_search_finds_the_smallest_budget_that_meets_the_target(measured):

@@ -80,8 +80,8 @@ def test_capture_is_exact_and_harmless(arch, tmp_path):
         assert cap.meta.extra["num_parameters"] == sum(p.numel() for p in model.parameters())
         for layer in cap.iter_layers():
             q, k, v = layer.read("q"), layer.read("k"), layer.read("v")
-            assert q.shape[1] == cap.meta.num_attention_heads
-            assert k.shape[1] == cap.meta.num_key_value_heads
+            assert q.shape[1] == cap.meta.shape.num_attention_heads
+            assert k.shape[1] == cap.meta.shape.num_key_value_heads
             # Attention recomputed from the captured q, k, v equals the model's own.
             for s in range(S):
                 mine = _attend(q[s], k[s], v[s], layer.attrs.scaling, layer.attrs.sliding_window)

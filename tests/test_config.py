@@ -13,7 +13,6 @@ import json
 import tempfile
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
@@ -32,6 +31,7 @@ from kvlens.config import (
     validate_for,
 )
 from kvlens.errors import ConfigError
+from kvlens.model.shape import ModelShape
 from kvlens.quant import CodebookSpec, QuantSpec, RotationSpec
 from kvlens.research.sets import mikv_settings
 
@@ -361,9 +361,7 @@ def test_validate_for_refuses_bad_layer_indices_with_config_error(
     if scale_layers:  # kv_scales for layers that are, or are not, engine layers
         cfg = KVConfig("e", LayerKV(key_format="fp8_e4m3", value_format="fp8_e4m3:s1"),
                        kv_scales={i: {"key": (1.0,)} for i in scale_layers})
-    info = SimpleNamespace(num_layers=num_layers, head_dim=head_dim,
-                           num_key_value_heads=kv_heads, declares_rope=True,
-                           architecture="Synthetic")
+    info = ModelShape(num_layers, kv_heads, kv_heads, head_dim, architecture="Synthetic")
     used = set(cfg.layers) | set(cfg.balancers) | set(cfg.kv_scales) | set(
         (cfg.mikv.importance.layers if cfg.mikv and cfg.mikv.importance else None) or ())
     try:
@@ -411,11 +409,10 @@ def test_codebook_keys_set_the_key_rotation():
         assert cfg.default.rotate_keys and cfg.default.key_codebook == keys
         doc = cfg.to_dict()
         assert doc["version"] == VERSION and config_from_dict(doc) == cfg
-    info = SimpleNamespace(num_layers=3, head_dim=64, num_key_value_heads=2, declares_rope=True,
-                           architecture="Synthetic")
+    info = ModelShape(3, 2, 2, 64, architecture="Synthetic")
     validate_for(cfg, info)
     with pytest.raises(ConfigError, match="No Hadamard rotation for head_dim 63"):
-        validate_for(cfg, SimpleNamespace(**(vars(info) | {"head_dim": 63})))
+        validate_for(cfg, replace(info, head_dim=63))
     first = KVConfig("wf", LayerKV(QuantSpec(4, "per-token"), QuantSpec(4, "per-token")),
                      {0: LayerKV(), 1: LayerKV(key_format="q8_0", value_format="q8_0")},
                      write_before_attention=True)

@@ -19,10 +19,10 @@ def test_decode_cost_model_counts_bytes_read_per_step():
     and scales (window empty after the flush), 3/16 of fp16; a partly filled window adds only
     its filled tokens; layouts without a fused kernel path say why."""
     from kvlens.cache.decode_cost import config_decode_cost
-    from kvlens.cache.layout import ModelShape
     from kvlens.config import preset
+    from kvlens.model.shape import ModelShape
 
-    shape = ModelShape(30, 3, 64)
+    shape = ModelShape(30, 3, 3, 64)
     c = config_decode_cost(preset("kivi-2"), shape, 4096)
     per_head = 2 * 4096 * 64 // 4 + 4 * 4096 * 64 * 2 // 32  # codes K+V, scale+zero K+V
     assert c.read_bytes == 30 * 3 * per_head

@@ -16,6 +16,7 @@ from kvlens.config import load_config
 from kvlens.deploy.kld_model import fit_kld_model
 from kvlens.deploy.targets import TargetOptions, pareto, recommend_target
 from kvlens.errors import ConfigError, InputError
+from kvlens.model.shape import ModelShape
 
 runner = CliRunner()
 HQ, HKV, T, D = 4, 2, 64, 64
@@ -23,9 +24,10 @@ HQ, HKV, T, D = 4, 2, 64, 64
 
 def _capture(path, layers: list[tuple]) -> str:
     """A synthetic capture with its own (q, k, v) per layer."""
-    meta = CaptureMeta(model="synthetic", architecture="Synthetic", model_type="llama",
-                       num_layers=len(layers), num_attention_heads=HQ, num_key_value_heads=HKV,
-                       head_dim=D, has_rope=False, rope={}, rope_layout="none", rotary_dim=0,
+    meta = CaptureMeta(model="synthetic",
+                       shape=ModelShape(len(layers), HQ, HKV, D, model_type="llama",
+                                        has_rope=False),
+                       rope_layout="none", rotary_dim=0,
                        compute_dtype="float32", storage_dtype="float32", num_samples=1,
                        num_tokens=T, layers=tuple(range(len(layers))))
     data = {i: {"q": q, "k": k, "v": v, "q_pre": q, "k_pre": k}
@@ -115,8 +117,8 @@ def test_vllm_skips_the_layer_a_per_tensor_scale_ruins(outlier_capture):
     from kvlens.deploy.targets import candidates_for, measure_errors, scale_files
 
     opts = TargetOptions("vllm", budget_bits=10.1)
-    meta, windows, table, sc = measure_errors(outlier_capture, "vllm", opts)
-    cand = next(x for x in candidates_for("vllm", meta, windows, table, sc, opts)
+    meta, table, sc = measure_errors(outlier_capture, "vllm", opts)
+    cand = next(x for x in candidates_for("vllm", meta, table, sc, opts)
                 if x.setting == "vllm:fp8_e4m3:skip=2")
     scales = json.loads(scale_files(replace(rec, chosen=cand), meta)["kv_scales.json"])
     assert set(scales) == {f"model.layers.{i}.self_attn.{t}_scale" for i in (0, 1, 3)
@@ -223,8 +225,8 @@ def test_every_printed_setting_resolves_in_generate_to_the_same_config(outlier_c
     from kvlens.deploy.targets import candidates_for, measure_errors
 
     opts = TargetOptions(target, budget_bits=16, rotation=rotation)
-    meta, windows, table, scales = measure_errors(outlier_capture, target, opts)
-    cands = candidates_for(target, meta, windows, table, scales, opts)
+    meta, table, scales = measure_errors(outlier_capture, target, opts)
+    cands = candidates_for(target, meta, table, scales, opts)
     assert len(cands) >= 3
     for cand in cands:
         assert is_engine_setting(cand.setting)

@@ -244,10 +244,10 @@ def test_refused_on_a_model_that_is_not_mla():
     with pytest.raises(ConfigError, match="LlamaForCausalLM is not an MLA model"):
         with compressed_attention(model, config):
             pass
-    header = header_from_config(tiny_config("llama").to_dict())  # before any weight loads
+    header = header_from_config(tiny_config("llama").to_dict()).shape  # before any weight loads
     with pytest.raises(ConfigError, match="is not an MLA model; use vllm:fp8"):
         validate_for(config, header)
-    validate_for(config, header_from_config(_deepseek_config().to_dict()))  # MLA: accepted
+    validate_for(config, header_from_config(_deepseek_config().to_dict()).shape)  # MLA: accepted
 
 
 def test_refused_when_the_latent_is_not_whole_tiles():
@@ -255,7 +255,7 @@ def test_refused_when_the_latent_is_not_whole_tiles():
     with pytest.raises(ConfigError, match="qk_rope_head_dim=32, kv_lora_rank=48"):
         validate_for(config, describe(_deepseek(48)))
     with pytest.raises(ConfigError, match="kv_lora_rank=200"):
-        validate_for(config, header_from_config(_deepseek_config(200).to_dict()))
+        validate_for(config, header_from_config(_deepseek_config(200).to_dict()).shape)
 
 
 def test_keys_and_values_are_one_row():

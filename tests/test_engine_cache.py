@@ -247,9 +247,9 @@ def test_held_bytes_equal_report_and_formula(arch, config):
 
 def test_bits_per_element_match_the_formats():
     """At 1024 tokens: q8_0 8.5, q4_0 4.5 bits; fp8 8 + its scales; int4@token-head 4 + 32/D."""
-    from kvlens.cache.layout import ModelShape
+    from kvlens.model.shape import ModelShape
 
-    shape = ModelShape(num_layers=2, kv_heads=2, head_dim=64)
+    shape = ModelShape(num_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=64)
     assert config_bits(_engine("q8_0", "q4_0"), shape, 1024) == pytest.approx(6.5)
     assert config_bits(_engine("int4@token-head", "int4@token-head"), shape, 1024) == \
         pytest.approx(4.5)

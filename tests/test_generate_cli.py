@@ -58,6 +58,28 @@ def test_generate_bad_options(args, message):
     assert message in result.output
 
 
+def test_generate_request_checks_what_needs_no_model(tmp_path):
+    """kvlens.deploy.generate.generate_request, the library call the command parses for: the
+    settings and EvalOptions from plain values, the prompt read from its file, and the
+    refusals made before any model file is read."""
+    from kvlens.deploy.generate import generate_request
+    from kvlens.errors import InputError
+
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("Once upon a time", encoding="utf-8")
+    request = generate_request({"evals": ("ppl",)}, preset="kivi-2", compare="fp16",
+                               prompt_file=prompt, place={"dtype": "float32"})
+    assert [c.name for c in request.settings] == ["kivi-2", "fp16"]
+    assert request.options.prompt == "Once upon a time" and request.options.evals == ("ppl",)
+    assert request.place == {"dtype": "float32"} and request.model is None
+    for options, kw, message in (({"prompt": "x"}, {"prompt_file": prompt}, "not both"),
+                                 ({}, {}, "Nothing to do"),
+                                 ({"evals": ("kld",), "chunk": 0}, {}, "--chunk"),
+                                 ({"prompt": "x"}, {"config": "x.json"}, "not both")):
+        with pytest.raises(InputError, match=message):
+            generate_request(options, preset="kivi-2", **kw)
+
+
 def test_generate_malformed_config(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
@@ -188,10 +210,10 @@ def test_the_model_header_is_read_without_loading(tiny_model_dir):
     from kvlens.model.load import resolve_model
 
     tiny = read_header(resolve_model(str(tiny_model_dir)))
-    assert tiny.num_layers is not None and tiny.max_positions == 256 and tiny.complete
+    assert tiny.shape.num_layers and tiny.max_positions == 256 and tiny.complete
     gguf = read_header(resolve_model(None))
-    assert (gguf.num_layers, gguf.max_positions, gguf.num_key_value_heads, gguf.head_dim) == \
-        (30, 8192, 3, 64)
+    assert (gguf.shape.num_layers, gguf.max_positions, gguf.shape.num_key_value_heads,
+            gguf.shape.head_dim) == (30, 8192, 3, 64)
 
 
 def test_generate_kld_longer_than_the_text(tiny_model_dir, tmp_path):

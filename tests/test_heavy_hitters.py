@@ -16,6 +16,7 @@ from kvlens.analysis.metrics import (
 )
 from kvlens.cache.layer import CompressedLayer
 from kvlens.config import LayerKV, MikvSettings
+from kvlens.model.shape import ModelShape
 from kvlens.quant import QuantSpec, fake_quantize
 from kvlens.research.heavy_hitters import set_membership, set_reconstruction
 from kvlens.research.mikv import MikvSets, set_of, set_twin
@@ -171,7 +172,7 @@ def test_sets_on_some_layers_hold_what_the_layout_predicts():
     assert [layer.hp_k.bits for layer in cache.layers] == [None, 4, None]
     # 112 of the 120 tokens are quantized (window 16, blocks of 8): 3 sinks + ceil(0.2 * 112)
     assert [layer.hp_pos.shape[-1] for layer in cache.layers] == [3, 3 + 23, 3]
-    assert rep["breakdown"]["masks"] == 112 * shape.kv_heads  # one layer's H2O mask
+    assert rep["breakdown"]["masks"] == 112 * shape.num_key_value_heads  # one layer's H2O mask
 
 
 # -- recommend: MiKV set candidates --------------------------------------------------------------
@@ -194,9 +195,8 @@ def _heavy_capture(path, heavy_layers=(0,), seed=0):
             k[:, :, 7::16] += 3.0 * u
             v[:, :, 7::16] *= 4.0
         tensors[layer] = {"q": q, "k": k, "v": v, "q_pre": q, "k_pre": k}
-    meta = CaptureMeta(model="planted", architecture="Synthetic", model_type="synthetic",
-                       num_layers=2, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d,
-                       has_rope=False, rope={}, rope_layout="none", rotary_dim=0,
+    meta = CaptureMeta(model="planted", shape=ModelShape(2, hq, hkv, d, has_rope=False),
+                       rope_layout="none", rotary_dim=0,
                        compute_dtype="float32", storage_dtype="float32", num_samples=s,
                        num_tokens=t, layers=(0, 1))
     return write_capture(path, meta, tensors)
@@ -219,7 +219,7 @@ def test_recommend_puts_a_set_where_the_heavy_hitters_are(tmp_path):
     layer 0, the config says so (mikv.layers = [0]) and its bits are the priced ones."""
     from dataclasses import replace
 
-    from kvlens.cache.layout import config_bits, shape_of_capture
+    from kvlens.cache.layout import config_bits
     from kvlens.recommend import Candidate, Stream, choose, measure
 
     path = _heavy_capture(tmp_path / "h.h5")
@@ -235,7 +235,7 @@ def test_recommend_puts_a_set_where_the_heavy_hitters_are(tmp_path):
     assert [set_of(ch.candidate) is not None for ch in rec.choices] == [True, True, False, False]
     assert rec.config.mikv.importance.set_bits == set_of(rec.choices[0].candidate)[0]
     assert rec.config.mikv.importance.heavy_fraction == set_of(rec.choices[0].candidate)[1]
-    assert config_bits(rec.config, shape_of_capture(m.meta), opts.context) == pytest.approx(
+    assert config_bits(rec.config, m.meta.shape, opts.context) == pytest.approx(
         rec.mean_bits)
     assert "without a set" in rec.notes[-1]
     # too tight for a set; switched off; --prefer-fast: no set
@@ -248,10 +248,9 @@ def test_set_candidates_are_priced_by_the_layout():
     """A twin costs its base plus the set (INT4 codes and fp16 scale/zero per token and
     tensor, an int32 position per set token), the H2O mask (a byte per packed token) and the
     accumulators (float32 per held token), per KV head."""
-    from kvlens.cache.layout import ModelShape
     from kvlens.recommend import Candidate, option_bytes
 
-    shape = ModelShape(1, 2, 32)
+    shape = ModelShape(1, 2, 2, 32)
     opts = _opts(context=1024)
     k, v = Candidate("key", 2, "per-channel", 32), Candidate("value", 2, "per-token", 32)
     base = option_bytes(k, v, 32, opts, shape, 0)[0]

@@ -74,7 +74,7 @@ def test_held_bytes_count_only_the_attention_layers(name):
     model = _qwen3_next()
     config = _small(preset(name))
     shape = shape_of(model)
-    assert shape.kv_layers == (3,)
+    assert shape.attention_layers == (3,)
     ids = torch.randint(3, TINY_VOCAB, (1, 90), generator=torch.Generator().manual_seed(1))
     with torch.no_grad(), compressed_attention(model, config) as session:
         cache = session.new_cache()
@@ -125,8 +125,8 @@ def test_capture_takes_the_attention_layers_and_refuses_the_others(tmp_path):
     windows = torch.randint(3, TINY_VOCAB, (1, 40), generator=torch.Generator().manual_seed(4))
     capture_model(model, windows, tmp_path / "c.h5", storage_dtype="float32")
     with open_capture(tmp_path / "c.h5") as cap:
-        assert cap.meta.layers == (3,) and cap.meta.attention_layers == (3,)
-        assert cap.meta.num_layers == 4
+        assert cap.meta.layers == (3,) and cap.meta.shape.attention_layers == (3,)
+        assert cap.meta.shape.num_layers == 4
         assert cap.layer(3).read("k").shape == (1, 1, 40, 64)
     with pytest.raises(InputError, match="hold no KV cache.*layers with a KV cache: 3"):
         capture_model(model, windows, tmp_path / "d.h5", layers="0,3")

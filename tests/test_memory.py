@@ -20,7 +20,6 @@ from tiny_models import tiny_model
 from kvlens.cache import compressed_attention, memory_report
 from kvlens.cache.cache import held_bytes
 from kvlens.cache.layout import (
-    ModelShape,
     config_bits,
     config_device_bytes,
     config_part_bytes,
@@ -36,6 +35,7 @@ from kvlens.config import (
 from kvlens.deploy import engine_config
 from kvlens.errors import ConfigError
 from kvlens.model.hooks import cache_argument_name
+from kvlens.model.shape import ModelShape
 from kvlens.quant import CodebookSpec, QuantSpec, RotationSpec
 from kvlens.research.sets import mikv_settings
 
@@ -91,7 +91,7 @@ CONFIGS = {name: _scaled(cfg) for name, cfg in PRESETS.items()} | {
 
 def _shape(model) -> ModelShape:
     shape = shape_of(model)
-    assert shape.model_dtype_bytes == 4  # float32 tiny models
+    assert shape.dtype_bytes == 4  # float32 tiny models
     return shape
 
 

@@ -74,7 +74,7 @@ def test_capture_stores_the_latent_row_once_per_token(tmp_path):
     windows = torch.randint(3, TINY_VOCAB, (1, 33), generator=torch.Generator().manual_seed(2))
     capture_model(model, windows, tmp_path / "c.h5", storage_dtype="float32")
     with open_capture(tmp_path / "c.h5") as cap:
-        assert cap.meta.kv_shared and cap.meta.num_key_value_heads == 1
+        assert cap.meta.shape.kv_shared and cap.meta.shape.num_key_value_heads == 1
         layer = cap.layer(0)
         k, v, q = layer.read("k"), layer.read("v"), layer.read("q")
         assert k.shape == (1, 1, 33, ROPE + LATENT) and q.shape == (1, 3, 33, ROPE + LATENT)

@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from kvlens.analysis.outliers import analyze_capture
 from kvlens.capture.store import CaptureMeta, write_capture
 from kvlens.errors import CaptureFileError, InputError
+from kvlens.model.shape import ModelShape
 from kvlens.rope import apply_rope
 
 S, HQ, HKV, T, D = 3, 4, 2, 64, 16
@@ -60,9 +61,8 @@ def _planted_tensors():
 
 
 def _meta(**kw):
-    base = dict(model="planted", architecture="Synthetic", model_type="synthetic", num_layers=2,
-                num_attention_heads=HQ, num_key_value_heads=HKV, head_dim=D, has_rope=True,
-                rope={"rope_theta": 1.0}, rope_layout="half", rotary_dim=D,
+    base = dict(model="planted", shape=ModelShape(2, HQ, HKV, D, rope={"rope_theta": 1.0}),
+                rope_layout="half", rotary_dim=D,
                 compute_dtype="float32", storage_dtype="float32", num_samples=S, num_tokens=T,
                 layers=(0, 1))
     base.update(kw)

@@ -18,7 +18,7 @@ import torch
 from tiny_models import save_model_dir, tiny_config
 
 from kvlens.cache import compressed_attention, memory_report
-from kvlens.cache.layout import ModelShape, config_device_bytes, config_part_bytes, shape_of
+from kvlens.cache.layout import config_device_bytes, config_part_bytes, shape_of
 from kvlens.capture.run import capture_model
 from kvlens.capture.store import open_capture
 from kvlens.config import preset
@@ -35,6 +35,7 @@ from kvlens.model.placement import (
     plan_device_map,
     weights_by_device,
 )
+from kvlens.model.shape import ModelShape
 
 NAMES = ("q", "k", "v", "q_pre", "k_pre")
 GIB, GB = 2**30, 10**9
@@ -211,7 +212,7 @@ def test_per_device_bytes_sum_to_the_total_and_are_predicted():
     """Per-device prediction on a layer split across two (named) devices: each device's
     layers, one rotation copy per device with rotating layers, the sum is the total."""
     config = preset("kivi-2-rot")
-    one = ModelShape(4, 2, 64, (), 2)
+    one = ModelShape(4, 2, 2, 64, dtype_bytes=2)
     split = replace(one, devices=("cuda:0", "cuda:0", "cuda:1", "cuda:1"))
     whole = config_part_bytes(config, one, 1000)
     per = config_device_bytes(config, split, 1000)

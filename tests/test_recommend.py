@@ -17,12 +17,12 @@ from helpers import small_options
 from tiny_models import tiny_model
 from typer.testing import CliRunner
 
-from kvlens.cache.layout import shape_of_capture
 from kvlens.capture.run import capture_model
 from kvlens.capture.store import CaptureMeta, write_capture
 from kvlens.cli import app
 from kvlens.config import MikvSettings, load_config, save_config
 from kvlens.errors import InputError
+from kvlens.model.shape import ModelShape
 from kvlens.recommend import (
     COST_RESOLUTION,
     Candidate,
@@ -96,10 +96,9 @@ def _planted_capture(path, has_rope=True, seed=0, thetas=(10000.0, 10000.0), rec
         post_q = apply_rope(q_pre, cos, sin) if has_rope else q_pre
         post_k = apply_rope(k_pre, cos, sin) if has_rope else k_pre
         tensors[layer] = {"q": post_q, "k": post_k, "v": v, "q_pre": q_pre, "k_pre": k_pre}
-    meta = CaptureMeta(model="planted", architecture="Synthetic", model_type="synthetic",
-                       num_layers=2, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d,
-                       has_rope=has_rope,
-                       rope={"rope_theta": thetas[0]} if has_rope and record else {},
+    rope = {"rope_theta": thetas[0]} if has_rope and record else {}
+    meta = CaptureMeta(model="planted", shape=ModelShape(2, hq, hkv, d, has_rope=has_rope,
+                                                         rope=rope),
                        rope_layout="half" if has_rope else "none",
                        rotary_dim=d if has_rope else 0, compute_dtype="float32",
                        storage_dtype="float32", num_samples=s, num_tokens=t, layers=layers)
@@ -230,9 +229,8 @@ def test_option_bytes_count_every_part():
     # keys 2-bit per-channel G32 and values 2-bit per-token G32 (3 bits each with fp16 scale
     # and zero) on the 1024 tokens quantized at 1024 tokens (flushed whole), the 128-token fp16
     # window buffer, and 4 sink tokens: fp16 K and V plus an int32 position per KV head.
-    from kvlens.cache.layout import ModelShape
 
-    shape = ModelShape(1, 2, 64)
+    shape = ModelShape(1, 2, 2, 64)
     k, v = Candidate("key", 2, "per-channel", 32), Candidate("value", 2, "per-token", 32)
     opts = small_options(budget_bits=4.0, context=1024, fp_dtype="float16",
                             scale_dtype="float16")
@@ -397,10 +395,10 @@ def rec_meta(path):
 
 
 def test_config_bits_matches_the_budget_accounting(tmp_path):
-    from kvlens.cache.layout import ModelShape, config_bits
+    from kvlens.cache.layout import config_bits
     from kvlens.config import preset
 
-    shape = ModelShape(30, 3, 64)
+    shape = ModelShape(30, 3, 3, 64)
     # kivi-2 at 4096 tokens, head_dim 64: 3 bits on all 4096 tokens (flushed whole at 4096)
     # plus the window's 128-token fp16 buffer.
     assert config_bits(preset("kivi-2"), shape, 4096) == pytest.approx(
@@ -411,22 +409,22 @@ def test_config_bits_matches_the_budget_accounting(tmp_path):
     assert config_bits(sinks, shape, 4096) == pytest.approx(
         (3.0 * 4096 + 16 * 128) / 4096 + 4 * (16 + 32 / 128) / 4096)
     # a sliding-window layer counts only its window: fp16 is 16 bits of what it holds
-    sliding = ModelShape(2, 3, 64, (512, None))
+    sliding = ModelShape(2, 3, 3, 64, windows=(512, None))
     assert config_bits(preset("fp16"), sliding, 32768) == 16.0
     assert sliding.fp16_bytes(32768) == 2 * 3 * 64 * 2 * (511 + 32768)
     path = _planted_capture(tmp_path / "p.h5")
     rec = recommend(path, small_options(budget_bits=4.0, group_sizes=(32,)))
-    assert config_bits(rec.config, shape_of_capture(rec_meta(path)),
+    assert config_bits(rec.config, rec_meta(path).shape,
                        rec.context) == pytest.approx(rec.mean_bits)
     assert rec.mean_bits <= 4.0 and rec.config.mikv.sink_tokens == 4
     # with 8-bit group metadata the written config says so and is priced so
     rec8 = recommend(path, small_options(budget_bits=4.0, group_sizes=(32,),
                                             scale_dtype="8bit"))
     assert rec8.config.scale_dtype == "8bit" and rec8.mean_bits <= 4.0
-    assert config_bits(rec8.config, shape_of_capture(rec_meta(path)),
+    assert config_bits(rec8.config, rec_meta(path).shape,
                        rec8.context) == pytest.approx(rec8.mean_bits)
-    assert config_bits(replace(rec8.config, scale_dtype="float16"), shape_of_capture(
-        rec_meta(path)), rec8.context) > rec8.mean_bits
+    assert config_bits(replace(rec8.config, scale_dtype="float16"), rec_meta(path).shape,
+                       rec8.context) > rec8.mean_bits
 
 
 def test_sliding_window_blocks_follow_the_group_sizes(tmp_path):
@@ -491,7 +489,6 @@ def test_rotation_candidates_are_measured_priced_and_written(tmp_path):
     """Keys with two outlier channels: a per-token group holding them is coarse; the Hadamard
     rotation spreads them, so rotated per-token keys measure lower error than plain per-token
     ones at the same price, and the config `recommend` writes stores what it chose."""
-    from kvlens.cache.layout import ModelShape
 
     path = _planted_capture(tmp_path / "p.h5", has_rope=False)
     opts = small_options(budget_bits=4.0, group_sizes=(32,), bits=(4,), balancer=False)
@@ -507,7 +504,7 @@ def test_rotation_candidates_are_measured_priced_and_written(tmp_path):
         # attention output (0.09 vs 0.27 at 4 bits) and scores
         assert table[rot_k, f][0] < 0.5 * table[plain_k, f][0]
         assert table[rot_k, f][1] < 0.5 * table[plain_k, f][1]
-    shape = ModelShape(2, 2, 32)
+    shape = ModelShape(2, 2, 2, 32)
     v = Candidate("value", 4, "per-token", 32)
     assert option_bytes(rot_k, v, f.flush, opts, shape, 0) == option_bytes(
         plain_k, v, f.flush, opts, shape, 0)

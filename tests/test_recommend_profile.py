@@ -5,6 +5,7 @@ import time
 import pytest
 from helpers import small_options
 
+from kvlens.model.shape import ModelShape
 from kvlens.recommend.profile import Profile, profiling, stage
 
 
@@ -41,7 +42,7 @@ def test_stage_outside_a_profile_records_nothing():
 def _shape(**kw):
     from kvlens.recommend.cost import CostShape
 
-    base = dict(layers=30, q_heads=9, kv_heads=3, head_dim=64, samples=4, tokens=512,
+    base = dict(model=ModelShape(30, 9, 3, 64), layers=30, samples=4, tokens=512,
                 score_from=384, candidates=60, streams=5, families=12, sensitivity_tokens=512,
                 probe_tokens=960, params=134_515_008, vocab=49152)
     return CostShape(**(base | kw))
@@ -70,7 +71,7 @@ def test_cost_prediction_scales_with_the_work():
     head = 49152 * 576
     big = predict(_shape(vocab=262144, params=134_515_008 - head + 262144 * 576))
     assert big.stages["layout sensitivity"] > 2 * base.stages["layout sensitivity"]
-    # the head's size is vocabulary x hidden size (q_heads x head_dim unless given)
+    # the head's size is vocabulary x hidden size (query heads x head_dim unless given)
     assert predict(_shape(hidden=576)).stages == base.stages
     assert predict(_shape(hidden=640)).stages["layout sensitivity"] != \
         base.stages["layout sensitivity"]
@@ -146,7 +147,7 @@ def test_the_cost_model_prices_the_dtype_and_projects_a_gpu():
     (measured on the CPU) do not change."""
     from kvlens.recommend.cost import GPU_EFFICIENCY, GPU_PEAK_FLOPS, CostShape, Hardware, predict
 
-    shape = dict(layers=16, q_heads=32, kv_heads=8, head_dim=64, samples=4, tokens=512,
+    shape = dict(model=ModelShape(16, 32, 8, 64), layers=16, samples=4, tokens=512,
                  score_from=384, candidates=40, streams=6, families=12,
                  sensitivity_tokens=512, probe_tokens=960, params=1_235_814_400,
                  vocab=128_256, hidden=2048)

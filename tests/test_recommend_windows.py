@@ -12,10 +12,10 @@ import torch
 from helpers import small_options
 from typer.testing import CliRunner
 
-from kvlens.cache.layout import shape_of_capture
 from kvlens.capture.store import CaptureMeta, write_capture
 from kvlens.cli import app
 from kvlens.errors import InputError
+from kvlens.model.shape import ModelShape
 from kvlens.recommend import (
     DEFAULT_WINDOWS,
     Stream,
@@ -81,9 +81,8 @@ def _local_capture(path, t=512, seed=0):
             k[0, :, :4, 0] = 12.0
             q[0, :, :, 0] = 3.0
         tensors[layer] = {"q": q, "k": k, "v": v, "q_pre": q, "k_pre": k}
-    meta = CaptureMeta(model="planted-local", architecture="Synthetic", model_type="synthetic",
-                       num_layers=3, num_attention_heads=hq, num_key_value_heads=hkv,
-                       head_dim=d, has_rope=False, rope={}, rope_layout="none", rotary_dim=0,
+    meta = CaptureMeta(model="planted-local", shape=ModelShape(3, hq, hkv, d, has_rope=False),
+                       rope_layout="none", rotary_dim=0,
                        compute_dtype="float32", storage_dtype="float32", num_samples=1,
                        num_tokens=t, layers=(0, 1, 2))
     return write_capture(path, meta, tensors)
@@ -187,7 +186,7 @@ def test_mixed_window_config_holds_the_bytes_it_was_priced_at(tmp_path, fp):
     save_config(rec.config, tmp_path / "cfg.json")
     cfg = load_config(tmp_path / "cfg.json")
     assert cfg.fp_dtype == fp
-    shape = shape_of_capture(m.meta, m.windows)
+    shape = m.meta.shape
     priced = sum(option_bytes(ch.candidate, nxt.candidate, ch.flush_tokens, opts, shape,
                               ch.layer, residual=ch.residual_tokens)[0]
                  for ch, nxt in zip(rec.choices[::2], rec.choices[1::2]))

@@ -21,6 +21,7 @@ from helpers import small_options
 from test_recommend import _planted_capture
 
 import kvlens.research  # noqa: F401  (registers the MiKV set twins these tests measure)
+from kvlens.model.mla import MlaShape
 from kvlens.recommend import reuse
 from kvlens.recommend.catalog import family
 from kvlens.recommend.kept_format import VERSION, KeptFormatError, decode, encode
@@ -48,7 +49,7 @@ def measured(tmp_path_factory):
 
 def _same(a: Measurements, b: Measurements) -> None:
     """Every field equal, tensors bit for bit with their dtype."""
-    for f in ("meta", "tables", "weights", "notes", "windows", "factors"):
+    for f in ("meta", "tables", "weights", "notes", "factors"):
         assert getattr(a, f) == getattr(b, f), f
     assert a.profile.stages == b.profile.stages
     assert a.balancers.keys() == b.balancers.keys()
@@ -110,11 +111,12 @@ def test_encoder_carries_weights_factors_and_odd_values(measured):
     extra = {"vocab_size": 49152, "note": "x", "ratio": 0.1, "flag": True, "none": None,
              "nested": {"a": [1, (2.5, "b")], "t": ()},
              "arr": np.arange(6, dtype=np.int32).reshape(2, 3)}
+    shape = dataclasses.replace(m.meta.shape, windows=(None, 64), mla=MlaShape(8, 24, 16, 16))
     odd = dataclasses.replace(
-        m, meta=dataclasses.replace(m.meta, extra=extra), tables=tables,
+        m, meta=dataclasses.replace(m.meta, extra=extra, shape=shape), tables=tables,
         weights=(1.0, 2.5), factors=factors, profile=Profile({"candidate errors": 0.125}),
         balancers={0: m.balancers[0].half(), 1: m.balancers[1].bfloat16()},
-        windows=(None, 64), notes=["ünïcode note"])
+        notes=["ünïcode note"])
     back = decode(encode(odd))
     assert back.tables[1][c, None][1] is None and np.isnan(back.tables[1][c, None][0])
     back.tables[1][c, None] = odd.tables[1][c, None] = (0.5, None, 0.5)  # NaN != NaN
@@ -126,6 +128,36 @@ def test_encoder_carries_weights_factors_and_odd_values(measured):
     assert all(type(x) is float for row in back.factors for x in row.values())
     for budget in (2.9, 3.2):
         _same_choice(odd, back, _opts(budget_bits=budget))
+
+
+def _as_version_6(doc: dict) -> None:
+    """``doc`` (version 7) as version 6 wrote it: the capture's shape fields flat in its
+    metadata, its windows per captured layer beside it, an MLA row in the extra metadata."""
+    meta = doc["meta"]
+    shape = meta.pop("shape")
+    windows = shape.pop("windows") or [None] * shape["num_layers"]
+    doc["windows"] = [windows[i] for i in meta["layers"]]
+    mla = shape.pop("mla")
+    meta["extra"] += [["mla", json.dumps(mla)]] if mla else []
+    for name in ("dtype_bytes", "devices", "layer_kinds", "state_layers"):
+        shape.pop(name)
+    meta |= shape | {"kv_shared": mla is not None}
+    doc["version"] = 6
+
+
+@pytest.mark.parametrize("windows, mla", [((), None), ((None, 64), MlaShape(8, 24, 16, 16))])
+def test_a_version_6_file_reads_back(measured, windows, mla):
+    """A file of the format before the capture's shape was one record (kvlens.model.shape)
+    reads back as the same measurement: the windows and an MLA row move into the shape."""
+    _, m = measured
+    m = dataclasses.replace(m, meta=dataclasses.replace(
+        m.meta, shape=dataclasses.replace(m.meta.shape, windows=windows, mla=mla)))
+    old = _rezipped(encode(m), _as_version_6)
+    with zipfile.ZipFile(io.BytesIO(old)) as z:
+        doc = json.loads(np.load(io.BytesIO(z.read("document.npy"))).tobytes())
+    assert doc["version"] == 6 and "shape" not in doc["meta"] and "windows" in doc
+    _same(decode(old), m)
+    assert decode(old).meta.shape.windows == windows
 
 
 def _rezipped(data: bytes, edit) -> bytes:

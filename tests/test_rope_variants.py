@@ -22,6 +22,7 @@ from kvlens.capture.store import CaptureMeta, open_capture, write_capture
 from kvlens.config import KVConfig, LayerKV, preset
 from kvlens.errors import InputError, ModelLoadError
 from kvlens.model.hooks import cache_argument_name, rope_inputs
+from kvlens.model.shape import ModelShape
 from kvlens.quant import QuantSpec
 from kvlens.rope import FORMS, RopeForm, apply_rope, deinterleave, matching_form
 
@@ -324,9 +325,10 @@ def test_captures_without_stored_tables_still_read(tmp_path):
     k_pre = torch.randn(1, 2, T, d, generator=g)
     cos, sin = rope_tables_for(torch.arange(T).expand(1, -1), d, 10000.0)
     k = apply_rope(k_pre, cos, sin)
-    meta = CaptureMeta(model="m", architecture="A", model_type="llama", num_layers=1,
-                       num_attention_heads=2, num_key_value_heads=2, head_dim=d,
-                       has_rope=True, rope={"rope_theta": 10000.0}, rope_layout="half",
+    meta = CaptureMeta(model="m", shape=ModelShape(1, 2, 2, d, architecture="A",
+                                                   model_type="llama",
+                                                   rope={"rope_theta": 10000.0}),
+                       rope_layout="half",
                        rotary_dim=d, compute_dtype="float32", storage_dtype="float32",
                        num_samples=1, num_tokens=T, layers=(0,))
     path = write_capture(tmp_path / "old.h5", meta,

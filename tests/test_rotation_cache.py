@@ -5,7 +5,6 @@ stored ``k R``/``v R``, attended with ``q R``, output un-rotated by ``R^T``; tor
 from __future__ import annotations
 
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from kvlens.cache.torch_read import packed_attention
 from kvlens.config import KVConfig, LayerKV, MikvSettings, config_from_dict, validate_for
 from kvlens.errors import ConfigError
 from kvlens.model.hooks import cache_argument_name
+from kvlens.model.shape import ModelShape
 from kvlens.quant import QuantSpec, hadamard_rotation
 
 KEYS, VALUES = QuantSpec(2, "per-channel", 16), QuantSpec(2, "per-token", 16)
@@ -107,13 +107,12 @@ def test_bad_rotation_settings_are_refused():
         replace(base, rotate_keys=True, pre_rope_keys=True)
     with pytest.raises(ConfigError, match="rotation_seed"):
         KVConfig("x", base, rotation_seed=-1)
-    info = SimpleNamespace(num_layers=2, head_dim=15, num_key_value_heads=1,
-                           declares_rope=True, architecture="tiny")
+    info = ModelShape(2, 1, 1, 15, architecture="tiny")
     odd = KVConfig("x", replace(base, key=QuantSpec(2, "per-channel", 16), value=None,
                                 rotate_keys=True))
     with pytest.raises(ConfigError, match="No Hadamard rotation for head_dim 15.*Supported"):
         validate_for(odd, info)
-    info.head_dim = 16
+    info = replace(info, head_dim=16)
     bal = KVConfig("x", replace(base, key=QuantSpec(2, "per-token", 16), rotate_keys=True),
                    mikv=MikvSettings(0, "online"))
     with pytest.raises(ConfigError, match="balancer"):

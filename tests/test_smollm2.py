@@ -25,7 +25,8 @@ def test_smollm2_capture_matches_model(smollm2, tmp_path):
 
     # Attention recomputed from the capture equals sdpa on the same tensors (GQA, causal).
     with open_capture(tmp_path / "smol.h5") as cap:
-        assert cap.meta.architecture == "LlamaForCausalLM" and cap.meta.num_layers == 30
+        assert cap.meta.shape.architecture == "LlamaForCausalLM"
+        assert cap.meta.shape.num_layers == 30
         layer = cap.layer(29)
         q, k, v = layer.read("q"), layer.read("k"), layer.read("v")
         ours = attention_output(q, k, v, scaling=layer.attrs.scaling)

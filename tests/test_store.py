@@ -10,12 +10,12 @@ from tiny_models import tiny_model
 from kvlens.capture.run import capture_model
 from kvlens.capture.store import SCHEMA_VERSION, CaptureMeta, open_capture, write_capture
 from kvlens.errors import CaptureFileError, InputError, NumericalError
+from kvlens.model.shape import ModelShape
 
 
 def _meta(**over):
-    base = dict(model="synthetic", architecture="Synthetic", model_type="synthetic",
-                num_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                has_rope=False, rope={}, rope_layout="none", rotary_dim=0,
+    base = dict(model="synthetic", shape=ModelShape(2, 4, 2, 8, has_rope=False),
+                rope_layout="none", rotary_dim=0,
                 compute_dtype="float32", storage_dtype="float32", num_samples=2, num_tokens=5,
                 layers=(0, 1))
     base.update(over)
@@ -28,8 +28,9 @@ def _tensors(meta, seed=0):
     for layer in meta.layers:
         out[layer] = {}
         for name in ("q", "k", "v", "q_pre", "k_pre"):
-            h = meta.num_attention_heads if name.startswith("q") else meta.num_key_value_heads
-            out[layer][name] = torch.randn(meta.num_samples, h, meta.num_tokens, meta.head_dim,
+            shape = meta.shape
+            h = shape.num_attention_heads if name.startswith("q") else shape.num_key_value_heads
+            out[layer][name] = torch.randn(meta.num_samples, h, meta.num_tokens, shape.head_dim,
                                            generator=g)
     return out
 
@@ -40,7 +41,7 @@ def test_round_trip_and_self_description(tmp_path):
     path = write_capture(tmp_path / "syn.h5", meta, data)
     with open_capture(path) as cap:
         assert cap.meta.schema_version == SCHEMA_VERSION
-        assert cap.meta.head_dim == 8 and cap.layers == (0, 1)
+        assert cap.meta.shape.head_dim == 8 and cap.layers == (0, 1)
         assert torch.equal(cap.layer(1).read("v"), data[1]["v"])
         assert torch.equal(cap.layer(0).read("q", samples=[1], heads=[0, 2]),
                            data[0]["q"][[1]][:, [0, 2]])

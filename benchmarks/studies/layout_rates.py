@@ -198,7 +198,7 @@ def fisher(args) -> None:
         ids = cap.tokens()[:1, :n]
         model, _ = load_model_for(cap, opts, [])
     torch.set_num_threads(1)
-    probes = family_probes(candidates(m.meta.head_dim, opts, m.meta.has_rope))
+    probes = family_probes(candidates(m.meta.shape.head_dim, opts, m.meta.shape.has_rope))
     start = time.perf_counter()
     grads = fisher_grads(model, ids, keep, args.samples, args.seed)
     rows = fisher_rows(args.capture, m, opts, probes, grads, n, keep)
@@ -253,8 +253,8 @@ def short(args) -> None:
     short_opts = replace(opts, tokens=args.short, windows=(largest,))
     with open_capture(args.capture) as cap:
         model, _ = load_model_for(cap, opts, [])
-    cands = candidates(m.meta.head_dim, opts, m.meta.has_rope)
-    workers = resolve_workers(opts.workers, float("inf"), m.meta.num_layers)
+    cands = candidates(m.meta.shape.head_dim, opts, m.meta.shape.has_rope)
+    workers = resolve_workers(opts.workers, float("inf"), m.meta.shape.num_layers)
     start = time.perf_counter()
     weights, factors = layout_factors(args.capture, model, short_opts, cands, m.balancers, [],
                                       None, workers)

@@ -69,11 +69,11 @@ def main(argv=None) -> None:
     with open_capture(args.capture) as cap:
         meta = cap.meta
         layers = [int(x) for x in args.layers.split(",")] if args.layers else \
-            sorted({round(i * (meta.num_layers - 1) / 5) for i in range(6)})
+            sorted({round(i * (meta.shape.num_layers - 1) / 5) for i in range(6)})
         model, _ = load_model_for(cap, opts, [])
         n = layout_tokens(opts, meta.num_tokens)
         ids = cap.tokens()[:1, :n]
-        probes = family_probes(candidates(meta.head_dim, opts, meta.has_rope))
+        probes = family_probes(candidates(meta.shape.head_dim, opts, meta.shape.has_rope))
         keep = n // 2
         # as layout_factors: one window (the largest), every token quantized
         largest = max(opts.window_sizes)

@@ -124,7 +124,7 @@ def recommendations(capture: str, opts, levers, log, variants=(), budgets=()) ->
     for lever in levers:
         if lever in FAMILIES:
             lopts = replace(opts, **FAMILIES[lever])
-            wanted = set(candidates(meta.head_dim, lopts, meta.has_rope))
+            wanted = set(candidates(meta.shape.head_dim, lopts, meta.shape.has_rope))
             tables = [{cf: e for cf, e in t.items() if cf[0] in wanted} for t in full_m.tables]
             m = replace(full_m, tables=tables)
         elif lever == "sensitivity":

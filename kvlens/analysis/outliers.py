@@ -336,9 +336,9 @@ def iter_layer_stats(cap, layers: Sequence[int], kv_heads: Sequence[int],
                      families: Sequence[str], threshold: float) -> Iterator[list[HeadStats]]:
     """Yield the ``HeadStats`` of one layer at a time from an open ``Capture``."""
     meta = cap.meta
-    groups = meta.num_key_value_groups
+    groups = meta.shape.num_key_value_groups
     q_heads = [kv * groups + g for kv in kv_heads for g in range(groups)]
-    rope_on = meta.has_rope and meta.rotary_dim > 0
+    rope_on = meta.shape.has_rope and meta.rotary_dim > 0
     layout = meta.rope_layout if meta.rope_layout in ("half", "interleaved") else "half"
     for layer in layers:
         data = cap.layer(layer)
@@ -385,8 +385,8 @@ def analyze_capture(path: str | os.PathLike, layers: str | Sequence[int] | None 
     thr = _check_threshold(threshold)
     with open_capture(path) as cap:
         meta = cap.meta
-        layer_idx = _resolve(layers, meta.num_layers, "layer", available=meta.layers)
-        kv_heads = _resolve(heads, meta.num_key_value_heads, "KV head")
+        layer_idx = _resolve(layers, meta.shape.num_layers, "layer", available=meta.layers)
+        kv_heads = _resolve(heads, meta.shape.num_key_value_heads, "KV head")
         collected: list[HeadStats] = []
         for i, stats in enumerate(iter_layer_stats(cap, layer_idx, kv_heads, families, thr)):
             collected.extend(stats)
@@ -397,8 +397,8 @@ def analyze_capture(path: str | os.PathLike, layers: str | Sequence[int] | None 
         return OutlierReport(
             path=str(path), model=meta.model, threshold=thr, tensors=families,
             layers=tuple(layer_idx), kv_heads=tuple(kv_heads),
-            num_attention_heads=meta.num_attention_heads,
-            num_key_value_heads=meta.num_key_value_heads, head_dim=meta.head_dim,
+            num_attention_heads=meta.shape.num_attention_heads,
+            num_key_value_heads=meta.shape.num_key_value_heads, head_dim=meta.shape.head_dim,
             rope_layout=meta.rope_layout, rotary_dim=meta.rotary_dim,
             num_samples=meta.num_samples, num_tokens=meta.num_tokens,
             heads=tuple(collected), seconds=round(time.perf_counter() - t0, 3))
@@ -408,8 +408,8 @@ def read_head(path: str | os.PathLike, layer: int, tensor: str, head: int, sampl
     """``[T, D]`` float32 tensor of one head and sample (for heatmaps)."""
 
     with open_capture(path) as cap:
-        meta = cap.meta
-        limit = meta.num_attention_heads if tensor.startswith("q") else meta.num_key_value_heads
+        meta, shape = cap.meta, cap.meta.shape
+        limit = shape.num_attention_heads if tensor.startswith("q") else shape.num_key_value_heads
         if not 0 <= head < limit:
             raise InputError(f"Head {head} of {tensor} outside 0-{limit - 1}.")
         if not 0 <= sample < meta.num_samples:

@@ -118,7 +118,7 @@ class CompressionSession:
                    mikv=self.config.mikv_for(idx), balancer=bal,
                    sliding_window=self.info.window(idx), rotation=rotation, session=self,
                    write_first=self.config.write_before_attention,
-                   kv_shared=self.info.mla is not None, **states)
+                   kv_shared=self.info.kv_shared, **states)
 
     def _engine_layer(self, idx: int, **states):
 
@@ -130,7 +130,7 @@ class CompressionSession:
                    key_scale=static_scale(setting.key_type, hkv, given.get("key")),
                    value_scale=static_scale(setting.value_type, hkv, given.get("value")),
                    sliding_window=self.info.window(idx), session=self,
-                   kv_shared=self.info.mla is not None, **states)
+                   kv_shared=self.info.kv_shared, **states)
 
 
 def exact_layers(model) -> dict:

@@ -80,18 +80,18 @@ def config_decode_cost(config, shape: layout.ModelShape, tokens: int, batch: int
     """``DecodeCost`` of ``config`` on a model of ``shape`` (``kvlens.cache.layout.ModelShape``),
     with the same per-layer rules as ``layout.config_part_bytes``."""
 
-    fp = layout.fp_bytes_of(config.fp_dtype, shape.model_dtype_bytes)
+    fp = layout.fp_bytes_of(config.fp_dtype, shape.dtype_bytes)
     # bytes read per scale (and per zero) are the bytes held: the kernel reads 8-bit metadata
     # as bytes and decodes it in registers (docs/kernels.md)
     read = unpack = 0
     unfused = {}
-    for i in shape.kv_layers:
+    for i in shape.attention_layers:
         setting = config.layer(i)
         mikv = config.mikv_for(i)
         balancer = mikv is not None and (mikv.balancer == "online" or
                                          (mikv.balancer == "fixed" and i in config.balancers))
         r, u = layer_read_bytes(setting, tokens=tokens, head_dim=shape.head_dim,
-                                kv_heads=shape.kv_heads, batch=batch, fp_bytes=fp,
+                                kv_heads=shape.num_key_value_heads, batch=batch, fp_bytes=fp,
                                 scale_dtype=config.scale_dtype, mikv=mikv,
                                 balancer=balancer and setting.compressed,
                                 sliding_window=shape.window(i), kv_shared=shape.kv_shared)

@@ -7,9 +7,9 @@ keeps room for ``R`` tokens (``window_capacity``). ``layer_part_bytes`` predicts
 tensor a layer holds from the same rules and each store's layout (``kvlens.layouts``:
 ``Layout.part_bytes``). Tests
 fill real caches to ``N`` tokens and check the prediction against the bytes the cache object
-really holds. ``ModelShape`` (what the bytes depend on besides the config and the tokens) is
-built here, from a loaded model (``shape_of``) or from a capture's metadata
-(``shape_of_capture``).
+really holds. The bytes depend on the config, the tokens and the model's shape
+(``kvlens.model.shape.ModelShape``: a loaded model's, ``shape_of``, or a capture's,
+``CaptureMeta.shape``).
 
 State after ``N`` tokens (any chunking: the rules depend on ``N`` only), with ``R`` the residual
 window, ``F`` the flush block and ``W`` a sliding-window layer's window:
@@ -55,7 +55,7 @@ once (``ModelShape.kv_tensors``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvlens.cache.sets import set_policy
 from kvlens.config import FP_BYTES
@@ -63,6 +63,7 @@ from kvlens.errors import ConfigError
 from kvlens.layouts import flush_block, layout_of
 from kvlens.model.architecture import describe
 from kvlens.model.placement import layer_devices
+from kvlens.model.shape import ModelShape
 from kvlens.quant import ds_mla
 from kvlens.quant.cachetypes import DenseType, scale_count
 
@@ -213,84 +214,11 @@ def layer_part_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batc
     return parts
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """What the bytes of a cache depend on, besides the config and the token count. Layers are
-    model indices; only the layers with a KV cache (``kv_layers``) hold bytes here (a hybrid
-    model's linear-attention or SSM layers keep a fixed-size state the cache leaves exact)."""
-
-    num_layers: int
-    kv_heads: int
-    head_dim: int
-    sliding_windows: tuple[int | None, ...] = ()  # per model layer; () = every layer global
-    model_dtype_bytes: int = 2
-    devices: tuple[str, ...] = ()  # per model layer, where it runs; () = all on one device
-    attention_layers: tuple[int, ...] = ()  # layers with a KV cache; () = every layer
-    kv_shared: bool = False  # keys and values are one tensor (MLA's latent row)
-
-    @property
-    def kv_layers(self) -> tuple[int, ...]:
-        """Model indices of the layers with a KV cache."""
-        return self.attention_layers or tuple(range(self.num_layers))
-
-    def device(self, layer: int) -> str:
-        return self.devices[layer] if self.devices else "all"
-
-    def window(self, layer: int) -> int | None:
-        return self.sliding_windows[layer] if self.sliding_windows else None
-
-    def visible_tokens(self, layer: int, tokens: int) -> int:
-        """Tokens an fp16 cache of this layer holds: all, or the last ``W - 1`` (sliding)."""
-        w = self.window(layer)
-        return tokens if w is None else min(tokens, w - 1)
-
-    @property
-    def kv_tensors(self) -> int:
-        """Tensors an fp16 cache holds per layer: K and V, or one latent row (MLA)."""
-        return 1 if self.kv_shared else 2
-
-    def fp16_bytes(self, tokens: int, batch: int = 1) -> int:
-        """Bytes of an fp16 K/V cache holding what each layer can still attend to (an MLA
-        model's: its latent rows, once, as engines and transformers hold them)."""
-        return sum(self.kv_tensors * batch * self.kv_heads * self.visible_tokens(i, tokens)
-                   * self.head_dim * 2 for i in self.kv_layers)
-
-
-# -- the shape of a model: from a loaded model, or from a capture's metadata -----------------
-
-def _windows(windows) -> tuple[int | None, ...]:
-    """``ModelShape.sliding_windows`` from per-layer windows: ``()`` when every layer is global."""
-    return tuple(windows) if any(windows) else ()
-
-
-def _all_layers(layers, num_layers: int) -> tuple[int, ...]:
-    """``ModelShape.attention_layers``: ``()`` when every layer has a KV cache."""
-    layers = tuple(layers)
-    return () if layers == tuple(range(num_layers)) else layers
-
-
-def shape_of_capture(meta, windows=()) -> ModelShape:
-    """``ModelShape`` of a captured model from its capture metadata
-    (``kvlens.capture.store.CaptureMeta``: layers, the layers with a KV cache, KV heads,
-    head_dim) and ``windows``, the sliding window of each captured layer in ``meta.layers``
-    order (``None`` = global; the capture's layer attributes); fp16 model dtype, one device."""
-    per_layer = dict(zip(meta.layers, windows))
-    return ModelShape(meta.num_layers, meta.num_key_value_heads, meta.head_dim,
-                      _windows([per_layer.get(i) for i in range(meta.num_layers)]),
-                      attention_layers=_all_layers(meta.attention_layers, meta.num_layers),
-                      kv_shared=meta.kv_shared)
-
-
 def shape_of(model) -> ModelShape:
-    """``ModelShape`` of a loaded model (layers, KV heads, head_dim, sliding windows, dtype,
-    the devices its layers run on): what its cache's bytes depend on besides the config and the
-    tokens."""
-    info = describe(model)
+    """``ModelShape`` of a loaded model (``describe``) with the devices its layers run on:
+    what its cache's bytes depend on besides the config and the tokens."""
     devices = tuple(str(d) for d in layer_devices(model))
-    return ModelShape(info.num_layers, info.num_key_value_heads, info.head_dim,
-                      _windows(info.windows), next(model.parameters()).element_size(),
-                      devices if len(set(devices)) > 1 else (),
-                      _all_layers(info.attention_layers, info.num_layers), info.mla is not None)
+    return replace(describe(model), devices=devices if len(set(devices)) > 1 else ())
 
 
 def engine_tensor_bytes(ctype, held: int, head_dim: int, kv_heads: int, batch: int = 1
@@ -340,14 +268,14 @@ def _layer_parts(config, shape: ModelShape, i: int, tokens: int, batch: int) -> 
     setting = config.layer(i)
     if setting.engine:
         return engine_layer_bytes(setting, tokens=tokens, head_dim=shape.head_dim,
-                                  kv_heads=shape.kv_heads, batch=batch,
+                                  kv_heads=shape.num_key_value_heads, batch=batch,
                                   sliding_window=shape.window(i), kv_shared=shape.kv_shared)
     mikv = config.mikv_for(i)
     balancer = mikv is not None and (mikv.balancer == "online" or
                                      (mikv.balancer == "fixed" and i in config.balancers))
     return layer_part_bytes(setting, tokens=tokens, head_dim=shape.head_dim,
-                            kv_heads=shape.kv_heads, batch=batch,
-                            fp_bytes=fp_bytes_of(config.fp_dtype, shape.model_dtype_bytes),
+                            kv_heads=shape.num_key_value_heads, batch=batch,
+                            fp_bytes=fp_bytes_of(config.fp_dtype, shape.dtype_bytes),
                             scale_dtype=config.scale_dtype, mikv=mikv,
                             balancer=balancer and setting.compressed,
                             sliding_window=shape.window(i), kv_shared=shape.kv_shared)
@@ -356,7 +284,7 @@ def _layer_parts(config, shape: ModelShape, i: int, tokens: int, batch: int) -> 
 def rotation_devices(config, shape: ModelShape) -> list[str]:
     """Devices holding a copy of the shared rotation matrix: one per device with a layer that
     rotates (layers on the same device share it)."""
-    return list(dict.fromkeys(shape.device(i) for i in shape.kv_layers
+    return list(dict.fromkeys(shape.device(i) for i in shape.attention_layers
                               if config.layer(i).rotates))
 
 
@@ -364,7 +292,7 @@ def config_part_bytes(config, shape: ModelShape, tokens: int, batch: int = 1
                       ) -> dict[str, int]:
     """Bytes by part of a whole cache for ``config`` after ``tokens`` tokens."""
     total = dict.fromkeys(PARTS, 0)
-    for i in shape.kv_layers:
+    for i in shape.attention_layers:
         for k, v in _layer_parts(config, shape, i, tokens, batch).items():
             total[k] += v
     total["rotations"] = len(rotation_devices(config, shape)) * shape.head_dim ** 2 * 4
@@ -376,7 +304,7 @@ def config_device_bytes(config, shape: ModelShape, tokens: int, batch: int = 1
     """Held bytes per device (``shape.devices``; ``"all"`` when unset) after ``tokens``
     tokens: each layer's parts where it runs, a rotation copy on each rotating device."""
     out: dict[str, int] = {}
-    for i in shape.kv_layers:
+    for i in shape.attention_layers:
         dev = shape.device(i)
         out[dev] = out.get(dev, 0) + sum(_layer_parts(config, shape, i, tokens, batch).values())
     for dev in rotation_devices(config, shape):

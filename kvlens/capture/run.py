@@ -110,41 +110,33 @@ def check_capture(options: CaptureOptions, output: str | Path) -> tuple[str, str
                                    device=options.device, device_map=options.device_map,
                                    max_memory=options.max_memory,
                                    offload_folder=options.offload_folder)
-    header = read_header(source)
-    check_layer_spec(options.layers, header.num_layers, header.kv_layers)
+    check_layer_spec(options.layers, read_header(source).shape)
     return text
 
 
-def check_layer_spec(spec: str | None, num_layers: int | None,
-                     kv_layers: tuple[int, ...] | None = None) -> None:
-    """``--layers`` before the model loads: its syntax always, its indices against
-    ``num_layers`` and the layers with a KV cache where the model's files declare them
-    (``kvlens.model.header``)."""
-    if spec is None or spec.strip().lower() in ("", "all"):
-        return
-    chosen = parse_index_spec(spec, num_layers if num_layers is not None else _NO_LIMIT)
-    _check_kv_layers(chosen, kv_layers)
-
-
-def _check_kv_layers(chosen, kv_layers) -> None:
-    bad = [i for i in chosen if kv_layers is not None and i not in kv_layers]
-    if bad:
-        raise InputError(f"--layers {format_index_spec(bad)}: these layers hold no KV cache "
-                         "(a hybrid model's linear-attention or SSM layers keep a fixed-size "
-                         f"state instead); layers with a KV cache: {format_index_spec(kv_layers)}.")
+def check_layer_spec(spec: str | None, shape) -> None:
+    """``--layers`` before the model loads: its syntax always, its indices against the layers
+    the model's files declare (``shape``: ``kvlens.model.header``'s, 0 layers where they do not
+    say)."""
+    if shape.num_layers:
+        capture_layers(spec, shape)
+    elif spec is not None and spec.strip().lower() not in ("", "all"):
+        parse_index_spec(spec, 2**62)  # the syntax alone: any index >= 0
 
 
 def capture_layers(layers: str | list[int] | None, info) -> list[int]:
     """The layers to capture: ``layers`` (a ``--layers`` spec or a list of model indices),
-    by default every layer with a KV cache (``info``: ``kvlens.model.architecture.ModelInfo``)."""
+    by default every layer with a KV cache (``info``: ``kvlens.model.shape.ModelShape``)."""
     if layers is None or (isinstance(layers, str) and layers.strip().lower() in ("", "all")):
         return list(info.attention_layers)
     chosen = layers if isinstance(layers, list) else parse_index_spec(layers, info.num_layers)
-    _check_kv_layers(chosen, info.attention_layers)
+    bad = [i for i in chosen if i not in info.attention_layers]
+    if bad:
+        raise InputError(f"--layers {format_index_spec(bad)}: these layers hold no KV cache "
+                         "(a hybrid model's linear-attention or SSM layers keep a fixed-size "
+                         "state instead); layers with a KV cache: "
+                         f"{format_index_spec(info.attention_layers)}.")
     return chosen
-
-
-_NO_LIMIT = 2**62  # the syntax alone: any index >= 0
 
 
 def capture_model(model, windows, output: str | Path, *, layers: str | list[int] | None = None,
@@ -165,14 +157,9 @@ def capture_model(model, windows, output: str | Path, *, layers: str | list[int]
     compute_dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     meta = CaptureMeta(
         model=model_name or getattr(model.config, "_name_or_path", "") or info.architecture,
-        architecture=info.architecture, model_type=info.model_type,
-        num_layers=info.num_layers, num_attention_heads=info.num_attention_heads,
-        num_key_value_heads=info.num_key_value_heads, head_dim=info.head_dim,
-        has_rope=info.declares_rope, rope=info.rope, rope_layout="pending", rotary_dim=0,
+        shape=info, rope_layout="pending", rotary_dim=0,
         compute_dtype=compute_dtype, storage_dtype=storage_dtype, num_samples=s_count,
         num_tokens=t_count, layers=tuple(layer_list), model_source=model_source,
-        kv_layers=info.attention_layers if info.is_hybrid else (),
-        kv_shared=info.mla is not None,
         text_source=text_source, kvlens_version=__version__,
         extra={"transformers_version": str(transformers.__version__),
                "torch_version": str(torch.__version__),
@@ -181,8 +168,7 @@ def capture_model(model, windows, output: str | Path, *, layers: str | list[int]
                "vocab_size": int(model.get_output_embeddings().weight.shape[0]
                                  if model.get_output_embeddings() is not None else 0),
                "hidden_size": int(model.get_output_embeddings().weight.shape[1]
-                                  if model.get_output_embeddings() is not None else 0),
-               **({"mla": asdict(info.mla)} if info.mla is not None else {})},
+                                  if model.get_output_embeddings() is not None else 0)},
     )
     sink = _LayerSink(set(layer_list), info)
     writer = CaptureWriter(output, overwrite=overwrite, storage_dtype=storage_dtype,
@@ -298,7 +284,7 @@ class _LayerSink:
         tables = None
         if pe is not None:
             tables = self.rope_inputs.tables(idx, int(post["q"].shape[-1]))
-        elif self.info.declares_rope:
+        elif self.info.has_rope:
             raise ModelLoadError(
                 f"Unsupported model {self.info.architecture}: its config declares RoPE but "
                 f"layer {idx} received no position_embeddings (cos, sin) or freqs_cis, so "

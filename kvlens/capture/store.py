@@ -11,7 +11,8 @@ Layout, schema version 1 (documented in ``docs/reference/capture-format.md``)::
                                   attention_layers (int array: the model's layers with a KV
                                   cache; absent in older files = all), kv_shared (bool: MLA,
                                   k and v are one latent row), text_source,
-                                  transformers_version, torch_version, notes, mla (JSON)
+                                  transformers_version, torch_version, notes, mla (JSON;
+                                  MLA models only)
     /tokens                [S, T] int32        dims: sample, token
     /layers/NNN            attrs: layer_index, scaling, sliding_window (0 = none),
                                   logit_softcap (0 = none), attention_sinks (float32 [Hq],
@@ -36,12 +37,14 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from kvlens.errors import CaptureFileError, InputError
+from kvlens.model.mla import MlaShape
+from kvlens.model.shape import ModelShape
 from kvlens.text.selection import format_index_spec
 
 FORMAT_NAME = "kvlens-capture"
@@ -55,17 +58,13 @@ COMPRESSIONS = ("none", "gzip", "lzf")
 
 @dataclass(frozen=True)
 class CaptureMeta:
-    """Root attributes of a capture file, typed."""
+    """Root attributes of a capture file, typed: the captured model's ``shape`` (its
+    ``windows`` from the captured layers' attributes, ``None`` for the others; an MLA model's
+    ``mla`` from the ``mla`` attribute; its dtype read as 2 bytes, one device) and what was
+    captured how. ``shape.has_rope``: the file holds RoPE (pre-RoPE tensors differ)."""
 
     model: str
-    architecture: str
-    model_type: str
-    num_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    has_rope: bool
-    rope: dict[str, Any]
+    shape: ModelShape
     rope_layout: str
     rotary_dim: int
     compute_dtype: str
@@ -79,22 +78,6 @@ class CaptureMeta:
     kvlens_version: str = ""
     schema_version: int = SCHEMA_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
-    #: model indices of the layers with a KV cache (a hybrid model's others keep a fixed-size
-    #: state); () = every layer
-    kv_layers: tuple[int, ...] = ()
-    #: keys and values are one tensor: an MLA model's latent row (``kvlens.model.mla``; q, k,
-    #: v are then in the absorbed form and k equals v)
-    kv_shared: bool = False
-
-    @property
-    def num_key_value_groups(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
-    @property
-    def attention_layers(self) -> tuple[int, ...]:
-        """Model indices of the layers with a KV cache (all of them unless the model is
-        hybrid)."""
-        return self.kv_layers or tuple(range(self.num_layers))
 
 
 @dataclass(frozen=True)
@@ -172,7 +155,7 @@ class CaptureWriter:
 
         f = self._file
         f.attrs.update(_meta_to_attrs(meta))
-        s, t = meta.num_samples, meta.num_tokens
+        s, t, d = meta.num_samples, meta.num_tokens, meta.shape.head_dim
         tok = f.create_dataset("tokens", shape=(s, t), dtype="int32")
         _label(tok, ("sample", "token"))
         store_dtype = np.uint16 if self.storage_dtype == "bfloat16" else self.storage_dtype
@@ -180,11 +163,10 @@ class CaptureWriter:
             g = f.create_group(layer_key(layer))
             self.set_layer_attrs(LayerAttrs(layer, 0.0, 0, 0.0))
             for name in TENSORS:
-                heads = meta.num_attention_heads if name.startswith("q") else \
-                    meta.num_key_value_heads
-                shape = (s, heads, t, meta.head_dim)
-                ds = g.create_dataset(name, shape=shape, dtype=store_dtype,
-                                      chunks=(1, 1, t, meta.head_dim),
+                heads = meta.shape.num_attention_heads if name.startswith("q") else \
+                    meta.shape.num_key_value_heads
+                ds = g.create_dataset(name, shape=(s, heads, t, d), dtype=store_dtype,
+                                      chunks=(1, 1, t, d),
                                       compression=self.compression)
                 ds.attrs["dtype"] = self.storage_dtype
                 _label(ds, DIMS)
@@ -263,18 +245,19 @@ def from_storage(array, storage_dtype: str):
 def _meta_to_attrs(meta: CaptureMeta) -> dict[str, Any]:
     import numpy as np
 
+    shape = meta.shape
     return {
         "kvlens_version": meta.kvlens_version,
         "model": meta.model,
         "model_source": meta.model_source,
-        "architecture": meta.architecture,
-        "model_type": meta.model_type,
-        "num_layers": meta.num_layers,
-        "num_attention_heads": meta.num_attention_heads,
-        "num_key_value_heads": meta.num_key_value_heads,
-        "head_dim": meta.head_dim,
-        "has_rope": meta.has_rope,
-        "rope": json.dumps(meta.rope, sort_keys=True),
+        "architecture": shape.architecture,
+        "model_type": shape.model_type,
+        "num_layers": shape.num_layers,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_key_value_heads,
+        "head_dim": shape.head_dim,
+        "has_rope": shape.has_rope,
+        "rope": json.dumps(shape.rope, sort_keys=True),
         "rope_layout": meta.rope_layout,
         "rotary_dim": meta.rotary_dim,
         "compute_dtype": meta.compute_dtype,
@@ -283,8 +266,9 @@ def _meta_to_attrs(meta: CaptureMeta) -> dict[str, Any]:
         "num_samples": meta.num_samples,
         "num_tokens": meta.num_tokens,
         "layers": np.asarray(meta.layers, dtype=np.int32),
-        "attention_layers": np.asarray(meta.attention_layers, dtype=np.int32),
-        "kv_shared": meta.kv_shared,
+        "attention_layers": np.asarray(shape.attention_layers, dtype=np.int32),
+        "kv_shared": shape.kv_shared,
+        **({"mla": json.dumps(asdict(shape.mla))} if shape.mla is not None else {}),
         "text_source": meta.text_source,
         **{k: (json.dumps(v) if isinstance(v, (dict, list)) else v)
            for k, v in meta.extra.items()},
@@ -294,10 +278,8 @@ def _meta_to_attrs(meta: CaptureMeta) -> dict[str, Any]:
 _META_KEYS = {"kvlens_version", "model", "model_source", "architecture", "model_type",
               "num_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "has_rope",
               "rope", "rope_layout", "rotary_dim", "compute_dtype", "storage_dtype", "created",
-              "num_samples", "num_tokens", "layers", "attention_layers", "kv_shared",
-              "text_source",
-              "kvlens_format",
-              "kvlens_schema_version", "complete"}
+              "num_samples", "num_tokens", "layers", "attention_layers", "kv_shared", "mla",
+              "text_source", "kvlens_format", "kvlens_schema_version", "complete"}
 
 
 def _attr(value):
@@ -374,7 +356,7 @@ class Capture:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self._file = _open_validated(self.path)
-        self.meta = _meta_from_attrs(self._file.attrs)
+        self.meta = _meta_from_file(self._file)
 
     def close(self) -> None:
         if self._file is not None:
@@ -453,44 +435,38 @@ def _open_validated(path: Path):
     return f
 
 
-def _meta_from_attrs(attrs) -> CaptureMeta:
+def _meta_from_file(f) -> CaptureMeta:
+    attrs = f.attrs
     a = {k: _attr(v) for k, v in attrs.items()}
-    extra = {k: v for k, v in a.items() if k not in _META_KEYS}
+    n, layers = int(a["num_layers"]), tuple(int(x) for x in attrs["layers"][()])
+    windows = {i: int(f[layer_key(i)].attrs.get("sliding_window", 0)) or None for i in layers
+               if layer_key(i) in f}
+    shape = ModelShape(
+        n, int(a["num_attention_heads"]), int(a["num_key_value_heads"]), int(a["head_dim"]),
+        # files written before hybrid models were supported: every layer has a KV cache
+        kv_layers=tuple(int(x) for x in attrs["attention_layers"][()])
+        if "attention_layers" in attrs else (),
+        windows=tuple(windows.get(i) for i in range(n)),
+        mla=MlaShape(**json.loads(a["mla"])) if "mla" in a else None,
+        architecture=str(a.get("architecture", "")), model_type=str(a.get("model_type", "")),
+        has_rope=bool(a.get("has_rope", False)), rope=json.loads(a.get("rope", "{}") or "{}"))
     return CaptureMeta(
         model=str(a.get("model", "")),
-        architecture=str(a.get("architecture", "")),
-        model_type=str(a.get("model_type", "")),
-        num_layers=int(a["num_layers"]),
-        num_attention_heads=int(a["num_attention_heads"]),
-        num_key_value_heads=int(a["num_key_value_heads"]),
-        head_dim=int(a["head_dim"]),
-        has_rope=bool(a.get("has_rope", False)),
-        rope=json.loads(a.get("rope", "{}") or "{}"),
+        shape=shape,
         rope_layout=str(a.get("rope_layout", "none")),
         rotary_dim=int(a.get("rotary_dim", 0)),
         compute_dtype=str(a.get("compute_dtype", "")),
         storage_dtype=str(a["storage_dtype"]),
         num_samples=int(a["num_samples"]),
         num_tokens=int(a["num_tokens"]),
-        layers=tuple(int(x) for x in attrs["layers"][()]),
-        kv_layers=_kv_layers(attrs, int(a["num_layers"])),
-        kv_shared=bool(a.get("kv_shared", False)),
+        layers=layers,
         created=str(a.get("created", "")),
         model_source=str(a.get("model_source", "")),
         text_source=str(a.get("text_source", "")),
         kvlens_version=str(a.get("kvlens_version", "")),
         schema_version=int(a["kvlens_schema_version"]),
-        extra=extra,
+        extra={k: v for k, v in a.items() if k not in _META_KEYS},
     )
-
-
-def _kv_layers(attrs, num_layers: int) -> tuple[int, ...]:
-    """``CaptureMeta.kv_layers`` from the file (files written before hybrid models were
-    supported have no ``attention_layers``: every layer has a KV cache)."""
-    if "attention_layers" not in attrs:
-        return ()
-    layers = tuple(int(x) for x in attrs["attention_layers"][()])
-    return () if layers == tuple(range(num_layers)) else layers
 
 
 def write_capture(path: str | os.PathLike, meta: CaptureMeta, tensors: dict[int, dict[str, Any]],
@@ -504,7 +480,8 @@ def write_capture(path: str | os.PathLike, meta: CaptureMeta, tensors: dict[int,
                        compression=compression) as w:
         w.begin(meta)
         for layer in meta.layers:
-            la = (layer_attrs or {}).get(layer) or LayerAttrs(layer, meta.head_dim ** -0.5, 0, 0.0)
+            la = (layer_attrs or {}).get(layer) or LayerAttrs(layer, meta.shape.head_dim ** -0.5,
+                                                              0, 0.0)
             w.set_layer_attrs(la)
             for name in TENSORS:
                 data = tensors[layer][name]

@@ -15,8 +15,6 @@ from kvlens.cli.common import (
     device_map_option,
     err_console,
     escape,
-    format_bytes,
-    format_bytes_by_device,
     max_memory_option,
     offload_folder_option,
     output_errors,
@@ -26,6 +24,7 @@ from kvlens.cli.common import (
     run_library_call,
     write_output,
 )
+from kvlens.units import format_bytes, format_bytes_by_device
 
 
 @app.command()

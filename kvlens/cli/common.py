@@ -36,7 +36,7 @@ from rich.markup import escape
 from typer.core import TyperCommand, TyperGroup
 
 from kvlens.errors import InputError, KvlensError
-from kvlens.units import format_bytes, format_seconds
+from kvlens.units import format_seconds
 
 # -- --help ---------------------------------------------------------------------------------
 
@@ -336,25 +336,6 @@ def open_range(low: float, high: float):
         return value
 
     return check
-
-
-def check_model_options(model: str | None, *, dtype: str = "float32", device: str = "auto",
-                        device_map: str | None = None, max_memory: str | None = None,
-                        offload_folder: os.PathLike | str | None = None):
-    """Every check ``load_model`` makes before it reads a weight, run before any work; returns
-    the resolved ``kvlens.model.load.ModelSource`` (for ``kvlens.model.header.read_header``)."""
-    from kvlens.model.load import check_load_options
-
-    source, _ = check_load_options(model, dtype=dtype, device=device, device_map=device_map,
-                                   max_memory=max_memory,
-                                   offload_folder=str(offload_folder) if offload_folder
-                                   else None)
-    return source
-
-
-def format_bytes_by_device(by_device: dict[str, int]) -> str:
-    """``cpu 270.1 MiB, disk 243.1 MiB``."""
-    return ", ".join(f"{dev} {format_bytes(n)}" for dev, n in by_device.items()) or "-"
 
 
 def flag_of(field: str) -> str:

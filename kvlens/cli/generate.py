@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import typer
@@ -15,12 +14,10 @@ from kvlens.cli.common import (
     INPUT,
     MODEL,
     OUTPUT,
-    check_model_options,
     console,
     device_map_option,
     err_console,
     escape,
-    format_bytes_by_device,
     given_options,
     max_memory_option,
     offload_folder_option,
@@ -31,7 +28,7 @@ from kvlens.cli.common import (
     run_library_call,
     write_artifact_output,
 )
-from kvlens.units import format_bytes, format_interval
+from kvlens.units import format_bytes, format_bytes_by_device, format_interval
 
 # The options only some evaluations read (refuse_unread): given without any of them, refused.
 READ_BY = {"text": read_with("--eval", "kld", "ppl"), "ppl_tokens": read_with("--eval", "ppl"),
@@ -148,53 +145,41 @@ def generate(
     given = given_options(ctx, (*READ_BY, "calibration", "overwrite"))
 
     def prepare():
-        from kvlens.deploy.settings import check_against_model
+        from kvlens.deploy.generate import generate_request
+        from kvlens.evaluation import parse_evals
+        from kvlens.evaluation.options import parse_lengths
         from kvlens.report.artifacts import check_output_file
 
-        configs, opts = _options(
-            config, preset_name, compare, prompt, prompt_file, max_new_tokens, evals, text,
-            backend, ppl_tokens, passkey_prompts, passkey_context, seed, eval_tokens, chunk,
-            retrieval_prompts, retrieval_lengths, calibration, given=given)
+        names = parse_evals(evals)
+        refuse_unread(READ_BY, given, names)
+        request = generate_request(
+            {"evals": names, "prompt": prompt, "max_new_tokens": max_new_tokens,
+             "text": str(text) if text else None, "ppl_tokens": ppl_tokens,
+             "passkey_prompts": passkey_prompts, "passkey_context": passkey_context,
+             "seed": seed, "backend": backend, "eval_tokens": eval_tokens, "chunk": chunk,
+             "retrieval_prompts": retrieval_prompts,
+             "retrieval_lengths": parse_lengths(retrieval_lengths)},
+            config=config, preset=preset_name, compare=compare, calibration=calibration,
+            prompt_file=prompt_file, model=model,
+            place={"dtype": dtype, "device": device, "device_map": device_map,
+                   "max_memory": max_memory,
+                   "offload_folder": str(offload_folder) if offload_folder else None})
         check_output_file(report_json, "--report-json", overwrite)
-        _check_frontier(frontier, opts, overwrite)
-        source = check_model_options(model, dtype=dtype, device=device, device_map=device_map,
-                                     max_memory=max_memory, offload_folder=offload_folder)
-        check_against_model(configs, opts, source)
-        return configs, opts
+        _check_frontier(frontier, request.options, overwrite)
+        return request
 
-    configs, opts = run_library_call(prepare)
-    for note in getattr(configs, "notes", ()):
-        err_console.print(f"note: {escape(note)}", highlight=False)
+    request = run_library_call(prepare)
+    opts = request.options
 
-    def work():
-        from kvlens.deploy.engine_run import llamacpp_matmul_plan, mark_partial_llamacpp
-        from kvlens.evaluation import evaluate_configs
-        from kvlens.model.architecture import describe
-        from kvlens.model.engine_matmul import engine_matmuls
-        from kvlens.model.load import load_model
-        from kvlens.model.placement import placement_summary
+    def run():
+        from kvlens.deploy.generate import generate_run
 
-        err_console.print(f"Loading {escape(model or 'SmolLM2-135M-Instruct (embedded)')} ...")
-        mdl, tok, source = load_model(model, dtype=dtype, device=device,
-                                      device_map=device_map, max_memory=max_memory,
-                                      offload_folder=str(offload_folder) if offload_folder
-                                      else None)
-        info = describe(mdl)
-        for line in configs.for_model(info.num_layers, info.is_hybrid):
-            err_console.print(f"note: {escape(line)}", highlight=False)
-        placement = placement_summary(mdl)
-        err_console.print(f"weights: {format_bytes_by_device(placement['weights_by_device'])}")
-        types, notes = llamacpp_matmul_plan(configs, source, mdl)
-        for note in notes:
-            err_console.print(f"note: {escape(note)}", highlight=False)
-        with engine_matmuls(mdl, types):
-            report = evaluate_configs(mdl, tok, configs, opts,
-                                      progress=lambda msg: err_console.print(f"  {escape(msg)}"))
-        mark_partial_llamacpp(report["results"], configs, types)
-        return {**report, "placement": placement}
+        return generate_run(request, say=lambda msg: err_console.print(escape(msg),
+                                                                       highlight=False),
+                            progress=lambda msg: err_console.print(f"  {escape(msg)}"))
 
-    report = run_library_call(work)
-    front = _frontier_doc(report, configs.kinds)
+    report = run_library_call(run)
+    front = _frontier_doc(report, request.settings.kinds)
     extra = {} if front is None else {"frontier": front}
     if report_json is not None:
         run_library_call(lambda: write_artifact_output(
@@ -220,45 +205,6 @@ def generate(
         err_console.print("[bold red]interrupted:[/] the results above are what was finished "
                           "before Ctrl-C.", highlight=False)
         raise typer.Exit(130)
-
-
-def _options(config, preset_name, compare, prompt, prompt_file, max_new_tokens, evals, text,
-             backend, ppl_tokens, passkey_prompts, passkey_context, seed, eval_tokens=None,
-             chunk=64, retrieval_prompts=1, retrieval_lengths=None, calibration=None,
-             given=None):
-    """The settings (``kvlens.deploy.settings.resolve_settings``) and ``EvalOptions`` (which
-    checks its values), nothing loaded. ``given``: the options the user gave (name -> flag);
-    one that no requested evaluation reads is refused."""
-    from kvlens.deploy.settings import resolve_settings
-    from kvlens.errors import InputError
-    from kvlens.evaluation import EvalOptions, load_eval_text, parse_evals
-    from kvlens.evaluation.options import parse_lengths
-
-    if prompt is not None and prompt_file is not None:
-        raise InputError("Give either --prompt or --prompt-file, not both.")
-    names = parse_evals(evals)
-    refuse_unread(READ_BY, given or {}, names)
-    if config is not None and preset_name is not None:  # before any file is read
-        raise InputError("Give either --config FILE or --preset NAME, not both.")
-    opts = EvalOptions(evals=names, prompt=prompt, max_new_tokens=max_new_tokens,
-                       text=str(text) if text else None, ppl_tokens=ppl_tokens,
-                       passkey_prompts=passkey_prompts, passkey_context=passkey_context,
-                       seed=seed, backend=backend, eval_tokens=eval_tokens, chunk=chunk,
-                       retrieval_prompts=retrieval_prompts,
-                       retrieval_lengths=parse_lengths(retrieval_lengths))
-    settings = resolve_settings(config, preset_name, compare,
-                                None if calibration is None else str(calibration))
-    if prompt_file is not None:
-        try:
-            prompt = Path(prompt_file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise InputError(f"Cannot read --prompt-file {prompt_file}: {exc}.") from None
-    if not names and prompt is None:
-        raise InputError("Nothing to do: give --prompt/--prompt-file and/or --eval "
-                         "kld,retrieval,ppl,passkey,agreement.")
-    if text is not None:
-        load_eval_text(str(text))  # a missing or empty --text fails now, not after the load
-    return settings, replace(opts, prompt=prompt)
 
 
 def _check_frontier(path, opts, overwrite: bool) -> None:

@@ -103,12 +103,12 @@ def plot_outliers(
         with open_capture(run) as cap:
             model_name[0] = cap.meta.model
             if explicit and profile_layers.strip().lower() != "all":
-                wanted = set(parse_index_spec(profile_layers, cap.meta.num_layers, "layer"))
+                wanted = set(parse_index_spec(profile_layers, cap.meta.shape.num_layers, "layer"))
             for layer, kv in spots:
                 cap.layer(layer)  # clear error for a layer that is not captured
-                if not 0 <= kv < cap.meta.num_key_value_heads:
+                if not 0 <= kv < cap.meta.shape.num_key_value_heads:
                     raise InputError(f"--heatmap {layer}:{kv}: KV head outside 0-"
-                                     f"{cap.meta.num_key_value_heads - 1}.")
+                                     f"{cap.meta.shape.num_key_value_heads - 1}.")
         with output_errors(f"--out {out}"):
             out.mkdir(parents=True, exist_ok=True)
         with progress_bar("plot-outliers") as update:

@@ -8,13 +8,12 @@ from kvlens.cli.common import (
     console,
     err_console,
     escape,
-    format_bytes,
     format_seconds,
     print_json,
     run_library_call,
     write_config_doc,
 )
-from kvlens.units import format_interval
+from kvlens.units import format_bytes, format_interval
 
 
 def show_layers(answer, outputs, as_json: bool) -> None:

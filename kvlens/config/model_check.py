@@ -16,11 +16,11 @@ from kvlens.text.selection import format_index_spec as _spec
 
 
 def validate_for(config: KVConfig, info) -> None:
-    """Raise ``ConfigError`` unless ``config`` fits the model described by ``info``
-    (``kvlens.model.architecture.ModelInfo``)."""
+    """Raise ``ConfigError`` unless ``config`` fits the model of shape ``info``
+    (``kvlens.model.shape.ModelShape``: a loaded model's, or its files' before it loads)."""
 
     n, d, hkv = info.num_layers, info.head_dim, info.num_key_value_heads
-    kv = tuple(getattr(info, "attention_layers", None) or range(n))
+    kv = info.attention_layers
     if config.model:
         for key, actual in (("num_layers", n), ("head_dim", d), ("num_key_value_heads", hkv)):
             want = config.model.get(key)
@@ -61,7 +61,7 @@ def validate_for(config: KVConfig, info) -> None:
             raise ConfigError(f"Config {config.name!r} layer {idx}: rotate_keys cannot be "
                               "combined with the MiKV channel balancer (it rescales channels "
                               "the rotation mixes); disable one of them.")
-        if layer.pre_rope_keys and not info.declares_rope:
+        if layer.pre_rope_keys and not info.has_rope:
             raise ConfigError(f"Config {config.name!r} asks for pre-RoPE keys but "
                               f"{info.architecture} has no rotary embedding.")
     if config.mikv is not None and config.mikv.importance is not None:
@@ -77,17 +77,17 @@ def validate_for(config: KVConfig, info) -> None:
 
 def _check_ds_mla(config: KVConfig, info, kv: tuple[int, ...]) -> None:
     """vLLM's ``fp8_ds_mla`` stores an MLA model's latent row (``kvlens.quant.ds_mla``): refused
-    for any other model (``info.mla`` is None: ``ModelInfo``, or the ``ModelHeader`` before the
-    model loads) and for a row it cannot split into its RoPE channels and whole latent tiles."""
+    for any other model (``info.mla`` is None) and for a row it cannot split into its RoPE
+    channels and whole latent tiles."""
     layers = [i for i in kv if config.layer(i).engine and any(
         getattr(getattr(ct, "format", None), "family", None) == ds_mla.DS_MLA.family
         for ct in (config.layer(i).key_type, config.layer(i).value_type))]
     if not layers:
         return
     what = f"Config {config.name!r} stores layers {_spec(layers)} as fp8_ds_mla"
-    mla = getattr(info, "mla", None)
+    mla = info.mla
     if mla is None:
-        model = getattr(info, "architecture", "") or "this model"
+        model = info.architecture or "this model"
         raise ConfigError(f"{what}, vLLM's cache of an MLA model's latent row (DeepSeek V2/V3 "
                           f"and their kin), but {model} is not an MLA model; use vllm:fp8 or "
                           "vllm:fp8_per_token_head.")

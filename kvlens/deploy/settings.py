@@ -94,7 +94,7 @@ def check_against_model(settings: Settings, opts, source) -> None:
         rebuilt = {id(config) for config, _ in settings.per_model}  # built once it loads
         for config in settings:
             if isinstance(config, KVConfig) and id(config) not in rebuilt:
-                validate_for(config, header)
+                validate_for(config, header.shape)
     limit = header.max_positions
     if limit is None:
         return

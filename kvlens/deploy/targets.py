@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlens.analysis.metrics import attention_output, rel_error
-from kvlens.cache.layout import config_bits, shape_of_capture
+from kvlens.cache.layout import config_bits
 from kvlens.capture.source import CaptureModel
 from kvlens.capture.store import open_capture
 from kvlens.config import KVConfig, LayerKV
@@ -215,22 +215,21 @@ def _llamacpp_query(q, how, name: str):
 
 def measure_errors(path: str | Path, target: str, opts: TargetOptions,
                    progress: Callable[[int, int], None] = lambda d, t: None):
-    """``(meta, windows, table, scales)``: ``table[layer][(tensor, name)]`` = relative
+    """``(meta, table, scales)``: ``table[layer][(tensor, name)]`` = relative
     attention-output error; ``scales[layer][(tensor, name)]`` = calibrated static fp8 scales
     (float list) of the calibrated types (module docstring)."""
     import torch
 
 
-    table, scales, windows = [], [], []
+    table, scales = [], []
     with open_capture(path) as cap:
         meta = cap.meta
-        variants = _variants(target, meta.head_dim, opts.rotation)
+        variants = _variants(target, meta.shape.head_dim, opts.rotation)
         n_tok = min(opts.tokens, meta.num_tokens)
         n_smp = min(opts.samples, meta.num_samples)
         for i, idx in enumerate(meta.layers):
             data = cap.layer(idx)
             a = data.attrs
-            windows.append(a.sliding_window or None)
             full = {"key": data.read("k"), "value": data.read("v")}
             q = data.read("q")[:n_smp, :, :n_tok].float()
             kv = {t: x[:n_smp, :, :n_tok].float() for t, x in full.items()}
@@ -265,7 +264,7 @@ def measure_errors(path: str | Path, target: str, opts: TargetOptions,
             table.append(row)
             scales.append(srow)
             progress(i + 1, len(meta.layers))
-    return meta, windows, table, scales
+    return meta, table, scales
 
 
 # -- candidates per target ---------------------------------------------------------------------
@@ -414,15 +413,15 @@ def choose(front: list[TargetCandidate], opts: TargetOptions, kld_model=None
     return min(ok, key=lambda c: c.score)
 
 
-def candidates_for(target: str, meta, windows, table, scales, opts) -> list[TargetCandidate]:
-    shape = shape_of_capture(meta, windows)
+def candidates_for(target: str, meta, table, scales, opts) -> list[TargetCandidate]:
+    shape = meta.shape
     if target == "llama.cpp":
         return _llamacpp(table, shape, opts)
     if target == "vllm":
         return _vllm(table, scales, shape, opts, meta)
     if target == "sglang":
         return _sglang(table, scales, shape, opts, meta)
-    return _transformers(table, shape, opts, meta.head_dim)
+    return _transformers(table, shape, opts, meta.shape.head_dim)
 
 
 def _anchors(front: list[TargetCandidate], n: int) -> list[TargetCandidate]:
@@ -469,8 +468,8 @@ def recommend_target(path: str | Path, opts: TargetOptions,
     (anchors measured on ``model_bundle`` = ``(model, tokenizer)``, loaded from the capture's
     model when None) and choose (module docstring)."""
 
-    meta, windows, table, scales = measure_errors(path, opts.target, opts, progress)
-    cands = candidates_for(opts.target, meta, windows, table, scales, opts)
+    meta, table, scales = measure_errors(path, opts.target, opts, progress)
+    cands = candidates_for(opts.target, meta, table, scales, opts)
     front = pareto(cands)
     notes = [f"error table: {min(opts.tokens, meta.num_tokens)} tokens x "
              f"{min(opts.samples, meta.num_samples)} sample(s) per layer, every token "
@@ -512,7 +511,7 @@ def scale_files(rec: TargetRecommendation, meta) -> dict[str, str]:
         doc = {f"model.layers.{i}.self_attn.{t[0]}_scale": (v[0] if len(v) == 1 else list(v))
                for i, s in sorted(cfg.kv_scales.items()) for t, v in s.items()}
         return {"kv_scales.json": json.dumps(doc, indent=2) + "\n"}
-    doc = {"model_type": meta.model_type,
+    doc = {"model_type": meta.shape.model_type,
            "kv_cache": {"dtype": "float8_e4m3fn",
                         "scaling_factor": {"0": {str(i): s["key"][0]
                                                  for i, s in sorted(cfg.kv_scales.items())}}}}

@@ -1,4 +1,5 @@
-"""What kvlens needs to know about a loaded model's attention, in one frozen dataclass.
+"""What kvlens needs to know about a loaded model's attention: ``describe(model)``, its
+``kvlens.model.shape.ModelShape``.
 
 Shapes and layer kinds are read from the model's config and its attention modules (the head
 counts from the modules where they say it: a config may carry a ``num_key_value_heads`` its
@@ -13,18 +14,18 @@ Layers are named by their index in the model (``model.layers[i]``). Every layer 
   a Mamba/SSM mixer, a short convolution): the layers of hybrid models that kvlens leaves exact;
 - ``none``: no token mixing at all (a layer with only an MLP or MoE block).
 
-``attention_layers`` are the layers with a KV cache (the only ones kvlens captures, quantizes
-and counts); ``state_layers`` the ones holding a fixed-size state (a Falcon-H1 layer is in both:
-attention and a Mamba mixer side by side).
+``ModelShape.attention_layers`` are the layers with a KV cache (the only ones kvlens captures,
+quantizes and counts); ``state_layers`` the ones holding a fixed-size state (a Falcon-H1 layer is
+in both: attention and a Mamba mixer side by side).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvlens.errors import ModelLoadError
-from kvlens.model.mla import MlaShape, is_mla, mla_shape
+from kvlens.model.mla import is_mla, mla_shape
+from kvlens.model.shape import ModelShape
 
 _ROPE_CONFIG_KEYS = ("rope_parameters", "rope_theta", "rotary_dim", "rotary_pct",
                      "partial_rotary_factor", "rotary_emb_base")
@@ -42,49 +43,6 @@ _LAYER_TYPES = {
     "mamba2": ("state", True), "ssm": ("state", True), "recurrent": ("state", True),
     "mlp": ("none", False), "moe": ("none", False), "dummy": ("none", False),
 }
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    architecture: str
-    model_type: str
-    num_layers: int  # decoder layers: model indices 0 .. num_layers - 1
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    declares_rope: bool
-    rope: dict[str, Any] = field(default_factory=dict)
-    #: per model layer: one of LAYER_KINDS (() = every layer "full")
-    layer_kinds: tuple[str, ...] = ()
-    #: per model layer: the sliding window (sliding) or chunk (chunked) in tokens, else None
-    windows: tuple[int | None, ...] = ()
-    #: layers holding a fixed-size (non-KV) state, left exact by kvlens
-    state_layers: tuple[int, ...] = ()
-    #: MLA models (``kvlens.model.mla``): the latent row every layer caches; keys and values
-    #: are that one row (one KV head, ``head_dim`` = its width)
-    mla: MlaShape | None = None
-
-    @property
-    def num_key_value_groups(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
-    @property
-    def attention_layers(self) -> tuple[int, ...]:
-        """Model indices of the layers with a KV cache."""
-        if not self.layer_kinds:
-            return tuple(range(self.num_layers))
-        return tuple(i for i, k in enumerate(self.layer_kinds) if k in KV_KINDS)
-
-    @property
-    def is_hybrid(self) -> bool:
-        """Some layers hold no KV cache."""
-        return len(self.attention_layers) < self.num_layers
-
-    def kind(self, layer: int) -> str:
-        return self.layer_kinds[layer] if self.layer_kinds else "full"
-
-    def window(self, layer: int) -> int | None:
-        return self.windows[layer] if self.windows else None
 
 
 def text_config(config):
@@ -248,7 +206,9 @@ def _head_counts(config, module, architecture: str) -> tuple[int, int, int]:
     return int(n_heads), int(n_kv), int(head_dim)
 
 
-def describe(model) -> ModelInfo:
+def describe(model) -> ModelShape:
+    """The shape of a loaded model (``ModelShape``, all on one device: ``devices`` is
+    ``kvlens.cache.layout.shape_of``'s)."""
     config = text_config(model.config)
     architecture = type(model).__name__
     found = _candidate_modules(model)
@@ -284,19 +244,14 @@ def describe(model) -> ModelInfo:
     mla = mla_shape(modules[0]) if is_mla(modules[0]) else None
     if mla is not None:  # absorbed: one latent row per token serves every head
         n_kv, head_dim = 1, mla.row_dim
-    rope = rope_config(config)
-    return ModelInfo(
-        architecture=architecture,
-        model_type=str(getattr(config, "model_type", "unknown")),
-        num_layers=len(kinds),
-        num_attention_heads=n_heads,
-        num_key_value_heads=n_kv,
+    return ModelShape(
+        num_layers=len(kinds), num_attention_heads=n_heads, num_key_value_heads=n_kv,
         head_dim=head_dim,
-        declares_rope=has_rotary_module(model),
-        rope=rope,
+        kv_layers=tuple(attention), windows=layer_windows(config, kinds),
+        mla=mla, architecture=architecture,
+        model_type=str(getattr(config, "model_type", "unknown")),
+        has_rope=has_rotary_module(model), rope=rope_config(config),
+        dtype_bytes=next(model.parameters()).element_size(),
         layer_kinds=kinds if any(k != "full" for k in kinds) else (),
-        windows=layer_windows(config, kinds) if any(k in ("sliding", "chunked")
-                                                    for k in kinds) else (),
         state_layers=state,
-        mla=mla,
     )

@@ -4,8 +4,9 @@ id's config already in the local HuggingFace cache) or from a GGUF file's metada
 key-value header is read; the tensor data is not touched).
 
 Commands check options that depend on the model (``capture --layers 99``, ``generate
---retrieval-lengths``, a config naming layer 99) against it before the model loads. A field
-the files do not give is ``None``, and the check waits for the loaded model.
+--retrieval-lengths``, a config naming layer 99) against it before the model loads. A count
+the files do not give is 0 (the context length ``None``), and the check waits for the loaded
+model.
 """
 
 from __future__ import annotations
@@ -19,41 +20,28 @@ from typing import Any
 
 from kvlens.model.architecture import kv_layers_of_types
 from kvlens.model.mla import MlaShape
+from kvlens.model.shape import ModelShape
+
+#: the shape of a model whose files declare nothing
+UNDECLARED = ModelShape(0, 0, 0, 0)
 
 
 @dataclass(frozen=True)
 class ModelHeader:
-    """A model's shape as its files declare it (``None``: not declared)."""
+    """A model's shape as its files declare it: ``shape``'s counts are 0 where they do not
+    (its ``kv_layers`` name a hybrid's layers with a KV cache where the config's
+    ``layer_types`` say; ``has_rope`` is assumed, known only once the model is built)."""
 
-    num_layers: int | None = None
+    shape: ModelShape = UNDECLARED
     max_positions: int | None = None  # max_position_embeddings / GGUF context_length
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
     where: str = ""  # the file it was read from
-    architecture: str = ""
-    # Whether the model has RoPE is known only once it is built: assumed here, so that a check
-    # against the header refuses nothing the loaded model would accept.
-    declares_rope: bool = True
-    #: the layers with a KV cache, where the config's layer_types say (a hybrid model); None:
-    #: every layer, or not declared
-    kv_layers: tuple[int, ...] | None = None
-    model_type: str = ""
-    #: an MLA model's latent row, as ``ModelInfo.mla`` (widths the config does not give are 0)
-    mla: MlaShape | None = None
-
-    @property
-    def attention_layers(self) -> tuple[int, ...] | None:
-        """Model indices of the layers with a KV cache (``None``: unknown before loading)."""
-        if self.kv_layers is not None:
-            return self.kv_layers
-        return tuple(range(self.num_layers)) if self.num_layers else None
 
     @property
     def complete(self) -> bool:
         """Whether layers, KV heads and head_dim are all declared (what ``validate_for`` reads,
         ``kvlens.config.validate_for``, apart from RoPE)."""
-        return bool(self.num_layers and self.num_key_value_heads and self.head_dim)
+        return bool(self.shape.num_layers and self.shape.num_key_value_heads
+                    and self.shape.head_dim)
 
 
 def read_header(source) -> ModelHeader:
@@ -104,11 +92,10 @@ def header_from_config(config: dict, where: str = "") -> ModelHeader:
     types = config.get("layer_types")
     kv_layers = kv_layers_of_types(types) if isinstance(types, list) and layers \
         and len(types) == layers else None
-    return ModelHeader(num_layers=layers, architecture=str(names[0]),
-                       max_positions=_first(config, "max_position_embeddings", "n_positions"),
-                       num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
-                       where=where, kv_layers=kv_layers,
-                       model_type=str(config.get("model_type") or ""), mla=mla)
+    shape = ModelShape(layers or 0, heads or 0, kv or 0, head_dim or 0, kv_layers or (),
+                       mla=mla, architecture=str(names[0]),
+                       model_type=str(config.get("model_type") or ""))
+    return ModelHeader(shape, _first(config, "max_position_embeddings", "n_positions"), where)
 
 
 #: families whose config's ``num_key_value_heads`` is not the KV heads their attention reads
@@ -189,8 +176,7 @@ def _gguf_header(path: Path) -> ModelHeader:
     heads = get("attention.head_count")
     hidden = get("embedding_length")
     head_dim = get("attention.key_length") or (hidden // heads if hidden and heads else None)
-    return ModelHeader(num_layers=get("block_count"), max_positions=get("context_length"),
-                       num_attention_heads=heads,
-                       num_key_value_heads=get("attention.head_count_kv") or heads,
-                       head_dim=head_dim, where=str(path), architecture=arch,
-                       model_type=arch)
+    shape = ModelShape(get("block_count") or 0, heads or 0,
+                       get("attention.head_count_kv") or heads or 0, head_dim or 0,
+                       architecture=arch, model_type=arch)
+    return ModelHeader(shape, get("context_length"), str(path))

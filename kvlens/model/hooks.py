@@ -121,7 +121,7 @@ def observe_attention(model, input_ids) -> dict[int, tuple[int, int, int, int]]:
 
 def check_observed(info, seen: dict[int, tuple[int, int, int, int]]) -> None:
     """Raise ``ModelLoadError`` (one line) unless every layer with a KV cache in ``info``
-    (``kvlens.model.architecture.ModelInfo``) called the attention interface with the shapes
+    (``kvlens.model.shape.ModelShape``) called the attention interface with the shapes
     ``info`` read from the model's modules and config."""
     want = (info.num_attention_heads, info.num_key_value_heads, info.head_dim, info.head_dim)
     missing = [i for i in info.attention_layers if i not in seen]

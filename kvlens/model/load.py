@@ -199,7 +199,7 @@ def check_load_options(spec: str | None = None, *, dtype: str = "float32", devic
         resolve_device(device)
     source = resolve_model(spec)
     header = read_header(source)
-    check_family(header.model_type, header.where)
+    check_family(header.shape.model_type, header.where)
     return source, placement
 
 

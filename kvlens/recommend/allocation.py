@@ -129,7 +129,7 @@ class _Pricing:
     def _option(self, kc, vc, s, window):
         """``option_bytes`` of a layer with sliding ``window`` storing ``kc``/``vc``."""
         shape = self.shape
-        layer = next(i for i in shape.kv_layers if shape.window(i) == window)
+        layer = next(i for i in shape.attention_layers if shape.window(i) == window)
         return option_bytes(kc, vc, s.flush, self.opts, shape, layer, residual=s.residual)
 
     def fronts(self, tables, rotation: bool, twin) -> list[list]:
@@ -189,7 +189,7 @@ def _too_small(need: float, opts: RecommendOptions) -> InputError:
 def cheapest_bits(meta, opts: RecommendOptions, shape) -> float:
     """Bits per element the cheapest candidates ``opts`` offers need on a model of ``shape``
     (every config-wide variant tried; prices need no measurement); inf: none stores a layer."""
-    cands = candidates(meta.head_dim, opts, meta.has_rope)
+    cands = candidates(meta.shape.head_dim, opts, meta.shape.has_rope)
     table = {(c, s): (0.0, 0.0, 0.0) for c in cands for s in opts.streams()}
     tables = [table] * len(meta.layers)
     pricing = _Pricing(meta, opts, [1.0] * len(meta.layers), shape)

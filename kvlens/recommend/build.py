@@ -54,5 +54,5 @@ def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balanc
                      f"at {opts.context} tokens (residual window "
                      f"{listed(sorted({s.residual for s in streams.values()}), '/')}, "
                      f"{opts.sink_tokens} sink tokens)"),
-        model={"num_layers": meta.num_layers, "head_dim": meta.head_dim,
-               "num_key_value_heads": meta.num_key_value_heads})
+        model={"num_layers": meta.shape.num_layers, "head_dim": meta.shape.head_dim,
+               "num_key_value_heads": meta.shape.num_key_value_heads})

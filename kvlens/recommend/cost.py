@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlens.analysis.compare import torch_threads
+from kvlens.model.shape import ModelShape
 
 # Rates of the reference machine (2-core AMD EPYC VM, docs/benchmarks.md), from
 # benchmarks/bench_recommend.py's stage profile of the default recommend on SmolLM2-135M
@@ -110,10 +111,8 @@ class Hardware:
 class CostShape:
     """The sizes the prediction reads (from a capture's metadata and the options)."""
 
-    layers: int
-    q_heads: int
-    kv_heads: int
-    head_dim: int
+    model: ModelShape  # its query and KV heads and head_dim (a capture's shape)
+    layers: int  # the layers measured
     samples: int  # capture samples the errors are measured on
     tokens: int  # tokens per sample the errors are measured on
     score_from: int  # first scored query (several windows: three times the largest)
@@ -124,7 +123,7 @@ class CostShape:
     probe_tokens: int  # the retrieval probe's length (0: not run)
     params: int  # the model's parameters (0: no model stage)
     vocab: int
-    hidden: int = 0  # the model's hidden size (0: q_heads x head_dim)
+    hidden: int = 0  # the model's hidden size (0: query heads x head_dim)
     family_layers: int = 0  # layers that measure every family (0: all; the rest two anchors)
     workers: int = 1  # processes the per-layer measurements run on (kvlens.recommend.parallel)
     weight_bytes: int = 4  # bytes per model weight (the model stages' dtype)
@@ -168,11 +167,11 @@ def machine_factor(repeats: int = 15) -> float:
     return best / REFERENCE_MATMUL_SECONDS
 
 
-def estimated_params(layers: int, q_heads: int, head_dim: int, vocab: int = 0) -> int:
-    """Parameters of a decoder with hidden size ``q_heads x head_dim`` (an estimate used before
-    the model loads: attention 4 h^2, an MLP of 8 h^2, the embedding)."""
-    hidden = q_heads * head_dim
-    return layers * 12 * hidden * hidden + vocab * hidden
+def estimated_params(shape: ModelShape, vocab: int = 0) -> int:
+    """Parameters of a decoder of ``shape`` with hidden size query heads x head_dim (an
+    estimate used before the model loads: attention 4 h^2, an MLP of 8 h^2, the embedding)."""
+    hidden = shape.num_attention_heads * shape.head_dim
+    return shape.num_layers * 12 * hidden * hidden + vocab * hidden
 
 
 def predict(shape: CostShape, factor: float = 1.0, hardware: Hardware | None = None) -> Cost:
@@ -180,12 +179,12 @@ def predict(shape: CostShape, factor: float = 1.0, hardware: Hardware | None = N
     machine ``factor`` times slower than the reference one (``machine_factor``), its model
     stages on ``hardware`` (None: the CPU; a GPU: a projection, ``Hardware``)."""
     s = shape
+    hq, hkv, d = s.model.num_attention_heads, s.model.num_key_value_heads, s.model.head_dim
     gpu = hardware is not None and hardware.gpu is not None
     scored = max(1, s.tokens - s.score_from)
-    attention = (s.layers * s.candidates * s.streams * s.samples * s.q_heads * scored
-                 * s.tokens * s.head_dim)
-    elements = s.layers * s.candidates * s.samples * s.kv_heads * s.tokens * s.head_dim
-    read = s.layers * s.samples * (s.q_heads + 3 * s.kv_heads) * s.tokens * s.head_dim * 4
+    attention = s.layers * s.candidates * s.streams * s.samples * hq * scored * s.tokens * d
+    elements = s.layers * s.candidates * s.samples * hkv * s.tokens * d
+    read = s.layers * s.samples * (hq + 3 * hkv) * s.tokens * d * 4
     stages = {
         "capture read": read * READ_SECONDS_PER_BYTE,
         "candidate errors": (attention * ATTENTION_SECONDS_PER_UNIT
@@ -196,7 +195,7 @@ def predict(shape: CostShape, factor: float = 1.0, hardware: Hardware | None = N
         every = s.family_layers if 0 < s.family_layers < s.layers else s.layers
         anchors = min(2, s.families) if every < s.layers else s.families
         runs = anchors * s.layers + (s.families - anchors) * every
-        head = s.vocab * (s.hidden or s.q_heads * s.head_dim)
+        head = s.vocab * (s.hidden or hq * d)
         kept = s.sensitivity_tokens // 2
         body = 2 * max(0, s.params - head) * s.sensitivity_tokens  # every decoder layer
         head_flops = 2 * head * kept
@@ -213,15 +212,14 @@ def predict(shape: CostShape, factor: float = 1.0, hardware: Hardware | None = N
                 runs * ((body * (s.layers + 1) / (2 * s.layers) + head_flops) * per_flop
                         + kept * s.vocab * WORKER_LOGIT_SECONDS / max(1, s.workers))
     if s.params and s.probe_tokens:
-        probe_elements = s.layers * s.candidates * s.kv_heads * s.probe_tokens * s.head_dim
+        probe_elements = s.layers * s.candidates * hkv * s.probe_tokens * d
         forward = 2 * s.params * s.probe_tokens
         stages["retrieval probe"] = (forward / hardware.forward_flops / factor if gpu else
                                      forward * FORWARD_SECONDS_PER_FLOP) + \
             probe_elements * VARIANT_SECONDS_PER_ELEMENT / s.workers
-    layer_bytes = s.samples * (s.q_heads + 3 * s.kv_heads) * s.tokens * s.head_dim * 4
+    layer_bytes = s.samples * (hq + 3 * hkv) * s.tokens * d * 4
     # a layer's reconstructions: the text's samples, or the probe's one longer sequence
-    variants = s.candidates * s.kv_heads * max(s.samples * s.tokens, s.probe_tokens) \
-        * s.head_dim * 4
+    variants = s.candidates * hkv * max(s.samples * s.tokens, s.probe_tokens) * d * 4
     logits = 3 * (s.sensitivity_tokens // 2) * s.vocab * 4 if s.params else 0
     # every process measuring a layer holds one, and the layout sensitivity's log-probabilities
     # of its own runs; spawned workers also their own runtime

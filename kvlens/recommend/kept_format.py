@@ -20,8 +20,10 @@ FORMAT = "kvlens.measurements"
 # ``codebooks``, a family its centring flag); 6: written by the generic codec (the tables as
 # JSON pairs, streams as records, the profile's spans kept); 7: GEAR removed (issue #57:
 # ``Candidate`` lost its ``gear`` field); 8: research twins behind the extension point (issue
-# #57: ``Candidate.mikv_set`` became ``Candidate.twin``, a ``Twin``)
-VERSION = 8
+# #57: ``Candidate.mikv_set`` became ``Candidate.twin``, a ``Twin``); 9: the capture's model
+# shape one record (issue #57: ``CaptureMeta.shape``, holding the windows that were
+# ``Measurements.windows``). Older files are measured again (``kvlens.recommend.reuse``).
+VERSION = 9
 #: a measurement that this format cannot write, or bytes that are not one it wrote
 KeptFormatError = CodecError
 CODEC = DataclassCodec(Measurements, FORMAT, VERSION,

@@ -174,7 +174,7 @@ def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptio
     t = slice(None) if opts.tokens is None else slice(0, opts.tokens)
     with stage("capture read"):
         q, k, v = (layer.read(n, samples=sel)[:, :, t] for n in ("q", "k", "v"))
-    pre_ok = any(c.stage == "pre" for c in cands) and meta.has_rope
+    pre_ok = any(c.stage == "pre" for c in cands) and meta.shape.has_rope
     tables = None
     if pre_ok:
         with stage("capture read"):

@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 
 from kvlens.analysis.compare import torch_threads
-from kvlens.cache.layout import shape_of_capture
 from kvlens.capture.store import CaptureMeta, open_capture
 from kvlens.errors import InputError, OptionError
 from kvlens.model.load import parse_dtype
@@ -60,7 +59,6 @@ class Measurements:
     balancers: dict[int, torch.Tensor]
     weights: tuple[float, ...]
     notes: list[str]
-    windows: tuple[int | None, ...] = ()  # per layer sliding window (None = global)
     # per layer {storage family (catalog.family: a tuple of its traits): factor on top of the
     # layer weight} (--set sensitivity=layout)
     factors: tuple[dict[tuple[str | bool, ...], float], ...] = ()
@@ -79,17 +77,17 @@ def measure(path: str | Path, opts: RecommendOptions,
         with open_capture(path) as cap:  # closed while worker processes start
             meta = cap.meta
         check_capture(path, meta, opts)
-        cands = candidates(meta.head_dim, opts, meta.has_rope)
-        check_windows(meta.head_dim, opts, cands)
-        probes = probe_candidates(meta.head_dim)
+        cands = candidates(meta.shape.head_dim, opts, meta.shape.has_rope)
+        check_windows(meta.shape.head_dim, opts, cands)
+        probes = probe_candidates(meta.shape.head_dim)
         workers = workers_for(meta, opts)
         with stage("candidate errors"):
             rows = map_layers(_layer_table, path, meta.layers,
                               (cands + [p for p in probes if p not in cands], probes, opts),
                               workers, progress)
-        tables, balancers, notes, windows = [], {}, [], []
+        tables, balancers, notes = [], {}, []
         no_pre = [index for index, row in zip(meta.layers, rows) if not row[2]]
-        if no_pre and meta.has_rope and opts.pre_rope != "off":
+        if no_pre and meta.shape.has_rope and opts.pre_rope != "off":
             why = (f"the RoPE of layer(s) {format_index_spec(no_pre)} cannot be rebuilt from "
                    "the capture (a layer without RoPE, or a capture written before kvlens "
                    "stored each layer's RoPE tables, of a scaled RoPE)")
@@ -97,8 +95,7 @@ def measure(path: str | Path, opts: RecommendOptions,
                 raise InputError(f"Pre-RoPE keys were requested but {why}; use --set "
                                  "pre-rope=auto.")
             notes.append(f"pre-RoPE candidates skipped where {why}")
-        for index, (table, bal, _pre_ok, window) in zip(meta.layers, rows):
-            windows.append(window)
+        for index, (table, bal, _pre_ok) in zip(meta.layers, rows):
             tables.append(table)
             if bal is not None:
                 balancers[index] = bal
@@ -120,26 +117,25 @@ def measure(path: str | Path, opts: RecommendOptions,
             with stage("retrieval probe"):
                 add_retrieval_errors(model, tokenizer, cands, opts, tables, balancers, notes,
                                      progress, workers)
-    wanted = set(candidates(meta.head_dim, opts, meta.has_rope))
+    wanted = set(candidates(meta.shape.head_dim, opts, meta.shape.has_rope))
     tables = [{cf: e for cf, e in t.items() if cf[0] in wanted and cf[1] is not None}
               for t in tables]
     prof.stages = {k: v for k, v in prof.stages.items() if v > 0}
-    return Measurements(meta, tables, balancers, tuple(weights), notes, tuple(windows),
-                        factors, prof)
+    return Measurements(meta, tables, balancers, tuple(weights), notes, factors, prof)
 
 
 def check_capture(path: str | Path, meta, opts: RecommendOptions) -> None:
     """Refuse ``opts`` on the capture at ``path`` (``meta``) where it cannot be measured: a
     capture of some layers only, more samples than it holds, pre-RoPE keys it lacks, layer
     weights of another depth."""
-    if tuple(meta.layers) != tuple(meta.attention_layers):
+    if tuple(meta.layers) != tuple(meta.shape.attention_layers):
         raise InputError(f"{path} captures layers {list(meta.layers)}, but a recommendation "
-                         f"needs every layer with a KV cache ({len(meta.attention_layers)}); "
+                         f"needs every layer with a KV cache ({len(meta.shape.attention_layers)}); "
                          "re-run `kvlens capture` without --layers.")
     if opts.samples is not None and opts.samples > meta.num_samples:
         raise OptionError(f"{{samples}} {opts.samples}: {path} holds {meta.num_samples} samples; "
                          f"give at most {meta.num_samples} (or omit it: all of them).")
-    if opts.pre_rope == "on" and not meta.has_rope:
+    if opts.pre_rope == "on" and not meta.shape.has_rope:
         raise OptionError(f"Pre-RoPE keys were requested but {path} has no pre-RoPE data: "
                          f"{meta.model} has no rotary embedding (q_pre/k_pre equal q/k). "
                          "Use {pre_rope}=auto or off.")
@@ -149,9 +145,8 @@ def check_capture(path: str | Path, meta, opts: RecommendOptions) -> None:
 
 
 def _layer_table(layer, meta, cands, probes, opts):
-    """One layer's ``(errors, balancer, pre_ok, sliding window)`` (``map_layers``' work)."""
-    table, bal, pre_ok = measure_layer(layer, meta, cands, opts, plain=probes)
-    return table, bal, pre_ok, layer.attrs.sliding_window or None
+    """One layer's ``(errors, balancer, pre_ok)`` (``map_layers``' work)."""
+    return measure_layer(layer, meta, cands, opts, plain=probes)
 
 
 def choose(m: Measurements, opts: RecommendOptions) -> Recommendation:
@@ -161,7 +156,7 @@ def choose(m: Measurements, opts: RecommendOptions) -> Recommendation:
     prof = Profile(dict(m.profile.stages), list(m.profile.spans))
     with profiling(prof), stage("allocation"):
         rec = assemble(m.meta, opts, tables, m.balancers, m.weights, list(m.notes),
-                       shape_of_capture(m.meta, m.windows), m.factors)
+                       m.meta.shape, m.factors)
     rec.profile = prof
     return rec
 
@@ -183,18 +178,17 @@ def workers_for(meta, opts: RecommendOptions) -> int:
 
 
 def _cost_shape(meta, opts: RecommendOptions) -> CostShape:
-    cands = candidates(meta.head_dim, opts, meta.has_rope)
+    cands = candidates(meta.shape.head_dim, opts, meta.shape.has_rope)
     tokens = meta.num_tokens if opts.tokens is None else min(opts.tokens, meta.num_tokens)
     samples = meta.num_samples if opts.samples is None else min(opts.samples, meta.num_samples)
     vocab = int(meta.extra.get("vocab_size", 0) or 0)
-    params = int(meta.extra.get("num_parameters", 0) or 0) or estimated_params(
-        meta.num_layers, meta.num_attention_heads, meta.head_dim, vocab)
+    params = int(meta.extra.get("num_parameters", 0) or 0) or estimated_params(meta.shape,
+                                                                                vocab)
     model_stages = not opts.layer_weights and (opts.sensitivity != "uniform"
                                                or opts.retrieval != "off")
     layout = opts.sensitivity in ("layout", "auto") and model_stages
     return CostShape(
-        layers=len(meta.layers), q_heads=meta.num_attention_heads,
-        kv_heads=meta.num_key_value_heads, head_dim=meta.head_dim, samples=samples,
+        model=meta.shape, layers=len(meta.layers), samples=samples,
         tokens=tokens, score_from=opts.score_from, candidates=len(cands) + 2,
         streams=len(opts.streams()) + 1, families=len(family_probes(cands)) if layout else 0,
         family_layers=opts.layout_layers or 0,

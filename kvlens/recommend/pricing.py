@@ -9,7 +9,7 @@ balancers, what a research twin keeps (``CandidateExtension.held``); a sliding-w
 counts only what it keeps. The
 budget is in bits per element relative to an fp16 cache of the same tokens
 (``tensor_fp16_bytes``; 16 = as big as fp16). The model's shape comes from the capture
-(``kvlens.cache.layout.shape_of_capture``).
+(``kvlens.capture.store.CaptureMeta.shape``).
 
 **Decode cost** (``decode_costs``): the bytes one decode step reads at ``L`` tokens for the
 recommendation and the presets (``kvlens.cache.decode_cost``: a documented model, not a
@@ -45,7 +45,7 @@ def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOption
     mikv = _layer_section(kc, opts)
     fp, sd = FP_BYTES[opts.fp_dtype], opts.scale_dtype
     parts = layer_part_bytes(setting, tokens=opts.context, head_dim=shape.head_dim,
-                             kv_heads=shape.kv_heads, mikv=mikv, balancer=kc.balancer,
+                             kv_heads=shape.num_key_value_heads, mikv=mikv, balancer=kc.balancer,
                              sliding_window=w, fp_bytes=fp, scale_dtype=sd,
                              kv_shared=shape.kv_shared)
     total = sum(parts.values())
@@ -54,8 +54,8 @@ def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOption
         return total, total / 2, total / 2
     held = stream_state(setting, opts.context, w).q_held
     f = flush_every(setting)
-    own = [shape.kv_heads * sum(layout_of(c.spec()).part_bytes(held, shape.head_dim, f,
-                                                               sd).values())
+    own = [shape.num_key_value_heads
+           * sum(layout_of(c.spec()).part_bytes(held, shape.head_dim, f, sd).values())
            for c in (kc, vc)]
     shared = (total - sum(own)) / 2
     return total, own[0] + shared, own[1] + shared
@@ -74,8 +74,8 @@ def _layer_section(c: Candidate, opts: RecommendOptions):
 def tensor_fp16_bytes(shape, layer: int, context: int) -> float:
     """Bytes of one tensor (K or V) of ``layer`` in an fp16 cache after ``context`` tokens (an
     MLA model's: half its one latent row, which serves as both)."""
-    return shape.kv_heads * shape.visible_tokens(layer, context) * shape.head_dim * 2 * \
-        shape.kv_tensors / 2
+    return shape.num_key_value_heads * shape.visible_tokens(layer, context) * shape.head_dim \
+        * 2 * shape.kv_tensors / 2
 
 
 COST_PRESETS = ("fp16", "kivi-2", "kivi-4", "per-token-4")

@@ -36,7 +36,7 @@ def load_model_for(cap, opts: RecommendOptions, notes: list[str]):
         model, tokenizer = CaptureModel(cap.path, spec, place).get()
         info = describe(model)
         if (info.num_layers, info.head_dim, info.num_key_value_heads) != (
-                meta.num_layers, meta.head_dim, meta.num_key_value_heads):
+                meta.shape.num_layers, meta.shape.head_dim, meta.shape.num_key_value_heads):
             raise InputError(f"Model {spec} does not match the capture (layers/head_dim/KV "
                              "heads differ).")
     except KvlensError as exc:

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from kvlens.cache.layout import shape_of_capture
 from kvlens.capture.store import open_capture
 from kvlens.recommend.allocation import check_budget
 from kvlens.recommend.cost import Cost
@@ -36,9 +35,8 @@ def check(path: str | Path, opts: RecommendOptions) -> None:
     budget the cheapest candidates exceed (priced from the capture's shape)."""
     with open_capture(path) as cap:
         meta = cap.meta
-        windows = [cap.layer(i).attrs.sliding_window or None for i in meta.layers]
     check_capture(path, meta, opts)
-    check_budget(meta, opts, shape_of_capture(meta, windows))
+    check_budget(meta, opts, meta.shape)
 
 
 def describe_cost(cost) -> str:

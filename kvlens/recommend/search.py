@@ -18,7 +18,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from kvlens.cache.layout import shape_of_capture
 from kvlens.config import KVConfig
 from kvlens.errors import InputError
 from kvlens.evaluation import EvalOptions, evaluate_configs
@@ -74,8 +73,7 @@ class BudgetSearch:
 def budget_grid(m: Measurements, opts: RecommendOptions) -> list[float]:
     """The budgets the search may try, ascending: multiples of ``RESOLUTION`` from what the
     cheapest candidates need to what the allocation holds with no budget limit."""
-    shape = shape_of_capture(m.meta, m.windows)
-    low = cheapest_bits(m.meta, opts, shape)
+    low = cheapest_bits(m.meta, opts, m.meta.shape)
     high = choose(m, replace(opts, budget_bits=16.0)).mean_bits
     first = math.ceil(low / RESOLUTION - 1e-9)
     last = max(first, math.ceil(high / RESOLUTION - 1e-9))

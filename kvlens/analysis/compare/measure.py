@@ -96,15 +96,15 @@ def compare_axes(
         "path": str(path),
         "model": meta.model,
         "layers": list(layers),
-        "num_attention_heads": meta.num_attention_heads,
-        "num_key_value_heads": meta.num_key_value_heads,
-        "head_dim": meta.head_dim,
+        "num_attention_heads": meta.shape.num_attention_heads,
+        "num_key_value_heads": meta.shape.num_key_value_heads,
+        "head_dim": meta.shape.head_dim,
         "samples": n_samples,
         "tokens": meta.num_tokens,
         "storage_dtype": meta.storage_dtype,
     }
     summary = summarize(records)
-    shape = (meta.num_key_value_heads, meta.num_tokens, meta.head_dim)
+    shape = (meta.shape.num_key_value_heads, meta.num_tokens, meta.shape.head_dim)
     if config.formats:
         summary["formats"] = format_info(config, *shape)
     summary = {
@@ -144,26 +144,26 @@ def _key_stages(config: CompareConfig) -> tuple[str, ...]:
 def _check_fits(meta, config: CompareConfig) -> None:
 
     for g in config.group_sizes:
-        QuantSpec(2, "per-token", g).check_fits((meta.num_tokens, meta.head_dim))
+        QuantSpec(2, "per-token", g).check_fits((meta.num_tokens, meta.shape.head_dim))
     for setting in config.format_settings():
         fmt = setting.format
         if fmt.family == "ggml":
             try:
-                fmt.check_fits((meta.num_tokens, meta.head_dim))
+                fmt.check_fits((meta.num_tokens, meta.shape.head_dim))
             except ConfigError as exc:
                 raise ConfigError(
                     f"Format {setting.name!r} does not fit {meta.model or 'this'} capture: {exc}"
                 ) from None
-        if setting.rotates(meta.head_dim):
+        if setting.rotates(meta.shape.head_dim):
             try:
-                hadamard_block_size(meta.head_dim)
+                hadamard_block_size(meta.shape.head_dim)
             except ConfigError as exc:
                 raise ConfigError(
                     f"Format {setting.name!r} does not fit {meta.model or 'this'} capture: {exc}"
                 ) from None
     if "rotate" in config.variants:
         try:
-            hadamard_block_size(meta.head_dim)
+            hadamard_block_size(meta.shape.head_dim)
         except ConfigError as exc:
             raise ConfigError(
                 f"Variant 'rotate' does not fit {meta.model or 'this'} capture: {exc}"
@@ -179,7 +179,7 @@ def _check_fits(meta, config: CompareConfig) -> None:
 
 def _rope_ok(meta) -> bool:
     """Whether the capture's keys have a pre-RoPE form the sweep can use."""
-    return bool(meta.has_rope) and meta.rope_layout not in ("none", "", "pending")
+    return bool(meta.shape.has_rope) and meta.rope_layout not in ("none", "", "pending")
 
 
 def _layer_records(layer_data, config: CompareConfig, meta, samples: slice,

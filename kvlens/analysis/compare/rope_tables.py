@@ -33,9 +33,9 @@ def rope_tables(meta, n_samples: int, n_tokens: int | None = None, theta: float 
     positions = torch.arange(n_tokens or meta.num_tokens).expand(n_samples, -1)
     return rope_tables_for(
         positions,
-        meta.head_dim,
-        float(meta.rope["rope_theta"] if theta is None else theta),
-        meta.rotary_dim or meta.head_dim,
+        meta.shape.head_dim,
+        float(meta.shape.rope["rope_theta"] if theta is None else theta),
+        meta.rotary_dim or meta.shape.head_dim,
         meta.rope_layout,
     )
 
@@ -78,7 +78,7 @@ def layer_rope_tables(meta, k, k_pre, n_tokens: int | None = None, stored=None):
     def err(theta):
         return rope_rebuild_error(kp, pp, tables(theta, 1, kp.shape[2]), meta.rope_layout)
 
-    tried = ([float(meta.rope["rope_theta"])] if "rope_theta" in meta.rope else []) + \
+    tried = ([float(meta.shape.rope["rope_theta"])] if "rope_theta" in meta.shape.rope else []) + \
         list(COMMON_ROPE_THETAS)
     found = next((t for t in tried if err(t) <= ROPE_CHECK_TOLERANCE), None)
     if found is None:  # log-grid, then golden-section refinement around the best point
@@ -128,7 +128,7 @@ def checked_layer_tables(k, k_pre, meta, layer: int, stored=None):
             f"keys miss the stored keys (relative error {err:.3g} > {ROPE_CHECK_TOLERANCE}); "
             "the capture is inconsistent. Re-run `kvlens capture`, or use --stages post.")
     if tables is None:
-        theta = meta.rope.get("rope_theta")
+        theta = meta.shape.rope.get("rope_theta")
         err = rope_rebuild_error(k, k_pre, rope_tables(meta, k.shape[0], k.shape[2],
                                                        theta=theta or 10000.0),
                                  meta.rope_layout)
@@ -137,7 +137,7 @@ def checked_layer_tables(k, k_pre, meta, layer: int, stored=None):
             f"{meta.rotary_dim}, positions 0..T-1) to the stored pre-RoPE keys at no theta "
             f"reproduces the stored keys (at the recorded theta {theta}: relative error "
             f"{err:.3g} > {ROPE_CHECK_TOLERANCE}); the model uses a RoPE variant kvlens cannot "
-            f"re-create (rope type {meta.rope.get('rope_type', 'unknown')!r}, e.g. YaRN or "
+            f"re-create (rope type {meta.shape.rope.get('rope_type', 'unknown')!r}, e.g. YaRN or "
             "linear scaling). Use --stages post."
         )
     return tables
