@@ -130,36 +130,6 @@ def test_encoder_carries_weights_factors_and_odd_values(measured):
         _same_choice(odd, back, _opts(budget_bits=budget))
 
 
-def _as_version_6(doc: dict) -> None:
-    """``doc`` (version 7) as version 6 wrote it: the capture's shape fields flat in its
-    metadata, its windows per captured layer beside it, an MLA row in the extra metadata."""
-    meta = doc["meta"]
-    shape = meta.pop("shape")
-    windows = shape.pop("windows") or [None] * shape["num_layers"]
-    doc["windows"] = [windows[i] for i in meta["layers"]]
-    mla = shape.pop("mla")
-    meta["extra"] += [["mla", json.dumps(mla)]] if mla else []
-    for name in ("dtype_bytes", "devices", "layer_kinds", "state_layers"):
-        shape.pop(name)
-    meta |= shape | {"kv_shared": mla is not None}
-    doc["version"] = 6
-
-
-@pytest.mark.parametrize("windows, mla", [((), None), ((None, 64), MlaShape(8, 24, 16, 16))])
-def test_a_version_6_file_reads_back(measured, windows, mla):
-    """A file of the format before the capture's shape was one record (kvlens.model.shape)
-    reads back as the same measurement: the windows and an MLA row move into the shape."""
-    _, m = measured
-    m = dataclasses.replace(m, meta=dataclasses.replace(
-        m.meta, shape=dataclasses.replace(m.meta.shape, windows=windows, mla=mla)))
-    old = _rezipped(encode(m), _as_version_6)
-    with zipfile.ZipFile(io.BytesIO(old)) as z:
-        doc = json.loads(np.load(io.BytesIO(z.read("document.npy"))).tobytes())
-    assert doc["version"] == 6 and "shape" not in doc["meta"] and "windows" in doc
-    _same(decode(old), m)
-    assert decode(old).meta.shape.windows == windows
-
-
 def _rezipped(data: bytes, edit) -> bytes:
     """A kept file with its JSON document passed through ``edit`` (arrays unchanged)."""
     src = zipfile.ZipFile(io.BytesIO(data))

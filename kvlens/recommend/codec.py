@@ -35,8 +35,7 @@ Values nest at most ``MAX_DEPTH`` deep.
 named as above), each ``.npy`` header before its data is read (a plain numeric dtype whose size
 matches the member's bytes), the format name and version, every field (none unknown or missing)
 and value's type, every array and table index. Any failure, and any annotation this codec does
-not know, raises ``CodecError``, never another exception. A document of an older version is
-read where ``upgrades`` takes it, one version at a time, to the current one before the checks.
+not know, raises ``CodecError``, never another exception.
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ import struct
 import types
 import typing
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -87,15 +86,12 @@ class CodecError(ValueError):
 class DataclassCodec:
     """Writes ``root`` instances as files named ``format`` at ``version`` and reads them back
     (module docstring); ``shared`` maps a document key to a hashable type whose values are
-    written once there and referred to by index (a table's keys, repeated in every row);
-    ``upgrades`` maps an older version to a function that takes its JSON document to the next
-    version's."""
+    written once there and referred to by index (a table's keys, repeated in every row)."""
 
     root: type
     format: str
     version: int
     shared: Mapping[str, type] = field(default_factory=dict)
-    upgrades: Mapping[int, Callable[[dict], dict]] = field(default_factory=dict)
 
     def check(self) -> None:
         """``CodecError`` unless every annotation under ``root`` is one this codec writes."""
@@ -133,8 +129,6 @@ class DataclassCodec:
     def _read_document(self, doc, arrays: list[np.ndarray]):
         if type(doc) is not dict or doc.get("format") != self.format:
             raise CodecError(f"not a {self.format} file (another format)")
-        while type(version := doc.get("version")) is int and version in self.upgrades:
-            doc = self.upgrades[version](doc) | {"version": version + 1}
         if doc.get("version") != self.version or type(doc.get("version")) is not int:
             raise CodecError(f"{self.format} file of version {doc.get('version')!r}, this "
                              f"kvlens reads version {self.version}")
