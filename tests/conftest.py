@@ -101,10 +101,18 @@ def text_file(tmp_path):
 
 @pytest.fixture()
 def patched_model(monkeypatch, smollm2):
-    """SmolLM2 loaded once, handed to every `load_model` call of the test (CLI tests)."""
-    import kvlens.model.load
+    """SmolLM2 loaded once, handed to every `load_model` call of the test (CLI tests): the
+    function and every module's name for it (the modules that bind it are imported first, so
+    none keeps the patched one after the test)."""
+    import kvlens.capture.run  # noqa: F401
+    import kvlens.capture.source  # noqa: F401
+    import kvlens.model.load as load
 
-    monkeypatch.setattr(kvlens.model.load, "load_model", lambda *a, **k: (*smollm2, None))
+    original = load.load_model
+    patched = lambda *a, **k: (*smollm2, None)  # noqa: E731
+    for module in list(sys.modules.values()):
+        if getattr(module, "load_model", None) is original:
+            monkeypatch.setattr(module, "load_model", patched)
     return smollm2
 
 

@@ -300,14 +300,6 @@ def test_vllm_turboquant_codes_what_vllms_formulas_give(name, kbits, vbits, d):
     torch.testing.assert_close(v_hat, v_ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture
-def patched_model(monkeypatch, smollm2):
-    import kvlens.model.load
-
-    monkeypatch.setattr(kvlens.model.load, "load_model", lambda *a, **k: (*smollm2, None))
-    return smollm2
-
-
 def test_generate_compare_runs_engine_settings(patched_model):
     """SmolLM2, 128 tokens: q4_0 holds exactly 4.5 bits, fp8 8 bits plus its scales; every
     prediction of an engine setting reads quantized K/V (write-before-attention)."""

@@ -217,8 +217,8 @@ def test_interrupt_keeps_the_finished_chunks():
     (5000, 9000, 64, 8192, "beyond the model's context: its max_position_embeddings is 8192"),
     (3000, 4096, 64, 8192, "longer than the text from t.txt \\(3000 tokens\\)"),
     (3000, None, 64, 8192, "longer than the text"),
-    (5000, 100, 0, 8192, "--chunk must be between 1"),
-    (5000, 100, 101, 8192, "--chunk must be between 1 \\(decode mode\\) and --eval-tokens"),
+    (5000, 100, 0, 8192, "chunk must be between 1"),
+    (5000, 100, 101, 8192, "chunk must be between 1 \\(decode mode\\) and eval_tokens"),
     (5000, 1, 1, 8192, "at least 2"),
 ])
 def test_bad_lengths_are_clear_errors(text, tokens, chunk, limit, message):

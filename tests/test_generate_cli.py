@@ -74,7 +74,7 @@ def test_generate_request_checks_what_needs_no_model(tmp_path):
     assert request.place == {"dtype": "float32"} and request.model is None
     for options, kw, message in (({"prompt": "x"}, {"prompt_file": prompt}, "not both"),
                                  ({}, {}, "Nothing to do"),
-                                 ({"evals": ("kld",), "chunk": 0}, {}, "--chunk"),
+                                 ({"evals": ("kld",), "chunk": 0}, {}, "chunk must be at least 1"),
                                  ({"prompt": "x"}, {"config": "x.json"}, "not both")):
         with pytest.raises(InputError, match=message):
             generate_request(options, preset="kivi-2", **kw)

@@ -57,7 +57,7 @@ def test_every_flag_named_in_a_message_exists():
     known = _cli_flags() | ENGINE_FLAGS
     assert {"--budget-bits", "--eval-tokens", "--prompt-file"} <= known
     named = _named_flags()
-    assert len(named) > 50  # the scan finds the messages (it would pass vacuously otherwise)
+    assert len(named) > 30  # the scan finds the messages (it would pass vacuously otherwise)
     unknown = [f"{path}:{line}: {flag}" for path, line, flag in named if flag not in known]
     assert not unknown, "messages name flags no command has:\n" + "\n".join(unknown)
 

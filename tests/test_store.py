@@ -112,7 +112,7 @@ def test_existing_output_needs_overwrite(tmp_path):
     windows = torch.randint(0, 128, (1, 9))
     target = tmp_path / "run.h5"
     target.write_text("precious")
-    with pytest.raises(InputError, match="--overwrite"):
+    with pytest.raises(InputError, match="pass overwrite to replace it"):
         capture_model(model, windows, target)
     assert target.read_text() == "precious"
     capture_model(model, windows, target, overwrite=True)

@@ -183,7 +183,7 @@ def parse_tensors(spec: str | Sequence[str] | None) -> tuple[str, ...]:
     names = {s.strip().lower() for s in items if s.strip()}
     bad = sorted(names - set(FAMILIES))
     if bad or not names:
-        raise InputError(f"Invalid --tensors {spec!r}: allowed: q, k, v (comma-separated; "
+        raise InputError(f"Invalid {{tensors}} {spec!r}: allowed: q, k, v (comma-separated; "
                          "q and k are analysed before and after RoPE).")
     return tuple(f for f in FAMILIES if f in names)
 

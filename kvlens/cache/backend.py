@@ -50,12 +50,12 @@ def select_backend(requested: str, device) -> tuple[str, str]:
         return "triton", ("CUDA tensors: Triton decode kernel for single-token decode steps, "
                           "torch path otherwise")
     if kind != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise BackendError(f"--backend triton is unavailable: the Triton kernels need CUDA "
+        raise BackendError(f"{{backend}} triton is unavailable: the Triton kernels need CUDA "
                            f"tensors (this run is on {kind}); to run them slowly on CPU for "
                            "testing, set TRITON_INTERPRET=1 in the environment before starting.")
     problem = _triton_import_problem()
     if problem:
-        raise BackendError(f"--backend triton is unavailable: {problem}.")
+        raise BackendError(f"{{backend}} triton is unavailable: {problem}.")
     where = "CUDA" if kind == "cuda" else f"{kind} under TRITON_INTERPRET=1 (slow, for testing)"
     return "triton", (f"Triton requested ({where}): decode kernel for single-token decode "
                       "steps, torch path otherwise")

@@ -132,7 +132,7 @@ def capture_layers(layers: str | list[int] | None, info) -> list[int]:
     chosen = layers if isinstance(layers, list) else parse_index_spec(layers, info.num_layers)
     bad = [i for i in chosen if i not in info.attention_layers]
     if bad:
-        raise InputError(f"--layers {format_index_spec(bad)}: these layers hold no KV cache "
+        raise InputError(f"{{layers}} {format_index_spec(bad)}: these layers hold no KV cache "
                          "(a hybrid model's linear-attention or SSM layers keep a fixed-size "
                          "state instead); layers with a KV cache: "
                          f"{format_index_spec(info.attention_layers)}.")

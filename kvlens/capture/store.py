@@ -113,7 +113,7 @@ class CaptureWriter:
             raise InputError(f"Unknown compression {compression!r}; allowed: "
                              f"{', '.join(COMPRESSIONS)}.")
         if self.path.exists() and not overwrite:
-            raise InputError(f"{self.path} already exists; pass --overwrite to replace it.")
+            raise InputError(f"{self.path} already exists; pass {{overwrite}} to replace it.")
         if self.path.is_dir():
             raise InputError(f"{self.path} is a directory; give a file name such as run.h5.")
         parent = self.path.parent if str(self.path.parent) else Path(".")

@@ -53,9 +53,9 @@ def generate_request(options: dict[str, Any], *, config=None, preset: str | None
     loaded: the prompt given once (text or ``prompt_file``), the settings resolved, something to
     do (a prompt or an evaluation) and a ``text`` that reads."""
     if options.get("prompt") is not None and prompt_file is not None:
-        raise InputError("Give either --prompt or --prompt-file, not both.")
+        raise InputError("Give either {prompt} or {prompt_file}, not both.")
     if config is not None and preset is not None:  # before any file is read
-        raise InputError("Give either --config FILE or --preset NAME, not both.")
+        raise InputError("Give either {config} FILE or {preset} NAME, not both.")
     opts = EvalOptions(**options)
     settings = resolve_settings(config, preset, compare,
                                 None if calibration is None else str(calibration))
@@ -63,9 +63,9 @@ def generate_request(options: dict[str, Any], *, config=None, preset: str | None
         try:
             opts = replace(opts, prompt=Path(prompt_file).read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError) as exc:
-            raise InputError(f"Cannot read --prompt-file {prompt_file}: {exc}.") from None
+            raise InputError(f"Cannot read {{prompt_file}} {prompt_file}: {exc}.") from None
     if not opts.evals and opts.prompt is None:
-        raise InputError("Nothing to do: give --prompt/--prompt-file and/or --eval "
+        raise InputError("Nothing to do: give {prompt}/{prompt_file} and/or {eval} "
                          "kld,retrieval,ppl,passkey,agreement.")
     if opts.text is not None:
         load_eval_text(opts.text)  # a missing or empty text fails now, not after the load

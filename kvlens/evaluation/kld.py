@@ -103,16 +103,16 @@ def check_lengths(text_tokens: int, eval_tokens: int | None, chunk: int, max_pos
     if eval_tokens is None:
         eval_tokens = min(DEFAULT_EVAL_TOKENS, limit)
     elif eval_tokens < 2:
-        raise InputError(f"--eval-tokens must be at least 2 (got {eval_tokens}).")
+        raise InputError(f"{{eval_tokens}} must be at least 2 (got {eval_tokens}).")
     elif eval_tokens > limit:
-        raise InputError(f"--eval-tokens {eval_tokens} is beyond the model's context: its "
+        raise InputError(f"{{eval_tokens}} {eval_tokens} is beyond the model's context: its "
                          f"max_position_embeddings is {limit}; allowed: 2-{limit}.")
     if eval_tokens > text_tokens:
-        raise InputError(f"--eval-tokens {eval_tokens} is longer than the text from {source} "
-                         f"({text_tokens} tokens); lower --eval-tokens to at most {text_tokens} "
+        raise InputError(f"{{eval_tokens}} {eval_tokens} is longer than the text from {source} "
+                         f"({text_tokens} tokens); lower {{eval_tokens}} to at most {text_tokens} "
                          "or give a longer --text.")
     if not 1 <= chunk <= eval_tokens:
-        raise InputError(f"--chunk must be between 1 (decode mode) and --eval-tokens "
+        raise InputError(f"{{chunk}} must be between 1 (decode mode) and {{eval_tokens}} "
                          f"({eval_tokens}); got {chunk}.")
     return eval_tokens
 

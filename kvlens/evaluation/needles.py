@@ -91,7 +91,7 @@ def grid_lengths(requested: Sequence[int] | None, max_positions: int | None) -> 
     if not fits:
         raise InputError(f"The model's context ({max_positions} tokens) is shorter than the "
                          f"smallest default retrieval length {DEFAULT_LENGTHS[0]}; give "
-                         "--retrieval-lengths.")
+                         "{retrieval_lengths}.")
     return fits
 
 
@@ -151,7 +151,7 @@ def build_grid(tokenizer, lengths: Sequence[int], depths: Sequence[float] = DEFA
     """``per_cell`` prompts of each task at every (length, depth), deterministic."""
 
     if per_cell < 1:
-        raise InputError(f"--retrieval-prompts must be at least 1 (got {per_cell}).")
+        raise InputError(f"{{retrieval_prompts}} must be at least 1 (got {per_cell}).")
     bad = [d for d in depths if not 0.0 <= d <= 1.0]
     if bad:
         raise InputError(f"Retrieval depths must be in [0, 1]; got {bad}.")

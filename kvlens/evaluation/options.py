@@ -37,14 +37,14 @@ class EvalOptions:
             raise InputError(f"Unknown evaluation(s) {', '.join(bad)}; allowed: "
                              f"{', '.join(EVALS)}.")
         if self.backend not in BACKENDS:
-            raise InputError(f"Unknown --backend {self.backend!r}; allowed: "
+            raise InputError(f"Unknown {{backend}} {self.backend!r}; allowed: "
                              f"{', '.join(BACKENDS)}.")
         if self.chunk < 1:
-            raise InputError(f"--chunk must be at least 1 (1 = decode mode); got {self.chunk}.")
+            raise InputError(f"{{chunk}} must be at least 1 (1 = decode mode); got {self.chunk}.")
         if self.eval_tokens is not None and self.eval_tokens < 2:
-            raise InputError(f"--eval-tokens must be at least 2 (got {self.eval_tokens}).")
+            raise InputError(f"{{eval_tokens}} must be at least 2 (got {self.eval_tokens}).")
         if self.eval_tokens is not None and self.chunk > self.eval_tokens:
-            raise InputError(f"--chunk must be between 1 (decode mode) and --eval-tokens "
+            raise InputError(f"{{chunk}} must be between 1 (decode mode) and {{eval_tokens}} "
                              f"({self.eval_tokens}); got {self.chunk}.")
         for flag, value, low in (("--max-new-tokens", self.max_new_tokens, 1),
                                  ("--retrieval-prompts", self.retrieval_prompts, 1),
@@ -72,5 +72,5 @@ def parse_lengths(spec: str | None) -> tuple[int, ...] | None:
     try:
         return tuple(int(x) for x in spec.split(",") if x.strip())
     except ValueError:
-        raise InputError(f"--retrieval-lengths must be a comma list of integers (got "
+        raise InputError(f"{{retrieval_lengths}} must be a comma list of integers (got "
                          f"{spec!r}).") from None

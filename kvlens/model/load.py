@@ -315,7 +315,7 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError("--device cuda was asked for but no CUDA GPU is available here.")
+        raise ModelLoadError("{device} cuda was asked for but no CUDA GPU is available here.")
     return device
 
 

@@ -274,6 +274,6 @@ def assemble(meta, opts, tables, balancers, weights, notes, shape, factors=()
         rec.kv_bytes_fp16[ctx] = shape.fp16_bytes(ctx)
     rec.decode_cost = decode_costs(config, shape, opts.context)
     if opts.prefer_fast and not rec.decode_cost[0][1].fused:
-        raise ConfigError(f"internal: --set prefer-fast=on chose layouts without a fused path: "
+        raise ConfigError(f"internal: {{prefer_fast}}=on chose layouts without a fused path: "
                           f"{rec.decode_cost[0][1].unfused}")
     return rec

@@ -131,7 +131,7 @@ def check_capture(path: str | Path, meta, opts: RecommendOptions) -> None:
     if tuple(meta.layers) != tuple(meta.shape.attention_layers):
         raise InputError(f"{path} captures layers {list(meta.layers)}, but a recommendation "
                          f"needs every layer with a KV cache ({len(meta.shape.attention_layers)}); "
-                         "re-run `kvlens capture` without --layers.")
+                         "re-run `kvlens capture` without {layers}.")
     if opts.samples is not None and opts.samples > meta.num_samples:
         raise OptionError(f"{{samples}} {opts.samples}: {path} holds {meta.num_samples} samples; "
                          f"give at most {meta.num_samples} (or omit it: all of them).")

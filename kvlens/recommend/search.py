@@ -85,7 +85,7 @@ def search_budget(m: Measurements, opts: RecommendOptions, max_kld: float, score
     """The smallest budget on ``budget_grid`` whose config's measured mean KLD (``score``) is
     at most ``max_kld`` (module doc), or ``InputError`` when even the largest misses it."""
     if not max_kld > 0:
-        raise InputError(f"--max-kld must be positive, got {max_kld}.")
+        raise InputError(f"{{max_kld}} must be positive, got {max_kld}.")
     grid = budget_grid(m, opts)
     steps: list[BudgetStep] = []
     scored: dict[str, dict] = {}
@@ -106,8 +106,8 @@ def search_budget(m: Measurements, opts: RecommendOptions, max_kld: float, score
     best, kld = attempt(grid[-1])
     if best is None or kld > max_kld:
         raise InputError(f"Even the largest useful budget, {grid[-1]:g} bits (every layer at "
-                         f"its best candidate), loses KLD {kld:.4f} > --max-kld {max_kld:g} on "
-                         "the held-out text; raise --max-kld, or use an engine target or a "
+                         f"its best candidate), loses KLD {kld:.4f} > {{max_kld}} {max_kld:g} on "
+                         "the held-out text; raise {max_kld}, or use an engine target or a "
                          "16-bit cache.")
     low, high = 0, len(grid) - 1
     while low < high:

@@ -60,11 +60,11 @@ class MikvSets:
     def __post_init__(self) -> None:
         bad = [b for b in self.set_bits if b not in SET_BITS]
         if bad or not self.set_bits:
-            raise InputError(f"Unsupported --set mikv-bits: {bad or 'none'}; allowed: "
+            raise InputError(f"Unsupported {{mikv_set_bits}}: {bad or 'none'}; allowed: "
                              f"{', '.join(map(str, SET_BITS))} (the MiKV set's integer widths).")
         bad = [f for f in self.fractions if not 0 < f <= FRACTION_MAX]
         if bad or not self.fractions:
-            raise InputError(f"Unsupported --set mikv-fractions: {bad or 'none'}; allowed: "
+            raise InputError(f"Unsupported {{mikv_fractions}}: {bad or 'none'}; allowed: "
                              f"fractions in (0, {FRACTION_MAX}] (MiKV's published 0.2, e.g. "
                              "0.1,0.2).")
 

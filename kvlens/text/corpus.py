@@ -36,13 +36,13 @@ def token_windows(tokenizer, text: str, samples: int, tokens: int, source: str =
     import torch
 
     if samples < 1 or tokens < 2:
-        raise InputError(f"Need --samples >= 1 and --tokens >= 2 (got {samples}, {tokens}).")
+        raise InputError(f"Need {{samples}} >= 1 and {{tokens}} >= 2 (got {samples}, {tokens}).")
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
     need = samples * tokens
     if ids.numel() < need:
         raise InputError(
             f"The text from {source} has {ids.numel()} tokens but {samples} samples x {tokens} "
-            f"tokens = {need} are needed. Give a longer --text file or lower --samples/--tokens.")
+            f"tokens = {need} are needed. Give a longer --text file or lower {{samples}}/{{tokens}}.")
     stride = (ids.numel() - tokens) // max(samples - 1, 1) if samples > 1 else 0
     stride = max(stride, tokens)
     starts = [i * stride for i in range(samples)]
