@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import typer
 
+import kvlens.research  # noqa: F401  (the CLI loads the research presets the docs name)
 from kvlens.cli import app
 from kvlens.config import preset
 from kvlens.deploy import engine_config, is_engine_setting
