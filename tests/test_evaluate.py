@@ -10,6 +10,7 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
+import kvlens.research  # noqa: F401  (registers the mikv-* presets these tests read)
 from kvlens.cache import compressed_attention
 from kvlens.config import (
     PRESETS,
