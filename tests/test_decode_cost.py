@@ -9,6 +9,7 @@ import pytest
 from helpers import small_options
 from test_recommend import _planted_capture, runner
 
+import kvlens.research  # noqa: F401  (registers the mikv-* presets these tests price)
 from kvlens.cli import app
 from kvlens.errors import InputError
 from kvlens.recommend import recommend
