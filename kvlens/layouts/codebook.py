@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvlens.errors import InputError
-from kvlens.layouts.protocol import register
+from kvlens.layouts.protocol import SpecLayout, register
 from kvlens.quant.codebook import (
     NORM_BYTES,
     Codebook,
@@ -152,7 +152,7 @@ class CodebookStore:
 
 
 @dataclass(frozen=True)
-class Codebooked:
+class Codebooked(SpecLayout):
     """``CodebookSpec`` ``spec`` as a ``kvlens.layouts.Layout``: each vector on its own (codes
     along channels and a norm), so it streams as a per-token spec and fits any window. Its
     reference includes the spec's rotation; in the cache the layer rotates (window and store
@@ -160,17 +160,6 @@ class Codebooked:
 
     spec: CodebookSpec
     kind = "codebook"
-
-    @property
-    def bits(self) -> int:
-        return self.spec.bits
-
-    @property
-    def label(self) -> str:
-        return self.spec.label
-
-    def to_dict(self) -> dict:
-        return self.spec.to_dict()
 
     def flush_block(self, residual_tokens: int, flush_tokens: int = 0) -> int:
         return flush_tokens or residual_tokens or 1

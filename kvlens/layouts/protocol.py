@@ -32,6 +32,7 @@ adapter class wraps a spec defined lower down (``QuantSpec`` and ``CodebookSpec`
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from kvlens.errors import ConfigError
@@ -103,6 +104,25 @@ class Layout(Protocol):
                    scale_dtype: str = "float16") -> dict[str, int]:
         """Bytes a store holding ``tokens`` tokens (a multiple of ``block``) of one (batch row,
         KV head) holds, by part."""
+
+
+@dataclass(frozen=True)
+class SpecLayout:
+    """The base of a ``Layout`` that adapts a spec defined lower down (``QuantSpec``,
+    ``CodebookSpec``): its bits, label and JSON form are the spec's."""
+
+    spec: Any
+
+    @property
+    def bits(self) -> int:
+        return self.spec.bits
+
+    @property
+    def label(self) -> str:
+        return self.spec.label
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.spec.to_dict()
 
 
 _ADAPTERS: dict[type, Callable[[Any], Layout]] = {}

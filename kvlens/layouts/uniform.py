@@ -14,29 +14,18 @@ from dataclasses import dataclass
 
 from kvlens.errors import ConfigError
 from kvlens.layouts.packed import SCALE_BYTES, PackedTensor
-from kvlens.layouts.protocol import register
+from kvlens.layouts.protocol import SpecLayout, register
 from kvlens.quant import QTensor, QuantSpec, dequantize, packed_length, quantize
 from kvlens.quant.meta8 import fake_quantize_meta8
 from kvlens.quant.packing import pack_unit
 
 
 @dataclass(frozen=True)
-class Uniform:
+class Uniform(SpecLayout):
     """``QuantSpec`` ``spec`` as a ``kvlens.layouts.Layout``."""
 
     spec: QuantSpec
     kind = "uniform"
-
-    @property
-    def bits(self) -> int:
-        return self.spec.bits
-
-    @property
-    def label(self) -> str:
-        return self.spec.label
-
-    def to_dict(self) -> dict:
-        return self.spec.to_dict()
 
     def flush_block(self, residual_tokens: int, flush_tokens: int = 0) -> int:
         if flush_tokens:
