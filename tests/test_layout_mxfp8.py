@@ -1,4 +1,4 @@
-"""The MXFP8 layout (``kvlens.layouts.mxfp8``), added through the layout protocol alone: its
+"""The MXFP8 layout (``kvlens.research.mxfp8``), added through the layout protocol alone: its
 bytes against an independent E4M3/E8M0 reference, its store against its reference, and a
 config naming it read, validated, run, priced and counted by the rest of kvlens unchanged."""
 
@@ -14,8 +14,8 @@ from kvlens.cache.layout import config_part_bytes, shape_of
 from kvlens.config import KVConfig, LayerKV, config_from_dict, load_config, save_config
 from kvlens.errors import ConfigError
 from kvlens.layouts import Layout, Store, kinds, layout_of
-from kvlens.layouts.mxfp8 import MxFp8, quantize_mxfp8
 from kvlens.model.hooks import cache_argument_name
+from kvlens.research.mxfp8 import MxFp8, quantize_mxfp8
 
 
 def e4m3_grid() -> tuple[list[int], list[float]]:
@@ -131,3 +131,18 @@ def test_a_cache_of_it_generates_and_holds_the_predicted_bytes():
     held = cache.layers[0].quantized_length  # per layer and tensor, one KV head of 32 channels
     assert held > 0
     assert (rep["breakdown"]["codes"], rep["breakdown"]["scales"]) == (4 * held * 32, 4 * held)
+
+
+def test_without_the_lab_a_config_naming_it_says_what_to_import():
+    """MXFP8 is research: a fresh process that has not imported kvlens.research refuses a config
+    naming it, saying to import it (the CLI does)."""
+    import subprocess
+    import sys
+
+    code = ("from kvlens.config import config_from_dict\n"
+            "from kvlens.errors import ConfigError\n"
+            f"doc = {_config().to_dict()!r}\n"
+            "try:\n    config_from_dict(doc)\nexcept ConfigError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert "Unknown layout 'mxfp8'" in out and "kvlens.research is imported" in out

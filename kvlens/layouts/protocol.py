@@ -23,7 +23,8 @@ the MiKV channel balancer (``k * b``) and the fitted parameters they carry (the 
 ``kvlens.cache.layer``; recommend's variants, ``kvlens.recommend.layer_errors``).
 
 A spec class becomes a layout with ``register``: either the class implements ``Layout`` itself
-(a new layout, one module of this package, which ``kvlens.layouts`` imports on start), or an
+(a new layout: one module of this package, which ``kvlens.layouts`` imports on start, or of
+``kvlens.research`` while it has not earned its place), or an
 adapter class wraps a spec defined lower down (``QuantSpec`` and ``CodebookSpec`` live in
 ``kvlens.quant``: ``kvlens.layouts.uniform`` and ``kvlens.layouts.codebook`` adapt them).
 ``layout_of(spec)`` returns the ``Layout`` either way.
@@ -169,7 +170,8 @@ def layout_from_dict(data: Any, default: str) -> Any:
     kind = data.get(LAYOUT_KEY, default)
     read = _KINDS.get(kind)
     if read is None:
-        raise ConfigError(f"Unknown layout {kind!r}; allowed: {', '.join(kinds())}.")
+        raise ConfigError(f"Unknown layout {kind!r}; allowed: {', '.join(kinds())} (research "
+                          "layouts register when kvlens.research is imported; the CLI does).")
     return read(data)
 
 

@@ -17,9 +17,10 @@ without one). Bytes per token and head: ``D`` element bytes (part ``codes``) and
 scale bytes (``scales``): ``8.25`` bits per element. The torch read path reads it back through
 ``MxFp8Store.dequantize_range``; the Triton decode kernel does not read it.
 
-Nothing outside this module (and its test) names this layout: it plugs into
-``kvlens.layouts.protocol``, so a config ``{"layout": "mxfp8"}`` is read, validated, stored,
-priced, counted and read back through the protocol.
+Research (not a default, and not yet checked against an engine): it lives in the lab and plugs
+into ``kvlens.layouts.protocol`` when ``kvlens.research`` is imported (the CLI does), so a config
+``{"layout": "mxfp8"}`` is read, validated, stored, priced, counted and read back through the
+protocol; nothing stable names it.
 """
 
 from __future__ import annotations
