@@ -1,35 +1,9 @@
 """The kvlens capture file: HDF5 layout, writer and lazy reader (the only module that knows it).
 
-Layout, schema version 1 (documented in ``docs/reference/capture-format.md``)::
-
-    /                      attrs: kvlens_format="kvlens-capture", kvlens_schema_version=1,
-                                  kvlens_version, complete (bool), model, model_source,
-                                  architecture, model_type, num_layers, num_attention_heads,
-                                  num_key_value_heads, head_dim, has_rope, rope (JSON),
-                                  rope_layout, rotary_dim, compute_dtype, storage_dtype,
-                                  created, num_samples, num_tokens, layers (int array),
-                                  attention_layers (int array: the model's layers with a KV
-                                  cache; absent in older files = all), kv_shared (bool: MLA,
-                                  k and v are one latent row), text_source,
-                                  transformers_version, torch_version, notes, mla (JSON;
-                                  MLA models only)
-    /tokens                [S, T] int32        dims: sample, token
-    /layers/NNN            attrs: layer_index, scaling, sliding_window (0 = none),
-                                  logit_softcap (0 = none), attention_sinks (float32 [Hq],
-                                  learned sink logits; absent = none)
-    /layers/NNN/q          [S, Hq,  T, D]      post-RoPE query   dims: sample, head, token, channel
-    /layers/NNN/k          [S, Hkv, T, D]      post-RoPE key (before any GQA repeat)
-    /layers/NNN/v          [S, Hkv, T, D]      value
-    /layers/NNN/q_pre      [S, Hq,  T, D]      query before RoPE
-    /layers/NNN/k_pre      [S, Hkv, T, D]      key before RoPE
-    /layers/NNN/rope_cos   [T, R] float32      the layer's RoPE at positions 0..T-1, in kvlens'
-    /layers/NNN/rope_sin   [T, R] float32      normalised form (rope_layout pairs, first R
-                                               channels); only in files with RoPE, not on a
-                                               layer that applies none (attr applies_rope=False)
-
-bfloat16 has no HDF5 type: it is stored losslessly as its raw 16-bit pattern (uint16) with the
-dataset attribute ``dtype="bfloat16"``; the reader reinterprets it. Writers create the file
-under a temporary name, set ``complete=True`` last and rename; readers refuse files without it.
+The layout (schema version 1) is documented in ``docs/reference/capture-format.md``. bfloat16
+has no HDF5 type: it is stored as its raw 16-bit pattern (uint16, dataset attribute
+``dtype="bfloat16"``). Writers create the file under a temporary name, set ``complete=True``
+last and rename; readers refuse files without it.
 """
 
 from __future__ import annotations
@@ -242,44 +216,31 @@ def from_storage(array, storage_dtype: str):
     return torch.from_numpy(np.ascontiguousarray(array)).float()
 
 
+#: root attributes in the order they are written, those read from ``meta.shape`` first
+_SHAPE_ATTRS = ("architecture", "model_type", "num_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "has_rope")
+_ATTR_ORDER = ("kvlens_version", "model", "model_source", *_SHAPE_ATTRS, "rope", "rope_layout",
+               "rotary_dim", "compute_dtype", "storage_dtype", "created", "num_samples",
+               "num_tokens", "layers", "attention_layers", "kv_shared", "mla", "text_source")
+_META_KEYS = {*_ATTR_ORDER, "kvlens_format", "kvlens_schema_version", "complete"}
+
+
 def _meta_to_attrs(meta: CaptureMeta) -> dict[str, Any]:
     import numpy as np
 
     shape = meta.shape
-    return {
-        "kvlens_version": meta.kvlens_version,
-        "model": meta.model,
-        "model_source": meta.model_source,
-        "architecture": shape.architecture,
-        "model_type": shape.model_type,
-        "num_layers": shape.num_layers,
-        "num_attention_heads": shape.num_attention_heads,
-        "num_key_value_heads": shape.num_key_value_heads,
-        "head_dim": shape.head_dim,
-        "has_rope": shape.has_rope,
+    derived = {
         "rope": json.dumps(shape.rope, sort_keys=True),
-        "rope_layout": meta.rope_layout,
-        "rotary_dim": meta.rotary_dim,
-        "compute_dtype": meta.compute_dtype,
-        "storage_dtype": meta.storage_dtype,
         "created": meta.created or datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "num_samples": meta.num_samples,
-        "num_tokens": meta.num_tokens,
         "layers": np.asarray(meta.layers, dtype=np.int32),
         "attention_layers": np.asarray(shape.attention_layers, dtype=np.int32),
         "kv_shared": shape.kv_shared,
-        **({"mla": json.dumps(asdict(shape.mla))} if shape.mla is not None else {}),
-        "text_source": meta.text_source,
-        **{k: (json.dumps(v) if isinstance(v, (dict, list)) else v)
-           for k, v in meta.extra.items()},
+        "mla": json.dumps(asdict(shape.mla)) if shape.mla is not None else None,  # MLA only
     }
-
-
-_META_KEYS = {"kvlens_version", "model", "model_source", "architecture", "model_type",
-              "num_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "has_rope",
-              "rope", "rope_layout", "rotary_dim", "compute_dtype", "storage_dtype", "created",
-              "num_samples", "num_tokens", "layers", "attention_layers", "kv_shared", "mla",
-              "text_source", "kvlens_format", "kvlens_schema_version", "complete"}
+    attrs = {k: derived[k] if k in derived else getattr(shape if k in _SHAPE_ATTRS else meta, k)
+             for k in _ATTR_ORDER if k != "mla" or shape.mla is not None}
+    return {**attrs, **{k: (json.dumps(v) if isinstance(v, (dict, list)) else v)
+                        for k, v in meta.extra.items()}}
 
 
 def _attr(value):
@@ -326,10 +287,7 @@ class LayerData:
         ds = self._group[name]
         s = slice(None) if samples is None else samples
         h = slice(None) if heads is None else heads
-        if isinstance(s, slice) and isinstance(h, slice):
-            arr = ds[s, h]
-        else:
-            arr = ds[s][:, h] if not isinstance(s, slice) else ds[s, h]
+        arr = ds[s, h] if isinstance(s, slice) else ds[s][:, h]
         return from_storage(arr, self._storage_dtype)
 
     def rope(self) -> StoredRope | None:

@@ -1,18 +1,12 @@
 """Where a model's weights, its activations and its KV cache live: device maps, memory limits
-and CPU/disk offload, through accelerate's big-model inference.
+and CPU/disk offload, through accelerate's big-model inference (kvlens places no module itself).
 
-kvlens does not place modules itself. ``--device-map`` (a strategy accelerate knows, or an
-explicit module -> device map), ``--max-memory`` (accelerate's per-device limits, plus a
-``disk`` limit kvlens checks) and ``--offload-folder`` become a ``Placement``; ``plan_device_map``
-turns it into the explicit map accelerate would compute (``infer_auto_device_map`` on an empty
-model, as transformers does) so that a limit that cannot hold the model fails *before* any
-weight is read, with the devices and sizes named. The loaded model is then dispatched by
-transformers/accelerate with that map.
-
-After loading, ``layer_devices`` says where each attention layer runs (accelerate's hooks:
-offloaded CPU/disk weights execute on the main device), which is where kvlens' captured tensors
-and compressed-cache stores live; ``input_device`` is where token ids go; ``weights_by_device``
-counts the bytes of weights each device (``disk`` included) holds.
+``make_placement`` checks ``--device-map``, ``--max-memory`` (accelerate's per-device limits,
+plus a ``disk`` limit kvlens checks) and ``--offload-folder`` together; ``plan_device_map``
+computes the explicit map accelerate would (on an empty model, as transformers does), so that a
+limit that cannot hold the model fails before any weight is read, naming devices and sizes.
+After loading, ``layer_devices`` says where each layer's attention (and so its captured tensors
+and cache) runs, ``input_device`` where token ids go, ``weights_by_device`` what each holds.
 """
 
 from __future__ import annotations
@@ -51,9 +45,6 @@ class Placement:
     @property
     def device_map(self) -> str | dict[str, int | str]:
         return self.strategy if self.strategy is not None else dict(self.explicit)
-
-    def limits(self) -> dict[int | str, int]:
-        return dict(self.max_memory)
 
 
 # -- parsing ------------------------------------------------------------------------------------
@@ -266,14 +257,15 @@ def _infer(model, dtype, placement: Placement) -> dict[str, int | str]:
                                       no_split_module_classes=no_split, dtype=dtype))
 
 
+def _owner(name: str, keys) -> str | None:
+    """The most specific device-map key placing the weight ``name`` (``""`` places all)."""
+    return next((k for k in sorted(keys, key=len, reverse=True)
+                 if k == "" or name == k or name.startswith(k + ".")), None)
+
+
 def _check_coverage(model, dmap: dict[str, int | str]) -> None:
     names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
-    keys = sorted(dmap, key=len, reverse=True)
-
-    def covered(name: str) -> bool:
-        return any(k == "" or name == k or name.startswith(k + ".") for k in keys)
-
-    missing = [n for n in names if not covered(n)]
+    missing = [n for n in names if _owner(n, dmap) is None]
     if missing:
         modules = sorted({n.rsplit(".", 1)[0] for n in missing})
         raise PlacementError(f"{{device_map}} does not place {len(missing)} weight tensor(s), in modules "
@@ -298,7 +290,7 @@ def _check_disk(plan: DevicePlan, placement: Placement, dtype) -> None:
     if placement.offload_folder is None:
         raise PlacementError(f"The model does not fit: {need}, and disk offload needs "
                          "{offload_folder} DIR. Raise {max_memory} or add {offload_folder}.")
-    disk_limit = placement.limits().get("disk")
+    disk_limit = dict(placement.max_memory).get("disk")
     if disk_limit is not None and on_disk > disk_limit:
         raise PlacementError(f"The model does not fit even with disk offload: {need}, over the disk "
                          f"limit {format_bytes(disk_limit)}. Raise {{max_memory}} (memory or disk).")
@@ -355,7 +347,6 @@ def weights_by_device(model) -> dict[str, int]:
     tensor counts on its device; an offloaded one (a meta placeholder) on the device its
     ``hf_device_map`` entry names (``cpu`` or ``disk``)."""
     dmap = getattr(model, "hf_device_map", None) or {}
-    keys = sorted(dmap, key=len, reverse=True)
     out: dict[str, int] = {}
     seen: set[int] = set()
     tensors = list(model.named_parameters()) + list(model.named_buffers())
@@ -366,8 +357,7 @@ def weights_by_device(model) -> dict[str, int]:
         if t.device.type != "meta":
             dev = str(t.device)
         else:
-            key = next((k for k in keys if k == "" or name == k or name.startswith(k + ".")),
-                       None)
+            key = _owner(name, dmap)
             if key is None:
                 raise ModelLoadError(f"Weight {name} is on the meta device but the model's "
                                      "device map does not place it.")

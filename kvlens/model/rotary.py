@@ -1,17 +1,11 @@
 """How an attention module applies RoPE, found by running the model's own rotary function.
 
-transformers hands each attention module its RoPE as ``position_embeddings`` in several forms
-(``kvlens.rope.RopeForm``), and the tables alone do not say how the model pairs channels (GLM
-applies ``cat(f, f)`` tables interleaved). So at a layer's first call kvlens finds the function
-the module applies (``apply_rotary_pos_emb``, ``apply_rotary_emb`` or ``_apply_rotary_emb`` of
-its python module), runs it on a seeded random probe with that layer's own tables, and keeps
-the form whose kvlens application reproduces it (``kvlens.rope.matching_form``). A model no
-form reproduces, or whose function cannot be found or called, raises ``ModelLoadError``: its
-pre-RoPE tensors cannot be recovered exactly, and kvlens does not guess.
-
-The probe runs once per distinct table form (module class, function, table kind, width, dtype,
-head width); every later call only checks that its tables still have the form and normalises
-them.
+transformers hands each attention module its RoPE in several forms (``kvlens.rope.RopeForm``),
+and the tables alone do not say how the model pairs channels (GLM applies ``cat(f, f)`` tables
+interleaved). So kvlens runs the function the module applies on a seeded random probe with the
+layer's own tables and keeps the form whose kvlens application reproduces it
+(``kvlens.rope.matching_form``), once per distinct kind of tables. A model no form reproduces,
+or whose function cannot be found or called, raises ``ModelLoadError``: kvlens does not guess.
 """
 
 from __future__ import annotations
