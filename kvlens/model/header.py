@@ -18,6 +18,7 @@ from kvlens.model.architecture import kv_layers_of_types
 from kvlens.model.mla import MlaShape
 from kvlens.model.shape import ModelShape
 
+
 @dataclass(frozen=True)
 class ModelHeader:
     """A model's shape as its files declare it: ``shape``'s counts are 0 where they do not
