@@ -7,10 +7,10 @@ import math
 
 import pytest
 import torch
-from helpers import SCALING
+from helpers import SCALING, write_capture
 from typer.testing import CliRunner
 
-from kvlens.capture.store import CaptureMeta, LayerAttrs, write_capture
+from kvlens.capture.store import CaptureMeta, LayerAttrs
 from kvlens.cli import app
 from kvlens.config import load_config
 from kvlens.deploy.kld_model import fit_kld_model

@@ -335,7 +335,7 @@ class _LayerSink:
                 return [f"layers {nope} apply no RoPE (NoPE): q_pre/k_pre equal q/k"]
             return ["model has no RoPE: q_pre/k_pre equal q/k"]
         notes = [f"RoPE given as {f.name}, stored as {self.rope_layout} tables"
-                 for f in self.rope_inputs.detector.forms
+                 for f in self.rope_inputs.forms
                  if f not in FORMS[:2]]  # the two plain forms need no note
         if nope:
             notes.append(f"layers {nope} apply no RoPE (NoPE): q_pre/k_pre equal q/k there")

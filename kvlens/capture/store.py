@@ -302,11 +302,6 @@ class LayerData:
         cos, sin = (torch.from_numpy(self._group[n][...]).float() for n in ROPE_TABLES)
         return StoredRope(True, cos, sin)
 
-    def __getattr__(self, name: str):
-        if name in TENSORS:
-            return self.read(name)
-        raise AttributeError(name)
-
 
 class Capture:
     """An open capture file. ``with open_capture(path) as cap: cap.layer(3).read("k")``."""
@@ -342,10 +337,6 @@ class Capture:
             raise InputError(f"Layer {layer} is not in {self.path}; captured layers: "
                              f"{format_index_spec(self.meta.layers)}.")
         return LayerData(self._file[key], self.meta.storage_dtype)
-
-    def iter_layers(self, layers: Iterable[int] | None = None):
-        for idx in (self.meta.layers if layers is None else layers):
-            yield self.layer(idx)
 
 
 def open_capture(path: str | os.PathLike) -> Capture:
@@ -408,45 +399,11 @@ def _meta_from_file(f) -> CaptureMeta:
         mla=MlaShape(**json.loads(a["mla"])) if "mla" in a else None,
         architecture=str(a.get("architecture", "")), model_type=str(a.get("model_type", "")),
         has_rope=bool(a.get("has_rope", False)), rope=json.loads(a.get("rope", "{}") or "{}"))
+    texts = ("model", "compute_dtype", "created", "model_source", "text_source", "kvlens_version")
     return CaptureMeta(
-        model=str(a.get("model", "")),
-        shape=shape,
-        rope_layout=str(a.get("rope_layout", "none")),
-        rotary_dim=int(a.get("rotary_dim", 0)),
-        compute_dtype=str(a.get("compute_dtype", "")),
-        storage_dtype=str(a["storage_dtype"]),
-        num_samples=int(a["num_samples"]),
-        num_tokens=int(a["num_tokens"]),
-        layers=layers,
-        created=str(a.get("created", "")),
-        model_source=str(a.get("model_source", "")),
-        text_source=str(a.get("text_source", "")),
-        kvlens_version=str(a.get("kvlens_version", "")),
+        shape=shape, rope_layout=str(a.get("rope_layout", "none")),
+        rotary_dim=int(a.get("rotary_dim", 0)), storage_dtype=str(a["storage_dtype"]),
+        num_samples=int(a["num_samples"]), num_tokens=int(a["num_tokens"]), layers=layers,
         schema_version=int(a["kvlens_schema_version"]),
         extra={k: v for k, v in a.items() if k not in _META_KEYS},
-    )
-
-
-def write_capture(path: str | os.PathLike, meta: CaptureMeta, tensors: dict[int, dict[str, Any]],
-                  tokens=None, layer_attrs: dict[int, LayerAttrs] | None = None, *,
-                  overwrite: bool = False, compression: str = "none") -> Path:
-    """Write a complete capture from in-memory tensors (``tensors[layer][name]`` is
-    ``[S, H, T, D]``); used for synthetic captures in tests and for importing foreign data."""
-    import torch
-
-    with CaptureWriter(path, overwrite=overwrite, storage_dtype=meta.storage_dtype,
-                       compression=compression) as w:
-        w.begin(meta)
-        for layer in meta.layers:
-            la = (layer_attrs or {}).get(layer) or LayerAttrs(layer, meta.shape.head_dim ** -0.5,
-                                                              0, 0.0)
-            w.set_layer_attrs(la)
-            for name in TENSORS:
-                data = tensors[layer][name]
-                for s in range(meta.num_samples):
-                    w.write(layer, name, s, data[s])
-        toks = tokens if tokens is not None else torch.zeros(meta.num_samples, meta.num_tokens,
-                                                             dtype=torch.int32)
-        for s in range(meta.num_samples):
-            w.write_tokens(s, toks[s].cpu().numpy())
-        return w.finish()
+        **{k: str(a.get(k, "")) for k in texts})

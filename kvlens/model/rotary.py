@@ -72,12 +72,14 @@ class RopeInputs(dict):
     """Layer index -> ``(cos, sin, position_ids)`` of the latest call of its attention module, as
     the model passed them (a complex ``freqs_cis``, Llama 4's, as ``(freqs_cis, None,
     position_ids)``; ``position_ids`` ``None`` where the model does not pass it to attention).
-    ``tables(layer, head_dim)`` gives that call's RoPE in kvlens' normalised form."""
+    ``tables(layer, head_dim)`` gives that call's RoPE in kvlens' normalised form, the form of
+    each distinct kind of tables checked once against the model's own rotary function."""
 
     def __init__(self):
         super().__init__()
         self.modules: dict[int, object] = {}  # layer index -> its attention module
-        self.detector = RopeDetector()
+        self._forms: dict[tuple, RopeForm] = {}
+        self.forms: list[RopeForm] = []  # the forms found so far, in order
 
     def record(self, module, pe, position_ids) -> None:
         pe = position_embeddings_of(pe)
@@ -88,24 +90,12 @@ class RopeInputs(dict):
             else (*pe, position_ids)
 
     def tables(self, layer: int, head_dim: int) -> RopeTables | None:
-        """The layer's latest RoPE as ``RopeTables`` (``None``: it applies none, see
-        ``applies_rope``); ``ModelLoadError`` when no known form reproduces the model's."""
+        """The layer's latest RoPE as ``RopeTables`` for heads of ``head_dim`` channels
+        (``None``: it applies none, ``applies_rope``); ``ModelLoadError`` when no known form
+        reproduces the model's."""
         cos, sin, _ = self[layer]
         pe = cos if sin is None else (cos, sin)
-        return self.detector.tables(self.modules[layer], pe, head_dim)
-
-
-class RopeDetector:
-    """Each attention call's RoPE in kvlens' normalised form (``tables``), the form of every
-    distinct kind of tables checked once against the model's own rotary function."""
-
-    def __init__(self):
-        self._forms: dict[tuple, RopeForm] = {}
-        self.forms: list[RopeForm] = []  # the forms found so far, in order
-
-    def tables(self, module, pe, head_dim: int) -> RopeTables | None:
-        """``pe`` (a call's ``position_embeddings``) normalised, for a module whose heads have
-        ``head_dim`` channels; ``None`` when the layer applies no RoPE (``applies_rope``)."""
+        module = self.modules[layer]
         if not applies_rope(module):
             return None
         fn = rotary_function(module)
