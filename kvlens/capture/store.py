@@ -69,11 +69,8 @@ def layer_key(layer: int) -> str:
 
 
 class CaptureWriter:
-    """Creates a capture file atomically: writes ``<path>.partial-<pid>``, renames on ``finish``.
-
-    Use as a context manager; leaving it with an exception deletes the temporary file, so an
-    interrupted capture never leaves a file that looks complete.
-    """
+    """Creates a capture file atomically: writes ``<path>.partial-<pid>``, renames on ``finish``;
+    leaving the context with an exception deletes it, so no file looks complete that is not."""
 
     def __init__(self, path: str | os.PathLike, *, overwrite: bool = False,
                  storage_dtype: str = "float16", compression: str = "none"):
@@ -122,9 +119,7 @@ class CaptureWriter:
 
     # -- layout -------------------------------------------------------------------------
     def begin(self, meta: CaptureMeta) -> None:
-        """Write root attributes and create every dataset (empty, chunked per sample+head).
-
-        Per-layer attributes are set with ``set_layer_attrs`` once the model has run."""
+        """Write root attributes and create every dataset (empty, chunked per sample and head)."""
         import numpy as np
 
         f = self._file

@@ -47,11 +47,9 @@ def llamacpp_matmul_plan(configs, source, model) -> tuple[dict[str, str], list[s
 
 
 def mark_partial_llamacpp(results, configs, types: dict[str, str]) -> list[str]:
-    """Set ``engine_arithmetic = PARTIAL_LLAMACPP`` on the results of llama.cpp settings
-    (``results`` aligned with ``configs``) when the run did not simulate the engine's matrix
-    products (``types`` empty: a mixed run or a model without GGUF weight types): their KLD is
-    the cache's and the attention's alone, below what the engine itself loses. Returns their
-    names."""
+    """Mark (``engine_arithmetic = PARTIAL_LLAMACPP``) and name the results of llama.cpp settings
+    (aligned with ``configs``) when the run did not simulate the engine's matrix products
+    (``types`` empty): their KLD is below what the engine itself loses."""
     if types:
         return []
     marked = []

@@ -109,16 +109,13 @@ def kv_layers_of_types(types) -> tuple[int, ...] | None:
 
 def layer_windows(config, kinds: tuple[str, ...]) -> tuple[int | None, ...]:
     """Per model layer, its sliding window or attention chunk (tokens), ``None`` otherwise."""
-    window = getattr(config, "sliding_window", None)
-    chunk = getattr(config, "attention_chunk_size", None)
-    out = []
-    for kind in kinds:
-        size = window if kind == "sliding" else chunk if kind == "chunked" else None
-        if kind in ("sliding", "chunked") and not (isinstance(size, int) and size > 0):
-            field = "sliding_window" if kind == "sliding" else "attention_chunk_size"
-            raise ModelLoadError(f"A {kind} attention layer but the config gives no {field}.")
-        out.append(size if kind in ("sliding", "chunked") else None)
-    return tuple(out)
+    fields = {"sliding": "sliding_window", "chunked": "attention_chunk_size"}
+    sizes = tuple(getattr(config, fields[k], None) if k in fields else None for k in kinds)
+    for kind, size in zip(kinds, sizes):
+        if kind in fields and not (isinstance(size, int) and size > 0):
+            raise ModelLoadError(f"A {kind} attention layer but the config gives no "
+                                 f"{fields[kind]}.")
+    return sizes
 
 
 def attention_modules(model) -> list:

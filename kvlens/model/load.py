@@ -199,14 +199,9 @@ def check_load_options(spec: str | None = None, *, dtype: str = "float32", devic
 def load_model(spec: str | None = None, *, dtype: str = "float32", device: str = "cpu",
                device_map: str | dict | None = None, max_memory: str | dict | None = None,
                offload_folder: str | None = None):
-    """Load ``(model, tokenizer, source)`` for a ``--model`` string, in eval mode.
-
-    ``device`` is ``auto``, ``cpu`` or ``cuda``. ``device_map`` (``auto``, ``balanced``,
-    ``sequential`` or an explicit map), ``max_memory`` (``"0=20GiB,cpu=60GiB,disk=200GiB"``)
-    and ``offload_folder`` place the model with accelerate instead (``kvlens.model.placement``; a
-    limit that cannot hold the model fails before any weight is read); ``device`` must then be
-    left at a default (``auto`` or ``cpu``).
-    """
+    """Load ``(model, tokenizer, source)`` for a ``--model`` string, in eval mode, on ``device``
+    (``auto``, ``cpu`` or ``cuda``) or placed by accelerate (``device_map``, ``max_memory``,
+    ``offload_folder``: ``kvlens.model.placement``; ``device`` then left at a default)."""
     source, placement = check_load_options(spec, dtype=dtype, device=device,
                                            device_map=device_map, max_memory=max_memory,
                                            offload_folder=offload_folder)

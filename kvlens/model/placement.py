@@ -25,8 +25,9 @@ from kvlens.units import format_bytes
 
 STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 MEMORY_KEYS = "GPU index (0, 1, ...), cpu, mps, disk"
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "K": 10**3,
+          "M": 10**6, "G": 10**9, "T": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
+          "TIB": 2**40}
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
@@ -49,21 +50,15 @@ class Placement:
 
 # -- parsing ------------------------------------------------------------------------------------
 
-def parse_size(text: str | int, what: str = "size") -> int:
+def parse_size(text: str, what: str = "size") -> int:
     """Bytes of ``20GiB``, ``500MB``, ``1.5GB`` or a plain byte count (GB = 10^9, GiB = 2^30,
     as accelerate reads them)."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        value = text
-    else:
-        m = _SIZE.match(str(text))
-        unit = m.group(2).upper() if m else None
-        if unit is not None and unit not in _UNITS:
-            unit = {"K": "KB", "M": "MB", "G": "GB", "T": "TB"}.get(unit)
-        if m is None or unit is None:
-            raise PlacementError(f"Invalid {what} {text!r}: expected a number with a unit such as "
+    m = _SIZE.match(text)
+    if m is None or m.group(2).upper() not in _UNITS:
+        raise PlacementError(f"Invalid {what} {text!r}: expected a number with a unit such as "
                              "20GiB, 500MB or 1.5GB (KB/MB/GB/TB = powers of 1000, "
                              "KiB/MiB/GiB/TiB = powers of 1024), or a byte count.")
-        value = int(float(m.group(1)) * _UNITS[unit])
+    value = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
     if value <= 0:
         raise PlacementError(f"Invalid {what} {text!r}: it must be more than 0 bytes.")
     return value

@@ -69,11 +69,9 @@ def position_embeddings_of(pe):
 
 
 class RopeInputs(dict):
-    """Layer index -> ``(cos, sin, position_ids)`` of the latest call of its attention module, as
-    the model passed them (a complex ``freqs_cis``, Llama 4's, as ``(freqs_cis, None,
-    position_ids)``; ``position_ids`` ``None`` where the model does not pass it to attention).
-    ``tables(layer, head_dim)`` gives that call's RoPE in kvlens' normalised form, the form of
-    each distinct kind of tables checked once against the model's own rotary function."""
+    """Layer index -> ``(cos, sin, position_ids)`` of its attention module's latest call (a complex
+    ``freqs_cis`` as ``(freqs_cis, None, position_ids)``; ``position_ids`` ``None`` where the model
+    does not pass it); ``tables`` normalises a call's RoPE, each kind of tables checked once."""
 
     def __init__(self):
         super().__init__()
@@ -118,11 +116,9 @@ def _form_key(module, fn, pe, head_dim: int) -> tuple:
 
 
 def find_form(module, fn: Callable, pe, head_dim: int) -> RopeForm:
-    """The form of ``pe`` that reproduces ``fn`` (the module's rotary function) on a probe, or
-    ``ModelLoadError``. The probe first spans whole heads (functions that rotate the first
-    ``R`` channels themselves: GPT-NeoX, GLM); a function that only takes the rotary part (Phi:
-    the attention forward slices ``rotary_ndims`` channels) is probed on those channels alone,
-    where the module says how many (``_ROTARY_WIDTHS``)."""
+    """The form of ``pe`` that reproduces ``fn`` (the module's rotary function) on a probe, else
+    ``ModelLoadError``: a probe over whole heads, then over the rotary channels alone where the
+    module declares them (``_ROTARY_WIDTHS``: Phi's forward slices them before the call)."""
     first = pe if isinstance(pe, torch.Tensor) else pe[0]
     if first.dim() != 3:
         raise _unsupported(module, f"its position_embeddings have shape {tuple(first.shape)}, "

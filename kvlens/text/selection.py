@@ -9,10 +9,8 @@ from kvlens.errors import InputError
 
 
 def parse_index_spec(spec: str | None, limit: int, what: str = "layer") -> list[int]:
-    """``"0,4,8-11"`` -> ``[0, 4, 8, 9, 10, 11]``; ``None``/``"all"`` -> ``range(limit)``.
-
-    Raises ``InputError`` for malformed items or indices outside ``[0, limit)``.
-    """
+    """``"0,4,8-11"`` -> ``[0, 4, 8, 9, 10, 11]``; ``None``/``"all"`` -> ``range(limit)``;
+    ``InputError`` for malformed items or indices outside ``[0, limit)``."""
     if spec is None or spec.strip().lower() in ("", "all"):
         return list(range(limit))
     out: set[int] = set()
