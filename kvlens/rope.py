@@ -73,9 +73,9 @@ def invert_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: s
 
 class RopeFrequencies:
     """A layer's RoPE re-created from positions, as a fused kernel would: ``angle = position *
-    inv_freq`` (float32, as transformers computes it), ``cos/sin * scaling``, laid out
-    ``half`` (``cat(f, f)``) or ``interleaved``. Found by matching the tables a layer was
-    called with (``match``), so the cache stores positions (int32) instead of tables."""
+    inv_freq`` (float32, as transformers computes it), ``cos/sin * scaling``, laid out ``half`` or
+    ``interleaved``; matched against the tables a layer was called with (``reproduces``), so the
+    cache stores positions (int32) instead of tables."""
 
     def __init__(self, inv_freq: torch.Tensor, scaling: float, layout: str):
         self.inv_freq = inv_freq.detach()  # the model's own buffer (not a copy)

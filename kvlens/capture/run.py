@@ -79,12 +79,8 @@ class CaptureSummary:
 def run_capture(options: CaptureOptions, output: str | Path,
                 progress: ProgressFn | None = None) -> CaptureSummary:
     """Load the model and text named in ``options`` and write a capture file to ``output``."""
-
     text, text_source = check_capture(options, output)
-    model, tokenizer, source = load_model(options.model, dtype=options.compute_dtype,
-                                          device=options.device, device_map=options.device_map,
-                                          max_memory=options.max_memory,
-                                          offload_folder=options.offload_folder)
+    model, tokenizer, source = load_model(options.model, **_load_options(options))
     windows = token_windows(tokenizer, text, options.samples, options.tokens, text_source)
     return capture_model(model, windows, output, layers=options.layers,
                          storage_dtype=options.storage_dtype, compression=options.compression,
@@ -100,12 +96,15 @@ def check_capture(options: CaptureOptions, output: str | Path) -> tuple[str, str
     CaptureWriter(output, overwrite=options.overwrite, storage_dtype=options.storage_dtype,
                   compression=options.compression)
     text = load_text(options.text)
-    source, _ = check_load_options(options.model, dtype=options.compute_dtype,
-                                   device=options.device, device_map=options.device_map,
-                                   max_memory=options.max_memory,
-                                   offload_folder=options.offload_folder)
+    source, _ = check_load_options(options.model, **_load_options(options))
     check_layer_spec(options.layers, read_header(source).shape)
     return text
+
+
+def _load_options(o: CaptureOptions) -> dict[str, Any]:
+    """``load_model``'s keywords from the capture options."""
+    return {"dtype": o.compute_dtype, "device": o.device, "device_map": o.device_map,
+            "max_memory": o.max_memory, "offload_folder": o.offload_folder}
 
 
 def check_layer_spec(spec: str | None, shape) -> None:

@@ -32,10 +32,9 @@ COMPRESSIONS = ("none", "gzip", "lzf")
 
 @dataclass(frozen=True)
 class CaptureMeta:
-    """Root attributes of a capture file, typed: the captured model's ``shape`` (its
-    ``windows`` from the captured layers' attributes, ``None`` for the others; an MLA model's
-    ``mla`` from the ``mla`` attribute; its dtype read as 2 bytes, one device) and what was
-    captured how. ``shape.has_rope``: the file holds RoPE (pre-RoPE tensors differ)."""
+    """Root attributes of a capture file, typed: the captured model's ``shape`` (``windows`` of
+    the captured layers only, dtype read as 2 bytes, one device; ``has_rope``: the file holds RoPE)
+    and what was captured how."""
 
     model: str
     shape: ModelShape
@@ -77,12 +76,10 @@ class CaptureWriter:
         import h5py  # noqa: F401  (fail early if missing)
 
         self.path = Path(path)
-        if storage_dtype not in STORAGE_DTYPES:
-            raise InputError(f"Unknown storage dtype {storage_dtype!r}; allowed: "
-                             f"{', '.join(STORAGE_DTYPES)}.")
-        if compression not in COMPRESSIONS:
-            raise InputError(f"Unknown compression {compression!r}; allowed: "
-                             f"{', '.join(COMPRESSIONS)}.")
+        for what, value, allowed in (("storage dtype", storage_dtype, STORAGE_DTYPES),
+                                     ("compression", compression, COMPRESSIONS)):
+            if value not in allowed:
+                raise InputError(f"Unknown {what} {value!r}; allowed: {', '.join(allowed)}.")
         if self.path.exists() and not overwrite:
             raise InputError(f"{self.path} already exists; pass {{overwrite}} to replace it.")
         if self.path.is_dir():
@@ -161,8 +158,7 @@ class CaptureWriter:
         self._datasets[(layer, name)][sample] = to_storage(tensor, self.storage_dtype)
 
     def write_rope(self, layer: int, layout: str, cos, sin) -> None:
-        """Store a layer's RoPE tables ``cos``, ``sin`` ``[T, R]`` (torch, normalised:
-        ``layout`` pairs, the first R channels; the same for every sample, whose positions are
+        """Store a layer's normalised RoPE tables ``cos``, ``sin`` ``[T, R]`` (torch; positions
         ``0..T-1``), or mark a layer that applies no RoPE (``cos`` None)."""
         g = self._file[layer_key(layer)]
         g.attrs["applies_rope"] = cos is not None

@@ -79,7 +79,7 @@ def rope_inputs(model) -> Iterator[RopeInputs]:
 
 def rope_frequency_candidates(model) -> list[tuple]:
     """Every ``(inv_freq, attention_scaling)`` the model's rotary modules hold (one per layer
-    type in models such as Gemma3), for ``kvlens.rope.RopeFrequencies.match``."""
+    type in models such as Gemma3), for ``kvlens.rope.RopeFrequencies``."""
     out = []
     for module in model.modules():
         for name, buf in module.named_buffers(recurse=False):

@@ -179,9 +179,8 @@ def check_load_options(spec: str | None = None, *, dtype: str = "float32", devic
                        device_map: str | dict | None = None,
                        max_memory: str | dict | None = None,
                        offload_folder: str | None = None):
-    """Every check ``load_model`` makes before it reads a weight: the placement options parse
-    and agree with ``device``, ``dtype`` and ``device`` are known, ``spec`` names a model that
-    exists (resolved, nothing loaded). Cheap, so commands call it before any other work.
+    """Every check ``load_model`` makes before it reads a weight (placement options, dtype,
+    device, and that ``spec`` names a model that exists); cheap, so commands call it first.
     Returns ``(source, placement)``."""
     placement = make_placement(device_map, max_memory, offload_folder)
     if placement is not None and device not in ("auto", "cpu"):  # the CLI/library defaults

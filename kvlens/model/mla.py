@@ -129,10 +129,9 @@ def _absorbed_forward(module, rope):
 
 @contextmanager
 def absorbed_mla(model) -> Iterator[list]:
-    """Run every MLA attention module of ``model`` in the absorbed form (module docstring) for
-    the duration of the block; yields the patched modules (empty for other models). Each
-    module's ``num_key_value_groups`` is set to its head count meanwhile (one latent row serves
-    every head), and everything is restored on exit."""
+    """Run every MLA attention module of ``model`` in the absorbed form, its
+    ``num_key_value_groups`` set to its head count (one latent row serves every head), for the
+    duration of the block; yields the patched modules and restores everything on exit."""
     modules = [m for m in model.modules() if is_mla(m)]
     saved = []
     try:

@@ -33,10 +33,9 @@ _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 @dataclass(frozen=True)
 class Placement:
-    """A device map request: ``strategy`` (one of ``STRATEGIES``) or an explicit ``explicit``
-    map (module name -> GPU index, ``cpu`` or ``disk``), per-device limits in bytes
-    (``max_memory``: ``((device, bytes), ...)``, ``disk`` included) and the offload folder
-    (``None``: no disk offload allowed)."""
+    """A device map request: a ``strategy`` (``STRATEGIES``) or an ``explicit`` map (module
+    name -> GPU index, ``cpu`` or ``disk``), per-device limits in bytes (``disk`` included) and the
+    offload folder (``None``: no disk offload allowed)."""
 
     strategy: str | None = None
     explicit: tuple[tuple[str, int | str], ...] = ()
@@ -329,9 +328,8 @@ def input_device(model):
 
 
 def layer_devices(model) -> list:
-    """Per model layer (index ``i`` = layer ``i``), the device its attention computes on, or
-    the layer itself where it has no attention (a hybrid model's state layers)
-    (``torch.device``)."""
+    """Per model layer, the ``torch.device`` its attention computes on (the layer's own where it
+    has no attention: a hybrid model's state layers)."""
     attention = {m.layer_idx: m for m in attention_modules(model)}
     layers = decoder_layers(model)
     return [execution_device(model, attention.get(i, layer)) for i, layer in enumerate(layers)]

@@ -154,9 +154,8 @@ def find_form(module, fn: Callable, pe, head_dim: int) -> RopeForm:
 
 
 def _probe_tables(pe):
-    """``pe`` at a few of its positions (all when few), in float64 (complex128): the model's
-    own table values, probed cheaply on the CPU (float64 runs on every device there) and
-    compared without float32 rounding."""
+    """``pe`` at a few of its positions, in float64 (complex128) on the CPU: the model's own
+    values, compared without float32 rounding."""
     first = pe if isinstance(pe, torch.Tensor) else pe[0]
     t = int(first.shape[1])
     idx = torch.linspace(0, t - 1, min(t, _PROBE_POSITIONS)).round().long().unique()
