@@ -138,10 +138,9 @@ def _is_real_pair(pe) -> bool:
 
 @dataclass(frozen=True)
 class RopeForm:
-    """One way a model gives RoPE to its attention: how its ``position_embeddings`` hold the
-    per-pair angles (``tables``, one of ``TABLE_KINDS``) and which channels it pairs
-    (``layout``, one of ``LAYOUTS``). ``position_embeddings`` is ``(cos, sin)`` ``[B, T, W]``
-    or, for ``complex`` tables, one complex tensor ``[B, T, R/2]``."""
+    """One way a model gives RoPE to its attention: how ``position_embeddings`` (``(cos, sin)``
+    ``[B, T, W]``, or one complex ``[B, T, R/2]``) hold the per-pair angles (``tables``,
+    ``TABLE_KINDS``) and which channels it pairs (``layout``, ``LAYOUTS``)."""
 
     tables: str
     layout: str
@@ -207,14 +206,13 @@ def deinterleave(x: torch.Tensor, rotary_dim: int) -> torch.Tensor:
     return torch.cat((rot[..., 0::2], rot[..., 1::2], rest), dim=-1)
 
 
-def matching_form(pe, probes: tuple[torch.Tensor, ...], model_out: tuple[torch.Tensor, ...],
-                  forms: tuple[RopeForm, ...] = FORMS) -> RopeForm | None:
-    """The first of ``forms`` whose normalised tables, applied by ``apply_rope`` (float64) to
-    each probe ``[B, H, T, W]``, give the model's own rotary function's output on it
-    (``model_out``, same shapes), within ``PROBE_TOLERANCE``; ``None`` when none does. A form
-    rotating more than ``W`` channels cannot be checked on these probes and is skipped."""
+def matching_form(pe, probes: tuple[torch.Tensor, ...], model_out: tuple[torch.Tensor, ...]
+                  ) -> RopeForm | None:
+    """The first of ``FORMS`` whose normalised tables, applied by ``apply_rope`` to each probe
+    ``[B, H, T, W]``, give ``model_out`` within ``PROBE_TOLERANCE`` (``None``: none does); a form
+    rotating more than ``W`` channels is skipped."""
     width = probes[0].shape[-1]
-    for form in forms:
+    for form in FORMS:
         if not form.accepts(pe) or form.rotary_dim(pe) > width:
             continue
         tables = form.normalise(pe)

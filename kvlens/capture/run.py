@@ -108,9 +108,8 @@ def _load_options(o: CaptureOptions) -> dict[str, Any]:
 
 
 def check_layer_spec(spec: str | None, shape) -> None:
-    """``--layers`` before the model loads: its syntax always, its indices against the layers
-    the model's files declare (``shape``: ``kvlens.model.header``'s, 0 layers where they do not
-    say)."""
+    """``--layers`` before the model loads: its syntax, and its indices against the layers the
+    model's files declare (``shape.num_layers`` 0: they do not say)."""
     if shape.num_layers:
         capture_layers(spec, shape)
     elif spec is not None and spec.strip().lower() not in ("", "all"):

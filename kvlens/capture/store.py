@@ -245,9 +245,8 @@ def _attr(value):
 
 @dataclass(frozen=True, eq=False)
 class StoredRope:
-    """What a capture recorded of one layer's RoPE: whether it applies RoPE (``False``: a NoPE
-    layer of a RoPE model, where ``q_pre == q``) and, if so, its tables at positions
-    ``0..T-1``, float32 torch ``[T, R]``, paired as the file's ``rope_layout``."""
+    """One layer's RoPE as captured: whether it applies RoPE (``False``: a NoPE layer, ``q_pre ==
+    q``) and its tables at positions ``0..T-1``, float32 ``[T, R]``, paired as ``rope_layout``."""
 
     applies: bool
     cos: Any = None

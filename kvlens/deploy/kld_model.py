@@ -43,9 +43,8 @@ class KLDModel:
 
 
 def fit_kld_model(points: Sequence[tuple[float, float]]) -> KLDModel:
-    """Least-squares fit of ``log KLD = log c + alpha log S`` over ``(S, KLD)`` points with
-    ``S > 0`` and ``KLD > 0`` (others carry no information about the power law). Needs one
-    usable point (then ``alpha = 1``); two or more with distinct ``S`` fit ``alpha``."""
+    """Least-squares fit of ``log KLD = log c + alpha log S`` over the points with ``S > 0`` and
+    ``KLD > 0``; one usable point fixes ``alpha = 1``."""
     pts = [(float(s), float(k)) for s, k in points if s > 0 and k > 0]
     if not pts:
         raise InputError("Cannot fit the KLD model: no setting with a positive error score and "

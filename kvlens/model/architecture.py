@@ -162,16 +162,14 @@ def rope_config(config) -> dict[str, Any]:
 
 
 def has_rotary_module(model) -> bool:
-    """Whether the model holds rotary frequencies (a rotary-embedding module's ``inv_freq`` or
-    ``freqs_cis`` buffer): read from its modules, as a config may carry RoPE parameters its
-    model does not use (Granite 4 hybrid without ``position_embedding_type="rope"``)."""
+    """Whether the model holds rotary frequencies (an ``inv_freq`` or ``freqs_cis`` buffer): a
+    config may carry RoPE parameters its model does not use (Granite 4 hybrid)."""
     return any(name.endswith(("inv_freq", "freqs_cis")) for name, _ in model.named_buffers())
 
 
 def _head_counts(config, module, architecture: str) -> tuple[int, int, int]:
-    """``(query heads, KV heads, head_dim)``: KV heads from the module's own
-    ``num_key_value_groups`` where it has one (a config's ``num_key_value_heads`` may be a
-    value the architecture ignores), else the config's, else multi-head."""
+    """``(query heads, KV heads, head_dim)``: KV heads from the module's grouping, else the
+    config's, else multi-head."""
     n_heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
     head_dim = getattr(module, "head_dim", None) or getattr(config, "head_dim", None)

@@ -21,9 +21,8 @@ from kvlens.model.shape import ModelShape
 
 @dataclass(frozen=True)
 class ModelHeader:
-    """A model's shape as its files declare it: ``shape``'s counts are 0 where they do not
-    (its ``kv_layers`` name a hybrid's layers with a KV cache where the config's
-    ``layer_types`` say; ``has_rope`` is assumed, known only once the model is built)."""
+    """A model's shape as its files declare it (counts 0 where they do not; ``kv_layers`` where
+    ``layer_types`` name them; ``has_rope`` assumed until the model is built)."""
 
     shape: ModelShape = ModelShape(0, 0, 0, 0)  # nothing declared
     max_positions: int | None = None  # max_position_embeddings / GGUF context_length
@@ -37,9 +36,8 @@ class ModelHeader:
 
 
 def read_header(source) -> ModelHeader:
-    """The ``ModelHeader`` of a resolved source (``kvlens.model.load.ModelSource``); an empty
-    one where nothing can be read without loading (a hub model not in the local cache, an
-    unreadable file)."""
+    """The ``ModelHeader`` of a resolved ``ModelSource``; an empty one where nothing can be read
+    without loading (a hub model not in the local cache, an unreadable file)."""
     try:
         if source.kind == "gguf":
             return _gguf_header(Path(source.location) / (source.gguf_file or ""))

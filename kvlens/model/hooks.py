@@ -96,9 +96,8 @@ def cache_argument_name(model) -> str:
 
 
 def observe_attention(model, input_ids) -> dict[int, tuple[int, int, int, int]]:
-    """Per layer index, ``(query heads, KV heads, key head_dim, value head_dim)`` of the
-    tensors its attention function receives in one forward of ``input_ids`` ``[1, T]``: the
-    shapes the model really uses, whatever its config says."""
+    """Per layer index, ``(query heads, KV heads, key head_dim, value head_dim)`` its attention
+    function receives in one forward of ``input_ids`` ``[1, T]``, whatever the config says."""
     import torch
 
     seen: dict[int, tuple[int, int, int, int]] = {}
@@ -116,9 +115,8 @@ def observe_attention(model, input_ids) -> dict[int, tuple[int, int, int, int]]:
 
 
 def check_observed(info, seen: dict[int, tuple[int, int, int, int]]) -> None:
-    """Raise ``ModelLoadError`` (one line) unless every layer with a KV cache in ``info``
-    (``kvlens.model.shape.ModelShape``) called the attention interface with the shapes
-    ``info`` read from the model's modules and config."""
+    """Raise ``ModelLoadError`` unless every layer with a KV cache in ``info`` (a ``ModelShape``)
+    called the attention interface with the shapes ``info`` read from the model."""
     want = (info.num_attention_heads, info.num_key_value_heads, info.head_dim, info.head_dim)
     missing = [i for i in info.attention_layers if i not in seen]
     if missing:

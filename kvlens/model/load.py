@@ -101,9 +101,8 @@ def _gguf_cache_dir(source: ModelSource) -> Path:
 
 
 def _load_gguf(source: ModelSource, dtype: Any, placement=None):
-    """Load a GGUF model, through the safetensors conversion cache when possible. With a
-    device map the model is always loaded from the conversion (written first if missing), so
-    accelerate can place and offload its safetensors weights."""
+    """Load a GGUF model through its safetensors conversion, written first if missing; with a
+    device map always from the conversion, so accelerate can place and offload it."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -131,9 +130,8 @@ def _load_gguf(source: ModelSource, dtype: Any, placement=None):
 
 
 def _write_conversion_cache(model, tokenizer, target: Path) -> None:
-    """Save dequantized weights + config + tokenizer; atomic (temp dir, then rename). An
-    unwritable cache only costs time, never correctness: the load goes on, with a warning on
-    stderr saying where and why (otherwise every run would silently pay the conversion)."""
+    """Save dequantized weights, config and tokenizer atomically (temp dir, then rename); an
+    unwritable cache costs time, not correctness: the load goes on with a warning on stderr."""
     from safetensors.torch import save_file
 
     try:

@@ -336,9 +336,8 @@ def layer_devices(model) -> list:
 
 
 def weights_by_device(model) -> dict[str, int]:
-    """Bytes of weights (parameters and buffers, shared ones once) each device holds: a real
-    tensor counts on its device; an offloaded one (a meta placeholder) on the device its
-    ``hf_device_map`` entry names (``cpu`` or ``disk``)."""
+    """Bytes of weights (parameters and buffers, shared ones once) per device; an offloaded one (a
+    meta placeholder) counts on the device its ``hf_device_map`` entry names (``cpu``, ``disk``)."""
     dmap = getattr(model, "hf_device_map", None) or {}
     out: dict[str, int] = {}
     seen: set[int] = set()

@@ -88,9 +88,8 @@ class RopeInputs(dict):
             else (*pe, position_ids)
 
     def tables(self, layer: int, head_dim: int) -> RopeTables | None:
-        """The layer's latest RoPE as ``RopeTables`` for heads of ``head_dim`` channels
-        (``None``: it applies none, ``applies_rope``); ``ModelLoadError`` when no known form
-        reproduces the model's."""
+        """The layer's latest RoPE as ``RopeTables`` (``None``: it applies none); ``ModelLoadError``
+        when no known form reproduces the model's."""
         cos, sin, _ = self[layer]
         pe = cos if sin is None else (cos, sin)
         module = self.modules[layer]

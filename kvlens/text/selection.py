@@ -38,9 +38,8 @@ def parse_index_spec(spec: str | None, limit: int, what: str = "layer") -> list[
 
 
 def format_index_spec(values: Iterable[int]) -> str:
-    """``[0, 1, 2, 3, 5]`` -> ``"0-3, 5"``: the indices (any order, repeats ignored) as runs of
-    consecutive integers; ``""`` when there are none. The inverse of ``parse_index_spec`` for
-    non-negative indices."""
+    """``[0, 1, 2, 3, 5]`` -> ``"0-3, 5"`` (any order, repeats ignored; ``""`` for none): the
+    inverse of ``parse_index_spec`` for non-negative indices."""
     runs: list[list[int]] = []
     for v in sorted(set(values)):
         if runs and v == runs[-1][1] + 1:
