@@ -82,13 +82,12 @@ class RopeFrequencies:
         self.scaling = float(scaling)
         self.layout = layout
 
-    def tables(self, positions: torch.Tensor, dtype=torch.float32
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` ``[B, T, R]`` for integer ``positions`` ``[B, T]``."""
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` float32 ``[B, T, R]`` for integer ``positions`` ``[B, T]``."""
         freqs = positions.float()[..., None] * self.inv_freq.float().to(positions.device)
         emb = torch.cat((freqs, freqs), -1) if self.layout == "half" else \
             freqs.repeat_interleave(2, dim=-1)
-        return ((emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype))
+        return emb.cos() * self.scaling, emb.sin() * self.scaling
 
     def reproduces(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> bool:
         """Do these frequencies give the tables ``cos, sin`` ``[B, T, R]`` (up to their dtype's

@@ -17,7 +17,6 @@ def heldout_text() -> str:
     return resources.files("kvlens.text.data").joinpath(HELDOUT_FILE).read_text(encoding="utf-8")
 
 
-def paragraphs(text: str | None = None) -> list[str]:
+def paragraphs() -> list[str]:
     """Blank-line separated paragraphs of the held-out text (filler for needle prompts)."""
-    text = heldout_text() if text is None else text
-    return [p.strip("\n") for p in text.split("\n\n") if p.strip()]
+    return [p.strip("\n") for p in heldout_text().split("\n\n") if p.strip()]
