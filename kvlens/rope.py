@@ -1,31 +1,17 @@
 """Rotary position embeddings: apply and invert with the exact (cos, sin) a layer used.
 
 Tensors are ``[B, H, T, D]``; ``cos``/``sin`` are ``[B, T, R]`` with ``R <= D`` (partial rotary
-when ``R < D``: only the first ``R`` channels rotate). Two channel layouts exist:
-- ``"half"`` (HF default, also GGUF Llama weights as loaded by HF): channel ``i`` pairs with
-  ``i + R/2``;
-- ``"interleaved"``: channel ``2i`` pairs with ``2i + 1``.
+when ``R < D``: only the first ``R`` channels rotate). Two channel layouts (``LAYOUTS``):
+``half`` (channel ``i`` pairs with ``i + R/2``) and ``interleaved`` (``2i`` with ``2i + 1``).
+``(layout, cos, sin)`` is kvlens' one normalised form of a layer's RoPE (``RopeTables``).
 
-That pair ``(layout, cos, sin)`` of width ``R`` is kvlens' one normalised form of a layer's
-RoPE (``RopeTables``); every function here and downstream works on it. Models hand RoPE to
-their attention modules in other forms too; a ``RopeForm`` names one (how the tables hold the
-per-pair angles and which channels the model pairs) and normalises its tables:
-
-- ``half`` tables applied ``half``: ``cat(f, f)`` (most models);
-- ``interleaved`` tables applied ``interleaved``: ``repeat_interleave(f, 2)`` (Cohere);
-- ``compact`` tables applied ``half``: one column per pair (gpt-oss);
-- ``half`` tables applied ``interleaved``: ``cat(f, f)``, of which the model repeats the first
-  half (GLM, GLM-4);
-- ``complex`` tables applied ``interleaved``: ``freqs_cis = cos + i sin`` per pair (Llama 4);
-- ``half`` tables applied ``half`` to de-interleaved input: the model reads its pairs as
-  ``(2i, 2i+1)`` and writes them as ``(i, i + R/2)`` (DeepSeek V3's
-  ``apply_rotary_pos_emb_interleave``); kvlens' pre-RoPE tensor is then the de-interleaved one
-  (``deinterleave``: a fixed permutation of the rotary channels), which RoPE rotates half-wise.
-
-Which form a layer uses is never guessed from its tables: ``kvlens.model.rotary`` runs the
-model's own rotary function on a probe and keeps the form that reproduces it
-(``matching_form``). A new form is one more ``RopeForm`` in ``FORMS`` (and a table kind in
-``TABLE_KINDS`` if its tables hold the angles some new way).
+Models hand RoPE to their attention in other forms too; a ``RopeForm`` (``FORMS``) names one by
+how its tables hold the per-pair angles (``TABLE_KINDS``) and which channels it pairs, and
+normalises it: half tables applied half (most models) or interleaved (GLM), interleaved tables
+(Cohere), compact (gpt-oss), complex (Llama 4), and half tables applied to de-interleaved input
+(DeepSeek V3's ``apply_rotary_pos_emb_interleave``, whose pre-RoPE tensor is the de-interleaved
+one, ``deinterleave``). A layer's form is never guessed from its tables: ``kvlens.model.rotary``
+keeps the one that reproduces the model's own rotary function (``matching_form``).
 """
 
 from __future__ import annotations
@@ -35,26 +21,13 @@ from dataclasses import dataclass
 import torch
 
 LAYOUTS = ("half", "interleaved")
-#: how ``position_embeddings`` hold the per-pair angles: ``(cos, sin)`` as ``cat(f, f)``
-#: (``half``), as ``repeat_interleave(f, 2)`` (``interleaved``), one column per pair
-#: (``compact``), or one complex tensor ``cos + i sin`` per pair (``complex``)
+#: how ``position_embeddings`` hold the per-pair angles: ``cat(f, f)``, ``repeat_interleave(f,
+#: 2)``, one column per pair, or one complex tensor ``cos + i sin`` per pair
 TABLE_KINDS = ("half", "interleaved", "compact", "complex")
 #: a form reproduces a model's rotary function when the largest difference on the probe is at
-#: most this times the largest output: float32 rounding inside the model's function (several
-#: cast to float32) stays far below it, a wrong pairing or table misses by order one
+#: most this times the largest output (float32 rounding stays far below; a wrong form misses by
+#: order one)
 PROBE_TOLERANCE = 1e-5
-
-
-def detect_layout(cos: torch.Tensor) -> str:
-    """The pairing a duplicated cos table suggests: "half" when both halves repeat each other.
-    A shape check only: the capture finds a layer's layout by reproducing the model's own rotary
-    function (``matching_form``), since some models (GLM) apply half tables interleaved."""
-    r = cos.shape[-1]
-    if torch.equal(cos[..., : r // 2], cos[..., r // 2:]):
-        return "half"
-    if torch.equal(cos[..., 0::2], cos[..., 1::2]):
-        return "interleaved"
-    raise ValueError("Unrecognised RoPE cos layout (neither rotate-half nor interleaved).")
 
 
 def rotate(x: torch.Tensor, layout: str) -> torch.Tensor:
@@ -100,22 +73,21 @@ def invert_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: s
 
 class RopeFrequencies:
     """A layer's RoPE re-created from positions, as a fused kernel would: ``angle = position *
-    inv_freq`` (float32, as transformers computes it), ``cos/sin * scaling``, laid out
-    ``half`` (``cat(f, f)``) or ``interleaved``. Found by matching the tables a layer was
-    called with (``match``), so the cache stores positions (int32) instead of tables."""
+    inv_freq`` (float32, as transformers computes it), ``cos/sin * scaling``, laid out ``half`` or
+    ``interleaved``; matched against the tables a layer was called with (``reproduces``), so the
+    cache stores positions (int32) instead of tables."""
 
     def __init__(self, inv_freq: torch.Tensor, scaling: float, layout: str):
         self.inv_freq = inv_freq.detach()  # the model's own buffer (not a copy)
         self.scaling = float(scaling)
         self.layout = layout
 
-    def tables(self, positions: torch.Tensor, dtype=torch.float32
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` ``[B, T, R]`` for integer ``positions`` ``[B, T]``."""
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` float32 ``[B, T, R]`` for integer ``positions`` ``[B, T]``."""
         freqs = positions.float()[..., None] * self.inv_freq.float().to(positions.device)
         emb = torch.cat((freqs, freqs), -1) if self.layout == "half" else \
             freqs.repeat_interleave(2, dim=-1)
-        return ((emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype))
+        return emb.cos() * self.scaling, emb.sin() * self.scaling
 
     def reproduces(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> bool:
         """Do these frequencies give the tables ``cos, sin`` ``[B, T, R]`` (up to their dtype's
@@ -165,10 +137,9 @@ def _is_real_pair(pe) -> bool:
 
 @dataclass(frozen=True)
 class RopeForm:
-    """One way a model gives RoPE to its attention: how its ``position_embeddings`` hold the
-    per-pair angles (``tables``, one of ``TABLE_KINDS``) and which channels it pairs
-    (``layout``, one of ``LAYOUTS``). ``position_embeddings`` is ``(cos, sin)`` ``[B, T, W]``
-    or, for ``complex`` tables, one complex tensor ``[B, T, R/2]``."""
+    """One way a model gives RoPE to its attention: how ``position_embeddings`` (``(cos, sin)``
+    ``[B, T, W]``, or one complex ``[B, T, R/2]``) hold the per-pair angles (``tables``,
+    ``TABLE_KINDS``) and which channels it pairs (``layout``, ``LAYOUTS``)."""
 
     tables: str
     layout: str
@@ -234,14 +205,13 @@ def deinterleave(x: torch.Tensor, rotary_dim: int) -> torch.Tensor:
     return torch.cat((rot[..., 0::2], rot[..., 1::2], rest), dim=-1)
 
 
-def matching_form(pe, probes: tuple[torch.Tensor, ...], model_out: tuple[torch.Tensor, ...],
-                  forms: tuple[RopeForm, ...] = FORMS) -> RopeForm | None:
-    """The first of ``forms`` whose normalised tables, applied by ``apply_rope`` (float64) to
-    each probe ``[B, H, T, W]``, give the model's own rotary function's output on it
-    (``model_out``, same shapes), within ``PROBE_TOLERANCE``; ``None`` when none does. A form
-    rotating more than ``W`` channels cannot be checked on these probes and is skipped."""
+def matching_form(pe, probes: tuple[torch.Tensor, ...], model_out: tuple[torch.Tensor, ...]
+                  ) -> RopeForm | None:
+    """The first of ``FORMS`` whose normalised tables, applied by ``apply_rope`` to each probe
+    ``[B, H, T, W]``, give ``model_out`` within ``PROBE_TOLERANCE`` (``None``: none does); a form
+    rotating more than ``W`` channels is skipped."""
     width = probes[0].shape[-1]
-    for form in forms:
+    for form in FORMS:
         if not form.accepts(pe) or form.rotary_dim(pe) > width:
             continue
         tables = form.normalise(pe)

@@ -8,13 +8,16 @@ the tiny tokenizer in tiny_models.py.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
 from kvlens.cache import compressed_attention
 from kvlens.cache.torch_read import packed_attention
-from kvlens.capture.store import CaptureMeta, LayerAttrs, write_capture
+from kvlens.capture.store import TENSORS, CaptureMeta, CaptureWriter, LayerAttrs
 from kvlens.config import preset
 from kvlens.model.hooks import cache_argument_name
 from kvlens.model.shape import ModelShape
@@ -139,3 +142,26 @@ def exact_cache_generates_like_the_model(model, ids, max_new_tokens: int) -> boo
             out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
                                  **{cache_argument_name(model): session.new_cache()})
     return torch.equal(ref, out)
+
+
+def write_capture(path: str | os.PathLike, meta: CaptureMeta, tensors: dict[int, dict[str, Any]],
+                  tokens=None, layer_attrs: dict[int, LayerAttrs] | None = None, *,
+                  overwrite: bool = False, compression: str = "none") -> Path:
+    """Write a complete capture from in-memory tensors (``tensors[layer][name]`` is
+    ``[S, H, T, D]``): synthetic captures for tests."""
+    with CaptureWriter(path, overwrite=overwrite, storage_dtype=meta.storage_dtype,
+                       compression=compression) as w:
+        w.begin(meta)
+        for layer in meta.layers:
+            la = (layer_attrs or {}).get(layer) or LayerAttrs(layer, meta.shape.head_dim ** -0.5,
+                                                              0, 0.0)
+            w.set_layer_attrs(la)
+            for name in TENSORS:
+                data = tensors[layer][name]
+                for s in range(meta.num_samples):
+                    w.write(layer, name, s, data[s])
+        toks = tokens if tokens is not None else torch.zeros(meta.num_samples, meta.num_tokens,
+                                                             dtype=torch.int32)
+        for s in range(meta.num_samples):
+            w.write_tokens(s, toks[s].cpu().numpy())
+        return w.finish()

@@ -89,7 +89,7 @@ def test_refused_family_is_refused_before_any_weight_loads(family, tmp_path):
     missing files instead of naming why the family is refused."""
     import transformers as tf
 
-    from kvlens.model.families import refusal
+    from kvlens.model.families import REFUSED
 
     REFUSED_CONFIGS[family](tf).save_pretrained(tmp_path)
     assert not list(tmp_path.glob("*.safetensors"))
@@ -97,7 +97,7 @@ def test_refused_family_is_refused_before_any_weight_loads(family, tmp_path):
                                  str(tmp_path / "run.h5")])
     assert result.exit_code == 1, result.output
     text = " ".join(result.output.split())
-    assert "Unsupported model type" in text and refusal(family)[:40] in text
+    assert "Unsupported model type" in text and REFUSED[family][:40] in text
     assert not (tmp_path / "run.h5").exists()
 
 

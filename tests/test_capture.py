@@ -78,7 +78,7 @@ def test_capture_is_exact_and_harmless(arch, tmp_path):
         assert cap.meta.extra["vocab_size"] == head.shape[0] == model.config.vocab_size
         assert cap.meta.extra["hidden_size"] == head.shape[1] == model.config.hidden_size
         assert cap.meta.extra["num_parameters"] == sum(p.numel() for p in model.parameters())
-        for layer in cap.iter_layers():
+        for layer in map(cap.layer, cap.layers):
             q, k, v = layer.read("q"), layer.read("k"), layer.read("v")
             assert q.shape[1] == cap.meta.shape.num_attention_heads
             assert k.shape[1] == cap.meta.shape.num_key_value_heads

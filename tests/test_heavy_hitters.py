@@ -181,7 +181,9 @@ def _heavy_capture(path, heavy_layers=(0,), seed=0):
     """Two layers of random q, k, v; in ``heavy_layers`` every 16th token's key lies along the
     queries' common direction (it draws most of the attention) and its value is 4x larger: the
     heavy hitters a 2-bit cache reads badly and an INT8 set reads well."""
-    from kvlens.capture.store import CaptureMeta, write_capture
+    from helpers import write_capture
+
+    from kvlens.capture.store import CaptureMeta
 
     g = torch.Generator().manual_seed(seed)
     s, hq, hkv, t, d = 1, 4, 2, 256, 32

@@ -14,10 +14,11 @@ import json
 import h5py
 import pytest
 import torch
+from helpers import write_capture
 from typer.testing import CliRunner
 
 from kvlens.analysis.outliers import analyze_capture
-from kvlens.capture.store import CaptureMeta, write_capture
+from kvlens.capture.store import CaptureMeta
 from kvlens.errors import CaptureFileError, InputError
 from kvlens.model.shape import ModelShape
 from kvlens.rope import apply_rope

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import small_options
+from helpers import small_options, write_capture
 from tiny_models import tiny_model
 from typer.testing import CliRunner
 
 from kvlens.capture.run import capture_model
-from kvlens.capture.store import CaptureMeta, write_capture
+from kvlens.capture.store import CaptureMeta
 from kvlens.cli import app
 from kvlens.config import MikvSettings, load_config, save_config
 from kvlens.errors import InputError

@@ -9,10 +9,10 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import small_options
+from helpers import small_options, write_capture
 from typer.testing import CliRunner
 
-from kvlens.capture.store import CaptureMeta, write_capture
+from kvlens.capture.store import CaptureMeta
 from kvlens.cli import app
 from kvlens.errors import InputError
 from kvlens.model.shape import ModelShape

@@ -14,11 +14,12 @@ import warnings
 
 import pytest
 import torch
+from helpers import write_capture
 
 from kvlens.analysis.compare.rope_tables import checked_layer_tables, layer_rope_tables
 from kvlens.cache import compressed_attention
 from kvlens.capture.run import capture_model
-from kvlens.capture.store import CaptureMeta, open_capture, write_capture
+from kvlens.capture.store import CaptureMeta, open_capture
 from kvlens.config import KVConfig, LayerKV, preset
 from kvlens.errors import InputError, ModelLoadError
 from kvlens.model.hooks import cache_argument_name, rope_inputs
@@ -184,7 +185,7 @@ def _check_capture(model, tmp_path):
                                                     storage_dtype="float32"))
     with open_capture(path) as cap:
         assert cap.meta.rope_layout in ("half", "interleaved")
-        for layer in cap.iter_layers():
+        for layer in map(cap.layer, cap.layers):
             q, k, q_pre, k_pre = (layer.read(n) for n in ("q", "k", "q_pre", "k_pre"))
             # (a) the captured pre-RoPE key is the tensor the model rotated
             torch.testing.assert_close(k_pre, truth[layer.index], atol=2e-5, rtol=1e-5)

@@ -461,7 +461,7 @@ def test_capture_stores_the_sinks_and_analysis_reproduces_the_attention(tmp_path
             model(input_ids=windows[s:s + 1], use_cache=False)
     capture_model(model, windows, tmp_path / "c.h5", storage_dtype="float32")
     with open_capture(tmp_path / "c.h5") as cap:
-        layers = list(cap.iter_layers())
+        layers = list(map(cap.layer, cap.layers))
         assert len(layers) == 3
         for layer in layers:
             want = model.model.layers[layer.index].self_attn.sinks.detach().float()

@@ -5,10 +5,11 @@ from __future__ import annotations
 import h5py
 import pytest
 import torch
+from helpers import write_capture
 from tiny_models import tiny_model
 
 from kvlens.capture.run import capture_model
-from kvlens.capture.store import SCHEMA_VERSION, CaptureMeta, open_capture, write_capture
+from kvlens.capture.store import SCHEMA_VERSION, CaptureMeta, open_capture
 from kvlens.errors import CaptureFileError, InputError, NumericalError
 from kvlens.model.shape import ModelShape
 

@@ -1,17 +1,11 @@
 """``kvlens capture``: run a causal LM on text and stream per-layer Q/K/V into HDF5.
 
-For every selected layer and each sample the registered attention function (see ``kvlens.model.hooks``)
-receives the post-RoPE q ``[B, Hq, T, D]`` and k, v ``[B, Hkv, T, D]`` exactly as the model's
-attention consumes them (before any GQA repeat). Pre-RoPE q, k are recovered by inverting RoPE
-with the exact tables the layer was called with (float64; this also gives the right tensor for
-QK-norm models, where the norm sits between projection and RoPE), normalised to
-``kvlens.rope.RopeTables`` in the form that reproduces the model's own rotary function
-(``kvlens.model.rotary``; a model none reproduces is refused). Each RoPE layer's normalised
-tables for positions ``0..T-1`` are written once (``rope_cos``, ``rope_sin`` ``[T, R]``): every
-window starts at position 0, so they are the same for every sample (checked against the
-``position_ids`` and the later samples' tables), and re-applying them is exact for every RoPE
-scaling. Each sample is written to disk as it is produced, so peak memory does not grow with
-the number of samples.
+The attention function kvlens registers (``kvlens.model.hooks``) receives post-RoPE q, k, v as
+the model's attention consumes them; pre-RoPE q, k are recovered by inverting RoPE (float64)
+with the layer's own tables, normalised by ``kvlens.model.rotary``. Each RoPE layer's tables
+for positions ``0..T-1`` are written once: every window starts at position 0 (checked). Each
+sample is written as it is produced, so peak memory does not grow with the sample count
+(``docs/reference/capture-format.md``: how the tensors are obtained).
 """
 
 from __future__ import annotations
@@ -85,12 +79,8 @@ class CaptureSummary:
 def run_capture(options: CaptureOptions, output: str | Path,
                 progress: ProgressFn | None = None) -> CaptureSummary:
     """Load the model and text named in ``options`` and write a capture file to ``output``."""
-
     text, text_source = check_capture(options, output)
-    model, tokenizer, source = load_model(options.model, dtype=options.compute_dtype,
-                                          device=options.device, device_map=options.device_map,
-                                          max_memory=options.max_memory,
-                                          offload_folder=options.offload_folder)
+    model, tokenizer, source = load_model(options.model, **_load_options(options))
     windows = token_windows(tokenizer, text, options.samples, options.tokens, text_source)
     return capture_model(model, windows, output, layers=options.layers,
                          storage_dtype=options.storage_dtype, compression=options.compression,
@@ -106,18 +96,20 @@ def check_capture(options: CaptureOptions, output: str | Path) -> tuple[str, str
     CaptureWriter(output, overwrite=options.overwrite, storage_dtype=options.storage_dtype,
                   compression=options.compression)
     text = load_text(options.text)
-    source, _ = check_load_options(options.model, dtype=options.compute_dtype,
-                                   device=options.device, device_map=options.device_map,
-                                   max_memory=options.max_memory,
-                                   offload_folder=options.offload_folder)
+    source, _ = check_load_options(options.model, **_load_options(options))
     check_layer_spec(options.layers, read_header(source).shape)
     return text
 
 
+def _load_options(o: CaptureOptions) -> dict[str, Any]:
+    """``load_model``'s keywords from the capture options."""
+    return {"dtype": o.compute_dtype, "device": o.device, "device_map": o.device_map,
+            "max_memory": o.max_memory, "offload_folder": o.offload_folder}
+
+
 def check_layer_spec(spec: str | None, shape) -> None:
-    """``--layers`` before the model loads: its syntax always, its indices against the layers
-    the model's files declare (``shape``: ``kvlens.model.header``'s, 0 layers where they do not
-    say)."""
+    """``--layers`` before the model loads: its syntax, and its indices against the layers the
+    model's files declare (``shape.num_layers`` 0: they do not say)."""
     if shape.num_layers:
         capture_layers(spec, shape)
     elif spec is not None and spec.strip().lower() not in ("", "all"):
@@ -155,6 +147,8 @@ def capture_model(model, windows, output: str | Path, *, layers: str | list[int]
     # the shapes the model really uses, before any file is written
     check_observed(info, observe_attention(model, windows[:1, :min(t_count, 8)].to(device)))
     compute_dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    head = model.get_output_embeddings()
+    vocab, hidden = head.weight.shape if head is not None else (0, 0)
     meta = CaptureMeta(
         model=model_name or getattr(model.config, "_name_or_path", "") or info.architecture,
         shape=info, rope_layout="pending", rotary_dim=0,
@@ -165,10 +159,7 @@ def capture_model(model, windows, output: str | Path, *, layers: str | list[int]
                "torch_version": str(torch.__version__),
                # the model's size, for recommend's cost prediction (kvlens.recommend.cost)
                "num_parameters": int(sum(p.numel() for p in model.parameters())),
-               "vocab_size": int(model.get_output_embeddings().weight.shape[0]
-                                 if model.get_output_embeddings() is not None else 0),
-               "hidden_size": int(model.get_output_embeddings().weight.shape[1]
-                                  if model.get_output_embeddings() is not None else 0)},
+               "vocab_size": int(vocab), "hidden_size": int(hidden)},
     )
     sink = _LayerSink(set(layer_list), info)
     writer = CaptureWriter(output, overwrite=overwrite, storage_dtype=storage_dtype,
@@ -236,7 +227,6 @@ class _LayerSink:
         return fn
 
     def _record(self, module, idx, query, key, value, pe, kwargs) -> None:
-
         tq = query.shape[-2]
         post = {"q": query[0], "k": key[0, :, -tq:], "v": value[0, :, -tq:]}
         pre = self._pre_rope(idx, post, pe)
@@ -277,10 +267,8 @@ class _LayerSink:
         return window
 
     def _pre_rope(self, idx, post, pe) -> dict[str, Any]:
-        """``q_pre``, ``k_pre`` ``[H, T, D]``: RoPE inverted (float64) with the layer's own
-        tables in kvlens' normalised form, whose form was checked against the model's rotary
-        function (``kvlens.model.rotary``; a form no one reproduces raises ``ModelLoadError``).
-        A layer that applies no RoPE (NoPE) keeps its tensors."""
+        """``q_pre``, ``k_pre`` ``[H, T, D]``: RoPE inverted with the layer's own tables (a NoPE
+        layer keeps its tensors)."""
         tables = None
         if pe is not None:
             tables = self.rope_inputs.tables(idx, int(post["q"].shape[-1]))
@@ -312,10 +300,8 @@ class _LayerSink:
                 "stores one RoPE table per layer for those positions.")
 
     def _set_layout(self, idx: int, tables) -> None:
-        """Keep layer ``idx``'s RoPE (``None``: it applies none) from its first sample and check
-        later samples use the same tables (they share positions ``0..T-1``); every RoPE layer
-        must share one layout and rotary width (file attributes ``rope_layout``,
-        ``rotary_dim``)."""
+        """Keep layer ``idx``'s RoPE (``None``: none) from its first sample, check later samples
+        use the same tables and every RoPE layer one layout and rotary width (file attributes)."""
         import torch
 
         if idx in self._rope:
@@ -347,7 +333,7 @@ class _LayerSink:
                 return [f"layers {nope} apply no RoPE (NoPE): q_pre/k_pre equal q/k"]
             return ["model has no RoPE: q_pre/k_pre equal q/k"]
         notes = [f"RoPE given as {f.name}, stored as {self.rope_layout} tables"
-                 for f in self.rope_inputs.detector.forms
+                 for f in self.rope_inputs.forms
                  if f not in FORMS[:2]]  # the two plain forms need no note
         if nope:
             notes.append(f"layers {nope} apply no RoPE (NoPE): q_pre/k_pre equal q/k there")

@@ -21,10 +21,9 @@ def model_spec_from_capture(meta) -> str | None:
 
 
 class CaptureModel:
-    """``model`` (a ``--model`` string), or the model the capture at ``capture`` came from,
-    loaded once when first asked for (``get``), placed by ``place`` (``load_model``'s
-    keywords: ``dtype``, ``device_map``, ``max_memory``, ``offload_folder``). ``log`` hears
-    ``Loading SPEC{for_what} ...`` before the load."""
+    """``model`` (a ``--model`` string), else the model the capture came from, loaded once when
+    first asked for (``get``) with ``place`` (``load_model``'s keywords); ``log`` hears ``Loading
+    SPEC{for_what} ...`` first."""
 
     def __init__(self, capture: str | Path, model: str | None = None,
                  place: dict[str, Any] | None = None,

@@ -1,35 +1,9 @@
 """The kvlens capture file: HDF5 layout, writer and lazy reader (the only module that knows it).
 
-Layout, schema version 1 (documented in ``docs/reference/capture-format.md``)::
-
-    /                      attrs: kvlens_format="kvlens-capture", kvlens_schema_version=1,
-                                  kvlens_version, complete (bool), model, model_source,
-                                  architecture, model_type, num_layers, num_attention_heads,
-                                  num_key_value_heads, head_dim, has_rope, rope (JSON),
-                                  rope_layout, rotary_dim, compute_dtype, storage_dtype,
-                                  created, num_samples, num_tokens, layers (int array),
-                                  attention_layers (int array: the model's layers with a KV
-                                  cache; absent in older files = all), kv_shared (bool: MLA,
-                                  k and v are one latent row), text_source,
-                                  transformers_version, torch_version, notes, mla (JSON;
-                                  MLA models only)
-    /tokens                [S, T] int32        dims: sample, token
-    /layers/NNN            attrs: layer_index, scaling, sliding_window (0 = none),
-                                  logit_softcap (0 = none), attention_sinks (float32 [Hq],
-                                  learned sink logits; absent = none)
-    /layers/NNN/q          [S, Hq,  T, D]      post-RoPE query   dims: sample, head, token, channel
-    /layers/NNN/k          [S, Hkv, T, D]      post-RoPE key (before any GQA repeat)
-    /layers/NNN/v          [S, Hkv, T, D]      value
-    /layers/NNN/q_pre      [S, Hq,  T, D]      query before RoPE
-    /layers/NNN/k_pre      [S, Hkv, T, D]      key before RoPE
-    /layers/NNN/rope_cos   [T, R] float32      the layer's RoPE at positions 0..T-1, in kvlens'
-    /layers/NNN/rope_sin   [T, R] float32      normalised form (rope_layout pairs, first R
-                                               channels); only in files with RoPE, not on a
-                                               layer that applies none (attr applies_rope=False)
-
-bfloat16 has no HDF5 type: it is stored losslessly as its raw 16-bit pattern (uint16) with the
-dataset attribute ``dtype="bfloat16"``; the reader reinterprets it. Writers create the file
-under a temporary name, set ``complete=True`` last and rename; readers refuse files without it.
+The layout (schema version 1) is documented in ``docs/reference/capture-format.md``. bfloat16
+has no HDF5 type: it is stored as its raw 16-bit pattern (uint16, dataset attribute
+``dtype="bfloat16"``). Writers create the file under a temporary name, set ``complete=True``
+last and rename; readers refuse files without it.
 """
 
 from __future__ import annotations
@@ -58,10 +32,9 @@ COMPRESSIONS = ("none", "gzip", "lzf")
 
 @dataclass(frozen=True)
 class CaptureMeta:
-    """Root attributes of a capture file, typed: the captured model's ``shape`` (its
-    ``windows`` from the captured layers' attributes, ``None`` for the others; an MLA model's
-    ``mla`` from the ``mla`` attribute; its dtype read as 2 bytes, one device) and what was
-    captured how. ``shape.has_rope``: the file holds RoPE (pre-RoPE tensors differ)."""
+    """Root attributes of a capture file, typed: the captured model's ``shape`` (``windows`` of
+    the captured layers only, dtype read as 2 bytes, one device; ``has_rope``: the file holds RoPE)
+    and what was captured how."""
 
     model: str
     shape: ModelShape
@@ -95,23 +68,18 @@ def layer_key(layer: int) -> str:
 
 
 class CaptureWriter:
-    """Creates a capture file atomically: writes ``<path>.partial-<pid>``, renames on ``finish``.
-
-    Use as a context manager; leaving it with an exception deletes the temporary file, so an
-    interrupted capture never leaves a file that looks complete.
-    """
+    """Creates a capture file atomically: writes ``<path>.partial-<pid>``, renames on ``finish``;
+    leaving the context with an exception deletes it, so no file looks complete that is not."""
 
     def __init__(self, path: str | os.PathLike, *, overwrite: bool = False,
                  storage_dtype: str = "float16", compression: str = "none"):
         import h5py  # noqa: F401  (fail early if missing)
 
         self.path = Path(path)
-        if storage_dtype not in STORAGE_DTYPES:
-            raise InputError(f"Unknown storage dtype {storage_dtype!r}; allowed: "
-                             f"{', '.join(STORAGE_DTYPES)}.")
-        if compression not in COMPRESSIONS:
-            raise InputError(f"Unknown compression {compression!r}; allowed: "
-                             f"{', '.join(COMPRESSIONS)}.")
+        for what, value, allowed in (("storage dtype", storage_dtype, STORAGE_DTYPES),
+                                     ("compression", compression, COMPRESSIONS)):
+            if value not in allowed:
+                raise InputError(f"Unknown {what} {value!r}; allowed: {', '.join(allowed)}.")
         if self.path.exists() and not overwrite:
             raise InputError(f"{self.path} already exists; pass {{overwrite}} to replace it.")
         if self.path.is_dir():
@@ -148,9 +116,7 @@ class CaptureWriter:
 
     # -- layout -------------------------------------------------------------------------
     def begin(self, meta: CaptureMeta) -> None:
-        """Write root attributes and create every dataset (empty, chunked per sample+head).
-
-        Per-layer attributes are set with ``set_layer_attrs`` once the model has run."""
+        """Write root attributes and create every dataset (empty, chunked per sample and head)."""
         import numpy as np
 
         f = self._file
@@ -192,8 +158,7 @@ class CaptureWriter:
         self._datasets[(layer, name)][sample] = to_storage(tensor, self.storage_dtype)
 
     def write_rope(self, layer: int, layout: str, cos, sin) -> None:
-        """Store a layer's RoPE tables ``cos``, ``sin`` ``[T, R]`` (torch, normalised:
-        ``layout`` pairs, the first R channels; the same for every sample, whose positions are
+        """Store a layer's normalised RoPE tables ``cos``, ``sin`` ``[T, R]`` (torch; positions
         ``0..T-1``), or mark a layer that applies no RoPE (``cos`` None)."""
         g = self._file[layer_key(layer)]
         g.attrs["applies_rope"] = cos is not None
@@ -242,44 +207,31 @@ def from_storage(array, storage_dtype: str):
     return torch.from_numpy(np.ascontiguousarray(array)).float()
 
 
+#: root attributes in the order they are written, those read from ``meta.shape`` first
+_SHAPE_ATTRS = ("architecture", "model_type", "num_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "has_rope")
+_ATTR_ORDER = ("kvlens_version", "model", "model_source", *_SHAPE_ATTRS, "rope", "rope_layout",
+               "rotary_dim", "compute_dtype", "storage_dtype", "created", "num_samples",
+               "num_tokens", "layers", "attention_layers", "kv_shared", "mla", "text_source")
+_META_KEYS = {*_ATTR_ORDER, "kvlens_format", "kvlens_schema_version", "complete"}
+
+
 def _meta_to_attrs(meta: CaptureMeta) -> dict[str, Any]:
     import numpy as np
 
     shape = meta.shape
-    return {
-        "kvlens_version": meta.kvlens_version,
-        "model": meta.model,
-        "model_source": meta.model_source,
-        "architecture": shape.architecture,
-        "model_type": shape.model_type,
-        "num_layers": shape.num_layers,
-        "num_attention_heads": shape.num_attention_heads,
-        "num_key_value_heads": shape.num_key_value_heads,
-        "head_dim": shape.head_dim,
-        "has_rope": shape.has_rope,
+    derived = {
         "rope": json.dumps(shape.rope, sort_keys=True),
-        "rope_layout": meta.rope_layout,
-        "rotary_dim": meta.rotary_dim,
-        "compute_dtype": meta.compute_dtype,
-        "storage_dtype": meta.storage_dtype,
         "created": meta.created or datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "num_samples": meta.num_samples,
-        "num_tokens": meta.num_tokens,
         "layers": np.asarray(meta.layers, dtype=np.int32),
         "attention_layers": np.asarray(shape.attention_layers, dtype=np.int32),
         "kv_shared": shape.kv_shared,
-        **({"mla": json.dumps(asdict(shape.mla))} if shape.mla is not None else {}),
-        "text_source": meta.text_source,
-        **{k: (json.dumps(v) if isinstance(v, (dict, list)) else v)
-           for k, v in meta.extra.items()},
+        "mla": json.dumps(asdict(shape.mla)) if shape.mla is not None else None,  # MLA only
     }
-
-
-_META_KEYS = {"kvlens_version", "model", "model_source", "architecture", "model_type",
-              "num_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "has_rope",
-              "rope", "rope_layout", "rotary_dim", "compute_dtype", "storage_dtype", "created",
-              "num_samples", "num_tokens", "layers", "attention_layers", "kv_shared", "mla",
-              "text_source", "kvlens_format", "kvlens_schema_version", "complete"}
+    attrs = {k: derived[k] if k in derived else getattr(shape if k in _SHAPE_ATTRS else meta, k)
+             for k in _ATTR_ORDER if k != "mla" or shape.mla is not None}
+    return {**attrs, **{k: (json.dumps(v) if isinstance(v, (dict, list)) else v)
+                        for k, v in meta.extra.items()}}
 
 
 def _attr(value):
@@ -293,9 +245,8 @@ def _attr(value):
 
 @dataclass(frozen=True, eq=False)
 class StoredRope:
-    """What a capture recorded of one layer's RoPE: whether it applies RoPE (``False``: a NoPE
-    layer of a RoPE model, where ``q_pre == q``) and, if so, its tables at positions
-    ``0..T-1``, float32 torch ``[T, R]``, paired as the file's ``rope_layout``."""
+    """One layer's RoPE as captured: whether it applies RoPE (``False``: a NoPE layer, ``q_pre ==
+    q``) and its tables at positions ``0..T-1``, float32 ``[T, R]``, paired as ``rope_layout``."""
 
     applies: bool
     cos: Any = None
@@ -326,10 +277,7 @@ class LayerData:
         ds = self._group[name]
         s = slice(None) if samples is None else samples
         h = slice(None) if heads is None else heads
-        if isinstance(s, slice) and isinstance(h, slice):
-            arr = ds[s, h]
-        else:
-            arr = ds[s][:, h] if not isinstance(s, slice) else ds[s, h]
+        arr = ds[s, h] if isinstance(s, slice) else ds[s][:, h]
         return from_storage(arr, self._storage_dtype)
 
     def rope(self) -> StoredRope | None:
@@ -343,11 +291,6 @@ class LayerData:
             return StoredRope(False)
         cos, sin = (torch.from_numpy(self._group[n][...]).float() for n in ROPE_TABLES)
         return StoredRope(True, cos, sin)
-
-    def __getattr__(self, name: str):
-        if name in TENSORS:
-            return self.read(name)
-        raise AttributeError(name)
 
 
 class Capture:
@@ -384,10 +327,6 @@ class Capture:
             raise InputError(f"Layer {layer} is not in {self.path}; captured layers: "
                              f"{format_index_spec(self.meta.layers)}.")
         return LayerData(self._file[key], self.meta.storage_dtype)
-
-    def iter_layers(self, layers: Iterable[int] | None = None):
-        for idx in (self.meta.layers if layers is None else layers):
-            yield self.layer(idx)
 
 
 def open_capture(path: str | os.PathLike) -> Capture:
@@ -450,45 +389,11 @@ def _meta_from_file(f) -> CaptureMeta:
         mla=MlaShape(**json.loads(a["mla"])) if "mla" in a else None,
         architecture=str(a.get("architecture", "")), model_type=str(a.get("model_type", "")),
         has_rope=bool(a.get("has_rope", False)), rope=json.loads(a.get("rope", "{}") or "{}"))
+    texts = ("model", "compute_dtype", "created", "model_source", "text_source", "kvlens_version")
     return CaptureMeta(
-        model=str(a.get("model", "")),
-        shape=shape,
-        rope_layout=str(a.get("rope_layout", "none")),
-        rotary_dim=int(a.get("rotary_dim", 0)),
-        compute_dtype=str(a.get("compute_dtype", "")),
-        storage_dtype=str(a["storage_dtype"]),
-        num_samples=int(a["num_samples"]),
-        num_tokens=int(a["num_tokens"]),
-        layers=layers,
-        created=str(a.get("created", "")),
-        model_source=str(a.get("model_source", "")),
-        text_source=str(a.get("text_source", "")),
-        kvlens_version=str(a.get("kvlens_version", "")),
+        shape=shape, rope_layout=str(a.get("rope_layout", "none")),
+        rotary_dim=int(a.get("rotary_dim", 0)), storage_dtype=str(a["storage_dtype"]),
+        num_samples=int(a["num_samples"]), num_tokens=int(a["num_tokens"]), layers=layers,
         schema_version=int(a["kvlens_schema_version"]),
         extra={k: v for k, v in a.items() if k not in _META_KEYS},
-    )
-
-
-def write_capture(path: str | os.PathLike, meta: CaptureMeta, tensors: dict[int, dict[str, Any]],
-                  tokens=None, layer_attrs: dict[int, LayerAttrs] | None = None, *,
-                  overwrite: bool = False, compression: str = "none") -> Path:
-    """Write a complete capture from in-memory tensors (``tensors[layer][name]`` is
-    ``[S, H, T, D]``); used for synthetic captures in tests and for importing foreign data."""
-    import torch
-
-    with CaptureWriter(path, overwrite=overwrite, storage_dtype=meta.storage_dtype,
-                       compression=compression) as w:
-        w.begin(meta)
-        for layer in meta.layers:
-            la = (layer_attrs or {}).get(layer) or LayerAttrs(layer, meta.shape.head_dim ** -0.5,
-                                                              0, 0.0)
-            w.set_layer_attrs(la)
-            for name in TENSORS:
-                data = tensors[layer][name]
-                for s in range(meta.num_samples):
-                    w.write(layer, name, s, data[s])
-        toks = tokens if tokens is not None else torch.zeros(meta.num_samples, meta.num_tokens,
-                                                             dtype=torch.int32)
-        for s in range(meta.num_samples):
-            w.write_tokens(s, toks[s].cpu().numpy())
-        return w.finish()
+        **{k: str(a.get(k, "")) for k in texts})

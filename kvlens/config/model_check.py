@@ -1,8 +1,6 @@
-"""Whether a config fits a loaded model: ``validate_for(config, info)`` checks a ``KVConfig``
-(``kvlens.config.schema``, which checks everything a config can check on its own) against the
-model's shape (layer count, head_dim, KV heads, group sizes, balancer shapes, engine-format
-scales, RoPE for pre-RoPE keys, an MLA latent row for
-``fp8_ds_mla``) and raises ``ConfigError`` naming the allowed values.
+"""Whether a config fits a model: ``validate_for(config, info)`` checks a ``KVConfig`` (which
+checks on its own what it can) against the model's shape and raises ``ConfigError`` naming the
+allowed values.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""Which engine arithmetic a whole run uses: llama.cpp's matrix products (``kvlens.model.
-engine_matmul``) apply to every config of a run, the exact reference included, because the
-real engine's reference (its f16 cache) runs through them too.
-
-``llamacpp_matmul_plan(configs, source, model)`` -> ``(types, notes)``: the Linear modules to
-hook (empty when the run is not a llama.cpp run) and the notes to print; ``mark_partial_llamacpp``
-tags the results of llama.cpp settings a run scored without those products. A run is a llama.cpp
-run when some config attends with llama.cpp's arithmetic (``KVConfig.engine_attention``), no
-config is another engine's setting or a ``:noarith`` one, and the model is a GGUF file with
-quantized weights."""
+"""Which engine arithmetic a whole run uses: llama.cpp's matrix products
+(``kvlens.model.engine_matmul``) apply to every config of a run, the exact reference included,
+because the engine's own reference (its f16 cache) runs through them too. A run is a llama.cpp
+run when some config attends with llama.cpp's arithmetic, no config is another engine's setting
+or a ``:noarith`` one, and the model is a GGUF file with quantized weights."""
 
 from __future__ import annotations
 
@@ -18,7 +13,8 @@ from kvlens.model.engine_matmul import matmul_types
 
 
 def llamacpp_matmul_plan(configs, source, model) -> tuple[dict[str, str], list[str]]:
-    # configs may include transformers baselines (no engine layers, no engine arithmetic)
+    """``(types, notes)``: the Linear modules to hook (empty unless a llama.cpp run) and the
+    notes to print; ``configs`` may include transformers baselines (no engine arithmetic)."""
     llama = [c.name for c in configs
              if (getattr(c, "engine_attention", None) or "").startswith("llamacpp")]
     if not llama:
@@ -51,11 +47,9 @@ def llamacpp_matmul_plan(configs, source, model) -> tuple[dict[str, str], list[s
 
 
 def mark_partial_llamacpp(results, configs, types: dict[str, str]) -> list[str]:
-    """Set ``engine_arithmetic = PARTIAL_LLAMACPP`` on the results of llama.cpp settings
-    (``results`` aligned with ``configs``) when the run did not simulate the engine's matrix
-    products (``types`` empty: a mixed run or a model without GGUF weight types): their KLD is
-    the cache's and the attention's alone, below what the engine itself loses. Returns their
-    names."""
+    """Mark (``engine_arithmetic = PARTIAL_LLAMACPP``) and name the results of llama.cpp settings
+    (aligned with ``configs``) when the run did not simulate the engine's matrix products
+    (``types`` empty): their KLD is below what the engine itself loses."""
     if types:
         return []
     marked = []

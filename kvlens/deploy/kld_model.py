@@ -1,15 +1,11 @@
 """Predicted KL divergence from the capture's error model: ``KLD = c * S^alpha``.
 
-``S`` is a setting's error score: the sum over layers of ``e_K^2 + e_V^2``, the squared
-relative attention-output errors of its keys and values measured on the capture
-(``kvlens.deploy.targets``). Why a power of ``S``: a small perturbation ``delta`` of the logits
-costs ``KLD ~ delta^T F delta / 2`` (quadratic), and each layer's output error moves the logits
-about linearly, so independent layer errors add as squares; ``alpha`` absorbs what that misses
-(errors that compound through depth, saturation at large errors). ``c`` and ``alpha`` are fitted
-per model by least squares on ``log KLD = log c + alpha log S`` over settings whose KLD was
-measured (``generate --eval kld`` or ``recommend --target ... --max-kld``'s anchors); with one
-point ``alpha`` is fixed at 1. The prediction is for the protocol the anchors were measured with
-(text, ``--eval-tokens``, chunk).
+``S`` is a setting's error score: the sum over layers of ``e_K^2 + e_V^2``, the squared relative
+attention-output errors of its keys and values on the capture (``kvlens.deploy.targets``). A
+small logit perturbation costs KLD quadratically and each layer's error moves the logits about
+linearly, so independent errors add as squares; ``alpha`` absorbs what that misses. ``c`` and
+``alpha`` are fitted per model on settings whose KLD was measured (one point: ``alpha = 1``),
+for the protocol those were measured with (text, ``--eval-tokens``, chunk).
 """
 
 from __future__ import annotations
@@ -32,10 +28,6 @@ class KLDModel:
     def predict(self, score: float) -> float:
         return 0.0 if score <= 0 else self.c * score ** self.alpha
 
-    def max_score(self, kld: float) -> float:
-        """The largest ``S`` whose predicted KLD is at most ``kld``."""
-        return (kld / self.c) ** (1.0 / self.alpha)
-
     @property
     def log_rmse(self) -> float:
         """Root-mean-square residual of the fit in natural-log units (0 = exact)."""
@@ -51,9 +43,8 @@ class KLDModel:
 
 
 def fit_kld_model(points: Sequence[tuple[float, float]]) -> KLDModel:
-    """Least-squares fit of ``log KLD = log c + alpha log S`` over ``(S, KLD)`` points with
-    ``S > 0`` and ``KLD > 0`` (others carry no information about the power law). Needs one
-    usable point (then ``alpha = 1``); two or more with distinct ``S`` fit ``alpha``."""
+    """Least-squares fit of ``log KLD = log c + alpha log S`` over the points with ``S > 0`` and
+    ``KLD > 0``; one usable point fixes ``alpha = 1``."""
     pts = [(float(s), float(k)) for s, k in points if s > 0 and k > 0]
     if not pts:
         raise InputError("Cannot fit the KLD model: no setting with a positive error score and "

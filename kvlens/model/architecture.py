@@ -1,22 +1,12 @@
 """What kvlens needs to know about a loaded model's attention: ``describe(model)``, its
-``kvlens.model.shape.ModelShape``.
-
-Shapes and layer kinds are read from the model's config and its attention modules (the head
-counts from the modules where they say it: a config may carry a ``num_key_value_heads`` its
-architecture ignores); the capture checks them against the model's first forward. An
+``kvlens.model.shape.ModelShape``, read from its config and attention modules (head counts from
+the modules: a config may carry a ``num_key_value_heads`` its architecture ignores). An
 architecture kvlens cannot hook raises ``ModelLoadError`` naming the reason.
 
-Layers are named by their index in the model (``model.layers[i]``). Every layer has a kind:
-
-- ``full``, ``sliding`` (a window of ``W`` tokens), ``chunked`` (attention inside chunks of
-  ``C`` tokens): softmax attention with a KV cache that grows with the context;
-- ``state``: no KV cache, a fixed-size state instead (linear attention such as Gated DeltaNet,
-  a Mamba/SSM mixer, a short convolution): the layers of hybrid models that kvlens leaves exact;
-- ``none``: no token mixing at all (a layer with only an MLP or MoE block).
-
-``ModelShape.attention_layers`` are the layers with a KV cache (the only ones kvlens captures,
-quantizes and counts); ``state_layers`` the ones holding a fixed-size state (a Falcon-H1 layer is
-in both: attention and a Mamba mixer side by side).
+Every layer (``model.layers[i]``) has a kind: ``full``, ``sliding`` (a window of ``W`` tokens),
+``chunked`` (attention inside chunks of ``C`` tokens): a KV cache that grows with the context;
+``state``: a fixed-size state instead (linear attention, a Mamba/SSM mixer, a short
+convolution), left exact; ``none``: no token mixing (only an MLP or MoE block).
 """
 
 from __future__ import annotations
@@ -27,8 +17,8 @@ from kvlens.errors import ModelLoadError
 from kvlens.model.mla import is_mla, mla_shape
 from kvlens.model.shape import ModelShape
 
-_ROPE_CONFIG_KEYS = ("rope_parameters", "rope_theta", "rotary_dim", "rotary_pct",
-                     "partial_rotary_factor", "rotary_emb_base")
+_ROPE_CONFIG_KEYS = ("rope_theta", "rotary_dim", "rotary_pct", "partial_rotary_factor",
+                     "rotary_emb_base")
 
 KV_KINDS = ("full", "sliding", "chunked")
 LAYER_KINDS = (*KV_KINDS, "state", "none")
@@ -78,13 +68,6 @@ def _num_layers(config, found: dict[int, Any]) -> int:
     return max(found) + 1 if found else 0
 
 
-def _config_layer_types(config, n: int) -> list[str] | None:
-    types = getattr(config, "layer_types", None)
-    if types is None or len(types) != n:
-        return None
-    return [str(t) for t in types]
-
-
 def layer_kinds(config, found: dict[int, Any], architecture: str
                 ) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """``(kind per model layer, layers holding a fixed-size state)`` from the config's
@@ -97,14 +80,15 @@ def layer_kinds(config, found: dict[int, Any], architecture: str
         raise ModelLoadError(
             f"Unsupported model {architecture}: some of its layers reuse another layer's KV "
             "cache (KV sharing), which kvlens' capture and cache do not model.")
-    types = _config_layer_types(config, n)
-    if types is None:
+    types = getattr(config, "layer_types", None)
+    if types is None or len(types) != n:
         window = getattr(config, "sliding_window", None)
         if getattr(config, "use_sliding_window", True) is False:
             window = None
         chunk = getattr(config, "attention_chunk_size", None)
         default = "sliding" if window else "chunked" if chunk else "full"
         return tuple(default if i in found else "none" for i in range(n)), ()
+    types = [str(t) for t in types]
     unknown = sorted({t for t in types if t not in _LAYER_TYPES})
     if unknown:
         raise ModelLoadError(
@@ -125,16 +109,13 @@ def kv_layers_of_types(types) -> tuple[int, ...] | None:
 
 def layer_windows(config, kinds: tuple[str, ...]) -> tuple[int | None, ...]:
     """Per model layer, its sliding window or attention chunk (tokens), ``None`` otherwise."""
-    window = getattr(config, "sliding_window", None)
-    chunk = getattr(config, "attention_chunk_size", None)
-    out = []
-    for kind in kinds:
-        size = window if kind == "sliding" else chunk if kind == "chunked" else None
-        if kind in ("sliding", "chunked") and not (isinstance(size, int) and size > 0):
-            field = "sliding_window" if kind == "sliding" else "attention_chunk_size"
-            raise ModelLoadError(f"A {kind} attention layer but the config gives no {field}.")
-        out.append(size if kind in ("sliding", "chunked") else None)
-    return tuple(out)
+    fields = {"sliding": "sliding_window", "chunked": "attention_chunk_size"}
+    sizes = tuple(getattr(config, fields[k], None) if k in fields else None for k in kinds)
+    for kind, size in zip(kinds, sizes):
+        if kind in fields and not (isinstance(size, int) and size > 0):
+            raise ModelLoadError(f"A {kind} attention layer but the config gives no "
+                                 f"{fields[kind]}.")
+    return sizes
 
 
 def attention_modules(model) -> list:
@@ -173,7 +154,7 @@ def rope_config(config) -> dict[str, Any]:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     if isinstance(params, dict):
         out.update({k: v for k, v in params.items() if isinstance(v, (int, float, str, bool))})
-    for key in _ROPE_CONFIG_KEYS[1:]:
+    for key in _ROPE_CONFIG_KEYS:
         value = getattr(config, key, None)
         if isinstance(value, (int, float)):
             out[key] = value
@@ -181,16 +162,14 @@ def rope_config(config) -> dict[str, Any]:
 
 
 def has_rotary_module(model) -> bool:
-    """Whether the model holds rotary frequencies (a rotary-embedding module's ``inv_freq`` or
-    ``freqs_cis`` buffer): read from its modules, as a config may carry RoPE parameters its
-    model does not use (Granite 4 hybrid without ``position_embedding_type="rope"``)."""
+    """Whether the model holds rotary frequencies (an ``inv_freq`` or ``freqs_cis`` buffer): a
+    config may carry RoPE parameters its model does not use (Granite 4 hybrid)."""
     return any(name.endswith(("inv_freq", "freqs_cis")) for name, _ in model.named_buffers())
 
 
 def _head_counts(config, module, architecture: str) -> tuple[int, int, int]:
-    """``(query heads, KV heads, head_dim)``: KV heads from the module's own
-    ``num_key_value_groups`` where it has one (a config's ``num_key_value_heads`` may be a
-    value the architecture ignores), else the config's, else multi-head."""
+    """``(query heads, KV heads, head_dim)``: KV heads from the module's grouping, else the
+    config's, else multi-head."""
     n_heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
     head_dim = getattr(module, "head_dim", None) or getattr(config, "head_dim", None)

@@ -1,23 +1,13 @@
 """llama.cpp's CPU matrix products as a model run: the activations a quantized GGUF weight meets.
 
-llama.cpp's CPU ``mul_mat`` with a quantized weight converts each activation row to the
-weight type's ``vec_dot_type`` first (``ggml-cpu.c``, ``type_traits_cpu``: q8_1 for Q4_1/Q5_1
-weights, q8_0 for Q8_0/Q4_0/Q5_0/IQ4_NL, q8_K for the K-quants) and dots in integers. kvlens dequantizes a GGUF's
-weights and multiplies float activations, so the activation rounding is missing. It matters
-beyond its own size for a KV-cache comparison: two runs that differ slightly (an f16 cache and a
-q8_0 cache) round some activations to different q8 codes downstream, and every flipped code
-moves the hidden state by a whole quantization step, so the engine's KLD between two cache
-settings has a floor the float model does not have (docs/deploy/llamacpp.md).
-
-``matmul_types(model, gguf_path)``: the weight type of every ``nn.Linear`` the GGUF quantizes
-(llama-style names: ``blk.N.attn_q`` -> ``model.layers.N.self_attn.q_proj`` ...; ``lm_head``
-from ``output``, or ``token_embd`` when the embedding is tied). ``engine_matmuls(model,
-types)``: a context manager that converts those modules' inputs as llama.cpp does
-(``kvlens.quant.llamacpp_cpu.convert_rows``) and removes its hooks on exit.
-
-Not modelled: the ``m * s`` term of Q4_1/Q5_1 weights (q8_1's fp16 block sum: far below the
-activation rounding), other quantized weight types (the IQ families), float weights (F16
-activations in some kernels), and every other op.
+llama.cpp's CPU ``mul_mat`` converts each activation row to the weight type's ``vec_dot_type``
+(``ggml-cpu.c``, ``type_traits_cpu``) and dots in integers; kvlens multiplies float activations
+by dequantized weights, so it rounds them here as llama.cpp does (why this matters for a
+KV-cache comparison: docs/deploy/llamacpp.md). ``matmul_types`` maps each quantized
+``nn.Linear`` to its GGUF weight type (llama-style names, ``lm_head`` from ``output`` or the tied
+``token_embd``); ``engine_matmuls`` hooks those modules' inputs and removes the hooks on exit.
+Not modelled: the ``m * s`` term of Q4_1/Q5_1 weights (far below the activation rounding),
+weight types outside ``MODELLED``, float weights and every other op.
 """
 
 from __future__ import annotations

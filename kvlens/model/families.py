@@ -51,14 +51,9 @@ REFUSED: dict[str, str] = {
 }
 
 
-def refusal(model_type: str) -> str | None:
-    """Why kvlens refuses ``model_type`` (``None``: it does not, or the type is unknown)."""
-    return REFUSED.get(model_type.lower()) if model_type else None
-
-
 def check_family(model_type: str, where: str = "") -> None:
     """Raise ``ModelLoadError`` for a family in ``REFUSED`` (before any weight loads)."""
-    why = refusal(model_type)
+    why = REFUSED.get(model_type.lower()) if model_type else None
     if why is not None:
         src = f" ({where})" if where else ""
         raise ModelLoadError(f"Unsupported model type {model_type!r}{src}: it {why}. "

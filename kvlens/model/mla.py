@@ -1,27 +1,19 @@
 """Multi-head latent attention (MLA: DeepSeek V2/V3 and their kin) as engines cache it.
 
-An MLA layer caches, per token, one compressed latent ``c`` (``kv_lora_rank`` channels, after
-``kv_a_layernorm``) and one decoupled RoPE key ``k_r`` (``qk_rope_head_dim`` channels), shared
-by every head; each head's key and value are re-expanded from them by ``kv_b_proj`` (``W_UK``,
-``W_UV``). Engines (FlashMLA, vLLM's MLA backends and ``fp8_ds_mla``) attend in the *absorbed*
-form, never expanding the history: with ``q_lat[h] = q_nope[h] W_UK[h]``,
+An MLA layer caches, per token, one latent ``c`` (``kv_lora_rank`` channels, after
+``kv_a_layernorm``) and one RoPE key ``k_r`` (``qk_rope_head_dim`` channels), shared by every
+head; ``kv_b_proj`` (``W_UK``, ``W_UV``) re-expands each head's key and value. Engines (FlashMLA,
+vLLM's MLA backends) attend in the *absorbed* form: with ``q_lat[h] = q_nope[h] W_UK[h]``,
 
     score_t[h] = (q_rot[h] . k_r,t + q_lat[h] . c_t) * scaling
     out[h]     = (sum_t p_t[h] c_t) W_UV[h]^T
 
-which is exactly multi-query attention with one KV head over the **latent row**
-``x_t = [k_r,t ; c_t]`` (rotary channels first, so RoPE rotates the first
-``qk_rope_head_dim`` channels as in any partially rotary model) with queries
-``[q_rot ; q_lat]``, keys = values = ``x`` and the output's latent part up-projected per head.
-
-``absorbed_mla(model)`` (used by ``kvlens.model.hooks.attention_override``, so every kvlens
-hook sees MLA this way) replaces each MLA module's forward by ``_absorbed_forward`` for the
-duration of the block: the attention function then receives the latent rows as ``key`` and
-``value`` ``[B, 1, T, dr + r]``, and a cache's ``update`` stores the latent row (what the
-engines store), not transformers' per-head expansion. RoPE is the model's own function
-(``apply_rotary_pos_emb``, ``apply_rotary_pos_emb_interleave`` or the complex
-``apply_rotary_emb``, as the module's forward uses it). The absorbed forward equals the
-model's own up to float rounding (tested on DeepSeek V2 and V3).
+which is multi-query attention with one KV head over the latent row ``x_t = [k_r,t ; c_t]``
+(rotary channels first) and queries ``[q_rot ; q_lat]``. ``absorbed_mla`` (inside every
+``kvlens.model.hooks.attention_override``) runs each MLA module so, with the model's own RoPE
+function: attention functions receive the latent rows as ``key`` = ``value`` ``[B, 1, T, dr +
+r]`` and a cache stores them, as engines do. It equals the model's own forward up to float
+rounding (tested on DeepSeek V2 and V3).
 """
 
 from __future__ import annotations
@@ -137,10 +129,9 @@ def _absorbed_forward(module, rope):
 
 @contextmanager
 def absorbed_mla(model) -> Iterator[list]:
-    """Run every MLA attention module of ``model`` in the absorbed form (module docstring) for
-    the duration of the block; yields the patched modules (empty for other models). Each
-    module's ``num_key_value_groups`` is set to its head count meanwhile (one latent row serves
-    every head), and everything is restored on exit."""
+    """Run every MLA attention module of ``model`` in the absorbed form, its
+    ``num_key_value_groups`` set to its head count (one latent row serves every head), for the
+    duration of the block; yields the patched modules and restores everything on exit."""
     modules = [m for m in model.modules() if is_mla(m)]
     saved = []
     try:

@@ -1,18 +1,12 @@
 """Where a model's weights, its activations and its KV cache live: device maps, memory limits
-and CPU/disk offload, through accelerate's big-model inference.
+and CPU/disk offload, through accelerate's big-model inference (kvlens places no module itself).
 
-kvlens does not place modules itself. ``--device-map`` (a strategy accelerate knows, or an
-explicit module -> device map), ``--max-memory`` (accelerate's per-device limits, plus a
-``disk`` limit kvlens checks) and ``--offload-folder`` become a ``Placement``; ``plan_device_map``
-turns it into the explicit map accelerate would compute (``infer_auto_device_map`` on an empty
-model, as transformers does) so that a limit that cannot hold the model fails *before* any
-weight is read, with the devices and sizes named. The loaded model is then dispatched by
-transformers/accelerate with that map.
-
-After loading, ``layer_devices`` says where each attention layer runs (accelerate's hooks:
-offloaded CPU/disk weights execute on the main device), which is where kvlens' captured tensors
-and compressed-cache stores live; ``input_device`` is where token ids go; ``weights_by_device``
-counts the bytes of weights each device (``disk`` included) holds.
+``make_placement`` checks ``--device-map``, ``--max-memory`` (accelerate's per-device limits,
+plus a ``disk`` limit kvlens checks) and ``--offload-folder`` together; ``plan_device_map``
+computes the explicit map accelerate would (on an empty model, as transformers does), so that a
+limit that cannot hold the model fails before any weight is read, naming devices and sizes.
+After loading, ``layer_devices`` says where each layer's attention (and so its captured tensors
+and cache) runs, ``input_device`` where token ids go, ``weights_by_device`` what each holds.
 """
 
 from __future__ import annotations
@@ -31,17 +25,17 @@ from kvlens.units import format_bytes
 
 STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 MEMORY_KEYS = "GPU index (0, 1, ...), cpu, mps, disk"
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "K": 10**3,
+          "M": 10**6, "G": 10**9, "T": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
+          "TIB": 2**40}
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
 @dataclass(frozen=True)
 class Placement:
-    """A device map request: ``strategy`` (one of ``STRATEGIES``) or an explicit ``explicit``
-    map (module name -> GPU index, ``cpu`` or ``disk``), per-device limits in bytes
-    (``max_memory``: ``((device, bytes), ...)``, ``disk`` included) and the offload folder
-    (``None``: no disk offload allowed)."""
+    """A device map request: a ``strategy`` (``STRATEGIES``) or an ``explicit`` map (module
+    name -> GPU index, ``cpu`` or ``disk``), per-device limits in bytes (``disk`` included) and the
+    offload folder (``None``: no disk offload allowed)."""
 
     strategy: str | None = None
     explicit: tuple[tuple[str, int | str], ...] = ()
@@ -52,27 +46,18 @@ class Placement:
     def device_map(self) -> str | dict[str, int | str]:
         return self.strategy if self.strategy is not None else dict(self.explicit)
 
-    def limits(self) -> dict[int | str, int]:
-        return dict(self.max_memory)
-
 
 # -- parsing ------------------------------------------------------------------------------------
 
-def parse_size(text: str | int, what: str = "size") -> int:
+def parse_size(text: str, what: str = "size") -> int:
     """Bytes of ``20GiB``, ``500MB``, ``1.5GB`` or a plain byte count (GB = 10^9, GiB = 2^30,
     as accelerate reads them)."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        value = text
-    else:
-        m = _SIZE.match(str(text))
-        unit = m.group(2).upper() if m else None
-        if unit is not None and unit not in _UNITS:
-            unit = {"K": "KB", "M": "MB", "G": "GB", "T": "TB"}.get(unit)
-        if m is None or unit is None:
-            raise PlacementError(f"Invalid {what} {text!r}: expected a number with a unit such as "
+    m = _SIZE.match(text)
+    if m is None or m.group(2).upper() not in _UNITS:
+        raise PlacementError(f"Invalid {what} {text!r}: expected a number with a unit such as "
                              "20GiB, 500MB or 1.5GB (KB/MB/GB/TB = powers of 1000, "
                              "KiB/MiB/GiB/TiB = powers of 1024), or a byte count.")
-        value = int(float(m.group(1)) * _UNITS[unit])
+    value = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
     if value <= 0:
         raise PlacementError(f"Invalid {what} {text!r}: it must be more than 0 bytes.")
     return value
@@ -266,14 +251,15 @@ def _infer(model, dtype, placement: Placement) -> dict[str, int | str]:
                                       no_split_module_classes=no_split, dtype=dtype))
 
 
+def _owner(name: str, keys) -> str | None:
+    """The most specific device-map key placing the weight ``name`` (``""`` places all)."""
+    return next((k for k in sorted(keys, key=len, reverse=True)
+                 if k == "" or name == k or name.startswith(k + ".")), None)
+
+
 def _check_coverage(model, dmap: dict[str, int | str]) -> None:
     names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
-    keys = sorted(dmap, key=len, reverse=True)
-
-    def covered(name: str) -> bool:
-        return any(k == "" or name == k or name.startswith(k + ".") for k in keys)
-
-    missing = [n for n in names if not covered(n)]
+    missing = [n for n in names if _owner(n, dmap) is None]
     if missing:
         modules = sorted({n.rsplit(".", 1)[0] for n in missing})
         raise PlacementError(f"{{device_map}} does not place {len(missing)} weight tensor(s), in modules "
@@ -298,7 +284,7 @@ def _check_disk(plan: DevicePlan, placement: Placement, dtype) -> None:
     if placement.offload_folder is None:
         raise PlacementError(f"The model does not fit: {need}, and disk offload needs "
                          "{offload_folder} DIR. Raise {max_memory} or add {offload_folder}.")
-    disk_limit = placement.limits().get("disk")
+    disk_limit = dict(placement.max_memory).get("disk")
     if disk_limit is not None and on_disk > disk_limit:
         raise PlacementError(f"The model does not fit even with disk offload: {need}, over the disk "
                          f"limit {format_bytes(disk_limit)}. Raise {{max_memory}} (memory or disk).")
@@ -342,20 +328,17 @@ def input_device(model):
 
 
 def layer_devices(model) -> list:
-    """Per model layer (index ``i`` = layer ``i``), the device its attention computes on, or
-    the layer itself where it has no attention (a hybrid model's state layers)
-    (``torch.device``)."""
+    """Per model layer, the ``torch.device`` its attention computes on (the layer's own where it
+    has no attention: a hybrid model's state layers)."""
     attention = {m.layer_idx: m for m in attention_modules(model)}
     layers = decoder_layers(model)
     return [execution_device(model, attention.get(i, layer)) for i, layer in enumerate(layers)]
 
 
 def weights_by_device(model) -> dict[str, int]:
-    """Bytes of weights (parameters and buffers, shared ones once) each device holds: a real
-    tensor counts on its device; an offloaded one (a meta placeholder) on the device its
-    ``hf_device_map`` entry names (``cpu`` or ``disk``)."""
+    """Bytes of weights (parameters and buffers, shared ones once) per device; an offloaded one (a
+    meta placeholder) counts on the device its ``hf_device_map`` entry names (``cpu``, ``disk``)."""
     dmap = getattr(model, "hf_device_map", None) or {}
-    keys = sorted(dmap, key=len, reverse=True)
     out: dict[str, int] = {}
     seen: set[int] = set()
     tensors = list(model.named_parameters()) + list(model.named_buffers())
@@ -366,8 +349,7 @@ def weights_by_device(model) -> dict[str, int]:
         if t.device.type != "meta":
             dev = str(t.device)
         else:
-            key = next((k for k in keys if k == "" or name == k or name.startswith(k + ".")),
-                       None)
+            key = _owner(name, dmap)
             if key is None:
                 raise ModelLoadError(f"Weight {name} is on the meta device but the model's "
                                      "device map does not place it.")

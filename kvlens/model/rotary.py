@@ -1,17 +1,11 @@
 """How an attention module applies RoPE, found by running the model's own rotary function.
 
-transformers hands each attention module its RoPE as ``position_embeddings`` in several forms
-(``kvlens.rope.RopeForm``), and the tables alone do not say how the model pairs channels (GLM
-applies ``cat(f, f)`` tables interleaved). So at a layer's first call kvlens finds the function
-the module applies (``apply_rotary_pos_emb``, ``apply_rotary_emb`` or ``_apply_rotary_emb`` of
-its python module), runs it on a seeded random probe with that layer's own tables, and keeps
-the form whose kvlens application reproduces it (``kvlens.rope.matching_form``). A model no
-form reproduces, or whose function cannot be found or called, raises ``ModelLoadError``: its
-pre-RoPE tensors cannot be recovered exactly, and kvlens does not guess.
-
-The probe runs once per distinct table form (module class, function, table kind, width, dtype,
-head width); every later call only checks that its tables still have the form and normalises
-them.
+transformers hands each attention module its RoPE in several forms (``kvlens.rope.RopeForm``),
+and the tables alone do not say how the model pairs channels (GLM applies ``cat(f, f)`` tables
+interleaved). So kvlens runs the function the module applies on a seeded random probe with the
+layer's own tables and keeps the form whose kvlens application reproduces it
+(``kvlens.rope.matching_form``), once per distinct kind of tables. A model no form reproduces,
+or whose function cannot be found or called, raises ``ModelLoadError``: kvlens does not guess.
 """
 
 from __future__ import annotations
@@ -75,15 +69,15 @@ def position_embeddings_of(pe):
 
 
 class RopeInputs(dict):
-    """Layer index -> ``(cos, sin, position_ids)`` of the latest call of its attention module, as
-    the model passed them (a complex ``freqs_cis``, Llama 4's, as ``(freqs_cis, None,
-    position_ids)``; ``position_ids`` ``None`` where the model does not pass it to attention).
-    ``tables(layer, head_dim)`` gives that call's RoPE in kvlens' normalised form."""
+    """Layer index -> ``(cos, sin, position_ids)`` of its attention module's latest call (a complex
+    ``freqs_cis`` as ``(freqs_cis, None, position_ids)``; ``position_ids`` ``None`` where the model
+    does not pass it); ``tables`` normalises a call's RoPE, each kind of tables checked once."""
 
     def __init__(self):
         super().__init__()
         self.modules: dict[int, object] = {}  # layer index -> its attention module
-        self.detector = RopeDetector()
+        self._forms: dict[tuple, RopeForm] = {}
+        self.forms: list[RopeForm] = []  # the forms found so far, in order
 
     def record(self, module, pe, position_ids) -> None:
         pe = position_embeddings_of(pe)
@@ -94,24 +88,11 @@ class RopeInputs(dict):
             else (*pe, position_ids)
 
     def tables(self, layer: int, head_dim: int) -> RopeTables | None:
-        """The layer's latest RoPE as ``RopeTables`` (``None``: it applies none, see
-        ``applies_rope``); ``ModelLoadError`` when no known form reproduces the model's."""
+        """The layer's latest RoPE as ``RopeTables`` (``None``: it applies none); ``ModelLoadError``
+        when no known form reproduces the model's."""
         cos, sin, _ = self[layer]
         pe = cos if sin is None else (cos, sin)
-        return self.detector.tables(self.modules[layer], pe, head_dim)
-
-
-class RopeDetector:
-    """Each attention call's RoPE in kvlens' normalised form (``tables``), the form of every
-    distinct kind of tables checked once against the model's own rotary function."""
-
-    def __init__(self):
-        self._forms: dict[tuple, RopeForm] = {}
-        self.forms: list[RopeForm] = []  # the forms found so far, in order
-
-    def tables(self, module, pe, head_dim: int) -> RopeTables | None:
-        """``pe`` (a call's ``position_embeddings``) normalised, for a module whose heads have
-        ``head_dim`` channels; ``None`` when the layer applies no RoPE (``applies_rope``)."""
+        module = self.modules[layer]
         if not applies_rope(module):
             return None
         fn = rotary_function(module)
@@ -134,11 +115,9 @@ def _form_key(module, fn, pe, head_dim: int) -> tuple:
 
 
 def find_form(module, fn: Callable, pe, head_dim: int) -> RopeForm:
-    """The form of ``pe`` that reproduces ``fn`` (the module's rotary function) on a probe, or
-    ``ModelLoadError``. The probe first spans whole heads (functions that rotate the first
-    ``R`` channels themselves: GPT-NeoX, GLM); a function that only takes the rotary part (Phi:
-    the attention forward slices ``rotary_ndims`` channels) is probed on those channels alone,
-    where the module says how many (``_ROTARY_WIDTHS``)."""
+    """The form of ``pe`` that reproduces ``fn`` (the module's rotary function) on a probe, else
+    ``ModelLoadError``: a probe over whole heads, then over the rotary channels alone where the
+    module declares them (``_ROTARY_WIDTHS``: Phi's forward slices them before the call)."""
     first = pe if isinstance(pe, torch.Tensor) else pe[0]
     if first.dim() != 3:
         raise _unsupported(module, f"its position_embeddings have shape {tuple(first.shape)}, "
@@ -174,9 +153,8 @@ def find_form(module, fn: Callable, pe, head_dim: int) -> RopeForm:
 
 
 def _probe_tables(pe):
-    """``pe`` at a few of its positions (all when few), in float64 (complex128): the model's
-    own table values, probed cheaply on the CPU (float64 runs on every device there) and
-    compared without float32 rounding."""
+    """``pe`` at a few of its positions, in float64 (complex128) on the CPU: the model's own
+    values, compared without float32 rounding."""
     first = pe if isinstance(pe, torch.Tensor) else pe[0]
     t = int(first.shape[1])
     idx = torch.linspace(0, t - 1, min(t, _PROBE_POSITIONS)).round().long().unique()

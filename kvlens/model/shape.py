@@ -1,14 +1,9 @@
-"""What kvlens needs of a model's shape, in one record: ``ModelShape``.
-
-Every source of a shape fills the same record: a loaded model (``kvlens.model.architecture.
-describe``), its files before it loads (``kvlens.model.header``: 0 where they do not say), a
-capture file (``kvlens.capture.store.CaptureMeta.shape``). The cache's bytes
-(``kvlens.cache.layout``), a config's check against a model (``kvlens.config.validate_for``) and
-recommend's cost prediction (``kvlens.recommend.cost``) read it.
-
-Layers are named by their index in the model (``model.layers[i]``). ``attention_layers`` are
-the layers with a KV cache (the only ones kvlens captures, quantizes and counts); a hybrid
-model's others keep a fixed-size state that kvlens leaves exact.
+"""What kvlens needs of a model's shape, in one record: ``ModelShape``, filled from a loaded
+model (``kvlens.model.architecture.describe``), its files before it loads
+(``kvlens.model.header``: 0 where they do not say) or a capture
+(``kvlens.capture.store.CaptureMeta.shape``). Layers are named by their model index;
+``attention_layers`` are those with a KV cache (a hybrid model's others keep a fixed-size state
+that kvlens leaves exact).
 """
 
 from __future__ import annotations
@@ -99,4 +94,3 @@ class ModelShape:
         return sum(self.kv_tensors * batch * self.num_key_value_heads
                    * self.visible_tokens(i, tokens) * self.head_dim * 2
                    for i in self.attention_layers)
-

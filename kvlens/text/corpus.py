@@ -28,11 +28,8 @@ def load_text(path: str | Path | None) -> tuple[str, str]:
 
 
 def token_windows(tokenizer, text: str, samples: int, tokens: int, source: str = "text"):
-    """Tokenize ``text`` and cut ``samples`` non-overlapping windows of ``tokens`` tokens.
-
-    Returns an int64 tensor ``[samples, tokens]``. Windows are taken from the start, evenly
-    spaced when the text is longer than needed. Raises ``InputError`` when it is too short.
-    """
+    """``samples`` non-overlapping windows of ``tokens`` tokens of ``text`` (int64 ``[samples,
+    tokens]``), evenly spaced from the start; ``InputError`` when the text is too short."""
     import torch
 
     if samples < 1 or tokens < 2:

@@ -1,22 +1,13 @@
 """Prompt builders shared by recommend's retrieval probe and the evaluations: the passkey
-sentence in filler text (short passkey check and the long-context retrieval grid) and the
-locker-code probe.
+sentence in filler text (short passkey check, long-context retrieval grid) and the locker-code
+probe.
 
-A retrieval probe for ``recommend``: a long prompt whose answer is one distant fact.
-
-Attention error averaged over ordinary text is dominated by local attention (recent tokens,
-sinks) and under-weights what long-context retrieval needs: a query near the end reading one
-far-back token sharply, so an allocation by the text average alone can keep perplexity and
-still lose passkey retrieval. The probe's errors make retrieval part of what the allocation
-minimises (the measurements: docs/lab-notes/recommend.md).
-
-The probe: about ``tokens`` tokens of the second half of the built-in corpus (the default
-capture windows and the perplexity evaluation read its first half), a sentence stating a
-five-digit code inserted at a seeded depth (on a sentence boundary), and a question asking for
-it at the end. ``recommend`` runs the model on it, and measures each candidate's attention
-output error on the **last few queries** (the answer position), with the same streaming view
-of the cache (window and sinks exact) as the text errors. The wording and filler differ from
-``kvlens.evaluation.short``'s passkey prompts on purpose: the probe must not be the test.
+The probe is a long prompt whose answer is one distant fact, so that recommend's allocation
+minimises retrieval error too and not only the text average, which local attention dominates
+(docs/lab-notes/recommend.md). It is about ``tokens`` tokens of the second half of the built-in
+corpus (capture and perplexity read its first half), a five-digit code sentence at a seeded
+depth and a question asking for it; its wording differs from the passkey prompts on purpose:
+the probe must not be the test.
 """
 
 from __future__ import annotations
@@ -43,7 +34,6 @@ QUESTION = "\n\nQuestion: What is the locker code mentioned above?\nAnswer: The 
 
 def retrieval_text(tokenizer, tokens: int = 960, seed: int = 7) -> tuple[str, str]:
     """``(prompt, code)``: about ``tokens`` tokens, the code sentence at a seeded depth."""
-
     corpus, _ = load_text(None)
     held_out = corpus[len(corpus) // 2:]
     sentences = [s.strip() + "." for s in held_out.replace("\n", " ").split(". ") if s.strip()]

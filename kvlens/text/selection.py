@@ -9,10 +9,8 @@ from kvlens.errors import InputError
 
 
 def parse_index_spec(spec: str | None, limit: int, what: str = "layer") -> list[int]:
-    """``"0,4,8-11"`` -> ``[0, 4, 8, 9, 10, 11]``; ``None``/``"all"`` -> ``range(limit)``.
-
-    Raises ``InputError`` for malformed items or indices outside ``[0, limit)``.
-    """
+    """``"0,4,8-11"`` -> ``[0, 4, 8, 9, 10, 11]``; ``None``/``"all"`` -> ``range(limit)``;
+    ``InputError`` for malformed items or indices outside ``[0, limit)``."""
     if spec is None or spec.strip().lower() in ("", "all"):
         return list(range(limit))
     out: set[int] = set()
@@ -40,9 +38,8 @@ def parse_index_spec(spec: str | None, limit: int, what: str = "layer") -> list[
 
 
 def format_index_spec(values: Iterable[int]) -> str:
-    """``[0, 1, 2, 3, 5]`` -> ``"0-3, 5"``: the indices (any order, repeats ignored) as runs of
-    consecutive integers; ``""`` when there are none. The inverse of ``parse_index_spec`` for
-    non-negative indices."""
+    """``[0, 1, 2, 3, 5]`` -> ``"0-3, 5"`` (any order, repeats ignored; ``""`` for none): the
+    inverse of ``parse_index_spec`` for non-negative indices."""
     runs: list[list[int]] = []
     for v in sorted(set(values)):
         if runs and v == runs[-1][1] + 1:
