@@ -18,11 +18,15 @@ from kvlens.layouts import (
     layout_of,
     reference,
 )
+from kvlens.layouts.fp4_e2m1 import Fp4E2M1
+from kvlens.layouts.mxfp8 import MxFp8
+from kvlens.layouts.nvfp4 import NvFp4
 from kvlens.quant import CodebookSpec, QuantSpec
 from kvlens.quant.cachetypes import parse_cache_type
 
 SPECS = [QuantSpec(2, "per-channel", 8), QuantSpec(4, "per-token", 16), QuantSpec(3, "per-token"),
-         QuantSpec(4, "per-tensor"), CodebookSpec(3, "lloyd-max")]
+         QuantSpec(4, "per-tensor"), CodebookSpec(3, "lloyd-max"), NvFp4(0.5), Fp4E2M1(),
+         MxFp8()]
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.label)
