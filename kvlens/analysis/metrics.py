@@ -294,7 +294,7 @@ def _batched_ratios(
         for rows_at in chunks:
             keys = slice(*_visible_keys(rows_at.start, rows_at.stop, tq, tk, sliding_window))
             base = _reference_chunk(q, k, v, samples, rows_at, keys, full_mask[rows_at, keys],
-                                    None, scaling, softcap, sinks)
+                                    scaling, softcap, sinks)
             ref["scores"][piece] = _pooled(base.s_ref * _as_float(base.keep))
             ref["weights"][piece] = _pooled(base.w_ref)
             ref["output"][piece] = _pooled(base.w_ref @ base.v.unsqueeze(2))
@@ -335,7 +335,6 @@ def _reference_chunk(
     rows_at: slice,
     keys: slice,
     keep: torch.Tensor,
-    same: torch.Tensor | None,
     scaling: float,
     softcap: float,
     sinks: torch.Tensor | None = None,
@@ -351,10 +350,8 @@ def _reference_chunk(
     s_masked = s_ref + bias
     sink = None if sinks is None else sinks.view(hkv, g, 1, 1)
     w_ref = sink_softmax(s_masked, sink)
-    counted = keep if same is None else keep & ~same
-    fresh = None if same is None else _as_float(~same)
     return _Chunk(samples, rows_at, keys, rows * scaling, kc, vc, raw, s_ref, s_masked, w_ref,
-                  keep, _as_float(counted), fresh, sink)
+                  keep, _as_float(keep), None, sink)
 
 
 def _group_sums(
@@ -603,85 +600,4 @@ def _errors(
         scores=ratios["scores"] if keyed else None,
         weights=ratios["weights"] if keyed else None,
         output=ratios["output"],
-    )
-
-
-def attention_errors(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    scaling: float,
-    k_hat: torch.Tensor | None = None,
-    v_hat: torch.Tensor | None = None,
-    sliding_window: int = 0,
-    softcap: float = 0.0,
-    chunk_size: int = DEFAULT_CHUNK,
-    sinks=None,
-) -> AttentionErrors:
-    """Errors when keys are replaced by ``k_hat`` and/or values by ``v_hat`` (one variant of
-    ``attention_errors_many``)."""
-    return attention_errors_many(
-        q,
-        k,
-        v,
-        [Variant(k_hat, v_hat)],
-        scaling=scaling,
-        sliding_window=sliding_window,
-        softcap=softcap,
-        chunk_size=chunk_size,
-        sinks=sinks,
-    )[0]
-
-
-def key_errors(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_hat: torch.Tensor,
-    *,
-    scaling: float,
-    sliding_window: int = 0,
-    softcap: float = 0.0,
-    chunk_size: int = DEFAULT_CHUNK,
-    sinks=None,
-) -> AttentionErrors:
-    """Key variant (only K replaced): reconstruction ``[Hkv]``, scores, weights, output
-    ``[Hq]``."""
-    return attention_errors(
-        q,
-        k,
-        v,
-        scaling=scaling,
-        k_hat=k_hat,
-        sliding_window=sliding_window,
-        softcap=softcap,
-        chunk_size=chunk_size,
-        sinks=sinks,
-    )
-
-
-def value_errors(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    v_hat: torch.Tensor,
-    *,
-    scaling: float,
-    sliding_window: int = 0,
-    softcap: float = 0.0,
-    chunk_size: int = DEFAULT_CHUNK,
-    sinks=None,
-) -> AttentionErrors:
-    """Value variant (only V replaced): reconstruction ``[Hkv]`` and output ``[Hq]``."""
-    return attention_errors(
-        q,
-        k,
-        v,
-        scaling=scaling,
-        v_hat=v_hat,
-        sliding_window=sliding_window,
-        softcap=softcap,
-        chunk_size=chunk_size,
-        sinks=sinks,
     )
