@@ -30,70 +30,29 @@ names the public API; import from ``kvlens.analysis.compare``.
 
 from kvlens.analysis.compare.config import (
     AXES,
-    CONFIG_VERSION,
-    EXTRA_VARIANTS,
     KEY_METRICS,
-    METRICS,
-    PLAIN,
-    STAGES,
-    TENSOR_NAMES,
     VALUE_METRICS,
     CompareConfig,
     parse_int_list,
     parse_layers,
     parse_name_list,
 )
-from kvlens.analysis.compare.measure import Progress, compare_axes, torch_threads
-from kvlens.analysis.compare.records import (
-    CompareResult,
-    Record,
-    format_axis,
-    format_group_size,
-)
-from kvlens.analysis.compare.rope_tables import (
-    COMMON_ROPE_THETAS,
-    ROPE_CHECK_TOLERANCE,
-    layer_rope_tables,
-    rope_rebuild_error,
-    rope_tables,
-)
-from kvlens.analysis.compare.summary import (
-    FORMAT_CALIBRATION_NOTE,
-    format_info,
-    means_by_key,
-    summarize,
-    summarize_formats,
-)
+from kvlens.analysis.compare.measure import compare_axes, torch_threads
+from kvlens.analysis.compare.records import CompareResult
+from kvlens.analysis.compare.rope_tables import layer_rope_tables
+from kvlens.analysis.compare.summary import means_by_key
 
 __all__ = [
     "AXES",
-    "COMMON_ROPE_THETAS",
-    "CONFIG_VERSION",
-    "EXTRA_VARIANTS",
-    "FORMAT_CALIBRATION_NOTE",
     "KEY_METRICS",
-    "METRICS",
-    "PLAIN",
-    "ROPE_CHECK_TOLERANCE",
-    "STAGES",
-    "TENSOR_NAMES",
     "VALUE_METRICS",
     "CompareConfig",
     "CompareResult",
-    "Progress",
-    "Record",
     "compare_axes",
-    "format_axis",
-    "format_group_size",
-    "format_info",
     "layer_rope_tables",
     "means_by_key",
     "parse_int_list",
     "parse_layers",
     "parse_name_list",
-    "rope_rebuild_error",
-    "rope_tables",
-    "summarize",
-    "summarize_formats",
     "torch_threads",
 ]

@@ -142,39 +142,29 @@ def _key_stages(config: CompareConfig) -> tuple[str, ...]:
 
 
 def _check_fits(meta, config: CompareConfig) -> None:
-
+    head_dim = meta.shape.head_dim
     for g in config.group_sizes:
-        QuantSpec(2, "per-token", g).check_fits((meta.num_tokens, meta.shape.head_dim))
-    for setting in config.format_settings():
-        fmt = setting.format
-        if fmt.family == "ggml":
-            try:
-                fmt.check_fits((meta.num_tokens, meta.shape.head_dim))
-            except ConfigError as exc:
-                raise ConfigError(
-                    f"Format {setting.name!r} does not fit {meta.model or 'this'} capture: {exc}"
-                ) from None
-        if setting.rotates(meta.shape.head_dim):
-            try:
-                hadamard_block_size(meta.shape.head_dim)
-            except ConfigError as exc:
-                raise ConfigError(
-                    f"Format {setting.name!r} does not fit {meta.model or 'this'} capture: {exc}"
-                ) from None
+        QuantSpec(2, "per-token", g).check_fits((meta.num_tokens, head_dim))
+    checks = []
+    for s in config.format_settings():
+        if s.format.family == "ggml":
+            checks.append((f"Format {s.name!r}", s.format.check_fits, (meta.num_tokens, head_dim)))
+        if s.rotates(head_dim):
+            checks.append((f"Format {s.name!r}", hadamard_block_size, head_dim))
     if "rotate" in config.variants:
+        checks.append(("Variant 'rotate'", hadamard_block_size, head_dim))
+    for what, check, arg in checks:
         try:
-            hadamard_block_size(meta.shape.head_dim)
+            check(arg)
         except ConfigError as exc:
             raise ConfigError(
-                f"Variant 'rotate' does not fit {meta.model or 'this'} capture: {exc}"
-            ) from None
-    if "pre" in _key_stages(config):
-        if not _rope_ok(meta):
-            raise InputError(
-                f"Stage 'pre' needs a capture of a model with RoPE, but {meta.model or 'this'} "
-                f"capture has none (rope_layout {meta.rope_layout!r}); its keys have no "
-                "pre-RoPE form. Use --stages post."
-            )
+                f"{what} does not fit {meta.model or 'this'} capture: {exc}") from None
+    if "pre" in _key_stages(config) and not _rope_ok(meta):
+        raise InputError(
+            f"Stage 'pre' needs a capture of a model with RoPE, but {meta.model or 'this'} "
+            f"capture has none (rope_layout {meta.rope_layout!r}); its keys have no "
+            "pre-RoPE form. Use --stages post."
+        )
 
 
 def _rope_ok(meta) -> bool:
@@ -203,50 +193,22 @@ def _layer_records(layer_data, config: CompareConfig, meta, samples: slice,
     if config.sink_tokens:
         t = k.shape[2]
         exact = (torch.arange(t)[None, :] < config.sink_tokens).expand(t, t)
-    errors = attention_errors_many(
-        q,
-        k,
-        v,
-        variants,
-        scaling=attrs.scaling,
-        sliding_window=attrs.sliding_window,
-        softcap=attrs.logit_softcap,
-        sinks=attrs.sinks,
-        exact=exact,
-    )
+    errors = attention_errors_many(q, k, v, variants, scaling=attrs.scaling,
+                                   sliding_window=attrs.sliding_window,
+                                   softcap=attrs.logit_softcap, sinks=attrs.sinks, exact=exact)
     out: list[Record] = []
     for key, err in zip(keys, errors, strict=True):
         if key.tensor == "key":
-            per_metric = {
-                "reconstruction": err.key_reconstruction,
-                "score": err.scores,
-                "attention_weights": err.weights,
-                "attention_output": err.output,
-            }
+            per_metric = {"reconstruction": err.key_reconstruction, "score": err.scores,
+                          "attention_weights": err.weights, "attention_output": err.output}
         else:
-            per_metric = {
-                "reconstruction": err.value_reconstruction,
-                "attention_output": err.output,
-            }
+            per_metric = {"reconstruction": err.value_reconstruction,
+                          "attention_output": err.output}
         for metric, values in per_metric.items():
             kind = "kv" if metric == "reconstruction" else "query"
-            for head, value in enumerate(values.tolist()):
-                out.append(
-                    Record(
-                        attrs.layer_index,
-                        head,
-                        key.tensor,
-                        key.axis,
-                        key.bits,
-                        key.group_size,
-                        key.stage,
-                        key.variant,
-                        metric,
-                        float(value),
-                        kind,
-                        key.format,
-                    )
-                )
+            out += [Record(attrs.layer_index, head, key.tensor, key.axis, key.bits,
+                           key.group_size, key.stage, key.variant, metric, float(value), kind,
+                           key.format) for head, value in enumerate(values.tolist())]
     return out
 
 
