@@ -202,7 +202,6 @@ def _check_threshold(threshold: float) -> float:
 
 def _resolve(spec: str | Sequence[int] | None, limit: int, what: str,
              available: Sequence[int] | None = None) -> list[int]:
-
     if spec is None or isinstance(spec, str):
         if available is not None and (spec is None or spec.strip().lower() in ("", "all")):
             return list(available)
@@ -215,7 +214,6 @@ def _resolve(spec: str | Sequence[int] | None, limit: int, what: str,
     if available is not None:
         missing = [i for i in idx if i not in available]
         if missing:
-
             raise InputError(f"Layers {missing} are not in the capture; captured layers: "
                              f"{format_index_spec(available)}.")
     return idx
@@ -302,7 +300,6 @@ def _tensor_raw(x, threshold: float) -> list[tuple[_Raw, dict[str, Any]]]:
 
 def _rope_shifts(pre: _Raw, post: _Raw, rotary_dim: int, layout: str,
                  threshold: float) -> tuple[RopeShift, ...]:
-
     post_tok = _top_membership(post.abs_flat, pre.outliers)
     post_flag = set(post.outliers)
     out = []
@@ -379,7 +376,6 @@ def analyze_capture(path: str | os.PathLike, layers: str | Sequence[int] | None 
     outlier rule's multiple of the median channel abs-max (> 1). ``on_layer`` is called with
     each layer's ``HeadStats`` as soon as it is computed (e.g. to draw figures while streaming).
     """
-
     t0 = time.perf_counter()
     families = parse_tensors(tensors)
     thr = _check_threshold(threshold)
@@ -406,7 +402,6 @@ def analyze_capture(path: str | os.PathLike, layers: str | Sequence[int] | None 
 
 def read_head(path: str | os.PathLike, layer: int, tensor: str, head: int, sample: int = 0):
     """``[T, D]`` float32 tensor of one head and sample (for heatmaps)."""
-
     with open_capture(path) as cap:
         meta, shape = cap.meta, cap.meta.shape
         limit = shape.num_attention_heads if tensor.startswith("q") else shape.num_key_value_heads

@@ -36,7 +36,6 @@ PROBE_GROUP = 32
 def layer_kl(model, input_ids, layers: Sequence[int], progress: Callable | None = None,
              group_size: int = PROBE_GROUP) -> list[float]:
     """Mean next-token KL(exact || probe) when only one layer's K/V are probe-quantized."""
-
     spec = QuantSpec(PROBE_BITS, "per-token", group_size)
 
     def probe(x):

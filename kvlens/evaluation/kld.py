@@ -37,9 +37,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvlens.cache import compressed_attention, memory_report
 from kvlens.errors import InputError
-from kvlens.evaluation.baselines import Baseline, baseline_memory_report, baseline_session
+from kvlens.evaluation.baselines import held_bytes, open_session
 from kvlens.evaluation.stats import (
     BOOTSTRAP_SEED,
     RESAMPLES,
@@ -120,7 +119,6 @@ def check_lengths(text_tokens: int, eval_tokens: int | None, chunk: int, max_pos
 def load_eval_text(path: str | None) -> tuple[str, str]:
     """``(text, source)``: ``None`` or ``builtin:heldout`` is the held-out text,
     ``builtin:corpus`` the capture corpus, anything else a UTF-8 file."""
-
     if path is None or str(path) == HELDOUT_NAME:
         return heldout_text(), HELDOUT_NAME
     if str(path) == DEFAULT_CORPUS_NAME:
@@ -151,16 +149,8 @@ def reads_quantized(cache) -> bool:
     return False
 
 
-def _session(model, config, backend: str):
-
-    if isinstance(config, Baseline):
-        return baseline_session(model, config)
-    return compressed_attention(model, config, backend)
-
-
 def _memory(config, cache) -> dict:
-
-    report = (baseline_memory_report if isinstance(config, Baseline) else memory_report)(cache)
+    report = held_bytes(config, cache)
     out = {**{k: report[k] for k in ("kv_bytes", "kv_bytes_fp16", "bits_per_element")},
            "kv_bytes_by_device": report["by_device"]}
     if report.get("state_bytes"):  # a hybrid model's fixed-size states, apart from its K/V
@@ -188,7 +178,7 @@ def score_text(model, ids, configs: Sequence, chunk: int = DEFAULT_CHUNK, backen
     result = TextScores(tokens=n, chunk=chunk, chunks_total=len(starts),
                         configs=[TokenScores(c.name, bool(c.compressed)) for c in configs])
     with ExitStack() as stack, torch.no_grad():
-        sessions = [stack.enter_context(_session(model, c, backend)) for c in configs]
+        sessions = [stack.enter_context(open_session(model, c, backend)) for c in configs]
         installed = model.config._attn_implementation
         caches = [s.new_cache() for s in sessions]
         exact_cache = None

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvlens.errors import InputError
+from kvlens.evaluation.baselines import open_session
 from kvlens.evaluation.decode import greedy, pad_id
-from kvlens.evaluation.kld import _session
 from kvlens.evaluation.stats import (
     BOOTSTRAP_SEED,
     RESAMPLES,
@@ -149,7 +149,6 @@ def kv_prompt(tokenizer, length: int, depth: float, rng: random.Random,
 def build_grid(tokenizer, lengths: Sequence[int], depths: Sequence[float] = DEFAULT_DEPTHS,
                per_cell: int = 1, seed: int = DEFAULT_SEED) -> list[NeedlePrompt]:
     """``per_cell`` prompts of each task at every (length, depth), deterministic."""
-
     if per_cell < 1:
         raise InputError(f"{{retrieval_prompts}} must be at least 1 (got {per_cell}).")
     bad = [d for d in depths if not 0.0 <= d <= 1.0]
@@ -178,7 +177,6 @@ def run_grid(model, tokenizer, configs: Sequence, prompts: list[NeedlePrompt],
     Ctrl-C stops early: the configs finished so far are kept, ``interrupted=True``."""
     import torch
 
-
     device = input_device(model)
     encoded = [tokenizer(p.text, return_tensors="pt").input_ids.to(device) for p in prompts]
     scores = GridScores(prompts, tokens=[int(e.shape[1]) for e in encoded])
@@ -196,23 +194,19 @@ def run_grid(model, tokenizer, configs: Sequence, prompts: list[NeedlePrompt],
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids),
                                  max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 pad_token_id=_pad(model))
+                                 pad_token_id=pad_id(model))
         return out[:, ids.shape[1]:]
 
     try:
         scores.exact = answers("exact", exact)
         for config in configs:
-            with _session(model, config, backend) as session:
+            with open_session(model, config, backend) as session:
                 got = answers(config.name, lambda ids: greedy(model, ids, session,
                                                               NEW_TOKENS)[0])
             scores.configs.append((config.name, bool(config.compressed), got))
     except KeyboardInterrupt:
         scores.interrupted = True
     return scores
-
-
-def _pad(model) -> int:
-    return pad_id(model)
 
 
 def _cells(prompts: list[NeedlePrompt], correct: list[bool], tokens: list[int]) -> dict:

@@ -47,7 +47,6 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
     prompt) and one entry per evaluation; ``evaluation`` holds each long evaluation's protocol
     and the exact model's results. Ctrl-C stops the run: what was finished is returned with
     ``interrupted: True`` (a config or chunk in progress is dropped)."""
-
     device = input_device(model)
     short = [e for e in options.evals if e not in LONG_EVALS]
     report: dict = {"results": [{"name": c.name} for c in configs], "evaluation": {},
@@ -62,7 +61,6 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
         kld_ids = ids[:, :n].to(device)
     grid = None
     if "retrieval" in options.evals:
-
         lengths = grid_lengths(options.retrieval_lengths, max_positions(model))
         progress(f"building {len(lengths)} x {len(options.retrieval_depths)} retrieval grid")
         grid = build_grid(tokenizer, lengths, options.retrieval_depths,
@@ -73,7 +71,6 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
                                                        progress)
         report["results"] = finished + report["results"][len(finished):]
     if kld_ids is not None and not report["interrupted"]:
-
         progress(f"kld: {kld_ids.shape[1]} tokens of {text_source} in chunks of "
                  f"{options.chunk}, {len(configs)} configs + exact in lockstep")
         scores = score_text(model, kld_ids, configs, options.chunk, options.backend,
@@ -97,7 +94,6 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
                 _merge_memory(res, memory)
         report["interrupted"] = scores.interrupted
     if grid is not None and not report["interrupted"]:
-
         scores = run_grid(model, tokenizer, configs, grid, options.backend, progress)
         summary = summarize_grid(scores)
         report["evaluation"]["retrieval"] = {**summary["protocol"], "exact": summary["exact"]}

@@ -28,10 +28,9 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvlens.cache import compressed_attention, memory_report
 from kvlens.config import KVConfig, preset
 from kvlens.errors import InputError
-from kvlens.evaluation.baselines import Baseline, baseline_memory_report, baseline_session
+from kvlens.evaluation.baselines import held_bytes, open_session
 from kvlens.evaluation.decode import cache_kwargs, greedy
 from kvlens.evaluation.kld import load_eval_text
 from kvlens.evaluation.options import EvalOptions
@@ -92,7 +91,6 @@ def short_evals(model, tokenizer, configs: list[KVConfig], options: EvalOptions,
                  progress: Callable[[str], None]) -> tuple[list[dict], bool]:
     """Generation with ``options.prompt`` and the short-context ppl / passkey / agreement:
     ``(results of the configs that finished, interrupted)``."""
-
     device = input_device(model)
     exact = preset("exact")  # the reference: no compression, the model's dtype
     prompt_ids = _encode(tokenizer, options.prompt, device) if options.prompt else None
@@ -145,11 +143,7 @@ def _run_config(model, tokenizer, config: KVConfig, options: EvalOptions, inputs
     bytes of its biggest cache (the greedy tokens kept under ``_tokens`` for agreement)."""
     res: dict = {"name": config.name}
     caches = []
-    if isinstance(config, Baseline):
-        ctx, report_fn = baseline_session(model, config), baseline_memory_report
-    else:
-        ctx, report_fn = compressed_attention(model, config, options.backend), memory_report
-    with ctx as session:
+    with open_session(model, config, options.backend) as session:
         res["backend"] = session.backend
         if inputs.prompt_ids is not None:
             progress(f"{config.name}: generating {options.max_new_tokens} tokens")
@@ -167,7 +161,7 @@ def _run_config(model, tokenizer, config: KVConfig, options: EvalOptions, inputs
                                                       inputs, progress)
             caches += passkey_caches
     res["backend_reason"] = session.backend_reason
-    reports = [report_fn(c) for c in caches]
+    reports = [held_bytes(config, c) for c in caches]
     if reports:
         biggest = max(reports, key=lambda r: r["kv_bytes_fp16"])
         res.update(kv_bytes=biggest["kv_bytes"], kv_bytes_fp16=biggest["kv_bytes_fp16"],

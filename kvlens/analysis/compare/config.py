@@ -106,7 +106,6 @@ class CompareConfig:
                 f"Invalid rotation seed {seed!r}; allowed: none (no sign flips) or an integer >= 0."
             )
         if self.formats:
-
             for f in self.formats:
                 if not isinstance(f, str):
                     raise ConfigError(f"Invalid format {f!r}; expected a name such as q8_0.")
@@ -115,7 +114,6 @@ class CompareConfig:
 
     def format_settings(self):
         """``self.formats`` as ``kvlens.quant.formats.FormatSetting`` objects."""
-
         return tuple(parse_format(f) for f in self.formats)
 
     def to_dict(self) -> dict[str, Any]:

@@ -71,7 +71,6 @@ def compare_axes(
     ``ConfigError`` for options that do not fit the capture (group size not dividing head_dim,
     ``rotate`` on an odd head_dim, pre-RoPE on a capture without RoPE or with a RoPE the default
     tables cannot reproduce, layers not captured)."""
-
     config = config or CompareConfig()
     if threads is not None and not is_int(threads, 1):
         raise ConfigError(f"Invalid threads {threads!r}; allowed: a positive integer.")
@@ -215,7 +214,6 @@ def _layer_records(layer_data, config: CompareConfig, meta, samples: slice,
 def _approximations(q, k, v, k_pre, tables, config: CompareConfig, layout: str):
     """Yield ``(_VariantKey, approximation)`` for every variant of one layer: keys as the
     post-RoPE ``[B, Hkv, T, D]`` tensor attention sees, values as themselves."""
-
     transforms = (PLAIN, *config.variants)
     # the same R for every layer and head: it depends only on head_dim and the seed
     rotation = (
@@ -266,7 +264,6 @@ def _format_approximations(k, v, config: CompareConfig):
     """Engine formats on post-RoPE keys (what an engine caches) and values, in the original
     basis (a rotating format is un-rotated after reading back). Static fp8 scales come from the
     same layer's captured tensor (``fake_quantize_format`` calibrates on its input)."""
-
     for setting in config.format_settings():
         fmt = setting.format
         g = format_group_size(fmt, k.shape[-1])
@@ -281,7 +278,6 @@ def _format_approximations(k, v, config: CompareConfig):
 def _transform(x, spec, name: str, config: CompareConfig, rotation=None):
     """``x_hat`` in ``x``'s own basis (``rotate`` is un-rotated after dequantizing, so every
     metric, reconstruction included, compares against the original tensor)."""
-
     if name == PLAIN:  # the layout's reference (kvlens.layouts), float32 group metadata
         return reference(spec, "float32")(x.float())
     if name == "outliers":
