@@ -1,30 +1,11 @@
 """Outlier-channel statistics of captured Q, K, V (the library behind ``kvlens plot-outliers``).
 
-Owns the outlier *rule* and the statistics; ``kvlens.plots.outliers`` draws them and
-``kvlens.cli.outliers`` renders them. Definitions (also in ``docs/outliers.md``), per layer,
-tensor and head, over all captured samples and tokens of a ``[S, H, T, D]`` tensor:
-
-- ``absmax[c] = max_{s,t} |x[s,t,c]|``; ``p50[c]``, ``p99[c]`` are percentiles of ``|x[s,t,c]|``
-  over tokens (the spread band).
-- **Rule**: channel ``c`` is an outlier when ``absmax[c] >= threshold * median_c(absmax)``
-  (default threshold 4). ``ratio[c] = absmax[c] / median_c(absmax)``; ``max_ratio`` is the
-  head's largest ratio (its outlier severity).
-- ``kurtosis``: Pearson kurtosis of all entries of the head (3 for a Gaussian).
-- **Token stability** of an outlier channel: the fraction of tokens (all samples) on which it
-  is among the token's ``n`` largest ``|x|`` channels, ``n`` = number of outlier channels of
-  that head. 1.0 = an outlier on every token (the KIVI picture).
-- **Sample stability**: the fraction of samples in which the rule, applied to that sample
-  alone, flags the channel.
-- **RoPE shift** (pre-RoPE q/k outliers only): with ``p`` the RoPE partner of ``c`` (HF
-  "half" layout: ``c <-> c + D/2``) and ``E[c] = sum_{s,t} x[s,t,c]^2``, the partner share
-  ``E[p] / (E[c] + E[p])`` before and after RoPE. RoPE rotates each pair, so the pair energy
-  is conserved and the share says how much of the outlier's energy moved into its partner.
-  Also reported: post-RoPE abs-max of ``c`` and ``p``, post-RoPE token stability of ``c`` and
-  whether the rule still flags ``c`` after RoPE.
-
-``analyze_capture`` streams one layer at a time (only one layer's tensors are in memory) and
-returns a frozen, JSON-serialisable ``OutlierReport``. Heads are selected by KV head; a query
-tensor contributes the query heads of the selected KV heads' GQA groups.
+Owns the outlier rule and the statistics (per layer, tensor and head, over all captured
+samples and tokens of a ``[S, H, T, D]`` tensor; definitions in ``docs/outliers.md``): a
+channel is an outlier when its abs-max is at least ``threshold`` times the head's median
+channel abs-max. ``analyze_capture`` streams one layer at a time and returns a frozen,
+JSON-serialisable ``OutlierReport``; heads are selected by KV head, and a query tensor
+contributes the query heads of the selected KV heads' GQA groups.
 """
 
 from __future__ import annotations

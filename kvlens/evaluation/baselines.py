@@ -1,10 +1,6 @@
-"""transformers' own ``QuantizedCache`` as a baseline in ``kvlens generate --compare``.
-
-Names: ``hf-quanto-2``, ``hf-quanto-4`` (needs the ``optimum-quanto`` package), ``hf-hqq-2``,
-``hf-hqq-4`` (needs ``hqq``) and ``hf-fp8`` (no extra package; transformers >= 5). All use
-transformers' defaults otherwise (group size 64, residual window 128). This is the cache users
-already know: it dequantizes the whole history at every step and re-quantizes everything when
-its window fills (see docs/generate.md). Bytes are measured from its tensors like ours.
+"""transformers' own ``QuantizedCache`` as a baseline in ``kvlens generate --compare``
+(``BASELINES``; the names, their packages and what the cache does: docs/generate.md). Bytes are
+measured from its tensors like ours.
 """
 
 from __future__ import annotations

@@ -1,30 +1,12 @@
 """Teacher-forced scoring of a long text against the exact model: KL divergence, top-1, ppl.
 
-Protocol (``score_text``; docs/evaluation.md):
-
-- The text (``ids [1, N]``) is fed ``chunk`` tokens per forward call (``chunk = 1`` is decode
-  mode) through every config's compressed cache and, **in lockstep on the same chunks**, through
-  the exact model: the unmodified model with its own plain ``DynamicCache`` (the model's own
-  attention implementation, switched back in for that call; no kvlens code in its path).
-- The logits at position ``t`` score token ``t + 1``: ``N - 1`` scored predictions. Per scored
-  prediction: ``KL(p_exact || p_config)`` (float64 log-softmax), top-1 agreement (same argmax)
-  and the negative log-likelihood of the true next token under both.
-- A chunk's own tokens are attended exactly in the forward call that brings them (they wait in
-  the residual window); they are quantized when a window flush follows a call (a config with
-  ``write_before_attention`` codes them before every call but the first). So a prediction
-  **reads quantized entries** iff, when its chunk's forward call starts, some layer of that
-  config's cache holds a non-empty quantized store (``quantized_length > 0``; for transformers'
-  ``QuantizedCache`` baselines: a quantized history exists; engine-format layers quantize the
-  chunk before attending to it, so always, unless both their types are float). ``quantized_share`` is the share of
-  scored predictions for which that holds. Everything is scored; the share says how much of it
-  describes the compressed cache rather than the window (reported per config).
-- Perplexity change and KLD measure different things: the mean NLL change of the text's tokens
-  is the mean KLD plus ``excess_nll``, which is zero on average only when the text is drawn from
-  the exact model. It can be as large as the KLD differences being compared (measured in
-  docs/evaluation.md): a perplexity verdict is then partly the text's.
-- Intervals: ``kvlens.evaluation.stats``; the bootstrap unit is a block of consecutive chunks
-  covering at least ``UNIT_TOKENS`` tokens (one chunk at the default chunk of 64), the same
-  blocks for every config (paired differences).
+``score_text`` feeds the text ``chunk`` tokens per forward through every config's cache and,
+in lockstep on the same chunks, through the exact model (its own attention and plain
+``DynamicCache``); the logits at ``t`` score token ``t + 1``. ``summarize`` gives point values,
+bootstrap intervals over blocks of at least ``UNIT_TOKENS`` tokens (the same blocks for every
+config: paired differences) and ``quantized_share``, the share of predictions that read a
+quantized entry (``reads_quantized``). The protocol, and why perplexity and KLD disagree
+(``excess_nll``): docs/evaluation.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """Retrieval over a grid of lengths and depths: passkey and a key-value lookup among distractors.
 
-Tasks (``TASKS``):
-
-- **passkey**: the classic prompt (repeated filler "The grass is green. ..."), the sentence
-  "The pass key is NNNNN. Remember it. NNNNN is the pass key." at the cell's depth, ending
-  "What is the pass key? The pass key is". Correct when the 5 digits appear in the greedy
-  continuation (8 new tokens).
-- **kv**: paragraphs of the held-out text (``kvlens.text.heldout``, in order from a seeded
-  paragraph, skipping any that would overshoot the length) with four sentences "The code for
-  NAME is NNNN." at paragraph boundaries: the asked-for name at the cell's depth, three
-  distractors at seeded places (several may share a gap); ending
-  "Question: What is the code for NAME?\\nAnswer: The code for NAME is". Correct when its 4
-  digits appear in the greedy continuation (8 new tokens).
-
-Depth is the fraction of the filler before the needle. Every prompt is seeded by the string
-``"kvlens.eval.retrieval/{seed}/{task}/{length}/{depth}/{i}"`` (``random.Random`` hashes a
-string seed with SHA-512), so no prompt shares a random stream with ``recommend``'s design data
-(passkey prompts from integer seed 0) or its retrieval probe (integer seed 7, filler from the
-capture corpus; ``kvlens.text.prompts``). Lengths are targets; the measured mean prompt length is
-reported. Results per config: per prompt correct or not, a Wilson 95% interval per length (both
-tasks pooled) and per task and length, and paired bootstrap differences over prompts versus the
-exact cache and the first compressed config.
+Tasks (``TASKS``; prompts and seeding in docs/evaluation.md): **passkey**, the 5-digit key in
+repeated filler, and **kv**, the 4-digit code of one name among ``DISTRACTORS`` others in
+held-out paragraphs. Depth is the fraction of the filler before the needle; an answer is
+correct when the digits appear in the greedy continuation of ``NEW_TOKENS`` tokens. Every
+prompt has its own string-seeded random stream (``_rng``), shared with no other kvlens prompt.
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
-"""Run every requested evaluation of ``kvlens generate`` (``evaluate_configs``): what a
-compressed cache really loses, long-context KL divergence and retrieval against the exact model,
-plus the short-context checks.
-
-Every compressed run uses ``kvlens.cache.compressed_attention`` and a fresh compressed cache per
-sequence, so attention reads the packed store exactly as in generation.
-
-Long-context evaluations (``kvlens.evaluation``; protocols in docs/evaluation.md):
-
-- **kld**: teacher-forced scoring of ``eval_tokens`` tokens (default 4096, capped by the model's
-  context) of the held-out text, fed ``chunk`` tokens per forward through every config's cache
-  and the exact model (plain ``DynamicCache``) in lockstep: KL divergence, top-1 agreement,
-  perplexity, with paired bootstrap intervals.
-- **retrieval**: passkey and key-value lookup over lengths x depths, Wilson intervals.
-
-Short-context checks (``kvlens.evaluation.short``: decode-mode ppl, passkey, agreement) run
-first, then kld, then retrieval; Ctrl-C keeps what finished.
+"""Run every requested evaluation of ``kvlens generate`` (``evaluate_configs``): the
+short-context checks (``short``) first, then long-context KL divergence (``kld``), then
+retrieval (``needles``); Ctrl-C keeps what finished. Each compressed run reads a fresh cache
+per sequence through ``kvlens.cache.compressed_attention``, exactly as in generation.
 """
 
 from __future__ import annotations

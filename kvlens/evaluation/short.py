@@ -1,23 +1,10 @@
 """Short-context checks of a compressed cache (kept for continuity; they say little about long
-contexts): decode-mode perplexity, passkey retrieval and greedy agreement with the exact model.
-
-- **ppl (decode mode)**: the first ``prefix`` tokens of the text (default: the held-out text)
-  are prefilled in one forward (exact attention; the cache then stores them compressed, as after
-  any prompt); every following
-  token is then fed one at a time, and the logits of step ``t`` score token ``t + 1``. So each of
-  the ``tokens - prefix - 1`` scored predictions attends to the compressed history, the way a
-  generated token would. ``ppl = exp(mean NLL)``. The same protocol with the ``exact`` preset
-  (no compression, the model's dtype) gives the reference, reported as ``ppl_fp16`` (the key
-  predates the ``exact`` preset); ``ppl_change = ppl / ppl_fp16 - 1``.
-- **passkey**: ``prompts`` prompts of about ``context_tokens`` tokens of repeated filler text
-  with the sentence "The pass key is NNNNN. Remember it. NNNNN is the pass key." inserted at a
-  random depth (seeded), ending "What is the pass key? The pass key is"; greedy decoding of 8
-  tokens; correct when the 5 digits appear in the continuation.
-- **agreement**: greedy continuation of the prompt (``max_new_tokens``) vs the uncompressed
-  continuation: number of matching tokens position by position and the first divergence.
+contexts): decode-mode perplexity, passkey retrieval and greedy agreement with the exact model
+(docs/generate.md).
 
 ``short_evals`` runs them (and plain generation with a prompt) config by config; the exact
-preset, run first when no config is the exact one, is the reference for ``ppl_change`` and
+preset, run first when no config is the exact one, is the reference for ``ppl_change`` (its
+perplexity is reported as ``ppl_fp16``, a key older than the ``exact`` preset) and
 ``agreement``.
 """
 

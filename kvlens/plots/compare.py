@@ -1,18 +1,10 @@
 """Figures for ``kvlens compare-axes`` (the numbers come from ``kvlens.analysis.compare``).
 
-Per configuration (tensor, bits, group size, key stage, variant) two PNG figures:
-
-- ``heatmap_<config>.png``: one row per metric, columns per-token | per-channel |
-  log2(per-channel / per-token); each panel is layer x head (KV heads for reconstruction,
-  query heads for attention metrics); the two axis columns share one colour scale per metric.
-- ``layers_<config>.png``: one panel per metric, relative error (mean over heads, log scale)
-  against layer, one line per axis.
-
-Engine formats (``--formats``), per tensor: ``formats_<tensor>.png``, one panel per metric,
-relative error (mean over heads, log scale) against layer, one line per format.
-
-Figures are drawn on ``matplotlib.figure.Figure`` objects, which render through the Agg canvas:
-no pyplot, no global backend switch, nothing changed for a caller.
+Per configuration (tensor, bits, group size, key stage, variant): ``heatmap_<config>.png``
+(layer x head per metric, per-token | per-channel | log2 of their ratio) and
+``layers_<config>.png`` (mean over heads against layer, one line per axis); per tensor with
+engine formats, ``formats_<tensor>.png`` (one line per format). Drawn on
+``matplotlib.figure.Figure`` objects (the Agg canvas): no pyplot, no global backend switch.
 """
 
 from __future__ import annotations

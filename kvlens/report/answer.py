@@ -1,20 +1,7 @@
 """Section 1 of the report, the answer: the recommended config and what it costs, in a few lines
-and one picture, before the diagnosis that explains it.
-
-Read from the artifacts only (nothing is computed anew but sums and choices among what the
-commands recorded):
-
-- the recommendation (``recommend``): its config, bits at the reference context and, from its
-  ``validation`` (``recommend --validate``) or from a ``generate`` artifact that scored the same
-  config, its mean KLD, perplexity change and top-1 agreement with their 95% intervals;
-- beside it kivi-2 and the engine setting with the lowest mean KLD that any scored run measured
-  (``generate --compare ... --eval kld``), with the paired difference to the recommendation
-  when both were scored in the same run;
-- the memory it saves against fp16 at ``MEMORY_CONTEXTS`` (recommend's ``kv_bytes`` and
-  ``kv_bytes_fp16``; other recorded contexts stand in for missing ones, and the page says so);
-- the command for each engine target that ``recommend --target`` chose (``deploy`` artifacts);
-- the bits-vs-KLD frontier of the newest ``generate`` artifact that recorded one
-  (``generate --frontier``), re-drawn at the width the page shows it.
+and one picture, before the diagnosis that explains it (what it shows: docs/report.md). Read
+from the artifacts only: nothing is computed anew but sums and choices among what the commands
+recorded.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""The report's sections, in the reader's order, built from the artifacts a run folder holds.
-
-One file on purpose (over 600 lines): one function per section of the page, in the page's
-order, so that the module reads like the report it builds; the helpers each section uses sit
-beside it.
+"""The report's sections, in the reader's order, built from the artifacts a run folder holds:
+one function per section of the page, in the page's order, with the helpers it uses beside it.
 
 Each ``*_section`` function takes the artifacts (``kvlens.report.artifacts.find_artifacts``)
 and returns a ``Section``: its tables, figures and sentences, or, for the parts no command has
