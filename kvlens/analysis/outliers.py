@@ -279,8 +279,7 @@ def _tensor_raw(x, threshold: float) -> list[tuple[_Raw, dict[str, Any]]]:
     return out
 
 
-def _rope_shifts(pre: _Raw, post: _Raw, rotary_dim: int, layout: str,
-                 threshold: float) -> tuple[RopeShift, ...]:
+def _rope_shifts(pre: _Raw, post: _Raw, rotary_dim: int, layout: str) -> tuple[RopeShift, ...]:
     post_tok = _top_membership(post.abs_flat, pre.outliers)
     post_flag = set(post.outliers)
     out = []
@@ -336,7 +335,7 @@ def iter_layer_stats(cap, layers: Sequence[int], kv_heads: Sequence[int],
                     rope: tuple[RopeShift, ...] = ()
                     if name in POST_OF and rope_on:
                         rope = _rope_shifts(raws[name][i], raws[POST_OF[name]][i],
-                                            meta.rotary_dim, layout, threshold)
+                                            meta.rotary_dim, layout)
                     kv = h // groups if fam == "q" else h
                     stats.append(HeadStats(layer=layer, tensor=name, head=h, kv_head=kv,
                                            rope=rope, **infos[name][i]))

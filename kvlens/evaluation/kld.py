@@ -312,16 +312,12 @@ def summarize(scores: TextScores, resamples: int = RESAMPLES, seed: int = BOOTST
             "mean_kld": paired_difference(point[0], 0.0, samples[:, 0], zero),
             "top1_agreement": paired_difference(point[3], 1.0, samples[:, 3], zero + 1.0),
             "ppl_change": paired_difference(point[5], 0.0, samples[:, 5], zero)}
-        if first is None or i == first:
-            res["vs_first"] = None
-        else:
-            ref_name, ref_point, ref_samples = (per_config[first][0].name, per_config[first][1],
-                                                per_config[first][2])
-            res["vs_first"] = {"reference": ref_name, **{
-                stat: paired_difference(point[STATS.index(stat)], ref_point[STATS.index(stat)],
-                                        samples[:, STATS.index(stat)],
-                                        ref_samples[:, STATS.index(stat)])
-                for stat in PAIRED}}
+        res["vs_first"] = None
+        if first is not None and i != first:
+            ref, ref_point, ref_samples = per_config[first]
+            res["vs_first"] = {"reference": ref.name, **{
+                stat: paired_difference(point[j], ref_point[j], samples[:, j], ref_samples[:, j])
+                for stat, j in ((s, STATS.index(s)) for s in PAIRED)}}
         if ts.memory:
             res["memory"] = ts.memory
         if ts.backend_reason:

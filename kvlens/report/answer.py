@@ -84,7 +84,7 @@ def answer_section(artifacts: dict, run_dir: Path, capture_hint: str) -> Section
     if rec is not None:
         sec.paragraphs.append(_memory(rec))
     _deploy_table(sec, rec, artifacts)
-    _frontier(sec, artifacts, run_dir, rec_path, rec, capture_hint)
+    _frontier(sec, artifacts, run_dir, rec_path, rec)
     return sec
 
 
@@ -247,8 +247,7 @@ def _newest_frontier(artifacts: dict):
     return None, None, None
 
 
-def _frontier(sec: Section, artifacts: dict, run_dir: Path, rec_path, rec,
-              capture_hint: str) -> None:
+def _frontier(sec: Section, artifacts: dict, run_dir: Path, rec_path, rec) -> None:
     path, doc, front = _newest_frontier(artifacts)
     if front is None:
         engines = [str(d.get("setting")) for _, d in artifacts.get("deploy") or []
@@ -280,4 +279,4 @@ def _nothing_yet(sec: Section, run_dir: Path, capture_hint: str, artifacts: dict
     sec.missing.append(Missing("a recommendation with its KL divergence",
                                f"kvlens recommend {capture_hint} --budget-bits 3.0 -o {rec} "
                                "--validate"))
-    _frontier(sec, artifacts, run_dir, None, None, capture_hint)
+    _frontier(sec, artifacts, run_dir, None, None)

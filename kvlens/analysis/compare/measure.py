@@ -55,12 +55,8 @@ class _VariantKey:
     format: str | None = None
 
 
-def compare_axes(
-    path: str | os.PathLike,
-    config: CompareConfig | None = None,
-    progress: Progress | None = None,
-    threads: int | None = 1,
-) -> CompareResult:
+def compare_axes(path: str | os.PathLike, config: CompareConfig | None = None,
+                 progress: Progress | None = None, threads: int | None = 1) -> CompareResult:
     """Sweep ``config`` over the capture at ``path``, one layer in memory at a time.
 
     threads: torch intra-op threads while sweeping (restored afterwards; None = leave as is).
@@ -80,9 +76,7 @@ def compare_axes(
         meta = cap.meta
         layers = _resolve_layers(cap, config)
         _check_fits(meta, config)
-        n_samples = (
-            meta.num_samples if config.samples is None else min(config.samples, meta.num_samples)
-        )
+        n_samples = min(config.samples or meta.num_samples, meta.num_samples)
         pre = "pre" in _key_stages(config)
         for done, layer in enumerate(layers):
             if progress:
@@ -91,27 +85,18 @@ def compare_axes(
                                           pre))
         if progress:
             progress(len(layers), len(layers), "done")
-    capture_info = {
-        "path": str(path),
-        "model": meta.model,
-        "layers": list(layers),
-        "num_attention_heads": meta.shape.num_attention_heads,
-        "num_key_value_heads": meta.shape.num_key_value_heads,
-        "head_dim": meta.shape.head_dim,
-        "samples": n_samples,
-        "tokens": meta.num_tokens,
-        "storage_dtype": meta.storage_dtype,
-    }
+    shape = meta.shape
+    capture_info = {"path": str(path), "model": meta.model, "layers": list(layers),
+                    "num_attention_heads": shape.num_attention_heads,
+                    "num_key_value_heads": shape.num_key_value_heads,
+                    "head_dim": shape.head_dim, "samples": n_samples, "tokens": meta.num_tokens,
+                    "storage_dtype": meta.storage_dtype}
     summary = summarize(records)
-    shape = (meta.shape.num_key_value_heads, meta.num_tokens, meta.shape.head_dim)
     if config.formats:
-        summary["formats"] = format_info(config, *shape)
-    summary = {
-        "config": config.to_dict(),
-        "capture": capture_info,
-        "seconds": round(time.perf_counter() - started, 3),
-        **summary,
-    }
+        summary["formats"] = format_info(config, shape.num_key_value_heads, meta.num_tokens,
+                                         shape.head_dim)
+    summary = {"config": config.to_dict(), "capture": capture_info,
+               "seconds": round(time.perf_counter() - started, 3), **summary}
     return CompareResult(records, summary, config)
 
 
