@@ -12,14 +12,7 @@ from pathlib import Path
 from kvlens.evaluation.frontier import setting_kind
 from kvlens.plots.frontier import frontier_png
 from kvlens.report.figures import compact_png, png_figure
-from kvlens.report.sections import (
-    MEMORY_CONTEXTS,
-    Missing,
-    Section,
-    Table,
-    _rel,
-    latest,
-)
+from kvlens.report.sections import MEMORY_CONTEXTS, Missing, Section, Table, _rel, latest
 from kvlens.units import format_bytes, format_interval
 
 COMPARED_PRESET = "kivi-2"  # the published baseline the recommendation is set against

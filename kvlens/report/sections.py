@@ -155,12 +155,7 @@ def outliers_section(artifacts: dict, run_dir: Path, capture_hint: str) -> Secti
         if table is not None:
             sec.tables.append(table)
     folder = path.parent
-    names = doc.get("figures")
-    if names is None:  # written before outliers.json listed its figures
-        names = sorted(p.name for p in folder.iterdir()
-                       if p.suffix in (".png", ".svg") and p.stem != "outliers")
-        sec.notes.append(f"{sec.source} does not list its figures (older kvlens); the figures "
-                         f"found in {folder.name}/ are shown.")
+    names = doc.get("figures") or []
     main = [n for n in names if Path(n).stem == "overview" or Path(n).stem.endswith("_k")
             or Path(n).stem.startswith("heatmap")]
     main.sort(key=lambda n: (Path(n).stem != "overview", not Path(n).stem.startswith("heatmap"),

@@ -11,18 +11,8 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from kvlens.analysis.compare.config import (
-    AXES,
-    EXTRA_VARIANTS,
-    PLAIN,
-    CompareConfig,
-)
-from kvlens.analysis.compare.records import (
-    CompareResult,
-    Record,
-    format_axis,
-    format_group_size,
-)
+from kvlens.analysis.compare.config import AXES, EXTRA_VARIANTS, PLAIN, CompareConfig
+from kvlens.analysis.compare.records import CompareResult, Record, format_axis, format_group_size
 from kvlens.analysis.compare.rope_tables import checked_layer_tables
 from kvlens.analysis.compare.summary import format_info, summarize
 from kvlens.analysis.metrics import Variant, attention_errors_many
