@@ -72,21 +72,14 @@ def _capture_hint(artifacts: dict, root: Path) -> str:
     path, doc = S.latest(artifacts, "capture")
     if doc and doc.get("capture_file"):
         return str(path.parent / doc["capture_file"])
-    _, out = S.latest(artifacts, "outliers")
-    if out and out.get("path"):
-        return str(out["path"])
-    _, cmp = S.latest(artifacts, "compare-axes")
-    cap = ((cmp or {}).get("summary") or {}).get("capture") or {}
-    return str(cap.get("path") or root / "run.h5")
+    return next((str(d["path"]) for d in S.capture_records(artifacts) if d.get("path")),
+                str(root / "run.h5"))
 
 
 def _model_name(artifacts: dict) -> str:
-    for kind in ("capture", "outliers"):
-        _, doc = S.latest(artifacts, kind)
-        if doc and doc.get("model"):
-            return str(doc["model"])
-    _, cmp = S.latest(artifacts, "compare-axes")
-    return str((((cmp or {}).get("summary") or {}).get("capture") or {}).get("model", "a run"))
+    _, doc = S.latest(artifacts, "capture")
+    return next((str(d["model"]) for d in [doc or {}, *S.capture_records(artifacts)]
+                 if d.get("model")), "a run")
 
 
 def render_html(report: Report) -> str:

@@ -123,11 +123,15 @@ def model_section(artifacts: dict, run_dir: Path, capture_hint: str) -> Section:
     return sec
 
 
-def _capture_from_others(artifacts: dict) -> list[list[str]]:
+def capture_records(artifacts: dict) -> list[dict]:
+    """What the other commands recorded of the capture: outliers.json's, then compare-axes'."""
     _, out = latest(artifacts, "outliers")
     _, cmp = latest(artifacts, "compare-axes")
-    cap = (cmp or {}).get("summary", {}).get("capture") if cmp else None
-    src = out or cap
+    return [d for d in (out, ((cmp or {}).get("summary") or {}).get("capture")) if d]
+
+
+def _capture_from_others(artifacts: dict) -> list[list[str]]:
+    src = next(iter(capture_records(artifacts)), None)
     if not src:
         return []
     samples = src.get("num_samples", src.get("samples"))
