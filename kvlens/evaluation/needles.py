@@ -17,7 +17,7 @@ import numpy as np
 
 from kvlens.errors import InputError
 from kvlens.evaluation.baselines import open_session
-from kvlens.evaluation.decode import greedy, pad_id
+from kvlens.evaluation.decode import greedy
 from kvlens.evaluation.stats import (
     BOOTSTRAP_SEED,
     RESAMPLES,
@@ -159,34 +159,24 @@ def run_grid(model, tokenizer, configs: Sequence, prompts: list[NeedlePrompt],
     """Greedy answers of the exact model (plain ``DynamicCache``) and of every config.
 
     Ctrl-C stops early: the configs finished so far are kept, ``interrupted=True``."""
-    import torch
-
     device = input_device(model)
     encoded = [tokenizer(p.text, return_tensors="pt").input_ids.to(device) for p in prompts]
     scores = GridScores(prompts, tokens=[int(e.shape[1]) for e in encoded])
 
-    def answers(label: str, generate) -> list[bool]:
+    def answers(label: str, session) -> list[bool]:  # session None: the exact model
         got = []
         for j, (p, ids) in enumerate(zip(prompts, encoded)):
             progress(f"{label}: retrieval {j + 1}/{len(prompts)} ({p.task}, {ids.shape[1]} "
                      "tokens)")
-            new = generate(ids)
+            new, _ = greedy(model, ids, session, NEW_TOKENS)
             got.append(p.answer in tokenizer.decode(new[0], skip_special_tokens=True))
         return got
 
-    def exact(ids):
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                 max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 pad_token_id=pad_id(model))
-        return out[:, ids.shape[1]:]
-
     try:
-        scores.exact = answers("exact", exact)
+        scores.exact = answers("exact", None)
         for config in configs:
             with open_session(model, config, backend) as session:
-                got = answers(config.name, lambda ids: greedy(model, ids, session,
-                                                              NEW_TOKENS)[0])
+                got = answers(config.name, session)
             scores.configs.append((config.name, bool(config.compressed), got))
     except KeyboardInterrupt:
         scores.interrupted = True
