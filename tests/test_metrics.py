@@ -7,18 +7,22 @@ import torch
 from helpers import rand
 
 from kvlens.analysis.metrics import (
-    attention_errors,
+    Variant,
+    attention_errors_many,
     attention_output,
     attention_scores,
     attention_weights,
     causal_mask,
     expand_kv,
-    key_errors,
     per_head_rel_error,
     rel_error,
-    value_errors,
 )
 from kvlens.errors import InputError
+
+
+def _one(q, k, v, k_hat=None, v_hat=None, **kw):
+    """The errors of one variant (keys and/or values replaced)."""
+    return attention_errors_many(q, k, v, [Variant(k_hat, v_hat)], **kw)[0]
 
 
 def _qkv(b=2, hq=6, hkv=2, t=11, d=8, seed=0):
@@ -133,7 +137,7 @@ def test_key_errors_match_brute_force_with_odd_chunks(window, softcap):
     q, k, v = _qkv(t=13, seed=6)
     k_hat = k + 0.1 * rand(*k.shape, seed=9)
     scores, weights, output = _brute_force(q, k, v, k_hat, v, 0.35, window, softcap)
-    errs = key_errors(
+    errs = _one(
         q, k, v, k_hat, scaling=0.35, sliding_window=window, softcap=softcap, chunk_size=4
     )
     assert errs.scores.shape == (6,) and errs.key_reconstruction.shape == (2,)
@@ -148,7 +152,7 @@ def test_score_error_excludes_masked_entries():
     q, k, v = _qkv(t=6, seed=7)
     k_hat = k.clone()
     k_hat[:, :, -1] += 5.0  # only the last key changes: visible only to the last query
-    errs = key_errors(q, k, v, k_hat, scaling=1.0)
+    errs = _one(q, k, v, k_hat, scaling=1.0)
     s = attention_scores(q, k, 1.0)
     s_hat = attention_scores(q, k_hat, 1.0)
     causal = causal_mask(6, 6)
@@ -163,27 +167,23 @@ def test_value_errors_and_identity_variant():
     q, k, v = _qkv(t=9, seed=8)
     v_hat = v + 0.05 * rand(*v.shape, seed=10)
     _, _, output = _brute_force(q, k, v, k, v_hat, 0.3)
-    errs = value_errors(q, k, v, v_hat, scaling=0.3, chunk_size=2)
+    errs = _one(q, k, v, v_hat=v_hat, scaling=0.3, chunk_size=2)
     assert errs.scores is None and errs.weights is None and errs.key_reconstruction is None
     assert torch.allclose(errs.output, output, rtol=1e-4)
-    same = attention_errors(q, k, v, scaling=0.3, k_hat=k.clone(), v_hat=v.clone())
+    same = _one(q, k, v, scaling=0.3, k_hat=k.clone(), v_hat=v.clone())
     assert float(same.output.abs().max()) == 0.0 and float(same.scores.max()) == 0.0
     with pytest.raises(InputError, match="no variant"):
-        attention_errors(q, k, v, scaling=0.3)
+        _one(q, k, v, scaling=0.3)
 
 
 def test_many_variants_share_the_reference_and_match_single_calls():
-    from kvlens.analysis.metrics import Variant, attention_errors_many
-
     q, k, v = _qkv(t=10, seed=11)
     k_hat = k + 0.1 * rand(*k.shape, seed=12)
     v_hat = v + 0.1 * rand(*v.shape, seed=13)
     variants = [Variant(k_hat=k_hat), Variant(v_hat=v_hat), Variant(k_hat, v_hat)]
     many = attention_errors_many(q, k, v, variants, scaling=0.3, sliding_window=3, chunk_size=3)
     for var, got in zip(variants, many, strict=True):
-        one = attention_errors(
-            q, k, v, scaling=0.3, k_hat=var.k_hat, v_hat=var.v_hat, sliding_window=3
-        )
+        one = _one(q, k, v, var.k_hat, var.v_hat, scaling=0.3, sliding_window=3)
         assert torch.allclose(got.output, one.output)
     both = many[2]
     assert both.key_reconstruction is not None and both.value_reconstruction is not None

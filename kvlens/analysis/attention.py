@@ -65,12 +65,8 @@ def expand_kv(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-def causal_mask(
-    num_queries: int,
-    num_keys: int,
-    sliding_window: int = 0,
-    device: torch.device | str | None = None,
-) -> torch.Tensor:
+def causal_mask(num_queries: int, num_keys: int, sliding_window: int = 0,
+                device: torch.device | str | None = None) -> torch.Tensor:
     """Boolean ``[Tq, Tk]``, True where a query may attend (module docstring for alignment)."""
     if num_queries > num_keys:
         raise InputError(
@@ -148,15 +144,8 @@ def attention_weights(
                            None if sink is None else sink.view(-1, 1, 1))
 
 
-def attention_output(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scaling: float,
-    sliding_window: int = 0,
-    softcap: float = 0.0,
-    sinks=None,
-) -> torch.Tensor:
+def attention_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+                     sliding_window: int = 0, softcap: float = 0.0, sinks=None) -> torch.Tensor:
     """``softmax(mask(softcap(q kᵀ * scaling))) v`` -> ``[B, Hq, Tq, D]`` float32 (before the
     output projection), the softmax with the optional attention-sink logits ``sinks``
     ``[Hq]``."""

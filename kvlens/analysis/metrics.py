@@ -18,7 +18,6 @@ import torch
 
 from kvlens.analysis.attention import (  # noqa: F401  (re-exported: the public metrics API)
     DEFAULT_CHUNK,
-    _masked_softmax,
     _ratio,
     _softcap,
     _visible_keys,
@@ -83,13 +82,8 @@ class _Sums:
         self.err = torch.zeros(heads, dtype=torch.float64)
         self.ref = torch.zeros(heads, dtype=torch.float64)
 
-    def add(
-        self,
-        ref: torch.Tensor,
-        approx: torch.Tensor,
-        ref_sq: torch.Tensor | None = None,
-        keep: torch.Tensor | None = None,
-    ) -> None:
+    def add(self, ref: torch.Tensor, approx: torch.Tensor, ref_sq: torch.Tensor | None = None,
+            keep: torch.Tensor | None = None) -> None:
         # [Hq, rows, cols] -> per-row norms in float32 (one fused pass, no temporaries of the
         # squares), then squared and pooled in float64 across rows, chunks and samples.
         diff = ref - approx
@@ -106,20 +100,11 @@ def _row_sq(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x, dim=-1).double().square().sum(-1)
 
 
-def attention_errors_many(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    variants: Sequence[Variant],
-    *,
-    scaling: float,
-    sliding_window: int = 0,
-    softcap: float = 0.0,
-    chunk_size: int = DEFAULT_CHUNK,
-    exact: torch.Tensor | None = None,
-    reconstruction: bool = True,
-    sinks=None,
-) -> list[AttentionErrors]:
+def attention_errors_many(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          variants: Sequence[Variant], *, scaling: float,
+                          sliding_window: int = 0, softcap: float = 0.0,
+                          chunk_size: int = DEFAULT_CHUNK, exact: torch.Tensor | None = None,
+                          reconstruction: bool = True, sinks=None) -> list[AttentionErrors]:
     """Errors of attention for several variants of the cache, sharing the reference pass.
 
     q ``[B, Hq, T, D]``, k/v and every ``k_hat``/``v_hat`` ``[B, Hkv, T, D]``. Scores are
@@ -145,21 +130,12 @@ def attention_errors_many(
                                     sinks=sinks)[0]
 
 
-def attention_errors_streams(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    variants: Sequence[Variant],
-    exacts: Sequence[torch.Tensor | None],
-    *,
-    scaling: float,
-    sliding_window: int = 0,
-    softcap: float = 0.0,
-    chunk_size: int = DEFAULT_CHUNK,
-    reconstruction: bool = True,
-    select: Sequence[Sequence[int]] | None = None,
-    sinks=None,
-) -> list[list[AttentionErrors | None]]:
+def attention_errors_streams(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             variants: Sequence[Variant], exacts: Sequence[torch.Tensor | None],
+                             *, scaling: float, sliding_window: int = 0, softcap: float = 0.0,
+                             chunk_size: int = DEFAULT_CHUNK, reconstruction: bool = True,
+                             select: Sequence[Sequence[int]] | None = None,
+                             sinks=None) -> list[list[AttentionErrors | None]]:
     """``attention_errors_many`` for each of several ``exacts`` masks (one per way a cache's
     window moves), sharing what does not depend on the mask: the reference pass and each
     keyed variant's change to the logits (``q (k - k_hat)ᵀ``), each value variant's
@@ -245,20 +221,11 @@ def _as_float(mask: torch.Tensor) -> torch.Tensor:
     return mask.view(torch.uint8).to(torch.float32)
 
 
-def _batched_ratios(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    variants: Sequence[Variant],
-    *,
-    scaling: float,
-    sliding_window: int,
-    softcap: float,
-    chunk_size: int,
-    exacts: Sequence[torch.Tensor | None],
-    select: Sequence[Sequence[int]],
-    sinks: torch.Tensor | None = None,
-) -> list[dict[int, dict[str, torch.Tensor]]]:
+def _batched_ratios(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    variants: Sequence[Variant], *, scaling: float, sliding_window: int,
+                    softcap: float, chunk_size: int, exacts: Sequence[torch.Tensor | None],
+                    select: Sequence[Sequence[int]],
+                    sinks: torch.Tensor | None = None) -> list[dict[int, dict[str, torch.Tensor]]]:
     """Per mask, ``{variant: {metric: per-head relative error}}`` of the selected variants
     (``attention_errors_streams``)."""
     b, hq, tq, _ = q.shape
@@ -294,7 +261,7 @@ def _batched_ratios(
         for rows_at in chunks:
             keys = slice(*_visible_keys(rows_at.start, rows_at.stop, tq, tk, sliding_window))
             base = _reference_chunk(q, k, v, samples, rows_at, keys, full_mask[rows_at, keys],
-                                    None, scaling, softcap, sinks)
+                                    scaling, softcap, sinks)
             ref["scores"][piece] = _pooled(base.s_ref * _as_float(base.keep))
             ref["weights"][piece] = _pooled(base.w_ref)
             ref["output"][piece] = _pooled(base.w_ref @ base.v.unsqueeze(2))
@@ -327,19 +294,9 @@ def _with_exact(ch: _Chunk, same: torch.Tensor) -> _Chunk:
     return replace(ch, counted=_as_float(ch.keep & ~same), fresh=_as_float(~same))
 
 
-def _reference_chunk(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    samples: slice,
-    rows_at: slice,
-    keys: slice,
-    keep: torch.Tensor,
-    same: torch.Tensor | None,
-    scaling: float,
-    softcap: float,
-    sinks: torch.Tensor | None = None,
-) -> _Chunk:
+def _reference_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, samples: slice,
+                     rows_at: slice, keys: slice, keep: torch.Tensor, scaling: float,
+                     softcap: float, sinks: torch.Tensor | None = None) -> _Chunk:
     kc, vc = k[samples, :, keys].float(), v[samples, :, keys].float()
     b, hkv, n, d = kc.shape
     rows = q[samples, :, rows_at].float()
@@ -351,10 +308,8 @@ def _reference_chunk(
     s_masked = s_ref + bias
     sink = None if sinks is None else sinks.view(hkv, g, 1, 1)
     w_ref = sink_softmax(s_masked, sink)
-    counted = keep if same is None else keep & ~same
-    fresh = None if same is None else _as_float(~same)
     return _Chunk(samples, rows_at, keys, rows * scaling, kc, vc, raw, s_ref, s_masked, w_ref,
-                  keep, _as_float(counted), fresh, sink)
+                  keep, _as_float(keep), None, sink)
 
 
 def _group_sums(
@@ -420,17 +375,11 @@ def _group_sums(
     return sums
 
 
-def _keyed_weights(
-    ch: _Chunk,
-    kind: _Kind,
-    group: Sequence[Variant],
-    member: torch.Tensor | None,
-    stack: Callable[[Sequence[torch.Tensor]], torch.Tensor],
-    softcap: float,
-    sums: dict[str, torch.Tensor],
-    shared: dict | None = None,
-    subset: Sequence[int] | None = None,
-) -> torch.Tensor:
+def _keyed_weights(ch: _Chunk, kind: _Kind, group: Sequence[Variant],
+                   member: torch.Tensor | None,
+                   stack: Callable[[Sequence[torch.Tensor]], torch.Tensor], softcap: float,
+                   sums: dict[str, torch.Tensor], shared: dict | None = None,
+                   subset: Sequence[int] | None = None) -> torch.Tensor:
     """Weights ``[b, Hkv, N, g, c, n]`` of keyed variants, from the change each variant's
     keys make to the logits (0 where hidden or read exact); writes the score sums into
     ``sums``."""
@@ -469,14 +418,9 @@ def _keyed_weights(
     return sink_softmax(change.add_(ch.s_masked.unsqueeze(2)), sink)
 
 
-def _check_inputs(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    variants: Sequence[Variant],
-    chunk_size: int,
-    exact: torch.Tensor | None,
-) -> None:
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  variants: Sequence[Variant], chunk_size: int,
+                  exact: torch.Tensor | None) -> None:
     num_kv_groups(q.shape[1], k.shape[1])
     _check_variants(q, k, v, variants)
     if chunk_size < 1:
@@ -486,20 +430,11 @@ def _check_inputs(
         raise InputError(f"exact mask has shape {tuple(exact.shape)}, expected {(tq, tk)}.")
 
 
-def attention_errors_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    variants: Sequence[Variant],
-    *,
-    scaling: float,
-    sliding_window: int = 0,
-    softcap: float = 0.0,
-    chunk_size: int = DEFAULT_CHUNK,
-    exact: torch.Tensor | None = None,
-    reconstruction: bool = True,
-    sinks=None,
-) -> list[AttentionErrors]:
+def attention_errors_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               variants: Sequence[Variant], *, scaling: float,
+                               sliding_window: int = 0, softcap: float = 0.0,
+                               chunk_size: int = DEFAULT_CHUNK, exact: torch.Tensor | None = None,
+                               reconstruction: bool = True, sinks=None) -> list[AttentionErrors]:
     """The loop ``attention_errors_many`` is tested against: one sample, one chunk of query
     rows and one variant at a time (same arguments, same results to float32 rounding)."""
     b, hq, tq, _ = q.shape
@@ -603,85 +538,4 @@ def _errors(
         scores=ratios["scores"] if keyed else None,
         weights=ratios["weights"] if keyed else None,
         output=ratios["output"],
-    )
-
-
-def attention_errors(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    scaling: float,
-    k_hat: torch.Tensor | None = None,
-    v_hat: torch.Tensor | None = None,
-    sliding_window: int = 0,
-    softcap: float = 0.0,
-    chunk_size: int = DEFAULT_CHUNK,
-    sinks=None,
-) -> AttentionErrors:
-    """Errors when keys are replaced by ``k_hat`` and/or values by ``v_hat`` (one variant of
-    ``attention_errors_many``)."""
-    return attention_errors_many(
-        q,
-        k,
-        v,
-        [Variant(k_hat, v_hat)],
-        scaling=scaling,
-        sliding_window=sliding_window,
-        softcap=softcap,
-        chunk_size=chunk_size,
-        sinks=sinks,
-    )[0]
-
-
-def key_errors(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_hat: torch.Tensor,
-    *,
-    scaling: float,
-    sliding_window: int = 0,
-    softcap: float = 0.0,
-    chunk_size: int = DEFAULT_CHUNK,
-    sinks=None,
-) -> AttentionErrors:
-    """Key variant (only K replaced): reconstruction ``[Hkv]``, scores, weights, output
-    ``[Hq]``."""
-    return attention_errors(
-        q,
-        k,
-        v,
-        scaling=scaling,
-        k_hat=k_hat,
-        sliding_window=sliding_window,
-        softcap=softcap,
-        chunk_size=chunk_size,
-        sinks=sinks,
-    )
-
-
-def value_errors(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    v_hat: torch.Tensor,
-    *,
-    scaling: float,
-    sliding_window: int = 0,
-    softcap: float = 0.0,
-    chunk_size: int = DEFAULT_CHUNK,
-    sinks=None,
-) -> AttentionErrors:
-    """Value variant (only V replaced): reconstruction ``[Hkv]`` and output ``[Hq]``."""
-    return attention_errors(
-        q,
-        k,
-        v,
-        scaling=scaling,
-        v_hat=v_hat,
-        sliding_window=sliding_window,
-        softcap=softcap,
-        chunk_size=chunk_size,
-        sinks=sinks,
     )

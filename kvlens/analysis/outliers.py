@@ -1,30 +1,11 @@
 """Outlier-channel statistics of captured Q, K, V (the library behind ``kvlens plot-outliers``).
 
-Owns the outlier *rule* and the statistics; ``kvlens.plots.outliers`` draws them and
-``kvlens.cli.outliers`` renders them. Definitions (also in ``docs/outliers.md``), per layer,
-tensor and head, over all captured samples and tokens of a ``[S, H, T, D]`` tensor:
-
-- ``absmax[c] = max_{s,t} |x[s,t,c]|``; ``p50[c]``, ``p99[c]`` are percentiles of ``|x[s,t,c]|``
-  over tokens (the spread band).
-- **Rule**: channel ``c`` is an outlier when ``absmax[c] >= threshold * median_c(absmax)``
-  (default threshold 4). ``ratio[c] = absmax[c] / median_c(absmax)``; ``max_ratio`` is the
-  head's largest ratio (its outlier severity).
-- ``kurtosis``: Pearson kurtosis of all entries of the head (3 for a Gaussian).
-- **Token stability** of an outlier channel: the fraction of tokens (all samples) on which it
-  is among the token's ``n`` largest ``|x|`` channels, ``n`` = number of outlier channels of
-  that head. 1.0 = an outlier on every token (the KIVI picture).
-- **Sample stability**: the fraction of samples in which the rule, applied to that sample
-  alone, flags the channel.
-- **RoPE shift** (pre-RoPE q/k outliers only): with ``p`` the RoPE partner of ``c`` (HF
-  "half" layout: ``c <-> c + D/2``) and ``E[c] = sum_{s,t} x[s,t,c]^2``, the partner share
-  ``E[p] / (E[c] + E[p])`` before and after RoPE. RoPE rotates each pair, so the pair energy
-  is conserved and the share says how much of the outlier's energy moved into its partner.
-  Also reported: post-RoPE abs-max of ``c`` and ``p``, post-RoPE token stability of ``c`` and
-  whether the rule still flags ``c`` after RoPE.
-
-``analyze_capture`` streams one layer at a time (only one layer's tensors are in memory) and
-returns a frozen, JSON-serialisable ``OutlierReport``. Heads are selected by KV head; a query
-tensor contributes the query heads of the selected KV heads' GQA groups.
+Owns the outlier rule and the statistics (per layer, tensor and head, over all captured
+samples and tokens of a ``[S, H, T, D]`` tensor; definitions in ``docs/outliers.md``): a
+channel is an outlier when its abs-max is at least ``threshold`` times the head's median
+channel abs-max. ``analyze_capture`` streams one layer at a time and returns a frozen,
+JSON-serialisable ``OutlierReport``; heads are selected by KV head, and a query tensor
+contributes the query heads of the selected KV heads' GQA groups.
 """
 
 from __future__ import annotations
@@ -202,7 +183,6 @@ def _check_threshold(threshold: float) -> float:
 
 def _resolve(spec: str | Sequence[int] | None, limit: int, what: str,
              available: Sequence[int] | None = None) -> list[int]:
-
     if spec is None or isinstance(spec, str):
         if available is not None and (spec is None or spec.strip().lower() in ("", "all")):
             return list(available)
@@ -215,7 +195,6 @@ def _resolve(spec: str | Sequence[int] | None, limit: int, what: str,
     if available is not None:
         missing = [i for i in idx if i not in available]
         if missing:
-
             raise InputError(f"Layers {missing} are not in the capture; captured layers: "
                              f"{format_index_spec(available)}.")
     return idx
@@ -300,9 +279,7 @@ def _tensor_raw(x, threshold: float) -> list[tuple[_Raw, dict[str, Any]]]:
     return out
 
 
-def _rope_shifts(pre: _Raw, post: _Raw, rotary_dim: int, layout: str,
-                 threshold: float) -> tuple[RopeShift, ...]:
-
+def _rope_shifts(pre: _Raw, post: _Raw, rotary_dim: int, layout: str) -> tuple[RopeShift, ...]:
     post_tok = _top_membership(post.abs_flat, pre.outliers)
     post_flag = set(post.outliers)
     out = []
@@ -358,7 +335,7 @@ def iter_layer_stats(cap, layers: Sequence[int], kv_heads: Sequence[int],
                     rope: tuple[RopeShift, ...] = ()
                     if name in POST_OF and rope_on:
                         rope = _rope_shifts(raws[name][i], raws[POST_OF[name]][i],
-                                            meta.rotary_dim, layout, threshold)
+                                            meta.rotary_dim, layout)
                     kv = h // groups if fam == "q" else h
                     stats.append(HeadStats(layer=layer, tensor=name, head=h, kv_head=kv,
                                            rope=rope, **infos[name][i]))
@@ -379,7 +356,6 @@ def analyze_capture(path: str | os.PathLike, layers: str | Sequence[int] | None 
     outlier rule's multiple of the median channel abs-max (> 1). ``on_layer`` is called with
     each layer's ``HeadStats`` as soon as it is computed (e.g. to draw figures while streaming).
     """
-
     t0 = time.perf_counter()
     families = parse_tensors(tensors)
     thr = _check_threshold(threshold)
@@ -406,7 +382,6 @@ def analyze_capture(path: str | os.PathLike, layers: str | Sequence[int] | None 
 
 def read_head(path: str | os.PathLike, layer: int, tensor: str, head: int, sample: int = 0):
     """``[T, D]`` float32 tensor of one head and sample (for heatmaps)."""
-
     with open_capture(path) as cap:
         meta, shape = cap.meta, cap.meta.shape
         limit = shape.num_attention_heads if tensor.startswith("q") else shape.num_key_value_heads

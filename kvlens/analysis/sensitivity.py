@@ -11,11 +11,8 @@ One scalar per layer assumes every storage layout of that layer turns output err
 the same rate. ``perturbed_kl`` measures it per layout instead (``recommend --sensitivity
 layout``): the layer's keys or values replaced by one candidate's reconstruction, the KL
 measured on the last positions only (the LM head of a large vocabulary costs more than the
-layers below it).
-
-Each perturbed run starts at the perturbed layer: the layers below it see exactly the reference
-run's inputs, so their outputs are taken from the reference run instead of being recomputed
-(``_skip_below``). The KL is the same, bit for bit (tested on every tiny architecture).
+layers below it). A perturbed run reuses the reference run's outputs of the layers below the
+perturbed one (``_skip_below``): the KL is the same, bit for bit (tested).
 """
 
 from __future__ import annotations
@@ -36,7 +33,6 @@ PROBE_GROUP = 32
 def layer_kl(model, input_ids, layers: Sequence[int], progress: Callable | None = None,
              group_size: int = PROBE_GROUP) -> list[float]:
     """Mean next-token KL(exact || probe) when only one layer's K/V are probe-quantized."""
-
     spec = QuantSpec(PROBE_BITS, "per-token", group_size)
 
     def probe(x):

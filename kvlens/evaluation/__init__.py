@@ -1,19 +1,8 @@
 """Evaluation where KV quantization matters: long-context KL divergence against the exact
-model, a retrieval grid, a held-out text, short-context checks, and intervals
-(docs/evaluation.md).
-
-- ``options``: what ``kvlens generate --eval`` runs (``EVALS``, ``EvalOptions``,
-  ``parse_evals``), checked before a model loads;
-- ``run``: ``evaluate_configs`` runs the requested evaluations for every config;
-- ``kld``: teacher-forced chunked scoring of a long text through compressed caches and the
-  exact model in lockstep (``score_text``, ``summarize``; ``load_eval_text`` reads the text);
-- ``needles``: passkey and key-value retrieval over lengths x depths (``build_grid``,
-  ``run_grid``, ``summarize``);
-- ``short``: the short-context checks, decode-mode perplexity, passkey and agreement;
-- ``decode``: greedy decoding through a compressed cache; ``baselines``: transformers' own
-  quantized caches as configs; ``stats``: Wilson intervals, seeded (paired) bootstrap.
-
-The held-out text itself is ``kvlens.text.heldout``.
+model (``kld``), a retrieval grid (``needles``), short-context checks (``short``) and intervals
+(``stats``), run together by ``run.evaluate_configs`` with the options of ``options``
+(docs/evaluation.md). ``decode`` is the one greedy loop; ``baselines`` are transformers' own
+quantized caches as configs; the held-out text itself is ``kvlens.text.heldout``.
 """
 
 from kvlens.evaluation.kld import TextScores, load_eval_text, score_text

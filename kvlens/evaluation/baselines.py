@@ -1,18 +1,15 @@
-"""transformers' own ``QuantizedCache`` as a baseline in ``kvlens generate --compare``.
-
-Names: ``hf-quanto-2``, ``hf-quanto-4`` (needs the ``optimum-quanto`` package), ``hf-hqq-2``,
-``hf-hqq-4`` (needs ``hqq``) and ``hf-fp8`` (no extra package; transformers >= 5). All use
-transformers' defaults otherwise (group size 64, residual window 128). This is the cache users
-already know: it dequantizes the whole history at every step and re-quantizes everything when
-its window fills (see docs/generate.md). Bytes are measured from its tensors like ours.
+"""transformers' own ``QuantizedCache`` as a baseline in ``kvlens generate --compare``
+(``BASELINES``; the names, their packages and what the cache does: docs/generate.md). Bytes are
+measured from its tensors like ours.
 """
 
 from __future__ import annotations
 
 import importlib.util
-from contextlib import contextmanager
+from contextlib import nullcontext
 from dataclasses import dataclass
 
+from kvlens.cache import compressed_attention, memory_report
 from kvlens.errors import ConfigError
 
 _PACKAGES = {"quanto": "optimum.quanto", "hqq": "hqq", "fp8": None}
@@ -77,9 +74,16 @@ class BaselineSession:
             raise ConfigError(f"transformers refused baseline {self.item.name}: {exc}") from None
 
 
-@contextmanager
-def baseline_session(model, item: Baseline):
-    yield BaselineSession(model, item)
+def open_session(model, config, backend: str):
+    """The session ``config`` runs in: a baseline's, else kvlens' compressed attention."""
+    if isinstance(config, Baseline):
+        return nullcontext(BaselineSession(model, config))
+    return compressed_attention(model, config, backend)
+
+
+def held_bytes(config, cache) -> dict:
+    """The memory report of ``config``'s ``cache``: the bytes its tensors hold."""
+    return (baseline_memory_report if isinstance(config, Baseline) else memory_report)(cache)
 
 
 def _tensors(obj):

@@ -12,13 +12,14 @@ def cache_kwargs(model, cache) -> dict:
 
 
 def greedy(model, ids, session, max_new_tokens: int, attention_mask=None):
-    """Greedy continuation ``[B, new]`` and the cache used."""
-    cache = session.new_cache()
+    """Greedy continuation ``[B, new]`` and the cache used (``session`` None: the model's own
+    cache, as the exact reference decodes)."""
+    cache = None if session is None else session.new_cache()
     mask = attention_mask if attention_mask is not None else torch.ones_like(ids)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=pad_id(model),
-                             **cache_kwargs(model, cache))
+                             **({} if cache is None else cache_kwargs(model, cache)))
     return out[:, ids.shape[1]:], cache
 
 

@@ -1,15 +1,10 @@
 """The bits-vs-KLD frontier of ``kvlens generate --compare ... --eval kld``: which settings no
 other setting beats on both memory and quality.
 
-A point is one scored setting: the bits per element its cache held (``bits_per_element``, what
-the cache holds, measured) and its mean KL divergence against the exact model with the 95%
-interval. A point is on the Pareto front when no other point dominates it: has at most its bits
-and at most its KLD, and strictly less of one. So of two settings with equal bits only the lower
-KLD is on the front, of two with equal KLD only the fewer bits, and exact duplicates both are.
-
-``pareto_front`` is pure (points in, front out); ``frontier_doc`` builds the JSON that
-``generate --json`` and ``--report-json`` carry as ``"frontier"`` (docs/generate.md) and that
-``kvlens.plots.frontier`` draws.
+A point is one scored setting: the bits per element its cache held (measured) and its mean KL
+divergence against the exact model. It is on the Pareto front when no other point has at most
+its bits and at most its KLD, and strictly less of one. ``frontier_doc`` builds the JSON that
+``generate`` carries as ``"frontier"`` (docs/generate.md) and ``kvlens.plots.frontier`` draws.
 """
 
 from __future__ import annotations

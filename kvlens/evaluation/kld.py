@@ -1,30 +1,12 @@
 """Teacher-forced scoring of a long text against the exact model: KL divergence, top-1, ppl.
 
-Protocol (``score_text``; docs/evaluation.md):
-
-- The text (``ids [1, N]``) is fed ``chunk`` tokens per forward call (``chunk = 1`` is decode
-  mode) through every config's compressed cache and, **in lockstep on the same chunks**, through
-  the exact model: the unmodified model with its own plain ``DynamicCache`` (the model's own
-  attention implementation, switched back in for that call; no kvlens code in its path).
-- The logits at position ``t`` score token ``t + 1``: ``N - 1`` scored predictions. Per scored
-  prediction: ``KL(p_exact || p_config)`` (float64 log-softmax), top-1 agreement (same argmax)
-  and the negative log-likelihood of the true next token under both.
-- A chunk's own tokens are attended exactly in the forward call that brings them (they wait in
-  the residual window); they are quantized when a window flush follows a call (a config with
-  ``write_before_attention`` codes them before every call but the first). So a prediction
-  **reads quantized entries** iff, when its chunk's forward call starts, some layer of that
-  config's cache holds a non-empty quantized store (``quantized_length > 0``; for transformers'
-  ``QuantizedCache`` baselines: a quantized history exists; engine-format layers quantize the
-  chunk before attending to it, so always, unless both their types are float). ``quantized_share`` is the share of
-  scored predictions for which that holds. Everything is scored; the share says how much of it
-  describes the compressed cache rather than the window (reported per config).
-- Perplexity change and KLD measure different things: the mean NLL change of the text's tokens
-  is the mean KLD plus ``excess_nll``, which is zero on average only when the text is drawn from
-  the exact model. It can be as large as the KLD differences being compared (measured in
-  docs/evaluation.md): a perplexity verdict is then partly the text's.
-- Intervals: ``kvlens.evaluation.stats``; the bootstrap unit is a block of consecutive chunks
-  covering at least ``UNIT_TOKENS`` tokens (one chunk at the default chunk of 64), the same
-  blocks for every config (paired differences).
+``score_text`` feeds the text ``chunk`` tokens per forward through every config's cache and,
+in lockstep on the same chunks, through the exact model (its own attention and plain
+``DynamicCache``); the logits at ``t`` score token ``t + 1``. ``summarize`` gives point values,
+bootstrap intervals over blocks of at least ``UNIT_TOKENS`` tokens (the same blocks for every
+config: paired differences) and ``quantized_share``, the share of predictions that read a
+quantized entry (``reads_quantized``). The protocol, and why perplexity and KLD disagree
+(``excess_nll``): docs/evaluation.md.
 """
 
 from __future__ import annotations
@@ -37,9 +19,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvlens.cache import compressed_attention, memory_report
 from kvlens.errors import InputError
-from kvlens.evaluation.baselines import Baseline, baseline_memory_report, baseline_session
+from kvlens.evaluation.baselines import held_bytes, open_session
 from kvlens.evaluation.stats import (
     BOOTSTRAP_SEED,
     RESAMPLES,
@@ -120,7 +101,6 @@ def check_lengths(text_tokens: int, eval_tokens: int | None, chunk: int, max_pos
 def load_eval_text(path: str | None) -> tuple[str, str]:
     """``(text, source)``: ``None`` or ``builtin:heldout`` is the held-out text,
     ``builtin:corpus`` the capture corpus, anything else a UTF-8 file."""
-
     if path is None or str(path) == HELDOUT_NAME:
         return heldout_text(), HELDOUT_NAME
     if str(path) == DEFAULT_CORPUS_NAME:
@@ -151,16 +131,8 @@ def reads_quantized(cache) -> bool:
     return False
 
 
-def _session(model, config, backend: str):
-
-    if isinstance(config, Baseline):
-        return baseline_session(model, config)
-    return compressed_attention(model, config, backend)
-
-
 def _memory(config, cache) -> dict:
-
-    report = (baseline_memory_report if isinstance(config, Baseline) else memory_report)(cache)
+    report = held_bytes(config, cache)
     out = {**{k: report[k] for k in ("kv_bytes", "kv_bytes_fp16", "bits_per_element")},
            "kv_bytes_by_device": report["by_device"]}
     if report.get("state_bytes"):  # a hybrid model's fixed-size states, apart from its K/V
@@ -188,7 +160,7 @@ def score_text(model, ids, configs: Sequence, chunk: int = DEFAULT_CHUNK, backen
     result = TextScores(tokens=n, chunk=chunk, chunks_total=len(starts),
                         configs=[TokenScores(c.name, bool(c.compressed)) for c in configs])
     with ExitStack() as stack, torch.no_grad():
-        sessions = [stack.enter_context(_session(model, c, backend)) for c in configs]
+        sessions = [stack.enter_context(open_session(model, c, backend)) for c in configs]
         installed = model.config._attn_implementation
         caches = [s.new_cache() for s in sessions]
         exact_cache = None
@@ -340,16 +312,12 @@ def summarize(scores: TextScores, resamples: int = RESAMPLES, seed: int = BOOTST
             "mean_kld": paired_difference(point[0], 0.0, samples[:, 0], zero),
             "top1_agreement": paired_difference(point[3], 1.0, samples[:, 3], zero + 1.0),
             "ppl_change": paired_difference(point[5], 0.0, samples[:, 5], zero)}
-        if first is None or i == first:
-            res["vs_first"] = None
-        else:
-            ref_name, ref_point, ref_samples = (per_config[first][0].name, per_config[first][1],
-                                                per_config[first][2])
-            res["vs_first"] = {"reference": ref_name, **{
-                stat: paired_difference(point[STATS.index(stat)], ref_point[STATS.index(stat)],
-                                        samples[:, STATS.index(stat)],
-                                        ref_samples[:, STATS.index(stat)])
-                for stat in PAIRED}}
+        res["vs_first"] = None
+        if first is not None and i != first:
+            ref, ref_point, ref_samples = per_config[first]
+            res["vs_first"] = {"reference": ref.name, **{
+                stat: paired_difference(point[j], ref_point[j], samples[:, j], ref_samples[:, j])
+                for stat, j in ((s, STATS.index(s)) for s in PAIRED)}}
         if ts.memory:
             res["memory"] = ts.memory
         if ts.backend_reason:

@@ -1,26 +1,10 @@
 """Retrieval over a grid of lengths and depths: passkey and a key-value lookup among distractors.
 
-Tasks (``TASKS``):
-
-- **passkey**: the classic prompt (repeated filler "The grass is green. ..."), the sentence
-  "The pass key is NNNNN. Remember it. NNNNN is the pass key." at the cell's depth, ending
-  "What is the pass key? The pass key is". Correct when the 5 digits appear in the greedy
-  continuation (8 new tokens).
-- **kv**: paragraphs of the held-out text (``kvlens.text.heldout``, in order from a seeded
-  paragraph, skipping any that would overshoot the length) with four sentences "The code for
-  NAME is NNNN." at paragraph boundaries: the asked-for name at the cell's depth, three
-  distractors at seeded places (several may share a gap); ending
-  "Question: What is the code for NAME?\\nAnswer: The code for NAME is". Correct when its 4
-  digits appear in the greedy continuation (8 new tokens).
-
-Depth is the fraction of the filler before the needle. Every prompt is seeded by the string
-``"kvlens.eval.retrieval/{seed}/{task}/{length}/{depth}/{i}"`` (``random.Random`` hashes a
-string seed with SHA-512), so no prompt shares a random stream with ``recommend``'s design data
-(passkey prompts from integer seed 0) or its retrieval probe (integer seed 7, filler from the
-capture corpus; ``kvlens.text.prompts``). Lengths are targets; the measured mean prompt length is
-reported. Results per config: per prompt correct or not, a Wilson 95% interval per length (both
-tasks pooled) and per task and length, and paired bootstrap differences over prompts versus the
-exact cache and the first compressed config.
+Tasks (``TASKS``; prompts and seeding in docs/evaluation.md): **passkey**, the 5-digit key in
+repeated filler, and **kv**, the 4-digit code of one name among ``DISTRACTORS`` others in
+held-out paragraphs. Depth is the fraction of the filler before the needle; an answer is
+correct when the digits appear in the greedy continuation of ``NEW_TOKENS`` tokens. Every
+prompt has its own string-seeded random stream (``_rng``), shared with no other kvlens prompt.
 """
 
 from __future__ import annotations
@@ -32,8 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvlens.errors import InputError
-from kvlens.evaluation.decode import greedy, pad_id
-from kvlens.evaluation.kld import _session
+from kvlens.evaluation.baselines import open_session
+from kvlens.evaluation.decode import greedy
 from kvlens.evaluation.stats import (
     BOOTSTRAP_SEED,
     RESAMPLES,
@@ -149,7 +133,6 @@ def kv_prompt(tokenizer, length: int, depth: float, rng: random.Random,
 def build_grid(tokenizer, lengths: Sequence[int], depths: Sequence[float] = DEFAULT_DEPTHS,
                per_cell: int = 1, seed: int = DEFAULT_SEED) -> list[NeedlePrompt]:
     """``per_cell`` prompts of each task at every (length, depth), deterministic."""
-
     if per_cell < 1:
         raise InputError(f"{{retrieval_prompts}} must be at least 1 (got {per_cell}).")
     bad = [d for d in depths if not 0.0 <= d <= 1.0]
@@ -176,43 +159,28 @@ def run_grid(model, tokenizer, configs: Sequence, prompts: list[NeedlePrompt],
     """Greedy answers of the exact model (plain ``DynamicCache``) and of every config.
 
     Ctrl-C stops early: the configs finished so far are kept, ``interrupted=True``."""
-    import torch
-
-
     device = input_device(model)
     encoded = [tokenizer(p.text, return_tensors="pt").input_ids.to(device) for p in prompts]
     scores = GridScores(prompts, tokens=[int(e.shape[1]) for e in encoded])
 
-    def answers(label: str, generate) -> list[bool]:
+    def answers(label: str, session) -> list[bool]:  # session None: the exact model
         got = []
         for j, (p, ids) in enumerate(zip(prompts, encoded)):
             progress(f"{label}: retrieval {j + 1}/{len(prompts)} ({p.task}, {ids.shape[1]} "
                      "tokens)")
-            new = generate(ids)
+            new, _ = greedy(model, ids, session, NEW_TOKENS)
             got.append(p.answer in tokenizer.decode(new[0], skip_special_tokens=True))
         return got
 
-    def exact(ids):
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                 max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 pad_token_id=_pad(model))
-        return out[:, ids.shape[1]:]
-
     try:
-        scores.exact = answers("exact", exact)
+        scores.exact = answers("exact", None)
         for config in configs:
-            with _session(model, config, backend) as session:
-                got = answers(config.name, lambda ids: greedy(model, ids, session,
-                                                              NEW_TOKENS)[0])
+            with open_session(model, config, backend) as session:
+                got = answers(config.name, session)
             scores.configs.append((config.name, bool(config.compressed), got))
     except KeyboardInterrupt:
         scores.interrupted = True
     return scores
-
-
-def _pad(model) -> int:
-    return pad_id(model)
 
 
 def _cells(prompts: list[NeedlePrompt], correct: list[bool], tokens: list[int]) -> dict:

@@ -32,10 +32,7 @@ class EvalOptions:
     retrieval_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
 
     def __post_init__(self) -> None:
-        bad = [n for n in self.evals if n not in EVALS]
-        if bad:
-            raise InputError(f"Unknown evaluation(s) {', '.join(bad)}; allowed: "
-                             f"{', '.join(EVALS)}.")
+        _check_evals(self.evals)
         if self.backend not in BACKENDS:
             raise InputError(f"Unknown {{backend}} {self.backend!r}; allowed: "
                              f"{', '.join(BACKENDS)}.")
@@ -58,7 +55,10 @@ class EvalOptions:
 def parse_evals(spec: str | None) -> tuple[str, ...]:
     if not spec:
         return ()
-    names = tuple(s.strip() for s in spec.split(",") if s.strip())
+    return _check_evals(tuple(s.strip() for s in spec.split(",") if s.strip()))
+
+
+def _check_evals(names: tuple[str, ...]) -> tuple[str, ...]:
     bad = [n for n in names if n not in EVALS]
     if bad:
         raise InputError(f"Unknown evaluation(s) {', '.join(bad)}; allowed: {', '.join(EVALS)}.")

@@ -1,20 +1,7 @@
-"""Run every requested evaluation of ``kvlens generate`` (``evaluate_configs``): what a
-compressed cache really loses, long-context KL divergence and retrieval against the exact model,
-plus the short-context checks.
-
-Every compressed run uses ``kvlens.cache.compressed_attention`` and a fresh compressed cache per
-sequence, so attention reads the packed store exactly as in generation.
-
-Long-context evaluations (``kvlens.evaluation``; protocols in docs/evaluation.md):
-
-- **kld**: teacher-forced scoring of ``eval_tokens`` tokens (default 4096, capped by the model's
-  context) of the held-out text, fed ``chunk`` tokens per forward through every config's cache
-  and the exact model (plain ``DynamicCache``) in lockstep: KL divergence, top-1 agreement,
-  perplexity, with paired bootstrap intervals.
-- **retrieval**: passkey and key-value lookup over lengths x depths, Wilson intervals.
-
-Short-context checks (``kvlens.evaluation.short``: decode-mode ppl, passkey, agreement) run
-first, then kld, then retrieval; Ctrl-C keeps what finished.
+"""Run every requested evaluation of ``kvlens generate`` (``evaluate_configs``): the
+short-context checks (``short``) first, then long-context KL divergence (``kld``), then
+retrieval (``needles``); Ctrl-C keeps what finished. Each compressed run reads a fresh cache
+per sequence through ``kvlens.cache.compressed_attention``, exactly as in generation.
 """
 
 from __future__ import annotations
@@ -47,7 +34,6 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
     prompt) and one entry per evaluation; ``evaluation`` holds each long evaluation's protocol
     and the exact model's results. Ctrl-C stops the run: what was finished is returned with
     ``interrupted: True`` (a config or chunk in progress is dropped)."""
-
     device = input_device(model)
     short = [e for e in options.evals if e not in LONG_EVALS]
     report: dict = {"results": [{"name": c.name} for c in configs], "evaluation": {},
@@ -62,7 +48,6 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
         kld_ids = ids[:, :n].to(device)
     grid = None
     if "retrieval" in options.evals:
-
         lengths = grid_lengths(options.retrieval_lengths, max_positions(model))
         progress(f"building {len(lengths)} x {len(options.retrieval_depths)} retrieval grid")
         grid = build_grid(tokenizer, lengths, options.retrieval_depths,
@@ -73,7 +58,6 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
                                                        progress)
         report["results"] = finished + report["results"][len(finished):]
     if kld_ids is not None and not report["interrupted"]:
-
         progress(f"kld: {kld_ids.shape[1]} tokens of {text_source} in chunks of "
                  f"{options.chunk}, {len(configs)} configs + exact in lockstep")
         scores = score_text(model, kld_ids, configs, options.chunk, options.backend,
@@ -97,7 +81,6 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
                 _merge_memory(res, memory)
         report["interrupted"] = scores.interrupted
     if grid is not None and not report["interrupted"]:
-
         scores = run_grid(model, tokenizer, configs, grid, options.backend, progress)
         summary = summarize_grid(scores)
         report["evaluation"]["retrieval"] = {**summary["protocol"], "exact": summary["exact"]}

@@ -1,23 +1,10 @@
 """Short-context checks of a compressed cache (kept for continuity; they say little about long
-contexts): decode-mode perplexity, passkey retrieval and greedy agreement with the exact model.
-
-- **ppl (decode mode)**: the first ``prefix`` tokens of the text (default: the held-out text)
-  are prefilled in one forward (exact attention; the cache then stores them compressed, as after
-  any prompt); every following
-  token is then fed one at a time, and the logits of step ``t`` score token ``t + 1``. So each of
-  the ``tokens - prefix - 1`` scored predictions attends to the compressed history, the way a
-  generated token would. ``ppl = exp(mean NLL)``. The same protocol with the ``exact`` preset
-  (no compression, the model's dtype) gives the reference, reported as ``ppl_fp16`` (the key
-  predates the ``exact`` preset); ``ppl_change = ppl / ppl_fp16 - 1``.
-- **passkey**: ``prompts`` prompts of about ``context_tokens`` tokens of repeated filler text
-  with the sentence "The pass key is NNNNN. Remember it. NNNNN is the pass key." inserted at a
-  random depth (seeded), ending "What is the pass key? The pass key is"; greedy decoding of 8
-  tokens; correct when the 5 digits appear in the continuation.
-- **agreement**: greedy continuation of the prompt (``max_new_tokens``) vs the uncompressed
-  continuation: number of matching tokens position by position and the first divergence.
+contexts): decode-mode perplexity, passkey retrieval and greedy agreement with the exact model
+(docs/generate.md).
 
 ``short_evals`` runs them (and plain generation with a prompt) config by config; the exact
-preset, run first when no config is the exact one, is the reference for ``ppl_change`` and
+preset, run first when no config is the exact one, is the reference for ``ppl_change`` (its
+perplexity is reported as ``ppl_fp16``, a key older than the ``exact`` preset) and
 ``agreement``.
 """
 
@@ -28,10 +15,9 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvlens.cache import compressed_attention, memory_report
 from kvlens.config import KVConfig, preset
 from kvlens.errors import InputError
-from kvlens.evaluation.baselines import Baseline, baseline_memory_report, baseline_session
+from kvlens.evaluation.baselines import held_bytes, open_session
 from kvlens.evaluation.decode import cache_kwargs, greedy
 from kvlens.evaluation.kld import load_eval_text
 from kvlens.evaluation.options import EvalOptions
@@ -92,7 +78,6 @@ def short_evals(model, tokenizer, configs: list[KVConfig], options: EvalOptions,
                  progress: Callable[[str], None]) -> tuple[list[dict], bool]:
     """Generation with ``options.prompt`` and the short-context ppl / passkey / agreement:
     ``(results of the configs that finished, interrupted)``."""
-
     device = input_device(model)
     exact = preset("exact")  # the reference: no compression, the model's dtype
     prompt_ids = _encode(tokenizer, options.prompt, device) if options.prompt else None
@@ -145,11 +130,7 @@ def _run_config(model, tokenizer, config: KVConfig, options: EvalOptions, inputs
     bytes of its biggest cache (the greedy tokens kept under ``_tokens`` for agreement)."""
     res: dict = {"name": config.name}
     caches = []
-    if isinstance(config, Baseline):
-        ctx, report_fn = baseline_session(model, config), baseline_memory_report
-    else:
-        ctx, report_fn = compressed_attention(model, config, options.backend), memory_report
-    with ctx as session:
+    with open_session(model, config, options.backend) as session:
         res["backend"] = session.backend
         if inputs.prompt_ids is not None:
             progress(f"{config.name}: generating {options.max_new_tokens} tokens")
@@ -167,7 +148,7 @@ def _run_config(model, tokenizer, config: KVConfig, options: EvalOptions, inputs
                                                       inputs, progress)
             caches += passkey_caches
     res["backend_reason"] = session.backend_reason
-    reports = [report_fn(c) for c in caches]
+    reports = [held_bytes(config, c) for c in caches]
     if reports:
         biggest = max(reports, key=lambda r: r["kv_bytes_fp16"])
         res.update(kv_bytes=biggest["kv_bytes"], kv_bytes_fp16=biggest["kv_bytes_fp16"],

@@ -1,11 +1,8 @@
 """Intervals for evaluation results: Wilson intervals for proportions, seeded bootstrap.
 
-Bootstrap protocol (used by ``kld`` and ``needles``): the evaluation is split into units that
-every config shares (blocks of chunks of the same text, or prompts); ``bootstrap_indices``
-draws ``resamples`` resamples of unit indices with replacement from a seeded generator; each
-statistic is recomputed on every resample for every config **with the same indices**, so a
-difference between two configs gets a paired interval (the 2.5th and 97.5th percentiles of the
-per-resample differences). An interval that contains 0 means "not distinguishable".
+Every config's statistic is recomputed on the same resampled units (``bootstrap_indices``), so
+a difference between two configs gets a paired interval; one that contains 0 is "not
+distinguishable" (docs/evaluation.md, "Intervals and paired comparisons").
 """
 
 from __future__ import annotations

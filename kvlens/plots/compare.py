@@ -1,18 +1,10 @@
 """Figures for ``kvlens compare-axes`` (the numbers come from ``kvlens.analysis.compare``).
 
-Per configuration (tensor, bits, group size, key stage, variant) two PNG figures:
-
-- ``heatmap_<config>.png``: one row per metric, columns per-token | per-channel |
-  log2(per-channel / per-token); each panel is layer x head (KV heads for reconstruction,
-  query heads for attention metrics); the two axis columns share one colour scale per metric.
-- ``layers_<config>.png``: one panel per metric, relative error (mean over heads, log scale)
-  against layer, one line per axis.
-
-Engine formats (``--formats``), per tensor: ``formats_<tensor>.png``, one panel per metric,
-relative error (mean over heads, log scale) against layer, one line per format.
-
-Figures are drawn on ``matplotlib.figure.Figure`` objects, which render through the Agg canvas:
-no pyplot, no global backend switch, nothing changed for a caller.
+Per configuration (tensor, bits, group size, key stage, variant): ``heatmap_<config>.png``
+(layer x head per metric, per-token | per-channel | log2 of their ratio) and
+``layers_<config>.png`` (mean over heads against layer, one line per axis); per tensor with
+engine formats, ``formats_<tensor>.png`` (one line per format). Drawn on
+``matplotlib.figure.Figure`` objects (the Agg canvas): no pyplot, no global backend switch.
 """
 
 from __future__ import annotations
@@ -54,11 +46,8 @@ def write_plots(result: CompareResult, out_dir: str | os.PathLike) -> list[Path]
         grids[cfg][(r.axis, r.metric)][(r.layer, r.head)] = r.rel_error
     written = []
     for cfg, cells in grids.items():
-        metrics = [
-            m
-            for m in (KEY_METRICS if cfg[0] == "key" else VALUE_METRICS)
-            if all((a, m) in cells for a in AXES)
-        ]
+        metrics = [m for m in (KEY_METRICS if cfg[0] == "key" else VALUE_METRICS)
+                   if all((a, m) in cells for a in AXES)]
         if not metrics:
             continue
         layers = sorted({layer for d in cells.values() for layer, _ in d})
@@ -71,9 +60,8 @@ def write_plots(result: CompareResult, out_dir: str | os.PathLike) -> list[Path]
             mats[(axis, metric)] = mat
         title = _title(model, cfg)
         slug = config_slug(*cfg)
-        written.append(
-            _heatmaps(Figure, np, mats, metrics, layers, title, out / f"heatmap_{slug}.png")
-        )
+        written.append(_heatmaps(Figure, np, mats, metrics, layers, title,
+                                 out / f"heatmap_{slug}.png"))
         written.append(_lines(Figure, np, mats, metrics, layers, title, out / f"layers_{slug}.png"))
     for tensor, cells in formats.items():
         path = out / f"formats_{tensor}.png"
@@ -82,30 +70,39 @@ def write_plots(result: CompareResult, out_dir: str | os.PathLike) -> list[Path]
 
 
 def _format_lines(Figure, np, cells, tensor: str, model: str, path: Path) -> Path:
-    metrics = [
-        m
-        for m in (KEY_METRICS if tensor == "key" else VALUE_METRICS)
-        if any(mm == m for _, mm in cells)
-    ]
+    metrics = [m for m in (KEY_METRICS if tensor == "key" else VALUE_METRICS)
+               if any(mm == m for _, mm in cells)]
     names = list(dict.fromkeys(f for f, _ in cells))
-    fig = Figure(figsize=(4.2 * len(metrics), 3.8))
-    axes = fig.subplots(1, len(metrics), squeeze=False)[0]
-    for ax, metric in zip(axes, metrics, strict=True):
-        positive = True
+
+    def series(metric):
         for name in names:
             per_layer = cells.get((name, metric), {})
             layers = sorted(per_layer)
-            y = np.array([np.mean(per_layer[layer]) for layer in layers])
+            yield layers, np.array([np.mean(per_layer[lay]) for lay in layers]), {"label": name}
+
+    return _line_panels(Figure, np, metrics, series, f"{model}: engine KV-cache formats, "
+                        f"{tensor}s", path, 3.8, {"fontsize": 7})
+
+
+def _line_panels(Figure, np, metrics, series, title: str, path: Path, height: float,
+                 legend: dict) -> Path:
+    """One panel per metric, relative error against layer (log scale when every value is
+    positive): ``series(metric)`` yields ``(layers, errors, plot options)`` per line."""
+    fig = Figure(figsize=(4.2 * len(metrics), height))
+    axes = fig.subplots(1, len(metrics), squeeze=False)[0]
+    for ax, metric in zip(axes, metrics, strict=True):
+        positive = True
+        for layers, y, style in series(metric):
             positive = positive and bool(np.all(y > 0))
-            ax.plot(layers, y, marker="o", ms=3, label=name)
+            ax.plot(layers, y, marker="o", ms=3, **style)
         if positive:
             ax.set_yscale("log")
         ax.set_title(metric, fontsize=10)
         ax.set_xlabel("layer")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("rel. error (mean over heads)")
-    axes[0].legend(fontsize=7)
-    fig.suptitle(f"{model}: engine KV-cache formats, {tensor}s")
+    axes[0].legend(**legend)
+    fig.suptitle(title)
     fig.subplots_adjust(left=0.07, right=0.98, bottom=0.15, top=0.82, wspace=0.3)
     fig.savefig(path, dpi=_DPI)
     return path
@@ -126,15 +123,8 @@ def _heatmaps(Figure, np, mats, metrics, layers, title, path: Path) -> Path:
         vmax = float(np.nanmax([np.nanmax(tok), np.nanmax(ch)])) or 1.0
         for col, (axis, mat) in enumerate((("per-token", tok), ("per-channel", ch))):
             ax = axes[row][col]
-            im = ax.imshow(
-                mat,
-                aspect="auto",
-                origin="lower",
-                cmap="viridis",
-                vmin=0,
-                vmax=vmax,
-                interpolation="nearest",
-            )
+            im = ax.imshow(mat, aspect="auto", origin="lower", cmap="viridis", vmin=0, vmax=vmax,
+                           interpolation="nearest")
             ax.set_title(f"{metric}: {axis}", fontsize=9)
             _label_axes(ax, layers, mat.shape[1], metric)
             if col == 1:
@@ -144,28 +134,15 @@ def _heatmaps(Figure, np, mats, metrics, layers, title, path: Path) -> Path:
         finite = ratio[np.isfinite(ratio)]
         lim = float(np.abs(finite).max()) if finite.size else 1.0
         ax = axes[row][2]
-        im = ax.imshow(
-            ratio,
-            aspect="auto",
-            origin="lower",
-            cmap="RdBu_r",
-            vmin=-lim or -1,
-            vmax=lim or 1,
-            interpolation="nearest",
-        )
+        im = ax.imshow(ratio, aspect="auto", origin="lower", cmap="RdBu_r", vmin=-lim or -1,
+                       vmax=lim or 1, interpolation="nearest")
         ax.set_title(f"{metric}: log2(per-channel / per-token)", fontsize=9)
         _label_axes(ax, layers, ratio.shape[1], metric)
         fig.colorbar(im, ax=ax, label="< 0: per-channel better")
     fig.suptitle(title)
     # fixed margins: tight_layout measures every tick label, a large share of the drawing time
-    fig.subplots_adjust(
-        left=0.06,
-        right=0.97,
-        bottom=0.9 / fig.get_figheight(),
-        top=1 - 0.7 / fig.get_figheight(),
-        wspace=0.35,
-        hspace=0.6,
-    )
+    fig.subplots_adjust(left=0.06, right=0.97, bottom=0.9 / fig.get_figheight(),
+                        top=1 - 0.7 / fig.get_figheight(), wspace=0.35, hspace=0.6)
     fig.savefig(path, dpi=_DPI)
     return path
 
@@ -180,21 +157,9 @@ def _label_axes(ax, layers, n_heads: int, metric: str) -> None:
 
 
 def _lines(Figure, np, mats, metrics, layers, title, path: Path) -> Path:
-    n = len(metrics)
-    fig = Figure(figsize=(4.2 * n, 3.6))
-    axes = fig.subplots(1, n, squeeze=False)[0]
-    for ax, metric in zip(axes, metrics, strict=True):
+    def series(metric):
         for axis in AXES:
-            y = np.nanmean(mats[(axis, metric)], axis=1)
-            ax.plot(layers, y, marker="o", ms=3, color=AXIS_COLORS[axis], label=axis)
-        if all(np.all(np.nanmean(mats[(a, metric)], axis=1) > 0) for a in AXES):
-            ax.set_yscale("log")
-        ax.set_title(metric, fontsize=10)
-        ax.set_xlabel("layer")
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("rel. error (mean over heads)")
-    axes[0].legend()
-    fig.suptitle(title)
-    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.15, top=0.82, wspace=0.3)
-    fig.savefig(path, dpi=_DPI)
-    return path
+            yield (layers, np.nanmean(mats[(axis, metric)], axis=1),
+                   {"color": AXIS_COLORS[axis], "label": axis})
+
+    return _line_panels(Figure, np, metrics, series, title, path, 3.6, {})

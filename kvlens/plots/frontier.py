@@ -1,18 +1,10 @@
 """The bits-vs-KLD chart of ``kvlens generate --frontier`` (and of the report's first section).
 
-It draws the ``"frontier"`` document of ``kvlens.evaluation.frontier.frontier_doc``: one mark per
-setting at (bits per element held, mean KL divergence), its 95% interval as an error bar on a
-log y axis, the marker and colour telling engine settings, kvlens presets, kvlens config files
-and transformers baselines apart, every point labelled, and the Pareto front as a step line.
-
-A llama.cpp setting scored without the engine's matrix products (``partial`` in the document: a
-run mixing engines) is drawn hollow and labelled ``(cache only)``: it reads below what the
-engine itself loses.
-
-A mean KLD of 0 (the exact cache) has no place on a log axis: such a point sits on the axis's
-floor, drawn as a downward triangle and labelled ``= 0``.
-
-Drawn on a ``matplotlib.figure.Figure`` (the Agg canvas): no pyplot, no global backend switch.
+It draws the ``"frontier"`` document of ``kvlens.evaluation.frontier.frontier_doc`` (what the
+chart shows: docs/generate.md): a llama.cpp setting scored without the engine's matrix
+products (``partial``) is drawn hollow, and a mean KLD of 0, which has no place on the log
+axis, sits on the axis's floor as a downward triangle. Drawn on a ``matplotlib.figure.Figure``
+(the Agg canvas): no pyplot, no global backend switch.
 """
 
 from __future__ import annotations

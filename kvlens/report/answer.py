@@ -1,20 +1,7 @@
 """Section 1 of the report, the answer: the recommended config and what it costs, in a few lines
-and one picture, before the diagnosis that explains it.
-
-Read from the artifacts only (nothing is computed anew but sums and choices among what the
-commands recorded):
-
-- the recommendation (``recommend``): its config, bits at the reference context and, from its
-  ``validation`` (``recommend --validate``) or from a ``generate`` artifact that scored the same
-  config, its mean KLD, perplexity change and top-1 agreement with their 95% intervals;
-- beside it kivi-2 and the engine setting with the lowest mean KLD that any scored run measured
-  (``generate --compare ... --eval kld``), with the paired difference to the recommendation
-  when both were scored in the same run;
-- the memory it saves against fp16 at ``MEMORY_CONTEXTS`` (recommend's ``kv_bytes`` and
-  ``kv_bytes_fp16``; other recorded contexts stand in for missing ones, and the page says so);
-- the command for each engine target that ``recommend --target`` chose (``deploy`` artifacts);
-- the bits-vs-KLD frontier of the newest ``generate`` artifact that recorded one
-  (``generate --frontier``), re-drawn at the width the page shows it.
+and one picture, before the diagnosis that explains it (what it shows: docs/report.md). Read
+from the artifacts only: nothing is computed anew but sums and choices among what the commands
+recorded.
 """
 
 from __future__ import annotations
@@ -25,14 +12,7 @@ from pathlib import Path
 from kvlens.evaluation.frontier import setting_kind
 from kvlens.plots.frontier import frontier_png
 from kvlens.report.figures import compact_png, png_figure
-from kvlens.report.sections import (
-    MEMORY_CONTEXTS,
-    Missing,
-    Section,
-    Table,
-    _rel,
-    latest,
-)
+from kvlens.report.sections import MEMORY_CONTEXTS, Missing, Section, Table, _rel, latest
 from kvlens.units import format_bytes, format_interval
 
 COMPARED_PRESET = "kivi-2"  # the published baseline the recommendation is set against
@@ -97,7 +77,7 @@ def answer_section(artifacts: dict, run_dir: Path, capture_hint: str) -> Section
     if rec is not None:
         sec.paragraphs.append(_memory(rec))
     _deploy_table(sec, rec, artifacts)
-    _frontier(sec, artifacts, run_dir, rec_path, rec, capture_hint)
+    _frontier(sec, artifacts, run_dir, rec_path, rec)
     return sec
 
 
@@ -260,8 +240,7 @@ def _newest_frontier(artifacts: dict):
     return None, None, None
 
 
-def _frontier(sec: Section, artifacts: dict, run_dir: Path, rec_path, rec,
-              capture_hint: str) -> None:
+def _frontier(sec: Section, artifacts: dict, run_dir: Path, rec_path, rec) -> None:
     path, doc, front = _newest_frontier(artifacts)
     if front is None:
         engines = [str(d.get("setting")) for _, d in artifacts.get("deploy") or []
@@ -293,4 +272,4 @@ def _nothing_yet(sec: Section, run_dir: Path, capture_hint: str, artifacts: dict
     sec.missing.append(Missing("a recommendation with its KL divergence",
                                f"kvlens recommend {capture_hint} --budget-bits 3.0 -o {rec} "
                                "--validate"))
-    _frontier(sec, artifacts, run_dir, None, None, capture_hint)
+    _frontier(sec, artifacts, run_dir, None, None)

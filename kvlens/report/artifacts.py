@@ -1,25 +1,10 @@
 """The JSON files each command leaves beside its outputs for ``kvlens report`` (the contract).
 
-Every artifact is one JSON object whose top level names what wrote it::
-
-    {"kvlens_report": KIND, "schema_version": 1, ...}
-
-with ``KIND`` one of ``ARTIFACT_KINDS``. Which command writes which file (docs/report.md):
-
-==============  =========================================  =====================================
-kind            file                                       written by
-==============  =========================================  =====================================
-capture         ``<capture>.capture.json`` beside the .h5  ``kvlens capture -o RUN.h5``
-outliers        ``DIR/outliers.json``                      ``kvlens plot-outliers --out DIR``
-compare-axes    ``DIR/compare-axes.json``                  ``kvlens compare-axes --plots DIR``
-recommend       ``<config>.recommend.json`` beside -o      ``kvlens recommend -o CONFIG.json``
-deploy          ``<config>.deploy.json`` beside -o         ``kvlens recommend --target ENGINE
-                                                           -o CONFIG.json``
-generate        the file given to ``--report-json``        ``kvlens generate --report-json F``
-==============  =========================================  =====================================
-
-Figures are named relative to the artifact's folder (``"figures": [...]``), so a run folder can
-be moved or copied whole. This module only builds and finds documents; it imports nothing heavy.
+Every artifact is one JSON object whose top level names what wrote it,
+``{"kvlens_report": KIND, "schema_version": 1, ...}``, with ``KIND`` one of ``ARTIFACT_KINDS``;
+which command writes which file: docs/report.md. Figures are named relative to the artifact's
+folder (``"figures": [...]``), so a run folder can be moved or copied whole. This module only
+builds and finds documents; it imports nothing heavy.
 """
 
 from __future__ import annotations

@@ -2,10 +2,8 @@
 
 A figure's caption says what it shows from its file name alone (the names are fixed by
 ``kvlens.plots.outliers`` and ``kvlens.plots.compare``), so a reader needs no terminal output.
-
-PNG figures are embedded at the resolution the page shows them (``compact_png``): at most
-``SHOWN_WIDTH`` pixels wide, as 256-colour palette PNGs, which is what keeps the page of a whole
-run small enough to mail (docs/report.md, "Size"). The files themselves are not changed.
+PNGs are embedded at the width the page shows them (``compact_png``; docs/report.md, "Size");
+the files themselves are not changed.
 """
 
 from __future__ import annotations

@@ -41,7 +41,6 @@ def build_report(run_dir: str | os.PathLike, deploy_option: str | None = None) -
     deploy_option: the ``recommend`` option that writes deploy settings (e.g. ``--target``),
     named in the hint when they are missing; None when this kvlens has none.
     Raises ``InputError`` when ``run_dir`` is not a folder or holds no kvlens output at all."""
-
     root = Path(run_dir)
     artifacts = find_artifacts(root)
     if not artifacts:
@@ -59,20 +58,13 @@ def build_report(run_dir: str | os.PathLike, deploy_option: str | None = None) -
             S.validation_section(artifacts, root)]
     body.append(S.not_measured_section(body))
     model = _model_name(artifacts)
-    found = [f"{kind}: {_rel(path, root)}" for kind in ARTIFACT_KINDS
+    found = [f"{kind}: {S._rel(path, root)}" for kind in ARTIFACT_KINDS
              for path, _ in artifacts.get(kind, [])[:1]]
-    found += [f"{kind}: {_rel(path, root)} (older, not shown)" for kind in ARTIFACT_KINDS
+    found += [f"{kind}: {S._rel(path, root)} (older, not shown)" for kind in ARTIFACT_KINDS
               for path, _ in artifacts.get(kind, [])[1:]]
     return Report(run_dir=str(root), title=f"kvlens report: {model}",
                   generated=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                   version=__version__, sections=body, found=found)
-
-
-def _rel(path: Path, root: Path) -> str:
-    try:
-        return path.resolve().relative_to(root.resolve()).as_posix()
-    except ValueError:
-        return str(path)
 
 
 def _capture_hint(artifacts: dict, root: Path) -> str:
@@ -80,21 +72,14 @@ def _capture_hint(artifacts: dict, root: Path) -> str:
     path, doc = S.latest(artifacts, "capture")
     if doc and doc.get("capture_file"):
         return str(path.parent / doc["capture_file"])
-    _, out = S.latest(artifacts, "outliers")
-    if out and out.get("path"):
-        return str(out["path"])
-    _, cmp = S.latest(artifacts, "compare-axes")
-    cap = ((cmp or {}).get("summary") or {}).get("capture") or {}
-    return str(cap.get("path") or root / "run.h5")
+    return next((str(d["path"]) for d in S.capture_records(artifacts) if d.get("path")),
+                str(root / "run.h5"))
 
 
 def _model_name(artifacts: dict) -> str:
-    for kind in ("capture", "outliers"):
-        _, doc = S.latest(artifacts, kind)
-        if doc and doc.get("model"):
-            return str(doc["model"])
-    _, cmp = S.latest(artifacts, "compare-axes")
-    return str((((cmp or {}).get("summary") or {}).get("capture") or {}).get("model", "a run"))
+    _, doc = S.latest(artifacts, "capture")
+    return next((str(d["model"]) for d in [doc or {}, *S.capture_records(artifacts)]
+                 if d.get("model")), "a run")
 
 
 def render_html(report: Report) -> str:

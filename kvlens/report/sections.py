@@ -1,8 +1,5 @@
-"""The report's sections, in the reader's order, built from the artifacts a run folder holds.
-
-One file on purpose (over 600 lines): one function per section of the page, in the page's
-order, so that the module reads like the report it builds; the helpers each section uses sit
-beside it.
+"""The report's sections, in the reader's order, built from the artifacts a run folder holds:
+one function per section of the page, in the page's order, with the helpers it uses beside it.
 
 Each ``*_section`` function takes the artifacts (``kvlens.report.artifacts.find_artifacts``)
 and returns a ``Section``: its tables, figures and sentences, or, for the parts no command has
@@ -126,11 +123,15 @@ def model_section(artifacts: dict, run_dir: Path, capture_hint: str) -> Section:
     return sec
 
 
-def _capture_from_others(artifacts: dict) -> list[list[str]]:
+def capture_records(artifacts: dict) -> list[dict]:
+    """What the other commands recorded of the capture: outliers.json's, then compare-axes'."""
     _, out = latest(artifacts, "outliers")
     _, cmp = latest(artifacts, "compare-axes")
-    cap = (cmp or {}).get("summary", {}).get("capture") if cmp else None
-    src = out or cap
+    return [d for d in (out, ((cmp or {}).get("summary") or {}).get("capture")) if d]
+
+
+def _capture_from_others(artifacts: dict) -> list[list[str]]:
+    src = next(iter(capture_records(artifacts)), None)
     if not src:
         return []
     samples = src.get("num_samples", src.get("samples"))
@@ -151,19 +152,14 @@ def outliers_section(artifacts: dict, run_dir: Path, capture_hint: str) -> Secti
         return sec
     threshold = float((doc.get("rule") or {}).get("threshold", 4.0))
     heads = doc.get("heads") or []
-    sec.paragraphs.extend(_outlier_sentences(heads, doc, threshold))
+    sec.paragraphs.extend(_outlier_sentences(heads, threshold))
     for tensor, what in (("k_pre", "keys, before RoPE"), ("v", "values"),
                          ("q_pre", "queries, before RoPE")):
         table = _channel_table(heads, tensor, what, threshold)
         if table is not None:
             sec.tables.append(table)
     folder = path.parent
-    names = doc.get("figures")
-    if names is None:  # written before outliers.json listed its figures
-        names = sorted(p.name for p in folder.iterdir()
-                       if p.suffix in (".png", ".svg") and p.stem != "outliers")
-        sec.notes.append(f"{sec.source} does not list its figures (older kvlens); the figures "
-                         f"found in {folder.name}/ are shown.")
+    names = doc.get("figures") or []
     main = [n for n in names if Path(n).stem == "overview" or Path(n).stem.endswith("_k")
             or Path(n).stem.startswith("heatmap")]
     main.sort(key=lambda n: (Path(n).stem != "overview", not Path(n).stem.startswith("heatmap"),
@@ -178,7 +174,7 @@ def outliers_section(artifacts: dict, run_dir: Path, capture_hint: str) -> Secti
     return sec
 
 
-def _outlier_sentences(heads: list[dict], doc: dict, threshold: float) -> list[str]:
+def _outlier_sentences(heads: list[dict], threshold: float) -> list[str]:
     out = [f"Rule: a channel is an outlier when its abs-max over tokens is at least "
            f"{threshold:g} x the median channel abs-max of its head. Stable: flagged on at "
            f"least {STABLE_TOKEN_SHARE:.0%} of tokens and in every sample."]
@@ -363,16 +359,12 @@ def _disagreement_table(doc: dict, summary: dict) -> Table:
                 return "tie"
             return "per-token" if v["per-token"] < v["per-channel"] else "per-channel"
 
-        recon_vs_out = [layer for layer in layers
-                        if None not in (pick("reconstruction", layer),
-                                        pick("attention_output", layer))
-                        and "tie" not in (pick("reconstruction", layer),
-                                          pick("attention_output", layer))
-                        and pick("reconstruction", layer) != pick("attention_output", layer)]
-        score_vs_out = [layer for layer in layers
-                        if pick("score", layer) not in (None, "tie")
-                        and pick("attention_output", layer) not in (None, "tie")
-                        and pick("score", layer) != pick("attention_output", layer)]
+        def differ(metric: str, layer: int) -> bool:  # both axes picked, and differently
+            a, b = pick(metric, layer), pick("attention_output", layer)
+            return a not in (None, "tie") and b not in (None, "tie") and a != b
+
+        recon_vs_out = [layer for layer in layers if differ("reconstruction", layer)]
+        score_vs_out = [layer for layer in layers if differ("score", layer)]
         out_ch = sum(1 for layer in layers if pick("attention_output", layer) == "per-channel")
         rows.append([_config_label(r), f"{out_ch} / {len(layers)}", _layer_list(recon_vs_out),
                      "-" if r["tensor"] != "key" else _layer_list(score_vs_out)])
@@ -580,9 +572,9 @@ def _kld_table(results: list[dict], proto: dict, table_id: str) -> tuple[Table, 
     return table, _verdict(scored, proto.get("tokens"))
 
 
-def _reference(scored: list[dict]) -> str:
+def _reference(scored: list[dict], default: str | None = "-") -> str | None:
     return next((r["kld"]["vs_first"]["reference"] for r in scored
-                 if r["kld"].get("vs_first")), "-")
+                 if r["kld"].get("vs_first")), default)
 
 
 def _verdict(scored: list[dict], tokens: int | None = None) -> str:
@@ -594,8 +586,7 @@ def _verdict(scored: list[dict], tokens: int | None = None) -> str:
                     f"{format_interval(k['mean_kld'], '.4f')} against the exact model (no other config "
                     "was scored beside it).")
         return ""
-    ref = next((r["kld"]["vs_first"]["reference"] for r in scored if r["kld"].get("vs_first")),
-               None)
+    ref = _reference(scored, None)
     first = next((r for r in scored if r["name"] == ref), scored[0])
     better, worse, same = [], [], []
     for r in scored:

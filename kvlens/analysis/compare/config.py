@@ -36,9 +36,7 @@ class CompareConfig:
         pre-RoPE key and re-rotates it (values have no stage).
     variants: extra transforms beside plain quantization: ``"balancer"`` (MiKV, keys,
         post-RoPE only), ``"outliers"`` (dense-and-sparse), ``"rotate"`` (orthonormal Hadamard
-        along head_dim, ``kvlens.quant.rotation``). (``"center"``, ``"predict"`` and
-        ``codebooks`` were removed by issue #57: negative results, docs/lab-notes/codebooks.md;
-        so was ``"lowrank"``, GEAR's residual, with its ``rank``: docs/lab-notes/gear-mikv.md.)
+        along head_dim, ``kvlens.quant.rotation``).
     outlier_fraction: share of each quantization vector kept exact by ``"outliers"``.
     rotation_seed: ``"rotate"`` without sign flips (None) or with random sign flips drawn with
         this seed (randomized Hadamard).
@@ -106,7 +104,6 @@ class CompareConfig:
                 f"Invalid rotation seed {seed!r}; allowed: none (no sign flips) or an integer >= 0."
             )
         if self.formats:
-
             for f in self.formats:
                 if not isinstance(f, str):
                     raise ConfigError(f"Invalid format {f!r}; expected a name such as q8_0.")
@@ -115,7 +112,6 @@ class CompareConfig:
 
     def format_settings(self):
         """``self.formats`` as ``kvlens.quant.formats.FormatSetting`` objects."""
-
         return tuple(parse_format(f) for f in self.formats)
 
     def to_dict(self) -> dict[str, Any]:

@@ -11,18 +11,8 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from kvlens.analysis.compare.config import (
-    AXES,
-    EXTRA_VARIANTS,
-    PLAIN,
-    CompareConfig,
-)
-from kvlens.analysis.compare.records import (
-    CompareResult,
-    Record,
-    format_axis,
-    format_group_size,
-)
+from kvlens.analysis.compare.config import AXES, EXTRA_VARIANTS, PLAIN, CompareConfig
+from kvlens.analysis.compare.records import CompareResult, Record, format_axis, format_group_size
 from kvlens.analysis.compare.rope_tables import checked_layer_tables
 from kvlens.analysis.compare.summary import format_info, summarize
 from kvlens.analysis.metrics import Variant, attention_errors_many
@@ -55,12 +45,8 @@ class _VariantKey:
     format: str | None = None
 
 
-def compare_axes(
-    path: str | os.PathLike,
-    config: CompareConfig | None = None,
-    progress: Progress | None = None,
-    threads: int | None = 1,
-) -> CompareResult:
+def compare_axes(path: str | os.PathLike, config: CompareConfig | None = None,
+                 progress: Progress | None = None, threads: int | None = 1) -> CompareResult:
     """Sweep ``config`` over the capture at ``path``, one layer in memory at a time.
 
     threads: torch intra-op threads while sweeping (restored afterwards; None = leave as is).
@@ -71,7 +57,6 @@ def compare_axes(
     ``ConfigError`` for options that do not fit the capture (group size not dividing head_dim,
     ``rotate`` on an odd head_dim, pre-RoPE on a capture without RoPE or with a RoPE the default
     tables cannot reproduce, layers not captured)."""
-
     config = config or CompareConfig()
     if threads is not None and not is_int(threads, 1):
         raise ConfigError(f"Invalid threads {threads!r}; allowed: a positive integer.")
@@ -81,9 +66,7 @@ def compare_axes(
         meta = cap.meta
         layers = _resolve_layers(cap, config)
         _check_fits(meta, config)
-        n_samples = (
-            meta.num_samples if config.samples is None else min(config.samples, meta.num_samples)
-        )
+        n_samples = min(config.samples or meta.num_samples, meta.num_samples)
         pre = "pre" in _key_stages(config)
         for done, layer in enumerate(layers):
             if progress:
@@ -92,27 +75,18 @@ def compare_axes(
                                           pre))
         if progress:
             progress(len(layers), len(layers), "done")
-    capture_info = {
-        "path": str(path),
-        "model": meta.model,
-        "layers": list(layers),
-        "num_attention_heads": meta.shape.num_attention_heads,
-        "num_key_value_heads": meta.shape.num_key_value_heads,
-        "head_dim": meta.shape.head_dim,
-        "samples": n_samples,
-        "tokens": meta.num_tokens,
-        "storage_dtype": meta.storage_dtype,
-    }
+    shape = meta.shape
+    capture_info = {"path": str(path), "model": meta.model, "layers": list(layers),
+                    "num_attention_heads": shape.num_attention_heads,
+                    "num_key_value_heads": shape.num_key_value_heads,
+                    "head_dim": shape.head_dim, "samples": n_samples, "tokens": meta.num_tokens,
+                    "storage_dtype": meta.storage_dtype}
     summary = summarize(records)
-    shape = (meta.shape.num_key_value_heads, meta.num_tokens, meta.shape.head_dim)
     if config.formats:
-        summary["formats"] = format_info(config, *shape)
-    summary = {
-        "config": config.to_dict(),
-        "capture": capture_info,
-        "seconds": round(time.perf_counter() - started, 3),
-        **summary,
-    }
+        summary["formats"] = format_info(config, shape.num_key_value_heads, meta.num_tokens,
+                                         shape.head_dim)
+    summary = {"config": config.to_dict(), "capture": capture_info,
+               "seconds": round(time.perf_counter() - started, 3), **summary}
     return CompareResult(records, summary, config)
 
 
@@ -142,39 +116,29 @@ def _key_stages(config: CompareConfig) -> tuple[str, ...]:
 
 
 def _check_fits(meta, config: CompareConfig) -> None:
-
+    head_dim = meta.shape.head_dim
     for g in config.group_sizes:
-        QuantSpec(2, "per-token", g).check_fits((meta.num_tokens, meta.shape.head_dim))
-    for setting in config.format_settings():
-        fmt = setting.format
-        if fmt.family == "ggml":
-            try:
-                fmt.check_fits((meta.num_tokens, meta.shape.head_dim))
-            except ConfigError as exc:
-                raise ConfigError(
-                    f"Format {setting.name!r} does not fit {meta.model or 'this'} capture: {exc}"
-                ) from None
-        if setting.rotates(meta.shape.head_dim):
-            try:
-                hadamard_block_size(meta.shape.head_dim)
-            except ConfigError as exc:
-                raise ConfigError(
-                    f"Format {setting.name!r} does not fit {meta.model or 'this'} capture: {exc}"
-                ) from None
+        QuantSpec(2, "per-token", g).check_fits((meta.num_tokens, head_dim))
+    checks = []
+    for s in config.format_settings():
+        if s.format.family == "ggml":
+            checks.append((f"Format {s.name!r}", s.format.check_fits, (meta.num_tokens, head_dim)))
+        if s.rotates(head_dim):
+            checks.append((f"Format {s.name!r}", hadamard_block_size, head_dim))
     if "rotate" in config.variants:
+        checks.append(("Variant 'rotate'", hadamard_block_size, head_dim))
+    for what, check, arg in checks:
         try:
-            hadamard_block_size(meta.shape.head_dim)
+            check(arg)
         except ConfigError as exc:
             raise ConfigError(
-                f"Variant 'rotate' does not fit {meta.model or 'this'} capture: {exc}"
-            ) from None
-    if "pre" in _key_stages(config):
-        if not _rope_ok(meta):
-            raise InputError(
-                f"Stage 'pre' needs a capture of a model with RoPE, but {meta.model or 'this'} "
-                f"capture has none (rope_layout {meta.rope_layout!r}); its keys have no "
-                "pre-RoPE form. Use --stages post."
-            )
+                f"{what} does not fit {meta.model or 'this'} capture: {exc}") from None
+    if "pre" in _key_stages(config) and not _rope_ok(meta):
+        raise InputError(
+            f"Stage 'pre' needs a capture of a model with RoPE, but {meta.model or 'this'} "
+            f"capture has none (rope_layout {meta.rope_layout!r}); its keys have no "
+            "pre-RoPE form. Use --stages post."
+        )
 
 
 def _rope_ok(meta) -> bool:
@@ -203,57 +167,28 @@ def _layer_records(layer_data, config: CompareConfig, meta, samples: slice,
     if config.sink_tokens:
         t = k.shape[2]
         exact = (torch.arange(t)[None, :] < config.sink_tokens).expand(t, t)
-    errors = attention_errors_many(
-        q,
-        k,
-        v,
-        variants,
-        scaling=attrs.scaling,
-        sliding_window=attrs.sliding_window,
-        softcap=attrs.logit_softcap,
-        sinks=attrs.sinks,
-        exact=exact,
-    )
+    errors = attention_errors_many(q, k, v, variants, scaling=attrs.scaling,
+                                   sliding_window=attrs.sliding_window,
+                                   softcap=attrs.logit_softcap, sinks=attrs.sinks, exact=exact)
     out: list[Record] = []
     for key, err in zip(keys, errors, strict=True):
         if key.tensor == "key":
-            per_metric = {
-                "reconstruction": err.key_reconstruction,
-                "score": err.scores,
-                "attention_weights": err.weights,
-                "attention_output": err.output,
-            }
+            per_metric = {"reconstruction": err.key_reconstruction, "score": err.scores,
+                          "attention_weights": err.weights, "attention_output": err.output}
         else:
-            per_metric = {
-                "reconstruction": err.value_reconstruction,
-                "attention_output": err.output,
-            }
+            per_metric = {"reconstruction": err.value_reconstruction,
+                          "attention_output": err.output}
         for metric, values in per_metric.items():
             kind = "kv" if metric == "reconstruction" else "query"
-            for head, value in enumerate(values.tolist()):
-                out.append(
-                    Record(
-                        attrs.layer_index,
-                        head,
-                        key.tensor,
-                        key.axis,
-                        key.bits,
-                        key.group_size,
-                        key.stage,
-                        key.variant,
-                        metric,
-                        float(value),
-                        kind,
-                        key.format,
-                    )
-                )
+            out += [Record(attrs.layer_index, head, key.tensor, key.axis, key.bits,
+                           key.group_size, key.stage, key.variant, metric, float(value), kind,
+                           key.format) for head, value in enumerate(values.tolist())]
     return out
 
 
 def _approximations(q, k, v, k_pre, tables, config: CompareConfig, layout: str):
     """Yield ``(_VariantKey, approximation)`` for every variant of one layer: keys as the
     post-RoPE ``[B, Hkv, T, D]`` tensor attention sees, values as themselves."""
-
     transforms = (PLAIN, *config.variants)
     # the same R for every layer and head: it depends only on head_dim and the seed
     rotation = (
@@ -304,7 +239,6 @@ def _format_approximations(k, v, config: CompareConfig):
     """Engine formats on post-RoPE keys (what an engine caches) and values, in the original
     basis (a rotating format is un-rotated after reading back). Static fp8 scales come from the
     same layer's captured tensor (``fake_quantize_format`` calibrates on its input)."""
-
     for setting in config.format_settings():
         fmt = setting.format
         g = format_group_size(fmt, k.shape[-1])
@@ -319,7 +253,6 @@ def _format_approximations(k, v, config: CompareConfig):
 def _transform(x, spec, name: str, config: CompareConfig, rotation=None):
     """``x_hat`` in ``x``'s own basis (``rotate`` is un-rotated after dequantizing, so every
     metric, reconstruction included, compares against the original tensor)."""
-
     if name == PLAIN:  # the layout's reference (kvlens.layouts), float32 group metadata
         return reference(spec, "float32")(x.float())
     if name == "outliers":

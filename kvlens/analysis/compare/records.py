@@ -32,9 +32,6 @@ class Record:
     head_kind: str
     format: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass(frozen=True)
 class CompareResult:
@@ -43,7 +40,7 @@ class CompareResult:
     config: CompareConfig = field(default_factory=CompareConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"records": [r.to_dict() for r in self.records], "summary": self.summary}
+        return {"records": [asdict(r) for r in self.records], "summary": self.summary}
 
 
 def format_axis(fmt) -> str:

@@ -29,7 +29,6 @@ def rope_tables(meta, n_samples: int, n_tokens: int | None = None, theta: float 
     before trusting them (scaled RoPE variants differ; ``layer_rope_tables`` does both)."""
     import torch
 
-
     positions = torch.arange(n_tokens or meta.num_tokens).expand(n_samples, -1)
     return rope_tables_for(
         positions,
@@ -109,7 +108,6 @@ def stored_tables(stored, n_samples: int, n_tokens: int):
 
 def rope_rebuild_error(k, k_pre, tables, layout: str) -> float:
     """Relative error of re-applying RoPE (``tables``) to stored pre-RoPE keys vs stored keys."""
-
     return rel_error(k, apply_rope(k_pre, *tables, layout))
 
 

@@ -23,6 +23,9 @@ from kvlens.analysis.compare.records import Record
 _TIE = 1e-9
 
 
+CONFIG_FIELDS = ("tensor", "bits", "group_size", "stage", "variant")  # what names a config
+
+
 def _config_key(r: Record) -> tuple:
     return (r.tensor, r.bits, r.group_size, r.stage, r.variant)
 
@@ -47,17 +50,10 @@ def format_info(config: CompareConfig, kv_heads: int, tokens: int, head_dim: int
     shape = (1, kv_heads, tokens, head_dim)
     for setting in config.format_settings():
         fmt = setting.format
-        out.append(
-            {
-                "format": setting.name,
-                "family": fmt.family,
-                "shares_scale": fmt.shares_scale,
-                "code_bits": fmt.code_bits,
-                "bits_per_element": setting.bits_per_element(shape),
-                "rotated": setting.rotates(head_dim),
-                "calibration": _calibration(fmt),
-            }
-        )
+        out.append({"format": setting.name, "family": fmt.family,
+                    "shares_scale": fmt.shares_scale, "code_bits": fmt.code_bits,
+                    "bits_per_element": setting.bits_per_element(shape),
+                    "rotated": setting.rotates(head_dim), "calibration": _calibration(fmt)})
     return out
 
 
@@ -77,27 +73,17 @@ def summarize_formats(records: Sequence[Record]) -> list[dict[str, Any]]:
         if r.format is not None:
             order.setdefault(r.format, len(order))
             sums[(r.tensor, r.format, r.metric)].append(r.rel_error)
-    rows = [
-        {
-            "tensor": tensor,
-            "format": fmt,
-            "metric": metric,
-            "mean": sum(vals) / len(vals),
-            "min": min(vals),
-            "max": max(vals),
-            "count": len(vals),
-        }
-        for (tensor, fmt, metric), vals in sums.items()
-    ]
-    metric_order = {m: i for i, m in enumerate(KEY_METRICS)}
-    rows.sort(
-        key=lambda m: (
-            TENSOR_NAMES.index(m["tensor"]),
-            order[m["format"]],
-            metric_order[m["metric"]],
-        )
-    )
+    rows = [{"tensor": tensor, "format": fmt, "metric": metric, **_spread(vals)}
+            for (tensor, fmt, metric), vals in sums.items()]
+    rows.sort(key=lambda m: (TENSOR_NAMES.index(m["tensor"]), order[m["format"]],
+                             KEY_METRICS.index(m["metric"])))
     return rows
+
+
+def _spread(vals: Sequence[float]) -> dict[str, float]:
+    """Mean, min, max and count of one cell's errors."""
+    return {"mean": sum(vals) / len(vals), "min": min(vals), "max": max(vals),
+            "count": len(vals)}
 
 
 def summarize(records: Sequence[Record]) -> dict[str, Any]:
@@ -109,12 +95,8 @@ def summarize(records: Sequence[Record]) -> dict[str, Any]:
     records = [r for r in records if r.format is None]
     means = _axis_means(records)
     mean_of = means_by_key(means)
-    configs = sorted(
-        {_config_key(r) for r in records},
-        key=lambda c: _sort_key(
-            {"tensor": c[0], "bits": c[1], "group_size": c[2], "stage": c[3], "variant": c[4]}
-        ),
-    )
+    configs = sorted({_config_key(r) for r in records},
+                     key=lambda c: _sort_key(dict(zip(CONFIG_FIELDS, c, strict=True))))
     winners, rankings = _winners_and_rankings(records, mean_of, configs)
     return {
         "aggregation": "mean over layers and heads of per-(layer, head) relative Frobenius "
@@ -124,11 +106,8 @@ def summarize(records: Sequence[Record]) -> dict[str, Any]:
         "rankings": rankings,
         "disagreements": [r for r in rankings if r["disagree"]],
         "kivi_pattern": _kivi_pattern(mean_of, configs),
-        **(
-            {"format_means": format_means, "format_calibration": FORMAT_CALIBRATION_NOTE}
-            if format_means
-            else {}
-        ),
+        **({"format_means": format_means, "format_calibration": FORMAT_CALIBRATION_NOTE}
+           if format_means else {}),
     }
 
 
@@ -139,21 +118,8 @@ def _axis_means(records: Sequence[Record]) -> list[dict[str, Any]]:
         sums[(*_config_key(r), r.axis, r.metric)].append(r.rel_error)
     means = []
     for (tensor, bits, g, stage, variant, axis, metric), vals in sums.items():
-        means.append(
-            {
-                "tensor": tensor,
-                "axis": axis,
-                "bits": bits,
-                "group_size": g,
-                "stage": stage,
-                "variant": variant,
-                "metric": metric,
-                "mean": sum(vals) / len(vals),
-                "min": min(vals),
-                "max": max(vals),
-                "count": len(vals),
-            }
-        )
+        means.append({"tensor": tensor, "axis": axis, "bits": bits, "group_size": g,
+                      "stage": stage, "variant": variant, "metric": metric, **_spread(vals)})
     means.sort(key=_sort_key)
     return means
 
@@ -172,70 +138,37 @@ def _winners_and_rankings(
     winners, rankings = [], []
     for ck in configs:
         metrics = KEY_METRICS if ck[0] == "key" else VALUE_METRICS
-        ranking = dict(zip(("tensor", "bits", "group_size", "stage", "variant"), ck, strict=True))
+        ranking = dict(zip(CONFIG_FIELDS, ck, strict=True))
         for metric in metrics:
             tok = mean_of.get((*ck, "per-token", metric))
             ch = mean_of.get((*ck, "per-channel", metric))
             if tok is None or ch is None:
                 continue
-            won = sum(
-                1
-                for layer in layers
-                if layer_mean[(*ck, "per-channel", metric, layer)]
-                < layer_mean[(*ck, "per-token", metric, layer)]
-            )
+            won = sum(1 for layer in layers if layer_mean[(*ck, "per-channel", metric, layer)]
+                      < layer_mean[(*ck, "per-token", metric, layer)])
             winner = _winner(tok, ch)
-            winners.append(
-                {
-                    **ranking,
-                    "metric": metric,
-                    "per_token": tok,
-                    "per_channel": ch,
-                    "winner": winner,
-                    "ratio_token_over_channel": (tok / ch) if ch > 0 else None,
-                    "layers_per_channel_better": won,
-                    "layers": len(layers),
-                }
-            )
+            winners.append({**ranking, "metric": metric, "per_token": tok, "per_channel": ch,
+                            "winner": winner,
+                            "ratio_token_over_channel": (tok / ch) if ch > 0 else None,
+                            "layers_per_channel_better": won, "layers": len(layers)})
             ranking[metric] = winner
         recon, output = ranking.get("reconstruction"), ranking.get("attention_output")
-        ranking["disagree"] = bool(
-            recon and output and "tie" not in (recon, output) and recon != output
-        )
+        ranking["disagree"] = bool(recon and output and "tie" not in (recon, output)
+                                   and recon != output)
         rankings.append(ranking)
     return winners, rankings
 
 
 def means_by_key(means: Sequence[Mapping[str, Any]]) -> dict[tuple, float]:
     """Summary means keyed by (tensor, bits, group_size, stage, variant, axis, metric)."""
-    return {
-        (
-            m["tensor"],
-            m["bits"],
-            m["group_size"],
-            m["stage"],
-            m["variant"],
-            m["axis"],
-            m["metric"],
-        ): m["mean"]
-        for m in means
-    }
+    return {(*(m[f] for f in CONFIG_FIELDS), m["axis"], m["metric"]): m["mean"] for m in means}
 
 
 def _sort_key(m: Mapping[str, Any]) -> tuple:
-    order = {
-        n: i
-        for i, n in enumerate((*TENSOR_NAMES, *AXES, *STAGES, PLAIN, *EXTRA_VARIANTS, *KEY_METRICS))
-    }
-    return (
-        order[m["tensor"]],
-        m["bits"],
-        m["group_size"],
-        order.get(m["stage"], -1),
-        order[m["variant"]],
-        order.get(m.get("axis"), -1),
-        order.get(m.get("metric"), -1),
-    )
+    order = {n: i for i, n in
+             enumerate((*TENSOR_NAMES, *AXES, *STAGES, PLAIN, *EXTRA_VARIANTS, *KEY_METRICS))}
+    return (order[m["tensor"]], m["bits"], m["group_size"], order.get(m["stage"], -1),
+            order[m["variant"]], order.get(m.get("axis"), -1), order.get(m.get("metric"), -1))
 
 
 def _kivi_pattern(mean_of: Mapping[tuple, float], configs) -> list[dict[str, Any]]:
@@ -246,44 +179,21 @@ def _kivi_pattern(mean_of: Mapping[tuple, float], configs) -> list[dict[str, Any
     for bits, g in sorted({(c[1], c[2]) for c in configs}):
         kk, vk = ("key", bits, g, "post", PLAIN), ("value", bits, g, None, PLAIN)
 
-        def get(ck, axis, metric):
-            return mean_of.get((*ck, axis, metric))
+        def get(ck, metric, op):  # (per-channel mean, per-token mean, expected relation)
+            return (mean_of.get((*ck, "per-channel", metric)),
+                    mean_of.get((*ck, "per-token", metric)), op)
 
-        parts = {
-            "key_reconstruction": (
-                get(kk, "per-channel", "reconstruction"),
-                get(kk, "per-token", "reconstruction"),
-                "<",
-            ),
-            "key_score": (get(kk, "per-channel", "score"), get(kk, "per-token", "score"), "<"),
-            "value_reconstruction": (
-                get(vk, "per-channel", "reconstruction"),
-                get(vk, "per-token", "reconstruction"),
-                "<=",
-            ),
-            "value_attention_output": (
-                get(vk, "per-channel", "attention_output"),
-                get(vk, "per-token", "attention_output"),
-                ">",
-            ),
-        }
+        parts = {"key_reconstruction": get(kk, "reconstruction", "<"),
+                 "key_score": get(kk, "score", "<"),
+                 "value_reconstruction": get(vk, "reconstruction", "<="),
+                 "value_attention_output": get(vk, "attention_output", ">")}
         if any(ch is None or tok is None for ch, tok, _ in parts.values()):
             continue
         checks = {}
         for name, (ch, tok, op) in parts.items():
             ok = ch < tok if op == "<" else ch > tok if op == ">" else ch <= tok * (1 + _TIE)
-            checks[name] = {
-                "per_channel": ch,
-                "per_token": tok,
-                "expected": f"per-channel {op} per-token",
-                "holds": bool(ok),
-            }
-        out.append(
-            {
-                "bits": bits,
-                "group_size": g,
-                "holds": all(c["holds"] for c in checks.values()),
-                "checks": checks,
-            }
-        )
+            checks[name] = {"per_channel": ch, "per_token": tok,
+                            "expected": f"per-channel {op} per-token", "holds": bool(ok)}
+        out.append({"bits": bits, "group_size": g,
+                    "holds": all(c["holds"] for c in checks.values()), "checks": checks})
     return out
