@@ -298,3 +298,57 @@ def test_target_names_take_the_engine_setting_spelling_and_suggest_the_closest()
     with pytest.raises(ConfigError, match="Unknown target 'tgi'; allowed: kvlens") as err:
         canonical_target("tgi")
     assert "did you mean" not in str(err.value)
+
+
+def test_trtllm_target_writes_modelopts_file_and_the_exports(outlier_capture, tmp_path):
+    """--target trtllm: the KvCacheConfig dtype to run, ModelOpt's hf_quant_config.json beside
+    the config (valid JSON, ModelOpt's field names, one entry per attention layer) and the
+    per-layer exports, each saying what it runs and the KLD's source."""
+    out = tmp_path / "kv.json"
+    result = runner.invoke(app, ["recommend", outlier_capture, "--target", "tensorrt-llm",
+                                 "--budget-bits", "9", "-o", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    d = doc["deploy"]
+    assert doc["target"] == "trtllm" and d["target"] == "trtllm"
+    assert 'kv_cache_config=KvCacheConfig(dtype="fp8")' in d["command"]
+    q = json.loads((tmp_path / "hf_quant_config.json").read_text())["quantization"]
+    assert q["kv_cache_quant_algo"] in ("FP8", "NVFP4", "MIXED_PRECISION")
+    assert set(q["kv_cache_quantized_layers"]) == {f"model.layers.{i}.self_attn"
+                                                   for i in range(4)}
+    assert [e["engine"] for e in d["exports"]] == ["trtllm", "vllm"]
+    for ex in d["exports"]:
+        assert ex["kld"]["source"].startswith("not measured")  # no --max-kld, no --validate
+        assert ex["kld"]["score"] >= 0
+    cfg = load_config(out)
+    assert cfg.default.key_format == "fp8_e4m3:s1"
+    again = runner.invoke(app, ["recommend", outlier_capture, "--target", "trtllm",
+                                "--budget-bits", "9", "-o", str(tmp_path / "other.json")])
+    assert again.exit_code == 1 and "hf_quant_config.json" in again.output  # not overwritten
+
+
+def test_an_inexpressible_export_carries_the_kld_of_what_runs(outlier_capture, monkeypatch):
+    """A plan vLLM cannot run (two quantized dtypes) exports as the nearest one it can, and
+    its KLD is that plan's: predicted from its own score on the error table (labelled), or
+    measured when the command validates."""
+    from kvlens.deploy.exports import Plan
+    from kvlens.deploy.kld_model import fit_kld_model
+    from kvlens.deploy.plans import engine_exports
+
+    rec = recommend_target(outlier_capture, TargetOptions("vllm", budget_bits=16))
+    rec.kld_model = fit_kld_model([(0.1, 0.05), (1.0, 0.5)])  # KLD = 0.5 S
+    # the chosen vLLM plan, with layer 1 asking for f16 keys but fp8 values: not one dtype
+    rec.chosen.plan = Plan({**rec.chosen.plan.layers, 1: ("f16", "fp8_e4m3")},
+                           rec.chosen.plan.num_layers)
+    ex = engine_exports(rec)[0]
+    assert not ex["expressible"] and ex["changes"][0].startswith("layers 1:")
+    assert ex["kld"]["source"] == "predicted"
+    # layer 1 runs unquantized: 0, as a skipped layer scores in the vLLM candidates
+    runs_score = sum(e[0] ** 2 + e[1] ** 2 for i, e in enumerate(rec.chosen.errors) if i != 1)
+    assert runs_score < rec.chosen.score or rec.chosen.errors[1] == (0.0, 0.0)
+    assert ex["kld"]["score"] == pytest.approx(runs_score)
+    assert ex["kld"]["kld"] == pytest.approx(0.5 * runs_score)
+    measured = engine_exports(rec, None, lambda cfgs: [{"mean_kld": 0.123, "ci95": [0.1, 0.2],
+                                                       "setting": cfgs[0].name}])[0]
+    assert measured["kld"]["source"] == "measured" and measured["kld"]["ci95"] == [0.1, 0.2]
+    assert measured["kld"]["kld"] == 0.123

@@ -86,6 +86,10 @@ SGLANG_DTYPES = ("fp8_e4m3", "fp8_e5m2")
 # e5m2 at the default scale 1.0 (e5m2's 2 mantissa bits lose to e4m3 once calibrated)
 VLLM_SEARCH_TYPES = ("fp8_e4m3", "fp8_e4m3:s1", "fp8_e5m2:s1")
 SGLANG_SEARCH_TYPES = VLLM_SEARCH_TYPES
+# `recommend --target trtllm`: e4m3 at scale 1.0 (KvCacheConfig(dtype="fp8") on a checkpoint
+# without KV scales, as ModelOpt's KV AutoQuant starter recipe writes it), every layer or mixed
+# per layer (kvlens.deploy.exports)
+TRTLLM_SEARCH_TYPES = ("fp8_e4m3:s1",)
 
 # vLLM's turboquant_* KV-cache dtypes: (key bits, value bits, norm correction), from vLLM's
 # TQ_PRESETS (vllm/model_executor/layers/quantization/turboquant/config.py)

@@ -44,11 +44,13 @@ from kvlens.config import KVConfig, LayerKV
 from kvlens.config.engine import (
     LLAMACPP_SEARCH_TYPES,
     SGLANG_SEARCH_TYPES,
+    TRTLLM_SEARCH_TYPES,
     VLLM_SEARCH_TYPES,
     LlamaCppSetting,
     QuantoSetting,
     setting_for_cache_type,
 )
+from kvlens.deploy import exports
 from kvlens.deploy.engine_run import llamacpp_matmul_plan
 from kvlens.deploy.kld_model import fit_kld_model
 from kvlens.deploy.presets import engine_config
@@ -62,9 +64,9 @@ from kvlens.quant.formats import engine_rotation
 from kvlens.quant.fp8 import calibrate_scale
 from kvlens.quant.llamacpp_cpu import query_to_vec_dot
 
-TARGETS = ("kvlens", "llama.cpp", "vllm", "sglang", "transformers")
+TARGETS = ("kvlens", "llama.cpp", "vllm", "sglang", "transformers", "trtllm")
 # other spellings of a target: llamacpp is how engine settings name llama.cpp (llamacpp:q8_0)
-TARGET_ALIASES = {"llamacpp": "llama.cpp"}
+TARGET_ALIASES = {"llamacpp": "llama.cpp", "tensorrt-llm": "trtllm"}
 QUANTO = [(b, ak, av, g) for b in (4, 2) for ak in (0, -1) for av in (0, -1) for g in (64, 32)]
 DOCS = {
     "llama.cpp": "llama.cpp tools/server README: -ctk/--cache-type-k, -ctv/--cache-type-v, "
@@ -77,6 +79,7 @@ DOCS = {
               "JSON of vllm/model_executor/layers/quantization/schema.py: one scale per layer)",
     "transformers": "transformers KV cache strategies, QuantizedCache (https://huggingface.co/"
                     "docs/transformers/kv_cache)",
+    "trtllm": exports.DOCS["trtllm"],
 }
 
 
@@ -128,6 +131,7 @@ class TargetCandidate:
     bits: float
     errors: list[tuple[float, float]]  # per layer (e_K, e_V)
     deploy: dict
+    plan: exports.Plan | None = None  # its types per layer, for the per-layer exports
 
     @property
     def score(self) -> float:
@@ -146,6 +150,11 @@ class TargetRecommendation:
     anchors: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     files: dict[str, str] = field(default_factory=dict)  # name -> JSON text to write
+    # the error table the choice was made on (``measure_errors``), its layers' model indices
+    # and the model's shape: what ``kvlens.deploy.plans`` scores an export's plan on
+    table: list = field(default_factory=list, repr=False)
+    layers: tuple[int, ...] = ()
+    shape: Any = None
 
     def where_it_hurts(self, top: int = 8) -> list[dict]:
         total = self.chosen.score or 1.0
@@ -176,8 +185,9 @@ def _variants(target: str, head_dim: int, rotation: bool) -> dict[str, tuple[Any
     if target == "llama.cpp":
         return {t: (parse_cache_type(t if t == "f16" or rotation else t + "+norot"), "type")
                 for t in LLAMACPP_SEARCH_TYPES}
-    if target in ("vllm", "sglang"):
-        names = VLLM_SEARCH_TYPES if target == "vllm" else SGLANG_SEARCH_TYPES
+    if target in ("vllm", "sglang", "trtllm"):
+        names = {"vllm": VLLM_SEARCH_TYPES, "sglang": SGLANG_SEARCH_TYPES,
+                 "trtllm": TRTLLM_SEARCH_TYPES}[target]
         return {"f16": (parse_cache_type("f16"), "type")} | {
             n: (parse_cache_type(n), "type") for n in names}
     out = {}
@@ -323,17 +333,17 @@ def _vllm(table, scales, shape, opts, meta) -> list[TargetCandidate]:
             errs = [(0.0, 0.0) if j in skipped else (row[("key", dtype)], row[("value", dtype)])
                     for j, row in enumerate(table)]
             base = dtype.split(":")[0]
-            cmd = f"vllm serve MODEL --kv-cache-dtype {base}"
-            if skip:
-                cmd += f" --kv-cache-dtype-skip-layers {','.join(map(str, skip))}"
+            cmd = exports.vllm_command(base, skip)
             deploy = {"target": "vllm", "command": cmd, "kv_cache_dtype": base,
                       "skip_layers": list(skip), "docs": DOCS["vllm"],
                       "scales": "calibrated (k_scale_file)" if calibrated else
                       "default 1.0 (no scales in the checkpoint, calculate_kv_scales off)"}
             if calibrated:
                 deploy["k_scale_file"] = "kv_scales.json"
+            plan = exports.Plan.uniform(base, base, layers, meta.shape.num_layers,
+                                        {i: ("f16", "f16") for i in skip})
             out.append(TargetCandidate(cfg.name, cfg, _bits(cfg, shape, opts.context), errs,
-                                       deploy))
+                                       deploy, plan))
     return out
 
 
@@ -357,6 +367,54 @@ def _sglang(table, scales, shape, opts, meta) -> list[TargetCandidate]:
         out.append(TargetCandidate(cfg.name, cfg, _bits(cfg, shape, opts.context), errs,
                                    deploy))
     return out
+
+
+def _plan_type(variant: str) -> str:
+    """The ``kvlens.deploy.exports`` plan type a measured variant stores (``fp8_e4m3:s1`` ->
+    ``fp8_e4m3``)."""
+    return variant.split(":")[0].split("@")[0]
+
+
+def _trtllm(table, shape, opts, meta) -> list[TargetCandidate]:
+    """Every TensorRT-LLM type on every layer, and each pair of types mixed per layer as
+    ModelOpt's per-layer map writes it: the cheaper type with the ``k`` layers whose error it
+    raises most (``e_K^2 + e_V^2`` over the other type's) in the more accurate one."""
+    out, n, layers = [], len(table), meta.layers
+    order = sorted(TRTLLM_SEARCH_TYPES, key=lambda t: exports.type_bits(_plan_type(t)))
+    for a, low in enumerate(order):
+        for high in order[a:]:
+            gain = [row[("key", low)] ** 2 + row[("value", low)] ** 2
+                    - row[("key", high)] ** 2 - row[("value", high)] ** 2 for row in table]
+            ranked = sorted(range(n), key=lambda j: -gain[j])
+            for k in range(1, n) if high != low else (0,):
+                up = set(ranked[:k])
+                out.append(_trtllm_candidate(table, shape, opts, meta, low,
+                                             {layers[j]: high for j in up}))
+    return out
+
+
+def _trtllm_candidate(table, shape, opts, meta, base: str, per_layer: dict[int, str]
+                      ) -> TargetCandidate:
+    """``base`` on every layer but ``per_layer`` (model index -> variant), as a candidate
+    with its exports (TensorRT-LLM's, and vLLM's nearest, ``kvlens.deploy.exports``)."""
+    layers = meta.layers
+    t = _plan_type(base)
+    name = f"trtllm:{'fp8' if t.startswith('fp8') else t}"
+    if per_layer:
+        groups = sorted(set(per_layer.values()))
+        name += "".join(f"+{_plan_type(g)}@" + ",".join(
+            str(i) for i in sorted(per_layer) if per_layer[i] == g) for g in groups)
+    cfg = KVConfig(name, LayerKV(key_format=base, value_format=base),
+                   {i: LayerKV(key_format=v, value_format=v) for i, v in per_layer.items()},
+                   fp_dtype="float16", description="TensorRT-LLM KV cache " + name)
+    errs = [(row[("key", per_layer.get(i, base))], row[("value", per_layer.get(i, base))])
+            for i, row in zip(layers, table)]
+    plan = exports.Plan.uniform(t, t, layers, meta.shape.num_layers,
+                                {i: (_plan_type(v),) * 2 for i, v in per_layer.items()})
+    ex = exports.trtllm_export(plan)
+    deploy = {"target": "trtllm", "command": ex.command,
+              "kv_cache_dtype": ex.runs.tensor(0)[0], "docs": DOCS["trtllm"]}
+    return TargetCandidate(name, cfg, _bits(cfg, shape, opts.context), errs, deploy, plan)
 
 
 def _transformers(table, shape, opts, head_dim: int) -> list[TargetCandidate]:
@@ -421,6 +479,8 @@ def candidates_for(target: str, meta, table, scales, opts) -> list[TargetCandida
         return _vllm(table, scales, shape, opts, meta)
     if target == "sglang":
         return _sglang(table, scales, shape, opts, meta)
+    if target == "trtllm":
+        return _trtllm(table, shape, opts, meta)
     return _transformers(table, shape, opts, meta.shape.head_dim)
 
 
@@ -499,6 +559,7 @@ def recommend_target(path: str | Path, opts: TargetOptions,
                                None if rec_model is None else rec_model.predict(chosen.score),
                                anchors, notes)
     rec.files = scale_files(rec, meta)
+    rec.table, rec.layers, rec.shape = table, tuple(meta.layers), meta.shape
     return rec
 
 
