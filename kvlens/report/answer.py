@@ -244,9 +244,20 @@ def _deploy_table(sec: Section, rec: dict | None, artifacts: dict) -> None:
         rows.append([target, str(d["command"]),
                      f"{ddoc.get('setting', '?')}, "
                      + ("?" if bits is None else f"{bits:.2f}") + " bits"])
+        for ex in d.get("exports") or []:  # the same plan in another engine's form
+            if ex.get("engine") != target and ex.get("command"):
+                kld = ex.get("kld") or {}
+                said = "as planned" if ex.get("expressible") else "changed: " + "; ".join(
+                    ex.get("changes") or [])
+                rows.append([f"{ex['engine']} (same plan)", str(ex["command"]),
+                             said + ("" if kld.get("kld") is None else
+                                     f"; KLD {kld['kld']:.4f} ({kld.get('source')})")])
     engines = ("the setting recommend --target chose for each engine (details in the "
                "recommendation section)" if targets else "no engine: recommend --target "
-               "llama.cpp|vllm|sglang|transformers -o X.json was not run")
+               "llama.cpp|vllm|sglang|transformers|trtllm -o X.json was not run")
+    engines += ("; a per-layer plan of engine types runs in vLLM (skipped layers), "
+                "ik_llama.cpp (first/last layers) and ModelOpt's FP8/NVFP4 map "
+                "(docs/deploy/README.md#per-layer-exports)")
     if rows:
         sec.tables.append(Table(["target", "command", "setting"], rows, id="answer-deploy",
                                 caption=f"How to run it: the recommendation with kvlens, and "
