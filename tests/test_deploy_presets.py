@@ -122,7 +122,7 @@ def test_transformers_quanto_maps_to_kvlens_layouts():
 
 
 @pytest.mark.parametrize("name,message", [
-    ("tgi:fp8", "unknown engine 'tgi'; engines: llamacpp, vllm, sglang, transformers"),
+    ("tgi:fp8", "unknown engine 'tgi'; engines: llamacpp, vllm, sglang, trtllm, transformers"),
     ("llamacpp:q3_0", "f32, f16, bf16, q8_0, q4_0"),
     ("llamacpp:q4_0/q4_0/q4_0", "as K/V"),
     ("llamacpp:q4_0:fast", ":norot, :nofa and :noarith"),
@@ -134,7 +134,7 @@ def test_transformers_quanto_maps_to_kvlens_layouts():
     ("transformers:quanto-4:group=0", "positive integer"),
     ("vllm:int2", "fp8, fp8_e4m3, fp8_e5m2, int8-pth"),
     ("vllm:fp8@token", "@head"),
-    ("sglang:fp4_e2m1", "fp8_e4m3, fp8_e5m2"),
+    ("sglang:int4", "fp8_e4m3, fp8_e5m2"),
     ("transformers:quanto-3", "quanto-2 and quanto-4"),
     ("transformers:quanto-4:axis_key=1", "0 or -1"),
     ("transformers:quanto-4:nbits=4", "allowed: axis_key"),

@@ -7,10 +7,12 @@
 - ``presets``: the named presets and ``resolve`` (a preset name or a config file).
 - ``extension``: the set settings research adds to the ``mikv`` section (``register``).
 - ``engine``: the engine-setting vocabulary (``llamacpp:q4_0``, ``vllm:fp8_e4m3:s1`` ...) every
-  command reads and ``recommend --target`` prints.
+  command reads and ``recommend --target`` prints; ``blockfloat``: its block-float settings
+  (``vllm:nvfp4``, ``sglang:mxfp8``, ``trtllm:nvfp4`` ...).
 The storage layouts a config's ``key``/``value`` name, and their rules, are ``kvlens.layouts``.
 """
 
+from kvlens.config.blockfloat import BlockFloatSetting
 from kvlens.config.engine import (
     CacheDtypeSetting,
     LlamaCppSetting,
@@ -42,6 +44,7 @@ __all__ = [
     "PRESETS",
     "SCALE_DTYPES",
     "VERSION",
+    "BlockFloatSetting",
     "CacheDtypeSetting",
     "KVConfig",
     "LayerKV",

@@ -6,6 +6,7 @@ its options mean): ``--help``, error messages and docs print that text, never a 
 
     llamacpp:K/V[:norot|:rot][:nofa][:noarith]    llamacpp:T    vllm:D[@head][:pP|:sS][:skip=L,L]
     vllm:turboquant_*    sglang:D[@head][:pP|:sS]    transformers:quanto-B[:axis_key=A]...
+    vllm:nvfp4[:sS][:skip=L,L]    sglang:nvfp4|fp4_mx_block16|mxfp8    trtllm:fp8|nvfp4[:sS]
 
 - llama.cpp: one K type and one V type for every layer; llama.cpp rotates a quantized type when
   head_dim is a multiple of 64. ``:norot`` is ``LLAMA_ATTN_ROT_DISABLE=1``; ``:rot`` forces the
@@ -36,13 +37,18 @@ its options mean): ``--help``, error messages and docs print that text, never a 
 - vLLM ``fp8_ds_mla`` (``DS_MLA_DTYPE``; MLA models only, where keys and values are one latent
   row): the latent in fp8 e4m3 tiles, each with a float32 scale computed as the token is
   written, and the RoPE channels in bfloat16 (``kvlens.quant.ds_mla``); no scope or scale.
+- Block-float caches (``kvlens.config.blockfloat``): vLLM / SGLang / TensorRT-LLM ``nvfp4``
+  (E2M1 codes, an E4M3 scale per 16 channels and a per-tensor global scale: ``:sS`` fixes it,
+  else 1.0 or calibrated per layer from a capture), SGLang's ``fp4_mx_block16`` (``fp4_e2m1``)
+  and ``mxfp8``, stored in ``kvlens.layouts`` layouts. TensorRT-LLM ``fp8`` is static fp8 e4m3
+  like vLLM's (scales from a capture or 1.0; no ``@head``).
 - transformers ``QuantizedCache`` (quanto backend, defaults ``QUANTO_DEFAULTS``): ``axis=0``
   groups ``G`` channels of one token (per-token ``G``), ``axis=-1`` groups ``G`` tokens of one
   channel (per-channel ``G``), the residual window is ``R``: a kvlens layout, not transformers'
   code.
 
 ``parse_engine_setting`` reads a name into a ``LlamaCppSetting``, ``CacheDtypeSetting``,
-``TurboQuantSetting`` or ``QuantoSetting``; ``setting.name`` writes the canonical spelling back (``parse(s.name) == s``)
+``TurboQuantSetting``, ``BlockFloatSetting`` or ``QuantoSetting``; ``setting.name`` writes the canonical spelling back (``parse(s.name) == s``)
 and ``setting.kvconfig(label)`` is the ``KVConfig`` that simulates it (engine cache types,
 ``kvlens.quant.cachetypes``, or a kvlens layout). Calibrating static fp8 scales reads a capture,
 which is ``kvlens.deploy.presets``'s job; notes for the user are printed there too.
@@ -55,6 +61,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
 
+from kvlens.config.blockfloat import (
+    ENGINE_FLAG,
+    BlockFloatSetting,
+    blockfloat_forms,
+    is_blockfloat,
+)
 from kvlens.config.schema import KVConfig, LayerKV
 from kvlens.errors import ConfigError, is_int
 from kvlens.quant import CodebookSpec, QuantSpec, RotationSpec
@@ -63,7 +75,7 @@ from kvlens.quant.formats import parse_format
 from kvlens.quant.fp8 import TOKEN_HEAD_KINDS
 from kvlens.quant.ggml import GGML_FORMATS
 
-ENGINES = ("llamacpp", "vllm", "sglang", "transformers")
+ENGINES = ("llamacpp", "vllm", "sglang", "trtllm", "transformers")
 ENGINE_ALIASES = {"llama.cpp": "llamacpp"}
 
 # llama.cpp's -ctk/-ctv types that kvlens simulates: the float types and every ggml block type
@@ -82,6 +94,7 @@ VLLM_DTYPES = (*STATIC_FP8_DTYPES, *(f"{k}-pth" for k in TOKEN_HEAD_KINDS))
 # vLLM's cache of an MLA model's latent row (its sparse MLA backends; kvlens.quant.ds_mla)
 DS_MLA_DTYPE = DS_MLA.name
 SGLANG_DTYPES = ("fp8_e4m3", "fp8_e5m2")
+TRTLLM_DTYPES = ("fp8",)  # KvCacheConfig(dtype="fp8"): e4m3 with a static per-layer scale
 # the cache types `recommend --target vllm / sglang` searches: calibrated e4m3, and e4m3 and
 # e5m2 at the default scale 1.0 (e5m2's 2 mantissa bits lose to e4m3 once calibrated)
 VLLM_SEARCH_TYPES = ("fp8_e4m3", "fp8_e4m3:s1", "fp8_e5m2:s1")
@@ -120,6 +133,8 @@ def setting_forms() -> tuple[str, ...]:
         "vllm:T (T: " + ", ".join(TURBOQUANT_TYPES) + ")",
         f"vllm:{DS_MLA_DTYPE}[:skip=L,L] (MLA models: the latent row, fp8 tiles + bf16 RoPE)",
         "sglang:D[@head][:pP|:sS] (D: " + ", ".join(SGLANG_DTYPES) + ")",
+        "trtllm:fp8[:pP|:sS]",
+        *blockfloat_forms(),
         "transformers:quanto-B[:axis_key=A][:axis_value=A][:group=G][:residual=R] (B: "
         + ", ".join(map(str, QUANTO_BITS)) + "; A: " + ", ".join(map(str, QUANTO_AXES)) + ")",
     )
@@ -227,10 +242,11 @@ class CacheDtypeSetting:
     skip: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
-        if self.engine not in ("vllm", "sglang"):
-            raise ConfigError(f"--kv-cache-dtype settings are vllm and sglang, not "
+        if self.engine not in ("vllm", "sglang", "trtllm"):
+            raise ConfigError(f"--kv-cache-dtype settings are vllm, sglang and trtllm, not "
                               f"{self.engine!r}.")
-        allowed = VLLM_DTYPES if self.engine == "vllm" else SGLANG_DTYPES
+        allowed = {"vllm": VLLM_DTYPES, "sglang": SGLANG_DTYPES, "trtllm": TRTLLM_DTYPES}[
+            self.engine]
         if self.dtype not in allowed and not (self.engine == "vllm" and (
                 self.dtype in PER_TOKEN_HEAD or self.dtype == DS_MLA_DTYPE)):
             raise ConfigError(f"{self.engine} KV-cache dtypes here are {', '.join(allowed)}"
@@ -242,6 +258,8 @@ class CacheDtypeSetting:
                               "or :sS (their scales are dynamic).")
         if self.scope not in ("tensor", "head"):
             raise ConfigError(f"scale scope @{self.scope}; allowed: none (per tensor) or @head.")
+        if self.scope == "head" and self.engine == "trtllm":
+            raise ConfigError("TensorRT-LLM loads one fp8 scale per layer; drop @head.")
         if self.skip and self.engine != "vllm":
             raise ConfigError(":skip= is vLLM's --kv-cache-dtype-skip-layers; SGLang has none.")
         if not all(is_int(i, 0) for i in self.skip):
@@ -305,7 +323,7 @@ class CacheDtypeSetting:
         return KVConfig(label, LayerKV(key_format=fmt, value_format=fmt),
                         {i: LayerKV(key_format="f16", value_format="f16") for i in self.skip},
                         fp_dtype="float16", kv_scales=kv_scales or {},
-                        description=f"{self.engine} --kv-cache-dtype {self.dtype}")
+                        description=ENGINE_FLAG[self.engine].format(self.dtype))
 
 
 @dataclass(frozen=True)
@@ -422,7 +440,8 @@ class QuantoSetting:
                                     f"residual_length={self.residual})")
 
 
-EngineSettingName = LlamaCppSetting | CacheDtypeSetting | TurboQuantSetting | QuantoSetting
+EngineSettingName = (LlamaCppSetting | CacheDtypeSetting | TurboQuantSetting | BlockFloatSetting
+                     | QuantoSetting)
 
 
 # -- parsing --------------------------------------------------------------------------------------
@@ -463,7 +482,7 @@ def parse_engine_setting(name: str) -> EngineSettingName:
     try:
         if engine == "llamacpp":
             return _llamacpp(name, parts)
-        if engine in ("vllm", "sglang"):
+        if engine in ("vllm", "sglang", "trtllm"):
             return _cache_dtype(name, engine, parts)
         return _quanto(name, parts)
     except ConfigError as exc:
@@ -491,7 +510,7 @@ def _llamacpp(raw: str, parts: list[str]) -> LlamaCppSetting:
 
 
 def _cache_dtype(raw: str, engine: str, parts: list[str]
-                 ) -> CacheDtypeSetting | TurboQuantSetting:
+                 ) -> CacheDtypeSetting | TurboQuantSetting | BlockFloatSetting:
     if engine == "vllm" and parts[0].startswith("turboquant"):
         if len(parts) > 1:
             raise _bad(raw, f"vLLM TurboQuant dtypes take no options, got {parts[1:]}")
@@ -513,6 +532,11 @@ def _cache_dtype(raw: str, engine: str, parts: list[str]
             raise _bad(raw, f"{opt!r} is not a number") from None
     if "percentile" in kw and "fixed_scale" in kw:
         raise _bad(raw, "a scale is calibrated (:pP) or fixed (:sS), not both")
+    if is_blockfloat(engine, dtype):
+        if at or "percentile" in kw:
+            raise _bad(raw, "block-float dtypes take no @scope or :pP (their block scales are "
+                            "computed as each token is written)")
+        return BlockFloatSetting(engine, dtype, kw.get("fixed_scale"), kw.get("skip", ()))
     return CacheDtypeSetting(engine, dtype, scope if at else "tensor", **kw)
 
 
@@ -576,6 +600,10 @@ def measured_cache_type(setting: EngineSettingName) -> str:
         if not setting.quantized:
             raise ConfigError(f"{name} keeps keys and values unquantized; nothing to measure.")
         return setting.cache_type(setting.key)
+    if isinstance(setting, BlockFloatSetting):
+        raise ConfigError(f"{name} is a kvlens storage layout, not an engine cache type: "
+                          "compare-axes does not sweep it; run generate --compare "
+                          f"{name} --eval kld on the model instead.")
     if isinstance(setting, TurboQuantSetting):
         raise ConfigError(f"{name} is not one cache type: it codes keys with a codebook and "
                           "values with per-token integers and keeps the boundary layers exact, "

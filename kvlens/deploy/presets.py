@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 from kvlens.capture.store import open_capture
 from kvlens.config import KVConfig
+from kvlens.config.blockfloat import BlockFloatSetting
 from kvlens.config.engine import (
     ENGINES,
     TURBOQUANT_BOUNDARY,
@@ -30,7 +31,10 @@ from kvlens.config.engine import (
 )
 from kvlens.quant.cachetypes import needs_scales
 from kvlens.quant.formats import engine_rotation
+from kvlens.quant.fp4 import E2M1_MAX, E4M3_MAX
 from kvlens.quant.fp8 import calibrate_scale
+
+NVFP4_RANGE = E4M3_MAX * E2M1_MAX  # |x| a global scale of 1 reaches: 448 * 6
 
 __all__ = ["ENGINES", "EngineSetting", "allowed_settings", "calibrate_from_capture",
            "engine_config", "is_engine_setting"]
@@ -72,7 +76,28 @@ def engine_config(name: str, calibration: str | None = None,
     if isinstance(setting, QuantoSetting):
         note = f"{name}: simulated as a kvlens layout. {TRANSFORMERS_DIFFERENCES}"
         return EngineSetting(setting.engine, setting.kvconfig(name), (note,))
+    if isinstance(setting, BlockFloatSetting):
+        return _blockfloat(name, setting, calibration)
     return _cache_dtype(name, setting, calibration)
+
+
+def _blockfloat(raw: str, s: BlockFloatSetting, calibration: str | None) -> EngineSetting:
+    """NVFP4's global scales: calibrated per layer from a capture (``absmax / (448 * 6)`` of
+    the layer's keys, and of its values: the block scale of the largest block then reaches
+    E4M3's 448) when the command has one and no ``:sS``, else 1.0 (or ``S``)."""
+    if not (s.calibrates and calibration is not None):
+        notes = ((f"{raw}: NVFP4 global scales of 1.0 (the engines' default without "
+                  "checkpoint k_scale/v_scale); pass --calibration run.h5 for absmax "
+                  "scales."),) if s.calibrates else ()
+        return EngineSetting(s.engine, s.kvconfig(raw), notes)
+    scales = {}
+    with open_capture(calibration) as cap:
+        for idx in cap.layers:
+            k, v = (float(cap.layer(idx).read(t).abs().max()) / NVFP4_RANGE for t in "kv")
+            scales[idx] = (k or 1.0, v or 1.0)
+    note = (f"{raw}: NVFP4 global scales calibrated from {calibration} (per layer, absmax / "
+            f"{NVFP4_RANGE:g}, keys and values apart).")
+    return EngineSetting(s.engine, s.kvconfig(raw, scales), (note,))
 
 
 def _llamacpp_notes(raw: str, s: LlamaCppSetting) -> tuple[str, ...]:

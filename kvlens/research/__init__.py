@@ -7,8 +7,7 @@ twins, ``kvlens.research.mikv``, with its set simulation ``kvlens.research.heavy
 MiKV's importance set in the cache and the config (``kvlens.research.sets``: heavy hitters by
 H2O attention, the set as 4/8-bit codes, ``mikv.layers``, through ``kvlens.cache.sets`` and
 ``kvlens.config.extension``) with its presets (``mikv-2``, ``mikv-4``, ``mikv-2-int4``,
-``mikv-2-int8``), and the OCP MXFP8 storage layout (``kvlens.research.mxfp8``, through
-``kvlens.layouts``: ``{"layout": "mxfp8"}`` in a config).
+``mikv-2-int8``).
 Stable recommend names none of them; a library user switches one on with
 ``RecommendOptions(extensions=(MikvSets(),))`` or by name (``extensions=("mikv",)``) after
 importing this package.
@@ -43,7 +42,6 @@ from kvlens.recommend.extension import registered
 from kvlens.recommend.options import RESEARCH, RecommendOptions
 from kvlens.research import (
     mikv,  # noqa: F401  (registers the MiKV set twins)
-    mxfp8,  # noqa: F401  (registers the MXFP8 storage layout)
     sets,  # noqa: F401  (registers MiKV's importance set and presets)
 )
 

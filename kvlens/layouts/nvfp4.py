@@ -1,0 +1,69 @@
+"""NVFP4 history: the 4-bit float KV cache of vLLM, SGLang and TensorRT-LLM (``nvfp4``) as a
+storage layout (semantics: ``kvlens.quant.fp4.quantize_nvfp4``).
+
+Per token and KV head, each block of 16 channels stores 16 E2M1 codes (8 bytes, part
+``codes``) and one E4M3 block-scale byte (part ``scales``): 4.5 bits per element. The
+per-tensor float32 ``global_scale`` is the spec's (one per layer for keys, one for values: the
+checkpoint's ``k_scale`` / ``v_scale``, which the engines load as model parameters; 1.0 when
+the checkpoint has none), so it is not part of the cache's held bytes. JSON:
+``{"layout": "nvfp4", "global_scale": 1.0}``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvlens.errors import ConfigError
+from kvlens.layouts.blockfloat import BlockFloatLayout
+from kvlens.layouts.protocol import LAYOUT_KEY, register
+from kvlens.quant.fp4 import BLOCK, dequantize_nvfp4, quantize_nvfp4
+
+
+@dataclass(frozen=True)
+class NvFp4(BlockFloatLayout):
+    """The NVFP4 layout (module docstring) with its per-tensor ``global_scale``."""
+
+    global_scale: float = 1.0
+
+    kind = "nvfp4"
+    block = BLOCK
+    codes_per_byte = 2
+    bits = 4
+
+    def __post_init__(self) -> None:
+        g = self.global_scale
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) \
+                or g <= 0:
+            raise ConfigError(f"Invalid nvfp4 global_scale {g!r}; allowed: a finite number "
+                              "> 0 (the checkpoint's k_scale / v_scale; 1.0 without one).")
+        object.__setattr__(self, "global_scale", float(g))
+
+    @property
+    def label(self) -> str:
+        scale = "" if self.global_scale == 1.0 else f", global scale {self.global_scale:g}"
+        return f"NVFP4 (E2M1, E4M3 scale per {BLOCK} channels{scale})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {LAYOUT_KEY: self.kind, "global_scale": self.global_scale}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> NvFp4:
+        extra = sorted(set(data) - {LAYOUT_KEY, "global_scale"})
+        if extra:
+            raise ConfigError(f"Unknown nvfp4 spec keys {extra}; allowed: {LAYOUT_KEY}, "
+                              "global_scale.")
+        return cls(data.get("global_scale", 1.0))
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_nvfp4(x, self.global_scale)
+
+    def dequantize(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return dequantize_nvfp4(codes, scales, self.global_scale)
+
+
+register(NvFp4, NvFp4.kind, NvFp4.from_dict)
