@@ -125,8 +125,8 @@ def test_vllm_skips_the_layer_a_per_tensor_scale_ruins(outlier_capture):
                            for t in "kv"}
     k0 = sc[0][("key", "fp8_e4m3")][0]
     assert scales["model.layers.0.self_attn.k_scale"] == k0 > 0
-    with pytest.raises(ConfigError, match="cheapest"):
-        recommend_target(outlier_capture, TargetOptions("vllm", budget_bits=7.0))
+    with pytest.raises(ConfigError, match="the cheapest, vllm:nvfp4:s1, holds 4.50"):
+        recommend_target(outlier_capture, TargetOptions("vllm", budget_bits=4.0))
 
 
 def test_max_kld_takes_the_cheapest_setting_under_the_fitted_prediction(offset_capture,
@@ -213,7 +213,7 @@ def test_cli_target_errors(outlier_capture):
 
 @pytest.mark.parametrize("target,rotation", [("llama.cpp", True), ("llama.cpp", False),
                                              ("vllm", True), ("sglang", True),
-                                             ("transformers", True)])
+                                             ("transformers", True), ("trtllm", True)])
 def test_every_printed_setting_resolves_in_generate_to_the_same_config(outlier_capture, target,
                                                                        rotation):
     """What `recommend --target` prints (``TargetCandidate.setting``) is the engine-setting
@@ -229,6 +229,9 @@ def test_every_printed_setting_resolves_in_generate_to_the_same_config(outlier_c
     cands = candidates_for(target, meta, table, scales, opts)
     assert len(cands) >= 3
     for cand in cands:
+        if cand.config.layers and target == "trtllm":  # a per-layer mix: no engine setting,
+            assert "+" in cand.setting  # its config runs it (and its exports say where)
+            continue
         assert is_engine_setting(cand.setting)
         assert parse_engine_setting(cand.setting).name == cand.setting
         got = engine_config(cand.setting, calibration=outlier_capture).config.to_dict()
@@ -341,7 +344,7 @@ def test_an_inexpressible_export_carries_the_kld_of_what_runs(outlier_capture, m
     rec.chosen.plan = Plan({**rec.chosen.plan.layers, 1: ("f16", "fp8_e4m3")},
                            rec.chosen.plan.num_layers)
     ex = engine_exports(rec)[0]
-    assert not ex["expressible"] and ex["changes"][0].startswith("layers 1:")
+    assert not ex["expressible"] and ex["changes"][0].startswith("layer 1:")
     assert ex["kld"]["source"] == "predicted"
     # layer 1 runs unquantized: 0, as a skipped layer scores in the vLLM candidates
     runs_score = sum(e[0] ** 2 + e[1] ** 2 for i, e in enumerate(rec.chosen.errors) if i != 1)
@@ -352,3 +355,51 @@ def test_an_inexpressible_export_carries_the_kld_of_what_runs(outlier_capture, m
                                                        "setting": cfgs[0].name}])[0]
     assert measured["kld"]["source"] == "measured" and measured["kld"]["ci95"] == [0.1, 0.2]
     assert measured["kld"]["kld"] == 0.123
+
+
+@pytest.fixture(scope="module")
+def spiky_capture(tmp_path_factory):
+    """Layer 1's keys carry one large channel (40) beside values near 0.5: an NVFP4 block
+    scale set by that channel rounds the rest of its 16 channels to zero, while fp8's
+    per-element exponent keeps them. The other layers are plain normals."""
+    layers = [_normal(s) for s in range(4)]
+    q, k, v = layers[1]
+    k = 0.5 * k
+    k[..., 3] = 40.0
+    layers[1] = (q, k, v)
+    return _capture(tmp_path_factory.mktemp("t") / "spiky.h5", layers)
+
+
+def test_trtllm_mixes_nvfp4_with_fp8_where_nvfp4_fails(spiky_capture):
+    """Between NVFP4 everywhere (4.5 bits) and fp8 everywhere (8), the per-layer mix at 5.375
+    bits raises exactly the layer NVFP4 ruins; TensorRT-LLM cannot run the mix, so its export
+    runs fp8 everywhere and names the layers that changed."""
+    rec = recommend_target(spiky_capture, TargetOptions("trtllm", budget_bits=5.4))
+    c = rec.chosen
+    assert c.setting == "trtllm:nvfp4:s1+fp8_e4m3@1" and c.bits == pytest.approx(5.375,
+                                                                                abs=1e-3)
+    assert c.plan.layers[1] == ("fp8_e4m3", "fp8_e4m3") and c.plan.layers[0] == ("nvfp4",) * 2
+    assert {"trtllm:nvfp4:s1", "trtllm:fp8:s1"} <= {f.setting for f in rec.front}
+    nvfp4 = next(f for f in rec.front if f.setting == "trtllm:nvfp4:s1")
+    assert nvfp4.errors[1][0] > 5 * c.errors[1][0]  # layer 1's keys: what the mix fixes
+    from kvlens.deploy.plans import engine_exports
+
+    trt, vllm = engine_exports(rec)
+    assert not trt["expressible"] and trt["runs"] == {str(i): "fp8_e4m3" for i in range(4)}
+    assert trt["changes"][0].startswith("layers 0, 2, 3: nvfp4 -> fp8_e4m3")
+    assert vllm["command"].endswith("--kv-cache-dtype nvfp4 --kv-cache-dtype-skip-layers 1")
+    q = json.loads(rec.files["hf_quant_config.json"])["quantization"]
+    assert q["kv_cache_quant_algo"] == "MIXED_PRECISION"
+    assert q["kv_cache_quantized_layers"]["model.layers.1.self_attn"] == {"quant_algo": "FP8"}
+    assert 'dtype="fp8"' in c.deploy["command"]
+
+
+def test_vllm_answers_nvfp4_with_the_layers_it_ruins_skipped(spiky_capture):
+    """recommend --target vllm considers nvfp4: under 7.5 bits (fp8 holds 8) the answer is
+    nvfp4 with layer 1 skipped, printed as vLLM parses it."""
+    rec = recommend_target(spiky_capture, TargetOptions("vllm", budget_bits=7.5))
+    c = rec.chosen
+    assert c.setting == "vllm:nvfp4:s1:skip=1" and c.deploy["skip_layers"] == [1]
+    assert c.deploy["command"] == ("vllm serve MODEL --kv-cache-dtype nvfp4 "
+                                   "--kv-cache-dtype-skip-layers 1")
+    assert "kv_scales.json" not in rec.files  # nvfp4's block scales are computed as written

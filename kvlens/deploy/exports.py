@@ -151,7 +151,7 @@ def _raise_to(plan: Plan, target: dict[int, tuple[str, str]], why: str) -> tuple
     for i in plan.layers:
         if runs.layers[i] != plan.layers[i]:
             groups.setdefault((plan.describe(i), runs.describe(i)), []).append(i)
-    changes = tuple(f"layers {_layer_list(ls)}: {a} -> {b} ({why})"
+    changes = tuple(f"layer{'s' if len(ls) > 1 else ''} {_layer_list(ls)}: {a} -> {b} ({why})"
                     for (a, b), ls in groups.items())
     return runs, changes
 

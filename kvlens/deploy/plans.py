@@ -23,33 +23,33 @@ EXPORTERS = {"trtllm": (exports.trtllm_export, exports.vllm_export),
              "vllm": (exports.vllm_export,)}
 
 
-def _variants(rec: TargetRecommendation) -> dict[str, str]:
-    """plan type -> the measured variant (cache type) the chosen config stores it as."""
+def _variants(rec: TargetRecommendation) -> dict[str, tuple[str, LayerKV]]:
+    """plan type -> (the measured variant the chosen config stores it as: a cache type, or a
+    block-float layout's kind; the layer of the config that stores it)."""
     cfg = rec.chosen.config
-    out = {"f16": "f16"}
+    out = {"f16": ("f16", LayerKV(key_format="f16", value_format="f16"))}
     for lkv in (cfg.default, *cfg.layers.values()):
-        for fmt in (lkv.key_format, lkv.value_format):
-            if fmt is not None:
-                out.setdefault(fmt.split(":")[0].split("@")[0], fmt)
+        variant = lkv.key_format or getattr(lkv.key, "kind", None)
+        if variant is not None and lkv.key_format == lkv.value_format:
+            out.setdefault(variant.split(":")[0].split("@")[0], (variant, lkv))
     return out
 
 
 def plan_config(rec: TargetRecommendation, plan: exports.Plan, name: str):
-    """``(config, score)`` of ``plan`` built from the variants the chosen setting measured,
-    its score ``S`` over the target's error table (``(None, None)`` when a type was not
-    measured)."""
+    """``(config, score)`` of ``plan`` built from the layers of the chosen config that store
+    its types, and its score ``S`` over the target's error table (``(None, None)`` when a type
+    was not measured, or a layer's keys and values differ)."""
     variants = _variants(rec)
-    missing = {t for kv in plan.layers.values() for t in kv} - set(variants)
-    if missing:
+    if any(k != v or k not in variants for k, v in plan.layers.values()):
         return None, None
-    layers = {i: LayerKV(key_format=variants[k], value_format=variants[v])
-              for i, (k, v) in plan.layers.items()}
-    cfg = KVConfig(name, LayerKV(key_format="f16", value_format="f16"), layers,
-                   fp_dtype="float16", description=f"what {name} runs")
+    layers = {i: variants[k][1] for i, (k, _) in plan.layers.items()}
+    cfg = KVConfig(name, variants["f16"][1], layers, fp_dtype="float16",
+                   description=f"what {name} runs")
     score = 0.0  # an unquantized tensor scores 0, as the targets' candidates score it
     for i, row in zip(rec.layers, rec.table):
-        score += sum(row[(tensor, variants[t])] ** 2 for tensor, t in
-                     zip(("key", "value"), plan.layers[i]) if t not in exports.UNQUANTIZED)
+        t = plan.layers[i][0]
+        if t not in exports.UNQUANTIZED:
+            score += row[("key", variants[t][0])] ** 2 + row[("value", variants[t][0])] ** 2
     return cfg, score
 
 

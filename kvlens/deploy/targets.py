@@ -40,7 +40,8 @@ from kvlens.analysis.metrics import attention_output, rel_error
 from kvlens.cache.layout import config_bits
 from kvlens.capture.source import CaptureModel
 from kvlens.capture.store import open_capture
-from kvlens.config import KVConfig, LayerKV
+from kvlens.config import BlockFloatSetting, KVConfig, LayerKV
+from kvlens.config.blockfloat import is_blockfloat
 from kvlens.config.engine import (
     LLAMACPP_SEARCH_TYPES,
     SGLANG_SEARCH_TYPES,
@@ -57,6 +58,7 @@ from kvlens.deploy.presets import engine_config
 from kvlens.errors import ConfigError, OptionError
 from kvlens.evaluation import EvalOptions, evaluate_configs
 from kvlens.evaluation.kld import DEFAULT_EVAL_TOKENS
+from kvlens.layouts import reference
 from kvlens.model.engine_matmul import engine_matmuls
 from kvlens.quant import QuantSpec, fake_quantize, fake_quantize_format
 from kvlens.quant.cachetypes import DenseType, parse_cache_type
@@ -189,7 +191,8 @@ def _variants(target: str, head_dim: int, rotation: bool) -> dict[str, tuple[Any
         names = {"vllm": VLLM_SEARCH_TYPES, "sglang": SGLANG_SEARCH_TYPES,
                  "trtllm": TRTLLM_SEARCH_TYPES}[target]
         return {"f16": (parse_cache_type("f16"), "type")} | {
-            n: (parse_cache_type(n), "type") for n in names}
+            n: (BlockFloatSetting(target, n, 1.0).layout(), "layout")
+            if is_blockfloat(target, n) else (parse_cache_type(n), "type") for n in names}
     out = {}
     for bits in (4, 2):
         for gran in ("per-token", "per-channel"):
@@ -204,6 +207,8 @@ def _fake(x, how, kind: str, tensor: str, scale=None):
 
     if kind == "spec":
         return fake_quantize(x, how)
+    if kind == "layout":  # a block-float layout (nvfp4): every token stored as it is written
+        return reference(how)(x)
     if isinstance(how, DenseType):
         return x.half().float()
     return fake_quantize_format(x, how, tensor, scale)
@@ -311,6 +316,24 @@ def _fp8_scales(scales, layers, positions, dtype: str) -> dict:
                         "value": tuple(scales[j][("value", dtype)])} for j in positions}
 
 
+def _calibrated(variant: str) -> bool:
+    """Static fp8 whose scales the capture calibrates (not ``:sS``; block-float types compute
+    their block scales as each token is written, their global scale is 1.0 here)."""
+    return variant.startswith("fp8") and ":s" not in variant
+
+
+def _setting_config(engine: str, variant: str, skip: tuple[int, ...] = ()) -> KVConfig:
+    """The config of ``engine``'s setting storing every layer but ``skip`` (kept at f16) in
+    ``variant``, named by the setting (``kvlens.config.engine``) generate reads back."""
+    if is_blockfloat(engine, variant):
+        setting = BlockFloatSetting(engine, variant, 1.0, skip)
+        return setting.kvconfig(setting.name)
+    return KVConfig(setting_for_cache_type(variant, engine, skip).name,
+                    LayerKV(key_format=variant, value_format=variant),
+                    {i: LayerKV(key_format="f16", value_format="f16") for i in skip},
+                    fp_dtype="float16")
+
+
 def _vllm(table, scales, shape, opts, meta) -> list[TargetCandidate]:
 
     out = []
@@ -319,14 +342,11 @@ def _vllm(table, scales, shape, opts, meta) -> list[TargetCandidate]:
     for dtype in VLLM_SEARCH_TYPES:
         contrib = [row[("key", dtype)] ** 2 + row[("value", dtype)] ** 2 for row in table]
         order = sorted(range(n), key=lambda j: -contrib[j])
-        calibrated = ":s" not in dtype
+        calibrated = _calibrated(dtype)
         for k in range(n + 1):
             skipped = set(order[:k])  # positions in the table
             skip = tuple(sorted(layers[j] for j in skipped))
-            cfg = KVConfig(setting_for_cache_type(dtype, "vllm", skip).name,
-                           LayerKV(key_format=dtype, value_format=dtype),
-                           {i: LayerKV(key_format="f16", value_format="f16") for i in skip},
-                           fp_dtype="float16")
+            cfg = _setting_config("vllm", dtype, skip)
             if calibrated:
                 cfg = replace(cfg, kv_scales=_fp8_scales(
                     scales, layers, [j for j in range(n) if j not in skipped], dtype))
@@ -352,9 +372,8 @@ def _sglang(table, scales, shape, opts, meta) -> list[TargetCandidate]:
     out = []
     n = len(table)
     for dtype in SGLANG_SEARCH_TYPES:
-        calibrated = ":s" not in dtype
-        cfg = KVConfig(setting_for_cache_type(dtype, "sglang").name, LayerKV(key_format=dtype, value_format=dtype),
-                       fp_dtype="float16")
+        calibrated = _calibrated(dtype)
+        cfg = _setting_config("sglang", dtype)
         errs = [(row[("key", dtype)], row[("value", dtype)]) for row in table]
         if calibrated:
             cfg = replace(cfg, kv_scales=_fp8_scales(scales, meta.layers, range(n), dtype))
@@ -373,6 +392,10 @@ def _plan_type(variant: str) -> str:
     """The ``kvlens.deploy.exports`` plan type a measured variant stores (``fp8_e4m3:s1`` ->
     ``fp8_e4m3``)."""
     return variant.split(":")[0].split("@")[0]
+
+
+#: the engine setting of each type `recommend --target trtllm` searches (at scale 1.0)
+TRTLLM_SETTINGS = {"fp8_e4m3:s1": "trtllm:fp8:s1", "nvfp4": "trtllm:nvfp4:s1"}
 
 
 def _trtllm(table, shape, opts, meta) -> list[TargetCandidate]:
@@ -399,14 +422,15 @@ def _trtllm_candidate(table, shape, opts, meta, base: str, per_layer: dict[int, 
     with its exports (TensorRT-LLM's, and vLLM's nearest, ``kvlens.deploy.exports``)."""
     layers = meta.layers
     t = _plan_type(base)
-    name = f"trtllm:{'fp8' if t.startswith('fp8') else t}"
-    if per_layer:
+    uniform = engine_config(TRTLLM_SETTINGS[base]).config  # the setting generate reads
+    name = uniform.name
+    if per_layer:  # ModelOpt's per-layer mix: no engine setting, the config runs it
         groups = sorted(set(per_layer.values()))
         name += "".join(f"+{_plan_type(g)}@" + ",".join(
             str(i) for i in sorted(per_layer) if per_layer[i] == g) for g in groups)
-    cfg = KVConfig(name, LayerKV(key_format=base, value_format=base),
-                   {i: LayerKV(key_format=v, value_format=v) for i, v in per_layer.items()},
-                   fp_dtype="float16", description="TensorRT-LLM KV cache " + name)
+    cfg = replace(uniform, name=name, layers={
+        i: engine_config(TRTLLM_SETTINGS[v]).config.default for i, v in per_layer.items()},
+        description="TensorRT-LLM KV cache " + name)
     errs = [(row[("key", per_layer.get(i, base))], row[("value", per_layer.get(i, base))])
             for i, row in zip(layers, table)]
     plan = exports.Plan.uniform(t, t, layers, meta.shape.num_layers,
