@@ -172,3 +172,32 @@ def test_ik_llama_needs_every_layer_and_llamacpp_types():
         ik_llama_export(Plan({0: ("q8_0", "q8_0"), 2: ("q8_0", "q8_0")}, 3))
     with pytest.raises(ConfigError, match="the plan has nvfp4"):
         ik_llama_export(Plan({0: ("nvfp4", "nvfp4")}, 1))
+
+
+def test_a_per_layer_config_exports_by_code_bits_and_says_it_changed():
+    """The per-layer target's config (kvlens layouts) in the engines' forms: 2/4-bit tensors
+    map to nvfp4 (ggml: q4_0), 8-bit to fp8 (q8_0), unquantized stay f16; every export says
+    the quantizer changed, and the vLLM command parses back to the mapped plan."""
+    from kvlens.config import KVConfig, LayerKV
+    from kvlens.deploy.plans import layer_exports
+    from kvlens.model.shape import ModelShape
+    from kvlens.quant import QuantSpec
+
+    cfg = KVConfig("mix", LayerKV(QuantSpec(2, "per-channel", 32), QuantSpec(4, "per-token", 32),
+                                  residual_tokens=64),
+                   {1: LayerKV(QuantSpec(8, "per-token", 32), QuantSpec(8, "per-token", 32)),
+                    3: LayerKV()})
+    shape = ModelShape(4, 4, 2, 64, model_type="llama")
+    trt, vllm, ik = layer_exports(cfg, shape)
+    assert [e["engine"] for e in (trt, vllm, ik)] == ["trtllm", "vllm", "ik_llama.cpp"]
+    assert all(not e["expressible"] and e["changes"][0].startswith("every layer: kvlens'")
+               and e["kld"]["kld"] is None for e in (trt, vllm, ik))
+    plan = Plan({0: ("nvfp4", "nvfp4"), 1: ("fp8", "fp8"), 2: ("nvfp4", "nvfp4"),
+                 3: ("f16", "f16")}, 4)
+    assert _vllm_layers(vllm["command"], plan) == {0: ("nvfp4",) * 2, 1: ("f16",) * 2,
+                                                   2: ("nvfp4",) * 2, 3: ("f16",) * 2}
+    assert 'dtype="fp8"' in trt["command"]
+    # q4_0, q8_0, q4_0, f16 per layer is not first/base/last: layer 2 raised to q8_0, named
+    assert _ik_layers(ik["command"], 4) == {0: ("q4_0",) * 2, 1: ("q8_0",) * 2,
+                                            2: ("q8_0",) * 2, 3: ("f16",) * 2}
+    assert ik["changes"][1].startswith("layer 2: q4_0 -> q8_0")

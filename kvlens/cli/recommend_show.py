@@ -37,6 +37,9 @@ def show_layers(answer, outputs, as_json: bool) -> None:
         from kvlens.cli.generate import _render_long
 
         _render_long(answer.validation)
+    for ex in answer.documents[-1].get("exports", ()):  # the engines' forms of the config
+        if ex["command"]:
+            _render_export(ex)
 
 
 def show_target(answer, output, as_json: bool) -> None:

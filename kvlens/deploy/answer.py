@@ -20,7 +20,7 @@ from typing import Any
 from kvlens.analysis.compare.config import parse_int_list
 from kvlens.capture.source import CaptureModel
 from kvlens.capture.store import open_capture
-from kvlens.deploy.plans import engine_exports
+from kvlens.deploy.plans import engine_exports, layer_exports
 from kvlens.deploy.targets import (
     TargetOptions,
     TargetRecommendation,
@@ -176,12 +176,17 @@ def recommend_run(request: RecommendRequest, *, save: Callable | None = None,
     check(request.capture, opts)
     if request.tokens is not None:
         check_tokens(request.capture, request.tokens)
-    return recommend_layers(request.capture, opts, budgets=request.budgets,
-                            max_kld=request.max_kld, validate=request.validate,
-                            eval_tokens=request.eval_tokens,
-                            retrieval_prompts=request.retrieval_prompts, model=request.model,
-                            place=request.place, remeasure=request.remeasure,
-                            outputs=request.outputs, save=save, progress=progress, log=say)
+    answer = recommend_layers(request.capture, opts, budgets=request.budgets,
+                              max_kld=request.max_kld, validate=request.validate,
+                              eval_tokens=request.eval_tokens,
+                              retrieval_prompts=request.retrieval_prompts, model=request.model,
+                              place=request.place, remeasure=request.remeasure,
+                              outputs=request.outputs, save=save, progress=progress, log=say)
+    with open_capture(request.capture) as cap:  # the engines' forms (kvlens.deploy.plans)
+        shape = cap.meta.shape
+    for rec, doc in zip(answer.recommendations, answer.documents):
+        doc["exports"] = layer_exports(rec.config, shape)
+    return answer
 
 
 def check_tokens(capture: Path, tokens: int) -> None:

@@ -17,6 +17,7 @@ from kvlens.cache.layout import config_bits
 from kvlens.config import KVConfig, LayerKV
 from kvlens.deploy import exports
 from kvlens.deploy.targets import TargetRecommendation
+from kvlens.errors import ConfigError
 
 #: the engines a target's plan is exported for, in order (the target's own first)
 EXPORTERS = {"trtllm": (exports.trtllm_export, exports.vllm_export),
@@ -83,4 +84,49 @@ def engine_exports(rec: TargetRecommendation, validation: dict | None = None,
         out.append(doc)
         for name, text in ex.files.items():
             rec.files.setdefault(name, text)
+    return out
+
+
+#: the engine type a kvlens layout maps to, by its code bits: the first with at least as many
+#: (``layer_exports``): NVFP4 / fp8 for vLLM, ModelOpt and TensorRT-LLM; ggml for ik_llama.cpp
+BY_BITS = {"fp": ((4, exports.NVFP4), (8, "fp8_e4m3")),
+           "ggml": ((4, "q4_0"), (5, "q5_0"), (8, "q8_0"))}
+LAYER_EXPORTERS = (("fp", exports.trtllm_export), ("fp", exports.vllm_export),
+                   ("ggml", exports.ik_llama_export))
+
+
+def _by_bits(spec, family: str) -> str:
+    bits = getattr(spec, "bits", None)
+    if spec is None or bits is None:
+        return "f16"
+    return next((t for b, t in BY_BITS[family] if bits <= b), "f16")
+
+
+def layer_exports(config: KVConfig, shape) -> list[dict]:
+    """The per-layer target's config in each engine's form (``LAYER_EXPORTERS``): every
+    tensor's kvlens layout mapped by its code bits to an engine type (``BY_BITS``), then the
+    engine's export of that plan. The mapping changes the quantizer itself (and drops any
+    full-precision window): each export names it as a change, its KLD not measured."""
+    out = []
+    for family, make in LAYER_EXPORTERS:
+        lkv = {i: config.layer(i) for i in shape.attention_layers}
+        plan = exports.Plan({i: (_by_bits(x.key, family), _by_bits(x.value, family))
+                             for i, x in lkv.items()}, shape.num_layers)
+        try:
+            ex = make(plan)
+        except ConfigError as exc:  # the plan quantizes nothing: the engine's default runs it
+            out.append({"engine": make.__name__.removesuffix("_export"), "command": None,
+                        "expressible": False, "changes": [str(exc)], "notes": [],
+                        "kld": {"kld": None, "source": "not measured"}})
+            continue
+        doc = ex.to_dict()
+        rule = ", ".join(f"<= {b} bits: {t}" for b, t in BY_BITS[family])
+        # the engine never runs kvlens' layouts: the mapping is the first change
+        doc["changes"] = [f"every layer: kvlens' layouts mapped by code bits ({rule}, else "
+                          "f16), another quantizer with no full-precision window",
+                          *doc["changes"]]
+        doc["expressible"] = False
+        doc["kld"] = {"kld": None, "source": "not measured: a different quantizer than the "
+                                             "config's; simulate it before deploying"}
+        out.append(doc)
     return out

@@ -234,6 +234,7 @@ def _deploy_table(sec: Section, rec: dict | None, artifacts: dict) -> None:
     for d in own if isinstance(own, list) else [own] if own else []:
         if isinstance(d, dict) and d.get("command"):
             rows.append([str(d.get("target", "kvlens")), str(d["command"]), "-"])
+    _export_rows(rows, (rec or {}).get("exports"), "kvlens")
     for _, ddoc in artifacts.get("deploy") or []:  # newest first
         d = ddoc.get("deploy") or {}
         target = str(d.get("target") or ddoc.get("target") or "?")
@@ -244,14 +245,7 @@ def _deploy_table(sec: Section, rec: dict | None, artifacts: dict) -> None:
         rows.append([target, str(d["command"]),
                      f"{ddoc.get('setting', '?')}, "
                      + ("?" if bits is None else f"{bits:.2f}") + " bits"])
-        for ex in d.get("exports") or []:  # the same plan in another engine's form
-            if ex.get("engine") != target and ex.get("command"):
-                kld = ex.get("kld") or {}
-                said = "as planned" if ex.get("expressible") else "changed: " + "; ".join(
-                    ex.get("changes") or [])
-                rows.append([f"{ex['engine']} (same plan)", str(ex["command"]),
-                             said + ("" if kld.get("kld") is None else
-                                     f"; KLD {kld['kld']:.4f} ({kld.get('source')})")])
+        _export_rows(rows, d.get("exports"), target)
     engines = ("the setting recommend --target chose for each engine (details in the "
                "recommendation section)" if targets else "no engine: recommend --target "
                "llama.cpp|vllm|sglang|transformers|trtllm -o X.json was not run")
@@ -262,6 +256,19 @@ def _deploy_table(sec: Section, rec: dict | None, artifacts: dict) -> None:
         sec.tables.append(Table(["target", "command", "setting"], rows, id="answer-deploy",
                                 caption=f"How to run it: the recommendation with kvlens, and "
                                         f"{engines}.", left=(0, 1, 2)))
+
+
+def _export_rows(rows: list, exports, target: str) -> None:
+    """A row per engine form of the plan (``kvlens.deploy.plans``) other than ``target``'s
+    own: its command, what changed and the KLD of what it runs, when known."""
+    for ex in exports or []:
+        if ex.get("engine") != target and ex.get("command"):
+            kld = ex.get("kld") or {}
+            said = "as planned" if ex.get("expressible") else "changed: " + "; ".join(
+                ex.get("changes") or [])
+            rows.append([f"{ex['engine']} (same plan)", str(ex["command"]),
+                         said + ("" if kld.get("kld") is None else
+                                 f"; KLD {kld['kld']:.4f} ({kld.get('source')})")])
 
 
 def _newest_frontier(artifacts: dict):
