@@ -10,7 +10,7 @@ actually run (``runs``) and, when that is not the plan, each change (``changes``
 nearest setting the engine expresses that is at least as accurate on every layer (a layer is
 raised, never lowered, unless the engine has no setting that high).
 
-The engines, read from their source (docs/deploy/README.md#per-layer-exports cites each):
+The engines, read from their source (docs/lab-notes/deploy-exports.md cites each):
 
 - **ModelOpt** ``hf_quant_config.json`` (``modelopt_quant_config``): ``quantization.
   kv_cache_quant_algo`` ``FP8`` / ``NVFP4`` / ``MIXED_PRECISION``, and for the per-layer form
