@@ -124,8 +124,8 @@ def test_vllm_skips_the_layer_a_per_tensor_scale_ruins(outlier_capture):
                            for t in "kv"}
     k0 = sc[0][("key", "fp8_e4m3")][0]
     assert scales["model.layers.0.self_attn.k_scale"] == k0 > 0
-    with pytest.raises(ConfigError, match="cheapest"):
-        recommend_target(outlier_capture, TargetOptions("vllm", budget_bits=7.0))
+    with pytest.raises(ConfigError, match="the cheapest, vllm:nvfp4:s1, holds 4.50"):
+        recommend_target(outlier_capture, TargetOptions("vllm", budget_bits=4.0))
 
 
 def test_max_kld_takes_the_cheapest_setting_under_the_fitted_prediction(offset_capture,
@@ -212,7 +212,7 @@ def test_cli_target_errors(outlier_capture):
 
 @pytest.mark.parametrize("target,rotation", [("llama.cpp", True), ("llama.cpp", False),
                                              ("vllm", True), ("sglang", True),
-                                             ("transformers", True)])
+                                             ("transformers", True), ("trtllm", True)])
 def test_every_printed_setting_resolves_in_generate_to_the_same_config(outlier_capture, target,
                                                                        rotation):
     """What `recommend --target` prints (``TargetCandidate.setting``) is the engine-setting
@@ -228,6 +228,9 @@ def test_every_printed_setting_resolves_in_generate_to_the_same_config(outlier_c
     cands = candidates_for(target, meta, table, scales, opts)
     assert len(cands) >= 3
     for cand in cands:
+        if cand.config.layers and target == "trtllm":  # a per-layer mix: no engine setting,
+            assert "+" in cand.setting  # its config runs it (and its exports say where)
+            continue
         assert is_engine_setting(cand.setting)
         assert parse_engine_setting(cand.setting).name == cand.setting
         got = engine_config(cand.setting, calibration=outlier_capture).config.to_dict()
@@ -297,3 +300,105 @@ def test_target_names_take_the_engine_setting_spelling_and_suggest_the_closest()
     with pytest.raises(ConfigError, match="Unknown target 'tgi'; allowed: kvlens") as err:
         canonical_target("tgi")
     assert "did you mean" not in str(err.value)
+
+
+def test_trtllm_target_writes_modelopts_file_and_the_exports(outlier_capture, tmp_path):
+    """--target trtllm: the KvCacheConfig dtype to run, ModelOpt's hf_quant_config.json beside
+    the config (valid JSON, ModelOpt's field names, one entry per attention layer) and the
+    per-layer exports, each saying what it runs and the KLD's source."""
+    out = tmp_path / "kv.json"
+    result = runner.invoke(app, ["recommend", outlier_capture, "--target", "tensorrt-llm",
+                                 "--budget-bits", "9", "-o", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    d = doc["deploy"]
+    assert doc["target"] == "trtllm" and d["target"] == "trtllm"
+    assert 'kv_cache_config=KvCacheConfig(dtype="fp8")' in d["command"]
+    q = json.loads((tmp_path / "hf_quant_config.json").read_text())["quantization"]
+    assert q["kv_cache_quant_algo"] in ("FP8", "NVFP4", "MIXED_PRECISION")
+    assert set(q["kv_cache_quantized_layers"]) == {f"model.layers.{i}.self_attn"
+                                                   for i in range(4)}
+    assert [e["engine"] for e in d["exports"]] == ["trtllm", "vllm"]
+    for ex in d["exports"]:
+        assert ex["kld"]["source"].startswith("not measured")  # no --max-kld, no --validate
+        assert ex["kld"]["score"] >= 0
+    cfg = load_config(out)
+    assert cfg.default.key_format == "fp8_e4m3:s1"
+    again = runner.invoke(app, ["recommend", outlier_capture, "--target", "trtllm",
+                                "--budget-bits", "9", "-o", str(tmp_path / "other.json")])
+    assert again.exit_code == 1 and "hf_quant_config.json" in again.output  # not overwritten
+
+
+def test_an_inexpressible_export_carries_the_kld_of_what_runs(outlier_capture, monkeypatch):
+    """A plan vLLM cannot run (two quantized dtypes) exports as the nearest one it can, and
+    its KLD is that plan's: predicted from its own score on the error table (labelled), or
+    measured when the command validates."""
+    from kvlens.deploy.exports import Plan
+    from kvlens.deploy.kld_model import fit_kld_model
+    from kvlens.deploy.plans import engine_exports
+
+    rec = recommend_target(outlier_capture, TargetOptions("vllm", budget_bits=16))
+    rec.kld_model = fit_kld_model([(0.1, 0.05), (1.0, 0.5)])  # KLD = 0.5 S
+    # the chosen vLLM plan, with layer 1 asking for f16 keys but fp8 values: not one dtype
+    rec.chosen.plan = Plan({**rec.chosen.plan.layers, 1: ("f16", "fp8_e4m3")},
+                           rec.chosen.plan.num_layers)
+    ex = engine_exports(rec)[0]
+    assert not ex["expressible"] and ex["changes"][0].startswith("layer 1:")
+    assert ex["kld"]["source"] == "predicted"
+    # layer 1 runs unquantized: 0, as a skipped layer scores in the vLLM candidates
+    runs_score = sum(e[0] ** 2 + e[1] ** 2 for i, e in enumerate(rec.chosen.errors) if i != 1)
+    assert runs_score < rec.chosen.score or rec.chosen.errors[1] == (0.0, 0.0)
+    assert ex["kld"]["score"] == pytest.approx(runs_score)
+    assert ex["kld"]["kld"] == pytest.approx(0.5 * runs_score)
+    measured = engine_exports(rec, None, lambda cfgs: [{"mean_kld": 0.123, "ci95": [0.1, 0.2],
+                                                       "setting": cfgs[0].name}])[0]
+    assert measured["kld"]["source"] == "measured" and measured["kld"]["ci95"] == [0.1, 0.2]
+    assert measured["kld"]["kld"] == 0.123
+
+
+@pytest.fixture(scope="module")
+def spiky_capture(tmp_path_factory):
+    """Layer 1's keys carry one large channel (40) beside values near 0.5: an NVFP4 block
+    scale set by that channel rounds the rest of its 16 channels to zero, while fp8's
+    per-element exponent keeps them. The other layers are plain normals."""
+    layers = [_normal(s) for s in range(4)]
+    q, k, v = layers[1]
+    k = 0.5 * k
+    k[..., 3] = 40.0
+    layers[1] = (q, k, v)
+    return _capture(tmp_path_factory.mktemp("t") / "spiky.h5", layers)
+
+
+def test_trtllm_mixes_nvfp4_with_fp8_where_nvfp4_fails(spiky_capture):
+    """Between NVFP4 everywhere (4.5 bits) and fp8 everywhere (8), the per-layer mix at 5.375
+    bits raises exactly the layer NVFP4 ruins; TensorRT-LLM cannot run the mix, so its export
+    runs fp8 everywhere and names the layers that changed."""
+    rec = recommend_target(spiky_capture, TargetOptions("trtllm", budget_bits=5.4))
+    c = rec.chosen
+    assert c.setting == "trtllm:nvfp4:s1+fp8_e4m3@1" and c.bits == pytest.approx(5.375,
+                                                                                abs=1e-3)
+    assert c.plan.layers[1] == ("fp8_e4m3", "fp8_e4m3") and c.plan.layers[0] == ("nvfp4",) * 2
+    assert {"trtllm:nvfp4:s1", "trtllm:fp8:s1"} <= {f.setting for f in rec.front}
+    nvfp4 = next(f for f in rec.front if f.setting == "trtllm:nvfp4:s1")
+    assert nvfp4.errors[1][0] > 5 * c.errors[1][0]  # layer 1's keys: what the mix fixes
+    from kvlens.deploy.plans import engine_exports
+
+    trt, vllm = engine_exports(rec)
+    assert not trt["expressible"] and trt["runs"] == {str(i): "fp8_e4m3" for i in range(4)}
+    assert trt["changes"][0].startswith("layers 0, 2, 3: nvfp4 -> fp8_e4m3")
+    assert vllm["command"].endswith("--kv-cache-dtype nvfp4 --kv-cache-dtype-skip-layers 1")
+    q = json.loads(rec.files["hf_quant_config.json"])["quantization"]
+    assert q["kv_cache_quant_algo"] == "MIXED_PRECISION"
+    assert q["kv_cache_quantized_layers"]["model.layers.1.self_attn"] == {"quant_algo": "FP8"}
+    assert 'dtype="fp8"' in c.deploy["command"]
+
+
+def test_vllm_answers_nvfp4_with_the_layers_it_ruins_skipped(spiky_capture):
+    """recommend --target vllm considers nvfp4: under 7.5 bits (fp8 holds 8) the answer is
+    nvfp4 with layer 1 skipped, printed as vLLM parses it."""
+    rec = recommend_target(spiky_capture, TargetOptions("vllm", budget_bits=7.5))
+    c = rec.chosen
+    assert c.setting == "vllm:nvfp4:s1:skip=1" and c.deploy["skip_layers"] == [1]
+    assert c.deploy["command"] == ("vllm serve MODEL --kv-cache-dtype nvfp4 "
+                                   "--kv-cache-dtype-skip-layers 1")
+    assert "kv_scales.json" not in rec.files  # nvfp4's block scales are computed as written

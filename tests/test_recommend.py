@@ -291,6 +291,9 @@ def test_recommend_cli(tmp_path):
     doc = json.loads(res.stdout)
     assert doc["mean_bits"] <= 3.5 and len(doc["choices"]) == 4
     assert json.loads(out.read_text())["format"] == "kvlens.kvconfig"
+    # the engines' forms of the config (kvlens.deploy.plans.layer_exports): never as planned
+    assert [e["engine"] for e in doc["exports"]] == ["trtllm", "vllm", "ik_llama.cpp"]
+    assert all(not e["expressible"] and e["kld"]["kld"] is None for e in doc["exports"])
     # refuses to overwrite, and reports impossible budgets and bad files clearly
     res = runner.invoke(app, ["recommend", str(path), "-b", "3.5", "-o", str(out)])
     assert res.exit_code == 1 and "--overwrite" in res.output

@@ -46,6 +46,7 @@ RESEARCH = "Knobs and experiments (--set)"
 #: parameters the command reads itself, for either target; the rest make the request
 #: (``kvlens.deploy.answer.request_for``), whose ``readers`` say which target reads which
 COMMAND_ONLY = ("capture", "target", "settings", "overwrite", "as_json")
+BESIDE = {"vllm": "kv_scales.json", "sglang": "kv_scales.json", "trtllm": "hf_quant_config.json"}
 
 
 @dataclass(frozen=True)
@@ -214,9 +215,9 @@ def recommend(
                                        "slower."),
     target: str = typer.Option("kvlens", "--target", rich_help_panel=ENGINE,
                                help="What to recommend for: kvlens (a per-layer config for "
-                                    "kvlens' cache), llama.cpp (-ctk/-ctv), vllm "
-                                    "(--kv-cache-dtype), sglang, transformers "
-                                    "(QuantizedCache). docs/deploy/README.md."),
+                                    "kvlens' cache), llama.cpp (-ctk/-ctv), vllm (--kv-cache-"
+                                    "dtype), sglang, transformers (QuantizedCache), trtllm "
+                                    "(TensorRT-LLM). docs/deploy/README.md."),
     max_kld: float = typer.Option(None, "--max-kld", callback=_above_zero,
                                   rich_help_panel=ENGINE,
                                   help="The smallest budget (per-layer target: measured "
@@ -316,16 +317,16 @@ def _flag(field: str) -> str:
 
 
 def _check_outputs(outputs, target: str, overwrite: bool) -> None:
-    """Each config, its result document and (vLLM, SGLang) its scale file: refused where it
-    exists without --overwrite, before any work."""
+    """Each config, its result document and the file beside it (vLLM, SGLang: scales;
+    TensorRT-LLM: hf_quant_config.json): refused where it exists without --overwrite."""
     from kvlens.report.artifacts import check_output_file, config_doc_path
 
     for out in outputs:
         check_output_file(out, "--output", overwrite, example="kv.json")
         check_output_file(config_doc_path(out, "recommend" if target == "kvlens" else "deploy"),
                           "--output", overwrite)
-        if target in ("vllm", "sglang"):
-            check_output_file(out.parent / "kv_scales.json", "--output", overwrite)
+        if target in BESIDE:
+            check_output_file(out.parent / BESIDE[target], "--output", overwrite)
 
 
 def _save_config(rec, out: Path) -> None:

@@ -37,6 +37,9 @@ def show_layers(answer, outputs, as_json: bool) -> None:
         from kvlens.cli.generate import _render_long
 
         _render_long(answer.validation)
+    for ex in answer.documents[-1].get("exports", ()):  # the engines' forms of the config
+        if ex["command"]:
+            _render_export(ex)
 
 
 def show_target(answer, output, as_json: bool) -> None:
@@ -57,8 +60,10 @@ def _render_target(rec, validation) -> None:
     c = rec.chosen
     console.print(f"[bold]Deploy on {rec.target}:[/] {escape(c.deploy['command'])}", highlight=False)
     for name, text in rec.files.items():
-        console.print(escape(f"scale file {name} ({c.deploy.get('docs', '')}):"), highlight=False)
+        console.print(escape(f"file {name} ({c.deploy.get('docs', '')}):"), highlight=False)
         console.print(text.rstrip(), highlight=False, markup=False)
+    for ex in c.deploy.get("exports", ()):
+        _render_export(ex)
     pred = "" if rec.predicted_kld is None else f", predicted KLD {rec.predicted_kld:.4f}"
     console.print(f"simulated as {escape(c.setting)}: {c.bits:.3f} held bits/element at "
                   f"{rec.context} tokens, error score S = {c.score:.4g}{pred}", highlight=False)
@@ -94,6 +99,22 @@ def _render_target(rec, validation) -> None:
                           else f"; predicted {rec.predicted_kld:.4f}"), highlight=False)
     for note in rec.notes:
         console.print(f"note: {escape(note)}", highlight=False)
+
+
+def _render_export(ex: dict) -> None:
+    """One per-layer export (``kvlens.deploy.exports.Export.to_dict`` with its ``kld``):
+    the command, what the engine cannot express and the KLD of what it will run."""
+    k = ex["kld"]
+    said = "as planned" if ex["expressible"] else "NOT as planned"
+    console.print(f"[bold]{escape(ex['engine'])}[/] ({said}): {escape(ex['command'])}",
+                  highlight=False)
+    for change in ex["changes"]:
+        console.print(f"  changed: {escape(change)}", highlight=False)
+    kld = "-" if k["kld"] is None else f"{k['kld']:.4f}"
+    bits = "" if k.get("bits_per_element") is None else f", {k['bits_per_element']:.3f} bits"
+    console.print(f"  runs: KLD {kld} ({escape(k['source'])}){bits}", highlight=False)
+    for note in ex["notes"]:
+        console.print(f"  note: {escape(note)}", highlight=False)
 
 
 def _print_profile(profile, predicted) -> None:

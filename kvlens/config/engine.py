@@ -97,8 +97,13 @@ SGLANG_DTYPES = ("fp8_e4m3", "fp8_e5m2")
 TRTLLM_DTYPES = ("fp8",)  # KvCacheConfig(dtype="fp8"): e4m3 with a static per-layer scale
 # the cache types `recommend --target vllm / sglang` searches: calibrated e4m3, and e4m3 and
 # e5m2 at the default scale 1.0 (e5m2's 2 mantissa bits lose to e4m3 once calibrated)
-VLLM_SEARCH_TYPES = ("fp8_e4m3", "fp8_e4m3:s1", "fp8_e5m2:s1")
+# and nvfp4 (kvlens.config.blockfloat) at the default global scale 1.0
+VLLM_SEARCH_TYPES = ("fp8_e4m3", "fp8_e4m3:s1", "fp8_e5m2:s1", "nvfp4")
 SGLANG_SEARCH_TYPES = VLLM_SEARCH_TYPES
+# `recommend --target trtllm`: e4m3 at scale 1.0 (KvCacheConfig(dtype="fp8") on a checkpoint
+# without KV scales, as ModelOpt's KV AutoQuant starter recipe writes it) and nvfp4, every
+# layer or mixed per layer (kvlens.deploy.exports)
+TRTLLM_SEARCH_TYPES = ("fp8_e4m3:s1", "nvfp4")
 
 # vLLM's turboquant_* KV-cache dtypes: (key bits, value bits, norm correction), from vLLM's
 # TQ_PRESETS (vllm/model_executor/layers/quantization/turboquant/config.py)

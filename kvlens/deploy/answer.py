@@ -20,10 +20,12 @@ from typing import Any
 from kvlens.analysis.compare.config import parse_int_list
 from kvlens.capture.source import CaptureModel
 from kvlens.capture.store import open_capture
+from kvlens.deploy.plans import engine_exports, layer_exports
 from kvlens.deploy.targets import (
     TargetOptions,
     TargetRecommendation,
     canonical_target,
+    measure_kld,
     recommend_target,
 )
 from kvlens.deploy.targets import validate as validate_target
@@ -174,12 +176,17 @@ def recommend_run(request: RecommendRequest, *, save: Callable | None = None,
     check(request.capture, opts)
     if request.tokens is not None:
         check_tokens(request.capture, request.tokens)
-    return recommend_layers(request.capture, opts, budgets=request.budgets,
-                            max_kld=request.max_kld, validate=request.validate,
-                            eval_tokens=request.eval_tokens,
-                            retrieval_prompts=request.retrieval_prompts, model=request.model,
-                            place=request.place, remeasure=request.remeasure,
-                            outputs=request.outputs, save=save, progress=progress, log=say)
+    answer = recommend_layers(request.capture, opts, budgets=request.budgets,
+                              max_kld=request.max_kld, validate=request.validate,
+                              eval_tokens=request.eval_tokens,
+                              retrieval_prompts=request.retrieval_prompts, model=request.model,
+                              place=request.place, remeasure=request.remeasure,
+                              outputs=request.outputs, save=save, progress=progress, log=say)
+    with open_capture(request.capture) as cap:  # the engines' forms (kvlens.deploy.plans)
+        shape = cap.meta.shape
+    for rec, doc in zip(answer.recommendations, answer.documents):
+        doc["exports"] = layer_exports(rec.config, shape)
+    return answer
 
 
 def check_tokens(capture: Path, tokens: int) -> None:
@@ -205,12 +212,17 @@ def _engine(request: RecommendRequest, save, progress, say: LogFn) -> EngineAnsw
     rec = recommend_target(request.capture, opts, progress=progress or (lambda *_: None),
                            log=lambda m: say(f"  {m}"),
                            model_bundle=loaded.get() if opts.max_kld is not None else None)
+    # the per-layer exports (kvlens.deploy.plans): what each engine runs of the choice,
+    # their files written with the config; measured below when validating
+    rec.chosen.deploy["exports"] = engine_exports(rec)
     if save is not None and request.outputs:
         save(rec, request.outputs[0])
     validation = None
     if request.validate:
         validation = validate_target(rec, loaded.get(), opts.eval_tokens,
                                      lambda m: say(f"  {m}"))
+        rec.chosen.deploy["exports"] = engine_exports(
+            rec, validation, lambda cfgs: measure_kld(loaded.get(), cfgs, opts.eval_tokens))
     doc = rec.to_dict()
     doc["files"] = rec.files
     if validation is not None:

@@ -40,21 +40,25 @@ from kvlens.analysis.metrics import attention_output, rel_error
 from kvlens.cache.layout import config_bits
 from kvlens.capture.source import CaptureModel
 from kvlens.capture.store import open_capture
-from kvlens.config import KVConfig, LayerKV
+from kvlens.config import BlockFloatSetting, KVConfig, LayerKV
+from kvlens.config.blockfloat import is_blockfloat
 from kvlens.config.engine import (
     LLAMACPP_SEARCH_TYPES,
     SGLANG_SEARCH_TYPES,
+    TRTLLM_SEARCH_TYPES,
     VLLM_SEARCH_TYPES,
     LlamaCppSetting,
     QuantoSetting,
     setting_for_cache_type,
 )
+from kvlens.deploy import exports
 from kvlens.deploy.engine_run import llamacpp_matmul_plan
 from kvlens.deploy.kld_model import fit_kld_model
 from kvlens.deploy.presets import engine_config
 from kvlens.errors import ConfigError, OptionError
 from kvlens.evaluation import EvalOptions, evaluate_configs
 from kvlens.evaluation.kld import DEFAULT_EVAL_TOKENS
+from kvlens.layouts import reference
 from kvlens.model.engine_matmul import engine_matmuls
 from kvlens.quant import QuantSpec, fake_quantize, fake_quantize_format
 from kvlens.quant.cachetypes import DenseType, parse_cache_type
@@ -62,9 +66,9 @@ from kvlens.quant.formats import engine_rotation
 from kvlens.quant.fp8 import calibrate_scale
 from kvlens.quant.llamacpp_cpu import query_to_vec_dot
 
-TARGETS = ("kvlens", "llama.cpp", "vllm", "sglang", "transformers")
+TARGETS = ("kvlens", "llama.cpp", "vllm", "sglang", "transformers", "trtllm")
 # other spellings of a target: llamacpp is how engine settings name llama.cpp (llamacpp:q8_0)
-TARGET_ALIASES = {"llamacpp": "llama.cpp"}
+TARGET_ALIASES = {"llamacpp": "llama.cpp", "tensorrt-llm": "trtllm"}
 QUANTO = [(b, ak, av, g) for b in (4, 2) for ak in (0, -1) for av in (0, -1) for g in (64, 32)]
 DOCS = {
     "llama.cpp": "llama.cpp tools/server README: -ctk/--cache-type-k, -ctv/--cache-type-v, "
@@ -77,6 +81,7 @@ DOCS = {
               "JSON of vllm/model_executor/layers/quantization/schema.py: one scale per layer)",
     "transformers": "transformers KV cache strategies, QuantizedCache (https://huggingface.co/"
                     "docs/transformers/kv_cache)",
+    "trtllm": exports.DOCS["trtllm"],
 }
 
 
@@ -128,6 +133,7 @@ class TargetCandidate:
     bits: float
     errors: list[tuple[float, float]]  # per layer (e_K, e_V)
     deploy: dict
+    plan: exports.Plan | None = None  # its types per layer, for the per-layer exports
 
     @property
     def score(self) -> float:
@@ -146,6 +152,11 @@ class TargetRecommendation:
     anchors: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     files: dict[str, str] = field(default_factory=dict)  # name -> JSON text to write
+    # the error table the choice was made on (``measure_errors``), its layers' model indices
+    # and the model's shape: what ``kvlens.deploy.plans`` scores an export's plan on
+    table: list = field(default_factory=list, repr=False)
+    layers: tuple[int, ...] = ()
+    shape: Any = None
 
     def where_it_hurts(self, top: int = 8) -> list[dict]:
         total = self.chosen.score or 1.0
@@ -176,10 +187,12 @@ def _variants(target: str, head_dim: int, rotation: bool) -> dict[str, tuple[Any
     if target == "llama.cpp":
         return {t: (parse_cache_type(t if t == "f16" or rotation else t + "+norot"), "type")
                 for t in LLAMACPP_SEARCH_TYPES}
-    if target in ("vllm", "sglang"):
-        names = VLLM_SEARCH_TYPES if target == "vllm" else SGLANG_SEARCH_TYPES
+    if target in ("vllm", "sglang", "trtllm"):
+        names = {"vllm": VLLM_SEARCH_TYPES, "sglang": SGLANG_SEARCH_TYPES,
+                 "trtllm": TRTLLM_SEARCH_TYPES}[target]
         return {"f16": (parse_cache_type("f16"), "type")} | {
-            n: (parse_cache_type(n), "type") for n in names}
+            n: (BlockFloatSetting(target, n, 1.0).layout(), "layout")
+            if is_blockfloat(target, n) else (parse_cache_type(n), "type") for n in names}
     out = {}
     for bits in (4, 2):
         for gran in ("per-token", "per-channel"):
@@ -194,6 +207,8 @@ def _fake(x, how, kind: str, tensor: str, scale=None):
 
     if kind == "spec":
         return fake_quantize(x, how)
+    if kind == "layout":  # a block-float layout (nvfp4): every token stored as it is written
+        return reference(how)(x)
     if isinstance(how, DenseType):
         return x.half().float()
     return fake_quantize_format(x, how, tensor, scale)
@@ -301,6 +316,24 @@ def _fp8_scales(scales, layers, positions, dtype: str) -> dict:
                         "value": tuple(scales[j][("value", dtype)])} for j in positions}
 
 
+def _calibrated(variant: str) -> bool:
+    """Static fp8 whose scales the capture calibrates (not ``:sS``; block-float types compute
+    their block scales as each token is written, their global scale is 1.0 here)."""
+    return variant.startswith("fp8") and ":s" not in variant
+
+
+def _setting_config(engine: str, variant: str, skip: tuple[int, ...] = ()) -> KVConfig:
+    """The config of ``engine``'s setting storing every layer but ``skip`` (kept at f16) in
+    ``variant``, named by the setting (``kvlens.config.engine``) generate reads back."""
+    if is_blockfloat(engine, variant):
+        setting = BlockFloatSetting(engine, variant, 1.0, skip)
+        return setting.kvconfig(setting.name)
+    return KVConfig(setting_for_cache_type(variant, engine, skip).name,
+                    LayerKV(key_format=variant, value_format=variant),
+                    {i: LayerKV(key_format="f16", value_format="f16") for i in skip},
+                    fp_dtype="float16")
+
+
 def _vllm(table, scales, shape, opts, meta) -> list[TargetCandidate]:
 
     out = []
@@ -309,31 +342,28 @@ def _vllm(table, scales, shape, opts, meta) -> list[TargetCandidate]:
     for dtype in VLLM_SEARCH_TYPES:
         contrib = [row[("key", dtype)] ** 2 + row[("value", dtype)] ** 2 for row in table]
         order = sorted(range(n), key=lambda j: -contrib[j])
-        calibrated = ":s" not in dtype
+        calibrated = _calibrated(dtype)
         for k in range(n + 1):
             skipped = set(order[:k])  # positions in the table
             skip = tuple(sorted(layers[j] for j in skipped))
-            cfg = KVConfig(setting_for_cache_type(dtype, "vllm", skip).name,
-                           LayerKV(key_format=dtype, value_format=dtype),
-                           {i: LayerKV(key_format="f16", value_format="f16") for i in skip},
-                           fp_dtype="float16")
+            cfg = _setting_config("vllm", dtype, skip)
             if calibrated:
                 cfg = replace(cfg, kv_scales=_fp8_scales(
                     scales, layers, [j for j in range(n) if j not in skipped], dtype))
             errs = [(0.0, 0.0) if j in skipped else (row[("key", dtype)], row[("value", dtype)])
                     for j, row in enumerate(table)]
             base = dtype.split(":")[0]
-            cmd = f"vllm serve MODEL --kv-cache-dtype {base}"
-            if skip:
-                cmd += f" --kv-cache-dtype-skip-layers {','.join(map(str, skip))}"
+            cmd = exports.vllm_command(base, skip)
             deploy = {"target": "vllm", "command": cmd, "kv_cache_dtype": base,
                       "skip_layers": list(skip), "docs": DOCS["vllm"],
                       "scales": "calibrated (k_scale_file)" if calibrated else
                       "default 1.0 (no scales in the checkpoint, calculate_kv_scales off)"}
             if calibrated:
                 deploy["k_scale_file"] = "kv_scales.json"
+            plan = exports.Plan.uniform(base, base, layers, meta.shape.num_layers,
+                                        {i: ("f16", "f16") for i in skip})
             out.append(TargetCandidate(cfg.name, cfg, _bits(cfg, shape, opts.context), errs,
-                                       deploy))
+                                       deploy, plan))
     return out
 
 
@@ -342,9 +372,8 @@ def _sglang(table, scales, shape, opts, meta) -> list[TargetCandidate]:
     out = []
     n = len(table)
     for dtype in SGLANG_SEARCH_TYPES:
-        calibrated = ":s" not in dtype
-        cfg = KVConfig(setting_for_cache_type(dtype, "sglang").name, LayerKV(key_format=dtype, value_format=dtype),
-                       fp_dtype="float16")
+        calibrated = _calibrated(dtype)
+        cfg = _setting_config("sglang", dtype)
         errs = [(row[("key", dtype)], row[("value", dtype)]) for row in table]
         if calibrated:
             cfg = replace(cfg, kv_scales=_fp8_scales(scales, meta.layers, range(n), dtype))
@@ -357,6 +386,59 @@ def _sglang(table, scales, shape, opts, meta) -> list[TargetCandidate]:
         out.append(TargetCandidate(cfg.name, cfg, _bits(cfg, shape, opts.context), errs,
                                    deploy))
     return out
+
+
+def _plan_type(variant: str) -> str:
+    """The ``kvlens.deploy.exports`` plan type a measured variant stores (``fp8_e4m3:s1`` ->
+    ``fp8_e4m3``)."""
+    return variant.split(":")[0].split("@")[0]
+
+
+#: the engine setting of each type `recommend --target trtllm` searches (at scale 1.0)
+TRTLLM_SETTINGS = {"fp8_e4m3:s1": "trtllm:fp8:s1", "nvfp4": "trtllm:nvfp4:s1"}
+
+
+def _trtllm(table, shape, opts, meta) -> list[TargetCandidate]:
+    """Every TensorRT-LLM type on every layer, and each pair of types mixed per layer as
+    ModelOpt's per-layer map writes it: the cheaper type with the ``k`` layers whose error it
+    raises most (``e_K^2 + e_V^2`` over the other type's) in the more accurate one."""
+    out, n, layers = [], len(table), meta.layers
+    order = sorted(TRTLLM_SEARCH_TYPES, key=lambda t: exports.type_bits(_plan_type(t)))
+    for a, low in enumerate(order):
+        for high in order[a:]:
+            gain = [row[("key", low)] ** 2 + row[("value", low)] ** 2
+                    - row[("key", high)] ** 2 - row[("value", high)] ** 2 for row in table]
+            ranked = sorted(range(n), key=lambda j: -gain[j])
+            for k in range(1, n) if high != low else (0,):
+                up = set(ranked[:k])
+                out.append(_trtllm_candidate(table, shape, opts, meta, low,
+                                             {layers[j]: high for j in up}))
+    return out
+
+
+def _trtllm_candidate(table, shape, opts, meta, base: str, per_layer: dict[int, str]
+                      ) -> TargetCandidate:
+    """``base`` on every layer but ``per_layer`` (model index -> variant), as a candidate
+    with its exports (TensorRT-LLM's, and vLLM's nearest, ``kvlens.deploy.exports``)."""
+    layers = meta.layers
+    t = _plan_type(base)
+    uniform = engine_config(TRTLLM_SETTINGS[base]).config  # the setting generate reads
+    name = uniform.name
+    if per_layer:  # ModelOpt's per-layer mix: no engine setting, the config runs it
+        groups = sorted(set(per_layer.values()))
+        name += "".join(f"+{_plan_type(g)}@" + ",".join(
+            str(i) for i in sorted(per_layer) if per_layer[i] == g) for g in groups)
+    cfg = replace(uniform, name=name, layers={
+        i: engine_config(TRTLLM_SETTINGS[v]).config.default for i, v in per_layer.items()},
+        description="TensorRT-LLM KV cache " + name)
+    errs = [(row[("key", per_layer.get(i, base))], row[("value", per_layer.get(i, base))])
+            for i, row in zip(layers, table)]
+    plan = exports.Plan.uniform(t, t, layers, meta.shape.num_layers,
+                                {i: (_plan_type(v),) * 2 for i, v in per_layer.items()})
+    ex = exports.trtllm_export(plan)
+    deploy = {"target": "trtllm", "command": ex.command,
+              "kv_cache_dtype": ex.runs.tensor(0)[0], "docs": DOCS["trtllm"]}
+    return TargetCandidate(name, cfg, _bits(cfg, shape, opts.context), errs, deploy, plan)
 
 
 def _transformers(table, shape, opts, head_dim: int) -> list[TargetCandidate]:
@@ -421,6 +503,8 @@ def candidates_for(target: str, meta, table, scales, opts) -> list[TargetCandida
         return _vllm(table, scales, shape, opts, meta)
     if target == "sglang":
         return _sglang(table, scales, shape, opts, meta)
+    if target == "trtllm":
+        return _trtllm(table, shape, opts, meta)
     return _transformers(table, shape, opts, meta.shape.head_dim)
 
 
@@ -499,6 +583,7 @@ def recommend_target(path: str | Path, opts: TargetOptions,
                                None if rec_model is None else rec_model.predict(chosen.score),
                                anchors, notes)
     rec.files = scale_files(rec, meta)
+    rec.table, rec.layers, rec.shape = table, tuple(meta.layers), meta.shape
     return rec
 
 

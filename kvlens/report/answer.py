@@ -214,6 +214,7 @@ def _deploy_table(sec: Section, rec: dict | None, artifacts: dict) -> None:
     for d in own if isinstance(own, list) else [own] if own else []:
         if isinstance(d, dict) and d.get("command"):
             rows.append([str(d.get("target", "kvlens")), str(d["command"]), "-"])
+    _export_rows(rows, (rec or {}).get("exports"), "kvlens")
     for _, ddoc in artifacts.get("deploy") or []:  # newest first
         d = ddoc.get("deploy") or {}
         target = str(d.get("target") or ddoc.get("target") or "?")
@@ -224,13 +225,30 @@ def _deploy_table(sec: Section, rec: dict | None, artifacts: dict) -> None:
         rows.append([target, str(d["command"]),
                      f"{ddoc.get('setting', '?')}, "
                      + ("?" if bits is None else f"{bits:.2f}") + " bits"])
+        _export_rows(rows, d.get("exports"), target)
     engines = ("the setting recommend --target chose for each engine (details in the "
                "recommendation section)" if targets else "no engine: recommend --target "
-               "llama.cpp|vllm|sglang|transformers -o X.json was not run")
+               "llama.cpp|vllm|sglang|transformers|trtllm -o X.json was not run")
+    engines += ("; a per-layer plan of engine types runs in vLLM (skipped layers), "
+                "ik_llama.cpp (first/last layers) and ModelOpt's FP8/NVFP4 map "
+                "(docs/deploy/README.md#per-layer-exports)")
     if rows:
         sec.tables.append(Table(["target", "command", "setting"], rows, id="answer-deploy",
                                 caption=f"How to run it: the recommendation with kvlens, and "
                                         f"{engines}.", left=(0, 1, 2)))
+
+
+def _export_rows(rows: list, exports, target: str) -> None:
+    """A row per engine form of the plan (``kvlens.deploy.plans``) other than ``target``'s
+    own: its command, what changed and the KLD of what it runs, when known."""
+    for ex in exports or []:
+        if ex.get("engine") != target and ex.get("command"):
+            kld = ex.get("kld") or {}
+            said = "as planned" if ex.get("expressible") else "changed: " + "; ".join(
+                ex.get("changes") or [])
+            rows.append([f"{ex['engine']} (same plan)", str(ex["command"]),
+                         said + ("" if kld.get("kld") is None else
+                                 f"; KLD {kld['kld']:.4f} ({kld.get('source')})")])
 
 
 def _newest_frontier(artifacts: dict):

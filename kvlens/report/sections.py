@@ -472,15 +472,23 @@ def _deploy(sec: Section, doc: dict, artifacts: dict, deploy_option: str | None)
     if not items:
         what = "deploy settings for an inference engine"
         sec.missing.append(Missing(what, f"kvlens recommend ... {deploy_option or '--target'} "
-                                         "llama.cpp|vllm|sglang|transformers -o CONFIG.json"))
+                                         "llama.cpp|vllm|sglang|transformers|trtllm -o "
+                                         "CONFIG.json"))
         return
     rows = []
     for d in items:
         if not isinstance(d, dict):
             rows.append(["?", str(d), ""])
             continue
-        others = "; ".join(f"{k}: {v}" for k, v in d.items() if k not in ("target", "command"))
+        others = "; ".join(f"{k}: {v}" for k, v in d.items()
+                           if k not in ("target", "command", "exports"))
         rows.append([str(d.get("target", "?")), str(d.get("command", "-")), others])
+        for ex in d.get("exports") or []:  # what each engine runs of the plan (answer's table)
+            k = ex.get("kld") or {}
+            kld = "KLD not measured" if k.get("kld") is None else \
+                f"KLD {k['kld']:.4g} ({k.get('source')})"
+            rows.append([f"{ex.get('engine')} (export)", str(ex.get("command", "-")),
+                         "; ".join([*(ex.get("changes") or ["as planned"]), kld])])
     sec.tables.append(Table(["target", "command", "details"], rows,
                             caption="Deploy settings recorded by recommend (engine targets: "
                                     "bits held by the engine's cache types, KLD predicted by "
