@@ -94,46 +94,39 @@ class EngineStore:
         if self.family == "dense":
             return x.to(getattr(torch, self.ctype.torch_dtype)), None, None
         if self.family == "ggml":
-
             return quantize_ggml(x, self.fmt).to_bytes(), None, None
         if self.family == "fp8":
-
-            s = self.static_scale.to(x.device)
-            safe = torch.where(s > 0, s, torch.ones_like(s))
             top = FP8_MAX[self.fmt.fp8]
-            return (x.float() / safe).clamp(-top, top).to(FP8_DTYPES[self.fmt.fp8]), None, None
+            codes = (x.float() / _safe(self.static_scale.to(x.device))).clamp(-top, top)
+            return codes.to(FP8_DTYPES[self.fmt.fp8]), None, None
         if self.family == "ds-mla":
             rows = quantize_ds_mla(x)
             return rows.codes, rows.scales, rows.rope
         # dynamic per-token-head
         if self.fmt.kind == "fp8":
-
             s = x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX["e4m3"]
-            safe = torch.where(s > 0, s, torch.ones_like(s))
-            codes = (x.float() / safe).clamp(-FP8_MAX["e4m3"], FP8_MAX["e4m3"])
+            codes = (x.float() / _safe(s)).clamp(-FP8_MAX["e4m3"], FP8_MAX["e4m3"])
             return codes.to(torch.float8_e4m3fn), s, None
-
         q = quantize(x.float(), QuantSpec(self.fmt.code_bits, "per-token", None, True))
         return pack_codes(q.codes, self.fmt.code_bits), q.scale, None
 
+    def _map(self, fn) -> None:
+        """Apply ``fn`` to every buffer held (data, per-token scales, RoPE channels)."""
+        for name in ("data", "scales", "rope"):
+            if getattr(self, name) is not None:
+                setattr(self, name, fn(getattr(self, name)))
+
     def append(self, x: torch.Tensor) -> None:
-        data, scales, rope = self.encode(x)
-        self.data = data if self.data is None else torch.cat((self.data, data), dim=2)
-        if scales is not None:
-            self.scales = scales if self.scales is None else torch.cat((self.scales, scales), 2)
-        if rope is not None:
-            self.rope = rope if self.rope is None else torch.cat((self.rope, rope), dim=2)
+        for name, new in zip(("data", "scales", "rope"), self.encode(x)):
+            old = getattr(self, name)
+            if new is not None:
+                setattr(self, name, new if old is None else torch.cat((old, new), dim=2))
         self.length += x.shape[2]
 
     def drop_front(self, n: int) -> None:
-        if n <= 0 or self.data is None:
-            return
-        self.data = self.data[:, :, n:].clone()
-        if self.scales is not None:
-            self.scales = self.scales[:, :, n:].clone()
-        if self.rope is not None:
-            self.rope = self.rope[:, :, n:].clone()
-        self.length -= n
+        if n > 0 and self.data is not None:
+            self._map(lambda t: t[:, :, n:].clone())
+            self.length -= n
 
     # -- reading ------------------------------------------------------------------------------
     def read(self) -> torch.Tensor:
@@ -142,19 +135,13 @@ class EngineStore:
         if self.family == "dense":
             return self.data.float()
         if self.family == "ggml":
-
             return dequantize_ggml(GGMLBlocks.from_bytes(self.data, self.fmt, self.head_dim))
         if self.family == "fp8":
-            s = self.static_scale.to(self.data.device)
-            y = self.data.float() * torch.where(s > 0, s, torch.ones_like(s))
-            return torch.where(s > 0, y, torch.zeros_like(y))
+            return _unscale(self.data, self.static_scale.to(self.data.device))
         if self.family == "ds-mla":
             return dequantize_ds_mla(DsMlaRows(self.data, self.scales, self.rope))
         if self.fmt.kind == "fp8":
-            s = self.scales
-            y = self.data.float() * torch.where(s > 0, s, torch.ones_like(s))
-            return torch.where(s > 0, y, torch.zeros_like(y))
-
+            return _unscale(self.data, self.scales)
         bits = self.fmt.code_bits
         qmax = (1 << (bits - 1)) - 1
         codes = unpack_codes(self.data, bits, self.head_dim)
@@ -192,12 +179,18 @@ class EngineStore:
         return out
 
     def select_batch(self, index: torch.Tensor) -> None:
-        if self.data is not None:
-            self.data = self.data[index]
-        if self.scales is not None:
-            self.scales = self.scales[index]
-        if self.rope is not None:
-            self.rope = self.rope[index]
+        self._map(lambda t: t[index])
+
+
+def _safe(s: torch.Tensor) -> torch.Tensor:
+    """Scales with 0 replaced by 1 (a zero scale stores and reads zeros)."""
+    return torch.where(s > 0, s, torch.ones_like(s))
+
+
+def _unscale(data: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """fp8 codes times their scale, float32; 0 where the scale is 0."""
+    y = data.float() * _safe(s)
+    return torch.where(s > 0, y, torch.zeros_like(y))
 
 
 def _visible(mask: torch.Tensor | None, tq: int, n: int, device) -> torch.Tensor:
@@ -220,58 +213,38 @@ class EngineLayer(HistoryLayer):
     key_type / value_type: ``kvlens.quant.cachetypes`` types. key_scale / value_scale: float32
     static fp8 scales ``[1, 1 or Hkv, 1, 1]`` where the type needs them."""
 
-    is_compileable = False
-    is_croppable = False
+    what = "engine-format"
 
     def __init__(self, key_type: CacheType, value_type: CacheType, layer_idx: int,
                  head_dim: int, *, key_scale: torch.Tensor | None = None,
                  value_scale: torch.Tensor | None = None, sliding_window: int | None = None,
                  session=None, kv_shared: bool = False):
-        super().__init__()
-        self.is_initialized = False
-        self.layer_idx = layer_idx
-        self.head_dim = head_dim
-        self.session = session
+        super().__init__(layer_idx, head_dim, session, sliding_window, kv_shared)
         self.key_type, self.value_type = key_type, value_type
         self.kstore = EngineStore(key_type, head_dim, key_scale)
         self.vstore = EngineStore(value_type, head_dim, value_scale)
-        # an MLA layer's keys and values are one latent row (kvlens.model.mla): stored once
-        # when both are stored alike, as engines store it
-        self.kv_tensors = 1 if kv_shared else 2
+        # an MLA layer's latent row (kvlens.model.mla) stored once when both are stored alike
         self.shares = layout.engine_types_share(key_type, value_type, kv_shared, head_dim)
         if self.shares:
             self.vstore = self.kstore
         self.rotate_keys = key_type.rotates(head_dim)
         self.rotate_values = value_type.rotates(head_dim)
-        self.sliding_window = sliding_window
-        self.is_sliding = sliding_window is not None
-        self.cumulative_length = 0
         self.start = 0  # first held position (a sliding layer drops older ones)
         self.read_start = 0  # first position of what the last update() returned
 
     # -- transformers interface -------------------------------------------------------------
     def lazy_initialization(self, key_states, value_states, *args, **kwargs) -> None:
-        self.check_shapes(key_states, value_states)
-        self.device = key_states.device
-        self.dtype = key_states.dtype
-        self.keys = key_states.new_empty(0)
-        self.values = value_states.new_empty(0)
+        super().lazy_initialization(key_states, value_states)
         for store, scale in ((self.kstore, self.kstore.static_scale),
                              (self.vstore, self.vstore.static_scale)):
             if scale is not None:
                 store.static_scale = scale.to(key_states.device, torch.float32).clone()
-        self.is_initialized = True
 
     def _rotation(self, tensor: str) -> torch.Tensor:
         return self.session.engine_rotation(tensor, self.head_dim, self.device)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.session is None or not self.session.active:
-            raise ConfigError("A kvlens engine-format cache must be used inside "
-                              "kvlens.cache.compressed_attention(model, config).")
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.attended = False
+        self.begin_update(key_states, value_states)
         out, stored = [], []
         for store, x, rotated, tensor in ((self.kstore, key_states, self.rotate_keys, "key"),
                                           (self.vstore, value_states, self.rotate_values,
@@ -336,20 +309,6 @@ class EngineLayer(HistoryLayer):
             for store in self._stores():
                 store.drop_front(n)
             self.start += n
-
-    def reset(self) -> None:
-        raise ConfigError("A kvlens engine-format cache cannot be reset; build a new one.")
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise ConfigError("A kvlens engine-format cache cannot be cropped; assisted/speculative "
-                          "decoding is not supported.")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise ConfigError("A kvlens engine-format cache does not support beam search or "
-                          "num_return_sequences > 1.")
-
-    def reorder_cache(self, beam_idx) -> None:
-        self.batch_repeat_interleave(0)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         for store in self._stores():

@@ -65,16 +65,63 @@ def _fp_dtype(name: str) -> torch.dtype | None:
 
 class HistoryLayer(DynamicLayer):
     """What every kvlens cache layer (``CompressedLayer``, ``kvlens.cache.engine.EngineLayer``)
-    tells transformers' mask builder, defined once.
+    shares: its bookkeeping, the operations it refuses, and what it tells transformers' mask
+    builder.
 
-    transformers builds **one** mask per layer type (``masking_utils``: the sizes come from the
-    first sliding layer, ``cache.is_sliding.index(True)``, or the first full one) and hands it to
-    every layer of that type. So all kvlens layers report the same thing: the mask covers
-    absolute positions ``[0, N + q)`` (offset 0), whatever each layer still holds; a layer that
-    dropped positions (a sliding layer's eviction) reads only the columns it holds
-    (``held_columns``), and the sliding mask hides the dropped ones anyway. A layer reporting
-    its own held span instead would hand a mask of the wrong width to the other layers of its
-    type as soon as one config mixes layer kinds."""
+    transformers builds **one** mask per layer type (``masking_utils``) and hands it to every
+    layer of that type, so all kvlens layers report a mask over absolute positions ``[0, N + q)``
+    (offset 0), whatever each layer still holds; a layer that dropped positions (a sliding
+    layer's eviction) reads only the columns it holds (``held_columns``)."""
+
+    is_compileable = False
+    is_croppable = False
+    #: what the messages call this layer's cache
+    what = "compressed"
+
+    def __init__(self, layer_idx: int, head_dim: int, session, sliding_window: int | None,
+                 kv_shared: bool):
+        super().__init__()
+        self.is_initialized = False  # set by the base class from transformers 4.57 on, not 4.56
+        self.layer_idx = layer_idx
+        self.head_dim = head_dim
+        self.session = session
+        self.cumulative_length = 0
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
+        # an MLA layer's keys and values are one latent row: an fp16 cache holds it once
+        self.kv_tensors = 1 if kv_shared else 2
+
+    def lazy_initialization(self, key_states, value_states, *args, **kwargs) -> None:
+        self.check_shapes(key_states, value_states)
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        self.keys = key_states.new_empty(0)
+        self.values = value_states.new_empty(0)
+        self.is_initialized = True
+
+    def begin_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """The start of every ``update``: inside a session, initialised, not yet attended."""
+        if self.session is None or not self.session.active:
+            raise ConfigError(f"A kvlens {self.what} cache must be used inside "
+                              "kvlens.cache.compressed_attention(model, config) (it installs "
+                              "the attention function that reads the stored K/V).")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.attended = False
+
+    def reset(self) -> None:
+        raise ConfigError(f"A kvlens {self.what} cache cannot be reset; build a new one.")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ConfigError(f"A kvlens {self.what} cache cannot be cropped; assisted/speculative "
+                          "decoding is not supported.")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise ConfigError(f"A kvlens {self.what} cache does not support beam search or "
+                          "num_return_sequences > 1.")
+
+    def reorder_cache(self, beam_idx) -> None:
+        self.batch_repeat_interleave(0)
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
@@ -157,31 +204,17 @@ def with_fixed_state(cls):
 class CompressedLayer(HistoryLayer):
     """A transformers cache layer whose history is packed low-bit codes (see module doc)."""
 
-    is_compileable = False
-    is_croppable = False
-
     def __init__(self, setting: LayerKV, layer_idx: int, head_dim: int, *,
                  scale_dtype: str = "float16", fp_dtype: str = "float16",
                  mikv: MikvSettings | None = None, balancer: torch.Tensor | None = None,
                  sliding_window: int | None = None, rotation: torch.Tensor | None = None,
                  session=None, write_first: bool = False,
                  kv_shared: bool = False):
-        super().__init__()
-        self.is_initialized = False  # set by the base class from transformers 4.57 on, not 4.56
+        super().__init__(layer_idx, head_dim, session, sliding_window, kv_shared)
         self.setting = setting
-        self.layer_idx = layer_idx
-        self.head_dim = head_dim
-        self.session = session
-        self.cumulative_length = 0
-        self.sliding_window = sliding_window
-        # A sliding layer drops what its window hides (see commit); the model's sliding mask,
-        # built over absolute positions (HistoryLayer.get_mask_sizes), hides the rest.
-        self.is_sliding = sliding_window is not None
         self.flush_every = layout.flush_every(setting)  # 0 = never flush (nothing quantized)
         fp = _fp_dtype(fp_dtype)
-        # an MLA layer's keys and values are one latent row: an fp16 cache holds it once, and
-        # so does this layer when both are stored alike (one store and one window)
-        self.kv_tensors = 1 if kv_shared else 2
+        # keys and values that are one latent row (MLA) stored alike: one store and one window
         self.shares = layout.shares_storage(
             setting, kv_shared, head_dim,
             balancer=balancer is not None or (mikv is not None and mikv.balancer == "online"))
@@ -233,22 +266,8 @@ class CompressedLayer(HistoryLayer):
         return layout.new_store(head_dim, self.flush_every, scale_dtype)
 
     # -- transformers interface -----------------------------------------------------------------
-    def lazy_initialization(self, key_states, value_states, *args, **kwargs) -> None:
-        self.check_shapes(key_states, value_states)
-        self.device = key_states.device
-        self.dtype = key_states.dtype
-        self.keys = key_states.new_empty(0)
-        self.values = value_states.new_empty(0)
-        self.is_initialized = True
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.session is None or not self.session.active:
-            raise ConfigError("A kvlens compressed cache must be used inside "
-                              "kvlens.cache.compressed_attention(model, config) (it installs "
-                              "the attention function that reads the packed store).")
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.attended = False
+        self.begin_update(key_states, value_states)
         t = key_states.shape[2]
         cap = self.setting.residual_tokens if self.flush_every else 0
         self.res_k.append(self.to_stored_basis(key_states, self.setting.rotate_keys), capacity=cap)
@@ -314,20 +333,6 @@ class CompressedLayer(HistoryLayer):
                               "(pre_rope_keys: false).")
         self.rope = self.rope_options[0]
         self.positions = pos if self.positions is None else torch.cat((self.positions, pos), 1)
-
-    def reset(self) -> None:
-        raise ConfigError("A kvlens compressed cache cannot be reset; build a new one.")
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise ConfigError("A kvlens compressed cache cannot be cropped (quantized blocks are "
-                          "immutable); assisted/speculative decoding is not supported.")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise ConfigError("A kvlens compressed cache does not support beam search or "
-                          "num_return_sequences > 1.")
-
-    def reorder_cache(self, beam_idx) -> None:
-        self.batch_repeat_interleave(0)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         for store in self._stores(self.kstore, self.vstore, self.res_k, self.res_v, self.hp_k,
