@@ -55,51 +55,37 @@ class DecodeCost:
                 "unfused_layers": {str(k): v for k, v in self.unfused.items()}}
 
 
-def layer_read_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batch: int = 1,
-                     fp_bytes: int = 2, scale_dtype: str = "float16", mikv=None,
-                     balancer: bool = False, sliding_window: int | None = None,
-                     kv_shared: bool = False
-                     ) -> tuple[int, int]:
-    """``(read, torch_unpack)`` bytes of one decode step over one layer (module doc); a store
-    shared by keys and values (MLA, ``layout.shares_storage``) is read once."""
-    parts = layout.layer_part_bytes(setting, tokens=tokens, head_dim=head_dim,
-                                    kv_heads=kv_heads, batch=batch, fp_bytes=fp_bytes,
-                                    scale_dtype=scale_dtype, mikv=mikv, balancer=balancer,
-                                    sliding_window=sliding_window, kv_shared=kv_shared)
-    one = layout.shares_storage(setting, kv_shared, head_dim, balancer=balancer)
-    st = layout.stream_state(setting, tokens, sliding_window)
-    rows = batch * kv_heads
-    parts["window"] = (1 if one else 2) * rows * st.n_res * head_dim * fp_bytes  # filled only
+def layer_read_bytes(setting, **kw) -> tuple[int, int]:
+    """``(read, torch_unpack)`` bytes of one decode step over one layer (module doc), with the
+    keywords of ``layout.layer_part_bytes``; a store shared by keys and values (MLA,
+    ``layout.shares_storage``) is read once."""
+    parts = layout.layer_part_bytes(setting, **kw)
+    d = kw["head_dim"]
+    one = layout.shares_storage(setting, kw["kv_shared"], d, balancer=kw["balancer"])
+    st = layout.stream_state(setting, kw["tokens"], kw["sliding_window"])
+    rows = kw["batch"] * kw["kv_heads"]
+    parts["window"] = (1 if one else 2) * rows * st.n_res * d * kw["fp_bytes"]  # filled only
     quantized = 1 if one else sum(s is not None for s in (setting.key, setting.value))
-    unpack = 4 * rows * st.q_held * head_dim * quantized
-    return sum(parts.values()), unpack
+    return sum(parts.values()), 4 * rows * st.q_held * d * quantized
 
 
 def config_decode_cost(config, shape: layout.ModelShape, tokens: int, batch: int = 1
                        ) -> DecodeCost:
     """``DecodeCost`` of ``config`` on a model of ``shape`` (``kvlens.cache.layout.ModelShape``),
     with the same per-layer rules as ``layout.config_part_bytes``."""
-
-    fp = layout.fp_bytes_of(config.fp_dtype, shape.dtype_bytes)
     # bytes read per scale (and per zero) are the bytes held: the kernel reads 8-bit metadata
     # as bytes and decodes it in registers (docs/kernels.md)
     read = unpack = 0
     unfused = {}
     for i in shape.attention_layers:
         setting = config.layer(i)
-        mikv = config.mikv_for(i)
-        balancer = mikv is not None and (mikv.balancer == "online" or
-                                         (mikv.balancer == "fixed" and i in config.balancers))
-        r, u = layer_read_bytes(setting, tokens=tokens, head_dim=shape.head_dim,
-                                kv_heads=shape.num_key_value_heads, batch=batch, fp_bytes=fp,
-                                scale_dtype=config.scale_dtype, mikv=mikv,
-                                balancer=balancer and setting.compressed,
-                                sliding_window=shape.window(i), kv_shared=shape.kv_shared)
+        kw = layout.layer_arguments(config, shape, i, tokens, batch)
+        r, u = layer_read_bytes(setting, **kw)
         read += r
         unpack += u
         if setting.compressed:
             why = kernel_layout_problem(setting, shape.head_dim)
-            policy = set_policy(mikv)
+            policy = set_policy(kw["mikv"])
             if why is None and policy is not None and policy.needs_attention_probs \
                     and shape.window(i) is None:
                 why = policy.kernel_problem

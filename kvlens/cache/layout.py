@@ -264,21 +264,25 @@ def engine_layer_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, ba
     return total
 
 
+def layer_arguments(config, shape: ModelShape, i: int, tokens: int, batch: int) -> dict:
+    """The keywords of ``layer_part_bytes`` for layer ``i`` of ``config`` on ``shape``."""
+    mikv = config.mikv_for(i)
+    balancer = mikv is not None and (mikv.balancer == "online" or
+                                     (mikv.balancer == "fixed" and i in config.balancers))
+    return dict(tokens=tokens, head_dim=shape.head_dim, kv_heads=shape.num_key_value_heads,
+                batch=batch, fp_bytes=fp_bytes_of(config.fp_dtype, shape.dtype_bytes),
+                scale_dtype=config.scale_dtype, mikv=mikv,
+                balancer=balancer and config.layer(i).compressed,
+                sliding_window=shape.window(i), kv_shared=shape.kv_shared)
+
+
 def _layer_parts(config, shape: ModelShape, i: int, tokens: int, batch: int) -> dict[str, int]:
     setting = config.layer(i)
     if setting.engine:
         return engine_layer_bytes(setting, tokens=tokens, head_dim=shape.head_dim,
                                   kv_heads=shape.num_key_value_heads, batch=batch,
                                   sliding_window=shape.window(i), kv_shared=shape.kv_shared)
-    mikv = config.mikv_for(i)
-    balancer = mikv is not None and (mikv.balancer == "online" or
-                                     (mikv.balancer == "fixed" and i in config.balancers))
-    return layer_part_bytes(setting, tokens=tokens, head_dim=shape.head_dim,
-                            kv_heads=shape.num_key_value_heads, batch=batch,
-                            fp_bytes=fp_bytes_of(config.fp_dtype, shape.dtype_bytes),
-                            scale_dtype=config.scale_dtype, mikv=mikv,
-                            balancer=balancer and setting.compressed,
-                            sliding_window=shape.window(i), kv_shared=shape.kv_shared)
+    return layer_part_bytes(setting, **layer_arguments(config, shape, i, tokens, batch))
 
 
 def rotation_devices(config, shape: ModelShape) -> list[str]:
