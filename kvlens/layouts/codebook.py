@@ -85,12 +85,6 @@ class CodebookStore:
             self.packed = torch.cat((self.packed, packed), dim=2)
             self.norms = torch.cat((self.norms, qt.norms), dim=2)
 
-    def held_bytes(self) -> int:
-        """Bytes of the tensors held: packed codes and norms."""
-        if self.packed is None:
-            return 0
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.norms))
-
     # -- the cache's store interface (kvlens.cache.layer) --------------------------------------
     def drop_front(self, n: int) -> None:
         """Forget the oldest ``n`` tokens (whole blocks; a sliding layer's expired history):
@@ -124,19 +118,6 @@ class CodebookStore:
     def select_batch(self, index: torch.Tensor) -> None:
         if self.packed is not None:
             self.packed, self.norms = self.packed[index], self.norms[index]
-
-    def reported_bytes(self) -> int:
-        """``CodebookSpec.held_bytes`` for what the store holds."""
-        if self.packed is None:
-            return 0
-        b, h, n, _ = self.packed.shape
-        return self.spec.held_bytes(b * h * n, self.head_dim)
-
-    def dequantize(self) -> torch.Tensor:
-        """The reference read (``kvlens.quant.codebook.dequantize_codebook``), ``[B, H, N, D]``."""
-        qt = CodebookTensor.from_packed(self.packed, self.norms, self.codebook, self.spec,
-                                        self.head_dim)
-        return dequantize_codebook(qt)
 
     # -- folded reads --------------------------------------------------------------------------
     def chunk(self, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:

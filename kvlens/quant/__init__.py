@@ -13,7 +13,6 @@ in one place, ``kvlens.cache.layout``.
 """
 
 from kvlens.quant.codebook import (
-    CODEBOOKS,
     Codebook,
     CodebookSpec,
     CodebookTensor,
@@ -33,7 +32,7 @@ from kvlens.quant.formats import (
     rotate_rows,
 )
 from kvlens.quant.fp8 import FP8Format, TokenHeadFormat, calibrate_scale
-from kvlens.quant.ggml import GGMLBlockFormat, GGMLBlocks, dequantize_ggml, quantize_ggml
+from kvlens.quant.ggml import GGMLBlocks, dequantize_ggml, quantize_ggml
 from kvlens.quant.packing import (
     pack_codes,
     pack_unit,
@@ -51,8 +50,6 @@ from kvlens.quant.rotation import (
 )
 from kvlens.quant.spec import GRANULARITIES, QuantSpec
 from kvlens.quant.transforms import (
-    OUTLIER_SCOPES,
-    SparseOutliers,
     apply_balancer,
     fit_balancer,
     outlier_count,
@@ -63,7 +60,6 @@ from kvlens.quant.transforms import (
 )
 
 __all__ = [
-    "CODEBOOKS",
     "Codebook",
     "CodebookSpec",
     "CodebookTensor",
@@ -74,7 +70,6 @@ __all__ = [
     "quantize_codebook",
     "FP8Format",
     "FormatSetting",
-    "GGMLBlockFormat",
     "GGMLBlocks",
     "TokenHeadFormat",
     "calibrate_scale",
@@ -86,11 +81,9 @@ __all__ = [
     "quantize_ggml",
     "rotate_rows",
     "GRANULARITIES",
-    "OUTLIER_SCOPES",
     "QTensor",
     "QuantSpec",
     "RotationSpec",
-    "SparseOutliers",
     "apply_balancer",
     "dequantize",
     "expand_params",

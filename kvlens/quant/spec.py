@@ -140,11 +140,6 @@ class QuantSpec:
             return self.group_length(num_tokens, head_dim), 1
         return num_tokens, head_dim
 
-    def num_groups(self, num_tokens: int, head_dim: int) -> int:
-        """Groups (= scales) per ``[T, D]`` matrix, counting a partial last token group."""
-        bt, bd = self.block_shape(num_tokens, head_dim)
-        return -(-num_tokens // bt) * (head_dim // bd)
-
     def check_fits(self, shape: Sequence[int]) -> None:
         """Raise ``ConfigError`` unless this spec can quantize a tensor of ``shape``.
 

@@ -155,11 +155,6 @@ class SparseOutliers:
         """``dense`` with the outlier positions *overwritten* by the stored values."""
         return dense.scatter(self.dim, self.indices, self.values.to(dense.dtype))
 
-    def to_dense(self) -> torch.Tensor:
-        return self.scatter_into(
-            torch.zeros(self.shape, dtype=self.values.dtype, device=self.values.device)
-        )
-
 
 def outlier_count(length: int, fraction: float) -> int:
     """Outliers kept per vector of ``length``: ``ceil(fraction * length)`` (at least the asked
