@@ -177,24 +177,19 @@ def unpack_cols(raw: torch.Tensor, bits: int, d: int) -> torch.Tensor:
     return unpack_rows(raw.transpose(-1, -2).contiguous(), bits)[..., :d, :]
 
 
-def _token_rows(p: torch.Tensor, store, n: int) -> torch.Tensor:
-    """Scale/zero rows of a channel-packed store (per-token ``[.., n, D/G]`` or per-tensor
-    ``[.., n/F, 1]``) as float32 ``[B, H, nJ, n]``, contiguous (one value per token and channel
-    group; a per-tensor block's value is repeated over its tokens: ``n`` floats, not a
+def _token_scales(store, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, zero)`` of tokens ``[t0, t1)`` of a channel-packed store (per-token rows
+    ``[.., n, D/G]`` or per-tensor ``[.., n/F, 1]``), each float32 ``[B, H, nJ, t1 - t0]``
+    contiguous (a per-tensor block's value repeated over its tokens: ``n`` floats, not a
     dequantized tensor). Contiguous matters: a broadcast multiply with the transposed view is
     many times slower."""
-    p = p.float().transpose(-1, -2)
-    if store.spec.granularity == "per-tensor":
-        p = p.repeat_interleave(store.block, dim=-1)
-    return p[..., :n].contiguous()
-
-
-def _token_scales(store, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(scale, zero)`` of tokens ``[t0, t1)`` of a channel-packed store (per-token or
-    per-tensor), each float32 ``[B, H, nJ, t1 - t0]`` (``_token_rows``)."""
     bt = store.block if store.spec.granularity == "per-tensor" else 1
-    rows = slice(t0 // bt, -(-t1 // bt))
-    return tuple(_token_rows(p, store, t1 - t0) for p in store.params(rows))
+
+    def rows(p: torch.Tensor) -> torch.Tensor:
+        p = p.float().transpose(-1, -2)
+        return (p.repeat_interleave(bt, dim=-1) if bt > 1 else p)[..., :t1 - t0].contiguous()
+
+    return tuple(rows(p) for p in store.params(slice(t0 // bt, -(-t1 // bt))))
 
 
 def _key_group(store) -> int:
@@ -202,24 +197,32 @@ def _key_group(store) -> int:
     return store.spec.group_size or store.block
 
 
+def _chunk(store, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(codes, scale, zero)`` float32 of packed tokens ``[t0, t1)``: a token-packed
+    (per-channel) store's codes ``[B, H, n, D]`` with one row per ``G`` tokens ``[B, H, n/G,
+    D]``, a channel-packed store's codes channels first ``[B, H, D, n]`` with
+    ``_token_scales``. The codes are the chunk workspace (valid until the next unpack)."""
+    raw = store.code_bytes(t0, t1)
+    if store.packs_tokens:
+        g = _key_group(store)
+        scale, zero = (p.float() for p in store.params(slice(t0 // g, t1 // g)))
+        return unpack_rows(raw, store.spec.bits), scale, zero
+    return (unpack_cols(raw, store.spec.bits, store.head_dim), *_token_scales(store, t0, t1))
+
+
 def _dequant_chunk(store, t0: int, t1: int) -> torch.Tensor:
     """Tokens ``[t0, t1)`` of a packed store as float32 ``[B, H, n, D]``: ``code * scale + zero``
-    computed in place on the unpacked chunk (one float32 chunk, the same values as the
-    reference's ``dequantize_range``). Used only where the scales cannot be folded (pre-RoPE
-    keys: RoPE must rotate the dequantized key)."""
-    c = store.spec.bits
+    computed in place on the unpacked chunk (the same values as the reference's
+    ``dequantize_range``). Used only where the scales cannot be folded (pre-RoPE keys)."""
     d = store.head_dim
     b, h = store.codes.shape[:2]
     n = t1 - t0
+    x, scale, zero = _chunk(store, t0, t1)
     if store.packs_tokens:
         g = _key_group(store)
-        x = unpack_rows(store.code_bytes(t0, t1), c).view(b, h, n // g, g, d)
-        scale, zero = store.params(slice(t0 // g, t1 // g))
-        x.mul_(scale[:, :, :, None].float())
-        x.add_(zero[:, :, :, None].float())
+        x = x.view(b, h, n // g, g, d)
+        x.mul_(scale[:, :, :, None]).add_(zero[:, :, :, None])
         return x.view(b, h, n, d)
-    x = unpack_cols(store.code_bytes(t0, t1), c, d)  # [B, H, D, n]
-    scale, zero = _token_scales(store, t0, t1)
     nj = scale.shape[-2]
     x5 = x.reshape(b, h, nj, d // nj, n)
     x5.mul_(scale.unsqueeze(3)).add_(zero.unsqueeze(3))
@@ -228,8 +231,7 @@ def _dequant_chunk(store, t0: int, t1: int) -> torch.Tensor:
 
 def _key_scores(layer, q: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
     """``q [B, Hkv, M, D]`` (balanced and scaled) against packed keys ``[t0, t1)`` ->
-    ``[B, Hkv, M, t1 - t0]``. Scales fold into ``q`` (module docstring); only the codes of this
-    chunk are unpacked (float32, one chunk: eager torch has no integer x float matmul)."""
+    ``[B, Hkv, M, t1 - t0]``. Scales fold into ``q`` (module docstring)."""
     store = layer.kstore
     packed = isinstance(store, PackedTensor)
     if not packed and not layer.stores_pre_rope and hasattr(store, "key_scores"):
@@ -246,20 +248,15 @@ def _key_scores(layer, q: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
         return torch.matmul(q, k.transpose(-1, -2))
     b, h, m, d = q.shape
     n = t1 - t0
-    c = store.spec.bits
+    codes, scale, zero = _chunk(store, t0, t1)
     if store.packs_tokens:  # per-channel: one scale row per G tokens
         g = _key_group(store)
-        ng = n // g
-        codes = unpack_rows(store.code_bytes(t0, t1), c)
-        scale, zero = (p.float() for p in store.params(slice(t0 // g, t1 // g)))  # [B,H,nG,D]
         qs = q[:, :, None] * scale[:, :, :, None]  # [B, H, nG, M, D]
-        s = torch.matmul(qs, codes.view(b, h, ng, g, d).transpose(-1, -2))  # [B, H, nG, M, G]
+        s = torch.matmul(qs, codes.view(b, h, n // g, g, d).transpose(-1, -2))  # [B,H,nG,M,G]
         s += torch.matmul(zero, q.transpose(-1, -2)).unsqueeze(-1)  # bias [B, H, nG, M, 1]
         return s.permute(0, 1, 3, 2, 4).reshape(b, h, m, n)
-    # per-token (groups of G channels) / per-tensor: codes packed along channels, one scale per
-    # (token, channel group): score_t = sum_j s_tj (q_j . code_tj) + z_tj * sum(q_j)
-    codes = unpack_cols(store.code_bytes(t0, t1), c, d)  # [B, H, D, n]
-    scale, zero = _token_scales(store, t0, t1)  # [B, H, nJ, n]
+    # per-token (groups of G channels) / per-tensor: codes [B, H, D, n], scales [B, H, nJ, n]:
+    # score_t = sum_j s_tj (q_j . code_tj) + z_tj * sum(q_j)
     nj = scale.shape[-2]
     gd = d // nj
     qsum = q.reshape(b, h, m, nj, gd).sum(-1)  # [B, H, M, nJ]
@@ -274,31 +271,24 @@ def _key_scores(layer, q: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
 
 def _value_out(layer, p: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
     """Weights ``p [B, Hkv, M, t1 - t0]`` times packed values ``[t0, t1)`` -> ``[B, Hkv, M, D]``.
-    Scales fold into the weights or the output (module docstring); only this chunk's codes are
-    unpacked to float32."""
+    Scales fold into the weights or the output (module docstring)."""
     store = layer.vstore
     if not isinstance(store, PackedTensor):  # dense history or another layout: its read-back
         return torch.matmul(p, store.dequantize_range(t0, t1))
     b, h, m, n = p.shape
     d = store.head_dim
-    c = store.spec.bits
+    codes, scale, zero = _chunk(store, t0, t1)
     if store.packs_tokens:  # per-channel: o_d = sum_g s_gd (p_g . code_gd) + z_gd * sum(p_g)
         g = _key_group(store)
-        ng = n // g
-        codes = unpack_rows(store.code_bytes(t0, t1), c)  # [B, H, n, D]
-        scale, zero = (p.float() for p in store.params(slice(t0 // g, t1 // g)))  # [B,H,nG,D]
-        pg = p.view(b, h, m, ng, g).transpose(2, 3)  # [B, H, nG, M, G]
-        part = torch.matmul(pg, codes.view(b, h, ng, g, d))  # [B, H, nG, M, D]
+        pg = p.view(b, h, m, n // g, g).transpose(2, 3)  # [B, H, nG, M, G]
+        part = torch.matmul(pg, codes.view(b, h, n // g, g, d))  # [B, H, nG, M, D]
         part.mul_(scale.unsqueeze(3))
         out = part.sum(2)
         return out.add_(torch.matmul(pg.sum(-1).transpose(-1, -2), zero))
     # per-token / per-tensor: out_d = sum_t (p_t * s_tj) code_td + sum_t p_t z_tj (d in group j)
-    scale, zero = _token_scales(store, t0, t1)  # [B, H, nJ, n]
     nj = scale.shape[-2]
-    g = d // nj
-    codes = unpack_cols(store.code_bytes(t0, t1), c, d)  # [B, H, D, n]
     w = p[:, :, None] * scale[:, :, :, None]  # [B, H, nJ, M, n]
-    out = torch.matmul(w, codes.reshape(b, h, nj, g, n).transpose(-1, -2))  # [B, H, nJ, M, G]
+    out = torch.matmul(w, codes.reshape(b, h, nj, d // nj, n).transpose(-1, -2))  # [B,H,nJ,M,G]
     out += torch.matmul(p, zero.transpose(-1, -2)).transpose(-1, -2).unsqueeze(-1)
     return out.permute(0, 1, 3, 2, 4).reshape(b, h, m, d)
 
