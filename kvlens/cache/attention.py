@@ -56,7 +56,6 @@ def make_attention_fn(backend: str = "torch", chunk_tokens: int = CHUNK_TOKENS
     def factory(original: Callable) -> Callable:
         def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                       **kwargs):
-
             layer = getattr(key, LAYER_ATTR, None)
             if layer is None:  # no compressed cache in this forward: the model's own path
                 return original(module, query, key, value, attention_mask, scaling=scaling,

@@ -60,7 +60,6 @@ class CompressionSession:
         """The ``[D, D]`` float32 rotation llama.cpp applies to ``tensor`` (key or value)."""
         key = (tensor, head_dim, str(device))
         if key not in self.rotations:
-
             self.rotations[key] = engine_rotation(tensor, head_dim).to(device)
         return self.rotations[key]
 
@@ -121,7 +120,6 @@ class CompressionSession:
                    kv_shared=self.info.kv_shared, **states)
 
     def _engine_layer(self, idx: int, **states):
-
         setting = self.config.layer(idx)
         given = self.config.kv_scales.get(idx, {})
         hkv = self.info.num_key_value_heads
@@ -149,18 +147,14 @@ def exact_layers(model) -> dict:
             if t not in ("full_attention", "sliding_attention", "chunked_attention")}
 
 
-def _device(model):
-
-    return input_device(model)
-
-
 @contextmanager
 def compressed_attention(model, config: KVConfig, backend: str = "auto"
                          ) -> Iterator[CompressionSession]:
-
+    """Validate ``config`` against ``model``, choose the backend and install kvlens' attention
+    (and, for pre-RoPE keys, the RoPE hooks) for the block (module docstring)."""
     info = describe(model)
     validate_for(config, info)
-    name, reason = select_backend(backend, _device(model))
+    name, reason = select_backend(backend, input_device(model))
     session = CompressionSession(model, config, info, name, reason)
     with ExitStack() as stack:
         stack.enter_context(attention_override(model, make_attention_fn(name)))

@@ -301,7 +301,6 @@ class CompressedLayer(HistoryLayer):
     def _record_positions(self, b: int, t: int) -> None:
         """Keep the RoPE positions of the new tokens, checking that the model's RoPE can be
         re-created from them."""
-
         cos0, _, pos = self.session.rope.get(self.layer_idx, (None, None, None))
         if cos0 is None:
             raise ConfigError("pre-RoPE keys need the layer's RoPE tables, which this model "
@@ -393,7 +392,6 @@ class CompressedLayer(HistoryLayer):
         position received in this call (summed over the query heads of its KV head and the
         queries)."""
         if self.want_online_balancer:
-
             self.balancer = fit_balancer(query, self.res_k.view().float(),
                                          exponent=self.mikv.balancer_exponent)
             self.want_online_balancer = False
@@ -410,7 +408,6 @@ class CompressedLayer(HistoryLayer):
         v = self.res_v.view(0, n)
         k_store = k.float()
         if self.stores_pre_rope:
-
             cos, sin = self.rope_tables(t0, t0 + n)
             k_store = invert_rope(k.float(), cos, sin, self.rope.layout)
         if self.balancer is not None and self.setting.key is not None:

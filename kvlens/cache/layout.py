@@ -76,7 +76,6 @@ POSITION_BYTES = 4  # int32
 
 def flush_every(setting) -> int:
     """``F`` of a layer: tokens quantized together (0 = nothing is ever quantized)."""
-
     if not setting.compressed:
         return 0
     return max(flush_block(s, setting.residual_tokens, setting.flush_tokens)

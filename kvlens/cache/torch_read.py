@@ -148,7 +148,6 @@ def unpack_rows(raw: torch.Tensor, bits: int) -> torch.Tensor:
     unpack). Units of several bytes (3-bit codes: 8 in 3 bytes) are unpacked slot by slot, each
     slot one or two uint8 shifts over the whole chunk (faster than joining a unit's bytes
     into an int32 word first: ``benchmarks/bench_unpack.py``, ``docs/benchmarks.md``)."""
-
     u, w = pack_unit(bits)
     lead, r, c = raw.shape[:-2], raw.shape[-2], raw.shape[-1]
     out = _scratch("f32", (*lead, r // w * u, c), torch.float32, raw.device)

@@ -41,7 +41,6 @@ def kernel_layout_problem(setting, head_dim: int) -> str | None:
     """Why the fused decode kernel cannot read a layer stored as ``setting`` (a
     ``kvlens.config.LayerKV``), or ``None``. Shared by the dispatch and ``recommend``'s
     ``--prefer-fast``."""
-
     if setting.key is None or setting.value is None:
         return "keys or values not quantized (the kernel reads both from the packed store)"
     if setting.pre_rope_keys:
