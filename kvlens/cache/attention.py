@@ -1,17 +1,13 @@
 """The attention function the compressed cache installs in the model (``make_attention_fn``).
 
-Each call goes to one of four paths: the model's own attention when no compressed cache is in
-the forward (or nothing is quantized yet), an engine-format layer's own engine arithmetic
-(``EngineLayer.attend``, when the config asks for it: ``KVConfig.engine_attention``), the
-Triton decode kernel (``kvlens.cache.triton_glue``) when the run's backend is triton
-(``kvlens.cache.backend``) and the kernel can serve the call, otherwise the torch read path (``kvlens.cache.torch_read``).
-Every call that takes the torch path under the triton backend is counted, with its reason, on
-the session (``CompressionSession.backend_reason``).
-
-Logit soft-capping (Gemma 2: the ``softcap`` keyword) and learned attention sinks (gpt-oss: the
-``s_aux`` keyword, else the module's ``sinks``) reach every path: the model's own attention
-receives its keywords unchanged, the torch read path and the engine arithmetic apply them; the
-Triton kernel reads neither, so such calls take the torch path and say why.
+Each call takes one path: the model's own attention when no kvlens cache is in the forward (or
+nothing is quantized yet, or an engine-format layer without engine arithmetic), an engine
+layer's own arithmetic (``EngineLayer.attend``, ``KVConfig.engine_attention``), the Triton
+decode kernel (``kvlens.cache.triton_glue``) when the backend is triton and it can serve the
+call, else the torch read path (``kvlens.cache.torch_read``); under the triton backend each
+torch-path call is counted with its reason (``CompressionSession.backend_reason``). Soft-capping
+(Gemma 2's ``softcap``) and attention sinks (gpt-oss's ``s_aux``, else the module's ``sinks``)
+reach every path; the kernel reads neither, so such calls take the torch path.
 """
 
 from __future__ import annotations

@@ -7,10 +7,9 @@ Use::
         model.generate(ids, **{cache_argument_name(model): cache}, ...)
         print(memory_report(cache))
 
-``compressed_attention`` validates ``config`` against the model, chooses the backend (recorded
-in ``session.backend_reason``, together with every reason a call still took the torch path), registers kvlens' attention function (and the original mask
-function) for the duration of the block, and, for pre-RoPE keys, hooks the attention modules
-to read each layer's RoPE tables. Everything is undone on exit.
+``compressed_attention`` validates ``config`` against the model, chooses the backend
+(``session.backend_reason``, with every reason a call still took the torch path) and installs
+kvlens' attention function and, for pre-RoPE keys, the RoPE hooks; all undone on exit.
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """What one decode step reads from a compressed cache: a documented model of bytes, per layout.
 
-Decode attention is bound by the bytes it reads (docs/kernels.md: every step
-reads the whole cache). This module turns the byte description of ``kvlens.cache.layout`` into
-the bytes one single-token decode step reads, for ``recommend`` to report next to the presets:
-
-- the packed store: codes at their bits (densely packed), scales and zeros (the fused kernel reads
-  each once per step; per-token scales cost ``2 * s * D / G`` bytes per token, per-channel ones
-  ``2 * s * D / G`` per token too, per-tensor ones ``2 * s / F``);
-- an unquantized tensor's dense history, the filled part of the residual window (not its spare
-  capacity), the layer's set with its positions and its policy's state (mask, accumulators:
-  ``kvlens.cache.sets``), pre-RoPE positions (to re-create RoPE) and balancers (read whole every
-  step);
-- ``torch_unpack_bytes``: on the eager torch path (CPU) each quantized element is also unpacked
-  to float32 once per step, chunk by chunk (written, then read by the matmul): 4 bytes per
-  element, which on a CPU costs as much traffic as an fp32 cache. The fused kernel never does.
-
-``fused`` says whether every layer has the Triton decode kernel's path
-(``kvlens.cache.triton_glue.kernel_layout_problem``); ``unfused`` gives the reason per layer.
-A model, not a measurement: kernel efficiency differs by layout (see ``docs/kernels.md``), but at
-long context the time of a memory-bound step is proportional to these bytes.
+Decode attention is bound by the bytes it reads (docs/kernels.md). From the byte description
+of ``kvlens.cache.layout``, one single-token step reads the store's codes, scales and zeros,
+the dense history, the filled part of the window (not its spare capacity), the set with its
+positions and policy state, pre-RoPE positions and balancers. ``torch_unpack_bytes``: the eager
+torch path also unpacks each quantized element to float32 once per step (4 bytes, written then
+read); the fused kernel never does. ``fused`` says whether every layer has the kernel's path
+(``kernel_layout_problem``). A model, not a measurement: at long context the time of a
+memory-bound step is proportional to these bytes.
 """
 
 from __future__ import annotations

@@ -1,38 +1,19 @@
 """Engine-format cache layers: a layer that stores and reads its K/V the way llama.cpp or vLLM do.
 
-An ``EngineLayer`` is used for every layer whose config sets ``key_format``/``value_format``
-(``kvlens.config.LayerKV``). Unlike ``CompressedLayer`` there is no full-precision window:
-``update()`` writes the new tokens into the store in the engine's format **first**, then reads
-the whole held history back (the new tokens included) and returns it dequantized, so the
-model's own attention function attends to exactly what the engine's attention reads
-(write-before-attention: llama.cpp ``cpy_k``/``cpy_v`` into the cache then ``build_attn_mha``
-over the cache view; vLLM ``reshape_and_cache`` then attention over the paged cache).
+An ``EngineLayer`` serves every layer whose config sets ``key_format``/``value_format``. It has
+no full-precision window: ``update()`` writes the new tokens in the engine's format **first**,
+then returns the whole held history read back, so the model's attention attends to exactly
+what the engine's reads (llama.cpp ``cpy_k``/``cpy_v`` then ``build_attn_mha``; vLLM
+``reshape_and_cache`` then attention over the paged cache).
 
-Storage per tensor (``EngineStore``), exactly what the engine holds per token and KV head:
-
-- ggml types (``q8_0`` ... ``iq4_nl``): the ggml block bytes, ``D / 32 * block_bytes`` uint8 per
-  token and head (``kvlens.quant.formats.GGMLBlocks.to_bytes``; fp16 ``d`` (and ``m``) inside
-  each block), part ``blocks``;
-- static fp8: one byte per element (``torch.float8_e4m3fn`` / ``float8_e5m2``, part ``codes``)
-  plus the layer's float32 scale(s) (1, or one per KV head; part ``scales``);
-- dynamic per-token-head: packed codes (int8: 1 byte, int4: 2 per byte; fp8: float8) plus one
-  float32 scale per token and head;
-- vLLM's ``fp8_ds_mla`` (an MLA latent row, ``kvlens.quant.ds_mla``): the latent's fp8 codes as
-  uint8 (part ``codes``), one float32 scale per 128-channel tile (``scales``) and the bfloat16
-  RoPE channels (``dense``);
-- ``f16`` / ``bf16`` / ``f32``: the plain tensor (part ``dense``).
-
-llama.cpp's rotation: a rotated type stores ``x R`` (``kvlens.quant.formats.engine_rotation``:
-keys by the largest power-of-two Walsh-Hadamard block dividing ``head_dim``, values by 64x64
-blocks); the read-back is un-rotated (``Q(x R) R^T``), which equals attending with ``q R`` and
-un-rotating the output. The matrices live on the session, outside the cache, as llama.cpp keeps
-them in host memory outside its KV buffer: held bytes compare with the engine's KV buffer.
-
-Sliding-window layers keep the last ``W - 1`` tokens at rest (``kvlens.cache.layout``). Like
-every kvlens layer they report a mask over absolute positions from 0
-(``kvlens.cache.layer.HistoryLayer``: one mask serves all sliding layers, kvlens and engine layers
-alike), and attention reads the mask's columns of the positions ``update()`` returned
-(``read_start`` on). Bytes are predicted by ``kvlens.cache.layout.engine_layer_bytes``.
+``EngineStore`` holds per token and KV head exactly what the engine holds (part names of
+``kvlens.cache.layout``; bytes predicted by ``engine_layer_bytes``): ggml block bytes
+(``blocks``); static fp8 codes and the layer's float32 scale(s); per-token-head packed codes and
+a float32 scale per token and head; ``fp8_ds_mla`` latent codes, tile scales and bfloat16 RoPE
+channels; or the plain tensor (``dense``). llama.cpp's rotated types store ``x R``
+(``kvlens.quant.formats.engine_rotation``) and read back ``Q(x R) R^T``; the matrices live on
+the session, as llama.cpp keeps them outside its KV buffer. Sliding layers keep the last ``W -
+1`` tokens; attention reads the mask's columns of the returned positions (``read_start`` on).
 """
 
 from __future__ import annotations

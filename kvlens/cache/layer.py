@@ -1,42 +1,26 @@
-"""One layer of the compressed cache: the streaming logic around the packed store.
+"""One layer of the compressed cache: the streaming logic around each tensor's store.
 
 A ``CompressedLayer`` keeps, for its layer, ``[B, H, *, D]`` history in up to three places:
 
-- the **store** of each tensor: its storage layout's (``kvlens.layouts``: packed integer codes,
-  codebook keys...), or a full-precision ``DenseTensor`` when only the other tensor is
-  quantized: cache positions
-  ``[q_start, q_end)``, immutable once written;
-- the **residual window**: the newest ``n_res`` tokens (positions ``[res_start, N)``) at the
-  config's ``fp_dtype``, exact; when it holds ``R = residual_tokens`` tokens its oldest are
-  flushed to the packed store in blocks of ``F`` (``flush_tokens``; default ``F = R``: all of
-  them, as KIVI);
-- the **set** (``kvlens.cache.sets``): per KV head, copies of some quantized tokens, chosen by
-  the layer's ``SetPolicy`` again at every flush among the current set and the flushed tokens:
-  the stable policy keeps the first ``sink_tokens`` positions (attention sinks) at ``fp_dtype``;
-  a research policy (``KVConfig.mikv_for``: the config's ``importance`` settings) may choose
-  others, store them otherwise and accumulate the attention each token receives. Their low-bit
-  copies stay in the packed store and are hidden at attention: by the policy's mask
-  (``set_mask``), or, for a set that is the packed prefix, ``[q_start, sink_end)`` without one.
-  Global layers only: a sliding-window layer's sinks leave its window, and its whole history is
-  at most ``W`` tokens.
+- the **store** of each tensor (its storage layout's, ``kvlens.layouts``, or a full-precision
+  ``DenseTensor`` when only the other tensor is quantized): positions ``[q_start, q_end)``,
+  immutable once written;
+- the **residual window**: the newest ``n_res`` tokens (``[res_start, N)``) at ``fp_dtype``,
+  exact; at ``R = residual_tokens`` tokens its oldest are flushed in blocks of ``F``
+  (``flush_tokens``; default ``F = R``, as KIVI);
+- the **set** (``kvlens.cache.sets``): per KV head, copies of some quantized tokens, re-chosen
+  by the layer's ``SetPolicy`` at every flush (the sinks by default; global layers only).
+  Their low-bit copies stay in the store and are hidden at attention, by the policy's mask
+  (``set_mask``) or, for a set that is the packed prefix, as ``[q_start, sink_end)``.
 
-Nothing is kept twice: after a flush the window buffer shrinks back to ``R`` tokens, the stores
-hold exactly their tokens, and a sliding-window layer drops what no later query can see. The
-rules (and the bytes they imply) live in ``kvlens.cache.layout``; ``named_tensors`` names every
-tensor the layer holds for ``memory_report``.
-
-``update()`` appends the new tokens to the residual window and returns them (tagged with this
-layer, the side channel kvlens' attention function reads); the attention function then calls
-``commit(query, colsum)`` which fits the online balancer (first call), hands the set policy
-the attention mass (when it reads it),
-flushes and evicts. So prefill attention always sees exact K/V and the cache stores them
-compressed after; except with ``KVConfig.write_before_attention`` (vLLM TurboQuant's order):
-after the cache's first forward, ``update()`` codes the new tokens at once, so the forward that
-brings them reads them back compressed.
-
-Pre-RoPE keys: the layer stores each held token's RoPE position (int32) and re-creates its
-(cos, sin) from the model's own RoPE frequencies (``kvlens.rope.RopeFrequencies``), checked
-against the tables the model passed at every update.
+Nothing is kept twice; the rules and the bytes they imply live in ``kvlens.cache.layout``.
+``update()`` appends to the window and returns the new tokens tagged with this layer; the
+attention function then calls ``commit(query, colsum)``, which fits the online balancer, feeds
+the set policy, flushes and evicts. So prefill attention sees exact K/V, except with
+``KVConfig.write_before_attention`` (vLLM TurboQuant's order: after the first forward,
+``update()`` codes the new tokens at once). Pre-RoPE keys: each held token's RoPE position
+(int32) is kept and its (cos, sin) re-created from the model's frequencies
+(``kvlens.rope.RopeFrequencies``), checked against the tables the model passed.
 """
 
 from __future__ import annotations

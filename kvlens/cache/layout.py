@@ -1,56 +1,28 @@
-"""What a compressed cache holds, part by part, after ``N`` tokens: the one description of
-its bytes that the cache, ``memory_report``, ``config_bits`` and ``recommend``'s budget share.
+"""What a compressed cache holds, part by part, after ``N`` tokens: the one description of its
+bytes that the cache, ``memory_report``, ``config_bits`` and ``recommend``'s budget share.
 
 The cache (``kvlens.cache.layer``) calls the streaming rules here (``flush_every``,
-``flush_count``, ``evict_boundary``; a set's size is its policy's, ``kvlens.cache.sets``) to decide what to keep; its window buffer
-keeps room for ``R`` tokens (``window_capacity``). ``layer_part_bytes`` predicts the bytes of every
-tensor a layer holds from the same rules and each store's layout (``kvlens.layouts``:
-``Layout.part_bytes``). Tests
-fill real caches to ``N`` tokens and check the prediction against the bytes the cache object
-really holds. The bytes depend on the config, the tokens and the model's shape
-(``kvlens.model.shape.ModelShape``: a loaded model's, ``shape_of``, or a capture's,
-``CaptureMeta.shape``).
+``flush_count``, ``evict_boundary``); ``layer_part_bytes`` predicts the bytes of every tensor a
+layer holds from the same rules and each store's layout (``Layout.part_bytes``), and tests
+check it against the bytes real caches hold. State after ``N`` tokens (any chunking), with ``R``
+the residual window, ``F`` the flush block and ``W`` a sliding window:
 
-State after ``N`` tokens (any chunking: the rules depend on ``N`` only), with ``R`` the residual
-window, ``F`` the flush block and ``W`` a sliding-window layer's window:
+- quantized ``Q(N) = ceil((N - R + 1) / F) * F`` when ``N >= R`` (else 0; ``R = 0``: ``floor(N /
+  F) * F``); an uncompressed layer quantizes nothing;
+- sliding layers drop positions ``< N - W + 1``: whole packed blocks, or, uncompressed, the
+  oldest window tokens (keeping the last ``W - 1``, as transformers and engines do);
+- the window holds ``n_res = N - Q`` tokens in a buffer of ``max(R, n_res)`` (uncompressed:
+  ``n_res``); the stores hold exactly their tokens.
 
-- quantized so far ``Q(N) = ceil((N - R + 1) / F) * F`` when ``N >= R`` (else 0); ``R = 0``:
-  ``Q = floor(N / F) * F``; an uncompressed layer quantizes nothing;
-- sliding layers drop what no later query can see (positions ``< N - W + 1``): whole packed
-  blocks (``q_start = min(Q, floor((N - W + 1) / F) * F)``), or, in an uncompressed layer, the
-  oldest window tokens (it keeps the last ``W - 1``, as transformers' sliding layer and engines
-  do);
-- the window holds ``n_res = N - Q`` tokens in a buffer of capacity ``max(R, n_res)`` (an
-  uncompressed layer: exactly ``n_res``); the packed and dense stores grow to exactly what they
-  hold (no spare capacity), so held bytes are a function of ``N``.
-
-Parts (bytes): ``codes``, ``scales``, ``zeros`` (packed store; symmetric specs store their zero
-too), ``dense`` (an unquantized tensor's history next to a quantized one), ``window``, ``sets``
-(the set's rows, K and V, ``SetPolicy.row_bytes`` per token: the sink tokens at ``fp_dtype``,
-or what a research policy keeps, ``kvlens.cache.sets``; global layers only; each layer's
-settings are ``KVConfig.mikv_for``'s), ``positions`` (int32: the set's positions, and for
-pre-RoPE keys every held token's RoPE position), ``masks`` and ``accumulators`` (a set
-policy's state, ``SetPolicy.state_bytes``: a mask per held packed token, float32 attention
-accumulated per held token),
-``balancers`` (float32 ``[Hkv, D]``), ``norms`` (codebook keys, ``kvlens.layouts.codebook``:
-their codes are ``codes``, densely packed along channels, plus one float16 norm per held vector;
-``CodebookSpec.held_bytes`` is the same count), ``rotations`` (one float32 ``[D, D]`` Hadamard matrix
-shared by every layer that rotates, counted once per device those layers run on).
-
-Engine-format layers (``key_format``/``value_format``, ``kvlens.cache.engine``) hold every token
-they can still attend to (all ``N``, or the last ``W - 1`` of a sliding layer), each tensor in
-its type (``engine_layer_bytes``): ``blocks`` (ggml block bytes, ``D / 32 * block_bytes`` per
-token and head, the fp16 scales inside), ``codes`` (fp8: 1 byte per element; per-token-head int8
-1 byte, int4 half a byte), ``scales`` (float32: per-token-head one per token and head; static
-fp8 one per layer or per KV head, held once the layer holds a token), ``dense`` (f16/bf16/f32
-types). vLLM's ``fp8_ds_mla`` (``kvlens.quant.ds_mla``) holds per token a byte per latent
-channel (``codes``), a float32 scale per latent tile (``scales``) and its bfloat16 RoPE
-channels (``dense``). They hold no window and no rotation matrix (llama.cpp keeps those
-outside its KV buffer; kvlens keeps them on the session).
-
-MLA models (``ModelShape.kv_shared``: keys and values are one latent row) keep one store and
-one window for both where ``shares_storage`` says so, and an fp16 cache of them holds the row
-once (``ModelShape.kv_tensors``).
+Parts (``PARTS``): ``codes``, ``scales``, ``zeros`` (symmetric specs store their zero too),
+``dense`` (an unquantized tensor beside a quantized one), ``window``, ``sets`` (the set's rows,
+``SetPolicy.row_bytes`` each; global layers only), ``positions`` (int32: the set's, and every
+held token's for pre-RoPE keys), ``masks`` and ``accumulators`` (``SetPolicy.state_bytes``),
+``balancers`` (float32 ``[Hkv, D]``), ``norms`` (codebook keys), ``rotations`` (one float32
+``[D, D]`` matrix per device with a rotating layer) and ``blocks`` (ggml). Engine-format layers
+(``engine_layer_bytes``) hold every token they can attend to in their types, with no window and
+no rotation matrix (llama.cpp keeps those outside its KV buffer). MLA models (``kv_shared``)
+keep one store and one window for both where ``shares_storage`` says so.
 """
 
 from __future__ import annotations

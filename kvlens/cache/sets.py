@@ -1,18 +1,10 @@
 """The kept set: which held tokens of a layer keep a copy beside their codes (an extension point).
 
-A compressed global layer may keep, per KV head, a small set of its quantized tokens as separate
-rows (``SetRows``), read at attention instead of their codes, which stay in the packed store and
-are hidden. A ``SetPolicy`` says which tokens and how: the set's size after ``q_end`` tokens were
-quantized (``size``), how it re-chooses among the current set and each flushed block
-(``choose``), how its rows are stored (``new_rows``, ``row_bytes``), whether it hides its tokens
-by a mask (``masked``; otherwise the set is the packed prefix, hidden without one) and whether it
-needs the attention mass every held token receives at each step (``needs_attention_probs``,
-``observe``), with the state it keeps for that (``named_tensors``, ``state_bytes``: parts of
-``kvlens.cache.layout.PARTS``, counted exactly like the rest of the layer).
-
-The stable policy is ``Sinks``: the first ``sink_tokens`` positions (attention sinks) at
-``fp_dtype``, chosen by position. Another comes from the config's set settings
-(``MikvSettings.importance``, read through ``kvlens.config.extension``): an object whose
+A compressed global layer may keep, per KV head, a small set of its quantized tokens as rows
+(``SetRows``) read at attention instead of their codes, which stay in the store, hidden. A
+``SetPolicy`` says which tokens and how (its methods). The stable policy is ``Sinks``: the
+first ``sink_tokens`` positions at ``fp_dtype``. Another comes from the config's set settings
+(``MikvSettings.importance``, ``kvlens.config.extension``): an object whose
 ``policy(sink_tokens)`` returns a ``SetPolicy``; ``kvlens.research`` registers one.
 """
 

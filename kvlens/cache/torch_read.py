@@ -1,59 +1,34 @@
-"""The torch read path: attention over a ``CompressedLayer`` read chunk by chunk from its packed
-store, with scales folded instead of dequantizing (the reference backend; runs on any device).
+"""The torch read path: attention over a ``CompressedLayer`` read chunk by chunk from its store,
+with scales folded instead of dequantizing (the reference backend; runs on any device).
 
-``packed_attention(query, layer, mask, scaling)`` attends ``query`` ``[B, Hq, Tq, D]`` to every
-token of a ``CompressedLayer`` without ever materialising the dequantized history: the packed
-store is read in chunks of ``chunk_tokens`` tokens, then the layer's set (``kvlens.cache.sets``) and the
-residual window are attended as further segments; segments are merged with an online softmax
-(running max / sum, flash-decoding style). GQA is handled by grouping the ``Hq = g * Hkv`` query
-heads per KV head (``repeat_kv`` mapping), so packed K/V are read once per KV head. The mask is
-transformers' own (bool or additive ``[B, 1, Tq, N]`` over absolute cache positions, or ``None``
-= causal, bottom-right aligned).
+``packed_attention`` attends ``query`` ``[B, Hq, Tq, D]`` to every token of the layer: the store
+in chunks of ``chunk_tokens`` tokens, then the set (``kvlens.cache.sets``) and the residual
+window, merged with an online softmax (running max / sum, flash-decoding style). The ``Hq = g *
+Hkv`` query heads are grouped per KV head (``repeat_kv``), so K/V are read once per KV head. The
+mask is transformers' own (bool or additive ``[B, 1, Tq, N]`` over absolute positions, or
+``None`` = causal, bottom-right aligned).
 
-Folded reads (every layout the cache stores; nothing dequantized is materialised): scales and
-zeros are folded into the query, the softmax weights or the output instead of being applied to
-the codes. Eager torch has no integer x float matmul, so the codes of **one chunk** are unpacked
-to float32 (all code slots with one broadcast shift) into a reusable workspace (CPU; see
-``_scratch``); that transient is the only chunk-sized float tensor (keep ``chunk_tokens``
-moderate). ``torch.compile`` of the unpack + dot is not used: it did not beat these eager ops
-on the reference CPU (``docs/benchmarks.md``).
+Folded reads: eager torch has no integer x float matmul, so one chunk's codes are unpacked to
+float32 into a reusable workspace (``_scratch``), the only chunk-sized float tensor; scales and
+zeros fold into the query (keys), the softmax weights or the output (values):
 
-- Per-channel keys (groups of ``G`` tokens, packed along tokens): per group ``score_t = sum_d
-  (q_d * scale_{g,d}) * code_{t,d} + sum_d q_d * zero_{g,d}`` (a batched matmul over groups; no
-  full-size scale tensor).
-- Per-token keys (groups of ``G`` channels, packed along channels; ``G=None`` = the head):
-  ``score_t = sum_j s_{t,j} * (q_j . code_{t,j}) + z_{t,j} * sum(q_j)`` for the channel groups
-  ``j`` (one batched matmul over groups, then a weighted sum over ``D/G`` groups).
-- Per-tensor (one scale per flushed block, packed along channels): the per-token formula with one
-  group, the block's scale repeated over its tokens (``n`` floats).
-- Per-channel values (groups of ``G`` tokens, packed along tokens): ``o_c = sum_g s_{g,c} *
-  sum_{t in g} p_t code_{t,c} + z_{g,c} * sum_{t in g} p_t``.
-- Per-token / per-tensor values (packed along channels): the value scale folds into the softmax
-  weights, ``out_d = sum_t (p_t * scale_{t,j}) * code_{t,d} + sum_t p_t * zero_{t,j}``.
-- Codebook keys (``kvlens.layouts.codebook.CodebookStore``, the keys stored rotated and ``q``
-  rotated by the layer): each vector's scale (norm over ``sqrt(D)``, or over its centroids'
-  norm when renormalised) multiplies its score, ``score_t = s_t * (q . c[code_t])``
-  (``CodebookStore.key_scores``).
-- Any other storage layout (``kvlens.layouts``): its ``key_scores`` when it has one, else its
-  store's read-back (``dequantize_range``) of the chunk, dotted; values likewise.
-- The channel balancer (``q / b``) and ``scaling`` fold into ``q`` first.
-- Pre-RoPE keys: RoPE rotates each dequantized key by its own position, so scales cannot fold
-  into one query; the chunk is dequantized in place on its unpacked codes (``code * scale +
-  zero``, float32), rotated with (cos, sin) re-created from the stored positions and dotted.
+- per-channel keys: ``score_t = sum_d (q_d * scale_{g,d}) * code_{t,d} + sum_d q_d * zero_{g,d}``;
+- per-token / per-tensor keys: ``score_t = sum_j s_{t,j} * (q_j . code_{t,j}) + z_{t,j} *
+  sum(q_j)`` over channel groups ``j`` (per-tensor: one group, the block's scale per token);
+- per-channel values: ``o_c = sum_g s_{g,c} * sum_{t in g} p_t code_{t,c} + z_{g,c} * sum_{t in
+  g} p_t``; per-token / per-tensor values: ``out_d = sum_t (p_t * s_{t,j}) * code_{t,d} + sum_t
+  p_t * z_{t,j}``;
+- another layout: its store's ``key_scores`` when it has one (codebook keys), else its
+  ``dequantize_range`` of the chunk, dotted;
+- the channel balancer (``q / b``) and ``scaling`` fold into ``q`` first; pre-RoPE keys are
+  dequantized in place, rotated with (cos, sin) from the stored positions and dotted.
 
-Same math as "dequantize with the reference, then attend", different float rounding (tested
-against it to 1e-5 for every layout, ``tests/test_cache.py``).
-
-Logit soft-capping and learned attention sinks, as transformers' eager attention of Gemma 2 and
-gpt-oss: with ``softcap = c`` every segment's scaled scores become ``c * tanh(s / c)`` before the
-mask is added; ``sinks`` (one logit per query head, ``repeat_kv`` mapping) is one more column of
-the softmax that holds no value: the online softmax starts from it (running max = the sink,
-sum = 1, output 0), so it only adds ``exp(sink)`` to every denominator (and to the log-sum-exp
-of the probabilities pass). Tested in ``tests/test_sinks_softcap.py``.
-
-Positions: the packed store holds absolute positions ``[q_start, q_end)`` (``q_start > 0`` once a
-sliding-window layer evicted blocks), the window ``[res_start, N)``; masks are indexed by
-absolute position.
+Same math as "dequantize with the reference, then attend", different float rounding (tested to
+1e-5 for every layout, ``tests/test_cache.py``). Soft-capping and learned attention sinks as
+transformers' eager attention of Gemma 2 and gpt-oss: scores become ``c * tanh(s / c)`` before
+the mask; ``sinks`` (one logit per query head) is a softmax column with no value, which the
+online softmax starts from (``tests/test_sinks_softcap.py``). The store holds absolute positions
+``[q_start, q_end)``, the window ``[res_start, N)``; masks are indexed by absolute position.
 """
 
 from __future__ import annotations

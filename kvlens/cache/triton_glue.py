@@ -2,12 +2,9 @@
 (``kvlens_kernels.decode_attention``, which takes tensors and ints only).
 
 ``kernel_layout_problem`` is the one rule for which stored layouts the kernel reads (shared by
-the per-call dispatch, ``kvlens.cache.decode_cost`` and ``recommend``'s ``--prefer-fast``);
-``triton_unsupported`` adds the per-call reasons (prefill, attention probabilities, logit
-soft-capping and attention sinks, which the kernel does not apply);
-``triton_decode`` turns a ``CompressedLayer`` and transformers' mask into the kernel's arguments.
-Codebook keys (``kvlens.layouts.codebook``) are read by the kernel too, in the layer's rotated
-basis: the attention function passes the rotated query, for both backends alike.
+the dispatch and ``kvlens.cache.decode_cost``); ``triton_unsupported`` adds the per-call
+reasons; ``triton_decode`` turns a ``CompressedLayer`` and transformers' mask into the kernel's
+arguments. Codebook keys are read in the layer's rotated basis, as the query already is.
 """
 
 from __future__ import annotations

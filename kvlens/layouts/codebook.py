@@ -1,24 +1,12 @@
 """A codebook-coded key store and its torch read path (vLLM TurboQuant's keys).
 
-``CodebookStore`` holds one layer's keys, ``[B, H, N, D]`` tokens, in the layout of
-``kvlens.quant.codebook``: per vector its codes in the rotated basis, densely packed along ``D``
-(``packed_length(D, bits)`` uint8 per token and head) and one float16 norm; the codebook is a
-Lloyd-Max codebook recomputed from ``bits`` and ``D`` and holds no bytes. ``held_bytes()`` counts
-the tensors the store really holds; ``CodebookSpec.held_bytes`` predicts them (tested equal).
-
-In the compressed cache (``kvlens.cache.layer``, a ``KVConfig`` key spec) the store is the
-layer's key history: it has the ``PackedTensor`` interface the layer streams through
-(``block``, ``append``, ``drop_front``, ``dequantize_range``, ``named_tensors`` by
-``kvlens.cache.layout`` part: ``codes``, ``norms``) and ``key_scores`` for the torch read path
-(``kvlens.cache.torch_read``), which merges it with the exact window and sinks by the same
-online softmax as every layout. There the layer rotates (the codebook's rotation is the layer's
-key rotation: window and store hold ``k R``, the query is rotated once), so the store codes the
-already rotated vectors with ``rotation=None`` (``for_cache``); each vector's scale
-``n / sqrt(D)`` (renormalised: ``n / ||c||``) multiplies its score instead of its codes:
-``score_t = s_t * ((q R) · c[code_t])``, without a dequantized key.
-
-The store was first written for codebook values (a research layout issue #57 removed,
-docs/lab-notes/codebooks.md); its code is what TurboQuant's keys need.
+``CodebookStore`` holds one layer's keys ``[B, H, N, D]`` as ``kvlens.quant.codebook`` codes
+them: per vector its codes densely packed along ``D`` and one float16 norm; the Lloyd-Max
+codebook is recomputed from ``bits`` and ``D`` and holds no bytes. In the cache the layer
+rotates (window and store hold ``k R``, the query is rotated once), so the store codes with
+``rotation=None`` (``for_cache``), and ``key_scores`` applies each vector's scale ``n /
+sqrt(D)`` (renormalised: ``n / ||c||``) to its score: ``score_t = s_t * ((q R) · c[code_t])``,
+without a dequantized key.
 """
 
 from __future__ import annotations

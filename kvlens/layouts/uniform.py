@@ -1,11 +1,10 @@
-"""The uniform integer layout (``kvlens.quant.QuantSpec``: ``b``-bit codes, a scale and a zero
-per group) as a ``Layout``: its streaming rules, its reference, its store
-(``kvlens.layouts.packed.PackedTensor``) and its bytes.
+"""The uniform integer layout (``kvlens.quant.QuantSpec``) as a ``Layout``: its streaming rules,
+reference, store (``kvlens.layouts.packed.PackedTensor``) and bytes.
 
 Rules: a per-token spec quantizes each token on its own (``F = 1`` without a window, else the
 window); a per-channel or per-tensor spec groups tokens, so it needs a window, its group must
-divide the flush block ``F``, and ``F`` must be a whole number of packing units when codes are
-packed along tokens (per-channel); a per-token group must divide head_dim.
+divide ``F``, and ``F`` must be a whole number of packing units when codes are packed along
+tokens (per-channel); a per-token group must divide head_dim.
 """
 
 from __future__ import annotations

@@ -1,37 +1,19 @@
-"""Codebook (non-uniform scalar) quantization of head vectors with one norm per vector.
+"""Codebook (non-uniform scalar) quantization of head vectors with one norm per vector (vLLM
+TurboQuant's keys).
 
-Tensors are ``[B, H, T, D]``. Each ``[D]`` vector ``x`` (one token of one head) is stored as
+Each ``[D]`` vector ``x`` of a ``[B, H, T, D]`` tensor is stored as its L2 norm ``n = ||x||``
+in float16 and ``bits``-bit codes of its normalised, rotated coordinates ``z = sqrt(D) * (x R) /
+n`` (``R``: ``kvlens.quant.rotation``; ``n = 0`` gives ``z = 0``), each the index of the nearest
+of ``2^bits`` centroids (``Codebook``). Decoding: ``y_hat = n16 * c[codes] / sqrt(D)`` (with
+``renormalize``: ``n16 * c / ||c||``) and ``x_hat = y_hat Rᵀ``.
 
-- its L2 norm ``n = ||x||`` in float16, and
-- ``bits``-bit codes of its *normalised, rotated* coordinates: with ``R`` the Hadamard rotation
-  of ``kvlens.quant.rotation`` (``y = x R``, ``||y|| = n``), the coordinates
-  ``z = sqrt(D) * y / n`` are each coded as the index of the nearest centroid of a 1-D codebook
-  of ``2^bits`` values (``Codebook``). ``n = 0`` gives ``z = 0``.
-
-Decoding: ``y_hat = n16 * c[codes] / sqrt(D)`` and ``x_hat = y_hat Rᵀ``. With ``renormalize``
-the decoded vector is rescaled to the stored norm instead: ``y_hat = n16 * c / ||c||``.
-
-Why ``sqrt(D)``: after a Hadamard rotation the direction ``y / n`` of a vector is spread over all
-coordinates, so each coordinate behaves like a coordinate of a uniform point on the unit sphere
-of ``R^D``, density ``∝ (1 - t²)^((D-3)/2)`` on ``[-1, 1]``, variance ``1/D`` and close to
-``N(0, 1/D)`` (HIGGS arXiv 2411.17525, TurboQuant arXiv 2504.19874). Scaled by ``sqrt(D)`` it has
-unit variance, so one codebook form serves every head_dim.
-
-Codebooks (``CODEBOOKS``):
-
-- ``"lloyd-max"``: the Lloyd-Max quantizer of that sphere-coordinate density for the layer's
-  ``D`` (``lloyd_max``), computed by iterating Lloyd's two conditions (boundaries at the
-  midpoints of neighbouring centroids; each centroid the mean of the density over its cell) on
-  a fine grid. Nothing is stored: it is a function of ``bits`` and ``D``.
-- ``"lloyd-max-normal"``: the Lloyd-Max quantizer of the standard normal, the large-``D`` limit
-  of that density (``lloyd_max(bits, None)``): the centroids vLLM's ``turboquant_*`` types use
-  (Lloyd-Max for ``N(0, 1/D)``, in these unit-variance coordinates). Nothing is stored.
-
-Fitted codebooks (k-means on a capture, per layer and tensor) were a research lever with a
-recorded negative result, removed by issue #57 (docs/lab-notes/codebooks.md). Storage, counted
-once in ``CodebookSpec.held_bytes``: per vector ``packed_length(D, bits)`` bytes of codes (densely
-packed by ``kvlens.quant.packing``, so 3-bit codes cost 3 bits) plus 2 bytes of norm; the
-codebook itself is computed, not stored.
+After the rotation each coordinate of ``x / n`` behaves like one of a uniform point on the unit
+sphere (density ``∝ (1 - t²)^((D-3)/2)``, variance ``1/D``, close to ``N(0, 1/D)``: HIGGS arXiv
+2411.17525, TurboQuant arXiv 2504.19874), so scaled by ``sqrt(D)`` one codebook form serves
+every head_dim. ``CODEBOOKS``: ``"lloyd-max"``, the Lloyd-Max quantizer of that density for the
+layer's ``D``, and ``"lloyd-max-normal"``, of the standard normal (its large-``D`` limit; the
+centroids vLLM's ``turboquant_*`` types use). Both are computed from ``bits`` (and ``D``), not
+stored; ``CodebookSpec.held_bytes`` counts what is (codes densely packed, a float16 norm).
 """
 
 from __future__ import annotations

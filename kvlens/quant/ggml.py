@@ -1,25 +1,20 @@
 """llama.cpp's KV-cache types (``-ctk/-ctv``): ggml blocks of 32 consecutive channels of one
-token, the one place their quantize/dequantize semantics and byte layout live (plain torch,
-vectorized; tensors are ``[B, H, T, D]``).
+token, the one place their quantize/dequantize semantics and byte layout live (plain torch;
+tensors ``[B, H, T, D]``; the types: docs/engine-formats.md).
 
-``GGMLBlockFormat`` says what shares one scale (32 channels of one token share an fp16 scale
-``d``, and an fp16 minimum ``m`` for the ``_1`` types). Quantization reproduces the ``gguf``
-package's numpy quantizers (``gguf.quants``) bit for bit; ``GGMLBlocks.to_bytes`` writes the ggml
-block layout::
+Quantization reproduces the ``gguf`` package's numpy quantizers (``gguf.quants``) bit for bit;
+``GGMLBlocks.to_bytes`` writes the ggml block layout::
 
-    q8_0   [d f16][32 x int8]                          34 B / 32 = 8.5 bits
-    q4_0   [d f16][16 B: nibbles, lo = j, hi = j+16]   18 B / 32 = 4.5 bits   x = (q-8) d
-    q4_1   [d f16][m f16][16 B nibbles]                20 B / 32 = 5.0 bits   x = q d + m
-    q5_0   [d f16][qh 4 B][16 B nibbles]               22 B / 32 = 5.5 bits   x = (q-16) d
-    q5_1   [d f16][m f16][qh 4 B][16 B nibbles]        24 B / 32 = 6.0 bits   x = q d + m
-    iq4_nl [d f16][16 B nibbles]                       18 B / 32 = 4.5 bits   x = K[q] d
+    q8_0   [d f16][32 x int8]                          x = q d
+    q4_0   [d f16][16 B: nibbles, lo = j, hi = j+16]   x = (q-8) d
+    q4_1   [d f16][m f16][16 B nibbles]                x = q d + m
+    q5_0   [d f16][qh 4 B][16 B nibbles]               x = (q-16) d
+    q5_1   [d f16][m f16][qh 4 B][16 B nibbles]        x = q d + m
+    iq4_nl [d f16][16 B nibbles]                       x = K[q] d
 
 ``qh`` holds bit 4 of the 32 codes (little-endian ``uint32``, bit ``j`` = element ``j``); ``K``
-is the iq4_nl non-uniform table ``IQ4_NL_VALUES``. ``gguf`` has no numpy quantizer for iq4_nl;
-kvlens quantizes it as llama.cpp's CUDA ``set_rows`` does (``quantize_f32_iq4_nl_block``:
-nearest table entry at ``d0 = x_absmax_signed / -127``, then a least-squares refit of ``d``
-with weights ``x^2``); see ``quantize_ggml``. llama.cpp's rotation of these types is
-``kvlens.quant.formats``.
+is ``IQ4_NL_VALUES``. ``gguf`` has no numpy quantizer for iq4_nl: kvlens follows llama.cpp's
+CUDA ``set_rows`` (``quantize_ggml``).
 """
 
 from __future__ import annotations

@@ -1,27 +1,19 @@
-"""8-bit group metadata: one byte of scale and one byte of zero per quantization group.
-
-A group's ``(scale, zero)`` in float16 costs 32 bits: one bit per element of a 32-element group,
-as much as half of a 2-bit code. This codec (a cache's ``scale_dtype = "8bit"``) stores 16:
+"""8-bit group metadata: one byte of scale and one byte of zero per quantization group (a cache's
+``scale_dtype = "8bit"``; why: docs/recommend.md#8-bit-group-metadata)::
 
     scale  s = 2 ** ((e - 128) / 8)     e: uint8, 0..255 (s from 2^-16 to 2^15.875, 9% steps)
     zero   z = n * u * s                n: int8, -128..127; u = 2 ** (max(bits, 3) - 5)
 
-so the zero is a signed multiple of ``u`` quantization steps: a quarter step at 2-3 bits, half a
-step at 4, one at 5, ... 8 at 8 bits (``u / levels`` stays at most 1/12 of the range; ``|n| <=
-128`` covers a group whose offset is up to about 4x its range at 8 bits, 10x at 2). Dequantization
-is unchanged, ``x_hat = code * s + z``.
+so the zero is a signed multiple of ``u`` quantization steps. Dequantization is unchanged,
+``x_hat = code * s + z`` (symmetric specs too: their stored zero is a point of the zero grid
+near ``-qmax s``).
 
-Encoding (``quantize_meta8``) starts from the reference's fitted ``(scale, zero)`` (min/max or
-the least-squares fit, ``kvlens.quant.reference``) and tries the stored pairs near it: ``e`` from
-one 9% step below the fitted scale (rounded up; raised first so that ``|zero| <= 127 u s``) to two
-above, ``n`` within one zero unit of the nearest. For each pair the codes are the nearest ones of
-that grid, ``clip(round((x - z) / s), 0, L)``, and the pair with the least squared error over the
-group is stored. So the codes are always those of the grid that is stored, and a min/max group
-gets a small least-squares refinement on the way, while a fitted group stays about as good as
-it was (``tests/test_meta8.py`` bounds the error against the float32 grid's).
-
-The codec is the same for symmetric specs (their grid is ``-qmax..qmax`` steps, ``L = 2 qmax``;
-the stored zero is then a point of the zero grid near ``-qmax s``, no longer exactly it).
+Encoding (``quantize_meta8``) starts from the reference's fitted ``(scale, zero)``
+(``kvlens.quant.reference``) and tries the stored pairs near it (``E_OFFSETS`` scale steps from
+the fitted scale rounded up, raised first so that ``|zero| <= 127 u s``; ``N_OFFSETS`` zero
+units from the nearest); for each pair the codes are the nearest of that grid, and the pair with
+the least squared error over the group is stored. So the codes are always those of the stored
+grid (``tests/test_meta8.py`` bounds the error against the float32 grid's).
 """
 
 from __future__ import annotations

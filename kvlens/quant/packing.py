@@ -1,21 +1,11 @@
 """Bit packing of quantization codes into bytes (the storage form kernels read).
 
-Layout (the Triton decode kernel mirrors it exactly):
-
-- Codes are packed densely: ``b``-bit codes take ``b`` bits each. They are grouped in *units*
-  of ``U`` codes filling ``W`` whole bytes (``pack_unit(b) = (U, W)``, ``U * b = 8 * W``):
-  1 bit -> (8, 1), 2 -> (4, 1), 3 -> (8, 3), 4 -> (2, 1), 5 -> (8, 5), 6 -> (4, 3),
-  7 -> (8, 7), 8 -> (1, 1). So 3-bit codes cost 3 bits, not a 4-bit container: 8 codes share
-  3 bytes.
-- Within a unit, the ``W`` bytes are one little-endian integer and code ``j`` occupies its bits
-  ``[j*b, (j+1)*b)``: the first code sits in the lowest bits of the first byte. For 2 bits,
-  codes ``(a, b, c, d)`` become the byte ``a | b << 2 | c << 4 | d << 6``; for 3 bits, code 2
-  straddles bytes 0 and 1 (its low 2 bits are bits 6-7 of byte 0).
-- A length that is not a multiple of ``U`` is padded with zero codes at the end (whole units);
-  ``unpack_codes`` takes the original ``length`` and drops the padding.
-
-Earlier versions stored 3-bit codes in 4-bit containers and 5-7-bit codes in whole bytes, so
-the allocator paid 4 bits for 3-bit codes and never chose them (CHANGELOG.md).
+Layout (the Triton decode kernel mirrors it exactly): ``b``-bit codes take ``b`` bits each, in
+*units* of ``U`` codes filling ``W`` whole bytes (``pack_unit(b) = (U, W)``, ``U * b = 8 * W``:
+3-bit codes are 8 in 3 bytes). A unit's ``W`` bytes are one little-endian integer and code ``j``
+occupies its bits ``[j*b, (j+1)*b)`` (2 bits: ``(a, b, c, d)`` -> ``a | b << 2 | c << 4 | d <<
+6``; a 3-bit code may straddle two bytes). A length that is not a multiple of ``U`` is padded
+with zero codes; ``unpack_codes`` takes the original ``length`` and drops them.
 """
 
 from __future__ import annotations

@@ -1,44 +1,22 @@
 """The quantization reference: the single definition of what a ``QuantSpec`` does to a tensor.
 
-Plain torch, float32. Analysis and generation call these functions; Triton kernels are tested
-against them. Tensors are ``[B, H, T, D]``; groups are the slices described in
-``kvlens.quant.spec``.
+Plain torch, float32; kernels are tested against it. Tensors are ``[B, H, T, D]``; groups are
+the slices of ``kvlens.quant.spec``. Per group with minimum ``m``, maximum ``M`` and ``absmax =
+max(|m|, |M|)``:
 
-Formulas, per group with minimum ``m``, maximum ``M`` and ``absmax = max(|m|, |M|)``:
+- asymmetric (default), ``L = 2^b - 1``: ``scale = max((M - m) / L, 1e-8 * absmax,
+  FLOAT32_TINY)``, ``zero = m``, ``code = clip(round((x - zero) / scale), 0, L)`` (the floor
+  keeps a constant group from dividing by zero; it reconstructs exactly);
+- symmetric, ``qmax = 2^(b-1) - 1`` (``b >= 2``): ``scale = max(absmax / qmax, ...)``, ``code =
+  clip(round(x / scale), -qmax, qmax) + qmax`` stored unsigned, ``zero = -qmax * scale``;
+- ``fit="mse"`` (asymmetric): from the min/max grid, ``MSE_FIT_ITERS`` times re-assign the
+  nearest codes and refit ``(scale, zero)`` by least squares, keeping the old pair where the
+  codes are all equal or the fit gives ``scale <= 0``; never worse than min/max.
 
-- Asymmetric (default), ``L = 2^b - 1``::
-
-      scale = max((M - m) / L, 1e-8 * absmax, FLOAT32_TINY)
-      zero  = m
-      code  = clip(round((x - zero) / scale), 0, L)
-
-  The floor on ``scale`` keeps a constant group from dividing by zero; such a group gets
-  code 0 and reconstructs exactly (``0 * scale + m == m``).
-- Symmetric, ``qmax = 2^(b-1) - 1`` (restricted range, needs ``b >= 2``)::
-
-      scale = max(absmax / qmax, 1e-8 * absmax, FLOAT32_TINY)
-      code  = clip(round(x / scale), -qmax, qmax) + qmax     # stored unsigned, 0..2*qmax
-      zero  = -qmax * scale
-
-  The grid is ``{-qmax..qmax} * scale``: zero is exact and ``+absmax`` / ``-absmax`` are both
-  representable; code ``2^b - 1`` is never used (one level is given up for symmetry).
-
-- ``fit="mse"`` (asymmetric only): start from the min/max grid above, then ``MSE_FIT_ITERS``
-  times re-assign codes (``clip(round((x - zero) / scale), 0, L)``, the nearest grid point) and
-  refit ``(scale, zero)`` by least squares of ``x`` on the codes, keeping the old pair where the
-  codes are all equal or the fit gives ``scale <= 0``. Each step lowers (or keeps) the group's
-  squared error, so the result is never worse than min/max; it clips the range where rare
-  extreme values cost more error than they save (for a Gaussian group of 128 at 2 bits, about
-  half the squared error). The last assignment's codes are stored.
-
-Both dequantize the same way, ``x_hat = code * scale + zero``, so consumers (kernels) need no
-symmetric/asymmetric switch. ``round`` is round-half-to-even (``torch.round``, IEEE ``rint``) and
-the division is a true division, not a multiply by a reciprocal; a kernel that does otherwise may
-differ by one code at exact ties.
-
-Shapes of ``scale`` and ``zero`` (float32) for ``x`` of shape ``[B, H, T, D]``:
-per-token ``[B, H, T, D // G]``; per-channel ``[B, H, ceil(T / G), D]``; per-tensor
-``[B, H, 1, 1]``. In general ``[B, H, ceil(T / bt), D // bd]`` for block shape ``(bt, bd)``.
+Both dequantize as ``x_hat = code * scale + zero``. ``round`` is round-half-to-even and the
+division a true division: a kernel that does otherwise may differ by one code at exact ties.
+``scale`` and ``zero`` are float32 ``[B, H, ceil(T / bt), D // bd]`` for block shape ``(bt,
+bd)``.
 """
 
 from __future__ import annotations

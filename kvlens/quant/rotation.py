@@ -1,37 +1,14 @@
 """Hadamard rotation along ``head_dim``: spread outlier channels over all channels before
 quantizing (QuaRot arXiv 2404.00456, SpinQuant arXiv 2405.16406, TurboQuant arXiv 2504.19874,
-RotateKV).
+RotateKV; what the cache does with it: docs/rotation.md).
 
-The rotation is an orthonormal ``[D, D]`` matrix ``R`` (``R Rᵀ = I``) applied on the right of
-``[B, H, T, D]`` tensors, the same ``R`` for every head (so GQA needs nothing special):
-
-- ``head_dim`` a power of two: the Sylvester Hadamard matrix, ``H_1 = [1]``,
-  ``H_2n = [[H_n, H_n], [H_n, -H_n]]``, scaled by ``1/sqrt(D)``. Every channel is spread
-  over all ``D`` channels with equal weight.
-- other even ``head_dim``: block-diagonal, ``D / b`` copies of the normalised Sylvester
-  ``H_b`` on consecutive channel blocks, where ``b`` is the largest power of two dividing ``D``
-  (80 -> 5 blocks of 16, 96 -> 3 blocks of 32). Still orthonormal, but a channel is spread
-  only over the ``b`` channels of its block.
-- odd ``head_dim``: no power-of-two block (other than 1, the identity) divides it; refused
-  with ``ConfigError``.
-- ``seed``: optional random sign flips, ``R = diag(s) H`` with ``s`` in ``{-1, +1}^D`` drawn
-  from a CPU generator seeded with ``seed`` (the randomized Hadamard of QuaRot/TurboQuant;
-  identical on every device). ``seed=None`` means no flips.
-
-How a cache uses it (``R`` orthonormal, so nothing changes when nothing is quantized):
-
-- keys are stored as ``k R`` (quantized); queries use ``q R``:
-  ``(q R)(k R)ᵀ = q R Rᵀ kᵀ = q kᵀ``. Equivalently the dequantized key can be un-rotated,
-  ``k_hat = deq(k R) Rᵀ``, and used with the plain query (what ``quantize_rotated`` returns).
-- values are stored as ``v R``; the attention output is un-rotated once per query,
-  ``(P (v R)) Rᵀ = P v``, instead of un-rotating every cached value.
-- pre-RoPE keys (KVQuant stage): ``R`` mixes all channels and RoPE rotates channel pairs by a
-  position-dependent angle, so they do not commute and the query cannot absorb ``R``. The
-  cache stores ``k_pre R`` quantized and on read dequantizes, un-rotates by ``Rᵀ``, then applies
-  RoPE at the key's position (``quantize_pre_rope(..., rotation=R)``).
-
-Quantization itself always goes through ``kvlens.quant.reference``; this module only adds the
-orthonormal change of basis around it.
+``R`` is an orthonormal ``[D, D]`` matrix applied on the right of ``[B, H, T, D]`` tensors, the
+same for every head: the Sylvester Hadamard ``H_2n = [[H_n, H_n], [H_n, -H_n]]`` scaled by
+``1/sqrt(b)``, one block for a power-of-two ``D``, else ``D / b`` blocks on the diagonal with
+``b`` the largest power of two dividing ``D``; an odd ``D`` is refused. ``seed``: random sign
+flips ``R = diag(s) H`` drawn from a CPU generator (identical on every device). Keys are stored
+as ``k R`` with queries ``q R``; values as ``v R`` with the output un-rotated by ``Rᵀ``; pre-RoPE
+keys are un-rotated before RoPE, which does not commute with ``R``.
 """
 
 from __future__ import annotations

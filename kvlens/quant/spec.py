@@ -1,21 +1,16 @@
 """``QuantSpec``: what one quantization config means (bits, what shares a scale, group size).
 
-Tensors are ``[B, H, T, D]`` (batch, head, token, channel). A granularity is named by *which
-elements share one scale and zero*:
+Tensors are ``[B, H, T, D]``. A granularity is named by *which elements share one scale and
+zero*:
 
-- ``"per-token"``: a group is ``G`` consecutive channels of one token, i.e. the slice
-  ``x[b, h, t, j*G:(j+1)*G]``. ``G`` must divide ``D``; ``group_size=None`` means ``G = D`` (one
-  scale per token vector).
-- ``"per-channel"``: a group is ``G`` consecutive tokens of one channel, i.e. the slice
-  ``x[b, h, i*G:(i+1)*G, c]``. ``T`` need *not* be a multiple of ``G``: the last group is
-  partial (``T mod G`` tokens) and has its own scale and zero, computed from those tokens only.
-  ``group_size=None`` means ``G = T`` (one scale per channel over the whole sequence).
-- ``"per-tensor"``: one scale and zero per (batch, head), i.e. for the whole ``[T, D]`` matrix
-  ``x[b, h]``. Takes no group size.
+- ``"per-token"``: ``G`` consecutive channels of one token, ``x[b, h, t, j*G:(j+1)*G]``; ``G``
+  must divide ``D``; ``group_size=None`` means ``G = D``.
+- ``"per-channel"``: ``G`` consecutive tokens of one channel, ``x[b, h, i*G:(i+1)*G, c]``; a
+  partial last group (``T mod G`` tokens) has its own scale and zero; ``None`` means ``G = T``.
+- ``"per-tensor"``: one scale and zero per (batch, head); no group size.
 
-Internally every granularity is one *block shape* over ``(T, D)`` (see ``QuantSpec.block_shape``):
-per-token ``(1, G)``, per-channel ``(G, 1)``, per-tensor ``(T, D)``, so the reference has a
-single code path.
+Internally each is one *block shape* over ``(T, D)`` (``QuantSpec.block_shape``): per-token
+``(1, G)``, per-channel ``(G, 1)``, per-tensor ``(T, D)``, so the reference has one code path.
 """
 
 from __future__ import annotations

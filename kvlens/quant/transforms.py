@@ -1,9 +1,6 @@
 """Transforms around the quantizer: pre-RoPE keys (KVQuant), the MiKV channel balancer and
-dense-and-sparse outliers (KVQuant). The Hadamard rotation lives in
-``kvlens.quant.rotation``.
-
-All tensors are ``[B, H, T, D]`` unless stated; every quantization goes through
-``kvlens.quant.reference`` so these add structure around one definition of the quantizer.
+dense-and-sparse outliers (KVQuant); every quantization goes through ``kvlens.quant.reference``.
+Tensors are ``[B, H, T, D]`` unless stated.
 """
 
 from __future__ import annotations
