@@ -27,6 +27,7 @@ import torch
 
 from kvlens.errors import ConfigError, InputError, is_int
 from kvlens.quant.packing import pack_codes, packed_length, unpack_codes
+from kvlens.quant.reference import check_tensor
 from kvlens.quant.rotation import RotationSpec, rotate, unrotate
 from kvlens.quant.spec import check_versioned_dict
 
@@ -261,13 +262,6 @@ class CodebookTensor:
         return cls(codes, norms, codebook, spec, tuple(codes.shape))
 
 
-def _check(x: torch.Tensor) -> None:
-    if x.dim() != 4:
-        raise InputError(f"Expected a [B, H, T, D] tensor, got shape {tuple(x.shape)}.")
-    if not x.is_floating_point():
-        raise InputError(f"Expected a floating-point tensor, got {x.dtype}.")
-
-
 def _rotation_matrix(spec: CodebookSpec, head_dim: int, device) -> torch.Tensor | None:
     return None if spec.rotation is None else spec.rotation.matrix(head_dim, device)
 
@@ -276,7 +270,7 @@ def normalized_coordinates(x: torch.Tensor, spec: CodebookSpec
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(z, n)``: the unit-variance rotated coordinates ``sqrt(D) * (x R) / ||x||`` ``[B, H, T,
     D]`` float32 and the norms ``[B, H, T]`` float32 (``z = 0`` where ``n = 0``)."""
-    _check(x)
+    check_tensor(x)
     d = x.shape[-1]
     r = _rotation_matrix(spec, d, x.device)
     y = x.float() if r is None else rotate(x, r)

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlens.errors import ConfigError, InputError
+from kvlens.errors import ConfigError
+from kvlens.quant.reference import check_tensor
 
 GGML_BLOCK_SIZE = 32
 # the iq4_nl code book (ggml-common.h kvalues_iq4nl; gguf.quants.IQ4_NL.kvalues)
@@ -153,10 +154,7 @@ def _f16_from_bytes(b: torch.Tensor) -> torch.Tensor:
 
 
 def _blocks(x: torch.Tensor, fmt: GGMLBlockFormat) -> torch.Tensor:
-    if x.dim() != 4:
-        raise InputError(f"Expected a [B, H, T, D] tensor, got shape {tuple(x.shape)}.")
-    if not x.is_floating_point():
-        raise InputError(f"Expected a floating-point tensor, got {x.dtype}.")
+    check_tensor(x)
     fmt.check_fits(x.shape)
     b, h, t, d = x.shape
     return x.detach().float().reshape(b, h, t, d // fmt.block_size, fmt.block_size)

@@ -14,14 +14,12 @@ import math
 
 import torch
 
-from kvlens.errors import ConfigError, InputError
-
-ALLOWED_BITS = tuple(range(1, 9))
+from kvlens.errors import ConfigError, InputError, is_int
 
 
 def pack_unit(bits: int) -> tuple[int, int]:
     """``(U, W)``: ``U`` codes of ``bits`` bits fill exactly ``W`` bytes (the packing unit)."""
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in ALLOWED_BITS:
+    if not is_int(bits, 1, 8):
         raise ConfigError(f"Cannot pack {bits!r}-bit codes; allowed bits: 1-8.")
     w = bits // math.gcd(bits, 8)
     return 8 * w // bits, w

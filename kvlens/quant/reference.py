@@ -51,12 +51,12 @@ class QTensor:
     shape: tuple[int, int, int, int]
 
 
-def _check_input(x: torch.Tensor, spec: QuantSpec) -> None:
+def check_tensor(x: torch.Tensor) -> None:
+    """``InputError`` unless ``x`` is a floating-point ``[B, H, T, D]`` tensor."""
     if x.dim() != 4:
         raise InputError(f"Expected a [B, H, T, D] tensor, got shape {tuple(x.shape)}.")
     if not x.is_floating_point():
         raise InputError(f"Expected a floating-point tensor, got {x.dtype}.")
-    spec.check_fits(x.shape)
 
 
 def _grouped(x: torch.Tensor, bt: int, bd: int) -> torch.Tensor:
@@ -85,7 +85,8 @@ def quantize(x: torch.Tensor, spec: QuantSpec) -> QTensor:
 
     Raises ``ConfigError`` when the spec does not fit the shape (per-token ``G`` not dividing
     ``D``) and ``InputError`` for a tensor that is not 4-D floating point."""
-    _check_input(x, spec)
+    check_tensor(x)
+    spec.check_fits(x.shape)
     x = x.detach().float()
     shape = tuple(x.shape)
     bt, bd = spec.block_shape(shape[2], shape[3])

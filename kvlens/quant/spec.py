@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvlens.errors import ConfigError
+from kvlens.errors import ConfigError, is_int
 
 GRANULARITIES = ("per-token", "per-channel", "per-tensor")
 MIN_BITS, MAX_BITS = 1, 8
@@ -70,12 +70,7 @@ class QuantSpec:
     fit: str = "minmax"
 
     def __post_init__(self) -> None:
-        # bool is an int subclass; True as a bit width is always a mistake.
-        if (
-            isinstance(self.bits, bool)
-            or not isinstance(self.bits, int)
-            or not MIN_BITS <= self.bits <= MAX_BITS
-        ):
+        if not is_int(self.bits, MIN_BITS, MAX_BITS):
             raise ConfigError(
                 f"Invalid bits {self.bits!r}; allowed: integers {MIN_BITS}-{MAX_BITS}."
             )
@@ -84,11 +79,7 @@ class QuantSpec:
                 f"Unknown granularity {self.granularity!r}; allowed: {', '.join(GRANULARITIES)}."
             )
         if self.group_size is not None:
-            if (
-                isinstance(self.group_size, bool)
-                or not isinstance(self.group_size, int)
-                or self.group_size < 1
-            ):
+            if not is_int(self.group_size, 1):
                 raise ConfigError(
                     f"Invalid group size {self.group_size!r}; allowed: a positive "
                     f"integer, or None for the whole vector."
