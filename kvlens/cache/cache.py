@@ -23,12 +23,7 @@ import torch
 from kvlens.cache.attention import make_attention_fn
 from kvlens.cache.backend import select_backend
 from kvlens.cache.engine import EngineLayer, static_scale
-from kvlens.cache.layer import (
-    STATE_FIELDS,
-    CompressedLayer,
-    HistoryLayer,
-    with_fixed_state,
-)
+from kvlens.cache.layer import STATE_FIELDS, CompressedLayer, HistoryLayer, with_fixed_state
 from kvlens.cache.layout import PARTS
 from kvlens.cache.sets import SetPolicy, SetRows
 from kvlens.config import KVConfig, validate_for
@@ -210,20 +205,31 @@ def state_bytes(cache) -> int:
     storage in the layers that are not kvlens layers, and the state fields of kvlens' hybrid
     layers (``STATE_FIELDS``); 0 for a model whose every layer has a KV cache."""
     seen: set = set()
-    total = 0
-    for layer in cache.layers:
-        fields = vars(layer).items() if not isinstance(layer, HistoryLayer) else \
-            ((k, v) for k, v in vars(layer).items() if k in STATE_FIELDS)
-        stack = [v for _, v in fields]
-        while stack:
-            o = stack.pop()
-            if isinstance(o, torch.Tensor):
-                total += _storage_bytes(o, seen)
-            elif isinstance(o, (list, tuple)):
-                stack.extend(o)
-            elif isinstance(o, dict):
-                stack.extend(o.values())
-    return total
+    roots = [v for layer in cache.layers for k, v in vars(layer).items()
+             if not isinstance(layer, HistoryLayer) or k in STATE_FIELDS]
+    return sum(_storage_bytes(t, seen) for t in _tensors(roots))
+
+
+def _tensors(roots: list, enter=lambda o: False) -> Iterator[torch.Tensor]:
+    """Every tensor reachable from ``roots`` through lists, tuples, dicts and the attributes
+    of the objects ``enter`` accepts (each object once; never a session or a hybrid layer's
+    state field)."""
+    seen: set = set()
+    stack = list(roots)
+    while stack:
+        o = stack.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            yield o
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif enter(o):
+            stack.extend(v for k, v in vars(o).items()
+                         if k != "session" and k not in STATE_FIELDS)
 
 
 def _storage_bytes(tensor: torch.Tensor, seen: set) -> int:
@@ -242,29 +248,14 @@ def held_bytes(obj) -> int:
 
 def held_bytes_by_device(obj) -> dict[str, int]:
     """Per device (``"cpu"``, ``"cuda:0"``...), bytes of every tensor storage reachable from
-    ``obj`` through attributes, lists, tuples and dicts (each storage once, on the device it
-    lives on). The walk does not enter modules, the compression session or anything outside
-    kvlens' cache objects, so it counts what the cache holds, not the model."""
-
-    seen_objs: set = set()
+    ``obj`` and kvlens' cache objects in it (layers, stores, sets), each storage once on the
+    device it lives on: what the cache holds, not the model or the session."""
     seen: set = set()
     total: dict[str, int] = {}
-    stack = [obj]
-    while stack:
-        o = stack.pop()
-        if id(o) in seen_objs:
-            continue
-        seen_objs.add(id(o))
-        if isinstance(o, torch.Tensor):
-            n = _storage_bytes(o, seen)
-            if n:
-                dev = str(o.untyped_storage().device)
-                total[dev] = total.get(dev, 0) + n
-        elif isinstance(o, (list, tuple)):
-            stack.extend(o)
-        elif isinstance(o, dict):
-            stack.extend(o.values())
-        elif isinstance(o, (CompressedLayer, Store, EngineLayer, SetRows, SetPolicy)) or o is obj:
-            stack.extend(v for k, v in vars(o).items()
-                         if k != "session" and k not in STATE_FIELDS)
+    kinds = (HistoryLayer, Store, SetRows, SetPolicy)
+    for t in _tensors([obj], lambda o: o is obj or isinstance(o, kinds)):
+        n = _storage_bytes(t, seen)
+        if n:
+            dev = str(t.untyped_storage().device)
+            total[dev] = total.get(dev, 0) + n
     return total
