@@ -165,18 +165,13 @@ def compressed_attention(model, config: KVConfig, backend: str = "auto"
 def memory_report(cache) -> dict:
     """The bytes the cache object really holds, by part, beside the fp16 equivalent.
 
-    ``kv_bytes``: bytes of every tensor storage reachable from the cache's layers (found by
-    walking the objects, views and shared storages counted once, whole storages counted:
-    capacity, not only the filled part); ``breakdown``: the same bytes by part
-    (``kvlens.cache.layout.PARTS``), from the layers' own named tensors; ``unaccounted``: bytes
-    the walk found that no part names (0 unless a layer keeps something it does not declare).
-    ``kv_bytes_fp16``: an fp16 K/V cache of the tokens each layer can still attend to (all of
-    them, or the last ``W - 1`` in a sliding-window layer); ``bits_per_element`` =
-    ``16 * kv_bytes / kv_bytes_fp16``; ``by_device``: the held bytes per device the storages
-    live on (they sum to ``kv_bytes`` exactly; each layer's stores are on the device its
-    attention runs on). ``state_bytes``: what a hybrid model's layers without a KV cache hold
-    (their fixed-size linear-attention, SSM or convolution states, kept exact by transformers'
-    own layers), apart from ``kv_bytes``. Python object headers are not counted."""
+    ``kv_bytes``: every tensor storage reachable from the cache's layers (walked; shared storages
+    once, whole storages: capacity, not only the filled part), per device in ``by_device``;
+    ``breakdown``: the same bytes by part (``kvlens.cache.layout.PARTS``) from the layers' named
+    tensors, ``unaccounted`` what no part names (0 unless a layer keeps something undeclared);
+    ``kv_bytes_fp16``: an fp16 K/V cache of the tokens each layer can still attend to;
+    ``bits_per_element`` = ``16 * kv_bytes / kv_bytes_fp16``; ``state_bytes``: what a hybrid
+    model's layers without a KV cache hold, apart. Python object headers are not counted."""
 
     parts = dict.fromkeys(PARTS, 0)
     seen: set = set()

@@ -260,12 +260,9 @@ class EngineLayer(HistoryLayer):
     def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scaling: float, *,
                softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of ``query`` ``[B, Hq, Tq, D]`` over what the last ``update`` read, with
-        llama.cpp's CPU arithmetic (``kvlens.quant.llamacpp_cpu.attend``): the query rotated by
-        K's rotation, the output un-rotated by V's. ``mask``: transformers' mask over the
-        returned positions (bool or additive), ``None`` for causal. ``softcap`` (0 = none) and
-        ``sinks`` (one logit per query head, ``None`` = none): Gemma 2's logit soft-capping and
-        gpt-oss's attention sinks, applied as llama.cpp's kernels do. Returns the attention
-        function's layout ``[B, Tq, Hq, D]``."""
+        llama.cpp's CPU arithmetic (``kvlens.quant.llamacpp_cpu.attend``), the query rotated by K's
+        rotation and the output un-rotated by V's; ``mask`` over the returned positions (``None``:
+        causal). Returns ``[B, Tq, Hq, D]``."""
         k, v, k_min = self._read
         self._read = None  # one attention call per update
         q = query.float()

@@ -124,11 +124,9 @@ def fp_bytes_of(fp_dtype: str, model_dtype_bytes: int) -> int:
 
 
 def shares_storage(setting, kv_shared: bool, head_dim: int, *, balancer: bool = False) -> bool:
-    """Whether a layer keeps its keys and values in **one** store: a layer whose keys and values
-    are one tensor (``kv_shared``: an MLA model's latent row, ``kvlens.model.mla``) stored
-    alike (the same spec or engine type, the same rotation, no transform of the keys alone:
-    pre-RoPE, balancer). Otherwise the layer keeps two stores, as for any
-    model."""
+    """Whether a layer keeps its keys and values in **one** store: they are one tensor
+    (``kv_shared``: an MLA latent row) stored alike (the same spec or engine type and rotation, no
+    transform of the keys alone: pre-RoPE, balancer)."""
     if not kv_shared:
         return False
     if setting.engine:
@@ -148,14 +146,9 @@ def layer_part_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batc
                      fp_bytes: int = 2, scale_dtype: str = "float16", mikv=None,
                      balancer: bool = False, sliding_window: int | None = None,
                      kv_shared: bool = False) -> dict[str, int]:
-    """Bytes of every part one ``CompressedLayer`` holds after ``tokens`` tokens.
-
-    kv_shared: keys and values are one tensor (MLA): one store and one window where
-    ``shares_storage`` says so.
-
-    mikv: the layer's ``MikvSettings`` (``KVConfig.mikv_for``; ignored for uncompressed
-    layers, as the cache does): the set its policy keeps (``kvlens.cache.sets``).
-    balancer: the layer stores a ``[Hkv, D]`` float32 balancer (fixed or fitted online)."""
+    """Bytes of every part one ``CompressedLayer`` holds after ``tokens`` tokens; ``mikv``: the
+    layer's ``MikvSettings`` (its set's policy; ignored for uncompressed layers), ``balancer``: it
+    stores a float32 ``[Hkv, D]`` balancer, ``kv_shared``: MLA (``shares_storage``)."""
     parts = dict.fromkeys(PARTS, 0)
     if tokens == 0:
         return parts

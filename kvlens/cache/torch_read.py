@@ -96,13 +96,10 @@ _WORKSPACE: dict = {}
 
 
 def _scratch(slot: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
-    """A reusable CPU buffer of ``shape`` for the unpacked codes of one chunk (one flat buffer
-    per slot, grown to the largest chunk seen: at most one chunk, ``B * Hkv * chunk_tokens * D``
-    floats, kept for the process). On CPU a fresh multi-megabyte tensor per chunk is allocated
-    (and faulted in) at every step; reusing one buffer saves that and the allocator churn
-    between the model's own ops (the timing: ``docs/benchmarks.md``). CUDA's caching allocator
-    already avoids that, so other devices get a plain ``torch.empty``. Not thread-safe: the
-    caller consumes the buffer before the next unpack (decode is sequential)."""
+    """A reusable CPU buffer of ``shape`` for the unpacked codes of one chunk (one flat buffer per
+    slot, grown to the largest chunk): a fresh multi-megabyte tensor per chunk would be allocated
+    and faulted in at every step. Other devices get ``torch.empty`` (CUDA's caching allocator).
+    Not thread-safe: the caller consumes it before the next unpack."""
     if torch.device(device).type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)
     n = 1
@@ -116,13 +113,10 @@ def _scratch(slot: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tenso
 
 
 def unpack_rows(raw: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 ``[..., R, C]`` (each run of ``W`` byte rows is one packing unit holding ``U``
-    codes of consecutive rows, ``kvlens.quant.packing``) -> float32 ``[..., R / W * U, C]`` (row
-    ``r*U + e`` = slot ``e`` of unit ``r``). One broadcast shift over the long last dimension,
-    into the reusable chunk workspace (``_scratch``: the result is only valid until the next
-    unpack). Units of several bytes (3-bit codes: 8 in 3 bytes) are unpacked slot by slot, each
-    slot one or two uint8 shifts over the whole chunk (faster than joining a unit's bytes
-    into an int32 word first: ``benchmarks/bench_unpack.py``, ``docs/benchmarks.md``)."""
+    """uint8 ``[..., R, C]`` (each ``W`` byte rows one packing unit of ``U`` codes of consecutive
+    rows, ``kvlens.quant.packing``) -> float32 ``[..., R / W * U, C]`` in the chunk workspace
+    (valid until the next unpack): one broadcast shift, or for units of several bytes one or two
+    uint8 shifts per slot over the whole chunk."""
     u, w = pack_unit(bits)
     lead, r, c = raw.shape[:-2], raw.shape[-2], raw.shape[-1]
     out = _scratch("f32", (*lead, r // w * u, c), torch.float32, raw.device)
@@ -331,13 +325,10 @@ def packed_attention(query: torch.Tensor, layer, mask: torch.Tensor | None, scal
                      chunk_tokens: int = CHUNK_TOKENS, with_probs: bool = False, *,
                      softcap: float = 0.0, sinks: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention output ``[B, Tq, Hq, D]`` (transformers' attention-function layout) and, when
-    ``with_probs``, the attention mass per cached position ``[B, Hkv, N]`` (summed over the
-    query heads of each KV head and over the queries; read by a set policy that needs it).
-
-    ``softcap``: logit soft-capping (0 = none); ``sinks``: the learned attention-sink logit of
-    each query head ``[Hq]`` (gpt-oss's ``s_aux``; ``None`` = none), not the sink tokens a set keeps
-    (module docstring)."""
+    """Attention output ``[B, Tq, Hq, D]`` (transformers' attention-function layout) and, with
+    ``with_probs``, the attention mass per cached position ``[B, Hkv, N]`` (over each KV head's
+    query heads and the queries). ``softcap``: 0 = none; ``sinks``: each query head's learned
+    sink logit ``[Hq]`` (not the sink tokens a set keeps) or ``None``."""
     b, hq, tq, d = query.shape
     q, qb = _queries(query, layer, scaling)
     hkv, m_rows = q.shape[1], q.shape[2]

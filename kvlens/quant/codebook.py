@@ -44,13 +44,9 @@ _FIELDS = ("bits", "codebook", "rotation", "renormalize")
 class CodebookSpec:
     """A codebook quantization config for ``[B, H, T, D]`` tensors (frozen, versioned JSON).
 
-    bits: code width, 1-8 (``2^bits`` centroids).
-    codebook: ``"lloyd-max"`` (computed for the sphere-coordinate density) or
-        ``"lloyd-max-normal"`` (computed for the standard normal, vLLM's); nothing stored.
-    rotation: the Hadamard rotation applied before coding (``None``: code the raw channels;
-        the Lloyd-Max codebook assumes a rotation, so ``None`` is for ablations).
-    renormalize: rescale each decoded vector to its stored norm.
-    """
+    bits: 1-8; codebook: one of ``CODEBOOKS`` (module docstring); rotation: the Hadamard rotation
+    before coding (``None`` codes the raw channels, for ablations); renormalize: rescale each
+    decoded vector to its stored norm."""
 
     bits: int
     codebook: str = "lloyd-max"
@@ -168,12 +164,9 @@ def sphere_coordinate_density(z: torch.Tensor, head_dim: int | None) -> torch.Te
 
 def weighted_lloyd(points: torch.Tensor, weights: torch.Tensor, levels: int,
                    iters: int, tol: float = 1e-12) -> torch.Tensor:
-    """1-D Lloyd (weighted k-means) on ascending ``points`` with ``weights`` (float64 [N]).
-
-    Starts from the centroids of ``levels`` equal-mass cells, then alternates boundaries at
-    centroid midpoints and centroids at the weighted mean of their cell (an empty cell keeps its
-    centroid) until no centroid moves more than ``tol`` or ``iters`` rounds. Cell sums come from
-    prefix sums, so a round costs ``O(levels log N)``. Returns float64 ``[levels]``."""
+    """1-D Lloyd (weighted k-means) on ascending ``points`` with ``weights`` (float64 ``[N]``),
+    from ``levels`` equal-mass cells until no centroid moves more than ``tol`` or ``iters``
+    rounds (an empty cell keeps its centroid; prefix sums: ``O(levels log N)`` a round)."""
     cw = torch.cat((weights.new_zeros(1), weights.cumsum(0)))
     cs = torch.cat((weights.new_zeros(1), (weights * points).cumsum(0)))
     total = float(cw[-1])

@@ -35,11 +35,8 @@ IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69
 @dataclass(frozen=True)
 class GGMLBlockFormat:
     """A llama.cpp cache type: ``block_size`` consecutive channels of one token share an fp16
-    scale (and an fp16 minimum when ``has_min``).
-
-    name: the ggml type name (``q8_0`` ...). code_bits: bits per code. has_min: ``_1`` types
-    store ``m`` and use codes ``0..2^b-1`` (``x = q d + m``); the others are zero-centred.
-    nonlinear: iq4_nl's table ``IQ4_NL_VALUES`` instead of a uniform grid."""
+    scale ``d`` (and, ``has_min``: an fp16 minimum ``m``, codes ``0..2^b-1``, ``x = q d + m``;
+    otherwise zero-centred codes). nonlinear: iq4_nl's table ``IQ4_NL_VALUES``."""
 
     name: str
     code_bits: int
@@ -182,13 +179,10 @@ def _signed_absmax(blocks: torch.Tensor) -> torch.Tensor:
 def quantize_ggml(x: torch.Tensor, fmt: GGMLBlockFormat) -> GGMLBlocks:
     """Quantize ``x`` ``[B, H, T, D]`` into ggml blocks of 32 channels per token.
 
-    q8_0/q4_0/q4_1/q5_0/q5_1 follow ``gguf.quants`` exactly (float32 arithmetic in the same
-    order, ``trunc(v + 0.5)`` or ``roundf`` rounding, scales computed in float32 and stored as
-    fp16), so ``to_bytes`` matches ``gguf.quants.quantize`` byte for byte. iq4_nl follows
-    llama.cpp's CUDA cache writer ``quantize_f32_iq4_nl_block`` (nearest table entry at
-    ``d0 = signed_absmax / -127``, then ``d = sum(w q x) / sum(w q^2)`` with ``w = x^2``, the
-    sums in float64 here, or ``d0`` when ``sum(w q^2) == 0``); the CPU writer additionally
-    searches 15 trial scales, so a CPU llama.cpp may choose other codes."""
+    q8_0 ... q5_1 follow ``gguf.quants`` (float32 arithmetic in its order, its rounding, fp16
+    scales), byte for byte. iq4_nl follows llama.cpp's CUDA writer ``quantize_f32_iq4_nl_block``:
+    nearest table entry at ``d0 = signed_absmax / -127``, then ``d = sum(w q x) / sum(w q^2)``,
+    ``w = x^2`` (``d0`` when the sum is 0); the CPU writer searches more scales."""
     blocks = _blocks(x, fmt)
     m = None
     if fmt.name == "q8_0":

@@ -145,17 +145,12 @@ def accumulate_f16(scores: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
                    key_block: int = 256, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``one_chunk``'s online softmax with an fp16 V accumulator, key by key in cache order.
 
-    scores: float32 ``[B, Hq, Tq, N]`` (scaled, masked keys anything); v: ``[B, Hkv, N, D]``
-    (fp16 values); visible: bool broadcastable to scores. Per visible key ``s``: on a new
-    maximum ``VKQ = fp16(VKQ * exp(M_old - s))``; then ``VKQ = fp16(VKQ + v * exp(s - M))``
-    (float32 multiply-add, one fp16 rounding, as the x86 F16C code); ``S = S * ms + vs``.
-    Returns ``VKQ / S`` float32 ``[B, Hq, Tq, D]``.
-
-    The running maximum depends on the scores alone (a cumulative maximum), so the factors
-    ``exp(M_old - M)`` and ``exp(s - M)`` are computed up front; only the fp16 accumulator is
-    a loop over keys (``key_block`` keys' products at a time). ``S`` is summed in float32 in
-    one go (its rounding order is not modelled). ``sinks`` ``[Hq]``: the heads' sink logits,
-    joined after the last key on the float32 copy of ``VKQ`` (module docstring)."""
+    scores: float32 ``[B, Hq, Tq, N]`` (scaled); v: ``[B, Hkv, N, D]``; visible: bool
+    broadcastable to scores. Per visible key ``s``: on a new maximum ``VKQ = fp16(VKQ * exp(M_old -
+    s))``; then ``VKQ = fp16(VKQ + v * exp(s - M))`` (as the x86 F16C code); returns ``VKQ / S``
+    float32 ``[B, Hq, Tq, D]``. The running maximum is a cumulative maximum of the scores, so only
+    the fp16 accumulator loops over keys; ``S`` is summed in float32 at once (its rounding order is
+    not modelled). ``sinks`` ``[Hq]`` join after the last key (module docstring)."""
     b, hq, tq, n = scores.shape
     hkv, d = v.shape[1], v.shape[-1]
     g = hq // hkv
@@ -226,11 +221,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Ten
            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """llama.cpp's CPU attention output ``[B, Hq, Tq, D]`` float32 (module docstring).
 
-    q: ``[B, Hq, Tq, D]`` in K's stored basis; k, v: the cache as read back ``[B, Hkv, N, D]``
-    (dequantized float32; f16 types hold fp16 values); visible: bool broadcastable to
-    ``[B, Hq, Tq, N]``; key_type / value_type: the ``-ctk/-ctv`` names; k_min: the key blocks'
-    minima of a ``_1`` key type (``key_scores``); softcap: logit soft-capping (0 = none);
-    sinks: the learned attention-sink logit of each query head ``[Hq]`` (``None`` = none)."""
+    q: in K's stored basis; k, v: the cache as read back ``[B, Hkv, N, D]``; visible: bool
+    broadcastable to ``[B, Hq, Tq, N]``; key_type / value_type: the ``-ctk/-ctv`` names; k_min: a
+    ``_1`` key type's block minima (``key_scores``); softcap: 0 = none; sinks: ``[Hq]`` or None."""
     tq = q.shape[2]
     if flash_attention:
         kt, vt = fa_read_type(key_type), fa_read_type(value_type)

@@ -35,14 +35,9 @@ FLOAT32_TINY = torch.finfo(torch.float32).tiny
 
 @dataclass(frozen=True)
 class QTensor:
-    """A quantized ``[B, H, T, D]`` tensor.
-
-    codes: uint8 ``[B, H, T, D]``, one unpacked code per element (see ``kvlens.quant.packing``
-        for the packed form).
-    scale, zero: float32, shaped per granularity (module docstring); ``x_hat = code*scale+zero``.
-    spec: the ``QuantSpec`` used.
-    shape: the original ``(B, H, T, D)``.
-    """
+    """A quantized ``[B, H, T, D]`` tensor: ``codes`` uint8, one unpacked code per element;
+    ``scale``, ``zero`` float32 per group (module docstring), ``x_hat = code * scale + zero``; the
+    ``spec`` used and the original ``shape``."""
 
     codes: torch.Tensor
     scale: torch.Tensor

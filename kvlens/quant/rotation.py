@@ -105,15 +105,10 @@ def unrotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
 
 def quantize_rotated(x: torch.Tensor, spec, r: torch.Tensor,
                      scale_dtype: str = "float32") -> torch.Tensor:
-    """Rotate, quantize with ``spec`` (``kvlens.quant.reference``), dequantize, un-rotate:
-    ``fake_quantize(x R, spec) Rᵀ``, ``[B, H, T, D]`` float32 in the original basis. ``spec``
-    may instead be a function ``x -> x_hat`` (a storage layout's reference,
-    ``kvlens.layouts.Layout.reconstruct``): the rotation composes around any layout.
-
-    For keys this is the key a plain query sees (``q · k_hat = (q R) · deq(k R)``); for values,
-    attention over it equals the un-rotated attention output over ``deq(v R)``. Because ``R`` is
-    orthonormal, ``||x - x_hat||`` is the same in either basis. ``scale_dtype``: as
-    ``fake_quantize``'s."""
+    """``fake_quantize(x R, spec) Rᵀ``: ``[B, H, T, D]`` float32 in the original basis, the key a
+    plain query sees (``q · k_hat = (q R) · deq(k R)``) or the values whose attention equals the
+    un-rotated output. ``spec`` may be a function ``x -> x_hat`` (a layout's reference): the
+    rotation composes around any layout. ``scale_dtype``: as ``fake_quantize``'s."""
     return unrotate(quantizer(spec, scale_dtype)(rotate(x, r)), r)
 
 
@@ -127,12 +122,8 @@ def quantizer(spec, scale_dtype: str = "float32"):
 
 @dataclass(frozen=True)
 class RotationSpec:
-    """A Hadamard rotation setting (frozen, versioned, JSON-serialisable).
-
-    seed: ``None`` = plain (block) Sylvester Hadamard; an integer >= 0 = random sign flips
-        drawn with that seed. The matrix depends on the layer's ``head_dim`` too
-        (``matrix(head_dim)``), which must be even.
-    """
+    """A Hadamard rotation setting (frozen, versioned, JSON-serialisable): ``seed`` ``None`` =
+    plain (block) Sylvester Hadamard, an integer >= 0 = random sign flips drawn with it."""
 
     seed: int | None = None
 

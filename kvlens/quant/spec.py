@@ -48,20 +48,11 @@ def check_versioned_dict(data: Any, what: str, version: int, fields: Sequence[st
 class QuantSpec:
     """A uniform integer quantization config for ``[B, H, T, D]`` tensors.
 
-    bits: code width, 1-8 (symmetric needs at least 2).
-    granularity: what shares one scale: ``"per-token"``, ``"per-channel"`` or ``"per-tensor"``
-        (see the module docstring for the exact slices).
-    group_size: ``G``, elements per group along the grouped axis; ``None`` = the whole vector
-        (all ``D`` channels for per-token, all ``T`` tokens for per-channel). Must be ``None``
-        for per-tensor.
-    symmetric: ``False`` (default) = asymmetric min/max grid; ``True`` = zero-centred grid
-        (formulas in ``kvlens.quant.reference``).
-    fit: how a group's ``scale`` and ``zero`` are chosen (asymmetric only): ``"minmax"``
-        (default) spans the group's range; ``"mse"`` starts there and alternately re-assigns
-        codes and refits ``(scale, zero)`` by least squares, which clips the range where
-        that lowers the group's squared error (``kvlens.quant.reference``). Storage and
-        dequantization are the same for both.
-    """
+    bits: 1-8 (symmetric needs at least 2). granularity: what shares one scale (module docstring).
+    group_size: ``G`` along the grouped axis; ``None`` = the whole vector; ``None`` for per-tensor.
+    symmetric: a zero-centred grid instead of min/max. fit: ``"minmax"`` or ``"mse"`` (asymmetric
+    only: a least-squares refit of each group's ``(scale, zero)``, ``kvlens.quant.reference``);
+    storage and dequantization are the same for both."""
 
     bits: int
     granularity: str
@@ -127,12 +118,8 @@ class QuantSpec:
         return num_tokens, head_dim
 
     def check_fits(self, shape: Sequence[int]) -> None:
-        """Raise ``ConfigError`` unless this spec can quantize a tensor of ``shape``.
-
-        ``shape`` is ``[B, H, T, D]`` or just ``(T, D)`` (its last two entries are used). A
-        per-token group size must divide ``D``; per-channel groups may leave a partial last
-        group along ``T``.
-        """
+        """Raise ``ConfigError`` unless this spec can quantize a tensor of ``shape`` (``[B, H,
+        T, D]`` or ``(T, D)``): a per-token group size must divide ``D``."""
         if len(shape) < 2:
             raise ConfigError(f"Expected a shape [B, H, T, D] or (T, D), got {tuple(shape)}.")
         num_tokens, head_dim = int(shape[-2]), int(shape[-1])

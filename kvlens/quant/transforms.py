@@ -26,14 +26,10 @@ def rope_tables_for(
     rotary_dim: int | None = None,
     layout: str = "half",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Default (Llama-style, unscaled) RoPE ``cos, sin`` tables ``[B, T, R]`` for ``positions``.
-
-    positions: ``[T]`` (gives ``B = 1``, broadcasting) or ``[B, T]`` integer positions. ``R = rotary_dim`` (default ``head_dim``,
-    must be even). ``inv_freq[i] = theta^(-2i/R)`` for ``i < R/2``; angle = position * inv_freq.
-    ``"half"`` layout repeats the ``R/2`` angles as ``[f, f]``; ``"interleaved"`` as
-    ``[f0, f0, f1, f1, ...]``. Computed in float32 the way transformers' default rotary
-    embedding does, so tables match the ones a Llama-style model used at those positions.
-    """
+    """Default (Llama-style, unscaled) RoPE ``cos, sin`` tables ``[B, T, R]`` for ``positions``
+    ``[T]`` (``B = 1``) or ``[B, T]``, ``R = rotary_dim`` (even, default ``head_dim``):
+    ``inv_freq[i] = theta^(-2i/R)``, angles repeated ``[f, f]`` (``"half"``) or ``[f0, f0, f1, f1,
+    ...]`` (``"interleaved"``), in float32 as transformers' default rotary embedding."""
     r = head_dim if rotary_dim is None else rotary_dim
     if r < 2 or r % 2 or r > head_dim:
         raise ConfigError(
@@ -63,14 +59,10 @@ def quantize_pre_rope(
     rotation: torch.Tensor | None = None,
     scale_dtype: str = "float32",
 ) -> torch.Tensor:
-    """KVQuant-style keys: quantize ``k_pre`` (before RoPE), dequantize, then apply RoPE.
-
-    Returns the post-RoPE key the model would see, ``[B, H, T, D]`` float32; ``cos``/``sin``
-    are the layer's ``[B, T, R]`` tables (e.g. from ``rope_tables_for``). With ``rotation``
-    (``[D, D]`` from ``hadamard_rotation``) the stored form is ``k_pre R``: it is quantized,
-    dequantized and un-rotated by ``Rᵀ`` *before* RoPE is applied (RoPE and ``R`` do not
-    commute, so the query cannot absorb ``R`` here). ``scale_dtype``: as ``fake_quantize``'s.
-    ``spec``: a ``QuantSpec`` or a function ``x -> x_hat`` (``quantize_rotated``)."""
+    """KVQuant-style keys: quantize ``k_pre`` (before RoPE), dequantize, then apply RoPE with the
+    layer's ``[B, T, R]`` tables: the post-RoPE key the model would see, float32. With ``rotation``
+    the stored form is ``k_pre R``, un-rotated before RoPE (they do not commute). ``spec``: a
+    ``QuantSpec`` or a function ``x -> x_hat``; ``scale_dtype``: as ``fake_quantize``'s."""
     if rotation is None:
         hat = quantizer(spec, scale_dtype)(k_pre.float())
     else:
@@ -86,15 +78,10 @@ def fit_balancer(
 ) -> torch.Tensor:
     """MiKV balancer ``b = (max|q_c| / max|k_c|)^exponent`` per KV head and channel.
 
-    q: ``[B, Hq, T, D]``, k: ``[B, Hkv, T, D]`` with ``Hq = groups * Hkv`` (GQA). Query head
-    ``h`` uses KV head ``h // groups`` (as transformers' ``repeat_kv``), so the query maximum for
-    a KV head is taken over its ``groups`` query heads as well as over tokens: a single balancer
-    per KV head must suit every query head that reads it.
-
-    The maxima also run over the batch (one calibration per head, shape ``[Hkv, D]``) unless
-    ``per_sample`` (MiKV's per-prompt form, ``[B, Hkv, D]``). Where either maximum is zero or
-    not finite the channel carries no usable ratio and gets ``b = 1`` (no rescaling).
-    """
+    q: ``[B, Hq, T, D]``, k: ``[B, Hkv, T, D]``; a KV head's query maximum runs over its GQA
+    query heads (``repeat_kv``) and the tokens, and over the batch (``[Hkv, D]``) unless
+    ``per_sample`` (MiKV's per-prompt ``[B, Hkv, D]``). A channel with a zero or non-finite
+    maximum gets ``b = 1``."""
     groups = _gqa_groups(q, k)
     b, hkv, _, d = k.shape
     q_max = q.detach().float().abs().amax(dim=2).reshape(b, hkv, groups, d).amax(dim=2)
