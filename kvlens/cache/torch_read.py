@@ -44,21 +44,22 @@ CHUNK_TOKENS = 4096
 
 # -- masks --------------------------------------------------------------------------------------
 
-def _range_bias(mask: torch.Tensor | None, t0: int, t1: int, tq: int, n_total: int,
-                device) -> torch.Tensor | None:
-    """Additive bias ``[B|1, 1, 1, Tq, t1-t0]`` for the contiguous key positions ``[t0, t1)``,
-    or ``None`` when every position is visible to every query."""
+def _range_bias(s: torch.Tensor, mask: torch.Tensor | None, t0: int, t1: int, tq: int,
+                n_total: int) -> torch.Tensor:
+    """Scores ``s`` ``[B, Hkv, g, Tq, t1-t0]`` of the contiguous key positions ``[t0, t1)`` with
+    the mask's additive bias (``s`` itself when every position is visible to every query)."""
+    device = s.device
     if mask is None:
         if t1 - 1 <= n_total - tq:  # causal: all before the first query
-            return None
+            return s
         pos = torch.arange(t0, t1, device=device)
         qpos = torch.arange(n_total - tq, n_total, device=device)
         allowed = pos[None, :] <= qpos[:, None]
-        return torch.where(allowed, 0.0, float("-inf"))[None, None, None]
+        return s + torch.where(allowed, 0.0, float("-inf"))[None, None, None]
     m = mask[:, 0, :, t0:t1]  # [B|1, Tq, n]
     if m.dtype == torch.bool:
         m = torch.where(m, 0.0, float("-inf"))
-    return m.float()[:, None, None]
+    return s + m.float()[:, None, None]
 
 
 def _bias(mask: torch.Tensor | None, pos: torch.Tensor, tq: int, n_total: int, b: int,
@@ -284,10 +285,8 @@ def _segments(layer, q: torch.Tensor, qb: torch.Tensor, mask, tq: int, chunk_tok
     for t0 in range(0, nq, step):
         t1 = min(nq, t0 + step)
         s = _key_scores(layer, qb, t0, t1)
-        s = _capped(s.view(b, hkv, g, tq, t1 - t0), softcap)
-        bias = _range_bias(mask, a0 + t0, a0 + t1, tq, n_total, q.device)
-        if bias is not None:
-            s = s + bias
+        s = _range_bias(_capped(s.view(b, hkv, g, tq, t1 - t0), softcap), mask, a0 + t0,
+                        a0 + t1, tq, n_total)
         if layer.set_mask is not None:
             s = s.masked_fill(layer.set_mask[:, :, None, None, a0 + t0:a0 + t1], float("-inf"))
         if sinks > t0:
@@ -302,9 +301,7 @@ def _segments(layer, q: torch.Tensor, qb: torch.Tensor, mask, tq: int, chunk_tok
         k, v = layer.res_k.view().float(), layer.res_v.view().float()
         r0 = layer.res_start
         s = _capped(torch.matmul(q, k.transpose(-1, -2)).view(b, hkv, g, tq, -1), softcap)
-        bias = _range_bias(mask, r0, r0 + layer.n_res, tq, n_total, q.device)
-        if bias is not None:
-            s = s + bias
+        s = _range_bias(s, mask, r0, r0 + layer.n_res, tq, n_total)
         yield s, (lambda p, v=v: torch.matmul(p, v)), (r0, r0 + layer.n_res)
 
 

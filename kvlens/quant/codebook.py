@@ -18,6 +18,7 @@ stored; ``CodebookSpec.held_bytes`` counts what is (codes densely packed, a floa
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -206,19 +207,12 @@ def lloyd_max(bits: int, head_dim: int | None) -> Codebook:
     return _lloyd_max_cached(bits, head_dim)
 
 
-_LLOYD_CACHE: dict[tuple[int, int | None], Codebook] = {}
-
-
+@functools.cache
 def _lloyd_max_cached(bits: int, head_dim: int | None) -> Codebook:
-    key = (bits, head_dim)
-    if key not in _LLOYD_CACHE:
-        reach = 12.0 if head_dim is None else min(12.0, math.sqrt(head_dim))
-        z = torch.linspace(-reach, reach, LLOYD_GRID, dtype=torch.float64)
-        w = sphere_coordinate_density(z, head_dim)
-        c = weighted_lloyd(z, w, 1 << bits, LLOYD_ITERS)
-        c = (c - c.flip(0)) / 2  # exact symmetry
-        _LLOYD_CACHE[key] = Codebook(c.float())
-    return _LLOYD_CACHE[key]
+    reach = 12.0 if head_dim is None else min(12.0, math.sqrt(head_dim))
+    z = torch.linspace(-reach, reach, LLOYD_GRID, dtype=torch.float64)
+    c = weighted_lloyd(z, sphere_coordinate_density(z, head_dim), 1 << bits, LLOYD_ITERS)
+    return Codebook(((c - c.flip(0)) / 2).float())  # exact symmetry
 
 
 def computed_codebook(spec: CodebookSpec, head_dim: int) -> Codebook:

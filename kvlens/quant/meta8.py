@@ -23,6 +23,7 @@ import torch
 from kvlens.quant.reference import (
     QTensor,
     _grouped,
+    at_groups,
     dequantize,
     expand_params,
     member_weight,
@@ -64,10 +65,7 @@ def _search(groups: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zer
     levels, u = code_levels(spec), zero_unit(spec.bits)
     start = torch.maximum(scale, zero.abs() / (127 * u))  # |zero| within 127 zero units
     e0 = torch.ceil(torch.log2(start) * SCALE_STEPS) + SCALE_BIAS
-
-    def at(p):
-        return p[:, :, :, None, :, None]
-
+    at = at_groups
     # weight is 1 everywhere unless a partial last token group was padded: skip it then
     weight = None if bool((weight == 1).all()) else weight
     work = torch.empty_like(groups)  # one buffer for every pair, the arithmetic in place

@@ -66,12 +66,17 @@ def _grouped(x: torch.Tensor, bt: int, bd: int) -> torch.Tensor:
     return x.reshape(b, h, (t + pad) // bt, bt, d // bd, bd)
 
 
+def at_groups(p: torch.Tensor) -> torch.Tensor:
+    """Per-group ``[B, H, nT, nD]`` values broadcastable to ``_grouped``'s groups."""
+    return p[:, :, :, None, :, None]
+
+
 def expand_params(p: torch.Tensor, spec: QuantSpec, shape: tuple[int, ...]) -> torch.Tensor:
     """Broadcast a per-group ``scale`` or ``zero`` back to the full ``[B, H, T, D]`` shape."""
     b, h, t, d = shape
     bt, bd = spec.block_shape(t, d)
     n_t, n_d = p.shape[2], p.shape[3]
-    full = p[:, :, :, None, :, None].expand(b, h, n_t, bt, n_d, bd)
+    full = at_groups(p).expand(b, h, n_t, bt, n_d, bd)
     return full.reshape(b, h, n_t * bt, n_d * bd)[:, :, :t]
 
 
@@ -131,10 +136,7 @@ def _mse_fit(groups: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, leve
         return w * t if padded else t
 
     mx = weighted(groups).sum(dim=dims) / n
-
-    def at(p):
-        return p[:, :, :, None, :, None]
-
+    at = at_groups
     centred = groups - at(mx)
     for _ in range(MSE_FIT_ITERS):
         c = torch.sub(groups, at(zero)).div_(at(scale)).round_().clamp_(0, levels)

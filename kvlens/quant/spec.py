@@ -139,13 +139,7 @@ class QuantSpec:
     @property
     def label(self) -> str:
         """Short human name, e.g. ``"2b per-channel G32"`` or ``"4b per-token G=all sym"``."""
-        g = (
-            ""
-            if self.granularity == "per-tensor"
-            else f" G{self.group_size}"
-            if self.group_size
-            else " G=all"
-        )
+        g = "" if self.granularity == "per-tensor" else f" G{self.group_size or '=all'}"
         return (f"{self.bits}b {self.granularity}{g}{' sym' if self.symmetric else ''}"
                 f"{' mse' if self.fit == 'mse' else ''}")
 
