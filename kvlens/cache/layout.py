@@ -72,11 +72,6 @@ def evict_boundary(tokens: int, sliding_window: int | None) -> int:
     return max(0, tokens - sliding_window + 1)
 
 
-def window_capacity(compressed: bool, residual: int, n_res: int) -> int:
-    """Tokens the window buffer is sized for once a forward call is committed."""
-    return max(residual, n_res) if compressed else n_res
-
-
 @dataclass(frozen=True)
 class StreamState:
     """Where the ``N`` tokens of one layer are (absolute positions)."""
@@ -107,8 +102,8 @@ def stream_state(setting, tokens: int, sliding_window: int | None = None) -> Str
     else:
         q_start = 0
         res_start = dead
-    return StreamState(tokens, q_start, q_end, res_start,
-                       window_capacity(f > 0, r, tokens - res_start))
+    n_res = tokens - res_start  # the window buffer keeps room for R tokens once compressed
+    return StreamState(tokens, q_start, q_end, res_start, max(r, n_res) if f else n_res)
 
 
 # -- bytes ---------------------------------------------------------------------------------------

@@ -150,17 +150,13 @@ def outlier_count(length: int, fraction: float) -> int:
     return math.ceil(round(fraction * length, 9))
 
 
-def scope_dim(scope: str) -> int:
-    """Tensor dim the outlier vectors run along: per-token -> channels (-1), per-channel ->
-    tokens (-2)."""
+def _outlier_dim(scope: str | None, spec: QuantSpec) -> int:
+    """The dim outlier vectors of ``scope`` run along: per-token -> channels (-1), per-channel
+    -> tokens (-2); by default the vectors ``spec`` groups along (per-tensor: per-token)."""
+    scope = scope or ("per-channel" if spec.granularity == "per-channel" else "per-token")
     if scope not in OUTLIER_SCOPES:
         raise ConfigError(f"Unknown outlier scope {scope!r}; allowed: {', '.join(OUTLIER_SCOPES)}.")
     return -1 if scope == "per-token" else -2
-
-
-def default_outlier_scope(spec: QuantSpec) -> str:
-    """Outliers are chosen within the vectors the quantizer groups along (per-tensor: tokens)."""
-    return "per-channel" if spec.granularity == "per-channel" else "per-token"
 
 
 def split_outliers(
@@ -187,9 +183,9 @@ def quantize_with_outliers(
     scale_dtype: str = "float32",
 ) -> torch.Tensor:
     """Dense-and-sparse reconstruction ``[B, H, T, D]`` float32: outliers (``fraction`` per
-    vector of ``scope``, default ``default_outlier_scope(spec)``) exact, the rest quantized with
+    vector of ``scope``, default: the vectors ``spec`` groups along) exact, the rest quantized with
     ``spec`` (group metadata ``scale_dtype``, as ``fake_quantize``'s). Outlier positions hold
     their exact values (not value + quantized zero)."""
-    dim = scope_dim(scope or default_outlier_scope(spec))
+    dim = _outlier_dim(scope, spec)
     dense, outliers = split_outliers(x.float(), fraction, dim)
     return outliers.scatter_into(fake_quantize(dense, spec, scale_dtype))
