@@ -14,7 +14,7 @@ from kvlens.errors import ConfigError, InputError
 from kvlens.quant.fake import fake_quantize
 from kvlens.quant.rotation import quantize_rotated, quantizer
 from kvlens.quant.spec import QuantSpec
-from kvlens.rope import LAYOUTS, apply_rope
+from kvlens.rope import LAYOUTS, RopeFrequencies, apply_rope
 
 # -- pre-RoPE keys ------------------------------------------------------------------------
 
@@ -38,16 +38,8 @@ def rope_tables_for(
     if layout not in LAYOUTS:
         raise ConfigError(f"Unknown RoPE layout {layout!r}; allowed: {', '.join(LAYOUTS)}.")
     pos = positions if positions.dim() == 2 else positions.unsqueeze(0)
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, r, 2, dtype=torch.int64, device=pos.device).float() / r)
-    )
-    freqs = pos.float()[..., None] * inv_freq
-    emb = (
-        torch.cat((freqs, freqs), dim=-1)
-        if layout == "half"
-        else freqs.repeat_interleave(2, dim=-1)
-    )
-    return emb.cos(), emb.sin()
+    exponents = torch.arange(0, r, 2, dtype=torch.int64, device=pos.device).float() / r
+    return RopeFrequencies(1.0 / theta**exponents, 1.0, layout).tables(pos)
 
 
 def quantize_pre_rope(
