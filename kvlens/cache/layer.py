@@ -445,13 +445,8 @@ class CompressedLayer(HistoryLayer):
 
     @staticmethod
     def _stores(*stores) -> list:
-        """The distinct stores among ``stores`` (a shared key/value store once; ``None`` s
-        dropped)."""
-        out: list = []
-        for s in stores:
-            if s is not None and all(s is not o for o in out):
-                out.append(s)
-        return out
+        """The distinct stores among ``stores`` (a shared key/value store once)."""
+        return list({id(s): s for s in stores}.values())
 
     # -- accounting -----------------------------------------------------------------------------
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:

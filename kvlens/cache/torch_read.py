@@ -10,18 +10,11 @@ mask is transformers' own (bool or additive ``[B, 1, Tq, N]`` over absolute posi
 
 Folded reads: eager torch has no integer x float matmul, so one chunk's codes are unpacked to
 float32 into a reusable workspace (``_scratch``), the only chunk-sized float tensor; scales and
-zeros fold into the query (keys), the softmax weights or the output (values):
-
-- per-channel keys: ``score_t = sum_d (q_d * scale_{g,d}) * code_{t,d} + sum_d q_d * zero_{g,d}``;
-- per-token / per-tensor keys: ``score_t = sum_j s_{t,j} * (q_j . code_{t,j}) + z_{t,j} *
-  sum(q_j)`` over channel groups ``j`` (per-tensor: one group, the block's scale per token);
-- per-channel values: ``o_c = sum_g s_{g,c} * sum_{t in g} p_t code_{t,c} + z_{g,c} * sum_{t in
-  g} p_t``; per-token / per-tensor values: ``out_d = sum_t (p_t * s_{t,j}) * code_{t,d} + sum_t
-  p_t * z_{t,j}``;
-- another layout: its store's ``key_scores`` when it has one (codebook keys), else its
-  ``dequantize_range`` of the chunk, dotted;
-- the channel balancer (``q / b``) and ``scaling`` fold into ``q`` first; pre-RoPE keys are
-  dequantized in place, rotated with (cos, sin) from the stored positions and dotted.
+zeros fold into the query (keys), the softmax weights or the output (values; each formula
+beside its code). Another layout gives its store's ``key_scores`` (codebook keys) or
+``dequantize_range`` of the chunk. The balancer (``q / b``) and ``scaling`` fold into ``q``
+first; pre-RoPE keys are dequantized in place, rotated with (cos, sin) from the stored positions
+and dotted.
 
 Same math as "dequantize with the reference, then attend", different float rounding (tested to
 1e-5 for every layout, ``tests/test_cache.py``). Soft-capping and learned attention sinks as

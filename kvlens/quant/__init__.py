@@ -8,8 +8,6 @@ pre-RoPE keys, the MiKV balancer and dense-and-sparse outliers,
 ``meta8`` 8-bit group metadata, and the engines' own cache formats: ``ggml`` (llama.cpp's
 blocks), ``fp8`` (static fp8 and per-token-head), ``formats`` (a format with the engine's rotation, names, the read-back
 entry point) and ``cachetypes`` (what a config stores per tensor).
-Kernels and analysis are tested against these functions. The bytes a cache holds are counted
-in one place, ``kvlens.cache.layout``.
 """
 
 from kvlens.quant.codebook import (
