@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from kvlens.errors import ConfigError
+from kvlens.quant.ggml import _inverse
 
 #: K cache type -> the type the query row is converted to for ``vec_dot`` (``type_traits_cpu``)
 VEC_DOT_TYPE = {"f32": "f32", "f16": "f16", "bf16": "bf16", "q8_0": "q8_0", "q4_0": "q8_0",
@@ -87,10 +88,7 @@ def quantize_q8_k(x: torch.Tensor) -> torch.Tensor:
     safe = torch.where(top != 0, top, torch.ones_like(top))
     iscale = torch.where(top != 0, -127.0 / safe, torch.zeros_like(top))
     codes = torch.round(iscale * blocks).clamp(max=127)
-    d = torch.where(iscale != 0, 1.0 / torch.where(iscale != 0, iscale,
-                                                   torch.ones_like(iscale)),
-                    torch.zeros_like(iscale))
-    return codes * d
+    return codes * _inverse(iscale)
 
 
 def query_to_vec_dot(q: torch.Tensor, key_type: str) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -100,21 +100,14 @@ class QuantSpec:
         """Largest code value of the asymmetric grid, ``2^bits - 1``."""
         return (1 << self.bits) - 1
 
-    def group_length(self, num_tokens: int, head_dim: int) -> int:
-        """``G`` resolved against a ``[T, D]`` matrix (``None`` -> whole vector)."""
-        if self.granularity == "per-token":
-            return self.group_size or head_dim
-        if self.granularity == "per-channel":
-            return self.group_size or num_tokens
-        return num_tokens * head_dim
-
     def block_shape(self, num_tokens: int, head_dim: int) -> tuple[int, int]:
         """The ``(tokens, channels)`` extent of one group: per-token ``(1, G)``, per-channel
-        ``(G, 1)``, per-tensor ``(T, D)``. Call ``check_fits`` first."""
+        ``(G, 1)``, per-tensor ``(T, D)`` (``G`` None: the whole vector). Call ``check_fits``
+        first."""
         if self.granularity == "per-token":
-            return 1, self.group_length(num_tokens, head_dim)
+            return 1, self.group_size or head_dim
         if self.granularity == "per-channel":
-            return self.group_length(num_tokens, head_dim), 1
+            return self.group_size or num_tokens, 1
         return num_tokens, head_dim
 
     def check_fits(self, shape: Sequence[int]) -> None:
