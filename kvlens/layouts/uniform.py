@@ -40,10 +40,7 @@ class Uniform(SpecLayout):
     def check(self, residual_tokens: int, head_dim: int, what: str = "",
               flush_tokens: int = 0) -> None:
         spec, where = self.spec, f"{what}: " if what else ""
-        if spec.granularity == "per-token" and spec.group_size and head_dim % spec.group_size:
-            allowed = [g for g in range(1, head_dim + 1) if head_dim % g == 0]
-            raise ConfigError(f"{where}group size {spec.group_size} does not divide head_dim "
-                              f"{head_dim}; allowed group sizes: {', '.join(map(str, allowed))}.")
+        spec.check_fits((1, head_dim), where)
         f = self.flush_block(residual_tokens, flush_tokens)
         block = f"flush_tokens {f}" if flush_tokens else f"residual window {residual_tokens}"
         if spec.granularity != "per-channel":
