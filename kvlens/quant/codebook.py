@@ -56,18 +56,14 @@ class CodebookSpec:
 
     def __post_init__(self) -> None:
         if not is_int(self.bits, MIN_CODEBOOK_BITS, MAX_CODEBOOK_BITS):
-            raise ConfigError(
-                f"Invalid codebook bits {self.bits!r}; allowed: integers "
-                f"{MIN_CODEBOOK_BITS}-{MAX_CODEBOOK_BITS}."
-            )
+            raise ConfigError(f"Invalid codebook bits {self.bits!r}; allowed: integers "
+                              f"{MIN_CODEBOOK_BITS}-{MAX_CODEBOOK_BITS}.")
         if self.codebook not in CODEBOOKS:
-            raise ConfigError(
-                f"Unknown codebook {self.codebook!r}; allowed: {', '.join(CODEBOOKS)}."
-            )
+            raise ConfigError(f"Unknown codebook {self.codebook!r}; allowed: "
+                              f"{', '.join(CODEBOOKS)}.")
         if self.rotation is not None and not isinstance(self.rotation, RotationSpec):
-            raise ConfigError(
-                f"Invalid codebook rotation {self.rotation!r}; allowed: a RotationSpec or None."
-            )
+            raise ConfigError(f"Invalid codebook rotation {self.rotation!r}; allowed: a "
+                              "RotationSpec or None.")
         if not isinstance(self.renormalize, bool):
             raise ConfigError(f"Invalid renormalize {self.renormalize!r}; allowed: true, false.")
 

@@ -38,9 +38,8 @@ def pack_codes(codes: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
     if codes.dtype != torch.uint8:
         raise InputError(f"Codes must be uint8, got {codes.dtype}.")
     if codes.numel() and int(codes.max()) >= (1 << bits):
-        raise InputError(
-            f"Code {int(codes.max())} does not fit in {bits} bits (max {(1 << bits) - 1})."
-        )
+        raise InputError(f"Code {int(codes.max())} does not fit in {bits} bits (max "
+                         f"{(1 << bits) - 1}).")
     if u == 1:
         return codes.clone()
     x = codes.movedim(dim, -1)
@@ -69,10 +68,8 @@ def unpack_codes(packed: torch.Tensor, bits: int, length: int, dim: int = -1) ->
         raise InputError(f"Packed codes must be uint8, got {packed.dtype}.")
     x = packed.movedim(dim, -1)
     if x.shape[-1] != packed_length(length, bits):
-        raise InputError(
-            f"{x.shape[-1]} packed bytes cannot hold exactly {length} "
-            f"{bits}-bit codes (expected {packed_length(length, bits)} bytes)."
-        )
+        raise InputError(f"{x.shape[-1]} packed bytes cannot hold exactly {length} "
+                         f"{bits}-bit codes (expected {packed_length(length, bits)} bytes).")
     if u == 1:
         return x.clone().movedim(-1, dim)
     mask = (1 << bits) - 1

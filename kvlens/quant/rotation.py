@@ -40,19 +40,16 @@ def hadamard_block_size(head_dim: int) -> int:
 
 
 def _unsupported(head_dim: object, why: str) -> str:
-    return (
-        f"No Hadamard rotation for head_dim {head_dim!r}: {why}. Supported: even head_dim; "
-        "powers of two (2, 4, 8, 16, 32, 64, 128, 256, ...) use one Sylvester Hadamard matrix, "
-        "other even sizes a block-diagonal of the largest power-of-two block dividing them "
-        "(e.g. 80 -> 5 blocks of 16, 96 -> 3 blocks of 32)."
-    )
+    return (f"No Hadamard rotation for head_dim {head_dim!r}: {why}. Supported: even head_dim; "
+            "powers of two (2, 4, 8, 16, 32, 64, 128, 256, ...) use one Sylvester Hadamard matrix, "
+            "other even sizes a block-diagonal of the largest power-of-two block dividing them "
+            "(e.g. 80 -> 5 blocks of 16, 96 -> 3 blocks of 32).")
 
 
 def _check_seed(seed: object) -> None:
     if seed is not None and not is_int(seed, 0):
-        raise ConfigError(
-            f"Invalid rotation seed {seed!r}; allowed: None (no sign flips) or an integer >= 0."
-        )
+        raise ConfigError(f"Invalid rotation seed {seed!r}; allowed: None (no sign flips) or an "
+                          "integer >= 0.")
 
 
 def _sylvester(n: int) -> torch.Tensor:
@@ -63,9 +60,8 @@ def _sylvester(n: int) -> torch.Tensor:
     return h
 
 
-def hadamard_rotation(
-    head_dim: int, seed: int | None = None, device: torch.device | str | None = None
-) -> torch.Tensor:
+def hadamard_rotation(head_dim: int, seed: int | None = None,
+                      device: torch.device | str | None = None) -> torch.Tensor:
     """The orthonormal ``[head_dim, head_dim]`` float32 rotation ``R`` (module docstring):
     Sylvester Hadamard (block-diagonal for even non-powers of two), rows sign-flipped by a
     seeded ``{-1, +1}`` vector when ``seed`` is not None. Built in float64, so ``R Rᵀ = I`` to
@@ -86,9 +82,8 @@ def _check_pair(x: torch.Tensor, r: torch.Tensor) -> None:
         raise InputError(f"Expected a [B, H, T, D] tensor, got shape {tuple(x.shape)}.")
     d = x.shape[-1]
     if r.dim() != 2 or tuple(r.shape) != (d, d):
-        raise InputError(
-            f"Rotation of shape {tuple(r.shape)} does not fit head_dim {d}; expected ({d}, {d})."
-        )
+        raise InputError(f"Rotation of shape {tuple(r.shape)} does not fit head_dim {d}; expected "
+                         f"({d}, {d}).")
 
 
 def rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:

@@ -62,32 +62,25 @@ class QuantSpec:
 
     def __post_init__(self) -> None:
         if not is_int(self.bits, MIN_BITS, MAX_BITS):
-            raise ConfigError(
-                f"Invalid bits {self.bits!r}; allowed: integers {MIN_BITS}-{MAX_BITS}."
-            )
+            raise ConfigError(f"Invalid bits {self.bits!r}; allowed: integers "
+                              f"{MIN_BITS}-{MAX_BITS}.")
         if self.granularity not in GRANULARITIES:
-            raise ConfigError(
-                f"Unknown granularity {self.granularity!r}; allowed: {', '.join(GRANULARITIES)}."
-            )
+            raise ConfigError(f"Unknown granularity {self.granularity!r}; allowed: "
+                              f"{', '.join(GRANULARITIES)}.")
         if self.group_size is not None:
             if not is_int(self.group_size, 1):
-                raise ConfigError(
-                    f"Invalid group size {self.group_size!r}; allowed: a positive "
-                    f"integer, or None for the whole vector."
-                )
+                raise ConfigError(f"Invalid group size {self.group_size!r}; allowed: a positive "
+                                  f"integer, or None for the whole vector.")
             if self.granularity == "per-tensor":
-                raise ConfigError(
-                    f"per-tensor quantization takes no group size (got "
-                    f"{self.group_size}); use per-token or per-channel with a "
-                    f"group size, or group_size=None."
-                )
+                raise ConfigError(f"per-tensor quantization takes no group size (got "
+                                  f"{self.group_size}); use per-token or per-channel with a "
+                                  f"group size, or group_size=None.")
         if not isinstance(self.symmetric, bool):
             raise ConfigError(f"Invalid symmetric {self.symmetric!r}; allowed: true, false.")
         if self.symmetric and self.bits < 2:
             # The symmetric grid -qmax..qmax with qmax = 2^(b-1) - 1 is empty at 1 bit.
-            raise ConfigError(
-                "Symmetric quantization needs bits >= 2 (allowed: 2-8); use asymmetric for 1 bit."
-            )
+            raise ConfigError("Symmetric quantization needs bits >= 2 (allowed: 2-8); use "
+                              "asymmetric for 1 bit.")
         if self.fit not in FITS:
             raise ConfigError(f"Unknown fit {self.fit!r}; allowed: {', '.join(FITS)}.")
         if self.fit != "minmax" and self.symmetric:
@@ -148,26 +141,20 @@ class QuantSpec:
     def from_dict(cls, data: Mapping[str, Any]) -> QuantSpec:
         """Inverse of ``to_dict``; rejects unknown keys and newer versions with ``ConfigError``."""
         if not isinstance(data, Mapping):
-            raise ConfigError(
-                f"A quantization spec must be a JSON object, got {type(data).__name__}."
-            )
+            raise ConfigError("A quantization spec must be a JSON object, got "
+                              f"{type(data).__name__}.")
         version = data.get("version", SPEC_VERSION)
         if not isinstance(version, int) or version > SPEC_VERSION or version < 1:
-            raise ConfigError(
-                f"Unsupported quantization spec version {version!r}; this kvlens "
-                f"reads versions 1-{SPEC_VERSION}."
-            )
+            raise ConfigError(f"Unsupported quantization spec version {version!r}; this kvlens "
+                              f"reads versions 1-{SPEC_VERSION}.")
         allowed = _FIELDS if version >= 2 else _FIELDS[:-1]
         unknown = sorted(set(data) - set(allowed) - {"version"})
         if unknown:
-            raise ConfigError(
-                f"Unknown quantization spec keys {unknown}; allowed: "
-                f"{', '.join(('version',) + allowed)}"
-                + (" ('fit' needs spec version 2)." if "fit" in unknown else ".")
-            )
+            raise ConfigError(f"Unknown quantization spec keys {unknown}; allowed: "
+                              f"{', '.join(('version',) + allowed)}"
+                              + (" ('fit' needs spec version 2)." if "fit" in unknown else "."))
         missing = [k for k in ("bits", "granularity") if k not in data]
         if missing:
-            raise ConfigError(
-                f"Quantization spec is missing {missing}; required: bits, granularity."
-            )
+            raise ConfigError(f"Quantization spec is missing {missing}; required: bits, "
+                              "granularity.")
         return cls(**{k: data[k] for k in _FIELDS if k in data})

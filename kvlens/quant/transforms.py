@@ -19,22 +19,17 @@ from kvlens.rope import LAYOUTS, RopeFrequencies, apply_rope
 # -- pre-RoPE keys ------------------------------------------------------------------------
 
 
-def rope_tables_for(
-    positions: torch.Tensor,
-    head_dim: int,
-    theta: float = 10000.0,
-    rotary_dim: int | None = None,
-    layout: str = "half",
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables_for(positions: torch.Tensor, head_dim: int, theta: float = 10000.0,
+                    rotary_dim: int | None = None, layout: str = "half"
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Default (Llama-style, unscaled) RoPE ``cos, sin`` tables ``[B, T, R]`` for ``positions``
     ``[T]`` (``B = 1``) or ``[B, T]``, ``R = rotary_dim`` (even, default ``head_dim``):
     ``inv_freq[i] = theta^(-2i/R)``, angles repeated ``[f, f]`` (``"half"``) or ``[f0, f0, f1, f1,
     ...]`` (``"interleaved"``), in float32 as transformers' default rotary embedding."""
     r = head_dim if rotary_dim is None else rotary_dim
     if r < 2 or r % 2 or r > head_dim:
-        raise ConfigError(
-            f"Invalid rotary_dim {r}; allowed: an even number from 2 to head_dim {head_dim}."
-        )
+        raise ConfigError(f"Invalid rotary_dim {r}; allowed: an even number from 2 to head_dim "
+                          f"{head_dim}.")
     if layout not in LAYOUTS:
         raise ConfigError(f"Unknown RoPE layout {layout!r}; allowed: {', '.join(LAYOUTS)}.")
     pos = positions if positions.dim() == 2 else positions.unsqueeze(0)
@@ -42,15 +37,9 @@ def rope_tables_for(
     return RopeFrequencies(1.0 / theta**exponents, 1.0, layout).tables(pos)
 
 
-def quantize_pre_rope(
-    k_pre: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    spec,
-    layout: str = "half",
-    rotation: torch.Tensor | None = None,
-    scale_dtype: str = "float32",
-) -> torch.Tensor:
+def quantize_pre_rope(k_pre: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec,
+                      layout: str = "half", rotation: torch.Tensor | None = None,
+                      scale_dtype: str = "float32") -> torch.Tensor:
     """KVQuant-style keys: quantize ``k_pre`` (before RoPE), dequantize, then apply RoPE with the
     layer's ``[B, T, R]`` tables: the post-RoPE key the model would see, float32. With ``rotation``
     the stored form is ``k_pre R``, un-rotated before RoPE (they do not commute). ``spec``: a
@@ -65,9 +54,8 @@ def quantize_pre_rope(
 # -- MiKV channel balancer ----------------------------------------------------------------
 
 
-def fit_balancer(
-    q: torch.Tensor, k: torch.Tensor, exponent: float = 0.5, per_sample: bool = False
-) -> torch.Tensor:
+def fit_balancer(q: torch.Tensor, k: torch.Tensor, exponent: float = 0.5,
+                 per_sample: bool = False) -> torch.Tensor:
     """MiKV balancer ``b = (max|q_c| / max|k_c|)^exponent`` per KV head and channel.
 
     q: ``[B, Hq, T, D]``, k: ``[B, Hkv, T, D]``; a KV head's query maximum runs over its GQA
@@ -85,9 +73,8 @@ def fit_balancer(
     return torch.where(usable, ratio, torch.ones_like(ratio)).pow(exponent)
 
 
-def apply_balancer(
-    q: torch.Tensor, k: torch.Tensor, b: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_balancer(q: torch.Tensor, k: torch.Tensor, b: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q / b, k * b)`` with ``b`` from ``fit_balancer`` (``[Hkv, D]`` or ``[B, Hkv, D]``),
     expanded to the query heads by the GQA mapping; every ``q_h . k_{h // groups}`` is
     unchanged. Returned in float32."""
@@ -99,10 +86,8 @@ def apply_balancer(
 
 def _gqa_groups(q: torch.Tensor, k: torch.Tensor) -> int:
     if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
-        raise InputError(
-            f"Expected q [B, Hq, T, D] and k [B, Hkv, T, D], got "
-            f"{tuple(q.shape)} and {tuple(k.shape)}."
-        )
+        raise InputError(f"Expected q [B, Hq, T, D] and k [B, Hkv, T, D], got "
+                         f"{tuple(q.shape)} and {tuple(k.shape)}.")
     if q.shape[1] % k.shape[1]:
         raise InputError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads.")
     return q.shape[1] // k.shape[1]
@@ -136,9 +121,8 @@ def outlier_count(length: int, fraction: float) -> int:
     """Outliers kept per vector of ``length``: ``ceil(fraction * length)`` (at least the asked
     fraction; rounded to 9 decimals first so 0.07 * 100 gives 7, not 8)."""
     if not 0.0 <= fraction < 1.0:
-        raise ConfigError(
-            f"Invalid outlier fraction {fraction!r}; allowed: 0 <= fraction < 1 (e.g. 0.01 for 1%)."
-        )
+        raise ConfigError(f"Invalid outlier fraction {fraction!r}; allowed: 0 <= fraction < 1 "
+                          "(e.g. 0.01 for 1%).")
     return math.ceil(round(fraction * length, 9))
 
 
@@ -151,9 +135,8 @@ def _outlier_dim(scope: str | None, spec: QuantSpec) -> int:
     return -1 if scope == "per-token" else -2
 
 
-def split_outliers(
-    x: torch.Tensor, fraction: float, dim: int = -1
-) -> tuple[torch.Tensor, SparseOutliers]:
+def split_outliers(x: torch.Tensor, fraction: float, dim: int = -1
+                   ) -> tuple[torch.Tensor, SparseOutliers]:
     """Keep the ``outlier_count(n, fraction)`` largest-magnitude entries of every vector along
     ``dim`` (``-1``: each token's channels; ``-2``: each channel's tokens) in full precision.
 
@@ -170,10 +153,9 @@ def split_outliers(
     return dense, SparseOutliers(idx, values, dim, tuple(x.shape))
 
 
-def quantize_with_outliers(
-    x: torch.Tensor, spec: QuantSpec, fraction: float, scope: str | None = None,
-    scale_dtype: str = "float32",
-) -> torch.Tensor:
+def quantize_with_outliers(x: torch.Tensor, spec: QuantSpec, fraction: float,
+                           scope: str | None = None, scale_dtype: str = "float32"
+                           ) -> torch.Tensor:
     """Dense-and-sparse reconstruction ``[B, H, T, D]`` float32: outliers (``fraction`` per
     vector of ``scope``, default: the vectors ``spec`` groups along) exact, the rest quantized with
     ``spec`` (group metadata ``scale_dtype``, as ``fake_quantize``'s). Outlier positions hold
