@@ -18,7 +18,7 @@ import torch
 
 from kvlens.cache.engine import EngineLayer
 from kvlens.cache.layer import LAYER_ATTR, held_columns
-from kvlens.cache.torch_read import CHUNK_TOKENS, packed_attention
+from kvlens.cache.torch_read import packed_attention
 from kvlens.cache.triton_glue import triton_decode, triton_unsupported
 from kvlens.errors import BackendError, ConfigError
 
@@ -39,8 +39,7 @@ def _note_torch(layer, reason: str) -> None:
         note(reason)
 
 
-def make_attention_fn(backend: str = "torch", chunk_tokens: int = CHUNK_TOKENS
-                      ) -> Callable[[Callable], Callable]:
+def make_attention_fn(backend: str = "torch") -> Callable[[Callable], Callable]:
     """Factory for ``kvlens.model.hooks.attention_override``: wraps the model's own attention.
 
     ``backend`` is what ``select_backend`` returned (``torch`` or ``triton``)."""
@@ -101,8 +100,7 @@ def make_attention_fn(backend: str = "torch", chunk_tokens: int = CHUNK_TOKENS
                         _note_torch(layer, why)
                 if out is None:
                     out, colsum = packed_attention(query, layer, attention_mask, scaling,
-                                                   chunk_tokens, with_probs=probs,
-                                                   softcap=softcap, sinks=sinks)
+                                                   with_probs=probs, softcap=softcap, sinks=sinks)
             layer.commit(query, colsum)
             # contiguous as transformers' own attention functions return it (some models view
             # the output without reshaping)

@@ -77,10 +77,6 @@ class CodebookSpec:
         float16 norm per vector (the codebook is computed, not stored)."""
         return num_vectors * (packed_length(head_dim, self.bits) + NORM_BYTES)
 
-    def bits_per_element(self, num_vectors: int, head_dim: int) -> float:
-        """``held_bytes`` in bits per coded element: ``bits + 16/D``."""
-        return 8 * self.held_bytes(num_vectors, head_dim) / (num_vectors * head_dim)
-
     @property
     def label(self) -> str:
         rot = "" if self.rotation is None else f" {self.rotation.label}"
