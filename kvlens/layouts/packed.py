@@ -1,29 +1,23 @@
-"""The packed storage layout of one compressed KV tensor (keys or values of one layer).
+"""The packed storage layout of one compressed KV tensor: the *bytes*, which the fused decode
+kernel reads exactly (semantics: ``kvlens.quant.reference``; bit packing: ``kvlens.quant.packing``).
 
-This module owns the *bytes*; quantization semantics are the reference's
-(``kvlens.quant.reference``), bit packing ``kvlens.quant.packing``'s; the fused decode kernel
-reads exactly these buffers. Notation: ``B`` batch, ``H`` KV heads, ``D`` head_dim, ``b`` bits,
-``(U, W) = pack_unit(b)``, ``F`` the flush block (tokens quantized together, the window's
-streaming rule: ``kvlens.cache.layer``), ``(bt, bd) = spec.block_shape(F, D)`` one scale group
-inside a block. Block ``i`` holds positions ``[i*F, (i+1)*F)`` (offset by the layer's
-``q_start``); blocks are never re-quantized. The buffers hold exactly ``length`` tokens (a
-multiple of ``F``: a flush reallocates them with one copy; ``drop_front`` drops whole blocks):
+``B`` batch, ``H`` KV heads, ``D`` head_dim, ``b`` bits, ``(U, W) = pack_unit(b)``, ``F`` the
+flush block (tokens quantized together), ``(bt, bd) = spec.block_shape(F, D)`` one scale group.
+Block ``i`` holds positions ``[i*F, (i+1)*F)`` after the layer's ``q_start``, never
+re-quantized; the buffers hold exactly ``length`` tokens (a flush reallocates them with one
+copy; ``drop_front`` drops whole blocks):
 
 ``codes`` (uint8)
-    - per-channel: ``[B, H, length // U * W, D]``, packed along **tokens**: bytes ``u*W ..
-      u*W+W-1`` of channel ``d`` hold tokens ``u*U .. u*U+U-1`` (``F`` a multiple of ``U``);
-    - per-token and per-tensor: ``[B, H, length, packed_length(D, b)]``, packed along
-      **channels**: unit ``u`` of token ``t`` holds channels ``u*U .. u*U+U-1``.
-``scale``, ``zero`` (``scale_dtype``: float16, float32, or ``"8bit"``: a uint8 scale code and
-an int8 zero code, ``kvlens.quant.meta8``, decoded by ``params``)
-    ``[B, H, (length // F) * nT, nD]`` with ``nT = ceil(F / bt)`` rows per block and ``nD = D //
-    bd``: per-channel ``[B, H, length // G, D]``, per-token ``[B, H, length, D // G]``,
-    per-tensor ``[B, H, length // F, 1]``. ``x_hat = code * scale + zero`` (symmetric specs
-    store ``zero = -qmax * scale``).
+    per-channel: ``[B, H, length // U * W, D]``, packed along **tokens** (bytes ``u*W ..
+    u*W+W-1`` of channel ``d`` hold tokens ``u*U .. u*U+U-1``; ``F`` a multiple of ``U``);
+    per-token and per-tensor: ``[B, H, length, packed_length(D, b)]``, along **channels**.
+``scale``, ``zero`` (``scale_dtype``: float16, float32, or ``"8bit"`` codes decoded by ``params``)
+    ``[B, H, (length // F) * ceil(F / bt), D // bd]``: per-channel ``[B, H, length // G, D]``,
+    per-token ``[B, H, length, D // G]``, per-tensor ``[B, H, length // F, 1]``; ``x_hat = code *
+    scale + zero`` (symmetric specs store ``zero = -qmax * scale``).
 
-The codes are the reference's and the scales are rounded to ``scale_dtype``, so
-``dequantize_range`` equals ``dequantize`` of the reference ``QTensor`` with rounded metadata;
-with ``"8bit"``, of ``quantize_meta8``'s (tested).
+``dequantize_range`` equals ``dequantize`` of the reference ``QTensor`` with its metadata
+rounded to ``scale_dtype`` (with ``"8bit"``: of ``quantize_meta8``'s; tested).
 """
 
 from __future__ import annotations

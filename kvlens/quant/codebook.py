@@ -1,19 +1,15 @@
 """Codebook (non-uniform scalar) quantization of head vectors with one norm per vector (vLLM
 TurboQuant's keys).
 
-Each ``[D]`` vector ``x`` of a ``[B, H, T, D]`` tensor is stored as its L2 norm ``n = ||x||``
-in float16 and ``bits``-bit codes of its normalised, rotated coordinates ``z = sqrt(D) * (x R) /
-n`` (``R``: ``kvlens.quant.rotation``; ``n = 0`` gives ``z = 0``), each the index of the nearest
-of ``2^bits`` centroids (``Codebook``). Decoding: ``y_hat = n16 * c[codes] / sqrt(D)`` (with
-``renormalize``: ``n16 * c / ||c||``) and ``x_hat = y_hat Rᵀ``.
-
-After the rotation each coordinate of ``x / n`` behaves like one of a uniform point on the unit
-sphere (density ``∝ (1 - t²)^((D-3)/2)``, variance ``1/D``, close to ``N(0, 1/D)``: HIGGS arXiv
-2411.17525, TurboQuant arXiv 2504.19874), so scaled by ``sqrt(D)`` one codebook form serves
-every head_dim. ``CODEBOOKS``: ``"lloyd-max"``, the Lloyd-Max quantizer of that density for the
-layer's ``D``, and ``"lloyd-max-normal"``, of the standard normal (its large-``D`` limit; the
-centroids vLLM's ``turboquant_*`` types use). Both are computed from ``bits`` (and ``D``), not
-stored; ``CodebookSpec.held_bytes`` counts what is (codes densely packed, a float16 norm).
+Each ``[D]`` vector ``x`` is stored as its norm ``n = ||x||`` (float16) and ``bits``-bit codes
+of ``z = sqrt(D) * (x R) / n`` (``R``: ``kvlens.quant.rotation``; ``n = 0`` gives ``z = 0``),
+each the nearest of ``2^bits`` centroids (``Codebook``); decoded ``y_hat = n16 * c[codes] /
+sqrt(D)`` (``renormalize``: ``n16 * c / ||c||``), ``x_hat = y_hat Rᵀ``. After the rotation a
+coordinate of ``x / n`` behaves like one of a uniform point on the sphere (close to ``N(0,
+1/D)``: HIGGS arXiv 2411.17525, TurboQuant arXiv 2504.19874), so one codebook form serves every
+head_dim. ``CODEBOOKS``: ``"lloyd-max"`` (Lloyd-Max of that density for ``D``) and
+``"lloyd-max-normal"`` (of the standard normal, vLLM's ``turboquant_*`` centroids), computed,
+not stored; ``CodebookSpec.held_bytes`` counts the packed codes and norms.
 """
 
 from __future__ import annotations

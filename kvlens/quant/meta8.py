@@ -1,19 +1,14 @@
-"""8-bit group metadata: one byte of scale and one byte of zero per quantization group (a cache's
-``scale_dtype = "8bit"``; why: docs/recommend.md#8-bit-group-metadata)::
+"""8-bit group metadata: one byte of scale and one of zero per group (``scale_dtype = "8bit"``;
+why: docs/recommend.md#8-bit-group-metadata)::
 
     scale  s = 2 ** ((e - 128) / 8)     e: uint8, 0..255 (s from 2^-16 to 2^15.875, 9% steps)
     zero   z = n * u * s                n: int8, -128..127; u = 2 ** (max(bits, 3) - 5)
 
-so the zero is a signed multiple of ``u`` quantization steps. Dequantization is unchanged,
-``x_hat = code * s + z`` (symmetric specs too: their stored zero is a point of the zero grid
-near ``-qmax s``).
-
-Encoding (``quantize_meta8``) starts from the reference's fitted ``(scale, zero)``
-(``kvlens.quant.reference``) and tries the stored pairs near it (``E_OFFSETS`` scale steps from
-the fitted scale rounded up, raised first so that ``|zero| <= 127 u s``; ``N_OFFSETS`` zero
-units from the nearest); for each pair the codes are the nearest of that grid, and the pair with
-the least squared error over the group is stored. So the codes are always those of the stored
-grid (``tests/test_meta8.py`` bounds the error against the float32 grid's).
+Dequantization is unchanged, ``x_hat = code * s + z``. ``quantize_meta8`` tries the stored
+pairs near the reference's fitted ``(scale, zero)`` (``E_OFFSETS`` scale steps, ``N_OFFSETS``
+zero units; the scale raised first so that ``|zero| <= 127 u s``), codes each against its own
+grid, and stores the pair with the least squared error: the codes are always those of the
+stored grid (``tests/test_meta8.py`` bounds the error against the float32 grid's).
 """
 
 from __future__ import annotations
