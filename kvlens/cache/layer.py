@@ -121,10 +121,8 @@ class HistoryLayer(DynamicLayer):
         return -1
 
     def claim_attention(self) -> None:
-        """Called by kvlens' attention function once per call over this layer: a second call
-        over one ``update`` (a model attending twice per layer, such as differential
-        attention, which kvlens' cache does not model: it reads its own store, not the tensors
-        each call passes) is one ``ConfigError`` line."""
+        """Called by kvlens' attention function once per call: a second call over one ``update``
+        (a model attending twice per layer, e.g. differential attention) is refused."""
         if getattr(self, "attended", False):
             raise ConfigError(f"layer {self.layer_idx}'s attention ran twice over one cache "
                               "update (a model that attends twice per layer, such as "
@@ -133,9 +131,8 @@ class HistoryLayer(DynamicLayer):
         self.attended = True
 
     def check_shapes(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """At the first update: the K/V the model hands this layer have the KV heads and
-        head_dim the cache was built for (read from the model's modules and config,
-        ``kvlens.model.architecture.describe``); one ``ConfigError`` line otherwise."""
+        """At the first update: refuse K/V whose KV heads or head_dim differ from what the cache was
+        built for (``kvlens.model.architecture.describe``)."""
         info = getattr(self.session, "info", None)
         want = (getattr(info, "num_key_value_heads", key_states.shape[1]), self.head_dim)
         for name, x in (("keys", key_states), ("values", value_states)):
@@ -370,11 +367,8 @@ class CompressedLayer(HistoryLayer):
 
     # -- after attention ------------------------------------------------------------------------
     def commit(self, query: torch.Tensor, colsum: torch.Tensor | None) -> None:
-        """Called by the attention function after it attended to this step's tokens.
-
-        query: ``[B, Hq, Tq, D]``; colsum: ``[B, Hkv, N]`` attention mass each cached
-        position received in this call (summed over the query heads of its KV head and the
-        queries)."""
+        """Called by the attention function after it attended to this step's tokens: query ``[B,
+        Hq, Tq, D]``; colsum ``[B, Hkv, N]`` the attention mass each position received (or None)."""
         if self.want_online_balancer:
             self.balancer = fit_balancer(query, self.res_k.view().float(),
                                          exponent=self.mikv.balancer_exponent)

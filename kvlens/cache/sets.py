@@ -26,9 +26,7 @@ def _gather_rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 class SetRows:
     """One tensor (keys or values) of a layer's set: rows ``[B, H, K, D]`` at ``dtype`` (``None``:
-    the model's). A policy may store them otherwise by subclassing: ``encode`` gives the stored
-    parts of new rows, ``read`` float32 rows back; ``bits`` names its code width (``None``:
-    plain rows)."""
+    the model's); a policy's subclass may store them otherwise (``encode``, ``read``, ``bits``)."""
 
     bits: int | None = None
 

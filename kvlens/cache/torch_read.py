@@ -140,11 +140,9 @@ def unpack_cols(raw: torch.Tensor, bits: int, d: int) -> torch.Tensor:
 
 
 def _token_scales(store, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(scale, zero)`` of tokens ``[t0, t1)`` of a channel-packed store (per-token rows
-    ``[.., n, D/G]`` or per-tensor ``[.., n/F, 1]``), each float32 ``[B, H, nJ, t1 - t0]``
-    contiguous (a per-tensor block's value repeated over its tokens: ``n`` floats, not a
-    dequantized tensor). Contiguous matters: a broadcast multiply with the transposed view is
-    many times slower."""
+    """``(scale, zero)`` of tokens ``[t0, t1)`` of a channel-packed store, each float32 ``[B, H,
+    nJ, t1 - t0]`` (a per-tensor block's value repeated over its tokens), contiguous: a broadcast
+    multiply with the transposed view is many times slower."""
     bt = store.block if store.spec.granularity == "per-tensor" else 1
 
     def rows(p: torch.Tensor) -> torch.Tensor:

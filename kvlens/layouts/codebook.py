@@ -32,11 +32,8 @@ from kvlens.quant.packing import packed_length, unpack_codes
 
 
 class CodebookStore:
-    """One tensor of one layer coded with ``spec`` and ``codebook`` (module docstring).
-
-    packed: uint8 ``[B, H, N, packed_length(D, bits)]``; norms: float16 ``[B, H, N]``; the
-    codebook holds nothing (recomputed, cached per process, from ``bits`` and ``D``).
-    ``block``: tokens the cache flushes together (``drop_front`` drops whole blocks)."""
+    """One tensor of one layer coded with ``spec`` and ``codebook``: packed uint8 ``[B, H, N,
+    packed_length(D, bits)]``, norms float16 ``[B, H, N]``; ``block``: tokens flushed together."""
 
     def __init__(self, spec: CodebookSpec, codebook: Codebook, head_dim: int, block: int = 1):
         if codebook.bits != spec.bits:
@@ -93,9 +90,8 @@ class CodebookStore:
         return dequantize_codebook(qt)
 
     def key_scores(self, q: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
-        """Queries ``q`` ``[B, H, M, D]`` (in the coded, rotated basis, scaling folded in) against
-        the coded keys ``[t0, t1)``: ``s_t * (q . c[code_t])`` ``[B, H, M, t1 - t0]``, each
-        vector's scale applied to its score (no dequantized key is materialised)."""
+        """Queries ``q`` ``[B, H, M, D]`` (rotated basis, scaling folded in) against the coded keys
+        ``[t0, t1)``: ``s_t * (q . c[code_t])`` ``[B, H, M, t1 - t0]``, no dequantized key."""
         c, sk = self.chunk(t0, t1)
         return torch.matmul(q, c.transpose(-1, -2)).mul_(sk[:, :, None, :])
 
@@ -122,10 +118,8 @@ class CodebookStore:
 
 @dataclass(frozen=True)
 class Codebooked(SpecLayout):
-    """``CodebookSpec`` ``spec`` as a ``kvlens.layouts.Layout``: each vector on its own (codes
-    along channels and a norm), so it streams as a per-token spec and fits any window. Its
-    reference includes the spec's rotation; in the cache the layer rotates (window and store
-    hold ``k R``) and the store codes with ``rotation=None`` (``CodebookStore.for_cache``)."""
+    """``CodebookSpec`` ``spec`` as a ``kvlens.layouts.Layout``: each vector on its own, so it
+    streams as a per-token spec and fits any window; its reference includes the spec's rotation."""
 
     spec: CodebookSpec
     kind = "codebook"
