@@ -1,20 +1,13 @@
 """llama.cpp's KV-cache types (``-ctk/-ctv``): ggml blocks of 32 consecutive channels of one
 token, the one place their quantize/dequantize semantics and byte layout live (plain torch;
-tensors ``[B, H, T, D]``; the types: docs/engine-formats.md).
+tensors ``[B, H, T, D]``; each type's block layout: docs/engine-formats.md).
 
-Quantization reproduces the ``gguf`` package's numpy quantizers (``gguf.quants``) bit for bit;
-``GGMLBlocks.to_bytes`` writes the ggml block layout::
-
-    q8_0   [d f16][32 x int8]                          x = q d
-    q4_0   [d f16][16 B: nibbles, lo = j, hi = j+16]   x = (q-8) d
-    q4_1   [d f16][m f16][16 B nibbles]                x = q d + m
-    q5_0   [d f16][qh 4 B][16 B nibbles]               x = (q-16) d
-    q5_1   [d f16][m f16][qh 4 B][16 B nibbles]        x = q d + m
-    iq4_nl [d f16][16 B nibbles]                       x = K[q] d
-
-``qh`` holds bit 4 of the 32 codes (little-endian ``uint32``, bit ``j`` = element ``j``); ``K``
-is ``IQ4_NL_VALUES``. ``gguf`` has no numpy quantizer for iq4_nl: kvlens follows llama.cpp's
-CUDA ``set_rows`` (``quantize_ggml``).
+Quantization reproduces the ``gguf`` package's numpy quantizers (``gguf.quants``) bit for bit,
+and iq4_nl llama.cpp's CUDA ``set_rows`` (``quantize_ggml``). ``GGMLBlocks.to_bytes`` writes
+the ggml bytes: ``[d f16]``; ``[m f16]`` for the ``_1`` types; ``[qh 4 B]`` for 5 bits (bit 4 of
+the 32 codes, little-endian, bit ``j`` = element ``j``); then the codes (q8_0: int8 bytes;
+nibbles: the low one element ``j``, the high one ``j + 16``). Values: q8_0 ``q d``, q4_0/q5_0
+``(q - 2^(b-1)) d``, q4_1/q5_1 ``q d + m``, iq4_nl ``IQ4_NL_VALUES[q] d``.
 """
 
 from __future__ import annotations
