@@ -100,11 +100,10 @@ class CompressionSession:
         return Cache(layers=layers)
 
     def _compressed_layer(self, idx: int, device, rotation, **states):
-        bal = self.config.balancers.get(idx)  # only with mikv.balancer "fixed" (validated)
-        if bal is not None and self.config.layer(idx).compressed:
+        # a fixed balancer (only with mikv.balancer "fixed", validated) of a compressed layer
+        bal = self.config.balancers.get(idx) if self.config.layer(idx).compressed else None
+        if bal is not None:
             bal = torch.tensor(bal, dtype=torch.float32, device=device)
-        else:
-            bal = None
         cls = with_fixed_state(CompressedLayer) if states else CompressedLayer
         return cls(self.config.layer(idx), idx, self.info.head_dim,
                    scale_dtype=self.config.scale_dtype, fp_dtype=self.config.fp_dtype,

@@ -1,13 +1,10 @@
 """What one decode step reads from a compressed cache: a documented model of bytes, per layout.
 
-Decode attention is bound by the bytes it reads (docs/kernels.md). From the byte description
-of ``kvlens.cache.layout``, one single-token step reads the store's codes, scales and zeros,
-the dense history, the filled part of the window (not its spare capacity), the set with its
-positions and policy state, pre-RoPE positions and balancers. ``torch_unpack_bytes``: the eager
-torch path also unpacks each quantized element to float32 once per step (4 bytes, written then
-read); the fused kernel never does. ``fused`` says whether every layer has the kernel's path
-(``kernel_layout_problem``). A model, not a measurement: at long context the time of a
-memory-bound step is proportional to these bytes.
+Decode attention is bound by the bytes it reads (docs/kernels.md): per single-token step, what
+``kvlens.cache.layout`` says a layer holds, with only the filled part of the window.
+``torch_unpack_bytes``: the eager torch path also unpacks each quantized element to float32
+once per step (4 bytes, written then read), which the fused kernel never does; ``fused``: every
+layer has the kernel's path (``kernel_layout_problem``). A model, not a measurement.
 """
 
 from __future__ import annotations

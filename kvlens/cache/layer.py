@@ -48,14 +48,10 @@ def _fp_dtype(name: str) -> torch.dtype | None:
 
 
 class HistoryLayer(DynamicLayer):
-    """What every kvlens cache layer (``CompressedLayer``, ``kvlens.cache.engine.EngineLayer``)
-    shares: its bookkeeping, the operations it refuses, and what it tells transformers' mask
-    builder.
-
-    transformers builds **one** mask per layer type (``masking_utils``) and hands it to every
-    layer of that type, so all kvlens layers report a mask over absolute positions ``[0, N + q)``
-    (offset 0), whatever each layer still holds; a layer that dropped positions (a sliding
-    layer's eviction) reads only the columns it holds (``held_columns``)."""
+    """What every kvlens cache layer shares: its bookkeeping, what it refuses, and its mask
+    size. transformers builds **one** mask per layer type for every layer of that type, so all
+    kvlens layers report a mask over absolute positions ``[0, N + q)``, whatever each still
+    holds; a layer that dropped positions reads only its columns (``held_columns``)."""
 
     is_compileable = False
     is_croppable = False
@@ -144,9 +140,8 @@ class HistoryLayer(DynamicLayer):
 
 
 def held_columns(mask: torch.Tensor | None, first: int) -> torch.Tensor | None:
-    """The columns of transformers' mask (over absolute positions ``[0, N)``, see
-    ``HistoryLayer``) for the positions ``[first, N)`` a layer still holds; ``None`` stays
-    ``None`` (causal)."""
+    """The columns of transformers' mask (absolute positions, ``HistoryLayer``) for the
+    positions ``[first, N)`` a layer still holds; ``None`` (causal) stays ``None``."""
     if mask is None or not first:
         return mask
     return mask[..., first:]
@@ -156,10 +151,9 @@ _WITH_STATE: dict = {}
 
 
 def with_fixed_state(cls):
-    """``cls`` (a kvlens cache layer) that also keeps the fixed-size state of a hybrid layer
-    (Falcon-H1: attention and a Mamba mixer in one layer), as transformers' own
-    ``LinearAttentionLayer`` keeps it: exact, beside the layer's K/V. Its constructor takes
-    ``number_of_states`` besides ``cls``'s arguments."""
+    """``cls`` that also keeps a hybrid layer's fixed-size state (Falcon-H1: attention and a
+    Mamba mixer in one layer) exact, as transformers' ``LinearAttentionLayer`` does; its
+    constructor takes ``number_of_states`` besides ``cls``'s arguments."""
     linear = getattr(cache_utils, "LinearAttentionLayer", None)
     if linear is None:
         raise ConfigError("This model has layers with both attention and a recurrent state; "
