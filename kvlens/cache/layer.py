@@ -397,22 +397,19 @@ class CompressedLayer(HistoryLayer):
         self.res_start += n
 
     def _evict(self) -> None:
-        """Sliding-window layer: drop what no later query can see."""
+        """Sliding-window layer: drop what no later query can see (whole packed blocks, or the
+        window's oldest tokens when nothing is quantized)."""
         dead = layout.evict_boundary(self.cumulative_length, self.sliding_window)
-        if self.flush_every:
-            n = min(self.kstore.length, (dead - self.q_start) // self.flush_every
-                    * self.flush_every)
-            if n <= 0:
-                return
-            for store in self._stores(self.kstore, self.vstore):
-                store.drop_front(n)
+        f = self.flush_every
+        n = min(self.kstore.length, (dead - self.q_start) // f * f) if f else dead - self.res_start
+        if n <= 0:
+            return
+        stores = (self.kstore, self.vstore) if f else (self.res_k, self.res_v)
+        for store in self._stores(*stores):
+            store.drop_front(n)
+        if f:
             self.q_start += n
         else:
-            n = dead - self.res_start
-            if n <= 0:
-                return
-            for res in self._stores(self.res_k, self.res_v):
-                res.drop_front(n)
             self.res_start += n
         if self.positions is not None:
             self.positions = self.positions[:, n:].clone()

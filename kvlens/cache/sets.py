@@ -64,9 +64,8 @@ class SetRows:
 
 @runtime_checkable
 class SetPolicy(Protocol):
-    """Which held tokens a layer keeps in its set, and how (module docstring). One object per
-    cache layer (it may hold per-layer state); ``kvlens.cache.layout`` builds a fresh one to
-    count bytes."""
+    """Which held tokens a layer keeps in its set, and how: one object per cache layer (it may
+    hold per-layer state; ``kvlens.cache.layout`` builds a fresh one to count bytes)."""
 
     #: the set's tokens are hidden in the packed store by a mask (else: the packed prefix)
     masked: bool

@@ -1,12 +1,9 @@
 """A codebook-coded key store and its torch read path (vLLM TurboQuant's keys).
 
-``CodebookStore`` holds one layer's keys ``[B, H, N, D]`` as ``kvlens.quant.codebook`` codes
-them: per vector its codes densely packed along ``D`` and one float16 norm; the Lloyd-Max
-codebook is recomputed from ``bits`` and ``D`` and holds no bytes. In the cache the layer
-rotates (window and store hold ``k R``, the query is rotated once), so the store codes with
-``rotation=None`` (``for_cache``), and ``key_scores`` applies each vector's scale ``n /
-sqrt(D)`` (renormalised: ``n / ||c||``) to its score: ``score_t = s_t * ((q R) · c[code_t])``,
-without a dequantized key.
+``CodebookStore`` holds one layer's keys as ``kvlens.quant.codebook`` codes them. In the cache
+the layer rotates (window and store hold ``k R``, the query is rotated once), so the store
+codes with ``rotation=None`` (``for_cache``), and ``key_scores`` applies each vector's scale
+``n / sqrt(D)`` (renormalised: ``n / ||c||``) to its score: ``s_t * ((q R) · c[code_t])``.
 """
 
 from __future__ import annotations

@@ -100,12 +100,9 @@ OUTLIER_SCOPES = ("per-token", "per-channel")
 
 @dataclass(frozen=True)
 class SparseOutliers:
-    """Full-precision outliers kept beside a quantized tensor.
-
-    indices: int64, positions along ``dim`` (ascending), shape of ``x`` with ``dim`` of size k.
-    values: the original values at those positions (``x``'s dtype).
-    dim: the dimension the vectors run along; shape: the full tensor shape.
-    """
+    """Full-precision outliers kept beside a quantized tensor: int64 ``indices`` along ``dim``
+    (ascending; ``x``'s shape with ``dim`` of size k), their original ``values``, and the full
+    ``shape``."""
 
     indices: torch.Tensor
     values: torch.Tensor
