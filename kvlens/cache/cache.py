@@ -69,9 +69,8 @@ class CompressionSession:
         return f"{self.selection_reason}; torch path for: {parts}"
 
     def new_cache(self):
-        """A fresh ``transformers.Cache``: a ``CompressedLayer`` (or ``EngineLayer``) for each
-        layer with a KV cache; transformers' own layer for each layer without one (a hybrid
-        model's linear-attention or SSM layers: their fixed-size state stays exact)."""
+        """A fresh ``transformers.Cache``: a kvlens layer for each layer with a KV cache,
+        transformers' own (exact) layer for the others (a hybrid model's SSM layers...)."""
         from transformers.cache_utils import Cache
 
         kv = self.info.attention_layers
@@ -126,8 +125,7 @@ class CompressionSession:
 
 def exact_layers(model) -> dict:
     """Per model index, transformers' own cache layer for every layer whose state kvlens leaves
-    exact: a layer without a KV cache (linear attention, SSM, convolution, MLP only), and a
-    hybrid layer's state beside its K/V (its ``number_of_states`` is read from it)."""
+    exact: one without a KV cache (linear attention, SSM...), or a hybrid layer's state."""
     from transformers import cache_utils
 
     get = getattr(cache_utils, "get_layer_types_and_kwargs", None)
@@ -195,9 +193,8 @@ def memory_report(cache) -> dict:
 
 
 def state_bytes(cache) -> int:
-    """Bytes of the fixed-size states a hybrid model's cache keeps beside its K/V: every
-    storage in the layers that are not kvlens layers, and the state fields of kvlens' hybrid
-    layers (``STATE_FIELDS``); 0 for a model whose every layer has a KV cache."""
+    """Bytes of the fixed-size states a hybrid model's cache keeps beside its K/V: the layers
+    that are not kvlens layers and the ``STATE_FIELDS`` of kvlens' hybrid layers."""
     seen: set = set()
     roots = [v for layer in cache.layers for k, v in vars(layer).items()
              if not isinstance(layer, HistoryLayer) or k in STATE_FIELDS]
@@ -205,9 +202,8 @@ def state_bytes(cache) -> int:
 
 
 def _tensors(roots: list, enter=lambda o: False) -> Iterator[torch.Tensor]:
-    """Every tensor reachable from ``roots`` through lists, tuples, dicts and the attributes
-    of the objects ``enter`` accepts (each object once; never a session or a hybrid layer's
-    state field)."""
+    """Every tensor reachable from ``roots`` through lists, tuples, dicts and the attributes of
+    the objects ``enter`` accepts (each once; never a session or a ``STATE_FIELDS`` field)."""
     seen: set = set()
     stack = list(roots)
     while stack:

@@ -1,11 +1,10 @@
 """The kept set: which held tokens of a layer keep a copy beside their codes (an extension point).
 
-A compressed global layer may keep, per KV head, a small set of its quantized tokens as rows
-(``SetRows``) read at attention instead of their codes, which stay in the store, hidden. A
-``SetPolicy`` says which tokens and how (its methods). The stable policy is ``Sinks``: the
-first ``sink_tokens`` positions at ``fp_dtype``. Another comes from the config's set settings
-(``MikvSettings.importance``, ``kvlens.config.extension``): an object whose
-``policy(sink_tokens)`` returns a ``SetPolicy``; ``kvlens.research`` registers one.
+A compressed global layer may keep, per KV head, a few of its quantized tokens as rows
+(``SetRows``) read at attention instead of their hidden codes; a ``SetPolicy`` says which and
+how. The stable policy is ``Sinks`` (the first ``sink_tokens`` positions at ``fp_dtype``);
+another comes from ``MikvSettings.importance`` (``kvlens.config.extension``), whose
+``policy(sink_tokens)`` returns a ``SetPolicy`` (``kvlens.research`` registers one).
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Glue between the compressed cache and the Triton decode kernel
-(``kvlens_kernels.decode_attention``, which takes tensors and ints only).
-
-``kernel_layout_problem`` is the one rule for which stored layouts the kernel reads (shared by
-the dispatch and ``kvlens.cache.decode_cost``); ``triton_unsupported`` adds the per-call
-reasons; ``triton_decode`` turns a ``CompressedLayer`` and transformers' mask into the kernel's
-arguments. Codebook keys are read in the layer's rotated basis, as the query already is.
+"""Glue between the compressed cache and the Triton decode kernel (``kvlens_kernels``, tensors
+and ints only): ``kernel_layout_problem``, the one rule for which layouts it reads;
+``triton_unsupported``, the per-call reasons; ``triton_decode``, a layer and transformers' mask
+as the kernel's arguments (codebook keys in the layer's rotated basis, as the query is).
 """
 
 from __future__ import annotations
