@@ -126,6 +126,11 @@ def register(spec_type: type, kind: str, from_dict: Callable[[Mapping[str, Any]]
     _ADAPTERS[spec_type] = adapter or (lambda spec: spec)
 
 
+def spec_types() -> tuple[type, ...]:
+    """Every registered spec class (what a config's ``key``/``value`` may hold)."""
+    return tuple(_ADAPTERS)
+
+
 def kinds() -> tuple[str, ...]:
     """Every registered layout name."""
     return tuple(_KINDS)

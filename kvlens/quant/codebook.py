@@ -188,8 +188,7 @@ def _cell_means(cw, cs, edges, points, previous):
 
 def lloyd_max(bits: int, head_dim: int | None) -> Codebook:
     """The Lloyd-Max codebook of ``sphere_coordinate_density`` for ``head_dim`` (None: the
-    standard normal), iterated on a ``LLOYD_GRID``-point grid; symmetric about 0 up to float
-    rounding (symmetrised exactly)."""
+    standard normal) on a ``LLOYD_GRID``-point grid, symmetrised exactly about 0."""
     if not is_int(bits, MIN_CODEBOOK_BITS, MAX_CODEBOOK_BITS):
         raise ConfigError(f"Invalid codebook bits {bits!r}; allowed: integers 1-8.")
     return _lloyd_max_cached(bits, head_dim)
@@ -205,8 +204,7 @@ def _lloyd_max_cached(bits: int, head_dim: int | None) -> Codebook:
 
 def computed_codebook(spec: CodebookSpec, head_dim: int) -> Codebook:
     """The codebook of ``spec`` for ``head_dim``: Lloyd-Max of the sphere-coordinate density
-    (the standard normal below ``D = 3``), or of the standard normal for
-    ``"lloyd-max-normal"``."""
+    (below ``D = 3``, and for ``"lloyd-max-normal"``: of the standard normal)."""
     exact = spec.codebook == "lloyd-max" and head_dim >= 3
     return lloyd_max(spec.bits, head_dim if exact else None)
 
@@ -216,9 +214,8 @@ def computed_codebook(spec: CodebookSpec, head_dim: int) -> Codebook:
 
 @dataclass(frozen=True)
 class CodebookTensor:
-    """A codebook-quantized ``[B, H, T, D]`` tensor: ``codes`` uint8 ``[B, H, T, D]`` (one code
-    per rotated coordinate, unpacked; ``packed()`` gives the stored form), ``norms`` float16
-    ``[B, H, T]``, the ``codebook`` used and the ``spec``."""
+    """A codebook-quantized ``[B, H, T, D]`` tensor: ``codes`` uint8 ``[B, H, T, D]`` unpacked
+    (``packed()``: the stored form), ``norms`` float16 ``[B, H, T]``, ``codebook``, ``spec``."""
 
     codes: torch.Tensor
     norms: torch.Tensor

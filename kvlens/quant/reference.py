@@ -55,10 +55,8 @@ def check_tensor(x: torch.Tensor) -> None:
 
 
 def _grouped(x: torch.Tensor, bt: int, bd: int) -> torch.Tensor:
-    """``[B, H, T, D]`` -> ``[B, H, nT, bt, nD, bd]``.
-
-    A partial last token group is padded by repeating its last token, which leaves the group's
-    min, max and absmax unchanged (the padding only copies members of the same group)."""
+    """``[B, H, T, D]`` -> ``[B, H, nT, bt, nD, bd]``; a partial last token group is padded by
+    repeating its last token, which leaves its min, max and absmax unchanged."""
     b, h, t, d = x.shape
     pad = -t % bt
     if pad:
@@ -81,10 +79,8 @@ def expand_params(p: torch.Tensor, spec: QuantSpec, shape: tuple[int, ...]) -> t
 
 
 def quantize(x: torch.Tensor, spec: QuantSpec) -> QTensor:
-    """Quantize ``x`` ``[B, H, T, D]`` with ``spec`` (computed in float32).
-
-    Raises ``ConfigError`` when the spec does not fit the shape (per-token ``G`` not dividing
-    ``D``) and ``InputError`` for a tensor that is not 4-D floating point."""
+    """Quantize ``x`` ``[B, H, T, D]`` with ``spec`` (in float32); ``ConfigError`` when the
+    spec does not fit the shape, ``InputError`` for a tensor that is not 4-D floating point."""
     check_tensor(x)
     spec.check_fits(x.shape)
     x = x.detach().float()
