@@ -40,7 +40,7 @@ class Uniform(SpecLayout):
     def check(self, residual_tokens: int, head_dim: int, what: str = "",
               flush_tokens: int = 0) -> None:
         spec, where = self.spec, f"{what}: " if what else ""
-        spec.check_fits((1, head_dim), where)
+        spec.check_group(head_dim, where)
         f = self.flush_block(residual_tokens, flush_tokens)
         block = f"flush_tokens {f}" if flush_tokens else f"residual window {residual_tokens}"
         if spec.granularity != "per-channel":

@@ -103,15 +103,19 @@ class QuantSpec:
             return self.group_size or num_tokens, 1
         return num_tokens, head_dim
 
-    def check_fits(self, shape: Sequence[int], where: str = "") -> None:
+    def check_fits(self, shape: Sequence[int]) -> None:
         """Raise ``ConfigError`` unless this spec can quantize a tensor of ``shape`` (``[B, H,
-        T, D]`` or ``(T, D)``): a per-token group size must divide ``D`` (that message prefixed
-        with ``where``)."""
+        T, D]`` or ``(T, D)``)."""
         if len(shape) < 2:
             raise ConfigError(f"Expected a shape [B, H, T, D] or (T, D), got {tuple(shape)}.")
         num_tokens, head_dim = int(shape[-2]), int(shape[-1])
         if num_tokens < 1 or head_dim < 1:
             raise ConfigError(f"Cannot quantize an empty tensor of shape {tuple(shape)}.")
+        self.check_group(head_dim)
+
+    def check_group(self, head_dim: int, where: str = "") -> None:
+        """``ConfigError`` (prefixed ``where``) unless a per-token group size divides
+        ``head_dim``."""
         if self.granularity == "per-token" and self.group_size and head_dim % self.group_size:
             allowed = ", ".join(str(g) for g in range(1, head_dim + 1) if head_dim % g == 0)
             raise ConfigError(f"{where}group size {self.group_size} does not divide head_dim "
