@@ -107,8 +107,7 @@ class HistoryLayer(DynamicLayer):
         return self.cumulative_length
 
     def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:
-        # transformers < 5 passes cache_position (a tensor of the new positions), later
-        # versions the query length.
+        # transformers < 5 passes cache_position (the new positions), later the query length
         if isinstance(query_length, torch.Tensor):
             query_length = query_length.shape[0]
         return self.cumulative_length + query_length, 0
@@ -281,12 +280,10 @@ class CompressedLayer(HistoryLayer):
             raise ConfigError("pre-RoPE keys need the layer's RoPE tables, which this model "
                               "does not pass to its attention modules; use post-RoPE keys "
                               "(pre_rope_keys: false).")
-        if pos is None:  # not passed to attention (Llama 4): the cache positions, which the
-            # tables are checked against below
+        if pos is None:  # not passed to attention (Llama 4): the cache positions, checked below
             pos = torch.arange(self.cumulative_length, self.cumulative_length + t,
                                device=cos0.device)[None]
-        # the call's tables in kvlens' normalised form (their form checked once against the
-        # model's own rotary function, kvlens.model.rotary)
+        # the call's tables, normalised (their form checked against the model's, model.rotary)
         tables = self.session.rope.tables(self.layer_idx, self.head_dim)
         if tables is None:
             raise ConfigError(f"pre-RoPE keys: layer {self.layer_idx} applies no RoPE (a NoPE "

@@ -90,10 +90,9 @@ _WORKSPACE: dict = {}
 
 
 def _scratch(slot: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
-    """A reusable CPU buffer of ``shape`` for the unpacked codes of one chunk (one flat buffer per
-    slot, grown to the largest chunk): a fresh multi-megabyte tensor per chunk would be allocated
-    and faulted in at every step. Other devices get ``torch.empty`` (CUDA's caching allocator).
-    Not thread-safe: the caller consumes it before the next unpack."""
+    """A reusable CPU buffer of ``shape`` for one chunk's unpacked codes (one per slot, grown to
+    the largest chunk: a fresh one would be allocated and faulted in at every step; other devices
+    get ``torch.empty``). Not thread-safe: the caller consumes it before the next unpack."""
     if torch.device(device).type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)
     n = 1

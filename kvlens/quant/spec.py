@@ -114,8 +114,7 @@ class QuantSpec:
         self.check_group(head_dim)
 
     def check_group(self, head_dim: int, where: str = "") -> None:
-        """``ConfigError`` (prefixed ``where``) unless a per-token group size divides
-        ``head_dim``."""
+        """``ConfigError`` (prefixed ``where``) unless a per-token group divides ``head_dim``."""
         if self.granularity == "per-token" and self.group_size and head_dim % self.group_size:
             allowed = ", ".join(str(g) for g in range(1, head_dim + 1) if head_dim % g == 0)
             raise ConfigError(f"{where}group size {self.group_size} does not divide head_dim "
