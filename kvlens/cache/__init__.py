@@ -1,11 +1,9 @@
 """The compressed KV cache: packed low-bit storage that plugs into transformers' generation.
 
-``layer`` holds the per-layer streaming logic (residual window, the set of kept tokens, whose
-policy is the extension point ``sets``: the sinks by default), ``cache`` building the whole cache and installing it around a model.
-Attention over it: ``attention`` is the function installed in the model (one path per call),
-``torch_read`` the torch read path over the packed store, ``backend`` the per-run choice
-between torch and Triton (``select_backend``), ``triton_glue`` the calls into the Triton decode
-kernel and the layouts it reads (``kernel_layout_problem``).
+``layer``: the per-layer streaming logic (its kept set's policy: ``sets``); ``engine``: the
+engine-format layers; ``cache``: the whole cache around a model; ``layout``: its bytes;
+``attention``: the function installed in the model, over ``torch_read`` or the Triton kernel
+(``triton_glue``), as ``backend`` chooses.
 """
 
 from kvlens.cache.cache import CompressionSession, compressed_attention, memory_report

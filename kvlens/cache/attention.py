@@ -1,17 +1,13 @@
 """The attention function the compressed cache installs in the model (``make_attention_fn``).
 
-Each call goes to one of four paths: the model's own attention when no compressed cache is in
-the forward (or nothing is quantized yet), an engine-format layer's own engine arithmetic
-(``EngineLayer.attend``, when the config asks for it: ``KVConfig.engine_attention``), the
-Triton decode kernel (``kvlens.cache.triton_glue``) when the run's backend is triton
-(``kvlens.cache.backend``) and the kernel can serve the call, otherwise the torch read path (``kvlens.cache.torch_read``).
-Every call that takes the torch path under the triton backend is counted, with its reason, on
-the session (``CompressionSession.backend_reason``).
-
-Logit soft-capping (Gemma 2: the ``softcap`` keyword) and learned attention sinks (gpt-oss: the
-``s_aux`` keyword, else the module's ``sinks``) reach every path: the model's own attention
-receives its keywords unchanged, the torch read path and the engine arithmetic apply them; the
-Triton kernel reads neither, so such calls take the torch path and say why.
+Each call takes one path: the model's own attention when no kvlens cache is in the forward (or
+nothing is quantized yet, or an engine-format layer without engine arithmetic), an engine
+layer's own arithmetic (``EngineLayer.attend``, ``KVConfig.engine_attention``), the Triton
+decode kernel (``kvlens.cache.triton_glue``) when the backend is triton and it can serve the
+call, else the torch read path (``kvlens.cache.torch_read``); under the triton backend each
+torch-path call is counted with its reason (``CompressionSession.backend_reason``). Soft-capping
+(Gemma 2's ``softcap``) and attention sinks (gpt-oss's ``s_aux``, else the module's ``sinks``)
+reach every path; the kernel reads neither, so such calls take the torch path.
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ import torch
 
 from kvlens.cache.engine import EngineLayer
 from kvlens.cache.layer import LAYER_ATTR, held_columns
-from kvlens.cache.torch_read import CHUNK_TOKENS, packed_attention
+from kvlens.cache.torch_read import packed_attention
 from kvlens.cache.triton_glue import triton_decode, triton_unsupported
 from kvlens.errors import BackendError, ConfigError
 
@@ -43,8 +39,7 @@ def _note_torch(layer, reason: str) -> None:
         note(reason)
 
 
-def make_attention_fn(backend: str = "torch", chunk_tokens: int = CHUNK_TOKENS
-                      ) -> Callable[[Callable], Callable]:
+def make_attention_fn(backend: str = "torch") -> Callable[[Callable], Callable]:
     """Factory for ``kvlens.model.hooks.attention_override``: wraps the model's own attention.
 
     ``backend`` is what ``select_backend`` returned (``torch`` or ``triton``)."""
@@ -56,7 +51,6 @@ def make_attention_fn(backend: str = "torch", chunk_tokens: int = CHUNK_TOKENS
     def factory(original: Callable) -> Callable:
         def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                       **kwargs):
-
             layer = getattr(key, LAYER_ATTR, None)
             if layer is None:  # no compressed cache in this forward: the model's own path
                 return original(module, query, key, value, attention_mask, scaling=scaling,
@@ -106,8 +100,7 @@ def make_attention_fn(backend: str = "torch", chunk_tokens: int = CHUNK_TOKENS
                         _note_torch(layer, why)
                 if out is None:
                     out, colsum = packed_attention(query, layer, attention_mask, scaling,
-                                                   chunk_tokens, with_probs=probs,
-                                                   softcap=softcap, sinks=sinks)
+                                                   with_probs=probs, softcap=softcap, sinks=sinks)
             layer.commit(query, colsum)
             # contiguous as transformers' own attention functions return it (some models view
             # the output without reshaping)

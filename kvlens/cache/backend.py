@@ -28,13 +28,9 @@ def _triton_import_problem() -> str | None:
 
 
 def select_backend(requested: str, device) -> tuple[str, str]:
-    """``(backend, reason)`` for ``requested`` in ``auto|torch|triton`` on ``device``.
-
-    ``auto`` picks triton only for CUDA tensors (on CPU it is always torch, even under
-    ``TRITON_INTERPRET=1``, which is for tests). ``triton`` on CPU works only when
-    ``TRITON_INTERPRET=1`` is set in the environment (the interpreter: slow, for testing);
-    otherwise, or without the kernels package, it raises ``BackendError``. The reason says why
-    (no silent fallback: callers print it)."""
+    """``(backend, reason)`` for ``requested`` in ``auto|torch|triton`` on ``device``: ``auto``
+    picks triton only for CUDA tensors; ``triton`` elsewhere needs ``TRITON_INTERPRET=1`` (slow,
+    for tests) and otherwise, or without the kernels package, raises ``BackendError``."""
     if requested not in BACKENDS:
         raise InputError(f"Unknown backend {requested!r}; allowed: {', '.join(BACKENDS)}.")
     if requested == "torch":

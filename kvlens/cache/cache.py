@@ -7,10 +7,9 @@ Use::
         model.generate(ids, **{cache_argument_name(model): cache}, ...)
         print(memory_report(cache))
 
-``compressed_attention`` validates ``config`` against the model, chooses the backend (recorded
-in ``session.backend_reason``, together with every reason a call still took the torch path), registers kvlens' attention function (and the original mask
-function) for the duration of the block, and, for pre-RoPE keys, hooks the attention modules
-to read each layer's RoPE tables. Everything is undone on exit.
+``compressed_attention`` validates ``config`` against the model, chooses the backend
+(``session.backend_reason``, with every reason a call still took the torch path) and installs
+kvlens' attention function and, for pre-RoPE keys, the RoPE hooks; all undone on exit.
 """
 
 from __future__ import annotations
@@ -24,12 +23,7 @@ import torch
 from kvlens.cache.attention import make_attention_fn
 from kvlens.cache.backend import select_backend
 from kvlens.cache.engine import EngineLayer, static_scale
-from kvlens.cache.layer import (
-    STATE_FIELDS,
-    CompressedLayer,
-    HistoryLayer,
-    with_fixed_state,
-)
+from kvlens.cache.layer import STATE_FIELDS, CompressedLayer, HistoryLayer, with_fixed_state
 from kvlens.cache.layout import PARTS
 from kvlens.cache.sets import SetPolicy, SetRows
 from kvlens.config import KVConfig, validate_for
@@ -60,7 +54,6 @@ class CompressionSession:
         """The ``[D, D]`` float32 rotation llama.cpp applies to ``tensor`` (key or value)."""
         key = (tensor, head_dim, str(device))
         if key not in self.rotations:
-
             self.rotations[key] = engine_rotation(tensor, head_dim).to(device)
         return self.rotations[key]
 
@@ -76,9 +69,8 @@ class CompressionSession:
         return f"{self.selection_reason}; torch path for: {parts}"
 
     def new_cache(self):
-        """A fresh ``transformers.Cache``: a ``CompressedLayer`` (or ``EngineLayer``) for each
-        layer with a KV cache; transformers' own layer for each layer without one (a hybrid
-        model's linear-attention or SSM layers: their fixed-size state stays exact)."""
+        """A fresh ``transformers.Cache``: a kvlens layer for each layer with a KV cache,
+        transformers' own (exact) layer for the others (a hybrid model's SSM layers...)."""
         from transformers.cache_utils import Cache
 
         kv = self.info.attention_layers
@@ -107,11 +99,10 @@ class CompressionSession:
         return Cache(layers=layers)
 
     def _compressed_layer(self, idx: int, device, rotation, **states):
-        bal = self.config.balancers.get(idx)  # only with mikv.balancer "fixed" (validated)
-        if bal is not None and self.config.layer(idx).compressed:
+        # a fixed balancer (only with mikv.balancer "fixed", validated) of a compressed layer
+        bal = self.config.balancers.get(idx) if self.config.layer(idx).compressed else None
+        if bal is not None:
             bal = torch.tensor(bal, dtype=torch.float32, device=device)
-        else:
-            bal = None
         cls = with_fixed_state(CompressedLayer) if states else CompressedLayer
         return cls(self.config.layer(idx), idx, self.info.head_dim,
                    scale_dtype=self.config.scale_dtype, fp_dtype=self.config.fp_dtype,
@@ -121,7 +112,6 @@ class CompressionSession:
                    kv_shared=self.info.kv_shared, **states)
 
     def _engine_layer(self, idx: int, **states):
-
         setting = self.config.layer(idx)
         given = self.config.kv_scales.get(idx, {})
         hkv = self.info.num_key_value_heads
@@ -135,8 +125,7 @@ class CompressionSession:
 
 def exact_layers(model) -> dict:
     """Per model index, transformers' own cache layer for every layer whose state kvlens leaves
-    exact: a layer without a KV cache (linear attention, SSM, convolution, MLP only), and a
-    hybrid layer's state beside its K/V (its ``number_of_states`` is read from it)."""
+    exact: one without a KV cache (linear attention, SSM...), or a hybrid layer's state."""
     from transformers import cache_utils
 
     get = getattr(cache_utils, "get_layer_types_and_kwargs", None)
@@ -149,18 +138,14 @@ def exact_layers(model) -> dict:
             if t not in ("full_attention", "sliding_attention", "chunked_attention")}
 
 
-def _device(model):
-
-    return input_device(model)
-
-
 @contextmanager
 def compressed_attention(model, config: KVConfig, backend: str = "auto"
                          ) -> Iterator[CompressionSession]:
-
+    """Validate ``config`` against ``model``, choose the backend and install kvlens' attention
+    (and, for pre-RoPE keys, the RoPE hooks) for the block (module docstring)."""
     info = describe(model)
     validate_for(config, info)
-    name, reason = select_backend(backend, _device(model))
+    name, reason = select_backend(backend, input_device(model))
     session = CompressionSession(model, config, info, name, reason)
     with ExitStack() as stack:
         stack.enter_context(attention_override(model, make_attention_fn(name)))
@@ -177,18 +162,13 @@ def compressed_attention(model, config: KVConfig, backend: str = "auto"
 def memory_report(cache) -> dict:
     """The bytes the cache object really holds, by part, beside the fp16 equivalent.
 
-    ``kv_bytes``: bytes of every tensor storage reachable from the cache's layers (found by
-    walking the objects, views and shared storages counted once, whole storages counted:
-    capacity, not only the filled part); ``breakdown``: the same bytes by part
-    (``kvlens.cache.layout.PARTS``), from the layers' own named tensors; ``unaccounted``: bytes
-    the walk found that no part names (0 unless a layer keeps something it does not declare).
-    ``kv_bytes_fp16``: an fp16 K/V cache of the tokens each layer can still attend to (all of
-    them, or the last ``W - 1`` in a sliding-window layer); ``bits_per_element`` =
-    ``16 * kv_bytes / kv_bytes_fp16``; ``by_device``: the held bytes per device the storages
-    live on (they sum to ``kv_bytes`` exactly; each layer's stores are on the device its
-    attention runs on). ``state_bytes``: what a hybrid model's layers without a KV cache hold
-    (their fixed-size linear-attention, SSM or convolution states, kept exact by transformers'
-    own layers), apart from ``kv_bytes``. Python object headers are not counted."""
+    ``kv_bytes``: every tensor storage reachable from the cache's layers (walked; shared storages
+    once, whole storages: capacity, not only the filled part), per device in ``by_device``;
+    ``breakdown``: the same bytes by part (``kvlens.cache.layout.PARTS``) from the layers' named
+    tensors, ``unaccounted`` what no part names (0 unless a layer keeps something undeclared);
+    ``kv_bytes_fp16``: an fp16 K/V cache of the tokens each layer can still attend to;
+    ``bits_per_element`` = ``16 * kv_bytes / kv_bytes_fp16``; ``state_bytes``: what a hybrid
+    model's layers without a KV cache hold, apart. Python object headers are not counted."""
 
     parts = dict.fromkeys(PARTS, 0)
     seen: set = set()
@@ -213,24 +193,33 @@ def memory_report(cache) -> dict:
 
 
 def state_bytes(cache) -> int:
-    """Bytes of the fixed-size states a hybrid model's cache keeps beside its K/V: every
-    storage in the layers that are not kvlens layers, and the state fields of kvlens' hybrid
-    layers (``STATE_FIELDS``); 0 for a model whose every layer has a KV cache."""
+    """Bytes of the fixed-size states a hybrid model's cache keeps beside its K/V: the layers
+    that are not kvlens layers and the ``STATE_FIELDS`` of kvlens' hybrid layers."""
     seen: set = set()
-    total = 0
-    for layer in cache.layers:
-        fields = vars(layer).items() if not isinstance(layer, HistoryLayer) else \
-            ((k, v) for k, v in vars(layer).items() if k in STATE_FIELDS)
-        stack = [v for _, v in fields]
-        while stack:
-            o = stack.pop()
-            if isinstance(o, torch.Tensor):
-                total += _storage_bytes(o, seen)
-            elif isinstance(o, (list, tuple)):
-                stack.extend(o)
-            elif isinstance(o, dict):
-                stack.extend(o.values())
-    return total
+    roots = [v for layer in cache.layers for k, v in vars(layer).items()
+             if not isinstance(layer, HistoryLayer) or k in STATE_FIELDS]
+    return sum(_storage_bytes(t, seen) for t in _tensors(roots))
+
+
+def _tensors(roots: list, enter=lambda o: False) -> Iterator[torch.Tensor]:
+    """Every tensor reachable from ``roots`` through lists, tuples, dicts and the attributes of
+    the objects ``enter`` accepts (each once; never a session or a ``STATE_FIELDS`` field)."""
+    seen: set = set()
+    stack = list(roots)
+    while stack:
+        o = stack.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            yield o
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif enter(o):
+            stack.extend(v for k, v in vars(o).items()
+                         if k != "session" and k not in STATE_FIELDS)
 
 
 def _storage_bytes(tensor: torch.Tensor, seen: set) -> int:
@@ -249,29 +238,14 @@ def held_bytes(obj) -> int:
 
 def held_bytes_by_device(obj) -> dict[str, int]:
     """Per device (``"cpu"``, ``"cuda:0"``...), bytes of every tensor storage reachable from
-    ``obj`` through attributes, lists, tuples and dicts (each storage once, on the device it
-    lives on). The walk does not enter modules, the compression session or anything outside
-    kvlens' cache objects, so it counts what the cache holds, not the model."""
-
-    seen_objs: set = set()
+    ``obj`` and kvlens' cache objects in it (layers, stores, sets), each storage once on the
+    device it lives on: what the cache holds, not the model or the session."""
     seen: set = set()
     total: dict[str, int] = {}
-    stack = [obj]
-    while stack:
-        o = stack.pop()
-        if id(o) in seen_objs:
-            continue
-        seen_objs.add(id(o))
-        if isinstance(o, torch.Tensor):
-            n = _storage_bytes(o, seen)
-            if n:
-                dev = str(o.untyped_storage().device)
-                total[dev] = total.get(dev, 0) + n
-        elif isinstance(o, (list, tuple)):
-            stack.extend(o)
-        elif isinstance(o, dict):
-            stack.extend(o.values())
-        elif isinstance(o, (CompressedLayer, Store, EngineLayer, SetRows, SetPolicy)) or o is obj:
-            stack.extend(v for k, v in vars(o).items()
-                         if k != "session" and k not in STATE_FIELDS)
+    kinds = (HistoryLayer, Store, SetRows, SetPolicy)
+    for t in _tensors([obj], lambda o: o is obj or isinstance(o, kinds)):
+        n = _storage_bytes(t, seen)
+        if n:
+            dev = str(t.untyped_storage().device)
+            total[dev] = total.get(dev, 0) + n
     return total

@@ -1,38 +1,19 @@
 """Engine-format cache layers: a layer that stores and reads its K/V the way llama.cpp or vLLM do.
 
-An ``EngineLayer`` is used for every layer whose config sets ``key_format``/``value_format``
-(``kvlens.config.LayerKV``). Unlike ``CompressedLayer`` there is no full-precision window:
-``update()`` writes the new tokens into the store in the engine's format **first**, then reads
-the whole held history back (the new tokens included) and returns it dequantized, so the
-model's own attention function attends to exactly what the engine's attention reads
-(write-before-attention: llama.cpp ``cpy_k``/``cpy_v`` into the cache then ``build_attn_mha``
-over the cache view; vLLM ``reshape_and_cache`` then attention over the paged cache).
+An ``EngineLayer`` serves every layer whose config sets ``key_format``/``value_format``. It has
+no full-precision window: ``update()`` writes the new tokens in the engine's format **first**,
+then returns the whole held history read back, so the model's attention attends to exactly
+what the engine's reads (llama.cpp ``cpy_k``/``cpy_v`` then ``build_attn_mha``; vLLM
+``reshape_and_cache`` then attention over the paged cache).
 
-Storage per tensor (``EngineStore``), exactly what the engine holds per token and KV head:
-
-- ggml types (``q8_0`` ... ``iq4_nl``): the ggml block bytes, ``D / 32 * block_bytes`` uint8 per
-  token and head (``kvlens.quant.formats.GGMLBlocks.to_bytes``; fp16 ``d`` (and ``m``) inside
-  each block), part ``blocks``;
-- static fp8: one byte per element (``torch.float8_e4m3fn`` / ``float8_e5m2``, part ``codes``)
-  plus the layer's float32 scale(s) (1, or one per KV head; part ``scales``);
-- dynamic per-token-head: packed codes (int8: 1 byte, int4: 2 per byte; fp8: float8) plus one
-  float32 scale per token and head;
-- vLLM's ``fp8_ds_mla`` (an MLA latent row, ``kvlens.quant.ds_mla``): the latent's fp8 codes as
-  uint8 (part ``codes``), one float32 scale per 128-channel tile (``scales``) and the bfloat16
-  RoPE channels (``dense``);
-- ``f16`` / ``bf16`` / ``f32``: the plain tensor (part ``dense``).
-
-llama.cpp's rotation: a rotated type stores ``x R`` (``kvlens.quant.formats.engine_rotation``:
-keys by the largest power-of-two Walsh-Hadamard block dividing ``head_dim``, values by 64x64
-blocks); the read-back is un-rotated (``Q(x R) R^T``), which equals attending with ``q R`` and
-un-rotating the output. The matrices live on the session, outside the cache, as llama.cpp keeps
-them in host memory outside its KV buffer: held bytes compare with the engine's KV buffer.
-
-Sliding-window layers keep the last ``W - 1`` tokens at rest (``kvlens.cache.layout``). Like
-every kvlens layer they report a mask over absolute positions from 0
-(``kvlens.cache.layer.HistoryLayer``: one mask serves all sliding layers, kvlens and engine layers
-alike), and attention reads the mask's columns of the positions ``update()`` returned
-(``read_start`` on). Bytes are predicted by ``kvlens.cache.layout.engine_layer_bytes``.
+``EngineStore`` holds per token and KV head exactly what the engine holds (part names of
+``kvlens.cache.layout``; bytes predicted by ``engine_layer_bytes``): ggml block bytes
+(``blocks``); static fp8 codes and the layer's float32 scale(s); per-token-head packed codes and
+a float32 scale per token and head; ``fp8_ds_mla`` latent codes, tile scales and bfloat16 RoPE
+channels; or the plain tensor (``dense``). llama.cpp's rotated types store ``x R``
+(``kvlens.quant.formats.engine_rotation``) and read back ``Q(x R) R^T``; the matrices live on
+the session, as llama.cpp keeps them outside its KV buffer. Sliding layers keep the last ``W -
+1`` tokens; attention reads the mask's columns of the returned positions (``read_start`` on).
 """
 
 from __future__ import annotations
@@ -94,46 +75,39 @@ class EngineStore:
         if self.family == "dense":
             return x.to(getattr(torch, self.ctype.torch_dtype)), None, None
         if self.family == "ggml":
-
             return quantize_ggml(x, self.fmt).to_bytes(), None, None
         if self.family == "fp8":
-
-            s = self.static_scale.to(x.device)
-            safe = torch.where(s > 0, s, torch.ones_like(s))
             top = FP8_MAX[self.fmt.fp8]
-            return (x.float() / safe).clamp(-top, top).to(FP8_DTYPES[self.fmt.fp8]), None, None
+            codes = (x.float() / _safe(self.static_scale.to(x.device))).clamp(-top, top)
+            return codes.to(FP8_DTYPES[self.fmt.fp8]), None, None
         if self.family == "ds-mla":
             rows = quantize_ds_mla(x)
             return rows.codes, rows.scales, rows.rope
         # dynamic per-token-head
         if self.fmt.kind == "fp8":
-
             s = x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX["e4m3"]
-            safe = torch.where(s > 0, s, torch.ones_like(s))
-            codes = (x.float() / safe).clamp(-FP8_MAX["e4m3"], FP8_MAX["e4m3"])
+            codes = (x.float() / _safe(s)).clamp(-FP8_MAX["e4m3"], FP8_MAX["e4m3"])
             return codes.to(torch.float8_e4m3fn), s, None
-
         q = quantize(x.float(), QuantSpec(self.fmt.code_bits, "per-token", None, True))
         return pack_codes(q.codes, self.fmt.code_bits), q.scale, None
 
+    def _map(self, fn) -> None:
+        """Apply ``fn`` to every buffer held (data, per-token scales, RoPE channels)."""
+        for name in ("data", "scales", "rope"):
+            if getattr(self, name) is not None:
+                setattr(self, name, fn(getattr(self, name)))
+
     def append(self, x: torch.Tensor) -> None:
-        data, scales, rope = self.encode(x)
-        self.data = data if self.data is None else torch.cat((self.data, data), dim=2)
-        if scales is not None:
-            self.scales = scales if self.scales is None else torch.cat((self.scales, scales), 2)
-        if rope is not None:
-            self.rope = rope if self.rope is None else torch.cat((self.rope, rope), dim=2)
+        for name, new in zip(("data", "scales", "rope"), self.encode(x)):
+            old = getattr(self, name)
+            if new is not None:
+                setattr(self, name, new if old is None else torch.cat((old, new), dim=2))
         self.length += x.shape[2]
 
     def drop_front(self, n: int) -> None:
-        if n <= 0 or self.data is None:
-            return
-        self.data = self.data[:, :, n:].clone()
-        if self.scales is not None:
-            self.scales = self.scales[:, :, n:].clone()
-        if self.rope is not None:
-            self.rope = self.rope[:, :, n:].clone()
-        self.length -= n
+        if n > 0 and self.data is not None:
+            self._map(lambda t: t[:, :, n:].clone())
+            self.length -= n
 
     # -- reading ------------------------------------------------------------------------------
     def read(self) -> torch.Tensor:
@@ -142,19 +116,13 @@ class EngineStore:
         if self.family == "dense":
             return self.data.float()
         if self.family == "ggml":
-
             return dequantize_ggml(GGMLBlocks.from_bytes(self.data, self.fmt, self.head_dim))
         if self.family == "fp8":
-            s = self.static_scale.to(self.data.device)
-            y = self.data.float() * torch.where(s > 0, s, torch.ones_like(s))
-            return torch.where(s > 0, y, torch.zeros_like(y))
+            return _unscale(self.data, self.static_scale.to(self.data.device))
         if self.family == "ds-mla":
             return dequantize_ds_mla(DsMlaRows(self.data, self.scales, self.rope))
         if self.fmt.kind == "fp8":
-            s = self.scales
-            y = self.data.float() * torch.where(s > 0, s, torch.ones_like(s))
-            return torch.where(s > 0, y, torch.zeros_like(y))
-
+            return _unscale(self.data, self.scales)
         bits = self.fmt.code_bits
         qmax = (1 << (bits - 1)) - 1
         codes = unpack_codes(self.data, bits, self.head_dim)
@@ -192,12 +160,18 @@ class EngineStore:
         return out
 
     def select_batch(self, index: torch.Tensor) -> None:
-        if self.data is not None:
-            self.data = self.data[index]
-        if self.scales is not None:
-            self.scales = self.scales[index]
-        if self.rope is not None:
-            self.rope = self.rope[index]
+        self._map(lambda t: t[index])
+
+
+def _safe(s: torch.Tensor) -> torch.Tensor:
+    """Scales with 0 replaced by 1 (a zero scale stores and reads zeros)."""
+    return torch.where(s > 0, s, torch.ones_like(s))
+
+
+def _unscale(data: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """fp8 codes times their scale, float32; 0 where the scale is 0."""
+    y = data.float() * _safe(s)
+    return torch.where(s > 0, y, torch.zeros_like(y))
 
 
 def _visible(mask: torch.Tensor | None, tq: int, n: int, device) -> torch.Tensor:
@@ -220,58 +194,38 @@ class EngineLayer(HistoryLayer):
     key_type / value_type: ``kvlens.quant.cachetypes`` types. key_scale / value_scale: float32
     static fp8 scales ``[1, 1 or Hkv, 1, 1]`` where the type needs them."""
 
-    is_compileable = False
-    is_croppable = False
+    what = "engine-format"
 
     def __init__(self, key_type: CacheType, value_type: CacheType, layer_idx: int,
                  head_dim: int, *, key_scale: torch.Tensor | None = None,
                  value_scale: torch.Tensor | None = None, sliding_window: int | None = None,
                  session=None, kv_shared: bool = False):
-        super().__init__()
-        self.is_initialized = False
-        self.layer_idx = layer_idx
-        self.head_dim = head_dim
-        self.session = session
+        super().__init__(layer_idx, head_dim, session, sliding_window, kv_shared)
         self.key_type, self.value_type = key_type, value_type
         self.kstore = EngineStore(key_type, head_dim, key_scale)
         self.vstore = EngineStore(value_type, head_dim, value_scale)
-        # an MLA layer's keys and values are one latent row (kvlens.model.mla): stored once
-        # when both are stored alike, as engines store it
-        self.kv_tensors = 1 if kv_shared else 2
+        # an MLA layer's latent row (kvlens.model.mla) stored once when both are stored alike
         self.shares = layout.engine_types_share(key_type, value_type, kv_shared, head_dim)
         if self.shares:
             self.vstore = self.kstore
         self.rotate_keys = key_type.rotates(head_dim)
         self.rotate_values = value_type.rotates(head_dim)
-        self.sliding_window = sliding_window
-        self.is_sliding = sliding_window is not None
-        self.cumulative_length = 0
         self.start = 0  # first held position (a sliding layer drops older ones)
         self.read_start = 0  # first position of what the last update() returned
 
     # -- transformers interface -------------------------------------------------------------
     def lazy_initialization(self, key_states, value_states, *args, **kwargs) -> None:
-        self.check_shapes(key_states, value_states)
-        self.device = key_states.device
-        self.dtype = key_states.dtype
-        self.keys = key_states.new_empty(0)
-        self.values = value_states.new_empty(0)
+        super().lazy_initialization(key_states, value_states)
         for store, scale in ((self.kstore, self.kstore.static_scale),
                              (self.vstore, self.vstore.static_scale)):
             if scale is not None:
                 store.static_scale = scale.to(key_states.device, torch.float32).clone()
-        self.is_initialized = True
 
     def _rotation(self, tensor: str) -> torch.Tensor:
         return self.session.engine_rotation(tensor, self.head_dim, self.device)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.session is None or not self.session.active:
-            raise ConfigError("A kvlens engine-format cache must be used inside "
-                              "kvlens.cache.compressed_attention(model, config).")
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.attended = False
+        self.begin_update(key_states, value_states)
         out, stored = [], []
         for store, x, rotated, tensor in ((self.kstore, key_states, self.rotate_keys, "key"),
                                           (self.vstore, value_states, self.rotate_values,
@@ -306,12 +260,9 @@ class EngineLayer(HistoryLayer):
     def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scaling: float, *,
                softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of ``query`` ``[B, Hq, Tq, D]`` over what the last ``update`` read, with
-        llama.cpp's CPU arithmetic (``kvlens.quant.llamacpp_cpu.attend``): the query rotated by
-        K's rotation, the output un-rotated by V's. ``mask``: transformers' mask over the
-        returned positions (bool or additive), ``None`` for causal. ``softcap`` (0 = none) and
-        ``sinks`` (one logit per query head, ``None`` = none): Gemma 2's logit soft-capping and
-        gpt-oss's attention sinks, applied as llama.cpp's kernels do. Returns the attention
-        function's layout ``[B, Tq, Hq, D]``."""
+        llama.cpp's CPU arithmetic (``kvlens.quant.llamacpp_cpu.attend``), the query rotated by K's
+        rotation and the output un-rotated by V's; ``mask`` over the returned positions (``None``:
+        causal). Returns ``[B, Tq, Hq, D]``."""
         k, v, k_min = self._read
         self._read = None  # one attention call per update
         q = query.float()
@@ -336,20 +287,6 @@ class EngineLayer(HistoryLayer):
             for store in self._stores():
                 store.drop_front(n)
             self.start += n
-
-    def reset(self) -> None:
-        raise ConfigError("A kvlens engine-format cache cannot be reset; build a new one.")
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise ConfigError("A kvlens engine-format cache cannot be cropped; assisted/speculative "
-                          "decoding is not supported.")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise ConfigError("A kvlens engine-format cache does not support beam search or "
-                          "num_return_sequences > 1.")
-
-    def reorder_cache(self, beam_idx) -> None:
-        self.batch_repeat_interleave(0)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         for store in self._stores():

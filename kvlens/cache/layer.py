@@ -1,42 +1,26 @@
-"""One layer of the compressed cache: the streaming logic around the packed store.
+"""One layer of the compressed cache: the streaming logic around each tensor's store.
 
 A ``CompressedLayer`` keeps, for its layer, ``[B, H, *, D]`` history in up to three places:
 
-- the **store** of each tensor: its storage layout's (``kvlens.layouts``: packed integer codes,
-  codebook keys...), or a full-precision ``DenseTensor`` when only the other tensor is
-  quantized: cache positions
-  ``[q_start, q_end)``, immutable once written;
-- the **residual window**: the newest ``n_res`` tokens (positions ``[res_start, N)``) at the
-  config's ``fp_dtype``, exact; when it holds ``R = residual_tokens`` tokens its oldest are
-  flushed to the packed store in blocks of ``F`` (``flush_tokens``; default ``F = R``: all of
-  them, as KIVI);
-- the **set** (``kvlens.cache.sets``): per KV head, copies of some quantized tokens, chosen by
-  the layer's ``SetPolicy`` again at every flush among the current set and the flushed tokens:
-  the stable policy keeps the first ``sink_tokens`` positions (attention sinks) at ``fp_dtype``;
-  a research policy (``KVConfig.mikv_for``: the config's ``importance`` settings) may choose
-  others, store them otherwise and accumulate the attention each token receives. Their low-bit
-  copies stay in the packed store and are hidden at attention: by the policy's mask
-  (``set_mask``), or, for a set that is the packed prefix, ``[q_start, sink_end)`` without one.
-  Global layers only: a sliding-window layer's sinks leave its window, and its whole history is
-  at most ``W`` tokens.
+- the **store** of each tensor (its storage layout's, ``kvlens.layouts``, or a full-precision
+  ``DenseTensor`` when only the other tensor is quantized): positions ``[q_start, q_end)``,
+  immutable once written;
+- the **residual window**: the newest ``n_res`` tokens (``[res_start, N)``) at ``fp_dtype``,
+  exact; at ``R = residual_tokens`` tokens its oldest are flushed in blocks of ``F``
+  (``flush_tokens``; default ``F = R``, as KIVI);
+- the **set** (``kvlens.cache.sets``): per KV head, copies of some quantized tokens, re-chosen
+  by the layer's ``SetPolicy`` at every flush (the sinks by default; global layers only).
+  Their low-bit copies stay in the store and are hidden at attention, by the policy's mask
+  (``set_mask``) or, for a set that is the packed prefix, as ``[q_start, sink_end)``.
 
-Nothing is kept twice: after a flush the window buffer shrinks back to ``R`` tokens, the stores
-hold exactly their tokens, and a sliding-window layer drops what no later query can see. The
-rules (and the bytes they imply) live in ``kvlens.cache.layout``; ``named_tensors`` names every
-tensor the layer holds for ``memory_report``.
-
-``update()`` appends the new tokens to the residual window and returns them (tagged with this
-layer, the side channel kvlens' attention function reads); the attention function then calls
-``commit(query, colsum)`` which fits the online balancer (first call), hands the set policy
-the attention mass (when it reads it),
-flushes and evicts. So prefill attention always sees exact K/V and the cache stores them
-compressed after; except with ``KVConfig.write_before_attention`` (vLLM TurboQuant's order):
-after the cache's first forward, ``update()`` codes the new tokens at once, so the forward that
-brings them reads them back compressed.
-
-Pre-RoPE keys: the layer stores each held token's RoPE position (int32) and re-creates its
-(cos, sin) from the model's own RoPE frequencies (``kvlens.rope.RopeFrequencies``), checked
-against the tables the model passed at every update.
+Nothing is kept twice; the rules and the bytes they imply live in ``kvlens.cache.layout``.
+``update()`` appends to the window and returns the new tokens tagged with this layer; the
+attention function then calls ``commit(query, colsum)``, which fits the online balancer, feeds
+the set policy, flushes and evicts. So prefill attention sees exact K/V, except with
+``KVConfig.write_before_attention`` (vLLM TurboQuant's order: after the first forward,
+``update()`` codes the new tokens at once). Pre-RoPE keys: each held token's RoPE position
+(int32) is kept and its (cos, sin) re-created from the model's frequencies
+(``kvlens.rope.RopeFrequencies``), checked against the tables the model passed.
 """
 
 from __future__ import annotations
@@ -64,24 +48,66 @@ def _fp_dtype(name: str) -> torch.dtype | None:
 
 
 class HistoryLayer(DynamicLayer):
-    """What every kvlens cache layer (``CompressedLayer``, ``kvlens.cache.engine.EngineLayer``)
-    tells transformers' mask builder, defined once.
+    """What every kvlens cache layer shares: its bookkeeping, what it refuses, and its mask
+    size. transformers builds **one** mask per layer type for every layer of that type, so all
+    kvlens layers report a mask over absolute positions ``[0, N + q)``, whatever each still
+    holds; a layer that dropped positions reads only its columns (``held_columns``)."""
 
-    transformers builds **one** mask per layer type (``masking_utils``: the sizes come from the
-    first sliding layer, ``cache.is_sliding.index(True)``, or the first full one) and hands it to
-    every layer of that type. So all kvlens layers report the same thing: the mask covers
-    absolute positions ``[0, N + q)`` (offset 0), whatever each layer still holds; a layer that
-    dropped positions (a sliding layer's eviction) reads only the columns it holds
-    (``held_columns``), and the sliding mask hides the dropped ones anyway. A layer reporting
-    its own held span instead would hand a mask of the wrong width to the other layers of its
-    type as soon as one config mixes layer kinds."""
+    is_compileable = False
+    is_croppable = False
+    #: what the messages call this layer's cache
+    what = "compressed"
+
+    def __init__(self, layer_idx: int, head_dim: int, session, sliding_window: int | None,
+                 kv_shared: bool):
+        super().__init__()
+        self.is_initialized = False  # set by the base class from transformers 4.57 on, not 4.56
+        self.layer_idx = layer_idx
+        self.head_dim = head_dim
+        self.session = session
+        self.cumulative_length = 0
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
+        # an MLA layer's keys and values are one latent row: an fp16 cache holds it once
+        self.kv_tensors = 1 if kv_shared else 2
+
+    def lazy_initialization(self, key_states, value_states, *args, **kwargs) -> None:
+        self.check_shapes(key_states, value_states)
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        self.keys = key_states.new_empty(0)
+        self.values = value_states.new_empty(0)
+        self.is_initialized = True
+
+    def begin_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """The start of every ``update``: inside a session, initialised, not yet attended."""
+        if self.session is None or not self.session.active:
+            raise ConfigError(f"A kvlens {self.what} cache must be used inside "
+                              "kvlens.cache.compressed_attention(model, config) (it installs "
+                              "the attention function that reads the stored K/V).")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.attended = False
+
+    def reset(self) -> None:
+        raise ConfigError(f"A kvlens {self.what} cache cannot be reset; build a new one.")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ConfigError(f"A kvlens {self.what} cache cannot be cropped; assisted/speculative "
+                          "decoding is not supported.")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise ConfigError(f"A kvlens {self.what} cache does not support beam search or "
+                          "num_return_sequences > 1.")
+
+    def reorder_cache(self, beam_idx) -> None:
+        self.batch_repeat_interleave(0)
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
 
     def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:
-        # transformers < 5 passes cache_position (a tensor of the new positions), later
-        # versions the query length.
+        # transformers < 5 passes cache_position (the new positions), later the query length
         if isinstance(query_length, torch.Tensor):
             query_length = query_length.shape[0]
         return self.cumulative_length + query_length, 0
@@ -90,10 +116,8 @@ class HistoryLayer(DynamicLayer):
         return -1
 
     def claim_attention(self) -> None:
-        """Called by kvlens' attention function once per call over this layer: a second call
-        over one ``update`` (a model attending twice per layer, such as differential
-        attention, which kvlens' cache does not model: it reads its own store, not the tensors
-        each call passes) is one ``ConfigError`` line."""
+        """Called by kvlens' attention function once per call: a second call over one ``update``
+        (a model attending twice per layer, e.g. differential attention) is refused."""
         if getattr(self, "attended", False):
             raise ConfigError(f"layer {self.layer_idx}'s attention ran twice over one cache "
                               "update (a model that attends twice per layer, such as "
@@ -102,9 +126,8 @@ class HistoryLayer(DynamicLayer):
         self.attended = True
 
     def check_shapes(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """At the first update: the K/V the model hands this layer have the KV heads and
-        head_dim the cache was built for (read from the model's modules and config,
-        ``kvlens.model.architecture.describe``); one ``ConfigError`` line otherwise."""
+        """At the first update: refuse K/V whose KV heads or head_dim differ from what the cache was
+        built for (``kvlens.model.architecture.describe``)."""
         info = getattr(self.session, "info", None)
         want = (getattr(info, "num_key_value_heads", key_states.shape[1]), self.head_dim)
         for name, x in (("keys", key_states), ("values", value_states)):
@@ -116,9 +139,8 @@ class HistoryLayer(DynamicLayer):
 
 
 def held_columns(mask: torch.Tensor | None, first: int) -> torch.Tensor | None:
-    """The columns of transformers' mask (over absolute positions ``[0, N)``, see
-    ``HistoryLayer``) for the positions ``[first, N)`` a layer still holds; ``None`` stays
-    ``None`` (causal)."""
+    """The columns of transformers' mask (absolute positions, ``HistoryLayer``) for the
+    positions ``[first, N)`` a layer still holds; ``None`` (causal) stays ``None``."""
     if mask is None or not first:
         return mask
     return mask[..., first:]
@@ -128,10 +150,9 @@ _WITH_STATE: dict = {}
 
 
 def with_fixed_state(cls):
-    """``cls`` (a kvlens cache layer) that also keeps the fixed-size state of a hybrid layer
-    (Falcon-H1: attention and a Mamba mixer in one layer), as transformers' own
-    ``LinearAttentionLayer`` keeps it: exact, beside the layer's K/V. Its constructor takes
-    ``number_of_states`` besides ``cls``'s arguments."""
+    """``cls`` that also keeps a hybrid layer's fixed-size state (Falcon-H1: attention and a
+    Mamba mixer in one layer) exact, as transformers' ``LinearAttentionLayer`` does; its
+    constructor takes ``number_of_states`` besides ``cls``'s arguments."""
     linear = getattr(cache_utils, "LinearAttentionLayer", None)
     if linear is None:
         raise ConfigError("This model has layers with both attention and a recurrent state; "
@@ -157,31 +178,17 @@ def with_fixed_state(cls):
 class CompressedLayer(HistoryLayer):
     """A transformers cache layer whose history is packed low-bit codes (see module doc)."""
 
-    is_compileable = False
-    is_croppable = False
-
     def __init__(self, setting: LayerKV, layer_idx: int, head_dim: int, *,
                  scale_dtype: str = "float16", fp_dtype: str = "float16",
                  mikv: MikvSettings | None = None, balancer: torch.Tensor | None = None,
                  sliding_window: int | None = None, rotation: torch.Tensor | None = None,
                  session=None, write_first: bool = False,
                  kv_shared: bool = False):
-        super().__init__()
-        self.is_initialized = False  # set by the base class from transformers 4.57 on, not 4.56
+        super().__init__(layer_idx, head_dim, session, sliding_window, kv_shared)
         self.setting = setting
-        self.layer_idx = layer_idx
-        self.head_dim = head_dim
-        self.session = session
-        self.cumulative_length = 0
-        self.sliding_window = sliding_window
-        # A sliding layer drops what its window hides (see commit); the model's sliding mask,
-        # built over absolute positions (HistoryLayer.get_mask_sizes), hides the rest.
-        self.is_sliding = sliding_window is not None
         self.flush_every = layout.flush_every(setting)  # 0 = never flush (nothing quantized)
         fp = _fp_dtype(fp_dtype)
-        # an MLA layer's keys and values are one latent row: an fp16 cache holds it once, and
-        # so does this layer when both are stored alike (one store and one window)
-        self.kv_tensors = 1 if kv_shared else 2
+        # keys and values that are one latent row (MLA) stored alike: one store and one window
         self.shares = layout.shares_storage(
             setting, kv_shared, head_dim,
             balancer=balancer is not None or (mikv is not None and mikv.balancer == "online"))
@@ -233,22 +240,8 @@ class CompressedLayer(HistoryLayer):
         return layout.new_store(head_dim, self.flush_every, scale_dtype)
 
     # -- transformers interface -----------------------------------------------------------------
-    def lazy_initialization(self, key_states, value_states, *args, **kwargs) -> None:
-        self.check_shapes(key_states, value_states)
-        self.device = key_states.device
-        self.dtype = key_states.dtype
-        self.keys = key_states.new_empty(0)
-        self.values = value_states.new_empty(0)
-        self.is_initialized = True
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.session is None or not self.session.active:
-            raise ConfigError("A kvlens compressed cache must be used inside "
-                              "kvlens.cache.compressed_attention(model, config) (it installs "
-                              "the attention function that reads the packed store).")
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.attended = False
+        self.begin_update(key_states, value_states)
         t = key_states.shape[2]
         cap = self.setting.residual_tokens if self.flush_every else 0
         self.res_k.append(self.to_stored_basis(key_states, self.setting.rotate_keys), capacity=cap)
@@ -282,18 +275,15 @@ class CompressedLayer(HistoryLayer):
     def _record_positions(self, b: int, t: int) -> None:
         """Keep the RoPE positions of the new tokens, checking that the model's RoPE can be
         re-created from them."""
-
         cos0, _, pos = self.session.rope.get(self.layer_idx, (None, None, None))
         if cos0 is None:
             raise ConfigError("pre-RoPE keys need the layer's RoPE tables, which this model "
                               "does not pass to its attention modules; use post-RoPE keys "
                               "(pre_rope_keys: false).")
-        if pos is None:  # not passed to attention (Llama 4): the cache positions, which the
-            # tables are checked against below
+        if pos is None:  # not passed to attention (Llama 4): the cache positions, checked below
             pos = torch.arange(self.cumulative_length, self.cumulative_length + t,
                                device=cos0.device)[None]
-        # the call's tables in kvlens' normalised form (their form checked once against the
-        # model's own rotary function, kvlens.model.rotary)
+        # the call's tables, normalised (their form checked against the model's, model.rotary)
         tables = self.session.rope.tables(self.layer_idx, self.head_dim)
         if tables is None:
             raise ConfigError(f"pre-RoPE keys: layer {self.layer_idx} applies no RoPE (a NoPE "
@@ -314,20 +304,6 @@ class CompressedLayer(HistoryLayer):
                               "(pre_rope_keys: false).")
         self.rope = self.rope_options[0]
         self.positions = pos if self.positions is None else torch.cat((self.positions, pos), 1)
-
-    def reset(self) -> None:
-        raise ConfigError("A kvlens compressed cache cannot be reset; build a new one.")
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise ConfigError("A kvlens compressed cache cannot be cropped (quantized blocks are "
-                          "immutable); assisted/speculative decoding is not supported.")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise ConfigError("A kvlens compressed cache does not support beam search or "
-                          "num_return_sequences > 1.")
-
-    def reorder_cache(self, beam_idx) -> None:
-        self.batch_repeat_interleave(0)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         for store in self._stores(self.kstore, self.vstore, self.res_k, self.res_v, self.hp_k,
@@ -382,13 +358,9 @@ class CompressedLayer(HistoryLayer):
 
     # -- after attention ------------------------------------------------------------------------
     def commit(self, query: torch.Tensor, colsum: torch.Tensor | None) -> None:
-        """Called by the attention function after it attended to this step's tokens.
-
-        query: ``[B, Hq, Tq, D]``; colsum: ``[B, Hkv, N]`` attention mass each cached
-        position received in this call (summed over the query heads of its KV head and the
-        queries)."""
+        """Called by the attention function after it attended to this step's tokens: query ``[B,
+        Hq, Tq, D]``; colsum ``[B, Hkv, N]`` the attention mass each position received (or None)."""
         if self.want_online_balancer:
-
             self.balancer = fit_balancer(query, self.res_k.view().float(),
                                          exponent=self.mikv.balancer_exponent)
             self.want_online_balancer = False
@@ -405,7 +377,6 @@ class CompressedLayer(HistoryLayer):
         v = self.res_v.view(0, n)
         k_store = k.float()
         if self.stores_pre_rope:
-
             cos, sin = self.rope_tables(t0, t0 + n)
             k_store = invert_rope(k.float(), cos, sin, self.rope.layout)
         if self.balancer is not None and self.setting.key is not None:
@@ -423,22 +394,19 @@ class CompressedLayer(HistoryLayer):
         self.res_start += n
 
     def _evict(self) -> None:
-        """Sliding-window layer: drop what no later query can see."""
+        """Sliding-window layer: drop what no later query can see (whole packed blocks, or the
+        window's oldest tokens when nothing is quantized)."""
         dead = layout.evict_boundary(self.cumulative_length, self.sliding_window)
-        if self.flush_every:
-            n = min(self.kstore.length, (dead - self.q_start) // self.flush_every
-                    * self.flush_every)
-            if n <= 0:
-                return
-            for store in self._stores(self.kstore, self.vstore):
-                store.drop_front(n)
+        f = self.flush_every
+        n = min(self.kstore.length, (dead - self.q_start) // f * f) if f else dead - self.res_start
+        if n <= 0:
+            return
+        stores = (self.kstore, self.vstore) if f else (self.res_k, self.res_v)
+        for store in self._stores(*stores):
+            store.drop_front(n)
+        if f:
             self.q_start += n
         else:
-            n = dead - self.res_start
-            if n <= 0:
-                return
-            for res in self._stores(self.res_k, self.res_v):
-                res.drop_front(n)
             self.res_start += n
         if self.positions is not None:
             self.positions = self.positions[:, n:].clone()
@@ -459,13 +427,8 @@ class CompressedLayer(HistoryLayer):
 
     @staticmethod
     def _stores(*stores) -> list:
-        """The distinct stores among ``stores`` (a shared key/value store once; ``None`` s
-        dropped)."""
-        out: list = []
-        for s in stores:
-            if s is not None and all(s is not o for o in out):
-                out.append(s)
-        return out
+        """The distinct stores among ``stores`` (a shared key/value store once)."""
+        return list({id(s): s for s in stores}.values())
 
     # -- accounting -----------------------------------------------------------------------------
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:

@@ -1,56 +1,28 @@
-"""What a compressed cache holds, part by part, after ``N`` tokens: the one description of
-its bytes that the cache, ``memory_report``, ``config_bits`` and ``recommend``'s budget share.
+"""What a compressed cache holds, part by part, after ``N`` tokens: the one description of its
+bytes that the cache, ``memory_report``, ``config_bits`` and ``recommend``'s budget share.
 
 The cache (``kvlens.cache.layer``) calls the streaming rules here (``flush_every``,
-``flush_count``, ``evict_boundary``; a set's size is its policy's, ``kvlens.cache.sets``) to decide what to keep; its window buffer
-keeps room for ``R`` tokens (``window_capacity``). ``layer_part_bytes`` predicts the bytes of every
-tensor a layer holds from the same rules and each store's layout (``kvlens.layouts``:
-``Layout.part_bytes``). Tests
-fill real caches to ``N`` tokens and check the prediction against the bytes the cache object
-really holds. The bytes depend on the config, the tokens and the model's shape
-(``kvlens.model.shape.ModelShape``: a loaded model's, ``shape_of``, or a capture's,
-``CaptureMeta.shape``).
+``flush_count``, ``evict_boundary``); ``layer_part_bytes`` predicts the bytes of every tensor a
+layer holds from the same rules and each store's layout (``Layout.part_bytes``), and tests
+check it against the bytes real caches hold. State after ``N`` tokens (any chunking), with ``R``
+the residual window, ``F`` the flush block and ``W`` a sliding window:
 
-State after ``N`` tokens (any chunking: the rules depend on ``N`` only), with ``R`` the residual
-window, ``F`` the flush block and ``W`` a sliding-window layer's window:
+- quantized ``Q(N) = ceil((N - R + 1) / F) * F`` when ``N >= R`` (else 0; ``R = 0``: ``floor(N /
+  F) * F``); an uncompressed layer quantizes nothing;
+- sliding layers drop positions ``< N - W + 1``: whole packed blocks, or, uncompressed, the
+  oldest window tokens (keeping the last ``W - 1``, as transformers and engines do);
+- the window holds ``n_res = N - Q`` tokens in a buffer of ``max(R, n_res)`` (uncompressed:
+  ``n_res``); the stores hold exactly their tokens.
 
-- quantized so far ``Q(N) = ceil((N - R + 1) / F) * F`` when ``N >= R`` (else 0); ``R = 0``:
-  ``Q = floor(N / F) * F``; an uncompressed layer quantizes nothing;
-- sliding layers drop what no later query can see (positions ``< N - W + 1``): whole packed
-  blocks (``q_start = min(Q, floor((N - W + 1) / F) * F)``), or, in an uncompressed layer, the
-  oldest window tokens (it keeps the last ``W - 1``, as transformers' sliding layer and engines
-  do);
-- the window holds ``n_res = N - Q`` tokens in a buffer of capacity ``max(R, n_res)`` (an
-  uncompressed layer: exactly ``n_res``); the packed and dense stores grow to exactly what they
-  hold (no spare capacity), so held bytes are a function of ``N``.
-
-Parts (bytes): ``codes``, ``scales``, ``zeros`` (packed store; symmetric specs store their zero
-too), ``dense`` (an unquantized tensor's history next to a quantized one), ``window``, ``sets``
-(the set's rows, K and V, ``SetPolicy.row_bytes`` per token: the sink tokens at ``fp_dtype``,
-or what a research policy keeps, ``kvlens.cache.sets``; global layers only; each layer's
-settings are ``KVConfig.mikv_for``'s), ``positions`` (int32: the set's positions, and for
-pre-RoPE keys every held token's RoPE position), ``masks`` and ``accumulators`` (a set
-policy's state, ``SetPolicy.state_bytes``: a mask per held packed token, float32 attention
-accumulated per held token),
-``balancers`` (float32 ``[Hkv, D]``), ``norms`` (codebook keys, ``kvlens.layouts.codebook``:
-their codes are ``codes``, densely packed along channels, plus one float16 norm per held vector;
-``CodebookSpec.held_bytes`` is the same count), ``rotations`` (one float32 ``[D, D]`` Hadamard matrix
-shared by every layer that rotates, counted once per device those layers run on).
-
-Engine-format layers (``key_format``/``value_format``, ``kvlens.cache.engine``) hold every token
-they can still attend to (all ``N``, or the last ``W - 1`` of a sliding layer), each tensor in
-its type (``engine_layer_bytes``): ``blocks`` (ggml block bytes, ``D / 32 * block_bytes`` per
-token and head, the fp16 scales inside), ``codes`` (fp8: 1 byte per element; per-token-head int8
-1 byte, int4 half a byte), ``scales`` (float32: per-token-head one per token and head; static
-fp8 one per layer or per KV head, held once the layer holds a token), ``dense`` (f16/bf16/f32
-types). vLLM's ``fp8_ds_mla`` (``kvlens.quant.ds_mla``) holds per token a byte per latent
-channel (``codes``), a float32 scale per latent tile (``scales``) and its bfloat16 RoPE
-channels (``dense``). They hold no window and no rotation matrix (llama.cpp keeps those
-outside its KV buffer; kvlens keeps them on the session).
-
-MLA models (``ModelShape.kv_shared``: keys and values are one latent row) keep one store and
-one window for both where ``shares_storage`` says so, and an fp16 cache of them holds the row
-once (``ModelShape.kv_tensors``).
+Parts (``PARTS``): ``codes``, ``scales``, ``zeros`` (symmetric specs store their zero too),
+``dense`` (an unquantized tensor beside a quantized one), ``window``, ``sets`` (the set's rows,
+``SetPolicy.row_bytes`` each; global layers only), ``positions`` (int32: the set's, and every
+held token's for pre-RoPE keys), ``masks`` and ``accumulators`` (``SetPolicy.state_bytes``),
+``balancers`` (float32 ``[Hkv, D]``), ``norms`` (codebook keys), ``rotations`` (one float32
+``[D, D]`` matrix per device with a rotating layer) and ``blocks`` (ggml). Engine-format layers
+(``engine_layer_bytes``) hold every token they can attend to in their types, with no window and
+no rotation matrix (llama.cpp keeps those outside its KV buffer). MLA models (``kv_shared``)
+keep one store and one window for both where ``shares_storage`` says so.
 """
 
 from __future__ import annotations
@@ -76,7 +48,6 @@ POSITION_BYTES = 4  # int32
 
 def flush_every(setting) -> int:
     """``F`` of a layer: tokens quantized together (0 = nothing is ever quantized)."""
-
     if not setting.compressed:
         return 0
     return max(flush_block(s, setting.residual_tokens, setting.flush_tokens)
@@ -99,11 +70,6 @@ def evict_boundary(tokens: int, sliding_window: int | None) -> int:
     if sliding_window is None:
         return 0
     return max(0, tokens - sliding_window + 1)
-
-
-def window_capacity(compressed: bool, residual: int, n_res: int) -> int:
-    """Tokens the window buffer is sized for once a forward call is committed."""
-    return max(residual, n_res) if compressed else n_res
 
 
 @dataclass(frozen=True)
@@ -136,8 +102,8 @@ def stream_state(setting, tokens: int, sliding_window: int | None = None) -> Str
     else:
         q_start = 0
         res_start = dead
-    return StreamState(tokens, q_start, q_end, res_start,
-                       window_capacity(f > 0, r, tokens - res_start))
+    n_res = tokens - res_start  # the window buffer keeps room for R tokens once compressed
+    return StreamState(tokens, q_start, q_end, res_start, max(r, n_res) if f else n_res)
 
 
 # -- bytes ---------------------------------------------------------------------------------------
@@ -153,11 +119,9 @@ def fp_bytes_of(fp_dtype: str, model_dtype_bytes: int) -> int:
 
 
 def shares_storage(setting, kv_shared: bool, head_dim: int, *, balancer: bool = False) -> bool:
-    """Whether a layer keeps its keys and values in **one** store: a layer whose keys and values
-    are one tensor (``kv_shared``: an MLA model's latent row, ``kvlens.model.mla``) stored
-    alike (the same spec or engine type, the same rotation, no transform of the keys alone:
-    pre-RoPE, balancer). Otherwise the layer keeps two stores, as for any
-    model."""
+    """Whether a layer keeps its keys and values in **one** store: they are one tensor
+    (``kv_shared``: an MLA latent row) stored alike (the same spec or engine type and rotation, no
+    transform of the keys alone: pre-RoPE, balancer)."""
     if not kv_shared:
         return False
     if setting.engine:
@@ -177,14 +141,9 @@ def layer_part_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batc
                      fp_bytes: int = 2, scale_dtype: str = "float16", mikv=None,
                      balancer: bool = False, sliding_window: int | None = None,
                      kv_shared: bool = False) -> dict[str, int]:
-    """Bytes of every part one ``CompressedLayer`` holds after ``tokens`` tokens.
-
-    kv_shared: keys and values are one tensor (MLA): one store and one window where
-    ``shares_storage`` says so.
-
-    mikv: the layer's ``MikvSettings`` (``KVConfig.mikv_for``; ignored for uncompressed
-    layers, as the cache does): the set its policy keeps (``kvlens.cache.sets``).
-    balancer: the layer stores a ``[Hkv, D]`` float32 balancer (fixed or fitted online)."""
+    """Bytes of every part one ``CompressedLayer`` holds after ``tokens`` tokens; ``mikv``: the
+    layer's ``MikvSettings`` (its set's policy; ignored for uncompressed layers), ``balancer``: it
+    stores a float32 ``[Hkv, D]`` balancer, ``kv_shared``: MLA (``shares_storage``)."""
     parts = dict.fromkeys(PARTS, 0)
     if tokens == 0:
         return parts
@@ -264,21 +223,25 @@ def engine_layer_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, ba
     return total
 
 
+def layer_arguments(config, shape: ModelShape, i: int, tokens: int, batch: int) -> dict:
+    """The keywords of ``layer_part_bytes`` for layer ``i`` of ``config`` on ``shape``."""
+    mikv = config.mikv_for(i)
+    balancer = mikv is not None and (mikv.balancer == "online" or
+                                     (mikv.balancer == "fixed" and i in config.balancers))
+    return dict(tokens=tokens, head_dim=shape.head_dim, kv_heads=shape.num_key_value_heads,
+                batch=batch, fp_bytes=fp_bytes_of(config.fp_dtype, shape.dtype_bytes),
+                scale_dtype=config.scale_dtype, mikv=mikv,
+                balancer=balancer and config.layer(i).compressed,
+                sliding_window=shape.window(i), kv_shared=shape.kv_shared)
+
+
 def _layer_parts(config, shape: ModelShape, i: int, tokens: int, batch: int) -> dict[str, int]:
     setting = config.layer(i)
     if setting.engine:
         return engine_layer_bytes(setting, tokens=tokens, head_dim=shape.head_dim,
                                   kv_heads=shape.num_key_value_heads, batch=batch,
                                   sliding_window=shape.window(i), kv_shared=shape.kv_shared)
-    mikv = config.mikv_for(i)
-    balancer = mikv is not None and (mikv.balancer == "online" or
-                                     (mikv.balancer == "fixed" and i in config.balancers))
-    return layer_part_bytes(setting, tokens=tokens, head_dim=shape.head_dim,
-                            kv_heads=shape.num_key_value_heads, batch=batch,
-                            fp_bytes=fp_bytes_of(config.fp_dtype, shape.dtype_bytes),
-                            scale_dtype=config.scale_dtype, mikv=mikv,
-                            balancer=balancer and setting.compressed,
-                            sliding_window=shape.window(i), kv_shared=shape.kv_shared)
+    return layer_part_bytes(setting, **layer_arguments(config, shape, i, tokens, batch))
 
 
 def rotation_devices(config, shape: ModelShape) -> list[str]:

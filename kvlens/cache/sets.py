@@ -1,19 +1,10 @@
 """The kept set: which held tokens of a layer keep a copy beside their codes (an extension point).
 
-A compressed global layer may keep, per KV head, a small set of its quantized tokens as separate
-rows (``SetRows``), read at attention instead of their codes, which stay in the packed store and
-are hidden. A ``SetPolicy`` says which tokens and how: the set's size after ``q_end`` tokens were
-quantized (``size``), how it re-chooses among the current set and each flushed block
-(``choose``), how its rows are stored (``new_rows``, ``row_bytes``), whether it hides its tokens
-by a mask (``masked``; otherwise the set is the packed prefix, hidden without one) and whether it
-needs the attention mass every held token receives at each step (``needs_attention_probs``,
-``observe``), with the state it keeps for that (``named_tensors``, ``state_bytes``: parts of
-``kvlens.cache.layout.PARTS``, counted exactly like the rest of the layer).
-
-The stable policy is ``Sinks``: the first ``sink_tokens`` positions (attention sinks) at
-``fp_dtype``, chosen by position. Another comes from the config's set settings
-(``MikvSettings.importance``, read through ``kvlens.config.extension``): an object whose
-``policy(sink_tokens)`` returns a ``SetPolicy``; ``kvlens.research`` registers one.
+A compressed global layer may keep, per KV head, a few of its quantized tokens as rows
+(``SetRows``) read at attention instead of their hidden codes; a ``SetPolicy`` says which and
+how. The stable policy is ``Sinks`` (the first ``sink_tokens`` positions at ``fp_dtype``);
+another comes from ``MikvSettings.importance`` (``kvlens.config.extension``), whose
+``policy(sink_tokens)`` returns a ``SetPolicy`` (``kvlens.research`` registers one).
 """
 
 from __future__ import annotations
@@ -34,9 +25,7 @@ def _gather_rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 class SetRows:
     """One tensor (keys or values) of a layer's set: rows ``[B, H, K, D]`` at ``dtype`` (``None``:
-    the model's). A policy may store them otherwise by subclassing: ``encode`` gives the stored
-    parts of new rows, ``read`` float32 rows back; ``bits`` names its code width (``None``:
-    plain rows)."""
+    the model's); a policy's subclass may store them otherwise (``encode``, ``read``, ``bits``)."""
 
     bits: int | None = None
 
@@ -74,9 +63,8 @@ class SetRows:
 
 @runtime_checkable
 class SetPolicy(Protocol):
-    """Which held tokens a layer keeps in its set, and how (module docstring). One object per
-    cache layer (it may hold per-layer state); ``kvlens.cache.layout`` builds a fresh one to
-    count bytes."""
+    """Which held tokens a layer keeps in its set, and how: one object per cache layer (it may
+    hold per-layer state; ``kvlens.cache.layout`` builds a fresh one to count bytes)."""
 
     #: the set's tokens are hidden in the packed store by a mask (else: the packed prefix)
     masked: bool

@@ -1,59 +1,27 @@
-"""The torch read path: attention over a ``CompressedLayer`` read chunk by chunk from its packed
-store, with scales folded instead of dequantizing (the reference backend; runs on any device).
+"""The torch read path: attention over a ``CompressedLayer`` read chunk by chunk from its store,
+with scales folded instead of dequantizing (the reference backend; runs on any device).
 
-``packed_attention(query, layer, mask, scaling)`` attends ``query`` ``[B, Hq, Tq, D]`` to every
-token of a ``CompressedLayer`` without ever materialising the dequantized history: the packed
-store is read in chunks of ``chunk_tokens`` tokens, then the layer's set (``kvlens.cache.sets``) and the
-residual window are attended as further segments; segments are merged with an online softmax
-(running max / sum, flash-decoding style). GQA is handled by grouping the ``Hq = g * Hkv`` query
-heads per KV head (``repeat_kv`` mapping), so packed K/V are read once per KV head. The mask is
-transformers' own (bool or additive ``[B, 1, Tq, N]`` over absolute cache positions, or ``None``
-= causal, bottom-right aligned).
+``packed_attention`` attends ``query`` ``[B, Hq, Tq, D]`` to every token of the layer: the store
+in chunks of ``chunk_tokens`` tokens, then the set (``kvlens.cache.sets``) and the residual
+window, merged with an online softmax (running max / sum, flash-decoding style). The ``Hq = g *
+Hkv`` query heads are grouped per KV head (``repeat_kv``), so K/V are read once per KV head. The
+mask is transformers' own (bool or additive ``[B, 1, Tq, N]`` over absolute positions, or
+``None`` = causal, bottom-right aligned).
 
-Folded reads (every layout the cache stores; nothing dequantized is materialised): scales and
-zeros are folded into the query, the softmax weights or the output instead of being applied to
-the codes. Eager torch has no integer x float matmul, so the codes of **one chunk** are unpacked
-to float32 (all code slots with one broadcast shift) into a reusable workspace (CPU; see
-``_scratch``); that transient is the only chunk-sized float tensor (keep ``chunk_tokens``
-moderate). ``torch.compile`` of the unpack + dot is not used: it did not beat these eager ops
-on the reference CPU (``docs/benchmarks.md``).
+Folded reads: eager torch has no integer x float matmul, so one chunk's codes are unpacked to
+float32 into a reusable workspace (``_scratch``), the only chunk-sized float tensor; scales and
+zeros fold into the query (keys), the softmax weights or the output (values; each formula
+beside its code). Another layout gives its store's ``key_scores`` (codebook keys) or
+``dequantize_range`` of the chunk. The balancer (``q / b``) and ``scaling`` fold into ``q``
+first; pre-RoPE keys are dequantized in place, rotated with (cos, sin) from the stored positions
+and dotted.
 
-- Per-channel keys (groups of ``G`` tokens, packed along tokens): per group ``score_t = sum_d
-  (q_d * scale_{g,d}) * code_{t,d} + sum_d q_d * zero_{g,d}`` (a batched matmul over groups; no
-  full-size scale tensor).
-- Per-token keys (groups of ``G`` channels, packed along channels; ``G=None`` = the head):
-  ``score_t = sum_j s_{t,j} * (q_j . code_{t,j}) + z_{t,j} * sum(q_j)`` for the channel groups
-  ``j`` (one batched matmul over groups, then a weighted sum over ``D/G`` groups).
-- Per-tensor (one scale per flushed block, packed along channels): the per-token formula with one
-  group, the block's scale repeated over its tokens (``n`` floats).
-- Per-channel values (groups of ``G`` tokens, packed along tokens): ``o_c = sum_g s_{g,c} *
-  sum_{t in g} p_t code_{t,c} + z_{g,c} * sum_{t in g} p_t``.
-- Per-token / per-tensor values (packed along channels): the value scale folds into the softmax
-  weights, ``out_d = sum_t (p_t * scale_{t,j}) * code_{t,d} + sum_t p_t * zero_{t,j}``.
-- Codebook keys (``kvlens.layouts.codebook.CodebookStore``, the keys stored rotated and ``q``
-  rotated by the layer): each vector's scale (norm over ``sqrt(D)``, or over its centroids'
-  norm when renormalised) multiplies its score, ``score_t = s_t * (q . c[code_t])``
-  (``CodebookStore.key_scores``).
-- Any other storage layout (``kvlens.layouts``): its ``key_scores`` when it has one, else its
-  store's read-back (``dequantize_range``) of the chunk, dotted; values likewise.
-- The channel balancer (``q / b``) and ``scaling`` fold into ``q`` first.
-- Pre-RoPE keys: RoPE rotates each dequantized key by its own position, so scales cannot fold
-  into one query; the chunk is dequantized in place on its unpacked codes (``code * scale +
-  zero``, float32), rotated with (cos, sin) re-created from the stored positions and dotted.
-
-Same math as "dequantize with the reference, then attend", different float rounding (tested
-against it to 1e-5 for every layout, ``tests/test_cache.py``).
-
-Logit soft-capping and learned attention sinks, as transformers' eager attention of Gemma 2 and
-gpt-oss: with ``softcap = c`` every segment's scaled scores become ``c * tanh(s / c)`` before the
-mask is added; ``sinks`` (one logit per query head, ``repeat_kv`` mapping) is one more column of
-the softmax that holds no value: the online softmax starts from it (running max = the sink,
-sum = 1, output 0), so it only adds ``exp(sink)`` to every denominator (and to the log-sum-exp
-of the probabilities pass). Tested in ``tests/test_sinks_softcap.py``.
-
-Positions: the packed store holds absolute positions ``[q_start, q_end)`` (``q_start > 0`` once a
-sliding-window layer evicted blocks), the window ``[res_start, N)``; masks are indexed by
-absolute position.
+Same math as "dequantize with the reference, then attend", different float rounding (tested to
+1e-5 for every layout, ``tests/test_cache.py``). Soft-capping and learned attention sinks as
+transformers' eager attention of Gemma 2 and gpt-oss: scores become ``c * tanh(s / c)`` before
+the mask; ``sinks`` (one logit per query head) is a softmax column with no value, which the
+online softmax starts from (``tests/test_sinks_softcap.py``). The store holds absolute positions
+``[q_start, q_end)``, the window ``[res_start, N)``; masks are indexed by absolute position.
 """
 
 from __future__ import annotations
@@ -69,21 +37,22 @@ CHUNK_TOKENS = 4096
 
 # -- masks --------------------------------------------------------------------------------------
 
-def _range_bias(mask: torch.Tensor | None, t0: int, t1: int, tq: int, n_total: int,
-                device) -> torch.Tensor | None:
-    """Additive bias ``[B|1, 1, 1, Tq, t1-t0]`` for the contiguous key positions ``[t0, t1)``,
-    or ``None`` when every position is visible to every query."""
+def _range_bias(s: torch.Tensor, mask: torch.Tensor | None, t0: int, t1: int, tq: int,
+                n_total: int) -> torch.Tensor:
+    """Scores ``s`` ``[B, Hkv, g, Tq, t1-t0]`` of the contiguous key positions ``[t0, t1)`` with
+    the mask's additive bias (``s`` itself when every position is visible to every query)."""
+    device = s.device
     if mask is None:
         if t1 - 1 <= n_total - tq:  # causal: all before the first query
-            return None
+            return s
         pos = torch.arange(t0, t1, device=device)
         qpos = torch.arange(n_total - tq, n_total, device=device)
         allowed = pos[None, :] <= qpos[:, None]
-        return torch.where(allowed, 0.0, float("-inf"))[None, None, None]
+        return s + torch.where(allowed, 0.0, float("-inf"))[None, None, None]
     m = mask[:, 0, :, t0:t1]  # [B|1, Tq, n]
     if m.dtype == torch.bool:
         m = torch.where(m, 0.0, float("-inf"))
-    return m.float()[:, None, None]
+    return s + m.float()[:, None, None]
 
 
 def _bias(mask: torch.Tensor | None, pos: torch.Tensor, tq: int, n_total: int, b: int,
@@ -121,13 +90,9 @@ _WORKSPACE: dict = {}
 
 
 def _scratch(slot: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
-    """A reusable CPU buffer of ``shape`` for the unpacked codes of one chunk (one flat buffer
-    per slot, grown to the largest chunk seen: at most one chunk, ``B * Hkv * chunk_tokens * D``
-    floats, kept for the process). On CPU a fresh multi-megabyte tensor per chunk is allocated
-    (and faulted in) at every step; reusing one buffer saves that and the allocator churn
-    between the model's own ops (the timing: ``docs/benchmarks.md``). CUDA's caching allocator
-    already avoids that, so other devices get a plain ``torch.empty``. Not thread-safe: the
-    caller consumes the buffer before the next unpack (decode is sequential)."""
+    """A reusable CPU buffer of ``shape`` for one chunk's unpacked codes (one per slot, grown to
+    the largest chunk: a fresh one would be allocated and faulted in at every step; other devices
+    get ``torch.empty``). Not thread-safe: the caller consumes it before the next unpack."""
     if torch.device(device).type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)
     n = 1
@@ -141,14 +106,10 @@ def _scratch(slot: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tenso
 
 
 def unpack_rows(raw: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 ``[..., R, C]`` (each run of ``W`` byte rows is one packing unit holding ``U``
-    codes of consecutive rows, ``kvlens.quant.packing``) -> float32 ``[..., R / W * U, C]`` (row
-    ``r*U + e`` = slot ``e`` of unit ``r``). One broadcast shift over the long last dimension,
-    into the reusable chunk workspace (``_scratch``: the result is only valid until the next
-    unpack). Units of several bytes (3-bit codes: 8 in 3 bytes) are unpacked slot by slot, each
-    slot one or two uint8 shifts over the whole chunk (faster than joining a unit's bytes
-    into an int32 word first: ``benchmarks/bench_unpack.py``, ``docs/benchmarks.md``)."""
-
+    """uint8 ``[..., R, C]`` (each ``W`` byte rows one packing unit of ``U`` codes of consecutive
+    rows, ``kvlens.quant.packing``) -> float32 ``[..., R / W * U, C]`` in the chunk workspace
+    (valid until the next unpack): one broadcast shift, or for units of several bytes one or two
+    uint8 shifts per slot over the whole chunk."""
     u, w = pack_unit(bits)
     lead, r, c = raw.shape[:-2], raw.shape[-2], raw.shape[-1]
     out = _scratch("f32", (*lead, r // w * u, c), torch.float32, raw.device)
@@ -177,24 +138,17 @@ def unpack_cols(raw: torch.Tensor, bits: int, d: int) -> torch.Tensor:
     return unpack_rows(raw.transpose(-1, -2).contiguous(), bits)[..., :d, :]
 
 
-def _token_rows(p: torch.Tensor, store, n: int) -> torch.Tensor:
-    """Scale/zero rows of a channel-packed store (per-token ``[.., n, D/G]`` or per-tensor
-    ``[.., n/F, 1]``) as float32 ``[B, H, nJ, n]``, contiguous (one value per token and channel
-    group; a per-tensor block's value is repeated over its tokens: ``n`` floats, not a
-    dequantized tensor). Contiguous matters: a broadcast multiply with the transposed view is
-    many times slower."""
-    p = p.float().transpose(-1, -2)
-    if store.spec.granularity == "per-tensor":
-        p = p.repeat_interleave(store.block, dim=-1)
-    return p[..., :n].contiguous()
-
-
 def _token_scales(store, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(scale, zero)`` of tokens ``[t0, t1)`` of a channel-packed store (per-token or
-    per-tensor), each float32 ``[B, H, nJ, t1 - t0]`` (``_token_rows``)."""
+    """``(scale, zero)`` of tokens ``[t0, t1)`` of a channel-packed store, each float32 ``[B, H,
+    nJ, t1 - t0]`` (a per-tensor block's value repeated over its tokens), contiguous: a broadcast
+    multiply with the transposed view is many times slower."""
     bt = store.block if store.spec.granularity == "per-tensor" else 1
-    rows = slice(t0 // bt, -(-t1 // bt))
-    return tuple(_token_rows(p, store, t1 - t0) for p in store.params(rows))
+
+    def rows(p: torch.Tensor) -> torch.Tensor:
+        p = p.float().transpose(-1, -2)
+        return (p.repeat_interleave(bt, dim=-1) if bt > 1 else p)[..., :t1 - t0].contiguous()
+
+    return tuple(rows(p) for p in store.params(slice(t0 // bt, -(-t1 // bt))))
 
 
 def _key_group(store) -> int:
@@ -202,24 +156,32 @@ def _key_group(store) -> int:
     return store.spec.group_size or store.block
 
 
+def _chunk(store, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(codes, scale, zero)`` float32 of packed tokens ``[t0, t1)``: a token-packed
+    (per-channel) store's codes ``[B, H, n, D]`` with one row per ``G`` tokens ``[B, H, n/G,
+    D]``, a channel-packed store's codes channels first ``[B, H, D, n]`` with
+    ``_token_scales``. The codes are the chunk workspace (valid until the next unpack)."""
+    raw = store.code_bytes(t0, t1)
+    if store.packs_tokens:
+        g = _key_group(store)
+        scale, zero = (p.float() for p in store.params(slice(t0 // g, t1 // g)))
+        return unpack_rows(raw, store.spec.bits), scale, zero
+    return (unpack_cols(raw, store.spec.bits, store.head_dim), *_token_scales(store, t0, t1))
+
+
 def _dequant_chunk(store, t0: int, t1: int) -> torch.Tensor:
     """Tokens ``[t0, t1)`` of a packed store as float32 ``[B, H, n, D]``: ``code * scale + zero``
-    computed in place on the unpacked chunk (one float32 chunk, the same values as the
-    reference's ``dequantize_range``). Used only where the scales cannot be folded (pre-RoPE
-    keys: RoPE must rotate the dequantized key)."""
-    c = store.spec.bits
+    computed in place on the unpacked chunk (the same values as the reference's
+    ``dequantize_range``). Used only where the scales cannot be folded (pre-RoPE keys)."""
     d = store.head_dim
     b, h = store.codes.shape[:2]
     n = t1 - t0
+    x, scale, zero = _chunk(store, t0, t1)
     if store.packs_tokens:
         g = _key_group(store)
-        x = unpack_rows(store.code_bytes(t0, t1), c).view(b, h, n // g, g, d)
-        scale, zero = store.params(slice(t0 // g, t1 // g))
-        x.mul_(scale[:, :, :, None].float())
-        x.add_(zero[:, :, :, None].float())
+        x = x.view(b, h, n // g, g, d)
+        x.mul_(scale[:, :, :, None]).add_(zero[:, :, :, None])
         return x.view(b, h, n, d)
-    x = unpack_cols(store.code_bytes(t0, t1), c, d)  # [B, H, D, n]
-    scale, zero = _token_scales(store, t0, t1)
     nj = scale.shape[-2]
     x5 = x.reshape(b, h, nj, d // nj, n)
     x5.mul_(scale.unsqueeze(3)).add_(zero.unsqueeze(3))
@@ -228,8 +190,7 @@ def _dequant_chunk(store, t0: int, t1: int) -> torch.Tensor:
 
 def _key_scores(layer, q: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
     """``q [B, Hkv, M, D]`` (balanced and scaled) against packed keys ``[t0, t1)`` ->
-    ``[B, Hkv, M, t1 - t0]``. Scales fold into ``q`` (module docstring); only the codes of this
-    chunk are unpacked (float32, one chunk: eager torch has no integer x float matmul)."""
+    ``[B, Hkv, M, t1 - t0]``. Scales fold into ``q`` (module docstring)."""
     store = layer.kstore
     packed = isinstance(store, PackedTensor)
     if not packed and not layer.stores_pre_rope and hasattr(store, "key_scores"):
@@ -246,20 +207,15 @@ def _key_scores(layer, q: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
         return torch.matmul(q, k.transpose(-1, -2))
     b, h, m, d = q.shape
     n = t1 - t0
-    c = store.spec.bits
+    codes, scale, zero = _chunk(store, t0, t1)
     if store.packs_tokens:  # per-channel: one scale row per G tokens
         g = _key_group(store)
-        ng = n // g
-        codes = unpack_rows(store.code_bytes(t0, t1), c)
-        scale, zero = (p.float() for p in store.params(slice(t0 // g, t1 // g)))  # [B,H,nG,D]
         qs = q[:, :, None] * scale[:, :, :, None]  # [B, H, nG, M, D]
-        s = torch.matmul(qs, codes.view(b, h, ng, g, d).transpose(-1, -2))  # [B, H, nG, M, G]
+        s = torch.matmul(qs, codes.view(b, h, n // g, g, d).transpose(-1, -2))  # [B,H,nG,M,G]
         s += torch.matmul(zero, q.transpose(-1, -2)).unsqueeze(-1)  # bias [B, H, nG, M, 1]
         return s.permute(0, 1, 3, 2, 4).reshape(b, h, m, n)
-    # per-token (groups of G channels) / per-tensor: codes packed along channels, one scale per
-    # (token, channel group): score_t = sum_j s_tj (q_j . code_tj) + z_tj * sum(q_j)
-    codes = unpack_cols(store.code_bytes(t0, t1), c, d)  # [B, H, D, n]
-    scale, zero = _token_scales(store, t0, t1)  # [B, H, nJ, n]
+    # per-token (groups of G channels) / per-tensor: codes [B, H, D, n], scales [B, H, nJ, n]:
+    # score_t = sum_j s_tj (q_j . code_tj) + z_tj * sum(q_j)
     nj = scale.shape[-2]
     gd = d // nj
     qsum = q.reshape(b, h, m, nj, gd).sum(-1)  # [B, H, M, nJ]
@@ -274,31 +230,24 @@ def _key_scores(layer, q: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
 
 def _value_out(layer, p: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
     """Weights ``p [B, Hkv, M, t1 - t0]`` times packed values ``[t0, t1)`` -> ``[B, Hkv, M, D]``.
-    Scales fold into the weights or the output (module docstring); only this chunk's codes are
-    unpacked to float32."""
+    Scales fold into the weights or the output (module docstring)."""
     store = layer.vstore
     if not isinstance(store, PackedTensor):  # dense history or another layout: its read-back
         return torch.matmul(p, store.dequantize_range(t0, t1))
     b, h, m, n = p.shape
     d = store.head_dim
-    c = store.spec.bits
+    codes, scale, zero = _chunk(store, t0, t1)
     if store.packs_tokens:  # per-channel: o_d = sum_g s_gd (p_g . code_gd) + z_gd * sum(p_g)
         g = _key_group(store)
-        ng = n // g
-        codes = unpack_rows(store.code_bytes(t0, t1), c)  # [B, H, n, D]
-        scale, zero = (p.float() for p in store.params(slice(t0 // g, t1 // g)))  # [B,H,nG,D]
-        pg = p.view(b, h, m, ng, g).transpose(2, 3)  # [B, H, nG, M, G]
-        part = torch.matmul(pg, codes.view(b, h, ng, g, d))  # [B, H, nG, M, D]
+        pg = p.view(b, h, m, n // g, g).transpose(2, 3)  # [B, H, nG, M, G]
+        part = torch.matmul(pg, codes.view(b, h, n // g, g, d))  # [B, H, nG, M, D]
         part.mul_(scale.unsqueeze(3))
         out = part.sum(2)
         return out.add_(torch.matmul(pg.sum(-1).transpose(-1, -2), zero))
     # per-token / per-tensor: out_d = sum_t (p_t * s_tj) code_td + sum_t p_t z_tj (d in group j)
-    scale, zero = _token_scales(store, t0, t1)  # [B, H, nJ, n]
     nj = scale.shape[-2]
-    g = d // nj
-    codes = unpack_cols(store.code_bytes(t0, t1), c, d)  # [B, H, D, n]
     w = p[:, :, None] * scale[:, :, :, None]  # [B, H, nJ, M, n]
-    out = torch.matmul(w, codes.reshape(b, h, nj, g, n).transpose(-1, -2))  # [B, H, nJ, M, G]
+    out = torch.matmul(w, codes.reshape(b, h, nj, d // nj, n).transpose(-1, -2))  # [B,H,nJ,M,G]
     out += torch.matmul(p, zero.transpose(-1, -2)).transpose(-1, -2).unsqueeze(-1)
     return out.permute(0, 1, 3, 2, 4).reshape(b, h, m, d)
 
@@ -326,10 +275,8 @@ def _segments(layer, q: torch.Tensor, qb: torch.Tensor, mask, tq: int, chunk_tok
     for t0 in range(0, nq, step):
         t1 = min(nq, t0 + step)
         s = _key_scores(layer, qb, t0, t1)
-        s = _capped(s.view(b, hkv, g, tq, t1 - t0), softcap)
-        bias = _range_bias(mask, a0 + t0, a0 + t1, tq, n_total, q.device)
-        if bias is not None:
-            s = s + bias
+        s = _range_bias(_capped(s.view(b, hkv, g, tq, t1 - t0), softcap), mask, a0 + t0,
+                        a0 + t1, tq, n_total)
         if layer.set_mask is not None:
             s = s.masked_fill(layer.set_mask[:, :, None, None, a0 + t0:a0 + t1], float("-inf"))
         if sinks > t0:
@@ -344,9 +291,7 @@ def _segments(layer, q: torch.Tensor, qb: torch.Tensor, mask, tq: int, chunk_tok
         k, v = layer.res_k.view().float(), layer.res_v.view().float()
         r0 = layer.res_start
         s = _capped(torch.matmul(q, k.transpose(-1, -2)).view(b, hkv, g, tq, -1), softcap)
-        bias = _range_bias(mask, r0, r0 + layer.n_res, tq, n_total, q.device)
-        if bias is not None:
-            s = s + bias
+        s = _range_bias(s, mask, r0, r0 + layer.n_res, tq, n_total)
         yield s, (lambda p, v=v: torch.matmul(p, v)), (r0, r0 + layer.n_res)
 
 
@@ -367,13 +312,10 @@ def packed_attention(query: torch.Tensor, layer, mask: torch.Tensor | None, scal
                      chunk_tokens: int = CHUNK_TOKENS, with_probs: bool = False, *,
                      softcap: float = 0.0, sinks: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention output ``[B, Tq, Hq, D]`` (transformers' attention-function layout) and, when
-    ``with_probs``, the attention mass per cached position ``[B, Hkv, N]`` (summed over the
-    query heads of each KV head and over the queries; read by a set policy that needs it).
-
-    ``softcap``: logit soft-capping (0 = none); ``sinks``: the learned attention-sink logit of
-    each query head ``[Hq]`` (gpt-oss's ``s_aux``; ``None`` = none), not the sink tokens a set keeps
-    (module docstring)."""
+    """Attention output ``[B, Tq, Hq, D]`` (transformers' attention-function layout) and, with
+    ``with_probs``, the attention mass per cached position ``[B, Hkv, N]`` (over each KV head's
+    query heads and the queries). ``softcap``: 0 = none; ``sinks``: each query head's learned
+    sink logit ``[Hq]`` (not the sink tokens a set keeps) or ``None``."""
     b, hq, tq, d = query.shape
     q, qb = _queries(query, layer, scaling)
     hkv, m_rows = q.shape[1], q.shape[2]

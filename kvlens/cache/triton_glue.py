@@ -1,13 +1,7 @@
-"""Glue between the compressed cache and the Triton decode kernel
-(``kvlens_kernels.decode_attention``, which takes tensors and ints only).
-
-``kernel_layout_problem`` is the one rule for which stored layouts the kernel reads (shared by
-the per-call dispatch, ``kvlens.cache.decode_cost`` and ``recommend``'s ``--prefer-fast``);
-``triton_unsupported`` adds the per-call reasons (prefill, attention probabilities, logit
-soft-capping and attention sinks, which the kernel does not apply);
-``triton_decode`` turns a ``CompressedLayer`` and transformers' mask into the kernel's arguments.
-Codebook keys (``kvlens.layouts.codebook``) are read by the kernel too, in the layer's rotated
-basis: the attention function passes the rotated query, for both backends alike.
+"""Glue between the compressed cache and the Triton decode kernel (``kvlens_kernels``, tensors
+and ints only): ``kernel_layout_problem``, the one rule for which layouts it reads;
+``triton_unsupported``, the per-call reasons; ``triton_decode``, a layer and transformers' mask
+as the kernel's arguments (codebook keys in the layer's rotated basis, as the query is).
 """
 
 from __future__ import annotations
@@ -39,9 +33,7 @@ def triton_unsupported(layer, query: torch.Tensor, with_probs: bool, *, softcap:
 
 def kernel_layout_problem(setting, head_dim: int) -> str | None:
     """Why the fused decode kernel cannot read a layer stored as ``setting`` (a
-    ``kvlens.config.LayerKV``), or ``None``. Shared by the dispatch and ``recommend``'s
-    ``--prefer-fast``."""
-
+    ``kvlens.config.LayerKV``), or ``None``."""
     if setting.key is None or setting.value is None:
         return "keys or values not quantized (the kernel reads both from the packed store)"
     if setting.pre_rope_keys:
@@ -103,8 +95,8 @@ def _key_mask(mask: torch.Tensor | None, b: int, n: int) -> tuple[torch.Tensor |
 def triton_decode(query: torch.Tensor, layer, mask: torch.Tensor | None, scaling: float
                   ) -> tuple[torch.Tensor | None, str | None]:
     """``kvlens_kernels.decode_attention`` over ``layer`` -> (output ``[B, 1, Hq, D]`` or
-    ``None``, reason it was not used). Passes the layer's set (extra segment, its packed copies
-    hidden) and the channel balancer."""
+    ``None``, why not), with the layer's set (an extra segment, its packed copies hidden) and its
+    balancer."""
     from kvlens_kernels import decode_attention
 
     b = query.shape[0]
@@ -147,12 +139,9 @@ def triton_decode(query: torch.Tensor, layer, mask: torch.Tensor | None, scaling
 
 
 def _store_arguments(which: str, store, device) -> tuple[tuple, dict]:
-    """``((codes, scale, zero), keywords)`` of the kernel for one packed store (``which`` = ``k``
-    or ``v``). A ``CodebookStore`` (keys) passes its packed codes, its norms as the scale, no
-    zero, and the computed (Lloyd-Max) float32 centroid table copied to ``device`` for the call
-    (2^bits floats, as the torch path's ``CodebookStore.chunk`` does); its vectors are in the
-    layer's rotated basis, which the caller's query already is (``kvlens.cache.attention``
-    rotates it once)."""
+    """``((codes, scale, zero), keywords)`` of the kernel for one store (``which``: ``k`` or ``v``).
+    A ``CodebookStore`` (keys, in the layer's rotated basis like the query) passes its packed
+    codes, its norms as the scale, no zero, and its centroid table on ``device``."""
     if isinstance(store, CodebookStore):
         table = store.codebook.centroids.to(device)
         return (store.packed, store.norms, None), {

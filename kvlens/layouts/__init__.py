@@ -1,11 +1,7 @@
 """Storage layouts: how the cache stores one tensor's history, behind one protocol
-(``protocol``: ``Layout`` and ``Store``, the registry, ``layout_of``).
-
-``uniform`` adapts ``QuantSpec`` (packed integer codes, ``packed``'s ``PackedTensor``),
-``codebook`` adapts ``CodebookSpec`` (vLLM TurboQuant's keys, ``CodebookStore``), ``dense`` is
-the full-precision store (windows, unquantized tensors). Every other module of this package is
-a layout that registers itself, and is imported here when the package loads: adding a layout
-is its module and its test (docs/internals/architecture.md).
+(``protocol``: ``Layout``, ``Store``, the registry, ``layout_of``): ``uniform`` (``QuantSpec``,
+``packed``'s store), ``codebook`` (``CodebookSpec``), ``dense`` (full precision). Every other
+module of this package is a layout that registers itself, imported here when the package loads.
 """
 
 import importlib
@@ -34,5 +30,5 @@ for _module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = ["LAYOUT_KEY", "DenseTensor", "Layout", "Store", "check_layout", "codebook",
-           "flush_block", "is_layout_spec", "kinds", "layout_from_dict", "layout_of", "reference", "register",
-           "spec_types", "uniform"]
+           "flush_block", "is_layout_spec", "kinds", "layout_from_dict", "layout_of",
+           "reference", "register", "spec_types", "uniform"]

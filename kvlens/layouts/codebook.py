@@ -1,24 +1,9 @@
 """A codebook-coded key store and its torch read path (vLLM TurboQuant's keys).
 
-``CodebookStore`` holds one layer's keys, ``[B, H, N, D]`` tokens, in the layout of
-``kvlens.quant.codebook``: per vector its codes in the rotated basis, densely packed along ``D``
-(``packed_length(D, bits)`` uint8 per token and head) and one float16 norm; the codebook is a
-Lloyd-Max codebook recomputed from ``bits`` and ``D`` and holds no bytes. ``held_bytes()`` counts
-the tensors the store really holds; ``CodebookSpec.held_bytes`` predicts them (tested equal).
-
-In the compressed cache (``kvlens.cache.layer``, a ``KVConfig`` key spec) the store is the
-layer's key history: it has the ``PackedTensor`` interface the layer streams through
-(``block``, ``append``, ``drop_front``, ``dequantize_range``, ``named_tensors`` by
-``kvlens.cache.layout`` part: ``codes``, ``norms``) and ``key_scores`` for the torch read path
-(``kvlens.cache.torch_read``), which merges it with the exact window and sinks by the same
-online softmax as every layout. There the layer rotates (the codebook's rotation is the layer's
-key rotation: window and store hold ``k R``, the query is rotated once), so the store codes the
-already rotated vectors with ``rotation=None`` (``for_cache``); each vector's scale
-``n / sqrt(D)`` (renormalised: ``n / ||c||``) multiplies its score instead of its codes:
-``score_t = s_t * ((q R) · c[code_t])``, without a dequantized key.
-
-The store was first written for codebook values (a research layout issue #57 removed,
-docs/lab-notes/codebooks.md); its code is what TurboQuant's keys need.
+``CodebookStore`` holds one layer's keys as ``kvlens.quant.codebook`` codes them. In the cache
+the layer rotates (window and store hold ``k R``, the query is rotated once), so the store
+codes with ``rotation=None`` (``for_cache``), and ``key_scores`` applies each vector's scale
+``n / sqrt(D)`` (renormalised: ``n / ||c||``) to its score: ``s_t * ((q R) · c[code_t])``.
 """
 
 from __future__ import annotations
@@ -44,11 +29,8 @@ from kvlens.quant.packing import packed_length, unpack_codes
 
 
 class CodebookStore:
-    """One tensor of one layer coded with ``spec`` and ``codebook`` (module docstring).
-
-    packed: uint8 ``[B, H, N, packed_length(D, bits)]``; norms: float16 ``[B, H, N]``; the
-    codebook holds nothing (recomputed, cached per process, from ``bits`` and ``D``).
-    ``block``: tokens the cache flushes together (``drop_front`` drops whole blocks)."""
+    """One tensor of one layer coded with ``spec`` and ``codebook``: packed uint8 ``[B, H, N,
+    packed_length(D, bits)]``, norms float16 ``[B, H, N]``; ``block``: tokens flushed together."""
 
     def __init__(self, spec: CodebookSpec, codebook: Codebook, head_dim: int, block: int = 1):
         if codebook.bits != spec.bits:
@@ -85,12 +67,6 @@ class CodebookStore:
             self.packed = torch.cat((self.packed, packed), dim=2)
             self.norms = torch.cat((self.norms, qt.norms), dim=2)
 
-    def held_bytes(self) -> int:
-        """Bytes of the tensors held: packed codes and norms."""
-        if self.packed is None:
-            return 0
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.norms))
-
     # -- the cache's store interface (kvlens.cache.layer) --------------------------------------
     def drop_front(self, n: int) -> None:
         """Forget the oldest ``n`` tokens (whole blocks; a sliding layer's expired history):
@@ -111,9 +87,8 @@ class CodebookStore:
         return dequantize_codebook(qt)
 
     def key_scores(self, q: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
-        """Queries ``q`` ``[B, H, M, D]`` (in the coded, rotated basis, scaling folded in) against
-        the coded keys ``[t0, t1)``: ``s_t * (q . c[code_t])`` ``[B, H, M, t1 - t0]``, each
-        vector's scale applied to its score (no dequantized key is materialised)."""
+        """Queries ``q`` ``[B, H, M, D]`` (rotated basis, scaling folded in) against the coded keys
+        ``[t0, t1)``: ``s_t * (q . c[code_t])`` ``[B, H, M, t1 - t0]``, no dequantized key."""
         c, sk = self.chunk(t0, t1)
         return torch.matmul(q, c.transpose(-1, -2)).mul_(sk[:, :, None, :])
 
@@ -124,19 +99,6 @@ class CodebookStore:
     def select_batch(self, index: torch.Tensor) -> None:
         if self.packed is not None:
             self.packed, self.norms = self.packed[index], self.norms[index]
-
-    def reported_bytes(self) -> int:
-        """``CodebookSpec.held_bytes`` for what the store holds."""
-        if self.packed is None:
-            return 0
-        b, h, n, _ = self.packed.shape
-        return self.spec.held_bytes(b * h * n, self.head_dim)
-
-    def dequantize(self) -> torch.Tensor:
-        """The reference read (``kvlens.quant.codebook.dequantize_codebook``), ``[B, H, N, D]``."""
-        qt = CodebookTensor.from_packed(self.packed, self.norms, self.codebook, self.spec,
-                                        self.head_dim)
-        return dequantize_codebook(qt)
 
     # -- folded reads --------------------------------------------------------------------------
     def chunk(self, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,10 +115,8 @@ class CodebookStore:
 
 @dataclass(frozen=True)
 class Codebooked(SpecLayout):
-    """``CodebookSpec`` ``spec`` as a ``kvlens.layouts.Layout``: each vector on its own (codes
-    along channels and a norm), so it streams as a per-token spec and fits any window. Its
-    reference includes the spec's rotation; in the cache the layer rotates (window and store
-    hold ``k R``) and the store codes with ``rotation=None`` (``CodebookStore.for_cache``)."""
+    """``CodebookSpec`` ``spec`` as a ``kvlens.layouts.Layout``: each vector on its own, so it
+    streams as a per-token spec and fits any window; its reference includes the spec's rotation."""
 
     spec: CodebookSpec
     kind = "codebook"

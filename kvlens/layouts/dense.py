@@ -9,9 +9,8 @@ import torch
 
 
 class DenseTensor:
-    """Full-precision history ``[B, H, T, D]`` at a fixed dtype, with the ``PackedTensor``
-    interface. Its buffer holds exactly ``length`` tokens unless a ``capacity`` is asked for
-    (the residual window keeps room for ``R``)."""
+    """Full-precision history ``[B, H, T, D]``: its buffer holds exactly ``length`` tokens
+    unless a ``capacity`` is asked for (the residual window keeps room for ``R``)."""
 
     def __init__(self, dtype: torch.dtype | None = None, part: str = "dense"):
         self.dtype = dtype  # None: the dtype of the first tensor appended

@@ -1,62 +1,23 @@
-"""The packed storage layout of one compressed KV tensor (keys or values of one layer).
+"""The packed storage layout of one compressed KV tensor: the *bytes*, which the fused decode
+kernel reads exactly (semantics: ``kvlens.quant.reference``; bit packing: ``kvlens.quant.packing``).
 
-This module owns the *bytes*: how quantized history is laid out in memory. Quantization
-semantics (what shares a scale, the code formula) are the reference's
-(``kvlens.quant.reference``); bit packing is ``kvlens.quant.packing``. A fused decode kernel
-reads exactly the buffers described here.
+``B`` batch, ``H`` KV heads, ``D`` head_dim, ``b`` bits, ``(U, W) = pack_unit(b)``, ``F`` the
+flush block (tokens quantized together), ``(bt, bd) = spec.block_shape(F, D)`` one scale group.
+Block ``i`` holds positions ``[i*F, (i+1)*F)`` after the layer's ``q_start``, never
+re-quantized; the buffers hold exactly ``length`` tokens (a flush reallocates them with one
+copy; ``drop_front`` drops whole blocks):
 
-Notation: ``B`` batch, ``H`` KV heads, ``D`` head_dim, ``b`` bits, ``(U, W) = pack_unit(b)``
-(``U`` codes densely packed into ``W`` bytes: 2 bits (4, 1), 3 bits (8, 3), 4 bits (2, 1)),
-``F`` the *flush block* (tokens quantized together, see below),
-``(bt, bd) = spec.block_shape(F, D)`` the extent of one scale group inside a block
-(per-channel ``(G, 1)``, per-token ``(1, G)``, per-tensor ``(F, D)``; ``G=None`` resolves to the
-whole block ``F`` for per-channel and to ``D`` for per-token).
+``codes`` (uint8)
+    per-channel: ``[B, H, length // U * W, D]``, packed along **tokens** (bytes ``u*W ..
+    u*W+W-1`` of channel ``d`` hold tokens ``u*U .. u*U+U-1``; ``F`` a multiple of ``U``);
+    per-token and per-tensor: ``[B, H, length, packed_length(D, b)]``, along **channels**.
+``scale``, ``zero`` (``scale_dtype``: float16, float32, or ``"8bit"`` codes decoded by ``params``)
+    ``[B, H, (length // F) * ceil(F / bt), D // bd]``: per-channel ``[B, H, length // G, D]``,
+    per-token ``[B, H, length, D // G]``, per-tensor ``[B, H, length // F, 1]``; ``x_hat = code *
+    scale + zero`` (symmetric specs store ``zero = -qmax * scale``).
 
-Streaming (KIVI): new tokens first wait in a full-precision residual window owned by the layer
-(``kvlens.cache.layer``). When the window holds ``R`` tokens (``R`` = the config's
-``residual_tokens``), its oldest tokens are quantized in blocks of ``F`` and appended here. By
-default ``F = R`` (KIVI: the whole window is flushed, so it then holds 0..R-1 tokens); with the
-config's ``flush_tokens = F < R`` the window slides (after each flush it keeps the newest
-``R-F..R-1`` tokens, so recent tokens are always exact, at the same peak memory). ``G`` of
-per-channel specs must divide ``F``; ``F = 1`` when ``R = 0`` for per-token specs (each token is
-quantized on arrival). Blocks are never re-quantized: once written, a block's codes and scales
-are immutable. The history is stored in token order: block ``i`` holds absolute cache positions
-``[i*F, (i+1)*F)`` (cache positions = index of the token in the layer's history, left padding
-included), offset by the layer's ``q_start`` once a sliding-window layer evicted blocks.
-
-Buffers (sized to exactly the tokens they hold, a multiple of ``F``: a flush reallocates them
-with one copy, once per ``F`` tokens, so held bytes are what ``kvlens.cache.layout`` predicts;
-a sliding-window layer drops whole blocks from the front with ``drop_front``; nothing is
-concatenated per step):
-
-``codes`` (``torch.uint8``)
-    - per-channel specs: ``[B, H, cap // U * W, D]`` -- packed along **tokens**: bytes
-      ``u*W .. u*W+W-1`` of channel ``d`` hold tokens ``u*U .. u*U+U-1`` of that channel
-      (``F`` must be a multiple of ``U`` so a unit never straddles two blocks);
-    - per-token and per-tensor specs: ``[B, H, cap, packed_length(D, b)]`` -- packed along
-      **channels**: unit ``u`` of token ``t`` holds channels ``u*U .. u*U+U-1``.
-    Within a unit codes are little-endian, exactly ``kvlens.quant.packing``: code ``e`` occupies
-    bits ``[e*b, (e+1)*b)`` of the unit's ``W`` bytes read as one little-endian integer (first
-    code in the lowest bits); for 2 bits, codes ``(a, b, c, d)`` -> ``a | b << 2 | c << 4 |
-    d << 6``. A 3-bit code can straddle two bytes of its unit.
-``scale``, ``zero`` (``scale_dtype``, float16 by default; float32 optional; ``"8bit"``: a uint8
-scale code and an int8 zero code, ``kvlens.quant.meta8``, decoded by ``params``)
-    ``[B, H, (cap // F) * nT, nD]`` with ``nT = ceil(F / bt)`` scale rows per block and
-    ``nD = D // bd``. Scale row ``i*nT + r`` belongs to tokens ``i*F + r*bt ..`` of block ``i``:
-    - per-channel (G tokens x 1 channel): ``[B, H, cap // G, D]``, row ``t // G`` column ``d``;
-    - per-token (1 token x G channels): ``[B, H, cap, D // G]``, row ``t`` column ``d // G``;
-    - per-tensor (one per block): ``[B, H, cap // F, 1]``.
-    Dequantization is ``x_hat = code * scale + zero`` (symmetric specs store
-    ``zero = -qmax * scale``, so there is no symmetric switch).
-``length``
-    Tokens stored (a multiple of ``F``); rows ``>= length`` are garbage and must be masked.
-
-The scales are rounded to ``scale_dtype`` after the reference computed them in float32; the
-codes are the reference's codes. So ``dequantize_range`` equals ``kvlens.quant.dequantize`` on
-the reference ``QTensor`` with its scale/zero rounded to ``scale_dtype`` (tested). With
-``"8bit"`` the codes and bytes are ``kvlens.quant.meta8.quantize_meta8``'s (the codes are
-re-chosen against the stored grid), and ``dequantize_range`` equals ``dequantize`` of its
-``QTensor`` (tested).
+``dequantize_range`` equals ``dequantize`` of the reference ``QTensor`` with its metadata
+rounded to ``scale_dtype`` (with ``"8bit"``: of ``quantize_meta8``'s; tested).
 """
 
 from __future__ import annotations

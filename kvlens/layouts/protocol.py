@@ -1,33 +1,19 @@
 """The storage-layout protocol: what a way of storing one tensor's history must provide, and the
-registry that finds the layout of a spec.
+registry that finds the layout of a spec (how to add one: docs/internals/architecture.md).
 
-A **layout** (``Layout``) is how the cache keeps the quantized history ``[B, H, T, D]`` of one
-tensor (keys or values of one layer): a frozen, JSON-serialisable spec. It owns, for that
-tensor,
+A **layout** (``Layout``) is a frozen, JSON-serialisable spec of how the cache keeps the
+quantized history ``[B, H, T, D]`` of one tensor. It owns its **reference semantics**
+(``reconstruct``: what recommend and compare-axes measure, and the store is tested equal to),
+its **store** (``new_store``, a ``Store``), its **held bytes** (``part_bytes``, by part of
+``kvlens.cache.layout.PARTS``, tested equal to what the store holds), its **JSON form**
+(``to_dict``; ``layout_from_dict`` reads it back, keyed by ``"layout"``) and its **streaming
+rules** (``flush_block``, ``check``). The residual window, Hadamard rotation, pre-RoPE keys and
+the MiKV balancer compose around every layout (``kvlens.cache.layer``,
+``kvlens.recommend.layer_errors``).
 
-- its **reference semantics** (``reconstruct``): what the cache gives back for ``x`` with every
-  token stored, in blocks of ``block`` tokens; recommend's candidates and compare-axes' variants
-  are measured through it, and the store is tested equal to it;
-- its **store** (``new_store``, a ``Store``): the buffers a cache layer appends blocks to, drops
-  expired blocks from and reads back;
-- its **held bytes** (``part_bytes``): what a store holding ``tokens`` tokens holds, by part of
-  ``kvlens.cache.layout.PARTS``; the memory walker counts the store's ``named_tensors`` and a
-  test checks the two agree;
-- its **JSON form** (``to_dict``; read back by ``layout_from_dict`` through the registry, keyed
-  by ``"layout"``), and its **streaming rules** (``flush_block``: tokens quantized together;
-  ``check``: whether it fits a head and a window).
-
-What a layout does not own composes around it, the same for every layout: the residual window,
-Hadamard rotation (the store sees ``x R``), pre-RoPE keys (the store sees ``k`` before RoPE),
-the MiKV channel balancer (``k * b``) and the fitted parameters they carry (the cache layer,
-``kvlens.cache.layer``; recommend's variants, ``kvlens.recommend.layer_errors``).
-
-A spec class becomes a layout with ``register``: either the class implements ``Layout`` itself
-(a new layout: one module of this package, which ``kvlens.layouts`` imports on start, or of
-``kvlens.research`` while it has not earned its place), or an
-adapter class wraps a spec defined lower down (``QuantSpec`` and ``CodebookSpec`` live in
-``kvlens.quant``: ``kvlens.layouts.uniform`` and ``kvlens.layouts.codebook`` adapt them).
-``layout_of(spec)`` returns the ``Layout`` either way.
+``register`` makes a spec class a layout: the class implements ``Layout`` itself, or an adapter
+wraps a spec defined lower down (``kvlens.layouts.uniform`` and ``kvlens.layouts.codebook``
+adapt ``QuantSpec`` and ``CodebookSpec``); ``layout_of(spec)`` returns the ``Layout`` either way.
 """
 
 from __future__ import annotations

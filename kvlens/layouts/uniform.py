@@ -1,11 +1,10 @@
-"""The uniform integer layout (``kvlens.quant.QuantSpec``: ``b``-bit codes, a scale and a zero
-per group) as a ``Layout``: its streaming rules, its reference, its store
-(``kvlens.layouts.packed.PackedTensor``) and its bytes.
+"""The uniform integer layout (``kvlens.quant.QuantSpec``) as a ``Layout``: its streaming rules,
+reference, store (``kvlens.layouts.packed.PackedTensor``) and bytes.
 
 Rules: a per-token spec quantizes each token on its own (``F = 1`` without a window, else the
 window); a per-channel or per-tensor spec groups tokens, so it needs a window, its group must
-divide the flush block ``F``, and ``F`` must be a whole number of packing units when codes are
-packed along tokens (per-channel); a per-token group must divide head_dim.
+divide ``F``, and ``F`` must be a whole number of packing units when codes are packed along
+tokens (per-channel); a per-token group must divide head_dim.
 """
 
 from __future__ import annotations
@@ -41,10 +40,7 @@ class Uniform(SpecLayout):
     def check(self, residual_tokens: int, head_dim: int, what: str = "",
               flush_tokens: int = 0) -> None:
         spec, where = self.spec, f"{what}: " if what else ""
-        if spec.granularity == "per-token" and spec.group_size and head_dim % spec.group_size:
-            allowed = [g for g in range(1, head_dim + 1) if head_dim % g == 0]
-            raise ConfigError(f"{where}group size {spec.group_size} does not divide head_dim "
-                              f"{head_dim}; allowed group sizes: {', '.join(map(str, allowed))}.")
+        spec.check_group(head_dim, where)
         f = self.flush_block(residual_tokens, flush_tokens)
         block = f"flush_tokens {f}" if flush_tokens else f"residual window {residual_tokens}"
         if spec.granularity != "per-channel":

@@ -8,12 +8,9 @@ pre-RoPE keys, the MiKV balancer and dense-and-sparse outliers,
 ``meta8`` 8-bit group metadata, and the engines' own cache formats: ``ggml`` (llama.cpp's
 blocks), ``fp8`` (static fp8 and per-token-head), ``formats`` (a format with the engine's rotation, names, the read-back
 entry point) and ``cachetypes`` (what a config stores per tensor).
-Kernels and analysis are tested against these functions. The bytes a cache holds are counted
-in one place, ``kvlens.cache.layout``.
 """
 
 from kvlens.quant.codebook import (
-    CODEBOOKS,
     Codebook,
     CodebookSpec,
     CodebookTensor,
@@ -33,7 +30,7 @@ from kvlens.quant.formats import (
     rotate_rows,
 )
 from kvlens.quant.fp8 import FP8Format, TokenHeadFormat, calibrate_scale
-from kvlens.quant.ggml import GGMLBlockFormat, GGMLBlocks, dequantize_ggml, quantize_ggml
+from kvlens.quant.ggml import GGMLBlocks, dequantize_ggml, quantize_ggml
 from kvlens.quant.packing import (
     pack_codes,
     pack_unit,
@@ -51,8 +48,6 @@ from kvlens.quant.rotation import (
 )
 from kvlens.quant.spec import GRANULARITIES, QuantSpec
 from kvlens.quant.transforms import (
-    OUTLIER_SCOPES,
-    SparseOutliers,
     apply_balancer,
     fit_balancer,
     outlier_count,
@@ -63,7 +58,6 @@ from kvlens.quant.transforms import (
 )
 
 __all__ = [
-    "CODEBOOKS",
     "Codebook",
     "CodebookSpec",
     "CodebookTensor",
@@ -74,7 +68,6 @@ __all__ = [
     "quantize_codebook",
     "FP8Format",
     "FormatSetting",
-    "GGMLBlockFormat",
     "GGMLBlocks",
     "TokenHeadFormat",
     "calibrate_scale",
@@ -86,11 +79,9 @@ __all__ = [
     "quantize_ggml",
     "rotate_rows",
     "GRANULARITIES",
-    "OUTLIER_SCOPES",
     "QTensor",
     "QuantSpec",
     "RotationSpec",
-    "SparseOutliers",
     "apply_balancer",
     "dequantize",
     "expand_params",

@@ -1,41 +1,20 @@
-"""Codebook (non-uniform scalar) quantization of head vectors with one norm per vector.
+"""Codebook (non-uniform scalar) quantization of head vectors with one norm per vector (vLLM
+TurboQuant's keys).
 
-Tensors are ``[B, H, T, D]``. Each ``[D]`` vector ``x`` (one token of one head) is stored as
-
-- its L2 norm ``n = ||x||`` in float16, and
-- ``bits``-bit codes of its *normalised, rotated* coordinates: with ``R`` the Hadamard rotation
-  of ``kvlens.quant.rotation`` (``y = x R``, ``||y|| = n``), the coordinates
-  ``z = sqrt(D) * y / n`` are each coded as the index of the nearest centroid of a 1-D codebook
-  of ``2^bits`` values (``Codebook``). ``n = 0`` gives ``z = 0``.
-
-Decoding: ``y_hat = n16 * c[codes] / sqrt(D)`` and ``x_hat = y_hat Rᵀ``. With ``renormalize``
-the decoded vector is rescaled to the stored norm instead: ``y_hat = n16 * c / ||c||``.
-
-Why ``sqrt(D)``: after a Hadamard rotation the direction ``y / n`` of a vector is spread over all
-coordinates, so each coordinate behaves like a coordinate of a uniform point on the unit sphere
-of ``R^D``, density ``∝ (1 - t²)^((D-3)/2)`` on ``[-1, 1]``, variance ``1/D`` and close to
-``N(0, 1/D)`` (HIGGS arXiv 2411.17525, TurboQuant arXiv 2504.19874). Scaled by ``sqrt(D)`` it has
-unit variance, so one codebook form serves every head_dim.
-
-Codebooks (``CODEBOOKS``):
-
-- ``"lloyd-max"``: the Lloyd-Max quantizer of that sphere-coordinate density for the layer's
-  ``D`` (``lloyd_max``), computed by iterating Lloyd's two conditions (boundaries at the
-  midpoints of neighbouring centroids; each centroid the mean of the density over its cell) on
-  a fine grid. Nothing is stored: it is a function of ``bits`` and ``D``.
-- ``"lloyd-max-normal"``: the Lloyd-Max quantizer of the standard normal, the large-``D`` limit
-  of that density (``lloyd_max(bits, None)``): the centroids vLLM's ``turboquant_*`` types use
-  (Lloyd-Max for ``N(0, 1/D)``, in these unit-variance coordinates). Nothing is stored.
-
-Fitted codebooks (k-means on a capture, per layer and tensor) were a research lever with a
-recorded negative result, removed by issue #57 (docs/lab-notes/codebooks.md). Storage, counted
-once in ``CodebookSpec.held_bytes``: per vector ``packed_length(D, bits)`` bytes of codes (densely
-packed by ``kvlens.quant.packing``, so 3-bit codes cost 3 bits) plus 2 bytes of norm; the
-codebook itself is computed, not stored.
+Each ``[D]`` vector ``x`` is stored as its norm ``n = ||x||`` (float16) and ``bits``-bit codes
+of ``z = sqrt(D) * (x R) / n`` (``R``: ``kvlens.quant.rotation``; ``n = 0`` gives ``z = 0``),
+each the nearest of ``2^bits`` centroids (``Codebook``); decoded ``y_hat = n16 * c[codes] /
+sqrt(D)`` (``renormalize``: ``n16 * c / ||c||``), ``x_hat = y_hat Rᵀ``. After the rotation a
+coordinate of ``x / n`` behaves like one of a uniform point on the sphere (close to ``N(0,
+1/D)``: HIGGS arXiv 2411.17525, TurboQuant arXiv 2504.19874), so one codebook form serves every
+head_dim. ``CODEBOOKS``: ``"lloyd-max"`` (Lloyd-Max of that density for ``D``) and
+``"lloyd-max-normal"`` (of the standard normal, vLLM's ``turboquant_*`` centroids), computed,
+not stored; ``CodebookSpec.held_bytes`` counts the packed codes and norms.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -45,6 +24,7 @@ import torch
 
 from kvlens.errors import ConfigError, InputError, is_int
 from kvlens.quant.packing import pack_codes, packed_length, unpack_codes
+from kvlens.quant.reference import check_tensor
 from kvlens.quant.rotation import RotationSpec, rotate, unrotate
 from kvlens.quant.spec import check_versioned_dict
 
@@ -61,13 +41,9 @@ _FIELDS = ("bits", "codebook", "rotation", "renormalize")
 class CodebookSpec:
     """A codebook quantization config for ``[B, H, T, D]`` tensors (frozen, versioned JSON).
 
-    bits: code width, 1-8 (``2^bits`` centroids).
-    codebook: ``"lloyd-max"`` (computed for the sphere-coordinate density) or
-        ``"lloyd-max-normal"`` (computed for the standard normal, vLLM's); nothing stored.
-    rotation: the Hadamard rotation applied before coding (``None``: code the raw channels;
-        the Lloyd-Max codebook assumes a rotation, so ``None`` is for ablations).
-    renormalize: rescale each decoded vector to its stored norm.
-    """
+    bits: 1-8; codebook: one of ``CODEBOOKS`` (module docstring); rotation: the Hadamard rotation
+    before coding (``None`` codes the raw channels, for ablations); renormalize: rescale each
+    decoded vector to its stored norm."""
 
     bits: int
     codebook: str = "lloyd-max"
@@ -76,18 +52,14 @@ class CodebookSpec:
 
     def __post_init__(self) -> None:
         if not is_int(self.bits, MIN_CODEBOOK_BITS, MAX_CODEBOOK_BITS):
-            raise ConfigError(
-                f"Invalid codebook bits {self.bits!r}; allowed: integers "
-                f"{MIN_CODEBOOK_BITS}-{MAX_CODEBOOK_BITS}."
-            )
+            raise ConfigError(f"Invalid codebook bits {self.bits!r}; allowed: integers "
+                              f"{MIN_CODEBOOK_BITS}-{MAX_CODEBOOK_BITS}.")
         if self.codebook not in CODEBOOKS:
-            raise ConfigError(
-                f"Unknown codebook {self.codebook!r}; allowed: {', '.join(CODEBOOKS)}."
-            )
+            raise ConfigError(f"Unknown codebook {self.codebook!r}; allowed: "
+                              f"{', '.join(CODEBOOKS)}.")
         if self.rotation is not None and not isinstance(self.rotation, RotationSpec):
-            raise ConfigError(
-                f"Invalid codebook rotation {self.rotation!r}; allowed: a RotationSpec or None."
-            )
+            raise ConfigError(f"Invalid codebook rotation {self.rotation!r}; allowed: a "
+                              "RotationSpec or None.")
         if not isinstance(self.renormalize, bool):
             raise ConfigError(f"Invalid renormalize {self.renormalize!r}; allowed: true, false.")
 
@@ -100,10 +72,6 @@ class CodebookSpec:
         """Bytes held for ``num_vectors`` coded ``[head_dim]`` vectors: packed codes and a
         float16 norm per vector (the codebook is computed, not stored)."""
         return num_vectors * (packed_length(head_dim, self.bits) + NORM_BYTES)
-
-    def bits_per_element(self, num_vectors: int, head_dim: int) -> float:
-        """``held_bytes`` in bits per coded element: ``bits + 16/D``."""
-        return 8 * self.held_bytes(num_vectors, head_dim) / (num_vectors * head_dim)
 
     @property
     def label(self) -> str:
@@ -185,12 +153,9 @@ def sphere_coordinate_density(z: torch.Tensor, head_dim: int | None) -> torch.Te
 
 def weighted_lloyd(points: torch.Tensor, weights: torch.Tensor, levels: int,
                    iters: int, tol: float = 1e-12) -> torch.Tensor:
-    """1-D Lloyd (weighted k-means) on ascending ``points`` with ``weights`` (float64 [N]).
-
-    Starts from the centroids of ``levels`` equal-mass cells, then alternates boundaries at
-    centroid midpoints and centroids at the weighted mean of their cell (an empty cell keeps its
-    centroid) until no centroid moves more than ``tol`` or ``iters`` rounds. Cell sums come from
-    prefix sums, so a round costs ``O(levels log N)``. Returns float64 ``[levels]``."""
+    """1-D Lloyd (weighted k-means) on ascending ``points`` with ``weights`` (float64 ``[N]``),
+    from ``levels`` equal-mass cells until no centroid moves more than ``tol`` or ``iters``
+    rounds (an empty cell keeps its centroid; prefix sums: ``O(levels log N)`` a round)."""
     cw = torch.cat((weights.new_zeros(1), weights.cumsum(0)))
     cs = torch.cat((weights.new_zeros(1), (weights * points).cumsum(0)))
     total = float(cw[-1])
@@ -223,32 +188,23 @@ def _cell_means(cw, cs, edges, points, previous):
 
 def lloyd_max(bits: int, head_dim: int | None) -> Codebook:
     """The Lloyd-Max codebook of ``sphere_coordinate_density`` for ``head_dim`` (None: the
-    standard normal), iterated on a ``LLOYD_GRID``-point grid; symmetric about 0 up to float
-    rounding (symmetrised exactly)."""
+    standard normal) on a ``LLOYD_GRID``-point grid, symmetrised exactly about 0."""
     if not is_int(bits, MIN_CODEBOOK_BITS, MAX_CODEBOOK_BITS):
         raise ConfigError(f"Invalid codebook bits {bits!r}; allowed: integers 1-8.")
     return _lloyd_max_cached(bits, head_dim)
 
 
-_LLOYD_CACHE: dict[tuple[int, int | None], Codebook] = {}
-
-
+@functools.cache
 def _lloyd_max_cached(bits: int, head_dim: int | None) -> Codebook:
-    key = (bits, head_dim)
-    if key not in _LLOYD_CACHE:
-        reach = 12.0 if head_dim is None else min(12.0, math.sqrt(head_dim))
-        z = torch.linspace(-reach, reach, LLOYD_GRID, dtype=torch.float64)
-        w = sphere_coordinate_density(z, head_dim)
-        c = weighted_lloyd(z, w, 1 << bits, LLOYD_ITERS)
-        c = (c - c.flip(0)) / 2  # exact symmetry
-        _LLOYD_CACHE[key] = Codebook(c.float())
-    return _LLOYD_CACHE[key]
+    reach = 12.0 if head_dim is None else min(12.0, math.sqrt(head_dim))
+    z = torch.linspace(-reach, reach, LLOYD_GRID, dtype=torch.float64)
+    c = weighted_lloyd(z, sphere_coordinate_density(z, head_dim), 1 << bits, LLOYD_ITERS)
+    return Codebook(((c - c.flip(0)) / 2).float())  # exact symmetry
 
 
 def computed_codebook(spec: CodebookSpec, head_dim: int) -> Codebook:
     """The codebook of ``spec`` for ``head_dim``: Lloyd-Max of the sphere-coordinate density
-    (the standard normal below ``D = 3``), or of the standard normal for
-    ``"lloyd-max-normal"``."""
+    (below ``D = 3``, and for ``"lloyd-max-normal"``: of the standard normal)."""
     exact = spec.codebook == "lloyd-max" and head_dim >= 3
     return lloyd_max(spec.bits, head_dim if exact else None)
 
@@ -258,9 +214,8 @@ def computed_codebook(spec: CodebookSpec, head_dim: int) -> Codebook:
 
 @dataclass(frozen=True)
 class CodebookTensor:
-    """A codebook-quantized ``[B, H, T, D]`` tensor: ``codes`` uint8 ``[B, H, T, D]`` (one code
-    per rotated coordinate, unpacked; ``packed()`` gives the stored form), ``norms`` float16
-    ``[B, H, T]``, the ``codebook`` used and the ``spec``."""
+    """A codebook-quantized ``[B, H, T, D]`` tensor: ``codes`` uint8 ``[B, H, T, D]`` unpacked
+    (``packed()``: the stored form), ``norms`` float16 ``[B, H, T]``, ``codebook``, ``spec``."""
 
     codes: torch.Tensor
     norms: torch.Tensor
@@ -279,13 +234,6 @@ class CodebookTensor:
         return cls(codes, norms, codebook, spec, tuple(codes.shape))
 
 
-def _check(x: torch.Tensor) -> None:
-    if x.dim() != 4:
-        raise InputError(f"Expected a [B, H, T, D] tensor, got shape {tuple(x.shape)}.")
-    if not x.is_floating_point():
-        raise InputError(f"Expected a floating-point tensor, got {x.dtype}.")
-
-
 def _rotation_matrix(spec: CodebookSpec, head_dim: int, device) -> torch.Tensor | None:
     return None if spec.rotation is None else spec.rotation.matrix(head_dim, device)
 
@@ -294,7 +242,7 @@ def normalized_coordinates(x: torch.Tensor, spec: CodebookSpec
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(z, n)``: the unit-variance rotated coordinates ``sqrt(D) * (x R) / ||x||`` ``[B, H, T,
     D]`` float32 and the norms ``[B, H, T]`` float32 (``z = 0`` where ``n = 0``)."""
-    _check(x)
+    check_tensor(x)
     d = x.shape[-1]
     r = _rotation_matrix(spec, d, x.device)
     y = x.float() if r is None else rotate(x, r)

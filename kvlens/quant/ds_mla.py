@@ -1,24 +1,13 @@
-"""vLLM's ``fp8_ds_mla`` KV-cache format: how vLLM's sparse MLA backends (FlashMLA, DeepSeek
-V3.2's attention) store an MLA model's latent row; the one place its quantize/dequantize
-semantics live (plain torch; rows are ``[..., D]``).
+"""vLLM's ``fp8_ds_mla`` KV-cache format (its sparse MLA backends: FlashMLA, DeepSeek V3.2), the one
+place its quantize/dequantize semantics live (plain torch; rows ``[..., D]``; the format and its
+sources: docs/engine-formats.md).
 
-Per token, what vLLM's ``concat_and_cache_ds_mla_kernel`` writes (docs/engine-formats.md cites
-the source):
-
-- the latent (``kv_lora_rank`` channels) in tiles of ``TILE`` channels, each tile with its own
-  float32 scale ``s = max(amax(|x|) / 448, FLT_MIN)`` computed when the token is written, and
-  its channels stored as fp8 e4m3 codes ``fp8(x / s)`` (a saturating, round-to-nearest-even
-  cast);
-- the RoPE key (``qk_rope_head_dim`` channels) copied unquantized, as bfloat16.
-
-vLLM runs the format on bfloat16 activations only, so a row of another dtype is first rounded
-to bfloat16 (what a bf16 model would hand the kernel). Reading back gives ``bf16(code * s)`` for
-the latent (vLLM's ``cp_gather_and_upconvert_fp8_kv_cache``) and the RoPE channels as stored.
-
-kvlens's latent row is ``[k_pe ; c]`` (``kvlens.model.mla``: RoPE channels first), so the leading
-``D mod TILE`` channels are the RoPE part and the rest, a positive multiple of ``TILE``, the
-latent. vLLM packs each token as ``[codes][scales][rope]`` (656 bytes for DeepSeek's 512 + 64);
-``DsMlaRows`` holds the same three parts as separate tensors, the same bytes.
+Per token, as vLLM's ``concat_and_cache_ds_mla_kernel`` writes it: the row rounded to bfloat16;
+the latent in tiles of ``TILE`` channels, each with a float32 scale ``s = max(amax(|x|) / 448,
+FLT_MIN)`` and fp8 e4m3 codes ``fp8(x / s)`` (saturating, round-to-nearest-even); the RoPE
+channels kept as bfloat16. Read back: ``bf16(code * s)``. kvlens's latent row is ``[k_pe ; c]``
+(``kvlens.model.mla``), so the leading ``D mod TILE`` channels are the RoPE part. ``DsMlaRows``
+holds vLLM's ``[codes][scales][rope]`` bytes as three tensors.
 """
 
 from __future__ import annotations

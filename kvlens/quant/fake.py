@@ -13,9 +13,8 @@ from kvlens.quant.spec import QuantSpec
 
 def fake_quantize(x: torch.Tensor, spec: QuantSpec, scale_dtype: str = "float32"
                   ) -> torch.Tensor:
-    """``dequantize(quantize(x, spec))`` in ``x``'s dtype: what a consumer of the cache sees.
-    ``scale_dtype="8bit"``: with the group metadata a cache stores in 8 bits
-    (``kvlens.quant.meta8``); otherwise the float32 scales and zeros."""
+    """``dequantize(quantize(x, spec))`` in ``x``'s dtype, with 8-bit group metadata when
+    ``scale_dtype="8bit"``, else the float32 scales and zeros."""
     if scale_dtype == "8bit":
         return fake_quantize_meta8(x, spec)
     return dequantize(quantize(x, spec), dtype=x.dtype)

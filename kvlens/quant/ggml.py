@@ -1,25 +1,13 @@
 """llama.cpp's KV-cache types (``-ctk/-ctv``): ggml blocks of 32 consecutive channels of one
-token, the one place their quantize/dequantize semantics and byte layout live (plain torch,
-vectorized; tensors are ``[B, H, T, D]``).
+token, the one place their quantize/dequantize semantics and byte layout live (plain torch;
+tensors ``[B, H, T, D]``; each type's block layout: docs/engine-formats.md).
 
-``GGMLBlockFormat`` says what shares one scale (32 channels of one token share an fp16 scale
-``d``, and an fp16 minimum ``m`` for the ``_1`` types). Quantization reproduces the ``gguf``
-package's numpy quantizers (``gguf.quants``) bit for bit; ``GGMLBlocks.to_bytes`` writes the ggml
-block layout::
-
-    q8_0   [d f16][32 x int8]                          34 B / 32 = 8.5 bits
-    q4_0   [d f16][16 B: nibbles, lo = j, hi = j+16]   18 B / 32 = 4.5 bits   x = (q-8) d
-    q4_1   [d f16][m f16][16 B nibbles]                20 B / 32 = 5.0 bits   x = q d + m
-    q5_0   [d f16][qh 4 B][16 B nibbles]               22 B / 32 = 5.5 bits   x = (q-16) d
-    q5_1   [d f16][m f16][qh 4 B][16 B nibbles]        24 B / 32 = 6.0 bits   x = q d + m
-    iq4_nl [d f16][16 B nibbles]                       18 B / 32 = 4.5 bits   x = K[q] d
-
-``qh`` holds bit 4 of the 32 codes (little-endian ``uint32``, bit ``j`` = element ``j``); ``K``
-is the iq4_nl non-uniform table ``IQ4_NL_VALUES``. ``gguf`` has no numpy quantizer for iq4_nl;
-kvlens quantizes it as llama.cpp's CUDA ``set_rows`` does (``quantize_f32_iq4_nl_block``:
-nearest table entry at ``d0 = x_absmax_signed / -127``, then a least-squares refit of ``d``
-with weights ``x^2``); see ``quantize_ggml``. llama.cpp's rotation of these types is
-``kvlens.quant.formats``.
+Quantization reproduces the ``gguf`` package's numpy quantizers (``gguf.quants``) bit for bit,
+and iq4_nl llama.cpp's CUDA ``set_rows`` (``quantize_ggml``). ``GGMLBlocks.to_bytes`` writes
+the ggml bytes: ``[d f16]``; ``[m f16]`` for the ``_1`` types; ``[qh 4 B]`` for 5 bits (bit 4 of
+the 32 codes, little-endian, bit ``j`` = element ``j``); then the codes (q8_0: int8 bytes;
+nibbles: the low one element ``j``, the high one ``j + 16``). Values: q8_0 ``q d``, q4_0/q5_0
+``(q - 2^(b-1)) d``, q4_1/q5_1 ``q d + m``, iq4_nl ``IQ4_NL_VALUES[q] d``.
 """
 
 from __future__ import annotations
@@ -29,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlens.errors import ConfigError, InputError
+from kvlens.errors import ConfigError
+from kvlens.quant.reference import check_tensor
 
 GGML_BLOCK_SIZE = 32
 # the iq4_nl code book (ggml-common.h kvalues_iq4nl; gguf.quants.IQ4_NL.kvalues)
@@ -39,11 +28,8 @@ IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69
 @dataclass(frozen=True)
 class GGMLBlockFormat:
     """A llama.cpp cache type: ``block_size`` consecutive channels of one token share an fp16
-    scale (and an fp16 minimum when ``has_min``).
-
-    name: the ggml type name (``q8_0`` ...). code_bits: bits per code. has_min: ``_1`` types
-    store ``m`` and use codes ``0..2^b-1`` (``x = q d + m``); the others are zero-centred.
-    nonlinear: iq4_nl's table ``IQ4_NL_VALUES`` instead of a uniform grid."""
+    scale ``d`` (and, ``has_min``: an fp16 minimum ``m``, codes ``0..2^b-1``, ``x = q d + m``;
+    otherwise zero-centred codes). nonlinear: iq4_nl's table ``IQ4_NL_VALUES``."""
 
     name: str
     code_bits: int
@@ -158,10 +144,7 @@ def _f16_from_bytes(b: torch.Tensor) -> torch.Tensor:
 
 
 def _blocks(x: torch.Tensor, fmt: GGMLBlockFormat) -> torch.Tensor:
-    if x.dim() != 4:
-        raise InputError(f"Expected a [B, H, T, D] tensor, got shape {tuple(x.shape)}.")
-    if not x.is_floating_point():
-        raise InputError(f"Expected a floating-point tensor, got {x.dtype}.")
+    check_tensor(x)
     fmt.check_fits(x.shape)
     b, h, t, d = x.shape
     return x.detach().float().reshape(b, h, t, d // fmt.block_size, fmt.block_size)
@@ -189,13 +172,10 @@ def _signed_absmax(blocks: torch.Tensor) -> torch.Tensor:
 def quantize_ggml(x: torch.Tensor, fmt: GGMLBlockFormat) -> GGMLBlocks:
     """Quantize ``x`` ``[B, H, T, D]`` into ggml blocks of 32 channels per token.
 
-    q8_0/q4_0/q4_1/q5_0/q5_1 follow ``gguf.quants`` exactly (float32 arithmetic in the same
-    order, ``trunc(v + 0.5)`` or ``roundf`` rounding, scales computed in float32 and stored as
-    fp16), so ``to_bytes`` matches ``gguf.quants.quantize`` byte for byte. iq4_nl follows
-    llama.cpp's CUDA cache writer ``quantize_f32_iq4_nl_block`` (nearest table entry at
-    ``d0 = signed_absmax / -127``, then ``d = sum(w q x) / sum(w q^2)`` with ``w = x^2``, the
-    sums in float64 here, or ``d0`` when ``sum(w q^2) == 0``); the CPU writer additionally
-    searches 15 trial scales, so a CPU llama.cpp may choose other codes."""
+    q8_0 ... q5_1 follow ``gguf.quants`` (float32 arithmetic in its order, its rounding, fp16
+    scales), byte for byte. iq4_nl follows llama.cpp's CUDA writer ``quantize_f32_iq4_nl_block``:
+    nearest table entry at ``d0 = signed_absmax / -127``, then ``d = sum(w q x) / sum(w q^2)``,
+    ``w = x^2`` (``d0`` when the sum is 0); the CPU writer searches more scales."""
     blocks = _blocks(x, fmt)
     m = None
     if fmt.name == "q8_0":

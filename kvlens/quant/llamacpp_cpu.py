@@ -1,45 +1,21 @@
 """llama.cpp's CPU attention arithmetic around its KV cache, in plain torch (x86, AVX2 build).
 
-What the real engine does with a query and the cached K/V, step by step, read from
-``ggml/src/ggml-cpu/ops.cpp`` (``ggml_compute_forward_flash_attn_ext_f16`` and
-``..._one_chunk``, ``..._tiled``), ``ggml-cpu.c`` (``type_traits_cpu``), ``vec.h``
-(``ggml_vec_mad_f16``, ``ggml_vec_scale_f16``), ``arch/x86/quants.c`` (``quantize_row_q8_0``,
-``quantize_row_q8_1``) and ``src/llama-graph.cpp`` (``build_attn_mha``) of the llama.cpp that
-llama-cpp-python 0.3.36 vendors. Tensors are ``[B, H, T, D]``; keys and values are in the
-stored (rotated) basis, queries already multiplied by K's rotation.
-
-Flash attention on (``-fa on``, what a quantized V needs):
-
-1. ``fa_read_type``: an f32 cache is cast to f16 before flash attention (``build_attn_mha``).
-2. ``fa_path``: f16/f16 (or f32/f32) with at least ``FA_TILE_Q`` queries in the ubatch takes
-   the tiled path (Q, K, V and the accumulation in float32: the model's own arithmetic);
-   everything else takes ``one_chunk``.
-3. ``one_chunk``: the query row is converted to K's ``vec_dot_type`` (``VEC_DOT_TYPE``:
-   ``q8_0`` for q8_0/q4_0/q5_0/iq4_nl keys, ``q8_1`` for q4_1/q5_1, ``f16``/``bf16`` for the
-   float types; ``query_to_vec_dot``), and each score is the dot product of that converted row
-   with the stored key (``key_scores``; the ``_1`` key types add ``m * s`` with q8_1's fp16 block
-   sum ``s``). The online softmax keeps its maximum and sum in float32. V: an f16 V is
-   accumulated in an **fp16** accumulator, rounded after every key (``ggml_vec_mad_f16``; the
-   rescale on a new maximum, ``ggml_vec_scale_f16``, rounds too: ``accumulate_f16``); any other
-   V is dequantized to float32 and accumulated in float32.
-
-Flash attention off (``-fa off``, :nofa): ``kq = mul_mat(k, q)`` converts Q to K's vec_dot type
-the same way (no f32->f16 cast of the cache), softmax in float32, and ``mul_mat(v, kq)``
-converts the probabilities to V's vec_dot type (f16 for an f16 V; llama.cpp refuses a
-quantized V without flash attention, which is then accumulated in float32 here).
+Each step of what the engine does with a query and the cached K/V, the llama.cpp function it
+was read from (the llama.cpp llama-cpp-python 0.3.36 vendors) and what is not modelled:
+docs/lab-notes/deploy-llamacpp.md#the-engines-arithmetic-cpu-read-from-llamacpps-source.
+Tensors are ``[B, H, T, D]``; keys and values are in the stored (rotated) basis, queries
+already multiplied by K's rotation. With flash attention (``-fa on``) the query row is converted
+to K's ``vec_dot_type`` (``query_to_vec_dot``) and dotted with the stored keys (``key_scores``);
+an f16 V is accumulated in an fp16 buffer (``accumulate_f16``), any other V in float32; the
+tiled path of f16/f16 (``fa_path``) is the model's own float arithmetic. Without it (``:nofa``)
+the probabilities are rounded to V's vec_dot type (f16 for an f16 V).
 
 Logit soft-capping (Gemma 2) and learned attention sinks (gpt-oss), as ``one_chunk`` and
 ``tiled`` apply them: ``scale /= softcap`` once, then ``softcap * tanhf(s * scale)`` per score
 before the mask (the non-flash graph's ``ggml_tanh`` between two ``ggml_scale`` is the same
-formula with the scale applied first: not modelled to the last ulp); the head's sink logit
-joins the row maximum and adds ``expf(sink - M)`` to the sum after the last key, with no value
-(``ggml_soft_max_add_sinks`` / ``ggml_flash_attn_ext_add_sinks``).
-
-Not modelled: the f32 rounding order of the online softmax (one float32 softmax here),
-``expf`` versus torch's ``exp`` (last-ulp differences), the split-KV decode path of f16/f16
-with more than 512 keys (its per-thread chunks; one chunk here, what one thread computes),
-other architectures (ARM's native fp16 arithmetic rounds differently) and other backends
-(CUDA quantizes Q to q8_1 in its own kernels).
+formula, not modelled to the last ulp); the head's sink logit joins the row maximum and adds
+``expf(sink - M)`` to the sum after the last key, with no value (``ggml_soft_max_add_sinks`` /
+``ggml_flash_attn_ext_add_sinks``).
 """
 
 from __future__ import annotations
@@ -47,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from kvlens.errors import ConfigError
+from kvlens.quant.ggml import _inverse
 
 #: K cache type -> the type the query row is converted to for ``vec_dot`` (``type_traits_cpu``)
 VEC_DOT_TYPE = {"f32": "f32", "f16": "f16", "bf16": "bf16", "q8_0": "q8_0", "q4_0": "q8_0",
@@ -111,10 +88,7 @@ def quantize_q8_k(x: torch.Tensor) -> torch.Tensor:
     safe = torch.where(top != 0, top, torch.ones_like(top))
     iscale = torch.where(top != 0, -127.0 / safe, torch.zeros_like(top))
     codes = torch.round(iscale * blocks).clamp(max=127)
-    d = torch.where(iscale != 0, 1.0 / torch.where(iscale != 0, iscale,
-                                                   torch.ones_like(iscale)),
-                    torch.zeros_like(iscale))
-    return codes * d
+    return codes * _inverse(iscale)
 
 
 def query_to_vec_dot(q: torch.Tensor, key_type: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -169,17 +143,12 @@ def accumulate_f16(scores: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
                    key_block: int = 256, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``one_chunk``'s online softmax with an fp16 V accumulator, key by key in cache order.
 
-    scores: float32 ``[B, Hq, Tq, N]`` (scaled, masked keys anything); v: ``[B, Hkv, N, D]``
-    (fp16 values); visible: bool broadcastable to scores. Per visible key ``s``: on a new
-    maximum ``VKQ = fp16(VKQ * exp(M_old - s))``; then ``VKQ = fp16(VKQ + v * exp(s - M))``
-    (float32 multiply-add, one fp16 rounding, as the x86 F16C code); ``S = S * ms + vs``.
-    Returns ``VKQ / S`` float32 ``[B, Hq, Tq, D]``.
-
-    The running maximum depends on the scores alone (a cumulative maximum), so the factors
-    ``exp(M_old - M)`` and ``exp(s - M)`` are computed up front; only the fp16 accumulator is
-    a loop over keys (``key_block`` keys' products at a time). ``S`` is summed in float32 in
-    one go (its rounding order is not modelled). ``sinks`` ``[Hq]``: the heads' sink logits,
-    joined after the last key on the float32 copy of ``VKQ`` (module docstring)."""
+    scores: float32 ``[B, Hq, Tq, N]`` (scaled); v: ``[B, Hkv, N, D]``; visible: bool
+    broadcastable to scores. Per visible key ``s``: on a new maximum ``VKQ = fp16(VKQ * exp(M_old -
+    s))``; then ``VKQ = fp16(VKQ + v * exp(s - M))`` (as the x86 F16C code); returns ``VKQ / S``
+    float32 ``[B, Hq, Tq, D]``. The running maximum is a cumulative maximum of the scores, so only
+    the fp16 accumulator loops over keys; ``S`` is summed in float32 at once (its rounding order is
+    not modelled). ``sinks`` ``[Hq]`` join after the last key (module docstring)."""
     b, hq, tq, n = scores.shape
     hkv, d = v.shape[1], v.shape[-1]
     g = hq // hkv
@@ -250,11 +219,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Ten
            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """llama.cpp's CPU attention output ``[B, Hq, Tq, D]`` float32 (module docstring).
 
-    q: ``[B, Hq, Tq, D]`` in K's stored basis; k, v: the cache as read back ``[B, Hkv, N, D]``
-    (dequantized float32; f16 types hold fp16 values); visible: bool broadcastable to
-    ``[B, Hq, Tq, N]``; key_type / value_type: the ``-ctk/-ctv`` names; k_min: the key blocks'
-    minima of a ``_1`` key type (``key_scores``); softcap: logit soft-capping (0 = none);
-    sinks: the learned attention-sink logit of each query head ``[Hq]`` (``None`` = none)."""
+    q: in K's stored basis; k, v: the cache as read back ``[B, Hkv, N, D]``; visible: bool
+    broadcastable to ``[B, Hq, Tq, N]``; key_type / value_type: the ``-ctk/-ctv`` names; k_min: a
+    ``_1`` key type's block minima (``key_scores``); softcap: 0 = none; sinks: ``[Hq]`` or None."""
     tq = q.shape[2]
     if flash_attention:
         kt, vt = fa_read_type(key_type), fa_read_type(value_type)

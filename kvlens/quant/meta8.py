@@ -1,27 +1,14 @@
-"""8-bit group metadata: one byte of scale and one byte of zero per quantization group.
-
-A group's ``(scale, zero)`` in float16 costs 32 bits: one bit per element of a 32-element group,
-as much as half of a 2-bit code. This codec (a cache's ``scale_dtype = "8bit"``) stores 16:
+"""8-bit group metadata: one byte of scale and one of zero per group (``scale_dtype = "8bit"``;
+why: docs/recommend.md#8-bit-group-metadata)::
 
     scale  s = 2 ** ((e - 128) / 8)     e: uint8, 0..255 (s from 2^-16 to 2^15.875, 9% steps)
     zero   z = n * u * s                n: int8, -128..127; u = 2 ** (max(bits, 3) - 5)
 
-so the zero is a signed multiple of ``u`` quantization steps: a quarter step at 2-3 bits, half a
-step at 4, one at 5, ... 8 at 8 bits (``u / levels`` stays at most 1/12 of the range; ``|n| <=
-128`` covers a group whose offset is up to about 4x its range at 8 bits, 10x at 2). Dequantization
-is unchanged, ``x_hat = code * s + z``.
-
-Encoding (``quantize_meta8``) starts from the reference's fitted ``(scale, zero)`` (min/max or
-the least-squares fit, ``kvlens.quant.reference``) and tries the stored pairs near it: ``e`` from
-one 9% step below the fitted scale (rounded up; raised first so that ``|zero| <= 127 u s``) to two
-above, ``n`` within one zero unit of the nearest. For each pair the codes are the nearest ones of
-that grid, ``clip(round((x - z) / s), 0, L)``, and the pair with the least squared error over the
-group is stored. So the codes are always those of the grid that is stored, and a min/max group
-gets a small least-squares refinement on the way, while a fitted group stays about as good as
-it was (``tests/test_meta8.py`` bounds the error against the float32 grid's).
-
-The codec is the same for symmetric specs (their grid is ``-qmax..qmax`` steps, ``L = 2 qmax``;
-the stored zero is then a point of the zero grid near ``-qmax s``, no longer exactly it).
+Dequantization is unchanged, ``x_hat = code * s + z``. ``quantize_meta8`` tries the stored
+pairs near the reference's fitted ``(scale, zero)`` (``E_OFFSETS`` scale steps, ``N_OFFSETS``
+zero units; the scale raised first so that ``|zero| <= 127 u s``), codes each against its own
+grid, and stores the pair with the least squared error: the codes are always those of the
+stored grid (``tests/test_meta8.py`` bounds the error against the float32 grid's).
 """
 
 from __future__ import annotations
@@ -31,6 +18,7 @@ import torch
 from kvlens.quant.reference import (
     QTensor,
     _grouped,
+    at_groups,
     dequantize,
     expand_params,
     member_weight,
@@ -72,10 +60,7 @@ def _search(groups: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zer
     levels, u = code_levels(spec), zero_unit(spec.bits)
     start = torch.maximum(scale, zero.abs() / (127 * u))  # |zero| within 127 zero units
     e0 = torch.ceil(torch.log2(start) * SCALE_STEPS) + SCALE_BIAS
-
-    def at(p):
-        return p[:, :, :, None, :, None]
-
+    at = at_groups
     # weight is 1 everywhere unless a partial last token group was padded: skip it then
     weight = None if bool((weight == 1).all()) else weight
     work = torch.empty_like(groups)  # one buffer for every pair, the arithmetic in place

@@ -1,21 +1,11 @@
 """Bit packing of quantization codes into bytes (the storage form kernels read).
 
-Layout (the Triton decode kernel mirrors it exactly):
-
-- Codes are packed densely: ``b``-bit codes take ``b`` bits each. They are grouped in *units*
-  of ``U`` codes filling ``W`` whole bytes (``pack_unit(b) = (U, W)``, ``U * b = 8 * W``):
-  1 bit -> (8, 1), 2 -> (4, 1), 3 -> (8, 3), 4 -> (2, 1), 5 -> (8, 5), 6 -> (4, 3),
-  7 -> (8, 7), 8 -> (1, 1). So 3-bit codes cost 3 bits, not a 4-bit container: 8 codes share
-  3 bytes.
-- Within a unit, the ``W`` bytes are one little-endian integer and code ``j`` occupies its bits
-  ``[j*b, (j+1)*b)``: the first code sits in the lowest bits of the first byte. For 2 bits,
-  codes ``(a, b, c, d)`` become the byte ``a | b << 2 | c << 4 | d << 6``; for 3 bits, code 2
-  straddles bytes 0 and 1 (its low 2 bits are bits 6-7 of byte 0).
-- A length that is not a multiple of ``U`` is padded with zero codes at the end (whole units);
-  ``unpack_codes`` takes the original ``length`` and drops the padding.
-
-Earlier versions stored 3-bit codes in 4-bit containers and 5-7-bit codes in whole bytes, so
-the allocator paid 4 bits for 3-bit codes and never chose them (CHANGELOG.md).
+Layout (the Triton decode kernel mirrors it exactly): ``b``-bit codes take ``b`` bits each, in
+*units* of ``U`` codes filling ``W`` whole bytes (``pack_unit(b) = (U, W)``, ``U * b = 8 * W``:
+3-bit codes are 8 in 3 bytes). A unit's ``W`` bytes are one little-endian integer and code ``j``
+occupies its bits ``[j*b, (j+1)*b)`` (2 bits: ``(a, b, c, d)`` -> ``a | b << 2 | c << 4 | d <<
+6``; a 3-bit code may straddle two bytes). A length that is not a multiple of ``U`` is padded
+with zero codes; ``unpack_codes`` takes the original ``length`` and drops them.
 """
 
 from __future__ import annotations
@@ -24,14 +14,12 @@ import math
 
 import torch
 
-from kvlens.errors import ConfigError, InputError
-
-ALLOWED_BITS = tuple(range(1, 9))
+from kvlens.errors import ConfigError, InputError, is_int
 
 
 def pack_unit(bits: int) -> tuple[int, int]:
     """``(U, W)``: ``U`` codes of ``bits`` bits fill exactly ``W`` bytes (the packing unit)."""
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in ALLOWED_BITS:
+    if not is_int(bits, 1, 8):
         raise ConfigError(f"Cannot pack {bits!r}-bit codes; allowed bits: 1-8.")
     w = bits // math.gcd(bits, 8)
     return 8 * w // bits, w
@@ -50,9 +38,8 @@ def pack_codes(codes: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
     if codes.dtype != torch.uint8:
         raise InputError(f"Codes must be uint8, got {codes.dtype}.")
     if codes.numel() and int(codes.max()) >= (1 << bits):
-        raise InputError(
-            f"Code {int(codes.max())} does not fit in {bits} bits (max {(1 << bits) - 1})."
-        )
+        raise InputError(f"Code {int(codes.max())} does not fit in {bits} bits (max "
+                         f"{(1 << bits) - 1}).")
     if u == 1:
         return codes.clone()
     x = codes.movedim(dim, -1)
@@ -81,10 +68,8 @@ def unpack_codes(packed: torch.Tensor, bits: int, length: int, dim: int = -1) ->
         raise InputError(f"Packed codes must be uint8, got {packed.dtype}.")
     x = packed.movedim(dim, -1)
     if x.shape[-1] != packed_length(length, bits):
-        raise InputError(
-            f"{x.shape[-1]} packed bytes cannot hold exactly {length} "
-            f"{bits}-bit codes (expected {packed_length(length, bits)} bytes)."
-        )
+        raise InputError(f"{x.shape[-1]} packed bytes cannot hold exactly {length} "
+                         f"{bits}-bit codes (expected {packed_length(length, bits)} bytes).")
     if u == 1:
         return x.clone().movedim(-1, dim)
     mask = (1 << bits) - 1

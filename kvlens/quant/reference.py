@@ -1,44 +1,22 @@
 """The quantization reference: the single definition of what a ``QuantSpec`` does to a tensor.
 
-Plain torch, float32. Analysis and generation call these functions; Triton kernels are tested
-against them. Tensors are ``[B, H, T, D]``; groups are the slices described in
-``kvlens.quant.spec``.
+Plain torch, float32; kernels are tested against it. Tensors are ``[B, H, T, D]``; groups are
+the slices of ``kvlens.quant.spec``. Per group with minimum ``m``, maximum ``M`` and ``absmax =
+max(|m|, |M|)``:
 
-Formulas, per group with minimum ``m``, maximum ``M`` and ``absmax = max(|m|, |M|)``:
+- asymmetric (default), ``L = 2^b - 1``: ``scale = max((M - m) / L, 1e-8 * absmax,
+  FLOAT32_TINY)``, ``zero = m``, ``code = clip(round((x - zero) / scale), 0, L)`` (the floor
+  keeps a constant group from dividing by zero; it reconstructs exactly);
+- symmetric, ``qmax = 2^(b-1) - 1`` (``b >= 2``): ``scale = max(absmax / qmax, ...)``, ``code =
+  clip(round(x / scale), -qmax, qmax) + qmax`` stored unsigned, ``zero = -qmax * scale``;
+- ``fit="mse"`` (asymmetric): from the min/max grid, ``MSE_FIT_ITERS`` times re-assign the
+  nearest codes and refit ``(scale, zero)`` by least squares, keeping the old pair where the
+  codes are all equal or the fit gives ``scale <= 0``; never worse than min/max.
 
-- Asymmetric (default), ``L = 2^b - 1``::
-
-      scale = max((M - m) / L, 1e-8 * absmax, FLOAT32_TINY)
-      zero  = m
-      code  = clip(round((x - zero) / scale), 0, L)
-
-  The floor on ``scale`` keeps a constant group from dividing by zero; such a group gets
-  code 0 and reconstructs exactly (``0 * scale + m == m``).
-- Symmetric, ``qmax = 2^(b-1) - 1`` (restricted range, needs ``b >= 2``)::
-
-      scale = max(absmax / qmax, 1e-8 * absmax, FLOAT32_TINY)
-      code  = clip(round(x / scale), -qmax, qmax) + qmax     # stored unsigned, 0..2*qmax
-      zero  = -qmax * scale
-
-  The grid is ``{-qmax..qmax} * scale``: zero is exact and ``+absmax`` / ``-absmax`` are both
-  representable; code ``2^b - 1`` is never used (one level is given up for symmetry).
-
-- ``fit="mse"`` (asymmetric only): start from the min/max grid above, then ``MSE_FIT_ITERS``
-  times re-assign codes (``clip(round((x - zero) / scale), 0, L)``, the nearest grid point) and
-  refit ``(scale, zero)`` by least squares of ``x`` on the codes, keeping the old pair where the
-  codes are all equal or the fit gives ``scale <= 0``. Each step lowers (or keeps) the group's
-  squared error, so the result is never worse than min/max; it clips the range where rare
-  extreme values cost more error than they save (for a Gaussian group of 128 at 2 bits, about
-  half the squared error). The last assignment's codes are stored.
-
-Both dequantize the same way, ``x_hat = code * scale + zero``, so consumers (kernels) need no
-symmetric/asymmetric switch. ``round`` is round-half-to-even (``torch.round``, IEEE ``rint``) and
-the division is a true division, not a multiply by a reciprocal; a kernel that does otherwise may
-differ by one code at exact ties.
-
-Shapes of ``scale`` and ``zero`` (float32) for ``x`` of shape ``[B, H, T, D]``:
-per-token ``[B, H, T, D // G]``; per-channel ``[B, H, ceil(T / G), D]``; per-tensor
-``[B, H, 1, 1]``. In general ``[B, H, ceil(T / bt), D // bd]`` for block shape ``(bt, bd)``.
+Both dequantize as ``x_hat = code * scale + zero``. ``round`` is round-half-to-even and the
+division a true division: a kernel that does otherwise may differ by one code at exact ties.
+``scale`` and ``zero`` are float32 ``[B, H, ceil(T / bt), D // bd]`` for block shape ``(bt,
+bd)``.
 """
 
 from __future__ import annotations
@@ -57,14 +35,9 @@ FLOAT32_TINY = torch.finfo(torch.float32).tiny
 
 @dataclass(frozen=True)
 class QTensor:
-    """A quantized ``[B, H, T, D]`` tensor.
-
-    codes: uint8 ``[B, H, T, D]``, one unpacked code per element (see ``kvlens.quant.packing``
-        for the packed form).
-    scale, zero: float32, shaped per granularity (module docstring); ``x_hat = code*scale+zero``.
-    spec: the ``QuantSpec`` used.
-    shape: the original ``(B, H, T, D)``.
-    """
+    """A quantized ``[B, H, T, D]`` tensor: ``codes`` uint8, one unpacked code per element;
+    ``scale``, ``zero`` float32 per group (module docstring), ``x_hat = code * scale + zero``; the
+    ``spec`` used and the original ``shape``."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -73,19 +46,17 @@ class QTensor:
     shape: tuple[int, int, int, int]
 
 
-def _check_input(x: torch.Tensor, spec: QuantSpec) -> None:
+def check_tensor(x: torch.Tensor) -> None:
+    """``InputError`` unless ``x`` is a floating-point ``[B, H, T, D]`` tensor."""
     if x.dim() != 4:
         raise InputError(f"Expected a [B, H, T, D] tensor, got shape {tuple(x.shape)}.")
     if not x.is_floating_point():
         raise InputError(f"Expected a floating-point tensor, got {x.dtype}.")
-    spec.check_fits(x.shape)
 
 
 def _grouped(x: torch.Tensor, bt: int, bd: int) -> torch.Tensor:
-    """``[B, H, T, D]`` -> ``[B, H, nT, bt, nD, bd]``.
-
-    A partial last token group is padded by repeating its last token, which leaves the group's
-    min, max and absmax unchanged (the padding only copies members of the same group)."""
+    """``[B, H, T, D]`` -> ``[B, H, nT, bt, nD, bd]``; a partial last token group is padded by
+    repeating its last token, which leaves its min, max and absmax unchanged."""
     b, h, t, d = x.shape
     pad = -t % bt
     if pad:
@@ -93,21 +64,25 @@ def _grouped(x: torch.Tensor, bt: int, bd: int) -> torch.Tensor:
     return x.reshape(b, h, (t + pad) // bt, bt, d // bd, bd)
 
 
+def at_groups(p: torch.Tensor) -> torch.Tensor:
+    """Per-group ``[B, H, nT, nD]`` values broadcastable to ``_grouped``'s groups."""
+    return p[:, :, :, None, :, None]
+
+
 def expand_params(p: torch.Tensor, spec: QuantSpec, shape: tuple[int, ...]) -> torch.Tensor:
     """Broadcast a per-group ``scale`` or ``zero`` back to the full ``[B, H, T, D]`` shape."""
     b, h, t, d = shape
     bt, bd = spec.block_shape(t, d)
     n_t, n_d = p.shape[2], p.shape[3]
-    full = p[:, :, :, None, :, None].expand(b, h, n_t, bt, n_d, bd)
+    full = at_groups(p).expand(b, h, n_t, bt, n_d, bd)
     return full.reshape(b, h, n_t * bt, n_d * bd)[:, :, :t]
 
 
 def quantize(x: torch.Tensor, spec: QuantSpec) -> QTensor:
-    """Quantize ``x`` ``[B, H, T, D]`` with ``spec`` (computed in float32).
-
-    Raises ``ConfigError`` when the spec does not fit the shape (per-token ``G`` not dividing
-    ``D``) and ``InputError`` for a tensor that is not 4-D floating point."""
-    _check_input(x, spec)
+    """Quantize ``x`` ``[B, H, T, D]`` with ``spec`` (in float32); ``ConfigError`` when the
+    spec does not fit the shape, ``InputError`` for a tensor that is not 4-D floating point."""
+    check_tensor(x)
+    spec.check_fits(x.shape)
     x = x.detach().float()
     shape = tuple(x.shape)
     bt, bd = spec.block_shape(shape[2], shape[3])
@@ -157,10 +132,7 @@ def _mse_fit(groups: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, leve
         return w * t if padded else t
 
     mx = weighted(groups).sum(dim=dims) / n
-
-    def at(p):
-        return p[:, :, :, None, :, None]
-
+    at = at_groups
     centred = groups - at(mx)
     for _ in range(MSE_FIT_ITERS):
         c = torch.sub(groups, at(zero)).div_(at(scale)).round_().clamp_(0, levels)

@@ -1,37 +1,14 @@
 """Hadamard rotation along ``head_dim``: spread outlier channels over all channels before
 quantizing (QuaRot arXiv 2404.00456, SpinQuant arXiv 2405.16406, TurboQuant arXiv 2504.19874,
-RotateKV).
+RotateKV; what the cache does with it: docs/rotation.md).
 
-The rotation is an orthonormal ``[D, D]`` matrix ``R`` (``R Rᵀ = I``) applied on the right of
-``[B, H, T, D]`` tensors, the same ``R`` for every head (so GQA needs nothing special):
-
-- ``head_dim`` a power of two: the Sylvester Hadamard matrix, ``H_1 = [1]``,
-  ``H_2n = [[H_n, H_n], [H_n, -H_n]]``, scaled by ``1/sqrt(D)``. Every channel is spread
-  over all ``D`` channels with equal weight.
-- other even ``head_dim``: block-diagonal, ``D / b`` copies of the normalised Sylvester
-  ``H_b`` on consecutive channel blocks, where ``b`` is the largest power of two dividing ``D``
-  (80 -> 5 blocks of 16, 96 -> 3 blocks of 32). Still orthonormal, but a channel is spread
-  only over the ``b`` channels of its block.
-- odd ``head_dim``: no power-of-two block (other than 1, the identity) divides it; refused
-  with ``ConfigError``.
-- ``seed``: optional random sign flips, ``R = diag(s) H`` with ``s`` in ``{-1, +1}^D`` drawn
-  from a CPU generator seeded with ``seed`` (the randomized Hadamard of QuaRot/TurboQuant;
-  identical on every device). ``seed=None`` means no flips.
-
-How a cache uses it (``R`` orthonormal, so nothing changes when nothing is quantized):
-
-- keys are stored as ``k R`` (quantized); queries use ``q R``:
-  ``(q R)(k R)ᵀ = q R Rᵀ kᵀ = q kᵀ``. Equivalently the dequantized key can be un-rotated,
-  ``k_hat = deq(k R) Rᵀ``, and used with the plain query (what ``quantize_rotated`` returns).
-- values are stored as ``v R``; the attention output is un-rotated once per query,
-  ``(P (v R)) Rᵀ = P v``, instead of un-rotating every cached value.
-- pre-RoPE keys (KVQuant stage): ``R`` mixes all channels and RoPE rotates channel pairs by a
-  position-dependent angle, so they do not commute and the query cannot absorb ``R``. The
-  cache stores ``k_pre R`` quantized and on read dequantizes, un-rotates by ``Rᵀ``, then applies
-  RoPE at the key's position (``quantize_pre_rope(..., rotation=R)``).
-
-Quantization itself always goes through ``kvlens.quant.reference``; this module only adds the
-orthonormal change of basis around it.
+``R`` is an orthonormal ``[D, D]`` matrix applied on the right of ``[B, H, T, D]`` tensors, the
+same for every head: the Sylvester Hadamard ``H_2n = [[H_n, H_n], [H_n, -H_n]]`` scaled by
+``1/sqrt(b)``, one block for a power-of-two ``D``, else ``D / b`` blocks on the diagonal with
+``b`` the largest power of two dividing ``D``; an odd ``D`` is refused. ``seed``: random sign
+flips ``R = diag(s) H`` drawn from a CPU generator (identical on every device). Keys are stored
+as ``k R`` with queries ``q R``; values as ``v R`` with the output un-rotated by ``Rᵀ``; pre-RoPE
+keys are un-rotated before RoPE, which does not commute with ``R``.
 """
 
 from __future__ import annotations
@@ -63,19 +40,16 @@ def hadamard_block_size(head_dim: int) -> int:
 
 
 def _unsupported(head_dim: object, why: str) -> str:
-    return (
-        f"No Hadamard rotation for head_dim {head_dim!r}: {why}. Supported: even head_dim; "
-        "powers of two (2, 4, 8, 16, 32, 64, 128, 256, ...) use one Sylvester Hadamard matrix, "
-        "other even sizes a block-diagonal of the largest power-of-two block dividing them "
-        "(e.g. 80 -> 5 blocks of 16, 96 -> 3 blocks of 32)."
-    )
+    return (f"No Hadamard rotation for head_dim {head_dim!r}: {why}. Supported: even head_dim; "
+            "powers of two (2, 4, 8, 16, 32, 64, 128, 256, ...) use one Sylvester Hadamard matrix, "
+            "other even sizes a block-diagonal of the largest power-of-two block dividing them "
+            "(e.g. 80 -> 5 blocks of 16, 96 -> 3 blocks of 32).")
 
 
 def _check_seed(seed: object) -> None:
     if seed is not None and not is_int(seed, 0):
-        raise ConfigError(
-            f"Invalid rotation seed {seed!r}; allowed: None (no sign flips) or an integer >= 0."
-        )
+        raise ConfigError(f"Invalid rotation seed {seed!r}; allowed: None (no sign flips) or an "
+                          "integer >= 0.")
 
 
 def _sylvester(n: int) -> torch.Tensor:
@@ -86,9 +60,8 @@ def _sylvester(n: int) -> torch.Tensor:
     return h
 
 
-def hadamard_rotation(
-    head_dim: int, seed: int | None = None, device: torch.device | str | None = None
-) -> torch.Tensor:
+def hadamard_rotation(head_dim: int, seed: int | None = None,
+                      device: torch.device | str | None = None) -> torch.Tensor:
     """The orthonormal ``[head_dim, head_dim]`` float32 rotation ``R`` (module docstring):
     Sylvester Hadamard (block-diagonal for even non-powers of two), rows sign-flipped by a
     seeded ``{-1, +1}`` vector when ``seed`` is not None. Built in float64, so ``R Rᵀ = I`` to
@@ -109,9 +82,8 @@ def _check_pair(x: torch.Tensor, r: torch.Tensor) -> None:
         raise InputError(f"Expected a [B, H, T, D] tensor, got shape {tuple(x.shape)}.")
     d = x.shape[-1]
     if r.dim() != 2 or tuple(r.shape) != (d, d):
-        raise InputError(
-            f"Rotation of shape {tuple(r.shape)} does not fit head_dim {d}; expected ({d}, {d})."
-        )
+        raise InputError(f"Rotation of shape {tuple(r.shape)} does not fit head_dim {d}; expected "
+                         f"({d}, {d}).")
 
 
 def rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -128,15 +100,10 @@ def unrotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
 
 def quantize_rotated(x: torch.Tensor, spec, r: torch.Tensor,
                      scale_dtype: str = "float32") -> torch.Tensor:
-    """Rotate, quantize with ``spec`` (``kvlens.quant.reference``), dequantize, un-rotate:
-    ``fake_quantize(x R, spec) Rᵀ``, ``[B, H, T, D]`` float32 in the original basis. ``spec``
-    may instead be a function ``x -> x_hat`` (a storage layout's reference,
-    ``kvlens.layouts.Layout.reconstruct``): the rotation composes around any layout.
-
-    For keys this is the key a plain query sees (``q · k_hat = (q R) · deq(k R)``); for values,
-    attention over it equals the un-rotated attention output over ``deq(v R)``. Because ``R`` is
-    orthonormal, ``||x - x_hat||`` is the same in either basis. ``scale_dtype``: as
-    ``fake_quantize``'s."""
+    """``fake_quantize(x R, spec) Rᵀ``: ``[B, H, T, D]`` float32 in the original basis, the key a
+    plain query sees (``q · k_hat = (q R) · deq(k R)``) or the values whose attention equals the
+    un-rotated output. ``spec`` may be a function ``x -> x_hat`` (a layout's reference): the
+    rotation composes around any layout. ``scale_dtype``: as ``fake_quantize``'s."""
     return unrotate(quantizer(spec, scale_dtype)(rotate(x, r)), r)
 
 
@@ -150,12 +117,8 @@ def quantizer(spec, scale_dtype: str = "float32"):
 
 @dataclass(frozen=True)
 class RotationSpec:
-    """A Hadamard rotation setting (frozen, versioned, JSON-serialisable).
-
-    seed: ``None`` = plain (block) Sylvester Hadamard; an integer >= 0 = random sign flips
-        drawn with that seed. The matrix depends on the layer's ``head_dim`` too
-        (``matrix(head_dim)``), which must be even.
-    """
+    """A Hadamard rotation setting (frozen, versioned, JSON-serialisable): ``seed`` ``None`` =
+    plain (block) Sylvester Hadamard, an integer >= 0 = random sign flips drawn with it."""
 
     seed: int | None = None
 

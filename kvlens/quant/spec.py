@@ -1,21 +1,16 @@
 """``QuantSpec``: what one quantization config means (bits, what shares a scale, group size).
 
-Tensors are ``[B, H, T, D]`` (batch, head, token, channel). A granularity is named by *which
-elements share one scale and zero*:
+Tensors are ``[B, H, T, D]``. A granularity is named by *which elements share one scale and
+zero*:
 
-- ``"per-token"``: a group is ``G`` consecutive channels of one token, i.e. the slice
-  ``x[b, h, t, j*G:(j+1)*G]``. ``G`` must divide ``D``; ``group_size=None`` means ``G = D`` (one
-  scale per token vector).
-- ``"per-channel"``: a group is ``G`` consecutive tokens of one channel, i.e. the slice
-  ``x[b, h, i*G:(i+1)*G, c]``. ``T`` need *not* be a multiple of ``G``: the last group is
-  partial (``T mod G`` tokens) and has its own scale and zero, computed from those tokens only.
-  ``group_size=None`` means ``G = T`` (one scale per channel over the whole sequence).
-- ``"per-tensor"``: one scale and zero per (batch, head), i.e. for the whole ``[T, D]`` matrix
-  ``x[b, h]``. Takes no group size.
+- ``"per-token"``: ``G`` consecutive channels of one token, ``x[b, h, t, j*G:(j+1)*G]``; ``G``
+  must divide ``D``; ``group_size=None`` means ``G = D``.
+- ``"per-channel"``: ``G`` consecutive tokens of one channel, ``x[b, h, i*G:(i+1)*G, c]``; a
+  partial last group (``T mod G`` tokens) has its own scale and zero; ``None`` means ``G = T``.
+- ``"per-tensor"``: one scale and zero per (batch, head); no group size.
 
-Internally every granularity is one *block shape* over ``(T, D)`` (see ``QuantSpec.block_shape``):
-per-token ``(1, G)``, per-channel ``(G, 1)``, per-tensor ``(T, D)``, so the reference has a
-single code path.
+Internally each is one *block shape* over ``(T, D)`` (``QuantSpec.block_shape``): per-token
+``(1, G)``, per-channel ``(G, 1)``, per-tensor ``(T, D)``, so the reference has one code path.
 """
 
 from __future__ import annotations
@@ -24,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvlens.errors import ConfigError
+from kvlens.errors import ConfigError, is_int
 
 GRANULARITIES = ("per-token", "per-channel", "per-tensor")
 MIN_BITS, MAX_BITS = 1, 8
@@ -53,20 +48,11 @@ def check_versioned_dict(data: Any, what: str, version: int, fields: Sequence[st
 class QuantSpec:
     """A uniform integer quantization config for ``[B, H, T, D]`` tensors.
 
-    bits: code width, 1-8 (symmetric needs at least 2).
-    granularity: what shares one scale: ``"per-token"``, ``"per-channel"`` or ``"per-tensor"``
-        (see the module docstring for the exact slices).
-    group_size: ``G``, elements per group along the grouped axis; ``None`` = the whole vector
-        (all ``D`` channels for per-token, all ``T`` tokens for per-channel). Must be ``None``
-        for per-tensor.
-    symmetric: ``False`` (default) = asymmetric min/max grid; ``True`` = zero-centred grid
-        (formulas in ``kvlens.quant.reference``).
-    fit: how a group's ``scale`` and ``zero`` are chosen (asymmetric only): ``"minmax"``
-        (default) spans the group's range; ``"mse"`` starts there and alternately re-assigns
-        codes and refits ``(scale, zero)`` by least squares, which clips the range where
-        that lowers the group's squared error (``kvlens.quant.reference``). Storage and
-        dequantization are the same for both.
-    """
+    bits: 1-8 (symmetric needs at least 2). granularity: what shares one scale (module docstring).
+    group_size: ``G`` along the grouped axis; ``None`` = the whole vector; ``None`` for per-tensor.
+    symmetric: a zero-centred grid instead of min/max. fit: ``"minmax"`` or ``"mse"`` (asymmetric
+    only: a least-squares refit of each group's ``(scale, zero)``, ``kvlens.quant.reference``);
+    storage and dequantization are the same for both."""
 
     bits: int
     granularity: str
@@ -75,42 +61,26 @@ class QuantSpec:
     fit: str = "minmax"
 
     def __post_init__(self) -> None:
-        # bool is an int subclass; True as a bit width is always a mistake.
-        if (
-            isinstance(self.bits, bool)
-            or not isinstance(self.bits, int)
-            or not MIN_BITS <= self.bits <= MAX_BITS
-        ):
-            raise ConfigError(
-                f"Invalid bits {self.bits!r}; allowed: integers {MIN_BITS}-{MAX_BITS}."
-            )
+        if not is_int(self.bits, MIN_BITS, MAX_BITS):
+            raise ConfigError(f"Invalid bits {self.bits!r}; allowed: integers "
+                              f"{MIN_BITS}-{MAX_BITS}.")
         if self.granularity not in GRANULARITIES:
-            raise ConfigError(
-                f"Unknown granularity {self.granularity!r}; allowed: {', '.join(GRANULARITIES)}."
-            )
+            raise ConfigError(f"Unknown granularity {self.granularity!r}; allowed: "
+                              f"{', '.join(GRANULARITIES)}.")
         if self.group_size is not None:
-            if (
-                isinstance(self.group_size, bool)
-                or not isinstance(self.group_size, int)
-                or self.group_size < 1
-            ):
-                raise ConfigError(
-                    f"Invalid group size {self.group_size!r}; allowed: a positive "
-                    f"integer, or None for the whole vector."
-                )
+            if not is_int(self.group_size, 1):
+                raise ConfigError(f"Invalid group size {self.group_size!r}; allowed: a positive "
+                                  f"integer, or None for the whole vector.")
             if self.granularity == "per-tensor":
-                raise ConfigError(
-                    f"per-tensor quantization takes no group size (got "
-                    f"{self.group_size}); use per-token or per-channel with a "
-                    f"group size, or group_size=None."
-                )
+                raise ConfigError(f"per-tensor quantization takes no group size (got "
+                                  f"{self.group_size}); use per-token or per-channel with a "
+                                  f"group size, or group_size=None.")
         if not isinstance(self.symmetric, bool):
             raise ConfigError(f"Invalid symmetric {self.symmetric!r}; allowed: true, false.")
         if self.symmetric and self.bits < 2:
             # The symmetric grid -qmax..qmax with qmax = 2^(b-1) - 1 is empty at 1 bit.
-            raise ConfigError(
-                "Symmetric quantization needs bits >= 2 (allowed: 2-8); use asymmetric for 1 bit."
-            )
+            raise ConfigError("Symmetric quantization needs bits >= 2 (allowed: 2-8); use "
+                              "asymmetric for 1 bit.")
         if self.fit not in FITS:
             raise ConfigError(f"Unknown fit {self.fit!r}; allowed: {', '.join(FITS)}.")
         if self.fit != "minmax" and self.symmetric:
@@ -123,61 +93,37 @@ class QuantSpec:
         """Largest code value of the asymmetric grid, ``2^bits - 1``."""
         return (1 << self.bits) - 1
 
-    def group_length(self, num_tokens: int, head_dim: int) -> int:
-        """``G`` resolved against a ``[T, D]`` matrix (``None`` -> whole vector)."""
-        if self.granularity == "per-token":
-            return self.group_size or head_dim
-        if self.granularity == "per-channel":
-            return self.group_size or num_tokens
-        return num_tokens * head_dim
-
     def block_shape(self, num_tokens: int, head_dim: int) -> tuple[int, int]:
         """The ``(tokens, channels)`` extent of one group: per-token ``(1, G)``, per-channel
-        ``(G, 1)``, per-tensor ``(T, D)``. Call ``check_fits`` first."""
+        ``(G, 1)``, per-tensor ``(T, D)`` (``G`` None: the whole vector). Call ``check_fits``
+        first."""
         if self.granularity == "per-token":
-            return 1, self.group_length(num_tokens, head_dim)
+            return 1, self.group_size or head_dim
         if self.granularity == "per-channel":
-            return self.group_length(num_tokens, head_dim), 1
+            return self.group_size or num_tokens, 1
         return num_tokens, head_dim
 
-    def num_groups(self, num_tokens: int, head_dim: int) -> int:
-        """Groups (= scales) per ``[T, D]`` matrix, counting a partial last token group."""
-        bt, bd = self.block_shape(num_tokens, head_dim)
-        return -(-num_tokens // bt) * (head_dim // bd)
-
     def check_fits(self, shape: Sequence[int]) -> None:
-        """Raise ``ConfigError`` unless this spec can quantize a tensor of ``shape``.
-
-        ``shape`` is ``[B, H, T, D]`` or just ``(T, D)`` (its last two entries are used). A
-        per-token group size must divide ``D``; per-channel groups may leave a partial last
-        group along ``T``.
-        """
+        """Raise ``ConfigError`` unless this spec can quantize a tensor of ``shape`` (``[B, H,
+        T, D]`` or ``(T, D)``)."""
         if len(shape) < 2:
             raise ConfigError(f"Expected a shape [B, H, T, D] or (T, D), got {tuple(shape)}.")
         num_tokens, head_dim = int(shape[-2]), int(shape[-1])
         if num_tokens < 1 or head_dim < 1:
             raise ConfigError(f"Cannot quantize an empty tensor of shape {tuple(shape)}.")
-        if (
-            self.granularity == "per-token"
-            and self.group_size is not None
-            and head_dim % self.group_size
-        ):
+        self.check_group(head_dim)
+
+    def check_group(self, head_dim: int, where: str = "") -> None:
+        """``ConfigError`` (prefixed ``where``) unless a per-token group divides ``head_dim``."""
+        if self.granularity == "per-token" and self.group_size and head_dim % self.group_size:
             allowed = ", ".join(str(g) for g in range(1, head_dim + 1) if head_dim % g == 0)
-            raise ConfigError(
-                f"group size {self.group_size} does not divide head_dim "
-                f"{head_dim}; allowed group sizes: {allowed}."
-            )
+            raise ConfigError(f"{where}group size {self.group_size} does not divide head_dim "
+                              f"{head_dim}; allowed group sizes: {allowed}.")
 
     @property
     def label(self) -> str:
         """Short human name, e.g. ``"2b per-channel G32"`` or ``"4b per-token G=all sym"``."""
-        g = (
-            ""
-            if self.granularity == "per-tensor"
-            else f" G{self.group_size}"
-            if self.group_size
-            else " G=all"
-        )
+        g = "" if self.granularity == "per-tensor" else f" G{self.group_size or '=all'}"
         return (f"{self.bits}b {self.granularity}{g}{' sym' if self.symmetric else ''}"
                 f"{' mse' if self.fit == 'mse' else ''}")
 
@@ -198,26 +144,20 @@ class QuantSpec:
     def from_dict(cls, data: Mapping[str, Any]) -> QuantSpec:
         """Inverse of ``to_dict``; rejects unknown keys and newer versions with ``ConfigError``."""
         if not isinstance(data, Mapping):
-            raise ConfigError(
-                f"A quantization spec must be a JSON object, got {type(data).__name__}."
-            )
+            raise ConfigError("A quantization spec must be a JSON object, got "
+                              f"{type(data).__name__}.")
         version = data.get("version", SPEC_VERSION)
         if not isinstance(version, int) or version > SPEC_VERSION or version < 1:
-            raise ConfigError(
-                f"Unsupported quantization spec version {version!r}; this kvlens "
-                f"reads versions 1-{SPEC_VERSION}."
-            )
+            raise ConfigError(f"Unsupported quantization spec version {version!r}; this kvlens "
+                              f"reads versions 1-{SPEC_VERSION}.")
         allowed = _FIELDS if version >= 2 else _FIELDS[:-1]
         unknown = sorted(set(data) - set(allowed) - {"version"})
         if unknown:
-            raise ConfigError(
-                f"Unknown quantization spec keys {unknown}; allowed: "
-                f"{', '.join(('version',) + allowed)}"
-                + (" ('fit' needs spec version 2)." if "fit" in unknown else ".")
-            )
+            raise ConfigError(f"Unknown quantization spec keys {unknown}; allowed: "
+                              f"{', '.join(('version',) + allowed)}"
+                              + (" ('fit' needs spec version 2)." if "fit" in unknown else "."))
         missing = [k for k in ("bits", "granularity") if k not in data]
         if missing:
-            raise ConfigError(
-                f"Quantization spec is missing {missing}; required: bits, granularity."
-            )
+            raise ConfigError(f"Quantization spec is missing {missing}; required: bits, "
+                              "granularity.")
         return cls(**{k: data[k] for k in _FIELDS if k in data})

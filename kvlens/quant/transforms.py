@@ -1,9 +1,6 @@
 """Transforms around the quantizer: pre-RoPE keys (KVQuant), the MiKV channel balancer and
-dense-and-sparse outliers (KVQuant). The Hadamard rotation lives in
-``kvlens.quant.rotation``.
-
-All tensors are ``[B, H, T, D]`` unless stated; every quantization goes through
-``kvlens.quant.reference`` so these add structure around one definition of the quantizer.
+dense-and-sparse outliers (KVQuant); every quantization goes through ``kvlens.quant.reference``.
+Tensors are ``[B, H, T, D]`` unless stated.
 """
 
 from __future__ import annotations
@@ -17,63 +14,36 @@ from kvlens.errors import ConfigError, InputError
 from kvlens.quant.fake import fake_quantize
 from kvlens.quant.rotation import quantize_rotated, quantizer
 from kvlens.quant.spec import QuantSpec
-from kvlens.rope import LAYOUTS, apply_rope
+from kvlens.rope import LAYOUTS, RopeFrequencies, apply_rope
 
 # -- pre-RoPE keys ------------------------------------------------------------------------
 
 
-def rope_tables_for(
-    positions: torch.Tensor,
-    head_dim: int,
-    theta: float = 10000.0,
-    rotary_dim: int | None = None,
-    layout: str = "half",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Default (Llama-style, unscaled) RoPE ``cos, sin`` tables ``[B, T, R]`` for ``positions``.
-
-    positions: ``[T]`` (gives ``B = 1``, broadcasting) or ``[B, T]`` integer positions. ``R = rotary_dim`` (default ``head_dim``,
-    must be even). ``inv_freq[i] = theta^(-2i/R)`` for ``i < R/2``; angle = position * inv_freq.
-    ``"half"`` layout repeats the ``R/2`` angles as ``[f, f]``; ``"interleaved"`` as
-    ``[f0, f0, f1, f1, ...]``. Computed in float32 the way transformers' default rotary
-    embedding does, so tables match the ones a Llama-style model used at those positions.
-    """
+def rope_tables_for(positions: torch.Tensor, head_dim: int, theta: float = 10000.0,
+                    rotary_dim: int | None = None, layout: str = "half"
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Default (Llama-style, unscaled) RoPE ``cos, sin`` tables ``[B, T, R]`` for ``positions``
+    ``[T]`` (``B = 1``) or ``[B, T]``, ``R = rotary_dim`` (even, default ``head_dim``):
+    ``inv_freq[i] = theta^(-2i/R)``, angles repeated ``[f, f]`` (``"half"``) or ``[f0, f0, f1, f1,
+    ...]`` (``"interleaved"``), in float32 as transformers' default rotary embedding."""
     r = head_dim if rotary_dim is None else rotary_dim
     if r < 2 or r % 2 or r > head_dim:
-        raise ConfigError(
-            f"Invalid rotary_dim {r}; allowed: an even number from 2 to head_dim {head_dim}."
-        )
+        raise ConfigError(f"Invalid rotary_dim {r}; allowed: an even number from 2 to head_dim "
+                          f"{head_dim}.")
     if layout not in LAYOUTS:
         raise ConfigError(f"Unknown RoPE layout {layout!r}; allowed: {', '.join(LAYOUTS)}.")
     pos = positions if positions.dim() == 2 else positions.unsqueeze(0)
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, r, 2, dtype=torch.int64, device=pos.device).float() / r)
-    )
-    freqs = pos.float()[..., None] * inv_freq
-    emb = (
-        torch.cat((freqs, freqs), dim=-1)
-        if layout == "half"
-        else freqs.repeat_interleave(2, dim=-1)
-    )
-    return emb.cos(), emb.sin()
+    exponents = torch.arange(0, r, 2, dtype=torch.int64, device=pos.device).float() / r
+    return RopeFrequencies(1.0 / theta**exponents, 1.0, layout).tables(pos)
 
 
-def quantize_pre_rope(
-    k_pre: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    spec,
-    layout: str = "half",
-    rotation: torch.Tensor | None = None,
-    scale_dtype: str = "float32",
-) -> torch.Tensor:
-    """KVQuant-style keys: quantize ``k_pre`` (before RoPE), dequantize, then apply RoPE.
-
-    Returns the post-RoPE key the model would see, ``[B, H, T, D]`` float32; ``cos``/``sin``
-    are the layer's ``[B, T, R]`` tables (e.g. from ``rope_tables_for``). With ``rotation``
-    (``[D, D]`` from ``hadamard_rotation``) the stored form is ``k_pre R``: it is quantized,
-    dequantized and un-rotated by ``Rᵀ`` *before* RoPE is applied (RoPE and ``R`` do not
-    commute, so the query cannot absorb ``R`` here). ``scale_dtype``: as ``fake_quantize``'s.
-    ``spec``: a ``QuantSpec`` or a function ``x -> x_hat`` (``quantize_rotated``)."""
+def quantize_pre_rope(k_pre: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec,
+                      layout: str = "half", rotation: torch.Tensor | None = None,
+                      scale_dtype: str = "float32") -> torch.Tensor:
+    """KVQuant-style keys: quantize ``k_pre`` (before RoPE), dequantize, then apply RoPE with the
+    layer's ``[B, T, R]`` tables: the post-RoPE key the model would see, float32. With ``rotation``
+    the stored form is ``k_pre R``, un-rotated before RoPE (they do not commute). ``spec``: a
+    ``QuantSpec`` or a function ``x -> x_hat``; ``scale_dtype``: as ``fake_quantize``'s."""
     if rotation is None:
         hat = quantizer(spec, scale_dtype)(k_pre.float())
     else:
@@ -84,20 +54,14 @@ def quantize_pre_rope(
 # -- MiKV channel balancer ----------------------------------------------------------------
 
 
-def fit_balancer(
-    q: torch.Tensor, k: torch.Tensor, exponent: float = 0.5, per_sample: bool = False
-) -> torch.Tensor:
+def fit_balancer(q: torch.Tensor, k: torch.Tensor, exponent: float = 0.5,
+                 per_sample: bool = False) -> torch.Tensor:
     """MiKV balancer ``b = (max|q_c| / max|k_c|)^exponent`` per KV head and channel.
 
-    q: ``[B, Hq, T, D]``, k: ``[B, Hkv, T, D]`` with ``Hq = groups * Hkv`` (GQA). Query head
-    ``h`` uses KV head ``h // groups`` (as transformers' ``repeat_kv``), so the query maximum for
-    a KV head is taken over its ``groups`` query heads as well as over tokens: a single balancer
-    per KV head must suit every query head that reads it.
-
-    The maxima also run over the batch (one calibration per head, shape ``[Hkv, D]``) unless
-    ``per_sample`` (MiKV's per-prompt form, ``[B, Hkv, D]``). Where either maximum is zero or
-    not finite the channel carries no usable ratio and gets ``b = 1`` (no rescaling).
-    """
+    q: ``[B, Hq, T, D]``, k: ``[B, Hkv, T, D]``; a KV head's query maximum runs over its GQA
+    query heads (``repeat_kv``) and the tokens, and over the batch (``[Hkv, D]``) unless
+    ``per_sample`` (MiKV's per-prompt ``[B, Hkv, D]``). A channel with a zero or non-finite
+    maximum gets ``b = 1``."""
     groups = _gqa_groups(q, k)
     b, hkv, _, d = k.shape
     q_max = q.detach().float().abs().amax(dim=2).reshape(b, hkv, groups, d).amax(dim=2)
@@ -109,9 +73,8 @@ def fit_balancer(
     return torch.where(usable, ratio, torch.ones_like(ratio)).pow(exponent)
 
 
-def apply_balancer(
-    q: torch.Tensor, k: torch.Tensor, b: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_balancer(q: torch.Tensor, k: torch.Tensor, b: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q / b, k * b)`` with ``b`` from ``fit_balancer`` (``[Hkv, D]`` or ``[B, Hkv, D]``),
     expanded to the query heads by the GQA mapping; every ``q_h . k_{h // groups}`` is
     unchanged. Returned in float32."""
@@ -123,10 +86,8 @@ def apply_balancer(
 
 def _gqa_groups(q: torch.Tensor, k: torch.Tensor) -> int:
     if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
-        raise InputError(
-            f"Expected q [B, Hq, T, D] and k [B, Hkv, T, D], got "
-            f"{tuple(q.shape)} and {tuple(k.shape)}."
-        )
+        raise InputError(f"Expected q [B, Hq, T, D] and k [B, Hkv, T, D], got "
+                         f"{tuple(q.shape)} and {tuple(k.shape)}.")
     if q.shape[1] % k.shape[1]:
         raise InputError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads.")
     return q.shape[1] // k.shape[1]
@@ -139,12 +100,9 @@ OUTLIER_SCOPES = ("per-token", "per-channel")
 
 @dataclass(frozen=True)
 class SparseOutliers:
-    """Full-precision outliers kept beside a quantized tensor.
-
-    indices: int64, positions along ``dim`` (ascending), shape of ``x`` with ``dim`` of size k.
-    values: the original values at those positions (``x``'s dtype).
-    dim: the dimension the vectors run along; shape: the full tensor shape.
-    """
+    """Full-precision outliers kept beside a quantized tensor: int64 ``indices`` along ``dim``
+    (ascending; ``x``'s shape with ``dim`` of size k), their original ``values``, and the full
+    ``shape``."""
 
     indices: torch.Tensor
     values: torch.Tensor
@@ -155,38 +113,27 @@ class SparseOutliers:
         """``dense`` with the outlier positions *overwritten* by the stored values."""
         return dense.scatter(self.dim, self.indices, self.values.to(dense.dtype))
 
-    def to_dense(self) -> torch.Tensor:
-        return self.scatter_into(
-            torch.zeros(self.shape, dtype=self.values.dtype, device=self.values.device)
-        )
-
 
 def outlier_count(length: int, fraction: float) -> int:
     """Outliers kept per vector of ``length``: ``ceil(fraction * length)`` (at least the asked
     fraction; rounded to 9 decimals first so 0.07 * 100 gives 7, not 8)."""
     if not 0.0 <= fraction < 1.0:
-        raise ConfigError(
-            f"Invalid outlier fraction {fraction!r}; allowed: 0 <= fraction < 1 (e.g. 0.01 for 1%)."
-        )
+        raise ConfigError(f"Invalid outlier fraction {fraction!r}; allowed: 0 <= fraction < 1 "
+                          "(e.g. 0.01 for 1%).")
     return math.ceil(round(fraction * length, 9))
 
 
-def scope_dim(scope: str) -> int:
-    """Tensor dim the outlier vectors run along: per-token -> channels (-1), per-channel ->
-    tokens (-2)."""
+def _outlier_dim(scope: str | None, spec: QuantSpec) -> int:
+    """The dim outlier vectors of ``scope`` run along: per-token -> channels (-1), per-channel
+    -> tokens (-2); by default the vectors ``spec`` groups along (per-tensor: per-token)."""
+    scope = scope or ("per-channel" if spec.granularity == "per-channel" else "per-token")
     if scope not in OUTLIER_SCOPES:
         raise ConfigError(f"Unknown outlier scope {scope!r}; allowed: {', '.join(OUTLIER_SCOPES)}.")
     return -1 if scope == "per-token" else -2
 
 
-def default_outlier_scope(spec: QuantSpec) -> str:
-    """Outliers are chosen within the vectors the quantizer groups along (per-tensor: tokens)."""
-    return "per-channel" if spec.granularity == "per-channel" else "per-token"
-
-
-def split_outliers(
-    x: torch.Tensor, fraction: float, dim: int = -1
-) -> tuple[torch.Tensor, SparseOutliers]:
+def split_outliers(x: torch.Tensor, fraction: float, dim: int = -1
+                   ) -> tuple[torch.Tensor, SparseOutliers]:
     """Keep the ``outlier_count(n, fraction)`` largest-magnitude entries of every vector along
     ``dim`` (``-1``: each token's channels; ``-2``: each channel's tokens) in full precision.
 
@@ -203,14 +150,13 @@ def split_outliers(
     return dense, SparseOutliers(idx, values, dim, tuple(x.shape))
 
 
-def quantize_with_outliers(
-    x: torch.Tensor, spec: QuantSpec, fraction: float, scope: str | None = None,
-    scale_dtype: str = "float32",
-) -> torch.Tensor:
+def quantize_with_outliers(x: torch.Tensor, spec: QuantSpec, fraction: float,
+                           scope: str | None = None, scale_dtype: str = "float32"
+                           ) -> torch.Tensor:
     """Dense-and-sparse reconstruction ``[B, H, T, D]`` float32: outliers (``fraction`` per
-    vector of ``scope``, default ``default_outlier_scope(spec)``) exact, the rest quantized with
+    vector of ``scope``, default: the vectors ``spec`` groups along) exact, the rest quantized with
     ``spec`` (group metadata ``scale_dtype``, as ``fake_quantize``'s). Outlier positions hold
     their exact values (not value + quantized zero)."""
-    dim = scope_dim(scope or default_outlier_scope(spec))
+    dim = _outlier_dim(scope, spec)
     dense, outliers = split_outliers(x.float(), fraction, dim)
     return outliers.scatter_into(fake_quantize(dense, spec, scale_dtype))
