@@ -273,19 +273,19 @@ def test_bad_set_widths_and_fractions_name_the_allowed_values(tmp_path):
     with pytest.raises(InputError, match=r"allowed: fractions in \(0, 0.5\]"):
         _opts(extensions=(MikvSets(fractions=(0.2, 0.7)),))
     path = _heavy_capture(tmp_path / "h.h5")
-    res = CliRunner().invoke(app, ["recommend", str(path), "-b", "4", "--thorough",
+    res = CliRunner().invoke(app, ["recommend", str(path), "-b", "4", "--set", "mikv=on",
                                    "--set", "mikv-bits=2"])
     assert res.exit_code == 1 and "allowed: 4, 8" in res.output
-    res = CliRunner().invoke(app, ["recommend", str(path), "-b", "4", "--thorough",
+    res = CliRunner().invoke(app, ["recommend", str(path), "-b", "4", "--set", "mikv=on",
                                    "--set", "mikv-fractions=x"])
     assert res.exit_code == 1 and "expected float,..." in res.output
-    # MiKV candidates belong to the full search: asking for them without it is refused
+    # MiKV candidates are an experiment: their settings without the switch are refused
     res = CliRunner().invoke(app, ["recommend", str(path), "-b", "4", "--set", "mikv-bits=4"])
-    assert res.exit_code == 1 and "add --thorough" in res.output
+    assert res.exit_code == 1 and "add --set mikv=on" in res.output
     res = CliRunner().invoke(app, ["recommend", str(path), "-b", "4.2", "--set", "bits=2",
                                    "--set", "group-sizes=32", "--set", "sinks=0", "--set", "rotation=off",
                                    "--set", "balancer=off", "--set", "sensitivity=uniform", "--set",
-                                   "retrieval=off", "--thorough", "--set", "mikv=off", "--windows", "128", "--json"])
+                                   "retrieval=off", "--set", "mikv=off", "--windows", "128", "--json"])
     assert res.exit_code == 0, res.output
     import json
 

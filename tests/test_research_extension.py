@@ -14,7 +14,7 @@ import pytest
 import kvlens.research  # noqa: F401  (registers the MiKV set twins)
 from kvlens.errors import InputError
 from kvlens.recommend import Candidate, CandidateExtension, RecommendOptions, Twin
-from kvlens.recommend.extension import fold_levers, lever_fields, registered, thorough_levers
+from kvlens.recommend.extension import fold_levers, lever_fields, registered
 from kvlens.research.mikv import MikvSets, set_of, set_twin
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +26,6 @@ RESEARCH_WORDS = ("heavy_hitters", "mikv_set", "set_membership", "set_reconstruc
 def test_mikv_sets_are_a_registered_extension():
     assert registered()["mikv"] is MikvSets and isinstance(MikvSets(), CandidateExtension)
     assert {"mikv", "mikv_set_bits", "mikv_fractions"} <= set(lever_fields())
-    assert thorough_levers() == {"mikv": True}
     opts = RecommendOptions(budget_bits=3.0, extensions=("mikv",))
     assert opts == RecommendOptions(budget_bits=3.0, extensions=(MikvSets(),))
     assert [t.setting for t in opts.twin_settings()] == [(4, 0.1), (4, 0.2), (8, 0.1), (8, 0.2)]
@@ -49,14 +48,14 @@ def test_levers_fold_into_the_extension():
 
 
 def test_the_experiment_without_its_import_is_a_clear_error():
-    """A library user who asks for MiKV twins (by name, or --thorough through the request)
+    """A library user who asks for MiKV twins by name, or reads a twin (a kept measurement's),
     without importing kvlens.research is told what to import."""
     code = """
 from kvlens.errors import InputError
 from kvlens.recommend import RecommendOptions
-from kvlens.deploy.answer import request_for
+from kvlens.recommend.extension import Twin, twin_extension
 for ask in (lambda: RecommendOptions(budget_bits=3, extensions=("mikv",)),
-            lambda: request_for("x.h5", "kvlens", {"budget_bits": 3, "thorough": True})):
+            lambda: twin_extension(Twin("mikv", (4, 0.1)))):
     try:
         ask()
     except InputError as e:

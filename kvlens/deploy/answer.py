@@ -33,7 +33,7 @@ from kvlens.model.load import check_load_options, parse_dtype
 from kvlens.model.placement import make_placement
 from kvlens.recommend import RecommendOptions, check
 from kvlens.recommend.answer import LayerAnswer, budget_list, output_for, recommend_layers
-from kvlens.recommend.extension import fold_levers, lever_fields, thorough_levers
+from kvlens.recommend.extension import fold_levers, lever_fields
 
 LogFn = Callable[[str], None]
 
@@ -82,7 +82,7 @@ PLACEMENT = ("dtype", "device_map", "max_memory", "offload_folder")
 REQUEST_READERS = {
     **dict.fromkeys(("max_kld", "validate", "eval_tokens", "output", *PLACEMENT),
                     frozenset({PER_LAYER, ENGINE})),
-    **dict.fromkeys(("budgets", "thorough", "retrieval_prompts", "remeasure"),
+    **dict.fromkeys(("budgets", "retrieval_prompts", "remeasure"),
                     frozenset({PER_LAYER})),
 }
 #: the request's own fields ``request_for`` fills from the options given
@@ -111,10 +111,9 @@ def request_for(capture: str | Path, target: str = "kvlens", given: dict[str, An
     """The request a command line makes (``kvlens recommend``). ``given``: the options given,
     by ``kvlens recommend``'s parameter names (fields of the target's options; the request's
     own, ``REQUEST_FIELDS``; the model's placement, ``PLACEMENT``; for the per-layer target
-    ``windows`` and ``budgets`` as comma lists, ``thorough`` and ``output``, where the config is
-    written, one per budget beside it with several budgets); ``levers``: the target's research
-    levers (``kvlens.research.parse_settings``), over ``thorough`` (which switches on the
-    registered research extensions: ``thorough_levers``). The per-layer target takes
+    ``windows`` and ``budgets`` as comma lists and ``output``, where the config is written, one
+    per budget beside it with several budgets); ``levers``: the target's research levers
+    (``kvlens.research.parse_settings``). The per-layer target takes
     exactly one of ``budget_bits``, ``budgets`` and ``max_kld`` (``budget_list``)."""
     target, given = canonical_target(target), dict(given or {})
     engine = target != "kvlens"
@@ -138,7 +137,6 @@ def request_for(capture: str | Path, target: str = "kvlens", given: dict[str, An
             options["windows"] = parse_int_list(options["windows"], "--windows")
         # the measurement does not read the budget: --budgets and --max-kld allocate later
         options["budget_bits"] = given.get("budget_bits") or min(budgets, default=16.0)
-        options |= thorough_levers() if given.pop("thorough", False) else {}
     own = {k: given[k] for k in REQUEST_FIELDS if k in given}
     return RecommendRequest(Path(capture), target, options | dict(levers or {}),
                             budgets=tuple(budgets), place=place, outputs=tuple(outputs), **own)

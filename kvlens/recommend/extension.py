@@ -24,8 +24,7 @@ is an ``InputError`` that says which package to import.
 
 The research door's levers (``--set NAME=VALUE``) reach an extension as flat fields:
 ``NAME`` switches it on, ``NAME_FIELD`` sets its settings' ``FIELD`` (``lever_fields``,
-``fold_levers``); ``--thorough`` switches on every registered extension that says
-``thorough`` (``thorough_levers``).
+``fold_levers``).
 """
 
 from __future__ import annotations
@@ -68,8 +67,6 @@ class CandidateExtension(Protocol):
 
     #: its name: ``Twin.extension``, ``extensions=(name,)`` and its switch lever
     name: ClassVar[str]
-    #: whether ``--thorough`` (every candidate recommend can price) switches it on
-    thorough: ClassVar[bool]
 
     def settings(self, opts) -> list[tuple[Any, ...]]:
         """The config-wide settings the allocation solves for separately (``[]``: none)."""
@@ -176,13 +173,3 @@ def fold_levers(options: Mapping[str, Any]) -> dict[str, Any]:
             ([settings] if options.get(name, was is not None) else [])
     return out | ({"extensions": tuple(chosen)} if chosen else {})
 
-
-def thorough_levers() -> dict[str, bool]:
-    """The flat levers ``--thorough`` sets: every registered extension that says
-    ``thorough``, switched on; an ``InputError`` when none is registered (research not
-    imported)."""
-    on = {name: True for name, cls in _REGISTRY.items() if cls.thorough}
-    if not on:
-        raise InputError(f"thorough: it adds the research candidate extensions, and none is "
-                         f"registered; `import {RESEARCH_PACKAGE}` first (it registers them).")
-    return on

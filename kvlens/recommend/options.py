@@ -153,7 +153,7 @@ class RecommendOptions:
     workers: int | None = _main(None, "--workers")
     # research candidate extensions switched on (kvlens.recommend.extension): settings objects
     # or registered names (their defaults), none by default; kvlens.research registers them
-    # and its levers (``--set NAME=on``, ``--thorough``) reach them
+    # and its levers (``--set NAME=on``) reach them
     extensions: tuple[Any, ...] = _library(())
     # 3-bit codes (dense, 3 bits each) are offered only when asked: offering them did not
     # improve the allocations on average (docs/lab-notes/vs-llamacpp.md, dense 3-bit codes)

@@ -69,8 +69,7 @@ def layout_factors(path, model, opts, cands, balancers, notes, progress, workers
     attention-output error on the same queries (the capture's first sample cut to
     ``layout_tokens``, KL and error on its last half). Every layer measures the rate of two
     anchor families (``anchor_probes``: one for keys, one for values); ``opts.layout_layers``
-    layers spread over the depth (``spread_layers``; every layer with None, as
-    ``--thorough``) measure every family, and a family's rate elsewhere is its anchor's rate
+    layers spread over the depth (``spread_layers``; every layer with None) measure every family, and a family's rate elsewhere is its anchor's rate
     there times the family's ratio to that anchor (rates summed over the layers that measured
     both). The rates are normalised to mean 1 over all layers and families; the layer weight
     is a layer's mean rate, a family's factor its rate over that mean (so weight x factor is

@@ -1,7 +1,7 @@
 """MiKV importance-set twins of recommend's candidates: a research candidate extension
 (``kvlens.recommend.extension``), registered when ``kvlens.research`` is imported.
 
-With it switched on (``--thorough``, ``--set mikv=on``, or ``RecommendOptions(extensions=
+With it switched on (``--set mikv=on`` or ``RecommendOptions(extensions=
 (MikvSets(),))``; off by default: simulating sets is a large share of the measurement and the
 default budgets did not choose them, docs/lab-notes/gear-mikv.md) the G32 candidates up to 4
 bits (plain or balanced, post-RoPE, min/max fitted) also have set twins, one per config-wide
@@ -47,10 +47,8 @@ class MikvSets:
     config-wide setting the allocation solves for)."""
 
     name: ClassVar[str] = NAME
-    thorough: ClassVar[bool] = True
     #: the switch lever's help (``--set mikv=on``)
-    help: ClassVar[str] = ("offer MiKV importance-set twins of the G32 candidates up to 4 bits "
-                           "(--thorough sets it)")
+    help: ClassVar[str] = "offer MiKV importance-set twins of the G32 candidates up to 4 bits"
 
     set_bits: tuple[int, ...] = _lever((4, 8), "mikv-bits", "MiKV set widths to try (4, 8); "
                                        "one width and fraction is chosen for the whole config")
