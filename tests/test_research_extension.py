@@ -5,6 +5,7 @@ research lever, and asking for one without the import is a clear error."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -75,6 +76,19 @@ def test_stable_recommend_names_no_research_lever():
         assert not found, f"{path.name} names {found}"
 
 
+def test_stable_modules_name_neither_mikv_nor_thorough():
+    """Issue #57: MiKV (its twins, its set, its levers) is reached through the research door
+    only, and ``--thorough`` is gone; the stable packages name neither, except a lab note's
+    file name and the old section name a config file is refused for (``kvlens.config.io.OLD``)."""
+    for pkg in ("config", "cache", "recommend", "deploy", "cli"):
+        for path in sorted((ROOT / "kvlens" / pkg).rglob("*.py")):
+            lines = [re.sub(r"docs/lab-notes/[\w./#-]+", "", line)
+                     for line in path.read_text().splitlines()
+                     if not line.startswith(("#", 'OLD = "mikv"'))]
+            found = {w for w in ("mikv", "thorough") for line in lines if w in line.lower()}
+            assert not found, f"{path.relative_to(ROOT)} names {sorted(found)}"
+
+
 def test_cache_and_config_name_no_heavy_hitters_and_need_the_research_import():
     """Stage 2 (issue #57): MiKV's importance set (heavy hitters, coded set rows, its layers,
     its presets) is a research set policy (``kvlens.research.sets``) plugged into the cache's
@@ -90,10 +104,10 @@ def test_cache_and_config_name_no_heavy_hitters_and_need_the_research_import():
         "from kvlens.config import config_from_dict, preset, KVConfig, LayerKV\n"
         "from kvlens.errors import ConfigError\n"
         "base = {'format': 'kvlens.kvconfig', 'version': 1, 'name': 'x', 'default': {}}\n"
-        "sinks = config_from_dict(base | {'mikv': {'heavy_fraction': 0.0, 'sink_tokens': 4,"
-        " 'balancer': 'off', 'balancer_exponent': 0.5}})\n"
-        "assert sinks.mikv.sink_tokens == 4 and sinks.mikv.importance is None\n"
-        "for bad in (lambda: config_from_dict(base | {'mikv': {'heavy_fraction': 0.2}}),"
+        "sinks = config_from_dict(base | {'protect': {'sink_tokens': 4, 'balancer': 'off',"
+        " 'balancer_exponent': 0.5}})\n"
+        "assert sinks.protect.sink_tokens == 4 and sinks.protect.importance is None\n"
+        "for bad in (lambda: config_from_dict(base | {'importance': {'heavy_fraction': 0.2}}),"
         " lambda: preset('mikv-2')):\n"
         "    try:\n"
         "        bad()\n"

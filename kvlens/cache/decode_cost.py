@@ -56,7 +56,7 @@ class DecodeCost:
 
 
 def layer_read_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batch: int = 1,
-                     fp_bytes: int = 2, scale_dtype: str = "float16", mikv=None,
+                     fp_bytes: int = 2, scale_dtype: str = "float16", protect=None,
                      balancer: bool = False, sliding_window: int | None = None,
                      kv_shared: bool = False
                      ) -> tuple[int, int]:
@@ -64,7 +64,7 @@ def layer_read_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batc
     shared by keys and values (MLA, ``layout.shares_storage``) is read once."""
     parts = layout.layer_part_bytes(setting, tokens=tokens, head_dim=head_dim,
                                     kv_heads=kv_heads, batch=batch, fp_bytes=fp_bytes,
-                                    scale_dtype=scale_dtype, mikv=mikv, balancer=balancer,
+                                    scale_dtype=scale_dtype, protect=protect, balancer=balancer,
                                     sliding_window=sliding_window, kv_shared=kv_shared)
     one = layout.shares_storage(setting, kv_shared, head_dim, balancer=balancer)
     st = layout.stream_state(setting, tokens, sliding_window)
@@ -87,19 +87,19 @@ def config_decode_cost(config, shape: layout.ModelShape, tokens: int, batch: int
     unfused = {}
     for i in shape.attention_layers:
         setting = config.layer(i)
-        mikv = config.mikv_for(i)
-        balancer = mikv is not None and (mikv.balancer == "online" or
-                                         (mikv.balancer == "fixed" and i in config.balancers))
+        protect = config.protect_for(i)
+        balancer = protect is not None and (protect.balancer == "online" or
+                                         (protect.balancer == "fixed" and i in config.balancers))
         r, u = layer_read_bytes(setting, tokens=tokens, head_dim=shape.head_dim,
                                 kv_heads=shape.num_key_value_heads, batch=batch, fp_bytes=fp,
-                                scale_dtype=config.scale_dtype, mikv=mikv,
+                                scale_dtype=config.scale_dtype, protect=protect,
                                 balancer=balancer and setting.compressed,
                                 sliding_window=shape.window(i), kv_shared=shape.kv_shared)
         read += r
         unpack += u
         if setting.compressed:
             why = kernel_layout_problem(setting, shape.head_dim)
-            policy = set_policy(mikv)
+            policy = set_policy(protect)
             if why is None and policy is not None and policy.needs_attention_probs \
                     and shape.window(i) is None:
                 why = policy.kernel_problem

@@ -28,7 +28,7 @@ Parts (bytes): ``codes``, ``scales``, ``zeros`` (packed store; symmetric specs s
 too), ``dense`` (an unquantized tensor's history next to a quantized one), ``window``, ``sets``
 (the set's rows, K and V, ``SetPolicy.row_bytes`` per token: the sink tokens at ``fp_dtype``,
 or what a research policy keeps, ``kvlens.cache.sets``; global layers only; each layer's
-settings are ``KVConfig.mikv_for``'s), ``positions`` (int32: the set's positions, and for
+settings are ``KVConfig.protect_for``'s), ``positions`` (int32: the set's positions, and for
 pre-RoPE keys every held token's RoPE position), ``masks`` and ``accumulators`` (a set
 policy's state, ``SetPolicy.state_bytes``: a mask per held packed token, float32 attention
 accumulated per held token),
@@ -174,7 +174,7 @@ def engine_types_share(key_type, value_type, kv_shared: bool, head_dim: int) -> 
 
 
 def layer_part_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batch: int = 1,
-                     fp_bytes: int = 2, scale_dtype: str = "float16", mikv=None,
+                     fp_bytes: int = 2, scale_dtype: str = "float16", protect=None,
                      balancer: bool = False, sliding_window: int | None = None,
                      kv_shared: bool = False) -> dict[str, int]:
     """Bytes of every part one ``CompressedLayer`` holds after ``tokens`` tokens.
@@ -182,7 +182,7 @@ def layer_part_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batc
     kv_shared: keys and values are one tensor (MLA): one store and one window where
     ``shares_storage`` says so.
 
-    mikv: the layer's ``MikvSettings`` (``KVConfig.mikv_for``; ignored for uncompressed
+    protect: the layer's ``ProtectSettings`` (``KVConfig.protect_for``; ignored for uncompressed
     layers, as the cache does): the set its policy keeps (``kvlens.cache.sets``).
     balancer: the layer stores a ``[Hkv, D]`` float32 balancer (fixed or fitted online)."""
     parts = dict.fromkeys(PARTS, 0)
@@ -200,7 +200,7 @@ def layer_part_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batc
                                                       scale_dtype).items():
                 parts[part] += rows * n
     parts["window"] = (1 if one else 2) * rows * st.window_capacity * head_dim * fp_bytes
-    policy = set_policy(mikv) if setting.compressed and sliding_window is None else None
+    policy = set_policy(protect) if setting.compressed and sliding_window is None else None
     if policy is not None:
         k = policy.size(st.q_start, st.q_end)
         parts["sets"] = 2 * rows * k * policy.row_bytes(head_dim, fp_bytes)
@@ -270,13 +270,13 @@ def _layer_parts(config, shape: ModelShape, i: int, tokens: int, batch: int) -> 
         return engine_layer_bytes(setting, tokens=tokens, head_dim=shape.head_dim,
                                   kv_heads=shape.num_key_value_heads, batch=batch,
                                   sliding_window=shape.window(i), kv_shared=shape.kv_shared)
-    mikv = config.mikv_for(i)
-    balancer = mikv is not None and (mikv.balancer == "online" or
-                                     (mikv.balancer == "fixed" and i in config.balancers))
+    protect = config.protect_for(i)
+    balancer = protect is not None and (protect.balancer == "online" or
+                                     (protect.balancer == "fixed" and i in config.balancers))
     return layer_part_bytes(setting, tokens=tokens, head_dim=shape.head_dim,
                             kv_heads=shape.num_key_value_heads, batch=batch,
                             fp_bytes=fp_bytes_of(config.fp_dtype, shape.dtype_bytes),
-                            scale_dtype=config.scale_dtype, mikv=mikv,
+                            scale_dtype=config.scale_dtype, protect=protect,
                             balancer=balancer and setting.compressed,
                             sliding_window=shape.window(i), kv_shared=shape.kv_shared)
 

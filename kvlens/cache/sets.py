@@ -12,7 +12,7 @@ needs the attention mass every held token receives at each step (``needs_attenti
 
 The stable policy is ``Sinks``: the first ``sink_tokens`` positions (attention sinks) at
 ``fp_dtype``, chosen by position. Another comes from the config's set settings
-(``MikvSettings.importance``, read through ``kvlens.config.extension``): an object whose
+(``ProtectSettings.importance``, read through ``kvlens.config.extension``): an object whose
 ``policy(sink_tokens)`` returns a ``SetPolicy``; ``kvlens.research`` registers one.
 """
 
@@ -174,8 +174,8 @@ def first_positions(cand_pos: torch.Tensor, keep: int) -> torch.Tensor:
 
 
 def set_policy(settings: Any) -> SetPolicy | None:
-    """The policy of a layer's set settings (a ``kvlens.config.MikvSettings`` as
-    ``KVConfig.mikv_for`` gives it; ``None``: no set): its ``importance`` extension's, else
+    """The policy of a layer's set settings (a ``kvlens.config.ProtectSettings`` as
+    ``KVConfig.protect_for`` gives it; ``None``: no set): its ``importance`` extension's, else
     the sinks; ``None`` when the set would never hold a token."""
     if settings is None:
         return None

@@ -14,9 +14,8 @@ meaning of each field is ``kvlens.config.schema``. JSON form::
                   # per group (kvlens.quant.reference); a layer may instead give an engine's
                   # "key_format" / "value_format" (kvlens.quant.cachetypes)
       "layers": {"0": {"key": null}},          # partial overrides, merged over "default"
-      "mikv": null | {"sink_tokens": 4,
-                      "balancer": "off" | "online" | "fixed", "balancer_exponent": 0.5,
-                      ...},     # keys of a research set policy (kvlens.config.extension)
+      "protect": null | {"sink_tokens": 4,
+                         "balancer": "off" | "online" | "fixed", "balancer_exponent": 0.5},
       "balancers": null | {"0": [[b_0 ... b_{D-1}] per KV head], ...},   # for "fixed"
       "scale_dtype": "float16" | "float32" | "8bit",
       "fp_dtype": "float16" | "bfloat16" | "float32" | "float8_e4m3fn" | "exact",
@@ -25,6 +24,7 @@ meaning of each field is ``kvlens.config.schema``. JSON form::
       "kv_scales": {"0": {"key": [s, ...], "value": [s, ...]}},     # optional
       "engine_attention": "llamacpp-cpu-fa" | "llamacpp-cpu-nofa"   # optional
       "write_before_attention": true,          # optional (vLLM TurboQuant's order)
+      ...: {...}     # optional: a research set policy's own key (kvlens.config.extension)
     }
 
 A key spec may be a codebook spec (``kvlens.quant.codebook.CodebookSpec``), told apart by its
@@ -40,7 +40,8 @@ docs/lab-notes/codebooks.md); coupled (CQ) specs (told apart by their ``"channel
 ``coupled_codebooks`` (docs/lab-notes/coupled.md); GEAR (``"gear": {"rank",
 "outlier_fraction", "power_iters", "layers"}``, docs/lab-notes/gear-mikv.md). A file that
 stores one is refused with that reason (``_refuse_removed``), before its version is read;
-``"gear": null`` and ``"center_keys": false`` ask for nothing removed and read as absent.
+``"gear": null`` and ``"center_keys": false`` ask for nothing removed and read as absent. The
+section development builds called by a research name is refused naming ``protect`` (``OLD``).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlens.config.extension import read_settings
-from kvlens.config.schema import REMOVED, KVConfig, LayerKV, MikvSettings
+from kvlens.config.schema import REMOVED, KVConfig, LayerKV, ProtectSettings
 from kvlens.config.versions import FORMAT, VERSION
 from kvlens.errors import ConfigError, is_int
 from kvlens.layouts import layout_from_dict
@@ -62,10 +63,12 @@ __all__ = ["FORMAT", "VERSION", "config_from_dict", "load_config", "save_config"
 
 _LAYER_KEYS = ("key", "value", "residual_tokens", "flush_tokens", "pre_rope_keys",
                "rotate_keys", "rotate_values", "key_format", "value_format")
-_TOP_KEYS = ("format", "version", "name", "description", "default", "layers", "mikv",
+_TOP_KEYS = ("format", "version", "name", "description", "default", "layers", "protect",
              "balancers", "scale_dtype", "fp_dtype", "rotation_seed", "model", "kv_scales",
              "engine_attention", "write_before_attention")
-_MIKV_KEYS = ("sink_tokens", "balancer", "balancer_exponent")  # the stable keys
+_PROTECT_KEYS = ("sink_tokens", "balancer", "balancer_exponent")
+#: the sinks-and-balancer section's name before issue #57 gave it a neutral one
+OLD = "mikv"
 _MODEL_KEYS = ("num_layers", "head_dim", "num_key_value_heads")
 
 
@@ -114,18 +117,19 @@ def config_from_dict(data: Any) -> KVConfig:
         raise ConfigError(f"Unsupported KV config version {version!r}; this kvlens reads "
                           f"version {VERSION} (a file of the development builds before 0.1.0, "
                           f"versions 2-6, reads once it says \"version\": {VERSION}).")
-    # "gear": null (GEAR off, which development builds could say) asks for nothing removed
-    _no_unknown({k: v for k, v in data.items() if k != "gear"}, _TOP_KEYS, "KV config")
+    # "gear": null and the old section null (development builds wrote them) ask for nothing
+    importance = read_settings({k: v for k, v in data.items() if k not in ("gear", OLD)},
+                               _TOP_KEYS)
     raw_layers = _indexed(data, "layers", "an object mapping layer indices to overrides")
     if "default" not in data:
         raise ConfigError("KV config is missing 'default' (the setting for every layer).")
     default = _layer(data["default"], None, "default")
     layers = {idx: _layer(value, default, f"layers.{idx}") for idx, value in raw_layers.items()}
-    mikv = _mikv(data.get("mikv"))
+    protect = _protect(data.get("protect"), importance)
     description = data.get("description")
     if description is not None and not isinstance(description, str):
         raise ConfigError(f"'description' must be a string, got {type(description).__name__}.")
-    return KVConfig(name=data.get("name", ""), default=default, layers=layers, mikv=mikv,
+    return KVConfig(name=data.get("name", ""), default=default, layers=layers, protect=protect,
                     balancers=_balancers(data), scale_dtype=data.get("scale_dtype", "float16"),
                     description=description or "", model=_model(data.get("model")),
                     fp_dtype=data.get("fp_dtype", "float16"),
@@ -172,6 +176,10 @@ def _refuse_removed(data: Mapping) -> None:
     if found:
         raise ConfigError(f"This config stores {', '.join(found)}, {REMOVED}. Make a new config "
                           "without them, e.g. with kvlens recommend.")
+    if data.get(OLD) is not None:
+        raise ConfigError(f"The '{OLD}' section was renamed 'protect' (sink_tokens, balancer, "
+                          "balancer_exponent); a research set policy's keys are its own key (the "
+                          "importance set's: 'importance'). Rename the section.")
 
 
 def _no_unknown(data: Mapping, allowed: tuple[str, ...], where: str) -> None:
@@ -239,16 +247,18 @@ def _model(raw: Any) -> dict[str, int] | None:
     return dict(raw) or None
 
 
-def _mikv(raw: Any) -> MikvSettings | None:
-    """The ``mikv`` section (``None`` when absent or null): its stable keys, and the keys of a
-    registered research set policy as its ``importance`` (``kvlens.config.extension``)."""
+def _protect(raw: Any, importance: Any) -> ProtectSettings | None:
+    """The ``protect`` section (``None`` when absent or null) with a registered research set
+    policy's settings (``kvlens.config.extension``) as its ``importance``."""
     if raw is None:
+        if importance is not None:
+            raise ConfigError(f"'{importance.key}' needs a 'protect' section (its sink_tokens); "
+                              "add one.")
         return None
     if not isinstance(raw, Mapping):
-        raise ConfigError(f"'mikv' must be an object with keys {', '.join(_MIKV_KEYS)}, ...")
-    importance = read_settings(raw, _MIKV_KEYS)
-    return MikvSettings(**{k: v for k, v in raw.items() if k in _MIKV_KEYS},
-                        importance=importance)
+        raise ConfigError(f"'protect' must be an object with keys {', '.join(_PROTECT_KEYS)}.")
+    _no_unknown(raw, _PROTECT_KEYS, "protect")
+    return ProtectSettings(**raw, importance=importance)
 
 
 def _index(key: Any, where: str) -> int:

@@ -2,7 +2,7 @@
 
 Per tensor: keys and values x granularity (per-channel, per-token) x bits (2, 4, 8 by default;
 3 when ``bits`` asks for it, docs/recommend.md) x group size x scale fit; keys also pre-RoPE
-(KVQuant) and, for per-token keys, with the MiKV channel balancer fitted on the capture
+(KVQuant) and, for per-token keys, with the key-channel balancer fitted on the capture
 (``b = (max|q| / max|k|)^exponent``); per-token keys and values also Hadamard-rotated.
 
 The research extensions switched on (``RecommendOptions.extensions``, none by default;

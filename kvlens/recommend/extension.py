@@ -85,7 +85,7 @@ class CandidateExtension(Protocol):
         """What measures its twins on one capture layer."""
 
     def held(self, setting: tuple[Any, ...], opts):
-        """The config's sinks-and-balancer section (``kvlens.config.MikvSettings``) a layer
+        """The config's sinks-and-balancer section (``kvlens.config.ProtectSettings``) a layer
         storing a twin at ``setting`` keeps (what ``kvlens.cache.layout`` prices)."""
 
     def write(self, section, chosen: Mapping[int, tuple[Any, ...]], opts):

@@ -49,7 +49,7 @@ class Candidate:
     granularity: str
     group_size: int
     stage: str = "post"  # keys only: "pre" = quantize before RoPE
-    balancer: bool = False  # keys only: MiKV channel balancer
+    balancer: bool = False  # keys only: key-channel balancer
     rotate: bool = False  # Hadamard rotation along head_dim (kvlens.quant.rotation)
     # what a research extension keeps beside the codes (kvlens.recommend.extension); None: the
     # stable candidate (its sinks only)
@@ -164,7 +164,7 @@ class RecommendOptions:
     # auto: offer pre-RoPE keys when the capture has RoPE; on; off
     pre_rope: str = _lever("auto", "pre-rope", "pre-RoPE key candidates: auto (when the "
                            "capture has RoPE), on (required), off")
-    balancer: bool = _lever(True, "balancer", "offer MiKV channel-balancer key candidates")
+    balancer: bool = _lever(True, "balancer", "offer key-channel-balancer key candidates")
     balancer_exponent: float = _lever(0.5, "balancer-exponent",
                                       "balancer b = (max|q| / max|k|) ^ exponent")
     # offer Hadamard-rotated per-token keys and values (engine targets: llama.cpp's rotation)

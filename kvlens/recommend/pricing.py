@@ -22,7 +22,7 @@ from typing import Any
 
 from kvlens.cache.decode_cost import config_decode_cost
 from kvlens.cache.layout import flush_every, layer_part_bytes, shares_storage, stream_state
-from kvlens.config import FP_BYTES, LayerKV, MikvSettings, preset
+from kvlens.config import FP_BYTES, LayerKV, ProtectSettings, preset
 from kvlens.errors import ConfigError
 from kvlens.layouts import check_layout, layout_of
 from kvlens.recommend.extension import twin_extension
@@ -42,10 +42,10 @@ def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOption
     setting = LayerKV(kc.spec(), vc.spec(), r, kc.stage == "pre",
                       flush_tokens=flush, rotate_keys=kc.rotate, rotate_values=vc.rotate)
     w = shape.window(layer)
-    mikv = _layer_section(kc, opts)
+    protect = _layer_section(kc, opts)
     fp, sd = FP_BYTES[opts.fp_dtype], opts.scale_dtype
     parts = layer_part_bytes(setting, tokens=opts.context, head_dim=shape.head_dim,
-                             kv_heads=shape.num_key_value_heads, mikv=mikv, balancer=kc.balancer,
+                             kv_heads=shape.num_key_value_heads, protect=protect, balancer=kc.balancer,
                              sliding_window=w, fp_bytes=fp, scale_dtype=sd,
                              kv_shared=shape.kv_shared)
     total = sum(parts.values())
@@ -63,12 +63,12 @@ def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOption
 
 def _layer_section(c: Candidate, opts: RecommendOptions):
     """The sinks section a layer storing ``c`` is priced with (what the written config's
-    ``mikv_for`` gives that layer): the sinks at ``fp_dtype``, or what ``c``'s twin keeps
+    ``protect_for`` gives that layer): the sinks at ``fp_dtype``, or what ``c``'s twin keeps
     (``CandidateExtension.held``)."""
 
     if c.twin is not None:
         return twin_extension(c.twin).held(c.twin.setting, opts)
-    return MikvSettings(opts.sink_tokens, "off") if opts.sink_tokens else None
+    return ProtectSettings(opts.sink_tokens, "off") if opts.sink_tokens else None
 
 
 def tensor_fp16_bytes(shape, layer: int, context: int) -> float:

@@ -5,7 +5,7 @@ the model), plugged into stable recommend's extension point
 Importing this package registers its candidate extensions: ``mikv`` (MiKV importance-set
 twins, ``kvlens.research.mikv``, with its set simulation ``kvlens.research.heavy_hitters``), and
 MiKV's importance set in the cache and the config (``kvlens.research.sets``: heavy hitters by
-H2O attention, the set as 4/8-bit codes, ``mikv.layers``, through ``kvlens.cache.sets`` and
+H2O attention, the set as 4/8-bit codes, ``importance.layers``, through ``kvlens.cache.sets`` and
 ``kvlens.config.extension``) with its presets (``mikv-2``, ``mikv-4``, ``mikv-2-int4``,
 ``mikv-2-int8``), and the OCP MXFP8 storage layout (``kvlens.research.mxfp8``, through
 ``kvlens.layouts``: ``{"layout": "mxfp8"}`` in a config).

@@ -1,6 +1,6 @@
 """MiKV's importance set as the cache keeps it while decoding, simulated on captured q, k, v.
 
-``kvlens.cache.layer.CompressedLayer`` with heavy hitters (``mikv.heavy_fraction > 0``),
+``kvlens.cache.layer.CompressedLayer`` with heavy hitters (``importance.heavy_fraction > 0``),
 fed one token at a time, does this at every step ``i``: query ``i`` attends to the packed
 history (tokens in the set masked out), the set (read from its ``set_bits`` codes,
 ``kvlens.research.sets``) and the window (exact); the attention mass every held position received
@@ -44,7 +44,7 @@ def set_membership(q: torch.Tensor, k: torch.Tensor, k_read: torch.Tensor,
                    flush_tokens: int = 0, softcap: float = 0.0, sinks=None) -> torch.Tensor:
     """Bool ``[B, Hkv, T, T]``: True where decoding query ``i`` reads key ``j`` from the MiKV
     set of a layer with window ``residual_tokens``, flush block ``flush_tokens`` and settings
-    ``mikv`` (a ``MikvSettings``: its set policy's size, ``kvlens.cache.sets``, and sinks), fed the ``T`` tokens one at a time.
+    ``mikv`` (a ``ProtectSettings``: its set policy's size, ``kvlens.cache.sets``, and sinks), fed the ``T`` tokens one at a time.
 
     q ``[B, Hq, T, D]``; k ``[B, Hkv, T, D]`` exact (the window); ``k_read``: packed keys as the
     cache reads them (balancer folded back: ``Q(k b) / b``); ``k_set``: set keys as read

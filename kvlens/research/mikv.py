@@ -8,8 +8,8 @@ bits (plain or balanced, post-RoPE, min/max fitted) also have set twins, one per
 ``(set_bits, heavy_fraction)`` of ``set_bits`` x ``fractions``: heavy hitters and sinks kept at
 ``set_bits`` codes beside the base's codes, measured by replaying the cache's H2O selection
 while decoding (``kvlens.research.heavy_hitters``). A layer takes the set for both tensors or
-neither; the config lists the layers that took it (``mikv.layers``) at the one width and
-fraction chosen (``mikv.set_bits``, ``mikv.heavy_fraction``; ``kvlens.research.sets``). A sliding-window layer keeps no
+neither; the config lists the layers that took it (``importance.layers``) at the one width and
+fraction chosen (``importance.set_bits``, ``importance.heavy_fraction``; ``kvlens.research.sets``). A sliding-window layer keeps no
 set, so has no twins.
 """
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 from kvlens.analysis.metrics import Variant
-from kvlens.config import MikvSettings
+from kvlens.config import ProtectSettings
 from kvlens.errors import ConfigError, InputError
 from kvlens.recommend.extension import Twin, register
 from kvlens.recommend.options import Candidate, RecommendOptions, Stream
@@ -91,22 +91,22 @@ class MikvSets:
     def measurer(self, q, k, v, attrs, opts: RecommendOptions) -> SetVariants:
         return SetVariants(q, k, v, attrs, opts)
 
-    def held(self, setting, opts: RecommendOptions) -> MikvSettings:
-        """Heavy hitters (and the sinks) at the set's codes, as ``mikv_for`` gives a layer in
-        ``mikv.layers``."""
+    def held(self, setting, opts: RecommendOptions) -> ProtectSettings:
+        """Heavy hitters (and the sinks) at the set's codes, as ``protect_for`` gives a layer in
+        ``importance.layers``."""
         bits, fraction = setting
         return mikv_settings(fraction, opts.sink_tokens, "off", set_bits=bits)
 
-    def write(self, section: MikvSettings | None, chosen: Mapping[int, tuple],
-              opts: RecommendOptions) -> MikvSettings:
+    def write(self, section: ProtectSettings | None, chosen: Mapping[int, tuple],
+              opts: RecommendOptions) -> ProtectSettings:
         """The section with the set at the one setting chosen, on the layers that took it;
-        the others keep only the sinks, at ``fp_dtype`` (``KVConfig.mikv_for``), as their
+        the others keep only the sinks, at ``fp_dtype`` (``KVConfig.protect_for``), as their
         candidates were measured and priced."""
         if len(set(chosen.values())) > 1:
             raise ConfigError(f"internal: MiKV sets of different widths/fractions chosen: "
                               f"{dict(chosen)}")
         bits, fraction = next(iter(chosen.values()))
-        base = section or MikvSettings(sink_tokens=opts.sink_tokens, balancer="off",
+        base = section or ProtectSettings(sink_tokens=opts.sink_tokens, balancer="off",
                                        balancer_exponent=opts.balancer_exponent)
         return replace(base, importance=ImportanceSet(fraction, bits, sorted(chosen)))
 
