@@ -1,11 +1,6 @@
-"""The ``kvlens`` command line: a thin layer over the library.
-
-Each command lives in its own module here and registers itself on ``app``
-(``kvlens.cli.app``); a command parses
-options, builds a config, calls one library function and renders. Library errors
-(``KvlensError``) become one red line on stderr and exit code 1, in one place:
-``kvlens.cli.common.run_library_call``.
-Results go to stdout, progress and logs to stderr.
+"""The ``kvlens`` command line, a thin layer over the library: each command lives in its own
+module here and registers itself on ``app`` (``kvlens.cli.app``); library errors become exit
+codes in one place (``kvlens.cli.common.run_library_call``).
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
 """Shared CLI helpers: consoles, progress bars, JSON output, help panels and the command class
 that renders --help, the output-file policy (atomic writes) and the one place library errors
-become exit codes.
-
-Exit codes (README, "Exit codes"), one per kind of mistake in every command:
-
-- 0 success; 130 interrupted (Ctrl-C).
-- 2 a command line the parser itself refuses: an unknown option, a missing argument, a value
-  of the wrong type, or a number outside the static range its option declares. Every such
-  range is declared on the option (``min=``/``max=``, or ``open_range`` for an open interval:
-  ``--samples 0``, ``--chunk 0``, ``--outlier-fraction 1``), never checked later by hand, so
-  it is exit 2 in every command.
-- 1 one ``error:`` line for everything else kvlens refuses (any ``KvlensError``): an unknown
-  name among a fixed set (``--device foo``, ``--backend cuda``), a value that conflicts with
-  the data (more ``--samples`` than the capture holds, a layer the model lacks, a retrieval
-  length past the model's context), an option nothing requested would read, a missing or
-  foreign file, an existing output without ``--overwrite``, a failed write. The line comes
-  before any progress output and, where the model's files tell (``kvlens.model.header``),
-  before the model loads.
+become exit codes (docs/reference/README.md: 0 done; 1 one ``error:`` line for any
+``KvlensError``, before any progress output; 2 a command line the parser refuses, every static
+range declared on its option with ``min=``/``max=`` or ``open_range``; 130 interrupted).
 """
 
 from __future__ import annotations

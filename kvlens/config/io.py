@@ -1,47 +1,13 @@
 """The KV config's JSON form: ``config_from_dict`` (parse and validate, every problem a
 ``ConfigError`` saying where), ``load_config`` / ``save_config``. Every file says ``"version":
-1``, the one version (``kvlens.config.versions``: the development builds before 0.1.0 wrote
-2-6, which collapse into it). ``generate`` reads these files, ``recommend`` writes them. The
-meaning of each field is ``kvlens.config.schema``. JSON form::
+1``, the one version (``kvlens.config.versions``). The form is documented in docs/generate.md
+(config files), the meaning of each field in ``kvlens.config.schema``; a research set policy's
+own top-level key is read through ``kvlens.config.extension``.
 
-    {
-      "format": "kvlens.kvconfig", "version": 1, "name": "kivi-2", "description": "...",
-      "default": {"key":   {"bits": 2, "granularity": "per-channel", "group_size": 32},
-                  "value": {"bits": 2, "granularity": "per-token",   "group_size": 32},
-                  "residual_tokens": 128, "flush_tokens": 0, "pre_rope_keys": false,
-                  "rotate_keys": false, "rotate_values": false},
-                  # a spec may add "fit": "mse" (spec version 2): a least-squares scale/zero
-                  # per group (kvlens.quant.reference); a layer may instead give an engine's
-                  # "key_format" / "value_format" (kvlens.quant.cachetypes)
-      "layers": {"0": {"key": null}},          # partial overrides, merged over "default"
-      "protect": null | {"sink_tokens": 4,
-                         "balancer": "off" | "online" | "fixed", "balancer_exponent": 0.5},
-      "balancers": null | {"0": [[b_0 ... b_{D-1}] per KV head], ...},   # for "fixed"
-      "scale_dtype": "float16" | "float32" | "8bit",
-      "fp_dtype": "float16" | "bfloat16" | "float32" | "float8_e4m3fn" | "exact",
-      "rotation_seed": null | 0,               # sign flips of the Hadamard rotation
-      "model": null | {"num_layers": 30, "head_dim": 64, "num_key_value_heads": 3},
-      "kv_scales": {"0": {"key": [s, ...], "value": [s, ...]}},     # optional
-      "engine_attention": "llamacpp-cpu-fa" | "llamacpp-cpu-nofa"   # optional
-      "write_before_attention": true,          # optional (vLLM TurboQuant's order)
-      ...: {...}     # optional: a research set policy's own key (kvlens.config.extension)
-    }
-
-A key spec may be a codebook spec (``kvlens.quant.codebook.CodebookSpec``), told apart by its
-``"codebook"`` key::
-
-    "key": {"version": 1, "bits": 3, "codebook": "lloyd-max-normal", "rotation": {"version": 1,
-            "seed": null}, "renormalize": true}
-
-Issue #57 removed research layouts the development builds could store, each a negative result:
-codebook value specs, fitted codebooks (``"codebook": "fitted"`` or ``"weighted"``) with their
-centroids in ``codebooks`` and centred keys (``"center_keys": true``, ``key_means``;
-docs/lab-notes/codebooks.md); coupled (CQ) specs (told apart by their ``"channels"`` key) and
-``coupled_codebooks`` (docs/lab-notes/coupled.md); GEAR (``"gear": {"rank",
-"outlier_fraction", "power_iters", "layers"}``, docs/lab-notes/gear-mikv.md). A file that
-stores one is refused with that reason (``_refuse_removed``), before its version is read;
-``"gear": null`` and ``"center_keys": false`` ask for nothing removed and read as absent. The
-section development builds called by a research name is refused naming ``protect`` (``OLD``).
+A file that stores a layout issue #57 removed (a negative result each: codebook values, fitted
+codebooks and centred keys, docs/lab-notes/codebooks.md; coupled specs, docs/lab-notes/
+coupled.md; GEAR, docs/lab-notes/gear-mikv.md) is refused with that reason before its version
+is read (``_refuse_removed``), as is the sinks-and-balancer section under its old name (``OLD``).
 """
 
 from __future__ import annotations
@@ -140,14 +106,9 @@ def config_from_dict(data: Any) -> KVConfig:
 
 
 def _refuse_removed(data: Mapping) -> None:
-    """Refuse a config that stores a layout issue #57 removed, naming the reason (which beats an
-    "unknown key" or a version error for a file a development build wrote): GEAR (a ``gear``
-    section), coupled (CQ) keys or values (``coupled_codebooks``, or a spec with
-    ``"channels"``), and codebook values, fitted codebooks (``codebooks``, a ``"fitted"`` or
-    ``"weighted"`` codebook) and centred keys (``key_means``, ``"center_keys": true``).
-    ``"gear": null`` and ``"center_keys": false`` ask for nothing removed and are read as
-    absent. ``data`` is any JSON object: what is not the expected shape is left to the
-    parser."""
+    """Refuse a config that stores what issue #57 removed (module docstring), naming the reason,
+    before an "unknown key" or version error; ``"gear": null`` and ``"center_keys": false`` ask
+    for nothing removed. What is not the expected shape is left to the parser."""
     if data.get("gear") is not None:
         raise ConfigError("This config stores GEAR ('gear': outliers and low-rank factors); GEAR "
                           "was removed from kvlens by issue #57 (a negative result, "

@@ -1,67 +1,20 @@
 """What a compressed-KV-cache config means: frozen dataclasses (``LayerKV``, ``ProtectSettings``,
-``KVConfig``) that validate themselves on construction. Whether a config fits
-a loaded model is ``kvlens.config.model_check`` (``validate_for``); the JSON form and its
-versions are ``kvlens.config.io``; the named presets ``kvlens.config.presets``.
+``KVConfig``) that validate themselves on construction. Whether a config fits a loaded model is
+``kvlens.config.model_check``; the JSON form ``kvlens.config.io``; the presets
+``kvlens.config.presets``. docs/generate.md (config files) says what each field does.
 
-A config is a ``default`` layer setting plus optional per-layer overrides. Each layer setting
-says how keys and values are quantized (a ``QuantSpec`` each, or ``None`` = kept in the model's
-dtype), how many of the newest tokens wait in the full-precision residual window, how many of
-them are quantized at a time when it fills (``flush_tokens``: 0 = all, KIVI; fewer = a sliding
-window that always keeps recent tokens exact), and whether keys are stored before RoPE.
-Optional ``protect`` settings keep the attention sinks at full precision and balance key
-channels.
-
-``fp_dtype`` is the dtype of every full-precision part the cache holds (the residual window,
-sink sets, unquantized keys or values): ``float16`` by default, what a deployment stores,
-so a float32 run on CPU stores and counts them as a GPU deployment would. ``exact`` keeps the
-model's own dtype (then a config with compression off is token-for-token ``DynamicCache``).
-``float8_e4m3fn`` holds them at one byte per element (3 mantissa bits, no scale: the
-range is +-448); attention reads them widened.
-
-``rotate_keys`` / ``rotate_values``: Hadamard rotation along head_dim (``kvlens.quant.rotation``;
-``rotation_seed`` adds seeded sign flips): the cache stores ``k R`` / ``v R`` (window, sets and
-packed history alike), attends with ``q R`` and un-rotates the output by ``R^T``, so nothing
-changes when nothing is quantized. Not with pre-RoPE keys or a balancer on the same keys.
-
-``protect``: two knobs of the default run against outliers: ``sink_tokens`` (the first tokens
-kept at ``fp_dtype`` beside their codes, in global compressed layers) and the key-channel
-balancer (``balancer``, ``balancer_exponent``, the fixed ``balancers``). A research set policy
-(``kvlens.config.extension``, registered by ``kvlens.research``) reads its own top-level key
-(``ProtectSettings.importance``); ``KVConfig.protect_for`` gives each layer its settings.
-Sliding-window layers keep no set.
-
-``key_format`` / ``value_format`` (per layer, both or neither): an engine's own cache types
-(``kvlens.quant.cachetypes``: ``q8_0``, ``q4_0``, ``fp8_e4m3``... ``f16``), stored as that engine
-stores them with no full-precision window (``kvlens.cache.engine``; the engine settings
-``llamacpp:...`` / ``vllm:...`` of ``kvlens.config.engine``); ``kv_scales``: ``{layer: {"key": [s...], "value": [s...]}}``
-static fp8 scales (one per layer or per KV head).
-
-``scale_dtype``: how each quantization group's scale and zero are stored: float16 (default) or
-float32, or ``"8bit"``: one byte each (``kvlens.quant.meta8``: a scale on a 9% log grid and
-the zero as a signed multiple of a fraction of the step), half the metadata bytes of float16,
-the codes re-chosen against the stored grid.
-
-``write_before_attention`` (default false): after a cache's first forward, each forward's new
-tokens are coded into the compressed store before it attends, so it reads them back compressed,
-as vLLM's TurboQuant backend does (flash attention over the raw K/V of a first prefill chunk,
-its decode kernel over the compressed cache after). Compressed layers then keep no residual
-window and there is no ``protect`` section (refused otherwise).
-
-``key`` may be a ``CodebookSpec`` (``kvlens.quant.codebook``): each key vector of the
-quantized history is stored as ``bits``-bit codes of its Hadamard-rotated, normalised
-coordinates (nearest centroid of a computed 1-D codebook) plus its float16 norm
-(``kvlens.layouts.codebook``). The codebook's rotation is the layer's key rotation (``rotate_keys``
-is set from it: the window stores ``k R`` and attention uses ``q R``), so its seed must be the
-config's ``rotation_seed``; scores read as ``s_t * ((q R) . c[code_t])`` without a dequantized
-key. Not with pre-RoPE keys (the rotation and RoPE do not commute). This is the key coding of
-vLLM's ``turboquant_*`` KV-cache types (``kvlens.config.engine``).
-
-Removed by issue #57 (negative results): codebook value specs, fitted codebooks and their
-centroids (``codebooks``), centred keys (``center_keys``, ``key_means``;
-docs/lab-notes/codebooks.md) and GEAR (``gear``; docs/lab-notes/gear-mikv.md);
-``kvlens.config.io`` refuses a file that stores them.
-
-Every config is written at ``"version": 1``, the one version (``kvlens.config.versions``).
+A config is a ``default`` layer setting plus optional per-layer overrides. A layer stores keys
+and values as a storage layout spec each (``kvlens.layouts``; ``None``: the model's dtype) with a
+full-precision residual window (``flush_tokens``: 0 flushes it whole, KIVI; fewer slide it), or
+as an engine's own cache types (``key_format`` / ``value_format``, ``kvlens.quant.cachetypes``;
+no window). ``protect`` keeps the attention sinks at ``fp_dtype`` and balances key channels; a
+research set policy adds its own key (``kvlens.config.extension``). ``fp_dtype`` is the dtype of
+every full-precision part (``exact``: the model's own). ``rotate_keys`` / ``rotate_values``:
+Hadamard rotation along head_dim (``kvlens.quant.rotation``), not with pre-RoPE keys or a
+balancer on the same keys. A ``CodebookSpec`` key (vLLM TurboQuant's keys) rotates with the
+layer's key rotation, so its seed is the config's ``rotation_seed``. ``write_before_attention``
+codes each forward's tokens before it attends (vLLM TurboQuant's order): no window, no
+``protect``. Layouts removed by issue #57 are refused by ``kvlens.config.io``.
 """
 
 from __future__ import annotations
@@ -89,8 +42,7 @@ REMOVED = "removed from kvlens by issue #57 (a negative result, docs/lab-notes/c
 
 @dataclass(frozen=True)
 class LayerKV:
-    """How one layer's cache is stored. ``None`` spec = not quantized (model dtype); ``key`` and
-    ``key`` may be a ``CodebookSpec`` (module docstring)."""
+    """How one layer's cache is stored (module docstring)."""
 
     key: Any = None  # a storage layout spec (kvlens.layouts: QuantSpec, CodebookSpec...)
     value: Any = None
@@ -161,7 +113,6 @@ class LayerKV:
         return self.key if isinstance(self.key, CodebookSpec) else None
 
     def _check_engine(self) -> None:
-
         if self.key_format is None or self.value_format is None:
             raise ConfigError("An engine-format layer needs both key_format and value_format "
                               "(use \"f16\" for a tensor the engine keeps unquantized).")
@@ -183,18 +134,15 @@ class LayerKV:
 
     @property
     def key_type(self):
-
         return parse_cache_type(self.key_format)
 
     @property
     def value_type(self):
-
         return parse_cache_type(self.value_format)
 
     @property
     def compressed(self) -> bool:
         if self.engine:
-
             return not (isinstance(self.key_type, DenseType)
                         and isinstance(self.value_type, DenseType))
         return self.key is not None or self.value is not None

@@ -1,13 +1,9 @@
-"""The one call behind ``kvlens recommend``: ``recommend_run(request)``.
-
-A ``RecommendRequest`` says what is asked: the capture, the target (``kvlens``: a per-layer
-config, ``kvlens.recommend.answer``; an engine: the setting it runs,
-``kvlens.deploy.targets``), the target's options (``RecommendOptions`` or ``TargetOptions``
-fields), one budget, several budgets or a KLD bound, and whether to validate against the exact
-model. ``request_for`` builds one from the options a command line gave. ``recommend_run``
-checks it (``check_request``: the capture, the model and its placement, before any work),
-measures, chooses, validates and returns the answer with its result documents; writing files
-and rendering are the caller's.
+"""The one call behind ``kvlens recommend``: ``recommend_run(request)``. A ``RecommendRequest``
+holds the capture, the target (``kvlens``: ``kvlens.recommend.answer``; an engine:
+``kvlens.deploy.targets``), its options, the budgets or KLD bound and the validation;
+``request_for`` builds one from a command line's options. ``recommend_run`` checks it before
+any work (``check_request``), measures, chooses, validates and returns the answer with its
+result documents; writing files and rendering are the caller's.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Everything ``kvlens recommend`` does for the per-layer target, as one call:
-``recommend_layers``.
-
-One measurement of the capture (``kvlens.recommend.run.measurement``: checked, reused or
-measured), then the configs asked for: one budget, several budgets (one config each, named
-``NAME-<B>b``), or the smallest budget whose config's measured KLD is at most ``max_kld``
-(``kvlens.recommend.search``); optionally validated against the exact model on held-out text
-beside the presets; and the result documents (what ``--json`` prints and ``kvlens report``
-reads). The model ``--max-kld`` and validation score on is loaded once, when first needed.
-Writing files and rendering are the caller's (the CLI).
+``recommend_layers``: one measurement (``kvlens.recommend.run.measurement``), then one budget,
+several (one config each, ``NAME-<B>b``) or the smallest under ``max_kld``
+(``kvlens.recommend.search``), optionally validated beside the presets, with the result
+documents (``--json``, ``kvlens report``). Writing files and rendering are the caller's.
 """
 
 from __future__ import annotations

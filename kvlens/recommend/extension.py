@@ -1,30 +1,10 @@
-"""Candidate extensions: research that adds *twins* of the stable candidates, behind one
-declared protocol and a registry (the model is ``kvlens.layouts.protocol``).
-
-A **twin** (``Twin``) is a base candidate with something kept beside its codes (an importance
-set, for instance): ``Candidate.twin`` names the extension and its config-wide
-setting, ``Candidate.base`` is the same storage without it. An extension (``CandidateExtension``)
-is a frozen settings object that says
-
-- which config-wide settings the allocation solves for, each separately (``settings``), and the
-  twins of the base candidates it offers (``twins``), with their words (``words``);
-- how its twins are measured on a capture layer (``offered_on``, ``measurer``: a
-  ``TwinMeasurer`` builds each twin's ``kvlens.analysis.metrics.Variant``);
-- what a layer storing a twin keeps beside its codes, in the config's sinks-and-balancer
-  section the cache prices (``held``);
-- what the chosen twins add to the written config (``write``) and the note the allocation
-  leaves (``note``).
-
-The allocation takes a twin for both tensors of a layer or for neither, and solves once with no
-twin and once per setting, keeping the best objective. Stable recommend names no extension: the
-research package (``kvlens.research``, above recommend in the layer order) registers its
-extensions when it is imported (``register``), and an ``RecommendOptions`` switches one on by
-object or by name (``extensions=("NAME",)``; ``resolve``). Asking for one that is not registered
-is an ``InputError`` that says which package to import.
-
-The research door's levers (``--set NAME=VALUE``) reach an extension as flat fields:
-``NAME`` switches it on, ``NAME_FIELD`` sets its settings' ``FIELD`` (``lever_fields``,
-``fold_levers``).
+"""Candidate extensions: research that adds *twins* of the stable candidates (a base candidate
+with something kept beside its codes, ``Candidate.twin``), behind one declared protocol
+(``CandidateExtension``) and a registry. Stable recommend names no extension: ``kvlens.research``
+registers them when imported, and ``RecommendOptions(extensions=...)`` switches one on by object
+or by name (``resolve``; an unregistered name says what to import). The research door's flat
+levers reach an extension as ``NAME`` (its switch) and ``NAME_FIELD`` (``fold_levers``).
+docs/internals/architecture.md (how to add a recommend candidate) says what each method does.
 """
 
 from __future__ import annotations
@@ -40,8 +20,7 @@ RESEARCH_PACKAGE = "kvlens.research"
 
 
 class Twin(NamedTuple):
-    """What a twin keeps beside its base candidate's codes: the extension's ``name`` and its
-    config-wide ``setting`` (one of ``CandidateExtension.settings``)."""
+    """A twin's extension ``name`` and config-wide ``setting`` (one of its ``settings``)."""
 
     extension: str
     setting: tuple[Any, ...]

@@ -1,19 +1,8 @@
-"""What a layer's choice costs, in bytes held and bytes read.
-
-**Held bytes** of a layer's (key, value, window, flush) choice (``option_bytes``): what that
-layer of the cache holds after ``L`` tokens (``RecommendOptions.context``, default 4096), from
-``kvlens.cache.layout`` (the same description the cache allocates by, tested against held
-bytes): codes at their bits (dense), scales and zeros, the window buffer (``R`` tokens, ``R``
-chosen per layer from ``windows``), the sink tokens' copies and positions, pre-RoPE positions,
-balancers, what a research twin keeps (``CandidateExtension.held``); a sliding-window layer
-counts only what it keeps. The
-budget is in bits per element relative to an fp16 cache of the same tokens
-(``tensor_fp16_bytes``; 16 = as big as fp16). The model's shape comes from the capture
-(``kvlens.capture.store.CaptureMeta.shape``).
-
-**Decode cost** (``decode_costs``): the bytes one decode step reads at ``L`` tokens for the
-recommendation and the presets (``kvlens.cache.decode_cost``: a documented model, not a
-timing) and whether the fused Triton kernel reads every layer.
+"""What a layer's choice costs: the bytes its (key, value, window, flush) choice holds after
+``RecommendOptions.context`` tokens (``option_bytes``, from ``kvlens.cache.layout``, the
+description the cache allocates by), relative to an fp16 cache of the same tokens
+(``tensor_fp16_bytes``), and the bytes one decode step reads (``decode_costs``,
+``kvlens.cache.decode_cost``: a documented model, not a timing).
 """
 
 from __future__ import annotations

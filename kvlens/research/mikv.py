@@ -1,16 +1,10 @@
 """MiKV importance-set twins of recommend's candidates: a research candidate extension
-(``kvlens.recommend.extension``), registered when ``kvlens.research`` is imported.
-
-With it switched on (``--set mikv=on`` or ``RecommendOptions(extensions=
-(MikvSets(),))``; off by default: simulating sets is a large share of the measurement and the
-default budgets did not choose them, docs/lab-notes/gear-mikv.md) the G32 candidates up to 4
-bits (plain or balanced, post-RoPE, min/max fitted) also have set twins, one per config-wide
-``(set_bits, heavy_fraction)`` of ``set_bits`` x ``fractions``: heavy hitters and sinks kept at
-``set_bits`` codes beside the base's codes, measured by replaying the cache's H2O selection
-while decoding (``kvlens.research.heavy_hitters``). A layer takes the set for both tensors or
-neither; the config lists the layers that took it (``importance.layers``) at the one width and
-fraction chosen (``importance.set_bits``, ``importance.heavy_fraction``; ``kvlens.research.sets``). A sliding-window layer keeps no
-set, so has no twins.
+(``kvlens.recommend.extension``), registered when ``kvlens.research`` is imported and switched
+on with ``--set mikv=on`` (docs/lab-notes/gear-mikv.md). The G32 candidates up to 4 bits (plain
+or balanced, post-RoPE, min/max fitted) get one twin per config-wide ``(set_bits,
+heavy_fraction)``: heavy hitters and sinks kept at ``set_bits`` beside the base's codes,
+measured by replaying the cache's H2O selection (``kvlens.research.heavy_hitters``). A layer
+takes the set for both tensors or neither; sliding-window layers have no twins.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
-"""MiKV's importance set in the cache: heavy hitters chosen by H2O accumulated attention, the
-set stored as 4/8-bit per-token codes, the layers that keep it, and the presets that use it.
+"""MiKV's importance set in the cache, a research set policy (``kvlens.cache.sets``) read from
+the config key ``importance`` (``kvlens.config.extension``), with the ``mikv-*`` presets.
 
-A research set policy (``kvlens.cache.sets``) plugged in through the config's extension point
-(``kvlens.config.extension``): importing ``kvlens.research`` registers ``ImportanceSet``, the
-config key ``importance`` (``heavy_fraction``, ``set_bits``, ``layers``), and the presets
-``mikv-2``, ``mikv-4``, ``mikv-2-int4`` and ``mikv-2-int8``.
-
-``heavy_fraction`` > 0: besides the first ``sink_tokens`` (always kept), each global compressed
-layer keeps ``ceil(heavy_fraction * held)`` of its quantized tokens per KV head, those with the
-largest attention accumulated since they were cached (H2O), chosen again at every flush among
-the current set and the flushed block; the set is hidden in the packed store by a mask (parts
-``masks`` and ``accumulators``). ``set_bits`` = 4 or 8: each set token's key and value are kept
-as per-token integer codes (reference quantizer, ``set_spec``: asymmetric, groups of 32 channels,
-or the whole head when 32 does not divide ``head_dim``), packed along channels, with float16
-scale and zero per group; ``None`` keeps them at ``fp_dtype``. Per-token codes belong to one
-token each, so re-choosing the set only gathers rows. Bytes per set token and tensor:
-``packed_length(D, bits)`` code bytes plus ``2 * 2 * D / G`` scale and zero bytes
-(``set_bytes_per_token``). ``layers``: the compressed layers that keep this set (``None``: every
-one); the others keep the sinks alone at ``fp_dtype`` (``KVConfig.protect_for``).
+``heavy_fraction`` > 0: besides the first ``sink_tokens``, each global compressed layer keeps
+``ceil(heavy_fraction * held)`` of its quantized tokens per KV head, those with the largest
+accumulated attention (H2O), chosen again at every flush among the set and the flushed block;
+the set's packed copies are masked (parts ``masks`` and ``accumulators``). ``set_bits`` 4 or 8
+stores each set token as per-token integer codes (``set_spec``, float16 scale and zero per
+group; ``set_bytes_per_token``), ``None`` at ``fp_dtype``. ``layers``: the compressed layers that
+keep it (``None``: every one); the others keep the sinks alone (``KVConfig.protect_for``).
 """
 
 from __future__ import annotations
