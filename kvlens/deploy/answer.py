@@ -36,16 +36,11 @@ LogFn = Callable[[str], None]
 
 @dataclass(frozen=True)
 class RecommendRequest:
-    """What ``kvlens recommend`` is asked.
-
-    ``options``: the fields given of ``RecommendOptions`` (target ``kvlens``) or
-    ``TargetOptions`` (an engine target), the rest are their defaults; ``budgets``: several
-    budgets from one measurement (per-layer target); ``max_kld``: the smallest budget whose
-    config's measured KLD is at most this (an engine target: the cheapest setting whose
-    predicted KLD is; there it may also come in ``options``);
-    ``place``: where the model ``--max-kld`` and validation load goes (``load_model``'s
-    ``dtype``, ``device_map``, ``max_memory``, ``offload_folder``); ``outputs``: where each
-    config is written (named in the documents)."""
+    """What ``kvlens recommend`` is asked. ``options``: the fields given of
+    ``RecommendOptions`` (target ``kvlens``) or ``TargetOptions``; ``budgets``: several budgets
+    from one measurement; ``max_kld``: the smallest budget (an engine: the cheapest setting)
+    whose KLD is at most this; ``place``: ``load_model``'s placement of the model
+    ``--max-kld`` and validation load; ``outputs``: where each config is written."""
 
     capture: Path
     target: str = "kvlens"

@@ -87,10 +87,8 @@ def recommend_layers(capture: str | Path, opts: RecommendOptions, *,
     at each of ``budgets``, or the smallest budget meeting ``max_kld``; ``validate`` scores
     them and the presets against the exact model (``eval_tokens`` held-out tokens, a retrieval
     grid of ``retrieval_prompts`` prompts when > 0). ``outputs``: where the caller writes each
-    config (named in the documents' deploy command); ``save(rec, output)`` is called for each
-    as soon as it is chosen, before any validation, so a config is written even if a long
-    validation is interrupted. ``log`` receives what to tell the user (the prediction, the
-    search's steps, loading)."""
+    config; ``save(rec, output)`` is called as soon as it is chosen, before any validation.
+    ``log`` receives what to tell the user."""
     say = log or (lambda _msg: None)
     capture = Path(capture)
     measured, predicted = measurement(capture, opts, progress, remeasure=remeasure, log=say)

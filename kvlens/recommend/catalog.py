@@ -18,9 +18,7 @@ from kvlens.recommend.options import OFFERED_GRANULARITIES, Candidate, Recommend
 
 def candidates(head_dim: int, opts: RecommendOptions, has_rope: bool) -> list[Candidate]:
     """Every storable candidate; per-token groups larger than head_dim are skipped. Rotated
-    candidates are per-token only (where rotation spreads outlier channels over a group;
-    per-channel groups already give each outlier channel its own scales, which rotation would
-    smear over every channel; docs/rotation.md) and need a head_dim with a Hadamard
+    candidates are per-token only (docs/rotation.md) and need a head_dim with a Hadamard
     construction."""
 
     rotation = opts.rotation

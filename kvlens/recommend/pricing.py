@@ -20,12 +20,9 @@ from kvlens.recommend.options import Candidate, RecommendOptions
 
 def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOptions, shape,
                  layer: int, residual: int | None = None) -> tuple[int, int, int]:
-    """``(total, key share, value share)`` bytes that ``layer`` of the cache holds after
-    ``opts.context`` tokens storing keys ``kc`` and values ``vc`` with a window of
-    ``residual`` tokens (default: the largest offered) and flush block ``flush``
-    (``kvlens.cache.layout``: what the cache allocates; a sliding layer counts what it keeps).
-    The shares split what both tensors use (window, sink copies, positions) evenly; they are
-    for display."""
+    """``(total, key share, value share)`` bytes ``layer`` holds after ``opts.context`` tokens
+    storing ``kc`` and ``vc`` with a ``residual``-token window (default: the largest offered)
+    and flush block ``flush``; the shares split what both use evenly (for display)."""
 
     r = max(opts.window_sizes) if residual is None else residual
     setting = LayerKV(kc.spec(), vc.spec(), r, kc.stage == "pre",

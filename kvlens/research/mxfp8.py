@@ -1,26 +1,18 @@
-"""MXFP8 history: the OCP Microscaling E4M3 format (OCP MX specification v1.0, 2023, sections
-5.3 and 6.3) as a storage layout. (SGLang offers an ``mxfp8`` KV-cache type; whether its scale
-rule and rounding are these is not checked here: issue #58.)
+"""MXFP8: the OCP Microscaling E4M3 format (OCP MX specification v1.0, 2023, sections 5.3 and
+6.3) as a storage layout. (SGLang offers an ``mxfp8`` KV-cache type; whether its scale rule and
+rounding are these is not checked here: issue #58.)
 
-Each token's ``[D]`` vector of one head is cut into blocks of ``K = 32`` consecutive channels.
-A block stores one shared scale ``X = 2^e`` as an E8M0 byte (``e + 127``) and 32 E4M3 elements
-(``float8_e4m3fn``: 4 exponent bits, bias 7, 3 mantissa bits, largest finite 448, no
-infinities). By the specification's conversion: ``e = floor(log2(max_i |V_i|)) - emax`` with
-``emax = 8`` (E4M3's largest normal exponent), clamped to the E8M0 range ``[-127, 127]``
-(an all-zero block takes ``-127``); each ``V_i / X`` is rounded to the nearest E4M3 value, ties
-to even, and values beyond 448 saturate to +-448 (``V / X`` lies in ``[2^8, 2^9)`` for the
-largest element, so it can exceed 448: the specification leaves the choice to the
-implementation, and saturating is the choice that never stores NaN). ``x_hat = X * P_i``.
+Each token's ``[D]`` vector of one head is cut into blocks of ``K = 32`` channels. A block stores
+a shared scale ``X = 2^e`` as an E8M0 byte (``e + 127``) and 32 E4M3 elements: ``e =
+floor(log2(max_i |V_i|)) - 8`` (E4M3's largest normal exponent), clamped to ``[-127, 127]`` (an
+all-zero block takes ``-127``); each ``V_i / X`` is rounded to the nearest E4M3 value, ties to
+even, and beyond 448 saturates to +-448 (the specification leaves it to the implementation;
+saturating never stores NaN). Each token is scaled on its own, so it streams as a per-token
+layout; bytes per token and head: ``D`` codes and ``D / 32`` scales. The Triton decode kernel
+does not read it.
 
-Each token is scaled on its own, so it streams as a per-token layout (any window; ``F = 1``
-without one). Bytes per token and head: ``D`` element bytes (part ``codes``) and ``D / 32``
-scale bytes (``scales``): ``8.25`` bits per element. The torch read path reads it back through
-``MxFp8Store.dequantize_range``; the Triton decode kernel does not read it.
-
-Research (not a default, and not yet checked against an engine): it lives in the lab and plugs
-into ``kvlens.layouts.protocol`` when ``kvlens.research`` is imported (the CLI does), so a config
-``{"layout": "mxfp8"}`` is read, validated, stored, priced, counted and read back through the
-protocol; nothing stable names it.
+Research (not a default, not yet checked against an engine): it registers into
+``kvlens.layouts.protocol`` when ``kvlens.research`` is imported; nothing stable names it.
 """
 
 from __future__ import annotations
