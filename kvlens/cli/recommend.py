@@ -1,10 +1,8 @@
 """``kvlens recommend``: a per-layer KV quantization config under a memory budget, or the
-setting an engine runs (``--target``). A thin call: the options given become a
-``RecommendRequest`` (``kvlens.deploy.answer.request_for``; every default is the library's),
-research levers arrive as ``--set NAME=VALUE`` (``kvlens.research``), ``recommend_run`` answers
-and ``kvlens.cli.recommend_show`` shows the answer. An option the target or combination would
-not read is refused before any work, by one table (``CONDITIONS``, with ``readers``) and
-``kvlens.cli.common.refuse_unread``; library errors name fields, shown as flags (``_flag``).
+setting an engine runs (``--target``). The options given become a ``RecommendRequest``
+(``kvlens.deploy.answer.request_for``), research levers arrive as ``--set NAME=VALUE``
+(``kvlens.research``), ``recommend_run`` answers and ``kvlens.cli.recommend_show`` shows it.
+An option the run would not read is refused before any work (``CONDITIONS``, ``readers``).
 """
 
 from __future__ import annotations

@@ -55,10 +55,6 @@ class BudgetSearch:
     chosen: Recommendation
     steps: list[BudgetStep] = field(default_factory=list)
 
-    @property
-    def chosen_step(self) -> BudgetStep:
-        return next(s for s in self.steps if s.budget_bits == self.chosen.budget_bits)
-
     def to_dict(self) -> dict:
         return {"max_kld": self.max_kld, "resolution_bits": RESOLUTION,
                 "chosen_budget_bits": self.chosen.budget_bits,
