@@ -82,10 +82,9 @@ REQUEST_FIELDS = ("max_kld", "validate", "eval_tokens", "retrieval_prompts", "to
 
 
 def readers(name: str) -> frozenset[str]:
-    """The targets that read option (or ``--set`` lever field) ``name``: ``PER_LAYER`` where it
-    is a ``RecommendOptions`` field or a registered candidate extension's lever field
-    (``kvlens.recommend.extension.lever_fields``), ``ENGINE`` where it is a ``TargetOptions``
-    field, else ``REQUEST_READERS`` (empty: an option of neither)."""
+    """The targets that read option (or ``--set`` lever field) ``name``: ``PER_LAYER`` for a
+    ``RecommendOptions`` or extension lever field, ``ENGINE`` for a ``TargetOptions`` field,
+    else ``REQUEST_READERS`` (empty: neither)."""
     if name in REQUEST_READERS:
         return REQUEST_READERS[name]
     per_layer = name in _fields(RecommendOptions) or name in lever_fields()
@@ -99,13 +98,11 @@ def _fields(cls) -> set[str]:
 
 def request_for(capture: str | Path, target: str = "kvlens", given: dict[str, Any] | None = None,
                 levers: dict[str, Any] | None = None) -> RecommendRequest:
-    """The request a command line makes (``kvlens recommend``). ``given``: the options given,
-    by ``kvlens recommend``'s parameter names (fields of the target's options; the request's
-    own, ``REQUEST_FIELDS``; the model's placement, ``PLACEMENT``; for the per-layer target
-    ``windows`` and ``budgets`` as comma lists and ``output``, where the config is written, one
-    per budget beside it with several budgets); ``levers``: the target's research levers
-    (``kvlens.research.parse_settings``). The per-layer target takes
-    exactly one of ``budget_bits``, ``budgets`` and ``max_kld`` (``budget_list``)."""
+    """The request a command line makes. ``given``: the options given, by ``kvlens
+    recommend``'s parameter names (``windows`` and ``budgets`` as comma lists, ``output`` the
+    config's path); ``levers``: the target's research levers
+    (``kvlens.research.parse_settings``). The per-layer target takes exactly one of
+    ``budget_bits``, ``budgets`` and ``max_kld`` (``budget_list``)."""
     target, given = canonical_target(target), dict(given or {})
     engine = target != "kvlens"
     unread = sorted(k for k in given if (ENGINE if engine else PER_LAYER) not in readers(k))
@@ -151,9 +148,8 @@ def check_request(request: RecommendRequest) -> None:
 
 def recommend_run(request: RecommendRequest, *, save: Callable | None = None,
                   progress=None, log: LogFn | None = None) -> LayerAnswer | EngineAnswer:
-    """Answer ``request``: the per-layer recommendation(s) (``LayerAnswer``) or the engine
-    setting (``EngineAnswer``). ``save(recommendation, output)`` is called for each config as
-    soon as it is chosen (before a validation); ``progress(done, total, what)`` follows the
+    """Answer ``request`` (a ``LayerAnswer`` or an ``EngineAnswer``). ``save(rec, output)`` is
+    called for each config as soon as it is chosen; ``progress(done, total, what)`` follows the
     measurement; ``log`` receives the messages for the user."""
     say = log or (lambda _msg: None)
     check_request(request)

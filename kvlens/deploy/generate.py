@@ -32,9 +32,7 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct (embedded)"  # what no --model loads
 @dataclass(frozen=True)
 class GenerateRequest:
     """What ``kvlens generate`` is asked: the caches to compare (``settings``), the evaluation
-    (``options``), the model (a ``--model`` spec; None: the embedded default) and where it goes
-    (``place``: ``load_model``'s ``dtype``, ``device``, ``device_map``, ``max_memory``,
-    ``offload_folder``)."""
+    (``options``), the model (None: the embedded default) and ``load_model``'s ``place``."""
 
     settings: Settings
     options: EvalOptions
