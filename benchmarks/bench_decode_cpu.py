@@ -50,7 +50,7 @@ def mixed_3bit(num_layers: int):
 
 
 def _fillable(config) -> bool:
-    m = config.mikv
+    m = config.protect
     pre = any(s.pre_rope_keys for s in (config.default, *config.layers.values()))
     heavy = m is not None and getattr(m.importance, "heavy_fraction", 0) > 0
     return not pre and (m is None or (not heavy and m.balancer != "online"))

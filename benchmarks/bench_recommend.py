@@ -8,7 +8,7 @@ machine). A benchmark, not a test: run it by hand on a quiet machine.
 
     python benchmarks/bench_recommend.py                     # embedded SmolLM2, budget 3.0
     python benchmarks/bench_recommend.py --model gemma-3-270m-Q4_K_M.gguf
-    python benchmarks/bench_recommend.py --extra=--thorough  # today's full search, for contrast
+    python benchmarks/bench_recommend.py --extra="--set mikv=on"  # with the MiKV experiment
 """
 
 from __future__ import annotations

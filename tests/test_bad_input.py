@@ -158,16 +158,16 @@ ROWS = [
     ("recommend {cap} --target tgi -b 9", "Unknown --target 'tgi'", 1),
     ("recommend {cap} -b 3 --set sensitivity=uniform --set retrieval=off --model {model}",
      "no model is loaded here", 1),
-    ("recommend {cap} -b 3 --set mikv-bits=4", "add --thorough", 1),
-    ("recommend {cap} -b 3 --thorough --set mikv=off --set mikv-fractions=0.1",
-     "--set mikv-fractions: read by MiKV candidates", 1),
+    ("recommend {cap} -b 3 --set mikv-bits=4", "--set mikv-bits: read by --set mikv=on, not by "
+     "a run without it; add --set mikv=on, or drop it.", 1),
+    ("recommend {cap} -b 3 --set mikv=off --set mikv-fractions=0.1",
+     "--set mikv-fractions: read by --set mikv=on, not by --set mikv=off", 1),
+    ("recommend {cap} -b 3 --thorough", "No such option: --thorough", 2),
     ("recommend {cap} -b 3 --set balancer=off --set balancer-exponent=0.3",
      "not by --set balancer=off, which removes them", 1),
-    ("recommend {cap} -b 3 --thorough --set prefer-fast=on", "--thorough: read by the torch "
-     "decode path (MiKV candidates are not read by the fused kernel), not by --set "
+    ("recommend {cap} -b 3 --set prefer-fast=on --set mikv=on", "--set mikv: read by the torch "
+     "decode path (research twins are not read by the fused kernel), not by --set "
      "prefer-fast=on", 1),
-    ("recommend {cap} -b 3 --set prefer-fast=on --set mikv=on",
-     "--set mikv: read by the torch decode path", 1),
     ("recommend {cap} -b 3 --set gear=on", "--set: unknown lever 'gear'; allowed: mikv", 1),
     ("recommend {cap} -b 3 --retrieval-prompts 2", "--retrieval-prompts: read by --validate", 1),
     ("recommend {cap} -b 3 --set sensitivity=model --set layout-tokens=256",
@@ -196,7 +196,6 @@ ROWS = [
     ("recommend {cap} -b 3 --set flush=8 --set flush=16", "given twice", 1),
     ("recommend {cap} --target vllm -b 9 --set mikv=on",
      "--set mikv: read by --target kvlens", 1),
-    ("recommend {cap} -b 3 --thorough --target vllm", "--thorough: read by --target kvlens", 1),
     # generate: presets, configs, texts, outputs, the model's options
     ("generate --preset kivi-9 --prompt x", "Unknown preset 'kivi-9'", 1),
     # an engine-setting error lists the grammar with brackets: printed, not eaten as markup

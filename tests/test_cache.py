@@ -14,7 +14,7 @@ from kvlens.cache import compressed_attention, memory_report
 from kvlens.cache.backend import select_backend
 from kvlens.cache.layer import CompressedLayer
 from kvlens.cache.torch_read import packed_attention
-from kvlens.config import KVConfig, LayerKV, MikvSettings, preset
+from kvlens.config import KVConfig, LayerKV, ProtectSettings, preset
 from kvlens.errors import BackendError, ConfigError
 from kvlens.layouts import layout_of
 from kvlens.layouts.packed import PackedTensor
@@ -174,7 +174,7 @@ def test_mikv_high_precision_tokens_replace_their_low_bit_copies():
     b, hq, hkv, d, total = 1, 4, 2, 16, 40
     spec = QuantSpec(2, "per-token", 8)
     mikv = mikv_settings(heavy_fraction=0.25, sink_tokens=2, balancer="off")
-    layer = CompressedLayer(LayerKV(spec, spec, 8), 0, d, mikv=mikv, session=stub_session())
+    layer = CompressedLayer(LayerKV(spec, spec, 8), 0, d, protect=mikv, session=stub_session())
     k, v = torch.randn(b, hkv, total, d), torch.randn(b, hkv, total, d)
     for t in range(total):
         layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
@@ -275,9 +275,9 @@ def test_folded_reads_every_layout_equal_reference(name, total, flush):
     b, hq, hkv, d = 2, 6, 2, 32
     kspec, vspec = LAYOUTS[name]
     bal = torch.rand(hkv, d) + 0.5 if name.startswith("ktok16bal") else None
-    mikv = MikvSettings(0, "fixed") if bal is not None else None
+    mikv = ProtectSettings(0, "fixed") if bal is not None else None
     setting = LayerKV(kspec, vspec, residual_tokens=32, flush_tokens=flush)
-    layer = CompressedLayer(setting, 0, d, mikv=mikv, balancer=bal, session=stub_session())
+    layer = CompressedLayer(setting, 0, d, protect=mikv, balancer=bal, session=stub_session())
     k = torch.randn(b, hkv, total, d)
     k[..., 3] *= 10  # an outlier channel
     v = torch.randn(b, hkv, total, d)

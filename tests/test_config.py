@@ -24,7 +24,7 @@ from kvlens.config import (
     VERSION,
     KVConfig,
     LayerKV,
-    MikvSettings,
+    ProtectSettings,
     config_from_dict,
     load_config,
     save_config,
@@ -47,7 +47,7 @@ def _valid_configs() -> list[dict]:
                                           "kivi-2-sinks", "per-token-2-rot")]
     out.append(KVConfig("overrides", kivi.default,
                         {0: LayerKV(), 3: LayerKV(spec, spec, 64, flush_tokens=32)},
-                        mikv=mikv_settings(0.1, 4, "fixed", layers=(1, 3)),
+                        protect=mikv_settings(0.1, 4, "fixed", layers=(1, 3)),
                         balancers={1: ((1.0, 2.0), (0.5, 4.0))}, scale_dtype="8bit",
                         rotation_seed=7,
                         model={"num_layers": 4, "head_dim": 64, "num_key_value_heads": 2},
@@ -95,10 +95,10 @@ LAYER = {"key": {"object", "null"}, "value": {"object", "null"},
          "residual_tokens": {"int"}, "flush_tokens": {"int"}, "pre_rope_keys": {"bool"},
          "rotate_keys": {"bool"}, "rotate_values": {"bool"}, "key_format": {"str", "null"},
          "value_format": {"str", "null"}}
-MIKV = {"heavy_fraction": NUMBER, "sink_tokens": {"int"}, "balancer": {"str"},
-        "balancer_exponent": NUMBER, "set_bits": {"int", "null"}, "layers": {"list", "null"}}
+PROTECT = {"sink_tokens": {"int"}, "balancer": {"str"}, "balancer_exponent": NUMBER}
+IMPORTANCE = {"heavy_fraction": NUMBER, "set_bits": {"int", "null"}, "layers": {"list", "null"}}
 TOP = {"format": {"str"}, "version": {"int"}, "name": {"str"}, "description": {"str", "null"},
-       "default": {"object"}, "layers": {"object", "null"}, "mikv": {"object", "null"},
+       "default": {"object"}, "layers": {"object", "null"}, "protect": {"object", "null"},
        "balancers": {"object", "null"}, "scale_dtype": {"str"},
        "fp_dtype": {"str"}, "rotation_seed": {"int", "null"}, "model": {"object", "null"},
        "kv_scales": {"object", "null"}, "engine_attention": {"str", "null"}}
@@ -120,10 +120,11 @@ def _typed_fields(doc: dict):
                 for key, kinds in SPEC.items():
                     if key in layer[tensor]:
                         yield (*base, tensor, key), kinds
-    if isinstance(doc.get("mikv"), dict):
-        for key, kinds in MIKV.items():
-            if key in doc["mikv"]:
-                yield ("mikv", key), kinds
+    for section, keys in (("protect", PROTECT), ("importance", IMPORTANCE)):
+        if isinstance(doc.get(section), dict):
+            for key, kinds in keys.items():
+                if key in doc[section]:
+                    yield (section, key), kinds
 
 
 def _get(doc, path):
@@ -263,9 +264,9 @@ def test_bad_layer_indices_are_refused(doc, section, key):
 def test_bad_mikv_layer_lists_are_refused(layers):
     assume(not (isinstance(layers, list) and all(_kind(x) == "int" and x >= 0 for x in layers)
                 and len(set(layers)) == len(layers)) and layers is not None)
-    doc = VALID[6]  # uses mikv.layers
-    with pytest.raises(ConfigError, match="mikv.layers"):
-        config_from_dict(_set(doc, ("mikv", "layers"), layers))
+    doc = VALID[6]  # uses importance.layers
+    with pytest.raises(ConfigError, match="importance.layers"):
+        config_from_dict(_set(doc, ("importance", "layers"), layers))
 
 
 @FAST
@@ -352,9 +353,8 @@ def test_validate_for_refuses_bad_layer_indices_with_config_error(
         num_layers, head_dim, kv_heads, overrides, mikv_layers, balancer_layers, scale_layers):
     doc = {"format": FORMAT, "version": VERSION, "name": "x", "default": VALID[1]["default"],
            "layers": {str(i): {"key": None} for i in overrides},
-           "mikv": {"heavy_fraction": 0.1, "sink_tokens": 4,
-                    "balancer": "fixed" if balancer_layers else "off",
-                    "layers": mikv_layers},
+           "protect": {"sink_tokens": 4, "balancer": "fixed" if balancer_layers else "off"},
+           "importance": {"heavy_fraction": 0.1, "layers": mikv_layers},
            "balancers": {str(i): [[1.0] * head_dim] * kv_heads for i in balancer_layers}
            or None}
     cfg = config_from_dict(doc)
@@ -363,7 +363,7 @@ def test_validate_for_refuses_bad_layer_indices_with_config_error(
                        kv_scales={i: {"key": (1.0,)} for i in scale_layers})
     info = ModelShape(num_layers, kv_heads, kv_heads, head_dim, architecture="Synthetic")
     used = set(cfg.layers) | set(cfg.balancers) | set(cfg.kv_scales) | set(
-        (cfg.mikv.importance.layers if cfg.mikv and cfg.mikv.importance else None) or ())
+        (cfg.protect.importance.layers if cfg.protect and cfg.protect.importance else None) or ())
     try:
         validate_for(cfg, info)
     except ConfigError as exc:
@@ -423,7 +423,7 @@ def test_codebook_keys_set_the_key_rotation():
                           "default: write_before_attention codes every token at once"),
                          (dict(layers={2: LayerKV(None, QuantSpec(4, "per-token"), 8)}),
                           "layer 2: write_before_attention .* residual_tokens=8, allowed: 0"),
-                         (dict(mikv=MikvSettings(4, "off")), "cannot be combined with 'mikv'"),
+                         (dict(protect=ProtectSettings(4, "off")), "cannot be combined with 'protect'"),
                          (dict(write_before_attention=1), "allowed: true, false")):
         with pytest.raises(ConfigError, match=message):
             replace(first, **bad)
@@ -439,7 +439,7 @@ V4_FILE = """{"format": "kvlens.kvconfig", "version": 4, "name": "cb", "descript
    "symmetric": false}, "value": {"version": 1, "bits": 2, "codebook": "fitted",
    "rotation": {"version": 1, "seed": null}, "renormalize": true}, "residual_tokens": 32,
    "flush_tokens": 0, "pre_rope_keys": false, "rotate_keys": false, "rotate_values": true},
- "layers": {}, "mikv": null, "balancers": null, "scale_dtype": "8bit", "fp_dtype": "float16",
+ "layers": {}, "protect": null, "balancers": null, "scale_dtype": "8bit", "fp_dtype": "float16",
  "rotation_seed": null, "model": null, "codebooks": {"0": {"value": [-1.5, -0.5, 0.5, 1.5]}}}"""
 V5_FILE = """{"format": "kvlens.kvconfig", "version": 5, "name": "centred", "description": "",
  "default": {"key": {"version": 1, "bits": 2, "granularity": "per-token", "group_size": 32,
@@ -448,7 +448,7 @@ V5_FILE = """{"format": "kvlens.kvconfig", "version": 5, "name": "centred", "des
    "pre_rope_keys": false, "rotate_keys": false, "rotate_values": false, "center_keys": true},
  "layers": {"1": {"key": {"version": 1, "bits": 2, "codebook": "weighted", "rotation": {
    "version": 1, "seed": null}, "renormalize": true}, "center_keys": false}},
- "mikv": null, "balancers": null, "scale_dtype": "float16", "fp_dtype": "float16",
+ "protect": null, "balancers": null, "scale_dtype": "float16", "fp_dtype": "float16",
  "rotation_seed": null, "model": null, "codebooks": {"1": {"key": [-1.5, -0.5, 0.5, 1.5]}},
  "key_means": {"0": [[0.5, -0.25], [1.0, 2.0]]}}"""
 REMOVED_CB = (r"removed from kvlens by issue #57 \(a negative result, "
@@ -548,6 +548,22 @@ V2_GEAR_FILE = """{"format": "kvlens.kvconfig", "version": 2, "name": "gear-2", 
  "rotation_seed": null, "model": null}"""
 REMOVED_GEAR = (r"GEAR was removed from kvlens by issue #57 \(a negative result, "
                 r"docs/lab-notes/gear-mikv\.md\)")
+
+
+def test_the_old_section_name_is_refused_naming_the_new_keys():
+    """The sinks-and-balancer section was called ``mikv`` before issue #57 named it
+    ``protect``; a file with the old name is refused saying what to rename (``null`` asks for
+    nothing), and the research importance set is its own key."""
+    doc = PRESETS["kivi-2-sinks"].to_dict()
+    old = {k: v for k, v in doc.items() if k != "protect"} | {"mikv": doc["protect"]}
+    with pytest.raises(ConfigError, match="'mikv' section was renamed 'protect'"):
+        config_from_dict(old)
+    assert config_from_dict(doc | {"mikv": None}) == PRESETS["kivi-2-sinks"]
+    mikv = PRESETS["mikv-2-int4"].to_dict()
+    assert mikv["importance"] == {"heavy_fraction": 0.2, "set_bits": 4}
+    assert set(mikv["protect"]) == {"sink_tokens", "balancer", "balancer_exponent"}
+    with pytest.raises(ConfigError, match="'importance' needs a 'protect' section"):
+        config_from_dict(mikv | {"protect": None})
 
 
 def test_a_gear_config_is_refused_naming_the_removal(tmp_path):

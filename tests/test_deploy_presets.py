@@ -219,7 +219,7 @@ def test_vllm_turboquant_settings_code_keys_with_a_codebook(name, kbits, vbits):
                                           renormalize=True)
     assert cfg.default.value == QuantSpec(vbits, "per-token") and cfg.default.rotate_keys
     assert not cfg.default.rotate_values and cfg.default.residual_tokens == 0
-    assert cfg.scale_dtype == "float16" and cfg.fp_dtype == "float16" and cfg.mikv is None
+    assert cfg.scale_dtype == "float16" and cfg.fp_dtype == "float16" and cfg.protect is None
     assert cfg.write_before_attention  # a forward after the first reads its tokens compressed
     assert sorted(cfg.layers) == [0, 1, 28, 29]
     assert all(not lk.compressed for lk in cfg.layers.values())

@@ -81,7 +81,7 @@ def test_parse_evals():
 def test_config_json_round_trip_with_overrides(tmp_path):
     data = preset("mikv-2").to_dict()
     data["layers"] = {"0": {"key": None}, "2": {"residual_tokens": 64}}
-    data["mikv"]["balancer"] = "fixed"
+    data["protect"]["balancer"] = "fixed"
     data["balancers"] = {"1": [[1.0] * 16, [2.0] * 16]}
     cfg = config_from_dict(data)
     assert cfg.layer(0).key is None and cfg.layer(0).value == cfg.default.value
@@ -102,7 +102,7 @@ def test_config_json_round_trip_with_overrides(tmp_path):
      "allowed: per-token, per-channel, per-tensor"),
     (lambda d: d["default"].update(residual_tokens=-1), "residual_tokens"),
     (lambda d: d.update(layers={"x": {}}), "not a layer index"),
-    (lambda d: d.update(mikv={"balancer": "sometimes"}), "allowed: off, online, fixed"),
+    (lambda d: d.update(protect={"balancer": "sometimes"}), "allowed: off, online, fixed"),
 ])
 def test_malformed_configs_raise_clear_errors(mutate, message):
     data = preset("kivi-2").to_dict()

@@ -15,7 +15,7 @@ from kvlens.analysis.metrics import (
     streaming_exact_mask,
 )
 from kvlens.cache.layer import CompressedLayer
-from kvlens.config import LayerKV, MikvSettings
+from kvlens.config import LayerKV, ProtectSettings
 from kvlens.model.shape import ModelShape
 from kvlens.quant import QuantSpec, fake_quantize
 from kvlens.research.heavy_hitters import set_membership, set_reconstruction
@@ -55,7 +55,7 @@ def test_simulated_set_and_output_follow_the_cache_layer(case):
     mikv = mikv_settings(heavy, sinks, "fixed" if balanced else "off", set_bits=bits)
     bal = (1.0 + torch.rand(hkv, d, generator=g)) if balanced else None
     layer = CompressedLayer(LayerKV(spec_k, spec_v, residual, flush_tokens=flush), 0, d,
-                            fp_dtype="float32", mikv=mikv, balancer=bal, session=_Session())
+                            fp_dtype="float32", protect=mikv, balancer=bal, session=_Session())
     cache_sets, cache_out = decode_one_by_one(layer, q, k, v, scaling)
 
     k_read = fake_quantize(k * bal[None, :, None], spec_k) / bal[None, :, None] if balanced \
@@ -106,26 +106,26 @@ def test_mikv_layers_round_trip_and_bad_input():
 
     s = QuantSpec
     base = KVConfig("partial-mikv", LayerKV(s(2, "per-channel", 8), s(2, "per-token", 8), 16),
-                    mikv=mikv_settings(0.2, 4, "off", set_bits=4, layers=[2, 0]))
-    assert base.mikv.importance.layers == (0, 2)
-    assert base.mikv_for(0) == base.mikv and base.mikv_for(2) == base.mikv
+                    protect=mikv_settings(0.2, 4, "off", set_bits=4, layers=[2, 0]))
+    assert base.protect.importance.layers == (0, 2)
+    assert base.protect_for(0) == base.protect and base.protect_for(2) == base.protect
     # a layer not listed keeps only the sinks, at fp_dtype
-    assert base.mikv_for(1) == MikvSettings(4, "off")
+    assert base.protect_for(1) == ProtectSettings(4, "off")
     doc = base.to_dict()
-    assert doc["mikv"]["layers"] == [0, 2]
+    assert doc["importance"]["layers"] == [0, 2]
     assert config_from_dict(json.loads(json.dumps(doc))) == base
     # null: every compressed layer keeps heavy hitters, and the list is not written
-    plain = KVConfig("all", base.default, mikv=mikv_settings(0.2, 4, "off"))
-    assert "layers" not in plain.to_dict()["mikv"]
-    assert plain.mikv_for(1) == plain.mikv
+    plain = KVConfig("all", base.default, protect=mikv_settings(0.2, 4, "off"))
+    assert "layers" not in plain.to_dict()["importance"]
+    assert plain.protect_for(1) == plain.protect
     for bad in ([1, 1], [-1], "0", [True], [0.5]):
-        with pytest.raises(ConfigError, match=r"mikv.layers .*allowed: null \(every compressed "
+        with pytest.raises(ConfigError, match=r"importance.layers .*allowed: null \(every compressed "
                                               "layer\\) or a list of distinct"):
             mikv_settings(0.2, 4, "off", layers=bad)
     with pytest.raises(ConfigError, match="heavy_fraction is 0"):
         mikv_settings(0.0, 4, "off", layers=[0])
     with pytest.raises(ConfigError, match=r"unknown keys \[.layer.\]; allowed: .*heavy_fraction"):
-        config_from_dict(doc | {"mikv": doc["mikv"] | {"layer": [0]}})
+        config_from_dict(doc | {"importance": doc["importance"] | {"layer": [0]}})
 
 
 def test_mikv_layers_beyond_the_model_are_refused():
@@ -137,8 +137,8 @@ def test_mikv_layers_beyond_the_model_are_refused():
 
     s = QuantSpec
     cfg = KVConfig("x", LayerKV(s(2, "per-channel", 8), s(2, "per-token", 8), 16),
-                   mikv=mikv_settings(0.2, 4, "off", layers=[1, 7]))
-    with pytest.raises(ConfigError, match=r"mikv.layers \[7\].*allowed indices: 0-2"):
+                   protect=mikv_settings(0.2, 4, "off", layers=[1, 7]))
+    with pytest.raises(ConfigError, match=r"importance.layers \[7\].*allowed indices: 0-2"):
         validate_for(cfg, describe(tiny_model("llama")))
 
 
@@ -155,7 +155,7 @@ def test_sets_on_some_layers_hold_what_the_layout_predicts():
     default = LayerKV(s(2, "per-channel", 8), s(2, "per-token", 8), 16, flush_tokens=8)
     config = KVConfig("partial-mikv", default, {2: LayerKV(s(4, "per-token", 8),
                                                            s(2, "per-channel", 8), 16)},
-                      mikv=mikv_settings(0.2, 3, "off", set_bits=4, layers=[1]))
+                      protect=mikv_settings(0.2, 3, "off", set_bits=4, layers=[1]))
     model = _model()
     shape = _shape(model)
     ids = torch.randint(3, 128, (1, 120), generator=torch.Generator().manual_seed(4))
@@ -233,17 +233,17 @@ def test_recommend_puts_a_set_where_the_heavy_hitters_are(tmp_path):
     assert m.tables[0][twin, s][0] < 0.3 * m.tables[0][plain, s][0]
     assert m.tables[1][twin, s][0] > 0.7 * m.tables[1][plain, s][0]
     rec = choose(m, opts)
-    assert rec.config.mikv.importance.layers == (0,) and rec.mean_bits <= opts.budget_bits
+    assert rec.config.protect.importance.layers == (0,) and rec.mean_bits <= opts.budget_bits
     assert [set_of(ch.candidate) is not None for ch in rec.choices] == [True, True, False, False]
-    assert rec.config.mikv.importance.set_bits == set_of(rec.choices[0].candidate)[0]
-    assert rec.config.mikv.importance.heavy_fraction == set_of(rec.choices[0].candidate)[1]
+    assert rec.config.protect.importance.set_bits == set_of(rec.choices[0].candidate)[0]
+    assert rec.config.protect.importance.heavy_fraction == set_of(rec.choices[0].candidate)[1]
     assert config_bits(rec.config, m.meta.shape, opts.context) == pytest.approx(
         rec.mean_bits)
     assert "without a set" in rec.notes[-1]
     # too tight for a set; switched off; --prefer-fast: no set
-    assert choose(m, replace(opts, budget_bits=3.6)).config.mikv is None
+    assert choose(m, replace(opts, budget_bits=3.6)).config.protect is None
     for off in (replace(opts, extensions=()), replace(opts, prefer_fast=True)):
-        assert choose(m, off).config.mikv is None
+        assert choose(m, off).config.protect is None
 
 
 def test_set_candidates_are_priced_by_the_layout():
@@ -275,23 +275,23 @@ def test_bad_set_widths_and_fractions_name_the_allowed_values(tmp_path):
     with pytest.raises(InputError, match=r"allowed: fractions in \(0, 0.5\]"):
         _opts(extensions=(MikvSets(fractions=(0.2, 0.7)),))
     path = _heavy_capture(tmp_path / "h.h5")
-    res = CliRunner().invoke(app, ["recommend", str(path), "-b", "4", "--thorough",
+    res = CliRunner().invoke(app, ["recommend", str(path), "-b", "4", "--set", "mikv=on",
                                    "--set", "mikv-bits=2"])
     assert res.exit_code == 1 and "allowed: 4, 8" in res.output
-    res = CliRunner().invoke(app, ["recommend", str(path), "-b", "4", "--thorough",
+    res = CliRunner().invoke(app, ["recommend", str(path), "-b", "4", "--set", "mikv=on",
                                    "--set", "mikv-fractions=x"])
     assert res.exit_code == 1 and "expected float,..." in res.output
-    # MiKV candidates belong to the full search: asking for them without it is refused
+    # MiKV candidates are an experiment: their settings without the switch are refused
     res = CliRunner().invoke(app, ["recommend", str(path), "-b", "4", "--set", "mikv-bits=4"])
-    assert res.exit_code == 1 and "add --thorough" in res.output
+    assert res.exit_code == 1 and "add --set mikv=on" in res.output
     res = CliRunner().invoke(app, ["recommend", str(path), "-b", "4.2", "--set", "bits=2",
                                    "--set", "group-sizes=32", "--set", "sinks=0", "--set", "rotation=off",
                                    "--set", "balancer=off", "--set", "sensitivity=uniform", "--set",
-                                   "retrieval=off", "--thorough", "--set", "mikv=off", "--windows", "128", "--json"])
+                                   "retrieval=off", "--set", "mikv=off", "--windows", "128", "--json"])
     assert res.exit_code == 0, res.output
     import json
 
-    assert json.loads(res.stdout)["config"]["mikv"] is None
+    assert json.loads(res.stdout)["config"]["protect"] is None
 
 
 def test_recommended_sets_run_in_generate_and_hold_the_priced_bytes(tmp_path):
@@ -314,7 +314,7 @@ def test_recommended_sets_run_in_generate_and_hold_the_priced_bytes(tmp_path):
     opts = _opts(budget_bits=16.0, context=512, residual_tokens=32, flush_tokens=32,
                  sink_tokens=2, layer_weights=(1.0, 0.0, 1.0))
     rec = choose(measure(cap, opts), opts)
-    assert rec.config.mikv.importance.layers == (0, 2)
+    assert rec.config.protect.importance.layers == (0, 2)
     save_config(rec.config, tmp_path / "cfg.json")
     cfg = load_config(tmp_path / "cfg.json")
     assert cfg == rec.config

@@ -35,7 +35,7 @@ from kvlens.cache import compressed_attention  # noqa: E402
 from kvlens.cache.layer import CompressedLayer  # noqa: E402
 from kvlens.cache.torch_read import packed_attention  # noqa: E402
 from kvlens.cache.triton_glue import kernel_layout_problem, triton_decode  # noqa: E402
-from kvlens.config import KVConfig, LayerKV, MikvSettings  # noqa: E402
+from kvlens.config import KVConfig, LayerKV, ProtectSettings  # noqa: E402
 from kvlens.config.engine import TurboQuantSetting  # noqa: E402
 from kvlens.model.hooks import cache_argument_name  # noqa: E402
 from kvlens.quant import (  # noqa: E402
@@ -244,8 +244,8 @@ def test_kernel_reads_a_codebook_layer_like_the_torch_path(kspec, vspec, residua
     with transformers' bool and additive masks (row 1 left-padded)."""
     d, hkv, total = 32, 1, 83
     rot = hadamard_rotation(d, None)
-    mikv = MikvSettings(sinks, "off") if sinks else None
-    layer = _filled_layer(LayerKV(kspec, vspec, residual), d, hkv, total, rot, mikv=mikv)
+    mikv = ProtectSettings(sinks, "off") if sinks else None
+    layer = _filled_layer(LayerKV(kspec, vspec, residual), d, hkv, total, rot, protect=mikv)
     assert layer.quantized_length > 0 and layer.has_hp == bool(sinks)
     assert kernel_layout_problem(layer.setting, d) is None
     q = layer.to_stored_basis(torch.randn(2, 3 * hkv, 1, d), layer.setting.rotate_keys)

@@ -22,7 +22,7 @@ from kvlens.cache.backend import select_backend  # noqa: E402
 from kvlens.cache.layer import CompressedLayer  # noqa: E402
 from kvlens.cache.torch_read import packed_attention  # noqa: E402
 from kvlens.cache.triton_glue import triton_decode, triton_unsupported  # noqa: E402
-from kvlens.config import LayerKV, MikvSettings, preset  # noqa: E402
+from kvlens.config import LayerKV, ProtectSettings, preset  # noqa: E402
 from kvlens.errors import BackendError  # noqa: E402
 from kvlens.model.hooks import cache_argument_name  # noqa: E402
 from kvlens.quant import QuantSpec  # noqa: E402
@@ -34,7 +34,7 @@ KEYS, VALUES = QuantSpec(2, "per-channel", 16), QuantSpec(2, "per-token", 16)
 def _config(flush=0, sinks=0):
     cfg = preset("kivi-2")
     return replace(cfg, default=LayerKV(KEYS, VALUES, residual_tokens=32, flush_tokens=flush),
-                   mikv=MikvSettings(sinks, "off") if sinks else None)
+                   protect=ProtectSettings(sinks, "off") if sinks else None)
 
 
 def _generate(model, ids, mask, backend, n, config=None):
@@ -84,7 +84,7 @@ def test_kernel_reads_mikv_set_and_balancer_like_the_torch_path(fp):
     b, hq, hkv, d, total = 2, 4, 2, 16, 75
     mikv = mikv_settings(heavy_fraction=0.1, sink_tokens=2, balancer="fixed")
     bal = torch.rand(hkv, d) + 0.5
-    layer = CompressedLayer(LayerKV(KEYS, VALUES, 16), 0, d, mikv=mikv, balancer=bal,
+    layer = CompressedLayer(LayerKV(KEYS, VALUES, 16), 0, d, protect=mikv, balancer=bal,
                             session=SimpleNamespace(active=True, rope={}), fp_dtype=fp)
     k, v = torch.randn(b, hkv, total, d), torch.randn(b, hkv, total, d)
     layer.update(k[:, :, :40], v[:, :, :40])

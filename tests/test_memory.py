@@ -29,7 +29,7 @@ from kvlens.config import (
     PRESETS,
     KVConfig,
     LayerKV,
-    MikvSettings,
+    ProtectSettings,
     config_from_dict,
 )
 from kvlens.deploy import engine_config
@@ -64,7 +64,7 @@ def _mixed() -> KVConfig:
     layers = {1: LayerKV(s(3, "per-token", 8), s(4, "per-channel", 16), R),
               2: LayerKV(s(3, "per-channel", 8), s(3, "per-token", 16), R, pre_rope_keys=True,
                          flush_tokens=8)}
-    return KVConfig("mixed", default, layers, mikv=MikvSettings(4, "fixed"),
+    return KVConfig("mixed", default, layers, protect=ProtectSettings(4, "fixed"),
                     balancers={1: ((1.5,) * 16, (0.5,) * 16)})
 
 
@@ -268,14 +268,14 @@ def test_fp_dtype_float8_halves_the_window_and_sets(name):
 def test_config_fields_are_honoured_or_refused():
     # balancers without a balancer mode that reads them
     doc = KVConfig("x", LayerKV(QuantSpec(2, "per-token", 8), QuantSpec(2, "per-token", 8), R),
-                   mikv=MikvSettings(4, "fixed"), balancers={0: ((1.0,) * 16,) * 2}
+                   protect=ProtectSettings(4, "fixed"), balancers={0: ((1.0,) * 16,) * 2}
                    ).to_dict()
     for mode in ("off", "online"):
-        bad = {**doc, "mikv": {**doc["mikv"], "balancer": mode}}
+        bad = {**doc, "protect": {**doc["protect"], "balancer": mode}}
         with pytest.raises(ConfigError, match="'balancers'.*allowed: off, online, fixed"):
             config_from_dict(bad)
-    with pytest.raises(ConfigError, match="no 'mikv' section"):
-        config_from_dict({**doc, "mikv": None})
+    with pytest.raises(ConfigError, match="no 'protect' section"):
+        config_from_dict({**doc, "protect": None})
     with pytest.raises(ConfigError, match="fp_dtype 'half'; allowed: float16, bfloat16"):
         config_from_dict({**doc, "fp_dtype": "half"})
 
@@ -286,7 +286,7 @@ def test_online_balancer_uses_its_exponent():
     bals = {}
     for e in (0.5, 1.0):
         cfg = replace(_scaled(PRESETS["mikv-2"]),
-                      mikv=mikv_settings(0.2, 4, "online", balancer_exponent=e))
+                      protect=mikv_settings(0.2, 4, "online", balancer_exponent=e))
         with torch.no_grad(), compressed_attention(model, cfg) as session:
             cache = session.new_cache()
             model(ids, use_cache=True, **{cache_argument_name(model): cache})

@@ -239,7 +239,7 @@ def test_streaming_mask_matches_the_real_cache_layer(residual, flush, sinks):
     """n_q(i) from the formula equals the compressed layer's quantized length at step i."""
     from kvlens.analysis.metrics import streaming_exact_mask
     from kvlens.cache.layer import CompressedLayer
-    from kvlens.config import LayerKV, MikvSettings
+    from kvlens.config import LayerKV, ProtectSettings
     from kvlens.quant import QuantSpec
 
     class Session:
@@ -248,7 +248,7 @@ def test_streaming_mask_matches_the_real_cache_layer(residual, flush, sinks):
 
     spec = QuantSpec(2, "per-token", 4)
     layer = CompressedLayer(LayerKV(spec, spec, residual, flush_tokens=flush), 0, 8,
-                            mikv=MikvSettings(sinks, "off") if sinks else None,
+                            protect=ProtectSettings(sinks, "off") if sinks else None,
                             session=Session())
     t = 30
     mask = streaming_exact_mask(t, residual, flush, sinks)

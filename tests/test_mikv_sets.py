@@ -34,7 +34,7 @@ def test_mikv_set_bits_are_validated():
         with pytest.raises(ConfigError, match=r"allowed: null \(the set at fp_dtype\), 4, 8"):
             mikv_settings(0.2, 4, "off", set_bits=bad)
     data = PRESETS["mikv-2-int4"].to_dict()
-    assert data["mikv"]["set_bits"] == 4
+    assert data["importance"]["set_bits"] == 4
     assert config_from_dict(data) == PRESETS["mikv-2-int4"]
 
 
@@ -60,7 +60,7 @@ def test_mikv_set_at_a_bit_width_is_what_attention_reads(set_bits):
     b, hq, hkv, d, total = 1, 4, 2, 32, 60
     spec = QuantSpec(2, "per-token", 8)
     mikv = mikv_settings(heavy_fraction=0.25, sink_tokens=2, balancer="off", set_bits=set_bits)
-    layer = CompressedLayer(LayerKV(spec, spec, 8), 0, d, mikv=mikv, session=stub_session())
+    layer = CompressedLayer(LayerKV(spec, spec, 8), 0, d, protect=mikv, session=stub_session())
     k, v = torch.randn(b, hkv, total, d), torch.randn(b, hkv, total, d)
     for t in range(total):  # decode, choosing heavy hitters by the attention each step paid
         layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
@@ -97,7 +97,7 @@ def test_kernel_reads_an_integer_set_like_the_torch_path(set_bits):
     b, hq, hkv, d, total = 2, 4, 2, 16, 60
     mikv = mikv_settings(heavy_fraction=0.0, sink_tokens=4, balancer="off", set_bits=set_bits)
     spec_k, spec_v = QuantSpec(2, "per-channel", 16), QuantSpec(2, "per-token", 16)
-    layer = CompressedLayer(LayerKV(spec_k, spec_v, 16), 0, d, mikv=mikv, session=stub_session())
+    layer = CompressedLayer(LayerKV(spec_k, spec_v, 16), 0, d, protect=mikv, session=stub_session())
     k, v = torch.randn(b, hkv, total, d), torch.randn(b, hkv, total, d)
     k[:, :, :4] *= 6  # large sink keys: the set's codes matter
     _fill(layer, k, v, 40, hq)
@@ -110,10 +110,23 @@ def test_kernel_reads_an_integer_set_like_the_torch_path(set_bits):
     torch.testing.assert_close(out, ref, atol=3e-3, rtol=3e-3)
 
 
-def test_generate_help_names_every_preset():
+def test_generate_help_names_every_stable_preset_and_the_lab_note_the_research_ones():
+    """``--preset``'s help names every stable preset (those a fresh process has before
+    kvlens.research is imported); research presets are named in their lab note, not in help."""
     import inspect
+    import subprocess
+    import sys
+    from pathlib import Path
 
     from kvlens.cli.generate import generate
 
     text = inspect.signature(generate).parameters["preset_name"].default.help
-    assert [p for p in PRESETS if p not in text] == []
+    stable = subprocess.run([sys.executable, "-c", "from kvlens.config.presets import PRESETS; "
+                             "print(' '.join(PRESETS))"], capture_output=True, text=True,
+                            check=True).stdout.split()
+    research = [p for p in PRESETS if p not in stable]
+    assert "kivi-2" in stable and "mikv-2" in research
+    assert [p for p in stable if p not in text] == []
+    assert [p for p in research if p in text] == []
+    note = (Path(__file__).resolve().parents[1] / "docs/lab-notes/gear-mikv.md").read_text()
+    assert [p for p in research if f"`{p}`" not in note] == []

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from kvlens.capture.run import capture_model
 from kvlens.capture.store import CaptureMeta
 from kvlens.cli import app
-from kvlens.config import MikvSettings, load_config, save_config
+from kvlens.config import ProtectSettings, load_config, save_config
 from kvlens.errors import InputError
 from kvlens.model.shape import ModelShape
 from kvlens.recommend import (
@@ -408,7 +408,7 @@ def test_config_bits_matches_the_budget_accounting(tmp_path):
         (3.0 * 4096 + 16 * 128) / 4096)
     assert config_bits(preset("fp16"), shape, 4096) == 16.0
     # sink tokens: 16-bit K and V copies plus an int32 position per token and KV head
-    sinks = replace(preset("kivi-2"), mikv=MikvSettings(4, "off"))
+    sinks = replace(preset("kivi-2"), protect=ProtectSettings(4, "off"))
     assert config_bits(sinks, shape, 4096) == pytest.approx(
         (3.0 * 4096 + 16 * 128) / 4096 + 4 * (16 + 32 / 128) / 4096)
     # a sliding-window layer counts only its window: fp16 is 16 bits of what it holds
@@ -419,7 +419,7 @@ def test_config_bits_matches_the_budget_accounting(tmp_path):
     rec = recommend(path, small_options(budget_bits=4.0, group_sizes=(32,)))
     assert config_bits(rec.config, rec_meta(path).shape,
                        rec.context) == pytest.approx(rec.mean_bits)
-    assert rec.mean_bits <= 4.0 and rec.config.mikv.sink_tokens == 4
+    assert rec.mean_bits <= 4.0 and rec.config.protect.sink_tokens == 4
     # with 8-bit group metadata the written config says so and is priced so
     rec8 = recommend(path, small_options(budget_bits=4.0, group_sizes=(32,),
                                             scale_dtype="8bit"))

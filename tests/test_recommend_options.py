@@ -90,15 +90,14 @@ def test_the_command_runs_the_library_defaults(cap, monkeypatch):
     assert res.exit_code == 1 and "stopped" in res.output, res.output
     assert seen == [RecommendOptions(budget_bits=8)]
     assert seen[0].tokens == 512 and seen[0].sensitivity == "auto"  # the derived tokens
-    res = runner.invoke(app, ["recommend", str(cap), "-b", "8", "--thorough", "--set",
+    res = runner.invoke(app, ["recommend", str(cap), "-b", "8", "--set", "mikv=on", "--set",
                               "balancer=off", "--set", "mikv-bits=4", "--windows", "128"])
     assert res.exit_code == 1, res.output
     assert seen[1] == RecommendOptions(budget_bits=8, extensions=(MikvSets(set_bits=(4,)),),
                                        balancer=False, windows=(128,))
     assert seen[1].tokens == 256  # derived from the one window
-    # a lever given with --set wins over what --thorough sets
-    res = runner.invoke(app, ["recommend", str(cap), "-b", "8", "--thorough", "--set",
-                              "mikv=off"])
+    # the switch off: no extension, whatever the order of the levers
+    res = runner.invoke(app, ["recommend", str(cap), "-b", "8", "--set", "mikv=off"])
     assert res.exit_code == 1, res.output
     assert seen[2] == RecommendOptions(budget_bits=8)  # no extension switched on
 
@@ -174,15 +173,15 @@ def test_set_list_keeps_the_knobs_of_the_default_run_apart_from_experiments():
 
 def test_the_request_is_built_from_the_options_given(cap, tmp_path):
     """``kvlens.deploy.answer.request_for``: what the command passes the library. The per-layer
-    target's options hold only what was given (the budget the measurement reads, --thorough
-    under the levers, the placement); several budgets name one output each; an engine target's
+    target's options hold only what was given (the budget the measurement reads, the levers,
+    the placement); several budgets name one output each; an engine target's
     --max-kld reaches its ``TargetOptions`` (it was dropped once: ``--target llama.cpp
     --max-kld X`` then said it needed --budget-bits or --max-kld)."""
     from kvlens.deploy.answer import request_for
 
     out = tmp_path / "kv.json"
     req = request_for(cap, "kvlens", {"budgets": "4,2.5", "output": out, "windows": "64,128",
-                                      "thorough": True, "device_map": "auto", "validate": True},
+                                      "device_map": "auto", "validate": True},
                       {"mikv": False})
     assert req.options == {"windows": (64, 128), "device_map": "auto", "budget_bits": 2.5,
                            "mikv": False}

@@ -5,6 +5,7 @@ research lever, and asking for one without the import is a clear error."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 import kvlens.research  # noqa: F401  (registers the MiKV set twins)
 from kvlens.errors import InputError
 from kvlens.recommend import Candidate, CandidateExtension, RecommendOptions, Twin
-from kvlens.recommend.extension import fold_levers, lever_fields, registered, thorough_levers
+from kvlens.recommend.extension import fold_levers, lever_fields, registered
 from kvlens.research.mikv import MikvSets, set_of, set_twin
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +27,6 @@ RESEARCH_WORDS = ("heavy_hitters", "mikv_set", "set_membership", "set_reconstruc
 def test_mikv_sets_are_a_registered_extension():
     assert registered()["mikv"] is MikvSets and isinstance(MikvSets(), CandidateExtension)
     assert {"mikv", "mikv_set_bits", "mikv_fractions"} <= set(lever_fields())
-    assert thorough_levers() == {"mikv": True}
     opts = RecommendOptions(budget_bits=3.0, extensions=("mikv",))
     assert opts == RecommendOptions(budget_bits=3.0, extensions=(MikvSets(),))
     assert [t.setting for t in opts.twin_settings()] == [(4, 0.1), (4, 0.2), (8, 0.1), (8, 0.2)]
@@ -49,14 +49,14 @@ def test_levers_fold_into_the_extension():
 
 
 def test_the_experiment_without_its_import_is_a_clear_error():
-    """A library user who asks for MiKV twins (by name, or --thorough through the request)
+    """A library user who asks for MiKV twins by name, or reads a twin (a kept measurement's),
     without importing kvlens.research is told what to import."""
     code = """
 from kvlens.errors import InputError
 from kvlens.recommend import RecommendOptions
-from kvlens.deploy.answer import request_for
+from kvlens.recommend.extension import Twin, twin_extension
 for ask in (lambda: RecommendOptions(budget_bits=3, extensions=("mikv",)),
-            lambda: request_for("x.h5", "kvlens", {"budget_bits": 3, "thorough": True})):
+            lambda: twin_extension(Twin("mikv", (4, 0.1)))):
     try:
         ask()
     except InputError as e:
@@ -76,6 +76,19 @@ def test_stable_recommend_names_no_research_lever():
         assert not found, f"{path.name} names {found}"
 
 
+def test_stable_modules_name_neither_mikv_nor_thorough():
+    """Issue #57: MiKV (its twins, its set, its levers) is reached through the research door
+    only, and ``--thorough`` is gone; the stable packages name neither, except a lab note's
+    file name and the old section name a config file is refused for (``kvlens.config.io.OLD``)."""
+    for pkg in ("config", "cache", "recommend", "deploy", "cli"):
+        for path in sorted((ROOT / "kvlens" / pkg).rglob("*.py")):
+            lines = [re.sub(r"docs/lab-notes/[\w./#-]+", "", line)
+                     for line in path.read_text().splitlines()
+                     if not line.startswith(("#", 'OLD = "mikv"'))]
+            found = {w for w in ("mikv", "thorough") for line in lines if w in line.lower()}
+            assert not found, f"{path.relative_to(ROOT)} names {sorted(found)}"
+
+
 def test_cache_and_config_name_no_heavy_hitters_and_need_the_research_import():
     """Stage 2 (issue #57): MiKV's importance set (heavy hitters, coded set rows, its layers,
     its presets) is a research set policy (``kvlens.research.sets``) plugged into the cache's
@@ -91,10 +104,10 @@ def test_cache_and_config_name_no_heavy_hitters_and_need_the_research_import():
         "from kvlens.config import config_from_dict, preset, KVConfig, LayerKV\n"
         "from kvlens.errors import ConfigError\n"
         "base = {'format': 'kvlens.kvconfig', 'version': 1, 'name': 'x', 'default': {}}\n"
-        "sinks = config_from_dict(base | {'mikv': {'heavy_fraction': 0.0, 'sink_tokens': 4,"
-        " 'balancer': 'off', 'balancer_exponent': 0.5}})\n"
-        "assert sinks.mikv.sink_tokens == 4 and sinks.mikv.importance is None\n"
-        "for bad in (lambda: config_from_dict(base | {'mikv': {'heavy_fraction': 0.2}}),"
+        "sinks = config_from_dict(base | {'protect': {'sink_tokens': 4, 'balancer': 'off',"
+        " 'balancer_exponent': 0.5}})\n"
+        "assert sinks.protect.sink_tokens == 4 and sinks.protect.importance is None\n"
+        "for bad in (lambda: config_from_dict(base | {'importance': {'heavy_fraction': 0.2}}),"
         " lambda: preset('mikv-2')):\n"
         "    try:\n"
         "        bad()\n"

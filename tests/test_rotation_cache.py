@@ -14,7 +14,7 @@ from tiny_models import tiny_model
 from kvlens.cache import compressed_attention, memory_report
 from kvlens.cache.layer import CompressedLayer
 from kvlens.cache.torch_read import packed_attention
-from kvlens.config import KVConfig, LayerKV, MikvSettings, config_from_dict, validate_for
+from kvlens.config import KVConfig, LayerKV, ProtectSettings, config_from_dict, validate_for
 from kvlens.errors import ConfigError
 from kvlens.model.hooks import cache_argument_name
 from kvlens.model.shape import ModelShape
@@ -114,7 +114,7 @@ def test_bad_rotation_settings_are_refused():
         validate_for(odd, info)
     info = replace(info, head_dim=16)
     bal = KVConfig("x", replace(base, key=QuantSpec(2, "per-token", 16), rotate_keys=True),
-                   mikv=MikvSettings(0, "online"))
+                   protect=ProtectSettings(0, "online"))
     with pytest.raises(ConfigError, match="balancer"):
         validate_for(bal, info)
     doc = KVConfig("x", replace(base, rotate_values=True), rotation_seed=4).to_dict()

@@ -198,7 +198,7 @@ def test_mikv_set_with_sinks_and_softcap_follows_the_cache_layer():
     sinks, softcap, scaling = torch.randn(hq, generator=g) * 2 + 4, 1.5, d ** -0.5
     mikv = mikv_settings(0.25, 2, "off", set_bits=4)
     layer = CompressedLayer(LayerKV(spec_k, spec_v, 8, flush_tokens=4), 0, d,
-                            fp_dtype="float32", mikv=mikv, session=stub_session())
+                            fp_dtype="float32", protect=mikv, session=stub_session())
     cache_sets, cache_out = decode_one_by_one(layer, q, k, v, scaling, softcap, sinks)
     k_read, v_read = fake_quantize(k, spec_k), fake_quantize(v, spec_v)
     k_set, v_set = set_reconstruction(k, 4), set_reconstruction(v, 4)

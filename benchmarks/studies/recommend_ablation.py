@@ -31,7 +31,7 @@ model=M)``: what ``kvlens recommend -b B [--model M]`` runs.
 ``--variant KEY=VALUE[,KEY=VALUE...]`` (repeatable) adds re-measured rows with other
 ``RecommendOptions`` (e.g. ``retrieval_tokens=2000``, ``tokens=1024``), named by the overrides:
 what a changed default would buy, before it is re-checked on fresh text. Candidates that are
-off by default are such rows: ``--variant mikv=true`` (MiKV twins, ``--thorough``).
+off by default are such rows: ``--variant mikv=true`` (MiKV twins, ``--set mikv=on``).
 
 Configs that come out identical to the full recommendation are reported as such and not
 evaluated again. Prints a markdown table and writes ``OUT/ablation.json``.

@@ -99,14 +99,14 @@ class CompressionSession:
         return Cache(layers=layers)
 
     def _compressed_layer(self, idx: int, device, rotation, **states):
-        # a fixed balancer (only with mikv.balancer "fixed", validated) of a compressed layer
+        # a fixed balancer (only with protect.balancer "fixed", validated) of a compressed layer
         bal = self.config.balancers.get(idx) if self.config.layer(idx).compressed else None
         if bal is not None:
             bal = torch.tensor(bal, dtype=torch.float32, device=device)
         cls = with_fixed_state(CompressedLayer) if states else CompressedLayer
         return cls(self.config.layer(idx), idx, self.info.head_dim,
                    scale_dtype=self.config.scale_dtype, fp_dtype=self.config.fp_dtype,
-                   mikv=self.config.mikv_for(idx), balancer=bal,
+                   protect=self.config.protect_for(idx), balancer=bal,
                    sliding_window=self.info.window(idx), rotation=rotation, session=self,
                    write_first=self.config.write_before_attention,
                    kv_shared=self.info.kv_shared, **states)

@@ -71,7 +71,7 @@ def config_decode_cost(config, shape: layout.ModelShape, tokens: int, batch: int
         unpack += u
         if setting.compressed:
             why = kernel_layout_problem(setting, shape.head_dim)
-            policy = set_policy(kw["mikv"])
+            policy = set_policy(kw["protect"])
             if why is None and policy is not None and policy.needs_attention_probs \
                     and shape.window(i) is None:
                 why = policy.kernel_problem

@@ -31,7 +31,7 @@ from transformers.cache_utils import DynamicLayer
 
 from kvlens.cache import layout
 from kvlens.cache.sets import SetRows, set_policy
-from kvlens.config import LayerKV, MikvSettings
+from kvlens.config import LayerKV, ProtectSettings
 from kvlens.errors import ConfigError
 from kvlens.layouts import DenseTensor, Store, layout_of
 from kvlens.quant import fit_balancer
@@ -180,7 +180,7 @@ class CompressedLayer(HistoryLayer):
 
     def __init__(self, setting: LayerKV, layer_idx: int, head_dim: int, *,
                  scale_dtype: str = "float16", fp_dtype: str = "float16",
-                 mikv: MikvSettings | None = None, balancer: torch.Tensor | None = None,
+                 protect: ProtectSettings | None = None, balancer: torch.Tensor | None = None,
                  sliding_window: int | None = None, rotation: torch.Tensor | None = None,
                  session=None, write_first: bool = False,
                  kv_shared: bool = False):
@@ -191,7 +191,7 @@ class CompressedLayer(HistoryLayer):
         # keys and values that are one latent row (MLA) stored alike: one store and one window
         self.shares = layout.shares_storage(
             setting, kv_shared, head_dim,
-            balancer=balancer is not None or (mikv is not None and mikv.balancer == "online"))
+            balancer=balancer is not None or (protect is not None and protect.balancer == "online"))
         self.kstore, self.vstore = (self._store(spec, head_dim, scale_dtype, fp)
                                     for spec in (setting.key, setting.value))
         self.res_k, self.res_v = DenseTensor(fp, "window"), DenseTensor(fp, "window")
@@ -200,19 +200,19 @@ class CompressedLayer(HistoryLayer):
         self.fp_dtype = fp
         self.q_start = 0  # first packed position (a sliding layer evicts whole blocks)
         self.res_start = 0  # first window position
-        self.mikv = mikv if setting.compressed else None
+        self.protect = protect if setting.compressed else None
         # Only a layer that really balances its keys conflicts with pre-RoPE storage: with fixed
         # balancers (e.g. from `recommend`) other layers may store keys before RoPE.
-        uses_balancer = mikv is not None and (mikv.balancer == "online" or
-                                              (mikv.balancer == "fixed" and balancer is not None))
+        mode = protect.balancer if protect is not None else "off"
+        uses_balancer = mode == "online" or (mode == "fixed" and balancer is not None)
         if uses_balancer and setting.pre_rope_keys:
-            raise ConfigError("The MiKV channel balancer cannot be combined with pre-RoPE keys "
+            raise ConfigError("The key-channel balancer cannot be combined with pre-RoPE keys "
                               "(RoPE mixes the balanced channel pairs); disable one of them.")
         self.balancer = balancer  # [Hkv, D]; k*b stored, q/b used
-        self.want_online_balancer = (self.mikv is not None and self.mikv.balancer == "online"
+        self.want_online_balancer = (self.protect is not None and self.protect.balancer == "online"
                                      and self.setting.key is not None and balancer is None)
         # the set's policy (kvlens.cache.sets; None: no set) and its rows
-        self.set_policy = set_policy(self.mikv) if not self.is_sliding else None
+        self.set_policy = set_policy(self.protect) if not self.is_sliding else None
         self.hp_k, self.hp_v = (SetRows(fp, head_dim) if self.set_policy is None else
                                 self.set_policy.new_rows(fp, head_dim) for _ in range(2))
         self.hp_pos = None  # [B, Hkv, K] int32
@@ -362,7 +362,7 @@ class CompressedLayer(HistoryLayer):
         Hq, Tq, D]``; colsum ``[B, Hkv, N]`` the attention mass each position received (or None)."""
         if self.want_online_balancer:
             self.balancer = fit_balancer(query, self.res_k.view().float(),
-                                         exponent=self.mikv.balancer_exponent)
+                                         exponent=self.protect.balancer_exponent)
             self.want_online_balancer = False
         if colsum is not None:
             self.set_policy.observe(colsum)

@@ -138,12 +138,13 @@ def engine_types_share(key_type, value_type, kv_shared: bool, head_dim: int) -> 
 
 
 def layer_part_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batch: int = 1,
-                     fp_bytes: int = 2, scale_dtype: str = "float16", mikv=None,
+                     fp_bytes: int = 2, scale_dtype: str = "float16", protect=None,
                      balancer: bool = False, sliding_window: int | None = None,
                      kv_shared: bool = False) -> dict[str, int]:
-    """Bytes of every part one ``CompressedLayer`` holds after ``tokens`` tokens; ``mikv``: the
-    layer's ``MikvSettings`` (its set's policy; ignored for uncompressed layers), ``balancer``: it
-    stores a float32 ``[Hkv, D]`` balancer, ``kv_shared``: MLA (``shares_storage``)."""
+    """Bytes of every part one ``CompressedLayer`` holds after ``tokens`` tokens; ``protect``:
+    the layer's ``ProtectSettings`` (its set's policy; ignored for uncompressed layers),
+    ``balancer``: it stores a float32 ``[Hkv, D]`` balancer, ``kv_shared``: MLA
+    (``shares_storage``)."""
     parts = dict.fromkeys(PARTS, 0)
     if tokens == 0:
         return parts
@@ -159,7 +160,7 @@ def layer_part_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, batc
                                                       scale_dtype).items():
                 parts[part] += rows * n
     parts["window"] = (1 if one else 2) * rows * st.window_capacity * head_dim * fp_bytes
-    policy = set_policy(mikv) if setting.compressed and sliding_window is None else None
+    policy = set_policy(protect) if setting.compressed and sliding_window is None else None
     if policy is not None:
         k = policy.size(st.q_start, st.q_end)
         parts["sets"] = 2 * rows * k * policy.row_bytes(head_dim, fp_bytes)
@@ -225,12 +226,12 @@ def engine_layer_bytes(setting, *, tokens: int, head_dim: int, kv_heads: int, ba
 
 def layer_arguments(config, shape: ModelShape, i: int, tokens: int, batch: int) -> dict:
     """The keywords of ``layer_part_bytes`` for layer ``i`` of ``config`` on ``shape``."""
-    mikv = config.mikv_for(i)
-    balancer = mikv is not None and (mikv.balancer == "online" or
-                                     (mikv.balancer == "fixed" and i in config.balancers))
+    protect = config.protect_for(i)
+    balancer = protect is not None and (protect.balancer == "online" or
+                                     (protect.balancer == "fixed" and i in config.balancers))
     return dict(tokens=tokens, head_dim=shape.head_dim, kv_heads=shape.num_key_value_heads,
                 batch=batch, fp_bytes=fp_bytes_of(config.fp_dtype, shape.dtype_bytes),
-                scale_dtype=config.scale_dtype, mikv=mikv,
+                scale_dtype=config.scale_dtype, protect=protect,
                 balancer=balancer and config.layer(i).compressed,
                 sliding_window=shape.window(i), kv_shared=shape.kv_shared)
 

@@ -3,7 +3,7 @@
 A compressed global layer may keep, per KV head, a few of its quantized tokens as rows
 (``SetRows``) read at attention instead of their hidden codes; a ``SetPolicy`` says which and
 how. The stable policy is ``Sinks`` (the first ``sink_tokens`` positions at ``fp_dtype``);
-another comes from ``MikvSettings.importance`` (``kvlens.config.extension``), whose
+another comes from ``ProtectSettings.importance`` (``kvlens.config.extension``), whose
 ``policy(sink_tokens)`` returns a ``SetPolicy`` (``kvlens.research`` registers one).
 """
 
@@ -162,8 +162,8 @@ def first_positions(cand_pos: torch.Tensor, keep: int) -> torch.Tensor:
 
 
 def set_policy(settings: Any) -> SetPolicy | None:
-    """The policy of a layer's set settings (a ``kvlens.config.MikvSettings`` as
-    ``KVConfig.mikv_for`` gives it; ``None``: no set): its ``importance`` extension's, else
+    """The policy of a layer's set settings (a ``kvlens.config.ProtectSettings`` as
+    ``KVConfig.protect_for`` gives it; ``None``: no set): its ``importance`` extension's, else
     the sinks; ``None`` when the set would never hold a token."""
     if settings is None:
         return None

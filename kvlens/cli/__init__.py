@@ -1,14 +1,11 @@
-"""The ``kvlens`` command line: a thin layer over the library.
-
-Each command lives in its own module here and registers itself on ``app``
-(``kvlens.cli.app``); a command parses
-options, builds a config, calls one library function and renders. Library errors
-(``KvlensError``) become one red line on stderr and exit code 1, in one place:
-``kvlens.cli.common.run_library_call``.
-Results go to stdout, progress and logs to stderr.
+"""The ``kvlens`` command line, a thin layer over the library: each command lives in its own
+module here and registers itself on ``app`` (``kvlens.cli.app``); library errors become exit
+codes in one place (``kvlens.cli.common.run_library_call``).
 """
 
 from __future__ import annotations
+
+import importlib
 
 from typer.core import TyperCommand
 
@@ -19,15 +16,10 @@ __all__ = ["app", "main"]
 
 
 def _register_commands() -> None:
-    # Imported for their side effect of adding commands to ``app``; each module keeps heavy
-    # imports (torch, transformers, h5py, matplotlib) inside its command function.
-    from kvlens.cli import capture  # noqa: F401
-    for optional in ("compare", "outliers", "generate", "recommend", "report"):
-        try:
-            __import__(f"kvlens.cli.{optional}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"kvlens.cli.{optional}":
-                raise
+    # Imported for their side effect of adding commands to ``app``, in --help's order; each
+    # module keeps heavy imports (torch, transformers, h5py, matplotlib) inside its command.
+    for name in ("capture", "compare", "outliers", "generate", "recommend", "report"):
+        importlib.import_module(f"kvlens.cli.{name}")
     # One way of showing --help for every command: KvlensCommand, mixed into a command's own
     # class where it has one.
     for info in app.registered_commands:

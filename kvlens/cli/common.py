@@ -1,22 +1,8 @@
 """Shared CLI helpers: consoles, progress bars, JSON output, help panels and the command class
 that renders --help, the output-file policy (atomic writes) and the one place library errors
-become exit codes.
-
-Exit codes (README, "Exit codes"), one per kind of mistake in every command:
-
-- 0 success; 130 interrupted (Ctrl-C).
-- 2 a command line the parser itself refuses: an unknown option, a missing argument, a value
-  of the wrong type, or a number outside the static range its option declares. Every such
-  range is declared on the option (``min=``/``max=``, or ``open_range`` for an open interval:
-  ``--samples 0``, ``--chunk 0``, ``--outlier-fraction 1``), never checked later by hand, so
-  it is exit 2 in every command.
-- 1 one ``error:`` line for everything else kvlens refuses (any ``KvlensError``): an unknown
-  name among a fixed set (``--device foo``, ``--backend cuda``), a value that conflicts with
-  the data (more ``--samples`` than the capture holds, a layer the model lacks, a retrieval
-  length past the model's context), an option nothing requested would read, a missing or
-  foreign file, an existing output without ``--overwrite``, a failed write. The line comes
-  before any progress output and, where the model's files tell (``kvlens.model.header``),
-  before the model loads.
+become exit codes (docs/reference/README.md: 0 done; 1 one ``error:`` line for any
+``KvlensError``, before any progress output; 2 a command line the parser refuses, every static
+range declared on its option with ``min=``/``max=`` or ``open_range``; 130 interrupted).
 """
 
 from __future__ import annotations
@@ -111,10 +97,9 @@ class OutputWriteError(KvlensError):
 
 
 def write_output(path: str | os.PathLike, write: Callable[[Path], Any]) -> Path:
-    """Write one output file atomically: ``write(tmp)`` fills a hidden ``.NAME.partial-PID``
-    beside ``path``, which is then renamed over ``path``. A failure (``OSError``: a full disk,
-    no permission) or Ctrl-C removes the partial file, leaves ``path`` as it was and, for an
-    ``OSError``, raises ``OutputWriteError`` naming the file and the reason."""
+    """Write one output file atomically: ``write(tmp)`` fills a hidden partial file beside
+    ``path``, then renamed over it; a failure or Ctrl-C removes it and leaves ``path`` as it
+    was (an ``OSError`` becomes ``OutputWriteError``, naming the file and the reason)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
     try:
@@ -207,12 +192,10 @@ def read_with(option: str, *modes: str) -> ReadOnly:
 
 def refuse_unread(table: Mapping[str, ReadOnly | tuple[ReadOnly, ...]],
                   given: Mapping[str, str], run: Any) -> None:
-    """Refuse the options the user gave that ``run`` does not read, never drop one silently:
-    one ``InputError`` naming them (as spelled in ``given``, name -> flag), the modes that
-    read them and the one asked for. ``table``: the command's one table, option name -> its
-    ``ReadOnly`` (or several, each of which must read it; the first that does not is named);
-    an option not in it is read by every mode. Options that one ``ReadOnly`` refuses are named
-    together; the first such group is raised."""
+    """Refuse the options the user gave (``given``: name -> flag) that ``run`` does not read:
+    one ``InputError`` naming those the first failing ``ReadOnly`` refuses. ``table``: the
+    command's one table, option name -> its ``ReadOnly`` (or several, each of which must read
+    it); an option not in it is read by every mode."""
     refused: dict[int, tuple[ReadOnly, list[str]]] = {}
     for name, flag in given.items():
         rules = table.get(name, ())
@@ -344,11 +327,9 @@ def flag_of(field: str) -> str:
 
 
 def run_library_call(fn: Callable[[], Any], name: Callable[[str], str] = flag_of) -> Any:
-    """Call library code, turning ``KvlensError`` into one error line and exit code 1 (also
-    under CliRunner). The message names options by ``name(field)`` (the flag they were given
-    as, ``KvlensError.render``) and is printed literally (``[@head]`` is not rich markup).
-    The research package is imported first: its presets and config keys (``kvlens.research``)
-    are the CLI's."""
+    """Call library code, turning ``KvlensError`` into one error line (options named by
+    ``name(field)``, printed literally) and exit code 1. ``kvlens.research`` is imported first:
+    its presets and config keys are the CLI's."""
     import kvlens.research  # noqa: F401  (registers research presets, config keys, twins)
 
     try:

@@ -30,12 +30,8 @@ from kvlens.cli.common import (
 # The options only some variants read (refuse_unread): given without any of them, refused.
 READ_BY = {"outlier_fraction": read_with("--variants", "outliers"),
            "rotation_seed": read_with("--variants", "rotate")}
-METRIC_LABELS = {
-    "reconstruction": "recon",
-    "score": "score",
-    "attention_weights": "weights",
-    "attention_output": "output",
-}
+METRIC_LABELS = {"reconstruction": "recon", "score": "score", "attention_weights": "weights",
+                 "attention_output": "output"}
 
 
 @app.command("compare-axes")
@@ -120,26 +116,19 @@ def compare_axes_command(
         if plots is not None:
             check_output_folder(plots, "--plots", "compare-axes.json", overwrite)
         config = CompareConfig(
-            bits=parse_int_list(bits, "bits"),
+            bits=parse_int_list(bits, "bits"), stages=parse_name_list(stages),
             group_sizes=parse_int_list(group_sizes, "group sizes"),
-            stages=parse_name_list(stages),
-            variants=parse_name_list(variants),
-            outlier_fraction=outlier_fraction,
-            layers=parse_layers(layers),
-            samples=samples,
-            sink_tokens=sinks,
-            rotation_seed=rotation_seed,
-            formats=measured_cache_types(formats),
-        )
+            variants=parse_name_list(variants), outlier_fraction=outlier_fraction,
+            layers=parse_layers(layers), samples=samples, sink_tokens=sinks,
+            rotation_seed=rotation_seed, formats=measured_cache_types(formats))
         refuse_unread(READ_BY, given, config.variants)
         _check_against_capture(run, config)
         return config
 
     config = run_library_call(configure)
     with progress_bar("compare-axes") as update:
-        result = run_library_call(
-            lambda: compare_axes(run, config, progress=update, threads=threads)
-        )
+        result = run_library_call(lambda: compare_axes(run, config, progress=update,
+                                                       threads=threads))
     if plots is not None:
         from kvlens.plots.compare import write_plots
         from kvlens.report.artifacts import compare_doc
@@ -192,24 +181,19 @@ def _config_label(r: dict) -> str:
 def _render(summary: dict) -> None:
     from rich.table import Table
 
-    cap = summary["capture"]
     from kvlens.analysis.compare import means_by_key
 
+    cap = summary["capture"]
     means = means_by_key(summary["means"])
-    winners = {
-        (w["tensor"], w["bits"], w["group_size"], w["stage"], w["variant"], w["metric"]): w[
-            "winner"
-        ]
-        for w in summary["winners"]
-    }
+    winners = {(w["tensor"], w["bits"], w["group_size"], w["stage"], w["variant"], w["metric"]):
+               w["winner"] for w in summary["winners"]}
     table = Table(
         title=f"compare-axes: {escape(str(cap['model']))}, {len(cap['layers'])} layers, "
-        f"{cap['samples']} x {cap['tokens']} tokens",
+              f"{cap['samples']} x {cap['tokens']} tokens",
         caption="Relative Frobenius error ||X - X_hat|| / ||X||, mean over layers and heads. "
-        "* = the better axis. recon: the quantized tensor; score: pre-softmax logits (causal); "
-        "weights: post-softmax; output: attention output. K b G stage: keys, bits, group "
-        "size, post/pre-RoPE; V: values.",
-    )
+                "* = the better axis. recon: the quantized tensor; score: pre-softmax logits "
+                "(causal); weights: post-softmax; output: attention output. K b G stage: keys, "
+                "bits, group size, post/pre-RoPE; V: values.")
     table.add_column("config")
     table.add_column("axis")
     for label in METRIC_LABELS.values():
@@ -217,33 +201,21 @@ def _render(summary: dict) -> None:
     for r in summary["rankings"]:
         ck = (r["tensor"], r["bits"], r["group_size"], r["stage"], r["variant"])
         for axis in ("per-token", "per-channel"):
-            cells = [
-                _fmt(means.get((*ck, axis, m)), winners.get((*ck, m)) == axis)
-                for m in METRIC_LABELS
-            ]
-            table.add_row(
-                _config_label(r) if axis == "per-token" else "",
-                axis,
-                *cells,
-                end_section=axis == "per-channel",
-            )
+            cells = [_fmt(means.get((*ck, axis, m)), winners.get((*ck, m)) == axis)
+                     for m in METRIC_LABELS]
+            table.add_row(_config_label(r) if axis == "per-token" else "", axis, *cells,
+                          end_section=axis == "per-channel")
     console.print(table)
     for r in summary["disagreements"]:
-        console.print(
-            f"[yellow]disagreement[/] {r['tensor']}s {r['bits']}-bit G{r['group_size']}"
-            f"{' ' + r['stage'] + '-RoPE' if r['stage'] else ''} {r['variant']}: "
-            f"reconstruction favours {r['reconstruction']}, attention output favours "
-            f"{r['attention_output']}.",
-            highlight=False,
-        )
+        console.print(f"[yellow]disagreement[/] {r['tensor']}s {r['bits']}-bit G{r['group_size']}"
+                      f"{' ' + r['stage'] + '-RoPE' if r['stage'] else ''} {r['variant']}: "
+                      f"reconstruction favours {r['reconstruction']}, attention output favours "
+                      f"{r['attention_output']}.", highlight=False)
     for k in summary["kivi_pattern"]:
         verdict = "[green]holds[/]" if k["holds"] else "[red]does not hold[/]"
         failed = [n for n, c in k["checks"].items() if not c["holds"]]
-        console.print(
-            f"KIVI pattern at {k['bits']}-bit G{k['group_size']}: {verdict}"
-            + (f" (fails: {', '.join(failed)})" if failed else ""),
-            highlight=False,
-        )
+        console.print(f"KIVI pattern at {k['bits']}-bit G{k['group_size']}: {verdict}"
+                      + (f" (fails: {', '.join(failed)})" if failed else ""), highlight=False)
     if summary.get("format_means"):
         _render_formats(summary)
     err_console.print(f"{summary['seconds']:.1f} s")
@@ -257,12 +229,11 @@ def _render_formats(summary: dict) -> None:
     best = {}
     for (tensor, _, metric), value in means.items():
         best[(tensor, metric)] = min(value, best.get((tensor, metric), value))
-    table = Table(
-        title="engine KV-cache formats",
-        caption="Relative Frobenius error, mean over layers and heads (keys post-RoPE). "
-        "* = lowest error among the formats. bits: storage bits per element including "
-        "scales. rot: Hadamard-rotated as the engine does. " + summary["format_calibration"] + ".",
-    )
+    table = Table(title="engine KV-cache formats",
+                  caption="Relative Frobenius error, mean over layers and heads (keys "
+                          "post-RoPE). * = lowest error among the formats. bits: storage bits "
+                          "per element including scales. rot: Hadamard-rotated as the engine "
+                          "does. " + summary["format_calibration"] + ".")
     table.add_column("tensor")
     table.add_column("format", no_wrap=True)
     table.add_column("bits", justify="right")
@@ -274,19 +245,11 @@ def _render_formats(summary: dict) -> None:
         rows = [n for n in names if (tensor, n, "reconstruction") in means]
         for i, name in enumerate(rows):
             f = info.get(name, {})
-            cells = [
-                _fmt(
-                    means.get((tensor, name, m)),
-                    means.get((tensor, name, m)) == best.get((tensor, m)) and len(rows) > 1,
-                )
-                for m in METRIC_LABELS
-            ]
-            table.add_row(
-                "K" if tensor == "key" else "V",
-                name,
-                f"{f['bits_per_element']:.2f}" if f else "-",
-                "yes" if f.get("rotated") else "no",
-                *cells,
-                end_section=i == len(rows) - 1,
-            )
+            cells = [_fmt(means.get((tensor, name, m)),
+                          means.get((tensor, name, m)) == best.get((tensor, m)) and len(rows) > 1)
+                     for m in METRIC_LABELS]
+            table.add_row("K" if tensor == "key" else "V", name,
+                          f"{f['bits_per_element']:.2f}" if f else "-",
+                          "yes" if f.get("rotated") else "no", *cells,
+                          end_section=i == len(rows) - 1)
     console.print(table)

@@ -56,10 +56,10 @@ def generate(
                                 help="KV config JSON (as `recommend` writes)."),
     preset_name: str = typer.Option(None, "--preset", rich_help_panel=CACHES,
                                     help="exact, fp16, kivi-2, kivi-4, per-token-2, "
-                                         "per-token-4, mikv-2, mikv-4, mikv-2-int4, "
-                                         "mikv-2-int8, kivi-2-sinks, kivi-2-rot, "
-                                         "per-token-2-rot, per-token-4-rot, kivi-2-prerope; "
-                                         "or an engine setting (grammar above)."),
+                                         "per-token-4, kivi-2-sinks, kivi-2-rot, "
+                                         "per-token-2-rot, per-token-4-rot, kivi-2-prerope "
+                                         "(research presets: docs/lab-notes/); or an engine "
+                                         "setting (grammar above)."),
     compare: str = typer.Option(None, "--compare", rich_help_panel=CACHES,
                                 help="Comma list run side by side on the same inputs: presets "
                                      "(see --preset), config files, transformers baselines "

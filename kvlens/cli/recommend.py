@@ -1,10 +1,8 @@
 """``kvlens recommend``: a per-layer KV quantization config under a memory budget, or the
-setting an engine runs (``--target``). A thin call: the options given become a
-``RecommendRequest`` (``kvlens.deploy.answer.request_for``; every default is the library's),
-research levers arrive as ``--set NAME=VALUE`` (``kvlens.research``), ``recommend_run`` answers
-and ``kvlens.cli.recommend_show`` shows the answer. An option the target or combination would
-not read is refused before any work, by one table (``CONDITIONS``, with ``readers``) and
-``kvlens.cli.common.refuse_unread``; library errors name fields, shown as flags (``_flag``).
+setting an engine runs (``--target``). The options given become a ``RecommendRequest``
+(``kvlens.deploy.answer.request_for``), research levers arrive as ``--set NAME=VALUE``
+(``kvlens.research``), ``recommend_run`` answers and ``kvlens.cli.recommend_show`` shows it.
+An option the run would not read is refused before any work (``CONDITIONS``, ``readers``).
 """
 
 from __future__ import annotations
@@ -57,7 +55,6 @@ class Asked:
     target: str
     validate: bool
     max_kld: float | None
-    thorough: bool
     levers: dict[str, Any]
 
     @property
@@ -66,6 +63,12 @@ class Asked:
 
     def lever(self, name: str, default: Any = None) -> Any:
         return self.levers.get(name, default)
+
+    def twins_on(self) -> bool:
+        """Whether a research candidate extension is switched on (``--set NAME=on``)."""
+        from kvlens.recommend.extension import registered
+
+        return any(self.lever(name) for name in registered())
 
     def loads_model(self) -> bool:
         measures = not self.engine and (self.lever("sensitivity", "auto") != "uniform"
@@ -86,12 +89,8 @@ MODEL_STAGES = ReadOnly(
                                                 "measure on it: --set sensitivity, --set "
                                                 "retrieval") + ")",
     Asked.loads_model, "this one: no model is loaded here")
-MIKV = ReadOnly("MiKV candidates (--thorough or --set mikv=on)",
-                lambda a: a.lever("mikv", a.thorough), "this run, which offers none",
-                "add --thorough (or --set mikv=on)")
-TORCH_PATH = ReadOnly("the torch decode path (MiKV candidates are not read by the fused "
-                      "kernel)", lambda a: not (a.lever("prefer_fast") and (
-                          a.thorough or a.lever("mikv"))),
+TORCH_PATH = ReadOnly("the torch decode path (research twins are not read by the fused "
+                      "kernel)", lambda a: not (a.lever("prefer_fast") and a.twins_on()),
                       "--set prefer-fast=on, which keeps to that kernel",
                       "drop --set prefer-fast=on")
 LAYOUT = ReadOnly("the layout sensitivity (--set sensitivity=auto or layout)",
@@ -107,8 +106,6 @@ CONDITIONS = {
                              "a run without them", "add one of them"),),
     "retrieval_prompts": (ReadOnly("--validate (its retrieval grid)", lambda a: a.validate,
                                    "a run without it", "add --validate"),),
-    "mikv_set_bits": (MIKV,), "mikv_fractions": (MIKV,),
-    "thorough": (TORCH_PATH,), "mikv": (TORCH_PATH,),
     "balancer_exponent": (ReadOnly("balancer candidates", lambda a: a.lever("balancer", True),
                                    "--set balancer=off, which removes them",
                                    "drop --set balancer=off"),),
@@ -122,18 +119,28 @@ CONDITIONS = {
 }
 
 
+def _switched_on(name: str) -> ReadOnly:
+    """A research extension's settings are read with its switch on (``--set NAME=on``)."""
+    return ReadOnly(f"--set {name}=on", lambda a: a.lever(name, False),
+                    lambda a: f"--set {name}=off" if name in a.levers else "a run without it",
+                    f"add --set {name}=on")
+
+
 def refuse_unread_options(given: dict[str, str], levers: dict[str, dict], asked: Asked) -> None:
     """Refuse the options (``given``: parameter -> flag) and ``--set`` levers (parsed per
     owner, ``kvlens.research.parse_settings``) that ``asked`` would not read: the options of
     the other target (``kvlens.deploy.answer.readers``), then ``CONDITIONS``."""
     from kvlens.deploy.answer import readers
+    from kvlens.recommend.extension import lever_fields
     from kvlens.research import levers as all_levers
 
     by_field = {lv.field: lv for lv in all_levers().values()}
     spelled = dict(given) | {f: f"--set {by_field[f].name}" for owned in levers.values()
                              for f in owned}
-    table = {name: CONDITIONS.get(name, ()) if name in COMMAND_ONLY else
-             BY_TARGET[readers(name)] + CONDITIONS.get(name, ()) for name in spelled}
+    conditions = CONDITIONS | {f: (_switched_on(ext),) if sub else (TORCH_PATH,)
+                               for f, (ext, sub) in lever_fields().items()}
+    table = {name: conditions.get(name, ()) if name in COMMAND_ONLY else
+             BY_TARGET[readers(name)] + conditions.get(name, ()) for name in spelled}
     refuse_unread(table, spelled, asked)
 
 
@@ -210,9 +217,6 @@ def recommend(
     fp_dtype: str = typer.Option(None, "--window-dtype", rich_help_panel=BUDGET,
                                  help="Dtype of the full-precision parts (window, sinks): "
                                       "float16, or float8_e4m3fn (one byte per element)."),
-    thorough: bool = typer.Option(False, "--thorough", rich_help_panel=BUDGET,
-                                  help="Also offer MiKV candidates: several times "
-                                       "slower."),
     target: str = typer.Option("kvlens", "--target", rich_help_panel=ENGINE,
                                help="What to recommend for: kvlens (a per-layer config for "
                                     "kvlens' cache), llama.cpp (-ctk/-ctv), vllm (--kv-cache-"
@@ -275,7 +279,7 @@ def recommend(
 
       kvlens recommend run.h5 --target llama.cpp --max-kld 0.01 --validate
 
-      kvlens recommend run.h5 -b 2.5 --set mikv=on
+      kvlens recommend run.h5 --budgets 2.5,3,4 -o kv.json
 
     Every option given is used or refused before any measurement starts."""
     from kvlens.cli.recommend_show import show_layers, show_target
@@ -287,7 +291,7 @@ def recommend(
     engine = target != "kvlens"
     given = given_options(ctx, [p.name for p in ctx.command.params])
     levers = run_library_call(lambda: parse_settings(list(settings or [])))
-    asked = Asked(target, validate, max_kld, thorough, levers[RECOMMEND])
+    asked = Asked(target, validate, max_kld, levers[RECOMMEND])
     run_library_call(lambda: refuse_unread_options(given, levers, asked))
     request = run_library_call(lambda: request_for(
         capture, target, {p: ctx.params[p] for p in given if p not in COMMAND_ONLY},

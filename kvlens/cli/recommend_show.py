@@ -180,7 +180,7 @@ def _render(rec) -> None:
                   "minimises, weighted by the layer's sensitivity (weight). Score and "
                   "reconstruction errors of every choice are in --json. ch = "
                   "per-channel (groups of G tokens), tok = per-token (groups of G channels), "
-                  "pre = keys quantized before RoPE, bal = MiKV channel balancer, rot = Hadamard "
+                  "pre = keys quantized before RoPE, bal = key-channel balancer, rot = Hadamard "
                   "rotation. R = the layer's full-precision window (tokens), F = tokens "
                   "quantized at a time when the window fills (R = the whole window). Errors "
                   "are measured as decoding reads the cache: the window and sink tokens "

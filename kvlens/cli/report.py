@@ -45,8 +45,8 @@ run for any part that is missing (docs/report.md)."""
     def write():
         if run_dir.is_dir():  # otherwise write_report says what RUN_DIR must be
             check_output_file(target, "--output", overwrite, example="report.html")
-        write_output(target, lambda tmp: pages.append(write_report(run_dir, tmp,
-                                                                   _deploy_option())))
+        # the recommend option that writes deploy settings, named where a run lacks them
+        write_output(target, lambda tmp: pages.append(write_report(run_dir, tmp, "--target")))
 
     run_library_call(write)
     for title, m in pages[0].missing:
@@ -55,13 +55,3 @@ run for any part that is missing (docs/report.md)."""
                           highlight=False, soft_wrap=True)
     console.print(str(target.resolve()), highlight=False, soft_wrap=True, markup=False)
 
-
-def _deploy_option() -> str | None:
-    """The recommend option that writes deploy settings, if this kvlens has one (named in the
-    report's hint when a run lacks them)."""
-    cmd = typer.main.get_command(app)  # a group (typer may carry its own copy of click)
-    rec = getattr(cmd, "commands", {}).get("recommend")
-    for param in getattr(rec, "params", []):
-        if param.name in ("target", "deploy"):
-            return param.opts[0]
-    return None

@@ -1,11 +1,11 @@
 """The generation config: what every layer of the compressed cache stores.
 
-- ``schema``: the frozen dataclasses (``LayerKV``, ``MikvSettings``, ``KVConfig``) and
+- ``schema``: the frozen dataclasses (``LayerKV``, ``ProtectSettings``, ``KVConfig``) and
   their validation; ``model_check``: ``validate_for``, whether a config fits a loaded model.
 - ``io``: the versioned JSON form (``config_from_dict``, ``load_config``, ``save_config``);
   ``versions``: its ``FORMAT`` string and its one ``VERSION``.
 - ``presets``: the named presets and ``resolve`` (a preset name or a config file).
-- ``extension``: the set settings research adds to the ``mikv`` section (``register``).
+- ``extension``: a research set policy's own config key (``register``).
 - ``engine``: the engine-setting vocabulary (``llamacpp:q4_0``, ``vllm:fp8_e4m3:s1`` ...) every
   command reads and ``recommend --target`` prints; ``blockfloat``: its block-float settings
   (``vllm:nvfp4``, ``sglang:mxfp8``, ``trtllm:nvfp4`` ...).
@@ -32,7 +32,7 @@ from kvlens.config.schema import (
     SCALE_DTYPES,
     KVConfig,
     LayerKV,
-    MikvSettings,
+    ProtectSettings,
 )
 from kvlens.config.versions import FORMAT, VERSION
 
@@ -49,7 +49,7 @@ __all__ = [
     "KVConfig",
     "LayerKV",
     "LlamaCppSetting",
-    "MikvSettings",
+    "ProtectSettings",
     "QuantoSetting",
     "TurboQuantSetting",
     "allowed_settings",

@@ -1,46 +1,13 @@
 """The KV config's JSON form: ``config_from_dict`` (parse and validate, every problem a
 ``ConfigError`` saying where), ``load_config`` / ``save_config``. Every file says ``"version":
-1``, the one version (``kvlens.config.versions``: the development builds before 0.1.0 wrote
-2-6, which collapse into it). ``generate`` reads these files, ``recommend`` writes them. The
-meaning of each field is ``kvlens.config.schema``. JSON form::
+1``, the one version (``kvlens.config.versions``). The form is documented in docs/generate.md
+(config files), the meaning of each field in ``kvlens.config.schema``; a research set policy's
+own top-level key is read through ``kvlens.config.extension``.
 
-    {
-      "format": "kvlens.kvconfig", "version": 1, "name": "kivi-2", "description": "...",
-      "default": {"key":   {"bits": 2, "granularity": "per-channel", "group_size": 32},
-                  "value": {"bits": 2, "granularity": "per-token",   "group_size": 32},
-                  "residual_tokens": 128, "flush_tokens": 0, "pre_rope_keys": false,
-                  "rotate_keys": false, "rotate_values": false},
-                  # a spec may add "fit": "mse" (spec version 2): a least-squares scale/zero
-                  # per group (kvlens.quant.reference); a layer may instead give an engine's
-                  # "key_format" / "value_format" (kvlens.quant.cachetypes)
-      "layers": {"0": {"key": null}},          # partial overrides, merged over "default"
-      "mikv": null | {"sink_tokens": 4,
-                      "balancer": "off" | "online" | "fixed", "balancer_exponent": 0.5,
-                      ...},     # keys of a research set policy (kvlens.config.extension)
-      "balancers": null | {"0": [[b_0 ... b_{D-1}] per KV head], ...},   # for "fixed"
-      "scale_dtype": "float16" | "float32" | "8bit",
-      "fp_dtype": "float16" | "bfloat16" | "float32" | "float8_e4m3fn" | "exact",
-      "rotation_seed": null | 0,               # sign flips of the Hadamard rotation
-      "model": null | {"num_layers": 30, "head_dim": 64, "num_key_value_heads": 3},
-      "kv_scales": {"0": {"key": [s, ...], "value": [s, ...]}},     # optional
-      "engine_attention": "llamacpp-cpu-fa" | "llamacpp-cpu-nofa"   # optional
-      "write_before_attention": true,          # optional (vLLM TurboQuant's order)
-    }
-
-A key spec may be a codebook spec (``kvlens.quant.codebook.CodebookSpec``), told apart by its
-``"codebook"`` key::
-
-    "key": {"version": 1, "bits": 3, "codebook": "lloyd-max-normal", "rotation": {"version": 1,
-            "seed": null}, "renormalize": true}
-
-Issue #57 removed research layouts the development builds could store, each a negative result:
-codebook value specs, fitted codebooks (``"codebook": "fitted"`` or ``"weighted"``) with their
-centroids in ``codebooks`` and centred keys (``"center_keys": true``, ``key_means``;
-docs/lab-notes/codebooks.md); coupled (CQ) specs (told apart by their ``"channels"`` key) and
-``coupled_codebooks`` (docs/lab-notes/coupled.md); GEAR (``"gear": {"rank",
-"outlier_fraction", "power_iters", "layers"}``, docs/lab-notes/gear-mikv.md). A file that
-stores one is refused with that reason (``_refuse_removed``), before its version is read;
-``"gear": null`` and ``"center_keys": false`` ask for nothing removed and read as absent.
+A file that stores a layout issue #57 removed (a negative result each: codebook values, fitted
+codebooks and centred keys, docs/lab-notes/codebooks.md; coupled specs, docs/lab-notes/
+coupled.md; GEAR, docs/lab-notes/gear-mikv.md) is refused with that reason before its version
+is read (``_refuse_removed``), as is the sinks-and-balancer section under its old name (``OLD``).
 """
 
 from __future__ import annotations
@@ -53,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlens.config.extension import read_settings
-from kvlens.config.schema import REMOVED, KVConfig, LayerKV, MikvSettings
+from kvlens.config.schema import REMOVED, KVConfig, LayerKV, ProtectSettings
 from kvlens.config.versions import FORMAT, VERSION
 from kvlens.errors import ConfigError, is_int
 from kvlens.layouts import layout_from_dict
@@ -62,10 +29,12 @@ __all__ = ["FORMAT", "VERSION", "config_from_dict", "load_config", "save_config"
 
 _LAYER_KEYS = ("key", "value", "residual_tokens", "flush_tokens", "pre_rope_keys",
                "rotate_keys", "rotate_values", "key_format", "value_format")
-_TOP_KEYS = ("format", "version", "name", "description", "default", "layers", "mikv",
+_TOP_KEYS = ("format", "version", "name", "description", "default", "layers", "protect",
              "balancers", "scale_dtype", "fp_dtype", "rotation_seed", "model", "kv_scales",
              "engine_attention", "write_before_attention")
-_MIKV_KEYS = ("sink_tokens", "balancer", "balancer_exponent")  # the stable keys
+_PROTECT_KEYS = ("sink_tokens", "balancer", "balancer_exponent")
+#: the sinks-and-balancer section's name before issue #57 gave it a neutral one
+OLD = "mikv"
 _MODEL_KEYS = ("num_layers", "head_dim", "num_key_value_heads")
 
 
@@ -114,18 +83,19 @@ def config_from_dict(data: Any) -> KVConfig:
         raise ConfigError(f"Unsupported KV config version {version!r}; this kvlens reads "
                           f"version {VERSION} (a file of the development builds before 0.1.0, "
                           f"versions 2-6, reads once it says \"version\": {VERSION}).")
-    # "gear": null (GEAR off, which development builds could say) asks for nothing removed
-    _no_unknown({k: v for k, v in data.items() if k != "gear"}, _TOP_KEYS, "KV config")
+    # "gear": null and the old section null (development builds wrote them) ask for nothing
+    importance = read_settings({k: v for k, v in data.items() if k not in ("gear", OLD)},
+                               _TOP_KEYS)
     raw_layers = _indexed(data, "layers", "an object mapping layer indices to overrides")
     if "default" not in data:
         raise ConfigError("KV config is missing 'default' (the setting for every layer).")
     default = _layer(data["default"], None, "default")
     layers = {idx: _layer(value, default, f"layers.{idx}") for idx, value in raw_layers.items()}
-    mikv = _mikv(data.get("mikv"))
+    protect = _protect(data.get("protect"), importance)
     description = data.get("description")
     if description is not None and not isinstance(description, str):
         raise ConfigError(f"'description' must be a string, got {type(description).__name__}.")
-    return KVConfig(name=data.get("name", ""), default=default, layers=layers, mikv=mikv,
+    return KVConfig(name=data.get("name", ""), default=default, layers=layers, protect=protect,
                     balancers=_balancers(data), scale_dtype=data.get("scale_dtype", "float16"),
                     description=description or "", model=_model(data.get("model")),
                     fp_dtype=data.get("fp_dtype", "float16"),
@@ -136,14 +106,9 @@ def config_from_dict(data: Any) -> KVConfig:
 
 
 def _refuse_removed(data: Mapping) -> None:
-    """Refuse a config that stores a layout issue #57 removed, naming the reason (which beats an
-    "unknown key" or a version error for a file a development build wrote): GEAR (a ``gear``
-    section), coupled (CQ) keys or values (``coupled_codebooks``, or a spec with
-    ``"channels"``), and codebook values, fitted codebooks (``codebooks``, a ``"fitted"`` or
-    ``"weighted"`` codebook) and centred keys (``key_means``, ``"center_keys": true``).
-    ``"gear": null`` and ``"center_keys": false`` ask for nothing removed and are read as
-    absent. ``data`` is any JSON object: what is not the expected shape is left to the
-    parser."""
+    """Refuse a config that stores what issue #57 removed (module docstring), naming the reason,
+    before an "unknown key" or version error; ``"gear": null`` and ``"center_keys": false`` ask
+    for nothing removed. What is not the expected shape is left to the parser."""
     if data.get("gear") is not None:
         raise ConfigError("This config stores GEAR ('gear': outliers and low-rank factors); GEAR "
                           "was removed from kvlens by issue #57 (a negative result, "
@@ -172,6 +137,10 @@ def _refuse_removed(data: Mapping) -> None:
     if found:
         raise ConfigError(f"This config stores {', '.join(found)}, {REMOVED}. Make a new config "
                           "without them, e.g. with kvlens recommend.")
+    if data.get(OLD) is not None:
+        raise ConfigError(f"The '{OLD}' section was renamed 'protect' (sink_tokens, balancer, "
+                          "balancer_exponent); a research set policy's keys are its own key (the "
+                          "importance set's: 'importance'). Rename the section.")
 
 
 def _no_unknown(data: Mapping, allowed: tuple[str, ...], where: str) -> None:
@@ -239,16 +208,18 @@ def _model(raw: Any) -> dict[str, int] | None:
     return dict(raw) or None
 
 
-def _mikv(raw: Any) -> MikvSettings | None:
-    """The ``mikv`` section (``None`` when absent or null): its stable keys, and the keys of a
-    registered research set policy as its ``importance`` (``kvlens.config.extension``)."""
+def _protect(raw: Any, importance: Any) -> ProtectSettings | None:
+    """The ``protect`` section (``None`` when absent or null) with a registered research set
+    policy's settings (``kvlens.config.extension``) as its ``importance``."""
     if raw is None:
+        if importance is not None:
+            raise ConfigError(f"'{importance.key}' needs a 'protect' section (its sink_tokens); "
+                              "add one.")
         return None
     if not isinstance(raw, Mapping):
-        raise ConfigError(f"'mikv' must be an object with keys {', '.join(_MIKV_KEYS)}, ...")
-    importance = read_settings(raw, _MIKV_KEYS)
-    return MikvSettings(**{k: v for k, v in raw.items() if k in _MIKV_KEYS},
-                        importance=importance)
+        raise ConfigError(f"'protect' must be an object with keys {', '.join(_PROTECT_KEYS)}.")
+    _no_unknown(raw, _PROTECT_KEYS, "protect")
+    return ProtectSettings(**raw, importance=importance)
 
 
 def _index(key: Any, where: str) -> int:

@@ -54,16 +54,16 @@ def validate_for(config: KVConfig, info) -> None:
                 hadamard_block_size(d)
             except ConfigError as exc:
                 raise ConfigError(f"Config {config.name!r} layer {idx}: {exc}") from None
-        if layer.rotate_keys and config.mikv is not None and (
-                config.mikv.balancer == "online" or idx in config.balancers):
+        if layer.rotate_keys and config.protect is not None and (
+                config.protect.balancer == "online" or idx in config.balancers):
             raise ConfigError(f"Config {config.name!r} layer {idx}: rotate_keys cannot be "
-                              "combined with the MiKV channel balancer (it rescales channels "
+                              "combined with the key-channel balancer (it rescales channels "
                               "the rotation mixes); disable one of them.")
         if layer.pre_rope_keys and not info.has_rope:
             raise ConfigError(f"Config {config.name!r} asks for pre-RoPE keys but "
                               f"{info.architecture} has no rotary embedding.")
-    if config.mikv is not None and config.mikv.importance is not None:
-        config.mikv.importance.check_model(n)
+    if config.protect is not None and config.protect.importance is not None:
+        config.protect.importance.check_model(n)
     for idx, b in config.balancers.items():
         if idx >= n:
             raise ConfigError(f"balancers.{idx}: the model has {n} layers; allowed indices: "

@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvlens.config.io import load_config
-from kvlens.config.schema import KVConfig, LayerKV, MikvSettings
+from kvlens.config.schema import KVConfig, LayerKV, ProtectSettings
 from kvlens.errors import ConfigError
 from kvlens.quant import QuantSpec
 
@@ -40,7 +40,7 @@ PRESETS: dict[str, KVConfig] = {
     "per-token-4": _per_token(4),
     "kivi-2-sinks": replace(_kivi(2), name="kivi-2-sinks",
                             default=replace(_kivi(2).default, flush_tokens=32),
-                            mikv=MikvSettings(4, "off"),
+                            protect=ProtectSettings(4, "off"),
                             description="kivi-2 with the first 4 tokens (attention sinks) kept at "
                                         "full precision and a sliding window (the oldest 32 of "
                                         "128 tokens quantized at a time)"),

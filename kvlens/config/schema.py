@@ -1,67 +1,20 @@
-"""What a compressed-KV-cache config means: frozen dataclasses (``LayerKV``, ``MikvSettings``,
-``KVConfig``) that validate themselves on construction. Whether a config fits
-a loaded model is ``kvlens.config.model_check`` (``validate_for``); the JSON form and its
-versions are ``kvlens.config.io``; the named presets ``kvlens.config.presets``.
+"""What a compressed-KV-cache config means: frozen dataclasses (``LayerKV``, ``ProtectSettings``,
+``KVConfig``) that validate themselves on construction. Whether a config fits a loaded model is
+``kvlens.config.model_check``; the JSON form ``kvlens.config.io``; the presets
+``kvlens.config.presets``. docs/generate.md (config files) says what each field does.
 
-A config is a ``default`` layer setting plus optional per-layer overrides. Each layer setting
-says how keys and values are quantized (a ``QuantSpec`` each, or ``None`` = kept in the model's
-dtype), how many of the newest tokens wait in the full-precision residual window, how many of
-them are quantized at a time when it fills (``flush_tokens``: 0 = all, KIVI; fewer = a sliding
-window that always keeps recent tokens exact), and whether keys are stored before RoPE.
-Optional ``mikv`` settings keep the attention sinks at full precision and balance key
-channels.
-
-``fp_dtype`` is the dtype of every full-precision part the cache holds (the residual window,
-sink sets, unquantized keys or values): ``float16`` by default, what a deployment stores,
-so a float32 run on CPU stores and counts them as a GPU deployment would. ``exact`` keeps the
-model's own dtype (then a config with compression off is token-for-token ``DynamicCache``).
-``float8_e4m3fn`` holds them at one byte per element (3 mantissa bits, no scale: the
-range is +-448); attention reads them widened.
-
-``rotate_keys`` / ``rotate_values``: Hadamard rotation along head_dim (``kvlens.quant.rotation``;
-``rotation_seed`` adds seeded sign flips): the cache stores ``k R`` / ``v R`` (window, sets and
-packed history alike), attends with ``q R`` and un-rotates the output by ``R^T``, so nothing
-changes when nothing is quantized. Not with pre-RoPE keys or a balancer on the same keys.
-
-``mikv``: the knobs of the default run that carry MiKV's name: ``sink_tokens`` (the first
-tokens kept at ``fp_dtype`` beside their codes, in global compressed layers) and the channel
-balancer (``balancer``, ``balancer_exponent``, the fixed ``balancers``). A research set policy
-(``kvlens.config.extension``, registered by ``kvlens.research``) may add its keys to the section
-(``MikvSettings.importance``); ``KVConfig.mikv_for`` gives each layer its settings. Sliding-window
-layers keep no set.
-
-``key_format`` / ``value_format`` (per layer, both or neither): an engine's own cache types
-(``kvlens.quant.cachetypes``: ``q8_0``, ``q4_0``, ``fp8_e4m3``... ``f16``), stored as that engine
-stores them with no full-precision window (``kvlens.cache.engine``; the engine settings
-``llamacpp:...`` / ``vllm:...`` of ``kvlens.config.engine``); ``kv_scales``: ``{layer: {"key": [s...], "value": [s...]}}``
-static fp8 scales (one per layer or per KV head).
-
-``scale_dtype``: how each quantization group's scale and zero are stored: float16 (default) or
-float32, or ``"8bit"``: one byte each (``kvlens.quant.meta8``: a scale on a 9% log grid and
-the zero as a signed multiple of a fraction of the step), half the metadata bytes of float16,
-the codes re-chosen against the stored grid.
-
-``write_before_attention`` (default false): after a cache's first forward, each forward's new
-tokens are coded into the compressed store before it attends, so it reads them back compressed,
-as vLLM's TurboQuant backend does (flash attention over the raw K/V of a first prefill chunk,
-its decode kernel over the compressed cache after). Compressed layers then keep no residual
-window and there is no ``mikv`` set (refused otherwise).
-
-``key`` may be a ``CodebookSpec`` (``kvlens.quant.codebook``): each key vector of the
-quantized history is stored as ``bits``-bit codes of its Hadamard-rotated, normalised
-coordinates (nearest centroid of a computed 1-D codebook) plus its float16 norm
-(``kvlens.layouts.codebook``). The codebook's rotation is the layer's key rotation (``rotate_keys``
-is set from it: the window stores ``k R`` and attention uses ``q R``), so its seed must be the
-config's ``rotation_seed``; scores read as ``s_t * ((q R) . c[code_t])`` without a dequantized
-key. Not with pre-RoPE keys (the rotation and RoPE do not commute). This is the key coding of
-vLLM's ``turboquant_*`` KV-cache types (``kvlens.config.engine``).
-
-Removed by issue #57 (negative results): codebook value specs, fitted codebooks and their
-centroids (``codebooks``), centred keys (``center_keys``, ``key_means``;
-docs/lab-notes/codebooks.md) and GEAR (``gear``; docs/lab-notes/gear-mikv.md);
-``kvlens.config.io`` refuses a file that stores them.
-
-Every config is written at ``"version": 1``, the one version (``kvlens.config.versions``).
+A config is a ``default`` layer setting plus optional per-layer overrides. A layer stores keys
+and values as a storage layout spec each (``kvlens.layouts``; ``None``: the model's dtype) with a
+full-precision residual window (``flush_tokens``: 0 flushes it whole, KIVI; fewer slide it), or
+as an engine's own cache types (``key_format`` / ``value_format``, ``kvlens.quant.cachetypes``;
+no window). ``protect`` keeps the attention sinks at ``fp_dtype`` and balances key channels; a
+research set policy adds its own key (``kvlens.config.extension``). ``fp_dtype`` is the dtype of
+every full-precision part (``exact``: the model's own). ``rotate_keys`` / ``rotate_values``:
+Hadamard rotation along head_dim (``kvlens.quant.rotation``), not with pre-RoPE keys or a
+balancer on the same keys. A ``CodebookSpec`` key (vLLM TurboQuant's keys) rotates with the
+layer's key rotation, so its seed is the config's ``rotation_seed``. ``write_before_attention``
+codes each forward's tokens before it attends (vLLM TurboQuant's order): no window, no
+``protect``. Layouts removed by issue #57 are refused by ``kvlens.config.io``.
 """
 
 from __future__ import annotations
@@ -89,8 +42,7 @@ REMOVED = "removed from kvlens by issue #57 (a negative result, docs/lab-notes/c
 
 @dataclass(frozen=True)
 class LayerKV:
-    """How one layer's cache is stored. ``None`` spec = not quantized (model dtype); ``key`` and
-    ``key`` may be a ``CodebookSpec`` (module docstring)."""
+    """How one layer's cache is stored (module docstring)."""
 
     key: Any = None  # a storage layout spec (kvlens.layouts: QuantSpec, CodebookSpec...)
     value: Any = None
@@ -161,7 +113,6 @@ class LayerKV:
         return self.key if isinstance(self.key, CodebookSpec) else None
 
     def _check_engine(self) -> None:
-
         if self.key_format is None or self.value_format is None:
             raise ConfigError("An engine-format layer needs both key_format and value_format "
                               "(use \"f16\" for a tensor the engine keeps unquantized).")
@@ -183,18 +134,15 @@ class LayerKV:
 
     @property
     def key_type(self):
-
         return parse_cache_type(self.key_format)
 
     @property
     def value_type(self):
-
         return parse_cache_type(self.value_format)
 
     @property
     def compressed(self) -> bool:
         if self.engine:
-
             return not (isinstance(self.key_type, DenseType)
                         and isinstance(self.value_type, DenseType))
         return self.key is not None or self.value is not None
@@ -214,12 +162,11 @@ class LayerKV:
 
 
 @dataclass(frozen=True)
-class MikvSettings:
-    """Knobs of the default run that carry MiKV's name: keep the first ``sink_tokens`` tokens
-    (attention sinks) at ``fp_dtype`` and balance key channels (``k*b`` stored, ``q/b`` used).
-    ``importance``: a research set policy's settings (``kvlens.config.extension``, registered by
-    ``kvlens.research``) that replaces the sinks-only set on the layers it applies to; the others
-    keep the sinks alone (``KVConfig.mikv_for``)."""
+class ProtectSettings:
+    """Keep the first ``sink_tokens`` tokens (attention sinks) at ``fp_dtype`` and balance key
+    channels (``k*b`` stored, ``q/b`` used). ``importance``: a research set policy's settings
+    (``kvlens.config.extension``, its own key of the config) that replaces the sinks-only set on
+    the layers it applies to; the others keep the sinks alone (``KVConfig.protect_for``)."""
 
     sink_tokens: int = 4
     balancer: str = "off"
@@ -229,24 +176,18 @@ class MikvSettings:
     def __post_init__(self) -> None:
         s = self.sink_tokens
         if not is_int(s, 0):
-            raise ConfigError(f"Invalid mikv.sink_tokens {s!r}; allowed: an integer >= 0.")
+            raise ConfigError(f"Invalid protect.sink_tokens {s!r}; allowed: an integer >= 0.")
         if self.balancer not in BALANCER_MODES:
-            raise ConfigError(f"Unknown mikv.balancer {self.balancer!r}; allowed: "
+            raise ConfigError(f"Unknown protect.balancer {self.balancer!r}; allowed: "
                               f"{', '.join(BALANCER_MODES)}.")
         e = self.balancer_exponent
         if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 < e <= 1:
-            raise ConfigError(f"Invalid mikv.balancer_exponent {e!r}; allowed: (0, 1].")
+            raise ConfigError(f"Invalid protect.balancer_exponent {e!r}; allowed: (0, 1].")
 
     def to_dict(self) -> dict[str, Any]:
-        d = {"sink_tokens": self.sink_tokens, "balancer": self.balancer,
-             "balancer_exponent": self.balancer_exponent}
-        return d | (self.importance.to_dict() if self.importance is not None else {})
-
-    @property
-    def sinks_only(self) -> MikvSettings:
-        """What a layer the ``importance`` set does not apply to keeps: the sinks at
-        ``fp_dtype``, the balancer."""
-        return replace(self, importance=None)
+        """The ``protect`` section (the ``importance`` settings are their own key)."""
+        return {"sink_tokens": self.sink_tokens, "balancer": self.balancer,
+                "balancer_exponent": self.balancer_exponent}
 
 
 @dataclass(frozen=True)
@@ -256,7 +197,7 @@ class KVConfig:
     name: str
     default: LayerKV
     layers: Mapping[int, LayerKV] = field(default_factory=dict)
-    mikv: MikvSettings | None = None
+    protect: ProtectSettings | None = None
     balancers: Mapping[int, tuple[tuple[float, ...], ...]] = field(default_factory=dict)
     scale_dtype: str = "float16"
     description: str = ""
@@ -292,14 +233,14 @@ class KVConfig:
         if self.fp_dtype not in FP_DTYPES:
             raise ConfigError(f"Unknown fp_dtype {self.fp_dtype!r}; allowed: "
                               f"{', '.join(FP_DTYPES)}.")
-        if self.mikv is not None and self.mikv.balancer == "fixed" and not self.balancers:
-            raise ConfigError("mikv.balancer is 'fixed' but the config has no 'balancers'; "
+        if self.protect is not None and self.protect.balancer == "fixed" and not self.balancers:
+            raise ConfigError("protect.balancer is 'fixed' but the config has no 'balancers'; "
                               "add them or use balancer 'online' or 'off'.")
-        if self.balancers and (self.mikv is None or self.mikv.balancer != "fixed"):
-            mode = "no 'mikv' section" if self.mikv is None else \
-                f"mikv.balancer {self.mikv.balancer!r}"
+        if self.balancers and (self.protect is None or self.protect.balancer != "fixed"):
+            mode = "no 'protect' section" if self.protect is None else \
+                f"protect.balancer {self.protect.balancer!r}"
             raise ConfigError(f"The config gives 'balancers' but has {mode}, which would ignore "
-                              "them; set mikv.balancer to 'fixed' (allowed: "
+                              "them; set protect.balancer to 'fixed' (allowed: "
                               f"{', '.join(BALANCER_MODES)}) or remove 'balancers'.")
         self._check_codebook_seeds()
 
@@ -307,10 +248,10 @@ class KVConfig:
         """``write_before_attention`` codes each forward's tokens at once: no compressed layer
         may keep a residual window (nothing would wait in it) or a set (chosen from the
         attention the tokens receive before they are coded)."""
-        if self.mikv is not None:
-            raise ConfigError("write_before_attention cannot be combined with 'mikv' (its set is "
-                              "chosen from the attention tokens receive before they are coded); "
-                              "remove one of them.")
+        if self.protect is not None:
+            raise ConfigError("write_before_attention cannot be combined with 'protect' (its "
+                              "set is chosen from the attention tokens receive before they are "
+                              "coded); remove one of them.")
         for idx, setting in [(None, self.default), *sorted(self.layers.items())]:
             if setting.compressed and not setting.engine and setting.residual_tokens:
                 where = "default" if idx is None else f"layer {idx}"
@@ -334,13 +275,14 @@ class KVConfig:
     def layer(self, idx: int) -> LayerKV:
         return self.layers.get(idx, self.default)
 
-    def mikv_for(self, idx: int) -> MikvSettings | None:
-        """The settings layer ``idx`` keeps its set with: ``mikv`` itself when its
-        ``importance`` set applies to the layer (or there is none), else its sinks-only form."""
-        m = self.mikv
-        if m is None or m.importance is None or m.importance.applies_to(idx):
-            return m
-        return m.sinks_only
+    def protect_for(self, idx: int) -> ProtectSettings | None:
+        """The settings layer ``idx`` keeps its set with: ``protect`` itself when its
+        ``importance`` set applies to the layer (or there is none), else without it (the sinks
+        at ``fp_dtype``, the balancer)."""
+        p = self.protect
+        if p is None or p.importance is None or p.importance.applies_to(idx):
+            return p
+        return replace(p, importance=None)
 
     @property
     def compressed(self) -> bool:
@@ -352,7 +294,7 @@ class KVConfig:
             "description": self.description, "default": self.default.to_dict(),
             "layers": {str(i): v.to_dict()
                        for i, v in sorted(self.layers.items())},  # overrides merge over default
-            "mikv": self.mikv.to_dict() if self.mikv else None,
+            "protect": self.protect.to_dict() if self.protect else None,
             "balancers": {str(i): [list(r) for r in b] for i, b in sorted(self.balancers.items())}
             or None,
             "scale_dtype": self.scale_dtype,
@@ -363,7 +305,8 @@ class KVConfig:
                             for i, s in sorted(self.kv_scales.items())}}
              if self.kv_scales else {}) | ({"engine_attention": self.engine_attention}
                                           if self.engine_attention else {}) | (
-            {"write_before_attention": True} if self.write_before_attention else {})
+            {"write_before_attention": True} if self.write_before_attention else {}) | (
+            {imp.key: imp.to_dict()} if (imp := self.protect and self.protect.importance) else {})
 
 
 def _spec_dict(spec) -> dict[str, Any] | None:

@@ -1,13 +1,9 @@
-"""The one call behind ``kvlens recommend``: ``recommend_run(request)``.
-
-A ``RecommendRequest`` says what is asked: the capture, the target (``kvlens``: a per-layer
-config, ``kvlens.recommend.answer``; an engine: the setting it runs,
-``kvlens.deploy.targets``), the target's options (``RecommendOptions`` or ``TargetOptions``
-fields), one budget, several budgets or a KLD bound, and whether to validate against the exact
-model. ``request_for`` builds one from the options a command line gave. ``recommend_run``
-checks it (``check_request``: the capture, the model and its placement, before any work),
-measures, chooses, validates and returns the answer with its result documents; writing files
-and rendering are the caller's.
+"""The one call behind ``kvlens recommend``: ``recommend_run(request)``. A ``RecommendRequest``
+holds the capture, the target (``kvlens``: ``kvlens.recommend.answer``; an engine:
+``kvlens.deploy.targets``), its options, the budgets or KLD bound and the validation;
+``request_for`` builds one from a command line's options. ``recommend_run`` checks it before
+any work (``check_request``), measures, chooses, validates and returns the answer with its
+result documents; writing files and rendering are the caller's.
 """
 
 from __future__ import annotations
@@ -35,23 +31,18 @@ from kvlens.model.load import check_load_options, parse_dtype
 from kvlens.model.placement import make_placement
 from kvlens.recommend import RecommendOptions, check
 from kvlens.recommend.answer import LayerAnswer, budget_list, output_for, recommend_layers
-from kvlens.recommend.extension import fold_levers, lever_fields, thorough_levers
+from kvlens.recommend.extension import fold_levers, lever_fields
 
 LogFn = Callable[[str], None]
 
 
 @dataclass(frozen=True)
 class RecommendRequest:
-    """What ``kvlens recommend`` is asked.
-
-    ``options``: the fields given of ``RecommendOptions`` (target ``kvlens``) or
-    ``TargetOptions`` (an engine target), the rest are their defaults; ``budgets``: several
-    budgets from one measurement (per-layer target); ``max_kld``: the smallest budget whose
-    config's measured KLD is at most this (an engine target: the cheapest setting whose
-    predicted KLD is; there it may also come in ``options``);
-    ``place``: where the model ``--max-kld`` and validation load goes (``load_model``'s
-    ``dtype``, ``device_map``, ``max_memory``, ``offload_folder``); ``outputs``: where each
-    config is written (named in the documents)."""
+    """What ``kvlens recommend`` is asked. ``options``: the fields given of
+    ``RecommendOptions`` (target ``kvlens``) or ``TargetOptions``; ``budgets``: several budgets
+    from one measurement; ``max_kld``: the smallest budget (an engine: the cheapest setting)
+    whose KLD is at most this; ``place``: ``load_model``'s placement of the model
+    ``--max-kld`` and validation load; ``outputs``: where each config is written."""
 
     capture: Path
     target: str = "kvlens"
@@ -84,7 +75,7 @@ PLACEMENT = ("dtype", "device_map", "max_memory", "offload_folder")
 REQUEST_READERS = {
     **dict.fromkeys(("max_kld", "validate", "eval_tokens", "output", *PLACEMENT),
                     frozenset({PER_LAYER, ENGINE})),
-    **dict.fromkeys(("budgets", "thorough", "retrieval_prompts", "remeasure"),
+    **dict.fromkeys(("budgets", "retrieval_prompts", "remeasure"),
                     frozenset({PER_LAYER})),
 }
 #: the request's own fields ``request_for`` fills from the options given
@@ -93,10 +84,9 @@ REQUEST_FIELDS = ("max_kld", "validate", "eval_tokens", "retrieval_prompts", "to
 
 
 def readers(name: str) -> frozenset[str]:
-    """The targets that read option (or ``--set`` lever field) ``name``: ``PER_LAYER`` where it
-    is a ``RecommendOptions`` field or a registered candidate extension's lever field
-    (``kvlens.recommend.extension.lever_fields``), ``ENGINE`` where it is a ``TargetOptions``
-    field, else ``REQUEST_READERS`` (empty: an option of neither)."""
+    """The targets that read option (or ``--set`` lever field) ``name``: ``PER_LAYER`` for a
+    ``RecommendOptions`` or extension lever field, ``ENGINE`` for a ``TargetOptions`` field,
+    else ``REQUEST_READERS`` (empty: neither)."""
     if name in REQUEST_READERS:
         return REQUEST_READERS[name]
     per_layer = name in _fields(RecommendOptions) or name in lever_fields()
@@ -110,14 +100,11 @@ def _fields(cls) -> set[str]:
 
 def request_for(capture: str | Path, target: str = "kvlens", given: dict[str, Any] | None = None,
                 levers: dict[str, Any] | None = None) -> RecommendRequest:
-    """The request a command line makes (``kvlens recommend``). ``given``: the options given,
-    by ``kvlens recommend``'s parameter names (fields of the target's options; the request's
-    own, ``REQUEST_FIELDS``; the model's placement, ``PLACEMENT``; for the per-layer target
-    ``windows`` and ``budgets`` as comma lists, ``thorough`` and ``output``, where the config is
-    written, one per budget beside it with several budgets); ``levers``: the target's research
-    levers (``kvlens.research.parse_settings``), over ``thorough`` (which switches on the
-    registered research extensions: ``thorough_levers``). The per-layer target takes
-    exactly one of ``budget_bits``, ``budgets`` and ``max_kld`` (``budget_list``)."""
+    """The request a command line makes. ``given``: the options given, by ``kvlens
+    recommend``'s parameter names (``windows`` and ``budgets`` as comma lists, ``output`` the
+    config's path); ``levers``: the target's research levers
+    (``kvlens.research.parse_settings``). The per-layer target takes exactly one of
+    ``budget_bits``, ``budgets`` and ``max_kld`` (``budget_list``)."""
     target, given = canonical_target(target), dict(given or {})
     engine = target != "kvlens"
     unread = sorted(k for k in given if (ENGINE if engine else PER_LAYER) not in readers(k))
@@ -140,7 +127,6 @@ def request_for(capture: str | Path, target: str = "kvlens", given: dict[str, An
             options["windows"] = parse_int_list(options["windows"], "--windows")
         # the measurement does not read the budget: --budgets and --max-kld allocate later
         options["budget_bits"] = given.get("budget_bits") or min(budgets, default=16.0)
-        options |= thorough_levers() if given.pop("thorough", False) else {}
     own = {k: given[k] for k in REQUEST_FIELDS if k in given}
     return RecommendRequest(Path(capture), target, options | dict(levers or {}),
                             budgets=tuple(budgets), place=place, outputs=tuple(outputs), **own)
@@ -164,9 +150,8 @@ def check_request(request: RecommendRequest) -> None:
 
 def recommend_run(request: RecommendRequest, *, save: Callable | None = None,
                   progress=None, log: LogFn | None = None) -> LayerAnswer | EngineAnswer:
-    """Answer ``request``: the per-layer recommendation(s) (``LayerAnswer``) or the engine
-    setting (``EngineAnswer``). ``save(recommendation, output)`` is called for each config as
-    soon as it is chosen (before a validation); ``progress(done, total, what)`` follows the
+    """Answer ``request`` (a ``LayerAnswer`` or an ``EngineAnswer``). ``save(rec, output)`` is
+    called for each config as soon as it is chosen; ``progress(done, total, what)`` follows the
     measurement; ``log`` receives the messages for the user."""
     say = log or (lambda _msg: None)
     check_request(request)

@@ -1,14 +1,11 @@
 """The one call behind ``kvlens generate``: ``generate_run(request)``.
 
-A ``GenerateRequest`` says what is asked: the caches to compare (``Settings``: a config file, a
-preset or engine setting and a comma list of any of those and transformers baselines,
-``kvlens.deploy.settings.resolve_settings``), the evaluation (``EvalOptions``, which checks its
-own values), the model and where it goes. ``generate_request`` builds one from the values a
-command line gave, with every check that needs no model file. ``generate_run`` checks the model's
-options and the settings against the shape its files declare (``check_against_model``) before
-any weight loads, then loads it, rebuilds the settings that depend on its layers, runs
-llama.cpp's matmul types where a setting asks for them and evaluates every setting; writing
-files and rendering are the caller's.
+A ``GenerateRequest`` holds the caches to compare (``kvlens.deploy.settings.resolve_settings``),
+the evaluation (``EvalOptions``, which checks itself), the model and its placement;
+``generate_request`` builds one from a command line's values with every check that needs no
+model file. ``generate_run`` checks the settings against the shape the model's files declare
+before any weight loads, loads it once and evaluates every setting; writing files and
+rendering are the caller's.
 """
 
 from __future__ import annotations
@@ -35,9 +32,7 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct (embedded)"  # what no --model loads
 @dataclass(frozen=True)
 class GenerateRequest:
     """What ``kvlens generate`` is asked: the caches to compare (``settings``), the evaluation
-    (``options``), the model (a ``--model`` spec; None: the embedded default) and where it goes
-    (``place``: ``load_model``'s ``dtype``, ``device``, ``device_map``, ``max_memory``,
-    ``offload_folder``)."""
+    (``options``), the model (None: the embedded default) and ``load_model``'s ``place``."""
 
     settings: Settings
     options: EvalOptions

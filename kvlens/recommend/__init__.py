@@ -1,15 +1,5 @@
 """``kvlens recommend``: a per-layer KV quantization config under a memory budget.
-
-Modules, in dependency order: ``options`` (what is asked, ``Candidate``, ``Stream``),
-``catalog`` (what is offered, storage families), ``pricing`` (bytes held and read),
-``layer_errors`` (errors per layer), ``probe`` (the model and the retrieval probe),
-``sensitivity`` (layer weights), ``result``, ``build`` (the config), ``allocation`` (the
-knapsack), ``pipeline`` (``measure`` a capture once, ``choose`` for any budget), ``reuse``
-(measurements kept between runs), ``run`` (``recommend``: check, reuse or measure, choose),
-``search`` (the smallest budget under a KLD target); ``extension`` (the protocol and registry
-through which research adds twins of the candidates: ``kvlens.research`` registers them).
-The options behind ``recommend --set`` (knobs of the default run, and experiments) are listed
-in ``kvlens.research``. Import the public names from here.
+docs/internals/architecture.md (layer 10) lists its modules; import the public names from here.
 """
 
 from kvlens.recommend.allocation import COST_RESOLUTION, allocate

@@ -1,15 +1,9 @@
 """Allocation: one (key, value, window) option per layer under the budget, and the
-``Recommendation`` assembled from it.
-
-Pick one option per layer (which fixes its ``F``) minimising ``sum_l w_l (e_K + e_V)`` subject
-to the mean cost over all layers and both tensors <= budget: a multiple-choice knapsack
-(``allocate``) over each layer's Pareto front (``_layer_options``), solved exactly by dynamic
-programming on costs rounded up to ``1/COST_RESOLUTION`` bit (so the budget is never exceeded).
-Config-wide choices are solved for separately and the best objective kept (``assemble``): with
-and without rotated candidates (the shared matrix), without research twins and with each
-config-wide twin setting (``RecommendOptions.twin_settings``; ``kvlens.recommend.extension``). ``prefer_fast`` (``--prefer-fast``) offers only (key, value)
-pairs the fused decode kernel reads (``kvlens.cache.triton_glue.kernel_layout_problem``: no
-pre-RoPE keys), so decoding on CUDA never leaves the kernel.
+``Recommendation`` assembled from it: minimise ``sum_l w_l (e_K + e_V)`` with the mean cost at
+most the budget, a multiple-choice knapsack (``allocate``) over each layer's Pareto front,
+solved exactly on costs rounded up to ``1/COST_RESOLUTION`` bit. Config-wide choices (rotated
+candidates or not, each research twin setting) are solved separately and the best objective
+kept (``assemble``). ``prefer_fast`` offers only pairs the fused decode kernel reads.
 """
 
 from __future__ import annotations

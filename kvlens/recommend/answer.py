@@ -1,13 +1,8 @@
 """Everything ``kvlens recommend`` does for the per-layer target, as one call:
-``recommend_layers``.
-
-One measurement of the capture (``kvlens.recommend.run.measurement``: checked, reused or
-measured), then the configs asked for: one budget, several budgets (one config each, named
-``NAME-<B>b``), or the smallest budget whose config's measured KLD is at most ``max_kld``
-(``kvlens.recommend.search``); optionally validated against the exact model on held-out text
-beside the presets; and the result documents (what ``--json`` prints and ``kvlens report``
-reads). The model ``--max-kld`` and validation score on is loaded once, when first needed.
-Writing files and rendering are the caller's (the CLI).
+``recommend_layers``: one measurement (``kvlens.recommend.run.measurement``), then one budget,
+several (one config each, ``NAME-<B>b``) or the smallest under ``max_kld``
+(``kvlens.recommend.search``), optionally validated beside the presets, with the result
+documents (``--json``, ``kvlens report``). Writing files and rendering are the caller's.
 """
 
 from __future__ import annotations
@@ -92,10 +87,8 @@ def recommend_layers(capture: str | Path, opts: RecommendOptions, *,
     at each of ``budgets``, or the smallest budget meeting ``max_kld``; ``validate`` scores
     them and the presets against the exact model (``eval_tokens`` held-out tokens, a retrieval
     grid of ``retrieval_prompts`` prompts when > 0). ``outputs``: where the caller writes each
-    config (named in the documents' deploy command); ``save(rec, output)`` is called for each
-    as soon as it is chosen, before any validation, so a config is written even if a long
-    validation is interrupted. ``log`` receives what to tell the user (the prediction, the
-    search's steps, loading)."""
+    config; ``save(rec, output)`` is called as soon as it is chosen, before any validation.
+    ``log`` receives what to tell the user."""
     say = log or (lambda _msg: None)
     capture = Path(capture)
     measured, predicted = measurement(capture, opts, progress, remeasure=remeasure, log=say)

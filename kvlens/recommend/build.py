@@ -1,6 +1,6 @@
 """The versioned ``KVConfig`` a recommendation writes (``build_config``): per-layer settings
 from the chosen candidates and windows, the most common one as the default, the config-wide
-sinks-and-balancer section (``mikv``) and what the chosen research twins add to it
+sinks-and-balancer section (``protect``) and what the chosen research twins add to it
 (``CandidateExtension.write``)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from kvlens.config import KVConfig, LayerKV, MikvSettings
+from kvlens.config import KVConfig, LayerKV, ProtectSettings
 from kvlens.errors import ConfigError
 from kvlens.recommend.extension import extension_class
 from kvlens.recommend.options import Candidate, RecommendOptions, Stream, listed
@@ -34,9 +34,9 @@ def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balanc
     used = {i: balancers[i] for i, p in by_layer.items() if p["key"].balancer}
     if any(settings[i].pre_rope_keys for i in used):
         raise ConfigError("internal: balancer chosen together with pre-RoPE keys")
-    mikv = None
+    protect = None
     if used or opts.sink_tokens:
-        mikv = MikvSettings(sink_tokens=opts.sink_tokens,
+        protect = ProtectSettings(sink_tokens=opts.sink_tokens,
                             balancer="fixed" if used else "off",
                             balancer_exponent=opts.balancer_exponent)
     twins: dict[str, dict[int, tuple]] = {}
@@ -44,9 +44,9 @@ def build_config(meta, opts: RecommendOptions, choices: Sequence[Choice], balanc
         if p["key"].twin is not None:
             twins.setdefault(p["key"].twin.extension, {})[i] = p["key"].twin.setting
     for name, chosen in twins.items():  # what the research twins chosen add to the config
-        mikv = extension_class(name)().write(mikv, chosen, opts)
+        protect = extension_class(name)().write(protect, chosen, opts)
     return KVConfig(
-        name=opts.name, default=default, layers=overrides, mikv=mikv,
+        name=opts.name, default=default, layers=overrides, protect=protect,
         balancers={i: tuple(tuple(float(x) for x in row) for row in b.tolist())
                    for i, b in used.items()},
         fp_dtype=opts.fp_dtype, scale_dtype=opts.scale_dtype,

@@ -1,19 +1,10 @@
 """The candidates ``recommend`` measures, and the storage families they fall into.
 
-Per tensor: keys and values x granularity (per-channel, per-token) x bits (2, 4, 8 by default;
-3 when ``bits`` asks for it, docs/recommend.md) x group size x scale fit; keys also pre-RoPE
-(KVQuant) and, for per-token keys, with the MiKV channel balancer fitted on the capture
-(``b = (max|q| / max|k|)^exponent``); per-token keys and values also Hadamard-rotated.
-
-The research extensions switched on (``RecommendOptions.extensions``, none by default;
-``kvlens.recommend.extension``) add twins of these candidates; a layer takes a twin for both
-tensors or neither. Only what ``kvlens generate`` can run is offered. (Codebook, centred-key
-and GEAR candidates were experiments until issue #57 removed them: negative results,
-docs/lab-notes/codebooks.md and docs/lab-notes/gear-mikv.md.)
-
-``family`` groups candidates by storage layout for the layout sensitivity (``--set
-sensitivity=layout``, and ``auto`` when the model loads); ``family_probes``
-picks the one candidate per family that is measured for it.
+Per tensor: granularity x bits x group size x scale fit; keys also pre-RoPE (KVQuant) and, per
+token, with the key-channel balancer fitted on the capture; per-token keys and values also
+Hadamard-rotated. Research extensions (``kvlens.recommend.extension``) add twins of these.
+Only what ``kvlens generate`` can run is offered. ``family`` groups candidates by storage
+layout for the layout sensitivity, ``family_probes`` picks the one measured per family.
 """
 
 from __future__ import annotations
@@ -27,9 +18,7 @@ from kvlens.recommend.options import OFFERED_GRANULARITIES, Candidate, Recommend
 
 def candidates(head_dim: int, opts: RecommendOptions, has_rope: bool) -> list[Candidate]:
     """Every storable candidate; per-token groups larger than head_dim are skipped. Rotated
-    candidates are per-token only (where rotation spreads outlier channels over a group;
-    per-channel groups already give each outlier channel its own scales, which rotation would
-    smear over every channel; docs/rotation.md) and need a head_dim with a Hadamard
+    candidates are per-token only (docs/rotation.md) and need a head_dim with a Hadamard
     construction."""
 
     rotation = opts.rotation

@@ -1,41 +1,22 @@
 """One generic codec between dataclasses and a data-only file: ``DataclassCodec(root, format,
 version, shared)`` writes an instance of the dataclass ``root`` as bytes (``encode``) and reads
-it back exactly (``decode``), driven by the dataclasses' own field annotations
-(``typing.get_type_hints``), so that a new field needs no new serializer. Nothing in it is
-specific to recommend; ``kvlens.recommend.kept_format`` names the document it keeps.
+it back exactly (``decode``), driven by the dataclasses' field annotations, so a new field needs
+no new serializer.
 
-A file holds data only, so that one planted in a shared directory cannot run code when read:
-nothing reads it with a general-purpose deserializer (no pickle, no ``eval``). It is an
-uncompressed zip (a numpy ``.npz``; ``numpy.load(f, allow_pickle=False)`` opens it) of
-``document.npy``, a uint8 array of the UTF-8 JSON document, and ``a0.npy``, ``a1.npy``..., the
-arrays the document refers to by index (numeric and boolean dtypes only, never objects).
+A file holds data only (no pickle, no ``eval``), so one planted in a shared directory cannot run
+code: an uncompressed zip (a numpy ``.npz``) of ``document.npy``, the UTF-8 JSON document as
+uint8, and ``a0.npy``, ``a1.npy``..., the numeric or boolean arrays it refers to by index. The
+document is ``{"format", "version", <root's fields>, <a table per shared type>}``; a value is
+written as its annotation says: scalars as JSON (``T | None`` and scalar unions as the member
+the value is), lists and tuples as lists, a ``dict`` as ``[key, value]`` pairs, a dataclass or
+``NamedTuple`` as ``{field: value}`` (a ``shared`` type as an index into its table, each
+distinct value written once), a tensor or ndarray as ``{"array", "dtype", "shape"}``
+(``TENSOR_DTYPES``; bfloat16 as its int16 bits), ``Any`` as a scalar or a value tagged with
+what it is (``_PLAIN``). Values nest at most ``MAX_DEPTH`` deep.
 
-The document is ``{"format": ..., "version": ..., <root's fields>, <a table per shared type>}``.
-A value is written as its field's annotation says:
-
-- ``bool``, ``int``, ``float``, ``str``, ``None``: JSON scalars (a float reads back exactly;
-  NaN and the infinities as Python's ``json`` writes them; an int where ``float`` is declared
-  stays an int);
-- ``T | None``, or a union of scalar types: as the member the value is;
-- ``list[T]``, ``tuple[T, ...]``, ``tuple[A, B]``: a JSON list;
-- ``dict[K, V]``: a list of ``[key, value]`` pairs, so that a key may be a tuple or a dataclass;
-- a dataclass or ``NamedTuple``: ``{field: value}`` over the fields its constructor takes; a
-  type named in ``shared``: the index of the value in the document's table for that type, where
-  each distinct value is written once, in full;
-- ``torch.Tensor``: ``{"array": i, "dtype": torch dtype, "shape": [...]}`` (``TENSOR_DTYPES``;
-  bfloat16 stored as its int16 bits); ``numpy.ndarray``: the same with the numpy dtype;
-- ``Any`` (and an unparameterised ``list``, ``tuple`` or ``dict``'s items): a scalar as itself,
-  anything else tagged with what it is, ``{"list": ...}``, ``{"tuple": ...}``, ``{"dict": ...}``
-  (str keys) or ``{"ndarray": ...}``, written as ``list[Any]``, ``tuple[Any, ...]``,
-  ``dict[str, Any]`` or ``numpy.ndarray`` (``_PLAIN``).
-
-Values nest at most ``MAX_DEPTH`` deep.
-
-``decode`` checks everything against the annotations: the zip members (stored, not compressed,
-named as above), each ``.npy`` header before its data is read (a plain numeric dtype whose size
-matches the member's bytes), the format name and version, every field (none unknown or missing)
-and value's type, every array and table index. Any failure, and any annotation this codec does
-not know, raises ``CodecError``, never another exception.
+``decode`` checks everything against the annotations (zip members, each ``.npy`` header before
+its data, format, version, every field and value, every index); any failure, and any
+annotation this codec does not know, raises ``CodecError``, never another exception.
 """
 
 from __future__ import annotations

@@ -1,40 +1,17 @@
 """What ``recommend`` will cost before it starts: predicted wall time and peak memory.
 
-The prediction counts the work each stage does from the capture's shape and the options (layers,
-heads, head_dim, tokens, samples, candidates, windows, storage families) and the model's size,
-and divides it by rates measured on kvlens' reference machine (2 CPU cores, one thread for the
-attention passes; ``benchmarks/bench_recommend.py`` measures them, ``docs/benchmarks.md`` records
-predicted against measured). It is a model, not a measurement: a faster machine or a GPU runs
-the same work in less time. ``machine_factor`` times one float32 matrix product on one thread
-at start-up against the reference machine's time for it, and ``predict`` scales every stage by
-that factor (the forwards and attention passes are products of that kind; the factor is one
-timing, so a loaded machine reads slower than it is).
-
-Work units:
-
-- **candidate errors**: attention passes, ``candidates x streams x samples x query heads x
-  scored queries x visible keys x head_dim`` per layer;
-- **variants**: quantizing the captured keys/values once per candidate,
-  ``candidates x samples x KV heads x tokens x head_dim`` per layer;
-- **forwards** (layout sensitivity, retrieval probe): ``2 x parameters x tokens`` per forward.
-  The layout sensitivity runs one per measured storage family and layer (two anchor families on
-  every layer, every family on ``family_layers`` spread-out layers), each starting at its layer
-  (on average half the decoder layers run), its LM head (``2 x vocabulary x hidden`` per kept
-  position; the embedding is tied, an untied head counts as decoder weights) on the kept half
-  of the tokens only, and its KL divergence a few passes over ``kept positions x vocabulary``
-  logits (``logits``);
-- **capture read**: the bytes of the capture's float32 tensors.
-
-With ``workers`` processes the per-layer stages divide by ``workers`` (each worker measures whole
-layers on one core, so a worker's forward runs at the one-core rate) and every worker holds its
-own capture layer and reconstructions (and, when spawned rather than forked, its own runtime).
-
-Peak memory (every process together, the proportional set size ``benchmarks/bench_recommend.py``
-samples): the runtime, the model's weights at the model stages' dtype (``weight_bytes``; the
-rates are float32 ones: a half-precision forward is timed as a float32 one), and per measuring
-process one capture layer,
-every candidate's reconstruction of it and the KL stage's log-probabilities (kept positions x
-vocabulary, three copies).
+The prediction counts each stage's work from the capture's shape, the options and the model's
+size, and divides it by rates measured on kvlens' reference machine (docs/benchmarks.md records
+predicted against measured), scaled by ``machine_factor`` (one float32 matrix product timed on
+one thread at start-up against the reference machine's time for it). It is a model, not a
+measurement. Work units: attention multiply-adds (candidate errors), quantized elements
+(variants), forward FLOPs (layout sensitivity, retrieval probe; each perturbed run starts at
+its layer and scores half the tokens, plus its LM head and KL passes over the logits) and the
+capture's bytes. ``workers`` processes divide the per-layer stages, each on one core and each
+holding its own capture layer and reconstructions. Peak memory (all processes, as
+``benchmarks/bench_recommend.py`` samples it): the runtime, the weights at the model stages'
+dtype, and per measuring process a capture layer, its reconstructions and the KL stage's
+log-probabilities.
 """
 
 from __future__ import annotations

@@ -1,31 +1,10 @@
-"""Candidate extensions: research that adds *twins* of the stable candidates, behind one
-declared protocol and a registry (the model is ``kvlens.layouts.protocol``).
-
-A **twin** (``Twin``) is a base candidate with something kept beside its codes (an importance
-set, for instance): ``Candidate.twin`` names the extension and its config-wide
-setting, ``Candidate.base`` is the same storage without it. An extension (``CandidateExtension``)
-is a frozen settings object that says
-
-- which config-wide settings the allocation solves for, each separately (``settings``), and the
-  twins of the base candidates it offers (``twins``), with their words (``words``);
-- how its twins are measured on a capture layer (``offered_on``, ``measurer``: a
-  ``TwinMeasurer`` builds each twin's ``kvlens.analysis.metrics.Variant``);
-- what a layer storing a twin keeps beside its codes, in the config's sinks-and-balancer
-  section the cache prices (``held``);
-- what the chosen twins add to the written config (``write``) and the note the allocation
-  leaves (``note``).
-
-The allocation takes a twin for both tensors of a layer or for neither, and solves once with no
-twin and once per setting, keeping the best objective. Stable recommend names no extension: the
-research package (``kvlens.research``, above recommend in the layer order) registers its
-extensions when it is imported (``register``), and an ``RecommendOptions`` switches one on by
-object or by name (``extensions=("NAME",)``; ``resolve``). Asking for one that is not registered
-is an ``InputError`` that says which package to import.
-
-The research door's levers (``--set NAME=VALUE``) reach an extension as flat fields:
-``NAME`` switches it on, ``NAME_FIELD`` sets its settings' ``FIELD`` (``lever_fields``,
-``fold_levers``); ``--thorough`` switches on every registered extension that says
-``thorough`` (``thorough_levers``).
+"""Candidate extensions: research that adds *twins* of the stable candidates (a base candidate
+with something kept beside its codes, ``Candidate.twin``), behind one declared protocol
+(``CandidateExtension``) and a registry. Stable recommend names no extension: ``kvlens.research``
+registers them when imported, and ``RecommendOptions(extensions=...)`` switches one on by object
+or by name (``resolve``; an unregistered name says what to import). The research door's flat
+levers reach an extension as ``NAME`` (its switch) and ``NAME_FIELD`` (``fold_levers``).
+docs/internals/architecture.md (how to add a recommend candidate) says what each method does.
 """
 
 from __future__ import annotations
@@ -41,8 +20,7 @@ RESEARCH_PACKAGE = "kvlens.research"
 
 
 class Twin(NamedTuple):
-    """What a twin keeps beside its base candidate's codes: the extension's ``name`` and its
-    config-wide ``setting`` (one of ``CandidateExtension.settings``)."""
+    """A twin's extension ``name`` and config-wide ``setting`` (one of its ``settings``)."""
 
     extension: str
     setting: tuple[Any, ...]
@@ -68,8 +46,6 @@ class CandidateExtension(Protocol):
 
     #: its name: ``Twin.extension``, ``extensions=(name,)`` and its switch lever
     name: ClassVar[str]
-    #: whether ``--thorough`` (every candidate recommend can price) switches it on
-    thorough: ClassVar[bool]
 
     def settings(self, opts) -> list[tuple[Any, ...]]:
         """The config-wide settings the allocation solves for separately (``[]``: none)."""
@@ -88,7 +64,7 @@ class CandidateExtension(Protocol):
         """What measures its twins on one capture layer."""
 
     def held(self, setting: tuple[Any, ...], opts):
-        """The config's sinks-and-balancer section (``kvlens.config.MikvSettings``) a layer
+        """The config's sinks-and-balancer section (``kvlens.config.ProtectSettings``) a layer
         storing a twin at ``setting`` keeps (what ``kvlens.cache.layout`` prices)."""
 
     def write(self, section, chosen: Mapping[int, tuple[Any, ...]], opts):
@@ -176,13 +152,3 @@ def fold_levers(options: Mapping[str, Any]) -> dict[str, Any]:
             ([settings] if options.get(name, was is not None) else [])
     return out | ({"extensions": tuple(chosen)} if chosen else {})
 
-
-def thorough_levers() -> dict[str, bool]:
-    """The flat levers ``--thorough`` sets: every registered extension that says
-    ``thorough``, switched on; an ``InputError`` when none is registered (research not
-    imported)."""
-    on = {name: True for name, cls in _REGISTRY.items() if cls.thorough}
-    if not on:
-        raise InputError(f"thorough: it adds the research candidate extensions, and none is "
-                         f"registered; `import {RESEARCH_PACKAGE}` first (it registers them).")
-    return on

@@ -1,21 +1,14 @@
 """Per-layer error measurement of the candidates on a capture.
 
-The error of a candidate is measured where the tensor is consumed: the relative error of the
-attention output (``kvlens.analysis.metrics``) when only that tensor is quantized, mean over the
-layer's query heads, *as the cache is read while decoding*: query ``i`` reads the tokens still
-in the window and the sink tokens exact (``streaming_exact_mask``). The window slides: when it
-fills, its oldest ``F`` tokens are quantized (``flush_tokens``; ``F`` is raised to a per-channel
-group size, since a group needs all its tokens), so each candidate is measured for every window
-``R`` and ``F`` it can be stored with (``Stream``). Score and reconstruction errors are recorded
-too, to explain. By default the first ``tokens=256`` tokens of every capture sample
-(``samples=None``) are used (about 170 attention passes per layer and sample); with several
-windows every option is scored on the same queries, from ``score_from`` (three times the
-largest window) on, of ``default_tokens`` (four times it).
-
+A candidate's error is the relative error of the attention output (``kvlens.analysis.metrics``)
+when only that tensor is quantized, mean over the layer's query heads, as the cache is read
+while decoding: query ``i`` reads the window and the sinks exact (``streaming_exact_mask``), and
+the window flushes its oldest ``F`` tokens when full, so each candidate is measured for every
+``Stream`` it can be stored with. Score and reconstruction errors are recorded to explain. With
+several windows every option is scored on the same queries (``score_from`` on).
 ``layer_variants`` builds what the cache would give back for each candidate, ``measure_layer``
-scores them (a research twin's variant is built per stream by its extension's measurer,
-``kvlens.recommend.extension``); ``check_windows`` refuses window sizes nothing can be stored
-with.
+scores them (a research twin's through its extension's measurer); ``check_windows`` refuses
+window sizes nothing can be stored with.
 """
 
 from __future__ import annotations
@@ -48,17 +41,11 @@ def measure_layer(layer, meta, cands: Sequence[Candidate], opts: RecommendOption
     """Per-candidate mean errors on one capture layer, the fitted balancer ``[Hkv, D]``
     (None when no candidate uses it) and whether pre-RoPE candidates were measured.
 
-    Errors are ``{(candidate, Stream(R, F)): (out, score, recon)}`` for every window ``R``
-    (``opts.window_sizes``) and flush block ``F`` the candidate can be stored with
-    (``opts.streams()``), measured as the cache reads history while decoding: recent tokens
-    (the window, as it slides with ``F``) and the first ``opts.sink_tokens`` exact
-    (``kvlens.analysis.metrics.streaming_exact_mask``), on queries from ``opts.score_from`` on.
-    Research twins (``Candidate.twin``) are measured by their extension's measurer, per
-    stream, on the layers it says can keep them (``CandidateExtension.offered_on``). Candidates in
-    ``plain`` are also measured with every token quantized, key ``(candidate, None)`` (the
-    sensitivity probe, which quantizes the whole layer). ``queries``: score only the last
-    queries (the retrieval probe's answer position). ``balancer``: use this fitted balancer
-    instead of fitting one on this layer's data."""
+    Errors are ``{(candidate, Stream): (out, score, recon)}`` for every stream the candidate
+    can be stored with (module docstring), and for the candidates in ``plain`` also with every
+    token quantized, key ``(candidate, None)`` (the sensitivity probe). ``queries``: score only
+    the last queries (the retrieval probe's answer position). ``balancer``: use this fitted
+    balancer instead of fitting one on this layer's data."""
 
     q, k, v, variants, bal, pre_ok = layer_variants(layer, meta, cands, opts, balancer)
     n_tok = k.shape[2]
@@ -163,12 +150,10 @@ class _LayerScoring:
 
 def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptions,
                    balancer=None):
-    """``(q, k, v, variants, balancer, pre_ok)`` of one capture layer
-    (``opts.samples`` and ``opts.tokens``): ``variants[c]`` is what the cache would give back
-    for candidate ``c`` with every token quantized (a ``kvlens.analysis.metrics.Variant``), None
-    for research twins (they depend on the stream: built by ``measure_layer``);
-    pre-RoPE candidates are left out when the capture's RoPE cannot be rebuilt (``pre_ok``
-    False)."""
+    """``(q, k, v, variants, balancer, pre_ok)`` of one capture layer: ``variants[c]`` is what
+    the cache would give back for ``c`` with every token quantized (None for a research twin:
+    it depends on the stream); pre-RoPE candidates are left out when the capture's RoPE cannot
+    be rebuilt (``pre_ok`` False)."""
 
     sel = None if opts.samples is None else list(range(min(opts.samples, meta.num_samples)))
     t = slice(None) if opts.tokens is None else slice(0, opts.tokens)

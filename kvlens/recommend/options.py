@@ -49,7 +49,7 @@ class Candidate:
     granularity: str
     group_size: int
     stage: str = "post"  # keys only: "pre" = quantize before RoPE
-    balancer: bool = False  # keys only: MiKV channel balancer
+    balancer: bool = False  # keys only: key-channel balancer
     rotate: bool = False  # Hadamard rotation along head_dim (kvlens.quant.rotation)
     # what a research extension keeps beside the codes (kvlens.recommend.extension); None: the
     # stable candidate (its sinks only)
@@ -128,88 +128,65 @@ class RecommendOptions:
     context: int = _main(4096, "--context")
     # window sizes each layer chooses among (docs/recommend.md: why these)
     windows: tuple[int, ...] = _main(DEFAULT_WINDOWS, "--windows")
-    # capture samples the error tables are measured on (None: all): more calibration text
-    # steadies the ranking of candidates, at a time cost roughly in proportion (what it bought
-    # and cost: docs/lab-notes/recommend.md#calibration-text)
+    # capture samples the errors are measured on (None: all; docs/lab-notes/recommend.md)
     samples: int | None = _main(None, "--samples")
     # first tokens of each sample measured on (None: all); AUTO: ``default_tokens(windows)``
     tokens: int | str | None = _main(AUTO, "--tokens")
     model: str | None = _main(None, "--model")  # default: the capture's model source
-    # dtype the model stages (sensitivity, retrieval probe, validation) load the model in; the
-    # exact reference of every KLD is the model at this dtype
+    # dtype of the model stages (sensitivity, retrieval probe, validation: their exact reference)
     dtype: str = _main("float32", "--dtype")
     name: str = _main("recommended", "--name")
     # where the model loaded for sensitivity/retrieval goes (kvlens.model.placement; None = one device)
     device_map: str | None = _main(None, "--device-map")
     max_memory: str | None = _main(None, "--max-memory")
     offload_folder: str | None = _main(None, "--offload-folder")
-    # dtype of the full-precision parts (window, sinks, sets): the config's
-    # fp_dtype; float8_e4m3fn halves their bytes, but the error proxy reads them exact
-    # (docs/recommend.md#fp8-windows: whether it pays depends on the budget)
+    # the config's fp_dtype (the error proxy reads those parts exact: docs/recommend.md)
     fp_dtype: str = _main("float16", "--window-dtype")
-    # processes the per-layer measurements run on (kvlens.recommend.parallel); None: every
-    # available core when the per-layer stages (candidate errors, layout sensitivity) are
-    # predicted to be long, else this process only
+    # processes measuring layers (kvlens.recommend.parallel); None: every free core when the
+    # per-layer stages are predicted to be long
     workers: int | None = _main(None, "--workers")
-    # research candidate extensions switched on (kvlens.recommend.extension): settings objects
-    # or registered names (their defaults), none by default; kvlens.research registers them
-    # and its levers (``--set NAME=on``, ``--thorough``) reach them
+    # research candidate extensions switched on: settings objects or registered names
     extensions: tuple[Any, ...] = _library(())
-    # 3-bit codes (dense, 3 bits each) are offered only when asked: offering them did not
-    # improve the allocations on average (docs/lab-notes/vs-llamacpp.md, dense 3-bit codes)
+    # 3-bit codes only when asked (docs/lab-notes/vs-llamacpp.md, dense 3-bit codes)
     bits: tuple[int, ...] = _lever((2, 4, 8), "bits", "candidate bit widths (2, 3, 4, 8)")
     group_sizes: tuple[int, ...] = _lever((32, 64, 128), "group-sizes",
                                           "candidate group sizes (per-token ones must divide "
                                           "head_dim, per-channel ones the flush block)")
-    # auto: offer pre-RoPE keys when the capture has RoPE; on; off
     pre_rope: str = _lever("auto", "pre-rope", "pre-RoPE key candidates: auto (when the "
                            "capture has RoPE), on (required), off")
-    balancer: bool = _lever(True, "balancer", "offer MiKV channel-balancer key candidates")
+    balancer: bool = _lever(True, "balancer", "offer key-channel-balancer key candidates")
     balancer_exponent: float = _lever(0.5, "balancer-exponent",
                                       "balancer b = (max|q| / max|k|) ^ exponent")
-    # offer Hadamard-rotated per-token keys and values (engine targets: llama.cpp's rotation)
     rotation: bool = _lever(True, "rotation", "offer Hadamard-rotated per-token candidates "
                             "(engine targets: llama.cpp with its rotation)")
-    # uniform | model | layout | auto (layout when the capture's model is loadable); model: a
-    # weight per layer (``kvlens.recommend.sensitivity.sensitivity_weights``); layout: and a
-    # factor per storage family (``kvlens.recommend.sensitivity.layout_factors``)
+    # kvlens.recommend.sensitivity: sensitivity_weights (model), layout_factors (layout)
     sensitivity: str = _lever("auto", "sensitivity",
                               "error weights: auto (layout when the model loads), layout (KL "
                               "damage per unit error, per layer and storage family), model "
                               "(one weight per layer), uniform")
-    # layers on which the layout sensitivity measures every storage family, the others two
-    # anchors sharing the family ratios (None: every family on every layer)
     layout_layers: int | None = _lever(None, "layout-layers",
                                        "layout sensitivity: measure every storage family on "
                                        "this many layers only, two anchor families elsewhere")
-    # tokens of the layout sensitivity's forwards (the capture's first sample, KL on the last
-    # half; None: ``tokens``); more than the largest window
     layout_tokens: int | None = _lever(None, "layout-tokens",
                                        "layout sensitivity: tokens of its model forwards "
                                        "(default: --tokens)")
-    # smallest flush block of the sliding window; 0 = whole window (KIVI)
     flush_tokens: int = _lever(32, "flush", "quantize the oldest N window tokens at a time "
                                "when the window fills; 0 = the whole window (KIVI)")
     sink_tokens: int = _lever(4, "sinks", "first tokens kept at full precision "
                               "(attention sinks)")
-    # add the retrieval probe's errors: auto (when the model loads), on, off
     retrieval: str = _lever("auto", "retrieval", "add errors at the answer position of a "
                             "built-in retrieval prompt: auto (when the model loads), on, off")
     retrieval_weight: float = _lever(1.0, "retrieval-weight", "weight of the retrieval errors")
     prefer_fast: bool = _lever(False, "prefer-fast", "only layouts the fused Triton decode "
                                "kernel reads")
-    # scale/zero fits offered for the plain, pre-RoPE, balanced and rotated codes, per tensor
-    # (QuantSpec.fit); twins (kvlens.recommend.extension) may take the first; each fit is a family of its own
-    # for --set sensitivity=layout. Keys: min/max only by default (docs/recommend.md#the-scale-fit:
-    # the error proxy over-rates fitted keys, even with a KL rate of their own)
+    # QuantSpec.fit per tensor, each a family of its own for the layout sensitivity; keys
+    # min/max only by default (docs/recommend.md#the-scale-fit)
     key_fits: tuple[str, ...] = _lever(("minmax",), "key-fits",
                                        "how key groups' scale and zero are chosen: minmax, "
                                        "mse, or both")
     value_fits: tuple[str, ...] = _lever(("minmax", "mse"), "value-fits",
                                          "the same for values")
-    # how each group's scale and zero are stored: the config's scale_dtype; "8bit" (default)
-    # halves their bytes (kvlens.quant.meta8) and the error proxy measures the 8-bit grid
-    # (docs/recommend.md#8-bit-group-metadata); the Triton kernel decodes the bytes itself
+    # the config's scale_dtype; the error proxy measures the 8-bit grid (kvlens.quant.meta8)
     scale_dtype: str = _lever("8bit", "scale-dtype", "how group scales and zeros are stored: "
                               "8bit or float16")
     layer_weights: tuple[float, ...] | None = _library(None)
@@ -324,11 +301,8 @@ class RecommendOptions:
 
     @property
     def score_from(self) -> int:
-        """First query scored for the text errors: 0 with one window (every query, as
-        before); with several, three times the largest window, so that every option is
-        compared on the same queries, each with a quantized history at least twice as long as
-        the largest window (docs/recommend.md: on shorter histories the proxy overstates what
-        a larger window buys)."""
+        """First query scored: 0 with one window; with several, three times the largest, so
+        every option is compared on the same queries (docs/recommend.md)."""
         sizes = self.window_sizes
         return 3 * max(sizes) if len(sizes) > 1 else 0
 
@@ -366,8 +340,8 @@ class RecommendOptions:
 
 
 def default_tokens(windows: Sequence[int]) -> int:
-    """Capture tokens to measure errors on: 256 with one window (as before), four times the
-    largest window with several (512 at the default windows: the last quarter scored)."""
+    """Capture tokens to measure errors on: 256 with one window, four times the largest with
+    several."""
     return 256 if len(set(windows)) <= 1 else 4 * max(windows)
 
 

@@ -1,20 +1,12 @@
-"""Per-layer measurement on several processes (``RecommendOptions.workers``).
-
-Each capture layer is measured on its own (candidate errors, the layout sensitivity's model
-runs, the retrieval probe's errors), so layers are spread over worker processes, one torch
-thread each: on a machine with ``N`` free cores the candidate stage runs about ``N`` times
-faster, with the same numbers (each layer's arithmetic is the same, in the same order). A model
-forward gains less (one forward on every core is already parallel; on one core per worker it
-also does not stall when other programs take a core), and its sums may round differently on
-one thread. On Linux workers are forked (no interpreter to start,
-and a script calling ``recommend`` needs no ``if __name__ == "__main__"`` guard) and set one torch
-thread before any work, as torch's own data-loader workers do; no capture file may be open in the
-calling process while they start (HDF5 would share its handle), so each worker opens the capture
-read-only itself. Elsewhere they are spawned.
+"""Per-layer measurement on several processes (``RecommendOptions.workers``): each capture layer
+is measured on its own, so layers are spread over worker processes of one torch thread each,
+with the same arithmetic in the same order (a model forward's sums may round differently on one
+thread). On Linux workers are forked (a script needs no ``__main__`` guard) and each opens the
+capture itself (no capture may be open here while they start: HDF5 would share its handle);
+elsewhere they are spawned.
 
 ``map_layers(fn, path, layers, args, workers)`` returns ``[fn(layer_data, meta, *args)]`` in the
-order of ``layers``; ``fn`` must be a module-level function (it is pickled by name). With one
-worker it runs here, in this process, without starting any.
+order of ``layers``; ``fn`` is a module-level function (pickled by name). One worker runs here.
 """
 
 from __future__ import annotations

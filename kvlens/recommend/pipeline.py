@@ -1,10 +1,6 @@
-"""The ``recommend`` pipeline: measure a capture once (``measure`` -> ``Measurements``), then
-allocate for any budget (``choose``); ``kvlens.recommend.run.recommend`` does both.
-
-``measure`` reads one capture layer at a time: every candidate's errors
-(``kvlens.recommend.layer_errors``), then, when the model loads (``kvlens.recommend.probe``), the
-layer weights (``kvlens.recommend.sensitivity``) and the retrieval probe's errors. ``choose``
-solves the allocation and builds the config (``kvlens.recommend.allocation``).
+"""The ``recommend`` pipeline: measure a capture once (``measure`` -> ``Measurements``: every
+candidate's errors, and when the model loads the layer weights and the retrieval probe's
+errors, one capture layer at a time), then allocate for any budget (``choose``).
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
-"""What a layer's choice costs, in bytes held and bytes read.
-
-**Held bytes** of a layer's (key, value, window, flush) choice (``option_bytes``): what that
-layer of the cache holds after ``L`` tokens (``RecommendOptions.context``, default 4096), from
-``kvlens.cache.layout`` (the same description the cache allocates by, tested against held
-bytes): codes at their bits (dense), scales and zeros, the window buffer (``R`` tokens, ``R``
-chosen per layer from ``windows``), the sink tokens' copies and positions, pre-RoPE positions,
-balancers, what a research twin keeps (``CandidateExtension.held``); a sliding-window layer
-counts only what it keeps. The
-budget is in bits per element relative to an fp16 cache of the same tokens
-(``tensor_fp16_bytes``; 16 = as big as fp16). The model's shape comes from the capture
-(``kvlens.capture.store.CaptureMeta.shape``).
-
-**Decode cost** (``decode_costs``): the bytes one decode step reads at ``L`` tokens for the
-recommendation and the presets (``kvlens.cache.decode_cost``: a documented model, not a
-timing) and whether the fused Triton kernel reads every layer.
+"""What a layer's choice costs: the bytes its (key, value, window, flush) choice holds after
+``RecommendOptions.context`` tokens (``option_bytes``, from ``kvlens.cache.layout``, the
+description the cache allocates by), relative to an fp16 cache of the same tokens
+(``tensor_fp16_bytes``), and the bytes one decode step reads (``decode_costs``,
+``kvlens.cache.decode_cost``: a documented model, not a timing).
 """
 
 from __future__ import annotations
@@ -22,7 +11,7 @@ from typing import Any
 
 from kvlens.cache.decode_cost import config_decode_cost
 from kvlens.cache.layout import flush_every, layer_part_bytes, shares_storage, stream_state
-from kvlens.config import FP_BYTES, LayerKV, MikvSettings, preset
+from kvlens.config import FP_BYTES, LayerKV, ProtectSettings, preset
 from kvlens.errors import ConfigError
 from kvlens.layouts import check_layout, layout_of
 from kvlens.recommend.extension import twin_extension
@@ -31,21 +20,18 @@ from kvlens.recommend.options import Candidate, RecommendOptions
 
 def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOptions, shape,
                  layer: int, residual: int | None = None) -> tuple[int, int, int]:
-    """``(total, key share, value share)`` bytes that ``layer`` of the cache holds after
-    ``opts.context`` tokens storing keys ``kc`` and values ``vc`` with a window of
-    ``residual`` tokens (default: the largest offered) and flush block ``flush``
-    (``kvlens.cache.layout``: what the cache allocates; a sliding layer counts what it keeps).
-    The shares split what both tensors use (window, sink copies, positions) evenly; they are
-    for display."""
+    """``(total, key share, value share)`` bytes ``layer`` holds after ``opts.context`` tokens
+    storing ``kc`` and ``vc`` with a ``residual``-token window (default: the largest offered)
+    and flush block ``flush``; the shares split what both use evenly (for display)."""
 
     r = max(opts.window_sizes) if residual is None else residual
     setting = LayerKV(kc.spec(), vc.spec(), r, kc.stage == "pre",
                       flush_tokens=flush, rotate_keys=kc.rotate, rotate_values=vc.rotate)
     w = shape.window(layer)
-    mikv = _layer_section(kc, opts)
+    protect = _layer_section(kc, opts)
     fp, sd = FP_BYTES[opts.fp_dtype], opts.scale_dtype
     parts = layer_part_bytes(setting, tokens=opts.context, head_dim=shape.head_dim,
-                             kv_heads=shape.num_key_value_heads, mikv=mikv, balancer=kc.balancer,
+                             kv_heads=shape.num_key_value_heads, protect=protect, balancer=kc.balancer,
                              sliding_window=w, fp_bytes=fp, scale_dtype=sd,
                              kv_shared=shape.kv_shared)
     total = sum(parts.values())
@@ -63,12 +49,12 @@ def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOption
 
 def _layer_section(c: Candidate, opts: RecommendOptions):
     """The sinks section a layer storing ``c`` is priced with (what the written config's
-    ``mikv_for`` gives that layer): the sinks at ``fp_dtype``, or what ``c``'s twin keeps
+    ``protect_for`` gives that layer): the sinks at ``fp_dtype``, or what ``c``'s twin keeps
     (``CandidateExtension.held``)."""
 
     if c.twin is not None:
         return twin_extension(c.twin).held(c.twin.setting, opts)
-    return MikvSettings(opts.sink_tokens, "off") if opts.sink_tokens else None
+    return ProtectSettings(opts.sink_tokens, "off") if opts.sink_tokens else None
 
 
 def tensor_fp16_bytes(shape, layer: int, context: int) -> float:

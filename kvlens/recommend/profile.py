@@ -1,11 +1,8 @@
 """Where ``recommend``'s time goes: wall seconds per stage, exclusive of nested stages.
 
-``measure`` and ``choose`` open a ``Profile`` with ``profiling()``; any code below them marks
-its work with ``stage(name)``, a no-op when no profile is open. A stage nested in another (the
-capture reads inside candidate measurement, say) is charged to itself only, so the stages add
-up to the profiled wall time. Each stage's run is also kept as a span of wall-clock times
-(``spans``), so that a memory sampler outside the process
-(``benchmarks/studies/recommend_dtype.py``) can say which stage its peak fell in.
+``measure`` and ``choose`` open a ``Profile`` (``profiling()``); code below them marks its work
+with ``stage(name)``, a no-op when none is open. Each stage's runs are also kept as wall-clock
+``spans``, so a memory sampler outside the process can say which stage its peak fell in.
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
-"""Measurements kept between runs: ``kvlens recommend`` again on the same capture with the
-same measuring options reads what the first run measured instead of measuring again
-(``kept_file``, ``read_kept``, ``keep``).
+"""Measurements kept between runs (``kept_file``, ``read_kept``, ``keep``): ``measure`` does not
+read the budget, so ``kvlens recommend`` again on the same capture with the same measuring
+options reads what the first run measured (docs/recommend.md, time). A measurement is kept
+under ``$KVLENS_MEASUREMENT_CACHE`` (``off``: none), named by a hash of everything it depends
+on: the capture's bytes, every ``RecommendOptions`` field but ``ALLOCATION_ONLY``, the model's
+files (path, sizes, times), kvlens' own source and the torch and transformers versions.
 
-``measure`` does not read the budget (``choose`` allocates from its ``Measurements`` for any
-budget), so a second ``kvlens recommend run.h5 -b 2.5`` after ``-b 3.0`` needs no model forward.
-A measurement is kept under ``$KVLENS_MEASUREMENT_CACHE`` (default: ``measurements/`` in
-kvlens' cache directory, ``$KVLENS_CACHE`` or ``~/.cache/kvlens``; ``off`` keeps and reads
-none), named by a hash of everything it depends on:
-
-- the capture file's bytes (a new capture of the same text is a new file: it has its own
-  creation time);
-- every ``RecommendOptions`` field except ``ALLOCATION_ONLY`` (those ``choose`` reads and
-  ``measure`` does not; every other field counts, even where it changes nothing);
-- the model file or directory the model stages load (its path, sizes and modification times);
-- kvlens' own source files and the torch and transformers versions, so that changed code never
-  reads a measurement of the old code.
-
-A kept file (``<key>.npz``) holds data only, so that a file planted in a shared cache directory
-cannot run code when read (the pickles of earlier versions could): an uncompressed numpy
-``.npz`` of a JSON document and numeric arrays, written and checked by ``Measurements``' own
-field annotations (``kvlens.recommend.kept_format``; the generic codec,
-``kvlens.recommend.codec``, has the layout in full). A file that fails any check (another
-version, a pickle, a truncated or altered file) is measured again and replaced, never executed.
-Files are written to a temporary name and renamed, so an interrupted run leaves none that looks
-complete; at most ``KEEP_AT_MOST`` are kept, the least recently used removed first.
+A kept file holds data only (``kvlens.recommend.kept_format``, through the generic codec), so a
+file planted in a shared directory cannot run code; one that fails any check is measured again
+and replaced. Files are written to a temporary name and renamed; at most ``KEEP_AT_MOST`` are
+kept, the least recently used removed first.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""``recommend``: the one call behind ``kvlens recommend`` (per-layer target). It checks the
-capture and the options before any work (``check``: layers, samples, RoPE, and a budget that
-even the cheapest candidates exceed), reads a measurement kept by an earlier run with the same
-measuring options (``kvlens.recommend.reuse``) or measures and keeps it
-(``kvlens.recommend.pipeline.measure``), then allocates for the budget (``choose``).
+"""One budget's call (per-layer target): ``check`` the capture and the options before any work,
+read a measurement an earlier run kept (``kvlens.recommend.reuse``) or measure and keep it
+(``measurement``), then allocate for the budget (``recommend``).
 """
 
 from __future__ import annotations

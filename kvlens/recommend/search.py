@@ -1,14 +1,9 @@
 """The smallest budget whose config loses at most a given KL divergence (``recommend
---max-kld`` for the per-layer target).
-
-The measurement does not depend on the budget (``kvlens.recommend.pipeline``), so each budget
-tried only allocates (``choose``, seconds) and scores its config on held-out text against the
-exact model (a ``Scorer``: ``kld_scorer`` runs ``kvlens.evaluation``'s lockstep KLD). Budgets
-are tried on a grid of ``RESOLUTION`` bits from what the cheapest candidates need to what the
-best ones hold: the largest first (if even it misses the target, the search stops and says
-so), then a bisection for the smallest budget whose measured mean KLD is at most the target.
-The bisection assumes the KLD falls as the budget grows; every budget tried is reported, so a
-step where it does not is visible. Two budgets that allocate the same config are scored once.
+--max-kld``, per-layer target). The measurement does not depend on the budget, so each budget
+tried only allocates (``choose``) and scores its config against the exact model (a ``Scorer``).
+Budgets lie on a grid of ``RESOLUTION`` bits: the largest first (if even it misses, the search
+stops and says so), then a bisection, which assumes the KLD falls as the budget grows (every
+budget tried is reported). Two budgets that allocate the same config are scored once.
 """
 
 from __future__ import annotations
@@ -59,10 +54,6 @@ class BudgetSearch:
     max_kld: float
     chosen: Recommendation
     steps: list[BudgetStep] = field(default_factory=list)
-
-    @property
-    def chosen_step(self) -> BudgetStep:
-        return next(s for s in self.steps if s.budget_bits == self.chosen.budget_bits)
 
     def to_dict(self) -> dict:
         return {"max_kld": self.max_kld, "resolution_bits": RESOLUTION,

@@ -64,24 +64,14 @@ def sensitivity_weights(cap, model, opts, tables, probes, notes, progress
 def layout_factors(path, model, opts, cands, balancers, notes, progress, workers: int = 1):
     """``(layer weights, per-layer {family: factor})`` for ``--set sensitivity=layout``.
 
-    A rate is the model's KL when only one layer's keys (or values) are replaced by a storage
-    family probe's reconstruction (every token quantized), per unit of the probe's
-    attention-output error on the same queries (the capture's first sample cut to
-    ``layout_tokens``, KL and error on its last half). Every layer measures the rate of two
-    anchor families (``anchor_probes``: one for keys, one for values); ``opts.layout_layers``
-    layers spread over the depth (``spread_layers``; every layer with None, as
-    ``--thorough``) measure every family, and a family's rate elsewhere is its anchor's rate
-    there times the family's ratio to that anchor (rates summed over the layers that measured
-    both). The rates are normalised to mean 1 over all layers and families; the layer weight
-    is a layer's mean rate, a family's factor its rate over that mean (so weight x factor is
-    the rate). A first-order rate, like ``--set sensitivity=model``, but one per layout: the rate
-    at which a layout's output error becomes KL can differ between layouts
-    (docs/lab-notes/vs-llamacpp.md, layout sensitivity).
-
-    Layers are measured on ``workers`` forked processes (``kvlens.recommend.parallel``), one
-    torch thread each, every one reading the reference run made here; with one worker (or
-    where processes cannot be forked) they run here on the caller's threads. No capture may be
-    open in the caller (``path`` is opened here and by each worker)."""
+    A rate is the model's KL when one layer's keys (or values) are replaced by a family probe's
+    reconstruction, per unit of the probe's attention-output error (the first sample cut to
+    ``layout_tokens``, scored on its last half). Every layer measures two anchor families
+    (``anchor_probes``); ``opts.layout_layers`` spread layers (``spread_layers``; None: all)
+    measure every family, and elsewhere a family's rate is its anchor's times their ratio there.
+    Rates are normalised to mean 1; a layer's weight is its mean rate, a family's factor its
+    rate over that mean (docs/lab-notes/vs-llamacpp.md, layout sensitivity). Layers run on
+    ``workers`` processes (``kvlens.recommend.parallel``); no capture may be open here."""
 
     with open_capture(path) as cap:
         meta = cap.meta

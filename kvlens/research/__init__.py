@@ -1,32 +1,16 @@
 """The lab: research that has not earned a default, in one package (torchao's ``prototype/`` is
-the model), plugged into stable recommend's extension point
-(``kvlens.recommend.extension``), and the door behind ``kvlens recommend --set NAME=VALUE``.
+the model), registered into the stable layers' extension points when it is imported: MiKV's
+set twins of recommend's candidates (``mikv``, simulated by ``heavy_hitters``), MiKV's
+importance set in the cache and the config with its presets (``sets``).
+docs/internals/architecture.md (layer 11') lists what each plugs into.
 
-Importing this package registers its candidate extensions: ``mikv`` (MiKV importance-set
-twins, ``kvlens.research.mikv``, with its set simulation ``kvlens.research.heavy_hitters``), and
-MiKV's importance set in the cache and the config (``kvlens.research.sets``: heavy hitters by
-H2O attention, the set as 4/8-bit codes, ``mikv.layers``, through ``kvlens.cache.sets`` and
-``kvlens.config.extension``) with its presets (``mikv-2``, ``mikv-4``, ``mikv-2-int4``,
-``mikv-2-int8``).
-Stable recommend names none of them; a library user switches one on with
-``RecommendOptions(extensions=(MikvSets(),))`` or by name (``extensions=("mikv",)``) after
-importing this package.
-
-The door: the levers that are not main options, in one place, in two groups.
-
-A lever is an option of ``kvlens.recommend.RecommendOptions`` (or of the engine targets'
-``kvlens.deploy.targets.TargetOptions``) that is not a main option. Most are **knobs of the
-default run**: every run uses them at their defaults (the candidate sets, fits, the balancer,
-rotation, the sensitivity and the retrieval probe, the flush block and sinks, the metadata
-dtype). The rest are **experiments** no default uses (the extensions registered here, each
-switched on by its name, and their settings: MiKV twins), each ablated in docs/lab-notes/; one moves to the main options only when it wins at the defaults on
-both models and both texts, and a lever with a recorded negative result is removed from the
-code, its lab note naming the last commit that had it (coupled quantization, codebook
-candidates, centred keys and cross-layer prediction, GEAR twins, issue #57). Here they are listed
-(``levers``), parsed from ``NAME=VALUE`` (``parse_settings``: what ``kvlens recommend --set``
-takes) and described (``describe``: what ``--set list`` prints, knobs apart from experiments).
-
-A knob's code stays where its layer puts it; an experiment's lives in this package.
+The door behind ``kvlens recommend --set NAME=VALUE``: a lever is an option of
+``RecommendOptions`` (or of the engine targets' ``TargetOptions``) that is not a main option,
+either a **knob of the default run** (every run uses it at its default) or an **experiment**
+(no default uses it: the registered extensions and their settings), each ablated in
+docs/lab-notes/; levers with a recorded negative result were removed (issue #57, their lab
+notes name the last commit). ``levers`` lists them, ``parse_settings`` parses ``NAME=VALUE``
+and ``describe`` prints ``--set list``. A knob's code stays where its layer puts it.
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """MiKV's importance set as the cache keeps it while decoding, simulated on captured q, k, v.
 
-``kvlens.cache.layer.CompressedLayer`` with heavy hitters (``mikv.heavy_fraction > 0``),
-fed one token at a time, does this at every step ``i``: query ``i`` attends to the packed
-history (tokens in the set masked out), the set (read from its ``set_bits`` codes,
-``kvlens.research.sets``) and the window (exact); the attention mass every held position received
-(summed over the query heads of its KV head) is added to its H2O accumulator; when the window
-fills, its oldest block is flushed and the set is chosen again among the current set and the
-flushed block: the ``sink_tokens`` first positions always, then the largest accumulated
-attention, ``kvlens.cache.layout.set_size`` tokens in all. A token that leaves the set cannot
-come back (its high-precision copy is gone).
-
-``set_membership`` replays exactly that, one *epoch* (the queries between two flushes, which see
-the same set) at a time, and returns which keys each query reads from the set, for
-``kvlens.analysis.metrics.attention_errors_many`` (``Variant.in_set``). It is tested step by step against
-the real cache layer (``tests/test_heavy_hitters.py``). Tensors are ``[B, H, T, D]``.
+At every step ``i`` of ``kvlens.cache.layer.CompressedLayer`` with heavy hitters, query ``i``
+reads the packed history (set tokens masked out), the set (at its ``set_bits`` codes,
+``kvlens.research.sets``) and the window (exact); the attention each held position received is
+added to its H2O accumulator; when the window flushes, the set is chosen again among the set and
+the flushed block (the sinks always, then the largest accumulated attention), and a token that
+leaves it cannot come back. ``set_membership`` replays that one epoch (the queries between two
+flushes) at a time and returns which keys each query reads from the set (``Variant.in_set``);
+``tests/test_heavy_hitters.py`` checks it step by step against the cache layer. Tensors are
+``[B, H, T, D]``.
 """
 
 from __future__ import annotations
@@ -42,15 +37,12 @@ def set_reconstruction(x: torch.Tensor, bits: int | None) -> torch.Tensor:
 def set_membership(q: torch.Tensor, k: torch.Tensor, k_read: torch.Tensor,
                    k_set: torch.Tensor, mikv, *, scaling: float, residual_tokens: int,
                    flush_tokens: int = 0, softcap: float = 0.0, sinks=None) -> torch.Tensor:
-    """Bool ``[B, Hkv, T, T]``: True where decoding query ``i`` reads key ``j`` from the MiKV
-    set of a layer with window ``residual_tokens``, flush block ``flush_tokens`` and settings
-    ``mikv`` (a ``MikvSettings``: its set policy's size, ``kvlens.cache.sets``, and sinks), fed the ``T`` tokens one at a time.
-
-    q ``[B, Hq, T, D]``; k ``[B, Hkv, T, D]`` exact (the window); ``k_read``: packed keys as the
-    cache reads them (balancer folded back: ``Q(k b) / b``); ``k_set``: set keys as read
-    (``set_reconstruction``). The accumulated attention uses these reads, as the cache's does,
-    and the attention-sink logits ``sinks`` ``[Hq]`` (``None`` or empty = none).
-    Global (causal, no sliding window) layers only: sliding layers keep no set."""
+    """Bool ``[B, Hkv, T, T]``: True where decoding query ``i`` reads key ``j`` from the set of
+    a global layer with window ``residual_tokens``, flush block ``flush_tokens`` and settings
+    ``mikv`` (a ``ProtectSettings``), fed the ``T`` tokens one at a time. ``k`` exact (the
+    window), ``k_read`` the packed keys as the cache reads them (balancer folded back),
+    ``k_set`` the set's (``set_reconstruction``): the accumulated attention uses these reads,
+    and the attention-sink logits ``sinks`` ``[Hq]`` (``None`` or empty: none)."""
 
     b, hq, t, d = q.shape
     hkv = k.shape[1]

@@ -1,16 +1,10 @@
 """MiKV importance-set twins of recommend's candidates: a research candidate extension
-(``kvlens.recommend.extension``), registered when ``kvlens.research`` is imported.
-
-With it switched on (``--thorough``, ``--set mikv=on``, or ``RecommendOptions(extensions=
-(MikvSets(),))``; off by default: simulating sets is a large share of the measurement and the
-default budgets did not choose them, docs/lab-notes/gear-mikv.md) the G32 candidates up to 4
-bits (plain or balanced, post-RoPE, min/max fitted) also have set twins, one per config-wide
-``(set_bits, heavy_fraction)`` of ``set_bits`` x ``fractions``: heavy hitters and sinks kept at
-``set_bits`` codes beside the base's codes, measured by replaying the cache's H2O selection
-while decoding (``kvlens.research.heavy_hitters``). A layer takes the set for both tensors or
-neither; the config lists the layers that took it (``mikv.layers``) at the one width and
-fraction chosen (``mikv.set_bits``, ``mikv.heavy_fraction``; ``kvlens.research.sets``). A sliding-window layer keeps no
-set, so has no twins.
+(``kvlens.recommend.extension``), registered when ``kvlens.research`` is imported and switched
+on with ``--set mikv=on`` (docs/lab-notes/gear-mikv.md). The G32 candidates up to 4 bits (plain
+or balanced, post-RoPE, min/max fitted) get one twin per config-wide ``(set_bits,
+heavy_fraction)``: heavy hitters and sinks kept at ``set_bits`` beside the base's codes,
+measured by replaying the cache's H2O selection (``kvlens.research.heavy_hitters``). A layer
+takes the set for both tensors or neither; sliding-window layers have no twins.
 """
 
 from __future__ import annotations
@@ -20,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 from kvlens.analysis.metrics import Variant
-from kvlens.config import MikvSettings
+from kvlens.config import ProtectSettings
 from kvlens.errors import ConfigError, InputError
 from kvlens.recommend.extension import Twin, register
 from kvlens.recommend.options import Candidate, RecommendOptions, Stream
@@ -47,10 +41,8 @@ class MikvSets:
     config-wide setting the allocation solves for)."""
 
     name: ClassVar[str] = NAME
-    thorough: ClassVar[bool] = True
     #: the switch lever's help (``--set mikv=on``)
-    help: ClassVar[str] = ("offer MiKV importance-set twins of the G32 candidates up to 4 bits "
-                           "(--thorough sets it)")
+    help: ClassVar[str] = "offer MiKV importance-set twins of the G32 candidates up to 4 bits"
 
     set_bits: tuple[int, ...] = _lever((4, 8), "mikv-bits", "MiKV set widths to try (4, 8); "
                                        "one width and fraction is chosen for the whole config")
@@ -93,22 +85,22 @@ class MikvSets:
     def measurer(self, q, k, v, attrs, opts: RecommendOptions) -> SetVariants:
         return SetVariants(q, k, v, attrs, opts)
 
-    def held(self, setting, opts: RecommendOptions) -> MikvSettings:
-        """Heavy hitters (and the sinks) at the set's codes, as ``mikv_for`` gives a layer in
-        ``mikv.layers``."""
+    def held(self, setting, opts: RecommendOptions) -> ProtectSettings:
+        """Heavy hitters (and the sinks) at the set's codes, as ``protect_for`` gives a layer in
+        ``importance.layers``."""
         bits, fraction = setting
         return mikv_settings(fraction, opts.sink_tokens, "off", set_bits=bits)
 
-    def write(self, section: MikvSettings | None, chosen: Mapping[int, tuple],
-              opts: RecommendOptions) -> MikvSettings:
+    def write(self, section: ProtectSettings | None, chosen: Mapping[int, tuple],
+              opts: RecommendOptions) -> ProtectSettings:
         """The section with the set at the one setting chosen, on the layers that took it;
-        the others keep only the sinks, at ``fp_dtype`` (``KVConfig.mikv_for``), as their
+        the others keep only the sinks, at ``fp_dtype`` (``KVConfig.protect_for``), as their
         candidates were measured and priced."""
         if len(set(chosen.values())) > 1:
             raise ConfigError(f"internal: MiKV sets of different widths/fractions chosen: "
                               f"{dict(chosen)}")
         bits, fraction = next(iter(chosen.values()))
-        base = section or MikvSettings(sink_tokens=opts.sink_tokens, balancer="off",
+        base = section or ProtectSettings(sink_tokens=opts.sink_tokens, balancer="off",
                                        balancer_exponent=opts.balancer_exponent)
         return replace(base, importance=ImportanceSet(fraction, bits, sorted(chosen)))
 

@@ -1,23 +1,13 @@
-"""MiKV's importance set in the cache: heavy hitters chosen by H2O accumulated attention, the
-set stored as 4/8-bit per-token codes, the layers that keep it, and the presets that use it.
+"""MiKV's importance set in the cache, a research set policy (``kvlens.cache.sets``) read from
+the config key ``importance`` (``kvlens.config.extension``), with the ``mikv-*`` presets.
 
-A research set policy (``kvlens.cache.sets``) plugged in through the config's extension point
-(``kvlens.config.extension``): importing ``kvlens.research`` registers ``ImportanceSet``, the
-``mikv`` section's keys ``heavy_fraction``, ``set_bits`` and ``layers``, and the presets
-``mikv-2``, ``mikv-4``, ``mikv-2-int4`` and ``mikv-2-int8``.
-
-``heavy_fraction`` > 0: besides the first ``sink_tokens`` (always kept), each global compressed
-layer keeps ``ceil(heavy_fraction * held)`` of its quantized tokens per KV head, those with the
-largest attention accumulated since they were cached (H2O), chosen again at every flush among
-the current set and the flushed block; the set is hidden in the packed store by a mask (parts
-``masks`` and ``accumulators``). ``set_bits`` = 4 or 8: each set token's key and value are kept
-as per-token integer codes (reference quantizer, ``set_spec``: asymmetric, groups of 32 channels,
-or the whole head when 32 does not divide ``head_dim``), packed along channels, with float16
-scale and zero per group; ``None`` keeps them at ``fp_dtype``. Per-token codes belong to one
-token each, so re-choosing the set only gathers rows. Bytes per set token and tensor:
-``packed_length(D, bits)`` code bytes plus ``2 * 2 * D / G`` scale and zero bytes
-(``set_bytes_per_token``). ``layers``: the compressed layers that keep this set (``None``: every
-one); the others keep the sinks alone at ``fp_dtype`` (``KVConfig.mikv_for``).
+``heavy_fraction`` > 0: besides the first ``sink_tokens``, each global compressed layer keeps
+``ceil(heavy_fraction * held)`` of its quantized tokens per KV head, those with the largest
+accumulated attention (H2O), chosen again at every flush among the set and the flushed block;
+the set's packed copies are masked (parts ``masks`` and ``accumulators``). ``set_bits`` 4 or 8
+stores each set token as per-token integer codes (``set_spec``, float16 scale and zero per
+group; ``set_bytes_per_token``), ``None`` at ``fp_dtype``. ``layers``: the compressed layers that
+keep it (``None``: every one); the others keep the sinks alone (``KVConfig.protect_for``).
 """
 
 from __future__ import annotations
@@ -30,7 +20,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvlens.cache.sets import SetRows, first_positions, sinks_held
-from kvlens.config import KVConfig, LayerKV, MikvSettings
+from kvlens.config import KVConfig, LayerKV, ProtectSettings
 from kvlens.config.extension import register
 from kvlens.config.presets import add_preset
 from kvlens.errors import ConfigError, is_int
@@ -185,7 +175,7 @@ class ImportanceSet:
     attention, at ``set_bits`` (``None``: ``fp_dtype``), on ``layers`` (``None``: every
     compressed layer)."""
 
-    keys: ClassVar[tuple[str, ...]] = ("heavy_fraction", "set_bits", "layers")
+    key: ClassVar[str] = "importance"
 
     heavy_fraction: float = 0.2
     set_bits: int | None = None  # None: the set is stored at fp_dtype; 4 or 8: integer codes
@@ -194,20 +184,32 @@ class ImportanceSet:
     def __post_init__(self) -> None:
         f = self.heavy_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
-            raise ConfigError(f"Invalid mikv.heavy_fraction {f!r}; allowed: 0.0-1.0.")
+            raise ConfigError(f"Invalid importance.heavy_fraction {f!r}; allowed: 0.0-1.0.")
         b = self.set_bits
         if b is not None and (isinstance(b, bool) or b not in SET_BITS):
-            raise ConfigError(f"Unsupported mikv.set_bits {b!r}; allowed: null (the set at "
+            raise ConfigError(f"Unsupported importance.set_bits {b!r}; allowed: null (the set at "
                               f"fp_dtype), {', '.join(map(str, SET_BITS))}.")
         if self.layers is not None:
-            object.__setattr__(self, "layers", _layer_list(self.layers, "mikv.layers"))
+            object.__setattr__(self, "layers", _layer_list(self.layers, "importance.layers"))
             if not f > 0:
-                raise ConfigError("mikv.layers lists the layers that keep heavy hitters, but "
-                                  "mikv.heavy_fraction is 0; allowed: null (every compressed "
+                raise ConfigError("importance.layers lists the layers that keep heavy hitters, but "
+                                  "importance.heavy_fraction is 0; allowed: null (every compressed "
                                   "layer) or a heavy_fraction > 0 with the list.")
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ImportanceSet:
+    def from_dict(cls, data: Any) -> ImportanceSet | None:
+        """The ``importance`` object (``None``: a heavy fraction of 0 with nothing else asks
+        for nothing)."""
+        fields = ("heavy_fraction", "set_bits", "layers")
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"'importance' must be an object with keys {', '.join(fields)}.")
+        unknown = sorted(set(data) - set(fields), key=str)
+        if unknown:
+            raise ConfigError(f"importance: unknown keys {unknown}; allowed: "
+                              f"{', '.join(fields)}.")
+        if not data.get("heavy_fraction") and data.get("set_bits") is None \
+                and data.get("layers") is None:
+            return None
         return cls(**{"heavy_fraction": 0.0} | dict(data))
 
     def to_dict(self) -> dict[str, Any]:
@@ -222,8 +224,8 @@ class ImportanceSet:
     def check_model(self, num_layers: int) -> None:
         bad = [i for i in (self.layers or ()) if i >= num_layers]
         if bad:
-            raise ConfigError(f"mikv.layers {bad}: the model has {num_layers} layers; allowed "
-                              f"indices: 0-{num_layers - 1}.")
+            raise ConfigError(f"importance.layers {bad}: the model has {num_layers} layers; "
+                              f"allowed indices: 0-{num_layers - 1}.")
 
     def policy(self, sink_tokens: int) -> HeavyHitters:
         return HeavyHitters(self.heavy_fraction, sink_tokens, self.set_bits)
@@ -231,12 +233,12 @@ class ImportanceSet:
 
 def mikv_settings(heavy_fraction: float = 0.2, sink_tokens: int = 4, balancer: str = "off",
                   balancer_exponent: float = 0.5, set_bits: int | None = None,
-                  layers=None) -> MikvSettings:
-    """A ``mikv`` section with MiKV's importance set (its fields in the order the section's
-    JSON names them); ``heavy_fraction`` 0 with no ``set_bits``: the sinks alone."""
+                  layers=None) -> ProtectSettings:
+    """A ``protect`` section with MiKV's importance set (the sinks and balancer fields, then the
+    set's); ``heavy_fraction`` 0 with no ``set_bits``: the sinks alone."""
     importance = None if not heavy_fraction and set_bits is None and layers is None else \
         ImportanceSet(heavy_fraction, set_bits, layers)
-    return MikvSettings(sink_tokens, balancer, balancer_exponent, importance)
+    return ProtectSettings(sink_tokens, balancer, balancer_exponent, importance)
 
 
 # -- the presets -------------------------------------------------------------------------------------
@@ -244,7 +246,7 @@ def mikv_settings(heavy_fraction: float = 0.2, sink_tokens: int = 4, balancer: s
 def _mikv(bits: int) -> KVConfig:
     return KVConfig(f"mikv-{bits}", LayerKV(QuantSpec(bits, "per-token", 32),
                                             QuantSpec(bits, "per-token", 32), 32),
-                    mikv=mikv_settings(0.2, 4, "online"),
+                    protect=mikv_settings(0.2, 4, "online"),
                     description=f"MiKV: 20% heavy-hitter + 4 sink tokens at full precision, rest "
                                 f"{bits}-bit per-token G32 with an online channel balancer")
 
@@ -252,7 +254,7 @@ def _mikv(bits: int) -> KVConfig:
 def _mikv_set(bits: int, set_bits: int) -> KVConfig:
     base = _mikv(bits)
     return replace(base, name=f"mikv-{bits}-int{set_bits}",
-                   mikv=mikv_settings(0.2, 4, "online", set_bits=set_bits),
+                   protect=mikv_settings(0.2, 4, "online", set_bits=set_bits),
                    description=f"MiKV: 20% heavy-hitter + 4 sink tokens stored at INT{set_bits} "
                                f"(per-token G32), rest {bits}-bit per-token G32 with an online "
                                "channel balancer")
