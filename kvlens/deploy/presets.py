@@ -28,6 +28,7 @@ from kvlens.config.engine import (
     is_engine_setting,
     parse_engine_setting,
 )
+from kvlens.config.hqq import HqqSetting
 from kvlens.quant.cachetypes import needs_scales
 from kvlens.quant.formats import engine_rotation
 from kvlens.quant.fp8 import calibrate_scale
@@ -40,7 +41,8 @@ TRANSFORMERS_DIFFERENCES = (
     "prompt at once, then re-quantizes the whole history (dequantized) whenever its window "
     "fills; kvlens quantizes each window block once and keeps fewer than R tokens exact. "
     "quanto's axis=-1 groups run over the flattened batch x heads x tokens rows; kvlens groups "
-    "tokens of one head.")
+    "tokens of one head. hqq's axis=0 groups G tokens spread over the whole history (numel/G "
+    "elements apart); kvlens groups G consecutive tokens.")
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,7 @@ def engine_config(name: str, calibration: str | None = None,
         return _turboquant(name, setting, num_layers, hybrid)
     if isinstance(setting, LlamaCppSetting):
         return EngineSetting(setting.engine, setting.kvconfig(name), _llamacpp_notes(name, setting))
-    if isinstance(setting, QuantoSetting):
+    if isinstance(setting, (QuantoSetting, HqqSetting)):
         note = f"{name}: simulated as a kvlens layout. {TRANSFORMERS_DIFFERENCES}"
         return EngineSetting(setting.engine, setting.kvconfig(name), (note,))
     return _cache_dtype(name, setting, calibration)

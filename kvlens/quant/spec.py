@@ -30,7 +30,7 @@ GRANULARITIES = ("per-token", "per-channel", "per-tensor")
 MIN_BITS, MAX_BITS = 1, 8
 SPEC_VERSION = 2  # 2: ``fit`` (a spec with fit "minmax" is still written as version 1)
 _FIELDS = ("bits", "granularity", "group_size", "symmetric", "fit")
-FITS = ("minmax", "mse")
+FITS = ("minmax", "mse", "hqq")
 
 
 def check_versioned_dict(data: Any, what: str, version: int, fields: Sequence[str]) -> None:
@@ -64,8 +64,9 @@ class QuantSpec:
     fit: how a group's ``scale`` and ``zero`` are chosen (asymmetric only): ``"minmax"``
         (default) spans the group's range; ``"mse"`` starts there and alternately re-assigns
         codes and refits ``(scale, zero)`` by least squares, which clips the range where
-        that lowers the group's squared error (``kvlens.quant.reference``). Storage and
-        dequantization are the same for both.
+        that lowers the group's squared error; ``"hqq"`` keeps the min/max scale and refines
+        the zero point as HQQ does (transformers' HQQ cache; ``kvlens.quant.reference``).
+        Storage and dequantization are the same for all.
     """
 
     bits: int
