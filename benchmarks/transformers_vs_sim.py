@@ -14,10 +14,12 @@ and whether it is within ``--within`` (default 1.5x)::
 ``--settings``: comma list of settings without the ``transformers:`` engine (``quanto-4``,
 ``hqq-4:axis_key=1``), ``defaults`` (quanto-4, quanto-2, hqq-4: transformers' defaults) or
 ``menu`` (every quanto setting ``recommend --target transformers`` searches, and hqq-4 and
-hqq-2 on both axes). ``--also NAME``: more generate items scored in the same run (an
-``hf-layers:FILE`` export beside the kvlens config it was exported from, say); a pair is
-matched by name (``hf-X`` <-> ``transformers:X``) or given with ``--pair REAL=SIM``. CPU, slow:
-about a minute per setting per 512 tokens on SmolLM2 on a shared 2-core machine.
+hqq-2 on both axes), or ``none``. ``--layers-config CFG --num-layers N``: a per-layer kvlens
+config, exported for transformers (``kvlens.deploy.hf_cache``, beside it as
+``CFG.transformers_cache.json``) and scored as ``hf-layers:EXPORT`` beside the config itself.
+``--also NAME``: more generate items scored in the same run; a pair is matched by name
+(``hf-X`` <-> ``transformers:X``) or given with ``--pair REAL=SIM``. CPU, slow: about a minute
+per setting per 512 tokens on SmolLM2 on a shared 2-core machine; Ctrl-C keeps what finished.
 """
 
 from __future__ import annotations
@@ -44,7 +46,28 @@ def settings_of(text: str) -> list[str]:
         return list(DEFAULTS)
     if text == "menu":
         return menu()
+    if text == "none":
+        return []
     return [s.strip() for s in text.split(",") if s.strip()]
+
+
+def export_layers(config_path: str, num_layers: int) -> tuple[str, str, str]:
+    """Export the kvlens config at ``config_path`` for transformers -> (the ``generate`` item
+    of the export, the config's path, the pair ``REAL=SIM`` of their result names)."""
+    from pathlib import Path
+
+    from kvlens.config import load_config
+    from kvlens.deploy.hf_cache import compare_name, export, export_path
+
+    config = load_config(config_path)
+    got = export(config, num_layers)
+    if got.document is None:
+        sys.exit(f"{config_path} does not map to transformers' layers: "
+                 + "; ".join(got.problems))
+    path = export_path(Path(config_path))
+    path.write_text(got.text())
+    real = compare_name(str(path))
+    return real, config_path, f"{real}={config.name}"
 
 
 def run(settings: list[str], also: list[str], model: str | None, tokens: int,
@@ -94,6 +117,8 @@ def main(argv=None) -> None:
     ap.add_argument("--settings", default="defaults")
     ap.add_argument("--also", action="append", default=[])
     ap.add_argument("--pair", action="append", default=[], help="REAL=SIM result names")
+    ap.add_argument("--layers-config", default=None)
+    ap.add_argument("--num-layers", type=int, default=30)
     ap.add_argument("--model", default=None)
     ap.add_argument("--eval-tokens", type=int, default=2048)
     ap.add_argument("--json", default="transformers_vs_sim.json")
@@ -101,6 +126,10 @@ def main(argv=None) -> None:
     ap.add_argument("--within", type=float, default=1.5)
     args = ap.parse_args(argv)
     path = args.table
+    if args.layers_config:
+        real, config, pair = export_layers(args.layers_config, args.num_layers)
+        args.also += [real, config]
+        args.pair.append(pair)
     if path is None:
         run(settings_of(args.settings), args.also, args.model, args.eval_tokens, args.json)
         path = args.json
