@@ -72,8 +72,13 @@ def engine_config(name: str, calibration: str | None = None,
     if isinstance(setting, LlamaCppSetting):
         return EngineSetting(setting.engine, setting.kvconfig(name), _llamacpp_notes(name, setting))
     if isinstance(setting, (QuantoSetting, HqqSetting)):
-        note = f"{name}: simulated as a kvlens layout. {TRANSFORMERS_DIFFERENCES}"
-        return EngineSetting(setting.engine, setting.kvconfig(name), (note,))
+        notes = (f"{name}: simulated as a kvlens layout. {TRANSFORMERS_DIFFERENCES}",)
+        if isinstance(setting, HqqSetting) and 0 in (setting.axis_key, setting.axis_value):
+            notes += (f"{name}: hqq's axis=0 regroups the whole history at every window flush, "
+                      "which adds error each time; the simulation reads far less error than "
+                      "the real cache (docs/findings.md): prefer axis=1, or run hf-"
+                      f"{name.split(':', 1)[1]} for the real cache.",)
+        return EngineSetting(setting.engine, setting.kvconfig(name), notes)
     return _cache_dtype(name, setting, calibration)
 
 
