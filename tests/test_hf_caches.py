@@ -66,6 +66,8 @@ def test_hqq_settings_parse_and_refuse_clearly():
             parse_engine_setting(bad)
     with pytest.raises(ConfigError, match="allowed: hf-quanto-2"):
         baseline("hf-nope")
+    with pytest.raises(ConfigError, match="'hf-hqq-4:axis_key=-1' is hf- followed by"):
+        baseline("hf-hqq-4:axis_key=-1")
 
 
 # settings whose groups kvlens lays out as the real cache does (quanto axis 0 and -1 within

@@ -75,7 +75,11 @@ def baseline(name: str) -> Baseline:
     if not is_baseline(name):
         raise ConfigError(f"Unknown baseline {name!r}; allowed: {', '.join(BASELINES)}, or "
                           f"{_FORMS}.")
-    setting = parse_engine_setting("transformers:" + name.strip()[3:])
+    try:
+        setting = parse_engine_setting("transformers:" + name.strip()[3:])
+    except ConfigError as exc:
+        raise ConfigError(f"Baseline {name!r} is hf- followed by a transformers: setting, and "
+                          f"that one is refused: {exc}") from None
     _require(name, setting.backend)
     return Baseline(name, setting.backend, setting.bits,
                     tuple(setting.cache_kwargs().items()))
