@@ -504,9 +504,10 @@ def recommend_target(path: str | Path, opts: TargetOptions,
                                None if rec_model is None else rec_model.predict(chosen.score),
                                anchors, notes)
     rec.files = scale_files(rec, meta)
-    if opts.target == "transformers":  # the per-layer cache file stock transformers loads
-        rec.files[CACHE_FILE] = export_cache(rec.chosen.config,
-                                                        meta.shape.num_layers).text()
+    if opts.target == "transformers" and not meta.shape.is_hybrid:
+        # the per-layer cache file stock transformers loads (a layer without a KV cache would
+        # need another transformers layer class)
+        rec.files[CACHE_FILE] = export_cache(rec.chosen.config, meta.shape.num_layers).text()
     return rec
 
 
