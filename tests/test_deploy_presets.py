@@ -34,6 +34,7 @@ from kvlens.config.engine import (
     setting_for_cache_type,
     split_setting_list,
 )
+from kvlens.config.hqq import HQQ_AXES, HQQ_BITS, HqqSetting
 from kvlens.deploy import engine_config, is_engine_setting
 from kvlens.errors import ConfigError
 from kvlens.quant import CodebookSpec, QuantSpec, RotationSpec
@@ -164,6 +165,8 @@ SETTINGS = st.one_of(
     st.builds(TurboQuantSetting, st.sampled_from(TURBOQUANT_TYPES)),
     st.builds(QuantoSetting, st.sampled_from(QUANTO_BITS), st.sampled_from(QUANTO_AXES),
               st.sampled_from(QUANTO_AXES), st.integers(1, 256), st.integers(0, 512)),
+    st.builds(HqqSetting, st.sampled_from(HQQ_BITS), st.sampled_from(HQQ_AXES),
+              st.sampled_from(HQQ_AXES), st.integers(1, 256), st.integers(0, 512)),
 )
 
 

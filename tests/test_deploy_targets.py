@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from kvlens.capture.store import CaptureMeta, LayerAttrs
 from kvlens.cli import app
 from kvlens.config import load_config
+from kvlens.config.engine import parse_engine_setting
 from kvlens.deploy.kld_model import fit_kld_model
 from kvlens.deploy.targets import TargetOptions, pareto, recommend_target
 from kvlens.errors import ConfigError, InputError
@@ -200,6 +201,26 @@ def test_cli_target_json_writes_config_and_scales(outlier_capture, tmp_path):
     assert table.exit_code == 0, table.output
     assert "Deploy on llama.cpp: llama-server" in table.stdout and "Where it hurts" in \
         table.stdout
+
+
+def test_cli_target_transformers_writes_the_cache_stock_transformers_loads(outlier_capture,
+                                                                           tmp_path):
+    """Beside the config, the per-layer cache file: one transformers layer per capture layer
+    with the chosen setting's arguments; the table prints the snippet that loads it."""
+    out = tmp_path / "kv.json"
+    result = runner.invoke(app, ["recommend", outlier_capture, "--target", "transformers",
+                                 "--budget-bits", "5", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    setting = parse_engine_setting(json.loads((tmp_path / "kv.deploy.json").read_text())
+                                   ["setting"])
+    cache = json.loads((tmp_path / "transformers_cache.json").read_text())
+    assert cache["format"] == "kvlens-transformers-cache" and cache["num_layers"] == 4
+    assert cache["layers"] == [{"class": "QuantoQuantizedLayer",
+                                "kwargs": setting.cache_kwargs()}] * 4
+    assert "cache_utils.Cache(layers=" in result.stdout
+    again = runner.invoke(app, ["recommend", outlier_capture, "--target", "transformers",
+                                "--budget-bits", "5", "-o", str(tmp_path / "kv2.json")])
+    assert again.exit_code == 1 and "transformers_cache.json" in again.output
 
 
 def test_cli_target_errors(outlier_capture):

@@ -62,9 +62,10 @@ def generate(
                                          "setting (grammar above)."),
     compare: str = typer.Option(None, "--compare", rich_help_panel=CACHES,
                                 help="Comma list run side by side on the same inputs: presets "
-                                     "(see --preset), config files, transformers baselines "
-                                     "(hf-quanto-2, hf-quanto-4, hf-hqq-2, hf-hqq-4, hf-fp8) "
-                                     "and engine settings (grammar above)."),
+                                     "(see --preset), config files, engine settings (grammar "
+                                     "above) and transformers' real caches: hf-fp8, hf- + a "
+                                     "transformers: setting (hf-quanto-4, hf-hqq-4:axis_key=1), "
+                                     "hf-layers:FILE (a recommend export)."),
     calibration: Path = typer.Option(None, "--calibration", rich_help_panel=CACHES,
                                      help="Capture file (kvlens capture) for the static fp8 "
                                           "scales of vllm:/sglang: settings (default: the "

@@ -321,8 +321,9 @@ def _flag(field: str) -> str:
 
 
 def _check_outputs(outputs, target: str, overwrite: bool) -> None:
-    """Each config, its result document and the file beside it (vLLM, SGLang: scales;
-    TensorRT-LLM: hf_quant_config.json): refused where it exists without --overwrite."""
+    """Each config, its result document and the files beside it (``BESIDE``; transformers: its
+    per-layer cache file): refused where one exists without --overwrite, before any work."""
+    from kvlens.deploy import hf_cache
     from kvlens.report.artifacts import check_output_file, config_doc_path
 
     for out in outputs:
@@ -331,6 +332,10 @@ def _check_outputs(outputs, target: str, overwrite: bool) -> None:
                           "--output", overwrite)
         if target in BESIDE:
             check_output_file(out.parent / BESIDE[target], "--output", overwrite)
+        if target == "transformers":
+            check_output_file(out.parent / hf_cache.FILE_NAME, "--output", overwrite)
+        if target == "kvlens":
+            check_output_file(hf_cache.export_path(out), "--output", overwrite)
 
 
 def _save_config(rec, out: Path) -> None:
@@ -339,6 +344,27 @@ def _save_config(rec, out: Path) -> None:
 
     write_output(out, lambda tmp: save_config(rec.config, tmp))
     err_console.print(f"config written: {escape(str(out))}")
+    _save_transformers_export(rec.config, out)
+
+
+def _save_transformers_export(config, out: Path) -> None:
+    """Beside a per-layer config, the transformers cache it maps to (one quanto/HQQ/dynamic
+    layer per layer, ``kvlens.deploy.hf_cache``) and how to load it; or why it does not map."""
+    from kvlens.deploy import hf_cache
+
+    num_layers = (config.model or {}).get("num_layers")
+    if num_layers is None:
+        return
+    got = hf_cache.export(config, num_layers)
+    if got.document is None:
+        more = f" (and {len(got.problems) - 2} more)" if len(got.problems) > 2 else ""
+        err_console.print(escape(f"no transformers export: {'; '.join(got.problems[:2])}{more}"),
+                          highlight=False)
+        return
+    path = hf_cache.export_path(out)
+    write_text_output(path, got.text())
+    err_console.print(escape(f"transformers cache written: {path}; load it with:\n"
+                             + hf_cache.snippet(str(path))), highlight=False)
 
 
 def _save_engine(rec, out: Path) -> None:

@@ -60,6 +60,12 @@ def _render_target(rec, validation) -> None:
     c = rec.chosen
     console.print(f"[bold]Deploy on {rec.target}:[/] {escape(c.deploy['command'])}", highlight=False)
     for name, text in rec.files.items():
+        if name == c.deploy.get("cache_file"):  # a per-layer cache: how to load it, not its JSON
+            console.print(escape(f"or, one transformers layer per layer from {name} (written "
+                                 "beside the config; models with sliding-window layers too):"),
+                          highlight=False)
+            console.print(c.deploy["snippet"], highlight=False, markup=False)
+            continue
         console.print(escape(f"file {name} ({c.deploy.get('docs', '')}):"), highlight=False)
         console.print(text.rstrip(), highlight=False, markup=False)
     for ex in c.deploy.get("exports", ()):

@@ -22,6 +22,7 @@ from kvlens.config.engine import (
     is_engine_setting,
     parse_engine_setting,
 )
+from kvlens.config.hqq import HqqSetting
 from kvlens.config.io import config_from_dict, load_config, save_config
 from kvlens.config.model_check import validate_for
 from kvlens.config.presets import PRESETS, preset, resolve
@@ -46,6 +47,7 @@ __all__ = [
     "VERSION",
     "BlockFloatSetting",
     "CacheDtypeSetting",
+    "HqqSetting",
     "KVConfig",
     "LayerKV",
     "LlamaCppSetting",

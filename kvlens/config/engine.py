@@ -7,6 +7,7 @@ its options mean): ``--help``, error messages and docs print that text, never a 
     llamacpp:K/V[:norot|:rot][:nofa][:noarith]    llamacpp:T    vllm:D[@head][:pP|:sS][:skip=L,L]
     vllm:turboquant_*    sglang:D[@head][:pP|:sS]    transformers:quanto-B[:axis_key=A]...
     vllm:nvfp4[:sS][:skip=L,L]    sglang:nvfp4|fp4_mx_block16|mxfp8    trtllm:fp8|nvfp4[:sS]
+    transformers:hqq-B[:axis_key=A]...
 
 - llama.cpp: one K type and one V type for every layer; llama.cpp rotates a quantized type when
   head_dim is a multiple of 64. ``:norot`` is ``LLAMA_ATTN_ROT_DISABLE=1``; ``:rot`` forces the
@@ -45,10 +46,13 @@ its options mean): ``--help``, error messages and docs print that text, never a 
 - transformers ``QuantizedCache`` (quanto backend, defaults ``QUANTO_DEFAULTS``): ``axis=0``
   groups ``G`` channels of one token (per-token ``G``), ``axis=-1`` groups ``G`` tokens of one
   channel (per-channel ``G``), the residual window is ``R``: a kvlens layout, not transformers'
-  code.
+  code. The HQQ backend (``transformers:hqq-B``, ``kvlens.config.hqq``): ``axis=1`` groups ``G``
+  channels of one token, ``axis=0`` is simulated per-channel ``G``, with HQQ's zero-point
+  refinement (``QuantSpec(fit="hqq")``).
 
 ``parse_engine_setting`` reads a name into a ``LlamaCppSetting``, ``CacheDtypeSetting``,
-``TurboQuantSetting``, ``BlockFloatSetting`` or ``QuantoSetting``; ``setting.name`` writes the canonical spelling back (``parse(s.name) == s``)
+``TurboQuantSetting``, ``BlockFloatSetting``, ``QuantoSetting`` or ``HqqSetting``; ``setting.name``
+writes the canonical spelling back (``parse(s.name) == s``)
 and ``setting.kvconfig(label)`` is the ``KVConfig`` that simulates it (engine cache types,
 ``kvlens.quant.cachetypes``, or a kvlens layout). Calibrating static fp8 scales reads a capture,
 which is ``kvlens.deploy.presets``'s job; notes for the user are printed there too.
@@ -66,6 +70,14 @@ from kvlens.config.blockfloat import (
     BlockFloatSetting,
     blockfloat_forms,
     is_blockfloat,
+)
+from kvlens.config.hqq import (
+    HQQ_AXES,
+    HQQ_BITS,
+    HqqSetting,
+    int_options,
+    layer_kwargs,
+    parse_hqq,
 )
 from kvlens.config.schema import KVConfig, LayerKV
 from kvlens.errors import ConfigError, is_int
@@ -138,6 +150,8 @@ def setting_forms() -> tuple[str, ...]:
         *blockfloat_forms(),
         "transformers:quanto-B[:axis_key=A][:axis_value=A][:group=G][:residual=R] (B: "
         + ", ".join(map(str, QUANTO_BITS)) + "; A: " + ", ".join(map(str, QUANTO_AXES)) + ")",
+        "transformers:hqq-B[:axis_key=A][:axis_value=A][:group=G][:residual=R] (B: "
+        + ", ".join(map(str, HQQ_BITS)) + "; A: " + ", ".join(map(str, HQQ_AXES)) + ")",
     )
 
 
@@ -408,6 +422,7 @@ class QuantoSetting:
     residual: int = QUANTO_DEFAULTS["residual"]
 
     engine: ClassVar[str] = "transformers"
+    backend: ClassVar[str] = "quanto"
 
     def __post_init__(self) -> None:
         if self.bits not in QUANTO_BITS or isinstance(self.bits, bool):
@@ -429,6 +444,10 @@ class QuantoSetting:
         return out + ("" if self.residual == QUANTO_DEFAULTS["residual"]
                       else f":residual={self.residual}")
 
+    def cache_kwargs(self) -> dict:
+        """The keyword arguments of transformers' ``QuantoQuantizedLayer`` for this setting."""
+        return layer_kwargs(self)
+
     def spec(self, axis: int) -> QuantSpec:
         return QuantSpec(self.bits, "per-token" if axis == 0 else "per-channel", self.group)
 
@@ -442,7 +461,7 @@ class QuantoSetting:
 
 
 EngineSettingName = (LlamaCppSetting | CacheDtypeSetting | TurboQuantSetting | BlockFloatSetting
-                     | QuantoSetting)
+                     | QuantoSetting | HqqSetting)
 
 
 # -- parsing --------------------------------------------------------------------------------------
@@ -485,7 +504,7 @@ def parse_engine_setting(name: str) -> EngineSettingName:
             return _llamacpp(name, parts)
         if engine in ("vllm", "sglang", "trtllm"):
             return _cache_dtype(name, engine, parts)
-        return _quanto(name, parts)
+        return parse_hqq(parts) if parts[0].startswith("hqq") else _quanto(name, parts)
     except ConfigError as exc:
         if str(exc).startswith("Unknown engine setting"):
             raise
@@ -545,18 +564,8 @@ def _quanto(raw: str, parts: list[str]) -> QuantoSetting:
     m = re.fullmatch(r"quanto-([0-9]+)", parts[0])
     if not m or int(m[1]) not in QUANTO_BITS:
         raise _bad(raw, "transformers settings are quanto-2 and quanto-4 (QuantizedCache, "
-                        "quanto backend)")
-    opts: dict[str, int] = {}
-    for opt in parts[1:]:
-        key, _, value = opt.partition("=")
-        if key not in QUANTO_DEFAULTS or key in opts:
-            raise _bad(raw, f"unknown or repeated option {key!r}; allowed: "
-                            f"{', '.join(QUANTO_DEFAULTS)}")
-        try:
-            opts[key] = int(value)
-        except ValueError:
-            raise _bad(raw, f"{opt!r} needs an integer value") from None
-    return QuantoSetting(int(m[1]), **opts)
+                        "quanto backend) and hqq-B (HQQ backend)")
+    return QuantoSetting(int(m[1]), **int_options(parts[1:], QUANTO_DEFAULTS))
 
 
 # -- one cache type per setting (compare-axes) and the setting of a cache type -------------------
@@ -589,7 +598,7 @@ def measured_cache_type(setting: EngineSettingName) -> str:
     it measures; a setting that is not one quantized type for every layer raises
     ``ConfigError`` saying why."""
     name = setting.name
-    if isinstance(setting, QuantoSetting):
+    if isinstance(setting, (QuantoSetting, HqqSetting)):
         raise ConfigError(f"{name} is a kvlens layout, not an engine cache type: compare-axes "
                           "sweeps it with --bits and --group-sizes (axis 0 = per-token, "
                           "-1 = per-channel).")

@@ -29,6 +29,7 @@ from kvlens.config.engine import (
     is_engine_setting,
     parse_engine_setting,
 )
+from kvlens.config.hqq import HqqSetting
 from kvlens.quant.cachetypes import needs_scales
 from kvlens.quant.formats import engine_rotation
 from kvlens.quant.fp4 import E2M1_MAX, E4M3_MAX
@@ -44,7 +45,8 @@ TRANSFORMERS_DIFFERENCES = (
     "prompt at once, then re-quantizes the whole history (dequantized) whenever its window "
     "fills; kvlens quantizes each window block once and keeps fewer than R tokens exact. "
     "quanto's axis=-1 groups run over the flattened batch x heads x tokens rows; kvlens groups "
-    "tokens of one head.")
+    "tokens of one head. hqq's axis=0 groups G tokens spread over the whole history (numel/G "
+    "elements apart); kvlens groups G consecutive tokens.")
 
 
 @dataclass(frozen=True)
@@ -73,9 +75,14 @@ def engine_config(name: str, calibration: str | None = None,
         return _turboquant(name, setting, num_layers, hybrid)
     if isinstance(setting, LlamaCppSetting):
         return EngineSetting(setting.engine, setting.kvconfig(name), _llamacpp_notes(name, setting))
-    if isinstance(setting, QuantoSetting):
-        note = f"{name}: simulated as a kvlens layout. {TRANSFORMERS_DIFFERENCES}"
-        return EngineSetting(setting.engine, setting.kvconfig(name), (note,))
+    if isinstance(setting, (QuantoSetting, HqqSetting)):
+        notes = (f"{name}: simulated as a kvlens layout. {TRANSFORMERS_DIFFERENCES}",)
+        if isinstance(setting, HqqSetting) and 0 in (setting.axis_key, setting.axis_value):
+            notes += (f"{name}: hqq's axis=0 regroups the whole history at every window flush, "
+                      "which adds error each time; the simulation reads far less error than "
+                      "the real cache (docs/findings.md): prefer axis=1, or run hf-"
+                      f"{name.split(':', 1)[1]} for the real cache.",)
+        return EngineSetting(setting.engine, setting.kvconfig(name), notes)
     if isinstance(setting, BlockFloatSetting):
         return _blockfloat(name, setting, calibration)
     return _cache_dtype(name, setting, calibration)

@@ -1,7 +1,7 @@
 """The caches ``kvlens generate`` runs, resolved from what the user names: ``resolve_settings``.
 
 A setting is a config file, a preset, an engine setting (``llamacpp:q8_0``, ``vllm:fp8``...,
-``kvlens.deploy.presets``) or a transformers baseline (``hf-quanto-4``,
+``kvlens.deploy.presets``) or a transformers baseline (``hf-quanto-4``, ``hf-layers:FILE``,
 ``kvlens.evaluation.baselines``). ``Settings`` keeps them in order with the notes of the engine
 settings, each one's frontier kind, and the settings whose config depends on the model's layers
 (vLLM TurboQuant's boundary layers), rebuilt with ``for_model`` once it loads.

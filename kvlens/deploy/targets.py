@@ -53,6 +53,9 @@ from kvlens.config.engine import (
 )
 from kvlens.deploy import exports
 from kvlens.deploy.engine_run import llamacpp_matmul_plan
+from kvlens.deploy.hf_cache import FILE_NAME as CACHE_FILE
+from kvlens.deploy.hf_cache import export as export_cache
+from kvlens.deploy.hf_cache import snippet as cache_snippet
 from kvlens.deploy.kld_model import fit_kld_model
 from kvlens.deploy.presets import engine_config
 from kvlens.errors import ConfigError, OptionError
@@ -459,7 +462,9 @@ def _transformers(table, shape, opts, head_dim: int) -> list[TargetCandidate]:
                + json.dumps(kwargs) + ")")
         out.append(TargetCandidate(name, cfg, _bits(cfg, shape, opts.context), errs,
                                    {"target": "transformers", "command": cmd,
-                                    "cache_config": kwargs, "docs": DOCS["transformers"]}))
+                                    "cache_config": kwargs, "docs": DOCS["transformers"],
+                                    "cache_file": CACHE_FILE,
+                                    "snippet": cache_snippet(CACHE_FILE)}))
     return out
 
 
@@ -583,6 +588,10 @@ def recommend_target(path: str | Path, opts: TargetOptions,
                                None if rec_model is None else rec_model.predict(chosen.score),
                                anchors, notes)
     rec.files = scale_files(rec, meta)
+    if opts.target == "transformers" and not meta.shape.is_hybrid:
+        # the per-layer cache file stock transformers loads (a layer without a KV cache would
+        # need another transformers layer class)
+        rec.files[CACHE_FILE] = export_cache(rec.chosen.config, meta.shape.num_layers).text()
     rec.table, rec.layers, rec.shape = table, tuple(meta.layers), meta.shape
     return rec
 

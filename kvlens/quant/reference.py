@@ -13,6 +13,16 @@ max(|m|, |M|)``:
   nearest codes and refit ``(scale, zero)`` by least squares, keeping the old pair where the
   codes are all equal or the fit gives ``scale <= 0``; never worse than min/max.
 
+- ``fit="hqq"`` (asymmetric): HQQ's zero-point refinement (hqq 0.2.8,
+  ``hqq.core.optimize.optimize_weights_proximal_legacy``, the solver transformers' HQQ cache
+  runs): inverse scale ``s = L / (M - m)`` (1 where ``M - m <= 1e-4``, at most ``2e4``), zero
+  ``z = -m * s``; up to ``HQQ_ITERS`` times ``q = clip(round(x * s + z), 0, L)``, ``r = (q - z)
+  / s``, the error shrunk toward an l_0.7 norm, ``e = sign(x - r) * relu(|x - r| - |x - r|^(p -
+  1) / beta)`` (``p = 0.7``, ``beta = 10``), and ``z = mean over the group of (q - (x - e) *
+  s)``, stopping at the first step whose mean absolute error over the tensor does not fall
+  (keeping that step's ``z``, as HQQ does); the scale never changes. Stored as ``scale = 1 /
+  s``, ``zero = -z / s``.
+
 Both dequantize as ``x_hat = code * scale + zero``. ``round`` is round-half-to-even and the
 division a true division: a kernel that does otherwise may differ by one code at exact ties.
 ``scale`` and ``zero`` are float32 ``[B, H, ceil(T / bt), D // bd]`` for block shape ``(bt,
@@ -30,6 +40,9 @@ from kvlens.quant.spec import QuantSpec
 
 SCALE_FLOOR_REL = 1e-8
 MSE_FIT_ITERS = 8
+# HQQ's proximal solver (module docstring): lp norm, beta, steps, and its guards on the scale
+HQQ_LP, HQQ_BETA, HQQ_ITERS = 0.7, 10.0, 20
+HQQ_MIN_RANGE, HQQ_MAX_INV_SCALE = 1e-4, 2e4
 FLOAT32_TINY = torch.finfo(torch.float32).tiny
 
 
@@ -98,6 +111,8 @@ def quantize(x: torch.Tensor, spec: QuantSpec) -> QTensor:
     scale = torch.maximum(raw, absmax * SCALE_FLOOR_REL).clamp_min(FLOAT32_TINY)
     if spec.fit == "mse":
         scale, lo = _mse_fit(groups, scale, lo, spec.levels, shape[2])
+    elif spec.fit == "hqq":
+        scale, lo = _hqq_fit(groups, lo, hi, spec.levels, shape[2])
     scale_full = expand_params(scale, spec, shape)
     if spec.symmetric:
         signed = torch.round(x / scale_full).clamp_(-qmax, qmax)
@@ -145,6 +160,38 @@ def _mse_fit(groups: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, leve
         scale = torch.where(ok, s_new, scale)
         zero = torch.where(ok, mx - s_new * mc, zero)
     return scale, zero
+
+
+def _hqq_fit(groups: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, levels: int,
+             num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """HQQ's zero-point refinement per group (module docstring) -> ``(scale, zero)`` in
+    kvlens's form. Padding tokens of a partial last token group get weight 0."""
+    w = member_weight(groups, num_tokens)
+    dims = (3, 5)
+    n = w.sum(dim=dims) * groups.shape[5]
+    total = n.sum()
+
+    def at(p):
+        return p[:, :, :, None, :, None]
+
+    span = hi - lo
+    inv = torch.where(span.abs() <= HQQ_MIN_RANGE, torch.ones_like(span), levels / span)
+    inv = inv.clamp(max=HQQ_MAX_INV_SCALE)
+    z = -lo * inv
+    best = float("inf")
+    for _ in range(HQQ_ITERS):
+        q = torch.round(groups * at(inv) + at(z)).clamp_(0, levels)
+        err = groups - (q - at(z)) / at(inv)
+        size = err.abs()
+        shrunk = torch.sign(err) * (size - size.pow(HQQ_LP - 1) / HQQ_BETA).clamp_min(0.0)
+        z = (w * (q - (groups - shrunk) * at(inv))).sum(dim=dims) / n
+        current = float((w * size).sum() / total)
+        if current < best:
+            best = current
+        else:
+            break
+    scale = 1.0 / inv
+    return scale, -z * scale
 
 
 def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

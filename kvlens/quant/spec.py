@@ -25,7 +25,7 @@ GRANULARITIES = ("per-token", "per-channel", "per-tensor")
 MIN_BITS, MAX_BITS = 1, 8
 SPEC_VERSION = 2  # 2: ``fit`` (a spec with fit "minmax" is still written as version 1)
 _FIELDS = ("bits", "granularity", "group_size", "symmetric", "fit")
-FITS = ("minmax", "mse")
+FITS = ("minmax", "mse", "hqq")
 
 
 def check_versioned_dict(data: Any, what: str, version: int, fields: Sequence[str]) -> None:
@@ -50,9 +50,10 @@ class QuantSpec:
 
     bits: 1-8 (symmetric needs at least 2). granularity: what shares one scale (module docstring).
     group_size: ``G`` along the grouped axis; ``None`` = the whole vector; ``None`` for per-tensor.
-    symmetric: a zero-centred grid instead of min/max. fit: ``"minmax"`` or ``"mse"`` (asymmetric
-    only: a least-squares refit of each group's ``(scale, zero)``, ``kvlens.quant.reference``);
-    storage and dequantization are the same for both."""
+    symmetric: a zero-centred grid instead of min/max. fit: ``"minmax"``, ``"mse"`` (asymmetric
+    only: a least-squares refit of each group's ``(scale, zero)``, ``kvlens.quant.reference``) or
+    ``"hqq"`` (the min/max scale with HQQ's zero-point refinement, transformers' HQQ cache);
+    storage and dequantization are the same for all."""
 
     bits: int
     granularity: str

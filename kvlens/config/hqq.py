@@ -1,0 +1,120 @@
+"""transformers' ``QuantizedCache`` with the HQQ backend as an engine setting:
+``transformers:hqq-B[:axis_key=A][:axis_value=A][:group=G][:residual=R]`` (``HqqSetting``).
+
+What the real cache does (transformers 5.24 ``cache_utils.HQQQuantizedLayer`` over hqq 0.2.8
+``hqq.core.quantize.Quantizer.quantize``, called with ``optimize=True``, ``round_zero=False``):
+
+- the ``[B, H, T, D]`` tensor is flattened row-major and cut into groups of ``G`` elements:
+  ``axis=1`` groups ``G`` consecutive elements (``G`` channels of one token, as quanto's
+  ``axis=0``); ``axis=0`` groups the ``G`` elements ``numel / G`` apart (one channel, tokens
+  spread over the whole history and across heads);
+- each group starts from a min/max grid of ``2^B - 1`` steps, then its zero point (not its
+  scale) is refined by HQQ's half-quadratic solver (``optimize_weights_proximal_legacy``: an
+  l_0.7 shrinkage of the error, up to 20 steps, stopped when the tensor's mean absolute error
+  stops falling); scale and zero are kept in the model's dtype;
+- like quanto, ``R`` tokens stay exact and the whole (dequantized) history is re-quantized
+  whenever the window fills.
+
+The simulation (``kvconfig``) is the kvlens layout nearest to it: ``axis=1`` -> per-token
+groups of ``G`` channels, ``axis=0`` -> per-channel groups of ``G`` consecutive tokens of one
+head; asymmetric min/max with ``fit="hqq"`` (the same zero refinement, per flush block: see
+``kvlens.quant.reference``); a window of ``R`` exact tokens flushed whole. What differs (the
+strided ``axis=0`` groups, the re-quantization at each flush, the early stop measured over a
+flush block instead of the whole history) is in docs/deploy/transformers.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kvlens.config.schema import KVConfig, LayerKV
+from kvlens.errors import ConfigError, is_int
+from kvlens.quant import QuantSpec
+
+HQQ_BITS = (1, 2, 3, 4, 8)  # transformers' HQQQuantizedLayer accepts these nbits
+HQQ_AXES = (0, 1)  # hqq's axis: 1 = consecutive elements, 0 = strided (module docstring)
+HQQ_DEFAULTS = {"axis_key": 0, "axis_value": 0, "group": 64, "residual": 128}
+# The kvlens granularity nearest to each hqq axis (module docstring)
+HQQ_GRANULARITY = {1: "per-token", 0: "per-channel"}
+
+
+@dataclass(frozen=True)
+class HqqSetting:
+    """transformers ``QuantizedCache(backend="hqq", nbits=bits, axis_key, axis_value,
+    q_group_size=group, residual_length=residual)``, simulated as a kvlens layout."""
+
+    bits: int
+    axis_key: int = HQQ_DEFAULTS["axis_key"]
+    axis_value: int = HQQ_DEFAULTS["axis_value"]
+    group: int = HQQ_DEFAULTS["group"]
+    residual: int = HQQ_DEFAULTS["residual"]
+
+    engine: ClassVar[str] = "transformers"
+    backend: ClassVar[str] = "hqq"
+
+    def __post_init__(self) -> None:
+        if self.bits not in HQQ_BITS or isinstance(self.bits, bool):
+            raise ConfigError(f"HQQ bits are {', '.join(map(str, HQQ_BITS))}, got {self.bits!r}")
+        for key in ("axis_key", "axis_value"):
+            if getattr(self, key) not in HQQ_AXES:
+                raise ConfigError(f"{key} for hqq must be 0 or 1 (hqq's axes; quanto's are "
+                                  f"0 and -1), got {getattr(self, key)!r}")
+        if not is_int(self.group, 1) or not is_int(self.residual, 0):
+            raise ConfigError(f"group must be a positive integer and residual an integer >= 0, "
+                              f"got group={self.group!r}, residual={self.residual!r}")
+
+    @property
+    def name(self) -> str:
+        out = (f"transformers:hqq-{self.bits}:axis_key={self.axis_key}:"
+               f"axis_value={self.axis_value}:group={self.group}")
+        return out + ("" if self.residual == HQQ_DEFAULTS["residual"]
+                      else f":residual={self.residual}")
+
+    def cache_kwargs(self) -> dict:
+        """The keyword arguments of transformers' ``HQQQuantizedLayer`` for this setting."""
+        return layer_kwargs(self)
+
+    def spec(self, axis: int) -> QuantSpec:
+        return QuantSpec(self.bits, HQQ_GRANULARITY[axis], self.group, fit="hqq")
+
+    def kvconfig(self, label: str) -> KVConfig:
+        kwargs = ", ".join(f"{k}={v}" for k, v in self.cache_kwargs().items())
+        return KVConfig(label, LayerKV(self.spec(self.axis_key), self.spec(self.axis_value),
+                                       self.residual), fp_dtype="float16",
+                        description=f"transformers QuantizedCache(backend='hqq', {kwargs})")
+
+
+def layer_kwargs(setting) -> dict:
+    """The keyword arguments of transformers' ``QuantizedLayer`` (quanto or HQQ) for a
+    ``transformers:`` setting (``bits``, ``axis_key``, ``axis_value``, ``group``,
+    ``residual``)."""
+    return {"nbits": setting.bits, "axis_key": setting.axis_key,
+            "axis_value": setting.axis_value, "q_group_size": setting.group,
+            "residual_length": setting.residual}
+
+
+def parse_hqq(parts: list[str]) -> HqqSetting:
+    """``hqq-B`` and its ``key=value`` options (already split on ``:`` and lower-cased) ->
+    the setting; ``ConfigError`` saying what is wrong otherwise."""
+    bits = parts[0].removeprefix("hqq-")
+    if not bits.isdigit():
+        raise ConfigError(f"HQQ settings are hqq-B with B one of "
+                          f"{', '.join(map(str, HQQ_BITS))}, got {parts[0]!r}")
+    return HqqSetting(int(bits), **int_options(parts[1:], HQQ_DEFAULTS))
+
+
+def int_options(opts: list[str], defaults: dict[str, int]) -> dict[str, int]:
+    """``["key=value", ...]`` of a transformers setting -> ``{key: int}``; each key one of
+    ``defaults``, at most once (``ConfigError`` naming the allowed keys otherwise)."""
+    out: dict[str, int] = {}
+    for opt in opts:
+        key, _, value = opt.partition("=")
+        if key not in defaults or key in out:
+            raise ConfigError(f"unknown or repeated option {key!r}; allowed: "
+                              f"{', '.join(defaults)}")
+        try:
+            out[key] = int(value)
+        except ValueError:
+            raise ConfigError(f"{opt!r} needs an integer value") from None
+    return out

@@ -1,0 +1,138 @@
+"""The transformers per-layer cache export: a kvlens config as a file that stock transformers
+loads into ``Cache(layers=[...])``, one of its own layer objects per decoder layer.
+
+The file (``FILE_NAME``, JSON, ``FORMAT`` version ``VERSION``)::
+
+    {"format": "kvlens-transformers-cache", "version": 1, "config": NAME, "num_layers": N,
+     "layers": [{"class": "QuantoQuantizedLayer", "kwargs": {"nbits": 4, "axis_key": -1,
+                 "axis_value": 0, "q_group_size": 64, "residual_length": 128}},
+                {"class": "DynamicLayer", "kwargs": {}}, ...]}
+
+``class`` names a class of ``transformers.cache_utils`` and ``kwargs`` its constructor's
+arguments (transformers 5.24: ``QuantoQuantizedLayer`` / ``HQQQuantizedLayer`` take ``nbits,
+axis_key, axis_value, q_group_size, residual_length``; ``DynamicLayer`` none), so ``SNIPPET``
+builds the cache with transformers alone. ``kvlens generate --compare hf-layers:FILE`` runs it
+(``kvlens.evaluation.baselines``).
+
+A layer maps (``layer_for``) where transformers' layer stores what the kvlens layer stores:
+both tensors at one bit width and one group size (one ``nbits`` and ``q_group_size`` per
+layer), per-token or per-channel groups, no rotation, pre-RoPE keys or partial flush, a window
+of ``R`` exact tokens (``residual_length``); min/max grids become quanto layers (2 or 4 bits),
+``fit="hqq"`` grids HQQ layers; an unquantized layer a ``DynamicLayer``. A config with a layer
+that does not map is not exported: ``export`` returns no document and the reasons, and the
+caller says so (nothing is rounded silently). What transformers' layers then do differently
+(re-quantizing the history at each window flush, quanto's and hqq's group layouts) is the
+same as for the uniform settings: docs/deploy/transformers.md.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from kvlens.config import KVConfig, LayerKV
+from kvlens.config.engine import QUANTO_BITS
+from kvlens.config.hqq import HQQ_BITS, HQQ_GRANULARITY
+from kvlens.evaluation.baselines import LAYERS_PREFIX
+from kvlens.quant import QuantSpec
+
+FORMAT, VERSION = "kvlens-transformers-cache", 1
+FILE_NAME = "transformers_cache.json"
+QUANTO_AXIS = {"per-token": 0, "per-channel": -1}
+HQQ_AXIS = {g: a for a, g in HQQ_GRANULARITY.items()}
+SNIPPET = """import json
+from transformers import cache_utils
+spec = json.load(open({path!r}))
+cache = cache_utils.Cache(layers=[getattr(cache_utils, layer["class"])(**layer["kwargs"])
+                                  for layer in spec["layers"]])
+out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)"""
+
+
+@dataclass(frozen=True)
+class Export:
+    """A config's export: ``document`` (the file's JSON form; None when a layer does not map)
+    and ``problems``, one line per layer that does not map, saying why."""
+
+    document: dict | None
+    problems: tuple[str, ...]
+
+    def text(self) -> str:
+        return json.dumps(self.document, indent=2) + "\n"
+
+
+def _backend(spec: QuantSpec) -> tuple[str, dict[str, int]] | None:
+    if spec.fit == "minmax" and spec.bits in QUANTO_BITS and spec.granularity in QUANTO_AXIS:
+        return "QuantoQuantizedLayer", QUANTO_AXIS
+    if spec.fit == "hqq" and spec.bits in HQQ_BITS and spec.granularity in HQQ_AXIS:
+        return "HQQQuantizedLayer", HQQ_AXIS
+    return None
+
+
+def layer_for(layer: LayerKV) -> tuple[str, dict] | str:
+    """transformers' layer ``(class, kwargs)`` that stores what ``layer`` stores, or why none
+    does (module docstring)."""
+    if layer.key_format or layer.value_format:
+        return f"engine cache types {layer.key_format}/{layer.value_format}"
+    if layer.key is None and layer.value is None:
+        return "DynamicLayer", {}
+    flags = [f for f in ("pre_rope_keys", "rotate_keys", "rotate_values") if getattr(layer, f)]
+    if flags or layer.flush_tokens:
+        return ", ".join(flags or [f"flush_tokens={layer.flush_tokens}"]) + \
+            " (transformers' layers have no such option)"
+    k, v = layer.key, layer.value
+    if not (isinstance(k, QuantSpec) and isinstance(v, QuantSpec)):
+        return "keys or values not an integer grid (or one of them unquantized)"
+    if k.bits != v.bits or k.group_size != v.group_size or k.group_size is None:
+        return (f"keys {k.bits} bits G{k.group_size}, values {v.bits} bits G{v.group_size}: "
+                "a transformers layer has one nbits and one q_group_size, and groups")
+    if k.symmetric or v.symmetric or k.fit != v.fit:
+        return "a symmetric grid or two fits (transformers' layers: one affine min/max grid)"
+    backend = _backend(k)
+    backend = backend if backend == _backend(v) else None
+    if backend is None:
+        return (f"{k.bits} bits, fit {k.fit}, {k.granularity}/{v.granularity}: quanto takes "
+                f"2 or 4 bits with min/max, HQQ {', '.join(map(str, HQQ_BITS))} with fit hqq")
+    cls, axes = backend
+    return cls, {"nbits": k.bits, "axis_key": axes[k.granularity],
+                 "axis_value": axes[v.granularity], "q_group_size": k.group_size,
+                 "residual_length": layer.residual_tokens}
+
+
+def export(config: KVConfig, num_layers: int) -> Export:
+    """``config`` for a model of ``num_layers`` decoder layers as transformers' per-layer cache
+    (module docstring)."""
+    problems = []
+    extras = [name for name, on in (("MiKV sets", config.mikv is not None),
+                                    ("balancers", bool(config.balancers)),
+                                    ("static fp8 scales", bool(config.kv_scales)),
+                                    ("engine attention", config.engine_attention is not None),
+                                    ("write_before_attention", config.write_before_attention))
+              if on]
+    if extras:
+        problems.append(f"{config.name}: {', '.join(extras)} (no transformers layer has them)")
+    layers = []
+    for i in range(num_layers):
+        got = layer_for(config.layer(i))
+        if isinstance(got, str):
+            problems.append(f"layer {i}: {got}")
+        else:
+            layers.append({"class": got[0], "kwargs": got[1]})
+    if problems:
+        return Export(None, tuple(problems))
+    return Export({"format": FORMAT, "version": VERSION, "config": config.name,
+                   "num_layers": num_layers, "layers": layers}, ())
+
+
+def export_path(output):
+    """Where a per-layer config written to ``output`` (a ``Path``) has its export."""
+    return output.with_name(output.stem + "." + FILE_NAME)
+
+
+def snippet(path: str) -> str:
+    """The Python that loads the export at ``path`` into a cache and generates with it."""
+    return SNIPPET.format(path=str(path))
+
+
+def compare_name(path: str) -> str:
+    """The ``generate --compare`` item that runs the export at ``path`` in transformers."""
+    return LAYERS_PREFIX + str(path)
