@@ -102,7 +102,7 @@ def export(config: KVConfig, num_layers: int) -> Export:
     """``config`` for a model of ``num_layers`` decoder layers as transformers' per-layer cache
     (module docstring)."""
     problems = []
-    extras = [name for name, on in (("MiKV sets", config.mikv is not None),
+    extras = [name for name, on in (("sinks or balancer (protect)", config.protect is not None),
                                     ("balancers", bool(config.balancers)),
                                     ("static fp8 scales", bool(config.kv_scales)),
                                     ("engine attention", config.engine_attention is not None),
