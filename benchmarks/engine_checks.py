@@ -457,14 +457,16 @@ def main(argv=None) -> int:
     out = args.out.resolve()
     doc: dict = {"tokens": args.tokens, "device": args.device, "model_dtype": args.model_dtype,
                  "engine_python": args.engine_python, "engines": {}}
-    model = export_model(args.model, out / "model")
-    ids = held_out_ids(model, args.tokens)
-    for name in args.engine_names:
-        why = missing_engine(ENGINES[name], args.engine_python)
+    missing = {name: missing_engine(ENGINES[name], args.engine_python)
+               for name in args.engine_names}
+    for name, why in missing.items():
         if why:
             print(f"{name}: {why}", file=sys.stderr)
             doc["engines"][name] = {"skipped": why}
-            continue
+    if not all(missing.values()):  # the model and the text, once, for the engines that run
+        model = export_model(args.model, out / "model")
+        ids = held_out_ids(model, args.tokens)
+    for name in (n for n, why in missing.items() if not why):
         try:
             doc["engines"][name] = check_engine(
                 name, model=model, ids=ids, out=out / name, python=args.engine_python,
@@ -473,6 +475,7 @@ def main(argv=None) -> int:
         except EngineCheckFailure as exc:
             print(f"{name}: FAILED: {exc}", file=sys.stderr)
             doc["engines"][name] = {"error": str(exc)}
+    out.mkdir(parents=True, exist_ok=True)
     (out / "engines.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     print(json.dumps(doc, indent=2))
     return 1 if any("error" in e for e in doc["engines"].values()) else 0

@@ -44,7 +44,6 @@ Usage (repository root; kvlens and kvlens_kernels installed)::
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -60,6 +59,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_KERNELS = ROOT / "benchmarks" / "bench_kernels.py"
 ENGINE_CHECKS = ROOT / "benchmarks" / "engine_checks.py"
+ENGINES = ("vllm", "sglang", "trtllm")  # engine_checks.py's engines (a test keeps them equal)
 KERNEL_TESTS = ("tests/test_kernels_decode.py", "tests/test_kernels_codebook.py")
 SCHEMA = 1
 BUDGET_S = 480.0
@@ -95,18 +95,6 @@ main()
 
 class StepFailure(Exception):
     """A step did not do what the acceptance run requires; the message says what."""
-
-
-def _load_engine_checks():
-    name = "_kvlens_engine_checks"
-    spec = importlib.util.spec_from_file_location(name, ENGINE_CHECKS)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the body runs
-    spec.loader.exec_module(module)
-    return module
-
-
-engine_checks = _load_engine_checks()
 
 
 # -- settings -------------------------------------------------------------------------------
@@ -503,19 +491,13 @@ def build_steps(args, s: Settings, out: Path, env: dict, acc: Acceptance) -> lis
 
     def engine_step(name):
         def step():
-            if "engine_model" not in state:  # exported once, shared by the engines
-                state["engine_model"] = engine_checks.export_model(args.model,
-                                                                   out / "engines" / "model")
-            model = state["engine_model"]
-            try:
-                figures = engine_checks.check_engine(
-                    name, model=model, ids=engine_checks.held_out_ids(model, args.engine_tokens),
-                    out=out / "engines" / name, python=args.engine_python, device=s.device,
-                    model_dtype="bfloat16" if s.device == "cuda" else "float32",
-                    timeout=args.step_timeout, kvlens=kv)
-            except engine_checks.EngineCheckFailure as exc:
-                raise StepFailure(str(exc)) from exc
-            return {"tokens": args.engine_tokens, "dtypes": figures}
+            doc = run_command([sys.executable, str(ENGINE_CHECKS), "--engines", name, "--out",
+                               str(out / "engines"), "--device", s.device, "--tokens",
+                               str(args.engine_tokens), "--engine-python", args.engine_python,
+                               "--timeout", str(args.step_timeout), *model],
+                              logs / f"engine-{name}.log", 8 * args.step_timeout, env,
+                              stdout_json=True)
+            return {"tokens": args.engine_tokens, **doc["engines"][name]}
         return step
 
     def kernel_tests():
@@ -540,9 +522,7 @@ def build_steps(args, s: Settings, out: Path, env: dict, acc: Acceptance) -> lis
         Step("kernel-bench", kernel_bench, ("environment",), skip=no_kernels),
         Step("kernel-tests", kernel_tests, ("environment",),
              skip=no_kernels or (None if args.kernel_tests else "not asked (--kernel-tests)")),
-        *[Step(f"engine-{name}", engine_step(name), ("environment",),
-               skip=engine_checks.missing_engine(engine_checks.ENGINES[name],
-                                                 args.engine_python))
+        *[Step(f"engine-{name}", engine_step(name), ("environment",))
           for name in args.engine_names],
     ]
 
@@ -593,19 +573,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--step-timeout", type=float, default=420.0,
                    help="seconds after which a step's process is killed and the step fails")
     p.add_argument("--engines", default=None,
-                   help=f"comma list of engine checks ({', '.join(engine_checks.ENGINES)}; "
-                        "default: all on the GPU, none with --cpu-smoke; '' for none)")
+                   help=f"comma list of engine checks ({', '.join(ENGINES)}; default: all on "
+                        "the GPU, none with --cpu-smoke; '' for none)")
     p.add_argument("--engine-python", default=sys.executable,
                    help="the interpreter that has the engines installed (default: this one)")
     p.add_argument("--engine-tokens", type=int, default=2048,
                    help="held-out tokens each engine check scores")
     args = p.parse_args(argv)
     if args.engines is None:
-        args.engines = "" if args.cpu_smoke else ",".join(engine_checks.ENGINES)
-    try:
-        args.engine_names = engine_checks.parse_engines(args.engines)
-    except engine_checks.EngineCheckFailure as exc:
-        p.error(str(exc))
+        args.engines = "" if args.cpu_smoke else ",".join(ENGINES)
+    args.engine_names = list(dict.fromkeys(n.strip().lower() for n in args.engines.split(",")
+                                           if n.strip()))
+    unknown = [n for n in args.engine_names if n not in ENGINES]
+    if unknown:
+        p.error(f"unknown engine {', '.join(unknown)} in --engines; allowed: "
+                f"{', '.join(ENGINES)} (comma list)")
     if args.engine_tokens < 2:
         p.error(f"--engine-tokens must be at least 2 (one prediction), got {args.engine_tokens}")
     return args

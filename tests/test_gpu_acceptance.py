@@ -18,9 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_acceptance.py"
 
 
-def _load():
-    name = "_kvlens_gpu_acceptance"
-    spec = importlib.util.spec_from_file_location(name, SCRIPT)
+def _load(path=SCRIPT):
+    name = f"_kvlens_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up while the body runs
     try:
@@ -222,7 +222,11 @@ def test_the_cpu_smoke_run_end_to_end(tmp_path):
 
 # -- the engine checks (benchmarks/engine_checks.py): everything but the engines themselves ----
 
-ec = ga.engine_checks
+ec = _load(ROOT / "benchmarks" / "engine_checks.py")
+
+
+def test_the_acceptance_run_knows_the_engines_the_checks_run():
+    assert ga.ENGINES == tuple(ec.ENGINES)
 
 
 def test_engines_are_parsed_in_order_and_an_unknown_one_is_refused_with_the_list():
@@ -386,7 +390,8 @@ def test_an_engine_not_installed_is_a_skipped_step_of_the_acceptance_run(tmp_pat
     doc = json.loads((tmp_path / "o" / "summary.json").read_text())
     assert code == 1 and doc["failed_steps"] == ["capture"]  # the engines did not fail it
     for name, install in (("vllm", "pip install vllm"), ("trtllm", "pip install tensorrt-llm")):
-        step = doc["steps"][f"engine-{name}"]
+        step = doc["steps"][f"engine-{name}"]  # ran, and said why it checked nothing
         assert step["ok"] is True and "not installed" in step["skipped"]
         assert install in step["skipped"]
     assert "engine-sglang" not in doc["steps"]
+    assert "pip install vllm" in (tmp_path / "o" / "logs" / "engine-vllm.log").read_text()
