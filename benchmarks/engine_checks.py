@@ -318,7 +318,8 @@ def simulate(engine: Engine, *, model: Path, n: int, out: Path, device: str, mod
             rc, stdout, err = None, "", f"timed out after {timeout:.0f} s"
         (out / f"kvlens-{safe}.log").write_text(f"$ {' '.join(cmd)}\n{err}", encoding="utf-8")
         if rc != 0:
-            found[setting] = f"kvlens generate {setting} failed: {err.strip()[-600:]}"
+            last = (err.strip().splitlines() or ["no output"])[-1]  # the CLI's one-line error
+            found[setting] = f"kvlens generate {setting} failed: {last[:600]}"
             continue
         try:
             found[setting] = sim_figures(json.loads(stdout), setting)
@@ -437,7 +438,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="model dtype of both sides (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--engine-python", default=sys.executable,
                    help="the interpreter that has the engines installed")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per engine or kvlens run")
+    p.add_argument("--timeout", type=float, default=2400.0,
+                   help="seconds per engine or kvlens run (a loaded 2-core CPU needs 20 min)")
     args = p.parse_args(argv)
     if args.tokens < 2:
         p.error(f"--tokens must be at least 2 (one prediction), got {args.tokens}")
