@@ -22,7 +22,12 @@ Steps, each a ``kvlens`` command in its own process (the page: docs/internals/gp
 10. ``kernel-bench``: ``benchmarks/bench_kernels.py`` (its GPU correctness checks, then decode
     latency against fp16 SDPA at 8k-32k tokens: speedup, GB/s, share of copy bandwidth);
 11. ``kernel-tests`` (``--kernel-tests`` only): the kernel tests compiled on the GPU;
-12. ``budget``: the whole run (without step 11) within ``--budget-s`` (default 480 s).
+12. ``engine-vllm``, ``engine-sglang``, ``engine-trtllm`` (``--engines``; all three by default on
+    the GPU, none in the smoke run): the real engine's KV-cache dtypes (fp8, nvfp4, ...) on
+    SmolLM2, its KLD printed beside kvlens's simulation of the same setting
+    (``benchmarks/engine_checks.py``); an engine that ``--engine-python`` cannot import is
+    skipped with what to install;
+13. ``budget``: the whole run (without steps 11 and 12) within ``--budget-s`` (default 480 s).
 
 A failed step is named in the summary (``failed_steps``, its ``error`` and the tail of its log);
 steps that need it are skipped, the others still run, and the exit status is 1. The summary is
@@ -53,6 +58,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_KERNELS = ROOT / "benchmarks" / "bench_kernels.py"
+ENGINE_CHECKS = ROOT / "benchmarks" / "engine_checks.py"
+ENGINES = ("vllm", "sglang", "trtllm")  # engine_checks.py's engines (a test keeps them equal)
 KERNEL_TESTS = ("tests/test_kernels_decode.py", "tests/test_kernels_codebook.py")
 SCHEMA = 1
 BUDGET_S = 480.0
@@ -482,6 +489,17 @@ def build_steps(args, s: Settings, out: Path, env: dict, acc: Acceptance) -> lis
                      "--out", str(path)], logs / "kernel-bench.log", args.step_timeout, env)
         return bench_figures(json.loads(path.read_text(encoding="utf-8")))
 
+    def engine_step(name):
+        def step():
+            doc = run_command([sys.executable, str(ENGINE_CHECKS), "--engines", name, "--out",
+                               str(out / "engines"), "--device", s.device, "--tokens",
+                               str(args.engine_tokens), "--engine-python", args.engine_python,
+                               "--timeout", str(args.step_timeout), *model],
+                              logs / f"engine-{name}.log", 8 * args.step_timeout, env,
+                              stdout_json=True)
+            return {"tokens": args.engine_tokens, **doc["engines"][name]}
+        return step
+
     def kernel_tests():
         tenv = {**env, "TRITON_INTERPRET": "0", "KVLENS_KERNEL_TEST_DEVICE": "cuda"}
         run_command([sys.executable, "-m", "pytest", "-q", "-x", *KERNEL_TESTS],
@@ -504,6 +522,8 @@ def build_steps(args, s: Settings, out: Path, env: dict, acc: Acceptance) -> lis
         Step("kernel-bench", kernel_bench, ("environment",), skip=no_kernels),
         Step("kernel-tests", kernel_tests, ("environment",),
              skip=no_kernels or (None if args.kernel_tests else "not asked (--kernel-tests)")),
+        *[Step(f"engine-{name}", engine_step(name), ("environment",))
+          for name in args.engine_names],
     ]
 
 
@@ -516,8 +536,9 @@ def _read_counts(path: Path) -> dict:
 
 def check_budget(acc: Acceptance, budget_s: float | None) -> dict:
     per_step = {n: r.get("seconds", 0.0) for n, r in acc.doc["steps"].items()}
-    # the compiled kernel tests (--kernel-tests) are extra, outside the budget
-    spent = round(time.perf_counter() - acc.t0 - per_step.get("kernel-tests", 0.0), 1)
+    # the compiled kernel tests (--kernel-tests) and the engine checks are extra, outside it
+    extra = sum(t for n, t in per_step.items() if n == "kernel-tests" or n.startswith("engine-"))
+    spent = round(time.perf_counter() - acc.t0 - extra, 1)
     if budget_s is not None and spent > budget_s:
         raise StepFailure(f"the run took {spent:.0f} s, over the {budget_s:.0f} s budget "
                           f"(per step: {per_step})")
@@ -551,7 +572,25 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the whole run must finish within this many seconds (0: no limit)")
     p.add_argument("--step-timeout", type=float, default=420.0,
                    help="seconds after which a step's process is killed and the step fails")
-    return p.parse_args(argv)
+    p.add_argument("--engines", default=None,
+                   help=f"comma list of engine checks ({', '.join(ENGINES)}; default: all on "
+                        "the GPU, none with --cpu-smoke; '' for none)")
+    p.add_argument("--engine-python", default=sys.executable,
+                   help="the interpreter that has the engines installed (default: this one)")
+    p.add_argument("--engine-tokens", type=int, default=2048,
+                   help="held-out tokens each engine check scores")
+    args = p.parse_args(argv)
+    if args.engines is None:
+        args.engines = "" if args.cpu_smoke else ",".join(ENGINES)
+    args.engine_names = list(dict.fromkeys(n.strip().lower() for n in args.engines.split(",")
+                                           if n.strip()))
+    unknown = [n for n in args.engine_names if n not in ENGINES]
+    if unknown:
+        p.error(f"unknown engine {', '.join(unknown)} in --engines; allowed: "
+                f"{', '.join(ENGINES)} (comma list)")
+    if args.engine_tokens < 2:
+        p.error(f"--engine-tokens must be at least 2 (one prediction), got {args.engine_tokens}")
+    return args
 
 
 def main(argv=None) -> int:

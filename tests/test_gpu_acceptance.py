@@ -18,9 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_acceptance.py"
 
 
-def _load():
-    name = "_kvlens_gpu_acceptance"
-    spec = importlib.util.spec_from_file_location(name, SCRIPT)
+def _load(path=SCRIPT):
+    name = f"_kvlens_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up while the body runs
     try:
@@ -218,3 +218,180 @@ def test_the_cpu_smoke_run_end_to_end(tmp_path):
     assert doc["triton"]["used"] is False and doc["triton"]["kernel_calls"] == 0
     assert (out / "report.html").stat().st_size > 0
     assert all(s["seconds"] >= 0 for s in steps.values()) and doc["seconds"] > 0
+
+
+# -- the engine checks (benchmarks/engine_checks.py): everything but the engines themselves ----
+
+ec = _load(ROOT / "benchmarks" / "engine_checks.py")
+
+
+def test_the_acceptance_run_knows_the_engines_the_checks_run():
+    assert ga.ENGINES == tuple(ec.ENGINES)
+
+
+def test_engines_are_parsed_in_order_and_an_unknown_one_is_refused_with_the_list():
+    assert ec.parse_engines("TRTLLM, vllm,vllm") == ["trtllm", "vllm"]
+    assert ec.parse_engines("") == []
+    with pytest.raises(ec.EngineCheckFailure, match="unknown engine llamacpp.*allowed: vllm, "
+                                                      "sglang, trtllm"):
+        ec.parse_engines("vllm,llamacpp")
+
+
+def test_the_acceptance_arguments_choose_the_engine_checks(capsys):
+    assert ga.parse_args([]).engine_names == ["vllm", "sglang", "trtllm"]  # the GPU run: all
+    assert ga.parse_args(["--cpu-smoke"]).engine_names == []
+    assert ga.parse_args(["--cpu-smoke", "--engines", "sglang"]).engine_names == ["sglang"]
+    assert ga.parse_args(["--engines", ""]).engine_names == []
+    for argv, says in ((["--engines", "vllm,tgi"], "unknown engine tgi"),
+                       (["--engine-tokens", "1"], "--engine-tokens must be at least 2")):
+        with pytest.raises(SystemExit):
+            ga.parse_args(argv)
+        assert says in capsys.readouterr().err
+
+
+def test_a_missing_engine_says_what_to_install(tmp_path):
+    absent = ec.Engine("absent", "no_such_engine_module_kvlens", "pip install absent", (), True)
+    why = ec.missing_engine(absent, sys.executable)
+    assert "absent is not installed" in why and "pip install absent" in why
+    present = ec.Engine("present", "json", "-", (), True)
+    assert ec.missing_engine(present, sys.executable) is None
+    assert "cannot run" in ec.missing_engine(present, str(tmp_path / "no-python"))
+
+
+def _kl(p_logits, q_logits):
+    """KL(p || q) per row with torch, independently of the script's numpy code."""
+    torch = pytest.importorskip("torch")
+    p = torch.log_softmax(torch.as_tensor(p_logits, dtype=torch.float64), -1)
+    q = torch.log_softmax(torch.as_tensor(q_logits, dtype=torch.float64), -1)
+    return torch.nn.functional.kl_div(q, p, log_target=True, reduction="none").sum(-1).numpy()
+
+
+def test_full_logits_give_kld_agreement_and_likelihoods():
+    np = pytest.importorskip("numpy")
+    rng = np.random.default_rng(0)
+    ref = rng.normal(size=(7, 11)) * 3
+    test = ref + rng.normal(size=ref.shape)
+    ids = [0, *rng.integers(0, 11, 7).tolist()]
+    pp = ec.per_prediction_full(ref, test, ids)
+    np.testing.assert_allclose(pp["kld"], _kl(ref, test), rtol=1e-9, atol=1e-12)
+    assert np.array_equal(pp["agree"], (ref.argmax(-1) == test.argmax(-1)).astype(float))
+    np.testing.assert_allclose(pp["nll_ref"][2], -(ref[2] - np.log(np.exp(ref[2]).sum()))[ids[3]])
+    same = ec.per_prediction_full(ref, ref + 5.0, ids)  # a shift changes no distribution
+    assert np.abs(same["kld"]).max() < 1e-12 and same["agree"].all()
+
+
+def test_the_top_k_kld_is_a_lower_bound_and_exact_on_the_whole_vocabulary():
+    np = pytest.importorskip("numpy")
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        ref, test = rng.normal(size=30) * 2, rng.normal(size=30) * 2
+        full = float(_kl(ref[None], test[None])[0])
+        lr, lt = ec.log_softmax(ref), ec.log_softmax(test)
+
+        def top(lp, k):
+            return {int(i): float(lp[i]) for i in np.argsort(-lp)[:k]}
+        assert ec.coarse_kld(top(lr, 30), top(lt, 30)) == pytest.approx(full, rel=1e-9)
+        for k in (1, 5, 12):
+            assert 0 <= ec.coarse_kld(top(lr, k), top(lt, k)) <= full + 1e-12
+    pp = ec.per_prediction_topk([{1: -0.1, 2: -2.5}], [{2: -0.2, 3: -1.8}], [0, 3])
+    assert pp["agree"][0] == 0 and np.isnan(pp["nll_ref"][0]) and pp["nll_test"][0] == 1.8
+
+
+def test_statistics_of_planted_predictions():
+    np = pytest.importorskip("numpy")
+    kld = np.r_[np.full(64, 0.01), np.full(64, 0.03)]
+    pp = {"kld": kld, "agree": np.r_[np.ones(100), np.zeros(28)],
+          "nll_ref": np.full(128, 2.0), "nll_test": np.r_[np.full(127, 2.1), np.nan]}
+    st = ec.statistics(pp)
+    assert st["predictions"] == 128 and st["mean_kld"] == pytest.approx(0.02)
+    lo, hi = st["mean_kld_ci95"]
+    # two blocks of 64 resampled whole: the means are 0.01, 0.02 or 0.03 (per prediction, the
+    # interval would be about 0.02 +- 0.002)
+    assert lo == pytest.approx(0.01) and hi == pytest.approx(0.03)
+    assert st["top1_agreement"] == pytest.approx(100 / 128)
+    assert st["ppl_change"] == pytest.approx(np.exp(0.1) - 1)  # the NaN prediction left out
+    with pytest.raises(ec.EngineCheckFailure, match="no predictions"):
+        ec.statistics({"kld": [], "agree": [], "nll_ref": np.array([]), "nll_test": np.array([])})
+
+
+def test_the_engine_is_set_beside_the_simulation():
+    assert ec.side_by_side({"mean_kld": 0.034}, {"mean_kld": 0.0159}) == \
+        {"ratio": 2.138, "within_1_5x": False}
+    assert ec.side_by_side({"mean_kld": 0.012}, {"mean_kld": 0.0159})["within_1_5x"] is True
+    assert ec.side_by_side({"mean_kld": 0.01}, None) == {"ratio": None, "within_1_5x": None}
+    doc = {"results": [{"name": "vllm:fp8_e4m3:s1", "bits_per_element": 8.0, "kld": {
+        "mean_kld": {"value": 0.0159, "ci95": [0.012, 0.019]}, "scored": 2047,
+        "top1_agreement": {"value": 0.94}, "ppl_change": {"value": 0.02}}}]}
+    fig = ec.sim_figures(doc, "VLLM:fp8_e4m3:s1")  # the only result, however kvlens spells it
+    assert fig["mean_kld"] == 0.0159 and fig["predictions"] == 2047
+    with pytest.raises(ec.EngineCheckFailure, match="no kld for x"):
+        ec.sim_figures({"results": [{"name": "x"}]}, "x")
+
+
+FAKE_ENGINE = """import json, sys
+import numpy as np
+if sys.argv[1] == "-c":
+    sys.exit(0)  # the import probe: installed
+_, _, engine, dtype, model, ids, out = sys.argv[1:8]
+n = len(json.load(open(ids)))
+if dtype == "nvfp4":
+    sys.exit("the engine refuses nvfp4 here")
+base = np.random.default_rng(0).normal(size=(n - 1, 40)) * 3
+noise = {"auto": 0.0, "fp8": 0.2, "fp8_e5m2": 0.6}[dtype]
+np.save(out, base + noise * np.random.default_rng(1).normal(size=base.shape))
+"""
+
+FAKE_KVLENS = """import json, sys
+setting = sys.argv[sys.argv.index("--compare") + 1]
+if "nvfp4" in setting:
+    sys.exit("unknown engine setting " + setting)
+value = {"vllm:fp8_e4m3:s1": 0.02, "vllm:fp8_e5m2:s1": 1.0}[setting]
+print(json.dumps({"results": [{"name": setting, "kld": {
+    "mean_kld": {"value": value, "ci95": [value / 2, value * 2]}, "scored": 9,
+    "top1_agreement": {"value": 0.9}, "ppl_change": {"value": 0.01}}}]}))
+"""
+
+
+def test_an_engine_check_runs_the_worker_and_kvlens_and_records_refusals(tmp_path):
+    np = pytest.importorskip("numpy")
+    engine = tmp_path / "engine-python"
+    engine.write_text(f"#!{sys.executable}\n{FAKE_ENGINE}")
+    engine.chmod(0o755)
+    fake_kvlens = tmp_path / "fake_kvlens.py"
+    fake_kvlens.write_text(FAKE_KVLENS)
+    ids = list(range(1, 11))
+    printed = []
+    figs = ec.check_engine("vllm", model=tmp_path, ids=ids, out=tmp_path / "o",
+                           python=str(engine), device="cpu", model_dtype="float32", timeout=120,
+                           kvlens=[sys.executable, str(fake_kvlens)], progress=printed.append)
+    assert list(figs) == ["fp8", "fp8_e5m2", "nvfp4"]
+    ref, fp8 = (np.load(tmp_path / "o" / f"vllm-{d}.npy") for d in ("auto", "fp8"))
+    want = float(_kl(ref, fp8).mean())
+    assert figs["fp8"]["engine"]["mean_kld"] == pytest.approx(want, rel=1e-9)
+    assert figs["fp8"]["engine"]["predictions"] == 9
+    assert figs["fp8"]["ratio"] == pytest.approx(want / 0.02, rel=1e-3)
+    assert figs["fp8_e5m2"]["engine"]["mean_kld"] > figs["fp8"]["engine"]["mean_kld"]
+    nv = figs["nvfp4"]
+    assert "refuses nvfp4" in nv["engine_error"] and "unknown engine setting" in nv["kvlens_error"]
+    assert "engine" not in nv and "ratio" not in nv
+    assert printed[0].startswith("vllm fp8: engine KLD ") and "| kvlens vllm:fp8_e4m3:s1 0.02" \
+        in printed[0]
+    assert "not run: " in printed[2] and "no simulation: " in printed[2]
+    assert (tmp_path / "o" / "vllm-nvfp4.log").is_file()
+
+
+def test_an_engine_not_installed_is_a_skipped_step_of_the_acceptance_run(tmp_path):
+    absent = tmp_path / "python-without-engines"
+    absent.write_text("#!/bin/sh\nexit 1\n")
+    absent.chmod(0o755)
+    code = ga.main(["--cpu-smoke", "--out-dir", str(tmp_path / "o"), "--model",
+                    str(tmp_path / "missing.gguf"), "--engines", "vllm,trtllm",
+                    "--engine-python", str(absent)])
+    doc = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert code == 1 and doc["failed_steps"] == ["capture"]  # the engines did not fail it
+    for name, install in (("vllm", "pip install vllm"), ("trtllm", "pip install tensorrt-llm")):
+        step = doc["steps"][f"engine-{name}"]  # ran, and said why it checked nothing
+        assert step["ok"] is True and "not installed" in step["skipped"]
+        assert install in step["skipped"]
+    assert "engine-sglang" not in doc["steps"]
+    assert "pip install vllm" in (tmp_path / "o" / "logs" / "engine-vllm.log").read_text()
