@@ -207,6 +207,18 @@ def refuse_unread(table: Mapping[str, ReadOnly | tuple[ReadOnly, ...]],
         raise InputError(rule.message(flags, run))
 
 
+def new_table(title: str, columns: Iterable[str], left: tuple[int, ...] = (0,),
+              no_wrap: bool = False, **table):
+    """A rich table titled ``title`` (``table``: its other arguments) with ``columns``: those
+    at the indices in ``left`` left-justified (text), the others right-justified (numbers)."""
+    from rich.table import Table
+
+    t = Table(title=title, **table)
+    for i, c in enumerate(columns):
+        t.add_column(c, justify="left" if i in left else "right", no_wrap=no_wrap)
+    return t
+
+
 def print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=_json_default) + "\n")
     sys.stdout.flush()
