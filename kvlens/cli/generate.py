@@ -181,11 +181,12 @@ def generate(
 
     report = run_library_call(run)
     front = _frontier_doc(report, request.settings.kinds)
-    extra = {} if front is None else {"frontier": front}
+    # --json's document; the file for `kvlens report` leaves out the placement
+    doc = {k: report[k] for k in ("results", "evaluation", "placement", "interrupted")} | (
+        {} if front is None else {"frontier": front})
     if report_json is not None:
         run_library_call(lambda: write_artifact_output(
-            "generate", {"results": report["results"], "evaluation": report["evaluation"],
-                         "interrupted": report["interrupted"], **extra}, report_json))
+            "generate", {k: v for k, v in doc.items() if k != "placement"}, report_json))
         err_console.print(f"results written: {escape(str(report_json))}")
     if frontier is not None and front is not None:
         run_library_call(lambda: _draw_frontier(front, report, model, frontier))
@@ -195,9 +196,7 @@ def generate(
     err_console.print(f"backend: {report['results'][0].get('backend', '?')} "
                       f"({escape(str(report['backend_reason']))})")
     if as_json:
-        print_json({"results": report["results"], "evaluation": report["evaluation"],
-                    "placement": report["placement"], "interrupted": report["interrupted"],
-                    **extra})
+        print_json(doc)
     else:
         _render(report["results"], opts)
         _render_long(report)
