@@ -236,7 +236,7 @@ PLAIN_EVERY_S = 30.0  # progress lines where stderr is not a terminal
 
 
 @contextmanager
-def progress_bar(description: str, enabled: bool = True):
+def progress_bar(description: str):
     """Yield ``update(done, total, note="")`` that draws a rich progress bar on stderr.
 
     The bar appears at the first update, so errors raised before any work starts (bad options,
@@ -275,8 +275,6 @@ def progress_bar(description: str, enabled: bool = True):
                           highlight=False, markup=False)
 
     def update(done: int, total: int, note: str = "") -> None:
-        if not enabled:
-            return
         if not err_console.is_terminal:
             plain(done, total, note)
             return
