@@ -502,40 +502,30 @@ def attention_errors_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             for var, acc in zip(variants, sums, strict=True)]
 
 
-def _check_variants(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variants: Sequence[Variant]
-) -> None:
+def _check_variants(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    variants: Sequence[Variant]) -> None:
     for n, var in enumerate(variants):
         has_set = var.in_set is not None and (var.k_set is not None or var.v_set is not None)
         if var.k_hat is None and var.v_hat is None and not has_set:
-            raise InputError(
-                f"Variant {n} replaces neither keys nor values: give k_hat, "
-                f"v_hat or both (or a set); there is no variant to compare."
-            )
+            raise InputError(f"Variant {n} replaces neither keys nor values: give k_hat, "
+                             "v_hat or both (or a set); there is no variant to compare.")
         for name, ref, t in (("k_hat", k, var.k_hat), ("v_hat", v, var.v_hat),
                              ("k_set", k, var.k_set), ("v_set", v, var.v_set)):
             if t is not None and t.shape != ref.shape:
-                raise InputError(
-                    f"Variant {n}: {name} has shape {tuple(t.shape)}, expected {tuple(ref.shape)}."
-                )
+                raise InputError(f"Variant {n}: {name} has shape {tuple(t.shape)}, expected "
+                                 f"{tuple(ref.shape)}.")
         want = (*k.shape[:2], q.shape[2], k.shape[2])
         if var.in_set is not None and tuple(var.in_set.shape) != want:
-            raise InputError(
-                f"Variant {n}: in_set has shape {tuple(var.in_set.shape)}, expected {want}."
-            )
+            raise InputError(f"Variant {n}: in_set has shape {tuple(var.in_set.shape)}, "
+                             f"expected {want}.")
 
 
-def _errors(
-    k: torch.Tensor, v: torch.Tensor, var: Variant, ratios: dict[str, torch.Tensor],
-    recon: bool = True
-) -> AttentionErrors:
+def _errors(k: torch.Tensor, v: torch.Tensor, var: Variant, ratios: dict[str, torch.Tensor],
+            recon: bool = True) -> AttentionErrors:
+    def rel(x: torch.Tensor, x_hat: torch.Tensor | None) -> torch.Tensor | None:
+        return per_head_rel_error(x, x_hat) if x_hat is not None and recon else None
+
     keyed = var.keyed
-    return AttentionErrors(
-        key_reconstruction=per_head_rel_error(k, var.k_hat)
-        if var.k_hat is not None and recon else None,
-        value_reconstruction=per_head_rel_error(v, var.v_hat)
-        if var.v_hat is not None and recon else None,
-        scores=ratios["scores"] if keyed else None,
-        weights=ratios["weights"] if keyed else None,
-        output=ratios["output"],
-    )
+    return AttentionErrors(rel(k, var.k_hat), rel(v, var.v_hat),
+                           ratios["scores"] if keyed else None,
+                           ratios["weights"] if keyed else None, ratios["output"])

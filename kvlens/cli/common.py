@@ -207,6 +207,18 @@ def refuse_unread(table: Mapping[str, ReadOnly | tuple[ReadOnly, ...]],
         raise InputError(rule.message(flags, run))
 
 
+def new_table(title: str, columns: Iterable[str], left: tuple[int, ...] = (0,),
+              no_wrap: bool = False, **table):
+    """A rich table titled ``title`` (``table``: its other arguments) with ``columns``: those
+    at the indices in ``left`` left-justified (text), the others right-justified (numbers)."""
+    from rich.table import Table
+
+    t = Table(title=title, **table)
+    for i, c in enumerate(columns):
+        t.add_column(c, justify="left" if i in left else "right", no_wrap=no_wrap)
+    return t
+
+
 def print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=_json_default) + "\n")
     sys.stdout.flush()
@@ -224,7 +236,7 @@ PLAIN_EVERY_S = 30.0  # progress lines where stderr is not a terminal
 
 
 @contextmanager
-def progress_bar(description: str, enabled: bool = True):
+def progress_bar(description: str):
     """Yield ``update(done, total, note="")`` that draws a rich progress bar on stderr.
 
     The bar appears at the first update, so errors raised before any work starts (bad options,
@@ -263,8 +275,6 @@ def progress_bar(description: str, enabled: bool = True):
                           highlight=False, markup=False)
 
     def update(done: int, total: int, note: str = "") -> None:
-        if not enabled:
-            return
         if not err_console.is_terminal:
             plain(done, total, note)
             return

@@ -16,6 +16,7 @@ from kvlens.cli.common import (
     err_console,
     escape,
     given_options,
+    new_table,
     open_range,
     output_errors,
     overwrite_option,
@@ -179,25 +180,20 @@ def _config_label(r: dict) -> str:
 
 
 def _render(summary: dict) -> None:
-    from rich.table import Table
-
     from kvlens.analysis.compare import means_by_key
 
     cap = summary["capture"]
     means = means_by_key(summary["means"])
     winners = {(w["tensor"], w["bits"], w["group_size"], w["stage"], w["variant"], w["metric"]):
                w["winner"] for w in summary["winners"]}
-    table = Table(
-        title=f"compare-axes: {escape(str(cap['model']))}, {len(cap['layers'])} layers, "
-              f"{cap['samples']} x {cap['tokens']} tokens",
+    table = new_table(
+        f"compare-axes: {escape(str(cap['model']))}, {len(cap['layers'])} layers, "
+        f"{cap['samples']} x {cap['tokens']} tokens",
+        ("config", "axis", *METRIC_LABELS.values()), left=(0, 1),
         caption="Relative Frobenius error ||X - X_hat|| / ||X||, mean over layers and heads. "
                 "* = the better axis. recon: the quantized tensor; score: pre-softmax logits "
                 "(causal); weights: post-softmax; output: attention output. K b G stage: keys, "
                 "bits, group size, post/pre-RoPE; V: values.")
-    table.add_column("config")
-    table.add_column("axis")
-    for label in METRIC_LABELS.values():
-        table.add_column(label, justify="right")
     for r in summary["rankings"]:
         ck = (r["tensor"], r["bits"], r["group_size"], r["stage"], r["variant"])
         for axis in ("per-token", "per-channel"):
@@ -222,24 +218,19 @@ def _render(summary: dict) -> None:
 
 
 def _render_formats(summary: dict) -> None:
-    from rich.table import Table
-
     means = {(m["tensor"], m["format"], m["metric"]): m["mean"] for m in summary["format_means"]}
     info = {f["format"]: f for f in summary.get("formats", [])}
     best = {}
     for (tensor, _, metric), value in means.items():
         best[(tensor, metric)] = min(value, best.get((tensor, metric), value))
-    table = Table(title="engine KV-cache formats",
-                  caption="Relative Frobenius error, mean over layers and heads (keys "
-                          "post-RoPE). * = lowest error among the formats. bits: storage bits "
-                          "per element including scales. rot: Hadamard-rotated as the engine "
-                          "does. " + summary["format_calibration"] + ".")
-    table.add_column("tensor")
-    table.add_column("format", no_wrap=True)
-    table.add_column("bits", justify="right")
-    table.add_column("rot")
-    for label in METRIC_LABELS.values():
-        table.add_column(label, justify="right")
+    table = new_table("engine KV-cache formats",
+                      ("tensor", "format", "bits", "rot", *METRIC_LABELS.values()),
+                      left=(0, 1, 3),
+                      caption="Relative Frobenius error, mean over layers and heads (keys "
+                              "post-RoPE). * = lowest error among the formats. bits: storage "
+                              "bits per element including scales. rot: Hadamard-rotated as the "
+                              "engine does. " + summary["format_calibration"] + ".")
+    table.columns[1].no_wrap = True  # a format's name
     names = list(dict.fromkeys(m["format"] for m in summary["format_means"]))
     for tensor in ("key", "value"):
         rows = [n for n in names if (tensor, n, "reconstruction") in means]

@@ -20,6 +20,7 @@ from kvlens.cli.common import (
     escape,
     given_options,
     max_memory_option,
+    new_table,
     offload_folder_option,
     overwrite_option,
     print_json,
@@ -181,11 +182,12 @@ def generate(
 
     report = run_library_call(run)
     front = _frontier_doc(report, request.settings.kinds)
-    extra = {} if front is None else {"frontier": front}
+    # --json's document; the file for `kvlens report` leaves out the placement
+    doc = {k: report[k] for k in ("results", "evaluation", "placement", "interrupted")} | (
+        {} if front is None else {"frontier": front})
     if report_json is not None:
         run_library_call(lambda: write_artifact_output(
-            "generate", {"results": report["results"], "evaluation": report["evaluation"],
-                         "interrupted": report["interrupted"], **extra}, report_json))
+            "generate", {k: v for k, v in doc.items() if k != "placement"}, report_json))
         err_console.print(f"results written: {escape(str(report_json))}")
     if frontier is not None and front is not None:
         run_library_call(lambda: _draw_frontier(front, report, model, frontier))
@@ -195,9 +197,7 @@ def generate(
     err_console.print(f"backend: {report['results'][0].get('backend', '?')} "
                       f"({escape(str(report['backend_reason']))})")
     if as_json:
-        print_json({"results": report["results"], "evaluation": report["evaluation"],
-                    "placement": report["placement"], "interrupted": report["interrupted"],
-                    **extra})
+        print_json(doc)
     else:
         _render(report["results"], opts)
         _render_long(report)
@@ -246,11 +246,8 @@ def _draw_frontier(front: dict, report: dict, model, path) -> None:
 
 
 def _render(results, opts) -> None:
-    from rich.table import Table
-
     if not (set(opts.evals) & {"ppl", "passkey", "agreement"}) and opts.prompt is None:
         return
-    table = Table(title="kvlens generate: compressed KV cache vs fp16 (short-context checks)")
     cols = ["config", "bits/elem", "KV bytes", "vs fp16"]
     if "ppl" in opts.evals:
         cols += ["ppl", "ppl change"]
@@ -258,8 +255,7 @@ def _render(results, opts) -> None:
         cols += ["passkey"]
     if "agreement" in opts.evals:
         cols += ["agreement", "first diverge"]
-    for c in cols:
-        table.add_column(c, justify="left" if c == "config" else "right")
+    table = new_table("kvlens generate: compressed KV cache vs fp16 (short-context checks)", cols)
     short = [e for e in ("ppl", "passkey", "agreement") if e in opts.evals]
     for r in results:
         if any(e not in r for e in short) or (opts.prompt is not None and "text" not in r) \
@@ -312,17 +308,13 @@ def _render_long(report: dict) -> None:
 
 def _render_kld(results: list[dict], p: dict) -> None:
     """The --eval kld table, the excess-NLL line and each config's paired comparisons."""
-    from rich.table import Table
-
     exact = f"the exact model ({p['model_dtype']})" if p.get("model_dtype") else \
         "the exact model"
     title = (f"KL divergence vs {exact}: {p['scored']} predictions over "
              f"{p['tokens']} tokens of {escape(str(p['text_source']))}, chunk {p['chunk']}"
              + (" (INTERRUPTED: partial)" if p["interrupted"] else ""))
-    t = Table(title=title)
-    for c in ("config", "bits/elem", "quantized share", "mean KLD", "median KLD",
-              "p99 KLD", "top-1 agree", "ppl", "ppl change"):
-        t.add_column(c, justify="left" if c == "config" else "right")
+    t = new_table(title, ("config", "bits/elem", "quantized share", "mean KLD", "median KLD",
+                          "p99 KLD", "top-1 agree", "ppl", "ppl change"))
     ex = p.get("exact")
     if ex:
         t.add_row("exact", "-", "-", "0", "0", "0", "1",
@@ -367,17 +359,12 @@ def _render_kld(results: list[dict], p: dict) -> None:
 
 def _render_retrieval(results: list[dict], p: dict) -> None:
     """The --eval retrieval table and each config's paired comparison with the first."""
-    from rich.table import Table
-
     ex = p.get("exact")
-    t = Table(title=f"Retrieval (passkey + key-value), {p['prompts']} prompts per config, "
-                    f"depths {p['depths']}; correct/total [Wilson 95%]"
-                    + (" (INTERRUPTED: partial)" if p["interrupted"] else ""))
-    t.add_column("config")
-    for length in p["lengths"]:
-        t.add_column(f"{length} tok", justify="right")
-    t.add_column("all", justify="right")
-    t.add_column("vs exact [95% CI]", justify="right")
+    t = new_table(f"Retrieval (passkey + key-value), {p['prompts']} prompts per config, "
+                  f"depths {p['depths']}; correct/total [Wilson 95%]"
+                  + (" (INTERRUPTED: partial)" if p["interrupted"] else ""),
+                  ["config", *(f"{length} tok" for length in p["lengths"]), "all",
+                   "vs exact [95% CI]"])
     rows = ([("exact", ex, None)] if ex else []) + \
         [(r["name"], r["retrieval"], r["retrieval"]["vs_exact"]["accuracy"])
          for r in results if r.get("retrieval")]

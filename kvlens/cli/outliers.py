@@ -16,6 +16,7 @@ from kvlens.cli.common import (
     console,
     err_console,
     escape,
+    new_table,
     open_range,
     output_errors,
     overwrite_option,
@@ -212,16 +213,11 @@ def _draw_heatmaps(report, spots, run: Path, out: Path, fmt: str) -> list[Path]:
 
 
 def _render(report, top: int, drawn: list[Path]) -> None:
-    from rich.table import Table
-
-    sev = Table(title=f"{escape(report.model)}: outlier severity per layer (max/med = largest "
-                      f"channel abs-max / median over channels, worst head; outlier rule: "
-                      f">= {report.threshold:g}; outl. = outlier channels summed over heads)")
-    sev.add_column("layer", justify="right")
     names = [n for fam in report.tensors for n in FAMILY_ORDER[fam]]
-    for n in names:
-        sev.add_column(f"{n}\nmax/med", justify="right")
-    sev.add_column("k_pre\noutl.", justify="right")
+    sev = new_table(f"{escape(report.model)}: outlier severity per layer (max/med = largest "
+                    f"channel abs-max / median over channels, worst head; outlier rule: "
+                    f">= {report.threshold:g}; outl. = outlier channels summed over heads)",
+                    ("layer", *(f"{n}\nmax/med" for n in names), "k_pre\noutl."), left=())
     by = {n: report.layer_severity(n) for n in names}
     for layer in report.layers:
         cells = []
@@ -246,14 +242,14 @@ def _render(report, top: int, drawn: list[Path]) -> None:
 
 def _top_table(report, tensors, top: int, what: str):
     from rich import box
-    from rich.table import Table
 
-    tab = Table(title=f"Strongest outlier channels, {what}", box=box.SIMPLE_HEAD,
-                caption="ratio: abs-max / median channel abs-max. tok: share of tokens with the "
-                        "channel in the top set; smp: share of samples flagging it. pair: RoPE "
-                        "partner; share: its energy share pre->post RoPE; tok': tok after RoPE.")
-    for col in ("where", "ch", "absmax", "ratio", "tok", "smp", "pair", "share", "tok'"):
-        tab.add_column(col, justify="right", no_wrap=True)
+    tab = new_table(f"Strongest outlier channels, {what}",
+                    ("where", "ch", "absmax", "ratio", "tok", "smp", "pair", "share", "tok'"),
+                    left=(), no_wrap=True, box=box.SIMPLE_HEAD,
+                    caption="ratio: abs-max / median channel abs-max. tok: share of tokens with "
+                            "the channel in the top set; smp: share of samples flagging it. "
+                            "pair: RoPE partner; share: its energy share pre->post RoPE; tok': "
+                            "tok after RoPE.")
     for h, o in report.top_outliers(top, tensors):
         r = next((r for r in h.rope if r.channel == o.channel), None)
         rope = ("-", "-", "-") if r is None else (

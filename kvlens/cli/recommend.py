@@ -7,6 +7,7 @@ An option the run would not read is refused before any work (``CONDITIONS``, ``r
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from kvlens.cli.common import (
     given_options,
     max_memory_option,
     offload_folder_option,
+    open_range,
     overwrite_option,
     progress_bar,
     refuse_unread,
@@ -180,14 +182,6 @@ def _list_levers(value: list[str] | None) -> list[str] | None:
     return value
 
 
-def _above_zero(value: float | None) -> float | None:
-    """A number that must be positive: outside that range is a usage error (exit 2), as
-    click's ``min=`` ranges are."""
-    if value is not None and not value > 0:
-        raise typer.BadParameter(f"{value} is not above 0.")
-    return value
-
-
 @app.command(cls=_LibraryDefaults)
 def recommend(
     ctx: typer.Context,
@@ -201,7 +195,7 @@ def recommend(
                                     "four times the largest window; the last quarter is "
                                     "scored)."),
     budget_bits: float = typer.Option(None, "--budget-bits", "-b", max=16,
-                                      callback=_above_zero, rich_help_panel=BUDGET,
+                                      callback=open_range(0, math.inf), rich_help_panel=BUDGET,
                                       help="Bits per cached K/V element the cache may hold at "
                                            "--context tokens, every part counted (16 = an "
                                            "fp16 cache). Required unless an engine target "
@@ -222,7 +216,7 @@ def recommend(
                                     "kvlens' cache), llama.cpp (-ctk/-ctv), vllm (--kv-cache-"
                                     "dtype), sglang, transformers (QuantizedCache), trtllm "
                                     "(TensorRT-LLM). docs/deploy/README.md."),
-    max_kld: float = typer.Option(None, "--max-kld", callback=_above_zero,
+    max_kld: float = typer.Option(None, "--max-kld", callback=open_range(0, math.inf),
                                   rich_help_panel=ENGINE,
                                   help="The smallest budget (per-layer target: measured "
                                        "KLD of its config; engine targets: predicted KLD of "

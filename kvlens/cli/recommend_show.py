@@ -9,6 +9,7 @@ from kvlens.cli.common import (
     err_console,
     escape,
     format_seconds,
+    new_table,
     print_json,
     run_library_call,
     write_config_doc,
@@ -55,8 +56,6 @@ def show_target(answer, output, as_json: bool) -> None:
 
 
 def _render_target(rec, validation) -> None:
-    from rich.table import Table
-
     c = rec.chosen
     console.print(f"[bold]Deploy on {rec.target}:[/] {escape(c.deploy['command'])}", highlight=False)
     for name, text in rec.files.items():
@@ -73,18 +72,14 @@ def _render_target(rec, validation) -> None:
     pred = "" if rec.predicted_kld is None else f", predicted KLD {rec.predicted_kld:.4f}"
     console.print(f"simulated as {escape(c.setting)}: {c.bits:.3f} held bits/element at "
                   f"{rec.context} tokens, error score S = {c.score:.4g}{pred}", highlight=False)
-    t = Table(title="Where it hurts (chosen setting): relative attention-output error per "
-                    "layer, share of S")
-    for col in ("layer", "K out", "V out", "share of S"):
-        t.add_column(col, justify="right")
+    t = new_table("Where it hurts (chosen setting): relative attention-output error per layer, "
+                  "share of S", ("layer", "K out", "V out", "share of S"), left=())
     for r in rec.where_it_hurts():
         t.add_row(str(r["layer"]), f"{r['e_key']:.4f}", f"{r['e_value']:.4f}",
                   f"{100 * r['share']:.1f}%")
     console.print(t)
-    f = Table(title=f"{rec.target} settings on the cost/error front ({rec.candidates} "
-                    "candidates)")
-    for col in ("setting", "bits/elem", "S", "pred. KLD"):
-        f.add_column(col, justify="left" if col == "setting" else "right")
+    f = new_table(f"{rec.target} settings on the cost/error front ({rec.candidates} candidates)",
+                  ("setting", "bits/elem", "S", "pred. KLD"))
     for cand in rec.front:
         p = "-" if rec.kld_model is None else f"{rec.kld_model.predict(cand.score):.4f}"
         mark = " <" if cand is c else ""
@@ -134,12 +129,9 @@ def _print_profile(profile, predicted) -> None:
 
 
 def _render_search(search) -> None:
-    from rich.table import Table
-
-    t = Table(title=f"Budgets tried for --max-kld {search.max_kld:g} (held-out text, mean KLD "
-                    "with its 95% interval)")
-    for col in ("budget", "bits held", "mean KLD", "95% interval", "top-1", ""):
-        t.add_column(col, justify="right")
+    t = new_table(f"Budgets tried for --max-kld {search.max_kld:g} (held-out text, mean KLD "
+                  "with its 95% interval)",
+                  ("budget", "bits held", "mean KLD", "95% interval", "top-1", ""), left=())
     for st in search.steps:
         lo, hi = st.kld["mean_kld"]["ci95"]
         mark = "chosen" if st.budget_bits == search.chosen.budget_bits else (
@@ -150,11 +142,8 @@ def _render_search(search) -> None:
 
 
 def _render_budgets(recs) -> None:
-    from rich.table import Table
-
-    t = Table(title="Configs at each budget (one measurement)")
-    for col in ("config", "budget", "bits held", "expected output error"):
-        t.add_column(col, justify="left" if col == "config" else "right")
+    t = new_table("Configs at each budget (one measurement)",
+                  ("config", "budget", "bits held", "expected output error"))
     for rec in recs:
         t.add_row(escape(rec.config.name), f"{rec.budget_bits:g}", f"{rec.mean_bits:.3f}",
                   f"{rec.expected_output_error:.4f}")
@@ -162,14 +151,11 @@ def _render_budgets(recs) -> None:
 
 
 def _render(rec) -> None:
-    from rich.table import Table
-
-    t = Table(title=f"Recommendation: {rec.mean_bits:.3f} bits/element (budget "
-                    f"{rec.budget_bits}) at {rec.context} tokens; windows "
-                    f"{'/'.join(map(str, rec.windows))} offered, {rec.sink_tokens} sink tokens")
-    for col in ("layer", "weight", "key", "bits", "K out", "value", "bits", "V out", "R", "F"):
-        t.add_column(col, justify="left" if col in ("key", "value") else "right",
-                     no_wrap=True)
+    t = new_table(f"Recommendation: {rec.mean_bits:.3f} bits/element (budget "
+                  f"{rec.budget_bits}) at {rec.context} tokens; windows "
+                  f"{'/'.join(map(str, rec.windows))} offered, {rec.sink_tokens} sink tokens",
+                  ("layer", "weight", "key", "bits", "K out", "value", "bits", "V out", "R",
+                   "F"), left=(2, 5), no_wrap=True)
     by_layer: dict[int, dict] = {}
     for ch in rec.choices:
         by_layer.setdefault(ch.layer, {})[ch.tensor] = ch
@@ -191,9 +177,8 @@ def _render(rec) -> None:
                   "quantized at a time when the window fills (R = the whole window). Errors "
                   "are measured as decoding reads the cache: the window and sink tokens "
                   "exact.")
-    m = Table(title="KV cache memory (all layers, batch 1)")
-    for col in ("context", "recommended", "fp16", "ratio"):
-        m.add_column(col, justify="right")
+    m = new_table("KV cache memory (all layers, batch 1)",
+                  ("context", "recommended", "fp16", "ratio"), left=())
     for ctx, b in rec.kv_bytes.items():
         f = rec.kv_bytes_fp16[ctx]
         m.add_row(f"{ctx:,}", format_bytes(b), format_bytes(f), f"{f / b:.2f}x")
@@ -205,14 +190,11 @@ def _render(rec) -> None:
 
 
 def _render_decode_cost(rec) -> None:
-    from rich.table import Table
-
     if not rec.decode_cost:
         return
-    t = Table(title=f"Decode cost at {rec.context:,} tokens (model: bytes one decode step "
-                    "reads, all layers, batch 1)")
-    for col in ("config", "read", "vs fp16", "fused kernel path", "torch-path unpack"):
-        t.add_column(col, justify="left" if col == "config" else "right")
+    t = new_table(f"Decode cost at {rec.context:,} tokens (model: bytes one decode step "
+                  "reads, all layers, batch 1)",
+                  ("config", "read", "vs fp16", "fused kernel path", "torch-path unpack"))
     for name, c in rec.decode_cost:
         fused = "yes" if c.fused else f"no ({len(c.unfused)} layers)"
         t.add_row(escape(name), format_bytes(c.read_bytes), f"{c.ratio_fp16:.3f}", fused,

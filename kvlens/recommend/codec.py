@@ -52,7 +52,7 @@ _ARRAY_KEYS = {"array", "dtype", "shape"}
 #: a self-describing (``Any``) value that is no scalar: its tag and the annotation it is written by
 _PLAIN = {"list": list[Any], "tuple": tuple[Any, ...], "dict": dict[str, Any],
           "ndarray": np.ndarray}
-_PLAIN_TYPES = {"list": list, "tuple": tuple, "dict": dict, "ndarray": np.ndarray}
+_PLAIN_TYPES = {tag: typing.get_origin(tp) or tp for tag, tp in _PLAIN.items()}
 #: what numpy, zipfile, json and a dataclass's own checks raise on bad input: a CodecError
 _READ_ERRORS = (ValueError, TypeError, KeyError, IndexError, OSError, EOFError, RecursionError,
                 ArithmeticError, zipfile.BadZipFile, struct.error, NotImplementedError,

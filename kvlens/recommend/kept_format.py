@@ -18,14 +18,7 @@ KeptFormatError = CodecError
 CODEC = DataclassCodec(Measurements, FORMAT, VERSION,
                        shared={"candidates": Candidate, "streams": Stream})
 
-
-def encode(m: Measurements) -> bytes:
-    """``m`` as the bytes of a kept-measurement file; ``KeptFormatError`` where ``m`` holds a
-    value its annotations do not allow."""
-    return CODEC.encode(m)
-
-
-def decode(data: bytes) -> Measurements:
-    """The ``Measurements`` in ``data`` (bytes ``encode`` wrote); ``KeptFormatError`` for
-    anything else: another format or version, a pickle, a truncated or altered file."""
-    return CODEC.decode(data)
+#: ``encode(m)``: a ``Measurements`` as a kept file's bytes; ``decode(data)``: the one ``encode``
+#: wrote (``KeptFormatError`` for a value the annotations do not allow, another format or
+#: version, a pickle, a truncated or altered file)
+encode, decode = CODEC.encode, CODEC.decode

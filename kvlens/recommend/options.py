@@ -22,6 +22,10 @@ from kvlens.recommend.extension import Twin, resolve, twin_extension
 #: per-tensor: one scale per flushed block is an engine format's, not a candidate's)
 OFFERED_GRANULARITIES = tuple(g for g in GRANULARITIES if g != "per-tensor")
 SENSITIVITIES = ("auto", "model", "layout", "uniform")
+#: the ``RecommendOptions`` fields that take one of a few names, and those names
+CHOICES = (("sensitivity", SENSITIVITIES), ("retrieval", ("auto", "on", "off")),
+           ("pre_rope", ("auto", "on", "off")), ("dtype", DTYPES), ("fp_dtype", FP_BYTES),
+           ("scale_dtype", SCALE_DTYPES))
 DEFAULT_WINDOWS = (32, 64, 128)  # the default --windows (docs/recommend.md: why these)
 #: ``RecommendOptions.tokens`` derived from the windows (``default_tokens``)
 AUTO = "auto"
@@ -59,24 +63,20 @@ class Candidate:
     @property
     def short(self) -> str:
         axis = "ch" if self.granularity == "per-channel" else "tok"
-        extra = (" pre" if self.stage == "pre" else "") + (" bal" if self.balancer else "") + \
-            (" rot" if self.rotate else "") + \
-            self._twin_words()[0] + \
-            (" mse" if self.fit == "mse" else "")
-        return f"{self.bits}b {axis} G{self.group_size}{extra}"
+        return f"{self.bits}b {axis} G{self.group_size}{self._traits(0)}"
 
     @property
     def label(self) -> str:
-        extra = (" pre-RoPE" if self.stage == "pre" else "") + \
-            (" +bal" if self.balancer else "") + (" +rotation" if self.rotate else "") + \
-            self._twin_words()[1] + \
-            (" mse-fit" if self.fit == "mse" else "")
-        return f"{self.bits}b {self.granularity} G{self.group_size}{extra}"
+        return f"{self.bits}b {self.granularity} G{self.group_size}{self._traits(1)}"
 
-    def _twin_words(self) -> tuple[str, str]:
-        if self.twin is None:
-            return "", ""
-        return twin_extension(self.twin).words(self.twin.setting)
+    def _traits(self, long: int) -> str:
+        """What it keeps beside plain codes, in ``short``'s (0) or ``label``'s (1) words."""
+        twin = ("", "") if self.twin is None else \
+            twin_extension(self.twin).words(self.twin.setting)
+        said = [(self.stage == "pre", " pre", " pre-RoPE"), (self.balancer, " bal", " +bal"),
+                (self.rotate, " rot", " +rotation"), (True, *twin),
+                (self.fit == "mse", " mse", " mse-fit")]
+        return "".join(words[long] for on, *words in said if on)
 
     @property
     def base(self) -> Candidate:
@@ -205,8 +205,8 @@ class RecommendOptions:
         if self.context <= r:
             raise OptionError(f"{{context}} {self.context} must exceed the residual window "
                              f"({r} tokens).")
+        self._check_choices()
         self._check_probes(r)
-        self._check_dtypes()
         self._check_candidates()
         self._check_measurement()
         object.__setattr__(self, "extensions", resolve(self.extensions))
@@ -220,31 +220,22 @@ class RecommendOptions:
                                 "queries that read quantized history."))
 
     def _check_probes(self, r: int) -> None:
-        """The sensitivity, the retrieval probe and the pre-RoPE candidates."""
-        if self.sensitivity not in SENSITIVITIES:
-            raise OptionError(f"Unknown {{sensitivity}}={self.sensitivity!r}; allowed: "
-                             f"{listed(SENSITIVITIES)}.")
-        if self.retrieval not in ("auto", "on", "off"):
-            raise OptionError(f"Unknown {{retrieval}}={self.retrieval!r}; allowed: auto, on, off.")
+        """The retrieval probe and the pre-RoPE candidates."""
         if not self.retrieval_weight >= 0:
             raise OptionError(f"{{retrieval_weight}} must be >= 0, got {self.retrieval_weight}.")
         if self.retrieval_tokens <= r + 64:
             raise InputError(f"The retrieval probe ({self.retrieval_tokens} tokens) must be well "
                              f"beyond the residual window ({r}).")
-        if self.pre_rope not in ("auto", "on", "off"):
-            raise OptionError(f"Unknown {{pre_rope}}={self.pre_rope!r}; allowed: auto, on, off.")
         if self.prefer_fast and self.pre_rope == "on":
             raise OptionError("{prefer_fast}=on keeps only layouts the fused decode kernel reads, "
                              "and it does not read pre-RoPE keys; use {pre_rope}=auto or off.")
 
-    def _check_dtypes(self) -> None:
-        if self.dtype not in DTYPES:
-            raise OptionError(f"Unknown {{dtype}} {self.dtype!r}; allowed: {listed(DTYPES)}.")
-        if self.fp_dtype not in FP_BYTES:
-            raise OptionError(f"{{fp_dtype}} {self.fp_dtype!r}: allowed {listed(FP_BYTES)}.")
-        if self.scale_dtype not in SCALE_DTYPES:
-            raise OptionError(f"{{scale_dtype}}={self.scale_dtype!r}: allowed "
-                             f"{listed(SCALE_DTYPES)}.")
+    def _check_choices(self) -> None:
+        """The options that take one of a few names (``CHOICES``)."""
+        for name, allowed in CHOICES:
+            if getattr(self, name) not in allowed:
+                raise OptionError(f"Unknown {{{name}}}={getattr(self, name)!r}; allowed: "
+                                  f"{listed(allowed)}.")
 
     def _check_candidates(self) -> None:
         """The fits, bit widths, group sizes, flush block and sinks offered."""

@@ -78,8 +78,9 @@ def measure(path: str | Path, opts: RecommendOptions,
         probes = probe_candidates(meta.shape.head_dim)
         workers = workers_for(meta, opts)
         with stage("candidate errors"):
-            rows = map_layers(_layer_table, path, meta.layers,
-                              (cands + [p for p in probes if p not in cands], probes, opts),
+            # per layer (errors, balancer, pre_ok), the probes also with every token quantized
+            rows = map_layers(measure_layer, path, meta.layers,
+                              (cands + [p for p in probes if p not in cands], opts, probes),
                               workers, progress)
         tables, balancers, notes = [], {}, []
         no_pre = [index for index, row in zip(meta.layers, rows) if not row[2]]
@@ -138,11 +139,6 @@ def check_capture(path: str | Path, meta, opts: RecommendOptions) -> None:
     if opts.layer_weights and len(opts.layer_weights) != len(meta.layers):
         raise InputError(f"{len(opts.layer_weights)} layer weights given for "
                          f"{len(meta.layers)} layers with a KV cache.")
-
-
-def _layer_table(layer, meta, cands, probes, opts):
-    """One layer's ``(errors, balancer, pre_ok)`` (``map_layers``' work)."""
-    return measure_layer(layer, meta, cands, opts, plain=probes)
 
 
 def choose(m: Measurements, opts: RecommendOptions) -> Recommendation:
