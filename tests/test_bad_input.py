@@ -146,7 +146,7 @@ ROWS = [
     ("recommend {cap} -b 3 --eval-tokens 128", "--eval-tokens: read by --validate or --max-kld",
      1),
     ("recommend {cap} -b 3 --set kld-anchors=2", "--set kld-anchors: read by an engine "
-     "target (--target llama.cpp, vllm, sglang or transformers), not by --target kvlens", 1),
+     "target (--target llama.cpp, vllm, sglang, trtllm or transformers), not by --target kvlens", 1),
     ("recommend {cap} --target vllm -b 9 --set flush=16 --name x",
      "--name, --set flush: read by --target kvlens (options of the per-layer kvlens "
      "recommendation), not by --target vllm; use --target kvlens, or drop them.", 1),

@@ -23,7 +23,7 @@ from kvlens.cli.common import (
     MODEL,
     OUTPUT,
     VALIDATION,
-    KvlensCommand,
+    LibraryDefaults,
     ReadOnly,
     console,
     device_map_option,
@@ -46,7 +46,6 @@ RESEARCH = "Knobs and experiments (--set)"
 #: parameters the command reads itself, for either target; the rest make the request
 #: (``kvlens.deploy.answer.request_for``), whose ``readers`` say which target reads which
 COMMAND_ONLY = ("capture", "target", "settings", "overwrite", "as_json")
-BESIDE = {"vllm": "kv_scales.json", "sglang": "kv_scales.json", "trtllm": "hf_quant_config.json"}
 
 
 @dataclass(frozen=True)
@@ -81,8 +80,9 @@ class Asked:
 PER_LAYER = ReadOnly("--target kvlens (options of the per-layer kvlens recommendation)",
                      lambda a: not a.engine, lambda a: f"--target {a.target}",
                      "use --target kvlens")
-ENGINE_ONLY = ReadOnly("an engine target (--target llama.cpp, vllm, sglang or transformers)",
-                       lambda a: a.engine, "--target kvlens", "name one with --target")
+ENGINE_ONLY = ReadOnly("an engine target (--target llama.cpp, vllm, sglang, trtllm or "
+                       "transformers)", lambda a: a.engine, "--target kvlens",
+                       "name one with --target")
 BY_TARGET = {frozenset({"kvlens"}): (PER_LAYER,), frozenset({"engine"}): (ENGINE_ONLY,),
              frozenset({"kvlens", "engine"}): ()}
 MODEL_STAGES = ReadOnly(
@@ -146,30 +146,15 @@ def refuse_unread_options(given: dict[str, str], levers: dict[str, dict], asked:
     refuse_unread(table, spelled, asked)
 
 
-class _LibraryDefaults(KvlensCommand):
-    """``--help`` shows each option's default from ``RecommendOptions`` / ``TargetOptions``
-    (the one source), read when help is asked for (so that ``kvlens --help`` loads no torch)."""
+class _LibraryDefaults(LibraryDefaults):
+    not_shown = ("target",)
 
-    def format_help(self, ctx, formatter) -> None:
-        from dataclasses import MISSING, fields
-
+    @staticmethod
+    def defaults_from() -> tuple[type, ...]:
         from kvlens.deploy.targets import TargetOptions
         from kvlens.recommend import RecommendOptions
 
-        defaults: dict[str, set] = {}
-        for cls in (TargetOptions, RecommendOptions):
-            for f in fields(cls):
-                if f.default is not MISSING:
-                    shown = f.default
-                    shown = ",".join(map(str, shown)) if isinstance(shown, tuple) else shown
-                    defaults.setdefault(f.name, set()).add(str(shown))
-        for p in self.params:
-            shown = defaults.get(p.name, set())
-            if len(shown) == 1 and "None" not in shown and not isinstance(p.default, bool) \
-                    and p.name != "target":
-                # shown only: the command passes the library only what the user gave
-                p.default, p.show_default = shown.pop(), True
-        super().format_help(ctx, formatter)
+        return TargetOptions, RecommendOptions
 
 
 def _list_levers(value: list[str] | None) -> list[str] | None:
@@ -315,50 +300,32 @@ def _flag(field: str) -> str:
 
 
 def _check_outputs(outputs, target: str, overwrite: bool) -> None:
-    """Each config, its result document and the files beside it (``BESIDE``; transformers: its
-    per-layer cache file): refused where one exists without --overwrite, before any work."""
-    from kvlens.deploy import hf_cache
+    """Each config, its result document and the files beside it: refused where one exists
+    without --overwrite, before any work."""
+    from kvlens.deploy.answer import files_beside
     from kvlens.report.artifacts import check_output_file, config_doc_path
 
     for out in outputs:
         check_output_file(out, "--output", overwrite, example="kv.json")
-        check_output_file(config_doc_path(out, "recommend" if target == "kvlens" else "deploy"),
-                          "--output", overwrite)
-        if target in BESIDE:
-            check_output_file(out.parent / BESIDE[target], "--output", overwrite)
-        if target == "transformers":
-            check_output_file(out.parent / hf_cache.FILE_NAME, "--output", overwrite)
-        if target == "kvlens":
-            check_output_file(hf_cache.export_path(out), "--output", overwrite)
+        doc = config_doc_path(out, "recommend" if target == "kvlens" else "deploy")
+        for path in (doc, *files_beside(out, target)):
+            check_output_file(path, "--output", overwrite)
 
 
 def _save_config(rec, out: Path) -> None:
-    """Write a per-layer recommendation's config as soon as it is chosen."""
+    """Write a per-layer recommendation's config as soon as it is chosen, and beside it the
+    transformers cache it maps to (``kvlens.deploy.hf_cache``), or say why it does not map."""
     from kvlens.config import save_config
+    from kvlens.deploy import hf_cache
 
     write_output(out, lambda tmp: save_config(rec.config, tmp))
     err_console.print(f"config written: {escape(str(out))}")
-    _save_transformers_export(rec.config, out)
-
-
-def _save_transformers_export(config, out: Path) -> None:
-    """Beside a per-layer config, the transformers cache it maps to (one quanto/HQQ/dynamic
-    layer per layer, ``kvlens.deploy.hf_cache``) and how to load it; or why it does not map."""
-    from kvlens.deploy import hf_cache
-
-    num_layers = (config.model or {}).get("num_layers")
-    if num_layers is None:
-        return
-    got = hf_cache.export(config, num_layers)
-    if got.document is None:
-        more = f" (and {len(got.problems) - 2} more)" if len(got.problems) > 2 else ""
-        err_console.print(escape(f"no transformers export: {'; '.join(got.problems[:2])}{more}"),
-                          highlight=False)
-        return
-    path = hf_cache.export_path(out)
-    write_text_output(path, got.text())
-    err_console.print(escape(f"transformers cache written: {path}; load it with:\n"
-                             + hf_cache.snippet(str(path))), highlight=False)
+    path, text = hf_cache.beside(rec.config, out)
+    if path is not None:
+        write_text_output(path, text)
+        text = f"transformers cache written: {path}; load it with:\n{hf_cache.snippet(path)}"
+    if text:
+        err_console.print(escape(text), highlight=False)
 
 
 def _save_engine(rec, out: Path) -> None:

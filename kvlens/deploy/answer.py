@@ -16,6 +16,7 @@ from typing import Any
 from kvlens.analysis.compare.config import parse_int_list
 from kvlens.capture.source import CaptureModel
 from kvlens.capture.store import open_capture
+from kvlens.deploy import hf_cache
 from kvlens.deploy.plans import engine_exports, layer_exports
 from kvlens.deploy.targets import (
     TargetOptions,
@@ -130,6 +131,19 @@ def request_for(capture: str | Path, target: str = "kvlens", given: dict[str, An
     own = {k: given[k] for k in REQUEST_FIELDS if k in given}
     return RecommendRequest(Path(capture), target, options | dict(levers or {}),
                             budgets=tuple(budgets), place=place, outputs=tuple(outputs), **own)
+
+
+#: the file an engine target writes beside its config
+BESIDE = {"vllm": "kv_scales.json", "sglang": "kv_scales.json", "trtllm": "hf_quant_config.json",
+          "transformers": hf_cache.FILE_NAME}
+
+
+def files_beside(out: Path, target: str) -> list[Path]:
+    """The files a recommendation written to ``out`` may write beside it (its result document
+    aside): an engine target's ``BESIDE`` file, the per-layer target's transformers export."""
+    if target == "kvlens":
+        return [hf_cache.export_path(out)]
+    return [out.parent / BESIDE[target]] if target in BESIDE else []
 
 
 def check_request(request: RecommendRequest) -> None:

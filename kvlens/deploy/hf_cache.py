@@ -133,6 +133,20 @@ def snippet(path: str) -> str:
     return SNIPPET.format(path=str(path))
 
 
+def beside(config: KVConfig, out) -> tuple[object, str]:
+    """The export of a per-layer config written to ``out`` (a ``Path``): ``(path, text)``, or
+    ``(None, why not)`` where it does not map, ``(None, "")`` for a config without a layer
+    count."""
+    num_layers = (config.model or {}).get("num_layers")
+    if num_layers is None:
+        return None, ""
+    got = export(config, num_layers)
+    if got.document is None:
+        more = f" (and {len(got.problems) - 2} more)" if len(got.problems) > 2 else ""
+        return None, f"no transformers export: {'; '.join(got.problems[:2])}{more}"
+    return export_path(out), got.text()
+
+
 def compare_name(path: str) -> str:
     """The ``generate --compare`` item that runs the export at ``path`` in transformers."""
     return LAYERS_PREFIX + str(path)
