@@ -1,29 +1,16 @@
-"""``recommend --target``: the best setting an engine can run, and the exact thing to deploy.
+"""``recommend --target``: the best setting an engine can run, and the exact thing to deploy
+(docs/deploy/README.md).
 
-Pipeline:
-
-1. **Error table** from the capture: for every layer, tensor (K, V) and cache type the target
-   offers, the relative attention-output error (``kvlens.analysis.metrics.rel_error`` of
-   ``softmax(q k^T) v`` over the first ``tokens`` tokens of ``samples`` samples, causal, the
-   layer's own scaling, sliding window and soft-cap) when only that tensor is stored in that
-   type, read back as the engine reads it (``kvlens.quant.formats.fake_quantize_format``,
-   llama.cpp's rotation included; every token quantized, as the engines do; for llama.cpp a
-   key type's error also has the query converted to that type's dot-product type, as its CPU
-   flash attention does: ``_llamacpp_query``). Static fp8 scales
-   are calibrated on the whole capture (absmax), the tokens measured included.
-2. **Candidates** restricted to the engine's menu: llama.cpp one K type x one V type
-   (``kvlens.config.engine.LLAMACPP_SEARCH_TYPES``); vLLM one dtype (fp8_e4m3 with calibrated scales or the default 1.0,
-   fp8_e5m2 at 1.0) plus a set of skipped layers (for ``k`` skipped layers, the ``k`` layers with
-   the largest ``e_K^2 + e_V^2``: the best set of that size under the additive score);
-   SGLang one fp8 dtype (one scale per layer shared by K and V, the layout its
-   ``--quantization-param-path`` JSON carries, or 1.0); transformers ``QuantizedCache`` nbits x
-   axis_key x axis_value x q_group_size (residual 128; errors with every token quantized, an
-   upper bound for its window).
-3. **Score** ``S = sum_l e_K,l^2 + e_V,l^2`` and **cost** = held bits per element at
-   ``context`` tokens from ``kvlens.cache.layout`` (the bytes the simulated cache holds).
-4. **Choice**: ``max_kld``: the cheapest candidate whose predicted KLD
-   (``kvlens.deploy.kld_model``, fitted on anchors measured with the KLD evaluation) is at most
-   ``max_kld``; else ``budget_bits``: the lowest ``S`` within the budget.
+1. **Error table** (``measure_errors``): for every layer, tensor (K, V) and cache type of the
+   target's menu (``MENUS``), the relative attention-output error over the first ``tokens``
+   tokens of ``samples`` samples when only that tensor is stored in that type, read back as the
+   engine reads it (every token quantized; a llama.cpp key type also converts the query to its
+   dot-product type: ``_llamacpp_query``). Static fp8 scales are calibrated on the whole capture.
+2. **Candidates** (``BUILDERS``): the engine's menu, each scored ``S = sum_l e_K,l^2 + e_V,l^2``
+   and costed in held bits per element at ``context`` tokens (``kvlens.cache.layout``).
+3. **Choice**: with ``max_kld``, the cheapest candidate whose predicted KLD
+   (``kvlens.deploy.kld_model``, fitted on measured anchors) is at most it; else the lowest
+   ``S`` within ``budget_bits``.
 """
 
 from __future__ import annotations
@@ -69,10 +56,14 @@ from kvlens.quant.llamacpp_cpu import query_to_vec_dot
 TARGETS = ("kvlens", "llama.cpp", "vllm", "sglang", "transformers", "trtllm")
 # other spellings of a target: llamacpp is how engine settings name llama.cpp (llamacpp:q8_0)
 TARGET_ALIASES = {"llamacpp": "llama.cpp", "tensorrt-llm": "trtllm"}
+#: the cache types each engine target measures and searches (``kvlens.config.engine``)
+MENUS = {"llama.cpp": LLAMACPP_SEARCH_TYPES, "vllm": VLLM_SEARCH_TYPES,
+         "sglang": SGLANG_SEARCH_TYPES, "trtllm": TRTLLM_SEARCH_TYPES}
 QUANTO = [(b, ak, av, g) for b in (4, 2) for ak in (0, -1) for av in (0, -1) for g in (64, 32)]
 DOCS = {
     "llama.cpp": "llama.cpp tools/server README: -ctk/--cache-type-k, -ctv/--cache-type-v, "
-                 "-fa/--flash-attn (https://github.com/ggml-org/llama.cpp/tree/master/tools/server)",
+                 "-fa/--flash-attn (https://github.com/ggml-org/llama.cpp/tree/master/tools/"
+                 "server)",
     "vllm": "vLLM Quantized KV Cache (https://docs.vllm.ai/en/latest/features/quantization/"
             "quantized_kvcache/): k_scale/v_scale per attention layer from the checkpoint, "
             "else 1.0",
@@ -183,16 +174,14 @@ class TargetRecommendation:
 
 def _variants(target: str, head_dim: int, rotation: bool) -> dict[str, tuple[Any, str]]:
     """name -> (how to fake-quantize, kind) for every cache type the target offers."""
-
     if target == "llama.cpp":
         return {t: (parse_cache_type(t if t == "f16" or rotation else t + "+norot"), "type")
-                for t in LLAMACPP_SEARCH_TYPES}
-    if target in ("vllm", "sglang", "trtllm"):
-        names = {"vllm": VLLM_SEARCH_TYPES, "sglang": SGLANG_SEARCH_TYPES,
-                 "trtllm": TRTLLM_SEARCH_TYPES}[target]
+                for t in MENUS[target]}
+    if target in MENUS:
         return {"f16": (parse_cache_type("f16"), "type")} | {
             n: (BlockFloatSetting(target, n, 1.0).layout(), "layout")
-            if is_blockfloat(target, n) else (parse_cache_type(n), "type") for n in names}
+            if is_blockfloat(target, n) else (parse_cache_type(n), "type")
+            for n in MENUS[target]}
     out = {}
     for bits in (4, 2):
         for gran in ("per-token", "per-channel"):
@@ -204,7 +193,6 @@ def _variants(target: str, head_dim: int, rotation: bool) -> dict[str, tuple[Any
 
 
 def _fake(x, how, kind: str, tensor: str, scale=None):
-
     if kind == "spec":
         return fake_quantize(x, how)
     if kind == "layout":  # a block-float layout (nvfp4): every token stored as it is written
@@ -234,7 +222,6 @@ def measure_errors(path: str | Path, target: str, opts: TargetOptions,
     attention-output error; ``scales[layer][(tensor, name)]`` = calibrated static fp8 scales
     (float list) of the calibrated types (module docstring)."""
     import torch
-
 
     table, scales = [], []
     with open_capture(path) as cap:
@@ -284,19 +271,22 @@ def measure_errors(path: str | Path, target: str, opts: TargetOptions,
 
 # -- candidates per target ---------------------------------------------------------------------
 
-def _bits(config, shape, context: int) -> float:
 
-    return config_bits(config, shape, context)
+def _err(row, key: str, value: str) -> tuple[float, float]:
+    """``(e_K, e_V)`` of a table row with keys in variant ``key`` and values in ``value``."""
+    return row[("key", key)], row[("value", value)]
 
 
-def _llamacpp(table, shape, opts) -> list[TargetCandidate]:
+def _sq(row, variant: str) -> float:
+    """``e_K^2 + e_V^2`` of a table row with both tensors in ``variant``."""
+    return row[("key", variant)] ** 2 + row[("value", variant)] ** 2
 
-    out = []
+
+def _llamacpp(target, table, scales, meta, opts):
     for k in LLAMACPP_SEARCH_TYPES:
         for v in LLAMACPP_SEARCH_TYPES:
-            name = LlamaCppSetting(k, v, "auto" if opts.rotation else "off").name
-            cfg = engine_config(name).config
-            errs = [(row[("key", k)], row[("value", v)]) for row in table]
+            cfg = engine_config(LlamaCppSetting(k, v, "auto" if opts.rotation else "off").name
+                                ).config
             cmd = f"llama-server -m MODEL.gguf -ctk {k} -ctv {v}"
             if v != "f16":
                 cmd += " -fa on"
@@ -305,8 +295,7 @@ def _llamacpp(table, shape, opts) -> list[TargetCandidate]:
             if not opts.rotation:
                 deploy["env"] = {"LLAMA_ATTN_ROT_DISABLE": "1"}
                 deploy["command"] = "LLAMA_ATTN_ROT_DISABLE=1 " + cmd
-            out.append(TargetCandidate(name, cfg, _bits(cfg, shape, opts.context), errs, deploy))
-    return out
+            yield cfg, [_err(row, k, v) for row in table], deploy, None
 
 
 def _fp8_scales(scales, layers, positions, dtype: str) -> dict:
@@ -334,58 +323,44 @@ def _setting_config(engine: str, variant: str, skip: tuple[int, ...] = ()) -> KV
                     fp_dtype="float16")
 
 
-def _vllm(table, scales, shape, opts, meta) -> list[TargetCandidate]:
+def _vllm_deploy(base: str, skip: tuple[int, ...], calibrated: bool, meta):
+    deploy = {"target": "vllm", "command": exports.vllm_command(base, skip),
+              "kv_cache_dtype": base, "skip_layers": list(skip), "docs": DOCS["vllm"],
+              "scales": "calibrated (k_scale_file)" if calibrated else
+              "default 1.0 (no scales in the checkpoint, calculate_kv_scales off)"}
+    if calibrated:
+        deploy["k_scale_file"] = "kv_scales.json"
+    return deploy, exports.Plan.uniform(base, base, meta.layers, meta.shape.num_layers,
+                                        {i: ("f16", "f16") for i in skip})
 
-    out = []
-    n = len(table)
-    layers = meta.layers  # model indices, in table order
-    for dtype in VLLM_SEARCH_TYPES:
-        contrib = [row[("key", dtype)] ** 2 + row[("value", dtype)] ** 2 for row in table]
-        order = sorted(range(n), key=lambda j: -contrib[j])
-        calibrated = _calibrated(dtype)
-        for k in range(n + 1):
+
+def _sglang_deploy(base: str, skip: tuple[int, ...], calibrated: bool, meta):
+    cmd = f"python -m sglang.launch_server --model-path MODEL --kv-cache-dtype {base}"
+    if calibrated:
+        cmd += " --quantization-param-path kv_scales.json"
+    return {"target": "sglang", "command": cmd, "kv_cache_dtype": base,
+            "docs": DOCS["sglang"]}, None
+
+
+def _one_dtype(target, table, scales, meta, opts):
+    """vLLM and SGLang: one dtype of the menu on every layer; vLLM also with its ``k`` layers
+    of largest ``e_K^2 + e_V^2`` skipped (kept at f16), for every ``k``."""
+    n, layers = len(table), meta.layers  # model indices, in table order
+    for dtype in MENUS[target]:
+        base, calibrated = dtype.split(":")[0], _calibrated(dtype)
+        order = sorted(range(n), key=lambda j: -_sq(table[j], dtype))
+        for k in range(n + 1) if target == "vllm" else (0,):
             skipped = set(order[:k])  # positions in the table
             skip = tuple(sorted(layers[j] for j in skipped))
-            cfg = _setting_config("vllm", dtype, skip)
+            cfg = _setting_config(target, dtype, skip)
             if calibrated:
                 cfg = replace(cfg, kv_scales=_fp8_scales(
                     scales, layers, [j for j in range(n) if j not in skipped], dtype))
-            errs = [(0.0, 0.0) if j in skipped else (row[("key", dtype)], row[("value", dtype)])
+            errs = [(0.0, 0.0) if j in skipped else _err(row, dtype, dtype)
                     for j, row in enumerate(table)]
-            base = dtype.split(":")[0]
-            cmd = exports.vllm_command(base, skip)
-            deploy = {"target": "vllm", "command": cmd, "kv_cache_dtype": base,
-                      "skip_layers": list(skip), "docs": DOCS["vllm"],
-                      "scales": "calibrated (k_scale_file)" if calibrated else
-                      "default 1.0 (no scales in the checkpoint, calculate_kv_scales off)"}
-            if calibrated:
-                deploy["k_scale_file"] = "kv_scales.json"
-            plan = exports.Plan.uniform(base, base, layers, meta.shape.num_layers,
-                                        {i: ("f16", "f16") for i in skip})
-            out.append(TargetCandidate(cfg.name, cfg, _bits(cfg, shape, opts.context), errs,
-                                       deploy, plan))
-    return out
-
-
-def _sglang(table, scales, shape, opts, meta) -> list[TargetCandidate]:
-
-    out = []
-    n = len(table)
-    for dtype in SGLANG_SEARCH_TYPES:
-        calibrated = _calibrated(dtype)
-        cfg = _setting_config("sglang", dtype)
-        errs = [(row[("key", dtype)], row[("value", dtype)]) for row in table]
-        if calibrated:
-            cfg = replace(cfg, kv_scales=_fp8_scales(scales, meta.layers, range(n), dtype))
-        base = dtype.split(":")[0]
-        cmd = f"python -m sglang.launch_server --model-path MODEL --kv-cache-dtype {base}"
-        if calibrated:
-            cmd += " --quantization-param-path kv_scales.json"
-        deploy = {"target": "sglang", "command": cmd, "kv_cache_dtype": base,
-                  "docs": DOCS["sglang"]}
-        out.append(TargetCandidate(cfg.name, cfg, _bits(cfg, shape, opts.context), errs,
-                                   deploy))
-    return out
+            deploy = (_vllm_deploy if target == "vllm" else _sglang_deploy)(
+                base, skip, calibrated, meta)
+            yield cfg, errs, *deploy
 
 
 def _plan_type(variant: str) -> str:
@@ -398,29 +373,24 @@ def _plan_type(variant: str) -> str:
 TRTLLM_SETTINGS = {"fp8_e4m3:s1": "trtllm:fp8:s1", "nvfp4": "trtllm:nvfp4:s1"}
 
 
-def _trtllm(table, shape, opts, meta) -> list[TargetCandidate]:
+def _trtllm(target, table, scales, meta, opts):
     """Every TensorRT-LLM type on every layer, and each pair of types mixed per layer as
     ModelOpt's per-layer map writes it: the cheaper type with the ``k`` layers whose error it
     raises most (``e_K^2 + e_V^2`` over the other type's) in the more accurate one."""
-    out, n, layers = [], len(table), meta.layers
-    order = sorted(TRTLLM_SEARCH_TYPES, key=lambda t: exports.type_bits(_plan_type(t)))
+    n, layers = len(table), meta.layers
+    order = sorted(MENUS[target], key=lambda t: exports.type_bits(_plan_type(t)))
     for a, low in enumerate(order):
         for high in order[a:]:
-            gain = [row[("key", low)] ** 2 + row[("value", low)] ** 2
-                    - row[("key", high)] ** 2 - row[("value", high)] ** 2 for row in table]
+            gain = [_sq(row, low) - row[("key", high)] ** 2 - row[("value", high)] ** 2
+                    for row in table]
             ranked = sorted(range(n), key=lambda j: -gain[j])
             for k in range(1, n) if high != low else (0,):
-                up = set(ranked[:k])
-                out.append(_trtllm_candidate(table, shape, opts, meta, low,
-                                             {layers[j]: high for j in up}))
-    return out
+                yield _trtllm_mix(table, meta, low, {layers[j]: high for j in ranked[:k]})
 
 
-def _trtllm_candidate(table, shape, opts, meta, base: str, per_layer: dict[int, str]
-                      ) -> TargetCandidate:
-    """``base`` on every layer but ``per_layer`` (model index -> variant), as a candidate
-    with its exports (TensorRT-LLM's, and vLLM's nearest, ``kvlens.deploy.exports``)."""
-    layers = meta.layers
+def _trtllm_mix(table, meta, base: str, per_layer: dict[int, str]):
+    """``base`` on every layer but ``per_layer`` (model index -> variant), with its exports
+    (TensorRT-LLM's, and vLLM's nearest, ``kvlens.deploy.exports``)."""
     t = _plan_type(base)
     uniform = engine_config(TRTLLM_SETTINGS[base]).config  # the setting generate reads
     name = uniform.name
@@ -431,36 +401,42 @@ def _trtllm_candidate(table, shape, opts, meta, base: str, per_layer: dict[int, 
     cfg = replace(uniform, name=name, layers={
         i: engine_config(TRTLLM_SETTINGS[v]).config.default for i, v in per_layer.items()},
         description="TensorRT-LLM KV cache " + name)
-    errs = [(row[("key", per_layer.get(i, base))], row[("value", per_layer.get(i, base))])
-            for i, row in zip(layers, table)]
-    plan = exports.Plan.uniform(t, t, layers, meta.shape.num_layers,
+    errs = [_err(row, per_layer.get(i, base), per_layer.get(i, base))
+            for i, row in zip(meta.layers, table)]
+    plan = exports.Plan.uniform(t, t, meta.layers, meta.shape.num_layers,
                                 {i: (_plan_type(v),) * 2 for i, v in per_layer.items()})
     ex = exports.trtllm_export(plan)
     deploy = {"target": "trtllm", "command": ex.command,
               "kv_cache_dtype": ex.runs.tensor(0)[0], "docs": DOCS["trtllm"]}
-    return TargetCandidate(name, cfg, _bits(cfg, shape, opts.context), errs, deploy, plan)
+    return cfg, errs, deploy, plan
 
 
-def _transformers(table, shape, opts, head_dim: int) -> list[TargetCandidate]:
-
-    out = []
+def _transformers(target, table, scales, meta, opts):
     for bits, ak, av, g in QUANTO:
         gk = "per-token" if ak == 0 else "per-channel"
         gv = "per-token" if av == 0 else "per-channel"
-        if (ak == 0 or av == 0) and head_dim % g:
+        if (ak == 0 or av == 0) and meta.shape.head_dim % g:
             continue
-        name = QuantoSetting(bits, ak, av, g).name
-        cfg = engine_config(name).config
-        errs = [(row[("key", f"{bits}:{gk}:{g}")], row[("value", f"{bits}:{gv}:{g}")])
-                for row in table]
+        cfg = engine_config(QuantoSetting(bits, ak, av, g).name).config
         kwargs = {"backend": "quanto", "nbits": bits, "axis_key": ak, "axis_value": av,
                   "q_group_size": g, "residual_length": 128}
         cmd = ("model.generate(**inputs, cache_implementation=\"quantized\", cache_config="
                + json.dumps(kwargs) + ")")
-        out.append(TargetCandidate(name, cfg, _bits(cfg, shape, opts.context), errs,
-                                   {"target": "transformers", "command": cmd,
-                                    "cache_config": kwargs, "docs": DOCS["transformers"]}))
-    return out
+        yield cfg, [_err(row, f"{bits}:{gk}:{g}", f"{bits}:{gv}:{g}") for row in table], \
+            {"target": "transformers", "command": cmd,
+             "cache_config": kwargs, "docs": DOCS["transformers"]}, None
+
+
+#: each engine target's candidate builder: ``(target, table, scales, meta, opts)`` -> the
+#: ``(config, errors per layer, deploy, plan)`` of each candidate, the config named by its setting
+BUILDERS = {"llama.cpp": _llamacpp, "vllm": _one_dtype, "sglang": _one_dtype,
+            "trtllm": _trtllm, "transformers": _transformers}
+
+
+def candidates_for(target: str, meta, table, scales, opts) -> list[TargetCandidate]:
+    return [TargetCandidate(cfg.name, cfg, config_bits(cfg, meta.shape, opts.context), errs,
+                            deploy, plan)
+            for cfg, errs, deploy, plan in BUILDERS[target](target, table, scales, meta, opts)]
 
 
 def pareto(cands: list[TargetCandidate]) -> list[TargetCandidate]:
@@ -495,19 +471,6 @@ def choose(front: list[TargetCandidate], opts: TargetOptions, kld_model=None
     return min(ok, key=lambda c: c.score)
 
 
-def candidates_for(target: str, meta, table, scales, opts) -> list[TargetCandidate]:
-    shape = meta.shape
-    if target == "llama.cpp":
-        return _llamacpp(table, shape, opts)
-    if target == "vllm":
-        return _vllm(table, scales, shape, opts, meta)
-    if target == "sglang":
-        return _sglang(table, scales, shape, opts, meta)
-    if target == "trtllm":
-        return _trtllm(table, shape, opts, meta)
-    return _transformers(table, shape, opts, meta.shape.head_dim)
-
-
 def _anchors(front: list[TargetCandidate], n: int) -> list[TargetCandidate]:
     """Up to ``n`` candidates of the front spread over ``log S`` (scores > 0)."""
     pos = sorted((c for c in front if c.score > 0), key=lambda c: c.score)
@@ -528,7 +491,6 @@ def measure_kld(model_bundle, configs, eval_tokens: int, progress=lambda m: None
     (``kvlens.evaluation.evaluate_configs``). ``model_bundle``: ``(model, tokenizer)`` or
     ``(model, tokenizer, source)``; with the source of a GGUF model a llama.cpp run also
     simulates llama.cpp's matrix products."""
-
     model, tok, *rest = model_bundle
     # a llama.cpp run simulates the engine's matrix products too (kvlens.deploy.engine_run)
     types, notes = llamacpp_matmul_plan(list(configs), rest[0] if rest else None, model)
@@ -544,6 +506,18 @@ def measure_kld(model_bundle, configs, eval_tokens: int, progress=lambda m: None
             for r in report["results"]]
 
 
+#: what a target's answer notes besides its error table
+TARGET_NOTES = {
+    "sglang": ["SGLang's scale file holds one scale per layer for K and V: kvlens calibrates "
+               "their max and measures with it"],
+    "llama.cpp": ["llama.cpp CUDA builds compile flash-attention kernels only for K/V type "
+                  "pairs q4_0/q4_0, q8_0/q8_0 and f16/f16 unless built with "
+                  "-DGGML_CUDA_FA_ALL_QUANTS=ON; the CPU backend runs every pair"],
+    "transformers": ["transformers: errors with every token quantized; QuantizedCache keeps up "
+                     "to residual_length tokens exact, so it reads less error than that"],
+}
+
+
 def recommend_target(path: str | Path, opts: TargetOptions,
                      progress: Callable[[int, int], None] = lambda d, t: None,
                      log: Callable[[str], None] = lambda m: None, model_bundle=None
@@ -551,23 +525,13 @@ def recommend_target(path: str | Path, opts: TargetOptions,
     """Measure, enumerate the target's menu, fit the KLD model when ``max_kld`` asks for it
     (anchors measured on ``model_bundle`` = ``(model, tokenizer)``, loaded from the capture's
     model when None) and choose (module docstring)."""
-
     meta, table, scales = measure_errors(path, opts.target, opts, progress)
     cands = candidates_for(opts.target, meta, table, scales, opts)
     front = pareto(cands)
     notes = [f"error table: {min(opts.tokens, meta.num_tokens)} tokens x "
              f"{min(opts.samples, meta.num_samples)} sample(s) per layer, every token "
              "quantized; S = sum over layers of e_K^2 + e_V^2 (uniform layer weights)"]
-    if opts.target == "sglang":
-        notes.append("SGLang's scale file holds one scale per layer for K and V: kvlens "
-                     "calibrates their max and measures with it")
-    if opts.target == "llama.cpp":
-        notes.append("llama.cpp CUDA builds compile flash-attention kernels only for K/V type "
-                     "pairs q4_0/q4_0, q8_0/q8_0 and f16/f16 unless built with "
-                     "-DGGML_CUDA_FA_ALL_QUANTS=ON; the CPU backend runs every pair")
-    if opts.target == "transformers":
-        notes.append("transformers: errors with every token quantized; QuantizedCache keeps "
-                     "up to residual_length tokens exact, so it reads less error than that")
+    notes += TARGET_NOTES.get(opts.target, [])
     rec_model, anchors = None, []
     if opts.max_kld is not None:
         if model_bundle is None:
