@@ -1,14 +1,9 @@
-"""Engine settings as kvlens configs, calibrated and explained: ``engine_config(name,
-calibration=None)`` turns a setting an engine user would deploy (``llamacpp:q8_0/q4_0``,
-``vllm:fp8_e4m3``, ``sglang:fp8_e4m3:s1``, ``transformers:quanto-4`` ...; the vocabulary and
-what each name means are ``kvlens.config.engine``) into a ``KVConfig`` plus notes to print.
-
-What this module adds to the name: static fp8 scales calibrated from a capture
-(``calibrate_from_capture``: ``absmax / fp8_max`` over its tokens, or the ``:pP`` percentile,
-per layer or per KV head; one scale for K and V alike for SGLang), and the notes a user should
-read (llama.cpp's flash-attention and rotation rules, vLLM's per-head scales, the int4
-stand-in, how a transformers layout differs from transformers' own code:
-``TRANSFORMERS_DIFFERENCES``).
+"""Engine settings as kvlens configs, calibrated and explained: ``engine_config(name)`` turns a
+setting an engine user would deploy (``llamacpp:q8_0/q4_0``, ``vllm:fp8_e4m3``, ...; the
+vocabulary is ``kvlens.config.engine``) into a ``KVConfig`` plus notes to print: static fp8
+scales calibrated from a capture (``calibrate_from_capture``), and what the user should read
+(llama.cpp's flash-attention and rotation rules, vLLM's per-head scales, the int4 stand-in,
+how a simulation differs from the engine's own code).
 """
 
 from __future__ import annotations
@@ -138,9 +133,9 @@ def _turboquant(raw: str, s: TurboQuantSetting, num_layers: int | None,
     keys = "keys cast to fp8 e4m3 (no scale, not rotated)" if s.fp8_keys else (
         f"keys {s.key_bits}-bit Lloyd-Max codes of the Hadamard-rotated normalised key plus an "
         f"fp16 norm{' (centroids renormalised)' if s.norm_correction else ''}")
-    note = (f"{raw}: {keys}, values {s.value_bits}-bit min-max per token (fp16 scale and zero); the first and "
-            f"last {TURBOQUANT_BOUNDARY} layers exact ({where}). Differences: "
-            + TURBOQUANT_DIFFERENCES)
+    note = (f"{raw}: {keys}, values {s.value_bits}-bit min-max per token (fp16 scale and "
+            f"zero); the first and last {TURBOQUANT_BOUNDARY} layers exact ({where}). "
+            "Differences: " + TURBOQUANT_DIFFERENCES)
     return EngineSetting(s.engine, cfg, (note,), per_model=True)
 
 
