@@ -14,14 +14,11 @@ from kvlens.capture.store import open_capture
 from kvlens.config import KVConfig
 from kvlens.config.blockfloat import BlockFloatSetting
 from kvlens.config.engine import (
-    ENGINES,
     TURBOQUANT_BOUNDARY,
     CacheDtypeSetting,
     LlamaCppSetting,
     QuantoSetting,
     TurboQuantSetting,
-    allowed_settings,
-    is_engine_setting,
     parse_engine_setting,
 )
 from kvlens.quant.cachetypes import needs_scales
@@ -30,9 +27,6 @@ from kvlens.quant.fp4 import E2M1_MAX, E4M3_MAX
 from kvlens.quant.fp8 import calibrate_scale
 
 NVFP4_RANGE = E4M3_MAX * E2M1_MAX  # |x| a global scale of 1 reaches: 448 * 6
-
-__all__ = ["ENGINES", "EngineSetting", "allowed_settings", "calibrate_from_capture",
-           "engine_config", "is_engine_setting"]
 
 TRANSFORMERS_DIFFERENCES = (
     "transformers' QuantizedCache keeps the prompt's own attention exact and quantizes the whole "
@@ -46,9 +40,7 @@ TRANSFORMERS_DIFFERENCES = (
 class EngineSetting:
     """A parsed setting: the engine, the config to simulate it and what to print.
     ``per_model``: the config depends on the model's layer count (vLLM TurboQuant's boundary
-    layers); ``config`` is then for the ``num_layers`` given, or has no boundary layers when
-    none was, and the caller rebuilds it with ``engine_config(name, num_layers=L)`` once the
-    model is known."""
+    layers): rebuild it with ``engine_config(name, num_layers=L)`` once the model is known."""
 
     engine: str
     config: KVConfig
@@ -58,11 +50,9 @@ class EngineSetting:
 
 def engine_config(name: str, calibration: str | None = None,
                   num_layers: int | None = None, hybrid: bool = False) -> EngineSetting:
-    """The ``EngineSetting`` for ``name`` (``kvlens.config.engine``); ``calibration``: a capture
-    file for static fp8 scales; ``num_layers`` and ``hybrid`` (some layers hold no KV cache):
-    the model's, which the config of a TurboQuant setting depends on
-    (``EngineSetting.per_model``). Unknown engines, types or options raise ``ConfigError`` with
-    the allowed values."""
+    """The ``EngineSetting`` for ``name``; ``calibration``: a capture file for static scales;
+    ``num_layers`` and ``hybrid`` (some layers hold no KV cache): the model's, which a
+    TurboQuant setting's config depends on (``EngineSetting.per_model``)."""
     setting = parse_engine_setting(name)
     if isinstance(setting, TurboQuantSetting):
         return _turboquant(name, setting, num_layers, hybrid)
