@@ -70,9 +70,9 @@ QUANTO_BITS = (2, 4)
 QUANTO_AXES = (0, -1)
 QUANTO_DEFAULTS = {"axis_key": 0, "axis_value": 0, "group": 64, "residual": 128}
 
-_FIXED = re.compile(r"s([0-9.]+(?:e[+-]?[0-9]+)?)")
-_PERCENTILE = re.compile(r"p([0-9.]+(?:e[+-]?[0-9]+)?)")
-_SKIP = re.compile(r"skip=([0-9]+(?:,[0-9]+)*)")
+_NUMBER = r"[0-9.]+(?:e[+-]?[0-9]+)?"
+_OPTION = re.compile(rf"skip=(?P<skip>[0-9]+(?:,[0-9]+)*)|p(?P<percentile>{_NUMBER})"
+                     rf"|s(?P<fixed_scale>{_NUMBER})")
 
 
 def setting_forms() -> tuple[str, ...]:
@@ -188,9 +188,8 @@ class LlamaCppSetting:
 
 @dataclass(frozen=True)
 class CacheDtypeSetting:
-    """vLLM / SGLang ``--kv-cache-dtype dtype`` (module docstring). scope: ``"tensor"`` (one
-    scale per layer) or ``"head"``; percentile / fixed_scale: ``:pP`` / ``:sS``; skip: layers
-    kept at f16 (vLLM)."""
+    """vLLM / SGLang / TensorRT-LLM's ``--kv-cache-dtype dtype``: ``scope`` ``"tensor"`` or
+    ``"head"`` (``@head``), ``:pP`` / ``:sS``, ``:skip=`` layers kept at f16 (vLLM)."""
 
     engine: str
     dtype: str
@@ -253,9 +252,8 @@ class CacheDtypeSetting:
         return out + (f":skip={','.join(map(str, self.skip))}" if self.skip else "")
 
     def cache_type(self, calibrated: bool) -> str:
-        """The ``kvlens.quant.cachetypes`` name of every non-skipped layer: with ``calibrated``
-        scales from a capture, or (``False``) the engine default 1.0 for a calibrating dtype,
-        which then needs no ``@head`` or ``:pP``."""
+        """The ``kvlens.quant.cachetypes`` name of every non-skipped layer: with scales
+        ``calibrated`` from a capture, else the engine default 1.0."""
         if self.per_token_head:
             return PER_TOKEN_HEAD[self.dtype]
         if self.dtype == DS_MLA_DTYPE:
@@ -462,16 +460,13 @@ def _cache_dtype(raw: str, engine: str, parts: list[str]
     dtype, at, scope = parts[0].partition("@")
     kw: dict = {}
     for opt in parts[1:]:
-        m = _SKIP.fullmatch(opt), _PERCENTILE.fullmatch(opt), _FIXED.fullmatch(opt)
-        key = "skip" if m[0] else "percentile" if m[1] else "fixed_scale" if m[2] else None
+        m = _OPTION.fullmatch(opt)
+        key = m.lastgroup if m else None
         if key is None or key in kw or (key == "skip" and engine != "vllm"):
             raise _bad(raw, f"unknown or repeated option {opt!r} (vllm: :pP or :sS, "
                             ":skip=L,L; sglang: :pP or :sS)")
-        if key == "skip":
-            kw[key] = tuple(int(x) for x in m[0][1].split(","))
-            continue
         try:
-            kw[key] = float((m[1] or m[2])[1])
+            kw[key] = tuple(map(int, m[key].split(","))) if key == "skip" else float(m[key])
         except ValueError:
             raise _bad(raw, f"{opt!r} is not a number") from None
     if "percentile" in kw and "fixed_scale" in kw:
@@ -507,10 +502,8 @@ def _quanto(raw: str, parts: list[str]) -> QuantoSetting:
 
 def setting_for_cache_type(cache_type: str, engine: str | None = None,
                            skip: tuple[int, ...] = ()) -> EngineSettingName:
-    """The engine setting that stores keys and values in ``cache_type`` (a
-    ``kvlens.quant.formats`` name such as ``q4_0+norot``, ``fp8_e4m3@head:p99.9``,
-    ``int8@token-head``): llama.cpp for ggml types, vLLM (or ``engine``) for the others. A
-    forced rotation of an fp8 or per-token-head type has no engine setting (``ConfigError``)."""
+    """The engine setting that stores keys and values in ``cache_type`` (``q4_0+norot``,
+    ``fp8_e4m3@head:p99.9``...): llama.cpp for ggml types, vLLM (or ``engine``) for others."""
     setting = parse_format(cache_type)
     fmt = setting.format
     if fmt.family == "ggml":
@@ -527,10 +520,8 @@ def setting_for_cache_type(cache_type: str, engine: str | None = None,
 
 
 def measured_cache_type(setting: EngineSettingName) -> str:
-    """The one cache type a tool that measures keys and values in the same format
-    (``compare-axes --formats``) reads from ``setting``, calibrating static fp8 on the capture
-    it measures; a setting that is not one quantized type for every layer raises
-    ``ConfigError`` saying why."""
+    """The one cache type ``compare-axes --formats`` measures keys and values in for
+    ``setting`` (static fp8 calibrated on its capture), or ``ConfigError`` saying why none."""
     name = setting.name
     instead = f"; run generate --compare {name} --eval kld on the model instead."
     if isinstance(setting, QuantoSetting):
@@ -566,8 +557,7 @@ def measured_cache_type(setting: EngineSettingName) -> str:
 
 def measured_cache_types(text: str | None) -> tuple[str, ...]:
     """``compare-axes --formats``: comma-separated engine settings -> the cache types to sweep
-    (``measured_cache_type``; ``""`` / ``"none"`` -> none). A bare cache-type name (the older
-    ``q4_0+norot`` spelling) is refused with the engine setting to write instead."""
+    (``measured_cache_type``; ``""`` / ``"none"`` -> none)."""
     items = split_setting_list(text)
     if items in ([], ["none"]):
         return ()
@@ -581,9 +571,8 @@ def measured_cache_types(text: str | None) -> tuple[str, ...]:
 
 
 def _refuse_cache_type(item: str) -> None:
-    """Raise the error for ``item``, which is not an engine setting: one naming its engine
-    spelling when it is a bare cache-type name (the older ``--formats`` spelling), else the
-    unknown-setting error with the allowed forms."""
+    """Raise the error for ``item``, not an engine setting: a bare cache-type name gets the
+    engine setting to write, anything else the allowed forms."""
     try:
         parse_format(item)
     except ConfigError:

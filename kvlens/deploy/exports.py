@@ -33,8 +33,6 @@ DOCS = {
     "trtllm": "TensorRT-LLM quantization (https://nvidia.github.io/TensorRT-LLM/features/"
               "quantization.html): KvCacheConfig(dtype='fp8'|'nvfp4'); NVFP4 needs a ModelOpt "
               "checkpoint",
-    "modelopt": "NVIDIA Model-Optimizer hf_quant_config.json: kv_cache_quant_algo, "
-                "kv_cache_quantized_layers (KV AutoQuant)",
     "vllm": "vLLM Quantized KV Cache (https://docs.vllm.ai/en/latest/features/quantization/"
             "quantized_kvcache/): --kv-cache-dtype, --kv-cache-dtype-skip-layers",
     "ik_llama.cpp": "ik_llama.cpp common/common.cpp: -ctk/-ctv, -ctk-first/-ctk-last, "
@@ -43,8 +41,7 @@ DOCS = {
 
 
 def canonical_type(name: str) -> str:
-    """``name`` in the plan vocabulary (module docstring): ``fp8`` -> ``fp8_e4m3``; unknown
-    names raise ``ConfigError`` listing the allowed ones."""
+    """``name`` in the plan vocabulary (module docstring): ``fp8`` -> ``fp8_e4m3``."""
     key = str(name).strip().lower()
     key = {"fp8": "fp8_e4m3"}.get(key, key)
     if key in (*UNQUANTIZED, *FP8_TYPES, NVFP4, *GGML_FORMATS):
@@ -220,10 +217,8 @@ def vllm_command(dtype: str, skip: list[int] | tuple[int, ...]) -> str:
 
 def vllm_export(plan: Plan) -> Export:
     """vLLM runs one quantized dtype with some layers skipped (``--kv-cache-dtype-skip-layers``,
-    vllm/config/cache.py): the plan's
-    cheapest quantized type on every layer that has it, every other layer skipped (raised to
-    the model dtype); keys and values of a quantized layer in different types are raised to
-    the model dtype too."""
+    vllm/config/cache.py): the plan's cheapest quantized type on every layer that has it (K and
+    V alike), every other layer skipped (raised to the model dtype)."""
     quantized = plan.quantized()
     bad = sorted(t for t in quantized if t in GGML_FORMATS)
     if bad:

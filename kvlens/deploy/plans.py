@@ -1,12 +1,8 @@
-"""The per-layer exports of an engine target's answer: the chosen setting's plan written for
-each engine that reads it (``kvlens.deploy.exports``), with the KLD of what each engine will
-actually run, measured when the command measures (``--validate``), else predicted by the
-target's KLD model and labelled so, else its error score alone.
-
-Where an engine runs the plan as it is, that is the chosen setting's own figure. Where it
-cannot (``Export.changes``), what it runs instead is built as a kvlens config from the same
-measured types (``plan_config``), scored on the target's error table and, with
-``--validate``, measured beside the choice.
+"""The per-layer exports of an answer: an engine target's chosen plan written for each engine
+that reads it (``kvlens.deploy.exports``) with the KLD of what each engine will actually run
+(measured with ``--validate``, else predicted, else its error score alone; what an engine runs
+instead of the plan is built from the same measured types, ``plan_config``), and the per-layer
+target's config mapped to the engines' types (``layer_exports``).
 """
 
 from __future__ import annotations
@@ -25,8 +21,8 @@ EXPORTERS = {"trtllm": (exports.trtllm_export, exports.vllm_export),
 
 
 def _variants(rec: TargetRecommendation) -> dict[str, tuple[str, LayerKV]]:
-    """plan type -> (the measured variant the chosen config stores it as: a cache type, or a
-    block-float layout's kind; the layer of the config that stores it)."""
+    """plan type -> (the measured variant the chosen config stores it as, the config's layer
+    that stores it)."""
     cfg = rec.chosen.config
     out = {"f16": ("f16", LayerKV(key_format="f16", value_format="f16"))}
     for lkv in (cfg.default, *cfg.layers.values()):
@@ -56,9 +52,9 @@ def plan_config(rec: TargetRecommendation, plan: exports.Plan, name: str):
 
 def engine_exports(rec: TargetRecommendation, validation: dict | None = None,
                    measure: Callable[[list], list[dict]] | None = None) -> list[dict]:
-    """The exports of ``rec``'s chosen plan (``EXPORTERS``), each with ``kld``: what the
-    engine will run, its bits, its score and its KLD (``measured`` from ``validation`` or
-    ``measure(configs)``, else ``predicted``, else none). Adds their files to ``rec.files``."""
+    """The exports of ``rec``'s chosen plan (``EXPORTERS``), each with the ``kld`` of what the
+    engine will run (``measured`` from ``validation`` or ``measure(configs)``, else
+    ``predicted``, else none). Adds their files to ``rec.files``."""
     plan = rec.chosen.plan
     out = []
     for make in EXPORTERS.get(rec.target, ()) if plan is not None else ():
@@ -103,10 +99,9 @@ def _by_bits(spec, family: str) -> str:
 
 
 def layer_exports(config: KVConfig, shape) -> list[dict]:
-    """The per-layer target's config in each engine's form (``LAYER_EXPORTERS``): every
-    tensor's kvlens layout mapped by its code bits to an engine type (``BY_BITS``), then the
-    engine's export of that plan. The mapping changes the quantizer itself (and drops any
-    full-precision window): each export names it as a change, its KLD not measured."""
+    """The per-layer target's config in each engine's form (``LAYER_EXPORTERS``), each tensor's
+    layout mapped to an engine type by its code bits (``BY_BITS``): another quantizer, which
+    each export names as a change, its KLD not measured."""
     out = []
     for family, make in LAYER_EXPORTERS:
         lkv = {i: config.layer(i) for i in shape.attention_layers}

@@ -182,14 +182,9 @@ def _variants(target: str, head_dim: int, rotation: bool) -> dict[str, tuple[Any
             n: (BlockFloatSetting(target, n, 1.0).layout(), "layout")
             if is_blockfloat(target, n) else (parse_cache_type(n), "type")
             for n in MENUS[target]}
-    out = {}
-    for bits in (4, 2):
-        for gran in ("per-token", "per-channel"):
-            for g in (64, 32):
-                if gran == "per-token" and head_dim % g:
-                    continue
-                out[f"{bits}:{gran}:{g}"] = (QuantSpec(bits, gran, g), "spec")
-    return out
+    return {f"{bits}:{gran}:{g}": (QuantSpec(bits, gran, g), "spec") for bits in (4, 2)
+            for gran in ("per-token", "per-channel") for g in (64, 32)
+            if gran == "per-channel" or head_dim % g == 0}
 
 
 def _fake(x, how, kind: str, tensor: str, scale=None):
@@ -204,10 +199,8 @@ def _fake(x, how, kind: str, tensor: str, scale=None):
 
 def _llamacpp_query(q, how, name: str):
     """The query llama.cpp's CPU flash attention dots with a ``name`` key cache, in the
-    unrotated basis: ``conv(q R) R^T`` (``kvlens.quant.llamacpp_cpu.query_to_vec_dot``; R the
-    key rotation when the type rotates). f16 keys keep the float32 query: f16/f16 ubatches take
-    the tiled float32 path (beside a quantized V, Q's fp16 rounding is below what a table entry
-    resolves)."""
+    unrotated basis: ``conv(q R) R^T`` (R the key rotation when the type rotates). f16 keys keep
+    the float32 query (f16/f16 ubatches take the tiled float32 path)."""
     if name == "f16":
         return q
     r = engine_rotation("key", q.shape[-1]) if how.rotates(q.shape[-1]) else None
@@ -218,9 +211,8 @@ def _llamacpp_query(q, how, name: str):
 
 def measure_errors(path: str | Path, target: str, opts: TargetOptions,
                    progress: Callable[[int, int], None] = lambda d, t: None):
-    """``(meta, table, scales)``: ``table[layer][(tensor, name)]`` = relative
-    attention-output error; ``scales[layer][(tensor, name)]`` = calibrated static fp8 scales
-    (float list) of the calibrated types (module docstring)."""
+    """``(meta, table, scales)``: ``table[layer][(tensor, name)]`` = relative attention-output
+    error, ``scales[layer][(tensor, name)]`` = calibrated static fp8 scales (float list)."""
     import torch
 
     table, scales = [], []
@@ -238,7 +230,7 @@ def measure_errors(path: str | Path, target: str, opts: TargetOptions,
             with torch.no_grad():
                 ref = attention_output(q, kv["key"], kv["value"], a.scaling, a.sliding_window,
                                        a.logit_softcap, a.sinks)
-                row, srow, cal = {}, {}, {}
+                row, cal = {}, {}
                 for name, (how, _) in variants.items():
                     fmt = getattr(how, "format", None)
                     if getattr(fmt, "family", None) != "fp8" or fmt.fixed_scale is not None:
@@ -255,8 +247,7 @@ def measure_errors(path: str | Path, target: str, opts: TargetOptions,
                 for tensor in ("key", "value"):
                     for name, (how, kind) in variants.items():
                         scale = cal.get((tensor, name))
-                        xq = _fake(kv[tensor], how, kind, tensor, scale)
-                        args = dict(kv, **{tensor: xq})
+                        args = dict(kv, **{tensor: _fake(kv[tensor], how, kind, tensor, scale)})
                         qe = q
                         if target == "llama.cpp" and tensor == "key":
                             qe = _llamacpp_query(q, how, name)
@@ -487,12 +478,10 @@ def _anchors(front: list[TargetCandidate], n: int) -> list[TargetCandidate]:
 
 
 def measure_kld(model_bundle, configs, eval_tokens: int, progress=lambda m: None) -> list[dict]:
-    """Mean KLD (with interval) of ``configs`` on the held-out text
-    (``kvlens.evaluation.evaluate_configs``). ``model_bundle``: ``(model, tokenizer)`` or
-    ``(model, tokenizer, source)``; with the source of a GGUF model a llama.cpp run also
-    simulates llama.cpp's matrix products."""
+    """Mean KLD (with interval) of ``configs`` on the held-out text. ``model_bundle``:
+    ``(model, tokenizer[, source])``; with a GGUF model's source a llama.cpp run also
+    simulates llama.cpp's matrix products (``kvlens.deploy.engine_run``)."""
     model, tok, *rest = model_bundle
-    # a llama.cpp run simulates the engine's matrix products too (kvlens.deploy.engine_run)
     types, notes = llamacpp_matmul_plan(list(configs), rest[0] if rest else None, model)
     for note in notes:
         progress(note)
@@ -522,9 +511,8 @@ def recommend_target(path: str | Path, opts: TargetOptions,
                      progress: Callable[[int, int], None] = lambda d, t: None,
                      log: Callable[[str], None] = lambda m: None, model_bundle=None
                      ) -> TargetRecommendation:
-    """Measure, enumerate the target's menu, fit the KLD model when ``max_kld`` asks for it
-    (anchors measured on ``model_bundle`` = ``(model, tokenizer)``, loaded from the capture's
-    model when None) and choose (module docstring)."""
+    """Measure, enumerate, fit the KLD model when ``max_kld`` asks for it (anchors measured on
+    ``model_bundle``, else the capture's model) and choose (module docstring)."""
     meta, table, scales = measure_errors(path, opts.target, opts, progress)
     cands = candidates_for(opts.target, meta, table, scales, opts)
     front = pareto(cands)
@@ -545,9 +533,8 @@ def recommend_target(path: str | Path, opts: TargetOptions,
     chosen = choose(front, opts, rec_model)
     rec = TargetRecommendation(opts.target, chosen, front, len(cands), opts.context, rec_model,
                                None if rec_model is None else rec_model.predict(chosen.score),
-                               anchors, notes)
+                               anchors, notes, {}, table, tuple(meta.layers), meta.shape)
     rec.files = scale_files(rec, meta)
-    rec.table, rec.layers, rec.shape = table, tuple(meta.layers), meta.shape
     return rec
 
 
@@ -559,11 +546,10 @@ def scale_files(rec: TargetRecommendation, meta) -> dict[str, str]:
     if rec.target == "vllm":
         doc = {f"model.layers.{i}.self_attn.{t[0]}_scale": (v[0] if len(v) == 1 else list(v))
                for i, s in sorted(cfg.kv_scales.items()) for t, v in s.items()}
-        return {"kv_scales.json": json.dumps(doc, indent=2) + "\n"}
-    doc = {"model_type": meta.shape.model_type,
-           "kv_cache": {"dtype": "float8_e4m3fn",
-                        "scaling_factor": {"0": {str(i): s["key"][0]
-                                                 for i, s in sorted(cfg.kv_scales.items())}}}}
+    else:  # SGLang's --quantization-param-path: one scale per layer
+        doc = {"model_type": meta.shape.model_type,
+               "kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {
+                   "0": {str(i): s["key"][0] for i, s in sorted(cfg.kv_scales.items())}}}}
     return {"kv_scales.json": json.dumps(doc, indent=2) + "\n"}
 
 
