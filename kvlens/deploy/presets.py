@@ -176,8 +176,7 @@ def calibrate_from_capture(path: str, config: KVConfig, shared: bool = False
                     x = x @ engine_rotation(tensor, x.shape[-1])
                 entry[tensor] = tuple(calibrate_scale(x, ct.format).flatten().tolist())
             if shared and len(entry) == 2:
-                both = tuple(map(max, entry["key"], entry["value"]))
-                entry = {"key": both, "value": both}
+                entry = dict.fromkeys(entry, tuple(map(max, entry["key"], entry["value"])))
             if entry:
                 out[idx] = entry
     return out

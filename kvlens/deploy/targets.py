@@ -99,8 +99,7 @@ class TargetOptions:
     samples: int = 1
     tokens: int = 256
     rotation: bool = True  # llama.cpp rotation (False: LLAMA_ATTN_ROT_DISABLE=1)
-    # held-out tokens of the KLD anchors and --validate (kvlens recommend caps it at the
-    # model's context)
+    # held-out tokens of the KLD anchors and --validate (capped at the model's context)
     eval_tokens: int = DEFAULT_EVAL_TOKENS
     anchors: int = 3
     model: str | None = None
@@ -143,8 +142,7 @@ class TargetRecommendation:
     anchors: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     files: dict[str, str] = field(default_factory=dict)  # name -> JSON text to write
-    # the error table the choice was made on (``measure_errors``), its layers' model indices
-    # and the model's shape: what ``kvlens.deploy.plans`` scores an export's plan on
+    # the error table, its layers' model indices and the model's shape (``kvlens.deploy.plans``)
     table: list = field(default_factory=list, repr=False)
     layers: tuple[int, ...] = ()
     shape: Any = None
