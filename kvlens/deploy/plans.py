@@ -12,7 +12,7 @@ from collections.abc import Callable
 from kvlens.cache.layout import config_bits
 from kvlens.config import KVConfig, LayerKV
 from kvlens.deploy import exports
-from kvlens.deploy.targets import TargetRecommendation
+from kvlens.deploy.targets import TargetRecommendation, plan_type, squared_error
 from kvlens.errors import ConfigError
 
 #: the engines a target's plan is exported for, in order (the target's own first)
@@ -28,7 +28,7 @@ def _variants(rec: TargetRecommendation) -> dict[str, tuple[str, LayerKV]]:
     for lkv in (cfg.default, *cfg.layers.values()):
         variant = lkv.key_format or getattr(lkv.key, "kind", None)
         if variant is not None and lkv.key_format == lkv.value_format:
-            out.setdefault(variant.split(":")[0].split("@")[0], (variant, lkv))
+            out.setdefault(plan_type(variant), (variant, lkv))
     return out
 
 
@@ -46,7 +46,7 @@ def plan_config(rec: TargetRecommendation, plan: exports.Plan, name: str):
     for i, row in zip(rec.layers, rec.table):
         t = plan.layers[i][0]
         if t not in exports.UNQUANTIZED:
-            score += row[("key", variants[t][0])] ** 2 + row[("value", variants[t][0])] ** 2
+            score += squared_error(row, variants[t][0])
     return cfg, score
 
 
@@ -92,10 +92,8 @@ LAYER_EXPORTERS = (("fp", exports.trtllm_export), ("fp", exports.vllm_export),
 
 
 def _by_bits(spec, family: str) -> str:
-    bits = getattr(spec, "bits", None)
-    if spec is None or bits is None:
-        return "f16"
-    return next((t for b, t in BY_BITS[family] if bits <= b), "f16")
+    bits = getattr(spec, "bits", None)  # None: unquantized
+    return "f16" if bits is None else next((t for b, t in BY_BITS[family] if bits <= b), "f16")
 
 
 def layer_exports(config: KVConfig, shape) -> list[dict]:

@@ -266,7 +266,7 @@ def _err(row, key: str, value: str) -> tuple[float, float]:
     return row[("key", key)], row[("value", value)]
 
 
-def _sq(row, variant: str) -> float:
+def squared_error(row, variant: str) -> float:
     """``e_K^2 + e_V^2`` of a table row with both tensors in ``variant``."""
     return row[("key", variant)] ** 2 + row[("value", variant)] ** 2
 
@@ -337,7 +337,7 @@ def _one_dtype(target, table, scales, meta, opts):
     n, layers = len(table), meta.layers  # model indices, in table order
     for dtype in MENUS[target]:
         base, calibrated = dtype.split(":")[0], _calibrated(dtype)
-        order = sorted(range(n), key=lambda j: -_sq(table[j], dtype))
+        order = sorted(range(n), key=lambda j: -squared_error(table[j], dtype))
         for k in range(n + 1) if target == "vllm" else (0,):
             skipped = set(order[:k])  # positions in the table
             skip = tuple(sorted(layers[j] for j in skipped))
@@ -352,7 +352,7 @@ def _one_dtype(target, table, scales, meta, opts):
             yield cfg, errs, *deploy
 
 
-def _plan_type(variant: str) -> str:
+def plan_type(variant: str) -> str:
     """The ``kvlens.deploy.exports`` plan type a measured variant stores (``fp8_e4m3:s1`` ->
     ``fp8_e4m3``)."""
     return variant.split(":")[0].split("@")[0]
@@ -367,10 +367,10 @@ def _trtllm(target, table, scales, meta, opts):
     ModelOpt's per-layer map writes it: the cheaper type with the ``k`` layers whose error it
     raises most (``e_K^2 + e_V^2`` over the other type's) in the more accurate one."""
     n, layers = len(table), meta.layers
-    order = sorted(MENUS[target], key=lambda t: exports.type_bits(_plan_type(t)))
+    order = sorted(MENUS[target], key=lambda t: exports.type_bits(plan_type(t)))
     for a, low in enumerate(order):
         for high in order[a:]:
-            gain = [_sq(row, low) - row[("key", high)] ** 2 - row[("value", high)] ** 2
+            gain = [squared_error(row, low) - row[("key", high)] ** 2 - row[("value", high)] ** 2
                     for row in table]
             ranked = sorted(range(n), key=lambda j: -gain[j])
             for k in range(1, n) if high != low else (0,):
@@ -380,12 +380,12 @@ def _trtllm(target, table, scales, meta, opts):
 def _trtllm_mix(table, meta, base: str, per_layer: dict[int, str]):
     """``base`` on every layer but ``per_layer`` (model index -> variant), with its exports
     (TensorRT-LLM's, and vLLM's nearest, ``kvlens.deploy.exports``)."""
-    t = _plan_type(base)
+    t = plan_type(base)
     uniform = engine_config(TRTLLM_SETTINGS[base]).config  # the setting generate reads
     name = uniform.name
     if per_layer:  # ModelOpt's per-layer mix: no engine setting, the config runs it
         groups = sorted(set(per_layer.values()))
-        name += "".join(f"+{_plan_type(g)}@" + ",".join(
+        name += "".join(f"+{plan_type(g)}@" + ",".join(
             str(i) for i in sorted(per_layer) if per_layer[i] == g) for g in groups)
     cfg = replace(uniform, name=name, layers={
         i: engine_config(TRTLLM_SETTINGS[v]).config.default for i, v in per_layer.items()},
@@ -393,7 +393,7 @@ def _trtllm_mix(table, meta, base: str, per_layer: dict[int, str]):
     errs = [_err(row, per_layer.get(i, base), per_layer.get(i, base))
             for i, row in zip(meta.layers, table)]
     plan = exports.Plan.uniform(t, t, meta.layers, meta.shape.num_layers,
-                                {i: (_plan_type(v),) * 2 for i, v in per_layer.items()})
+                                {i: (plan_type(v),) * 2 for i, v in per_layer.items()})
     ex = exports.trtllm_export(plan)
     deploy = {"target": "trtllm", "command": ex.command,
               "kv_cache_dtype": ex.runs.tensor(0)[0], "docs": DOCS["trtllm"]}
