@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from kvlens.cli import app
-from kvlens.config import config_from_dict
+from kvlens.config import config_from_dict, is_engine_setting
 from kvlens.config.engine import (
     LLAMACPP_FLOAT_TYPES,
     LLAMACPP_SEARCH_TYPES,
@@ -35,7 +35,7 @@ from kvlens.config.engine import (
     split_setting_list,
 )
 from kvlens.config.hqq import HQQ_AXES, HQQ_BITS, HqqSetting
-from kvlens.deploy import engine_config, is_engine_setting
+from kvlens.deploy import engine_config
 from kvlens.errors import ConfigError
 from kvlens.quant import CodebookSpec, QuantSpec, RotationSpec
 

@@ -240,8 +240,9 @@ def test_every_printed_setting_resolves_in_generate_to_the_same_config(outlier_c
     name `generate --compare` reads (``is_engine_setting`` + ``engine_config``, with
     ``--calibration`` the capture recommend measured): the same config, calibrated scales
     included; and its canonical spelling."""
+    from kvlens.config import is_engine_setting
     from kvlens.config.engine import parse_engine_setting
-    from kvlens.deploy import engine_config, is_engine_setting
+    from kvlens.deploy import engine_config
     from kvlens.deploy.targets import candidates_for, measure_errors
 
     opts = TargetOptions(target, budget_bits=16, rotation=rotation)

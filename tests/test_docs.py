@@ -21,8 +21,8 @@ import typer
 
 import kvlens.research  # noqa: F401  (the CLI loads the research presets the docs name)
 from kvlens.cli import app
-from kvlens.config import preset
-from kvlens.deploy import engine_config, is_engine_setting
+from kvlens.config import is_engine_setting, preset
+from kvlens.deploy import engine_config
 from kvlens.deploy.targets import TARGETS
 from kvlens.errors import KvlensError
 from kvlens.evaluation import parse_evals

@@ -1,61 +1,15 @@
 """Engine settings: the one vocabulary for "what an engine user deploys", read by every command
 (``generate --preset`` / ``--compare``, ``compare-axes --formats``) and printed by ``recommend
---target``, so that what one prints the others accept. Names (case-insensitive) follow one
-grammar, ``setting_forms()`` (each form with its allowed values) and ``SETTING_OPTIONS`` (what
-its options mean): ``--help``, error messages and docs print that text, never a copy::
-
-    llamacpp:K/V[:norot|:rot][:nofa][:noarith]    llamacpp:T    vllm:D[@head][:pP|:sS][:skip=L,L]
-    vllm:turboquant_*    sglang:D[@head][:pP|:sS]    transformers:quanto-B[:axis_key=A]...
-    vllm:nvfp4[:sS][:skip=L,L]    sglang:nvfp4|fp4_mx_block16|mxfp8    trtllm:fp8|nvfp4[:sS]
-    transformers:hqq-B[:axis_key=A]...
-
-- llama.cpp: one K type and one V type for every layer; llama.cpp rotates a quantized type when
-  head_dim is a multiple of 64. ``:norot`` is ``LLAMA_ATTN_ROT_DISABLE=1``; ``:rot`` forces the
-  rotation where that rule would not (a what-if: llama.cpp has no such switch); ``:nofa``
-  declares a run without flash attention (llama.cpp refuses a quantized V then). Attention runs
-  with llama.cpp's CPU arithmetic (``kvlens.quant.llamacpp_cpu``: the query converted to the
-  key type's dot-product type, an fp16 V accumulated in fp16); ``:noarith`` attends in the
-  model's float32 instead (the cache's storage error alone: a what-if, no llama.cpp switch).
-- vLLM / SGLang static fp8 (``fp8`` = ``fp8_e4m3``, ``fp8_e5m2``): scales calibrated from a
-  capture when the command has one (absmax, or the ``:pP`` percentile; per layer, ``@head`` per
-  KV head; SGLang's scale file holds one scale per layer for K and V: ``shared_scale``), else
-  the engines' default scale 1.0; ``:sS`` fixes the scale at ``S`` whatever the capture
-  (``:s1`` = the default). vLLM's per-token-head dtypes (``int8-pth`` ...) scale each token
-  dynamically and take no scope or scale. ``:skip=`` keeps those layers at f16
-  (``--kv-cache-dtype-skip-layers``).
-- vLLM ``turboquant_*`` (``TURBOQUANT_TYPES``, vLLM's ``TQ_PRESETS``): keys Hadamard-rotated
-  (plain Sylvester, no sign flips), each coordinate of the normalised rotated key coded with a
-  Lloyd-Max codebook of ``key_bits`` bits for the normal distribution (``"lloyd-max-normal"``,
-  vLLM's ``N(0, 1/D)`` centroids) plus one fp16 norm per vector, the ``_nc`` presets
-  renormalising the decoded centroids (``CodebookSpec(renormalize=True)``); values min-max
-  quantized per token (one fp16 scale and zero per vector, ``value_bits`` bits); the first and
-  last ``TURBOQUANT_BOUNDARY`` layers (at most half the layers) kept in the model dtype, which
-  is why ``kvconfig`` needs the model's layer count; a forward after the first reads its own
-  tokens back compressed (``KVConfig.write_before_attention``). ``turboquant_k8v4`` stores keys
-  as a plain saturating fp8 e4m3 cast (no scale, no rotation: the layer's unquantized key store
-  at ``fp_dtype`` float8_e4m3fn) beside the same 4-bit values, its boundary layers as ``f16``
-  engine layers. What is and is not simulated: docs/deploy/vllm.md.
-- vLLM ``fp8_ds_mla`` (``DS_MLA_DTYPE``; MLA models only, where keys and values are one latent
-  row): the latent in fp8 e4m3 tiles, each with a float32 scale computed as the token is
-  written, and the RoPE channels in bfloat16 (``kvlens.quant.ds_mla``); no scope or scale.
-- Block-float caches (``kvlens.config.blockfloat``): vLLM / SGLang / TensorRT-LLM ``nvfp4``
-  (E2M1 codes, an E4M3 scale per 16 channels and a per-tensor global scale: ``:sS`` fixes it,
-  else 1.0 or calibrated per layer from a capture), SGLang's ``fp4_mx_block16`` (``fp4_e2m1``)
-  and ``mxfp8``, stored in ``kvlens.layouts`` layouts. TensorRT-LLM ``fp8`` is static fp8 e4m3
-  like vLLM's (scales from a capture or 1.0; no ``@head``).
-- transformers ``QuantizedCache`` (quanto backend, defaults ``QUANTO_DEFAULTS``): ``axis=0``
-  groups ``G`` channels of one token (per-token ``G``), ``axis=-1`` groups ``G`` tokens of one
-  channel (per-channel ``G``), the residual window is ``R``: a kvlens layout, not transformers'
-  code. The HQQ backend (``transformers:hqq-B``, ``kvlens.config.hqq``): ``axis=1`` groups ``G``
-  channels of one token, ``axis=0`` is simulated per-channel ``G``, with HQQ's zero-point
-  refinement (``QuantSpec(fit="hqq")``).
+--target``, so that what one prints the others accept. Names are case-insensitive; their grammar
+is ``setting_forms()`` (each form with its allowed values) and ``SETTING_OPTIONS`` (what its
+options mean): ``--help``, error messages and docs print that text, never a copy. What each
+setting means for its engine: docs/deploy/README.md and the engine's page beside it.
 
 ``parse_engine_setting`` reads a name into a ``LlamaCppSetting``, ``CacheDtypeSetting``,
-``TurboQuantSetting``, ``BlockFloatSetting``, ``QuantoSetting`` or ``HqqSetting``; ``setting.name``
-writes the canonical spelling back (``parse(s.name) == s``)
-and ``setting.kvconfig(label)`` is the ``KVConfig`` that simulates it (engine cache types,
-``kvlens.quant.cachetypes``, or a kvlens layout). Calibrating static fp8 scales reads a capture,
-which is ``kvlens.deploy.presets``'s job; notes for the user are printed there too.
+``TurboQuantSetting``, ``BlockFloatSetting``, ``QuantoSetting`` or ``HqqSetting``;
+``setting.name`` writes the canonical spelling back (``parse(s.name) == s``) and
+``setting.kvconfig(label)`` is the ``KVConfig`` that simulates it (engine cache types,
+``kvlens.quant.cachetypes``, or a kvlens layout). Calibrating static fp8 scales reads a capture: ``kvlens.deploy.presets``.
 """
 
 from __future__ import annotations
@@ -90,35 +44,31 @@ from kvlens.quant.ggml import GGML_FORMATS
 ENGINES = ("llamacpp", "vllm", "sglang", "trtllm", "transformers")
 ENGINE_ALIASES = {"llama.cpp": "llamacpp"}
 
-# llama.cpp's -ctk/-ctv types that kvlens simulates: the float types and every ggml block type
 LLAMACPP_FLOAT_TYPES = ("f32", "f16", "bf16")
-LLAMACPP_TYPES = (*LLAMACPP_FLOAT_TYPES, *GGML_FORMATS)
-# the menu `recommend --target llama.cpp` searches (every K x V pair): f16 and every quantized
-# type, most bits first; f32 costs twice f16 and bf16 what f16 costs with fewer mantissa bits,
-# so neither can be the better choice at a budget.
+LLAMACPP_TYPES = (*LLAMACPP_FLOAT_TYPES, *GGML_FORMATS)  # llama.cpp's -ctk/-ctv types
+# `recommend --target llama.cpp` tries every K x V pair: f16 and every quantized type (f32 and
+# bf16 cost as much as f16 or more and are no more accurate)
 LLAMACPP_SEARCH_TYPES = ("f16", "q8_0", "q5_1", "q5_0", "q4_1", "iq4_nl", "q4_0")
 
 STATIC_FP8_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")  # fp8 is vLLM's alias of fp8_e4m3
 # vLLM's per-token-head dtypes (kvlens shorthand and vLLM's own spelling) -> cache type
 PER_TOKEN_HEAD = {**{f"{k}-pth": f"{k}@token-head" for k in TOKEN_HEAD_KINDS},
                   **{f"{k}_per_token_head": f"{k}@token-head" for k in TOKEN_HEAD_KINDS}}
-VLLM_DTYPES = (*STATIC_FP8_DTYPES, *(f"{k}-pth" for k in TOKEN_HEAD_KINDS))
-# vLLM's cache of an MLA model's latent row (its sparse MLA backends; kvlens.quant.ds_mla)
-DS_MLA_DTYPE = DS_MLA.name
-SGLANG_DTYPES = ("fp8_e4m3", "fp8_e5m2")
-TRTLLM_DTYPES = ("fp8",)  # KvCacheConfig(dtype="fp8"): e4m3 with a static per-layer scale
-# the cache types `recommend --target vllm / sglang` searches: calibrated e4m3, and e4m3 and
-# e5m2 at the default scale 1.0 (e5m2's 2 mantissa bits lose to e4m3 once calibrated)
-# and nvfp4 (kvlens.config.blockfloat) at the default global scale 1.0
+DS_MLA_DTYPE = DS_MLA.name  # vLLM's cache of an MLA model's latent row (kvlens.quant.ds_mla)
+CACHE_DTYPES = {"vllm": (*STATIC_FP8_DTYPES, *(f"{k}-pth" for k in TOKEN_HEAD_KINDS)),
+                "sglang": ("fp8_e4m3", "fp8_e5m2"),
+                "trtllm": ("fp8",)}  # KvCacheConfig(dtype="fp8"): e4m3, one scale per layer
+VLLM_DTYPES, SGLANG_DTYPES, TRTLLM_DTYPES = CACHE_DTYPES.values()
+# `recommend --target vllm / sglang`: calibrated e4m3, e4m3 and e5m2 at the default scale 1.0,
+# nvfp4 at the default global scale 1.0
 VLLM_SEARCH_TYPES = ("fp8_e4m3", "fp8_e4m3:s1", "fp8_e5m2:s1", "nvfp4")
 SGLANG_SEARCH_TYPES = VLLM_SEARCH_TYPES
-# `recommend --target trtllm`: e4m3 at scale 1.0 (KvCacheConfig(dtype="fp8") on a checkpoint
-# without KV scales, as ModelOpt's KV AutoQuant starter recipe writes it) and nvfp4, every
-# layer or mixed per layer (kvlens.deploy.exports)
+# `recommend --target trtllm`: e4m3 at scale 1.0 (a checkpoint without KV scales) and nvfp4,
+# every layer or mixed per layer (kvlens.deploy.exports)
 TRTLLM_SEARCH_TYPES = ("fp8_e4m3:s1", "nvfp4")
 
-# vLLM's turboquant_* KV-cache dtypes: (key bits, value bits, norm correction), from vLLM's
-# TQ_PRESETS (vllm/model_executor/layers/quantization/turboquant/config.py)
+# vLLM's turboquant_* dtypes: (key bits, value bits, norm correction), vLLM's TQ_PRESETS
+# (vllm/model_executor/layers/quantization/turboquant/config.py)
 TURBOQUANT_PRESETS = {"turboquant_k8v4": (8, 4, False), "turboquant_4bit_nc": (4, 4, True),
                       "turboquant_k3v4_nc": (3, 4, True), "turboquant_3bit_nc": (3, 3, True)}
 TURBOQUANT_TYPES = tuple(TURBOQUANT_PRESETS)
@@ -128,9 +78,9 @@ QUANTO_BITS = (2, 4)
 QUANTO_AXES = (0, -1)
 QUANTO_DEFAULTS = {"axis_key": 0, "axis_value": 0, "group": 64, "residual": 128}
 
-_FIXED = re.compile(r"s([0-9.]+(?:e[+-]?[0-9]+)?)")
-_PERCENTILE = re.compile(r"p([0-9.]+(?:e[+-]?[0-9]+)?)")
-_SKIP = re.compile(r"skip=([0-9]+(?:,[0-9]+)*)")
+_NUMBER = r"[0-9.]+(?:e[+-]?[0-9]+)?"
+_OPTION = re.compile(rf"skip=(?P<skip>[0-9]+(?:,[0-9]+)*)|p(?P<percentile>{_NUMBER})"
+                     rf"|s(?P<fixed_scale>{_NUMBER})")
 
 
 def setting_forms() -> tuple[str, ...]:
@@ -179,6 +129,11 @@ def _bad(name: str, why: str) -> ConfigError:
     return ConfigError(f"Unknown engine setting {name!r} ({why}); allowed: {allowed_settings()}.")
 
 
+# llama.cpp's rotation -> (its name option, its cache-type suffix, its description)
+_ROTATION = {"auto": ("", "", ""), "off": (":norot", "+norot", " with LLAMA_ATTN_ROT_DISABLE=1"),
+             "on": (":rot", "+rot", " with the rotation forced on")}
+
+
 def _num(x: float) -> str:
     """``x`` as it reads back exactly: ``1`` for 1.0, else the shortest round-trip form."""
     return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else repr(float(x))
@@ -206,14 +161,13 @@ class LlamaCppSetting:
             if t not in LLAMACPP_TYPES:
                 raise ConfigError(f"Unknown llama.cpp cache type {t!r}; allowed: "
                                   f"{', '.join(LLAMACPP_TYPES)}.")
-        if self.rotation not in ("auto", "off", "on"):
+        if self.rotation not in _ROTATION:
             raise ConfigError(f"Unknown llama.cpp rotation {self.rotation!r}; allowed: auto, "
                               "off (:norot), on (:rot).")
 
     @property
     def name(self) -> str:
-        opts = {"auto": "", "off": ":norot", "on": ":rot"}[self.rotation]
-        return (f"llamacpp:{self.key}/{self.value}{opts}"
+        return (f"llamacpp:{self.key}/{self.value}{_ROTATION[self.rotation][0]}"
                 + ("" if self.flash_attention else ":nofa")
                 + ("" if self.arithmetic else ":noarith"))
 
@@ -232,22 +186,20 @@ class LlamaCppSetting:
         """The ``kvlens.quant.cachetypes`` name type ``t`` is stored as (with the rotation)."""
         if t in LLAMACPP_FLOAT_TYPES:
             return t
-        return t + {"auto": "", "off": "+norot", "on": "+rot"}[self.rotation]
+        return t + _ROTATION[self.rotation][1]
 
     def kvconfig(self, label: str) -> KVConfig:
-        how = {"auto": "", "off": " with LLAMA_ATTN_ROT_DISABLE=1",
-               "on": " with the rotation forced on"}[self.rotation]
         return KVConfig(label, LayerKV(key_format=self.cache_type(self.key),
                                        value_format=self.cache_type(self.value)),
                         fp_dtype="float16", engine_attention=self.engine_attention,
-                        description=f"llama.cpp -ctk {self.key} -ctv {self.value}{how}")
+                        description=f"llama.cpp -ctk {self.key} -ctv {self.value}"
+                                    + _ROTATION[self.rotation][2])
 
 
 @dataclass(frozen=True)
 class CacheDtypeSetting:
-    """vLLM / SGLang ``--kv-cache-dtype dtype`` (module docstring). scope: ``"tensor"`` (one
-    scale per layer) or ``"head"``; percentile / fixed_scale: ``:pP`` / ``:sS``; skip: layers
-    kept at f16 (vLLM)."""
+    """vLLM / SGLang / TensorRT-LLM's ``--kv-cache-dtype dtype``: ``scope`` ``"tensor"`` or
+    ``"head"`` (``@head``), ``:pP`` / ``:sS``, ``:skip=`` layers kept at f16 (vLLM)."""
 
     engine: str
     dtype: str
@@ -257,11 +209,10 @@ class CacheDtypeSetting:
     skip: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
-        if self.engine not in ("vllm", "sglang", "trtllm"):
+        if self.engine not in CACHE_DTYPES:
             raise ConfigError(f"--kv-cache-dtype settings are vllm, sglang and trtllm, not "
                               f"{self.engine!r}.")
-        allowed = {"vllm": VLLM_DTYPES, "sglang": SGLANG_DTYPES, "trtllm": TRTLLM_DTYPES}[
-            self.engine]
+        allowed = CACHE_DTYPES[self.engine]
         if self.dtype not in allowed and not (self.engine == "vllm" and (
                 self.dtype in PER_TOKEN_HEAD or self.dtype == DS_MLA_DTYPE)):
             raise ConfigError(f"{self.engine} KV-cache dtypes here are {', '.join(allowed)}"
@@ -311,9 +262,8 @@ class CacheDtypeSetting:
         return out + (f":skip={','.join(map(str, self.skip))}" if self.skip else "")
 
     def cache_type(self, calibrated: bool) -> str:
-        """The ``kvlens.quant.cachetypes`` name of every non-skipped layer: with ``calibrated``
-        scales from a capture, or (``False``) the engine default 1.0 for a calibrating dtype,
-        which then needs no ``@head`` or ``:pP``."""
+        """The ``kvlens.quant.cachetypes`` name of every non-skipped layer: with scales
+        ``calibrated`` from a capture, else the engine default 1.0."""
         if self.per_token_head:
             return PER_TOKEN_HEAD[self.dtype]
         if self.dtype == DS_MLA_DTYPE:
@@ -330,14 +280,11 @@ class CacheDtypeSetting:
             return out + ":s1"
         return out + ("" if self.percentile is None else f":p{_num(self.percentile)}")
 
-    def kvconfig(self, label: str, calibrated: bool = False,
-                 kv_scales: dict | None = None) -> KVConfig:
-        """``kv_scales``: the calibrated static scales (``KVConfig.kv_scales``) when
-        ``calibrated`` and the dtype calibrates."""
+    def kvconfig(self, label: str, calibrated: bool = False) -> KVConfig:
         fmt = self.cache_type(calibrated)
         return KVConfig(label, LayerKV(key_format=fmt, value_format=fmt),
                         {i: LayerKV(key_format="f16", value_format="f16") for i in self.skip},
-                        fp_dtype="float16", kv_scales=kv_scales or {},
+                        fp_dtype="float16",
                         description=ENGINE_FLAG[self.engine].format(self.dtype))
 
 
@@ -347,6 +294,9 @@ class TurboQuantSetting:
     ``TURBOQUANT_TYPES``."""
 
     dtype: str
+    key_bits: int = field(init=False, repr=False, compare=False)  # these three: TQ_PRESETS
+    value_bits: int = field(init=False, repr=False, compare=False)
+    norm_correction: bool = field(init=False, repr=False, compare=False)
 
     engine: ClassVar[str] = "vllm"
 
@@ -354,30 +304,19 @@ class TurboQuantSetting:
         if self.dtype not in TURBOQUANT_TYPES:
             raise ConfigError(f"Unknown vLLM TurboQuant dtype {self.dtype!r}; allowed: "
                               f"{', '.join(TURBOQUANT_TYPES)}.")
+        for name, x in zip(("key_bits", "value_bits", "norm_correction"),
+                           TURBOQUANT_PRESETS[self.dtype]):
+            object.__setattr__(self, name, x)
 
     @property
     def name(self) -> str:
         return f"vllm:{self.dtype}"
 
-    @property
-    def key_bits(self) -> int:
-        return TURBOQUANT_PRESETS[self.dtype][0]
-
-    @property
-    def value_bits(self) -> int:
-        return TURBOQUANT_PRESETS[self.dtype][1]
-
-    @property
-    def norm_correction(self) -> bool:
-        return TURBOQUANT_PRESETS[self.dtype][2]
-
     @staticmethod
     def boundary_layers(num_layers: int, hybrid: bool = False) -> tuple[int, ...]:
         """The layers vLLM keeps uncompressed: the first and last ``TURBOQUANT_BOUNDARY``, at most
-        ``num_layers // 2`` on each side (vLLM's ``get_boundary_skip_layers``); none in a hybrid
-        model (Mamba or linear-attention layers beside attention: vLLM PR #39931 turns boundary
-        protection off there, as two layers on each side would be a large share of its few
-        attention layers)."""
+        ``num_layers // 2`` on each side (``get_boundary_skip_layers``); none in a ``hybrid``
+        model (Mamba or linear attention beside attention: vLLM PR #39931)."""
         if not is_int(num_layers, 1):
             raise ConfigError(f"Invalid num_layers {num_layers!r}; allowed: an integer >= 1.")
         if hybrid:
@@ -391,10 +330,8 @@ class TurboQuantSetting:
         return self.key_bits == 8
 
     def kvconfig(self, label: str, num_layers: int, hybrid: bool = False) -> KVConfig:
-        """The config for a model of ``num_layers`` layers: every layer but the boundary ones
-        codes keys (codebook; ``k8v4``: a saturating fp8 e4m3 cast, kept as the layer's
-        full-precision key store at ``fp_dtype`` float8_e4m3fn) and values (per-token min-max)
-        with no full-precision window; the boundary layers keep both at float16 (``k8v4``: as
+        """Keys coded (``k8v4``: the unquantized key store at ``fp_dtype`` float8_e4m3fn),
+        values per-token min-max, no window; the boundary layers at float16 (``k8v4``: as
         ``f16`` engine layers, since its ``fp_dtype`` is fp8)."""
         value = QuantSpec(self.value_bits, "per-token")  # one scale and zero per vector
         if self.fp8_keys:
@@ -538,16 +475,13 @@ def _cache_dtype(raw: str, engine: str, parts: list[str]
     dtype, at, scope = parts[0].partition("@")
     kw: dict = {}
     for opt in parts[1:]:
-        m = _SKIP.fullmatch(opt), _PERCENTILE.fullmatch(opt), _FIXED.fullmatch(opt)
-        key = "skip" if m[0] else "percentile" if m[1] else "fixed_scale" if m[2] else None
+        m = _OPTION.fullmatch(opt)
+        key = m.lastgroup if m else None
         if key is None or key in kw or (key == "skip" and engine != "vllm"):
             raise _bad(raw, f"unknown or repeated option {opt!r} (vllm: :pP or :sS, "
                             ":skip=L,L; sglang: :pP or :sS)")
-        if key == "skip":
-            kw[key] = tuple(int(x) for x in m[0][1].split(","))
-            continue
         try:
-            kw[key] = float((m[1] or m[2])[1])
+            kw[key] = tuple(map(int, m[key].split(","))) if key == "skip" else float(m[key])
         except ValueError:
             raise _bad(raw, f"{opt!r} is not a number") from None
     if "percentile" in kw and "fixed_scale" in kw:
@@ -573,10 +507,8 @@ def _quanto(raw: str, parts: list[str]) -> QuantoSetting:
 
 def setting_for_cache_type(cache_type: str, engine: str | None = None,
                            skip: tuple[int, ...] = ()) -> EngineSettingName:
-    """The engine setting that stores keys and values in ``cache_type`` (a
-    ``kvlens.quant.formats`` name such as ``q4_0+norot``, ``fp8_e4m3@head:p99.9``,
-    ``int8@token-head``): llama.cpp for ggml types, vLLM (or ``engine``) for the others. A
-    forced rotation of an fp8 or per-token-head type has no engine setting (``ConfigError``)."""
+    """The engine setting that stores keys and values in ``cache_type`` (``q4_0+norot``,
+    ``fp8_e4m3@head:p99.9``...): llama.cpp for ggml types, vLLM (or ``engine``) for others."""
     setting = parse_format(cache_type)
     fmt = setting.format
     if fmt.family == "ggml":
@@ -593,11 +525,10 @@ def setting_for_cache_type(cache_type: str, engine: str | None = None,
 
 
 def measured_cache_type(setting: EngineSettingName) -> str:
-    """The one cache type a tool that measures keys and values in the same format
-    (``compare-axes --formats``) reads from ``setting``, calibrating static fp8 on the capture
-    it measures; a setting that is not one quantized type for every layer raises
-    ``ConfigError`` saying why."""
+    """The one cache type ``compare-axes --formats`` measures keys and values in for
+    ``setting`` (static fp8 calibrated on its capture), or ``ConfigError`` saying why none."""
     name = setting.name
+    instead = f"; run generate --compare {name} --eval kld on the model instead."
     if isinstance(setting, (QuantoSetting, HqqSetting)):
         raise ConfigError(f"{name} is a kvlens layout, not an engine cache type: compare-axes "
                           "sweeps it with --bits and --group-sizes (axis 0 = per-token, "
@@ -612,17 +543,14 @@ def measured_cache_type(setting: EngineSettingName) -> str:
         return setting.cache_type(setting.key)
     if isinstance(setting, BlockFloatSetting):
         raise ConfigError(f"{name} is a kvlens storage layout, not an engine cache type: "
-                          "compare-axes does not sweep it; run generate --compare "
-                          f"{name} --eval kld on the model instead.")
+                          "compare-axes does not sweep it" + instead)
     if isinstance(setting, TurboQuantSetting):
         raise ConfigError(f"{name} is not one cache type: it codes keys with a codebook and "
                           "values with per-token integers and keeps the boundary layers exact, "
-                          "which compare-axes does not model; run generate --compare "
-                          f"{name} --eval kld on the model instead.")
+                          "which compare-axes does not model" + instead)
     if setting.dtype == DS_MLA_DTYPE:
         raise ConfigError(f"{name} stores an MLA model's latent row, which compare-axes does "
-                          "not measure; run generate --compare " + name + " --eval kld on the "
-                          "model instead.")
+                          "not measure" + instead)
     if setting.shared_scale and setting.calibrates:
         raise ConfigError(f"{name}: SGLang shares one scale between keys and values, which "
                           "compare-axes does not model (it calibrates each tensor); measure "
@@ -634,8 +562,7 @@ def measured_cache_type(setting: EngineSettingName) -> str:
 
 def measured_cache_types(text: str | None) -> tuple[str, ...]:
     """``compare-axes --formats``: comma-separated engine settings -> the cache types to sweep
-    (``measured_cache_type``; ``""`` / ``"none"`` -> none). A bare cache-type name (the older
-    ``q4_0+norot`` spelling) is refused with the engine setting to write instead."""
+    (``measured_cache_type``; ``""`` / ``"none"`` -> none)."""
     items = split_setting_list(text)
     if items in ([], ["none"]):
         return ()
@@ -649,9 +576,8 @@ def measured_cache_types(text: str | None) -> tuple[str, ...]:
 
 
 def _refuse_cache_type(item: str) -> None:
-    """Raise the error for ``item``, which is not an engine setting: one naming its engine
-    spelling when it is a bare cache-type name (the older ``--formats`` spelling), else the
-    unknown-setting error with the allowed forms."""
+    """Raise the error for ``item``, not an engine setting: a bare cache-type name gets the
+    engine setting to write, anything else the allowed forms."""
     try:
         parse_format(item)
     except ConfigError:

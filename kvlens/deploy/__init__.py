@@ -1,12 +1,7 @@
-"""Deploy targets: engine settings (llama.cpp, vLLM, SGLang, transformers) as kvlens configs
-(``presets``) and the recommendation of what to deploy on each engine (``targets``)."""
+"""Deploy targets: engine settings (llama.cpp, vLLM, SGLang, TensorRT-LLM, transformers) as
+kvlens configs (``presets``; the names themselves are ``kvlens.config.engine``'s) and the
+recommendation of what to deploy on each engine (``targets``)."""
 
-from kvlens.deploy.presets import (
-    ENGINES,
-    EngineSetting,
-    allowed_settings,
-    engine_config,
-    is_engine_setting,
-)
+from kvlens.deploy.presets import EngineSetting, engine_config
 
-__all__ = ["ENGINES", "EngineSetting", "allowed_settings", "engine_config", "is_engine_setting"]
+__all__ = ["EngineSetting", "engine_config"]

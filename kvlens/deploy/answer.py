@@ -1,9 +1,8 @@
-"""The one call behind ``kvlens recommend``: ``recommend_run(request)``. A ``RecommendRequest``
-holds the capture, the target (``kvlens``: ``kvlens.recommend.answer``; an engine:
-``kvlens.deploy.targets``), its options, the budgets or KLD bound and the validation;
-``request_for`` builds one from a command line's options. ``recommend_run`` checks it before
-any work (``check_request``), measures, chooses, validates and returns the answer with its
-result documents; writing files and rendering are the caller's.
+"""The one call behind ``kvlens recommend``: ``recommend_run(request)`` checks a
+``RecommendRequest`` before any work, measures, chooses (per layer: ``kvlens.recommend.answer``;
+an engine: ``kvlens.deploy.targets``), validates and returns the answer with its result
+documents (writing files and rendering are the caller's); ``request_for`` builds the request
+from a command line's options.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Per-layer exports each engine can read: a plan (one K type and one V type per attention
 layer) written in each engine's own form, one function per form, and whatever an engine cannot
-express said, never rounded silently.
+express said, never rounded silently. The engines' forms, read from their source:
+docs/lab-notes/deploy-exports.md.
 
 A ``Plan`` names types in one vocabulary: ``f16`` / ``bf16`` / ``f32`` (the model dtype,
 unquantized), the vLLM fp8 dtypes (``fp8_e4m3``, ``fp8_e5m2``; ``fp8`` = ``fp8_e4m3``),
@@ -9,24 +10,6 @@ unquantized), the vLLM fp8 dtypes (``fp8_e4m3``, ``fp8_e5m2``; ``fp8`` = ``fp8_e
 actually run (``runs``) and, when that is not the plan, each change (``changes``): the
 nearest setting the engine expresses that is at least as accurate on every layer (a layer is
 raised, never lowered, unless the engine has no setting that high).
-
-The engines, read from their source (docs/lab-notes/deploy-exports.md cites each):
-
-- **ModelOpt** ``hf_quant_config.json`` (``modelopt_quant_config``): ``quantization.
-  kv_cache_quant_algo`` ``FP8`` / ``NVFP4`` / ``MIXED_PRECISION``, and for the per-layer form
-  ``kv_cache_quantized_layers`` (``{"model.layers.N.self_attn": {"quant_algo": "FP8"}}``,
-  layers absent = unquantized) with ``kv_cache_schema_version`` 1, as ModelOpt's KV
-  AutoQuant exports it (NVIDIA/Model-Optimizer tests/unit/torch/export/
-  test_convert_hf_config.py).
-- **TensorRT-LLM** (``trtllm_export``): one KV dtype per model, ``KvCacheConfig(dtype="fp8" |
-  "nvfp4")`` or the checkpoint's ``kv_cache_quant_algo``; its ModelOpt reader
-  (tensorrt_llm/quantization/modelopt_config.py) reads no per-layer KV map.
-- **vLLM** (``vllm_export``): one ``--kv-cache-dtype`` plus ``--kv-cache-dtype-skip-layers``
-  (layer indices, space-separated: vllm/config/cache.py ``kv_cache_dtype_skip_layers:
-  list[str]``) kept in the model dtype.
-- **ik_llama.cpp** (``ik_llama_export``): ``-ctk T`` / ``-ctv T`` plus ``-ctk-first T,N``,
-  ``-ctk-last T,M`` (and ``-ctv-first``, ``-ctv-last``): the first ``N`` / last ``M`` layers
-  of the model in another type (common/common.cpp, src/llama.cpp).
 """
 
 from __future__ import annotations
@@ -34,6 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from itertools import groupby
 
 from kvlens.errors import ConfigError
 from kvlens.quant.ggml import GGML_FORMATS
@@ -49,8 +33,6 @@ DOCS = {
     "trtllm": "TensorRT-LLM quantization (https://nvidia.github.io/TensorRT-LLM/features/"
               "quantization.html): KvCacheConfig(dtype='fp8'|'nvfp4'); NVFP4 needs a ModelOpt "
               "checkpoint",
-    "modelopt": "NVIDIA Model-Optimizer hf_quant_config.json: kv_cache_quant_algo, "
-                "kv_cache_quantized_layers (KV AutoQuant)",
     "vllm": "vLLM Quantized KV Cache (https://docs.vllm.ai/en/latest/features/quantization/"
             "quantized_kvcache/): --kv-cache-dtype, --kv-cache-dtype-skip-layers",
     "ik_llama.cpp": "ik_llama.cpp common/common.cpp: -ctk/-ctv, -ctk-first/-ctk-last, "
@@ -59,8 +41,7 @@ DOCS = {
 
 
 def canonical_type(name: str) -> str:
-    """``name`` in the plan vocabulary (module docstring): ``fp8`` -> ``fp8_e4m3``; unknown
-    names raise ``ConfigError`` listing the allowed ones."""
+    """``name`` in the plan vocabulary (module docstring): ``fp8`` -> ``fp8_e4m3``."""
     key = str(name).strip().lower()
     key = {"fp8": "fp8_e4m3"}.get(key, key)
     if key in (*UNQUANTIZED, *FP8_TYPES, NVFP4, *GGML_FORMATS):
@@ -109,6 +90,10 @@ class Plan:
         """The types of tensor ``t`` (0: keys, 1: values), in layer order."""
         return [kv[t] for kv in self.layers.values()]
 
+    def quantized(self) -> set[str]:
+        """The quantized types the plan names."""
+        return {t for kv in self.layers.values() for t in kv if t not in UNQUANTIZED}
+
     def describe(self, i: int) -> str:
         k, v = self.layers[i]
         return k if k == v else f"K {k} / V {v}"
@@ -139,10 +124,6 @@ class Export:
                 "docs": DOCS.get(self.engine, "")}
 
 
-def _layer_list(layers) -> str:
-    return ", ".join(map(str, sorted(layers)))
-
-
 def _raise_to(plan: Plan, target: dict[int, tuple[str, str]], why: str) -> tuple[Plan, tuple]:
     """``plan`` with layers replaced by ``target``, and a sentence per group of layers whose
     types changed the same way (``why``: what the engine cannot do)."""
@@ -151,22 +132,17 @@ def _raise_to(plan: Plan, target: dict[int, tuple[str, str]], why: str) -> tuple
     for i in plan.layers:
         if runs.layers[i] != plan.layers[i]:
             groups.setdefault((plan.describe(i), runs.describe(i)), []).append(i)
-    changes = tuple(f"layer{'s' if len(ls) > 1 else ''} {_layer_list(ls)}: {a} -> {b} ({why})"
-                    for (a, b), ls in groups.items())
+    changes = tuple(f"layer{'s' if len(ls) > 1 else ''} {', '.join(map(str, sorted(ls)))}: "
+                    f"{a} -> {b} ({why})" for (a, b), ls in groups.items())
     return runs, changes
 
 
 # -- ModelOpt and TensorRT-LLM ------------------------------------------------------------------
 
 
-def attention_module(layer: int) -> str:
-    """The attention module a per-layer map names: ``model.layers.N.self_attn``, the Hugging
-    Face decoder layout ModelOpt's export writes for llama-style models."""
-    return f"model.layers.{layer}.self_attn"
-
-
 def modelopt_quant_config(plan: Plan) -> dict:
-    """``hf_quant_config.json`` for ``plan`` (module docstring): FP8 / NVFP4 on every layer
+    """``hf_quant_config.json`` for ``plan``, as ModelOpt's KV AutoQuant writes it (NVIDIA/
+    Model-Optimizer tests/unit/torch/export/test_convert_hf_config.py): FP8 / NVFP4 on every layer
     -> that ``kv_cache_quant_algo``; a mix -> ``MIXED_PRECISION``; both with the per-layer map
     (unquantized layers absent). Types ModelOpt has no KV algo for, and keys and values of
     one layer in different types, raise ``ConfigError``."""
@@ -180,7 +156,8 @@ def modelopt_quant_config(plan: Plan) -> dict:
         if k not in MODELOPT_ALGOS:
             raise ConfigError(f"layer {i}: {k} has no ModelOpt KV algo; allowed: "
                               f"{', '.join(MODELOPT_ALGOS)} or unquantized.")
-        per_layer[attention_module(i)] = {"quant_algo": MODELOPT_ALGOS[k]}
+        # the attention module, named as ModelOpt writes a llama-style decoder's
+        per_layer[f"model.layers.{i}.self_attn"] = {"quant_algo": MODELOPT_ALGOS[k]}
     algos = {a["quant_algo"] for a in per_layer.values()}
     if not algos:
         raise ConfigError("The plan quantizes no layer: there is no KV algo to write.")
@@ -197,11 +174,12 @@ def _modelopt_file(plan: Plan) -> dict[str, str]:
 
 
 def trtllm_export(plan: Plan) -> Export:
-    """TensorRT-LLM runs one KV dtype for every layer (module docstring): a plan of one
+    """TensorRT-LLM runs one KV dtype for every layer (``KvCacheConfig(dtype=...)``; its ModelOpt
+    reader, tensorrt_llm/quantization/modelopt_config.py, reads no per-layer map): a plan of one
     ModelOpt type runs as it is; otherwise every layer runs the most accurate quantized type
     of the plan (unquantized layers lowered to it: TensorRT-LLM has no per-layer exception).
     The ModelOpt file carries the plan itself, for runtimes that read its per-layer map."""
-    quantized = {t for kv in plan.layers.values() for t in kv if t not in UNQUANTIZED}
+    quantized = plan.quantized()
     bad = sorted(quantized - set(MODELOPT_ALGOS))
     if bad:
         raise ConfigError(f"TensorRT-LLM's KV types are fp8 (e4m3) and nvfp4; the plan has "
@@ -238,11 +216,10 @@ def vllm_command(dtype: str, skip: list[int] | tuple[int, ...]) -> str:
 
 
 def vllm_export(plan: Plan) -> Export:
-    """vLLM runs one quantized dtype with some layers skipped (module docstring): the plan's
-    cheapest quantized type on every layer that has it, every other layer skipped (raised to
-    the model dtype); keys and values of a quantized layer in different types are raised to
-    the model dtype too."""
-    quantized = {t for kv in plan.layers.values() for t in kv if t not in UNQUANTIZED}
+    """vLLM runs one quantized dtype with some layers skipped (``--kv-cache-dtype-skip-layers``,
+    vllm/config/cache.py): the plan's cheapest quantized type on every layer that has it (K and
+    V alike), every other layer skipped (raised to the model dtype)."""
+    quantized = plan.quantized()
     bad = sorted(t for t in quantized if t in GGML_FORMATS)
     if bad:
         raise ConfigError(f"vLLM has no llama.cpp types; the plan has {', '.join(bad)}.")
@@ -267,31 +244,26 @@ def vllm_export(plan: Plan) -> Export:
 def _first_last(types: list[str]) -> tuple[str, tuple | None, tuple | None] | None:
     """``(base, (first type, N) | None, (last type, M) | None)`` when ``types`` (one per layer,
     in order) is at most three runs, the middle one (or the only one) the base; else None."""
-    runs: list[list] = []
-    for t in types:
-        if runs and runs[-1][0] == t:
-            runs[-1][1] += 1
-        else:
-            runs.append([t, 1])
+    runs = [(t, len(list(group))) for t, group in groupby(types)]
     if len(runs) == 1:
         return runs[0][0], None, None
     if len(runs) == 2:  # the longer run is the base
         (a, n), (b, m) = runs
         return (b, (a, n), None) if m >= n else (a, None, (b, m))
     if len(runs) == 3:
-        return runs[1][0], tuple(runs[0]), tuple(runs[2])
+        return runs[1][0], runs[0], runs[2]
     return None
 
 
 def ik_llama_export(plan: Plan) -> Export:
-    """ik_llama.cpp's first/last layers (module docstring), per tensor. The plan must name
-    every layer of the model (the flags count the model's layers). A tensor whose types are
-    not first/base/last runs has every middle layer raised to the most accurate middle type."""
+    """ik_llama.cpp's ``-ctk T`` plus ``-ctk-first T,N`` / ``-ctk-last T,M`` (and ``-ctv-...``:
+    the first ``N`` / last ``M`` layers in another type; common/common.cpp), per tensor. The
+    plan must name every layer of the model (the flags count the model's layers). A tensor whose
+    types are not first/base/last runs has every middle layer raised to its best middle type."""
     if len(plan.layers) != plan.num_layers:
         raise ConfigError("ik_llama.cpp's -ctk-first/-ctk-last count every layer of the model; "
                           f"the plan names {len(plan.layers)} of {plan.num_layers}.")
-    bad = sorted({t for kv in plan.layers.values() for t in kv
-                  if t not in (*UNQUANTIZED, *GGML_FORMATS)})
+    bad = sorted(t for t in plan.quantized() if t not in GGML_FORMATS)
     if bad:
         raise ConfigError(f"ik_llama.cpp's cache types are llama.cpp's; the plan has "
                           f"{', '.join(bad)}.")
@@ -308,11 +280,8 @@ def ik_llama_export(plan: Plan) -> Export:
                 target[j][t] = x
             shape = _first_last(types)
         base, head, tail = shape
-        flags.append(f"-ct{name} {base}")
-        if head:
-            flags.append(f"-ct{name}-first {head[0]},{head[1]}")
-        if tail:
-            flags.append(f"-ct{name}-last {tail[0]},{tail[1]}")
+        flags += [f"-ct{name}{flag} {','.join(map(str, run))}"
+                  for flag, run in (("", (base,)), ("-first", head), ("-last", tail)) if run]
     runs, changes = _raise_to(plan, {i: tuple(kv) for i, kv in target.items()},
                               "ik_llama.cpp sets the first and last layers apart, not others")
     quantized_v = any(v not in UNQUANTIZED for v in runs.tensor(1))

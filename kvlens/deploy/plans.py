@@ -1,12 +1,8 @@
-"""The per-layer exports of an engine target's answer: the chosen setting's plan written for
-each engine that reads it (``kvlens.deploy.exports``), with the KLD of what each engine will
-actually run, measured when the command measures (``--validate``), else predicted by the
-target's KLD model and labelled so, else its error score alone.
-
-Where an engine runs the plan as it is, that is the chosen setting's own figure. Where it
-cannot (``Export.changes``), what it runs instead is built as a kvlens config from the same
-measured types (``plan_config``), scored on the target's error table and, with
-``--validate``, measured beside the choice.
+"""The per-layer exports of an answer: an engine target's chosen plan written for each engine
+that reads it (``kvlens.deploy.exports``) with the KLD of what each engine will actually run
+(measured with ``--validate``, else predicted, else its error score alone; what an engine runs
+instead of the plan is built from the same measured types, ``plan_config``), and the per-layer
+target's config mapped to the engines' types (``layer_exports``).
 """
 
 from __future__ import annotations
@@ -16,7 +12,7 @@ from collections.abc import Callable
 from kvlens.cache.layout import config_bits
 from kvlens.config import KVConfig, LayerKV
 from kvlens.deploy import exports
-from kvlens.deploy.targets import TargetRecommendation
+from kvlens.deploy.targets import TargetRecommendation, plan_type, squared_error
 from kvlens.errors import ConfigError
 
 #: the engines a target's plan is exported for, in order (the target's own first)
@@ -25,14 +21,14 @@ EXPORTERS = {"trtllm": (exports.trtllm_export, exports.vllm_export),
 
 
 def _variants(rec: TargetRecommendation) -> dict[str, tuple[str, LayerKV]]:
-    """plan type -> (the measured variant the chosen config stores it as: a cache type, or a
-    block-float layout's kind; the layer of the config that stores it)."""
+    """plan type -> (the measured variant the chosen config stores it as, the config's layer
+    that stores it)."""
     cfg = rec.chosen.config
     out = {"f16": ("f16", LayerKV(key_format="f16", value_format="f16"))}
     for lkv in (cfg.default, *cfg.layers.values()):
         variant = lkv.key_format or getattr(lkv.key, "kind", None)
         if variant is not None and lkv.key_format == lkv.value_format:
-            out.setdefault(variant.split(":")[0].split("@")[0], (variant, lkv))
+            out.setdefault(plan_type(variant), (variant, lkv))
     return out
 
 
@@ -50,15 +46,15 @@ def plan_config(rec: TargetRecommendation, plan: exports.Plan, name: str):
     for i, row in zip(rec.layers, rec.table):
         t = plan.layers[i][0]
         if t not in exports.UNQUANTIZED:
-            score += row[("key", variants[t][0])] ** 2 + row[("value", variants[t][0])] ** 2
+            score += squared_error(row, variants[t][0])
     return cfg, score
 
 
 def engine_exports(rec: TargetRecommendation, validation: dict | None = None,
                    measure: Callable[[list], list[dict]] | None = None) -> list[dict]:
-    """The exports of ``rec``'s chosen plan (``EXPORTERS``), each with ``kld``: what the
-    engine will run, its bits, its score and its KLD (``measured`` from ``validation`` or
-    ``measure(configs)``, else ``predicted``, else none). Adds their files to ``rec.files``."""
+    """The exports of ``rec``'s chosen plan (``EXPORTERS``), each with the ``kld`` of what the
+    engine will run (``measured`` from ``validation`` or ``measure(configs)``, else
+    ``predicted``, else none). Adds their files to ``rec.files``."""
     plan = rec.chosen.plan
     out = []
     for make in EXPORTERS.get(rec.target, ()) if plan is not None else ():
@@ -96,17 +92,14 @@ LAYER_EXPORTERS = (("fp", exports.trtllm_export), ("fp", exports.vllm_export),
 
 
 def _by_bits(spec, family: str) -> str:
-    bits = getattr(spec, "bits", None)
-    if spec is None or bits is None:
-        return "f16"
-    return next((t for b, t in BY_BITS[family] if bits <= b), "f16")
+    bits = getattr(spec, "bits", None)  # None: unquantized
+    return "f16" if bits is None else next((t for b, t in BY_BITS[family] if bits <= b), "f16")
 
 
 def layer_exports(config: KVConfig, shape) -> list[dict]:
-    """The per-layer target's config in each engine's form (``LAYER_EXPORTERS``): every
-    tensor's kvlens layout mapped by its code bits to an engine type (``BY_BITS``), then the
-    engine's export of that plan. The mapping changes the quantizer itself (and drops any
-    full-precision window): each export names it as a change, its KLD not measured."""
+    """The per-layer target's config in each engine's form (``LAYER_EXPORTERS``), each tensor's
+    layout mapped to an engine type by its code bits (``BY_BITS``): another quantizer, which
+    each export names as a change, its KLD not measured."""
     out = []
     for family, make in LAYER_EXPORTERS:
         lkv = {i: config.layer(i) for i in shape.attention_layers}

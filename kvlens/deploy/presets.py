@@ -1,14 +1,9 @@
-"""Engine settings as kvlens configs, calibrated and explained: ``engine_config(name,
-calibration=None)`` turns a setting an engine user would deploy (``llamacpp:q8_0/q4_0``,
-``vllm:fp8_e4m3``, ``sglang:fp8_e4m3:s1``, ``transformers:quanto-4`` ...; the vocabulary and
-what each name means are ``kvlens.config.engine``) into a ``KVConfig`` plus notes to print.
-
-What this module adds to the name: static fp8 scales calibrated from a capture
-(``calibrate_from_capture``: ``absmax / fp8_max`` over its tokens, or the ``:pP`` percentile,
-per layer or per KV head; one scale for K and V alike for SGLang), and the notes a user should
-read (llama.cpp's flash-attention and rotation rules, vLLM's per-head scales, the int4
-stand-in, how a transformers layout differs from transformers' own code:
-``TRANSFORMERS_DIFFERENCES``).
+"""Engine settings as kvlens configs, calibrated and explained: ``engine_config(name)`` turns a
+setting an engine user would deploy (``llamacpp:q8_0/q4_0``, ``vllm:fp8_e4m3``, ...; the
+vocabulary is ``kvlens.config.engine``) into a ``KVConfig`` plus notes to print: static fp8
+scales calibrated from a capture (``calibrate_from_capture``), and what the user should read
+(llama.cpp's flash-attention and rotation rules, vLLM's per-head scales, the int4 stand-in,
+how a simulation differs from the engine's own code).
 """
 
 from __future__ import annotations
@@ -19,14 +14,11 @@ from kvlens.capture.store import open_capture
 from kvlens.config import KVConfig
 from kvlens.config.blockfloat import BlockFloatSetting
 from kvlens.config.engine import (
-    ENGINES,
     TURBOQUANT_BOUNDARY,
     CacheDtypeSetting,
     LlamaCppSetting,
     QuantoSetting,
     TurboQuantSetting,
-    allowed_settings,
-    is_engine_setting,
     parse_engine_setting,
 )
 from kvlens.config.hqq import HqqSetting
@@ -36,9 +28,6 @@ from kvlens.quant.fp4 import E2M1_MAX, E4M3_MAX
 from kvlens.quant.fp8 import calibrate_scale
 
 NVFP4_RANGE = E4M3_MAX * E2M1_MAX  # |x| a global scale of 1 reaches: 448 * 6
-
-__all__ = ["ENGINES", "EngineSetting", "allowed_settings", "calibrate_from_capture",
-           "engine_config", "is_engine_setting"]
 
 TRANSFORMERS_DIFFERENCES = (
     "transformers' QuantizedCache keeps the prompt's own attention exact and quantizes the whole "
@@ -53,9 +42,7 @@ TRANSFORMERS_DIFFERENCES = (
 class EngineSetting:
     """A parsed setting: the engine, the config to simulate it and what to print.
     ``per_model``: the config depends on the model's layer count (vLLM TurboQuant's boundary
-    layers); ``config`` is then for the ``num_layers`` given, or has no boundary layers when
-    none was, and the caller rebuilds it with ``engine_config(name, num_layers=L)`` once the
-    model is known."""
+    layers): rebuild it with ``engine_config(name, num_layers=L)`` once the model is known."""
 
     engine: str
     config: KVConfig
@@ -65,11 +52,9 @@ class EngineSetting:
 
 def engine_config(name: str, calibration: str | None = None,
                   num_layers: int | None = None, hybrid: bool = False) -> EngineSetting:
-    """The ``EngineSetting`` for ``name`` (``kvlens.config.engine``); ``calibration``: a capture
-    file for static fp8 scales; ``num_layers`` and ``hybrid`` (some layers hold no KV cache):
-    the model's, which the config of a TurboQuant setting depends on
-    (``EngineSetting.per_model``). Unknown engines, types or options raise ``ConfigError`` with
-    the allowed values."""
+    """The ``EngineSetting`` for ``name``; ``calibration``: a capture file for static scales;
+    ``num_layers`` and ``hybrid`` (some layers hold no KV cache): the model's, which a
+    TurboQuant setting's config depends on (``EngineSetting.per_model``)."""
     setting = parse_engine_setting(name)
     if isinstance(setting, TurboQuantSetting):
         return _turboquant(name, setting, num_layers, hybrid)
@@ -145,9 +130,9 @@ def _turboquant(raw: str, s: TurboQuantSetting, num_layers: int | None,
     keys = "keys cast to fp8 e4m3 (no scale, not rotated)" if s.fp8_keys else (
         f"keys {s.key_bits}-bit Lloyd-Max codes of the Hadamard-rotated normalised key plus an "
         f"fp16 norm{' (centroids renormalised)' if s.norm_correction else ''}")
-    note = (f"{raw}: {keys}, values {s.value_bits}-bit min-max per token (fp16 scale and zero); the first and "
-            f"last {TURBOQUANT_BOUNDARY} layers exact ({where}). Differences: "
-            + TURBOQUANT_DIFFERENCES)
+    note = (f"{raw}: {keys}, values {s.value_bits}-bit min-max per token (fp16 scale and "
+            f"zero); the first and last {TURBOQUANT_BOUNDARY} layers exact ({where}). "
+            "Differences: " + TURBOQUANT_DIFFERENCES)
     return EngineSetting(s.engine, cfg, (note,), per_model=True)
 
 
@@ -198,8 +183,7 @@ def calibrate_from_capture(path: str, config: KVConfig, shared: bool = False
                     x = x @ engine_rotation(tensor, x.shape[-1])
                 entry[tensor] = tuple(calibrate_scale(x, ct.format).flatten().tolist())
             if shared and len(entry) == 2:
-                both = tuple(map(max, entry["key"], entry["value"]))
-                entry = {"key": both, "value": both}
+                entry = dict.fromkeys(entry, tuple(map(max, entry["key"], entry["value"])))
             if entry:
                 out[idx] = entry
     return out

@@ -1,12 +1,6 @@
-"""The caches ``kvlens generate`` runs, resolved from what the user names: ``resolve_settings``.
-
-A setting is a config file, a preset, an engine setting (``llamacpp:q8_0``, ``vllm:fp8``...,
-``kvlens.deploy.presets``) or a transformers baseline (``hf-quanto-4``, ``hf-layers:FILE``,
-``kvlens.evaluation.baselines``). ``Settings`` keeps them in order with the notes of the engine
-settings, each one's frontier kind, and the settings whose config depends on the model's layers
-(vLLM TurboQuant's boundary layers), rebuilt with ``for_model`` once it loads.
-``check_against_model`` checks them, and the evaluation's lengths, against the shape the model's
-files declare, before any weight loads.
+"""The caches ``kvlens generate`` runs, resolved from what the user names (``resolve_settings``:
+config files, presets, engine settings, transformers baselines, ``hf-layers:FILE``), and checked
+against the shape the model's files declare before any weight loads (``check_against_model``).
 """
 
 from __future__ import annotations
@@ -14,8 +8,8 @@ from __future__ import annotations
 import sys
 
 from kvlens.config import KVConfig, load_config, preset, resolve, validate_for
-from kvlens.config.engine import split_setting_list
-from kvlens.deploy.presets import engine_config, is_engine_setting
+from kvlens.config.engine import is_engine_setting, split_setting_list
+from kvlens.deploy.presets import engine_config
 from kvlens.errors import OptionError
 from kvlens.evaluation.baselines import baseline, is_baseline
 from kvlens.evaluation.frontier import setting_kind
@@ -25,7 +19,9 @@ from kvlens.model import header as model_header
 
 
 class Settings(list):
-    """The configs (and baselines) to run, with the notes of the engine settings among them."""
+    """The configs (and baselines) to run in order, with the notes of the engine settings among
+    them, and those whose config depends on the model's layers (vLLM TurboQuant's boundary
+    layers), rebuilt by ``for_model`` once it loads."""
 
     notes: tuple[str, ...] = ()
     kinds: tuple[str, ...] = ()  # per config, its kvlens.evaluation.frontier kind

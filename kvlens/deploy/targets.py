@@ -1,29 +1,16 @@
-"""``recommend --target``: the best setting an engine can run, and the exact thing to deploy.
+"""``recommend --target``: the best setting an engine can run, and the exact thing to deploy
+(docs/deploy/README.md).
 
-Pipeline:
-
-1. **Error table** from the capture: for every layer, tensor (K, V) and cache type the target
-   offers, the relative attention-output error (``kvlens.analysis.metrics.rel_error`` of
-   ``softmax(q k^T) v`` over the first ``tokens`` tokens of ``samples`` samples, causal, the
-   layer's own scaling, sliding window and soft-cap) when only that tensor is stored in that
-   type, read back as the engine reads it (``kvlens.quant.formats.fake_quantize_format``,
-   llama.cpp's rotation included; every token quantized, as the engines do; for llama.cpp a
-   key type's error also has the query converted to that type's dot-product type, as its CPU
-   flash attention does: ``_llamacpp_query``). Static fp8 scales
-   are calibrated on the whole capture (absmax), the tokens measured included.
-2. **Candidates** restricted to the engine's menu: llama.cpp one K type x one V type
-   (``kvlens.config.engine.LLAMACPP_SEARCH_TYPES``); vLLM one dtype (fp8_e4m3 with calibrated scales or the default 1.0,
-   fp8_e5m2 at 1.0) plus a set of skipped layers (for ``k`` skipped layers, the ``k`` layers with
-   the largest ``e_K^2 + e_V^2``: the best set of that size under the additive score);
-   SGLang one fp8 dtype (one scale per layer shared by K and V, the layout its
-   ``--quantization-param-path`` JSON carries, or 1.0); transformers ``QuantizedCache`` nbits x
-   axis_key x axis_value x q_group_size (residual 128; errors with every token quantized, an
-   upper bound for its window).
-3. **Score** ``S = sum_l e_K,l^2 + e_V,l^2`` and **cost** = held bits per element at
-   ``context`` tokens from ``kvlens.cache.layout`` (the bytes the simulated cache holds).
-4. **Choice**: ``max_kld``: the cheapest candidate whose predicted KLD
-   (``kvlens.deploy.kld_model``, fitted on anchors measured with the KLD evaluation) is at most
-   ``max_kld``; else ``budget_bits``: the lowest ``S`` within the budget.
+1. **Error table** (``measure_errors``): for every layer, tensor (K, V) and cache type of the
+   target's menu (``MENUS``), the relative attention-output error over the first ``tokens``
+   tokens of ``samples`` samples when only that tensor is stored in that type, read back as the
+   engine reads it (every token quantized; a llama.cpp key type also converts the query to its
+   dot-product type: ``_llamacpp_query``). Static fp8 scales are calibrated on the whole capture.
+2. **Candidates** (``BUILDERS``): the engine's menu, each scored ``S = sum_l e_K,l^2 + e_V,l^2``
+   and costed in held bits per element at ``context`` tokens (``kvlens.cache.layout``).
+3. **Choice**: with ``max_kld``, the cheapest candidate whose predicted KLD
+   (``kvlens.deploy.kld_model``, fitted on measured anchors) is at most it; else the lowest
+   ``S`` within ``budget_bits``.
 """
 
 from __future__ import annotations
@@ -72,10 +59,14 @@ from kvlens.quant.llamacpp_cpu import query_to_vec_dot
 TARGETS = ("kvlens", "llama.cpp", "vllm", "sglang", "transformers", "trtllm")
 # other spellings of a target: llamacpp is how engine settings name llama.cpp (llamacpp:q8_0)
 TARGET_ALIASES = {"llamacpp": "llama.cpp", "tensorrt-llm": "trtllm"}
+#: the cache types each engine target measures and searches (``kvlens.config.engine``)
+MENUS = {"llama.cpp": LLAMACPP_SEARCH_TYPES, "vllm": VLLM_SEARCH_TYPES,
+         "sglang": SGLANG_SEARCH_TYPES, "trtllm": TRTLLM_SEARCH_TYPES}
 QUANTO = [(b, ak, av, g) for b in (4, 2) for ak in (0, -1) for av in (0, -1) for g in (64, 32)]
 DOCS = {
     "llama.cpp": "llama.cpp tools/server README: -ctk/--cache-type-k, -ctv/--cache-type-v, "
-                 "-fa/--flash-attn (https://github.com/ggml-org/llama.cpp/tree/master/tools/server)",
+                 "-fa/--flash-attn (https://github.com/ggml-org/llama.cpp/tree/master/tools/"
+                 "server)",
     "vllm": "vLLM Quantized KV Cache (https://docs.vllm.ai/en/latest/features/quantization/"
             "quantized_kvcache/): k_scale/v_scale per attention layer from the checkpoint, "
             "else 1.0",
@@ -111,8 +102,7 @@ class TargetOptions:
     samples: int = 1
     tokens: int = 256
     rotation: bool = True  # llama.cpp rotation (False: LLAMA_ATTN_ROT_DISABLE=1)
-    # held-out tokens of the KLD anchors and --validate (kvlens recommend caps it at the
-    # model's context)
+    # held-out tokens of the KLD anchors and --validate (capped at the model's context)
     eval_tokens: int = DEFAULT_EVAL_TOKENS
     anchors: int = 3
     model: str | None = None
@@ -155,8 +145,7 @@ class TargetRecommendation:
     anchors: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     files: dict[str, str] = field(default_factory=dict)  # name -> JSON text to write
-    # the error table the choice was made on (``measure_errors``), its layers' model indices
-    # and the model's shape: what ``kvlens.deploy.plans`` scores an export's plan on
+    # the error table, its layers' model indices and the model's shape (``kvlens.deploy.plans``)
     table: list = field(default_factory=list, repr=False)
     layers: tuple[int, ...] = ()
     shape: Any = None
@@ -186,28 +175,20 @@ class TargetRecommendation:
 
 def _variants(target: str, head_dim: int, rotation: bool) -> dict[str, tuple[Any, str]]:
     """name -> (how to fake-quantize, kind) for every cache type the target offers."""
-
     if target == "llama.cpp":
         return {t: (parse_cache_type(t if t == "f16" or rotation else t + "+norot"), "type")
-                for t in LLAMACPP_SEARCH_TYPES}
-    if target in ("vllm", "sglang", "trtllm"):
-        names = {"vllm": VLLM_SEARCH_TYPES, "sglang": SGLANG_SEARCH_TYPES,
-                 "trtllm": TRTLLM_SEARCH_TYPES}[target]
+                for t in MENUS[target]}
+    if target in MENUS:
         return {"f16": (parse_cache_type("f16"), "type")} | {
             n: (BlockFloatSetting(target, n, 1.0).layout(), "layout")
-            if is_blockfloat(target, n) else (parse_cache_type(n), "type") for n in names}
-    out = {}
-    for bits in (4, 2):
-        for gran in ("per-token", "per-channel"):
-            for g in (64, 32):
-                if gran == "per-token" and head_dim % g:
-                    continue
-                out[f"{bits}:{gran}:{g}"] = (QuantSpec(bits, gran, g), "spec")
-    return out
+            if is_blockfloat(target, n) else (parse_cache_type(n), "type")
+            for n in MENUS[target]}
+    return {f"{bits}:{gran}:{g}": (QuantSpec(bits, gran, g), "spec") for bits in (4, 2)
+            for gran in ("per-token", "per-channel") for g in (64, 32)
+            if gran == "per-channel" or head_dim % g == 0}
 
 
 def _fake(x, how, kind: str, tensor: str, scale=None):
-
     if kind == "spec":
         return fake_quantize(x, how)
     if kind == "layout":  # a block-float layout (nvfp4): every token stored as it is written
@@ -219,10 +200,8 @@ def _fake(x, how, kind: str, tensor: str, scale=None):
 
 def _llamacpp_query(q, how, name: str):
     """The query llama.cpp's CPU flash attention dots with a ``name`` key cache, in the
-    unrotated basis: ``conv(q R) R^T`` (``kvlens.quant.llamacpp_cpu.query_to_vec_dot``; R the
-    key rotation when the type rotates). f16 keys keep the float32 query: f16/f16 ubatches take
-    the tiled float32 path (beside a quantized V, Q's fp16 rounding is below what a table entry
-    resolves)."""
+    unrotated basis: ``conv(q R) R^T`` (R the key rotation when the type rotates). f16 keys keep
+    the float32 query (f16/f16 ubatches take the tiled float32 path)."""
     if name == "f16":
         return q
     r = engine_rotation("key", q.shape[-1]) if how.rotates(q.shape[-1]) else None
@@ -233,11 +212,9 @@ def _llamacpp_query(q, how, name: str):
 
 def measure_errors(path: str | Path, target: str, opts: TargetOptions,
                    progress: Callable[[int, int], None] = lambda d, t: None):
-    """``(meta, table, scales)``: ``table[layer][(tensor, name)]`` = relative
-    attention-output error; ``scales[layer][(tensor, name)]`` = calibrated static fp8 scales
-    (float list) of the calibrated types (module docstring)."""
+    """``(meta, table, scales)``: ``table[layer][(tensor, name)]`` = relative attention-output
+    error, ``scales[layer][(tensor, name)]`` = calibrated static fp8 scales (float list)."""
     import torch
-
 
     table, scales = [], []
     with open_capture(path) as cap:
@@ -254,7 +231,7 @@ def measure_errors(path: str | Path, target: str, opts: TargetOptions,
             with torch.no_grad():
                 ref = attention_output(q, kv["key"], kv["value"], a.scaling, a.sliding_window,
                                        a.logit_softcap, a.sinks)
-                row, srow, cal = {}, {}, {}
+                row, cal = {}, {}
                 for name, (how, _) in variants.items():
                     fmt = getattr(how, "format", None)
                     if getattr(fmt, "family", None) != "fp8" or fmt.fixed_scale is not None:
@@ -271,8 +248,7 @@ def measure_errors(path: str | Path, target: str, opts: TargetOptions,
                 for tensor in ("key", "value"):
                     for name, (how, kind) in variants.items():
                         scale = cal.get((tensor, name))
-                        xq = _fake(kv[tensor], how, kind, tensor, scale)
-                        args = dict(kv, **{tensor: xq})
+                        args = dict(kv, **{tensor: _fake(kv[tensor], how, kind, tensor, scale)})
                         qe = q
                         if target == "llama.cpp" and tensor == "key":
                             qe = _llamacpp_query(q, how, name)
@@ -287,19 +263,22 @@ def measure_errors(path: str | Path, target: str, opts: TargetOptions,
 
 # -- candidates per target ---------------------------------------------------------------------
 
-def _bits(config, shape, context: int) -> float:
 
-    return config_bits(config, shape, context)
+def _err(row, key: str, value: str) -> tuple[float, float]:
+    """``(e_K, e_V)`` of a table row with keys in variant ``key`` and values in ``value``."""
+    return row[("key", key)], row[("value", value)]
 
 
-def _llamacpp(table, shape, opts) -> list[TargetCandidate]:
+def squared_error(row, variant: str) -> float:
+    """``e_K^2 + e_V^2`` of a table row with both tensors in ``variant``."""
+    return row[("key", variant)] ** 2 + row[("value", variant)] ** 2
 
-    out = []
+
+def _llamacpp(target, table, scales, meta, opts):
     for k in LLAMACPP_SEARCH_TYPES:
         for v in LLAMACPP_SEARCH_TYPES:
-            name = LlamaCppSetting(k, v, "auto" if opts.rotation else "off").name
-            cfg = engine_config(name).config
-            errs = [(row[("key", k)], row[("value", v)]) for row in table]
+            cfg = engine_config(LlamaCppSetting(k, v, "auto" if opts.rotation else "off").name
+                                ).config
             cmd = f"llama-server -m MODEL.gguf -ctk {k} -ctv {v}"
             if v != "f16":
                 cmd += " -fa on"
@@ -308,8 +287,7 @@ def _llamacpp(table, shape, opts) -> list[TargetCandidate]:
             if not opts.rotation:
                 deploy["env"] = {"LLAMA_ATTN_ROT_DISABLE": "1"}
                 deploy["command"] = "LLAMA_ATTN_ROT_DISABLE=1 " + cmd
-            out.append(TargetCandidate(name, cfg, _bits(cfg, shape, opts.context), errs, deploy))
-    return out
+            yield cfg, [_err(row, k, v) for row in table], deploy, None
 
 
 def _fp8_scales(scales, layers, positions, dtype: str) -> dict:
@@ -337,61 +315,47 @@ def _setting_config(engine: str, variant: str, skip: tuple[int, ...] = ()) -> KV
                     fp_dtype="float16")
 
 
-def _vllm(table, scales, shape, opts, meta) -> list[TargetCandidate]:
+def _vllm_deploy(base: str, skip: tuple[int, ...], calibrated: bool, meta):
+    deploy = {"target": "vllm", "command": exports.vllm_command(base, skip),
+              "kv_cache_dtype": base, "skip_layers": list(skip), "docs": DOCS["vllm"],
+              "scales": "calibrated (k_scale_file)" if calibrated else
+              "default 1.0 (no scales in the checkpoint, calculate_kv_scales off)"}
+    if calibrated:
+        deploy["k_scale_file"] = "kv_scales.json"
+    return deploy, exports.Plan.uniform(base, base, meta.layers, meta.shape.num_layers,
+                                        {i: ("f16", "f16") for i in skip})
 
-    out = []
-    n = len(table)
-    layers = meta.layers  # model indices, in table order
-    for dtype in VLLM_SEARCH_TYPES:
-        contrib = [row[("key", dtype)] ** 2 + row[("value", dtype)] ** 2 for row in table]
-        order = sorted(range(n), key=lambda j: -contrib[j])
-        calibrated = _calibrated(dtype)
-        for k in range(n + 1):
+
+def _sglang_deploy(base: str, skip: tuple[int, ...], calibrated: bool, meta):
+    cmd = f"python -m sglang.launch_server --model-path MODEL --kv-cache-dtype {base}"
+    if calibrated:
+        cmd += " --quantization-param-path kv_scales.json"
+    return {"target": "sglang", "command": cmd, "kv_cache_dtype": base,
+            "docs": DOCS["sglang"]}, None
+
+
+def _one_dtype(target, table, scales, meta, opts):
+    """vLLM and SGLang: one dtype of the menu on every layer; vLLM also with its ``k`` layers
+    of largest ``e_K^2 + e_V^2`` skipped (kept at f16), for every ``k``."""
+    n, layers = len(table), meta.layers  # model indices, in table order
+    for dtype in MENUS[target]:
+        base, calibrated = dtype.split(":")[0], _calibrated(dtype)
+        order = sorted(range(n), key=lambda j: -squared_error(table[j], dtype))
+        for k in range(n + 1) if target == "vllm" else (0,):
             skipped = set(order[:k])  # positions in the table
             skip = tuple(sorted(layers[j] for j in skipped))
-            cfg = _setting_config("vllm", dtype, skip)
+            cfg = _setting_config(target, dtype, skip)
             if calibrated:
                 cfg = replace(cfg, kv_scales=_fp8_scales(
                     scales, layers, [j for j in range(n) if j not in skipped], dtype))
-            errs = [(0.0, 0.0) if j in skipped else (row[("key", dtype)], row[("value", dtype)])
+            errs = [(0.0, 0.0) if j in skipped else _err(row, dtype, dtype)
                     for j, row in enumerate(table)]
-            base = dtype.split(":")[0]
-            cmd = exports.vllm_command(base, skip)
-            deploy = {"target": "vllm", "command": cmd, "kv_cache_dtype": base,
-                      "skip_layers": list(skip), "docs": DOCS["vllm"],
-                      "scales": "calibrated (k_scale_file)" if calibrated else
-                      "default 1.0 (no scales in the checkpoint, calculate_kv_scales off)"}
-            if calibrated:
-                deploy["k_scale_file"] = "kv_scales.json"
-            plan = exports.Plan.uniform(base, base, layers, meta.shape.num_layers,
-                                        {i: ("f16", "f16") for i in skip})
-            out.append(TargetCandidate(cfg.name, cfg, _bits(cfg, shape, opts.context), errs,
-                                       deploy, plan))
-    return out
+            deploy = (_vllm_deploy if target == "vllm" else _sglang_deploy)(
+                base, skip, calibrated, meta)
+            yield cfg, errs, *deploy
 
 
-def _sglang(table, scales, shape, opts, meta) -> list[TargetCandidate]:
-
-    out = []
-    n = len(table)
-    for dtype in SGLANG_SEARCH_TYPES:
-        calibrated = _calibrated(dtype)
-        cfg = _setting_config("sglang", dtype)
-        errs = [(row[("key", dtype)], row[("value", dtype)]) for row in table]
-        if calibrated:
-            cfg = replace(cfg, kv_scales=_fp8_scales(scales, meta.layers, range(n), dtype))
-        base = dtype.split(":")[0]
-        cmd = f"python -m sglang.launch_server --model-path MODEL --kv-cache-dtype {base}"
-        if calibrated:
-            cmd += " --quantization-param-path kv_scales.json"
-        deploy = {"target": "sglang", "command": cmd, "kv_cache_dtype": base,
-                  "docs": DOCS["sglang"]}
-        out.append(TargetCandidate(cfg.name, cfg, _bits(cfg, shape, opts.context), errs,
-                                   deploy))
-    return out
-
-
-def _plan_type(variant: str) -> str:
+def plan_type(variant: str) -> str:
     """The ``kvlens.deploy.exports`` plan type a measured variant stores (``fp8_e4m3:s1`` ->
     ``fp8_e4m3``)."""
     return variant.split(":")[0].split("@")[0]
@@ -401,71 +365,71 @@ def _plan_type(variant: str) -> str:
 TRTLLM_SETTINGS = {"fp8_e4m3:s1": "trtllm:fp8:s1", "nvfp4": "trtllm:nvfp4:s1"}
 
 
-def _trtllm(table, shape, opts, meta) -> list[TargetCandidate]:
+def _trtllm(target, table, scales, meta, opts):
     """Every TensorRT-LLM type on every layer, and each pair of types mixed per layer as
     ModelOpt's per-layer map writes it: the cheaper type with the ``k`` layers whose error it
     raises most (``e_K^2 + e_V^2`` over the other type's) in the more accurate one."""
-    out, n, layers = [], len(table), meta.layers
-    order = sorted(TRTLLM_SEARCH_TYPES, key=lambda t: exports.type_bits(_plan_type(t)))
+    n, layers = len(table), meta.layers
+    order = sorted(MENUS[target], key=lambda t: exports.type_bits(plan_type(t)))
     for a, low in enumerate(order):
         for high in order[a:]:
-            gain = [row[("key", low)] ** 2 + row[("value", low)] ** 2
-                    - row[("key", high)] ** 2 - row[("value", high)] ** 2 for row in table]
+            gain = [squared_error(row, low) - row[("key", high)] ** 2 - row[("value", high)] ** 2
+                    for row in table]
             ranked = sorted(range(n), key=lambda j: -gain[j])
             for k in range(1, n) if high != low else (0,):
-                up = set(ranked[:k])
-                out.append(_trtllm_candidate(table, shape, opts, meta, low,
-                                             {layers[j]: high for j in up}))
-    return out
+                yield _trtllm_mix(table, meta, low, {layers[j]: high for j in ranked[:k]})
 
 
-def _trtllm_candidate(table, shape, opts, meta, base: str, per_layer: dict[int, str]
-                      ) -> TargetCandidate:
-    """``base`` on every layer but ``per_layer`` (model index -> variant), as a candidate
-    with its exports (TensorRT-LLM's, and vLLM's nearest, ``kvlens.deploy.exports``)."""
-    layers = meta.layers
-    t = _plan_type(base)
+def _trtllm_mix(table, meta, base: str, per_layer: dict[int, str]):
+    """``base`` on every layer but ``per_layer`` (model index -> variant), with its exports
+    (TensorRT-LLM's, and vLLM's nearest, ``kvlens.deploy.exports``)."""
+    t = plan_type(base)
     uniform = engine_config(TRTLLM_SETTINGS[base]).config  # the setting generate reads
     name = uniform.name
     if per_layer:  # ModelOpt's per-layer mix: no engine setting, the config runs it
         groups = sorted(set(per_layer.values()))
-        name += "".join(f"+{_plan_type(g)}@" + ",".join(
+        name += "".join(f"+{plan_type(g)}@" + ",".join(
             str(i) for i in sorted(per_layer) if per_layer[i] == g) for g in groups)
     cfg = replace(uniform, name=name, layers={
         i: engine_config(TRTLLM_SETTINGS[v]).config.default for i, v in per_layer.items()},
         description="TensorRT-LLM KV cache " + name)
-    errs = [(row[("key", per_layer.get(i, base))], row[("value", per_layer.get(i, base))])
-            for i, row in zip(layers, table)]
-    plan = exports.Plan.uniform(t, t, layers, meta.shape.num_layers,
-                                {i: (_plan_type(v),) * 2 for i, v in per_layer.items()})
+    errs = [_err(row, per_layer.get(i, base), per_layer.get(i, base))
+            for i, row in zip(meta.layers, table)]
+    plan = exports.Plan.uniform(t, t, meta.layers, meta.shape.num_layers,
+                                {i: (plan_type(v),) * 2 for i, v in per_layer.items()})
     ex = exports.trtllm_export(plan)
     deploy = {"target": "trtllm", "command": ex.command,
               "kv_cache_dtype": ex.runs.tensor(0)[0], "docs": DOCS["trtllm"]}
-    return TargetCandidate(name, cfg, _bits(cfg, shape, opts.context), errs, deploy, plan)
+    return cfg, errs, deploy, plan
 
 
-def _transformers(table, shape, opts, head_dim: int) -> list[TargetCandidate]:
-
-    out = []
+def _transformers(target, table, scales, meta, opts):
     for bits, ak, av, g in QUANTO:
         gk = "per-token" if ak == 0 else "per-channel"
         gv = "per-token" if av == 0 else "per-channel"
-        if (ak == 0 or av == 0) and head_dim % g:
+        if (ak == 0 or av == 0) and meta.shape.head_dim % g:
             continue
-        name = QuantoSetting(bits, ak, av, g).name
-        cfg = engine_config(name).config
-        errs = [(row[("key", f"{bits}:{gk}:{g}")], row[("value", f"{bits}:{gv}:{g}")])
-                for row in table]
+        cfg = engine_config(QuantoSetting(bits, ak, av, g).name).config
         kwargs = {"backend": "quanto", "nbits": bits, "axis_key": ak, "axis_value": av,
                   "q_group_size": g, "residual_length": 128}
         cmd = ("model.generate(**inputs, cache_implementation=\"quantized\", cache_config="
                + json.dumps(kwargs) + ")")
-        out.append(TargetCandidate(name, cfg, _bits(cfg, shape, opts.context), errs,
-                                   {"target": "transformers", "command": cmd,
-                                    "cache_config": kwargs, "docs": DOCS["transformers"],
-                                    "cache_file": CACHE_FILE,
-                                    "snippet": cache_snippet(CACHE_FILE)}))
-    return out
+        yield cfg, [_err(row, f"{bits}:{gk}:{g}", f"{bits}:{gv}:{g}") for row in table], \
+            {"target": "transformers", "command": cmd,
+             "cache_config": kwargs, "docs": DOCS["transformers"], "cache_file": CACHE_FILE,
+             "snippet": cache_snippet(CACHE_FILE)}, None
+
+
+#: each engine target's candidate builder: ``(target, table, scales, meta, opts)`` -> the
+#: ``(config, errors per layer, deploy, plan)`` of each candidate, the config named by its setting
+BUILDERS = {"llama.cpp": _llamacpp, "vllm": _one_dtype, "sglang": _one_dtype,
+            "trtllm": _trtllm, "transformers": _transformers}
+
+
+def candidates_for(target: str, meta, table, scales, opts) -> list[TargetCandidate]:
+    return [TargetCandidate(cfg.name, cfg, config_bits(cfg, meta.shape, opts.context), errs,
+                            deploy, plan)
+            for cfg, errs, deploy, plan in BUILDERS[target](target, table, scales, meta, opts)]
 
 
 def pareto(cands: list[TargetCandidate]) -> list[TargetCandidate]:
@@ -500,19 +464,6 @@ def choose(front: list[TargetCandidate], opts: TargetOptions, kld_model=None
     return min(ok, key=lambda c: c.score)
 
 
-def candidates_for(target: str, meta, table, scales, opts) -> list[TargetCandidate]:
-    shape = meta.shape
-    if target == "llama.cpp":
-        return _llamacpp(table, shape, opts)
-    if target == "vllm":
-        return _vllm(table, scales, shape, opts, meta)
-    if target == "sglang":
-        return _sglang(table, scales, shape, opts, meta)
-    if target == "trtllm":
-        return _trtllm(table, shape, opts, meta)
-    return _transformers(table, shape, opts, meta.shape.head_dim)
-
-
 def _anchors(front: list[TargetCandidate], n: int) -> list[TargetCandidate]:
     """Up to ``n`` candidates of the front spread over ``log S`` (scores > 0)."""
     pos = sorted((c for c in front if c.score > 0), key=lambda c: c.score)
@@ -529,13 +480,10 @@ def _anchors(front: list[TargetCandidate], n: int) -> list[TargetCandidate]:
 
 
 def measure_kld(model_bundle, configs, eval_tokens: int, progress=lambda m: None) -> list[dict]:
-    """Mean KLD (with interval) of ``configs`` on the held-out text
-    (``kvlens.evaluation.evaluate_configs``). ``model_bundle``: ``(model, tokenizer)`` or
-    ``(model, tokenizer, source)``; with the source of a GGUF model a llama.cpp run also
-    simulates llama.cpp's matrix products."""
-
+    """Mean KLD (with interval) of ``configs`` on the held-out text. ``model_bundle``:
+    ``(model, tokenizer[, source])``; with a GGUF model's source a llama.cpp run also
+    simulates llama.cpp's matrix products (``kvlens.deploy.engine_run``)."""
     model, tok, *rest = model_bundle
-    # a llama.cpp run simulates the engine's matrix products too (kvlens.deploy.engine_run)
     types, notes = llamacpp_matmul_plan(list(configs), rest[0] if rest else None, model)
     for note in notes:
         progress(note)
@@ -549,30 +497,31 @@ def measure_kld(model_bundle, configs, eval_tokens: int, progress=lambda m: None
             for r in report["results"]]
 
 
+#: what a target's answer notes besides its error table
+TARGET_NOTES = {
+    "sglang": ["SGLang's scale file holds one scale per layer for K and V: kvlens calibrates "
+               "their max and measures with it"],
+    "llama.cpp": ["llama.cpp CUDA builds compile flash-attention kernels only for K/V type "
+                  "pairs q4_0/q4_0, q8_0/q8_0 and f16/f16 unless built with "
+                  "-DGGML_CUDA_FA_ALL_QUANTS=ON; the CPU backend runs every pair"],
+    "transformers": ["transformers: errors with every token quantized; QuantizedCache keeps up "
+                     "to residual_length tokens exact, so it reads less error than that"],
+}
+
+
 def recommend_target(path: str | Path, opts: TargetOptions,
                      progress: Callable[[int, int], None] = lambda d, t: None,
                      log: Callable[[str], None] = lambda m: None, model_bundle=None
                      ) -> TargetRecommendation:
-    """Measure, enumerate the target's menu, fit the KLD model when ``max_kld`` asks for it
-    (anchors measured on ``model_bundle`` = ``(model, tokenizer)``, loaded from the capture's
-    model when None) and choose (module docstring)."""
-
+    """Measure, enumerate, fit the KLD model when ``max_kld`` asks for it (anchors measured on
+    ``model_bundle``, else the capture's model) and choose (module docstring)."""
     meta, table, scales = measure_errors(path, opts.target, opts, progress)
     cands = candidates_for(opts.target, meta, table, scales, opts)
     front = pareto(cands)
     notes = [f"error table: {min(opts.tokens, meta.num_tokens)} tokens x "
              f"{min(opts.samples, meta.num_samples)} sample(s) per layer, every token "
              "quantized; S = sum over layers of e_K^2 + e_V^2 (uniform layer weights)"]
-    if opts.target == "sglang":
-        notes.append("SGLang's scale file holds one scale per layer for K and V: kvlens "
-                     "calibrates their max and measures with it")
-    if opts.target == "llama.cpp":
-        notes.append("llama.cpp CUDA builds compile flash-attention kernels only for K/V type "
-                     "pairs q4_0/q4_0, q8_0/q8_0 and f16/f16 unless built with "
-                     "-DGGML_CUDA_FA_ALL_QUANTS=ON; the CPU backend runs every pair")
-    if opts.target == "transformers":
-        notes.append("transformers: errors with every token quantized; QuantizedCache keeps "
-                     "up to residual_length tokens exact, so it reads less error than that")
+    notes += TARGET_NOTES.get(opts.target, [])
     rec_model, anchors = None, []
     if opts.max_kld is not None:
         if model_bundle is None:
@@ -586,13 +535,12 @@ def recommend_target(path: str | Path, opts: TargetOptions,
     chosen = choose(front, opts, rec_model)
     rec = TargetRecommendation(opts.target, chosen, front, len(cands), opts.context, rec_model,
                                None if rec_model is None else rec_model.predict(chosen.score),
-                               anchors, notes)
+                               anchors, notes, {}, table, tuple(meta.layers), meta.shape)
     rec.files = scale_files(rec, meta)
     if opts.target == "transformers" and not meta.shape.is_hybrid:
         # the per-layer cache file stock transformers loads (a layer without a KV cache would
         # need another transformers layer class)
         rec.files[CACHE_FILE] = export_cache(rec.chosen.config, meta.shape.num_layers).text()
-    rec.table, rec.layers, rec.shape = table, tuple(meta.layers), meta.shape
     return rec
 
 
@@ -604,11 +552,10 @@ def scale_files(rec: TargetRecommendation, meta) -> dict[str, str]:
     if rec.target == "vllm":
         doc = {f"model.layers.{i}.self_attn.{t[0]}_scale": (v[0] if len(v) == 1 else list(v))
                for i, s in sorted(cfg.kv_scales.items()) for t, v in s.items()}
-        return {"kv_scales.json": json.dumps(doc, indent=2) + "\n"}
-    doc = {"model_type": meta.shape.model_type,
-           "kv_cache": {"dtype": "float8_e4m3fn",
-                        "scaling_factor": {"0": {str(i): s["key"][0]
-                                                 for i, s in sorted(cfg.kv_scales.items())}}}}
+    else:  # SGLang's --quantization-param-path: one scale per layer
+        doc = {"model_type": meta.shape.model_type,
+               "kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {
+                   "0": {str(i): s["key"][0] for i, s in sorted(cfg.kv_scales.items())}}}}
     return {"kv_scales.json": json.dumps(doc, indent=2) + "\n"}
 
 
