@@ -9,7 +9,8 @@ setting means for its engine: docs/deploy/README.md and the engine's page beside
 ``TurboQuantSetting``, ``BlockFloatSetting``, ``QuantoSetting`` or ``HqqSetting``;
 ``setting.name`` writes the canonical spelling back (``parse(s.name) == s``) and
 ``setting.kvconfig(label)`` is the ``KVConfig`` that simulates it (engine cache types,
-``kvlens.quant.cachetypes``, or a kvlens layout). Calibrating static fp8 scales reads a capture: ``kvlens.deploy.presets``.
+``kvlens.quant.cachetypes``, or a kvlens layout). Calibrating static fp8 scales reads a
+capture: ``kvlens.deploy.presets``.
 """
 
 from __future__ import annotations
