@@ -8,10 +8,9 @@ before and after, and, where the code still has it (up to commit 6c4a6a5), the f
 model's prediction made before it starts (`pipeline.predict_cost`). It prints per stage the
 measured time, the fitted prediction and the progress estimate: the stage's time until its
 first round of units (one per worker) had finished plus the rest at their rate, the units
-weighted equally ("equal") or by their work ("by work": a layout sensitivity run goes from its
-own layer to the last, then the LM head; `kvlens.recommend.cost.perturbed_work`). From the
-commit that replaced the fitted model, `recommend` makes that estimate itself; its own
-("live") prediction is printed too. A study, run by hand (say how loaded the machine was):
+weighted equally ("equal", what `recommend` does since it replaced the fitted model: its own
+"live" prediction is printed too) or by their FLOPs ("by work": a layout sensitivity run goes
+from its own layer to the last, then the LM head). A study, run by hand (say how loaded the machine was):
 
     python benchmarks/studies/recommend_cost.py smol.h5 --out smol-cost.json
     python benchmarks/studies/recommend_cost.py --read smol-cost.json   # the table again
@@ -69,7 +68,7 @@ def _record(path: str, budget: float) -> dict:
             "layout_tokens": opts.layout_tokens or opts.tokens,
             "profile": {**measured.profile.to_dict(),
                         "predicted": dict(getattr(measured.profile, "predicted", {}))},
-            "calls": calls}
+            "calls": calls, "config": pipeline.choose(measured, opts).config.to_dict()}
 
 
 def _work(run: dict, call: dict, by_work: bool) -> dict[int, float]:
