@@ -46,6 +46,14 @@ def test_extrapolation_from_the_finished_work():
         extrapolate(1.0, 0, 30)
 
 
+def test_a_perturbed_run_costs_the_layers_after_its_own_and_the_head():
+    from kvlens.recommend.cost import perturbed_work
+
+    # four decoder layers of 10 FLOPs, a head of 5; runs start at layers 0, 1 and 3
+    assert perturbed_work([0, 1, 3], [2, 2, 1], 4, 10.0, 5.0) == [90.0, 70.0, 15.0]
+    assert perturbed_work([], [], 4, 10.0, 5.0) == []
+
+
 def test_expect_predicts_the_open_stage_and_says_so(monkeypatch):
     from kvlens.recommend import profile as profile_mod
 
@@ -86,7 +94,37 @@ def test_map_layers_predicts_its_stage_from_the_first_round(tmp_path, monkeypatc
     with profiling() as prof, stage("retrieval probe"):  # one layer: nothing left to predict
         parallel.map_layers(_index_of, path, layers[:1], (), 1)
     assert prof.predicted == {}
+    # layers weighted 1:3 (kvlens.recommend.cost.perturbed_work): the first, 2 s, was a
+    # quarter of the work, so 6 s left; read at 6 s into the stage: 12 s
+    with profiling() as prof, stage("layout sensitivity"):
+        parallel.map_layers(_index_of, path, layers, (), 1, work=[1.0, 3.0])
+    assert prof.predicted == {"layout sensitivity": 12.0}
 
 
 def _index_of(layer, meta):
     return layer.index
+
+
+def test_the_layout_stage_counts_a_model_s_decoder_and_head():
+    """A tiny Llama: a decoder layer's FLOPs are 2 x its parameters x tokens (the final norm
+    shared among the layers; the embedding is a lookup), the head's 2 x vocabulary x hidden x
+    kept."""
+    from types import SimpleNamespace
+
+    from tiny_models import tiny_model
+
+    from kvlens.model.shape import ModelShape
+    from kvlens.recommend.sensitivity import _perturbed_work
+
+    model = tiny_model("llama")
+    head = model.lm_head.weight.numel()
+    # counted from the modules themselves: the decoder layers and the final norm
+    body = sum(p.numel() for m in (model.model.layers, model.model.norm)
+               for p in m.parameters())
+    n_layers = model.config.num_hidden_layers
+    meta = SimpleNamespace(layers=tuple(range(n_layers)),
+                           shape=ModelShape(n_layers, 4, 2, 16))
+    work = _perturbed_work(model, meta, [3] * n_layers, 64, 32)
+    layer, lm = 2 * body / n_layers * 64, 2 * head * 32
+    assert work == pytest.approx([3 * ((n_layers - i) * layer + lm) for i in range(n_layers)])
+    assert work[0] > work[-1] > 0

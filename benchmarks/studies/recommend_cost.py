@@ -8,9 +8,9 @@ before and after, and, where the code still has it (up to commit 6c4a6a5), the f
 model's prediction made before it starts (`pipeline.predict_cost`). It prints per stage the
 measured time, the fitted prediction and the progress estimate: the stage's time until its
 first round of units (one per worker) had finished plus the rest at their rate, the units
-weighted equally ("equal", what `recommend` does since it replaced the fitted model: its own
-"live" prediction is printed too) or by their FLOPs ("by work": a layout sensitivity run goes
-from its own layer to the last, then the LM head). A study, run by hand (say how loaded the machine was):
+weighted equally ("equal") or by their FLOPs ("by work": a layout sensitivity run goes from its
+own layer to the last, then the LM head; `kvlens.recommend.cost.perturbed_work`, what
+`recommend` does since it replaced the fitted model: its own "live" prediction is printed too). A study, run by hand (say how loaded the machine was):
 
     python benchmarks/studies/recommend_cost.py smol.h5 --out smol-cost.json
     python benchmarks/studies/recommend_cost.py --read smol-cost.json   # the table again
@@ -24,20 +24,22 @@ import os
 import time
 from pathlib import Path
 
+#: the stage each map_layers label runs in (kvlens.recommend.pipeline.measure)
+STAGES = {"layer": "candidate errors", "layout sensitivity layer": "layout sensitivity",
+          "retrieval probe layer": "retrieval probe"}
+
 
 def _record(path: str, budget: float) -> dict:
     """Measure ``path`` at ``budget`` with every ``map_layers`` call recorded."""
     from kvlens.capture.store import open_capture
     from kvlens.recommend import RecommendOptions, parallel, pipeline, probe, sensitivity
-    from kvlens.recommend import profile as profile_mod
 
     calls: list[dict] = []
     real = parallel.map_layers
 
     def recorded(fn, cap_path, layers, args, workers, progress=None, label="layer", threads=1,
                  **kw):
-        prof = profile_mod._current.get()
-        call = {"stage": prof._open[-1][0] if prof and prof._open else None, "label": label,
+        call = {"stage": STAGES[label], "label": label,
                 "workers": workers, "units": list(layers), "start": time.time(), "done": []}
         calls.append(call)
 

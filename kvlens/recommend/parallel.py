@@ -71,18 +71,22 @@ def can_fork() -> bool:
 
 def map_layers(fn: Callable, path: str | Path, layers: Sequence[int], args: tuple,
                workers: int, progress: Callable[[int, int, str], None] | None = None,
-               label: str = "layer", threads: int = 1) -> list:
+               label: str = "layer", threads: int = 1,
+               work: Sequence[float] | None = None) -> list:
     """``[fn(layer_data, meta, *args) for each of layers]`` on ``workers`` processes (one:
     here, on ``threads`` torch threads), calling ``progress(done, total, f"{label} {index}")``
-    as layers finish; once one layer per worker has, predicts the rest at their rate."""
+    as layers finish; once one layer per worker has, predicts the rest at their rate, each
+    layer counted by its ``work`` (None: equal)."""
     total = len(layers)
-    start = time.perf_counter()
+    shares = dict(zip(layers, work if work is not None else [1.0] * total))
+    start, done = time.perf_counter(), []
 
     def finished(n: int, index: int) -> None:
+        done.append(index)
         if n == min(workers, total) < total:
             took = time.perf_counter() - start
-            expect(extrapolate(took, n, total) - took,
-                   f"its first {n} of {total} layers took {format_seconds(took)}")
+            whole = extrapolate(took, sum(shares[i] for i in done), sum(shares.values()))
+            expect(whole - took, f"its first {n} of {total} layers took {format_seconds(took)}")
         if progress:
             progress(n, total, f"{label} {index}")
 
