@@ -104,11 +104,8 @@ def main(argv=None) -> None:
     profile = doc.get("profile") or {}
     for stage, seconds in profile.get("stages", {}).items():
         print(f"  {stage:28s} {seconds:8.1f} s")
-    if profile.get("predicted"):
-        pred = profile["predicted"]
-        print(f"predicted  {pred.get('seconds', float('nan')):8.1f} s, peak "
-              f"{pred.get('peak_bytes', 0) / 2**20:,.0f} MiB (machine factor "
-              f"{pred.get('machine_factor', float('nan')):.2f})")
+    for stage, seconds in (profile.get("predicted") or {}).items():
+        print(f"  {stage:28s} {seconds:8.1f} s predicted (from its first layers)")
     print(f"held bits  {doc.get('mean_bits', float('nan')):.3f} at budget {args.budget}")
 
 

@@ -6,6 +6,7 @@ import itertools
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -315,7 +316,9 @@ def test_recommend_reuses_a_kept_measurement(tmp_path, monkeypatch):
     kept = tmp_path / "kept"
     monkeypatch.setenv("KVLENS_MEASUREMENT_CACHE", str(kept))
     path = _planted_capture(tmp_path / "p.h5")
-    base = ["recommend", str(path), "--windows", "128", "--set", "group-sizes=32", "--json"]
+    # one worker: the second layer is predicted from the first
+    base = ["recommend", str(path), "--windows", "128", "--set", "group-sizes=32", "--json",
+            "--workers", "1"]
 
     def run(*extra):
         res = runner.invoke(app, [*base, *extra])
@@ -324,6 +327,9 @@ def test_recommend_reuses_a_kept_measurement(tmp_path, monkeypatch):
 
     first, said = run("-b", "3.5")
     assert "reused" not in said and "candidate errors" in first["profile"]["stages"]
+    assert set(first["profile"]["predicted"]) == {"candidate errors"}
+    assert "predicted: candidate errors about" in said  # as its first layer finished
+    assert re.search(r"candidate\s+errors\s+\d+\s+s\s+\(predicted\s+\d+\s+s\)", said)
     files = list(kept.glob("*.npz"))
     assert len(files) == 1 and not list(kept.glob(".*"))
     again, said = run("-b", "3.0")

@@ -157,7 +157,7 @@ def capture_model(model, windows, output: str | Path, *, layers: str | list[int]
         text_source=text_source, kvlens_version=__version__,
         extra={"transformers_version": str(transformers.__version__),
                "torch_version": str(torch.__version__),
-               # the model's size, for recommend's cost prediction (kvlens.recommend.cost)
+               # the model's size: the file describes the model it came from
                "num_parameters": int(sum(p.numel() for p in model.parameters())),
                "vocab_size": int(vocab), "hidden_size": int(hidden)},
     )

@@ -121,10 +121,11 @@ def _render_export(ex: dict) -> None:
 def _print_profile(profile, predicted) -> None:
     """Where the time went (stderr), stage by stage, beside the prediction (None: nothing was
     predicted, the measurement was reused)."""
-    parts = ", ".join(f"{name} {format_seconds(sec)}" for name, sec in
-                      sorted(profile.stages.items(), key=lambda kv: -kv[1]) if sec >= 0.05)
-    said = "" if predicted is None else f", predicted {format_seconds(predicted.seconds)}"
-    err_console.print(f"time by stage ({format_seconds(profile.total)} in all{said}): {parts}",
+    said = predicted or {}
+    parts = ", ".join(f"{name} {format_seconds(sec)}" + (
+        f" (predicted {format_seconds(said[name])})" if name in said else "")
+        for name, sec in sorted(profile.stages.items(), key=lambda kv: -kv[1]) if sec >= 0.05)
+    err_console.print(f"time by stage ({format_seconds(profile.total)} in all): {parts}",
                       highlight=False)
 
 

@@ -16,7 +16,6 @@ from kvlens.config import preset, validate_for
 from kvlens.errors import ConfigError, OptionError
 from kvlens.evaluation import EvalOptions, evaluate_configs
 from kvlens.model.architecture import describe
-from kvlens.recommend.cost import Cost
 from kvlens.recommend.options import RecommendOptions
 from kvlens.recommend.pipeline import ProgressFn, choose
 from kvlens.recommend.profile import Profile, profiling, stage
@@ -33,14 +32,14 @@ VALIDATE_PRESETS = ("kivi-2", "kivi-4", "per-token-4")
 class LayerAnswer:
     """What ``recommend_layers`` found: the recommendation(s) (one per budget, or the one the
     search chose), the search, the validation (``kvlens.evaluation.evaluate_configs``'s report
-    and its options) and one result document per recommendation; ``predicted``: the cost
-    predicted before measuring (None: the measurement was reused)."""
+    and its options) and one result document per recommendation; ``predicted``: each
+    measured stage's predicted seconds (None: the measurement was reused)."""
 
     recommendations: list[Recommendation]
     documents: list[dict]
     search: BudgetSearch | None = None
     validation: dict | None = None
-    predicted: Cost | None = None
+    predicted: dict[str, float] | None = None
 
 
 def budget_list(budgets: str | None, budget_bits: float | None, max_kld: float | None,

@@ -7,6 +7,8 @@ elsewhere they are spawned.
 
 ``map_layers(fn, path, layers, args, workers)`` returns ``[fn(layer_data, meta, *args)]`` in the
 order of ``layers``; ``fn`` is a module-level function (pickled by name). One worker runs here.
+Once one layer per worker has finished, the stage's time is predicted from theirs
+(``kvlens.recommend.cost``, ``kvlens.recommend.profile.expect``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
@@ -23,9 +26,12 @@ import torch
 
 from kvlens.analysis.compare import torch_threads
 from kvlens.capture.store import open_capture
+from kvlens.recommend.cost import extrapolate
+from kvlens.recommend.profile import expect
+from kvlens.units import format_seconds
 
-#: A candidate stage predicted to take less than this (seconds, ``kvlens.recommend.cost``) runs
-#: in this process: starting a worker (a fresh interpreter importing torch) costs seconds.
+#: A candidate stage predicted to take less than this (seconds: its first layer's time times
+#: the layers) runs in this process: starting a worker (a fresh interpreter) costs seconds.
 PARALLEL_FROM_SECONDS = 20.0
 
 _worker: dict[str, Any] = {}
@@ -65,18 +71,31 @@ def can_fork() -> bool:
 
 def map_layers(fn: Callable, path: str | Path, layers: Sequence[int], args: tuple,
                workers: int, progress: Callable[[int, int, str], None] | None = None,
-               label: str = "layer", threads: int = 1) -> list:
+               label: str = "layer", threads: int = 1,
+               work: Sequence[float] | None = None) -> list:
     """``[fn(layer_data, meta, *args) for each of layers]`` on ``workers`` processes (one:
     here, on ``threads`` torch threads), calling ``progress(done, total, f"{label} {index}")``
-    as layers finish."""
+    as layers finish; once one layer per worker has, predicts the rest at their rate, each
+    layer counted by its ``work`` (None: equal)."""
     total = len(layers)
+    shares = dict(zip(layers, work if work is not None else [1.0] * total))
+    start, done = time.perf_counter(), []
+
+    def finished(n: int, index: int) -> None:
+        done.append(index)
+        if n == min(workers, total) < total:
+            took = time.perf_counter() - start
+            whole = extrapolate(took, sum(shares[i] for i in done), sum(shares.values()))
+            expect(whole - took, f"its first {n} of {total} layers took {format_seconds(took)}")
+        if progress:
+            progress(n, total, f"{label} {index}")
+
     if workers <= 1 or total <= 1:
         out = []
         with open_capture(path) as cap, torch_threads(threads):
             for n, index in enumerate(layers, 1):
                 out.append(fn(cap.layer(index), cap.meta, *args))
-                if progress:
-                    progress(n, total, f"{label} {index}")
+                finished(n, index)
         return out
     results: dict[int, Any] = {}
     context = multiprocessing.get_context("fork" if can_fork() else "spawn")
@@ -87,8 +106,7 @@ def map_layers(fn: Callable, path: str | Path, layers: Sequence[int], args: tupl
             for n, job in enumerate(as_completed(jobs), 1):
                 index, value = job.result()
                 results[index] = value
-                if progress:
-                    progress(n, total, f"{label} {index}")
+                finished(n, index)
         except BaseException:
             for job in jobs:
                 job.cancel()

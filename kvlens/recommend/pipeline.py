@@ -5,8 +5,9 @@ errors, one capture layer at a time), then allocate for any budget (``choose``).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -14,28 +15,16 @@ import torch
 from kvlens.analysis.compare import torch_threads
 from kvlens.capture.store import CaptureMeta, open_capture
 from kvlens.errors import InputError, OptionError
-from kvlens.model.load import parse_dtype
 from kvlens.recommend.allocation import assemble
-from kvlens.recommend.catalog import candidates, family_probes, still_offered
-from kvlens.recommend.cost import (
-    Cost,
-    CostShape,
-    estimated_params,
-    machine_factor,
-    predict,
-)
+from kvlens.recommend.catalog import candidates, still_offered
+from kvlens.recommend.cost import extrapolate
 from kvlens.recommend.layer_errors import check_windows, measure_layer
 from kvlens.recommend.options import Candidate, RecommendOptions, Stream
-from kvlens.recommend.parallel import can_fork, map_layers, resolve_workers
+from kvlens.recommend.parallel import map_layers, resolve_workers
 from kvlens.recommend.probe import add_retrieval_errors, load_model_for
 from kvlens.recommend.profile import Profile, profiling, stage
 from kvlens.recommend.result import Recommendation
-from kvlens.recommend.sensitivity import (
-    layout_factors,
-    layout_tokens,
-    probe_candidates,
-    sensitivity_weights,
-)
+from kvlens.recommend.sensitivity import layout_factors, probe_candidates, sensitivity_weights
 from kvlens.text.selection import format_index_spec
 
 ProgressFn = Callable[[int, int, str], None]
@@ -61,27 +50,30 @@ class Measurements:
     profile: Profile = field(default_factory=Profile)  # where measure's time went
 
 
-def measure(path: str | Path, opts: RecommendOptions,
-            progress: ProgressFn | None = None) -> Measurements:
-    """Per-layer candidate errors, fitted balancers and layer sensitivity weights."""
+def measure(path: str | Path, opts: RecommendOptions, progress: ProgressFn | None = None,
+            log: Callable[[str], None] | None = None) -> Measurements:
+    """Per-layer candidate errors, fitted balancers and layer sensitivity weights; ``log``
+    receives each stage's predicted time (``kvlens.recommend.profile.expect``)."""
 
     # One thread: these many small attention passes run faster than with two threads, which
     # mostly wait on each other (as in compare-axes: docs/compare-axes.md#memory-and-time).
     # The model's forwards (sensitivity) get the threads the caller had.
     threads = torch.get_num_threads()
-    with profiling() as prof, torch_threads(1):
+    with profiling(log=log) as prof, torch_threads(1):
         with open_capture(path) as cap:  # closed while worker processes start
             meta = cap.meta
         check_capture(path, meta, opts)
         cands = candidates(meta.shape.head_dim, opts, meta.shape.has_rope)
         check_windows(meta.shape.head_dim, opts, cands)
         probes = probe_candidates(meta.shape.head_dim)
-        workers = workers_for(meta, opts)
+        # per layer (errors, balancer, pre_ok), the probes also with every token quantized
+        args = (cands + [p for p in probes if p not in cands], opts, probes)
         with stage("candidate errors"):
-            # per layer (errors, balancer, pre_ok), the probes also with every token quantized
-            rows = map_layers(measure_layer, path, meta.layers,
-                              (cands + [p for p in probes if p not in cands], opts, probes),
-                              workers, progress)
+            rows, workers = _first_layer(path, meta.layers, args, opts.workers, progress)
+            first = len(rows)
+            rows += map_layers(measure_layer, path, meta.layers[first:], args, workers,
+                               progress and (lambda d, t, note: progress(d + first, t + first,
+                                                                         note)))
         tables, balancers, notes = [], {}, []
         no_pre = [index for index, row in zip(meta.layers, rows) if not row[2]]
         if no_pre and meta.shape.has_rope and opts.pre_rope != "off":
@@ -141,6 +133,20 @@ def check_capture(path: str | Path, meta, opts: RecommendOptions) -> None:
                          f"{len(meta.layers)} layers with a KV cache.")
 
 
+def _first_layer(path, layers, args, workers: int | None, progress: ProgressFn | None
+                 ) -> tuple[list, int]:
+    """``(rows measured so far, worker processes)``: ``workers`` as asked, else the first layer
+    measured here, and every core when its time times the layers says workers pay
+    (``kvlens.recommend.parallel.resolve_workers``)."""
+    if workers is not None:
+        return [], resolve_workers(workers, 0.0, len(layers))
+    start = time.perf_counter()
+    rows = map_layers(measure_layer, path, layers[:1], args, 1,
+                      progress and (lambda d, _t, note: progress(d, len(layers), note)))
+    alone = extrapolate(time.perf_counter() - start, 1, len(layers))
+    return rows, resolve_workers(None, alone, len(layers))
+
+
 def choose(m: Measurements, opts: RecommendOptions) -> Recommendation:
     """Allocate under ``opts.budget_bits`` from earlier measurements and build the config."""
     # measured with more fits than offered now: drop the rest
@@ -151,41 +157,3 @@ def choose(m: Measurements, opts: RecommendOptions) -> Recommendation:
                        m.meta.shape, m.factors)
     rec.profile = prof
     return rec
-
-
-def predict_cost(meta, opts: RecommendOptions, factor: float | None = None) -> Cost:
-    """``kvlens.recommend.cost.predict`` for measuring ``opts`` on a capture with ``meta``, on
-    this machine (``factor`` None: ``machine_factor()``, timed once per process)."""
-    return predict(replace(_cost_shape(meta, opts), workers=workers_for(meta, opts),
-                           forked=can_fork()),
-                   machine_factor() if factor is None else factor)
-
-
-def workers_for(meta, opts: RecommendOptions) -> int:
-    """The processes the per-layer stages (candidate errors, layout sensitivity) run on
-    (``kvlens.recommend.parallel``): as asked, or by their predicted length on one."""
-    stages = predict(_cost_shape(meta, opts)).stages
-    alone = stages["candidate errors"] + stages.get("layout sensitivity", 0.0)
-    return resolve_workers(opts.workers, alone, len(meta.layers))
-
-
-def _cost_shape(meta, opts: RecommendOptions) -> CostShape:
-    cands = candidates(meta.shape.head_dim, opts, meta.shape.has_rope)
-    tokens = meta.num_tokens if opts.tokens is None else min(opts.tokens, meta.num_tokens)
-    samples = meta.num_samples if opts.samples is None else min(opts.samples, meta.num_samples)
-    vocab = int(meta.extra.get("vocab_size", 0) or 0)
-    params = int(meta.extra.get("num_parameters", 0) or 0) or estimated_params(meta.shape,
-                                                                                vocab)
-    model_stages = not opts.layer_weights and (opts.sensitivity != "uniform"
-                                               or opts.retrieval != "off")
-    layout = opts.sensitivity in ("layout", "auto") and model_stages
-    return CostShape(
-        model=meta.shape, layers=len(meta.layers), samples=samples,
-        tokens=tokens, score_from=opts.score_from, candidates=len(cands) + 2,
-        streams=len(opts.streams()) + 1, families=len(family_probes(cands)) if layout else 0,
-        family_layers=opts.layout_layers or 0,
-        sensitivity_tokens=layout_tokens(opts, meta.num_tokens),
-        probe_tokens=opts.retrieval_tokens if opts.retrieval != "off" and model_stages else 0,
-        params=params if model_stages else 0, vocab=vocab,
-        hidden=int(meta.extra.get("hidden_size", 0) or 0),
-        weight_bytes=parse_dtype(opts.dtype).itemsize)

@@ -2,18 +2,23 @@
 
 ``measure`` and ``choose`` open a ``Profile`` (``profiling()``); code below them marks its work
 with ``stage(name)``, a no-op when none is open. Each stage's runs are also kept as wall-clock
-``spans``, so a memory sampler outside the process can say which stage its peak fell in.
+``spans``, so a memory sampler outside the process can say which stage its peak fell in. A
+per-layer stage records what it is predicted to take once its first units have finished
+(``expect``; ``kvlens.recommend.cost``) and tells the profile's ``log``.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
+from kvlens.units import format_seconds
+
 _current: ContextVar[Profile | None] = ContextVar("kvlens_recommend_profile", default=None)
+_log: ContextVar[Callable[[str], None] | None] = ContextVar("kvlens_recommend_log", default=None)
 
 
 @dataclass
@@ -23,6 +28,8 @@ class Profile:
     stages: dict[str, float] = field(default_factory=dict)
     # [name, start, end] per run of a stage, in Unix seconds (``time.time()``), nested ones too
     spans: list[list] = field(default_factory=list)
+    # predicted wall seconds of a stage (nested stages included), from its first units' time
+    predicted: dict[str, float] = field(default_factory=dict)
     # [name, start, nested] per stage now open: the run's state, never a constructor argument
     _open: list[list] = field(default_factory=list, init=False, repr=False)
 
@@ -44,14 +51,31 @@ class Profile:
 
 
 @contextmanager
-def profiling(profile: Profile | None = None) -> Iterator[Profile]:
-    """Open ``profile`` (a new one by default) for ``stage`` calls inside the block."""
+def profiling(profile: Profile | None = None, log: Callable[[str], None] | None = None
+              ) -> Iterator[Profile]:
+    """Open ``profile`` (a new one by default) for ``stage`` calls inside the block; ``log``
+    receives each prediction ``expect`` records."""
     profile = profile if profile is not None else Profile()
-    token = _current.set(profile)
+    token, said = _current.set(profile), _log.set(log)
     try:
         yield profile
     finally:
         _current.reset(token)
+        _log.reset(said)
+
+
+def expect(seconds_left: float, basis: str) -> None:
+    """Record that the innermost open stage will take ``seconds_left`` more (``basis``: what
+    that was extrapolated from), and say so; a no-op outside a stage."""
+    profile = _current.get()
+    if profile is None or not profile._open:
+        return
+    name, start, _nested = profile._open[-1]
+    total = time.perf_counter() - start + seconds_left
+    profile.predicted[name] = total
+    log = _log.get()
+    if log is not None:
+        log(f"predicted: {name} about {format_seconds(total)} ({basis})")
 
 
 @contextmanager

@@ -52,9 +52,9 @@ class Recommendation:
     # [(config name, kvlens.cache.decode_cost.DecodeCost)]: the recommendation, then presets
     decode_cost: list = field(default_factory=list)
     profile: Profile = field(default_factory=Profile)  # wall seconds per stage
-    # what measuring was predicted to cost (kvlens.recommend.cost.Cost); None: the
+    # each measured stage's predicted seconds (kvlens.recommend.profile.expect); None: the
     # measurement was read back from an earlier run (kvlens.recommend.reuse)
-    predicted: Any = None
+    predicted: dict[str, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"budget_bits": self.budget_bits, "mean_bits": self.mean_bits,
@@ -64,6 +64,5 @@ class Recommendation:
                 "layer_weights": list(self.weights), "kv_bytes": self.kv_bytes, "kv_bytes_fp16": self.kv_bytes_fp16,
                 "choices": [c.to_dict() for c in self.choices], "notes": self.notes,
                 "decode_cost": [{"config": n, **c.to_dict()} for n, c in self.decode_cost],
-                "profile": {**self.profile.to_dict(), "predicted": None if self.predicted is None
-                            else self.predicted.to_dict()},
+                "profile": {**self.profile.to_dict(), "predicted": self.predicted},
                 "config": self.config.to_dict()}

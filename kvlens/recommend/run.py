@@ -10,7 +10,6 @@ from pathlib import Path
 
 from kvlens.capture.store import open_capture
 from kvlens.recommend.allocation import check_budget
-from kvlens.recommend.cost import Cost
 from kvlens.recommend.options import RecommendOptions
 from kvlens.recommend.pipeline import (
     Measurements,
@@ -18,11 +17,9 @@ from kvlens.recommend.pipeline import (
     check_capture,
     choose,
     measure,
-    predict_cost,
 )
 from kvlens.recommend.result import Recommendation
 from kvlens.recommend.reuse import keep, kept_file, read_kept, reused_note
-from kvlens.units import format_bytes, format_seconds
 
 LogFn = Callable[[str], None]
 
@@ -37,20 +34,14 @@ def check(path: str | Path, opts: RecommendOptions) -> None:
     check_budget(meta, opts, meta.shape)
 
 
-def describe_cost(cost) -> str:
-    """The prediction line ``recommend`` prints before it measures."""
-    return (f"predicted: about {format_seconds(cost.seconds)} and {format_bytes(cost.peak_bytes)} "
-            f"peak memory (the reference machine's times x {cost.machine_factor:.2f}, this "
-            "machine's speed from a timed matrix product; kvlens.recommend.cost)")
-
-
 def measurement(path: str | Path, opts: RecommendOptions, progress: ProgressFn | None = None,
                 *, remeasure: bool = False, log: LogFn | None = None
-                ) -> tuple[Measurements, Cost | None]:
-    """``(measurements, predicted cost)`` of ``opts`` on the capture at ``path``: checked
-    (``check``), then read back from an earlier run with the same measuring options (predicted
-    None) or measured and kept (``remeasure`` measures again). ``log`` receives the prediction
-    before measuring, or the note that the measurement was reused."""
+                ) -> tuple[Measurements, dict[str, float] | None]:
+    """``(measurements, predicted seconds per stage)`` of ``opts`` on the capture at ``path``:
+    checked (``check``), then read back from an earlier run with the same measuring options
+    (predicted None) or measured and kept (``remeasure`` measures again). ``log`` receives
+    each stage's prediction as its first layers finish, or the note that the measurement was
+    reused."""
     say = log or (lambda _msg: None)
     check(path, opts)
     kept = kept_file(path, opts)
@@ -58,12 +49,9 @@ def measurement(path: str | Path, opts: RecommendOptions, progress: ProgressFn |
     if measured is not None:
         say(reused_note(kept))
         return measured, None
-    with open_capture(path) as cap:
-        predicted = predict_cost(cap.meta, opts)
-    say(describe_cost(predicted))
-    measured = measure(path, opts, progress)
+    measured = measure(path, opts, progress, log=say)
     keep(measured, kept)
-    return measured, predicted
+    return measured, dict(measured.profile.predicted)
 
 
 def recommend(path: str | Path, opts: RecommendOptions, progress: ProgressFn | None = None, *,

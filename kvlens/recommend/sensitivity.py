@@ -26,6 +26,7 @@ from kvlens.analysis.sensitivity import (
 from kvlens.capture.store import open_capture
 from kvlens.model.placement import input_device
 from kvlens.recommend.catalog import family, family_probes
+from kvlens.recommend.cost import perturbed_work
 from kvlens.recommend.layer_errors import layer_variants
 from kvlens.recommend.options import Candidate
 from kvlens.recommend.parallel import can_fork, map_layers
@@ -86,13 +87,15 @@ def layout_factors(path, model, opts, cands, balancers, notes, progress, workers
     largest = max(opts.window_sizes)
     one = replace(opts, samples=1, tokens=n, windows=(largest,))
     workers = workers if can_fork() else 1
+    work = _perturbed_work(model, meta, [len(probes if i in every else anchors)
+                                         for i in meta.layers], n, keep)
     with perturbed_kl(model, ids, keep) as kl:
         _run["kl"] = kl  # read by the forked workers (a closure cannot be pickled)
         try:
             rates = map_layers(_layout_row, path, meta.layers,
                                (probes, anchors, every, one, keep, balancers),
                                workers, progress, label="layout sensitivity layer",
-                               threads=torch.get_num_threads())
+                               threads=torch.get_num_threads(), work=work)
         finally:
             _run.clear()
     rates = _shared_rates(rates, [family(c) for c in probes], [family(c) for c in anchors])
@@ -130,6 +133,21 @@ def weights_and_factors(rates: Sequence[dict]) -> tuple[list[float], list[dict]]
 
 
 _run: dict = {}
+
+
+def _perturbed_work(model, meta, runs: Sequence[int], tokens: int, keep: int
+                    ) -> list[float] | None:
+    """``kvlens.recommend.cost.perturbed_work`` for ``model``: a decoder layer's FLOPs over
+    ``tokens``, the LM head's over the ``keep`` scored ones (None, equal work, without a head
+    to count)."""
+    if model.get_output_embeddings() is None:
+        return None
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    body = sum(p.numel() for p in model.parameters()) - head.numel() - \
+        (0 if emb is head else emb.numel())
+    layers = meta.shape.num_layers
+    return perturbed_work(meta.layers, runs, layers, 2 * body / layers * tokens,
+                          2 * head.numel() * keep)
 
 
 def _layout_row(layer, meta, probes, anchors, every, opts, keep, balancers) -> dict:
