@@ -26,14 +26,8 @@ from kvlens.config.blockfloat import (
     blockfloat_forms,
     is_blockfloat,
 )
-from kvlens.config.hqq import (
-    HQQ_AXES,
-    HQQ_BITS,
-    HqqSetting,
-    int_options,
-    layer_kwargs,
-    parse_hqq,
-)
+from kvlens.config.hqq import HQQ_AXES, HQQ_BITS, HqqSetting, parse_hqq
+from kvlens.config.quantized_layer import LAYER_DEFAULTS, QuantizedLayerSetting, int_options
 from kvlens.config.schema import KVConfig, LayerKV
 from kvlens.errors import ConfigError, is_int
 from kvlens.quant import CodebookSpec, QuantSpec, RotationSpec
@@ -77,7 +71,7 @@ TURBOQUANT_BOUNDARY = 2  # first and last layers vLLM keeps uncompressed (get_bo
 
 QUANTO_BITS = (2, 4)
 QUANTO_AXES = (0, -1)
-QUANTO_DEFAULTS = {"axis_key": 0, "axis_value": 0, "group": 64, "residual": 128}
+QUANTO_DEFAULTS = LAYER_DEFAULTS
 
 _NUMBER = r"[0-9.]+(?:e[+-]?[0-9]+)?"
 _OPTION = re.compile(rf"skip=(?P<skip>[0-9]+(?:,[0-9]+)*)|p(?P<percentile>{_NUMBER})"
@@ -349,53 +343,19 @@ class TurboQuantSetting:
 
 
 @dataclass(frozen=True)
-class QuantoSetting:
-    """transformers ``QuantizedCache(backend="quanto", nbits=bits, axis_key, axis_value,
-    q_group_size=group, residual_length=residual)`` as a kvlens layout."""
+class QuantoSetting(QuantizedLayerSetting):
+    """transformers ``QuantizedCache(backend="quanto", ...)`` (``QuantizedLayerSetting``)."""
 
-    bits: int
-    axis_key: int = QUANTO_DEFAULTS["axis_key"]
-    axis_value: int = QUANTO_DEFAULTS["axis_value"]
-    group: int = QUANTO_DEFAULTS["group"]
-    residual: int = QUANTO_DEFAULTS["residual"]
-
-    engine: ClassVar[str] = "transformers"
     backend: ClassVar[str] = "quanto"
+    granularity: ClassVar[dict[int, str]] = {0: "per-token", -1: "per-channel"}
 
-    def __post_init__(self) -> None:
+    def check_choices(self) -> None:
         if self.bits not in QUANTO_BITS or isinstance(self.bits, bool):
             raise ConfigError("transformers settings are quanto-2 and quanto-4 (QuantizedCache, "
                               "quanto backend)")
         for key in ("axis_key", "axis_value"):
             if getattr(self, key) not in QUANTO_AXES:
                 raise ConfigError(f"{key} must be 0 or -1")
-        if not is_int(self.group, 1) or not is_int(self.residual, 0):
-            raise ConfigError(f"group must be a positive integer and residual an integer >= 0, "
-                              f"got group={self.group!r}, residual={self.residual!r}")
-
-    @property
-    def name(self) -> str:
-        """Axes and group always written (what ``recommend --target`` searches), the residual
-        window when it is not the default."""
-        out = (f"transformers:quanto-{self.bits}:axis_key={self.axis_key}:"
-               f"axis_value={self.axis_value}:group={self.group}")
-        return out + ("" if self.residual == QUANTO_DEFAULTS["residual"]
-                      else f":residual={self.residual}")
-
-    def cache_kwargs(self) -> dict:
-        """The keyword arguments of transformers' ``QuantoQuantizedLayer`` for this setting."""
-        return layer_kwargs(self)
-
-    def spec(self, axis: int) -> QuantSpec:
-        return QuantSpec(self.bits, "per-token" if axis == 0 else "per-channel", self.group)
-
-    def kvconfig(self, label: str) -> KVConfig:
-        return KVConfig(label, LayerKV(self.spec(self.axis_key), self.spec(self.axis_value),
-                                       self.residual), fp_dtype="float16",
-                        description=f"transformers QuantizedCache(backend='quanto', "
-                                    f"nbits={self.bits}, axis_key={self.axis_key}, "
-                                    f"axis_value={self.axis_value}, q_group_size={self.group}, "
-                                    f"residual_length={self.residual})")
 
 
 EngineSettingName = (LlamaCppSetting | CacheDtypeSetting | TurboQuantSetting | BlockFloatSetting

@@ -28,70 +28,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvlens.config.schema import KVConfig, LayerKV
-from kvlens.errors import ConfigError, is_int
-from kvlens.quant import QuantSpec
+from kvlens.config.quantized_layer import LAYER_DEFAULTS, QuantizedLayerSetting, int_options
+from kvlens.errors import ConfigError
 
 HQQ_BITS = (1, 2, 3, 4, 8)  # transformers' HQQQuantizedLayer accepts these nbits
 HQQ_AXES = (0, 1)  # hqq's axis: 1 = consecutive elements, 0 = strided (module docstring)
-HQQ_DEFAULTS = {"axis_key": 0, "axis_value": 0, "group": 64, "residual": 128}
+HQQ_DEFAULTS = LAYER_DEFAULTS
 # The kvlens granularity nearest to each hqq axis (module docstring)
 HQQ_GRANULARITY = {1: "per-token", 0: "per-channel"}
 
 
 @dataclass(frozen=True)
-class HqqSetting:
-    """transformers ``QuantizedCache(backend="hqq", nbits=bits, axis_key, axis_value,
-    q_group_size=group, residual_length=residual)``, simulated as a kvlens layout."""
+class HqqSetting(QuantizedLayerSetting):
+    """transformers ``QuantizedCache(backend="hqq", ...)`` (``QuantizedLayerSetting``)."""
 
-    bits: int
-    axis_key: int = HQQ_DEFAULTS["axis_key"]
-    axis_value: int = HQQ_DEFAULTS["axis_value"]
-    group: int = HQQ_DEFAULTS["group"]
-    residual: int = HQQ_DEFAULTS["residual"]
-
-    engine: ClassVar[str] = "transformers"
     backend: ClassVar[str] = "hqq"
+    granularity: ClassVar[dict[int, str]] = HQQ_GRANULARITY
+    fit: ClassVar[str] = "hqq"
 
-    def __post_init__(self) -> None:
+    def check_choices(self) -> None:
         if self.bits not in HQQ_BITS or isinstance(self.bits, bool):
             raise ConfigError(f"HQQ bits are {', '.join(map(str, HQQ_BITS))}, got {self.bits!r}")
         for key in ("axis_key", "axis_value"):
             if getattr(self, key) not in HQQ_AXES:
                 raise ConfigError(f"{key} for hqq must be 0 or 1 (hqq's axes; quanto's are "
                                   f"0 and -1), got {getattr(self, key)!r}")
-        if not is_int(self.group, 1) or not is_int(self.residual, 0):
-            raise ConfigError(f"group must be a positive integer and residual an integer >= 0, "
-                              f"got group={self.group!r}, residual={self.residual!r}")
-
-    @property
-    def name(self) -> str:
-        out = (f"transformers:hqq-{self.bits}:axis_key={self.axis_key}:"
-               f"axis_value={self.axis_value}:group={self.group}")
-        return out + ("" if self.residual == HQQ_DEFAULTS["residual"]
-                      else f":residual={self.residual}")
-
-    def cache_kwargs(self) -> dict:
-        """The keyword arguments of transformers' ``HQQQuantizedLayer`` for this setting."""
-        return layer_kwargs(self)
-
-    def spec(self, axis: int) -> QuantSpec:
-        return QuantSpec(self.bits, HQQ_GRANULARITY[axis], self.group, fit="hqq")
-
-    def kvconfig(self, label: str) -> KVConfig:
-        kwargs = ", ".join(f"{k}={v}" for k, v in self.cache_kwargs().items())
-        return KVConfig(label, LayerKV(self.spec(self.axis_key), self.spec(self.axis_value),
-                                       self.residual), fp_dtype="float16",
-                        description=f"transformers QuantizedCache(backend='hqq', {kwargs})")
-
-
-def layer_kwargs(setting) -> dict:
-    """The keyword arguments of transformers' ``QuantizedLayer`` (quanto or HQQ) for a
-    ``transformers:`` setting (``bits``, ``axis_key``, ``axis_value``, ``group``,
-    ``residual``)."""
-    return {"nbits": setting.bits, "axis_key": setting.axis_key,
-            "axis_value": setting.axis_value, "q_group_size": setting.group,
-            "residual_length": setting.residual}
 
 
 def parse_hqq(parts: list[str]) -> HqqSetting:
@@ -102,19 +63,3 @@ def parse_hqq(parts: list[str]) -> HqqSetting:
         raise ConfigError(f"HQQ settings are hqq-B with B one of "
                           f"{', '.join(map(str, HQQ_BITS))}, got {parts[0]!r}")
     return HqqSetting(int(bits), **int_options(parts[1:], HQQ_DEFAULTS))
-
-
-def int_options(opts: list[str], defaults: dict[str, int]) -> dict[str, int]:
-    """``["key=value", ...]`` of a transformers setting -> ``{key: int}``; each key one of
-    ``defaults``, at most once (``ConfigError`` naming the allowed keys otherwise)."""
-    out: dict[str, int] = {}
-    for opt in opts:
-        key, _, value = opt.partition("=")
-        if key not in defaults or key in out:
-            raise ConfigError(f"unknown or repeated option {key!r}; allowed: "
-                              f"{', '.join(defaults)}")
-        try:
-            out[key] = int(value)
-        except ValueError:
-            raise ConfigError(f"{opt!r} needs an integer value") from None
-    return out

@@ -1,0 +1,87 @@
+"""What transformers' two quantized cache layers share as engine settings: ``nbits``, the key and
+value axes, the group size and the residual window, simulated as a kvlens layout.
+``QuantizedLayerSetting`` holds them once; the quanto backend (``kvlens.config.engine
+.QuantoSetting``) and the HQQ backend (``kvlens.config.hqq.HqqSetting``) say which bits and axes
+they accept, how an axis maps to a kvlens granularity and how groups are fitted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kvlens.config.schema import KVConfig, LayerKV
+from kvlens.errors import ConfigError, is_int
+from kvlens.quant import QuantSpec
+
+#: transformers' defaults for both backends (``QuantizedLayer``)
+LAYER_DEFAULTS = {"axis_key": 0, "axis_value": 0, "group": 64, "residual": 128}
+
+
+@dataclass(frozen=True)
+class QuantizedLayerSetting:
+    """transformers ``QuantizedCache(backend=B, nbits=bits, axis_key, axis_value,
+    q_group_size=group, residual_length=residual)``, simulated as a kvlens layout; a backend
+    sets ``backend``, ``granularity`` (its axis -> kvlens granularity), ``fit`` and
+    ``check_choices``."""
+
+    bits: int
+    axis_key: int = LAYER_DEFAULTS["axis_key"]
+    axis_value: int = LAYER_DEFAULTS["axis_value"]
+    group: int = LAYER_DEFAULTS["group"]
+    residual: int = LAYER_DEFAULTS["residual"]
+
+    engine: ClassVar[str] = "transformers"
+    backend: ClassVar[str]
+    granularity: ClassVar[dict[int, str]]
+    fit: ClassVar[str] = "minmax"
+
+    def check_choices(self) -> None:
+        """Refuse bits and axes the backend does not accept (``ConfigError``)."""
+        raise NotImplementedError
+
+    def __post_init__(self) -> None:
+        self.check_choices()
+        if not is_int(self.group, 1) or not is_int(self.residual, 0):
+            raise ConfigError(f"group must be a positive integer and residual an integer >= 0, "
+                              f"got group={self.group!r}, residual={self.residual!r}")
+
+    @property
+    def name(self) -> str:
+        """Axes and group always written (what ``recommend --target`` searches), the residual
+        window when it is not the default."""
+        out = (f"transformers:{self.backend}-{self.bits}:axis_key={self.axis_key}:"
+               f"axis_value={self.axis_value}:group={self.group}")
+        return out + ("" if self.residual == LAYER_DEFAULTS["residual"]
+                      else f":residual={self.residual}")
+
+    def cache_kwargs(self) -> dict:
+        """The keyword arguments of transformers' quantized layer for this setting."""
+        return {"nbits": self.bits, "axis_key": self.axis_key, "axis_value": self.axis_value,
+                "q_group_size": self.group, "residual_length": self.residual}
+
+    def spec(self, axis: int) -> QuantSpec:
+        return QuantSpec(self.bits, self.granularity[axis], self.group, fit=self.fit)
+
+    def kvconfig(self, label: str) -> KVConfig:
+        kwargs = ", ".join(f"{k}={v}" for k, v in self.cache_kwargs().items())
+        return KVConfig(label, LayerKV(self.spec(self.axis_key), self.spec(self.axis_value),
+                                       self.residual), fp_dtype="float16",
+                        description=f"transformers QuantizedCache(backend='{self.backend}', "
+                                    f"{kwargs})")
+
+
+def int_options(opts: list[str], defaults: dict[str, int]) -> dict[str, int]:
+    """``["key=value", ...]`` of a transformers setting -> ``{key: int}``; each key one of
+    ``defaults``, at most once (``ConfigError`` naming the allowed keys otherwise)."""
+    out: dict[str, int] = {}
+    for opt in opts:
+        key, _, value = opt.partition("=")
+        if key not in defaults or key in out:
+            raise ConfigError(f"unknown or repeated option {key!r}; allowed: "
+                              f"{', '.join(defaults)}")
+        try:
+            out[key] = int(value)
+        except ValueError:
+            raise ConfigError(f"{opt!r} needs an integer value") from None
+    return out
