@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from kvlens.errors import ConfigError
+from kvlens.layouts.dense import DenseTensor
 from kvlens.layouts.protocol import LAYOUT_KEY
 
 
@@ -78,37 +79,33 @@ class BlockFloatLayout:
 
 class BlockFloatStore:
     """Block-float history ``[B, H, length, D]``: element bytes ``codes`` ``[B, H, N, D /
-    codes_per_byte]`` and scale bytes ``scales`` ``[B, H, N, D / block]`` (uint8), grown and
-    shrunk to exactly what is held."""
+    codes_per_byte]`` and scale bytes ``scales`` ``[B, H, N, D / block]``, each a uint8
+    ``DenseTensor`` holding exactly what is held."""
 
     def __init__(self, quantize: Callable, dequantize: Callable):
         self.quantize, self.dequantize = quantize, dequantize
-        self.codes: torch.Tensor | None = None
-        self.scales: torch.Tensor | None = None
+        self.codes = DenseTensor(torch.uint8, "codes")
+        self.scales = DenseTensor(torch.uint8, "scales")
 
     @property
     def length(self) -> int:
-        return 0 if self.codes is None else self.codes.shape[2]
+        return self.codes.length
 
     def append(self, x: torch.Tensor) -> None:
         codes, scales = self.quantize(x)
-        if self.codes is None:
-            self.codes, self.scales = codes, scales
-        else:
-            self.codes = torch.cat((self.codes, codes), dim=2)
-            self.scales = torch.cat((self.scales, scales), dim=2)
+        self.codes.append(codes)
+        self.scales.append(scales)
 
     def drop_front(self, n: int) -> None:
-        if n:
-            self.codes = self.codes[:, :, n:].clone()
-            self.scales = self.scales[:, :, n:].clone()
+        self.codes.drop_front(n)
+        self.scales.drop_front(n)
 
     def dequantize_range(self, t0: int, t1: int) -> torch.Tensor:
-        return self.dequantize(self.codes[:, :, t0:t1], self.scales[:, :, t0:t1])
+        return self.dequantize(self.codes.view(t0, t1), self.scales.view(t0, t1))
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
-        return {} if self.codes is None else {"codes": self.codes, "scales": self.scales}
+        return self.codes.named_tensors() | self.scales.named_tensors()
 
     def select_batch(self, index: torch.Tensor) -> None:
-        if self.codes is not None:
-            self.codes, self.scales = self.codes[index], self.scales[index]
+        self.codes.select_batch(index)
+        self.scales.select_batch(index)
