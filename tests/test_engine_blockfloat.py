@@ -11,7 +11,7 @@ from helpers import make_capture
 
 from kvlens.config import BlockFloatSetting, CacheDtypeSetting, parse_engine_setting
 from kvlens.config.engine import allowed_settings, measured_cache_type
-from kvlens.deploy.presets import NVFP4_RANGE, engine_config
+from kvlens.deploy.presets import engine_config
 from kvlens.errors import ConfigError
 from kvlens.layouts.fp4_e2m1 import Fp4E2M1
 from kvlens.layouts.mxfp8 import MxFp8
@@ -82,7 +82,7 @@ def test_nvfp4_global_scales_calibrate_per_layer_from_a_capture(tmp_path):
     cfg = s.config
     assert cfg.layer(0).key_format == "f16"  # skipped: kept at f16 whatever the capture
     layer = cfg.layer(1)
-    assert layer.key == NvFp4(float(10 * k.abs().max()) / NVFP4_RANGE)
+    assert layer.key == NvFp4(float(10 * k.abs().max()) / 448)  # ModelOpt's k_scale
     assert layer.value == NvFp4(1.0)  # an all-zero capture leaves the engines' 1.0
     fixed = engine_config("vllm:nvfp4:s0.25", calibration=str(path)).config
     assert fixed.layers == {} and fixed.default.key == NvFp4(0.25)

@@ -24,10 +24,12 @@ from kvlens.config.engine import (
 from kvlens.config.hqq import HqqSetting
 from kvlens.quant.cachetypes import needs_scales
 from kvlens.quant.formats import engine_rotation
-from kvlens.quant.fp4 import E2M1_MAX, E4M3_MAX
+from kvlens.quant.fp4 import E4M3_MAX
 from kvlens.quant.fp8 import calibrate_scale
 
-NVFP4_RANGE = E4M3_MAX * E2M1_MAX  # |x| a global scale of 1 reaches: 448 * 6
+#: a calibrated NVFP4 global scale is ``absmax / NVFP4_SCALE_BOUND``: ModelOpt's KV scale, the same
+#: definition as its fp8 scale (``kv_cache_max_bound``), which the engines read from a checkpoint
+NVFP4_SCALE_BOUND = E4M3_MAX
 
 TRANSFORMERS_DIFFERENCES = (
     "transformers' QuantizedCache keeps the prompt's own attention exact and quantizes the whole "
@@ -74,9 +76,9 @@ def engine_config(name: str, calibration: str | None = None,
 
 
 def _blockfloat(raw: str, s: BlockFloatSetting, calibration: str | None) -> EngineSetting:
-    """NVFP4's global scales: calibrated per layer from a capture (``absmax / (448 * 6)`` of
-    the layer's keys, and of its values: the block scale of the largest block then reaches
-    E4M3's 448) when the command has one and no ``:sS``, else 1.0 (or ``S``)."""
+    """NVFP4's global scales: calibrated per layer from a capture (``absmax / 448`` of the
+    layer's keys, and of its values, as ModelOpt writes them into a checkpoint's ``k_scale`` /
+    ``v_scale``) when the command has one and no ``:sS``, else 1.0 (or ``S``)."""
     if not (s.calibrates and calibration is not None):
         notes = ((f"{raw}: NVFP4 global scales of 1.0 (the engines' default without "
                   "checkpoint k_scale/v_scale); pass --calibration run.h5 for absmax "
@@ -85,10 +87,10 @@ def _blockfloat(raw: str, s: BlockFloatSetting, calibration: str | None) -> Engi
     scales = {}
     with open_capture(calibration) as cap:
         for idx in cap.layers:
-            k, v = (float(cap.layer(idx).read(t).abs().max()) / NVFP4_RANGE for t in "kv")
+            k, v = (float(cap.layer(idx).read(t).abs().max()) / NVFP4_SCALE_BOUND for t in "kv")
             scales[idx] = (k or 1.0, v or 1.0)
     note = (f"{raw}: NVFP4 global scales calibrated from {calibration} (per layer, absmax / "
-            f"{NVFP4_RANGE:g}, keys and values apart).")
+            f"{NVFP4_SCALE_BOUND:g}, keys and values apart, as ModelOpt writes them).")
     return EngineSetting(s.engine, s.kvconfig(raw, scales), (note,))
 
 
