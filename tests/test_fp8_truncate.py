@@ -5,6 +5,7 @@ benchmarks/studies/vllm_cpu_fp8.py write --save), through the engine cache, and 
 
 import base64
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ from kvlens.config.engine import (
     parse_engine_setting,
     setting_for_cache_type,
 )
+from kvlens.deploy.targets import TARGET_NOTES
 from kvlens.errors import ConfigError
 from kvlens.quant import fp8_encode
 from kvlens.quant.cachetypes import parse_cache_type
@@ -161,3 +163,11 @@ def test_cpu_setting_refusals_say_why(name, why):
 def test_trunc_is_an_option_of_static_fp8_only(name):
     with pytest.raises(ConfigError, match="static fp8"):
         parse_format(name)
+
+
+def test_recommend_vllm_says_which_writer_it_models():
+    note = " ".join(TARGET_NOTES["vllm"])
+    named = re.findall(r"vllm:[a-z0-9_.:]+:cpu", note)
+    assert named and "GPU" in note
+    for name in named:  # the CPU settings it points to exist and truncate
+        assert parse_engine_setting(name).cache_type(calibrated=False).endswith(":trunc")

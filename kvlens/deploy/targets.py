@@ -499,6 +499,9 @@ def measure_kld(model_bundle, configs, eval_tokens: int, progress=lambda m: None
 
 #: what a target's answer notes besides its error table
 TARGET_NOTES = {
+    "vllm": ["vllm: vLLM on a GPU, whose cache writer rounds to fp8 nearest; vLLM's CPU build "
+             "truncates instead and loses more: its settings are the same with :cpu (generate "
+             "--compare vllm:fp8_e4m3:s1:cpu)"],
     "sglang": ["SGLang's scale file holds one scale per layer for K and V: kvlens calibrates "
                "their max and measures with it"],
     "llama.cpp": ["llama.cpp CUDA builds compile flash-attention kernels only for K/V type "
