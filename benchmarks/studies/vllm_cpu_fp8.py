@@ -4,8 +4,9 @@
 the bytes that vLLM's CPU cache writer (``cpu_attn_reshape_and_cache``, the ``vec`` ISA of a
 float32 model) stores for hard K/V values (``hard_values``) in e4m3 and e5m2, against kvlens's
 two roundings of them (``kvlens.quant.fp8_encode``: to nearest, and truncated as vLLM's CPU
-build does). Prints how many bytes each misses; ``--save`` writes the inputs and vLLM's bytes
-as the fixture ``tests/test_fp8_truncate.py`` checks kvlens against.
+build does). Prints how many bytes each misses, and the same for the ``amx`` writer of a
+bfloat16 model (``amx_check``); ``--save`` writes the inputs and the ``vec`` writer's bytes as
+the fixture ``tests/test_fp8_truncate.py`` checks kvlens against.
 
 ``kld``: in transformers (kvlens's environment), SmolLM2's K (post-RoPE) and V stored as fp8 at
 scale 1.0 and read back by every query (write before attention, one forward over the first
@@ -86,10 +87,35 @@ def write_check(save: str | None) -> None:
                   f"{int((got[t] != nearest).sum())}; from kvlens's truncation: "
                   f"{int((got[t] != trunc).sum())}")
             doc["bytes"][f"{fp8}/{t}"] = base64.b64encode(got[t].numpy().tobytes()).decode()
+    amx_check(x)
     if save:
         with open(save, "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=1)
             f.write("\n")
+
+
+def amx_check(x) -> None:
+    """The ``amx`` writer (a bfloat16 model on an AMX CPU) on ``x`` in bfloat16: its tile
+    layout is not decoded here, so each block's bytes are compared as a sorted multiset."""
+    import torch
+    import vllm._custom_ops as ops
+
+    from kvlens.quant import fp8_encode
+
+    k, v = x["key"].bfloat16(), x["value"].bfloat16()
+    for dtype, fp8 in (("fp8", "e4m3"), ("fp8_e5m2", "e5m2")):
+        kc = torch.zeros(k.shape[0] // BLOCK, HEADS, BLOCK, DIM, dtype=torch.uint8)
+        vc = torch.zeros_like(kc)
+        ops.cpu_attn_reshape_and_cache(k, v, kc, vc, torch.arange(k.shape[0]), "amx",
+                                       SCALES["key"], SCALES["value"], dtype)
+        for t, xt, got in (("key", k, kc), ("value", v, vc)):
+            scale = torch.tensor(SCALES[t])
+            mine = {r: fp8_encode(xt.float(), scale, fp8, r).view(torch.uint8).flatten().sort()
+                    .values for r in ("nearest", "truncate")}
+            got = got.flatten().sort().values
+            print(f"amx {fp8} {t}s, as sorted bytes: differ from round-to-nearest: "
+                  f"{int((mine['nearest'] != got).sum())}; from kvlens's truncation: "
+                  f"{int((mine['truncate'] != got).sum())}")
 
 
 def kld(model_dir: str, tokens: int) -> None:
