@@ -58,6 +58,8 @@ VLLM_DTYPES, SGLANG_DTYPES, TRTLLM_DTYPES = CACHE_DTYPES.values()
 # nvfp4 at the default global scale 1.0
 VLLM_SEARCH_TYPES = ("fp8_e4m3", "fp8_e4m3:s1", "fp8_e5m2:s1", "nvfp4")
 SGLANG_SEARCH_TYPES = VLLM_SEARCH_TYPES
+# `recommend --target vllm:cpu`: vLLM's CPU build (fp8 truncated; it runs no nvfp4)
+VLLM_CPU_SEARCH_TYPES = ("fp8_e4m3:trunc", "fp8_e4m3:s1:trunc", "fp8_e5m2:s1:trunc")
 # `recommend --target trtllm`: e4m3 at scale 1.0 (a checkpoint without KV scales) and nvfp4,
 # every layer or mixed per layer (kvlens.deploy.exports)
 TRTLLM_SEARCH_TYPES = ("fp8_e4m3:s1", "nvfp4")
