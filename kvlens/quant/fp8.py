@@ -189,9 +189,9 @@ def fp8_encode(x: torch.Tensor, scale: torch.Tensor, fp8: str,
     (``rounding="truncate"``: ``x * (1/s)`` in float32, then ``truncate_fp8``). ``scale``
     broadcasts against ``x``; a zero scale is replaced by 1 here (``fp8_decode`` reads zeros)."""
     dtype, top = FP8_DTYPES[fp8], FP8_MAX[fp8]
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale)).float()
-    if rounding == "truncate":
-        return truncate_fp8(x.float() * (1.0 / safe), fp8).to(dtype)  # exact: on the grid
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    if rounding == "truncate":  # the float32 reciprocal, then values already on the fp8 grid
+        return truncate_fp8(x.float() * (1.0 / safe.float()), fp8).to(dtype)
     return (x.float() / safe).clamp(-top, top).to(dtype)
 
 
