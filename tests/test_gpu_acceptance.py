@@ -345,25 +345,30 @@ FAKE_KVLENS = """import json, sys
 setting = sys.argv[sys.argv.index("--compare") + 1]
 if "nvfp4" in setting:
     sys.exit("unknown engine setting " + setting)
-value = {"vllm:fp8_e4m3:s1": 0.02, "vllm:fp8_e5m2:s1": 1.0}[setting]
+value = {"vllm:fp8_e4m3:s1": 0.02, "vllm:fp8_e5m2:s1": 1.0, "vllm:fp8_e4m3:s1:cpu": 0.04,
+         "vllm:fp8_e5m2:s1:cpu": 1.5}[setting]
 print(json.dumps({"results": [{"name": setting, "kld": {
     "mean_kld": {"value": value, "ci95": [value / 2, value * 2]}, "scored": 9,
     "top1_agreement": {"value": 0.9}, "ppl_change": {"value": 0.01}}}]}))
 """
 
 
-def test_an_engine_check_runs_the_worker_and_kvlens_and_records_refusals(tmp_path):
-    np = pytest.importorskip("numpy")
+def _fake_check(tmp_path, device: str, printed: list):
     engine = tmp_path / "engine-python"
     engine.write_text(f"#!{sys.executable}\n{FAKE_ENGINE}")
     engine.chmod(0o755)
     fake_kvlens = tmp_path / "fake_kvlens.py"
     fake_kvlens.write_text(FAKE_KVLENS)
-    ids = list(range(1, 11))
+    return ec.check_engine("vllm", model=tmp_path, ids=list(range(1, 11)), out=tmp_path / "o",
+                           python=str(engine), device=device, model_dtype="float32",
+                           timeout=120, kvlens=[sys.executable, str(fake_kvlens)],
+                           progress=printed.append)
+
+
+def test_an_engine_check_runs_the_worker_and_kvlens_and_records_refusals(tmp_path):
+    np = pytest.importorskip("numpy")
     printed = []
-    figs = ec.check_engine("vllm", model=tmp_path, ids=ids, out=tmp_path / "o",
-                           python=str(engine), device="cpu", model_dtype="float32", timeout=120,
-                           kvlens=[sys.executable, str(fake_kvlens)], progress=printed.append)
+    figs = _fake_check(tmp_path, "cuda", printed)
     assert list(figs) == ["fp8", "fp8_e5m2", "nvfp4"]
     ref, fp8 = (np.load(tmp_path / "o" / f"vllm-{d}.npy") for d in ("auto", "fp8"))
     want = float(_kl(ref, fp8).mean())
@@ -378,6 +383,18 @@ def test_an_engine_check_runs_the_worker_and_kvlens_and_records_refusals(tmp_pat
         in printed[0]
     assert "not run: " in printed[2] and "no simulation: " in printed[2]
     assert (tmp_path / "o" / "vllm-nvfp4.log").is_file()
+
+
+def test_on_a_cpu_vllm_is_checked_against_its_cpu_builds_settings(tmp_path):
+    pytest.importorskip("numpy")
+    printed = []
+    figs = _fake_check(tmp_path, "cpu", printed)
+    # the CPU build truncates (:cpu); its nvfp4 is not an fp4 cache, so not checked there
+    assert {d: f["kvlens_setting"] for d, f in figs.items()} == {
+        "fp8": "vllm:fp8_e4m3:s1:cpu", "fp8_e5m2": "vllm:fp8_e5m2:s1:cpu"}
+    assert figs["fp8"]["kvlens"]["mean_kld"] == 0.04
+    assert not (tmp_path / "o" / "vllm-nvfp4.log").exists()
+    assert "| kvlens vllm:fp8_e4m3:s1:cpu 0.04" in printed[0]
 
 
 def test_an_engine_not_installed_is_a_skipped_step_of_the_acceptance_run(tmp_path):

@@ -27,7 +27,7 @@ from kvlens.quant import QuantSpec, pack_codes, quantize, unpack_codes
 from kvlens.quant.cachetypes import CacheType, DenseType, needs_scales, scale_count
 from kvlens.quant.ds_mla import DsMlaRows, dequantize_ds_mla, quantize_ds_mla
 from kvlens.quant.formats import rotate_rows
-from kvlens.quant.fp8 import FP8_DTYPES, FP8_MAX
+from kvlens.quant.fp8 import FP8_MAX, fp8_decode, fp8_encode
 from kvlens.quant.ggml import GGMLBlocks, dequantize_ggml, quantize_ggml
 from kvlens.quant.llamacpp_cpu import attend as llamacpp_attend
 
@@ -77,17 +77,15 @@ class EngineStore:
         if self.family == "ggml":
             return quantize_ggml(x, self.fmt).to_bytes(), None, None
         if self.family == "fp8":
-            top = FP8_MAX[self.fmt.fp8]
-            codes = (x.float() / _safe(self.static_scale.to(x.device))).clamp(-top, top)
-            return codes.to(FP8_DTYPES[self.fmt.fp8]), None, None
+            scale = self.static_scale.to(x.device)
+            return fp8_encode(x, scale, self.fmt.fp8, self.fmt.rounding), None, None
         if self.family == "ds-mla":
             rows = quantize_ds_mla(x)
             return rows.codes, rows.scales, rows.rope
         # dynamic per-token-head
         if self.fmt.kind == "fp8":
             s = x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX["e4m3"]
-            codes = (x.float() / _safe(s)).clamp(-FP8_MAX["e4m3"], FP8_MAX["e4m3"])
-            return codes.to(torch.float8_e4m3fn), s, None
+            return fp8_encode(x, s, "e4m3"), s, None
         q = quantize(x.float(), QuantSpec(self.fmt.code_bits, "per-token", None, True))
         return pack_codes(q.codes, self.fmt.code_bits), q.scale, None
 
@@ -118,11 +116,11 @@ class EngineStore:
         if self.family == "ggml":
             return dequantize_ggml(GGMLBlocks.from_bytes(self.data, self.fmt, self.head_dim))
         if self.family == "fp8":
-            return _unscale(self.data, self.static_scale.to(self.data.device))
+            return fp8_decode(self.data, self.static_scale.to(self.data.device))
         if self.family == "ds-mla":
             return dequantize_ds_mla(DsMlaRows(self.data, self.scales, self.rope))
         if self.fmt.kind == "fp8":
-            return _unscale(self.data, self.scales)
+            return fp8_decode(self.data, self.scales)
         bits = self.fmt.code_bits
         qmax = (1 << (bits - 1)) - 1
         codes = unpack_codes(self.data, bits, self.head_dim)
@@ -161,17 +159,6 @@ class EngineStore:
 
     def select_batch(self, index: torch.Tensor) -> None:
         self._map(lambda t: t[index])
-
-
-def _safe(s: torch.Tensor) -> torch.Tensor:
-    """Scales with 0 replaced by 1 (a zero scale stores and reads zeros)."""
-    return torch.where(s > 0, s, torch.ones_like(s))
-
-
-def _unscale(data: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """fp8 codes times their scale, float32; 0 where the scale is 0."""
-    y = data.float() * _safe(s)
-    return torch.where(s > 0, y, torch.zeros_like(y))
 
 
 def _visible(mask: torch.Tensor | None, tq: int, n: int, device) -> torch.Tensor:

@@ -199,7 +199,8 @@ def recommend(
     target: str = typer.Option("kvlens", "--target", rich_help_panel=ENGINE,
                                help="What to recommend for: kvlens (a per-layer config for "
                                     "kvlens' cache), llama.cpp (-ctk/-ctv), vllm (--kv-cache-"
-                                    "dtype), sglang, transformers (QuantizedCache), trtllm "
+                                    "dtype), vllm:cpu (vLLM's CPU build), sglang, transformers "
+                                    "(QuantizedCache), trtllm "
                                     "(TensorRT-LLM). docs/deploy/README.md."),
     max_kld: float = typer.Option(None, "--max-kld", callback=open_range(0, math.inf),
                                   rich_help_panel=ENGINE,

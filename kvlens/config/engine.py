@@ -58,6 +58,8 @@ VLLM_DTYPES, SGLANG_DTYPES, TRTLLM_DTYPES = CACHE_DTYPES.values()
 # nvfp4 at the default global scale 1.0
 VLLM_SEARCH_TYPES = ("fp8_e4m3", "fp8_e4m3:s1", "fp8_e5m2:s1", "nvfp4")
 SGLANG_SEARCH_TYPES = VLLM_SEARCH_TYPES
+# `recommend --target vllm:cpu`: vLLM's CPU build (fp8 truncated; it runs no nvfp4)
+VLLM_CPU_SEARCH_TYPES = ("fp8_e4m3:trunc", "fp8_e4m3:s1:trunc", "fp8_e5m2:s1:trunc")
 # `recommend --target trtllm`: e4m3 at scale 1.0 (a checkpoint without KV scales) and nvfp4,
 # every layer or mixed per layer (kvlens.deploy.exports)
 TRTLLM_SEARCH_TYPES = ("fp8_e4m3:s1", "nvfp4")
@@ -75,7 +77,7 @@ QUANTO_DEFAULTS = LAYER_DEFAULTS
 
 _NUMBER = r"[0-9.]+(?:e[+-]?[0-9]+)?"
 _OPTION = re.compile(rf"skip=(?P<skip>[0-9]+(?:,[0-9]+)*)|p(?P<percentile>{_NUMBER})"
-                     rf"|s(?P<fixed_scale>{_NUMBER})")
+                     rf"|s(?P<fixed_scale>{_NUMBER})|(?P<cpu>cpu)")
 
 
 def setting_forms() -> tuple[str, ...]:
@@ -85,7 +87,7 @@ def setting_forms() -> tuple[str, ...]:
     return (
         "llamacpp:K/V[:norot|:rot][:nofa][:noarith] (K, V: " + ", ".join(LLAMACPP_TYPES) + ")",
         "llamacpp:T (= llamacpp:T/T)",
-        "vllm:D[@head][:pP|:sS][:skip=L,L] (D: " + ", ".join(STATIC_FP8_DTYPES) + ")",
+        "vllm:D[@head][:pP|:sS][:cpu][:skip=L,L] (D: " + ", ".join(STATIC_FP8_DTYPES) + ")",
         "vllm:D[:skip=L,L] (D: " + ", ".join(pth) + "; also spelled "
         + ", ".join(k for k in PER_TOKEN_HEAD if not k.endswith("-pth")) + ")",
         "vllm:T (T: " + ", ".join(TURBOQUANT_TYPES) + ")",
@@ -105,8 +107,8 @@ SETTING_OPTIONS = (
     ":norot / :rot: llama.cpp's Hadamard rotation off / forced; :nofa: without flash "
     "attention; :noarith: the model's float attention instead of llama.cpp's CPU arithmetic; "
     "@head: one fp8 scale per KV head; :pP: scales calibrated at percentile P of a capture "
-    "(--calibration); :sS: a fixed scale S (:s1 the engines' default); :skip=L,L: layers kept "
-    "at f16; G: group size; R: residual tokens. Names are case-insensitive; llama.cpp: is "
+    "(--calibration); :sS: a fixed scale S (:s1 the engines' default); :cpu: vLLM's CPU build, "
+    "which truncates to fp8 (no @head); :skip=L,L: layers kept at f16; G: group size; R: residual tokens. Names are case-insensitive; llama.cpp: is "
     "llamacpp:.")
 
 
@@ -194,7 +196,9 @@ class LlamaCppSetting:
 @dataclass(frozen=True)
 class CacheDtypeSetting:
     """vLLM / SGLang / TensorRT-LLM's ``--kv-cache-dtype dtype``: ``scope`` ``"tensor"`` or
-    ``"head"`` (``@head``), ``:pP`` / ``:sS``, ``:skip=`` layers kept at f16 (vLLM)."""
+    ``"head"`` (``@head``), ``:pP`` / ``:sS``, ``:skip=`` layers kept at f16 (vLLM); ``cpu``
+    (``:cpu``): vLLM's CPU build, whose cache writer truncates to fp8 where the GPU writers
+    round to nearest (cache types ``...:trunc``, ``kvlens.quant.fp8``)."""
 
     engine: str
     dtype: str
@@ -202,6 +206,7 @@ class CacheDtypeSetting:
     percentile: float | None = None
     fixed_scale: float | None = None
     skip: tuple[int, ...] = field(default=())
+    cpu: bool = False
 
     def __post_init__(self) -> None:
         if self.engine not in CACHE_DTYPES:
@@ -223,10 +228,24 @@ class CacheDtypeSetting:
             raise ConfigError("TensorRT-LLM loads one fp8 scale per layer; drop @head.")
         if self.skip and self.engine != "vllm":
             raise ConfigError(":skip= is vLLM's --kv-cache-dtype-skip-layers; SGLang has none.")
+        if self.cpu:
+            self._check_cpu()
         if not all(is_int(i, 0) for i in self.skip):
             raise ConfigError(f"Invalid skip layers {self.skip!r}; allowed: layer indices >= 0.")
         object.__setattr__(self, "skip", tuple(sorted(set(self.skip))))
         parse_format(self.cache_type(calibrated=True))  # percentile / scale ranges
+
+    def _check_cpu(self) -> None:
+        """vLLM's CPU attention backend (``CPUAttentionBackend``): static fp8, one float
+        ``k_scale`` / ``v_scale`` per layer (``_k_scale_float``)."""
+        if self.engine != "vllm":
+            raise ConfigError(f":cpu is vLLM's CPU build; {self.engine} has no CPU setting here.")
+        if self.dtype not in STATIC_FP8_DTYPES:
+            raise ConfigError(f"vLLM's CPU build runs {', '.join(STATIC_FP8_DTYPES)} caches "
+                              f"(supported_kv_cache_dtypes), not {self.dtype}; drop :cpu.")
+        if self.scope == "head":
+            raise ConfigError("vLLM's CPU build reads one scale per layer (k_scale, v_scale); "
+                              "drop @head.")
 
     @property
     def per_token_head(self) -> bool:
@@ -254,11 +273,15 @@ class CacheDtypeSetting:
             out += f":p{_num(self.percentile)}"
         if self.fixed_scale is not None:
             out += f":s{_num(self.fixed_scale)}"
+        out += ":cpu" if self.cpu else ""  # :skip= stays last (split_setting_list)
         return out + (f":skip={','.join(map(str, self.skip))}" if self.skip else "")
 
     def cache_type(self, calibrated: bool) -> str:
         """The ``kvlens.quant.cachetypes`` name of every non-skipped layer: with scales
-        ``calibrated`` from a capture, else the engine default 1.0."""
+        ``calibrated`` from a capture, else the engine default 1.0 (``:trunc`` on a CPU)."""
+        return self._scaled_type(calibrated) + (":trunc" if self.cpu else "")
+
+    def _scaled_type(self, calibrated: bool) -> str:
         if self.per_token_head:
             return PER_TOKEN_HEAD[self.dtype]
         if self.dtype == DS_MLA_DTYPE:
@@ -280,7 +303,8 @@ class CacheDtypeSetting:
         return KVConfig(label, LayerKV(key_format=fmt, value_format=fmt),
                         {i: LayerKV(key_format="f16", value_format="f16") for i in self.skip},
                         fp_dtype="float16",
-                        description=ENGINE_FLAG[self.engine].format(self.dtype))
+                        description=ENGINE_FLAG[self.engine].format(self.dtype)
+                        + (" on vLLM's CPU build (fp8 truncated)" if self.cpu else ""))
 
 
 @dataclass(frozen=True)
@@ -439,8 +463,11 @@ def _cache_dtype(raw: str, engine: str, parts: list[str]
         m = _OPTION.fullmatch(opt)
         key = m.lastgroup if m else None
         if key is None or key in kw or (key == "skip" and engine != "vllm"):
-            raise _bad(raw, f"unknown or repeated option {opt!r} (vllm: :pP or :sS, "
+            raise _bad(raw, f"unknown or repeated option {opt!r} (vllm: :pP or :sS, :cpu, "
                             ":skip=L,L; sglang: :pP or :sS)")
+        if key == "cpu":
+            kw[key] = True
+            continue
         try:
             kw[key] = tuple(map(int, m[key].split(","))) if key == "skip" else float(m[key])
         except ValueError:
@@ -448,6 +475,9 @@ def _cache_dtype(raw: str, engine: str, parts: list[str]
     if "percentile" in kw and "fixed_scale" in kw:
         raise _bad(raw, "a scale is calibrated (:pP) or fixed (:sS), not both")
     if is_blockfloat(engine, dtype):
+        if "cpu" in kw:
+            raise _bad(raw, "vLLM's CPU build runs fp8 caches only (it accepts nvfp4 and "
+                            "computes noise: docs/lab-notes/engines-on-cpu.md); drop :cpu")
         if at or "percentile" in kw:
             raise _bad(raw, "block-float dtypes take no @scope or :pP (their block scales are "
                             "computed as each token is written)")
@@ -482,7 +512,7 @@ def setting_for_cache_type(cache_type: str, engine: str | None = None,
     if fmt.family == DS_MLA.family:
         return CacheDtypeSetting(engine or "vllm", DS_MLA_DTYPE, skip=skip)
     return CacheDtypeSetting(engine or "vllm", f"fp8_{fmt.fp8}", fmt.scope, fmt.percentile,
-                             fmt.fixed_scale, skip)
+                             fmt.fixed_scale, skip, cpu=fmt.rounding == "truncate")
 
 
 def measured_cache_type(setting: EngineSettingName) -> str:

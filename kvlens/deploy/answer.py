@@ -133,7 +133,7 @@ def request_for(capture: str | Path, target: str = "kvlens", given: dict[str, An
 
 
 #: the file an engine target writes beside its config
-BESIDE = {"vllm": "kv_scales.json", "sglang": "kv_scales.json", "trtllm": "hf_quant_config.json",
+BESIDE = {"vllm": "kv_scales.json", "vllm:cpu": "kv_scales.json", "sglang": "kv_scales.json", "trtllm": "hf_quant_config.json",
           "transformers": hf_cache.FILE_NAME}
 
 

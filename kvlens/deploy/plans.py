@@ -12,7 +12,7 @@ from collections.abc import Callable
 from kvlens.cache.layout import config_bits
 from kvlens.config import KVConfig, LayerKV
 from kvlens.deploy import exports
-from kvlens.deploy.targets import TargetRecommendation, plan_type, squared_error
+from kvlens.deploy.targets import TargetRecommendation, plan_type, squared_error, target_engine
 from kvlens.errors import ConfigError
 
 #: the engines a target's plan is exported for, in order (the target's own first)
@@ -57,7 +57,7 @@ def engine_exports(rec: TargetRecommendation, validation: dict | None = None,
     ``predicted``, else none). Adds their files to ``rec.files``."""
     plan = rec.chosen.plan
     out = []
-    for make in EXPORTERS.get(rec.target, ()) if plan is not None else ():
+    for make in EXPORTERS.get(target_engine(rec.target), ()) if plan is not None else ():
         ex = make(plan)
         doc = ex.to_dict()
         if ex.expressible:

