@@ -4,6 +4,7 @@ moves on, the number of checks is capped, and no setting is measured twice."""
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -47,12 +48,14 @@ class Truth:
 
 def test_a_prediction_wrong_in_the_unsafe_direction_is_measured_and_replaced():
     """The predictor (fitted on the 4-, 8- and 16-bit anchors, exact there) puts the 7-bit
-    setting at 0.0025 <= 0.004; it measures 0.0075. The search measures it, refits, checks the
-    next choice (7.5 bits, measured 0.002) and answers that: a measured choice within the
-    bound, never the 7-bit setting prediction alone would have answered."""
+    setting at 0.0025 <= 0.004; it measures 0.0075. The search measures it, refits and checks
+    again, one setting at a time, until its choice is measured within the bound: 7.5 bits
+    (0.002), the cheapest setting truly within it, never the 7-bit setting that prediction
+    alone would have answered."""
     truth = Truth({"7b": 3.0})
     found = search_kld(_front(), _options(0.004), truth)
-    assert truth.calls == [["16b", "8b", "4b"], ["7b"], ["7.5b"]]
+    assert truth.calls[:2] == [["16b", "8b", "4b"], ["7b"]]
+    assert all(len(call) == 1 for call in truth.calls[1:]) and len(truth.calls) <= 5
     assert found.chosen.setting == "7.5b"
     m = found.measured
     assert m["7.5b"]["mean_kld"] == pytest.approx(0.002) and m["7.5b"]["role"] == CHECK
@@ -61,9 +64,9 @@ def test_a_prediction_wrong_in_the_unsafe_direction_is_measured_and_replaced():
     assert bad["mean_kld"] == pytest.approx(0.0075)
     assert [m[s]["role"] for s in ("4b", "8b", "16b")] == [ANCHOR] * 3
     assert m["4b"]["predicted_kld"] is None and m["4b"]["eval_tokens"] == 256
-    # every measurement is a point of the final predictor, the wrong one included
-    assert len(found.model.points) == 5
-    assert found.model.points[3] == pytest.approx((0.25, 0.0075))
+    # every measurement is a point of the final predictor, which passes through them
+    assert len(found.model.points) == len(truth.measured)
+    assert found.model.predict(0.25) == pytest.approx(0.0075)
     assert found.notes == []
 
 
@@ -81,19 +84,39 @@ def test_a_choice_already_measured_is_not_measured_again():
 
 
 def test_the_checks_are_capped_and_then_the_cheapest_measured_setting_is_answered():
-    """Every setting between the anchors measures 4x its prediction: after two checks (7 and
-    7.5 bits, both over) the next choice (7.75 bits) is left unmeasured, the answer is the
-    cheapest measured setting within the bound (the 8-bit anchor) and a note says so."""
+    """Every setting between the anchors measures 4x the power law: after one check (7 bits,
+    over) the next choice is left unmeasured, the answer is the cheapest measured setting
+    within the bound (the 8-bit anchor) and a note names the unmeasured one; with more checks
+    allowed the search measures on until its choice is that anchor, with no note."""
     truth = Truth({s: 4.0 for s in ("5b", "6b", "7b", "7.5b", "7.75b", "9b", "10b", "12b")})
-    found = search_kld(_front(), _options(0.004), truth, checks=2)
-    assert truth.calls == [["16b", "8b", "4b"], ["7b"], ["7.5b"]]
+    found = search_kld(_front(), _options(0.004), truth, checks=1)
+    assert truth.calls == [["16b", "8b", "4b"], ["7b"]]
     assert found.chosen.setting == "8b"
     assert found.measured["8b"]["mean_kld"] <= 0.004
-    assert len(found.notes) == 1 and "stopped after 2 checks" in found.notes[0]
-    assert "7.75b" in found.notes[0] and "not measured" in found.notes[0]
+    assert len(found.notes) == 1 and "stopped after 1 checks" in found.notes[0]
+    unchecked = re.search(r"within 0.004; (\S+) \(", found.notes[0]).group(1)
+    assert unchecked in ("7.5b", "7.75b") and unchecked not in found.measured
+    assert "was not measured" in found.notes[0]
     more = Truth(truth.worse)
-    assert search_kld(_front(), _options(0.004), more, checks=3).chosen.setting == "8b"
-    assert more.calls[-1] == ["7.75b"]  # one more check, over again: still the 8-bit anchor
+    again = search_kld(_front(), _options(0.004), more)
+    assert again.chosen.setting == "8b" and again.notes == []
+    assert 2 < len(more.calls) <= 5 and len(more.measured) == len(set(more.measured))
+
+
+def test_the_predictor_passes_through_every_measured_setting():
+    """KLD = c * S^alpha, times the measured/fitted ratio interpolated in log S between the
+    measured settings: exact at each of them, log-linear between, the end's ratio beyond."""
+    from kvlens.deploy.kld_model import fit_kld_model
+
+    m = fit_kld_model([(0.01, 0.001), (0.1, 0.03), (1.0, 0.1)])  # the middle one 3x a line
+    for s, k in m.points:
+        assert m.predict(s) == pytest.approx(k)
+    ratio = {s: k / m.fitted(s) for s, k in m.points}
+    assert m.predict(10 ** -0.5) == pytest.approx(
+        m.fitted(10 ** -0.5) * (ratio[0.1] * ratio[1.0]) ** 0.5)
+    assert m.predict(5.0) == pytest.approx(m.fitted(5.0) * ratio[1.0])
+    assert m.predict(0.001) == pytest.approx(m.fitted(0.001) * ratio[0.01])
+    assert m.log_rmse > 0.3  # the fit's own residuals, not the corrected prediction's
 
 
 def test_nothing_measured_within_the_bound_after_the_cap_is_an_error():

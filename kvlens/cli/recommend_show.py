@@ -93,7 +93,8 @@ def _render_target(rec, validation) -> None:
     if rec.kld_model is not None:
         m = rec.kld_model
         console.print(f"KLD model: KLD = {m.c:.4g} * S^{m.alpha:.3f} (log RMSE {m.log_rmse:.3f}) "
-                      f"fitted on {len(rec.anchors)} measured settings:", highlight=False)
+                      f"fitted on {len(rec.anchors)} measured settings, predictions passing "
+                      "through each:", highlight=False)
         for a in rec.anchors:  # a check: a choice measured before it was answered
             why = "" if a.get("predicted_kld") is None else \
                 f" (checked: predicted {a['predicted_kld']:.4f} before it was measured)"
