@@ -69,10 +69,12 @@ def _render_target(rec, validation) -> None:
         console.print(text.rstrip(), highlight=False, markup=False)
     for ex in c.deploy.get("exports", ()):
         _render_export(ex)
-    kld = "" if rec.predicted_kld is None else f", predicted KLD {rec.predicted_kld:.4f}"
+    kld = ""
     if rec.measured_kld is not None:  # --max-kld measured the choice
         kld = (f", measured KLD {format_interval(rec.measured_kld, '.4f', key='mean_kld')} on "
-               f"{rec.measured_kld['eval_tokens']} held-out tokens ({kld[2:]})")
+               f"{rec.measured_kld['eval_tokens']} held-out tokens (" + (
+                   "an anchor of the predictor" if rec.predicted_kld is None
+                   else f"predicted {rec.predicted_kld:.4f} before it was measured") + ")")
     console.print(f"simulated as {escape(c.setting)}: {c.bits:.3f} held bits/element at "
                   f"{rec.context} tokens, error score S = {c.score:.4g}{kld}", highlight=False)
     t = new_table("Where it hurts (chosen setting): relative attention-output error per layer, "

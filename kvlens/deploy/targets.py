@@ -140,6 +140,7 @@ class TargetRecommendation:
     candidates: int
     context: int
     kld_model: Any = None
+    # --max-kld: what the predictor said of the choice before it was measured (None: an anchor)
     predicted_kld: float | None = None
     # every setting measured for --max-kld, in order (``kvlens.deploy.kld_search``)
     anchors: list[dict] = field(default_factory=list)
@@ -514,7 +515,7 @@ def recommend_target(path: str | Path, opts: TargetOptions,
             model_bundle, [c.config for c in cs], opts.eval_tokens, log), log)
         c = found.chosen
         rec = TargetRecommendation(opts.target, c, front, len(cands), opts.context,
-                                   found.model, found.model.predict(c.score),
+                                   found.model, found.measured[c.setting]["predicted_kld"],
                                    list(found.measured.values()), notes + found.notes, {},
                                    table, tuple(meta.layers), meta.shape,
                                    measured_kld=found.measured[c.setting])
