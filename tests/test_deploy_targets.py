@@ -155,7 +155,23 @@ def test_max_kld_takes_the_cheapest_setting_under_the_fitted_prediction(offset_c
     assert rec.kld_model.c == pytest.approx(0.5) and rec.kld_model.alpha == pytest.approx(1.0)
     ok = [f for f in front if 0.5 * f.score <= x]
     assert rec.chosen.bits == min(f.bits for f in ok)
-    assert rec.predicted_kld <= x * (1 + 1e-9)
+    # the choice's prediction is the one made before it was measured (an anchor has none)
+    assert rec.predicted_kld == rec.measured_kld["predicted_kld"]
+    assert rec.predicted_kld is None or rec.predicted_kld <= x * (1 + 1e-9)
+    # the choice is measured: an anchor, or a check measured after the anchors
+    assert rec.measured_kld["setting"] == rec.chosen.setting
+    assert rec.measured_kld["mean_kld"] == pytest.approx(0.5 * rec.chosen.score)
+    assert rec.measured_kld["mean_kld"] <= x
+    doc = rec.to_dict()
+    assert doc["measured_kld"] == rec.measured_kld["mean_kld"]
+    assert doc["measured_kld_ci95"] == [0, 1]
+    assert {f["setting"] for f in doc["front"] if f["measured_kld"] is not None} == \
+        {a["setting"] for a in rec.anchors}
+    calls = []
+    monkeypatch.setattr(targets, "measure_kld", lambda *a, **k: calls.append(a) or [])
+    got = targets.validate(rec, ("model", "tok"), rec.measured_kld["eval_tokens"])
+    assert calls == [] and got["mean_kld"] == rec.measured_kld["mean_kld"]  # not twice
+    monkeypatch.setattr(targets, "measure_kld", fake_measure)
     with pytest.raises(ConfigError, match="raise max_kld"):
         recommend_target(offset_capture, TargetOptions("llama.cpp", max_kld=-0.0 + 1e-300),
                          model_bundle=("model", "tok"))
@@ -179,6 +195,58 @@ def test_vllm_cpu_target_searches_the_truncating_writer(outlier_capture):
     for c_row, g_row in zip(cpu, gpu):
         for t in ("key", "value"):
             assert c_row[(t, "fp8_e5m2:s1:trunc")] > g_row[(t, "fp8_e5m2:s1")]
+
+
+def test_cli_max_kld_says_which_kld_is_measured_and_which_predicted(outlier_capture,
+                                                                    monkeypatch):
+    """`recommend --target vllm --max-kld X` ('measured' here as KLD = 0.5 * S, X just
+    above a setting that is not an anchor): the choice is checked, printed with its measured
+    KLD beside the prediction, the front shows both columns, the anchors list marks the check;
+    --json carries the same figures under their own keys, and the export runs the measured
+    figure."""
+    import kvlens.deploy.answer as answer
+    import kvlens.deploy.targets as targets
+    from kvlens.deploy.kld_search import spread_anchors
+
+    class Loaded:
+        def __init__(self, *a, **k):
+            pass
+
+        def get(self):
+            return ("model", "tok")
+
+    def fake_measure(bundle, configs, eval_tokens, progress=None):
+        return [{"setting": c.name, "mean_kld": 0.5 * scores[c.name], "ci95": [0.0, 1.0],
+                 "bits_per_element": 0.0, "top1_agreement": 1.0} for c in configs]
+
+    front = recommend_target(outlier_capture, TargetOptions("vllm", budget_bits=16)).front
+    scores = {f.setting: f.score for f in front}
+    monkeypatch.setattr(answer, "CaptureModel", Loaded)
+    monkeypatch.setattr(targets, "measure_kld", fake_measure)
+    anchors = {c.setting for c in spread_anchors(front, 3)}
+    target = next(f for f in sorted(front, key=lambda f: f.bits) if f.setting not in anchors
+                  and f.score < max(scores.values()))
+    x = 0.5 * target.score * (1 + 1e-6)
+    args = ["recommend", outlier_capture, "--target", "vllm", "--max-kld", f"{x!r}",
+            "--eval-tokens", "64"]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    out = " ".join(res.stdout.split())
+    assert f"simulated as {target.setting}:" in out
+    assert f"measured KLD {0.5 * target.score:.4f} [0.0000, 1.0000] on 64 held-out tokens " \
+           f"(predicted {0.5 * target.score:.4f} before it was measured)" in out
+    assert "pred. KLD" in out and "meas. KLD" in out
+    assert f"{target.setting}: S {target.score:.4g}, measured KLD" in out and "(checked: " \
+        "predicted" in out
+    assert "KLD check 1/4" in res.output  # progress on stderr
+    doc = json.loads(runner.invoke(app, [*args, "--json"]).stdout)
+    assert doc["setting"] == target.setting
+    assert doc["measured_kld"] == pytest.approx(0.5 * target.score)
+    assert doc["predicted_kld"] == pytest.approx(0.5 * target.score)
+    roles = {a["setting"]: a["role"] for a in doc["anchors"]}
+    assert roles == {**dict.fromkeys(anchors, "anchor"), target.setting: "check"}
+    assert [(e["kld"]["source"], e["kld"]["kld"]) for e in doc["deploy"]["exports"]] == [
+        ("measured", doc["measured_kld"])]
 
 
 def test_pareto_drops_dominated_settings():

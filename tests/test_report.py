@@ -213,6 +213,16 @@ def test_engine_deploy_artifact_renders(run_dir, tmp_path):
     assert "predicted KLD: 0.0081" in html and "0.0093 [0.0081, 0.0107]" in html
     # the kvlens recommendation's own deploy entry is still there, first
     assert html.index("kvlens generate --config ") < html.index("llama-server -ctk")
+    # --max-kld measured its choice (no --validate): that figure, labelled
+    write_artifact("deploy", {"target": "vllm", "bits_per_element": 8.0, "predicted_kld": 0.0052,
+                              "measured_kld": 0.0061, "measured_kld_ci95": [0.0049, 0.0075],
+                              "config_file": "v.json",
+                              "deploy": {"target": "vllm", "command": "vllm serve MODEL"}},
+                   config_doc_path(copy / "v.json", "deploy"))
+    _ok(["report", copy, "-o", tmp_path / "f.html", "--overwrite"])
+    html = (tmp_path / "f.html").read_text()
+    assert "measured KLD (--max-kld): 0.0061 [0.0049, 0.0075]" in html
+    assert "predicted KLD: 0.0052" in html
 
 
 @pytest.mark.parametrize("content, message", [

@@ -204,9 +204,9 @@ def recommend(
                                     "(TensorRT-LLM). docs/deploy/README.md."),
     max_kld: float = typer.Option(None, "--max-kld", callback=open_range(0, math.inf),
                                   rich_help_panel=ENGINE,
-                                  help="The smallest budget (per-layer target: measured "
-                                       "KLD of its config; engine targets: predicted KLD of "
-                                       "a setting) at most this KL divergence."),
+                                  help="The smallest budget (per-layer target) or the "
+                                       "cheapest setting (engine targets) whose measured KL "
+                                       "divergence is at most this."),
     workers: int = typer.Option(None, "--workers", min=1, rich_help_panel=MEASUREMENT,
                                 help="Processes to measure on (default: every free core when "
                                      "the measurement is long)."),

@@ -69,9 +69,14 @@ def _render_target(rec, validation) -> None:
         console.print(text.rstrip(), highlight=False, markup=False)
     for ex in c.deploy.get("exports", ()):
         _render_export(ex)
-    pred = "" if rec.predicted_kld is None else f", predicted KLD {rec.predicted_kld:.4f}"
+    kld = ""
+    if rec.measured_kld is not None:  # --max-kld measured the choice
+        kld = (f", measured KLD {format_interval(rec.measured_kld, '.4f', key='mean_kld')} on "
+               f"{rec.measured_kld['eval_tokens']} held-out tokens (" + (
+                   "an anchor of the predictor" if rec.predicted_kld is None
+                   else f"predicted {rec.predicted_kld:.4f} before it was measured") + ")")
     console.print(f"simulated as {escape(c.setting)}: {c.bits:.3f} held bits/element at "
-                  f"{rec.context} tokens, error score S = {c.score:.4g}{pred}", highlight=False)
+                  f"{rec.context} tokens, error score S = {c.score:.4g}{kld}", highlight=False)
     t = new_table("Where it hurts (chosen setting): relative attention-output error per layer, "
                   "share of S", ("layer", "K out", "V out", "share of S"), left=())
     for r in rec.where_it_hurts():
@@ -79,25 +84,32 @@ def _render_target(rec, validation) -> None:
                   f"{100 * r['share']:.1f}%")
     console.print(t)
     f = new_table(f"{rec.target} settings on the cost/error front ({rec.candidates} candidates)",
-                  ("setting", "bits/elem", "S", "pred. KLD"))
+                  ("setting", "bits/elem", "S", "pred. KLD", "meas. KLD"))
+    measured = {a["setting"]: a["mean_kld"] for a in rec.anchors}
     for cand in rec.front:
         p = "-" if rec.kld_model is None else f"{rec.kld_model.predict(cand.score):.4f}"
+        m = f"{measured[cand.setting]:.4f}" if cand.setting in measured else "-"
         mark = " <" if cand is c else ""
-        f.add_row(escape(cand.setting + mark), f"{cand.bits:.3f}", f"{cand.score:.4g}", p)
+        f.add_row(escape(cand.setting + mark), f"{cand.bits:.3f}", f"{cand.score:.4g}", p, m)
     console.print(f)
     if rec.kld_model is not None:
         m = rec.kld_model
         console.print(f"KLD model: KLD = {m.c:.4g} * S^{m.alpha:.3f} (log RMSE {m.log_rmse:.3f}) "
-                      f"fitted on {len(rec.anchors)} measured settings:", highlight=False)
-        for a in rec.anchors:
+                      f"fitted on {len(rec.anchors)} measured settings, predictions passing "
+                      "through each:", highlight=False)
+        for a in rec.anchors:  # a check: a choice measured before it was answered
+            why = "" if a.get("predicted_kld") is None else \
+                f" (checked: predicted {a['predicted_kld']:.4f} before it was measured)"
             console.print(f"  {escape(a['setting'])}: S {a['score']:.4g}, measured KLD "
-                          f"{format_interval(a, '.4f', key='mean_kld')}", highlight=False)
+                          f"{format_interval(a, '.4f', key='mean_kld')}{why}", highlight=False)
     if validation is not None:
         console.print(f"validation ({escape(c.setting)}, held-out text): measured KLD "
                       f"{format_interval(validation, '.4f', key='mean_kld')}, top-1 "
                       f"{validation['top1_agreement']:.3f}" + (
                           "" if rec.predicted_kld is None
-                          else f"; predicted {rec.predicted_kld:.4f}"), highlight=False)
+                          else f"; predicted {rec.predicted_kld:.4f}") + (
+                          f" ({validation['reused']}, not repeated)"
+                          if validation.get("reused") else ""), highlight=False)
     for note in rec.notes:
         console.print(f"note: {escape(note)}", highlight=False)
 

@@ -211,8 +211,9 @@ def _engine(request: RecommendRequest, save, progress, say: LogFn) -> EngineAnsw
                            log=lambda m: say(f"  {m}"),
                            model_bundle=loaded.get() if opts.max_kld is not None else None)
     # the per-layer exports (kvlens.deploy.plans): what each engine runs of the choice,
-    # their files written with the config; measured below when validating
-    rec.chosen.deploy["exports"] = engine_exports(rec)
+    # their files written with the config; the choice measured by --max-kld, what an engine
+    # runs instead measured below when validating
+    rec.chosen.deploy["exports"] = engine_exports(rec, rec.measured_kld)
     if save is not None and request.outputs:
         save(rec, request.outputs[0])
     validation = None

@@ -6,6 +6,12 @@ small logit perturbation costs KLD quadratically and each layer's error moves th
 linearly, so independent errors add as squares; ``alpha`` absorbs what that misses. ``c`` and
 ``alpha`` are fitted per model on settings whose KLD was measured (one point: ``alpha = 1``),
 for the protocol those were measured with (text, ``--eval-tokens``, chunk).
+
+A prediction passes through every measured setting: the fit times the measured-to-fitted ratio
+interpolated linearly in ``log S`` between the measured settings on either side (the nearest
+one's ratio beyond the ends). One power law over the whole front misses where it bends, and the
+``--max-kld`` search (``kvlens.deploy.kld_search``) then creeps towards the bound one setting
+at a time; the ratio carries what each measurement taught to its neighbours.
 """
 
 from __future__ import annotations
@@ -19,25 +25,47 @@ from kvlens.errors import InputError
 
 @dataclass(frozen=True)
 class KLDModel:
-    """``predict(S) = c * S^alpha``; ``points`` are the ``(S, KLD)`` pairs it was fitted on."""
+    """``fitted(S) = c * S^alpha``; ``predict(S)``: the fit through ``points``, the
+    ``(S, KLD)`` pairs it was fitted on (module docstring)."""
 
     c: float
     alpha: float
     points: tuple[tuple[float, float], ...] = ()
 
-    def predict(self, score: float) -> float:
+    def fitted(self, score: float) -> float:
         return 0.0 if score <= 0 else self.c * score ** self.alpha
+
+    def predict(self, score: float) -> float:
+        return 0.0 if score <= 0 else self.fitted(score) * math.exp(
+            self._log_ratio(math.log(score)))
+
+    def _log_ratio(self, x: float) -> float:
+        """``log(measured / fitted)`` at ``log S = x``, interpolated between the points (the
+        mean where several share one ``S``)."""
+        by_x: dict[float, list[float]] = {}
+        for s, k in self.points:
+            by_x.setdefault(math.log(s), []).append(math.log(k / self.fitted(s)))
+        pts = sorted((px, sum(r) / len(r)) for px, r in by_x.items())
+        if not pts:
+            return 0.0
+        if x <= pts[0][0]:
+            return pts[0][1]
+        for (x0, r0), (x1, r1) in zip(pts, pts[1:]):
+            if x <= x1:
+                return r0 + (r1 - r0) * (x - x0) / (x1 - x0)
+        return pts[-1][1]
 
     @property
     def log_rmse(self) -> float:
         """Root-mean-square residual of the fit in natural-log units (0 = exact)."""
         if not self.points:
             return 0.0
-        r = [math.log(k) - math.log(self.predict(s)) for s, k in self.points]
+        r = [math.log(k) - math.log(self.fitted(s)) for s, k in self.points]
         return math.sqrt(sum(x * x for x in r) / len(r))
 
     def to_dict(self) -> dict:
-        return {"form": "kld = c * S^alpha, S = sum over layers of e_K^2 + e_V^2",
+        return {"form": "kld = c * S^alpha, S = sum over layers of e_K^2 + e_V^2, times the "
+                        "measured/fitted ratio interpolated in log S between the points",
                 "c": self.c, "alpha": self.alpha, "log_rmse": self.log_rmse,
                 "points": [{"score": s, "kld": k} for s, k in self.points]}
 

@@ -8,16 +8,15 @@
    dot-product type: ``_llamacpp_query``). Static fp8 scales are calibrated on the whole capture.
 2. **Candidates** (``BUILDERS``): the engine's menu, each scored ``S = sum_l e_K,l^2 + e_V,l^2``
    and costed in held bits per element at ``context`` tokens (``kvlens.cache.layout``).
-3. **Choice**: with ``max_kld``, the cheapest candidate whose predicted KLD
-   (``kvlens.deploy.kld_model``, fitted on measured anchors) is at most it; else the lowest
-   ``S`` within ``budget_bits``.
+3. **Choice**: with ``max_kld``, the cheapest candidate whose KLD is at most it, the choice
+   measured, others predicted (``kvlens.deploy.kld_search``); else the lowest ``S`` within
+   ``budget_bits``.
 """
 
 from __future__ import annotations
 
 import difflib
 import json
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -44,7 +43,7 @@ from kvlens.deploy.engine_run import llamacpp_matmul_plan
 from kvlens.deploy.hf_cache import FILE_NAME as CACHE_FILE
 from kvlens.deploy.hf_cache import export as export_cache
 from kvlens.deploy.hf_cache import snippet as cache_snippet
-from kvlens.deploy.kld_model import fit_kld_model
+from kvlens.deploy.kld_search import search_kld
 from kvlens.deploy.presets import engine_config
 from kvlens.errors import ConfigError, OptionError
 from kvlens.evaluation import EvalOptions, evaluate_configs
@@ -122,7 +121,7 @@ class TargetOptions:
         if self.target != "kvlens" and self.budget_bits is None and self.max_kld is None:
             raise OptionError(f"{{target}} {self.target} needs {{budget_bits}} B (lowest error "
                              "within B held bits per element) or {max_kld} X (cheapest "
-                             "setting with predicted KLD <= X).")
+                             "setting with KLD <= X, measured).")
         if self.max_kld is not None and not self.max_kld > 0:
             raise OptionError(f"{{max_kld}} must be positive, got {self.max_kld}.")
         if self.anchors < 1:
@@ -151,7 +150,9 @@ class TargetRecommendation:
     candidates: int
     context: int
     kld_model: Any = None
+    # --max-kld: what the predictor said of the choice before it was measured (None: an anchor)
     predicted_kld: float | None = None
+    # every setting measured for --max-kld, in order (``kvlens.deploy.kld_search``)
     anchors: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     files: dict[str, str] = field(default_factory=dict)  # name -> JSON text to write
@@ -159,6 +160,7 @@ class TargetRecommendation:
     table: list = field(default_factory=list, repr=False)
     layers: tuple[int, ...] = ()
     shape: Any = None
+    measured_kld: dict | None = None  # the chosen setting's measurement (one of ``anchors``)
 
     def where_it_hurts(self, top: int = 8) -> list[dict]:
         total = self.chosen.score or 1.0
@@ -166,17 +168,24 @@ class TargetRecommendation:
                 for i, (k, v) in enumerate(self.chosen.errors)]
         return sorted(rows, key=lambda r: -r["share"])[:top]
 
+    def _measured(self, setting: str) -> float | None:
+        """The measured KLD of ``setting`` (None: not measured)."""
+        return next((a["mean_kld"] for a in self.anchors if a["setting"] == setting), None)
+
     def to_dict(self) -> dict:
-        c = self.chosen
+        c, m = self.chosen, self.measured_kld
         return {
             "target": self.target, "setting": c.setting, "bits_per_element": c.bits,
             "context": self.context, "score": c.score, "predicted_kld": self.predicted_kld,
+            "measured_kld": self._measured(c.setting),
+            "measured_kld_ci95": None if m is None else m["ci95"],
             "kld_model": None if self.kld_model is None else self.kld_model.to_dict(),
             "anchors": self.anchors, "deploy": c.deploy, "config": c.config.to_dict(),
             "where_it_hurts": self.where_it_hurts(len(c.errors)),
             "front": [{"setting": f.setting, "bits_per_element": f.bits, "score": f.score,
                        "predicted_kld": None if self.kld_model is None
-                       else self.kld_model.predict(f.score)} for f in self.front],
+                       else self.kld_model.predict(f.score),
+                       "measured_kld": self._measured(f.setting)} for f in self.front],
             "candidates": self.candidates, "notes": self.notes,
         }
 
@@ -455,20 +464,8 @@ def pareto(cands: list[TargetCandidate]) -> list[TargetCandidate]:
     return front
 
 
-def choose(front: list[TargetCandidate], opts: TargetOptions, kld_model=None
-           ) -> TargetCandidate:
-    """The cheapest candidate under ``max_kld`` (needs ``kld_model``), else the lowest score
-    within ``budget_bits``; ``ConfigError`` when nothing qualifies."""
-    if opts.max_kld is not None:
-        ok = [c for c in front if kld_model.predict(c.score) <= opts.max_kld
-              and (opts.budget_bits is None or c.bits <= opts.budget_bits)]
-        if not ok:
-            best = min(front, key=lambda c: c.score)
-            raise ConfigError(f"No {opts.target} setting is predicted under KLD {opts.max_kld}: "
-                              f"the most accurate, {best.setting} ({best.bits:.2f} bits), is "
-                              f"predicted at {kld_model.predict(best.score):.4g}; raise "
-                              "{max_kld}.")
-        return min(ok, key=lambda c: (c.bits, c.score))
+def choose(front: list[TargetCandidate], opts: TargetOptions) -> TargetCandidate:
+    """The lowest score within ``budget_bits``; ``ConfigError`` when nothing fits."""
     ok = [c for c in front if c.bits <= opts.budget_bits]
     if not ok:
         cheapest = min(front, key=lambda c: c.bits)
@@ -476,21 +473,6 @@ def choose(front: list[TargetCandidate], opts: TargetOptions, kld_model=None
                           f"{opts.context} tokens; the cheapest, {cheapest.setting}, holds "
                           f"{cheapest.bits:.2f}. Raise {{budget_bits}}.")
     return min(ok, key=lambda c: c.score)
-
-
-def _anchors(front: list[TargetCandidate], n: int) -> list[TargetCandidate]:
-    """Up to ``n`` candidates of the front spread over ``log S`` (scores > 0)."""
-    pos = sorted((c for c in front if c.score > 0), key=lambda c: c.score)
-    if len(pos) <= n:
-        return pos
-    lo, hi = math.log(pos[0].score), math.log(pos[-1].score)
-    picks = []
-    for j in range(n):
-        want = lo + (hi - lo) * j / max(n - 1, 1)
-        best = min(pos, key=lambda c: abs(math.log(c.score) - want))
-        if best not in picks:
-            picks.append(best)
-    return picks
 
 
 def measure_kld(model_bundle, configs, eval_tokens: int, progress=lambda m: None) -> list[dict]:
@@ -541,20 +523,21 @@ def recommend_target(path: str | Path, opts: TargetOptions,
              f"{min(opts.samples, meta.num_samples)} sample(s) per layer, every token "
              "quantized; S = sum over layers of e_K^2 + e_V^2 (uniform layer weights)"]
     notes += TARGET_NOTES.get(opts.target, [])
-    rec_model, anchors = None, []
-    if opts.max_kld is not None:
+    if opts.max_kld is None:
+        rec = TargetRecommendation(opts.target, choose(front, opts), front, len(cands),
+                                   opts.context, notes=notes, table=table,
+                                   layers=tuple(meta.layers), shape=meta.shape)
+    else:
         if model_bundle is None:
             model_bundle = CaptureModel(path, opts.model).get()
-        picks = _anchors(front, opts.anchors)
-        log(f"KLD anchors ({opts.eval_tokens} tokens): {', '.join(c.setting for c in picks)}")
-        anchors = measure_kld(model_bundle, [c.config for c in picks], opts.eval_tokens, log)
-        for a, c in zip(anchors, picks):
-            a["score"] = c.score
-        rec_model = fit_kld_model([(a["score"], a["mean_kld"]) for a in anchors])
-    chosen = choose(front, opts, rec_model)
-    rec = TargetRecommendation(opts.target, chosen, front, len(cands), opts.context, rec_model,
-                               None if rec_model is None else rec_model.predict(chosen.score),
-                               anchors, notes, {}, table, tuple(meta.layers), meta.shape)
+        found = search_kld(front, opts, lambda cs: measure_kld(
+            model_bundle, [c.config for c in cs], opts.eval_tokens, log), log)
+        c = found.chosen
+        rec = TargetRecommendation(opts.target, c, front, len(cands), opts.context,
+                                   found.model, found.measured[c.setting]["predicted_kld"],
+                                   list(found.measured.values()), notes + found.notes, {},
+                                   table, tuple(meta.layers), meta.shape,
+                                   measured_kld=found.measured[c.setting])
     rec.files = scale_files(rec, meta)
     if opts.target == "transformers" and not meta.shape.is_hybrid:
         # the per-layer cache file stock transformers loads (a layer without a KV cache would
@@ -580,7 +563,12 @@ def scale_files(rec: TargetRecommendation, meta) -> dict[str, str]:
 
 def validate(rec: TargetRecommendation, model_bundle, eval_tokens: int, progress=lambda m: None
              ) -> dict:
-    """Measured KLD of the chosen setting (simulated engine format) vs its prediction."""
+    """Measured KLD of the chosen setting (simulated engine format) vs its prediction; the
+    ``--max-kld`` search's measurement of it when that was on ``eval_tokens`` tokens (not
+    measured twice)."""
+    m = rec.measured_kld
+    if m is not None and m["eval_tokens"] == eval_tokens:
+        return dict(m, predicted_kld=rec.predicted_kld, reused="the --max-kld measurement")
     got = measure_kld(model_bundle, [rec.chosen.config], eval_tokens, progress)[0]
     got["predicted_kld"] = rec.predicted_kld
     return got

@@ -468,6 +468,9 @@ def _deploy(sec: Section, doc: dict, artifacts: dict, deploy_option: str | None)
         measured = _validated_kld(ddoc.get("validation"))
         if measured:
             entry["measured KLD (--validate)"] = measured
+        elif ddoc.get("measured_kld") is not None:  # the --max-kld search measured its choice
+            entry["measured KLD (--max-kld)"] = _validated_kld(
+                {"mean_kld": ddoc["measured_kld"], "ci95": ddoc.get("measured_kld_ci95")})
         items.append(entry)
     if not items:
         what = "deploy settings for an inference engine"
@@ -492,7 +495,8 @@ def _deploy(sec: Section, doc: dict, artifacts: dict, deploy_option: str | None)
     sec.tables.append(Table(["target", "command", "details"], rows,
                             caption="Deploy settings recorded by recommend (engine targets: "
                                     "bits held by the engine's cache types, KLD predicted by "
-                                    "the fitted error model and, with --validate, measured).",
+                                    "the fitted error model and, with --max-kld or --validate, "
+                                    "measured).",
                             id="deploy-table", left=(0, 1, 2)))
 
 
