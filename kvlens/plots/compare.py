@@ -20,11 +20,6 @@ AXIS_COLORS = {"per-token": "#1f77b4", "per-channel": "#d62728"}
 _DPI = 100
 
 
-def config_slug(tensor: str, bits: int, group_size: int, stage: str | None, variant: str) -> str:
-    stage_part = f"_{stage}" if stage else ""
-    return f"{tensor}_{bits}b_G{group_size}{stage_part}_{variant}"
-
-
 def write_plots(result: CompareResult, out_dir: str | os.PathLike) -> list[Path]:
     """Write the heatmap and line figures of every configuration in ``result`` into
     ``out_dir`` (created if missing); returns the paths written."""
@@ -58,8 +53,10 @@ def write_plots(result: CompareResult, out_dir: str | os.PathLike) -> list[Path]
             for (layer, head), val in values.items():
                 mat[layers.index(layer), heads.index(head)] = val
             mats[(axis, metric)] = mat
-        title = _title(model, cfg)
-        slug = config_slug(*cfg)
+        tensor, bits, g, stage, variant = cfg
+        staged = f", {stage}-RoPE" if stage else ""
+        title = f"{model}: {tensor}s, {bits}-bit, G={g}{staged}, {variant}"
+        slug = f"{tensor}_{bits}b_G{g}{'_' + stage if stage else ''}_{variant}"
         written.append(_heatmaps(Figure, np, mats, metrics, layers, title,
                                  out / f"heatmap_{slug}.png"))
         written.append(_lines(Figure, np, mats, metrics, layers, title, out / f"layers_{slug}.png"))
@@ -106,12 +103,6 @@ def _line_panels(Figure, np, metrics, series, title: str, path: Path, height: fl
     fig.subplots_adjust(left=0.07, right=0.98, bottom=0.15, top=0.82, wspace=0.3)
     fig.savefig(path, dpi=_DPI)
     return path
-
-
-def _title(model: str, cfg: tuple) -> str:
-    tensor, bits, g, stage, variant = cfg
-    stage_txt = f", {stage}-RoPE" if stage else ""
-    return f"{model}: {tensor}s, {bits}-bit, G={g}{stage_txt}, {variant}"
 
 
 def _heatmaps(Figure, np, mats, metrics, layers, title, path: Path) -> Path:
