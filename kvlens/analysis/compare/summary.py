@@ -30,12 +30,6 @@ def _config_key(r: Record) -> tuple:
     return (r.tensor, r.bits, r.group_size, r.stage, r.variant)
 
 
-def _winner(per_token: float, per_channel: float) -> str:
-    if abs(per_token - per_channel) <= _TIE * max(per_token, per_channel):
-        return "tie"
-    return "per-token" if per_token < per_channel else "per-channel"
-
-
 FORMAT_CALIBRATION_NOTE = (
     "static fp8 scales (fp8_e4m3, fp8_e5m2, @head; not :sS) are calibrated per layer from the "
     "same captured keys/values they are evaluated on (in-sample: absmax never clips); "
@@ -146,7 +140,8 @@ def _winners_and_rankings(
                 continue
             won = sum(1 for layer in layers if layer_mean[(*ck, "per-channel", metric, layer)]
                       < layer_mean[(*ck, "per-token", metric, layer)])
-            winner = _winner(tok, ch)
+            winner = ("tie" if abs(tok - ch) <= _TIE * max(tok, ch) else
+                      "per-token" if tok < ch else "per-channel")
             winners.append({**ranking, "metric": metric, "per_token": tok, "per_channel": ch,
                             "winner": winner,
                             "ratio_token_over_channel": (tok / ch) if ch > 0 else None,
