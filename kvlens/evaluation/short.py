@@ -108,7 +108,14 @@ def short_evals(model, tokenizer, configs: list[KVConfig], options: EvalOptions,
             results.append(res)
     except KeyboardInterrupt:  # keep the configs that finished
         interrupted = True
-    _compare_with_reference(results, baseline, ppl=ppl_ids is not None, agree=need_agree)
+    for res in results:  # against the exact reference (none when it did not finish)
+        if ppl_ids is not None and baseline:
+            res["ppl_fp16"] = baseline["ppl"]
+            res["ppl_change"] = res["ppl"] / baseline["ppl"] - 1
+        if need_agree and baseline:
+            res["agreement"] = agreement(res["_tokens"], baseline["_tokens"])
+    for res in results:  # the greedy tokens were kept for agreement only
+        res.pop("_tokens", None)
     return results, interrupted
 
 
@@ -173,19 +180,6 @@ def _passkey(model, tokenizer, session, name: str, inputs: _Inputs,
         correct += key in tokenizer.decode(new[0], skip_special_tokens=True)
     return ({"correct": correct, "total": len(inputs.passkeys),
              "context_tokens": round(sum(lengths) / len(lengths))}, caches)
-
-
-def _compare_with_reference(results: list[dict], baseline: dict, ppl: bool, agree: bool) -> None:
-    """Each result's ppl change and greedy agreement against the exact reference
-    (``baseline``; none when it did not finish), then the greedy tokens dropped."""
-    for res in results:
-        if ppl and baseline:
-            res["ppl_fp16"] = baseline["ppl"]
-            res["ppl_change"] = res["ppl"] / baseline["ppl"] - 1
-        if agree and baseline:
-            res["agreement"] = agreement(res["_tokens"], baseline["_tokens"])
-    for res in results:
-        res.pop("_tokens", None)
 
 
 def agreement(tokens: list[int], reference: list[int]) -> dict:
