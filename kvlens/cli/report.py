@@ -45,8 +45,7 @@ run for any part that is missing (docs/report.md)."""
     def write():
         if run_dir.is_dir():  # otherwise write_report says what RUN_DIR must be
             check_output_file(target, "--output", overwrite, example="report.html")
-        # the recommend option that writes deploy settings, named where a run lacks them
-        write_output(target, lambda tmp: pages.append(write_report(run_dir, tmp, "--target")))
+        write_output(target, lambda tmp: pages.append(write_report(run_dir, tmp)))
 
     run_library_call(write)
     for title, m in pages[0].missing:

@@ -24,18 +24,15 @@ MAX_DEPTH = 3  # folders below RUN_DIR searched for artifacts
 MAX_BYTES = 256 * 2**20  # larger JSON files are not read (no kvlens artifact is that big)
 
 
-def stamp(kind: str, doc: Mapping[str, Any]) -> dict[str, Any]:
-    """``doc`` with the artifact header in front."""
+def write_artifact(kind: str, doc: Mapping[str, Any], path: str | os.PathLike) -> Path:
+    """Write ``doc`` as the ``kind`` artifact at ``path``, the artifact header in front (numpy
+    values become lists)."""
     if kind not in ARTIFACT_KINDS:
         raise ValueError(f"unknown artifact kind {kind!r}")
-    return {"kvlens_report": kind, "schema_version": SCHEMA_VERSION,
-            **{k: v for k, v in doc.items() if k not in ("kvlens_report", "schema_version")}}
-
-
-def write_artifact(kind: str, doc: Mapping[str, Any], path: str | os.PathLike) -> Path:
-    """Write ``doc`` as the ``kind`` artifact at ``path`` (numpy values become lists)."""
+    doc = {"kvlens_report": kind, "schema_version": SCHEMA_VERSION,
+           **{k: v for k, v in doc.items() if k not in ("kvlens_report", "schema_version")}}
     path = Path(path)
-    path.write_text(json.dumps(stamp(kind, doc), indent=1, default=_default) + "\n")
+    path.write_text(json.dumps(doc, indent=1, default=_default) + "\n")
     return path
 
 

@@ -160,13 +160,11 @@ def outliers_section(artifacts: dict, run_dir: Path, capture_hint: str) -> Secti
             sec.tables.append(table)
     folder = path.parent
     names = doc.get("figures") or []
-    main = [n for n in names if Path(n).stem == "overview" or Path(n).stem.endswith("_k")
-            or Path(n).stem.startswith("heatmap")]
-    main.sort(key=lambda n: (Path(n).stem != "overview", not Path(n).stem.startswith("heatmap"),
-                             n))
-    for n in names:
+    for n in names:  # the overview, key profiles and heatmaps shown; the others folded
+        stem = Path(n).stem
         fig = load_figure(folder, n, outlier_caption(n, threshold))
-        (sec.figures if n in main else sec.more_figures).append(fig)
+        shown = stem == "overview" or stem.endswith("_k") or stem.startswith("heatmap")
+        (sec.figures if shown else sec.more_figures).append(fig)
     layers = doc.get("layers") or []
     sec.notes.append(f"outliers: {len(layers)} layers analysed ({format_index_spec(layers)}), "
                      f"{doc.get('num_samples')} samples x {doc.get('num_tokens')} tokens; "
@@ -232,7 +230,8 @@ def _channel_table(heads: list[dict], tensor: str, what: str, threshold: float) 
             str(sum(_stable(o) for _, o, _ in items)),
             f"{statistics.median(o['ratio'] for _, o, _ in items):.1f}",
             f"{statistics.median(o['token_stability'] for _, o, _ in items):.2f}",
-            _ranges_pairs(where),
+            ", ".join(f"{layer}:{head}" for layer, head in where[:8])
+            + (f" (+{len(where) - 8})" if len(where) > 8 else ""),
             "-" if not ropes else ", ".join("none" if p is None else str(p)
                                             for p in sorted(partner, key=lambda p: p or -1)),
             "-" if not ropes else
@@ -252,11 +251,6 @@ def _channel_table(heads: list[dict], tensor: str, what: str, threshold: float) 
     return Table(["channel", "heads", "stable", "ratio", "tok", "where (layer:head)",
                   "RoPE partner", "partner share", "tok after"], rows, caption,
                  id=f"channels-{tensor}", left=(0, 5))
-
-
-def _ranges_pairs(pairs: list[tuple[int, int]], limit: int = 8) -> str:
-    text = ", ".join(f"{layer}:{head}" for layer, head in pairs[:limit])
-    return text + (f" (+{len(pairs) - limit})" if len(pairs) > limit else "")
 
 
 # -- 3. per-axis errors ---------------------------------------------------------------------
@@ -393,15 +387,14 @@ def _windows_text(doc: dict) -> str:
         + ")"
 
 
-def recommend_section(artifacts: dict, run_dir: Path, capture_hint: str,
-                      deploy_option: str | None) -> Section:
+def recommend_section(artifacts: dict, run_dir: Path, capture_hint: str) -> Section:
     sec = Section("recommend", "Recommendation")
     path, doc = _start(sec, artifacts, run_dir, "recommend",
                        "the per-layer recommendation, its memory and deploy settings",
                        f"kvlens recommend {capture_hint} --budget-bits 3.0 -o "
                        f"{run_dir / 'recommended.json'} --validate")
     if doc is None:
-        _deploy(sec, {}, artifacts, deploy_option)
+        _deploy(sec, {}, artifacts)
         return sec
     sec.paragraphs.append(
         f"Config {doc.get('config_file', '?')} (`kvlens generate --config` reads it): "
@@ -427,7 +420,7 @@ def recommend_section(artifacts: dict, run_dir: Path, capture_hint: str,
                 "context, and the relative attention-output error it was chosen by; weight: "
                 "the layer's measured sensitivity.", id="recommend-table", left=(2, 5)))
     sec.tables.append(_memory_table(doc))
-    _deploy(sec, doc, artifacts, deploy_option)
+    _deploy(sec, doc, artifacts)
     sec.notes.extend(f"recommend: {n}" for n in doc.get("notes") or [])
     sec.notes.append("memory: bytes the cache's layout holds (kvlens.cache.layout), computed "
                      "for each context, not measured in a running process here.")
@@ -454,7 +447,7 @@ def _memory_table(doc: dict) -> Table:
                  caption="KV cache of all layers, batch 1.", id="memory-table")
 
 
-def _deploy(sec: Section, doc: dict, artifacts: dict, deploy_option: str | None) -> None:
+def _deploy(sec: Section, doc: dict, artifacts: dict) -> None:
     """Deploy settings: ``doc["deploy"]`` (or the config's), one object or a list of them, each
     with ``target`` and ``command`` (other keys are shown as they are), then every engine
     setting ``recommend --target ENGINE -o X.json`` recorded (``X.deploy.json``)."""
@@ -465,15 +458,15 @@ def _deploy(sec: Section, doc: dict, artifacts: dict, deploy_option: str | None)
         entry["bits per element"] = _f(ddoc.get("bits_per_element"), ".2f")
         if ddoc.get("predicted_kld") is not None:
             entry["predicted KLD"] = _f(ddoc["predicted_kld"], ".4f")
-        measured = _validated_kld(ddoc.get("validation"))
-        if measured:
-            entry["measured KLD (--validate)"] = measured
+        val = ddoc.get("validation")  # what recommend --target --validate measured
+        if isinstance(val, dict) and val.get("mean_kld") is not None:
+            entry["measured KLD (--validate)"] = format_interval(
+                {**val, "ci95": val.get("ci95") or (float("nan"),) * 2}, ".4f", key="mean_kld")
         items.append(entry)
     if not items:
-        what = "deploy settings for an inference engine"
-        sec.missing.append(Missing(what, f"kvlens recommend ... {deploy_option or '--target'} "
-                                         "llama.cpp|vllm|sglang|transformers|trtllm -o "
-                                         "CONFIG.json"))
+        sec.missing.append(Missing("deploy settings for an inference engine",
+                                   "kvlens recommend ... --target llama.cpp|vllm|sglang|"
+                                   "transformers|trtllm -o CONFIG.json"))
         return
     rows = []
     for d in items:
@@ -494,16 +487,6 @@ def _deploy(sec: Section, doc: dict, artifacts: dict, deploy_option: str | None)
                                     "bits held by the engine's cache types, KLD predicted by "
                                     "the fitted error model and, with --validate, measured).",
                             id="deploy-table", left=(0, 1, 2)))
-
-
-def _validated_kld(validation) -> str:
-    """``mean KLD [lo, hi]`` that ``recommend --target --validate`` measured for its setting
-    (``kvlens.deploy.targets.validate``), or ``""``."""
-    if not isinstance(validation, dict) or validation.get("mean_kld") is None:
-        return ""
-    stat = {"mean_kld": validation["mean_kld"],
-            "ci95": validation.get("ci95") or (float("nan"), float("nan"))}
-    return format_interval(stat, ".4f", key="mean_kld")
 
 
 # -- 5. validation --------------------------------------------------------------------------
