@@ -13,9 +13,8 @@ from kvlens.evaluation.options import EVALS, EvalOptions, parse_evals
 from kvlens.evaluation.run import evaluate_configs
 from kvlens.evaluation.short import agreement, decode_ppl, passkey_prompts
 from kvlens.evaluation.stats import bootstrap_indices, paired_difference, wilson
-from kvlens.text.heldout import HELDOUT_NAME, heldout_text
 
-__all__ = ["EVALS", "HELDOUT_NAME", "EvalOptions", "GridScores", "TextScores", "agreement",
-           "bootstrap_indices", "build_grid", "decode_ppl", "evaluate_configs", "heldout_text",
-           "load_eval_text", "paired_difference", "parse_evals", "passkey_prompts", "run_grid",
-           "score_text", "summarize_grid", "summarize_kld", "wilson"]
+__all__ = ["EVALS", "EvalOptions", "GridScores", "TextScores", "agreement", "bootstrap_indices",
+           "build_grid", "decode_ppl", "evaluate_configs", "load_eval_text", "paired_difference",
+           "parse_evals", "passkey_prompts", "run_grid", "score_text", "summarize_grid",
+           "summarize_kld", "wilson"]

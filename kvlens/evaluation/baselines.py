@@ -167,8 +167,15 @@ def open_session(model, config, backend: str):
 
 
 def held_bytes(config, cache) -> dict:
-    """The memory report of ``config``'s ``cache``: the bytes its tensors hold."""
-    return (baseline_memory_report if isinstance(config, Baseline) else memory_report)(cache)
+    """What ``config``'s ``cache`` holds, as a result records it: ``kv_bytes``,
+    ``kv_bytes_fp16``, ``bits_per_element``, ``kv_bytes_by_device`` and a hybrid model's
+    fixed-size ``state_bytes`` beside its K/V (when it has any)."""
+    report = (baseline_memory_report if isinstance(config, Baseline) else memory_report)(cache)
+    out = {k: report[k] for k in ("kv_bytes", "kv_bytes_fp16", "bits_per_element")}
+    out["kv_bytes_by_device"] = report["by_device"]
+    if report.get("state_bytes"):
+        out["state_bytes"] = report["state_bytes"]
+    return out
 
 
 def _tensors(obj):

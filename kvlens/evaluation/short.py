@@ -126,8 +126,8 @@ def _ppl_ids(tokenizer, options: EvalOptions, device):
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
     if ids.shape[1] < options.ppl_tokens:
         raise InputError(f"The text from {source} has {ids.shape[1]} tokens; decode-mode "
-                         f"perplexity needs {options.ppl_tokens} (lower --ppl-tokens or "
-                         "give a longer --text).")
+                         f"perplexity needs {options.ppl_tokens} (lower {{ppl_tokens}} or "
+                         "give a longer {text}).")
     return ids[:, :options.ppl_tokens].to(device)
 
 
@@ -155,12 +155,8 @@ def _run_config(model, tokenizer, config: KVConfig, options: EvalOptions, inputs
                                                       inputs, progress)
             caches += passkey_caches
     res["backend_reason"] = session.backend_reason
-    reports = [held_bytes(config, c) for c in caches]
-    if reports:
-        biggest = max(reports, key=lambda r: r["kv_bytes_fp16"])
-        res.update(kv_bytes=biggest["kv_bytes"], kv_bytes_fp16=biggest["kv_bytes_fp16"],
-                   bits_per_element=biggest["bits_per_element"],
-                   kv_bytes_by_device=biggest["by_device"])
+    if caches:  # the bytes of the biggest cache
+        res.update(max((held_bytes(config, c) for c in caches), key=lambda r: r["kv_bytes_fp16"]))
     return res
 
 
