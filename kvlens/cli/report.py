@@ -49,8 +49,7 @@ run for any part that is missing (docs/report.md)."""
 
     run_library_call(write)
     for title, m in pages[0].missing:
-        how = f"run {m.command}" if m.command else m.advice
-        err_console.print(f"[yellow]missing[/] {escape(f'{title}: {m.what}: {how}')}",
+        err_console.print(f"[yellow]missing[/] {escape(f'{title}: {m.what}: run {m.command}')}",
                           highlight=False, soft_wrap=True)
     console.print(str(target.resolve()), highlight=False, soft_wrap=True, markup=False)
 

@@ -190,10 +190,8 @@ def _memory(rec: dict) -> str:
     kv = {int(k): v for k, v in (rec.get("kv_bytes") or {}).items()}
     fp16 = {int(k): v for k, v in (rec.get("kv_bytes_fp16") or {}).items()}
     both = sorted(set(kv) & set(fp16))
-    shown = [c for c in MEMORY_CONTEXTS if c in both]
     absent = [c for c in MEMORY_CONTEXTS if c not in both]
-    if absent:  # what the artifact has instead
-        shown = sorted({*shown, *both})
+    shown = both if absent else MEMORY_CONTEXTS  # what the artifact has instead, when not all
     if not shown:
         return "Memory: the recommendation records no KV bytes per context."
     parts = [f"{c:,} tokens: {format_bytes(kv[c])} instead of {format_bytes(fp16[c])}, "

@@ -93,7 +93,6 @@ def relative_names(paths: Iterable[str | os.PathLike], folder: str | os.PathLike
 
 def capture_doc(summary: Mapping[str, Any], meta) -> dict[str, Any]:
     """Capture artifact from ``CaptureSummary.to_dict()`` and the file's ``CaptureMeta``."""
-    extra = dict(meta.extra)
     return {
         "capture_file": Path(summary["path"]).name,
         "model": meta.model, "model_source": meta.model_source,
@@ -106,8 +105,8 @@ def capture_doc(summary: Mapping[str, Any], meta) -> dict[str, Any]:
         "storage_dtype": meta.storage_dtype, "samples": meta.num_samples,
         "tokens": meta.num_tokens, "text_source": meta.text_source, "created": meta.created,
         "versions": {"kvlens": meta.kvlens_version,
-                     "transformers": str(extra.pop("transformers_version", "")),
-                     "torch": str(extra.pop("torch_version", ""))},
+                     "transformers": str(meta.extra.get("transformers_version", "")),
+                     "torch": str(meta.extra.get("torch_version", ""))},
         "file_bytes": summary.get("file_bytes"), "seconds": summary.get("seconds"),
         "notes": list(summary.get("notes") or []),
     }

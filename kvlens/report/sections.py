@@ -35,8 +35,7 @@ class Table:
 @dataclass
 class Missing:
     what: str
-    command: str  # the command that writes it; "" when no command of this kvlens can
-    advice: str = ""  # said instead of a command
+    command: str  # the command that writes it
 
 
 @dataclass
@@ -331,6 +330,15 @@ def _layer_list(layers: list[int]) -> str:
     return f"{len(layers)}: {format_index_spec(layers)}" if layers else "none"
 
 
+def _side(cells: dict, metric: str, layer: int) -> int:
+    """The better axis under ``metric`` in ``layer``: 1 per-token, -1 per-channel, 0 a tie or
+    not measured."""
+    v = cells.get((metric, layer), {})
+    if "per-token" not in v or "per-channel" not in v:
+        return 0
+    return (v["per-token"] < v["per-channel"]) - (v["per-channel"] < v["per-token"])
+
+
 def _disagreement_table(doc: dict, summary: dict) -> Table:
     """Per configuration: the layers where reconstruction and attention output (and score, for
     keys) pick different axes, from the per-layer means."""
@@ -345,23 +353,12 @@ def _disagreement_table(doc: dict, summary: dict) -> Table:
             continue
         layers = sorted({layer for _, layer in cells})
 
-        def pick(metric: str, layer: int, cells=cells) -> str | None:
-            v = cells.get((metric, layer), {})
-            if "per-token" not in v or "per-channel" not in v:
-                return None
-            if v["per-token"] == v["per-channel"]:
-                return "tie"
-            return "per-token" if v["per-token"] < v["per-channel"] else "per-channel"
-
-        def differ(metric: str, layer: int) -> bool:  # both axes picked, and differently
-            a, b = pick(metric, layer), pick("attention_output", layer)
-            return a not in (None, "tie") and b not in (None, "tie") and a != b
-
-        recon_vs_out = [layer for layer in layers if differ("reconstruction", layer)]
-        score_vs_out = [layer for layer in layers if differ("score", layer)]
-        out_ch = sum(1 for layer in layers if pick("attention_output", layer) == "per-channel")
-        rows.append([_config_label(r), f"{out_ch} / {len(layers)}", _layer_list(recon_vs_out),
-                     "-" if r["tensor"] != "key" else _layer_list(score_vs_out)])
+        out = {n: _side(cells, "attention_output", n) for n in layers}
+        apart = {m: [n for n in layers if _side(cells, m, n) * out[n] < 0]  # picked otherwise
+                 for m in ("reconstruction", "score")}
+        rows.append([_config_label(r), f"{sum(s < 0 for s in out.values())} / {len(layers)}",
+                     _layer_list(apart["reconstruction"]),
+                     "-" if r["tensor"] != "key" else _layer_list(apart["score"])])
     if not rows:
         return Table(["config"], [], caption="No per-layer means recorded (compare-axes.json "
                                              "from an older kvlens): re-run compare-axes.",

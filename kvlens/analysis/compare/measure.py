@@ -77,7 +77,7 @@ def compare_axes(path: str | os.PathLike, config: CompareConfig | None = None,
                                          shape.head_dim)
     summary = {"config": config.to_dict(), "capture": capture_info,
                "seconds": round(time.perf_counter() - started, 3), **summary}
-    return CompareResult(records, summary, config)
+    return CompareResult(records, summary)
 
 
 @contextmanager
