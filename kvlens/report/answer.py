@@ -207,10 +207,9 @@ def _deploy_table(sec: Section, rec: dict | None, artifacts: dict) -> None:
     """The command per engine target: the recommendation's own (kvlens), then the newest deploy
     artifact of each engine."""
     rows, targets = [], set()
-    own = (rec or {}).get("deploy") or ((rec or {}).get("config") or {}).get("deploy")
-    for d in own if isinstance(own, list) else [own] if own else []:
-        if isinstance(d, dict) and d.get("command"):
-            rows.append([str(d.get("target", "kvlens")), str(d["command"]), "-"])
+    own = (rec or {}).get("deploy") or {}
+    if own.get("command"):
+        rows.append([str(own.get("target", "kvlens")), str(own["command"]), "-"])
     _export_rows(rows, (rec or {}).get("exports"), "kvlens")
     for _, ddoc in artifacts.get("deploy") or []:  # newest first
         d = ddoc.get("deploy") or {}

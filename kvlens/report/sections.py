@@ -445,11 +445,10 @@ def _memory_table(doc: dict) -> Table:
 
 
 def _deploy(sec: Section, doc: dict, artifacts: dict) -> None:
-    """Deploy settings: ``doc["deploy"]`` (or the config's), one object or a list of them, each
-    with ``target`` and ``command`` (other keys are shown as they are), then every engine
-    setting ``recommend --target ENGINE -o X.json`` recorded (``X.deploy.json``)."""
-    deploy = doc.get("deploy") or (doc.get("config") or {}).get("deploy")
-    items = [] if not deploy else deploy if isinstance(deploy, list) else [deploy]
+    """Deploy settings: ``doc["deploy"]``, with ``target`` and ``command`` (other keys are
+    shown as they are), then every engine setting ``recommend --target ENGINE -o X.json``
+    recorded (``X.deploy.json``)."""
+    items = [doc["deploy"]] if doc.get("deploy") else []
     for _, ddoc in artifacts.get("deploy") or []:
         entry = dict(ddoc.get("deploy") or {"target": ddoc.get("target")})
         entry["bits per element"] = _f(ddoc.get("bits_per_element"), ".2f")
@@ -467,9 +466,6 @@ def _deploy(sec: Section, doc: dict, artifacts: dict) -> None:
         return
     rows = []
     for d in items:
-        if not isinstance(d, dict):
-            rows.append(["?", str(d), ""])
-            continue
         others = "; ".join(f"{k}: {v}" for k, v in d.items()
                            if k not in ("target", "command", "exports"))
         rows.append([str(d.get("target", "?")), str(d.get("command", "-")), others])
