@@ -150,32 +150,21 @@ def _run_config(model, tokenizer, config: KVConfig, options: EvalOptions, inputs
                      "tokens")
             res["ppl"], cache = decode_ppl(model, inputs.ppl_ids, session, options.ppl_prefix)
             caches.append(cache)
+        lengths, correct = [], 0
+        for i, (text, key) in enumerate(inputs.passkeys):  # greedy answers to the prompts
+            progress(f"{config.name}: passkey {i + 1}/{len(inputs.passkeys)}")
+            ids = _encode(tokenizer, text, inputs.device)
+            lengths.append(ids.shape[1])
+            new, cache = greedy(model, ids, session, 8)
+            caches.append(cache)
+            correct += key in tokenizer.decode(new[0], skip_special_tokens=True)
         if inputs.passkeys:
-            res["passkey"], passkey_caches = _passkey(model, tokenizer, session, config.name,
-                                                      inputs, progress)
-            caches += passkey_caches
+            res["passkey"] = {"correct": correct, "total": len(inputs.passkeys),
+                              "context_tokens": round(sum(lengths) / len(lengths))}
     res["backend_reason"] = session.backend_reason
     if caches:  # the bytes of the biggest cache
         res.update(max((held_bytes(config, c) for c in caches), key=lambda r: r["kv_bytes_fp16"]))
     return res
-
-
-def _passkey(model, tokenizer, session, name: str, inputs: _Inputs,
-             progress: Callable[[str], None]) -> tuple[dict, list]:
-    """Greedy answers to the passkey prompts: ``(the count correct and the mean prompt
-    length, the caches)``."""
-    correct = 0
-    lengths = []
-    caches = []
-    for i, (text, key) in enumerate(inputs.passkeys):
-        progress(f"{name}: passkey {i + 1}/{len(inputs.passkeys)}")
-        ids = _encode(tokenizer, text, inputs.device)
-        lengths.append(ids.shape[1])
-        new, cache = greedy(model, ids, session, 8)
-        caches.append(cache)
-        correct += key in tokenizer.decode(new[0], skip_special_tokens=True)
-    return ({"correct": correct, "total": len(inputs.passkeys),
-             "context_tokens": round(sum(lengths) / len(lengths))}, caches)
 
 
 def agreement(tokens: list[int], reference: list[int]) -> dict:
