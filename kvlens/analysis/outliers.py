@@ -216,7 +216,6 @@ class _Raw:
     energy: Any  # [D] float64
     abs_flat: Any  # [S*T, D]
     outliers: list[int]
-    median: float
 
 
 def _tensor_raw(x, threshold: float) -> list[tuple[_Raw, dict[str, Any]]]:
@@ -259,7 +258,7 @@ def _tensor_raw(x, threshold: float) -> list[tuple[_Raw, dict[str, Any]]]:
             "channel_p50": tuple(_r(v) for v in pct[0][i].tolist()),
             "channel_p99": tuple(_r(v) for v in pct[1][i].tolist()),
         }
-        out.append((_Raw(absmax[i], energy[i], flat[i], outliers, float(med[i])), info))
+        out.append((_Raw(absmax[i], energy[i], flat[i], outliers), info))
     return out
 
 

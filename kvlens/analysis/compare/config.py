@@ -23,7 +23,6 @@ EXTRA_VARIANTS = ("balancer", "outliers", "rotate")
 PLAIN = "plain"
 KEY_METRICS = ("reconstruction", "score", "attention_weights", "attention_output")
 VALUE_METRICS = ("reconstruction", "attention_output")
-METRICS = KEY_METRICS
 
 
 @dataclass(frozen=True)
