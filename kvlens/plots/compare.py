@@ -112,24 +112,22 @@ def _heatmaps(Figure, np, mats, metrics, layers, title, path: Path) -> Path:
     for row, metric in enumerate(metrics):
         tok, ch = mats[("per-token", metric)], mats[("per-channel", metric)]
         vmax = float(np.nanmax([np.nanmax(tok), np.nanmax(ch)])) or 1.0
-        for col, (axis, mat) in enumerate((("per-token", tok), ("per-channel", ch))):
-            ax = axes[row][col]
-            im = ax.imshow(mat, aspect="auto", origin="lower", cmap="viridis", vmin=0, vmax=vmax,
-                           interpolation="nearest")
-            ax.set_title(f"{metric}: {axis}", fontsize=9)
-            _label_axes(ax, layers, mat.shape[1], metric)
-            if col == 1:
-                fig.colorbar(im, ax=ax, label="rel. error")
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = np.log2(ch / tok)
         finite = ratio[np.isfinite(ratio)]
         lim = float(np.abs(finite).max()) if finite.size else 1.0
-        ax = axes[row][2]
-        im = ax.imshow(ratio, aspect="auto", origin="lower", cmap="RdBu_r", vmin=-lim or -1,
-                       vmax=lim or 1, interpolation="nearest")
-        ax.set_title(f"{metric}: log2(per-channel / per-token)", fontsize=9)
-        _label_axes(ax, layers, ratio.shape[1], metric)
-        fig.colorbar(im, ax=ax, label="< 0: per-channel better")
+        # (title, matrix, colour map, range, colour bar): both axes on one scale, then the ratio
+        panels = (("per-token", tok, "viridis", (0, vmax), None),
+                  ("per-channel", ch, "viridis", (0, vmax), "rel. error"),
+                  ("log2(per-channel / per-token)", ratio, "RdBu_r", (-lim or -1, lim or 1),
+                   "< 0: per-channel better"))
+        for ax, (what, mat, cmap, (lo, hi), bar) in zip(axes[row], panels, strict=True):
+            im = ax.imshow(mat, aspect="auto", origin="lower", cmap=cmap, vmin=lo, vmax=hi,
+                           interpolation="nearest")
+            ax.set_title(f"{metric}: {what}", fontsize=9)
+            _label_axes(ax, layers, mat.shape[1], metric)
+            if bar:
+                fig.colorbar(im, ax=ax, label=bar)
     fig.suptitle(title)
     # fixed margins: tight_layout measures every tick label, a large share of the drawing time
     fig.subplots_adjust(left=0.06, right=0.97, bottom=0.9 / fig.get_figheight(),
