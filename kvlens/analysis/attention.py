@@ -127,11 +127,6 @@ def _visible_keys(
     return lo, offset + end
 
 
-def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor,
-                    sink: torch.Tensor | None = None) -> torch.Tensor:
-    return sink_softmax(scores.masked_fill(~mask, float("-inf")), sink)
-
-
 def attention_weights(
     q: torch.Tensor, k: torch.Tensor, scaling: float, sliding_window: int = 0, softcap: float = 0.0,
     sinks=None,
@@ -140,8 +135,8 @@ def attention_weights(
     optional attention-sink logits ``sinks`` ``[Hq]`` (rows then sum to less than one)."""
     mask = causal_mask(q.shape[2], k.shape[2], sliding_window, q.device)
     sink = sink_logits(sinks, q.shape[1], q.device)
-    return _masked_softmax(attention_scores(q, k, scaling, softcap), mask,
-                           None if sink is None else sink.view(-1, 1, 1))
+    scores = attention_scores(q, k, scaling, softcap).masked_fill(~mask, float("-inf"))
+    return sink_softmax(scores, None if sink is None else sink.view(-1, 1, 1))
 
 
 def attention_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,

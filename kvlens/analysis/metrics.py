@@ -422,7 +422,20 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   variants: Sequence[Variant], chunk_size: int,
                   exact: torch.Tensor | None) -> None:
     num_kv_groups(q.shape[1], k.shape[1])
-    _check_variants(q, k, v, variants)
+    for n, var in enumerate(variants):
+        has_set = var.in_set is not None and (var.k_set is not None or var.v_set is not None)
+        if var.k_hat is None and var.v_hat is None and not has_set:
+            raise InputError(f"Variant {n} replaces neither keys nor values: give k_hat, "
+                             "v_hat or both (or a set); there is no variant to compare.")
+        for name, ref, t in (("k_hat", k, var.k_hat), ("v_hat", v, var.v_hat),
+                             ("k_set", k, var.k_set), ("v_set", v, var.v_set)):
+            if t is not None and t.shape != ref.shape:
+                raise InputError(f"Variant {n}: {name} has shape {tuple(t.shape)}, expected "
+                                 f"{tuple(ref.shape)}.")
+        want = (*k.shape[:2], q.shape[2], k.shape[2])
+        if var.in_set is not None and tuple(var.in_set.shape) != want:
+            raise InputError(f"Variant {n}: in_set has shape {tuple(var.in_set.shape)}, "
+                             f"expected {want}.")
     if chunk_size < 1:
         raise InputError(f"chunk_size must be positive, got {chunk_size}.")
     tq, tk = q.shape[2], k.shape[2]
@@ -500,24 +513,6 @@ def attention_errors_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                 acc["output"].add(o_ref, o_alt)
     return [_errors(k, v, var, {m: s.ratio() for m, s in acc.items()}, reconstruction)
             for var, acc in zip(variants, sums, strict=True)]
-
-
-def _check_variants(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    variants: Sequence[Variant]) -> None:
-    for n, var in enumerate(variants):
-        has_set = var.in_set is not None and (var.k_set is not None or var.v_set is not None)
-        if var.k_hat is None and var.v_hat is None and not has_set:
-            raise InputError(f"Variant {n} replaces neither keys nor values: give k_hat, "
-                             "v_hat or both (or a set); there is no variant to compare.")
-        for name, ref, t in (("k_hat", k, var.k_hat), ("v_hat", v, var.v_hat),
-                             ("k_set", k, var.k_set), ("v_set", v, var.v_set)):
-            if t is not None and t.shape != ref.shape:
-                raise InputError(f"Variant {n}: {name} has shape {tuple(t.shape)}, expected "
-                                 f"{tuple(ref.shape)}.")
-        want = (*k.shape[:2], q.shape[2], k.shape[2])
-        if var.in_set is not None and tuple(var.in_set.shape) != want:
-            raise InputError(f"Variant {n}: in_set has shape {tuple(var.in_set.shape)}, "
-                             f"expected {want}.")
 
 
 def _errors(k: torch.Tensor, v: torch.Tensor, var: Variant, ratios: dict[str, torch.Tensor],

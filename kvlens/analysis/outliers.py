@@ -14,7 +14,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from kvlens.capture.store import open_capture
@@ -83,18 +83,9 @@ class HeadStats:
         return tuple(o.channel for o in self.outliers)
 
     def to_dict(self, profiles: bool = True) -> dict[str, Any]:
-        d = {
-            "layer": self.layer, "tensor": self.tensor, "head": self.head,
-            "kv_head": self.kv_head, "median_absmax": self.median_absmax,
-            "max_ratio": self.max_ratio, "kurtosis": self.kurtosis,
-            "outliers": [o.__dict__.copy() for o in self.outliers],
-            "rope": [r.__dict__.copy() for r in self.rope],
-        }
-        if profiles:
-            d["channel_absmax"] = list(self.channel_absmax)
-            d["channel_p50"] = list(self.channel_p50)
-            d["channel_p99"] = list(self.channel_p99)
-        return d
+        """The fields (JSON-ready), without the per-channel profiles unless ``profiles``."""
+        skip = () if profiles else ("channel_absmax", "channel_p50", "channel_p99")
+        return {k: v for k, v in asdict(self).items() if k not in skip}
 
 
 @dataclass(frozen=True)
@@ -136,22 +127,15 @@ class OutlierReport:
         return rows[:n]
 
     def to_dict(self, profiles: bool = True) -> dict[str, Any]:
-        return {
-            "kvlens_report": "outliers",
-            "schema_version": REPORT_SCHEMA_VERSION,
-            "path": self.path, "model": self.model,
-            "rule": {"threshold": self.threshold,
-                     "definition": "channel abs-max >= threshold * median channel abs-max "
-                                   "of the (layer, tensor, head)"},
-            "tensors": list(self.tensors), "layers": list(self.layers),
-            "kv_heads": list(self.kv_heads),
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim, "rope_layout": self.rope_layout,
-            "rotary_dim": self.rotary_dim, "num_samples": self.num_samples,
-            "num_tokens": self.num_tokens, "seconds": self.seconds,
-            "heads": [h.to_dict(profiles) for h in self.heads],
-        }
+        """The fields in their order after the ``kvlens report`` artifact header, the threshold
+        as the outlier ``rule`` and the heads last."""
+        d = {"kvlens_report": "outliers", "schema_version": REPORT_SCHEMA_VERSION}
+        d.update(("rule" if f.name == "threshold" else f.name, getattr(self, f.name))
+                 for f in fields(self) if f.name != "heads")
+        d["rule"] = {"threshold": self.threshold, "definition": "channel abs-max >= threshold * "
+                     "median channel abs-max of the (layer, tensor, head)"}
+        d["heads"] = [h.to_dict(profiles) for h in self.heads]
+        return d
 
 
 # -- validation ---------------------------------------------------------------------------------
@@ -232,7 +216,6 @@ class _Raw:
     energy: Any  # [D] float64
     abs_flat: Any  # [S*T, D]
     outliers: list[int]
-    median: float
 
 
 def _tensor_raw(x, threshold: float) -> list[tuple[_Raw, dict[str, Any]]]:
@@ -275,7 +258,7 @@ def _tensor_raw(x, threshold: float) -> list[tuple[_Raw, dict[str, Any]]]:
             "channel_p50": tuple(_r(v) for v in pct[0][i].tolist()),
             "channel_p99": tuple(_r(v) for v in pct[1][i].tolist()),
         }
-        out.append((_Raw(absmax[i], energy[i], flat[i], outliers, float(med[i])), info))
+        out.append((_Raw(absmax[i], energy[i], flat[i], outliers), info))
     return out
 
 
@@ -322,14 +305,10 @@ def iter_layer_stats(cap, layers: Sequence[int], kv_heads: Sequence[int],
         stats: list[HeadStats] = []
         for fam in families:
             heads = q_heads if fam == "q" else list(kv_heads)
-            raws: dict[str, list[_Raw]] = {}
-            infos: dict[str, list[dict]] = {}
-            for name in FAMILY_TENSORS[fam]:
-                x = data.read(name, heads=heads)  # [S, len(heads), T, D]
-                pairs = _tensor_raw(x, threshold)
-                raws[name] = [p[0] for p in pairs]
-                infos[name] = [p[1] for p in pairs]
-                del x
+            raws, infos = {}, {}
+            for name in FAMILY_TENSORS[fam]:  # [S, len(heads), T, D], one tensor at a time
+                raws[name], infos[name] = zip(*_tensor_raw(data.read(name, heads=heads),
+                                                           threshold))
             for name in FAMILY_TENSORS[fam]:
                 for i, h in enumerate(heads):
                     rope: tuple[RopeShift, ...] = ()
@@ -380,13 +359,11 @@ def analyze_capture(path: str | os.PathLike, layers: str | Sequence[int] | None 
             heads=tuple(collected), seconds=round(time.perf_counter() - t0, 3))
 
 
-def read_head(path: str | os.PathLike, layer: int, tensor: str, head: int, sample: int = 0):
-    """``[T, D]`` float32 tensor of one head and sample (for heatmaps)."""
+def read_head(path: str | os.PathLike, layer: int, tensor: str, head: int):
+    """``[T, D]`` float32 tensor of one head in the first sample (for heatmaps)."""
     with open_capture(path) as cap:
-        meta, shape = cap.meta, cap.meta.shape
+        shape = cap.meta.shape
         limit = shape.num_attention_heads if tensor.startswith("q") else shape.num_key_value_heads
         if not 0 <= head < limit:
             raise InputError(f"Head {head} of {tensor} outside 0-{limit - 1}.")
-        if not 0 <= sample < meta.num_samples:
-            raise InputError(f"Sample {sample} outside 0-{meta.num_samples - 1}.")
-        return cap.layer(layer).read(tensor, samples=[sample], heads=[head])[0, 0]
+        return cap.layer(layer).read(tensor, samples=[0], heads=[head])[0, 0]

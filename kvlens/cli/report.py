@@ -45,13 +45,11 @@ run for any part that is missing (docs/report.md)."""
     def write():
         if run_dir.is_dir():  # otherwise write_report says what RUN_DIR must be
             check_output_file(target, "--output", overwrite, example="report.html")
-        # the recommend option that writes deploy settings, named where a run lacks them
-        write_output(target, lambda tmp: pages.append(write_report(run_dir, tmp, "--target")))
+        write_output(target, lambda tmp: pages.append(write_report(run_dir, tmp)))
 
     run_library_call(write)
     for title, m in pages[0].missing:
-        how = f"run {m.command}" if m.command else m.advice
-        err_console.print(f"[yellow]missing[/] {escape(f'{title}: {m.what}: {how}')}",
+        err_console.print(f"[yellow]missing[/] {escape(f'{title}: {m.what}: run {m.command}')}",
                           highlight=False, soft_wrap=True)
     console.print(str(target.resolve()), highlight=False, soft_wrap=True, markup=False)
 

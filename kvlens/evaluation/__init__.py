@@ -5,17 +5,10 @@ model (``kld``), a retrieval grid (``needles``), short-context checks (``short``
 quantized caches as configs; the held-out text itself is ``kvlens.text.heldout``.
 """
 
-from kvlens.evaluation.kld import TextScores, load_eval_text, score_text
+from kvlens.evaluation.kld import load_eval_text
 from kvlens.evaluation.kld import summarize as summarize_kld
-from kvlens.evaluation.needles import GridScores, build_grid, run_grid
-from kvlens.evaluation.needles import summarize as summarize_grid
-from kvlens.evaluation.options import EVALS, EvalOptions, parse_evals
+from kvlens.evaluation.options import EvalOptions, parse_evals
 from kvlens.evaluation.run import evaluate_configs
-from kvlens.evaluation.short import agreement, decode_ppl, passkey_prompts
-from kvlens.evaluation.stats import bootstrap_indices, paired_difference, wilson
-from kvlens.text.heldout import HELDOUT_NAME, heldout_text
 
-__all__ = ["EVALS", "HELDOUT_NAME", "EvalOptions", "GridScores", "TextScores", "agreement",
-           "bootstrap_indices", "build_grid", "decode_ppl", "evaluate_configs", "heldout_text",
-           "load_eval_text", "paired_difference", "parse_evals", "passkey_prompts", "run_grid",
-           "score_text", "summarize_grid", "summarize_kld", "wilson"]
+# what other packages use; the rest is imported from its module (kvlens.evaluation.needles...)
+__all__ = ["EvalOptions", "evaluate_configs", "load_eval_text", "parse_evals", "summarize_kld"]

@@ -33,8 +33,7 @@ _PIP = {"quanto": "optimum-quanto", "hqq": "hqq"}
 # transformers' layer class of each backend (transformers.cache_utils)
 LAYER_CLASSES = {"quanto": "QuantoQuantizedLayer", "hqq": "HQQQuantizedLayer",
                  "dynamic": "DynamicLayer"}
-BASELINES = {"hf-quanto-2": ("quanto", 2), "hf-quanto-4": ("quanto", 4),
-             "hf-hqq-2": ("hqq", 2), "hf-hqq-4": ("hqq", 4), "hf-fp8": ("fp8", None)}
+BASELINES = ("hf-quanto-2", "hf-quanto-4", "hf-hqq-2", "hf-hqq-4", "hf-fp8")  # in the error message
 LAYERS_PREFIX = "hf-layers:"
 _FORMS = ("hf-fp8, hf-quanto-B[:option=V...], hf-hqq-B[:option=V...] (the real cache of "
           "transformers:quanto-B / transformers:hqq-B), hf-layers:FILE (a recommend --target "
@@ -104,7 +103,11 @@ def read_layers(path: str | Path) -> tuple:
 
 def _require(name: str, backend: str) -> None:
     package = _PACKAGES.get(backend)
-    if package and _missing(package):
+    try:
+        missing = package is not None and importlib.util.find_spec(package) is None
+    except ModuleNotFoundError:  # the parent package (optimum) is missing
+        missing = True
+    if missing:
         pip_name = _PIP[backend]
         raise ConfigError(f"Baseline {name} needs the {pip_name} package, which is not "
                           f"installed; install it with `pip install {pip_name}` (or the "
@@ -113,13 +116,6 @@ def _require(name: str, backend: str) -> None:
         from transformers.cache_utils import QuantizedCache  # noqa: F401
     except ImportError:
         raise ConfigError("This transformers version has no QuantizedCache.") from None
-
-
-def _missing(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is None
-    except ModuleNotFoundError:
-        return True
 
 
 def build_cache(layers, num_layers: int):
@@ -171,8 +167,15 @@ def open_session(model, config, backend: str):
 
 
 def held_bytes(config, cache) -> dict:
-    """The memory report of ``config``'s ``cache``: the bytes its tensors hold."""
-    return (baseline_memory_report if isinstance(config, Baseline) else memory_report)(cache)
+    """What ``config``'s ``cache`` holds, as a result records it: ``kv_bytes``,
+    ``kv_bytes_fp16``, ``bits_per_element``, ``kv_bytes_by_device`` and a hybrid model's
+    fixed-size ``state_bytes`` beside its K/V (when it has any)."""
+    report = (baseline_memory_report if isinstance(config, Baseline) else memory_report)(cache)
+    out = {k: report[k] for k in ("kv_bytes", "kv_bytes_fp16", "bits_per_element")}
+    out["kv_bytes_by_device"] = report["by_device"]
+    if report.get("state_bytes"):
+        out["state_bytes"] = report["state_bytes"]
+    return out
 
 
 def _tensors(obj):

@@ -91,7 +91,7 @@ def check_lengths(text_tokens: int, eval_tokens: int | None, chunk: int, max_pos
     if eval_tokens > text_tokens:
         raise InputError(f"{{eval_tokens}} {eval_tokens} is longer than the text from {source} "
                          f"({text_tokens} tokens); lower {{eval_tokens}} to at most {text_tokens} "
-                         "or give a longer --text.")
+                         "or give a longer {text}.")
     if not 1 <= chunk <= eval_tokens:
         raise InputError(f"{{chunk}} must be between 1 (decode mode) and {{eval_tokens}} "
                          f"({eval_tokens}); got {chunk}.")
@@ -129,15 +129,6 @@ def reads_quantized(cache) -> bool:
         if getattr(layer, "_quantized_keys", None) is not None:  # transformers QuantizedCache
             return True
     return False
-
-
-def _memory(config, cache) -> dict:
-    report = held_bytes(config, cache)
-    out = {**{k: report[k] for k in ("kv_bytes", "kv_bytes_fp16", "bits_per_element")},
-           "kv_bytes_by_device": report["by_device"]}
-    if report.get("state_bytes"):  # a hybrid model's fixed-size states, apart from its K/V
-        out["state_bytes"] = report["state_bytes"]
-    return out
 
 
 def score_text(model, ids, configs: Sequence, chunk: int = DEFAULT_CHUNK, backend: str = "auto",
@@ -193,7 +184,7 @@ def score_text(model, ids, configs: Sequence, chunk: int = DEFAULT_CHUNK, backen
                           "config_forward": [round(v, 2) for v in per_config],
                           "kl_and_nll": round(clock["scoring"], 2)}
         for ts, config, cache, session in zip(result.configs, configs, caches, sessions):
-            ts.memory = _memory(config, cache)
+            ts.memory = held_bytes(config, cache)
             ts.backend_reason = getattr(session, "backend_reason", None)
     return result
 

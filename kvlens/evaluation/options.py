@@ -43,13 +43,11 @@ class EvalOptions:
         if self.eval_tokens is not None and self.chunk > self.eval_tokens:
             raise InputError(f"{{chunk}} must be between 1 (decode mode) and {{eval_tokens}} "
                              f"({self.eval_tokens}); got {self.chunk}.")
-        for flag, value, low in (("--max-new-tokens", self.max_new_tokens, 1),
-                                 ("--retrieval-prompts", self.retrieval_prompts, 1),
-                                 ("--passkey-prompts", self.passkey_prompts, 1),
-                                 ("--passkey-context", self.passkey_context, 64),
-                                 ("--ppl-tokens", self.ppl_tokens, 40)):
-            if value < low:
-                raise InputError(f"{flag} must be at least {low} (got {value}).")
+        for field, low in (("max_new_tokens", 1), ("retrieval_prompts", 1),
+                           ("passkey_prompts", 1), ("passkey_context", 64), ("ppl_tokens", 40)):
+            if getattr(self, field) < low:
+                raise InputError(f"{{{field}}} must be at least {low} (got "
+                                 f"{getattr(self, field)}).")
 
 
 def parse_evals(spec: str | None) -> tuple[str, ...]:

@@ -78,7 +78,8 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
                 if doc.get("backend_reason"):  # the kld run's own: torch-path calls counted
                     res["backend_reason"] = doc.pop("backend_reason")
                 res["kld"] = doc
-                _merge_memory(res, memory)
+                if memory and memory["kv_bytes_fp16"] >= res.get("kv_bytes_fp16", 0):
+                    res.update(memory)  # the bytes of the largest cache the config built
         report["interrupted"] = scores.interrupted
     if grid is not None and not report["interrupted"]:
         scores = run_grid(model, tokenizer, configs, grid, options.backend, progress)
@@ -108,9 +109,3 @@ def _every(progress: Callable[[str], None], label: str, parts: int = 8):
         if done == total or done % max(1, total // parts) == 0:
             progress(f"{label} {done}/{total}")
     return update
-
-
-def _merge_memory(res: dict, memory: dict | None) -> None:
-    """Keep the bytes of the largest cache a config built."""
-    if memory and memory["kv_bytes_fp16"] >= res.get("kv_bytes_fp16", 0):
-        res.update(memory)

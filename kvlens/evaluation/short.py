@@ -108,7 +108,14 @@ def short_evals(model, tokenizer, configs: list[KVConfig], options: EvalOptions,
             results.append(res)
     except KeyboardInterrupt:  # keep the configs that finished
         interrupted = True
-    _compare_with_reference(results, baseline, ppl=ppl_ids is not None, agree=need_agree)
+    for res in results:  # against the exact reference (none when it did not finish)
+        if ppl_ids is not None and baseline:
+            res["ppl_fp16"] = baseline["ppl"]
+            res["ppl_change"] = res["ppl"] / baseline["ppl"] - 1
+        if need_agree and baseline:
+            res["agreement"] = agreement(res["_tokens"], baseline["_tokens"])
+    for res in results:  # the greedy tokens were kept for agreement only
+        res.pop("_tokens", None)
     return results, interrupted
 
 
@@ -119,8 +126,8 @@ def _ppl_ids(tokenizer, options: EvalOptions, device):
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
     if ids.shape[1] < options.ppl_tokens:
         raise InputError(f"The text from {source} has {ids.shape[1]} tokens; decode-mode "
-                         f"perplexity needs {options.ppl_tokens} (lower --ppl-tokens or "
-                         "give a longer --text).")
+                         f"perplexity needs {options.ppl_tokens} (lower {{ppl_tokens}} or "
+                         "give a longer {text}).")
     return ids[:, :options.ppl_tokens].to(device)
 
 
@@ -143,49 +150,21 @@ def _run_config(model, tokenizer, config: KVConfig, options: EvalOptions, inputs
                      "tokens")
             res["ppl"], cache = decode_ppl(model, inputs.ppl_ids, session, options.ppl_prefix)
             caches.append(cache)
+        lengths, correct = [], 0
+        for i, (text, key) in enumerate(inputs.passkeys):  # greedy answers to the prompts
+            progress(f"{config.name}: passkey {i + 1}/{len(inputs.passkeys)}")
+            ids = _encode(tokenizer, text, inputs.device)
+            lengths.append(ids.shape[1])
+            new, cache = greedy(model, ids, session, 8)
+            caches.append(cache)
+            correct += key in tokenizer.decode(new[0], skip_special_tokens=True)
         if inputs.passkeys:
-            res["passkey"], passkey_caches = _passkey(model, tokenizer, session, config.name,
-                                                      inputs, progress)
-            caches += passkey_caches
+            res["passkey"] = {"correct": correct, "total": len(inputs.passkeys),
+                              "context_tokens": round(sum(lengths) / len(lengths))}
     res["backend_reason"] = session.backend_reason
-    reports = [held_bytes(config, c) for c in caches]
-    if reports:
-        biggest = max(reports, key=lambda r: r["kv_bytes_fp16"])
-        res.update(kv_bytes=biggest["kv_bytes"], kv_bytes_fp16=biggest["kv_bytes_fp16"],
-                   bits_per_element=biggest["bits_per_element"],
-                   kv_bytes_by_device=biggest["by_device"])
+    if caches:  # the bytes of the biggest cache
+        res.update(max((held_bytes(config, c) for c in caches), key=lambda r: r["kv_bytes_fp16"]))
     return res
-
-
-def _passkey(model, tokenizer, session, name: str, inputs: _Inputs,
-             progress: Callable[[str], None]) -> tuple[dict, list]:
-    """Greedy answers to the passkey prompts: ``(the count correct and the mean prompt
-    length, the caches)``."""
-    correct = 0
-    lengths = []
-    caches = []
-    for i, (text, key) in enumerate(inputs.passkeys):
-        progress(f"{name}: passkey {i + 1}/{len(inputs.passkeys)}")
-        ids = _encode(tokenizer, text, inputs.device)
-        lengths.append(ids.shape[1])
-        new, cache = greedy(model, ids, session, 8)
-        caches.append(cache)
-        correct += key in tokenizer.decode(new[0], skip_special_tokens=True)
-    return ({"correct": correct, "total": len(inputs.passkeys),
-             "context_tokens": round(sum(lengths) / len(lengths))}, caches)
-
-
-def _compare_with_reference(results: list[dict], baseline: dict, ppl: bool, agree: bool) -> None:
-    """Each result's ppl change and greedy agreement against the exact reference
-    (``baseline``; none when it did not finish), then the greedy tokens dropped."""
-    for res in results:
-        if ppl and baseline:
-            res["ppl_fp16"] = baseline["ppl"]
-            res["ppl_change"] = res["ppl"] / baseline["ppl"] - 1
-        if agree and baseline:
-            res["agreement"] = agreement(res["_tokens"], baseline["_tokens"])
-    for res in results:
-        res.pop("_tokens", None)
 
 
 def agreement(tokens: list[int], reference: list[int]) -> dict:

@@ -45,10 +45,6 @@ def percentile_interval(samples: np.ndarray) -> list[float]:
     return [float(lo), float(hi)]
 
 
-def covers_zero(interval: list[float]) -> bool:
-    return interval[0] <= 0.0 <= interval[1]
-
-
 def paired_difference(value: float, reference: float, samples: np.ndarray,
                       reference_samples: np.ndarray) -> dict:
     """``value - reference`` with the paired bootstrap interval of the per-resample differences.
@@ -56,7 +52,7 @@ def paired_difference(value: float, reference: float, samples: np.ndarray,
     ``distinguishable`` is false (and ``verdict`` says "not distinguishable") when the interval
     contains 0."""
     ci = percentile_interval(np.asarray(samples) - np.asarray(reference_samples))
-    same = covers_zero(ci)
+    same = ci[0] <= 0.0 <= ci[1]
     return {"diff": float(value - reference), "ci95": ci, "distinguishable": not same,
             "verdict": "not distinguishable" if same else
             ("higher" if value > reference else "lower")}

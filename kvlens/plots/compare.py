@@ -20,11 +20,6 @@ AXIS_COLORS = {"per-token": "#1f77b4", "per-channel": "#d62728"}
 _DPI = 100
 
 
-def config_slug(tensor: str, bits: int, group_size: int, stage: str | None, variant: str) -> str:
-    stage_part = f"_{stage}" if stage else ""
-    return f"{tensor}_{bits}b_G{group_size}{stage_part}_{variant}"
-
-
 def write_plots(result: CompareResult, out_dir: str | os.PathLike) -> list[Path]:
     """Write the heatmap and line figures of every configuration in ``result`` into
     ``out_dir`` (created if missing); returns the paths written."""
@@ -58,8 +53,10 @@ def write_plots(result: CompareResult, out_dir: str | os.PathLike) -> list[Path]
             for (layer, head), val in values.items():
                 mat[layers.index(layer), heads.index(head)] = val
             mats[(axis, metric)] = mat
-        title = _title(model, cfg)
-        slug = config_slug(*cfg)
+        tensor, bits, g, stage, variant = cfg
+        staged = f", {stage}-RoPE" if stage else ""
+        title = f"{model}: {tensor}s, {bits}-bit, G={g}{staged}, {variant}"
+        slug = f"{tensor}_{bits}b_G{g}{'_' + stage if stage else ''}_{variant}"
         written.append(_heatmaps(Figure, np, mats, metrics, layers, title,
                                  out / f"heatmap_{slug}.png"))
         written.append(_lines(Figure, np, mats, metrics, layers, title, out / f"layers_{slug}.png"))
@@ -108,12 +105,6 @@ def _line_panels(Figure, np, metrics, series, title: str, path: Path, height: fl
     return path
 
 
-def _title(model: str, cfg: tuple) -> str:
-    tensor, bits, g, stage, variant = cfg
-    stage_txt = f", {stage}-RoPE" if stage else ""
-    return f"{model}: {tensor}s, {bits}-bit, G={g}{stage_txt}, {variant}"
-
-
 def _heatmaps(Figure, np, mats, metrics, layers, title, path: Path) -> Path:
     n = len(metrics)
     fig = Figure(figsize=(12, 2.2 + 2.6 * n))
@@ -121,24 +112,22 @@ def _heatmaps(Figure, np, mats, metrics, layers, title, path: Path) -> Path:
     for row, metric in enumerate(metrics):
         tok, ch = mats[("per-token", metric)], mats[("per-channel", metric)]
         vmax = float(np.nanmax([np.nanmax(tok), np.nanmax(ch)])) or 1.0
-        for col, (axis, mat) in enumerate((("per-token", tok), ("per-channel", ch))):
-            ax = axes[row][col]
-            im = ax.imshow(mat, aspect="auto", origin="lower", cmap="viridis", vmin=0, vmax=vmax,
-                           interpolation="nearest")
-            ax.set_title(f"{metric}: {axis}", fontsize=9)
-            _label_axes(ax, layers, mat.shape[1], metric)
-            if col == 1:
-                fig.colorbar(im, ax=ax, label="rel. error")
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = np.log2(ch / tok)
         finite = ratio[np.isfinite(ratio)]
         lim = float(np.abs(finite).max()) if finite.size else 1.0
-        ax = axes[row][2]
-        im = ax.imshow(ratio, aspect="auto", origin="lower", cmap="RdBu_r", vmin=-lim or -1,
-                       vmax=lim or 1, interpolation="nearest")
-        ax.set_title(f"{metric}: log2(per-channel / per-token)", fontsize=9)
-        _label_axes(ax, layers, ratio.shape[1], metric)
-        fig.colorbar(im, ax=ax, label="< 0: per-channel better")
+        # (title, matrix, colour map, range, colour bar): both axes on one scale, then the ratio
+        panels = (("per-token", tok, "viridis", (0, vmax), None),
+                  ("per-channel", ch, "viridis", (0, vmax), "rel. error"),
+                  ("log2(per-channel / per-token)", ratio, "RdBu_r", (-lim or -1, lim or 1),
+                   "< 0: per-channel better"))
+        for ax, (what, mat, cmap, (lo, hi), bar) in zip(axes[row], panels, strict=True):
+            im = ax.imshow(mat, aspect="auto", origin="lower", cmap=cmap, vmin=lo, vmax=hi,
+                           interpolation="nearest")
+            ax.set_title(f"{metric}: {what}", fontsize=9)
+            _label_axes(ax, layers, mat.shape[1], metric)
+            if bar:
+                fig.colorbar(im, ax=ax, label=bar)
     fig.suptitle(title)
     # fixed margins: tight_layout measures every tick label, a large share of the drawing time
     fig.subplots_adjust(left=0.06, right=0.97, bottom=0.9 / fig.get_figheight(),

@@ -41,7 +41,7 @@ def frontier_figure(doc: Mapping, title: str = "", width_in: float = 8.0):
                                                                           p["mean_kld"])))}
     handles = {}
     for p in points:
-        marker, colour, label = _style(p["kind"])
+        marker, colour, label = KIND_STYLE.get(p["kind"], ("X", "#7f7f7f", p["kind"]))
         y = p["mean_kld"] if p["mean_kld"] > 0 else floor
         lo, hi = (max(v, floor) for v in p["ci95"])
         ax.errorbar([p["bits"]], [y], yerr=[[max(y - lo, 0.0)], [max(hi - y, 0.0)]],
@@ -83,10 +83,6 @@ def frontier_figure(doc: Mapping, title: str = "", width_in: float = 8.0):
         ax.set_title(title, fontsize=10)
     fig.subplots_adjust(left=0.12, right=0.98, bottom=0.12, top=0.9 if title else 0.96)
     return fig
-
-
-def _style(kind: str) -> tuple[str, str, str]:
-    return KIND_STYLE.get(kind, ("X", "#7f7f7f", kind))
 
 
 def write_frontier(doc: Mapping, path: str | os.PathLike, title: str = "") -> Path:

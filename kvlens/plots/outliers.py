@@ -1,8 +1,8 @@
 """Matplotlib figures for ``kvlens plot-outliers`` (statistics come from ``kvlens.analysis.outliers``).
 
-Every function picks the non-interactive Agg backend itself (never at import, so importing
-kvlens has no global side effect), draws one figure, saves it to ``path`` (format from the
-suffix: png, svg or pdf) and closes it. Titles name the model, layer, head and stage.
+Every function draws one figure on a ``matplotlib.figure.Figure`` (no pyplot, no global backend
+switch) and saves it to ``path`` (format from the suffix: png, svg or pdf). Titles name the
+model, layer, head and stage.
 """
 
 from __future__ import annotations
@@ -19,22 +19,9 @@ COLORS = {"q_pre": "#1f77b4", "q": "#9ecae1", "k_pre": "#d62728", "k": "#ff9896"
 _DPI = 100
 
 
-def _pyplot():
-    import matplotlib
-
-    # Agg: no display needed and the same output everywhere. Chosen here, not at import, so
-    # importing kvlens never changes a caller's backend.
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _save(fig, path: str | os.PathLike) -> Path:
-    path = Path(path)
     fig.savefig(path, dpi=_DPI)
-    _pyplot().close(fig)
-    return path
+    return Path(path)
 
 
 def plot_channel_profiles(heads: Sequence, model: str, threshold: float,
@@ -45,15 +32,15 @@ def plot_channel_profiles(heads: Sequence, model: str, threshold: float,
     Each panel: abs-max over tokens (line), p50-p99 band over tokens, the outlier rule's level
     (threshold x median abs-max, dashed), flagged channels marked and numbered."""
     import numpy as np
+    from matplotlib.figure import Figure
 
-    plt = _pyplot()
     stages = [t for t in ("q_pre", "q", "k_pre", "k", "v") if any(h.tensor == t for h in heads)]
     rows = sorted({h.head for h in heads})
     by_key = {(h.tensor, h.head): h for h in heads}
     layer = heads[0].layer
     ncol = len(stages)
-    fig, axes = plt.subplots(len(rows), ncol, figsize=(5.2 * ncol, 1.9 * len(rows) + 0.9),
-                             sharex=True, sharey="row", squeeze=False)
+    fig = Figure(figsize=(5.2 * ncol, 1.9 * len(rows) + 0.9))
+    axes = fig.subplots(len(rows), ncol, sharex=True, sharey="row", squeeze=False)
     for r, head in enumerate(rows):
         for c, tensor in enumerate(stages):
             ax = axes[r][c]
@@ -105,12 +92,12 @@ def plot_heatmap(arrays: Mapping[str, object], model: str, layer: int, heads: Ma
     ``heads[tensor]`` the head index shown. Pre/post of one family share a colour scale.
     ``outliers[tensor]`` (optional) are ticked on the channel axis."""
     import numpy as np
+    from matplotlib.figure import Figure
 
-    plt = _pyplot()
     names = [t for t in ("k_pre", "k", "q_pre", "q", "v") if t in arrays]
     mats = {t: np.abs(np.asarray(arrays[t], dtype=np.float32)).T for t in names}  # [D, T]
-    fig, axes = plt.subplots(len(names), 1, figsize=(9.5, 2.0 * len(names) + 0.7),
-                             sharex=True, squeeze=False)
+    fig = Figure(figsize=(9.5, 2.0 * len(names) + 0.7))
+    axes = fig.subplots(len(names), 1, sharex=True, squeeze=False)
     for ax, t in zip(axes[:, 0], names, strict=True):
         family = [u for u in names if u[0] == t[0]]
         vmax = max(float(mats[u].max()) for u in family) or 1.0
@@ -140,9 +127,12 @@ def plot_heatmap(arrays: Mapping[str, object], model: str, layer: int, heads: Ma
 def plot_overview(report, path: str | os.PathLike) -> Path:
     """Outlier severity per layer for every analysed tensor: max/median channel abs-max ratio
     (max over heads), kurtosis (max over heads), number of outlier channels (sum over heads)."""
-    plt = _pyplot()
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
     tensors = [t for t in ("q_pre", "q", "k_pre", "k", "v") if report.select(t)]
-    fig, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
+    fig = Figure(figsize=(9, 8))
+    axes = fig.subplots(3, 1, sharex=True)
     for t in tensors:
         hs = report.select(t)
         layers = sorted({h.layer for h in hs})
@@ -159,8 +149,6 @@ def plot_overview(report, path: str | os.PathLike) -> Path:
     axes[0].set_ylabel("max / median\nchannel abs-max")
     axes[1].set_ylabel("kurtosis\n(Gaussian = 3)")
     axes[1].set_yscale("log")
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
-
     axes[1].set_yticks([2, 3, 5, 10, 20, 50, 100])
     axes[1].yaxis.set_major_formatter(ScalarFormatter())
     axes[1].yaxis.set_minor_formatter(NullFormatter())

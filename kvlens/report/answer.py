@@ -41,10 +41,19 @@ def answer_section(artifacts: dict, run_dir: Path, capture_hint: str) -> Section
     sec = Section("answer", "The answer")
     rec_path, rec = latest(artifacts, "recommend")
     scored = _scored(artifacts, run_dir)
-    if rec is None and not scored:
-        _nothing_yet(sec, run_dir, capture_hint, artifacts)
-        return sec
-    rec_name = _rec_name(rec) if rec else None
+    if rec is None:
+        sec.missing.append(Missing("a per-layer recommendation with its KL divergence",
+                                   f"kvlens recommend {capture_hint} --budget-bits 3.0 -o "
+                                   f"{run_dir / 'recommended.json'} --validate"))
+        if not scored:
+            sec.lead = ("Nothing to conclude yet: this run holds no recommendation and no "
+                        "scored comparison. Run the two commands below, then kvlens report "
+                        "again.")
+            _frontier(sec, artifacts, run_dir, None, None)
+            return sec
+        sec.lead = "No recommendation in this run; the settings it scored are compared below."
+    rec_name = None if rec is None else ((rec.get("config") or {}).get("name")
+                                         or Path(rec.get("config_file", "")).stem)
     mine = _mine(scored, rec_name)
     preset = _pick(scored, COMPARED_PRESET, mine)
     engines = [s for s in scored if s.kind == "engine"]
@@ -57,12 +66,6 @@ def answer_section(artifacts: dict, run_dir: Path, capture_hint: str) -> Section
                 "the recommendation's KL divergence against the exact model",
                 f"kvlens recommend {capture_hint} ... -o {run_dir / rec.get('config_file', '')} "
                 "--validate"))
-    else:
-        sec.lead = ("No recommendation in this run; the settings it scored are compared "
-                    "below.")
-        sec.missing.append(Missing("a per-layer recommendation",
-                                   f"kvlens recommend {capture_hint} --budget-bits 3.0 -o "
-                                   f"{run_dir / 'recommended.json'} --validate"))
     rows = [(mine, "recommended"), (preset, "published baseline"),
             (engine, "lowest KLD of the engine settings measured")]
     if rec is None:  # no recommendation: the front of the newest frontier stands in
@@ -105,10 +108,6 @@ def _scored(artifacts: dict, run_dir: Path) -> list[Scored]:
 
 def _has_kld(r: dict) -> bool:
     return isinstance((r.get("kld") or {}).get("mean_kld"), dict)
-
-
-def _rec_name(rec: dict) -> str:
-    return (rec.get("config") or {}).get("name") or Path(rec.get("config_file", "")).stem
 
 
 def _mine(scored: list[Scored], name: str | None) -> Scored | None:
@@ -191,10 +190,8 @@ def _memory(rec: dict) -> str:
     kv = {int(k): v for k, v in (rec.get("kv_bytes") or {}).items()}
     fp16 = {int(k): v for k, v in (rec.get("kv_bytes_fp16") or {}).items()}
     both = sorted(set(kv) & set(fp16))
-    shown = [c for c in MEMORY_CONTEXTS if c in both]
     absent = [c for c in MEMORY_CONTEXTS if c not in both]
-    if absent:  # what the artifact has instead
-        shown = sorted({*shown, *both})
+    shown = both if absent else MEMORY_CONTEXTS  # what the artifact has instead, when not all
     if not shown:
         return "Memory: the recommendation records no KV bytes per context."
     parts = [f"{c:,} tokens: {format_bytes(kv[c])} instead of {format_bytes(fp16[c])}, "
@@ -210,10 +207,9 @@ def _deploy_table(sec: Section, rec: dict | None, artifacts: dict) -> None:
     """The command per engine target: the recommendation's own (kvlens), then the newest deploy
     artifact of each engine."""
     rows, targets = [], set()
-    own = (rec or {}).get("deploy") or ((rec or {}).get("config") or {}).get("deploy")
-    for d in own if isinstance(own, list) else [own] if own else []:
-        if isinstance(d, dict) and d.get("command"):
-            rows.append([str(d.get("target", "kvlens")), str(d["command"]), "-"])
+    own = (rec or {}).get("deploy") or {}
+    if own.get("command"):
+        rows.append([str(own.get("target", "kvlens")), str(own["command"]), "-"])
     _export_rows(rows, (rec or {}).get("exports"), "kvlens")
     for _, ddoc in artifacts.get("deploy") or []:  # newest first
         d = ddoc.get("deploy") or {}
@@ -281,13 +277,3 @@ def _frontier(sec: Section, artifacts: dict, run_dir: Path, rec_path, rec) -> No
                f"KLD than: {names}.")
     sec.figures.append(png_figure(f"frontier ({_rel(path, run_dir)})", caption,
                                   compact_png(frontier_png(front, title, FRONTIER_WIDTH))))
-
-
-def _nothing_yet(sec: Section, run_dir: Path, capture_hint: str, artifacts: dict) -> None:
-    sec.lead = ("Nothing to conclude yet: this run holds no recommendation and no scored "
-                "comparison. Run the two commands below, then kvlens report again.")
-    rec = run_dir / "recommended.json"
-    sec.missing.append(Missing("a recommendation with its KL divergence",
-                               f"kvlens recommend {capture_hint} --budget-bits 3.0 -o {rec} "
-                               "--validate"))
-    _frontier(sec, artifacts, run_dir, None, None)

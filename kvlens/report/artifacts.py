@@ -24,18 +24,15 @@ MAX_DEPTH = 3  # folders below RUN_DIR searched for artifacts
 MAX_BYTES = 256 * 2**20  # larger JSON files are not read (no kvlens artifact is that big)
 
 
-def stamp(kind: str, doc: Mapping[str, Any]) -> dict[str, Any]:
-    """``doc`` with the artifact header in front."""
+def write_artifact(kind: str, doc: Mapping[str, Any], path: str | os.PathLike) -> Path:
+    """Write ``doc`` as the ``kind`` artifact at ``path``, the artifact header in front (numpy
+    values become lists)."""
     if kind not in ARTIFACT_KINDS:
         raise ValueError(f"unknown artifact kind {kind!r}")
-    return {"kvlens_report": kind, "schema_version": SCHEMA_VERSION,
-            **{k: v for k, v in doc.items() if k not in ("kvlens_report", "schema_version")}}
-
-
-def write_artifact(kind: str, doc: Mapping[str, Any], path: str | os.PathLike) -> Path:
-    """Write ``doc`` as the ``kind`` artifact at ``path`` (numpy values become lists)."""
+    doc = {"kvlens_report": kind, "schema_version": SCHEMA_VERSION,
+           **{k: v for k, v in doc.items() if k not in ("kvlens_report", "schema_version")}}
     path = Path(path)
-    path.write_text(json.dumps(stamp(kind, doc), indent=1, default=_default) + "\n")
+    path.write_text(json.dumps(doc, indent=1, default=_default) + "\n")
     return path
 
 
@@ -96,7 +93,6 @@ def relative_names(paths: Iterable[str | os.PathLike], folder: str | os.PathLike
 
 def capture_doc(summary: Mapping[str, Any], meta) -> dict[str, Any]:
     """Capture artifact from ``CaptureSummary.to_dict()`` and the file's ``CaptureMeta``."""
-    extra = dict(meta.extra)
     return {
         "capture_file": Path(summary["path"]).name,
         "model": meta.model, "model_source": meta.model_source,
@@ -109,8 +105,8 @@ def capture_doc(summary: Mapping[str, Any], meta) -> dict[str, Any]:
         "storage_dtype": meta.storage_dtype, "samples": meta.num_samples,
         "tokens": meta.num_tokens, "text_source": meta.text_source, "created": meta.created,
         "versions": {"kvlens": meta.kvlens_version,
-                     "transformers": str(extra.pop("transformers_version", "")),
-                     "torch": str(extra.pop("torch_version", ""))},
+                     "transformers": str(meta.extra.get("transformers_version", "")),
+                     "torch": str(meta.extra.get("torch_version", ""))},
         "file_bytes": summary.get("file_bytes"), "seconds": summary.get("seconds"),
         "notes": list(summary.get("notes") or []),
     }

@@ -16,7 +16,7 @@ from kvlens import __version__
 from kvlens.errors import InputError
 from kvlens.report import sections as S
 from kvlens.report.answer import answer_section
-from kvlens.report.artifacts import ARTIFACT_KINDS, MAX_DEPTH, find_artifacts
+from kvlens.report.artifacts import ARTIFACT_KINDS, MAX_DEPTH, check_output_file, find_artifacts
 
 TEMPLATE = "report.html.j2"
 
@@ -35,11 +35,9 @@ class Report:
         return [(s.title, m) for s in self.sections for m in s.missing]
 
 
-def build_report(run_dir: str | os.PathLike, deploy_option: str | None = None) -> Report:
+def build_report(run_dir: str | os.PathLike) -> Report:
     """The page's content from the artifacts under ``run_dir``.
 
-    deploy_option: the ``recommend`` option that writes deploy settings (e.g. ``--target``),
-    named in the hint when they are missing; None when this kvlens has none.
     Raises ``InputError`` when ``run_dir`` is not a folder or holds no kvlens output at all."""
     root = Path(run_dir)
     artifacts = find_artifacts(root)
@@ -54,10 +52,12 @@ def build_report(run_dir: str | os.PathLike, deploy_option: str | None = None) -
     body = [answer_section(artifacts, root, hint),
             S.model_section(artifacts, root, hint), S.outliers_section(artifacts, root, hint),
             S.axes_section(artifacts, root, hint),
-            S.recommend_section(artifacts, root, hint, deploy_option),
+            S.recommend_section(artifacts, root, hint),
             S.validation_section(artifacts, root)]
     body.append(S.not_measured_section(body))
-    model = _model_name(artifacts)
+    _, doc = S.latest(artifacts, "capture")
+    model = next((str(d["model"]) for d in [doc or {}, *S.capture_records(artifacts)]
+                  if d.get("model")), "a run")
     found = [f"{kind}: {S._rel(path, root)}" for kind in ARTIFACT_KINDS
              for path, _ in artifacts.get(kind, [])[:1]]
     found += [f"{kind}: {S._rel(path, root)} (older, not shown)" for kind in ARTIFACT_KINDS
@@ -76,12 +76,6 @@ def _capture_hint(artifacts: dict, root: Path) -> str:
                 str(root / "run.h5"))
 
 
-def _model_name(artifacts: dict) -> str:
-    _, doc = S.latest(artifacts, "capture")
-    return next((str(d["model"]) for d in [doc or {}, *S.capture_records(artifacts)]
-                 if d.get("model")), "a run")
-
-
 def render_html(report: Report) -> str:
     from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 
@@ -91,15 +85,9 @@ def render_html(report: Report) -> str:
     return env.get_template(TEMPLATE).render(report=report)
 
 
-def write_report(run_dir: str | os.PathLike, output: str | os.PathLike,
-                 deploy_option: str | None = None) -> Report:
+def write_report(run_dir: str | os.PathLike, output: str | os.PathLike) -> Report:
     """Build the report of ``run_dir`` and write it as one HTML file to ``output``."""
-    report = build_report(run_dir, deploy_option)
-    out = Path(output)
-    if out.is_dir():
-        raise InputError(f"-o {output} is a folder; give a file name such as "
-                         f"{out / 'report.html'}.")
-    if not out.parent.is_dir():
-        raise InputError(f"-o {output}: folder {out.parent} does not exist; create it first.")
-    out.write_text(render_html(report), encoding="utf-8")
+    report = build_report(run_dir)
+    check_output_file(output, "{output}", overwrite=True, example=Path(output) / "report.html")
+    Path(output).write_text(render_html(report), encoding="utf-8")
     return report

@@ -35,8 +35,7 @@ class Table:
 @dataclass
 class Missing:
     what: str
-    command: str  # the command that writes it; "" when no command of this kvlens can
-    advice: str = ""  # said instead of a command
+    command: str  # the command that writes it
 
 
 @dataclass
@@ -160,13 +159,11 @@ def outliers_section(artifacts: dict, run_dir: Path, capture_hint: str) -> Secti
             sec.tables.append(table)
     folder = path.parent
     names = doc.get("figures") or []
-    main = [n for n in names if Path(n).stem == "overview" or Path(n).stem.endswith("_k")
-            or Path(n).stem.startswith("heatmap")]
-    main.sort(key=lambda n: (Path(n).stem != "overview", not Path(n).stem.startswith("heatmap"),
-                             n))
-    for n in names:
+    for n in names:  # the overview, key profiles and heatmaps shown; the others folded
+        stem = Path(n).stem
         fig = load_figure(folder, n, outlier_caption(n, threshold))
-        (sec.figures if n in main else sec.more_figures).append(fig)
+        shown = stem == "overview" or stem.endswith("_k") or stem.startswith("heatmap")
+        (sec.figures if shown else sec.more_figures).append(fig)
     layers = doc.get("layers") or []
     sec.notes.append(f"outliers: {len(layers)} layers analysed ({format_index_spec(layers)}), "
                      f"{doc.get('num_samples')} samples x {doc.get('num_tokens')} tokens; "
@@ -232,7 +229,8 @@ def _channel_table(heads: list[dict], tensor: str, what: str, threshold: float) 
             str(sum(_stable(o) for _, o, _ in items)),
             f"{statistics.median(o['ratio'] for _, o, _ in items):.1f}",
             f"{statistics.median(o['token_stability'] for _, o, _ in items):.2f}",
-            _ranges_pairs(where),
+            ", ".join(f"{layer}:{head}" for layer, head in where[:8])
+            + (f" (+{len(where) - 8})" if len(where) > 8 else ""),
             "-" if not ropes else ", ".join("none" if p is None else str(p)
                                             for p in sorted(partner, key=lambda p: p or -1)),
             "-" if not ropes else
@@ -252,11 +250,6 @@ def _channel_table(heads: list[dict], tensor: str, what: str, threshold: float) 
     return Table(["channel", "heads", "stable", "ratio", "tok", "where (layer:head)",
                   "RoPE partner", "partner share", "tok after"], rows, caption,
                  id=f"channels-{tensor}", left=(0, 5))
-
-
-def _ranges_pairs(pairs: list[tuple[int, int]], limit: int = 8) -> str:
-    text = ", ".join(f"{layer}:{head}" for layer, head in pairs[:limit])
-    return text + (f" (+{len(pairs) - limit})" if len(pairs) > limit else "")
 
 
 # -- 3. per-axis errors ---------------------------------------------------------------------
@@ -337,6 +330,15 @@ def _layer_list(layers: list[int]) -> str:
     return f"{len(layers)}: {format_index_spec(layers)}" if layers else "none"
 
 
+def _side(cells: dict, metric: str, layer: int) -> int:
+    """The better axis under ``metric`` in ``layer``: 1 per-token, -1 per-channel, 0 a tie or
+    not measured."""
+    v = cells.get((metric, layer), {})
+    if "per-token" not in v or "per-channel" not in v:
+        return 0
+    return (v["per-token"] < v["per-channel"]) - (v["per-channel"] < v["per-token"])
+
+
 def _disagreement_table(doc: dict, summary: dict) -> Table:
     """Per configuration: the layers where reconstruction and attention output (and score, for
     keys) pick different axes, from the per-layer means."""
@@ -351,23 +353,12 @@ def _disagreement_table(doc: dict, summary: dict) -> Table:
             continue
         layers = sorted({layer for _, layer in cells})
 
-        def pick(metric: str, layer: int, cells=cells) -> str | None:
-            v = cells.get((metric, layer), {})
-            if "per-token" not in v or "per-channel" not in v:
-                return None
-            if v["per-token"] == v["per-channel"]:
-                return "tie"
-            return "per-token" if v["per-token"] < v["per-channel"] else "per-channel"
-
-        def differ(metric: str, layer: int) -> bool:  # both axes picked, and differently
-            a, b = pick(metric, layer), pick("attention_output", layer)
-            return a not in (None, "tie") and b not in (None, "tie") and a != b
-
-        recon_vs_out = [layer for layer in layers if differ("reconstruction", layer)]
-        score_vs_out = [layer for layer in layers if differ("score", layer)]
-        out_ch = sum(1 for layer in layers if pick("attention_output", layer) == "per-channel")
-        rows.append([_config_label(r), f"{out_ch} / {len(layers)}", _layer_list(recon_vs_out),
-                     "-" if r["tensor"] != "key" else _layer_list(score_vs_out)])
+        out = {n: _side(cells, "attention_output", n) for n in layers}
+        apart = {m: [n for n in layers if _side(cells, m, n) * out[n] < 0]  # picked otherwise
+                 for m in ("reconstruction", "score")}
+        rows.append([_config_label(r), f"{sum(s < 0 for s in out.values())} / {len(layers)}",
+                     _layer_list(apart["reconstruction"]),
+                     "-" if r["tensor"] != "key" else _layer_list(apart["score"])])
     if not rows:
         return Table(["config"], [], caption="No per-layer means recorded (compare-axes.json "
                                              "from an older kvlens): re-run compare-axes.",
@@ -393,15 +384,14 @@ def _windows_text(doc: dict) -> str:
         + ")"
 
 
-def recommend_section(artifacts: dict, run_dir: Path, capture_hint: str,
-                      deploy_option: str | None) -> Section:
+def recommend_section(artifacts: dict, run_dir: Path, capture_hint: str) -> Section:
     sec = Section("recommend", "Recommendation")
     path, doc = _start(sec, artifacts, run_dir, "recommend",
                        "the per-layer recommendation, its memory and deploy settings",
                        f"kvlens recommend {capture_hint} --budget-bits 3.0 -o "
                        f"{run_dir / 'recommended.json'} --validate")
     if doc is None:
-        _deploy(sec, {}, artifacts, deploy_option)
+        _deploy(sec, {}, artifacts)
         return sec
     sec.paragraphs.append(
         f"Config {doc.get('config_file', '?')} (`kvlens generate --config` reads it): "
@@ -427,7 +417,7 @@ def recommend_section(artifacts: dict, run_dir: Path, capture_hint: str,
                 "context, and the relative attention-output error it was chosen by; weight: "
                 "the layer's measured sensitivity.", id="recommend-table", left=(2, 5)))
     sec.tables.append(_memory_table(doc))
-    _deploy(sec, doc, artifacts, deploy_option)
+    _deploy(sec, doc, artifacts)
     sec.notes.extend(f"recommend: {n}" for n in doc.get("notes") or [])
     sec.notes.append("memory: bytes the cache's layout holds (kvlens.cache.layout), computed "
                      "for each context, not measured in a running process here.")
@@ -454,35 +444,32 @@ def _memory_table(doc: dict) -> Table:
                  caption="KV cache of all layers, batch 1.", id="memory-table")
 
 
-def _deploy(sec: Section, doc: dict, artifacts: dict, deploy_option: str | None) -> None:
-    """Deploy settings: ``doc["deploy"]`` (or the config's), one object or a list of them, each
-    with ``target`` and ``command`` (other keys are shown as they are), then every engine
-    setting ``recommend --target ENGINE -o X.json`` recorded (``X.deploy.json``)."""
-    deploy = doc.get("deploy") or (doc.get("config") or {}).get("deploy")
-    items = [] if not deploy else deploy if isinstance(deploy, list) else [deploy]
+def _deploy(sec: Section, doc: dict, artifacts: dict) -> None:
+    """Deploy settings: ``doc["deploy"]``, with ``target`` and ``command`` (other keys are
+    shown as they are), then every engine setting ``recommend --target ENGINE -o X.json``
+    recorded (``X.deploy.json``)."""
+    items = [doc["deploy"]] if doc.get("deploy") else []
     for _, ddoc in artifacts.get("deploy") or []:
         entry = dict(ddoc.get("deploy") or {"target": ddoc.get("target")})
         entry["bits per element"] = _f(ddoc.get("bits_per_element"), ".2f")
         if ddoc.get("predicted_kld") is not None:
             entry["predicted KLD"] = _f(ddoc["predicted_kld"], ".4f")
-        measured = _validated_kld(ddoc.get("validation"))
-        if measured:
-            entry["measured KLD (--validate)"] = measured
-        elif ddoc.get("measured_kld") is not None:  # the --max-kld search measured its choice
-            entry["measured KLD (--max-kld)"] = _validated_kld(
-                {"mean_kld": ddoc["measured_kld"], "ci95": ddoc.get("measured_kld_ci95")})
+        val, by = ddoc.get("validation"), "--validate"  # what recommend --target measured
+        if not (isinstance(val, dict) and val.get("mean_kld") is not None) \
+                and ddoc.get("measured_kld") is not None:  # the --max-kld search measured it
+            val = {"mean_kld": ddoc["measured_kld"], "ci95": ddoc.get("measured_kld_ci95")}
+            by = "--max-kld"
+        if isinstance(val, dict) and val.get("mean_kld") is not None:
+            entry[f"measured KLD ({by})"] = format_interval(
+                {**val, "ci95": val.get("ci95") or (float("nan"),) * 2}, ".4f", key="mean_kld")
         items.append(entry)
     if not items:
-        what = "deploy settings for an inference engine"
-        sec.missing.append(Missing(what, f"kvlens recommend ... {deploy_option or '--target'} "
-                                         "llama.cpp|vllm|sglang|transformers|trtllm -o "
-                                         "CONFIG.json"))
+        sec.missing.append(Missing("deploy settings for an inference engine",
+                                   "kvlens recommend ... --target llama.cpp|vllm|sglang|"
+                                   "transformers|trtllm -o CONFIG.json"))
         return
     rows = []
     for d in items:
-        if not isinstance(d, dict):
-            rows.append(["?", str(d), ""])
-            continue
         others = "; ".join(f"{k}: {v}" for k, v in d.items()
                            if k not in ("target", "command", "exports"))
         rows.append([str(d.get("target", "?")), str(d.get("command", "-")), others])
@@ -498,16 +485,6 @@ def _deploy(sec: Section, doc: dict, artifacts: dict, deploy_option: str | None)
                                     "the fitted error model and, with --max-kld or --validate, "
                                     "measured).",
                             id="deploy-table", left=(0, 1, 2)))
-
-
-def _validated_kld(validation) -> str:
-    """``mean KLD [lo, hi]`` that ``recommend --target --validate`` measured for its setting
-    (``kvlens.deploy.targets.validate``), or ``""``."""
-    if not isinstance(validation, dict) or validation.get("mean_kld") is None:
-        return ""
-    stat = {"mean_kld": validation["mean_kld"],
-            "ci95": validation.get("ci95") or (float("nan"), float("nan"))}
-    return format_interval(stat, ".4f", key="mean_kld")
 
 
 # -- 5. validation --------------------------------------------------------------------------

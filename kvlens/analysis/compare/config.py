@@ -23,7 +23,6 @@ EXTRA_VARIANTS = ("balancer", "outliers", "rotate")
 PLAIN = "plain"
 KEY_METRICS = ("reconstruction", "score", "attention_weights", "attention_output")
 VALUE_METRICS = ("reconstruction", "attention_output")
-METRICS = KEY_METRICS
 
 
 @dataclass(frozen=True)
@@ -103,12 +102,11 @@ class CompareConfig:
             raise ConfigError(
                 f"Invalid rotation seed {seed!r}; allowed: none (no sign flips) or an integer >= 0."
             )
-        if self.formats:
-            for f in self.formats:
-                if not isinstance(f, str):
-                    raise ConfigError(f"Invalid format {f!r}; expected a name such as q8_0.")
-            names = tuple(dict.fromkeys(parse_format(f).name for f in self.formats))
-            object.__setattr__(self, "formats", names)
+        for f in self.formats:
+            if not isinstance(f, str):
+                raise ConfigError(f"Invalid format {f!r}; expected a name such as q8_0.")
+        names = tuple(dict.fromkeys(parse_format(f).name for f in self.formats))
+        object.__setattr__(self, "formats", names)
 
     def format_settings(self):
         """``self.formats`` as ``kvlens.quant.formats.FormatSetting`` objects."""
@@ -128,13 +126,7 @@ class CompareConfig:
         unknown = sorted(set(data) - known - {"version"})
         if unknown:
             raise ConfigError(f"Unknown compare config keys {unknown}; allowed: {sorted(known)}.")
-        return cls(
-            **{
-                k: (tuple(v) if isinstance(v, list) else v)
-                for k, v in data.items()
-                if k != "version"
-            }
-        )
+        return cls(**{k: v for k, v in data.items() if k != "version"})  # lists: tuples on init
 
 
 def _check_choices(

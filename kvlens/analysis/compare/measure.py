@@ -9,7 +9,6 @@ import os
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 from kvlens.analysis.compare.config import AXES, EXTRA_VARIANTS, PLAIN, CompareConfig
 from kvlens.analysis.compare.records import CompareResult, Record, format_axis, format_group_size
@@ -34,17 +33,6 @@ from kvlens.rope import apply_rope
 Progress = Callable[[int, int, str], None]
 
 
-@dataclass(frozen=True)
-class _VariantKey:
-    tensor: str
-    axis: str
-    bits: int
-    group_size: int
-    stage: str | None
-    variant: str
-    format: str | None = None
-
-
 def compare_axes(path: str | os.PathLike, config: CompareConfig | None = None,
                  progress: Progress | None = None, threads: int | None = 1) -> CompareResult:
     """Sweep ``config`` over the capture at ``path``, one layer in memory at a time.
@@ -64,7 +52,9 @@ def compare_axes(path: str | os.PathLike, config: CompareConfig | None = None,
     records: list[Record] = []
     with open_capture(path) as cap, torch_threads(threads):
         meta = cap.meta
-        layers = _resolve_layers(cap, config)
+        layers = tuple(cap.layers) if config.layers is None else config.layers
+        for layer in config.layers or ():
+            cap.layer(layer)  # raises InputError listing the captured layers
         _check_fits(meta, config)
         n_samples = min(config.samples or meta.num_samples, meta.num_samples)
         pre = "pre" in _key_stages(config)
@@ -87,7 +77,7 @@ def compare_axes(path: str | os.PathLike, config: CompareConfig | None = None,
                                          shape.head_dim)
     summary = {"config": config.to_dict(), "capture": capture_info,
                "seconds": round(time.perf_counter() - started, 3), **summary}
-    return CompareResult(records, summary, config)
+    return CompareResult(records, summary)
 
 
 @contextmanager
@@ -101,14 +91,6 @@ def torch_threads(threads: int | None):
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def _resolve_layers(cap, config: CompareConfig) -> tuple[int, ...]:
-    if config.layers is None:
-        return tuple(cap.layers)
-    for layer in config.layers:
-        cap.layer(layer)  # raises InputError listing the captured layers
-    return config.layers
 
 
 def _key_stages(config: CompareConfig) -> tuple[str, ...]:
@@ -133,17 +115,13 @@ def _check_fits(meta, config: CompareConfig) -> None:
         except ConfigError as exc:
             raise ConfigError(
                 f"{what} does not fit {meta.model or 'this'} capture: {exc}") from None
-    if "pre" in _key_stages(config) and not _rope_ok(meta):
+    rope = meta.shape.has_rope and meta.rope_layout not in ("none", "", "pending")
+    if "pre" in _key_stages(config) and not rope:  # no pre-RoPE form to quantize
         raise InputError(
             f"Stage 'pre' needs a capture of a model with RoPE, but {meta.model or 'this'} "
             f"capture has none (rope_layout {meta.rope_layout!r}); its keys have no "
             "pre-RoPE form. Use --stages post."
         )
-
-
-def _rope_ok(meta) -> bool:
-    """Whether the capture's keys have a pre-RoPE form the sweep can use."""
-    return bool(meta.shape.has_rope) and meta.rope_layout not in ("none", "", "pending")
 
 
 def _layer_records(layer_data, config: CompareConfig, meta, samples: slice,
@@ -157,11 +135,11 @@ def _layer_records(layer_data, config: CompareConfig, meta, samples: slice,
     if pre:
         k_pre = layer_data.read("k_pre", samples)
         tables = checked_layer_tables(k, k_pre, meta, layer_data.index, layer_data.rope())
-    keys: list[_VariantKey] = []
+    keys: list[tuple] = []  # what names a variant: Record's fields from tensor to variant, format
     variants: list[Variant] = []
     for key, approx in _approximations(q, k, v, k_pre, tables, config, meta.rope_layout):
         keys.append(key)
-        variants.append(Variant(k_hat=approx) if key.tensor == "key" else Variant(v_hat=approx))
+        variants.append(Variant(k_hat=approx) if key[0] == "key" else Variant(v_hat=approx))
     attrs = layer_data.attrs
     exact = None
     if config.sink_tokens:
@@ -171,8 +149,8 @@ def _layer_records(layer_data, config: CompareConfig, meta, samples: slice,
                                    sliding_window=attrs.sliding_window,
                                    softcap=attrs.logit_softcap, sinks=attrs.sinks, exact=exact)
     out: list[Record] = []
-    for key, err in zip(keys, errors, strict=True):
-        if key.tensor == "key":
+    for (tensor, axis, bits, g, stage, variant, fmt), err in zip(keys, errors, strict=True):
+        if tensor == "key":
             per_metric = {"reconstruction": err.key_reconstruction, "score": err.scores,
                           "attention_weights": err.weights, "attention_output": err.output}
         else:
@@ -180,15 +158,15 @@ def _layer_records(layer_data, config: CompareConfig, meta, samples: slice,
                           "attention_output": err.output}
         for metric, values in per_metric.items():
             kind = "kv" if metric == "reconstruction" else "query"
-            out += [Record(attrs.layer_index, head, key.tensor, key.axis, key.bits,
-                           key.group_size, key.stage, key.variant, metric, float(value), kind,
-                           key.format) for head, value in enumerate(values.tolist())]
+            out += [Record(attrs.layer_index, head, tensor, axis, bits, g, stage, variant, metric,
+                           float(value), kind, fmt) for head, value in enumerate(values.tolist())]
     return out
 
 
 def _approximations(q, k, v, k_pre, tables, config: CompareConfig, layout: str):
-    """Yield ``(_VariantKey, approximation)`` for every variant of one layer: keys as the
-    post-RoPE ``[B, Hkv, T, D]`` tensor attention sees, values as themselves."""
+    """Yield ``((tensor, axis, bits, group_size, stage, variant, format), approximation)`` for
+    every variant of one layer: keys as the post-RoPE ``[B, Hkv, T, D]`` tensor attention sees,
+    values as themselves."""
     transforms = (PLAIN, *config.variants)
     # the same R for every layer and head: it depends only on head_dim and the seed
     rotation = (
@@ -209,7 +187,7 @@ def _approximations(q, k, v, k_pre, tables, config: CompareConfig, layout: str):
                         for name in transforms:
                             if name == "balancer" and stage == "pre":
                                 continue  # q/b . k*b = q . k holds only where k is consumed
-                            key = _VariantKey("key", axis, bits, g, stage, name)
+                            key = ("key", axis, bits, g, stage, name, None)
                             if name == "balancer":
                                 _, kb = apply_balancer(q, k, balancer)
                                 scale = balancer.float().unsqueeze(-2)
@@ -229,7 +207,7 @@ def _approximations(q, k, v, k_pre, tables, config: CompareConfig, layout: str):
                     for name in transforms:
                         if name != "balancer":  # it rescales keys against queries
                             yield (
-                                _VariantKey("value", axis, bits, g, None, name),
+                                ("value", axis, bits, g, None, name, None),
                                 _transform(v, spec, name, config, rotation),
                             )
     yield from _format_approximations(k, v, config)
@@ -244,9 +222,7 @@ def _format_approximations(k, v, config: CompareConfig):
         g = format_group_size(fmt, k.shape[-1])
         for tensor, x, stage in (("key", k, "post"), ("value", v, None)):
             if tensor in config.tensors:
-                key = _VariantKey(
-                    tensor, format_axis(fmt), fmt.code_bits, g, stage, PLAIN, setting.name
-                )
+                key = (tensor, format_axis(fmt), fmt.code_bits, g, stage, PLAIN, setting.name)
                 yield key, fake_quantize_format(x.float(), setting, tensor)
 
 

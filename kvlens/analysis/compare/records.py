@@ -3,10 +3,8 @@ the ``CompareResult`` holding them with their summary."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
-
-from kvlens.analysis.compare.config import CompareConfig
 
 
 @dataclass(frozen=True)
@@ -36,8 +34,7 @@ class Record:
 @dataclass(frozen=True)
 class CompareResult:
     records: list[Record]
-    summary: dict[str, Any]
-    config: CompareConfig = field(default_factory=CompareConfig)
+    summary: dict[str, Any]  # with the sweep's config, as CompareConfig.to_dict()
 
     def to_dict(self) -> dict[str, Any]:
         return {"records": [asdict(r) for r in self.records], "summary": self.summary}

@@ -80,19 +80,15 @@ def layer_rope_tables(meta, k, k_pre, n_tokens: int | None = None, stored=None):
     tried = ([float(meta.shape.rope["rope_theta"])] if "rope_theta" in meta.shape.rope else []) + \
         list(COMMON_ROPE_THETAS)
     found = next((t for t in tried if err(t) <= ROPE_CHECK_TOLERANCE), None)
-    if found is None:  # log-grid, then golden-section refinement around the best point
+    if found is None:  # log-grid, then Brent's method between the best point's neighbours
+        from scipy.optimize import minimize_scalar
+
         grid = [10 ** (2 + i * 6 / 240) for i in range(241)]
         errs = [err(t) for t in grid]
         i = min(range(len(grid)), key=errs.__getitem__)
         lo, hi = math.log(grid[max(i - 1, 0)]), math.log(grid[min(i + 1, len(grid) - 1)])
-        g = (math.sqrt(5) - 1) / 2
-        for _ in range(40):
-            a, b = hi - g * (hi - lo), lo + g * (hi - lo)
-            if err(math.exp(a)) < err(math.exp(b)):
-                hi = b
-            else:
-                lo = a
-        t = math.exp((lo + hi) / 2)
+        t = math.exp(minimize_scalar(lambda x: err(math.exp(x)), bounds=(lo, hi),
+                                     method="bounded", options={"xatol": 1e-9}).x)
         found = t if err(t) <= ROPE_CHECK_TOLERANCE else None
     if found is None:
         return None, None

@@ -30,12 +30,6 @@ def _config_key(r: Record) -> tuple:
     return (r.tensor, r.bits, r.group_size, r.stage, r.variant)
 
 
-def _winner(per_token: float, per_channel: float) -> str:
-    if abs(per_token - per_channel) <= _TIE * max(per_token, per_channel):
-        return "tie"
-    return "per-token" if per_token < per_channel else "per-channel"
-
-
 FORMAT_CALIBRATION_NOTE = (
     "static fp8 scales (fp8_e4m3, fp8_e5m2, @head; not :sS) are calibrated per layer from the "
     "same captured keys/values they are evaluated on (in-sample: absmax never clips); "
@@ -65,25 +59,14 @@ def _calibration(fmt) -> str:
     return f"static, per layer from the capture ({fmt.calibration}, in-sample)"
 
 
-def summarize_formats(records: Sequence[Record]) -> list[dict[str, Any]]:
-    """Means over layers and heads per (tensor, format, metric) for engine-format records."""
-    sums: dict[tuple, list[float]] = defaultdict(list)
-    order: dict[str, int] = {}
+def _means(records: Sequence[Record], fields: tuple[str, ...], sort) -> list[dict[str, Any]]:
+    """Mean, min, max and count of the errors (over layers and heads) per value of the records'
+    ``fields``, sorted by ``sort``."""
+    cells: dict[tuple, list[float]] = defaultdict(list)
     for r in records:
-        if r.format is not None:
-            order.setdefault(r.format, len(order))
-            sums[(r.tensor, r.format, r.metric)].append(r.rel_error)
-    rows = [{"tensor": tensor, "format": fmt, "metric": metric, **_spread(vals)}
-            for (tensor, fmt, metric), vals in sums.items()]
-    rows.sort(key=lambda m: (TENSOR_NAMES.index(m["tensor"]), order[m["format"]],
-                             KEY_METRICS.index(m["metric"])))
-    return rows
-
-
-def _spread(vals: Sequence[float]) -> dict[str, float]:
-    """Mean, min, max and count of one cell's errors."""
-    return {"mean": sum(vals) / len(vals), "min": min(vals), "max": max(vals),
-            "count": len(vals)}
+        cells[tuple(getattr(r, f) for f in fields)].append(r.rel_error)
+    return sorted(({**dict(zip(fields, key)), "mean": sum(v) / len(v), "min": min(v),
+                    "max": max(v), "count": len(v)} for key, v in cells.items()), key=sort)
 
 
 def summarize(records: Sequence[Record]) -> dict[str, Any]:
@@ -91,9 +74,13 @@ def summarize(records: Sequence[Record]) -> dict[str, Any]:
     disagreements and the KIVI-pattern check (JSON-ready; see ``docs/compare-axes.md``).
     Engine-format records (``Record.format`` set) are summarised apart, in
     ``format_means``; they take no part in the axis comparison."""
-    format_means = summarize_formats(records)
+    formats = [r for r in records if r.format is not None]
+    order = {f: i for i, f in enumerate(dict.fromkeys(r.format for r in formats))}
+    format_means = _means(formats, ("tensor", "format", "metric"), lambda m: (
+        TENSOR_NAMES.index(m["tensor"]), order[m["format"]], KEY_METRICS.index(m["metric"])))
     records = [r for r in records if r.format is None]
-    means = _axis_means(records)
+    means = _means(records, ("tensor", "axis", "bits", "group_size", "stage", "variant",
+                             "metric"), _sort_key)
     mean_of = means_by_key(means)
     configs = sorted({_config_key(r) for r in records},
                      key=lambda c: _sort_key(dict(zip(CONFIG_FIELDS, c, strict=True))))
@@ -109,19 +96,6 @@ def summarize(records: Sequence[Record]) -> dict[str, Any]:
         **({"format_means": format_means, "format_calibration": FORMAT_CALIBRATION_NOTE}
            if format_means else {}),
     }
-
-
-def _axis_means(records: Sequence[Record]) -> list[dict[str, Any]]:
-    """Mean, min, max and count over layers and heads per (config, axis, metric), sorted."""
-    sums: dict[tuple, list[float]] = defaultdict(list)
-    for r in records:
-        sums[(*_config_key(r), r.axis, r.metric)].append(r.rel_error)
-    means = []
-    for (tensor, bits, g, stage, variant, axis, metric), vals in sums.items():
-        means.append({"tensor": tensor, "axis": axis, "bits": bits, "group_size": g,
-                      "stage": stage, "variant": variant, "metric": metric, **_spread(vals)})
-    means.sort(key=_sort_key)
-    return means
 
 
 def _winners_and_rankings(
@@ -146,7 +120,8 @@ def _winners_and_rankings(
                 continue
             won = sum(1 for layer in layers if layer_mean[(*ck, "per-channel", metric, layer)]
                       < layer_mean[(*ck, "per-token", metric, layer)])
-            winner = _winner(tok, ch)
+            winner = ("tie" if abs(tok - ch) <= _TIE * max(tok, ch) else
+                      "per-token" if tok < ch else "per-channel")
             winners.append({**ranking, "metric": metric, "per_token": tok, "per_channel": ch,
                             "winner": winner,
                             "ratio_token_over_channel": (tok / ch) if ch > 0 else None,
