@@ -22,7 +22,7 @@ divides head_dim); ``axis=0`` -> the ``hqq-strided`` layout (``kvlens.layouts.hq
 which does what the real layer does: hqq's strided groups over the whole history, re-quantized
 whole at every flush. A window of ``R`` exact tokens flushed whole. What still differs (when the
 prompt is quantized, the early stop of ``axis=1`` measured over a flush block, held bytes) is
-in docs/deploy/transformers.md.
+in docs/lab-notes/transformers-caches.md.
 """
 
 from __future__ import annotations

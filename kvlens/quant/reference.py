@@ -22,6 +22,8 @@ max(|m|, |M|)``:
   s)``, stopping at the first step whose mean absolute error over the tensor does not fall
   (keeping that step's ``z``, as HQQ does); the scale never changes. Stored as ``scale = 1 /
   s``, ``zero = -z / s``.
+  ``quantize_hqq_strided`` runs the same grid and refinement over hqq's own ``axis=0``
+  groups (the flattened tensor viewed as ``[G, numel / G]``), which are not a ``QuantSpec``'s.
 
 Both dequantize as ``x_hat = code * scale + zero``. ``round`` is round-half-to-even and the
 division a true division: a kernel that does otherwise may differ by one code at exact ties.
