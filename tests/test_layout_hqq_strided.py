@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from layout_checks import check_generating_cache, outlier_tensor, prefill_then_decode, small_llama
+from tiny_models import tiny_model
 
 from kvlens.cache import memory_report
 from kvlens.cache.layout import config_part_bytes, shape_of
@@ -172,3 +173,23 @@ def test_keys_and_values_of_two_widths_hold_the_predicted_bytes():
     assert rep["unaccounted"] == 0
     assert rep["breakdown"] == config_part_bytes(config, shape_of(model), 32)
     assert rep["breakdown"]["codes"] > 0
+
+
+def test_a_sliding_layer_keeps_what_it_no_longer_sees_and_holds_the_predicted_bytes():
+    """On a model with sliding-window layers (window 8) an hqq-strided layer keeps every token,
+    as transformers' HQQ layers do, and the mask hides the old ones: the bytes held are the
+    prediction; a uniform layout's sliding layers still evict."""
+    model = tiny_model("gemma3")
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(4))
+    held = {}
+    for name, spec in (("strided", HqqStrided(4, 16)), ("uniform", QuantSpec(4, "per-token"))):
+        config = KVConfig(name, LayerKV(spec, spec, 4))
+        logits, cache = prefill_then_decode(model, config, ids, 24)
+        assert torch.isfinite(logits).all()
+        rep = memory_report(cache)
+        assert rep["unaccounted"] == 0
+        assert rep["breakdown"] == config_part_bytes(config, shape_of(model), 40)
+        sliding = [layer for layer in cache.layers if layer.is_sliding]
+        held[name] = [(layer.q_start, layer.quantized_length) for layer in sliding]
+    assert held["strided"] == [(0, 40), (0, 40)]  # every token, none dropped
+    assert all(q_start > 0 and n < 40 for q_start, n in held["uniform"])
