@@ -118,14 +118,14 @@ def _hqq_layer(layer: LayerKV) -> tuple[str, dict] | str:
     group size."""
     k, v = _hqq_axis(layer.key), _hqq_axis(layer.value)
     if k is None or v is None or k[1:] != v[1:] or k[1] not in HQQ_BITS:
-        return (f"keys {layout_label(layer.key)}, values {layout_label(layer.value)}: an HQQ "
+        return (f"keys {_label(layer.key)}, values {_label(layer.value)}: an HQQ "
                 f"layer has one nbits ({', '.join(map(str, HQQ_BITS))}) and one q_group_size, "
                 "each axis 0 (hqq-strided) or 1 (per-token groups, fit hqq)")
     return "HQQQuantizedLayer", {"nbits": k[1], "axis_key": k[0], "axis_value": v[0],
                                  "q_group_size": k[2], "residual_length": layer.residual_tokens}
 
 
-def layout_label(spec) -> str:
+def _label(spec) -> str:
     return "unquantized" if spec is None else spec.label
 
 
