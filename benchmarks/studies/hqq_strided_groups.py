@@ -54,6 +54,7 @@ def main(argv=None) -> None:
         store = HqqStrided(args.bits, args.group).new_store(x.shape[-1], args.residual,
                                                             "float32")
         store.append(x[:, :, :args.chunk])
+        store.settle()  # the prompt is quantized on its own, as transformers does
         while t + args.residual <= x.shape[2]:
             held = hqq(torch.cat([held, x[:, :, t:t + args.residual]], dim=2))
             store.append(x[:, :, t:t + args.residual])

@@ -206,7 +206,8 @@ def hqq_refine_zero(x: torch.Tensor, inv: torch.Tensor, z: torch.Tensor, levels:
         q = torch.round(x * inv + z).clamp_(0, levels)
         err = x - (q - z) / inv
         size = err.abs()
-        shrunk = torch.sign(err) * (size - size.pow(HQQ_LP - 1) / HQQ_BETA).clamp_min(0.0)
+        # (1 / beta) * |e|^(p - 1), multiplied as hqq does (a division rounds differently)
+        shrunk = torch.sign(err) * (size - (1.0 / HQQ_BETA) * size.pow(HQQ_LP - 1)).clamp_min(0.0)
         z = mean(q - (x - shrunk) * inv, dims)
         current = float(mean(size))
         if current < best:
