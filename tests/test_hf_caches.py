@@ -18,6 +18,7 @@ from kvlens.deploy.presets import engine_config
 from kvlens.errors import ConfigError
 from kvlens.evaluation.baselines import baseline
 from kvlens.evaluation.kld import score_text
+from kvlens.layouts.hqq_strided import HqqStrided
 from kvlens.quant import QuantSpec
 from kvlens.quant.reference import dequantize, quantize
 
@@ -58,7 +59,7 @@ def test_hqq_settings_parse_and_refuse_clearly():
     assert parse_engine_setting(s.name) == s
     spec = engine_config(s.name).config.default
     assert spec.key == QuantSpec(2, "per-token", 32, fit="hqq")
-    assert spec.value == QuantSpec(2, "per-channel", 32, fit="hqq")
+    assert spec.value == HqqStrided(2, 32)
     for bad, why in (("transformers:hqq-5", "HQQ bits are 1, 2, 3, 4, 8"),
                      ("transformers:hqq-4:axis_key=-1", "quanto's are 0 and -1"),
                      ("transformers:hqq-4:window=3", "allowed: axis_key, axis_value")):
@@ -70,11 +71,12 @@ def test_hqq_settings_parse_and_refuse_clearly():
         baseline("hf-hqq-4:axis_key=-1")
 
 
-# settings whose groups kvlens lays out as the real cache does (quanto axis 0 and -1 within
-# one head, hqq axis 1); hqq's axis 0 is strided over the whole history (docs)
+# quanto's axes 0 and -1, hqq's axis 1 (groups within one token) and axis 0 (strided over the
+# whole history, kvlens.layouts.hqq_strided)
 SETTINGS = ("quanto-4:group=16:residual=16", "quanto-2:axis_key=-1:group=16:residual=16",
             "hqq-4:axis_key=1:axis_value=1:group=16:residual=16",
-            "hqq-2:axis_key=1:axis_value=1:group=16:residual=16")
+            "hqq-2:axis_key=1:axis_value=1:group=16:residual=16",
+            "hqq-4:group=16:residual=16", "hqq-2:axis_value=1:group=16:residual=16")
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -144,6 +146,24 @@ def test_export_says_why_a_layer_does_not_map():
     assert [p.split(":")[0] for p in got.problems] == ["layer 1", "layer 2", "layer 3"]
     assert "one nbits" in got.problems[0] and "rotate_keys" in got.problems[1]
     assert "quanto takes 2 or 4 bits" in got.problems[2]
+
+
+def test_an_hqq_strided_layer_exports_as_hqqs_axis_0():
+    """hqq-strided (``axis=0``) beside a per-token HQQ grid (``axis=1``) is one HQQ layer; at
+    two widths, or beside a min/max grid, it says why not; a per-channel HQQ grid of consecutive
+    tokens is not hqq's axis 0 and is not exported as one."""
+    strided = HqqStrided(4, 16)
+    token = QuantSpec(4, "per-token", 16, fit="hqq")
+    got = hf_cache.layer_for(LayerKV(strided, token, 32))
+    assert got == ("HQQQuantizedLayer", {"nbits": 4, "axis_key": 0, "axis_value": 1,
+                                         "q_group_size": 16, "residual_length": 32})
+    assert hf_cache.layer_for(LayerKV(token, strided, 32))[1]["axis_value"] == 0
+    for bad in (LayerKV(strided, HqqStrided(2, 16), 32),
+                LayerKV(strided, QuantSpec(4, "per-token", 16), 32)):
+        assert "one nbits (1, 2, 3, 4, 8) and one q_group_size" in hf_cache.layer_for(bad)
+    channel = QuantSpec(4, "per-channel", 16, fit="hqq")
+    assert "its axis=0 is the hqq-strided layout" in hf_cache.layer_for(
+        LayerKV(channel, channel, 32))
 
 
 def test_a_file_that_is_not_an_export_is_refused(tmp_path):

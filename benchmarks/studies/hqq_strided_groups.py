@@ -1,11 +1,12 @@
-"""Why the simulation of transformers' HQQ cache with ``axis=0`` (its default) reads far less
-error than the real cache: relative reconstruction error of SmolLM2's keys and values (every
-layer, the held-out text), quantized once with hqq's ``axis=0`` (groups of ``G`` elements
-``numel / G`` apart: one channel, tokens strided over the whole history and across heads), the
-same re-quantized at every window flush as ``QuantizedLayer`` does (first at the prompt's
-``--chunk`` tokens, then every ``--residual`` tokens, the dequantized history with the new
-window), and kvlens's simulation (per-channel groups of ``G`` consecutive tokens of one head,
-``fit="hqq"``)::
+"""Why transformers' HQQ cache with ``axis=0`` (its default) loses far more than per-channel
+groups would, and that kvlens's ``hqq-strided`` layout reproduces it: relative reconstruction
+error of SmolLM2's keys and values (every layer, the held-out text), quantized once with hqq's
+``axis=0`` (groups of ``G`` elements ``numel / G`` apart: one channel, tokens strided over the
+whole history and across heads), the same re-quantized at every window flush as
+``QuantizedLayer`` does (first at the prompt's ``--chunk`` tokens, then every ``--residual``
+tokens, the dequantized history with the new window), kvlens's ``hqq-strided`` store fed the
+same flushes, and per-channel groups of ``G`` consecutive tokens of one head (``fit="hqq"``,
+kvlens's simulation before the layout)::
 
     OMP_NUM_THREADS=1 python benchmarks/studies/hqq_strided_groups.py --tokens 1024
 
@@ -21,6 +22,7 @@ def main(argv=None) -> None:
     import torch
     from hqq.core.quantize import Quantizer
 
+    from kvlens.layouts.hqq_strided import HqqStrided
     from kvlens.model.load import load_model
     from kvlens.quant import QuantSpec
     from kvlens.quant.reference import dequantize, quantize
@@ -49,10 +51,16 @@ def main(argv=None) -> None:
 
     def flushed(x):
         held, t = hqq(x[:, :, :args.chunk]), args.chunk
+        store = HqqStrided(args.bits, args.group).new_store(x.shape[-1], args.residual,
+                                                            "float32")
+        store.append(x[:, :, :args.chunk])
+        store.settle()  # the prompt is quantized on its own, as transformers does
         while t + args.residual <= x.shape[2]:
             held = hqq(torch.cat([held, x[:, :, t:t + args.residual]], dim=2))
+            store.append(x[:, :, t:t + args.residual])
+            store.settle()
             t += args.residual
-        return held, t
+        return held, store.dequantize_range(0, t), t
 
     def rel(a, b):
         return float((a - b).norm() / b.norm())
@@ -62,16 +70,18 @@ def main(argv=None) -> None:
     print(f"{args.tokens} tokens, {len(layers)} layers, {args.bits} bits, G{args.group}: mean "
           "relative error per layer")
     for what in ("keys", "values"):
-        once = again = ours = 0.0
+        once = again = store = blocks = 0.0
         for layer in layers:
             x = getattr(layer, what).float()
-            held, t = flushed(x)
+            held, ours, t = flushed(x)
             ref = x[:, :, :t]
             again += rel(held, ref) / len(layers)
+            store += rel(ours, ref) / len(layers)
             once += rel(hqq(ref), ref) / len(layers)
-            ours += rel(dequantize(quantize(ref, spec)), ref) / len(layers)
-        print(f"{what}: hqq axis=0 once {once:.4f}, re-quantized at every flush {again:.4f}; "
-              f"kvlens per-channel G{args.group} {ours:.4f}")
+            blocks += rel(dequantize(quantize(ref, spec)), ref) / len(layers)
+        print(f"{what}: hqq axis=0 once {once:.4f}, re-quantized at every flush {again:.4f}, "
+              f"kvlens hqq-strided flushed alike {store:.4f}; per-channel G{args.group} "
+              f"{blocks:.4f}")
 
 
 if __name__ == "__main__":

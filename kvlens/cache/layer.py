@@ -187,6 +187,7 @@ class CompressedLayer(HistoryLayer):
         super().__init__(layer_idx, head_dim, session, sliding_window, kv_shared)
         self.setting = setting
         self.flush_every = layout.flush_every(setting)  # 0 = never flush (nothing quantized)
+        self.evicts = layout.evicts(setting)  # a sliding layer drops what it no longer sees
         fp = _fp_dtype(fp_dtype)
         # keys and values that are one latent row (MLA) stored alike: one store and one window
         self.shares = layout.shares_storage(
@@ -396,6 +397,8 @@ class CompressedLayer(HistoryLayer):
     def _evict(self) -> None:
         """Sliding-window layer: drop what no later query can see (whole packed blocks, or the
         window's oldest tokens when nothing is quantized)."""
+        if not self.evicts:
+            return
         dead = layout.evict_boundary(self.cumulative_length, self.sliding_window)
         f = self.flush_every
         n = min(self.kstore.length, (dead - self.q_start) // f * f) if f else dead - self.res_start

@@ -10,7 +10,8 @@ the residual window, ``F`` the flush block and ``W`` a sliding window:
 - quantized ``Q(N) = ceil((N - R + 1) / F) * F`` when ``N >= R`` (else 0; ``R = 0``: ``floor(N /
   F) * F``); an uncompressed layer quantizes nothing;
 - sliding layers drop positions ``< N - W + 1``: whole packed blocks, or, uncompressed, the
-  oldest window tokens (keeping the last ``W - 1``, as transformers and engines do);
+  oldest window tokens (keeping the last ``W - 1``, as transformers and engines do), unless a
+  store's layout keeps them (``evicts``: ``hqq-strided``, as transformers' HQQ layers do);
 - the window holds ``n_res = N - Q`` tokens in a buffer of ``max(R, n_res)`` (uncompressed:
   ``n_res``); the stores hold exactly their tokens.
 
@@ -32,7 +33,7 @@ from dataclasses import dataclass, replace
 from kvlens.cache.sets import set_policy
 from kvlens.config import FP_BYTES
 from kvlens.errors import ConfigError
-from kvlens.layouts import flush_block, layout_of
+from kvlens.layouts import flush_block, keeps_evicted, layout_of
 from kvlens.model.architecture import describe
 from kvlens.model.placement import layer_devices
 from kvlens.model.shape import ModelShape
@@ -72,6 +73,12 @@ def evict_boundary(tokens: int, sliding_window: int | None) -> int:
     return max(0, tokens - sliding_window + 1)
 
 
+def evicts(setting) -> bool:
+    """Whether a sliding-window layer of ``setting`` drops what it no longer sees: not when a
+    store's layout keeps those tokens (``kvlens.layouts.keeps_evicted``); the mask hides them."""
+    return not any(keeps_evicted(s) for s in (setting.key, setting.value))
+
+
 @dataclass(frozen=True)
 class StreamState:
     """Where the ``N`` tokens of one layer are (absolute positions)."""
@@ -95,7 +102,7 @@ def stream_state(setting, tokens: int, sliding_window: int | None = None) -> Str
     f = flush_every(setting)
     r = setting.residual_tokens
     q_end = flush_count(tokens, r, f)  # from an empty window: the rule is chunking-independent
-    dead = evict_boundary(tokens, sliding_window)
+    dead = evict_boundary(tokens, sliding_window if evicts(setting) else None)
     if f:
         q_start = min(q_end, dead // f * f)
         res_start = q_end

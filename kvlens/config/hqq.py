@@ -15,12 +15,14 @@ What the real cache does (transformers 5.24 ``cache_utils.HQQQuantizedLayer`` ov
 - like quanto, ``R`` tokens stay exact and the whole (dequantized) history is re-quantized
   whenever the window fills.
 
-The simulation (``kvconfig``) is the kvlens layout nearest to it: ``axis=1`` -> per-token
-groups of ``G`` channels, ``axis=0`` -> per-channel groups of ``G`` consecutive tokens of one
-head; asymmetric min/max with ``fit="hqq"`` (the same zero refinement, per flush block: see
-``kvlens.quant.reference``); a window of ``R`` exact tokens flushed whole. What differs (the
-strided ``axis=0`` groups, the re-quantization at each flush, the early stop measured over a
-flush block instead of the whole history) is in docs/deploy/transformers.md.
+The simulation (``kvconfig``): ``axis=1`` -> per-token groups of ``G`` channels with
+``fit="hqq"`` (the same zero refinement, per flush block: ``kvlens.quant.reference``), each
+window block quantized once (the real cache's re-quantization regroups nothing there when ``G``
+divides head_dim); ``axis=0`` -> the ``hqq-strided`` layout (``kvlens.layouts.hqq_strided``),
+which does what the real layer does: hqq's strided groups over the whole history, re-quantized
+whole at every flush. A window of ``R`` exact tokens flushed whole. What still differs (when the
+prompt is quantized, the early stop of ``axis=1`` measured over a flush block, held bytes) is
+in docs/lab-notes/transformers-caches.md.
 """
 
 from __future__ import annotations
@@ -30,12 +32,14 @@ from typing import ClassVar
 
 from kvlens.config.quantized_layer import LAYER_DEFAULTS, QuantizedLayerSetting, int_options
 from kvlens.errors import ConfigError
+from kvlens.layouts.hqq_strided import HqqStrided
+from kvlens.quant import QuantSpec
 
 HQQ_BITS = (1, 2, 3, 4, 8)  # transformers' HQQQuantizedLayer accepts these nbits
 HQQ_AXES = (0, 1)  # hqq's axis: 1 = consecutive elements, 0 = strided (module docstring)
 HQQ_DEFAULTS = LAYER_DEFAULTS
-# The kvlens granularity nearest to each hqq axis (module docstring)
-HQQ_GRANULARITY = {1: "per-token", 0: "per-channel"}
+# The kvlens granularity of hqq's axis=1 (axis=0 is the hqq-strided layout: module docstring)
+HQQ_GRANULARITY = {1: "per-token"}
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,11 @@ class HqqSetting(QuantizedLayerSetting):
     backend: ClassVar[str] = "hqq"
     granularity: ClassVar[dict[int, str]] = HQQ_GRANULARITY
     fit: ClassVar[str] = "hqq"
+
+    def spec(self, axis: int) -> QuantSpec | HqqStrided:
+        if axis == 0:
+            return HqqStrided(self.bits, self.group)
+        return super().spec(axis)
 
     def check_choices(self) -> None:
         if self.bits not in HQQ_BITS or isinstance(self.bits, bool):

@@ -18,11 +18,12 @@ A layer maps (``layer_for``) where transformers' layer stores what the kvlens la
 both tensors at one bit width and one group size (one ``nbits`` and ``q_group_size`` per
 layer), per-token or per-channel groups, no rotation, pre-RoPE keys or partial flush, a window
 of ``R`` exact tokens (``residual_length``); min/max grids become quanto layers (2 or 4 bits),
-``fit="hqq"`` grids HQQ layers; an unquantized layer a ``DynamicLayer``. A config with a layer
+``fit="hqq"`` per-token grids HQQ layers with ``axis=1`` and the ``hqq-strided`` layout HQQ
+layers with ``axis=0``; an unquantized layer a ``DynamicLayer``. A config with a layer
 that does not map is not exported: ``export`` returns no document and the reasons, and the
 caller says so (nothing is rounded silently). What transformers' layers then do differently
-(re-quantizing the history at each window flush, quanto's and hqq's group layouts) is the
-same as for the uniform settings: docs/deploy/transformers.md.
+(re-quantizing the history at each window flush, quanto's group layout) is the same as for
+the engine settings: docs/deploy/transformers.md.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from kvlens.config import KVConfig, LayerKV
 from kvlens.config.engine import QUANTO_BITS
 from kvlens.config.hqq import HQQ_BITS, HQQ_GRANULARITY
 from kvlens.evaluation.baselines import LAYERS_PREFIX
+from kvlens.layouts.hqq_strided import HqqStrided
 from kvlens.quant import QuantSpec
 
 FORMAT, VERSION = "kvlens-transformers-cache", 1
@@ -80,6 +82,8 @@ def layer_for(layer: LayerKV) -> tuple[str, dict] | str:
         return ", ".join(flags or [f"flush_tokens={layer.flush_tokens}"]) + \
             " (transformers' layers have no such option)"
     k, v = layer.key, layer.value
+    if isinstance(k, HqqStrided) or isinstance(v, HqqStrided):
+        return _hqq_layer(layer)
     if not (isinstance(k, QuantSpec) and isinstance(v, QuantSpec)):
         return "keys or values not an integer grid (or one of them unquantized)"
     if k.bits != v.bits or k.group_size != v.group_size or k.group_size is None:
@@ -91,11 +95,38 @@ def layer_for(layer: LayerKV) -> tuple[str, dict] | str:
     backend = backend if backend == _backend(v) else None
     if backend is None:
         return (f"{k.bits} bits, fit {k.fit}, {k.granularity}/{v.granularity}: quanto takes "
-                f"2 or 4 bits with min/max, HQQ {', '.join(map(str, HQQ_BITS))} with fit hqq")
+                f"2 or 4 bits with min/max, HQQ {', '.join(map(str, HQQ_BITS))} with fit hqq "
+                "per token (its axis=0 is the hqq-strided layout)")
     cls, axes = backend
     return cls, {"nbits": k.bits, "axis_key": axes[k.granularity],
                  "axis_value": axes[v.granularity], "q_group_size": k.group_size,
                  "residual_length": layer.residual_tokens}
+
+
+def _hqq_axis(spec) -> tuple[int, int, int] | None:
+    """``(axis, nbits, group)`` of an HQQ layer's tensor stored as ``spec``, or ``None``."""
+    if isinstance(spec, HqqStrided):
+        return 0, spec.bits, spec.group
+    if isinstance(spec, QuantSpec) and spec.fit == "hqq" and spec.granularity in HQQ_AXIS:
+        return HQQ_AXIS[spec.granularity], spec.bits, spec.group_size
+    return None
+
+
+def _hqq_layer(layer: LayerKV) -> tuple[str, dict] | str:
+    """``HQQQuantizedLayer`` for a layer with an ``hqq-strided`` tensor (``axis=0``), or why
+    not: the other tensor must be one too or per-token with fit hqq, at the same bits and
+    group size."""
+    k, v = _hqq_axis(layer.key), _hqq_axis(layer.value)
+    if k is None or v is None or k[1:] != v[1:] or k[1] not in HQQ_BITS:
+        return (f"keys {_label(layer.key)}, values {_label(layer.value)}: an HQQ "
+                f"layer has one nbits ({', '.join(map(str, HQQ_BITS))}) and one q_group_size, "
+                "each axis 0 (hqq-strided) or 1 (per-token groups, fit hqq)")
+    return "HQQQuantizedLayer", {"nbits": k[1], "axis_key": k[0], "axis_value": v[0],
+                                 "q_group_size": k[2], "residual_length": layer.residual_tokens}
+
+
+def _label(spec) -> str:
+    return "unquantized" if spec is None else spec.label
 
 
 def export(config: KVConfig, num_layers: int) -> Export:

@@ -34,10 +34,10 @@ NVFP4_SCALE_BOUND = E4M3_MAX
 TRANSFORMERS_DIFFERENCES = (
     "transformers' QuantizedCache keeps the prompt's own attention exact and quantizes the whole "
     "prompt at once, then re-quantizes the whole history (dequantized) whenever its window "
-    "fills; kvlens quantizes each window block once and keeps fewer than R tokens exact. "
+    "fills; kvlens quantizes each window block once (hqq's axis=0: the whole history again, as "
+    "transformers does) and keeps fewer than R tokens exact. "
     "quanto's axis=-1 groups run over the flattened batch x heads x tokens rows; kvlens groups "
-    "tokens of one head. hqq's axis=0 groups G tokens spread over the whole history (numel/G "
-    "elements apart); kvlens groups G consecutive tokens.")
+    "tokens of one head.")
 
 
 @dataclass(frozen=True)
@@ -64,11 +64,6 @@ def engine_config(name: str, calibration: str | None = None,
         return EngineSetting(setting.engine, setting.kvconfig(name), _llamacpp_notes(name, setting))
     if isinstance(setting, (QuantoSetting, HqqSetting)):
         notes = (f"{name}: simulated as a kvlens layout. {TRANSFORMERS_DIFFERENCES}",)
-        if isinstance(setting, HqqSetting) and 0 in (setting.axis_key, setting.axis_value):
-            notes += (f"{name}: hqq's axis=0 regroups the whole history at every window flush, "
-                      "which adds error each time; the simulation reads far less error than "
-                      "the real cache (docs/findings.md): prefer axis=1, or run hf-"
-                      f"{name.split(':', 1)[1]} for the real cache.",)
         return EngineSetting(setting.engine, setting.kvconfig(name), notes)
     if isinstance(setting, BlockFloatSetting):
         return _blockfloat(name, setting, calibration)

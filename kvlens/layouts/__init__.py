@@ -16,6 +16,7 @@ from kvlens.layouts.protocol import (
     check_layout,
     flush_block,
     is_layout_spec,
+    keeps_evicted,
     kinds,
     layout_from_dict,
     layout_of,
@@ -30,5 +31,5 @@ for _module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = ["LAYOUT_KEY", "DenseTensor", "Layout", "Store", "check_layout", "codebook",
-           "flush_block", "is_layout_spec", "kinds", "layout_from_dict", "layout_of",
-           "reference", "register", "spec_types", "uniform"]
+           "flush_block", "is_layout_spec", "keeps_evicted", "kinds", "layout_from_dict",
+           "layout_of", "reference", "register", "spec_types", "uniform"]

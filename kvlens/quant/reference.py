@@ -22,6 +22,8 @@ max(|m|, |M|)``:
   s)``, stopping at the first step whose mean absolute error over the tensor does not fall
   (keeping that step's ``z``, as HQQ does); the scale never changes. Stored as ``scale = 1 /
   s``, ``zero = -z / s``.
+  ``quantize_hqq_strided`` runs the same grid and refinement over hqq's own ``axis=0``
+  groups (the flattened tensor viewed as ``[G, numel / G]``), which are not a ``QuantSpec``'s.
 
 Both dequantize as ``x_hat = code * scale + zero``. ``round`` is round-half-to-even and the
 division a true division: a kernel that does otherwise may differ by one code at exact ties.
@@ -166,32 +168,86 @@ def _hqq_fit(groups: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, levels: i
              num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """HQQ's zero-point refinement per group (module docstring) -> ``(scale, zero)`` in
     kvlens's form. Padding tokens of a partial last token group get weight 0."""
-    w = member_weight(groups, num_tokens)
-    dims = (3, 5)
-    n = w.sum(dim=dims) * groups.shape[5]
-    total = n.sum()
+    inv, z = hqq_grid(lo, hi, levels)
+    z = hqq_refine_zero(groups, at_groups(inv), at_groups(z), levels, (3, 5),
+                        member_weight(groups, num_tokens))[:, :, :, 0, :, 0]
+    scale = 1.0 / inv
+    return scale, -z * scale
 
-    def at(p):
-        return p[:, :, :, None, :, None]
 
+def hqq_grid(lo: torch.Tensor, hi: torch.Tensor, levels: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """HQQ's starting grid of groups with minimum ``lo`` and maximum ``hi``: ``(inv, z)``, the
+    inverse scale (guarded as the module docstring says) and the zero in codes."""
     span = hi - lo
     inv = torch.where(span.abs() <= HQQ_MIN_RANGE, torch.ones_like(span), levels / span)
     inv = inv.clamp(max=HQQ_MAX_INV_SCALE)
-    z = -lo * inv
+    return inv, -lo * inv
+
+
+def hqq_refine_zero(x: torch.Tensor, inv: torch.Tensor, z: torch.Tensor, levels: int,
+                    dims: tuple[int, ...], weight: torch.Tensor | None = None) -> torch.Tensor:
+    """HQQ's proximal zero refinement (module docstring) of the groups of ``x`` that run along
+    ``dims``; ``inv`` and ``z`` broadcast to ``x`` (``dims`` kept as size 1) and the refined
+    ``z`` comes back in that shape. ``weight`` (broadcast to ``x``): 0 for padding members,
+    ``None``: every member counts (plain means, as hqq takes them). The early stop reads the
+    mean absolute error over all of ``x``."""
+    if weight is None:
+        def mean(t, dim=None):
+            return t.mean() if dim is None else t.mean(dim=dim, keepdim=True)
+    else:
+        count = torch.broadcast_to(weight, x.shape).sum(dim=dims, keepdim=True)
+
+        def mean(t, dim=None):
+            return (weight * t).sum() / count.sum() if dim is None else \
+                (weight * t).sum(dim=dim, keepdim=True) / count
     best = float("inf")
     for _ in range(HQQ_ITERS):
-        q = torch.round(groups * at(inv) + at(z)).clamp_(0, levels)
-        err = groups - (q - at(z)) / at(inv)
+        q = torch.round(x * inv + z).clamp_(0, levels)
+        err = x - (q - z) / inv
         size = err.abs()
-        shrunk = torch.sign(err) * (size - size.pow(HQQ_LP - 1) / HQQ_BETA).clamp_min(0.0)
-        z = (w * (q - (groups - shrunk) * at(inv))).sum(dim=dims) / n
-        current = float((w * size).sum() / total)
+        # (1 / beta) * |e|^(p - 1), multiplied as hqq does (a division rounds differently)
+        shrunk = torch.sign(err) * (size - (1.0 / HQQ_BETA) * size.pow(HQQ_LP - 1)).clamp_min(0.0)
+        z = mean(q - (x - shrunk) * inv, dims)
+        current = float(mean(size))
         if current < best:
             best = current
         else:
             break
-    scale = 1.0 / inv
-    return scale, -z * scale
+    return z
+
+
+def quantize_hqq_strided(x: torch.Tensor, bits: int, group: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hqq's ``axis=0`` grouping (``Quantizer.quantize(x, axis=0, optimize=True)``) of ``x``
+    ``[B, H, T, D]``: flattened row-major and viewed as ``[group, S]`` (``S = numel / group``),
+    group ``j`` is the elements ``j, j + S, j + 2S, ...``: one channel's values strided over
+    the batch rows, heads and tokens. Each group's grid is ``hqq_grid`` refined by
+    ``hqq_refine_zero`` (early stop over the whole tensor); ``code = clip(round(x * inv + z),
+    0, L)``. Returns ``(codes, scale, zero)``: uint8 codes ``[B, H, T, D]``, float32 ``scale =
+    1 / inv`` and ``zero = z`` (in codes) ``[S]``; ``x_hat = (code - zero) * scale``
+    (``dequantize_hqq_strided``). ``InputError`` when ``group`` does not divide ``numel``."""
+    check_tensor(x)
+    if x.numel() % group:
+        raise InputError(f"hqq's axis=0 groups of {group} elements need a tensor whose size is "
+                         f"a multiple of {group}; got shape {tuple(x.shape)}.")
+    levels = (1 << bits) - 1
+    w = x.detach().float().reshape(group, -1)
+    inv, z = hqq_grid(w.amin(dim=0, keepdim=True), w.amax(dim=0, keepdim=True), levels)
+    z = hqq_refine_zero(w, inv, z, levels, (0,))
+    codes = torch.round(w * inv + z).clamp_(0, levels)
+    return codes.to(torch.uint8).reshape(x.shape), (1.0 / inv).reshape(-1), z.reshape(-1)
+
+
+def dequantize_hqq_strided(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                           index: torch.Tensor | None = None) -> torch.Tensor:
+    """``(code - zero) * scale`` of ``quantize_hqq_strided``'s codes, float32 in the shape of
+    ``codes``; ``index``: each code's flat position in the whole tensor when ``codes`` is a
+    part of it (default: all of it). Element ``f`` belongs to group ``f mod S``."""
+    if index is None:
+        index = torch.arange(codes.numel(), device=codes.device).reshape(codes.shape)
+    j = index % scale.numel()
+    return (codes.float() - zero.float()[j]) * scale.float()[j]
 
 
 def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
