@@ -250,16 +250,10 @@ def new_table(title: str, columns: Iterable[str], left: tuple[int, ...] = (0,),
 
 
 def print_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2, default=_json_default) + "\n")
+    from kvlens.report.artifacts import json_default
+
+    sys.stdout.write(json.dumps(obj, indent=2, default=json_default) + "\n")
     sys.stdout.flush()
-
-
-def _json_default(o):
-    if hasattr(o, "tolist"):
-        return o.tolist()
-    if hasattr(o, "__fspath__"):
-        return str(o)
-    raise TypeError(f"not JSON serialisable: {type(o)}")
 
 
 PLAIN_EVERY_S = 30.0  # progress lines where stderr is not a terminal

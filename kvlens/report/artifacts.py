@@ -35,11 +35,12 @@ def stamp(kind: str, doc: Mapping[str, Any]) -> dict[str, Any]:
 def write_artifact(kind: str, doc: Mapping[str, Any], path: str | os.PathLike) -> Path:
     """Write ``doc`` as the ``kind`` artifact at ``path`` (numpy values become lists)."""
     path = Path(path)
-    path.write_text(json.dumps(stamp(kind, doc), indent=1, default=_default) + "\n")
+    path.write_text(json.dumps(stamp(kind, doc), indent=1, default=json_default) + "\n")
     return path
 
 
-def _default(o):
+def json_default(o):
+    """What ``json.dumps`` writes for a numpy value (a list) or a path (its text)."""
     if hasattr(o, "tolist"):
         return o.tolist()
     if hasattr(o, "__fspath__"):
