@@ -11,7 +11,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -139,10 +139,8 @@ def write_output(path: str | os.PathLike, write: Callable[[Path], Any]) -> Path:
         raise OutputWriteError(f"Cannot write {path}: {exc.strerror or exc}. Nothing was written "
                                "there; free some space or choose a writable location.") from None
     finally:
-        try:
+        with suppress(OSError):
             tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
     return path
 
 
