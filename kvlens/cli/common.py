@@ -156,13 +156,14 @@ def write_artifact_output(kind: str, doc: Any, path: str | os.PathLike) -> Path:
     return write_output(path, lambda tmp: write_artifact(kind, doc, tmp))
 
 
-def write_config_doc(kind: str, doc: Any, config_path: Path) -> Path:
+def write_config_doc(kind: str, doc: Any, config_path: Path) -> None:
     """recommend's ``kind`` artifact beside the config it wrote, naming the config
-    (``kvlens.report.artifacts.write_config_doc``, atomically)."""
+    (``kvlens.report.artifacts.config_doc_path``, atomically), and a line on stderr saying so."""
     from kvlens.report.artifacts import config_doc_path
 
-    return write_artifact_output(kind, {**doc, "config_file": Path(config_path).name},
-                                 config_doc_path(config_path, kind))
+    path = run_library_call(lambda: write_artifact_output(
+        kind, {**doc, "config_file": Path(config_path).name}, config_doc_path(config_path, kind)))
+    err_console.print(f"results for `kvlens report` written: {escape(str(path))}")
 
 
 @contextmanager
