@@ -92,19 +92,13 @@ class RopeInputs(dict):
         if fn is None:
             raise _unsupported(module, f"its module {type(module).__module__} has none of "
                                        f"{', '.join(ROTARY_FUNCTION_NAMES)}")
-        key = _form_key(module, fn, pe, head_dim)
+        key = (type(module), fn, sin is None, int(cos.shape[-1]), cos.dtype, head_dim)
         form = self._forms.get(key)
         if form is None or not form.accepts(pe):
             form = self._forms[key] = find_form(module, fn, pe, head_dim)
             if form not in self.forms:
                 self.forms.append(form)
         return form.normalise(pe)
-
-
-def _form_key(module, fn, pe, head_dim: int) -> tuple:
-    first = pe if isinstance(pe, torch.Tensor) else pe[0]
-    return (type(module), fn, isinstance(pe, torch.Tensor), int(first.shape[-1]), first.dtype,
-            head_dim)
 
 
 def find_form(module, fn: Callable, pe, head_dim: int) -> RopeForm:
