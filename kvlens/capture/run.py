@@ -226,13 +226,11 @@ class _LayerSink:
         tq = query.shape[-2]
         post = {"q": query[0], "k": key[0, :, -tq:], "v": value[0, :, -tq:]}
         pre = self._pre_rope(idx, post, pe)
-        tensors = {**post, **pre}
-        for name, t in tensors.items():
+        for name, t in {**post, **pre}.items():  # a failure deletes the partial file
             if not bool(t.isfinite().all()):
                 raise NumericalError(
                     f"Layer {idx} produced NaN/Inf in {name} (sample {self.sample}). The model "
                     "or its compute dtype is numerically unstable here; try --dtype float32.")
-        for name, t in tensors.items():
             self.writer.write(idx, name, self.sample, t)
         self.devices[idx] = str(query.device)
         if idx not in self._layer_attrs:
