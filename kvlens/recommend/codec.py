@@ -264,7 +264,7 @@ class _Writer:
         if kind == "tensor":
             return self.tensor(x, where)
         if kind == "ndarray":
-            if not _plain_array(x):
+            if type(x) is not np.ndarray or x.dtype.kind not in "biuf":  # never an object array
                 raise _cannot(where, x, "a numeric or boolean numpy array")
             return self.array(x, x.dtype.str)
         # Any: tagged with what it is, so that a tuple reads back as a tuple
@@ -302,10 +302,6 @@ class _Writer:
             raise _cannot(where, t, f"a tensor of dtype {', '.join(TENSOR_DTYPES)}")
         x = t.detach().cpu().contiguous()
         return self.array((x.view(torch.int16) if name == "bfloat16" else x).numpy(), name)
-
-
-def _plain_array(x) -> bool:
-    return type(x) is np.ndarray and x.dtype.kind in "biuf" and x.dtype.fields is None
 
 
 def _pack(text: bytes, arrays: list[np.ndarray]) -> bytes:
