@@ -129,12 +129,6 @@ class RopeTables:
         return invert_rope(x, self.cos, self.sin, self.layout)
 
 
-def _is_real_pair(pe) -> bool:
-    return (isinstance(pe, tuple) and len(pe) == 2
-            and all(isinstance(t, torch.Tensor) and not t.is_complex() for t in pe)
-            and pe[0].shape == pe[1].shape and pe[0].dim() >= 1)
-
-
 @dataclass(frozen=True)
 class RopeForm:
     """One way a model gives RoPE to its attention: how ``position_embeddings`` (``(cos, sin)``
@@ -155,7 +149,9 @@ class RopeForm:
         """Whether ``pe`` has this form's shape (duplicated tables repeat exactly)."""
         if self.tables == "complex":
             return isinstance(pe, torch.Tensor) and pe.is_complex()
-        if not _is_real_pair(pe):
+        if not (isinstance(pe, tuple) and len(pe) == 2  # a real (cos, sin) pair
+                and all(isinstance(t, torch.Tensor) and not t.is_complex() for t in pe)
+                and pe[0].shape == pe[1].shape and pe[0].dim() >= 1):
             return False
         width = pe[0].shape[-1]
         if self.tables == "compact":

@@ -8,6 +8,7 @@ the tiny tokenizer in tiny_models.py.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,6 +23,7 @@ from kvlens.config import preset
 from kvlens.model.hooks import cache_argument_name
 from kvlens.model.shape import ModelShape
 from kvlens.quant import QTensor, dequantize, quantize
+from kvlens.recommend.extension import Twin
 
 SCALING = 0.25  # the attention scaling make_capture records for every layer
 
@@ -165,3 +167,13 @@ def write_capture(path: str | os.PathLike, meta: CaptureMeta, tensors: dict[int,
         for s in range(meta.num_samples):
             w.write_tokens(s, toks[s].cpu().numpy())
         return w.finish()
+
+
+def set_twin(c, bits: int, fraction: float):
+    """``c``'s MiKV set twin (``kvlens.research.mikv``) at ``bits`` and heavy ``fraction``."""
+    return dataclasses.replace(c, twin=Twin("mikv", (bits, fraction)))
+
+
+def set_of(c) -> tuple[int, float] | None:
+    """``(set_bits, heavy_fraction)`` of a MiKV set twin; None for any other candidate."""
+    return c.twin.setting if c.twin is not None and c.twin.extension == "mikv" else None

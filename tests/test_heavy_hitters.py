@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import decode_one_by_one, small_options
+from helpers import decode_one_by_one, set_of, set_twin, small_options
 
 from kvlens.analysis.metrics import (
     Variant,
@@ -19,7 +19,7 @@ from kvlens.config import LayerKV, ProtectSettings
 from kvlens.model.shape import ModelShape
 from kvlens.quant import QuantSpec, fake_quantize
 from kvlens.research.heavy_hitters import set_membership, set_reconstruction
-from kvlens.research.mikv import MikvSets, set_of, set_twin
+from kvlens.research.mikv import MikvSets
 from kvlens.research.sets import mikv_settings
 
 

@@ -11,12 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import set_of, set_twin
 
 import kvlens.research  # noqa: F401  (registers the MiKV set twins)
 from kvlens.errors import InputError
 from kvlens.recommend import Candidate, CandidateExtension, RecommendOptions, Twin
 from kvlens.recommend.extension import fold_levers, lever_fields, registered
-from kvlens.research.mikv import MikvSets, set_of, set_twin
+from kvlens.research.mikv import MikvSets
 
 ROOT = Path(__file__).resolve().parents[1]
 #: what the MiKV set experiment's code is called; none of it may appear in stable recommend

@@ -97,7 +97,12 @@ def check_capture(options: CaptureOptions, output: str | Path) -> tuple[str, str
                   compression=options.compression)
     text = load_text(options.text)
     source, _ = check_load_options(options.model, **_load_options(options))
-    check_layer_spec(options.layers, read_header(source).shape)
+    # --layers against the layers the model's files declare (num_layers 0: they do not say)
+    shape, spec = read_header(source).shape, options.layers
+    if shape.num_layers:
+        capture_layers(spec, shape)
+    elif spec is not None and spec.strip().lower() not in ("", "all"):
+        parse_index_spec(spec, 2**62)  # the syntax alone: any index >= 0
     return text
 
 
@@ -105,15 +110,6 @@ def _load_options(o: CaptureOptions) -> dict[str, Any]:
     """``load_model``'s keywords from the capture options."""
     return {"dtype": o.compute_dtype, "device": o.device, "device_map": o.device_map,
             "max_memory": o.max_memory, "offload_folder": o.offload_folder}
-
-
-def check_layer_spec(spec: str | None, shape) -> None:
-    """``--layers`` before the model loads: its syntax, and its indices against the layers the
-    model's files declare (``shape.num_layers`` 0: they do not say)."""
-    if shape.num_layers:
-        capture_layers(spec, shape)
-    elif spec is not None and spec.strip().lower() not in ("", "all"):
-        parse_index_spec(spec, 2**62)  # the syntax alone: any index >= 0
 
 
 def capture_layers(layers: str | list[int] | None, info) -> list[int]:
@@ -230,13 +226,11 @@ class _LayerSink:
         tq = query.shape[-2]
         post = {"q": query[0], "k": key[0, :, -tq:], "v": value[0, :, -tq:]}
         pre = self._pre_rope(idx, post, pe)
-        tensors = {**post, **pre}
-        for name, t in tensors.items():
+        for name, t in {**post, **pre}.items():  # a failure deletes the partial file
             if not bool(t.isfinite().all()):
                 raise NumericalError(
                     f"Layer {idx} produced NaN/Inf in {name} (sample {self.sample}). The model "
                     "or its compute dtype is numerically unstable here; try --dtype float32.")
-        for name, t in tensors.items():
             self.writer.write(idx, name, self.sample, t)
         self.devices[idx] = str(query.device)
         if idx not in self._layer_attrs:

@@ -155,7 +155,13 @@ class CaptureWriter:
 
     def write(self, layer: int, name: str, sample: int, tensor) -> None:
         """Store ``tensor`` ``[H, T, D]`` (torch) for one layer, tensor name and sample."""
-        self._datasets[(layer, name)][sample] = to_storage(tensor, self.storage_dtype)
+        import torch
+
+        if self.storage_dtype == "bfloat16":  # its raw 16 bits (module docstring)
+            array = tensor.detach().to(torch.bfloat16).view(torch.int16).cpu().numpy().view("uint16")
+        else:
+            array = tensor.detach().to(getattr(torch, self.storage_dtype)).cpu().numpy()
+        self._datasets[(layer, name)][sample] = array
 
     def write_rope(self, layer: int, layout: str, cos, sin) -> None:
         """Store a layer's normalised RoPE tables ``cos``, ``sin`` ``[T, R]`` (torch; positions
@@ -185,26 +191,6 @@ class CaptureWriter:
 def _label(ds, names: Iterable[str]) -> None:
     for i, n in enumerate(names):
         ds.dims[i].label = n
-
-
-def to_storage(tensor, storage_dtype: str):
-    """torch tensor -> numpy array in the on-disk representation."""
-    import torch
-
-    if storage_dtype == "bfloat16":
-        return tensor.detach().to(torch.bfloat16).view(torch.int16).cpu().numpy().view("uint16")
-    return tensor.detach().to(getattr(torch, storage_dtype)).cpu().numpy()
-
-
-def from_storage(array, storage_dtype: str):
-    """On-disk numpy array -> float32 torch tensor."""
-    import numpy as np
-    import torch
-
-    if storage_dtype == "bfloat16":
-        raw = torch.from_numpy(np.ascontiguousarray(array).view(np.int16))
-        return raw.view(torch.bfloat16).float()
-    return torch.from_numpy(np.ascontiguousarray(array)).float()
 
 
 #: root attributes in the order they are written, those read from ``meta.shape`` first
@@ -272,13 +258,18 @@ class LayerData:
              heads: slice | Sequence[int] | None = None):
         """Read one tensor (``q``, ``k``, ``v``, ``q_pre``, ``k_pre``), optionally a subset of
         samples and heads (index lists must be increasing)."""
+        import numpy as np
+        import torch
+
         if name not in TENSORS:
             raise InputError(f"Unknown tensor {name!r}; allowed: {', '.join(TENSORS)}.")
         ds = self._group[name]
         s = slice(None) if samples is None else samples
         h = slice(None) if heads is None else heads
-        arr = ds[s, h] if isinstance(s, slice) else ds[s][:, h]
-        return from_storage(arr, self._storage_dtype)
+        arr = np.ascontiguousarray(ds[s, h] if isinstance(s, slice) else ds[s][:, h])
+        if self._storage_dtype == "bfloat16":
+            return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16).float()
+        return torch.from_numpy(arr).float()
 
     def rope(self) -> StoredRope | None:
         """The layer's RoPE as captured (``StoredRope``), or ``None`` where the file does not

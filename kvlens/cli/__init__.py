@@ -20,13 +20,10 @@ def _register_commands() -> None:
     # module keeps heavy imports (torch, transformers, h5py, matplotlib) inside its command.
     for name in ("capture", "compare", "outliers", "generate", "recommend", "report"):
         importlib.import_module(f"kvlens.cli.{name}")
-    # One way of showing --help for every command: KvlensCommand, mixed into a command's own
-    # class where it has one.
+    # One way of showing --help for every command: KvlensCommand (recommend's own class is one)
     for info in app.registered_commands:
         if info.cls in (None, TyperCommand):
             info.cls = KvlensCommand
-        elif not issubclass(info.cls, KvlensCommand):
-            info.cls = type(info.cls.__name__, (KvlensCommand, info.cls), {})
 
 
 _register_commands()

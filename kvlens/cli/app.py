@@ -19,13 +19,10 @@ app = typer.Typer(
 
 
 @app.callback(invoke_without_command=True)
-def _root(ctx: typer.Context,
-          version: bool = typer.Option(False, "--version", help="Print the version and exit.")):
+def _root(version: bool = typer.Option(False, "--version", help="Print the version and exit.")):
+    # without a command or --version, no_args_is_help has printed the help already
     if version:
         from kvlens import __version__
 
         typer.echo(__version__)
-        raise typer.Exit()
-    if ctx.invoked_subcommand is None:
-        typer.echo(ctx.get_help())
         raise typer.Exit()

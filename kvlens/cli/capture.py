@@ -22,7 +22,7 @@ from kvlens.cli.common import (
     print_json,
     progress_bar,
     run_library_call,
-    write_output,
+    write_artifact_output,
 )
 from kvlens.units import format_bytes, format_bytes_by_device
 
@@ -106,11 +106,11 @@ def capture(
 def _write_report_json(summary, output: Path) -> None:
     """``RUN.capture.json`` beside the capture: what ``kvlens report`` shows about it."""
     from kvlens.capture.store import open_capture
-    from kvlens.report.artifacts import capture_doc, capture_doc_path, write_artifact
+    from kvlens.report.artifacts import capture_doc, capture_doc_path
 
     with open_capture(output) as cap:
         doc = capture_doc(summary.to_dict(), cap.meta)
-    write_output(capture_doc_path(output), lambda tmp: write_artifact("capture", doc, tmp))
+    write_artifact_output("capture", doc, capture_doc_path(output))
 
 
 def _render(s) -> None:

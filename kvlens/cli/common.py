@@ -11,7 +11,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -139,10 +139,8 @@ def write_output(path: str | os.PathLike, write: Callable[[Path], Any]) -> Path:
         raise OutputWriteError(f"Cannot write {path}: {exc.strerror or exc}. Nothing was written "
                                "there; free some space or choose a writable location.") from None
     finally:
-        try:
+        with suppress(OSError):
             tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
     return path
 
 
@@ -158,13 +156,14 @@ def write_artifact_output(kind: str, doc: Any, path: str | os.PathLike) -> Path:
     return write_output(path, lambda tmp: write_artifact(kind, doc, tmp))
 
 
-def write_config_doc(kind: str, doc: Any, config_path: Path) -> Path:
+def write_config_doc(kind: str, doc: Any, config_path: Path) -> None:
     """recommend's ``kind`` artifact beside the config it wrote, naming the config
-    (``kvlens.report.artifacts.write_config_doc``, atomically)."""
+    (``kvlens.report.artifacts.config_doc_path``, atomically), and a line on stderr saying so."""
     from kvlens.report.artifacts import config_doc_path
 
-    return write_artifact_output(kind, {**doc, "config_file": Path(config_path).name},
-                                 config_doc_path(config_path, kind))
+    path = run_library_call(lambda: write_artifact_output(
+        kind, {**doc, "config_file": Path(config_path).name}, config_doc_path(config_path, kind)))
+    err_console.print(f"results for `kvlens report` written: {escape(str(path))}")
 
 
 @contextmanager
@@ -250,16 +249,10 @@ def new_table(title: str, columns: Iterable[str], left: tuple[int, ...] = (0,),
 
 
 def print_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2, default=_json_default) + "\n")
+    from kvlens.report.artifacts import json_default
+
+    sys.stdout.write(json.dumps(obj, indent=2, default=json_default) + "\n")
     sys.stdout.flush()
-
-
-def _json_default(o):
-    if hasattr(o, "tolist"):
-        return o.tolist()
-    if hasattr(o, "__fspath__"):
-        return str(o)
-    raise TypeError(f"not JSON serialisable: {type(o)}")
 
 
 PLAIN_EVERY_S = 30.0  # progress lines where stderr is not a terminal

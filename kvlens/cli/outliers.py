@@ -75,34 +75,19 @@ def plot_outliers(
     from kvlens.errors import InputError
     from kvlens.report.artifacts import check_output_folder
 
+    explicit = profile_layers.strip().lower() not in ("auto", "")
+
     def prepare():
+        from kvlens.capture.store import open_capture
+        from kvlens.text.selection import parse_index_spec
+
         if fmt not in ("png", "svg", "pdf"):
             raise InputError(f"Unknown --format {fmt!r}; allowed: png, svg, pdf.")
         families = parse_tensors(tensors)
         check_output_folder(out, "--out", "outliers.json", overwrite)
         spots = [_parse_heatmap(s) for s in heatmap or []]
-        return families, spots
-
-    families, spots = run_library_call(prepare)
-    drawn: list[Path] = []
-    explicit = profile_layers.strip().lower() not in ("auto", "")
-    wanted: set[int] | None = None
-    model_name = [""]
-    figures = f"figures in --out {out}"
-
-    def on_layer(stats) -> None:
-        # Streaming: draw a layer's profiles as soon as its statistics exist.
-        if explicit and (wanted is None or stats[0].layer in wanted):
-            with output_errors(figures):
-                drawn.extend(_draw_profiles(stats, model_name[0], threshold, out, fmt))
-
-    def analyse():
-        nonlocal wanted
-        from kvlens.capture.store import open_capture
-        from kvlens.text.selection import parse_index_spec
-
         with open_capture(run) as cap:
-            model_name[0] = cap.meta.model
+            wanted = None  # the layers whose profiles are drawn as they are analysed (None: all)
             if explicit and profile_layers.strip().lower() != "all":
                 wanted = set(parse_index_spec(profile_layers, cap.meta.shape.num_layers, "layer"))
             for layer, kv in spots:
@@ -110,6 +95,19 @@ def plot_outliers(
                 if not 0 <= kv < cap.meta.shape.num_key_value_heads:
                     raise InputError(f"--heatmap {layer}:{kv}: KV head outside 0-"
                                      f"{cap.meta.shape.num_key_value_heads - 1}.")
+            return families, spots, cap.meta.model, wanted
+
+    families, spots, model_name, wanted = run_library_call(prepare)
+    drawn: list[Path] = []
+    figures = f"figures in --out {out}"
+
+    def on_layer(stats) -> None:
+        # Streaming: draw a layer's profiles as soon as its statistics exist.
+        if explicit and (wanted is None or stats[0].layer in wanted):
+            with output_errors(figures):
+                drawn.extend(_draw_profiles(stats, model_name, threshold, out, fmt))
+
+    def analyse():
         with output_errors(f"--out {out}"):
             out.mkdir(parents=True, exist_ok=True)
         with progress_bar("plot-outliers") as update:

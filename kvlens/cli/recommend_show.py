@@ -11,7 +11,6 @@ from kvlens.cli.common import (
     format_seconds,
     new_table,
     print_json,
-    run_library_call,
     write_config_doc,
 )
 from kvlens.units import format_bytes, format_interval
@@ -22,8 +21,7 @@ def show_layers(answer, outputs, as_json: bool) -> None:
     went (stderr), each document beside its config in ``outputs``, then JSON or the tables."""
     _print_profile(answer.recommendations[0].profile, answer.predicted)
     for doc, out in zip(answer.documents, outputs):
-        data = run_library_call(lambda d=doc, o=out: write_config_doc("recommend", d, o))
-        err_console.print(f"results for `kvlens report` written: {escape(str(data))}")
+        write_config_doc("recommend", doc, out)
     if as_json:
         docs = answer.documents
         print_json(docs[0] if len(docs) == 1 else {"recommendations": docs})
@@ -47,8 +45,7 @@ def show_target(answer, output, as_json: bool) -> None:
     """An engine target's answer (``kvlens.deploy.answer.EngineAnswer``): its document beside
     ``output`` for ``kvlens report``, then JSON or the tables."""
     if output is not None:
-        data = run_library_call(lambda: write_config_doc("deploy", answer.document, output))
-        err_console.print(f"results for `kvlens report` written: {escape(str(data))}")
+        write_config_doc("deploy", answer.document, output)
     if as_json:
         print_json(answer.document)
         return

@@ -161,12 +161,6 @@ def rope_config(config) -> dict[str, Any]:
     return out
 
 
-def has_rotary_module(model) -> bool:
-    """Whether the model holds rotary frequencies (an ``inv_freq`` or ``freqs_cis`` buffer): a
-    config may carry RoPE parameters its model does not use (Granite 4 hybrid)."""
-    return any(name.endswith(("inv_freq", "freqs_cis")) for name, _ in model.named_buffers())
-
-
 def _head_counts(config, module, architecture: str) -> tuple[int, int, int]:
     """``(query heads, KV heads, head_dim)``: KV heads from the module's grouping, else the
     config's, else multi-head."""
@@ -229,7 +223,10 @@ def describe(model) -> ModelShape:
         kv_layers=tuple(attention), windows=layer_windows(config, kinds),
         mla=mla, architecture=architecture,
         model_type=str(getattr(config, "model_type", "unknown")),
-        has_rope=has_rotary_module(model), rope=rope_config(config),
+        # rotary frequencies held: a config may carry RoPE parameters its model does not use
+        # (Granite 4 hybrid)
+        has_rope=any(name.endswith(("inv_freq", "freqs_cis")) for name, _ in
+                     model.named_buffers()), rope=rope_config(config),
         dtype_bytes=next(model.parameters()).element_size(),
         layer_kinds=kinds if any(k != "full" for k in kinds) else (),
         state_layers=state,

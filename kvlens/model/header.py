@@ -8,8 +8,6 @@ model loads; a count the files do not give is 0 (the context length ``None``).
 from __future__ import annotations
 
 import json
-import mmap
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +42,7 @@ def read_header(source) -> ModelHeader:
         if source.kind == "dir":
             return _config_header(Path(source.location) / "config.json")
         return _hub_header(source.location)
-    except (OSError, ValueError, struct.error, UnicodeDecodeError):
+    except (OSError, ValueError, KeyError, IndexError, UnicodeDecodeError):
         return ModelHeader()  # the load itself names what is wrong with the files
 
 
@@ -107,51 +105,18 @@ def _hub_header(repo_id: str) -> ModelHeader:
     return _config_header(Path(path)) if isinstance(path, str) else ModelHeader()
 
 
-# -- GGUF metadata ------------------------------------------------------------------------------
-
-# GGUF value types (ggml's gguf.h): type id -> struct format of a scalar
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
-            11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
-
-
 def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
-    """The key-value metadata of a GGUF file (version 2 or 3): scalars and strings as values,
-    arrays skipped (``None``). Reads the header only; raises ``ValueError`` for another file."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file")
-        version, _tensors, count = struct.unpack_from("<IQQ", buf, 4)
-        if version < 2:
-            raise ValueError(f"GGUF version {version} is not supported")
-        pos, out = 24, {}
-        for _ in range(count):
-            key, pos = _string(buf, pos)
-            (kind,), pos = struct.unpack_from("<I", buf, pos), pos + 4
-            out[key], pos = _value(buf, pos, kind)
-        return out
+    """The key-value metadata of a GGUF file (read by the ``gguf`` package, which transformers
+    loads GGUF files with): scalars and strings as values, arrays ``None``."""
+    import gguf
 
-
-def _string(buf, pos: int) -> tuple[str, int]:
-    (n,) = struct.unpack_from("<Q", buf, pos)
-    return bytes(buf[pos + 8:pos + 8 + n]).decode("utf-8", "replace"), pos + 8 + n
-
-
-def _value(buf, pos: int, kind: int) -> tuple[Any, int]:
-    if kind in _SCALARS:
-        fmt = _SCALARS[kind]
-        return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
-    if kind == _STRING:
-        return _string(buf, pos)
-    if kind == _ARRAY:
-        item, n = struct.unpack_from("<IQ", buf, pos)
-        pos += 12
-        if item in _SCALARS:
-            return None, pos + n * struct.calcsize(_SCALARS[item])
-        for _ in range(n):
-            _, pos = _value(buf, pos, item)
-        return None, pos
-    raise ValueError(f"unknown GGUF value type {kind}")
+    out: dict[str, Any] = {}
+    for key, f in gguf.GGUFReader(path).fields.items():
+        kind, part = f.types[0], f.parts[f.data[0]] if f.data else None
+        out[key] = (None if kind == gguf.GGUFValueType.ARRAY or part is None
+                    else bytes(part).decode("utf-8", "replace")
+                    if kind == gguf.GGUFValueType.STRING else part[0].item())
+    return out
 
 
 def _gguf_header(path: Path) -> ModelHeader:

@@ -211,7 +211,12 @@ def load_model(spec: str | None = None, *, dtype: str = "float32", device: str =
     except ModelLoadError:
         raise
     except (OSError, ValueError, KeyError, ImportError) as exc:
-        raise ModelLoadError(_explain_load_failure(source, exc)) from exc
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelLoadError(
+            f"Could not load {source.location!r} from the model hub ({msg}). Offline, download it "
+            "elsewhere and pass the local directory, or use the embedded default model."
+            if source.kind == "hub" else
+            f"Could not load model from {source.location} ({type(exc).__name__}: {msg}).") from exc
     describe(model)  # refuses, naming the reason, a model kvlens cannot hook
     if placement is None:
         model.to(resolve_device(device))
@@ -267,16 +272,6 @@ def _placement_kwargs(source: ModelSource, dtype, placement, **config_kwargs) ->
     if placement.offload_folder is not None:
         out["offload_folder"] = placement.offload_folder
     return out
-
-
-def _explain_load_failure(source: ModelSource, exc: Exception) -> str:
-    msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    if source.kind == "hub":
-        return (
-            f"Could not load {source.location!r} from the model hub ({msg}). Offline, download it "
-            "elsewhere and pass the local directory, or use the embedded default model."
-        )
-    return f"Could not load model from {source.location} ({type(exc).__name__}: {msg})."
 
 
 def resolve_device(device: str) -> str:

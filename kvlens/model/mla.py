@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from kvlens.errors import ModelLoadError
+from kvlens.model.rotary import rotary_function
 
 _MLA_PARTS = ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
 
@@ -56,24 +57,14 @@ def mla_shape(module) -> MlaShape:
 
 def _rope_fn(module):
     """The model's own RoPE application for this module: ``(q_rot, k_rot, pe) -> (q, k)``."""
-    import torch
-
-    code = sys.modules[type(module).__module__]
-    interleave = bool(getattr(module.config, "rope_interleave", False))
-
-    def apply(q, k, pe):
-        if isinstance(pe, torch.Tensor) and pe.is_complex():
-            return code.apply_rotary_emb(q, k, pe.to(q.device))
-        cos, sin = pe
-        if interleave:
-            return code.apply_rotary_pos_emb_interleave(q, k, cos, sin)
-        return code.apply_rotary_pos_emb(q, k, cos, sin)
-
-    needed = ("apply_rotary_emb", "apply_rotary_pos_emb_interleave" if interleave else
-              "apply_rotary_pos_emb")
-    if not any(hasattr(code, n) for n in needed):
+    fn = rotary_function(module)
+    if fn is None:
         raise ModelLoadError(f"Unsupported MLA model {type(module).__name__}: kvlens cannot find "
                              "the rotary function its attention uses.")
+
+    def apply(q, k, pe):  # (cos, sin), or a complex freqs_cis (DeepSeek V2's apply_rotary_emb)
+        return fn(q, k, *pe) if isinstance(pe, tuple) else fn(q, k, pe.to(q.device))
+
     return apply
 
 

@@ -308,12 +308,10 @@ def execution_device(model, module):
     device of its first real (non-meta) parameter, else the CPU."""
     import torch
 
-    names = {id(m): n for n, m in model.named_modules()}
-    modules = dict(model.named_modules())
-    name = names.get(id(module), "")
+    name = next((n for n, m in model.named_modules() if m is module), "")
     parts = name.split(".") if name else []
     for i in range(len(parts), -1, -1):
-        dev = _hook_device(modules[".".join(parts[:i])])
+        dev = _hook_device(model.get_submodule(".".join(parts[:i])))
         if dev is not None:
             return dev
     for p in module.parameters():

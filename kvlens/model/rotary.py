@@ -58,16 +58,6 @@ def applies_rope(module) -> bool:
     return True
 
 
-def position_embeddings_of(pe):
-    """``pe`` when it has a shape kvlens can read (``(cos, sin)`` or one complex tensor),
-    else ``None``."""
-    if isinstance(pe, tuple) and len(pe) == 2 and all(isinstance(t, torch.Tensor) for t in pe):
-        return pe
-    if isinstance(pe, torch.Tensor) and pe.is_complex():
-        return pe
-    return None
-
-
 class RopeInputs(dict):
     """Layer index -> ``(cos, sin, position_ids)`` of its attention module's latest call (a complex
     ``freqs_cis`` as ``(freqs_cis, None, position_ids)``; ``position_ids`` ``None`` where the model
@@ -80,12 +70,15 @@ class RopeInputs(dict):
         self.forms: list[RopeForm] = []  # the forms found so far, in order
 
     def record(self, module, pe, position_ids) -> None:
-        pe = position_embeddings_of(pe)
-        if pe is None:
+        """Keep ``pe`` where it has a shape kvlens reads: ``(cos, sin)`` or one complex tensor."""
+        if isinstance(pe, torch.Tensor) and pe.is_complex():
+            self[module.layer_idx] = (pe, None, position_ids)
+        elif isinstance(pe, tuple) and len(pe) == 2 and all(isinstance(t, torch.Tensor)
+                                                            for t in pe):
+            self[module.layer_idx] = (*pe, position_ids)
+        else:
             return
         self.modules[module.layer_idx] = module
-        self[module.layer_idx] = (pe, None, position_ids) if isinstance(pe, torch.Tensor) \
-            else (*pe, position_ids)
 
     def tables(self, layer: int, head_dim: int) -> RopeTables | None:
         """The layer's latest RoPE as ``RopeTables`` (``None``: it applies none); ``ModelLoadError``
@@ -99,19 +92,13 @@ class RopeInputs(dict):
         if fn is None:
             raise _unsupported(module, f"its module {type(module).__module__} has none of "
                                        f"{', '.join(ROTARY_FUNCTION_NAMES)}")
-        key = _form_key(module, fn, pe, head_dim)
+        key = (type(module), fn, sin is None, int(cos.shape[-1]), cos.dtype, head_dim)
         form = self._forms.get(key)
         if form is None or not form.accepts(pe):
             form = self._forms[key] = find_form(module, fn, pe, head_dim)
             if form not in self.forms:
                 self.forms.append(form)
         return form.normalise(pe)
-
-
-def _form_key(module, fn, pe, head_dim: int) -> tuple:
-    first = pe if isinstance(pe, torch.Tensor) else pe[0]
-    return (type(module), fn, isinstance(pe, torch.Tensor), int(first.shape[-1]), first.dtype,
-            head_dim)
 
 
 def find_form(module, fn: Callable, pe, head_dim: int) -> RopeForm:

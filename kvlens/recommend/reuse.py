@@ -13,6 +13,7 @@ kept, the least recently used removed first.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -102,10 +103,8 @@ def read_kept(kept: Path | None) -> Measurements | None:
         m = decode(kept.read_bytes())
     except (OSError, KeptFormatError):  # measured again and replaced (keep)
         return None
-    try:
+    with contextlib.suppress(OSError):
         kept.touch()  # recently used: kept longest (keep)
-    except OSError:
-        pass
     return dataclasses.replace(m, notes=[*m.notes, reused_note(kept)],
                                profile=Profile({REUSED_STAGE: time.perf_counter() - start}))
 

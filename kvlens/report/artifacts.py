@@ -32,11 +32,12 @@ def write_artifact(kind: str, doc: Mapping[str, Any], path: str | os.PathLike) -
     doc = {"kvlens_report": kind, "schema_version": SCHEMA_VERSION,
            **{k: v for k, v in doc.items() if k not in ("kvlens_report", "schema_version")}}
     path = Path(path)
-    path.write_text(json.dumps(doc, indent=1, default=_default) + "\n")
+    path.write_text(json.dumps(doc, indent=1, default=json_default) + "\n")
     return path
 
 
-def _default(o):
+def json_default(o):
+    """What ``json.dumps`` writes for a numpy value (a list) or a path (its text)."""
     if hasattr(o, "tolist"):
         return o.tolist()
     if hasattr(o, "__fspath__"):

@@ -82,7 +82,16 @@ def _unwrap(kind) -> tuple[Any, bool]:
 def levers() -> dict[str, Lever]:
     """Every lever by name: the registered extensions', those of ``RecommendOptions`` in its
     order, then the target-only ones."""
-    out: dict[str, Lever] = _extension_levers()  # first, as when they were options' fields
+    out: dict[str, Lever] = {}
+    # first each registered extension's, as when they were options' fields: its switch (``--set
+    # NAME=on``, field ``NAME``) and its settings (field ``NAME_FIELD``), all experiments
+    for name, cls in registered().items():
+        out[name] = Lever(name, name, (RECOMMEND,), bool, False, cls.help, True)
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            out[f.metadata["lever"]] = Lever(f.metadata["lever"], f"{name}_{f.name}",
+                                             (RECOMMEND,), hints[f.name], f.default,
+                                             f.metadata["help"], True)
     hints = typing.get_type_hints(RecommendOptions)
     target_fields = {f for f, _ in TARGET_LEVERS.values()}
     for f in fields(RecommendOptions):
@@ -98,20 +107,6 @@ def levers() -> dict[str, Lever]:
         if name not in out:
             out[name] = Lever(name, field_name, (TARGET,), target_hints[field_name],
                               defaults[field_name], text)
-    return out
-
-
-def _extension_levers() -> dict[str, Lever]:
-    """Each registered extension's levers: its switch (``--set NAME=on``, field ``NAME``) and
-    its settings (field ``NAME_FIELD``), all experiments."""
-    out: dict[str, Lever] = {}
-    for name, cls in registered().items():
-        out[name] = Lever(name, name, (RECOMMEND,), bool, False, cls.help, True)
-        hints = typing.get_type_hints(cls)
-        for f in fields(cls):
-            out[f.metadata["lever"]] = Lever(f.metadata["lever"], f"{name}_{f.name}",
-                                             (RECOMMEND,), hints[f.name], f.default,
-                                             f.metadata["help"], True)
     return out
 
 

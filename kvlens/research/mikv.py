@@ -109,16 +109,6 @@ class MikvSets:
                 f"objective {best:.4f}, {plain:.4f} without a set")
 
 
-def set_twin(c: Candidate, bits: int, fraction: float) -> Candidate:
-    """``c``'s MiKV set twin at ``bits`` and heavy ``fraction``."""
-    return replace(c, twin=Twin(NAME, (bits, fraction)))
-
-
-def set_of(c: Candidate) -> tuple[int, float] | None:
-    """``(set_bits, heavy_fraction)`` of a MiKV set twin; None for any other candidate."""
-    return c.twin.setting if c.twin is not None and c.twin.extension == NAME else None
-
-
 class SetVariants:
     """``Variant``s of MiKV set twins on one capture layer: each tensor measured alone, as for
     every candidate, with the set the cache would keep (``kvlens.research.heavy_hitters``): for

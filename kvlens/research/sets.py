@@ -159,15 +159,6 @@ class HeavyHitters:
 
 # -- the settings ------------------------------------------------------------------------------------
 
-def _layer_list(layers: Any, where: str) -> tuple[int, ...]:
-    """A sorted tuple of distinct layer indices >= 0, or a ``ConfigError`` naming ``where``."""
-    ok = isinstance(layers, (list, tuple)) and all(is_int(x, 0) for x in layers)
-    if not ok or len(set(layers)) != len(layers):
-        raise ConfigError(f"Invalid {where} {layers!r}; allowed: null (every compressed layer) "
-                          "or a list of distinct layer indices >= 0.")
-    return tuple(sorted(layers))
-
-
 @register
 @dataclass(frozen=True)
 class ImportanceSet:
@@ -189,8 +180,13 @@ class ImportanceSet:
         if b is not None and (isinstance(b, bool) or b not in SET_BITS):
             raise ConfigError(f"Unsupported importance.set_bits {b!r}; allowed: null (the set at "
                               f"fp_dtype), {', '.join(map(str, SET_BITS))}.")
-        if self.layers is not None:
-            object.__setattr__(self, "layers", _layer_list(self.layers, "importance.layers"))
+        layers = self.layers
+        if layers is not None:
+            if not (isinstance(layers, (list, tuple)) and all(is_int(x, 0) for x in layers)) \
+                    or len(set(layers)) != len(layers):
+                raise ConfigError(f"Invalid importance.layers {layers!r}; allowed: null (every "
+                                  "compressed layer) or a list of distinct layer indices >= 0.")
+            object.__setattr__(self, "layers", tuple(sorted(layers)))
             if not f > 0:
                 raise ConfigError("importance.layers lists the layers that keep heavy hitters, but "
                                   "importance.heavy_fraction is 0; allowed: null (every compressed "
