@@ -158,7 +158,8 @@ class CaptureWriter:
         import torch
 
         if self.storage_dtype == "bfloat16":  # its raw 16 bits (module docstring)
-            array = tensor.detach().to(torch.bfloat16).view(torch.int16).cpu().numpy().view("uint16")
+            bits16 = tensor.detach().to(torch.bfloat16).view(torch.int16)
+            array = bits16.cpu().numpy().view("uint16")
         else:
             array = tensor.detach().to(getattr(torch, self.storage_dtype)).cpu().numpy()
         self._datasets[(layer, name)][sample] = array

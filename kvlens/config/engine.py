@@ -108,8 +108,8 @@ SETTING_OPTIONS = (
     "attention; :noarith: the model's float attention instead of llama.cpp's CPU arithmetic; "
     "@head: one fp8 scale per KV head; :pP: scales calibrated at percentile P of a capture "
     "(--calibration); :sS: a fixed scale S (:s1 the engines' default); :cpu: vLLM's CPU build, "
-    "which truncates to fp8 (no @head); :skip=L,L: layers kept at f16; G: group size; R: residual tokens. Names are case-insensitive; llama.cpp: is "
-    "llamacpp:.")
+    "which truncates to fp8 (no @head); :skip=L,L: layers kept at f16; G: group size; R: "
+    "residual tokens. Names are case-insensitive; llama.cpp: is llamacpp:.")
 
 
 def allowed_settings() -> str:

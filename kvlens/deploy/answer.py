@@ -133,8 +133,8 @@ def request_for(capture: str | Path, target: str = "kvlens", given: dict[str, An
 
 
 #: the file an engine target writes beside its config
-BESIDE = {"vllm": "kv_scales.json", "vllm:cpu": "kv_scales.json", "sglang": "kv_scales.json", "trtllm": "hf_quant_config.json",
-          "transformers": hf_cache.FILE_NAME}
+BESIDE = {"vllm": "kv_scales.json", "vllm:cpu": "kv_scales.json", "sglang": "kv_scales.json",
+          "trtllm": "hf_quant_config.json", "transformers": hf_cache.FILE_NAME}
 
 
 def files_beside(out: Path, target: str) -> list[Path]:

@@ -10,16 +10,16 @@ channel, strided over batch rows, heads and the whole history), with a min/max g
 HQQ's solver refines; at every window flush the history is dequantized, the flushed tokens
 appended and everything quantized again, so the groups change and the error compounds.
 
-The store does the same: at a flush it dequantizes what it holds, appends the flushed tokens
-and quantizes them all as one tensor, batch rows included (as the real layer does: its groups
-span them). It keeps the tokens a sliding-window layer no longer sees (``keeps_evicted``: the
-real layers keep them, and their drifting re-quantized values widen the groups; the mask hides
-them). Appends and drops between two reads are one re-quantization: the store re-quantizes
-lazily, at the next read, byte count or batch selection after its tokens changed. Held: codes packed along channels ``[B, H, T,
-packed_length(D, b)]`` (part ``codes``) and each group's scale and zero at the config's
-``scale_dtype`` (parts ``scales``, ``zeros``; ``T * D / G`` each per batch row and head, which
-``check`` keeps whole: ``G`` must divide ``F * D``). JSON: ``{"layout": "hqq-strided", "bits":
-4, "group": 64}``.
+The store does the same: at a flush it dequantizes what it holds, appends the flushed tokens and
+quantizes them all as one tensor, batch rows included (as the real layer does: its groups span
+them). It keeps the tokens a sliding-window layer no longer sees (``keeps_evicted``: the real
+layers keep them, and their drifting re-quantized values widen the groups; the mask hides them).
+Appends and drops between two reads are one re-quantization: the store re-quantizes lazily, at the
+next read, byte count or batch selection after its tokens changed. Held: codes packed along
+channels ``[B, H, T, packed_length(D, b)]`` (part ``codes``) and each group's scale and zero at the
+config's ``scale_dtype`` (parts ``scales``, ``zeros``; ``T * D / G`` each per batch row and head,
+which ``check`` keeps whole: ``G`` must divide ``F * D``). JSON: ``{"layout": "hqq-strided",
+"bits": 4, "group": 64}``.
 """
 
 from __future__ import annotations

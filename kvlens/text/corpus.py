@@ -39,7 +39,8 @@ def token_windows(tokenizer, text: str, samples: int, tokens: int, source: str =
     if ids.numel() < need:
         raise InputError(
             f"The text from {source} has {ids.numel()} tokens but {samples} samples x {tokens} "
-            f"tokens = {need} are needed. Give a longer {{text}} file or lower {{samples}}/{{tokens}}.")
+            f"tokens = {need} are needed. Give a longer {{text}} file or lower "
+            "{samples}/{tokens}.")
     stride = (ids.numel() - tokens) // max(samples - 1, 1) if samples > 1 else 0
     stride = max(stride, tokens)
     starts = [i * stride for i in range(samples)]
