@@ -199,9 +199,9 @@ def _layer_exports(request: RecommendRequest, answer: LayerAnswer, say: LogFn) -
     with open_capture(request.capture) as cap:
         shape = cap.meta.shape
     spec = answer.model.spec() if answer.model is not None else request.model
-    tokens = request.eval_tokens
-    if answer.validation is not None:  # the tokens the chosen configs were measured on
-        tokens = answer.validation["evaluation"]["kld"]["tokens"]
+    # the tokens the chosen configs were measured on (none: not validated, or interrupted)
+    scored = (answer.validation or {}).get("evaluation", {}).get("kld")
+    tokens = request.eval_tokens if scored is None else scored["tokens"]
     flags = "".join(f" --{k} {shlex.quote(str(v))}" for k, v in (
         ("model", spec or "MODEL"), ("dtype", request.place.get("dtype"))) if v) + \
         (f" --eval-tokens {tokens}" if tokens else "")
@@ -214,7 +214,7 @@ def _layer_exports(request: RecommendRequest, answer: LayerAnswer, say: LogFn) -
         doc["exports"] = ex.documents
         answer.files.update(ex.files)
         made.append(ex)
-    if answer.validation is not None:
+    if scored is not None:
         say("Measuring what each engine runs of the config ...")
         measure_layer_exports(made, lambda cfgs: measure_kld(
             answer.model.get(), cfgs, tokens, lambda m: say(f"  {m}")))
