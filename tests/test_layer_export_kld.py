@@ -41,6 +41,23 @@ def test_a_config_two_exports_run_is_measured_once():
         assert ik["kld"] == 0.2 and {trt["source"], ik["source"]} == {"measured"}
 
 
+def test_an_export_that_quantizes_nothing_is_not_measured():
+    """8-bit keys, 4-bit values on every layer: vLLM's one dtype (nvfp4) fits no layer, so it
+    skips them all and runs the model's own cache, said so and not measured; TensorRT-LLM
+    runs fp8 everywhere, ik_llama.cpp q8_0 keys and q4_0 values, both measured."""
+    shape = ModelShape(3, 4, 2, 64, model_type="llama")
+    cfg = KVConfig("kv", LayerKV(QuantSpec(8, "per-token", 32), QuantSpec(4, "per-token", 32)))
+    made = layer_exports(cfg, shape)
+    trt, vllm, ik = made.documents
+    assert made.configs[1] is None and vllm["kld"]["bits_per_element"] == 16.0
+    assert "every layer runs unquantized" in vllm["kld"]["source"]
+    asked = []
+    measure_layer_exports([made], lambda cs: asked.extend(c.name for c in cs) or [
+        {"mean_kld": 0.5, "ci95": [0.4, 0.6]} for _ in cs])
+    assert asked == ["trtllm:fp8:s1", "llamacpp:q8_0/q4_0:norot"]
+    assert vllm["kld"]["kld"] is None and trt["kld"]["kld"] == ik["kld"]["kld"] == 0.5
+
+
 def test_validate_measures_what_each_engine_runs_and_the_command_reproduces_it(
         tiny_model_dir, tmp_path):
     """On a tiny model: with --validate the vLLM and TensorRT-LLM exports' KLD is measured on

@@ -143,13 +143,11 @@ def runs_config(engine: str, runs: exports.Plan, name: str) -> tuple[KVConfig, s
         return engine_config(setting).config, setting
     by_pair = {kv: engine_config(runs_setting(engine, exports.Plan({0: kv}, 1))).config
                for kv in set(runs.layers.values())}
-    attention = {c.engine_attention for c in by_pair.values()}
-    if len(attention) > 1:  # never so today: every pair of one engine reads the cache alike
-        raise ConfigError(f"{engine}: its layers' settings read the cache differently "
-                          f"({', '.join(sorted(map(str, attention)))}); one config cannot.")
+    # one engine's settings of one form read the cache alike (llama.cpp's arithmetic)
+    attention = next(iter(by_pair.values())).engine_attention
     layers = {i: by_pair[kv].default for i, kv in runs.layers.items()}
     return KVConfig(name, LayerKV(key_format="f16", value_format="f16"), layers,
-                    fp_dtype="float16", engine_attention=attention.pop(),
+                    fp_dtype="float16", engine_attention=attention,
                     description=f"what {engine} runs"), None
 
 
@@ -203,6 +201,12 @@ def layer_exports(config: KVConfig, shape, context: int = 4096, out: Path | None
                           "f16), another quantizer with no full-precision window",
                           *doc["changes"]]
         doc["expressible"] = False
+        if not ex.runs.quantized():  # e.g. vLLM skipping every layer whose K and V differ
+            doc["kld"] = {"kld": None, "source": "not measured: every layer runs unquantized "
+                          "(the engine's default cache)", "bits_per_element": 16.0}
+            docs.append(doc)
+            configs.append(None)
+            continue
         runs, setting = runs_config(ex.engine, ex.runs, f"{config.name} on {ex.engine}")
         doc["kld"] = kld = {"kld": None, "source": "not measured", "setting": setting,
                             "bits_per_element": config_bits(runs, shape, context),
