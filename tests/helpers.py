@@ -177,3 +177,19 @@ def set_twin(c, bits: int, fraction: float):
 def set_of(c) -> tuple[int, float] | None:
     """``(set_bits, heavy_fraction)`` of a MiKV set twin; None for any other candidate."""
     return c.twin.setting if c.twin is not None and c.twin.extension == "mikv" else None
+
+
+def tiny_capture(model_dir, directory: Path) -> Path:
+    """``kvlens capture`` of ``model_dir`` (a tiny model directory) on a short English text:
+    one sample of 64 tokens, written to ``directory/run.h5``."""
+    from typer.testing import CliRunner
+
+    from kvlens.cli import app
+
+    text = directory / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 80, encoding="utf-8")
+    cap = directory / "run.h5"
+    res = CliRunner().invoke(app, ["capture", "--model", str(model_dir), "--text", str(text),
+                                   "-s", "1", "-t", "64", "-o", str(cap)])
+    assert res.exit_code == 0, res.output
+    return cap

@@ -8,7 +8,7 @@ import json
 from dataclasses import replace
 
 import pytest
-from helpers import small_options
+from helpers import small_options, tiny_capture
 from test_recommend import _planted_capture
 from typer.testing import CliRunner
 
@@ -62,12 +62,7 @@ def test_the_search_finds_the_smallest_budget_that_meets_the_target(measured):
 
 
 def test_recommend_max_kld_and_budgets_on_a_tiny_model(tiny_model_dir, tmp_path):
-    text = tmp_path / "t.txt"
-    text.write_text("The quick brown fox jumps over the lazy dog. " * 80, encoding="utf-8")
-    cap = tmp_path / "run.h5"
-    res = runner.invoke(app, ["capture", "--model", str(tiny_model_dir), "--text", str(text),
-                              "-s", "1", "-t", "64", "-o", str(cap)])
-    assert res.exit_code == 0, res.output
+    cap = tiny_capture(tiny_model_dir, tmp_path)
     common = ["recommend", str(cap), "--context", "512", "--windows", "16", "--set",
               "group-sizes=16", "--model", str(tiny_model_dir), "--eval-tokens", "96"]
     res = runner.invoke(app, [*common, "--max-kld", "0.05", "--json", "-o",
@@ -97,12 +92,7 @@ def test_recommend_runs_its_model_stages_in_the_dtype_asked(tiny_model_dir, tmp_
     """--dtype bfloat16: sensitivity, the probe and --validate load the model in bfloat16, and
     the validation says its exact reference ran in bfloat16; the dtype is a measuring option
     (another dtype is another measurement)."""
-    text = tmp_path / "t.txt"
-    text.write_text("The quick brown fox jumps over the lazy dog. " * 80, encoding="utf-8")
-    cap = tmp_path / "run.h5"
-    res = runner.invoke(app, ["capture", "--model", str(tiny_model_dir), "--text", str(text),
-                              "-s", "1", "-t", "64", "-o", str(cap)])
-    assert res.exit_code == 0, res.output
+    cap = tiny_capture(tiny_model_dir, tmp_path)
     common = ["recommend", str(cap), "-b", "6", "--context", "512", "--windows", "16", "--set",
               "group-sizes=16", "--model", str(tiny_model_dir), "--validate", "--eval-tokens",
               "96", "--json"]

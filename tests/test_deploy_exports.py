@@ -175,12 +175,15 @@ def test_ik_llama_needs_every_layer_and_llamacpp_types():
         ik_llama_export(Plan({0: ("nvfp4", "nvfp4")}, 1))
 
 
-def test_a_per_layer_config_exports_by_code_bits_and_says_it_changed():
+def test_a_per_layer_config_exports_by_code_bits_and_says_it_changed(tmp_path):
     """The per-layer target's config (kvlens layouts) in the engines' forms: 2/4-bit tensors
     map to nvfp4 (ggml: q4_0), 8-bit to fp8 (q8_0), unquantized stay f16; every export says
-    the quantizer changed, and the vLLM command parses back to the mapped plan."""
+    the quantizer changed, and the vLLM command parses back to the mapped plan. The config
+    each engine runs holds the engine's types per layer: the vLLM and TensorRT-LLM ones as
+    engine settings, ik_llama.cpp's first/last mix as a config file beside the output."""
     from kvlens.config import KVConfig, LayerKV
     from kvlens.deploy.plans import layer_exports
+    from kvlens.deploy.presets import engine_config
     from kvlens.model.shape import ModelShape
     from kvlens.quant import QuantSpec
 
@@ -189,10 +192,12 @@ def test_a_per_layer_config_exports_by_code_bits_and_says_it_changed():
                    {1: LayerKV(QuantSpec(8, "per-token", 32), QuantSpec(8, "per-token", 32)),
                     3: LayerKV()})
     shape = ModelShape(4, 4, 2, 64, model_type="llama")
-    trt, vllm, ik = layer_exports(cfg, shape)
+    made = layer_exports(cfg, shape, out=tmp_path / "kv.json", command=lambda x: f"measure {x}")
+    trt, vllm, ik = made.documents
     assert [e["engine"] for e in (trt, vllm, ik)] == ["trtllm", "vllm", "ik_llama.cpp"]
     assert all(not e["expressible"] and e["changes"][0].startswith("every layer: kvlens'")
-               and e["kld"]["kld"] is None for e in (trt, vllm, ik))
+               and e["kld"]["kld"] is None and e["kld"]["source"] == "not measured"
+               for e in (trt, vllm, ik))
     plan = Plan({0: ("nvfp4", "nvfp4"), 1: ("fp8", "fp8"), 2: ("nvfp4", "nvfp4"),
                  3: ("f16", "f16")}, 4)
     assert _vllm_layers(vllm["command"], plan) == {0: ("nvfp4",) * 2, 1: ("f16",) * 2,
@@ -202,3 +207,24 @@ def test_a_per_layer_config_exports_by_code_bits_and_says_it_changed():
     assert _ik_layers(ik["command"], 4) == {0: ("q4_0",) * 2, 1: ("q8_0",) * 2,
                                             2: ("q8_0",) * 2, 3: ("f16",) * 2}
     assert ik["changes"][1].startswith("layer 2: q4_0 -> q8_0")
+    # what each engine runs, per layer, in the engine settings' own layers
+    c_trt, c_vllm, c_ik = made.configs
+    assert trt["kld"]["setting"] == "trtllm:fp8:s1" and vllm["kld"]["setting"] == \
+        "vllm:nvfp4:s1:skip=1,3" and ik["kld"]["setting"] is None
+    assert trt["kld"]["command"] == "measure trtllm:fp8:s1"
+    nvfp4 = engine_config("vllm:nvfp4:s1").config.default
+    f16 = engine_config("vllm:fp8:s1:skip=0").config.layer(0)
+    assert [c_vllm.layer(i) for i in range(4)] == [nvfp4, f16, nvfp4, f16]
+    assert {c_trt.layer(i).key_type.name for i in range(4)} == {"fp8_e4m3:s1"}
+    ll = {t: engine_config(f"llamacpp:{t}/{t}:norot").config for t in ("q4_0", "q8_0")}
+    assert [c_ik.layer(i) for i in range(4)] == [ll["q4_0"].default, ll["q8_0"].default,
+                                                 ll["q8_0"].default, LayerKV(
+                                                     key_format="f16", value_format="f16")]
+    assert c_ik.engine_attention == ll["q4_0"].engine_attention is not None
+    path = tmp_path / "kv.ik_llama.cpp.json"
+    assert made.files == {path: c_ik} and ik["kld"]["command"] == f"measure {path}"
+    # bits at the context: each layer's type held as the engine holds it, no window
+    for doc, types in ((trt, ["fp8_e4m3"] * 4), (vllm, ["nvfp4", "f16", "nvfp4", "f16"]),
+                       (ik, ["q4_0", "q8_0", "q8_0", "f16"])):
+        assert doc["kld"]["bits_per_element"] == pytest.approx(
+            sum(map(type_bits, types)) / 4, abs=1e-3), doc["engine"]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import small_options, write_capture
+from helpers import small_options, tiny_capture, write_capture
 from tiny_models import tiny_model
 from typer.testing import CliRunner
 
@@ -469,12 +469,7 @@ def load_config_text(config):
 def test_recommend_validate_end_to_end(tiny_model_dir, tmp_path):
     """capture -> recommend --validate on a tiny model directory: the recommendation and the
     presets are evaluated side by side and the report renders."""
-    text = tmp_path / "t.txt"
-    text.write_text("The quick brown fox jumps over the lazy dog. " * 80, encoding="utf-8")
-    cap = tmp_path / "run.h5"
-    res = runner.invoke(app, ["capture", "--model", str(tiny_model_dir), "--text", str(text),
-                              "-s", "1", "-t", "64", "-o", str(cap)])
-    assert res.exit_code == 0, res.output
+    cap = tiny_capture(tiny_model_dir, tmp_path)
     args = ["recommend", str(cap), "-b", "6", "--context", "512", "--windows", "16",
             "--set", "group-sizes=16", "--model", str(tiny_model_dir), "--validate",
             "--eval-tokens", "96"]

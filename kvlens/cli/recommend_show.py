@@ -12,6 +12,7 @@ from kvlens.cli.common import (
     new_table,
     print_json,
     write_config_doc,
+    write_output,
 )
 from kvlens.units import format_bytes, format_interval
 
@@ -22,6 +23,11 @@ def show_layers(answer, outputs, as_json: bool) -> None:
     _print_profile(answer.recommendations[0].profile, answer.predicted)
     for doc, out in zip(answer.documents, outputs):
         write_config_doc("recommend", doc, out)
+    from kvlens.config import save_config
+
+    for path, config in answer.files.items():  # the configs the engine exports run
+        write_output(path, lambda tmp, c=config: save_config(c, tmp))
+        err_console.print(f"written: {escape(str(path))}", highlight=False)
     if as_json:
         docs = answer.documents
         print_json(docs[0] if len(docs) == 1 else {"recommendations": docs})
@@ -120,9 +126,14 @@ def _render_export(ex: dict) -> None:
                   highlight=False)
     for change in ex["changes"]:
         console.print(f"  changed: {escape(change)}", highlight=False)
-    kld = "-" if k["kld"] is None else f"{k['kld']:.4f}"
+    kld = "-" if k["kld"] is None else format_interval(k, ".4f", key="kld") \
+        if k.get("ci95") else f"{k['kld']:.4f}"
     bits = "" if k.get("bits_per_element") is None else f", {k['bits_per_element']:.3f} bits"
-    console.print(f"  runs: KLD {kld} ({escape(k['source'])}){bits}", highlight=False)
+    what = k.get("setting") or k.get("config")
+    runs = "" if what is None else f" {escape(what)}"
+    console.print(f"  runs{runs}: KLD {kld} ({escape(k['source'])}){bits}", highlight=False)
+    if k.get("command"):  # what measures it (with --validate: measured so)
+        console.print(f"  measure it: {escape(k['command'])}", highlight=False)
     for note in ex["notes"]:
         console.print(f"  note: {escape(note)}", highlight=False)
 

@@ -7,6 +7,7 @@ from a command line's options.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -16,7 +17,13 @@ from kvlens.analysis.compare.config import parse_int_list
 from kvlens.capture.source import CaptureModel
 from kvlens.capture.store import open_capture
 from kvlens.deploy import hf_cache
-from kvlens.deploy.plans import engine_exports, layer_exports
+from kvlens.deploy.plans import (
+    FILE_ENGINES,
+    engine_exports,
+    export_path,
+    layer_exports,
+    measure_layer_exports,
+)
 from kvlens.deploy.targets import (
     TargetOptions,
     TargetRecommendation,
@@ -139,9 +146,10 @@ BESIDE = {"vllm": "kv_scales.json", "vllm:cpu": "kv_scales.json", "sglang": "kv_
 
 def files_beside(out: Path, target: str) -> list[Path]:
     """The files a recommendation written to ``out`` may write beside it (its result document
-    aside): an engine target's ``BESIDE`` file, the per-layer target's transformers export."""
+    aside): an engine target's ``BESIDE`` file, the per-layer target's transformers export and
+    the configs its engine exports run (``kvlens.deploy.plans.export_path``)."""
     if target == "kvlens":
-        return [hf_cache.export_path(out)]
+        return [hf_cache.export_path(out), *(export_path(out, e) for e in FILE_ENGINES)]
     return [out.parent / BESIDE[target]] if target in BESIDE else []
 
 
@@ -180,11 +188,36 @@ def recommend_run(request: RecommendRequest, *, save: Callable | None = None,
                               retrieval_prompts=request.retrieval_prompts, model=request.model,
                               place=request.place, remeasure=request.remeasure,
                               outputs=request.outputs, save=save, progress=progress, log=say)
-    with open_capture(request.capture) as cap:  # the engines' forms (kvlens.deploy.plans)
-        shape = cap.meta.shape
-    for rec, doc in zip(answer.recommendations, answer.documents):
-        doc["exports"] = layer_exports(rec.config, shape)
+    _layer_exports(request, answer, say)
     return answer
+
+
+def _layer_exports(request: RecommendRequest, answer: LayerAnswer, say: LogFn) -> None:
+    """The engines' forms of each config (``kvlens.deploy.plans.layer_exports``), the configs
+    they run written beside it (``answer.files``); with validation, each distinct one measured
+    on the validation's model and held-out tokens, else the command that measures it."""
+    with open_capture(request.capture) as cap:
+        shape = cap.meta.shape
+    spec = answer.model.spec() if answer.model is not None else request.model
+    # the tokens the chosen configs were measured on (none: not validated, or interrupted)
+    scored = (answer.validation or {}).get("evaluation", {}).get("kld")
+    tokens = request.eval_tokens if scored is None else scored["tokens"]
+    flags = "".join(f" --{k} {shlex.quote(str(v))}" for k, v in (
+        ("model", spec or "MODEL"), ("dtype", request.place.get("dtype"))) if v) + \
+        (f" --eval-tokens {tokens}" if tokens else "")
+    made = []
+    outputs = list(request.outputs) or [None] * len(answer.recommendations)
+    for rec, doc, out in zip(answer.recommendations, answer.documents, outputs):
+        ex = layer_exports(rec.config, shape, rec.context, out,
+                           lambda item: f"kvlens generate{flags} --compare {shlex.quote(item)} "
+                           "--eval kld")
+        doc["exports"] = ex.documents
+        answer.files.update(ex.files)
+        made.append(ex)
+    if scored is not None:
+        say("Measuring what each engine runs of the config ...")
+        measure_layer_exports(made, lambda cfgs: measure_kld(
+            answer.model.get(), cfgs, tokens, lambda m: say(f"  {m}")))
 
 
 def check_tokens(capture: Path, tokens: int) -> None:

@@ -2,17 +2,31 @@
 that reads it (``kvlens.deploy.exports``) with the KLD of what each engine will actually run
 (measured with ``--validate``, else predicted, else its error score alone; what an engine runs
 instead of the plan is built from the same measured types, ``plan_config``), and the per-layer
-target's config mapped to the engines' types (``layer_exports``).
+target's config mapped to the engines' types (``layer_exports``), each with the config the
+engine runs built from engine settings (``runs_config``): measured with ``--validate``
+(``measure_layer_exports``), else the command that measures it.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from kvlens.cache.layout import config_bits
-from kvlens.config import KVConfig, LayerKV
+from kvlens.config import KVConfig, LayerKV, validate_for
+from kvlens.config.engine import LlamaCppSetting
 from kvlens.deploy import exports
-from kvlens.deploy.targets import TargetRecommendation, plan_type, squared_error, target_engine
+from kvlens.deploy.presets import engine_config
+from kvlens.deploy.targets import (
+    TRTLLM_SETTINGS,
+    TargetRecommendation,
+    plan_type,
+    setting_config,
+    squared_error,
+    target_engine,
+)
 from kvlens.errors import ConfigError
 
 #: the engines a target's plan is exported for, in order (the target's own first)
@@ -96,11 +110,78 @@ def _by_bits(spec, family: str) -> str:
     return "f16" if bits is None else next((t for b, t in BY_BITS[family] if bits <= b), "f16")
 
 
-def layer_exports(config: KVConfig, shape) -> list[dict]:
+def _default_scale(t: str) -> str:
+    """The measured variant of plan type ``t`` at the engines' default scale 1.0 (what runs
+    without a scale file: the per-layer exports write none)."""
+    return t if t == exports.NVFP4 else f"{t}:s1"
+
+
+def runs_setting(engine: str, runs: exports.Plan) -> str | None:
+    """The engine setting (``kvlens.config.engine``) that runs ``runs``, an export's plan, on
+    every layer at the default scales, named as the engine targets name theirs: vLLM's one
+    dtype with the unquantized layers skipped, TensorRT-LLM's one dtype, one llama.cpp type
+    pair without llama.cpp's rotation (ik_llama.cpp has none); None where the types differ
+    from layer to layer in a way no setting names (ik_llama.cpp's first and last layers)."""
+    quantized, pairs = sorted(runs.quantized()), set(runs.layers.values())
+    if engine == "vllm" and len(quantized) == 1:
+        skip = tuple(i for i, kv in runs.layers.items() if set(kv) <= set(exports.UNQUANTIZED))
+        return setting_config("vllm", _default_scale(quantized[0]), skip).name
+    if engine == "trtllm" and len(pairs) == 1 and len(quantized) == 1:
+        return TRTLLM_SETTINGS[_default_scale(quantized[0])]
+    if engine == "ik_llama.cpp" and len(pairs) == 1:
+        return LlamaCppSetting(*pairs.pop(), rotation="off").name
+    return None
+
+
+def runs_config(engine: str, runs: exports.Plan, name: str) -> tuple[KVConfig, str | None]:
+    """``(config, setting)``: the config that simulates what ``engine`` runs for ``runs``,
+    built from engine settings (one meaning: ``kvlens.deploy.presets.engine_config``); the
+    setting where one names it all (``runs_setting``), else each layer's from the setting of
+    its own type pair, the config named ``name``."""
+    setting = runs_setting(engine, runs)
+    if setting is not None:
+        return engine_config(setting).config, setting
+    by_pair = {kv: engine_config(runs_setting(engine, exports.Plan({0: kv}, 1))).config
+               for kv in set(runs.layers.values())}
+    # one engine's settings of one form read the cache alike (llama.cpp's arithmetic)
+    attention = next(iter(by_pair.values())).engine_attention
+    layers = {i: by_pair[kv].default for i, kv in runs.layers.items()}
+    return KVConfig(name, LayerKV(key_format="f16", value_format="f16"), layers,
+                    fp_dtype="float16", engine_attention=attention,
+                    description=f"what {engine} runs"), None
+
+
+@dataclass
+class LayerExports:
+    """The per-layer target's exports of one config (``layer_exports``): their documents
+    (``--json``), the config each engine runs (None where none runs or it does not fit the
+    model), and the configs to write beside the recommendation (path -> config)."""
+
+    documents: list[dict]
+    configs: list[KVConfig | None]
+    files: dict[Path, KVConfig] = field(default_factory=dict)
+
+
+#: the engines whose exports may run a config no engine setting names (``runs_setting``), which
+#: ``layer_exports`` writes beside the recommendation
+FILE_ENGINES = ("ik_llama.cpp",)
+
+
+def export_path(out: Path, engine: str) -> Path:
+    """Where the config ``engine`` runs is written beside a per-layer config written to
+    ``out`` when no engine setting names it: ``kv.json`` -> ``kv.ik_llama.cpp.json``."""
+    return out.with_name(f"{out.stem}.{engine}.json")
+
+
+def layer_exports(config: KVConfig, shape, context: int = 4096, out: Path | None = None,
+                  command: Callable[[str], str] | None = None) -> LayerExports:
     """The per-layer target's config in each engine's form (``LAYER_EXPORTERS``), each tensor's
     layout mapped to an engine type by its code bits (``BY_BITS``): another quantizer, which
-    each export names as a change, its KLD not measured."""
-    out = []
+    each export names as a change. Each export's ``kld`` names the config the engine runs
+    (``runs_config``: its setting, else its file ``export_path(out, engine)``), its bits at
+    ``context`` tokens and ``command(item)``, the command that measures it; ``source`` "not
+    measured" until ``measure_layer_exports`` measures it."""
+    docs, configs, files = [], [], {}
     for family, make in LAYER_EXPORTERS:
         lkv = {i: config.layer(i) for i in shape.attention_layers}
         plan = exports.Plan({i: (_by_bits(x.key, family), _by_bits(x.value, family))
@@ -108,9 +189,10 @@ def layer_exports(config: KVConfig, shape) -> list[dict]:
         try:
             ex = make(plan)
         except ConfigError as exc:  # the plan quantizes nothing: the engine's default runs it
-            out.append({"engine": make.__name__.removesuffix("_export"), "command": None,
-                        "expressible": False, "changes": [str(exc)], "notes": [],
-                        "kld": {"kld": None, "source": "not measured"}})
+            docs.append({"engine": make.__name__.removesuffix("_export"), "command": None,
+                         "expressible": False, "changes": [str(exc)], "notes": [],
+                         "kld": {"kld": None, "source": "not measured"}})
+            configs.append(None)
             continue
         doc = ex.to_dict()
         rule = ", ".join(f"<= {b} bits: {t}" for b, t in BY_BITS[family])
@@ -119,7 +201,58 @@ def layer_exports(config: KVConfig, shape) -> list[dict]:
                           "f16), another quantizer with no full-precision window",
                           *doc["changes"]]
         doc["expressible"] = False
-        doc["kld"] = {"kld": None, "source": "not measured: a different quantizer than the "
-                                             "config's; simulate it before deploying"}
-        out.append(doc)
-    return out
+        if not ex.runs.quantized():  # e.g. vLLM skipping every layer whose K and V differ
+            doc["kld"] = {"kld": None, "source": "not measured: every layer runs unquantized "
+                          "(the engine's default cache)", "bits_per_element": 16.0}
+            docs.append(doc)
+            configs.append(None)
+            continue
+        runs, setting = runs_config(ex.engine, ex.runs, f"{config.name} on {ex.engine}")
+        doc["kld"] = kld = {"kld": None, "source": "not measured", "setting": setting,
+                            "bits_per_element": config_bits(runs, shape, context),
+                            "command": None}
+        try:
+            validate_for(runs, shape)
+        except ConfigError as exc:
+            kld["source"] = f"not measurable here: {exc}"
+            runs = None
+        if runs is not None and setting is None:
+            runs = replace(runs, model=config.model)
+            if out is None:
+                kld["source"] = ("not measured (give --validate, or --output to write the "
+                                 "config it runs)")
+            else:
+                files[export_path(out, ex.engine)] = runs
+                kld["config"] = str(export_path(out, ex.engine))
+        item = setting or kld.get("config")
+        if runs is not None and item is not None and command is not None:
+            kld["command"] = command(item)
+        docs.append(doc)
+        configs.append(runs)
+    return LayerExports(docs, configs, files)
+
+
+def measure_layer_exports(made: list[LayerExports],
+                          measure: Callable[[list[KVConfig]], list[dict]]) -> int:
+    """Measure each distinct config the exports in ``made`` run once (two exports that run
+    the same layers share one measurement), ``measure(configs)`` returning one
+    ``kvlens.deploy.targets.measure_kld`` dict per config, and put the figure in each
+    export's ``kld``. Returns how many configs were measured."""
+    distinct: dict[str, KVConfig] = {}
+    for ex in made:
+        for cfg in ex.configs:
+            if cfg is not None:
+                distinct.setdefault(_runs_key(cfg), cfg)
+    got = dict(zip(distinct, measure(list(distinct.values())))) if distinct else {}
+    for ex in made:
+        for doc, cfg in zip(ex.documents, ex.configs):
+            if cfg is not None:
+                m = got[_runs_key(cfg)]
+                doc["kld"] |= {"kld": m["mean_kld"], "ci95": m["ci95"], "source": "measured"}
+    return len(distinct)
+
+
+def _runs_key(config: KVConfig) -> str:
+    """What a config runs, apart from its name, description and model check."""
+    return json.dumps({**config.to_dict(), "name": None, "description": None, "model": None},
+                      sort_keys=True)

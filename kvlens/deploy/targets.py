@@ -322,7 +322,7 @@ def _calibrated(variant: str) -> bool:
     return variant.startswith("fp8") and ":s" not in variant
 
 
-def _setting_config(engine: str, variant: str, skip: tuple[int, ...] = ()) -> KVConfig:
+def setting_config(engine: str, variant: str, skip: tuple[int, ...] = ()) -> KVConfig:
     """The config of ``engine``'s setting storing every layer but ``skip`` (kept at f16) in
     ``variant``, named by the setting (``kvlens.config.engine``) generate reads back."""
     if is_blockfloat(engine, variant):
@@ -366,7 +366,7 @@ def _one_dtype(target, table, scales, meta, opts):
         for k in range(n + 1) if engine == "vllm" else (0,):
             skipped = set(order[:k])  # positions in the table
             skip = tuple(sorted(layers[j] for j in skipped))
-            cfg = _setting_config(engine, dtype, skip)
+            cfg = setting_config(engine, dtype, skip)
             if calibrated:
                 cfg = replace(cfg, kv_scales=_fp8_scales(
                     scales, layers, [j for j in range(n) if j not in skipped], dtype))

@@ -8,11 +8,11 @@ documents (``--json``, ``kvlens report``). Writing files and rendering are the c
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvlens.capture.source import CaptureModel
-from kvlens.config import preset, validate_for
+from kvlens.config import KVConfig, preset, validate_for
 from kvlens.errors import ConfigError, OptionError
 from kvlens.evaluation import EvalOptions, evaluate_configs
 from kvlens.model.architecture import describe
@@ -33,13 +33,17 @@ class LayerAnswer:
     """What ``recommend_layers`` found: the recommendation(s) (one per budget, or the one the
     search chose), the search, the validation (``kvlens.evaluation.evaluate_configs``'s report
     and its options) and one result document per recommendation; ``predicted``: each
-    measured stage's predicted seconds (None: the measurement was reused)."""
+    measured stage's predicted seconds (None: the measurement was reused); ``model``: the
+    model validation and the search score on (loaded once, when first needed); ``files``:
+    other files to write beside the configs (path -> config)."""
 
     recommendations: list[Recommendation]
     documents: list[dict]
     search: BudgetSearch | None = None
     validation: dict | None = None
     predicted: dict[str, float] | None = None
+    model: CaptureModel | None = None
+    files: dict[Path, KVConfig] = field(default_factory=dict)
 
 
 def budget_list(budgets: str | None, budget_bits: float | None, max_kld: float | None,
@@ -113,7 +117,7 @@ def recommend_layers(capture: str | Path, opts: RecommendOptions, *,
                                           retrieval_prompts, say)
     docs = [_document(rec, out, search, validation)
             for rec, out in zip(recs, list(outputs) or [None] * len(recs))]
-    return LayerAnswer(recs, docs, search, validation, predicted)
+    return LayerAnswer(recs, docs, search, validation, predicted, loaded)
 
 
 def _search(measured, opts, max_kld: float, loaded: CaptureModel, eval_tokens, say: LogFn):
