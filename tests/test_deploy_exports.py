@@ -222,7 +222,8 @@ def test_a_per_layer_config_exports_by_code_bits_and_says_it_changed(tmp_path):
                                                      key_format="f16", value_format="f16")]
     assert c_ik.engine_attention == ll["q4_0"].engine_attention is not None
     path = tmp_path / "kv.ik_llama.cpp.json"
-    assert made.files == {path: c_ik} and ik["kld"]["command"] == f"measure {path}"
+    assert made.files == {path: c_ik, tmp_path / "kv.hf_quant_config.json": made.files[
+        tmp_path / "kv.hf_quant_config.json"]} and ik["kld"]["command"] == f"measure {path}"
     # bits at the context: each layer's type held as the engine holds it, no window
     for doc, types in ((trt, ["fp8_e4m3"] * 4), (vllm, ["nvfp4", "f16", "nvfp4", "f16"]),
                        (ik, ["q4_0", "q8_0", "q8_0", "f16"])):

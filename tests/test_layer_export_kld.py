@@ -85,6 +85,8 @@ def test_validate_measures_what_each_engine_runs_and_the_command_reproduces_it(
     res = runner.invoke(app, [*common, "-o", str(tmp_path / "kv.json")])
     assert res.exit_code == 0, res.output
     again = json.loads(res.stdout)["exports"][1]["kld"]
+    written = json.loads((tmp_path / "kv.hf_quant_config.json").read_text())  # trtllm's file
+    assert written["quantization"]["kv_cache_quant_algo"] in ("FP8", "NVFP4", "MIXED_PRECISION")
     assert again["kld"] is None and again["source"] == "not measured"
     assert again["command"] == vllm["command"].replace(" --eval-tokens 96", "")
     words = shlex.split(again["command"])
@@ -93,3 +95,25 @@ def test_validate_measures_what_each_engine_runs_and_the_command_reproduces_it(
     assert res.exit_code == 0, res.output
     got = json.loads(res.stdout)["results"][0]["kld"]["mean_kld"]["value"]
     assert abs(got - vllm["kld"]) <= 1e-6 * max(1.0, vllm["kld"])
+
+
+def test_the_modelopt_file_a_trtllm_export_names_is_written_beside_the_config(tmp_path):
+    """The per-layer target's TensorRT-LLM export names ModelOpt's hf_quant_config.json: it is
+    one of the files written beside the config (under the config's stem, so that several
+    budgets' configs can share a folder), holding the plan; without an output path the export
+    says how to get it instead of naming a file that is never written."""
+    shape = ModelShape(3, 4, 2, 64, model_type="llama")
+    spec8, spec4 = QuantSpec(8, "per-token", 32), QuantSpec(4, "per-token", 32)
+    cfg = KVConfig("kv", LayerKV(spec4, spec4), {1: LayerKV(spec8, spec8)})
+    out = tmp_path / "kv.json"
+    made = layer_exports(cfg, shape, out=out)
+    trt = made.documents[0]
+    assert trt["engine"] == "trtllm"
+    assert trt["files"] == [str(tmp_path / "kv.hf_quant_config.json")]
+    text = made.files[tmp_path / "kv.hf_quant_config.json"]
+    quant = json.loads(text)["quantization"]
+    assert quant["kv_cache_quant_algo"] == "MIXED_PRECISION"
+    assert any("copy it into the model folder as hf_quant_config.json" in n for n in trt["notes"])
+    unwritten = layer_exports(cfg, shape).documents[0]
+    assert unwritten["files"] == [] and "give --output to write hf_quant_config.json" in \
+        unwritten["notes"]

@@ -13,6 +13,7 @@ from kvlens.cli.common import (
     print_json,
     write_config_doc,
     write_output,
+    write_text_output,
 )
 from kvlens.units import format_bytes, format_interval
 
@@ -25,8 +26,11 @@ def show_layers(answer, outputs, as_json: bool) -> None:
         write_config_doc("recommend", doc, out)
     from kvlens.config import save_config
 
-    for path, config in answer.files.items():  # the configs the engine exports run
-        write_output(path, lambda tmp, c=config: save_config(c, tmp))
+    for path, config in answer.files.items():  # what the engine exports run, their files
+        if isinstance(config, str):
+            write_text_output(path, config)
+        else:
+            write_output(path, lambda tmp, c=config: save_config(c, tmp))
         err_console.print(f"written: {escape(str(path))}", highlight=False)
     if as_json:
         docs = answer.documents

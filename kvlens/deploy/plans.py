@@ -155,11 +155,12 @@ def runs_config(engine: str, runs: exports.Plan, name: str) -> tuple[KVConfig, s
 class LayerExports:
     """The per-layer target's exports of one config (``layer_exports``): their documents
     (``--json``), the config each engine runs (None where none runs or it does not fit the
-    model), and the configs to write beside the recommendation (path -> config)."""
+    model), and the files to write beside the recommendation (path -> the config an engine
+    runs, or the text of an engine's own file: ``engine_file_path``)."""
 
     documents: list[dict]
     configs: list[KVConfig | None]
-    files: dict[Path, KVConfig] = field(default_factory=dict)
+    files: dict[Path, KVConfig | str] = field(default_factory=dict)
 
 
 #: the engines whose exports may run a config no engine setting names (``runs_setting``), which
@@ -171,6 +172,13 @@ def export_path(out: Path, engine: str) -> Path:
     """Where the config ``engine`` runs is written beside a per-layer config written to
     ``out`` when no engine setting names it: ``kv.json`` -> ``kv.ik_llama.cpp.json``."""
     return out.with_name(f"{out.stem}.{engine}.json")
+
+
+def engine_file_path(out: Path, name: str) -> Path:
+    """Where an engine's own file (``hf_quant_config.json``) of a per-layer config written to
+    ``out`` is written: ``kv.json`` -> ``kv.hf_quant_config.json`` (several budgets' configs
+    share a folder; the user copies it into the model folder under its own name)."""
+    return out.with_name(f"{out.stem}.{name}")
 
 
 def layer_exports(config: KVConfig, shape, context: int = 4096, out: Path | None = None,
@@ -201,6 +209,15 @@ def layer_exports(config: KVConfig, shape, context: int = 4096, out: Path | None
                           "f16), another quantizer with no full-precision window",
                           *doc["changes"]]
         doc["expressible"] = False
+        doc["files"] = []
+        for name, text in ex.files.items():  # the engine's own files (ModelOpt's config)
+            if out is None:
+                doc["notes"].append(f"give --output to write {name}")
+                continue
+            files[engine_file_path(out, name)] = text
+            doc["files"].append(str(engine_file_path(out, name)))
+            doc["notes"].append(f"{engine_file_path(out, name).name} is {name}: copy it into "
+                                f"the model folder as {name}")
         if not ex.runs.quantized():  # e.g. vLLM skipping every layer whose K and V differ
             doc["kld"] = {"kld": None, "source": "not measured: every layer runs unquantized "
                           "(the engine's default cache)", "bits_per_element": 16.0}

@@ -35,7 +35,7 @@ class LayerAnswer:
     and its options) and one result document per recommendation; ``predicted``: each
     measured stage's predicted seconds (None: the measurement was reused); ``model``: the
     model validation and the search score on (loaded once, when first needed); ``files``:
-    other files to write beside the configs (path -> config)."""
+    other files to write beside the configs (path -> a config, or a file's text)."""
 
     recommendations: list[Recommendation]
     documents: list[dict]
@@ -43,7 +43,7 @@ class LayerAnswer:
     validation: dict | None = None
     predicted: dict[str, float] | None = None
     model: CaptureModel | None = None
-    files: dict[Path, KVConfig] = field(default_factory=dict)
+    files: dict[Path, KVConfig | str] = field(default_factory=dict)
 
 
 def budget_list(budgets: str | None, budget_bits: float | None, max_kld: float | None,
