@@ -41,6 +41,7 @@ def test_capture_table_output(tiny_model_dir, text_file, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--model", "/nonexistent/model"], "Model not found"),
+    (["--model", "/nonexistent/model"], "or omit --model to use"),  # the field, as its flag
     (["--layers", "0,7"], "outside 0-2"),
     (["--layers", "a-b"], "Invalid layer spec"),
     (["--storage-dtype", "int8"], "Unknown storage dtype"),
