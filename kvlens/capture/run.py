@@ -230,7 +230,7 @@ class _LayerSink:
             if not bool(t.isfinite().all()):
                 raise NumericalError(
                     f"Layer {idx} produced NaN/Inf in {name} (sample {self.sample}). The model "
-                    "or its compute dtype is numerically unstable here; try --dtype float32.")
+                    "or its compute dtype is numerically unstable here; try {dtype} float32.")
             self.writer.write(idx, name, self.sample, t)
         self.devices[idx] = str(query.device)
         if idx not in self._layer_attrs:
