@@ -160,7 +160,6 @@ class TargetRecommendation:
     table: list = field(default_factory=list, repr=False)
     layers: tuple[int, ...] = ()
     shape: Any = None
-    measured_kld: dict | None = None  # the chosen setting's measurement (one of ``anchors``)
 
     def where_it_hurts(self, top: int = 8) -> list[dict]:
         total = self.chosen.score or 1.0
@@ -168,16 +167,21 @@ class TargetRecommendation:
                 for i, (k, v) in enumerate(self.chosen.errors)]
         return sorted(rows, key=lambda r: -r["share"])[:top]
 
-    def _measured(self, setting: str) -> float | None:
-        """The measured KLD of ``setting`` (None: not measured)."""
-        return next((a["mean_kld"] for a in self.anchors if a["setting"] == setting), None)
+    def _measurement(self, setting: str) -> dict | None:
+        """``setting``'s measurement among ``anchors`` (None: not measured)."""
+        return next((a for a in self.anchors if a["setting"] == setting), None)
+
+    @property
+    def measured_kld(self) -> dict | None:
+        """The chosen setting's measurement by the ``--max-kld`` search (None: none)."""
+        return self._measurement(self.chosen.setting)
 
     def to_dict(self) -> dict:
         c, m = self.chosen, self.measured_kld
         return {
             "target": self.target, "setting": c.setting, "bits_per_element": c.bits,
             "context": self.context, "score": c.score, "predicted_kld": self.predicted_kld,
-            "measured_kld": self._measured(c.setting),
+            "measured_kld": None if m is None else m["mean_kld"],
             "measured_kld_ci95": None if m is None else m["ci95"],
             "kld_model": None if self.kld_model is None else self.kld_model.to_dict(),
             "anchors": self.anchors, "deploy": c.deploy, "config": c.config.to_dict(),
@@ -185,7 +189,8 @@ class TargetRecommendation:
             "front": [{"setting": f.setting, "bits_per_element": f.bits, "score": f.score,
                        "predicted_kld": None if self.kld_model is None
                        else self.kld_model.predict(f.score),
-                       "measured_kld": self._measured(f.setting)} for f in self.front],
+                       "measured_kld": (self._measurement(f.setting) or {}).get("mean_kld")}
+                      for f in self.front],
             "candidates": self.candidates, "notes": self.notes,
         }
 
@@ -536,8 +541,7 @@ def recommend_target(path: str | Path, opts: TargetOptions,
         rec = TargetRecommendation(opts.target, c, front, len(cands), opts.context,
                                    found.model, found.measured[c.setting]["predicted_kld"],
                                    list(found.measured.values()), notes + found.notes, {},
-                                   table, tuple(meta.layers), meta.shape,
-                                   measured_kld=found.measured[c.setting])
+                                   table, tuple(meta.layers), meta.shape)
     rec.files = scale_files(rec, meta)
     if opts.target == "transformers" and not meta.shape.is_hybrid:
         # the per-layer cache file stock transformers loads (a layer without a KV cache would
