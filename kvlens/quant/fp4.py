@@ -4,7 +4,8 @@ NVFP4 (vLLM / SGLang / TensorRT-LLM ``nvfp4``) and SGLang's ``fp4_e2m1``.
 Both cut each token's ``[D]`` vector of one KV head into blocks of ``BLOCK = 16`` consecutive
 channels and store each element as an E2M1 code (1 sign bit, 2 exponent bits with bias 1, 1
 mantissa bit: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6), two codes per byte, the even channel in the
-low nibble. They differ in the block scale and in how a value is rounded to a code:
+low nibble (``kvlens.quant.packing``'s 4-bit units). They differ in the block scale and in how a
+value is rounded to a code:
 
 - **NVFP4** (``quantize_nvfp4``): two-level. A per-tensor float32 ``global_scale`` (one per
   layer for K, one for V: the checkpoint's ``k_scale`` / ``v_scale``, 1.0 when it has none) and
@@ -29,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from kvlens.quant.packing import pack_codes, unpack_codes
+
 BLOCK = 16  # channels sharing one block scale
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -47,16 +50,6 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
     return x.float().unflatten(-1, (-1, BLOCK))
 
 
-def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """``[..., D]`` 4-bit codes -> ``[..., D / 2]`` bytes, channel ``2i`` in the low nibble."""
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
-
-
-def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """``pack_nibbles`` undone: ``[..., D / 2]`` bytes -> ``[..., D]`` codes."""
-    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
-
-
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     """float32 values of 4-bit E2M1 codes."""
     table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
@@ -64,21 +57,21 @@ def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(codes >= 8, -mag, mag)
 
 
-def e2m1_nearest_even(x: torch.Tensor) -> torch.Tensor:
-    """The E2M1 code nearest ``x`` (float32), ties to the even code, saturating at +-6."""
-    mag = x.abs().clamp(max=E2M1_MAX)
+def e2m1_code(x: torch.Tensor, ties_to_even: bool) -> torch.Tensor:
+    """The E2M1 code of ``x`` (float32): the number of midpoints ``|x|`` passes (so beyond 6
+    it saturates), a tie going to the even code (NVFP4) or up in magnitude (SGLang's
+    ``fp4_e2m1``), the sign in bit 3."""
     mids = torch.tensor(E2M1_MIDPOINTS, dtype=torch.float32, device=x.device)
-    below = (mag.unsqueeze(-1) > mids).sum(-1)  # the code when no tie
-    tie = (mag.unsqueeze(-1) == mids).any(-1)
-    code = torch.where(tie & (below % 2 == 1), below + 1, below)  # a tie: the even code
-    return (code | torch.where(x < 0, 8, 0)).to(torch.uint8)
+    mag = x.abs().unsqueeze(-1)
+    code = (mag > mids).sum(-1)  # the code when no tie
+    tie = (mag == mids).any(-1)
+    up = tie & (code % 2 == 1) if ties_to_even else tie
+    return (torch.where(up, code + 1, code) | torch.where(x < 0, 8, 0)).to(torch.uint8)
 
 
-def e2m1_round_half_up(x: torch.Tensor) -> torch.Tensor:
-    """SGLang ``fp4_e2m1``'s code of ``x``: the number of midpoints ``|x|`` reaches (ties up)."""
-    mids = torch.tensor(E2M1_MIDPOINTS, dtype=torch.float32, device=x.device)
-    mag = (x.abs().unsqueeze(-1) >= mids).sum(-1)
-    return (mag | torch.where(x < 0, 8, 0)).to(torch.uint8)
+def _block_values(codes: torch.Tensor) -> torch.Tensor:
+    """Packed E2M1 bytes ``[..., D / 2]`` -> float32 values ``[..., D / 16, 16]``."""
+    return e2m1_values(unpack_codes(codes, 4, 2 * codes.shape[-1])).unflatten(-1, (-1, BLOCK))
 
 
 def quantize_nvfp4(x: torch.Tensor, global_scale: float = 1.0
@@ -91,17 +84,16 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: float = 1.0
     s = (amax / E2M1_MAX / g).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
     s32 = s.float()
     recip = torch.where(s32 > 0, (1.0 / g) / s32, torch.zeros_like(s32))
-    codes = e2m1_nearest_even(blocks * recip[..., None]).flatten(-2)
-    return pack_nibbles(codes), s.view(torch.uint8)
+    codes = e2m1_code(blocks * recip[..., None], ties_to_even=True).flatten(-2)
+    return pack_codes(codes, 4), s.view(torch.uint8)
 
 
 def dequantize_nvfp4(codes: torch.Tensor, scales: torch.Tensor,
                      global_scale: float = 1.0) -> torch.Tensor:
     """float32 ``(code * s) * global_scale`` from ``quantize_nvfp4``'s bytes."""
-    values = e2m1_values(unpack_nibbles(codes)).unflatten(-1, (-1, BLOCK))
     s = scales.view(torch.float8_e4m3fn).float()[..., None]
     g = torch.tensor(global_scale, dtype=torch.float32)
-    return ((values * s) * g).flatten(-2)
+    return ((_block_values(codes) * s) * g).flatten(-2)
 
 
 def fp4_e2m1_exponents(x: torch.Tensor) -> torch.Tensor:
@@ -117,11 +109,10 @@ def quantize_fp4_e2m1(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     packed E2M1 bytes ``[..., D / 2]`` and exponent bytes ``e + 127`` ``[..., D / 16]``."""
     e = fp4_e2m1_exponents(x)
     scaled = _blocks(x) / torch.exp2(e.float())[..., None]
-    codes = e2m1_round_half_up(scaled).flatten(-2)
-    return pack_nibbles(codes), (e + E8M0_BIAS).to(torch.uint8)
+    codes = e2m1_code(scaled, ties_to_even=False).flatten(-2)
+    return pack_codes(codes, 4), (e + E8M0_BIAS).to(torch.uint8)
 
 
 def dequantize_fp4_e2m1(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """float32 ``code * 2^(byte - 127)`` from ``quantize_fp4_e2m1``'s bytes."""
-    values = e2m1_values(unpack_nibbles(codes)).unflatten(-1, (-1, BLOCK))
-    return (values * torch.exp2(scales.float() - E8M0_BIAS)[..., None]).flatten(-2)
+    return (_block_values(codes) * torch.exp2(scales.float() - E8M0_BIAS)[..., None]).flatten(-2)

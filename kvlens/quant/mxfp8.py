@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
+from kvlens.quant.fp4 import E4M3_MAX, E8M0_BIAS
+
 BLOCK = 32  # channels sharing one E8M0 scale (the MX block size K)
 E4M3_EMAX = 8  # exponent of E4M3's largest normal value, 1.75 * 2^8 = 448
-E4M3_MAX = 448.0
-E8M0_BIAS = 127
 
 
 def mx_exponents(x: torch.Tensor) -> torch.Tensor:
