@@ -23,6 +23,7 @@ import torch
 from kvlens.cache import layout
 from kvlens.cache.layer import LAYER_ATTR, HistoryLayer, held_columns
 from kvlens.errors import ConfigError
+from kvlens.layouts.protocol import TensorStore
 from kvlens.quant import QuantSpec, pack_codes, quantize, unpack_codes
 from kvlens.quant.cachetypes import CacheType, DenseType, needs_scales, scale_count
 from kvlens.quant.ds_mla import DsMlaRows, dequantize_ds_mla, quantize_ds_mla
@@ -47,11 +48,12 @@ def static_scale(ctype: CacheType, kv_heads: int, given=None) -> torch.Tensor | 
     return torch.full((1, n, 1, 1), float(ctype.format.fixed_scale), dtype=torch.float32)
 
 
-class EngineStore:
+class EngineStore(TensorStore):
     """One tensor (K or V) of one layer in an engine cache type, ``[B, H, N, D]`` tokens.
 
-    Buffers hold exactly ``length`` tokens (they grow and shrink by copy). ``scale``: the
-    static fp8 scale(s), float32 ``[1, 1 or H, 1, 1]`` (``None`` for other types)."""
+    ``scale``: the static fp8 scale(s), float32 ``[1, 1 or H, 1, 1]`` (``None`` for other
+    types), held beside the buffers: a type holds per-token scales or a static scale, not
+    both, and RoPE channels (``fp8_ds_mla``) only beside codes."""
 
     def __init__(self, ctype: CacheType, head_dim: int, scale: torch.Tensor | None = None):
         self.ctype = ctype
@@ -61,11 +63,11 @@ class EngineStore:
         if self.family in ("ggml", "ds-mla"):
             self.fmt.check_fits((1, 1, 1, head_dim))
         self.static_scale = scale
-        self.data: torch.Tensor | None = None  # codes / blocks / dense values
-        # per-token-head float32 [B, H, N, 1]; fp8_ds_mla float32 [B, H, N, tiles]
-        self.scales: torch.Tensor | None = None
-        self.rope: torch.Tensor | None = None  # fp8_ds_mla's bfloat16 RoPE channels
-        self.length = 0
+        # codes / blocks / dense values; per-token-head float32 scales [B, H, N, 1] (fp8_ds_mla:
+        # [B, H, N, tiles]); fp8_ds_mla's bfloat16 RoPE channels
+        self.BUFFERS = {"data": {"dense": "dense", "ggml": "blocks"}.get(self.family, "codes"),
+                        "scales": "scales", "rope": "dense"}
+        self.data = self.scales = self.rope = None
 
     # -- writing -----------------------------------------------------------------------------
     def encode(self, x: torch.Tensor
@@ -89,23 +91,8 @@ class EngineStore:
         q = quantize(x.float(), QuantSpec(self.fmt.code_bits, "per-token", None, True))
         return pack_codes(q.codes, self.fmt.code_bits), q.scale, None
 
-    def _map(self, fn) -> None:
-        """Apply ``fn`` to every buffer held (data, per-token scales, RoPE channels)."""
-        for name in ("data", "scales", "rope"):
-            if getattr(self, name) is not None:
-                setattr(self, name, fn(getattr(self, name)))
-
     def append(self, x: torch.Tensor) -> None:
-        for name, new in zip(("data", "scales", "rope"), self.encode(x)):
-            old = getattr(self, name)
-            if new is not None:
-                setattr(self, name, new if old is None else torch.cat((old, new), dim=2))
-        self.length += x.shape[2]
-
-    def drop_front(self, n: int) -> None:
-        if n > 0 and self.data is not None:
-            self._map(lambda t: t[:, :, n:].clone())
-            self.length -= n
+        self.extend(*self.encode(x))
 
     # -- reading ------------------------------------------------------------------------------
     def read(self) -> torch.Tensor:
@@ -145,20 +132,10 @@ class EngineStore:
 
     # -- accounting ---------------------------------------------------------------------------
     def named_tensors(self) -> dict[str, torch.Tensor]:
-        """The buffers by part (``kvlens.layouts.Store``): a type holds per-token scales or a
-        static scale, not both, and RoPE channels (``fp8_ds_mla``) only beside codes."""
-        if self.data is None:
-            return {}
-        part = {"dense": "dense", "ggml": "blocks"}.get(self.family, "codes")
-        out = {part: self.data}
-        for name, t in (("scales", self.scales), ("scales", self.static_scale),
-                        ("dense", self.rope)):
-            if t is not None:
-                out[name] = t
+        out = super().named_tensors()
+        if out and self.static_scale is not None:
+            out["scales"] = self.static_scale
         return out
-
-    def select_batch(self, index: torch.Tensor) -> None:
-        self._map(lambda t: t[index])
 
 
 def _visible(mask: torch.Tensor | None, tq: int, n: int, device) -> torch.Tensor:

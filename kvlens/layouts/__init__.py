@@ -22,7 +22,6 @@ from kvlens.layouts.protocol import (
     layout_of,
     reference,
     register,
-    spec_types,
 )
 
 _BUILT_IN = {"protocol", "dense", "packed", "uniform", "codebook"}
@@ -32,4 +31,4 @@ for _module in pkgutil.iter_modules(__path__):
 
 __all__ = ["LAYOUT_KEY", "DenseTensor", "Layout", "Store", "check_layout", "codebook",
            "flush_block", "is_layout_spec", "keeps_evicted", "kinds", "layout_from_dict",
-           "layout_of", "reference", "register", "spec_types", "uniform"]
+           "layout_of", "reference", "register", "uniform"]

@@ -7,48 +7,51 @@ window; ``F = 1`` without one); the torch read path reads it back through
 
 A layout subclasses ``BlockFloatLayout`` and says its ``block`` (channels per scale), its
 ``codes_per_byte`` (2 for 4-bit codes, 1 for 8-bit) and its ``encode`` / ``decode``
-(``[..., D]`` float32 <-> ``(codes, scales)`` uint8, defined in ``kvlens.quant``); one with
-parameters overrides ``quantize`` / ``dequantize``, ``to_dict`` and ``from_dict``.
+(``[..., D]`` float32 <-> ``(codes, scales)`` uint8, defined in ``kvlens.quant``); its dataclass
+fields (NVFP4's ``global_scale``) are its JSON keys and reach ``encode`` / ``decode`` as
+keywords.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import asdict, fields
 
 import torch
 
 from kvlens.errors import ConfigError
-from kvlens.layouts.dense import DenseTensor
-from kvlens.layouts.protocol import LAYOUT_KEY
+from kvlens.layouts.protocol import LAYOUT_KEY, TensorStore
 
 
 class BlockFloatLayout:
-    """The streaming rules, reference, store and held bytes of a block-float layout (module
-    docstring); subclasses are frozen dataclasses that set the class attributes below."""
+    """The streaming rules, reference, store, held bytes and JSON form (``{"layout": kind,
+    ...its fields}``) of a block-float layout (module docstring); subclasses are frozen
+    dataclasses that set the class attributes below."""
 
     kind: str
     block: int  # channels sharing one scale byte
     codes_per_byte: int
 
-    encode: Callable  # staticmethod: x -> (codes, scales)
-    decode: Callable  # staticmethod: (codes, scales) -> x_hat
+    encode: Callable  # staticmethod: (x, **fields) -> (codes, scales)
+    decode: Callable  # staticmethod: (codes, scales, **fields) -> x_hat
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.encode(x)
+        return self.encode(x, **asdict(self))
 
     def dequantize(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        return self.decode(codes, scales)
+        return self.decode(codes, scales, **asdict(self))
 
     def to_dict(self) -> dict:
-        return {LAYOUT_KEY: self.kind}
+        return {LAYOUT_KEY: self.kind, **asdict(self)}
 
     @classmethod
     def from_dict(cls, data) -> BlockFloatLayout:
-        """The JSON form of a layout without parameters: ``{"layout": kind}``."""
-        extra = sorted(set(data) - {LAYOUT_KEY})
+        names = [f.name for f in fields(cls)]
+        extra = sorted(set(data) - {LAYOUT_KEY, *names})
         if extra:
-            raise ConfigError(f"Unknown {cls.kind} spec keys {extra}; allowed: {LAYOUT_KEY}.")
-        return cls()
+            raise ConfigError(f"Unknown {cls.kind} spec keys {extra}; allowed: "
+                              f"{', '.join((LAYOUT_KEY, *names))}.")
+        return cls(**{k: data[k] for k in names if k in data})
 
     def flush_block(self, residual_tokens: int, flush_tokens: int = 0) -> int:
         return flush_tokens or residual_tokens or 1
@@ -69,7 +72,7 @@ class BlockFloatLayout:
     def new_store(self, head_dim: int, block: int, scale_dtype: str = "float16"
                   ) -> BlockFloatStore:
         self.check(0, head_dim)
-        return BlockFloatStore(self.quantize, self.dequantize)
+        return BlockFloatStore(self)
 
     def part_bytes(self, tokens: int, head_dim: int, block: int,
                    scale_dtype: str = "float16") -> dict[str, int]:
@@ -77,35 +80,18 @@ class BlockFloatLayout:
                 "scales": tokens * head_dim // self.block}
 
 
-class BlockFloatStore:
+class BlockFloatStore(TensorStore):
     """Block-float history ``[B, H, length, D]``: element bytes ``codes`` ``[B, H, N, D /
-    codes_per_byte]`` and scale bytes ``scales`` ``[B, H, N, D / block]``, each a uint8
-    ``DenseTensor`` holding exactly what is held."""
+    codes_per_byte]`` and scale bytes ``scales`` ``[B, H, N, D / block]``, uint8."""
 
-    def __init__(self, quantize: Callable, dequantize: Callable):
-        self.quantize, self.dequantize = quantize, dequantize
-        self.codes = DenseTensor(torch.uint8, "codes")
-        self.scales = DenseTensor(torch.uint8, "scales")
+    BUFFERS = {"codes": "codes", "scales": "scales"}
 
-    @property
-    def length(self) -> int:
-        return self.codes.length
+    def __init__(self, layout: BlockFloatLayout):
+        self.layout = layout
+        self.codes = self.scales = None
 
     def append(self, x: torch.Tensor) -> None:
-        codes, scales = self.quantize(x)
-        self.codes.append(codes)
-        self.scales.append(scales)
-
-    def drop_front(self, n: int) -> None:
-        self.codes.drop_front(n)
-        self.scales.drop_front(n)
+        self.extend(*self.layout.quantize(x))
 
     def dequantize_range(self, t0: int, t1: int) -> torch.Tensor:
-        return self.dequantize(self.codes.view(t0, t1), self.scales.view(t0, t1))
-
-    def named_tensors(self) -> dict[str, torch.Tensor]:
-        return self.codes.named_tensors() | self.scales.named_tensors()
-
-    def select_batch(self, index: torch.Tensor) -> None:
-        self.codes.select_batch(index)
-        self.scales.select_batch(index)
+        return self.layout.dequantize(self.codes[:, :, t0:t1], self.scales[:, :, t0:t1])

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvlens.errors import InputError
-from kvlens.layouts.protocol import SpecLayout, register
+from kvlens.layouts.protocol import SpecLayout, TensorStore, register
 from kvlens.quant.codebook import (
     NORM_BYTES,
     Codebook,
@@ -28,9 +28,11 @@ from kvlens.quant.codebook import (
 from kvlens.quant.packing import packed_length, unpack_codes
 
 
-class CodebookStore:
+class CodebookStore(TensorStore):
     """One tensor of one layer coded with ``spec`` and ``codebook``: packed uint8 ``[B, H, N,
     packed_length(D, bits)]``, norms float16 ``[B, H, N]``; ``block``: tokens flushed together."""
+
+    BUFFERS = {"packed": "codes", "norms": "norms"}
 
     def __init__(self, spec: CodebookSpec, codebook: Codebook, head_dim: int, block: int = 1):
         if codebook.bits != spec.bits:
@@ -49,10 +51,6 @@ class CodebookStore:
         return cls(replace(spec, rotation=None), computed_codebook(spec, head_dim), head_dim,
                    block)
 
-    @property
-    def length(self) -> int:
-        return 0 if self.norms is None else self.norms.shape[2]
-
     def append(self, x: torch.Tensor) -> None:
         """Code ``x`` ``[B, H, t, D]`` (original basis) and append it along tokens."""
         if x.dim() != 4 or x.shape[-1] != self.head_dim:
@@ -60,24 +58,15 @@ class CodebookStore:
         if x.shape[2] == 0:
             return
         qt = quantize_codebook(x, self.spec, self.codebook)
-        packed = qt.packed()
-        if self.packed is None:
-            self.packed, self.norms = packed, qt.norms
-        else:
-            self.packed = torch.cat((self.packed, packed), dim=2)
-            self.norms = torch.cat((self.norms, qt.norms), dim=2)
+        self.extend(qt.packed(), qt.norms)
 
     # -- the cache's store interface (kvlens.cache.layer) --------------------------------------
     def drop_front(self, n: int) -> None:
-        """Forget the oldest ``n`` tokens (whole blocks; a sliding layer's expired history):
-        the buffers shrink to what stays (one copy)."""
+        """Forget the oldest ``n`` tokens (whole blocks; a sliding layer's expired history)."""
         if n % self.block or n > self.length:
             raise ValueError(f"drop_front needs whole blocks of {self.block} tokens within the "
                              f"{self.length} stored, got {n}")
-        if n == 0:
-            return
-        self.packed = self.packed[:, :, n:].clone()
-        self.norms = self.norms[:, :, n:].clone()
+        super().drop_front(n)
 
     def dequantize_range(self, t0: int, t1: int) -> torch.Tensor:
         """Tokens ``[t0, t1)`` as float32 ``[B, H, t1 - t0, D]`` in the coded basis (the
@@ -91,14 +80,6 @@ class CodebookStore:
         ``[t0, t1)``: ``s_t * (q . c[code_t])`` ``[B, H, M, t1 - t0]``, no dequantized key."""
         c, sk = self.chunk(t0, t1)
         return torch.matmul(q, c.transpose(-1, -2)).mul_(sk[:, :, None, :])
-
-    def named_tensors(self) -> dict[str, torch.Tensor]:
-        """The buffers by ``kvlens.cache.layout`` part name (once something is stored)."""
-        return {} if self.packed is None else {"codes": self.packed, "norms": self.norms}
-
-    def select_batch(self, index: torch.Tensor) -> None:
-        if self.packed is not None:
-            self.packed, self.norms = self.packed[index], self.norms[index]
 
     # -- folded reads --------------------------------------------------------------------------
     def chunk(self, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,15 +12,11 @@ the checkpoint has none), so it is not part of the cache's held bytes. JSON:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
-
-import torch
 
 from kvlens.errors import ConfigError
 from kvlens.layouts.blockfloat import BlockFloatLayout
-from kvlens.layouts.protocol import LAYOUT_KEY, register
+from kvlens.layouts.protocol import register
 from kvlens.quant.fp4 import BLOCK, dequantize_nvfp4, quantize_nvfp4
 
 
@@ -31,9 +27,8 @@ class NvFp4(BlockFloatLayout):
     global_scale: float = 1.0
 
     kind = "nvfp4"
-    block = BLOCK
-    codes_per_byte = 2
-    bits = 4
+    bits, block, codes_per_byte = 4, BLOCK, 2
+    encode, decode = staticmethod(quantize_nvfp4), staticmethod(dequantize_nvfp4)
 
     def __post_init__(self) -> None:
         g = self.global_scale
@@ -47,23 +42,6 @@ class NvFp4(BlockFloatLayout):
     def label(self) -> str:
         scale = "" if self.global_scale == 1.0 else f", global scale {self.global_scale:g}"
         return f"NVFP4 (E2M1, E4M3 scale per {BLOCK} channels{scale})"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {LAYOUT_KEY: self.kind, "global_scale": self.global_scale}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> NvFp4:
-        extra = sorted(set(data) - {LAYOUT_KEY, "global_scale"})
-        if extra:
-            raise ConfigError(f"Unknown nvfp4 spec keys {extra}; allowed: {LAYOUT_KEY}, "
-                              "global_scale.")
-        return cls(data.get("global_scale", 1.0))
-
-    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return quantize_nvfp4(x, self.global_scale)
-
-    def dequantize(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        return dequantize_nvfp4(codes, scales, self.global_scale)
 
 
 register(NvFp4, NvFp4.kind, NvFp4.from_dict)

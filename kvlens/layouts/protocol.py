@@ -22,6 +22,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import torch
+
 from kvlens.errors import ConfigError
 
 #: the JSON key naming a registered layout (absent: the uniform integer layout, ``QuantSpec``)
@@ -52,6 +54,42 @@ class Store(Protocol):
 
     def select_batch(self, index) -> None:
         """Keep the batch rows ``index``."""
+
+
+class TensorStore:
+    """A ``Store`` whose history is a few tensors ``[B, H, length, *]`` that hold exactly what
+    is held (a flush concatenates, a drop copies what stays): ``BUFFERS`` maps each attribute
+    (``None`` until something is stored) to its part name."""
+
+    BUFFERS: dict[str, str] = {}
+
+    @property
+    def length(self) -> int:
+        first = getattr(self, next(iter(self.BUFFERS)))
+        return 0 if first is None else first.shape[2]
+
+    def extend(self, *new: torch.Tensor | None) -> None:
+        """Append ``new`` (one tensor, or ``None``, per attribute of ``BUFFERS``) along tokens."""
+        for name, t in zip(self.BUFFERS, new):
+            if t is not None:
+                old = getattr(self, name)
+                setattr(self, name, t if old is None else torch.cat((old, t), dim=2))
+
+    def _map(self, fn: Callable) -> None:
+        for name in self.BUFFERS:
+            if getattr(self, name) is not None:
+                setattr(self, name, fn(getattr(self, name)))
+
+    def drop_front(self, n: int) -> None:
+        if n:
+            self._map(lambda t: t[:, :, n:].clone())
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        return {part: getattr(self, name) for name, part in self.BUFFERS.items()
+                if getattr(self, name) is not None}
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        self._map(lambda t: t[index])
 
 
 @runtime_checkable
@@ -124,11 +162,6 @@ def register(spec_type: type, kind: str, from_dict: Callable[[Mapping[str, Any]]
         raise ValueError(f"layout kind {kind!r} is registered twice")
     _KINDS[kind] = from_dict
     _ADAPTERS[spec_type] = adapter or (lambda spec: spec)
-
-
-def spec_types() -> tuple[type, ...]:
-    """Every registered spec class (what a config's ``key``/``value`` may hold)."""
-    return tuple(_ADAPTERS)
 
 
 def kinds() -> tuple[str, ...]:
