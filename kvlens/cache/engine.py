@@ -22,7 +22,6 @@ import torch
 
 from kvlens.cache import layout
 from kvlens.cache.layer import LAYER_ATTR, HistoryLayer, held_columns
-from kvlens.errors import ConfigError
 from kvlens.layouts.protocol import TensorStore
 from kvlens.quant import QuantSpec, pack_codes, quantize, unpack_codes
 from kvlens.quant.cachetypes import CacheType, DenseType, needs_scales, scale_count
@@ -35,15 +34,12 @@ from kvlens.quant.llamacpp_cpu import attend as llamacpp_attend
 
 def static_scale(ctype: CacheType, kv_heads: int, given=None) -> torch.Tensor | None:
     """The float32 ``[1, 1 or Hkv, 1, 1]`` static fp8 scale of ``ctype``: its fixed scale
-    (``:sS``) or the calibrated ``given`` values; ``None`` for other types."""
-
+    (``:sS``) or the calibrated ``given`` values (as many as it needs: the config was checked
+    by ``kvlens.config.validate_for``); ``None`` for other types."""
     n = scale_count(ctype, kv_heads)
     if n == 0:
         return None
     if needs_scales(ctype):
-        if given is None or len(given) != n:
-            raise ConfigError(f"{ctype.name} needs {n} calibrated static scale(s) (kv_scales), "
-                              f"got {None if given is None else len(given)}.")
         return torch.tensor(list(given), dtype=torch.float32).reshape(1, n, 1, 1)
     return torch.full((1, n, 1, 1), float(ctype.format.fixed_scale), dtype=torch.float32)
 
