@@ -182,8 +182,10 @@ def test_config_writes_and_reads_8bit_metadata(tmp_path):
 
 
 def test_the_proxy_quantizers_measure_the_8bit_grid():
-    """``recommend`` measures candidates through these: with ``scale_dtype="8bit"`` each gives
-    what a cache with 8-bit metadata stores, and differs from the float32 grid."""
+    """``recommend`` measures candidates through these, composed around the layout's 8-bit
+    reference: each gives what a cache with 8-bit metadata stores, and differs from the float32
+    grid."""
+    from kvlens.layouts import reference
     from kvlens.quant import hadamard_rotation, quantize_pre_rope, quantize_rotated, rotate
     from kvlens.quant.rotation import unrotate
 
@@ -194,7 +196,8 @@ def test_the_proxy_quantizers_measure_the_8bit_grid():
     torch.testing.assert_close(got, fake_quantize_meta8(x, spec))
     assert not torch.equal(got, fake_quantize(x, spec))
     r = hadamard_rotation(16)
-    torch.testing.assert_close(quantize_rotated(x, spec, r, "8bit"),
+    # one token block, so the layout's reference is fake_quantize's 8-bit grid
+    torch.testing.assert_close(quantize_rotated(x, reference(spec, "8bit"), r),
                                unrotate(fake_quantize_meta8(rotate(x, r), spec), r))
     cos, sin = torch.ones(1, 32, 16), torch.zeros(1, 32, 16)  # RoPE at angle 0: identity
-    torch.testing.assert_close(quantize_pre_rope(x, cos, sin, spec, scale_dtype="8bit"), got)
+    torch.testing.assert_close(quantize_pre_rope(x, cos, sin, reference(spec, "8bit")), got)

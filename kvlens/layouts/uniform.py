@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from kvlens.errors import ConfigError
 from kvlens.layouts.packed import SCALE_BYTES, PackedTensor
 from kvlens.layouts.protocol import SpecLayout, register
-from kvlens.quant import QTensor, QuantSpec, dequantize, packed_length, quantize
-from kvlens.quant.meta8 import fake_quantize_meta8
+from kvlens.quant import QuantSpec, fake_quantize, packed_length
 from kvlens.quant.packing import pack_unit
 
 
@@ -56,26 +55,16 @@ class Uniform(SpecLayout):
                               f"{w} byte{'s' if w > 1 else ''}).")
 
     def reconstruct(self, x, block: int, scale_dtype: str = "float16"):
-        """``dequantize(quantize(x))`` with each group's scale and zero as the store keeps them
-        (rounded to ``scale_dtype``; ``"8bit"``: ``kvlens.quant.meta8``). Groups along tokens
-        start at token 0, so they fall inside blocks; a per-tensor spec takes one scale per
-        block."""
-        import torch
-
+        """``fake_quantize`` with each group's scale and zero as the store keeps them. Groups
+        along tokens start at token 0, so they fall inside blocks; a per-tensor spec takes one
+        scale per block."""
         b, h, t, d = x.shape
         per_block = self.spec.granularity == "per-tensor" and t > block
         if per_block:
             if t % block:
                 raise ValueError(f"per-tensor reconstruct needs whole blocks of {block}, got {t}")
             x = x.reshape(b, h, t // block, block, d).transpose(1, 2).reshape(-1, h, block, d)
-        x = x.float()
-        if scale_dtype == "8bit":
-            out = fake_quantize_meta8(x, self.spec)
-        else:
-            q = quantize(x, self.spec)
-            dt = getattr(torch, scale_dtype)
-            out = dequantize(QTensor(q.codes, q.scale.to(dt).float(), q.zero.to(dt).float(),
-                                     q.spec, q.shape))
+        out = fake_quantize(x.float(), self.spec, scale_dtype)
         if per_block:
             out = out.reshape(b, t // block, h, block, d).transpose(1, 2).reshape(b, h, t, d)
         return out

@@ -2,14 +2,14 @@
 
 Tensors are ``[B, H, T, D]`` at every public function. ``spec`` says what shares a scale,
 ``reference`` quantizes/dequantizes, ``packing`` stores codes in bytes, ``transforms`` adds
-pre-RoPE keys, the MiKV balancer and dense-and-sparse outliers,
-``rotation`` the orthonormal Hadamard rotation along ``head_dim``, ``codebook`` non-uniform
-(codebook) codes of rotated coordinates with one norm per vector (vLLM TurboQuant's keys),
-``meta8`` 8-bit group metadata, and the engines' own cache formats: ``ggml`` (llama.cpp's
-blocks), ``fp8`` (static fp8 and per-token-head), ``formats`` (a format with the engine's rotation, names, the read-back
-entry point) and ``cachetypes`` (what a config stores per tensor).
+pre-RoPE keys, the MiKV balancer and dense-and-sparse outliers, ``rotation`` the orthonormal
+Hadamard rotation along ``head_dim``, ``codebook`` non-uniform (codebook) codes of rotated
+coordinates with one norm per vector (vLLM TurboQuant's keys), ``meta8`` 8-bit group metadata
+and ``fake_quantize`` (what a cache reads back), and the engines' own cache formats: ``ggml``
+(llama.cpp's blocks), ``fp8`` (static fp8 and per-token-head), ``formats`` (a format with the
+engine's rotation, names, the read-back entry point) and ``cachetypes`` (what a config stores
+per tensor).
 """
-
 from kvlens.quant.codebook import (
     Codebook,
     CodebookSpec,
@@ -20,7 +20,6 @@ from kvlens.quant.codebook import (
     lloyd_max,
     quantize_codebook,
 )
-from kvlens.quant.fake import fake_quantize
 from kvlens.quant.formats import (
     FormatSetting,
     engine_rotation,
@@ -31,6 +30,7 @@ from kvlens.quant.formats import (
 )
 from kvlens.quant.fp8 import FP8Format, TokenHeadFormat, calibrate_scale, fp8_encode
 from kvlens.quant.ggml import GGMLBlocks, dequantize_ggml, quantize_ggml
+from kvlens.quant.meta8 import fake_quantize
 from kvlens.quant.packing import (
     pack_codes,
     pack_unit,

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlens.errors import ConfigError, InputError
-from kvlens.quant.fake import fake_quantize
+from kvlens.quant.meta8 import fake_quantize
 from kvlens.quant.spec import QuantSpec
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}

@@ -4,7 +4,9 @@ why: docs/recommend.md#8-bit-group-metadata)::
     scale  s = 2 ** ((e - 128) / 8)     e: uint8, 0..255 (s from 2^-16 to 2^15.875, 9% steps)
     zero   z = n * u * s                n: int8, -128..127; u = 2 ** (max(bits, 3) - 5)
 
-Dequantization is unchanged, ``x_hat = code * s + z``. ``quantize_meta8`` tries the stored
+Dequantization is unchanged, ``x_hat = code * s + z``. ``fake_quantize`` reads a tensor back as a
+cache storing its group metadata in 8 bits or as floats gives it (analysis, recommend, the
+transforms and the uniform layout's reference call this one function). ``quantize_meta8`` tries the stored
 pairs near the reference's fitted ``(scale, zero)`` (``E_OFFSETS`` scale steps, ``N_OFFSETS``
 zero units; the scale raised first so that ``|zero| <= 127 u s``), codes each against its own
 grid, and stores the pair with the least squared error: the codes are always those of the
@@ -12,6 +14,8 @@ stored grid (``tests/test_meta8.py`` bounds the error against the float32 grid's
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -107,3 +111,16 @@ def quantize_meta8(x: torch.Tensor, spec: QuantSpec
 def fake_quantize_meta8(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     """What a cache with 8-bit group metadata gives back for ``x``, in ``x``'s dtype."""
     return dequantize(quantize_meta8(x, spec)[0], dtype=x.dtype)
+
+
+def fake_quantize(x: torch.Tensor, spec: QuantSpec, scale_dtype: str = "float32"
+                  ) -> torch.Tensor:
+    """``dequantize(quantize(x, spec))`` in ``x``'s dtype, each group's scale and zero as a cache
+    stores them: 8-bit group metadata (``scale_dtype="8bit"``), else rounded to ``scale_dtype``
+    (``"float16"``, ``"float32"``: the reference's own)."""
+    if scale_dtype == "8bit":
+        return fake_quantize_meta8(x, spec)
+    q = quantize(x, spec)
+    dt = getattr(torch, scale_dtype)
+    q = replace(q, scale=q.scale.to(dt).float(), zero=q.zero.to(dt).float())
+    return dequantize(q, dtype=x.dtype)

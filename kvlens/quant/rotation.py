@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from kvlens.errors import ConfigError, InputError, is_int
-from kvlens.quant.fake import fake_quantize
+from kvlens.quant.meta8 import fake_quantize
 from kvlens.quant.spec import check_versioned_dict
 
 ROTATION_VERSION = 1
@@ -98,21 +98,20 @@ def unrotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     return x.float() @ r.float().to(x.device).T
 
 
-def quantize_rotated(x: torch.Tensor, spec, r: torch.Tensor,
-                     scale_dtype: str = "float32") -> torch.Tensor:
+def quantize_rotated(x: torch.Tensor, spec, r: torch.Tensor) -> torch.Tensor:
     """``fake_quantize(x R, spec) Rᵀ``: ``[B, H, T, D]`` float32 in the original basis, the key a
     plain query sees (``q · k_hat = (q R) · deq(k R)``) or the values whose attention equals the
     un-rotated output. ``spec`` may be a function ``x -> x_hat`` (a layout's reference): the
-    rotation composes around any layout. ``scale_dtype``: as ``fake_quantize``'s."""
-    return unrotate(quantizer(spec, scale_dtype)(rotate(x, r)), r)
+    rotation composes around any layout."""
+    return unrotate(quantizer(spec)(rotate(x, r)), r)
 
 
-def quantizer(spec, scale_dtype: str = "float32"):
+def quantizer(spec):
     """``x -> x_hat``: ``spec`` itself when it is such a function, else ``fake_quantize`` with
     this ``QuantSpec``."""
     if callable(spec):
         return spec
-    return lambda x: fake_quantize(x, spec, scale_dtype)
+    return lambda x: fake_quantize(x, spec)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlens.errors import ConfigError, InputError
-from kvlens.quant.fake import fake_quantize
+from kvlens.quant.meta8 import fake_quantize
 from kvlens.quant.rotation import quantize_rotated, quantizer
 from kvlens.quant.spec import QuantSpec
 from kvlens.rope import LAYOUTS, RopeFrequencies, apply_rope
@@ -38,16 +38,16 @@ def rope_tables_for(positions: torch.Tensor, head_dim: int, theta: float = 10000
 
 
 def quantize_pre_rope(k_pre: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec,
-                      layout: str = "half", rotation: torch.Tensor | None = None,
-                      scale_dtype: str = "float32") -> torch.Tensor:
+                      layout: str = "half", rotation: torch.Tensor | None = None
+                      ) -> torch.Tensor:
     """KVQuant-style keys: quantize ``k_pre`` (before RoPE), dequantize, then apply RoPE with the
     layer's ``[B, T, R]`` tables: the post-RoPE key the model would see, float32. With ``rotation``
     the stored form is ``k_pre R``, un-rotated before RoPE (they do not commute). ``spec``: a
-    ``QuantSpec`` or a function ``x -> x_hat``; ``scale_dtype``: as ``fake_quantize``'s."""
+    ``QuantSpec`` or a function ``x -> x_hat`` (a layout's reference)."""
     if rotation is None:
-        hat = quantizer(spec, scale_dtype)(k_pre.float())
+        hat = quantizer(spec)(k_pre.float())
     else:
-        hat = quantize_rotated(k_pre, spec, rotation, scale_dtype)
+        hat = quantize_rotated(k_pre, spec, rotation)
     return apply_rope(hat, cos, sin, layout)
 
 
@@ -151,12 +151,10 @@ def split_outliers(x: torch.Tensor, fraction: float, dim: int = -1
 
 
 def quantize_with_outliers(x: torch.Tensor, spec: QuantSpec, fraction: float,
-                           scope: str | None = None, scale_dtype: str = "float32"
-                           ) -> torch.Tensor:
+                           scope: str | None = None) -> torch.Tensor:
     """Dense-and-sparse reconstruction ``[B, H, T, D]`` float32: outliers (``fraction`` per
     vector of ``scope``, default: the vectors ``spec`` groups along) exact, the rest quantized with
-    ``spec`` (group metadata ``scale_dtype``, as ``fake_quantize``'s). Outlier positions hold
-    their exact values (not value + quantized zero)."""
+    ``spec``. Outlier positions hold their exact values (not value + quantized zero)."""
     dim = _outlier_dim(scope, spec)
     dense, outliers = split_outliers(x.float(), fraction, dim)
-    return outliers.scatter_into(fake_quantize(dense, spec, scale_dtype))
+    return outliers.scatter_into(fake_quantize(dense, spec))
