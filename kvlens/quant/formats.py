@@ -41,6 +41,7 @@ from kvlens.quant.fp8 import (
 )
 from kvlens.quant.ggml import GGML_FORMATS, GGMLBlockFormat, dequantize_ggml, quantize_ggml
 from kvlens.quant.rotation import hadamard_rotation
+from kvlens.quant.spec import check_versioned_dict
 
 ROTATIONS = ("auto", "on", "off")
 LLAMA_CPP_ROTATION_MULTIPLE = 64
@@ -86,16 +87,9 @@ class FormatSetting:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> FormatSetting:
         """Inverse of ``to_dict``; rejects other versions and unknown keys with ``ConfigError``."""
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"A format must be a JSON object, got {type(data).__name__}.")
-        if data.get("version", FORMAT_VERSION) != FORMAT_VERSION:
-            raise ConfigError(
-                f"Unsupported format version {data.get('version')!r}; this kvlens reads "
-                f"version {FORMAT_VERSION}."
-            )
-        unknown = sorted(set(data) - {"version", "name"})
-        if unknown or "name" not in data:
-            raise ConfigError(f"Format keys {sorted(data)}; allowed: version, name (required).")
+        check_versioned_dict(data, "format", FORMAT_VERSION, ("name",))
+        if "name" not in data:
+            raise ConfigError("Format is missing 'name'; required: name.")
         return parse_format(data["name"])
 
 
