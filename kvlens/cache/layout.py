@@ -32,7 +32,6 @@ from dataclasses import dataclass, replace
 
 from kvlens.cache.sets import set_policy
 from kvlens.config import FP_BYTES
-from kvlens.errors import ConfigError
 from kvlens.layouts import flush_block, keeps_evicted, layout_of
 from kvlens.model.architecture import describe
 from kvlens.model.placement import layer_devices
@@ -114,16 +113,6 @@ def stream_state(setting, tokens: int, sliding_window: int | None = None) -> Str
 
 
 # -- bytes ---------------------------------------------------------------------------------------
-
-def fp_bytes_of(fp_dtype: str, model_dtype_bytes: int) -> int:
-    """Bytes per element of the full-precision parts (``exact`` = the model's dtype)."""
-    if fp_dtype == "exact":
-        return model_dtype_bytes
-    if fp_dtype not in FP_BYTES:
-        raise ConfigError(f"Unknown fp_dtype {fp_dtype!r}; allowed: {', '.join(FP_BYTES)}, "
-                          "exact.")
-    return FP_BYTES[fp_dtype]
-
 
 def shares_storage(setting, kv_shared: bool, head_dim: int, *, balancer: bool = False) -> bool:
     """Whether a layer keeps its keys and values in **one** store: they are one tensor
@@ -236,8 +225,10 @@ def layer_arguments(config, shape: ModelShape, i: int, tokens: int, batch: int) 
     protect = config.protect_for(i)
     balancer = protect is not None and (protect.balancer == "online" or
                                      (protect.balancer == "fixed" and i in config.balancers))
+    # fp_dtype "exact": the model's dtype (any other a KVConfig holds is one of FP_BYTES)
+    fp = shape.dtype_bytes if config.fp_dtype == "exact" else FP_BYTES[config.fp_dtype]
     return dict(tokens=tokens, head_dim=shape.head_dim, kv_heads=shape.num_key_value_heads,
-                batch=batch, fp_bytes=fp_bytes_of(config.fp_dtype, shape.dtype_bytes),
+                batch=batch, fp_bytes=fp,
                 scale_dtype=config.scale_dtype, protect=protect,
                 balancer=balancer and config.layer(i).compressed,
                 sliding_window=shape.window(i), kv_shared=shape.kv_shared)
