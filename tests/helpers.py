@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kvlens.cache import compressed_attention
+from kvlens.cache.cache import held_bytes_by_device
 from kvlens.cache.torch_read import packed_attention
 from kvlens.capture.store import TENSORS, CaptureMeta, CaptureWriter, LayerAttrs
 from kvlens.config import preset
@@ -75,6 +76,11 @@ def make_capture(path, q, k, v, *, k_pre=None, q_pre=None, rope_theta=None, laye
 def stub_session():
     """The little of a compression session a lone ``CompressedLayer`` reads."""
     return SimpleNamespace(active=True, rope={})
+
+
+def held_bytes(cache) -> int:
+    """Bytes of every tensor storage reachable from ``cache`` (``held_bytes_by_device``, summed)."""
+    return sum(held_bytes_by_device(cache).values())
 
 
 def reference_attention(q, keys, values, mask):

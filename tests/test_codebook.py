@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvlens.errors import ConfigError, InputError
+from kvlens.layouts import layout_of
 from kvlens.quant import QuantSpec, fake_quantize, hadamard_rotation
 from kvlens.quant.codebook import (
     Codebook,
@@ -57,7 +58,7 @@ def test_lloyd_max_normal_is_the_gaussian_codebook_for_every_head_dim(head_dim):
     differs from the sphere-density ``"lloyd-max"`` codebook, most at small ``D``."""
     spec = CodebookSpec(3, "lloyd-max-normal")
     book = computed_codebook(spec, head_dim)
-    assert spec.held_bytes(10, head_dim) == 10 * (3 * head_dim // 8 + 2)
+    assert _held_bytes(spec, 10, head_dim) == 10 * (3 * head_dim // 8 + 2)
     assert book.centroids[4:].tolist() == pytest.approx(MAX_TABLE[3][0], abs=2e-3)
     sphere = computed_codebook(CodebookSpec(3), head_dim).centroids
     assert float((sphere - book.centroids).abs().max()) > 1e-3  # not the same codebook
@@ -161,17 +162,22 @@ def test_packing_round_trip_on_odd_shapes(bits, head_dim):
     assert torch.equal(dequantize_codebook(back), dequantize_codebook(qt))
 
 
+def _held_bytes(spec: CodebookSpec, num_vectors: int, head_dim: int) -> int:
+    """Bytes its layout holds for ``num_vectors`` coded vectors."""
+    return sum(layout_of(spec).part_bytes(num_vectors, head_dim, 1).values())
+
+
 def test_held_bytes_and_bits_per_element():
     # 3-bit codes of D=64 pack into exactly 24 bytes; plus 2 bytes of norm.
     lm = CodebookSpec(3)
-    assert lm.held_bytes(10, 64) == 10 * (24 + 2)
-    assert 8 * lm.held_bytes(10, 64) / (10 * 64) == pytest.approx(3 + 16 / 64)
-    assert CodebookSpec(3, "lloyd-max-normal").held_bytes(10, 64) == lm.held_bytes(10, 64)
+    assert _held_bytes(lm, 10, 64) == 10 * (24 + 2)
+    assert 8 * _held_bytes(lm, 10, 64) / (10 * 64) == pytest.approx(3 + 16 / 64)
+    assert _held_bytes(CodebookSpec(3, "lloyd-max-normal"), 10, 64) == _held_bytes(lm, 10, 64)
     # the stored bytes equal what the packed tensor and norms actually occupy
     x = torch.randn(1, 3, 11, 64)
     qt = quantize_codebook(x, lm, lloyd_max(3, 64))
     held = qt.packed().numel() * qt.packed().element_size() + qt.norms.numel() * 2
-    assert lm.held_bytes(33, 64) == held
+    assert _held_bytes(lm, 33, 64) == held
 
 
 def test_spec_validation_and_json():

@@ -1,5 +1,5 @@
 """kvlens.layouts.codebook (vLLM TurboQuant's keys): the coded store holds what
-CodebookSpec.held_bytes reports, and a layer's folded torch read path equals
+its layout's ``part_bytes`` reports, and a layer's folded torch read path equals
 code-with-the-reference-then-attend on odd shapes."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from kvlens.cache.layer import CompressedLayer
 from kvlens.cache.torch_read import packed_attention
 from kvlens.config import LayerKV
 from kvlens.errors import ConfigError, InputError
+from kvlens.layouts import layout_of
 from kvlens.layouts.codebook import CodebookStore
 from kvlens.quant import QuantSpec, fake_quantize_codebook, hadamard_rotation
 from kvlens.quant.codebook import CodebookSpec, computed_codebook, lloyd_max
@@ -40,7 +41,7 @@ def test_held_bytes_equal_reported(kind, bits, d):
     store = _store(spec, x)
     assert store.length == 21
     held = sum(t.numel() * t.element_size() for t in store.named_tensors().values())
-    assert held == spec.held_bytes(2 * 3 * 21, d)
+    assert held == sum(layout_of(spec).part_bytes(2 * 3 * 21, d, 1).values())
     assert CodebookStore(spec, computed_codebook(spec, d), d).named_tensors() == {}
 
 

@@ -14,11 +14,11 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers import held_bytes
 from tiny_models import TINY_VOCAB, save_model_dir, tiny_config, tiny_model
 from typer.testing import CliRunner
 
 from kvlens.cache import compressed_attention, memory_report
-from kvlens.cache.cache import held_bytes
 from kvlens.cache.engine import EngineStore
 from kvlens.cache.layout import config_part_bytes, engine_tensor_bytes, shape_of
 from kvlens.cli import app

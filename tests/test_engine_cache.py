@@ -17,9 +17,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from helpers import held_bytes
 
 from kvlens.cache import compressed_attention, memory_report
-from kvlens.cache.cache import held_bytes
 from kvlens.cache.layout import config_bits, config_part_bytes, shape_of
 from kvlens.config import VERSION, KVConfig, LayerKV, config_from_dict, validate_for
 from kvlens.errors import ConfigError

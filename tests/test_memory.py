@@ -1,9 +1,9 @@
 """Memory truth: the cache holds what ``memory_report`` says, and the budget formula
 (``kvlens.cache.layout``) is what the cache allocates.
 
-Held bytes are found by walking the cache object (``held_bytes``: every tensor storage reachable
-from the layers, counted once, whole storages); the per-part breakdown comes from the layers'
-own named tensors; the formula predicts both from the config and the token count alone. They
+Held bytes are found by walking the cache object (``helpers.held_bytes``: every tensor storage
+reachable from the layers, counted once, whole storages); the per-part breakdown comes from the
+layers' own named tensors; the formula predicts both from the config and the token count alone. They
 must agree exactly: nothing here is rounded. (Python object headers, a few hundred bytes per
 tensor, are not counted by either side.)
 """
@@ -14,11 +14,10 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import small_options
+from helpers import held_bytes, small_options
 from tiny_models import tiny_model
 
 from kvlens.cache import compressed_attention, memory_report
-from kvlens.cache.cache import held_bytes
 from kvlens.cache.layout import (
     config_bits,
     config_device_bytes,

@@ -155,11 +155,11 @@ def test_mixed_window_config_holds_the_bytes_it_was_priced_at(tmp_path, fp):
     budget where the layers choose different windows: the written config runs in
     `generate`, and after `context` tokens the cache holds exactly the bytes the allocation
     priced (option_bytes per layer) and `mean_bits` says, with fp16 or fp8 windows."""
+    from helpers import held_bytes
     from tiny_models import tiny_config
     from transformers import AutoModelForCausalLM
 
     from kvlens.cache import compressed_attention, memory_report
-    from kvlens.cache.cache import held_bytes
     from kvlens.capture.run import capture_model
     from kvlens.config import load_config, save_config
     from kvlens.model.hooks import cache_argument_name

@@ -231,11 +231,6 @@ def _storage_bytes(tensor: torch.Tensor, seen: set) -> int:
     return storage.nbytes()
 
 
-def held_bytes(obj) -> int:
-    """Bytes of every tensor storage reachable from ``obj`` (``held_bytes_by_device``, summed)."""
-    return sum(held_bytes_by_device(obj).values())
-
-
 def held_bytes_by_device(obj) -> dict[str, int]:
     """Per device (``"cpu"``, ``"cuda:0"``...), bytes of every tensor storage reachable from
     ``obj`` and kvlens' cache objects in it (layers, stores, sets), each storage once on the

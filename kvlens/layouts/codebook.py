@@ -118,8 +118,8 @@ class Codebooked(SpecLayout):
 
     def part_bytes(self, tokens: int, head_dim: int, block: int,
                    scale_dtype: str = "float16") -> dict[str, int]:
-        """Codes packed along channels and a float16 norm per vector (``CodebookSpec.
-        held_bytes``; the codebook is computed, not held)."""
+        """Codes packed along channels and a float16 norm per vector (the codebook is computed,
+        not held)."""
         return {"codes": tokens * packed_length(head_dim, self.spec.bits),
                 "norms": tokens * NORM_BYTES}
 

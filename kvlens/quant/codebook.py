@@ -9,7 +9,7 @@ coordinate of ``x / n`` behaves like one of a uniform point on the sphere (close
 1/D)``: HIGGS arXiv 2411.17525, TurboQuant arXiv 2504.19874), so one codebook form serves every
 head_dim. ``CODEBOOKS``: ``"lloyd-max"`` (Lloyd-Max of that density for ``D``) and
 ``"lloyd-max-normal"`` (of the standard normal, vLLM's ``turboquant_*`` centroids), computed,
-not stored; ``CodebookSpec.held_bytes`` counts the packed codes and norms.
+not stored; its layout (``kvlens.layouts.codebook``) counts the packed codes and norms.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from kvlens.errors import ConfigError, InputError, is_int
-from kvlens.quant.packing import pack_codes, packed_length, unpack_codes
+from kvlens.quant.packing import pack_codes, unpack_codes
 from kvlens.quant.reference import check_tensor
 from kvlens.quant.rotation import RotationSpec, rotate, unrotate
 from kvlens.quant.spec import check_versioned_dict
@@ -62,16 +62,6 @@ class CodebookSpec:
                               "RotationSpec or None.")
         if not isinstance(self.renormalize, bool):
             raise ConfigError(f"Invalid renormalize {self.renormalize!r}; allowed: true, false.")
-
-    @property
-    def levels(self) -> int:
-        return 1 << self.bits
-
-    # -- storage: the one place bytes are counted ---------------------------------------------
-    def held_bytes(self, num_vectors: int, head_dim: int) -> int:
-        """Bytes held for ``num_vectors`` coded ``[head_dim]`` vectors: packed codes and a
-        float16 norm per vector (the codebook is computed, not stored)."""
-        return num_vectors * (packed_length(head_dim, self.bits) + NORM_BYTES)
 
     @property
     def label(self) -> str:
