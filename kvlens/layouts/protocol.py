@@ -1,15 +1,7 @@
-"""The storage-layout protocol: what a way of storing one tensor's history must provide, and the
-registry that finds the layout of a spec (how to add one: docs/internals/architecture.md).
-
-A **layout** (``Layout``) is a frozen, JSON-serialisable spec of how the cache keeps the
-quantized history ``[B, H, T, D]`` of one tensor. It owns its **reference semantics**
-(``reconstruct``: what recommend and compare-axes measure, and the store is tested equal to),
-its **store** (``new_store``, a ``Store``), its **held bytes** (``part_bytes``, by part of
-``kvlens.cache.layout.PARTS``, tested equal to what the store holds), its **JSON form**
-(``to_dict``; ``layout_from_dict`` reads it back, keyed by ``"layout"``) and its **streaming
-rules** (``flush_block``, ``check``). The residual window, Hadamard rotation, pre-RoPE keys and
-the MiKV balancer compose around every layout (``kvlens.cache.layer``,
-``kvlens.recommend.layer_errors``).
+"""The storage-layout protocol (``Layout`` and its ``Store``: what a way of storing one tensor's
+history must provide) and the registry that finds the layout of a spec (how to add one:
+docs/internals/architecture.md). The residual window, Hadamard rotation, pre-RoPE keys and the
+balancer compose around every layout (``kvlens.cache.layer``, ``kvlens.recommend.layer_errors``).
 
 ``register`` makes a spec class a layout: the class implements ``Layout`` itself, or an adapter
 wraps a spec defined lower down (``kvlens.layouts.uniform`` and ``kvlens.layouts.codebook``
@@ -94,7 +86,10 @@ class TensorStore:
 
 @runtime_checkable
 class Layout(Protocol):
-    """How one tensor's history is stored (module docstring). Tensors are ``[B, H, T, D]``."""
+    """How the cache keeps the quantized history ``[B, H, T, D]`` of one tensor: a frozen,
+    JSON-serialisable spec owning its reference semantics (``reconstruct``: what recommend and
+    compare-axes measure, and the store is tested equal to), its store, its held bytes (tested
+    equal to what the store holds), its JSON form and its streaming rules."""
 
     #: its name in JSON (``{"layout": kind, ...}``) and in messages
     kind: str
