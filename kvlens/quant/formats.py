@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from kvlens.errors import ConfigError, InputError
+from kvlens.errors import ConfigError
 from kvlens.quant.ds_mla import DS_MLA, DsMlaFormat, fake_quantize_ds_mla
 from kvlens.quant.fp8 import (
     STATIC_SCOPES,
@@ -40,6 +40,7 @@ from kvlens.quant.fp8 import (
     fp8_round_trip,
 )
 from kvlens.quant.ggml import GGML_FORMATS, GGMLBlockFormat, dequantize_ggml, quantize_ggml
+from kvlens.quant.reference import check_tensor
 from kvlens.quant.rotation import hadamard_rotation
 from kvlens.quant.spec import check_versioned_dict
 
@@ -51,11 +52,8 @@ KVFormat = GGMLBlockFormat | FP8Format | TokenHeadFormat | DsMlaFormat
 
 @dataclass(frozen=True)
 class FormatSetting:
-    """A cache format as an engine runs it: the format plus the engine's Hadamard rotation.
-
-    rotation: ``"auto"`` = what the engine does (llama.cpp: ggml types rotated when
-        ``head_dim % 64 == 0``; fp8/int formats never), ``"on"`` / ``"off"`` = forced (``on``
-        needs an even head_dim; ``off`` is llama.cpp's ``LLAMA_ATTN_ROT_DISABLE=1``)."""
+    """A cache format plus the engine's Hadamard rotation (module docstring): ``rotation``
+    ``"auto"`` (what the engine does), ``"on"`` (needs an even head_dim) or ``"off"``."""
 
     format: KVFormat
     rotation: str = "auto"
@@ -130,10 +128,8 @@ VLLM_ALIASES = {f"{k}_per_token_head": f"{k}@token-head" for k in TOKEN_HEAD_KIN
 
 
 def parse_format(text: str) -> FormatSetting:
-    """``"q4_0"``, ``"q4_0+norot"``, ``"fp8"`` (= fp8_e4m3, vLLM's alias), ``"fp8_e5m2@head"``,
-    ``"fp8_e4m3@tensor:p99.9"``, ``"int8@token-head"`` (or vLLM's ``"int8_per_token_head"``),
-    ``"fp8@token-head"`` -> ``FormatSetting``; anything else raises ``ConfigError`` with the
-    allowed names."""
+    """A cache-type name (module docstring; ``"fp8"`` is vLLM's alias of ``fp8_e4m3``,
+    ``"int8_per_token_head"`` its spelling of ``int8@token-head``) -> ``FormatSetting``."""
     raw = text
     text = (text or "").strip().lower()
     for alias, name in VLLM_ALIASES.items():
@@ -191,11 +187,9 @@ def parse_format_list(text: str | None) -> tuple[FormatSetting, ...]:
 
 
 def engine_rotation(tensor: str, head_dim: int) -> torch.Tensor:
-    """The rotation llama.cpp applies to a quantized cache of ``head_dim`` (float32
-    ``[D, D]``, orthonormal and symmetric): keys a block-diagonal Walsh-Hadamard with the largest
-    power-of-two block dividing ``head_dim``; values 64x64 blocks when ``head_dim % 64 == 0``.
-    Forced rotation of other even head_dims uses the key rule for both."""
-
+    """The rotation llama.cpp applies to ``tensor`` of a quantized cache of ``head_dim``
+    (float32 ``[D, D]``, orthonormal and symmetric; module docstring). Forced rotation of other
+    even head_dims uses the key rule for both."""
     if tensor == "value" and head_dim % LLAMA_CPP_ROTATION_MULTIPLE == 0:
         block = hadamard_rotation(LLAMA_CPP_ROTATION_MULTIPLE)
         return torch.block_diag(*([block] * (head_dim // LLAMA_CPP_ROTATION_MULTIPLE)))
@@ -223,8 +217,7 @@ def fake_quantize_format(
     tensor: ``"key"`` or ``"value"`` (picks llama.cpp's rotation). scale: the static fp8 scale
     from ``calibrate_scale`` (computed on ``x`` itself, in the rotated basis, when None)."""
     fmt = setting.format
-    if x.dim() != 4:
-        raise InputError(f"Expected a [B, H, T, D] tensor, got shape {tuple(x.shape)}.")
+    check_tensor(x)
     head_dim = x.shape[-1]
     r = None
     if setting.rotates(head_dim):

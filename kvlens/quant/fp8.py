@@ -49,17 +49,11 @@ TOKEN_HEAD_KINDS = ("int8", "int4", "fp8")
 
 @dataclass(frozen=True)
 class FP8Format:
-    """fp8 cache with a static float32 scale calibrated from captured data.
-
-    fp8: ``"e4m3"`` (``torch.float8_e4m3fn``, max 448) or ``"e5m2"`` (max 57344).
-    scope: what shares one scale: ``"tensor"`` = all heads, tokens and channels of one layer's
-        keys (or values); ``"head"`` = all tokens and channels of one KV head.
-    percentile: ``None`` = scale from the absolute maximum; ``p`` in ``(0, 100)`` = from the
-        ``p``-th percentile of ``|x|`` (larger values saturate at ``+-fp8_max * s``).
-    fixed_scale: a given scale instead of calibration (``1.0`` = vLLM's default when no
-        scales are loaded or computed); excludes ``percentile``.
-    rounding: ``"nearest"`` (torch, the GPU writers) or ``"truncate"`` (vLLM's CPU writer;
-        module docstring)."""
+    """fp8 cache with a static float32 scale (module docstring): ``fp8`` ``"e4m3"`` (max 448)
+    or ``"e5m2"`` (max 57344); ``scope`` ``"tensor"`` (one scale for one layer's keys, or
+    values) or ``"head"`` (one per KV head); ``percentile`` ``None`` (absmax) or ``p`` in ``(0,
+    100)``; ``fixed_scale`` instead of calibration (excludes ``percentile``); ``rounding``
+    ``"nearest"`` or ``"truncate"``."""
 
     fp8: str = "e4m3"
     scope: str = "tensor"
@@ -128,10 +122,8 @@ class FP8Format:
 
 @dataclass(frozen=True)
 class TokenHeadFormat:
-    """Dynamic per-token-head quantization (vLLM): the ``D`` channels of one token of one KV
-    head share a float32 scale ``s = absmax / qmax``; codes are symmetric.
-
-    kind: ``"int8"`` (qmax 127), ``"int4"`` (qmax 7) or ``"fp8"`` (e4m3, qmax 448)."""
+    """Dynamic per-token-head quantization (module docstring) of ``kind`` ``"int8"``,
+    ``"int4"`` or ``"fp8"``."""
 
     kind: str = "int8"
 
@@ -161,11 +153,9 @@ class TokenHeadFormat:
 
 
 def truncate_fp8(v: torch.Tensor, fp8: str) -> torch.Tensor:
-    """Float32 ``v`` (already scaled) as vLLM's CPU writer stores it in fp8 ``fp8``, returned
-    as float32 values on the fp8 grid (module docstring): clamped to ``+-fp8_max``, mantissa
-    truncated toward zero; an exact zero stored as +0, a nonzero value truncated to zero as a
-    zero of its sign. Computed without float32 subnormals, so a flush-to-zero mode cannot
-    change it."""
+    """Float32 ``v`` (already scaled) as vLLM's CPU writer stores it in fp8 ``fp8`` (module
+    docstring), as float32 values on the fp8 grid; an exact zero stored as +0. Computed without
+    float32 subnormals, so a flush-to-zero mode cannot change it."""
     top = FP8_MAX[fp8]
     v = v.float().clamp(-top, top)
     drop = 23 - {"e4m3": 3, "e5m2": 2}[fp8]  # float32 mantissa bits fp8 does not hold
@@ -184,10 +174,9 @@ def truncate_fp8(v: torch.Tensor, fp8: str) -> torch.Tensor:
 
 def fp8_encode(x: torch.Tensor, scale: torch.Tensor, fp8: str,
                rounding: str = "nearest") -> torch.Tensor:
-    """The fp8 codes (``torch.float8_e4m3fn`` / ``float8_e5m2``) a static-scale cache writes
-    for ``x``: ``fp8(clamp(x / s))`` rounded to nearest, or vLLM's CPU writer
-    (``rounding="truncate"``: ``x * (1/s)`` in float32, then ``truncate_fp8``). ``scale``
-    broadcasts against ``x``; a zero scale is replaced by 1 here (``fp8_decode`` reads zeros)."""
+    """The fp8 codes (``torch.float8_e4m3fn`` / ``float8_e5m2``) a cache writes for ``x`` with
+    ``scale`` (broadcast against ``x``; a zero scale is replaced by 1 here, ``fp8_decode``
+    reads zeros), rounded to nearest or truncated (module docstring)."""
     dtype, top = FP8_DTYPES[fp8], FP8_MAX[fp8]
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     if rounding == "truncate":  # the float32 reciprocal, then values already on the fp8 grid
@@ -203,9 +192,7 @@ def fp8_decode(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def fp8_round_trip(x: torch.Tensor, scale: torch.Tensor, fp8: str,
                    rounding: str = "nearest") -> torch.Tensor:
-    """``fp8(clamp(x / s, +-max)) * s`` in float32 (saturating; rounded to nearest even, or
-    truncated as vLLM's CPU writer: ``fp8_encode``). ``scale`` broadcasts against ``x``; a
-    zero scale reads back zeros."""
+    """``fp8_decode(fp8_encode(...))``: what a cache reads back, float32."""
     return fp8_decode(fp8_encode(x, scale, fp8, rounding), scale)
 
 
