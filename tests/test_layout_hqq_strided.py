@@ -134,7 +134,11 @@ def test_config_json_round_trip_and_errors(tmp_path):
                                                     "group": 16}
     data = _config().to_dict()
     data["default"]["key"]["axis"] = 0
-    with pytest.raises(ConfigError, match="hqq-strided spec keys are layout, bits, group"):
+    with pytest.raises(ConfigError, match=r"Unknown hqq-strided spec keys \['axis'\]; allowed: "
+                                          "layout, bits, group"):
+        config_from_dict(data)
+    del data["default"]["key"]["axis"], data["default"]["key"]["bits"]
+    with pytest.raises(ConfigError, match=r"hqq-strided spec is missing \['bits'\]"):
         config_from_dict(data)
     with pytest.raises(ConfigError, match="bits=9"):
         HqqStrided(9)

@@ -15,18 +15,17 @@ keywords.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, fields
+from dataclasses import asdict
 
 import torch
 
 from kvlens.errors import ConfigError
-from kvlens.layouts.protocol import LAYOUT_KEY, TensorStore
+from kvlens.layouts.protocol import FieldsLayout, TensorStore
 
 
-class BlockFloatLayout:
-    """The streaming rules, reference, store, held bytes and JSON form (``{"layout": kind,
-    ...its fields}``) of a block-float layout (module docstring); subclasses are frozen
-    dataclasses that set the class attributes below."""
+class BlockFloatLayout(FieldsLayout):
+    """The reference, store and held bytes of a block-float layout (module docstring);
+    subclasses are frozen dataclasses that set the class attributes below."""
 
     kind: str
     block: int  # channels sharing one scale byte
@@ -40,21 +39,6 @@ class BlockFloatLayout:
 
     def dequantize(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         return self.decode(codes, scales, **asdict(self))
-
-    def to_dict(self) -> dict:
-        return {LAYOUT_KEY: self.kind, **asdict(self)}
-
-    @classmethod
-    def from_dict(cls, data) -> BlockFloatLayout:
-        names = [f.name for f in fields(cls)]
-        extra = sorted(set(data) - {LAYOUT_KEY, *names})
-        if extra:
-            raise ConfigError(f"Unknown {cls.kind} spec keys {extra}; allowed: "
-                              f"{', '.join((LAYOUT_KEY, *names))}.")
-        return cls(**{k: data[k] for k in names if k in data})
-
-    def flush_block(self, residual_tokens: int, flush_tokens: int = 0) -> int:
-        return flush_tokens or residual_tokens or 1
 
     def check(self, residual_tokens: int, head_dim: int, what: str = "",
               flush_tokens: int = 0) -> None:

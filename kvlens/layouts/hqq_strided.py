@@ -24,15 +24,13 @@ which ``check`` keeps whole: ``G`` must divide ``F * D``). JSON: ``{"layout": "h
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from kvlens.errors import ConfigError, is_int
 from kvlens.layouts.packed import SCALE_BYTES
-from kvlens.layouts.protocol import LAYOUT_KEY, register
+from kvlens.layouts.protocol import FieldsLayout, register
 from kvlens.quant.packing import pack_codes, packed_length, unpack_codes
 from kvlens.quant.reference import dequantize_hqq_strided, quantize_hqq_strided
 
@@ -41,7 +39,7 @@ FLOAT_SCALES = ("float16", "float32")  # the scale dtypes it keeps (hqq keeps fl
 
 
 @dataclass(frozen=True)
-class HqqStrided:
+class HqqStrided(FieldsLayout):
     """hqq's ``axis=0`` layout of ``bits``-bit codes in groups of ``group`` elements (module
     docstring)."""
 
@@ -59,20 +57,6 @@ class HqqStrided:
     @property
     def label(self) -> str:
         return f"{self.bits}-bit HQQ axis=0 G{self.group} (strided, re-quantized at each flush)"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {LAYOUT_KEY: KIND, "bits": self.bits, "group": self.group}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> HqqStrided:
-        extra = sorted(set(data) - {LAYOUT_KEY, "bits", "group"})
-        if extra or "bits" not in data:
-            raise ConfigError(f"{KIND} spec keys are {LAYOUT_KEY}, bits, group (bits "
-                              f"required); got {sorted(data)}.")
-        return cls(data["bits"], data.get("group", 64))
-
-    def flush_block(self, residual_tokens: int, flush_tokens: int = 0) -> int:
-        return flush_tokens or residual_tokens or 1
 
     def check(self, residual_tokens: int, head_dim: int, what: str = "",
               flush_tokens: int = 0) -> None:

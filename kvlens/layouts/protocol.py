@@ -11,7 +11,7 @@ adapt ``QuantSpec`` and ``CodebookSpec``); ``layout_of(spec)`` returns the ``Lay
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -143,6 +143,33 @@ class SpecLayout:
 
     def to_dict(self) -> dict[str, Any]:
         return self.spec.to_dict()
+
+
+class FieldsLayout:
+    """The base of a layout that is its own frozen dataclass: its JSON form is ``{"layout":
+    kind, ...its fields}`` (a field without a default is required), and it streams as a
+    per-token spec does (``F``: the flush block, else the window, else 1)."""
+
+    kind: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {LAYOUT_KEY: self.kind, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Any:
+        names = [f.name for f in fields(cls)]
+        extra = sorted(set(data) - {LAYOUT_KEY, *names})
+        if extra:
+            raise ConfigError(f"Unknown {cls.kind} spec keys {extra}; allowed: "
+                              f"{', '.join((LAYOUT_KEY, *names))}.")
+        missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in data]
+        if missing:
+            raise ConfigError(f"{cls.kind} spec is missing {missing}; required: "
+                              f"{', '.join(missing)}.")
+        return cls(**{k: data[k] for k in names if k in data})
+
+    def flush_block(self, residual_tokens: int, flush_tokens: int = 0) -> int:
+        return flush_tokens or residual_tokens or 1
 
 
 _ADAPTERS: dict[type, Callable[[Any], Layout]] = {}
