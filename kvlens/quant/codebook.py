@@ -151,29 +151,21 @@ def weighted_lloyd(points: torch.Tensor, weights: torch.Tensor, levels: int,
     total = float(cw[-1])
     if total <= 0:
         raise InputError("Cannot fit a codebook: all weights are zero.")
-    # equal-mass initial cells
     cuts = torch.searchsorted(cw, torch.linspace(0, total, levels + 1, dtype=cw.dtype)[1:-1])
-    edges = torch.cat((cuts.new_zeros(1), cuts, cuts.new_full((1,), points.numel())))
-    c = _cell_means(cw, cs, edges, points, None)
-    for _ in range(iters):
-        mids = (c[1:] + c[:-1]) / 2
-        inner = torch.searchsorted(points, mids)  # points < mid go left
-        edges = torch.cat((inner.new_zeros(1), inner, inner.new_full((1,), points.numel())))
-        new = _cell_means(cw, cs, edges, points, c)
-        moved = float((new - c).abs().max())
+    c = None  # the first round's cells have equal mass
+    for _ in range(iters + 1):
+        edges = torch.cat((cuts.new_zeros(1), cuts, cuts.new_full((1,), points.numel())))
+        mass = cw[edges[1:]] - cw[edges[:-1]]
+        # an empty cell keeps its centroid (an initial one: its first point)
+        keep = points[edges[:-1].clamp_max(points.numel() - 1)] if c is None else c
+        new = torch.where(mass > 0, (cs[edges[1:]] - cs[edges[:-1]]) / mass.clamp_min(1e-300),
+                          keep)
+        moved = None if c is None else float((new - c).abs().max())
         c = new
-        if moved <= tol:
+        if moved is not None and moved <= tol:
             break
+        cuts = torch.searchsorted(points, (c[1:] + c[:-1]) / 2)  # points < mid go left
     return c
-
-
-def _cell_means(cw, cs, edges, points, previous):
-    mass = cw[edges[1:]] - cw[edges[:-1]]
-    total = cs[edges[1:]] - cs[edges[:-1]]
-    if previous is None:  # initial cells: fall back to the cell's first point when empty
-        lo = points[edges[:-1].clamp_max(points.numel() - 1)]
-        previous = lo
-    return torch.where(mass > 0, total / mass.clamp_min(1e-300), previous)
 
 
 def lloyd_max(bits: int, head_dim: int | None) -> Codebook:
