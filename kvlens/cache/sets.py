@@ -9,7 +9,7 @@ another comes from ``ProtectSettings.importance`` (``kvlens.config.extension``),
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 
@@ -61,17 +61,20 @@ class SetRows:
         self.parts = tuple(t[index] for t in self.parts)
 
 
-@runtime_checkable
-class SetPolicy(Protocol):
+class SetPolicy:
     """Which held tokens a layer keeps in its set, and how: one object per cache layer (it may
-    hold per-layer state; ``kvlens.cache.layout`` builds a fresh one to count bytes)."""
+    hold per-layer state; ``kvlens.cache.layout`` builds a fresh one to count bytes). A policy
+    subclasses it and says ``empty``, ``size`` and ``choose``; the rest defaults to a set
+    chosen by position, its rows at ``fp_dtype``, with no other state (``Sinks``)."""
 
     #: the set's tokens are hidden in the packed store by a mask (else: the packed prefix)
-    masked: bool
+    masked = False
     #: the policy reads the attention mass every held token receives (``observe``)
-    needs_attention_probs: bool
+    needs_attention_probs = False
     #: why the fused decode kernel cannot serve a layer with this set (``None``: it can)
-    kernel_problem: str | None
+    kernel_problem: str | None = None
+    #: ``[B, Hkv, q_end]`` bool: the packed positions the set hides (``masked`` only)
+    mask: torch.Tensor | None = None
 
     @property
     def empty(self) -> bool:
@@ -81,25 +84,24 @@ class SetPolicy(Protocol):
         """Tokens in the set after ``q_end`` tokens were quantized, those before ``q_start``
         evicted."""
 
-    def new_rows(self, dtype: torch.dtype | None, head_dim: int) -> SetRows:
-        """Empty rows of one tensor (``dtype``: the config's ``fp_dtype``)."""
-
-    def row_bytes(self, head_dim: int, fp_bytes: int) -> int:
-        """Bytes one set token of one tensor holds."""
-
-    def observe(self, colsum: torch.Tensor) -> None:
-        """The attention mass ``[B, Hkv, N]`` each held position received in one step."""
-
     def choose(self, cand_pos: torch.Tensor, keep: int, end: int) -> torch.Tensor:
         """Indices ``[B, Hkv, keep]`` of the candidates (positions ``cand_pos`` ``[B, Hkv, C]``:
         the current set, then the block just flushed, ending at ``end``) that stay."""
 
-    @property
-    def mask(self) -> torch.Tensor | None:
-        """``[B, Hkv, q_end]`` bool: the packed positions the set hides (``masked`` only)."""
+    def new_rows(self, dtype: torch.dtype | None, head_dim: int) -> SetRows:
+        """Empty rows of one tensor (``dtype``: the config's ``fp_dtype``)."""
+        return SetRows(dtype, head_dim)
+
+    def row_bytes(self, head_dim: int, fp_bytes: int) -> int:
+        """Bytes one set token of one tensor holds."""
+        return head_dim * fp_bytes
+
+    def observe(self, colsum: torch.Tensor) -> None:
+        """The attention mass ``[B, Hkv, N]`` each held position received in one step."""
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """``(part, tensor)`` of the state it keeps besides the rows."""
+        return []
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Keep the batch rows ``index`` of its state."""
@@ -107,15 +109,12 @@ class SetPolicy(Protocol):
     def state_bytes(self, rows: int, q_held: int, held: int) -> dict[str, int]:
         """Bytes of that state by part, with ``rows`` (batch x KV heads), ``q_held`` packed
         tokens and ``held`` tokens in all."""
+        return {}
 
 
-class Sinks:
+class Sinks(SetPolicy):
     """The stable policy: the first ``sink_tokens`` positions while they are held, at
     ``fp_dtype``, chosen by position (no attention needed): the packed prefix."""
-
-    masked = False
-    needs_attention_probs = False
-    kernel_problem = None
 
     def __init__(self, sink_tokens: int):
         self.sink_tokens = sink_tokens
@@ -127,28 +126,8 @@ class Sinks:
     def size(self, q_start: int, q_end: int) -> int:
         return sinks_held(self.sink_tokens, q_start, q_end)
 
-    def new_rows(self, dtype: torch.dtype | None, head_dim: int) -> SetRows:
-        return SetRows(dtype, head_dim)
-
-    def row_bytes(self, head_dim: int, fp_bytes: int) -> int:
-        return head_dim * fp_bytes
-
-    def observe(self, colsum: torch.Tensor) -> None:
-        pass
-
     def choose(self, cand_pos: torch.Tensor, keep: int, end: int) -> torch.Tensor:
         return first_positions(cand_pos, keep)
-
-    mask = None
-
-    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        return []
-
-    def select_batch(self, index: torch.Tensor) -> None:
-        pass
-
-    def state_bytes(self, rows: int, q_held: int, held: int) -> dict[str, int]:
-        return {}
 
 
 def sinks_held(sink_tokens: int, q_start: int, q_end: int) -> int:

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvlens.cache.sets import SetRows, first_positions, sinks_held
+from kvlens.cache.sets import SetPolicy, SetRows, first_positions, sinks_held
 from kvlens.config import KVConfig, LayerKV, ProtectSettings
 from kvlens.config.extension import register
 from kvlens.config.presets import add_preset
@@ -88,7 +88,7 @@ class CodedRows(SetRows):
 
 # -- the policy ------------------------------------------------------------------------------------
 
-class HeavyHitters:
+class HeavyHitters(SetPolicy):
     """The cache's ``SetPolicy`` for an ``ImportanceSet``: the sinks plus ``ceil(f * held)``
     heavy hitters (``f`` = 0: the sinks alone, as a prefix), rows at ``set_bits``."""
 
