@@ -176,10 +176,9 @@ class EngineLayer(HistoryLayer):
     # -- transformers interface -------------------------------------------------------------
     def lazy_initialization(self, key_states, value_states, *args, **kwargs) -> None:
         super().lazy_initialization(key_states, value_states)
-        for store, scale in ((self.kstore, self.kstore.static_scale),
-                             (self.vstore, self.vstore.static_scale)):
-            if scale is not None:
-                store.static_scale = scale.to(key_states.device, torch.float32).clone()
+        for store in self._stores():
+            if store.static_scale is not None:
+                store.static_scale = store.static_scale.to(key_states.device, torch.float32).clone()
 
     def _rotation(self, tensor: str) -> torch.Tensor:
         return self.session.engine_rotation(tensor, self.head_dim, self.device)

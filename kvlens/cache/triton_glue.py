@@ -125,7 +125,6 @@ def triton_decode(query: torch.Tensor, layer, mask: torch.Tensor | None, scaling
             hidden = layer.sink_end - a0
             pvalid = (torch.arange(length, device=query.device) >= hidden).expand(
                 b, layer.hp_pos.shape[1], length)
-    bal = layer.balancer if layer.balancer is not None else None
     (kc, kscale, kzero), kw_k = _store_arguments("k", ks, query.device)
     (vc, vscale, vzero), kw_v = _store_arguments("v", vs, query.device)
     out = decode_attention(
@@ -134,7 +133,7 @@ def triton_decode(query: torch.Tensor, layer, mask: torch.Tensor | None, scaling
         residual_k=_wide(layer.res_k.buf, query.dtype) if layer.n_res else None,
         residual_v=_wide(layer.res_v.buf, query.dtype) if layer.n_res else None,
         residual_len=layer.n_res,
-        extra=extra, packed_valid=pvalid, balancer=bal, key_mask=key_mask)
+        extra=extra, packed_valid=pvalid, balancer=layer.balancer, key_mask=key_mask)
     return out.transpose(1, 2), None
 
 

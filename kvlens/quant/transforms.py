@@ -101,13 +101,11 @@ OUTLIER_SCOPES = ("per-token", "per-channel")
 @dataclass(frozen=True)
 class SparseOutliers:
     """Full-precision outliers kept beside a quantized tensor: int64 ``indices`` along ``dim``
-    (ascending; ``x``'s shape with ``dim`` of size k), their original ``values``, and the full
-    ``shape``."""
+    (ascending; ``x``'s shape with ``dim`` of size k) and their original ``values``."""
 
     indices: torch.Tensor
     values: torch.Tensor
     dim: int
-    shape: tuple[int, ...]
 
     def scatter_into(self, dense: torch.Tensor) -> torch.Tensor:
         """``dense`` with the outlier positions *overwritten* by the stored values."""
@@ -143,11 +141,11 @@ def split_outliers(x: torch.Tensor, fraction: float, dim: int = -1
     k = outlier_count(x.shape[dim], fraction)
     if k == 0:
         empty = x.new_zeros(*x.shape[:dim], 0, *x.shape[dim + 1 :])
-        return x, SparseOutliers(empty.long(), empty, dim, tuple(x.shape))
+        return x, SparseOutliers(empty.long(), empty, dim)
     idx = x.abs().topk(k, dim=dim).indices.sort(dim=dim).values
     values = x.gather(dim, idx)
     dense = x.scatter(dim, idx, torch.zeros_like(values))
-    return dense, SparseOutliers(idx, values, dim, tuple(x.shape))
+    return dense, SparseOutliers(idx, values, dim)
 
 
 def quantize_with_outliers(x: torch.Tensor, spec: QuantSpec, fraction: float,
