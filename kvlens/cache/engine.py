@@ -6,11 +6,8 @@ then returns the whole held history read back, so the model's attention attends 
 what the engine's reads (llama.cpp ``cpy_k``/``cpy_v`` then ``build_attn_mha``; vLLM
 ``reshape_and_cache`` then attention over the paged cache).
 
-``EngineStore`` holds per token and KV head exactly what the engine holds (part names of
-``kvlens.cache.layout``; bytes predicted by ``engine_layer_bytes``): ggml block bytes
-(``blocks``); static fp8 codes and the layer's float32 scale(s); per-token-head packed codes and
-a float32 scale per token and head; ``fp8_ds_mla`` latent codes, tile scales and bfloat16 RoPE
-channels; or the plain tensor (``dense``). llama.cpp's rotated types store ``x R``
+``EngineStore`` holds per token and KV head exactly what the engine holds (by part, as
+``kvlens.cache.layout.engine_tensor_bytes`` predicts). llama.cpp's rotated types store ``x R``
 (``kvlens.quant.formats.engine_rotation``) and read back ``Q(x R) R^T``; the matrices live on
 the session, as llama.cpp keeps them outside its KV buffer. Sliding layers keep the last ``W -
 1`` tokens; attention reads the mask's columns of the returned positions (``read_start`` on).

@@ -4,15 +4,10 @@ every flush (semantics: ``kvlens.quant.reference.quantize_hqq_strided``).
 
 What the real layer does (transformers 5.24 ``HQQQuantizedLayer`` over hqq 0.2.8
 ``Quantizer.quantize(..., axis=0, optimize=True)``; docs/lab-notes/transformers-caches.md):
-it keeps one quantized tensor ``[B, H, T, D]`` per layer and tensor; the row-major tensor is
-viewed as ``[G, numel / G]``, so each group holds ``G`` elements ``numel / G`` apart (one
-channel, strided over batch rows, heads and the whole history), with a min/max grid whose zero
-HQQ's solver refines; at every window flush the history is dequantized, the flushed tokens
-appended and everything quantized again, so the groups change and the error compounds.
-
-The store does the same: at a flush it dequantizes what it holds, appends the flushed tokens and
-quantizes them all as one tensor, batch rows included (as the real layer does: its groups span
-them). It keeps the tokens a sliding-window layer no longer sees (``keeps_evicted``: the real
+it keeps one quantized tensor ``[B, H, T, D]`` per layer and tensor, in hqq's strided groups
+(one channel over batch rows, heads and the whole history); at every window flush the history is
+dequantized, the flushed tokens appended and everything quantized again, so the groups change and
+the error compounds. The store does the same, batch rows included. It keeps the tokens a sliding-window layer no longer sees (``keeps_evicted``: the real
 layers keep them, and their drifting re-quantized values widen the groups; the mask hides them).
 Appends and drops between two reads are one re-quantization: the store re-quantizes lazily, at the
 next read, byte count or batch selection after its tokens changed. Held: codes packed along

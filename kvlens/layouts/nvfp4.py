@@ -1,11 +1,7 @@
 """NVFP4 history: the 4-bit float KV cache of vLLM, SGLang and TensorRT-LLM (``nvfp4``) as a
-storage layout (semantics: ``kvlens.quant.fp4.quantize_nvfp4``).
-
-Per token and KV head, each block of 16 channels stores 16 E2M1 codes (8 bytes, part
-``codes``) and one E4M3 block-scale byte (part ``scales``): 4.5 bits per element. The
-per-tensor float32 ``global_scale`` is the spec's (one per layer for keys, one for values: the
-checkpoint's ``k_scale`` / ``v_scale``, which the engines load as model parameters; 1.0 when
-the checkpoint has none), so it is not part of the cache's held bytes. JSON:
+block-float layout (semantics: ``kvlens.quant.fp4.quantize_nvfp4``): 4.5 bits per element. The
+per-tensor ``global_scale`` is the spec's (the checkpoint's ``k_scale`` / ``v_scale``, which the
+engines load as model parameters), so it is not part of the cache's held bytes. JSON:
 ``{"layout": "nvfp4", "global_scale": 1.0}``.
 """
 
