@@ -232,13 +232,12 @@ class CompressedLayer(HistoryLayer):
         self.write_first = write_first and bool(self.flush_every)
 
     def _store(self, spec, head_dim: int, scale_dtype: str, fp) -> Store:
-        """The history store of one tensor: its layout's (``kvlens.layouts``), or full
-        precision at ``fp`` when ``spec`` is ``None``."""
+        """The history store of one tensor: its layout's (``kvlens.layouts``; the spec was
+        checked against the layer by ``kvlens.config.validate_for``), or full precision at ``fp``
+        when ``spec`` is ``None``."""
         if spec is None:
             return DenseTensor(fp)
-        layout = layout_of(spec)
-        layout.check(self.setting.residual_tokens, head_dim, flush_tokens=self.setting.flush_tokens)
-        return layout.new_store(head_dim, self.flush_every, scale_dtype)
+        return layout_of(spec).new_store(head_dim, self.flush_every, scale_dtype)
 
     # -- transformers interface -----------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
