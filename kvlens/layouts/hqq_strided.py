@@ -7,10 +7,11 @@ What the real layer does (transformers 5.24 ``HQQQuantizedLayer`` over hqq 0.2.8
 it keeps one quantized tensor ``[B, H, T, D]`` per layer and tensor, in hqq's strided groups
 (one channel over batch rows, heads and the whole history); at every window flush the history is
 dequantized, the flushed tokens appended and everything quantized again, so the groups change and
-the error compounds. The store does the same, batch rows included. It keeps the tokens a sliding-window layer no longer sees (``keeps_evicted``: the real
-layers keep them, and their drifting re-quantized values widen the groups; the mask hides them).
-Appends and drops between two reads are one re-quantization: the store re-quantizes lazily, at the
-next read, byte count or batch selection after its tokens changed. Held: codes packed along
+the error compounds. The store does the same, batch rows included. It keeps the tokens a
+sliding-window layer no longer sees (``keeps_evicted``: the real layers keep them, and their
+drifting re-quantized values widen the groups; the mask hides them). Appends and drops between
+two reads are one re-quantization: the store re-quantizes lazily, at the next read, byte count or
+batch selection after its tokens changed. Held: codes packed along
 channels ``[B, H, T, packed_length(D, b)]`` (part ``codes``) and each group's scale and zero at the
 config's ``scale_dtype`` (parts ``scales``, ``zeros``; ``T * D / G`` each per batch row and head,
 which ``check`` keeps whole: ``G`` must divide ``F * D``). JSON: ``{"layout": "hqq-strided",

@@ -4,13 +4,13 @@ why: docs/recommend.md#8-bit-group-metadata)::
     scale  s = 2 ** ((e - 128) / 8)     e: uint8, 0..255 (s from 2^-16 to 2^15.875, 9% steps)
     zero   z = n * u * s                n: int8, -128..127; u = 2 ** (max(bits, 3) - 5)
 
-Dequantization is unchanged, ``x_hat = code * s + z``. ``fake_quantize`` reads a tensor back as a
-cache storing its group metadata in 8 bits or as floats gives it (analysis, recommend, the
-transforms and the uniform layout's reference call this one function). ``quantize_meta8`` tries the stored
-pairs near the reference's fitted ``(scale, zero)`` (``E_OFFSETS`` scale steps, ``N_OFFSETS``
-zero units; the scale raised first so that ``|zero| <= 127 u s``), codes each against its own
-grid, and stores the pair with the least squared error: the codes are always those of the
-stored grid (``tests/test_meta8.py`` bounds the error against the float32 grid's).
+Dequantization is unchanged, ``x_hat = code * s + z``. ``quantize_meta8`` tries the stored pairs
+near the reference's fitted ``(scale, zero)`` (``E_OFFSETS`` scale steps, ``N_OFFSETS`` zero
+units; the scale raised first so that ``|zero| <= 127 u s``), codes each against its own grid,
+and stores the pair with the least squared error: the codes are always those of the stored grid
+(``tests/test_meta8.py`` bounds the error against the float32 grid's). ``fake_quantize`` reads a
+tensor back as a cache storing its group metadata in 8 bits or as floats gives it (analysis,
+recommend, the transforms and the uniform layout's reference call this one function).
 """
 
 from __future__ import annotations
