@@ -130,21 +130,21 @@ def _assert_stored_like_reference(codes, scales, rope, back, x):
 def test_quantize_matches_the_reference_bit_for_bit(shape):
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[2])) * 2.5
     x[..., -1] = 0.3  # a float32 value bf16 cannot hold: the row is rounded first
-    rows = quantize_ds_mla(x)
+    codes, scales, rope_part = quantize_ds_mla(x)
     rope = shape[-1] % 128
-    assert rows.codes.dtype == torch.uint8 and rows.codes.shape == (*shape[:-1], shape[-1] - rope)
-    assert rows.scales.dtype == torch.float32 and rows.rope.dtype == torch.bfloat16
-    back = dequantize_ds_mla(rows)
-    _assert_stored_like_reference(rows.codes, rows.scales, rows.rope, back, x)
+    assert codes.dtype == torch.uint8 and codes.shape == (*shape[:-1], shape[-1] - rope)
+    assert scales.dtype == torch.float32 and rope_part.dtype == torch.bfloat16
+    back = dequantize_ds_mla(codes, scales, rope_part)
+    _assert_stored_like_reference(codes, scales, rope_part, back, x)
     assert torch.equal(fake_quantize_format(x, parse_format("fp8_ds_mla")), back)
 
 
 def test_planted_tiles():
     x = _planted()
     rows = quantize_ds_mla(x)
-    back = dequantize_ds_mla(rows)
-    _assert_stored_like_reference(rows.codes, rows.scales, rows.rope, back, x)
-    s, codes = rows.scales[0, 0, 0], rows.codes[0, 0, 0].view(4, 128)
+    back = dequantize_ds_mla(*rows)
+    _assert_stored_like_reference(*rows, back, x)
+    s, codes = rows[1][0, 0, 0], rows[0][0, 0, 0].view(4, 128)
     lat_in, lat_out = x[0, 0, 0, 64:].view(4, 128), back[0, 0, 0, 64:].view(4, 128)
     assert s[0] == FLT_MIN and not codes[0].any() and not lat_out[0].any()  # zero tile
     assert codes[1, 5] == 0x7E and lat_out[1, 5] == 9984.0  # bf16(1e4), saturating code 448

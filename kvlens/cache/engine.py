@@ -22,7 +22,7 @@ from kvlens.cache.layer import LAYER_ATTR, HistoryLayer, held_columns
 from kvlens.layouts.protocol import TensorStore
 from kvlens.quant import QuantSpec, pack_codes, quantize, unpack_codes
 from kvlens.quant.cachetypes import CacheType, DenseType, needs_scales, scale_count
-from kvlens.quant.ds_mla import DsMlaRows, dequantize_ds_mla, quantize_ds_mla
+from kvlens.quant.ds_mla import dequantize_ds_mla, quantize_ds_mla
 from kvlens.quant.formats import rotate_rows
 from kvlens.quant.fp8 import FP8_MAX, fp8_decode, fp8_encode
 from kvlens.quant.ggml import GGMLBlocks, dequantize_ggml, quantize_ggml
@@ -75,8 +75,7 @@ class EngineStore(TensorStore):
             scale = self.static_scale.to(x.device)
             return fp8_encode(x, scale, self.fmt.fp8, self.fmt.rounding), None, None
         if self.family == "ds-mla":
-            rows = quantize_ds_mla(x)
-            return rows.codes, rows.scales, rows.rope
+            return quantize_ds_mla(x)
         # dynamic per-token-head
         if self.fmt.kind == "fp8":
             s = x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX["e4m3"]
@@ -98,7 +97,7 @@ class EngineStore(TensorStore):
         if self.family == "fp8":
             return fp8_decode(self.data, self.static_scale.to(self.data.device))
         if self.family == "ds-mla":
-            return dequantize_ds_mla(DsMlaRows(self.data, self.scales, self.rope))
+            return dequantize_ds_mla(self.data, self.scales, self.rope)
         if self.fmt.kind == "fp8":
             return fp8_decode(self.data, self.scales)
         bits = self.fmt.code_bits

@@ -6,8 +6,8 @@ Per token, as vLLM's ``concat_and_cache_ds_mla_kernel`` writes it: the row round
 the latent in tiles of ``TILE`` channels, each with a float32 scale ``s = max(amax(|x|) / 448,
 FLT_MIN)`` and fp8 e4m3 codes ``fp8(x / s)`` (saturating, round-to-nearest-even); the RoPE
 channels kept as bfloat16. Read back: ``bf16(code * s)``. kvlens's latent row is ``[k_pe ; c]``
-(``kvlens.model.mla``), so the leading ``D mod TILE`` channels are the RoPE part. ``DsMlaRows``
-holds vLLM's ``[codes][scales][rope]`` bytes as three tensors.
+(``kvlens.model.mla``), so the leading ``D mod TILE`` channels are the RoPE part. vLLM's
+``[codes][scales][rope]`` bytes are held as three tensors.
 """
 
 from __future__ import annotations
@@ -67,19 +67,10 @@ class DsMlaFormat:
 DS_MLA = DsMlaFormat()
 
 
-@dataclass(frozen=True, eq=False)
-class DsMlaRows:
-    """What the cache holds for rows ``[..., D]``: ``codes`` uint8 fp8-e4m3 bit patterns
-    ``[..., latent]``, ``scales`` float32 ``[..., latent / TILE]``, ``rope`` bfloat16
-    ``[..., rope]``."""
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-    rope: torch.Tensor
-
-
-def quantize_ds_mla(x: torch.Tensor) -> DsMlaRows:
-    """Rows ``x`` ``[..., D]`` (any float dtype) -> what vLLM's kernel writes for them."""
+def quantize_ds_mla(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows ``x`` ``[..., D]`` (any float dtype) -> what vLLM's kernel writes for them, ``(codes,
+    scales, rope)``: uint8 fp8-e4m3 bit patterns ``[..., latent]``, float32 ``[..., latent /
+    TILE]``, bfloat16 ``[..., rope]``."""
     rope_dim, latent = DS_MLA.split(x.shape[-1])
     lead = tuple(x.shape[:-1])
     row = x.detach().to(torch.bfloat16)  # the kernel's input dtype
@@ -87,19 +78,15 @@ def quantize_ds_mla(x: torch.Tensor) -> DsMlaRows:
     # float32 division, then the kernel's floor (an all-zero tile gets FLT_MIN, codes 0)
     scales = torch.clamp_min(tiles.abs().amax(dim=-1) / FP8_MAX, FLT_MIN)
     codes = (tiles / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return DsMlaRows(codes.view(torch.uint8).reshape(*lead, latent), scales,
-                     row[..., :rope_dim].contiguous())
+    return codes.view(torch.uint8).reshape(*lead, latent), scales, row[..., :rope_dim].contiguous()
 
 
-def dequantize_ds_mla(rows: DsMlaRows) -> torch.Tensor:
-    """float32 ``[..., D]``: the RoPE channels as stored, then ``bf16(code * scale)``."""
-    lead = tuple(rows.codes.shape[:-1])
-    n = rows.scales.shape[-1]
-    codes = rows.codes.view(torch.float8_e4m3fn).float().reshape(*lead, n, TILE)
-    latent = (codes * rows.scales[..., None]).to(torch.bfloat16).float()
-    return torch.cat((rows.rope.float(), latent.reshape(*lead, n * TILE)), dim=-1)
-
-
-def fake_quantize_ds_mla(x: torch.Tensor) -> torch.Tensor:
-    """What attention reads back from an ``fp8_ds_mla`` cache of rows ``x``, float32."""
-    return dequantize_ds_mla(quantize_ds_mla(x))
+def dequantize_ds_mla(codes: torch.Tensor, scales: torch.Tensor, rope: torch.Tensor
+                      ) -> torch.Tensor:
+    """float32 ``[..., D]`` of ``quantize_ds_mla``'s rows: the RoPE channels as stored, then
+    ``bf16(code * scale)``."""
+    lead = tuple(codes.shape[:-1])
+    n = scales.shape[-1]
+    latent = codes.view(torch.float8_e4m3fn).float().reshape(*lead, n, TILE)
+    latent = (latent * scales[..., None]).to(torch.bfloat16).float()
+    return torch.cat((rope.float(), latent.reshape(*lead, n * TILE)), dim=-1)

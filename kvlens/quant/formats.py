@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from kvlens.errors import ConfigError
-from kvlens.quant.ds_mla import DS_MLA, DsMlaFormat, fake_quantize_ds_mla
+from kvlens.quant.ds_mla import DS_MLA, DsMlaFormat, dequantize_ds_mla, quantize_ds_mla
 from kvlens.quant.fp8 import (
     STATIC_SCOPES,
     TOKEN_HEAD_KINDS,
@@ -230,7 +230,7 @@ def fake_quantize_format(
             scale = calibrate_scale(x, fmt)
         out = fp8_round_trip(x, scale.to(x.device), fmt.fp8, fmt.rounding)
     elif fmt.family == "ds-mla":
-        out = fake_quantize_ds_mla(x)
+        out = dequantize_ds_mla(*quantize_ds_mla(x))
     else:
         out = fake_quantize_token_head(x, fmt)
     return rotate_rows(out, r.T) if r is not None else out
