@@ -13,9 +13,7 @@ from kvlens.config import BlockFloatSetting, CacheDtypeSetting, parse_engine_set
 from kvlens.config.engine import allowed_settings, measured_cache_type
 from kvlens.deploy.presets import engine_config
 from kvlens.errors import ConfigError
-from kvlens.layouts.fp4_e2m1 import Fp4E2M1
-from kvlens.layouts.mxfp8 import MxFp8
-from kvlens.layouts.nvfp4 import NvFp4
+from kvlens.layouts.blockfloat import Fp4E2M1, MxFp8, NvFp4
 
 NAMES = ["vllm:nvfp4", "vllm:nvfp4:s0.5:skip=0,3", "sglang:nvfp4", "sglang:nvfp4:s2",
          "sglang:fp4_mx_block16", "sglang:mxfp8", "trtllm:nvfp4", "trtllm:nvfp4:s0.001",

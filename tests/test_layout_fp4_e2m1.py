@@ -1,7 +1,7 @@
-"""SGLang's ``fp4_e2m1`` layout (``kvlens.layouts.fp4_e2m1``): its bytes against a float64
-reference written from SGLang's definition (block exponent ``ceil(log2(amax / 6))``, codes by
-midpoints reached, ties up), its store against its reference, and a cache of a small model that
-generates with it and holds exactly its predicted bytes."""
+"""SGLang's ``fp4_e2m1`` layout (``kvlens.layouts.blockfloat.Fp4E2M1``): its bytes against a
+float64 reference written from SGLang's definition (block exponent ``ceil(log2(amax / 6))``,
+codes by midpoints reached, ties up), its store against its reference, and a cache of a small
+model that generates with it and holds exactly its predicted bytes."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from layout_checks import check_generating_cache, check_streaming_store, outlier
 from kvlens.config import KVConfig, LayerKV, config_from_dict
 from kvlens.errors import ConfigError
 from kvlens.layouts import Layout, layout_of
-from kvlens.layouts.fp4_e2m1 import Fp4E2M1
+from kvlens.layouts.blockfloat import Fp4E2M1
 from kvlens.quant.fp4 import quantize_fp4_e2m1
 
 MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)

@@ -1,7 +1,7 @@
-"""The MXFP8 layout (``kvlens.layouts.mxfp8``, SGLang's ``mxfp8`` KV cache), added through the
-layout protocol alone: its bytes against torchao's MX reference (``to_mx``) and an independent
-E4M3/E8M0 reference, its store against its reference, and a config naming it read, validated,
-run, priced and counted by the rest of kvlens unchanged."""
+"""The MXFP8 layout (``kvlens.layouts.blockfloat.MxFp8``, SGLang's ``mxfp8`` KV cache), added
+through the layout protocol alone: its bytes against torchao's MX reference (``to_mx``) and an
+independent E4M3/E8M0 reference, its store against its reference, and a config naming it read,
+validated, run, priced and counted by the rest of kvlens unchanged."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from torchao.prototype.mx_formats.mx_tensor import to_mx
 from kvlens.config import KVConfig, LayerKV, config_from_dict, load_config, save_config
 from kvlens.errors import ConfigError
 from kvlens.layouts import Layout, kinds, layout_of
-from kvlens.layouts.mxfp8 import MxFp8
+from kvlens.layouts.blockfloat import MxFp8
 from kvlens.quant.mxfp8 import quantize_mxfp8
 
 

@@ -1,7 +1,7 @@
-"""The NVFP4 layout (``kvlens.layouts.nvfp4``, semantics ``kvlens.quant.fp4``): its bytes bit for
-bit against torchao's NVFP4 reference quantizer and against a float64 reference written from
-the bit fields, its store against its reference, and a config naming it read, run and counted
-by the rest of kvlens with exactly the predicted bytes."""
+"""The NVFP4 layout (``kvlens.layouts.blockfloat.NvFp4``, semantics ``kvlens.quant.fp4``): its
+bytes bit for bit against torchao's NVFP4 reference quantizer and against a float64 reference
+written from the bit fields, its store against its reference, and a config naming it read, run
+and counted by the rest of kvlens with exactly the predicted bytes."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def test_read_back_is_code_times_scales():
 
 
 def test_store_reads_back_the_reference_and_streams():
-    from kvlens.layouts.nvfp4 import NvFp4
+    from kvlens.layouts.blockfloat import NvFp4
 
     layout = layout_of(NvFp4(0.02))
     assert isinstance(layout, Layout) and "nvfp4" in kinds()
@@ -98,7 +98,7 @@ def test_store_reads_back_the_reference_and_streams():
 
 
 def _config(g: float = 1.0) -> KVConfig:
-    from kvlens.layouts.nvfp4 import NvFp4
+    from kvlens.layouts.blockfloat import NvFp4
 
     return KVConfig("nvfp4", LayerKV(NvFp4(g), NvFp4(g / 2), residual_tokens=8))
 

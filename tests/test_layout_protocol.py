@@ -18,9 +18,7 @@ from kvlens.layouts import (
     layout_of,
     reference,
 )
-from kvlens.layouts.fp4_e2m1 import Fp4E2M1
-from kvlens.layouts.mxfp8 import MxFp8
-from kvlens.layouts.nvfp4 import NvFp4
+from kvlens.layouts.blockfloat import Fp4E2M1, MxFp8, NvFp4
 from kvlens.quant import CodebookSpec, QuantSpec
 from kvlens.quant.cachetypes import parse_cache_type
 

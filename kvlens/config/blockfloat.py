@@ -14,9 +14,7 @@ from dataclasses import dataclass, field
 
 from kvlens.config.schema import KVConfig, LayerKV
 from kvlens.errors import ConfigError, is_int
-from kvlens.layouts.fp4_e2m1 import Fp4E2M1
-from kvlens.layouts.mxfp8 import MxFp8
-from kvlens.layouts.nvfp4 import NvFp4
+from kvlens.layouts.blockfloat import Fp4E2M1, MxFp8, NvFp4
 
 #: the block-float dtypes of each engine, as the engine spells them
 BLOCKFLOAT_DTYPES = {"vllm": ("nvfp4",), "sglang": ("nvfp4", "fp4_mx_block16", "mxfp8"),
