@@ -1,15 +1,7 @@
-"""Quantization reference library: the one definition of KV-cache quantization semantics.
+"""Quantization reference library: the one definition of KV-cache quantization semantics, in
+plain torch (tensors are ``[B, H, T, D]`` at every public function; each module says what it
+owns, docs/internals/architecture.md lists them)."""
 
-Tensors are ``[B, H, T, D]`` at every public function. ``spec`` says what shares a scale,
-``reference`` quantizes/dequantizes, ``packing`` stores codes in bytes, ``transforms`` adds
-pre-RoPE keys, the MiKV balancer and dense-and-sparse outliers, ``rotation`` the orthonormal
-Hadamard rotation along ``head_dim``, ``codebook`` non-uniform (codebook) codes of rotated
-coordinates with one norm per vector (vLLM TurboQuant's keys), ``meta8`` 8-bit group metadata
-and ``fake_quantize`` (what a cache reads back), and the engines' own cache formats: ``ggml``
-(llama.cpp's blocks), ``fp8`` (static fp8 and per-token-head), ``formats`` (a format with the
-engine's rotation, names, the read-back entry point) and ``cachetypes`` (what a config stores
-per tensor).
-"""
 from kvlens.quant.codebook import (
     Codebook,
     CodebookSpec,
