@@ -157,7 +157,7 @@ def test_codebook_values_are_refused_as_removed():
 
 def test_cache_store_drops_whole_blocks_and_selects_batch_rows():
     spec = CodebookSpec(2)
-    store = CodebookStore.for_cache(spec, 16, block=4)
+    store = layout_of(spec).new_store(16, 4)
     assert store.spec.rotation is None and store.codebook is computed_codebook(spec, 16)
     x = torch.randn(3, 2, 12, 16)
     store.append(x)

@@ -2,7 +2,7 @@
 
 ``CodebookStore`` holds one layer's keys as ``kvlens.quant.codebook`` codes them. In the cache
 the layer rotates (window and store hold ``k R``, the query is rotated once), so the store
-codes with ``rotation=None`` (``for_cache``), and ``key_scores`` applies each vector's scale
+codes with ``rotation=None`` (``Codebooked.new_store``), and ``key_scores`` applies each vector's scale
 ``n / sqrt(D)`` (renormalised: ``n / ||c||``) to its score: ``s_t * ((q R) · c[code_t])``.
 """
 
@@ -44,13 +44,6 @@ class CodebookStore(TensorStore):
         self.packed: torch.Tensor | None = None
         self.norms: torch.Tensor | None = None
 
-    @classmethod
-    def for_cache(cls, spec: CodebookSpec, head_dim: int, block: int) -> CodebookStore:
-        """The key store of a cache layer: codes the layer's (already rotated) vectors with
-        ``spec`` less its rotation and the computed codebook for ``head_dim``."""
-        return cls(replace(spec, rotation=None), computed_codebook(spec, head_dim), head_dim,
-                   block)
-
     def append(self, x: torch.Tensor) -> None:
         """Code ``x`` ``[B, H, t, D]`` (original basis) and append it along tokens."""
         if x.dim() != 4 or x.shape[-1] != self.head_dim:
@@ -77,21 +70,16 @@ class CodebookStore(TensorStore):
 
     def key_scores(self, q: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
         """Queries ``q`` ``[B, H, M, D]`` (rotated basis, scaling folded in) against the coded keys
-        ``[t0, t1)``: ``s_t * (q . c[code_t])`` ``[B, H, M, t1 - t0]``, no dequantized key."""
-        c, sk = self.chunk(t0, t1)
-        return torch.matmul(q, c.transpose(-1, -2)).mul_(sk[:, :, None, :])
-
-    # -- folded reads --------------------------------------------------------------------------
-    def chunk(self, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(c, s)`` for tokens ``[t0, t1)``: centroids of the codes ``[B, H, C, D]`` float32
-        (rotated basis) and each vector's scale ``s`` ``[B, H, C]`` (``y_hat = s * c``)."""
+        ``[t0, t1)``: ``s_t * (q . c[code_t])`` ``[B, H, M, t1 - t0]``, no dequantized key
+        (``c``: the centroids of the codes ``[B, H, C, D]``, ``s`` each vector's scale)."""
         codes = unpack_codes(self.packed[:, :, t0:t1], self.spec.bits, self.head_dim, dim=-1)
         c = self.codebook.decode(codes)
         if self.spec.renormalize:
             inv = 1.0 / c.norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)
         else:
             inv = torch.full(c.shape[:-1], 1.0 / math.sqrt(self.head_dim), device=c.device)
-        return c, self.norms[:, :, t0:t1].float() * inv
+        sk = self.norms[:, :, t0:t1].float() * inv
+        return torch.matmul(q, c.transpose(-1, -2)).mul_(sk[:, :, None, :])
 
 
 @dataclass(frozen=True)
@@ -114,7 +102,9 @@ class Codebooked(SpecLayout):
         return fake_quantize_codebook(x, self.spec)
 
     def new_store(self, head_dim: int, block: int, scale_dtype: str = "float16"):
-        return CodebookStore.for_cache(self.spec, head_dim, block)
+        """Codes the layer's (already rotated) vectors: the spec less its rotation."""
+        return CodebookStore(replace(self.spec, rotation=None),
+                             computed_codebook(self.spec, head_dim), head_dim, block)
 
     def part_bytes(self, tokens: int, head_dim: int, block: int,
                    scale_dtype: str = "float16") -> dict[str, int]:
