@@ -20,11 +20,10 @@ import torch
 from kvlens.cache import layout
 from kvlens.cache.layer import LAYER_ATTR, HistoryLayer, held_columns
 from kvlens.layouts.protocol import TensorStore
-from kvlens.quant import QuantSpec, pack_codes, quantize, unpack_codes
 from kvlens.quant.cachetypes import CacheType, DenseType, needs_scales, scale_count
 from kvlens.quant.ds_mla import dequantize_ds_mla, quantize_ds_mla
 from kvlens.quant.formats import rotate_rows
-from kvlens.quant.fp8 import FP8_MAX, fp8_decode, fp8_encode
+from kvlens.quant.fp8 import dequantize_token_head, fp8_decode, fp8_encode, quantize_token_head
 from kvlens.quant.ggml import GGMLBlocks, dequantize_ggml, quantize_ggml
 from kvlens.quant.llamacpp_cpu import attend as llamacpp_attend
 
@@ -76,12 +75,7 @@ class EngineStore(TensorStore):
             return fp8_encode(x, scale, self.fmt.fp8, self.fmt.rounding), None, None
         if self.family == "ds-mla":
             return quantize_ds_mla(x)
-        # dynamic per-token-head
-        if self.fmt.kind == "fp8":
-            s = x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX["e4m3"]
-            return fp8_encode(x, s, "e4m3"), s, None
-        q = quantize(x.float(), QuantSpec(self.fmt.code_bits, "per-token", None, True))
-        return pack_codes(q.codes, self.fmt.code_bits), q.scale, None
+        return (*quantize_token_head(x, self.fmt), None)  # dynamic per-token-head
 
     def append(self, x: torch.Tensor) -> None:
         self.extend(*self.encode(x))
@@ -98,13 +92,7 @@ class EngineStore(TensorStore):
             return fp8_decode(self.data, self.static_scale.to(self.data.device))
         if self.family == "ds-mla":
             return dequantize_ds_mla(self.data, self.scales, self.rope)
-        if self.fmt.kind == "fp8":
-            return fp8_decode(self.data, self.scales)
-        bits = self.fmt.code_bits
-        qmax = (1 << (bits - 1)) - 1
-        codes = unpack_codes(self.data, bits, self.head_dim)
-        # the reference's x_hat = code * scale + zero with zero = -qmax * scale
-        return codes.float() * self.scales + (-qmax * self.scales)
+        return dequantize_token_head(self.data, self.scales, self.fmt, self.head_dim)
 
     def dequantize_range(self, t0: int, t1: int) -> torch.Tensor:
         """Tokens ``[t0, t1)`` of ``read()`` (``kvlens.layouts.Store``)."""

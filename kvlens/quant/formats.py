@@ -36,8 +36,9 @@ from kvlens.quant.fp8 import (
     FP8Format,
     TokenHeadFormat,
     calibrate_scale,
-    fake_quantize_token_head,
+    dequantize_token_head,
     fp8_round_trip,
+    quantize_token_head,
 )
 from kvlens.quant.ggml import GGML_FORMATS, GGMLBlockFormat, dequantize_ggml, quantize_ggml
 from kvlens.quant.reference import check_tensor
@@ -232,5 +233,5 @@ def fake_quantize_format(
     elif fmt.family == "ds-mla":
         out = dequantize_ds_mla(*quantize_ds_mla(x))
     else:
-        out = fake_quantize_token_head(x, fmt)
+        out = dequantize_token_head(*quantize_token_head(x, fmt), fmt, x.shape[-1])
     return rotate_rows(out, r.T) if r is not None else out

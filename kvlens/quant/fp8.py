@@ -36,7 +36,8 @@ from dataclasses import dataclass
 import torch
 
 from kvlens.errors import ConfigError, InputError
-from kvlens.quant.meta8 import fake_quantize
+from kvlens.quant.packing import pack_codes, unpack_codes
+from kvlens.quant.reference import quantize
 from kvlens.quant.spec import QuantSpec
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -217,11 +218,24 @@ def calibrate_scale(x: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
     return (level / FP8_MAX[fmt.fp8]).reshape(1, -1, 1, 1)
 
 
-def fake_quantize_token_head(x: torch.Tensor, fmt: TokenHeadFormat) -> torch.Tensor:
-    """Dynamic per-token-head round trip, float32 ``[B, H, T, D]``: the integer kinds through
-    the reference's symmetric per-token grid, fp8 with ``s = absmax / 448`` per token-head."""
+def quantize_token_head(x: torch.Tensor, fmt: TokenHeadFormat
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, scales)`` a cache holds for ``x`` ``[B, H, T, D]``: fp8 codes with ``s = absmax
+    / 448``, or the integer codes of the reference's symmetric per-token grid packed along
+    channels; float32 scales ``[B, H, T, 1]``."""
+    x = x.detach().float()
     if fmt.kind == "fp8":
-        scale = x.detach().float().abs().amax(dim=-1, keepdim=True) / FP8_MAX["e4m3"]
-        return fp8_round_trip(x, scale, "e4m3")
+        scale = x.abs().amax(dim=-1, keepdim=True) / FP8_MAX["e4m3"]
+        return fp8_encode(x, scale, "e4m3"), scale
+    q = quantize(x, QuantSpec(fmt.code_bits, "per-token", None, True))
+    return pack_codes(q.codes, fmt.code_bits), q.scale
 
-    return fake_quantize(x.detach().float(), QuantSpec(fmt.code_bits, "per-token", None, True))
+
+def dequantize_token_head(codes: torch.Tensor, scales: torch.Tensor, fmt: TokenHeadFormat,
+                          head_dim: int) -> torch.Tensor:
+    """float32 ``[B, H, T, D]`` of ``quantize_token_head``'s codes: the reference's ``code *
+    scale + zero`` with ``zero = -qmax * scale`` for the integer kinds."""
+    if fmt.kind == "fp8":
+        return fp8_decode(codes, scales)
+    qmax = (1 << (fmt.code_bits - 1)) - 1
+    return unpack_codes(codes, fmt.code_bits, head_dim).float() * scales + (-qmax * scales)
