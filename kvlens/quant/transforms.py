@@ -95,9 +95,6 @@ def _gqa_groups(q: torch.Tensor, k: torch.Tensor) -> int:
 
 # -- dense-and-sparse outliers ------------------------------------------------------------
 
-OUTLIER_SCOPES = ("per-token", "per-channel")
-
-
 @dataclass(frozen=True)
 class SparseOutliers:
     """Full-precision outliers kept beside a quantized tensor: int64 ``indices`` along ``dim``
@@ -121,15 +118,6 @@ def outlier_count(length: int, fraction: float) -> int:
     return math.ceil(round(fraction * length, 9))
 
 
-def _outlier_dim(scope: str | None, spec: QuantSpec) -> int:
-    """The dim outlier vectors of ``scope`` run along: per-token -> channels (-1), per-channel
-    -> tokens (-2); by default the vectors ``spec`` groups along (per-tensor: per-token)."""
-    scope = scope or ("per-channel" if spec.granularity == "per-channel" else "per-token")
-    if scope not in OUTLIER_SCOPES:
-        raise ConfigError(f"Unknown outlier scope {scope!r}; allowed: {', '.join(OUTLIER_SCOPES)}.")
-    return -1 if scope == "per-token" else -2
-
-
 def split_outliers(x: torch.Tensor, fraction: float, dim: int = -1
                    ) -> tuple[torch.Tensor, SparseOutliers]:
     """Keep the ``outlier_count(n, fraction)`` largest-magnitude entries of every vector along
@@ -148,11 +136,11 @@ def split_outliers(x: torch.Tensor, fraction: float, dim: int = -1
     return dense, SparseOutliers(idx, values, dim)
 
 
-def quantize_with_outliers(x: torch.Tensor, spec: QuantSpec, fraction: float,
-                           scope: str | None = None) -> torch.Tensor:
-    """Dense-and-sparse reconstruction ``[B, H, T, D]`` float32: outliers (``fraction`` per
-    vector of ``scope``, default: the vectors ``spec`` groups along) exact, the rest quantized with
-    ``spec``. Outlier positions hold their exact values (not value + quantized zero)."""
-    dim = _outlier_dim(scope, spec)
+def quantize_with_outliers(x: torch.Tensor, spec: QuantSpec, fraction: float) -> torch.Tensor:
+    """Dense-and-sparse reconstruction ``[B, H, T, D]`` float32: outliers (``fraction`` of each
+    vector ``spec`` groups along: a channel's tokens per-channel, else a token's channels)
+    exact, the rest quantized with ``spec``. Outlier positions hold their exact values (not
+    value + quantized zero)."""
+    dim = -2 if spec.granularity == "per-channel" else -1
     dense, outliers = split_outliers(x.float(), fraction, dim)
     return outliers.scatter_into(fake_quantize(dense, spec))
