@@ -41,24 +41,11 @@ class DecodeCost:
                 "unfused_layers": {str(k): v for k, v in self.unfused.items()}}
 
 
-def layer_read_bytes(setting, **kw) -> tuple[int, int]:
-    """``(read, torch_unpack)`` bytes of one decode step over one layer (module doc), with the
-    keywords of ``layout.layer_part_bytes``; a store shared by keys and values (MLA,
-    ``layout.shares_storage``) is read once."""
-    parts = layout.layer_part_bytes(setting, **kw)
-    d = kw["head_dim"]
-    one = layout.shares_storage(setting, kw["kv_shared"], d, balancer=kw["balancer"])
-    st = layout.stream_state(setting, kw["tokens"], kw["sliding_window"])
-    rows = kw["batch"] * kw["kv_heads"]
-    parts["window"] = (1 if one else 2) * rows * st.n_res * d * kw["fp_bytes"]  # filled only
-    quantized = 1 if one else sum(s is not None for s in (setting.key, setting.value))
-    return sum(parts.values()), 4 * rows * st.q_held * d * quantized
-
-
 def config_decode_cost(config, shape: layout.ModelShape, tokens: int, batch: int = 1
                        ) -> DecodeCost:
     """``DecodeCost`` of ``config`` on a model of ``shape`` (``kvlens.cache.layout.ModelShape``),
-    with the same per-layer rules as ``layout.config_part_bytes``."""
+    with the same per-layer rules as ``layout.config_part_bytes``; a store shared by keys and
+    values (MLA, ``layout.shares_storage``) is read once."""
     # bytes read per scale (and per zero) are the bytes held: the kernel reads 8-bit metadata
     # as bytes and decodes it in registers (docs/kernels.md)
     read = unpack = 0
@@ -66,9 +53,15 @@ def config_decode_cost(config, shape: layout.ModelShape, tokens: int, batch: int
     for i in shape.attention_layers:
         setting = config.layer(i)
         kw = layout.layer_arguments(config, shape, i, tokens, batch)
-        r, u = layer_read_bytes(setting, **kw)
-        read += r
-        unpack += u
+        parts = layout.layer_part_bytes(setting, **kw)
+        d = shape.head_dim
+        one = layout.shares_storage(setting, kw["kv_shared"], d, balancer=kw["balancer"])
+        st = layout.stream_state(setting, tokens, kw["sliding_window"])
+        rows = batch * kw["kv_heads"]
+        parts["window"] = (1 if one else 2) * rows * st.n_res * d * kw["fp_bytes"]  # filled only
+        read += sum(parts.values())
+        quantized = 1 if one else sum(s is not None for s in (setting.key, setting.value))
+        unpack += 4 * rows * st.q_held * d * quantized
         if setting.compressed:
             why = kernel_layout_problem(setting, shape.head_dim)
             policy = set_policy(kw["protect"])
