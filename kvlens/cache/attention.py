@@ -33,9 +33,10 @@ def _attention_sinks(module, kwargs: dict):
     return sinks if isinstance(sinks, torch.Tensor) else None
 
 
-def _note_torch(layer, reason: str) -> None:
+def _note_torch(layer, reason: str, backend: str) -> None:
+    """Under the triton backend, count a call that took the torch path, with its reason."""
     note = getattr(layer.session, "note_torch_path", None)
-    if note is not None:
+    if backend == "triton" and note is not None:
         note(reason)
 
 
@@ -73,8 +74,7 @@ def make_attention_fn(backend: str = "torch") -> Callable[[Callable], Callable]:
             softcap = float(kwargs.get("softcap") or 0.0)
             sinks = _attention_sinks(module, kwargs)
             if isinstance(layer, EngineLayer):  # an engine's own attention arithmetic
-                if use_triton:
-                    _note_torch(layer, "engine attention arithmetic")
+                _note_torch(layer, "engine attention arithmetic", backend)
                 return layer.attend(query, attention_mask, scaling, softcap=softcap,
                                     sinks=sinks).contiguous(), None
             # rotated keys: every stored key is k R, so the query is rotated once (q R)(k R)^T
@@ -83,8 +83,7 @@ def make_attention_fn(backend: str = "torch") -> Callable[[Callable], Callable]:
             out = colsum = None
             if layer.quantized_length == 0 and not layer.has_hp and not probs:
                 # Nothing compressed yet: exact attention with the model's own function.
-                if use_triton:
-                    _note_torch(layer, "nothing quantized yet (model's own attention)")
+                _note_torch(layer, "nothing quantized yet (model's own attention)", backend)
                 k = layer.res_k.view().to(query.dtype).contiguous()
                 v = layer.res_v.view().to(query.dtype).contiguous()
                 # a sliding layer dropped [0, res_start)
@@ -97,7 +96,7 @@ def make_attention_fn(backend: str = "torch") -> Callable[[Callable], Callable]:
                     if why is None:
                         out, why = triton_decode(query, layer, attention_mask, scaling)
                     if why is not None:
-                        _note_torch(layer, why)
+                        _note_torch(layer, why, backend)
                 if out is None:
                     out, colsum = packed_attention(query, layer, attention_mask, scaling,
                                                    with_probs=probs, softcap=softcap, sinks=sinks)
