@@ -1,8 +1,6 @@
 """Storage layouts: how the cache stores one tensor's history, behind one protocol
-(``protocol``: ``Layout``, ``Store``, the registry, ``layout_of``): ``uniform`` (``QuantSpec``,
-``packed``'s store), ``codebook`` (``CodebookSpec``), ``dense`` (full precision). Every other
-module of this package is a layout that registers itself, imported here when the package loads.
-"""
+(``protocol``). The modules outside ``_BUILT_IN`` are layouts that register themselves, imported
+here when the package loads."""
 
 import importlib
 import pkgutil

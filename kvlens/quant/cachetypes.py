@@ -3,9 +3,7 @@
 A cache type is either an engine format (``kvlens.quant.formats.FormatSetting``: ggml blocks,
 static fp8, dynamic per-token-head, vLLM's ``fp8_ds_mla``) or a plain float type
 (``DenseType``: llama.cpp's ``f16``, ``bf16``, ``f32``; vLLM's ``auto``/skipped layers are
-``f16``). ``parse_cache_type`` reads the
-names ``kvlens.quant.formats.parse_format`` reads plus the three float names; configs store the
-name (``KVConfig`` ``key_format`` / ``value_format``).
+``f16``). Configs store the name (``KVConfig`` ``key_format`` / ``value_format``).
 
 Static fp8 types calibrated from data (``fp8_e4m3``, ``fp8_e5m2@head:p99.9``: no ``:sS``) need
 their scales from a capture (``KVConfig.kv_scales``); ``needs_scales`` says which.

@@ -11,10 +11,9 @@ engine would (``fake_quantize_format``). Tensors are ``[B, H, T, D]``.
   that rule for ggml types and never rotates fp8/int formats (vLLM/SGLang do not);
   ``"on"``/``"off"`` force it (names ``q4_0+rot`` / ``q4_0+norot``).
 
-``parse_format`` reads names such as ``q8_0``, ``q4_0+norot``, ``fp8_e4m3``, ``fp8_e4m3@head``,
-``fp8_e5m2@head:p99.9``, ``fp8_e4m3:s1``, ``fp8_e4m3:s1:trunc`` (vLLM's CPU writer, which
-truncates: ``kvlens.quant.fp8``), ``int8@token-head``, ``fp8_ds_mla``; unknown names
-raise ``ConfigError`` listing the allowed ones. These are the cache-type names a config stores
+``parse_format`` reads names such as ``q4_0+norot``, ``fp8_e5m2@head:p99.9``,
+``fp8_e4m3:s1:trunc`` (vLLM's CPU writer, which truncates: ``kvlens.quant.fp8``),
+``int8@token-head``, ``fp8_ds_mla``: the cache-type names a config stores
 (``kvlens.quant.cachetypes``); what a user types on the command line is an engine setting
 (``kvlens.config.engine``).
 """
