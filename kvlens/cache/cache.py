@@ -78,11 +78,10 @@ class CompressionSession:
         # layers over GPUs); its rotation and balancer are put there too, one rotation copy
         # per device (kvlens.cache.layout counts them).
         devices = layer_devices(self.model)
-        rotations: dict = {}
-        if any(self.config.layer(i).rotates for i in kv):
-            rotation = hadamard_rotation(self.info.head_dim, self.config.rotation_seed)
-            rotations = {d: rotation.to(d) for d in dict.fromkeys(
-                devices[i] for i in kv if self.config.layer(i).rotates)}
+        rotating = dict.fromkeys(devices[i] for i in kv if self.config.layer(i).rotates)
+        rotation = hadamard_rotation(self.info.head_dim, self.config.rotation_seed) if rotating \
+            else None
+        rotations = {d: rotation.to(d) for d in rotating}
         exact = exact_layers(self.model) if self.info.is_hybrid or self.info.state_layers \
             else {}
         layers = []
