@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 
 from kvlens.cache.sets import set_policy
 from kvlens.config import FP_BYTES
-from kvlens.layouts import flush_block, keeps_evicted, layout_of
+from kvlens.layouts import keeps_evicted, layout_of
 from kvlens.model.architecture import describe
 from kvlens.model.placement import layer_devices
 from kvlens.model.shape import ModelShape
@@ -50,7 +50,7 @@ def flush_every(setting) -> int:
     """``F`` of a layer: tokens quantized together (0 = nothing is ever quantized)."""
     if not setting.compressed:
         return 0
-    return max(flush_block(s, setting.residual_tokens, setting.flush_tokens)
+    return max(layout_of(s).flush_block(setting.residual_tokens, setting.flush_tokens)
                for s in (setting.key, setting.value) if s is not None)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlens.layouts import flush_block, layout_of
+from kvlens.layouts import layout_of
 from kvlens.layouts.codebook import CodebookStore
 from kvlens.quant import CodebookSpec, QuantSpec, pack_unit
 
@@ -45,7 +45,7 @@ def kernel_layout_problem(setting, head_dim: int) -> str | None:
         if not isinstance(spec, QuantSpec):
             return (f"{what} layout {layout_of(spec).kind} (the kernel reads packed integer "
                     "codes and codebook keys)")
-        block = flush_block(spec, setting.residual_tokens, setting.flush_tokens)
+        block = layout_of(spec).flush_block(setting.residual_tokens, setting.flush_tokens)
         why = _spec_kernel_problem(what, spec, block, head_dim)
         if why:
             return why

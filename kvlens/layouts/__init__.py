@@ -12,7 +12,6 @@ from kvlens.layouts.protocol import (
     Layout,
     Store,
     check_layout,
-    flush_block,
     is_layout_spec,
     keeps_evicted,
     kinds,
@@ -28,5 +27,5 @@ for _module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = ["LAYOUT_KEY", "DenseTensor", "Layout", "Store", "check_layout", "codebook",
-           "flush_block", "is_layout_spec", "keeps_evicted", "kinds", "layout_from_dict",
+           "is_layout_spec", "keeps_evicted", "kinds", "layout_from_dict",
            "layout_of", "reference", "register", "uniform"]

@@ -2,8 +2,8 @@
 
 ``CodebookStore`` holds one layer's keys as ``kvlens.quant.codebook`` codes them. In the cache
 the layer rotates (window and store hold ``k R``, the query is rotated once), so the store
-codes with ``rotation=None`` (``Codebooked.new_store``), and ``key_scores`` applies each vector's scale
-``n / sqrt(D)`` (renormalised: ``n / ||c||``) to its score: ``s_t * ((q R) · c[code_t])``.
+codes with ``rotation=None`` (``Codebooked.new_store``), and ``key_scores`` applies each vector's
+scale ``n / sqrt(D)`` (renormalised: ``n / ||c||``) to its score: ``s_t * ((q R) · c[code_t])``.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlens.errors import ConfigError
-from kvlens.layouts.protocol import check_layout, flush_block
+from kvlens.layouts.protocol import check_layout, layout_of
 from kvlens.quant import (
     QTensor,
     QuantSpec,
@@ -68,7 +68,7 @@ class PackedTensor:
             raise ConfigError(f"Unknown scale dtype {scale_dtype!r}; allowed: "
                               f"{', '.join(SCALE_DTYPES)}.")
         meta8 = scale_dtype == META8
-        return cls(spec, flush_block(spec, residual_tokens, flush_tokens), head_dim,
+        return cls(spec, layout_of(spec).flush_block(residual_tokens, flush_tokens), head_dim,
                    torch.uint8 if meta8 else getattr(torch, scale_dtype), meta8)
 
     # -- geometry -----------------------------------------------------------------------------

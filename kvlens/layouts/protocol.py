@@ -216,11 +216,6 @@ def layout_from_dict(data: Any, default: str) -> Any:
     return read(data)
 
 
-def flush_block(spec: Any, residual_tokens: int, flush_tokens: int = 0) -> int:
-    """``F`` of ``spec`` stored with this window (``Layout.flush_block``)."""
-    return layout_of(spec).flush_block(residual_tokens, flush_tokens)
-
-
 def check_layout(spec: Any, residual_tokens: int, head_dim: int, what: str = "",
                  flush_tokens: int = 0) -> None:
     """``ConfigError`` unless ``spec`` can be stored for ``head_dim`` (``Layout.check``)."""
