@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 
 from kvlens.cache.sets import set_policy
 from kvlens.config import FP_BYTES
-from kvlens.layouts import keeps_evicted, layout_of
+from kvlens.layouts import layout_of
 from kvlens.model.architecture import describe
 from kvlens.model.placement import layer_devices
 from kvlens.model.shape import ModelShape
@@ -74,8 +74,11 @@ def evict_boundary(tokens: int, sliding_window: int | None) -> int:
 
 def evicts(setting) -> bool:
     """Whether a sliding-window layer of ``setting`` drops what it no longer sees: not when a
-    store's layout keeps those tokens (``kvlens.layouts.keeps_evicted``); the mask hides them."""
-    return not any(keeps_evicted(s) for s in (setting.key, setting.value))
+    store's layout keeps those tokens (its optional ``keeps_evicted = True``: a layout simulating
+    a cache that never drops them and whose groups span them, ``hqq-strided``); the mask hides
+    them."""
+    return not any(getattr(layout_of(s), "keeps_evicted", False)
+                   for s in (setting.key, setting.value) if s is not None)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ from kvlens.layouts.protocol import (
     Store,
     check_layout,
     is_layout_spec,
-    keeps_evicted,
     kinds,
     layout_from_dict,
     layout_of,
@@ -27,5 +26,5 @@ for _module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = ["LAYOUT_KEY", "DenseTensor", "Layout", "Store", "check_layout", "codebook",
-           "is_layout_spec", "keeps_evicted", "kinds", "layout_from_dict",
+           "is_layout_spec", "kinds", "layout_from_dict",
            "layout_of", "reference", "register", "uniform"]

@@ -43,7 +43,7 @@ class HqqStrided(FieldsLayout):
     group: int = 64
 
     kind = KIND
-    keeps_evicted = True  # kvlens.layouts.keeps_evicted (module docstring)
+    keeps_evicted = True  # kvlens.cache.layout.evicts (module docstring)
 
     def __post_init__(self) -> None:
         if not is_int(self.bits, 1, 8) or not is_int(self.group, 1):

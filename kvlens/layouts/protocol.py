@@ -222,14 +222,6 @@ def check_layout(spec: Any, residual_tokens: int, head_dim: int, what: str = "",
     layout_of(spec).check(residual_tokens, head_dim, what, flush_tokens)
 
 
-def keeps_evicted(spec: Any) -> bool:
-    """Whether ``spec``'s store keeps the tokens a sliding-window layer no longer attends to
-    (its layout's optional ``keeps_evicted``, default ``False``): a layout simulating a cache
-    that never drops them and whose groups span them (``hqq-strided``); the layer then leaves
-    them to the attention mask (``kvlens.cache.layout.evicts``)."""
-    return spec is not None and bool(getattr(layout_of(spec), "keeps_evicted", False))
-
-
 def reference(spec: Any, scale_dtype: str = "float16") -> Callable:
     """``x -> x_hat``: ``spec``'s ``reconstruct`` with every token of ``x`` stored as one block
     (what recommend's candidates and compare-axes' variants are measured with; rotation and
