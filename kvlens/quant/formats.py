@@ -99,23 +99,16 @@ _NAME = re.compile(
 )
 
 
-def allowed_format_names() -> tuple[str, ...]:
-    """Every accepted base name (see ``parse_format`` for the suffixes)."""
-    return (
-        *GGML_FORMATS,
-        "fp8",
-        "fp8_e4m3",
-        "fp8_e5m2",
-        "fp8_e4m3@head",
-        "fp8_e5m2@head",
-        *(f"{k}@token-head" for k in TOKEN_HEAD_KINDS),
-        DS_MLA.name,
-    )
+#: the static fp8 type names (``fp8`` is vLLM's alias of ``fp8_e4m3``)
+FP8_NAMES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+#: every accepted base name (``parse_format`` adds the suffixes)
+FORMAT_NAMES = (*GGML_FORMATS, *FP8_NAMES, "fp8_e4m3@head", "fp8_e5m2@head",
+                *(f"{k}@token-head" for k in TOKEN_HEAD_KINDS), DS_MLA.name)
 
 
 def _unknown(text: str, why: str) -> ConfigError:
     return ConfigError(
-        f"Unknown KV-cache format {text!r} ({why}); allowed: {', '.join(allowed_format_names())}; "
+        f"Unknown KV-cache format {text!r} ({why}); allowed: {', '.join(FORMAT_NAMES)}; "
         "static fp8 takes :pP for a percentile scale (e.g. fp8_e4m3@head:p99.9) or :sS for a "
         "fixed scale (fp8_e4m3:s1 = vLLM's default 1.0), then :trunc to truncate to fp8 as "
         "vLLM's CPU build does (fp8_e4m3:s1:trunc), and any format "
@@ -146,14 +139,14 @@ def parse_format(text: str) -> FormatSetting:
         fixed = None if fix is None else float(fix)
     except ValueError:
         raise _unknown(raw, f"{pct or fix!r} is not a number") from None
-    static_fp8 = kind in ("fp8", "fp8_e4m3", "fp8_e5m2") and scope != "token-head"
+    static_fp8 = kind in FP8_NAMES and scope != "token-head"
     if (percentile is not None or fixed is not None or m["trunc"]) and not static_fp8:
         raise _unknown(raw, ":p / :s / :trunc are options of the static fp8 formats only")
     if kind in GGML_FORMATS:
         if scope is not None:
             raise _unknown(raw, f"{kind} has a fixed layout: no @scope")
         return FormatSetting(GGML_FORMATS[kind], rotation)
-    if kind in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+    if kind in FP8_NAMES:
         fp8 = "e5m2" if kind == "fp8_e5m2" else "e4m3"
         if scope == "token-head":
             if fp8 != "e4m3":
