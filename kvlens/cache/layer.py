@@ -43,10 +43,6 @@ LAYER_ATTR = "_kvlens_layer"
 STATE_FIELDS = frozenset({"conv_states", "recurrent_states"})
 
 
-def _fp_dtype(name: str) -> torch.dtype | None:
-    return None if name == "exact" else getattr(torch, name)
-
-
 class HistoryLayer(DynamicLayer):
     """What every kvlens cache layer shares: its bookkeeping, what it refuses, and its mask
     size. transformers builds **one** mask per layer type for every layer of that type, so all
@@ -188,7 +184,7 @@ class CompressedLayer(HistoryLayer):
         self.setting = setting
         self.flush_every = layout.flush_every(setting)  # 0 = never flush (nothing quantized)
         self.evicts = layout.evicts(setting)  # a sliding layer drops what it no longer sees
-        fp = _fp_dtype(fp_dtype)
+        fp = None if fp_dtype == "exact" else getattr(torch, fp_dtype)  # None: the model's
         # keys and values that are one latent row (MLA) stored alike: one store and one window
         self.shares = layout.shares_storage(
             setting, kv_shared, head_dim,
