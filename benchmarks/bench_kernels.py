@@ -128,11 +128,11 @@ def _generic(torch, layout, b, hkv, t, d, bits, group):
 def _codebook_store(torch, name, b, hkv, t, d, bits):
     """Codebook-coded keys as the cache holds them (``kvlens.layouts.codebook.CodebookStore``,
     renormalised, ``KEY_CODEBOOK``) and the kernel's arguments for them."""
-    from kvlens.layouts.codebook import CodebookStore
+    from kvlens.layouts import layout_of
     from kvlens.quant import CodebookSpec
 
     spec = CodebookSpec(bits, KEY_CODEBOOK, None, renormalize=True)
-    st = CodebookStore.for_cache(spec, d, BLOCK)
+    st = layout_of(spec).new_store(d, BLOCK)
     st.append(torch.randn(b, hkv, t, d, device="cuda"))
     return st, {f"{name}_codes": st.packed, f"{name}_scale": st.norms, f"{name}_zero": None,
                 f"{name}_bits": bits, f"{name}_group": None, f"{name}_layout": "codebook",
