@@ -41,9 +41,6 @@ ENGINE_ALIASES = {"llama.cpp": "llamacpp"}
 
 LLAMACPP_FLOAT_TYPES = ("f32", "f16", "bf16")
 LLAMACPP_TYPES = (*LLAMACPP_FLOAT_TYPES, *GGML_FORMATS)  # llama.cpp's -ctk/-ctv types
-# `recommend --target llama.cpp` tries every K x V pair: f16 and every quantized type (f32 and
-# bf16 cost as much as f16 or more and are no more accurate)
-LLAMACPP_SEARCH_TYPES = ("f16", "q8_0", "q5_1", "q5_0", "q4_1", "iq4_nl", "q4_0")
 
 STATIC_FP8_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")  # fp8 is vLLM's alias of fp8_e4m3
 # vLLM's per-token-head dtypes (kvlens shorthand and vLLM's own spelling) -> cache type
@@ -53,16 +50,17 @@ DS_MLA_DTYPE = DS_MLA.name  # vLLM's cache of an MLA model's latent row (kvlens.
 CACHE_DTYPES = {"vllm": (*STATIC_FP8_DTYPES, *(f"{k}-pth" for k in TOKEN_HEAD_KINDS)),
                 "sglang": ("fp8_e4m3", "fp8_e5m2"),
                 "trtllm": ("fp8",)}  # KvCacheConfig(dtype="fp8"): e4m3, one scale per layer
-VLLM_DTYPES, SGLANG_DTYPES, TRTLLM_DTYPES = CACHE_DTYPES.values()
-# `recommend --target vllm / sglang`: calibrated e4m3, e4m3 and e5m2 at the default scale 1.0,
-# nvfp4 at the default global scale 1.0
-VLLM_SEARCH_TYPES = ("fp8_e4m3", "fp8_e4m3:s1", "fp8_e5m2:s1", "nvfp4")
-SGLANG_SEARCH_TYPES = VLLM_SEARCH_TYPES
-# `recommend --target vllm:cpu`: vLLM's CPU build (fp8 truncated; it runs no nvfp4)
-VLLM_CPU_SEARCH_TYPES = ("fp8_e4m3:trunc", "fp8_e4m3:s1:trunc", "fp8_e5m2:s1:trunc")
-# `recommend --target trtllm`: e4m3 at scale 1.0 (a checkpoint without KV scales) and nvfp4,
-# every layer or mixed per layer (kvlens.deploy.exports)
-TRTLLM_SEARCH_TYPES = ("fp8_e4m3:s1", "nvfp4")
+#: the cache types `recommend --target T` measures and searches, by target: llama.cpp's every
+#: K x V pair of f16 and each quantized type (f32 and bf16 cost as much as f16 or more and are no
+#: more accurate); vLLM's and SGLang's calibrated e4m3, e4m3 and e5m2 at the default scale 1.0
+#: and nvfp4 at the default global scale 1.0; vLLM's CPU build's fp8, truncated (it runs no
+#: nvfp4); TensorRT-LLM's e4m3 at scale 1.0 (a checkpoint without KV scales) and nvfp4, every
+#: layer or mixed per layer (kvlens.deploy.exports)
+_GPU_SEARCH_TYPES = ("fp8_e4m3", "fp8_e4m3:s1", "fp8_e5m2:s1", "nvfp4")
+SEARCH_TYPES = {"llama.cpp": ("f16", "q8_0", "q5_1", "q5_0", "q4_1", "iq4_nl", "q4_0"),
+                "vllm": _GPU_SEARCH_TYPES, "sglang": _GPU_SEARCH_TYPES,
+                "vllm:cpu": ("fp8_e4m3:trunc", "fp8_e4m3:s1:trunc", "fp8_e5m2:s1:trunc"),
+                "trtllm": ("fp8_e4m3:s1", "nvfp4")}
 
 # vLLM's turboquant_* dtypes: (key bits, value bits, norm correction), vLLM's TQ_PRESETS
 # (vllm/model_executor/layers/quantization/turboquant/config.py)
@@ -92,7 +90,7 @@ def setting_forms() -> tuple[str, ...]:
         + ", ".join(k for k in PER_TOKEN_HEAD if not k.endswith("-pth")) + ")",
         "vllm:T (T: " + ", ".join(TURBOQUANT_TYPES) + ")",
         f"vllm:{DS_MLA_DTYPE}[:skip=L,L] (MLA models: the latent row, fp8 tiles + bf16 RoPE)",
-        "sglang:D[@head][:pP|:sS] (D: " + ", ".join(SGLANG_DTYPES) + ")",
+        "sglang:D[@head][:pP|:sS] (D: " + ", ".join(CACHE_DTYPES["sglang"]) + ")",
         "trtllm:fp8[:pP|:sS]",
         *blockfloat_forms(),
         "transformers:quanto-B[:axis_key=A][:axis_value=A][:group=G][:residual=R] (B: "

@@ -2,10 +2,10 @@
 (docs/deploy/README.md).
 
 1. **Error table** (``measure_errors``): for every layer, tensor (K, V) and cache type of the
-   target's menu (``MENUS``), the relative attention-output error over the first ``tokens``
-   tokens of ``samples`` samples when only that tensor is stored in that type, read back as the
-   engine reads it (every token quantized; a llama.cpp key type also converts the query to its
-   dot-product type: ``_llamacpp_query``). Static fp8 scales are calibrated on the whole capture.
+   target's menu (``kvlens.config.engine.SEARCH_TYPES``), the relative attention-output error
+   over the first ``tokens`` tokens of ``samples`` samples when only that tensor is stored in
+   that type, read back as the engine reads it (every token quantized; a llama.cpp key type
+   also converts the query to its dot-product type: ``_llamacpp_query``). Static fp8 scales are calibrated on the whole capture.
 2. **Candidates** (``BUILDERS``): the engine's menu, each scored ``S = sum_l e_K,l^2 + e_V,l^2``
    and costed in held bits per element at ``context`` tokens (``kvlens.cache.layout``).
 3. **Choice**: with ``max_kld``, the cheapest candidate whose KLD is at most it, the choice
@@ -29,11 +29,7 @@ from kvlens.capture.store import open_capture
 from kvlens.config import BlockFloatSetting, KVConfig, LayerKV
 from kvlens.config.blockfloat import is_blockfloat
 from kvlens.config.engine import (
-    LLAMACPP_SEARCH_TYPES,
-    SGLANG_SEARCH_TYPES,
-    TRTLLM_SEARCH_TYPES,
-    VLLM_CPU_SEARCH_TYPES,
-    VLLM_SEARCH_TYPES,
+    SEARCH_TYPES,
     LlamaCppSetting,
     QuantoSetting,
     setting_for_cache_type,
@@ -61,10 +57,6 @@ TARGETS = ("kvlens", "llama.cpp", "vllm", "sglang", "transformers", "trtllm", "v
 TARGET_ALIASES = {"llamacpp": "llama.cpp", "tensorrt-llm": "trtllm", "vllm-cpu": "vllm:cpu"}
 #: the engine each target deploys on: vllm:cpu is vLLM's CPU build (its settings' :cpu)
 TARGET_ENGINE = {"vllm:cpu": "vllm"}
-#: the cache types each engine target measures and searches (``kvlens.config.engine``)
-MENUS = {"llama.cpp": LLAMACPP_SEARCH_TYPES, "vllm": VLLM_SEARCH_TYPES,
-         "vllm:cpu": VLLM_CPU_SEARCH_TYPES, "sglang": SGLANG_SEARCH_TYPES,
-         "trtllm": TRTLLM_SEARCH_TYPES}
 QUANTO = [(b, ak, av, g) for b in (4, 2) for ak in (0, -1) for av in (0, -1) for g in (64, 32)]
 DOCS = {
     "llama.cpp": "llama.cpp tools/server README: -ctk/--cache-type-k, -ctv/--cache-type-v, "
@@ -201,12 +193,12 @@ def _variants(target: str, head_dim: int, rotation: bool) -> dict[str, tuple[Any
     """name -> (how to fake-quantize, kind) for every cache type the target offers."""
     if target == "llama.cpp":
         return {t: (parse_cache_type(t if t == "f16" or rotation else t + "+norot"), "type")
-                for t in MENUS[target]}
-    if target in MENUS:
+                for t in SEARCH_TYPES[target]}
+    if target in SEARCH_TYPES:
         return {"f16": (parse_cache_type("f16"), "type")} | {
             n: (BlockFloatSetting(target, n, 1.0).layout(), "layout")
             if is_blockfloat(target, n) else (parse_cache_type(n), "type")
-            for n in MENUS[target]}
+            for n in SEARCH_TYPES[target]}
     return {f"{bits}:{gran}:{g}": (QuantSpec(bits, gran, g), "spec") for bits in (4, 2)
             for gran in ("per-token", "per-channel") for g in (64, 32)
             if gran == "per-channel" or head_dim % g == 0}
@@ -299,8 +291,8 @@ def squared_error(row, variant: str) -> float:
 
 
 def _llamacpp(target, table, scales, meta, opts):
-    for k in LLAMACPP_SEARCH_TYPES:
-        for v in LLAMACPP_SEARCH_TYPES:
+    for k in SEARCH_TYPES[target]:
+        for v in SEARCH_TYPES[target]:
             cfg = engine_config(LlamaCppSetting(k, v, "auto" if opts.rotation else "off").name
                                 ).config
             cmd = f"llama-server -m MODEL.gguf -ctk {k} -ctv {v}"
@@ -365,7 +357,7 @@ def _one_dtype(target, table, scales, meta, opts):
     of largest ``e_K^2 + e_V^2`` skipped (kept at f16), for every ``k``."""
     n, layers = len(table), meta.layers  # model indices, in table order
     engine = target_engine(target)
-    for dtype in MENUS[target]:
+    for dtype in SEARCH_TYPES[target]:
         base, calibrated = dtype.split(":")[0], _calibrated(dtype)
         order = sorted(range(n), key=lambda j: -squared_error(table[j], dtype))
         for k in range(n + 1) if engine == "vllm" else (0,):
@@ -397,7 +389,7 @@ def _trtllm(target, table, scales, meta, opts):
     ModelOpt's per-layer map writes it: the cheaper type with the ``k`` layers whose error it
     raises most (``e_K^2 + e_V^2`` over the other type's) in the more accurate one."""
     n, layers = len(table), meta.layers
-    order = sorted(MENUS[target], key=lambda t: exports.type_bits(plan_type(t)))
+    order = sorted(SEARCH_TYPES[target], key=lambda t: exports.type_bits(plan_type(t)))
     for a, low in enumerate(order):
         for high in order[a:]:
             gain = [squared_error(row, low) - row[("key", high)] ** 2 - row[("value", high)] ** 2
