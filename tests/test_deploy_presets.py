@@ -136,8 +136,8 @@ def test_transformers_quanto_maps_to_kvlens_layouts():
     ("vllm:int2", "fp8, fp8_e4m3, fp8_e5m2, int8-pth"),
     ("vllm:fp8@token", "@head"),
     ("sglang:int4", "fp8_e4m3, fp8_e5m2"),
-    ("transformers:quanto-3", "quanto-2 and quanto-4"),
-    ("transformers:quanto-4:axis_key=1", "0 or -1"),
+    ("transformers:quanto-3", "quanto bits are 2, 4, got 3"),
+    ("transformers:quanto-4:axis_key=1", "axis_key for quanto must be 0 or -1"),
     ("transformers:quanto-4:nbits=4", "allowed: axis_key"),
     ("vllm:fp8_e4m3@head", "--calibration run.h5"),
     ("vllm:turboquant_2bit", "turboquant_k8v4, turboquant_4bit_nc, turboquant_k3v4_nc, "

@@ -26,8 +26,8 @@ from kvlens.config.blockfloat import (
     blockfloat_forms,
     is_blockfloat,
 )
-from kvlens.config.hqq import HQQ_AXES, HQQ_BITS, HqqSetting, parse_hqq
-from kvlens.config.quantized_layer import LAYER_DEFAULTS, QuantizedLayerSetting, int_options
+from kvlens.config.hqq import HqqSetting
+from kvlens.config.quantized_layer import QuantizedLayerSetting
 from kvlens.config.schema import KVConfig, LayerKV
 from kvlens.errors import ConfigError, is_int
 from kvlens.quant import CodebookSpec, QuantSpec, RotationSpec
@@ -71,7 +71,6 @@ TURBOQUANT_BOUNDARY = 2  # first and last layers vLLM keeps uncompressed (get_bo
 
 QUANTO_BITS = (2, 4)
 QUANTO_AXES = (0, -1)
-QUANTO_DEFAULTS = LAYER_DEFAULTS
 
 _NUMBER = r"[0-9.]+(?:e[+-]?[0-9]+)?"
 _OPTION = re.compile(rf"skip=(?P<skip>[0-9]+(?:,[0-9]+)*)|p(?P<percentile>{_NUMBER})"
@@ -93,10 +92,9 @@ def setting_forms() -> tuple[str, ...]:
         "sglang:D[@head][:pP|:sS] (D: " + ", ".join(CACHE_DTYPES["sglang"]) + ")",
         "trtllm:fp8[:pP|:sS]",
         *blockfloat_forms(),
-        "transformers:quanto-B[:axis_key=A][:axis_value=A][:group=G][:residual=R] (B: "
-        + ", ".join(map(str, QUANTO_BITS)) + "; A: " + ", ".join(map(str, QUANTO_AXES)) + ")",
-        "transformers:hqq-B[:axis_key=A][:axis_value=A][:group=G][:residual=R] (B: "
-        + ", ".join(map(str, HQQ_BITS)) + "; A: " + ", ".join(map(str, HQQ_AXES)) + ")",
+        *(f"transformers:{c.backend}-B[:axis_key=A][:axis_value=A][:group=G][:residual=R] (B: "
+          + ", ".join(map(str, c.bit_widths)) + "; A: " + ", ".join(map(str, c.axes)) + ")"
+          for c in TRANSFORMERS_BACKENDS.values()),
     )
 
 
@@ -369,19 +367,16 @@ class QuantoSetting(QuantizedLayerSetting):
     """transformers ``QuantizedCache(backend="quanto", ...)`` (``QuantizedLayerSetting``)."""
 
     backend: ClassVar[str] = "quanto"
+    bit_widths: ClassVar[tuple[int, ...]] = QUANTO_BITS
+    axes: ClassVar[tuple[int, ...]] = QUANTO_AXES
     granularity: ClassVar[dict[int, str]] = {0: "per-token", -1: "per-channel"}
 
-    def check_choices(self) -> None:
-        if self.bits not in QUANTO_BITS or isinstance(self.bits, bool):
-            raise ConfigError("transformers settings are quanto-2 and quanto-4 (QuantizedCache, "
-                              "quanto backend)")
-        for key in ("axis_key", "axis_value"):
-            if getattr(self, key) not in QUANTO_AXES:
-                raise ConfigError(f"{key} must be 0 or -1")
 
 
 EngineSettingName = (LlamaCppSetting | CacheDtypeSetting | TurboQuantSetting | BlockFloatSetting
                      | QuantoSetting | HqqSetting)
+#: transformers' QuantizedCache backends, by the name a setting gives (``transformers:hqq-4``)
+TRANSFORMERS_BACKENDS = {c.backend: c for c in (QuantoSetting, HqqSetting)}
 
 
 # -- parsing --------------------------------------------------------------------------------------
@@ -424,7 +419,11 @@ def parse_engine_setting(name: str) -> EngineSettingName:
             return _llamacpp(name, parts)
         if engine in ("vllm", "sglang", "trtllm"):
             return _cache_dtype(name, engine, parts)
-        return parse_hqq(parts) if parts[0].startswith("hqq") else _quanto(name, parts)
+        backend = TRANSFORMERS_BACKENDS.get(parts[0].split("-")[0])
+        if backend is None:
+            raise _bad(name, "transformers settings are quanto-B (QuantizedCache, quanto "
+                             "backend) and hqq-B (HQQ backend)")
+        return backend.parse(parts)
     except ConfigError as exc:
         if str(exc).startswith("Unknown engine setting"):
             raise
@@ -481,14 +480,6 @@ def _cache_dtype(raw: str, engine: str, parts: list[str]
                             "computed as each token is written)")
         return BlockFloatSetting(engine, dtype, kw.get("fixed_scale"), kw.get("skip", ()))
     return CacheDtypeSetting(engine, dtype, scope if at else "tensor", **kw)
-
-
-def _quanto(raw: str, parts: list[str]) -> QuantoSetting:
-    m = re.fullmatch(r"quanto-([0-9]+)", parts[0])
-    if not m or int(m[1]) not in QUANTO_BITS:
-        raise _bad(raw, "transformers settings are quanto-2 and quanto-4 (QuantizedCache, "
-                        "quanto backend) and hqq-B (HQQ backend)")
-    return QuantoSetting(int(m[1]), **int_options(parts[1:], QUANTO_DEFAULTS))
 
 
 # -- one cache type per setting (compare-axes) and the setting of a cache type -------------------

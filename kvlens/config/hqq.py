@@ -30,16 +30,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvlens.config.quantized_layer import LAYER_DEFAULTS, QuantizedLayerSetting, int_options
-from kvlens.errors import ConfigError
+from kvlens.config.quantized_layer import QuantizedLayerSetting
 from kvlens.layouts.hqq_strided import HqqStrided
 from kvlens.quant import QuantSpec
 
 HQQ_BITS = (1, 2, 3, 4, 8)  # transformers' HQQQuantizedLayer accepts these nbits
 HQQ_AXES = (0, 1)  # hqq's axis: 1 = consecutive elements, 0 = strided (module docstring)
-HQQ_DEFAULTS = LAYER_DEFAULTS
-# The kvlens granularity of hqq's axis=1 (axis=0 is the hqq-strided layout: module docstring)
-HQQ_GRANULARITY = {1: "per-token"}
 
 
 @dataclass(frozen=True)
@@ -47,28 +43,13 @@ class HqqSetting(QuantizedLayerSetting):
     """transformers ``QuantizedCache(backend="hqq", ...)`` (``QuantizedLayerSetting``)."""
 
     backend: ClassVar[str] = "hqq"
-    granularity: ClassVar[dict[int, str]] = HQQ_GRANULARITY
+    bit_widths: ClassVar[tuple[int, ...]] = HQQ_BITS
+    axes: ClassVar[tuple[int, ...]] = HQQ_AXES
+    # the kvlens granularity of hqq's axis=1 (axis=0 is the hqq-strided layout: ``spec``)
+    granularity: ClassVar[dict[int, str]] = {1: "per-token"}
     fit: ClassVar[str] = "hqq"
 
     def spec(self, axis: int) -> QuantSpec | HqqStrided:
         if axis == 0:
             return HqqStrided(self.bits, self.group)
         return super().spec(axis)
-
-    def check_choices(self) -> None:
-        if self.bits not in HQQ_BITS or isinstance(self.bits, bool):
-            raise ConfigError(f"HQQ bits are {', '.join(map(str, HQQ_BITS))}, got {self.bits!r}")
-        for key in ("axis_key", "axis_value"):
-            if getattr(self, key) not in HQQ_AXES:
-                raise ConfigError(f"{key} for hqq must be 0 or 1 (hqq's axes; quanto's are "
-                                  f"0 and -1), got {getattr(self, key)!r}")
-
-
-def parse_hqq(parts: list[str]) -> HqqSetting:
-    """``hqq-B`` and its ``key=value`` options (already split on ``:`` and lower-cased) ->
-    the setting; ``ConfigError`` saying what is wrong otherwise."""
-    bits = parts[0].removeprefix("hqq-")
-    if not bits.isdigit():
-        raise ConfigError(f"HQQ settings are hqq-B with B one of "
-                          f"{', '.join(map(str, HQQ_BITS))}, got {parts[0]!r}")
-    return HqqSetting(int(bits), **int_options(parts[1:], HQQ_DEFAULTS))

@@ -32,16 +32,15 @@ import json
 from dataclasses import dataclass
 
 from kvlens.config import KVConfig, LayerKV
-from kvlens.config.engine import QUANTO_BITS
-from kvlens.config.hqq import HQQ_BITS, HQQ_GRANULARITY
-from kvlens.evaluation.baselines import LAYERS_PREFIX
+from kvlens.config.engine import TRANSFORMERS_BACKENDS
+from kvlens.config.hqq import HQQ_BITS, HqqSetting
+from kvlens.evaluation.baselines import LAYER_CLASSES, LAYERS_PREFIX
 from kvlens.layouts.hqq_strided import HqqStrided
 from kvlens.quant import QuantSpec
 
 FORMAT, VERSION = "kvlens-transformers-cache", 1
 FILE_NAME = "transformers_cache.json"
-QUANTO_AXIS = {"per-token": 0, "per-channel": -1}
-HQQ_AXIS = {g: a for a, g in HQQ_GRANULARITY.items()}
+HQQ_AXIS = {g: a for a, g in HqqSetting.granularity.items()}
 SNIPPET = """import json
 from transformers import cache_utils
 spec = json.load(open({path!r}))
@@ -63,10 +62,12 @@ class Export:
 
 
 def _backend(spec: QuantSpec) -> tuple[str, dict[str, int]] | None:
-    if spec.fit == "minmax" and spec.bits in QUANTO_BITS and spec.granularity in QUANTO_AXIS:
-        return "QuantoQuantizedLayer", QUANTO_AXIS
-    if spec.fit == "hqq" and spec.bits in HQQ_BITS and spec.granularity in HQQ_AXIS:
-        return "HQQQuantizedLayer", HQQ_AXIS
+    """transformers' layer class that stores ``spec``'s grid and its axis by granularity."""
+    for setting in TRANSFORMERS_BACKENDS.values():
+        axes = {g: a for a, g in setting.granularity.items()}
+        if spec.fit == setting.fit and spec.bits in setting.bit_widths \
+                and spec.granularity in axes:
+            return LAYER_CLASSES[setting.backend], axes
     return None
 
 
