@@ -17,12 +17,10 @@ from kvlens.analysis.compare.config import parse_int_list
 from kvlens.capture.source import CaptureModel
 from kvlens.capture.store import open_capture
 from kvlens.deploy import hf_cache
-from kvlens.deploy.exports import MODELOPT_FILE
+from kvlens.deploy.exports import MODELOPT_FILE, export_path
 from kvlens.deploy.plans import (
     FILE_ENGINES,
     engine_exports,
-    engine_file_path,
-    export_path,
     layer_exports,
     measure_layer_exports,
 )
@@ -149,10 +147,10 @@ BESIDE = {"vllm": "kv_scales.json", "vllm:cpu": "kv_scales.json", "sglang": "kv_
 def files_beside(out: Path, target: str) -> list[Path]:
     """The files a recommendation written to ``out`` may write beside it (its result document
     aside): an engine target's ``BESIDE`` file, the per-layer target's transformers export and
-    the configs its engine exports run (``kvlens.deploy.plans.export_path``)."""
+    the configs its engine exports run (``kvlens.deploy.exports.export_path``)."""
     if target == "kvlens":
-        return [hf_cache.export_path(out), *(export_path(out, e) for e in FILE_ENGINES),
-                engine_file_path(out, MODELOPT_FILE)]
+        return [export_path(out, name) for name in (
+            hf_cache.FILE_NAME, *(f"{e}.json" for e in FILE_ENGINES), MODELOPT_FILE)]
     return [out.parent / BESIDE[target]] if target in BESIDE else []
 
 

@@ -18,6 +18,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import groupby
+from pathlib import Path
 
 from kvlens.errors import ConfigError
 from kvlens.quant.ggml import GGML_FORMATS
@@ -38,6 +39,14 @@ DOCS = {
     "ik_llama.cpp": "ik_llama.cpp common/common.cpp: -ctk/-ctv, -ctk-first/-ctk-last, "
                     "-ctv-first/-ctv-last TYPE,N (https://github.com/ikawrakow/ik_llama.cpp)",
 }
+
+
+def export_path(out: Path, name: str) -> Path:
+    """Where file ``name`` goes beside a per-layer config written to ``out``: ``kv.json`` ->
+    ``kv.ik_llama.cpp.json`` (an engine's config, ``name`` ``ENGINE.json``), ``kv.hf_quant_
+    config.json`` (an engine's own file: several budgets' configs share a folder; the user
+    copies it into the model folder under its own name)."""
+    return out.with_name(f"{out.stem}.{name}")
 
 
 def canonical_type(name: str) -> str:

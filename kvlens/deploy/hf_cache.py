@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from kvlens.config import KVConfig, LayerKV
 from kvlens.config.engine import TRANSFORMERS_BACKENDS
 from kvlens.config.hqq import HQQ_BITS, HqqSetting
+from kvlens.deploy.exports import export_path
 from kvlens.evaluation.baselines import LAYER_CLASSES, LAYERS_PREFIX
 from kvlens.layouts.hqq_strided import HqqStrided
 from kvlens.quant import QuantSpec
@@ -155,11 +156,6 @@ def export(config: KVConfig, num_layers: int) -> Export:
                    "num_layers": num_layers, "layers": layers}, ())
 
 
-def export_path(output):
-    """Where a per-layer config written to ``output`` (a ``Path``) has its export."""
-    return output.with_name(output.stem + "." + FILE_NAME)
-
-
 def snippet(path: str) -> str:
     """The Python that loads the export at ``path`` into a cache and generates with it."""
     return SNIPPET.format(path=str(path))
@@ -176,7 +172,7 @@ def beside(config: KVConfig, out) -> tuple[object, str]:
     if got.document is None:
         more = f" (and {len(got.problems) - 2} more)" if len(got.problems) > 2 else ""
         return None, f"no transformers export: {'; '.join(got.problems[:2])}{more}"
-    return export_path(out), got.text()
+    return export_path(out, FILE_NAME), got.text()
 
 
 def compare_name(path: str) -> str:

@@ -156,7 +156,7 @@ class LayerExports:
     """The per-layer target's exports of one config (``layer_exports``): their documents
     (``--json``), the config each engine runs (None where none runs or it does not fit the
     model), and the files to write beside the recommendation (path -> the config an engine
-    runs, or the text of an engine's own file: ``engine_file_path``)."""
+    runs, or the text of an engine's own file: ``export_path``)."""
 
     documents: list[dict]
     configs: list[KVConfig | None]
@@ -168,26 +168,13 @@ class LayerExports:
 FILE_ENGINES = ("ik_llama.cpp",)
 
 
-def export_path(out: Path, engine: str) -> Path:
-    """Where the config ``engine`` runs is written beside a per-layer config written to
-    ``out`` when no engine setting names it: ``kv.json`` -> ``kv.ik_llama.cpp.json``."""
-    return out.with_name(f"{out.stem}.{engine}.json")
-
-
-def engine_file_path(out: Path, name: str) -> Path:
-    """Where an engine's own file (``hf_quant_config.json``) of a per-layer config written to
-    ``out`` is written: ``kv.json`` -> ``kv.hf_quant_config.json`` (several budgets' configs
-    share a folder; the user copies it into the model folder under its own name)."""
-    return out.with_name(f"{out.stem}.{name}")
-
-
 def layer_exports(config: KVConfig, shape, context: int = 4096, out: Path | None = None,
                   command: Callable[[str], str] | None = None) -> LayerExports:
     """The per-layer target's config in each engine's form (``LAYER_EXPORTERS``), each tensor's
     layout mapped to an engine type by its code bits (``BY_BITS``): another quantizer, which
     each export names as a change. Each export's ``kld`` names the config the engine runs
-    (``runs_config``: its setting, else its file ``export_path(out, engine)``), its bits at
-    ``context`` tokens and ``command(item)``, the command that measures it; ``source`` "not
+    (``runs_config``: its setting, else its file ``export_path(out, ENGINE.json)``), its bits
+    at ``context`` tokens and ``command(item)``, the command that measures it; ``source`` "not
     measured" until ``measure_layer_exports`` measures it."""
     docs, configs, files = [], [], {}
     for family, make in LAYER_EXPORTERS:
@@ -214,10 +201,10 @@ def layer_exports(config: KVConfig, shape, context: int = 4096, out: Path | None
             if out is None:
                 doc["notes"].append(f"give --output to write {name}")
                 continue
-            files[engine_file_path(out, name)] = text
-            doc["files"].append(str(engine_file_path(out, name)))
-            doc["notes"].append(f"{engine_file_path(out, name).name} is {name}: copy it into "
-                                f"the model folder as {name}")
+            path = exports.export_path(out, name)
+            files[path] = text
+            doc["files"].append(str(path))
+            doc["notes"].append(f"{path.name} is {name}: copy it into the model folder as {name}")
         if not ex.runs.quantized():  # e.g. vLLM skipping every layer whose K and V differ
             doc["kld"] = {"kld": None, "source": "not measured: every layer runs unquantized "
                           "(the engine's default cache)", "bits_per_element": 16.0}
@@ -239,8 +226,9 @@ def layer_exports(config: KVConfig, shape, context: int = 4096, out: Path | None
                 kld["source"] = ("not measured (give --validate, or --output to write the "
                                  "config it runs)")
             else:
-                files[export_path(out, ex.engine)] = runs
-                kld["config"] = str(export_path(out, ex.engine))
+                path = exports.export_path(out, f"{ex.engine}.json")
+                files[path] = runs
+                kld["config"] = str(path)
         item = setting or kld.get("config")
         if runs is not None and item is not None and command is not None:
             kld["command"] = command(item)
