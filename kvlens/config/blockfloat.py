@@ -39,6 +39,19 @@ def blockfloat_forms() -> tuple[str, ...]:
             "trtllm:nvfp4[:sS]")
 
 
+def number_name(x: float) -> str:
+    """``x`` as it reads back exactly: ``1`` for 1.0, else the shortest round-trip form."""
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else repr(float(x))
+
+
+def skip_layers(engine: str, skip: tuple[int, ...]) -> tuple[int, ...]:
+    if skip and engine != "vllm":
+        raise ConfigError(f":skip= is vLLM's --kv-cache-dtype-skip-layers; {engine} has none.")
+    if not all(is_int(i, 0) for i in skip):
+        raise ConfigError(f"Invalid skip layers {skip!r}; allowed: layer indices >= 0.")
+    return tuple(sorted(set(skip)))
+
+
 def is_blockfloat(engine: str, dtype: str) -> bool:
     return BLOCKFLOAT_ALIASES.get(dtype, dtype) in BLOCKFLOAT_DTYPES.get(engine, ())
 
@@ -65,19 +78,13 @@ class BlockFloatSetting:
         if g is not None and (self.dtype != "nvfp4" or not math.isfinite(g) or g <= 0):
             raise ConfigError(f":s{g} fixes NVFP4's global scale: nvfp4 only, a finite number "
                               "> 0.")
-        if self.skip and self.engine != "vllm":
-            raise ConfigError(":skip= is vLLM's --kv-cache-dtype-skip-layers; "
-                              f"{self.engine} has none.")
-        if not all(is_int(i, 0) for i in self.skip):
-            raise ConfigError(f"Invalid skip layers {self.skip!r}; allowed: layer indices >= 0.")
-        object.__setattr__(self, "skip", tuple(sorted(set(self.skip))))
+        object.__setattr__(self, "skip", skip_layers(self.engine, self.skip))
 
     @property
     def name(self) -> str:
         out = f"{self.engine}:{self.dtype}"
         if self.global_scale is not None:
-            g = self.global_scale
-            out += f":s{int(g) if g.is_integer() and abs(g) < 1e15 else repr(g)}"
+            out += f":s{number_name(self.global_scale)}"
         return out + (f":skip={','.join(map(str, self.skip))}" if self.skip else "")
 
     @property

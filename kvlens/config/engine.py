@@ -25,6 +25,8 @@ from kvlens.config.blockfloat import (
     BlockFloatSetting,
     blockfloat_forms,
     is_blockfloat,
+    number_name,
+    skip_layers,
 )
 from kvlens.config.hqq import HqqSetting
 from kvlens.config.quantized_layer import QuantizedLayerSetting
@@ -127,11 +129,6 @@ _ROTATION = {"auto": ("", "", ""), "off": (":norot", "+norot", " with LLAMA_ATTN
              "on": (":rot", "+rot", " with the rotation forced on")}
 
 
-def _num(x: float) -> str:
-    """``x`` as it reads back exactly: ``1`` for 1.0, else the shortest round-trip form."""
-    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else repr(float(x))
-
-
 # -- the settings -------------------------------------------------------------------------------
 
 
@@ -222,13 +219,9 @@ class CacheDtypeSetting:
             raise ConfigError(f"scale scope @{self.scope}; allowed: none (per tensor) or @head.")
         if self.scope == "head" and self.engine == "trtllm":
             raise ConfigError("TensorRT-LLM loads one fp8 scale per layer; drop @head.")
-        if self.skip and self.engine != "vllm":
-            raise ConfigError(":skip= is vLLM's --kv-cache-dtype-skip-layers; SGLang has none.")
+        object.__setattr__(self, "skip", skip_layers(self.engine, self.skip))
         if self.cpu:
             self._check_cpu()
-        if not all(is_int(i, 0) for i in self.skip):
-            raise ConfigError(f"Invalid skip layers {self.skip!r}; allowed: layer indices >= 0.")
-        object.__setattr__(self, "skip", tuple(sorted(set(self.skip))))
         parse_format(self.cache_type(calibrated=True))  # percentile / scale ranges
 
     def _check_cpu(self) -> None:
@@ -266,9 +259,9 @@ class CacheDtypeSetting:
     def name(self) -> str:
         out = f"{self.engine}:{self.dtype}" + ("@head" if self.scope == "head" else "")
         if self.percentile is not None:
-            out += f":p{_num(self.percentile)}"
+            out += f":p{number_name(self.percentile)}"
         if self.fixed_scale is not None:
-            out += f":s{_num(self.fixed_scale)}"
+            out += f":s{number_name(self.fixed_scale)}"
         out += ":cpu" if self.cpu else ""  # :skip= stays last (split_setting_list)
         return out + (f":skip={','.join(map(str, self.skip))}" if self.skip else "")
 
@@ -285,14 +278,14 @@ class CacheDtypeSetting:
         out = ("fp8_e4m3" if self.dtype == "fp8" else self.dtype) + (
             "@head" if self.scope == "head" else "")
         if self.fixed_scale is not None:
-            return out + f":s{_num(self.fixed_scale)}"
+            return out + f":s{number_name(self.fixed_scale)}"
         if not calibrated:
             if self.scope == "head" or self.percentile is not None:
                 raise ConfigError(f"{self.name}: calibrated scales (@head, :pP) need a capture: "
                                   "pass --calibration run.h5 (from `kvlens capture`), or drop "
                                   "@head/:pP for the engine default scale 1.0.")
             return out + ":s1"
-        return out + ("" if self.percentile is None else f":p{_num(self.percentile)}")
+        return out + ("" if self.percentile is None else f":p{number_name(self.percentile)}")
 
     def kvconfig(self, label: str, calibrated: bool = False) -> KVConfig:
         fmt = self.cache_type(calibrated)
