@@ -46,7 +46,7 @@ from kvlens.evaluation import EvalOptions, evaluate_configs
 from kvlens.evaluation.kld import DEFAULT_EVAL_TOKENS
 from kvlens.layouts import reference
 from kvlens.model.engine_matmul import engine_matmuls
-from kvlens.quant import QuantSpec, fake_quantize, fake_quantize_format
+from kvlens.quant import fake_quantize, fake_quantize_format
 from kvlens.quant.cachetypes import DenseType, parse_cache_type
 from kvlens.quant.formats import engine_rotation
 from kvlens.quant.fp8 import calibrate_scale
@@ -199,9 +199,9 @@ def _variants(target: str, head_dim: int, rotation: bool) -> dict[str, tuple[Any
             n: (BlockFloatSetting(target, n, 1.0).layout(), "layout")
             if is_blockfloat(target, n) else (parse_cache_type(n), "type")
             for n in SEARCH_TYPES[target]}
-    return {f"{bits}:{gran}:{g}": (QuantSpec(bits, gran, g), "spec") for bits in (4, 2)
-            for gran in ("per-token", "per-channel") for g in (64, 32)
-            if gran == "per-channel" or head_dim % g == 0}
+    specs = (QuantoSetting(b, ak, ak, g).spec(ak) for b, ak, _, g in QUANTO
+             if ak == -1 or head_dim % g == 0)
+    return {spec.label: (spec, "spec") for spec in specs}
 
 
 def _fake(x, how, kind: str, tensor: str, scale=None):
@@ -424,16 +424,14 @@ def _trtllm_mix(table, meta, base: str, per_layer: dict[int, str]):
 
 def _transformers(target, table, scales, meta, opts):
     for bits, ak, av, g in QUANTO:
-        gk = "per-token" if ak == 0 else "per-channel"
-        gv = "per-token" if av == 0 else "per-channel"
         if (ak == 0 or av == 0) and meta.shape.head_dim % g:
             continue
-        cfg = engine_config(QuantoSetting(bits, ak, av, g).name).config
-        kwargs = {"backend": "quanto", "nbits": bits, "axis_key": ak, "axis_value": av,
-                  "q_group_size": g, "residual_length": 128}
+        setting = QuantoSetting(bits, ak, av, g)
+        kwargs = {"backend": "quanto", **setting.cache_kwargs()}
         cmd = ("model.generate(**inputs, cache_implementation=\"quantized\", cache_config="
                + json.dumps(kwargs) + ")")
-        yield cfg, [_err(row, f"{bits}:{gk}:{g}", f"{bits}:{gv}:{g}") for row in table], \
+        key, value = (setting.spec(axis).label for axis in (ak, av))
+        yield engine_config(setting.name).config, [_err(row, key, value) for row in table], \
             {"target": "transformers", "command": cmd,
              "cache_config": kwargs, "docs": DOCS["transformers"], "cache_file": CACHE_FILE,
              "snippet": cache_snippet(CACHE_FILE)}, None
