@@ -8,22 +8,14 @@ The file (``FILE_NAME``, JSON, ``FORMAT`` version ``VERSION``)::
                  "axis_value": 0, "q_group_size": 64, "residual_length": 128}},
                 {"class": "DynamicLayer", "kwargs": {}}, ...]}
 
-``class`` names a class of ``transformers.cache_utils`` and ``kwargs`` its constructor's
-arguments (transformers 5.24: ``QuantoQuantizedLayer`` / ``HQQQuantizedLayer`` take ``nbits,
-axis_key, axis_value, q_group_size, residual_length``; ``DynamicLayer`` none), so ``SNIPPET``
-builds the cache with transformers alone. ``kvlens generate --compare hf-layers:FILE`` runs it
-(``kvlens.evaluation.baselines``).
+``class`` names a class of ``transformers.cache_utils`` (transformers 5.24) and ``kwargs`` its
+constructor's arguments, so ``SNIPPET`` builds the cache with transformers alone; ``kvlens
+generate --compare hf-layers:FILE`` runs it (``kvlens.evaluation.baselines``).
 
-A layer maps (``layer_for``) where transformers' layer stores what the kvlens layer stores:
-both tensors at one bit width and one group size (one ``nbits`` and ``q_group_size`` per
-layer), per-token or per-channel groups, no rotation, pre-RoPE keys or partial flush, a window
-of ``R`` exact tokens (``residual_length``); min/max grids become quanto layers (2 or 4 bits),
-``fit="hqq"`` per-token grids HQQ layers with ``axis=1`` and the ``hqq-strided`` layout HQQ
-layers with ``axis=0``; an unquantized layer a ``DynamicLayer``. A config with a layer
-that does not map is not exported: ``export`` returns no document and the reasons, and the
-caller says so (nothing is rounded silently). What transformers' layers then do differently
-(re-quantizing the history at each window flush, quanto's group layout) is the same as for
-the engine settings: docs/deploy/transformers.md.
+A layer maps (``layer_for``) only where transformers' layer stores what the kvlens layer
+stores; a config with a layer that does not map is not exported (``export`` returns the
+reasons: nothing is rounded silently). What transformers' layers do differently is in
+docs/deploy/transformers.md.
 """
 
 from __future__ import annotations
@@ -52,8 +44,8 @@ out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)"""
 
 @dataclass(frozen=True)
 class Export:
-    """A config's export: ``document`` (the file's JSON form; None when a layer does not map)
-    and ``problems``, one line per layer that does not map, saying why."""
+    """``document``: the file's JSON form (None when a layer does not map, ``problems`` says
+    why, a line per layer)."""
 
     document: dict | None
     problems: tuple[str, ...]
@@ -73,8 +65,10 @@ def _backend(spec: QuantSpec) -> tuple[str, dict[str, int]] | None:
 
 
 def layer_for(layer: LayerKV) -> tuple[str, dict] | str:
-    """transformers' layer ``(class, kwargs)`` that stores what ``layer`` stores, or why none
-    does (module docstring)."""
+    """transformers' layer ``(class, kwargs)`` that stores what ``layer`` stores: one ``nbits``
+    and ``q_group_size`` for both tensors, no rotation, pre-RoPE keys or partial flush, min/max
+    grids as quanto layers, ``fit="hqq"`` per-token grids and ``hqq-strided`` as HQQ layers,
+    unquantized as ``DynamicLayer``; else why none does."""
     if layer.key_format or layer.value_format:
         return f"engine cache types {layer.key_format}/{layer.value_format}"
     if layer.key is None and layer.value is None:
@@ -116,8 +110,7 @@ def _hqq_axis(spec) -> tuple[int, int, int] | None:
 
 def _hqq_layer(layer: LayerKV) -> tuple[str, dict] | str:
     """``HQQQuantizedLayer`` for a layer with an ``hqq-strided`` tensor (``axis=0``), or why
-    not: the other tensor must be one too or per-token with fit hqq, at the same bits and
-    group size."""
+    not."""
     k, v = _hqq_axis(layer.key), _hqq_axis(layer.value)
     if k is None or v is None or k[1:] != v[1:] or k[1] not in HQQ_BITS:
         return (f"keys {_label(layer.key)}, values {_label(layer.value)}: an HQQ "
@@ -132,8 +125,7 @@ def _label(spec) -> str:
 
 
 def export(config: KVConfig, num_layers: int) -> Export:
-    """``config`` for a model of ``num_layers`` decoder layers as transformers' per-layer cache
-    (module docstring)."""
+    """``config`` for a model of ``num_layers`` decoder layers (module docstring)."""
     problems = []
     extras = [name for name, on in (("sinks or balancer (protect)", config.protect is not None),
                                     ("balancers", bool(config.balancers)),
@@ -162,9 +154,8 @@ def snippet(path: str) -> str:
 
 
 def beside(config: KVConfig, out) -> tuple[object, str]:
-    """The export of a per-layer config written to ``out`` (a ``Path``): ``(path, text)``, or
-    ``(None, why not)`` where it does not map, ``(None, "")`` for a config without a layer
-    count."""
+    """``(path, text)`` of the export beside a config written to ``out`` (a ``Path``), ``(None,
+    why not)`` where it does not map, ``(None, "")`` for a config without a layer count."""
     num_layers = (config.model or {}).get("num_layers")
     if num_layers is None:
         return None, ""
