@@ -54,10 +54,9 @@ class Settings(list):
 def resolve_settings(config=None, preset_name: str | None = None, compare: str | None = None,
                      calibration: str | None = None) -> Settings:
     """The settings a run compares: a config file, a preset or engine setting, and a comma list
-    of any of those and transformers baselines, in that order. ``calibration``: a capture file
-    for the static fp8 scales of vllm:/sglang: settings."""
-    if config is not None and preset_name is not None:
-        raise OptionError("Give either {config} FILE or {preset} NAME, not both.")
+    of any of those and transformers baselines, in that order (``generate_request`` has refused
+    a config and a preset together). ``calibration``: a capture file for the static fp8 scales
+    of vllm:/sglang: settings."""
     out = Settings()
     if config is not None:
         out.append(load_config(config))

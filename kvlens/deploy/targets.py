@@ -70,9 +70,7 @@ DOCS = {
               "JSON of vllm/model_executor/layers/quantization/schema.py: one scale per layer)",
     "transformers": "transformers KV cache strategies, QuantizedCache (https://huggingface.co/"
                     "docs/transformers/kv_cache)",
-    "trtllm": exports.DOCS["trtllm"],
 }
-DOCS["vllm:cpu"] = DOCS["vllm"]
 
 
 def target_engine(target: str) -> str:
@@ -392,8 +390,7 @@ def _trtllm(target, table, scales, meta, opts):
     order = sorted(SEARCH_TYPES[target], key=lambda t: exports.type_bits(plan_type(t)))
     for a, low in enumerate(order):
         for high in order[a:]:
-            gain = [squared_error(row, low) - row[("key", high)] ** 2 - row[("value", high)] ** 2
-                    for row in table]
+            gain = [squared_error(row, low) - squared_error(row, high) for row in table]
             ranked = sorted(range(n), key=lambda j: -gain[j])
             for k in range(1, n) if high != low else (0,):
                 yield _trtllm_mix(table, meta, low, {layers[j]: high for j in ranked[:k]})
@@ -418,7 +415,7 @@ def _trtllm_mix(table, meta, base: str, per_layer: dict[int, str]):
                                 {i: (plan_type(v),) * 2 for i, v in per_layer.items()})
     ex = exports.trtllm_export(plan)
     deploy = {"target": "trtllm", "command": ex.command,
-              "kv_cache_dtype": ex.runs.tensor(0)[0], "docs": DOCS["trtllm"]}
+              "kv_cache_dtype": ex.runs.tensor(0)[0], "docs": exports.DOCS["trtllm"]}
     return cfg, errs, deploy, plan
 
 
