@@ -40,7 +40,7 @@ from kvlens.deploy.hf_cache import FILE_NAME as CACHE_FILE
 from kvlens.deploy.hf_cache import export as export_cache
 from kvlens.deploy.hf_cache import snippet as cache_snippet
 from kvlens.deploy.kld_search import search_kld
-from kvlens.deploy.presets import engine_config
+from kvlens.deploy.presets import engine_config, static_scales
 from kvlens.errors import ConfigError, OptionError
 from kvlens.evaluation import EvalOptions, evaluate_configs
 from kvlens.evaluation.kld import DEFAULT_EVAL_TOKENS
@@ -49,7 +49,6 @@ from kvlens.model.engine_matmul import engine_matmuls
 from kvlens.quant import fake_quantize, fake_quantize_format
 from kvlens.quant.cachetypes import DenseType, parse_cache_type
 from kvlens.quant.formats import engine_rotation
-from kvlens.quant.fp8 import calibrate_scale
 from kvlens.quant.llamacpp_cpu import query_to_vec_dot
 
 TARGETS = ("kvlens", "llama.cpp", "vllm", "sglang", "transformers", "trtllm", "vllm:cpu")
@@ -246,18 +245,9 @@ def measure_errors(path: str | Path, target: str, opts: TargetOptions,
                 ref = attention_output(q, kv["key"], kv["value"], a.scaling, a.sliding_window,
                                        a.logit_softcap, a.sinks)
                 row, cal = {}, {}
-                for name, (how, _) in variants.items():
-                    fmt = getattr(how, "format", None)
-                    if getattr(fmt, "family", None) != "fp8" or fmt.fixed_scale is not None:
-                        continue
-                    for tensor in ("key", "value"):
-                        x = full[tensor]
-                        if how.rotates(x.shape[-1]):
-                            x = x @ engine_rotation(tensor, x.shape[-1])
-                        cal[(tensor, name)] = calibrate_scale(x, fmt)
-                    if target == "sglang":  # one scale per layer for K and V (their max)
-                        both = torch.maximum(cal[("key", name)], cal[("value", name)])
-                        cal[("key", name)] = cal[("value", name)] = both
+                for name, (how, _) in variants.items():  # SGLang: one scale for K and V
+                    got = static_scales(full, {"key": how, "value": how}, target == "sglang")
+                    cal |= {(tensor, name): x for tensor, x in got.items()}
                 srow = {k: v.flatten().tolist() for k, v in cal.items()}
                 for tensor in ("key", "value"):
                     for name, (how, kind) in variants.items():
