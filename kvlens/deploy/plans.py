@@ -1,10 +1,6 @@
-"""The per-layer exports of an answer: an engine target's chosen plan written for each engine
-that reads it (``kvlens.deploy.exports``) with the KLD of what each engine will actually run
-(measured with ``--validate``, else predicted, else its error score alone; what an engine runs
-instead of the plan is built from the same measured types, ``plan_config``), and the per-layer
-target's config mapped to the engines' types (``layer_exports``), each with the config the
-engine runs built from engine settings (``runs_config``): measured with ``--validate``
-(``measure_layer_exports``), else the command that measures it.
+"""The per-layer exports of an answer (``kvlens.deploy.exports``), each with the KLD of what
+the engine will actually run: an engine target's chosen plan (``engine_exports``) and the
+per-layer target's config mapped to the engines' types (``layer_exports``).
 """
 
 from __future__ import annotations
