@@ -30,15 +30,6 @@ ENGINE_FLAG = {"vllm": "vllm --kv-cache-dtype {}", "sglang": "sglang --kv-cache-
         "trtllm": "TensorRT-LLM KvCacheConfig(dtype=\"{}\")"}
 
 
-def blockfloat_forms() -> tuple[str, ...]:
-    """The grammar of these settings, one form per engine (``kvlens.config.engine``'s
-    ``setting_forms`` prints them)."""
-    return ("vllm:nvfp4[:sS][:skip=L,L] (4-bit floats, E4M3 scale per 16 channels)",
-            "sglang:D[:sS] (D: " + ", ".join(BLOCKFLOAT_DTYPES["sglang"])
-            + "; fp4_e2m1 = fp4_mx_block16; :sS for nvfp4)",
-            "trtllm:nvfp4[:sS]")
-
-
 def number_name(x: float) -> str:
     """``x`` as it reads back exactly: ``1`` for 1.0, else the shortest round-trip form."""
     return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else repr(float(x))

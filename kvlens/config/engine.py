@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import ClassVar
 
 from kvlens.config.blockfloat import (
+    BLOCKFLOAT_DTYPES,
     ENGINE_FLAG,
     BlockFloatSetting,
-    blockfloat_forms,
     is_blockfloat,
     number_name,
     skip_layers,
@@ -93,7 +93,10 @@ def setting_forms() -> tuple[str, ...]:
         f"vllm:{DS_MLA_DTYPE}[:skip=L,L] (MLA models: the latent row, fp8 tiles + bf16 RoPE)",
         "sglang:D[@head][:pP|:sS] (D: " + ", ".join(CACHE_DTYPES["sglang"]) + ")",
         "trtllm:fp8[:pP|:sS]",
-        *blockfloat_forms(),
+        "vllm:nvfp4[:sS][:skip=L,L] (4-bit floats, E4M3 scale per 16 channels)",
+        "sglang:D[:sS] (D: " + ", ".join(BLOCKFLOAT_DTYPES["sglang"])
+        + "; fp4_e2m1 = fp4_mx_block16; :sS for nvfp4)",
+        "trtllm:nvfp4[:sS]",
         *(f"transformers:{c.backend}-B[:axis_key=A][:axis_value=A][:group=G][:residual=R] (B: "
           + ", ".join(map(str, c.bit_widths)) + "; A: " + ", ".join(map(str, c.axes)) + ")"
           for c in TRANSFORMERS_BACKENDS.values()),
