@@ -26,7 +26,7 @@ from kvlens.analysis.metrics import attention_output, rel_error
 from kvlens.cache.layout import config_bits
 from kvlens.capture.source import CaptureModel
 from kvlens.capture.store import open_capture
-from kvlens.config import BlockFloatSetting, KVConfig, LayerKV
+from kvlens.config import BlockFloatSetting, KVConfig
 from kvlens.config.blockfloat import is_blockfloat
 from kvlens.config.engine import (
     SEARCH_TYPES,
@@ -313,10 +313,8 @@ def setting_config(engine: str, variant: str, skip: tuple[int, ...] = ()) -> KVC
     if is_blockfloat(engine, variant):
         setting = BlockFloatSetting(engine, variant, 1.0, skip)
         return setting.kvconfig(setting.name)
-    return KVConfig(setting_for_cache_type(variant, engine, skip).name,
-                    LayerKV(key_format=variant, value_format=variant),
-                    {i: LayerKV(key_format="f16", value_format="f16") for i in skip},
-                    fp_dtype="float16")
+    setting = setting_for_cache_type(variant, engine, skip)
+    return setting.kvconfig(setting.name, calibrated=True)
 
 
 def _vllm_deploy(base: str, skip: tuple[int, ...], calibrated: bool, meta, target: str):
