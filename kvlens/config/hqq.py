@@ -1,28 +1,15 @@
 """transformers' ``QuantizedCache`` with the HQQ backend as an engine setting:
 ``transformers:hqq-B[:axis_key=A][:axis_value=A][:group=G][:residual=R]`` (``HqqSetting``).
 
-What the real cache does (transformers 5.24 ``cache_utils.HQQQuantizedLayer`` over hqq 0.2.8
-``hqq.core.quantize.Quantizer.quantize``, called with ``optimize=True``, ``round_zero=False``):
-
-- the ``[B, H, T, D]`` tensor is flattened row-major and cut into groups of ``G`` elements:
-  ``axis=1`` groups ``G`` consecutive elements (``G`` channels of one token, as quanto's
-  ``axis=0``); ``axis=0`` groups the ``G`` elements ``numel / G`` apart (one channel, tokens
-  spread over the whole history and across heads);
-- each group starts from a min/max grid of ``2^B - 1`` steps, then its zero point (not its
-  scale) is refined by HQQ's half-quadratic solver (``optimize_weights_proximal_legacy``: an
-  l_0.7 shrinkage of the error, up to 20 steps, stopped when the tensor's mean absolute error
-  stops falling); scale and zero are kept in the model's dtype;
-- like quanto, ``R`` tokens stay exact and the whole (dequantized) history is re-quantized
-  whenever the window fills.
-
-The simulation (``kvconfig``): ``axis=1`` -> per-token groups of ``G`` channels with
-``fit="hqq"`` (the same zero refinement, per flush block: ``kvlens.quant.reference``), each
-window block quantized once (the real cache's re-quantization regroups nothing there when ``G``
-divides head_dim); ``axis=0`` -> the ``hqq-strided`` layout (``kvlens.layouts.hqq_strided``),
-which does what the real layer does: hqq's strided groups over the whole history, re-quantized
-whole at every flush. A window of ``R`` exact tokens flushed whole. What still differs (when the
-prompt is quantized, the early stop of ``axis=1`` measured over a flush block, held bytes) is
-in docs/lab-notes/transformers-caches.md.
+The real cache (transformers 5.24 ``cache_utils.HQQQuantizedLayer`` over hqq 0.2.8) groups the
+row-major ``[B, H, T, D]`` tensor by ``G`` elements, refines each group's zero with HQQ's
+solver, keeps ``R`` tokens exact and re-quantizes the whole history whenever the window fills.
+The simulation (``kvconfig``): ``axis=1`` (``G`` consecutive channels of one token) ->
+per-token groups with ``fit="hqq"`` (the solver: ``kvlens.quant.reference``), each window block
+quantized once (the real re-quantization regroups nothing when ``G`` divides head_dim);
+``axis=0`` (groups strided over the whole history) -> the ``hqq-strided`` layout
+(``kvlens.layouts.hqq_strided``), which does what the real layer does. What still differs:
+docs/lab-notes/transformers-caches.md.
 """
 
 from __future__ import annotations
