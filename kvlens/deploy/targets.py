@@ -5,7 +5,8 @@
    target's menu (``kvlens.config.engine.SEARCH_TYPES``), the relative attention-output error
    over the first ``tokens`` tokens of ``samples`` samples when only that tensor is stored in
    that type, read back as the engine reads it (every token quantized; a llama.cpp key type
-   also converts the query to its dot-product type: ``_llamacpp_query``). Static fp8 scales are calibrated on the whole capture.
+   also converts the query to its dot-product type: ``_llamacpp_query``). Static fp8 scales
+   are calibrated on the whole capture.
 2. **Candidates** (``BUILDERS``): the engine's menu, each scored ``S = sum_l e_K,l^2 + e_V,l^2``
    and costed in held bits per element at ``context`` tokens (``kvlens.cache.layout``).
 3. **Choice**: with ``max_kld``, the cheapest candidate whose KLD is at most it, the choice
