@@ -18,14 +18,15 @@ from kvlens.config.model_check import validate_for
 from kvlens.config.presets import PRESETS, preset, resolve
 from kvlens.config.schema import (
     BALANCER_MODES,
+    FORMAT,
     FP_BYTES,
     FP_DTYPES,
     SCALE_DTYPES,
+    VERSION,
     KVConfig,
     LayerKV,
     ProtectSettings,
 )
-from kvlens.config.versions import FORMAT, VERSION
 
 __all__ = [
     "BALANCER_MODES",

@@ -1,6 +1,6 @@
 """The KV config's JSON form: ``config_from_dict`` (parse and validate, every problem a
 ``ConfigError`` saying where), ``load_config`` / ``save_config``. Every file says ``"version":
-1``, the one version (``kvlens.config.versions``). The form is documented in docs/generate.md
+1``, the one version (``kvlens.config.schema.VERSION``). The form is documented in docs/generate.md
 (config files), the meaning of each field in ``kvlens.config.schema``; a research set policy's
 own top-level key is read through ``kvlens.config.extension``.
 
@@ -20,8 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from kvlens.config.extension import read_settings
-from kvlens.config.schema import REMOVED, KVConfig, LayerKV, ProtectSettings
-from kvlens.config.versions import FORMAT, VERSION
+from kvlens.config.schema import (
+    FORMAT,
+    REMOVED,
+    VERSION,
+    KVConfig,
+    LayerKV,
+    ProtectSettings,
+)
 from kvlens.errors import ConfigError, is_int
 from kvlens.layouts import layout_from_dict
 

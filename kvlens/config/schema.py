@@ -23,7 +23,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvlens.config.versions import FORMAT, VERSION
 from kvlens.errors import ConfigError, is_int
 from kvlens.layouts import is_layout_spec, kinds, layout_of
 from kvlens.layouts.packed import SCALE_DTYPES
@@ -31,6 +30,10 @@ from kvlens.quant import CodebookSpec
 from kvlens.quant.cachetypes import DenseType, parse_cache_type
 from kvlens.quant.llamacpp_cpu import ENGINE_ATTENTIONS
 
+# The file-format identifier written into every config; it names the module that first
+# defined the format and is kept as is so that existing files stay readable.
+FORMAT = "kvlens.kvconfig"
+VERSION = 1  # the one version this kvlens reads and writes (kvlens.config.io refuses others)
 BALANCER_MODES = ("off", "online", "fixed")
 #: bytes per element of each dtype the full-precision parts (window, sinks, sets) may be held in
 FP_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
