@@ -368,7 +368,6 @@ class QuantoSetting(QuantizedLayerSetting):
     granularity: ClassVar[dict[int, str]] = {0: "per-token", -1: "per-channel"}
 
 
-
 EngineSettingName = (LlamaCppSetting | CacheDtypeSetting | TurboQuantSetting | BlockFloatSetting
                      | QuantoSetting | HqqSetting)
 #: transformers' QuantizedCache backends, by the name a setting gives (``transformers:hqq-4``)

@@ -2,12 +2,8 @@
 ``ConfigError`` saying where), ``load_config`` / ``save_config``. Every file says ``"version":
 1``, the one version (``kvlens.config.schema.VERSION``). The form is documented in docs/generate.md
 (config files), the meaning of each field in ``kvlens.config.schema``; a research set policy's
-own top-level key is read through ``kvlens.config.extension``.
-
-A file that stores a layout issue #57 removed (a negative result each: codebook values, fitted
-codebooks and centred keys, docs/lab-notes/codebooks.md; coupled specs, docs/lab-notes/
-coupled.md; GEAR, docs/lab-notes/gear-mikv.md) is refused with that reason before its version
-is read (``_refuse_removed``), as is the sinks-and-balancer section under its old name (``OLD``).
+own top-level key is read through ``kvlens.config.extension``. A file that stores what issue
+#57 removed is refused with the reason before its version is read (``_refuse_removed``).
 """
 
 from __future__ import annotations
@@ -102,9 +98,10 @@ def config_from_dict(data: Any) -> KVConfig:
 
 
 def _refuse_removed(data: Mapping) -> None:
-    """Refuse a config that stores what issue #57 removed (module docstring), naming the reason,
-    before an "unknown key" or version error; ``"gear": null`` and ``"center_keys": false`` ask
-    for nothing removed. What is not the expected shape is left to the parser."""
+    """Refuse a config that stores a layout issue #57 removed (a negative result each, its lab
+    note named) or the sinks-and-balancer section under its old name (``OLD``), before an
+    "unknown key" or version error; ``"gear": null`` and ``"center_keys": false`` ask for
+    nothing removed. What is not the expected shape is left to the parser."""
     if data.get("gear") is not None:
         raise ConfigError("This config stores GEAR ('gear': outliers and low-rank factors); GEAR "
                           "was removed from kvlens by issue #57 (a negative result, "

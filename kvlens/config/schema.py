@@ -9,12 +9,9 @@ full-precision residual window (``flush_tokens``: 0 flushes it whole, KIVI; fewe
 as an engine's own cache types (``key_format`` / ``value_format``, ``kvlens.quant.cachetypes``;
 no window). ``protect`` keeps the attention sinks at ``fp_dtype`` and balances key channels; a
 research set policy adds its own key (``kvlens.config.extension``). ``fp_dtype`` is the dtype of
-every full-precision part (``exact``: the model's own). ``rotate_keys`` / ``rotate_values``:
-Hadamard rotation along head_dim (``kvlens.quant.rotation``), not with pre-RoPE keys or a
-balancer on the same keys. A ``CodebookSpec`` key (vLLM TurboQuant's keys) rotates with the
-layer's key rotation, so its seed is the config's ``rotation_seed``. ``write_before_attention``
-codes each forward's tokens before it attends (vLLM TurboQuant's order): no window, no
-``protect``. Layouts removed by issue #57 are refused by ``kvlens.config.io``.
+every full-precision part (``exact``: the model's own). A ``CodebookSpec`` key (vLLM
+TurboQuant's keys) rotates with the layer's key rotation, so its seed is the config's
+``rotation_seed``.
 """
 
 from __future__ import annotations
