@@ -295,19 +295,6 @@ def _llamacpp(target, table, scales, meta, opts):
             yield cfg, [_err(row, k, v) for row in table], deploy, None
 
 
-def _fp8_scales(scales, layers, positions, dtype: str) -> dict:
-    """kv_scales of a calibrated dtype for the captured layers at ``positions`` of ``layers``
-    (their model indices; ``scales`` from ``measure_errors``, in the same order)."""
-    return {layers[j]: {"key": tuple(scales[j][("key", dtype)]),
-                        "value": tuple(scales[j][("value", dtype)])} for j in positions}
-
-
-def _calibrated(variant: str) -> bool:
-    """Static fp8 whose scales the capture calibrates (not ``:sS``; block-float types compute
-    their block scales as each token is written, their global scale is 1.0 here)."""
-    return variant.startswith("fp8") and ":s" not in variant
-
-
 def setting_config(engine: str, variant: str, skip: tuple[int, ...] = ()) -> KVConfig:
     """The config of ``engine``'s setting storing every layer but ``skip`` (kept at f16) in
     ``variant``, named by the setting (``kvlens.config.engine``) generate reads back."""
@@ -345,15 +332,17 @@ def _one_dtype(target, table, scales, meta, opts):
     n, layers = len(table), meta.layers  # model indices, in table order
     engine = target_engine(target)
     for dtype in SEARCH_TYPES[target]:
-        base, calibrated = dtype.split(":")[0], _calibrated(dtype)
+        # static fp8 the capture calibrated (measure_errors), not :sS nor block-float
+        base, calibrated = dtype.split(":")[0], ("key", dtype) in scales[0]
         order = sorted(range(n), key=lambda j: -squared_error(table[j], dtype))
         for k in range(n + 1) if engine == "vllm" else (0,):
             skipped = set(order[:k])  # positions in the table
             skip = tuple(sorted(layers[j] for j in skipped))
             cfg = setting_config(engine, dtype, skip)
             if calibrated:
-                cfg = replace(cfg, kv_scales=_fp8_scales(
-                    scales, layers, [j for j in range(n) if j not in skipped], dtype))
+                cfg = replace(cfg, kv_scales={layers[j]: {t: tuple(scales[j][(t, dtype)])
+                                                          for t in ("key", "value")}
+                                              for j in range(n) if j not in skipped})
             errs = [(0.0, 0.0) if j in skipped else _err(row, dtype, dtype)
                     for j, row in enumerate(table)]
             deploy = (_vllm_deploy if engine == "vllm" else _sglang_deploy)(
