@@ -156,10 +156,14 @@ def files_beside(out: Path, target: str) -> list[Path]:
 
 def check_request(request: RecommendRequest) -> None:
     """What can be refused before any work, cheapest first: a missing, foreign or incomplete
-    capture, then the model (``--model``: every check ``load_model`` makes before it reads a
-    weight) and its placement."""
-    with open_capture(request.capture):
-        pass
+    capture, the per-layer target's ``tokens`` beyond its samples (they would be cut short
+    without a word), then the model (``--model``: every check ``load_model`` makes before it
+    reads a weight) and its placement."""
+    with open_capture(request.capture) as cap:
+        n = cap.meta.num_tokens
+    if request.target == "kvlens" and request.tokens is not None and request.tokens > n:
+        raise OptionError(f"{{tokens}} {request.tokens}: {request.capture} holds {n} tokens per "
+                          f"sample; give at most {n} (or omit it).")
     place = request.place
     if request.model is not None:
         check_load_options(request.model, device="cpu", **place)
@@ -181,8 +185,6 @@ def recommend_run(request: RecommendRequest, *, save: Callable | None = None,
         return _engine(request, save, progress, say)
     opts = RecommendOptions(**fold_levers(request.options))
     check(request.capture, opts)
-    if request.tokens is not None:
-        check_tokens(request.capture, request.tokens)
     answer = recommend_layers(request.capture, opts, budgets=request.budgets,
                               max_kld=request.max_kld, validate=request.validate,
                               eval_tokens=request.eval_tokens,
@@ -219,15 +221,6 @@ def _layer_exports(request: RecommendRequest, answer: LayerAnswer, say: LogFn) -
         say("Measuring what each engine runs of the config ...")
         measure_layer_exports(made, lambda cfgs: measure_kld(
             answer.model.get(), cfgs, tokens, lambda m: say(f"  {m}")))
-
-
-def check_tokens(capture: Path, tokens: int) -> None:
-    """``--tokens`` beyond the capture's samples would be cut short without a word: refuse."""
-    with open_capture(capture) as cap:
-        n = cap.meta.num_tokens
-    if tokens > n:
-        raise OptionError(f"{{tokens}} {tokens}: {capture} holds {n} tokens per sample; give at "
-                         f"most {n} (or omit it).")
 
 
 def _engine(request: RecommendRequest, save, progress, say: LogFn) -> EngineAnswer:
