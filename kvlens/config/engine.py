@@ -411,43 +411,41 @@ def parse_engine_setting(name: str) -> EngineSettingName:
         raise _bad(name, "no cache type after the engine")
     try:
         if engine == "llamacpp":
-            return _llamacpp(name, parts)
+            return _llamacpp(parts)
         if engine in ("vllm", "sglang", "trtllm"):
-            return _cache_dtype(name, engine, parts)
+            return _cache_dtype(engine, parts)
         backend = TRANSFORMERS_BACKENDS.get(parts[0].split("-")[0])
         if backend is None:
-            raise _bad(name, "transformers settings are quanto-B (QuantizedCache, quanto "
-                             "backend) and hqq-B (HQQ backend)")
+            raise ConfigError("transformers settings are quanto-B (QuantizedCache, quanto "
+                              "backend) and hqq-B (HQQ backend)")
         return backend.parse(parts)
-    except ConfigError as exc:
-        if str(exc).startswith("Unknown engine setting"):
-            raise
+    except ConfigError as exc:  # what the parsers and the settings refuse, with the forms
         raise _bad(name, str(exc).rstrip(".")) from None
 
 
-def _llamacpp(raw: str, parts: list[str]) -> LlamaCppSetting:
+def _llamacpp(parts: list[str]) -> LlamaCppSetting:
     types = parts[0].split("/")
     if len(types) == 1:
         types = types * 2
     if len(types) != 2 or any(t not in LLAMACPP_TYPES for t in types):
-        raise _bad(raw, f"llama.cpp cache types are {', '.join(LLAMACPP_TYPES)}, as K/V or one "
-                        "type for both")
+        raise ConfigError(f"llama.cpp cache types are {', '.join(LLAMACPP_TYPES)}, as K/V or one "
+                          "type for both")
     opts = parts[1:]
     if set(opts) - {"norot", "rot", "nofa", "noarith"} or len(set(opts)) != len(opts):
-        raise _bad(raw, f"llama.cpp options are :norot, :nofa and :noarith (and :rot to force "
-                        f"the rotation), each once, got {opts}")
+        raise ConfigError(f"llama.cpp options are :norot, :nofa and :noarith (and :rot to force "
+                          f"the rotation), each once, got {opts}")
     if "norot" in opts and "rot" in opts:
-        raise _bad(raw, ":norot and :rot contradict each other")
+        raise ConfigError(":norot and :rot contradict each other")
     rotation = "off" if "norot" in opts else "on" if "rot" in opts else "auto"
     return LlamaCppSetting(types[0], types[1], rotation, "nofa" not in opts,
                            "noarith" not in opts)
 
 
-def _cache_dtype(raw: str, engine: str, parts: list[str]
+def _cache_dtype(engine: str, parts: list[str]
                  ) -> CacheDtypeSetting | TurboQuantSetting | BlockFloatSetting:
     if engine == "vllm" and parts[0].startswith("turboquant"):
         if len(parts) > 1:
-            raise _bad(raw, f"vLLM TurboQuant dtypes take no options, got {parts[1:]}")
+            raise ConfigError(f"vLLM TurboQuant dtypes take no options, got {parts[1:]}")
         return TurboQuantSetting(parts[0])
     dtype, at, scope = parts[0].partition("@")
     kw: dict = {}
@@ -455,24 +453,24 @@ def _cache_dtype(raw: str, engine: str, parts: list[str]
         m = _OPTION.fullmatch(opt)
         key = m.lastgroup if m else None
         if key is None or key in kw or (key == "skip" and engine != "vllm"):
-            raise _bad(raw, f"unknown or repeated option {opt!r} (vllm: :pP or :sS, :cpu, "
-                            ":skip=L,L; sglang: :pP or :sS)")
+            raise ConfigError(f"unknown or repeated option {opt!r} (vllm: :pP or :sS, :cpu, "
+                              ":skip=L,L; sglang: :pP or :sS)")
         if key == "cpu":
             kw[key] = True
             continue
         try:
             kw[key] = tuple(map(int, m[key].split(","))) if key == "skip" else float(m[key])
         except ValueError:
-            raise _bad(raw, f"{opt!r} is not a number") from None
+            raise ConfigError(f"{opt!r} is not a number") from None
     if "percentile" in kw and "fixed_scale" in kw:
-        raise _bad(raw, "a scale is calibrated (:pP) or fixed (:sS), not both")
+        raise ConfigError("a scale is calibrated (:pP) or fixed (:sS), not both")
     if is_blockfloat(engine, dtype):
         if "cpu" in kw:
-            raise _bad(raw, "vLLM's CPU build runs fp8 caches only (it accepts nvfp4 and "
-                            "computes noise: docs/lab-notes/engines-on-cpu.md); drop :cpu")
+            raise ConfigError("vLLM's CPU build runs fp8 caches only (it accepts nvfp4 and "
+                              "computes noise: docs/lab-notes/engines-on-cpu.md); drop :cpu")
         if at or "percentile" in kw:
-            raise _bad(raw, "block-float dtypes take no @scope or :pP (their block scales are "
-                            "computed as each token is written)")
+            raise ConfigError("block-float dtypes take no @scope or :pP (their block scales are "
+                              "computed as each token is written)")
         return BlockFloatSetting(engine, dtype, kw.get("fixed_scale"), kw.get("skip", ()))
     return CacheDtypeSetting(engine, dtype, scope if at else "tensor", **kw)
 
