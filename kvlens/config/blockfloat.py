@@ -4,8 +4,7 @@ SGLang's ``fp4_e2m1`` (now spelled ``fp4_mx_block16``) and ``mxfp8``, TensorRT-L
 ``KvCacheConfig(dtype="nvfp4")``. Each stores every layer in a ``kvlens.layouts`` block-float
 layout (``NvFp4``, ``Fp4E2M1``, ``MxFp8``) with no full-precision window, scales computed as
 each token is written; NVFP4's per-tensor global scale is the checkpoint's ``k_scale`` /
-``v_scale`` (1.0 without one; ``:sS`` fixes it at ``S``, a capture calibrates it per layer in
-``kvlens.deploy.presets``)."""
+``v_scale`` (``BlockFloatSetting.global_scale``)."""
 
 from __future__ import annotations
 

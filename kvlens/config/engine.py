@@ -5,12 +5,11 @@ is ``setting_forms()`` (each form with its allowed values) and ``SETTING_OPTIONS
 options mean): ``--help``, error messages and docs print that text, never a copy. What each
 setting means for its engine: docs/deploy/README.md and the engine's page beside it.
 
-``parse_engine_setting`` reads a name into a ``LlamaCppSetting``, ``CacheDtypeSetting``,
-``TurboQuantSetting``, ``BlockFloatSetting``, ``QuantoSetting`` or ``HqqSetting``;
+``parse_engine_setting`` reads a name into one of the ``EngineSettingName`` classes;
 ``setting.name`` writes the canonical spelling back (``parse(s.name) == s``) and
 ``setting.kvconfig(label)`` is the ``KVConfig`` that simulates it (engine cache types,
-``kvlens.quant.cachetypes``, or a kvlens layout). Calibrating static fp8 scales reads a
-capture: ``kvlens.deploy.presets``.
+``kvlens.quant.cachetypes``, or a kvlens layout), calibrated from a capture by
+``kvlens.deploy.presets``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""What transformers' two quantized cache layers share as engine settings: ``nbits``, the key and
-value axes, the group size and the residual window, simulated as a kvlens layout.
-``QuantizedLayerSetting`` holds them once; the quanto backend (``kvlens.config.engine
-.QuantoSetting``) and the HQQ backend (``kvlens.config.hqq.HqqSetting``) say which bits and axes
-they accept, how an axis maps to a kvlens granularity and how groups are fitted.
+"""What transformers' two quantized cache layers share as engine settings
+(``QuantizedLayerSetting``), with the quanto backend (``kvlens.config.engine.QuantoSetting``)
+and the HQQ backend (``kvlens.config.hqq.HqqSetting``) as its subclasses.
 """
 
 from __future__ import annotations

@@ -149,10 +149,9 @@ def runs_config(engine: str, runs: exports.Plan, name: str) -> tuple[KVConfig, s
 
 @dataclass
 class LayerExports:
-    """The per-layer target's exports of one config (``layer_exports``): their documents
-    (``--json``), the config each engine runs (None where none runs or it does not fit the
-    model), and the files to write beside the recommendation (path -> the config an engine
-    runs, or the text of an engine's own file: ``export_path``)."""
+    """``layer_exports``' answer: the documents (``--json``), the config each engine runs (None
+    where none runs or it does not fit the model) and the files to write (path -> a config or
+    an engine's own file's text)."""
 
     documents: list[dict]
     configs: list[KVConfig | None]
