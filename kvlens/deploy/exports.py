@@ -42,10 +42,8 @@ DOCS = {
 
 
 def export_path(out: Path, name: str) -> Path:
-    """Where file ``name`` goes beside a per-layer config written to ``out``: ``kv.json`` ->
-    ``kv.ik_llama.cpp.json`` (an engine's config, ``name`` ``ENGINE.json``), ``kv.hf_quant_
-    config.json`` (an engine's own file: several budgets' configs share a folder; the user
-    copies it into the model folder under its own name)."""
+    """Where file ``name`` goes beside a config written to ``out``: ``kv.json`` ->
+    ``kv.NAME`` (several budgets' configs share a folder)."""
     return out.with_name(f"{out.stem}.{name}")
 
 
