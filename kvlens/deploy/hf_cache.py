@@ -33,7 +33,6 @@ from kvlens.quant import QuantSpec
 
 FORMAT, VERSION = "kvlens-transformers-cache", 1
 FILE_NAME = "transformers_cache.json"
-HQQ_AXIS = {g: a for a, g in HqqSetting.granularity.items()}
 SNIPPET = """import json
 from transformers import cache_utils
 spec = json.load(open({path!r}))
@@ -54,13 +53,17 @@ class Export:
         return json.dumps(self.document, indent=2) + "\n"
 
 
-def _backend(spec: QuantSpec) -> tuple[str, dict[str, int]] | None:
-    """transformers' layer class that stores ``spec``'s grid and its axis by granularity."""
+def _axis(spec) -> tuple[str, int, int, int] | None:
+    """``(class, axis, nbits, group)`` of transformers' layer storing a tensor as ``spec``."""
+    if isinstance(spec, HqqStrided):  # hqq's axis=0
+        ok = spec.bits in HqqSetting.bit_widths
+        return (LAYER_CLASSES[HqqSetting.backend], 0, spec.bits, spec.group) if ok else None
     for setting in TRANSFORMERS_BACKENDS.values():
         axes = {g: a for a, g in setting.granularity.items()}
-        if spec.fit == setting.fit and spec.bits in setting.bit_widths \
-                and spec.granularity in axes:
-            return LAYER_CLASSES[setting.backend], axes
+        if isinstance(spec, QuantSpec) and spec.fit == setting.fit \
+                and spec.bits in setting.bit_widths and spec.granularity in axes:
+            return (LAYER_CLASSES[setting.backend], axes[spec.granularity], spec.bits,
+                    spec.group_size)
     return None
 
 
@@ -78,46 +81,25 @@ def layer_for(layer: LayerKV) -> tuple[str, dict] | str:
         return ", ".join(flags or [f"flush_tokens={layer.flush_tokens}"]) + \
             " (transformers' layers have no such option)"
     k, v = layer.key, layer.value
-    if isinstance(k, HqqStrided) or isinstance(v, HqqStrided):
-        return _hqq_layer(layer)
-    if not (isinstance(k, QuantSpec) and isinstance(v, QuantSpec)):
+    strided = isinstance(k, HqqStrided) or isinstance(v, HqqStrided)
+    if not strided and not (isinstance(k, QuantSpec) and isinstance(v, QuantSpec)):
         return "keys or values not an integer grid (or one of them unquantized)"
-    if k.bits != v.bits or k.group_size != v.group_size or k.group_size is None:
+    if not strided and (k.bits != v.bits or k.group_size != v.group_size or k.group_size is None):
         return (f"keys {k.bits} bits G{k.group_size}, values {v.bits} bits G{v.group_size}: "
                 "a transformers layer has one nbits and one q_group_size, and groups")
-    if k.symmetric or v.symmetric or k.fit != v.fit:
+    if not strided and (k.symmetric or v.symmetric or k.fit != v.fit):
         return "a symmetric grid or two fits (transformers' layers: one affine min/max grid)"
-    backend = _backend(k)
-    backend = backend if backend == _backend(v) else None
-    if backend is None:
+    ka, va = _axis(k), _axis(v)
+    if strided and (ka is None or va is None or ka[0] != va[0] or ka[2:] != va[2:]):
+        return (f"keys {_label(k)}, values {_label(v)}: an HQQ layer has one nbits "
+                f"({', '.join(map(str, HQQ_BITS))}) and one q_group_size, each axis 0 "
+                "(hqq-strided) or 1 (per-token groups, fit hqq)")
+    if ka is None or va is None or ka[0] != va[0]:
         return (f"{k.bits} bits, fit {k.fit}, {k.granularity}/{v.granularity}: quanto takes "
                 f"2 or 4 bits with min/max, HQQ {', '.join(map(str, HQQ_BITS))} with fit hqq "
                 "per token (its axis=0 is the hqq-strided layout)")
-    cls, axes = backend
-    return cls, {"nbits": k.bits, "axis_key": axes[k.granularity],
-                 "axis_value": axes[v.granularity], "q_group_size": k.group_size,
-                 "residual_length": layer.residual_tokens}
-
-
-def _hqq_axis(spec) -> tuple[int, int, int] | None:
-    """``(axis, nbits, group)`` of an HQQ layer's tensor stored as ``spec``, or ``None``."""
-    if isinstance(spec, HqqStrided):
-        return 0, spec.bits, spec.group
-    if isinstance(spec, QuantSpec) and spec.fit == "hqq" and spec.granularity in HQQ_AXIS:
-        return HQQ_AXIS[spec.granularity], spec.bits, spec.group_size
-    return None
-
-
-def _hqq_layer(layer: LayerKV) -> tuple[str, dict] | str:
-    """``HQQQuantizedLayer`` for a layer with an ``hqq-strided`` tensor (``axis=0``), or why
-    not."""
-    k, v = _hqq_axis(layer.key), _hqq_axis(layer.value)
-    if k is None or v is None or k[1:] != v[1:] or k[1] not in HQQ_BITS:
-        return (f"keys {_label(layer.key)}, values {_label(layer.value)}: an HQQ "
-                f"layer has one nbits ({', '.join(map(str, HQQ_BITS))}) and one q_group_size, "
-                "each axis 0 (hqq-strided) or 1 (per-token groups, fit hqq)")
-    return "HQQQuantizedLayer", {"nbits": k[1], "axis_key": k[0], "axis_value": v[0],
-                                 "q_group_size": k[2], "residual_length": layer.residual_tokens}
+    return ka[0], {"nbits": ka[2], "axis_key": ka[1], "axis_value": va[1],
+                   "q_group_size": ka[3], "residual_length": layer.residual_tokens}
 
 
 def _label(spec) -> str:
