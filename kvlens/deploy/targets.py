@@ -371,26 +371,23 @@ def _trtllm(target, table, scales, meta, opts):
             gain = [squared_error(row, low) - squared_error(row, high) for row in table]
             ranked = sorted(range(n), key=lambda j: -gain[j])
             for k in range(1, n) if high != low else (0,):
-                yield _trtllm_mix(table, meta, low, {layers[j]: high for j in ranked[:k]})
+                yield _trtllm_mix(table, meta, low, high, [layers[j] for j in ranked[:k]])
 
 
-def _trtllm_mix(table, meta, base: str, per_layer: dict[int, str]):
-    """``base`` on every layer but ``per_layer`` (model index -> variant), with its exports
+def _trtllm_mix(table, meta, base: str, high: str, raised: list[int]):
+    """``base`` on every layer but ``raised`` (model indices), in ``high``, with its exports
     (TensorRT-LLM's, and vLLM's nearest, ``kvlens.deploy.exports``)."""
     t = plan_type(base)
     uniform = engine_config(TRTLLM_SETTINGS[base]).config  # the setting generate reads
-    name = uniform.name
-    if per_layer:  # ModelOpt's per-layer mix: no engine setting, the config runs it
-        groups = sorted(set(per_layer.values()))
-        name += "".join(f"+{plan_type(g)}@" + ",".join(
-            str(i) for i in sorted(per_layer) if per_layer[i] == g) for g in groups)
-    cfg = replace(uniform, name=name, layers={
-        i: engine_config(TRTLLM_SETTINGS[v]).config.default for i, v in per_layer.items()},
-        description="TensorRT-LLM KV cache " + name)
-    errs = [_err(row, per_layer.get(i, base), per_layer.get(i, base))
+    name = uniform.name  # + ModelOpt's per-layer mix: no engine setting, the config runs it
+    name += f"+{plan_type(high)}@{','.join(map(str, sorted(raised)))}" if raised else ""
+    up = engine_config(TRTLLM_SETTINGS[high]).config.default
+    cfg = replace(uniform, name=name, layers={i: up for i in raised},
+                  description="TensorRT-LLM KV cache " + name)
+    errs = [_err(row, high, high) if i in raised else _err(row, base, base)
             for i, row in zip(meta.layers, table)]
     plan = exports.Plan.uniform(t, t, meta.layers, meta.shape.num_layers,
-                                {i: (plan_type(v),) * 2 for i, v in per_layer.items()})
+                                {i: (plan_type(high),) * 2 for i in raised})
     ex = exports.trtllm_export(plan)
     deploy = {"target": "trtllm", "command": ex.command,
               "kv_cache_dtype": ex.runs.tensor(0)[0], "docs": exports.DOCS["trtllm"]}
