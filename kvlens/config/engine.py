@@ -426,7 +426,7 @@ def _llamacpp(parts: list[str]) -> LlamaCppSetting:
     types = parts[0].split("/")
     if len(types) == 1:
         types = types * 2
-    if len(types) != 2 or any(t not in LLAMACPP_TYPES for t in types):
+    if len(types) != 2:  # LlamaCppSetting refuses an unknown type
         raise ConfigError(f"llama.cpp cache types are {', '.join(LLAMACPP_TYPES)}, as K/V or one "
                           "type for both")
     opts = parts[1:]
