@@ -233,11 +233,11 @@ def layer_exports(config: KVConfig, shape, context: int = 4096, out: Path | None
 
 
 def measure_layer_exports(made: list[LayerExports],
-                          measure: Callable[[list[KVConfig]], list[dict]]) -> int:
+                          measure: Callable[[list[KVConfig]], list[dict]]) -> None:
     """Measure each distinct config the exports in ``made`` run once (two exports that run
     the same layers share one measurement), ``measure(configs)`` returning one
     ``kvlens.deploy.targets.measure_kld`` dict per config, and put the figure in each
-    export's ``kld``. Returns how many configs were measured."""
+    export's ``kld``."""
     distinct: dict[str, KVConfig] = {}
     for ex in made:
         for cfg in ex.configs:
@@ -249,7 +249,6 @@ def measure_layer_exports(made: list[LayerExports],
             if cfg is not None:
                 m = got[_runs_key(cfg)]
                 doc["kld"] |= {"kld": m["mean_kld"], "ci95": m["ci95"], "source": "measured"}
-    return len(distinct)
 
 
 def _runs_key(config: KVConfig) -> str:
