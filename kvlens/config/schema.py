@@ -17,7 +17,7 @@ TurboQuant's keys) rotates with the layer's key rotation, so its seed is the con
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from kvlens.errors import ConfigError, is_int
@@ -186,8 +186,7 @@ class ProtectSettings:
 
     def to_dict(self) -> dict[str, Any]:
         """The ``protect`` section (the ``importance`` settings are their own key)."""
-        return {"sink_tokens": self.sink_tokens, "balancer": self.balancer,
-                "balancer_exponent": self.balancer_exponent}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "importance"}
 
 
 @dataclass(frozen=True)
