@@ -222,21 +222,17 @@ class CacheDtypeSetting:
         if self.scope == "head" and self.engine == "trtllm":
             raise ConfigError("TensorRT-LLM loads one fp8 scale per layer; drop @head.")
         object.__setattr__(self, "skip", skip_layers(self.engine, self.skip))
-        if self.cpu:
-            self._check_cpu()
-        parse_format(self.cache_type(calibrated=True))  # percentile / scale ranges
-
-    def _check_cpu(self) -> None:
-        """vLLM's CPU attention backend (``CPUAttentionBackend``): static fp8, one float
-        ``k_scale`` / ``v_scale`` per layer (``_k_scale_float``)."""
-        if self.engine != "vllm":
+        # vLLM's CPU attention backend (CPUAttentionBackend): static fp8, one float k_scale /
+        # v_scale per layer (_k_scale_float)
+        if self.cpu and self.engine != "vllm":
             raise ConfigError(f":cpu is vLLM's CPU build; {self.engine} has no CPU setting here.")
-        if self.dtype not in STATIC_FP8_DTYPES:
+        if self.cpu and self.dtype not in STATIC_FP8_DTYPES:
             raise ConfigError(f"vLLM's CPU build runs {', '.join(STATIC_FP8_DTYPES)} caches "
                               f"(supported_kv_cache_dtypes), not {self.dtype}; drop :cpu.")
-        if self.scope == "head":
+        if self.cpu and self.scope == "head":
             raise ConfigError("vLLM's CPU build reads one scale per layer (k_scale, v_scale); "
                               "drop @head.")
+        parse_format(self.cache_type(calibrated=True))  # percentile / scale ranges
 
     @property
     def per_token_head(self) -> bool:
