@@ -57,14 +57,15 @@ def export_layers(config_path: str, num_layers: int) -> tuple[str, str, str]:
     from pathlib import Path
 
     from kvlens.config import load_config
-    from kvlens.deploy.hf_cache import compare_name, export, export_path
+    from kvlens.deploy.exports import export_path
+    from kvlens.deploy.hf_cache import FILE_NAME, compare_name, export
 
     config = load_config(config_path)
     got = export(config, num_layers)
     if got.document is None:
         sys.exit(f"{config_path} does not map to transformers' layers: "
                  + "; ".join(got.problems))
-    path = export_path(Path(config_path))
+    path = export_path(Path(config_path), FILE_NAME)
     path.write_text(got.text())
     real = compare_name(str(path))
     return real, config_path, f"{real}={config.name}"

@@ -15,13 +15,13 @@ from typer.testing import CliRunner
 from kvlens.cli import app
 from kvlens.config import config_from_dict, is_engine_setting
 from kvlens.config.engine import (
+    CACHE_DTYPES,
     LLAMACPP_FLOAT_TYPES,
-    LLAMACPP_SEARCH_TYPES,
     LLAMACPP_TYPES,
     PER_TOKEN_HEAD,
     QUANTO_AXES,
     QUANTO_BITS,
-    SGLANG_DTYPES,
+    SEARCH_TYPES,
     STATIC_FP8_DTYPES,
     TURBOQUANT_TYPES,
     CacheDtypeSetting,
@@ -136,8 +136,8 @@ def test_transformers_quanto_maps_to_kvlens_layouts():
     ("vllm:int2", "fp8, fp8_e4m3, fp8_e5m2, int8-pth"),
     ("vllm:fp8@token", "@head"),
     ("sglang:int4", "fp8_e4m3, fp8_e5m2"),
-    ("transformers:quanto-3", "quanto-2 and quanto-4"),
-    ("transformers:quanto-4:axis_key=1", "0 or -1"),
+    ("transformers:quanto-3", "quanto bits are 2, 4, got 3"),
+    ("transformers:quanto-4:axis_key=1", "axis_key for quanto must be 0 or -1"),
     ("transformers:quanto-4:nbits=4", "allowed: axis_key"),
     ("vllm:fp8_e4m3@head", "--calibration run.h5"),
     ("vllm:turboquant_2bit", "turboquant_k8v4, turboquant_4bit_nc, turboquant_k3v4_nc, "
@@ -160,7 +160,7 @@ SETTINGS = st.one_of(
               st.none() | st.floats(0.001, 99.999),
               skip=st.lists(st.integers(0, 40), max_size=3).map(tuple)),
     st.builds(CacheDtypeSetting, st.sampled_from(["vllm", "sglang"]),
-              st.sampled_from(SGLANG_DTYPES), fixed_scale=st.floats(1e-6, 1e6)),
+              st.sampled_from(CACHE_DTYPES["sglang"]), fixed_scale=st.floats(1e-6, 1e6)),
     st.builds(CacheDtypeSetting, st.just("vllm"), st.sampled_from(sorted(PER_TOKEN_HEAD))),
     st.builds(TurboQuantSetting, st.sampled_from(TURBOQUANT_TYPES)),
     st.builds(QuantoSetting, st.sampled_from(QUANTO_BITS), st.sampled_from(QUANTO_AXES),
@@ -190,8 +190,8 @@ def test_one_list_of_llamacpp_types():
 
     assert LLAMACPP_TYPES == (*LLAMACPP_FLOAT_TYPES, *GGML_FORMATS)
     assert set(LLAMACPP_FLOAT_TYPES) == set(DENSE_BYTES)
-    assert set(LLAMACPP_SEARCH_TYPES) <= set(LLAMACPP_TYPES)
-    assert set(LLAMACPP_SEARCH_TYPES) - set(LLAMACPP_FLOAT_TYPES) == set(GGML_FORMATS)
+    assert set(SEARCH_TYPES["llama.cpp"]) <= set(LLAMACPP_TYPES)
+    assert set(SEARCH_TYPES["llama.cpp"]) - set(LLAMACPP_FLOAT_TYPES) == set(GGML_FORMATS)
     for t in LLAMACPP_TYPES:  # every type is a setting generate runs
         assert _types(f"llamacpp:{t}")[0].split("+")[0] == t
 

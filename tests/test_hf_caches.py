@@ -60,8 +60,8 @@ def test_hqq_settings_parse_and_refuse_clearly():
     spec = engine_config(s.name).config.default
     assert spec.key == QuantSpec(2, "per-token", 32, fit="hqq")
     assert spec.value == HqqStrided(2, 32)
-    for bad, why in (("transformers:hqq-5", "HQQ bits are 1, 2, 3, 4, 8"),
-                     ("transformers:hqq-4:axis_key=-1", "quanto's are 0 and -1"),
+    for bad, why in (("transformers:hqq-5", "hqq bits are 1, 2, 3, 4, 8"),
+                     ("transformers:hqq-4:axis_key=-1", "axis_key for hqq must be 0 or 1"),
                      ("transformers:hqq-4:window=3", "allowed: axis_key, axis_value")):
         with pytest.raises(ConfigError, match=why):
             parse_engine_setting(bad)

@@ -33,7 +33,7 @@ def test_a_config_two_exports_run_is_measured_once():
         asked.append([c.name for c in configs])
         return [{"mean_kld": 0.1 * (j + 1), "ci95": [0.0, 1.0]} for j in range(len(configs))]
 
-    assert measure_layer_exports(made, measure) == 2
+    measure_layer_exports(made, measure)  # two distinct configs, measured at once
     assert asked == [["trtllm:nvfp4:s1", "llamacpp:q4_0/q4_0:norot"]]
     for ex in made:
         trt, vllm, ik = (d["kld"] for d in ex.documents)

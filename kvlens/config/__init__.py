@@ -1,16 +1,6 @@
-"""The generation config: what every layer of the compressed cache stores.
-
-- ``schema``: the frozen dataclasses (``LayerKV``, ``ProtectSettings``, ``KVConfig``) and
-  their validation; ``model_check``: ``validate_for``, whether a config fits a loaded model.
-- ``io``: the versioned JSON form (``config_from_dict``, ``load_config``, ``save_config``);
-  ``versions``: its ``FORMAT`` string and its one ``VERSION``.
-- ``presets``: the named presets and ``resolve`` (a preset name or a config file).
-- ``extension``: a research set policy's own config key (``register``).
-- ``engine``: the engine-setting vocabulary (``llamacpp:q4_0``, ``vllm:fp8_e4m3:s1`` ...) every
-  command reads and ``recommend --target`` prints; ``blockfloat``: its block-float settings
-  (``vllm:nvfp4``, ``sglang:mxfp8``, ``trtllm:nvfp4`` ...).
-The storage layouts a config's ``key``/``value`` name, and their rules, are ``kvlens.layouts``.
-"""
+"""The generation config (``schema``, its JSON form ``io``, ``presets``, the research key
+``extension``, ``model_check``) and the engine-setting vocabulary (``engine``, ``blockfloat``,
+``hqq``): docs/internals/architecture.md says what each module owns."""
 
 from kvlens.config.blockfloat import BlockFloatSetting
 from kvlens.config.engine import (
@@ -28,14 +18,15 @@ from kvlens.config.model_check import validate_for
 from kvlens.config.presets import PRESETS, preset, resolve
 from kvlens.config.schema import (
     BALANCER_MODES,
+    FORMAT,
     FP_BYTES,
     FP_DTYPES,
     SCALE_DTYPES,
+    VERSION,
     KVConfig,
     LayerKV,
     ProtectSettings,
 )
-from kvlens.config.versions import FORMAT, VERSION
 
 __all__ = [
     "BALANCER_MODES",

@@ -4,8 +4,7 @@ SGLang's ``fp4_e2m1`` (now spelled ``fp4_mx_block16``) and ``mxfp8``, TensorRT-L
 ``KvCacheConfig(dtype="nvfp4")``. Each stores every layer in a ``kvlens.layouts`` block-float
 layout (``NvFp4``, ``Fp4E2M1``, ``MxFp8``) with no full-precision window, scales computed as
 each token is written; NVFP4's per-tensor global scale is the checkpoint's ``k_scale`` /
-``v_scale`` (1.0 without one; ``:sS`` fixes it at ``S``, a capture calibrates it per layer in
-``kvlens.deploy.presets``)."""
+``v_scale`` (``BlockFloatSetting.global_scale``)."""
 
 from __future__ import annotations
 
@@ -28,13 +27,17 @@ ENGINE_FLAG = {"vllm": "vllm --kv-cache-dtype {}", "sglang": "sglang --kv-cache-
         "trtllm": "TensorRT-LLM KvCacheConfig(dtype=\"{}\")"}
 
 
-def blockfloat_forms() -> tuple[str, ...]:
-    """The grammar of these settings, one form per engine (``kvlens.config.engine``'s
-    ``setting_forms`` prints them)."""
-    return ("vllm:nvfp4[:sS][:skip=L,L] (4-bit floats, E4M3 scale per 16 channels)",
-            "sglang:D[:sS] (D: " + ", ".join(BLOCKFLOAT_DTYPES["sglang"])
-            + "; fp4_e2m1 = fp4_mx_block16; :sS for nvfp4)",
-            "trtllm:nvfp4[:sS]")
+def number_name(x: float) -> str:
+    """``x`` as it reads back exactly: ``1`` for 1.0, else the shortest round-trip form."""
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else repr(float(x))
+
+
+def skip_layers(engine: str, skip: tuple[int, ...]) -> tuple[int, ...]:
+    if skip and engine != "vllm":
+        raise ConfigError(f":skip= is vLLM's --kv-cache-dtype-skip-layers; {engine} has none.")
+    if not all(is_int(i, 0) for i in skip):
+        raise ConfigError(f"Invalid skip layers {skip!r}; allowed: layer indices >= 0.")
+    return tuple(sorted(set(skip)))
 
 
 def is_blockfloat(engine: str, dtype: str) -> bool:
@@ -63,19 +66,13 @@ class BlockFloatSetting:
         if g is not None and (self.dtype != "nvfp4" or not math.isfinite(g) or g <= 0):
             raise ConfigError(f":s{g} fixes NVFP4's global scale: nvfp4 only, a finite number "
                               "> 0.")
-        if self.skip and self.engine != "vllm":
-            raise ConfigError(":skip= is vLLM's --kv-cache-dtype-skip-layers; "
-                              f"{self.engine} has none.")
-        if not all(is_int(i, 0) for i in self.skip):
-            raise ConfigError(f"Invalid skip layers {self.skip!r}; allowed: layer indices >= 0.")
-        object.__setattr__(self, "skip", tuple(sorted(set(self.skip))))
+        object.__setattr__(self, "skip", skip_layers(self.engine, self.skip))
 
     @property
     def name(self) -> str:
         out = f"{self.engine}:{self.dtype}"
         if self.global_scale is not None:
-            g = self.global_scale
-            out += f":s{int(g) if g.is_integer() and abs(g) < 1e15 else repr(g)}"
+            out += f":s{number_name(self.global_scale)}"
         return out + (f":skip={','.join(map(str, self.skip))}" if self.skip else "")
 
     @property

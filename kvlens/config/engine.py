@@ -5,12 +5,11 @@ is ``setting_forms()`` (each form with its allowed values) and ``SETTING_OPTIONS
 options mean): ``--help``, error messages and docs print that text, never a copy. What each
 setting means for its engine: docs/deploy/README.md and the engine's page beside it.
 
-``parse_engine_setting`` reads a name into a ``LlamaCppSetting``, ``CacheDtypeSetting``,
-``TurboQuantSetting``, ``BlockFloatSetting``, ``QuantoSetting`` or ``HqqSetting``;
+``parse_engine_setting`` reads a name into one of the ``EngineSettingName`` classes;
 ``setting.name`` writes the canonical spelling back (``parse(s.name) == s``) and
 ``setting.kvconfig(label)`` is the ``KVConfig`` that simulates it (engine cache types,
-``kvlens.quant.cachetypes``, or a kvlens layout). Calibrating static fp8 scales reads a
-capture: ``kvlens.deploy.presets``.
+``kvlens.quant.cachetypes``, or a kvlens layout), calibrated from a capture by
+``kvlens.deploy.presets``.
 """
 
 from __future__ import annotations
@@ -21,13 +20,15 @@ from pathlib import Path
 from typing import ClassVar
 
 from kvlens.config.blockfloat import (
+    BLOCKFLOAT_DTYPES,
     ENGINE_FLAG,
     BlockFloatSetting,
-    blockfloat_forms,
     is_blockfloat,
+    number_name,
+    skip_layers,
 )
-from kvlens.config.hqq import HQQ_AXES, HQQ_BITS, HqqSetting, parse_hqq
-from kvlens.config.quantized_layer import LAYER_DEFAULTS, QuantizedLayerSetting, int_options
+from kvlens.config.hqq import HqqSetting
+from kvlens.config.quantized_layer import QuantizedLayerSetting
 from kvlens.config.schema import KVConfig, LayerKV
 from kvlens.errors import ConfigError, is_int
 from kvlens.quant import CodebookSpec, QuantSpec, RotationSpec
@@ -41,9 +42,6 @@ ENGINE_ALIASES = {"llama.cpp": "llamacpp"}
 
 LLAMACPP_FLOAT_TYPES = ("f32", "f16", "bf16")
 LLAMACPP_TYPES = (*LLAMACPP_FLOAT_TYPES, *GGML_FORMATS)  # llama.cpp's -ctk/-ctv types
-# `recommend --target llama.cpp` tries every K x V pair: f16 and every quantized type (f32 and
-# bf16 cost as much as f16 or more and are no more accurate)
-LLAMACPP_SEARCH_TYPES = ("f16", "q8_0", "q5_1", "q5_0", "q4_1", "iq4_nl", "q4_0")
 
 STATIC_FP8_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")  # fp8 is vLLM's alias of fp8_e4m3
 # vLLM's per-token-head dtypes (kvlens shorthand and vLLM's own spelling) -> cache type
@@ -53,16 +51,17 @@ DS_MLA_DTYPE = DS_MLA.name  # vLLM's cache of an MLA model's latent row (kvlens.
 CACHE_DTYPES = {"vllm": (*STATIC_FP8_DTYPES, *(f"{k}-pth" for k in TOKEN_HEAD_KINDS)),
                 "sglang": ("fp8_e4m3", "fp8_e5m2"),
                 "trtllm": ("fp8",)}  # KvCacheConfig(dtype="fp8"): e4m3, one scale per layer
-VLLM_DTYPES, SGLANG_DTYPES, TRTLLM_DTYPES = CACHE_DTYPES.values()
-# `recommend --target vllm / sglang`: calibrated e4m3, e4m3 and e5m2 at the default scale 1.0,
-# nvfp4 at the default global scale 1.0
-VLLM_SEARCH_TYPES = ("fp8_e4m3", "fp8_e4m3:s1", "fp8_e5m2:s1", "nvfp4")
-SGLANG_SEARCH_TYPES = VLLM_SEARCH_TYPES
-# `recommend --target vllm:cpu`: vLLM's CPU build (fp8 truncated; it runs no nvfp4)
-VLLM_CPU_SEARCH_TYPES = ("fp8_e4m3:trunc", "fp8_e4m3:s1:trunc", "fp8_e5m2:s1:trunc")
-# `recommend --target trtllm`: e4m3 at scale 1.0 (a checkpoint without KV scales) and nvfp4,
-# every layer or mixed per layer (kvlens.deploy.exports)
-TRTLLM_SEARCH_TYPES = ("fp8_e4m3:s1", "nvfp4")
+#: the cache types `recommend --target T` measures and searches, by target: llama.cpp's every
+#: K x V pair of f16 and each quantized type (f32 and bf16 cost as much as f16 or more and are no
+#: more accurate); vLLM's and SGLang's calibrated e4m3, e4m3 and e5m2 at the default scale 1.0
+#: and nvfp4 at the default global scale 1.0; vLLM's CPU build's fp8, truncated (it runs no
+#: nvfp4); TensorRT-LLM's e4m3 at scale 1.0 (a checkpoint without KV scales) and nvfp4, every
+#: layer or mixed per layer (kvlens.deploy.exports)
+_GPU_SEARCH_TYPES = ("fp8_e4m3", "fp8_e4m3:s1", "fp8_e5m2:s1", "nvfp4")
+SEARCH_TYPES = {"llama.cpp": ("f16", "q8_0", "q5_1", "q5_0", "q4_1", "iq4_nl", "q4_0"),
+                "vllm": _GPU_SEARCH_TYPES, "sglang": _GPU_SEARCH_TYPES,
+                "vllm:cpu": ("fp8_e4m3:trunc", "fp8_e4m3:s1:trunc", "fp8_e5m2:s1:trunc"),
+                "trtllm": ("fp8_e4m3:s1", "nvfp4")}
 
 # vLLM's turboquant_* dtypes: (key bits, value bits, norm correction), vLLM's TQ_PRESETS
 # (vllm/model_executor/layers/quantization/turboquant/config.py)
@@ -73,7 +72,6 @@ TURBOQUANT_BOUNDARY = 2  # first and last layers vLLM keeps uncompressed (get_bo
 
 QUANTO_BITS = (2, 4)
 QUANTO_AXES = (0, -1)
-QUANTO_DEFAULTS = LAYER_DEFAULTS
 
 _NUMBER = r"[0-9.]+(?:e[+-]?[0-9]+)?"
 _OPTION = re.compile(rf"skip=(?P<skip>[0-9]+(?:,[0-9]+)*)|p(?P<percentile>{_NUMBER})"
@@ -92,13 +90,15 @@ def setting_forms() -> tuple[str, ...]:
         + ", ".join(k for k in PER_TOKEN_HEAD if not k.endswith("-pth")) + ")",
         "vllm:T (T: " + ", ".join(TURBOQUANT_TYPES) + ")",
         f"vllm:{DS_MLA_DTYPE}[:skip=L,L] (MLA models: the latent row, fp8 tiles + bf16 RoPE)",
-        "sglang:D[@head][:pP|:sS] (D: " + ", ".join(SGLANG_DTYPES) + ")",
+        "sglang:D[@head][:pP|:sS] (D: " + ", ".join(CACHE_DTYPES["sglang"]) + ")",
         "trtllm:fp8[:pP|:sS]",
-        *blockfloat_forms(),
-        "transformers:quanto-B[:axis_key=A][:axis_value=A][:group=G][:residual=R] (B: "
-        + ", ".join(map(str, QUANTO_BITS)) + "; A: " + ", ".join(map(str, QUANTO_AXES)) + ")",
-        "transformers:hqq-B[:axis_key=A][:axis_value=A][:group=G][:residual=R] (B: "
-        + ", ".join(map(str, HQQ_BITS)) + "; A: " + ", ".join(map(str, HQQ_AXES)) + ")",
+        "vllm:nvfp4[:sS][:skip=L,L] (4-bit floats, E4M3 scale per 16 channels)",
+        "sglang:D[:sS] (D: " + ", ".join(BLOCKFLOAT_DTYPES["sglang"])
+        + "; fp4_e2m1 = fp4_mx_block16; :sS for nvfp4)",
+        "trtllm:nvfp4[:sS]",
+        *(f"transformers:{c.backend}-B[:axis_key=A][:axis_value=A][:group=G][:residual=R] (B: "
+          + ", ".join(map(str, c.bit_widths)) + "; A: " + ", ".join(map(str, c.axes)) + ")"
+          for c in TRANSFORMERS_BACKENDS.values()),
     )
 
 
@@ -129,11 +129,6 @@ def _bad(name: str, why: str) -> ConfigError:
 # llama.cpp's rotation -> (its name option, its cache-type suffix, its description)
 _ROTATION = {"auto": ("", "", ""), "off": (":norot", "+norot", " with LLAMA_ATTN_ROT_DISABLE=1"),
              "on": (":rot", "+rot", " with the rotation forced on")}
-
-
-def _num(x: float) -> str:
-    """``x`` as it reads back exactly: ``1`` for 1.0, else the shortest round-trip form."""
-    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else repr(float(x))
 
 
 # -- the settings -------------------------------------------------------------------------------
@@ -226,26 +221,18 @@ class CacheDtypeSetting:
             raise ConfigError(f"scale scope @{self.scope}; allowed: none (per tensor) or @head.")
         if self.scope == "head" and self.engine == "trtllm":
             raise ConfigError("TensorRT-LLM loads one fp8 scale per layer; drop @head.")
-        if self.skip and self.engine != "vllm":
-            raise ConfigError(":skip= is vLLM's --kv-cache-dtype-skip-layers; SGLang has none.")
-        if self.cpu:
-            self._check_cpu()
-        if not all(is_int(i, 0) for i in self.skip):
-            raise ConfigError(f"Invalid skip layers {self.skip!r}; allowed: layer indices >= 0.")
-        object.__setattr__(self, "skip", tuple(sorted(set(self.skip))))
-        parse_format(self.cache_type(calibrated=True))  # percentile / scale ranges
-
-    def _check_cpu(self) -> None:
-        """vLLM's CPU attention backend (``CPUAttentionBackend``): static fp8, one float
-        ``k_scale`` / ``v_scale`` per layer (``_k_scale_float``)."""
-        if self.engine != "vllm":
+        object.__setattr__(self, "skip", skip_layers(self.engine, self.skip))
+        # vLLM's CPU attention backend (CPUAttentionBackend): static fp8, one float k_scale /
+        # v_scale per layer (_k_scale_float)
+        if self.cpu and self.engine != "vllm":
             raise ConfigError(f":cpu is vLLM's CPU build; {self.engine} has no CPU setting here.")
-        if self.dtype not in STATIC_FP8_DTYPES:
+        if self.cpu and self.dtype not in STATIC_FP8_DTYPES:
             raise ConfigError(f"vLLM's CPU build runs {', '.join(STATIC_FP8_DTYPES)} caches "
                               f"(supported_kv_cache_dtypes), not {self.dtype}; drop :cpu.")
-        if self.scope == "head":
+        if self.cpu and self.scope == "head":
             raise ConfigError("vLLM's CPU build reads one scale per layer (k_scale, v_scale); "
                               "drop @head.")
+        parse_format(self.cache_type(calibrated=True))  # percentile / scale ranges
 
     @property
     def per_token_head(self) -> bool:
@@ -270,9 +257,9 @@ class CacheDtypeSetting:
     def name(self) -> str:
         out = f"{self.engine}:{self.dtype}" + ("@head" if self.scope == "head" else "")
         if self.percentile is not None:
-            out += f":p{_num(self.percentile)}"
+            out += f":p{number_name(self.percentile)}"
         if self.fixed_scale is not None:
-            out += f":s{_num(self.fixed_scale)}"
+            out += f":s{number_name(self.fixed_scale)}"
         out += ":cpu" if self.cpu else ""  # :skip= stays last (split_setting_list)
         return out + (f":skip={','.join(map(str, self.skip))}" if self.skip else "")
 
@@ -289,14 +276,14 @@ class CacheDtypeSetting:
         out = ("fp8_e4m3" if self.dtype == "fp8" else self.dtype) + (
             "@head" if self.scope == "head" else "")
         if self.fixed_scale is not None:
-            return out + f":s{_num(self.fixed_scale)}"
+            return out + f":s{number_name(self.fixed_scale)}"
         if not calibrated:
             if self.scope == "head" or self.percentile is not None:
                 raise ConfigError(f"{self.name}: calibrated scales (@head, :pP) need a capture: "
                                   "pass --calibration run.h5 (from `kvlens capture`), or drop "
                                   "@head/:pP for the engine default scale 1.0.")
             return out + ":s1"
-        return out + ("" if self.percentile is None else f":p{_num(self.percentile)}")
+        return out + ("" if self.percentile is None else f":p{number_name(self.percentile)}")
 
     def kvconfig(self, label: str, calibrated: bool = False) -> KVConfig:
         fmt = self.cache_type(calibrated)
@@ -371,19 +358,15 @@ class QuantoSetting(QuantizedLayerSetting):
     """transformers ``QuantizedCache(backend="quanto", ...)`` (``QuantizedLayerSetting``)."""
 
     backend: ClassVar[str] = "quanto"
+    bit_widths: ClassVar[tuple[int, ...]] = QUANTO_BITS
+    axes: ClassVar[tuple[int, ...]] = QUANTO_AXES
     granularity: ClassVar[dict[int, str]] = {0: "per-token", -1: "per-channel"}
-
-    def check_choices(self) -> None:
-        if self.bits not in QUANTO_BITS or isinstance(self.bits, bool):
-            raise ConfigError("transformers settings are quanto-2 and quanto-4 (QuantizedCache, "
-                              "quanto backend)")
-        for key in ("axis_key", "axis_value"):
-            if getattr(self, key) not in QUANTO_AXES:
-                raise ConfigError(f"{key} must be 0 or -1")
 
 
 EngineSettingName = (LlamaCppSetting | CacheDtypeSetting | TurboQuantSetting | BlockFloatSetting
                      | QuantoSetting | HqqSetting)
+#: transformers' QuantizedCache backends, by the name a setting gives (``transformers:hqq-4``)
+TRANSFORMERS_BACKENDS = {c.backend: c for c in (QuantoSetting, HqqSetting)}
 
 
 # -- parsing --------------------------------------------------------------------------------------
@@ -423,39 +406,41 @@ def parse_engine_setting(name: str) -> EngineSettingName:
         raise _bad(name, "no cache type after the engine")
     try:
         if engine == "llamacpp":
-            return _llamacpp(name, parts)
+            return _llamacpp(parts)
         if engine in ("vllm", "sglang", "trtllm"):
-            return _cache_dtype(name, engine, parts)
-        return parse_hqq(parts) if parts[0].startswith("hqq") else _quanto(name, parts)
-    except ConfigError as exc:
-        if str(exc).startswith("Unknown engine setting"):
-            raise
+            return _cache_dtype(engine, parts)
+        backend = TRANSFORMERS_BACKENDS.get(parts[0].split("-")[0])
+        if backend is None:
+            raise ConfigError("transformers settings are quanto-B (QuantizedCache, quanto "
+                              "backend) and hqq-B (HQQ backend)")
+        return backend.parse(parts)
+    except ConfigError as exc:  # what the parsers and the settings refuse, with the forms
         raise _bad(name, str(exc).rstrip(".")) from None
 
 
-def _llamacpp(raw: str, parts: list[str]) -> LlamaCppSetting:
+def _llamacpp(parts: list[str]) -> LlamaCppSetting:
     types = parts[0].split("/")
     if len(types) == 1:
         types = types * 2
-    if len(types) != 2 or any(t not in LLAMACPP_TYPES for t in types):
-        raise _bad(raw, f"llama.cpp cache types are {', '.join(LLAMACPP_TYPES)}, as K/V or one "
-                        "type for both")
+    if len(types) != 2:  # LlamaCppSetting refuses an unknown type
+        raise ConfigError(f"llama.cpp cache types are {', '.join(LLAMACPP_TYPES)}, as K/V or one "
+                          "type for both")
     opts = parts[1:]
     if set(opts) - {"norot", "rot", "nofa", "noarith"} or len(set(opts)) != len(opts):
-        raise _bad(raw, f"llama.cpp options are :norot, :nofa and :noarith (and :rot to force "
-                        f"the rotation), each once, got {opts}")
+        raise ConfigError(f"llama.cpp options are :norot, :nofa and :noarith (and :rot to force "
+                          f"the rotation), each once, got {opts}")
     if "norot" in opts and "rot" in opts:
-        raise _bad(raw, ":norot and :rot contradict each other")
+        raise ConfigError(":norot and :rot contradict each other")
     rotation = "off" if "norot" in opts else "on" if "rot" in opts else "auto"
     return LlamaCppSetting(types[0], types[1], rotation, "nofa" not in opts,
                            "noarith" not in opts)
 
 
-def _cache_dtype(raw: str, engine: str, parts: list[str]
+def _cache_dtype(engine: str, parts: list[str]
                  ) -> CacheDtypeSetting | TurboQuantSetting | BlockFloatSetting:
     if engine == "vllm" and parts[0].startswith("turboquant"):
         if len(parts) > 1:
-            raise _bad(raw, f"vLLM TurboQuant dtypes take no options, got {parts[1:]}")
+            raise ConfigError(f"vLLM TurboQuant dtypes take no options, got {parts[1:]}")
         return TurboQuantSetting(parts[0])
     dtype, at, scope = parts[0].partition("@")
     kw: dict = {}
@@ -463,34 +448,26 @@ def _cache_dtype(raw: str, engine: str, parts: list[str]
         m = _OPTION.fullmatch(opt)
         key = m.lastgroup if m else None
         if key is None or key in kw or (key == "skip" and engine != "vllm"):
-            raise _bad(raw, f"unknown or repeated option {opt!r} (vllm: :pP or :sS, :cpu, "
-                            ":skip=L,L; sglang: :pP or :sS)")
+            raise ConfigError(f"unknown or repeated option {opt!r} (vllm: :pP or :sS, :cpu, "
+                              ":skip=L,L; sglang: :pP or :sS)")
         if key == "cpu":
             kw[key] = True
             continue
         try:
             kw[key] = tuple(map(int, m[key].split(","))) if key == "skip" else float(m[key])
         except ValueError:
-            raise _bad(raw, f"{opt!r} is not a number") from None
+            raise ConfigError(f"{opt!r} is not a number") from None
     if "percentile" in kw and "fixed_scale" in kw:
-        raise _bad(raw, "a scale is calibrated (:pP) or fixed (:sS), not both")
+        raise ConfigError("a scale is calibrated (:pP) or fixed (:sS), not both")
     if is_blockfloat(engine, dtype):
         if "cpu" in kw:
-            raise _bad(raw, "vLLM's CPU build runs fp8 caches only (it accepts nvfp4 and "
-                            "computes noise: docs/lab-notes/engines-on-cpu.md); drop :cpu")
+            raise ConfigError("vLLM's CPU build runs fp8 caches only (it accepts nvfp4 and "
+                              "computes noise: docs/lab-notes/engines-on-cpu.md); drop :cpu")
         if at or "percentile" in kw:
-            raise _bad(raw, "block-float dtypes take no @scope or :pP (their block scales are "
-                            "computed as each token is written)")
+            raise ConfigError("block-float dtypes take no @scope or :pP (their block scales are "
+                              "computed as each token is written)")
         return BlockFloatSetting(engine, dtype, kw.get("fixed_scale"), kw.get("skip", ()))
     return CacheDtypeSetting(engine, dtype, scope if at else "tensor", **kw)
-
-
-def _quanto(raw: str, parts: list[str]) -> QuantoSetting:
-    m = re.fullmatch(r"quanto-([0-9]+)", parts[0])
-    if not m or int(m[1]) not in QUANTO_BITS:
-        raise _bad(raw, "transformers settings are quanto-2 and quanto-4 (QuantizedCache, "
-                        "quanto backend) and hqq-B (HQQ backend)")
-    return QuantoSetting(int(m[1]), **int_options(parts[1:], QUANTO_DEFAULTS))
 
 
 # -- one cache type per setting (compare-axes) and the setting of a cache type -------------------

@@ -1,28 +1,15 @@
 """transformers' ``QuantizedCache`` with the HQQ backend as an engine setting:
 ``transformers:hqq-B[:axis_key=A][:axis_value=A][:group=G][:residual=R]`` (``HqqSetting``).
 
-What the real cache does (transformers 5.24 ``cache_utils.HQQQuantizedLayer`` over hqq 0.2.8
-``hqq.core.quantize.Quantizer.quantize``, called with ``optimize=True``, ``round_zero=False``):
-
-- the ``[B, H, T, D]`` tensor is flattened row-major and cut into groups of ``G`` elements:
-  ``axis=1`` groups ``G`` consecutive elements (``G`` channels of one token, as quanto's
-  ``axis=0``); ``axis=0`` groups the ``G`` elements ``numel / G`` apart (one channel, tokens
-  spread over the whole history and across heads);
-- each group starts from a min/max grid of ``2^B - 1`` steps, then its zero point (not its
-  scale) is refined by HQQ's half-quadratic solver (``optimize_weights_proximal_legacy``: an
-  l_0.7 shrinkage of the error, up to 20 steps, stopped when the tensor's mean absolute error
-  stops falling); scale and zero are kept in the model's dtype;
-- like quanto, ``R`` tokens stay exact and the whole (dequantized) history is re-quantized
-  whenever the window fills.
-
-The simulation (``kvconfig``): ``axis=1`` -> per-token groups of ``G`` channels with
-``fit="hqq"`` (the same zero refinement, per flush block: ``kvlens.quant.reference``), each
-window block quantized once (the real cache's re-quantization regroups nothing there when ``G``
-divides head_dim); ``axis=0`` -> the ``hqq-strided`` layout (``kvlens.layouts.hqq_strided``),
-which does what the real layer does: hqq's strided groups over the whole history, re-quantized
-whole at every flush. A window of ``R`` exact tokens flushed whole. What still differs (when the
-prompt is quantized, the early stop of ``axis=1`` measured over a flush block, held bytes) is
-in docs/lab-notes/transformers-caches.md.
+The real cache (transformers 5.24 ``cache_utils.HQQQuantizedLayer`` over hqq 0.2.8) groups the
+row-major ``[B, H, T, D]`` tensor by ``G`` elements, refines each group's zero with HQQ's
+solver, keeps ``R`` tokens exact and re-quantizes the whole history whenever the window fills.
+The simulation (``kvconfig``): ``axis=1`` (``G`` consecutive channels of one token) ->
+per-token groups with ``fit="hqq"`` (the solver: ``kvlens.quant.reference``), each window block
+quantized once (the real re-quantization regroups nothing when ``G`` divides head_dim);
+``axis=0`` (groups strided over the whole history) -> the ``hqq-strided`` layout
+(``kvlens.layouts.hqq_strided``), which does what the real layer does. What still differs:
+docs/lab-notes/transformers-caches.md.
 """
 
 from __future__ import annotations
@@ -30,16 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvlens.config.quantized_layer import LAYER_DEFAULTS, QuantizedLayerSetting, int_options
-from kvlens.errors import ConfigError
+from kvlens.config.quantized_layer import QuantizedLayerSetting
 from kvlens.layouts.hqq_strided import HqqStrided
 from kvlens.quant import QuantSpec
 
 HQQ_BITS = (1, 2, 3, 4, 8)  # transformers' HQQQuantizedLayer accepts these nbits
 HQQ_AXES = (0, 1)  # hqq's axis: 1 = consecutive elements, 0 = strided (module docstring)
-HQQ_DEFAULTS = LAYER_DEFAULTS
-# The kvlens granularity of hqq's axis=1 (axis=0 is the hqq-strided layout: module docstring)
-HQQ_GRANULARITY = {1: "per-token"}
 
 
 @dataclass(frozen=True)
@@ -47,28 +30,13 @@ class HqqSetting(QuantizedLayerSetting):
     """transformers ``QuantizedCache(backend="hqq", ...)`` (``QuantizedLayerSetting``)."""
 
     backend: ClassVar[str] = "hqq"
-    granularity: ClassVar[dict[int, str]] = HQQ_GRANULARITY
+    bit_widths: ClassVar[tuple[int, ...]] = HQQ_BITS
+    axes: ClassVar[tuple[int, ...]] = HQQ_AXES
+    # the kvlens granularity of hqq's axis=1 (axis=0 is the hqq-strided layout: ``spec``)
+    granularity: ClassVar[dict[int, str]] = {1: "per-token"}
     fit: ClassVar[str] = "hqq"
 
     def spec(self, axis: int) -> QuantSpec | HqqStrided:
         if axis == 0:
             return HqqStrided(self.bits, self.group)
         return super().spec(axis)
-
-    def check_choices(self) -> None:
-        if self.bits not in HQQ_BITS or isinstance(self.bits, bool):
-            raise ConfigError(f"HQQ bits are {', '.join(map(str, HQQ_BITS))}, got {self.bits!r}")
-        for key in ("axis_key", "axis_value"):
-            if getattr(self, key) not in HQQ_AXES:
-                raise ConfigError(f"{key} for hqq must be 0 or 1 (hqq's axes; quanto's are "
-                                  f"0 and -1), got {getattr(self, key)!r}")
-
-
-def parse_hqq(parts: list[str]) -> HqqSetting:
-    """``hqq-B`` and its ``key=value`` options (already split on ``:`` and lower-cased) ->
-    the setting; ``ConfigError`` saying what is wrong otherwise."""
-    bits = parts[0].removeprefix("hqq-")
-    if not bits.isdigit():
-        raise ConfigError(f"HQQ settings are hqq-B with B one of "
-                          f"{', '.join(map(str, HQQ_BITS))}, got {parts[0]!r}")
-    return HqqSetting(int(bits), **int_options(parts[1:], HQQ_DEFAULTS))

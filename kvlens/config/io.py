@@ -1,13 +1,9 @@
 """The KV config's JSON form: ``config_from_dict`` (parse and validate, every problem a
 ``ConfigError`` saying where), ``load_config`` / ``save_config``. Every file says ``"version":
-1``, the one version (``kvlens.config.versions``). The form is documented in docs/generate.md
+1``, the one version (``kvlens.config.schema.VERSION``). The form is documented in docs/generate.md
 (config files), the meaning of each field in ``kvlens.config.schema``; a research set policy's
-own top-level key is read through ``kvlens.config.extension``.
-
-A file that stores a layout issue #57 removed (a negative result each: codebook values, fitted
-codebooks and centred keys, docs/lab-notes/codebooks.md; coupled specs, docs/lab-notes/
-coupled.md; GEAR, docs/lab-notes/gear-mikv.md) is refused with that reason before its version
-is read (``_refuse_removed``), as is the sinks-and-balancer section under its old name (``OLD``).
+own top-level key is read through ``kvlens.config.extension``. A file that stores what issue
+#57 removed is refused with the reason before its version is read (``_refuse_removed``).
 """
 
 from __future__ import annotations
@@ -15,24 +11,30 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
 from kvlens.config.extension import read_settings
-from kvlens.config.schema import REMOVED, KVConfig, LayerKV, ProtectSettings
-from kvlens.config.versions import FORMAT, VERSION
+from kvlens.config.schema import (
+    FORMAT,
+    REMOVED,
+    VERSION,
+    KVConfig,
+    LayerKV,
+    ProtectSettings,
+)
 from kvlens.errors import ConfigError, is_int
 from kvlens.layouts import layout_from_dict
 
 __all__ = ["FORMAT", "VERSION", "config_from_dict", "load_config", "save_config"]
 
-_LAYER_KEYS = ("key", "value", "residual_tokens", "flush_tokens", "pre_rope_keys",
-               "rotate_keys", "rotate_values", "key_format", "value_format")
-_TOP_KEYS = ("format", "version", "name", "description", "default", "layers", "protect",
-             "balancers", "scale_dtype", "fp_dtype", "rotation_seed", "model", "kv_scales",
-             "engine_attention", "write_before_attention")
-_PROTECT_KEYS = ("sink_tokens", "balancer", "balancer_exponent")
+_LAYER_KEYS = tuple(f.name for f in fields(LayerKV))
+_TOP_KEYS = ("format", "version", *(f.name for f in fields(KVConfig)))
+_PROTECT_KEYS = tuple(f.name for f in fields(ProtectSettings) if f.name != "importance")
+#: the top-level keys read as they are, each absent one the field's default
+_PLAIN_KEYS = ("scale_dtype", "fp_dtype", "rotation_seed", "engine_attention",
+               "write_before_attention")
 #: the sinks-and-balancer section's name before issue #57 gave it a neutral one
 OLD = "mikv"
 _MODEL_KEYS = ("num_layers", "head_dim", "num_key_value_heads")
@@ -56,14 +58,8 @@ def _layer(data: Any, base: LayerKV | None, where: str) -> LayerKV:
     # "center_keys": false (written by older versions) is the only behaviour left: ignored
     _no_unknown({k: v for k, v in data.items() if k != "center_keys"}, _LAYER_KEYS, where)
     base = base or LayerKV()
-    kwargs: dict[str, Any] = {}
-    for name in ("key", "value"):
-        if name in data:
-            kwargs[name] = _spec(data[name], f"{where}.{name}")
-    for name in ("residual_tokens", "flush_tokens", "pre_rope_keys", "rotate_keys",
-                 "rotate_values", "key_format", "value_format"):
-        if name in data:
-            kwargs[name] = data[name]
+    kwargs = {name: _spec(data[name], f"{where}.{name}") if name in ("key", "value")
+              else data[name] for name in _LAYER_KEYS if name in data}
     try:
         return replace(base, **kwargs)
     except ConfigError as exc:
@@ -96,19 +92,16 @@ def config_from_dict(data: Any) -> KVConfig:
     if description is not None and not isinstance(description, str):
         raise ConfigError(f"'description' must be a string, got {type(description).__name__}.")
     return KVConfig(name=data.get("name", ""), default=default, layers=layers, protect=protect,
-                    balancers=_balancers(data), scale_dtype=data.get("scale_dtype", "float16"),
-                    description=description or "", model=_model(data.get("model")),
-                    fp_dtype=data.get("fp_dtype", "float16"),
-                    rotation_seed=data.get("rotation_seed"),
-                    kv_scales=_kv_scales(data),
-                    engine_attention=data.get("engine_attention"),
-                    write_before_attention=data.get("write_before_attention", False))
+                    balancers=_balancers(data), description=description or "",
+                    model=_model(data.get("model")), kv_scales=_kv_scales(data),
+                    **{k: data[k] for k in _PLAIN_KEYS if k in data})
 
 
 def _refuse_removed(data: Mapping) -> None:
-    """Refuse a config that stores what issue #57 removed (module docstring), naming the reason,
-    before an "unknown key" or version error; ``"gear": null`` and ``"center_keys": false`` ask
-    for nothing removed. What is not the expected shape is left to the parser."""
+    """Refuse a config that stores a layout issue #57 removed (a negative result each, its lab
+    note named) or the sinks-and-balancer section under its old name (``OLD``), before an
+    "unknown key" or version error; ``"gear": null`` and ``"center_keys": false`` ask for
+    nothing removed. What is not the expected shape is left to the parser."""
     if data.get("gear") is not None:
         raise ConfigError("This config stores GEAR ('gear': outliers and low-rank factors); GEAR "
                           "was removed from kvlens by issue #57 (a negative result, "

@@ -26,7 +26,8 @@ def validate_for(config: KVConfig, info) -> None:
                 raise ConfigError(f"Config {config.name!r} was made for a model with {key}="
                                   f"{want}, but this model has {key}={actual}.")
     for what, indexed in (("overrides layers", config.layers),
-                          ("gives kv_scales for layers", config.kv_scales)):
+                          ("gives kv_scales for layers", config.kv_scales),
+                          ("gives balancers for layers", config.balancers)):
         bad = sorted(i for i in indexed if i >= n)
         if bad:
             raise ConfigError(f"Config {config.name!r} {what} {bad}, but the model has {n} "
@@ -65,9 +66,6 @@ def validate_for(config: KVConfig, info) -> None:
     if config.protect is not None and config.protect.importance is not None:
         config.protect.importance.check_model(n)
     for idx, b in config.balancers.items():
-        if idx >= n:
-            raise ConfigError(f"balancers.{idx}: the model has {n} layers; allowed indices: "
-                              f"0-{n - 1}.")
         if len(b) != hkv or any(len(r) != d for r in b):
             raise ConfigError(f"balancers.{idx} has shape [{len(b)}, {len(b[0]) if b else 0}] "
                               f"but the model needs [num_key_value_heads={hkv}, head_dim={d}].")

@@ -28,6 +28,13 @@ def _per_token(bits: int) -> KVConfig:
                                 "window (transformers QuantizedCache-style baseline)")
 
 
+def _variant(base: KVConfig, name: str, description: str, protect: ProtectSettings | None = None,
+             **layer) -> KVConfig:
+    """``base`` named ``name``, its default layer changed by ``layer``."""
+    return replace(base, name=name, default=replace(base.default, **layer),
+                   protect=protect or base.protect, description=description)
+
+
 PRESETS: dict[str, KVConfig] = {
     "exact": KVConfig("exact", LayerKV(), fp_dtype="exact",
                       description="no compression, the model's own dtype (same tokens as "
@@ -38,29 +45,18 @@ PRESETS: dict[str, KVConfig] = {
     "kivi-4": _kivi(4),
     "per-token-2": _per_token(2),
     "per-token-4": _per_token(4),
-    "kivi-2-sinks": replace(_kivi(2), name="kivi-2-sinks",
-                            default=replace(_kivi(2).default, flush_tokens=32),
-                            protect=ProtectSettings(4, "off"),
-                            description="kivi-2 with the first 4 tokens (attention sinks) kept at "
-                                        "full precision and a sliding window (the oldest 32 of "
-                                        "128 tokens quantized at a time)"),
-    "kivi-2-rot": replace(_kivi(2), name="kivi-2-rot",
-                          default=replace(_kivi(2).default, rotate_keys=True,
-                                          rotate_values=True),
-                          description="kivi-2 with Hadamard-rotated keys and values"),
-    "per-token-2-rot": replace(_per_token(2), name="per-token-2-rot",
-                               default=replace(_per_token(2).default, rotate_keys=True,
-                                               rotate_values=True),
-                               description="per-token-2 with Hadamard-rotated keys and values "
-                                           "(llama.cpp-style rotation)"),
-    "per-token-4-rot": replace(_per_token(4), name="per-token-4-rot",
-                               default=replace(_per_token(4).default, rotate_keys=True,
-                                               rotate_values=True),
-                               description="per-token-4 with Hadamard-rotated keys and values "
-                                           "(llama.cpp-style rotation)"),
-    "kivi-2-prerope": replace(_kivi(2), name="kivi-2-prerope",
-                              default=replace(_kivi(2).default, pre_rope_keys=True),
-                              description="kivi-2 with keys quantized before RoPE"),
+    "kivi-2-sinks": _variant(_kivi(2), "kivi-2-sinks", "kivi-2 with the first 4 tokens "
+                             "(attention sinks) kept at full precision and a sliding window "
+                             "(the oldest 32 of 128 tokens quantized at a time)",
+                             protect=ProtectSettings(4, "off"), flush_tokens=32),
+    "kivi-2-rot": _variant(_kivi(2), "kivi-2-rot", "kivi-2 with Hadamard-rotated keys and "
+                           "values", rotate_keys=True, rotate_values=True),
+    **{f"per-token-{b}-rot": _variant(_per_token(b), f"per-token-{b}-rot", f"per-token-{b} with "
+                                      "Hadamard-rotated keys and values (llama.cpp-style "
+                                      "rotation)", rotate_keys=True, rotate_values=True)
+       for b in (2, 4)},
+    "kivi-2-prerope": _variant(_kivi(2), "kivi-2-prerope", "kivi-2 with keys quantized before "
+                               "RoPE", pre_rope_keys=True),
 }
 
 

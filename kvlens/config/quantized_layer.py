@@ -1,8 +1,6 @@
-"""What transformers' two quantized cache layers share as engine settings: ``nbits``, the key and
-value axes, the group size and the residual window, simulated as a kvlens layout.
-``QuantizedLayerSetting`` holds them once; the quanto backend (``kvlens.config.engine
-.QuantoSetting``) and the HQQ backend (``kvlens.config.hqq.HqqSetting``) say which bits and axes
-they accept, how an axis maps to a kvlens granularity and how groups are fitted.
+"""What transformers' two quantized cache layers share as engine settings
+(``QuantizedLayerSetting``), with the quanto backend (``kvlens.config.engine.QuantoSetting``)
+and the HQQ backend (``kvlens.config.hqq.HqqSetting``) as its subclasses.
 """
 
 from __future__ import annotations
@@ -22,8 +20,8 @@ LAYER_DEFAULTS = {"axis_key": 0, "axis_value": 0, "group": 64, "residual": 128}
 class QuantizedLayerSetting:
     """transformers ``QuantizedCache(backend=B, nbits=bits, axis_key, axis_value,
     q_group_size=group, residual_length=residual)``, simulated as a kvlens layout; a backend
-    sets ``backend``, ``granularity`` (its axis -> kvlens granularity), ``fit`` and
-    ``check_choices``."""
+    sets ``backend``, the ``bit_widths`` and ``axes`` it accepts, ``granularity`` (its axis ->
+    kvlens granularity) and ``fit``."""
 
     bits: int
     axis_key: int = LAYER_DEFAULTS["axis_key"]
@@ -33,15 +31,20 @@ class QuantizedLayerSetting:
 
     engine: ClassVar[str] = "transformers"
     backend: ClassVar[str]
+    bit_widths: ClassVar[tuple[int, ...]]  # the nbits it accepts
+    axes: ClassVar[tuple[int, ...]]  # the axis_key / axis_value it accepts
     granularity: ClassVar[dict[int, str]]
     fit: ClassVar[str] = "minmax"
 
-    def check_choices(self) -> None:
-        """Refuse bits and axes the backend does not accept (``ConfigError``)."""
-        raise NotImplementedError
-
     def __post_init__(self) -> None:
-        self.check_choices()
+        if self.bits not in self.bit_widths or isinstance(self.bits, bool):
+            raise ConfigError(f"{self.backend} bits are {_listed(self.bit_widths)}, got "
+                              f"{self.bits!r}")
+        for key in ("axis_key", "axis_value"):
+            if getattr(self, key) not in self.axes:
+                raise ConfigError(f"{key} for {self.backend} must be "
+                                  f"{' or '.join(map(str, self.axes))}, got "
+                                  f"{getattr(self, key)!r}")
         if not is_int(self.group, 1) or not is_int(self.residual, 0):
             raise ConfigError(f"group must be a positive integer and residual an integer >= 0, "
                               f"got group={self.group!r}, residual={self.residual!r}")
@@ -70,18 +73,26 @@ class QuantizedLayerSetting:
                         description=f"transformers QuantizedCache(backend='{self.backend}', "
                                     f"{kwargs})")
 
+    @classmethod
+    def parse(cls, parts: list[str]) -> QuantizedLayerSetting:
+        """``BACKEND-B`` and its ``key=value`` options (already split on ``:`` and lower-cased)
+        -> the setting; ``ConfigError`` saying what is wrong otherwise."""
+        bits = parts[0].removeprefix(f"{cls.backend}-")
+        if not (bits.isascii() and bits.isdigit()):
+            raise ConfigError(f"{cls.backend} settings are {cls.backend}-B with B one of "
+                              f"{_listed(cls.bit_widths)}, got {parts[0]!r}")
+        out: dict[str, int] = {}
+        for opt in parts[1:]:
+            key, _, value = opt.partition("=")
+            if key not in LAYER_DEFAULTS or key in out:
+                raise ConfigError(f"unknown or repeated option {key!r}; allowed: "
+                                  f"{', '.join(LAYER_DEFAULTS)}")
+            try:
+                out[key] = int(value)
+            except ValueError:
+                raise ConfigError(f"{opt!r} needs an integer value") from None
+        return cls(int(bits), **out)
 
-def int_options(opts: list[str], defaults: dict[str, int]) -> dict[str, int]:
-    """``["key=value", ...]`` of a transformers setting -> ``{key: int}``; each key one of
-    ``defaults``, at most once (``ConfigError`` naming the allowed keys otherwise)."""
-    out: dict[str, int] = {}
-    for opt in opts:
-        key, _, value = opt.partition("=")
-        if key not in defaults or key in out:
-            raise ConfigError(f"unknown or repeated option {key!r}; allowed: "
-                              f"{', '.join(defaults)}")
-        try:
-            out[key] = int(value)
-        except ValueError:
-            raise ConfigError(f"{opt!r} needs an integer value") from None
-    return out
+
+def _listed(xs: tuple[int, ...]) -> str:
+    return ", ".join(map(str, xs))

@@ -9,21 +9,17 @@ full-precision residual window (``flush_tokens``: 0 flushes it whole, KIVI; fewe
 as an engine's own cache types (``key_format`` / ``value_format``, ``kvlens.quant.cachetypes``;
 no window). ``protect`` keeps the attention sinks at ``fp_dtype`` and balances key channels; a
 research set policy adds its own key (``kvlens.config.extension``). ``fp_dtype`` is the dtype of
-every full-precision part (``exact``: the model's own). ``rotate_keys`` / ``rotate_values``:
-Hadamard rotation along head_dim (``kvlens.quant.rotation``), not with pre-RoPE keys or a
-balancer on the same keys. A ``CodebookSpec`` key (vLLM TurboQuant's keys) rotates with the
-layer's key rotation, so its seed is the config's ``rotation_seed``. ``write_before_attention``
-codes each forward's tokens before it attends (vLLM TurboQuant's order): no window, no
-``protect``. Layouts removed by issue #57 are refused by ``kvlens.config.io``.
+every full-precision part (``exact``: the model's own). A ``CodebookSpec`` key (vLLM
+TurboQuant's keys) rotates with the layer's key rotation, so its seed is the config's
+``rotation_seed``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from kvlens.config.versions import FORMAT, VERSION
 from kvlens.errors import ConfigError, is_int
 from kvlens.layouts import is_layout_spec, kinds, layout_of
 from kvlens.layouts.packed import SCALE_DTYPES
@@ -31,6 +27,10 @@ from kvlens.quant import CodebookSpec
 from kvlens.quant.cachetypes import DenseType, parse_cache_type
 from kvlens.quant.llamacpp_cpu import ENGINE_ATTENTIONS
 
+# The file-format identifier written into every config; it names the module that first
+# defined the format and is kept as is so that existing files stay readable.
+FORMAT = "kvlens.kvconfig"
+VERSION = 1  # the one version this kvlens reads and writes (kvlens.config.io refuses others)
 BALANCER_MODES = ("off", "online", "fixed")
 #: bytes per element of each dtype the full-precision parts (window, sinks, sets) may be held in
 FP_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
@@ -186,8 +186,7 @@ class ProtectSettings:
 
     def to_dict(self) -> dict[str, Any]:
         """The ``protect`` section (the ``importance`` settings are their own key)."""
-        return {"sink_tokens": self.sink_tokens, "balancer": self.balancer,
-                "balancer_exponent": self.balancer_exponent}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "importance"}
 
 
 @dataclass(frozen=True)

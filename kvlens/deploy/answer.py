@@ -17,12 +17,10 @@ from kvlens.analysis.compare.config import parse_int_list
 from kvlens.capture.source import CaptureModel
 from kvlens.capture.store import open_capture
 from kvlens.deploy import hf_cache
-from kvlens.deploy.exports import MODELOPT_FILE
+from kvlens.deploy.exports import MODELOPT_FILE, export_path
 from kvlens.deploy.plans import (
     FILE_ENGINES,
     engine_exports,
-    engine_file_path,
-    export_path,
     layer_exports,
     measure_layer_exports,
 )
@@ -149,19 +147,23 @@ BESIDE = {"vllm": "kv_scales.json", "vllm:cpu": "kv_scales.json", "sglang": "kv_
 def files_beside(out: Path, target: str) -> list[Path]:
     """The files a recommendation written to ``out`` may write beside it (its result document
     aside): an engine target's ``BESIDE`` file, the per-layer target's transformers export and
-    the configs its engine exports run (``kvlens.deploy.plans.export_path``)."""
+    the configs its engine exports run (``kvlens.deploy.exports.export_path``)."""
     if target == "kvlens":
-        return [hf_cache.export_path(out), *(export_path(out, e) for e in FILE_ENGINES),
-                engine_file_path(out, MODELOPT_FILE)]
+        return [export_path(out, name) for name in (
+            hf_cache.FILE_NAME, *(f"{e}.json" for e in FILE_ENGINES), MODELOPT_FILE)]
     return [out.parent / BESIDE[target]] if target in BESIDE else []
 
 
 def check_request(request: RecommendRequest) -> None:
     """What can be refused before any work, cheapest first: a missing, foreign or incomplete
-    capture, then the model (``--model``: every check ``load_model`` makes before it reads a
-    weight) and its placement."""
-    with open_capture(request.capture):
-        pass
+    capture, the per-layer target's ``tokens`` beyond its samples (they would be cut short
+    without a word), then the model (``--model``: every check ``load_model`` makes before it
+    reads a weight) and its placement."""
+    with open_capture(request.capture) as cap:
+        n = cap.meta.num_tokens
+    if request.target == "kvlens" and request.tokens is not None and request.tokens > n:
+        raise OptionError(f"{{tokens}} {request.tokens}: {request.capture} holds {n} tokens per "
+                          f"sample; give at most {n} (or omit it).")
     place = request.place
     if request.model is not None:
         check_load_options(request.model, device="cpu", **place)
@@ -183,8 +185,6 @@ def recommend_run(request: RecommendRequest, *, save: Callable | None = None,
         return _engine(request, save, progress, say)
     opts = RecommendOptions(**fold_levers(request.options))
     check(request.capture, opts)
-    if request.tokens is not None:
-        check_tokens(request.capture, request.tokens)
     answer = recommend_layers(request.capture, opts, budgets=request.budgets,
                               max_kld=request.max_kld, validate=request.validate,
                               eval_tokens=request.eval_tokens,
@@ -221,15 +221,6 @@ def _layer_exports(request: RecommendRequest, answer: LayerAnswer, say: LogFn) -
         say("Measuring what each engine runs of the config ...")
         measure_layer_exports(made, lambda cfgs: measure_kld(
             answer.model.get(), cfgs, tokens, lambda m: say(f"  {m}")))
-
-
-def check_tokens(capture: Path, tokens: int) -> None:
-    """``--tokens`` beyond the capture's samples would be cut short without a word: refuse."""
-    with open_capture(capture) as cap:
-        n = cap.meta.num_tokens
-    if tokens > n:
-        raise OptionError(f"{{tokens}} {tokens}: {capture} holds {n} tokens per sample; give at "
-                         f"most {n} (or omit it).")
 
 
 def _engine(request: RecommendRequest, save, progress, say: LogFn) -> EngineAnswer:

@@ -46,15 +46,10 @@ def llamacpp_matmul_plan(configs, source, model) -> tuple[dict[str, str], list[s
     return types, notes
 
 
-def mark_partial_llamacpp(results, configs, types: dict[str, str]) -> list[str]:
-    """Mark (``engine_arithmetic = PARTIAL_LLAMACPP``) and name the results of llama.cpp settings
+def mark_partial_llamacpp(results, configs, types: dict[str, str]) -> None:
+    """Mark (``engine_arithmetic = PARTIAL_LLAMACPP``) the results of llama.cpp settings
     (aligned with ``configs``) when the run did not simulate the engine's matrix products
     (``types`` empty): their KLD is below what the engine itself loses."""
-    if types:
-        return []
-    marked = []
     for r, c in zip(results, configs):
-        if (getattr(c, "engine_attention", None) or "").startswith("llamacpp"):
+        if not types and (getattr(c, "engine_attention", None) or "").startswith("llamacpp"):
             r["engine_arithmetic"] = PARTIAL_LLAMACPP
-            marked.append(r["name"])
-    return marked

@@ -18,6 +18,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import groupby
+from pathlib import Path
 
 from kvlens.errors import ConfigError
 from kvlens.quant.ggml import GGML_FORMATS
@@ -38,6 +39,12 @@ DOCS = {
     "ik_llama.cpp": "ik_llama.cpp common/common.cpp: -ctk/-ctv, -ctk-first/-ctk-last, "
                     "-ctv-first/-ctv-last TYPE,N (https://github.com/ikawrakow/ik_llama.cpp)",
 }
+
+
+def export_path(out: Path, name: str) -> Path:
+    """Where file ``name`` goes beside a config written to ``out``: ``kv.json`` ->
+    ``kv.NAME`` (several budgets' configs share a folder)."""
+    return out.with_name(f"{out.stem}.{name}")
 
 
 def canonical_type(name: str) -> str:

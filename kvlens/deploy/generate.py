@@ -1,11 +1,6 @@
-"""The one call behind ``kvlens generate``: ``generate_run(request)``.
-
-A ``GenerateRequest`` holds the caches to compare (``kvlens.deploy.settings.resolve_settings``),
-the evaluation (``EvalOptions``, which checks itself), the model and its placement;
-``generate_request`` builds one from a command line's values with every check that needs no
-model file. ``generate_run`` checks the settings against the shape the model's files declare
-before any weight loads, loads it once and evaluates every setting; writing files and
-rendering are the caller's.
+"""The one call behind ``kvlens generate``: ``generate_run(request)`` on the
+``GenerateRequest`` that ``generate_request`` builds from a command line's values; writing
+files and rendering are the caller's.
 """
 
 from __future__ import annotations

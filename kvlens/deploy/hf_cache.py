@@ -8,22 +8,14 @@ The file (``FILE_NAME``, JSON, ``FORMAT`` version ``VERSION``)::
                  "axis_value": 0, "q_group_size": 64, "residual_length": 128}},
                 {"class": "DynamicLayer", "kwargs": {}}, ...]}
 
-``class`` names a class of ``transformers.cache_utils`` and ``kwargs`` its constructor's
-arguments (transformers 5.24: ``QuantoQuantizedLayer`` / ``HQQQuantizedLayer`` take ``nbits,
-axis_key, axis_value, q_group_size, residual_length``; ``DynamicLayer`` none), so ``SNIPPET``
-builds the cache with transformers alone. ``kvlens generate --compare hf-layers:FILE`` runs it
-(``kvlens.evaluation.baselines``).
+``class`` names a class of ``transformers.cache_utils`` (transformers 5.24) and ``kwargs`` its
+constructor's arguments, so ``SNIPPET`` builds the cache with transformers alone; ``kvlens
+generate --compare hf-layers:FILE`` runs it (``kvlens.evaluation.baselines``).
 
-A layer maps (``layer_for``) where transformers' layer stores what the kvlens layer stores:
-both tensors at one bit width and one group size (one ``nbits`` and ``q_group_size`` per
-layer), per-token or per-channel groups, no rotation, pre-RoPE keys or partial flush, a window
-of ``R`` exact tokens (``residual_length``); min/max grids become quanto layers (2 or 4 bits),
-``fit="hqq"`` per-token grids HQQ layers with ``axis=1`` and the ``hqq-strided`` layout HQQ
-layers with ``axis=0``; an unquantized layer a ``DynamicLayer``. A config with a layer
-that does not map is not exported: ``export`` returns no document and the reasons, and the
-caller says so (nothing is rounded silently). What transformers' layers then do differently
-(re-quantizing the history at each window flush, quanto's group layout) is the same as for
-the engine settings: docs/deploy/transformers.md.
+A layer maps (``layer_for``) only where transformers' layer stores what the kvlens layer
+stores; a config with a layer that does not map is not exported (``export`` returns the
+reasons: nothing is rounded silently). What transformers' layers do differently is in
+docs/deploy/transformers.md.
 """
 
 from __future__ import annotations
@@ -32,16 +24,15 @@ import json
 from dataclasses import dataclass
 
 from kvlens.config import KVConfig, LayerKV
-from kvlens.config.engine import QUANTO_BITS
-from kvlens.config.hqq import HQQ_BITS, HQQ_GRANULARITY
-from kvlens.evaluation.baselines import LAYERS_PREFIX
+from kvlens.config.engine import TRANSFORMERS_BACKENDS
+from kvlens.config.hqq import HQQ_BITS, HqqSetting
+from kvlens.deploy.exports import export_path
+from kvlens.evaluation.baselines import LAYER_CLASSES, LAYERS_PREFIX
 from kvlens.layouts.hqq_strided import HqqStrided
 from kvlens.quant import QuantSpec
 
 FORMAT, VERSION = "kvlens-transformers-cache", 1
 FILE_NAME = "transformers_cache.json"
-QUANTO_AXIS = {"per-token": 0, "per-channel": -1}
-HQQ_AXIS = {g: a for a, g in HQQ_GRANULARITY.items()}
 SNIPPET = """import json
 from transformers import cache_utils
 spec = json.load(open({path!r}))
@@ -52,8 +43,8 @@ out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)"""
 
 @dataclass(frozen=True)
 class Export:
-    """A config's export: ``document`` (the file's JSON form; None when a layer does not map)
-    and ``problems``, one line per layer that does not map, saying why."""
+    """``document``: the file's JSON form (None when a layer does not map, ``problems`` says
+    why, a line per layer)."""
 
     document: dict | None
     problems: tuple[str, ...]
@@ -62,17 +53,25 @@ class Export:
         return json.dumps(self.document, indent=2) + "\n"
 
 
-def _backend(spec: QuantSpec) -> tuple[str, dict[str, int]] | None:
-    if spec.fit == "minmax" and spec.bits in QUANTO_BITS and spec.granularity in QUANTO_AXIS:
-        return "QuantoQuantizedLayer", QUANTO_AXIS
-    if spec.fit == "hqq" and spec.bits in HQQ_BITS and spec.granularity in HQQ_AXIS:
-        return "HQQQuantizedLayer", HQQ_AXIS
+def _axis(spec) -> tuple[str, int, int, int] | None:
+    """``(class, axis, nbits, group)`` of transformers' layer storing a tensor as ``spec``."""
+    if isinstance(spec, HqqStrided):  # hqq's axis=0
+        ok = spec.bits in HqqSetting.bit_widths
+        return (LAYER_CLASSES[HqqSetting.backend], 0, spec.bits, spec.group) if ok else None
+    for setting in TRANSFORMERS_BACKENDS.values():
+        axes = {g: a for a, g in setting.granularity.items()}
+        if isinstance(spec, QuantSpec) and spec.fit == setting.fit \
+                and spec.bits in setting.bit_widths and spec.granularity in axes:
+            return (LAYER_CLASSES[setting.backend], axes[spec.granularity], spec.bits,
+                    spec.group_size)
     return None
 
 
 def layer_for(layer: LayerKV) -> tuple[str, dict] | str:
-    """transformers' layer ``(class, kwargs)`` that stores what ``layer`` stores, or why none
-    does (module docstring)."""
+    """transformers' layer ``(class, kwargs)`` that stores what ``layer`` stores: one ``nbits``
+    and ``q_group_size`` for both tensors, no rotation, pre-RoPE keys or partial flush, min/max
+    grids as quanto layers, ``fit="hqq"`` per-token grids and ``hqq-strided`` as HQQ layers,
+    unquantized as ``DynamicLayer``; else why none does."""
     if layer.key_format or layer.value_format:
         return f"engine cache types {layer.key_format}/{layer.value_format}"
     if layer.key is None and layer.value is None:
@@ -82,47 +81,25 @@ def layer_for(layer: LayerKV) -> tuple[str, dict] | str:
         return ", ".join(flags or [f"flush_tokens={layer.flush_tokens}"]) + \
             " (transformers' layers have no such option)"
     k, v = layer.key, layer.value
-    if isinstance(k, HqqStrided) or isinstance(v, HqqStrided):
-        return _hqq_layer(layer)
-    if not (isinstance(k, QuantSpec) and isinstance(v, QuantSpec)):
+    strided = isinstance(k, HqqStrided) or isinstance(v, HqqStrided)
+    if not strided and not (isinstance(k, QuantSpec) and isinstance(v, QuantSpec)):
         return "keys or values not an integer grid (or one of them unquantized)"
-    if k.bits != v.bits or k.group_size != v.group_size or k.group_size is None:
+    if not strided and (k.bits != v.bits or k.group_size != v.group_size or k.group_size is None):
         return (f"keys {k.bits} bits G{k.group_size}, values {v.bits} bits G{v.group_size}: "
                 "a transformers layer has one nbits and one q_group_size, and groups")
-    if k.symmetric or v.symmetric or k.fit != v.fit:
+    if not strided and (k.symmetric or v.symmetric or k.fit != v.fit):
         return "a symmetric grid or two fits (transformers' layers: one affine min/max grid)"
-    backend = _backend(k)
-    backend = backend if backend == _backend(v) else None
-    if backend is None:
+    ka, va = _axis(k), _axis(v)
+    if strided and (ka is None or va is None or ka[0] != va[0] or ka[2:] != va[2:]):
+        return (f"keys {_label(k)}, values {_label(v)}: an HQQ layer has one nbits "
+                f"({', '.join(map(str, HQQ_BITS))}) and one q_group_size, each axis 0 "
+                "(hqq-strided) or 1 (per-token groups, fit hqq)")
+    if ka is None or va is None or ka[0] != va[0]:
         return (f"{k.bits} bits, fit {k.fit}, {k.granularity}/{v.granularity}: quanto takes "
                 f"2 or 4 bits with min/max, HQQ {', '.join(map(str, HQQ_BITS))} with fit hqq "
                 "per token (its axis=0 is the hqq-strided layout)")
-    cls, axes = backend
-    return cls, {"nbits": k.bits, "axis_key": axes[k.granularity],
-                 "axis_value": axes[v.granularity], "q_group_size": k.group_size,
-                 "residual_length": layer.residual_tokens}
-
-
-def _hqq_axis(spec) -> tuple[int, int, int] | None:
-    """``(axis, nbits, group)`` of an HQQ layer's tensor stored as ``spec``, or ``None``."""
-    if isinstance(spec, HqqStrided):
-        return 0, spec.bits, spec.group
-    if isinstance(spec, QuantSpec) and spec.fit == "hqq" and spec.granularity in HQQ_AXIS:
-        return HQQ_AXIS[spec.granularity], spec.bits, spec.group_size
-    return None
-
-
-def _hqq_layer(layer: LayerKV) -> tuple[str, dict] | str:
-    """``HQQQuantizedLayer`` for a layer with an ``hqq-strided`` tensor (``axis=0``), or why
-    not: the other tensor must be one too or per-token with fit hqq, at the same bits and
-    group size."""
-    k, v = _hqq_axis(layer.key), _hqq_axis(layer.value)
-    if k is None or v is None or k[1:] != v[1:] or k[1] not in HQQ_BITS:
-        return (f"keys {_label(layer.key)}, values {_label(layer.value)}: an HQQ "
-                f"layer has one nbits ({', '.join(map(str, HQQ_BITS))}) and one q_group_size, "
-                "each axis 0 (hqq-strided) or 1 (per-token groups, fit hqq)")
-    return "HQQQuantizedLayer", {"nbits": k[1], "axis_key": k[0], "axis_value": v[0],
-                                 "q_group_size": k[2], "residual_length": layer.residual_tokens}
+    return ka[0], {"nbits": ka[2], "axis_key": ka[1], "axis_value": va[1],
+                   "q_group_size": ka[3], "residual_length": layer.residual_tokens}
 
 
 def _label(spec) -> str:
@@ -130,8 +107,7 @@ def _label(spec) -> str:
 
 
 def export(config: KVConfig, num_layers: int) -> Export:
-    """``config`` for a model of ``num_layers`` decoder layers as transformers' per-layer cache
-    (module docstring)."""
+    """``config`` for a model of ``num_layers`` decoder layers (module docstring)."""
     problems = []
     extras = [name for name, on in (("sinks or balancer (protect)", config.protect is not None),
                                     ("balancers", bool(config.balancers)),
@@ -154,20 +130,14 @@ def export(config: KVConfig, num_layers: int) -> Export:
                    "num_layers": num_layers, "layers": layers}, ())
 
 
-def export_path(output):
-    """Where a per-layer config written to ``output`` (a ``Path``) has its export."""
-    return output.with_name(output.stem + "." + FILE_NAME)
-
-
 def snippet(path: str) -> str:
     """The Python that loads the export at ``path`` into a cache and generates with it."""
     return SNIPPET.format(path=str(path))
 
 
 def beside(config: KVConfig, out) -> tuple[object, str]:
-    """The export of a per-layer config written to ``out`` (a ``Path``): ``(path, text)``, or
-    ``(None, why not)`` where it does not map, ``(None, "")`` for a config without a layer
-    count."""
+    """``(path, text)`` of the export beside a config written to ``out`` (a ``Path``), ``(None,
+    why not)`` where it does not map, ``(None, "")`` for a config without a layer count."""
     num_layers = (config.model or {}).get("num_layers")
     if num_layers is None:
         return None, ""
@@ -175,7 +145,7 @@ def beside(config: KVConfig, out) -> tuple[object, str]:
     if got.document is None:
         more = f" (and {len(got.problems) - 2} more)" if len(got.problems) > 2 else ""
         return None, f"no transformers export: {'; '.join(got.problems[:2])}{more}"
-    return export_path(out), got.text()
+    return export_path(out, FILE_NAME), got.text()
 
 
 def compare_name(path: str) -> str:

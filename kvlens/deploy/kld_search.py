@@ -70,9 +70,7 @@ def _fits(cand, kld: float, opts) -> bool:
 
 
 def choose_within(front: Sequence, opts, model: KLDModel, measured: dict[str, dict]):
-    """The cheapest candidate (then the lowest ``S``) whose known KLD is at most
-    ``opts.max_kld`` and whose bits are within ``opts.budget_bits`` when given;
-    ``ConfigError`` when there is none."""
+    """Step 2 (module docstring), then the lowest ``S``; ``ConfigError`` when none fits."""
     ok = [c for c in front if _fits(c, known_kld(c, model, measured)[0], opts)]
     if not ok:
         best = min(front, key=lambda c: c.score)
@@ -118,8 +116,7 @@ def search_kld(front: Sequence, opts, measure: Callable[[list], list[dict]],
 
 def _capped(front, opts, model: KLDModel, measured: dict[str, dict], unchecked, checks: int
             ) -> KLDChoice:
-    """After ``checks`` checks: the cheapest measured candidate within the bound, noting the
-    cheaper one still predicted within it (``unchecked``), or ``ConfigError``."""
+    """Step 4 after ``checks`` checks (module docstring); ``unchecked``: the choice left."""
     pred = model.predict(unchecked.score)
     ok = [c for c in front if c.setting in measured
           and _fits(c, measured[c.setting]["mean_kld"], opts)]

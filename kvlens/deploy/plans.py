@@ -1,10 +1,6 @@
-"""The per-layer exports of an answer: an engine target's chosen plan written for each engine
-that reads it (``kvlens.deploy.exports``) with the KLD of what each engine will actually run
-(measured with ``--validate``, else predicted, else its error score alone; what an engine runs
-instead of the plan is built from the same measured types, ``plan_config``), and the per-layer
-target's config mapped to the engines' types (``layer_exports``), each with the config the
-engine runs built from engine settings (``runs_config``): measured with ``--validate``
-(``measure_layer_exports``), else the command that measures it.
+"""The per-layer exports of an answer (``kvlens.deploy.exports``), each with the KLD of what
+the engine will actually run: an engine target's chosen plan (``engine_exports``) and the
+per-layer target's config mapped to the engines' types (``layer_exports``).
 """
 
 from __future__ import annotations
@@ -153,10 +149,9 @@ def runs_config(engine: str, runs: exports.Plan, name: str) -> tuple[KVConfig, s
 
 @dataclass
 class LayerExports:
-    """The per-layer target's exports of one config (``layer_exports``): their documents
-    (``--json``), the config each engine runs (None where none runs or it does not fit the
-    model), and the files to write beside the recommendation (path -> the config an engine
-    runs, or the text of an engine's own file: ``engine_file_path``)."""
+    """``layer_exports``' answer: the documents (``--json``), the config each engine runs (None
+    where none runs or it does not fit the model) and the files to write (path -> a config or
+    an engine's own file's text)."""
 
     documents: list[dict]
     configs: list[KVConfig | None]
@@ -168,26 +163,13 @@ class LayerExports:
 FILE_ENGINES = ("ik_llama.cpp",)
 
 
-def export_path(out: Path, engine: str) -> Path:
-    """Where the config ``engine`` runs is written beside a per-layer config written to
-    ``out`` when no engine setting names it: ``kv.json`` -> ``kv.ik_llama.cpp.json``."""
-    return out.with_name(f"{out.stem}.{engine}.json")
-
-
-def engine_file_path(out: Path, name: str) -> Path:
-    """Where an engine's own file (``hf_quant_config.json``) of a per-layer config written to
-    ``out`` is written: ``kv.json`` -> ``kv.hf_quant_config.json`` (several budgets' configs
-    share a folder; the user copies it into the model folder under its own name)."""
-    return out.with_name(f"{out.stem}.{name}")
-
-
 def layer_exports(config: KVConfig, shape, context: int = 4096, out: Path | None = None,
                   command: Callable[[str], str] | None = None) -> LayerExports:
     """The per-layer target's config in each engine's form (``LAYER_EXPORTERS``), each tensor's
     layout mapped to an engine type by its code bits (``BY_BITS``): another quantizer, which
     each export names as a change. Each export's ``kld`` names the config the engine runs
-    (``runs_config``: its setting, else its file ``export_path(out, engine)``), its bits at
-    ``context`` tokens and ``command(item)``, the command that measures it; ``source`` "not
+    (``runs_config``: its setting, else its file ``export_path(out, ENGINE.json)``), its bits
+    at ``context`` tokens and ``command(item)``, the command that measures it; ``source`` "not
     measured" until ``measure_layer_exports`` measures it."""
     docs, configs, files = [], [], {}
     for family, make in LAYER_EXPORTERS:
@@ -214,10 +196,10 @@ def layer_exports(config: KVConfig, shape, context: int = 4096, out: Path | None
             if out is None:
                 doc["notes"].append(f"give --output to write {name}")
                 continue
-            files[engine_file_path(out, name)] = text
-            doc["files"].append(str(engine_file_path(out, name)))
-            doc["notes"].append(f"{engine_file_path(out, name).name} is {name}: copy it into "
-                                f"the model folder as {name}")
+            path = exports.export_path(out, name)
+            files[path] = text
+            doc["files"].append(str(path))
+            doc["notes"].append(f"{path.name} is {name}: copy it into the model folder as {name}")
         if not ex.runs.quantized():  # e.g. vLLM skipping every layer whose K and V differ
             doc["kld"] = {"kld": None, "source": "not measured: every layer runs unquantized "
                           "(the engine's default cache)", "bits_per_element": 16.0}
@@ -239,8 +221,9 @@ def layer_exports(config: KVConfig, shape, context: int = 4096, out: Path | None
                 kld["source"] = ("not measured (give --validate, or --output to write the "
                                  "config it runs)")
             else:
-                files[export_path(out, ex.engine)] = runs
-                kld["config"] = str(export_path(out, ex.engine))
+                path = exports.export_path(out, f"{ex.engine}.json")
+                files[path] = runs
+                kld["config"] = str(path)
         item = setting or kld.get("config")
         if runs is not None and item is not None and command is not None:
             kld["command"] = command(item)
@@ -250,11 +233,11 @@ def layer_exports(config: KVConfig, shape, context: int = 4096, out: Path | None
 
 
 def measure_layer_exports(made: list[LayerExports],
-                          measure: Callable[[list[KVConfig]], list[dict]]) -> int:
+                          measure: Callable[[list[KVConfig]], list[dict]]) -> None:
     """Measure each distinct config the exports in ``made`` run once (two exports that run
     the same layers share one measurement), ``measure(configs)`` returning one
     ``kvlens.deploy.targets.measure_kld`` dict per config, and put the figure in each
-    export's ``kld``. Returns how many configs were measured."""
+    export's ``kld``."""
     distinct: dict[str, KVConfig] = {}
     for ex in made:
         for cfg in ex.configs:
@@ -266,7 +249,6 @@ def measure_layer_exports(made: list[LayerExports],
             if cfg is not None:
                 m = got[_runs_key(cfg)]
                 doc["kld"] |= {"kld": m["mean_kld"], "ci95": m["ci95"], "source": "measured"}
-    return len(distinct)
 
 
 def _runs_key(config: KVConfig) -> str:

@@ -161,26 +161,33 @@ def _cache_dtype(raw: str, s: CacheDtypeSetting, calibration: str | None) -> Eng
 def calibrate_from_capture(path: str, config: KVConfig, shared: bool = False
                            ) -> dict[int, dict[str, tuple[float, ...]]]:
     """Static fp8 scales of every engine layer of ``config`` that needs them, from the post-RoPE
-    keys and values of a capture (``kvlens.quant.fp8.calibrate_scale``). ``shared``: one
-    scale for K and V alike, the larger of the two (SGLang's scale file)."""
-
+    keys and values of a capture (``static_scales``)."""
     out: dict[int, dict[str, tuple[float, ...]]] = {}
     with open_capture(path) as cap:
         for idx in cap.layers:
             layer = config.layer(idx)
-            if not layer.engine:
-                continue
-            entry = {}
-            for tensor, ct, name in (("key", layer.key_type, "k"),
-                                     ("value", layer.value_type, "v")):
-                if not needs_scales(ct):
-                    continue
-                x = cap.layer(idx).read(name)
-                if ct.rotates(x.shape[-1]):
-                    x = x @ engine_rotation(tensor, x.shape[-1])
-                entry[tensor] = tuple(calibrate_scale(x, ct.format).flatten().tolist())
-            if shared and len(entry) == 2:
-                entry = dict.fromkeys(entry, tuple(map(max, entry["key"], entry["value"])))
-            if entry:
-                out[idx] = entry
+            types = {"key": layer.key_type, "value": layer.value_type} if layer.engine else {}
+            if any(map(needs_scales, types.values())):
+                kv = {"key": cap.layer(idx).read("k"), "value": cap.layer(idx).read("v")}
+                out[idx] = {t: tuple(x.flatten().tolist())
+                            for t, x in static_scales(kv, types, shared).items()}
+    return out
+
+
+def static_scales(kv: dict, types: dict, shared: bool = False) -> dict:
+    """``{tensor: scale}`` of each of ``kv``'s tensors (``"key"`` / ``"value"``, ``[B, H, T,
+    D]``) whose cache type in ``types`` is static fp8 (``kvlens.quant.fp8.calibrate_scale``, in
+    the engine's rotated basis where the type rotates). ``shared``: one scale for K and V alike,
+    the larger of the two (SGLang's scale file)."""
+    import torch
+
+    out = {}
+    for tensor, ct in types.items():
+        if needs_scales(ct):
+            x = kv[tensor]
+            if ct.rotates(x.shape[-1]):
+                x = x @ engine_rotation(tensor, x.shape[-1])
+            out[tensor] = calibrate_scale(x, ct.format)
+    if shared and len(out) == 2:
+        out = dict.fromkeys(out, torch.maximum(out["key"], out["value"]))
     return out

@@ -25,13 +25,11 @@ class Settings(list):
 
     notes: tuple[str, ...] = ()
     kinds: tuple[str, ...] = ()  # per config, its kvlens.evaluation.frontier kind
-    engines: int = 0  # engine settings among them
     per_model: tuple = ()  # (config, setting name) of settings that need the model's layers
 
     def engine(self, name: str, calibration: str | None):
         setting = engine_config(name, calibration)
         self.notes = (*self.notes, *setting.notes)
-        self.engines += 1
         if setting.per_model:
             self.per_model = (*self.per_model, (setting.config, name))
         return setting.config
@@ -54,10 +52,9 @@ class Settings(list):
 def resolve_settings(config=None, preset_name: str | None = None, compare: str | None = None,
                      calibration: str | None = None) -> Settings:
     """The settings a run compares: a config file, a preset or engine setting, and a comma list
-    of any of those and transformers baselines, in that order. ``calibration``: a capture file
-    for the static fp8 scales of vllm:/sglang: settings."""
-    if config is not None and preset_name is not None:
-        raise OptionError("Give either {config} FILE or {preset} NAME, not both.")
+    of any of those and transformers baselines, in that order (``generate_request`` has refused
+    a config and a preset together). ``calibration``: a capture file for the static fp8 scales
+    of vllm:/sglang: settings."""
     out = Settings()
     if config is not None:
         out.append(load_config(config))
@@ -73,7 +70,7 @@ def resolve_settings(config=None, preset_name: str | None = None, compare: str |
         out.kinds += tuple(setting_kind(n) for n in items)
     if not out:
         raise OptionError("Choose a cache: {preset} NAME, {config} FILE or {compare} P1,P2,...")
-    if calibration is not None and not out.engines:
+    if calibration is not None and "engine" not in out.kinds:
         raise OptionError("{calibration} gives the static fp8 scales of engine settings "
                          "(vllm:, sglang:), and no engine setting is among {preset}/{compare}; "
                          "add one or drop it.")

@@ -2,10 +2,11 @@
 (docs/deploy/README.md).
 
 1. **Error table** (``measure_errors``): for every layer, tensor (K, V) and cache type of the
-   target's menu (``MENUS``), the relative attention-output error over the first ``tokens``
-   tokens of ``samples`` samples when only that tensor is stored in that type, read back as the
-   engine reads it (every token quantized; a llama.cpp key type also converts the query to its
-   dot-product type: ``_llamacpp_query``). Static fp8 scales are calibrated on the whole capture.
+   target's menu (``kvlens.config.engine.SEARCH_TYPES``), the relative attention-output error
+   over the first ``tokens`` tokens of ``samples`` samples when only that tensor is stored in
+   that type, read back as the engine reads it (every token quantized; a llama.cpp key type
+   also converts the query to its dot-product type: ``_llamacpp_query``). Static fp8 scales
+   are calibrated on the whole capture.
 2. **Candidates** (``BUILDERS``): the engine's menu, each scored ``S = sum_l e_K,l^2 + e_V,l^2``
    and costed in held bits per element at ``context`` tokens (``kvlens.cache.layout``).
 3. **Choice**: with ``max_kld``, the cheapest candidate whose KLD is at most it, the choice
@@ -26,14 +27,10 @@ from kvlens.analysis.metrics import attention_output, rel_error
 from kvlens.cache.layout import config_bits
 from kvlens.capture.source import CaptureModel
 from kvlens.capture.store import open_capture
-from kvlens.config import BlockFloatSetting, KVConfig, LayerKV
+from kvlens.config import BlockFloatSetting, KVConfig
 from kvlens.config.blockfloat import is_blockfloat
 from kvlens.config.engine import (
-    LLAMACPP_SEARCH_TYPES,
-    SGLANG_SEARCH_TYPES,
-    TRTLLM_SEARCH_TYPES,
-    VLLM_CPU_SEARCH_TYPES,
-    VLLM_SEARCH_TYPES,
+    SEARCH_TYPES,
     LlamaCppSetting,
     QuantoSetting,
     setting_for_cache_type,
@@ -44,16 +41,15 @@ from kvlens.deploy.hf_cache import FILE_NAME as CACHE_FILE
 from kvlens.deploy.hf_cache import export as export_cache
 from kvlens.deploy.hf_cache import snippet as cache_snippet
 from kvlens.deploy.kld_search import search_kld
-from kvlens.deploy.presets import engine_config
+from kvlens.deploy.presets import engine_config, static_scales
 from kvlens.errors import ConfigError, OptionError
 from kvlens.evaluation import EvalOptions, evaluate_configs
 from kvlens.evaluation.kld import DEFAULT_EVAL_TOKENS
 from kvlens.layouts import reference
 from kvlens.model.engine_matmul import engine_matmuls
-from kvlens.quant import QuantSpec, fake_quantize, fake_quantize_format
+from kvlens.quant import fake_quantize, fake_quantize_format
 from kvlens.quant.cachetypes import DenseType, parse_cache_type
 from kvlens.quant.formats import engine_rotation
-from kvlens.quant.fp8 import calibrate_scale
 from kvlens.quant.llamacpp_cpu import query_to_vec_dot
 
 TARGETS = ("kvlens", "llama.cpp", "vllm", "sglang", "transformers", "trtllm", "vllm:cpu")
@@ -61,10 +57,6 @@ TARGETS = ("kvlens", "llama.cpp", "vllm", "sglang", "transformers", "trtllm", "v
 TARGET_ALIASES = {"llamacpp": "llama.cpp", "tensorrt-llm": "trtllm", "vllm-cpu": "vllm:cpu"}
 #: the engine each target deploys on: vllm:cpu is vLLM's CPU build (its settings' :cpu)
 TARGET_ENGINE = {"vllm:cpu": "vllm"}
-#: the cache types each engine target measures and searches (``kvlens.config.engine``)
-MENUS = {"llama.cpp": LLAMACPP_SEARCH_TYPES, "vllm": VLLM_SEARCH_TYPES,
-         "vllm:cpu": VLLM_CPU_SEARCH_TYPES, "sglang": SGLANG_SEARCH_TYPES,
-         "trtllm": TRTLLM_SEARCH_TYPES}
 QUANTO = [(b, ak, av, g) for b in (4, 2) for ak in (0, -1) for av in (0, -1) for g in (64, 32)]
 DOCS = {
     "llama.cpp": "llama.cpp tools/server README: -ctk/--cache-type-k, -ctv/--cache-type-v, "
@@ -78,9 +70,7 @@ DOCS = {
               "JSON of vllm/model_executor/layers/quantization/schema.py: one scale per layer)",
     "transformers": "transformers KV cache strategies, QuantizedCache (https://huggingface.co/"
                     "docs/transformers/kv_cache)",
-    "trtllm": exports.DOCS["trtllm"],
 }
-DOCS["vllm:cpu"] = DOCS["vllm"]
 
 
 def target_engine(target: str) -> str:
@@ -201,15 +191,15 @@ def _variants(target: str, head_dim: int, rotation: bool) -> dict[str, tuple[Any
     """name -> (how to fake-quantize, kind) for every cache type the target offers."""
     if target == "llama.cpp":
         return {t: (parse_cache_type(t if t == "f16" or rotation else t + "+norot"), "type")
-                for t in MENUS[target]}
-    if target in MENUS:
+                for t in SEARCH_TYPES[target]}
+    if target in SEARCH_TYPES:
         return {"f16": (parse_cache_type("f16"), "type")} | {
             n: (BlockFloatSetting(target, n, 1.0).layout(), "layout")
             if is_blockfloat(target, n) else (parse_cache_type(n), "type")
-            for n in MENUS[target]}
-    return {f"{bits}:{gran}:{g}": (QuantSpec(bits, gran, g), "spec") for bits in (4, 2)
-            for gran in ("per-token", "per-channel") for g in (64, 32)
-            if gran == "per-channel" or head_dim % g == 0}
+            for n in SEARCH_TYPES[target]}
+    specs = (QuantoSetting(b, ak, ak, g).spec(ak) for b, ak, _, g in QUANTO
+             if ak == -1 or head_dim % g == 0)
+    return {spec.label: (spec, "spec") for spec in specs}
 
 
 def _fake(x, how, kind: str, tensor: str, scale=None):
@@ -256,18 +246,9 @@ def measure_errors(path: str | Path, target: str, opts: TargetOptions,
                 ref = attention_output(q, kv["key"], kv["value"], a.scaling, a.sliding_window,
                                        a.logit_softcap, a.sinks)
                 row, cal = {}, {}
-                for name, (how, _) in variants.items():
-                    fmt = getattr(how, "format", None)
-                    if getattr(fmt, "family", None) != "fp8" or fmt.fixed_scale is not None:
-                        continue
-                    for tensor in ("key", "value"):
-                        x = full[tensor]
-                        if how.rotates(x.shape[-1]):
-                            x = x @ engine_rotation(tensor, x.shape[-1])
-                        cal[(tensor, name)] = calibrate_scale(x, fmt)
-                    if target == "sglang":  # one scale per layer for K and V (their max)
-                        both = torch.maximum(cal[("key", name)], cal[("value", name)])
-                        cal[("key", name)] = cal[("value", name)] = both
+                for name, (how, _) in variants.items():  # SGLang: one scale for K and V
+                    got = static_scales(full, {"key": how, "value": how}, target == "sglang")
+                    cal |= {(tensor, name): x for tensor, x in got.items()}
                 srow = {k: v.flatten().tolist() for k, v in cal.items()}
                 for tensor in ("key", "value"):
                     for name, (how, kind) in variants.items():
@@ -299,8 +280,8 @@ def squared_error(row, variant: str) -> float:
 
 
 def _llamacpp(target, table, scales, meta, opts):
-    for k in LLAMACPP_SEARCH_TYPES:
-        for v in LLAMACPP_SEARCH_TYPES:
+    for k in SEARCH_TYPES[target]:
+        for v in SEARCH_TYPES[target]:
             cfg = engine_config(LlamaCppSetting(k, v, "auto" if opts.rotation else "off").name
                                 ).config
             cmd = f"llama-server -m MODEL.gguf -ctk {k} -ctv {v}"
@@ -314,29 +295,14 @@ def _llamacpp(target, table, scales, meta, opts):
             yield cfg, [_err(row, k, v) for row in table], deploy, None
 
 
-def _fp8_scales(scales, layers, positions, dtype: str) -> dict:
-    """kv_scales of a calibrated dtype for the captured layers at ``positions`` of ``layers``
-    (their model indices; ``scales`` from ``measure_errors``, in the same order)."""
-    return {layers[j]: {"key": tuple(scales[j][("key", dtype)]),
-                        "value": tuple(scales[j][("value", dtype)])} for j in positions}
-
-
-def _calibrated(variant: str) -> bool:
-    """Static fp8 whose scales the capture calibrates (not ``:sS``; block-float types compute
-    their block scales as each token is written, their global scale is 1.0 here)."""
-    return variant.startswith("fp8") and ":s" not in variant
-
-
 def setting_config(engine: str, variant: str, skip: tuple[int, ...] = ()) -> KVConfig:
     """The config of ``engine``'s setting storing every layer but ``skip`` (kept at f16) in
     ``variant``, named by the setting (``kvlens.config.engine``) generate reads back."""
     if is_blockfloat(engine, variant):
         setting = BlockFloatSetting(engine, variant, 1.0, skip)
         return setting.kvconfig(setting.name)
-    return KVConfig(setting_for_cache_type(variant, engine, skip).name,
-                    LayerKV(key_format=variant, value_format=variant),
-                    {i: LayerKV(key_format="f16", value_format="f16") for i in skip},
-                    fp_dtype="float16")
+    setting = setting_for_cache_type(variant, engine, skip)
+    return setting.kvconfig(setting.name, calibrated=True)
 
 
 def _vllm_deploy(base: str, skip: tuple[int, ...], calibrated: bool, meta, target: str):
@@ -365,16 +331,18 @@ def _one_dtype(target, table, scales, meta, opts):
     of largest ``e_K^2 + e_V^2`` skipped (kept at f16), for every ``k``."""
     n, layers = len(table), meta.layers  # model indices, in table order
     engine = target_engine(target)
-    for dtype in MENUS[target]:
-        base, calibrated = dtype.split(":")[0], _calibrated(dtype)
+    for dtype in SEARCH_TYPES[target]:
+        # static fp8 the capture calibrated (measure_errors), not :sS nor block-float
+        base, calibrated = dtype.split(":")[0], ("key", dtype) in scales[0]
         order = sorted(range(n), key=lambda j: -squared_error(table[j], dtype))
         for k in range(n + 1) if engine == "vllm" else (0,):
             skipped = set(order[:k])  # positions in the table
             skip = tuple(sorted(layers[j] for j in skipped))
             cfg = setting_config(engine, dtype, skip)
             if calibrated:
-                cfg = replace(cfg, kv_scales=_fp8_scales(
-                    scales, layers, [j for j in range(n) if j not in skipped], dtype))
+                cfg = replace(cfg, kv_scales={layers[j]: {t: tuple(scales[j][(t, dtype)])
+                                                          for t in ("key", "value")}
+                                              for j in range(n) if j not in skipped})
             errs = [(0.0, 0.0) if j in skipped else _err(row, dtype, dtype)
                     for j, row in enumerate(table)]
             deploy = (_vllm_deploy if engine == "vllm" else _sglang_deploy)(
@@ -397,51 +365,45 @@ def _trtllm(target, table, scales, meta, opts):
     ModelOpt's per-layer map writes it: the cheaper type with the ``k`` layers whose error it
     raises most (``e_K^2 + e_V^2`` over the other type's) in the more accurate one."""
     n, layers = len(table), meta.layers
-    order = sorted(MENUS[target], key=lambda t: exports.type_bits(plan_type(t)))
+    order = sorted(SEARCH_TYPES[target], key=lambda t: exports.type_bits(plan_type(t)))
     for a, low in enumerate(order):
         for high in order[a:]:
-            gain = [squared_error(row, low) - row[("key", high)] ** 2 - row[("value", high)] ** 2
-                    for row in table]
+            gain = [squared_error(row, low) - squared_error(row, high) for row in table]
             ranked = sorted(range(n), key=lambda j: -gain[j])
             for k in range(1, n) if high != low else (0,):
-                yield _trtllm_mix(table, meta, low, {layers[j]: high for j in ranked[:k]})
+                yield _trtllm_mix(table, meta, low, high, [layers[j] for j in ranked[:k]])
 
 
-def _trtllm_mix(table, meta, base: str, per_layer: dict[int, str]):
-    """``base`` on every layer but ``per_layer`` (model index -> variant), with its exports
+def _trtllm_mix(table, meta, base: str, high: str, raised: list[int]):
+    """``base`` on every layer but ``raised`` (model indices), in ``high``, with its exports
     (TensorRT-LLM's, and vLLM's nearest, ``kvlens.deploy.exports``)."""
     t = plan_type(base)
     uniform = engine_config(TRTLLM_SETTINGS[base]).config  # the setting generate reads
-    name = uniform.name
-    if per_layer:  # ModelOpt's per-layer mix: no engine setting, the config runs it
-        groups = sorted(set(per_layer.values()))
-        name += "".join(f"+{plan_type(g)}@" + ",".join(
-            str(i) for i in sorted(per_layer) if per_layer[i] == g) for g in groups)
-    cfg = replace(uniform, name=name, layers={
-        i: engine_config(TRTLLM_SETTINGS[v]).config.default for i, v in per_layer.items()},
-        description="TensorRT-LLM KV cache " + name)
-    errs = [_err(row, per_layer.get(i, base), per_layer.get(i, base))
+    name = uniform.name  # + ModelOpt's per-layer mix: no engine setting, the config runs it
+    name += f"+{plan_type(high)}@{','.join(map(str, sorted(raised)))}" if raised else ""
+    up = engine_config(TRTLLM_SETTINGS[high]).config.default
+    cfg = replace(uniform, name=name, layers={i: up for i in raised},
+                  description="TensorRT-LLM KV cache " + name)
+    errs = [_err(row, high, high) if i in raised else _err(row, base, base)
             for i, row in zip(meta.layers, table)]
     plan = exports.Plan.uniform(t, t, meta.layers, meta.shape.num_layers,
-                                {i: (plan_type(v),) * 2 for i, v in per_layer.items()})
+                                {i: (plan_type(high),) * 2 for i in raised})
     ex = exports.trtllm_export(plan)
     deploy = {"target": "trtllm", "command": ex.command,
-              "kv_cache_dtype": ex.runs.tensor(0)[0], "docs": DOCS["trtllm"]}
+              "kv_cache_dtype": ex.runs.tensor(0)[0], "docs": exports.DOCS["trtllm"]}
     return cfg, errs, deploy, plan
 
 
 def _transformers(target, table, scales, meta, opts):
     for bits, ak, av, g in QUANTO:
-        gk = "per-token" if ak == 0 else "per-channel"
-        gv = "per-token" if av == 0 else "per-channel"
         if (ak == 0 or av == 0) and meta.shape.head_dim % g:
             continue
-        cfg = engine_config(QuantoSetting(bits, ak, av, g).name).config
-        kwargs = {"backend": "quanto", "nbits": bits, "axis_key": ak, "axis_value": av,
-                  "q_group_size": g, "residual_length": 128}
+        setting = QuantoSetting(bits, ak, av, g)
+        kwargs = {"backend": "quanto", **setting.cache_kwargs()}
         cmd = ("model.generate(**inputs, cache_implementation=\"quantized\", cache_config="
                + json.dumps(kwargs) + ")")
-        yield cfg, [_err(row, f"{bits}:{gk}:{g}", f"{bits}:{gv}:{g}") for row in table], \
+        key, value = (setting.spec(axis).label for axis in (ak, av))
+        yield engine_config(setting.name).config, [_err(row, key, value) for row in table], \
             {"target": "transformers", "command": cmd,
              "cache_config": kwargs, "docs": DOCS["transformers"], "cache_file": CACHE_FILE,
              "snippet": cache_snippet(CACHE_FILE)}, None
