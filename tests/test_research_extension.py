@@ -71,8 +71,6 @@ for ask in (lambda: RecommendOptions(budget_bits=3, extensions=("mikv",)),
 def test_stable_recommend_names_no_research_lever():
     for path in sorted((ROOT / "kvlens" / "recommend").glob("*.py")):
         text = path.read_text()
-        if path.name == "kept_format.py":  # its version history names the removed field
-            text = "\n".join(line for line in text.splitlines() if not line.startswith("#"))
         found = [w for w in RESEARCH_WORDS if w in text]
         assert not found, f"{path.name} names {found}"
 

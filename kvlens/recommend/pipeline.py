@@ -35,7 +35,7 @@ class Measurements:
     """Everything ``recommend`` measured on a capture; ``choose`` allocates from it for any
     budget without measuring again."""
 
-    # The annotations are exact: kvlens.recommend.kept_format writes and checks a kept
+    # The annotations are exact: kvlens.recommend.reuse.CODEC writes and checks a kept
     # measurement by them.
     meta: CaptureMeta
     # per layer: {(candidate, stream; None: the probe's): (output, score, reconstruction)
@@ -74,7 +74,9 @@ def measure(path: str | Path, opts: RecommendOptions, progress: ProgressFn | Non
             rows += map_layers(measure_layer, path, meta.layers[first:], args, workers,
                                progress and (lambda d, t, note: progress(d + first, t + first,
                                                                          note)))
-        tables, balancers, notes = [], {}, []
+        tables = [table for table, _bal, _pre_ok in rows]
+        balancers = {i: bal for i, (_t, bal, _p) in zip(meta.layers, rows) if bal is not None}
+        notes: list[str] = []
         no_pre = [index for index, row in zip(meta.layers, rows) if not row[2]]
         if no_pre and meta.shape.has_rope and opts.pre_rope != "off":
             why = (f"the RoPE of layer(s) {format_index_spec(no_pre)} cannot be rebuilt from "
@@ -84,10 +86,6 @@ def measure(path: str | Path, opts: RecommendOptions, progress: ProgressFn | Non
                 raise InputError(f"Pre-RoPE keys were requested but {why}; use --set "
                                  "pre-rope=auto.")
             notes.append(f"pre-RoPE candidates skipped where {why}")
-        for index, (table, bal, _pre_ok) in zip(meta.layers, rows):
-            tables.append(table)
-            if bal is not None:
-                balancers[index] = bal
         need = (opts.sensitivity != "uniform" and not opts.layer_weights) or \
             opts.retrieval != "off"
         factors: tuple[dict, ...] = ()

@@ -5,9 +5,9 @@ under ``$KVLENS_MEASUREMENT_CACHE`` (``off``: none), named by a hash of everythi
 on: the capture's bytes, every ``RecommendOptions`` field but ``ALLOCATION_ONLY``, the model's
 files (path, sizes, times), kvlens' own source and the torch and transformers versions.
 
-A kept file holds data only (``kvlens.recommend.kept_format``, through the generic codec), so a
-file planted in a shared directory cannot run code; one that fails any check is measured again
-and replaced. Files are written to a temporary name and renamed; at most ``KEEP_AT_MOST`` are
+A kept file holds data only (``CODEC``, the generic dataclass codec of ``kvlens.recommend.codec``
+with the error tables' candidates and streams written once each), so a file planted in a shared
+directory cannot run code; one that fails any check is measured again and replaced. Files are written to a temporary name and renamed; at most ``KEEP_AT_MOST`` are
 kept, the least recently used removed first.
 """
 
@@ -28,8 +28,8 @@ import transformers
 from kvlens.capture.source import model_spec_from_capture
 from kvlens.capture.store import open_capture
 from kvlens.model.load import cache_root
-from kvlens.recommend.kept_format import KeptFormatError, decode, encode
-from kvlens.recommend.options import RecommendOptions
+from kvlens.recommend.codec import CodecError, DataclassCodec
+from kvlens.recommend.options import Candidate, RecommendOptions, Stream
 from kvlens.recommend.pipeline import Measurements
 from kvlens.recommend.profile import Profile
 
@@ -40,8 +40,12 @@ ALLOCATION_ONLY = ("budget_bits", "context", "name", "fp_dtype")
 REUSED_STAGE = "measurement read"
 #: measurements kept at most (sizes: docs/lab-notes/benchmark-history.md); the least recently used go first
 KEEP_AT_MOST = 64
-#: the kept files' suffix (kvlens.recommend.kept_format; earlier versions' ``.pkl`` are never read)
+#: the kept files' suffix (earlier versions' ``.pkl`` are never read)
 KEPT_SUFFIX = ".npz"
+# its version is raised whenever a field of Measurements (or what it holds) changes; older
+# files are measured again; this line's git history says what each version changed
+CODEC = DataclassCodec(Measurements, "kvlens.measurements", 9,
+                       shared={"candidates": Candidate, "streams": Stream})
 
 
 def cache_dir() -> Path | None:
@@ -94,14 +98,14 @@ def kept_file(path: str | Path, opts: RecommendOptions) -> Path | None:
 
 def read_kept(kept: Path | None) -> Measurements | None:
     """The measurement kept in ``kept`` (None: none there, or one that does not read back:
-    ``kvlens.recommend.kept_format.decode`` refuses it). Its profile has one stage,
+    ``CODEC.decode`` refuses it). Its profile has one stage,
     ``REUSED_STAGE``, and a note says where it came from."""
     if kept is None or not kept.is_file():
         return None
     start = time.perf_counter()
     try:
-        m = decode(kept.read_bytes())
-    except (OSError, KeptFormatError):  # measured again and replaced (keep)
+        m = CODEC.decode(kept.read_bytes())
+    except (OSError, CodecError):  # measured again and replaced (keep)
         return None
     with contextlib.suppress(OSError):
         kept.touch()  # recently used: kept longest (keep)
@@ -122,8 +126,8 @@ def keep(m: Measurements, kept: Path | None) -> None:
         return
     tmp = kept.with_name(f".{kept.name}.{os.getpid()}.tmp")
     try:
-        data = encode(m)
-    except KeptFormatError as e:  # a value this format does not know: said, not kept
+        data = CODEC.encode(m)
+    except CodecError as e:  # a value this format does not know: said, not kept
         warnings.warn(f"measurement not kept: {e}", stacklevel=2)
         return
     try:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -209,10 +209,8 @@ class ImportanceSet:
         return cls(**{"heavy_fraction": 0.0} | dict(data))
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"heavy_fraction": self.heavy_fraction}
-        if self.set_bits is not None:
-            d["set_bits"] = self.set_bits
-        return d | ({"layers": list(self.layers)} if self.layers is not None else {})
+        return {k: list(v) if k == "layers" else v for k, v in asdict(self).items()
+                if v is not None}
 
     def applies_to(self, layer: int) -> bool:
         return self.layers is None or layer in self.layers
@@ -232,8 +230,8 @@ def mikv_settings(heavy_fraction: float = 0.2, sink_tokens: int = 4, balancer: s
                   layers=None) -> ProtectSettings:
     """A ``protect`` section with MiKV's importance set (the sinks and balancer fields, then the
     set's); ``heavy_fraction`` 0 with no ``set_bits``: the sinks alone."""
-    importance = None if not heavy_fraction and set_bits is None and layers is None else \
-        ImportanceSet(heavy_fraction, set_bits, layers)
+    importance = ImportanceSet.from_dict({"heavy_fraction": heavy_fraction, "set_bits": set_bits,
+                                          "layers": layers})
     return ProtectSettings(sink_tokens, balancer, balancer_exponent, importance)
 
 
