@@ -312,12 +312,12 @@ def _reference_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, samples:
                   keep, _as_float(keep), None, sink)
 
 
-def _group_sums(
-    ch: _Chunk, kind: _Kind, group: Sequence[Variant], softcap: float,
-    shared: dict | None = None, subset: Sequence[int] | None = None,
-) -> dict[str, torch.Tensor]:
+def _group_sums(ch: _Chunk, kind: _Kind, group: Sequence[Variant], softcap: float,
+                shared: dict, subset: Sequence[int] | None) -> dict[str, torch.Tensor]:
     """Per-variant float64 ``[N, Hq]`` sums of squared error of one chunk for ``N`` variants
-    of one kind, stacked on dim 2: ``[b, Hkv, N, g, c, ...]``.
+    of one kind, stacked on dim 2: ``[b, Hkv, N, g, c, ...]``. ``shared``: what the group's
+    variants change whatever the mask, kept for its next mask when every member is here
+    (``subset`` None, else the members here).
 
     ``o_ref - o_hat = (w_ref - w_hat) v + (w_hat * ~exact) (v - v_hat)
     + (w_hat * set) (v_hat - v_set)``: each term is a difference the variant makes, so
@@ -353,14 +353,14 @@ def _group_sums(
             v_diff = stack([var.v_hat for var in group]).neg_().add_(ch.v.unsqueeze(2))
             term = (reads.view(b, hkv, big, g * c, n) @ v_diff).view(b, hkv, big, g, c, -1)
         else:  # one matmul of the shared weights against every variant's value difference
-            if shared is not None and "v_diff" in shared:
+            if "v_diff" in shared:
                 v_diff = shared["v_diff"]
                 if subset is not None:
                     v_diff = v_diff[:, :, :, list(subset)]
             else:
                 v_diff = stack([var.v_hat for var in group], dim=3).neg_().add_(
                     ch.v.unsqueeze(3))
-                if shared is not None and subset is None:
+                if subset is None:
                     shared["v_diff"] = v_diff
             term = reads.view(b, hkv, g * c, n) @ v_diff.reshape(b, hkv, n, -1)
             term = term.view(b, hkv, g, c, big, -1).permute(0, 1, 4, 2, 3, 5)
@@ -378,8 +378,8 @@ def _group_sums(
 def _keyed_weights(ch: _Chunk, kind: _Kind, group: Sequence[Variant],
                    member: torch.Tensor | None,
                    stack: Callable[[Sequence[torch.Tensor]], torch.Tensor], softcap: float,
-                   sums: dict[str, torch.Tensor], shared: dict | None = None,
-                   subset: Sequence[int] | None = None) -> torch.Tensor:
+                   sums: dict[str, torch.Tensor], shared: dict,
+                   subset: Sequence[int] | None) -> torch.Tensor:
     """Weights ``[b, Hkv, N, g, c, n]`` of keyed variants, from the change each variant's
     keys make to the logits (0 where hidden or read exact); writes the score sums into
     ``sums``."""
@@ -393,10 +393,9 @@ def _keyed_weights(ch: _Chunk, kind: _Kind, group: Sequence[Variant],
 
     # the logit change is the same for every mask: kept for the group's next mask (not when
     # only some members are here, nor beside a set, whose change is masked per query)
-    if kind.k_hat and not kind.k_set and shared is not None and subset is None \
-            and "k_change" not in shared:
+    if kind.k_hat and not kind.k_set and subset is None and "k_change" not in shared:
         shared["k_change"] = logit_change([var.k_hat for var in group])
-    if kind.k_hat and shared is not None and "k_change" in shared:
+    if kind.k_hat and "k_change" in shared:
         raw = shared["k_change"]
         if subset is not None:
             raw = raw[:, :, list(subset)]

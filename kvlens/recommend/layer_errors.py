@@ -182,7 +182,8 @@ def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptio
         # and the balancer compose around it
         quant = reference(c.spec(), sd)
         if c.twin is not None:  # it depends on the stream: built per run (measure_layer)
-            if c.base in cands and _extension(opts, c).offered_on(la):
+            ext = next(e for e in opts.extensions if e.name == c.twin.extension)
+            if c.base in cands and ext.offered_on(la):
                 variants[c] = None
         elif c.rotate:  # what the cache stores (x R) seen back in the original basis
             x_hat = quantize_rotated(v if c.tensor == "value" else k, quant, rot)
@@ -198,11 +199,6 @@ def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptio
         else:
             variants[c] = Variant(k_hat=quant(k))
     return q, k, v, variants, bal, pre_ok
-
-
-def _extension(opts: RecommendOptions, c: Candidate):
-    """The extension (switched on in ``opts``) twin ``c`` belongs to."""
-    return next(e for e in opts.extensions if e.name == c.twin.extension)
 
 
 def _fits(c: Candidate, stream: Stream) -> bool:

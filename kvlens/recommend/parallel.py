@@ -8,7 +8,7 @@ elsewhere they are spawned.
 ``map_layers(fn, path, layers, args, workers)`` returns ``[fn(layer_data, meta, *args)]`` in the
 order of ``layers``; ``fn`` is a module-level function (pickled by name). One worker runs here.
 Once one layer per worker has finished, the stage's time is predicted from theirs
-(``kvlens.recommend.cost``, ``kvlens.recommend.profile.expect``).
+(``kvlens.recommend.profile``).
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ import torch
 
 from kvlens.analysis.compare import torch_threads
 from kvlens.capture.store import open_capture
-from kvlens.recommend.cost import extrapolate
-from kvlens.recommend.profile import expect
+from kvlens.recommend.profile import expect, extrapolate
 from kvlens.units import format_seconds
 
 #: A candidate stage predicted to take less than this (seconds: its first layer's time times

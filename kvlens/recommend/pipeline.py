@@ -16,13 +16,12 @@ from kvlens.analysis.compare import torch_threads
 from kvlens.capture.store import CaptureMeta, open_capture
 from kvlens.errors import InputError, OptionError
 from kvlens.recommend.allocation import assemble
-from kvlens.recommend.catalog import candidates, still_offered
-from kvlens.recommend.cost import extrapolate
+from kvlens.recommend.catalog import candidates
 from kvlens.recommend.layer_errors import check_windows, measure_layer
 from kvlens.recommend.options import Candidate, RecommendOptions, Stream
 from kvlens.recommend.parallel import map_layers, resolve_workers
 from kvlens.recommend.probe import add_retrieval_errors, load_model_for
-from kvlens.recommend.profile import Profile, profiling, stage
+from kvlens.recommend.profile import Profile, extrapolate, profiling, stage
 from kvlens.recommend.result import Recommendation
 from kvlens.recommend.sensitivity import layout_factors, probe_candidates, sensitivity_weights
 from kvlens.text.selection import format_index_spec
@@ -148,7 +147,8 @@ def _first_layer(path, layers, args, workers: int | None, progress: ProgressFn |
 def choose(m: Measurements, opts: RecommendOptions) -> Recommendation:
     """Allocate under ``opts.budget_bits`` from earlier measurements and build the config."""
     # measured with more fits than offered now: drop the rest
-    tables = [{k: e for k, e in t.items() if still_offered(k[0], opts)} for t in m.tables]
+    tables = [{k: e for k, e in t.items() if k[0].fit in opts.fits_for(k[0].tensor)}
+              for t in m.tables]
     prof = Profile(dict(m.profile.stages), list(m.profile.spans))
     with profiling(prof), stage("allocation"):
         rec = assemble(m.meta, opts, tables, m.balancers, m.weights, list(m.notes),

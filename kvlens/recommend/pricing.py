@@ -64,7 +64,9 @@ def tensor_fp16_bytes(shape, layer: int, context: int) -> float:
         * 2 * shape.kv_tensors / 2
 
 
-COST_PRESETS = ("fp16", "kivi-2", "kivi-4", "per-token-4")
+#: the presets a recommendation is compared with (its validation scores them beside it)
+COMPARED_PRESETS = ("kivi-2", "kivi-4", "per-token-4")
+COST_PRESETS = ("fp16", *COMPARED_PRESETS)
 
 
 def decode_costs(config, shape, context: int) -> list[tuple[str, Any]]:

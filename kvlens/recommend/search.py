@@ -111,15 +111,14 @@ def search_budget(m: Measurements, opts: RecommendOptions, max_kld: float, score
     return BudgetSearch(max_kld, best, steps)
 
 
-def kld_scorer(model, tokenizer, eval_tokens: int | None = None,
-               progress: Callable[[str], None] = lambda msg: None) -> Scorer:
+def kld_scorer(model, tokenizer, eval_tokens: int | None = None) -> Scorer:
     """A ``Scorer``: ``kvlens.evaluation``'s lockstep KLD of a config against the exact
     ``model`` on ``eval_tokens`` of the built-in held-out text (None: the evaluation default,
     capped by the model's context)."""
     options = EvalOptions(evals=("kld",), eval_tokens=eval_tokens)
 
     def score(config: KVConfig) -> dict:
-        report = evaluate_configs(model, tokenizer, [config], options, progress)
+        report = evaluate_configs(model, tokenizer, [config], options)
         if report["interrupted"]:
             raise KeyboardInterrupt
         return report["results"][0]["kld"]
