@@ -16,7 +16,6 @@ import numpy as np
 
 from kvlens.cache.layout import config_bits, config_part_bytes
 from kvlens.cache.triton_glue import kernel_layout_problem
-from kvlens.config import LayerKV
 from kvlens.errors import ConfigError, InputError
 from kvlens.recommend.build import build_config
 from kvlens.recommend.catalog import candidates, family
@@ -105,9 +104,7 @@ def _fused(kc: Candidate, vc: Candidate, stream: Stream, head_dim: int) -> bool:
     """Whether the fused decode kernel reads a layer storing ``kc`` / ``vc`` (``--prefer-fast``;
     the rule is the dispatch's own, ``kvlens.cache.triton_glue.kernel_layout_problem``)."""
 
-    setting = LayerKV(kc.spec(), vc.spec(), stream.residual, kc.stage == "pre",
-                      flush_tokens=stream.flush)
-    return kernel_layout_problem(setting, head_dim) is None
+    return kernel_layout_problem(stream.setting(kc, vc), head_dim) is None
 
 
 class _Pricing:
@@ -236,9 +233,10 @@ def assemble(meta, opts, tables, balancers, weights, notes, shape, factors=()
         raise _too_small(min(need for _, _, need in solved), opts)
     _, fronts, picks = best
     notes = notes + _twin_notes(opts, solved, best[0])
-    choices = []
+    choices, chosen = [], {}
     for layer, front, pick, table in zip(meta.layers, fronts, picks, tables):
         _, _, kc, vc, s = front[pick]
+        chosen[layer] = (kc, vc, s)
         w = shape.window(layer)
         fp16 = tensor_fp16_bytes(shape, layer, opts.context)
         shares = dict(zip(("key", "value"), option(kc, vc, s, w)[1:]))
@@ -257,7 +255,7 @@ def assemble(meta, opts, tables, balancers, weights, notes, shape, factors=()
                                   recon, min(better)[1] if better else "", s.flush,
                                   s.residual))
     expected = sum(ch.output_error for ch in choices) / len(choices)
-    config = build_config(meta, opts, choices, balancers)
+    config = build_config(meta, opts, chosen, balancers)
     mean_bits = config_bits(config, shape, opts.context)
     rec = Recommendation(config, choices, opts.budget_bits, mean_bits, expected, opts.context,
                          weights=tuple(weights), notes=notes,

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
-from kvlens.config import FP_BYTES, SCALE_DTYPES
+from kvlens.config import FP_BYTES, SCALE_DTYPES, LayerKV
 from kvlens.errors import InputError, OptionError, is_int
 from kvlens.model.load import DTYPES
 from kvlens.quant import QuantSpec
@@ -42,6 +42,12 @@ class Stream(NamedTuple):
     def block(self) -> int:
         """Tokens quantized together (a per-channel group must divide it)."""
         return self.flush or self.residual
+
+    def setting(self, key: Candidate, value: Candidate) -> LayerKV:
+        """The config's setting of a layer storing ``key`` and ``value`` with this window."""
+        return LayerKV(key.spec(), value.spec(), self.residual, key.stage == "pre",
+                       flush_tokens=self.flush, rotate_keys=key.rotate,
+                       rotate_values=value.rotate)
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,11 @@ from typing import Any
 
 from kvlens.cache.decode_cost import config_decode_cost
 from kvlens.cache.layout import flush_every, layer_part_bytes, shares_storage, stream_state
-from kvlens.config import FP_BYTES, LayerKV, ProtectSettings, preset
+from kvlens.config import FP_BYTES, ProtectSettings, preset
 from kvlens.errors import ConfigError
 from kvlens.layouts import check_layout, layout_of
 from kvlens.recommend.extension import twin_extension
-from kvlens.recommend.options import Candidate, RecommendOptions
+from kvlens.recommend.options import Candidate, RecommendOptions, Stream
 
 
 def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOptions, shape,
@@ -25,8 +25,7 @@ def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOption
     and flush block ``flush``; the shares split what both use evenly (for display)."""
 
     r = max(opts.window_sizes) if residual is None else residual
-    setting = LayerKV(kc.spec(), vc.spec(), r, kc.stage == "pre",
-                      flush_tokens=flush, rotate_keys=kc.rotate, rotate_values=vc.rotate)
+    setting = Stream(r, flush).setting(kc, vc)
     w = shape.window(layer)
     protect = _layer_section(kc, opts)
     fp, sd = FP_BYTES[opts.fp_dtype], opts.scale_dtype

@@ -2,13 +2,9 @@
 read the budget, so ``kvlens recommend`` again on the same capture with the same measuring
 options reads what the first run measured (docs/recommend.md, time). A measurement is kept
 under ``$KVLENS_MEASUREMENT_CACHE`` (``off``: none), named by a hash of everything it depends
-on: the capture's bytes, every ``RecommendOptions`` field but ``ALLOCATION_ONLY``, the model's
-files (path, sizes, times), kvlens' own source and the torch and transformers versions.
-
-A kept file holds data only (``CODEC``, the generic dataclass codec of ``kvlens.recommend.codec``
-with the error tables' candidates and streams written once each), so a file planted in a shared
-directory cannot run code; one that fails any check is measured again and replaced. Files are written to a temporary name and renamed; at most ``KEEP_AT_MOST`` are
-kept, the least recently used removed first.
+on (``kept_file``), written to a temporary name and renamed, at most ``KEEP_AT_MOST`` of them.
+A kept file holds data only (``CODEC``), so a file planted in a shared directory cannot run
+code; one that fails any check is measured again and replaced.
 """
 
 from __future__ import annotations
@@ -76,8 +72,14 @@ def _path_state(spec: str | None) -> str:
     return repr([(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files])
 
 
-def measurement_key(path: str | Path, opts: RecommendOptions) -> str:
-    """The name of ``measure(path, opts)``'s result among kept measurements."""
+def kept_file(path: str | Path, opts: RecommendOptions) -> Path | None:
+    """The file ``measure(path, opts)`` is kept in (None: no measurement is kept), named by a
+    hash of the capture's bytes, every ``RecommendOptions`` field but ``ALLOCATION_ONLY``, the
+    model's files (path, sizes, times), kvlens' own source and the torch and transformers
+    versions."""
+    where = cache_dir()
+    if where is None:
+        return None
     h = hashlib.sha256()
     with open(path, "rb") as f:
         h.update(hashlib.file_digest(f, "sha256").digest())
@@ -87,13 +89,7 @@ def measurement_key(path: str | Path, opts: RecommendOptions) -> str:
     for part in (repr(sorted(fields.items())), _path_state(spec), _source_digest(),
                  torch.__version__, transformers.__version__):
         h.update(part.encode())
-    return h.hexdigest()
-
-
-def kept_file(path: str | Path, opts: RecommendOptions) -> Path | None:
-    """The file ``measure(path, opts)`` is kept in (None: no measurement is kept)."""
-    where = cache_dir()
-    return None if where is None else where / f"{measurement_key(path, opts)}{KEPT_SUFFIX}"
+    return where / f"{h.hexdigest()}{KEPT_SUFFIX}"
 
 
 def read_kept(kept: Path | None) -> Measurements | None:
