@@ -16,7 +16,7 @@ from kvlens.errors import InputError, OptionError, is_int
 from kvlens.model.load import DTYPES
 from kvlens.quant import QuantSpec
 from kvlens.quant.spec import FITS, GRANULARITIES
-from kvlens.recommend.extension import Twin, resolve, twin_extension
+from kvlens.recommend.extension import Twin, extension_class, resolve
 
 #: the granularities candidates take (quant's vocabulary, ``GRANULARITIES``, without
 #: per-tensor: one scale per flushed block is an engine format's, not a candidate's)
@@ -78,7 +78,7 @@ class Candidate:
     def _traits(self, long: int) -> str:
         """What it keeps beside plain codes, in ``short``'s (0) or ``label``'s (1) words."""
         twin = ("", "") if self.twin is None else \
-            twin_extension(self.twin).words(self.twin.setting)
+            extension_class(self.twin.extension)().words(self.twin.setting)
         said = [(self.stage == "pre", " pre", " pre-RoPE"), (self.balancer, " bal", " +bal"),
                 (self.rotate, " rot", " +rotation"), (True, *twin),
                 (self.fit == "mse", " mse", " mse-fit")]

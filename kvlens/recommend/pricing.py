@@ -14,7 +14,7 @@ from kvlens.cache.layout import flush_every, layer_part_bytes, shares_storage, s
 from kvlens.config import FP_BYTES, ProtectSettings, preset
 from kvlens.errors import ConfigError
 from kvlens.layouts import check_layout, layout_of
-from kvlens.recommend.extension import twin_extension
+from kvlens.recommend.extension import extension_class
 from kvlens.recommend.options import Candidate, RecommendOptions, Stream
 
 
@@ -52,7 +52,7 @@ def _layer_section(c: Candidate, opts: RecommendOptions):
     (``CandidateExtension.held``)."""
 
     if c.twin is not None:
-        return twin_extension(c.twin).held(c.twin.setting, opts)
+        return extension_class(c.twin.extension)().held(c.twin.setting, opts)
     return ProtectSettings(opts.sink_tokens, "off") if opts.sink_tokens else None
 
 
