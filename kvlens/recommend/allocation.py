@@ -111,10 +111,10 @@ class _Pricing:
     """Each layer's Pareto front of options in budget units (bits per element of the whole
     cache, times the number of layers) and what the cheapest of them need."""
 
-    def __init__(self, meta, opts: RecommendOptions, weights, shape, factors=()):
-        self.meta, self.opts, self.weights, self.shape = meta, opts, weights, shape
+    def __init__(self, meta, opts: RecommendOptions, weights, factors=()):
+        self.meta, self.opts, self.weights, self.shape = meta, opts, weights, meta.shape
         self.factors = factors
-        self.fp16_total = shape.fp16_bytes(opts.context)
+        self.fp16_total = meta.shape.fp16_bytes(opts.context)
         self.option = cache(self._option)  # one cache per pricing
 
     def _option(self, kc, vc, s, window):
@@ -177,13 +177,13 @@ def _too_small(need: float, opts: RecommendOptions) -> InputError:
         "for. Raise --budget-bits or --context, or offer smaller --windows.")
 
 
-def cheapest_bits(meta, opts: RecommendOptions, shape) -> float:
-    """Bits per element the cheapest candidates ``opts`` offers need on a model of ``shape``
+def cheapest_bits(meta, opts: RecommendOptions) -> float:
+    """Bits per element the cheapest candidates ``opts`` offers need on the captured model
     (every config-wide variant tried; prices need no measurement); inf: none stores a layer."""
     cands = candidates(meta.shape.head_dim, opts, meta.shape.has_rope)
     table = {(c, s): (0.0, 0.0, 0.0) for c in cands for s in opts.streams()}
     tables = [table] * len(meta.layers)
-    pricing = _Pricing(meta, opts, [1.0] * len(meta.layers), shape)
+    pricing = _Pricing(meta, opts, [1.0] * len(meta.layers))
     needs = [math.inf]
     for rot, m in pricing.variants():
         fronts = pricing.fronts(tables, rot, m)
@@ -192,21 +192,20 @@ def cheapest_bits(meta, opts: RecommendOptions, shape) -> float:
     return min(needs)
 
 
-def check_budget(meta, opts: RecommendOptions, shape) -> None:
+def check_budget(meta, opts: RecommendOptions) -> None:
     """Refuse, before anything is measured, a budget that even the cheapest candidates
-    ``opts`` offers on a model of ``shape`` exceed."""
-    need = cheapest_bits(meta, opts, shape)
+    ``opts`` offers on the captured model exceed."""
+    need = cheapest_bits(meta, opts)
     if math.isfinite(need) and need > opts.budget_bits:
         raise _too_small(need, opts)
 
 
-def assemble(meta, opts, tables, balancers, weights, notes, shape, factors=()
-             ) -> Recommendation:
+def assemble(meta, opts, tables, balancers, weights, notes, factors=()) -> Recommendation:
     """The ``Recommendation`` for ``opts.budget_bits`` from per-layer error ``tables``, layer
-    ``weights`` (and per-layout ``factors``) on a model of ``shape``: the best allocation
-    over the config-wide choices, its ``Choice`` s, config, bytes and decode costs."""
-    n = len(tables)
-    pricing = _Pricing(meta, opts, weights, shape, factors)
+    ``weights`` (and per-layout ``factors``) on the captured model: the best allocation over
+    the config-wide choices, its ``Choice`` s, config, bytes and decode costs."""
+    n, shape = len(tables), meta.shape
+    pricing = _Pricing(meta, opts, weights, factors)
     option = pricing.option
 
     def solve(rotation: bool, twin):

@@ -17,14 +17,12 @@ from kvlens.errors import ConfigError, OptionError
 from kvlens.evaluation import EvalOptions, evaluate_configs
 from kvlens.model.architecture import describe
 from kvlens.recommend.options import RecommendOptions
-from kvlens.recommend.pipeline import ProgressFn, choose
+from kvlens.recommend.pipeline import LogFn, ProgressFn, choose
 from kvlens.recommend.pricing import COMPARED_PRESETS
 from kvlens.recommend.profile import Profile, profiling, stage
 from kvlens.recommend.result import Recommendation
 from kvlens.recommend.run import measurement
 from kvlens.recommend.search import BudgetSearch, kld_scorer, search_budget
-
-LogFn = Callable[[str], None]
 
 
 @dataclass

@@ -27,6 +27,7 @@ from kvlens.recommend.sensitivity import layout_factors, probe_candidates, sensi
 from kvlens.text.selection import format_index_spec
 
 ProgressFn = Callable[[int, int, str], None]
+LogFn = Callable[[str], None]
 
 
 @dataclass
@@ -50,7 +51,7 @@ class Measurements:
 
 
 def measure(path: str | Path, opts: RecommendOptions, progress: ProgressFn | None = None,
-            log: Callable[[str], None] | None = None) -> Measurements:
+            log: LogFn | None = None) -> Measurements:
     """Per-layer candidate errors, fitted balancers and layer sensitivity weights; ``log``
     receives each stage's predicted time (``kvlens.recommend.profile.expect``)."""
 
@@ -151,7 +152,6 @@ def choose(m: Measurements, opts: RecommendOptions) -> Recommendation:
               for t in m.tables]
     prof = Profile(dict(m.profile.stages), list(m.profile.spans))
     with profiling(prof), stage("allocation"):
-        rec = assemble(m.meta, opts, tables, m.balancers, m.weights, list(m.notes),
-                       m.meta.shape, m.factors)
+        rec = assemble(m.meta, opts, tables, m.balancers, m.weights, list(m.notes), m.factors)
     rec.profile = prof
     return rec
