@@ -3,10 +3,8 @@
 For every ``Variant`` (keys and/or values replaced, optionally a MiKV set read at its own
 codes), the relative error of the pre-softmax scores, the weights and the attention output
 against the exact attention, pooled per head (``kvlens.analysis.attention`` defines the
-attention, the masks and the relative error, and is re-exported here). ``attention_errors_many``
-batches the variants (value-only variants share the exact weights; key-only ones are stacked);
-``attention_errors_reference`` is the plain loop it is tested against
-(``tests/test_metrics_fast.py``).
+attention, the masks and the relative error, and is re-exported here).
+``attention_errors_reference`` is the plain loop the batched forms are tested against.
 """
 
 from __future__ import annotations

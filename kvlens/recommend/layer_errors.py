@@ -6,9 +6,6 @@ while decoding: query ``i`` reads the window and the sinks exact (``streaming_ex
 the window flushes its oldest ``F`` tokens when full, so each candidate is measured for every
 ``Stream`` it can be stored with. Score and reconstruction errors are recorded to explain. With
 several windows every option is scored on the same queries (``score_from`` on).
-``layer_variants`` builds what the cache would give back for each candidate, ``measure_layer``
-scores them (a research twin's through its extension's measurer); ``check_windows`` refuses
-window sizes nothing can be stored with.
 """
 
 from __future__ import annotations

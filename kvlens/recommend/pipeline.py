@@ -104,7 +104,7 @@ def measure(path: str | Path, opts: RecommendOptions, progress: ProgressFn | Non
             with stage("retrieval probe"):
                 add_retrieval_errors(model, tokenizer, cands, opts, tables, balancers, notes,
                                      progress, workers)
-    wanted = set(candidates(meta.shape.head_dim, opts, meta.shape.has_rope))
+    wanted = set(cands)  # the probes measured beside them are dropped
     tables = [{cf: e for cf, e in t.items() if cf[0] in wanted and cf[1] is not None}
               for t in tables]
     prof.stages = {k: v for k, v in prof.stages.items() if v > 0}
