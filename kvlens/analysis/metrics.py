@@ -9,6 +9,7 @@ attention, the masks and the relative error, and is re-exported here).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -254,36 +255,30 @@ def _batched_ratios(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ref = {m: torch.full((pieces, hq), nan, dtype=f64, device=q.device) for m in _METRICS}
     full_mask = causal_mask(tq, tk, sliding_window, q.device)
     chosen = [set(sel) for sel in select]
-    piece = 0
-    for samples in batches:
-        for rows_at in chunks:
-            keys = slice(*_visible_keys(rows_at.start, rows_at.stop, tq, tk, sliding_window))
-            base = _reference_chunk(q, k, v, samples, rows_at, keys, full_mask[rows_at, keys],
-                                    scaling, softcap, sinks)
-            ref["scores"][piece] = _pooled(base.s_ref * _as_float(base.keep))
-            ref["weights"][piece] = _pooled(base.w_ref)
-            ref["output"][piece] = _pooled(base.w_ref @ base.v.unsqueeze(2))
-            masked = [base if exact is None else _with_exact(base, exact[rows_at, keys])
-                      for exact in exacts]
-            for kind, idx in groups:
-                shared: dict = {}  # what the group's variants change, whatever the mask
-                for m, ch in enumerate(masked):
-                    at = [i for i, n in enumerate(idx) if n in chosen[m]]
-                    if not at:
-                        continue
-                    group = [variants[idx[i]] for i in at]
-                    sums = _group_sums(ch, kind, group, softcap, shared,
-                                       None if len(at) == len(idx) else at)
-                    for metric, e in sums.items():
-                        err[m][metric][piece, [idx[i] for i in at]] = e
-            piece += 1
+    for piece, (samples, rows_at) in enumerate(itertools.product(batches, chunks)):
+        keys = slice(*_visible_keys(rows_at.start, rows_at.stop, tq, tk, sliding_window))
+        base = _reference_chunk(q, k, v, samples, rows_at, keys, full_mask[rows_at, keys],
+                                scaling, softcap, sinks)
+        ref["scores"][piece] = _pooled(base.s_ref * _as_float(base.keep))
+        ref["weights"][piece] = _pooled(base.w_ref)
+        ref["output"][piece] = _pooled(base.w_ref @ base.v.unsqueeze(2))
+        masked = [base if exact is None else _with_exact(base, exact[rows_at, keys])
+                  for exact in exacts]
+        for kind, idx in groups:
+            shared: dict = {}  # what the group's variants change, whatever the mask
+            for m, ch in enumerate(masked):
+                at = [i for i, n in enumerate(idx) if n in chosen[m]]
+                if not at:
+                    continue
+                group = [variants[idx[i]] for i in at]
+                sums = _group_sums(ch, kind, group, softcap, shared,
+                                   None if len(at) == len(idx) else at)
+                for metric, e in sums.items():
+                    err[m][metric][piece, [idx[i] for i in at]] = e
     refs = {m: ref[m].sum(0).cpu() for m in _METRICS}
-    out = []
-    for m, sel in enumerate(select):
-        sums = {metric: err[m][metric].sum(0).cpu() for metric in _METRICS}
-        out.append({n: {metric: _ratio(sums[metric][n], refs[metric]) for metric in _METRICS}
-                    for n in sel})
-    return out
+    sums = [{metric: e.sum(0).cpu() for metric, e in per_mask.items()} for per_mask in err]
+    return [{n: {metric: _ratio(sums[m][metric][n], refs[metric]) for metric in _METRICS}
+             for n in sel} for m, sel in enumerate(select)]
 
 
 def _with_exact(ch: _Chunk, same: torch.Tensor) -> _Chunk:
