@@ -11,9 +11,9 @@ from typing import Any
 
 from kvlens.cache.decode_cost import config_decode_cost
 from kvlens.cache.layout import flush_every, layer_part_bytes, shares_storage, stream_state
-from kvlens.config import FP_BYTES, ProtectSettings, preset
+from kvlens.config import FP_BYTES, ProtectSettings, preset, validate_for
 from kvlens.errors import ConfigError
-from kvlens.layouts import check_layout, layout_of
+from kvlens.layouts import layout_of
 from kvlens.recommend.extension import extension_class
 from kvlens.recommend.options import Candidate, RecommendOptions, Stream
 
@@ -76,11 +76,7 @@ def decode_costs(config, shape, context: int) -> list[tuple[str, Any]]:
     for name in COST_PRESETS:
         cfg = preset(name)
         try:
-            for s in (cfg.default, *cfg.layers.values()):
-                for spec in (s.key, s.value):
-                    if spec is not None:
-                        check_layout(spec, s.residual_tokens, shape.head_dim,
-                                     flush_tokens=s.flush_tokens)
+            validate_for(cfg, shape)  # as the validation checks the presets it compares
         except ConfigError:  # e.g. G=64 per-token groups on a head_dim-16 model
             continue
         rows.append((name, config_decode_cost(cfg, shape, context)))
