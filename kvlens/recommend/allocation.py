@@ -8,6 +8,7 @@ kept (``assemble``). ``prefer_fast`` offers only pairs the fused decode kernel r
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from functools import cache
@@ -75,22 +76,18 @@ def _layer_options(table, opts: RecommendOptions, cost, weight: float, head_dim:
     (``stream``); a pair that cannot be stored with a window is not offered with it.
     ``factors``: ``{family(c): f}`` multiplying each tensor's error (1 where absent)."""
     factors = factors or {}
-    keys = sorted({c for c, _ in table if c.tensor == "key"}, key=lambda c: c.label)
-    values = sorted({c for c, _ in table if c.tensor == "value"}, key=lambda c: c.label)
+    keys, values = (sorted({c for c, _ in table if c.tensor == t}, key=lambda c: c.label)
+                    for t in ("key", "value"))
     pairs = []
-    for r in opts.window_sizes:
-        for kc in keys:
-            for vc in values:
-                s = Stream(r, opts.layer_flush(kc, vc, residual=r))
-                # a twin is a layer's choice: both tensors or neither
-                if kc.twin != vc.twin:
-                    continue
-                if opts.prefer_fast and not _fused(kc, vc, s, head_dim):
-                    continue
-                if (kc, s) in table and (vc, s) in table:
-                    err = weight * (factors.get(family(kc), 1.0) * table[kc, s][0] +
-                                    factors.get(family(vc), 1.0) * table[vc, s][0])
-                    pairs.append((cost(kc, vc, s), err, kc, vc, s))
+    for r, kc, vc in itertools.product(opts.window_sizes, keys, values):
+        s = Stream(r, opts.layer_flush(kc, vc, residual=r))
+        # a twin is a layer's choice: both tensors or neither
+        if kc.twin != vc.twin or (opts.prefer_fast and not _fused(kc, vc, s, head_dim)):
+            continue
+        if (kc, s) in table and (vc, s) in table:
+            err = weight * (factors.get(family(kc), 1.0) * table[kc, s][0] +
+                            factors.get(family(vc), 1.0) * table[vc, s][0])
+            pairs.append((cost(kc, vc, s), err, kc, vc, s))
     pairs.sort(key=lambda p: (p[0], p[1]))
     front, best = [], math.inf
     for p in pairs:  # cheapest first: keep only options that lower the error

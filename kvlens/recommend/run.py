@@ -23,9 +23,8 @@ from kvlens.recommend.reuse import keep, kept_file, read_kept, reused_note
 
 
 def check(path: str | Path, opts: RecommendOptions) -> None:
-    """Everything about ``opts`` on this capture that can be refused before measuring: a
-    capture of some layers only, more samples than it holds, pre-RoPE keys it lacks, and a
-    budget the cheapest candidates exceed (priced from the capture's shape)."""
+    """Everything about ``opts`` on this capture that can be refused before measuring
+    (``check_capture``), and a budget the cheapest candidates exceed (``check_budget``)."""
     with open_capture(path) as cap:
         meta = cap.meta
     check_capture(path, meta, opts)

@@ -84,8 +84,7 @@ def layout_factors(path, model, opts, cands, balancers, notes, progress, workers
     every = set(spread_layers(meta.layers, opts.layout_layers))
     # the reconstructions of those n tokens (every token quantized: one window is as good
     # as several here, and lets n be shorter than --tokens)
-    largest = max(opts.window_sizes)
-    one = replace(opts, samples=1, tokens=n, windows=(largest,))
+    one = replace(opts, samples=1, tokens=n, windows=(max(opts.window_sizes),))
     workers = workers if can_fork() else 1
     work = _perturbed_work(model, meta, [len(probes if i in every else anchors)
                                          for i in meta.layers], n, keep)

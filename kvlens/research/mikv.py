@@ -139,8 +139,6 @@ class SetVariants:
         return self._members[key]
 
     def variant(self, c: Candidate, base, stream: Stream, rows: slice) -> Variant:
-        """``c``'s variant with the layer's window moving as ``stream``, for the query
-        ``rows`` measured."""
         bits, fraction = c.twin.setting
         x_set = self.reconstruction(c.tensor, bits)
         if c.tensor == "key":
