@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -237,22 +237,15 @@ def mikv_settings(heavy_fraction: float = 0.2, sink_tokens: int = 4, balancer: s
 
 # -- the presets -------------------------------------------------------------------------------------
 
-def _mikv(bits: int) -> KVConfig:
-    return KVConfig(f"mikv-{bits}", LayerKV(QuantSpec(bits, "per-token", 32),
-                                            QuantSpec(bits, "per-token", 32), 32),
-                    protect=mikv_settings(0.2, 4, "online"),
-                    description=f"MiKV: 20% heavy-hitter + 4 sink tokens at full precision, rest "
-                                f"{bits}-bit per-token G32 with an online channel balancer")
+def _mikv(bits: int, set_bits: int | None = None) -> KVConfig:
+    """MiKV's preset: the set at full precision, or at ``set_bits`` (name ``-int<set_bits>``)."""
+    held = "at full precision" if set_bits is None else f"stored at INT{set_bits} (per-token G32)"
+    return KVConfig(f"mikv-{bits}" + (f"-int{set_bits}" if set_bits else ""),
+                    LayerKV(QuantSpec(bits, "per-token", 32), QuantSpec(bits, "per-token", 32), 32),
+                    protect=mikv_settings(0.2, 4, "online", set_bits=set_bits),
+                    description=f"MiKV: 20% heavy-hitter + 4 sink tokens {held}, rest {bits}-bit "
+                                "per-token G32 with an online channel balancer")
 
 
-def _mikv_set(bits: int, set_bits: int) -> KVConfig:
-    base = _mikv(bits)
-    return replace(base, name=f"mikv-{bits}-int{set_bits}",
-                   protect=mikv_settings(0.2, 4, "online", set_bits=set_bits),
-                   description=f"MiKV: 20% heavy-hitter + 4 sink tokens stored at INT{set_bits} "
-                               f"(per-token G32), rest {bits}-bit per-token G32 with an online "
-                               "channel balancer")
-
-
-for _config in (_mikv(2), _mikv(4), _mikv_set(2, 4), _mikv_set(2, 8)):
+for _config in (_mikv(2), _mikv(4), _mikv(2, 4), _mikv(2, 8)):
     add_preset(_config)
