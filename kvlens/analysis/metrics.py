@@ -83,9 +83,7 @@ class _Sums:
 
     def add(self, ref: torch.Tensor, approx: torch.Tensor, ref_sq: torch.Tensor | None = None,
             keep: torch.Tensor | None = None) -> None:
-        # [Hq, rows, cols] -> per-row norms in float32 (one fused pass, no temporaries of the
-        # squares), then squared and pooled in float64 across rows, chunks and samples.
-        diff = ref - approx
+        diff = ref - approx  # [Hq, rows, cols]; pooled in float64 across chunks and samples
         if keep is not None:
             diff = torch.where(keep, diff, 0.0)
         self.err += _row_sq(diff).cpu()
@@ -96,6 +94,8 @@ class _Sums:
 
 
 def _row_sq(x: torch.Tensor) -> torch.Tensor:
+    """Per-row norms in float32 (one fused pass, no temporaries of the squares), squared and
+    summed in float64 over the rows (dim -2)."""
     return torch.linalg.vector_norm(x, dim=-1).double().square().sum(-1)
 
 
@@ -209,9 +209,9 @@ class _Chunk:
 
 
 def _pooled(x: torch.Tensor) -> torch.Tensor:
-    """``[b, Hkv, (N,) g, c, L]`` -> float64 per-head sums of squares ``[(N,) Hq]``: per-row
-    norms in float32 (one fused pass), squared and pooled in float64 over rows and samples."""
-    sq = torch.linalg.vector_norm(x, dim=-1).double().square().sum(-1).sum(0)
+    """``[b, Hkv, (N,) g, c, L]`` -> float64 per-head sums of squares ``[(N,) Hq]``
+    (``_row_sq``), pooled over samples."""
+    sq = _row_sq(x).sum(0)
     return sq.reshape(-1) if sq.dim() == 2 else sq.transpose(0, 1).reshape(sq.shape[1], -1)
 
 
@@ -448,7 +448,7 @@ def attention_errors_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     _check_inputs(q, k, v, variants, chunk_size, exact)
     sink = sink_logits(sinks, hq, q.device)
     sink = None if sink is None else sink.view(hq, 1, 1)
-    sums = [{m: _Sums(hq) for m in ("scores", "weights", "output")} for _ in variants]
+    sums = [{m: _Sums(hq) for m in _METRICS} for _ in variants]
     full_mask = causal_mask(tq, tk, sliding_window, q.device)
 
     def heads(x: torch.Tensor, i: int) -> torch.Tensor:
