@@ -3,7 +3,7 @@
 For every ``Variant`` (keys and/or values replaced, optionally a MiKV set read at its own
 codes), the relative error of the pre-softmax scores, the weights and the attention output
 against the exact attention, pooled per head (``kvlens.analysis.attention`` defines the
-attention, the masks and the relative error, and is re-exported here).
+attention, the masks and the relative error).
 ``attention_errors_reference`` is the plain loop the batched forms are tested against.
 """
 
@@ -15,23 +15,16 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvlens.analysis.attention import (  # noqa: F401  (re-exported: the public metrics API)
+from kvlens.analysis.attention import (
     DEFAULT_CHUNK,
     _ratio,
     _softcap,
     _visible_keys,
-    attention_output,
-    attention_scores,
-    attention_weights,
     causal_mask,
-    expand_kv,
     num_kv_groups,
     per_head_rel_error,
-    rel_error,
     sink_logits,
     sink_softmax,
-    streaming_exact_mask,
-    streaming_quantized_length,
 )
 from kvlens.errors import InputError
 

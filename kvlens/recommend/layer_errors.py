@@ -12,14 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvlens.analysis.attention import per_head_rel_error, streaming_exact_mask
 from kvlens.analysis.compare import layer_rope_tables
-from kvlens.analysis.metrics import (
-    Variant,
-    attention_errors_many,
-    attention_errors_streams,
-    per_head_rel_error,
-    streaming_exact_mask,
-)
+from kvlens.analysis.metrics import Variant, attention_errors_many, attention_errors_streams
 from kvlens.errors import ConfigError, InputError
 from kvlens.layouts import check_layout, reference
 from kvlens.quant import (

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlens.analysis.metrics import (
+from kvlens.analysis.attention import (
     num_kv_groups,
     sink_logits,
     sink_softmax,
