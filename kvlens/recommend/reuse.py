@@ -94,8 +94,8 @@ def kept_file(path: str | Path, opts: RecommendOptions) -> Path | None:
 
 def read_kept(kept: Path | None) -> Measurements | None:
     """The measurement kept in ``kept`` (None: none there, or one that does not read back:
-    ``CODEC.decode`` refuses it). Its profile has one stage,
-    ``REUSED_STAGE``, and a note says where it came from."""
+    ``CODEC.decode`` refuses it). Its profile has one stage, ``REUSED_STAGE``, and a note
+    says where it came from."""
     if kept is None or not kept.is_file():
         return None
     start = time.perf_counter()

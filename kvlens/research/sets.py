@@ -162,9 +162,7 @@ class HeavyHitters:
 @register
 @dataclass(frozen=True)
 class ImportanceSet:
-    """MiKV's set settings (module docstring): ``heavy_fraction`` of tokens by H2O accumulated
-    attention, at ``set_bits`` (``None``: ``fp_dtype``), on ``layers`` (``None``: every
-    compressed layer)."""
+    """MiKV's set settings (module docstring: what each field means)."""
 
     key: ClassVar[str] = "importance"
 
