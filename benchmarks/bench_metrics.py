@@ -13,12 +13,8 @@ import time
 
 import torch
 
-from kvlens.analysis.metrics import (
-    Variant,
-    attention_errors_many,
-    attention_errors_reference,
-    streaming_exact_mask,
-)
+from kvlens.analysis.attention import streaming_exact_mask
+from kvlens.analysis.metrics import Variant, attention_errors_many, attention_errors_reference
 from kvlens.quant import QuantSpec, fake_quantize
 
 

@@ -10,8 +10,8 @@ import torch
 from helpers import make_capture
 from typer.testing import CliRunner
 
+from kvlens.analysis.attention import rel_error
 from kvlens.analysis.compare import CompareConfig, compare_axes
-from kvlens.analysis.metrics import rel_error
 from kvlens.cli import app
 from kvlens.errors import ConfigError
 from kvlens.quant import fake_quantize_format, parse_format

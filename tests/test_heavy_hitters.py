@@ -7,13 +7,8 @@ import pytest
 import torch
 from helpers import decode_one_by_one, set_of, set_twin, small_options
 
-from kvlens.analysis.metrics import (
-    Variant,
-    attention_errors_many,
-    attention_output,
-    per_head_rel_error,
-    streaming_exact_mask,
-)
+from kvlens.analysis.attention import attention_output, per_head_rel_error, streaming_exact_mask
+from kvlens.analysis.metrics import Variant, attention_errors_many
 from kvlens.cache.layer import CompressedLayer
 from kvlens.config import LayerKV, ProtectSettings
 from kvlens.model.shape import ModelShape

@@ -6,9 +6,7 @@ import pytest
 import torch
 from helpers import rand
 
-from kvlens.analysis.metrics import (
-    Variant,
-    attention_errors_many,
+from kvlens.analysis.attention import (
     attention_output,
     attention_scores,
     attention_weights,
@@ -17,6 +15,7 @@ from kvlens.analysis.metrics import (
     per_head_rel_error,
     rel_error,
 )
+from kvlens.analysis.metrics import Variant, attention_errors_many
 from kvlens.errors import InputError
 
 
@@ -211,7 +210,8 @@ def _mixed_output(q, k, v, k_hat, v_hat, scaling, exact):
 
 
 def test_exact_mask_matches_a_per_query_mixture():
-    from kvlens.analysis.metrics import Variant, attention_errors_many, streaming_exact_mask
+    from kvlens.analysis.attention import streaming_exact_mask
+    from kvlens.analysis.metrics import Variant, attention_errors_many
 
     q, k, v = _qkv(t=13, seed=14)
     k_hat = k + 0.2 * rand(*k.shape, seed=15)
@@ -237,7 +237,7 @@ def test_exact_mask_matches_a_per_query_mixture():
                                                   (12, 4, 0)])
 def test_streaming_mask_matches_the_real_cache_layer(residual, flush, sinks):
     """n_q(i) from the formula equals the compressed layer's quantized length at step i."""
-    from kvlens.analysis.metrics import streaming_exact_mask
+    from kvlens.analysis.attention import streaming_exact_mask
     from kvlens.cache.layer import CompressedLayer
     from kvlens.config import LayerKV, ProtectSettings
     from kvlens.quant import QuantSpec

@@ -7,12 +7,8 @@ import torch
 from helpers import rand
 
 from kvlens.analysis import metrics
-from kvlens.analysis.metrics import (
-    Variant,
-    attention_errors_many,
-    attention_errors_reference,
-    streaming_exact_mask,
-)
+from kvlens.analysis.attention import streaming_exact_mask
+from kvlens.analysis.metrics import Variant, attention_errors_many, attention_errors_reference
 
 FIELDS = ("key_reconstruction", "value_reconstruction", "scores", "weights", "output")
 

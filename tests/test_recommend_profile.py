@@ -38,7 +38,7 @@ def test_stage_outside_a_profile_records_nothing():
 
 
 def test_extrapolation_from_the_finished_work():
-    from kvlens.recommend.cost import extrapolate
+    from kvlens.recommend.profile import extrapolate
 
     assert extrapolate(6.0, 2, 30) == pytest.approx(90.0)
     assert extrapolate(6.0, 30, 30) == 6.0  # all done: what it took
@@ -47,7 +47,7 @@ def test_extrapolation_from_the_finished_work():
 
 
 def test_a_perturbed_run_costs_the_layers_after_its_own_and_the_head():
-    from kvlens.recommend.cost import perturbed_work
+    from kvlens.recommend.profile import perturbed_work
 
     # four decoder layers of 10 FLOPs, a head of 5; runs start at layers 0, 1 and 3
     assert perturbed_work([0, 1, 3], [2, 2, 1], 4, 10.0, 5.0) == [90.0, 70.0, 15.0]
@@ -94,7 +94,7 @@ def test_map_layers_predicts_its_stage_from_the_first_round(tmp_path, monkeypatc
     with profiling() as prof, stage("retrieval probe"):  # one layer: nothing left to predict
         parallel.map_layers(_index_of, path, layers[:1], (), 1)
     assert prof.predicted == {}
-    # layers weighted 1:3 (kvlens.recommend.cost.perturbed_work): the first, 2 s, was a
+    # layers weighted 1:3 (kvlens.recommend.profile.perturbed_work): the first, 2 s, was a
     # quarter of the work, so 6 s left; read at 6 s into the stage: 12 s
     with profiling() as prof, stage("layout sensitivity"):
         parallel.map_layers(_index_of, path, layers, (), 1, work=[1.0, 3.0])

@@ -54,10 +54,10 @@ def test_the_experiment_without_its_import_is_a_clear_error():
     without importing kvlens.research is told what to import."""
     code = """
 from kvlens.errors import InputError
-from kvlens.recommend import RecommendOptions
-from kvlens.recommend.extension import Twin, twin_extension
+from kvlens.recommend import Candidate, RecommendOptions
+from kvlens.recommend.extension import Twin
 for ask in (lambda: RecommendOptions(budget_bits=3, extensions=("mikv",)),
-            lambda: twin_extension(Twin("mikv", (4, 0.1)))):
+            lambda: Candidate("key", 2, "per-token", 32, twin=Twin("mikv", (4, 0.1))).label):
     try:
         ask()
     except InputError as e:
@@ -71,8 +71,6 @@ for ask in (lambda: RecommendOptions(budget_bits=3, extensions=("mikv",)),
 def test_stable_recommend_names_no_research_lever():
     for path in sorted((ROOT / "kvlens" / "recommend").glob("*.py")):
         text = path.read_text()
-        if path.name == "kept_format.py":  # its version history names the removed field
-            text = "\n".join(line for line in text.splitlines() if not line.startswith("#"))
         found = [w for w in RESEARCH_WORDS if w in text]
         assert not found, f"{path.name} names {found}"
 

@@ -1,4 +1,4 @@
-"""Kept measurements (kvlens.recommend.reuse, kvlens.recommend.kept_format): a measurement read
+"""Kept measurements (kvlens.recommend.reuse and its file format, reuse.CODEC): a measurement read
 back allocates exactly as the one measured; a file that is not one this format wrote (a planted
 pickle, an npz that needs pickle, a truncated, corrupted or other-version file) is refused
 unexecuted and measured again. The CLI's reuse (budgets, options, LRU) is in
@@ -24,11 +24,13 @@ import kvlens.research  # noqa: F401  (registers the MiKV set twins these tests 
 from kvlens.model.mla import MlaShape
 from kvlens.recommend import reuse
 from kvlens.recommend.catalog import family
-from kvlens.recommend.kept_format import VERSION, KeptFormatError, decode, encode
+from kvlens.recommend.codec import CodecError
 from kvlens.recommend.options import Stream
 from kvlens.recommend.pipeline import Measurements, choose, measure
 from kvlens.recommend.profile import Profile
 from kvlens.recommend.run import recommend
+
+encode, decode, VERSION = reuse.CODEC.encode, reuse.CODEC.decode, reuse.CODEC.version
 
 KVLENS = Path(__file__).resolve().parents[1] / "kvlens"
 
@@ -202,7 +204,7 @@ def test_a_damaged_or_foreign_file_is_measured_again(measured, tmp_path, damage)
         "compressed": lambda: _recompressed(data),
         "empty": lambda: b"",
     }[damage]()
-    with pytest.raises(KeptFormatError):
+    with pytest.raises(CodecError):
         decode(bad)
     kept = tmp_path / "k.npz"
     kept.write_bytes(bad)
@@ -232,7 +234,7 @@ def test_a_kept_file_is_a_plain_npz(measured, tmp_path):
 def test_a_measurement_the_format_cannot_hold_is_not_kept(measured, tmp_path):
     _, m = measured
     odd = dataclasses.replace(m, balancers={0: m.balancers[0].to(torch.int64)})
-    with pytest.raises(KeptFormatError, match="tensor"):
+    with pytest.raises(CodecError, match="tensor"):
         encode(odd)
     with pytest.warns(UserWarning, match="not kept"):
         reuse.keep(odd, tmp_path / "k.npz")

@@ -12,15 +12,15 @@ import pytest
 import torch
 from helpers import decode_one_by_one, stored_view, stub_session
 
-from kvlens.analysis.attention import attention_output, attention_weights, causal_mask
-from kvlens.analysis.metrics import (
-    Variant,
-    attention_errors_many,
-    attention_errors_reference,
+from kvlens.analysis.attention import (
+    attention_output,
+    attention_weights,
+    causal_mask,
     per_head_rel_error,
     rel_error,
     streaming_exact_mask,
 )
+from kvlens.analysis.metrics import Variant, attention_errors_many, attention_errors_reference
 from kvlens.cache import compressed_attention
 from kvlens.cache.layer import CompressedLayer
 from kvlens.cache.torch_read import packed_attention

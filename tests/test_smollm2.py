@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlens.analysis.metrics import attention_output
+from kvlens.analysis.attention import attention_output
 from kvlens.capture.run import capture_model
 from kvlens.capture.store import open_capture
 from kvlens.text.corpus import load_text, token_windows

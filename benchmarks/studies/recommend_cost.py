@@ -9,7 +9,7 @@ model's prediction made before it starts (`pipeline.predict_cost`). It prints pe
 measured time, the fitted prediction and the progress estimate: the stage's time until its
 first round of units (one per worker) had finished plus the rest at their rate, the units
 weighted equally ("equal") or by their FLOPs ("by work": a layout sensitivity run goes from its
-own layer to the last, then the LM head; `kvlens.recommend.cost.perturbed_work`, what
+own layer to the last, then the LM head; `kvlens.recommend.profile.perturbed_work`, what
 `recommend` does since it replaced the fitted model: its own "live" prediction is printed too). A study, run by hand (say how loaded the machine was):
 
     python benchmarks/studies/recommend_cost.py smol.h5 --out smol-cost.json

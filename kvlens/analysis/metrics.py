@@ -3,36 +3,28 @@
 For every ``Variant`` (keys and/or values replaced, optionally a MiKV set read at its own
 codes), the relative error of the pre-softmax scores, the weights and the attention output
 against the exact attention, pooled per head (``kvlens.analysis.attention`` defines the
-attention, the masks and the relative error, and is re-exported here). ``attention_errors_many``
-batches the variants (value-only variants share the exact weights; key-only ones are stacked);
-``attention_errors_reference`` is the plain loop it is tested against
-(``tests/test_metrics_fast.py``).
+attention, the masks and the relative error).
+``attention_errors_reference`` is the plain loop the batched forms are tested against.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
-from kvlens.analysis.attention import (  # noqa: F401  (re-exported: the public metrics API)
+from kvlens.analysis.attention import (
     DEFAULT_CHUNK,
     _ratio,
     _softcap,
     _visible_keys,
-    attention_output,
-    attention_scores,
-    attention_weights,
     causal_mask,
-    expand_kv,
     num_kv_groups,
     per_head_rel_error,
-    rel_error,
     sink_logits,
     sink_softmax,
-    streaming_exact_mask,
-    streaming_quantized_length,
 )
 from kvlens.errors import InputError
 
@@ -84,9 +76,7 @@ class _Sums:
 
     def add(self, ref: torch.Tensor, approx: torch.Tensor, ref_sq: torch.Tensor | None = None,
             keep: torch.Tensor | None = None) -> None:
-        # [Hq, rows, cols] -> per-row norms in float32 (one fused pass, no temporaries of the
-        # squares), then squared and pooled in float64 across rows, chunks and samples.
-        diff = ref - approx
+        diff = ref - approx  # [Hq, rows, cols]; pooled in float64 across chunks and samples
         if keep is not None:
             diff = torch.where(keep, diff, 0.0)
         self.err += _row_sq(diff).cpu()
@@ -97,6 +87,8 @@ class _Sums:
 
 
 def _row_sq(x: torch.Tensor) -> torch.Tensor:
+    """Per-row norms in float32 (one fused pass, no temporaries of the squares), squared and
+    summed in float64 over the rows (dim -2)."""
     return torch.linalg.vector_norm(x, dim=-1).double().square().sum(-1)
 
 
@@ -210,9 +202,9 @@ class _Chunk:
 
 
 def _pooled(x: torch.Tensor) -> torch.Tensor:
-    """``[b, Hkv, (N,) g, c, L]`` -> float64 per-head sums of squares ``[(N,) Hq]``: per-row
-    norms in float32 (one fused pass), squared and pooled in float64 over rows and samples."""
-    sq = torch.linalg.vector_norm(x, dim=-1).double().square().sum(-1).sum(0)
+    """``[b, Hkv, (N,) g, c, L]`` -> float64 per-head sums of squares ``[(N,) Hq]``
+    (``_row_sq``), pooled over samples."""
+    sq = _row_sq(x).sum(0)
     return sq.reshape(-1) if sq.dim() == 2 else sq.transpose(0, 1).reshape(sq.shape[1], -1)
 
 
@@ -256,36 +248,30 @@ def _batched_ratios(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ref = {m: torch.full((pieces, hq), nan, dtype=f64, device=q.device) for m in _METRICS}
     full_mask = causal_mask(tq, tk, sliding_window, q.device)
     chosen = [set(sel) for sel in select]
-    piece = 0
-    for samples in batches:
-        for rows_at in chunks:
-            keys = slice(*_visible_keys(rows_at.start, rows_at.stop, tq, tk, sliding_window))
-            base = _reference_chunk(q, k, v, samples, rows_at, keys, full_mask[rows_at, keys],
-                                    scaling, softcap, sinks)
-            ref["scores"][piece] = _pooled(base.s_ref * _as_float(base.keep))
-            ref["weights"][piece] = _pooled(base.w_ref)
-            ref["output"][piece] = _pooled(base.w_ref @ base.v.unsqueeze(2))
-            masked = [base if exact is None else _with_exact(base, exact[rows_at, keys])
-                      for exact in exacts]
-            for kind, idx in groups:
-                shared: dict = {}  # what the group's variants change, whatever the mask
-                for m, ch in enumerate(masked):
-                    at = [i for i, n in enumerate(idx) if n in chosen[m]]
-                    if not at:
-                        continue
-                    group = [variants[idx[i]] for i in at]
-                    sums = _group_sums(ch, kind, group, softcap, shared,
-                                       None if len(at) == len(idx) else at)
-                    for metric, e in sums.items():
-                        err[m][metric][piece, [idx[i] for i in at]] = e
-            piece += 1
+    for piece, (samples, rows_at) in enumerate(itertools.product(batches, chunks)):
+        keys = slice(*_visible_keys(rows_at.start, rows_at.stop, tq, tk, sliding_window))
+        base = _reference_chunk(q, k, v, samples, rows_at, keys, full_mask[rows_at, keys],
+                                scaling, softcap, sinks)
+        ref["scores"][piece] = _pooled(base.s_ref * _as_float(base.keep))
+        ref["weights"][piece] = _pooled(base.w_ref)
+        ref["output"][piece] = _pooled(base.w_ref @ base.v.unsqueeze(2))
+        masked = [base if exact is None else _with_exact(base, exact[rows_at, keys])
+                  for exact in exacts]
+        for kind, idx in groups:
+            shared: dict = {}  # what the group's variants change, whatever the mask
+            for m, ch in enumerate(masked):
+                at = [i for i, n in enumerate(idx) if n in chosen[m]]
+                if not at:
+                    continue
+                group = [variants[idx[i]] for i in at]
+                sums = _group_sums(ch, kind, group, softcap, shared,
+                                   None if len(at) == len(idx) else at)
+                for metric, e in sums.items():
+                    err[m][metric][piece, [idx[i] for i in at]] = e
     refs = {m: ref[m].sum(0).cpu() for m in _METRICS}
-    out = []
-    for m, sel in enumerate(select):
-        sums = {metric: err[m][metric].sum(0).cpu() for metric in _METRICS}
-        out.append({n: {metric: _ratio(sums[metric][n], refs[metric]) for metric in _METRICS}
-                    for n in sel})
-    return out
+    sums = [{metric: e.sum(0).cpu() for metric, e in per_mask.items()} for per_mask in err]
+    return [{n: {metric: _ratio(sums[m][metric][n], refs[metric]) for metric in _METRICS}
+             for n in sel} for m, sel in enumerate(select)]
 
 
 def _with_exact(ch: _Chunk, same: torch.Tensor) -> _Chunk:
@@ -312,12 +298,12 @@ def _reference_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, samples:
                   keep, _as_float(keep), None, sink)
 
 
-def _group_sums(
-    ch: _Chunk, kind: _Kind, group: Sequence[Variant], softcap: float,
-    shared: dict | None = None, subset: Sequence[int] | None = None,
-) -> dict[str, torch.Tensor]:
+def _group_sums(ch: _Chunk, kind: _Kind, group: Sequence[Variant], softcap: float,
+                shared: dict, subset: Sequence[int] | None) -> dict[str, torch.Tensor]:
     """Per-variant float64 ``[N, Hq]`` sums of squared error of one chunk for ``N`` variants
-    of one kind, stacked on dim 2: ``[b, Hkv, N, g, c, ...]``.
+    of one kind, stacked on dim 2: ``[b, Hkv, N, g, c, ...]``. ``shared``: what the group's
+    variants change whatever the mask, kept for its next mask when every member is here
+    (``subset`` None, else the members here).
 
     ``o_ref - o_hat = (w_ref - w_hat) v + (w_hat * ~exact) (v - v_hat)
     + (w_hat * set) (v_hat - v_set)``: each term is a difference the variant makes, so
@@ -353,14 +339,14 @@ def _group_sums(
             v_diff = stack([var.v_hat for var in group]).neg_().add_(ch.v.unsqueeze(2))
             term = (reads.view(b, hkv, big, g * c, n) @ v_diff).view(b, hkv, big, g, c, -1)
         else:  # one matmul of the shared weights against every variant's value difference
-            if shared is not None and "v_diff" in shared:
+            if "v_diff" in shared:
                 v_diff = shared["v_diff"]
                 if subset is not None:
                     v_diff = v_diff[:, :, :, list(subset)]
             else:
                 v_diff = stack([var.v_hat for var in group], dim=3).neg_().add_(
                     ch.v.unsqueeze(3))
-                if shared is not None and subset is None:
+                if subset is None:
                     shared["v_diff"] = v_diff
             term = reads.view(b, hkv, g * c, n) @ v_diff.reshape(b, hkv, n, -1)
             term = term.view(b, hkv, g, c, big, -1).permute(0, 1, 4, 2, 3, 5)
@@ -378,8 +364,8 @@ def _group_sums(
 def _keyed_weights(ch: _Chunk, kind: _Kind, group: Sequence[Variant],
                    member: torch.Tensor | None,
                    stack: Callable[[Sequence[torch.Tensor]], torch.Tensor], softcap: float,
-                   sums: dict[str, torch.Tensor], shared: dict | None = None,
-                   subset: Sequence[int] | None = None) -> torch.Tensor:
+                   sums: dict[str, torch.Tensor], shared: dict,
+                   subset: Sequence[int] | None) -> torch.Tensor:
     """Weights ``[b, Hkv, N, g, c, n]`` of keyed variants, from the change each variant's
     keys make to the logits (0 where hidden or read exact); writes the score sums into
     ``sums``."""
@@ -393,10 +379,9 @@ def _keyed_weights(ch: _Chunk, kind: _Kind, group: Sequence[Variant],
 
     # the logit change is the same for every mask: kept for the group's next mask (not when
     # only some members are here, nor beside a set, whose change is masked per query)
-    if kind.k_hat and not kind.k_set and shared is not None and subset is None \
-            and "k_change" not in shared:
+    if kind.k_hat and not kind.k_set and subset is None and "k_change" not in shared:
         shared["k_change"] = logit_change([var.k_hat for var in group])
-    if kind.k_hat and shared is not None and "k_change" in shared:
+    if kind.k_hat and "k_change" in shared:
         raw = shared["k_change"]
         if subset is not None:
             raw = raw[:, :, list(subset)]
@@ -456,7 +441,7 @@ def attention_errors_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     _check_inputs(q, k, v, variants, chunk_size, exact)
     sink = sink_logits(sinks, hq, q.device)
     sink = None if sink is None else sink.view(hq, 1, 1)
-    sums = [{m: _Sums(hq) for m in ("scores", "weights", "output")} for _ in variants]
+    sums = [{m: _Sums(hq) for m in _METRICS} for _ in variants]
     full_mask = causal_mask(tq, tk, sliding_window, q.device)
 
     def heads(x: torch.Tensor, i: int) -> torch.Tensor:

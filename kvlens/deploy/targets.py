@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvlens.analysis.metrics import attention_output, rel_error
+from kvlens.analysis.attention import attention_output, rel_error
 from kvlens.cache.layout import config_bits
 from kvlens.capture.source import CaptureModel
 from kvlens.capture.store import open_capture

@@ -8,6 +8,7 @@ kept (``assemble``). ``prefer_fast`` offers only pairs the fused decode kernel r
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from functools import cache
@@ -16,7 +17,6 @@ import numpy as np
 
 from kvlens.cache.layout import config_bits, config_part_bytes
 from kvlens.cache.triton_glue import kernel_layout_problem
-from kvlens.config import LayerKV
 from kvlens.errors import ConfigError, InputError
 from kvlens.recommend.build import build_config
 from kvlens.recommend.catalog import candidates, family
@@ -76,22 +76,18 @@ def _layer_options(table, opts: RecommendOptions, cost, weight: float, head_dim:
     (``stream``); a pair that cannot be stored with a window is not offered with it.
     ``factors``: ``{family(c): f}`` multiplying each tensor's error (1 where absent)."""
     factors = factors or {}
-    keys = sorted({c for c, _ in table if c.tensor == "key"}, key=lambda c: c.label)
-    values = sorted({c for c, _ in table if c.tensor == "value"}, key=lambda c: c.label)
+    keys, values = (sorted({c for c, _ in table if c.tensor == t}, key=lambda c: c.label)
+                    for t in ("key", "value"))
     pairs = []
-    for r in opts.window_sizes:
-        for kc in keys:
-            for vc in values:
-                s = Stream(r, opts.layer_flush(kc, vc, residual=r))
-                # a twin is a layer's choice: both tensors or neither
-                if kc.twin != vc.twin:
-                    continue
-                if opts.prefer_fast and not _fused(kc, vc, s, head_dim):
-                    continue
-                if (kc, s) in table and (vc, s) in table:
-                    err = weight * (factors.get(family(kc), 1.0) * table[kc, s][0] +
-                                    factors.get(family(vc), 1.0) * table[vc, s][0])
-                    pairs.append((cost(kc, vc, s), err, kc, vc, s))
+    for r, kc, vc in itertools.product(opts.window_sizes, keys, values):
+        s = Stream(r, opts.layer_flush(kc, vc, residual=r))
+        # a twin is a layer's choice: both tensors or neither
+        if kc.twin != vc.twin or (opts.prefer_fast and not _fused(kc, vc, s, head_dim)):
+            continue
+        if (kc, s) in table and (vc, s) in table:
+            err = weight * (factors.get(family(kc), 1.0) * table[kc, s][0] +
+                            factors.get(family(vc), 1.0) * table[vc, s][0])
+            pairs.append((cost(kc, vc, s), err, kc, vc, s))
     pairs.sort(key=lambda p: (p[0], p[1]))
     front, best = [], math.inf
     for p in pairs:  # cheapest first: keep only options that lower the error
@@ -105,19 +101,17 @@ def _fused(kc: Candidate, vc: Candidate, stream: Stream, head_dim: int) -> bool:
     """Whether the fused decode kernel reads a layer storing ``kc`` / ``vc`` (``--prefer-fast``;
     the rule is the dispatch's own, ``kvlens.cache.triton_glue.kernel_layout_problem``)."""
 
-    setting = LayerKV(kc.spec(), vc.spec(), stream.residual, kc.stage == "pre",
-                      flush_tokens=stream.flush)
-    return kernel_layout_problem(setting, head_dim) is None
+    return kernel_layout_problem(stream.setting(kc, vc), head_dim) is None
 
 
 class _Pricing:
     """Each layer's Pareto front of options in budget units (bits per element of the whole
     cache, times the number of layers) and what the cheapest of them need."""
 
-    def __init__(self, meta, opts: RecommendOptions, weights, shape, factors=()):
-        self.meta, self.opts, self.weights, self.shape = meta, opts, weights, shape
+    def __init__(self, meta, opts: RecommendOptions, weights, factors=()):
+        self.meta, self.opts, self.weights, self.shape = meta, opts, weights, meta.shape
         self.factors = factors
-        self.fp16_total = shape.fp16_bytes(opts.context)
+        self.fp16_total = meta.shape.fp16_bytes(opts.context)
         self.option = cache(self._option)  # one cache per pricing
 
     def _option(self, kc, vc, s, window):
@@ -180,13 +174,13 @@ def _too_small(need: float, opts: RecommendOptions) -> InputError:
         "for. Raise --budget-bits or --context, or offer smaller --windows.")
 
 
-def cheapest_bits(meta, opts: RecommendOptions, shape) -> float:
-    """Bits per element the cheapest candidates ``opts`` offers need on a model of ``shape``
+def cheapest_bits(meta, opts: RecommendOptions) -> float:
+    """Bits per element the cheapest candidates ``opts`` offers need on the captured model
     (every config-wide variant tried; prices need no measurement); inf: none stores a layer."""
     cands = candidates(meta.shape.head_dim, opts, meta.shape.has_rope)
     table = {(c, s): (0.0, 0.0, 0.0) for c in cands for s in opts.streams()}
     tables = [table] * len(meta.layers)
-    pricing = _Pricing(meta, opts, [1.0] * len(meta.layers), shape)
+    pricing = _Pricing(meta, opts, [1.0] * len(meta.layers))
     needs = [math.inf]
     for rot, m in pricing.variants():
         fronts = pricing.fronts(tables, rot, m)
@@ -195,21 +189,20 @@ def cheapest_bits(meta, opts: RecommendOptions, shape) -> float:
     return min(needs)
 
 
-def check_budget(meta, opts: RecommendOptions, shape) -> None:
+def check_budget(meta, opts: RecommendOptions) -> None:
     """Refuse, before anything is measured, a budget that even the cheapest candidates
-    ``opts`` offers on a model of ``shape`` exceed."""
-    need = cheapest_bits(meta, opts, shape)
+    ``opts`` offers on the captured model exceed."""
+    need = cheapest_bits(meta, opts)
     if math.isfinite(need) and need > opts.budget_bits:
         raise _too_small(need, opts)
 
 
-def assemble(meta, opts, tables, balancers, weights, notes, shape, factors=()
-             ) -> Recommendation:
+def assemble(meta, opts, tables, balancers, weights, notes, factors=()) -> Recommendation:
     """The ``Recommendation`` for ``opts.budget_bits`` from per-layer error ``tables``, layer
-    ``weights`` (and per-layout ``factors``) on a model of ``shape``: the best allocation
-    over the config-wide choices, its ``Choice`` s, config, bytes and decode costs."""
-    n = len(tables)
-    pricing = _Pricing(meta, opts, weights, shape, factors)
+    ``weights`` (and per-layout ``factors``) on the captured model: the best allocation over
+    the config-wide choices, its ``Choice`` s, config, bytes and decode costs."""
+    n, shape = len(tables), meta.shape
+    pricing = _Pricing(meta, opts, weights, factors)
     option = pricing.option
 
     def solve(rotation: bool, twin):
@@ -236,9 +229,10 @@ def assemble(meta, opts, tables, balancers, weights, notes, shape, factors=()
         raise _too_small(min(need for _, _, need in solved), opts)
     _, fronts, picks = best
     notes = notes + _twin_notes(opts, solved, best[0])
-    choices = []
+    choices, chosen = [], {}
     for layer, front, pick, table in zip(meta.layers, fronts, picks, tables):
         _, _, kc, vc, s = front[pick]
+        chosen[layer] = (kc, vc, s)
         w = shape.window(layer)
         fp16 = tensor_fp16_bytes(shape, layer, opts.context)
         shares = dict(zip(("key", "value"), option(kc, vc, s, w)[1:]))
@@ -257,7 +251,7 @@ def assemble(meta, opts, tables, balancers, weights, notes, shape, factors=()
                                   recon, min(better)[1] if better else "", s.flush,
                                   s.residual))
     expected = sum(ch.output_error for ch in choices) / len(choices)
-    config = build_config(meta, opts, choices, balancers)
+    config = build_config(meta, opts, chosen, balancers)
     mean_bits = config_bits(config, shape, opts.context)
     rec = Recommendation(config, choices, opts.budget_bits, mean_bits, expected, opts.context,
                          weights=tuple(weights), notes=notes,

@@ -17,15 +17,12 @@ from kvlens.errors import ConfigError, OptionError
 from kvlens.evaluation import EvalOptions, evaluate_configs
 from kvlens.model.architecture import describe
 from kvlens.recommend.options import RecommendOptions
-from kvlens.recommend.pipeline import ProgressFn, choose
+from kvlens.recommend.pipeline import LogFn, ProgressFn, choose
+from kvlens.recommend.pricing import COMPARED_PRESETS
 from kvlens.recommend.profile import Profile, profiling, stage
 from kvlens.recommend.result import Recommendation
 from kvlens.recommend.run import measurement
 from kvlens.recommend.search import BudgetSearch, kld_scorer, search_budget
-
-LogFn = Callable[[str], None]
-#: the presets a validation scores beside the recommendation
-VALIDATE_PRESETS = ("kivi-2", "kivi-4", "per-token-4")
 
 
 @dataclass
@@ -142,7 +139,7 @@ def validate_configs(configs: list, loaded: CaptureModel, eval_tokens: int | Non
     for config in configs:
         validate_for(config, shape)
     configs = list(configs)
-    for name in VALIDATE_PRESETS:
+    for name in COMPARED_PRESETS:
         try:
             validate_for(preset(name), shape)
         except ConfigError as exc:  # e.g. G=32 presets on a head_dim-16 model

@@ -47,12 +47,6 @@ def candidates(head_dim: int, opts: RecommendOptions, has_rope: bool) -> list[Ca
     return out + [t for ext in opts.extensions for t in ext.twins(out, opts)]
 
 
-def still_offered(c: Candidate, opts: RecommendOptions) -> bool:
-    """Whether ``opts`` offers measured candidate ``c`` (``choose`` on a measurement made with
-    more fits: the others are dropped)."""
-    return c.fit in opts.fits_for(c.tensor)
-
-
 def family(c: Candidate) -> tuple:
     """The storage family ``--set sensitivity=layout`` measures one factor for: tensor, axis,
     transforms and the scale fit (bits, group size and a twin share their base's factor).

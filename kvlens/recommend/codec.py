@@ -351,12 +351,11 @@ def _read_npy(f, size: int) -> np.ndarray:
     boolean dtype (never an object array, which would need pickle) in C order, whose size is
     the member's."""
     version = np.lib.format.read_magic(f)
-    if version == (1, 0):
-        shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-    elif version == (2, 0):
-        shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-    else:
+    header = {(1, 0): np.lib.format.read_array_header_1_0,
+              (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+    if header is None:
         raise CodecError(f"unsupported .npy version {version}")
+    shape, fortran, dtype = header(f)
     if dtype.kind not in "biuf" or dtype.fields is not None or dtype.subdtype is not None \
             or dtype.hasobject or fortran:
         raise CodecError(f"array of dtype {dtype} (fortran order {fortran})")

@@ -94,8 +94,9 @@ def registered() -> dict[str, type]:
 
 
 def extension_class(name: str) -> type:
-    """The extension class registered as ``name``; an ``InputError`` that says what to import
-    when none is (it is research: ``kvlens.research`` registers it)."""
+    """The extension class registered as ``name`` (its defaults say what it says of a twin,
+    which depends on the twin's setting only); an ``InputError`` that says what to import when
+    none is (it is research: ``kvlens.research`` registers it)."""
     if name not in _REGISTRY:
         known = ", ".join(_REGISTRY) or "none registered"
         raise InputError(f"The candidate extension {name!r} is not registered ({known}): it is "
@@ -117,12 +118,6 @@ def resolve(items: Sequence[Any]) -> tuple[CandidateExtension, ...]:
             raise InputError(f"extensions: {ext.name!r} is given twice; give it once.")
         out.append(ext)
     return tuple(out)
-
-
-def twin_extension(twin: Twin) -> CandidateExtension:
-    """The extension ``twin`` belongs to, at its registered defaults (what it says of a
-    twin depends on the twin's setting only)."""
-    return extension_class(twin.extension)()
 
 
 def lever_fields() -> dict[str, tuple[str, str | None]]:

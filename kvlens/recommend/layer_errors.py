@@ -6,23 +6,15 @@ while decoding: query ``i`` reads the window and the sinks exact (``streaming_ex
 the window flushes its oldest ``F`` tokens when full, so each candidate is measured for every
 ``Stream`` it can be stored with. Score and reconstruction errors are recorded to explain. With
 several windows every option is scored on the same queries (``score_from`` on).
-``layer_variants`` builds what the cache would give back for each candidate, ``measure_layer``
-scores them (a research twin's through its extension's measurer); ``check_windows`` refuses
-window sizes nothing can be stored with.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvlens.analysis.attention import per_head_rel_error, streaming_exact_mask
 from kvlens.analysis.compare import layer_rope_tables
-from kvlens.analysis.metrics import (
-    Variant,
-    attention_errors_many,
-    attention_errors_streams,
-    per_head_rel_error,
-    streaming_exact_mask,
-)
+from kvlens.analysis.metrics import Variant, attention_errors_many, attention_errors_streams
 from kvlens.errors import ConfigError, InputError
 from kvlens.layouts import check_layout, reference
 from kvlens.quant import (
@@ -182,7 +174,8 @@ def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptio
         # and the balancer compose around it
         quant = reference(c.spec(), sd)
         if c.twin is not None:  # it depends on the stream: built per run (measure_layer)
-            if c.base in cands and _extension(opts, c).offered_on(la):
+            ext = next(e for e in opts.extensions if e.name == c.twin.extension)
+            if c.base in cands and ext.offered_on(la):
                 variants[c] = None
         elif c.rotate:  # what the cache stores (x R) seen back in the original basis
             x_hat = quantize_rotated(v if c.tensor == "value" else k, quant, rot)
@@ -198,11 +191,6 @@ def layer_variants(layer, meta, cands: Sequence[Candidate], opts: RecommendOptio
         else:
             variants[c] = Variant(k_hat=quant(k))
     return q, k, v, variants, bal, pre_ok
-
-
-def _extension(opts: RecommendOptions, c: Candidate):
-    """The extension (switched on in ``opts``) twin ``c`` belongs to."""
-    return next(e for e in opts.extensions if e.name == c.twin.extension)
 
 
 def _fits(c: Candidate, stream: Stream) -> bool:

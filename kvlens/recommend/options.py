@@ -11,12 +11,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
-from kvlens.config import FP_BYTES, SCALE_DTYPES
+from kvlens.config import FP_BYTES, SCALE_DTYPES, LayerKV
 from kvlens.errors import InputError, OptionError, is_int
 from kvlens.model.load import DTYPES
 from kvlens.quant import QuantSpec
 from kvlens.quant.spec import FITS, GRANULARITIES
-from kvlens.recommend.extension import Twin, resolve, twin_extension
+from kvlens.recommend.extension import Twin, extension_class, resolve
 
 #: the granularities candidates take (quant's vocabulary, ``GRANULARITIES``, without
 #: per-tensor: one scale per flushed block is an engine format's, not a candidate's)
@@ -42,6 +42,12 @@ class Stream(NamedTuple):
     def block(self) -> int:
         """Tokens quantized together (a per-channel group must divide it)."""
         return self.flush or self.residual
+
+    def setting(self, key: Candidate, value: Candidate) -> LayerKV:
+        """The config's setting of a layer storing ``key`` and ``value`` with this window."""
+        return LayerKV(key.spec(), value.spec(), self.residual, key.stage == "pre",
+                       flush_tokens=self.flush, rotate_keys=key.rotate,
+                       rotate_values=value.rotate)
 
 
 @dataclass(frozen=True)
@@ -72,7 +78,7 @@ class Candidate:
     def _traits(self, long: int) -> str:
         """What it keeps beside plain codes, in ``short``'s (0) or ``label``'s (1) words."""
         twin = ("", "") if self.twin is None else \
-            twin_extension(self.twin).words(self.twin.setting)
+            extension_class(self.twin.extension)().words(self.twin.setting)
         said = [(self.stage == "pre", " pre", " pre-RoPE"), (self.balancer, " bal", " +bal"),
                 (self.rotate, " rot", " +rotation"), (True, *twin),
                 (self.fit == "mse", " mse", " mse-fit")]

@@ -3,12 +3,8 @@ is measured on its own, so layers are spread over worker processes of one torch 
 with the same arithmetic in the same order (a model forward's sums may round differently on one
 thread). On Linux workers are forked (a script needs no ``__main__`` guard) and each opens the
 capture itself (no capture may be open here while they start: HDF5 would share its handle);
-elsewhere they are spawned.
-
-``map_layers(fn, path, layers, args, workers)`` returns ``[fn(layer_data, meta, *args)]`` in the
-order of ``layers``; ``fn`` is a module-level function (pickled by name). One worker runs here.
-Once one layer per worker has finished, the stage's time is predicted from theirs
-(``kvlens.recommend.cost``, ``kvlens.recommend.profile.expect``).
+elsewhere they are spawned. ``map_layers`` is the one entry; its ``fn`` is a module-level
+function (pickled by name).
 """
 
 from __future__ import annotations
@@ -26,8 +22,7 @@ import torch
 
 from kvlens.analysis.compare import torch_threads
 from kvlens.capture.store import open_capture
-from kvlens.recommend.cost import extrapolate
-from kvlens.recommend.profile import expect
+from kvlens.recommend.profile import expect, extrapolate
 from kvlens.units import format_seconds
 
 #: A candidate stage predicted to take less than this (seconds: its first layer's time times

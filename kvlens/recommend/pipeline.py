@@ -16,18 +16,18 @@ from kvlens.analysis.compare import torch_threads
 from kvlens.capture.store import CaptureMeta, open_capture
 from kvlens.errors import InputError, OptionError
 from kvlens.recommend.allocation import assemble
-from kvlens.recommend.catalog import candidates, still_offered
-from kvlens.recommend.cost import extrapolate
+from kvlens.recommend.catalog import candidates
 from kvlens.recommend.layer_errors import check_windows, measure_layer
 from kvlens.recommend.options import Candidate, RecommendOptions, Stream
 from kvlens.recommend.parallel import map_layers, resolve_workers
 from kvlens.recommend.probe import add_retrieval_errors, load_model_for
-from kvlens.recommend.profile import Profile, profiling, stage
+from kvlens.recommend.profile import Profile, extrapolate, profiling, stage
 from kvlens.recommend.result import Recommendation
 from kvlens.recommend.sensitivity import layout_factors, probe_candidates, sensitivity_weights
 from kvlens.text.selection import format_index_spec
 
 ProgressFn = Callable[[int, int, str], None]
+LogFn = Callable[[str], None]
 
 
 @dataclass
@@ -35,7 +35,7 @@ class Measurements:
     """Everything ``recommend`` measured on a capture; ``choose`` allocates from it for any
     budget without measuring again."""
 
-    # The annotations are exact: kvlens.recommend.kept_format writes and checks a kept
+    # The annotations are exact: kvlens.recommend.reuse.CODEC writes and checks a kept
     # measurement by them.
     meta: CaptureMeta
     # per layer: {(candidate, stream; None: the probe's): (output, score, reconstruction)
@@ -51,7 +51,7 @@ class Measurements:
 
 
 def measure(path: str | Path, opts: RecommendOptions, progress: ProgressFn | None = None,
-            log: Callable[[str], None] | None = None) -> Measurements:
+            log: LogFn | None = None) -> Measurements:
     """Per-layer candidate errors, fitted balancers and layer sensitivity weights; ``log``
     receives each stage's predicted time (``kvlens.recommend.profile.expect``)."""
 
@@ -74,7 +74,9 @@ def measure(path: str | Path, opts: RecommendOptions, progress: ProgressFn | Non
             rows += map_layers(measure_layer, path, meta.layers[first:], args, workers,
                                progress and (lambda d, t, note: progress(d + first, t + first,
                                                                          note)))
-        tables, balancers, notes = [], {}, []
+        tables = [table for table, _bal, _pre_ok in rows]
+        balancers = {i: bal for i, (_t, bal, _p) in zip(meta.layers, rows) if bal is not None}
+        notes: list[str] = []
         no_pre = [index for index, row in zip(meta.layers, rows) if not row[2]]
         if no_pre and meta.shape.has_rope and opts.pre_rope != "off":
             why = (f"the RoPE of layer(s) {format_index_spec(no_pre)} cannot be rebuilt from "
@@ -84,10 +86,6 @@ def measure(path: str | Path, opts: RecommendOptions, progress: ProgressFn | Non
                 raise InputError(f"Pre-RoPE keys were requested but {why}; use --set "
                                  "pre-rope=auto.")
             notes.append(f"pre-RoPE candidates skipped where {why}")
-        for index, (table, bal, _pre_ok) in zip(meta.layers, rows):
-            tables.append(table)
-            if bal is not None:
-                balancers[index] = bal
         need = (opts.sensitivity != "uniform" and not opts.layer_weights) or \
             opts.retrieval != "off"
         factors: tuple[dict, ...] = ()
@@ -106,7 +104,7 @@ def measure(path: str | Path, opts: RecommendOptions, progress: ProgressFn | Non
             with stage("retrieval probe"):
                 add_retrieval_errors(model, tokenizer, cands, opts, tables, balancers, notes,
                                      progress, workers)
-    wanted = set(candidates(meta.shape.head_dim, opts, meta.shape.has_rope))
+    wanted = set(cands)  # the probes measured beside them are dropped
     tables = [{cf: e for cf, e in t.items() if cf[0] in wanted and cf[1] is not None}
               for t in tables]
     prof.stages = {k: v for k, v in prof.stages.items() if v > 0}
@@ -150,10 +148,10 @@ def _first_layer(path, layers, args, workers: int | None, progress: ProgressFn |
 def choose(m: Measurements, opts: RecommendOptions) -> Recommendation:
     """Allocate under ``opts.budget_bits`` from earlier measurements and build the config."""
     # measured with more fits than offered now: drop the rest
-    tables = [{k: e for k, e in t.items() if still_offered(k[0], opts)} for t in m.tables]
+    tables = [{k: e for k, e in t.items() if k[0].fit in opts.fits_for(k[0].tensor)}
+              for t in m.tables]
     prof = Profile(dict(m.profile.stages), list(m.profile.spans))
     with profiling(prof), stage("allocation"):
-        rec = assemble(m.meta, opts, tables, m.balancers, m.weights, list(m.notes),
-                       m.meta.shape, m.factors)
+        rec = assemble(m.meta, opts, tables, m.balancers, m.weights, list(m.notes), m.factors)
     rec.profile = prof
     return rec

@@ -11,11 +11,11 @@ from typing import Any
 
 from kvlens.cache.decode_cost import config_decode_cost
 from kvlens.cache.layout import flush_every, layer_part_bytes, shares_storage, stream_state
-from kvlens.config import FP_BYTES, LayerKV, ProtectSettings, preset
+from kvlens.config import FP_BYTES, ProtectSettings, preset, validate_for
 from kvlens.errors import ConfigError
-from kvlens.layouts import check_layout, layout_of
-from kvlens.recommend.extension import twin_extension
-from kvlens.recommend.options import Candidate, RecommendOptions
+from kvlens.layouts import layout_of
+from kvlens.recommend.extension import extension_class
+from kvlens.recommend.options import Candidate, RecommendOptions, Stream
 
 
 def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOptions, shape,
@@ -25,8 +25,7 @@ def option_bytes(kc: Candidate, vc: Candidate, flush: int, opts: RecommendOption
     and flush block ``flush``; the shares split what both use evenly (for display)."""
 
     r = max(opts.window_sizes) if residual is None else residual
-    setting = LayerKV(kc.spec(), vc.spec(), r, kc.stage == "pre",
-                      flush_tokens=flush, rotate_keys=kc.rotate, rotate_values=vc.rotate)
+    setting = Stream(r, flush).setting(kc, vc)
     w = shape.window(layer)
     protect = _layer_section(kc, opts)
     fp, sd = FP_BYTES[opts.fp_dtype], opts.scale_dtype
@@ -53,7 +52,7 @@ def _layer_section(c: Candidate, opts: RecommendOptions):
     (``CandidateExtension.held``)."""
 
     if c.twin is not None:
-        return twin_extension(c.twin).held(c.twin.setting, opts)
+        return extension_class(c.twin.extension)().held(c.twin.setting, opts)
     return ProtectSettings(opts.sink_tokens, "off") if opts.sink_tokens else None
 
 
@@ -64,7 +63,9 @@ def tensor_fp16_bytes(shape, layer: int, context: int) -> float:
         * 2 * shape.kv_tensors / 2
 
 
-COST_PRESETS = ("fp16", "kivi-2", "kivi-4", "per-token-4")
+#: the presets a recommendation is compared with (its validation scores them beside it)
+COMPARED_PRESETS = ("kivi-2", "kivi-4", "per-token-4")
+COST_PRESETS = ("fp16", *COMPARED_PRESETS)
 
 
 def decode_costs(config, shape, context: int) -> list[tuple[str, Any]]:
@@ -75,11 +76,7 @@ def decode_costs(config, shape, context: int) -> list[tuple[str, Any]]:
     for name in COST_PRESETS:
         cfg = preset(name)
         try:
-            for s in (cfg.default, *cfg.layers.values()):
-                for spec in (s.key, s.value):
-                    if spec is not None:
-                        check_layout(spec, s.residual_tokens, shape.head_dim,
-                                     flush_tokens=s.flush_tokens)
+            validate_for(cfg, shape)  # as the validation checks the presets it compares
         except ConfigError:  # e.g. G=64 per-token groups on a head_dim-16 model
             continue
         rows.append((name, config_decode_cost(cfg, shape, context)))

@@ -3,14 +3,16 @@
 ``measure`` and ``choose`` open a ``Profile`` (``profiling()``); code below them marks its work
 with ``stage(name)``, a no-op when none is open. Each stage's runs are also kept as wall-clock
 ``spans``, so a memory sampler outside the process can say which stage its peak fell in. A
-per-layer stage records what it is predicted to take once its first units have finished
-(``expect``; ``kvlens.recommend.cost``) and tells the profile's ``log``.
+per-layer stage (``kvlens.recommend.parallel.map_layers``) records what it is predicted to take
+once its first round of layers has finished (``expect``), the rest at their rate
+(``extrapolate``), each layer counted by its work where that differs (``perturbed_work``), and
+tells the profile's ``log``.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -98,3 +100,18 @@ def stage(name: str) -> Iterator[None]:
         profile.add(name, elapsed - entry[2])
         if profile._open:
             profile._open[-1][2] += elapsed
+
+
+def extrapolate(elapsed: float, done: float, total: float) -> float:
+    """Predicted seconds for ``total`` units of work when ``done`` of them took ``elapsed``."""
+    if not done > 0:
+        raise ValueError(f"no finished work to extrapolate from (done={done})")
+    return elapsed * total / done
+
+
+def perturbed_work(positions: Sequence[int], runs: Sequence[int], layers: int,
+                   layer_flops: float, head_flops: float) -> list[float]:
+    """Work of the layout sensitivity's units, in FLOPs: the unit at decoder position
+    ``positions[i]`` makes ``runs[i]`` perturbed runs, each through the decoder layers from its
+    own to the last (``layers`` in all, ``layer_flops`` each) and the LM head (``head_flops``)."""
+    return [r * ((layers - p) * layer_flops + head_flops) for p, r in zip(positions, runs)]

@@ -2,13 +2,9 @@
 read the budget, so ``kvlens recommend`` again on the same capture with the same measuring
 options reads what the first run measured (docs/recommend.md, time). A measurement is kept
 under ``$KVLENS_MEASUREMENT_CACHE`` (``off``: none), named by a hash of everything it depends
-on: the capture's bytes, every ``RecommendOptions`` field but ``ALLOCATION_ONLY``, the model's
-files (path, sizes, times), kvlens' own source and the torch and transformers versions.
-
-A kept file holds data only (``kvlens.recommend.kept_format``, through the generic codec), so a
-file planted in a shared directory cannot run code; one that fails any check is measured again
-and replaced. Files are written to a temporary name and renamed; at most ``KEEP_AT_MOST`` are
-kept, the least recently used removed first.
+on (``kept_file``), written to a temporary name and renamed, at most ``KEEP_AT_MOST`` of them.
+A kept file holds data only (``CODEC``), so a file planted in a shared directory cannot run
+code; one that fails any check is measured again and replaced.
 """
 
 from __future__ import annotations
@@ -28,8 +24,8 @@ import transformers
 from kvlens.capture.source import model_spec_from_capture
 from kvlens.capture.store import open_capture
 from kvlens.model.load import cache_root
-from kvlens.recommend.kept_format import KeptFormatError, decode, encode
-from kvlens.recommend.options import RecommendOptions
+from kvlens.recommend.codec import CodecError, DataclassCodec
+from kvlens.recommend.options import Candidate, RecommendOptions, Stream
 from kvlens.recommend.pipeline import Measurements
 from kvlens.recommend.profile import Profile
 
@@ -40,8 +36,12 @@ ALLOCATION_ONLY = ("budget_bits", "context", "name", "fp_dtype")
 REUSED_STAGE = "measurement read"
 #: measurements kept at most (sizes: docs/lab-notes/benchmark-history.md); the least recently used go first
 KEEP_AT_MOST = 64
-#: the kept files' suffix (kvlens.recommend.kept_format; earlier versions' ``.pkl`` are never read)
+#: the kept files' suffix (earlier versions' ``.pkl`` are never read)
 KEPT_SUFFIX = ".npz"
+# its version is raised whenever a field of Measurements (or what it holds) changes; older
+# files are measured again; this line's git history says what each version changed
+CODEC = DataclassCodec(Measurements, "kvlens.measurements", 9,
+                       shared={"candidates": Candidate, "streams": Stream})
 
 
 def cache_dir() -> Path | None:
@@ -72,8 +72,14 @@ def _path_state(spec: str | None) -> str:
     return repr([(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files])
 
 
-def measurement_key(path: str | Path, opts: RecommendOptions) -> str:
-    """The name of ``measure(path, opts)``'s result among kept measurements."""
+def kept_file(path: str | Path, opts: RecommendOptions) -> Path | None:
+    """The file ``measure(path, opts)`` is kept in (None: no measurement is kept), named by a
+    hash of the capture's bytes, every ``RecommendOptions`` field but ``ALLOCATION_ONLY``, the
+    model's files (path, sizes, times), kvlens' own source and the torch and transformers
+    versions."""
+    where = cache_dir()
+    if where is None:
+        return None
     h = hashlib.sha256()
     with open(path, "rb") as f:
         h.update(hashlib.file_digest(f, "sha256").digest())
@@ -83,25 +89,19 @@ def measurement_key(path: str | Path, opts: RecommendOptions) -> str:
     for part in (repr(sorted(fields.items())), _path_state(spec), _source_digest(),
                  torch.__version__, transformers.__version__):
         h.update(part.encode())
-    return h.hexdigest()
-
-
-def kept_file(path: str | Path, opts: RecommendOptions) -> Path | None:
-    """The file ``measure(path, opts)`` is kept in (None: no measurement is kept)."""
-    where = cache_dir()
-    return None if where is None else where / f"{measurement_key(path, opts)}{KEPT_SUFFIX}"
+    return where / f"{h.hexdigest()}{KEPT_SUFFIX}"
 
 
 def read_kept(kept: Path | None) -> Measurements | None:
     """The measurement kept in ``kept`` (None: none there, or one that does not read back:
-    ``kvlens.recommend.kept_format.decode`` refuses it). Its profile has one stage,
-    ``REUSED_STAGE``, and a note says where it came from."""
+    ``CODEC.decode`` refuses it). Its profile has one stage, ``REUSED_STAGE``, and a note
+    says where it came from."""
     if kept is None or not kept.is_file():
         return None
     start = time.perf_counter()
     try:
-        m = decode(kept.read_bytes())
-    except (OSError, KeptFormatError):  # measured again and replaced (keep)
+        m = CODEC.decode(kept.read_bytes())
+    except (OSError, CodecError):  # measured again and replaced (keep)
         return None
     with contextlib.suppress(OSError):
         kept.touch()  # recently used: kept longest (keep)
@@ -122,8 +122,8 @@ def keep(m: Measurements, kept: Path | None) -> None:
         return
     tmp = kept.with_name(f".{kept.name}.{os.getpid()}.tmp")
     try:
-        data = encode(m)
-    except KeptFormatError as e:  # a value this format does not know: said, not kept
+        data = CODEC.encode(m)
+    except CodecError as e:  # a value this format does not know: said, not kept
         warnings.warn(f"measurement not kept: {e}", stacklevel=2)
         return
     try:

@@ -5,13 +5,13 @@ read a measurement an earlier run kept (``kvlens.recommend.reuse``) or measure a
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 from kvlens.capture.store import open_capture
 from kvlens.recommend.allocation import check_budget
 from kvlens.recommend.options import RecommendOptions
 from kvlens.recommend.pipeline import (
+    LogFn,
     Measurements,
     ProgressFn,
     check_capture,
@@ -21,17 +21,14 @@ from kvlens.recommend.pipeline import (
 from kvlens.recommend.result import Recommendation
 from kvlens.recommend.reuse import keep, kept_file, read_kept, reused_note
 
-LogFn = Callable[[str], None]
-
 
 def check(path: str | Path, opts: RecommendOptions) -> None:
-    """Everything about ``opts`` on this capture that can be refused before measuring: a
-    capture of some layers only, more samples than it holds, pre-RoPE keys it lacks, and a
-    budget the cheapest candidates exceed (priced from the capture's shape)."""
+    """Everything about ``opts`` on this capture that can be refused before measuring
+    (``check_capture``), and a budget the cheapest candidates exceed (``check_budget``)."""
     with open_capture(path) as cap:
         meta = cap.meta
     check_capture(path, meta, opts)
-    check_budget(meta, opts, meta.shape)
+    check_budget(meta, opts)
 
 
 def measurement(path: str | Path, opts: RecommendOptions, progress: ProgressFn | None = None,

@@ -18,7 +18,7 @@ from kvlens.errors import InputError
 from kvlens.evaluation import EvalOptions, evaluate_configs
 from kvlens.recommend.allocation import cheapest_bits
 from kvlens.recommend.options import RecommendOptions
-from kvlens.recommend.pipeline import Measurements, choose
+from kvlens.recommend.pipeline import LogFn, Measurements, choose
 from kvlens.recommend.result import Recommendation
 
 #: bits between the budgets tried
@@ -64,7 +64,7 @@ class BudgetSearch:
 def budget_grid(m: Measurements, opts: RecommendOptions) -> list[float]:
     """The budgets the search may try, ascending: multiples of ``RESOLUTION`` from what the
     cheapest candidates need to what the allocation holds with no budget limit."""
-    low = cheapest_bits(m.meta, opts, m.meta.shape)
+    low = cheapest_bits(m.meta, opts)
     high = choose(m, replace(opts, budget_bits=16.0)).mean_bits
     first = math.ceil(low / RESOLUTION - 1e-9)
     last = max(first, math.ceil(high / RESOLUTION - 1e-9))
@@ -72,7 +72,7 @@ def budget_grid(m: Measurements, opts: RecommendOptions) -> list[float]:
 
 
 def search_budget(m: Measurements, opts: RecommendOptions, max_kld: float, score: Scorer,
-                  log: Callable[[str], None] = lambda msg: None) -> BudgetSearch:
+                  log: LogFn = lambda msg: None) -> BudgetSearch:
     """The smallest budget on ``budget_grid`` whose config's measured mean KLD (``score``) is
     at most ``max_kld`` (module doc), or ``InputError`` when even the largest misses it."""
     if not max_kld > 0:
@@ -111,15 +111,14 @@ def search_budget(m: Measurements, opts: RecommendOptions, max_kld: float, score
     return BudgetSearch(max_kld, best, steps)
 
 
-def kld_scorer(model, tokenizer, eval_tokens: int | None = None,
-               progress: Callable[[str], None] = lambda msg: None) -> Scorer:
+def kld_scorer(model, tokenizer, eval_tokens: int | None = None) -> Scorer:
     """A ``Scorer``: ``kvlens.evaluation``'s lockstep KLD of a config against the exact
     ``model`` on ``eval_tokens`` of the built-in held-out text (None: the evaluation default,
     capped by the model's context)."""
     options = EvalOptions(evals=("kld",), eval_tokens=eval_tokens)
 
     def score(config: KVConfig) -> dict:
-        report = evaluate_configs(model, tokenizer, [config], options, progress)
+        report = evaluate_configs(model, tokenizer, [config], options)
         if report["interrupted"]:
             raise KeyboardInterrupt
         return report["results"][0]["kld"]

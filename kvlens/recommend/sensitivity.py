@@ -26,10 +26,10 @@ from kvlens.analysis.sensitivity import (
 from kvlens.capture.store import open_capture
 from kvlens.model.placement import input_device
 from kvlens.recommend.catalog import family, family_probes
-from kvlens.recommend.cost import perturbed_work
 from kvlens.recommend.layer_errors import layer_variants
 from kvlens.recommend.options import Candidate
 from kvlens.recommend.parallel import can_fork, map_layers
+from kvlens.recommend.profile import perturbed_work
 from kvlens.text.selection import format_index_spec
 
 
@@ -84,8 +84,7 @@ def layout_factors(path, model, opts, cands, balancers, notes, progress, workers
     every = set(spread_layers(meta.layers, opts.layout_layers))
     # the reconstructions of those n tokens (every token quantized: one window is as good
     # as several here, and lets n be shorter than --tokens)
-    largest = max(opts.window_sizes)
-    one = replace(opts, samples=1, tokens=n, windows=(largest,))
+    one = replace(opts, samples=1, tokens=n, windows=(max(opts.window_sizes),))
     workers = workers if can_fork() else 1
     work = _perturbed_work(model, meta, [len(probes if i in every else anchors)
                                          for i in meta.layers], n, keep)
@@ -137,7 +136,7 @@ _run: dict = {}
 
 def _perturbed_work(model, meta, runs: Sequence[int], tokens: int, keep: int
                     ) -> list[float] | None:
-    """``kvlens.recommend.cost.perturbed_work`` for ``model``: a decoder layer's FLOPs over
+    """``kvlens.recommend.profile.perturbed_work`` for ``model``: a decoder layer's FLOPs over
     ``tokens``, the LM head's over the ``keep`` scored ones (None, equal work, without a head
     to count)."""
     if model.get_output_embeddings() is None:
@@ -205,22 +204,12 @@ def _shared_rates(rates: list[dict], families: Sequence[tuple], anchors: Sequenc
     """Fill each layer's missing family rates: its anchor's rate there times the family's
     ratio to the anchor, summed over the layers that measured both (so the layers where the
     model is most sensitive count most, and a rate of 0 is a rate like any other)."""
-    def anchor_of(f):
-        return next((a for a in anchors if a[0] == f[0]), None)
-
+    anchor = {f: next((a for a in anchors if a[0] == f[0]), None) for f in families}
     ratio = {}
-    for f in families:
-        a = anchor_of(f)
-        both = [row for row in rates if a is not None and f in row and a in row]
+    for f, a in anchor.items():
+        both = [row for row in rates if f in row and a in row]
         below = sum(row[a] for row in both)
         if below > 0:
             ratio[f] = sum(row[f] for row in both) / below
-    out = []
-    for row in rates:
-        full = dict(row)
-        for f in families:
-            a = anchor_of(f)
-            if f not in full and f in ratio and a in row:
-                full[f] = row[a] * ratio[f]
-        out.append(full)
-    return out
+    return [row | {f: row[anchor[f]] * r for f, r in ratio.items()
+                   if f not in row and anchor[f] in row} for row in rates]

@@ -1,16 +1,12 @@
-"""The lab: research that has not earned a default, in one package (torchao's ``prototype/`` is
-the model), registered into the stable layers' extension points when it is imported: MiKV's
-set twins of recommend's candidates (``mikv``, simulated by ``heavy_hitters``), MiKV's
-importance set in the cache and the config with its presets (``sets``).
-docs/internals/architecture.md (layer 11') lists what each plugs into.
+"""The lab (docs/internals/architecture.md, layer 11', says what each module plugs into when
+this package is imported: ``mikv``, ``heavy_hitters``, ``sets``).
 
 The door behind ``kvlens recommend --set NAME=VALUE``: a lever is an option of
 ``RecommendOptions`` (or of the engine targets' ``TargetOptions``) that is not a main option,
 either a **knob of the default run** (every run uses it at its default) or an **experiment**
 (no default uses it: the registered extensions and their settings), each ablated in
-docs/lab-notes/; levers with a recorded negative result were removed (issue #57, their lab
-notes name the last commit). ``levers`` lists them, ``parse_settings`` parses ``NAME=VALUE``
-and ``describe`` prints ``--set list``. A knob's code stays where its layer puts it.
+docs/lab-notes/. ``levers`` lists them, ``parse_settings`` parses ``NAME=VALUE`` and
+``describe`` prints ``--set list``. A knob's code stays where its layer puts it.
 """
 
 from __future__ import annotations

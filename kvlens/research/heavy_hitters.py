@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlens.analysis.metrics import (
+from kvlens.analysis.attention import (
     num_kv_groups,
     sink_logits,
     sink_softmax,
@@ -47,10 +47,6 @@ def set_membership(q: torch.Tensor, k: torch.Tensor, k_read: torch.Tensor,
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     policy = set_policy(mikv)
-
-    def size(end: int) -> int:
-        return 0 if policy is None else policy.size(0, end)
-
     g = num_kv_groups(hq, hkv)
     n_q = streaming_quantized_length(t, residual_tokens, flush_tokens).tolist()
     qg = (q.float() * scaling).reshape(b, hkv, g, t, d)
@@ -78,7 +74,8 @@ def set_membership(q: torch.Tensor, k: torch.Tensor, k_read: torch.Tensor,
         acc[:, :, :i1] += p.sum(dim=(2, 3))
         in_set[:, :, i0:i1] = member[:, :, None, :]
         if i1 < t and n_q[i1] > nq:  # the flush after query i1 - 1
-            member = _choose(member, acc, nq, n_q[i1], mikv, size(n_q[i1]))
+            size = 0 if policy is None else policy.size(0, n_q[i1])
+            member = _choose(member, acc, nq, n_q[i1], mikv, size)
         i0 = i1
     return in_set
 

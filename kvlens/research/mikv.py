@@ -68,8 +68,6 @@ class MikvSets:
         return [(b, f) for b in sorted(set(self.set_bits)) for f in sorted(set(self.fractions))]
 
     def twins(self, cands: Sequence[Candidate], opts: RecommendOptions) -> list[Candidate]:
-        """Plain or balanced post-RoPE G32 codes up to 4 bits at the first fit, each with
-        every setting."""
         return [replace(c, twin=Twin(NAME, m)) for c in cands
                 if c.group_size == GROUP and c.bits <= MAX_BITS and c.stage == "post"
                 and not c.rotate and c.fit == opts.fits_for(c.tensor)[0]
@@ -139,8 +137,6 @@ class SetVariants:
         return self._members[key]
 
     def variant(self, c: Candidate, base, stream: Stream, rows: slice) -> Variant:
-        """``c``'s variant with the layer's window moving as ``stream``, for the query
-        ``rows`` measured."""
         bits, fraction = c.twin.setting
         x_set = self.reconstruction(c.tensor, bits)
         if c.tensor == "key":

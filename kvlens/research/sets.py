@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -162,9 +162,7 @@ class HeavyHitters(SetPolicy):
 @register
 @dataclass(frozen=True)
 class ImportanceSet:
-    """MiKV's set settings (module docstring): ``heavy_fraction`` of tokens by H2O accumulated
-    attention, at ``set_bits`` (``None``: ``fp_dtype``), on ``layers`` (``None``: every
-    compressed layer)."""
+    """MiKV's set settings (module docstring: what each field means)."""
 
     key: ClassVar[str] = "importance"
 
@@ -209,10 +207,8 @@ class ImportanceSet:
         return cls(**{"heavy_fraction": 0.0} | dict(data))
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"heavy_fraction": self.heavy_fraction}
-        if self.set_bits is not None:
-            d["set_bits"] = self.set_bits
-        return d | ({"layers": list(self.layers)} if self.layers is not None else {})
+        return {k: list(v) if k == "layers" else v for k, v in asdict(self).items()
+                if v is not None}
 
     def applies_to(self, layer: int) -> bool:
         return self.layers is None or layer in self.layers
@@ -232,29 +228,22 @@ def mikv_settings(heavy_fraction: float = 0.2, sink_tokens: int = 4, balancer: s
                   layers=None) -> ProtectSettings:
     """A ``protect`` section with MiKV's importance set (the sinks and balancer fields, then the
     set's); ``heavy_fraction`` 0 with no ``set_bits``: the sinks alone."""
-    importance = None if not heavy_fraction and set_bits is None and layers is None else \
-        ImportanceSet(heavy_fraction, set_bits, layers)
+    importance = ImportanceSet.from_dict({"heavy_fraction": heavy_fraction, "set_bits": set_bits,
+                                          "layers": layers})
     return ProtectSettings(sink_tokens, balancer, balancer_exponent, importance)
 
 
 # -- the presets -------------------------------------------------------------------------------------
 
-def _mikv(bits: int) -> KVConfig:
-    return KVConfig(f"mikv-{bits}", LayerKV(QuantSpec(bits, "per-token", 32),
-                                            QuantSpec(bits, "per-token", 32), 32),
-                    protect=mikv_settings(0.2, 4, "online"),
-                    description=f"MiKV: 20% heavy-hitter + 4 sink tokens at full precision, rest "
-                                f"{bits}-bit per-token G32 with an online channel balancer")
+def _mikv(bits: int, set_bits: int | None = None) -> KVConfig:
+    """MiKV's preset: the set at full precision, or at ``set_bits`` (name ``-int<set_bits>``)."""
+    held = "at full precision" if set_bits is None else f"stored at INT{set_bits} (per-token G32)"
+    return KVConfig(f"mikv-{bits}" + (f"-int{set_bits}" if set_bits else ""),
+                    LayerKV(QuantSpec(bits, "per-token", 32), QuantSpec(bits, "per-token", 32), 32),
+                    protect=mikv_settings(0.2, 4, "online", set_bits=set_bits),
+                    description=f"MiKV: 20% heavy-hitter + 4 sink tokens {held}, rest {bits}-bit "
+                                "per-token G32 with an online channel balancer")
 
 
-def _mikv_set(bits: int, set_bits: int) -> KVConfig:
-    base = _mikv(bits)
-    return replace(base, name=f"mikv-{bits}-int{set_bits}",
-                   protect=mikv_settings(0.2, 4, "online", set_bits=set_bits),
-                   description=f"MiKV: 20% heavy-hitter + 4 sink tokens stored at INT{set_bits} "
-                               f"(per-token G32), rest {bits}-bit per-token G32 with an online "
-                               "channel balancer")
-
-
-for _config in (_mikv(2), _mikv(4), _mikv_set(2, 4), _mikv_set(2, 8)):
+for _config in (_mikv(2), _mikv(4), _mikv(2, 4), _mikv(2, 8)):
     add_preset(_config)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from kvlens.analysis.metrics import rel_error
+from kvlens.analysis.attention import rel_error
 from kvlens.errors import InputError
 from kvlens.quant import rope_tables_for
 from kvlens.rope import apply_rope
