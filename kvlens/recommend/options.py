@@ -245,10 +245,11 @@ class RecommendOptions:
 
     def _check_candidates(self) -> None:
         """The fits, bit widths, group sizes, flush block and sinks offered."""
-        for flag, fits in (("--set key-fits=", self.key_fits), ("--set value-fits=", self.value_fits)):
+        for name in ("key_fits", "value_fits"):
+            fits = getattr(self, name)
             if not fits or any(f not in FITS for f in fits) or len(set(fits)) != len(fits):
-                raise InputError(f"{flag}{','.join(fits) or '(empty)'}: give one or both of "
-                                 f"{listed(FITS)}, each once.")
+                raise OptionError(f"{{{name}}}={','.join(fits) or '(empty)'}: give one or both "
+                                  f"of {listed(FITS)}, each once.")
         bad = [b for b in self.bits if b not in (2, 3, 4, 8)]
         if bad:
             raise InputError(f"Unsupported bit widths {bad}; allowed: 2, 3, 4, 8.")
