@@ -189,7 +189,7 @@ class RecommendOptions:
     # min/max only by default (docs/recommend.md#the-scale-fit)
     key_fits: tuple[str, ...] = _lever(("minmax",), "key-fits",
                                        "how key groups' scale and zero are chosen: minmax, "
-                                       "mse, or both")
+                                       "mse, hqq (one or more)")
     value_fits: tuple[str, ...] = _lever(("minmax", "mse"), "value-fits",
                                          "the same for values")
     # the config's scale_dtype; the error proxy measures the 8-bit grid (kvlens.quant.meta8)
