@@ -21,7 +21,7 @@ from kvlens.capture.store import CaptureMeta, CaptureWriter, LayerAttrs
 from kvlens.errors import InputError, ModelLoadError, NumericalError
 from kvlens.model.architecture import describe
 from kvlens.model.header import read_header
-from kvlens.model.hooks import attention_override, check_observed, observe_attention, rope_inputs
+from kvlens.model.hooks import attention_override, check_attention_shapes, rope_inputs
 from kvlens.model.load import check_load_options, load_model
 from kvlens.model.placement import input_device, weights_by_device
 from kvlens.rope import FORMS, RopeTables
@@ -141,7 +141,7 @@ def capture_model(model, windows, output: str | Path, *, layers: str | list[int]
     s_count, t_count = int(windows.shape[0]), int(windows.shape[1])
     device = input_device(model)
     # the shapes the model really uses, before any file is written
-    check_observed(info, observe_attention(model, windows[:1, :min(t_count, 8)].to(device)))
+    check_attention_shapes(model, info, windows[:1, :min(t_count, 8)].to(device))
     compute_dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     head = model.get_output_embeddings()
     vocab, hidden = head.weight.shape if head is not None else (0, 0)
@@ -167,16 +167,11 @@ def capture_model(model, windows, output: str | Path, *, layers: str | list[int]
         sink.writer = writer
         for s in range(s_count):
             sink.sample = s
+            # every captured layer calls the attention interface (check_attention_shapes said so)
             model(input_ids=windows[s:s + 1].to(device), use_cache=False)
-            missing = set(layer_list) - sink.seen
-            if missing:
-                raise ModelLoadError(
-                    f"Unsupported model {info.architecture}: layers {sorted(missing)} never "
-                    "called the attention interface, so kvlens cannot capture them.")
             if s == 0:
                 sink.finalize_layout(writer)
             writer.write_tokens(s, windows[s].cpu().numpy().astype("int32"))
-            sink.seen.clear()
             if progress:
                 progress(s + 1, s_count, f"sample {s + 1}/{s_count}")
         writer.set_attr("notes", "; ".join(sink.notes))
@@ -201,7 +196,6 @@ class _LayerSink:
         self.info = info
         self.writer = None
         self.sample = 0
-        self.seen: set[int] = set()
         self.rope_layout = "pending"
         self.rotary_dim = 0
         self.rope_inputs = None  # set by attention_fn
@@ -245,7 +239,6 @@ class _LayerSink:
                 float(kwargs.get("softcap") or 0.0),
                 tuple(sinks.detach().float().reshape(-1).tolist()) if hasattr(sinks, "detach")
                 else ())
-        self.seen.add(idx)
 
     def _window(self, idx: int, kwargs: dict, tokens: int) -> int:
         """The layer's sliding window (0 = none); a chunked-attention layer (Llama 4) is
