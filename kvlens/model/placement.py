@@ -42,10 +42,6 @@ class Placement:
     max_memory: tuple[tuple[int | str, int], ...] = ()
     offload_folder: str | None = None
 
-    @property
-    def device_map(self) -> str | dict[str, int | str]:
-        return self.strategy if self.strategy is not None else dict(self.explicit)
-
 
 # -- parsing ------------------------------------------------------------------------------------
 
@@ -225,7 +221,7 @@ def plan_device_map(config, dtype, placement: Placement) -> DevicePlan:
     if placement.strategy is not None:
         dmap = _infer(model, dtype, placement)
     else:
-        dmap = placement.device_map
+        dmap = dict(placement.explicit)
         _check_coverage(model, dmap)
     by_device: dict[str, int] = {}
     for name, dev in dmap.items():
