@@ -28,6 +28,7 @@ from kvlens.evaluation.stats import (
     paired_difference,
     percentile_interval,
 )
+from kvlens.model.architecture import text_config
 from kvlens.model.hooks import cache_argument_name
 from kvlens.text.corpus import DEFAULT_CORPUS_NAME, load_text
 from kvlens.text.heldout import HELDOUT_NAME, heldout_text
@@ -79,12 +80,11 @@ class TextScores:
 
 def check_lengths(text_tokens: int, eval_tokens: int | None, chunk: int, max_positions: int | None,
                   source: str) -> int:
-    """The number of tokens to score (``eval_tokens`` or the default), or ``InputError``."""
+    """The number of tokens to score (``eval_tokens``, at least 2 as ``EvalOptions`` checks, or
+    the default), or ``InputError``."""
     limit = max_positions or 10**9
     if eval_tokens is None:
         eval_tokens = min(DEFAULT_EVAL_TOKENS, limit)
-    elif eval_tokens < 2:
-        raise InputError(f"{{eval_tokens}} must be at least 2 (got {eval_tokens}).")
     elif eval_tokens > limit:
         raise InputError(f"{{eval_tokens}} {eval_tokens} is beyond the model's context: its "
                          f"max_position_embeddings is {limit}; allowed: 2-{limit}.")
@@ -109,9 +109,7 @@ def load_eval_text(path: str | None) -> tuple[str, str]:
 
 
 def max_positions(model) -> int | None:
-    config = model.config
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config(decoder=True)
+    config = text_config(model.config)
     for name in ("max_position_embeddings", "n_positions"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
