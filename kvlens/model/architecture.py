@@ -60,20 +60,13 @@ def _candidate_modules(model) -> dict[int, Any]:
     return found
 
 
-def _num_layers(config, found: dict[int, Any]) -> int:
-    for key in ("num_hidden_layers", "n_layer", "num_layers"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return max(found) + 1 if found else 0
-
-
 def layer_kinds(config, found: dict[int, Any], architecture: str
                 ) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """``(kind per model layer, layers holding a fixed-size state)`` from the config's
     ``layer_types`` where it has them, else from the attention modules found and the config's
     ``sliding_window`` / ``attention_chunk_size`` (as transformers infers them)."""
-    n = _num_layers(config, found)
+    counts = (getattr(config, k, None) for k in ("num_hidden_layers", "n_layer", "num_layers"))
+    n = next((v for v in counts if isinstance(v, int) and v > 0), max(found, default=-1) + 1)
     sharing = getattr(config, "kv_sharing_modes", None) or getattr(
         config, "num_kv_shared_layers", None)
     if sharing:
