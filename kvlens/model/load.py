@@ -267,11 +267,8 @@ def _placement_kwargs(source: ModelSource, dtype, placement, **config_kwargs) ->
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(source.location, **config_kwargs)
-    plan = plan_device_map(config, dtype, placement)
-    out: dict[str, Any] = {"device_map": plan.device_map}
-    if placement.offload_folder is not None:
-        out["offload_folder"] = placement.offload_folder
-    return out
+    return {"device_map": plan_device_map(config, dtype, placement).device_map,
+            "offload_folder": placement.offload_folder}  # None: transformers' default
 
 
 def resolve_device(device: str) -> str:
