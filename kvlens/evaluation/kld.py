@@ -153,7 +153,7 @@ def score_text(model, ids, configs: Sequence, chunk: int = DEFAULT_CHUNK, backen
         installed = model.config._attn_implementation
         caches = [s.new_cache() for s in sessions]
         exact_cache = None
-        clock = {"exact": 0.0, "scoring": 0.0}
+        exact_s = after_exact_s = 0.0  # the exact forwards; the rest of each chunk
         per_config = [0.0] * len(caches)
         try:
             for k, s in enumerate(starts):
@@ -164,23 +164,23 @@ def score_text(model, ids, configs: Sequence, chunk: int = DEFAULT_CHUNK, backen
                 out = _exact_forward(model, x, arg, exact_cache, plain, installed)
                 exact_cache = _returned_cache(out)
                 t1 = time.perf_counter()
-                clock["exact"] += t1 - t0
+                exact_s += t1 - t0
                 logp_e = torch.log_softmax(out.logits[0, :m].double(), -1)
                 nll_e = -logp_e.gather(-1, targets[:, None])[:, 0]
                 top_e = logp_e.argmax(-1)
                 p_e = logp_e.exp()
                 rows = _score_configs(model, x, arg, caches, (logp_e, top_e, p_e), targets,
-                                      clock, per_config)
+                                      per_config)
                 # Record a chunk only once every config has scored it (an interrupt inside
                 # _score_configs leaves all configs on the same chunks).
                 _record_chunk(result, rows, nll_e, k)
-                clock["scoring"] += time.perf_counter() - t1
+                after_exact_s += time.perf_counter() - t1
                 progress(k + 1, len(starts))
         except KeyboardInterrupt:
             result.interrupted = True
-        result.seconds = {"exact_forward": round(clock["exact"], 2),
+        result.seconds = {"exact_forward": round(exact_s, 2),
                           "config_forward": [round(v, 2) for v in per_config],
-                          "kl_and_nll": round(clock["scoring"], 2)}
+                          "kl_and_nll": round(after_exact_s - sum(per_config), 2)}
         for ts, config, cache, session in zip(result.configs, configs, caches, sessions):
             ts.memory = held_bytes(config, cache)
             ts.backend_reason = getattr(session, "backend_reason", None)
@@ -201,11 +201,10 @@ def _exact_forward(model, x, arg: str, exact_cache, plain: str, installed: str):
 
 
 def _score_configs(model, x, arg: str, caches: list, exact: tuple, targets,
-                   clock: dict[str, float], per_config: list[float]) -> list[tuple]:
+                   per_config: list[float]) -> list[tuple]:
     """Each config's forward on chunk ``x`` through its cache, scored against the exact
     model's ``(log-probabilities, top-1, probabilities)``: per config ``(KLD, top-1 agreement,
-    NLL, whether it read quantized entries)``. Each forward's time goes to ``per_config`` and
-    is taken off ``clock["scoring"]`` (which times the scoring around the forwards)."""
+    NLL, whether it read quantized entries)``. Each forward's time goes to ``per_config``."""
     import torch
 
     logp_e, top_e, p_e = exact
@@ -215,9 +214,7 @@ def _score_configs(model, x, arg: str, caches: list, exact: tuple, targets,
         quant = reads_quantized(cache)
         t2 = time.perf_counter()
         logits = model(x, use_cache=True, **{arg: cache}).logits
-        t3 = time.perf_counter()
-        per_config[j] += t3 - t2
-        clock["scoring"] -= t3 - t2
+        per_config[j] += time.perf_counter() - t2
         logp = torch.log_softmax(logits[0, :m].double(), -1)
         kld = (p_e * (logp_e - logp)).sum(-1).clamp_min(0.0)
         rows.append((kld, logp.argmax(-1) == top_e,
