@@ -22,7 +22,7 @@ from kvlens.errors import InputError, ModelLoadError, NumericalError
 from kvlens.model.architecture import describe
 from kvlens.model.header import read_header
 from kvlens.model.hooks import attention_override, check_attention_shapes, rope_inputs
-from kvlens.model.load import check_load_options, load_model
+from kvlens.model.load import check_load_options, load_model, model_dtype
 from kvlens.model.placement import input_device, weights_by_device
 from kvlens.rope import FORMS, RopeTables
 from kvlens.text.corpus import load_text, token_windows
@@ -142,13 +142,12 @@ def capture_model(model, windows, output: str | Path, *, layers: str | list[int]
     device = input_device(model)
     # the shapes the model really uses, before any file is written
     check_attention_shapes(model, info, windows[:1, :min(t_count, 8)].to(device))
-    compute_dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     head = model.get_output_embeddings()
     vocab, hidden = head.weight.shape if head is not None else (0, 0)
     meta = CaptureMeta(
         model=model_name or getattr(model.config, "_name_or_path", "") or info.architecture,
         shape=info, rope_layout="pending", rotary_dim=0,
-        compute_dtype=compute_dtype, storage_dtype=storage_dtype, num_samples=s_count,
+        compute_dtype=model_dtype(model), storage_dtype=storage_dtype, num_samples=s_count,
         num_tokens=t_count, layers=tuple(layer_list), model_source=model_source,
         text_source=text_source, kvlens_version=__version__,
         extra={"transformers_version": str(transformers.__version__),

@@ -21,6 +21,7 @@ from kvlens.evaluation.needles import build_grid, grid_lengths, run_grid
 from kvlens.evaluation.needles import summarize as summarize_grid
 from kvlens.evaluation.options import LONG_EVALS, EvalOptions
 from kvlens.evaluation.short import short_evals
+from kvlens.model.load import model_dtype
 from kvlens.model.placement import input_device
 
 
@@ -95,12 +96,6 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
     for res in report["results"]:
         res.setdefault("backend", select_backend(options.backend, device)[0])
     return report
-
-
-def model_dtype(model) -> str:
-    """The dtype the model's weights run in (the exact reference of every comparison):
-    ``"float32"``, ``"bfloat16"``..."""
-    return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
 def _every(progress: Callable[[str], None], label: str, parts: int = 8):

@@ -286,6 +286,12 @@ def resolve_device(device: str) -> str:
 DTYPES = ("float32", "float16", "bfloat16")
 
 
+def model_dtype(model) -> str:
+    """The dtype the model's weights run in (the exact reference of every comparison):
+    ``"float32"``, ``"bfloat16"``..."""
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
 def parse_dtype(name: str):
     import torch
 
