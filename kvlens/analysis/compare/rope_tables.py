@@ -71,11 +71,9 @@ def layer_rope_tables(meta, k, k_pre, n_tokens: int | None = None, stored=None):
     probe = slice(0, min(k.shape[2], 256))
     kp, pp = k[:1, :, probe], k_pre[:1, :, probe]
 
-    def tables(theta, samples=1, t=None):
-        return rope_tables(meta, samples, t, theta=theta)
-
     def err(theta):
-        return rope_rebuild_error(kp, pp, tables(theta, 1, kp.shape[2]), meta.rope_layout)
+        return rope_rebuild_error(kp, pp, rope_tables(meta, 1, kp.shape[2], theta),
+                                  meta.rope_layout)
 
     tried = ([float(meta.shape.rope["rope_theta"])] if "rope_theta" in meta.shape.rope else []) + \
         list(COMMON_ROPE_THETAS)
@@ -92,7 +90,7 @@ def layer_rope_tables(meta, k, k_pre, n_tokens: int | None = None, stored=None):
         found = t if err(t) <= ROPE_CHECK_TOLERANCE else None
     if found is None:
         return None, None
-    full = tables(found, k.shape[0], n_tok)
+    full = rope_tables(meta, k.shape[0], n_tok, found)
     return (full, found) if rebuilds(full) else (None, None)
 
 
