@@ -197,28 +197,26 @@ class _LayerSink:
         self.sample = 0
         self.rope_layout = "pending"
         self.rotary_dim = 0
-        self.rope_inputs = None  # set by attention_fn
+        self.rope_inputs = None  # set by attention_fn: kvlens.model.rotary.RopeInputs
         self._rope: dict[int, Any] = {}  # layer -> its RopeTables at sample 0 (None: NoPE)
         self.notes: list[str] = []
         self._layer_attrs: dict[int, Any] = {}
         self.devices: dict[int, str] = {}  # layer -> device its tensors arrived on
 
     def attention_fn(self, original: Callable, tables: dict[int, tuple]) -> Callable:
-        self.rope_inputs = tables  # kvlens.model.rotary.RopeInputs: _pre_rope normalises them
+        self.rope_inputs = tables  # _pre_rope normalises a layer's RoPE inputs
         def fn(module, query, key, value, attention_mask, **kwargs):
             out = original(module, query, key, value, attention_mask, **kwargs)
-            idx = module.layer_idx
-            if idx in self.layers:
-                pe = tables.get(idx)  # (cos, sin, position_ids)
-                self._record(module, idx, query, key, value, pe[:2] if pe else None, kwargs)
+            if module.layer_idx in self.layers:
+                self._record(module, module.layer_idx, query, key, value, kwargs)
             return out
 
         return fn
 
-    def _record(self, module, idx, query, key, value, pe, kwargs) -> None:
+    def _record(self, module, idx, query, key, value, kwargs) -> None:
         tq = query.shape[-2]
         post = {"q": query[0], "k": key[0, :, -tq:], "v": value[0, :, -tq:]}
-        pre = self._pre_rope(idx, post, pe)
+        pre = self._pre_rope(idx, post)
         for name, t in {**post, **pre}.items():  # a failure deletes the partial file
             if not bool(t.isfinite().all()):
                 raise NumericalError(
@@ -252,11 +250,11 @@ class _LayerSink:
                 self.notes.append(note)
         return window
 
-    def _pre_rope(self, idx, post, pe) -> dict[str, Any]:
+    def _pre_rope(self, idx, post) -> dict[str, Any]:
         """``q_pre``, ``k_pre`` ``[H, T, D]``: RoPE inverted with the layer's own tables (a NoPE
         layer keeps its tensors)."""
         tables = None
-        if pe is not None:
+        if idx in self.rope_inputs:
             tables = self.rope_inputs.tables(idx, int(post["q"].shape[-1]))
         elif self.info.has_rope:
             raise ModelLoadError(
