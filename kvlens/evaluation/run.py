@@ -1,8 +1,7 @@
 """Run every requested evaluation of ``kvlens generate`` (``evaluate_configs``): the
 short-context checks (``short``) first, then long-context KL divergence (``kld``), then
-retrieval (``needles``); Ctrl-C keeps what finished. Each compressed run reads a fresh cache
-per sequence through ``kvlens.cache.compressed_attention``, exactly as in generation.
-"""
+retrieval (``needles``). Each compressed run reads a fresh cache per sequence through
+``kvlens.cache.compressed_attention``, exactly as in generation."""
 
 from __future__ import annotations
 

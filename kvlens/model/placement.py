@@ -1,12 +1,8 @@
 """Where a model's weights, its activations and its KV cache live: device maps, memory limits
 and CPU/disk offload, through accelerate's big-model inference (kvlens places no module itself).
 
-``make_placement`` checks ``--device-map``, ``--max-memory`` (accelerate's per-device limits,
-plus a ``disk`` limit kvlens checks) and ``--offload-folder`` together; ``plan_device_map``
-computes the explicit map accelerate would (on an empty model, as transformers does), so that a
-limit that cannot hold the model fails before any weight is read, naming devices and sizes.
-After loading, ``layer_devices`` says where each layer's attention (and so its captured tensors
-and cache) runs, ``input_device`` where token ids go, ``weights_by_device`` what each holds.
+``plan_device_map`` computes the explicit map accelerate would (on an empty model, as
+transformers does), so that a limit that cannot hold the model fails before any weight is read.
 """
 
 from __future__ import annotations
