@@ -41,6 +41,8 @@ STATS = ("mean_kld", "median_kld", "p99_kld", "top1_agreement", "ppl", "ppl_chan
 #: Statistics compared between configs (paired): lower KLD, higher agreement, lower ppl change;
 #: and the excess NLL, which says how much of a ppl-change difference is not a KLD difference.
 PAIRED = ("mean_kld", "top1_agreement", "ppl_change", "excess_nll")
+#: Statistics compared with the exact cache, and the exact cache's own value of each.
+VS_EXACT = {"mean_kld": 0.0, "top1_agreement": 1.0, "ppl_change": 0.0}
 
 
 @dataclass
@@ -293,11 +295,9 @@ def summarize(scores: TextScores, resamples: int = RESAMPLES, seed: int = BOOTST
             res[stat] = {"value": float(point[j]), "ci95": percentile_interval(samples[:, j])}
         res["ppl_exact"] = ppl_exact
         # Versus the exact cache: KLD and (1 - agreement) are already differences from it.
-        zero = np.zeros(len(picks))
-        res["vs_exact"] = {
-            "mean_kld": paired_difference(point[0], 0.0, samples[:, 0], zero),
-            "top1_agreement": paired_difference(point[3], 1.0, samples[:, 3], zero + 1.0),
-            "ppl_change": paired_difference(point[5], 0.0, samples[:, 5], zero)}
+        res["vs_exact"] = {stat: paired_difference(point[j], ref, samples[:, j],
+                                                   np.full(len(picks), ref))
+                           for stat, ref in VS_EXACT.items() for j in [STATS.index(stat)]}
         res["vs_first"] = None
         if first is not None and i != first:
             ref, ref_point, ref_samples = per_config[first]
