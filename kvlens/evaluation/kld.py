@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvlens.errors import InputError
+from kvlens.errors import InputError, is_int
 from kvlens.evaluation.baselines import held_bytes, open_session
 from kvlens.evaluation.stats import (
     BOOTSTRAP_SEED,
@@ -114,7 +114,7 @@ def max_positions(model) -> int | None:
     config = text_config(model.config)
     for name in ("max_position_embeddings", "n_positions"):
         value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
+        if is_int(value, 1):
             return value
     return None
 
