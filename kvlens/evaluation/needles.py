@@ -9,6 +9,7 @@ prompt has its own string-seeded random stream (``_rng``), shared with no other 
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -140,16 +141,13 @@ def build_grid(tokenizer, lengths: Sequence[int], depths: Sequence[float] = DEFA
         raise InputError(f"Retrieval depths must be in [0, 1]; got {bad}.")
     paras = paragraphs()
     prompts = []
-    for length in lengths:
-        for depth in depths:
-            for task in TASKS:
-                for i in range(per_cell):
-                    rng = _rng(seed, task, length, depth, i)
-                    if task == "passkey":
-                        text, answer = passkey_prompt(tokenizer, length, depth, rng)
-                    else:
-                        text, answer = kv_prompt(tokenizer, length, depth, rng, paras)
-                    prompts.append(NeedlePrompt(task, length, depth, i, text, answer))
+    for length, depth, task, i in itertools.product(lengths, depths, TASKS, range(per_cell)):
+        rng = _rng(seed, task, length, depth, i)
+        if task == "passkey":
+            text, answer = passkey_prompt(tokenizer, length, depth, rng)
+        else:
+            text, answer = kv_prompt(tokenizer, length, depth, rng, paras)
+        prompts.append(NeedlePrompt(task, length, depth, i, text, answer))
     return prompts
 
 
