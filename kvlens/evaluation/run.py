@@ -40,7 +40,6 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
                     "interrupted": False}
     kld_ids = text_source = None
     if "kld" in options.evals:  # validate before any work
-
         text, text_source = load_eval_text(options.text)
         ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
         n = check_lengths(ids.shape[1], options.eval_tokens, options.chunk,
@@ -89,11 +88,11 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
         for res, doc in zip(report["results"], summary["configs"]):
             res["retrieval"] = {k: v for k, v in doc.items() if k != "name"}
         report["interrupted"] = scores.interrupted
-    reason = next((r.get("backend_reason") for r in reversed(report["results"])
-                   if r.get("backend_reason")), None)
-    report["backend_reason"] = reason or select_backend(options.backend, device)[1]
+    backend, why = select_backend(options.backend, device)  # a result's own reason wins
+    report["backend_reason"] = next((r["backend_reason"] for r in reversed(report["results"])
+                                     if r.get("backend_reason")), why)
     for res in report["results"]:
-        res.setdefault("backend", select_backend(options.backend, device)[0])
+        res.setdefault("backend", backend)
     return report
 
 
