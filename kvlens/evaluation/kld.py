@@ -121,14 +121,10 @@ def max_positions(model) -> int | None:
 
 def reads_quantized(cache) -> bool:
     """Whether attention over ``cache`` reads at least one quantized entry now (see module doc)."""
-    for layer in getattr(cache, "layers", ()):
-        if getattr(layer, "quantized_length", 0) > 0:
-            return True
-        if getattr(layer, "quantizes_on_write", False):  # engine layers: the chunk itself
-            return True
-        if getattr(layer, "_quantized_keys", None) is not None:  # transformers QuantizedCache
-            return True
-    return False
+    return any(getattr(layer, "quantized_length", 0) > 0
+               or getattr(layer, "quantizes_on_write", False)  # engine layers: the chunk itself
+               or getattr(layer, "_quantized_keys", None) is not None  # transformers' caches
+               for layer in getattr(cache, "layers", ()))
 
 
 def score_text(model, ids, configs: Sequence, chunk: int = DEFAULT_CHUNK, backend: str = "auto",
