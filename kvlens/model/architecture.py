@@ -128,17 +128,13 @@ def decoder_layers(model) -> list:
     found = _candidate_modules(model)
     if not found:
         return []
-    parents = {}
-    for _, module in model.named_modules():
-        for child in module.children():
-            parents[id(child)] = module
-    node = found[min(found)]
-    while id(node) in parents:
-        parent = parents[id(node)]
+    names = {id(m): n for n, m in model.named_modules()}
+    parts = names[id(found[min(found)])].split(".")
+    for i in range(len(parts) - 1, -1, -1):  # its ancestors, nearest first
+        parent = model.get_submodule(".".join(parts[:i]))
         if isinstance(parent, torch.nn.ModuleList):
             return list(parent)
-        node = parent
-    return [parents.get(id(found[i]), found[i]) for i in sorted(found)]
+    return [model.get_submodule(names[id(found[i])].rpartition(".")[0]) for i in sorted(found)]
 
 
 def rope_config(config) -> dict[str, Any]:
