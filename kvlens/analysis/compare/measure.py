@@ -129,9 +129,7 @@ def _layer_records(layer_data, config: CompareConfig, meta, samples: slice,
                    pre: bool) -> list[Record]:
     import torch
 
-    q = layer_data.read("q", samples)
-    k = layer_data.read("k", samples)
-    v = layer_data.read("v", samples)
+    q, k, v = (layer_data.read(name, samples) for name in ("q", "k", "v"))
     k_pre = tables = None
     if pre:
         k_pre = layer_data.read("k_pre", samples)
