@@ -21,6 +21,7 @@ from kvlens.evaluation.kld import (
 from kvlens.evaluation.kld import summarize as summarize_kld
 from kvlens.evaluation.needles import GridScores, NeedlePrompt, build_grid, grid_lengths
 from kvlens.evaluation.needles import summarize as summarize_grid
+from kvlens.evaluation.options import EvalOptions
 from kvlens.evaluation.stats import (
     bootstrap_indices,
     paired_difference,
@@ -219,11 +220,15 @@ def test_interrupt_keeps_the_finished_chunks():
     (3000, None, 64, 8192, "longer than the text"),
     (5000, 100, 0, 8192, "chunk must be between 1"),
     (5000, 100, 101, 8192, "chunk must be between 1 \\(decode mode\\) and eval_tokens"),
-    (5000, 1, 1, 8192, "at least 2"),
 ])
 def test_bad_lengths_are_clear_errors(text, tokens, chunk, limit, message):
     with pytest.raises(InputError, match=message):
         check_lengths(text, tokens, chunk, limit, "t.txt")
+
+
+def test_eval_tokens_below_two_are_refused_with_the_options():
+    with pytest.raises(InputError, match="eval_tokens}? must be at least 2"):
+        EvalOptions(evals=("kld",), eval_tokens=1, chunk=1)
 
 
 def test_default_eval_tokens_is_capped_by_the_context():

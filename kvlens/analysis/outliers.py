@@ -3,9 +3,8 @@
 Owns the outlier rule and the statistics (per layer, tensor and head, over all captured
 samples and tokens of a ``[S, H, T, D]`` tensor; definitions in ``docs/outliers.md``): a
 channel is an outlier when its abs-max is at least ``threshold`` times the head's median
-channel abs-max. ``analyze_capture`` streams one layer at a time and returns a frozen,
-JSON-serialisable ``OutlierReport``; heads are selected by KV head, and a query tensor
-contributes the query heads of the selected KV heads' GQA groups.
+channel abs-max. ``analyze_capture`` returns them as a frozen, JSON-serialisable
+``OutlierReport``.
 """
 
 from __future__ import annotations

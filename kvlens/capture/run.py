@@ -21,8 +21,8 @@ from kvlens.capture.store import CaptureMeta, CaptureWriter, LayerAttrs
 from kvlens.errors import InputError, ModelLoadError, NumericalError
 from kvlens.model.architecture import describe
 from kvlens.model.header import read_header
-from kvlens.model.hooks import attention_override, check_observed, observe_attention, rope_inputs
-from kvlens.model.load import check_load_options, load_model
+from kvlens.model.hooks import attention_override, check_attention_shapes, rope_inputs
+from kvlens.model.load import check_load_options, load_model, model_dtype
 from kvlens.model.placement import input_device, weights_by_device
 from kvlens.rope import FORMS, RopeTables
 from kvlens.text.corpus import load_text, token_windows
@@ -141,14 +141,13 @@ def capture_model(model, windows, output: str | Path, *, layers: str | list[int]
     s_count, t_count = int(windows.shape[0]), int(windows.shape[1])
     device = input_device(model)
     # the shapes the model really uses, before any file is written
-    check_observed(info, observe_attention(model, windows[:1, :min(t_count, 8)].to(device)))
-    compute_dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    check_attention_shapes(model, info, windows[:1, :min(t_count, 8)].to(device))
     head = model.get_output_embeddings()
     vocab, hidden = head.weight.shape if head is not None else (0, 0)
     meta = CaptureMeta(
         model=model_name or getattr(model.config, "_name_or_path", "") or info.architecture,
         shape=info, rope_layout="pending", rotary_dim=0,
-        compute_dtype=compute_dtype, storage_dtype=storage_dtype, num_samples=s_count,
+        compute_dtype=model_dtype(model), storage_dtype=storage_dtype, num_samples=s_count,
         num_tokens=t_count, layers=tuple(layer_list), model_source=model_source,
         text_source=text_source, kvlens_version=__version__,
         extra={"transformers_version": str(transformers.__version__),
@@ -167,16 +166,11 @@ def capture_model(model, windows, output: str | Path, *, layers: str | list[int]
         sink.writer = writer
         for s in range(s_count):
             sink.sample = s
+            # every captured layer calls the attention interface (check_attention_shapes said so)
             model(input_ids=windows[s:s + 1].to(device), use_cache=False)
-            missing = set(layer_list) - sink.seen
-            if missing:
-                raise ModelLoadError(
-                    f"Unsupported model {info.architecture}: layers {sorted(missing)} never "
-                    "called the attention interface, so kvlens cannot capture them.")
             if s == 0:
                 sink.finalize_layout(writer)
             writer.write_tokens(s, windows[s].cpu().numpy().astype("int32"))
-            sink.seen.clear()
             if progress:
                 progress(s + 1, s_count, f"sample {s + 1}/{s_count}")
         writer.set_attr("notes", "; ".join(sink.notes))
@@ -201,31 +195,28 @@ class _LayerSink:
         self.info = info
         self.writer = None
         self.sample = 0
-        self.seen: set[int] = set()
         self.rope_layout = "pending"
         self.rotary_dim = 0
-        self.rope_inputs = None  # set by attention_fn
+        self.rope_inputs = None  # set by attention_fn: kvlens.model.rotary.RopeInputs
         self._rope: dict[int, Any] = {}  # layer -> its RopeTables at sample 0 (None: NoPE)
         self.notes: list[str] = []
         self._layer_attrs: dict[int, Any] = {}
         self.devices: dict[int, str] = {}  # layer -> device its tensors arrived on
 
     def attention_fn(self, original: Callable, tables: dict[int, tuple]) -> Callable:
-        self.rope_inputs = tables  # kvlens.model.rotary.RopeInputs: _pre_rope normalises them
+        self.rope_inputs = tables  # _pre_rope normalises a layer's RoPE inputs
         def fn(module, query, key, value, attention_mask, **kwargs):
             out = original(module, query, key, value, attention_mask, **kwargs)
-            idx = module.layer_idx
-            if idx in self.layers:
-                pe = tables.get(idx)  # (cos, sin, position_ids)
-                self._record(module, idx, query, key, value, pe[:2] if pe else None, kwargs)
+            if module.layer_idx in self.layers:
+                self._record(module, module.layer_idx, query, key, value, kwargs)
             return out
 
         return fn
 
-    def _record(self, module, idx, query, key, value, pe, kwargs) -> None:
+    def _record(self, module, idx, query, key, value, kwargs) -> None:
         tq = query.shape[-2]
         post = {"q": query[0], "k": key[0, :, -tq:], "v": value[0, :, -tq:]}
-        pre = self._pre_rope(idx, post, pe)
+        pre = self._pre_rope(idx, post)
         for name, t in {**post, **pre}.items():  # a failure deletes the partial file
             if not bool(t.isfinite().all()):
                 raise NumericalError(
@@ -245,7 +236,6 @@ class _LayerSink:
                 float(kwargs.get("softcap") or 0.0),
                 tuple(sinks.detach().float().reshape(-1).tolist()) if hasattr(sinks, "detach")
                 else ())
-        self.seen.add(idx)
 
     def _window(self, idx: int, kwargs: dict, tokens: int) -> int:
         """The layer's sliding window (0 = none); a chunked-attention layer (Llama 4) is
@@ -260,11 +250,11 @@ class _LayerSink:
                 self.notes.append(note)
         return window
 
-    def _pre_rope(self, idx, post, pe) -> dict[str, Any]:
+    def _pre_rope(self, idx, post) -> dict[str, Any]:
         """``q_pre``, ``k_pre`` ``[H, T, D]``: RoPE inverted with the layer's own tables (a NoPE
         layer keeps its tensors)."""
         tables = None
-        if pe is not None:
+        if idx in self.rope_inputs:
             tables = self.rope_inputs.tables(idx, int(post["q"].shape[-1]))
         elif self.info.has_rope:
             raise ModelLoadError(

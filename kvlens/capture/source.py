@@ -1,7 +1,6 @@
 """The model a capture came from: the ``--model`` string that reloads it
 (``model_spec_from_capture``) and ``CaptureModel``, the one way kvlens loads a model beside a
-capture (recommend's sensitivity and retrieval probe, its budget search and validation, the
-engine targets' KLD anchors and validation), once, when first needed."""
+capture, once, when first needed."""
 
 from __future__ import annotations
 

@@ -28,8 +28,8 @@ from kvlens.cache import compressed_attention, memory_report
 from kvlens.config.engine import parse_engine_setting
 from kvlens.errors import ConfigError, InputError
 
-_PACKAGES = {"quanto": "optimum.quanto", "hqq": "hqq", "fp8": None}
-_PIP = {"quanto": "optimum-quanto", "hqq": "hqq"}
+#: backend -> (the module it imports, the pip package holding it); fp8 needs none
+_PACKAGES = {"quanto": ("optimum.quanto", "optimum-quanto"), "hqq": ("hqq", "hqq")}
 # transformers' layer class of each backend (transformers.cache_utils)
 LAYER_CLASSES = {"quanto": "QuantoQuantizedLayer", "hqq": "HQQQuantizedLayer",
                  "dynamic": "DynamicLayer"}
@@ -102,13 +102,12 @@ def read_layers(path: str | Path) -> tuple:
 
 
 def _require(name: str, backend: str) -> None:
-    package = _PACKAGES.get(backend)
+    package, pip_name = _PACKAGES.get(backend, (None, None))
     try:
         missing = package is not None and importlib.util.find_spec(package) is None
     except ModuleNotFoundError:  # the parent package (optimum) is missing
         missing = True
     if missing:
-        pip_name = _PIP[backend]
         raise ConfigError(f"Baseline {name} needs the {pip_name} package, which is not "
                           f"installed; install it with `pip install {pip_name}` (or the "
                           "kvlens extra: `pip install kvlens[hf-caches]`).")

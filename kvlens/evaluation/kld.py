@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvlens.errors import InputError
+from kvlens.errors import InputError, is_int
 from kvlens.evaluation.baselines import held_bytes, open_session
 from kvlens.evaluation.stats import (
     BOOTSTRAP_SEED,
@@ -28,6 +28,7 @@ from kvlens.evaluation.stats import (
     paired_difference,
     percentile_interval,
 )
+from kvlens.model.architecture import text_config
 from kvlens.model.hooks import cache_argument_name
 from kvlens.text.corpus import DEFAULT_CORPUS_NAME, load_text
 from kvlens.text.heldout import HELDOUT_NAME, heldout_text
@@ -40,6 +41,8 @@ STATS = ("mean_kld", "median_kld", "p99_kld", "top1_agreement", "ppl", "ppl_chan
 #: Statistics compared between configs (paired): lower KLD, higher agreement, lower ppl change;
 #: and the excess NLL, which says how much of a ppl-change difference is not a KLD difference.
 PAIRED = ("mean_kld", "top1_agreement", "ppl_change", "excess_nll")
+#: Statistics compared with the exact cache, and the exact cache's own value of each.
+VS_EXACT = {"mean_kld": 0.0, "top1_agreement": 1.0, "ppl_change": 0.0}
 
 
 @dataclass
@@ -79,12 +82,11 @@ class TextScores:
 
 def check_lengths(text_tokens: int, eval_tokens: int | None, chunk: int, max_positions: int | None,
                   source: str) -> int:
-    """The number of tokens to score (``eval_tokens`` or the default), or ``InputError``."""
+    """The number of tokens to score (``eval_tokens``, at least 2 as ``EvalOptions`` checks, or
+    the default), or ``InputError``."""
     limit = max_positions or 10**9
     if eval_tokens is None:
         eval_tokens = min(DEFAULT_EVAL_TOKENS, limit)
-    elif eval_tokens < 2:
-        raise InputError(f"{{eval_tokens}} must be at least 2 (got {eval_tokens}).")
     elif eval_tokens > limit:
         raise InputError(f"{{eval_tokens}} {eval_tokens} is beyond the model's context: its "
                          f"max_position_embeddings is {limit}; allowed: 2-{limit}.")
@@ -109,26 +111,20 @@ def load_eval_text(path: str | None) -> tuple[str, str]:
 
 
 def max_positions(model) -> int | None:
-    config = model.config
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config(decoder=True)
+    config = text_config(model.config)
     for name in ("max_position_embeddings", "n_positions"):
         value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
+        if is_int(value, 1):
             return value
     return None
 
 
 def reads_quantized(cache) -> bool:
     """Whether attention over ``cache`` reads at least one quantized entry now (see module doc)."""
-    for layer in getattr(cache, "layers", ()):
-        if getattr(layer, "quantized_length", 0) > 0:
-            return True
-        if getattr(layer, "quantizes_on_write", False):  # engine layers: the chunk itself
-            return True
-        if getattr(layer, "_quantized_keys", None) is not None:  # transformers QuantizedCache
-            return True
-    return False
+    return any(getattr(layer, "quantized_length", 0) > 0
+               or getattr(layer, "quantizes_on_write", False)  # engine layers: the chunk itself
+               or getattr(layer, "_quantized_keys", None) is not None  # transformers' caches
+               for layer in getattr(cache, "layers", ()))
 
 
 def score_text(model, ids, configs: Sequence, chunk: int = DEFAULT_CHUNK, backend: str = "auto",
@@ -155,7 +151,7 @@ def score_text(model, ids, configs: Sequence, chunk: int = DEFAULT_CHUNK, backen
         installed = model.config._attn_implementation
         caches = [s.new_cache() for s in sessions]
         exact_cache = None
-        clock = {"exact": 0.0, "scoring": 0.0}
+        exact_s = after_exact_s = 0.0  # the exact forwards; the rest of each chunk
         per_config = [0.0] * len(caches)
         try:
             for k, s in enumerate(starts):
@@ -166,23 +162,23 @@ def score_text(model, ids, configs: Sequence, chunk: int = DEFAULT_CHUNK, backen
                 out = _exact_forward(model, x, arg, exact_cache, plain, installed)
                 exact_cache = _returned_cache(out)
                 t1 = time.perf_counter()
-                clock["exact"] += t1 - t0
+                exact_s += t1 - t0
                 logp_e = torch.log_softmax(out.logits[0, :m].double(), -1)
                 nll_e = -logp_e.gather(-1, targets[:, None])[:, 0]
                 top_e = logp_e.argmax(-1)
                 p_e = logp_e.exp()
                 rows = _score_configs(model, x, arg, caches, (logp_e, top_e, p_e), targets,
-                                      clock, per_config)
+                                      per_config)
                 # Record a chunk only once every config has scored it (an interrupt inside
                 # _score_configs leaves all configs on the same chunks).
                 _record_chunk(result, rows, nll_e, k)
-                clock["scoring"] += time.perf_counter() - t1
+                after_exact_s += time.perf_counter() - t1
                 progress(k + 1, len(starts))
         except KeyboardInterrupt:
             result.interrupted = True
-        result.seconds = {"exact_forward": round(clock["exact"], 2),
+        result.seconds = {"exact_forward": round(exact_s, 2),
                           "config_forward": [round(v, 2) for v in per_config],
-                          "kl_and_nll": round(clock["scoring"], 2)}
+                          "kl_and_nll": round(after_exact_s - sum(per_config), 2)}
         for ts, config, cache, session in zip(result.configs, configs, caches, sessions):
             ts.memory = held_bytes(config, cache)
             ts.backend_reason = getattr(session, "backend_reason", None)
@@ -203,11 +199,10 @@ def _exact_forward(model, x, arg: str, exact_cache, plain: str, installed: str):
 
 
 def _score_configs(model, x, arg: str, caches: list, exact: tuple, targets,
-                   clock: dict[str, float], per_config: list[float]) -> list[tuple]:
+                   per_config: list[float]) -> list[tuple]:
     """Each config's forward on chunk ``x`` through its cache, scored against the exact
     model's ``(log-probabilities, top-1, probabilities)``: per config ``(KLD, top-1 agreement,
-    NLL, whether it read quantized entries)``. Each forward's time goes to ``per_config`` and
-    is taken off ``clock["scoring"]`` (which times the scoring around the forwards)."""
+    NLL, whether it read quantized entries)``. Each forward's time goes to ``per_config``."""
     import torch
 
     logp_e, top_e, p_e = exact
@@ -217,9 +212,7 @@ def _score_configs(model, x, arg: str, caches: list, exact: tuple, targets,
         quant = reads_quantized(cache)
         t2 = time.perf_counter()
         logits = model(x, use_cache=True, **{arg: cache}).logits
-        t3 = time.perf_counter()
-        per_config[j] += t3 - t2
-        clock["scoring"] -= t3 - t2
+        per_config[j] += time.perf_counter() - t2
         logp = torch.log_softmax(logits[0, :m].double(), -1)
         kld = (p_e * (logp_e - logp)).sum(-1).clamp_min(0.0)
         rows.append((kld, logp.argmax(-1) == top_e,
@@ -298,11 +291,9 @@ def summarize(scores: TextScores, resamples: int = RESAMPLES, seed: int = BOOTST
             res[stat] = {"value": float(point[j]), "ci95": percentile_interval(samples[:, j])}
         res["ppl_exact"] = ppl_exact
         # Versus the exact cache: KLD and (1 - agreement) are already differences from it.
-        zero = np.zeros(len(picks))
-        res["vs_exact"] = {
-            "mean_kld": paired_difference(point[0], 0.0, samples[:, 0], zero),
-            "top1_agreement": paired_difference(point[3], 1.0, samples[:, 3], zero + 1.0),
-            "ppl_change": paired_difference(point[5], 0.0, samples[:, 5], zero)}
+        res["vs_exact"] = {stat: paired_difference(point[j], ref, samples[:, j],
+                                                   np.full(len(picks), ref))
+                           for stat, ref in VS_EXACT.items() for j in [STATS.index(stat)]}
         res["vs_first"] = None
         if first is not None and i != first:
             ref, ref_point, ref_samples = per_config[first]

@@ -9,6 +9,7 @@ prompt has its own string-seeded random stream (``_rng``), shared with no other 
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -140,16 +141,13 @@ def build_grid(tokenizer, lengths: Sequence[int], depths: Sequence[float] = DEFA
         raise InputError(f"Retrieval depths must be in [0, 1]; got {bad}.")
     paras = paragraphs()
     prompts = []
-    for length in lengths:
-        for depth in depths:
-            for task in TASKS:
-                for i in range(per_cell):
-                    rng = _rng(seed, task, length, depth, i)
-                    if task == "passkey":
-                        text, answer = passkey_prompt(tokenizer, length, depth, rng)
-                    else:
-                        text, answer = kv_prompt(tokenizer, length, depth, rng, paras)
-                    prompts.append(NeedlePrompt(task, length, depth, i, text, answer))
+    for length, depth, task, i in itertools.product(lengths, depths, TASKS, range(per_cell)):
+        rng = _rng(seed, task, length, depth, i)
+        if task == "passkey":
+            text, answer = passkey_prompt(tokenizer, length, depth, rng)
+        else:
+            text, answer = kv_prompt(tokenizer, length, depth, rng, paras)
+        prompts.append(NeedlePrompt(task, length, depth, i, text, answer))
     return prompts
 
 
@@ -204,6 +202,16 @@ def _cell(label: dict, sel: list[int], correct: list[bool], tokens: list[int]) -
             "wilson95": [lo, hi], "mean_tokens": round(float(np.mean([tokens[j] for j in sel])))}
 
 
+def _outcomes(scores: GridScores, correct: list[bool], ci95: list[float] | None = None) -> dict:
+    """One run's answers: counts, outcomes, accuracy (with its bootstrap ``ci95`` when given),
+    Wilson interval and cells."""
+    k = int(sum(correct))
+    return {"correct": k, "total": len(correct), "outcomes": [bool(c) for c in correct],
+            "accuracy": float(np.mean(correct)), **({"ci95": ci95} if ci95 else {}),
+            "wilson95": list(wilson(k, len(correct))),
+            **_cells(scores.prompts, correct, scores.tokens)}
+
+
 def summarize(scores: GridScores, resamples: int = RESAMPLES, seed: int = BOOTSTRAP_SEED) -> dict:
     """JSON-ready results: protocol, the exact model's cells, per-config cells and comparisons."""
     prompts = scores.prompts
@@ -221,28 +229,19 @@ def summarize(scores: GridScores, resamples: int = RESAMPLES, seed: int = BOOTST
     def acc_samples(correct):
         return np.asarray(correct, dtype=np.float64)[draws].mean(axis=1)
 
-    exact = np.asarray(scores.exact, dtype=np.float64)
     exact_samples = acc_samples(scores.exact)
+    exact_doc = _outcomes(scores, scores.exact)
     first = next((i for i, (_, compressed, _) in enumerate(scores.configs) if compressed), None)
     out = []
     for i, (name, _, correct) in enumerate(scores.configs):
-        acc = float(np.mean(correct))
         samples = acc_samples(correct)
-        res = {"name": name, "correct": int(sum(correct)), "total": len(correct),
-               "outcomes": [bool(c) for c in correct],
-               "accuracy": acc, "ci95": percentile_interval(samples),
-               "wilson95": list(wilson(int(sum(correct)), len(correct))),
-               **_cells(prompts, correct, scores.tokens),
-               "vs_exact": {"accuracy": paired_difference(acc, float(exact.mean()), samples,
-                                                          exact_samples)},
-               "vs_first": None}
+        res = {"name": name, **_outcomes(scores, correct, percentile_interval(samples))}
+        res["vs_exact"] = {"accuracy": paired_difference(
+            res["accuracy"], exact_doc["accuracy"], samples, exact_samples)}
+        res["vs_first"] = None
         if first is not None and i != first:
             ref_name, _, ref = scores.configs[first]
             res["vs_first"] = {"reference": ref_name, "accuracy": paired_difference(
-                acc, float(np.mean(ref)), samples, acc_samples(ref))}
+                res["accuracy"], float(np.mean(ref)), samples, acc_samples(ref))}
         out.append(res)
-    exact_doc = {"correct": int(exact.sum()), "total": len(exact), "accuracy": float(exact.mean()),
-                 "outcomes": [bool(c) for c in scores.exact],
-                 "wilson95": list(wilson(int(exact.sum()), len(exact))),
-                 **_cells(prompts, scores.exact, scores.tokens)}
     return {"protocol": protocol, "exact": exact_doc, "configs": out}

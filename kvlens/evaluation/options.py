@@ -38,16 +38,14 @@ class EvalOptions:
                              f"{', '.join(BACKENDS)}.")
         if self.chunk < 1:
             raise InputError(f"{{chunk}} must be at least 1 (1 = decode mode); got {self.chunk}.")
-        if self.eval_tokens is not None and self.eval_tokens < 2:
-            raise InputError(f"{{eval_tokens}} must be at least 2 (got {self.eval_tokens}).")
+        for field, low in (("eval_tokens", 2), ("max_new_tokens", 1), ("retrieval_prompts", 1),
+                           ("passkey_prompts", 1), ("passkey_context", 64), ("ppl_tokens", 40)):
+            value = getattr(self, field)  # None: the default (eval_tokens)
+            if value is not None and value < low:
+                raise InputError(f"{{{field}}} must be at least {low} (got {value}).")
         if self.eval_tokens is not None and self.chunk > self.eval_tokens:
             raise InputError(f"{{chunk}} must be between 1 (decode mode) and {{eval_tokens}} "
                              f"({self.eval_tokens}); got {self.chunk}.")
-        for field, low in (("max_new_tokens", 1), ("retrieval_prompts", 1),
-                           ("passkey_prompts", 1), ("passkey_context", 64), ("ppl_tokens", 40)):
-            if getattr(self, field) < low:
-                raise InputError(f"{{{field}}} must be at least {low} (got "
-                                 f"{getattr(self, field)}).")
 
 
 def parse_evals(spec: str | None) -> tuple[str, ...]:

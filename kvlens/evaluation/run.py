@@ -1,8 +1,7 @@
 """Run every requested evaluation of ``kvlens generate`` (``evaluate_configs``): the
 short-context checks (``short``) first, then long-context KL divergence (``kld``), then
-retrieval (``needles``); Ctrl-C keeps what finished. Each compressed run reads a fresh cache
-per sequence through ``kvlens.cache.compressed_attention``, exactly as in generation.
-"""
+retrieval (``needles``). Each compressed run reads a fresh cache per sequence through
+``kvlens.cache.compressed_attention``, exactly as in generation."""
 
 from __future__ import annotations
 
@@ -21,6 +20,7 @@ from kvlens.evaluation.needles import build_grid, grid_lengths, run_grid
 from kvlens.evaluation.needles import summarize as summarize_grid
 from kvlens.evaluation.options import LONG_EVALS, EvalOptions
 from kvlens.evaluation.short import short_evals
+from kvlens.model.load import model_dtype
 from kvlens.model.placement import input_device
 
 
@@ -40,7 +40,6 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
                     "interrupted": False}
     kld_ids = text_source = None
     if "kld" in options.evals:  # validate before any work
-
         text, text_source = load_eval_text(options.text)
         ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
         n = check_lengths(ids.shape[1], options.eval_tokens, options.chunk,
@@ -89,18 +88,12 @@ def evaluate_configs(model, tokenizer, configs: list[KVConfig], options: EvalOpt
         for res, doc in zip(report["results"], summary["configs"]):
             res["retrieval"] = {k: v for k, v in doc.items() if k != "name"}
         report["interrupted"] = scores.interrupted
-    reason = next((r.get("backend_reason") for r in reversed(report["results"])
-                   if r.get("backend_reason")), None)
-    report["backend_reason"] = reason or select_backend(options.backend, device)[1]
+    backend, why = select_backend(options.backend, device)  # a result's own reason wins
+    report["backend_reason"] = next((r["backend_reason"] for r in reversed(report["results"])
+                                     if r.get("backend_reason")), why)
     for res in report["results"]:
-        res.setdefault("backend", select_backend(options.backend, device)[0])
+        res.setdefault("backend", backend)
     return report
-
-
-def model_dtype(model) -> str:
-    """The dtype the model's weights run in (the exact reference of every comparison):
-    ``"float32"``, ``"bfloat16"``..."""
-    return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
 def _every(progress: Callable[[str], None], label: str, parts: int = 8):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from kvlens.config import KVConfig, preset
 from kvlens.errors import InputError
@@ -60,39 +59,29 @@ def passkey_prompts(tokenizer, n: int, context_tokens: int, seed: int
     return out
 
 
-def _encode(tokenizer, text: str, device):
-    return tokenizer(text, return_tensors="pt").input_ids.to(device)
-
-
-@dataclass(frozen=True)
-class _Inputs:
-    """What every config is run on, tokenized once: the prompt to continue (``None``: no
-    generation), the decode-mode perplexity text (``None``: no ppl) and the passkey prompts."""
-    device: object
-    prompt_ids: object
-    ppl_ids: object
-    passkeys: list[tuple[str, str]]
-
-
 def short_evals(model, tokenizer, configs: list[KVConfig], options: EvalOptions,
                  progress: Callable[[str], None]) -> tuple[list[dict], bool]:
     """Generation with ``options.prompt`` and the short-context ppl / passkey / agreement:
     ``(results of the configs that finished, interrupted)``."""
     device = input_device(model)
     exact = preset("exact")  # the reference: no compression, the model's dtype
-    prompt_ids = _encode(tokenizer, options.prompt, device) if options.prompt else None
     need_agree = "agreement" in options.evals
-    if need_agree and prompt_ids is None:
-        prompt_ids = _encode(tokenizer, DEFAULT_PROMPT, device)
-    ppl_ids = _ppl_ids(tokenizer, options, device) if "ppl" in options.evals else None
-    passkeys = passkey_prompts(tokenizer, options.passkey_prompts, options.passkey_context,
-                               options.seed) if "passkey" in options.evals else []
-    inputs = _Inputs(device, prompt_ids, ppl_ids, passkeys)
+    prompt = options.prompt or (DEFAULT_PROMPT if need_agree else None)
 
+    def encode(text: str):
+        return tokenizer(text, return_tensors="pt").input_ids.to(device)
+
+    # what every config is run on, tokenized once (None: no generation, no ppl)
+    prompt_ids = encode(prompt) if prompt else None
+    ppl_ids = _ppl_ids(tokenizer, options, device) if "ppl" in options.evals else None
+    passkeys = [(encode(text), key) for text, key in passkey_prompts(
+        tokenizer, options.passkey_prompts, options.passkey_context, options.seed)] \
+        if "passkey" in options.evals else []
     baseline: dict = {}
 
     def run(config: KVConfig) -> dict:
-        return _run_config(model, tokenizer, config, options, inputs, progress)
+        return _run_config(model, tokenizer, config, options, progress, prompt_ids, ppl_ids,
+                           passkeys)
 
     results = []
     interrupted = False
@@ -131,36 +120,34 @@ def _ppl_ids(tokenizer, options: EvalOptions, device):
     return ids[:, :options.ppl_tokens].to(device)
 
 
-def _run_config(model, tokenizer, config: KVConfig, options: EvalOptions, inputs: _Inputs,
-                progress: Callable[[str], None]) -> dict:
-    """One config's generation, decode-mode ppl and passkeys in one session, with the held
-    bytes of its biggest cache (the greedy tokens kept under ``_tokens`` for agreement)."""
+def _run_config(model, tokenizer, config: KVConfig, options: EvalOptions,
+                progress: Callable[[str], None], prompt_ids, ppl_ids, passkeys: list) -> dict:
+    """One config's generation of ``prompt_ids``, decode-mode ppl of ``ppl_ids`` and answers to
+    ``passkeys`` (``(ids, key)`` pairs) in one session, with the held bytes of its biggest cache
+    (the greedy tokens kept under ``_tokens`` for agreement)."""
     res: dict = {"name": config.name}
     caches = []
     with open_session(model, config, options.backend) as session:
         res["backend"] = session.backend
-        if inputs.prompt_ids is not None:
+        if prompt_ids is not None:
             progress(f"{config.name}: generating {options.max_new_tokens} tokens")
-            new, cache = greedy(model, inputs.prompt_ids, session, options.max_new_tokens)
+            new, cache = greedy(model, prompt_ids, session, options.max_new_tokens)
             caches.append(cache)
             res["text"] = tokenizer.decode(new[0], skip_special_tokens=True)
             res["_tokens"] = new[0].tolist()
-        if inputs.ppl_ids is not None:
-            progress(f"{config.name}: decode-mode perplexity over {inputs.ppl_ids.shape[1]} "
-                     "tokens")
-            res["ppl"], cache = decode_ppl(model, inputs.ppl_ids, session, options.ppl_prefix)
+        if ppl_ids is not None:
+            progress(f"{config.name}: decode-mode perplexity over {ppl_ids.shape[1]} tokens")
+            res["ppl"], cache = decode_ppl(model, ppl_ids, session, options.ppl_prefix)
             caches.append(cache)
-        lengths, correct = [], 0
-        for i, (text, key) in enumerate(inputs.passkeys):  # greedy answers to the prompts
-            progress(f"{config.name}: passkey {i + 1}/{len(inputs.passkeys)}")
-            ids = _encode(tokenizer, text, inputs.device)
-            lengths.append(ids.shape[1])
+        correct = 0
+        for i, (ids, key) in enumerate(passkeys):  # greedy answers to the prompts
+            progress(f"{config.name}: passkey {i + 1}/{len(passkeys)}")
             new, cache = greedy(model, ids, session, 8)
             caches.append(cache)
             correct += key in tokenizer.decode(new[0], skip_special_tokens=True)
-        if inputs.passkeys:
-            res["passkey"] = {"correct": correct, "total": len(inputs.passkeys),
-                              "context_tokens": round(sum(lengths) / len(lengths))}
+        if passkeys:
+            res["passkey"] = {"correct": correct, "total": len(passkeys), "context_tokens": round(
+                sum(ids.shape[1] for ids, _ in passkeys) / len(passkeys))}
     res["backend_reason"] = session.backend_reason
     if caches:  # the bytes of the biggest cache
         res.update(max((held_bytes(config, c) for c in caches), key=lambda r: r["kv_bytes_fp16"]))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvlens.errors import ModelLoadError
+from kvlens.errors import ModelLoadError, is_int
 from kvlens.model.mla import is_mla, mla_shape
 from kvlens.model.shape import ModelShape
 
@@ -52,7 +52,7 @@ def _candidate_modules(model) -> dict[int, Any]:
     found = {}
     for _, module in model.named_modules():
         idx = getattr(module, "layer_idx", None)
-        if idx is None or not isinstance(idx, int) or isinstance(idx, bool):
+        if not is_int(idx, 0):
             continue
         name = type(module).__name__.lower()
         if "attention" in name and "flash" not in name and idx not in found:
@@ -60,20 +60,13 @@ def _candidate_modules(model) -> dict[int, Any]:
     return found
 
 
-def _num_layers(config, found: dict[int, Any]) -> int:
-    for key in ("num_hidden_layers", "n_layer", "num_layers"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return max(found) + 1 if found else 0
-
-
 def layer_kinds(config, found: dict[int, Any], architecture: str
                 ) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """``(kind per model layer, layers holding a fixed-size state)`` from the config's
     ``layer_types`` where it has them, else from the attention modules found and the config's
     ``sliding_window`` / ``attention_chunk_size`` (as transformers infers them)."""
-    n = _num_layers(config, found)
+    counts = (getattr(config, k, None) for k in ("num_hidden_layers", "n_layer", "num_layers"))
+    n = next((v for v in counts if is_int(v, 1)), max(found, default=-1) + 1)
     sharing = getattr(config, "kv_sharing_modes", None) or getattr(
         config, "num_kv_shared_layers", None)
     if sharing:
@@ -112,7 +105,7 @@ def layer_windows(config, kinds: tuple[str, ...]) -> tuple[int | None, ...]:
     fields = {"sliding": "sliding_window", "chunked": "attention_chunk_size"}
     sizes = tuple(getattr(config, fields[k], None) if k in fields else None for k in kinds)
     for kind, size in zip(kinds, sizes):
-        if kind in fields and not (isinstance(size, int) and size > 0):
+        if kind in fields and not is_int(size, 1):
             raise ModelLoadError(f"A {kind} attention layer but the config gives no "
                                  f"{fields[kind]}.")
     return sizes
@@ -135,17 +128,13 @@ def decoder_layers(model) -> list:
     found = _candidate_modules(model)
     if not found:
         return []
-    parents = {}
-    for _, module in model.named_modules():
-        for child in module.children():
-            parents[id(child)] = module
-    node = found[min(found)]
-    while id(node) in parents:
-        parent = parents[id(node)]
+    names = {id(m): n for n, m in model.named_modules()}
+    parts = names[id(found[min(found)])].split(".")
+    for i in range(len(parts) - 1, -1, -1):  # its ancestors, nearest first
+        parent = model.get_submodule(".".join(parts[:i]))
         if isinstance(parent, torch.nn.ModuleList):
             return list(parent)
-        node = parent
-    return [parents.get(id(found[i]), found[i]) for i in sorted(found)]
+    return [model.get_submodule(names[id(found[i])].rpartition(".")[0]) for i in sorted(found)]
 
 
 def rope_config(config) -> dict[str, Any]:
@@ -170,7 +159,7 @@ def _head_counts(config, module, architecture: str) -> tuple[int, int, int]:
     if head_dim is None and hidden and n_heads:
         head_dim = hidden // n_heads
     groups = getattr(module, "num_key_value_groups", None)
-    if isinstance(groups, int) and groups > 0 and n_heads:
+    if is_int(groups, 1) and n_heads:
         n_kv = n_heads // groups
     else:  # no grouping attribute: the module's own count, else multi-head attention
         n_kv = getattr(module, "num_key_value_heads", None) or n_heads

@@ -7,7 +7,7 @@ KV-cache comparison: docs/deploy/llamacpp.md). ``matmul_types`` maps each quanti
 ``nn.Linear`` to its GGUF weight type (llama-style names, ``lm_head`` from ``output`` or the tied
 ``token_embd``); ``engine_matmuls`` hooks those modules' inputs and removes the hooks on exit.
 Not modelled: the ``m * s`` term of Q4_1/Q5_1 weights (far below the activation rounding),
-weight types outside ``MODELLED``, float weights and every other op.
+weight types outside ``WEIGHT_VEC_DOT``, float weights and every other op.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ _BLK = re.compile(r"blk\.(\d+)\.([a-z_]+)\.weight")
 #: a quantized weight type -> the type its activations are converted to (``type_traits_cpu``)
 WEIGHT_VEC_DOT = {t: v for t, v in VEC_DOT_TYPE.items() if v.startswith("q8")} | {
     t: "q8_k" for t in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")}
-MODELLED = tuple(WEIGHT_VEC_DOT)
 
 
 def gguf_tensor_types(gguf_path: str) -> dict[str, str]:
@@ -39,7 +38,7 @@ def gguf_tensor_types(gguf_path: str) -> dict[str, str]:
 
 def matmul_types(model, gguf_path: str) -> tuple[dict[str, str], list[str]]:
     """``(types, unmodelled)``: ``nn.Linear`` module name -> its GGUF weight type, for the
-    weight types whose activation conversion is modelled (``MODELLED``); ``unmodelled``:
+    weight types whose activation conversion is modelled (``WEIGHT_VEC_DOT``); ``unmodelled``:
     ``"module: type"`` for the quantized Linear weights that are not (K-quants)."""
     import torch
 
@@ -56,7 +55,7 @@ def matmul_types(model, gguf_path: str) -> tuple[dict[str, str], list[str]]:
             continue
         key = next((k for k in by_module if name.endswith(k)), None)
         ttype = by_module.get(key) if key else (head if name.endswith("lm_head") else None)
-        if ttype in MODELLED:
+        if ttype in WEIGHT_VEC_DOT:
             types[name] = ttype
         elif ttype is not None and ttype not in ("f32", "f16", "bf16"):
             unmodelled.append(f"{name}: {ttype}")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvlens.errors import is_int
 from kvlens.model.architecture import kv_layers_of_types
 from kvlens.model.mla import MlaShape
 from kvlens.model.shape import ModelShape
@@ -47,8 +48,7 @@ def read_header(source) -> ModelHeader:
 
 
 def _positive(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 \
-        else None
+    return value if is_int(value, 1) else None
 
 
 def _first(config: dict, *names: str) -> int | None:

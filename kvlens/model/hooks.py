@@ -95,9 +95,10 @@ def cache_argument_name(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def observe_attention(model, input_ids) -> dict[int, tuple[int, int, int, int]]:
-    """Per layer index, ``(query heads, KV heads, key head_dim, value head_dim)`` its attention
-    function receives in one forward of ``input_ids`` ``[1, T]``, whatever the config says."""
+def check_attention_shapes(model, info, input_ids) -> None:
+    """Raise ``ModelLoadError`` unless, in one forward of ``input_ids`` ``[1, T]``, every layer
+    with a KV cache in ``info`` (a ``ModelShape``) calls the attention interface with the query
+    heads, KV heads and key and value widths ``info`` read from the model."""
     import torch
 
     seen: dict[int, tuple[int, int, int, int]] = {}
@@ -111,12 +112,6 @@ def observe_attention(model, input_ids) -> dict[int, tuple[int, int, int, int]]:
 
     with torch.no_grad(), attention_override(model, make):
         model(input_ids=input_ids, use_cache=False)
-    return seen
-
-
-def check_observed(info, seen: dict[int, tuple[int, int, int, int]]) -> None:
-    """Raise ``ModelLoadError`` unless every layer with a KV cache in ``info`` (a ``ModelShape``)
-    called the attention interface with the shapes ``info`` read from the model."""
     want = (info.num_attention_heads, info.num_key_value_heads, info.head_dim, info.head_dim)
     missing = [i for i in info.attention_layers if i not in seen]
     if missing:

@@ -107,26 +107,23 @@ def _load_gguf(source: ModelSource, dtype: Any, placement=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cached = _gguf_cache_dir(source)
-    if (cached / "kvlens-complete").is_file():
-        return _load_pretrained(ModelSource("dir", str(cached)), dtype, placement)
-
-    unwritable = (f"A device map on a GGUF model loads from its safetensors conversion, which "
-                  f"cannot be written under {cached.parent}. Set KVLENS_CACHE to a writable "
-                  "directory with room for the dequantized (float32) weights.")
-    if placement is not None and writable_error(cached.parent) is not None:
-        raise ModelLoadError(unwritable)  # before the slow dequantization
-    kwargs = {"gguf_file": source.gguf_file}
-    tokenizer = AutoTokenizer.from_pretrained(source.location, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(source.location, dtype=torch.float32, **kwargs)
-    _write_conversion_cache(model, tokenizer, cached)
-    if placement is not None:
+    if not (cached / "kvlens-complete").is_file():
+        unwritable = (f"A device map on a GGUF model loads from its safetensors conversion, "
+                      f"which cannot be written under {cached.parent}. Set KVLENS_CACHE to a "
+                      "writable directory with room for the dequantized (float32) weights.")
+        if placement is not None and writable_error(cached.parent) is not None:
+            raise ModelLoadError(unwritable)  # before the slow dequantization
+        kwargs = {"gguf_file": source.gguf_file}
+        tokenizer = AutoTokenizer.from_pretrained(source.location, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source.location, dtype=torch.float32,
+                                                     **kwargs)
+        _write_conversion_cache(model, tokenizer, cached)
+        if placement is None:
+            return model.to(dtype), tokenizer  # float32: the model itself
         del model  # reloaded from the conversion, placed by accelerate
         if not (cached / "kvlens-complete").is_file():
             raise ModelLoadError(unwritable)
-        return _load_pretrained(ModelSource("dir", str(cached)), dtype, placement)
-    if dtype != torch.float32:
-        model = model.to(dtype)
-    return model, tokenizer
+    return _load_pretrained(ModelSource("dir", str(cached)), dtype, placement)
 
 
 def _write_conversion_cache(model, tokenizer, target: Path) -> None:
@@ -267,11 +264,8 @@ def _placement_kwargs(source: ModelSource, dtype, placement, **config_kwargs) ->
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(source.location, **config_kwargs)
-    plan = plan_device_map(config, dtype, placement)
-    out: dict[str, Any] = {"device_map": plan.device_map}
-    if placement.offload_folder is not None:
-        out["offload_folder"] = placement.offload_folder
-    return out
+    return {"device_map": plan_device_map(config, dtype, placement).device_map,
+            "offload_folder": placement.offload_folder}  # None: transformers' default
 
 
 def resolve_device(device: str) -> str:
@@ -287,6 +281,12 @@ def resolve_device(device: str) -> str:
 
 
 DTYPES = ("float32", "float16", "bfloat16")
+
+
+def model_dtype(model) -> str:
+    """The dtype the model's weights run in (the exact reference of every comparison):
+    ``"float32"``, ``"bfloat16"``..."""
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
 def parse_dtype(name: str):

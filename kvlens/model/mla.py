@@ -55,33 +55,25 @@ def mla_shape(module) -> MlaShape:
                     int(module.qk_nope_head_dim), int(module.v_head_dim))
 
 
-def _rope_fn(module):
-    """The model's own RoPE application for this module: ``(q_rot, k_rot, pe) -> (q, k)``."""
-    fn = rotary_function(module)
-    if fn is None:
-        raise ModelLoadError(f"Unsupported MLA model {type(module).__name__}: kvlens cannot find "
-                             "the rotary function its attention uses.")
-
-    def apply(q, k, pe):  # (cos, sin), or a complex freqs_cis (DeepSeek V2's apply_rotary_emb)
-        return fn(q, k, *pe) if isinstance(pe, tuple) else fn(q, k, pe.to(q.device))
-
-    return apply
-
-
-def _absorbed_forward(module, rope):
+def _absorbed_forward(module):
     """A forward for ``module`` in the absorbed form (module docstring), same signature and
-    outputs as the model's own."""
+    outputs as the model's own, applying RoPE with the model's own function."""
     import torch
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    rope = rotary_function(module)
+    if rope is None:
+        raise ModelLoadError(f"Unsupported MLA model {type(module).__name__}: kvlens cannot find "
+                             "the rotary function its attention uses.")
     shape = mla_shape(module)
     heads = int(module.num_heads)
     code = sys.modules[type(module).__module__]
 
     def forward(hidden_states, attention_mask=None, *args, **kwargs):
-        position_embeddings = kwargs.pop("position_embeddings", None)
-        if position_embeddings is None and args:
-            position_embeddings, args = args[0], args[1:]
+        # (cos, sin), or a complex freqs_cis (DeepSeek V2)
+        pe = kwargs.pop("position_embeddings", None)
+        if pe is None and args:
+            pe, args = args[0], args[1:]
         cache = kwargs.pop("cache", None)
         if cache is None:
             cache = kwargs.pop("past_key_values", None)
@@ -96,7 +88,8 @@ def _absorbed_forward(module, rope):
         c, k_rot = torch.split(kv, [shape.latent_dim, shape.rope_dim], dim=-1)
         c = module.kv_a_layernorm(c).view(b, 1, t, shape.latent_dim)
         k_rot = k_rot.view(b, 1, t, shape.rope_dim)
-        q_rot, k_rot = rope(q_rot, k_rot, position_embeddings)
+        q_rot, k_rot = rope(q_rot, k_rot, *pe) if isinstance(pe, tuple) else \
+            rope(q_rot, k_rot, pe.to(q_rot.device))
         w = module.kv_b_proj.weight.view(heads, shape.nope_dim + shape.value_dim,
                                          shape.latent_dim)
         w_uk, w_uv = w[:, :shape.nope_dim], w[:, shape.nope_dim:]
@@ -127,7 +120,7 @@ def absorbed_mla(model) -> Iterator[list]:
     saved = []
     try:
         for m in modules:
-            forward = _absorbed_forward(m, _rope_fn(m))
+            forward = _absorbed_forward(m)
             saved.append((m, m.__dict__.get("forward"), m.num_key_value_groups))
             m.forward = forward
             m.num_key_value_groups = int(m.num_heads)

@@ -1,12 +1,8 @@
 """Where a model's weights, its activations and its KV cache live: device maps, memory limits
 and CPU/disk offload, through accelerate's big-model inference (kvlens places no module itself).
 
-``make_placement`` checks ``--device-map``, ``--max-memory`` (accelerate's per-device limits,
-plus a ``disk`` limit kvlens checks) and ``--offload-folder`` together; ``plan_device_map``
-computes the explicit map accelerate would (on an empty model, as transformers does), so that a
-limit that cannot hold the model fails before any weight is read, naming devices and sizes.
-After loading, ``layer_devices`` says where each layer's attention (and so its captured tensors
-and cache) runs, ``input_device`` where token ids go, ``weights_by_device`` what each holds.
+``plan_device_map`` computes the explicit map accelerate would (on an empty model, as
+transformers does), so that a limit that cannot hold the model fails before any weight is read.
 """
 
 from __future__ import annotations
@@ -41,10 +37,6 @@ class Placement:
     explicit: tuple[tuple[str, int | str], ...] = ()
     max_memory: tuple[tuple[int | str, int], ...] = ()
     offload_folder: str | None = None
-
-    @property
-    def device_map(self) -> str | dict[str, int | str]:
-        return self.strategy if self.strategy is not None else dict(self.explicit)
 
 
 # -- parsing ------------------------------------------------------------------------------------
@@ -225,7 +217,7 @@ def plan_device_map(config, dtype, placement: Placement) -> DevicePlan:
     if placement.strategy is not None:
         dmap = _infer(model, dtype, placement)
     else:
-        dmap = placement.device_map
+        dmap = dict(placement.explicit)
         _check_coverage(model, dmap)
     by_device: dict[str, int] = {}
     for name, dev in dmap.items():

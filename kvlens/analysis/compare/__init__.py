@@ -6,11 +6,6 @@ the reference library (``kvlens.quant``) while the other two stay exact, and the
 Frobenius error is measured on the tensor itself and on what attention makes of it
 (``kvlens.analysis.metrics.attention_errors_many``). Metrics and the summary:
 ``docs/compare-axes.md``. Tensors are ``[B, H, T, D]`` (B = samples) throughout.
-
-Modules, in dependency order: ``config`` (``CompareConfig``, the names records are keyed by, the
-command-line parsers), ``records`` (``Record``, ``CompareResult``), ``rope_tables`` (RoPE tables
-re-created and checked per layer, for pre-RoPE keys), ``summary`` (means, winners, the KIVI
-check, engine-format info) and ``measure`` (``compare_axes``: the sweep itself).
 """
 
 from kvlens.analysis.compare.config import (

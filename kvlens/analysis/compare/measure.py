@@ -5,6 +5,7 @@ reference quantizers, and the errors attention makes of them measured per head.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections.abc import Callable
@@ -128,9 +129,7 @@ def _layer_records(layer_data, config: CompareConfig, meta, samples: slice,
                    pre: bool) -> list[Record]:
     import torch
 
-    q = layer_data.read("q", samples)
-    k = layer_data.read("k", samples)
-    v = layer_data.read("v", samples)
+    q, k, v = (layer_data.read(name, samples) for name in ("q", "k", "v"))
     k_pre = tables = None
     if pre:
         k_pre = layer_data.read("k_pre", samples)
@@ -169,47 +168,36 @@ def _approximations(q, k, v, k_pre, tables, config: CompareConfig, layout: str):
     values as themselves."""
     transforms = (PLAIN, *config.variants)
     # the same R for every layer and head: it depends only on head_dim and the seed
-    rotation = (
-        hadamard_rotation(k.shape[-1], config.rotation_seed, k.device)
-        if "rotate" in config.variants
-        else None
-    )
+    rotation = hadamard_rotation(k.shape[-1], config.rotation_seed, k.device) \
+        if "rotate" in config.variants else None
     balancer = None
     if "key" in config.tensors and "balancer" in config.variants and "post" in config.stages:
         # MiKV fits the balancer per prompt at prefill: one b per sample, KV head and channel.
         balancer = fit_balancer(q, k, per_sample=True)
-    for axis in AXES:
-        for bits in config.bits:
-            for g in config.group_sizes:
-                spec = QuantSpec(bits, axis, g)
-                if "key" in config.tensors:
-                    for stage in config.stages:
-                        for name in transforms:
-                            if name == "balancer" and stage == "pre":
-                                continue  # q/b . k*b = q . k holds only where k is consumed
-                            key = ("key", axis, bits, g, stage, name, None)
-                            if name == "balancer":
-                                _, kb = apply_balancer(q, k, balancer)
-                                scale = balancer.float().unsqueeze(-2)
-                                yield key, _transform(kb, spec, PLAIN, config, rotation) / scale
-                            elif stage == "post":
-                                yield key, _transform(k, spec, name, config, rotation)
-                            else:
-                                # Quantize before RoPE, re-rotate. RoPE is linear, so adding
-                                # the rotated error to the stored k gives exactly
-                                # rope(k_pre_hat) up to the fp16 rounding of the stored pair.
-                                # "rotate" un-rotates by R^T before RoPE (R and RoPE do not
-                                # commute), as quantize_pre_rope(..., rotation=R) does.
-                                hat = _transform(k_pre, spec, name, config, rotation)
-                                err = apply_rope(hat - k_pre.float(), *tables, layout)
-                                yield key, k.float() + err
-                if "value" in config.tensors:
-                    for name in transforms:
-                        if name != "balancer":  # it rescales keys against queries
-                            yield (
-                                ("value", axis, bits, g, None, name, None),
-                                _transform(v, spec, name, config, rotation),
-                            )
+    for axis, bits, g in itertools.product(AXES, config.bits, config.group_sizes):
+        spec = QuantSpec(bits, axis, g)
+        for stage, name in itertools.product(_key_stages(config), transforms):
+            if name == "balancer" and stage == "pre":
+                continue  # q/b . k*b = q . k holds only where k is consumed
+            key = ("key", axis, bits, g, stage, name, None)
+            if name == "balancer":
+                _, kb = apply_balancer(q, k, balancer)
+                scale = balancer.float().unsqueeze(-2)
+                yield key, _transform(kb, spec, PLAIN, config, rotation) / scale
+            elif stage == "post":
+                yield key, _transform(k, spec, name, config, rotation)
+            else:
+                # Quantize before RoPE, re-rotate. RoPE is linear, so adding the rotated error
+                # to the stored k gives exactly rope(k_pre_hat) up to the fp16 rounding of the
+                # stored pair. "rotate" un-rotates by R^T before RoPE (R and RoPE do not
+                # commute), as quantize_pre_rope(..., rotation=R) does.
+                hat = _transform(k_pre, spec, name, config, rotation)
+                yield key, k.float() + apply_rope(hat - k_pre.float(), *tables, layout)
+        if "value" in config.tensors:
+            for name in transforms:
+                if name != "balancer":  # it rescales keys against queries
+                    yield (("value", axis, bits, g, None, name, None),
+                           _transform(v, spec, name, config, rotation))
     yield from _format_approximations(k, v, config)
 
 

@@ -23,20 +23,15 @@ from kvlens.rope import apply_rope
 ROPE_CHECK_TOLERANCE = 1e-2
 
 
-def rope_tables(meta, n_samples: int, n_tokens: int | None = None, theta: float | None = None):
-    """Default-RoPE ``(cos, sin)`` for a capture's windows (positions 0..T-1 per sample), at
-    ``theta`` (default: the capture's ``rope_theta``); check them with ``rope_rebuild_error``
-    before trusting them (scaled RoPE variants differ; ``layer_rope_tables`` does both)."""
+def rope_tables(meta, n_samples: int, n_tokens: int, theta: float):
+    """Default-RoPE ``(cos, sin)`` at ``theta`` for positions ``0..n_tokens-1`` of ``n_samples``
+    windows of a capture; check them with ``rope_rebuild_error`` before trusting them (scaled
+    RoPE variants differ; ``layer_rope_tables`` does both)."""
     import torch
 
-    positions = torch.arange(n_tokens or meta.num_tokens).expand(n_samples, -1)
-    return rope_tables_for(
-        positions,
-        meta.shape.head_dim,
-        float(meta.shape.rope["rope_theta"] if theta is None else theta),
-        meta.rotary_dim or meta.shape.head_dim,
-        meta.rope_layout,
-    )
+    positions = torch.arange(n_tokens).expand(n_samples, -1)
+    return rope_tables_for(positions, meta.shape.head_dim, float(theta),
+                           meta.rotary_dim or meta.shape.head_dim, meta.rope_layout)
 
 
 COMMON_ROPE_THETAS = (10000.0, 500000.0, 1000000.0, 100000.0, 1000.0, 5000000.0, 10000000.0,
@@ -71,11 +66,9 @@ def layer_rope_tables(meta, k, k_pre, n_tokens: int | None = None, stored=None):
     probe = slice(0, min(k.shape[2], 256))
     kp, pp = k[:1, :, probe], k_pre[:1, :, probe]
 
-    def tables(theta, samples=1, t=None):
-        return rope_tables(meta, samples, t, theta=theta)
-
     def err(theta):
-        return rope_rebuild_error(kp, pp, tables(theta, 1, kp.shape[2]), meta.rope_layout)
+        return rope_rebuild_error(kp, pp, rope_tables(meta, 1, kp.shape[2], theta),
+                                  meta.rope_layout)
 
     tried = ([float(meta.shape.rope["rope_theta"])] if "rope_theta" in meta.shape.rope else []) + \
         list(COMMON_ROPE_THETAS)
@@ -92,7 +85,7 @@ def layer_rope_tables(meta, k, k_pre, n_tokens: int | None = None, stored=None):
         found = t if err(t) <= ROPE_CHECK_TOLERANCE else None
     if found is None:
         return None, None
-    full = tables(found, k.shape[0], n_tok)
+    full = rope_tables(meta, k.shape[0], n_tok, found)
     return (full, found) if rebuilds(full) else (None, None)
 
 
@@ -124,8 +117,7 @@ def checked_layer_tables(k, k_pre, meta, layer: int, stored=None):
     if tables is None:
         theta = meta.shape.rope.get("rope_theta")
         err = rope_rebuild_error(k, k_pre, rope_tables(meta, k.shape[0], k.shape[2],
-                                                       theta=theta or 10000.0),
-                                 meta.rope_layout)
+                                                       theta or 10000.0), meta.rope_layout)
         raise InputError(
             f"Layer {layer}: re-applying default RoPE ({meta.rope_layout} layout, rotary_dim "
             f"{meta.rotary_dim}, positions 0..T-1) to the stored pre-RoPE keys at no theta "
