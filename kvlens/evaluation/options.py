@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from kvlens.cache.backend import BACKENDS
 from kvlens.errors import InputError
+from kvlens.evaluation.kld import DEFAULT_CHUNK
+from kvlens.evaluation.needles import DEFAULT_DEPTHS, DEFAULT_SEED
 
 EVALS = ("ppl", "passkey", "agreement", "kld", "retrieval")
 LONG_EVALS = ("kld", "retrieval")
@@ -23,13 +25,13 @@ class EvalOptions:
     ppl_prefix: int = 32
     passkey_prompts: int = 5
     passkey_context: int = 1000
-    seed: int = 0
+    seed: int = DEFAULT_SEED
     backend: str = "auto"
     eval_tokens: int | None = None  # kld: None = 4096 capped by the model's context
-    chunk: int = 64  # kld: tokens per forward (1 = decode mode)
+    chunk: int = DEFAULT_CHUNK  # kld: tokens per forward (1 = decode mode)
     retrieval_prompts: int = 1  # prompts per task, length and depth
     retrieval_lengths: tuple[int, ...] | None = None  # None: 1k, 2k, 4k that fit the model
-    retrieval_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
+    retrieval_depths: tuple[float, ...] = DEFAULT_DEPTHS
 
     def __post_init__(self) -> None:
         _check_evals(self.evals)
