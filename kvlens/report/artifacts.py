@@ -139,12 +139,6 @@ def config_doc_path(config_path: str | os.PathLike, kind: str) -> Path:
     return path.with_name(f"{path.stem}.{kind}.json")
 
 
-def write_config_doc(kind: str, doc: Mapping[str, Any], config_path: str | os.PathLike) -> Path:
-    """Write recommend's ``kind`` artifact beside the config it wrote (naming the config)."""
-    return write_artifact(kind, {**doc, "config_file": Path(config_path).name},
-                          config_doc_path(config_path, kind))
-
-
 def capture_doc_path(capture_path: str | os.PathLike) -> Path:
     """Where ``capture -o RUN.h5`` leaves its artifact: ``RUN.capture.json``."""
     p = Path(capture_path)
