@@ -9,19 +9,15 @@ import typer
 from kvlens.cli.app import app
 from kvlens.cli.common import (
     INPUT,
-    MODEL,
     OUTPUT,
     console,
-    device_map_option,
     err_console,
     escape,
-    max_memory_option,
-    offload_folder_option,
     output_errors,
-    overwrite_option,
     print_json,
     progress_bar,
     run_library_call,
+    shared_option,
     write_artifact_output,
 )
 from kvlens.units import format_bytes, format_bytes_by_device
@@ -39,16 +35,12 @@ def capture(
                                help="Layers to capture, e.g. 0,4,8-11 (default: all); "
                                     "checked against the model's layer count before it "
                                     "loads."),
-    model: str = typer.Option(None, "--model", "-m", rich_help_panel=MODEL,
-                              help="Model: omit for the embedded SmolLM2-135M-Instruct, or a "
-                                   "local HF directory, a .gguf file, or a hub id."),
-    dtype: str = typer.Option("float32", "--dtype", rich_help_panel=MODEL,
-                              help="Compute dtype of the model: float32, float16 or bfloat16."),
-    device: str = typer.Option("auto", "--device", rich_help_panel=MODEL,
-                               help="auto, cpu or cuda."),
-    device_map: str = device_map_option(),
-    max_memory: str = max_memory_option(),
-    offload_folder: Path = offload_folder_option(),
+    model: str = shared_option("model"),
+    dtype: str = shared_option("dtype"),
+    device: str = shared_option("device"),
+    device_map: str = shared_option("device_map"),
+    max_memory: str = shared_option("max_memory"),
+    offload_folder: Path = shared_option("offload_folder"),
     output: Path = typer.Option(Path("run.h5"), "--output", "-o", rich_help_panel=OUTPUT,
                                 help="HDF5 file to write (and RUN.capture.json beside it, for "
                                      "`kvlens report`)."),
@@ -56,9 +48,8 @@ def capture(
                                       help="float16, float32 or bfloat16 (stored losslessly)."),
     compression: str = typer.Option("none", "--compression", rich_help_panel=OUTPUT,
                                     help="none, gzip or lzf."),
-    overwrite: bool = overwrite_option(),
-    as_json: bool = typer.Option(False, "--json", rich_help_panel=OUTPUT,
-                                 help="Print a JSON summary on stdout."),
+    overwrite: bool = shared_option("overwrite"),
+    as_json: bool = shared_option("as_json", "a summary"),
 ) -> None:
     """Run a causal LM on text and store per-layer, per-head Q, K, V (pre and post RoPE).
 

@@ -316,29 +316,34 @@ def progress_bar(description: str):
             state["prog"].stop()
 
 
-def device_map_option():
-    return typer.Option(None, "--device-map", rich_help_panel=MODEL,
-                        help="Place the model with accelerate: auto, balanced, sequential "
-                             "(spread over GPUs, then CPU, then disk), or a JSON map of module "
-                             "-> GPU index/cpu/disk (inline or a file). docs/large-models.md.")
+#: Options several commands share, one spelling and help each (``shared_option``): parameter
+#: name -> (default, flags, --help panel, help).
+SHARED_OPTIONS: dict[str, tuple[Any, tuple[str, ...], str, str]] = {
+    "model": (None, ("--model", "-m"), MODEL, "Model: omit for the embedded SmolLM2-135M-Instruct, "
+              "or a local HF directory, a .gguf file, or a hub id."),
+    "dtype": ("float32", ("--dtype",), MODEL, "Compute dtype of the model: float32, float16 or "
+              "bfloat16."),
+    "device": ("auto", ("--device",), MODEL, "auto, cpu or cuda."),
+    "device_map": (None, ("--device-map",), MODEL, "Place the model with accelerate: auto, "
+                   "balanced, sequential (spread over GPUs, then CPU, then disk), or a JSON map of "
+                   "module -> GPU index/cpu/disk (inline or a file). docs/large-models.md."),
+    "max_memory": (None, ("--max-memory",), MODEL, "With --device-map: per-device limits, e.g. "
+                   "0=20GiB,1=20GiB,cpu=60GiB,disk=200GiB (GPU index, cpu, disk)."),
+    "offload_folder": (None, ("--offload-folder",), MODEL, "With --device-map: a writable "
+                       "directory for weights offloaded to disk (without it nothing may go to "
+                       "disk)."),
+    "overwrite": (False, ("--overwrite",), OUTPUT, "Replace existing output files (without it an "
+                  "existing output is refused before any work)."),
+    "as_json": (False, ("--json",), OUTPUT, "Print {} as JSON on stdout."),
+}
 
 
-def max_memory_option():
-    return typer.Option(None, "--max-memory", rich_help_panel=MODEL,
-                        help="With --device-map: per-device limits, e.g. "
-                             "0=20GiB,1=20GiB,cpu=60GiB,disk=200GiB (GPU index, cpu, disk).")
-
-
-def offload_folder_option():
-    return typer.Option(None, "--offload-folder", rich_help_panel=MODEL,
-                        help="With --device-map: a writable directory for weights offloaded "
-                             "to disk (without it nothing may go to disk).")
-
-
-def overwrite_option():
-    return typer.Option(False, "--overwrite", rich_help_panel=OUTPUT,
-                        help="Replace existing output files (without it an existing output is "
-                             "refused before any work).")
+def shared_option(name: str, what: str = "", **override):
+    """The ``typer.Option`` of ``SHARED_OPTIONS[name]``; ``what`` fills the help's ``{}``
+    (``--json``: what it prints), ``override`` replaces its default or help."""
+    default, flags, panel, text = SHARED_OPTIONS[name]
+    return typer.Option(override.get("default", default), *flags, rich_help_panel=panel,
+                        help=override.get("help", text.format(what)))
 
 
 def open_range(low: float, high: float):

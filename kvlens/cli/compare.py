@@ -19,12 +19,12 @@ from kvlens.cli.common import (
     new_table,
     open_range,
     output_errors,
-    overwrite_option,
     print_json,
     progress_bar,
     read_with,
     refuse_unread,
     run_library_call,
+    shared_option,
     write_artifact_output,
 )
 
@@ -89,9 +89,8 @@ def compare_axes_command(
                                help="Directory for heatmaps, per-layer line plots and "
                                     "compare-axes.json (the summary and per-layer means "
                                     "`kvlens report` reads); created if missing."),
-    overwrite: bool = overwrite_option(),
-    as_json: bool = typer.Option(False, "--json", rich_help_panel=OUTPUT,
-                                 help="Print all records and the summary as JSON on stdout."),
+    overwrite: bool = shared_option("overwrite"),
+    as_json: bool = shared_option("as_json", "all records and the summary"),
 ) -> None:
     """Which quantization axis wins for keys and values, under which error metric.
 

@@ -12,21 +12,17 @@ from kvlens.cli.common import (
     EVALUATION,
     HELP_APPENDIX,
     INPUT,
-    MODEL,
     OUTPUT,
     console,
-    device_map_option,
     err_console,
     escape,
     given_options,
-    max_memory_option,
     new_table,
-    offload_folder_option,
-    overwrite_option,
     print_json,
     read_with,
     refuse_unread,
     run_library_call,
+    shared_option,
     write_artifact_output,
 )
 from kvlens.units import format_bytes, format_bytes_by_device, format_interval
@@ -112,18 +108,13 @@ def generate(
                                         help="passkey: approximate tokens per prompt."),
     seed: int = typer.Option(0, "--seed", rich_help_panel=EVALUATION,
                              help="Seed for passkey and retrieval prompts."),
-    model: str = typer.Option(None, "--model", "-m", rich_help_panel=MODEL,
-                              help="Model: omit for the embedded SmolLM2-135M-Instruct, or a "
-                                   "local HF directory, a .gguf file, or a hub id."),
-    dtype: str = typer.Option("float32", "--dtype", rich_help_panel=MODEL,
-                              help="Model compute dtype: float32, float16 or bfloat16."),
-    device: str = typer.Option("auto", "--device", rich_help_panel=MODEL,
-                               help="auto, cpu or cuda."),
-    device_map: str = device_map_option(),
-    max_memory: str = max_memory_option(),
-    offload_folder: Path = offload_folder_option(),
-    as_json: bool = typer.Option(False, "--json", rich_help_panel=OUTPUT,
-                                 help="One JSON document on stdout."),
+    model: str = shared_option("model"),
+    dtype: str = shared_option("dtype"),
+    device: str = shared_option("device"),
+    device_map: str = shared_option("device_map"),
+    max_memory: str = shared_option("max_memory"),
+    offload_folder: Path = shared_option("offload_folder"),
+    as_json: bool = shared_option("as_json", "the results"),
     report_json: Path = typer.Option(None, "--report-json", rich_help_panel=OUTPUT,
                                      help="Also write the results as JSON to this file "
                                           "(e.g. out/eval.generate.json; read by `kvlens "
@@ -132,7 +123,7 @@ def generate(
                                   help="Also draw each setting's bits held against its mean "
                                        "KLD, with the Pareto front, to this PNG or SVG file "
                                        "(needs --eval kld)."),
-    overwrite: bool = overwrite_option(),
+    overwrite: bool = shared_option("overwrite"),
 ) -> None:
     """Generate with a compressed KV cache and measure what it loses against the exact model.
 

@@ -19,10 +19,10 @@ from kvlens.cli.common import (
     new_table,
     open_range,
     output_errors,
-    overwrite_option,
     print_json,
     progress_bar,
     run_library_call,
+    shared_option,
     write_text_output,
 )
 
@@ -59,10 +59,8 @@ def plot_outliers(
                                   "missing)."),
     fmt: str = typer.Option("png", "--format", rich_help_panel=OUTPUT,
                             help="Figure format: png, svg or pdf."),
-    overwrite: bool = overwrite_option(),
-    as_json: bool = typer.Option(False, "--json", rich_help_panel=OUTPUT,
-                                 help="Print the statistics as JSON on stdout (without "
-                                      "per-channel profiles)."),
+    overwrite: bool = shared_option("overwrite"),
+    as_json: bool = shared_option("as_json", "the statistics (without per-channel profiles)"),
 ) -> None:
     """Which channels are outliers, how stable they are, and how RoPE moves them.
 

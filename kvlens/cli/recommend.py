@@ -20,24 +20,20 @@ from kvlens.cli.common import (
     ENGINE,
     INPUT,
     MEASUREMENT,
-    MODEL,
     OUTPUT,
     VALIDATION,
     LibraryDefaults,
     ReadOnly,
     console,
-    device_map_option,
     err_console,
     escape,
     flag_of,
     given_options,
-    max_memory_option,
-    offload_folder_option,
     open_range,
-    overwrite_option,
     progress_bar,
     refuse_unread,
     run_library_call,
+    shared_option,
     write_output,
     write_text_output,
 )
@@ -214,16 +210,15 @@ def recommend(
                                    help="Measure again instead of reusing the measurement an "
                                         "earlier run on this capture kept "
                                         "(docs/recommend.md#time)."),
-    model: str = typer.Option(None, "--model", "-m", rich_help_panel=MODEL,
-                              help="Model to measure sensitivity and validate on (default: "
-                                   "the capture's own)."),
-    dtype: str = typer.Option(None, "--dtype", rich_help_panel=MODEL,
-                              help="Dtype the model runs in for sensitivity, --max-kld and "
-                                   "--validate (the exact reference too): float32, bfloat16 or "
-                                   "float16."),
-    device_map: str = device_map_option(),
-    max_memory: str = max_memory_option(),
-    offload_folder: Path = offload_folder_option(),
+    model: str = shared_option("model", help="Model to measure sensitivity and validate on "
+                                             "(default: the capture's own)."),
+    dtype: str = shared_option("dtype", default=None,
+                               help="Dtype the model runs in for sensitivity, --max-kld and "
+                                    "--validate (the exact reference too): float32, bfloat16 or "
+                                    "float16."),
+    device_map: str = shared_option("device_map"),
+    max_memory: str = shared_option("max_memory"),
+    offload_folder: Path = shared_option("offload_folder"),
     validate: bool = typer.Option(False, "--validate", rich_help_panel=VALIDATION,
                                   help="Measure the result against the exact model on "
                                        "held-out text (KL divergence, top-1, perplexity, "
@@ -241,9 +236,8 @@ def recommend(
                                      "`kvlens report` beside it)."),
     name: str = typer.Option(None, "--name", rich_help_panel=OUTPUT,
                              help="Name stored in the config."),
-    overwrite: bool = overwrite_option(),
-    as_json: bool = typer.Option(False, "--json", rich_help_panel=OUTPUT,
-                                 help="Print the result as JSON on stdout."),
+    overwrite: bool = shared_option("overwrite"),
+    as_json: bool = shared_option("as_json", "the result"),
     settings: list[str] = typer.Option(None, "--set", metavar="NAME=VALUE", is_eager=True,
                                        callback=_list_levers, rich_help_panel=RESEARCH,
                                        help="A knob of the default run or an experiment, "
