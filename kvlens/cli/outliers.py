@@ -77,10 +77,11 @@ def plot_outliers(
 
     def prepare():
         from kvlens.capture.store import open_capture
+        from kvlens.plots.outliers import FORMATS
         from kvlens.text.selection import parse_index_spec
 
-        if fmt not in ("png", "svg", "pdf"):
-            raise InputError(f"Unknown --format {fmt!r}; allowed: png, svg, pdf.")
+        if fmt not in FORMATS:
+            raise InputError(f"Unknown --format {fmt!r}; allowed: {', '.join(FORMATS)}.")
         families = parse_tensors(tensors)
         check_output_folder(out, "--out", "outliers.json", overwrite)
         spots = [_parse_heatmap(s) for s in heatmap or []]
@@ -216,11 +217,8 @@ def _render(report, top: int, drawn: list[Path]) -> None:
                     ("layer", *(f"{n}\nmax/med" for n in names), "k_pre\noutl."), left=())
     by = {n: report.layer_severity(n) for n in names}
     for layer in report.layers:
-        cells = []
-        for n in names:
-            v = by[n].get(layer, 0.0)
-            style = "bold red" if v >= report.threshold else ""
-            cells.append(f"[{style}]{v:.1f}[/]" if style else f"{v:.1f}")
+        values = (by[n].get(layer, 0.0) for n in names)
+        cells = [f"[bold red]{v:.1f}[/]" if v >= report.threshold else f"{v:.1f}" for v in values]
         count = sum(len(h.outliers) for h in report.select("k_pre", layer))
         sev.add_row(str(layer), *cells, str(count) if "k" in report.tensors else "-")
     console.print(sev)

@@ -577,25 +577,17 @@ def _verdict(scored: list[dict], tokens: int | None = None) -> str:
         return ""
     ref = _reference(scored, None)
     first = next((r for r in scored if r["name"] == ref), scored[0])
-    better, worse, same = [], [], []
+    groups: dict[str, list[str]] = {"lower than": [], "higher than": [],
+                                     "not distinguishable from": []}
     for r in scored:
         vs = r["kld"].get("vs_first")
         if not vs or r is first:
             continue
-        label = f"{r['name']} ({r.get('bits_per_element', float('nan')):.2f} bits)"
-        if not vs["mean_kld"]["distinguishable"]:
-            same.append(label)
-        elif vs["mean_kld"]["diff"] > 0:
-            better.append(label)  # the other config has the higher KLD
-        else:
-            worse.append(label)
-    parts = []
-    if better:
-        parts.append(f"lower than {_join(better)}")
-    if worse:
-        parts.append(f"higher than {_join(worse)}")
-    if same:
-        parts.append(f"not distinguishable from {_join(same)}")
+        d = vs["mean_kld"]  # diff > 0: the other config has the higher KLD
+        groups["not distinguishable from" if not d["distinguishable"] else
+               "lower than" if d["diff"] > 0 else "higher than"].append(
+            f"{r['name']} ({r.get('bits_per_element', float('nan')):.2f} bits)")
+    parts = [f"{how} {_join(labels)}" for how, labels in groups.items() if labels]
     return (f"At {first.get('bits_per_element', float('nan')):.2f} bits per element held "
             f"over {tokens or 'the scored'} tokens, "
             f"{first['name']}'s mean KL divergence against the exact model, "
