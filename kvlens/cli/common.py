@@ -32,20 +32,21 @@ from kvlens.units import format_seconds
 HELP_APPENDIX: dict[str, Callable[[], str]] = {}
 
 
-def _flags_without_type(params: list) -> list:
-    # typer prints a flag's Python type as its value (``--overwrite <bool>``); a flag takes none
-    for param in params:
-        if getattr(param, "is_flag", False) and param.metavar is None:
-            param.metavar = ""
-    return params
-
-
-class KvlensCommand(TyperCommand):
-    """Every kvlens command (``kvlens.cli.app`` gives it to each): flags shown without a value
-    type, and ``HELP_APPENDIX`` added to the help text when it is shown."""
+class _FlagsWithoutType:
+    """Flags shown without a value type: typer prints a flag's Python type as its value
+    (``--overwrite <bool>``), yet a flag takes none."""
 
     def get_params(self, ctx):
-        return _flags_without_type(super().get_params(ctx))
+        params = super().get_params(ctx)
+        for param in params:
+            if getattr(param, "is_flag", False) and param.metavar is None:
+                param.metavar = ""
+        return params
+
+
+class KvlensCommand(_FlagsWithoutType, TyperCommand):
+    """Every kvlens command (``kvlens.cli.app`` gives it to each): flags shown without a value
+    type, and ``HELP_APPENDIX`` added to the help text when it is shown."""
 
     def format_help(self, ctx, formatter) -> None:
         appendix = HELP_APPENDIX.get(self.name)
@@ -85,11 +86,8 @@ class LibraryDefaults(KvlensCommand):
         super().format_help(ctx, formatter)
 
 
-class KvlensGroup(TyperGroup):
+class KvlensGroup(_FlagsWithoutType, TyperGroup):
     """``kvlens`` itself: its flags (--version, --help) shown without a value type."""
-
-    def get_params(self, ctx):
-        return _flags_without_type(super().get_params(ctx))
 
 
 #: Width of tables written to a file or pipe (a log, CI): wide enough that no number is cut.
