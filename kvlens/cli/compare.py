@@ -27,12 +27,11 @@ from kvlens.cli.common import (
     shared_option,
     write_artifact_output,
 )
+from kvlens.report.sections import METRIC_LABELS
 
 # The options only some variants read (refuse_unread): given without any of them, refused.
 READ_BY = {"outlier_fraction": read_with("--variants", "outliers"),
            "rotation_seed": read_with("--variants", "rotate")}
-METRIC_LABELS = {"reconstruction": "recon", "score": "score", "attention_weights": "weights",
-                 "attention_output": "output"}
 
 
 @app.command("compare-axes")

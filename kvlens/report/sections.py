@@ -254,8 +254,8 @@ def _channel_table(heads: list[dict], tensor: str, what: str, threshold: float) 
 
 # -- 3. per-axis errors ---------------------------------------------------------------------
 
-METRICS = ("reconstruction", "score", "attention_weights", "attention_output")
-METRIC_LABEL = {"reconstruction": "recon", "score": "score", "attention_weights": "weights",
+#: compare-axes' error metrics, in the order tables show them, and their column labels
+METRIC_LABELS = {"reconstruction": "recon", "score": "score", "attention_weights": "weights",
                 "attention_output": "output"}
 
 
@@ -287,7 +287,7 @@ def axes_section(artifacts: dict, run_dir: Path, capture_hint: str) -> Section:
         ck = _ckey(r)
         for axis in ("per-token", "per-channel"):
             cells = []
-            for m in METRICS:
+            for m in METRIC_LABELS:
                 v = means.get((*ck, axis, m))
                 w = winners.get((*ck, m))
                 star = "*" if w and w["winner"] == axis else ""
@@ -295,7 +295,7 @@ def axes_section(artifacts: dict, run_dir: Path, capture_hint: str) -> Section:
             rows.append([_config_label(r) if axis == "per-token" else "", axis, *cells])
     cap = summary.get("capture") or {}
     sec.tables.append(Table(
-        ["config", "axis", *(METRIC_LABEL[m] for m in METRICS)], rows, left=(0, 1),
+        ["config", "axis", *METRIC_LABELS.values()], rows, left=(0, 1),
         caption="Relative Frobenius error ||X - X_hat|| / ||X||, mean over layers and heads; "
                 "* marks the better axis under that metric. recon: the stored tensor; score: "
                 "pre-softmax logits; weights: post-softmax; output: the attention output. "
