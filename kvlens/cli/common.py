@@ -56,36 +56,6 @@ class KvlensCommand(_FlagsWithoutType, TyperCommand):
         super().format_help(ctx, formatter)
 
 
-class LibraryDefaults(KvlensCommand):
-    """``--help`` shows each option's default from the library's option dataclasses
-    (``defaults_from``, the one source), read when help is asked for (so that ``kvlens --help``
-    loads no torch); an option without one default there, or in ``not_shown``, shows none."""
-
-    not_shown: tuple[str, ...] = ()
-
-    @staticmethod
-    def defaults_from() -> tuple[type, ...]:
-        return ()
-
-    def format_help(self, ctx, formatter) -> None:
-        from dataclasses import MISSING, fields
-
-        defaults: dict[str, set] = {}
-        for cls in self.defaults_from():
-            for f in fields(cls):
-                if f.default is not MISSING:
-                    shown = f.default
-                    shown = ",".join(map(str, shown)) if isinstance(shown, tuple) else shown
-                    defaults.setdefault(f.name, set()).add(str(shown))
-        for p in self.params:
-            shown = defaults.get(p.name, set())
-            if len(shown) == 1 and "None" not in shown and not isinstance(p.default, bool) \
-                    and p.name not in self.not_shown:
-                # shown only: the command passes the library only what the user gave
-                p.default, p.show_default = shown.pop(), True
-        super().format_help(ctx, formatter)
-
-
 class KvlensGroup(_FlagsWithoutType, TyperGroup):
     """``kvlens`` itself: its flags (--version, --help) shown without a value type."""
 
