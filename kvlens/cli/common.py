@@ -26,12 +26,6 @@ from kvlens.units import format_seconds
 
 # -- --help ---------------------------------------------------------------------------------
 
-#: Text appended to a command's --help, computed when the help is shown (command name -> a
-#: function): a grammar defined in the library, whose import would load torch, stays out of
-#: ``kvlens --help`` and of importing the CLI.
-HELP_APPENDIX: dict[str, Callable[[], str]] = {}
-
-
 class _FlagsWithoutType:
     """Flags shown without a value type: typer prints a flag's Python type as its value
     (``--overwrite <bool>``), yet a flag takes none."""
@@ -45,15 +39,7 @@ class _FlagsWithoutType:
 
 
 class KvlensCommand(_FlagsWithoutType, TyperCommand):
-    """Every kvlens command (``kvlens.cli.app`` gives it to each): flags shown without a value
-    type, and ``HELP_APPENDIX`` added to the help text when it is shown."""
-
-    def format_help(self, ctx, formatter) -> None:
-        appendix = HELP_APPENDIX.get(self.name)
-        if appendix is not None and not getattr(self, "_appended", False):
-            self.help = f"{self.help or ''}\n\n{escape(appendix())}"
-            self._appended = True
-        super().format_help(ctx, formatter)
+    """Every kvlens command (``kvlens.cli.app`` gives it to each)."""
 
 
 class KvlensGroup(_FlagsWithoutType, TyperGroup):

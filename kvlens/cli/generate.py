@@ -10,9 +10,9 @@ from kvlens.cli.app import app
 from kvlens.cli.common import (
     CACHES,
     EVALUATION,
-    HELP_APPENDIX,
     INPUT,
     OUTPUT,
+    KvlensCommand,
     console,
     err_console,
     escape,
@@ -35,18 +35,24 @@ READ_BY = {"text": read_with("--eval", "kld", "ppl"), "ppl_tokens": read_with("-
            "eval_tokens": read_with("--eval", "kld"), "chunk": read_with("--eval", "kld"),
            "retrieval_prompts": read_with("--eval", "retrieval"),
            "retrieval_lengths": read_with("--eval", "retrieval")}
-# What the help of --preset and --compare calls "the grammar above": the one definition in
-# kvlens.config.engine, added when the help is shown (importing it loads torch).
-HELP_APPENDIX["generate"] = lambda: _engine_grammar_help()
 
 
-def _engine_grammar_help() -> str:
-    from kvlens.config.engine import setting_grammar
+class _GrammarHelp(KvlensCommand):
+    """--help ends with what the help of --preset and --compare calls "the grammar above": the
+    one definition in kvlens.config.engine, added when the help is shown (its import loads
+    torch, which ``kvlens --help`` does not)."""
 
-    return "Engine settings (docs/deploy/README.md):\n" + setting_grammar()
+    def format_help(self, ctx, formatter) -> None:
+        from kvlens.config.engine import setting_grammar
+
+        if not getattr(self, "_appended", False):
+            grammar = "Engine settings (docs/deploy/README.md):\n" + setting_grammar()
+            self.help = f"{self.help or ''}\n\n{escape(grammar)}"
+            self._appended = True
+        super().format_help(ctx, formatter)
 
 
-@app.command()
+@app.command(cls=_GrammarHelp)
 def generate(
     ctx: typer.Context,
     config: Path = typer.Option(None, "--config", rich_help_panel=CACHES,
