@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvlens.evaluation.frontier import setting_kind
-from kvlens.plots.frontier import frontier_png
+from kvlens.plots.frontier import KIND_STYLE, frontier_png
 from kvlens.report.figures import compact_png, png_figure
 from kvlens.report.sections import MEMORY_CONTEXTS, Missing, Section, Table, _rel, latest
 from kvlens.units import format_bytes, format_interval
@@ -18,8 +18,6 @@ from kvlens.units import format_bytes, format_interval
 COMPARED_PRESET = "kivi-2"  # the published baseline the recommendation is set against
 EXAMPLE_ENGINES = ("llamacpp:q8_0/q4_0", "vllm:fp8_e4m3")  # named when no deploy chose any
 FRONTIER_WIDTH = 800  # px the frontier chart is drawn and shown at
-KIND_LABEL = {"engine": "engine setting", "preset": "kvlens preset", "config": "kvlens config",
-              "baseline": "transformers baseline"}
 
 
 @dataclass(frozen=True)
@@ -169,7 +167,7 @@ def _table(rows: list[tuple[Scored, str]], mine: Scored | None) -> Table:
             d = vs["mean_kld"]
             paired = format_interval(d, ".4f", sign="+", key="diff", sep="\n") + (
                 "\nnot distinguishable" if not d["distinguishable"] else "")
-        out.append([s.name, f"{KIND_LABEL.get(s.kind, s.kind)}:\n{why}",
+        out.append([s.name, f"{KIND_STYLE[s.kind][2] if s.kind in KIND_STYLE else s.kind}:\n{why}",
                     f"{s.result.get('bits_per_element', float('nan')):.2f}",
                     format_interval(k["mean_kld"], ".4f", sep="\n"),
                     format_interval(k["ppl_change"], ".2f", scale=100, sign="+", unit=" %", sep="\n") + " %",
