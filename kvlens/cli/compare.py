@@ -27,7 +27,7 @@ from kvlens.cli.common import (
     shared_option,
     write_artifact_output,
 )
-from kvlens.report.sections import METRIC_LABELS
+from kvlens.report.sections import METRIC_LABELS, axis_rows
 
 # The options only some variants read (refuse_unread): given without any of them, refused.
 READ_BY = {"outlier_fraction": read_with("--variants", "outliers"),
@@ -178,12 +178,7 @@ def _config_label(r: dict) -> str:
 
 
 def _render(summary: dict) -> None:
-    from kvlens.analysis.compare import means_by_key
-
     cap = summary["capture"]
-    means = means_by_key(summary["means"])
-    winners = {(w["tensor"], w["bits"], w["group_size"], w["stage"], w["variant"], w["metric"]):
-               w["winner"] for w in summary["winners"]}
     table = new_table(
         f"compare-axes: {escape(str(cap['model']))}, {len(cap['layers'])} layers, "
         f"{cap['samples']} x {cap['tokens']} tokens",
@@ -192,13 +187,9 @@ def _render(summary: dict) -> None:
                 "* = the better axis. recon: the quantized tensor; score: pre-softmax logits "
                 "(causal); weights: post-softmax; output: attention output. K b G stage: keys, "
                 "bits, group size, post/pre-RoPE; V: values.")
-    for r in summary["rankings"]:
-        ck = (r["tensor"], r["bits"], r["group_size"], r["stage"], r["variant"])
-        for axis in ("per-token", "per-channel"):
-            cells = [_fmt(means.get((*ck, axis, m)), winners.get((*ck, m)) == axis)
-                     for m in METRIC_LABELS]
-            table.add_row(_config_label(r) if axis == "per-token" else "", axis, *cells,
-                          end_section=axis == "per-channel")
+    for r, axis, cells in axis_rows(summary):
+        table.add_row(_config_label(r) if axis == "per-token" else "", axis,
+                      *(_fmt(v, best) for v, best in cells), end_section=axis == "per-channel")
     console.print(table)
     for r in summary["disagreements"]:
         console.print(f"[yellow]disagreement[/] {r['tensor']}s {r['bits']}-bit G{r['group_size']}"

@@ -272,6 +272,18 @@ def _ckey(r: dict) -> tuple:
     return (r["tensor"], r["bits"], r["group_size"], r.get("stage"), r.get("variant"))
 
 
+def axis_rows(summary: dict):
+    """compare-axes' summary, a row per configuration (its ranking) and axis: ``(ranking,
+    axis, cells)``, a cell per metric of ``METRIC_LABELS``: ``(mean or None, whether this axis
+    is the better one under that metric)``."""
+    means = {(*_ckey(m), m["axis"], m["metric"]): m["mean"] for m in summary.get("means", [])}
+    winners = {(*_ckey(w), w["metric"]): w["winner"] for w in summary.get("winners", [])}
+    for r in summary.get("rankings", []):
+        for axis in ("per-token", "per-channel"):
+            yield r, axis, [(means.get((*_ckey(r), axis, m)), winners.get((*_ckey(r), m)) == axis)
+                            for m in METRIC_LABELS]
+
+
 def axes_section(artifacts: dict, run_dir: Path, capture_hint: str) -> Section:
     sec = Section("axes", "Per-axis errors: reconstruction vs score vs attention output")
     path, doc = _start(sec, artifacts, run_dir, "compare-axes",
@@ -280,19 +292,9 @@ def axes_section(artifacts: dict, run_dir: Path, capture_hint: str) -> Section:
     if doc is None:
         return sec
     summary = doc.get("summary") or {}
-    means = {(*_ckey(m), m["axis"], m["metric"]): m["mean"] for m in summary.get("means", [])}
-    winners = {(*_ckey(w), w["metric"]): w for w in summary.get("winners", [])}
-    rows = []
-    for r in summary.get("rankings", []):
-        ck = _ckey(r)
-        for axis in ("per-token", "per-channel"):
-            cells = []
-            for m in METRIC_LABELS:
-                v = means.get((*ck, axis, m))
-                w = winners.get((*ck, m))
-                star = "*" if w and w["winner"] == axis else ""
-                cells.append("-" if v is None else f"{v:.4f}{star}")
-            rows.append([_config_label(r) if axis == "per-token" else "", axis, *cells])
+    rows = [[_config_label(r) if axis == "per-token" else "", axis,
+             *("-" if v is None else f"{v:.4f}{'*' if best else ''}" for v, best in cells)]
+            for r, axis, cells in axis_rows(summary)]
     cap = summary.get("capture") or {}
     sec.tables.append(Table(
         ["config", "axis", *METRIC_LABELS.values()], rows, left=(0, 1),
