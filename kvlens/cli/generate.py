@@ -33,6 +33,7 @@ READ_BY = {"text": read_with("--eval", "kld", "ppl"), "ppl_tokens": read_with("-
            "passkey_context": read_with("--eval", "passkey"),
            "seed": read_with("--eval", "passkey", "retrieval"),
            "eval_tokens": read_with("--eval", "kld"), "chunk": read_with("--eval", "kld"),
+           "frontier": read_with("--eval", "kld"),  # it draws each setting's mean KLD
            "retrieval_prompts": read_with("--eval", "retrieval"),
            "retrieval_lengths": read_with("--eval", "retrieval")}
 
@@ -164,7 +165,7 @@ def generate(
                    "max_memory": max_memory,
                    "offload_folder": str(offload_folder) if offload_folder else None})
         check_output_file(report_json, "--report-json", overwrite)
-        _check_frontier(frontier, request.options, overwrite)
+        _check_frontier(frontier, overwrite)
         return request
 
     request = run_library_call(prepare)
@@ -205,18 +206,14 @@ def generate(
         raise typer.Exit(130)
 
 
-def _check_frontier(path, opts, overwrite: bool) -> None:
-    """``--frontier`` draws the mean KLD: refused without ``--eval kld``, or for a file it
-    could not write afterwards."""
+def _check_frontier(path, overwrite: bool) -> None:
+    """``--frontier``: refused for a file it could not write afterwards."""
     from kvlens.errors import InputError
     from kvlens.plots.frontier import FORMATS
     from kvlens.report.artifacts import check_output_file
 
     if path is None:
         return
-    if "kld" not in opts.evals:
-        raise InputError("--frontier draws each setting's mean KLD, which only --eval kld "
-                         "measures; add kld to --eval or drop --frontier.")
     if Path(path).suffix.lower() not in FORMATS:
         raise InputError(f"--frontier {path}: the chart is written as PNG or SVG; name a "
                          f"{' or '.join(FORMATS)} file, e.g. out/frontier.png.")
