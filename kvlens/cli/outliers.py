@@ -86,9 +86,8 @@ def plot_outliers(
         check_output_folder(out, "--out", "outliers.json", overwrite)
         spots = [_parse_heatmap(s) for s in heatmap or []]
         with open_capture(run) as cap:
-            wanted = None  # the layers whose profiles are drawn as they are analysed (None: all)
-            if explicit and profile_layers.strip().lower() != "all":
-                wanted = set(parse_index_spec(profile_layers, cap.meta.shape.num_layers, "layer"))
+            limit = cap.meta.shape.num_layers
+            wanted = set(parse_index_spec(profile_layers, limit)) if explicit else set()
             for layer, kv in spots:
                 cap.layer(layer)  # clear error for a layer that is not captured
                 if not 0 <= kv < cap.meta.shape.num_key_value_heads:
@@ -102,7 +101,7 @@ def plot_outliers(
 
     def on_layer(stats) -> None:
         # Streaming: draw a layer's profiles as soon as its statistics exist.
-        if explicit and (wanted is None or stats[0].layer in wanted):
+        if stats[0].layer in wanted:
             with output_errors(figures):
                 drawn.extend(_draw_profiles(stats, model_name, threshold, out, fmt))
 
