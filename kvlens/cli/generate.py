@@ -145,20 +145,19 @@ def generate(
     given = given_options(ctx, (*READ_BY, "calibration", "overwrite"))
 
     def prepare():
+        from dataclasses import fields
+
         from kvlens.deploy.generate import generate_request
         from kvlens.evaluation import parse_evals
-        from kvlens.evaluation.options import parse_lengths
+        from kvlens.evaluation.options import EvalOptions, parse_lengths
         from kvlens.report.artifacts import check_output_file
 
         names = parse_evals(evals)
         refuse_unread(READ_BY, given, names)
         request = generate_request(
-            {"evals": names, "prompt": prompt, "max_new_tokens": max_new_tokens,
-             "text": str(text) if text else None, "ppl_tokens": ppl_tokens,
-             "passkey_prompts": passkey_prompts, "passkey_context": passkey_context,
-             "seed": seed, "backend": backend, "eval_tokens": eval_tokens, "chunk": chunk,
-             "retrieval_prompts": retrieval_prompts,
-             "retrieval_lengths": parse_lengths(retrieval_lengths)},
+            {f.name: ctx.params[f.name] for f in fields(EvalOptions) if f.name in ctx.params}
+            | {"evals": names, "text": str(text) if text else None,
+               "retrieval_lengths": parse_lengths(retrieval_lengths)},
             config=config, preset=preset_name, compare=compare, calibration=calibration,
             prompt_file=prompt_file, model=model,
             place={"dtype": dtype, "device": device, "device_map": device_map,
