@@ -25,6 +25,7 @@ from kvlens.cli.common import (
     shared_option,
     write_text_output,
 )
+from kvlens.errors import InputError
 
 FAMILY_ORDER = {"q": ("q_pre", "q"), "k": ("k_pre", "k"), "v": ("v",)}
 
@@ -70,7 +71,6 @@ def plot_outliers(
       kvlens plot-outliers out/run.h5 --out out/k --tensors k --heatmap 2:0 --format svg
     """
     from kvlens.analysis.outliers import analyze_capture, parse_tensors
-    from kvlens.errors import InputError
     from kvlens.report.artifacts import check_output_folder
 
     explicit = profile_layers.strip().lower() not in ("auto", "")
@@ -143,8 +143,6 @@ def plot_outliers(
 
 
 def _parse_heatmap(spec: str) -> tuple[int, int]:
-    from kvlens.errors import InputError
-
     try:
         layer_s, head_s = spec.split(":")
         return int(layer_s), int(head_s)
