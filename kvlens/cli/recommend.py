@@ -345,9 +345,7 @@ def _save_engine(rec, out: Path) -> None:
     from kvlens.config import save_config
 
     write_output(out, lambda tmp: save_config(rec.chosen.config, tmp))
-    written = [str(out)]
     for name, text in rec.files.items():
         write_text_output(out.parent / name, text)
-        written.append(str(out.parent / name))
-    for w in written:
-        err_console.print(f"written: {escape(w)}")
+    for path in (out, *(out.parent / name for name in rec.files)):
+        err_console.print(f"written: {escape(str(path))}")
