@@ -294,10 +294,11 @@ SHARED_OPTIONS: dict[str, tuple[Any, tuple[str, ...], str, str]] = {
 
 def shared_option(name: str, what: str = "", **override):
     """The ``typer.Option`` of ``SHARED_OPTIONS[name]``; ``what`` fills the help's ``{}``
-    (``--json``: what it prints), ``override`` replaces its default or help."""
+    (``--json``: what it prints), ``override`` replaces its default or help (or adds an
+    argument of ``typer.Option``)."""
     default, flags, panel, text = SHARED_OPTIONS[name]
-    return typer.Option(override.get("default", default), *flags, rich_help_panel=panel,
-                        help=override.get("help", text.format(what)))
+    options = {"help": text.format(what)} | override
+    return typer.Option(options.pop("default", default), *flags, rich_help_panel=panel, **options)
 
 
 def open_range(low: float, high: float):
