@@ -178,7 +178,11 @@ def generate(
                             progress=lambda msg: err_console.print(f"  {escape(msg)}"))
 
     report = run_library_call(run)
-    front = _frontier_doc(report, request.settings.kinds)
+    front = None
+    if "kld" in report["evaluation"]:  # every setting kld scored, and its Pareto front
+        from kvlens.evaluation.frontier import frontier_doc, points_from_results
+
+        front = frontier_doc(points_from_results(report["results"], request.settings.kinds))
     # --json's document; the file for `kvlens report` leaves out the placement
     doc = {k: report[k] for k in ("results", "evaluation", "placement", "interrupted")} | (
         {} if front is None else {"frontier": front})
@@ -217,15 +221,6 @@ def _check_frontier(path, overwrite: bool) -> None:
         raise InputError(f"--frontier {path}: the chart is written as PNG or SVG; name a "
                          f"{' or '.join(FORMATS)} file, e.g. out/frontier.png.")
     check_output_file(path, "--frontier", overwrite, example="out/frontier.png")
-
-
-def _frontier_doc(report: dict, kinds) -> dict | None:
-    """The ``frontier`` entry of the JSON: every setting kld scored, and its Pareto front."""
-    from kvlens.evaluation.frontier import frontier_doc, points_from_results
-
-    if "kld" not in report["evaluation"]:
-        return None
-    return frontier_doc(points_from_results(report["results"], kinds))
 
 
 def _draw_frontier(front: dict, report: dict, model, path) -> None:
