@@ -119,7 +119,8 @@ def plot_outliers(
 
         if not explicit:
             with output_errors(figures):
-                for layer in _most_severe_layers(report, 3):
+                sev = report.layer_severity(_severity_tensor(report))
+                for layer in sorted(sorted(sev, key=sev.get, reverse=True)[:3]):  # the worst 3
                     drawn.extend(_draw_profiles(report.select(layer=layer), report.model,
                                                 threshold, out, fmt))
         drawn.extend(_draw_heatmaps(report, spots, run, out, fmt))
@@ -156,11 +157,6 @@ def _severity_tensor(report) -> str:
         if report.select(t):
             return t
     return report.heads[0].tensor
-
-
-def _most_severe_layers(report, n: int) -> list[int]:
-    sev = report.layer_severity(_severity_tensor(report))
-    return sorted(sorted(sev, key=sev.get, reverse=True)[:n])
 
 
 def _draw_profiles(stats, model: str, threshold: float, out: Path, fmt: str) -> list[Path]:
