@@ -53,7 +53,9 @@ def answer_section(artifacts: dict, run_dir: Path, capture_hint: str) -> Section
     rec_name = None if rec is None else ((rec.get("config") or {}).get("name")
                                          or Path(rec.get("config_file", "")).stem)
     mine = _mine(scored, rec_name)
-    preset = _pick(scored, COMPARED_PRESET, mine)
+    presets = [s for s in scored if s.name == COMPARED_PRESET]  # from mine's run when it has it
+    preset = next((s for s in presets if mine and s.source == mine.source),
+                  presets[0] if presets else None)
     engines = [s for s in scored if s.kind == "engine"]
     engine = min(engines, key=lambda s: s.kld) if engines else None
     if rec is not None:
@@ -118,12 +120,6 @@ def _mine(scored: list[Scored], name: str | None) -> Scored | None:
 
     mine = [s for s in scored if s.name == name]
     return max(mine, key=others) if mine else None  # max keeps the first of equals
-
-
-def _pick(scored: list[Scored], name: str, mine: Scored | None) -> Scored | None:
-    """``name``'s scores, from the run that scored the recommendation when it did."""
-    same = [s for s in scored if s.name == name]
-    return next((s for s in same if mine and s.source == mine.source), same[0] if same else None)
 
 
 def _front(artifacts: dict, scored: list[Scored], run_dir: Path) -> list[Scored]:
