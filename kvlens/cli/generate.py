@@ -148,8 +148,10 @@ def generate(
         from dataclasses import fields
 
         from kvlens.deploy.generate import generate_request
+        from kvlens.errors import InputError
         from kvlens.evaluation import parse_evals
         from kvlens.evaluation.options import EvalOptions, parse_lengths
+        from kvlens.plots.frontier import FORMATS
         from kvlens.report.artifacts import check_output_file
 
         names = parse_evals(evals)
@@ -164,7 +166,10 @@ def generate(
                    "max_memory": max_memory,
                    "offload_folder": str(offload_folder) if offload_folder else None})
         check_output_file(report_json, "--report-json", overwrite)
-        _check_frontier(frontier, overwrite)
+        if frontier is not None and Path(frontier).suffix.lower() not in FORMATS:
+            raise InputError(f"--frontier {frontier}: the chart is written as PNG or SVG; name a "
+                             f"{' or '.join(FORMATS)} file, e.g. out/frontier.png.")
+        check_output_file(frontier, "--frontier", overwrite, example="out/frontier.png")
         return request
 
     request = run_library_call(prepare)
@@ -207,20 +212,6 @@ def generate(
         err_console.print("[bold red]interrupted:[/] the results above are what was finished "
                           "before Ctrl-C.", highlight=False)
         raise typer.Exit(130)
-
-
-def _check_frontier(path, overwrite: bool) -> None:
-    """``--frontier``: refused for a file it could not write afterwards."""
-    from kvlens.errors import InputError
-    from kvlens.plots.frontier import FORMATS
-    from kvlens.report.artifacts import check_output_file
-
-    if path is None:
-        return
-    if Path(path).suffix.lower() not in FORMATS:
-        raise InputError(f"--frontier {path}: the chart is written as PNG or SVG; name a "
-                         f"{' or '.join(FORMATS)} file, e.g. out/frontier.png.")
-    check_output_file(path, "--frontier", overwrite, example="out/frontier.png")
 
 
 def _draw_frontier(front: dict, report: dict, model, path) -> None:
