@@ -60,7 +60,8 @@ def capture(
       kvlens capture --model my-model.gguf -o run.h5
     """
     from kvlens.capture.run import CaptureOptions, check_capture, run_capture
-    from kvlens.report.artifacts import capture_doc_path, check_output_file
+    from kvlens.capture.store import open_capture
+    from kvlens.report.artifacts import capture_doc, capture_doc_path, check_output_file
 
     def prepare() -> CaptureOptions:
         # Everything that can be checked without the model, before it loads: the outputs,
@@ -83,25 +84,18 @@ def capture(
         # the model's own files are read through load_model, which names its failures; an
         # OSError left here is the capture file's write (a full disk, a vanished folder)
         with output_errors(f"the capture {output}"):
-            return run_capture(opts, output, progress=update)
+            summary = run_capture(opts, output, progress=update)
+        with open_capture(output) as cap:  # RUN.capture.json beside it, for `kvlens report`
+            doc = capture_doc(summary.to_dict(), cap.meta)
+        write_artifact_output("capture", doc, capture_doc_path(output))
+        return summary
 
     with progress_bar("capture") as update:
         summary = run_library_call(work)
-    run_library_call(lambda: _write_report_json(summary, output))
     if as_json:
         print_json(summary.to_dict())
         return
     _render(summary)
-
-
-def _write_report_json(summary, output: Path) -> None:
-    """``RUN.capture.json`` beside the capture: what ``kvlens report`` shows about it."""
-    from kvlens.capture.store import open_capture
-    from kvlens.report.artifacts import capture_doc, capture_doc_path
-
-    with open_capture(output) as cap:
-        doc = capture_doc(summary.to_dict(), cap.meta)
-    write_artifact_output("capture", doc, capture_doc_path(output))
 
 
 def _render(s) -> None:
