@@ -27,7 +27,7 @@ from kvlens.cli.common import (
     shared_option,
     write_artifact_output,
 )
-from kvlens.report.sections import METRIC_LABELS, axis_rows
+from kvlens.report.sections import METRIC_LABELS, axis_rows, config_label
 
 # The options only some variants read (refuse_unread): given without any of them, refused.
 READ_BY = {"outlier_fraction": read_with("--variants", "outliers"),
@@ -167,16 +167,6 @@ def _fmt(value: float | None, best: bool) -> str:
     return f"[bold green]{text}*[/]" if best else f"{text} "
 
 
-def _config_label(r: dict) -> str:
-    tensor = "K" if r["tensor"] == "key" else "V"
-    parts = [tensor, f"{r['bits']}b", f"G{r['group_size']}"]
-    if r["stage"]:
-        parts.append(r["stage"])
-    if r["variant"] != "plain":
-        parts.append(r["variant"])
-    return " ".join(parts)
-
-
 def _render(summary: dict) -> None:
     cap = summary["capture"]
     table = new_table(
@@ -188,7 +178,7 @@ def _render(summary: dict) -> None:
                 "(causal); weights: post-softmax; output: attention output. K b G stage: keys, "
                 "bits, group size, post/pre-RoPE; V: values.")
     for r, axis, cells in axis_rows(summary):
-        table.add_row(_config_label(r) if axis == "per-token" else "", axis,
+        table.add_row(config_label(r, "b", "") if axis == "per-token" else "", axis,
                       *(_fmt(v, best) for v, best in cells), end_section=axis == "per-channel")
     console.print(table)
     for r in summary["disagreements"]:

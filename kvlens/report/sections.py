@@ -259,10 +259,12 @@ METRIC_LABELS = {"reconstruction": "recon", "score": "score", "attention_weights
                 "attention_output": "output"}
 
 
-def _config_label(r: dict) -> str:
-    parts = ["K" if r["tensor"] == "key" else "V", f"{r['bits']}-bit", f"G{r['group_size']}"]
+def config_label(r: dict, bit: str = "-bit", stage: str = "-RoPE") -> str:
+    """A compare-axes configuration as ``K 2-bit G32 pre-RoPE rotate`` (the terminal's
+    shorter ``K 2b G32 pre rotate``: ``bit="b", stage=""``)."""
+    parts = ["K" if r["tensor"] == "key" else "V", f"{r['bits']}{bit}", f"G{r['group_size']}"]
     if r.get("stage"):
-        parts.append(f"{r['stage']}-RoPE")
+        parts.append(f"{r['stage']}{stage}")
     if r.get("variant", "plain") != "plain":
         parts.append(r["variant"])
     return " ".join(parts)
@@ -292,7 +294,7 @@ def axes_section(artifacts: dict, run_dir: Path, capture_hint: str) -> Section:
     if doc is None:
         return sec
     summary = doc.get("summary") or {}
-    rows = [[_config_label(r) if axis == "per-token" else "", axis,
+    rows = [[config_label(r) if axis == "per-token" else "", axis,
              *("-" if v is None else f"{v:.4f}{'*' if best else ''}" for v, best in cells)]
             for r, axis, cells in axis_rows(summary)]
     cap = summary.get("capture") or {}
@@ -306,7 +308,7 @@ def axes_section(artifacts: dict, run_dir: Path, capture_hint: str) -> Section:
     sec.tables.append(_disagreement_table(doc, summary))
     for d in summary.get("disagreements", []):
         sec.paragraphs.append(
-            f"{_config_label(d)}: reconstruction favours {d['reconstruction']}, attention "
+            f"{config_label(d)}: reconstruction favours {d['reconstruction']}, attention "
             f"output favours {d['attention_output']} (mean over layers).")
     for k in summary.get("kivi_pattern", []):
         failed = [n for n, c in (k.get("checks") or {}).items() if not c.get("holds")]
@@ -358,7 +360,7 @@ def _disagreement_table(doc: dict, summary: dict) -> Table:
         out = {n: _side(cells, "attention_output", n) for n in layers}
         apart = {m: [n for n in layers if _side(cells, m, n) * out[n] < 0]  # picked otherwise
                  for m in ("reconstruction", "score")}
-        rows.append([_config_label(r), f"{sum(s < 0 for s in out.values())} / {len(layers)}",
+        rows.append([config_label(r), f"{sum(s < 0 for s in out.values())} / {len(layers)}",
                      _layer_list(apart["reconstruction"]),
                      "-" if r["tensor"] != "key" else _layer_list(apart["score"])])
     if not rows:
