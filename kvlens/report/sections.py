@@ -90,11 +90,16 @@ def model_section(artifacts: dict, run_dir: Path, capture_hint: str) -> Section:
                        "the capture summary (architecture, text source, versions)",
                        f"kvlens capture -o {capture_hint}")
     if doc is None:
-        partial = _capture_from_others(artifacts)
-        if partial:
+        src = next(iter(capture_records(artifacts)), None)
+        if src:  # outliers.json writes num_samples, compare-axes samples
+            samples, tokens = (src.get(f"num_{k}", src.get(k)) for k in ("samples", "tokens"))
             sec.paragraphs.append("From the other commands' records (the capture summary is "
                                   "missing):")
-            sec.tables.append(Table(["", ""], partial, id="model-table"))
+            sec.tables.append(Table(["", ""], [
+                ["model", str(src.get("model"))],
+                ["heads", f"{src.get('num_attention_heads')} query / "
+                          f"{src.get('num_key_value_heads')} KV, head_dim {src.get('head_dim')}"],
+                ["tokens", f"{samples} samples x {tokens} tokens"]], id="model-table"))
         return sec
     rope = doc.get("rope") or {}
     theta = rope.get("rope_theta") or rope.get("theta")
@@ -127,18 +132,6 @@ def capture_records(artifacts: dict) -> list[dict]:
     _, out = latest(artifacts, "outliers")
     _, cmp = latest(artifacts, "compare-axes")
     return [d for d in (out, ((cmp or {}).get("summary") or {}).get("capture")) if d]
-
-
-def _capture_from_others(artifacts: dict) -> list[list[str]]:
-    src = next(iter(capture_records(artifacts)), None)
-    if not src:
-        return []
-    samples = src.get("num_samples", src.get("samples"))
-    tokens = src.get("num_tokens", src.get("tokens"))
-    return [["model", str(src.get("model"))],
-            ["heads", f"{src.get('num_attention_heads')} query / "
-                      f"{src.get('num_key_value_heads')} KV, head_dim {src.get('head_dim')}"],
-            ["tokens", f"{samples} samples x {tokens} tokens"]]
 
 
 # -- 2. outliers ----------------------------------------------------------------------------
