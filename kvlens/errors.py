@@ -2,7 +2,7 @@
 
 Every error a user can cause is a ``KvlensError`` subclass with a message that says what was
 wrong and how to fix it. The CLI turns these into one red line and exit code 1 (in one place:
-``kvlens.cli.app``); anything else is a bug and keeps its traceback.
+``kvlens.cli.common.run_library_call``); anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations

@@ -212,7 +212,7 @@ ROWS = [
      "already exists; pass --overwrite", 1),
     ("generate --preset kivi-2 --prompt x --backend cuda", "Unknown --backend 'cuda'", 1),
     ("generate --compare kivi-2,kivi-4 --eval ppl --frontier {dir}/f.png",
-     "--frontier draws each setting's mean KLD", 1),
+     "--frontier: read by --eval kld, not by --eval ppl; add it to --eval", 1),
     # generate: what depends on the model, against the shape its files declare
     ("generate --preset kivi-2 --eval retrieval --retrieval-lengths 100000",
      "Retrieval lengths 100000 do not fit", 1),

@@ -20,7 +20,7 @@ def _register_commands() -> None:
     # module keeps heavy imports (torch, transformers, h5py, matplotlib) inside its command.
     for name in ("capture", "compare", "outliers", "generate", "recommend", "report"):
         importlib.import_module(f"kvlens.cli.{name}")
-    # One way of showing --help for every command: KvlensCommand (recommend's own class is one)
+    # One way of showing --help for every command: KvlensCommand or a subclass
     for info in app.registered_commands:
         if info.cls in (None, TyperCommand):
             info.cls = KvlensCommand

@@ -9,19 +9,15 @@ import typer
 from kvlens.cli.app import app
 from kvlens.cli.common import (
     INPUT,
-    MODEL,
     OUTPUT,
     console,
-    device_map_option,
     err_console,
     escape,
-    max_memory_option,
-    offload_folder_option,
     output_errors,
-    overwrite_option,
     print_json,
     progress_bar,
     run_library_call,
+    shared_option,
     write_artifact_output,
 )
 from kvlens.units import format_bytes, format_bytes_by_device
@@ -39,16 +35,12 @@ def capture(
                                help="Layers to capture, e.g. 0,4,8-11 (default: all); "
                                     "checked against the model's layer count before it "
                                     "loads."),
-    model: str = typer.Option(None, "--model", "-m", rich_help_panel=MODEL,
-                              help="Model: omit for the embedded SmolLM2-135M-Instruct, or a "
-                                   "local HF directory, a .gguf file, or a hub id."),
-    dtype: str = typer.Option("float32", "--dtype", rich_help_panel=MODEL,
-                              help="Compute dtype of the model: float32, float16 or bfloat16."),
-    device: str = typer.Option("auto", "--device", rich_help_panel=MODEL,
-                               help="auto, cpu or cuda."),
-    device_map: str = device_map_option(),
-    max_memory: str = max_memory_option(),
-    offload_folder: Path = offload_folder_option(),
+    model: str = shared_option("model"),
+    dtype: str = shared_option("dtype"),
+    device: str = shared_option("device"),
+    device_map: str = shared_option("device_map"),
+    max_memory: str = shared_option("max_memory"),
+    offload_folder: Path = shared_option("offload_folder"),
     output: Path = typer.Option(Path("run.h5"), "--output", "-o", rich_help_panel=OUTPUT,
                                 help="HDF5 file to write (and RUN.capture.json beside it, for "
                                      "`kvlens report`)."),
@@ -56,9 +48,8 @@ def capture(
                                       help="float16, float32 or bfloat16 (stored losslessly)."),
     compression: str = typer.Option("none", "--compression", rich_help_panel=OUTPUT,
                                     help="none, gzip or lzf."),
-    overwrite: bool = overwrite_option(),
-    as_json: bool = typer.Option(False, "--json", rich_help_panel=OUTPUT,
-                                 help="Print a JSON summary on stdout."),
+    overwrite: bool = shared_option("overwrite"),
+    as_json: bool = shared_option("as_json", "a summary"),
 ) -> None:
     """Run a causal LM on text and store per-layer, per-head Q, K, V (pre and post RoPE).
 
@@ -69,7 +60,8 @@ def capture(
       kvlens capture --model my-model.gguf -o run.h5
     """
     from kvlens.capture.run import CaptureOptions, check_capture, run_capture
-    from kvlens.report.artifacts import capture_doc_path, check_output_file
+    from kvlens.capture.store import open_capture
+    from kvlens.report.artifacts import capture_doc, capture_doc_path, check_output_file
 
     def prepare() -> CaptureOptions:
         # Everything that can be checked without the model, before it loads: the outputs,
@@ -92,25 +84,18 @@ def capture(
         # the model's own files are read through load_model, which names its failures; an
         # OSError left here is the capture file's write (a full disk, a vanished folder)
         with output_errors(f"the capture {output}"):
-            return run_capture(opts, output, progress=update)
+            summary = run_capture(opts, output, progress=update)
+        with open_capture(output) as cap:  # RUN.capture.json beside it, for `kvlens report`
+            doc = capture_doc(summary.to_dict(), cap.meta)
+        write_artifact_output("capture", doc, capture_doc_path(output))
+        return summary
 
     with progress_bar("capture") as update:
         summary = run_library_call(work)
-    run_library_call(lambda: _write_report_json(summary, output))
     if as_json:
         print_json(summary.to_dict())
         return
     _render(summary)
-
-
-def _write_report_json(summary, output: Path) -> None:
-    """``RUN.capture.json`` beside the capture: what ``kvlens report`` shows about it."""
-    from kvlens.capture.store import open_capture
-    from kvlens.report.artifacts import capture_doc, capture_doc_path
-
-    with open_capture(output) as cap:
-        doc = capture_doc(summary.to_dict(), cap.meta)
-    write_artifact_output("capture", doc, capture_doc_path(output))
 
 
 def _render(s) -> None:

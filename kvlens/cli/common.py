@@ -26,70 +26,24 @@ from kvlens.units import format_seconds
 
 # -- --help ---------------------------------------------------------------------------------
 
-#: Text appended to a command's --help, computed when the help is shown (command name -> a
-#: function): a grammar defined in the library, whose import would load torch, stays out of
-#: ``kvlens --help`` and of importing the CLI.
-HELP_APPENDIX: dict[str, Callable[[], str]] = {}
-
-
-def _flags_without_type(params: list) -> list:
-    # typer prints a flag's Python type as its value (``--overwrite <bool>``); a flag takes none
-    for param in params:
-        if getattr(param, "is_flag", False) and param.metavar is None:
-            param.metavar = ""
-    return params
-
-
-class KvlensCommand(TyperCommand):
-    """Every kvlens command (``kvlens.cli.app`` gives it to each): flags shown without a value
-    type, and ``HELP_APPENDIX`` added to the help text when it is shown."""
+class _FlagsWithoutType:
+    """Flags shown without a value type: typer prints a flag's Python type as its value
+    (``--overwrite <bool>``), yet a flag takes none."""
 
     def get_params(self, ctx):
-        return _flags_without_type(super().get_params(ctx))
-
-    def format_help(self, ctx, formatter) -> None:
-        appendix = HELP_APPENDIX.get(self.name)
-        if appendix is not None and not getattr(self, "_appended", False):
-            self.help = f"{self.help or ''}\n\n{escape(appendix())}"
-            self._appended = True
-        super().format_help(ctx, formatter)
+        params = super().get_params(ctx)
+        for param in params:
+            if getattr(param, "is_flag", False) and param.metavar is None:
+                param.metavar = ""
+        return params
 
 
-class LibraryDefaults(KvlensCommand):
-    """``--help`` shows each option's default from the library's option dataclasses
-    (``defaults_from``, the one source), read when help is asked for (so that ``kvlens --help``
-    loads no torch); an option without one default there, or in ``not_shown``, shows none."""
-
-    not_shown: tuple[str, ...] = ()
-
-    @staticmethod
-    def defaults_from() -> tuple[type, ...]:
-        return ()
-
-    def format_help(self, ctx, formatter) -> None:
-        from dataclasses import MISSING, fields
-
-        defaults: dict[str, set] = {}
-        for cls in self.defaults_from():
-            for f in fields(cls):
-                if f.default is not MISSING:
-                    shown = f.default
-                    shown = ",".join(map(str, shown)) if isinstance(shown, tuple) else shown
-                    defaults.setdefault(f.name, set()).add(str(shown))
-        for p in self.params:
-            shown = defaults.get(p.name, set())
-            if len(shown) == 1 and "None" not in shown and not isinstance(p.default, bool) \
-                    and p.name not in self.not_shown:
-                # shown only: the command passes the library only what the user gave
-                p.default, p.show_default = shown.pop(), True
-        super().format_help(ctx, formatter)
+class KvlensCommand(_FlagsWithoutType, TyperCommand):
+    """Every kvlens command (``kvlens.cli.app`` gives it to each)."""
 
 
-class KvlensGroup(TyperGroup):
+class KvlensGroup(_FlagsWithoutType, TyperGroup):
     """``kvlens`` itself: its flags (--version, --help) shown without a value type."""
-
-    def get_params(self, ctx):
-        return _flags_without_type(super().get_params(ctx))
 
 
 #: Width of tables written to a file or pipe (a log, CI): wide enough that no number is cut.
@@ -316,29 +270,35 @@ def progress_bar(description: str):
             state["prog"].stop()
 
 
-def device_map_option():
-    return typer.Option(None, "--device-map", rich_help_panel=MODEL,
-                        help="Place the model with accelerate: auto, balanced, sequential "
-                             "(spread over GPUs, then CPU, then disk), or a JSON map of module "
-                             "-> GPU index/cpu/disk (inline or a file). docs/large-models.md.")
+#: Options several commands share, one spelling and help each (``shared_option``): parameter
+#: name -> (default, flags, --help panel, help).
+SHARED_OPTIONS: dict[str, tuple[Any, tuple[str, ...], str, str]] = {
+    "model": (None, ("--model", "-m"), MODEL, "Model: omit for the embedded SmolLM2-135M-Instruct, "
+              "or a local HF directory, a .gguf file, or a hub id."),
+    "dtype": ("float32", ("--dtype",), MODEL, "Compute dtype of the model: float32, float16 or "
+              "bfloat16."),
+    "device": ("auto", ("--device",), MODEL, "auto, cpu or cuda."),
+    "device_map": (None, ("--device-map",), MODEL, "Place the model with accelerate: auto, "
+                   "balanced, sequential (spread over GPUs, then CPU, then disk), or a JSON map of "
+                   "module -> GPU index/cpu/disk (inline or a file). docs/large-models.md."),
+    "max_memory": (None, ("--max-memory",), MODEL, "With --device-map: per-device limits, e.g. "
+                   "0=20GiB,1=20GiB,cpu=60GiB,disk=200GiB (GPU index, cpu, disk)."),
+    "offload_folder": (None, ("--offload-folder",), MODEL, "With --device-map: a writable "
+                       "directory for weights offloaded to disk (without it nothing may go to "
+                       "disk)."),
+    "overwrite": (False, ("--overwrite",), OUTPUT, "Replace existing output files (without it an "
+                  "existing output is refused before any work)."),
+    "as_json": (False, ("--json",), OUTPUT, "Print {} as JSON on stdout."),
+}
 
 
-def max_memory_option():
-    return typer.Option(None, "--max-memory", rich_help_panel=MODEL,
-                        help="With --device-map: per-device limits, e.g. "
-                             "0=20GiB,1=20GiB,cpu=60GiB,disk=200GiB (GPU index, cpu, disk).")
-
-
-def offload_folder_option():
-    return typer.Option(None, "--offload-folder", rich_help_panel=MODEL,
-                        help="With --device-map: a writable directory for weights offloaded "
-                             "to disk (without it nothing may go to disk).")
-
-
-def overwrite_option():
-    return typer.Option(False, "--overwrite", rich_help_panel=OUTPUT,
-                        help="Replace existing output files (without it an existing output is "
-                             "refused before any work).")
+def shared_option(name: str, what: str = "", **override):
+    """The ``typer.Option`` of ``SHARED_OPTIONS[name]``; ``what`` fills the help's ``{}``
+    (``--json``: what it prints), ``override`` replaces its default or help (or adds an
+    argument of ``typer.Option``)."""
+    default, flags, panel, text = SHARED_OPTIONS[name]
+    options = {"help": text.format(what)} | override
+    return typer.Option(options.pop("default", default), *flags, rich_help_panel=panel, **options)
 
 
 def open_range(low: float, high: float):

@@ -19,20 +19,19 @@ from kvlens.cli.common import (
     new_table,
     open_range,
     output_errors,
-    overwrite_option,
     print_json,
     progress_bar,
     read_with,
     refuse_unread,
     run_library_call,
+    shared_option,
     write_artifact_output,
 )
+from kvlens.report.sections import METRIC_LABELS, axis_rows, config_label
 
 # The options only some variants read (refuse_unread): given without any of them, refused.
 READ_BY = {"outlier_fraction": read_with("--variants", "outliers"),
            "rotation_seed": read_with("--variants", "rotate")}
-METRIC_LABELS = {"reconstruction": "recon", "score": "score", "attention_weights": "weights",
-                 "attention_output": "output"}
 
 
 @app.command("compare-axes")
@@ -89,9 +88,8 @@ def compare_axes_command(
                                help="Directory for heatmaps, per-layer line plots and "
                                     "compare-axes.json (the summary and per-layer means "
                                     "`kvlens report` reads); created if missing."),
-    overwrite: bool = overwrite_option(),
-    as_json: bool = typer.Option(False, "--json", rich_help_panel=OUTPUT,
-                                 help="Print all records and the summary as JSON on stdout."),
+    overwrite: bool = shared_option("overwrite"),
+    as_json: bool = shared_option("as_json", "all records and the summary"),
 ) -> None:
     """Which quantization axis wins for keys and values, under which error metric.
 
@@ -169,23 +167,8 @@ def _fmt(value: float | None, best: bool) -> str:
     return f"[bold green]{text}*[/]" if best else f"{text} "
 
 
-def _config_label(r: dict) -> str:
-    tensor = "K" if r["tensor"] == "key" else "V"
-    parts = [tensor, f"{r['bits']}b", f"G{r['group_size']}"]
-    if r["stage"]:
-        parts.append(r["stage"])
-    if r["variant"] != "plain":
-        parts.append(r["variant"])
-    return " ".join(parts)
-
-
 def _render(summary: dict) -> None:
-    from kvlens.analysis.compare import means_by_key
-
     cap = summary["capture"]
-    means = means_by_key(summary["means"])
-    winners = {(w["tensor"], w["bits"], w["group_size"], w["stage"], w["variant"], w["metric"]):
-               w["winner"] for w in summary["winners"]}
     table = new_table(
         f"compare-axes: {escape(str(cap['model']))}, {len(cap['layers'])} layers, "
         f"{cap['samples']} x {cap['tokens']} tokens",
@@ -194,13 +177,9 @@ def _render(summary: dict) -> None:
                 "* = the better axis. recon: the quantized tensor; score: pre-softmax logits "
                 "(causal); weights: post-softmax; output: attention output. K b G stage: keys, "
                 "bits, group size, post/pre-RoPE; V: values.")
-    for r in summary["rankings"]:
-        ck = (r["tensor"], r["bits"], r["group_size"], r["stage"], r["variant"])
-        for axis in ("per-token", "per-channel"):
-            cells = [_fmt(means.get((*ck, axis, m)), winners.get((*ck, m)) == axis)
-                     for m in METRIC_LABELS]
-            table.add_row(_config_label(r) if axis == "per-token" else "", axis, *cells,
-                          end_section=axis == "per-channel")
+    for r, axis, cells in axis_rows(summary):
+        table.add_row(config_label(r, "b", "") if axis == "per-token" else "", axis,
+                      *(_fmt(v, best) for v, best in cells), end_section=axis == "per-channel")
     console.print(table)
     for r in summary["disagreements"]:
         console.print(f"[yellow]disagreement[/] {r['tensor']}s {r['bits']}-bit G{r['group_size']}"

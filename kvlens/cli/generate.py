@@ -10,23 +10,19 @@ from kvlens.cli.app import app
 from kvlens.cli.common import (
     CACHES,
     EVALUATION,
-    HELP_APPENDIX,
     INPUT,
-    MODEL,
     OUTPUT,
+    KvlensCommand,
     console,
-    device_map_option,
     err_console,
     escape,
     given_options,
-    max_memory_option,
     new_table,
-    offload_folder_option,
-    overwrite_option,
     print_json,
     read_with,
     refuse_unread,
     run_library_call,
+    shared_option,
     write_artifact_output,
 )
 from kvlens.units import format_bytes, format_bytes_by_device, format_interval
@@ -37,20 +33,27 @@ READ_BY = {"text": read_with("--eval", "kld", "ppl"), "ppl_tokens": read_with("-
            "passkey_context": read_with("--eval", "passkey"),
            "seed": read_with("--eval", "passkey", "retrieval"),
            "eval_tokens": read_with("--eval", "kld"), "chunk": read_with("--eval", "kld"),
+           "frontier": read_with("--eval", "kld"),  # it draws each setting's mean KLD
            "retrieval_prompts": read_with("--eval", "retrieval"),
            "retrieval_lengths": read_with("--eval", "retrieval")}
-# What the help of --preset and --compare calls "the grammar above": the one definition in
-# kvlens.config.engine, added when the help is shown (importing it loads torch).
-HELP_APPENDIX["generate"] = lambda: _engine_grammar_help()
 
 
-def _engine_grammar_help() -> str:
-    from kvlens.config.engine import setting_grammar
+class _GrammarHelp(KvlensCommand):
+    """--help ends with what the help of --preset and --compare calls "the grammar above": the
+    one definition in kvlens.config.engine, added when the help is shown (its import loads
+    torch, which ``kvlens --help`` does not)."""
 
-    return "Engine settings (docs/deploy/README.md):\n" + setting_grammar()
+    def format_help(self, ctx, formatter) -> None:
+        from kvlens.config.engine import setting_grammar
+
+        if not getattr(self, "_appended", False):
+            grammar = "Engine settings (docs/deploy/README.md):\n" + setting_grammar()
+            self.help = f"{self.help or ''}\n\n{escape(grammar)}"
+            self._appended = True
+        super().format_help(ctx, formatter)
 
 
-@app.command()
+@app.command(cls=_GrammarHelp)
 def generate(
     ctx: typer.Context,
     config: Path = typer.Option(None, "--config", rich_help_panel=CACHES,
@@ -112,18 +115,13 @@ def generate(
                                         help="passkey: approximate tokens per prompt."),
     seed: int = typer.Option(0, "--seed", rich_help_panel=EVALUATION,
                              help="Seed for passkey and retrieval prompts."),
-    model: str = typer.Option(None, "--model", "-m", rich_help_panel=MODEL,
-                              help="Model: omit for the embedded SmolLM2-135M-Instruct, or a "
-                                   "local HF directory, a .gguf file, or a hub id."),
-    dtype: str = typer.Option("float32", "--dtype", rich_help_panel=MODEL,
-                              help="Model compute dtype: float32, float16 or bfloat16."),
-    device: str = typer.Option("auto", "--device", rich_help_panel=MODEL,
-                               help="auto, cpu or cuda."),
-    device_map: str = device_map_option(),
-    max_memory: str = max_memory_option(),
-    offload_folder: Path = offload_folder_option(),
-    as_json: bool = typer.Option(False, "--json", rich_help_panel=OUTPUT,
-                                 help="One JSON document on stdout."),
+    model: str = shared_option("model"),
+    dtype: str = shared_option("dtype"),
+    device: str = shared_option("device"),
+    device_map: str = shared_option("device_map"),
+    max_memory: str = shared_option("max_memory"),
+    offload_folder: Path = shared_option("offload_folder"),
+    as_json: bool = shared_option("as_json", "the results"),
     report_json: Path = typer.Option(None, "--report-json", rich_help_panel=OUTPUT,
                                      help="Also write the results as JSON to this file "
                                           "(e.g. out/eval.generate.json; read by `kvlens "
@@ -132,7 +130,7 @@ def generate(
                                   help="Also draw each setting's bits held against its mean "
                                        "KLD, with the Pareto front, to this PNG or SVG file "
                                        "(needs --eval kld)."),
-    overwrite: bool = overwrite_option(),
+    overwrite: bool = shared_option("overwrite"),
 ) -> None:
     """Generate with a compressed KV cache and measure what it loses against the exact model.
 
@@ -147,27 +145,31 @@ def generate(
     given = given_options(ctx, (*READ_BY, "calibration", "overwrite"))
 
     def prepare():
+        from dataclasses import fields
+
         from kvlens.deploy.generate import generate_request
+        from kvlens.errors import InputError
         from kvlens.evaluation import parse_evals
-        from kvlens.evaluation.options import parse_lengths
+        from kvlens.evaluation.options import EvalOptions, parse_lengths
+        from kvlens.plots.frontier import FORMATS
         from kvlens.report.artifacts import check_output_file
 
         names = parse_evals(evals)
         refuse_unread(READ_BY, given, names)
         request = generate_request(
-            {"evals": names, "prompt": prompt, "max_new_tokens": max_new_tokens,
-             "text": str(text) if text else None, "ppl_tokens": ppl_tokens,
-             "passkey_prompts": passkey_prompts, "passkey_context": passkey_context,
-             "seed": seed, "backend": backend, "eval_tokens": eval_tokens, "chunk": chunk,
-             "retrieval_prompts": retrieval_prompts,
-             "retrieval_lengths": parse_lengths(retrieval_lengths)},
+            {f.name: ctx.params[f.name] for f in fields(EvalOptions) if f.name in ctx.params}
+            | {"evals": names, "text": str(text) if text else None,
+               "retrieval_lengths": parse_lengths(retrieval_lengths)},
             config=config, preset=preset_name, compare=compare, calibration=calibration,
             prompt_file=prompt_file, model=model,
             place={"dtype": dtype, "device": device, "device_map": device_map,
                    "max_memory": max_memory,
                    "offload_folder": str(offload_folder) if offload_folder else None})
         check_output_file(report_json, "--report-json", overwrite)
-        _check_frontier(frontier, request.options, overwrite)
+        if frontier is not None and Path(frontier).suffix.lower() not in FORMATS:
+            raise InputError(f"--frontier {frontier}: the chart is written as PNG or SVG; name a "
+                             f"{' or '.join(FORMATS)} file, e.g. out/frontier.png.")
+        check_output_file(frontier, "--frontier", overwrite, example="out/frontier.png")
         return request
 
     request = run_library_call(prepare)
@@ -181,7 +183,11 @@ def generate(
                             progress=lambda msg: err_console.print(f"  {escape(msg)}"))
 
     report = run_library_call(run)
-    front = _frontier_doc(report, request.settings.kinds)
+    front = None
+    if "kld" in report["evaluation"]:  # every setting kld scored, and its Pareto front
+        from kvlens.evaluation.frontier import frontier_doc, points_from_results
+
+        front = frontier_doc(points_from_results(report["results"], request.settings.kinds))
     # --json's document; the file for `kvlens report` leaves out the placement
     doc = {k: report[k] for k in ("results", "evaluation", "placement", "interrupted")} | (
         {} if front is None else {"frontier": front})
@@ -206,33 +212,6 @@ def generate(
         err_console.print("[bold red]interrupted:[/] the results above are what was finished "
                           "before Ctrl-C.", highlight=False)
         raise typer.Exit(130)
-
-
-def _check_frontier(path, opts, overwrite: bool) -> None:
-    """``--frontier`` draws the mean KLD: refused without ``--eval kld``, or for a file it
-    could not write afterwards."""
-    from kvlens.errors import InputError
-    from kvlens.plots.frontier import FORMATS
-    from kvlens.report.artifacts import check_output_file
-
-    if path is None:
-        return
-    if "kld" not in opts.evals:
-        raise InputError("--frontier draws each setting's mean KLD, which only --eval kld "
-                         "measures; add kld to --eval or drop --frontier.")
-    if Path(path).suffix.lower() not in FORMATS:
-        raise InputError(f"--frontier {path}: the chart is written as PNG or SVG; name a "
-                         f"{' or '.join(FORMATS)} file, e.g. out/frontier.png.")
-    check_output_file(path, "--frontier", overwrite, example="out/frontier.png")
-
-
-def _frontier_doc(report: dict, kinds) -> dict | None:
-    """The ``frontier`` entry of the JSON: every setting kld scored, and its Pareto front."""
-    from kvlens.evaluation.frontier import frontier_doc, points_from_results
-
-    if "kld" not in report["evaluation"]:
-        return None
-    return frontier_doc(points_from_results(report["results"], kinds))
 
 
 def _draw_frontier(front: dict, report: dict, model, path) -> None:

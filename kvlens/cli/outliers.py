@@ -19,12 +19,13 @@ from kvlens.cli.common import (
     new_table,
     open_range,
     output_errors,
-    overwrite_option,
     print_json,
     progress_bar,
     run_library_call,
+    shared_option,
     write_text_output,
 )
+from kvlens.errors import InputError
 
 FAMILY_ORDER = {"q": ("q_pre", "q"), "k": ("k_pre", "k"), "v": ("v",)}
 
@@ -59,10 +60,8 @@ def plot_outliers(
                                   "missing)."),
     fmt: str = typer.Option("png", "--format", rich_help_panel=OUTPUT,
                             help="Figure format: png, svg or pdf."),
-    overwrite: bool = overwrite_option(),
-    as_json: bool = typer.Option(False, "--json", rich_help_panel=OUTPUT,
-                                 help="Print the statistics as JSON on stdout (without "
-                                      "per-channel profiles)."),
+    overwrite: bool = shared_option("overwrite"),
+    as_json: bool = shared_option("as_json", "the statistics (without per-channel profiles)"),
 ) -> None:
     """Which channels are outliers, how stable they are, and how RoPE moves them.
 
@@ -72,24 +71,23 @@ def plot_outliers(
       kvlens plot-outliers out/run.h5 --out out/k --tensors k --heatmap 2:0 --format svg
     """
     from kvlens.analysis.outliers import analyze_capture, parse_tensors
-    from kvlens.errors import InputError
     from kvlens.report.artifacts import check_output_folder
 
     explicit = profile_layers.strip().lower() not in ("auto", "")
 
     def prepare():
         from kvlens.capture.store import open_capture
+        from kvlens.plots.outliers import FORMATS
         from kvlens.text.selection import parse_index_spec
 
-        if fmt not in ("png", "svg", "pdf"):
-            raise InputError(f"Unknown --format {fmt!r}; allowed: png, svg, pdf.")
+        if fmt not in FORMATS:
+            raise InputError(f"Unknown --format {fmt!r}; allowed: {', '.join(FORMATS)}.")
         families = parse_tensors(tensors)
         check_output_folder(out, "--out", "outliers.json", overwrite)
         spots = [_parse_heatmap(s) for s in heatmap or []]
         with open_capture(run) as cap:
-            wanted = None  # the layers whose profiles are drawn as they are analysed (None: all)
-            if explicit and profile_layers.strip().lower() != "all":
-                wanted = set(parse_index_spec(profile_layers, cap.meta.shape.num_layers, "layer"))
+            limit = cap.meta.shape.num_layers
+            wanted = set(parse_index_spec(profile_layers, limit)) if explicit else set()
             for layer, kv in spots:
                 cap.layer(layer)  # clear error for a layer that is not captured
                 if not 0 <= kv < cap.meta.shape.num_key_value_heads:
@@ -103,7 +101,7 @@ def plot_outliers(
 
     def on_layer(stats) -> None:
         # Streaming: draw a layer's profiles as soon as its statistics exist.
-        if explicit and (wanted is None or stats[0].layer in wanted):
+        if stats[0].layer in wanted:
             with output_errors(figures):
                 drawn.extend(_draw_profiles(stats, model_name, threshold, out, fmt))
 
@@ -121,7 +119,8 @@ def plot_outliers(
 
         if not explicit:
             with output_errors(figures):
-                for layer in _most_severe_layers(report, 3):
+                sev = report.layer_severity(_severity_tensor(report))
+                for layer in sorted(sorted(sev, key=sev.get, reverse=True)[:3]):  # the worst 3
                     drawn.extend(_draw_profiles(report.select(layer=layer), report.model,
                                                 threshold, out, fmt))
         drawn.extend(_draw_heatmaps(report, spots, run, out, fmt))
@@ -145,8 +144,6 @@ def plot_outliers(
 
 
 def _parse_heatmap(spec: str) -> tuple[int, int]:
-    from kvlens.errors import InputError
-
     try:
         layer_s, head_s = spec.split(":")
         return int(layer_s), int(head_s)
@@ -160,11 +157,6 @@ def _severity_tensor(report) -> str:
         if report.select(t):
             return t
     return report.heads[0].tensor
-
-
-def _most_severe_layers(report, n: int) -> list[int]:
-    sev = report.layer_severity(_severity_tensor(report))
-    return sorted(sorted(sev, key=sev.get, reverse=True)[:n])
 
 
 def _draw_profiles(stats, model: str, threshold: float, out: Path, fmt: str) -> list[Path]:
@@ -218,11 +210,8 @@ def _render(report, top: int, drawn: list[Path]) -> None:
                     ("layer", *(f"{n}\nmax/med" for n in names), "k_pre\noutl."), left=())
     by = {n: report.layer_severity(n) for n in names}
     for layer in report.layers:
-        cells = []
-        for n in names:
-            v = by[n].get(layer, 0.0)
-            style = "bold red" if v >= report.threshold else ""
-            cells.append(f"[{style}]{v:.1f}[/]" if style else f"{v:.1f}")
+        values = (by[n].get(layer, 0.0) for n in names)
+        cells = [f"[bold red]{v:.1f}[/]" if v >= report.threshold else f"{v:.1f}" for v in values]
         count = sum(len(h.outliers) for h in report.select("k_pre", layer))
         sev.add_row(str(layer), *cells, str(count) if "k" in report.tensors else "-")
     console.print(sev)

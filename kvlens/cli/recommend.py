@@ -20,24 +20,20 @@ from kvlens.cli.common import (
     ENGINE,
     INPUT,
     MEASUREMENT,
-    MODEL,
     OUTPUT,
     VALIDATION,
-    LibraryDefaults,
+    KvlensCommand,
     ReadOnly,
     console,
-    device_map_option,
     err_console,
     escape,
     flag_of,
     given_options,
-    max_memory_option,
-    offload_folder_option,
     open_range,
-    overwrite_option,
     progress_bar,
     refuse_unread,
     run_library_call,
+    shared_option,
     write_output,
     write_text_output,
 )
@@ -146,15 +142,32 @@ def refuse_unread_options(given: dict[str, str], levers: dict[str, dict], asked:
     refuse_unread(table, spelled, asked)
 
 
-class _LibraryDefaults(LibraryDefaults):
-    not_shown = ("target",)
+class _LibraryDefaults(KvlensCommand):
+    """``--help`` shows each option's default from the library's option dataclasses
+    (``TargetOptions``, ``RecommendOptions``: the one source), read when help is asked for (so
+    that ``kvlens --help`` loads no torch); an option without one default there, or
+    ``--target``, shows none."""
 
-    @staticmethod
-    def defaults_from() -> tuple[type, ...]:
+    def format_help(self, ctx, formatter) -> None:
+        from dataclasses import MISSING, fields
+
         from kvlens.deploy.targets import TargetOptions
         from kvlens.recommend import RecommendOptions
 
-        return TargetOptions, RecommendOptions
+        defaults: dict[str, set] = {}
+        for cls in (TargetOptions, RecommendOptions):
+            for f in fields(cls):
+                if f.default is not MISSING:
+                    shown = f.default
+                    shown = ",".join(map(str, shown)) if isinstance(shown, tuple) else shown
+                    defaults.setdefault(f.name, set()).add(str(shown))
+        for p in self.params:
+            shown = defaults.get(p.name, set())
+            if len(shown) == 1 and "None" not in shown and not isinstance(p.default, bool) \
+                    and p.name != "target":
+                # shown only: the command passes the library only what the user gave
+                p.default, p.show_default = shown.pop(), True
+        super().format_help(ctx, formatter)
 
 
 def _list_levers(value: list[str] | None) -> list[str] | None:
@@ -214,16 +227,15 @@ def recommend(
                                    help="Measure again instead of reusing the measurement an "
                                         "earlier run on this capture kept "
                                         "(docs/recommend.md#time)."),
-    model: str = typer.Option(None, "--model", "-m", rich_help_panel=MODEL,
-                              help="Model to measure sensitivity and validate on (default: "
-                                   "the capture's own)."),
-    dtype: str = typer.Option(None, "--dtype", rich_help_panel=MODEL,
-                              help="Dtype the model runs in for sensitivity, --max-kld and "
-                                   "--validate (the exact reference too): float32, bfloat16 or "
-                                   "float16."),
-    device_map: str = device_map_option(),
-    max_memory: str = max_memory_option(),
-    offload_folder: Path = offload_folder_option(),
+    model: str = shared_option("model", help="Model to measure sensitivity and validate on "
+                                             "(default: the capture's own)."),
+    dtype: str = shared_option("dtype", default=None,
+                               help="Dtype the model runs in for sensitivity, --max-kld and "
+                                    "--validate (the exact reference too): float32, bfloat16 or "
+                                    "float16."),
+    device_map: str = shared_option("device_map"),
+    max_memory: str = shared_option("max_memory"),
+    offload_folder: Path = shared_option("offload_folder"),
     validate: bool = typer.Option(False, "--validate", rich_help_panel=VALIDATION,
                                   help="Measure the result against the exact model on "
                                        "held-out text (KL divergence, top-1, perplexity, "
@@ -241,9 +253,8 @@ def recommend(
                                      "`kvlens report` beside it)."),
     name: str = typer.Option(None, "--name", rich_help_panel=OUTPUT,
                              help="Name stored in the config."),
-    overwrite: bool = overwrite_option(),
-    as_json: bool = typer.Option(False, "--json", rich_help_panel=OUTPUT,
-                                 help="Print the result as JSON on stdout."),
+    overwrite: bool = shared_option("overwrite"),
+    as_json: bool = shared_option("as_json", "the result"),
     settings: list[str] = typer.Option(None, "--set", metavar="NAME=VALUE", is_eager=True,
                                        callback=_list_levers, rich_help_panel=RESEARCH,
                                        help="A knob of the default run or an experiment, "
@@ -334,9 +345,7 @@ def _save_engine(rec, out: Path) -> None:
     from kvlens.config import save_config
 
     write_output(out, lambda tmp: save_config(rec.chosen.config, tmp))
-    written = [str(out)]
     for name, text in rec.files.items():
         write_text_output(out.parent / name, text)
-        written.append(str(out.parent / name))
-    for w in written:
-        err_console.print(f"written: {escape(w)}")
+    for path in (out, *(out.parent / name for name in rec.files)):
+        err_console.print(f"written: {escape(str(path))}")

@@ -12,8 +12,8 @@ from kvlens.cli.common import (
     console,
     err_console,
     escape,
-    overwrite_option,
     run_library_call,
+    shared_option,
     write_output,
 )
 
@@ -24,7 +24,7 @@ def report(
                                              "after `make demo`); searched 3 folders deep."),
     output: Path = typer.Option(None, "--output", "-o", rich_help_panel=OUTPUT,
                                 help="HTML file to write (default: RUN_DIR/report.html)."),
-    overwrite: bool = overwrite_option(),
+    overwrite: bool = shared_option("overwrite"),
 ) -> None:
     """The whole diagnosis of a run folder on one self-contained HTML page.
 

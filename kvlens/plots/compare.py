@@ -109,6 +109,7 @@ def _heatmaps(Figure, np, mats, metrics, layers, title, path: Path) -> Path:
     n = len(metrics)
     fig = Figure(figsize=(12, 2.2 + 2.6 * n))
     axes = fig.subplots(n, 3, squeeze=False)
+    step = max(1, math.ceil(len(layers) / 10))  # layer ticks
     for row, metric in enumerate(metrics):
         tok, ch = mats[("per-token", metric)], mats[("per-channel", metric)]
         vmax = float(np.nanmax([np.nanmax(tok), np.nanmax(ch)])) or 1.0
@@ -125,7 +126,11 @@ def _heatmaps(Figure, np, mats, metrics, layers, title, path: Path) -> Path:
             im = ax.imshow(mat, aspect="auto", origin="lower", cmap=cmap, vmin=lo, vmax=hi,
                            interpolation="nearest")
             ax.set_title(f"{metric}: {what}", fontsize=9)
-            _label_axes(ax, layers, mat.shape[1], metric)
+            ax.set_xlabel("KV head" if metric == "reconstruction" else "query head")
+            ax.set_ylabel("layer")
+            ax.set_xticks(range(mat.shape[1]))
+            ax.set_yticks(range(0, len(layers), step))
+            ax.set_yticklabels([str(layers[i]) for i in range(0, len(layers), step)])
             if bar:
                 fig.colorbar(im, ax=ax, label=bar)
     fig.suptitle(title)
@@ -134,15 +139,6 @@ def _heatmaps(Figure, np, mats, metrics, layers, title, path: Path) -> Path:
                         top=1 - 0.7 / fig.get_figheight(), wspace=0.35, hspace=0.6)
     fig.savefig(path, dpi=_DPI)
     return path
-
-
-def _label_axes(ax, layers, n_heads: int, metric: str) -> None:
-    ax.set_xlabel("KV head" if metric == "reconstruction" else "query head")
-    ax.set_ylabel("layer")
-    ax.set_xticks(range(n_heads))
-    step = max(1, math.ceil(len(layers) / 10))
-    ax.set_yticks(range(0, len(layers), step))
-    ax.set_yticklabels([str(layers[i]) for i in range(0, len(layers), step)])
 
 
 def _lines(Figure, np, mats, metrics, layers, title, path: Path) -> Path:

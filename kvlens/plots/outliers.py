@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 FORMATS = ("png", "svg", "pdf")
+#: the tensors, in the figures' order, and their labels
 STAGE = {"q_pre": "Q pre-RoPE", "q": "Q post-RoPE", "k_pre": "K pre-RoPE",
          "k": "K post-RoPE", "v": "V"}
 COLORS = {"q_pre": "#1f77b4", "q": "#9ecae1", "k_pre": "#d62728", "k": "#ff9896",
@@ -34,7 +35,7 @@ def plot_channel_profiles(heads: Sequence, model: str, threshold: float,
     import numpy as np
     from matplotlib.figure import Figure
 
-    stages = [t for t in ("q_pre", "q", "k_pre", "k", "v") if any(h.tensor == t for h in heads)]
+    stages = [t for t in STAGE if any(h.tensor == t for h in heads)]
     rows = sorted({h.head for h in heads})
     by_key = {(h.tensor, h.head): h for h in heads}
     layer = heads[0].layer
@@ -130,7 +131,7 @@ def plot_overview(report, path: str | os.PathLike) -> Path:
     from matplotlib.figure import Figure
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
-    tensors = [t for t in ("q_pre", "q", "k_pre", "k", "v") if report.select(t)]
+    tensors = [t for t in STAGE if report.select(t)]
     fig = Figure(figsize=(9, 8))
     axes = fig.subplots(3, 1, sharex=True)
     for t in tensors:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvlens.evaluation.frontier import setting_kind
-from kvlens.plots.frontier import frontier_png
+from kvlens.plots.frontier import KIND_STYLE, frontier_png
 from kvlens.report.figures import compact_png, png_figure
 from kvlens.report.sections import MEMORY_CONTEXTS, Missing, Section, Table, _rel, latest
 from kvlens.units import format_bytes, format_interval
@@ -18,8 +18,6 @@ from kvlens.units import format_bytes, format_interval
 COMPARED_PRESET = "kivi-2"  # the published baseline the recommendation is set against
 EXAMPLE_ENGINES = ("llamacpp:q8_0/q4_0", "vllm:fp8_e4m3")  # named when no deploy chose any
 FRONTIER_WIDTH = 800  # px the frontier chart is drawn and shown at
-KIND_LABEL = {"engine": "engine setting", "preset": "kvlens preset", "config": "kvlens config",
-              "baseline": "transformers baseline"}
 
 
 @dataclass(frozen=True)
@@ -55,7 +53,9 @@ def answer_section(artifacts: dict, run_dir: Path, capture_hint: str) -> Section
     rec_name = None if rec is None else ((rec.get("config") or {}).get("name")
                                          or Path(rec.get("config_file", "")).stem)
     mine = _mine(scored, rec_name)
-    preset = _pick(scored, COMPARED_PRESET, mine)
+    presets = [s for s in scored if s.name == COMPARED_PRESET]  # from mine's run when it has it
+    preset = next((s for s in presets if mine and s.source == mine.source),
+                  presets[0] if presets else None)
     engines = [s for s in scored if s.kind == "engine"]
     engine = min(engines, key=lambda s: s.kld) if engines else None
     if rec is not None:
@@ -122,12 +122,6 @@ def _mine(scored: list[Scored], name: str | None) -> Scored | None:
     return max(mine, key=others) if mine else None  # max keeps the first of equals
 
 
-def _pick(scored: list[Scored], name: str, mine: Scored | None) -> Scored | None:
-    """``name``'s scores, from the run that scored the recommendation when it did."""
-    same = [s for s in scored if s.name == name]
-    return next((s for s in same if mine and s.source == mine.source), same[0] if same else None)
-
-
 def _front(artifacts: dict, scored: list[Scored], run_dir: Path) -> list[Scored]:
     """The settings on the newest recorded frontier, in order of bits."""
     path, _, front = _newest_frontier(artifacts)
@@ -169,7 +163,7 @@ def _table(rows: list[tuple[Scored, str]], mine: Scored | None) -> Table:
             d = vs["mean_kld"]
             paired = format_interval(d, ".4f", sign="+", key="diff", sep="\n") + (
                 "\nnot distinguishable" if not d["distinguishable"] else "")
-        out.append([s.name, f"{KIND_LABEL.get(s.kind, s.kind)}:\n{why}",
+        out.append([s.name, f"{KIND_STYLE[s.kind][2] if s.kind in KIND_STYLE else s.kind}:\n{why}",
                     f"{s.result.get('bits_per_element', float('nan')):.2f}",
                     format_interval(k["mean_kld"], ".4f", sep="\n"),
                     format_interval(k["ppl_change"], ".2f", scale=100, sign="+", unit=" %", sep="\n") + " %",

@@ -119,13 +119,11 @@ def compare_doc(result, figures: Iterable[str | os.PathLike], folder) -> dict[st
     ``layer_means`` holds, per configuration, axis, metric and layer, the mean relative error
     over that layer's heads (what ``layers_<config>.png`` draws); the report reads per-layer
     disagreements between the metrics from it."""
+    names = ("tensor", "bits", "group_size", "stage", "variant", "axis", "metric", "layer")
     sums: dict[tuple, list[float]] = defaultdict(list)
     for r in result.records:
-        if r.format is not None:
-            continue
-        sums[(r.tensor, r.bits, r.group_size, r.stage, r.variant, r.axis, r.metric,
-              r.layer)].append(r.rel_error)
-    names = ("tensor", "bits", "group_size", "stage", "variant", "axis", "metric", "layer")
+        if r.format is None:  # the engine formats have no axis
+            sums[tuple(getattr(r, n) for n in names)].append(r.rel_error)
     layer_means = [{**dict(zip(names, key)), "mean": sum(v) / len(v)}
                    for key, v in sorted(sums.items(), key=lambda kv: tuple(map(str, kv[0])))]
     return {"summary": result.summary, "layer_means": layer_means,
@@ -137,12 +135,6 @@ def config_doc_path(config_path: str | os.PathLike, kind: str) -> Path:
     or ``X.deploy.json`` (an engine target)."""
     path = Path(config_path)
     return path.with_name(f"{path.stem}.{kind}.json")
-
-
-def write_config_doc(kind: str, doc: Mapping[str, Any], config_path: str | os.PathLike) -> Path:
-    """Write recommend's ``kind`` artifact beside the config it wrote (naming the config)."""
-    return write_artifact(kind, {**doc, "config_file": Path(config_path).name},
-                          config_doc_path(config_path, kind))
 
 
 def capture_doc_path(capture_path: str | os.PathLike) -> Path:

@@ -90,11 +90,16 @@ def model_section(artifacts: dict, run_dir: Path, capture_hint: str) -> Section:
                        "the capture summary (architecture, text source, versions)",
                        f"kvlens capture -o {capture_hint}")
     if doc is None:
-        partial = _capture_from_others(artifacts)
-        if partial:
+        src = next(iter(capture_records(artifacts)), None)
+        if src:  # outliers.json writes num_samples, compare-axes samples
+            samples, tokens = (src.get(f"num_{k}", src.get(k)) for k in ("samples", "tokens"))
             sec.paragraphs.append("From the other commands' records (the capture summary is "
                                   "missing):")
-            sec.tables.append(Table(["", ""], partial, id="model-table"))
+            sec.tables.append(Table(["", ""], [
+                ["model", str(src.get("model"))],
+                ["heads", f"{src.get('num_attention_heads')} query / "
+                          f"{src.get('num_key_value_heads')} KV, head_dim {src.get('head_dim')}"],
+                ["tokens", f"{samples} samples x {tokens} tokens"]], id="model-table"))
         return sec
     rope = doc.get("rope") or {}
     theta = rope.get("rope_theta") or rope.get("theta")
@@ -127,18 +132,6 @@ def capture_records(artifacts: dict) -> list[dict]:
     _, out = latest(artifacts, "outliers")
     _, cmp = latest(artifacts, "compare-axes")
     return [d for d in (out, ((cmp or {}).get("summary") or {}).get("capture")) if d]
-
-
-def _capture_from_others(artifacts: dict) -> list[list[str]]:
-    src = next(iter(capture_records(artifacts)), None)
-    if not src:
-        return []
-    samples = src.get("num_samples", src.get("samples"))
-    tokens = src.get("num_tokens", src.get("tokens"))
-    return [["model", str(src.get("model"))],
-            ["heads", f"{src.get('num_attention_heads')} query / "
-                      f"{src.get('num_key_value_heads')} KV, head_dim {src.get('head_dim')}"],
-            ["tokens", f"{samples} samples x {tokens} tokens"]]
 
 
 # -- 2. outliers ----------------------------------------------------------------------------
@@ -254,15 +247,17 @@ def _channel_table(heads: list[dict], tensor: str, what: str, threshold: float) 
 
 # -- 3. per-axis errors ---------------------------------------------------------------------
 
-METRICS = ("reconstruction", "score", "attention_weights", "attention_output")
-METRIC_LABEL = {"reconstruction": "recon", "score": "score", "attention_weights": "weights",
+#: compare-axes' error metrics, in the order tables show them, and their column labels
+METRIC_LABELS = {"reconstruction": "recon", "score": "score", "attention_weights": "weights",
                 "attention_output": "output"}
 
 
-def _config_label(r: dict) -> str:
-    parts = ["K" if r["tensor"] == "key" else "V", f"{r['bits']}-bit", f"G{r['group_size']}"]
+def config_label(r: dict, bit: str = "-bit", stage: str = "-RoPE") -> str:
+    """A compare-axes configuration as ``K 2-bit G32 pre-RoPE rotate`` (the terminal's
+    shorter ``K 2b G32 pre rotate``: ``bit="b", stage=""``)."""
+    parts = ["K" if r["tensor"] == "key" else "V", f"{r['bits']}{bit}", f"G{r['group_size']}"]
     if r.get("stage"):
-        parts.append(f"{r['stage']}-RoPE")
+        parts.append(f"{r['stage']}{stage}")
     if r.get("variant", "plain") != "plain":
         parts.append(r["variant"])
     return " ".join(parts)
@@ -270,6 +265,18 @@ def _config_label(r: dict) -> str:
 
 def _ckey(r: dict) -> tuple:
     return (r["tensor"], r["bits"], r["group_size"], r.get("stage"), r.get("variant"))
+
+
+def axis_rows(summary: dict):
+    """compare-axes' summary, a row per configuration (its ranking) and axis: ``(ranking,
+    axis, cells)``, a cell per metric of ``METRIC_LABELS``: ``(mean or None, whether this axis
+    is the better one under that metric)``."""
+    means = {(*_ckey(m), m["axis"], m["metric"]): m["mean"] for m in summary.get("means", [])}
+    winners = {(*_ckey(w), w["metric"]): w["winner"] for w in summary.get("winners", [])}
+    for r in summary.get("rankings", []):
+        for axis in ("per-token", "per-channel"):
+            yield r, axis, [(means.get((*_ckey(r), axis, m)), winners.get((*_ckey(r), m)) == axis)
+                            for m in METRIC_LABELS]
 
 
 def axes_section(artifacts: dict, run_dir: Path, capture_hint: str) -> Section:
@@ -280,22 +287,12 @@ def axes_section(artifacts: dict, run_dir: Path, capture_hint: str) -> Section:
     if doc is None:
         return sec
     summary = doc.get("summary") or {}
-    means = {(*_ckey(m), m["axis"], m["metric"]): m["mean"] for m in summary.get("means", [])}
-    winners = {(*_ckey(w), w["metric"]): w for w in summary.get("winners", [])}
-    rows = []
-    for r in summary.get("rankings", []):
-        ck = _ckey(r)
-        for axis in ("per-token", "per-channel"):
-            cells = []
-            for m in METRICS:
-                v = means.get((*ck, axis, m))
-                w = winners.get((*ck, m))
-                star = "*" if w and w["winner"] == axis else ""
-                cells.append("-" if v is None else f"{v:.4f}{star}")
-            rows.append([_config_label(r) if axis == "per-token" else "", axis, *cells])
+    rows = [[config_label(r) if axis == "per-token" else "", axis,
+             *("-" if v is None else f"{v:.4f}{'*' if best else ''}" for v, best in cells)]
+            for r, axis, cells in axis_rows(summary)]
     cap = summary.get("capture") or {}
     sec.tables.append(Table(
-        ["config", "axis", *(METRIC_LABEL[m] for m in METRICS)], rows, left=(0, 1),
+        ["config", "axis", *METRIC_LABELS.values()], rows, left=(0, 1),
         caption="Relative Frobenius error ||X - X_hat|| / ||X||, mean over layers and heads; "
                 "* marks the better axis under that metric. recon: the stored tensor; score: "
                 "pre-softmax logits; weights: post-softmax; output: the attention output. "
@@ -304,7 +301,7 @@ def axes_section(artifacts: dict, run_dir: Path, capture_hint: str) -> Section:
     sec.tables.append(_disagreement_table(doc, summary))
     for d in summary.get("disagreements", []):
         sec.paragraphs.append(
-            f"{_config_label(d)}: reconstruction favours {d['reconstruction']}, attention "
+            f"{config_label(d)}: reconstruction favours {d['reconstruction']}, attention "
             f"output favours {d['attention_output']} (mean over layers).")
     for k in summary.get("kivi_pattern", []):
         failed = [n for n, c in (k.get("checks") or {}).items() if not c.get("holds")]
@@ -356,7 +353,7 @@ def _disagreement_table(doc: dict, summary: dict) -> Table:
         out = {n: _side(cells, "attention_output", n) for n in layers}
         apart = {m: [n for n in layers if _side(cells, m, n) * out[n] < 0]  # picked otherwise
                  for m in ("reconstruction", "score")}
-        rows.append([_config_label(r), f"{sum(s < 0 for s in out.values())} / {len(layers)}",
+        rows.append([config_label(r), f"{sum(s < 0 for s in out.values())} / {len(layers)}",
                      _layer_list(apart["reconstruction"]),
                      "-" if r["tensor"] != "key" else _layer_list(apart["score"])])
     if not rows:
@@ -577,25 +574,17 @@ def _verdict(scored: list[dict], tokens: int | None = None) -> str:
         return ""
     ref = _reference(scored, None)
     first = next((r for r in scored if r["name"] == ref), scored[0])
-    better, worse, same = [], [], []
+    groups: dict[str, list[str]] = {"lower than": [], "higher than": [],
+                                     "not distinguishable from": []}
     for r in scored:
         vs = r["kld"].get("vs_first")
         if not vs or r is first:
             continue
-        label = f"{r['name']} ({r.get('bits_per_element', float('nan')):.2f} bits)"
-        if not vs["mean_kld"]["distinguishable"]:
-            same.append(label)
-        elif vs["mean_kld"]["diff"] > 0:
-            better.append(label)  # the other config has the higher KLD
-        else:
-            worse.append(label)
-    parts = []
-    if better:
-        parts.append(f"lower than {_join(better)}")
-    if worse:
-        parts.append(f"higher than {_join(worse)}")
-    if same:
-        parts.append(f"not distinguishable from {_join(same)}")
+        d = vs["mean_kld"]  # diff > 0: the other config has the higher KLD
+        groups["not distinguishable from" if not d["distinguishable"] else
+               "lower than" if d["diff"] > 0 else "higher than"].append(
+            f"{r['name']} ({r.get('bits_per_element', float('nan')):.2f} bits)")
+    parts = [f"{how} {_join(labels)}" for how, labels in groups.items() if labels]
     return (f"At {first.get('bits_per_element', float('nan')):.2f} bits per element held "
             f"over {tokens or 'the scored'} tokens, "
             f"{first['name']}'s mean KL divergence against the exact model, "
