@@ -252,6 +252,12 @@ def test_bad_paths_and_broken_artifacts_are_clear_errors(run_dir, tmp_path):
     (broken / "outliers" / "outliers.json").write_text('{"kvlens_report": "outl')
     res = runner.invoke(app, ["report", str(broken)])
     assert res.exit_code == 1 and "outliers.json looks like a kvlens artifact" in res.output
+    for kind in ("capture", "recommend", "deploy", "generate"):  # each X.<kind>.json too
+        other = tmp_path / f"broken-{kind}"
+        other.mkdir()
+        (other / f"kv.{kind}.json").write_text('{"kvlens_report": "')
+        res = runner.invoke(app, ["report", str(other)])
+        assert res.exit_code == 1 and f"kv.{kind}.json looks like a kvlens" in res.output, kind
     (broken / "outliers" / "outliers.json").write_text(
         '{"kvlens_report": "outliers", "schema_version": 99}')
     res = runner.invoke(app, ["report", str(broken)])

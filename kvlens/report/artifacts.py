@@ -183,8 +183,11 @@ def _json_files(root: Path) -> list[Path]:
     return out
 
 
+#: names a kvlens artifact is written under: the analysis commands' fixed names, and the others'
+#: ``X.<kind>.json`` beside what they wrote (``config_doc_path``, ``capture_doc_path``)
 ARTIFACT_NAMES = ("outliers.json", "compare-axes.json")
-ARTIFACT_SUFFIXES = (".capture.json", ".recommend.json", ".generate.json")
+ARTIFACT_SUFFIXES = tuple(f".{kind}.json" for kind in ARTIFACT_KINDS
+                          if f"{kind}.json" not in ARTIFACT_NAMES)
 
 
 def _read(path: Path):
