@@ -356,3 +356,24 @@ def test_generate_kld_mixed_engine_and_kvlens_layers_on_gemma3(tmp_path, tiny_to
         assert engine_f16[key] == kvlens_f16[key]
     assert engine_f16["vs_first"]["mean_kld"]["diff"] == 0.0
     assert kvlens_f16["mean_kld"]["value"] > 0 and engine_q8["mean_kld"]["value"] > 0
+
+
+def test_evaluation_options_take_their_defaults_from_eval_options():
+    # one home for a default: the command passes EvalOptions only what the user gave, and
+    # --help shows EvalOptions' own default
+    from dataclasses import fields
+
+    import typer
+
+    from kvlens.evaluation.options import EvalOptions
+
+    library = {f.name: f.default for f in fields(EvalOptions)}
+    params = typer.main.get_command(app).commands["generate"].params
+    read = [p for p in params if p.name in library]
+    assert {p.name for p in read} >= {"chunk", "seed", "backend", "ppl_tokens"}
+    assert [p.name for p in read if p.default is not None] == []
+    res = runner.invoke(app, ["generate", "--help"], env={"COLUMNS": "200"})
+    for name in ("chunk", "passkey_context", "ppl_tokens"):
+        flag = "--" + name.replace("_", "-")
+        line = next(ln for ln in res.output.splitlines() if flag in ln)
+        assert f"[default: {library[name]}]" in line, line

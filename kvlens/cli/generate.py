@@ -23,6 +23,7 @@ from kvlens.cli.common import (
     refuse_unread,
     run_library_call,
     shared_option,
+    show_library_defaults,
     write_artifact_output,
 )
 from kvlens.units import format_bytes, format_bytes_by_device, format_interval
@@ -38,13 +39,17 @@ READ_BY = {"text": read_with("--eval", "kld", "ppl"), "ppl_tokens": read_with("-
            "retrieval_lengths": read_with("--eval", "retrieval")}
 
 
-class _GrammarHelp(KvlensCommand):
-    """--help ends with what the help of --preset and --compare calls "the grammar above": the
-    one definition in kvlens.config.engine, added when the help is shown (its import loads
-    torch, which ``kvlens --help`` does not)."""
+class _GenerateHelp(KvlensCommand):
+    """--help shows the evaluation options' defaults from ``EvalOptions`` and ends with what the
+    help of --preset and --compare calls "the grammar above": the one definition in
+    kvlens.config.engine, added when the help is shown (its import loads torch, which
+    ``kvlens --help`` does not)."""
 
     def format_help(self, ctx, formatter) -> None:
         from kvlens.config.engine import setting_grammar
+        from kvlens.evaluation.options import EvalOptions
+
+        show_library_defaults(self.params, (EvalOptions,))
 
         if not getattr(self, "_appended", False):
             grammar = "Engine settings (docs/deploy/README.md):\n" + setting_grammar()
@@ -53,7 +58,7 @@ class _GrammarHelp(KvlensCommand):
         super().format_help(ctx, formatter)
 
 
-@app.command(cls=_GrammarHelp)
+@app.command(cls=_GenerateHelp)
 def generate(
     ctx: typer.Context,
     config: Path = typer.Option(None, "--config", rich_help_panel=CACHES,
@@ -74,13 +79,13 @@ def generate(
                                      help="Capture file (kvlens capture) for the static fp8 "
                                           "scales of vllm:/sglang: settings (default: the "
                                           "engines' scale 1.0)."),
-    backend: str = typer.Option("auto", "--backend", rich_help_panel=CACHES,
+    backend: str = typer.Option(None, "--backend", rich_help_panel=CACHES,
                                 help="auto, torch or triton."),
     prompt: str = typer.Option(None, "--prompt", rich_help_panel=INPUT,
                                help="Prompt to continue."),
     prompt_file: Path = typer.Option(None, "--prompt-file", rich_help_panel=INPUT,
                                      help="UTF-8 file with the prompt."),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1,
+    max_new_tokens: int = typer.Option(None, "--max-new-tokens", min=1,
                                        rich_help_panel=INPUT,
                                        help="Tokens to generate."),
     text: Path = typer.Option(None, "--text", rich_help_panel=INPUT,
@@ -94,9 +99,9 @@ def generate(
                                     rich_help_panel=EVALUATION,
                                     help="kld: tokens of text to score (default: 4096, capped by "
                                          "the model's context)."),
-    chunk: int = typer.Option(64, "--chunk", min=1, rich_help_panel=EVALUATION,
+    chunk: int = typer.Option(None, "--chunk", min=1, rich_help_panel=EVALUATION,
                               help="kld: tokens per forward call (1 = decode mode)."),
-    retrieval_prompts: int = typer.Option(1, "--retrieval-prompts", min=1,
+    retrieval_prompts: int = typer.Option(None, "--retrieval-prompts", min=1,
                                           rich_help_panel=EVALUATION,
                                           help="retrieval: prompts per task, length and depth "
                                                "(raise for tighter intervals)."),
@@ -104,16 +109,16 @@ def generate(
                                           rich_help_panel=EVALUATION,
                                           help="retrieval: comma list of prompt lengths in "
                                                "tokens (default 1024,2048,4096 where they fit)."),
-    ppl_tokens: int = typer.Option(512, "--ppl-tokens", min=40,
+    ppl_tokens: int = typer.Option(None, "--ppl-tokens", min=40,
                                    rich_help_panel=EVALUATION,
                                    help="ppl: tokens of text (short-context check)."),
-    passkey_prompts: int = typer.Option(5, "--passkey-prompts", min=1,
+    passkey_prompts: int = typer.Option(None, "--passkey-prompts", min=1,
                                         rich_help_panel=EVALUATION,
                                         help="passkey: prompts (short-context check)."),
-    passkey_context: int = typer.Option(1000, "--passkey-context", min=64,
+    passkey_context: int = typer.Option(None, "--passkey-context", min=64,
                                         rich_help_panel=EVALUATION,
                                         help="passkey: approximate tokens per prompt."),
-    seed: int = typer.Option(0, "--seed", rich_help_panel=EVALUATION,
+    seed: int = typer.Option(None, "--seed", rich_help_panel=EVALUATION,
                              help="Seed for passkey and retrieval prompts."),
     model: str = shared_option("model"),
     dtype: str = shared_option("dtype"),
@@ -157,7 +162,8 @@ def generate(
         names = parse_evals(evals)
         refuse_unread(READ_BY, given, names)
         request = generate_request(
-            {f.name: ctx.params[f.name] for f in fields(EvalOptions) if f.name in ctx.params}
+            {f.name: ctx.params[f.name] for f in fields(EvalOptions)
+             if ctx.params.get(f.name) is not None}
             | {"evals": names, "text": str(text) if text else None,
                "retrieval_lengths": parse_lengths(retrieval_lengths)},
             config=config, preset=preset_name, compare=compare, calibration=calibration,

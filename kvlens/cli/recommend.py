@@ -34,6 +34,7 @@ from kvlens.cli.common import (
     refuse_unread,
     run_library_call,
     shared_option,
+    show_library_defaults,
     write_output,
     write_text_output,
 )
@@ -143,30 +144,13 @@ def refuse_unread_options(given: dict[str, str], levers: dict[str, dict], asked:
 
 
 class _LibraryDefaults(KvlensCommand):
-    """``--help`` shows each option's default from the library's option dataclasses
-    (``TargetOptions``, ``RecommendOptions``: the one source), read when help is asked for (so
-    that ``kvlens --help`` loads no torch); an option without one default there, or
-    ``--target``, shows none."""
+    """--help shows each option's default from ``TargetOptions`` and ``RecommendOptions``."""
 
     def format_help(self, ctx, formatter) -> None:
-        from dataclasses import MISSING, fields
-
         from kvlens.deploy.targets import TargetOptions
         from kvlens.recommend import RecommendOptions
 
-        defaults: dict[str, set] = {}
-        for cls in (TargetOptions, RecommendOptions):
-            for f in fields(cls):
-                if f.default is not MISSING:
-                    shown = f.default
-                    shown = ",".join(map(str, shown)) if isinstance(shown, tuple) else shown
-                    defaults.setdefault(f.name, set()).add(str(shown))
-        for p in self.params:
-            shown = defaults.get(p.name, set())
-            if len(shown) == 1 and "None" not in shown and not isinstance(p.default, bool) \
-                    and p.name != "target":
-                # shown only: the command passes the library only what the user gave
-                p.default, p.show_default = shown.pop(), True
+        show_library_defaults(self.params, (TargetOptions, RecommendOptions), ("target",))
         super().format_help(ctx, formatter)
 
 
