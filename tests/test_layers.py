@@ -276,6 +276,13 @@ def test_every_module_is_at_most_max_lines():
     assert not long, "modules too long:\n" + "\n".join(long)
 
 
+def test_the_recommend_command_stays_thin():
+    # issue #57: the CLI parses, calls kvlens.deploy.answer.recommend_run and renders
+    module = {"kvlens.cli.recommend": MODULES["kvlens.cli.recommend"]}
+    long = check_module_length(module, 350)
+    assert not long, "the command holds more than parsing and rendering:\n" + "\n".join(long)
+
+
 def test_every_function_is_at_most_max_function_lines():
     long = check_function_length(MODULES)
     assert not long, "functions too long:\n" + "\n".join(long)
