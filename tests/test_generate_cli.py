@@ -358,22 +358,33 @@ def test_generate_kld_mixed_engine_and_kvlens_layers_on_gemma3(tmp_path, tiny_to
     assert kvlens_f16["mean_kld"]["value"] > 0 and engine_q8["mean_kld"]["value"] > 0
 
 
-def test_evaluation_options_take_their_defaults_from_eval_options():
-    # one home for a default: the command passes EvalOptions only what the user gave, and
-    # --help shows EvalOptions' own default
+@pytest.mark.parametrize("command, library, shown", [
+    ("generate", "kvlens.evaluation.options.EvalOptions",
+     ("chunk", "passkey_context", "ppl_tokens")),
+    ("compare-axes", "kvlens.analysis.compare.CompareConfig",
+     ("bits", "group_sizes", "outlier_fraction", "sink_tokens")),
+])
+def test_library_options_take_their_defaults_from_the_library(command, library, shown):
+    # one home for a default: the command passes the library only what the user gave, and
+    # --help shows the library dataclass's own default
+    import importlib
     from dataclasses import fields
 
     import typer
 
-    from kvlens.evaluation.options import EvalOptions
-
-    library = {f.name: f.default for f in fields(EvalOptions)}
-    params = typer.main.get_command(app).commands["generate"].params
-    read = [p for p in params if p.name in library]
-    assert {p.name for p in read} >= {"chunk", "seed", "backend", "ppl_tokens"}
-    assert [p.name for p in read if p.default is not None] == []
-    res = runner.invoke(app, ["generate", "--help"], env={"COLUMNS": "200"})
-    for name in ("chunk", "passkey_context", "ppl_tokens"):
-        flag = "--" + name.replace("_", "-")
-        line = next(ln for ln in res.output.splitlines() if flag in ln)
-        assert f"[default: {library[name]}]" in line, line
+    module, _, name = library.rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    defaults = {f.name: f.default for f in fields(cls)}
+    params = typer.main.get_command(app).commands[command].params
+    read = {p.name: p for p in params if p.name in defaults}
+    assert set(shown) <= set(read)
+    assert [n for n, p in read.items() if p.default not in (None, "")] == []
+    res = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"})
+    for field in shown:
+        flag = read[field].opts[0]
+        rows = [ln.strip("│ ") for ln in res.output.splitlines()]
+        start = next(i for i, r in enumerate(rows) if r.startswith(flag + " "))
+        end = next(i for i in range(start + 1, len(rows)) if rows[i].startswith(("-", "╰")))
+        text = " ".join(rows[start:end])  # the option's row, wrapped lines included
+        d = defaults[field]
+        assert f"[default: {','.join(map(str, d)) if isinstance(d, tuple) else d}]" in text, text

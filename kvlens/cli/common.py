@@ -60,7 +60,7 @@ def show_library_defaults(params: list, classes: Iterable[type], not_shown=()) -
                                                else str(d))
     for p in params:
         shown = defaults.get(p.name, set())
-        if len(shown) == 1 and "None" not in shown and not isinstance(p.default, bool) \
+        if len(shown) == 1 and not shown & {"None", ""} and not isinstance(p.default, bool) \
                 and p.name not in not_shown:
             p.default, p.show_default = shown.pop(), True
 

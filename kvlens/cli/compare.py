@@ -12,6 +12,7 @@ from kvlens.cli.common import (
     ANALYSIS,
     INPUT,
     OUTPUT,
+    KvlensCommand,
     console,
     err_console,
     escape,
@@ -25,6 +26,7 @@ from kvlens.cli.common import (
     refuse_unread,
     run_library_call,
     shared_option,
+    show_library_defaults,
     write_artifact_output,
 )
 from kvlens.report.sections import METRIC_LABELS, axis_rows, config_label
@@ -34,7 +36,17 @@ READ_BY = {"outlier_fraction": read_with("--variants", "outliers"),
            "rotation_seed": read_with("--variants", "rotate")}
 
 
-@app.command("compare-axes")
+class _LibraryDefaults(KvlensCommand):
+    """--help shows the analysis options' defaults from ``CompareConfig``."""
+
+    def format_help(self, ctx, formatter) -> None:
+        from kvlens.analysis.compare import CompareConfig
+
+        show_library_defaults(self.params, (CompareConfig,))
+        super().format_help(ctx, formatter)
+
+
+@app.command("compare-axes", cls=_LibraryDefaults)
 def compare_axes_command(
     ctx: typer.Context,
     run: Path = typer.Argument(..., metavar="RUN", show_default=False,
@@ -44,20 +56,20 @@ def compare_axes_command(
     samples: int = typer.Option(None, "--samples", min=1, rich_help_panel=INPUT,
                                 help="Use only the first N samples (faster; at most the "
                                      "capture's)."),
-    bits: str = typer.Option("2,4", "--bits", rich_help_panel=ANALYSIS,
+    bits: str = typer.Option(None, "--bits", rich_help_panel=ANALYSIS,
                              help="Bit widths, comma-separated (1-8)."),
-    group_sizes: str = typer.Option("32", "--group-sizes", rich_help_panel=ANALYSIS,
+    group_sizes: str = typer.Option(None, "--group-sizes", rich_help_panel=ANALYSIS,
                                     help="Group sizes G, comma-separated: per-token groups are "
                                          "G channels of a token (G must divide head_dim), "
                                          "per-channel groups G tokens of a channel."),
-    stages: str = typer.Option("post", "--stages", rich_help_panel=ANALYSIS,
+    stages: str = typer.Option(None, "--stages", rich_help_panel=ANALYSIS,
                                help="Key stages: post (post-RoPE, as cached) and/or pre "
                                     "(quantize before RoPE, re-rotate), e.g. post,pre."),
     variants: str = typer.Option("", "--variants", rich_help_panel=ANALYSIS,
                                  help="Extra transforms beside plain quantization: balancer, "
                                       "outliers, rotate (Hadamard along head_dim). "
                                       "Comma-separated; default none."),
-    outlier_fraction: float = typer.Option(0.01, "--outlier-fraction",
+    outlier_fraction: float = typer.Option(None, "--outlier-fraction",
                                            callback=open_range(0.0, 1.0),
                                            rich_help_panel=ANALYSIS,
                                            help="outliers variant: share of each quantized "
@@ -78,9 +90,10 @@ def compare_axes_command(
                                     "the capture; @head per KV head; :p99.9 percentile; :s1 "
                                     "the fixed default scale), vllm:int8-pth / int4-pth / "
                                     "fp8-pth (per-token-head). Default none.")),
-    sinks: int = typer.Option(0, "--sinks", min=0, rich_help_panel=ANALYSIS,
-                              help="Score/output metrics read the first N tokens exact (a cache "
-                                   "that keeps the attention sinks at full precision)."),
+    sink_tokens: int = typer.Option(None, "--sinks", min=0, rich_help_panel=ANALYSIS,
+                                    help="Score/output metrics read the first N tokens exact (a "
+                                         "cache that keeps the attention sinks at full "
+                                         "precision)."),
     threads: int = typer.Option(1, "--threads", min=1, rich_help_panel=ANALYSIS,
                                 help="torch threads while sweeping (1 is fastest for these "
                                      "small ops)."),
@@ -114,12 +127,16 @@ def compare_axes_command(
     def configure() -> CompareConfig:
         if plots is not None:
             check_output_folder(plots, "--plots", "compare-axes.json", overwrite)
+        given_values = {  # an option not given takes CompareConfig's default
+            "bits": bits if bits is None else parse_int_list(bits, "bits"),
+            "group_sizes": group_sizes if group_sizes is None else
+            parse_int_list(group_sizes, "group sizes"),
+            "stages": stages if stages is None else parse_name_list(stages),
+            "outlier_fraction": outlier_fraction, "sink_tokens": sink_tokens}
         config = CompareConfig(
-            bits=parse_int_list(bits, "bits"), stages=parse_name_list(stages),
-            group_sizes=parse_int_list(group_sizes, "group sizes"),
-            variants=parse_name_list(variants), outlier_fraction=outlier_fraction,
-            layers=parse_layers(layers), samples=samples, sink_tokens=sinks,
-            rotation_seed=rotation_seed, formats=measured_cache_types(formats))
+            variants=parse_name_list(variants), layers=parse_layers(layers), samples=samples,
+            rotation_seed=rotation_seed, formats=measured_cache_types(formats),
+            **{k: v for k, v in given_values.items() if v is not None})
         refuse_unread(READ_BY, given, config.variants)
         _check_against_capture(run, config)
         return config
