@@ -63,10 +63,12 @@ def e2m1_code(x: torch.Tensor, ties_to_even: bool) -> torch.Tensor:
     ``fp4_e2m1``), the sign in bit 3."""
     mids = torch.tensor(E2M1_MIDPOINTS, dtype=torch.float32, device=x.device)
     mag = x.abs().unsqueeze(-1)
-    code = (mag > mids).sum(-1)  # the code when no tie
-    tie = (mag == mids).any(-1)
-    up = tie & (code % 2 == 1) if ties_to_even else tie
-    return (torch.where(up, code + 1, code) | torch.where(x < 0, 8, 0)).to(torch.uint8)
+    if ties_to_even:
+        code = (mag > mids).sum(-1)  # the code when no tie
+        code = torch.where((mag == mids).any(-1) & (code % 2 == 1), code + 1, code)
+    else:
+        code = (mag >= mids).sum(-1)  # a tie passes its midpoint: up
+    return (code | torch.where(x < 0, 8, 0)).to(torch.uint8)
 
 
 def _block_values(codes: torch.Tensor) -> torch.Tensor:
