@@ -46,23 +46,33 @@ class KvlensGroup(_FlagsWithoutType, TyperGroup):
     """``kvlens`` itself: its flags (--version, --help) shown without a value type."""
 
 
-def show_library_defaults(params: list, classes: Iterable[type], not_shown=()) -> None:
-    """Let --help show each option's default from the library's option dataclasses
-    (``classes``, the one source; called when help is asked for, so that ``kvlens --help``
-    loads no torch): an option shows none where they give no single default for its name, or
-    it is a flag or in ``not_shown``. The command passes the library only what the user gave."""
-    from dataclasses import MISSING, fields
+class LibraryDefaults(KvlensCommand):
+    """A command whose --help shows each option's default from the library's option dataclasses
+    (``library_options``, the one source; imported when help is asked for, so that ``kvlens
+    --help`` loads no torch): an option shows none where they give no single default for its
+    name, or it is a flag or in ``not_shown``. The command passes the library only what the
+    user gave."""
 
-    defaults: dict[str, set[str]] = {}
-    for f in (f for cls in classes for f in fields(cls) if f.default is not MISSING):
-        d = f.default
-        defaults.setdefault(f.name, set()).add(",".join(map(str, d)) if isinstance(d, tuple)
-                                               else str(d))
-    for p in params:
-        shown = defaults.get(p.name, set())
-        if len(shown) == 1 and not shown & {"None", ""} and not isinstance(p.default, bool) \
-                and p.name not in not_shown:
-            p.default, p.show_default = shown.pop(), True
+    not_shown: tuple[str, ...] = ()
+
+    def library_options(self) -> tuple[type, ...]:
+        return ()
+
+    def format_help(self, ctx, formatter) -> None:
+        from dataclasses import MISSING, fields
+
+        defaults: dict[str, set[str]] = {}
+        for f in (f for cls in self.library_options() for f in fields(cls)
+                  if f.default is not MISSING):
+            d = f.default
+            defaults.setdefault(f.name, set()).add(",".join(map(str, d))
+                                                   if isinstance(d, tuple) else str(d))
+        for p in self.params:
+            shown = defaults.get(p.name, set())
+            if len(shown) == 1 and not shown & {"None", ""} and not isinstance(p.default, bool) \
+                    and p.name not in self.not_shown:
+                p.default, p.show_default = shown.pop(), True
+        super().format_help(ctx, formatter)
 
 
 #: Width of tables written to a file or pipe (a log, CI): wide enough that no number is cut.

@@ -12,7 +12,7 @@ from kvlens.cli.common import (
     ANALYSIS,
     INPUT,
     OUTPUT,
-    KvlensCommand,
+    LibraryDefaults,
     console,
     err_console,
     escape,
@@ -26,7 +26,6 @@ from kvlens.cli.common import (
     refuse_unread,
     run_library_call,
     shared_option,
-    show_library_defaults,
     write_artifact_output,
 )
 from kvlens.report.sections import METRIC_LABELS, axis_rows, config_label
@@ -36,14 +35,11 @@ READ_BY = {"outlier_fraction": read_with("--variants", "outliers"),
            "rotation_seed": read_with("--variants", "rotate")}
 
 
-class _LibraryDefaults(KvlensCommand):
-    """--help shows the analysis options' defaults from ``CompareConfig``."""
-
-    def format_help(self, ctx, formatter) -> None:
+class _LibraryDefaults(LibraryDefaults):
+    def library_options(self) -> tuple[type, ...]:
         from kvlens.analysis.compare import CompareConfig
 
-        show_library_defaults(self.params, (CompareConfig,))
-        super().format_help(ctx, formatter)
+        return (CompareConfig,)
 
 
 @app.command("compare-axes", cls=_LibraryDefaults)

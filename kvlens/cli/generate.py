@@ -12,7 +12,7 @@ from kvlens.cli.common import (
     EVALUATION,
     INPUT,
     OUTPUT,
-    KvlensCommand,
+    LibraryDefaults,
     console,
     err_console,
     escape,
@@ -23,7 +23,6 @@ from kvlens.cli.common import (
     refuse_unread,
     run_library_call,
     shared_option,
-    show_library_defaults,
     write_artifact_output,
 )
 from kvlens.units import format_bytes, format_bytes_by_device, format_interval
@@ -39,17 +38,19 @@ READ_BY = {"text": read_with("--eval", "kld", "ppl"), "ppl_tokens": read_with("-
            "retrieval_lengths": read_with("--eval", "retrieval")}
 
 
-class _GenerateHelp(KvlensCommand):
+class _GenerateHelp(LibraryDefaults):
     """--help shows the evaluation options' defaults from ``EvalOptions`` and ends with what the
     help of --preset and --compare calls "the grammar above": the one definition in
     kvlens.config.engine, added when the help is shown (its import loads torch, which
     ``kvlens --help`` does not)."""
 
-    def format_help(self, ctx, formatter) -> None:
-        from kvlens.config.engine import setting_grammar
+    def library_options(self) -> tuple[type, ...]:
         from kvlens.evaluation.options import EvalOptions
 
-        show_library_defaults(self.params, (EvalOptions,))
+        return (EvalOptions,)
+
+    def format_help(self, ctx, formatter) -> None:
+        from kvlens.config.engine import setting_grammar
 
         if not getattr(self, "_appended", False):
             grammar = "Engine settings (docs/deploy/README.md):\n" + setting_grammar()

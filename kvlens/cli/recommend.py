@@ -22,7 +22,7 @@ from kvlens.cli.common import (
     MEASUREMENT,
     OUTPUT,
     VALIDATION,
-    KvlensCommand,
+    LibraryDefaults,
     ReadOnly,
     console,
     err_console,
@@ -34,7 +34,6 @@ from kvlens.cli.common import (
     refuse_unread,
     run_library_call,
     shared_option,
-    show_library_defaults,
     write_output,
     write_text_output,
 )
@@ -143,15 +142,14 @@ def refuse_unread_options(given: dict[str, str], levers: dict[str, dict], asked:
     refuse_unread(table, spelled, asked)
 
 
-class _LibraryDefaults(KvlensCommand):
-    """--help shows each option's default from ``TargetOptions`` and ``RecommendOptions``."""
+class _LibraryDefaults(LibraryDefaults):
+    not_shown = ("target",)
 
-    def format_help(self, ctx, formatter) -> None:
+    def library_options(self) -> tuple[type, ...]:
         from kvlens.deploy.targets import TargetOptions
         from kvlens.recommend import RecommendOptions
 
-        show_library_defaults(self.params, (TargetOptions, RecommendOptions), ("target",))
-        super().format_help(ctx, formatter)
+        return TargetOptions, RecommendOptions
 
 
 def _list_levers(value: list[str] | None) -> list[str] | None:
